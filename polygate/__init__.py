@@ -1,0 +1,1 @@
+"""polygate: a trio-native LLM gateway library (placeholder surface, filled in below)."""

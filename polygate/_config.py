@@ -1,0 +1,439 @@
+"""Settings: frozen attrs classes, validated at construction, secrets never in a repr.
+
+Every validator raises :class:`ConfigError` through :func:`_bad`, which records the
+field name on the error (``.field``) so the TOML and environment loaders can re-word
+the message with the exact key the user wrote (``POLYGATE__CHAT__A__TIMEOUT_S``,
+``scopes.chat.sources.a.timeout_s``).  The loaders build these same classes, so the
+three ways of configuring share one validation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import attrs
+
+from ._errors import ConfigError
+
+__all__ = [
+    "ConfigWarning",
+    "Hedge",
+    "Retry",
+    "Scope",
+    "Settings",
+    "Source",
+    "StreamWatch",
+    "RESERVED_SEGMENTS",
+    "mask_url",
+]
+
+RESERVED_SEGMENTS = frozenset({"HEDGE", "RETRY", "STREAM", "CALL_DEADLINE_S"})
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class ConfigWarning(UserWarning):
+    """A configuration that works but probably does not do what was meant."""
+
+
+class FieldError(ConfigError):
+    """A ConfigError about one field; ``field`` and ``problem`` let loaders re-word it."""
+
+    def __init__(self, owner: str, field: str, problem: str) -> None:
+        super().__init__(f"{owner}.{field}: {problem}")
+        self.owner = owner
+        self.field = field
+        self.problem = problem
+
+
+def _bad(instance: Any, field: str, problem: str) -> FieldError:
+    owner = type(instance).__name__
+    name = getattr(instance, "name", None) if field != "name" else None
+    if isinstance(name, str):
+        owner = f"{owner}({name!r})"
+    return FieldError(owner, field, problem)
+
+
+# --------------------------------------------------------------------------- validators
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not _is_number(value):
+        raise _bad(inst, attr.name, f"expected a number of seconds, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise _bad(inst, attr.name, f"must be a finite number > 0, got {value!r}")
+
+
+def _opt_positive(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _positive(inst, attr, value)
+
+
+def _non_negative(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise _bad(inst, attr.name, f"must be a finite number >= 0, got {value!r}")
+
+
+def _pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(inst, attr.name, f"must be a whole number > 0, got {value!r}")
+    if value <= 0:
+        raise _bad(inst, attr.name, f"must be > 0, got {value!r}")
+
+
+def _opt_pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _pos_int(inst, attr, value)
+
+
+def _fraction(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not _is_number(value) or not math.isfinite(value) or not 0 <= value <= 1:
+        raise _bad(inst, attr.name, f"must be a number in [0, 1], got {value!r}")
+
+
+def _bool(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _bad(inst, attr.name, f"must be true or false, got {value!r}")
+
+
+def _opt_str(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise _bad(inst, attr.name, "must be a non-empty string")
+
+
+def _secret_repr(value: str | None) -> str:
+    return "None" if value is None else "'***'"
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password replaced by ``***`` (for reprs, logs and messages)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+# --------------------------------------------------------------------------- classes
+
+
+@attrs.frozen
+class Source:
+    """One OpenAI-compatible upstream.
+
+    ``timeout_s`` bounds a whole attempt; ``ttft_timeout_s`` the wait for its first
+    content token.  ``rpm``/``tpm`` are quotas in any rolling 60 s window;
+    ``max_in_flight`` caps concurrent attempts; ``weight`` biases picking;
+    ``streaming=False`` says the upstream cannot stream.
+    """
+
+    name: str = attrs.field()
+    base_url: str = attrs.field()
+    api_key: str | None = attrs.field(default=None, repr=_secret_repr)
+    model: str | None = attrs.field(default=None, validator=_opt_str)
+    timeout_s: float = attrs.field(default=300, validator=_positive)
+    ttft_timeout_s: float | None = attrs.field(default=None, validator=_opt_positive)
+    rpm: int | None = attrs.field(default=None, validator=_opt_pos_int)
+    tpm: int | None = attrs.field(default=None, validator=_opt_pos_int)
+    max_in_flight: int | None = attrs.field(default=None, validator=_opt_pos_int)
+    weight: float = attrs.field(default=1.0, validator=_positive)
+    streaming: bool = attrs.field(default=True, validator=_bool)
+
+    @name.validator
+    def _check_name(self, attr: attrs.Attribute[str], value: Any) -> None:
+        if not isinstance(value, str) or not _NAME_RE.match(value) or "__" in value:
+            raise _bad(self, "name", f"must be letters, digits, '_', '-' or '.' without '__', got {value!r}")
+        if value.upper() in RESERVED_SEGMENTS:
+            raise _bad(self, "name", f"{value!r} is a reserved configuration segment")
+
+    @base_url.validator
+    def _check_url(self, attr: attrs.Attribute[str], value: Any) -> None:
+        if not isinstance(value, str):
+            raise _bad(self, "base_url", f"must be a string, got {type(value).__name__}")
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as exc:
+            raise _bad(self, "base_url", f"is not a valid URL ({exc})") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise _bad(
+                self, "base_url",
+                f"must be an absolute http:// or https:// URL, got {mask_url(value)!r}",
+            )
+
+    @api_key.validator
+    def _check_key(self, attr: attrs.Attribute[str | None], value: Any) -> None:
+        if value is not None and (not isinstance(value, str) or not value):
+            raise _bad(self, "api_key", "must be a non-empty string")
+        if isinstance(value, str) and any(c in value for c in "\r\n"):
+            raise _bad(self, "api_key", "must not contain line breaks")
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/")
+
+
+@attrs.frozen
+class Hedge:
+    """When to send a second copy of a slow call to another source (off by default)."""
+
+    after_s: float | None = attrs.field(default=None, validator=_opt_positive)
+    max_extra: int = attrs.field(default=1)
+    stall_after_s: float | None = attrs.field(default=None, validator=_opt_positive)
+    budget_ratio: float = attrs.field(default=0.1, validator=_fraction)
+    budget_burst: float = attrs.field(default=10, validator=_positive)
+    after_quantile: float | None = attrs.field(default=None)
+    min_after_s: float | None = attrs.field(default=None, validator=_opt_positive)
+    max_after_s: float | None = attrs.field(default=None, validator=_opt_positive)
+
+    @max_extra.validator
+    def _check_extra(self, attr: attrs.Attribute[int], value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 3:
+            raise _bad(self, "max_extra", f"must be a whole number in [1, 3], got {value!r}")
+
+    @after_quantile.validator
+    def _check_q(self, attr: attrs.Attribute[float | None], value: Any) -> None:
+        if value is None:
+            return
+        if not _is_number(value) or not math.isfinite(value) or not 0 < value < 1:
+            raise _bad(self, "after_quantile", f"must be a number in (0, 1), got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        lo, hi = self.min_after_s, self.max_after_s
+        if lo is not None and hi is not None and lo > hi:
+            raise _bad(self, "min_after_s", f"({lo}) must not exceed max_after_s ({hi})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.after_s is not None or self.after_quantile is not None
+
+    @property
+    def first_threshold_s(self) -> float | None:
+        """The static part of the trigger: ``after_s``, else the clamp's upper bound."""
+        if self.after_s is not None:
+            return self.after_s
+        return self.max_after_s
+
+
+@attrs.frozen
+class Retry:
+    """Retry budget and backoff (exponential, full jitter)."""
+
+    max_attempts: int = attrs.field(default=3, validator=_pos_int)
+    backoff_base_s: float = attrs.field(default=0.25, validator=_non_negative)
+    backoff_max_s: float = attrs.field(default=8.0, validator=_non_negative)
+    rate_limit_wait_s: float = attrs.field(default=60, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if self.backoff_max_s < self.backoff_base_s:
+            raise _bad(
+                self, "backoff_max_s",
+                f"({self.backoff_max_s}) must be >= backoff_base_s ({self.backoff_base_s})",
+            )
+
+
+@attrs.frozen
+class StreamWatch:
+    """Silence watchdog inside streams, and what counts as a stall in the statistics."""
+
+    stall_timeout_s: float | None = attrs.field(default=None, validator=_opt_positive)
+    stall_threshold_ms: float = attrs.field(default=2000, validator=_positive)
+
+
+def _to_sources(value: Any) -> Any:
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return tuple(value)
+    return value
+
+
+@attrs.frozen
+class Scope:
+    """A named group of equivalent sources and the policies of calls made to it."""
+
+    sources: tuple[Source, ...] = attrs.field(converter=_to_sources)
+    hedge: Hedge = attrs.field(factory=Hedge)
+    retry: Retry = attrs.field(factory=Retry)
+    stream: StreamWatch = attrs.field(factory=StreamWatch)
+    call_deadline_s: float | None = attrs.field(default=None, validator=_opt_positive)
+    embed_batch_size: int = attrs.field(default=256, validator=_pos_int)
+    completion_estimate_tokens: int = attrs.field(default=256, validator=_pos_int)
+
+    @sources.validator
+    def _check_sources(self, attr: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, tuple) or not value:
+            raise _bad(self, "sources", "must be a non-empty list of Source")
+        seen: set[str] = set()
+        for source in value:
+            if not isinstance(source, Source):
+                raise _bad(self, "sources", f"must hold Source objects, got {type(source).__name__}")
+            if source.name in seen:
+                raise _bad(self, "sources", f"source name {source.name!r} appears twice")
+            seen.add(source.name)
+
+    def __attrs_post_init__(self) -> None:
+        for name, cls in (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch)):
+            if not isinstance(getattr(self, name), cls):
+                raise _bad(self, name, f"must be a {cls.__name__}")
+        check_hedge_assembly(self)
+
+    def source(self, name: str) -> Source:
+        for s in self.sources:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+def check_hedge_assembly(scope: Scope) -> None:
+    """The assembly guards of seed 000 §5: impossible hedges are errors, dubious ones warn."""
+    hedge = scope.hedge
+    after = hedge.first_threshold_s
+    if after is None:
+        return
+    label = "after_s" if hedge.after_s is not None else "max_after_s"
+    min_timeout = min(s.timeout_s for s in scope.sources)
+    if after >= min_timeout:
+        raise FieldError(
+            "Scope", f"hedge.{label}",
+            f"({after}) must be below the smallest source timeout_s ({min_timeout}): "
+            "the attempt would time out before the hedge could fire",
+        )
+    if scope.call_deadline_s is not None and after >= scope.call_deadline_s:
+        raise FieldError(
+            "Scope", f"hedge.{label}",
+            f"({after}) must be below call_deadline_s ({scope.call_deadline_s}): "
+            "the call would end before the hedge could fire",
+        )
+    ttfts = [s.ttft_timeout_s for s in scope.sources if s.ttft_timeout_s is not None]
+    if ttfts and after >= min(ttfts):
+        warnings.warn(
+            f"hedge.{label} ({after}) >= the smallest ttft_timeout_s ({min(ttfts)}): "
+            "that source times out before a hedge fires",
+            ConfigWarning,
+            stacklevel=4,
+        )
+    if len(scope.sources) < 2:
+        warnings.warn(
+            "hedging is configured on a scope with a single source: it will never fire",
+            ConfigWarning,
+            stacklevel=4,
+        )
+
+
+def _check_backend(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
+    if not isinstance(value, str):
+        raise _bad(inst, attr.name, "must be a string")
+    if value == "memory":
+        return
+    parts = _split_url(inst, attr.name, value)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise _bad(
+            inst, attr.name,
+            f"must be 'memory' or a redis://host:port/db URL, got {mask_url(value)!r}",
+        )
+
+
+def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
+    if not isinstance(value, str):
+        raise _bad(inst, attr.name, "must be a string")
+    if value == "off":
+        return
+    parts = _split_url(inst, attr.name, value)
+    if parts.scheme == "sqlite":
+        if not value.startswith("sqlite:///") and value != "sqlite://":
+            raise _bad(inst, attr.name, "a SQLite URL is sqlite:///path/to/file.db")
+        return
+    if parts.scheme in ("postgresql", "postgres") and parts.hostname is not None:
+        return
+    raise _bad(
+        inst, attr.name,
+        f"must be 'off', sqlite:///path or postgresql://…, got {mask_url(value)!r}",
+    )
+
+
+def _split_url(inst: Any, field: str, value: str) -> Any:
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise _bad(inst, field, f"is not a valid URL ({exc})") from None
+    return parts
+
+
+def _to_scopes(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return dict(value)
+    return value
+
+
+@attrs.frozen(hash=False)
+class Settings:
+    """Everything a session needs: scopes of sources, the governance backend, telemetry.
+
+    ``max_body_bytes`` caps a non-streamed body (and a whole stream);
+    ``max_line_bytes`` caps one SSE line.  Both guard memory against a broken upstream.
+    """
+
+    scopes: dict[str, Scope] = attrs.field(converter=_to_scopes)
+    backend: str = attrs.field(default="memory", repr=lambda v: repr(mask_url(v)), validator=_check_backend)
+    telemetry: str = attrs.field(default="off", repr=lambda v: repr(mask_url(v)), validator=_check_telemetry)
+    max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_pos_int)
+    max_line_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_pos_int)
+    dead_cooldown_s: float = attrs.field(default=300.0, validator=_positive)
+    log_content: bool = attrs.field(default=False, validator=_bool)
+
+    @scopes.validator
+    def _check_scopes(self, attr: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, dict) or not value:
+            raise _bad(self, "scopes", "must be a non-empty mapping of scope name to Scope")
+        for name, scope in value.items():
+            if not isinstance(name, str) or not _NAME_RE.match(name) or "__" in name:
+                raise _bad(self, "scopes", f"scope name {name!r} must be letters, digits, '_', '-'")
+            if name.upper() in RESERVED_SEGMENTS | {"BACKEND", "TELEMETRY"}:
+                raise _bad(self, "scopes", f"scope name {name!r} is reserved")
+            if not isinstance(scope, Scope):
+                raise _bad(self, "scopes", f"scope {name!r} must be a Scope, got {type(scope).__name__}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Build settings from ``POLYGATE__…`` keys (default: ``os.environ``)."""
+        from ._config_load import settings_from_env
+
+        return settings_from_env(env)
+
+    @classmethod
+    def from_toml(cls, path: str) -> Settings:
+        """Build settings from a TOML file (same validation as the other two ways)."""
+        from ._config_load import settings_from_toml
+
+        return settings_from_toml(path)
+
+    def scope(self, name: str) -> Scope:
+        try:
+            return self.scopes[name]
+        except KeyError:
+            known = ", ".join(sorted(self.scopes)) or "none"
+            raise ConfigError(f"unknown scope {name!r} (configured: {known})") from None
+
+    def secrets(self) -> tuple[str, ...]:
+        """Every secret in these settings, for redaction of upstream text."""
+        found = [s.api_key for scope in self.scopes.values() for s in scope.sources if s.api_key]
+        for url in (self.backend, self.telemetry):
+            try:
+                password = urlsplit(url).password
+            except ValueError:
+                password = None
+            if password:
+                found.append(password)
+        return tuple(found)

@@ -1,0 +1,279 @@
+"""The error tree, and the one function that maps wire failures onto it.
+
+::
+
+    PolygateError
+    ├── ConfigError (+ ValueError)           bad settings or caller arguments, before any I/O
+    ├── UpstreamError                        one attempt against one source failed
+    │   ├── FatalUpstreamError               400/422…: the request is wrong; never retried
+    │   ├── SourceDeadError                  401/403/404: source cools down for a long time
+    │   ├── TransientUpstreamError           5xx, network, timeouts, bad bodies; retried
+    │   │   └── StreamStalled (+ TimeoutError)   a committed stream went silent
+    │   └── RateLimitedError                 429: source cools down for Retry-After
+    ├── DeadlineExceeded (+ TimeoutError)    the logical call ran out of time
+    ├── AllSourcesExhausted                  attempts or sources ran out; .errors has each one
+    └── GovernanceBackendError               the shared backend cannot answer: fail closed
+
+A public call raises exactly one of these.  Internal nursery groups ride along as
+``__cause__`` at most.  Cancellation (``trio.Cancelled``) is a ``BaseException`` and is
+never caught or mapped here.
+
+:func:`classify_status` and :func:`classify_exception` are the only places where HTTP
+statuses and httpx/protocol exceptions become polygate errors, so the taxonomy is
+decided once and tested as a table.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+if TYPE_CHECKING:
+    from ._types import CallStats
+
+__all__ = [
+    "AllSourcesExhausted",
+    "ConfigError",
+    "DeadlineExceeded",
+    "FatalUpstreamError",
+    "GovernanceBackendError",
+    "PolygateError",
+    "RateLimitedError",
+    "SourceDeadError",
+    "StreamStalled",
+    "TransientUpstreamError",
+    "UpstreamError",
+    "Outcome",
+    "classify_status",
+    "classify_exception",
+]
+
+
+class Outcome(str, enum.Enum):
+    """How one attempt ended; the values are the telemetry ``error`` column."""
+
+    OK = "ok"
+    HEDGE_CANCELLED = "hedge_cancelled"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    RATE_LIMITED = "rate_limited"
+    TRANSIENT = "transient"
+    DEAD = "dead"
+    FATAL = "fatal"
+    STALLED = "stalled"
+
+
+class PolygateError(Exception):
+    """Base of every error polygate raises."""
+
+
+class ConfigError(PolygateError, ValueError):
+    """A setting, a configuration key or a caller argument is wrong."""
+
+
+class GovernanceBackendError(PolygateError):
+    """The governance backend could not answer; the call was not sent unadmitted."""
+
+
+class UpstreamError(PolygateError):
+    """One attempt against one source failed.
+
+    ``message`` never contains the source's API key: every constructor in polygate
+    passes text through :func:`redact` first.
+    """
+
+    outcome: Outcome = Outcome.TRANSIENT
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str | None = None,
+        status_code: int | None = None,
+        retry_after_s: float | None = None,
+        outcome: Outcome | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.source = source
+        self.status_code = status_code
+        self.retry_after_s = retry_after_s
+        if outcome is not None:
+            self.outcome = outcome
+
+    def __str__(self) -> str:
+        where = f"[{self.source}] " if self.source else ""
+        status = f"HTTP {self.status_code}: " if self.status_code else ""
+        return f"{where}{status}{self.message}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
+
+class FatalUpstreamError(UpstreamError):
+    """The upstream refused the request itself (400, 422, …); retrying cannot help."""
+
+    outcome = Outcome.FATAL
+
+
+class SourceDeadError(UpstreamError):
+    """The source rejects us (401, 403, 404): it is taken out for a long cooldown."""
+
+    outcome = Outcome.DEAD
+
+
+class TransientUpstreamError(UpstreamError):
+    """A failure another attempt (preferably on another source) may not hit."""
+
+    outcome = Outcome.TRANSIENT
+
+
+class RateLimitedError(UpstreamError):
+    """429: the source cools down for ``retry_after_s``; the retry is free of budget."""
+
+    outcome = Outcome.RATE_LIMITED
+
+
+class StreamStalled(TransientUpstreamError, TimeoutError):
+    """A stream already shown to the caller went silent past ``stall_timeout_s``.
+
+    ``text`` is what the caller had received; ``call_stats`` the frozen statistics.
+    """
+
+    outcome = Outcome.STALLED
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str | None = None,
+        text: str = "",
+        call_stats: CallStats | None = None,
+    ) -> None:
+        super().__init__(message, source=source)
+        self.text = text
+        self.call_stats = call_stats
+
+
+class DeadlineExceeded(PolygateError, TimeoutError):
+    """The logical call's deadline passed; every path was cancelled and cleaned up."""
+
+    def __init__(self, message: str, *, call_stats: CallStats | None = None) -> None:
+        super().__init__(message)
+        self.call_stats = call_stats
+
+
+class AllSourcesExhausted(PolygateError):
+    """Every allowed attempt failed; ``errors`` holds each attempt's error in order."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errors: list[UpstreamError] | None = None,
+        call_stats: CallStats | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.errors: list[UpstreamError] = list(errors or [])
+        self.call_stats = call_stats
+
+
+# --------------------------------------------------------------------------- mapping
+
+
+def redact(text: str, secrets: tuple[str, ...]) -> str:
+    """Replace every secret (longer than 3 characters) in ``text`` by ``***``."""
+    for secret in secrets:
+        if secret and len(secret) > 3 and secret in text:
+            text = text.replace(secret, "***")
+    return text
+
+
+def classify_status(
+    status: int,
+    detail: str,
+    *,
+    source: str | None = None,
+    retry_after_s: float | None = None,
+) -> UpstreamError:
+    """Map a non-2xx HTTP status (or an error event's code) to one error class.
+
+    408, 409 and 425 are the server saying "try again"; every other 4xx except the
+    auth/not-found family and 429 means our request is wrong.
+    """
+    if status == 429:
+        return RateLimitedError(
+            detail or "rate limited", source=source, status_code=status,
+            retry_after_s=retry_after_s,
+        )
+    if status in (401, 403, 404):
+        return SourceDeadError(detail or "source rejected us", source=source, status_code=status)
+    if status in (408, 409, 425) or status >= 500 or status < 400:
+        return TransientUpstreamError(
+            detail or "upstream failed", source=source, status_code=status,
+            retry_after_s=retry_after_s,
+        )
+    return FatalUpstreamError(detail or "request rejected", source=source, status_code=status)
+
+
+def classify_exception(exc: BaseException, *, source: str | None = None) -> UpstreamError:
+    """Map an httpx / protocol / decoding exception to one error class.
+
+    Everything that is not an HTTP status is transient: the connection, the bytes or
+    the clock failed, not the request.  Timeouts are marked so telemetry can tell them
+    apart from other transient failures.
+    """
+    if isinstance(exc, UpstreamError):
+        return exc
+    name = type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        return TransientUpstreamError(
+            f"timed out ({name})", source=source, outcome=Outcome.TIMEOUT
+        )
+    if isinstance(exc, httpx.TransportError):
+        # httpx messages carry host:port at most; never headers.
+        return TransientUpstreamError(f"transport error ({name}): {exc}", source=source)
+    if isinstance(exc, (ValueError, UnicodeDecodeError, KeyError, TypeError)):
+        return TransientUpstreamError(f"malformed upstream body ({name}): {exc}", source=source)
+    return TransientUpstreamError(f"unexpected failure ({name}): {exc}", source=source)
+
+
+def error_status(payload: Any) -> int | None:
+    """The HTTP-like status carried by an OpenAI-style error object, when it has one."""
+    if not isinstance(payload, dict):
+        return None
+    inner = payload.get("error", payload)
+    candidates: list[Any] = []
+    if isinstance(inner, dict):
+        candidates += [inner.get("code"), inner.get("status_code"), inner.get("status")]
+    candidates += [payload.get("code"), payload.get("status_code"), payload.get("status")]
+    for value in candidates:
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int) and 100 <= value <= 599:
+            return value
+        if isinstance(value, float) and math.isfinite(value) and 100 <= value <= 599:
+            return int(value)
+        if isinstance(value, str) and value.isdigit() and 100 <= int(value) <= 599:
+            return int(value)
+    return None
+
+
+def error_message(payload: Any, limit: int = 300) -> str:
+    """A short human message from an OpenAI-style (or vLLM-style) error body."""
+    message: Any = None
+    if isinstance(payload, dict):
+        inner = payload.get("error", payload)
+        if isinstance(inner, dict):
+            message = inner.get("message") or inner.get("type") or inner.get("code")
+        elif isinstance(inner, str):
+            message = inner
+        if message is None:
+            message = payload.get("message")
+    if message is None:
+        message = payload
+    text = message if isinstance(message, str) else repr(message)
+    return text if len(text) <= limit else text[:limit] + "…"

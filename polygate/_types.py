@@ -1,0 +1,123 @@
+"""Public result records: responses, chunks, usage and per-call statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+__all__ = ["CallStats", "ChatResponse", "EmbeddingResponse", "StreamChunk", "Usage"]
+
+
+@attrs.frozen
+class Usage:
+    """Token usage of one answer.  ``source`` says whether the upstream reported it
+    (``"upstream"``) or polygate estimated it (``"estimated"``)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    source: str = "upstream"
+
+    @classmethod
+    def from_wire(cls, payload: Any) -> Usage | None:
+        """A usage record from an upstream ``usage`` object; ``None`` when it is absent
+        or not believable (missing fields, negatives, absurdly large numbers)."""
+        if not isinstance(payload, dict):
+            return None
+        prompt = payload.get("prompt_tokens", 0)
+        completion = payload.get("completion_tokens", 0)
+        if prompt is None:
+            prompt = 0
+        if completion is None:
+            completion = 0
+        if not all(_plausible(v) for v in (prompt, completion)):
+            return None
+        total = payload.get("total_tokens")
+        if not _plausible(total):
+            total = prompt + completion
+        return cls(int(prompt), int(completion), int(total), "upstream")
+
+
+_MAX_PLAUSIBLE_TOKENS = 100_000_000
+
+
+def _plausible(value: Any) -> bool:
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and 0 <= value <= _MAX_PLAUSIBLE_TOKENS
+    )
+
+
+@attrs.frozen
+class CallStats:
+    """Statistics of one logical call, frozen after every path has been cleaned up.
+
+    ``total_latency_ms - generation_ms`` is the waiting overhead (admission, backoff,
+    retries, hedge triggers, loser cleanup).  ``ttft_ms`` and ``stall_ms`` say where
+    the winner's generation time went.  See ``docs/statistics.md``.
+    """
+
+    logical_call_id: str
+    attempts: int = 0
+    hedges: int = 0
+    hedge_won: bool = False
+    source: str | None = None
+    total_latency_ms: float = 0.0
+    generation_ms: float = 0.0
+    ttft_ms: float | None = None
+    stall_ms: float | None = None
+    stall_count: int | None = None
+    active_generation_ms: float | None = None
+    cached: bool = False
+
+
+@attrs.frozen
+class ChatResponse:
+    """The answer of a chat call, shaped as a non-streamed OpenAI response would be.
+
+    ``message`` is the first choice's assembled assistant message; ``choices`` holds
+    every choice; ``raw`` the whole response body (for a streamed upstream, the
+    equivalent non-streamed body, provider extras included).
+    """
+
+    text: str
+    message: dict[str, Any]
+    choices: list[dict[str, Any]]
+    usage: Usage | None
+    source: str
+    model: str | None
+    finish_reason: str | None
+    call_stats: CallStats
+    raw: dict[str, Any] = attrs.field(repr=False)
+
+
+@attrs.frozen
+class StreamChunk:
+    """One content-bearing chunk of a stream.
+
+    ``text`` is the first choice's content delta (``""`` when that chunk carries only
+    reasoning, refusal or tool-call deltas, or deltas of other choices); ``delta`` the
+    first choice's delta; ``raw`` the chunk as received.
+    """
+
+    text: str
+    delta: dict[str, Any]
+    raw: dict[str, Any] = attrs.field(repr=False)
+
+    @property
+    def reasoning(self) -> str:
+        value = self.delta.get("reasoning_content") or self.delta.get("reasoning")
+        return value if isinstance(value, str) else ""
+
+
+@attrs.frozen
+class EmbeddingResponse:
+    """Embedding vectors in input order."""
+
+    vectors: list[list[float]] = attrs.field(repr=lambda v: f"<{len(v)} vectors>")
+    usage: Usage | None
+    call_stats: CallStats
+    model: str | None = None
+    source: str | None = None
