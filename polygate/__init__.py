@@ -1,1 +1,81 @@
-"""polygate: a trio-native LLM gateway library (placeholder surface, filled in below)."""
+"""polygate: a trio-native, structured-concurrency LLM gateway library.
+
+One session fronts several equivalent OpenAI-compatible upstreams and turns each
+request into a logical call: admission, retries with a strict error taxonomy,
+deadlines, hedged requests, stream watchdogs and honest per-call statistics.
+"""
+
+from ._config import ConfigWarning as ConfigWarning
+from ._config import Hedge as Hedge
+from ._config import Retry as Retry
+from ._config import Scope as Scope
+from ._config import Settings as Settings
+from ._config import Source as Source
+from ._config import StreamWatch as StreamWatch
+from ._errors import AllSourcesExhausted as AllSourcesExhausted
+from ._errors import ConfigError as ConfigError
+from ._errors import DeadlineExceeded as DeadlineExceeded
+from ._errors import FatalUpstreamError as FatalUpstreamError
+from ._errors import GovernanceBackendError as GovernanceBackendError
+from ._errors import PolygateError as PolygateError
+from ._errors import RateLimitedError as RateLimitedError
+from ._errors import SourceDeadError as SourceDeadError
+from ._errors import StreamStalled as StreamStalled
+from ._errors import TransientUpstreamError as TransientUpstreamError
+from ._errors import UpstreamError as UpstreamError
+from ._session import ChatStream as ChatStream
+from ._session import Session as Session
+from ._session import SessionStatistics as SessionStatistics
+from ._session import session as session
+from ._types import CallStats as CallStats
+from ._types import ChatResponse as ChatResponse
+from ._types import EmbeddingResponse as EmbeddingResponse
+from ._types import StreamChunk as StreamChunk
+from ._types import Usage as Usage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllSourcesExhausted",
+    "CallStats",
+    "ChatResponse",
+    "ChatStream",
+    "ConfigError",
+    "ConfigWarning",
+    "DeadlineExceeded",
+    "EmbeddingResponse",
+    "FatalUpstreamError",
+    "GovernanceBackendError",
+    "Hedge",
+    "PolygateError",
+    "RateLimitedError",
+    "Retry",
+    "Scope",
+    "Session",
+    "SessionStatistics",
+    "Settings",
+    "Source",
+    "SourceDeadError",
+    "StreamChunk",
+    "StreamStalled",
+    "StreamWatch",
+    "TransientUpstreamError",
+    "Usage",
+    "UpstreamError",
+    "session",
+]
+
+
+def _fix_module_names() -> None:
+    # Tracebacks and reprs say polygate.X, not polygate._module.X (as trio does).
+    for name in __all__:
+        obj = globals()[name]
+        if getattr(obj, "__module__", "").startswith("polygate._"):
+            try:
+                obj.__module__ = __name__
+            except (AttributeError, TypeError):
+                pass
+
+
+_fix_module_names()
+del _fix_module_names

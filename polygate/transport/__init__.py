@@ -1,0 +1,21 @@
+"""The OpenAI-compatible wire: request bodies, SSE decoding, message assembly.
+
+Knows nothing of admission, hedging or retries (an import-linter contract keeps it so).
+"""
+
+from ._assemble import ChatAssembler, has_content, message_text
+from ._exchange import OnContent, Timeline, chat_exchange, embeddings_exchange
+from ._wire import Endpoint, Limits, parse_retry_after
+
+__all__ = [
+    "ChatAssembler",
+    "Endpoint",
+    "Limits",
+    "OnContent",
+    "Timeline",
+    "chat_exchange",
+    "embeddings_exchange",
+    "has_content",
+    "message_text",
+    "parse_retry_after",
+]

@@ -1,0 +1,206 @@
+"""One attempt: an admitted source, one exchange under its watchdogs, then settlement.
+
+The attempt owns three clocks, all trio cancel scopes:
+
+* the whole attempt: ``timeout_s`` from the start;
+* a watchdog whose deadline moves only when a content token arrives: before the first
+  token it is ``ttft_timeout_s``, after it ``stall_timeout_s`` (keep-alive comments and
+  empty deltas never move it — httpx's per-read timeouts would);
+* whatever encloses the attempt: the hedge round (a loser is cancelled), the call
+  deadline, the caller.
+
+Whatever ends the attempt, its ``finally`` settles the admission by the governor's rules
+and reports the attempt — synchronously for the in-memory backend, so a cancelled
+loser is fully accounted before its round's nursery exits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+
+from ._context import AttemptRecord, CallContext
+from ._errors import Outcome, TransientUpstreamError, UpstreamError
+from ._types import Usage
+from .governance import Admission
+from .transport import OnContent, Timeline, chat_exchange, embeddings_exchange
+
+__all__ = ["AttemptCancelled", "AttemptControl", "run_chat_attempt", "run_embed_attempt"]
+
+T = TypeVar("T")
+
+
+class AttemptControl:
+    """The round's handle on one running attempt."""
+
+    __slots__ = ("cancel_reason", "on_content", "record", "scope")
+
+    def __init__(self, record: AttemptRecord, on_content: OnContent | None = None) -> None:
+        self.record = record
+        self.scope = trio.CancelScope()
+        self.cancel_reason = Outcome.CANCELLED
+        self.on_content = on_content
+
+    def cancel(self, reason: Outcome) -> None:
+        self.cancel_reason = reason
+        self.scope.cancel()
+
+
+async def run_chat_attempt(
+    ctx: CallContext, admission: Admission, control: AttemptControl
+) -> dict[str, Any]:
+    source = ctx.source(admission.source)
+    endpoint = ctx.runtime.endpoints[(ctx.scope_name, source.name)]
+    stall_timeout = ctx.scope.stream.stall_timeout_s
+    forward = control.on_content
+
+    async def work(watch: trio.CancelScope, timeline: Timeline) -> dict[str, Any]:
+        async def on_content(now: float, chunk: dict[str, Any]) -> None:
+            if forward is not None:
+                # The consumer's pace is not the upstream's silence: pause the
+                # watchdog while the chunk is handed over.
+                watch.deadline = math.inf
+                await forward(now, chunk)
+                now = trio.current_time()
+            watch.deadline = now + stall_timeout if stall_timeout is not None else math.inf
+
+        return await chat_exchange(
+            ctx.runtime.client,
+            endpoint,
+            ctx.messages,
+            ctx.params,
+            limits=ctx.runtime.limits,
+            timeline=timeline,
+            on_content=on_content,
+        )
+
+    def usage_of(body: dict[str, Any]) -> Usage:
+        return Usage.from_wire(body.get("usage")) or Usage(
+            ctx.prompt_estimate,
+            ctx.completion_estimate,
+            ctx.prompt_estimate + ctx.completion_estimate,
+            source="estimated",
+        )
+
+    return await _guarded(
+        ctx, admission, control, source.timeout_s, source.ttft_timeout_s, work, usage_of
+    )
+
+
+async def run_embed_attempt(
+    ctx: CallContext, admission: Admission, control: AttemptControl, inputs: list[str]
+) -> tuple[list[list[float]], Any]:
+    source = ctx.source(admission.source)
+    endpoint = ctx.runtime.endpoints[(ctx.scope_name, source.name)]
+
+    async def work(watch: trio.CancelScope, timeline: Timeline) -> tuple[list[list[float]], Any]:
+        return await embeddings_exchange(
+            ctx.runtime.client, endpoint, inputs, ctx.params,
+            limits=ctx.runtime.limits, timeline=timeline,
+        )
+
+    def usage_of(result: tuple[list[list[float]], Any]) -> Usage:
+        payload = result[1]
+        wire = payload.get("usage") if isinstance(payload, dict) else None
+        return Usage.from_wire(wire) or Usage(
+            admission.tokens, 0, admission.tokens, source="estimated"
+        )
+
+    return await _guarded(ctx, admission, control, source.timeout_s, None, work, usage_of)
+
+
+class AttemptCancelled(Exception):
+    """The round cancelled this attempt (it lost the race, or the round ended)."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.value)
+        self.outcome = outcome
+
+
+async def _guarded(
+    ctx: CallContext,
+    admission: Admission,
+    control: AttemptControl,
+    timeout_s: float,
+    ttft_timeout_s: float | None,
+    work: Callable[[trio.CancelScope, Timeline], Awaitable[T]],
+    usage_of: Callable[[T], Usage],
+) -> T:
+    record = control.record
+    timeline = record.timeline
+    outcome = Outcome.CANCELLED  # unless something below says otherwise
+    error: UpstreamError | None = None
+    start = trio.current_time()
+    try:
+        with control.scope:
+            with trio.CancelScope(deadline=start + timeout_s) as whole:
+                first_deadline = start + ttft_timeout_s if ttft_timeout_s is not None else math.inf
+                with trio.CancelScope(deadline=first_deadline) as watch:
+                    result = await work(watch, timeline)
+                    record.usage = usage_of(result)
+                    outcome = Outcome.OK
+                    return result
+                error = _watchdog_error(ctx, admission.source, timeline, ttft_timeout_s)
+            if whole.cancelled_caught:
+                error = TransientUpstreamError(
+                    f"attempt exceeded timeout_s={timeout_s}",
+                    source=admission.source, outcome=Outcome.TIMEOUT,
+                )
+            if error is not None:
+                raise error
+        # control.scope caught the round's cancellation: this attempt lost or is surplus.
+        outcome = control.cancel_reason
+        raise AttemptCancelled(outcome)
+    except UpstreamError as exc:
+        error = exc
+        outcome = exc.outcome
+        raise
+    finally:
+        if outcome is Outcome.CANCELLED:
+            outcome = control.cancel_reason
+        record.error = error
+        await _settle(ctx, admission, record, outcome, error)
+
+
+def _watchdog_error(
+    ctx: CallContext, source: str, timeline: Timeline, ttft_timeout_s: float | None
+) -> UpstreamError:
+    if timeline.first_token_at is None:
+        return TransientUpstreamError(
+            f"no first token within ttft_timeout_s={ttft_timeout_s}",
+            source=source, outcome=Outcome.TIMEOUT,
+        )
+    return TransientUpstreamError(
+        f"stream silent for more than stall_timeout_s={ctx.scope.stream.stall_timeout_s}",
+        source=source, outcome=Outcome.STALLED,
+    )
+
+
+async def _settle(
+    ctx: CallContext,
+    admission: Admission,
+    record: AttemptRecord,
+    outcome: Outcome,
+    error: UpstreamError | None,
+) -> None:
+    """Settle by the governor's rules and report the attempt.  Runs in ``finally``,
+    possibly inside a cancelled scope: the memory backend's settle has no checkpoint."""
+    timeline = record.timeline
+    now = trio.current_time()
+    record.ended_at = now
+    record.outcome = outcome
+    usage = record.usage
+    usage_tokens = usage.total_tokens if usage is not None and usage.source == "upstream" else None
+    latency = (now - timeline.sent_at) if timeline.sent_at is not None else None
+    record.tokens_settled = await ctx.runtime.governor.release(
+        admission,
+        outcome,
+        usage_tokens=usage_tokens,
+        sent=timeline.sent_at is not None,
+        retry_after_s=error.retry_after_s if error is not None else None,
+        latency_s=latency,
+    )
+    ctx.runtime.recorder.attempt(ctx, record)

@@ -1,0 +1,127 @@
+"""Per-session services and per-call state shared by the call, round and attempt layers."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import httpx
+
+from ._config import Scope, Settings, Source
+from ._errors import Outcome, UpstreamError
+from ._sketch import LatencySketch
+from ._types import Usage
+from .governance import Admission, Governor
+from .transport import Endpoint, Limits, Timeline
+
+__all__ = ["AttemptRecord", "CallContext", "Recorder", "Runtime"]
+
+
+class Recorder(Protocol):
+    """Where finished attempts and calls are reported (telemetry); must not block."""
+
+    def attempt(self, ctx: CallContext, record: AttemptRecord) -> None: ...
+
+    def call(self, ctx: CallContext, outcome: str, error: BaseException | None) -> None: ...
+
+
+class NullRecorder:
+    def attempt(self, ctx: CallContext, record: AttemptRecord) -> None:
+        return None
+
+    def call(self, ctx: CallContext, outcome: str, error: BaseException | None) -> None:
+        return None
+
+
+@attrs.define(eq=False)
+class Runtime:
+    """What every call of one session shares."""
+
+    settings: Settings
+    client: httpx.AsyncClient
+    governor: Governor
+    recorder: Recorder = attrs.field(factory=NullRecorder)
+    rng: random.Random = attrs.field(factory=random.Random)
+    endpoints: dict[tuple[str, str], Endpoint] = attrs.field(init=False)
+    limits: Limits = attrs.field(init=False)
+    sketches: dict[tuple[str, str], LatencySketch] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.endpoints = {
+            (scope_name, s.name): Endpoint(s.name, s.url, s.api_key, s.model, s.streaming)
+            for scope_name, scope in self.settings.scopes.items()
+            for s in scope.sources
+        }
+        self.limits = Limits(self.settings.max_body_bytes, self.settings.max_line_bytes)
+
+    def sketch(self, scope: str, source: str) -> LatencySketch:
+        key = (scope, source)
+        sketch = self.sketches.get(key)
+        if sketch is None:
+            sketch = self.sketches[key] = LatencySketch()
+        return sketch
+
+
+_ids = itertools.count(1)
+_PROCESS_TAG = os.urandom(4).hex()
+
+
+def new_call_id() -> str:
+    """Unique across processes (random per-process tag) and cheap (a counter)."""
+    return f"{_PROCESS_TAG}-{next(_ids):08x}"
+
+
+@attrs.define(eq=False)
+class AttemptRecord:
+    """One transport attempt, winners and losers alike; the telemetry ``attempts`` row."""
+
+    attempt_id: str
+    source: str
+    role: str  # "primary" | "hedge"
+    started_at: float
+    tokens_reserved: int
+    timeline: Timeline = attrs.field(factory=Timeline)
+    outcome: Outcome | None = None
+    error: UpstreamError | None = None
+    tokens_settled: int | None = None
+    usage: Usage | None = None
+    ended_at: float | None = None
+
+
+@attrs.define(eq=False)
+class CallContext:
+    runtime: Runtime
+    scope_name: str
+    scope: Scope
+    kind: str  # "chat" | "embed"
+    started_at: float
+    messages: Sequence[Mapping[str, Any]] = ()
+    params: Mapping[str, Any] = attrs.field(factory=dict)
+    prompt_estimate: int = 0
+    completion_estimate: int = 0
+    logical_call_id: str = attrs.field(factory=new_call_id)
+    attempts: list[AttemptRecord] = attrs.field(factory=list)
+    hedges: int = 0
+    streaming_to_caller: bool = False
+
+    @property
+    def estimate(self) -> int:
+        return self.prompt_estimate + self.completion_estimate
+
+    def source(self, name: str) -> Source:
+        return self.scope.source(name)
+
+    def new_attempt(self, admission: Admission, role: str, now: float) -> AttemptRecord:
+        record = AttemptRecord(
+            attempt_id=f"{self.logical_call_id}.{len(self.attempts) + 1}",
+            source=admission.source,
+            role=role,
+            started_at=now,
+            tokens_reserved=admission.tokens,
+        )
+        self.attempts.append(record)
+        return record

@@ -1,0 +1,323 @@
+"""The session: owner of the HTTP client, the governance backend and background work.
+
+``polygate.session()`` opens a nursery for the session's own background tasks
+(telemetry flushing, backend connections).  Calls run in the *caller's* task tree: a
+call's rounds and attempts live in nurseries the call opens and closes itself, so no
+task outlives the call that started it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from ._call import run_chat, run_embed
+from ._config import Settings
+from ._context import Runtime
+from ._errors import ConfigError, PolygateError
+from ._types import ChatResponse, EmbeddingResponse, StreamChunk
+from .governance import GovernanceStatistics, Governor, MemoryBackend
+
+__all__ = ["ChatStream", "Session", "SessionStatistics", "session"]
+
+_POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=1024, keepalive_expiry=30)
+_UNSET: Any = object()
+
+
+@attrs.frozen
+class SessionStatistics:
+    governance: GovernanceStatistics
+
+
+class Session:
+    """Front door of polygate; obtain one with ``async with polygate.session(...)``."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._closed = False
+
+    @property
+    def settings(self) -> Settings:
+        return self._runtime.settings
+
+    def __repr__(self) -> str:
+        scopes = ", ".join(self._runtime.settings.scopes)
+        return f"<polygate.Session scopes=[{scopes}]{' closed' if self._closed else ''}>"
+
+    # ------------------------------------------------------------------ calls
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        scope: str = "chat",
+        call_deadline_s: float | None = _UNSET,
+        **params: Any,
+    ) -> ChatResponse:
+        """One logical chat call; returns the assembled answer with its statistics."""
+        deadline = self._prepare(scope, call_deadline_s)
+        _check_messages(messages)
+        _check_params(params)
+        return await run_chat(self._runtime, scope, list(messages), params, deadline)
+
+    def stream_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        scope: str = "chat",
+        call_deadline_s: float | None = _UNSET,
+        **params: Any,
+    ) -> ChatStream:
+        """A streamed chat call: ``async with s.stream_chat(...) as stream:`` then
+        ``async for chunk in stream``; ``stream.response`` once it is exhausted."""
+        deadline = self._prepare(scope, call_deadline_s)
+        _check_messages(messages)
+        _check_params(params)
+        return ChatStream(self._runtime, scope, list(messages), params, deadline)
+
+    async def embed(
+        self,
+        inputs: Sequence[str],
+        *,
+        scope: str = "embed",
+        call_deadline_s: float | None = _UNSET,
+        **params: Any,
+    ) -> EmbeddingResponse:
+        """Embeddings of ``inputs`` (in order), batched by the scope's ``embed_batch_size``."""
+        deadline = self._prepare(scope, call_deadline_s)
+        if isinstance(inputs, str) or not isinstance(inputs, Sequence) or not inputs:
+            raise ConfigError("inputs must be a non-empty list of strings")
+        if not all(isinstance(text, str) for text in inputs):
+            raise ConfigError("inputs must be a non-empty list of strings")
+        _check_params(params, reserved=("input",))
+        return await run_embed(self._runtime, scope, list(inputs), params, deadline)
+
+    async def statistics(self) -> SessionStatistics:
+        return SessionStatistics(await self._runtime.governor.statistics())
+
+    def _prepare(self, scope: str, call_deadline_s: float | None) -> float | None:
+        if self._closed:
+            raise PolygateError("this session is closed")
+        if not isinstance(scope, str):
+            raise ConfigError(f"scope must be a scope name, got {type(scope).__name__}")
+        config = self._runtime.settings.scope(scope)
+        if call_deadline_s is _UNSET:
+            return config.call_deadline_s
+        if call_deadline_s is None:
+            return None
+        if (
+            isinstance(call_deadline_s, bool)
+            or not isinstance(call_deadline_s, (int, float))
+            or not math.isfinite(call_deadline_s)
+            or call_deadline_s <= 0
+        ):
+            raise ConfigError(f"call_deadline_s must be a finite number > 0, got {call_deadline_s!r}")
+        return float(call_deadline_s)
+
+
+def _check_messages(messages: Any) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ConfigError("messages must be a list of message objects")
+    if not messages:
+        raise ConfigError("messages must not be empty")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise ConfigError(f"messages[{index}] must be an object with a string 'role'")
+    try:
+        json.dumps(messages)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"messages are not JSON-serialisable: {exc}") from None
+
+
+def _check_params(params: Mapping[str, Any], reserved: tuple[str, ...] = ("messages", "stream")) -> None:
+    for key in reserved:
+        if key in params:
+            raise ConfigError(f"parameter {key!r} is set by polygate, not by the caller")
+    try:
+        json.dumps(params)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"parameters are not JSON-serialisable: {exc}") from None
+
+
+# --------------------------------------------------------------------------- streams
+
+
+@attrs.frozen
+class _Done:
+    response: ChatResponse
+
+
+@attrs.frozen
+class _Failed:
+    error: BaseException
+
+
+class ChatStream:
+    """Async context manager and async iterator of :class:`StreamChunk`.
+
+    The call runs in a producer task inside a nursery this context manager owns; chunks
+    of the committed path reach the iterator through a bounded channel.  Leaving the
+    block early cancels the call (every path is settled before ``__aexit__`` returns).
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        scope: str,
+        messages: list[Mapping[str, Any]],
+        params: dict[str, Any],
+        deadline: float | None,
+    ) -> None:
+        self._runtime = runtime
+        self._scope = scope
+        self._messages = messages
+        self._params = params
+        self._deadline = deadline
+        self._recv: trio.MemoryReceiveChannel[StreamChunk | _Done | _Failed] | None = None
+        self._cm: Any = None
+        self._finished = False
+        self.response: ChatResponse | None = None
+        self.text_parts: list[str] = []
+
+    async def __aenter__(self) -> ChatStream:
+        if self._cm is not None:
+            raise PolygateError("a ChatStream can be entered only once")
+        self._cm = self._run()
+        await self._cm.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        result: bool | None = await self._cm.__aexit__(exc_type, exc, tb)
+        return result
+
+    @asynccontextmanager
+    async def _run(self) -> AsyncIterator[None]:
+        send, self._recv = trio.open_memory_channel[StreamChunk | _Done | _Failed](32)
+        body_error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._produce, send)
+            try:
+                yield
+            except Exception as exc:  # re-raised below as itself, not inside a group
+                body_error = exc
+            finally:
+                nursery.cancel_scope.cancel()
+        if body_error is not None:
+            raise body_error
+
+    async def _produce(self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed]) -> None:
+        async with send:
+            delivered = self.text_parts
+
+            async def forward(chunk: dict[str, Any]) -> None:
+                choices = chunk.get("choices") or ()
+                delta: dict[str, Any] = {}
+                for choice in choices:
+                    if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                        d = choice.get("delta")
+                        delta = d if isinstance(d, dict) else {}
+                        break
+                content = delta.get("content")
+                text = content if isinstance(content, str) else ""
+                if text:
+                    delivered.append(text)
+                await send.send(StreamChunk(text=text, delta=delta, raw=chunk))
+
+            try:
+                response = await run_chat(
+                    self._runtime, self._scope, self._messages, self._params, self._deadline,
+                    forward=forward, delivered=delivered,
+                )
+            except PolygateError as exc:
+                await send.send(_Failed(exc))
+            else:
+                await send.send(_Done(response))
+
+    def __aiter__(self) -> ChatStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self._recv is None:
+            raise PolygateError("use 'async with session.stream_chat(...) as stream' first")
+        if self._finished:
+            raise StopAsyncIteration
+        item = await self._recv.receive()
+        if isinstance(item, StreamChunk):
+            return item
+        self._finished = True
+        if isinstance(item, _Done):
+            self.response = item.response
+            raise StopAsyncIteration
+        raise item.error
+
+    @property
+    def text(self) -> str:
+        """What has been delivered so far (the first choice's content)."""
+        return "".join(self.text_parts)
+
+
+# --------------------------------------------------------------------------- session()
+
+
+def _backend_for(settings: Settings) -> MemoryBackend:
+    if settings.backend == "memory":
+        return MemoryBackend()
+    raise ConfigError("the redis backend is not available in this version of polygate")
+
+
+@asynccontextmanager
+async def session(
+    settings: Settings | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    rng: random.Random | None = None,
+) -> AsyncIterator[Session]:
+    """Open a session.  Without ``settings``: ``POLYGATE_CONFIG`` / ``./polygate.toml``
+    when present, else the ``POLYGATE__…`` environment (``env`` replaces ``os.environ``).
+    ``transport`` replaces the network for every source (tests, the demo)."""
+    if settings is None:
+        from ._config_load import load_settings
+
+        settings = load_settings(env)
+    elif not isinstance(settings, Settings):
+        raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
+    if settings.telemetry != "off":
+        raise ConfigError("telemetry sinks are not available in this version of polygate")
+    backend = _backend_for(settings)
+    rng = rng or random.Random()
+    if transport is None:
+        transport = httpx.AsyncHTTPTransport(limits=_POOL_LIMITS)
+    client = httpx.AsyncClient(transport=transport, timeout=None, follow_redirects=False)
+    body_error: Exception | None = None
+    async with client:
+        try:
+            async with trio.open_nursery() as nursery:
+                governor = Governor(settings, backend, rng=rng)
+                runtime = Runtime(settings, client, governor, rng=rng)
+                handle = Session(runtime)
+                try:
+                    yield handle
+                except Exception as exc:  # re-raised below as itself, not inside a group
+                    body_error = exc
+                finally:
+                    handle._closed = True
+                    nursery.cancel_scope.cancel()
+        finally:
+            await backend.aclose()
+    if body_error is not None:
+        raise body_error

@@ -1,0 +1,225 @@
+"""The governor: picking, admission with waiting, settlement, hedge budget.
+
+It turns an attempt's end into the accounting rules of SPEC §3, in one table
+(:data:`SETTLE_RULES`), and leaves the shared state to the backend.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from .._config import Settings
+from .._errors import Outcome
+from ._backend import GovernanceBackend
+from ._estimate import TokenEstimator, default_estimator
+from ._model import (
+    Admission,
+    AdmitRequest,
+    BreakerPolicy,
+    Feedback,
+    Refusal,
+    RefusalReason,
+    SettleRequest,
+    SourceLimits,
+    SourceSnapshot,
+)
+from ._picking import Health, HealthStats, pick_order, reference_latency
+
+__all__ = ["Governor", "GovernanceStatistics", "NoAdmission", "SETTLE_RULES", "SourceStatistics"]
+
+# outcome -> (tokens recorded: "usage" | "estimate" | "zero", breaker feedback)
+SETTLE_RULES: Mapping[Outcome, tuple[str, Feedback]] = {
+    Outcome.OK: ("usage", Feedback.SUCCESS),
+    Outcome.TRANSIENT: ("estimate", Feedback.FAILURE),
+    Outcome.TIMEOUT: ("estimate", Feedback.FAILURE),
+    Outcome.STALLED: ("estimate", Feedback.FAILURE),
+    Outcome.DEAD: ("zero", Feedback.FAILURE),
+    Outcome.RATE_LIMITED: ("zero", Feedback.NEUTRAL),
+    Outcome.FATAL: ("zero", Feedback.NEUTRAL),
+    Outcome.CANCELLED: ("estimate", Feedback.NEUTRAL),
+    Outcome.HEDGE_CANCELLED: ("estimate", Feedback.NEUTRAL),
+}
+
+DEFAULT_RATE_LIMIT_COOLDOWN_S = 1.0
+_NEVER = frozenset({RefusalReason.TOO_LARGE})
+
+
+class NoAdmission(Exception):
+    """No source admitted the attempt (and waiting was not allowed or gave up)."""
+
+    def __init__(self, refusals: Sequence[Refusal]) -> None:
+        self.refusals = list(refusals)
+        detail = ", ".join(f"{r.source}: {r.reason.value}" for r in refusals) or "no candidate"
+        super().__init__(f"no source admitted the call ({detail})")
+
+
+@attrs.frozen
+class SourceStatistics:
+    state: SourceSnapshot
+    health: HealthStats
+
+
+@attrs.frozen
+class GovernanceStatistics:
+    sources: tuple[SourceStatistics, ...]
+    hedge_budget: Mapping[str, float]
+    hedges_suppressed_by_budget: Mapping[str, int]
+
+
+class Governor:
+    def __init__(
+        self,
+        settings: Settings,
+        backend: GovernanceBackend,
+        *,
+        rng: random.Random | None = None,
+        breaker: BreakerPolicy | None = None,
+        estimator: TokenEstimator | None = None,
+    ) -> None:
+        self._settings = settings
+        self.backend = backend
+        self._rng = rng or random.Random()
+        self._breaker = breaker or BreakerPolicy()
+        self._estimator = estimator or default_estimator()
+        self._health: dict[tuple[str, str], Health] = {}
+        self._limits: dict[tuple[str, str], SourceLimits] = {}
+        self._suppressed: dict[str, int] = {}
+        for scope_name, scope in settings.scopes.items():
+            for source in scope.sources:
+                key = (scope_name, source.name)
+                self._health[key] = Health()
+                self._limits[key] = SourceLimits(source.rpm, source.tpm, source.max_in_flight)
+
+    # ------------------------------------------------------------------ estimates
+
+    def prompt_estimate(self, messages: Sequence[Mapping[str, Any]]) -> int:
+        return self._estimator.prompt_tokens(messages)
+
+    def estimate_inputs(self, inputs: Sequence[str]) -> int:
+        return sum((len(text) + 3) // 4 + 1 for text in inputs)
+
+    # ------------------------------------------------------------------ admission
+
+    def order(
+        self, scope_name: str, *, exclude: Collection[str] = (), demote: Sequence[str] = ()
+    ) -> list[str]:
+        scope = self._settings.scopes[scope_name]
+        healths = [self._health[(scope_name, s.name)] for s in scope.sources]
+        ref = reference_latency(healths)
+        names = [s.name for s in scope.sources]
+        weights = [s.weight * h.score(ref) for s, h in zip(scope.sources, healths)]
+        return pick_order(names, weights, self._rng, exclude=exclude, demote=demote)
+
+    async def try_admit(
+        self, scope_name: str, tokens: int, *, exclude: Collection[str] = (), demote: Sequence[str] = ()
+    ) -> Admission | list[Refusal]:
+        """One pass over the candidates in picking order; the first grant wins."""
+        refusals: list[Refusal] = []
+        for name in self.order(scope_name, exclude=exclude, demote=demote):
+            result = await self.backend.admit(
+                AdmitRequest(scope_name, name, self._limits[(scope_name, name)], tokens, self._breaker)
+            )
+            if isinstance(result, Admission):
+                return result
+            refusals.append(result)
+        return refusals
+
+    async def acquire(
+        self,
+        scope_name: str,
+        tokens: int,
+        *,
+        exclude: Collection[str] = (),
+        demote: Sequence[str] = (),
+        give_up_at: float = math.inf,
+    ) -> Admission:
+        """Admission for a primary attempt: waits (without polling) until a source
+        accepts, or raises :class:`NoAdmission` when none can before ``give_up_at`` or
+        none ever will (every source dead or too small for the estimate)."""
+        while True:
+            result = await self.try_admit(scope_name, tokens, exclude=exclude, demote=demote)
+            if isinstance(result, Admission):
+                return result
+            refusals = result
+            waitable = [r for r in refusals if r.reason not in _NEVER and r.reason is not RefusalReason.DEAD]
+            if not waitable:
+                raise NoAdmission(refusals)
+            known = [r.retry_at for r in waitable if r.retry_at is not None]
+            unknown = len(known) < len(waitable)
+            next_at = min(known) if known else math.inf
+            if not unknown and next_at > give_up_at:
+                raise NoAdmission(refusals)
+            if self.backend.now() >= give_up_at:
+                raise NoAdmission(refusals)
+            await self.backend.wait_changed(min(next_at, give_up_at))
+
+    async def release(
+        self,
+        admission: Admission,
+        outcome: Outcome,
+        *,
+        usage_tokens: int | None = None,
+        sent: bool = True,
+        retry_after_s: float | None = None,
+        latency_s: float | None = None,
+    ) -> int:
+        """Settle an admission by the rules of :data:`SETTLE_RULES`; returns the tokens
+        recorded against the quota (0 when the request never left)."""
+        kind, feedback = SETTLE_RULES[outcome]
+        if kind == "usage":
+            tokens = usage_tokens
+        elif kind == "zero":
+            tokens = 0
+        else:
+            tokens = None
+        cooldown = None
+        dead = False
+        if outcome is Outcome.RATE_LIMITED:
+            cooldown = retry_after_s if retry_after_s is not None else DEFAULT_RATE_LIMIT_COOLDOWN_S
+        elif outcome is Outcome.DEAD:
+            cooldown = self._settings.dead_cooldown_s
+            dead = True
+        await self.backend.settle(
+            SettleRequest(admission, tokens, feedback, self._breaker, sent, cooldown, dead)
+        )
+        health = self._health.get((admission.scope, admission.source))
+        if health is not None:
+            if feedback is Feedback.SUCCESS and latency_s is not None:
+                health.success(latency_s)
+            elif feedback is Feedback.FAILURE:
+                health.failed()
+        if not sent:
+            return 0
+        return admission.tokens if tokens is None else tokens
+
+    # ------------------------------------------------------------------ hedge budget
+
+    async def take_hedge_token(self, scope_name: str) -> bool:
+        burst = self._settings.scopes[scope_name].hedge.budget_burst
+        if await self.backend.budget_take(scope_name, burst):
+            return True
+        self._suppressed[scope_name] = self._suppressed.get(scope_name, 0) + 1
+        return False
+
+    async def refill_hedge_budget(self, scope_name: str) -> None:
+        hedge = self._settings.scopes[scope_name].hedge
+        await self.backend.budget_refill(scope_name, hedge.budget_ratio, hedge.budget_burst)
+
+    # ------------------------------------------------------------------ statistics
+
+    async def statistics(self) -> GovernanceStatistics:
+        records: list[SourceStatistics] = []
+        budgets: dict[str, float] = {}
+        for scope_name, scope in self._settings.scopes.items():
+            healths = [self._health[(scope_name, s.name)] for s in scope.sources]
+            ref = reference_latency(healths)
+            for source, health in zip(scope.sources, healths):
+                state = await self.backend.snapshot(scope_name, source.name)
+                records.append(SourceStatistics(state, health.stats(ref)))
+            budgets[scope_name] = await self.backend.budget_level(scope_name, scope.hedge.budget_burst)
+        return GovernanceStatistics(tuple(records), budgets, dict(self._suppressed))

@@ -1,0 +1,261 @@
+"""The in-process governance backend (the default).
+
+Every public coroutine does its whole read-check-update without a checkpoint before it
+returns, so within one trio run each operation is atomic — the same guarantee the Redis
+backend gets from running each operation as one Lua script.
+
+Quota windows are rolling 60-second windows of admissions: an admission appends an
+entry ``(time, tokens)``; settling rewrites that entry's tokens to the real cost (or
+keeps the estimate); entries older than 60 s fall out by themselves.  RPM counts
+entries; TPM sums their tokens.  An admission is granted only if the window with the
+new estimate stays within ``tpm``; settling may then *raise* an entry above its
+estimate, so TPM can be exceeded by at most the sum of (real - estimate) of the calls
+settled within one window — the settle correction bound.  RPM is never exceeded.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import trio
+
+from ._model import (
+    Admission,
+    AdmitRequest,
+    BreakerPolicy,
+    BreakerState,
+    Feedback,
+    Refusal,
+    RefusalReason,
+    SettleRequest,
+    SourceSnapshot,
+)
+
+__all__ = ["MemoryBackend", "WINDOW_S"]
+
+WINDOW_S = 60.0
+
+
+class _Entry:
+    __slots__ = ("at", "tokens")
+
+    def __init__(self, at: float, tokens: int) -> None:
+        self.at = at
+        self.tokens = tokens
+
+
+class _Source:
+    __slots__ = (
+        "admissions", "breaker", "consecutive", "cooldown_until", "cost_total", "dead",
+        "in_flight", "open", "opened_at", "outcomes", "probe_out", "released_total",
+        "reserved_total", "settled_total", "window", "window_tokens",
+    )
+
+    def __init__(self) -> None:
+        self.window: collections.deque[_Entry] = collections.deque()
+        self.window_tokens = 0
+        self.open: dict[int, tuple[_Entry, int]] = {}  # reservation id -> (entry, estimate)
+        self.in_flight = 0
+        self.cooldown_until = 0.0
+        self.dead = False
+        self.breaker = BreakerState.CLOSED
+        self.consecutive = 0
+        self.opened_at = 0.0
+        self.probe_out = False
+        self.outcomes: collections.deque[bool] = collections.deque()
+        self.reserved_total = 0
+        self.settled_total = 0
+        self.released_total = 0
+        self.cost_total = 0
+        self.admissions = 0
+
+    def expire(self, now: float) -> None:
+        horizon = now - WINDOW_S
+        window = self.window
+        while window and window[0].at <= horizon:
+            self.window_tokens -= window.popleft().tokens
+
+    def tokens_reserved(self) -> int:
+        return sum(estimate for _, estimate in self.open.values())
+
+
+class MemoryBackend:
+    """Governance state for one process.  Not shared: see the Redis backend for that."""
+
+    def __init__(self) -> None:
+        self._sources: dict[tuple[str, str], _Source] = {}
+        self._budgets: dict[str, float] = {}
+        self._ids = itertools.count(1)
+        self._changed = trio.Event()
+
+    def now(self) -> float:
+        return trio.current_time()
+
+    def _state(self, scope: str, source: str) -> _Source:
+        key = (scope, source)
+        state = self._sources.get(key)
+        if state is None:
+            state = self._sources[key] = _Source()
+        return state
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def admit(self, request: AdmitRequest) -> Admission | Refusal:
+        now = self.now()
+        s = self._state(request.scope, request.source)
+        name = request.source
+        if s.cooldown_until > now:
+            reason = RefusalReason.DEAD if s.dead else RefusalReason.COOLING_DOWN
+            return Refusal(name, reason, s.cooldown_until)
+        s.dead = False
+        probe = False
+        if s.breaker is BreakerState.OPEN:
+            reopen_at = s.opened_at + request.breaker.open_s
+            if now < reopen_at:
+                return Refusal(name, RefusalReason.BREAKER_OPEN, reopen_at)
+            s.breaker = BreakerState.HALF_OPEN
+            s.probe_out = False
+        if s.breaker is BreakerState.HALF_OPEN:
+            if s.probe_out:
+                return Refusal(name, RefusalReason.BREAKER_OPEN, None)
+            probe = True
+        limits = request.limits
+        if limits.max_in_flight is not None and s.in_flight >= limits.max_in_flight:
+            return Refusal(name, RefusalReason.IN_FLIGHT, None)
+        s.expire(now)
+        if limits.rpm is not None and len(s.window) >= limits.rpm:
+            return Refusal(name, RefusalReason.RPM, s.window[0].at + WINDOW_S)
+        if limits.tpm is not None:
+            if request.tokens > limits.tpm:
+                return Refusal(name, RefusalReason.TOO_LARGE, None)
+            if s.window_tokens + request.tokens > limits.tpm:
+                return Refusal(name, RefusalReason.TPM, _tpm_free_at(s, request.tokens, limits.tpm))
+        entry = _Entry(now, request.tokens)
+        s.window.append(entry)
+        s.window_tokens += request.tokens
+        rid = next(self._ids)
+        s.open[rid] = (entry, request.tokens)
+        s.in_flight += 1
+        s.reserved_total += request.tokens
+        s.admissions += 1
+        if probe:
+            s.probe_out = True
+        return Admission(request.scope, name, rid, request.tokens, probe)
+
+    async def settle(self, request: SettleRequest) -> None:
+        admission = request.admission
+        now = self.now()
+        s = self._state(admission.scope, admission.source)
+        held = s.open.pop(admission.reservation_id, None)
+        if held is None:
+            return  # already settled: settling is idempotent
+        entry, estimate = held
+        s.in_flight -= 1
+        if not request.sent:
+            s.released_total += estimate
+            if entry in s.window:
+                s.window.remove(entry)
+                s.window_tokens -= entry.tokens
+        else:
+            s.settled_total += estimate
+            cost = estimate if request.tokens is None else request.tokens
+            s.cost_total += cost
+            if entry.at > now - WINDOW_S and cost != entry.tokens:
+                s.window_tokens += cost - entry.tokens
+            entry.tokens = cost
+        if request.cooldown_s is not None and request.cooldown_s > 0:
+            s.cooldown_until = max(s.cooldown_until, now + request.cooldown_s)
+            s.dead = s.dead or request.dead
+        _feed_breaker(s, request.feedback, request.breaker, admission.probe, now)
+        self._notify()
+
+    async def snapshot(self, scope: str, source: str) -> SourceSnapshot:
+        now = self.now()
+        s = self._state(scope, source)
+        s.expire(now)
+        return SourceSnapshot(
+            scope=scope,
+            source=source,
+            breaker=s.breaker,  # open -> half_open happens on the next admit
+            consecutive_failures=s.consecutive,
+            in_flight=s.in_flight,
+            requests_in_window=len(s.window),
+            tokens_in_window=s.window_tokens,
+            tokens_reserved=s.tokens_reserved(),
+            cooldown_until=s.cooldown_until if s.cooldown_until > now else None,
+            dead=s.dead and s.cooldown_until > now,
+            reserved_total=s.reserved_total,
+            settled_total=s.settled_total,
+            released_total=s.released_total,
+            cost_total=s.cost_total,
+            admissions=s.admissions,
+        )
+
+    async def budget_take(self, scope: str, burst: float) -> bool:
+        level = self._budgets.get(scope, burst)
+        if level < 1.0:
+            self._budgets[scope] = level
+            return False
+        self._budgets[scope] = level - 1.0
+        return True
+
+    async def budget_refill(self, scope: str, amount: float, burst: float) -> None:
+        self._budgets[scope] = min(burst, self._budgets.get(scope, burst) + amount)
+
+    async def budget_level(self, scope: str, burst: float) -> float:
+        return self._budgets.get(scope, burst)
+
+    async def wait_changed(self, deadline: float) -> None:
+        with trio.move_on_at(deadline):
+            await self._changed.wait()
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _tpm_free_at(s: _Source, tokens: int, tpm: int) -> float:
+    """When enough of the window expires for ``tokens`` more to fit."""
+    excess = s.window_tokens + tokens - tpm
+    freed = 0
+    for entry in s.window:
+        freed += entry.tokens
+        if freed >= excess:
+            return entry.at + WINDOW_S
+    return s.window[-1].at + WINDOW_S if s.window else 0.0
+
+
+def _feed_breaker(
+    s: _Source, feedback: Feedback, policy: BreakerPolicy, probe: bool, now: float
+) -> None:
+    """closed -> open -> half_open -> (closed | open); never skips a state."""
+    if probe:
+        s.probe_out = False
+    if feedback is Feedback.NEUTRAL:
+        return
+    failed = feedback is Feedback.FAILURE
+    s.outcomes.append(failed)
+    if len(s.outcomes) > policy.rate_window:
+        s.outcomes.popleft()
+    if not failed:
+        s.consecutive = 0
+        if s.breaker is BreakerState.HALF_OPEN and probe:
+            s.breaker = BreakerState.CLOSED
+            s.outcomes.clear()
+        return
+    s.consecutive += 1
+    if s.breaker is BreakerState.HALF_OPEN:
+        if probe:
+            s.breaker = BreakerState.OPEN
+            s.opened_at = now
+        return
+    if s.breaker is BreakerState.CLOSED:
+        rate_trip = (
+            len(s.outcomes) >= policy.rate_min_calls
+            and sum(s.outcomes) / len(s.outcomes) > policy.failure_rate
+        )
+        if s.consecutive >= policy.failures or rate_trip:
+            s.breaker = BreakerState.OPEN
+            s.opened_at = now

@@ -1,0 +1,140 @@
+"""Records exchanged with governance backends, and their policies.
+
+Every backend operation takes and returns these frozen records, so that a Redis
+implementation can run each one as a single Lua script: no read-modify-write spans two
+calls.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+__all__ = [
+    "Admission",
+    "AdmitRequest",
+    "BreakerPolicy",
+    "BreakerState",
+    "Feedback",
+    "Refusal",
+    "RefusalReason",
+    "SettleRequest",
+    "SourceLimits",
+    "SourceSnapshot",
+]
+
+
+class BreakerState(str, enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class Feedback(str, enum.Enum):
+    """What an attempt's end tells the breaker."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+    NEUTRAL = "neutral"  # 429, fatal, cancellation, hedge loser, deadline
+
+
+class RefusalReason(str, enum.Enum):
+    COOLING_DOWN = "cooling_down"
+    DEAD = "dead"
+    BREAKER_OPEN = "breaker_open"
+    RPM = "rpm"
+    TPM = "tpm"
+    IN_FLIGHT = "in_flight"
+    TOO_LARGE = "too_large"  # the estimate alone exceeds tpm: never admissible
+
+
+@attrs.frozen
+class BreakerPolicy:
+    """Opens after ``failures`` consecutive failures, or when at least ``rate_min_calls``
+    of the last ``rate_window`` outcomes include a share over ``failure_rate``; stays
+    open ``open_s``, then admits one probe (half-open)."""
+
+    failures: int = 5
+    open_s: float = 30.0
+    failure_rate: float = 0.5
+    rate_window: int = 20
+    rate_min_calls: int = 10
+
+
+@attrs.frozen
+class SourceLimits:
+    rpm: int | None = None
+    tpm: int | None = None
+    max_in_flight: int | None = None
+
+
+@attrs.frozen
+class AdmitRequest:
+    scope: str
+    source: str
+    limits: SourceLimits
+    tokens: int  # the reserved estimate
+    breaker: BreakerPolicy = BreakerPolicy()
+
+
+@attrs.frozen
+class Admission:
+    """A granted admission: a reservation of ``tokens`` and one in-flight permit."""
+
+    scope: str
+    source: str
+    reservation_id: int
+    tokens: int
+    probe: bool = False  # the half-open breaker's single probe
+
+
+@attrs.frozen
+class Refusal:
+    """Why a source refused, and the earliest time it may accept (``None``: unknown,
+    e.g. waiting for a permit to be released)."""
+
+    source: str
+    reason: RefusalReason
+    retry_at: float | None = None
+
+
+@attrs.frozen
+class SettleRequest:
+    """How an admitted attempt ended.
+
+    ``tokens``: the real cost to record; ``None`` keeps the reserved estimate.
+    ``sent=False`` voids the reservation (the request never left).
+    ``cooldown_s``: cool the source down (429's Retry-After, a dead source).
+    """
+
+    admission: Admission
+    tokens: int | None
+    feedback: Feedback
+    breaker: BreakerPolicy = BreakerPolicy()
+    sent: bool = True
+    cooldown_s: float | None = None
+    dead: bool = False
+
+
+@attrs.frozen
+class SourceSnapshot:
+    """A source's governance state, as ``statistics()`` reports it."""
+
+    scope: str
+    source: str
+    breaker: BreakerState
+    consecutive_failures: int
+    in_flight: int
+    requests_in_window: int
+    tokens_in_window: int
+    tokens_reserved: int
+    cooldown_until: float | None
+    dead: bool
+    # Conservation (estimates): reserved_total == settled_total + released_total
+    # + tokens_reserved, where tokens_reserved is held by admissions still open.
+    reserved_total: int = 0
+    settled_total: int = 0
+    released_total: int = 0
+    cost_total: int = 0  # what settled reservations actually cost (real usage)
+    admissions: int = 0

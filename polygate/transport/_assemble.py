@@ -1,0 +1,278 @@
+"""Assembling streamed chat chunks into the message a non-streamed call would return.
+
+Pure and synchronous: it is fed parsed chunk dicts and knows nothing of sockets or
+time, so it is tested directly against the recorded provider transcripts.
+
+What counts as a *content token* (SPEC §4) is decided here, in :func:`has_content`:
+non-empty ``content``, ``reasoning_content``/``reasoning``, ``refusal`` or
+``tool_calls`` in any choice's delta.  Role-only and empty deltas, usage-only chunks
+and provider annotations are not content and reset no timer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ChatAssembler", "has_content", "message_text"]
+
+_CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
+# Keys of a chunk that describe the chunk itself, not the response.
+_CHUNK_ONLY_KEYS = frozenset({"object", "choices", "usage", "obfuscation", "error"})
+_HEADER_KEYS = ("id", "created", "model", "system_fingerprint")
+_DELTA_KNOWN = frozenset(
+    {"role", "content", "reasoning_content", "reasoning", "refusal", "tool_calls", "function_call"}
+)
+_CHOICE_KNOWN = frozenset({"index", "delta", "finish_reason", "logprobs", "message"})
+
+
+def has_content(chunk: dict[str, Any]) -> bool:
+    """Whether a parsed chunk carries at least one content token."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            continue
+        for key in _CONTENT_KEYS:
+            value = delta.get(key)
+            if isinstance(value, str) and value:
+                return True
+        tool_calls = delta.get("tool_calls")
+        if isinstance(tool_calls, list) and tool_calls:
+            return True
+        if isinstance(delta.get("function_call"), dict):
+            return True
+    return False
+
+
+def message_text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: keep the text ones
+        return "".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+class _Choice:
+    __slots__ = (
+        "content", "extras", "finish_reason", "function_call", "index", "logprobs",
+        "message_extras", "reasoning", "reasoning_name", "refusal", "role", "saw_content",
+        "saw_refusal", "tool_calls",
+    )
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.role: str | None = None
+        self.content: list[str] = []
+        self.saw_content = False
+        self.reasoning: list[str] = []
+        self.reasoning_name: str | None = None
+        self.refusal: list[str] = []
+        self.saw_refusal = False
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.function_call: dict[str, Any] | None = None
+        self.finish_reason: str | None = None
+        self.logprobs: dict[str, Any] | None = None
+        self.extras: dict[str, Any] = {}
+        self.message_extras: dict[str, Any] = {}
+
+    def add(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            self._add_delta(delta)
+        finish = choice.get("finish_reason")
+        if isinstance(finish, str):
+            self.finish_reason = finish
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict):
+            self._add_logprobs(logprobs)
+        for key, value in choice.items():
+            if key not in _CHOICE_KNOWN and value is not None:
+                _merge_extra(self.extras, key, value)
+
+    def _add_delta(self, delta: dict[str, Any]) -> None:
+        role = delta.get("role")
+        if isinstance(role, str):
+            self.role = role
+        content = delta.get("content")
+        if isinstance(content, str):
+            self.saw_content = True
+            if content:
+                self.content.append(content)
+        for name in ("reasoning_content", "reasoning"):
+            value = delta.get(name)
+            if isinstance(value, str) and value:
+                self.reasoning.append(value)
+                if self.reasoning_name is None:
+                    self.reasoning_name = name
+        if "refusal" in delta:
+            self.saw_refusal = True
+            refusal = delta["refusal"]
+            if isinstance(refusal, str) and refusal:
+                self.refusal.append(refusal)
+        tool_calls = delta.get("tool_calls")
+        if isinstance(tool_calls, list):
+            for call in tool_calls:
+                if isinstance(call, dict):
+                    self._add_tool_call(call)
+        function_call = delta.get("function_call")
+        if isinstance(function_call, dict):
+            if self.function_call is None:
+                self.function_call = {"name": "", "arguments": ""}
+            _join_function(self.function_call, function_call)
+        for key, value in delta.items():
+            if key not in _DELTA_KNOWN and value is not None:
+                _merge_extra(self.message_extras, key, value)
+
+    def _add_tool_call(self, call: dict[str, Any]) -> None:
+        index = call.get("index")
+        if not isinstance(index, int):
+            index = len(self.tool_calls)
+        slot = self.tool_calls.get(index)
+        if slot is None:
+            slot = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            self.tool_calls[index] = slot
+        if isinstance(call.get("id"), str) and call["id"]:
+            slot["id"] = call["id"]
+        if isinstance(call.get("type"), str) and call["type"]:
+            slot["type"] = call["type"]
+        function = call.get("function")
+        if isinstance(function, dict):
+            _join_function(slot["function"], function)
+
+    def _add_logprobs(self, logprobs: dict[str, Any]) -> None:
+        if self.logprobs is None:
+            self.logprobs = {}
+        for key, value in logprobs.items():
+            if isinstance(value, list):
+                self.logprobs.setdefault(key, [])
+                if isinstance(self.logprobs[key], list):
+                    self.logprobs[key].extend(value)
+                else:
+                    self.logprobs[key] = list(value)
+            else:
+                self.logprobs.setdefault(key, value)
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role or "assistant"}
+        if self.saw_content or self.content:
+            message["content"] = "".join(self.content)
+        elif self.tool_calls or self.refusal or self.function_call:
+            message["content"] = None
+        else:
+            message["content"] = ""
+        if self.saw_refusal:
+            message["refusal"] = "".join(self.refusal) if self.refusal else None
+        if self.reasoning:
+            text = "".join(self.reasoning)
+            message["reasoning_content"] = text
+            if self.reasoning_name == "reasoning":
+                message["reasoning"] = text
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        if self.function_call is not None:
+            message["function_call"] = self.function_call
+        for key, value in self.message_extras.items():
+            message.setdefault(key, value)
+        return message
+
+    def as_dict(self) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": self.index,
+            "message": self.message(),
+            "finish_reason": self.finish_reason,
+            "logprobs": self.logprobs,
+        }
+        for key, value in self.extras.items():
+            choice.setdefault(key, value)
+        return choice
+
+
+def _join_function(target: dict[str, Any], part: dict[str, Any]) -> None:
+    name = part.get("name")
+    if isinstance(name, str) and name:
+        # Most servers send the name once; a few repeat it whole on later deltas.
+        if not target["name"] or not name.startswith(target["name"]):
+            target["name"] += name
+        else:
+            target["name"] = name
+    arguments = part.get("arguments")
+    if isinstance(arguments, str):
+        target["arguments"] += arguments
+
+
+def _merge_extra(target: dict[str, Any], key: str, value: Any) -> None:
+    """Lists accumulate (e.g. ``reasoning_details``); scalars and objects: last wins."""
+    if isinstance(value, list):
+        existing = target.get(key)
+        if isinstance(existing, list):
+            existing.extend(value)
+        else:
+            target[key] = list(value)
+    else:
+        target[key] = value
+
+
+class ChatAssembler:
+    """Accumulates ``chat.completion.chunk`` dicts; ``build()`` gives the response body."""
+
+    def __init__(self) -> None:
+        self._choices: dict[int, _Choice] = {}
+        self._header: dict[str, Any] = {}
+        self._extras: dict[str, Any] = {}
+        self.usage: dict[str, Any] | None = None
+        self.chunks = 0
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        self.chunks += 1
+        for key in _HEADER_KEYS:
+            value = chunk.get(key)
+            if value not in (None, "", 0) and key not in self._header:
+                self._header[key] = value
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage  # cumulative on vLLM: the last one is the total
+        for key, value in chunk.items():
+            if key not in _CHUNK_ONLY_KEYS and key not in _HEADER_KEYS and value is not None:
+                _merge_extra(self._extras, key, value)
+        choices = chunk.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    continue
+                index = choice.get("index", 0)
+                if not isinstance(index, int):
+                    index = 0
+                state = self._choices.get(index)
+                if state is None:
+                    state = self._choices[index] = _Choice(index)
+                state.add(choice)
+
+    @property
+    def finished(self) -> bool:
+        """Some choice reported a ``finish_reason``: the answer is complete."""
+        return any(c.finish_reason is not None for c in self._choices.values())
+
+    def build(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self._header.get("id"),
+            "object": "chat.completion",
+            "created": self._header.get("created"),
+            "model": self._header.get("model"),
+        }
+        if "system_fingerprint" in self._header:
+            body["system_fingerprint"] = self._header["system_fingerprint"]
+        choices = [self._choices[i].as_dict() for i in sorted(self._choices)]
+        if not choices:
+            choices = [_Choice(0).as_dict()]
+        body["choices"] = choices
+        body["usage"] = self.usage
+        for key, value in self._extras.items():
+            body.setdefault(key, value)
+        return body

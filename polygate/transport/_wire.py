@@ -1,0 +1,175 @@
+"""Building OpenAI-compatible requests and reading bodies within their size caps."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import httpx
+
+from .._errors import TransientUpstreamError, classify_status, error_message, redact
+
+__all__ = [
+    "Endpoint",
+    "Limits",
+    "chat_body",
+    "embeddings_body",
+    "read_capped",
+    "raise_for_status",
+    "parse_retry_after",
+]
+
+
+@attrs.frozen
+class Endpoint:
+    """Where and as whom to send: what the transport needs to know of a source."""
+
+    name: str
+    url: str
+    api_key: str | None = attrs.field(default=None, repr=False)
+    model: str | None = None
+    streaming: bool = True
+
+    def headers(self) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        return (self.api_key,) if self.api_key else ()
+
+
+@attrs.frozen
+class Limits:
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_line_bytes: int = 4 * 1024 * 1024
+
+
+_RESERVED_PARAMS = frozenset({"messages", "stream"})
+
+
+def chat_body(
+    endpoint: Endpoint, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], stream: bool
+) -> bytes:
+    """The JSON body of ``POST /chat/completions``.
+
+    The source's ``model`` wins over a caller's ``model`` (sources of a scope are
+    equivalent only with their own model names); every other parameter passes through
+    unchanged.  A streamed request always asks for usage, keeping the caller's other
+    ``stream_options``.
+    """
+    body: dict[str, Any] = {k: v for k, v in params.items() if k not in _RESERVED_PARAMS}
+    if endpoint.model is not None:
+        body["model"] = endpoint.model
+    body["messages"] = list(messages)
+    if stream:
+        body["stream"] = True
+        options = dict(body.get("stream_options") or {})
+        options["include_usage"] = True
+        body["stream_options"] = options
+    else:
+        body.pop("stream_options", None)
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def embeddings_body(endpoint: Endpoint, inputs: Sequence[str], params: Mapping[str, Any]) -> bytes:
+    body: dict[str, Any] = dict(params)
+    if endpoint.model is not None:
+        body["model"] = endpoint.model
+    body["input"] = list(inputs)
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+async def read_capped(response: httpx.Response, limit: int, source: str) -> bytes:
+    """The whole (decoded) body, or a transient error as soon as it passes ``limit``."""
+    declared = response.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TransientUpstreamError(
+            f"response body of {declared} bytes exceeds the {limit}-byte cap", source=source
+        )
+    parts: list[bytes] = []
+    size = 0
+    async for part in response.aiter_bytes():
+        size += len(part)
+        if size > limit:
+            raise TransientUpstreamError(
+                f"response body exceeds the {limit}-byte cap", source=source
+            )
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None:
+    """Raise the classified error of a non-2xx response (reading a bounded excerpt)."""
+    if 200 <= response.status_code < 300:
+        return
+    excerpt = b""
+    try:
+        async for part in response.aiter_bytes():
+            excerpt += part
+            if len(excerpt) > 8192:
+                break
+    except httpx.HTTPError:
+        pass  # the status alone classifies the failure
+    detail = _error_detail(excerpt)
+    detail = redact(detail, endpoint.secrets)
+    retry_after = parse_retry_after(response.headers)
+    raise classify_status(
+        response.status_code, detail, source=endpoint.name, retry_after_s=retry_after
+    )
+
+
+def _error_detail(excerpt: bytes) -> str:
+    text = excerpt.decode("utf-8", "replace").strip()
+    if not text:
+        return ""
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return text[:200] + ("…" if len(text) > 200 else "")
+    return error_message(payload)
+
+
+# Retry hints: openai-python reads retry-after-ms, then retry-after as seconds or an
+# HTTP date.  Garbage and negatives are ignored; anything longer is clamped so a
+# broken header cannot park a source for hours.
+RETRY_AFTER_CAP_S = 600.0
+
+
+def parse_retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds to wait from ``retry-after-ms`` / ``retry-after``; ``None`` when absent
+    or unparseable; clamped to ``[0, RETRY_AFTER_CAP_S]``."""
+    import email.utils
+    import math
+    import time
+
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            value = float(ms) / 1000.0
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value) and value >= 0:
+            return min(value, RETRY_AFTER_CAP_S)
+    raw = headers.get("retry-after")
+    if raw is None:
+        return None
+    raw = raw.strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(raw)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        value = when.timestamp() - time.time()
+        value = max(value, 0.0)
+    if not math.isfinite(value) or value < 0:
+        return None
+    return min(value, RETRY_AFTER_CAP_S)
