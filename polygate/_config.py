@@ -65,10 +65,18 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _finite(value: Any) -> bool:
+    """``math.isfinite`` that answers False for ints too big for a float (10**400)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _positive(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if not _is_number(value):
         raise _bad(inst, attr.name, f"expected a number of seconds, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
+    if not _finite(value) or value <= 0:
         raise _bad(inst, attr.name, f"must be a finite number > 0, got {value!r}")
 
 
@@ -78,7 +86,7 @@ def _opt_positive(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 
 
 def _non_negative(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-    if not _is_number(value) or not math.isfinite(value) or value < 0:
+    if not _is_number(value) or not _finite(value) or value < 0:
         raise _bad(inst, attr.name, f"must be a finite number >= 0, got {value!r}")
 
 
@@ -95,7 +103,7 @@ def _opt_pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 
 
 def _fraction(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-    if not _is_number(value) or not math.isfinite(value) or not 0 <= value <= 1:
+    if not _is_number(value) or not _finite(value) or not 0 <= value <= 1:
         raise _bad(inst, attr.name, f"must be a number in [0, 1], got {value!r}")
 
 
@@ -120,10 +128,23 @@ def mask_url(url: str) -> str:
     except ValueError:
         return "<unparseable URL>"
     if parts.password is None:
-        return url
+        return _mask_unparsed_credentials(url)
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = parts.username or ""
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def _mask_unparsed_credentials(url: str) -> str:
+    """Hide ``user:secret@`` that urlsplit did not recognise (no or misspelt scheme).
+
+    ``"user:pw@host"`` parses as scheme ``user``, so ``parts.password`` is None and
+    the password would otherwise be echoed by a validator's message.
+    """
+    head, at, tail = url.rpartition("@")
+    scheme, sep, userinfo = head.partition("://")
+    if not at or ":" not in (userinfo if sep else head):
+        return url
+    return f"{scheme}{sep}***@{tail}" if sep else f"***@{tail}"
 
 
 # --------------------------------------------------------------------------- classes
@@ -140,7 +161,7 @@ class Source:
     """
 
     name: str = attrs.field()
-    base_url: str = attrs.field()
+    base_url: str = attrs.field(repr=lambda v: repr(mask_url(v)))
     api_key: str | None = attrs.field(default=None, repr=_secret_repr)
     model: str | None = attrs.field(default=None, validator=_opt_str)
     timeout_s: float = attrs.field(default=300, validator=_positive)
@@ -207,7 +228,7 @@ class Hedge:
     def _check_q(self, attr: attrs.Attribute[float | None], value: Any) -> None:
         if value is None:
             return
-        if not _is_number(value) or not math.isfinite(value) or not 0 < value < 1:
+        if not _is_number(value) or not _finite(value) or not 0 < value < 1:
             raise _bad(self, "after_quantile", f"must be a number in (0, 1), got {value!r}")
 
     def __attrs_post_init__(self) -> None:
@@ -299,9 +320,18 @@ def check_hedge_assembly(scope: Scope) -> None:
     """The assembly guards of seed 000 §5: impossible hedges are errors, dubious ones warn."""
     hedge = scope.hedge
     after = hedge.first_threshold_s
-    if after is None:
-        return
-    label = "after_s" if hedge.after_s is not None else "max_after_s"
+    if after is not None:
+        _check_hedge_threshold(scope, after, "after_s" if hedge.after_s is not None else "max_after_s")
+    if hedge.enabled and len(scope.sources) < 2:
+        # Checked even for adaptive-only hedging (after_quantile without a static bound).
+        warnings.warn(
+            "hedging is configured on a scope with a single source: it will never fire",
+            ConfigWarning,
+            stacklevel=4,
+        )
+
+
+def _check_hedge_threshold(scope: Scope, after: float, label: str) -> None:
     min_timeout = min(s.timeout_s for s in scope.sources)
     if after >= min_timeout:
         raise FieldError(
@@ -321,13 +351,7 @@ def check_hedge_assembly(scope: Scope) -> None:
             f"hedge.{label} ({after}) >= the smallest ttft_timeout_s ({min(ttfts)}): "
             "that source times out before a hedge fires",
             ConfigWarning,
-            stacklevel=4,
-        )
-    if len(scope.sources) < 2:
-        warnings.warn(
-            "hedging is configured on a scope with a single source: it will never fire",
-            ConfigWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
 

@@ -1,0 +1,693 @@
+"""Settings from environment keys and TOML files, and a masked description of them.
+
+Both loaders do the same three steps, so the three ways of configuring (Python
+objects, a TOML file, ``POLYGATE__…`` keys) share one validation:
+
+1. **parse** — walk the input, reject unknown keys by the name the user wrote, and
+   turn each value into the type its attrs field declares (environment strings
+   become int/float/bool; TOML values are type-checked, an int is accepted for a
+   float);
+2. **build** — construct the attrs classes of :mod:`polygate._config`; their
+   validators alone decide which values are valid;
+3. **re-word** — a validator's :class:`FieldError` knows only the field
+   (``timeout_s``), so it is re-raised as a :class:`ConfigError` naming what the user
+   wrote: ``POLYGATE__CHAT__A__TIMEOUT_S`` or ``polygate.toml:
+   scopes.chat.sources.a.timeout_s``.  Assembly warnings are re-worded the same way.
+
+Which keys exist and what type each has is derived from the attrs classes
+(:func:`_schema`), so a field added there is loadable here without a second table to
+keep in sync.
+
+No message shows a secret: values of secret fields (those whose attrs ``repr`` hides
+them) are never echoed, URLs go through :func:`mask_url`, and as a last line of
+defence every message is scrubbed of the secrets seen in the input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import json
+import os
+import re
+import sys
+import types
+import typing
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar, Union
+from urllib.parse import urlsplit
+
+import attrs
+
+from ._config import ConfigWarning, FieldError, Scope, Settings, Source, mask_url
+from ._errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "CONFIG_ENV",
+    "DEFAULT_CONFIG_FILE",
+    "ENV_PREFIX",
+    "describe",
+    "load_settings",
+    "locate_config",
+    "settings_from_env",
+    "settings_from_toml",
+]
+
+ENV_PREFIX = "POLYGATE__"
+CONFIG_ENV = "POLYGATE_CONFIG"
+DEFAULT_CONFIG_FILE = "polygate.toml"
+
+_T = TypeVar("_T")
+_Where = Callable[[str], str]
+_SCALAR_TYPES: tuple[type, ...] = (bool, int, float, str)
+_TRUE = frozenset({"true", "1", "yes"})
+_FALSE = frozenset({"false", "0", "no"})
+_MIN_SCRUB_LEN = 4  # shorter "secrets" would garble messages more than they protect
+_NOTHING_FOUND = (
+    "no polygate configuration found: set POLYGATE_CONFIG to a TOML file, create "
+    "./polygate.toml, or set environment keys such as "
+    "POLYGATE__{SCOPE}__{SOURCE}__BASE_URL"
+)
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@attrs.frozen
+class _Schema:
+    """What one attrs settings class accepts, derived from its fields and annotations.
+
+    ``scalars`` maps a field to int/float/bool/str (``X | None`` counts as X);
+    ``groups`` maps a field to the nested attrs class it holds (``Scope.hedge``);
+    fields of any other type (``Scope.sources``, ``Settings.scopes``) are the
+    structure the loaders walk themselves.
+    """
+
+    scalars: Mapping[str, type]
+    groups: Mapping[str, type]
+    secrets: frozenset[str]
+    required: frozenset[str]
+
+
+@functools.cache
+def _schema(cls: type) -> _Schema:
+    hints = typing.get_type_hints(cls)
+    scalars: dict[str, type] = {}
+    groups: dict[str, type] = {}
+    for field in attrs.fields(cls):
+        hint = hints[field.name]
+        kind = _scalar_kind(hint)
+        if kind is not None:
+            scalars[field.name] = kind
+        elif isinstance(hint, type) and attrs.has(hint):
+            groups[field.name] = hint
+    return _Schema(
+        scalars=scalars,
+        groups=groups,
+        secrets=frozenset(f.name for f in attrs.fields(cls) if _is_secret(f)),
+        required=frozenset(f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING),
+    )
+
+
+def _scalar_kind(hint: Any) -> type | None:
+    if hint in _SCALAR_TYPES:
+        return typing.cast(type, hint)
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        rest = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(rest) == 1 and rest[0] in _SCALAR_TYPES:
+            return typing.cast(type, rest[0])
+    return None
+
+
+_PROBE = "polygate-probe-value"
+
+
+def _is_secret(field: attrs.Attribute[Any]) -> bool:
+    """A field is secret when its repr hides the value (``Source.api_key``)."""
+    shown = field.repr
+    return callable(shown) and _PROBE not in str(shown(_PROBE))
+
+
+def _source_fields() -> list[str]:
+    """Source fields a user sets by key; the name comes from the key itself."""
+    return [f for f in _schema(Source).scalars if f != "name"]
+
+
+def _secret_field_names() -> frozenset[str]:
+    return _schema(Source).secrets | _schema(Settings).secrets | _schema(Scope).secrets
+
+
+# --------------------------------------------------------------------------- parsed parts
+
+
+@attrs.define
+class _Part:
+    """Parsed values for one attrs object, and how to name each field to the user."""
+
+    where: _Where
+    values: dict[str, Any] = attrs.field(factory=dict)
+    keys: list[str] = attrs.field(factory=list)  # what the user wrote, for messages
+
+
+@attrs.define
+class _ScopePart:
+    own: _Part
+    label: str  # the scope as a whole, for messages not about one field
+    groups: dict[str, _Part] = attrs.field(factory=dict)
+    sources: dict[str, _Part] = attrs.field(factory=dict)  # unique label → source
+
+
+@attrs.define
+class _SettingsPart:
+    own: _Part
+    scopes: dict[str, _ScopePart] = attrs.field(factory=dict)
+    secrets: set[str] = attrs.field(factory=set)
+
+
+# --------------------------------------------------------------------------- values
+
+
+def _value_from_text(kind: type, text: str, where: str) -> Any:
+    """An environment string → the field's type; the key is named on failure."""
+    if kind is str:
+        return text
+    if kind is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ConfigError(f"{where}: expected true/false/1/0/yes/no, got {text!r}")
+    try:
+        return int(text) if kind is int else float(text)
+    except ValueError:
+        wanted = "a whole number" if kind is int else "a number"
+        raise ConfigError(f"{where}: expected {wanted}, got {text!r}") from None
+
+
+def _value_from_toml(kind: type, value: Any, where: str) -> Any:
+    """A typed TOML value checked against the field's type (ints are fine for floats)."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float and is_number:
+        return float(value)
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind in (bool, str) and isinstance(value, kind):
+        return value
+    wanted = {float: "a number", int: "a whole number", bool: "true or false", str: "a string"}
+    hint = " (write it without quotes)" if kind in (int, float) and isinstance(value, str) else ""
+    raise ConfigError(f"{where}: expected {wanted[kind]}, got {_what(value)}{hint}")
+
+
+def _what(value: Any) -> str:
+    """A TOML value's kind in words; strings are never echoed (they may be secrets)."""
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, int):
+        return f"an integer ({value})"
+    if isinstance(value, float):
+        return f"a float ({value})"
+    names: dict[type, str] = {str: "a string", dict: "a table", list: "an array"}
+    return names.get(type(value), "a date or time")
+
+
+def _url_password(text: str) -> str | None:
+    try:
+        return urlsplit(text).password
+    except ValueError:
+        return None
+
+
+def _scrub(text: str, secrets: Iterable[str]) -> str:
+    for secret in sorted(secrets, key=len, reverse=True):
+        if len(secret) >= _MIN_SCRUB_LEN:
+            text = text.replace(secret, "***")
+    return text
+
+
+def _unknown(
+    label: str, what: str, known: Iterable[str], typed: str, note: str = ""
+) -> ConfigError:
+    """``X: unknown key; <what> are A, B, C`` with a did-you-mean when one is close."""
+    known = list(known)
+    close = difflib.get_close_matches(typed, known, n=1)
+    maybe = f" (did you mean {close[0]}?)" if close else ""
+    note = f"; {note}" if note else ""
+    return ConfigError(
+        f"{label}: unknown configuration key{maybe}; {what} are {', '.join(known)}{note}"
+    )
+
+
+# --------------------------------------------------------------------------- build
+
+
+def _build(cls: type[_T], part: _Part, extra: Mapping[str, Any], secrets: Iterable[str]) -> _T:
+    """Construct ``cls``; a validator's FieldError comes back naming the user's key."""
+    try:
+        return cls(**part.values, **extra)
+    except FieldError as exc:
+        raise ConfigError(_scrub(f"{part.where(exc.field)}: {exc.problem}", secrets)) from None
+
+
+_WARNED_FIELD = re.compile(r"^(hedge\.\w+) ")
+
+
+@contextlib.contextmanager
+def _reworded_warnings(scope: _ScopePart, secrets: Iterable[str]) -> Iterator[None]:
+    """Re-issue the assembly's ConfigWarnings naming the user's key instead of a field."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        if not issubclass(w.category, ConfigWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            continue
+        text = str(w.message)
+        match = _WARNED_FIELD.match(text)
+        label = scope.own.where(match.group(1)) if match else scope.label
+        warnings.warn(_scrub(f"{label}: {text}", secrets), w.category, stacklevel=_outside())
+
+
+def _outside() -> int:
+    """The ``stacklevel`` of the first caller outside the config modules (for warnings)."""
+    inside = {__name__, "polygate._config", "contextlib"}
+    frame: types.FrameType | None = sys._getframe(1)  # the caller of warnings.warn
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__") in inside:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _build_scope(part: _ScopePart, secrets: Iterable[str]) -> Scope:
+    kinds = _schema(Scope).groups
+    groups: dict[str, Any] = {
+        name: _build(kinds[name], p, {}, secrets) for name, p in part.groups.items()
+    }
+    sources = [_build(Source, p, {}, secrets) for p in part.sources.values()]
+    with _reworded_warnings(part, secrets):
+        return _build(Scope, part.own, {**groups, "sources": sources}, secrets)
+
+
+def _build_settings(part: _SettingsPart) -> Settings:
+    _check_complete(part)
+    scopes = {name: _build_scope(p, part.secrets) for name, p in part.scopes.items()}
+    return _build(Settings, part.own, {"scopes": scopes}, part.secrets)
+
+
+def _check_complete(part: _SettingsPart) -> None:
+    """What the validators cannot word well: no scopes, sourceless scopes, missing URLs."""
+    if not part.scopes:
+        found = f" (found only {', '.join(part.own.keys)})" if part.own.keys else ""
+        raise ConfigError(f"{part.own.where('scopes')}: no scope is configured{found}")
+    for name, scope in part.scopes.items():
+        if not scope.sources:
+            keys = [*scope.own.keys, *(k for g in scope.groups.values() for k in g.keys)]
+            given = ", ".join(keys) or "nothing else"
+            raise ConfigError(
+                f"scope {name!r} has no sources (add {scope.own.where('sources')}); "
+                f"it sets {given}"
+            )
+        for source in scope.sources.values():
+            missing = sorted(_schema(Source).required - source.values.keys())
+            if missing:
+                raise ConfigError(
+                    f"{source.where(missing[0])} is missing: the source is set by "
+                    f"{', '.join(source.keys)} but has no {missing[0]}"
+                )
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
+    """Settings from ``POLYGATE__…`` keys (default: ``os.environ``).
+
+    Sources are ordered by name (an environment has no order).  An empty value is
+    the same as an unset key.
+    """
+    source = os.environ if env is None else env
+    entries = {
+        key: value.strip()
+        for key, value in source.items()
+        if key.startswith(ENV_PREFIX) and value.strip()
+    }
+    if not entries:
+        raise ConfigError(_NOTHING_FOUND)
+    return _build_settings(_parse_env(entries))
+
+
+def _parse_env(entries: Mapping[str, str]) -> _SettingsPart:
+    secret_names = {name.upper() for name in _secret_field_names()}
+    secrets = {v for k, v in entries.items() if k.rsplit("__", 1)[-1] in secret_names}
+    secrets |= {pw for v in entries.values() if (pw := _url_password(v))}
+    settings = _SettingsPart(own=_Part(where=_env_settings_where), secrets=secrets)
+    for key in sorted(entries):
+        part, field, kind = _route_env_key(settings, key)
+        part.values[field] = _value_from_text(kind, entries[key], key)
+        part.keys.append(key)
+    return settings
+
+
+def _env_settings_where(field: str) -> str:
+    if field == "scopes":
+        return f"{ENV_PREFIX}{{SCOPE}}__{{SOURCE}}__BASE_URL"
+    return ENV_PREFIX + field.upper()
+
+
+def _env_key(*segments: str) -> str:
+    return ENV_PREFIX + "__".join(s.upper() for s in segments)
+
+
+def _route_env_key(settings: _SettingsPart, key: str) -> tuple[_Part, str, type]:
+    """Which part and field ``key`` sets, or a ConfigError naming the key."""
+    rest = key[len(ENV_PREFIX):]
+    if rest != rest.upper():
+        raise ConfigError(f"{key}: configuration keys are upper case")
+    segments = rest.split("__")
+    if len(segments) == 1:
+        note = f"scope keys are {ENV_PREFIX}{{SCOPE}}__…"
+        return _env_field(settings.own, _schema(Settings), key, segments[0], "top-level keys", note)
+    scope = _env_scope(settings, segments[0])
+    if len(segments) == 2:
+        note = f"source fields are {_env_key(segments[0])}__{{SOURCE}}__{{FIELD}}"
+        return _env_field(scope.own, _schema(Scope), key, segments[1], "scope keys", note)
+    if len(segments) == 3:
+        return _route_env_scope_key(scope, key, segments)
+    raise ConfigError(
+        f"{key}: unknown configuration key, too many segments "
+        f"(a source field is {ENV_PREFIX}{{SCOPE}}__{{SOURCE}}__{{FIELD}})"
+    )
+
+
+def _route_env_scope_key(
+    scope: _ScopePart, key: str, segments: list[str]
+) -> tuple[_Part, str, type]:
+    name, middle, last = segments
+    schema = _schema(Scope)
+    group = middle.lower()
+    if group in schema.groups:
+        part = scope.groups.setdefault(group, _Part(where=_env_where(name, middle)))
+        note = f"{middle} is reserved: no source may be named so"
+        return _env_field(part, _schema(schema.groups[group]), key, last, f"{middle} keys", note)
+    if group in schema.scalars:
+        raise ConfigError(
+            f"{key}: unknown configuration key; {middle} is a scope setting "
+            f"({_env_key(name, middle)}) and is reserved: no source may be named so"
+        )
+    if group not in scope.sources:
+        scope.sources[group] = _Part(where=_env_source_where(name, middle, scope))
+        scope.sources[group].values["name"] = group
+    source = scope.sources[group]
+    return _env_field(source, _schema(Source), key, last, "source fields", skip="name")
+
+
+def _env_field(
+    part: _Part, schema: _Schema, key: str, segment: str, what: str, note: str = "",
+    skip: str = "",
+) -> tuple[_Part, str, type]:
+    field = segment.lower()
+    if field in schema.scalars and field != skip:
+        return part, field, schema.scalars[field]
+    known = [f.upper() for f in schema.scalars if f != skip]
+    raise _unknown(key, what, known, segment, note)
+
+
+def _env_scope(settings: _SettingsPart, segment: str) -> _ScopePart:
+    name = segment.lower()
+    if name not in settings.scopes:
+        settings.scopes[name] = _ScopePart(
+            own=_Part(where=_env_scope_where(segment)), label=f"{ENV_PREFIX}{segment}__*"
+        )
+    return settings.scopes[name]
+
+
+def _env_where(*prefix: str) -> _Where:
+    return lambda field: _env_key(*prefix, *field.split("."))
+
+
+def _env_scope_where(segment: str) -> _Where:
+    def where(field: str) -> str:
+        if field == "sources":
+            return f"{_env_key(segment)}__{{SOURCE}}__BASE_URL"
+        return _env_key(segment, *field.split("."))
+
+    return where
+
+
+def _env_source_where(scope: str, source: str, part: _ScopePart) -> _Where:
+    def where(field: str) -> str:
+        if field == "name":  # no key holds the name: point at the source's own keys
+            mine = part.sources[source.lower()].keys
+            return mine[0] if mine else _env_key(scope, source, "*")
+        return _env_key(scope, source, field)
+
+    return where
+
+
+# --------------------------------------------------------------------------- TOML
+
+
+def settings_from_toml(
+    path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None
+) -> Settings:
+    """Settings from a TOML file; ``env`` (default ``os.environ``) serves ``api_key_env``."""
+    label = os.fspath(path)
+    data = _read_toml(label)
+    return _build_settings(_parse_toml(data, label, os.environ if env is None else env))
+
+
+def _read_toml(label: str) -> dict[str, Any]:
+    try:
+        with open(label, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{label}: configuration file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{label}: cannot read the file ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{label}: invalid TOML ({exc})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{label}: the configuration file is not UTF-8") from None
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _join(path: str, key: str) -> str:
+    """A TOML dotted path, quoting keys that are not bare (``scopes."a.b"``)."""
+    key = key if _BARE_KEY.match(key) else json.dumps(key)
+    return f"{path}.{key}" if path else key
+
+
+def _parse_toml(data: dict[str, Any], file: str, env: Mapping[str, str]) -> _SettingsPart:
+    at = _toml_where(file, "")
+    settings = _SettingsPart(own=_Part(where=at), secrets=_harvest_secrets(data))
+    scopes = data.pop("scopes", {})
+    _toml_fields(settings.own, _schema(Settings), data, "", "top-level keys", extra=["scopes"])
+    for name, table in _toml_table(scopes, at("scopes")).items():
+        path = _join("scopes", name)
+        table = _toml_table(table, at(path))
+        settings.scopes[name] = _parse_toml_scope(table, file, path, env, settings)
+    return settings
+
+
+def _parse_toml_scope(
+    table: dict[str, Any], file: str, path: str, env: Mapping[str, str], settings: _SettingsPart
+) -> _ScopePart:
+    scope = _ScopePart(own=_Part(where=_toml_where(file, path)), label=f"{file}: {path}")
+    schema = _schema(Scope)
+    sources = table.pop("sources", {})
+    for group in schema.groups.keys() & table.keys():
+        gpath = _join(path, group)
+        part = scope.groups[group] = _Part(where=_toml_where(file, gpath))
+        gtable = _toml_table(table.pop(group), f"{file}: {gpath}")
+        _toml_fields(part, _schema(schema.groups[group]), gtable, gpath, f"{group} keys")
+    _toml_fields(scope.own, schema, table, path, "scope keys", extra=["sources", *schema.groups])
+    for label, spath, stable, by_key in _toml_sources(sources, file, _join(path, "sources")):
+        scope.sources[label] = _parse_toml_source(stable, file, spath, by_key, env, settings)
+    return scope
+
+
+def _toml_sources(
+    value: Any, file: str, path: str
+) -> Iterator[tuple[str, str, dict[str, Any], bool]]:
+    """``[scopes.x.sources.NAME]`` tables or ``[[scopes.x.sources]]`` with a ``name`` key.
+
+    Yields (unique label, TOML path, table with ``name``, whether the key names it).
+    """
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            ipath = f"{path}[{i}]"
+            table = _toml_table(item, f"{file}: {ipath}")
+            if "name" not in table:
+                raise ConfigError(f"{file}: {ipath}: a source in an array needs a name")
+            yield f"[{i}]", ipath, table, False
+        return
+    for name, table in _toml_table(value, f"{file}: {path}").items():
+        spath = _join(path, name)
+        table = _toml_table(table, f"{file}: {spath}")
+        if "name" in table:
+            where = f"{file}: {_join(spath, 'name')}"
+            raise ConfigError(f"{where}: the table key names the source; remove name")
+        yield spath, spath, {"name": name, **table}, True
+
+
+def _parse_toml_source(
+    table: dict[str, Any], file: str, path: str, named_by_key: bool,
+    env: Mapping[str, str], settings: _SettingsPart,
+) -> _Part:
+    where = _toml_where(file, path)
+    part = _Part(where=lambda f: f"{file}: {path}" if f == "name" and named_by_key else where(f))
+    part.values["name"] = table.pop("name")
+    for field in sorted(_schema(Source).secrets):
+        _secret_from_env(part, table, field, env, settings.secrets, where)
+    by_env = [f"{f}_env" for f in sorted(_schema(Source).secrets)]
+    _toml_fields(part, _schema(Source), table, path, "source fields", skip="name", extra=by_env)
+    return part
+
+
+def _secret_from_env(
+    part: _Part, table: dict[str, Any], field: str, env: Mapping[str, str],
+    secrets: set[str], where: _Where,
+) -> None:
+    """``api_key_env = "NAME"``: read the secret from the environment, not the file."""
+    key = f"{field}_env"
+    if key not in table:
+        return
+    var = _value_from_toml(str, table.pop(key), where(key))
+    if field in table:
+        raise ConfigError(f"{where(key)}: set {field} or {key}, not both")
+    value = env.get(var, "").strip()
+    if not value:
+        raise ConfigError(f"{where(key)}: environment variable {var} is not set")
+    secrets.add(value)
+    part.values[field] = value
+    part.keys.append(where(key))
+
+
+def _toml_fields(
+    part: _Part, schema: _Schema, table: dict[str, Any], path: str, what: str,
+    *, skip: str = "", extra: Iterable[str] = (),
+) -> None:
+    """Type-check each scalar of ``table`` into ``part``; unknown keys name their path."""
+    allowed = [f for f in schema.scalars if f != skip]
+    for key, value in table.items():
+        if key not in allowed:
+            raise _unknown(part.where(key), what, [*allowed, *extra], key)
+        part.values[key] = _value_from_toml(schema.scalars[key], value, part.where(key))
+        part.keys.append(part.where(key))
+
+
+def _toml_table(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a table, got {_what(value)}")
+    return dict(value)
+
+
+def _toml_where(file: str, path: str) -> _Where:
+    return lambda field: f"{file}: {_join_dotted(path, field)}"
+
+
+def _join_dotted(path: str, field: str) -> str:
+    for key in field.split("."):
+        path = _join(path, key)
+    return path
+
+
+def _harvest_secrets(node: Any, key: str = "") -> set[str]:
+    """Every secret-looking value in a TOML tree: secret fields and URL passwords."""
+    found: set[str] = set()
+    if isinstance(node, dict):
+        for k, v in node.items():
+            found |= _harvest_secrets(v, k)
+    elif isinstance(node, list):
+        for v in node:
+            found |= _harvest_secrets(v, key)
+    elif isinstance(node, str):
+        if key in _secret_field_names():
+            found.add(node)
+        password = _url_password(node)
+        if password:
+            found.add(password)
+    return found
+
+
+# --------------------------------------------------------------------------- session default
+
+
+def locate_config(env: Mapping[str, str] | None = None) -> str | None:
+    """The TOML file :func:`load_settings` reads, or None when it reads the environment."""
+    source = os.environ if env is None else env
+    named = source.get(CONFIG_ENV, "").strip()
+    if named:
+        return named
+    return DEFAULT_CONFIG_FILE if Path(DEFAULT_CONFIG_FILE).is_file() else None
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """What ``polygate.session()`` uses without settings.
+
+    ``POLYGATE_CONFIG`` (a TOML path) when set, else ``./polygate.toml`` when present,
+    else the ``POLYGATE__…`` keys.  Keys left unused beside a file are warned about,
+    since a user setting both probably expects the keys to count.
+    """
+    source = os.environ if env is None else env
+    path = locate_config(source)
+    if path is None:
+        return settings_from_env(source)
+    if source.get(CONFIG_ENV, "").strip() and not Path(path).is_file():
+        raise ConfigError(f"{CONFIG_ENV} names {path}, which is not a file")
+    settings = settings_from_toml(path, env=source)
+    ignored = sorted(k for k, v in source.items() if k.startswith(ENV_PREFIX) and v.strip())
+    if ignored:
+        warnings.warn(
+            f"configuration read from {path}; environment keys {', '.join(ignored)} are ignored",
+            ConfigWarning,
+            stacklevel=2,
+        )
+    return settings
+
+
+# --------------------------------------------------------------------------- describe
+
+
+def describe(settings: Settings) -> dict[str, Any]:
+    """A JSON-able nested dict of the resolved settings, secrets shown as ``"***"``.
+
+    Every field is listed, defaults included, so ``check-config`` shows what a
+    session will actually run with.
+    """
+    return _describe(settings)
+
+
+def _describe(obj: Any) -> dict[str, Any]:
+    """Scalars first, then nested groups, then sources/scopes: reads top-down."""
+    fields = sorted(attrs.fields(type(obj)), key=lambda f: _depth(getattr(obj, f.name)))
+    return {f.name: _describe_value(f, getattr(obj, f.name)) for f in fields}
+
+
+def _depth(value: Any) -> int:
+    if attrs.has(type(value)):
+        return 1
+    return 2 if isinstance(value, (tuple, dict)) else 0
+
+
+def _describe_value(field: attrs.Attribute[Any], value: Any) -> Any:
+    if _is_secret(field):
+        return None if value is None else "***"
+    if attrs.has(type(value)):
+        return _describe(value)
+    if isinstance(value, tuple):
+        return [_describe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _describe(v) for k, v in value.items()}
+    if isinstance(value, str):
+        return mask_url(value)
+    return value

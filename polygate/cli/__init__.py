@@ -1,0 +1,54 @@
+"""The ``polygate`` command line: one argparse subcommand per module.
+
+Each subcommand lives in ``polygate/cli/_<name>.py`` and exposes
+``add_parser(subparsers)`` and ``run(args) -> int``.  :data:`SUBCOMMANDS` is the one
+place that lists them, so adding ``demo``, ``stats`` or ``chat`` is one module plus
+one line here.  Modules keep heavy or optional imports inside ``run`` so that
+``polygate --help`` stays fast and works without the extras installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from typing import Protocol, cast
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+
+#: Module names under ``polygate.cli`` (without the leading underscore), in help order.
+SUBCOMMANDS: tuple[str, ...] = ("check_config",)
+
+
+class _Subcommand(Protocol):
+    def add_parser(
+        self, subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
+    ) -> argparse.ArgumentParser: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser; each subcommand's parser records its ``run`` as ``args.run``."""
+    parser = argparse.ArgumentParser(
+        prog="polygate", description="polygate: a trio-native LLM gateway library."
+    )
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        module = cast(_Subcommand, importlib.import_module(f"{__name__}._{name}"))
+        module.add_parser(subparsers).set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand and return its exit status (2 for usage errors)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed by argparse
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    run = cast("Callable[[argparse.Namespace], int] | None", getattr(args, "run", None))
+    if run is None:
+        parser.print_help()
+        return 2
+    return run(args)

@@ -1,0 +1,91 @@
+"""``polygate check-config``: load the configuration a session would use and show it.
+
+Prints every resolved setting (defaults included) with secrets masked, and any
+:class:`ConfigWarning`.  Exit status 0 when the configuration is valid, 2 with the
+:class:`ConfigError` message on stderr (no traceback) when it is not — so it can run
+in CI or a container's start script before the application does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from .._config import ConfigWarning, Settings
+from .._config_load import describe, load_settings, locate_config, settings_from_toml
+from .._errors import ConfigError
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "check-config",
+        help="validate the configuration and print it with secrets masked",
+        description=(
+            "Load the configuration polygate.session() would use (POLYGATE_CONFIG, "
+            "./polygate.toml, or POLYGATE__* environment keys) or the given TOML file, "
+            "and print it with secrets masked. Exit status 2 when it is invalid."
+        ),
+    )
+    parser.add_argument("--config", metavar="PATH", help="a TOML file to check instead")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    origin = args.config or locate_config() or "environment (POLYGATE__* keys)"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigWarning)
+        try:
+            settings = _load(args.config)
+        except ConfigError as exc:
+            print(f"polygate check-config: invalid configuration: {exc}", file=sys.stderr)
+            return 2
+    notes = [str(w.message) for w in caught]
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
+    if args.json:
+        report = {"source": origin, "settings": describe(settings), "warnings": notes}
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"configuration from {origin}: valid")
+        print(_table(describe(settings)))
+    return 0
+
+
+def _load(path: str | None) -> Settings:
+    return settings_from_toml(path) if path else load_settings()
+
+
+def _table(described: dict[str, Any]) -> str:
+    """Dotted paths (as in TOML) and values, aligned; sources keyed by their name."""
+    rows = list(_rows(described, ""))
+    width = max(len(path) for path, _ in rows)
+    return "\n".join(f"  {path:<{width}}  {value}" for path, value in rows)
+
+
+def _rows(node: Any, path: str) -> Iterator[tuple[str, str]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _rows(value, f"{path}.{key}" if path else key)
+    elif isinstance(node, list):
+        for item in node:
+            rest = {k: v for k, v in item.items() if k != "name"}
+            yield from _rows(rest, f"{path}.{item['name']}")
+    else:
+        yield path, _show(node)
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

@@ -1,0 +1,206 @@
+"""``polygate check-config``: exit 0 and a masked listing when valid, 2 and a message when not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from polygate._config_load import describe, settings_from_toml
+from polygate.cli import SUBCOMMANDS, main
+
+KEY = "sk-test-SECRET-1234567890"
+REDIS_PW = "redis-PASSWORD-42"
+URL_PW = "url-PASSWORD-77"
+ROOT = Path(__file__).resolve().parent.parent
+
+VALID = f"""
+backend = "redis://:{REDIS_PW}@localhost:6379/0"
+[scopes.chat]
+call_deadline_s = 120
+[scopes.chat.hedge]
+after_s = 8.0
+[scopes.chat.sources.a]
+base_url = "http://127.0.0.1:8001/v1"
+api_key = "{KEY}"
+[scopes.chat.sources.b]
+base_url = "http://user:{URL_PW}@127.0.0.1:8002/v1"
+api_key_env = "CHECK_CONFIG_TEST_KEY"
+"""
+
+SINGLE = """
+[scopes.chat.hedge]
+after_s = 8.0
+[scopes.chat.sources.a]
+base_url = "http://127.0.0.1:8001/v1"
+"""
+
+INVALID = f"""
+[scopes.chat.sources.a]
+base_url = "http://127.0.0.1:8001/v1"
+api_key = "{KEY}"
+timeout_s = -1
+"""
+
+
+@pytest.fixture
+def clean(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty working directory, no polygate keys, the test secret in the env."""
+    for key in list(os.environ):
+        if key.startswith("POLYGATE"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("CHECK_CONFIG_TEST_KEY", KEY)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def write(directory: Path, text: str, name: str = "polygate.toml") -> str:
+    path = directory / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def assert_no_secret(*texts: str) -> None:
+    for text in texts:
+        for secret in (KEY, REDIS_PW, URL_PW):
+            assert secret not in text
+
+
+def test_valid_file_prints_a_masked_table(clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(clean, VALID, "conf.toml")
+    assert main(["check-config", "--config", path]) == 0
+    out, err = capsys.readouterr()
+    assert_no_secret(out, err)
+    assert f"configuration from {path}: valid" in out
+    assert "scopes.chat.sources.a.api_key" in out
+    assert "scopes.chat.hedge.after_s" in out
+    assert "redis://:***@localhost:6379/0" in out
+    assert "http://user:***@127.0.0.1:8002/v1" in out
+    assert err == ""
+
+
+def test_json_output(clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(clean, VALID, "conf.toml")
+    assert main(["check-config", "--config", path, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert_no_secret(out, err)
+    report = json.loads(out)
+    assert report["source"] == path
+    assert report["warnings"] == []
+    assert report["settings"] == describe(settings_from_toml(path))
+
+
+def test_invalid_exits_2_without_traceback(clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(clean, INVALID, "bad.toml")
+    assert main(["check-config", "--config", path]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "scopes.chat.sources.a.timeout_s" in err
+    assert "must be a finite number > 0" in err
+    assert "Traceback" not in err
+    assert_no_secret(out, err)
+
+
+def test_missing_file(clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", "--config", "absent.toml"]) == 2
+    assert "absent.toml: configuration file not found" in capsys.readouterr().err
+
+
+def test_warnings_are_printed(clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(clean, SINGLE, "single.toml")
+    assert main(["check-config", "--config", path]) == 0
+    _, err = capsys.readouterr()
+    assert "warning: " in err
+    assert "scopes.chat" in err
+    assert "single source" in err
+    assert main(["check-config", "--config", path, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["warnings"]) == 1
+    assert "single source" in report["warnings"][0]
+
+
+def test_default_reads_local_file(clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write(clean, VALID)
+    assert main(["check-config"]) == 0
+    out, err = capsys.readouterr()
+    assert "configuration from polygate.toml: valid" in out
+    assert_no_secret(out, err)
+
+
+def test_default_reads_polygate_config(
+    clean: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(clean, VALID, "elsewhere.toml")
+    monkeypatch.setenv("POLYGATE_CONFIG", path)
+    assert main(["check-config", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == path
+
+
+def test_default_reads_environment(
+    clean: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("POLYGATE__CHAT__A__BASE_URL", "http://127.0.0.1:8001/v1")
+    monkeypatch.setenv("POLYGATE__CHAT__A__API_KEY", KEY)
+    monkeypatch.setenv("POLYGATE__BACKEND", f"redis://:{REDIS_PW}@localhost:6379/0")
+    assert main(["check-config"]) == 0
+    out, err = capsys.readouterr()
+    assert "environment" in out
+    assert "scopes.chat.sources.a.api_key" in out
+    assert_no_secret(out, err)
+
+
+def test_environment_typo(
+    clean: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("POLYGATE__CHAT__A__BASE_URL", "http://127.0.0.1:8001/v1")
+    monkeypatch.setenv("POLYGATE__CHAT__A__TIMEOUT", "30")
+    assert main(["check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "POLYGATE__CHAT__A__TIMEOUT" in err
+    assert "did you mean TIMEOUT_S?" in err
+
+
+def test_nothing_configured(clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "no polygate configuration found" in err
+    assert "POLYGATE_CONFIG" in err
+
+
+def test_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "check_config" in SUBCOMMANDS
+    assert main([]) == 2
+    assert "check-config" in capsys.readouterr().out
+    assert main(["--help"]) == 0
+    assert main(["no-such-command"]) == 2
+    assert main(["check-config", "--bogus"]) == 2
+
+
+def run_module(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("POLYGATE")}
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "polygate", *args],
+        cwd=cwd, env={**base, "PYTHONPATH": pythonpath, **env},
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+def test_python_dash_m(tmp_path: Path) -> None:
+    env = {"POLYGATE__CHAT__A__BASE_URL": "http://127.0.0.1:8001/v1",
+           "POLYGATE__CHAT__A__API_KEY": KEY}
+    done = run_module("check-config", cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "scopes.chat.sources.a.api_key" in done.stdout
+    assert_no_secret(done.stdout, done.stderr)
+
+    bad = run_module("check-config", cwd=tmp_path,
+                     env={**env, "POLYGATE__CHAT__A__RPM": "2.5"})
+    assert bad.returncode == 2
+    assert "POLYGATE__CHAT__A__RPM" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert_no_secret(bad.stdout, bad.stderr)

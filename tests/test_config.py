@@ -1,0 +1,309 @@
+"""Settings built as Python objects: validators, assembly guards, reprs that hide secrets.
+
+The same configurations built from the environment and from TOML are in
+``test_config_load.py``; this module checks the attrs classes alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from polygate._config import (
+    RESERVED_SEGMENTS,
+    ConfigWarning,
+    FieldError,
+    Hedge,
+    Retry,
+    Scope,
+    Settings,
+    Source,
+    StreamWatch,
+    mask_url,
+)
+from polygate._errors import ConfigError
+
+KEY = "sk-test-SECRET-1234567890"
+REDIS_PW = "redis-PASSWORD-42"
+URL_PW = "url-PASSWORD-77"
+
+
+def src(name: str = "a", **kw: Any) -> Source:
+    return Source(name=name, base_url=f"http://127.0.0.1:800{ord(name[0]) % 10}/v1", **kw)
+
+
+def pair(**kw: Any) -> list[Source]:
+    return [src("a", **kw), src("b", **kw)]
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def test_defaults_match_the_spec() -> None:
+    s = Source(name="a", base_url="http://h/v1")
+    assert (s.api_key, s.model, s.timeout_s, s.ttft_timeout_s) == (None, None, 300, None)
+    assert (s.rpm, s.tpm, s.max_in_flight, s.weight, s.streaming) == (None, None, None, 1.0, True)
+    assert Hedge() == Hedge(after_s=None, max_extra=1, stall_after_s=None, budget_ratio=0.1,
+                            budget_burst=10, after_quantile=None, min_after_s=None,
+                            max_after_s=None)
+    assert not Hedge().enabled
+    assert Retry() == Retry(max_attempts=3, backoff_base_s=0.25, backoff_max_s=8.0,
+                            rate_limit_wait_s=60)
+    assert StreamWatch() == StreamWatch(stall_timeout_s=None, stall_threshold_ms=2000)
+    scope = Scope(sources=[s])
+    assert (scope.hedge, scope.retry, scope.stream, scope.call_deadline_s) == (
+        Hedge(), Retry(), StreamWatch(), None)
+    settings = Settings(scopes={"chat": scope})
+    assert (settings.backend, settings.telemetry) == ("memory", "off")
+
+
+def test_config_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        src(timeout_s=-1)
+
+
+# --------------------------------------------------------------------------- bad values
+
+BAD_VALUES: list[tuple[type, str, Any]] = [
+    # (class, field, value) — each must raise a ConfigError naming the field
+    *[(Source, "timeout_s", v) for v in (-1, 0, math.nan, math.inf, "30", True, None, 10**400)],
+    *[(Source, "ttft_timeout_s", v) for v in (0, -0.5, math.nan, "x", False)],
+    *[(Source, "weight", v) for v in (0, -1, math.inf, "1")],
+    *[(Source, f, v) for f in ("rpm", "tpm", "max_in_flight") for v in (2.5, 0, -3, True, "10")],
+    *[(Source, "streaming", v) for v in (1, "yes", None)],
+    *[(Source, "model", v) for v in ("", 3)],
+    *[(Source, "api_key", v) for v in ("", 3, "sk-a\nb")],
+    *[(Source, "base_url", v) for v in ("127.0.0.1:8000/v1", "localhost", "ftp://h/v1",
+                                        "http://", "http://h:99999/v1", 3)],
+    *[(Source, "name", v) for v in ("", "a b", "a__b", "-a", 3)],
+    *[(Source, "name", v) for seg in RESERVED_SEGMENTS for v in (seg, seg.lower())],
+    *[(Hedge, "after_s", v) for v in (0, -1, math.nan, "8", True)],
+    *[(Hedge, "max_extra", v) for v in (0, 4, 1.5, True, "2")],
+    *[(Hedge, "stall_after_s", v) for v in (0, math.inf)],
+    *[(Hedge, "budget_ratio", v) for v in (1.5, -0.1, math.nan, True)],
+    *[(Hedge, "budget_burst", v) for v in (0, -1)],
+    *[(Hedge, "after_quantile", v) for v in (1.0, 0, 0.0, -0.5, math.nan, True)],
+    *[(Hedge, f, v) for f in ("min_after_s", "max_after_s") for v in (0, -2)],
+    *[(Retry, "max_attempts", v) for v in (0, 2.5, True)],
+    *[(Retry, f, v) for f in ("backoff_base_s", "rate_limit_wait_s") for v in (-1, math.nan)],
+    *[(StreamWatch, "stall_timeout_s", v) for v in (0, -1)],
+    *[(StreamWatch, "stall_threshold_ms", v) for v in (0, math.inf)],
+]
+
+
+def build_with(cls: type, field: str, value: Any) -> Any:
+    if cls is Source:
+        kw: dict[str, Any] = {"name": "a", "base_url": "http://h/v1", field: value}
+        return Source(**kw)
+    return cls(**{field: value})
+
+
+@pytest.mark.parametrize(("cls", "field", "value"), BAD_VALUES)
+def test_bad_value_raises_config_error_naming_the_field(cls: type, field: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_with(cls, field, value)
+    assert isinstance(info.value, FieldError)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw", "field"),
+    [
+        (Hedge, {"min_after_s": 5, "max_after_s": 2}, "min_after_s"),
+        (Retry, {"backoff_base_s": 2, "backoff_max_s": 1}, "backoff_max_s"),
+    ],
+)
+def test_cross_field_checks(cls: type, kw: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        cls(**kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "problem"),
+    [
+        ({"sources": []}, "non-empty"),
+        ({"sources": [src("a"), src("a")]}, "appears twice"),
+        ({"sources": ["a"]}, "Source objects"),
+        ({"sources": [src()], "call_deadline_s": 0}, "call_deadline_s"),
+        ({"sources": [src()], "embed_batch_size": 2.5}, "embed_batch_size"),
+        ({"sources": [src()], "completion_estimate_tokens": -1}, "completion_estimate_tokens"),
+        ({"sources": [src()], "hedge": {"after_s": 1}}, "hedge"),
+    ],
+)
+def test_bad_scope(kw: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        Scope(**kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "problem"),
+    [
+        ({"scopes": {}}, "non-empty"),
+        ({"scopes": {"a b": Scope(sources=[src()])}}, "scope name"),
+        ({"scopes": {"hedge": Scope(sources=[src()])}}, "reserved"),
+        ({"scopes": {"chat": "x"}}, "must be a Scope"),
+        ({"backend": "redis//localhost"}, "backend"),
+        ({"backend": "postgresql://h/db"}, "backend"),
+        ({"telemetry": "mysql://h/db"}, "telemetry"),
+        ({"telemetry": "sqlite:/relative.db"}, "telemetry"),
+        ({"max_body_bytes": 0}, "max_body_bytes"),
+        ({"max_line_bytes": 2.5}, "max_line_bytes"),
+        ({"dead_cooldown_s": math.nan}, "dead_cooldown_s"),
+        ({"log_content": "yes"}, "log_content"),
+    ],
+)
+def test_bad_settings(kw: dict[str, Any], problem: str) -> None:
+    kw.setdefault("scopes", {"chat": Scope(sources=[src()])})
+    with pytest.raises(ConfigError, match=problem):
+        Settings(**kw)
+
+
+@pytest.mark.parametrize(
+    "url", ["memory", "redis://localhost:6379/0", f"rediss://:{REDIS_PW}@h:6380/1"]
+)
+def test_good_backends(url: str) -> None:
+    assert Settings(scopes={"c": Scope(sources=[src()])}, backend=url).backend == url
+
+
+@pytest.mark.parametrize("url", ["off", "sqlite:///tmp/x.db", "postgresql://u@h/db"])
+def test_good_telemetry(url: str) -> None:
+    assert Settings(scopes={"c": Scope(sources=[src()])}, telemetry=url).telemetry == url
+
+
+# --------------------------------------------------------------------------- assembly guards
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"sources": pair(timeout_s=10), "hedge": Hedge(after_s=10)}, "hedge.after_s"),
+        ({"sources": [src("a", timeout_s=5), src("b")], "hedge": Hedge(after_s=8)}, "hedge.after_s"),
+        ({"sources": pair(), "hedge": Hedge(after_s=8), "call_deadline_s": 8}, "hedge.after_s"),
+        ({"sources": pair(), "hedge": Hedge(after_quantile=0.9, max_after_s=300)},
+         "hedge.max_after_s"),
+    ],
+)
+def test_assembly_errors(kw: dict[str, Any], field: str) -> None:
+    with pytest.raises(FieldError) as info:
+        Scope(**kw)
+    assert info.value.field == field
+
+
+def test_ttft_below_after_s_warns() -> None:
+    with pytest.warns(ConfigWarning, match="ttft_timeout_s"):
+        Scope(sources=[src("a", ttft_timeout_s=5), src("b")], hedge=Hedge(after_s=8))
+
+
+@pytest.mark.parametrize("hedge", [Hedge(after_s=8), Hedge(after_quantile=0.95)])
+def test_single_source_hedging_warns(hedge: Hedge) -> None:
+    with pytest.warns(ConfigWarning, match="single source"):
+        Scope(sources=[src()], hedge=hedge)
+
+
+def test_sane_hedging_is_silent() -> None:
+    # filterwarnings = error: any warning here fails the test.
+    scope = Scope(sources=pair(ttft_timeout_s=20), hedge=Hedge(after_s=8), call_deadline_s=120)
+    assert scope.hedge.enabled
+
+
+def test_single_source_without_hedging_is_silent() -> None:
+    Scope(sources=[src()])
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def secret_settings() -> Settings:
+    sources = [
+        src("a", api_key=KEY),
+        Source(name="b", base_url=f"http://user:{URL_PW}@127.0.0.1:8002/v1", api_key=KEY),
+    ]
+    return Settings(
+        scopes={"chat": Scope(sources=sources)},
+        backend=f"redis://:{REDIS_PW}@localhost:6379/0",
+        telemetry=f"postgresql://app:{REDIS_PW}@db/telemetry",
+    )
+
+
+def test_reprs_hide_secrets() -> None:
+    settings = secret_settings()
+    scope = settings.scopes["chat"]
+    for text in (repr(settings), str(settings), repr(scope), repr(scope.sources[0]),
+                 repr(scope.sources[1]), str(scope.sources)):
+        for secret in (KEY, REDIS_PW, URL_PW):
+            assert secret not in text
+    assert "api_key='***'" in repr(scope.sources[0])
+    assert "redis://:***@localhost:6379/0" in repr(settings)
+
+
+def test_secrets_lists_keys_and_backend_passwords() -> None:
+    assert set(secret_settings().secrets()) >= {KEY, REDIS_PW}
+
+
+@pytest.mark.parametrize(
+    ("kw", "secret"),
+    [
+        ({"backend": f"http://:{REDIS_PW}@h/0"}, REDIS_PW),
+        ({"backend": f"redis//:{REDIS_PW}@h/0"}, REDIS_PW),
+        ({"backend": f"redis://:{REDIS_PW}@h:port/0"}, REDIS_PW),
+        ({"telemetry": f"mysql://u:{REDIS_PW}@h/db"}, REDIS_PW),
+        ({"telemetry": f"u:{REDIS_PW}@h/db"}, REDIS_PW),
+    ],
+)
+def test_url_errors_hide_passwords(kw: dict[str, Any], secret: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings(scopes={"c": Scope(sources=[src()])}, **kw)
+    assert secret not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "secret"),
+    [
+        (f"ftp://u:{URL_PW}@h/v1", URL_PW),
+        (f"u:{URL_PW}@h/v1", URL_PW),
+        (f"http:/u:{URL_PW}@h/v1", URL_PW),
+    ],
+)
+def test_base_url_errors_hide_passwords(url: str, secret: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Source(name="a", base_url=url)
+    assert secret not in str(info.value)
+
+
+def test_api_key_errors_never_echo_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        Source(name="a", base_url="http://h", api_key=f"{KEY}\nmore")
+    assert KEY not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("http://h/v1", "http://h/v1"),
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://user:pw@h/0", "redis://user:***@h/0"),
+        ("user:pw@h/v1", "***@h/v1"),
+        ("http://h/v1/@models", "http://h/v1/@models"),
+        ("http://[::1", "<unparseable URL>"),
+    ],
+)
+def test_mask_url(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+
+
+@given(st.from_regex(r"[A-Za-z0-9._~-]{4,30}", fullmatch=True))
+def test_mask_url_hides_any_password(password: str) -> None:
+    for url in (f"redis://:{password}@host:6379/0", f"x:{password}@host/v1"):
+        assert password not in mask_url(url).replace("host", "").replace("6379", "")
+
+
+def test_settings_are_frozen() -> None:
+    settings = secret_settings()
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        settings.backend = "memory"  # type: ignore[misc]

@@ -1,0 +1,798 @@
+"""The three ways of configuring — Python objects, environment keys, TOML — agree.
+
+Every configuration here is written once, TOML-shaped (``{"scopes": {"chat":
+{"sources": {"a": {...}}}}}``), and built three ways by the ``build`` fixture; an
+error must name the field (objects), the key (``POLYGATE__CHAT__A__RPM``) or the TOML
+path (``scopes.chat.sources.a.rpm``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+from polygate._config import (
+    ConfigWarning,
+    Hedge,
+    Retry,
+    Scope,
+    Settings,
+    Source,
+    StreamWatch,
+)
+from polygate._config_load import (
+    describe,
+    load_settings,
+    locate_config,
+    settings_from_env,
+    settings_from_toml,
+)
+from polygate._errors import ConfigError
+
+Config = dict[str, Any]
+Build = Callable[[Config], Settings]
+
+KEY = "sk-test-SECRET-1234567890"
+REDIS_PW = "redis-PASSWORD-42"
+URL_PW = "url-PASSWORD-77"
+URL_A = "http://127.0.0.1:8001/v1"
+URL_B = "http://127.0.0.1:8002/v1"
+SECRETS = (KEY, REDIS_PW, URL_PW)
+
+
+# --------------------------------------------------------------------------- the harness
+
+
+def two_sources(**chat: Any) -> Config:
+    """A valid base: scope chat with sources a and b."""
+    return {"scopes": {"chat": {"sources": {"a": {"base_url": URL_A}, "b": {"base_url": URL_B}},
+                                **chat}}}
+
+
+def with_values(config: Config, **paths: Any) -> Config:
+    """A copy with ``scopes__chat__sources__a__rpm=2`` style assignments (``__`` = ``.``)."""
+    out = copy.deepcopy(config)
+    for dotted, value in paths.items():
+        *parents, last = dotted.split("__")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return out
+
+
+def to_objects(config: Config) -> Settings:
+    scopes = {}
+    for name, table in config["scopes"].items():
+        table = dict(table)
+        sources = [Source(name=n, **fields) for n, fields in table.pop("sources").items()]
+        groups: dict[str, Any] = {g: cls(**table.pop(g)) for g, cls in
+                  (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch)) if g in table}
+        scopes[name] = Scope(sources=sources, **groups, **table)
+    top = {k: v for k, v in config.items() if k != "scopes"}
+    return Settings(scopes=scopes, **top)
+
+
+def env_key(path: str) -> str:
+    """``scopes.chat.sources.a.rpm`` → ``POLYGATE__CHAT__A__RPM``."""
+    parts = path.split(".")
+    if parts[0] == "scopes":
+        parts = parts[1:]
+        if len(parts) > 1 and parts[1] == "sources":
+            del parts[1]
+    return "POLYGATE__" + "__".join(p.upper() for p in parts)
+
+
+def env_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def leaves(node: Config, path: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in node.items():
+        here = f"{path}.{key}" if path else key
+        if isinstance(value, dict):
+            yield from leaves(value, here)
+        else:
+            yield here, value
+
+
+def to_env(config: Config) -> dict[str, str]:
+    return {env_key(path): env_text(value) for path, value in leaves(config)}
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def to_toml(node: Config, path: str = "") -> str:
+    scalars = [f"{k} = {toml_value(v)}" for k, v in node.items() if not isinstance(v, dict)]
+    lines = [f"[{path}]", *scalars] if path and scalars else scalars
+    tables = [to_toml(v, f"{path}.{k}" if path else k)
+              for k, v in node.items() if isinstance(v, dict)]
+    return "\n".join([*lines, *tables]) + "\n"
+
+
+def write(tmp_path: Path, text: str, name: str = "polygate.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+WAYS = ["objects", "env", "toml"]
+
+
+def builder(way: str, tmp_path: Path) -> Build:
+    if way == "objects":
+        return to_objects
+    if way == "env":
+        return lambda config: settings_from_env(to_env(config))
+    return lambda config: settings_from_toml(write(tmp_path, to_toml(config)), env={})
+
+
+@pytest.fixture(params=WAYS)
+def way(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def build(way: str, tmp_path: Path) -> Build:
+    return builder(way, tmp_path)
+
+
+def name_in(way: str, path: str) -> str:
+    """How an error must name ``path`` when built ``way``."""
+    if way == "env":
+        return env_key(path)
+    if way == "toml":
+        return f"polygate.toml: {path}"
+    return path.rsplit(".", 1)[-1]
+
+
+def test_harness_writes_what_it_means(tmp_path: Path) -> None:
+    config = with_values(two_sources(), scopes__chat__hedge__after_s=8.0)
+    assert to_env(config)["POLYGATE__CHAT__HEDGE__AFTER_S"] == "8.0"
+    assert "[scopes.chat.hedge]\nafter_s = 8.0" in to_toml(config)
+
+
+# --------------------------------------------------------------------------- equal Settings
+
+FULL: Config = {
+    "backend": f"redis://:{REDIS_PW}@localhost:6379/0",
+    "telemetry": "sqlite:///tmp/polygate.db",
+    "max_body_bytes": 1000,
+    "max_line_bytes": 100,
+    "dead_cooldown_s": 60.5,
+    "log_content": True,
+    "scopes": {
+        "chat": {
+            "call_deadline_s": 120.0,
+            "embed_batch_size": 64,
+            "completion_estimate_tokens": 512,
+            "hedge": {"after_s": 8.0, "max_extra": 2, "stall_after_s": 5.0, "budget_ratio": 0.2,
+                      "budget_burst": 4.0, "after_quantile": 0.95, "min_after_s": 2.0,
+                      "max_after_s": 20.0},
+            "retry": {"max_attempts": 5, "backoff_base_s": 0.5, "backoff_max_s": 4.0,
+                      "rate_limit_wait_s": 30.0},
+            "stream": {"stall_timeout_s": 30.0, "stall_threshold_ms": 1500.0},
+            "sources": {
+                "a": {"base_url": URL_A, "api_key": KEY, "model": "m1", "timeout_s": 250.0,
+                      "ttft_timeout_s": 60.0, "rpm": 600, "tpm": 100000, "max_in_flight": 8,
+                      "weight": 2.5, "streaming": False},
+                "b": {"base_url": URL_B, "model": "m1"},
+            },
+        },
+        "embed": {"sources": {"e": {"base_url": "https://embed.example/v1", "weight": 1.0}}},
+    },
+}
+
+EQUAL_CASES = {
+    "minimal": {"scopes": {"chat": {"sources": {"a": {"base_url": URL_A}}}}},
+    "spec example": with_values(
+        two_sources(call_deadline_s=120.0, hedge={"after_s": 8.0}),
+        scopes__chat__sources__a__api_key=KEY, scopes__chat__sources__a__model="m1",
+        scopes__chat__sources__a__timeout_s=300.0, scopes__chat__sources__b__model="m1",
+    ),
+    "full": FULL,
+    "ints for floats": with_values(two_sources(), scopes__chat__sources__a__timeout_s=30,
+                                   scopes__chat__hedge__after_s=8, dead_cooldown_s=5),
+    "postgres telemetry": with_values(two_sources(),
+                                      telemetry=f"postgresql://app:{REDIS_PW}@db:5432/t"),
+}
+
+
+@pytest.mark.parametrize("case", EQUAL_CASES)
+def test_three_ways_build_equal_settings(case: str, tmp_path: Path) -> None:
+    config = EQUAL_CASES[case]
+    built = [builder(way, tmp_path)(config) for way in WAYS]
+    assert built[0] == built[1] == built[2]
+
+
+def test_full_case_sets_every_field() -> None:
+    """Reminds whoever adds a settings field to add it to the equality table."""
+    scope, source = FULL["scopes"]["chat"], FULL["scopes"]["chat"]["sources"]["a"]
+    tables: list[tuple[type, dict[str, Any], set[str]]] = [
+        (Settings, FULL, {"scopes"}),
+        (Scope, scope, {"sources", "hedge", "retry", "stream"}),
+        (Source, source, {"name"}),
+        (Hedge, scope["hedge"], set()),
+        (Retry, scope["retry"], set()),
+        (StreamWatch, scope["stream"], set()),
+    ]
+    for cls, table, structural in tables:
+        missing = {f.name for f in attrs.fields(cls)} - set(table) - structural
+        assert not missing, f"{cls.__name__} fields not covered: {missing}"
+    for cls, table, structural in tables:
+        for field in attrs.fields(cls):
+            if field.name not in structural:
+                assert table[field.name] != field.default, (cls.__name__, field.name)
+
+
+def test_classmethods_delegate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = EQUAL_CASES["spec example"]
+    for key, value in to_env(config).items():
+        monkeypatch.setenv(key, value)
+    assert Settings.from_env() == Settings.from_env(to_env(config)) == to_objects(config)
+    assert Settings.from_toml(str(write(tmp_path, to_toml(config)))) == to_objects(config)
+
+
+@hsettings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    timeout=st.floats(min_value=1e-3, max_value=1e6, allow_nan=False),
+    rpm=st.integers(min_value=1, max_value=2**40),
+    weight=st.floats(min_value=1e-6, max_value=1e6),
+    streaming=st.booleans(),
+)
+def test_numbers_round_trip_every_way(
+    tmp_path: Path, timeout: float, rpm: int, weight: float, streaming: bool
+) -> None:
+    config = with_values(two_sources(), scopes__chat__sources__a__timeout_s=timeout,
+                         scopes__chat__sources__a__rpm=rpm,
+                         scopes__chat__sources__a__weight=weight,
+                         scopes__chat__sources__a__streaming=streaming)
+    built = [builder(way, tmp_path)(config) for way in WAYS]
+    assert built[0] == built[1] == built[2]
+
+
+# --------------------------------------------------------------------------- bad values
+
+A = "scopes.chat.sources.a"
+BAD: list[tuple[str, Any]] = [
+    # (TOML path, value) — invalid however written
+    *[(f"{A}.timeout_s", v) for v in (-1, 0, math.nan, math.inf, "abc", True)],
+    *[(f"{A}.ttft_timeout_s", v) for v in (0, -2.5, math.nan)],
+    *[(f"{A}.weight", v) for v in (0, -1, math.inf, "heavy")],
+    *[(f"{A}.{f}", v) for f in ("rpm", "tpm", "max_in_flight") for v in (2.5, 0, -3, True, "ten")],
+    *[(f"{A}.streaming", v) for v in (2, "maybe")],
+    *[(f"{A}.base_url", v) for v in ("127.0.0.1:8000/v1", "localhost", "ftp://h/v1",
+                                     "http://h:99999/v1")],
+    *[("scopes.chat.hedge.after_s", v) for v in (-1, 0, math.nan, "soon", True)],
+    *[("scopes.chat.hedge.max_extra", v) for v in (0, 4, 1.5, True)],
+    *[("scopes.chat.hedge.stall_after_s", v) for v in (0, math.inf)],
+    *[("scopes.chat.hedge.budget_ratio", v) for v in (1.5, -0.1, math.nan)],
+    ("scopes.chat.hedge.budget_burst", 0),
+    *[("scopes.chat.hedge.after_quantile", v) for v in (1.0, 0.0, -0.5, 2)],
+    ("scopes.chat.hedge.min_after_s", 0),
+    *[("scopes.chat.retry.max_attempts", v) for v in (0, 2.5, False)],
+    *[("scopes.chat.retry.backoff_base_s", v) for v in (-1, math.nan)],
+    ("scopes.chat.retry.backoff_max_s", 0.1),  # below the default backoff_base_s
+    ("scopes.chat.retry.rate_limit_wait_s", -5),
+    ("scopes.chat.stream.stall_timeout_s", 0),
+    ("scopes.chat.stream.stall_threshold_ms", -1),
+    *[("scopes.chat.call_deadline_s", v) for v in (0, math.nan, "1m")],
+    *[("scopes.chat.embed_batch_size", v) for v in (0, 2.5)],
+    ("scopes.chat.completion_estimate_tokens", -1),
+    *[("backend", v) for v in ("redis//localhost", "postgresql://h/db", "mem")],
+    *[("telemetry", v) for v in ("mysql://h/db", "sqlite:/relative.db", "on")],
+    *[("max_body_bytes", v) for v in (0, 2.5)],
+    ("max_line_bytes", -1),
+    ("dead_cooldown_s", math.nan),
+    ("log_content", "sometimes"),
+]
+
+
+@pytest.mark.parametrize(("path", "value"), BAD, ids=[f"{p}={v!r}" for p, v in BAD])
+def test_bad_value_names_the_key(build: Build, way: str, path: str, value: Any) -> None:
+    config = with_values(two_sources(), **{path.replace(".", "__"): value})
+    with pytest.raises(ConfigError) as info:
+        build(config)
+    assert name_in(way, path) in str(info.value)
+
+
+def test_messages_say_what_is_wrong(tmp_path: Path) -> None:
+    cases: list[tuple[str, Any, str, str]] = [
+        # path, value, the env message says, the TOML message says
+        (f"{A}.rpm", 2.5, "expected a whole number, got '2.5'", "got a float (2.5)"),
+        (f"{A}.timeout_s", "abc", "expected a number, got 'abc'", "without quotes"),
+        (f"{A}.timeout_s", True, "expected a number, got 'true'", "got a boolean"),
+        (f"{A}.timeout_s", math.nan, "finite", "finite"),
+        ("scopes.chat.hedge.max_extra", 4, "[1, 3]", "[1, 3]"),
+        ("log_content", "sometimes", "true/false/1/0/yes/no", "expected true or false"),
+    ]
+    for path, value, env_says, toml_says in cases:
+        config = with_values(two_sources(), **{path.replace(".", "__"): value})
+        with pytest.raises(ConfigError, match=None) as info:
+            builder("env", tmp_path)(config)
+        assert env_says in str(info.value)
+        with pytest.raises(ConfigError) as info:
+            builder("toml", tmp_path)(config)
+        assert toml_says in str(info.value)
+
+
+@pytest.mark.parametrize("reserved", ["hedge", "retry", "stream", "call_deadline_s"])
+def test_reserved_segment_as_source_name(build: Build, way: str, reserved: str) -> None:
+    config = with_values(two_sources(), **{f"scopes__chat__sources__{reserved}__base_url": URL_A})
+    with pytest.raises(ConfigError) as info:
+        build(config)
+    expected = {
+        "objects": "reserved",
+        "env": f"POLYGATE__CHAT__{reserved.upper()}__BASE_URL",
+        "toml": f"scopes.chat.sources.{reserved}",
+    }[way]
+    assert expected in str(info.value)
+    assert "reserved" in str(info.value)
+
+
+def test_duplicate_source_names(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'a' appears twice"):
+        Scope(sources=[Source(name="a", base_url=URL_A), Source(name="a", base_url=URL_B)])
+    text = f"""
+[[scopes.chat.sources]]
+name = "a"
+base_url = "{URL_A}"
+[[scopes.chat.sources]]
+name = "a"
+base_url = "{URL_B}"
+"""
+    with pytest.raises(ConfigError, match=r"polygate.toml: scopes\.chat\.sources: .*'a' appears twice"):
+        settings_from_toml(write(tmp_path, text))
+    # The environment cannot spell a duplicate: keys are unique, and upper case.
+    with pytest.raises(ConfigError, match="upper case"):
+        settings_from_env({"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CHAT__a__BASE_URL": URL_B})
+
+
+# --------------------------------------------------------------------------- assembly guards
+
+GUARD_ERRORS = {
+    "after_s >= min(timeout_s)": (
+        with_values(two_sources(hedge={"after_s": 10.0}), scopes__chat__sources__b__timeout_s=10.0),
+        "scopes.chat.hedge.after_s", "smallest source timeout_s",
+    ),
+    "after_s >= call_deadline_s": (
+        two_sources(hedge={"after_s": 30.0}, call_deadline_s=20.0),
+        "scopes.chat.hedge.after_s", "call_deadline_s",
+    ),
+    "max_after_s >= min(timeout_s)": (
+        two_sources(hedge={"after_quantile": 0.9, "max_after_s": 400.0}),
+        "scopes.chat.hedge.max_after_s", "timeout_s",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", GUARD_ERRORS)
+def test_assembly_errors(build: Build, way: str, case: str) -> None:
+    config, path, problem = GUARD_ERRORS[case]
+    with pytest.raises(ConfigError) as info:
+        build(config)
+    message = str(info.value)
+    assert problem in message
+    assert (path.split(".", 2)[2] if way == "objects" else name_in(way, path)) in message
+
+
+GUARD_WARNINGS = {
+    "after_s >= min(ttft_timeout_s)": (
+        with_values(two_sources(hedge={"after_s": 8.0}), scopes__chat__sources__a__ttft_timeout_s=5.0),
+        "scopes.chat.hedge.after_s", "ttft_timeout_s",
+    ),
+    "single source, after_s": (
+        {"scopes": {"chat": {"sources": {"a": {"base_url": URL_A}}, "hedge": {"after_s": 8.0}}}},
+        "scopes.chat", "single source",
+    ),
+    "single source, after_quantile": (
+        {"scopes": {"chat": {"sources": {"a": {"base_url": URL_A}},
+                             "hedge": {"after_quantile": 0.9}}}},
+        "scopes.chat", "single source",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", GUARD_WARNINGS)
+def test_assembly_warnings(build: Build, way: str, case: str) -> None:
+    config, path, problem = GUARD_WARNINGS[case]
+    with pytest.warns(ConfigWarning, match=problem) as record:
+        settings = build(config)
+    assert isinstance(settings, Settings)
+    message = str(record[0].message)
+    if way == "env":
+        assert env_key(path) in message
+    elif way == "toml":
+        assert f"polygate.toml: {path}" in message
+
+
+def test_warning_points_at_the_caller(tmp_path: Path) -> None:
+    config = GUARD_WARNINGS["single source, after_s"][0]
+    with pytest.warns(ConfigWarning) as record:
+        settings_from_env(to_env(config))
+    assert record[0].filename == __file__
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def test_no_keys_at_all() -> None:
+    for env in ({}, {"PATH": "/bin"}, {"POLYGATE__CHAT__A__BASE_URL": "  "}):
+        with pytest.raises(ConfigError) as info:
+            settings_from_env(env)
+        message = str(info.value)
+        assert "no polygate configuration found" in message
+        for hint in ("POLYGATE_CONFIG", "./polygate.toml", "POLYGATE__"):
+            assert hint in message
+
+
+def test_empty_value_is_unset() -> None:
+    env = {"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CHAT__A__TIMEOUT_S": "",
+           "POLYGATE__CHAT__B__MODEL": ""}
+    scope = settings_from_env(env).scopes["chat"]
+    assert [s.name for s in scope.sources] == ["a"]
+    assert scope.sources[0].timeout_s == 300
+
+
+def test_values_are_stripped() -> None:
+    env = {"POLYGATE__CHAT__A__BASE_URL": f" {URL_A}\n", "POLYGATE__CHAT__A__RPM": " 60 "}
+    source = settings_from_env(env).scopes["chat"].sources[0]
+    assert (source.base_url, source.rpm) == (URL_A, 60)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("true", True), ("TRUE", True), ("1", True), ("yes", True), ("Yes", True),
+     ("false", False), ("0", False), ("no", False), ("NO", False)],
+)
+def test_env_booleans(text: str, value: bool) -> None:
+    env = {"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CHAT__A__STREAMING": text,
+           "POLYGATE__LOG_CONTENT": text}
+    settings = settings_from_env(env)
+    assert settings.scopes["chat"].sources[0].streaming is value
+    assert settings.log_content is value
+
+
+def test_env_names_are_lower_cased_and_sources_sorted() -> None:
+    env = {"POLYGATE__CHAT__ZED__BASE_URL": URL_B, "POLYGATE__CHAT__MY_SRC__BASE_URL": URL_A,
+           "POLYGATE__EMBED__E-1__BASE_URL": URL_A}
+    settings = settings_from_env(env)
+    assert sorted(settings.scopes) == ["chat", "embed"]
+    assert [s.name for s in settings.scopes["chat"].sources] == ["my_src", "zed"]
+    assert settings.scopes["embed"].sources[0].name == "e-1"
+
+
+UNKNOWN_KEYS = {
+    "POLYGATE__CHAT__A__TIMEOUT": "did you mean TIMEOUT_S?",
+    "POLYGATE__CHAT__HEDGE__AFTER": "did you mean AFTER_S?",
+    "POLYGATE__CHAT__RETRY__MAX_ATTEMPT": "did you mean MAX_ATTEMPTS?",
+    "POLYGATE__CHAT__STREAM__STALL_TIMEOUT": "did you mean STALL_TIMEOUT_S?",
+    "POLYGATE__CHAT__TIMEOUT_S": "scope keys are CALL_DEADLINE_S",
+    "POLYGATE__CHAT__CALL_DEADLINE": "did you mean CALL_DEADLINE_S?",
+    "POLYGATE__TELEMETRYY": "did you mean TELEMETRY?",
+    "POLYGATE__CHAT__A__NAME": "source fields are BASE_URL",
+    "POLYGATE__CHAT__A__B__BASE_URL": "too many segments",
+    "POLYGATE__CHAT__HEDGE__BASE_URL": "HEDGE is reserved",
+    "POLYGATE__CHAT__CALL_DEADLINE_S__BASE_URL": "CALL_DEADLINE_S is a scope setting",
+    "POLYGATE__Chat__A__BASE_URL": "upper case",
+}
+
+
+@pytest.mark.parametrize("key", UNKNOWN_KEYS)
+def test_unknown_env_keys(key: str) -> None:
+    env = {"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CHAT__B__BASE_URL": URL_B, key: "1"}
+    with pytest.raises(ConfigError) as info:
+        settings_from_env(env)
+    assert key in str(info.value)
+    assert UNKNOWN_KEYS[key] in str(info.value)
+
+
+def test_missing_base_url_names_the_key() -> None:
+    env = {"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CHAT__B__MODEL": "m1",
+           "POLYGATE__CHAT__B__API_KEY": KEY}
+    with pytest.raises(ConfigError, match="POLYGATE__CHAT__B__BASE_URL is missing") as info:
+        settings_from_env(env)
+    assert KEY not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "key", ["POLYGATE__CHAT__HEDGE__AFTER_S", "POLYGATE__CHAT__RETRY__MAX_ATTEMPTS",
+            "POLYGATE__CHAT__CALL_DEADLINE_S"],
+)
+def test_scope_without_sources(key: str) -> None:
+    env = {"POLYGATE__EMBED__E__BASE_URL": URL_A, key: "3"}
+    with pytest.raises(ConfigError, match="scope 'chat' has no sources") as info:
+        settings_from_env(env)
+    assert key in str(info.value)
+    assert "POLYGATE__CHAT__{SOURCE}__BASE_URL" in str(info.value)
+
+
+def test_only_top_level_keys() -> None:
+    with pytest.raises(ConfigError, match=r"no scope is configured.*POLYGATE__BACKEND"):
+        settings_from_env({"POLYGATE__BACKEND": "memory"})
+
+
+def test_other_prefixes_are_ignored() -> None:
+    env = {"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE_CONFIG": "", "POLYGATEX__Y": "1",
+           "OTHER": "x"}
+    assert settings_from_env(env).scopes["chat"].sources[0].base_url == URL_A
+
+
+# --------------------------------------------------------------------------- TOML
+
+
+def test_toml_array_of_sources_equals_tables(tmp_path: Path) -> None:
+    tables = f"""
+[scopes.chat.sources.a]
+base_url = "{URL_A}"
+rpm = 60
+[scopes.chat.sources.b]
+base_url = "{URL_B}"
+"""
+    arrays = f"""
+[[scopes.chat.sources]]
+name = "a"
+base_url = "{URL_A}"
+rpm = 60
+[[scopes.chat.sources]]
+name = "b"
+base_url = "{URL_B}"
+"""
+    one = settings_from_toml(write(tmp_path, tables, "t.toml"))
+    two = settings_from_toml(write(tmp_path, arrays, "a.toml"))
+    assert one == two == to_objects(with_values(two_sources(), scopes__chat__sources__a__rpm=60))
+
+
+TOML_ERRORS = {
+    "unknown top-level key": ("backendd = 'memory'\n", "polygate.toml: backendd",
+                              "did you mean backend?"),
+    "unknown scope key": ("[scopes.chat]\ntimeout_s = 3\n", "scopes.chat.timeout_s",
+                          "scope keys are"),
+    "unknown source key": ("[scopes.chat.sources.a]\ntimeout = 3\n", "scopes.chat.sources.a.timeout",
+                           "did you mean timeout_s?"),
+    "unknown hedge key": ("[scopes.chat.hedge]\nafter = 3\n", "scopes.chat.hedge.after",
+                          "did you mean after_s?"),
+    "unknown retry key": ("[scopes.chat.retry]\nattempts = 3\n", "scopes.chat.retry.attempts",
+                          "retry keys are"),
+    "scopes not a table": ("scopes = 5\n", "polygate.toml: scopes", "expected a table"),
+    "scope not a table": ("[scopes]\nchat = 5\n", "scopes.chat", "expected a table"),
+    "hedge not a table": ("[scopes.chat]\nhedge = 8\n", "scopes.chat.hedge", "expected a table"),
+    "sources not a table": ("[scopes.chat]\nsources = 'a'\n", "scopes.chat.sources",
+                            "expected a table"),
+    "source not a table": ("[scopes.chat.sources]\na = 'x'\n", "scopes.chat.sources.a",
+                           "expected a table"),
+    "array source without name": ("[[scopes.chat.sources]]\nbase_url = 'http://h'\n",
+                                  "scopes.chat.sources[0]", "needs a name"),
+    "name key in a table source": ("[scopes.chat.sources.a]\nname = 'a'\nbase_url = 'http://h'\n",
+                                   "scopes.chat.sources.a.name", "table key names the source"),
+    "missing base_url": ("[scopes.chat.sources.a]\nmodel = 'm'\n",
+                         "scopes.chat.sources.a.base_url is missing", "no base_url"),
+    "no sources": ("[scopes.chat.hedge]\nafter_s = 3.0\n", "scopes.chat.sources", "no sources"),
+    "no scopes": ("backend = 'memory'\n", "polygate.toml: scopes", "no scope is configured"),
+    "empty file": ("", "polygate.toml: scopes", "no scope is configured"),
+    "bad scope name": ("[scopes.'a b'.sources.x]\nbase_url = 'http://h'\n", "polygate.toml: scopes",
+                       "scope name 'a b'"),
+    "bad source name": ('[scopes.chat.sources."a b"]\nbase_url = "http://h"\n',
+                        'scopes.chat.sources."a b"', "must be letters"),
+    "reserved upper case": ("[scopes.chat.sources.HEDGE]\nbase_url = 'http://h'\n",
+                            "scopes.chat.sources.HEDGE", "reserved"),
+    "number as string": ("[scopes.chat.sources.a]\nbase_url = 'http://h'\nrpm = '60'\n",
+                         "scopes.chat.sources.a.rpm", "without quotes"),
+    "string as bool": ("log_content = 'yes'\n", "polygate.toml: log_content", "true or false"),
+    "date as number": ("dead_cooldown_s = 1979-05-27\n", "dead_cooldown_s", "a date or time"),
+    "array as string": ("backend = ['memory']\n", "polygate.toml: backend", "an array"),
+    "syntax error": ("[scopes.chat\n", "polygate.toml: invalid TOML", "line 1"),
+}
+
+
+@pytest.mark.parametrize("case", TOML_ERRORS)
+def test_toml_errors_name_the_path(tmp_path: Path, case: str) -> None:
+    text, where, problem = TOML_ERRORS[case]
+    with pytest.raises(ConfigError) as info:
+        settings_from_toml(write(tmp_path, text))
+    assert where in str(info.value)
+    assert problem in str(info.value)
+
+
+def test_toml_file_errors_name_the_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match=r"nope\.toml: configuration file not found"):
+        settings_from_toml(missing)
+    with pytest.raises(ConfigError, match="cannot read"):
+        settings_from_toml(tmp_path)
+    binary = tmp_path / "latin1.toml"
+    binary.write_bytes(b"backend = '\xe9'\n")
+    with pytest.raises(ConfigError, match=r"latin1\.toml: (invalid TOML|.*not UTF-8)"):
+        settings_from_toml(binary)
+
+
+def test_api_key_env(tmp_path: Path) -> None:
+    text = f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\napi_key_env = 'CHAT_KEY'\n"
+    path = write(tmp_path, text)
+    settings = settings_from_toml(path, env={"CHAT_KEY": KEY})
+    assert settings.scopes["chat"].sources[0].api_key == KEY
+    with pytest.raises(ConfigError, match="api_key_env: environment variable CHAT_KEY is not set"):
+        settings_from_toml(path, env={})
+    with pytest.raises(ConfigError, match="not set"):
+        settings_from_toml(path, env={"CHAT_KEY": "  "})
+    both = write(tmp_path, text + f"api_key = '{KEY}'\n", "both.toml")
+    with pytest.raises(ConfigError, match="set api_key or api_key_env, not both") as info:
+        settings_from_toml(both, env={"CHAT_KEY": KEY})
+    assert KEY not in str(info.value)
+
+
+def test_api_key_env_defaults_to_os_environ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POLYGATE_TEST_CHAT_KEY", KEY)
+    text = f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\napi_key_env = 'POLYGATE_TEST_CHAT_KEY'\n"
+    assert settings_from_toml(write(tmp_path, text)).scopes["chat"].sources[0].api_key == KEY
+
+
+def test_api_key_env_bad_secret_is_not_echoed(tmp_path: Path) -> None:
+    text = f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\napi_key_env = 'K'\n"
+    with pytest.raises(ConfigError, match="api_key: must not contain line breaks") as info:
+        settings_from_toml(write(tmp_path, text), env={"K": f"{KEY}\r\nx"})
+    assert KEY not in str(info.value)
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def secret_config() -> Config:
+    return with_values(
+        two_sources(),
+        scopes__chat__sources__a__api_key=KEY,
+        scopes__chat__sources__b__base_url=f"http://user:{URL_PW}@127.0.0.1:8002/v1",
+        scopes__chat__sources__b__api_key=KEY,
+        backend=f"redis://:{REDIS_PW}@localhost:6379/0",
+        telemetry=f"postgresql://app:{REDIS_PW}@db/t",
+    )
+
+
+def assert_no_secret(text: str) -> None:
+    for secret in SECRETS:
+        assert secret not in text
+
+
+def test_describe_masks_secrets_and_lists_every_field(build: Build) -> None:
+    settings = build(secret_config())
+    described = describe(settings)
+    text = json.dumps(described)  # JSON-able
+    assert_no_secret(text)
+    assert_no_secret(repr(settings))
+    chat = described["scopes"]["chat"]
+    assert [s["api_key"] for s in chat["sources"]] == ["***", "***"]
+    assert chat["sources"][1]["base_url"] == "http://user:***@127.0.0.1:8002/v1"
+    assert described["backend"] == "redis://:***@localhost:6379/0"
+    assert set(described) == {f.name for f in attrs.fields(Settings)}
+    assert set(chat["hedge"]) == {f.name for f in attrs.fields(Hedge)}
+    assert set(chat["sources"][0]) == {f.name for f in attrs.fields(Source)}
+
+
+def test_describe_unset_secret_is_none() -> None:
+    described = describe(to_objects(two_sources()))
+    assert described["scopes"]["chat"]["sources"][0]["api_key"] is None
+
+
+SECRET_ERRORS: dict[str, dict[str, Any]] = {
+    "bad timeout beside secrets": {"scopes__chat__sources__a__timeout_s": -1},
+    "bad hedge beside secrets": {"scopes__chat__hedge__after_s": 400.0},
+    "api key with a line break": {"scopes__chat__sources__a__api_key": f"{KEY}\nmore"},
+    "backend with a bad scheme": {"backend": f"http://:{REDIS_PW}@h/0"},
+    "backend without ://": {"backend": f"redis//:{REDIS_PW}@h/0"},
+    "backend with a bad port": {"backend": f"redis://:{REDIS_PW}@h:port/0"},
+    "telemetry with a bad scheme": {"telemetry": f"mysql://u:{REDIS_PW}@h/db"},
+    "base_url with a bad scheme": {"scopes__chat__sources__b__base_url": f"ftp://u:{URL_PW}@h"},
+    "base_url without a scheme": {"scopes__chat__sources__b__base_url": f"u:{URL_PW}@h/v1"},
+}
+
+
+@pytest.mark.parametrize("case", SECRET_ERRORS)
+def test_errors_never_show_secrets(build: Build, case: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build(with_values(secret_config(), **SECRET_ERRORS[case]))
+    assert_no_secret(str(info.value))
+    assert_no_secret(repr(info.value))
+
+
+@pytest.mark.parametrize("way", ["env", "toml"])
+def test_missing_base_url_error_hides_secrets(way: str, tmp_path: Path) -> None:
+    config = with_values(secret_config(), scopes__chat__sources__c__api_key=KEY)
+    with pytest.raises(ConfigError, match=r"base_url is missing|BASE_URL is missing") as info:
+        builder(way, tmp_path)(config)
+    assert_no_secret(str(info.value))
+
+
+@hsettings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.from_regex(r"sk-[A-Za-z0-9_-]{8,40}", fullmatch=True))
+def test_any_api_key_stays_hidden(tmp_path: Path, key: str) -> None:
+    config = with_values(two_sources(), scopes__chat__sources__a__api_key=key)
+    for way in ("env", "toml"):
+        settings = builder(way, tmp_path)(config)
+        assert key not in repr(settings) + json.dumps(describe(settings))
+        bad = with_values(config, scopes__chat__sources__a__rpm="many")
+        with pytest.raises(ConfigError) as info:
+            builder(way, tmp_path)(bad)
+        assert key not in str(info.value)
+
+
+# --------------------------------------------------------------------------- load_settings
+
+
+@pytest.fixture
+def clean(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty working directory and no polygate keys in os.environ."""
+    for key in list(os.environ):
+        if key.startswith("POLYGATE"):
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_load_settings_prefers_polygate_config(clean: Path) -> None:
+    named = write(clean, to_toml(two_sources()), "named.toml")
+    write(clean, to_toml(FULL))  # ./polygate.toml, which POLYGATE_CONFIG overrides
+    assert locate_config({"POLYGATE_CONFIG": str(named)}) == str(named)
+    assert load_settings({"POLYGATE_CONFIG": str(named)}) == to_objects(two_sources())
+
+
+def test_load_settings_missing_named_file(clean: Path) -> None:
+    with pytest.raises(ConfigError, match=r"POLYGATE_CONFIG names .*absent\.toml"):
+        load_settings({"POLYGATE_CONFIG": str(clean / "absent.toml")})
+
+
+def test_load_settings_uses_local_file(clean: Path) -> None:
+    write(clean, to_toml(FULL))
+    assert locate_config({}) == "polygate.toml"
+    assert load_settings({}) == to_objects(FULL)
+
+
+def test_load_settings_falls_back_to_env(clean: Path) -> None:
+    env = to_env(two_sources())
+    assert locate_config(env) is None
+    assert load_settings(env) == to_objects(two_sources())
+    assert load_settings({**env, "POLYGATE_CONFIG": " "}) == to_objects(two_sources())
+
+
+def test_load_settings_defaults_to_os_environ(clean: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in to_env(two_sources()).items():
+        monkeypatch.setenv(key, value)
+    assert load_settings() == to_objects(two_sources())
+
+
+def test_load_settings_nothing_found(clean: Path) -> None:
+    with pytest.raises(ConfigError, match="no polygate configuration found"):
+        load_settings({})
+
+
+def test_load_settings_warns_about_ignored_keys(clean: Path) -> None:
+    write(clean, to_toml(two_sources()))
+    with pytest.warns(ConfigWarning, match="POLYGATE__CHAT__A__RPM are ignored"):
+        load_settings({"POLYGATE__CHAT__A__RPM": "5"})
+
+
+def test_load_settings_passes_env_to_api_key_env(clean: Path) -> None:
+    write(clean, f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\napi_key_env = 'K'\n")
+    assert load_settings({"K": KEY}).scopes["chat"].sources[0].api_key == KEY
