@@ -19,11 +19,15 @@ attempt's error.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import trio
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 from ._attempt import AttemptControl, run_chat_attempt, run_embed_attempt
 from ._backoff import full_jitter
@@ -110,7 +114,7 @@ async def _with_deadline(
 
 def _attach_stats(ctx: CallContext, exc: PolygateError) -> None:
     if getattr(exc, "call_stats", None) is None and hasattr(exc, "call_stats"):
-        exc.call_stats = call_stats(ctx, None, trio.current_time())  # type: ignore[attr-defined]
+        exc.call_stats = call_stats(ctx, None, trio.current_time())
 
 
 async def _retry_loop(
@@ -140,14 +144,15 @@ async def _retry_loop(
             return await Round(ctx, runner, forward=forward, demote=failed).run(admission)
         except RoundFailed as failure:
             round_errors = failure.errors
+            committed = failure.committed
         errors.extend(round_errors)
         for error in round_errors:
             if error.source in failed:
                 failed.remove(error.source)
             if error.source is not None:
                 failed.append(error.source)
-        if failure.committed is not None:
-            raise failure.committed
+        if committed is not None:
+            raise committed
         for error in round_errors:
             if isinstance(error, FatalUpstreamError):
                 raise error

@@ -33,7 +33,7 @@ class Usage:
             completion = 0
         if not all(_plausible(v) for v in (prompt, completion)):
             return None
-        total = payload.get("total_tokens")
+        total: Any = payload.get("total_tokens")
         if not _plausible(total):
             total = prompt + completion
         return cls(int(prompt), int(completion), int(total), "upstream")

@@ -112,7 +112,7 @@ class Governor:
         healths = [self._health[(scope_name, s.name)] for s in scope.sources]
         ref = reference_latency(healths)
         names = [s.name for s in scope.sources]
-        weights = [s.weight * h.score(ref) for s, h in zip(scope.sources, healths)]
+        weights = [s.weight * h.score(ref) for s, h in zip(scope.sources, healths, strict=True)]
         return pick_order(names, weights, self._rng, exclude=exclude, demote=demote)
 
     async def try_admit(
@@ -218,7 +218,7 @@ class Governor:
         for scope_name, scope in self._settings.scopes.items():
             healths = [self._health[(scope_name, s.name)] for s in scope.sources]
             ref = reference_latency(healths)
-            for source, health in zip(scope.sources, healths):
+            for source, health in zip(scope.sources, healths, strict=True):
                 state = await self.backend.snapshot(scope_name, source.name)
                 records.append(SourceStatistics(state, health.stats(ref)))
             budgets[scope_name] = await self.backend.budget_level(scope_name, scope.hedge.budget_burst)

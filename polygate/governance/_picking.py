@@ -73,7 +73,7 @@ def pick_order(
     names not excluded; names in ``demote`` come after all others, in the order they
     failed (least recently failed first)."""
     fresh: list[tuple[float, str]] = []
-    for name, weight in zip(names, weights):
+    for name, weight in zip(names, weights, strict=True):
         if name in exclude or name in demote:
             continue
         u = rng.random()

@@ -63,7 +63,7 @@ class _Choice:
     __slots__ = (
         "content", "extras", "finish_reason", "function_call", "index", "logprobs",
         "message_extras", "reasoning", "reasoning_name", "refusal", "role", "saw_content",
-        "saw_refusal", "tool_calls",
+        "tool_calls",
     )
 
     def __init__(self, index: int) -> None:
@@ -74,7 +74,6 @@ class _Choice:
         self.reasoning: list[str] = []
         self.reasoning_name: str | None = None
         self.refusal: list[str] = []
-        self.saw_refusal = False
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.function_call: dict[str, Any] | None = None
         self.finish_reason: str | None = None
@@ -111,11 +110,9 @@ class _Choice:
                 self.reasoning.append(value)
                 if self.reasoning_name is None:
                     self.reasoning_name = name
-        if "refusal" in delta:
-            self.saw_refusal = True
-            refusal = delta["refusal"]
-            if isinstance(refusal, str) and refusal:
-                self.refusal.append(refusal)
+        refusal = delta.get("refusal")
+        if isinstance(refusal, str) and refusal:
+            self.refusal.append(refusal)
         tool_calls = delta.get("tool_calls")
         if isinstance(tool_calls, list):
             for call in tool_calls:
@@ -167,8 +164,8 @@ class _Choice:
             message["content"] = None
         else:
             message["content"] = ""
-        if self.saw_refusal:
-            message["refusal"] = "".join(self.refusal) if self.refusal else None
+        # OpenAI's non-streamed message always carries "refusal" (null when none).
+        message["refusal"] = "".join(self.refusal) if self.refusal else None
         if self.reasoning:
             text = "".join(self.reasoning)
             message["reasoning_content"] = text

@@ -60,31 +60,42 @@ class Timeline:
 
 
 class _CappedStream(httpx.AsyncByteStream):
-    """Guards memory: the whole body and each line (bytes since the last newline)."""
+    """Guards memory: the whole body and each line (bytes since the last newline).
+
+    A class-based iterator rather than an async generator, so stopping early leaves
+    no half-run generator of ours for the garbage collector.
+    """
 
     def __init__(self, inner: httpx.AsyncByteStream, limits: Limits, source: str) -> None:
         self._inner = inner
-        self._limits = limits
+        self._iterator: Any = None
+        self._max_body = limits.max_body_bytes
+        self._max_line = limits.max_line_bytes
         self._source = source
+        self._total = 0
+        self._since_newline = 0
 
-    async def __aiter__(self) -> Any:
-        total = 0
-        since_newline = 0
-        max_body = self._limits.max_body_bytes
-        max_line = self._limits.max_line_bytes
-        async for chunk in self._inner:
-            total += len(chunk)
-            if total > max_body:
-                raise TransientUpstreamError(
-                    f"stream exceeds the {max_body}-byte body cap", source=self._source
-                )
-            cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
-            since_newline = since_newline + len(chunk) if cut < 0 else len(chunk) - cut - 1
-            if since_newline > max_line:
-                raise TransientUpstreamError(
-                    f"an SSE line exceeds the {max_line}-byte line cap", source=self._source
-                )
-            yield chunk
+    def __aiter__(self) -> _CappedStream:
+        self._iterator = self._inner.__aiter__()
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk: bytes = await self._iterator.__anext__()
+        self._total += len(chunk)
+        if self._total > self._max_body:
+            raise TransientUpstreamError(
+                f"stream exceeds the {self._max_body}-byte body cap", source=self._source
+            )
+        cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if cut < 0:
+            self._since_newline += len(chunk)
+        else:
+            self._since_newline = len(chunk) - cut - 1
+        if self._since_newline > self._max_line:
+            raise TransientUpstreamError(
+                f"an SSE line exceeds the {self._max_line}-byte line cap", source=self._source
+            )
+        return chunk
 
     async def aclose(self) -> None:
         await self._inner.aclose()

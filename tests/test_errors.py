@@ -1,0 +1,114 @@
+"""The error taxonomy: every status and exception maps to exactly one class."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+import polygate
+from polygate._errors import (
+    Outcome,
+    classify_exception,
+    classify_status,
+    error_status,
+    redact,
+)
+
+STATUS_TABLE = [
+    (400, polygate.FatalUpstreamError, Outcome.FATAL),
+    (405, polygate.FatalUpstreamError, Outcome.FATAL),
+    (413, polygate.FatalUpstreamError, Outcome.FATAL),
+    (422, polygate.FatalUpstreamError, Outcome.FATAL),
+    (401, polygate.SourceDeadError, Outcome.DEAD),
+    (403, polygate.SourceDeadError, Outcome.DEAD),
+    (404, polygate.SourceDeadError, Outcome.DEAD),
+    (429, polygate.RateLimitedError, Outcome.RATE_LIMITED),
+    (408, polygate.TransientUpstreamError, Outcome.TRANSIENT),
+    (409, polygate.TransientUpstreamError, Outcome.TRANSIENT),
+    (425, polygate.TransientUpstreamError, Outcome.TRANSIENT),
+    (500, polygate.TransientUpstreamError, Outcome.TRANSIENT),
+    (502, polygate.TransientUpstreamError, Outcome.TRANSIENT),
+    (503, polygate.TransientUpstreamError, Outcome.TRANSIENT),
+    (504, polygate.TransientUpstreamError, Outcome.TRANSIENT),
+    (529, polygate.TransientUpstreamError, Outcome.TRANSIENT),
+    (302, polygate.TransientUpstreamError, Outcome.TRANSIENT),
+]
+
+
+@pytest.mark.parametrize(("status", "cls", "outcome"), STATUS_TABLE)
+def test_status_table(status: int, cls: type, outcome: Outcome) -> None:
+    error = classify_status(status, "detail", source="a", retry_after_s=2.0)
+    assert type(error) is cls
+    assert error.outcome is outcome
+    assert error.status_code == status
+    assert error.source == "a"
+    assert isinstance(error, polygate.UpstreamError)
+    assert isinstance(error, polygate.PolygateError)
+
+
+def test_every_status_maps_to_one_class() -> None:
+    leaves = (
+        polygate.FatalUpstreamError, polygate.SourceDeadError,
+        polygate.TransientUpstreamError, polygate.RateLimitedError,
+    )
+    for status in range(300, 600):
+        error = classify_status(status, "")
+        assert sum(type(error) is cls for cls in leaves) == 1
+
+
+EXCEPTION_TABLE = [
+    (httpx.ConnectError("refused"), Outcome.TRANSIENT),
+    (httpx.ReadError("reset"), Outcome.TRANSIENT),
+    (httpx.RemoteProtocolError("peer closed"), Outcome.TRANSIENT),
+    (httpx.WriteError("broken pipe"), Outcome.TRANSIENT),
+    (httpx.ConnectTimeout("t"), Outcome.TIMEOUT),
+    (httpx.ReadTimeout("t"), Outcome.TIMEOUT),
+    (httpx.PoolTimeout("t"), Outcome.TIMEOUT),
+    (ValueError("Expecting value"), Outcome.TRANSIENT),
+    (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"), Outcome.TRANSIENT),
+    (KeyError("choices"), Outcome.TRANSIENT),
+    (RuntimeError("weird"), Outcome.TRANSIENT),
+]
+
+
+@pytest.mark.parametrize(("exc", "outcome"), EXCEPTION_TABLE)
+def test_exception_table(exc: Exception, outcome: Outcome) -> None:
+    error = classify_exception(exc, source="a")
+    assert type(error) is polygate.TransientUpstreamError
+    assert error.outcome is outcome
+
+
+def test_upstream_errors_pass_through() -> None:
+    error = polygate.FatalUpstreamError("x")
+    assert classify_exception(error) is error
+
+
+@pytest.mark.parametrize(
+    ("payload", "status"),
+    [
+        ({"error": {"code": 400, "message": "x"}}, 400),
+        ({"error": {"code": "tool_use_failed", "status_code": 400}}, 400),
+        ({"error": {"code": "429"}}, 429),
+        ({"object": "error", "code": 400, "message": "m"}, 400),
+        ({"error": {"code": "invalid_api_key"}}, None),
+        ({"error": {"code": True}}, None),
+        ({"error": "boom"}, None),
+        ("not a dict", None),
+    ],
+)
+def test_error_status(payload: object, status: int | None) -> None:
+    assert error_status(payload) == status
+
+
+def test_special_classes() -> None:
+    assert issubclass(polygate.StreamStalled, polygate.TransientUpstreamError)
+    assert issubclass(polygate.StreamStalled, TimeoutError)
+    assert issubclass(polygate.DeadlineExceeded, TimeoutError)
+    assert issubclass(polygate.ConfigError, ValueError)
+    for name in ("AllSourcesExhausted", "GovernanceBackendError", "DeadlineExceeded", "ConfigError"):
+        assert issubclass(getattr(polygate, name), polygate.PolygateError)
+
+
+def test_redact() -> None:
+    assert redact("key sk-abcdef was wrong", ("sk-abcdef",)) == "key *** was wrong"
+    assert redact("abc", ("",)) == "abc"

@@ -1,0 +1,58 @@
+"""The public surface is deliberate: a name appearing or disappearing fails here."""
+
+from __future__ import annotations
+
+import polygate
+
+PUBLIC = {
+    # SPEC §1 (pinned)
+    "session", "Settings", "Scope", "Source", "Hedge", "Retry", "StreamWatch",
+    "PolygateError", "ConfigError", "FatalUpstreamError", "SourceDeadError",
+    "TransientUpstreamError", "RateLimitedError", "StreamStalled", "DeadlineExceeded",
+    "AllSourcesExhausted", "GovernanceBackendError",
+    "ChatResponse", "EmbeddingResponse", "CallStats",
+    # additions
+    "ConfigWarning", "UpstreamError", "Session", "SessionStatistics", "ChatStream",
+    "StreamChunk", "Usage",
+}
+
+
+def test_public_names() -> None:
+    assert set(polygate.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert hasattr(polygate, name)
+
+
+def test_module_names_are_public() -> None:
+    for name in polygate.__all__:
+        obj = getattr(polygate, name)
+        assert obj.__module__ == "polygate", name
+
+
+def test_callstats_fields_pinned() -> None:
+    import attrs
+
+    fields = {f.name for f in attrs.fields(polygate.CallStats)}
+    assert fields == {
+        "logical_call_id", "attempts", "hedges", "hedge_won", "source", "total_latency_ms",
+        "generation_ms", "ttft_ms", "stall_ms", "stall_count", "active_generation_ms", "cached",
+    }
+
+
+def test_settings_fields_pinned() -> None:
+    import attrs
+
+    def names(cls: type) -> list[str]:
+        return [f.name for f in attrs.fields(cls)]
+
+    assert names(polygate.Settings)[:3] == ["scopes", "backend", "telemetry"]
+    assert names(polygate.Scope)[:5] == ["sources", "hedge", "retry", "stream", "call_deadline_s"]
+    assert names(polygate.Source)[:11] == [
+        "name", "base_url", "api_key", "model", "timeout_s", "ttft_timeout_s", "rpm", "tpm",
+        "max_in_flight", "weight", "streaming"]
+    assert names(polygate.Hedge)[:8] == [
+        "after_s", "max_extra", "stall_after_s", "budget_ratio", "budget_burst",
+        "after_quantile", "min_after_s", "max_after_s"]
+    assert names(polygate.Retry)[:4] == [
+        "max_attempts", "backoff_base_s", "backoff_max_s", "rate_limit_wait_s"]
+    assert names(polygate.StreamWatch)[:2] == ["stall_timeout_s", "stall_threshold_ms"]

@@ -1,0 +1,58 @@
+"""Backoff and Retry-After parsing (pure functions)."""
+
+from __future__ import annotations
+
+import email.utils
+import random
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from polygate._backoff import full_jitter
+from polygate.transport import parse_retry_after
+from polygate.transport._wire import RETRY_AFTER_CAP_S
+
+
+@given(st.integers(min_value=0, max_value=200), st.floats(0, 10), st.floats(0, 100), st.integers())
+def test_full_jitter_bounds(failures: int, base: float, cap: float, seed: int) -> None:
+    value = full_jitter(failures, base, max(cap, base), random.Random(seed))
+    assert 0 <= value <= max(cap, base)
+    if failures == 0:
+        assert value == 0
+
+
+def test_full_jitter_grows() -> None:
+    rng = random.Random(1)
+    means = [sum(full_jitter(n, 0.25, 8.0, rng) for _ in range(2000)) / 2000 for n in (1, 2, 3, 4)]
+    assert means == sorted(means)
+    assert means[0] == pytest.approx(0.125, rel=0.1)
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"retry-after": "3"}, 3.0),
+        ({"retry-after": "1.5"}, 1.5),
+        ({"retry-after-ms": "250"}, 0.25),
+        ({"retry-after-ms": "250", "retry-after": "9"}, 0.25),
+        ({"retry-after-ms": "garbage", "retry-after": "9"}, 9.0),
+        ({"retry-after": "-4"}, None),
+        ({"retry-after": "nan"}, None),
+        ({"retry-after": "inf"}, None),
+        ({"retry-after": "soon"}, None),
+        ({"retry-after": "86400"}, RETRY_AFTER_CAP_S),
+        ({}, None),
+    ],
+)
+def test_retry_after(headers: dict[str, str], expected: float | None) -> None:
+    assert parse_retry_after(headers) == expected
+
+
+def test_retry_after_http_date() -> None:
+    when = email.utils.formatdate(time.time() + 30, usegmt=True)
+    value = parse_retry_after({"retry-after": when})
+    assert value is not None and 25 <= value <= 31
+    past = email.utils.formatdate(time.time() - 30, usegmt=True)
+    assert parse_retry_after({"retry-after": past}) == 0.0
