@@ -21,3 +21,27 @@ def one_source_settings(**scope: Any) -> polygate.Settings:
             )
         }
     )
+
+
+# Weights that make picking practically deterministic: "a" first (P(b first) ~ 1e-9).
+FIRST_A = {"a": 1.0, "b": 1e-9, "c": 1e-9}
+
+
+def two_source_settings(
+    *,
+    source_kw: dict[str, Any] | None = None,
+    names: tuple[str, ...] = ("a", "b"),
+    weights: dict[str, float] | None = None,
+    **scope: Any,
+) -> polygate.Settings:
+    """Sources named after hosts (``http://a/v1``…) so a testing.Router can serve them."""
+    kw = source_kw or {}
+    w = weights or {}
+    sources = [
+        polygate.Source(name=n, base_url=f"http://{n}/v1", api_key=SECRET, weight=w.get(n, 1.0), **kw)
+        for n in names
+    ]
+    return polygate.Settings(scopes={"chat": polygate.Scope(sources=sources, **scope)})
+
+
+MESSAGES = [{"role": "user", "content": "hello there"}]

@@ -1,0 +1,125 @@
+"""Broken upstream bytes give a typed error within their timeout — never a hang, a bare
+traceback, lost accounting or a leaked secret."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import MESSAGES, SECRET
+
+
+def _settings(**source: object) -> polygate.Settings:
+    return polygate.Settings(
+        scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET, **source)],  # type: ignore[arg-type]
+            retry=polygate.Retry(max_attempts=1),
+        )},
+        max_body_bytes=1024 * 1024,
+        max_line_bytes=64 * 1024,
+    )
+
+
+async def _single_error(reply: Reply, **source: object) -> polygate.UpstreamError:
+    up = FakeUpstream(reply)
+    async with polygate.session(_settings(**source), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+        stats = await s.statistics()
+    (src,) = stats.governance.sources
+    assert src.state.in_flight == 0
+    assert src.state.tokens_reserved == 0
+    assert up.in_flight == 0
+    (error,) = info.value.errors
+    return error
+
+
+CASES = [
+    (Reply(fault="html"), "not JSON"),
+    (Reply(fault="no_choices"), "no choices"),
+    (Reply(fault="no_choices", stream=False), "no choices"),
+    (Reply(fault="malformed_json", fault_after=2), "malformed"),
+    (Reply(fault="truncated", fault_after=3), "truncated"),
+    (Reply(fault="reset", fault_after=3), "transport error"),
+    (Reply(fault="oversized", oversized_bytes=200 * 1024, fault_after=1), "line cap"),
+    (Reply(fault="oversized", oversized_bytes=4 * 1024 * 1024, stream=False), "cap"),
+    (Reply(fault="error_event", fault_after=2, error_event_code=500), "error event"),
+    (Reply(status=500), "HTTP 500"),
+]
+
+
+@pytest.mark.parametrize(("reply", "needle"), CASES)
+async def test_bad_bytes_are_transient(
+    reply: Reply, needle: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    error = await _single_error(reply)
+    assert isinstance(error, polygate.TransientUpstreamError)
+    assert needle in str(error)
+
+
+async def test_silent_200_hits_the_ttft_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    error = await _single_error(Reply(fault="silent"), ttft_timeout_s=7)
+    assert isinstance(error, polygate.TransientUpstreamError)
+    assert trio.current_time() == pytest.approx(7)
+
+
+async def test_silent_200_hits_the_attempt_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    error = await _single_error(Reply(fault="silent"), timeout_s=30)
+    assert "timeout_s" in str(error)
+    assert trio.current_time() == pytest.approx(30)
+
+
+async def test_truncated_json_body(autojump_clock: trio.testing.MockClock) -> None:
+    error = await _single_error(Reply(fault="truncated", stream=False))
+    assert isinstance(error, polygate.TransientUpstreamError)
+
+
+async def test_stream_with_finish_but_no_done_is_complete(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    body = (
+        b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    )
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    async with polygate.session(_settings(), transport=httpx.MockTransport(handler)) as s:
+        r = await s.chat(MESSAGES)
+    assert r.text == "hi" and r.finish_reason == "stop"
+
+
+async def test_secret_never_appears_anywhere(
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    echo = {"error": {"message": f"Incorrect API key provided: {SECRET}", "code": 401}}
+    texts: list[str] = []
+    for reply in (Reply(status=401, error_body=echo), Reply(status=400, error_body=echo),
+                  Reply(fault="error_event", fault_after=1, error_event_code=401),
+                  Reply(fault="html"), Reply(status=429, error_body=echo)):
+        up = FakeUpstream(reply)
+        async with polygate.session(_settings(), transport=Router({"a": up})) as s:
+            texts.append(repr(s))
+            try:
+                await s.chat(MESSAGES, call_deadline_s=5)
+            except polygate.PolygateError as exc:
+                texts += [str(exc), repr(exc)]
+                texts += [f"{e!s} {e!r}" for e in getattr(exc, "errors", [])]
+            texts.append(repr(await s.statistics()))
+    texts.append(repr(_settings()))
+    out = capsys.readouterr()
+    texts += [out.out, out.err, caplog.text]
+    assert any("Incorrect API key" in t for t in texts)  # the upstream message is kept...
+    for text in texts:
+        assert SECRET not in text  # ...without the key

@@ -1,0 +1,346 @@
+"""Logical calls through the fake transport under MockClock: retries, deadlines,
+timeouts, watchdogs, statistics.  Times asserted here are exact virtual times."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import FIRST_A, MESSAGES, SECRET, one_source_settings, two_source_settings
+
+
+def _router(**upstreams: FakeUpstream) -> Router:
+    return Router(upstreams)
+
+
+async def test_success_statistics_exact(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(first_token_s=1.5, inter_token_s=0.1, tokens=10, stall_at=5, stall_s=3.0))
+    async with polygate.session(one_source_settings(), transport=_router(a=up)) as s:
+        r = await s.chat(MESSAGES)
+    st = r.call_stats
+    assert r.text.count(" ") >= 1
+    assert st.attempts == 1 and st.hedges == 0 and not st.hedge_won
+    assert st.source == "a"
+    assert st.ttft_ms == pytest.approx(1500)
+    # 10 tokens: first at 1.5, then every 0.1, token 5 delayed by 3.0
+    assert st.stall_count == 1
+    assert st.stall_ms == pytest.approx(3100)
+    # span 0.9 + 3.0 s, minus the one 3.1 s gap: 0.8 s of decoding
+    assert st.active_generation_ms == pytest.approx(800)
+    assert st.generation_ms == pytest.approx(1500 + 900 + 3000)
+    assert st.total_latency_ms == pytest.approx(st.generation_ms)
+    assert r.usage is not None and r.usage.completion_tokens == 10
+
+
+async def test_failover_to_other_source_on_5xx(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(status=500))
+    b = FakeUpstream(Reply())
+    async with polygate.session(two_source_settings(), transport=_router(a=a, b=b)) as s:
+        for _ in range(5):
+            r = await s.chat(MESSAGES)
+            assert r.source == "b"
+            assert r.call_stats.attempts in (1, 2)
+    assert all(req.path.endswith("/chat/completions") for req in b.requests)
+
+
+async def test_fatal_error_raised_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(status=400))
+    b = FakeUpstream(Reply(status=400))
+    async with polygate.session(two_source_settings(), transport=_router(a=a, b=b)) as s:
+        with pytest.raises(polygate.FatalUpstreamError) as info:
+            await s.chat(MESSAGES)
+    assert info.value.status_code == 400
+    assert len(a.requests) + len(b.requests) == 1
+
+
+async def test_exhausted_carries_every_error(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(status=503))
+    b = FakeUpstream(Reply(status=502))
+    settings = two_source_settings(retry=polygate.Retry(max_attempts=3))
+    async with polygate.session(settings, transport=_router(a=a, b=b)) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+    error = info.value
+    assert len(error.errors) == 3
+    assert all(isinstance(e, polygate.TransientUpstreamError) for e in error.errors)
+    assert {e.source for e in error.errors[:2]} == {"a", "b"}  # fresh source first
+    assert error.call_stats is not None and error.call_stats.attempts == 3
+
+
+async def test_backoff_only_once_every_source_failed(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream([Reply(status=503), Reply()])
+    b = FakeUpstream(Reply(status=503))
+    settings = two_source_settings(
+        retry=polygate.Retry(max_attempts=3, backoff_base_s=1.0), weights=FIRST_A
+    )
+    async with polygate.session(settings, transport=_router(a=a, b=b)) as s:
+        start = trio.current_time()
+        r = await s.chat(MESSAGES)
+        # a then b failed back to back (no sleep), then one full-jitter sleep in [0, 2] s
+        # before a, the least recently failed source, is tried again
+        assert 0 < trio.current_time() - start <= 2.0
+    assert r.call_stats.attempts == 3
+    assert r.source == "a"
+    assert [len(a.requests), len(b.requests)] == [2, 1]
+
+
+async def test_dead_source_cools_down(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(status=401))
+    b = FakeUpstream(Reply())
+    async with polygate.session(two_source_settings(), transport=_router(a=a, b=b)) as s:
+        for _ in range(10):
+            assert (await s.chat(MESSAGES)).source == "b"
+        stats = await s.statistics()
+    assert len(a.requests) == 1  # dead after the first 401: never picked again
+    state_a = next(x.state for x in stats.governance.sources if x.state.source == "a")
+    assert state_a.dead
+    assert state_a.tokens_in_window == 0  # a dead source settles 0
+
+
+async def test_rate_limit_is_free_and_honours_retry_after(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream([Reply(status=429, retry_after_s=2), Reply(status=429, retry_after_s=3), Reply()])
+    settings = one_source_settings(retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=_router(a=a)) as s:
+        start = trio.current_time()
+        r = await s.chat(MESSAGES)
+        assert trio.current_time() - start == pytest.approx(5.0)
+    assert r.call_stats.attempts == 3
+    assert r.call_stats.total_latency_ms == pytest.approx(5000)
+    assert r.call_stats.generation_ms == pytest.approx(0)  # the fake answers instantly
+
+
+async def test_rate_limit_without_deadline_is_bounded(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(status=429, retry_after_s=30))
+    settings = one_source_settings(retry=polygate.Retry(rate_limit_wait_s=60))
+    async with polygate.session(settings, transport=_router(a=a)) as s:
+        start = trio.current_time()
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+        assert trio.current_time() - start <= 60
+    assert all(isinstance(e, polygate.RateLimitedError) for e in info.value.errors)
+
+
+async def test_rate_limit_wait_past_deadline_fails_fast(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(status=429, retry_after_s=100))
+    settings = one_source_settings(call_deadline_s=10)
+    async with polygate.session(settings, transport=_router(a=a)) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat(MESSAGES)
+        assert trio.current_time() < 1
+
+
+async def test_deadline_cuts_a_hang(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=90))
+    async with polygate.session(one_source_settings(call_deadline_s=10), transport=_router(a=a)) as s:
+        start = trio.current_time()
+        with pytest.raises(polygate.DeadlineExceeded) as info:
+            await s.chat(MESSAGES)
+        assert trio.current_time() - start == pytest.approx(10)
+        assert isinstance(info.value, TimeoutError)
+        assert info.value.call_stats is not None
+        assert info.value.call_stats.attempts == 1
+        assert info.value.call_stats.total_latency_ms == pytest.approx(10_000)
+        # per-call override
+        with pytest.raises(polygate.DeadlineExceeded):
+            await s.chat(MESSAGES, call_deadline_s=3)
+        assert trio.current_time() - start == pytest.approx(13)
+        stats = await s.statistics()
+    assert a.in_flight == 0
+    assert all(src.state.in_flight == 0 for src in stats.governance.sources)
+
+
+async def test_deadline_none_disables_scope_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=30))
+    async with polygate.session(one_source_settings(call_deadline_s=10), transport=_router(a=a)) as s:
+        r = await s.chat(MESSAGES, call_deadline_s=None)
+    assert r.call_stats.ttft_ms == pytest.approx(30_000)
+
+
+async def test_ttft_timeout_then_other_source(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=50, keepalive_s=1))  # keep-alives reset nothing
+    b = FakeUpstream(Reply(first_token_s=1))
+    settings = two_source_settings(source_kw={"ttft_timeout_s": 5}, weights=FIRST_A)
+    async with polygate.session(settings, transport=_router(a=a, b=b)) as s:
+        r = await s.chat(MESSAGES)
+    assert r.call_stats.attempts == 2
+    assert r.source == "b"
+    assert r.call_stats.total_latency_ms == pytest.approx(5000 + 1000)
+    assert r.call_stats.generation_ms == pytest.approx(1000)
+    assert r.call_stats.ttft_ms == pytest.approx(1000)
+
+
+async def test_whole_attempt_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=100))
+    settings = one_source_settings(retry=polygate.Retry(max_attempts=1))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", timeout_s=20)],
+        retry=polygate.Retry(max_attempts=1))})
+    async with polygate.session(settings, transport=_router(a=a)) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+        assert trio.current_time() == pytest.approx(20)
+    (error,) = info.value.errors
+    assert isinstance(error, polygate.TransientUpstreamError)
+    assert "timeout_s" in str(error)
+
+
+async def test_stall_in_chat_is_transient_and_retried(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=1, tokens=10, stall_at=3, stall_s=55))
+    b = FakeUpstream(Reply(first_token_s=1))
+    settings = two_source_settings(stream=polygate.StreamWatch(stall_timeout_s=5), weights=FIRST_A)
+    async with polygate.session(settings, transport=_router(a=a, b=b)) as s:
+        r = await s.chat(MESSAGES)
+    assert r.call_stats.attempts == 2
+    assert r.source == "b"
+    # a: first token at 1 s, silent from 1 s (token 3 due at 56 s), cut at 1 + 5 s
+    assert r.call_stats.total_latency_ms == pytest.approx(6000 + 1000)
+
+
+async def test_committed_stream_stall_raises_stream_stalled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(text="one two three four five", first_token_s=1, stall_at=3, stall_s=55))
+    settings = one_source_settings(stream=polygate.StreamWatch(stall_timeout_s=5))
+    async with polygate.session(settings, transport=_router(a=a)) as s:
+        got = []
+        with pytest.raises(polygate.StreamStalled) as info:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for chunk in stream:
+                    got.append(chunk.text)
+        assert trio.current_time() == pytest.approx(1 + 5)
+    assert info.value.text == "".join(got) == "one two three"
+    assert isinstance(info.value, TimeoutError)
+    assert info.value.call_stats is not None
+    assert a.in_flight == 0
+
+
+async def test_stream_chat_response_and_stats(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=2, inter_token_s=0.5, tokens=5))
+    async with polygate.session(one_source_settings(), transport=_router(a=a)) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            texts = [chunk.text async for chunk in stream]
+    assert stream.response is not None
+    assert "".join(texts) == stream.response.text
+    assert len(texts) == 5
+    assert stream.response.call_stats.ttft_ms == pytest.approx(2000)
+    assert stream.response.call_stats.active_generation_ms == pytest.approx(2000)
+
+
+async def test_leaving_a_stream_early_cancels_and_settles(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=50))
+    async with polygate.session(one_source_settings(), transport=_router(a=a)) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _chunk in stream:
+                break
+        stats = await s.statistics()
+    assert a.in_flight == 0
+    (src,) = stats.governance.sources
+    assert src.state.in_flight == 0
+    assert src.state.tokens_reserved == 0
+    assert src.state.settled_total == src.state.reserved_total  # cancelled: estimate kept
+
+
+async def test_external_cancellation_leaves_nothing_behind(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=100))
+    async with polygate.session(one_source_settings(), transport=_router(a=a)) as s:
+        with trio.move_on_after(5) as scope:
+            await s.chat(MESSAGES)
+        assert scope.cancelled_caught
+        stats = await s.statistics()
+    (src,) = stats.governance.sources
+    assert src.state.in_flight == 0 and src.state.tokens_reserved == 0
+    assert src.state.breaker.value == "closed" and src.state.consecutive_failures == 0
+    assert a.in_flight == 0
+
+
+async def test_bad_arguments_before_any_io(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply())
+    async with polygate.session(one_source_settings(), transport=_router(a=a)) as s:
+        with pytest.raises(polygate.ConfigError, match="unknown scope"):
+            await s.chat(MESSAGES, scope="nope")
+        with pytest.raises(ValueError, match="empty"):
+            await s.chat([])
+        with pytest.raises(polygate.ConfigError):
+            await s.chat("hello")  # type: ignore[arg-type]
+        with pytest.raises(polygate.ConfigError):
+            await s.chat([{"content": "no role"}])
+        with pytest.raises(polygate.ConfigError):
+            await s.chat(MESSAGES, call_deadline_s=-1)
+        with pytest.raises(polygate.ConfigError):
+            await s.chat(MESSAGES, call_deadline_s=math.nan)
+        with pytest.raises(polygate.ConfigError):
+            await s.chat(MESSAGES, stream=True)
+        with pytest.raises(polygate.ConfigError):
+            await s.chat(MESSAGES, temperature=object())
+        with pytest.raises(polygate.ConfigError):
+            s.stream_chat([])
+        with pytest.raises(polygate.ConfigError):
+            await s.embed([], scope="chat")
+    assert a.requests == []
+    with pytest.raises(polygate.PolygateError, match="closed"):
+        await s.chat(MESSAGES)
+
+
+async def test_params_pass_through(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply())
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET, model="m1")])})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    async with polygate.session(settings, transport=_router(a=a)) as s:
+        await s.chat(MESSAGES, temperature=0.2, tools=tools, response_format={"type": "json_object"})
+    body = a.requests[0].body
+    assert body["model"] == "m1"
+    assert body["temperature"] == 0.2 and body["tools"] == tools
+    assert body["response_format"] == {"type": "json_object"}
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert a.requests[0].headers["authorization"] == f"Bearer {SECRET}"
+
+
+async def test_non_streaming_source_sends_plain_json(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=2, tokens=4))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    async with polygate.session(settings, transport=_router(a=a)) as s:
+        r = await s.chat(MESSAGES)
+    assert "stream" not in a.requests[0].body
+    assert r.call_stats.ttft_ms is None and r.call_stats.stall_ms is None
+    assert r.call_stats.generation_ms == pytest.approx(2000)
+
+
+async def test_stream_request_answered_with_json(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(stream=False, tokens=3))
+    async with polygate.session(one_source_settings(), transport=_router(a=a)) as s:
+        r = await s.chat(MESSAGES)
+    assert r.text and r.call_stats.ttft_ms is None
+
+
+async def test_embed_batches_in_order(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(first_token_s=1))
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], embed_batch_size=3)})
+    inputs = [f"text {i}" for i in range(10)]
+    async with polygate.session(settings, transport=_router(a=up)) as s:
+        start = trio.current_time()
+        e = await s.embed(inputs)
+        assert trio.current_time() - start == pytest.approx(1)  # batches run concurrently
+        single = [(await s.embed([text])).vectors[0] for text in inputs]
+    assert len(up.requests) == 4 + 10
+    assert e.vectors == single
+    assert e.call_stats.attempts == 4
+    assert e.call_stats.generation_ms == pytest.approx(4000)  # the sum of the batches
+    assert e.call_stats.ttft_ms is None
+    assert e.usage is not None and e.usage.prompt_tokens > 0
