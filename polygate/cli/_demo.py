@@ -1,0 +1,165 @@
+"""``polygate demo``: the issue-#24 incident, replayed with and without hedging.
+
+Runs in virtual time on the built-in fake upstream (a few seconds of wall time for
+thousands of virtual seconds), or with ``--real-time`` scaled down ÷10 on real
+loopback servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "demo",
+        help="replay the issue-#24 incident on the built-in fake upstream, hedging off and on",
+        description=__doc__,
+    )
+    parser.add_argument("--calls", type=int, default=200, help="logical calls per configuration")
+    parser.add_argument("--concurrency", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=24)
+    parser.add_argument("--real-time", action="store_true",
+                        help="run a ÷10 scaled replay on real loopback servers")
+    parser.add_argument("--plot", metavar="PNG", help="write latency CDFs (needs polygate[plot])")
+    return parser
+
+
+def configurations(scale: float = 1.0) -> list[tuple[str, Any]]:
+    import polygate
+
+    from ._replay import scope_settings
+
+    return [
+        ("no hedging", scope_settings(timeout_s=300 * scale)),
+        ("deadline 30 s", scope_settings(call_deadline_s=30 * scale, timeout_s=300 * scale)),
+        ("hedge after 8 s", scope_settings(
+            hedge=polygate.Hedge(after_s=8 * scale, budget_ratio=0.3), timeout_s=300 * scale)),
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.calls <= 0 or args.concurrency <= 0:
+        print("error: --calls and --concurrency must be > 0", file=sys.stderr)
+        return 2
+    from ._replay import Summary, incident_upstreams, run_virtual, summarize
+
+    scale = 0.1 if args.real_time else 1.0
+    print(
+        f"issue #24 replay: {args.calls} calls per configuration, concurrency {args.concurrency};\n"
+        f"source a hangs 90-96 s before its first token on 25 % of calls, b is healthy;\n"
+        f"10 % of calls are long healthy generations (1,500-3,000 tokens at 40 tokens/s)."
+    )
+    if args.real_time:
+        print("real time, every delay scaled ÷10, on two loopback servers\n")
+    else:
+        print("virtual time (trio MockClock): the hangs cost no wall time\n")
+    results: dict[str, list[Any]] = {}
+    for label, settings in configurations(scale):
+        upstreams = incident_upstreams(seed=args.seed, time_scale=scale)
+        if args.real_time:
+            outcomes = _run_real_time(settings, upstreams, args.calls, args.concurrency, label)
+        else:
+            outcomes = run_virtual(settings, upstreams, calls=args.calls, concurrency=args.concurrency)
+        results[label] = outcomes
+    summaries = {label: summarize(o) for label, o in results.items()}
+    _print_table(summaries, Summary, scale)
+    if args.plot:
+        return _plot(results, args.plot, scale)
+    return 0
+
+
+def _print_table(summaries: dict[str, Any], summary_cls: Any, scale: float) -> None:
+    unit = "s" if scale == 1.0 else "s (scaled)"
+    rows = [
+        ("p50 latency", "p50_s", unit),
+        ("p90 latency", "p90_s", unit),
+        ("p99 latency", "p99_s", unit),
+        ("max latency", "max_s", unit),
+        ("calls failed", "failed", ""),
+        ("extra upstream requests", "extra_requests_pct", "%"),
+        ("hedges sent / won", None, ""),
+        ("time spent waiting (not decoding)", "waiting_share_pct", "%"),
+        ("share of time in slowest 13 % of calls", "slowest_13pct_share_pct", "%"),
+    ]
+    labels = list(summaries)
+    width = max(len(r[0]) for r in rows) + 2
+    print(" " * width + "".join(f"{label:>18}" for label in labels))
+    for title, field, suffix in rows:
+        cells = []
+        for label in labels:
+            s = summaries[label]
+            if field is None:
+                cells.append(f"{s.hedges} / {s.hedge_wins}")
+            else:
+                value = getattr(s, field)
+                if isinstance(value, float) and math.isfinite(value):
+                    cells.append(f"{value:.1f}{suffix.split()[0] if suffix else ''}")
+                else:
+                    cells.append(str(value))
+        print(f"{title:<{width}}" + "".join(f"{c:>18}" for c in cells))
+    print(
+        "\nwaiting = a call's total time minus the winner's decoding time "
+        "(total_latency_ms - (generation_ms - ttft_ms)); see docs/statistics.md"
+    )
+
+
+def _run_real_time(settings: Any, upstreams: Any, calls: int, concurrency: int, label: str) -> list[Any]:
+    import attrs
+    import trio
+
+    import polygate
+
+    from ._replay import replay
+
+    async def main() -> list[Any]:
+        async with upstreams["a"].serve() as url_a, upstreams["b"].serve() as url_b:
+            scope = settings.scopes["chat"]
+            urls = {"a": url_a, "b": url_b}
+            sources = [attrs.evolve(s, base_url=urls[s.name]) for s in scope.sources]
+            real = polygate.Settings(scopes={"chat": attrs.evolve(scope, sources=sources)})
+
+            def progress(done: int) -> None:
+                bar = "#" * (30 * done // calls)
+                print(f"\r{label:<18} [{bar:<30}] {done}/{calls}", end="", flush=True)
+
+            outcomes = await replay(real, None, calls=calls, concurrency=concurrency, on_done=progress)
+            print()
+            return outcomes
+
+    result: list[Any] = trio.run(main)
+    return result
+
+
+def _plot(results: dict[str, Sequence[Any]], path: str, scale: float) -> int:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("error: --plot needs matplotlib: pip install 'polygate[plot]'", file=sys.stderr)
+        return 1
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, outcomes in results.items():
+        totals = sorted(o.total_s for o in outcomes)
+        ys = [(i + 1) / len(totals) for i in range(len(totals))]
+        ax.step(totals, ys, where="post", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("call latency, s" + (" (scaled ÷10)" if scale != 1.0 else ""))
+    ax.set_ylabel("fraction of calls")
+    ax.set_title("issue #24 replay: latency CDF")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,222 @@
+"""Replaying the issue-#24 incident on the built-in fake upstream.
+
+Shared by ``polygate demo`` and ``benchmarks/tail_replay.py``.  Two equivalent sources:
+``a`` hangs before its first token on ``hang_p`` of the calls (90–96 s, the incident's
+narrow peak) and is otherwise healthy; ``b`` is healthy.  Output length varies as real
+traffic does: a median of ~186 tokens, and 10 % of the calls generate 1,500–3,000
+tokens at ~40 tokens/s — healthy calls of 40–75 s that a whole-call timeout cannot
+tell from a hang.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import trio
+import trio.testing
+
+import polygate
+from polygate.testing import FakeUpstream, Profile, Router
+
+__all__ = [
+    "Outcome",
+    "Summary",
+    "incident_upstreams",
+    "replay",
+    "run_virtual",
+    "scope_settings",
+    "summarize",
+    "tokens_distribution",
+]
+
+TOKENS_PER_S = 40.0
+
+
+def tokens_distribution(rng: random.Random) -> float:
+    """Median ~186 tokens; 10 % long generations of 1,500–3,000 tokens."""
+    if rng.random() < 0.10:
+        return rng.uniform(1500, 3000)
+    return min(max(rng.lognormvariate(math.log(186), 0.45), 20), 900)
+
+
+def incident_upstreams(
+    *,
+    seed: int = 24,
+    hang_p_a: float = 0.25,
+    hang_p_b: float = 0.0,
+    time_scale: float = 1.0,
+    tokens: Callable[[random.Random], float] = tokens_distribution,
+    stall_p: float = 0.0,
+    stall_s: tuple[float, float] = (50.0, 60.0),
+) -> dict[str, FakeUpstream]:
+    """The two sources of the incident; ``time_scale`` shrinks every delay."""
+    s = time_scale
+
+    def profile(hang_p: float) -> Profile:
+        return Profile(
+            first_token_s=(0.5 * s, 2.0 * s),
+            inter_token_s=s / TOKENS_PER_S,
+            tokens=tokens,
+            hang_p=hang_p,
+            hang_s=(90.0 * s, 96.0 * s),
+            stall_p=stall_p,
+            stall_s=(stall_s[0] * s, stall_s[1] * s),
+        )
+
+    return {
+        "a": FakeUpstream(profile(hang_p_a), seed=seed, name="a"),
+        "b": FakeUpstream(profile(hang_p_b), seed=seed + 1, name="b"),
+    }
+
+
+@attrs.frozen
+class Outcome:
+    """One logical call of a replay."""
+
+    ok: bool
+    total_s: float
+    generation_s: float
+    ttft_s: float | None
+    attempts: int
+    hedges: int
+    hedge_won: bool
+    error: str | None = None
+
+
+async def replay(
+    settings: polygate.Settings,
+    transport: Any,
+    *,
+    calls: int,
+    concurrency: int,
+    on_done: Callable[[int], None] | None = None,
+) -> list[Outcome]:
+    """``calls`` chat calls, ``concurrency`` at a time, each timed by its CallStats."""
+    outcomes: list[Outcome] = []
+    limiter = trio.Semaphore(concurrency)
+    messages = [{"role": "user", "content": "Summarise the incident report in one paragraph."}]
+
+    async with polygate.session(settings, transport=transport, rng=random.Random(7)) as s:
+
+        async def one() -> None:
+            try:
+                r = await s.chat(messages)
+            except polygate.PolygateError as exc:
+                stats = getattr(exc, "call_stats", None)
+                outcomes.append(Outcome(
+                    False,
+                    stats.total_latency_ms / 1000 if stats else 0.0,
+                    0.0, None,
+                    stats.attempts if stats else 0,
+                    stats.hedges if stats else 0,
+                    False,
+                    type(exc).__name__,
+                ))
+            else:
+                st = r.call_stats
+                outcomes.append(Outcome(
+                    True, st.total_latency_ms / 1000, st.generation_ms / 1000,
+                    st.ttft_ms / 1000 if st.ttft_ms is not None else None,
+                    st.attempts, st.hedges, st.hedge_won,
+                ))
+            finally:
+                limiter.release()
+                if on_done is not None:
+                    on_done(len(outcomes))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(calls):
+                await limiter.acquire()
+                nursery.start_soon(one)
+    return outcomes
+
+
+def run_virtual(
+    settings: polygate.Settings,
+    upstreams: Mapping[str, FakeUpstream],
+    *,
+    calls: int,
+    concurrency: int,
+) -> list[Outcome]:
+    """The replay in virtual time: 90-second hangs cost milliseconds of wall time."""
+
+    async def main() -> list[Outcome]:
+        return await replay(settings, Router(dict(upstreams)), calls=calls, concurrency=concurrency)
+
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+    return ordered[index]
+
+
+@attrs.frozen
+class Summary:
+    calls: int
+    failed: int
+    p50_s: float
+    p90_s: float
+    p99_s: float
+    max_s: float
+    extra_requests_pct: float
+    hedges: int
+    hedge_wins: int
+    waiting_share_pct: float
+    slowest_13pct_share_pct: float
+    waiting_p99_s: float
+
+    def row(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def summarize(outcomes: Sequence[Outcome]) -> Summary:
+    totals = [o.total_s for o in outcomes]
+    ok = [o for o in outcomes if o.ok]
+    requests = sum(o.attempts for o in outcomes)
+    extra = requests - len(outcomes)
+    total_time = sum(totals) or 1.0
+    # Waiting overhead: everything but decoding (the winner's generation minus its TTFT).
+    waits = [o.total_s - o.generation_s + (o.ttft_s or 0.0) for o in ok]
+    waiting = sum(waits)
+    slow_n = max(1, math.ceil(0.13 * len(totals)))
+    slowest = sum(sorted(totals, reverse=True)[:slow_n])
+    return Summary(
+        calls=len(outcomes),
+        failed=len(outcomes) - len(ok),
+        p50_s=_quantile(totals, 0.50),
+        p90_s=_quantile(totals, 0.90),
+        p99_s=_quantile(totals, 0.99),
+        max_s=max(totals) if totals else math.nan,
+        extra_requests_pct=100.0 * extra / max(1, len(outcomes)),
+        hedges=sum(o.hedges for o in outcomes),
+        hedge_wins=sum(o.hedge_won for o in outcomes),
+        waiting_share_pct=100.0 * waiting / total_time,
+        slowest_13pct_share_pct=100.0 * slowest / total_time,
+        waiting_p99_s=_quantile(waits, 0.99),
+    )
+
+
+def scope_settings(
+    *,
+    hedge: polygate.Hedge | None = None,
+    call_deadline_s: float | None = None,
+    timeout_s: float = 300.0,
+    max_attempts: int = 3,
+) -> polygate.Settings:
+    sources = [
+        polygate.Source(name=n, base_url=f"http://{n}/v1", timeout_s=timeout_s) for n in ("a", "b")
+    ]
+    return polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=sources,
+        hedge=hedge or polygate.Hedge(),
+        call_deadline_s=call_deadline_s,
+        retry=polygate.Retry(max_attempts=max_attempts, backoff_base_s=0.0),
+    )})
