@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["add_parser", "run"]
@@ -139,7 +139,7 @@ def _run_real_time(settings: Any, upstreams: Any, calls: int, concurrency: int, 
     return result
 
 
-def _plot(results: dict[str, Sequence[Any]], path: str, scale: float) -> int:
+def _plot(results: Mapping[str, Sequence[Any]], path: str, scale: float) -> int:
     try:
         import matplotlib
 
