@@ -1,0 +1,551 @@
+"""Reply + request → a :class:`Plan`: the status, headers and a lazy sequence of body
+bytes and pauses.  Both faces execute the same plan, so they send the same bytes at
+the same (virtual or real) times; only the HTTP framing differs.
+
+The wire shapes imitate the OpenAI captures in ``shared/transcripts``: compact JSON,
+one ``data: {json}\\n\\n`` event per chunk, a role chunk first, an empty-delta finish
+chunk, a ``choices: []`` usage chunk when the request set
+``stream_options.include_usage``, then ``data: [DONE]\\n\\n``.  ``n > 1`` is ignored:
+there is always a single choice.  A request's ``max_tokens`` (or
+``max_completion_tokens``) caps the tokens and turns ``finish_reason`` into
+``"length"``, as a real model does.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import re
+import struct
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal, TypeAlias
+
+import attrs
+
+from ._script import Reply
+
+__all__ = ["Exchange", "Pause", "Plan", "Step", "error_reply", "json_plan", "render"]
+
+_CREATED = 1_700_000_000
+_FINGERPRINT = "fp_fake"
+_KEEPALIVE = b": keep-alive\n\n"
+_DONE = b"data: [DONE]\n\n"
+_PIECE = 1 << 20  # oversized bodies go out in pieces of this size
+_ANSWER = (
+    "The quick brown fox jumps over the lazy dog while a patient model streams "
+    "one token after another until the answer is done"
+)
+_THINKING = "Let me think about this step by step and check each part first"
+_WORDS = _ANSWER.split()
+_THOUGHTS = _THINKING.split()
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
+def _dumps(obj: Any) -> str:
+    return _JSON.encode(obj)
+
+
+@attrs.frozen
+class Pause:
+    """Send nothing for ``seconds`` (a face sleeps, and notices a client leaving)."""
+
+    seconds: float
+
+
+#: A body step: bytes to send, or a pause.
+Step: TypeAlias = bytes | Pause
+#: How the exchange ends once the steps are exhausted: a clean end of the message;
+#: a connection closed before the declared Content-Length was sent; a TCP reset; or
+#: no end at all (wait until the client leaves).
+Ending: TypeAlias = Literal["complete", "truncate", "reset", "hang"]
+
+
+@attrs.frozen
+class Plan:
+    """Everything a face needs to answer one request.
+
+    ``head_delay is None`` means the head is never sent ("silent").  ``chunked``
+    bodies are streams (``Transfer-Encoding: chunked``); the others declare
+    ``content_length``, which exceeds the bytes sent when ``ending == "truncate"``.
+    ``fault`` says whether delivering the whole plan counts as a fault outcome.
+    ``joinable`` promises that the steps are a few bytes objects and no pause, so
+    the server may join them into one write (most of the cost of a zero-delay
+    200-token stream is otherwise per-step overhead).
+    """
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    head_delay: float | None
+    chunked: bool
+    content_length: int | None
+    steps: Iterable[Step]
+    ending: Ending = "complete"
+    fault: bool = False
+    joinable: bool = False
+
+
+@attrs.frozen
+class Exchange:
+    """What the renderer needs to know about one request."""
+
+    index: int
+    name: str
+    path: str
+    body: Any
+    embedding_dim: int = 8
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def render(reply: Reply, ex: Exchange) -> Plan:
+    """The plan for ``reply`` answering ``ex`` (a chat completion or an embedding)."""
+    headers = _base_headers(reply, ex)
+    if reply.fault == "silent":
+        return Plan(reply.status, headers, None, False, None, (), "hang", True)
+    if not 200 <= reply.status < 300:
+        return _fixed(reply.status, headers, reply.headers_delay_s, _error_body(reply))
+    if reply.fault in ("html", "no_choices"):
+        delay = reply.headers_delay_s + reply.first_token_s
+        if reply.fault == "html":
+            return _fixed(200, headers, delay, _HTML, "text/html; charset=utf-8", fault=True)
+        return _fixed(200, headers, delay, _no_choices(reply, ex), fault=True)
+    if ex.path.endswith("/embeddings"):
+        return _embeddings(reply, ex, headers)
+    chat = _Chat(reply, ex)
+    if chat.streamed:
+        return chat.stream_plan(headers)
+    return chat.json_plan(headers)
+
+
+def json_plan(status: int, payload: Any, ex: Exchange) -> Plan:
+    """A plain JSON answer with no delay (``/_stats``, 404s, unparseable bodies)."""
+    return _fixed(status, _base_headers(Reply(), ex), 0.0, _dumps(payload).encode())
+
+
+def error_reply(status: int, message: str, kind: str, code: str | None) -> Reply:
+    """A Reply carrying an OpenAI-style error body."""
+    return Reply(status=status, error_body=_error_payload(message, kind, code))
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _base_headers(reply: Reply, ex: Exchange) -> tuple[tuple[str, str], ...]:
+    headers = [("x-request-id", f"req-{ex.name}-{ex.index}")]
+    if reply.retry_after_s is not None:
+        headers.append(("retry-after", _number(reply.retry_after_s)))
+    if reply.retry_after_ms is not None:
+        headers.append(("retry-after-ms", _number(reply.retry_after_ms)))
+    headers.extend(reply.headers)
+    return tuple(headers)
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _fixed(
+    status: int,
+    headers: tuple[tuple[str, str], ...],
+    delay: float,
+    body: bytes,
+    content_type: str = "application/json",
+    *,
+    fault: bool = False,
+) -> Plan:
+    return Plan(
+        status,
+        (("content-type", content_type), *headers),
+        delay,
+        False,
+        len(body),
+        (body,),
+        "complete",
+        fault,
+        joinable=True,
+    )
+
+
+def _error_payload(message: str, kind: str, code: str | int | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+_DEFAULT_ERRORS: dict[int, tuple[str, str, str | None]] = {
+    400: ("Invalid request (scripted by FakeUpstream).", "invalid_request_error", None),
+    401: ("Incorrect API key provided.", "invalid_request_error", "invalid_api_key"),
+    403: ("You are not allowed to use this model.", "permission_denied", None),
+    404: (
+        "The model does not exist or you do not have access to it.",
+        "invalid_request_error",
+        "model_not_found",
+    ),
+    422: ("Unprocessable request.", "invalid_request_error", None),
+    429: ("Rate limit reached for requests.", "requests", "rate_limit_exceeded"),
+}
+
+
+def _error_body(reply: Reply) -> bytes:
+    if reply.error_body is not None:
+        body = reply.error_body
+        return body if isinstance(body, bytes) else _dumps(body).encode()
+    default = _DEFAULT_ERRORS.get(reply.status)
+    if default is None:
+        default = ("The server had an error while processing your request.", "server_error", None)
+    return _dumps(_error_payload(*default)).encode()
+
+
+_HTML = (
+    b"<!DOCTYPE html>\n<html><head><title>Just a moment...</title></head>"
+    b"<body><h1>Checking your browser</h1></body></html>\n"
+)
+
+
+def _no_choices(reply: Reply, ex: Exchange) -> bytes:
+    return _dumps(
+        {
+            "id": f"chatcmpl-{ex.name}-{ex.index}",
+            "object": "chat.completion",
+            "created": _CREATED,
+            "model": _model(reply, ex),
+        }
+    ).encode()
+
+
+def _model(reply: Reply, ex: Exchange) -> str:
+    if reply.model is not None:
+        return reply.model
+    requested = ex.body.get("model") if isinstance(ex.body, dict) else None
+    return requested if isinstance(requested, str) else "fake-model"
+
+
+def _split_text(text: str) -> list[str]:
+    """Word-boundary tokens that keep their leading spaces; joined they give ``text``."""
+    tokens = re.findall(r"\s*\S+", text)
+    tail = text[len("".join(tokens)) :]
+    if tail:
+        tokens = [*tokens[:-1], tokens[-1] + tail] if tokens else [tail]
+    return tokens
+
+
+def _words(n: int, words: list[str]) -> list[str]:
+    return [("" if i == 0 else " ") + words[i % len(words)] for i in range(n)]
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def _prompt_tokens(body: Any) -> int:
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return 1
+    chars = sum(len(_text_of(m.get("content"))) for m in messages if isinstance(m, dict))
+    return chars // 4 + 1
+
+
+def _wait(seconds: float, keepalive: float | None) -> Iterator[Step]:
+    """``seconds`` of silence, broken by keep-alive comments every ``keepalive``."""
+    if seconds <= 0:
+        return
+    if keepalive is not None:
+        beats = 0
+        while (beats + 1) * keepalive < seconds:
+            yield Pause(keepalive)
+            yield _KEEPALIVE
+            beats += 1
+        seconds -= beats * keepalive
+    yield Pause(seconds)
+
+
+def _timed(reply: Reply) -> bool:
+    """Whether a stream of ``reply`` can contain a pause (keep-alives need one)."""
+    stall = reply.stall_s if reply.stall_at is not None else 0.0
+    return reply.first_token_s > 0 or reply.inter_token_s > 0 or stall > 0
+
+
+def _padding(total: int, prefix: bytes, suffix: bytes) -> Iterator[bytes]:
+    """``prefix`` + ``x`` padding + ``suffix``, ``total`` bytes in all, in pieces."""
+    remaining = max(0, total - len(prefix) - len(suffix))
+    yield prefix
+    piece = b"x" * min(_PIECE, remaining)
+    while remaining > 0:
+        chunk = piece if remaining >= len(piece) else piece[:remaining]
+        remaining -= len(chunk)
+        yield chunk
+    yield suffix
+
+
+# ---------------------------------------------------------------- chat
+
+
+def _choice(delta: str, finish: str = "null") -> bytes:
+    """The part of a chunk after ``"choices":`` for a single-choice delta."""
+    return (
+        f'[{{"index":0,"delta":{delta},"logprobs":null,"finish_reason":{finish}}}]}}\n\n'
+    ).encode()
+
+
+@attrs.frozen
+class _Tokens:
+    """The answer's tokens, and each token's chunk after the per-request head."""
+
+    thoughts: tuple[str, ...]
+    content: tuple[str, ...]
+    choices: tuple[bytes, ...]
+    cut: bool  # the request's token limit cut the answer short
+
+
+@functools.lru_cache(maxsize=256)
+def _tokens(text: str | None, count: int, reasoning: int, limit: int | None) -> _Tokens:
+    """Cached: benchmarks repeat one Reply thousands of times, and encoding each
+    token's JSON is most of the cost of rendering a long zero-delay stream."""
+    content = _split_text(text) if text is not None else _words(count, _WORDS)
+    thoughts = _words(reasoning, _THOUGHTS)
+    cut = limit is not None and len(thoughts) + len(content) > limit
+    if limit is not None:
+        thoughts = thoughts[:limit]
+        content = content[: max(0, limit - len(thoughts))]
+    choices = [_choice(_dumps({"reasoning_content": t})) for t in thoughts]
+    choices += [_choice(_dumps({"content": t})) for t in content]
+    return _Tokens(tuple(thoughts), tuple(content), tuple(choices), cut)
+
+
+class _Chat:
+    """One chat completion: the token list and the shared JSON fragments."""
+
+    def __init__(self, reply: Reply, ex: Exchange) -> None:
+        self.reply = reply
+        body = ex.body if isinstance(ex.body, dict) else {}
+        self.streamed = reply.stream if reply.stream is not None else bool(body.get("stream"))
+        options = body.get("stream_options")
+        self.include_usage = (
+            reply.usage and isinstance(options, dict) and bool(options.get("include_usage"))
+        )
+        self.id = f"chatcmpl-{ex.name}-{ex.index}"
+        self.model = _model(reply, ex)
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0):
+            limit = None
+        self.tokens = _tokens(reply.text, reply.tokens, reply.reasoning_tokens, limit)
+        self.thoughts = self.tokens.thoughts
+        self.content = self.tokens.content
+        self.finish_reason = "length" if self.tokens.cut else reply.finish_reason
+        self.prompt_tokens = _prompt_tokens(body)
+        self.head = (
+            f'data: {{"id":"{self.id}","object":"chat.completion.chunk","created":{_CREATED},'
+            f'"model":{_dumps(self.model)},"system_fingerprint":"{_FINGERPRINT}","choices":'
+        ).encode()
+
+    def usage(self, completion: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "completion_tokens_details": {"reasoning_tokens": len(self.thoughts)},
+        }
+
+    def _chunk(self, delta: str, finish: str = "null") -> bytes:
+        return self.head + _choice(delta, finish)
+
+    # -- streamed
+
+    def stream_plan(self, headers: tuple[tuple[str, str], ...]) -> Plan:
+        r = self.reply
+        return Plan(
+            200,
+            (("content-type", "text/event-stream; charset=utf-8"), *headers),
+            r.headers_delay_s,
+            True,
+            None,
+            self._stream_steps(),
+            "reset" if r.fault == "reset" else "complete",
+            r.fault is not None,
+            joinable=not _timed(r) and r.fault != "oversized",
+        )
+
+    def _stream_steps(self) -> Iterator[Step]:
+        r = self.reply
+        head, choices = self.head, self.tokens.choices
+        n = len(choices)
+        stall_at = None if r.stall_at is None else min(r.stall_at, n)
+        fault_at = None if r.fault is None else min(r.fault_after, n)
+        yield self._chunk('{"role":"assistant","content":""}')
+        for i in range(n + 1):
+            if i == fault_at:
+                if r.fault in ("truncated", "reset"):
+                    return
+                if r.fault == "error_event":
+                    yield self._error_event()
+                    return
+                yield from self._bad_line()
+            gap = r.first_token_s if i == 0 else r.inter_token_s if i < n else 0.0
+            if i == stall_at:
+                gap += r.stall_s
+            if gap > 0:
+                yield from _wait(gap, r.keepalive_s)
+            if i < n:
+                yield head + choices[i]
+        yield self._chunk("{}", _dumps(self.finish_reason))
+        if self.include_usage:
+            usage = _dumps(self.usage(n))
+            yield head + f'[],"usage":{usage}}}\n\n'.encode()
+        yield _DONE
+
+    def _error_event(self) -> bytes:
+        code = self.reply.error_event_code
+        payload = _error_payload("The server had an error while generating.", "server_error", code)
+        return f"event: error\ndata: {_dumps(payload)}\n\n".encode()
+
+    def _bad_line(self) -> Iterator[bytes]:
+        if self.reply.fault == "oversized":
+            prefix = f'data: {{"id":"{self.id}","padding":"'.encode()
+            yield from _padding(self.reply.oversized_bytes, prefix, b'"}\n\n')
+        else:  # malformed_json: a JSON object cut off mid-string
+            yield self.head + b'[{"index":0,"delta":{"content":"unterminated\n\n'
+
+    # -- not streamed
+
+    def message_body(self) -> dict[str, Any]:
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content),
+            "refusal": None,
+        }
+        if self.thoughts:
+            message["reasoning_content"] = "".join(self.thoughts)
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": _CREATED,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": self.finish_reason,
+                }
+            ],
+        }
+        if self.reply.usage:
+            body["usage"] = self.usage(len(self.thoughts) + len(self.content))
+        body["system_fingerprint"] = _FINGERPRINT
+        return body
+
+    def json_plan(self, headers: tuple[tuple[str, str], ...]) -> Plan:
+        r = self.reply
+        n = len(self.thoughts) + len(self.content)
+        delay = r.headers_delay_s + r.first_token_s + r.inter_token_s * max(0, n - 1)
+        if r.stall_at is not None:
+            delay += r.stall_s
+        if r.fault == "error_event":
+            payload = _error_payload(
+                "The server had an error while generating.", "server_error", r.error_event_code
+            )
+            return _fixed(200, headers, delay, _dumps(payload).encode(), fault=True)
+        if r.fault == "oversized":
+            prefix = f'{{"id":"{self.id}","padding":"'.encode()
+            return _oversized(r.oversized_bytes, prefix, headers, delay)
+        return _faulty_json(r, headers, delay, _dumps(self.message_body()).encode())
+
+
+def _oversized(
+    total: int, prefix: bytes, headers: tuple[tuple[str, str], ...], delay: float
+) -> Plan:
+    size = max(total, len(prefix) + 2)
+    return Plan(
+        200,
+        (("content-type", "application/json"), *headers),
+        delay,
+        False,
+        size,
+        _padding(size, prefix, b'"}'),
+        "complete",
+        True,
+    )
+
+
+def _faulty_json(
+    reply: Reply, headers: tuple[tuple[str, str], ...], delay: float, body: bytes
+) -> Plan:
+    """A JSON body, damaged as ``reply.fault`` says (malformed, truncated, reset)."""
+    plan = _fixed(200, headers, delay, body)
+    if reply.fault == "malformed_json":
+        broken = body[:-1] + b","
+        return attrs.evolve(plan, steps=(broken,), content_length=len(broken), fault=True)
+    if reply.fault == "truncated":
+        return attrs.evolve(plan, steps=(body[: len(body) // 2],), ending="truncate", fault=True)
+    if reply.fault == "reset":
+        return attrs.evolve(plan, steps=(), ending="reset", fault=True)
+    return plan
+
+
+# ---------------------------------------------------------------- embeddings
+
+
+def _embedding_inputs(body: Any) -> list[str] | None:
+    """The inputs as strings (token-id lists keyed by their JSON); None if invalid."""
+    value = body.get("input") if isinstance(body, dict) else None
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        return None
+    if value and all(isinstance(v, int) for v in value):
+        return [_dumps(value)]
+    if all(isinstance(v, str) for v in value):
+        return list(value)
+    if all(isinstance(v, list) for v in value):
+        return [_dumps(v) for v in value]
+    return None
+
+
+def _vector(text: str, dim: int) -> bytes:
+    """A unit vector derived from ``text`` only, as little-endian float32 bytes."""
+    digest = b""
+    block = 0
+    while len(digest) < 4 * dim:
+        digest += hashlib.blake2b(f"{block}:{text}".encode(), digest_size=64).digest()
+        block += 1
+    raw = struct.unpack(f"<{dim}I", digest[: 4 * dim])
+    xs = [v / 2**31 - 1.0 for v in raw]
+    norm = sum(x * x for x in xs) ** 0.5 or 1.0
+    return struct.pack(f"<{dim}f", *(x / norm for x in xs))
+
+
+def _embeddings(reply: Reply, ex: Exchange, headers: tuple[tuple[str, str], ...]) -> Plan:
+    body = ex.body if isinstance(ex.body, dict) else {}
+    inputs = _embedding_inputs(body)
+    if inputs is None:
+        bad = error_reply(400, "'input' must be a string or a list.", "invalid_request_error", None)
+        return _fixed(400, headers, reply.headers_delay_s, _error_body(bad))
+    dim = body.get("dimensions")
+    if not (isinstance(dim, int) and not isinstance(dim, bool) and dim > 0):
+        dim = reply.embedding_dim or ex.embedding_dim
+    as_base64 = body.get("encoding_format") == "base64"
+    data = []
+    for i, text in enumerate(inputs):
+        packed = _vector(text, dim)
+        vector: Any = (
+            base64.b64encode(packed).decode()
+            if as_base64
+            else list(struct.unpack(f"<{dim}f", packed))
+        )
+        data.append({"object": "embedding", "index": i, "embedding": vector})
+    tokens = sum(len(t) // 4 + 1 for t in inputs)
+    payload: dict[str, Any] = {"object": "list", "data": data, "model": _model(reply, ex)}
+    if reply.usage:
+        payload["usage"] = {"prompt_tokens": tokens, "total_tokens": tokens}
+    delay = reply.headers_delay_s + reply.first_token_s
+    if reply.fault == "error_event":
+        payload = _error_payload("The server had an error.", "server_error", reply.error_event_code)
+        return _fixed(200, headers, delay, _dumps(payload).encode(), fault=True)
+    if reply.fault == "oversized":
+        return _oversized(reply.oversized_bytes, b'{"object":"list","padding":"', headers, delay)
+    return _faulty_json(reply, headers, delay, _dumps(payload).encode())

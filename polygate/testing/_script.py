@@ -1,0 +1,276 @@
+"""What the fake upstream should do: one scripted :class:`Reply`, or a :class:`Profile`
+of seeded distributions that draws a Reply per request.
+
+A Reply is pure data: it says *what* goes over the wire and *when*, never how.  The
+two faces (the httpx transport and the loopback server) share one renderer
+(:mod:`._render`), so a Reply means the same bytes and the same timing in both.
+
+Determinism of :meth:`Profile.draw`: the upstream owns one ``random.Random(seed)``.
+Each draw takes exactly one 64-bit number from it and seeds a private generator for
+that request, so request *i*'s reply depends only on the seed and *i* — never on how
+many numbers an earlier draw (or a user callable) consumed.  Inside a draw the five
+uniforms that decide fault, hang, stall and their positions come first, then every
+distribution is sampled in field order whether it is used or not; changing a
+probability therefore never shifts the timings drawn for other requests.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal, TypeAlias
+
+import attrs
+
+__all__ = ["FAULTS", "Distribution", "Fault", "Profile", "Reply", "sample"]
+
+Fault: TypeAlias = Literal[
+    "malformed_json",
+    "truncated",
+    "reset",
+    "html",
+    "no_choices",
+    "silent",
+    "error_event",
+    "oversized",
+]
+FAULTS: frozenset[str] = frozenset(
+    {
+        "malformed_json",
+        "truncated",
+        "reset",
+        "html",
+        "no_choices",
+        "silent",
+        "error_event",
+        "oversized",
+    }
+)
+
+#: A number (constant), a ``(lo, hi)`` tuple (uniform) or a callable of the draw's RNG.
+Distribution: TypeAlias = float | tuple[float, float] | Callable[[random.Random], float]
+
+
+def sample(dist: Distribution, rng: random.Random) -> float:
+    """One value of ``dist``; a constant consumes no randomness."""
+    if isinstance(dist, tuple):
+        lo, hi = dist
+        return rng.uniform(lo, hi)
+    if callable(dist):
+        return float(dist(rng))
+    return float(dist)
+
+
+def _check_distribution(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, tuple):
+        if len(value) != 2 or not all(isinstance(v, int | float) for v in value):
+            raise ValueError(f"{attribute.name}: a distribution tuple is (lo, hi), got {value!r}")
+        if value[0] > value[1] or value[0] < 0:
+            raise ValueError(f"{attribute.name}: need 0 <= lo <= hi, got {value!r}")
+    elif callable(value):
+        return
+    elif isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"{attribute.name}: expected a number >= 0, (lo, hi) or a callable")
+
+
+def _to_distribution(value: Any) -> Any:
+    """JSON gives lists; a two-element list is the ``(lo, hi)`` form."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _headers(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """Headers are stored as a tuple of pairs so a Reply stays hashable."""
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple((str(k), str(v)) for k, v in items)
+
+
+def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+_optional_non_negative = _non_negative
+_probability = [attrs.validators.ge(0.0), attrs.validators.le(1.0)]
+
+
+def _check_fault(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and value not in FAULTS:
+        raise ValueError(f"fault must be one of {sorted(FAULTS)} or None, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class Reply:
+    """One scripted response.
+
+    Timing of a 2xx chat stream (times after the request arrives): the status line
+    and headers at ``headers_delay_s``; the role chunk right after them (as vLLM
+    sends it: a role-only delta is not a token, so a client must not count it as the
+    first token); the first token ``first_token_s`` later; each next token
+    ``inter_token_s`` after the previous one; then the finish chunk, the usage chunk
+    and ``[DONE]`` at once.  ``stall_at = k`` adds ``stall_s`` of silence after ``k``
+    tokens (0: before the first; ``k`` = the token count: before the finish chunk).
+    ``keepalive_s`` sends ``: keep-alive`` comments during every such wait.  Tokens
+    count reasoning tokens first, then content tokens.
+
+    A non-streamed answer (or an embedding) waits for the whole generation time
+    before its headers, as real servers do; a non-2xx reply waits only
+    ``headers_delay_s`` and sends its error body.
+
+    Faults apply to 2xx replies (``"silent"`` to any).  ``fault_after`` counts
+    tokens as ``stall_at`` does.  In a stream, ``"malformed_json"`` and
+    ``"oversized"`` insert one bad line and the stream then carries on to
+    ``[DONE]`` (a lenient client would not notice the end); ``"truncated"``,
+    ``"reset"`` and ``"error_event"`` end it.  In a JSON body: ``"malformed_json"``
+    breaks the JSON, ``"truncated"`` declares the full Content-Length and sends
+    half, ``"reset"`` resets after the headers, ``"error_event"`` is a 200 body with
+    a top-level ``"error"``.  ``"html"`` and ``"no_choices"`` replace the whole
+    answer, stream request or not.
+    """
+
+    status: int = attrs.field(
+        default=200,
+        validator=attrs.validators.and_(attrs.validators.ge(100), attrs.validators.le(599)),
+    )
+    headers: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_headers)
+    retry_after_s: float | None = attrs.field(default=None, validator=_optional_non_negative)
+    retry_after_ms: float | None = attrs.field(default=None, validator=_optional_non_negative)
+    error_body: Any = attrs.field(default=None, hash=False)
+    headers_delay_s: float = attrs.field(default=0.0, validator=_non_negative)
+    first_token_s: float = attrs.field(default=0.0, validator=_non_negative)
+    inter_token_s: float = attrs.field(default=0.0, validator=_non_negative)
+    tokens: int = attrs.field(default=8, validator=_non_negative)
+    text: str | None = None
+    reasoning_tokens: int = attrs.field(default=0, validator=_non_negative)
+    stall_at: int | None = attrs.field(default=None, validator=_optional_non_negative)
+    stall_s: float = attrs.field(default=0.0, validator=_non_negative)
+    keepalive_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
+    )
+    fault: Fault | None = attrs.field(default=None, validator=_check_fault)
+    fault_after: int = attrs.field(default=0, validator=_non_negative)
+    error_event_code: int | str = 500
+    oversized_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_non_negative)
+    stream: bool | None = None
+    usage: bool = True
+    finish_reason: str = "stop"
+    model: str | None = None
+    embedding_dim: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
+    )
+
+
+#: Fault kinds a Profile can draw, in the order their probability ranges are laid out.
+_PROFILE_FAULTS = ("p_429", "p_500", "p_401", "p_400", "p_malformed", "p_truncated", "p_reset")
+
+
+def _check_fault_sum(inst: Profile, _attr: attrs.Attribute[Any], _value: Any) -> None:
+    total = sum(getattr(inst, name) for name in _PROFILE_FAULTS)
+    if total > 1.0 + 1e-9:
+        raise ValueError(f"fault probabilities add up to {total:.3f} > 1")
+
+
+@attrs.frozen(kw_only=True)
+class Profile:
+    """Seeded distributions that draw one :class:`Reply` per request.
+
+    Distribution fields (``first_token_s``, ``inter_token_s``, ``tokens``,
+    ``hang_s``, ``stall_s``, ``retry_after_s``) take a number, a ``(lo, hi)``
+    uniform range, or a callable ``(random.Random) -> float``.  The fault
+    probabilities (``p_429`` … ``p_reset``) are mutually exclusive slices of one
+    uniform draw and must add up to at most 1.  A hang (``hang_p``) adds ``hang_s``
+    to the first-token wait, or before the headers with ``hang_phase="headers"``.  A
+    stall (``stall_p``) puts ``stall_s`` of silence after a random token strictly
+    inside the stream.  Malformed/truncated/reset faults strike after a random
+    number of tokens.  ``streaming=False`` answers stream requests with plain JSON.
+    Fields a Profile does not draw come from ``base``.
+    """
+
+    first_token_s: Distribution = attrs.field(
+        default=0.0, converter=_to_distribution, validator=_check_distribution
+    )
+    inter_token_s: Distribution = attrs.field(
+        default=0.0, converter=_to_distribution, validator=_check_distribution
+    )
+    tokens: Distribution = attrs.field(
+        default=8, converter=_to_distribution, validator=_check_distribution
+    )
+    hang_p: float = attrs.field(default=0.0, validator=_probability)
+    hang_s: Distribution = attrs.field(
+        default=0.0, converter=_to_distribution, validator=_check_distribution
+    )
+    hang_phase: Literal["first_token", "headers"] = attrs.field(
+        default="first_token", validator=attrs.validators.in_(("first_token", "headers"))
+    )
+    stall_p: float = attrs.field(default=0.0, validator=_probability)
+    stall_s: Distribution = attrs.field(
+        default=0.0, converter=_to_distribution, validator=_check_distribution
+    )
+    keepalive_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
+    )
+    p_429: float = attrs.field(default=0.0, validator=_probability)
+    retry_after_s: Distribution = attrs.field(
+        default=1.0, converter=_to_distribution, validator=_check_distribution
+    )
+    p_500: float = attrs.field(default=0.0, validator=_probability)
+    p_401: float = attrs.field(default=0.0, validator=_probability)
+    p_400: float = attrs.field(default=0.0, validator=_probability)
+    p_malformed: float = attrs.field(default=0.0, validator=_probability)
+    p_truncated: float = attrs.field(default=0.0, validator=_probability)
+    p_reset: float = attrs.field(default=0.0, validator=[*_probability, _check_fault_sum])
+    streaming: bool = True
+    base: Reply = attrs.field(factory=Reply)
+
+    def draw(self, rng: random.Random, request: object = None) -> Reply:
+        """The Reply for one request (``request`` is accepted for symmetry with
+        callable behaviours and not used).  See the module docstring for why this is
+        deterministic."""
+        del request
+        r = random.Random(rng.getrandbits(64))
+        u_fault, u_fault_at, u_hang, u_stall, u_stall_at = (r.random() for _ in range(5))
+        first = sample(self.first_token_s, r)
+        inter = sample(self.inter_token_s, r)
+        tokens = max(0, round(sample(self.tokens, r)))
+        hang = sample(self.hang_s, r)
+        stall = sample(self.stall_s, r)
+        retry_after = sample(self.retry_after_s, r)
+
+        changes: dict[str, Any] = {
+            "first_token_s": first,
+            "inter_token_s": inter,
+            "tokens": tokens,
+            "keepalive_s": self.keepalive_s,
+            "stream": self.base.stream if self.streaming else False,
+        }
+        if u_hang < self.hang_p:
+            if self.hang_phase == "headers":
+                changes["headers_delay_s"] = self.base.headers_delay_s + hang
+            else:
+                changes["first_token_s"] = first + hang
+        if u_stall < self.stall_p:
+            changes["stall_at"] = 1 + int(u_stall_at * (tokens - 1)) if tokens >= 2 else tokens
+            changes["stall_s"] = stall
+        changes.update(self._fault_changes(u_fault, u_fault_at, tokens, retry_after))
+        return attrs.evolve(self.base, **changes)
+
+    def _fault_changes(
+        self, u: float, u_at: float, tokens: int, retry_after: float
+    ) -> dict[str, Any]:
+        edge = 0.0
+        for name in _PROFILE_FAULTS:
+            edge += getattr(self, name)
+            if u < edge:
+                break
+        else:
+            return {}
+        after = int(u_at * (tokens + 1))
+        changes: dict[str, dict[str, Any]] = {
+            "p_429": {"status": 429, "retry_after_s": retry_after},
+            "p_500": {"status": 500},
+            "p_401": {"status": 401},
+            "p_400": {"status": 400},
+            "p_malformed": {"fault": "malformed_json", "fault_after": after},
+            "p_truncated": {"fault": "truncated", "fault_after": after},
+            "p_reset": {"fault": "reset", "fault_after": after},
+        }
+        return changes[name]

@@ -1,0 +1,123 @@
+"""The httpx face: an ``AsyncBaseTransport`` that answers from a FakeUpstream.
+
+Waits are ``trio.sleep`` calls, so under ``trio.testing.MockClock`` a 90-second hang
+takes microseconds and every chunk arrives at an exact virtual time.  Each body
+step is yielded as its own chunk (one SSE event per chunk).  Wire faults become the
+exceptions httpx itself raises for them: ``ReadError`` for a reset,
+``RemoteProtocolError`` for a body shorter than its Content-Length.  httpx's own
+timeouts live in httpcore and do not apply here: use cancel scopes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from typing import TYPE_CHECKING
+
+import httpx
+import trio
+
+from ._render import Pause, Plan
+
+if TYPE_CHECKING:
+    from ._upstream import FakeUpstream, Outcome, RecordedRequest
+
+__all__ = ["FakeTransport", "Router"]
+
+
+class FakeTransport(httpx.AsyncBaseTransport):
+    """Answers every request from one FakeUpstream (see ``FakeUpstream.transport``)."""
+
+    def __init__(self, upstream: FakeUpstream) -> None:
+        self.upstream = upstream
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raw = await request.aread()
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        plan, rec = self.upstream._open(request.method, request.url.path, headers, raw)
+        try:
+            if plan.head_delay is None:
+                await trio.sleep_forever()
+            await trio.sleep(plan.head_delay)
+        except BaseException:
+            self.upstream._finish(rec, "client_closed")
+            raise
+        response_headers = list(plan.headers)
+        if plan.content_length is not None:
+            response_headers.append(("content-length", str(plan.content_length)))
+        stream = _FakeStream(self.upstream, rec, plan, request)
+        return httpx.Response(plan.status, headers=response_headers, stream=stream)
+
+
+class _FakeStream(httpx.AsyncByteStream):
+    """The body of one response; closing it early records ``client_closed``."""
+
+    def __init__(
+        self,
+        upstream: FakeUpstream,
+        rec: RecordedRequest | None,
+        plan: Plan,
+        request: httpx.Request,
+    ) -> None:
+        self._upstream = upstream
+        self._rec = rec
+        self._plan = plan
+        self._request = request
+        self._iterator: AsyncGenerator[bytes, None] | None = None
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        # Kept so that aclose() can close it: an abandoned async generator would be
+        # finalised later by the garbage collector instead.
+        self._iterator = self._iterate()
+        return self._iterator
+
+    async def _iterate(self) -> AsyncGenerator[bytes, None]:
+        plan = self._plan
+        outcome: Outcome = "client_closed"
+        try:
+            for step in plan.steps:
+                if isinstance(step, Pause):
+                    await trio.sleep(step.seconds)
+                else:
+                    yield step
+            if plan.ending == "hang":
+                await trio.sleep_forever()
+            outcome = "fault" if plan.fault or plan.ending != "complete" else "complete"
+            if plan.ending == "reset":
+                raise httpx.ReadError("[Errno 104] Connection reset by peer", request=self._request)
+            if plan.ending == "truncate":
+                raise httpx.RemoteProtocolError(
+                    "peer closed connection without sending complete message body",
+                    request=self._request,
+                )
+        finally:
+            self._upstream._finish(self._rec, outcome)
+
+    async def aclose(self) -> None:
+        if self._iterator is not None:
+            await self._iterator.aclose()
+        self._upstream._finish(self._rec, "client_closed")
+
+
+class Router(httpx.AsyncBaseTransport):
+    """Dispatches by the request URL's host, so sources configured as ``http://a/v1``
+    and ``http://b/v1`` reach different fakes.  Keys are hosts or ``host:port``;
+    values are FakeUpstreams or any httpx transport.  An unknown host raises
+    ``httpx.ConnectError``, as an unreachable server would."""
+
+    def __init__(self, routes: Mapping[str, FakeUpstream | httpx.AsyncBaseTransport]) -> None:
+        self._routes: dict[str, httpx.AsyncBaseTransport] = {
+            host: route if isinstance(route, httpx.AsyncBaseTransport) else route.transport()
+            for host, route in routes.items()
+        }
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        route = self._routes.get(f"{url.host}:{url.port}") if url.port else None
+        route = route or self._routes.get(url.host)
+        if route is None:
+            raise httpx.ConnectError(f"no fake upstream for host {url.host!r}", request=request)
+        return await route.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for route in self._routes.values():
+            await route.aclose()

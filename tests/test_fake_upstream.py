@@ -1,0 +1,723 @@
+"""FakeUpstream through its httpx transport face, in virtual time (MockClock).
+
+Every timing assertion is exact: the transport sleeps only with ``trio.sleep`` and
+the ``autojump_clock`` fixture jumps straight to the next deadline.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import struct
+from collections import Counter
+from functools import partial
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+from httpx_sse import aconnect_sse
+
+import polygate.testing
+from polygate.testing import FakeUpstream, Profile, Reply, Router
+
+CHAT = "/chat/completions"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]  # 30 chars
+
+
+def chat_body(*, stream: bool = True, usage: bool = True, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m1", "messages": MESSAGES, **extra}
+    if stream:
+        body["stream"] = True
+        if usage:
+            body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def client(upstream: FakeUpstream | Router, base_url: str = "http://fake/v1") -> httpx.AsyncClient:
+    transport = upstream if isinstance(upstream, Router) else upstream.transport()
+    return httpx.AsyncClient(transport=transport, base_url=base_url)
+
+
+@attrs.frozen
+class Event:
+    at: float
+    event: str | None
+    data: str | None
+    comment: str | None
+
+
+def parse_sse(raw: bytes) -> list[tuple[str | None, str | None, str | None]]:
+    """(event, data, comment) per SSE block; fails on anything that is not SSE."""
+    text = raw.decode()
+    assert text.endswith("\n\n"), text[-80:]
+    blocks = []
+    for block in text[:-2].split("\n\n"):
+        event = data = comment = None
+        for line in block.split("\n"):
+            field, sep, value = line.partition(": ")
+            assert sep, f"not an SSE line: {line!r}"
+            if field == "":
+                comment = value
+            elif field == "event":
+                event = value
+            else:
+                assert field == "data", line
+                data = value
+        blocks.append((event, data, comment))
+    return blocks
+
+
+async def timed_stream(
+    c: httpx.AsyncClient, body: dict[str, Any]
+) -> tuple[float, httpx.Response, list[Event]]:
+    """Send a stream request; (time of headers, response, timed events) from t=0."""
+    start = trio.current_time()
+    events = []
+    async with c.stream("POST", CHAT, json=body) as response:
+        head_at = trio.current_time() - start
+        async for chunk in response.aiter_raw():
+            at = trio.current_time() - start
+            [(event, data, comment)] = parse_sse(chunk)  # one SSE event per chunk
+            events.append(Event(at, event, data, comment))
+    return head_at, response, events
+
+
+def payloads(events: list[Event]) -> list[Any]:
+    return [json.loads(e.data) for e in events if e.data is not None and e.data != "[DONE]"]
+
+
+def content_times(events: list[Event]) -> list[float]:
+    times = []
+    for e in events:
+        if e.data is None or e.data == "[DONE]":
+            continue
+        choices = json.loads(e.data)["choices"]
+        delta = choices[0]["delta"] if choices else {}
+        if delta.get("reasoning_content") or delta.get("content"):
+            times.append(e.at)
+    return times
+
+
+# ------------------------------------------------------------------ stream shape and timing
+
+
+async def test_stream_shape_matches_openai(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(tokens=3, reasoning_tokens=2))
+    async with client(up) as c:
+        _, response, events = await timed_stream(c, chat_body())
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
+    chunks = payloads(events)
+    assert events[-1].data == "[DONE]"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert {c["id"] for c in chunks} == {"chatcmpl-fake-0"}
+    assert {c["model"] for c in chunks} == {"m1"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:-2]]
+    assert [list(d) for d in deltas] == [["reasoning_content"]] * 2 + [["content"]] * 3
+    assert "".join(d["content"] for d in deltas[2:]) == "The quick brown"
+    finish = chunks[-2]["choices"][0]
+    assert finish == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 30 // 4 + 1,
+        "completion_tokens": 5,
+        "total_tokens": 30 // 4 + 1 + 5,
+        "completion_tokens_details": {"reasoning_tokens": 2},
+    }
+
+
+async def test_no_usage_chunk_unless_asked(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(tokens=2))
+    async with client(up) as c:
+        _, _, events = await timed_stream(c, chat_body(usage=False))
+        _, _, without = await timed_stream(c, chat_body())
+    assert all("usage" not in p for p in payloads(events))
+    assert events[-1].data == "[DONE]"
+    assert "usage" in payloads(without)[-1]
+    up = FakeUpstream(Reply(tokens=2, usage=False))
+    async with client(up) as c:
+        _, _, events = await timed_stream(c, chat_body())
+    assert all("usage" not in p for p in payloads(events))
+
+
+async def test_stream_parses_with_httpx_sse(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(text="Hello brave new world", inter_token_s=0.1))
+    async with client(up) as c, aconnect_sse(c, "POST", CHAT, json=chat_body()) as source:
+        data = [sse.data async for sse in source.aiter_sse()]
+    assert data[-1] == "[DONE]"
+    parts = [json.loads(d)["choices"] for d in data[:-1]]
+    text = "".join(p[0]["delta"].get("content", "") for p in parts if p)
+    assert text == "Hello brave new world"
+    assert [p[0]["delta"].get("content") for p in parts[1:5]] == [
+        "Hello",
+        " brave",
+        " new",
+        " world",
+    ]
+
+
+async def test_exact_first_token_and_inter_token_times(autojump_clock: Any) -> None:
+    reply = Reply(headers_delay_s=1.0, first_token_s=2.0, inter_token_s=0.5, tokens=4)
+    async with client(FakeUpstream(reply)) as c:
+        head_at, _, events = await timed_stream(c, chat_body())
+    assert head_at == 1.0
+    assert events[0].at == 1.0  # the role chunk comes with the headers, before any token
+    assert content_times(events) == [3.0, 3.5, 4.0, 4.5]
+    assert [e.at for e in events[-3:]] == [4.5, 4.5, 4.5]  # finish, usage, [DONE]
+
+
+async def test_exact_stall_time(autojump_clock: Any) -> None:
+    reply = Reply(inter_token_s=0.25, tokens=4, stall_at=2, stall_s=30.0)
+    async with client(FakeUpstream(reply)) as c:
+        _, _, events = await timed_stream(c, chat_body())
+    assert content_times(events) == [0.0, 0.25, 30.5, 30.75]
+
+
+async def test_stall_before_finish_chunk(autojump_clock: Any) -> None:
+    reply = Reply(tokens=2, stall_at=2, stall_s=7.0)
+    async with client(FakeUpstream(reply)) as c:
+        _, _, events = await timed_stream(c, chat_body())
+    assert content_times(events) == [0.0, 0.0]
+    assert [e.at for e in events[-3:]] == [7.0, 7.0, 7.0]
+
+
+async def test_empty_answer_still_waits_for_the_first_token(autojump_clock: Any) -> None:
+    async with client(FakeUpstream(Reply(tokens=0, first_token_s=3.0))) as c:
+        _, _, events = await timed_stream(c, chat_body())
+    assert content_times(events) == []
+    assert [e.at for e in events] == [0.0, 3.0, 3.0, 3.0]  # role, finish, usage, [DONE]
+
+
+async def test_keepalive_comments_during_waits(autojump_clock: Any) -> None:
+    reply = Reply(first_token_s=10.0, tokens=3, stall_at=1, stall_s=4.0, keepalive_s=3.0)
+    async with client(FakeUpstream(reply)) as c:
+        _, _, events = await timed_stream(c, chat_body())
+    comments = [e.at for e in events if e.comment is not None]
+    assert {e.comment for e in events if e.comment is not None} == {"keep-alive"}
+    assert comments == [3.0, 6.0, 9.0, 13.0]
+    assert content_times(events) == [10.0, 14.0, 14.0]
+
+
+async def test_non_stream_waits_for_the_whole_generation(autojump_clock: Any) -> None:
+    reply = Reply(headers_delay_s=1.0, first_token_s=2.0, inter_token_s=0.5, tokens=5)
+    async with client(FakeUpstream(reply)) as c:
+        response = await c.post(CHAT, json=chat_body(stream=False))
+    assert trio.current_time() == 1.0 + 2.0 + 4 * 0.5
+    body = response.json()
+    assert response.headers["content-length"] == str(len(response.content))
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["content"] == "The quick brown fox jumps"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 5
+
+
+async def test_non_stream_body_with_reasoning(autojump_clock: Any) -> None:
+    reply = Reply(text="Paris.", reasoning_tokens=3, model="other-model")
+    async with client(FakeUpstream(reply)) as c:
+        body = (await c.post(CHAT, json=chat_body(stream=False))).json()
+    message = body["choices"][0]["message"]
+    assert message == {
+        "role": "assistant",
+        "content": "Paris.",
+        "refusal": None,
+        "reasoning_content": "Let me think",
+    }
+    assert body["model"] == "other-model"
+    assert body["usage"]["completion_tokens"] == 4
+
+
+async def test_stream_false_answers_a_stream_request_with_json(autojump_clock: Any) -> None:
+    async with client(FakeUpstream(Reply(stream=False))) as c:
+        response = await c.post(CHAT, json=chat_body())
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["object"] == "chat.completion"
+
+
+async def test_max_tokens_caps_and_reports_length(autojump_clock: Any) -> None:
+    async with client(FakeUpstream(Reply(tokens=10))) as c:
+        body = (await c.post(CHAT, json=chat_body(stream=False, max_tokens=3))).json()
+        _, _, events = await timed_stream(c, chat_body(max_completion_tokens=2))
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 3
+    chunks = payloads(events)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+async def test_model_defaults(autojump_clock: Any) -> None:
+    async with client(FakeUpstream()) as c:
+        body = (await c.post(CHAT, json={"messages": []})).json()
+    assert body["model"] == "fake-model"
+
+
+# ------------------------------------------------------------------ error statuses
+
+
+async def test_429_with_retry_after_headers(autojump_clock: Any) -> None:
+    reply = Reply(status=429, retry_after_s=2, retry_after_ms=1500, headers={"x-extra": "1"})
+    async with client(FakeUpstream(reply)) as c:
+        response = await c.post(CHAT, json=chat_body())
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "2"
+    assert response.headers["retry-after-ms"] == "1500"
+    assert response.headers["x-extra"] == "1"
+    assert response.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+@pytest.mark.parametrize(
+    ("status", "kind", "code"),
+    [
+        (500, "server_error", None),
+        (401, "invalid_request_error", "invalid_api_key"),
+        (400, "invalid_request_error", None),
+        (503, "server_error", None),
+    ],
+)
+async def test_error_bodies(autojump_clock: Any, status: int, kind: str, code: str | None) -> None:
+    async with client(FakeUpstream(Reply(status=status, first_token_s=50))) as c:
+        response = await c.post(CHAT, json=chat_body())
+    assert trio.current_time() == 0  # an error answers at once (first_token_s is not used)
+    assert response.status_code == status
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == (kind, code)
+    assert error["message"]
+
+
+async def test_custom_error_body(autojump_clock: Any) -> None:
+    body = {"object": "error", "message": "bad", "type": "BadRequestError", "code": 400}
+    async with client(FakeUpstream(Reply(status=400, error_body=body))) as c:
+        response = await c.post(CHAT, json=chat_body())
+    assert response.json() == body
+
+
+# ------------------------------------------------------------------ faults
+
+
+async def test_fault_malformed_json_stream(autojump_clock: Any) -> None:
+    reply = Reply(tokens=4, fault="malformed_json", fault_after=2)
+    up = FakeUpstream(reply)
+    async with client(up) as c:
+        _, _, events = await timed_stream(c, chat_body())
+    bad = []
+    for i, e in enumerate(events):
+        try:
+            json.loads(e.data or "null") if e.data != "[DONE]" else None
+        except ValueError:
+            bad.append(i)
+    assert bad == [3]  # role chunk, two tokens, then the broken line
+    assert events[-1].data == "[DONE]"  # the stream itself carries on
+    assert up.requests[0].outcome == "fault"
+
+
+async def test_fault_malformed_json_body(autojump_clock: Any) -> None:
+    async with client(FakeUpstream(Reply(fault="malformed_json"))) as c:
+        response = await c.post(CHAT, json=chat_body(stream=False))
+    assert response.status_code == 200
+    with pytest.raises(ValueError, match="Expecting"):
+        response.json()
+
+
+async def test_fault_truncated_stream_ends_cleanly_without_finish(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(tokens=5, fault="truncated", fault_after=3))
+    async with client(up) as c:
+        _, _, events = await timed_stream(c, chat_body())
+    chunks = payloads(events)
+    assert len(chunks) == 4  # role + 3 tokens
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+    assert all(e.data != "[DONE]" for e in events)
+    assert up.requests[0].outcome == "fault"
+
+
+async def test_fault_truncated_body_is_a_protocol_error(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(fault="truncated"))
+    async with client(up) as c:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await c.post(CHAT, json=chat_body(stream=False))
+    assert up.requests[0].outcome == "fault"
+    assert up.in_flight == 0
+
+
+async def test_fault_reset_mid_stream(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(tokens=5, inter_token_s=1.0, fault="reset", fault_after=2))
+    received = []
+
+    async def read(c: httpx.AsyncClient) -> None:
+        async with c.stream("POST", CHAT, json=chat_body()) as response:
+            async for chunk in response.aiter_raw():
+                received.append(chunk)
+
+    async with client(up) as c:
+        with pytest.raises(httpx.ReadError):
+            await read(c)
+    assert len(received) == 3  # role + two tokens
+    assert trio.current_time() == 1.0
+    assert up.requests[0].outcome == "fault"
+    assert up.in_flight == 0
+
+
+async def test_fault_reset_non_stream(autojump_clock: Any) -> None:
+    async with client(FakeUpstream(Reply(fault="reset"))) as c:
+        with pytest.raises(httpx.ReadError):
+            await c.post(CHAT, json=chat_body(stream=False))
+
+
+async def test_fault_html(autojump_clock: Any) -> None:
+    async with client(FakeUpstream(Reply(fault="html"))) as c:
+        response = await c.post(CHAT, json=chat_body())
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/html")
+    assert response.text.startswith("<!DOCTYPE html>")
+
+
+async def test_fault_no_choices(autojump_clock: Any) -> None:
+    async with client(FakeUpstream(Reply(fault="no_choices"))) as c:
+        response = await c.post(CHAT, json=chat_body())
+    body = response.json()
+    assert response.status_code == 200
+    assert body["object"] == "chat.completion"
+    assert "choices" not in body
+
+
+async def test_fault_silent_sends_nothing_until_cancelled(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(fault="silent"))
+    async with client(up) as c:
+        with trio.move_on_after(3600) as scope:
+            await c.post(CHAT, json=chat_body())
+    assert scope.cancelled_caught
+    assert trio.current_time() == 3600
+    assert up.requests[0].outcome == "client_closed"
+    assert up.requests[0].ended_at == 3600
+    assert up.in_flight == 0
+
+
+async def test_fault_error_event(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(tokens=4, fault="error_event", fault_after=1, error_event_code=503))
+    async with client(up) as c:
+        _, response, events = await timed_stream(c, chat_body())
+    assert response.status_code == 200
+    last = events[-1]
+    assert last.event == "error"
+    assert json.loads(last.data or "")["error"]["code"] == 503
+    assert len(payloads(events)) == 3  # role, one token, the error
+    assert all(e.data != "[DONE]" for e in events)
+    assert up.requests[0].outcome == "fault"
+
+
+async def test_fault_error_event_non_stream(autojump_clock: Any) -> None:
+    async with client(FakeUpstream(Reply(fault="error_event"))) as c:
+        response = await c.post(CHAT, json=chat_body(stream=False))
+    assert response.status_code == 200
+    assert response.json()["error"]["code"] == 500
+
+
+async def test_fault_oversized_stream_line(autojump_clock: Any) -> None:
+    size = 3 * 1024 * 1024 + 17
+    up = FakeUpstream(Reply(fault="oversized", oversized_bytes=size))
+    async with client(up) as c, c.stream("POST", CHAT, json=chat_body()) as response:
+        raw = await response.aread()
+    lines = raw.split(b"\n")
+    longest = max(lines, key=len)
+    assert len(longest) + 2 == size  # the line plus its blank-line terminator
+    assert longest.startswith(b'data: {"id":')
+    assert raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_fault_oversized_body(autojump_clock: Any) -> None:
+    size = 2 * 1024 * 1024
+    async with client(FakeUpstream(Reply(fault="oversized", oversized_bytes=size))) as c:
+        response = await c.post(CHAT, json=chat_body(stream=False))
+    assert len(response.content) == size
+    assert response.headers["content-length"] == str(size)
+    assert len(response.json()["padding"]) > size - 100
+
+
+def test_oversized_default_is_64_mib() -> None:
+    assert Reply().oversized_bytes == 64 * 1024 * 1024
+
+
+# ------------------------------------------------------------------ embeddings and routing
+
+
+async def test_embeddings_are_deterministic_unit_vectors(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(first_token_s=0.5), embedding_dim=16)
+    async with client(up) as c:
+        first = (await c.post("/embeddings", json={"model": "e", "input": ["a", "b"]})).json()
+        again = (await c.post("/embeddings", json={"model": "e", "input": "a"})).json()
+    assert trio.current_time() == 1.0
+    assert first["object"] == "list"
+    assert first["model"] == "e"
+    assert [d["index"] for d in first["data"]] == [0, 1]
+    a, b = (d["embedding"] for d in first["data"])
+    assert len(a) == 16
+    assert a == again["data"][0]["embedding"]
+    assert a != b
+    assert abs(sum(x * x for x in a) - 1.0) < 1e-5
+    assert first["usage"] == {"prompt_tokens": 2, "total_tokens": 2}
+
+
+async def test_embeddings_base64_and_dimensions(autojump_clock: Any) -> None:
+    async with client(FakeUpstream(Reply(embedding_dim=4))) as c:
+        floats = (await c.post("/embeddings", json={"input": "x"})).json()
+        encoded = (
+            await c.post("/embeddings", json={"input": "x", "encoding_format": "base64"})
+        ).json()
+        wide = (await c.post("/embeddings", json={"input": "x", "dimensions": 32})).json()
+    vector = floats["data"][0]["embedding"]
+    assert len(vector) == 4
+    packed = base64.b64decode(encoded["data"][0]["embedding"])
+    assert list(struct.unpack("<4f", packed)) == vector
+    assert len(wide["data"][0]["embedding"]) == 32
+
+
+async def test_unknown_path_bad_json_and_stats(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(status=500))
+    async with client(up) as c:
+        missing = await c.post("/completions", json={})
+        bad = await c.post(CHAT, content=b"{not json", headers={"content-type": "x"})
+        stats = (await c.get("/_stats")).json()
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "unknown_url"
+    assert bad.status_code == 400
+    assert stats["requests"] == 2
+    assert stats["completed"] == 2
+    assert len(stats["request_times"]) == 2
+    assert [r.status for r in up.requests] == [404, 400]
+
+
+async def test_router_dispatches_by_host(autojump_clock: Any) -> None:
+    a, b = FakeUpstream(name="a"), FakeUpstream(name="b")
+    router = Router({"a": a, "b": b})
+    async with httpx.AsyncClient(transport=router) as c:
+        ra = await c.post(f"http://a/v1{CHAT}", json=chat_body(stream=False))
+        rb = await c.post(f"http://b/v1{CHAT}", json=chat_body(stream=False))
+        with pytest.raises(httpx.ConnectError):
+            await c.post(f"http://c/v1{CHAT}", json=chat_body(stream=False))
+    assert ra.json()["id"] == "chatcmpl-a-0"
+    assert rb.json()["id"] == "chatcmpl-b-0"
+    assert len(a.requests) == len(b.requests) == 1
+
+
+# ------------------------------------------------------------------ in-flight and records
+
+
+async def test_cancelled_stream_returns_in_flight_to_zero(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(first_token_s=100.0))
+    async with client(up) as c:
+        with trio.move_on_after(5):
+            async with c.stream("POST", CHAT, json=chat_body()) as response:
+                assert up.in_flight == 1
+                async for _ in response.aiter_raw():
+                    pass
+    assert up.in_flight == 0
+    rec = up.requests[0]
+    assert (rec.outcome, rec.started_at, rec.ended_at) == ("client_closed", 0.0, 5.0)
+
+
+async def test_cancel_during_headers_delay(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(headers_delay_s=60.0))
+    async with client(up) as c:
+        with trio.move_on_after(1):
+            await c.post(CHAT, json=chat_body())
+    assert up.in_flight == 0
+    assert up.statistics().client_closed == 1
+
+
+async def test_closing_early_records_client_closed(autojump_clock: Any) -> None:
+    up = FakeUpstream(Reply(tokens=50, inter_token_s=1.0))
+    async with client(up) as c:
+        request = c.build_request("POST", CHAT, json=chat_body())
+        response = await c.send(request, stream=True)
+        assert up.in_flight == 1
+        await response.aclose()  # headers read, body never read
+    assert up.requests[0].outcome == "client_closed"
+    assert up.in_flight == 0
+
+
+async def test_peak_in_flight_and_statistics(autojump_clock: Any) -> None:
+    up = FakeUpstream([Reply(first_token_s=10.0), Reply(first_token_s=20.0)])
+    async with client(up) as c, trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(partial(c.post, CHAT, json=chat_body(stream=False)))
+        await trio.sleep(1)
+        assert up.in_flight == 3
+    stats = up.statistics()
+    assert (stats.requests, stats.completed, stats.in_flight, stats.peak_in_flight) == (3, 3, 0, 3)
+    assert [r.ended_at for r in up.requests] == [10.0, 20.0, 20.0]  # the last Reply repeats
+
+
+async def test_history_bounds_records_not_counters(autojump_clock: Any) -> None:
+    up = FakeUpstream(history=5)
+    async with client(up) as c:
+        for _ in range(23):
+            await c.post(CHAT, json=chat_body(stream=False))
+        stats = (await c.get("/_stats")).json()
+    assert 5 <= len(up.requests) < 10
+    assert up.requests[-1].index == 22
+    assert (stats["requests"], stats["completed"], len(stats["request_times"])) == (23, 23, 23)
+
+
+async def test_sequence_then_and_callable(autojump_clock: Any) -> None:
+    up = FakeUpstream([Reply(status=500)], then=Reply(status=429))
+    seen = []
+
+    def script(request: polygate.testing.RecordedRequest, rng: random.Random) -> Reply:
+        seen.append(request.index)
+        return Reply(status=200 if request.body["model"] == "ok" else 418)
+
+    scripted = FakeUpstream(script)
+    async with client(up) as c, client(scripted) as s:
+        statuses = [(await c.post(CHAT, json=chat_body())).status_code for _ in range(3)]
+        other = [(await s.post(CHAT, json={"model": m})).status_code for m in ("ok", "no")]
+    assert statuses == [500, 429, 429]
+    assert other == [200, 418]
+    assert seen == [0, 1]
+
+
+async def test_recorded_request_masks_authorization(autojump_clock: Any) -> None:
+    up = FakeUpstream()
+    async with client(up) as c:
+        await c.post(CHAT, json=chat_body(), headers={"Authorization": "Bearer sk-secret"})
+    rec = up.requests[0]
+    assert rec.headers["authorization"] == "Bearer sk-secret"
+    assert "sk-secret" not in repr(rec)
+    assert rec.body == chat_body()
+    assert rec.path == "/v1/chat/completions"
+
+
+# ------------------------------------------------------------------ determinism and Profile
+
+
+PROFILE = Profile(
+    first_token_s=(0.1, 2.0),
+    inter_token_s=lambda rng: rng.expovariate(50.0),
+    tokens=(1, 20),
+    hang_p=0.2,
+    hang_s=30.0,
+    stall_p=0.2,
+    stall_s=(5.0, 10.0),
+    keepalive_s=2.0,
+    p_429=0.1,
+    p_500=0.1,
+    p_malformed=0.1,
+    p_truncated=0.1,
+    p_reset=0.05,
+)
+
+
+async def transcript(up: FakeUpstream, n: int) -> list[tuple[int, Any, bytes, float]]:
+    out: list[tuple[int, Any, bytes, float]] = []
+    async with client(up) as c:
+        for i in range(n):
+            start = trio.current_time()
+            try:
+                async with c.stream("POST", CHAT, json=chat_body(stream=i % 3 != 0)) as r:
+                    raw = b"".join([chunk async for chunk in r.aiter_raw()])
+                    out.append((r.status_code, sorted(r.headers.items()), raw, 0.0))
+            except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
+                out.append((0, None, type(exc).__name__.encode(), 0.0))
+            out[-1] = (*out[-1][:3], round(trio.current_time() - start, 6))
+    return out
+
+
+async def test_same_seed_same_bytes(autojump_clock: Any) -> None:
+    first = await transcript(FakeUpstream(PROFILE, seed=7), 40)
+    second = await transcript(FakeUpstream(PROFILE, seed=7), 40)
+    other = await transcript(FakeUpstream(PROFILE, seed=8), 40)
+    assert first == second
+    assert first != other
+    assert len({status for status, *_ in first}) >= 3  # the profile really varies
+
+
+def test_profile_probabilities_roughly_honoured() -> None:
+    profile = Profile(
+        tokens=(2, 30), hang_p=0.1, hang_s=90.0, stall_p=0.05, stall_s=50.0,
+        p_429=0.1, p_500=0.05, p_401=0.02, p_400=0.02, p_malformed=0.03,
+        p_truncated=0.03, p_reset=0.03,
+    )  # fmt: skip
+    rng = random.Random(42)
+    replies = [profile.draw(rng) for _ in range(2000)]
+    kinds = Counter(r.fault or str(r.status) for r in replies)
+    expected = {"429": 0.1, "500": 0.05, "401": 0.02, "400": 0.02, "malformed_json": 0.03,
+                "truncated": 0.03, "reset": 0.03}  # fmt: skip
+    for kind, p in expected.items():
+        assert abs(kinds[kind] - 2000 * p) < 4 * (2000 * p * (1 - p)) ** 0.5 + 1, (kind, kinds)
+    hangs = sum(r.first_token_s >= 90.0 for r in replies)
+    stalls = [r for r in replies if r.stall_at is not None]
+    assert abs(hangs - 200) < 60
+    assert abs(len(stalls) - 100) < 40
+    assert all(1 <= r.stall_at < r.tokens for r in stalls if r.stall_at is not None)
+    assert all(2 <= r.tokens <= 30 for r in replies)
+    assert all(r.retry_after_s == 1.0 for r in replies if r.status == 429)
+    # seeded: the exact counts are reproducible
+    again = [profile.draw(random.Random(42)) for _ in range(1)]
+    assert again[0] == replies[0]
+    rng = random.Random(42)
+    assert (
+        Counter((r.fault or str(r.status)) for r in (profile.draw(rng) for _ in range(2000)))
+        == kinds
+    )
+
+
+def test_profile_draws_do_not_depend_on_fault_probabilities() -> None:
+    quiet = Profile(first_token_s=(0.0, 5.0), tokens=(1, 50))
+    noisy = attrs.evolve(quiet, p_500=0.5, hang_p=0.3)
+    rng_a, rng_b = random.Random(3), random.Random(3)
+    a = [quiet.draw(rng_a) for _ in range(50)]
+    b = [noisy.draw(rng_b) for _ in range(50)]
+    assert [x.tokens for x in a] == [x.tokens for x in b]
+    assert {x.status for x in b} == {200, 500}
+
+
+def test_each_request_draws_from_its_own_generator() -> None:
+    """A callable that consumes a varying amount of randomness does not shift the
+    draws of the following requests."""
+
+    def greedy(rng: random.Random) -> float:
+        return sum(rng.random() for _ in range(rng.randrange(1, 20)))
+
+    lean = Profile(first_token_s=(0.0, 5.0), inter_token_s=0.1)
+    hungry = attrs.evolve(lean, inter_token_s=greedy)
+    rng_a, rng_b = random.Random(5), random.Random(5)
+    a = [lean.draw(rng_a).first_token_s for _ in range(20)]
+    b = [hungry.draw(rng_b).first_token_s for _ in range(20)]
+    assert a == b
+
+
+def test_profile_hang_phase_headers() -> None:
+    reply = Profile(hang_p=1.0, hang_s=12.0, hang_phase="headers").draw(random.Random(0))
+    assert (reply.headers_delay_s, reply.first_token_s) == (12.0, 0.0)
+    assert Profile(streaming=False).draw(random.Random(0)).stream is False
+
+
+def test_validation() -> None:
+    with pytest.raises(ValueError, match="fault"):
+        Reply(fault="bogus")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="add up"):
+        Profile(p_429=0.6, p_500=0.6)
+    with pytest.raises(ValueError, match="lo"):
+        Profile(first_token_s=(2.0, 1.0))
+    with pytest.raises(ValueError):
+        Reply(first_token_s=-1)
+    with pytest.raises(ValueError):
+        FakeUpstream([])
+
+
+def test_public_names() -> None:
+    assert set(polygate.testing.__all__) == {
+        "Behaviour",
+        "Distribution",
+        "FakeUpstream",
+        "Fault",
+        "Outcome",
+        "Profile",
+        "RecordedRequest",
+        "Reply",
+        "Router",
+        "UpstreamStatistics",
+    }
+    assert FakeUpstream.__module__ == "polygate.testing"
