@@ -140,6 +140,9 @@ class Round:
         path = _Path(admission, control)
         if self._forward is not None:
             control.on_content = self._committer(path)
+        elif self._hedging and self._ctx.scope.hedge.stall_after_s is not None:
+            # A first token can bring the stall trigger forward: wake the monitor once.
+            control.on_content = self._first_token_waker()
         self._paths.append(path)
         self._nursery.start_soon(self._run_path, path)
 
@@ -172,6 +175,17 @@ class Round:
                 self._wake()
             if self._committed is path:
                 await forward(chunk)
+
+        return on_content
+
+    def _first_token_waker(self) -> OnContent:
+        woken = False
+
+        async def on_content(now: float, chunk: dict[str, Any]) -> None:
+            nonlocal woken
+            if not woken:
+                woken = True
+                self._wake()
 
         return on_content
 

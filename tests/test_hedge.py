@@ -1,0 +1,332 @@
+"""Hedged requests: the acceptance matrix of seed 002 (①–⑩) and the mid-stream cases of
+seed 004, each under MockClock through the fake transport with exact virtual times."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import FIRST_A, MESSAGES, SECRET
+
+
+def _settings(
+    *,
+    names: tuple[str, ...] = ("a", "b"),
+    hedge: polygate.Hedge | None = None,
+    source_kw: dict[str, dict[str, object]] | None = None,
+    **scope: object,
+) -> polygate.Settings:
+    kw = source_kw or {}
+    sources = [
+        polygate.Source(
+            name=n, base_url=f"http://{n}/v1", api_key=SECRET,
+            **{"weight": FIRST_A.get(n, 1.0), **kw.get(n, {})},  # type: ignore[arg-type]
+        )
+        for n in names
+    ]
+    return polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=sources, hedge=hedge or polygate.Hedge(after_s=8), **scope)})  # type: ignore[arg-type]
+
+
+def _source(stats: polygate.SessionStatistics, name: str) -> polygate.governance.SourceSnapshot:  # type: ignore[name-defined]
+    return next(s.state for s in stats.governance.sources if s.state.source == name)
+
+
+# ① triggers ---------------------------------------------------------------------------
+
+
+async def test_missing_first_token_triggers_a_hedge(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=20, tokens=4))
+    b = FakeUpstream(Reply(first_token_s=1, inter_token_s=0.5, tokens=4))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+        stats = await s.statistics()
+    st = r.call_stats
+    assert (r.source, st.attempts, st.hedges, st.hedge_won) == ("b", 2, 1, True)
+    assert b.requests[0].started_at == pytest.approx(8)
+    # ⑩ the winner's transport time only: sent at 8, first token at 9, last at 10.5
+    assert st.generation_ms == pytest.approx(2500)
+    assert st.ttft_ms == pytest.approx(1000)
+    assert st.total_latency_ms == pytest.approx(10_500)
+    # ⑤ the loser was cancelled and is accounted before the call returned
+    assert a.requests[0].outcome == "client_closed"
+    assert a.in_flight == b.in_flight == 0
+    assert _source(stats, "a").in_flight == 0 and _source(stats, "a").tokens_reserved == 0
+
+
+async def test_first_token_in_time_means_no_hedge(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=7.9, inter_token_s=1, tokens=30))
+    b = FakeUpstream(Reply())
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert (r.source, r.call_stats.attempts, r.call_stats.hedges) == ("a", 1, 0)
+    assert b.requests == []  # a long healthy generation is never hedged
+
+
+async def test_keepalives_do_not_reset_the_trigger(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=30, keepalive_s=0.5))
+    b = FakeUpstream(Reply(first_token_s=1))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.call_stats.hedge_won
+    assert b.requests[0].started_at == pytest.approx(8)
+
+
+async def test_non_streaming_source_uses_the_whole_call_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=20))
+    b = FakeUpstream(Reply(first_token_s=2))
+    settings = _settings(source_kw={"a": {"streaming": False}, "b": {"streaming": False}})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.call_stats.hedge_won and r.source == "b"
+    assert b.requests[0].started_at == pytest.approx(8)
+    assert r.call_stats.total_latency_ms == pytest.approx(10_000)
+    assert r.call_stats.ttft_ms is None
+
+
+async def test_primary_finishing_first_after_the_trigger_wins(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=9, tokens=2))
+    b = FakeUpstream(Reply(first_token_s=5, tokens=2))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    st = r.call_stats
+    assert (r.source, st.attempts, st.hedges, st.hedge_won) == ("a", 2, 1, False)
+    assert st.generation_ms == pytest.approx(9000)  # ⑩ the primary's own transport time
+    assert st.total_latency_ms == pytest.approx(9000)
+    assert b.requests[0].outcome == "client_closed"
+
+
+# ② target ------------------------------------------------------------------------------
+
+
+async def test_hedge_never_goes_to_a_source_in_flight(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=20))
+    with pytest.warns(polygate.ConfigWarning, match="single source"):
+        settings = _settings(names=("a",))
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        r = await s.chat(MESSAGES)
+    assert (r.call_stats.attempts, r.call_stats.hedges) == (1, 0)
+    assert len(a.requests) == 1
+
+
+async def test_no_candidate_is_silent(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream([Reply(status=401), Reply(first_token_s=20)])
+    b = FakeUpstream(Reply(first_token_s=20))
+    settings = _settings(source_kw={"b": {"weight": 1.0}, "a": {"weight": 1e-9}})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        # a dies on its first call (one request), then is cooling down: no candidate
+        r0 = await s.chat(MESSAGES, call_deadline_s=30)
+        assert len(a.requests) <= 1
+        start = trio.current_time()
+        r = await s.chat(MESSAGES)
+        assert trio.current_time() - start == pytest.approx(20)
+    assert r.source == "b" and r.call_stats.hedges == 0 and r.call_stats.attempts == 1
+    assert r0.source == "b"
+
+
+# ③ admission refused -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [{"max_in_flight": 1}, {"rpm": 1}])
+async def test_refused_admission_is_silent(
+    limit: dict[str, int], autojump_clock: trio.testing.MockClock
+) -> None:
+    # The first call fails on a and moves to b, which then holds b's only permit (it
+    # hangs) or b's only request of the minute.  The second call's hedge is refused.
+    a = FakeUpstream([Reply(status=500), Reply(first_token_s=20)])
+    b = FakeUpstream(Reply(first_token_s=100))
+    settings = _settings(source_kw={"b": limit})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.chat, MESSAGES)
+            await trio.sleep(1)
+            assert len(b.requests) == 1
+            start = trio.current_time()
+            r = await s.chat(MESSAGES)
+            assert trio.current_time() - start == pytest.approx(20)  # the primary went on
+            nursery.cancel_scope.cancel()
+    assert r.source == "a" and r.call_stats.hedges == 0 and r.call_stats.attempts == 1
+    assert len(b.requests) == 1
+
+
+async def test_open_breaker_refuses_the_hedge(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=20))
+    b = FakeUpstream(Reply(status=500))
+    settings = _settings(source_kw={"a": {"weight": 1e-9}, "b": {"weight": 1.0}},
+                         retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        for _ in range(5):  # five consecutive failures open b's breaker
+            with pytest.raises(polygate.AllSourcesExhausted):
+                await s.chat(MESSAGES)
+        assert _source(await s.statistics(), "b").breaker.value == "open"
+        r = await s.chat(MESSAGES)
+    assert r.source == "a" and r.call_stats.hedges == 0 and len(b.requests) == 5
+
+
+# ④ accounting -------------------------------------------------------------------------
+
+
+async def test_winner_settles_usage_loser_keeps_estimate(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=20, tokens=4))
+    b = FakeUpstream(Reply(first_token_s=1, tokens=4))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES, max_tokens=50)
+        stats = await s.statistics()
+    sa, sb = _source(stats, "a"), _source(stats, "b")
+    assert r.usage is not None and r.usage.source == "upstream"
+    assert sb.tokens_in_window == r.usage.total_tokens  # real usage
+    assert sa.tokens_in_window == sa.reserved_total  # the estimate, kept
+    assert sa.reserved_total == sb.reserved_total  # same call, same estimate
+    for src in (sa, sb):
+        assert src.reserved_total == src.settled_total + src.released_total + src.tokens_reserved
+        assert src.in_flight == 0
+    # losers feed neither the breaker nor the failure count
+    assert sa.breaker.value == "closed" and sa.consecutive_failures == 0
+
+
+# ⑦ external cancellation ⑧ deadline ---------------------------------------------------
+
+
+async def test_external_cancellation_cancels_every_path(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=100))
+    b = FakeUpstream(Reply(first_token_s=100))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        with trio.move_on_after(12) as scope:
+            await s.chat(MESSAGES)
+        assert scope.cancelled_caught
+        assert trio.current_time() == pytest.approx(12)
+        stats = await s.statistics()
+    assert [r.outcome for r in a.requests + b.requests] == ["client_closed", "client_closed"]
+    for name in ("a", "b"):
+        src = _source(stats, name)
+        assert src.in_flight == 0 and src.tokens_reserved == 0 and src.consecutive_failures == 0
+
+
+async def test_deadline_cuts_the_hedged_tree(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=100))
+    b = FakeUpstream(Reply(first_token_s=100))
+    async with polygate.session(_settings(call_deadline_s=15), transport=Router({"a": a, "b": b})) as s:
+        with pytest.raises(polygate.DeadlineExceeded) as info:
+            await s.chat(MESSAGES)
+        assert trio.current_time() == pytest.approx(15)
+    assert info.value.call_stats is not None
+    assert (info.value.call_stats.attempts, info.value.call_stats.hedges) == (2, 1)
+    assert a.in_flight == b.in_flight == 0
+
+
+# failure merging ----------------------------------------------------------------------
+
+
+async def test_both_paths_failing_count_once(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream([Reply(status=500, headers_delay_s=10), Reply()])
+    b = FakeUpstream([Reply(status=500), Reply()])
+    settings = _settings(retry=polygate.Retry(max_attempts=2, backoff_base_s=0))
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    # round 1: a (fails at 10) + hedge b (fails at 8) = one attempt of the budget; round 2 wins
+    assert r.call_stats.attempts == 3 and r.call_stats.hedges == 1
+    assert not r.call_stats.hedge_won
+
+
+async def test_a_failing_hedge_does_not_end_the_round(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=12))
+    b = FakeUpstream(Reply(status=503))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.source == "a" and r.call_stats.total_latency_ms == pytest.approx(12_000)
+    assert (r.call_stats.attempts, r.call_stats.hedges) == (2, 1)
+
+
+# mid-stream (seed 004) ----------------------------------------------------------------
+
+
+async def test_mid_stream_stall_hedges_chat(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=1.6, tokens=20, stall_at=5, stall_s=55))
+    b = FakeUpstream(Reply(first_token_s=1, tokens=20))
+    settings = _settings(hedge=polygate.Hedge(after_s=8, stall_after_s=5))
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.call_stats.hedge_won
+    assert b.requests[0].started_at == pytest.approx(1.6 + 5)
+    assert r.call_stats.total_latency_ms == pytest.approx((1.6 + 5 + 1) * 1000)
+
+
+async def test_stream_chat_commits_to_the_first_content(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(text="late primary", first_token_s=30))
+    b = FakeUpstream(Reply(text="hedge answer here", first_token_s=1, inter_token_s=0.5))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            text = "".join([chunk.text async for chunk in stream])
+    assert text == "hedge answer here"
+    assert stream.response is not None
+    st = stream.response.call_stats
+    assert st.hedge_won and st.attempts == 2
+    assert st.total_latency_ms == pytest.approx(8000 + 1000 + 1000)
+    assert a.requests[0].outcome == "client_closed"
+
+
+# ⑥ staged extras, budget ---------------------------------------------------------------
+
+
+async def test_staged_extras(autojump_clock: trio.testing.MockClock) -> None:
+    ups = {n: FakeUpstream(Reply(first_token_s=t)) for n, t in (("a", 100), ("b", 100), ("c", 3))}
+    settings = _settings(names=("a", "b", "c"), hedge=polygate.Hedge(after_s=8, max_extra=2),
+                         source_kw={"b": {"weight": 1.0}, "c": {"weight": 1e-9}})
+    async with polygate.session(settings, transport=Router(ups)) as s:
+        r = await s.chat(MESSAGES)
+    st = r.call_stats
+    assert (st.attempts, st.hedges, r.source) == (3, 2, "c")
+    assert ups["b"].requests[0].started_at == pytest.approx(8)
+    assert ups["c"].requests[0].started_at == pytest.approx(16)
+    assert st.total_latency_ms == pytest.approx(19_000)
+
+
+async def test_budget_suppresses_hedges(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=10))
+    b = FakeUpstream(Reply(first_token_s=10))
+    hedge = polygate.Hedge(after_s=8, budget_burst=2, budget_ratio=0.1)
+    async with polygate.session(_settings(hedge=hedge), transport=Router({"a": a, "b": b})) as s:
+        results = [await s.chat(MESSAGES) for _ in range(10)]
+        stats = await s.statistics()
+    hedged = [r.call_stats.hedges for r in results]
+    # 2 tokens at start; every call adds 0.1 when it ends: the third hedge needs 10 more
+    assert hedged == [1, 1] + [0] * 8
+    assert stats.governance.hedges_suppressed_by_budget["chat"] == 8
+    assert stats.governance.hedge_budget["chat"] == pytest.approx(1.0)
+
+
+async def test_hedging_off_never_hedges(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=60))
+    b = FakeUpstream(Reply())
+    settings = _settings(hedge=polygate.Hedge())
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.call_stats.hedges == 0 and b.requests == []
+
+
+async def test_adaptive_threshold_learns_the_quantile(autojump_clock: trio.testing.MockClock) -> None:
+    # a answers in 1-2 s; once learnt, a 6 s first token is late (q=0.9 of 1-2 s, clamped to >= 3)
+    a = FakeUpstream([*[Reply(first_token_s=1 + i / 40) for i in range(40)], Reply(first_token_s=60)])
+    b = FakeUpstream(Reply(first_token_s=1))
+    hedge = polygate.Hedge(after_quantile=0.9, min_after_s=3, max_after_s=20, budget_burst=10)
+    settings = _settings(hedge=hedge, source_kw={"b": {"weight": 1e-9}})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        for _ in range(40):
+            assert (await s.chat(MESSAGES)).call_stats.hedges == 0
+        r = await s.chat(MESSAGES)
+    assert r.call_stats.hedge_won
+    assert b.requests[0].started_at - a.requests[-1].started_at == pytest.approx(3)
