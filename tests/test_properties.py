@@ -14,6 +14,7 @@ cancellations under MockClock keep the invariants of SPEC §7:
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any
 
 import attrs
@@ -24,6 +25,9 @@ from hypothesis import strategies as st
 
 import polygate
 from polygate.testing import FakeUpstream, Reply, Router
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 NAMES = ("a", "b", "c")
 
