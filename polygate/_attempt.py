@@ -34,19 +34,40 @@ T = TypeVar("T")
 
 
 class AttemptControl:
-    """The round's handle on one running attempt."""
+    """The round's handle on one running attempt.
 
-    __slots__ = ("cancel_reason", "on_content", "record", "scope")
+    One cancel scope carries all three of the attempt's own clocks: its deadline is
+    the earlier of the whole-attempt deadline and the watchdog's, and the round
+    cancels it outright.  When it fires, ``cancelled`` and the clock tell which.
+    """
+
+    __slots__ = ("_watch", "_whole", "cancel_reason", "cancelled", "on_content", "record", "scope")
 
     def __init__(self, record: AttemptRecord, on_content: OnContent | None = None) -> None:
         self.record = record
         self.scope = trio.CancelScope()
         self.cancel_reason = Outcome.CANCELLED
+        self.cancelled = False
         self.on_content = on_content
+        self._whole = math.inf
+        self._watch = math.inf
 
     def cancel(self, reason: Outcome) -> None:
         self.cancel_reason = reason
+        self.cancelled = True
         self.scope.cancel()
+
+    def start_clocks(self, whole: float, watch: float) -> None:
+        self._whole = whole
+        self.watch(watch)
+
+    def watch(self, deadline: float) -> None:
+        """Move the watchdog (only real content tokens do)."""
+        self._watch = deadline
+        self.scope.deadline = deadline if deadline < self._whole else self._whole
+
+    def timed_out(self, now: float) -> bool:
+        return now >= self._whole
 
 
 async def run_chat_attempt(
@@ -57,20 +78,33 @@ async def run_chat_attempt(
     stall_timeout = ctx.scope.stream.stall_timeout_s
     forward = control.on_content
 
-    async def work(watch: trio.CancelScope, timeline: Timeline) -> dict[str, Any]:
+    async def work(timeline: Timeline) -> dict[str, Any]:
+        watch = control.watch
+        first = True
+
         async def on_content(now: float, chunk: dict[str, Any]) -> None:
+            # Runs for every content chunk: moving a deadline costs a heap update, so
+            # it is done only when a watchdog needs it.
+            nonlocal first
             if forward is not None:
-                # The consumer's pace is not the upstream's silence: pause the
-                # watchdog while the chunk is handed over.
-                watch.deadline = math.inf
-                await forward(now, chunk)
-                now = trio.current_time()
-            watch.deadline = now + stall_timeout if stall_timeout is not None else math.inf
+                if stall_timeout is not None:
+                    # The consumer's pace is not the upstream's silence: pause the
+                    # watchdog while the chunk is handed over.
+                    watch(math.inf)
+                    await forward(now, chunk)
+                    now = trio.current_time()
+                else:
+                    await forward(now, chunk)
+            if stall_timeout is not None:
+                watch(now + stall_timeout)
+            elif first:
+                first = False
+                watch(math.inf)  # the first token ends the ttft watchdog
 
         return await chat_exchange(
-            ctx.runtime.client,
+            ctx.runtime.transport,
             endpoint,
-            ctx.messages,
+            ctx.messages_json,
             ctx.params,
             limits=ctx.runtime.limits,
             timeline=timeline,
@@ -96,9 +130,9 @@ async def run_embed_attempt(
     source = ctx.source(admission.source)
     endpoint = ctx.runtime.endpoints[(ctx.scope_name, source.name)]
 
-    async def work(watch: trio.CancelScope, timeline: Timeline) -> tuple[list[list[float]], Any]:
+    async def work(timeline: Timeline) -> tuple[list[list[float]], Any]:
         return await embeddings_exchange(
-            ctx.runtime.client, endpoint, inputs, ctx.params,
+            ctx.runtime.transport, endpoint, inputs, ctx.params,
             limits=ctx.runtime.limits, timeline=timeline,
         )
 
@@ -126,7 +160,7 @@ async def _guarded(
     control: AttemptControl,
     timeout_s: float,
     ttft_timeout_s: float | None,
-    work: Callable[[trio.CancelScope, Timeline], Awaitable[T]],
+    work: Callable[[Timeline], Awaitable[T]],
     usage_of: Callable[[T], Usage],
 ) -> T:
     record = control.record
@@ -134,26 +168,25 @@ async def _guarded(
     outcome = Outcome.CANCELLED  # unless something below says otherwise
     error: UpstreamError | None = None
     start = trio.current_time()
+    control.start_clocks(
+        start + timeout_s, start + ttft_timeout_s if ttft_timeout_s is not None else math.inf
+    )
     try:
         with control.scope:
-            with trio.CancelScope(deadline=start + timeout_s) as whole:
-                first_deadline = start + ttft_timeout_s if ttft_timeout_s is not None else math.inf
-                with trio.CancelScope(deadline=first_deadline) as watch:
-                    result = await work(watch, timeline)
-                    record.usage = usage_of(result)
-                    outcome = Outcome.OK
-                    return result
-                error = _watchdog_error(ctx, admission.source, timeline, ttft_timeout_s)
-            if whole.cancelled_caught:
-                error = TransientUpstreamError(
-                    f"attempt exceeded timeout_s={timeout_s}",
-                    source=admission.source, outcome=Outcome.TIMEOUT,
-                )
-            if error is not None:
-                raise error
-        # control.scope caught the round's cancellation: this attempt lost or is surplus.
-        outcome = control.cancel_reason
-        raise AttemptCancelled(outcome)
+            result = await work(timeline)
+            record.usage = usage_of(result)
+            outcome = Outcome.OK
+            return result
+        # The scope caught a cancellation of its own: the round's, or one of the clocks.
+        if control.cancelled:
+            outcome = control.cancel_reason
+            raise AttemptCancelled(outcome)
+        if control.timed_out(trio.current_time()):
+            raise TransientUpstreamError(
+                f"attempt exceeded timeout_s={timeout_s}",
+                source=admission.source, outcome=Outcome.TIMEOUT,
+            )
+        raise _watchdog_error(ctx, admission.source, timeline, ttft_timeout_s)
     except UpstreamError as exc:
         error = exc
         outcome = exc.outcome

@@ -95,6 +95,8 @@ async def _with_deadline(
         try:
             with scope:
                 return await body()
+        except BaseExceptionGroup as group:
+            raise _one_error(group) from group
         except trio.TooSlowError:
             stats = call_stats(ctx, None, trio.current_time())
             raise DeadlineExceeded(
@@ -179,6 +181,7 @@ async def run_chat(
     runtime: Runtime,
     scope_name: str,
     messages: Sequence[Mapping[str, Any]],
+    messages_json: str,
     params: Mapping[str, Any],
     deadline_s: float | None,
     *,
@@ -187,8 +190,8 @@ async def run_chat(
 ) -> ChatResponse:
     scope = runtime.settings.scopes[scope_name]
     ctx = CallContext(
-        runtime, scope_name, scope, "chat", trio.current_time(), messages=messages, params=params,
-        streaming_to_caller=forward is not None,
+        runtime, scope_name, scope, "chat", trio.current_time(), messages=messages,
+        messages_json=messages_json, params=params, streaming_to_caller=forward is not None,
     )
     ctx.prompt_estimate = runtime.governor.prompt_estimate(messages)
     ctx.completion_estimate = completion_budget(params, scope.completion_estimate_tokens)
@@ -281,6 +284,18 @@ def _first_polygate_error(group: BaseExceptionGroup[Any]) -> BaseException:
         if isinstance(exc, PolygateError):
             return exc
     return group
+
+
+def _one_error(group: BaseExceptionGroup[Any]) -> BaseException:
+    """A public call raises one exception, never a nursery's group: its polygate
+    error, else its first plain exception (a bug, surfaced as itself).  A group
+    holding a cancellation or KeyboardInterrupt is re-raised whole for trio."""
+    leaves = _leaves(group)
+    if any(not isinstance(exc, Exception) for exc in leaves):
+        raise group
+    return _first_polygate_error(group) if any(
+        isinstance(exc, PolygateError) for exc in leaves
+    ) else leaves[0]
 
 
 def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:

@@ -42,7 +42,7 @@ class Runtime:
     """What every call of one session shares."""
 
     settings: Settings
-    client: httpx.AsyncClient
+    transport: httpx.AsyncBaseTransport
     governor: Governor
     recorder: Recorder = attrs.field(factory=NullRecorder)
     rng: random.Random = attrs.field(factory=random.Random)
@@ -100,6 +100,7 @@ class CallContext:
     kind: str  # "chat" | "embed"
     started_at: float
     messages: Sequence[Mapping[str, Any]] = ()
+    messages_json: str = "[]"  # encoded once per call, spliced into every attempt's body
     params: Mapping[str, Any] = attrs.field(factory=dict)
     prompt_estimate: int = 0
     completion_estimate: int = 0

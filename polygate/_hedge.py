@@ -120,11 +120,14 @@ class Round:
         return self._winner.record if self._winner is not None else None
 
     async def run(self, primary: Admission) -> tuple[AttemptRecord, Any]:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self._launch(primary, "primary")
-            if self._hedging:
+        if self._hedging:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._launch(primary, "primary")
                 await self._monitor()
+        else:
+            # Nothing to race: the primary runs in the caller's task, no nursery needed.
+            await self._run_path(self._new_path(primary, "primary"))
         if self._winner is not None:
             return self._winner.record, self._winner.result
         errors = [p.error for p in self._paths if p.error is not None]
@@ -135,6 +138,9 @@ class Round:
 
     def _launch(self, admission: Admission, role: str) -> None:
         assert self._nursery is not None
+        self._nursery.start_soon(self._run_path, self._new_path(admission, role))
+
+    def _new_path(self, admission: Admission, role: str) -> _Path:
         record = self._ctx.new_attempt(admission, role, trio.current_time())
         control = AttemptControl(record)
         path = _Path(admission, control)
@@ -144,7 +150,7 @@ class Round:
             # A first token can bring the stall trigger forward: wake the monitor once.
             control.on_content = self._first_token_waker()
         self._paths.append(path)
-        self._nursery.start_soon(self._run_path, path)
+        return path
 
     async def _run_path(self, path: _Path) -> None:
         try:

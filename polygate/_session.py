@@ -1,4 +1,4 @@
-"""The session: owner of the HTTP client, the governance backend and background work.
+"""The session: owner of the HTTP transport, the governance backend and background work.
 
 ``polygate.session()`` opens a nursery for the session's own background tasks
 (telemetry flushing, backend connections).  Calls run in the *caller's* task tree: a
@@ -65,9 +65,9 @@ class Session:
     ) -> ChatResponse:
         """One logical chat call; returns the assembled answer with its statistics."""
         deadline = self._prepare(scope, call_deadline_s)
-        _check_messages(messages)
+        encoded = _check_messages(messages)
         _check_params(params)
-        return await run_chat(self._runtime, scope, list(messages), params, deadline)
+        return await run_chat(self._runtime, scope, list(messages), encoded, params, deadline)
 
     def stream_chat(
         self,
@@ -80,9 +80,9 @@ class Session:
         """A streamed chat call: ``async with s.stream_chat(...) as stream:`` then
         ``async for chunk in stream``; ``stream.response`` once it is exhausted."""
         deadline = self._prepare(scope, call_deadline_s)
-        _check_messages(messages)
+        encoded = _check_messages(messages)
         _check_params(params)
-        return ChatStream(self._runtime, scope, list(messages), params, deadline)
+        return ChatStream(self._runtime, scope, list(messages), encoded, params, deadline)
 
     async def embed(
         self,
@@ -124,7 +124,8 @@ class Session:
         return float(call_deadline_s)
 
 
-def _check_messages(messages: Any) -> None:
+def _check_messages(messages: Any) -> str:
+    """Validate the messages and encode them once (every attempt reuses the JSON)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ConfigError("messages must be a list of message objects")
     if not messages:
@@ -133,7 +134,7 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ConfigError(f"messages[{index}] must be an object with a string 'role'")
     try:
-        json.dumps(messages)
+        return json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"messages are not JSON-serialisable: {exc}") from None
 
@@ -174,12 +175,14 @@ class ChatStream:
         runtime: Runtime,
         scope: str,
         messages: list[Mapping[str, Any]],
+        messages_json: str,
         params: dict[str, Any],
         deadline: float | None,
     ) -> None:
         self._runtime = runtime
         self._scope = scope
         self._messages = messages
+        self._messages_json = messages_json
         self._params = params
         self._deadline = deadline
         self._recv: trio.MemoryReceiveChannel[StreamChunk | _Done | _Failed] | None = None
@@ -224,23 +227,32 @@ class ChatStream:
             delivered = self.text_parts
 
             async def forward(chunk: dict[str, Any]) -> None:
-                choices = chunk.get("choices") or ()
                 delta: dict[str, Any] = {}
-                for choice in choices:
-                    if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                        d = choice.get("delta")
-                        delta = d if isinstance(d, dict) else {}
-                        break
+                choices = chunk.get("choices")
+                if choices:
+                    first = choices[0]
+                    if not (isinstance(first, dict) and first.get("index", 0) == 0):
+                        first = next((c for c in choices if isinstance(c, dict)
+                                      and c.get("index", 0) == 0), None)
+                    if first is not None:
+                        d = first.get("delta")
+                        if isinstance(d, dict):
+                            delta = d
                 content = delta.get("content")
                 text = content if isinstance(content, str) else ""
                 if text:
                     delivered.append(text)
-                await send.send(StreamChunk(text=text, delta=delta, raw=chunk))
+                item = StreamChunk(text=text, delta=delta, raw=chunk)
+                try:
+                    # No scheduling round trip per chunk while the buffer has room.
+                    send.send_nowait(item)
+                except trio.WouldBlock:
+                    await send.send(item)
 
             try:
                 response = await run_chat(
-                    self._runtime, self._scope, self._messages, self._params, self._deadline,
-                    forward=forward, delivered=delivered,
+                    self._runtime, self._scope, self._messages, self._messages_json,
+                    self._params, self._deadline, forward=forward, delivered=delivered,
                 )
             except PolygateError as exc:
                 await send.send(_Failed(exc))
@@ -255,7 +267,11 @@ class ChatStream:
             raise PolygateError("use 'async with session.stream_chat(...) as stream' first")
         if self._finished:
             raise StopAsyncIteration
-        item = await self._recv.receive()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            item = self._recv.receive_nowait()  # buffered chunks: no round trip each
+        except trio.WouldBlock:
+            item = await self._recv.receive()
         if isinstance(item, StreamChunk):
             return item
         self._finished = True
@@ -300,15 +316,15 @@ async def session(
         raise ConfigError("telemetry sinks are not available in this version of polygate")
     backend = _backend_for(settings)
     rng = rng or random.Random()
+    owned = transport is None
     if transport is None:
         transport = httpx.AsyncHTTPTransport(limits=_POOL_LIMITS)
-    client = httpx.AsyncClient(transport=transport, timeout=None, follow_redirects=False)
     body_error: Exception | None = None
-    async with client:
+    try:
         try:
             async with trio.open_nursery() as nursery:
                 governor = Governor(settings, backend, rng=rng)
-                runtime = Runtime(settings, client, governor, rng=rng)
+                runtime = Runtime(settings, transport, governor, rng=rng)
                 handle = Session(runtime)
                 try:
                     yield handle
@@ -319,5 +335,8 @@ async def session(
                     nursery.cancel_scope.cancel()
         finally:
             await backend.aclose()
+    finally:
+        if owned:  # a transport the caller passed in stays theirs to close
+            await transport.aclose()
     if body_error is not None:
         raise body_error

@@ -19,10 +19,6 @@ _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
 # Keys of a chunk that describe the chunk itself, not the response.
 _CHUNK_ONLY_KEYS = frozenset({"object", "choices", "usage", "obfuscation", "error"})
 _HEADER_KEYS = ("id", "created", "model", "system_fingerprint")
-_DELTA_KNOWN = frozenset(
-    {"role", "content", "reasoning_content", "reasoning", "refusal", "tool_calls", "function_call"}
-)
-_CHOICE_KNOWN = frozenset({"index", "delta", "finish_reason", "logprobs", "message"})
 
 
 def has_content(chunk: dict[str, Any]) -> bool:
@@ -81,51 +77,63 @@ class _Choice:
         self.extras: dict[str, Any] = {}
         self.message_extras: dict[str, Any] = {}
 
-    def add(self, choice: dict[str, Any]) -> None:
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            self._add_delta(delta)
-        finish = choice.get("finish_reason")
-        if isinstance(finish, str):
-            self.finish_reason = finish
-        logprobs = choice.get("logprobs")
-        if isinstance(logprobs, dict):
-            self._add_logprobs(logprobs)
+    def add(self, choice: dict[str, Any]) -> bool:
+        """Fold one choice of a chunk in; True when its delta carried content."""
+        content = False
         for key, value in choice.items():
-            if key not in _CHOICE_KNOWN and value is not None:
+            if key == "delta":
+                if isinstance(value, dict):
+                    content = self._add_delta(value)
+            elif key == "finish_reason":
+                if isinstance(value, str):
+                    self.finish_reason = value
+            elif key == "logprobs":
+                if isinstance(value, dict):
+                    self._add_logprobs(value)
+            elif key != "index" and key != "message" and value is not None:
                 _merge_extra(self.extras, key, value)
+        return content
 
-    def _add_delta(self, delta: dict[str, Any]) -> None:
-        role = delta.get("role")
-        if isinstance(role, str):
-            self.role = role
-        content = delta.get("content")
-        if isinstance(content, str):
-            self.saw_content = True
-            if content:
-                self.content.append(content)
-        for name in ("reasoning_content", "reasoning"):
-            value = delta.get(name)
-            if isinstance(value, str) and value:
-                self.reasoning.append(value)
-                if self.reasoning_name is None:
-                    self.reasoning_name = name
-        refusal = delta.get("refusal")
-        if isinstance(refusal, str) and refusal:
-            self.refusal.append(refusal)
-        tool_calls = delta.get("tool_calls")
-        if isinstance(tool_calls, list):
-            for call in tool_calls:
-                if isinstance(call, dict):
-                    self._add_tool_call(call)
-        function_call = delta.get("function_call")
-        if isinstance(function_call, dict):
-            if self.function_call is None:
-                self.function_call = {"name": "", "arguments": ""}
-            _join_function(self.function_call, function_call)
+    def _add_delta(self, delta: dict[str, Any]) -> bool:
+        # One pass over the (usually one-key) delta: this runs for every chunk.
+        content = False
         for key, value in delta.items():
-            if key not in _DELTA_KNOWN and value is not None:
+            if value is None:
+                continue
+            if key == "content":
+                if isinstance(value, str):
+                    self.saw_content = True
+                    if value:
+                        self.content.append(value)
+                        content = True
+            elif key == "reasoning_content" or key == "reasoning":
+                if isinstance(value, str) and value:
+                    self.reasoning.append(value)
+                    content = True
+                    if self.reasoning_name is None:
+                        self.reasoning_name = key
+            elif key == "role":
+                if isinstance(value, str):
+                    self.role = value
+            elif key == "refusal":
+                if isinstance(value, str) and value:
+                    self.refusal.append(value)
+                    content = True
+            elif key == "tool_calls":
+                if isinstance(value, list) and value:
+                    content = True
+                    for call in value:
+                        if isinstance(call, dict):
+                            self._add_tool_call(call)
+            elif key == "function_call":
+                if isinstance(value, dict):
+                    content = True
+                    if self.function_call is None:
+                        self.function_call = {"name": "", "arguments": ""}
+                    _join_function(self.function_call, value)
+            else:
                 _merge_extra(self.message_extras, key, value)
+        return content
 
     def _add_tool_call(self, call: dict[str, Any]) -> None:
         index = call.get("index")
@@ -222,34 +230,43 @@ class ChatAssembler:
     def __init__(self) -> None:
         self._choices: dict[int, _Choice] = {}
         self._header: dict[str, Any] = {}
+        self._missing = set(_HEADER_KEYS)
         self._extras: dict[str, Any] = {}
         self.usage: dict[str, Any] | None = None
         self.chunks = 0
 
-    def add(self, chunk: dict[str, Any]) -> None:
+    def add(self, chunk: dict[str, Any]) -> bool:
+        """Fold one chunk in; True when it carried at least one content token (the
+        same answer as :func:`has_content`, without a second pass)."""
         self.chunks += 1
-        for key in _HEADER_KEYS:
-            value = chunk.get(key)
-            if value not in (None, "", 0) and key not in self._header:
-                self._header[key] = value
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage  # cumulative on vLLM: the last one is the total
+        missing = self._missing
+        if missing:
+            for key in tuple(missing):
+                value = chunk.get(key)
+                if value not in (None, "", 0):
+                    self._header[key] = value
+                    missing.discard(key)
+        content = False
         for key, value in chunk.items():
-            if key not in _CHUNK_ONLY_KEYS and key not in _HEADER_KEYS and value is not None:
+            if key == "choices":
+                if isinstance(value, list):
+                    for choice in value:
+                        if not isinstance(choice, dict):
+                            continue
+                        index = choice.get("index", 0)
+                        if not isinstance(index, int):
+                            index = 0
+                        state = self._choices.get(index)
+                        if state is None:
+                            state = self._choices[index] = _Choice(index)
+                        if state.add(choice):
+                            content = True
+            elif key == "usage":
+                if isinstance(value, dict):
+                    self.usage = value  # cumulative on vLLM: the last one is the total
+            elif value is not None and key not in _CHUNK_ONLY_KEYS and key not in _HEADER_KEYS:
                 _merge_extra(self._extras, key, value)
-        choices = chunk.get("choices")
-        if isinstance(choices, list):
-            for choice in choices:
-                if not isinstance(choice, dict):
-                    continue
-                index = choice.get("index", 0)
-                if not isinstance(index, int):
-                    index = 0
-                state = self._choices.get(index)
-                if state is None:
-                    state = self._choices[index] = _Choice(index)
-                state.add(choice)
+        return content
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import sys
 from array import array
@@ -20,7 +21,6 @@ from typing import Any
 import attrs
 import httpx
 import trio
-from httpx_sse import EventSource, SSEError
 
 from .._errors import (
     TransientUpstreamError,
@@ -31,10 +31,15 @@ from .._errors import (
     error_status,
     redact,
 )
-from ._assemble import ChatAssembler, has_content
+from ._assemble import ChatAssembler
+from ._sse import Event, SSEDecoder
 from ._wire import Endpoint, Limits, chat_body, embeddings_body, raise_for_status, read_capped
 
 __all__ = ["OnContent", "Timeline", "chat_exchange", "embeddings_exchange"]
+
+_log = logging.getLogger("polygate.transport")
+# json.loads on bytes first sniffs the encoding in Python; SSE is UTF-8 by definition.
+_decode_json = json.JSONDecoder().decode
 
 OnContent = Callable[[float, dict[str, Any]], Awaitable[None]]
 
@@ -59,52 +64,10 @@ class Timeline:
         return self.chunk_times[-1] if self.chunk_times else None
 
 
-class _CappedStream(httpx.AsyncByteStream):
-    """Guards memory: the whole body and each line (bytes since the last newline).
-
-    A class-based iterator rather than an async generator, so stopping early leaves
-    no half-run generator of ours for the garbage collector.
-    """
-
-    def __init__(self, inner: httpx.AsyncByteStream, limits: Limits, source: str) -> None:
-        self._inner = inner
-        self._iterator: Any = None
-        self._max_body = limits.max_body_bytes
-        self._max_line = limits.max_line_bytes
-        self._source = source
-        self._total = 0
-        self._since_newline = 0
-
-    def __aiter__(self) -> _CappedStream:
-        self._iterator = self._inner.__aiter__()
-        return self
-
-    async def __anext__(self) -> bytes:
-        chunk: bytes = await self._iterator.__anext__()
-        self._total += len(chunk)
-        if self._total > self._max_body:
-            raise TransientUpstreamError(
-                f"stream exceeds the {self._max_body}-byte body cap", source=self._source
-            )
-        cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
-        if cut < 0:
-            self._since_newline += len(chunk)
-        else:
-            self._since_newline = len(chunk) - cut - 1
-        if self._since_newline > self._max_line:
-            raise TransientUpstreamError(
-                f"an SSE line exceeds the {self._max_line}-byte line cap", source=self._source
-            )
-        return chunk
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
 async def chat_exchange(
-    client: httpx.AsyncClient,
+    transport: httpx.AsyncBaseTransport,
     endpoint: Endpoint,
-    messages: Sequence[Mapping[str, Any]],
+    messages_json: str,
     params: Mapping[str, Any],
     *,
     limits: Limits,
@@ -113,15 +76,15 @@ async def chat_exchange(
 ) -> dict[str, Any]:
     """Run one chat completion and return the (assembled) non-streamed response body."""
     stream = endpoint.streaming
-    request = client.build_request(
+    request = httpx.Request(
         "POST",
-        endpoint.url + "/chat/completions",
-        content=chat_body(endpoint, messages, params, stream),
+        endpoint.chat_url,
+        content=chat_body(endpoint, messages_json, params, stream),
         headers=endpoint.headers(),
     )
     try:
         timeline.sent_at = trio.current_time()
-        response = await client.send(request, stream=True)
+        response = await _send(transport, request)
         try:
             timeline.status_code = response.status_code
             await raise_for_status(response, endpoint)
@@ -130,21 +93,42 @@ async def chat_exchange(
                 timeline.streamed = True
                 body = await _read_sse(response, endpoint, limits, timeline, on_content)
             else:
-                body = await _read_chat_json(response, endpoint, limits)
+                body = await _read_chat_json(response, endpoint, limits, ctype)
             timeline.ended_at = trio.current_time()
             return body
         finally:
-            # Closing releases (or on cancellation, drops) the connection; it does
-            # no network I/O that could hang, so the shield cannot delay anything.
-            with trio.CancelScope(shield=True):
-                await response.aclose()
+            await _close(response)
     except UpstreamError:
         raise
-    except (httpx.HTTPError, SSEError, ValueError, UnicodeDecodeError) as exc:
+    except Exception as exc:
         raise _classified(exc, endpoint) from None
 
 
+async def _send(transport: httpx.AsyncBaseTransport, request: httpx.Request) -> httpx.Response:
+    """Straight to the transport: httpx.AsyncClient would add cookie jars, redirects,
+    auth flows and event hooks that an API client must not have, and they cost more
+    than the rest of polygate's per-call work together."""
+    response = await transport.handle_async_request(request)
+    response.request = request
+    return response
+
+
+async def _close(response: httpx.Response) -> None:
+    """Release (or, after a cancellation, drop) the connection.  A body read to its end
+    is closed already; otherwise the close does no network I/O that could hang, so
+    shielding it cannot delay a cancellation."""
+    if not response.is_closed:
+        with trio.CancelScope(shield=True):
+            await response.aclose()
+
+
 def _classified(exc: BaseException, endpoint: Endpoint) -> UpstreamError:
+    """The one polygate error for whatever the wire or the bytes raised.  Anything
+    that is not a known network or decoding failure is logged with its traceback:
+    it is more likely a bug than an upstream fault, but one attempt's bug must not
+    become the caller's crash."""
+    if not isinstance(exc, (httpx.HTTPError, ValueError, UnicodeDecodeError)):
+        _log.error("unexpected error in an exchange with %s", endpoint.name, exc_info=exc)
     error = classify_exception(exc, source=endpoint.name)
     error.message = redact(error.message, endpoint.secrets)
     error.args = (error.message,)
@@ -158,46 +142,71 @@ async def _read_sse(
     timeline: Timeline,
     on_content: OnContent | None,
 ) -> dict[str, Any]:
-    response.stream = _CappedStream(response.stream, limits, endpoint.name)  # type: ignore[arg-type]
+    decoder = SSEDecoder(
+        max_body=limits.max_body_bytes, max_line=limits.max_line_bytes, source=endpoint.name
+    )
     assembler = ChatAssembler()
-    done = False
     chunk_times = timeline.chunk_times
-    async with aclosing(EventSource(response).aiter_sse()) as events:
-        async for event in events:
-            data = event.data
-            if event.event == "error":
-                raise _error_event(data, endpoint)
-            if not data:
-                continue
-            if data == "[DONE]":
-                done = True
+    # Raw bytes when nothing needs decoding (one generator less per piece); a body
+    # already read (a mock response) or content-encoded goes through aiter_bytes.
+    raw = not response.is_stream_consumed and "content-encoding" not in response.headers
+    pieces = response.aiter_raw() if raw else response.aiter_bytes()
+    done = False
+    async with aclosing(pieces):  # type: ignore[type-var]
+        async for piece in pieces:
+            for event in decoder.feed(piece):
+                if done:
+                    continue  # drained, not parsed: the answer is complete
+                done = await _on_event(event, endpoint, assembler, timeline, chunk_times, on_content)
+            if done:
                 break
-            chunk = json.loads(data)
-            if not isinstance(chunk, dict):
-                raise TransientUpstreamError(
-                    f"malformed stream chunk: expected an object, got {type(chunk).__name__}",
-                    source=endpoint.name,
-                )
-            if chunk.get("error") is not None:
-                raise _error_event(chunk, endpoint)
-            assembler.add(chunk)
-            if has_content(chunk):
-                now = trio.current_time()
-                if not chunk_times:
-                    timeline.first_token_at = now
-                chunk_times.append(now)
-                if on_content is not None:
-                    await on_content(now, chunk)
         if done:
             with trio.move_on_after(_DRAIN_AFTER_DONE_S):
-                async for _ in events:
+                async for _ in pieces:
                     pass
+        else:
+            for event in decoder.flush():
+                if await _on_event(event, endpoint, assembler, timeline, chunk_times, on_content):
+                    done = True
+                    break
     if not done and not assembler.finished:
         raise TransientUpstreamError(
             "stream ended before [DONE] and before any finish_reason (truncated)",
             source=endpoint.name,
         )
     return assembler.build()
+
+
+async def _on_event(
+    event: Event,
+    endpoint: Endpoint,
+    assembler: ChatAssembler,
+    timeline: Timeline,
+    chunk_times: list[float],
+    on_content: OnContent | None,
+) -> bool:
+    """Handle one event; True once the stream says ``[DONE]``."""
+    data = event.data
+    if event.event == "error":
+        raise _error_event(data.decode("utf-8", "replace"), endpoint)
+    if data == b"[DONE]":
+        return True
+    chunk = _decode_json(data.decode("utf-8"))
+    if not isinstance(chunk, dict):
+        raise TransientUpstreamError(
+            f"malformed stream chunk: expected an object, got {type(chunk).__name__}",
+            source=endpoint.name,
+        )
+    if chunk.get("error") is not None:
+        raise _error_event(chunk, endpoint)
+    if assembler.add(chunk):
+        now = trio.current_time()
+        if not chunk_times:
+            timeline.first_token_at = now
+        chunk_times.append(now)
+        if on_content is not None:
+            await on_content(now, chunk)
+    return False
 
 
 def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
@@ -214,12 +223,15 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
     return classify_status(status, detail, source=endpoint.name)
 
 
-async def _read_json(response: httpx.Response, endpoint: Endpoint, limits: Limits) -> Any:
+async def _read_json(
+    response: httpx.Response, endpoint: Endpoint, limits: Limits, ctype: str | None = None
+) -> Any:
     raw = await read_capped(response, limits.max_body_bytes, endpoint.name)
     try:
         payload = json.loads(raw)
     except ValueError:
-        ctype = response.headers.get("content-type", "?")
+        if ctype is None:
+            ctype = response.headers.get("content-type", "?")
         raise TransientUpstreamError(
             f"malformed upstream body: not JSON (content-type {ctype}, {len(raw)} bytes)",
             source=endpoint.name,
@@ -230,9 +242,9 @@ async def _read_json(response: httpx.Response, endpoint: Endpoint, limits: Limit
 
 
 async def _read_chat_json(
-    response: httpx.Response, endpoint: Endpoint, limits: Limits
+    response: httpx.Response, endpoint: Endpoint, limits: Limits, ctype: str
 ) -> dict[str, Any]:
-    payload = await _read_json(response, endpoint, limits)
+    payload = await _read_json(response, endpoint, limits, ctype)
     choices = payload.get("choices") if isinstance(payload, dict) else None
     if (
         not isinstance(choices, list)
@@ -247,7 +259,7 @@ async def _read_chat_json(
 
 
 async def embeddings_exchange(
-    client: httpx.AsyncClient,
+    transport: httpx.AsyncBaseTransport,
     endpoint: Endpoint,
     inputs: Sequence[str],
     params: Mapping[str, Any],
@@ -256,27 +268,26 @@ async def embeddings_exchange(
     timeline: Timeline,
 ) -> tuple[list[list[float]], dict[str, Any]]:
     """Run one embeddings request; vectors come back in input order."""
-    request = client.build_request(
+    request = httpx.Request(
         "POST",
-        endpoint.url + "/embeddings",
+        endpoint.embeddings_url,
         content=embeddings_body(endpoint, inputs, params),
         headers=endpoint.headers(),
     )
     try:
         timeline.sent_at = trio.current_time()
-        response = await client.send(request, stream=True)
+        response = await _send(transport, request)
         try:
             timeline.status_code = response.status_code
             await raise_for_status(response, endpoint)
             payload = await _read_json(response, endpoint, limits)
             timeline.ended_at = trio.current_time()
         finally:
-            with trio.CancelScope(shield=True):
-                await response.aclose()
+            await _close(response)
         return _vectors(payload, len(inputs), endpoint), payload
     except UpstreamError:
         raise
-    except (httpx.HTTPError, ValueError, UnicodeDecodeError) as exc:
+    except Exception as exc:
         raise _classified(exc, endpoint) from None
 
 

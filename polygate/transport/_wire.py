@@ -22,21 +22,39 @@ __all__ = [
 ]
 
 
+_USER_AGENT = "polygate/0.1"
+
+
 @attrs.frozen
 class Endpoint:
-    """Where and as whom to send: what the transport needs to know of a source."""
+    """Where and as whom to send: what the transport needs to know of a source.
+
+    URLs and headers are built once here, not per request.
+    """
 
     name: str
     url: str
     api_key: str | None = attrs.field(default=None, repr=False)
     model: str | None = None
     streaming: bool = True
+    chat_url: httpx.URL = attrs.field(init=False, repr=False)
+    embeddings_url: httpx.URL = attrs.field(init=False, repr=False)
+    _headers: tuple[tuple[str, str], ...] = attrs.field(init=False, repr=False)
 
-    def headers(self) -> dict[str, str]:
-        headers = {"content-type": "application/json"}
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "chat_url", httpx.URL(self.url + "/chat/completions"))
+        object.__setattr__(self, "embeddings_url", httpx.URL(self.url + "/embeddings"))
+        headers = [
+            ("accept", "application/json, text/event-stream"),
+            ("content-type", "application/json"),
+            ("user-agent", _USER_AGENT),
+        ]
         if self.api_key:
-            headers["authorization"] = f"Bearer {self.api_key}"
-        return headers
+            headers.append(("authorization", f"Bearer {self.api_key}"))
+        object.__setattr__(self, "_headers", tuple(headers))
+
+    def headers(self) -> list[tuple[str, str]]:
+        return list(self._headers)
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -53,9 +71,10 @@ _RESERVED_PARAMS = frozenset({"messages", "stream"})
 
 
 def chat_body(
-    endpoint: Endpoint, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], stream: bool
+    endpoint: Endpoint, messages_json: str, params: Mapping[str, Any], stream: bool
 ) -> bytes:
-    """The JSON body of ``POST /chat/completions``.
+    """The JSON body of ``POST /chat/completions``; ``messages_json`` is the messages
+    array already encoded (once per call, however many attempts it takes).
 
     The source's ``model`` wins over a caller's ``model`` (sources of a scope are
     equivalent only with their own model names); every other parameter passes through
@@ -65,7 +84,6 @@ def chat_body(
     body: dict[str, Any] = {k: v for k, v in params.items() if k not in _RESERVED_PARAMS}
     if endpoint.model is not None:
         body["model"] = endpoint.model
-    body["messages"] = list(messages)
     if stream:
         body["stream"] = True
         options = dict(body.get("stream_options") or {})
@@ -73,7 +91,12 @@ def chat_body(
         body["stream_options"] = options
     else:
         body.pop("stream_options", None)
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    head = _ENCODE(body)
+    middle = "," if len(head) > 2 else ""
+    return f'{head[:-1]}{middle}"messages":{messages_json}}}'.encode()
+
+
+_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def embeddings_body(endpoint: Endpoint, inputs: Sequence[str], params: Mapping[str, Any]) -> bytes:
