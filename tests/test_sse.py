@@ -1,0 +1,118 @@
+"""The byte-level SSE decoder against httpx-sse (the maintained reference decoder),
+over random event streams cut into random pieces, with every kind of line end."""
+
+from __future__ import annotations
+
+import pytest
+from httpx_sse._decoders import SSEDecoder as ReferenceDecoder
+from httpx_sse._decoders import SSELineDecoder
+from hypothesis import given
+from hypothesis import strategies as st
+
+import polygate
+from polygate.transport._assemble import ChatAssembler, has_content
+from polygate.transport._sse import SSEDecoder
+
+text = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=30
+)
+events = st.lists(
+    st.fixed_dictionaries({
+        "comment": st.one_of(st.none(), text),
+        "event": st.one_of(st.none(), st.sampled_from(["error", "message", "ping"])),
+        "data": st.lists(text, min_size=0, max_size=3),
+    }),
+    max_size=8,
+)
+
+
+def _serialize(evs: list[dict[str, object]], eol: str) -> bytes:
+    out = []
+    for ev in evs:
+        if ev["comment"] is not None:
+            out.append(f":{ev['comment']}{eol}")
+        if ev["event"] is not None:
+            out.append(f"event: {ev['event']}{eol}")
+        for line in ev["data"]:  # type: ignore[attr-defined]
+            out.append(f"data: {line}{eol}")
+        out.append(eol)
+    return "".join(out).encode()
+
+
+def _reference(body: bytes) -> list[tuple[str, str]]:
+    lines = SSELineDecoder().decode(body.decode()) + SSELineDecoder().flush()
+    decoder = ReferenceDecoder()
+    got = []
+    for line in [*lines, ""]:
+        sse = decoder.decode(line)
+        if (sse is not None and sse.data != "") or (sse is not None and sse.event not in ("", "message")):
+            got.append((sse.event, sse.data))
+    return [(e, d) for e, d in got if d != ""]
+
+
+def _ours(body: bytes, cuts: list[int]) -> list[tuple[str, str]]:
+    decoder = SSEDecoder(max_body=1 << 30, max_line=1 << 30, source="x")
+    got = []
+    start = 0
+    for cut in sorted({c % (len(body) + 1) for c in cuts}) + [len(body)]:
+        got += [(e.event, e.data.decode()) for e in decoder.feed(body[start:cut])]
+        start = cut
+    got += [(e.event, e.data.decode()) for e in decoder.flush()]
+    return [(e, d) for e, d in got if d != ""]
+
+
+@given(events, st.sampled_from(["\n", "\r\n", "\r"]), st.lists(st.integers(0, 10_000), max_size=6))
+def test_matches_the_reference_decoder(evs: list[dict[str, object]], eol: str, cuts: list[int]) -> None:
+    body = _serialize(evs, eol)
+    ours = [(e if e != "message" else "", d) for e, d in _ours(body, cuts)]
+    ref = [(e if e != "message" else "", d) for e, d in _reference(body)]
+    assert ours == ref
+
+
+def test_common_case_fast_path() -> None:
+    decoder = SSEDecoder(max_body=1000, max_line=1000, source="x")
+    got = list(decoder.feed(b'data: {"a":1}\n\ndata: [DONE]\n\n'))
+    assert [e.data for e in got] == [b'{"a":1}', b"[DONE]"]
+
+
+def test_crlf_split_between_pieces() -> None:
+    decoder = SSEDecoder(max_body=1000, max_line=1000, source="x")
+    got = list(decoder.feed(b"data: a\r")) + list(decoder.feed(b"\n\r\n"))
+    assert [e.data for e in got] == [b"a"]
+
+
+def test_caps() -> None:
+    decoder = SSEDecoder(max_body=100, max_line=10, source="src")
+    with pytest.raises(polygate.TransientUpstreamError, match="line cap"):
+        for _ in range(3):
+            list(decoder.feed(b"data: 0123"))
+    decoder = SSEDecoder(max_body=20, max_line=1000, source="src")
+    with pytest.raises(polygate.TransientUpstreamError, match="body cap"):
+        list(decoder.feed(b"data: x\n\n" * 3))
+
+
+deltas = st.fixed_dictionaries({}, optional={
+    "role": st.sampled_from(["assistant", None]),
+    "content": st.one_of(st.none(), st.sampled_from(["", "hi"])),
+    "reasoning_content": st.one_of(st.none(), st.sampled_from(["", "hm"])),
+    "reasoning": st.one_of(st.none(), st.sampled_from(["", "hm"])),
+    "refusal": st.one_of(st.none(), st.sampled_from(["", "no"])),
+    "tool_calls": st.one_of(st.none(), st.just([]), st.just([{"index": 0, "function": {"arguments": "{"}}])),
+    "extra": st.integers(),
+})
+chunks = st.fixed_dictionaries({}, optional={
+    "id": st.just("x"),
+    "choices": st.lists(st.fixed_dictionaries({"index": st.integers(0, 2), "delta": deltas},
+                                              optional={"finish_reason": st.sampled_from([None, "stop"])}),
+                        max_size=3),
+    "usage": st.one_of(st.none(), st.just({"prompt_tokens": 1, "completion_tokens": 2})),
+})
+
+
+@given(st.lists(chunks, max_size=6))
+def test_assembler_agrees_with_has_content(sequence: list[dict[str, object]]) -> None:
+    assembler = ChatAssembler()
+    for chunk in sequence:
+        assert assembler.add(chunk) == has_content(chunk)
+    body = assembler.build()
+    assert body["choices"]
