@@ -54,7 +54,7 @@ def _ours(body: bytes, cuts: list[int]) -> list[tuple[str, str]]:
     decoder = SSEDecoder(max_body=1 << 30, max_line=1 << 30, source="x")
     got = []
     start = 0
-    for cut in sorted({c % (len(body) + 1) for c in cuts}) + [len(body)]:
+    for cut in [*sorted({c % (len(body) + 1) for c in cuts}), len(body)]:
         got += [(e.event, e.data.decode()) for e in decoder.feed(body[start:cut])]
         start = cut
     got += [(e.event, e.data.decode()) for e in decoder.flush()]
