@@ -19,6 +19,7 @@ attempt's error.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -65,8 +66,9 @@ def call_stats(ctx: CallContext, winner: AttemptRecord | None, now: float) -> Ca
         return CallStats(**base)  # type: ignore[arg-type]
     tl = winner.timeline
     generation = 0.0
-    if tl.sent_at is not None and tl.ended_at is not None:
-        generation = (tl.ended_at - tl.sent_at) * 1000.0
+    ended = tl.ended_at if tl.ended_at is not None else winner.ended_at
+    if tl.sent_at is not None and ended is not None:
+        generation = (ended - tl.sent_at) * 1000.0
     ttft = None
     stalls = stall_stats((), 0)
     if tl.streamed:
@@ -131,11 +133,17 @@ async def _retry_loop(
     errors: list[UpstreamError] = []
     failed: list[str] = []
     consumed = 0
-    give_up_at = deadline_at if deadline_at is not None else ctx.started_at + retry.rate_limit_wait_s
+    # Admission waits until the deadline; without one, waiting out 429 cooldowns is
+    # bounded by rate_limit_wait_s (permits, RPM windows and breakers free up alone).
+    give_up_at = deadline_at if deadline_at is not None else math.inf
+    cooldown_give_up_at = (
+        deadline_at if deadline_at is not None else ctx.started_at + retry.rate_limit_wait_s
+    )
     while True:
         try:
             admission = await governor.acquire(
-                ctx.scope_name, tokens, demote=failed, give_up_at=give_up_at
+                ctx.scope_name, tokens, demote=failed, give_up_at=give_up_at,
+                cooldown_give_up_at=cooldown_give_up_at,
             )
         except NoAdmission as exc:
             raise AllSourcesExhausted(
@@ -147,6 +155,12 @@ async def _retry_loop(
         except RoundFailed as failure:
             round_errors = failure.errors
             committed = failure.committed
+            if committed is not None:
+                # Content reached the caller: no retry.  Its statistics are those of
+                # the committed attempt, as far as it got.
+                committed.call_stats = call_stats(
+                    ctx, failure.committed_record, trio.current_time()
+                )
         errors.extend(round_errors)
         for error in round_errors:
             if error.source in failed:
@@ -206,9 +220,9 @@ async def run_chat(
             )
         except UpstreamError as exc:
             if forward is not None and exc.outcome is Outcome.STALLED:
-                stats = call_stats(ctx, None, trio.current_time())
                 raise StreamStalled(
-                    str(exc), source=exc.source, text="".join(delivered or ()), call_stats=stats
+                    exc.message, source=exc.source, text="".join(delivered or ()),
+                    call_stats=exc.call_stats,
                 ) from exc
             raise
         return _chat_response(ctx, record, result)

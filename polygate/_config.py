@@ -13,6 +13,7 @@ import math
 import re
 import warnings
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -32,7 +33,11 @@ __all__ = [
     "mask_url",
 ]
 
-RESERVED_SEGMENTS = frozenset({"HEDGE", "RETRY", "STREAM", "CALL_DEADLINE_S"})
+# Scope-level configuration segments: no source may be named so (the environment keys
+# POLYGATE__{SCOPE}__{SOURCE}__… and POLYGATE__{SCOPE}__{SETTING}… would collide).
+RESERVED_SEGMENTS = frozenset({
+    "HEDGE", "RETRY", "STREAM", "CALL_DEADLINE_S", "EMBED_BATCH_SIZE", "COMPLETION_ESTIMATE_TOKENS",
+})
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -396,8 +401,9 @@ def _split_url(inst: Any, field: str, value: str) -> Any:
 
 
 def _to_scopes(value: Any) -> Any:
+    # Read-only: the scopes were validated once and must stay as validated.
     if isinstance(value, Mapping):
-        return dict(value)
+        return MappingProxyType(dict(value))
     return value
 
 
@@ -409,7 +415,9 @@ class Settings:
     ``max_line_bytes`` caps one SSE line.  Both guard memory against a broken upstream.
     """
 
-    scopes: dict[str, Scope] = attrs.field(converter=_to_scopes)
+    scopes: Mapping[str, Scope] = attrs.field(
+        converter=_to_scopes, repr=lambda v: repr(dict(v)) if isinstance(v, Mapping) else repr(v)
+    )
     backend: str = attrs.field(default="memory", repr=lambda v: repr(mask_url(v)), validator=_check_backend)
     telemetry: str = attrs.field(default="off", repr=lambda v: repr(mask_url(v)), validator=_check_telemetry)
     max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_pos_int)
@@ -419,7 +427,7 @@ class Settings:
 
     @scopes.validator
     def _check_scopes(self, attr: attrs.Attribute[Any], value: Any) -> None:
-        if not isinstance(value, dict) or not value:
+        if not isinstance(value, Mapping) or not value:
             raise _bad(self, "scopes", "must be a non-empty mapping of scope name to Scope")
         for name, scope in value.items():
             if not isinstance(name, str) or not _NAME_RE.match(name) or "__" in name:

@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from . import _config as _config_module
 from ._config import ConfigWarning, FieldError, Scope, Settings, Source, mask_url
 from ._errors import ConfigError
 
@@ -99,7 +100,9 @@ class _Schema:
 
 @functools.cache
 def _schema(cls: type) -> _Schema:
-    hints = typing.get_type_hints(cls)
+    # The classes' __module__ says "polygate" (for tracebacks); their annotations
+    # resolve in the module that defines them.
+    hints = typing.get_type_hints(cls, globalns=vars(_config_module))
     scalars: dict[str, type] = {}
     groups: dict[str, type] = {}
     for field in attrs.fields(cls):
@@ -676,7 +679,7 @@ def _describe(obj: Any) -> dict[str, Any]:
 def _depth(value: Any) -> int:
     if attrs.has(type(value)):
         return 1
-    return 2 if isinstance(value, (tuple, dict)) else 0
+    return 2 if isinstance(value, (tuple, Mapping)) else 0
 
 
 def _describe_value(field: attrs.Attribute[Any], value: Any) -> Any:
@@ -686,7 +689,7 @@ def _describe_value(field: attrs.Attribute[Any], value: Any) -> Any:
         return _describe(value)
     if isinstance(value, tuple):
         return [_describe(v) for v in value]
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {k: _describe(v) for k, v in value.items()}
     if isinstance(value, str):
         return mask_url(value)

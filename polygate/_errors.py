@@ -101,6 +101,9 @@ class UpstreamError(PolygateError):
         self.source = source
         self.status_code = status_code
         self.retry_after_s = retry_after_s
+        # Set when this error ends a logical call (a fatal error, a committed stream's
+        # failure): the call's frozen statistics.
+        self.call_stats: CallStats | None = None
         if outcome is not None:
             self.outcome = outcome
 

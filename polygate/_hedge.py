@@ -71,10 +71,16 @@ Forward = Callable[[dict[str, Any]], Awaitable[None]]
 class RoundFailed(Exception):
     """Every attempt of the round failed (or the committed one did)."""
 
-    def __init__(self, errors: Sequence[UpstreamError], committed: UpstreamError | None) -> None:
+    def __init__(
+        self,
+        errors: Sequence[UpstreamError],
+        committed: UpstreamError | None,
+        committed_record: AttemptRecord | None = None,
+    ) -> None:
         super().__init__(f"{len(errors)} attempt(s) failed")
         self.errors = list(errors)
         self.committed = committed
+        self.committed_record = committed_record
 
 
 class _Path:
@@ -131,8 +137,9 @@ class Round:
         if self._winner is not None:
             return self._winner.record, self._winner.result
         errors = [p.error for p in self._paths if p.error is not None]
-        committed = self._committed.error if self._committed is not None else None
-        raise RoundFailed(errors, committed)
+        if self._committed is not None:
+            raise RoundFailed(errors, self._committed.error, self._committed.record)
+        raise RoundFailed(errors, None)
 
     # ------------------------------------------------------------------ paths
 

@@ -249,14 +249,28 @@ class ChatStream:
                 except trio.WouldBlock:
                     await send.send(item)
 
+            sent = 0
+
+            async def counted(chunk: dict[str, Any]) -> None:
+                nonlocal sent
+                sent += 1
+                await forward(chunk)
+
             try:
                 response = await run_chat(
                     self._runtime, self._scope, self._messages, self._messages_json,
-                    self._params, self._deadline, forward=forward, delivered=delivered,
+                    self._params, self._deadline, forward=counted, delivered=delivered,
                 )
             except PolygateError as exc:
                 await send.send(_Failed(exc))
             else:
+                if not sent and _has_output(response.message):
+                    # The upstream answered with a plain JSON body (it cannot stream):
+                    # the whole answer is one chunk, so iterating still shows it.
+                    delta = {k: v for k, v in response.message.items() if v is not None}
+                    if response.text:
+                        delivered.append(response.text)
+                    await send.send(StreamChunk(text=response.text, delta=delta, raw=response.raw))
                 await send.send(_Done(response))
 
     def __aiter__(self) -> ChatStream:
@@ -284,6 +298,10 @@ class ChatStream:
     def text(self) -> str:
         """What has been delivered so far (the first choice's content)."""
         return "".join(self.text_parts)
+
+
+def _has_output(message: Mapping[str, Any]) -> bool:
+    return any(message.get(k) for k in ("content", "reasoning_content", "refusal", "tool_calls"))
 
 
 # --------------------------------------------------------------------------- session()

@@ -344,3 +344,81 @@ async def test_embed_batches_in_order(autojump_clock: trio.testing.MockClock) ->
     assert e.call_stats.generation_ms == pytest.approx(4000)  # the sum of the batches
     assert e.call_stats.ttft_ms is None
     assert e.usage is not None and e.usage.prompt_tokens > 0
+
+
+async def test_stream_chat_over_a_json_upstream_yields_the_answer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(text="whole answer at once", first_token_s=2))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    async with polygate.session(settings, transport=_router(a=a)) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            chunks = [c async for c in stream]
+    assert [c.text for c in chunks] == ["whole answer at once"]
+    assert stream.response is not None and stream.response.text == "whole answer at once"
+
+
+async def test_committed_stream_failure_carries_statistics(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(text="one two three four", first_token_s=1, fault="reset", fault_after=2))
+    b = FakeUpstream(Reply())
+    settings = two_source_settings(weights=FIRST_A)
+    async with polygate.session(settings, transport=_router(a=a, b=b)) as s:
+        got = []
+        with pytest.raises(polygate.TransientUpstreamError) as info:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for chunk in stream:
+                    got.append(chunk.text)
+    assert "".join(got) == "one two"
+    assert b.requests == []  # content was shown: no silent retry elsewhere
+    stats = info.value.call_stats
+    assert stats is not None and stats.source == "a" and stats.ttft_ms == pytest.approx(1000)
+
+
+async def test_stream_stalled_statistics_name_the_source(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=1, inter_token_s=0.5, tokens=6, stall_at=3, stall_s=60))
+    settings = one_source_settings(stream=polygate.StreamWatch(stall_timeout_s=4))
+    async with polygate.session(settings, transport=_router(a=a)) as s:
+        with pytest.raises(polygate.StreamStalled) as info:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for _ in stream:
+                    pass
+    stats = info.value.call_stats
+    assert stats is not None
+    assert (stats.source, stats.attempts) == ("a", 1)
+    assert stats.ttft_ms == pytest.approx(1000)
+    assert stats.generation_ms == pytest.approx((2.0 + 4.0) * 1000)  # sent -> cut
+
+
+async def test_retry_after_on_503_is_honoured(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream([Reply(status=503, retry_after_s=3), Reply()])
+    settings = one_source_settings(retry=polygate.Retry(backoff_base_s=0.01, backoff_max_s=0.01))
+    async with polygate.session(settings, transport=_router(a=a)) as s:
+        r = await s.chat(MESSAGES)
+    assert r.call_stats.attempts == 2
+    assert a.requests[1].started_at == pytest.approx(3.0, abs=0.02)
+
+
+async def test_permit_waits_are_not_bounded_by_rate_limit_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=100))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)],
+        retry=polygate.Retry(rate_limit_wait_s=60))})
+    done: list[float] = []
+    async with polygate.session(settings, transport=_router(a=a)) as s:
+
+        async def one() -> None:
+            await s.chat(MESSAGES)
+            done.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one)
+            nursery.start_soon(one)
+    assert done == [pytest.approx(100), pytest.approx(200)]
+    assert a.peak_in_flight == 1

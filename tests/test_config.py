@@ -307,3 +307,17 @@ def test_settings_are_frozen() -> None:
     settings = secret_settings()
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         settings.backend = "memory"  # type: ignore[misc]
+
+
+def test_scopes_are_read_only() -> None:
+    import attrs
+
+    import polygate
+    from polygate._config import RESERVED_SEGMENTS
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    with pytest.raises(TypeError):
+        settings.scopes["x"] = settings.scopes["chat"]  # type: ignore[index]
+    scope_fields = {f.name.upper() for f in attrs.fields(polygate.Scope)} - {"SOURCES"}
+    assert scope_fields == RESERVED_SEGMENTS

@@ -185,7 +185,8 @@ def summarize(outcomes: Sequence[Outcome]) -> Summary:
     total_time = sum(totals) or 1.0
     # Waiting overhead: everything but decoding (the winner's generation minus its TTFT).
     waits = [o.total_s - o.generation_s + (o.ttft_s or 0.0) for o in ok]
-    waiting = sum(waits)
+    # A failed call decoded nothing the caller got: all of its time was waiting.
+    waiting = sum(waits) + sum(o.total_s for o in outcomes if not o.ok)
     slow_n = max(1, math.ceil(0.13 * len(totals)))
     slowest = sum(sorted(totals, reverse=True)[:slow_n])
     return Summary(

@@ -137,10 +137,14 @@ class Governor:
         exclude: Collection[str] = (),
         demote: Sequence[str] = (),
         give_up_at: float = math.inf,
+        cooldown_give_up_at: float | None = None,
     ) -> Admission:
         """Admission for a primary attempt: waits (without polling) until a source
-        accepts, or raises :class:`NoAdmission` when none can before ``give_up_at`` or
-        none ever will (every source dead or too small for the estimate)."""
+        accepts.  Raises :class:`NoAdmission` when none ever will (every source dead or
+        too small for the estimate), none can before ``give_up_at``, or the only thing
+        to wait for is a rate-limit cooldown ending after ``cooldown_give_up_at``."""
+        if cooldown_give_up_at is None:
+            cooldown_give_up_at = give_up_at
         while True:
             result = await self.try_admit(scope_name, tokens, exclude=exclude, demote=demote)
             if isinstance(result, Admission):
@@ -152,11 +156,11 @@ class Governor:
             known = [r.retry_at for r in waitable if r.retry_at is not None]
             unknown = len(known) < len(waitable)
             next_at = min(known) if known else math.inf
-            if not unknown and next_at > give_up_at:
+            only_cooldowns = all(r.reason is RefusalReason.COOLING_DOWN for r in waitable)
+            bound = min(give_up_at, cooldown_give_up_at) if only_cooldowns else give_up_at
+            if (not unknown and next_at > bound) or self.backend.now() >= bound:
                 raise NoAdmission(refusals)
-            if self.backend.now() >= give_up_at:
-                raise NoAdmission(refusals)
-            await self.backend.wait_changed(min(next_at, give_up_at))
+            await self.backend.wait_changed(min(next_at, bound))
 
     async def release(
         self,
@@ -181,6 +185,8 @@ class Governor:
         dead = False
         if outcome is Outcome.RATE_LIMITED:
             cooldown = retry_after_s if retry_after_s is not None else DEFAULT_RATE_LIMIT_COOLDOWN_S
+        elif retry_after_s is not None and outcome is Outcome.TRANSIENT:
+            cooldown = retry_after_s  # a 503 with Retry-After: the server said when
         elif outcome is Outcome.DEAD:
             cooldown = self._settings.dead_cooldown_s
             dead = True

@@ -94,7 +94,8 @@ async def chat_exchange(
                 body = await _read_sse(response, endpoint, limits, timeline, on_content)
             else:
                 body = await _read_chat_json(response, endpoint, limits, ctype)
-            timeline.ended_at = trio.current_time()
+            if timeline.ended_at is None:
+                timeline.ended_at = trio.current_time()
             return body
         finally:
             await _close(response)
@@ -161,6 +162,7 @@ async def _read_sse(
             if done:
                 break
         if done:
+            timeline.ended_at = trio.current_time()  # the answer is complete; drain after
             with trio.move_on_after(_DRAIN_AFTER_DONE_S):
                 async for _ in pieces:
                     pass
