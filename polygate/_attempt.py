@@ -109,6 +109,7 @@ async def run_chat_attempt(
             limits=ctx.runtime.limits,
             timeline=timeline,
             on_content=on_content,
+            call_id=ctx.logical_call_id,
         )
 
     def usage_of(body: dict[str, Any]) -> Usage:
@@ -133,7 +134,7 @@ async def run_embed_attempt(
     async def work(timeline: Timeline) -> tuple[list[list[float]], Any]:
         return await embeddings_exchange(
             ctx.runtime.transport, endpoint, inputs, ctx.params,
-            limits=ctx.runtime.limits, timeline=timeline,
+            limits=ctx.runtime.limits, timeline=timeline, call_id=ctx.logical_call_id,
         )
 
     def usage_of(result: tuple[list[list[float]], Any]) -> Usage:

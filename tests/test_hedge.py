@@ -330,3 +330,14 @@ async def test_adaptive_threshold_learns_the_quantile(autojump_clock: trio.testi
         r = await s.chat(MESSAGES)
     assert r.call_stats.hedge_won
     assert b.requests[0].started_at - a.requests[-1].started_at == pytest.approx(3)
+
+
+async def test_every_attempt_carries_the_logical_call_id(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=20))
+    b = FakeUpstream(Reply(first_token_s=1))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    ids = {req.headers["x-polygate-call-id"] for req in a.requests + b.requests}
+    assert ids == {r.call_stats.logical_call_id}

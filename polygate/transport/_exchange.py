@@ -73,6 +73,7 @@ async def chat_exchange(
     limits: Limits,
     timeline: Timeline,
     on_content: OnContent | None = None,
+    call_id: str | None = None,
 ) -> dict[str, Any]:
     """Run one chat completion and return the (assembled) non-streamed response body."""
     stream = endpoint.streaming
@@ -80,7 +81,7 @@ async def chat_exchange(
         "POST",
         endpoint.chat_url,
         content=chat_body(endpoint, messages_json, params, stream),
-        headers=endpoint.headers(),
+        headers=endpoint.headers(call_id),
     )
     try:
         timeline.sent_at = trio.current_time()
@@ -268,13 +269,14 @@ async def embeddings_exchange(
     *,
     limits: Limits,
     timeline: Timeline,
+    call_id: str | None = None,
 ) -> tuple[list[list[float]], dict[str, Any]]:
     """Run one embeddings request; vectors come back in input order."""
     request = httpx.Request(
         "POST",
         endpoint.embeddings_url,
         content=embeddings_body(endpoint, inputs, params),
-        headers=endpoint.headers(),
+        headers=endpoint.headers(call_id),
     )
     try:
         timeline.sent_at = trio.current_time()

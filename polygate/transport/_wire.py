@@ -12,6 +12,7 @@ import httpx
 from .._errors import TransientUpstreamError, classify_status, error_message, redact
 
 __all__ = [
+    "CALL_ID_HEADER",
     "Endpoint",
     "Limits",
     "chat_body",
@@ -23,6 +24,7 @@ __all__ = [
 
 
 _USER_AGENT = "polygate/0.1"
+CALL_ID_HEADER = "x-polygate-call-id"
 
 
 @attrs.frozen
@@ -53,8 +55,13 @@ class Endpoint:
             headers.append(("authorization", f"Bearer {self.api_key}"))
         object.__setattr__(self, "_headers", tuple(headers))
 
-    def headers(self) -> list[tuple[str, str]]:
-        return list(self._headers)
+    def headers(self, call_id: str | None = None) -> list[tuple[str, str]]:
+        """Request headers; ``call_id`` lets upstream logs be joined with polygate's
+        (every attempt of one logical call, hedges included, carries the same id)."""
+        headers = list(self._headers)
+        if call_id is not None:
+            headers.append((CALL_ID_HEADER, call_id))
+        return headers
 
     @property
     def secrets(self) -> tuple[str, ...]:
