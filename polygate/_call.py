@@ -108,7 +108,11 @@ async def _with_deadline(
             ) from None
     except PolygateError as exc:
         _attach_stats(ctx, exc)
-        recorder.call(ctx, "error", exc)
+        stats = getattr(exc, "call_stats", None) or call_stats(ctx, None, trio.current_time())
+        recorder.call(ctx, stats, None, exc)
+        raise
+    except BaseException as exc:  # cancelled by the caller (or a bug): still one row
+        recorder.call(ctx, call_stats(ctx, None, trio.current_time()), None, exc)
         raise
     finally:
         if ctx.scope.hedge.enabled and ctx.kind == "chat":
@@ -228,7 +232,7 @@ async def run_chat(
         return _chat_response(ctx, record, result)
 
     response = await _with_deadline(ctx, deadline_s, body)
-    runtime.recorder.call(ctx, "ok", None)
+    runtime.recorder.call(ctx, response.call_stats, response.usage, None)
     return response
 
 
@@ -289,7 +293,7 @@ async def run_embed(
         return _embedding_response(ctx, results)
 
     response = await _with_deadline(ctx, deadline_s, body)
-    runtime.recorder.call(ctx, "ok", None)
+    runtime.recorder.call(ctx, response.call_stats, response.usage, None)
     return response
 
 

@@ -14,7 +14,7 @@ import httpx
 from ._config import Scope, Settings, Source
 from ._errors import Outcome, UpstreamError
 from ._sketch import LatencySketch
-from ._types import Usage
+from ._types import CallStats, Usage
 from .governance import Admission, Governor
 from .transport import Endpoint, Limits, Timeline
 
@@ -22,18 +22,36 @@ __all__ = ["AttemptRecord", "CallContext", "Recorder", "Runtime"]
 
 
 class Recorder(Protocol):
-    """Where finished attempts and calls are reported (telemetry); must not block."""
+    """Where finished attempts and calls are reported (telemetry).
+
+    Both methods are synchronous and must not block: they run in ``finally`` blocks,
+    possibly inside cancelled scopes.  ``call`` gets the call's frozen statistics;
+    ``error`` is the exception the call ended with (a polygate error, or
+    ``trio.Cancelled`` when the caller cancelled it), ``None`` on success.
+    """
 
     def attempt(self, ctx: CallContext, record: AttemptRecord) -> None: ...
 
-    def call(self, ctx: CallContext, outcome: str, error: BaseException | None) -> None: ...
+    def call(
+        self,
+        ctx: CallContext,
+        stats: CallStats,
+        usage: Usage | None,
+        error: BaseException | None,
+    ) -> None: ...
 
 
 class NullRecorder:
     def attempt(self, ctx: CallContext, record: AttemptRecord) -> None:
         return None
 
-    def call(self, ctx: CallContext, outcome: str, error: BaseException | None) -> None:
+    def call(
+        self,
+        ctx: CallContext,
+        stats: CallStats,
+        usage: Usage | None,
+        error: BaseException | None,
+    ) -> None:
         return None
 
 
