@@ -184,19 +184,26 @@ async def test_transcript_over_real_http() -> None:
 
 
 async def test_out_of_process_server() -> None:
-    proc = subprocess.Popen(
+    proc = await trio.lowlevel.open_process(
         [sys.executable, "-m", "polygate.testing.serve", "--port", "0", "--reply", '{"tokens": 4}'],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
     )
     try:
         assert proc.stdout is not None
-        line = await trio.to_thread.run_sync(proc.stdout.readline)
-        url = line.strip().removeprefix("listening on ")
+        line = b""
+        with trio.fail_after(30):
+            while not line.endswith(b"\n"):
+                line += await proc.stdout.receive_some(1)
+        url = line.decode().strip().removeprefix("listening on ")
         async with polygate.session(settings_for({"a": url})) as s:
             results = [await s.chat(MESSAGES) for _ in range(5)]
         assert all(r.text for r in results)
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        with trio.move_on_after(10):
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
         if proc.stdout is not None:
-            proc.stdout.close()
+            await proc.stdout.aclose()
