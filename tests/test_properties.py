@@ -53,6 +53,7 @@ scenarios = st.fixed_dictionaries({
     "stall_timeout_s": st.sampled_from([None, 5.0]),
     "deadline": st.sampled_from([None, 3.0, 10.0, 45.0]),
     "max_in_flight": st.sampled_from([None, 1]),
+    "rpm": st.sampled_from([None, 2, 50]),
     "calls": st.lists(
         st.tuples(
             st.sampled_from(["chat", "stream"]),
@@ -77,7 +78,7 @@ def _settings(sc: dict[str, Any]) -> polygate.Settings:
     return polygate.Settings(scopes={"chat": polygate.Scope(
         sources=[
             polygate.Source(name=n, base_url=f"http://{n}/v1", timeout_s=60,
-                            max_in_flight=sc["max_in_flight"], rpm=50)
+                            max_in_flight=sc["max_in_flight"], rpm=sc["rpm"])
             for n in names
         ],
         hedge=hedge,
@@ -161,6 +162,13 @@ def test_invariants(sc: dict[str, Any]) -> None:
         assert state.in_flight == 0
         assert state.tokens_reserved == 0
         assert state.reserved_total == state.settled_total + state.released_total
+
+    # no source over its RPM in any 60-second window
+    if sc["rpm"] is not None:
+        for up in result["upstreams"].values():
+            starts = sorted(r.started_at for r in up.requests)
+            for i, t in enumerate(starts):
+                assert sum(1 for u in starts[i:] if u < t + 60) <= sc["rpm"]
 
     # losers are counted: attempts add up to what the upstreams saw
     stats = [o if isinstance(o, polygate.CallStats) else getattr(o, "call_stats", None) for o in outcomes]

@@ -1,0 +1,320 @@
+"""Admission and governance through the Governor and the call path, under MockClock:
+picking, quotas with reserve/settle, the breaker, permits, cooldowns, waiting."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.governance import (
+    BreakerState,
+    CharEstimator,
+    Health,
+    MemoryBackend,
+    completion_budget,
+    pick_order,
+)
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import FIRST_A, MESSAGES, SECRET
+
+
+def _settings(*, names: tuple[str, ...] = ("a", "b"), weights: dict[str, float] | None = None,
+              source: dict[str, dict[str, Any]] | None = None, **scope: Any) -> polygate.Settings:
+    w = weights or {}
+    src = source or {}
+    return polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name=n, base_url=f"http://{n}/v1", api_key=SECRET, weight=w.get(n, 1.0),
+                        **src.get(n, {}))
+        for n in names], **scope)})
+
+
+def _state(stats: polygate.SessionStatistics, name: str) -> Any:
+    return next(s.state for s in stats.governance.sources if s.state.source == name)
+
+
+# picking ---------------------------------------------------------------------------------
+
+
+def test_pick_order_follows_weights() -> None:
+    rng = random.Random(1)
+    firsts = Counter(pick_order(["a", "b", "c"], [3.0, 1.0, 1.0], rng)[0] for _ in range(10_000))
+    assert firsts["a"] / 10_000 == pytest.approx(0.6, abs=0.02)
+    assert firsts["b"] / 10_000 == pytest.approx(0.2, abs=0.02)
+
+
+def test_pick_order_excludes_and_demotes() -> None:
+    rng = random.Random(2)
+    for _ in range(200):
+        order = pick_order(["a", "b", "c", "d"], [1, 1, 1, 1], rng, exclude={"b"}, demote=["d", "a"])
+        assert order[0] == "c" and order[1:] == ["d", "a"]
+
+
+def test_health_score() -> None:
+    fresh, failing, slow = Health(), Health(), Health()
+    for _ in range(5):
+        failing.failed()
+        slow.success(4.0)
+        fresh.success(1.0)
+    ref = 1.0
+    assert fresh.score(ref) == 1.0
+    assert slow.score(ref) == pytest.approx(0.25)
+    assert 0.05 <= failing.score(ref) < 0.5
+    for _ in range(50):
+        failing.failed()
+    assert failing.score(ref) == pytest.approx(0.05)  # a floor: it stays pickable to recover
+
+
+async def test_failing_source_is_picked_less(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(status=500))
+    b = FakeUpstream(Reply())
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b}),
+                                rng=random.Random(3)) as s:
+        for _ in range(200):
+            await s.chat(MESSAGES)
+    assert len(a.requests) < 60  # equal weights, but a's health collapses
+
+
+# estimates and usage ----------------------------------------------------------------------
+
+
+def test_estimates() -> None:
+    est = CharEstimator()
+    short = est.prompt_tokens([{"role": "user", "content": "hi"}])
+    long = est.prompt_tokens([{"role": "user", "content": "hi " * 400}])
+    assert 0 < short < long and long >= 300
+    assert completion_budget({}, 256) == 256
+    assert completion_budget({"max_tokens": 50}, 256) == 50
+    assert completion_budget({"max_completion_tokens": 70, "max_tokens": 50}, 256) == 70
+    assert completion_budget({"max_tokens": 50, "n": 3}, 256) == 150
+    assert completion_budget({"max_tokens": True}, 256) == 256
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [None, {"prompt_tokens": -5, "completion_tokens": 3}, {"prompt_tokens": 10**12, "completion_tokens": 1},
+     {"prompt_tokens": "ten"}, "garbage"],
+)
+async def test_untrustworthy_usage_settles_the_estimate(usage: Any) -> None:
+    body: dict[str, Any] = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+                                         "finish_reason": "stop"}]}
+    if usage is not None:
+        body["usage"] = usage
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=body)
+
+    settings = _settings(names=("a",), source={"a": {"streaming": False, "tpm": 10**9}})
+    async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+        r = await s.chat(MESSAGES, max_tokens=40)
+        stats = await s.statistics()
+    assert r.usage is not None and r.usage.source == "estimated"
+    assert r.usage.completion_tokens == 40
+    state = _state(stats, "a")
+    assert state.tokens_in_window == state.reserved_total == r.usage.total_tokens
+
+
+# quotas ----------------------------------------------------------------------------------
+
+
+def _max_in_window(times: list[float], window: float = 60.0) -> int:
+    times = sorted(times)
+    best = 0
+    j = 0
+    for i, t in enumerate(times):
+        while times[j] <= t - window:
+            j += 1
+        best = max(best, i - j + 1)
+    return best
+
+
+async def test_rpm_is_never_exceeded_and_calls_wait(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply())
+    settings = _settings(names=("a",), source={"a": {"rpm": 3}})
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        async with trio.open_nursery() as nursery:
+            for _ in range(10):
+                nursery.start_soon(s.chat, MESSAGES)
+    starts = [r.started_at for r in a.requests]
+    assert len(starts) == 10
+    assert _max_in_window(starts) == 3
+    assert sorted(starts)[-1] == pytest.approx(180)  # 3 at 0, 60, 120; the tenth at 180
+
+
+@pytest.mark.parametrize(("tokens", "third_at"), [(10, 1.0), (100, 60.0)])
+async def test_tpm_counts_reservations_then_real_usage(
+    tokens: int, third_at: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    a = FakeUpstream(Reply(tokens=tokens, first_token_s=1))
+    settings = _settings(names=("a",), source={"a": {"tpm": 250}})
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        # each call reserves prompt (~10) + max_tokens 100: two fit, the third waits for
+        # their settlement; if they really used ~110 tokens each it waits for the window
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(lambda: s.chat(MESSAGES, max_tokens=100))
+    starts = sorted(r.started_at for r in a.requests)
+    assert starts[:2] == [0, 0]
+    assert starts[2] == pytest.approx(third_at)
+
+
+async def test_estimate_larger_than_tpm_fails_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply())
+    settings = _settings(names=("a",), source={"a": {"tpm": 100}})
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted, match="too_large"):
+            await s.chat(MESSAGES, max_tokens=1000)
+        assert trio.current_time() == 0
+    assert a.requests == []
+
+
+async def test_max_in_flight(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(first_token_s=5))
+    settings = _settings(names=("a",), source={"a": {"max_in_flight": 2}})
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        async with trio.open_nursery() as nursery:
+            for _ in range(7):
+                nursery.start_soon(s.chat, MESSAGES)
+        stats = await s.statistics()
+    assert a.peak_in_flight == 2
+    assert trio.current_time() == pytest.approx(20)
+    assert _state(stats, "a").in_flight == 0
+
+
+class CountingBackend(MemoryBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.admits = 0
+
+    async def admit(self, request: Any) -> Any:
+        self.admits += 1
+        return await super().admit(request)
+
+
+async def test_waiting_does_not_poll(autojump_clock: trio.testing.MockClock,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = CountingBackend()
+    monkeypatch.setattr("polygate._session._backend_for", lambda settings: backend)
+    a = FakeUpstream(Reply(first_token_s=100))
+    settings = _settings(names=("a",), source={"a": {"max_in_flight": 1}})
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.chat, MESSAGES)
+            nursery.start_soon(s.chat, MESSAGES)
+    assert trio.current_time() == pytest.approx(200)
+    assert backend.admits <= 4  # 2 grants + one refusal + one retry after the wake-up
+
+
+# breaker and cooldowns --------------------------------------------------------------------
+
+
+async def test_breaker_opens_probes_and_closes(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream([Reply(status=500)] * 5 + [Reply()])
+    settings = _settings(names=("a",), retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        for _ in range(5):
+            with pytest.raises(polygate.AllSourcesExhausted):
+                await s.chat(MESSAGES)
+        assert _state(await s.statistics(), "a").breaker is BreakerState.OPEN
+        # open: the next call waits for the half-open probe (30 s), then succeeds
+        r = await s.chat(MESSAGES)
+        assert trio.current_time() == pytest.approx(30)
+        assert _state(await s.statistics(), "a").breaker is BreakerState.CLOSED
+    assert r.call_stats.attempts == 1 and len(a.requests) == 6
+
+
+async def test_failed_probe_reopens(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream([Reply(status=500)] * 6 + [Reply()])
+    settings = _settings(names=("a",), retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        for _ in range(6):  # five to open, the sixth is the failed probe at 30 s
+            with pytest.raises(polygate.AllSourcesExhausted):
+                await s.chat(MESSAGES)
+        assert trio.current_time() == pytest.approx(30)
+        assert _state(await s.statistics(), "a").breaker is BreakerState.OPEN
+        await s.chat(MESSAGES)
+        assert trio.current_time() == pytest.approx(60)
+
+
+@pytest.mark.parametrize("reply", [Reply(status=429, retry_after_s=0.1), Reply(status=400)])
+async def test_breaker_ignores_rate_limits_and_caller_errors(
+    reply: Reply, autojump_clock: trio.testing.MockClock
+) -> None:
+    a = FakeUpstream(reply)
+    settings = _settings(names=("a",), retry=polygate.Retry(max_attempts=1, rate_limit_wait_s=0.5))
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        for _ in range(8):
+            with pytest.raises(polygate.PolygateError):
+                await s.chat(MESSAGES)
+        state = _state(await s.statistics(), "a")
+    assert state.breaker is BreakerState.CLOSED and state.consecutive_failures == 0
+
+
+async def test_breaker_ignores_deadlines_and_cancellation(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=100))
+    async with polygate.session(_settings(names=("a",), call_deadline_s=1),
+                                transport=Router({"a": a})) as s:
+        for _ in range(8):
+            with pytest.raises(polygate.DeadlineExceeded):
+                await s.chat(MESSAGES)
+        for _ in range(3):
+            with trio.move_on_after(0.5):
+                await s.chat(MESSAGES, call_deadline_s=None)
+        state = _state(await s.statistics(), "a")
+    assert state.breaker is BreakerState.CLOSED and state.consecutive_failures == 0
+    assert state.tokens_reserved == 0 and state.in_flight == 0
+
+
+async def test_rate_limit_cooldown_sends_calls_elsewhere(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream([Reply(status=429, retry_after_s=30), Reply()])
+    b = FakeUpstream(Reply())
+    async with polygate.session(_settings(weights=FIRST_A), transport=Router({"a": a, "b": b})) as s:
+        first = await s.chat(MESSAGES)
+        during = [await s.chat(MESSAGES) for _ in range(5)]
+        stats = await s.statistics()
+        await trio.sleep(31)
+        after = await s.chat(MESSAGES)
+    assert first.source == "b" and first.call_stats.attempts == 2
+    assert all(r.source == "b" for r in during)
+    assert _state(stats, "a").cooldown_until == pytest.approx(30)
+    assert after.source == "a"
+
+
+async def test_statistics_are_frozen_records(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply())
+    settings = _settings(names=("a",), source={"a": {"rpm": 10, "tpm": 10_000, "max_in_flight": 4}})
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        await s.chat(MESSAGES)
+        stats = await s.statistics()
+    record = stats.governance.sources[0]
+    with pytest.raises(AttributeError):
+        record.state.in_flight = 3  # type: ignore[misc]
+    assert record.state.requests_in_window == 1
+    assert record.health.latency_ewma_s is not None
+    json.dumps([str(record)])  # printable
+
+
+async def test_hedge_token_budget_refills_on_cancelled_calls(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=100))
+    b = FakeUpstream(Reply(first_token_s=100))
+    hedge = polygate.Hedge(after_s=1, budget_burst=1, budget_ratio=0.5)
+    async with polygate.session(_settings(hedge=hedge), transport=Router({"a": a, "b": b})) as s:
+        for _ in range(3):
+            with trio.move_on_after(2):
+                await s.chat(MESSAGES)
+        stats = await s.statistics()
+    # 1 token at start; call 1 hedges (0) +0.5; call 2 cannot (0.5) +0.5; call 3 hedges (0) +0.5
+    assert stats.governance.hedge_budget["chat"] == pytest.approx(0.5)
+    assert len(a.requests) + len(b.requests) == 5
