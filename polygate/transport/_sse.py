@@ -1,12 +1,17 @@
 """Server-sent events, decoded from bytes, within the body and line caps.
 
-Why not httpx-sse: it decodes the body to text, splits it into lines and builds an
-event object per line group — about 3 µs an event here, more than everything else
-polygate does with a chunk together (``benchmarks/sse_decode.py`` measures both on
-the recorded transcripts).  An LLM stream is one ``data:`` line per event almost
-always, so this decoder splits events on blank lines at the byte level and hands the
-JSON payload to ``json.loads`` still as bytes; the general path (several ``data:``
-lines, ``event:`` fields, comments, CR or CRLF line ends) follows the WHATWG rules.
+Why not httpx-sse: used on a response, it decodes the body to text and passes every
+line through two async generators before an event comes out — 1.7 µs an event here,
+against 0.9 µs for this decoder fed from ``response.aiter_raw()``
+(``benchmarks/sse_decode.py``, on the recorded transcripts and a 200-chunk stream).
+That difference is paid on every token; on a 200-chunk stream it is about 160 µs, a
+large part of the 20 % overhead budget polygate has over raw httpx.  Decoding here
+also lets the body and line caps be checked on the bytes as they arrive.
+
+An LLM stream is one ``data:`` line per event almost always, so events are split on
+blank lines at the byte level and the JSON payload is handed on still as bytes; the
+general path (several ``data:`` lines, ``event:`` fields, comments, CR or CRLF line
+ends) follows the WHATWG rules and is checked against httpx-sse by a hypothesis test.
 """
 
 from __future__ import annotations
