@@ -19,7 +19,6 @@ in real time against loopback servers.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -27,6 +26,7 @@ from typing import Any
 
 import attrs
 import trio
+from _common import machine, quantile, write_result
 
 import polygate
 from polygate.cli._replay import (
@@ -38,8 +38,6 @@ from polygate.cli._replay import (
     summarize,
 )
 from polygate.testing import FakeUpstream, Reply
-
-from _common import machine, quantile, write_result
 
 CALL_ID = "x-polygate-call-id"
 HANG_S = 60.0  # a first token later than this is one of the scripted hangs
