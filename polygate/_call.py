@@ -107,8 +107,11 @@ async def _with_deadline(
                 call_stats=stats,
             ) from None
     except PolygateError as exc:
-        _attach_stats(ctx, exc)
-        stats = getattr(exc, "call_stats", None) or call_stats(ctx, None, trio.current_time())
+        stats = getattr(exc, "call_stats", None)
+        if stats is None:
+            stats = call_stats(ctx, None, trio.current_time())
+            if hasattr(exc, "call_stats"):
+                exc.call_stats = stats
         recorder.call(ctx, stats, None, exc)
         raise
     except BaseException as exc:  # cancelled by the caller (or a bug): still one row
@@ -118,11 +121,6 @@ async def _with_deadline(
         if ctx.scope.hedge.enabled and ctx.kind == "chat":
             # In finally: cancelled calls refill the hedge budget too.
             await ctx.runtime.governor.refill_hedge_budget(ctx.scope_name)
-
-
-def _attach_stats(ctx: CallContext, exc: PolygateError) -> None:
-    if getattr(exc, "call_stats", None) is None and hasattr(exc, "call_stats"):
-        exc.call_stats = call_stats(ctx, None, trio.current_time())
 
 
 async def _retry_loop(
