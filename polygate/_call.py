@@ -100,14 +100,14 @@ async def _with_deadline(
         except BaseExceptionGroup as group:
             raise _one_error(group) from group
         except trio.TooSlowError:
-            stats = call_stats(ctx, None, trio.current_time())
+            frozen = call_stats(ctx, None, trio.current_time())
             raise DeadlineExceeded(
                 f"call exceeded its deadline of {deadline_s} s "
-                f"({stats.attempts} attempt(s), scope {ctx.scope_name!r})",
-                call_stats=stats,
+                f"({frozen.attempts} attempt(s), scope {ctx.scope_name!r})",
+                call_stats=frozen,
             ) from None
     except PolygateError as exc:
-        stats = getattr(exc, "call_stats", None)
+        stats: CallStats | None = getattr(exc, "call_stats", None)
         if stats is None:
             stats = call_stats(ctx, None, trio.current_time())
             if hasattr(exc, "call_stats"):
