@@ -5,11 +5,13 @@ Knows nothing of admission, hedging or retries (an import-linter contract keeps 
 
 from ._assemble import ChatAssembler, has_content, message_text
 from ._exchange import OnContent, Timeline, chat_exchange, embeddings_exchange
+from ._pool import LeanTransport
 from ._wire import Endpoint, Limits, parse_retry_after
 
 __all__ = [
     "ChatAssembler",
     "Endpoint",
+    "LeanTransport",
     "Limits",
     "OnContent",
     "Timeline",

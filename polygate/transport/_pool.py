@@ -1,0 +1,575 @@
+"""LeanTransport: polygate's default HTTP transport, a lean HTTP/1.1 keep-alive pool
+written on h11 (the parser httpcore itself uses) over trio streams.
+
+Why it exists
+-------------
+polygate sends ``httpx.Request`` objects straight to an ``httpx.AsyncBaseTransport``.
+httpx's own transport (httpcore's connection pool) is correct, but under trio on a
+2-core machine it was the bottleneck, not the network: against the zero-delay
+FakeUpstream server in its own process, a minimal asyncio client on raw sockets
+did ~4,500 calls/s, raw ``httpx.AsyncClient`` ~700 calls/s at concurrency 64 and
+~400 at 256 (``benchmarks/peers.py`` has the current figures).  A profile of the
+c=256 run puts about half of the client's time in httpcore's pool bookkeeping:
+every request entering or leaving the pool runs
+``_assign_requests_to_connections``, which walks every connection for every
+queued request (~900 ``is_idle`` calls per request at c=256) and polls every idle
+connection's socket for readability to see whether it expired; requests assigned
+to a connection another request grabbed first go round again
+(``ConnectionNotAvailable``).  The work per request grows with the number of
+connections, which is why bursts (and hedges, which add bursts) hurt most
+(encode/httpcore#1110).
+
+This pool does constant work per request: a dict lookup and a list pop for an
+idle connection of the request's origin (LIFO: the warmest socket), one
+readability poll of that one socket, one write for head and body, reads until
+h11 has the response head.  Measured with ``benchmarks/peers.py`` on the same
+machine (see docs/benchmarks.md), polygate on this transport does several times
+raw httpx's calls/s at c=64 and c=256.
+
+What it does (and does not)
+---------------------------
+* HTTP/1.1 only, ``http`` and ``https`` (``trio.SSLStream``, ALPN ``http/1.1``,
+  SNI; ``ssl.create_default_context()`` unless an ``ssl_context`` is given).
+  No proxies, no HTTP/2.
+* At most ``max_connections`` open connections (idle or busy, all origins
+  together).  A request that finds none free waits in a FIFO queue (a
+  ``trio.Event`` per waiter, no polling); a finished connection is handed straight
+  to the first waiter (its own, if the origins match; otherwise it is closed and
+  the waiter opens one in its slot).  At the cap, an idle connection of another
+  origin is closed to make room.
+* A connection goes back to the pool only after its response was read to the end
+  and neither side said ``Connection: close``.  Anything else -- an error, a
+  cancellation, a response closed half-read -- closes it at once, so the server
+  sees the client leave (polygate relies on that to stop hedge losers).
+* Idle connections expire after ``keepalive_expiry`` seconds; one the server has
+  closed (readable while idle) is dropped when it is next picked.  If a reused
+  connection fails before a single byte of the response arrived (the server
+  closed it just as we sent), the request is sent once more on another
+  connection: the body is bytes, so it can be replayed.
+* Errors come out as httpx's exceptions, as httpx's transport raises them:
+  ``ConnectError``, ``WriteError``, ``ReadError``, ``RemoteProtocolError``
+  (a body shorter than its Content-Length, a server that hung up without
+  answering), ``LocalProtocolError``.  Timeouts: polygate uses cancel scopes; the
+  ``timeout`` extension that ``httpx.AsyncClient`` sets is honoured per operation
+  (``PoolTimeout``, ``ConnectTimeout``, ``WriteTimeout``, ``ReadTimeout``).
+* All I/O runs in the calling task: no background tasks, no threads (trio's own
+  name resolution aside), so cancellation and deadlines apply to every byte.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import ssl
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, Final, cast
+
+import attrs
+import h11
+import httpx
+import trio
+
+__all__ = ["LeanTransport", "PoolStatistics"]
+
+_READ_SIZE: Final = 65536
+_DEFAULT_PORTS: Final = {"http": 80, "https": 443}
+#: Network failures of a reused connection that may mean "the server had closed it".
+_STALE_ERRORS: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+_Key = tuple[str, str, int]  # (scheme, host, port)
+
+
+@attrs.frozen
+class PoolStatistics:
+    """A snapshot of a :class:`LeanTransport`.  ``open``: connections open or being
+    opened (idle and busy); ``idle``: kept alive, waiting for a request;
+    ``waiting``: requests queued for a connection; ``opened``: connections ever
+    opened; ``reused``: requests sent on a kept-alive connection; ``retried``:
+    requests sent again after a reused connection turned out to be closed."""
+
+    open: int
+    idle: int
+    waiting: int
+    opened: int
+    reused: int
+    retried: int
+
+
+class _Disconnected(Exception):
+    """The server closed the connection before sending a single byte of response."""
+
+
+class _Connection:
+    """One socket, its (optional) TLS layer and its h11 state machine."""
+
+    __slots__ = ("h11", "idle_since", "key", "socket", "stream")
+
+    def __init__(self, key: _Key, stream: trio.abc.Stream, socket: trio.socket.SocketType) -> None:
+        self.key = key
+        self.stream = stream
+        self.socket = socket
+        self.h11 = h11.Connection(h11.CLIENT)
+        self.idle_since = 0.0
+
+    def close(self) -> None:
+        """Close the socket now, without I/O (no TLS close_notify): the server sees
+        EOF at once, and nothing here can block or be cancelled."""
+        self.socket.close()
+
+    async def send(self, data: bytes, limit_s: float | None) -> None:
+        if limit_s is None:
+            await self.stream.send_all(data)
+            return
+        with trio.move_on_after(limit_s):
+            await self.stream.send_all(data)
+            return
+        raise httpx.WriteTimeout("timed out sending the request")
+
+    async def receive(self, limit_s: float | None) -> bytes:
+        # h11 takes bytes-like; SSLStream's bytearray is fine (typeshed says bytes).
+        if limit_s is None:
+            return cast("bytes", await self.stream.receive_some(_READ_SIZE))
+        with trio.move_on_after(limit_s):
+            return cast("bytes", await self.stream.receive_some(_READ_SIZE))
+        raise httpx.ReadTimeout("timed out reading the response")
+
+
+class _Waiter:
+    """A request queued for a connection: it is granted either a kept-alive
+    connection of its origin (``conn``) or a slot to open one (``conn is None``)."""
+
+    __slots__ = ("conn", "event", "granted", "key")
+
+    def __init__(self, key: _Key) -> None:
+        self.key = key
+        self.event = trio.Event()
+        self.granted = False
+        self.conn: _Connection | None = None
+
+    def grant(self, conn: _Connection | None) -> None:
+        self.conn = conn
+        self.granted = True
+        self.event.set()
+
+
+class LeanTransport(httpx.AsyncBaseTransport):
+    """An HTTP/1.1 keep-alive connection pool for trio (see the module docstring).
+
+    ``max_connections``: open connections at most, all origins together;
+    ``max_idle_connections`` (default: ``max_connections``): kept-alive ones at
+    most; ``keepalive_expiry``: seconds an idle connection is kept;
+    ``ssl_context``: for ``https`` (default: ``ssl.create_default_context()``
+    with ALPN ``http/1.1``, made on first use).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_connections: int = 1024,
+        max_idle_connections: int | None = None,
+        keepalive_expiry: float = 30.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections!r}")
+        if max_idle_connections is None:
+            max_idle_connections = max_connections
+        if max_idle_connections < 0:
+            raise ValueError(f"max_idle_connections must be >= 0, got {max_idle_connections!r}")
+        if not keepalive_expiry >= 0:
+            raise ValueError(f"keepalive_expiry must be >= 0, got {keepalive_expiry!r}")
+        self._max = max_connections
+        self._max_idle = max_idle_connections
+        self._expiry = keepalive_expiry
+        self._ssl_context = ssl_context
+        self._idle: dict[_Key, list[_Connection]] = {}
+        self._idle_count = 0
+        self._open = 0  # slots taken: connections open or being opened
+        self._conns: set[_Connection] = set()
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._closed = False
+        self._opened = 0
+        self._reused = 0
+        self._retried = 0
+
+    @classmethod
+    def from_limits(cls, limits: httpx.Limits, **kwargs: Any) -> LeanTransport:
+        """The pool that ``httpx.AsyncHTTPTransport(limits=limits)`` would be
+        (``None`` in httpx's limits means no limit, no expiry)."""
+        return cls(
+            max_connections=limits.max_connections or sys.maxsize,
+            max_idle_connections=limits.max_keepalive_connections,
+            keepalive_expiry=math.inf if limits.keepalive_expiry is None else limits.keepalive_expiry,
+            **kwargs,
+        )
+
+    def __repr__(self) -> str:
+        return f"<LeanTransport open={self._open} idle={self._idle_count} max={self._max}>"
+
+    def statistics(self) -> PoolStatistics:
+        return PoolStatistics(
+            open=self._open,
+            idle=self._idle_count,
+            waiting=len(self._waiters),
+            opened=self._opened,
+            reused=self._reused,
+            retried=self._retried,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._closed:
+            raise RuntimeError("this LeanTransport is closed")
+        url = request.url
+        scheme = url.scheme
+        port = url.port or _DEFAULT_PORTS.get(scheme)
+        if port is None:
+            raise httpx.UnsupportedProtocol(
+                f"LeanTransport speaks http and https, not {scheme!r}", request=request
+            )
+        key = (scheme, url.raw_host.decode("ascii"), port)
+        try:
+            body = request.content
+        except httpx.RequestNotRead:
+            body = await request.aread()  # a streamed body: read once, replayable after
+        timeouts = _timeouts(request.extensions)
+        head = h11.Request(method=request.method, target=url.raw_path, headers=request.headers.raw)
+
+        for attempt in (1, 2):
+            conn, reused = await self._acquire(key, request, timeouts)
+            h = conn.h11
+            got_bytes = False
+            error_class: type[httpx.TransportError] = httpx.WriteError
+            try:
+                data = h.send(head) or b""
+                if body:
+                    data += h.send(h11.Data(data=body)) or b""
+                data += h.send(h11.EndOfMessage()) or b""
+                await conn.send(data, timeouts[3])
+                error_class = httpx.ReadError
+                while True:
+                    event = h.next_event()
+                    if event is h11.NEED_DATA:
+                        chunk = await conn.receive(timeouts[2])
+                        if not chunk and not got_bytes:
+                            raise _Disconnected("server disconnected without sending a response")
+                        got_bytes = True
+                        h.receive_data(chunk)
+                    elif isinstance(event, h11.Response):
+                        response = event
+                        break
+                    # else an InformationalResponse (1xx): the real one follows
+            except BaseException as exc:
+                self._discard(conn)
+                if (
+                    attempt == 1
+                    and reused
+                    and not got_bytes
+                    and isinstance(exc, (_Disconnected, *_STALE_ERRORS))
+                ):
+                    self._retried += 1
+                    continue
+                mapped = _mapped(exc, request, error_class)
+                if mapped is exc:
+                    raise
+                raise mapped from exc
+            return httpx.Response(
+                response.status_code,
+                headers=response.headers.raw_items(),
+                stream=_Body(self, conn, request, timeouts[2]),
+                extensions={
+                    "http_version": b"HTTP/" + response.http_version,
+                    "reason_phrase": response.reason,
+                },
+            )
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    # ------------------------------------------------------------------ the pool
+
+    async def _acquire(
+        self, key: _Key, request: httpx.Request, timeouts: tuple[float | None, ...]
+    ) -> tuple[_Connection, bool]:
+        """A connection for ``key`` and whether it was kept alive (reused)."""
+        if not self._waiters:  # nobody queued ahead of us: no need to wait our turn
+            conn = self._pop_idle(key)
+            if conn is not None:
+                self._reused += 1
+                return conn, True
+            if self._open >= self._max and self._idle_count:
+                self._evict_idle()
+            if self._open < self._max:
+                self._open += 1
+                return await self._connect(key, request, timeouts[1]), False
+        waiter = _Waiter(key)
+        self._waiters.append(waiter)
+        try:
+            if timeouts[0] is None:
+                await waiter.event.wait()
+            else:
+                with trio.move_on_after(timeouts[0]):
+                    await waiter.event.wait()
+                if not waiter.granted:
+                    raise httpx.PoolTimeout("timed out waiting for a connection", request=request)
+        except BaseException:
+            if not waiter.granted:
+                self._waiters.remove(waiter)
+            elif waiter.conn is not None:
+                self._put_back(waiter.conn)  # granted just as we were cancelled: pass it on
+            else:
+                self._free_slot()
+            raise
+        if self._closed:
+            if waiter.conn is not None:
+                self._discard(waiter.conn)
+            else:
+                self._free_slot()
+            raise RuntimeError("this LeanTransport was closed while a request waited")
+        if waiter.conn is not None:
+            self._reused += 1
+            return waiter.conn, True
+        return await self._connect(key, request, timeouts[1]), False
+
+    def _pop_idle(self, key: _Key) -> _Connection | None:
+        """The most recently used idle connection of ``key`` that is still usable;
+        expired ones and ones the server closed are dropped on the way."""
+        stack = self._idle.get(key)
+        if not stack:
+            return None
+        now = time.monotonic()
+        while stack:
+            conn = stack.pop()
+            self._idle_count -= 1
+            # Readable while idle: EOF, a reset or junk -- the server is done with it.
+            if now - conn.idle_since < self._expiry and not conn.socket.is_readable():
+                return conn
+            self._drop(conn)
+        return None
+
+    def _evict_idle(self) -> None:
+        """Close the oldest idle connection of some origin (we are at the cap)."""
+        for key, stack in self._idle.items():
+            if stack:
+                self._idle_count -= 1
+                self._drop(stack.pop(0))
+                if not stack:
+                    del self._idle[key]
+                return
+
+    def _put_back(self, conn: _Connection) -> None:
+        """A connection whose exchange ended cleanly: to the first waiter, or idle."""
+        if self._waiters:
+            waiter = self._waiters.popleft()
+            if waiter.key == conn.key:
+                waiter.grant(conn)
+                return
+            conn.close()  # the waiter wants another origin: it gets the slot
+            self._conns.discard(conn)
+            waiter.grant(None)
+            return
+        key = conn.key
+        stack = self._idle.get(key)
+        if stack is None:
+            stack = self._idle[key] = []
+        now = time.monotonic()
+        conn.idle_since = now
+        stack.append(conn)
+        self._idle_count += 1
+        # The bottom of a LIFO stack may sit unused: close what expired there.
+        while stack and (now - stack[0].idle_since >= self._expiry or self._idle_count > self._max_idle):
+            self._idle_count -= 1
+            self._drop(stack.pop(0))
+
+    def _drop(self, conn: _Connection) -> None:
+        """Close a connection that no request holds (idle): its slot is freed."""
+        conn.close()
+        self._conns.discard(conn)
+        self._open -= 1
+
+    def _discard(self, conn: _Connection) -> None:
+        """Close a connection a request held; its slot goes to the first waiter."""
+        conn.close()
+        self._conns.discard(conn)
+        self._free_slot()
+
+    def _free_slot(self) -> None:
+        if self._waiters:
+            self._waiters.popleft().grant(None)
+        else:
+            self._open -= 1
+
+    def _release(self, conn: _Connection) -> None:
+        """The response was read to its end: keep the connection alive if both
+        sides allow it (no ``Connection: close``, no HTTP/1.0 close-delimited body)."""
+        h = conn.h11
+        if self._closed or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
+            self._discard(conn)
+            return
+        h.start_next_cycle()
+        self._put_back(conn)
+
+    async def _connect(
+        self, key: _Key, request: httpx.Request, limit_s: float | None
+    ) -> _Connection:
+        """Open a connection in a slot already counted; the slot is freed on failure."""
+        conn: _Connection | None = None
+        try:
+            if limit_s is None:
+                conn = await self._open_connection(key)
+            else:
+                with trio.move_on_after(limit_s):
+                    conn = await self._open_connection(key)
+                if conn is None:
+                    raise httpx.ConnectTimeout("timed out connecting", request=request)
+        except BaseException as exc:
+            self._free_slot()
+            mapped = _mapped(exc, request, httpx.ConnectError)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        self._opened += 1
+        if self._closed:  # closed while we were connecting
+            self._discard(conn)
+            raise RuntimeError("this LeanTransport was closed while a request connected")
+        self._conns.add(conn)
+        return conn
+
+    async def _open_connection(self, key: _Key) -> _Connection:
+        scheme, host, port = key
+        tcp = await trio.open_tcp_stream(host, port)  # sets TCP_NODELAY
+        if scheme != "https":
+            return _Connection(key, tcp, tcp.socket)
+        tls = trio.SSLStream(tcp, self._tls(), server_hostname=host, https_compatible=True)
+        try:
+            await tls.do_handshake()
+        except BaseException:
+            tcp.socket.close()
+            raise
+        return _Connection(key, tls, tcp.socket)
+
+    def _tls(self) -> ssl.SSLContext:
+        if self._ssl_context is None:
+            context = ssl.create_default_context()
+            context.set_alpn_protocols(["http/1.1"])
+            self._ssl_context = context
+        return self._ssl_context
+
+    async def aclose(self) -> None:
+        """Close every connection, idle or busy (a busy one's reader gets a
+        ``ReadError``); requests still queued are refused."""
+        self._closed = True
+        for conn in self._conns:
+            conn.close()
+        self._conns.clear()
+        self._idle.clear()
+        self._open -= self._idle_count  # busy ones free their slots as they fail
+        self._idle_count = 0
+        while self._waiters:
+            self._waiters.popleft().grant(None)
+        await trio.lowlevel.checkpoint()
+
+
+class _Body(httpx.AsyncByteStream):
+    """A response body read from its connection as the caller iterates.
+
+    ``__aiter__`` returns the stream itself and ``__anext__`` is a plain coroutine,
+    not an async generator, so a caller that stops early leaves nothing for the
+    garbage collector to finalise.  The connection goes back to the pool the moment
+    the end of the body is parsed; ``aclose()`` before that closes it.
+    """
+
+    __slots__ = ("_conn", "_pool", "_request", "_timeout")
+
+    def __init__(
+        self, pool: LeanTransport, conn: _Connection, request: httpx.Request, timeout: float | None
+    ) -> None:
+        self._pool = pool
+        self._conn: _Connection | None = conn
+        self._request = request
+        self._timeout = timeout
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        conn = self._conn
+        if conn is None:
+            raise StopAsyncIteration
+        h = conn.h11
+        try:
+            while True:
+                event = h.next_event()
+                if event is h11.NEED_DATA:
+                    h.receive_data(await conn.receive(self._timeout))  # b"" at EOF
+                elif type(event) is h11.Data:
+                    return bytes(event.data)
+                elif type(event) is h11.EndOfMessage:
+                    break
+                else:
+                    raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} in a body")
+        except BaseException as exc:
+            self._conn = None
+            self._pool._discard(conn)
+            mapped = _mapped(exc, self._request, httpx.ReadError)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        self._conn = None
+        self._pool._release(conn)
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Release the connection if what is left of the body is already buffered
+        (parsed without I/O), else close it: unread bytes would corrupt the next
+        response.  Never blocks, so it is safe in a shielded ``finally``."""
+        conn = self._conn
+        if conn is None:
+            return
+        self._conn = None
+        h = conn.h11
+        try:
+            while True:
+                event = h.next_event()
+                if type(event) is h11.EndOfMessage:
+                    self._pool._release(conn)
+                    return
+                if type(event) is not h11.Data:
+                    break
+        except h11.RemoteProtocolError:
+            pass
+        self._pool._discard(conn)
+
+
+def _timeouts(extensions: Mapping[str, Any]) -> tuple[float | None, ...]:
+    """(pool, connect, read, write) seconds from httpx's ``timeout`` extension; all
+    ``None`` for polygate's own requests, whose deadlines are cancel scopes."""
+    timeout = extensions.get("timeout")
+    if not timeout:
+        return _NO_TIMEOUTS
+    return tuple(timeout.get(name) for name in ("pool", "connect", "read", "write"))
+
+
+_NO_TIMEOUTS: Final[tuple[float | None, ...]] = (None, None, None, None)
+
+
+def _mapped(
+    exc: BaseException, request: httpx.Request, network_error: type[httpx.TransportError]
+) -> BaseException:
+    """httpx's exception for what the socket, TLS or h11 raised (``network_error``
+    for an I/O failure in the current phase); anything else -- cancellation,
+    httpx's own errors, bugs -- is returned unchanged."""
+    if isinstance(exc, httpx.HTTPError) or not isinstance(exc, Exception):
+        return exc
+    cls: type[httpx.TransportError]
+    if isinstance(exc, (h11.RemoteProtocolError, _Disconnected)):
+        cls = httpx.RemoteProtocolError
+    elif isinstance(exc, h11.LocalProtocolError):
+        cls = httpx.LocalProtocolError
+    elif isinstance(exc, _STALE_ERRORS):
+        cls = network_error
+    else:
+        return exc
+    message = str(exc) or str(exc.__cause__ or exc.__context__ or "") or type(exc).__name__
+    return cls(message, request=request)

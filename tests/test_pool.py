@@ -1,0 +1,516 @@
+"""LeanTransport against real sockets: the FakeUpstream server face, and small raw
+trio servers in the test for what the fake cannot do (close idle connections, hang
+up on a request, speak TLS).
+
+Real clock, generous margins: no test sleeps to win a race; waits are
+``wait_until`` polls under a hard deadline, or the timeouts a test is about.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import h11
+import httpx
+import pytest
+import trio
+
+import polygate
+from polygate.testing import FakeUpstream, Reply
+from polygate.transport import LeanTransport
+
+pytestmark = pytest.mark.integration
+
+CHAT = "/chat/completions"
+JSON_BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+STREAM_BODY = json.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+).encode()
+HEADERS = [("content-type", "application/json")]
+
+
+async def wait_until(condition: Callable[[], bool], limit_s: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``limit_s`` seconds."""
+    with trio.fail_after(limit_s):
+        while not condition():  # noqa: ASYNC110 - counters of a fake: no event to wait on
+            await trio.sleep(0.01)
+
+
+def post(url: str, body: bytes = JSON_BODY) -> httpx.Request:
+    return httpx.Request("POST", url + CHAT, content=body, headers=HEADERS)
+
+
+async def fetch(transport: httpx.AsyncBaseTransport, request: httpx.Request) -> httpx.Response:
+    """Send through the transport as polygate does, and read the whole body."""
+    response = await transport.handle_async_request(request)
+    response.request = request
+    try:
+        await response.aread()
+    finally:
+        await response.aclose()
+    return response
+
+
+# --------------------------------------------------------------------------- keep-alive
+
+
+async def test_keep_alive_reuses_one_connection() -> None:
+    up = FakeUpstream(Reply(tokens=3))
+    async with up.serve() as url, LeanTransport() as transport:
+        for _ in range(20):
+            response = await fetch(transport, post(url))
+            assert response.status_code == 200
+            assert response.json()["choices"][0]["message"]["content"] == "The quick brown"
+        assert up.statistics().connections == 1
+        stats = transport.statistics()
+        assert (stats.opened, stats.reused, stats.idle, stats.open) == (1, 19, 1, 1)
+    assert response.extensions["http_version"] == b"HTTP/1.1"
+    assert response.headers["content-length"] == str(len(response.content))
+
+
+async def test_streaming_chunked_body_arrives_piece_by_piece() -> None:
+    up = FakeUpstream(Reply(tokens=30, inter_token_s=0.005))
+    async with up.serve() as url, LeanTransport() as transport:
+        response = await transport.handle_async_request(post(url, STREAM_BODY))
+        assert response.headers["transfer-encoding"] == "chunked"
+        pieces = [piece async for piece in response.aiter_raw()]
+        await response.aclose()
+        # Tokens are sent 5 ms apart: they cannot all arrive in one read.
+        assert len(pieces) > 5
+        lines = b"".join(pieces).decode().split("\n\n")
+        assert lines[-2] == "data: [DONE]"
+        assert all(isinstance(piece, bytes) for piece in pieces)
+        # Read to the end: the connection went back and serves the next request.
+        await fetch(transport, post(url))
+        assert up.statistics().connections == 1
+
+
+async def test_content_length_body_and_error_statuses() -> None:
+    up = FakeUpstream([Reply(status=429, retry_after_s=3), Reply(status=500), Reply()])
+    async with up.serve() as url, LeanTransport() as transport:
+        first = await fetch(transport, post(url))
+        second = await fetch(transport, post(url))
+        third = await fetch(transport, post(url))
+    assert (first.status_code, second.status_code, third.status_code) == (429, 500, 200)
+    assert first.headers["retry-after"] == "3"
+    assert first.json()["error"]["type"]
+    assert up.statistics().connections == 1  # error answers are complete answers
+
+
+async def test_expired_idle_connection_is_not_reused() -> None:
+    up = FakeUpstream(Reply())
+    async with up.serve() as url, LeanTransport(keepalive_expiry=0.05) as transport:
+        await fetch(transport, post(url))
+        await trio.sleep(0.2)
+        await fetch(transport, post(url))
+        assert up.statistics().connections == 2
+        assert transport.statistics().open == 1
+
+
+async def test_connection_close_from_the_server_is_honoured() -> None:
+    up = FakeUpstream(Reply(headers={"connection": "close"}))
+    async with up.serve() as url, LeanTransport() as transport:
+        for _ in range(3):
+            assert (await fetch(transport, post(url))).status_code == 200
+        assert up.statistics().connections == 3
+        assert transport.statistics().idle == 0
+        assert transport.statistics().open == 0
+
+
+# --------------------------------------------------------------------------- the cap
+
+
+async def test_concurrency_cap_bounds_connections() -> None:
+    up = FakeUpstream(Reply(headers_delay_s=0.05))
+    async with up.serve() as url, LeanTransport(max_connections=3) as transport:
+        async with trio.open_nursery() as nursery:
+            for _ in range(12):
+                nursery.start_soon(fetch, transport, post(url))
+        await wait_until(lambda: up.statistics().completed == 12)
+        stats = up.statistics()
+        assert stats.peak_in_flight == 3
+        assert stats.connections == 3
+        assert transport.statistics().waiting == 0
+
+
+async def test_waiters_are_served_in_arrival_order() -> None:
+    gate = trio.Event()  # the first answer waits until every waiter has queued
+    finished: list[int] = []
+
+    async def handler(stream: trio.SocketStream, _n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        while await read_request(stream, conn):
+            await gate.wait()
+            await answer(stream, conn)
+            conn.start_next_cycle()
+
+    async def one(index: int) -> None:
+        await fetch(transport, post(url))
+        finished.append(index)
+
+    async with raw_server(handler) as url, LeanTransport(max_connections=1) as transport:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 0)
+            await wait_until(lambda: transport.statistics().open == 1)
+            for index in range(1, 8):
+                nursery.start_soon(one, index)
+                await wait_until(lambda i=index: transport.statistics().waiting == i)
+            gate.set()
+        assert finished == list(range(8))
+        assert transport.statistics().opened == 1  # handed from one waiter to the next
+
+
+async def test_a_cancelled_waiter_leaves_the_queue() -> None:
+    up = FakeUpstream(Reply(headers_delay_s=0.2))
+    async with up.serve() as url, LeanTransport(max_connections=1) as transport:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch, transport, post(url))
+            await wait_until(lambda: up.in_flight == 1)
+            with trio.move_on_after(0.01):
+                await fetch(transport, post(url))
+            assert transport.statistics().waiting == 0
+        await fetch(transport, post(url))
+        await wait_until(lambda: up.statistics().completed == 2)
+        assert transport.statistics().open == 1
+
+
+async def test_at_the_cap_an_idle_connection_of_another_origin_makes_room() -> None:
+    a, b = FakeUpstream(Reply(), name="a"), FakeUpstream(Reply(headers_delay_s=0.3), name="b")
+    async with a.serve() as url_a, b.serve() as url_b, LeanTransport(max_connections=1) as transport:
+        await fetch(transport, post(url_a))
+        await fetch(transport, post(url_b))  # closes a's idle connection to open b's
+        assert transport.statistics().open == 1
+        # a waiter for a while b's connection is busy: b's is closed, a gets the slot
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch, transport, post(url_b))
+            await wait_until(lambda: transport.statistics().idle == 0)  # b's is busy
+            await fetch(transport, post(url_a))
+        assert (a.statistics().connections, b.statistics().connections) == (2, 1)
+        assert transport.statistics().open == 1
+
+
+# --------------------------------------------------------------------------- faults
+
+
+async def test_reset_mid_body_is_a_read_error_and_the_connection_is_dropped() -> None:
+    up = FakeUpstream([Reply(tokens=6, fault="reset", fault_after=3), Reply()])
+    async with up.serve() as url, LeanTransport() as transport:
+        response = await transport.handle_async_request(post(url, STREAM_BODY))
+        with pytest.raises(httpx.ReadError):
+            async for _ in response.aiter_raw():
+                pass
+        await response.aclose()
+        assert transport.statistics().open == 0
+        assert (await fetch(transport, post(url))).status_code == 200
+        assert up.statistics().connections == 2
+
+
+async def test_truncated_content_length_is_a_remote_protocol_error() -> None:
+    up = FakeUpstream([Reply(fault="truncated"), Reply()])
+    async with up.serve() as url, LeanTransport() as transport:
+        with pytest.raises(httpx.RemoteProtocolError, match="complete message body"):
+            await fetch(transport, post(url))
+        assert transport.statistics().open == 0
+        await fetch(transport, post(url))
+        assert up.statistics().connections == 2
+
+
+async def test_cancelling_a_silent_request_closes_its_connection() -> None:
+    up = FakeUpstream([Reply(fault="silent"), Reply()])
+    async with up.serve() as url, LeanTransport() as transport:
+        with trio.move_on_after(0.2) as scope:
+            await fetch(transport, post(url))
+        assert scope.cancelled_caught
+        await wait_until(lambda: up.statistics().client_closed == 1)
+        assert transport.statistics().open == 0
+        assert (await fetch(transport, post(url))).status_code == 200
+        assert up.statistics().connections == 2  # the cancelled one was not reused
+
+
+async def test_closing_a_half_read_stream_closes_its_connection() -> None:
+    up = FakeUpstream([Reply(tokens=50, inter_token_s=0.02), Reply()])
+    async with up.serve() as url, LeanTransport() as transport:
+        response = await transport.handle_async_request(post(url, STREAM_BODY))
+        async for _ in response.aiter_raw():
+            break
+        await response.aclose()
+        await wait_until(lambda: up.statistics().client_closed == 1)
+        await fetch(transport, post(url))
+        assert up.statistics().connections == 2
+
+
+async def test_cancelling_mid_body_closes_the_connection() -> None:
+    up = FakeUpstream(Reply(tokens=100, inter_token_s=0.02))
+    async with up.serve() as url, LeanTransport() as transport:
+        response = await transport.handle_async_request(post(url, STREAM_BODY))
+        with trio.move_on_after(0.1):
+            async for _ in response.aiter_raw():
+                pass
+        await response.aclose()
+        await wait_until(lambda: up.statistics().client_closed == 1)
+        assert transport.statistics().open == 0
+
+
+async def test_httpx_client_timeouts_are_honoured() -> None:
+    up = FakeUpstream(Reply(fault="silent"))
+    async with up.serve() as url:
+        async with httpx.AsyncClient(transport=LeanTransport(), timeout=0.2) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post(url + CHAT, content=JSON_BODY)
+        await wait_until(lambda: up.statistics().client_closed == 1)
+
+
+async def test_connect_errors_and_unsupported_schemes() -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with LeanTransport() as transport:
+        with pytest.raises(httpx.ConnectError):
+            await fetch(transport, post(f"http://127.0.0.1:{port}/v1"))
+        with pytest.raises(httpx.UnsupportedProtocol):
+            await fetch(transport, httpx.Request("GET", "ftp://127.0.0.1/x"))
+        assert transport.statistics().open == 0
+
+
+async def test_polygate_classifies_the_transport_errors() -> None:
+    """polygate's classify_exception works unchanged on what the pool raises."""
+    up = FakeUpstream([Reply(fault="truncated"), Reply(tokens=4, fault="reset", fault_after=1)])
+    async with up.serve() as url:
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url=url, api_key="k", streaming=False)],
+            retry=polygate.Retry(max_attempts=2, backoff_base_s=0.001))})
+        async with polygate.session(settings, transport=LeanTransport()) as s:
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.chat([{"role": "user", "content": "hi"}])
+    messages = [str(e) for e in info.value.errors]
+    assert all(isinstance(e, polygate.TransientUpstreamError) for e in info.value.errors)
+    assert "RemoteProtocolError" in messages[0]
+    assert "ReadError" in messages[1]
+
+
+# --------------------------------------------------------------------------- raw servers
+
+Handler = Callable[[trio.SocketStream, int], Awaitable[None]]
+
+
+@asynccontextmanager
+async def raw_server(handler: Handler) -> AsyncIterator[str]:
+    """A loopback server calling ``handler(stream, connection_number)``; yields its
+    base URL."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    count = 0
+
+    async def serve(stream: trio.SocketStream) -> None:
+        nonlocal count
+        count += 1
+        async with stream:
+            try:
+                await handler(stream, count)
+            except trio.BrokenResourceError:
+                pass
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(trio.serve_listeners, serve, listeners))
+        yield f"http://127.0.0.1:{port}/v1"
+        nursery.cancel_scope.cancel()
+
+
+async def read_request(stream: trio.abc.Stream, conn: h11.Connection) -> bool:
+    """Read one whole request on ``conn``; False when the client hung up."""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(65536))
+        elif isinstance(event, h11.EndOfMessage):
+            return True
+        elif isinstance(event, h11.ConnectionClosed):
+            return False
+
+
+async def answer(stream: trio.abc.Stream, conn: h11.Connection, body: bytes = b"ok") -> None:
+    head = h11.Response(status_code=200, headers=[("content-length", str(len(body)))])
+    await stream.send_all(conn.send(head) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))  # type: ignore[operator]
+
+
+def reset_on_close(stream: trio.SocketStream) -> None:
+    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+async def test_idle_connection_closed_by_the_server_is_dropped_before_use() -> None:
+    async def handler(stream: trio.SocketStream, _n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        if await read_request(stream, conn):
+            await answer(stream, conn)  # keep-alive as far as the client knows... then gone
+
+    async with raw_server(handler) as url, LeanTransport() as transport:
+        assert (await fetch(transport, post(url))).content == b"ok"
+        await trio.sleep(0.1)  # the FIN has arrived: the idle socket is readable
+        assert (await fetch(transport, post(url))).content == b"ok"
+        stats = transport.statistics()
+        assert (stats.opened, stats.reused, stats.retried) == (2, 0, 0)
+
+
+@pytest.mark.parametrize("hang_up", ["eof", "reset"])
+async def test_reused_connection_closed_as_we_send_is_retried_once(hang_up: str) -> None:
+    """The race a readability check cannot see: the server reads the next request
+    and hangs up without a byte of answer.  Sent again on a fresh connection."""
+    seen: list[int] = []
+
+    async def handler(stream: trio.SocketStream, n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        while await read_request(stream, conn):
+            seen.append(n)
+            if n == 1 and len(seen) == 2:
+                if hang_up == "reset":
+                    reset_on_close(stream)
+                return
+            await answer(stream, conn)
+            conn.start_next_cycle()
+
+    async with raw_server(handler) as url, LeanTransport() as transport:
+        assert (await fetch(transport, post(url))).content == b"ok"
+        assert (await fetch(transport, post(url))).content == b"ok"
+        assert seen == [1, 1, 2]
+        assert transport.statistics().retried == 1
+
+
+async def test_a_fresh_connection_that_hangs_up_is_not_retried() -> None:
+    seen: list[int] = []
+
+    async def handler(stream: trio.SocketStream, n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        if await read_request(stream, conn):
+            seen.append(n)
+
+    async with raw_server(handler) as url, LeanTransport() as transport:
+        with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+            await fetch(transport, post(url))
+        assert seen == [1]
+        assert transport.statistics().open == 0
+
+
+async def test_a_fully_buffered_body_closed_unread_keeps_its_connection() -> None:
+    async def handler(stream: trio.SocketStream, _n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        while await read_request(stream, conn):
+            await answer(stream, conn, b"x" * 100)  # head and body in one write
+            conn.start_next_cycle()
+
+    async with raw_server(handler) as url, LeanTransport() as transport:
+        for _ in range(3):
+            response = await transport.handle_async_request(post(url))
+            await response.aclose()  # never iterated
+        assert transport.statistics().opened == 1
+
+
+async def test_aclose_closes_every_connection() -> None:
+    up = FakeUpstream(Reply(tokens=100, inter_token_s=0.05))
+    async with up.serve() as url:
+        transport = LeanTransport()
+        await fetch(transport, post(url, b"{}"))  # an idle connection
+        busy = await transport.handle_async_request(post(url, STREAM_BODY))
+        busy.request = post(url)
+        await transport.aclose()
+        with pytest.raises(httpx.ReadError):
+            async for _ in busy.aiter_raw():
+                pass
+        await busy.aclose()
+        await wait_until(lambda: up.statistics().client_closed == 1)
+        with pytest.raises(RuntimeError, match="closed"):
+            await fetch(transport, post(url))
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+async def test_https_with_a_self_signed_certificate() -> None:
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1", "localhost").configure_cert(server_context)
+    server_context.set_alpn_protocols(["http/1.1"])
+    alpn: list[str | None] = []
+
+    async def handler(tls: trio.SSLStream[trio.SocketStream]) -> None:
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while await read_request(tls, conn):
+                alpn.append(tls.selected_alpn_protocol())
+                await answer(tls, conn, b"secret")
+                conn.start_next_cycle()
+        except trio.BrokenResourceError:
+            pass
+
+    client_context = ssl.create_default_context()
+    client_context.set_alpn_protocols(["http/1.1"])
+    ca.configure_trust(client_context)
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_ssl_over_tcp, handler, 0, server_context, host="127.0.0.1")
+        )
+        port = listeners[0].transport_listener.socket.getsockname()[1]
+        url = f"https://127.0.0.1:{port}/v1"
+        async with LeanTransport(ssl_context=client_context) as transport:
+            for _ in range(3):
+                assert (await fetch(transport, post(url))).content == b"secret"
+            assert transport.statistics().opened == 1
+        # The default context does not trust this CA.
+        async with LeanTransport() as untrusting:
+            with pytest.raises(httpx.ConnectError, match="certificate verify failed"):
+                await fetch(untrusting, post(url))
+        nursery.cancel_scope.cancel()
+    assert alpn == ["http/1.1"] * 3
+
+
+# --------------------------------------------------------------------------- polygate
+
+
+def _two_sources(url_a: str, url_b: str, **scope: Any) -> polygate.Settings:
+    return polygate.Settings(scopes={
+        "chat": polygate.Scope(sources=[
+            polygate.Source(name="a", base_url=url_a, api_key="k", model="m", weight=1.0),
+            polygate.Source(name="b", base_url=url_b, api_key="k", model="m", weight=1e-9),
+        ], **scope),
+        "embed": polygate.Scope(sources=[polygate.Source(name="e", base_url=url_a, api_key="k")]),
+    })
+
+
+async def test_polygate_default_session_runs_on_real_sockets() -> None:
+    """Through ``polygate.session()`` with no transport (the lean pool): JSON and
+    streamed calls, embeddings, a reset retried on the other source, and a hedge
+    whose loser is cancelled -- the loser's server sees its connection closed."""
+    a = FakeUpstream([
+        Reply(tokens=3),  # chat
+        Reply(tokens=5, inter_token_s=0.002),  # stream_chat
+        Reply(),  # embed
+        Reply(tokens=4, fault="reset", fault_after=2),  # retried on b
+        Reply(fault="silent"),  # hedged after 0.3 s; b wins
+    ], name="a")
+    b = FakeUpstream(Reply(tokens=2), name="b")
+    async with a.serve() as url_a, b.serve() as url_b:
+        settings = _two_sources(url_a, url_b, hedge=polygate.Hedge(after_s=0.3),
+                                retry=polygate.Retry(backoff_base_s=0.001))
+        async with polygate.session(settings) as s:
+            with trio.fail_after(20):
+                first = await s.chat([{"role": "user", "content": "hi"}])
+                async with s.stream_chat([{"role": "user", "content": "hi"}]) as stream:
+                    parts = [chunk.text async for chunk in stream]
+                vectors = await s.embed(["x", "y"])
+                retried = await s.chat([{"role": "user", "content": "hi"}])
+                hedged = await s.chat([{"role": "user", "content": "hi"}])
+                # the hedge loser's connection was closed: a's server saw it go
+                await wait_until(lambda: a.requests[4].outcome == "client_closed")
+    assert (first.text, first.source) == ("The quick brown", "a")
+    assert "".join(parts) == "The quick brown fox jumps"
+    assert len(vectors.vectors) == 2
+    assert (retried.text, retried.source) == ("The quick", "b")
+    assert (hedged.text, hedged.source) == ("The quick", "b")
+    assert a.statistics().connections <= 3  # kept alive across the first calls
