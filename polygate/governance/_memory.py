@@ -154,6 +154,9 @@ class MemoryBackend:
             return  # already settled: settling is idempotent
         entry, estimate = held
         s.in_flight -= 1
+        # Expire first: an entry still queued but already out of the window must not
+        # have its tokens rewritten, or expiring it later subtracts the wrong amount.
+        s.expire(now)
         if not request.sent:
             s.released_total += estimate
             if entry in s.window:
