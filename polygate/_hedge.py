@@ -58,7 +58,7 @@ import trio
 
 from ._attempt import AttemptCancelled, AttemptControl
 from ._context import AttemptRecord, CallContext
-from ._errors import Outcome, UpstreamError
+from ._errors import GovernanceBackendError, Outcome, UpstreamError
 from .governance import Admission
 from .transport import OnContent
 
@@ -281,11 +281,19 @@ class Round:
         ctx = self._ctx
         governor = ctx.runtime.governor
         in_flight = {p.admission.source for p in self._paths if not p.done}
-        result = await governor.try_admit(
-            ctx.scope_name, ctx.estimate, exclude=in_flight, demote=self._demote
-        )
+        # A shared backend that cannot answer means no hedge: the primary carries on.
+        try:
+            result = await governor.try_admit(
+                ctx.scope_name, ctx.estimate, exclude=in_flight, demote=self._demote
+            )
+        except GovernanceBackendError:
+            result = []
         if isinstance(result, Admission):
-            if await governor.take_hedge_token(ctx.scope_name):
+            try:
+                took = await governor.take_hedge_token(ctx.scope_name)
+            except GovernanceBackendError:
+                took = False
+            if took:
                 ctx.hedges += 1
                 self._extras += 1
                 self._launch(result, "hedge")

@@ -26,6 +26,7 @@ from ._context import Runtime
 from ._errors import ConfigError, PolygateError
 from ._types import ChatResponse, EmbeddingResponse, StreamChunk
 from .governance import GovernanceStatistics, Governor, MemoryBackend
+from .governance._redis import RedisBackend
 
 __all__ = ["ChatStream", "Session", "SessionStatistics", "session"]
 
@@ -307,10 +308,12 @@ def _has_output(message: Mapping[str, Any]) -> bool:
 # --------------------------------------------------------------------------- session()
 
 
-def _backend_for(settings: Settings) -> MemoryBackend:
+def _backend_for(settings: Settings) -> MemoryBackend | RedisBackend:
+    """The backend the settings name: in-process, or Redis (connected by ``start()``).
+    Importing the Redis backend does not import coredis; building one checks for it."""
     if settings.backend == "memory":
         return MemoryBackend()
-    raise ConfigError("the redis backend is not available in this version of polygate")
+    return RedisBackend.from_url(settings.backend)
 
 
 @asynccontextmanager
@@ -339,6 +342,8 @@ async def session(
         transport = httpx.AsyncHTTPTransport(limits=_POOL_LIMITS)
     body_error: Exception | None = None
     try:
+        if isinstance(backend, RedisBackend):
+            await backend.start()  # connects, checks Lua, loads scripts; cleans up on failure
         try:
             async with trio.open_nursery() as nursery:
                 governor = Governor(settings, backend, rng=rng)

@@ -1,0 +1,699 @@
+"""The Redis governance backend: one shared view of quotas, breakers, cooldowns, permits
+and hedge budgets for every process that points at the same Redis.
+
+Selected with ``Settings(backend="redis://host:port/db")`` (or ``rediss://`` for TLS,
+``redis://user:password@…`` for ACL users).  Options ride in the query string::
+
+    redis://10.0.0.5:6379/0?prefix=myapp&timeout_s=0.5&lease_s=15
+
+Why it is built the way it is:
+
+**One script per operation.**  Every :class:`GovernanceBackend` method runs as one Lua
+script (:mod:`._redis_scripts`), loaded once at session start and called by SHA
+(``EVALSHA``; after ``NOSCRIPT`` — a restarted or flushed Redis — it is loaded again
+and called once more).  A script is atomic, so two processes can never interleave
+between a check and its update; time inside scripts is the server's ``TIME``.  Server
+instants in replies (``retry_at``, ``cooldown_until``) are turned into this process's
+trio clock as ``local_now + (server_instant - server_now)``, with ``local_now`` read
+when the reply arrives, so a wait errs late, never early.
+
+**Fail closed, within a bound.**  Each operation answers or raises
+:class:`~polygate.GovernanceBackendError` within ``timeout_s`` (default 1 s): the call is
+never sent upstream unadmitted.  coredis reconnects on the next command, so once Redis
+is back calls succeed again without restarting anything.
+
+**Atomic against cancellation, like the memory backend.**  The memory backend has no
+checkpoint inside an operation, so a cancelled caller either never started one or saw it
+complete.  Here an operation is a network round trip, so each runs in a
+``CancelScope(shield=True)`` whose deadline is the operation's bound: once a script is
+sent, its reply is read — a granted admission always reaches the caller, which settles
+it — and a cancellation waits for at most ``timeout_s``.  ``admit`` first checks for a
+pending cancellation, so a cancelled caller sends nothing.  ``settle`` runs in the
+attempt's ``finally``, often inside a cancelled scope (a hedge loser, a call deadline):
+it is cleanup that must not be lost, so it is shielded too, and retried (backing off
+from 20 ms) for up to ``settle_s`` (default ``timeout_s``).  If it still fails the
+response is returned anyway; the failure is counted in :meth:`statistics` and logged,
+and the lease (below) returns the permit.  So a call deadline can be overrun by at most
+``settle_s`` while a broken Redis is being given up on.
+
+**Leases.**  A permit is a lease that expires ``lease_s`` (default 15 s) after it was
+last renewed.  The backend remembers its open admissions and a background task renews
+them every ``lease_s / 3`` in one script per source; a crashed process stops renewing,
+and any script touching that source then returns the permit and settles the
+reservation as a cancelled attempt's (the estimate stays in the window).  A process
+that cannot reach Redis for longer than ``lease_s`` loses its leases the same way
+(counted as ``leases_lost``); the in-flight bound holds as long as holders can renew.
+
+**Waiting.**  There is no cross-process push: settles bump a change counter
+(``P:changes``), and while some task waits for admission one background task per
+backend reads it every ``poll_s`` (default 50 ms) and wakes the waiters when it moved.
+Local settles wake local waiters at once.  A waiter also re-checks at least every
+second, which is how it notices leases expiring.  Idle, the backend sends nothing but
+lease renewals.
+
+**Keys** (``P`` = ``prefix``, default ``polygate``): ``P:{scope}:{source}:state |
+window | wtok | open | permits``, ``P:{scope}:budget`` and ``P:changes``.  Every key
+has a TTL: the window keys live one window past their last admission, the others
+``key_ttl_s`` (default one day, and at least as long as a running cooldown) past
+their last write; so idle sources and scopes vanish by themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import logging
+import math
+import secrets
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import attrs
+import trio
+
+from .._config import mask_url
+from .._errors import ConfigError, GovernanceBackendError
+from . import _redis_scripts as lua
+from ._memory import WINDOW_S
+from ._model import (
+    Admission,
+    AdmitRequest,
+    BreakerState,
+    Feedback,
+    Refusal,
+    RefusalReason,
+    SettleRequest,
+    SourceSnapshot,
+)
+
+__all__ = ["RedisBackend", "RedisBackendStatistics", "RedisOptions", "parse_redis_url"]
+
+log = logging.getLogger("polygate.governance.redis")
+T = TypeVar("T")
+
+_BREAKER = {"c": BreakerState.CLOSED, "o": BreakerState.OPEN, "h": BreakerState.HALF_OPEN}
+_REASONS = {r.value: r for r in RefusalReason}
+_FEEDBACK = {Feedback.SUCCESS: "s", Feedback.FAILURE: "f", Feedback.NEUTRAL: "n"}
+_FLOAT_OPTIONS = {
+    "timeout_s": (0.01, 60.0),
+    "settle_s": (0.0, 60.0),
+    "lease_s": (0.3, 86400.0),
+    "poll_s": (0.005, 10.0),
+    "key_ttl_s": (60.0, 365 * 86400.0),
+}
+_CERT_REQS = ("none", "optional", "required")
+
+
+@attrs.frozen
+class RedisOptions:
+    """A parsed backend URL.  ``repr`` and :meth:`where` never show the password."""
+
+    host: str
+    port: int = 6379
+    db: int = 0
+    username: str | None = None
+    password: str | None = attrs.field(default=None, repr=False)
+    ssl: bool = False
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: str | None = None
+    prefix: str = "polygate"
+    timeout_s: float = 1.0
+    settle_s: float | None = None  # None: timeout_s
+    lease_s: float = 15.0
+    poll_s: float = 0.05
+    key_ttl_s: float = 86400.0
+
+    def where(self) -> str:
+        scheme = "rediss" if self.ssl else "redis"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        user = f"{self.username}@" if self.username else ""
+        return f"{scheme}://{user}{host}:{self.port}/{self.db}"
+
+
+def parse_redis_url(url: str) -> RedisOptions:
+    """``redis://[user[:password]@]host[:port][/db][?option=value&…]`` → options.
+
+    Raises :class:`ConfigError` naming the problem; the message never holds the password.
+    """
+    shown = mask_url(url) if isinstance(url, str) else repr(url)
+    if not isinstance(url, str):
+        raise ConfigError(f"backend: expected a redis:// URL, got {shown}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"backend: {shown!r} is not a valid URL ({exc})") from None
+    if parts.scheme not in ("redis", "rediss"):
+        raise ConfigError(f"backend: unknown scheme in {shown!r}: expected redis:// or rediss://")
+    if not parts.hostname:
+        raise ConfigError(f"backend: {shown!r} has no host")
+    path = parts.path.strip("/")
+    try:
+        db = int(path) if path else 0
+    except ValueError:
+        raise ConfigError(f"backend: the database in {shown!r} must be a number, got {path!r}") from None
+    if db < 0:
+        raise ConfigError(f"backend: the database in {shown!r} must be >= 0")
+    options: dict[str, Any] = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name in _FLOAT_OPTIONS:
+            lo, hi = _FLOAT_OPTIONS[name]
+            try:
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if not lo <= number <= hi:
+                raise ConfigError(f"backend: option {name} must be a number in [{lo}, {hi}], got {value!r}")
+            options[name] = number
+        elif name == "prefix":
+            if not value or any(c.isspace() or c in "{}" for c in value):
+                raise ConfigError(f"backend: option prefix must be a non-empty key prefix, got {value!r}")
+            options[name] = value
+        elif name == "ssl_cert_reqs":
+            if value not in _CERT_REQS:
+                raise ConfigError(f"backend: option ssl_cert_reqs must be one of {_CERT_REQS}, got {value!r}")
+            options[name] = value
+        elif name == "ssl_ca_certs":
+            options[name] = value
+        else:
+            known = ", ".join(sorted([*_FLOAT_OPTIONS, "prefix", "ssl_ca_certs", "ssl_cert_reqs"]))
+            raise ConfigError(f"backend: unknown option {name!r} in the redis URL (known: {known})")
+    if options.get("poll_s", 0.05) * 3 > options.get("lease_s", 15.0):
+        raise ConfigError("backend: poll_s must be well below lease_s")
+    return RedisOptions(
+        host=parts.hostname,
+        port=port or 6379,
+        db=db,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+        ssl=parts.scheme == "rediss",
+        **options,
+    )
+
+
+@attrs.frozen
+class RedisBackendStatistics:
+    """What this process's Redis backend had to give up on (never a secret, never a key)."""
+
+    open_leases: int  # admissions of this process not yet settled
+    settle_failures: int  # settles given up after retrying (their lease returns the permit)
+    settle_retries: int
+    leases_lost: int  # leases that ran out before this process renewed them
+    renew_failures: int
+    refill_failures: int  # hedge-budget refills skipped or failed (best effort)
+
+
+@attrs.frozen
+class _Script:
+    name: str
+    source: str
+    sha: str = attrs.field()
+
+    @sha.default
+    def _sha(self) -> str:
+        return hashlib.sha1(self.source.encode()).hexdigest()
+
+
+_ADMIT = _Script("admit", lua.ADMIT)
+_SETTLE = _Script("settle", lua.SETTLE)
+_SNAPSHOT = _Script("snapshot", lua.SNAPSHOT)
+_RENEW = _Script("renew", lua.RENEW)
+_TAKE = _Script("budget_take", lua.BUDGET_TAKE)
+_REFILL = _Script("budget_refill", lua.BUDGET_REFILL)
+_LEVEL = _Script("budget_level", lua.BUDGET_LEVEL)
+_PROBE = _Script("probe", lua.PROBE)
+_SCRIPTS = (_ADMIT, _SETTLE, _SNAPSHOT, _RENEW, _TAKE, _REFILL, _LEVEL, _PROBE)
+
+
+def _coredis() -> Any:
+    try:
+        import coredis
+        import coredis.exceptions
+        import coredis.retry
+    except ImportError:
+        raise ConfigError(
+            "the redis backend needs the coredis package: pip install 'polygate[redis]'"
+        ) from None
+    return coredis
+
+
+class RedisBackend:
+    """Governance state shared by every process that uses the same Redis and prefix.
+
+    Use it through a session (``Settings(backend="redis://…")``); standalone, call
+    :meth:`start` first and :meth:`aclose` at the end, in the same task.
+    ``window_s`` exists for tests: quotas are per minute.
+    """
+
+    def __init__(self, options: RedisOptions, *, window_s: float = WINDOW_S, recheck_s: float = 1.0) -> None:
+        self.options = options
+        self._where = options.where()
+        self._timeout = options.timeout_s
+        self._settle_s = options.settle_s if options.settle_s is not None else options.timeout_s
+        self._lease_us = int(options.lease_s * 1e6)
+        self._window_us = int(window_s * 1e6)
+        self._ttl_ms = int(options.key_ttl_s * 1000)
+        self._recheck_s = recheck_s
+        self._token = secrets.token_hex(6)
+        self._ids = itertools.count(1)
+        self._keys: dict[tuple[str, str], list[str]] = {}
+        self._open: dict[tuple[str, str], set[str]] = {}
+        self._changed = trio.Event()
+        self._has_waiters = trio.Event()
+        self._waiting = 0
+        self._version: bytes | None = None
+        self._healthy = True
+        self._client: Any = None
+        self._errors: Any = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._last_warning: dict[str, float] = {}
+        self._settle_failures = 0
+        self._settle_retries = 0
+        self._leases_lost = 0
+        self._renew_failures = 0
+        self._refill_failures = 0
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> RedisBackend:
+        """Parse ``url`` (:func:`parse_redis_url`) and check that coredis is installed."""
+        options = parse_redis_url(url)
+        _coredis()
+        return cls(options, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<RedisBackend {self._where} prefix={self.options.prefix!r}>"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Connect, check credentials and Lua, load the scripts, start renewing leases.
+
+        Raises :class:`GovernanceBackendError` with a message that names the server
+        (never the password) when any of it fails; nothing is left running then.
+        """
+        if self._stack is not None:
+            raise RuntimeError("this RedisBackend is already started")
+        coredis = _coredis()
+        self._errors = coredis.exceptions
+        opts = self.options
+        ssl_kw: dict[str, Any] = {}
+        if opts.ssl:
+            ssl_kw = {"ssl": True, "ssl_ca_certs": opts.ssl_ca_certs, "ssl_cert_reqs": opts.ssl_cert_reqs}
+        # coredis's own timeouts are shorter than an operation's bound, so a stuck
+        # connect or read fails inside coredis (which then recycles the connection)
+        # rather than being cut off by the bound.
+        self._client = coredis.Redis(
+            host=opts.host, port=opts.port, db=opts.db, username=opts.username,
+            password=opts.password, connect_timeout=self._timeout * 0.3,
+            stream_timeout=self._timeout * 0.6, pool_timeout=self._timeout,
+            retry_policy=coredis.retry.NoRetryPolicy(), client_name="polygate", **ssl_kw,
+        )
+        self._client.connection_pool.connection_class = _closing_connection_class(coredis)
+        stack = contextlib.AsyncExitStack()
+        try:
+            await stack.enter_async_context(self._client)
+            await self._load_scripts()
+            self._nursery = await stack.enter_async_context(trio.open_nursery())
+            self._nursery.start_soon(self._renew_loop)
+            self._nursery.start_soon(self._poll_loop)
+        except BaseException:
+            self._nursery = None
+            await stack.aclose()  # no cancel scope around it: it exits scopes entered above
+            raise
+        self._stack = stack
+
+    async def _load_scripts(self) -> None:
+        errors = self._errors
+        for script in _SCRIPTS:
+            source = script.source
+
+            async def load(source: str = source) -> Any:
+                return await self._client.script_load(source)
+
+            try:
+                sha = await self._run(load, "SCRIPT LOAD")
+            except GovernanceBackendError as exc:
+                cause = exc.__cause__
+                if isinstance(cause, (errors.UnknownCommandError, errors.AuthorizationError)) or (
+                    isinstance(cause, errors.ResponseError)
+                    and not isinstance(cause, errors.AuthenticationError)
+                ):
+                    raise GovernanceBackendError(
+                        f"redis at {self._where} does not run Lua scripts, which the redis "
+                        f"backend needs (SCRIPT LOAD refused: {self._clean(cause)})"
+                    ) from None
+                raise
+            if _text(sha) != script.sha:
+                raise GovernanceBackendError(
+                    f"redis at {self._where} answered SCRIPT LOAD with an unexpected digest"
+                )
+        now = await self._script(_PROBE, [], [], "probe")
+        if not isinstance(now, int) or now <= 0:
+            raise GovernanceBackendError(f"redis at {self._where} gave no usable TIME to scripts")
+
+    async def aclose(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+            self._nursery = None
+        left = sum(len(m) for m in self._open.values())
+        if left:
+            log.warning("closing with %d unsettled admission(s); their leases expire in %.0f s",
+                        left, self._lease_us / 1e6)
+        await stack.aclose()  # exits the scopes start() entered, in reverse order
+
+    def now(self) -> float:
+        return trio.current_time()
+
+    def statistics(self) -> RedisBackendStatistics:
+        return RedisBackendStatistics(
+            open_leases=sum(len(m) for m in self._open.values()),
+            settle_failures=self._settle_failures,
+            settle_retries=self._settle_retries,
+            leases_lost=self._leases_lost,
+            renew_failures=self._renew_failures,
+            refill_failures=self._refill_failures,
+        )
+
+    # ------------------------------------------------------------------ operations
+
+    async def admit(self, request: AdmitRequest) -> Admission | Refusal:
+        await trio.lowlevel.checkpoint_if_cancelled()  # cancelled: send nothing
+        rid = next(self._ids)
+        member = f"{self._token}:{rid}"
+        limits = request.limits
+        args = [
+            member, request.tokens, _opt(limits.rpm), _opt(limits.tpm), _opt(limits.max_in_flight),
+            int(request.breaker.open_s * 1e6), self._lease_us, self._window_us, self._ttl_ms,
+        ]
+        key = (request.scope, request.source)
+        reply = await self._script(_ADMIT, self._source_keys(key), args, "admit")
+        local_now = trio.current_time()
+        try:
+            if reply[0] == 1:
+                self._open.setdefault(key, set()).add(member)
+                self._observe(reply[3])
+                return Admission(request.scope, request.source, rid, request.tokens, reply[1] == 1)
+            reason = _REASONS[_text(reply[1])]
+            retry_at = None if reply[2] < 0 else local_now + (reply[2] - reply[3]) / 1e6
+            self._observe(reply[4])
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError):
+            raise self._garbage("admit") from None
+        return Refusal(request.source, reason, retry_at)
+
+    async def settle(self, request: SettleRequest) -> None:
+        """Shielded and retried for up to ``settle_s``; never raises (see the module)."""
+        admission = request.admission
+        key = (admission.scope, admission.source)
+        member = f"{self._token}:{admission.reservation_id}"
+        held = self._open.get(key)
+        if held is not None:
+            held.discard(member)  # before sending: a renewal must not race the settle
+        policy = request.breaker
+        cooldown = request.cooldown_s if request.cooldown_s is not None and request.cooldown_s > 0 else 0.0
+        args = [
+            member, 1 if request.sent else 0, -1 if request.tokens is None else request.tokens,
+            _FEEDBACK[request.feedback], int(cooldown * 1e6), 1 if request.dead else 0,
+            policy.failures, repr(float(policy.failure_rate)), policy.rate_window,
+            policy.rate_min_calls, self._window_us, self._ttl_ms,
+        ]
+        keys = self._source_keys(key)
+        deadline = trio.current_time() + self._settle_s
+        done = False
+        error: GovernanceBackendError | None = None
+        with trio.CancelScope(shield=True, deadline=deadline):
+            delay = 0.02
+            while True:
+                try:
+                    reply = await self._script(_SETTLE, keys, args, "settle", deadline=deadline)
+                    self._observe(reply[2])
+                    done = True
+                    break
+                except GovernanceBackendError as exc:
+                    error = exc
+                except (TypeError, IndexError):
+                    error = self._garbage("settle")
+                self._settle_retries += 1
+                await trio.sleep(delay)
+                delay = min(delay * 2, 0.25)
+        if not done:
+            self._settle_failures += 1
+            self._warn(
+                "settle",
+                f"could not settle an admission of {admission.scope}/{admission.source} "
+                f"({error or 'gave up'}); its lease returns the permit within "
+                f"{self._lease_us / 1e6:.0f} s ({self._settle_failures} settle failure(s) so far)",
+            )
+        self._notify()
+
+    async def snapshot(self, scope: str, source: str) -> SourceSnapshot:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        reply = await self._script(
+            _SNAPSHOT, self._source_keys((scope, source)), [self._window_us, self._ttl_ms], "snapshot"
+        )
+        local_now = trio.current_time()
+        try:
+            now, br, cf, in_flight, requests, tokens, reserved, cu, dd, rt, st, rl, ct, ad, _lx = reply
+            cooling = cu > now
+            return SourceSnapshot(
+                scope=scope, source=source, breaker=_BREAKER[_text(br)],
+                consecutive_failures=int(cf), in_flight=int(in_flight),
+                requests_in_window=int(requests), tokens_in_window=int(tokens),
+                tokens_reserved=int(reserved),
+                cooldown_until=local_now + (cu - now) / 1e6 if cooling else None,
+                dead=bool(dd) and cooling, reserved_total=int(rt), settled_total=int(st),
+                released_total=int(rl), cost_total=int(ct), admissions=int(ad),
+            )
+        except (TypeError, ValueError, KeyError, AttributeError):
+            raise self._garbage("snapshot") from None
+
+    async def budget_take(self, scope: str, burst: float) -> bool:
+        # No cancellation check here: the hedge that asks holds an admission, and must
+        # get an answer to either launch the hedge or release it.
+        reply = await self._script(_TAKE, [self._budget_key(scope)], [repr(float(burst)), self._ttl_ms], "budget_take")
+        try:
+            return bool(reply[0] == 1)
+        except (TypeError, IndexError):
+            raise self._garbage("budget_take") from None
+
+    async def budget_refill(self, scope: str, amount: float, burst: float) -> None:
+        """Best effort, shielded (it runs in a call's ``finally``) and never raises: a
+        lost refill only makes hedging a little more conservative.  Skipped while the
+        last operation failed, so a dead Redis does not add a timeout to every call."""
+        if not self._healthy:
+            self._refill_failures += 1
+            return
+        try:
+            await self._script(
+                _REFILL, [self._budget_key(scope)],
+                [repr(float(burst)), self._ttl_ms, repr(float(amount))], "budget_refill",
+            )
+        except GovernanceBackendError as exc:
+            self._refill_failures += 1
+            self._warn("refill", f"hedge budget refill failed: {exc}")
+
+    async def budget_level(self, scope: str, burst: float) -> float:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        reply = await self._script(_LEVEL, [self._budget_key(scope)], [repr(float(burst)), self._ttl_ms], "budget_level")
+        try:
+            return float(_text(reply))
+        except (TypeError, ValueError, AttributeError):
+            raise self._garbage("budget_level") from None
+
+    async def wait_changed(self, deadline: float) -> None:
+        changed = self._changed
+        self._waiting += 1
+        self._has_waiters.set()
+        try:
+            with trio.move_on_at(min(deadline, trio.current_time() + self._recheck_s)):
+                await changed.wait()
+        finally:
+            self._waiting -= 1
+
+    # ------------------------------------------------------------------ background
+
+    async def _poll_loop(self) -> None:
+        """While someone waits, read the change counter every ``poll_s``."""
+        key = f"{self.options.prefix}:changes"
+        while True:
+            if self._waiting == 0:
+                self._has_waiters = trio.Event()
+                await self._has_waiters.wait()
+            try:
+                value = await self._run(lambda: self._client.get(key), "poll")
+                self._observe(value if value is not None else b"0")
+            except GovernanceBackendError:
+                self._notify()  # let the waiters find out for themselves, and fail
+            except Exception:  # a bug: log it, never let it tear down the session
+                log.exception("redis change poller failed")
+            await trio.sleep(self.options.poll_s)
+
+    async def _renew_loop(self) -> None:
+        """Extend this process's leases every ``lease_s / 3``."""
+        while True:
+            await trio.sleep(self.options.lease_s / 3)
+            try:
+                await self._renew_all()
+            except Exception:
+                log.exception("redis lease renewal failed")
+
+    async def _renew_all(self) -> None:
+        for key, members in list(self._open.items()):
+            if not members:
+                del self._open[key]
+                continue
+            listed = sorted(members)
+            for i in range(0, len(listed), 500):
+                chunk = listed[i : i + 500]
+                try:
+                    lost = await self._script(
+                        _RENEW, self._source_keys(key), [self._lease_us, self._ttl_ms, *chunk], "renew"
+                    )
+                except GovernanceBackendError as exc:
+                    self._renew_failures += 1
+                    self._warn("renew", f"could not renew leases: {exc}")
+                    return
+                for m in lost if isinstance(lost, list) else ():
+                    name = _text(m)
+                    if name in members:
+                        members.discard(name)
+                        self._leases_lost += 1
+                        self._warn("lease", f"a lease of {key[0]}/{key[1]} ran out before renewal")
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _source_keys(self, key: tuple[str, str]) -> list[str]:
+        keys = self._keys.get(key)
+        if keys is None:
+            base = f"{self.options.prefix}:{key[0]}:{key[1]}"
+            keys = self._keys[key] = [
+                f"{base}:state", f"{base}:window", f"{base}:wtok", f"{base}:open",
+                f"{base}:permits", f"{self.options.prefix}:changes",
+            ]
+        return keys
+
+    def _budget_key(self, scope: str) -> str:
+        return f"{self.options.prefix}:{scope}:budget"
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _observe(self, version: Any) -> None:
+        """A reply carried the change counter: wake waiters if it moved since last seen
+        (their refusals are older than that change)."""
+        value = version if isinstance(version, bytes) else str(version).encode()
+        if value != self._version:
+            if self._version is not None:
+                self._notify()
+            self._version = value
+
+    async def _script(
+        self, script: _Script, keys: Sequence[str], args: Sequence[Any], what: str,
+        *, deadline: float | None = None,
+    ) -> Any:
+        async def call() -> Any:
+            errors = self._errors
+            try:
+                return await self._evalsha(script, keys, args)
+            except errors.NoScriptError:
+                pass  # Redis restarted or SCRIPT FLUSH: load it again, once
+            except errors.ConnectionError:
+                # A connection that died before this command: one retry on a fresh one
+                # (ADMIT is idempotent per member, SETTLE per reservation).
+                pass
+            await self._client.script_load(script.source)
+            return await self._evalsha(script, keys, args)
+
+        return await self._run(call, what, deadline=deadline)
+
+    async def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        return await self._client.evalsha(script.sha, keys=keys, args=args)
+
+    async def _run(self, op: Callable[[], Awaitable[T]], what: str, *, deadline: float | None = None) -> T:
+        """One bounded, shielded exchange; every failure becomes GovernanceBackendError."""
+        bound = trio.current_time() + self._timeout
+        if deadline is not None:
+            bound = min(bound, deadline)
+        with trio.CancelScope(shield=True, deadline=bound):
+            try:
+                result = await op()
+            except GovernanceBackendError:
+                self._healthy = False
+                raise
+            except Exception as exc:  # coredis, OS and protocol errors, their groups
+                self._healthy = False
+                raise self._failure(what, exc) from exc
+            self._healthy = True
+            return result
+        self._healthy = False
+        raise GovernanceBackendError(
+            f"redis at {self._where} did not answer {what} within {self._timeout} s"
+        )
+
+    def _failure(self, what: str, exc: BaseException) -> GovernanceBackendError:
+        errors = self._errors
+        if errors is not None and isinstance(exc, errors.AuthenticationError):
+            return GovernanceBackendError(
+                f"redis at {self._where} refused the credentials (wrong username or password?)"
+            )
+        if isinstance(exc, TimeoutError):
+            return GovernanceBackendError(
+                f"redis at {self._where} did not answer {what} within {self._timeout} s"
+            )
+        if errors is not None and isinstance(exc, errors.ConnectionError):
+            return GovernanceBackendError(
+                f"cannot reach redis at {self._where} ({what}: {self._clean(exc)})"
+            )
+        return GovernanceBackendError(f"redis at {self._where} failed {what}: {self._clean(exc)}")
+
+    def _garbage(self, what: str) -> GovernanceBackendError:
+        self._healthy = False
+        return GovernanceBackendError(f"redis at {self._where} answered {what} with an unexpected reply")
+
+    def _clean(self, exc: BaseException) -> str:
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        password = self.options.password
+        if password:
+            text = text.replace(password, "***")
+        return text[:300]
+
+    def _warn(self, kind: str, message: str) -> None:
+        """Log at most one warning of each kind every 10 s: an outage is one event."""
+        now = trio.current_time()
+        if now - self._last_warning.get(kind, -math.inf) >= 10.0:
+            self._last_warning[kind] = now
+            log.warning("%s", message)
+
+
+def _closing_connection_class(coredis: Any) -> Any:
+    """coredis's TCP connection, closing its in-memory streams when it ends.
+
+    A connection that never connects (Redis down) leaves them open, and each warns
+    when collected; during an outage that is one warning per attempted call."""
+    from anyio import TASK_STATUS_IGNORED
+    from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+    class ClosingTCPConnection(coredis.connection.TCPConnection):  # type: ignore[misc]
+        async def run(self, *, task_status: Any = TASK_STATUS_IGNORED) -> None:
+            try:
+                await super().run(task_status=task_status)
+            finally:
+                for value in vars(self).values():
+                    if isinstance(value, (MemoryObjectSendStream, MemoryObjectReceiveStream)):
+                        value.close()
+
+    return ClosingTCPConnection
+
+
+def _opt(value: int | None) -> int:
+    return -1 if value is None else value
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

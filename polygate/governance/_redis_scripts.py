@@ -1,0 +1,358 @@
+"""The Lua scripts of the Redis governance backend, one per backend operation.
+
+Each script is the whole read-check-update of one :class:`GovernanceBackend` method, so
+Redis runs it atomically: no other client's command can land between a check and its
+update.  They port :mod:`._memory` line by line; where the two could disagree the memory
+backend is the reference and the contract suite (``tests/test_backend_contract.py``)
+runs both against the same tests.
+
+Time is the server's: every script starts with ``TIME`` (microseconds, integers, exact
+in a Lua double and a sorted-set score) and never trusts a client clock, so hosts with
+skewed clocks agree on windows, cooldowns and leases.  Scripts return the server's
+``now`` so the client can turn server instants into its own trio clock.
+
+Per-source keys (``KEYS`` in this order; ``P`` is the configured prefix)::
+
+    1 P:{scope}:{source}:state    hash   breaker, cooldown, totals      TTL key_ttl (>= cooldown)
+    2 P:{scope}:{source}:window   zset   member -> admission time (us)  TTL window + 1 s
+    3 P:{scope}:{source}:wtok     hash   member -> tokens, '=sum'       TTL window + 1 s
+    4 P:{scope}:{source}:open     hash   member -> reserved estimate    TTL key_ttl
+    5 P:{scope}:{source}:permits  zset   member -> lease expiry (us)    TTL key_ttl
+    6 P:changes                   string change counter (waiters poll)  TTL key_ttl
+
+A *member* is ``<backend token>:<reservation id>``: unique per backend instance, so a
+Redis restart (which forgets everything) can never make an old admission settle a new
+one.  State-hash fields: ``br`` breaker (``c``/``o``/``h``), ``cf`` consecutive
+failures, ``oa`` opened at, ``pr`` the half-open probe's member, ``oc`` recent outcomes
+(``1`` = failure, newest last), ``cu`` cooldown until, ``dd`` dead, ``ot`` tokens held
+by open reservations, ``rt``/``st``/``rl``/``ct``/``ad`` reserved, settled, released,
+cost and admission totals, ``lx`` leases that expired.
+
+Leases: an admission's permit is a member of ``permits`` scored with its lease expiry.
+Every script first *purges* expired leases: a permit whose owner stopped renewing it
+(the process crashed, or lost Redis for longer than the lease) is returned, and its
+reservation is settled as the memory backend settles a cancelled attempt — it keeps its
+estimate in the window.  The owner renews its live leases with :data:`RENEW`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ADMIT", "BUDGET_LEVEL", "BUDGET_REFILL", "BUDGET_TAKE", "PROBE", "RENEW", "SETTLE", "SNAPSHOT"]
+
+# Shared helpers, prepended to every per-source script.  ``unpack`` is limited by Lua's
+# C stack (~8000 values), so bulk removals go in chunks.
+_PRELUDE = r"""
+local K_STATE, K_WINDOW, K_WTOK, K_OPEN, K_PERMITS, K_CHANGES =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- Numbers go to Redis as '%.17g': never negate with unary minus, -0 is not an integer.
+local function chunked(cmd, key, items)
+  local i = 1
+  while i <= #items do
+    local j = math.min(i + 999, #items)
+    redis.call(cmd, key, unpack(items, i, j))
+    i = j + 1
+  end
+end
+
+local function version()
+  return redis.call('GET', K_CHANGES) or '0'
+end
+
+local function bump(ttl_ms)
+  redis.call('INCR', K_CHANGES)
+  redis.call('PEXPIRE', K_CHANGES, ttl_ms)
+end
+
+-- Return the permits whose lease ran out; their reservations keep the estimate.
+local function purge(now, ttl_ms)
+  local expired = redis.call('ZRANGEBYSCORE', K_PERMITS, '-inf', now)
+  if #expired == 0 then return 0 end
+  local probe = redis.call('HGET', K_STATE, 'pr')
+  for _, m in ipairs(expired) do
+    local est = redis.call('HGET', K_OPEN, m)
+    if est then
+      est = tonumber(est)
+      redis.call('HDEL', K_OPEN, m)
+      redis.call('HINCRBY', K_STATE, 'ot', 0 - est)
+      redis.call('HINCRBY', K_STATE, 'st', est)
+      redis.call('HINCRBY', K_STATE, 'ct', est)
+      redis.call('HINCRBY', K_STATE, 'lx', 1)
+    end
+    if probe == m then redis.call('HSET', K_STATE, 'pr', '') end
+  end
+  redis.call('ZREMRANGEBYSCORE', K_PERMITS, '-inf', now)
+  bump(ttl_ms)
+  return #expired
+end
+
+-- Drop window entries at or before now - window (the memory backend's expire()).
+local function expire(now, window_us)
+  if redis.call('EXISTS', K_WINDOW) == 0 then
+    redis.call('DEL', K_WTOK)
+    return
+  end
+  local horizon = now - window_us
+  local old = redis.call('ZRANGEBYSCORE', K_WINDOW, '-inf', horizon)
+  if #old == 0 then return end
+  local freed = 0
+  local i = 1
+  while i <= #old do
+    local j = math.min(i + 999, #old)
+    local toks = redis.call('HMGET', K_WTOK, unpack(old, i, j))
+    for k = 1, #toks do freed = freed + (tonumber(toks[k]) or 0) end
+    i = j + 1
+  end
+  chunked('HDEL', K_WTOK, old)
+  redis.call('HINCRBY', K_WTOK, '=sum', 0 - freed)
+  redis.call('ZREMRANGEBYSCORE', K_WINDOW, '-inf', horizon)
+end
+
+-- Keep the long-lived keys at least key_ttl, and the state as long as its cooldown.
+local function touch(now, ttl_ms)
+  local cu = tonumber(redis.call('HGET', K_STATE, 'cu')) or 0
+  local keep = math.max(ttl_ms, math.ceil((cu - now) / 1000) + 1000)
+  redis.call('PEXPIRE', K_STATE, keep)
+  redis.call('PEXPIRE', K_OPEN, keep)
+  redis.call('PEXPIRE', K_PERMITS, keep)
+end
+"""
+
+# ARGV: member, tokens, rpm, tpm, max_in_flight (-1: none), breaker open_us, lease_us,
+# window_us, key_ttl_ms.
+# Returns {1, probe, now, version} or {0, reason, retry_at (-1: unknown), now, version}.
+ADMIT = _PRELUDE + r"""
+local member = ARGV[1]
+local tokens = tonumber(ARGV[2])
+local rpm, tpm, mif = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local open_us, lease_us = tonumber(ARGV[6]), tonumber(ARGV[7])
+local window_us, ttl_ms = tonumber(ARGV[8]), tonumber(ARGV[9])
+local now = now_us()
+purge(now, ttl_ms)
+if redis.call('HEXISTS', K_OPEN, member) == 1 then
+  -- A retry of an admission that was granted but whose reply was lost: the same one.
+  local again = 0
+  if redis.call('HGET', K_STATE, 'pr') == member then again = 1 end
+  return {1, again, now, version()}
+end
+
+local s = redis.call('HMGET', K_STATE, 'cu', 'dd', 'br', 'oa', 'pr')
+local cu = tonumber(s[1]) or 0
+if cu > now then
+  local reason = 'cooling_down'
+  if s[2] == '1' then reason = 'dead' end
+  return {0, reason, cu, now, version()}
+end
+if s[2] == '1' then redis.call('HSET', K_STATE, 'dd', '0') end
+
+local br = s[3] or 'c'
+local probe = 0
+if br == 'o' then
+  local reopen = (tonumber(s[4]) or 0) + open_us
+  if now < reopen then return {0, 'breaker_open', reopen, now, version()} end
+  br = 'h'
+  redis.call('HSET', K_STATE, 'br', 'h', 'pr', '')
+  s[5] = ''
+end
+if br == 'h' then
+  if s[5] and s[5] ~= '' then return {0, 'breaker_open', -1, now, version()} end
+  probe = 1
+end
+
+if mif >= 0 and redis.call('ZCARD', K_PERMITS) >= mif then
+  return {0, 'in_flight', -1, now, version()}
+end
+
+expire(now, window_us)
+if rpm >= 0 and redis.call('ZCARD', K_WINDOW) >= rpm then
+  local first = redis.call('ZRANGE', K_WINDOW, 0, 0, 'WITHSCORES')
+  return {0, 'rpm', tonumber(first[2]) + window_us, now, version()}
+end
+if tpm >= 0 then
+  if tokens > tpm then return {0, 'too_large', -1, now, version()} end
+  local sum = tonumber(redis.call('HGET', K_WTOK, '=sum')) or 0
+  if sum + tokens > tpm then
+    -- When enough of the window expires for the estimate to fit.
+    local excess = sum + tokens - tpm
+    local entries = redis.call('ZRANGE', K_WINDOW, 0, -1, 'WITHSCORES')
+    local freed = 0
+    local free_at = 0
+    for i = 1, #entries, 2 do
+      freed = freed + (tonumber(redis.call('HGET', K_WTOK, entries[i])) or 0)
+      free_at = tonumber(entries[i + 1]) + window_us
+      if freed >= excess then break end
+    end
+    return {0, 'tpm', free_at, now, version()}
+  end
+end
+
+redis.call('ZADD', K_WINDOW, now, member)
+redis.call('HSET', K_WTOK, member, tokens)
+redis.call('HINCRBY', K_WTOK, '=sum', tokens)
+redis.call('HSET', K_OPEN, member, tokens)
+redis.call('ZADD', K_PERMITS, now + lease_us, member)
+redis.call('HINCRBY', K_STATE, 'rt', tokens)
+redis.call('HINCRBY', K_STATE, 'ot', tokens)
+redis.call('HINCRBY', K_STATE, 'ad', 1)
+if probe == 1 then redis.call('HSET', K_STATE, 'pr', member) end
+local window_ms = math.ceil(window_us / 1000) + 1000
+redis.call('PEXPIRE', K_WINDOW, window_ms)
+redis.call('PEXPIRE', K_WTOK, window_ms)
+touch(now, ttl_ms)
+return {1, probe, now, version()}
+"""
+
+# ARGV: member, sent (1/0), tokens (-1: keep the estimate), feedback (s/f/n),
+# cooldown_us (0: none), dead (1/0), failures, failure_rate, rate_window,
+# rate_min_calls, window_us, key_ttl_ms.
+# Returns {settled (1/0), now, version}.
+SETTLE = _PRELUDE + r"""
+local member = ARGV[1]
+local sent, tokens, fb = ARGV[2] == '1', tonumber(ARGV[3]), ARGV[4]
+local cooldown_us, dead = tonumber(ARGV[5]), ARGV[6] == '1'
+local failures, rate = tonumber(ARGV[7]), tonumber(ARGV[8])
+local rate_window, rate_min = tonumber(ARGV[9]), tonumber(ARGV[10])
+local window_us, ttl_ms = tonumber(ARGV[11]), tonumber(ARGV[12])
+local now = now_us()
+purge(now, ttl_ms)
+
+local est = redis.call('HGET', K_OPEN, member)
+if not est then return {0, now, version()} end  -- settled already: idempotent
+est = tonumber(est)
+redis.call('HDEL', K_OPEN, member)
+redis.call('HINCRBY', K_STATE, 'ot', 0 - est)
+redis.call('ZREM', K_PERMITS, member)
+local probe = redis.call('HGET', K_STATE, 'pr') == member
+
+expire(now, window_us)
+local held = tonumber(redis.call('HGET', K_WTOK, member))
+if not sent then
+  redis.call('HINCRBY', K_STATE, 'rl', est)
+  if held then
+    redis.call('HDEL', K_WTOK, member)
+    redis.call('HINCRBY', K_WTOK, '=sum', 0 - held)
+    redis.call('ZREM', K_WINDOW, member)
+  end
+else
+  redis.call('HINCRBY', K_STATE, 'st', est)
+  local cost = est
+  if tokens >= 0 then cost = tokens end
+  redis.call('HINCRBY', K_STATE, 'ct', cost)
+  if held and cost ~= held then
+    redis.call('HSET', K_WTOK, member, cost)
+    redis.call('HINCRBY', K_WTOK, '=sum', cost - held)
+  end
+end
+
+if cooldown_us > 0 then
+  local cu = tonumber(redis.call('HGET', K_STATE, 'cu')) or 0
+  redis.call('HSET', K_STATE, 'cu', math.max(cu, now + cooldown_us))
+  if dead then redis.call('HSET', K_STATE, 'dd', '1') end
+end
+
+-- The breaker: closed -> open -> half_open -> (closed | open); never skips a state.
+if probe then redis.call('HSET', K_STATE, 'pr', '') end
+if fb ~= 'n' then
+  local failed = fb == 'f'
+  local oc = redis.call('HGET', K_STATE, 'oc') or ''
+  if failed then oc = oc .. '1' else oc = oc .. '0' end
+  if #oc > rate_window then oc = string.sub(oc, #oc - rate_window + 1) end
+  local br = redis.call('HGET', K_STATE, 'br') or 'c'
+  if not failed then
+    redis.call('HSET', K_STATE, 'cf', 0)
+    if br == 'h' and probe then
+      redis.call('HSET', K_STATE, 'br', 'c')
+      oc = ''
+    end
+  else
+    local cf = redis.call('HINCRBY', K_STATE, 'cf', 1)
+    if br == 'h' then
+      if probe then redis.call('HSET', K_STATE, 'br', 'o', 'oa', now) end
+    elseif br == 'c' then
+      local _, fails = string.gsub(oc, '1', '')
+      local trip = #oc >= rate_min and fails / #oc > rate
+      if cf >= failures or trip then redis.call('HSET', K_STATE, 'br', 'o', 'oa', now) end
+    end
+  end
+  redis.call('HSET', K_STATE, 'oc', oc)
+end
+touch(now, ttl_ms)
+bump(ttl_ms)
+return {1, now, version()}
+"""
+
+# ARGV: window_us, key_ttl_ms.
+# Returns {now, br, cf, in_flight, requests, tokens, reserved_open, cu, dd,
+#          rt, st, rl, ct, ad, lx}.
+SNAPSHOT = _PRELUDE + r"""
+local window_us, ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = now_us()
+purge(now, ttl_ms)
+expire(now, window_us)
+local s = redis.call('HMGET', K_STATE, 'br', 'cf', 'ot', 'cu', 'dd', 'rt', 'st', 'rl', 'ct', 'ad', 'lx')
+local function n(v) return tonumber(v) or 0 end
+return {now, s[1] or 'c', n(s[2]), redis.call('ZCARD', K_PERMITS), redis.call('ZCARD', K_WINDOW),
+        n(redis.call('HGET', K_WTOK, '=sum')), n(s[3]), n(s[4]), n(s[5]),
+        n(s[6]), n(s[7]), n(s[8]), n(s[9]), n(s[10]), n(s[11])}
+"""
+
+# ARGV: lease_us, key_ttl_ms, member...  Extends the leases still held; returns the
+# members whose lease had already run out (their permits were returned by purge).
+RENEW = _PRELUDE + r"""
+local lease_us, ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = now_us()
+purge(now, ttl_ms)
+local lost = {}
+for i = 3, #ARGV do
+  local m = ARGV[i]
+  if redis.call('ZSCORE', K_PERMITS, m) then
+    redis.call('ZADD', K_PERMITS, 'XX', now + lease_us, m)
+  else
+    lost[#lost + 1] = m
+  end
+end
+touch(now, ttl_ms)
+return lost
+"""
+
+# Hedge budget: one key per scope, a float stored with 17 significant digits so the
+# bucket does exactly the memory backend's double arithmetic.  A missing key is full.
+_BUDGET = r"""
+local function fmt(x) return string.format('%.17g', x) end
+local burst, ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
+local level = tonumber(redis.call('GET', KEYS[1])) or burst
+"""
+
+# ARGV: burst, key_ttl_ms.  Returns {taken (1/0), level}.
+BUDGET_TAKE = _BUDGET + r"""
+local taken = 0
+if level >= 1 then
+  level = level - 1
+  taken = 1
+end
+redis.call('SET', KEYS[1], fmt(level), 'PX', ttl_ms)
+return {taken, fmt(level)}
+"""
+
+# ARGV: burst, key_ttl_ms, amount.  Returns the level.
+BUDGET_REFILL = _BUDGET + r"""
+level = math.min(burst, level + tonumber(ARGV[3]))
+redis.call('SET', KEYS[1], fmt(level), 'PX', ttl_ms)
+return fmt(level)
+"""
+
+# ARGV: burst, key_ttl_ms.  Returns the level (read only).
+BUDGET_LEVEL = _BUDGET + r"""
+return fmt(level)
+"""
+
+# Checks at start-up that scripts run and TIME is readable inside them.
+PROBE = r"""
+local t = redis.call('TIME')
+return tonumber(t[1]) * 1000000 + tonumber(t[2])
+"""

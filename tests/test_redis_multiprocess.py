@@ -1,0 +1,661 @@
+"""The Redis backend beyond the contract, up to real worker processes.
+
+First what only Redis has, in one process: instances sharing one view, leases, scripts
+loaded again after ``NOSCRIPT``, namespaced keys that all expire, URLs, and start-up
+failures with clear messages and no secret.  Then four worker processes — each its own
+``trio.run`` and session — sharing one source against a loopback FakeUpstream server
+(``python -m polygate.testing.serve``): RPM, TPM and ``max_in_flight`` hold across them,
+a breaker opened by one is open in the others, and Redis killed under them makes every
+call fail closed, within the bound, until it is back.
+
+The workers are this module run as a script (``python -m tests.test_redis_multiprocess``):
+they read one JSON command per line and answer one JSON line.  Real clock, generous
+margins, bounded waits; every child process is killed in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from polygate.governance import Admission, Feedback, RefusalReason
+
+from . import _redis_server
+from ._redis_server import RedisServer, need_redis
+from .test_backend_contract import POLICY, ask, granted, refused, settle, snap
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+redis_server = _redis_server.redis_server  # fixtures: one shared server, and one per test
+own_redis = _redis_server.own_redis
+
+
+@pytest.fixture
+def server(redis_server: RedisServer) -> RedisServer:
+    return redis_server
+
+
+def _redis(url: str, prefix: str, **options: Any) -> Any:
+    from polygate.governance._redis import RedisBackend, parse_redis_url
+
+    query = "&".join(f"{k}={v}" for k, v in {"prefix": prefix, **options}.items())
+    return RedisBackend(parse_redis_url(f"{url}?{query}"), window_s=0.6)
+
+
+@asynccontextmanager
+async def _started(backend: Any) -> AsyncIterator[Any]:
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.aclose()
+
+
+def test_two_backends_share_one_view(server: RedisServer) -> None:
+    prefix = f"share-{secrets.token_hex(4)}"
+
+    async def body() -> None:
+        async with _started(_redis(server.url, prefix)) as one, _started(_redis(server.url, prefix)) as two:
+            await granted(one, ask(rpm=2, mif=3))
+            await granted(two, ask(rpm=2, mif=3))
+            await refused(one, ask(rpm=2, mif=3), RefusalReason.RPM)  # one quota, not two
+            policy = attrs.evolve(POLICY, failures=2)
+            for _ in range(2):
+                a = await granted(one, ask(source="b", breaker=policy))
+                await one.settle(settle(a, None, Feedback.FAILURE, breaker=policy))
+            await refused(two, ask(source="b", breaker=policy), RefusalReason.BREAKER_OPEN)
+            a = await granted(one, ask(source="c"))
+            await one.settle(settle(a, 0, Feedback.NEUTRAL, cooldown_s=30.0))
+            await refused(two, ask(source="c"), RefusalReason.COOLING_DOWN)
+            assert await one.budget_take("chat", 1.0)
+            assert not await two.budget_take("chat", 1.0)
+            s1, s2 = await one.snapshot("chat", "a"), await two.snapshot("chat", "a")
+            assert s1 == s2 and s1.in_flight == 2
+
+    trio.run(body)
+
+
+def test_a_settle_in_another_process_wakes_waiters(server: RedisServer) -> None:
+    prefix = f"wake-{secrets.token_hex(4)}"
+
+    async def body() -> None:
+        async with _started(_redis(server.url, prefix)) as one, _started(_redis(server.url, prefix)) as two:
+            held = await granted(one, ask(mif=1))
+            woke: list[float] = []
+
+            async def waiter() -> None:
+                while not isinstance(result := await two.admit(ask(mif=1)), Admission):
+                    await two.wait_changed(two.now() + 30.0)
+                await two.settle(settle(result, 1))
+                woke.append(two.now())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter)
+                await trio.sleep(0.2)
+                settled_at = one.now()
+                await one.settle(settle(held, 1))
+            # the change counter is polled every 50 ms; the fallback re-check is 1 s
+            assert woke and woke[0] - settled_at < 0.5
+
+    trio.run(body)
+
+
+def test_leases_return_the_permits_of_a_crashed_holder(server: RedisServer) -> None:
+    prefix = f"lease-{secrets.token_hex(4)}"
+
+    async def body() -> None:
+        crashed = _redis(server.url, prefix, lease_s=0.4)
+        async with _started(crashed):
+            await granted(crashed, ask(30, mif=1))
+        # aclose() stopped its renewals without settling: as if the process died.
+        async with _started(_redis(server.url, prefix)) as other:
+            start = other.now()
+            await refused(other, ask(30, mif=1), RefusalReason.IN_FLIGHT)
+            with trio.fail_after(5):
+                while not isinstance(result := await other.admit(ask(30, mif=1)), Admission):
+                    await other.wait_changed(other.now() + 30.0)
+            assert other.now() - start < 0.4 + 1.5  # lease, plus one re-check interval
+            s = await snap(other)
+            assert (s.in_flight, s.settled_total, s.cost_total) == (1, 30, 30)  # kept the estimate
+            await other.settle(settle(result, 5))
+
+    trio.run(body)
+
+
+def test_leases_are_renewed_while_held(server: RedisServer) -> None:
+    prefix = f"renew-{secrets.token_hex(4)}"
+
+    async def body() -> None:
+        async with _started(_redis(server.url, prefix, lease_s=0.4)) as holder, \
+                _started(_redis(server.url, prefix)) as other:
+            held = await granted(holder, ask(mif=1))
+            await trio.sleep(1.5)  # several lease lengths, renewed every 0.13 s
+            await refused(other, ask(mif=1), RefusalReason.IN_FLIGHT)
+            assert holder.statistics().open_leases == 1
+            await holder.settle(settle(held, 1))
+            await other.settle(settle(await granted(other, ask(mif=1)), 1))
+            stats = holder.statistics()
+            assert (stats.open_leases, stats.leases_lost, stats.settle_failures) == (0, 0, 0)
+
+    trio.run(body)
+
+
+def test_scripts_are_loaded_again_after_noscript(server: RedisServer) -> None:
+    from ._redis_server import command
+
+    async def body() -> None:
+        async with _started(_redis(server.url, f"flush-{secrets.token_hex(4)}")) as b:
+            a = await granted(b, ask())
+            assert command(server.port, "SCRIPT", "FLUSH") == b"+OK"
+            await b.settle(settle(a, 1))  # NOSCRIPT, loaded again, called again
+            assert (await snap(b)).in_flight == 0 and b.statistics().settle_failures == 0
+            await granted(b, ask())
+
+    trio.run(body)
+
+
+def test_keys_are_namespaced_and_all_expire(server: RedisServer) -> None:
+    import coredis
+
+    prefix = f"keys-{secrets.token_hex(4)}"
+
+    async def body() -> None:
+        async with _started(_redis(server.url, prefix)) as b:
+            a = await granted(b, ask(20, rpm=5, tpm=100, mif=2))
+            held = await granted(b, ask(5))  # keeps the open and permits keys alive
+            await b.settle(settle(a, 10, Feedback.NEUTRAL, cooldown_s=3600.0))
+            await b.budget_take("chat", 2.0)
+            async with coredis.Redis(port=server.port) as raw:
+                keys = sorted(k.decode() for k in await raw.keys(f"{prefix}:*"))
+                assert keys == sorted([
+                    f"{prefix}:changes", f"{prefix}:chat:budget",
+                    *(f"{prefix}:chat:a:{k}" for k in ("state", "window", "wtok", "open", "permits")),
+                ])
+                ttls = {k: await raw.pttl(k) for k in keys}
+                assert all(ttl > 0 for ttl in ttls.values()), ttls  # nothing lives forever
+                assert ttls[f"{prefix}:chat:a:window"] <= 1600  # one window, plus a second
+                assert ttls[f"{prefix}:chat:a:state"] >= 86_000_000  # a day, and the cooldown
+            await b.settle(settle(held, 5))
+
+    trio.run(body)
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://h:1/x", "database"),
+        ("redis://h/0?timeout_s=fast", "timeout_s"),
+        ("redis://h/0?timeout_s=0", "timeout_s"),
+        ("redis://h/0?colour=blue", "unknown option"),
+        ("redis://h/0?prefix=", "prefix"),
+        ("redis://h/0?ssl_cert_reqs=maybe", "ssl_cert_reqs"),
+        ("redis://h/0?poll_s=1&lease_s=1", "poll_s"),
+        ("http://h/0", "scheme"),
+        ("redis:///0", "host"),
+        ("redis://u:pw-SECRET@h:99999/0", "URL"),
+    ],
+)
+def test_bad_urls_are_config_errors(url: str, problem: str) -> None:
+    from polygate import ConfigError
+    from polygate.governance._redis import parse_redis_url
+
+    with pytest.raises(ConfigError, match=problem) as info:
+        parse_redis_url(url)
+    assert "SECRET" not in str(info.value)
+
+
+def test_url_options_and_no_secret_in_repr() -> None:
+    from polygate.governance._redis import RedisBackend, parse_redis_url
+
+    o = parse_redis_url("rediss://bob:p%40ss-SECRET@cache.local:6380/3?prefix=app&timeout_s=0.5&lease_s=9")
+    assert (o.host, o.port, o.db, o.username, o.password, o.ssl) == ("cache.local", 6380, 3, "bob", "p@ss-SECRET", True)
+    assert (o.prefix, o.timeout_s, o.lease_s) == ("app", 0.5, 9.0)
+    backend = RedisBackend(o)
+    for text in (repr(o), o.where(), repr(backend)):
+        assert "SECRET" not in text
+    assert parse_redis_url("redis://localhost").port == 6379
+
+
+async def _session_error(backend_url: str) -> BaseException:
+    import polygate
+
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
+        backend=backend_url,
+    )
+    with pytest.raises(BaseException) as info:  # the callers check which
+        async with polygate.session(settings):
+            pass
+    return info.value
+
+
+def test_session_start_fails_clearly_without_secrets(server: RedisServer) -> None:
+    from polygate import ConfigError, GovernanceBackendError
+
+    from ._redis_server import ALICE_PASSWORD, NOLUA_PASSWORD, free_port
+
+    async def body() -> None:
+        cases = {
+            f"redis://alice:wrong-{ALICE_PASSWORD}@127.0.0.1:{server.port}/0": (GovernanceBackendError, "credentials"),
+            f"redis://nolua:{NOLUA_PASSWORD}@127.0.0.1:{server.port}/0": (GovernanceBackendError, "Lua"),
+            f"redis://127.0.0.1:{free_port()}/0?timeout_s=0.5": (GovernanceBackendError, "cannot reach"),
+            f"redis://alice:{ALICE_PASSWORD}@127.0.0.1:{server.port}/0?bogus=1": (ConfigError, "bogus"),
+        }
+        for url, (kind, words) in cases.items():
+            error = await _session_error(url)
+            assert type(error) is kind, (url, error)
+            assert words in str(error)
+            assert ALICE_PASSWORD not in str(error) and NOLUA_PASSWORD not in str(error)
+        import polygate
+
+        good = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
+            backend=f"redis://alice:{ALICE_PASSWORD}@127.0.0.1:{server.port}/0",
+        )
+        assert ALICE_PASSWORD not in repr(good)
+        async with polygate.session(good) as s:
+            assert (await s.statistics()).governance.sources[0].state.admissions == 0
+
+    trio.run(body)
+
+
+async def _serve_bytes(reply: bytes | None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """A TCP server that answers anything with ``reply`` (``None``: says nothing)."""
+    async def handler(stream: trio.SocketStream) -> None:
+        async with stream:
+            await stream.receive_some(4096)
+            if reply is None:
+                await trio.sleep_forever()
+            await stream.send_all(reply)
+            await trio.sleep_forever()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(handler, listeners)
+
+
+@pytest.mark.parametrize("reply", [b"HTTP/1.1 400 Bad Request\r\n\r\n", b"$-5\r\n\x00garbage\r\n", None])
+def test_a_server_that_is_not_redis_fails_within_the_bound(reply: bytes | None) -> None:
+    from polygate import GovernanceBackendError
+
+    async def body() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(_serve_bytes, reply)
+            start = trio.current_time()
+            error = await _session_error(f"redis://127.0.0.1:{port}/0?timeout_s=0.5")
+            assert type(error) is GovernanceBackendError, error
+            assert trio.current_time() - start < 0.5 * 8 + 1.0  # a few bounded steps at most
+            nursery.cancel_scope.cancel()
+
+    trio.run(body)
+
+
+def test_chat_runs_through_the_redis_backend(server: RedisServer) -> None:
+    import polygate
+    from polygate.testing import FakeUpstream, Reply
+
+    async def body() -> None:
+        up = FakeUpstream(Reply(tokens=3))
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url="http://a/v1", rpm=100, tpm=100_000, max_in_flight=4),
+                         polygate.Source(name="b", base_url="http://a/v1", weight=1e-9)],
+                hedge=polygate.Hedge(after_s=5.0),
+            )},
+            backend=f"{server.url}?prefix=chat-{secrets.token_hex(4)}",
+        )
+        async with polygate.session(settings, transport=up.transport()) as s:
+            async with trio.open_nursery() as nursery:
+                for _ in range(6):
+                    nursery.start_soon(s.chat, [{"role": "user", "content": "hi"}])
+            stats = await s.statistics()
+        states = [x.state for x in stats.governance.sources]
+        assert sum(x.admissions for x in states) == 6  # "a" holds 4 permits at most, "b" the rest
+        for x in states:
+            assert (x.in_flight, x.tokens_reserved, x.reserved_total) == (0, 0, x.settled_total)
+        assert states[0].admissions >= 4 and states[0].cost_total > 0
+        assert stats.governance.hedge_budget["chat"] == 10.0  # refilled, capped at burst
+        assert up.statistics().requests == 6
+
+    trio.run(body)
+
+
+
+
+# ================================================================== worker processes
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _worker_settings(cmd: dict[str, Any]) -> Any:
+    import polygate
+
+    return polygate.Settings(
+        scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url=cmd["upstream"], timeout_s=30, **cmd.get("source", {}))],
+            call_deadline_s=cmd.get("deadline", 10.0),
+            retry=polygate.Retry(backoff_base_s=0.01, backoff_max_s=0.05),
+        )},
+        backend=cmd["backend"],
+    )
+
+
+async def _calls(session: Any, n: int, concurrency: int, params: dict[str, Any]) -> dict[str, Any]:
+    """``n`` chat calls, ``concurrency`` at a time: outcomes, durations, usage."""
+    outcomes: list[str] = []
+    durations: list[float] = []
+    usage: list[int] = []
+    remaining = n
+
+    async def one() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            start = time.monotonic()
+            try:
+                r = await session.chat(MESSAGES, **params)
+            except Exception as exc:  # the outcome is what the test checks
+                outcomes.append(type(exc).__name__)
+            else:
+                outcomes.append("ok")
+                usage.append(r.usage.total_tokens)
+            durations.append(time.monotonic() - start)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(one)
+    return {"outcomes": outcomes, "durations": durations, "usage": usage}
+
+
+async def _worker_command(cmd: dict[str, Any]) -> dict[str, Any]:
+    import polygate
+
+    async with polygate.session(_worker_settings(cmd)) as s:
+        backend = s._runtime.governor.backend
+        params = cmd.get("params", {})
+        out: dict[str, Any] = {
+            "estimate": s._runtime.governor.prompt_estimate(MESSAGES) + params.get("max_tokens", 256),
+        }
+        phases = cmd.get("phases", ["run"])
+        for index, phase in enumerate(phases):
+            if index:  # later phases start when the parent says so (Redis killed, back…)
+                line = await trio.to_thread.run_sync(sys.stdin.readline)
+                assert json.loads(line)["phase"] == phase
+            out[phase] = await _calls(s, cmd["calls"], cmd.get("concurrency", 1), params)
+            if index < len(phases) - 1:
+                print(json.dumps({"phase": phase, **out[phase]}), flush=True)
+        state = (await s.statistics()).governance.sources[0].state
+        out["breaker"] = state.breaker.value
+        out["backend"] = attrs.asdict(backend.statistics())
+    return out
+
+
+def worker_main() -> None:
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            result = trio.run(_worker_command, json.loads(line))
+        except BaseException as exc:
+            result = {"crash": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(result), flush=True)
+
+
+class Worker:
+    """One worker process; lines from its stdout arrive through a reader thread."""
+
+    def __init__(self) -> None:
+        self.errfile = tempfile.TemporaryFile()  # noqa: SIM115 - closed by kill()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.test_redis_multiprocess"], cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errfile, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout: float = 60.0) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"worker silent for {timeout} s{self._stderr()}") from None
+        if line is None:
+            raise AssertionError(f"worker exited{self._stderr()}")
+        result: dict[str, Any] = json.loads(line)
+        assert "crash" not in result, f"{result['crash']}{self._stderr()}"
+        return result
+
+    def _stderr(self) -> str:
+        self.errfile.seek(0)
+        return "; stderr:\n" + self.errfile.read().decode(errors="replace")[-3000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        self.errfile.close()
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[Worker]]:
+    need_redis()
+    started: list[Worker] = []
+    try:
+        for _ in range(4):
+            started.append(Worker())
+        yield started
+    finally:
+        for w in started:
+            w.kill()
+
+
+@contextlib.contextmanager
+def fake_server(reply: dict[str, Any]) -> Iterator[str]:
+    """A loopback FakeUpstream in its own process; yields its base URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "polygate.testing.serve", "--port", "0", "--reply", json.dumps(reply)],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        assert line.startswith("listening on "), line
+        yield line.removeprefix("listening on ")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def upstream_stats(base_url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{base_url}/_stats", timeout=10) as r:
+        stats: dict[str, Any] = json.loads(r.read())
+    return stats
+
+
+def run_all(workers: list[Worker], cmd: dict[str, Any]) -> list[dict[str, Any]]:
+    for w in workers:
+        w.send(cmd)
+    return [w.recv() for w in workers]
+
+
+def _backend(server: RedisServer) -> str:
+    return f"{server.url}?prefix=mp-{secrets.token_hex(4)}"
+
+
+def test_rpm_holds_across_processes(workers: list[Worker], server: RedisServer) -> None:
+    rpm = 12
+    with fake_server({"tokens": 2}) as up:
+        results = run_all(workers, {"backend": _backend(server), "upstream": up, "source": {"rpm": rpm},
+                                    "calls": 8, "concurrency": 4, "deadline": 5.0})
+        stats = upstream_stats(up)
+    outcomes = [o for r in results for o in r["run"]["outcomes"]]
+    assert outcomes.count("ok") == rpm  # all workers together get the quota, no more
+    assert set(outcomes) == {"ok", "AllSourcesExhausted"}
+    times = sorted(stats["request_times"])
+    assert stats["requests"] == len(times) == rpm
+    assert max(sum(1 for t in times if start <= t < start + 60.0) for start in times) <= rpm
+    assert all(r["backend"]["open_leases"] == 0 for r in results)
+
+
+def test_tpm_holds_across_processes_up_to_the_settle_correction(
+    workers: list[Worker], server: RedisServer
+) -> None:
+    tpm = 1300
+    with fake_server({"tokens": 300}) as up:
+        results = run_all(workers, {"backend": _backend(server), "upstream": up, "source": {"tpm": tpm},
+                                    "calls": 4, "concurrency": 2, "deadline": 5.0})
+        stats = upstream_stats(up)
+    used = [u for r in results for u in r["run"]["usage"]]
+    estimate = results[0]["estimate"]
+    cost = max(used)
+    assert used and cost == min(used) and cost > estimate  # every answer costs more than reserved
+    n = len(used)
+    # Each admission saw window + estimate <= tpm, and a refusal saw window + estimate > tpm
+    # with every held or settled call counting at most its cost:
+    assert (tpm - estimate) // cost + 1 <= n <= tpm // estimate
+    assert sum(used) <= tpm + n * (cost - estimate)  # the settle correction bound
+    assert stats["requests"] == n
+
+
+def test_max_in_flight_holds_across_processes(workers: list[Worker], server: RedisServer) -> None:
+    limit = 3
+    with fake_server({"tokens": 2, "headers_delay_s": 0.15}) as up:
+        results = run_all(workers, {"backend": _backend(server), "upstream": up,
+                                    "source": {"max_in_flight": limit}, "calls": 4,
+                                    "concurrency": 2, "deadline": 30.0})
+        stats = upstream_stats(up)
+    outcomes = [o for r in results for o in r["run"]["outcomes"]]
+    assert outcomes == ["ok"] * 16  # every call waits for a permit, none is refused
+    assert 2 <= stats["peak_in_flight"] <= limit
+    assert stats["requests"] == 16
+
+
+def test_a_breaker_opened_in_one_process_is_open_in_the_others(
+    workers: list[Worker], server: RedisServer
+) -> None:
+    backend = _backend(server)
+    with fake_server({"status": 500}) as up:
+        first, second = workers[0], workers[1]
+        first.send({"backend": backend, "upstream": up, "calls": 2, "deadline": 5.0})
+        failed = first.recv()
+        assert failed["breaker"] == "open"
+        seen = upstream_stats(up)["requests"]
+        assert seen == 5  # the 6th attempt found the breaker open
+        second.send({"backend": backend, "upstream": up, "calls": 2, "deadline": 5.0})
+        other = second.recv()
+        assert other["breaker"] == "open"
+        assert other["run"]["outcomes"] == ["AllSourcesExhausted"] * 2
+        assert max(other["run"]["durations"]) < 2.0  # refused at once: opened 30 s ago at most
+        assert upstream_stats(up)["requests"] == seen  # nothing sent by the second process
+
+
+def test_redis_killed_under_running_workers(workers: list[Worker], own_redis: RedisServer) -> None:
+    with fake_server({"tokens": 2}) as up:
+        for w in workers:
+            w.send({"backend": f"{own_redis.url}?timeout_s=1", "upstream": up, "calls": 5,
+                    "concurrency": 2, "phases": ["up", "down", "back"]})
+        for w in workers:
+            assert w.recv()["outcomes"] == ["ok"] * 5
+        before = upstream_stats(up)["requests"]
+        assert before == 20
+        own_redis.kill()
+        for w in workers:
+            w.send({"phase": "down"})
+        for w in workers:
+            down = w.recv()
+            assert down["outcomes"] == ["GovernanceBackendError"] * 5  # fail closed
+            assert max(down["durations"]) < 1.0 + 0.5  # within the bound
+        assert upstream_stats(up)["requests"] == before  # nothing sent unadmitted
+        own_redis.start()  # same port, empty: no persistence
+        for w in workers:
+            w.send({"phase": "back"})
+        for w in workers:
+            result = w.recv()
+            assert result["back"]["outcomes"] == ["ok"] * 5  # reconnected by itself
+            assert result["backend"]["open_leases"] == 0  # nothing held in any process
+            assert result["breaker"] == "closed"
+        assert upstream_stats(up)["requests"] == before + 20
+
+
+def test_settling_after_redis_died_returns_the_answer(own_redis: RedisServer) -> None:
+    """An attempt in flight when Redis dies still returns its answer; its settle is
+    retried for ``settle_s``, then counted; a call waiting for a permit fails closed."""
+    import polygate
+    from polygate.testing import FakeUpstream, Reply
+
+    async def body() -> None:
+        up = FakeUpstream(Reply(tokens=2, headers_delay_s=0.6))
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[
+                polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)])},
+            backend=f"{own_redis.url}?timeout_s=0.5",
+        )
+        async with polygate.session(settings, transport=up.transport()) as s:
+            backend = s._runtime.governor.backend
+            results: dict[str, Any] = {}
+
+            async def call(name: str) -> None:
+                start = trio.current_time()
+                try:
+                    results[name] = await s.chat(MESSAGES)
+                except polygate.PolygateError as exc:
+                    results[name] = exc
+                results[name + "_s"] = trio.current_time() - start
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, "held")
+                await trio.sleep(0.2)
+                nursery.start_soon(call, "waiting")  # no permit: waits
+                await trio.sleep(0.1)
+                own_redis.kill()
+            assert isinstance(results["held"], polygate.ChatResponse)
+            assert results["held_s"] < 0.6 + 0.5 + 0.5  # the answer, the settle bound, slack
+            assert type(results["waiting"]) is polygate.GovernanceBackendError
+            assert results["waiting_s"] < 0.3 + 0.05 + 0.5 + 0.5  # poll, then one bounded admit
+            stats = backend.statistics()
+            assert (stats.settle_failures, stats.open_leases) == (1, 0)
+            own_redis.start()
+            r = await s.chat(MESSAGES)  # the same session, Redis back
+            assert r.text
+        assert up.statistics().requests == 2
+
+    trio.run(body)
+
+
+if __name__ == "__main__":
+    worker_main()
