@@ -27,6 +27,7 @@ from ._errors import ConfigError, PolygateError
 from ._types import ChatResponse, EmbeddingResponse, StreamChunk
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
+from .transport import LeanTransport
 
 __all__ = ["ChatStream", "Session", "SessionStatistics", "session"]
 
@@ -339,7 +340,7 @@ async def session(
     rng = rng or random.Random()
     owned = transport is None
     if transport is None:
-        transport = httpx.AsyncHTTPTransport(limits=_POOL_LIMITS)
+        transport = LeanTransport.from_limits(_POOL_LIMITS)
     body_error: Exception | None = None
     try:
         if isinstance(backend, RedisBackend):

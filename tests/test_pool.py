@@ -499,6 +499,7 @@ async def test_polygate_default_session_runs_on_real_sockets() -> None:
         settings = _two_sources(url_a, url_b, hedge=polygate.Hedge(after_s=0.3),
                                 retry=polygate.Retry(backoff_base_s=0.001))
         async with polygate.session(settings) as s:
+            assert isinstance(s._runtime.transport, LeanTransport)  # the default
             with trio.fail_after(20):
                 first = await s.chat([{"role": "user", "content": "hi"}])
                 async with s.stream_chat([{"role": "user", "content": "hi"}]) as stream:
