@@ -340,6 +340,56 @@ def test_chat_runs_through_the_redis_backend(server: RedisServer) -> None:
 
 
 
+def test_rediss_verifies_the_server_certificate(tmp_path: Path) -> None:
+    """TLS: a certificate signed by ``ssl_ca_certs`` is accepted, an unknown one is not."""
+    import shutil
+    import socket
+
+    from polygate import GovernanceBackendError
+
+    from ._redis_server import free_port
+
+    binary, openssl = need_redis(), shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not on PATH: cannot make a certificate for the TLS test")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--tls-cert-file",
+         str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients",
+         "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        give_up = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+                break
+            if proc.poll() is not None:
+                pytest.skip("this redis-server was built without TLS")
+            assert time.monotonic() < give_up, "TLS redis-server did not start"
+            time.sleep(0.02)
+
+        async def body() -> None:
+            trusted = _redis(f"rediss://127.0.0.1:{port}/0", f"tls-{secrets.token_hex(4)}", ssl_ca_certs=cert)
+            async with _started(trusted) as b:
+                await b.settle(settle(await granted(b, ask()), 1))
+                assert (await snap(b)).admissions == 1
+            with pytest.raises(GovernanceBackendError, match="certificate"):
+                async with _started(_redis(f"rediss://127.0.0.1:{port}/0", "tls-untrusted")):
+                    pass
+
+        trio.run(body)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 # ================================================================== worker processes
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -652,6 +702,54 @@ def test_settling_after_redis_died_returns_the_answer(own_redis: RedisServer) ->
             own_redis.start()
             r = await s.chat(MESSAGES)  # the same session, Redis back
             assert r.text
+        assert up.statistics().requests == 2
+
+    trio.run(body)
+
+
+def test_a_hung_redis_fails_calls_within_the_bound(own_redis: RedisServer) -> None:
+    """SIGSTOP: the server accepts bytes and answers nothing.  Calls fail closed after
+    ``timeout_s``; once it runs again, the late replies are drained and calls succeed."""
+    import signal
+
+    import polygate
+    from polygate.testing import FakeUpstream, Reply
+
+    async def body() -> None:
+        up = FakeUpstream(Reply(tokens=2))
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name=n, base_url="http://a/v1", weight=w) for n, w in (("a", 1), ("b", 1e-9))],
+                hedge=polygate.Hedge(after_s=5.0))},
+            backend=f"{own_redis.url}?timeout_s=0.5",
+        )
+        async with polygate.session(settings, transport=up.transport()) as s:
+            assert (await s.chat(MESSAGES)).text
+            assert own_redis.proc is not None
+            own_redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                for _ in range(2):
+                    start = trio.current_time()
+                    with pytest.raises(polygate.GovernanceBackendError, match="did not answer"):
+                        await s.chat(MESSAGES)
+                    # one bounded admission; the refill after a failure is skipped
+                    assert trio.current_time() - start < 0.5 + 0.3
+            finally:
+                own_redis.proc.send_signal(signal.SIGCONT)
+            assert (await s.chat(MESSAGES)).text
+            # The two admissions ran when Redis woke up, their answers long given up on:
+            # voided after the next success, not left to their 15-second leases.
+            backend = s._runtime.governor.backend
+            with trio.fail_after(5):
+                while backend.statistics().abandoned_voided < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            assert backend.statistics().abandoned == 2
+            for source in (await s.statistics()).governance.sources:
+                state = source.state
+                assert (state.in_flight, state.tokens_reserved) == (0, 0)
+                if state.source == "a":  # two calls sent, two voided
+                    assert (state.admissions, state.requests_in_window) == (4, 2)
+                    assert state.released_total == state.settled_total == state.reserved_total // 2
         assert up.statistics().requests == 2
 
     trio.run(body)

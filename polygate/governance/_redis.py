@@ -20,7 +20,10 @@ when the reply arrives, so a wait errs late, never early.
 **Fail closed, within a bound.**  Each operation answers or raises
 :class:`~polygate.GovernanceBackendError` within ``timeout_s`` (default 1 s): the call is
 never sent upstream unadmitted.  coredis reconnects on the next command, so once Redis
-is back calls succeed again without restarting anything.
+is back calls succeed again without restarting anything.  An admission that was sent
+but not answered in time may still run on a Redis that was only slow; it is *abandoned*
+and voided (settled as never sent, which is idempotent) as soon as Redis answers again,
+so its permit is not left to the lease.
 
 **Atomic against cancellation, like the memory backend.**  The memory backend has no
 checkpoint inside an operation, so a cancelled caller either never started one or saw it
@@ -203,6 +206,8 @@ class RedisBackendStatistics:
     leases_lost: int  # leases that ran out before this process renewed them
     renew_failures: int
     refill_failures: int  # hedge-budget refills skipped or failed (best effort)
+    abandoned: int  # admissions whose answer never came: voided once Redis answers again
+    abandoned_voided: int  # of those, granted after all and then voided
 
 
 @attrs.frozen
@@ -275,6 +280,11 @@ class RedisBackend:
         self._leases_lost = 0
         self._renew_failures = 0
         self._refill_failures = 0
+        # admissions sent whose answer never came: (scope, source, member) -> given up at
+        self._abandoned: dict[tuple[str, str, str], float] = {}
+        self._abandoned_total = 0
+        self._abandoned_voided = 0
+        self._cleanup = trio.Event()
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisBackend:
@@ -300,8 +310,10 @@ class RedisBackend:
         self._errors = coredis.exceptions
         opts = self.options
         ssl_kw: dict[str, Any] = {}
-        if opts.ssl:
-            ssl_kw = {"ssl": True, "ssl_ca_certs": opts.ssl_ca_certs, "ssl_cert_reqs": opts.ssl_cert_reqs}
+        if opts.ssl:  # verified against the system CAs (or ssl_ca_certs) and the host name
+            reqs = opts.ssl_cert_reqs or "required"
+            ssl_kw = {"ssl": True, "ssl_ca_certs": opts.ssl_ca_certs, "ssl_cert_reqs": reqs,
+                      "ssl_check_hostname": reqs != "none"}
         # coredis's own timeouts are shorter than an operation's bound, so a stuck
         # connect or read fails inside coredis (which then recycles the connection)
         # rather than being cut off by the bound.
@@ -319,6 +331,7 @@ class RedisBackend:
             self._nursery = await stack.enter_async_context(trio.open_nursery())
             self._nursery.start_soon(self._renew_loop)
             self._nursery.start_soon(self._poll_loop)
+            self._nursery.start_soon(self._void_loop)
         except BaseException:
             self._nursery = None
             await stack.aclose()  # no cancel scope around it: it exits scopes entered above
@@ -378,6 +391,8 @@ class RedisBackend:
             leases_lost=self._leases_lost,
             renew_failures=self._renew_failures,
             refill_failures=self._refill_failures,
+            abandoned=self._abandoned_total,
+            abandoned_voided=self._abandoned_voided,
         )
 
     # ------------------------------------------------------------------ operations
@@ -392,7 +407,16 @@ class RedisBackend:
             int(request.breaker.open_s * 1e6), self._lease_us, self._window_us, self._ttl_ms,
         ]
         key = (request.scope, request.source)
-        reply = await self._script(_ADMIT, self._source_keys(key), args, "admit")
+        sent: list[bool] = []
+        try:
+            reply = await self._script(_ADMIT, self._source_keys(key), args, "admit", sent=sent)
+        except GovernanceBackendError:
+            if sent:
+                # It may be granted all the same (a hung Redis runs it later): void it
+                # once Redis answers again, rather than leave its permit to the lease.
+                self._abandoned[(request.scope, request.source, member)] = trio.current_time()
+                self._abandoned_total += 1
+            raise
         local_now = trio.current_time()
         try:
             if reply[0] == 1:
@@ -414,14 +438,7 @@ class RedisBackend:
         held = self._open.get(key)
         if held is not None:
             held.discard(member)  # before sending: a renewal must not race the settle
-        policy = request.breaker
-        cooldown = request.cooldown_s if request.cooldown_s is not None and request.cooldown_s > 0 else 0.0
-        args = [
-            member, 1 if request.sent else 0, -1 if request.tokens is None else request.tokens,
-            _FEEDBACK[request.feedback], int(cooldown * 1e6), 1 if request.dead else 0,
-            policy.failures, repr(float(policy.failure_rate)), policy.rate_window,
-            policy.rate_min_calls, self._window_us, self._ttl_ms,
-        ]
+        args = self._settle_args(member, request)
         keys = self._source_keys(key)
         deadline = trio.current_time() + self._settle_s
         done = False
@@ -450,6 +467,16 @@ class RedisBackend:
                 f"{self._lease_us / 1e6:.0f} s ({self._settle_failures} settle failure(s) so far)",
             )
         self._notify()
+
+    def _settle_args(self, member: str, request: SettleRequest) -> list[Any]:
+        policy = request.breaker
+        cooldown = request.cooldown_s if request.cooldown_s is not None and request.cooldown_s > 0 else 0.0
+        return [
+            member, 1 if request.sent else 0, -1 if request.tokens is None else request.tokens,
+            _FEEDBACK[request.feedback], int(cooldown * 1e6), 1 if request.dead else 0,
+            policy.failures, repr(float(policy.failure_rate)), policy.rate_window,
+            policy.rate_min_calls, self._window_us, self._ttl_ms,
+        ]
 
     async def snapshot(self, scope: str, source: str) -> SourceSnapshot:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -542,6 +569,43 @@ class RedisBackend:
             except Exception:
                 log.exception("redis lease renewal failed")
 
+    async def _void_loop(self) -> None:
+        """Void abandoned admissions once Redis answers again.
+
+        An admission whose answer timed out may still run on a Redis that was only
+        slow: its permit and window entry would then be held by nobody until the
+        lease ran out.  Voiding (settle, never sent) is idempotent, so it is sent after
+        the next successful operation and again every ``lease_s / 3`` while it finds
+        nothing — the late admission may not have run yet — until the lease would
+        have expired it anyway."""
+        while True:
+            await self._cleanup.wait()
+            self._cleanup = trio.Event()
+            try:
+                await self._void_abandoned()
+            except Exception:
+                log.exception("voiding abandoned redis admissions failed")
+            if self._abandoned:
+                await trio.sleep(self.options.lease_s / 3)
+                self._cleanup.set()
+
+    async def _void_abandoned(self) -> None:
+        lease_s = self._lease_us / 1e6
+        for (scope, source, member), given_up in list(self._abandoned.items()):
+            void = SettleRequest(Admission(scope, source, 0, 0), None, Feedback.NEUTRAL, sent=False)
+            try:
+                reply = await self._script(
+                    _SETTLE, self._source_keys((scope, source)), self._settle_args(member, void), "void"
+                )
+            except GovernanceBackendError:
+                return  # still unreachable: the next success triggers another round
+            if reply[0] == 1:
+                self._abandoned_voided += 1
+                del self._abandoned[(scope, source, member)]
+                self._notify()
+            elif trio.current_time() - given_up > lease_s:
+                del self._abandoned[(scope, source, member)]  # its lease has run out
+
     async def _renew_all(self) -> None:
         for key, members in list(self._open.items()):
             if not members:
@@ -595,12 +659,14 @@ class RedisBackend:
 
     async def _script(
         self, script: _Script, keys: Sequence[str], args: Sequence[Any], what: str,
-        *, deadline: float | None = None,
+        *, deadline: float | None = None, sent: list[bool] | None = None,
     ) -> Any:
+        """Run a script; ``sent`` gets an entry once the command was handed to a
+        connection (after that, Redis may run it whatever happens to the reply)."""
         async def call() -> Any:
             errors = self._errors
             try:
-                return await self._evalsha(script, keys, args)
+                return await self._evalsha(script, keys, args, sent)
             except errors.NoScriptError:
                 pass  # Redis restarted or SCRIPT FLUSH: load it again, once
             except errors.ConnectionError:
@@ -608,12 +674,25 @@ class RedisBackend:
                 # (ADMIT is idempotent per member, SETTLE per reservation).
                 pass
             await self._client.script_load(script.source)
-            return await self._evalsha(script, keys, args)
+            return await self._evalsha(script, keys, args, sent)
 
         return await self._run(call, what, deadline=deadline)
 
-    async def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        return await self._client.evalsha(script.sha, keys=keys, args=args)
+    async def _evalsha(
+        self, script: _Script, keys: Sequence[str], args: Sequence[Any], sent: list[bool] | None = None
+    ) -> Any:
+        # Straight to a pooled connection: the client's command layer (retry policy,
+        # telemetry span, version and cache checks) costs a fifth of the CPU of a call
+        # and does nothing for us.  The pool still connects and reconnects.
+        pool = self._client.connection_pool
+        connection = await pool.get_connection()
+        try:
+            request = connection.create_request(b"EVALSHA", script.sha, len(keys), *keys, *args)
+            if sent is not None:
+                sent.append(True)
+        finally:
+            pool.release(connection)
+        return await request
 
     async def _run(self, op: Callable[[], Awaitable[T]], what: str, *, deadline: float | None = None) -> T:
         """One bounded, shielded exchange; every failure becomes GovernanceBackendError."""
@@ -630,6 +709,8 @@ class RedisBackend:
                 self._healthy = False
                 raise self._failure(what, exc) from exc
             self._healthy = True
+            if self._abandoned and not self._cleanup.is_set():
+                self._cleanup.set()
             return result
         self._healthy = False
         raise GovernanceBackendError(
@@ -657,11 +738,18 @@ class RedisBackend:
         return GovernanceBackendError(f"redis at {self._where} answered {what} with an unexpected reply")
 
     def _clean(self, exc: BaseException) -> str:
+        """The error and its root cause (a refused connection, a TLS verification
+        failure), in one line, with the password masked."""
+        root = exc
+        while root.__cause__ is not None and root.__cause__ is not root:
+            root = root.__cause__
         text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if root is not exc:
+            text += f" <- {type(root).__name__}: {root}"
         password = self.options.password
         if password:
             text = text.replace(password, "***")
-        return text[:300]
+        return text[:400]
 
     def _warn(self, kind: str, message: str) -> None:
         """Log at most one warning of each kind every 10 s: an outage is one event."""
