@@ -318,3 +318,25 @@ async def test_hedge_token_budget_refills_on_cancelled_calls(
     # 1 token at start; call 1 hedges (0) +0.5; call 2 cannot (0.5) +0.5; call 3 hedges (0) +0.5
     assert stats.governance.hedge_budget["chat"] == pytest.approx(0.5)
     assert len(a.requests) + len(b.requests) == 5
+
+
+class SpinGuardBackend(CountingBackend):
+    async def admit(self, request: Any) -> Any:
+        if self.admits > 100:
+            raise AssertionError("admission is spinning at one instant")
+        return await super().admit(request)
+
+
+async def test_rpm_wait_is_not_a_spin_at_float_edges(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A window entry at 1e-232: at + 60 == 60.0 exactly while 1e-232 <= 60.0 - 60 is false.
+    backend = SpinGuardBackend()
+    monkeypatch.setattr("polygate._session._backend_for", lambda settings: backend)
+    a = FakeUpstream(Reply())
+    settings = _settings(names=("a",), source={"a": {"rpm": 1}})
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        await trio.sleep(1e-232)
+        await s.chat(MESSAGES)
+        await s.chat(MESSAGES)
+    assert [r.started_at for r in a.requests] == [pytest.approx(0), pytest.approx(60)]

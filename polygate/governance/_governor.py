@@ -46,6 +46,7 @@ SETTLE_RULES: Mapping[Outcome, tuple[str, Feedback]] = {
 }
 
 DEFAULT_RATE_LIMIT_COOLDOWN_S = 1.0
+_MIN_WAIT_S = 0.001
 _NEVER = frozenset({RefusalReason.TOO_LARGE})
 
 
@@ -158,8 +159,12 @@ class Governor:
             next_at = min(known) if known else math.inf
             only_cooldowns = all(r.reason is RefusalReason.COOLING_DOWN for r in waitable)
             bound = min(give_up_at, cooldown_give_up_at) if only_cooldowns else give_up_at
-            if (not unknown and next_at > bound) or self.backend.now() >= bound:
+            now = self.backend.now()
+            if (not unknown and next_at > bound) or now >= bound:
                 raise NoAdmission(refusals)
+            # A retry time that is already due (clock arithmetic, or a shared backend's
+            # time converted to ours) must not turn the wait into a spin.
+            next_at = max(next_at, now + _MIN_WAIT_S)
             await self.backend.wait_changed(min(next_at, bound))
 
     async def release(

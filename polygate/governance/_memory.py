@@ -71,9 +71,11 @@ class _Source:
         self.admissions = 0
 
     def expire(self, now: float) -> None:
-        horizon = now - WINDOW_S
+        # Written as ``at + WINDOW_S <= now``, the very sum a refusal reports as its
+        # retry_at: with floats, ``at <= now - WINDOW_S`` can still be false at that
+        # instant, and a waiter woken then would be refused again, forever.
         window = self.window
-        while window and window[0].at <= horizon:
+        while window and window[0].at + WINDOW_S <= now:
             self.window_tokens -= window.popleft().tokens
 
     def tokens_reserved(self) -> int:
