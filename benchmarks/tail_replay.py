@@ -19,6 +19,7 @@ in real time against loopback servers.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -152,19 +153,45 @@ def print_table(rows: Sequence[dict[str, Any]], title: str) -> None:
         print(f"{r['config']:<20}" + "".join(f"{c[2].format(r[c[1]]):>13}" for c in cols))
 
 
+def serve_one(name: str, seed: int, scale: float) -> None:
+    """Child-process mode: serve one incident source on a free port until killed."""
+    upstream = incident_upstreams(seed=seed, time_scale=scale)[name]
+
+    async def main() -> None:
+        async with upstream.serve() as url:
+            print(f"listening on {url}", flush=True)
+            await trio.sleep_forever()
+
+    trio.run(main)
+
+
 def real_time(settings: polygate.Settings, calls: int, concurrency: int, seed: int, scale: float) -> list[Outcome]:
-    upstreams = incident_upstreams(seed=seed, time_scale=scale)
-
-    async def main() -> list[Outcome]:
-        async with upstreams["a"].serve() as url_a, upstreams["b"].serve() as url_b:
-            scope = settings.scopes["chat"]
-            urls = {"a": url_a, "b": url_b}
-            sources = [attrs.evolve(s, base_url=urls[s.name]) for s in scope.sources]
-            real = polygate.Settings(scopes={"chat": attrs.evolve(scope, sources=sources)})
-            return await replay(real, None, calls=calls, concurrency=concurrency)
-
-    result: list[Outcome] = trio.run(main)
-    return result
+    """The scaled replay in real time.  Each source is served by its own process: in
+    one process with the client, the servers' CPU time would stretch every stream."""
+    procs = []
+    urls: dict[str, str] = {}
+    try:
+        for name in ("a", "b"):
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--serve-source", name, "--seed", str(seed),
+                 "--scale", str(scale)],
+                stdout=subprocess.PIPE, text=True,
+            )
+            procs.append(proc)
+            assert proc.stdout is not None
+            urls[name] = proc.stdout.readline().strip().removeprefix("listening on ")
+        scope = settings.scopes["chat"]
+        sources = [attrs.evolve(s, base_url=urls[s.name]) for s in scope.sources]
+        real = polygate.Settings(scopes={"chat": attrs.evolve(scope, sources=sources)})
+        result: list[Outcome] = trio.run(
+            lambda: replay(real, None, calls=calls, concurrency=concurrency))
+        return result
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 def plot(results: Mapping[str, Sequence[Outcome]], path: str) -> None:
@@ -195,7 +222,12 @@ def main() -> None:
     parser.add_argument("--real-calls", type=int, default=300)
     parser.add_argument("--plot", metavar="PNG")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--serve-source", help=argparse.SUPPRESS)
+    parser.add_argument("--scale", type=float, default=0.1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_source:
+        serve_one(args.serve_source, args.seed, args.scale)
+        return
     if args.quick:
         args.calls, args.real_calls = 100, 40
 
