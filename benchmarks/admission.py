@@ -17,11 +17,12 @@ import time
 
 import httpx
 import trio
-from _common import fake_server, machine, median, quantile, write_result
 
 import polygate
 from polygate._errors import Outcome
 from polygate.governance import Governor, MemoryBackend
+
+from _common import fake_server, machine, median, quantile, write_result
 
 
 def settings() -> polygate.Settings:

@@ -29,10 +29,11 @@ from typing import Any
 
 import httpx
 import trio
-from _common import fake_server, machine, median, quantile, write_result
 from httpx_sse import EventSource
 
 import polygate
+
+from _common import fake_server, machine, median, quantile, write_result
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 

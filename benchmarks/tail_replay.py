@@ -27,7 +27,6 @@ from typing import Any
 
 import attrs
 import trio
-from _common import machine, quantile, write_result
 
 import polygate
 from polygate.cli._replay import (
@@ -39,6 +38,8 @@ from polygate.cli._replay import (
     summarize,
 )
 from polygate.testing import FakeUpstream, Reply
+
+from _common import machine, quantile, write_result
 
 CALL_ID = "x-polygate-call-id"
 HANG_S = 60.0  # a first token later than this is one of the scripted hangs
