@@ -435,7 +435,7 @@ def test_wait_changed_wakes_when_a_permit_returns(h: Harness) -> None:
                 await trio.sleep(h.window / 10)
                 settled_at = b.now()
                 await b.settle(settle(a, 1))
-            assert woke and woke[0] - settled_at < h.window / 4
+            assert woke and woke[0] - settled_at < h.window / 2  # at once, give or take scheduling
 
     h.run(body)
 
@@ -445,9 +445,10 @@ def test_wait_changed_returns_by_its_deadline(h: Harness) -> None:
         async with h.backend() as b:
             start = b.now()
             await b.wait_changed(start + h.window / 3)
-            assert b.now() <= start + h.window / 3 + 0.05
-            await b.wait_changed(start - 1.0)  # already past: at once
-            assert b.now() <= start + h.window / 3 + 0.1
+            assert b.now() <= start + h.window / 3 + 0.25  # scheduling slack (exact in memory)
+            after = b.now()
+            await b.wait_changed(after - 1.0)  # already past: at once
+            assert b.now() <= after + 0.25
 
     h.run(body)
 

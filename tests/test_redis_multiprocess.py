@@ -113,7 +113,7 @@ def test_a_settle_in_another_process_wakes_waiters(server: RedisServer) -> None:
                 settled_at = one.now()
                 await one.settle(settle(held, 1))
             # the change counter is polled every 50 ms; the fallback re-check is 1 s
-            assert woke and woke[0] - settled_at < 0.5
+            assert woke and woke[0] - settled_at < 0.8
 
     trio.run(body)
 
@@ -144,10 +144,10 @@ def test_leases_are_renewed_while_held(server: RedisServer) -> None:
     prefix = f"renew-{secrets.token_hex(4)}"
 
     async def body() -> None:
-        async with _started(_redis(server.url, prefix, lease_s=0.4)) as holder, \
+        async with _started(_redis(server.url, prefix, lease_s=0.9)) as holder, \
                 _started(_redis(server.url, prefix)) as other:
             held = await granted(holder, ask(mif=1))
-            await trio.sleep(1.5)  # several lease lengths, renewed every 0.13 s
+            await trio.sleep(2.0)  # over two lease lengths, renewed every 0.3 s
             await refused(other, ask(mif=1), RefusalReason.IN_FLIGHT)
             assert holder.statistics().open_leases == 1
             await holder.settle(settle(held, 1))
