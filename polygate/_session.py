@@ -27,6 +27,7 @@ from ._errors import ConfigError, PolygateError
 from ._types import ChatResponse, EmbeddingResponse, StreamChunk
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
+from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
 from .transport import LeanTransport
 
 __all__ = ["ChatStream", "Session", "SessionStatistics", "session"]
@@ -38,13 +39,15 @@ _UNSET: Any = object()
 @attrs.frozen
 class SessionStatistics:
     governance: GovernanceStatistics
+    telemetry: TelemetryStatistics = attrs.field(factory=TelemetryStatistics)
 
 
 class Session:
     """Front door of polygate; obtain one with ``async with polygate.session(...)``."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, telemetry: Telemetry | None = None) -> None:
         self._runtime = runtime
+        self._telemetry = telemetry
         self._closed = False
 
     @property
@@ -104,7 +107,8 @@ class Session:
         return await run_embed(self._runtime, scope, list(inputs), params, deadline)
 
     async def statistics(self) -> SessionStatistics:
-        return SessionStatistics(await self._runtime.governor.statistics())
+        telemetry = self._telemetry.statistics() if self._telemetry else TelemetryStatistics()
+        return SessionStatistics(await self._runtime.governor.statistics(), telemetry)
 
     def _prepare(self, scope: str, call_deadline_s: float | None) -> float | None:
         if self._closed:
@@ -334,8 +338,6 @@ async def session(
         settings = load_settings(env)
     elif not isinstance(settings, Settings):
         raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
-    if settings.telemetry != "off":
-        raise ConfigError("telemetry sinks are not available in this version of polygate")
     backend = _backend_for(settings)
     rng = rng or random.Random()
     owned = transport is None
@@ -346,16 +348,20 @@ async def session(
         if isinstance(backend, RedisBackend):
             await backend.start()  # connects, checks Lua, loads scripts; cleans up on failure
         try:
-            async with trio.open_nursery() as nursery:
+            # Telemetry opens (and fails with ConfigError) at session start; its flusher
+            # runs in the session's nursery and is flushed, bounded, before it is cancelled.
+            async with open_telemetry(settings) as telemetry, trio.open_nursery() as nursery:
                 governor = Governor(settings, backend, rng=rng)
-                runtime = Runtime(settings, transport, governor, rng=rng)
-                handle = Session(runtime)
+                runtime = Runtime(settings, transport, governor, rng=rng, recorder=telemetry.recorder)
+                telemetry.start(nursery, governor)
+                handle = Session(runtime, telemetry)
                 try:
                     yield handle
                 except Exception as exc:  # re-raised below as itself, not inside a group
                     body_error = exc
                 finally:
                     handle._closed = True
+                    await telemetry.aclose()
                     nursery.cancel_scope.cancel()
         finally:
             await backend.aclose()

@@ -1,0 +1,181 @@
+"""A session's telemetry: the sink its settings name, the pipeline, the recorders.
+
+``polygate.session()`` does three things with it::
+
+    async with open_telemetry(settings) as telemetry:      # ConfigError: bad URL,
+        async with trio.open_nursery() as nursery:         #   unreachable, newer schema
+            runtime = Runtime(..., recorder=telemetry.recorder)
+            telemetry.start(nursery, governor)              # the flusher
+            ...
+            await telemetry.aclose()                        # flush, bounded; then cancel
+
+Opening validates and connects *at session start* — a sink that cannot work is a
+configuration error there, not a stream of dropped rows later.  OpenTelemetry spans
+are added when ``opentelemetry`` is installed and the application has set a tracer
+provider (or one is passed in).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import trio
+
+from .._config import Settings, mask_url
+from .._context import AttemptRecord, CallContext, NullRecorder, Recorder
+from .._errors import ConfigError
+from .._types import CallStats, Usage
+from ._recorder import TelemetryRecorder
+from ._sink import OFF, Pipeline, Sink, TelemetryStatistics, _GovernanceLike, real_time_bound
+
+__all__ = ["Telemetry", "open_sink", "open_telemetry"]
+
+logger = logging.getLogger("polygate.telemetry")
+
+#: Real seconds a sink may take to open (connect, create or migrate the schema).
+OPEN_TIMEOUT_S = 15.0
+
+
+class Telemetry:
+    """What one session owns: a pipeline to a sink (or none), and the recorder the
+    calls report to."""
+
+    def __init__(self, pipeline: Pipeline | None, *recorders: Recorder) -> None:
+        self.pipeline = pipeline
+        self.recorder: Recorder = (
+            NullRecorder() if not recorders
+            else recorders[0] if len(recorders) == 1
+            else _Both(recorders[0], recorders[1])
+        )
+
+    def start(self, nursery: trio.Nursery, governance: _GovernanceLike | None = None) -> None:
+        """Start the flusher in the session's nursery."""
+        if self.pipeline is not None:
+            nursery.start_soon(self.pipeline.run, governance, name="polygate telemetry flusher")
+
+    async def aclose(self) -> None:
+        """Flush and close (bounded, shielded); safe to call twice."""
+        if self.pipeline is not None:
+            await self.pipeline.aclose()
+
+    def statistics(self) -> TelemetryStatistics:
+        return self.pipeline.statistics() if self.pipeline is not None else OFF
+
+
+class _Both:
+    """Two recorders (the pipeline's and OpenTelemetry's); neither can stop the other."""
+
+    __slots__ = ("_a", "_b")
+
+    def __init__(self, a: Recorder, b: Recorder) -> None:
+        self._a, self._b = a, b
+
+    def attempt(self, ctx: CallContext, record: AttemptRecord) -> None:
+        self._a.attempt(ctx, record)
+        self._b.attempt(ctx, record)
+
+    def call(
+        self, ctx: CallContext, stats: CallStats, usage: Usage | None, error: BaseException | None
+    ) -> None:
+        self._a.call(ctx, stats, usage, error)
+        self._b.call(ctx, stats, usage, error)
+
+
+async def open_sink(url: str) -> Sink | None:
+    """The sink a ``telemetry`` setting names, opened (``None`` for ``"off"``).
+
+    Opening runs in a worker thread, bounded by :data:`OPEN_TIMEOUT_S` of real time;
+    every failure is a :class:`ConfigError` whose message shows the URL masked.
+    """
+    if url == "off":
+        return None
+    try:
+        scheme = urlsplit(url).scheme
+    except ValueError:
+        scheme = ""
+    if scheme == "sqlite":
+        from ._sqlite import SQLiteSink, sqlite_path
+
+        path = sqlite_path(url)
+        return await _bounded_open(url, lambda: SQLiteSink.open(path))
+    if scheme in ("postgresql", "postgres"):
+        from ._postgres import PostgresSink
+
+        return await _bounded_open(url, lambda: PostgresSink.open(url))
+    raise ConfigError(
+        f"telemetry: unknown sink {mask_url(url)!r}; use 'off', sqlite:///path or postgresql://…"
+    )
+
+
+async def _bounded_open(url: str, opener: Any) -> Sink:
+    sink: Sink | None = None
+    with real_time_bound(OPEN_TIMEOUT_S):
+        sink = await trio.to_thread.run_sync(opener, abandon_on_cancel=True)
+    if sink is None:
+        raise ConfigError(
+            f"telemetry: opening {mask_url(url)} took longer than {OPEN_TIMEOUT_S} s"
+        )
+    return sink
+
+
+def _otel_recorder(settings: Settings, tracer_provider: Any) -> Recorder | None:
+    try:
+        from ._otel import OtelRecorder, tracer_if_configured
+    except ImportError:
+        if tracer_provider is not None:
+            raise ConfigError(
+                "OpenTelemetry tracing needs opentelemetry-sdk: pip install 'polygate[otel]'"
+            ) from None
+        return None
+    tracer = tracer_if_configured(tracer_provider)
+    if tracer is None:
+        return None
+    return OtelRecorder(tracer, log_content=settings.log_content, secrets=settings.secrets())
+
+
+@asynccontextmanager
+async def open_telemetry(
+    settings: Settings,
+    *,
+    sink: Sink | None = None,
+    tracer_provider: Any = None,
+    **pipeline_options: Any,
+) -> AsyncIterator[Telemetry]:
+    """Open the telemetry ``settings.telemetry`` names (or ``sink``, which replaces
+    it); closes it (flushing, bounded) on exit.  ``pipeline_options`` tune
+    :class:`Pipeline` (capacity, batch size, timeouts)."""
+    if sink is None:
+        sink = await open_sink(settings.telemetry)
+    try:
+        pipeline = None
+        recorders: list[Recorder] = []
+        if sink is not None:
+            from .. import __version__
+
+            session_id = os.urandom(8).hex()
+            secrets = settings.secrets()
+            pipeline = Pipeline(
+                sink, session_id=session_id, version=__version__, secrets=secrets,
+                **pipeline_options,
+            )
+            recorders.append(TelemetryRecorder(
+                pipeline.send, pipeline.counters, session_id=session_id,
+                log_content=settings.log_content, secrets=secrets,
+            ))
+        otel = _otel_recorder(settings, tracer_provider)
+        if otel is not None:
+            recorders.append(otel)
+        telemetry = Telemetry(pipeline, *recorders)
+    except BaseException:
+        if sink is not None:
+            sink.close()
+        raise
+    try:
+        yield telemetry
+    finally:
+        await telemetry.aclose()

@@ -1,0 +1,253 @@
+"""The PostgreSQL sink: psycopg 3, synchronous, in the pipeline's worker thread.
+
+Why psycopg in a thread and not asyncpg through trio-asyncio: measured side by side
+(``benchmarks/telemetry_sink.py --postgres-compare``, numbers in
+``docs/telemetry.md``), psycopg's ``COPY`` from a worker thread absorbs batches at
+least as fast as asyncpg's ``copy_records_to_table``, and it needs neither an asyncio
+loop inside trio nor a second event-loop bridge to maintain.  The pipeline already
+runs every sink in a thread, so a blocking driver costs nothing on the call path.
+
+* Each batch is one transaction of ``COPY … FROM STDIN`` per table, plus the session
+  row's upsert.
+* A write the pipeline abandons (too slow, or the session is closing) is cancelled
+  server-side: :meth:`PostgresSink.interrupt` runs ``conn.cancel_safe()`` in a
+  background thread, so the stuck ``COPY`` fails and releases the connection.
+* TCP keepalives and ``tcp_user_timeout`` (unless the URL sets them) turn a dead
+  network into an error within about half a minute instead of a hang.
+* A failed write drops its batch (counted by the pipeline) and the connection, and
+  the next batch reconnects — at most once per ``reconnect_s``; batches in between
+  fail at once rather than waiting on a dead server.
+* The schema is created or migrated under a transaction-scoped advisory lock, so
+  several processes starting at once do not race.
+
+The URL (with its password) is handed to libpq and nowhere else: messages show it
+through :func:`polygate._config.mask_url` and error texts are redacted of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlsplit
+
+from .._config import mask_url
+from .._errors import ConfigError, redact
+from ._events import AttemptEvent, CallEvent
+from ._schema import check_version, statements, upsert_session_sql, version_table
+from ._sink import Batch
+
+if TYPE_CHECKING:
+    import psycopg
+
+__all__ = ["PostgresReader", "PostgresSink"]
+
+_SESSION = upsert_session_sql("postgresql")
+_COPY_CALLS = f"COPY calls ({', '.join(CallEvent._fields)}) FROM STDIN"
+_COPY_ATTEMPTS = f"COPY attempts ({', '.join(AttemptEvent._fields)}) FROM STDIN"
+_LOCK_KEY = 0x706F6C7967617465  # "polygate": serialises schema creation across processes
+_CONNECT_DEFAULTS = {
+    "connect_timeout": "5",
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+    "application_name": "polygate-telemetry",
+}
+
+
+def _psycopg() -> Any:
+    try:
+        import psycopg
+    except ImportError:
+        raise ConfigError(
+            "PostgreSQL telemetry needs psycopg 3: pip install 'polygate[postgres]'"
+        ) from None
+    return psycopg
+
+
+def _password(url: str) -> tuple[str, ...]:
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return ()
+    return (password,) if password else ()
+
+
+def _connect(url: str, *setup: str) -> psycopg.Connection[Any]:
+    """Connect in autocommit mode (writes open explicit transactions), with our
+    defaults for what the URL leaves unset, then run the ``setup`` statements."""
+    driver = _psycopg()
+    given = {k for k, _ in parse_qsl(urlsplit(url).query)}
+    kwargs = {k: v for k, v in _CONNECT_DEFAULTS.items() if k not in given}
+    conn: psycopg.Connection[Any] = driver.connect(url, autocommit=True, **kwargs)
+    try:
+        for statement in setup:
+            conn.execute(statement)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _explain(url: str, exc: BaseException) -> str:
+    """An error text without the password (libpq does not echo it; belt and braces)."""
+    return redact(f"{type(exc).__name__}: {exc}".strip(), _password(url))
+
+
+def _migrate(conn: psycopg.Connection[Any], where: str) -> int:
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+        conn.execute(version_table("postgresql"))
+        row = conn.execute("SELECT max(version) FROM polygate_schema").fetchone()
+        found = int(row[0] or 0) if row else 0
+        check_version(found, where)
+        for version, stmts in statements("postgresql", found):
+            for statement in stmts:
+                conn.execute(statement)
+            conn.execute(
+                "INSERT INTO polygate_schema VALUES (%s, %s)", (version, time.time())
+            )
+            found = version
+    return found
+
+
+class PostgresSink:
+    """A :class:`~polygate.telemetry.Sink` writing to one PostgreSQL database."""
+
+    name = "postgresql"
+
+    def __init__(
+        self,
+        url: str,
+        conn: psycopg.Connection[Any] | None,
+        *,
+        statement_timeout_ms: int = 30_000,
+        reconnect_s: float = 5.0,
+    ) -> None:
+        self._url = url
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._statement_timeout_ms = statement_timeout_ms
+        self._reconnect_s = reconnect_s
+        self._next_connect = 0.0
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<PostgresSink {mask_url(self._url)}>"
+
+    @classmethod
+    def open(cls, url: str, *, statement_timeout_ms: int = 30_000) -> PostgresSink:
+        """Connect and create or migrate the schema; blocking.  Raises
+        :class:`ConfigError` when the server cannot be reached or used."""
+        psycopg = _psycopg()
+        where = mask_url(url)
+        try:
+            conn = _connect(url, f"SET statement_timeout = {int(statement_timeout_ms)}")
+        except psycopg.Error as exc:
+            raise ConfigError(
+                f"cannot connect to the telemetry database {where}: {_explain(url, exc)}"
+            ) from None
+        try:
+            _migrate(conn, where)
+        except ConfigError:
+            conn.close()
+            raise
+        except psycopg.Error as exc:
+            conn.close()
+            raise ConfigError(
+                f"cannot use {where} as a telemetry database: {_explain(url, exc)}"
+            ) from None
+        return cls(url, conn, statement_timeout_ms=statement_timeout_ms)
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        if self._closed:
+            raise RuntimeError("the telemetry sink is closed")
+        now = time.monotonic()
+        if now < self._next_connect:
+            raise ConnectionError("telemetry database unreachable; waiting before reconnecting")
+        self._next_connect = now + self._reconnect_s
+        try:
+            self._conn = _connect(
+                self._url, f"SET statement_timeout = {int(self._statement_timeout_ms)}"
+            )
+        except Exception as exc:
+            raise ConnectionError(_explain(self._url, exc)) from None
+        return self._conn
+
+    def write(self, batch: Batch) -> None:
+        with self._lock:
+            conn = self._connection()
+            try:
+                with conn.transaction(), conn.cursor() as cur:
+                    if batch.calls:
+                        with cur.copy(_COPY_CALLS) as copy:
+                            for row in batch.calls:
+                                copy.write_row(row)
+                    if batch.attempts:
+                        with cur.copy(_COPY_ATTEMPTS) as copy:
+                            for attempt in batch.attempts:
+                                copy.write_row(attempt)
+                    if batch.session is not None:
+                        cur.execute(_SESSION, batch.session)
+            except Exception as exc:
+                if conn.broken or conn.closed:
+                    self._discard()
+                raise ConnectionError(_explain(self._url, exc)) from None
+
+    def _discard(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    def interrupt(self) -> None:
+        """Cancel the running query server-side, in the background (never blocks)."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            return
+
+        def cancel() -> None:
+            try:
+                conn.cancel_safe(timeout=5.0)
+            except Exception:
+                pass
+
+        threading.Thread(target=cancel, name="polygate-telemetry-cancel", daemon=True).start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._discard()
+
+
+class PostgresReader:
+    """Read-only access for ``polygate stats``."""
+
+    paramstyle = "%s"
+
+    def __init__(self, url: str) -> None:
+        psycopg = _psycopg()
+        self.where = mask_url(url)
+        try:
+            self._conn = _connect(url, "SET default_transaction_read_only = on")
+        except psycopg.Error as exc:
+            raise ConfigError(f"cannot connect to {self.where}: {_explain(url, exc)}") from None
+
+    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        rows: list[tuple[Any, ...]] = self._conn.execute(sql.replace("?", "%s"), params).fetchall()
+        return rows
+
+    def tables(self) -> set[str]:
+        rows = self.query(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()"
+        )
+        return {r[0] for r in rows}
+
+    def close(self) -> None:
+        self._conn.close()

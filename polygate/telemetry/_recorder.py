@@ -1,0 +1,184 @@
+"""The :class:`~polygate._context.Recorder` that turns calls and attempts into events.
+
+Both methods run on the call path, in ``finally`` blocks and possibly inside
+cancelled scopes, so they are synchronous, never block and never raise: they freeze
+the record into an event tuple and ``send_nowait`` it.  A full channel drops the row
+and counts it (see :mod:`._sink`); an exception while building an event (a bug) is
+counted too rather than breaking the call it describes.
+
+Secrets: rows carry source names, never URLs or keys.  Error messages are already
+redacted by polygate's error constructors; they are redacted once more here against
+every secret in the settings (API keys, the database password), because a row lives
+longer than an exception.
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from .._context import AttemptRecord, CallContext
+from .._errors import redact
+from .._types import CallStats, Usage
+from ._events import AttemptEvent, CallEvent, Event
+from ._sink import Counters
+
+__all__ = ["TelemetryRecorder", "attempt_event", "call_event"]
+
+_MESSAGE_LIMIT = 500
+
+
+class TelemetryRecorder:
+    """Builds events on the call path and hands them to the pipeline's channel."""
+
+    __slots__ = ("_counters", "_log_content", "_secrets", "_send", "session_id")
+
+    def __init__(
+        self,
+        send: trio.MemorySendChannel[Event],
+        counters: Counters,
+        *,
+        session_id: str,
+        log_content: bool = False,
+        secrets: tuple[str, ...] = (),
+    ) -> None:
+        self._send = send
+        self._counters = counters
+        self.session_id = session_id
+        self._log_content = log_content
+        self._secrets = secrets
+
+    def attempt(self, ctx: CallContext, record: AttemptRecord) -> None:
+        try:
+            event: Event = attempt_event(ctx, record, _wall_offset(), self._secrets)
+        except Exception:
+            self._counters.recorder_errors += 1
+            return
+        self._put(event)
+
+    def call(
+        self,
+        ctx: CallContext,
+        stats: CallStats,
+        usage: Usage | None,
+        error: BaseException | None,
+    ) -> None:
+        try:
+            event: Event = call_event(
+                ctx, stats, usage, error, _wall_offset(), session_id=self.session_id,
+                log_content=self._log_content, secrets=self._secrets,
+            )
+        except Exception:
+            self._counters.recorder_errors += 1
+            return
+        self._put(event)
+
+    def _put(self, event: Event) -> None:
+        try:
+            self._send.send_nowait(event)
+        except trio.WouldBlock:
+            self._counters.drop_full()
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            self._counters.drop_closed()
+
+
+def _wall_offset() -> float:
+    """Add to a ``trio.current_time()`` reading to get epoch seconds (read per event:
+    the two clocks may drift, and under MockClock they differ by design)."""
+    return time.time() - trio.current_time()
+
+
+def _message(error: BaseException, secrets: tuple[str, ...]) -> str | None:
+    text = str(error)
+    if not text:
+        return None
+    text = redact(text, secrets)
+    return text if len(text) <= _MESSAGE_LIMIT else text[:_MESSAGE_LIMIT] + "…"
+
+
+def attempt_event(
+    ctx: CallContext, record: AttemptRecord, offset: float, secrets: tuple[str, ...] = ()
+) -> AttemptEvent:
+    """Freeze one finished attempt."""
+    tl = record.timeline
+    start = tl.sent_at if tl.sent_at is not None else record.started_at
+    end = record.ended_at if record.ended_at is not None else trio.current_time()
+    ttft = None
+    if tl.first_token_at is not None and tl.sent_at is not None:
+        ttft = (tl.first_token_at - tl.sent_at) * 1000.0
+    usage = record.usage
+    error = record.error
+    outcome = record.outcome
+    return AttemptEvent(
+        call_id=record.attempt_id,
+        logical_call_id=ctx.logical_call_id,
+        scope=ctx.scope_name,
+        source=record.source,
+        role=record.role,
+        started_at=record.started_at + offset,
+        latency_ms=(end - start) * 1000.0,
+        ttft_ms=ttft,
+        status_code=tl.status_code,
+        streamed=int(tl.streamed),
+        error=outcome.value if outcome is not None else "cancelled",
+        error_class=type(error).__name__ if error is not None else None,
+        error_message=_message(error, secrets) if error is not None else None,
+        tokens_reserved=record.tokens_reserved,
+        tokens_settled=record.tokens_settled,
+        prompt_tokens=usage.prompt_tokens if usage is not None else None,
+        completion_tokens=usage.completion_tokens if usage is not None else None,
+        usage_source=usage.source if usage is not None else None,
+    )
+
+
+def call_event(
+    ctx: CallContext,
+    stats: CallStats,
+    usage: Usage | None,
+    error: BaseException | None,
+    offset: float,
+    *,
+    session_id: str,
+    log_content: bool = False,
+    secrets: tuple[str, ...] = (),
+) -> CallEvent:
+    """Freeze one finished logical call.  ``error``: ``None`` on success, a polygate
+    error (or a bug's exception) when it failed, ``trio.Cancelled`` (any
+    ``BaseException`` that is not an ``Exception``) when the caller cancelled it."""
+    if error is None:
+        outcome, error_class, message = "ok", None, None
+    elif isinstance(error, Exception):
+        outcome, error_class = "error", type(error).__name__
+        message = _message(error, secrets)
+    else:
+        outcome, error_class, message = "cancelled", type(error).__name__, None
+    content = None
+    if log_content and ctx.kind == "chat":
+        content = redact('{"messages":' + ctx.messages_json + "}", secrets)
+    return CallEvent(
+        session_id=session_id,
+        logical_call_id=ctx.logical_call_id,
+        scope=ctx.scope_name,
+        kind=ctx.kind,
+        stream=int(ctx.streaming_to_caller),
+        started_at=ctx.started_at + offset,
+        outcome=outcome,
+        error_class=error_class,
+        error_message=message,
+        total_latency_ms=stats.total_latency_ms,
+        generation_ms=stats.generation_ms,
+        ttft_ms=stats.ttft_ms,
+        stall_ms=stats.stall_ms,
+        stall_count=stats.stall_count,
+        active_generation_ms=stats.active_generation_ms,
+        attempts=stats.attempts,
+        hedges=stats.hedges,
+        hedge_won=int(stats.hedge_won),
+        source=stats.source,
+        cached=int(stats.cached),
+        prompt_tokens=usage.prompt_tokens if usage is not None else None,
+        completion_tokens=usage.completion_tokens if usage is not None else None,
+        usage_source=usage.source if usage is not None else None,
+        content=content,
+    )

@@ -1,0 +1,425 @@
+"""The sink protocol and the pipeline that feeds it without ever delaying a call.
+
+::
+
+    call path (sync, in finally blocks)          session nursery            worker thread
+    ──────────────────────────────────           ───────────────            ─────────────
+    recorder.attempt / recorder.call
+      └ send_nowait(event) ──► bounded memory channel ──► flusher task ──► sink.write(batch)
+           full / closed: drop + count                     batches of up to
+                                                           ``max_batch`` events
+
+* The call path only ever does ``send_nowait``: a full channel (the sink is slow,
+  stalled or dead) costs the row, counted in :class:`TelemetryStatistics` and logged
+  at most once per ``log_interval_s`` — never the call's time.
+* The flusher drains whatever has queued into one batch, so batches grow with load
+  and a quiet session writes small ones after a short linger.
+* A sink is blocking code run in a worker thread, one call at a time (a
+  ``CapacityLimiter(1)``; a thread abandoned on cancellation keeps its token until it
+  really ends, so writes never overlap).  A write that exceeds ``write_timeout_s`` is
+  abandoned, :meth:`Sink.interrupt` is called (PostgreSQL cancels the query
+  server-side) and its rows count as dropped; so does a write that raises.
+* Closing flushes what is queued, shielded and bounded by ``shutdown_timeout_s``;
+  what cannot be written in that time is counted as dropped at close.
+
+The bounds around sink work are measured in **real** time (a ``threading.Timer``
+cancels a trio cancel scope): the sink works in real time, and under trio's
+``MockClock`` a virtual-time bound would expire the moment the loop idles waiting for
+the worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Protocol
+
+import attrs
+import trio
+
+from .._errors import redact
+from ._events import AttemptEvent, CallEvent, Event, SessionEvent
+
+__all__ = ["Batch", "Pipeline", "Sink", "TelemetryStatistics", "real_time_bound"]
+
+logger = logging.getLogger("polygate.telemetry")
+
+
+@attrs.frozen
+class Batch:
+    """What one :meth:`Sink.write` receives: calls, attempts, and at times the
+    session's running totals."""
+
+    calls: Sequence[CallEvent] = ()
+    attempts: Sequence[AttemptEvent] = ()
+    session: SessionEvent | None = None
+
+    def __len__(self) -> int:
+        return len(self.calls) + len(self.attempts)
+
+
+class Sink(Protocol):
+    """Where telemetry rows go.  Every method is *blocking* and runs in a worker
+    thread, never two at once; they may raise (the batch is dropped and counted).
+
+    ``interrupt`` is the exception: it is called from the trio thread when a write has
+    been abandoned (too slow, or the session is closing) and must return at once — a
+    sink that can cancel its work server-side starts that here, in the background.
+    """
+
+    name: str
+
+    def write(self, batch: Batch) -> None: ...
+
+    def interrupt(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@attrs.frozen
+class TelemetryStatistics:
+    """Where a session's telemetry stands; ``Session.statistics().telemetry``.
+
+    ``dropped`` is the sum of the three reasons a row is lost: the channel was full
+    (``dropped_queue_full``: the sink could not keep up), the sink failed or timed out
+    writing it (``dropped_sink_error``), or it was still queued when the session's
+    shutdown timeout ran out, or recorded after the session closed
+    (``dropped_at_close``).
+    """
+
+    sink: str = "off"
+    capacity: int = 0
+    queued: int = 0
+    in_flight: int = 0
+    written: int = 0
+    dropped_queue_full: int = 0
+    dropped_sink_error: int = 0
+    dropped_at_close: int = 0
+    write_errors: int = 0
+    recorder_errors: int = 0
+    last_error: str | None = None
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_queue_full + self.dropped_sink_error + self.dropped_at_close
+
+
+#: The statistics of a session without telemetry.
+OFF = TelemetryStatistics()
+
+
+class Counters:
+    """Mutable tallies shared by the recorder (call path) and the flusher; touched
+    only from the trio thread.  Dropping logs at most once per ``log_interval_s``
+    (real time), with what was dropped since the last message."""
+
+    __slots__ = (
+        "_logged_dropped",
+        "_next_log",
+        "dropped_at_close",
+        "dropped_queue_full",
+        "dropped_sink_error",
+        "last_error",
+        "log_interval_s",
+        "recorder_errors",
+        "secrets",
+        "write_errors",
+        "written",
+    )
+
+    def __init__(self, log_interval_s: float = 60.0, secrets: tuple[str, ...] = ()) -> None:
+        self.written = 0
+        self.dropped_queue_full = 0
+        self.dropped_sink_error = 0
+        self.dropped_at_close = 0
+        self.write_errors = 0
+        self.recorder_errors = 0
+        self.last_error: str | None = None
+        self.log_interval_s = log_interval_s
+        self.secrets = secrets
+        self._next_log = -math.inf
+        self._logged_dropped = 0
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_queue_full + self.dropped_sink_error + self.dropped_at_close
+
+    def drop_full(self) -> None:
+        self.dropped_queue_full += 1
+        self.maybe_log()
+
+    def drop_closed(self, n: int = 1) -> None:
+        self.dropped_at_close += n
+        self.maybe_log()
+
+    def write_failed(self, rows: int, error: BaseException | str) -> None:
+        self.dropped_sink_error += rows
+        self.write_errors += 1
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.last_error = redact(text, self.secrets)[:500]
+        self.maybe_log()
+
+    def maybe_log(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next_log:
+            return
+        new = self.dropped - self._logged_dropped
+        if new <= 0:
+            return
+        self._next_log = now + self.log_interval_s
+        self._logged_dropped = self.dropped
+        logger.warning(
+            "polygate telemetry dropped %d row(s) (%d in all: %d queue full, %d sink errors, "
+            "%d at close)%s", new, self.dropped, self.dropped_queue_full,
+            self.dropped_sink_error, self.dropped_at_close,
+            f"; last sink error: {self.last_error}" if self.last_error else "",
+        )
+
+
+@contextmanager
+def real_time_bound(seconds: float, *, shield: bool = False) -> Iterator[trio.CancelScope]:
+    """``trio.move_on_after`` in wall-clock time: a timer thread cancels the scope.
+
+    Used around work done by a worker thread or a database, which runs in real time
+    whatever clock trio uses.
+    """
+    scope = trio.CancelScope(shield=shield)
+    token = trio.lowlevel.current_trio_token()
+
+    def fire() -> None:
+        try:
+            token.run_sync_soon(scope.cancel)
+        except trio.RunFinishedError:
+            pass
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        with scope:
+            yield scope
+    finally:
+        timer.cancel()
+
+
+class _GovernanceLike(Protocol):
+    async def statistics(self) -> _HasSuppressed: ...
+
+
+class _HasSuppressed(Protocol):
+    @property
+    def hedges_suppressed_by_budget(self) -> Mapping[str, int]: ...
+
+
+class Pipeline:
+    """The bounded channel, the flusher task and the sink of one session."""
+
+    def __init__(
+        self,
+        sink: Sink,
+        *,
+        session_id: str,
+        version: str = "",
+        capacity: int = 10_000,
+        max_batch: int = 5_000,
+        linger_s: float = 0.05,
+        write_timeout_s: float = 30.0,
+        shutdown_timeout_s: float = 5.0,
+        summary_interval_s: float = 10.0,
+        log_interval_s: float = 60.0,
+        secrets: tuple[str, ...] = (),
+    ) -> None:
+        self.sink = sink
+        self.session_id = session_id
+        self.version = version
+        self.capacity = capacity
+        self.max_batch = max_batch
+        self.linger_s = linger_s
+        self.write_timeout_s = write_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.summary_interval_s = summary_interval_s
+        self.counters = Counters(log_interval_s, secrets)
+        self.send, self._receive = trio.open_memory_channel[Event](capacity)
+        self._limiter = trio.CapacityLimiter(1)
+        self._started_at = time.time()
+        self._in_flight = 0
+        self._flusher_scope = trio.CancelScope()
+        self._stopped = trio.Event()
+        self._running = False
+        self._closing = False
+        self._governance: _GovernanceLike | None = None
+        self._next_summary = 0.0
+
+    # ------------------------------------------------------------------ flusher
+
+    async def run(self, governance: _GovernanceLike | None = None) -> None:
+        """The flusher: runs in the session's nursery until the channel is closed and
+        drained (or it is cancelled)."""
+        self._governance = governance
+        self._running = True
+        self._next_summary = time.monotonic()  # a first sessions row with the first batch
+        try:
+            with self._flusher_scope:
+                while True:
+                    batch = await self._next_batch()
+                    if batch is None:
+                        return
+                    summary = None
+                    if time.monotonic() >= self._next_summary:
+                        self._next_summary = time.monotonic() + self.summary_interval_s
+                        summary = await self._summary(ended=False)
+                    await self._write(batch, summary)
+        finally:
+            self._running = False
+            self._stopped.set()
+
+    async def _next_batch(self) -> list[Event] | None:
+        try:
+            first = await self._receive.receive()
+        except trio.EndOfChannel:
+            return None
+        buffered = self._receive.statistics().current_buffer_used
+        if self.linger_s > 0 and buffered < self.max_batch // 2 and not self._closing:
+            await trio.sleep(self.linger_s)  # let a quiet session's rows gather
+        events = [first]
+        receive_nowait = self._receive.receive_nowait
+        while len(events) < self.max_batch:
+            try:
+                events.append(receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        return events
+
+    async def _write(self, events: Sequence[Event], summary: SessionEvent | None) -> None:
+        batch = _split(events, summary)
+        if not len(batch) and summary is None:
+            return
+        # Whoever accounts for the batch (this write, or aclose giving up on it) takes
+        # the in-flight count, so a row is never both written and dropped.
+        self._in_flight = len(batch)
+        try:
+            with real_time_bound(self.write_timeout_s) as bound:
+                await trio.to_thread.run_sync(
+                    self.sink.write, batch, abandon_on_cancel=True, limiter=self._limiter
+                )
+        except trio.Cancelled:
+            self._interrupt()
+            self.counters.drop_closed(self._take_in_flight())
+            raise
+        except Exception as exc:
+            self.counters.write_failed(self._take_in_flight(), exc)
+        else:
+            if bound.cancelled_caught:
+                self._interrupt()
+                self.counters.write_failed(
+                    self._take_in_flight(), f"write took longer than {self.write_timeout_s} s"
+                )
+            else:
+                self.counters.written += self._take_in_flight()
+
+    def _take_in_flight(self) -> int:
+        n, self._in_flight = self._in_flight, 0
+        return n
+
+    def _interrupt(self) -> None:
+        try:
+            self.sink.interrupt()
+        except Exception as exc:  # a sink's bug must not end the flusher
+            logger.debug("telemetry sink interrupt failed: %r", exc)
+
+    async def _summary(self, *, ended: bool) -> SessionEvent:
+        suppressed: Mapping[str, int] = {}
+        if self._governance is not None:
+            try:
+                stats = await self._governance.statistics()
+                suppressed = stats.hedges_suppressed_by_budget
+            except Exception:  # governance trouble is reported by the calls themselves
+                suppressed = {}
+        now = time.time()
+        c = self.counters
+        return SessionEvent(
+            session_id=self.session_id,
+            started_at=self._started_at,
+            updated_at=now,
+            ended_at=now if ended else None,
+            pid=os.getpid(),
+            polygate_version=self.version,
+            # rows of this very write are not confirmed yet: the next summary has them
+            rows_written=c.written,
+            rows_dropped=c.dropped,
+            hedges_suppressed=json.dumps(dict(suppressed), sort_keys=True),
+        )
+
+    # ------------------------------------------------------------------ closing
+
+    async def aclose(self) -> None:
+        """Flush what is queued and close the sink, bounded by ``shutdown_timeout_s``
+        of real time and shielded (a session left by cancellation still flushes)."""
+        if self._closing:
+            return
+        self._closing = True
+        self.send.close()
+        with real_time_bound(self.shutdown_timeout_s, shield=True) as bound:
+            if self._running:
+                await self._stopped.wait()  # the flusher drains the channel, then stops
+            leftovers = self._drain()
+            summary = await self._summary(ended=True)
+            await self._write(leftovers, summary)
+            await trio.to_thread.run_sync(self.sink.close, abandon_on_cancel=True, limiter=self._limiter)
+        if bound.cancelled_caught:
+            self._flusher_scope.cancel()
+            self._interrupt()
+            self.counters.drop_closed(self._take_in_flight() + len(self._drain()))
+            _close_in_background(self.sink)
+        self._receive.close()
+        self.counters.maybe_log(force=True)
+
+    def _drain(self) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            try:
+                out.append(self._receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return out
+
+    def statistics(self) -> TelemetryStatistics:
+        c = self.counters
+        queued = 0 if self._closing else self._receive.statistics().current_buffer_used
+        return TelemetryStatistics(
+            sink=self.sink.name,
+            capacity=self.capacity,
+            queued=queued,
+            in_flight=self._in_flight,
+            written=c.written,
+            dropped_queue_full=c.dropped_queue_full,
+            dropped_sink_error=c.dropped_sink_error,
+            dropped_at_close=c.dropped_at_close,
+            write_errors=c.write_errors,
+            recorder_errors=c.recorder_errors,
+            last_error=c.last_error,
+        )
+
+
+def _split(events: Sequence[Event], summary: SessionEvent | None) -> Batch:
+    calls = [e for e in events if type(e) is CallEvent]
+    attempts = [e for e in events if type(e) is AttemptEvent]
+    return Batch(calls, attempts, summary)
+
+
+def _close_in_background(sink: Sink) -> None:
+    """A stuck sink is closed by a daemon thread, whenever its stuck write lets go."""
+
+    def close() -> None:
+        try:
+            sink.close()
+        except Exception as exc:
+            logger.debug("telemetry sink close failed: %r", exc)
+
+    threading.Thread(target=close, name="polygate-telemetry-close", daemon=True).start()
+

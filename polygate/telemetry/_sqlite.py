@@ -1,0 +1,180 @@
+"""The embedded sink: stdlib ``sqlite3`` in WAL mode, written from a worker thread.
+
+WAL lets ``polygate stats`` (and other processes' sessions) read while a session
+writes; ``synchronous=NORMAL`` makes a commit a write to the WAL without an fsync
+(durable across a process crash, not across a power cut — right for telemetry).
+Each batch is one transaction of ``executemany`` inserts.  ``interrupt`` is
+``sqlite3.Connection.interrupt()``, which is safe to call from another thread and
+aborts the statement the stuck write is running.
+
+URLs: ``sqlite:///var/lib/app/telemetry.db`` is the file ``/var/lib/app/telemetry.db``
+(the path after ``sqlite://``); ``sqlite://`` alone is the default file under the
+user's state directory (:func:`default_path`).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from .._errors import ConfigError
+from ._schema import check_version, insert_sql, statements, upsert_session_sql, version_table
+from ._sink import Batch
+
+__all__ = ["SQLiteReader", "SQLiteSink", "default_path", "sqlite_path"]
+
+_CALLS = insert_sql("calls", "sqlite")
+_ATTEMPTS = insert_sql("attempts", "sqlite")
+_SESSION = upsert_session_sql("sqlite")
+_BUSY_TIMEOUT_S = 5.0
+
+
+def state_dir(env: dict[str, str] | None = None, platform: str = sys.platform) -> Path:
+    """Where per-user state lives: ``$XDG_STATE_HOME`` (``~/.local/state``) on Linux,
+    ``~/Library/Application Support`` on macOS, ``%LOCALAPPDATA%`` on Windows; a
+    ``polygate`` folder inside it.  (A few lines instead of a dependency.)"""
+    env = dict(os.environ) if env is None else env
+    home = Path(env.get("HOME") or Path.home())
+    if platform == "win32":
+        base = Path(env["LOCALAPPDATA"]) if env.get("LOCALAPPDATA") else home / "AppData" / "Local"
+    elif platform == "darwin":
+        base = home / "Library" / "Application Support"
+    else:
+        xdg = env.get("XDG_STATE_HOME")
+        base = Path(xdg) if xdg and os.path.isabs(xdg) else home / ".local" / "state"
+    return base / "polygate"
+
+
+def default_path(env: dict[str, str] | None = None) -> Path:
+    return state_dir(env) / "telemetry.db"
+
+
+def sqlite_path(url: str, env: dict[str, str] | None = None) -> Path:
+    """The file a ``sqlite://`` URL names (``sqlite://`` alone: :func:`default_path`)."""
+    path = unquote(urlsplit(url).path)
+    if path in ("", "/"):
+        return default_path(env)
+    return Path(path)
+
+
+def _connect(path: Path, *, read_only: bool = False) -> sqlite3.Connection:
+    if read_only:
+        conn = sqlite3.connect(
+            f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=_BUSY_TIMEOUT_S,
+            check_same_thread=False,
+        )
+    else:
+        conn = sqlite3.connect(
+            path, timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
+    return conn
+
+
+def _migrate(conn: sqlite3.Connection, where: str) -> int:
+    """Create or upgrade the schema in one ``BEGIN IMMEDIATE`` transaction, so two
+    processes opening a fresh file do not both create it.  Returns the version."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(version_table("sqlite"))
+        found = conn.execute("SELECT max(version) FROM polygate_schema").fetchone()[0] or 0
+        check_version(found, where)
+        for version, stmts in statements("sqlite", found):
+            for statement in stmts:
+                conn.execute(statement)
+            conn.execute("INSERT INTO polygate_schema VALUES (?, ?)", (version, time.time()))
+            found = version
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return int(found)
+
+
+class SQLiteSink:
+    """A :class:`~polygate.telemetry.Sink` writing to one SQLite file."""
+
+    name = "sqlite"
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self._conn: sqlite3.Connection | None = conn
+        self.path = path
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: Path) -> SQLiteSink:
+        """Open (creating the file, its folder and the schema when missing); blocking.
+        Raises :class:`ConfigError` when the file cannot be a telemetry database."""
+        where = f"sqlite:///{path}" if path.is_absolute() else str(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            conn = _connect(path)
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(f"cannot open the telemetry database {where}: {exc}") from None
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            _migrate(conn, where)
+        except ConfigError:
+            conn.close()
+            raise
+        except sqlite3.Error as exc:
+            conn.close()
+            raise ConfigError(f"cannot use {where} as a telemetry database: {exc}") from None
+        return cls(conn, path)
+
+    def write(self, batch: Batch) -> None:
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                raise RuntimeError("the telemetry database is closed")
+            conn.execute("BEGIN")
+            try:
+                if batch.calls:
+                    conn.executemany(_CALLS, batch.calls)
+                if batch.attempts:
+                    conn.executemany(_ATTEMPTS, batch.attempts)
+                if batch.session is not None:
+                    conn.execute(_SESSION, batch.session)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+    def interrupt(self) -> None:
+        conn = self._conn
+        if conn is not None:
+            conn.interrupt()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+class SQLiteReader:
+    """Read-only access for ``polygate stats``: never creates a file or a table."""
+
+    paramstyle = "?"
+
+    def __init__(self, path: Path) -> None:
+        self.where = str(path)
+        self._conn = _connect(path, read_only=True)
+
+    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._conn.execute(sql, params).fetchall()
+
+    def tables(self) -> set[str]:
+        rows = self.query("SELECT name FROM sqlite_master WHERE type = 'table'")
+        return {r[0] for r in rows}
+
+    def close(self) -> None:
+        self._conn.close()

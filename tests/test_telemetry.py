@@ -1,0 +1,366 @@
+"""Telemetry through real sessions into a real SQLite file: what the rows say about
+calls and attempts (exact under MockClock), the schema and its versioning, bad URLs,
+and secrets."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.telemetry import AttemptEvent, CallEvent, SessionEvent, _schema, open_sink
+from polygate.telemetry._sqlite import SQLiteSink, default_path, sqlite_path, state_dir
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import FIRST_A, MESSAGES, SECRET, two_source_settings
+
+
+def _url(path: Path) -> str:
+    return f"sqlite://{path}"
+
+
+def _rows(db: Path, table: str) -> list[dict[str, Any]]:
+    conn = sqlite3.connect(db)
+    conn.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in conn.execute(f"SELECT * FROM {table} ORDER BY rowid")]
+    finally:
+        conn.close()
+
+
+def _with_telemetry(settings: polygate.Settings, db: Path, **kw: Any) -> polygate.Settings:
+    return attrs.evolve(settings, telemetry=_url(db), **kw)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+async def test_a_call_and_its_attempt_become_rows(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    db = tmp_path / "t.db"
+    up = FakeUpstream(Reply(first_token_s=1.5, inter_token_s=0.1, tokens=10, stall_at=5, stall_s=3.0))
+    settings = _with_telemetry(two_source_settings(names=("a",)), db)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES)
+        stats = await s.statistics()
+    assert stats.telemetry.sink == "sqlite" and stats.telemetry.dropped == 0
+    [call] = _rows(db, "calls")
+    [attempt] = _rows(db, "attempts")
+    st = r.call_stats
+    assert call["logical_call_id"] == st.logical_call_id
+    assert (call["scope"], call["kind"], call["stream"], call["outcome"]) == ("chat", "chat", 0, "ok")
+    assert call["error_class"] is None and call["content"] is None
+    for field in ("total_latency_ms", "generation_ms", "ttft_ms", "stall_ms", "active_generation_ms"):
+        assert call[field] == pytest.approx(getattr(st, field)), field
+    assert call["ttft_ms"] == pytest.approx(1500)
+    assert call["stall_ms"] == pytest.approx(3100) and call["stall_count"] == 1
+    assert (call["attempts"], call["hedges"], call["hedge_won"], call["source"]) == (1, 0, 0, "a")
+    assert r.usage is not None
+    assert (call["prompt_tokens"], call["completion_tokens"], call["usage_source"]) == (
+        r.usage.prompt_tokens, 10, "upstream")
+    assert attempt["call_id"] == f"{st.logical_call_id}.1"
+    assert attempt["logical_call_id"] == st.logical_call_id
+    assert (attempt["source"], attempt["role"], attempt["error"], attempt["status_code"]) == (
+        "a", "primary", "ok", 200)
+    assert attempt["latency_ms"] == pytest.approx(st.generation_ms)
+    assert attempt["ttft_ms"] == pytest.approx(1500)
+    assert attempt["streamed"] == 1
+    assert attempt["tokens_reserved"] > 0 and attempt["tokens_settled"] == r.usage.total_tokens
+    [session_row] = _rows(db, "sessions")
+    assert session_row["session_id"] == call["session_id"]
+    assert session_row["ended_at"] is not None
+    assert session_row["rows_written"] == 2 and session_row["rows_dropped"] == 0
+
+
+async def test_wall_clock_time_stamps(tmp_path: Path) -> None:
+    import time
+
+    db = tmp_path / "t.db"
+    before = time.time()
+    async with polygate.session(
+        _with_telemetry(two_source_settings(names=("a",)), db),
+        transport=Router({"a": FakeUpstream(Reply())}),
+    ) as s:
+        await s.chat(MESSAGES)
+    after = time.time()
+    [call] = _rows(db, "calls")
+    [attempt] = _rows(db, "attempts")
+    assert before <= call["started_at"] <= attempt["started_at"] <= after
+
+
+async def test_hedge_loser_and_winner_rows(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    db = tmp_path / "t.db"
+    a = FakeUpstream(Reply(first_token_s=20, tokens=4))
+    b = FakeUpstream(Reply(first_token_s=1, inter_token_s=0.5, tokens=4))
+    settings = _with_telemetry(
+        two_source_settings(hedge=polygate.Hedge(after_s=8), weights=FIRST_A), db
+    )
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.call_stats.hedge_won
+    [call] = _rows(db, "calls")
+    assert (call["attempts"], call["hedges"], call["hedge_won"], call["source"]) == (2, 1, 1, "b")
+    attempts = {row["role"]: row for row in _rows(db, "attempts")}
+    assert attempts["primary"]["source"] == "a"
+    assert attempts["primary"]["error"] == "hedge_cancelled"
+    assert attempts["primary"]["error_class"] is None
+    assert attempts["primary"]["latency_ms"] == pytest.approx(10_500)  # sent at 0, cancelled at 10.5
+    assert attempts["hedge"]["source"] == "b" and attempts["hedge"]["error"] == "ok"
+    assert attempts["hedge"]["latency_ms"] == pytest.approx(2500)
+
+
+async def test_failed_call_rows(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(
+        two_source_settings(retry=polygate.Retry(max_attempts=2, backoff_base_s=0)), db
+    )
+    router = Router({"a": FakeUpstream(Reply(status=503)), "b": FakeUpstream(Reply(status=502))})
+    async with polygate.session(settings, transport=router) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat(MESSAGES)
+    [call] = _rows(db, "calls")
+    assert (call["outcome"], call["error_class"], call["attempts"]) == ("error", "AllSourcesExhausted", 2)
+    assert call["source"] is None and call["prompt_tokens"] is None
+    attempts = _rows(db, "attempts")
+    assert sorted(a["status_code"] for a in attempts) == [502, 503]
+    assert {a["error"] for a in attempts} == {"transient"}
+    assert {a["error_class"] for a in attempts} == {"TransientUpstreamError"}
+
+
+async def test_deadline_and_fatal_rows(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",), call_deadline_s=5), db)
+    router = Router({"a": FakeUpstream([Reply(first_token_s=60), Reply(status=400)])})
+    async with polygate.session(settings, transport=router) as s:
+        with pytest.raises(polygate.DeadlineExceeded):
+            await s.chat(MESSAGES)
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.chat(MESSAGES)
+    deadline, fatal = _rows(db, "calls")
+    assert (deadline["outcome"], deadline["error_class"]) == ("error", "DeadlineExceeded")
+    assert deadline["total_latency_ms"] == pytest.approx(5000)
+    assert (fatal["outcome"], fatal["error_class"]) == ("error", "FatalUpstreamError")
+    assert [a["error"] for a in _rows(db, "attempts")] == ["cancelled", "fatal"]
+
+
+async def test_caller_cancellation_is_a_row(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",)), db)
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(first_token_s=60))})) as s:
+        with trio.move_on_after(3):
+            await s.chat(MESSAGES)
+    [call] = _rows(db, "calls")
+    assert (call["outcome"], call["error_class"]) == ("cancelled", "Cancelled")
+    assert call["total_latency_ms"] == pytest.approx(3000)
+    [attempt] = _rows(db, "attempts")
+    assert attempt["error"] == "cancelled"
+
+
+async def test_stream_and_embed_rows(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    chat = polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])
+    embed = polygate.Scope(sources=[polygate.Source(name="e", base_url="http://e/v1")])
+    settings = polygate.Settings(scopes={"chat": chat, "embed": embed}, telemetry=_url(db))
+    router = Router({"a": FakeUpstream(Reply(tokens=3)), "e": FakeUpstream(Reply(embedding_dim=4))})
+    async with polygate.session(settings, transport=router) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                pass
+        await s.embed(["x", "y"])
+    streamed, embedded = _rows(db, "calls")
+    assert (streamed["kind"], streamed["stream"], streamed["scope"]) == ("chat", 1, "chat")
+    assert (embedded["kind"], embedded["stream"], embedded["scope"]) == ("embed", 0, "embed")
+    assert embedded["source"] == "e" and embedded["outcome"] == "ok"
+
+
+async def test_content_only_when_asked(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    for log_content in (False, True):
+        db = tmp_path / f"{log_content}.db"
+        settings = _with_telemetry(two_source_settings(names=("a",)), db, log_content=log_content)
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+            await s.chat(MESSAGES)
+        [call] = _rows(db, "calls")
+        if log_content:
+            assert json.loads(call["content"]) == {"messages": MESSAGES}
+        else:
+            assert call["content"] is None
+
+
+async def test_secrets_never_reach_rows_logs_or_statistics(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The upstream echoes the API key in its error body and the prompt contains it;
+    with log_content on, nothing polygate stores, logs or reports shows it."""
+    caplog.set_level(logging.DEBUG)
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(
+        two_source_settings(retry=polygate.Retry(max_attempts=2, backoff_base_s=0)), db,
+        log_content=True,
+    )
+    leak = Reply(status=500, error_body={"error": {"message": f"bad key {SECRET} here"}})
+    router = Router({"a": FakeUpstream(leak), "b": FakeUpstream(leak)})
+    async with polygate.session(settings, transport=router) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat([{"role": "user", "content": f"my key is {SECRET}"}])
+        stats = await s.statistics()
+    dump = sqlite3.connect(db).iterdump()
+    text = "\n".join(dump)
+    assert "bad key *** here" in text  # the message is kept, redacted
+    assert SECRET not in text
+    assert SECRET not in caplog.text
+    assert SECRET not in repr(stats)
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def test_schema_columns_are_the_event_fields(tmp_path: Path) -> None:
+    sink = SQLiteSink.open(tmp_path / "t.db")
+    sink.close()
+    conn = sqlite3.connect(tmp_path / "t.db")
+    for table, event in (("calls", CallEvent), ("attempts", AttemptEvent), ("sessions", SessionEvent)):
+        columns = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+        assert tuple(columns) == event._fields, table
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("SELECT version FROM polygate_schema").fetchall() == [(_schema.SCHEMA_VERSION,)]
+    conn.close()
+
+
+def test_reopening_keeps_rows_and_version(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    SQLiteSink.open(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("INSERT INTO sessions VALUES ('s', 1, 1, NULL, 1, 'x', 0, 0, '{}')")
+    conn.commit()
+    conn.close()
+    SQLiteSink.open(path).close()
+    assert [r["session_id"] for r in _rows(path, "sessions")] == ["s"]
+    assert len(_rows(path, "polygate_schema")) == 1
+
+
+def test_migration_to_a_new_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "t.db"
+    SQLiteSink.open(path).close()
+    migrations = dict(_schema.MIGRATIONS)
+    migrations[2] = ("ALTER TABLE calls ADD COLUMN tenant TEXT",)
+    monkeypatch.setattr(_schema, "MIGRATIONS", migrations)
+    SQLiteSink.open(path).close()
+    conn = sqlite3.connect(path)
+    assert "tenant" in [r[1] for r in conn.execute("PRAGMA table_info(calls)")]
+    assert [r[0] for r in conn.execute("SELECT version FROM polygate_schema ORDER BY version")] == [1, 2]
+    conn.close()
+
+
+async def test_newer_schema_is_refused_at_session_start(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    SQLiteSink.open(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("INSERT INTO polygate_schema VALUES (99, 0)")
+    conn.commit()
+    conn.close()
+    settings = _with_telemetry(two_source_settings(names=("a",)), path)
+    with pytest.raises(polygate.ConfigError, match=r"schema version 99, newer than this polygate supports \(1\)"):
+        async with polygate.session(settings, transport=Router({})):
+            pass  # pragma: no cover
+
+
+@pytest.mark.parametrize("kind", ["directory", "not a database", "unwritable folder"])
+async def test_unusable_sqlite_file_is_a_config_error(tmp_path: Path, kind: str) -> None:
+    if kind == "directory":
+        path = tmp_path / "dir.db"
+        path.mkdir()
+    elif kind == "not a database":
+        path = tmp_path / "junk.db"
+        path.write_bytes(b"this is not a database file at all" * 100)
+    else:
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        path = blocker / "sub" / "t.db"  # a folder cannot be made under a file
+    settings = _with_telemetry(two_source_settings(names=("a",)), path)
+    with pytest.raises(polygate.ConfigError, match="telemetry database"):
+        async with polygate.session(settings, transport=Router({})):
+            pass  # pragma: no cover
+
+
+async def test_unknown_scheme_is_a_config_error() -> None:
+    with pytest.raises(polygate.ConfigError, match="unknown sink 'mysql://u:\\*\\*\\*@h/db'"):
+        await open_sink("mysql://u:pw-SECRET@h/db")
+
+
+def test_sqlite_urls_and_default_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert sqlite_path("sqlite:///tmp/x.db") == Path("/tmp/x.db")
+    assert sqlite_path("sqlite:///tmp/with%20space.db") == Path("/tmp/with space.db")
+    env = {"HOME": "/home/u", "XDG_STATE_HOME": str(tmp_path)}
+    assert sqlite_path("sqlite://", env) == tmp_path / "polygate" / "telemetry.db"
+    assert state_dir({"HOME": "/home/u"}, "linux") == Path("/home/u/.local/state/polygate")
+    assert state_dir({"HOME": "/home/u", "XDG_STATE_HOME": "rel"}, "linux") == Path(
+        "/home/u/.local/state/polygate")
+    assert state_dir({"HOME": "/Users/u"}, "darwin") == Path(
+        "/Users/u/Library/Application Support/polygate")
+    assert state_dir({"HOME": "C:/u", "LOCALAPPDATA": "C:/u/AppData/Local"}, "win32") == Path(
+        "C:/u/AppData/Local/polygate")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert default_path() == tmp_path / "polygate" / "telemetry.db"
+
+
+async def test_default_sqlite_url_creates_the_state_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    settings = attrs.evolve(two_source_settings(names=("a",)), telemetry="sqlite://")
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)
+    assert len(_rows(tmp_path / "state" / "polygate" / "telemetry.db", "calls")) == 1
+
+
+async def test_statistics_without_telemetry() -> None:
+    async with polygate.session(two_source_settings(names=("a",)), transport=Router({})) as s:
+        stats = await s.statistics()
+    assert stats.telemetry.sink == "off" and stats.telemetry.written == 0
+
+
+async def test_many_calls_all_flushed_on_exit(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(), db)
+    router = Router({"a": FakeUpstream(Reply(first_token_s=0.2)), "b": FakeUpstream(Reply())})
+    async with polygate.session(settings, transport=router) as s:
+        async with trio.open_nursery() as nursery:
+            for _ in range(300):
+                nursery.start_soon(s.chat, MESSAGES)
+    stats = await s.statistics()
+    assert stats.telemetry.written == 600 and stats.telemetry.dropped == 0
+    assert len(_rows(db, "calls")) == 300 and len(_rows(db, "attempts")) == 300
+    [session_row] = _rows(db, "sessions")
+    assert session_row["rows_written"] == 600
+
+
+async def test_a_cancelled_session_still_flushes(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",)), db)
+    with trio.move_on_after(0.5) as outer:
+        async with polygate.session(
+            settings, transport=Router({"a": FakeUpstream([Reply()] * 5 + [Reply(first_token_s=60)])})
+        ) as s:
+            for _ in range(5):
+                await s.chat(MESSAGES)
+            await s.chat(MESSAGES)  # hangs until the outer scope cancels the session
+    assert outer.cancelled_caught
+    calls = _rows(db, "calls")
+    assert len(calls) == 6
+    assert calls[-1]["outcome"] == "cancelled"

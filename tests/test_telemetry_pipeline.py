@@ -1,0 +1,267 @@
+"""The pipeline between the call path and a sink: batching, and above all that a
+stalled, slow or failing sink costs rows (dropped, counted, logged) and never a
+call's time; closing flushes, bounded."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import polygate
+import polygate._session
+from polygate.telemetry import Batch, CallEvent, Pipeline, open_telemetry
+from polygate.telemetry._recorder import TelemetryRecorder
+from polygate.telemetry._sink import real_time_bound
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import MESSAGES, two_source_settings
+
+
+class ListSink:
+    """Records every batch; optionally fails or stalls on demand."""
+
+    name = "list"
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.batches: list[Batch] = []
+        self.fail = fail
+        self.closed = False
+        self.interrupted = 0
+
+    def write(self, batch: Batch) -> None:
+        if self.fail:
+            raise OSError("disk on fire")
+        self.batches.append(batch)
+
+    def interrupt(self) -> None:
+        self.interrupted += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+    @property
+    def calls(self) -> list[CallEvent]:
+        return [c for b in self.batches for c in b.calls]
+
+
+class StalledSink(ListSink):
+    """``write`` blocks until released (or for ever): a database that stopped answering."""
+
+    name = "stalled"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def write(self, batch: Batch) -> None:
+        self.entered.set()
+        self.release.wait(30)
+        super().write(batch)
+
+
+@pytest.fixture
+def stalled() -> Iterator[StalledSink]:
+    sink = StalledSink()
+    yield sink
+    sink.release.set()  # let the abandoned worker thread end
+
+
+def _use(monkeypatch: pytest.MonkeyPatch, sink: Any, **options: Any) -> None:
+    """Make polygate.session() open ``sink`` with these pipeline options."""
+    monkeypatch.setattr(
+        polygate._session, "open_telemetry", functools.partial(open_telemetry, sink=sink, **options)
+    )
+
+
+def _event(i: int) -> CallEvent:
+    return CallEvent(
+        "s", f"c{i}", "chat", "chat", 0, 0.0, "ok", None, None, 1.0, 1.0, None, None, None,
+        None, 1, 0, 0, "a", 0, None, None, None, None,
+    )
+
+
+# --------------------------------------------------------------------------- batching
+
+
+async def test_events_are_batched(autojump_clock: trio.testing.MockClock) -> None:
+    sink = ListSink()
+    pipeline = Pipeline(sink, session_id="s", linger_s=0.05, max_batch=100)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pipeline.run)
+        for i in range(250):
+            pipeline.send.send_nowait(_event(i))
+        await trio.sleep(1)
+        await pipeline.aclose()
+    assert [len(b) for b in sink.batches if len(b)] == [100, 100, 50]
+    assert [c.logical_call_id for c in sink.calls] == [f"c{i}" for i in range(250)]
+    assert pipeline.statistics().written == 250
+    assert sink.closed
+    assert sink.batches[-1].session is not None and sink.batches[-1].session.ended_at is not None
+
+
+async def test_closing_without_a_flusher_still_writes_the_queue() -> None:
+    sink = ListSink()
+    pipeline = Pipeline(sink, session_id="s")
+    for i in range(10):
+        pipeline.send.send_nowait(_event(i))
+    await pipeline.aclose()
+    assert len(sink.calls) == 10 and pipeline.statistics().written == 10
+
+
+async def test_failing_sink_counts_drops_and_keeps_going(caplog: pytest.LogCaptureFixture) -> None:
+    sink = ListSink(fail=True)
+    pipeline = Pipeline(sink, session_id="s", linger_s=0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pipeline.run)
+        for i in range(5):
+            pipeline.send.send_nowait(_event(i))
+            await trio.sleep(0.01)
+        await pipeline.aclose()
+    stats = pipeline.statistics()
+    assert stats.written == 0 and stats.dropped_sink_error == 5 and stats.write_errors >= 2
+    assert stats.last_error == "OSError: disk on fire"
+    assert "telemetry dropped" in caplog.text
+
+
+async def test_slow_write_is_abandoned_and_interrupted(stalled: StalledSink) -> None:
+    pipeline = Pipeline(stalled, session_id="s", linger_s=0, write_timeout_s=0.2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pipeline.run)
+        pipeline.send.send_nowait(_event(0))
+        await trio.sleep(1.0)  # real time: five times the write timeout
+        assert stalled.interrupted == 1
+        stats = pipeline.statistics()
+        assert stats.dropped_sink_error == 1 and "longer than 0.2 s" in (stats.last_error or "")
+        stalled.release.set()
+        await pipeline.aclose()
+
+
+async def test_recording_after_close_is_counted() -> None:
+    sink = ListSink()
+    pipeline = Pipeline(sink, session_id="s")
+    recorder = TelemetryRecorder(pipeline.send, pipeline.counters, session_id="s")
+    await pipeline.aclose()
+    recorder._put(_event(0))
+    assert pipeline.statistics().dropped_at_close == 1
+
+
+def test_real_time_bound_ignores_the_mock_clock() -> None:
+    async def main() -> tuple[bool, float]:
+        t0 = time.monotonic()
+        with real_time_bound(0.2) as bound:
+            await trio.to_thread.run_sync(time.sleep, 5, abandon_on_cancel=True)
+        return bound.cancelled_caught, time.monotonic() - t0
+
+    caught, took = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert caught and 0.19 < took < 3
+
+
+# --------------------------------------------------------------------------- a stalled sink
+
+
+async def test_stalled_sink_never_delays_a_call(
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    stalled: StalledSink,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Virtual time: every call takes exactly what the upstream takes; rows beyond the
+    bound are dropped, counted, and logged once per interval."""
+    _use(monkeypatch, stalled, capacity=10, linger_s=0, shutdown_timeout_s=0.3,
+         log_interval_s=3600)
+    router = Router({"a": FakeUpstream(Reply(first_token_s=1.0, tokens=3)), "b": FakeUpstream(Reply())})
+    settings = two_source_settings(names=("a",))
+    async with polygate.session(settings, transport=router) as s:
+        for _ in range(40):
+            t0 = trio.current_time()
+            r = await s.chat(MESSAGES)
+            assert trio.current_time() - t0 == pytest.approx(1.0)
+            assert r.call_stats.total_latency_ms == pytest.approx(1000)
+        stats = (await s.statistics()).telemetry
+        assert stalled.entered.is_set()
+        assert stats.queued == 10 and stats.in_flight > 0 and stats.written == 0
+        assert stats.dropped_queue_full == 80 - 10 - stats.in_flight
+    warnings = [r for r in caplog.records if "telemetry dropped" in r.getMessage()]
+    # one while dropping (the interval is an hour), one summary when the session closed
+    assert len(warnings) == 2
+    final = (await s.statistics()).telemetry
+    assert final.written == 0
+    assert final.dropped == 80  # every row is accounted for: none written, all dropped
+    assert final.dropped_at_close == 10 + stats.in_flight
+
+
+async def test_stalled_sink_in_real_time(
+    monkeypatch: pytest.MonkeyPatch, stalled: StalledSink
+) -> None:
+    """Real clock: 200 calls through a stalled sink finish as fast as ever, and leaving
+    the session waits the shutdown timeout, not for the sink."""
+    _use(monkeypatch, stalled, capacity=16, shutdown_timeout_s=0.3)
+    settings = two_source_settings(names=("a",))
+    t0 = time.monotonic()
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        for _ in range(200):
+            await s.chat(MESSAGES)
+        calls_done = time.monotonic()
+    closed = time.monotonic()
+    assert calls_done - t0 < 10
+    assert 0.25 < closed - calls_done < 3
+    assert (await s.statistics()).telemetry.dropped == 400
+
+
+async def test_a_sink_that_recovers_writes_again(
+    monkeypatch: pytest.MonkeyPatch, stalled: StalledSink
+) -> None:
+    _use(monkeypatch, stalled, capacity=4, linger_s=0, shutdown_timeout_s=5)
+    settings = two_source_settings(names=("a",))
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        for _ in range(10):
+            await s.chat(MESSAGES)
+        await trio.to_thread.run_sync(stalled.entered.wait, 5)
+        stalled.release.set()
+        for _ in range(3):
+            await s.chat(MESSAGES)
+    stats = (await s.statistics()).telemetry
+    assert stats.dropped_queue_full > 0
+    assert stats.written + stats.dropped == 26
+    assert len(stalled.calls) + len([b for b in stalled.batches for _ in b.attempts]) == stats.written
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(capacity=st.integers(1, 12), calls=st.integers(0, 30), fail_every=st.integers(0, 4))
+async def test_every_row_is_written_or_dropped(
+    monkeypatch: pytest.MonkeyPatch, capacity: int, calls: int, fail_every: int
+) -> None:
+    """Invariant: rows recorded = written + dropped, whatever the sink does."""
+    writes = 0
+
+    class Flaky(ListSink):
+        def write(self, batch: Batch) -> None:
+            nonlocal writes
+            writes += 1
+            if fail_every and writes % fail_every == 0:
+                raise OSError("flaky")
+            super().write(batch)
+
+    sink = Flaky()
+    _use(monkeypatch, sink, capacity=capacity, linger_s=0)
+    settings_ = two_source_settings(names=("a",))
+    async with polygate.session(settings_, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        for _ in range(calls):
+            await s.chat(MESSAGES)
+    stats = (await s.statistics()).telemetry
+    assert stats.written + stats.dropped == 2 * calls
+    assert sum(len(b) for b in sink.batches) == stats.written
+    assert sink.closed
