@@ -174,13 +174,18 @@ class _Connection:
         self, steps: Iterable[bytes | Pause], out: list[bytes], pending: list[bytes]
     ) -> None:
         """Send the steps, one write per run of bytes between pauses (or per
-        ``_FLUSH_AT`` bytes, so a huge body is not held in memory)."""
+        ``_FLUSH_AT`` bytes, so a huge body is not held in memory).
+
+        Pauses are kept on an absolute schedule: a wake-up that comes late (a busy
+        machine) shortens the next pause instead of delaying every later token."""
         size = 0
+        due = trio.current_time()
         for step in steps:
             if isinstance(step, Pause):
                 await self._flush(out, pending)
                 size = 0
-                await self._pause(step.seconds)
+                due += step.seconds
+                await self._pause_until(due)
                 continue
             pending.append(step)
             size += len(step)
@@ -208,7 +213,11 @@ class _Connection:
         _ClientGone as soon as the client closes its end."""
         if seconds is not None and seconds <= 0:
             return
-        deadline = math.inf if seconds is None else trio.current_time() + seconds
+        await self._pause_until(math.inf if seconds is None else trio.current_time() + seconds)
+
+    async def _pause_until(self, deadline: float) -> None:
+        if deadline <= trio.current_time():
+            return
         while True:
             with trio.move_on_at(deadline):
                 data = await self.stream.receive_some(_RECEIVE)

@@ -74,9 +74,11 @@ class _FakeStream(httpx.AsyncByteStream):
         plan = self._plan
         outcome: Outcome = "client_closed"
         try:
+            due = trio.current_time()  # an absolute schedule, as the server face keeps
             for step in plan.steps:
                 if isinstance(step, Pause):
-                    await trio.sleep(step.seconds)
+                    due += step.seconds
+                    await trio.sleep_until(due)
                 else:
                     yield step
             if plan.ending == "hang":
