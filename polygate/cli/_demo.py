@@ -38,10 +38,13 @@ def configurations(scale: float = 1.0) -> list[tuple[str, Any]]:
 
     from ._replay import scope_settings
 
+    def secs(value: float) -> str:
+        return f"{value * scale:g} s"
+
     return [
         ("no hedging", scope_settings(timeout_s=300 * scale)),
-        ("deadline 30 s", scope_settings(call_deadline_s=30 * scale, timeout_s=300 * scale)),
-        ("hedge after 8 s", scope_settings(
+        (f"deadline {secs(30)}", scope_settings(call_deadline_s=30 * scale, timeout_s=300 * scale)),
+        (f"hedge after {secs(8)}", scope_settings(
             hedge=polygate.Hedge(after_s=8 * scale, budget_ratio=0.3), timeout_s=300 * scale)),
     ]
 
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(summaries: dict[str, Any], summary_cls: Any, scale: float) -> None:
-    unit = "s" if scale == 1.0 else "s (scaled)"
+    unit = "s"
     rows = [
         ("p50 latency", "p50_s", unit),
         ("p90 latency", "p90_s", unit),
@@ -92,6 +95,8 @@ def _print_table(summaries: dict[str, Any], summary_cls: Any, scale: float) -> N
     ]
     labels = list(summaries)
     width = max(len(r[0]) for r in rows) + 2
+    if scale != 1.0:
+        print(f"(every time below is real seconds of a replay scaled by {scale:g})")
     print(" " * width + "".join(f"{label:>18}" for label in labels))
     for title, field, suffix in rows:
         cells = []
