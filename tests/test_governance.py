@@ -340,3 +340,25 @@ async def test_rpm_wait_is_not_a_spin_at_float_edges(
         await s.chat(MESSAGES)
         await s.chat(MESSAGES)
     assert [r.started_at for r in a.requests] == [pytest.approx(0), pytest.approx(60)]
+
+
+def test_tiktoken_only_when_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from polygate.governance import _estimate
+
+    fake = types.ModuleType("tiktoken")
+
+    class Encoding:
+        def encode(self, text: str, disallowed_special: object = ()) -> list[int]:
+            return [0] * len(text.split())
+
+    fake.get_encoding = lambda name: Encoding()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tiktoken", fake)
+    monkeypatch.setattr(_estimate, "_tiktoken_cached", lambda: False)
+    assert isinstance(_estimate.default_estimator(), CharEstimator)  # never a download
+    monkeypatch.setattr(_estimate, "_tiktoken_cached", lambda: True)
+    estimator = _estimate.default_estimator()
+    assert not isinstance(estimator, CharEstimator)
+    assert estimator.prompt_tokens([{"role": "user", "content": "one two three"}]) == 3 + 4 + 3
