@@ -27,9 +27,11 @@ class TokenEstimator(Protocol):
 def _message_text(message: Mapping[str, Any]) -> str:
     parts: list[str] = []
     for key, value in message.items():
+        if key == "role":
+            continue  # counted in the per-message overhead
         if isinstance(value, str):
             parts.append(value)
-        elif value is not None and key != "role":
+        elif value is not None:
             parts.append(json.dumps(value, ensure_ascii=False, default=str))
     return " ".join(parts)
 
