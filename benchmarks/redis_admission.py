@@ -35,11 +35,12 @@ from typing import Any
 
 import httpx
 import trio
-from _common import fake_server, machine, median, quantile, write_result
 
 import polygate
 from polygate.governance import AdmitRequest, Feedback, SettleRequest, SourceLimits
 from polygate.governance._redis import RedisBackend, parse_redis_url
+
+from _common import fake_server, machine, median, quantile, write_result
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
