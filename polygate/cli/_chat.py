@@ -1,0 +1,131 @@
+"""``polygate chat "prompt"``: one real call through your configuration.
+
+For trying a setup by hand: the configuration is the one ``polygate.session()``
+would load (``POLYGATE_CONFIG``, ``./polygate.toml``, or ``POLYGATE__…`` keys; or
+``--config PATH``), the call is a real ``chat()`` (or ``stream_chat()`` with
+``--stream``, printing chunks as they arrive), and ``--stats`` prints the call's
+statistics to stderr, so the answer alone goes to stdout.  With telemetry
+configured, the call is recorded like any other.
+
+Exit status: 0 answered, 1 the call failed (the polygate error on stderr), 2 the
+configuration or the arguments are wrong, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import IO, Any
+
+__all__ = ["add_parser", "chat_once", "format_stats", "run"]
+
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "chat",
+        help="send one prompt through your configuration and print the answer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("prompt", help="the user message; '-' reads it from standard input")
+    parser.add_argument("--scope", default="chat", help="the scope to call (default: chat)")
+    parser.add_argument("--system", metavar="TEXT", help="a system message before the prompt")
+    parser.add_argument("--stream", action="store_true", help="stream the answer as it is generated")
+    parser.add_argument("--stats", action="store_true", help="print the call's statistics to stderr")
+    parser.add_argument("--config", metavar="PATH", help="a TOML file instead of the default configuration")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    from .._config_load import load_settings, settings_from_toml
+    from .._errors import ConfigError, PolygateError
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        print("polygate chat: the prompt is empty", file=sys.stderr)
+        return 2
+    try:
+        settings = settings_from_toml(args.config) if args.config else load_settings()
+        settings.scope(args.scope)
+    except ConfigError as exc:
+        print(f"polygate chat: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    messages = [{"role": "user", "content": prompt}]
+    if args.system:
+        messages.insert(0, {"role": "system", "content": args.system})
+    try:
+        response = trio.run(chat_once, settings, messages, args.scope, args.stream, sys.stdout)
+    except KeyboardInterrupt:
+        print("\npolygate chat: interrupted", file=sys.stderr)
+        return 130
+    except ConfigError as exc:  # e.g. a telemetry database that cannot be opened
+        print(f"polygate chat: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except PolygateError as exc:
+        print(f"polygate chat: the call failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        stats = getattr(exc, "call_stats", None)
+        if args.stats and stats is not None:
+            print(format_stats(stats, None, None), file=sys.stderr)
+        return 1
+    if args.stats:
+        print(format_stats(response.call_stats, response.usage, response.model), file=sys.stderr)
+    return 0
+
+
+async def chat_once(
+    settings: Any,
+    messages: list[dict[str, Any]],
+    scope: str,
+    stream: bool,
+    out: IO[str],
+    transport: Any = None,
+) -> Any:
+    """One call; the answer is written to ``out`` (chunk by chunk when streaming)."""
+    import polygate
+
+    async with polygate.session(settings, transport=transport) as session:
+        if not stream:
+            response = await session.chat(messages, scope=scope)
+            out.write(response.text + "\n")
+            out.flush()
+            return response
+        async with session.stream_chat(messages, scope=scope) as chunks:
+            async for chunk in chunks:
+                if chunk.text:
+                    out.write(chunk.text)
+                    out.flush()
+        out.write("\n")
+        out.flush()
+        return chunks.response
+
+
+def format_stats(stats: Any, usage: Any, model: str | None) -> str:
+    """The call's statistics in a few lines (``CallStats`` fields, milliseconds)."""
+
+    def ms(value: float | None) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.0f} ms" if value < 1000 else f"{value / 1000:.2f} s"
+
+    waiting = stats.total_latency_ms - stats.generation_ms
+    lines = [
+        f"call {stats.logical_call_id}: source {stats.source or '-'}"
+        + (f", model {model}" if model else "")
+        + f", {stats.attempts} attempt(s), {stats.hedges} hedge(s)"
+        + (" (won by the hedge)" if stats.hedge_won else ""),
+        f"  total {ms(stats.total_latency_ms)} = waiting {ms(waiting)} "
+        f"+ generation {ms(stats.generation_ms)}",
+        f"  time to first token {ms(stats.ttft_ms)}, stalls {ms(stats.stall_ms)} "
+        f"in {stats.stall_count if stats.stall_count is not None else '-'}, "
+        f"decoding {ms(stats.active_generation_ms)}",
+    ]
+    if usage is not None:
+        lines.append(
+            f"  tokens: {usage.prompt_tokens} prompt, {usage.completion_tokens} completion "
+            f"({usage.source})"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,294 @@
+"""``polygate stats``: the incident's questions, answered from a telemetry database.
+
+Reads the ``calls``, ``attempts`` and ``sessions`` tables that a session with
+``telemetry`` set writes (SQLite or PostgreSQL, read-only) and prints latency
+quantiles per scope and source, the share of all time the slowest calls take,
+waiting versus generating, hedging, error classes, attempts per call and each
+source's attempts.  ``--json`` prints the same as data; ``--plot`` draws the latency
+CDF per source and where the time went (needs ``polygate[plot]``).
+
+Exit status: 0 with a report, 1 when there is nothing to report (no database, no
+calls in the window) or the database cannot be read, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+__all__ = ["add_parser", "parse_since", "run"]
+
+_AGO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "stats",
+        help="latency, tail share, waiting vs generating and hedging from a telemetry database",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--db", metavar="URL",
+        help="sqlite:///path, a SQLite file, or postgresql://… (default: the configured "
+             "telemetry, else the default SQLite file under the user's state directory)",
+    )
+    parser.add_argument(
+        "--since", metavar="WHEN",
+        help="only calls started since WHEN: an age (90s, 30m, 6h, 2d, 1w) or an ISO date/time",
+    )
+    parser.add_argument("--scope", help="only calls of this scope")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="write plots (needs polygate[plot])")
+    parser.add_argument(
+        "--tail", metavar="PCTS", default="1,5,10,13,25",
+        help="slowest-calls shares to report, in %% (default: 1,5,10,13,25)",
+    )
+    return parser
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """``30m``-style ages or ISO 8601 date/times (local time unless an offset is
+    given) to epoch seconds; ``ValueError`` otherwise."""
+    now = time.time() if now is None else now
+    match = _AGO.match(text)
+    if match:
+        return now - float(match.group(1)) * _UNIT_S[match.group(2)]
+    try:
+        return datetime.fromisoformat(text.strip()).timestamp()
+    except ValueError:
+        raise ValueError(
+            f"--since {text!r}: expected an age like 30m, 6h, 2d or an ISO date/time"
+        ) from None
+
+
+def _tails(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v <= 100 for v in values):
+        raise ValueError(f"--tail {text!r}: expected percentages in (0, 100], comma-separated")
+    return values
+
+
+def default_db(env: dict[str, str] | None = None) -> str:
+    """The configured telemetry URL when there is one, else the default SQLite file."""
+    from .._config_load import load_settings
+    from .._errors import ConfigError
+    from ..telemetry import default_path
+
+    environ = dict(os.environ) if env is None else env
+    try:
+        configured = load_settings(environ).telemetry
+    except ConfigError:
+        configured = environ.get("POLYGATE__TELEMETRY", "off")
+    if configured and configured != "off":
+        return configured
+    return f"sqlite://{default_path(environ)}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._config import mask_url
+    from .._errors import ConfigError
+    from ..telemetry._report import NoData, build_report, open_reader, read_rows
+
+    try:
+        since = parse_since(args.since) if args.since else None
+        tails = _tails(args.tail)
+    except ValueError as exc:
+        print(f"polygate stats: {exc}", file=sys.stderr)
+        return 2
+    url = args.db or default_db()
+    where = mask_url(url)
+    try:
+        reader = open_reader(url)
+        try:
+            calls, attempts, sessions = read_rows(reader, since=since, scope=args.scope)
+        finally:
+            reader.close()
+        report = build_report(calls, attempts, sessions, tails=tails, scope=args.scope)
+    except NoData as exc:
+        print(f"polygate stats: {_no_data(exc, where, args)}", file=sys.stderr)
+        return 1
+    except ConfigError as exc:
+        print(f"polygate stats: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # sqlite3 / psycopg errors: say what, not a traceback
+        print(f"polygate stats: cannot read {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    report = {"database": where, "since": since, "scope": args.scope, **report}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(render(report))
+    if args.plot:
+        return _plot(calls, args.plot)
+    return 0
+
+
+def _no_data(exc: Exception, where: str, args: argparse.Namespace) -> str:
+    text = str(exc)
+    if text == "no calls recorded":
+        window = []
+        if args.since:
+            window.append(f"since {args.since}")
+        if args.scope:
+            window.append(f"in scope {args.scope!r}")
+        text = f"no calls recorded in {where}" + (f" {' '.join(window)}" if window else "")
+    return (
+        f"{text}.\nTelemetry is written by sessions whose settings set telemetry, e.g. "
+        "POLYGATE__TELEMETRY=sqlite:///path/to/telemetry.db; point --db at that database."
+    )
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _dur(ms: float | None) -> str:
+    if ms is None or (isinstance(ms, float) and math.isnan(ms)):
+        return "-"
+    if ms < 1000:
+        return f"{ms:.0f} ms"
+    return f"{ms / 1000:.2f} s" if ms < 10_000 else f"{ms / 1000:.1f} s"
+
+
+def _p(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} %"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    align = [str.ljust if i < 2 else str.rjust for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        return indent + "  ".join(align[i](c, widths[i]) for i, c in enumerate(cells)).rstrip()
+
+    return [line(headers), *(line(r) for r in rows)]
+
+
+def render(report: dict[str, Any]) -> str:
+    out: list[str] = []
+    first = datetime.fromtimestamp(report["first_call_at"]).strftime("%Y-%m-%d %H:%M:%S")
+    last = datetime.fromtimestamp(report["last_call_at"]).strftime("%Y-%m-%d %H:%M:%S")
+    scope = f", scope {report['scope']!r}" if report.get("scope") else ""
+    out.append(f"{report['calls']} calls, {report['attempts']} attempts in {report['database']}{scope}")
+    out.append(f"calls started {first} … {last}")
+    outcomes = ", ".join(f"{k} {v}" for k, v in report["outcomes"].items())
+    errors = ", ".join(f"{k} {v}" for k, v in report["error_classes"].items())
+    out.append(f"outcomes: {outcomes}" + (f" ({errors})" if errors else ""))
+
+    out += ["", "Latency of calls (total_latency_ms; failed calls grouped by outcome)"]
+    out += _table(
+        ["scope", "source", "calls", "p50", "p90", "p99", "max"],
+        [[r["scope"], r["source"], str(r["calls"]), _dur(r["p50_ms"]), _dur(r["p90_ms"]),
+          _dur(r["p99_ms"]), _dur(r["max_ms"])] for r in report["latency"]],
+    )
+
+    out += ["", "Share of all call time taken by the slowest calls"]
+    for t in report["tail_share"]:
+        out.append(f"  slowest {t['slowest_pct']:g} % ({t['calls']} calls): {t['share_pct']:.1f} % of the time")
+
+    w = report["waiting_vs_generating"]
+    total = w["total_ms"]
+    out += ["", f"Waiting vs generating ({w['successful_calls']} successful calls, {_dur(total)} in all)"]
+    if total:
+        for label, key in (("waiting (total - generation)", "waiting_ms"),
+                           ("time to first token", "ttft_ms"), ("stalls", "stall_ms"),
+                           ("decoding", "active_decode_ms"),
+                           ("rest of generation", "other_generation_ms")):
+            out.append(f"  {label:<30}{_dur(w[key]):>10}  {100 * w[key] / total:5.1f} %")
+    out.append(f"  waiting + time to first token (everything but decoding): {_p(w['not_decoding_pct'])}")
+    out.append(f"  TTFT p50 {_dur(w['ttft_p50_ms'])}, p90 {_dur(w['ttft_p90_ms'])}, "
+               f"p99 {_dur(w['ttft_p99_ms'])}")
+    out.append(f"  calls with stalls: {w['calls_with_stalls']} ({_p(w['calls_with_stalls_pct'])}), "
+               f"{w['stalls']} stalls, p90 stall time per stalled call {_dur(w['stall_p90_ms'])}")
+    if w["failed_calls"]:
+        out.append(f"  failed or cancelled calls: {w['failed_calls']}, {_dur(w['failed_calls_ms'])}")
+
+    h = report["hedging"]
+    out += ["", "Hedging"]
+    out.append(f"  hedged calls: {h['hedged_calls']} ({_p(h['hedge_rate_pct'])}), {h['hedges']} hedges sent")
+    out.append(f"  won by the hedge: {h['hedge_wins']} ({_p(h['hedge_win_rate_pct'])} of hedged calls)")
+    out.append(f"  suppressed by the budget: {h['suppressed_by_budget']} (session totals)")
+
+    a = report["attempts_per_call"]
+    histogram = ", ".join(f"{k}: {v}" for k, v in a["histogram"].items())
+    out += ["", f"Attempts per call: mean {a['mean']:.2f} ({histogram})"]
+
+    out += ["", "Attempts per source"]
+    out += _table(
+        ["scope", "source", "attempts", "hedges", "failures", "p50 ok", "p99 ok", "ttft p50", "outcomes"],
+        [[r["scope"], r["source"], str(r["attempts"]), str(r["hedge_attempts"]), _p(r["failure_pct"]),
+          _dur(r["ok_latency"]["p50_ms"]), _dur(r["ok_latency"]["p99_ms"]), _dur(r["ttft_p50_ms"]),
+          " ".join(f"{k}={v}" for k, v in r["outcomes"].items())] for r in report["sources"]],
+    )
+    t = report["telemetry"]
+    if t["rows_dropped"]:
+        out += ["", f"warning: {t['rows_dropped']} telemetry rows were dropped by these sessions; "
+                    "the figures above miss them"]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _plot(calls: Sequence[Any], path: str) -> int:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("polygate stats: --plot needs matplotlib: pip install 'polygate[plot]'", file=sys.stderr)
+        return 1
+    groups: dict[str, list[float]] = {}
+    for c in calls:
+        label = c.source if c.outcome == "ok" and c.source else f"({c.outcome})"
+        groups.setdefault(f"{c.scope}/{label}", []).append(c.total_latency_ms / 1000.0)
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for label, values in sorted(groups.items()):
+        values.sort()
+        cdf.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
+                 label=f"{label} ({len(values)})")
+    cdf.set_xscale("log")
+    cdf.set_xlabel("call latency, s")
+    cdf.set_ylabel("fraction of calls")
+    cdf.set_title("latency CDF per scope/source")
+    cdf.grid(True, which="both", alpha=0.3)
+    cdf.legend(fontsize="small")
+    from ..telemetry._report import time_split
+
+    parts = [("waiting", "waiting_ms"), ("first token", "ttft_ms"), ("stalls", "stall_ms"),
+             ("decoding", "active_decode_ms"), ("rest", "other_generation_ms")]
+    ok = [c for c in calls if c.outcome == "ok"]
+    by_source: dict[str, list[Any]] = {"all successful": ok}
+    for c in ok:
+        by_source.setdefault(f"{c.scope}/{c.source}", []).append(c)
+    labels = list(by_source)[::-1]
+    splits = [time_split(by_source[label]) for label in labels]
+    left = [0.0] * len(labels)
+    for name, key in parts:
+        shares = [100.0 * s[key] / (s["total_ms"] or 1.0) for s in splits]
+        bars.barh(labels, shares, left=left, label=name)
+        left = [a + b for a, b in zip(left, shares, strict=True)]
+    bars.set_xlim(0, 100)
+    bars.set_xlabel("% of total call time")
+    bars.set_title("where the time of successful calls went")
+    bars.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,307 @@
+"""What ``polygate stats`` computes from a telemetry database (pure, testable).
+
+The questions are the incident's (seed 000, issue #24): where does the time go —
+latency quantiles per scope and source, how much of all the time the slowest few
+calls take ("13 % of calls ate 71 %"), waiting versus generating (``total −
+generation``, time to first token, stalls), hedging (rate, win rate, suppressed by
+budget), error classes, attempts per call, and each source's attempts.
+
+Definitions match the demo's (``docs/cli.md``): quantiles are nearest-rank over
+``total_latency_ms`` of every call, failed ones included; the tail share is the summed
+latency of the slowest ⌈x % · calls⌉ calls over the summed latency of all calls.
+
+Hedges suppressed by the budget are not a property of any one call (the call never
+learns a hedge was refused), so they come from the ``sessions`` rows: the totals of
+sessions active in the window, not cut to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+from .._config import mask_url
+from .._errors import ConfigError
+from ._schema import check_version
+
+__all__ = [
+    "AttemptRow", "CallRow", "NoData", "Reader", "build_report", "open_reader", "read_rows", "time_split",
+]
+
+
+class CallRow(NamedTuple):
+    scope: str
+    source: str | None
+    outcome: str
+    error_class: str | None
+    started_at: float
+    total_latency_ms: float
+    generation_ms: float
+    ttft_ms: float | None
+    stall_ms: float | None
+    stall_count: int | None
+    active_generation_ms: float | None
+    attempts: int
+    hedges: int
+    hedge_won: int
+
+
+class AttemptRow(NamedTuple):
+    scope: str
+    source: str
+    role: str
+    latency_ms: float
+    ttft_ms: float | None
+    error: str
+
+
+class SessionRow(NamedTuple):
+    session_id: str
+    rows_dropped: int
+    hedges_suppressed: str
+
+
+class Reader(Protocol):
+    where: str
+
+    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]: ...
+
+    def tables(self) -> set[str]: ...
+
+    def close(self) -> None: ...
+
+
+class NoData(Exception):
+    """The database exists but holds nothing to report (a message for the user)."""
+
+
+def open_reader(url: str) -> Reader:
+    """A read-only reader for ``url``: ``sqlite:///path``, a plain file path, or a
+    PostgreSQL URL.  A missing SQLite file is :class:`NoData` (never created)."""
+    if url.startswith(("postgresql://", "postgres://")):
+        from ._postgres import PostgresReader
+
+        return PostgresReader(url)
+    if "://" in url and not url.startswith("sqlite:"):
+        raise ConfigError(f"unknown database URL {mask_url(url)!r}: use sqlite:///path or postgresql://…")
+    from ._sqlite import SQLiteReader, sqlite_path
+
+    path = sqlite_path(url) if url.startswith("sqlite:") else Path(url)
+    if not path.is_file():
+        raise NoData(f"no telemetry database at {path}")
+    return SQLiteReader(path)
+
+
+def read_rows(
+    reader: Reader, *, since: float | None = None, scope: str | None = None
+) -> tuple[list[CallRow], list[AttemptRow], list[SessionRow]]:
+    """The rows to report on; :class:`NoData` when the tables are not there."""
+    tables = reader.tables()
+    if "polygate_schema" not in tables or "calls" not in tables:
+        raise NoData(f"{reader.where} is not a polygate telemetry database (no calls table)")
+    found = reader.query("SELECT max(version) FROM polygate_schema")[0][0] or 0
+    check_version(int(found), reader.where)
+    where: list[str] = []
+    params: list[Any] = []
+    if since is not None:
+        where.append("started_at >= ?")
+        params.append(since)
+    if scope is not None:
+        where.append("scope = ?")
+        params.append(scope)
+    clause = (" WHERE " + " AND ".join(where)) if where else ""
+    calls = [CallRow(*r) for r in reader.query(
+        f"SELECT {', '.join(CallRow._fields)} FROM calls{clause}", tuple(params))]
+    attempts = [AttemptRow(*r) for r in reader.query(
+        f"SELECT {', '.join(AttemptRow._fields)} FROM attempts{clause}", tuple(params))]
+    session_clause = " WHERE updated_at >= ?" if since is not None else ""
+    sessions = [SessionRow(*r) for r in reader.query(
+        f"SELECT {', '.join(SessionRow._fields)} FROM sessions{session_clause}",
+        (since,) if since is not None else ())]
+    return calls, attempts, sessions
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def quantile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank quantile (``values`` sorted ascending); ``None`` when empty."""
+    if not values:
+        return None
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+def tail_share(latencies: Sequence[float], pct: float) -> tuple[int, float]:
+    """How many calls the slowest ``pct`` % are, and their share (%) of all the time."""
+    ordered = sorted(latencies, reverse=True)
+    total = sum(ordered)
+    k = math.ceil(pct / 100.0 * len(ordered))
+    if not ordered or total <= 0:
+        return k, 0.0
+    return k, 100.0 * sum(ordered[:k]) / total
+
+
+def _pct(part: float, whole: float) -> float | None:
+    return 100.0 * part / whole if whole else None
+
+
+def _latency(values: Iterable[float]) -> dict[str, float | None]:
+    ordered = sorted(values)
+    return {
+        "p50_ms": quantile(ordered, 0.5),
+        "p90_ms": quantile(ordered, 0.9),
+        "p99_ms": quantile(ordered, 0.99),
+        "max_ms": ordered[-1] if ordered else None,
+    }
+
+
+def build_report(
+    calls: Sequence[CallRow],
+    attempts: Sequence[AttemptRow],
+    sessions: Sequence[SessionRow],
+    *,
+    tails: Sequence[float] = (1, 5, 10, 13, 25),
+    scope: str | None = None,
+) -> dict[str, Any]:
+    """Everything ``polygate stats`` prints, as plain data (the ``--json`` output)."""
+    if not calls:
+        raise NoData("no calls recorded")
+    report: dict[str, Any] = {"calls": len(calls), "attempts": len(attempts)}
+    report["first_call_at"] = min(c.started_at for c in calls)
+    report["last_call_at"] = max(c.started_at for c in calls)
+    report["outcomes"] = dict(Counter(c.outcome for c in calls).most_common())
+    report["error_classes"] = dict(
+        Counter(c.error_class for c in calls if c.error_class).most_common()
+    )
+    report["latency"] = _latency_table(calls)
+    report["tail_share"] = [
+        {"slowest_pct": pct, "calls": k, "share_pct": share}
+        for pct in tails
+        for k, share in [tail_share([c.total_latency_ms for c in calls], pct)]
+    ]
+    report["waiting_vs_generating"] = _waiting(calls)
+    report["hedging"] = _hedging(calls, sessions, scope)
+    report["attempts_per_call"] = _attempts_per_call(calls)
+    report["sources"] = _sources(attempts)
+    report["telemetry"] = {
+        "sessions": len(sessions),
+        "rows_dropped": sum(s.rows_dropped for s in sessions),
+    }
+    return report
+
+
+def _latency_table(calls: Sequence[CallRow]) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for c in calls:
+        source = c.source if c.outcome == "ok" and c.source else f"({c.outcome})"
+        groups[(c.scope, source)].append(c.total_latency_ms)
+        groups[(c.scope, "(all)")].append(c.total_latency_ms)
+    rows = []
+    for (scope, source), values in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "(all)", kv[0][1])):
+        rows.append({"scope": scope, "source": source, "calls": len(values), **_latency(values)})
+    return rows
+
+
+def time_split(calls: Sequence[CallRow]) -> dict[str, float]:
+    """Where the time of these calls went, in ms: waiting (``total − generation``:
+    admission, retries, backoff, hedge triggers, loser cleanup) and, inside the
+    winner's generation, time to first token, stalls, net decoding, and the rest (the
+    tail after the last chunk, or a whole non-streamed answer)."""
+    total = sum(c.total_latency_ms for c in calls)
+    generation = sum(c.generation_ms for c in calls)
+    ttft = sum(c.ttft_ms or 0.0 for c in calls)
+    stall = sum(c.stall_ms or 0.0 for c in calls)
+    active = sum(c.active_generation_ms or 0.0 for c in calls)
+    return {
+        "total_ms": total,
+        "waiting_ms": total - generation,
+        "generating_ms": generation,
+        "ttft_ms": ttft,
+        "stall_ms": stall,
+        "active_decode_ms": active,
+        "other_generation_ms": max(generation - ttft - stall - active, 0.0),
+    }
+
+
+def _waiting(calls: Sequence[CallRow]) -> dict[str, Any]:
+    """:func:`time_split` of the successful calls, with TTFT and stall figures."""
+    ok = [c for c in calls if c.outcome == "ok"]
+    split = time_split(ok)
+    total = split["total_ms"]
+    ttfts = sorted(c.ttft_ms for c in ok if c.ttft_ms is not None)
+    stalled = [c for c in ok if (c.stall_count or 0) > 0]
+    failed = [c for c in calls if c.outcome != "ok"]
+    return {
+        "successful_calls": len(ok),
+        **split,
+        "waiting_pct": _pct(split["waiting_ms"], total),
+        # the demo's "everything but decoding": waiting plus time to first token
+        "not_decoding_pct": _pct(split["waiting_ms"] + split["ttft_ms"], total),
+        "ttft_p50_ms": quantile(ttfts, 0.5),
+        "ttft_p90_ms": quantile(ttfts, 0.9),
+        "ttft_p99_ms": quantile(ttfts, 0.99),
+        "calls_with_stalls": len(stalled),
+        "calls_with_stalls_pct": _pct(len(stalled), len(ok)),
+        "stalls": sum(c.stall_count or 0 for c in ok),
+        "stall_p90_ms": quantile(sorted(c.stall_ms or 0.0 for c in stalled), 0.9),
+        "failed_calls": len(failed),
+        "failed_calls_ms": sum(c.total_latency_ms for c in failed),
+    }
+
+
+def _hedging(calls: Sequence[CallRow], sessions: Sequence[SessionRow], scope: str | None) -> dict[str, Any]:
+    hedged = [c for c in calls if c.hedges > 0]
+    wins = sum(1 for c in hedged if c.hedge_won)
+    suppressed = 0
+    for s in sessions:
+        try:
+            per_scope: Mapping[str, Any] = json.loads(s.hedges_suppressed)
+        except ValueError:
+            continue
+        for name, count in per_scope.items():
+            if (scope is None or name == scope) and isinstance(count, int):
+                suppressed += count
+    return {
+        "hedged_calls": len(hedged),
+        "hedges": sum(c.hedges for c in calls),
+        "hedge_rate_pct": _pct(len(hedged), len(calls)),
+        "hedge_wins": wins,
+        "hedge_win_rate_pct": _pct(wins, len(hedged)),
+        "suppressed_by_budget": suppressed,
+    }
+
+
+def _attempts_per_call(calls: Sequence[CallRow]) -> dict[str, Any]:
+    histogram: Counter[str] = Counter(str(c.attempts) if c.attempts < 4 else "4+" for c in calls)
+    return {
+        "mean": sum(c.attempts for c in calls) / len(calls),
+        "histogram": {k: histogram[k] for k in ("0", "1", "2", "3", "4+") if histogram[k]},
+    }
+
+
+def _sources(attempts: Sequence[AttemptRow]) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, str], list[AttemptRow]] = defaultdict(list)
+    for a in attempts:
+        groups[(a.scope, a.source)].append(a)
+    rows = []
+    for (scope, source), rows_ in sorted(groups.items()):
+        errors = Counter(a.error for a in rows_)
+        done = [a.latency_ms for a in rows_ if a.error == "ok"]
+        ttfts = sorted(a.ttft_ms for a in rows_ if a.error == "ok" and a.ttft_ms is not None)
+        failures = sum(n for e, n in errors.items() if e not in ("ok", "hedge_cancelled", "cancelled"))
+        rows.append({
+            "scope": scope,
+            "source": source,
+            "attempts": len(rows_),
+            "hedge_attempts": sum(1 for a in rows_ if a.role == "hedge"),
+            "ok": errors.get("ok", 0),
+            "failure_pct": _pct(failures, len(rows_)),
+            "ok_latency": _latency(done),
+            "ttft_p50_ms": quantile(ttfts, 0.5),
+            "outcomes": dict(errors.most_common()),
+        })
+    return rows

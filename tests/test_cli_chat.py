@@ -1,0 +1,154 @@
+"""``polygate chat``: one call through the user's configuration — in-process on the
+fake transport, and end to end through ``main()`` against a FakeUpstream server in
+its own process, configured by environment keys."""
+
+from __future__ import annotations
+
+import io
+import json
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from polygate.cli import main
+from polygate.cli._chat import chat_once
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import SECRET, two_source_settings
+
+
+async def test_chat_once_prints_the_answer(autojump_clock: trio.testing.MockClock) -> None:
+    out = io.StringIO()
+    up = FakeUpstream(Reply(text="hello from the fake"))
+    response = await chat_once(
+        two_source_settings(names=("a",)), [{"role": "user", "content": "hi"}], "chat", False, out,
+        transport=Router({"a": up}),
+    )
+    assert out.getvalue() == "hello from the fake\n"
+    assert response.text == "hello from the fake"
+
+
+async def test_chat_once_streams(autojump_clock: trio.testing.MockClock) -> None:
+    class Recorder(io.StringIO):
+        writes: list[str]
+
+        def write(self, s: str) -> int:
+            self.writes.append(s)
+            return super().write(s)
+
+    out = Recorder()
+    out.writes = []
+    up = FakeUpstream(Reply(text="one two three", inter_token_s=0.1))
+    response = await chat_once(
+        two_source_settings(names=("a",)), [{"role": "user", "content": "hi"}], "chat", True, out,
+        transport=Router({"a": up}),
+    )
+    assert out.getvalue() == "one two three\n"
+    assert len(out.writes) >= 4  # chunk by chunk, then the newline
+    assert response.call_stats.ttft_ms is not None
+
+
+# --------------------------------------------------------------------------- main()
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    """A FakeUpstream in its own process (main() runs its own trio loop)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "polygate.testing.serve", "--port", "0",
+         "--reply", json.dumps({"text": "pong from the server", "inter_token_s": 0.01})],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        assert line.startswith("listening on "), line
+        yield line.removeprefix("listening on ")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
+    """No polygate.toml, no POLYGATE_CONFIG, no stray POLYGATE__ keys."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("POLYGATE_CONFIG", raising=False)
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("POLYGATE__"):
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+def test_main_one_call_with_stats_and_telemetry(
+    server: str, env: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env.setenv("POLYGATE__CHAT__A__BASE_URL", server)
+    env.setenv("POLYGATE__CHAT__A__API_KEY", SECRET)
+    env.setenv("POLYGATE__TELEMETRY", f"sqlite://{tmp_path}/t.db")
+    assert main(["chat", "ping", "--stats"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "pong from the server\n"
+    assert "source a, model" in captured.err and "1 attempt(s), 0 hedge(s)" in captured.err
+    assert "time to first token" in captured.err and "tokens:" in captured.err
+    assert SECRET not in captured.out + captured.err
+    conn = sqlite3.connect(tmp_path / "t.db")
+    assert conn.execute("SELECT outcome, source FROM calls").fetchall() == [("ok", "a")]
+    conn.close()
+
+
+def test_main_streams_and_reads_stdin(
+    server: str, env: pytest.MonkeyPatch, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    env.setenv("POLYGATE__CHAT__A__BASE_URL", server)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a prompt from a pipe"))
+    assert main(["chat", "-", "--stream", "--system", "be brief"]) == 0
+    assert capsys.readouterr().out == "pong from the server\n"
+
+
+def test_main_failed_call(env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    env.setenv("POLYGATE__CHAT__A__BASE_URL", f"http://127.0.0.1:{port}/v1")
+    env.setenv("POLYGATE__CHAT__RETRY__MAX_ATTEMPTS", "1")
+    assert main(["chat", "ping", "--stats"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("polygate chat: the call failed: AllSourcesExhausted")
+    assert "attempt(s)" in err  # the statistics of the failed call
+
+
+@pytest.mark.parametrize(
+    ("argv", "keys", "message"),
+    [
+        (["chat", "hi"], {}, "invalid configuration"),
+        (["chat", "hi", "--scope", "embed"], {"POLYGATE__CHAT__A__BASE_URL": "http://a/v1"},
+         "unknown scope 'embed'"),
+        (["chat", "   "], {"POLYGATE__CHAT__A__BASE_URL": "http://a/v1"}, "the prompt is empty"),
+        (["chat", "hi"], {"POLYGATE__CHAT__A__BASE_URL": "http://a/v1",
+                          "POLYGATE__TELEMETRY": "sqlite:///proc/no/such/dir/t.db"},
+         "telemetry database"),
+    ],
+)
+def test_main_bad_configuration(
+    env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    argv: list[str], keys: dict[str, str], message: str,
+) -> None:
+    for key, value in keys.items():
+        env.setenv(key, value)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err

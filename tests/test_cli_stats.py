@@ -1,0 +1,312 @@
+"""``polygate stats``: exact figures from a database of known rows, the text and JSON
+reports, plots, and every way of having nothing to report."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.cli import main
+from polygate.cli._stats import default_db, parse_since
+from polygate.telemetry import AttemptEvent, Batch, CallEvent, SessionEvent
+from polygate.telemetry._report import quantile, tail_share
+from polygate.telemetry._sqlite import SQLiteSink
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import FIRST_A, MESSAGES, two_source_settings
+
+NOW = time.time()
+
+
+def _call(i: int, *, scope: str = "chat", total: float, generation: float, ttft: float | None,
+          source: str | None = "a", outcome: str = "ok", error_class: str | None = None,
+          hedges: int = 0, hedge_won: int = 0, attempts: int = 1, stall_ms: float | None = None,
+          stall_count: int | None = None, active: float | None = None, started_at: float = NOW) -> CallEvent:
+    return CallEvent(
+        session_id="s1", logical_call_id=f"{scope}-{i}", scope=scope, kind="chat", stream=0,
+        started_at=started_at, outcome=outcome, error_class=error_class, error_message=None,
+        total_latency_ms=total, generation_ms=generation, ttft_ms=ttft, stall_ms=stall_ms,
+        stall_count=stall_count, active_generation_ms=active, attempts=attempts, hedges=hedges,
+        hedge_won=hedge_won, source=source, cached=0, prompt_tokens=10, completion_tokens=20,
+        usage_source="upstream", content=None,
+    )
+
+
+def _attempt(call: CallEvent, n: int, *, source: str, role: str = "primary", error: str = "ok",
+             latency: float = 1000.0) -> AttemptEvent:
+    return AttemptEvent(
+        call_id=f"{call.logical_call_id}.{n}", logical_call_id=call.logical_call_id,
+        scope=call.scope, source=source, role=role, started_at=call.started_at,
+        latency_ms=latency, ttft_ms=None, status_code=200, streamed=1, error=error,
+        error_class=None, error_message=None, tokens_reserved=100, tokens_settled=30,
+        prompt_tokens=None, completion_tokens=None, usage_source=None,
+    )
+
+
+@pytest.fixture
+def known_db(tmp_path: Path) -> Path:
+    """100 chat calls: 87 of 5 s (10 of them hedged, 7 won by the hedge), 13 of 90 s
+    that spent 88 s waiting; plus 2 failed and 1 cancelled call in scope "other"."""
+    calls: list[CallEvent] = []
+    attempts: list[AttemptEvent] = []
+    for i in range(87):
+        hedged = i < 10
+        won = i < 7
+        call = _call(i, total=5000, generation=4800, ttft=800, hedges=int(hedged), hedge_won=int(won),
+                     attempts=2 if hedged else 1, source="b" if won else "a",
+                     stall_ms=1000 if i < 4 else 0, stall_count=1 if i < 4 else 0, active=3000)
+        calls.append(call)
+        attempts.append(_attempt(call, 1, source="a", error="hedge_cancelled" if won else "ok",
+                                 latency=5000))
+        if hedged:
+            attempts.append(_attempt(call, 2, source="b", role="hedge",
+                                     error="ok" if won else "hedge_cancelled", latency=3000))
+    for i in range(87, 100):
+        call = _call(i, total=90_000, generation=2000, ttft=500, active=1500)
+        calls.append(call)
+        attempts.append(_attempt(call, 1, source="a", latency=90_000))
+    for i, error in enumerate(("DeadlineExceeded", "DeadlineExceeded")):
+        call = _call(i, scope="other", total=30_000, generation=0, ttft=None, source=None,
+                     outcome="error", error_class=error, attempts=3)
+        calls.append(call)
+        attempts += [_attempt(call, n, source="c", error="transient") for n in (1, 2, 3)]
+    cancelled = _call(9, scope="other", total=1000, generation=0, ttft=None, source=None,
+                      outcome="cancelled", error_class="Cancelled")
+    calls.append(cancelled)
+    attempts.append(_attempt(cancelled, 1, source="c", error="cancelled"))
+    session = SessionEvent("s1", NOW, NOW, NOW, 1, "0.1.0", 0, 5, json.dumps({"chat": 3, "other": 2}))
+    path = tmp_path / "known.db"
+    sink = SQLiteSink.open(path)
+    sink.write(Batch(calls, attempts, session))
+    sink.close()
+    return path
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert main(["stats", *argv, "--json"]) == 0
+    report: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return report
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def test_quantile_and_tail_share() -> None:
+    assert quantile([], 0.5) is None
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0
+    values = [5000.0] * 87 + [90_000.0] * 13
+    assert tail_share(values, 13) == pytest.approx((13, 100 * 1_170_000 / 1_605_000))
+    assert tail_share(values, 0.5) == pytest.approx((1, 100 * 90_000 / 1_605_000))
+    assert tail_share([], 10) == (0, 0.0)
+
+
+def test_parse_since() -> None:
+    assert parse_since("30m", now=10_000) == 10_000 - 1800
+    assert parse_since("2d", now=1e6) == 1e6 - 2 * 86400
+    assert parse_since(" 1.5h ", now=10_000) == 10_000 - 5400
+    assert parse_since("2026-01-02T03:04:05+00:00") == 1767323045.0
+    for bad in ("yesterday", "5 parsecs", "", "-3h"):
+        with pytest.raises(ValueError, match="--since"):
+            parse_since(bad)
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def test_exact_figures(known_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = _json(capsys, "--db", f"sqlite://{known_db}", "--scope", "chat")
+    assert (r["calls"], r["attempts"], r["scope"]) == (100, 110, "chat")
+    latency = {row["source"]: row for row in r["latency"]}
+    assert latency["(all)"] | {} == {
+        "scope": "chat", "source": "(all)", "calls": 100,
+        "p50_ms": 5000, "p90_ms": 90_000, "p99_ms": 90_000, "max_ms": 90_000,
+    }
+    assert latency["b"]["calls"] == 7 and latency["a"]["calls"] == 93
+    tail = {t["slowest_pct"]: t for t in r["tail_share"]}
+    assert tail[13]["calls"] == 13
+    assert tail[13]["share_pct"] == pytest.approx(72.897, abs=1e-3)  # "13 % of calls ate 73 %"
+    w = r["waiting_vs_generating"]
+    assert w["total_ms"] == 1_605_000
+    assert w["waiting_ms"] == 87 * 200 + 13 * 88_000
+    assert w["waiting_pct"] == pytest.approx(100 * (87 * 200 + 13 * 88_000) / 1_605_000)
+    assert (w["ttft_ms"], w["stall_ms"]) == (87 * 800 + 13 * 500, 4 * 1000)
+    assert w["ttft_p50_ms"] == 800 and w["ttft_p99_ms"] == 800
+    assert (w["calls_with_stalls"], w["stalls"]) == (4, 4)
+    h = r["hedging"]
+    assert (h["hedged_calls"], h["hedges"], h["hedge_wins"]) == (10, 10, 7)
+    assert h["hedge_rate_pct"] == pytest.approx(10.0) and h["hedge_win_rate_pct"] == pytest.approx(70.0)
+    assert h["suppressed_by_budget"] == 3  # only scope "chat" of the session totals
+    assert r["attempts_per_call"] == {"mean": 1.1, "histogram": {"1": 90, "2": 10}}
+    sources = {s["source"]: s for s in r["sources"]}
+    assert sources["a"]["outcomes"] == {"ok": 93, "hedge_cancelled": 7}
+    assert sources["b"]["hedge_attempts"] == 10 and sources["b"]["failure_pct"] == 0
+    assert r["telemetry"] == {"sessions": 1, "rows_dropped": 5}
+
+
+def test_all_scopes_with_errors(known_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = _json(capsys, "--db", str(known_db))  # a plain path works too
+    assert r["calls"] == 103
+    assert r["outcomes"] == {"ok": 100, "error": 2, "cancelled": 1}
+    assert r["error_classes"] == {"DeadlineExceeded": 2, "Cancelled": 1}
+    other = {row["source"]: row for row in r["latency"] if row["scope"] == "other"}
+    assert other["(error)"]["calls"] == 2 and other["(cancelled)"]["max_ms"] == 1000
+    assert r["hedging"]["suppressed_by_budget"] == 5
+    assert r["attempts_per_call"]["histogram"] == {"1": 91, "2": 10, "3": 2}
+    c = next(s for s in r["sources"] if s["source"] == "c")
+    assert c["failure_pct"] == pytest.approx(100 * 6 / 7)
+    assert r["waiting_vs_generating"]["failed_calls"] == 3
+
+
+def test_text_report(known_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "--db", f"sqlite://{known_db}"]) == 0
+    out = capsys.readouterr().out
+    assert "103 calls, 117 attempts" in out
+    assert "outcomes: ok 100, error 2, cancelled 1 (DeadlineExceeded 2, Cancelled 1)" in out
+    assert "slowest 13 % (14 calls)" in out
+    assert "won by the hedge: 7 (70.0 % of hedged calls)" in out
+    assert "suppressed by the budget: 5" in out
+    assert "warning: 5 telemetry rows were dropped" in out
+    lines = [line.split() for line in out.splitlines()]
+    assert ["chat", "(all)", "100", "5.00", "s", "90.0", "s", "90.0", "s", "90.0", "s"] in lines
+
+
+def test_since_filters_calls(known_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    conn = sqlite3.connect(known_db)
+    conn.execute("UPDATE calls SET started_at = started_at - 7200 WHERE scope = 'other'")
+    conn.execute("UPDATE attempts SET started_at = started_at - 7200 WHERE scope = 'other'")
+    conn.commit()
+    conn.close()
+    assert _json(capsys, "--db", str(known_db), "--since", "1h")["calls"] == 100
+    assert _json(capsys, "--db", str(known_db), "--since", "3h")["calls"] == 103
+
+
+def test_plot(known_db: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "out.png"
+    assert main(["stats", "--db", str(known_db), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {png}" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib(
+    known_db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["stats", "--db", str(known_db), "--plot", str(tmp_path / "x.png")]) == 1
+    assert "pip install 'polygate[plot]'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- nothing to report
+
+
+def _stats_error(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(["stats", *argv])
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return code, captured.err
+
+
+def test_missing_database(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.db"
+    code, err = _stats_error(capsys, "--db", f"sqlite://{missing}")
+    assert code == 1
+    assert f"no telemetry database at {missing}" in err
+    assert "POLYGATE__TELEMETRY=sqlite:///" in err
+    assert not missing.exists()  # stats never creates a database
+
+
+def test_empty_database(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    SQLiteSink.open(tmp_path / "empty.db").close()
+    code, err = _stats_error(capsys, "--db", str(tmp_path / "empty.db"))
+    assert code == 1 and "no calls recorded in" in err
+
+
+def test_nothing_in_the_window(known_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _stats_error(capsys, "--db", str(known_db), "--scope", "nope", "--since", "1h")
+    assert code == 1 and "since 1h in scope 'nope'" in err
+
+
+def test_not_a_telemetry_database(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (x)")
+    conn.close()
+    code, err = _stats_error(capsys, "--db", str(path))
+    assert code == 1 and "is not a polygate telemetry database" in err
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not sqlite" * 100)
+    code, err = _stats_error(capsys, "--db", str(junk))
+    assert code == 1 and "cannot read" in err
+
+
+def test_newer_schema(known_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    conn = sqlite3.connect(known_db)
+    conn.execute("INSERT INTO polygate_schema VALUES (7, 0)")
+    conn.commit()
+    conn.close()
+    code, err = _stats_error(capsys, "--db", str(known_db))
+    assert code == 1 and "schema version 7, newer than this polygate supports" in err
+
+
+@pytest.mark.parametrize("argv", [["--since", "soon"], ["--tail", "0"], ["--tail", "x,5"]])
+def test_bad_arguments(known_db: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    code, err = _stats_error(capsys, "--db", str(known_db), *argv)
+    assert code == 2 and err.startswith("polygate stats: --")
+
+
+def test_unknown_url(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _stats_error(capsys, "--db", "mysql://u:hunter2-pw@h/db")
+    assert code == 1 and "unknown database URL 'mysql://u:***@h/db'" in err
+    assert "hunter2" not in err
+
+
+def test_default_database(tmp_path: Path) -> None:
+    env = {"HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
+    assert default_db(env) == f"sqlite://{tmp_path}/state/polygate/telemetry.db"
+    env["POLYGATE__TELEMETRY"] = "sqlite:///x/t.db"  # without scopes: read the key itself
+    assert default_db(env) == "sqlite:///x/t.db"
+    env["POLYGATE__CHAT__A__BASE_URL"] = "http://a/v1"
+    assert default_db(env) == "sqlite:///x/t.db"
+
+
+# --------------------------------------------------------------------------- from real sessions
+
+
+def test_rows_written_by_sessions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A session's own rows: hedges sent and won, one suppressed by the budget."""
+    db = tmp_path / "t.db"
+    settings = attrs.evolve(
+        two_source_settings(weights=FIRST_A, hedge=polygate.Hedge(after_s=8, budget_burst=1, budget_ratio=0.01)),
+        telemetry=f"sqlite://{db}",
+    )
+
+    async def calls() -> polygate.SessionStatistics:
+        a = FakeUpstream(Reply(first_token_s=20, tokens=4))
+        b = FakeUpstream(Reply(first_token_s=1, tokens=4))
+        async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+            for _ in range(3):
+                await s.chat(MESSAGES)
+            return await s.statistics()
+
+    stats = trio.run(calls, clock=trio.testing.MockClock(autojump_threshold=0))
+    suppressed = stats.governance.hedges_suppressed_by_budget["chat"]
+    assert suppressed >= 2  # the two calls after the first found the budget empty
+    r = _json(capsys, "--db", str(db))
+    assert r["calls"] == 3 and r["attempts"] == 4
+    assert r["hedging"]["hedged_calls"] == 1 and r["hedging"]["hedge_wins"] == 1
+    assert r["hedging"]["suppressed_by_budget"] == suppressed
+    latency = {row["source"]: row for row in r["latency"]}
+    assert latency["a"]["p50_ms"] == pytest.approx(20_000, rel=0.01)
+    assert latency["b"]["max_ms"] == pytest.approx(9_000, rel=0.01)
+    assert r["waiting_vs_generating"]["waiting_ms"] == pytest.approx(8000, rel=0.01)

@@ -1,0 +1,184 @@
+"""OpenTelemetry spans, collected with the SDK's in-memory exporter: a span per logical
+call, a child per attempt, GenAI attribute names, hedge role and cancellation reason,
+exact virtual durations.  Skipped when opentelemetry-sdk is not installed."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+pytest.importorskip("opentelemetry.sdk.trace", reason="opentelemetry-sdk is not installed")
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
+from opentelemetry.trace import SpanKind, StatusCode
+
+import polygate
+import polygate._session
+from polygate.telemetry import open_telemetry
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import FIRST_A, MESSAGES, SECRET, two_source_settings
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def provider(exporter: InMemorySpanExporter) -> TracerProvider:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider
+
+
+@pytest.fixture
+def traced(monkeypatch: pytest.MonkeyPatch, provider: TracerProvider) -> TracerProvider:
+    """Sessions opened in the test trace to ``provider``."""
+    monkeypatch.setattr(
+        polygate._session, "open_telemetry",
+        functools.partial(open_telemetry, tracer_provider=provider),
+    )
+    return provider
+
+
+def _settings(**kw: Any) -> polygate.Settings:
+    source_kw = {"model": "m1"}
+    return two_source_settings(
+        weights=FIRST_A, hedge=polygate.Hedge(after_s=8), source_kw=source_kw, **kw
+    )
+
+
+def _by_name(spans: tuple[ReadableSpan, ...]) -> tuple[ReadableSpan, list[ReadableSpan]]:
+    [call] = [s for s in spans if s.kind is SpanKind.INTERNAL]
+    attempts = sorted((s for s in spans if s.kind is SpanKind.CLIENT), key=lambda s: s.start_time or 0)
+    return call, attempts
+
+
+def _ms(span: ReadableSpan) -> float:
+    assert span.start_time is not None and span.end_time is not None
+    return (span.end_time - span.start_time) / 1e6
+
+
+async def test_hedged_call_spans(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=20, tokens=4))
+    b = FakeUpstream(Reply(first_token_s=1, inter_token_s=0.5, tokens=4))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    call, (loser, winner) = _by_name(exporter.get_finished_spans())
+    assert call.name == "chat chat"
+    attrs = dict(call.attributes or {})
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["polygate.logical_call_id"] == r.call_stats.logical_call_id
+    assert (attrs["polygate.attempts"], attrs["polygate.hedges"], attrs["polygate.hedge_won"]) == (2, 1, True)
+    assert attrs["polygate.source"] == "b"
+    assert attrs["gen_ai.usage.output_tokens"] == 4
+    assert attrs["polygate.ttft_ms"] == pytest.approx(1000)
+    assert _ms(call) == pytest.approx(10_500, abs=0.01)
+    for child in (loser, winner):
+        assert child.parent is not None and child.parent.span_id == call.context.span_id
+        assert child.context.trace_id == call.context.trace_id
+        assert child.name == "chat m1"
+    la, wa = dict(loser.attributes or {}), dict(winner.attributes or {})
+    assert (la["polygate.attempt.role"], la["polygate.source"]) == ("primary", "a")
+    assert la["polygate.attempt.outcome"] == la["polygate.attempt.cancel_reason"] == "hedge_cancelled"
+    assert loser.status.status_code is StatusCode.UNSET  # losing a race is not an error
+    assert (wa["polygate.attempt.role"], wa["polygate.source"]) == ("hedge", "b")
+    assert "polygate.attempt.cancel_reason" not in wa
+    assert wa["gen_ai.request.model"] == "m1"
+    assert (wa["server.address"], wa["http.response.status_code"]) == ("b", 200)
+    assert wa["gen_ai.usage.output_tokens"] == 4
+    assert _ms(loser) == pytest.approx(10_500, abs=0.01)
+    assert _ms(winner) == pytest.approx(2_500, abs=0.01)
+    assert winner.start_time is not None and call.start_time is not None
+    assert (winner.start_time - call.start_time) / 1e9 == pytest.approx(8, abs=1e-5)
+
+
+async def test_call_span_is_a_child_of_the_callers_span(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    tracer = traced.get_tracer("app")
+    async with polygate.session(_settings(), transport=Router({"a": FakeUpstream(Reply())})) as s:
+        with tracer.start_as_current_span("handle request") as app:
+            await s.chat(MESSAGES)
+    [call] = [s for s in exporter.get_finished_spans() if s.name == "chat chat"]
+    assert call.parent is not None and call.parent.span_id == app.get_span_context().span_id
+
+
+async def test_failed_call_spans(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    import attrs
+
+    settings = attrs.evolve(
+        _settings(retry=polygate.Retry(max_attempts=2, backoff_base_s=0)), log_content=True
+    )
+    leak = Reply(status=503, error_body={"error": {"message": f"key {SECRET}"}})
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(leak), "b": FakeUpstream(leak)})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat([{"role": "user", "content": f"secret {SECRET}"}])
+    spans = exporter.get_finished_spans()
+    call, attempts = _by_name(spans)
+    assert call.status.status_code is StatusCode.ERROR
+    assert dict(call.attributes or {})["error.type"] == "AllSourcesExhausted"
+    assert len(attempts) == 2
+    for span in attempts:
+        a = dict(span.attributes or {})
+        assert span.status.status_code is StatusCode.ERROR
+        assert (a["error.type"], a["http.response.status_code"]) == ("TransientUpstreamError", 503)
+        assert a["polygate.attempt.outcome"] == "transient"
+    dump = json.dumps([dict(s.attributes or {}) for s in spans]) + "".join(
+        str(s.status.description) for s in spans)
+    assert "***" in dump and SECRET not in dump
+
+
+async def test_cancelled_call_span(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    async with polygate.session(_settings(), transport=Router({"a": FakeUpstream(Reply(first_token_s=60))})) as s:
+        with trio.move_on_after(3):
+            await s.chat(MESSAGES)
+    call, [attempt] = _by_name(exporter.get_finished_spans())
+    assert dict(call.attributes or {})["polygate.cancelled"] is True
+    assert call.status.status_code is StatusCode.UNSET
+    assert _ms(call) == pytest.approx(3000, abs=0.01)
+    assert dict(attempt.attributes or {})["polygate.attempt.cancel_reason"] == "cancelled"
+
+
+async def test_global_provider_is_picked_up(
+    monkeypatch: pytest.MonkeyPatch, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    async with polygate.session(_settings(), transport=Router({"a": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)
+    assert exporter.get_finished_spans() == ()  # the API's default provider: no tracing
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    async with polygate.session(_settings(), transport=Router({"a": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)
+    assert len(exporter.get_finished_spans()) == 2
+
+
+async def test_spans_and_rows_together(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider,
+    exporter: InMemorySpanExporter, tmp_path: Any,
+) -> None:
+    import attrs
+
+    settings = attrs.evolve(_settings(), telemetry=f"sqlite://{tmp_path}/t.db")
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        await s.embed(["x"], scope="chat")
+        stats = await s.statistics()
+    call, [attempt] = _by_name(exporter.get_finished_spans())
+    assert call.name == "embeddings chat" and attempt.name == "embeddings m1"
+    assert stats.telemetry.sink == "sqlite"

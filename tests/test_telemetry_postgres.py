@@ -1,0 +1,276 @@
+"""The PostgreSQL sink against a real server that these tests start themselves
+(``tests/_postgres_server.py``): rows, schema versioning, connection errors at session
+start, a server lost and found at run time, a stuck write cancelled server-side, and
+the password kept out of everything."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+import polygate
+import polygate._session
+from polygate.cli import main as cli_main
+from polygate.telemetry import SCHEMA_VERSION, CallEvent, open_telemetry
+from polygate.testing import FakeUpstream, Reply, Router
+
+from ._postgres_server import PgServer, postgres_server
+from .conftest import FIRST_A, MESSAGES, SECRET, two_source_settings
+
+PG_PASSWORD = "pg-SECRET-pass-7f3a9"
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[PgServer]:
+    with postgres_server(PG_PASSWORD) as server:
+        yield server
+
+
+@pytest.fixture
+def pg_url(pg: PgServer, request: pytest.FixtureRequest) -> str:
+    """A fresh database per test."""
+    import psycopg
+
+    name = "t_" + request.node.name.lower().replace("[", "_").replace("]", "").replace("-", "_")[:50]
+    with psycopg.connect(pg.url(), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return pg.url(name)
+
+
+def _query(url: str, sql: str) -> list[tuple[Any, ...]]:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def _dicts(url: str, table: str) -> list[dict[str, Any]]:
+    return [r[0] for r in _query(url, f"SELECT row_to_json(t) FROM {table} t ORDER BY started_at")]
+
+
+def _settings(url: str, **kw: Any) -> polygate.Settings:
+    return attrs.evolve(two_source_settings(weights=FIRST_A, hedge=polygate.Hedge(after_s=8)),
+                        telemetry=url, **kw)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+async def test_rows_in_postgres(autojump_clock: trio.testing.MockClock, pg_url: str) -> None:
+    a = FakeUpstream([Reply(first_token_s=20, tokens=4), Reply(status=500), Reply()])
+    b = FakeUpstream(Reply(first_token_s=1, inter_token_s=0.5, tokens=4))
+    async with polygate.session(_settings(pg_url), transport=Router({"a": a, "b": b})) as s:
+        hedged = await s.chat(MESSAGES)
+        await s.chat(MESSAGES)
+        stats = (await s.statistics()).telemetry
+    assert stats.sink == "postgresql"
+    calls = _dicts(pg_url, "calls")
+    assert len(calls) == 2
+    first = next(c for c in calls if c["logical_call_id"] == hedged.call_stats.logical_call_id)
+    assert (first["attempts"], first["hedges"], first["hedge_won"], first["source"]) == (2, 1, 1, "b")
+    assert first["total_latency_ms"] == pytest.approx(hedged.call_stats.total_latency_ms)
+    assert first["ttft_ms"] == pytest.approx(1000)
+    attempts = _dicts(pg_url, "attempts")
+    assert sorted(a["error"] for a in attempts) == ["hedge_cancelled", "ok", "ok", "transient"]
+    assert {a["role"] for a in attempts} == {"primary", "hedge"}
+    [session_row] = _dicts(pg_url, "sessions")
+    assert session_row["rows_written"] == 6 and session_row["ended_at"] is not None
+    assert json.loads(session_row["hedges_suppressed"]) == {}
+    assert _query(pg_url, "SELECT version FROM polygate_schema") == [(SCHEMA_VERSION,)]
+
+
+async def test_schema_columns_match_the_events(pg_url: str) -> None:
+    async with polygate.session(_settings(pg_url), transport=Router({})):
+        pass
+    columns = _query(
+        pg_url,
+        "SELECT column_name FROM information_schema.columns WHERE table_name = 'calls' "
+        "ORDER BY ordinal_position",
+    )
+    assert tuple(c[0] for c in columns) == CallEvent._fields
+
+
+async def test_newer_schema_refused(pg_url: str) -> None:
+    async with polygate.session(_settings(pg_url), transport=Router({})):
+        pass
+    _query(pg_url, "INSERT INTO polygate_schema VALUES (42, 0) RETURNING version")
+    with pytest.raises(polygate.ConfigError, match="schema version 42, newer"):
+        async with polygate.session(_settings(pg_url), transport=Router({})):
+            pass  # pragma: no cover
+
+
+async def test_two_sessions_start_on_a_fresh_database_at_once(pg_url: str) -> None:
+    async def one() -> None:
+        async with polygate.session(_settings(pg_url), transport=Router({})):
+            await trio.sleep(0.1)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(one)
+    assert _query(pg_url, "SELECT count(*) FROM polygate_schema") == [(1,)]
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("problem", ["no server", "wrong password", "no database"])
+async def test_unreachable_at_start_is_a_config_error(pg: PgServer, problem: str) -> None:
+    if problem == "no server":
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        url = f"postgresql://polygate:{PG_PASSWORD}@127.0.0.1:{port}/postgres"
+    elif problem == "wrong password":
+        url = pg.url(password="wrong-" + PG_PASSWORD)
+    else:
+        url = pg.url("no_such_database")
+    t0 = time.monotonic()
+    with pytest.raises(polygate.ConfigError) as info:
+        async with polygate.session(_settings(url), transport=Router({})):
+            pass  # pragma: no cover
+    assert time.monotonic() - t0 < 10
+    message = str(info.value)
+    assert "telemetry database postgresql://polygate:***@127.0.0.1" in message
+    assert PG_PASSWORD not in message and "wrong-" not in message
+
+
+# --------------------------------------------------------------------------- at run time
+
+
+def _use_sink(monkeypatch: pytest.MonkeyPatch, url: str, **options: Any) -> Any:
+    from polygate.telemetry._postgres import PostgresSink
+
+    sink = PostgresSink.open(url)
+    sink._reconnect_s = 0.05
+    monkeypatch.setattr(
+        polygate._session, "open_telemetry", functools.partial(open_telemetry, sink=sink, **options)
+    )
+    return sink
+
+
+def _kill_telemetry_connections(pg: PgServer) -> int:
+    rows = _query(
+        pg.url(),
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE application_name = 'polygate-telemetry'",
+    )
+    return len(rows)
+
+
+async def test_server_lost_and_found_at_run_time(
+    monkeypatch: pytest.MonkeyPatch, pg: PgServer, pg_url: str
+) -> None:
+    """Killed connections drop rows (counted), calls never fail, and writing resumes."""
+    _use_sink(monkeypatch, pg_url, linger_s=0)
+    settings = _settings(pg_url)
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)
+        await trio.sleep(0.3)
+        before = (await s.statistics()).telemetry
+        assert before.written == 2
+        assert _kill_telemetry_connections(pg) == 1
+        for _ in range(3):
+            await s.chat(MESSAGES)  # calls carry on while the sink is broken
+            await trio.sleep(0.3)
+        after = (await s.statistics()).telemetry
+    assert after.write_errors >= 1 and after.dropped_sink_error >= 1
+    assert after.last_error is not None and PG_PASSWORD not in after.last_error
+    assert after.written + after.dropped == 8
+    assert after.written > 2  # it reconnected and wrote again
+    assert len(_dicts(pg_url, "calls")) + len(_dicts(pg_url, "attempts")) == after.written
+
+
+async def test_a_stuck_write_is_cancelled_server_side(
+    monkeypatch: pytest.MonkeyPatch, pg: PgServer, pg_url: str
+) -> None:
+    """A table lock makes the COPY wait; the pipeline abandons the write after its
+    timeout and cancel_safe() ends the query on the server."""
+    import psycopg
+
+    sink = _use_sink(monkeypatch, pg_url, linger_s=0, write_timeout_s=0.5)
+    settings = _settings(pg_url)
+    with psycopg.connect(pg_url) as locker:
+        locker.execute("LOCK TABLE calls IN ACCESS EXCLUSIVE MODE")  # held until commit
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+            await s.chat(MESSAGES)
+            await trio.sleep(1.5)
+            stats = (await s.statistics()).telemetry
+            assert stats.write_errors == 1 and "longer than 0.5 s" in (stats.last_error or "")
+            waiting = _query(
+                pg.url(),
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                "'polygate-telemetry' AND wait_event_type = 'Lock'",
+            )
+            assert waiting == [(0,)]  # the server cancelled the COPY
+            locker.rollback()
+            await s.chat(MESSAGES)
+            await trio.sleep(0.5)
+            assert (await s.statistics()).telemetry.written >= 2
+    assert not sink._lock.locked()
+
+
+async def test_password_is_nowhere(
+    autojump_clock: trio.testing.MockClock,
+    pg_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    settings = _settings(pg_url, log_content=True)
+    leak = Reply(status=500, error_body={"error": {"message": f"echo {SECRET} {PG_PASSWORD}"}})
+    router = Router({"a": FakeUpstream(leak), "b": FakeUpstream(leak)})
+    async with polygate.session(settings, transport=router) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat([{"role": "user", "content": f"{SECRET} {PG_PASSWORD}"}])
+        stats = await s.statistics()
+        assert PG_PASSWORD not in repr(s) and PG_PASSWORD not in repr(settings)
+    everything = json.dumps([_dicts(pg_url, t) for t in ("calls", "attempts")]) + json.dumps(
+        _query(pg_url, "SELECT row_to_json(t) FROM sessions t"))
+    assert "***" in everything
+    for secret in (SECRET, PG_PASSWORD):
+        assert secret not in everything
+        assert secret not in caplog.text
+        assert secret not in repr(stats)
+
+
+# --------------------------------------------------------------------------- stats
+
+
+async def test_polygate_stats_reads_postgres(
+    autojump_clock: trio.testing.MockClock, pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = FakeUpstream(Reply(first_token_s=20, tokens=4))
+    b = FakeUpstream(Reply(first_token_s=1, tokens=4))
+    async with polygate.session(_settings(pg_url), transport=Router({"a": a, "b": b})) as s:
+        for _ in range(3):
+            await s.chat(MESSAGES)
+    code = await trio.to_thread.run_sync(cli_main, ["stats", "--db", pg_url, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["calls"] == 3 and report["hedging"]["hedged_calls"] == 3
+    assert PG_PASSWORD not in out + err
+
+
+def test_ci_flag_turns_a_skip_into_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests import _postgres_server
+
+    monkeypatch.setattr(_postgres_server, "_bin_dir", lambda: None)
+    monkeypatch.setenv("POLYGATE_CI", "1")
+    with pytest.raises(pytest.fail.Exception, match="POLYGATE_CI=1"):
+        _postgres_server.require_postgres()
+    monkeypatch.delenv("POLYGATE_CI")
+    with pytest.raises(pytest.skip.Exception, match="not found"):
+        _postgres_server.require_postgres()
+
