@@ -118,6 +118,15 @@ async def test_closing_without_a_flusher_still_writes_the_queue() -> None:
     assert len(sink.calls) == 10 and pipeline.statistics().written == 10
 
 
+async def test_a_flusher_started_after_close_does_nothing() -> None:
+    sink = ListSink()
+    pipeline = Pipeline(sink, session_id="s")
+    pipeline.send.send_nowait(_event(0))
+    await pipeline.aclose()
+    await pipeline.run()  # scheduled late: returns at once, no error
+    assert len(sink.calls) == 1 and pipeline.statistics().written == 1
+
+
 async def test_failing_sink_counts_drops_and_keeps_going(caplog: pytest.LogCaptureFixture) -> None:
     sink = ListSink(fail=True)
     pipeline = Pipeline(sink, session_id="s", linger_s=0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -124,6 +125,10 @@ async def _bounded_open(url: str, opener: Any) -> Sink:
 
 
 def _otel_recorder(settings: Settings, tracer_provider: Any) -> Recorder | None:
+    if tracer_provider is None and "opentelemetry.trace" not in sys.modules:
+        # An application that never imported OpenTelemetry has set no provider: skip
+        # the import (tens of milliseconds) at every session start.
+        return None
     try:
         from ._otel import OtelRecorder, tracer_if_configured
     except ImportError:

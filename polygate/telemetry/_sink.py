@@ -261,6 +261,8 @@ class Pipeline:
     async def run(self, governance: _GovernanceLike | None = None) -> None:
         """The flusher: runs in the session's nursery until the channel is closed and
         drained (or it is cancelled)."""
+        if self._closing:  # closed before the flusher ever ran: aclose wrote the queue
+            return
         self._governance = governance
         self._running = True
         self._next_summary = time.monotonic()  # a first sessions row with the first batch
@@ -282,7 +284,7 @@ class Pipeline:
     async def _next_batch(self) -> list[Event] | None:
         try:
             first = await self._receive.receive()
-        except trio.EndOfChannel:
+        except (trio.EndOfChannel, trio.ClosedResourceError):
             return None
         buffered = self._receive.statistics().current_buffer_used
         if self.linger_s > 0 and buffered < self.max_batch // 2 and not self._closing:
@@ -337,8 +339,9 @@ class Pipeline:
         suppressed: Mapping[str, int] = {}
         if self._governance is not None:
             try:
-                stats = await self._governance.statistics()
-                suppressed = stats.hedges_suppressed_by_budget
+                with trio.move_on_after(2.0):  # a shared backend may be slow to answer
+                    stats = await self._governance.statistics()
+                    suppressed = stats.hedges_suppressed_by_budget
             except Exception:  # governance trouble is reported by the calls themselves
                 suppressed = {}
         now = time.time()
