@@ -230,7 +230,7 @@ async def run_chat(
         return _chat_response(ctx, record, result)
 
     response = await _with_deadline(ctx, deadline_s, body)
-    runtime.recorder.call(ctx, response.call_stats, response.usage, None)
+    runtime.recorder.call(ctx, response.call_stats, response.usage, None, response.message)
     return response
 
 

@@ -27,7 +27,8 @@ class Recorder(Protocol):
     Both methods are synchronous and must not block: they run in ``finally`` blocks,
     possibly inside cancelled scopes.  ``call`` gets the call's frozen statistics;
     ``error`` is the exception the call ended with (a polygate error, or
-    ``trio.Cancelled`` when the caller cancelled it), ``None`` on success.
+    ``trio.Cancelled`` when the caller cancelled it), ``None`` on success; ``output``
+    the answer's assembled message, for telemetry that stores content when asked.
     """
 
     def attempt(self, ctx: CallContext, record: AttemptRecord) -> None: ...
@@ -38,6 +39,7 @@ class Recorder(Protocol):
         stats: CallStats,
         usage: Usage | None,
         error: BaseException | None,
+        output: Mapping[str, Any] | None = None,
     ) -> None: ...
 
 
@@ -51,6 +53,7 @@ class NullRecorder:
         stats: CallStats,
         usage: Usage | None,
         error: BaseException | None,
+        output: Mapping[str, Any] | None = None,
     ) -> None:
         return None
 

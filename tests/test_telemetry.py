@@ -191,10 +191,10 @@ async def test_content_only_when_asked(autojump_clock: trio.testing.MockClock, t
         db = tmp_path / f"{log_content}.db"
         settings = _with_telemetry(two_source_settings(names=("a",)), db, log_content=log_content)
         async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
-            await s.chat(MESSAGES)
+            r = await s.chat(MESSAGES)
         [call] = _rows(db, "calls")
         if log_content:
-            assert json.loads(call["content"]) == {"messages": MESSAGES}
+            assert json.loads(call["content"]) == {"messages": MESSAGES, "output": r.message}
         else:
             assert call["content"] is None
 

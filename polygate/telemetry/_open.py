@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -81,10 +81,15 @@ class _Both:
         self._b.attempt(ctx, record)
 
     def call(
-        self, ctx: CallContext, stats: CallStats, usage: Usage | None, error: BaseException | None
+        self,
+        ctx: CallContext,
+        stats: CallStats,
+        usage: Usage | None,
+        error: BaseException | None,
+        output: Mapping[str, Any] | None = None,
     ) -> None:
-        self._a.call(ctx, stats, usage, error)
-        self._b.call(ctx, stats, usage, error)
+        self._a.call(ctx, stats, usage, error, output)
+        self._b.call(ctx, stats, usage, error, output)
 
 
 async def open_sink(url: str) -> Sink | None:

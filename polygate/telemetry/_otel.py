@@ -22,6 +22,7 @@ OpenAI-compatible upstream may be any server, and polygate does not know which.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -74,6 +75,7 @@ class OtelRecorder:
         stats: CallStats,
         usage: Usage | None,
         error: BaseException | None,
+        output: Mapping[str, Any] | None = None,
     ) -> None:
         try:
             self._spans(ctx, stats, usage, error)

@@ -14,7 +14,10 @@ longer than an exception.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import trio
 
@@ -63,11 +66,12 @@ class TelemetryRecorder:
         stats: CallStats,
         usage: Usage | None,
         error: BaseException | None,
+        output: Mapping[str, Any] | None = None,
     ) -> None:
         try:
             event: Event = call_event(
                 ctx, stats, usage, error, _wall_offset(), session_id=self.session_id,
-                log_content=self._log_content, secrets=self._secrets,
+                log_content=self._log_content, secrets=self._secrets, output=output,
             )
         except Exception:
             self._counters.recorder_errors += 1
@@ -142,6 +146,7 @@ def call_event(
     session_id: str,
     log_content: bool = False,
     secrets: tuple[str, ...] = (),
+    output: Mapping[str, Any] | None = None,
 ) -> CallEvent:
     """Freeze one finished logical call.  ``error``: ``None`` on success, a polygate
     error (or a bug's exception) when it failed, ``trio.Cancelled`` (any
@@ -155,7 +160,8 @@ def call_event(
         outcome, error_class, message = "cancelled", type(error).__name__, None
     content = None
     if log_content and ctx.kind == "chat":
-        content = redact('{"messages":' + ctx.messages_json + "}", secrets)
+        answer = json.dumps(output, ensure_ascii=False, default=str) if output is not None else "null"
+        content = redact('{"messages":' + ctx.messages_json + ',"output":' + answer + "}", secrets)
     return CallEvent(
         session_id=session_id,
         logical_call_id=ctx.logical_call_id,
