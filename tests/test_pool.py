@@ -515,3 +515,93 @@ async def test_polygate_default_session_runs_on_real_sockets() -> None:
     assert (retried.text, retried.source) == ("The quick", "b")
     assert (hedged.text, hedged.source) == ("The quick", "b")
     assert a.statistics().connections <= 3  # kept alive across the first calls
+
+
+async def test_an_invalid_request_is_refused_before_any_connection() -> None:
+    async with LeanTransport() as transport:
+        request = httpx.Request("POST", "http://127.0.0.1:9/v1", content=b"{}")
+        request.headers["x-evil"] = "a\r\nInjected: yes"
+        with pytest.raises(httpx.LocalProtocolError):
+            await transport.handle_async_request(request)
+        assert transport.statistics().opened == 0
+
+
+# --------------------------------------------------------------------------- request bytes
+
+
+def _h11_bytes(request: httpx.Request) -> bytes:
+    conn = h11.Connection(h11.CLIENT)
+    head = h11.Request(method=request.method, target=request.url.raw_path,
+                       headers=request.headers.raw)
+    data = conn.send(head) or b""
+    if request.content:
+        data += conn.send(h11.Data(data=request.content)) or b""
+    return data + (conn.send(h11.EndOfMessage()) or b"")
+
+
+@pytest.mark.parametrize("request_", [
+    httpx.Request("POST", "http://h:1/v1/chat/completions?x=1", content=JSON_BODY,
+                  headers={"Authorization": "Bearer k", "x-polygate-call-id": "c1"}),
+    httpx.Request("GET", "http://h/v1/models"),
+    httpx.Request("HEAD", "https://h.example/"),
+    httpx.Request("POST", "http://h/", content=b""),
+    httpx.Request("DELETE", "http://[::1]:8080/x", headers={"x-tab": "a\tb"}),
+], ids=["post", "get", "head", "empty-post", "ipv6-delete"])
+def test_requests_are_written_exactly_as_h11_writes_them(request_: httpx.Request) -> None:
+    from polygate.transport._pool import _encode
+
+    assert _encode(request_.method, request_.url.raw_path, request_.headers.raw,
+                   request_.content) == _h11_bytes(request_)
+
+
+@pytest.mark.parametrize("headers", [
+    {"connection": "close"}, {"transfer-encoding": "chunked"}, {"expect": "100-continue"},
+    {"upgrade": "websocket"}, {"content-length": "99"}, {"x-bad": "a\r\nb"}, {"bad name": "v"},
+])
+def test_unusual_requests_are_left_to_h11(headers: dict[str, str]) -> None:
+    from polygate.transport._pool import _encode
+
+    request = httpx.Request("POST", "http://h/", content=b"{}")
+    request.headers.update(headers)
+    assert _encode(request.method, request.url.raw_path, request.headers.raw, b"{}") is None
+
+
+async def test_a_chunked_request_body_goes_through_h11() -> None:
+    up = FakeUpstream(Reply(tokens=2))
+
+    async def body() -> AsyncIterator[bytes]:
+        yield JSON_BODY[:10]
+        yield JSON_BODY[10:]
+
+    async with up.serve() as url, httpx.AsyncClient(transport=LeanTransport()) as client:
+        response = await client.post(url + CHAT, content=body())
+        assert response.status_code == 200
+        assert up.requests[0].headers["transfer-encoding"] == "chunked"
+        assert up.requests[0].body == json.loads(JSON_BODY)
+
+
+async def test_a_request_saying_connection_close_is_not_kept_alive() -> None:
+    up = FakeUpstream(Reply(tokens=2))
+    async with up.serve() as url, LeanTransport() as transport:
+        for _ in range(2):
+            request = post(url)
+            request.headers["connection"] = "close"
+            assert (await fetch(transport, request)).status_code == 200
+        assert up.statistics().connections == 2
+        assert transport.statistics().idle == 0
+
+
+async def test_a_head_response_has_no_body_and_keeps_its_connection() -> None:
+    async def handler(stream: trio.SocketStream, _n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        while await read_request(stream, conn):
+            head = h11.Response(status_code=200, headers=[("content-length", "1000")])
+            await stream.send_all(conn.send(head) + conn.send(h11.EndOfMessage()))  # type: ignore[operator]
+            conn.start_next_cycle()
+
+    async with raw_server(handler) as url, LeanTransport() as transport:
+        for _ in range(3):
+            with trio.fail_after(5):
+                response = await fetch(transport, httpx.Request("HEAD", url))
+            assert (response.headers["content-length"], response.content) == ("1000", b"")
+        assert transport.statistics().opened == 1

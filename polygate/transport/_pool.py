@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 import ssl
 import sys
 import time
@@ -236,7 +237,14 @@ class LeanTransport(httpx.AsyncBaseTransport):
         except httpx.RequestNotRead:
             body = await request.aread()  # a streamed body: read once, replayable after
         timeouts = _timeouts(request.extensions)
-        head = h11.Request(method=request.method, target=url.raw_path, headers=request.headers.raw)
+        wire = _encode(request.method, url.raw_path, request.headers.raw, body)
+        if wire is None:  # h11 validates and frames it (or says why it cannot)
+            try:
+                head = h11.Request(
+                    method=request.method, target=url.raw_path, headers=request.headers.raw
+                )
+            except h11.LocalProtocolError as exc:  # a header with CR/LF, no Host, ...
+                raise httpx.LocalProtocolError(str(exc), request=request) from exc
 
         for attempt in (1, 2):
             conn, reused = await self._acquire(key, request, timeouts)
@@ -244,10 +252,15 @@ class LeanTransport(httpx.AsyncBaseTransport):
             got_bytes = False
             error_class: type[httpx.TransportError] = httpx.WriteError
             try:
-                data = h.send(head) or b""
-                if body:
-                    data += h.send(h11.Data(data=body)) or b""
-                data += h.send(h11.EndOfMessage()) or b""
+                if wire is not None:
+                    h.send(_stand_in(request.method))
+                    h.send(_END)
+                    data = wire
+                else:
+                    data = h.send(head) or b""
+                    if body:
+                        data += h.send(h11.Data(data=body)) or b""
+                    data += h.send(_END) or b""
                 await conn.send(data, timeouts[3])
                 error_class = httpx.ReadError
                 while True:
@@ -540,6 +553,64 @@ class _Body(httpx.AsyncByteStream):
         except h11.RemoteProtocolError:
             pass
         self._pool._discard(conn)
+
+
+# ----------------------------------------------------------------------- the request
+#
+# h11 drives every connection's state machine and parses every response.  The
+# request itself, in the common case, is written here: httpx has just built its
+# headers, and h11's re-validation and re-encoding of them cost more than the rest
+# of this module's work per request.  h11 is told that a request of that method went
+# out through a stand-in event (cached, validated once) with no body, so its state --
+# what the response to a HEAD looks like, when the exchange is over -- is exactly
+# what the real request gives it.  Anything unusual goes through h11's own writer.
+
+_TOKEN: Final = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE: Final = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")  # no CR, LF, NUL or other CTL
+_TARGET: Final = re.compile(rb"[\x21-\x7e\x80-\xff]+")
+#: Request headers that change framing or the connection's fate: h11 handles them.
+_H11_ONLY: Final = frozenset({b"connection", b"transfer-encoding", b"upgrade", b"expect", b"te"})
+_END: Final = h11.EndOfMessage()
+_STAND_INS: dict[str, h11.Request] = {}
+
+
+def _encode(
+    method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+) -> bytes | None:
+    """The request's bytes, or ``None`` when h11 should write it: framing other than
+    a Content-Length that matches the body, a header h11 must see, or anything that
+    fails validation (h11 then raises the precise error)."""
+    raw_method = method.encode("ascii", "replace")
+    if not _TOKEN.fullmatch(raw_method) or not _TARGET.fullmatch(target):
+        return None
+    parts = [raw_method, b" ", target, b" HTTP/1.1\r\n"]
+    hosts = 0
+    length: bytes | None = None
+    for name, value in headers:
+        lower = name.lower()
+        if lower in _H11_ONLY or not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+            return None
+        if lower == b"host":
+            hosts += 1
+        elif lower == b"content-length":
+            if length is not None:
+                return None
+            length = value
+        parts += (name, b": ", value, b"\r\n")
+    if hosts != 1 or (length if length is not None else b"0") != b"%d" % len(body):
+        return None
+    parts += (b"\r\n", body)
+    return b"".join(parts)
+
+
+def _stand_in(method: str) -> h11.Request:
+    """A bodiless request of ``method`` for h11's state machine (see above)."""
+    event = _STAND_INS.get(method)
+    if event is None:
+        event = h11.Request(method=method, target="/", headers=[("host", "-")])
+        if len(_STAND_INS) < 16:  # methods are few; never let odd ones grow this
+            _STAND_INS[method] = event
+    return event
 
 
 def _timeouts(extensions: Mapping[str, Any]) -> tuple[float | None, ...]:
