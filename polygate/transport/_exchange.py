@@ -16,7 +16,7 @@ import sys
 from array import array
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import httpx
@@ -38,6 +38,7 @@ from ._wire import Endpoint, Limits, chat_body, embeddings_body, raise_for_statu
 __all__ = ["OnContent", "Timeline", "chat_exchange", "embeddings_exchange"]
 
 _log = logging.getLogger("polygate.transport")
+T = TypeVar("T")
 # json.loads on bytes first sniffs the encoding in Python; SSE is UTF-8 by definition.
 _decode_json = json.JSONDecoder().decode
 
@@ -77,27 +78,40 @@ async def chat_exchange(
 ) -> dict[str, Any]:
     """Run one chat completion and return the (assembled) non-streamed response body."""
     stream = endpoint.streaming
-    request = httpx.Request(
-        "POST",
-        endpoint.chat_url,
-        content=chat_body(endpoint, messages_json, params, stream),
-        headers=endpoint.headers(call_id),
-    )
+
+    async def read(response: httpx.Response) -> dict[str, Any]:
+        ctype = response.headers.get("content-type", "")
+        if stream and "text/event-stream" in ctype:
+            timeline.streamed = True
+            return await _read_sse(response, endpoint, limits, timeline, on_content)
+        return await _read_chat_json(response, endpoint, limits, ctype)
+
+    body = chat_body(endpoint, messages_json, params, stream)
+    return await _exchange(transport, endpoint, endpoint.chat_url, body, call_id, timeline, read)
+
+
+async def _exchange(
+    transport: httpx.AsyncBaseTransport,
+    endpoint: Endpoint,
+    url: httpx.URL,
+    body: bytes,
+    call_id: str | None,
+    timeline: Timeline,
+    read: Callable[[httpx.Response], Awaitable[T]],
+) -> T:
+    """POST ``body``, check the status, ``read`` the response, close it, and turn any
+    failure into one UpstreamError; the timeline records send, status and end."""
+    request = httpx.Request("POST", url, content=body, headers=endpoint.headers(call_id))
     try:
         timeline.sent_at = trio.current_time()
         response = await _send(transport, request)
         try:
             timeline.status_code = response.status_code
             await raise_for_status(response, endpoint)
-            ctype = response.headers.get("content-type", "")
-            if stream and "text/event-stream" in ctype:
-                timeline.streamed = True
-                body = await _read_sse(response, endpoint, limits, timeline, on_content)
-            else:
-                body = await _read_chat_json(response, endpoint, limits, ctype)
+            result = await read(response)
             if timeline.ended_at is None:
                 timeline.ended_at = trio.current_time()
-            return body
+            return result
         finally:
             await _close(response)
     except UpstreamError:
@@ -272,27 +286,15 @@ async def embeddings_exchange(
     call_id: str | None = None,
 ) -> tuple[list[list[float]], dict[str, Any]]:
     """Run one embeddings request; vectors come back in input order."""
-    request = httpx.Request(
-        "POST",
-        endpoint.embeddings_url,
-        content=embeddings_body(endpoint, inputs, params),
-        headers=endpoint.headers(call_id),
-    )
-    try:
-        timeline.sent_at = trio.current_time()
-        response = await _send(transport, request)
-        try:
-            timeline.status_code = response.status_code
-            await raise_for_status(response, endpoint)
-            payload = await _read_json(response, endpoint, limits)
-            timeline.ended_at = trio.current_time()
-        finally:
-            await _close(response)
+
+    async def read(response: httpx.Response) -> tuple[list[list[float]], dict[str, Any]]:
+        payload = await _read_json(response, endpoint, limits)
         return _vectors(payload, len(inputs), endpoint), payload
-    except UpstreamError:
-        raise
-    except Exception as exc:
-        raise _classified(exc, endpoint) from None
+
+    body = embeddings_body(endpoint, inputs, params)
+    return await _exchange(
+        transport, endpoint, endpoint.embeddings_url, body, call_id, timeline, read
+    )
 
 
 def _vectors(payload: Any, expected: int, endpoint: Endpoint) -> list[list[float]]:
