@@ -4,27 +4,26 @@ written on h11 (the parser httpcore itself uses) over trio streams.
 Why it exists
 -------------
 polygate sends ``httpx.Request`` objects straight to an ``httpx.AsyncBaseTransport``.
-httpx's own transport (httpcore's connection pool) is correct, but under trio on a
-2-core machine it was the bottleneck, not the network: against the zero-delay
-FakeUpstream server in its own process, a minimal asyncio client on raw sockets
-did ~4,500 calls/s, raw ``httpx.AsyncClient`` ~700 calls/s at concurrency 64 and
-~400 at 256 (``benchmarks/peers.py`` has the current figures).  A profile of the
-c=256 run puts about half of the client's time in httpcore's pool bookkeeping:
-every request entering or leaving the pool runs
-``_assign_requests_to_connections``, which walks every connection for every
-queued request (~900 ``is_idle`` calls per request at c=256) and polls every idle
-connection's socket for readability to see whether it expired; requests assigned
-to a connection another request grabbed first go round again
-(``ConnectionNotAvailable``).  The work per request grows with the number of
-connections, which is why bursts (and hedges, which add bursts) hurt most
-(encode/httpcore#1110).
+httpx's own transport (httpcore's connection pool) is correct, but under trio it was
+the bottleneck, not the network.  Against the zero-delay FakeUpstream server in its
+own process on a 2-core machine (``benchmarks/peers.py``, medians of 3 repeats), a
+raw-socket asyncio client did ~6,400 calls/s at concurrency 64 and ~5,600 at 256
+(the server's limit); raw ``httpx.AsyncClient`` under trio ~880 and ~620, spending
+1.1 and 1.6 ms of client CPU per call.  Profiled, 38 % of that client time is in
+httpcore's ``_assign_requests_to_connections`` and what it calls: every request
+entering or leaving the pool walks every connection for every queued request
+(``is_idle``, ``has_expired``, a readability poll of each idle socket), and a
+request assigned to a connection another request took first goes round again.  The
+work per request grows with the number of connections, which is why bursts (and
+hedges, which add bursts) hurt most (encode/httpcore#1110).
 
-This pool does constant work per request: a dict lookup and a list pop for an
-idle connection of the request's origin (LIFO: the warmest socket), one
-readability poll of that one socket, one write for head and body, reads until
-h11 has the response head.  Measured with ``benchmarks/peers.py`` on the same
-machine (see docs/benchmarks.md), polygate on this transport does several times
-raw httpx's calls/s at c=64 and c=256.
+This pool does constant work per request: a dict lookup and a list pop for an idle
+connection of the request's origin (LIFO: the warmest socket), one readability
+poll of that one socket, one write for head and body, reads until h11 has the
+response head.  polygate's whole call on it -- admission, hedging bookkeeping,
+parsing included -- costs ~0.33 ms of CPU and runs ~3,100 calls/s at c=64 and
+~3,000 at c=256 (3.6x and 4.8x raw httpx, about half the raw-socket floor);
+sequential calls take 0.76x raw httpx's time.
 
 What it does (and does not)
 ---------------------------
@@ -45,7 +44,12 @@ What it does (and does not)
   closed (readable while idle) is dropped when it is next picked.  If a reused
   connection fails before a single byte of the response arrived (the server
   closed it just as we sent), the request is sent once more on another
-  connection: the body is bytes, so it can be replayed.
+  connection: the body is bytes, so it can be replayed.  (A server that read the
+  request, acted on it and died without a byte of answer would see it twice; a
+  fresh connection is never retried.)
+* h11 runs every connection's state machine and parses every response; plain
+  requests are written here, byte for byte as h11 would write them (see "the
+  request" below), anything unusual through h11's writer.
 * Errors come out as httpx's exceptions, as httpx's transport raises them:
   ``ConnectError``, ``WriteError``, ``ReadError``, ``RemoteProtocolError``
   (a body shorter than its Content-Length, a server that hung up without
