@@ -28,7 +28,7 @@ from ._types import ChatResponse, EmbeddingResponse, StreamChunk
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
-from .transport import LeanTransport
+from .transport import LeanTransport, TextParts
 
 __all__ = ["ChatStream", "Session", "SessionStatistics", "session"]
 
@@ -195,7 +195,7 @@ class ChatStream:
         self._cm: Any = None
         self._finished = False
         self.response: ChatResponse | None = None
-        self.text_parts: list[str] = []
+        self.text_parts: list[str] = TextParts()
 
     async def __aenter__(self) -> ChatStream:
         if self._cm is not None:

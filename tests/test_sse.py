@@ -116,3 +116,15 @@ def test_assembler_agrees_with_has_content(sequence: list[dict[str, object]]) ->
         assert assembler.add(chunk) == has_content(chunk)
     body = assembler.build()
     assert body["choices"]
+
+
+@given(st.lists(st.text(max_size=5), max_size=300))
+def test_text_parts_compact_without_changing_the_text(pieces: list[str]) -> None:
+    from polygate.transport import TextParts
+
+    parts = TextParts()
+    for piece in pieces:
+        parts.append(piece)
+        assert len(parts) < 64
+    assert "".join(parts) == "".join(pieces)
+    assert bool(parts) == bool(pieces)

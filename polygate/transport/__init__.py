@@ -3,7 +3,7 @@
 Knows nothing of admission, hedging or retries (an import-linter contract keeps it so).
 """
 
-from ._assemble import ChatAssembler, has_content, message_text
+from ._assemble import ChatAssembler, TextParts, has_content, message_text
 from ._exchange import OnContent, Timeline, chat_exchange, embeddings_exchange
 from ._pool import LeanTransport
 from ._wire import Endpoint, Limits, parse_retry_after
@@ -14,6 +14,7 @@ __all__ = [
     "LeanTransport",
     "Limits",
     "OnContent",
+    "TextParts",
     "Timeline",
     "chat_exchange",
     "embeddings_exchange",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ChatAssembler", "has_content", "message_text"]
+__all__ = ["ChatAssembler", "TextParts", "has_content", "message_text"]
 
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
 # Keys of a chunk that describe the chunk itself, not the response.
@@ -55,6 +55,26 @@ def message_text(message: dict[str, Any]) -> str:
     return ""
 
 
+class TextParts(list[str]):
+    """A list of text pieces that joins itself every 64 pieces.
+
+    A streamed answer arrives a token at a time; each piece is a small ``str`` with
+    ~50 bytes of object overhead, kept until the answer is assembled.  Joining as it
+    goes keeps a long answer near one byte per character instead of ~60 per token —
+    what makes thousands of concurrent streams affordable.
+    """
+
+    __slots__ = ()
+    _COMPACT_AT = 64
+
+    def append(self, piece: str) -> None:
+        super().append(piece)
+        if len(self) >= self._COMPACT_AT:
+            joined = "".join(self)
+            self.clear()
+            super().append(joined)
+
+
 class _Choice:
     __slots__ = (
         "content", "extras", "finish_reason", "function_call", "index", "logprobs",
@@ -65,11 +85,11 @@ class _Choice:
     def __init__(self, index: int) -> None:
         self.index = index
         self.role: str | None = None
-        self.content: list[str] = []
+        self.content: list[str] = TextParts()
         self.saw_content = False
-        self.reasoning: list[str] = []
+        self.reasoning: list[str] = TextParts()
         self.reasoning_name: str | None = None
-        self.refusal: list[str] = []
+        self.refusal: list[str] = TextParts()
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.function_call: dict[str, Any] | None = None
         self.finish_reason: str | None = None
