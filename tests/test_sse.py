@@ -125,6 +125,6 @@ def test_text_parts_compact_without_changing_the_text(pieces: list[str]) -> None
     parts = TextParts()
     for piece in pieces:
         parts.append(piece)
-        assert len(parts) < 64
+        assert len(parts) < 16
     assert "".join(parts) == "".join(pieces)
     assert bool(parts) == bool(pieces)

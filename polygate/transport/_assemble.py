@@ -56,7 +56,7 @@ def message_text(message: dict[str, Any]) -> str:
 
 
 class TextParts(list[str]):
-    """A list of text pieces that joins itself every 64 pieces.
+    """A list of text pieces that joins itself every 16 pieces.
 
     A streamed answer arrives a token at a time; each piece is a small ``str`` with
     ~50 bytes of object overhead, kept until the answer is assembled.  Joining as it
@@ -65,7 +65,7 @@ class TextParts(list[str]):
     """
 
     __slots__ = ()
-    _COMPACT_AT = 64
+    _COMPACT_AT = 16
 
     def append(self, piece: str) -> None:
         super().append(piece)
