@@ -114,7 +114,8 @@ class Round:
         self._paths: list[_Path] = []
         self._winner: _Path | None = None
         self._committed: _Path | None = None
-        self._changed = trio.Event()
+        # The monitor parks here; paths unpark it when something it watches changes.
+        self._changed = trio.lowlevel.ParkingLot()
         self._quiet_until = -math.inf
         self._extras = 0
         hedge = ctx.scope.hedge
@@ -208,8 +209,7 @@ class Round:
                 path.control.cancel(Outcome.HEDGE_CANCELLED)
 
     def _wake(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.unpark_all()
 
     def _observe(self, path: _Path) -> None:
         """Feed the adaptive threshold: first-token time, or whole-call time when the
@@ -233,9 +233,11 @@ class Round:
             if at <= trio.current_time():
                 await self._try_hedge()
                 continue
-            changed = self._changed
-            with trio.move_on_at(at):
-                await changed.wait()
+            if at == math.inf:
+                await self._changed.park()
+            else:
+                with trio.move_on_at(at):
+                    await self._changed.park()
 
     def _threshold(self, source: str) -> float:
         hedge = self._ctx.scope.hedge
