@@ -216,8 +216,11 @@ async def test_secrets_never_reach_rows_logs_or_statistics(
         with pytest.raises(polygate.AllSourcesExhausted):
             await s.chat([{"role": "user", "content": f"my key is {SECRET}"}])
         stats = await s.statistics()
-    dump = sqlite3.connect(db).iterdump()
-    text = "\n".join(dump)
+    conn = sqlite3.connect(db)
+    try:
+        text = "\n".join(conn.iterdump())
+    finally:
+        conn.close()
     assert "bad key *** here" in text  # the message is kept, redacted
     assert SECRET not in text
     assert SECRET not in caplog.text
