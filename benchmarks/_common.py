@@ -11,11 +11,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+Call = Callable[[], Awaitable[Any]]
 
 
 @contextlib.contextmanager
@@ -70,3 +72,32 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+async def timed_sequential(call: Call, n: int) -> list[float]:
+    """Seconds each of ``n`` calls took, one after another."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await call()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+async def timed_concurrent(call: Call, n: int, concurrency: int) -> float:
+    """Wall seconds for ``n`` calls made by ``concurrency`` workers."""
+    import trio
+
+    remaining = n
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            await call()
+
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(worker)
+    return time.perf_counter() - t0

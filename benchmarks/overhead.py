@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
@@ -38,7 +37,15 @@ from httpx_sse import EventSource
 
 import polygate
 
-from _common import fake_server, machine, median, quantile, write_result
+from _common import (
+    fake_server,
+    machine,
+    median,
+    quantile,
+    timed_concurrent,
+    timed_sequential,
+    write_result,
+)
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
@@ -55,34 +62,6 @@ def settings_for(url: str, *, streaming: bool) -> polygate.Settings:
 
 
 Call = Callable[[], Awaitable[Any]]
-
-
-async def timed_sequential(call: Call, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        await call()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-async def timed_concurrent(call: Call, n: int, concurrency: int) -> float:
-    """Wall seconds for n calls with ``concurrency`` workers."""
-    remaining = n
-
-    async def worker() -> None:
-        nonlocal remaining
-        while remaining > 0:
-            remaining -= 1
-            await call()
-
-    t0 = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for _ in range(concurrency):
-            nursery.start_soon(worker)
-    return time.perf_counter() - t0
-
-
 CLIENTS = ("raw", "polygate/httpx", "polygate")
 
 

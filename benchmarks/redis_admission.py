@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -40,7 +40,7 @@ import polygate
 from polygate.governance import AdmitRequest, Feedback, SettleRequest, SourceLimits
 from polygate.governance._redis import RedisBackend, parse_redis_url
 
-from _common import fake_server, machine, median, quantile, write_result
+from _common import fake_server, machine, median, quantile, timed_concurrent, write_result
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
@@ -100,22 +100,6 @@ async def round_trips(backend: Any, n: int) -> list[float]:
         await backend.settle(SettleRequest(admission, 25, Feedback.SUCCESS))
         times.append(time.perf_counter() - t0)
     return times
-
-
-async def timed_concurrent(call: Callable[[], Awaitable[Any]], n: int, concurrency: int) -> float:
-    remaining = n
-
-    async def worker() -> None:
-        nonlocal remaining
-        while remaining > 0:
-            remaining -= 1
-            await call()
-
-    t0 = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for _ in range(concurrency):
-            nursery.start_soon(worker)
-    return time.perf_counter() - t0
 
 
 async def run(args: argparse.Namespace, url: str, redis_url: str) -> dict[str, Any]:
