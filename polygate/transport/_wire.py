@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import email.utils
 import json
+import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -173,10 +176,6 @@ RETRY_AFTER_CAP_S = 600.0
 def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     """Seconds to wait from ``retry-after-ms`` / ``retry-after``; ``None`` when absent
     or unparseable; clamped to ``[0, RETRY_AFTER_CAP_S]``."""
-    import email.utils
-    import math
-    import time
-
     ms = headers.get("retry-after-ms")
     if ms is not None:
         try:
