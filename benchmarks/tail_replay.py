@@ -32,6 +32,7 @@ import polygate
 from polygate.cli._replay import (
     Outcome,
     incident_upstreams,
+    plot_cdf,
     replay,
     run_virtual,
     scope_settings,
@@ -195,26 +196,6 @@ def real_time(settings: polygate.Settings, calls: int, concurrency: int, seed: i
                 proc.stdout.close()
 
 
-def plot(results: Mapping[str, Sequence[Outcome]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label, outcomes in results.items():
-        totals = sorted(o.total_s for o in outcomes)
-        ax.step(totals, [(i + 1) / len(totals) for i in range(len(totals))], where="post", label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("call latency, s (virtual time)")
-    ax.set_ylabel("fraction of calls")
-    ax.set_title("issue #24 replay: latency CDF, 2 sources, 25 % hangs on one")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
@@ -296,7 +277,8 @@ def main() -> None:
     for name, ok in checks.items():
         print(f"  [{'ok' if ok else 'MISSED'}] {name}")
     if args.plot:
-        plot(outcomes_by, args.plot)
+        plot_cdf(outcomes_by, args.plot, xlabel="call latency, s (virtual time)",
+                 title="issue #24 replay: latency CDF, 2 sources, 25 % hangs on one")
         print(f"\nplot: {args.plot}")
     path = write_result("tail_replay-quick" if args.quick else "tail_replay", result)
     print(f"results: {path}")

@@ -282,24 +282,15 @@ async def run_embed(
             results[index] = await _retry_loop(ctx, runner, None, deadline_at, tokens)
 
     async def body() -> EmbeddingResponse:
-        try:
-            async with trio.open_nursery() as nursery:
-                for index, batch in enumerate(batches):
-                    nursery.start_soon(one_batch, index, batch)
-        except BaseExceptionGroup as group:
-            raise _first_polygate_error(group) from group
+        # A failed batch leaves the nursery as a group: _with_deadline unwraps it.
+        async with trio.open_nursery() as nursery:
+            for index, batch in enumerate(batches):
+                nursery.start_soon(one_batch, index, batch)
         return _embedding_response(ctx, results)
 
     response = await _with_deadline(ctx, deadline_s, body)
     runtime.recorder.call(ctx, response.call_stats, response.usage, None)
     return response
-
-
-def _first_polygate_error(group: BaseExceptionGroup[Any]) -> BaseException:
-    for exc in _leaves(group):
-        if isinstance(exc, PolygateError):
-            return exc
-    return group
 
 
 def _one_error(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -309,9 +300,7 @@ def _one_error(group: BaseExceptionGroup[Any]) -> BaseException:
     leaves = _leaves(group)
     if any(not isinstance(exc, Exception) for exc in leaves):
         raise group
-    return _first_polygate_error(group) if any(
-        isinstance(exc, PolygateError) for exc in leaves
-    ) else leaves[0]
+    return next((exc for exc in leaves if isinstance(exc, PolygateError)), leaves[0])
 
 
 def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:

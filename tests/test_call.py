@@ -422,3 +422,16 @@ async def test_permit_waits_are_not_bounded_by_rate_limit_wait(
             nursery.start_soon(one)
     assert done == [pytest.approx(100), pytest.approx(200)]
     assert a.peak_in_flight == 1
+
+
+async def test_a_failed_embed_batch_raises_one_error(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream([Reply(), Reply(status=500)], then=Reply(status=500))
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], embed_batch_size=2,
+        retry=polygate.Retry(max_attempts=2, backoff_base_s=0))})
+    async with polygate.session(settings, transport=_router(a=up)) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.embed([f"t{i}" for i in range(4)])
+    assert type(info.value) is polygate.AllSourcesExhausted  # not an ExceptionGroup
+    assert info.value.call_stats is not None
+    assert up.in_flight == 0

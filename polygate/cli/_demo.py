@@ -145,26 +145,14 @@ def _run_real_time(settings: Any, upstreams: Any, calls: int, concurrency: int, 
 
 
 def _plot(results: Mapping[str, Sequence[Any]], path: str, scale: float) -> int:
-    try:
-        import matplotlib
+    from ._replay import plot_cdf
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        import matplotlib  # noqa: F401 - only to tell the user what is missing
     except ImportError:
         print("error: --plot needs matplotlib: pip install 'polygate[plot]'", file=sys.stderr)
         return 1
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label, outcomes in results.items():
-        totals = sorted(o.total_s for o in outcomes)
-        ys = [(i + 1) / len(totals) for i in range(len(totals))]
-        ax.step(totals, ys, where="post", label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("call latency, s" + (" (scaled ÷10)" if scale != 1.0 else ""))
-    ax.set_ylabel("fraction of calls")
-    ax.set_title("issue #24 replay: latency CDF")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    xlabel = "call latency, s" + (" (scaled ÷10)" if scale != 1.0 else "")
+    plot_cdf(results, path, title="issue #24 replay: latency CDF", xlabel=xlabel)
     print(f"wrote {path}")
     return 0

@@ -26,6 +26,7 @@ __all__ = [
     "Outcome",
     "Summary",
     "incident_upstreams",
+    "plot_cdf",
     "replay",
     "run_virtual",
     "scope_settings",
@@ -209,6 +210,31 @@ def summarize(outcomes: Sequence[Outcome]) -> Summary:
         slowest_13pct_share_pct=100.0 * slowest / total_time,
         waiting_p99_s=_quantile(waits, 0.99),
     )
+
+
+def plot_cdf(
+    results: Mapping[str, Sequence[Outcome]], path: str, *, title: str, xlabel: str
+) -> None:
+    """Latency CDFs, one line per configuration, on a log axis (needs matplotlib;
+    failed calls count at the time they failed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, outcomes in results.items():
+        totals = sorted(o.total_s for o in outcomes)
+        ax.step(totals, [(i + 1) / len(totals) for i in range(len(totals))], where="post", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of calls")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def scope_settings(
