@@ -68,7 +68,7 @@ def call_stats(ctx: CallContext, winner: AttemptRecord | None, now: float) -> Ca
     generation = 0.0
     ended = tl.ended_at if tl.ended_at is not None else winner.ended_at
     if tl.sent_at is not None and ended is not None:
-        generation = (ended - tl.sent_at) * 1000.0
+        generation = (ended - tl.sent_at - tl.paused_s) * 1000.0
     ttft = None
     stalls = stall_stats((), 0)
     if tl.streamed:
@@ -90,9 +90,13 @@ def call_stats(ctx: CallContext, winner: AttemptRecord | None, now: float) -> Ca
 async def _with_deadline(
     ctx: CallContext, deadline_s: float | None, body: Callable[[], Awaitable[T]]
 ) -> T:
-    """Run ``body`` under the call deadline; attach frozen statistics to every error."""
+    """Run ``body`` under the call deadline; attach frozen statistics to every error.
+
+    The deadline is one absolute time, ``ctx.started_at + deadline_s`` (the same
+    ``_deadline_at`` that bounds admission waits): one clock base for the whole tree."""
     recorder = ctx.runtime.recorder
-    scope = trio.fail_after(deadline_s) if deadline_s is not None else nullcontext()
+    deadline_at = _deadline_at(ctx, deadline_s)
+    scope = trio.fail_at(deadline_at) if deadline_at is not None else nullcontext()
     try:
         try:
             with scope:
@@ -142,12 +146,19 @@ async def _retry_loop(
         deadline_at if deadline_at is not None else ctx.started_at + retry.rate_limit_wait_s
     )
     while True:
+        if ctx.runtime.closed:
+            # A call from a task outside the session block outlived the session:
+            # nothing more is sent through its closed transport.
+            raise PolygateError("this session is closed")
         try:
             admission = await governor.acquire(
                 ctx.scope_name, tokens, demote=failed, give_up_at=give_up_at,
                 cooldown_give_up_at=cooldown_give_up_at,
             )
         except NoAdmission as exc:
+            # Gave up at the deadline: the deadline's own cancellation is due at this
+            # very instant (one clock base), so let it speak (DeadlineExceeded).
+            await trio.lowlevel.checkpoint_if_cancelled()
             raise AllSourcesExhausted(
                 f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}",
                 errors=errors,
@@ -175,7 +186,19 @@ async def _retry_loop(
             if isinstance(error, FatalUpstreamError):
                 raise error
         if round_errors and all(isinstance(e, RateLimitedError) for e in round_errors):
-            continue  # free of max_attempts; cooldowns make admission wait
+            # Free of max_attempts: the sources cool down (never for less than the
+            # governor's floor, so Retry-After: 0 cannot make this loop spin) and
+            # admission waits them out — but only until the deadline or, without
+            # one, rate_limit_wait_s after the call started.
+            if trio.current_time() >= cooldown_give_up_at:
+                waited = "at the deadline" if deadline_at is not None else (
+                    f"after rate_limit_wait_s={retry.rate_limit_wait_s}"
+                )
+                raise AllSourcesExhausted(
+                    f"every source still rate limited {waited} in scope {ctx.scope_name!r}",
+                    errors=errors,
+                )
+            continue
         consumed += 1
         if consumed >= retry.max_attempts:
             raise AllSourcesExhausted(
@@ -294,13 +317,21 @@ async def run_embed(
 
 
 def _one_error(group: BaseExceptionGroup[Any]) -> BaseException:
-    """A public call raises one exception, never a nursery's group: its polygate
-    error, else its first plain exception (a bug, surfaced as itself).  A group
-    holding a cancellation or KeyboardInterrupt is re-raised whole for trio."""
+    """A public call raises one exception, never a nursery's group.
+
+    In order: a ``KeyboardInterrupt`` or other non-cancellation ``BaseException``
+    (Ctrl-C reaches the caller as itself, as from ``trio.run``); else the call's
+    polygate error; else its first plain exception (a bug, surfaced as itself).  A
+    group of nothing but cancellations is re-raised whole: trio's cancel scopes take
+    groups of ``Cancelled`` apart themselves."""
     leaves = _leaves(group)
-    if any(not isinstance(exc, Exception) for exc in leaves):
+    for exc in leaves:
+        if not isinstance(exc, (Exception, trio.Cancelled)):
+            return exc
+    errors = [exc for exc in leaves if isinstance(exc, Exception)]
+    if not errors:
         raise group
-    return next((exc for exc in leaves if isinstance(exc, PolygateError)), leaves[0])
+    return next((exc for exc in errors if isinstance(exc, PolygateError)), errors[0])
 
 
 def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:

@@ -70,6 +70,9 @@ class Runtime:
     endpoints: dict[tuple[str, str], Endpoint] = attrs.field(init=False)
     limits: Limits = attrs.field(init=False)
     sketches: dict[tuple[str, str], LatencySketch] = attrs.field(factory=dict)
+    # Set when the session's block exits: calls still running (started from a task
+    # outside the block) send nothing more.
+    closed: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.endpoints = {

@@ -46,6 +46,9 @@ SETTLE_RULES: Mapping[Outcome, tuple[str, Feedback]] = {
 }
 
 DEFAULT_RATE_LIMIT_COOLDOWN_S = 1.0
+# The floor of a 429's cooldown, whatever Retry-After says: the period of the loop
+# that retries rate-limited rounds (they are free of max_attempts).
+MIN_RATE_LIMIT_COOLDOWN_S = 0.1
 _MIN_WAIT_S = 0.001
 _NEVER = frozenset({RefusalReason.TOO_LARGE})
 
@@ -190,6 +193,9 @@ class Governor:
         dead = False
         if outcome is Outcome.RATE_LIMITED:
             cooldown = retry_after_s if retry_after_s is not None else DEFAULT_RATE_LIMIT_COOLDOWN_S
+            # "Retry-After: 0" means "now"; honoured literally, a call whose every
+            # source answers 429 at once would retry in a loop with no period.
+            cooldown = max(cooldown, MIN_RATE_LIMIT_COOLDOWN_S)
         elif retry_after_s is not None and outcome is Outcome.TRANSIENT:
             cooldown = retry_after_s  # a 503 with Retry-After: the server said when
         elif outcome is Outcome.DEAD:
@@ -216,6 +222,11 @@ class Governor:
             return True
         self._suppressed[scope_name] = self._suppressed.get(scope_name, 0) + 1
         return False
+
+    async def refund_hedge_token(self, scope_name: str) -> None:
+        """Give back a token taken for a hedge that was not launched after all."""
+        burst = self._settings.scopes[scope_name].hedge.budget_burst
+        await self.backend.budget_refill(scope_name, 1.0, burst)
 
     async def refill_hedge_budget(self, scope_name: str) -> None:
         hedge = self._settings.scopes[scope_name].hedge

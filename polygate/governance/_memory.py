@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 
 import trio
 
@@ -38,11 +39,15 @@ WINDOW_S = 60.0
 
 
 class _Entry:
-    __slots__ = ("at", "tokens")
+    __slots__ = ("at", "live", "tokens")
 
     def __init__(self, at: float, tokens: int) -> None:
         self.at = at
         self.tokens = tokens
+        # In the window.  One predicate decides membership — expire() clears this as
+        # it pops — so settling never re-tests a float boundary that expire() saw
+        # differently (``at + 60 <= now`` and ``at > now - 60`` can both be true).
+        self.live = True
 
 
 class _Source:
@@ -76,7 +81,9 @@ class _Source:
         # instant, and a waiter woken then would be refused again, forever.
         window = self.window
         while window and window[0].at + WINDOW_S <= now:
-            self.window_tokens -= window.popleft().tokens
+            entry = window.popleft()
+            entry.live = False
+            self.window_tokens -= entry.tokens
 
     def tokens_reserved(self) -> int:
         return sum(estimate for _, estimate in self.open.values())
@@ -161,14 +168,15 @@ class MemoryBackend:
         s.expire(now)
         if not request.sent:
             s.released_total += estimate
-            if entry in s.window:
+            if entry.live:
                 s.window.remove(entry)
+                entry.live = False
                 s.window_tokens -= entry.tokens
         else:
             s.settled_total += estimate
             cost = estimate if request.tokens is None else request.tokens
             s.cost_total += cost
-            if entry.at > now - WINDOW_S and cost != entry.tokens:
+            if entry.live and cost != entry.tokens:
                 s.window_tokens += cost - entry.tokens
             entry.tokens = cost
         if request.cooldown_s is not None and request.cooldown_s > 0:
@@ -229,7 +237,9 @@ def _tpm_free_at(s: _Source, tokens: int, tpm: int) -> float:
         freed += entry.tokens
         if freed >= excess:
             return entry.at + WINDOW_S
-    return s.window[-1].at + WINDOW_S if s.window else 0.0
+    # Unreachable while window_tokens is the sum of the window (an estimate larger
+    # than tpm is refused as TOO_LARGE first); never report a time in the past.
+    return s.window[-1].at + WINDOW_S if s.window else math.inf
 
 
 def _feed_breaker(

@@ -60,6 +60,10 @@ class Timeline:
     chunk_times: array[float] = attrs.Factory(lambda: array("d"))
     status_code: int | None = None
     streamed: bool = False
+    # Time the reader spent held by its caller (a committed stream's slow consumer):
+    # the caller's, not the upstream's.  Chunk times are stamped net of it, so gaps
+    # between them are the upstream's own; durations subtract it.
+    paused_s: float = 0.0
 
     @property
     def last_token_at(self) -> float | None:
@@ -221,7 +225,7 @@ async def _on_event(
         now = trio.current_time()
         if not chunk_times:
             timeline.first_token_at = now
-        chunk_times.append(now)
+        chunk_times.append(now - timeline.paused_s)
         if on_content is not None:
             await on_content(now, chunk)
     return False
