@@ -32,7 +32,8 @@ from ._picking import Health, HealthStats, pick_order, reference_latency
 
 __all__ = ["Governor", "GovernanceStatistics", "NoAdmission", "SETTLE_RULES", "SourceStatistics"]
 
-# outcome -> (tokens recorded: "usage" | "estimate" | "zero", breaker feedback)
+# outcome -> (tokens recorded: "usage" | "estimate" (the usage when an attempt that
+# lost had reported it) | "zero", breaker feedback)
 SETTLE_RULES: Mapping[Outcome, tuple[str, Feedback]] = {
     Outcome.OK: ("usage", Feedback.SUCCESS),
     Outcome.TRANSIENT: ("estimate", Feedback.FAILURE),
@@ -188,7 +189,9 @@ class Governor:
         elif kind == "zero":
             tokens = 0
         else:
-            tokens = None
+            # The estimate stands in for a cost that is unknown; an attempt that lost
+            # after reporting its usage (it finished in the winner's batch) settles that.
+            tokens = usage_tokens
         cooldown = None
         dead = False
         if outcome is Outcome.RATE_LIMITED:
