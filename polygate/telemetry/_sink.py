@@ -165,6 +165,11 @@ class Counters:
         self.last_error = redact(text, self.secrets)[:500]
         self.maybe_log()
 
+    def close_failed(self, error: BaseException) -> None:
+        self.write_errors += 1
+        self.last_error = redact(f"closing the sink: {type(error).__name__}: {error}", self.secrets)[:500]
+        logger.warning("polygate telemetry: %s", self.last_error)
+
     def maybe_log(self, *, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now < self._next_log:
@@ -380,7 +385,14 @@ class Pipeline:
             self._gathered = leftovers
             summary = await self._summary(ended=True)
             await self._write(leftovers, summary)
-            await trio.to_thread.run_sync(self.sink.close, abandon_on_cancel=True, limiter=self._limiter)
+            try:
+                await trio.to_thread.run_sync(
+                    self.sink.close, abandon_on_cancel=True, limiter=self._limiter
+                )
+            except Exception as exc:
+                # Telemetry never fails the session: a close that fails (disk full at
+                # the checkpoint) is reported, and the session's own result stands.
+                self.counters.close_failed(exc)
         if bound.cancelled_caught:
             self._flusher_scope.cancel()
             self._interrupt()
