@@ -424,6 +424,13 @@ class Settings:
     max_line_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_pos_int)
     dead_cooldown_s: float = attrs.field(default=300.0, validator=_positive)
     log_content: bool = attrs.field(default=False, validator=_bool)
+    # The telemetry pipeline's bounds: rows queued between calls and the sink (a full
+    # queue drops rows, never delays a call), rows per write, and how long one write
+    # and the final flush at close may take (real seconds).
+    telemetry_queue: int = attrs.field(default=10_000, validator=_pos_int)
+    telemetry_batch: int = attrs.field(default=5_000, validator=_pos_int)
+    telemetry_write_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    telemetry_close_timeout_s: float = attrs.field(default=5.0, validator=_positive)
 
     @scopes.validator
     def _check_scopes(self, attr: attrs.Attribute[Any], value: Any) -> None:

@@ -184,6 +184,10 @@ FULL: Config = {
     "max_line_bytes": 100,
     "dead_cooldown_s": 60.5,
     "log_content": True,
+    "telemetry_queue": 500,
+    "telemetry_batch": 50,
+    "telemetry_write_timeout_s": 12.5,
+    "telemetry_close_timeout_s": 2.5,
     "scopes": {
         "chat": {
             "call_deadline_s": 120.0,
