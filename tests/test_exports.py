@@ -13,7 +13,7 @@ PUBLIC = {
     "ChatResponse", "EmbeddingResponse", "CallStats",
     # additions
     "ConfigWarning", "UpstreamError", "Session", "SessionStatistics", "ChatStream",
-    "StreamChunk", "Usage",
+    "StreamChunk", "Usage", "Breaker",
 }
 
 

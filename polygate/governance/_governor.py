@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from .._config import Settings
+from .._config import Breaker, Settings
 from .._errors import Outcome
 from ._backend import GovernanceBackend
 from ._estimate import TokenEstimator, default_estimator
@@ -76,6 +76,14 @@ class GovernanceStatistics:
     hedges_suppressed_by_budget: Mapping[str, int]
 
 
+def _policy(breaker: Breaker) -> BreakerPolicy:
+    return BreakerPolicy(
+        failures=breaker.failures, open_s=breaker.open_s, failure_rate=breaker.failure_rate,
+        rate_window=breaker.rate_window, rate_min_calls=breaker.rate_min_calls,
+        max_open_s=breaker.max_open_s, probes=breaker.probes,
+    )
+
+
 class Governor:
     def __init__(
         self,
@@ -89,7 +97,10 @@ class Governor:
         self._settings = settings
         self.backend = backend
         self._rng = rng or random.Random()
-        self._breaker = breaker or BreakerPolicy()
+        # One breaker policy per scope (Scope.breaker); ``breaker`` overrides them all.
+        self._breakers = {
+            name: breaker or _policy(scope.breaker) for name, scope in settings.scopes.items()
+        }
         self._estimator = estimator or default_estimator()
         self._health: dict[tuple[str, str], Health] = {}
         self._limits: dict[tuple[str, str], SourceLimits] = {}
@@ -126,9 +137,10 @@ class Governor:
         """One pass over the candidates in picking order; the first grant wins."""
         refusals: list[Refusal] = []
         for name in self.order(scope_name, exclude=exclude, demote=demote):
-            result = await self.backend.admit(
-                AdmitRequest(scope_name, name, self._limits[(scope_name, name)], tokens, self._breaker)
-            )
+            result = await self.backend.admit(AdmitRequest(
+                scope_name, name, self._limits[(scope_name, name)], tokens,
+                self._breakers[scope_name],
+            ))
             if isinstance(result, Admission):
                 return result
             refusals.append(result)
@@ -204,9 +216,12 @@ class Governor:
         elif outcome is Outcome.DEAD:
             cooldown = self._settings.dead_cooldown_s
             dead = True
-        await self.backend.settle(
-            SettleRequest(admission, tokens, feedback, self._breaker, sent, cooldown, dead)
-        )
+        await self.backend.settle(SettleRequest(
+            admission, tokens, feedback, self._breakers[admission.scope], sent, cooldown, dead,
+            # Equal jitter on any open period this settle starts: processes sharing a
+            # backend, and sources that failed together, do not re-probe in step.
+            jitter=0.5 + 0.5 * self._rng.random() if feedback is Feedback.FAILURE else 1.0,
+        ))
         health = self._health.get((admission.scope, admission.source))
         if health is not None:
             if feedback is Feedback.SUCCESS and latency_s is not None:

@@ -53,8 +53,8 @@ class _Entry:
 class _Source:
     __slots__ = (
         "admissions", "breaker", "consecutive", "cooldown_until", "cost_total", "dead",
-        "in_flight", "open", "opened_at", "outcomes", "probe_out", "released_total",
-        "reserved_total", "settled_total", "window", "window_tokens",
+        "in_flight", "open", "open_for", "opened_at", "outcomes", "probe_out", "probes_ok",
+        "released_total", "reopens", "reserved_total", "settled_total", "window", "window_tokens",
     )
 
     def __init__(self) -> None:
@@ -67,7 +67,10 @@ class _Source:
         self.breaker = BreakerState.CLOSED
         self.consecutive = 0
         self.opened_at = 0.0
+        self.open_for = 0.0  # this opening's period
+        self.reopens = 0  # failed probes in a row: the open period doubles with each
         self.probe_out = False
+        self.probes_ok = 0  # successful probes in a row while half-open
         self.outcomes: collections.deque[bool] = collections.deque()
         self.reserved_total = 0
         self.settled_total = 0
@@ -122,7 +125,7 @@ class MemoryBackend:
         s.dead = False
         probe = False
         if s.breaker is BreakerState.OPEN:
-            reopen_at = s.opened_at + request.breaker.open_s
+            reopen_at = s.opened_at + s.open_for
             if now < reopen_at:
                 return Refusal(name, RefusalReason.BREAKER_OPEN, reopen_at)
             s.breaker = BreakerState.HALF_OPEN
@@ -182,7 +185,7 @@ class MemoryBackend:
         if request.cooldown_s is not None and request.cooldown_s > 0:
             s.cooldown_until = max(s.cooldown_until, now + request.cooldown_s)
             s.dead = s.dead or request.dead
-        _feed_breaker(s, request.feedback, request.breaker, admission.probe, now)
+        _feed_breaker(s, request.feedback, request.breaker, admission.probe, now, request.jitter)
         self._notify()
 
     async def snapshot(self, scope: str, source: str) -> SourceSnapshot:
@@ -243,7 +246,8 @@ def _tpm_free_at(s: _Source, tokens: int, tpm: int) -> float:
 
 
 def _feed_breaker(
-    s: _Source, feedback: Feedback, policy: BreakerPolicy, probe: bool, now: float
+    s: _Source, feedback: Feedback, policy: BreakerPolicy, probe: bool, now: float,
+    jitter: float,
 ) -> None:
     """closed -> open -> half_open -> (closed | open); never skips a state."""
     if probe:
@@ -257,14 +261,19 @@ def _feed_breaker(
     if not failed:
         s.consecutive = 0
         if s.breaker is BreakerState.HALF_OPEN and probe:
-            s.breaker = BreakerState.CLOSED
-            s.outcomes.clear()
+            s.probes_ok += 1
+            if s.probes_ok >= policy.probes:
+                s.breaker = BreakerState.CLOSED
+                s.outcomes.clear()
+                s.reopens = 0
+                s.probes_ok = 0
         return
     s.consecutive += 1
     if s.breaker is BreakerState.HALF_OPEN:
         if probe:
-            s.breaker = BreakerState.OPEN
-            s.opened_at = now
+            # The source is still down: wait twice as long as last time (capped).
+            s.reopens += 1
+            _open(s, policy, now, jitter)
         return
     if s.breaker is BreakerState.CLOSED:
         rate_trip = (
@@ -272,5 +281,12 @@ def _feed_breaker(
             and sum(s.outcomes) / len(s.outcomes) > policy.failure_rate
         )
         if s.consecutive >= policy.failures or rate_trip:
-            s.breaker = BreakerState.OPEN
-            s.opened_at = now
+            s.reopens = 0
+            _open(s, policy, now, jitter)
+
+
+def _open(s: _Source, policy: BreakerPolicy, now: float, jitter: float) -> None:
+    s.breaker = BreakerState.OPEN
+    s.opened_at = now
+    s.open_for = policy.open_for(s.reopens, jitter)
+    s.probes_ok = 0
