@@ -105,6 +105,8 @@ class Governor:
         self._health: dict[tuple[str, str], Health] = {}
         self._limits: dict[tuple[str, str], SourceLimits] = {}
         self._suppressed: dict[str, int] = {}
+        # (scope, source) -> when its open breaker half-opens, as a refusal reported it
+        self._probe_due: dict[tuple[str, str], float] = {}
         for scope_name, scope in settings.scopes.items():
             for source in scope.sources:
                 key = (scope_name, source.name)
@@ -128,8 +130,13 @@ class Governor:
         healths = [self._health[(scope_name, s.name)] for s in scope.sources]
         ref = reference_latency(healths)
         names = [s.name for s in scope.sources]
-        weights = [s.weight * h.score(ref) for s, h in zip(scope.sources, healths, strict=True)]
-        return pick_order(names, weights, self._rng, exclude=exclude, demote=demote)
+        now = self.backend.now()
+        weights = [s.weight * h.score(ref, now) for s, h in zip(scope.sources, healths, strict=True)]
+        # A breaker whose open period is over is probed first: one real request tells
+        # whether the source recovered, and without it a source that failed (and so has
+        # a low score) would wait long for traffic.
+        due = [n for n in names if self._probe_due.get((scope_name, n), math.inf) <= now]
+        return pick_order(names, weights, self._rng, exclude=exclude, demote=demote, first=due)
 
     async def try_admit(
         self, scope_name: str, tokens: int, *, exclude: Collection[str] = (), demote: Sequence[str] = ()
@@ -141,8 +148,12 @@ class Governor:
                 scope_name, name, self._limits[(scope_name, name)], tokens,
                 self._breakers[scope_name],
             ))
+            key = (scope_name, name)
             if isinstance(result, Admission):
+                self._probe_due.pop(key, None)
                 return result
+            if result.reason is RefusalReason.BREAKER_OPEN and result.retry_at is not None:
+                self._probe_due[key] = result.retry_at
             refusals.append(result)
         return refusals
 
@@ -224,10 +235,13 @@ class Governor:
         ))
         health = self._health.get((admission.scope, admission.source))
         if health is not None:
+            now = self.backend.now()
+            if feedback is Feedback.SUCCESS and admission.probe:
+                health.recovered(now)
             if feedback is Feedback.SUCCESS and latency_s is not None:
-                health.success(latency_s)
+                health.success(latency_s, now)
             elif feedback is Feedback.FAILURE:
-                health.failed()
+                health.failed(now)
         if not sent:
             return 0
         return admission.tokens if tokens is None else tokens
@@ -260,6 +274,6 @@ class Governor:
             ref = reference_latency(healths)
             for source, health in zip(scope.sources, healths, strict=True):
                 state = await self.backend.snapshot(scope_name, source.name)
-                records.append(SourceStatistics(state, health.stats(ref)))
+                records.append(SourceStatistics(state, health.stats(ref, self.backend.now())))
             budgets[scope_name] = await self.backend.budget_level(scope_name, scope.hedge.budget_burst)
         return GovernanceStatistics(tuple(records), budgets, dict(self._suppressed))
