@@ -115,11 +115,14 @@ async def run_chat_attempt(
                 first = False
                 watch(math.inf)  # the first token ends the ttft watchdog
 
+        messages_json, params = ctx.messages_json, ctx.params
+        if ctx.continuation is not None:
+            messages_json, params = ctx.continuation.request(source, params)
         return await chat_exchange(
             ctx.runtime.transport,
             endpoint,
-            ctx.messages_json,
-            ctx.params,
+            messages_json,
+            params,
             limits=ctx.runtime.limits,
             timeline=timeline,
             on_content=on_content,

@@ -296,7 +296,7 @@ class ChatStream:
 class _Sink:
     """The committed path's chunks, on their way to the iterator (see ``Forward``)."""
 
-    __slots__ = ("_delivered", "_held", "_send", "sent")
+    __slots__ = ("_delivered", "_held", "_resumed", "_send", "sent", "shown_tool_calls")
 
     def __init__(
         self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed], delivered: list[str]
@@ -304,7 +304,12 @@ class _Sink:
         self._send = send
         self._delivered = delivered
         self._held: StreamChunk | None = None
+        self._resumed = False
         self.sent = 0
+        self.shown_tool_calls = False  # a stream that showed tool calls cannot be resumed
+
+    def mark_resumed(self) -> None:
+        self._resumed = True
 
     def offer(self, chunk: dict[str, Any]) -> bool:
         delta: dict[str, Any] = {}
@@ -322,7 +327,10 @@ class _Sink:
         text = content if isinstance(content, str) else ""
         if text:
             self._delivered.append(text)
-        item = StreamChunk(text=text, delta=delta, raw=chunk)
+        if delta.get("tool_calls"):
+            self.shown_tool_calls = True
+        item = StreamChunk(text=text, delta=delta, raw=chunk, resumed=self._resumed)
+        self._resumed = False
         self.sent += 1
         try:
             # No scheduling round trip per chunk while the buffer has room.

@@ -43,7 +43,8 @@ class Health:
     def failure(self, now: float) -> float:
         if self._failure == 0.0:
             return 0.0
-        return self._failure * 0.5 ** (max(now - self._failure_at, 0.0) / _FAILURE_HALF_LIFE_S)
+        elapsed = max(now - self._failure_at, 0.0)
+        return self._failure * math.pow(2.0, -elapsed / _FAILURE_HALF_LIFE_S)
 
     def _set_failure(self, value: float, now: float) -> None:
         self._failure = value if value > 1e-6 else 0.0

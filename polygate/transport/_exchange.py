@@ -27,6 +27,7 @@ from .._errors import (
     UpstreamError,
     classify_exception,
     classify_status,
+    error_code,
     error_message,
     error_status,
     redact,
@@ -241,8 +242,11 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
     status = error_status(payload)
     detail = redact("error event in stream: " + error_message(payload), endpoint.secrets)
     if status is None or 200 <= status < 300:
-        return TransientUpstreamError(detail, source=endpoint.name)
-    return classify_status(status, detail, source=endpoint.name)
+        error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
+    else:
+        error = classify_status(status, detail, source=endpoint.name)
+    error.code = error_code(payload)
+    return error
 
 
 async def _read_json(
