@@ -292,7 +292,11 @@ class Round:
             result = []
         if isinstance(result, Admission):
             try:
-                took = await governor.take_hedge_token(ctx.scope_name)
+                # The budget's refusals are counted per call, not per re-check.
+                took = await governor.take_hedge_token(
+                    ctx.scope_name, count_refusal=not ctx.hedge_refused
+                )
+                ctx.hedge_refused |= not took
             except GovernanceBackendError:
                 took = False
             if took:
