@@ -322,7 +322,8 @@ class Scope:
 
 
 def check_hedge_assembly(scope: Scope) -> None:
-    """The assembly guards of seed 000 §5: impossible hedges are errors, dubious ones warn."""
+    """The assembly guards: impossible hedges are errors, dubious ones warn
+    (``docs/configuration.md``, "Assembly guards")."""
     hedge = scope.hedge
     after = hedge.first_threshold_s
     if after is not None:

@@ -1,6 +1,6 @@
 """The governor: picking, admission with waiting, settlement, hedge budget.
 
-It turns an attempt's end into the accounting rules of SPEC §3, in one table
+It turns an attempt's end into the accounting rules (``docs/admission.md``), in one table
 (:data:`SETTLE_RULES`), and leaves the shared state to the backend.
 """
 
