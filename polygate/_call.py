@@ -19,11 +19,12 @@ attempt's error.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import nullcontext
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 
@@ -32,7 +33,8 @@ if sys.version_info < (3, 11):
 
 from ._attempt import AttemptControl, run_chat_attempt, run_embed_attempt
 from ._backoff import full_jitter
-from ._context import AttemptRecord, CallContext, Runtime
+from ._config import Source
+from ._context import AttemptRecord, CallContext, ChatRequest, Runtime
 from ._errors import (
     AllSourcesExhausted,
     DeadlineExceeded,
@@ -49,9 +51,29 @@ from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
 from .governance import Admission, NoAdmission, completion_budget
 from .transport import message_text
 
-__all__ = ["run_chat", "run_embed", "call_stats"]
+__all__ = ["Rounds", "run_chat", "run_embed", "call_stats"]
 
 T = TypeVar("T")
+
+
+class Rounds(Protocol):
+    """More rounds inside one logical call (structured output's re-asks, SPEC §8.1).
+
+    Every round is a full retry loop — admission, hedging, retries — under the call's
+    one deadline; its attempts are the call's attempts.  ``request`` says what an
+    attempt on ``source`` sends in the current round (``None``: the call's own
+    messages and parameters); ``after_round`` judges the round's answer: the call's
+    final response, or the messages of the next round.  It raises a polygate error to
+    end the call (carrying the response's frozen statistics).
+    """
+
+    def request(
+        self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str
+    ) -> ChatRequest | None: ...
+
+    def after_round(
+        self, response: ChatResponse, messages: Sequence[Mapping[str, Any]]
+    ) -> ChatResponse | list[Mapping[str, Any]]: ...
 
 
 def call_stats(ctx: CallContext, winner: AttemptRecord | None, now: float) -> CallStats:
@@ -61,6 +83,7 @@ def call_stats(ctx: CallContext, winner: AttemptRecord | None, now: float) -> Ca
         "attempts": len(ctx.attempts),
         "hedges": ctx.hedges,
         "total_latency_ms": (now - ctx.started_at) * 1000.0,
+        "reasks": ctx.reasks,
     }
     if winner is None:
         return CallStats(**base)  # type: ignore[arg-type]
@@ -203,6 +226,7 @@ async def run_chat(
     *,
     forward: Forward | None = None,
     delivered: list[str] | None = None,
+    rounds: Rounds | None = None,
 ) -> ChatResponse:
     scope = runtime.settings.scopes[scope_name]
     ctx = CallContext(
@@ -213,9 +237,12 @@ async def run_chat(
     ctx.completion_estimate = completion_budget(params, scope.completion_estimate_tokens)
 
     async def runner(admission: Admission, control: AttemptControl) -> Any:
-        return await run_chat_attempt(ctx, admission, control)
+        request = None
+        if rounds is not None:
+            request = rounds.request(ctx.source(admission.source), ctx.messages, ctx.messages_json)
+        return await run_chat_attempt(ctx, admission, control, request)
 
-    async def body() -> ChatResponse:
+    async def one_round() -> ChatResponse:
         try:
             record, result = await _retry_loop(
                 ctx, runner, forward, _deadline_at(ctx, deadline_s), ctx.estimate
@@ -229,9 +256,27 @@ async def run_chat(
             raise
         return _chat_response(ctx, record, result)
 
+    async def body() -> ChatResponse:
+        while True:
+            response = await one_round()
+            if rounds is None:
+                return response
+            judged = rounds.after_round(response, ctx.messages)
+            if isinstance(judged, ChatResponse):
+                return judged
+            _next_round(ctx, judged)
+
     response = await _with_deadline(ctx, deadline_s, body)
     runtime.recorder.call(ctx, response.call_stats, response.usage, None, response.message)
     return response
+
+
+def _next_round(ctx: CallContext, messages: list[Mapping[str, Any]]) -> None:
+    """The next round asks with ``messages``; the statistics count one more re-ask."""
+    ctx.messages = messages
+    ctx.messages_json = json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+    ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(messages)
+    ctx.reasks += 1
 
 
 def _chat_response(ctx: CallContext, record: AttemptRecord, body: dict[str, Any]) -> ChatResponse:

@@ -18,7 +18,7 @@ from ._types import CallStats, Usage
 from .governance import Admission, Governor
 from .transport import Endpoint, Limits, Timeline
 
-__all__ = ["AttemptRecord", "CallContext", "Recorder", "Runtime"]
+__all__ = ["AttemptRecord", "CallContext", "ChatRequest", "Recorder", "Runtime"]
 
 
 class Recorder(Protocol):
@@ -113,6 +113,18 @@ class AttemptRecord:
     ended_at: float | None = None
 
 
+@attrs.frozen
+class ChatRequest:
+    """What one chat attempt sends when it is not the call's own messages and
+    parameters: an OCR page, or a structured call's per-source form of its round.
+    The estimates, when set, replace the call's (usage the upstream did not report)."""
+
+    messages_json: str
+    params: Mapping[str, Any]
+    prompt_estimate: int | None = None
+    completion_estimate: int | None = None
+
+
 @attrs.define(eq=False)
 class CallContext:
     runtime: Runtime
@@ -129,6 +141,7 @@ class CallContext:
     attempts: list[AttemptRecord] = attrs.field(factory=list)
     hedges: int = 0
     streaming_to_caller: bool = False
+    reasks: int = 0  # structured output: rounds re-asked after an invalid answer
 
     @property
     def estimate(self) -> int:

@@ -25,11 +25,13 @@ from hypothesis import strategies as st
 from polygate._config import (
     ConfigWarning,
     Hedge,
+    Ocr,
     Retry,
     Scope,
     Settings,
     Source,
     StreamWatch,
+    Structured,
 )
 from polygate._config_load import (
     describe,
@@ -78,7 +80,8 @@ def to_objects(config: Config) -> Settings:
         table = dict(table)
         sources = [Source(name=n, **fields) for n, fields in table.pop("sources").items()]
         groups: dict[str, Any] = {g: cls(**table.pop(g)) for g, cls in
-                  (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch)) if g in table}
+                  (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch),
+                   ("structured", Structured), ("ocr", Ocr)) if g in table}
         scopes[name] = Scope(sources=sources, **groups, **table)
     top = {k: v for k, v in config.items() if k != "scopes"}
     return Settings(scopes=scopes, **top)
@@ -195,10 +198,13 @@ FULL: Config = {
             "retry": {"max_attempts": 5, "backoff_base_s": 0.5, "backoff_max_s": 4.0,
                       "rate_limit_wait_s": 30.0},
             "stream": {"stall_timeout_s": 30.0, "stall_threshold_ms": 1500.0},
+            "structured": {"max_reasks": 4},
+            "ocr": {"dpi": 300.0, "max_side_px": 1024, "max_document_bytes": 1000000,
+                    "max_concurrent_pages": 2, "prompt": "Transcribe this page."},
             "sources": {
                 "a": {"base_url": URL_A, "api_key": KEY, "model": "m1", "timeout_s": 250.0,
                       "ttft_timeout_s": 60.0, "rpm": 600, "tpm": 100000, "max_in_flight": 8,
-                      "weight": 2.5, "streaming": False},
+                      "weight": 2.5, "streaming": False, "structured_output": "prompt"},
                 "b": {"base_url": URL_B, "model": "m1"},
             },
         },
@@ -233,11 +239,13 @@ def test_full_case_sets_every_field() -> None:
     scope, source = FULL["scopes"]["chat"], FULL["scopes"]["chat"]["sources"]["a"]
     tables: list[tuple[type, dict[str, Any], set[str]]] = [
         (Settings, FULL, {"scopes"}),
-        (Scope, scope, {"sources", "hedge", "retry", "stream"}),
+        (Scope, scope, {"sources", "hedge", "retry", "stream", "structured", "ocr"}),
         (Source, source, {"name"}),
         (Hedge, scope["hedge"], set()),
         (Retry, scope["retry"], set()),
         (StreamWatch, scope["stream"], set()),
+        (Structured, scope["structured"], set()),
+        (Ocr, scope["ocr"], set()),
     ]
     for cls, table, structural in tables:
         missing = {f.name for f in attrs.fields(cls)} - set(table) - structural
@@ -298,6 +306,12 @@ BAD: list[tuple[str, Any]] = [
     ("scopes.chat.retry.backoff_max_s", 0.1),  # below the default backoff_base_s
     ("scopes.chat.retry.rate_limit_wait_s", -5),
     ("scopes.chat.stream.stall_timeout_s", 0),
+    *[("scopes.chat.structured.max_reasks", v) for v in (-1, 11, 1.5, True, "two")],
+    *[(f"{A}.structured_output", v) for v in ("xml", "JSON_SCHEMA", 1)],
+    *[("scopes.chat.ocr.dpi", v) for v in (0, 10, 5000, math.nan)],
+    *[("scopes.chat.ocr.max_side_px", v) for v in (0, 32, 100000, 512.5)],
+    *[("scopes.chat.ocr.max_document_bytes", v) for v in (0, -1, 1.5)],
+    *[("scopes.chat.ocr.max_concurrent_pages", v) for v in (0, 65, True)],
     ("scopes.chat.stream.stall_threshold_ms", -1),
     *[("scopes.chat.call_deadline_s", v) for v in (0, math.nan, "1m")],
     *[("scopes.chat.embed_batch_size", v) for v in (0, 2.5)],
