@@ -328,9 +328,11 @@ class Ocr:
 
     PDF pages are rendered at ``dpi`` and, like input images, scaled down (aspect
     ratio kept) so that their longer side is at most ``max_side_px``; an input PNG or
-    JPEG within that size is sent unaltered.  A document over ``max_document_bytes``
-    is refused; at most ``max_concurrent_pages`` pages are rendered and in flight at
-    once; ``prompt`` replaces the default transcription prompt for this scope.
+    JPEG within that size is sent unaltered; any image polygate encodes is
+    ``image_format`` (``"jpeg"``, quality 90, or ``"png"``).  A document over
+    ``max_document_bytes`` is refused; at most ``max_concurrent_pages`` pages are
+    rendered and in flight at once; ``prompt`` replaces the default transcription
+    prompt for this scope.
     """
 
     dpi: float = attrs.field(default=150.0, validator=_in_range(18, 1200, whole=False))
@@ -338,6 +340,12 @@ class Ocr:
     max_document_bytes: int = attrs.field(default=50 * 1024 * 1024, validator=_pos_int)
     max_concurrent_pages: int = attrs.field(default=4, validator=_in_range(1, 64, whole=True))
     prompt: str | None = attrs.field(default=None, validator=_opt_str)
+    image_format: str = attrs.field(default="jpeg")
+
+    @image_format.validator
+    def _check_format(self, attr: attrs.Attribute[str], value: Any) -> None:
+        if value not in ("jpeg", "png"):
+            raise _bad(self, "image_format", f"must be 'jpeg' or 'png', got {value!r}")
 
 
 def _to_sources(value: Any) -> Any:

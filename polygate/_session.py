@@ -24,8 +24,9 @@ from ._call import Rounds, run_chat, run_embed
 from ._config import Settings
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
+from ._ocr import run_ocr
 from ._structured import prepare
-from ._types import ChatResponse, EmbeddingResponse, StreamChunk
+from ._types import ChatResponse, EmbeddingResponse, OcrResponse, StreamChunk
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
@@ -122,6 +123,26 @@ class Session:
             raise ConfigError("inputs must be a non-empty list of strings")
         _check_params(params, reserved=("input",))
         return await run_embed(self._runtime, scope, list(inputs), params, deadline)
+
+    async def ocr(
+        self,
+        document: Any,
+        *,
+        scope: str = "ocr",
+        prompt: str | None = None,
+        pages: Sequence[int] | None = None,
+        call_deadline_s: float | None = _UNSET,
+        **params: Any,
+    ) -> OcrResponse:
+        """The text of ``document`` (PNG/JPEG/WebP/GIF/PDF ``bytes``, a
+        ``pathlib.Path``, or an ``https://`` URL), one vision request per page, all in
+        one logical call; ``pages`` selects 0-based pages (``docs/ocr.md``)."""
+        deadline = self._prepare(scope, call_deadline_s)
+        _check_params(params)
+        return await run_ocr(
+            self._runtime, scope, document, prompt=prompt, pages=pages, params=params,
+            deadline_s=deadline,
+        )
 
     async def statistics(self) -> SessionStatistics:
         telemetry = self._telemetry.statistics() if self._telemetry else TelemetryStatistics()
