@@ -314,7 +314,6 @@ BAD: list[tuple[str, Any]] = [
     *[("scopes.chat.ocr.max_document_bytes", v) for v in (0, -1, 1.5)],
     *[("scopes.chat.ocr.max_concurrent_pages", v) for v in (0, 65, True)],
     *[("scopes.chat.ocr.image_format", v) for v in ("gif", "PNG", 1)],
-    ("scopes.chat.ocr.prompt", ""),
     ("scopes.chat.stream.stall_threshold_ms", -1),
     *[("scopes.chat.call_deadline_s", v) for v in (0, math.nan, "1m")],
     *[("scopes.chat.embed_batch_size", v) for v in (0, 2.5)],
