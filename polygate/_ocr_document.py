@@ -35,6 +35,7 @@ import io
 import json
 import math
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -251,7 +252,10 @@ def _read(document: Any, settings: Ocr) -> bytes:
     else:
         assert isinstance(document, Path)
         try:
-            size = os.stat(document).st_size
+            info = os.stat(document)
+            if not stat.S_ISREG(info.st_mode):
+                raise ConfigError(f"document {str(document)!r} is not a file")
+            size = info.st_size
             if size > cap:
                 raise ConfigError(f"document {str(document)!r} is {size} bytes, over max_document_bytes={cap}")
             with open(document, "rb") as f:
