@@ -71,7 +71,7 @@ class Rounds(Protocol):
         self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str
     ) -> ChatRequest | None: ...
 
-    def after_round(
+    async def after_round(
         self, response: ChatResponse, messages: Sequence[Mapping[str, Any]]
     ) -> ChatResponse | list[Mapping[str, Any]]: ...
 
@@ -261,7 +261,7 @@ async def run_chat(
             response = await one_round()
             if rounds is None:
                 return response
-            judged = rounds.after_round(response, ctx.messages)
+            judged = await rounds.after_round(response, ctx.messages)
             if isinstance(judged, ChatResponse):
                 return judged
             _next_round(ctx, judged)

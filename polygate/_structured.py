@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import trio
 
 from ._config import Source
 from ._context import ChatRequest
@@ -77,10 +78,16 @@ class Invalid(Exception):
 
 
 class Schema:
-    """A prepared schema: what to send (``name``, ``json_schema``) and how to check."""
+    """A prepared schema: what to send (``name``, ``json_schema``) and how to check.
+
+    An answer longer than ``off_loop_chars`` is validated in a worker thread: about
+    5 ms of validation at that size (measured, ``benchmarks/structured.py``), so the
+    event loop never stalls longer than that on one answer.
+    """
 
     name: str
     json_schema: dict[str, Any]
+    off_loop_chars: int
 
     def validate(self, text: str) -> Any:
         """The validated value of ``text``; raises :class:`Invalid`."""
@@ -91,6 +98,8 @@ class Schema:
 
 
 class _ModelSchema(Schema):
+    off_loop_chars = 32 * 1024  # pydantic-core: about 6 µs a kilobyte
+
     def __init__(self, model: type[Any]) -> None:
         self.model = model
         self.name = _safe_name(model.__name__)
@@ -132,6 +141,8 @@ def _is_pydantic_model(obj: Any) -> bool:
 
 
 class _DictSchema(Schema):
+    off_loop_chars = 2 * 1024  # jsonschema is pure Python: about 1 ms per 300 bytes
+
     def __init__(self, canonical: str) -> None:
         schema = json.loads(canonical)
         title = schema.get("title") if isinstance(schema, dict) else None
@@ -340,12 +351,17 @@ class StructuredRounds:
             return ChatRequest(instructed, {**self.params, "response_format": {"type": "json_object"}})
         return ChatRequest(instructed, self.params)
 
-    def after_round(
+    async def after_round(
         self, response: ChatResponse, messages: Sequence[Mapping[str, Any]]
     ) -> ChatResponse | list[Mapping[str, Any]]:
         text = response.text
         try:
-            parsed = self.schema.validate(text)
+            if len(text) > self.schema.off_loop_chars:
+                # Not abandoned on cancellation: a pure computation, bounded by the
+                # answer's size; the call's cleanup waits for it like for a page render.
+                parsed = await trio.to_thread.run_sync(self.schema.validate, text)
+            else:
+                parsed = self.schema.validate(text)
         except Invalid as exc:
             self.errors.append("\n".join(exc.problems))
             if len(self.errors) > self.max_reasks:

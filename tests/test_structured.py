@@ -9,6 +9,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -386,6 +387,29 @@ def test_polygate_imports_neither_pydantic_nor_jsonschema() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+async def test_large_answers_are_validated_off_the_loop(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from polygate import _structured
+
+    threads: list[int] = []
+    original = _structured._DictSchema.validate
+
+    def validate(self: Any, text: str) -> Any:
+        threads.append(threading.get_ident())
+        return original(self, text)
+
+    monkeypatch.setattr(_structured._DictSchema, "validate", validate)
+    big = json.dumps({"city": "x" * 5000, "population": 1})
+    up = FakeUpstream([Reply(text=GOOD), Reply(text=big)])
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        small_answer = await s.chat(MESSAGES, schema=CITY_SCHEMA)
+        big_answer = await s.chat(MESSAGES, schema=CITY_SCHEMA)
+    assert small_answer.parsed["population"] == 2100000
+    assert big_answer.parsed["city"] == "x" * 5000
+    assert threads[0] == threading.get_ident() != threads[1]
 
 
 # --------------------------------------------------------------------------- telemetry
