@@ -512,6 +512,10 @@ UNKNOWN_KEYS = {
     "POLYGATE__CHAT__A__NAME": "source fields are BASE_URL",
     "POLYGATE__CHAT__A__B__BASE_URL": "too many segments",
     "POLYGATE__CHAT__HEDGE__BASE_URL": "HEDGE is reserved",
+    "POLYGATE__CHAT__STRUCTURED__BASE_URL": "STRUCTURED is reserved",
+    "POLYGATE__CHAT__OCR__BASE_URL": "OCR is reserved",
+    "POLYGATE__CHAT__OCR__DPY": "did you mean DPI?",
+    "POLYGATE__CHAT__STRUCTURED__MAX_REASK": "did you mean MAX_REASKS?",
     "POLYGATE__CHAT__CALL_DEADLINE_S__BASE_URL": "CALL_DEADLINE_S is a scope setting",
     "POLYGATE__Chat__A__BASE_URL": "upper case",
 }
@@ -544,6 +548,20 @@ def test_scope_without_sources(key: str) -> None:
         settings_from_env(env)
     assert key in str(info.value)
     assert "POLYGATE__CHAT__{SOURCE}__BASE_URL" in str(info.value)
+
+
+def test_a_scope_may_be_named_like_a_group() -> None:
+    """``ocr`` is Session.ocr's default scope: STRUCTURED and OCR are reserved for
+    sources only (a scope name is the first segment and cannot collide)."""
+    env = {"POLYGATE__OCR__A__BASE_URL": URL_A, "POLYGATE__OCR__OCR__DPI": "300",
+           "POLYGATE__STRUCTURED__A__BASE_URL": URL_B,
+           "POLYGATE__STRUCTURED__STRUCTURED__MAX_REASKS": "0"}
+    settings = settings_from_env(env)
+    assert settings.scopes["ocr"].ocr.dpi == 300
+    assert settings.scopes["structured"].structured.max_reasks == 0
+    for name in ("ocr", "OCR", "structured"):
+        with pytest.raises(ConfigError, match="reserved"):
+            Source(name=name, base_url=URL_A)
 
 
 def test_only_top_level_keys() -> None:
