@@ -193,7 +193,7 @@ def main() -> None:
     ocr = summary["ocr (jpeg, default)"]
     floor = summary["render only, in a thread"]
     idle = summary["idle loop (noise floor)"]
-    print(f"  (wall: median of rounds; stall and step: the worst of all rounds)")
+    print("  (wall: median of rounds; stall and step: the worst of all rounds)")
     print(f"  ocr / render only: ×{ocr['wall_s'] / floor['wall_s']:.2f} wall; ocr stall "
           f"{ocr['max_stall_ms']:.2f} ms against {idle['max_stall_ms']:.2f} ms on the idle "
           f"loop and {summary['render on the loop']['max_stall_ms']:.1f} ms rendering on the "
