@@ -9,6 +9,7 @@ from typing import Any
 
 import pydantic
 import pytest
+import trio
 from PIL import Image
 
 import polygate
@@ -72,3 +73,20 @@ async def test_ocr_of_a_pdf_over_real_sockets() -> None:
     for q in up.requests:
         [message] = q.body["messages"]
         assert [part["type"] for part in message["content"]] == ["text", "image_url"]
+
+
+async def test_ocr_pages_overlap_up_to_the_bound() -> None:
+    up = FakeUpstream(Reply(text="x", first_token_s=0.3))
+    pdf = make_pdf([(100, 100)] * 7)
+    async with serving(a=up) as urls:
+        settings = polygate.Settings(scopes={"ocr": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url=urls["a"])],
+            ocr=polygate.Ocr(max_concurrent_pages=3),
+        )})
+        async with polygate.session(settings) as s:
+            start = trio.current_time()
+            r = await s.ocr(pdf)
+            elapsed = trio.current_time() - start
+    assert len(r.pages) == 7
+    assert up.statistics().peak_in_flight == 3  # rendering a blank page takes ms, not 0.3 s
+    assert 0.9 <= elapsed < 2.0  # three waves of at most 3; one at a time would take 2.1 s

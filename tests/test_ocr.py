@@ -171,17 +171,20 @@ async def test_pages_selects_and_keeps_document_order(
     assert len(up.requests) == 2
 
 
-async def test_pages_run_concurrently_but_bounded(autojump_clock: trio.testing.MockClock) -> None:
-    up = FakeUpstream(Reply(text="x", first_token_s=10.0))
-    pdf = make_pdf([(100, 100)] * 7)
-    settings = ocr_settings(max_concurrent_pages=3)
+async def test_pages_are_bounded_and_come_back_in_order(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Under MockClock, virtual time jumps while workers wait for their render threads,
+    # so how much the pages overlap is not deterministic here: the bound and the order
+    # are (the overlap itself is checked on the real clock, test_integration_chains).
+    up = FakeUpstream(size_reply)
+    sizes = [(100 + 50 * (6 - i), 100) for i in range(7)]  # the first page is the slowest
+    settings = ocr_settings(dpi=72, max_concurrent_pages=3)
     async with polygate.session(settings, transport=Router({"a": up})) as s:
-        start = trio.current_time()
-        r = await s.ocr(pdf)
-        elapsed = trio.current_time() - start
-    assert len(r.pages) == 7 and up.statistics().peak_in_flight == 3
-    assert elapsed == pytest.approx(30.0)  # ceil(7 / 3) waves of 10 s
-    assert r.call_stats.generation_ms == pytest.approx(70_000)
+        r = await s.ocr(make_pdf(sizes))
+    assert [p.text for p in r.pages] == [f"{w}x100" for w, _ in sizes]
+    assert up.statistics().peak_in_flight <= 3
+    assert r.call_stats.generation_ms == pytest.approx(1000 * sum(range(1, 8)))
 
 
 async def test_hand_written_pdf(autojump_clock: trio.testing.MockClock) -> None:
@@ -389,10 +392,10 @@ async def test_a_fatal_page_fails_the_call_with_one_error(
 async def test_the_deadline_covers_every_page(autojump_clock: trio.testing.MockClock) -> None:
     up = FakeUpstream(Reply(text="x", first_token_s=1000.0))
     async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
-        start = trio.current_time()
-        with pytest.raises(polygate.DeadlineExceeded):
+        with pytest.raises(polygate.DeadlineExceeded) as info:
             await s.ocr(make_pdf([(100, 100)] * 6), call_deadline_s=20)
-        assert trio.current_time() - start == pytest.approx(20.0)
+    assert info.value.call_stats is not None
+    assert info.value.call_stats.total_latency_ms == pytest.approx(20_000)
     assert up.in_flight == 0
 
 
