@@ -156,9 +156,12 @@ class _DictSchema(Schema):
         except ValueError as exc:
             raise Invalid([f"$: not valid JSON ({exc})"]) from None
         validator = self._validator
-        if validator.is_valid(value):
-            return value
-        errors = sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.path)))
+        try:
+            if validator.is_valid(value):
+                return value
+            errors = sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.path)))
+        except Exception as exc:  # a reference below a nested $id that does not resolve
+            raise ConfigError(f"schema: cannot be applied ({_first_line(exc)})") from None
         raise Invalid(_bounded(f"{e.json_path}: {e.message}" for e in errors))
 
 
@@ -189,11 +192,14 @@ def _compile(schema: Any) -> Any:
         if isinstance(dialect, str) else default
     )
     resolver = referencing.Registry().resolver_with_root(spec.create_resource(schema))
-    for ref in _local_refs(schema):
+    for ref in _refs(schema):
         try:
             resolver.lookup(ref)
         except referencing.exceptions.Unresolvable:
-            raise ConfigError(f"schema: $ref {ref!r} does not resolve inside the schema") from None
+            raise ConfigError(
+                f"schema: $ref {ref!r} does not resolve inside the schema "
+                "(polygate never fetches remote schemas)"
+            ) from None
     return cls(schema)
 
 
@@ -201,22 +207,23 @@ def _compile(schema: Any) -> Any:
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
 
-def _local_refs(node: Any, root: bool = True) -> list[str]:
-    """Every ``$ref`` that starts with ``#`` and is resolved against the root (subtrees
-    with their own ``$id`` have their own base and are left to the validator)."""
+def _refs(node: Any, root: bool = True) -> list[str]:
+    """Every ``$ref`` resolved against the root's base (subtrees with their own
+    ``$id`` have their own base: they are left to validation time, where an
+    unresolvable reference is a ConfigError too)."""
     found: list[str] = []
     if isinstance(node, dict):
         if not root and isinstance(node.get("$id"), str):
             return found
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
+        if isinstance(ref, str):
             found.append(ref)
         for key, value in node.items():
             if key not in _DATA_KEYWORDS:
-                found.extend(_local_refs(value, False))
+                found.extend(_refs(value, False))
     elif isinstance(node, list):
         for item in node:
-            found.extend(_local_refs(item, False))
+            found.extend(_refs(item, False))
     return found
 
 

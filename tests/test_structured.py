@@ -343,7 +343,8 @@ class NotAModel:
 BAD_SCHEMAS: list[Any] = [
     5, "Answer", ["object"], True, NotAModel, Answer(city="x", population=1),
     {"type": "strnig"}, {"properties": 5}, {"required": "city"},
-    {"$ref": "#/$defs/Missing"}, {"type": "object", "default": float("nan")},
+    {"$ref": "#/$defs/Missing"}, {"$ref": "https://example.com/city.json"},
+    {"type": "string", "pattern": "("}, {"type": "object", "default": float("nan")},
     {"type": "object", "x": object()},
 ]
 
