@@ -24,9 +24,10 @@ A page renders only when a worker is free for it, so at most
 
 from __future__ import annotations
 
+import operator
+import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -65,7 +66,7 @@ def check_arguments(
             )
     elif isinstance(document, str):
         check_url(document)
-    elif not isinstance(document, Path):
+    elif not isinstance(document, os.PathLike):
         raise ConfigError(
             "document must be bytes, a pathlib.Path or an https:// URL string, "
             f"got {type(document).__name__}"
@@ -78,12 +79,18 @@ def check_arguments(
         return prompt, None
     if isinstance(pages, (str, bytes)) or not isinstance(pages, Sequence) or not pages:
         raise ConfigError("pages must be None or a non-empty list of 0-based page numbers")
+    numbers: list[int] = []
     for page in pages:
-        if isinstance(page, bool) or not isinstance(page, int) or page < 0:
+        try:
+            number = operator.index(page)  # ints, and numpy's integers
+        except TypeError:
+            number = -1
+        if isinstance(page, bool) or number < 0:
             raise ConfigError(f"pages must hold 0-based page numbers (ints >= 0), got {page!r}")
-    if len(set(pages)) != len(pages):
+        numbers.append(number)
+    if len(set(numbers)) != len(numbers):
         raise ConfigError("pages must not name a page twice")
-    return prompt, sorted(pages)
+    return prompt, sorted(numbers)
 
 
 async def run_ocr(

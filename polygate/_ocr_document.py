@@ -249,8 +249,8 @@ def _read(document: Any, settings: Ocr) -> bytes:
     cap = settings.max_document_bytes
     if isinstance(document, (bytes, bytearray)):
         data = bytes(document)
-    else:
-        assert isinstance(document, Path)
+    else:  # a pathlib.Path, or any os.PathLike (trio.Path)
+        document = Path(os.fsdecode(os.fspath(document)))
         try:
             info = os.stat(document)
             if not stat.S_ISREG(info.st_mode):
@@ -270,8 +270,9 @@ def _read(document: Any, settings: Ocr) -> bytes:
 
 
 def open_document(document: Any, settings: Ocr) -> Document:
-    """Recognise and open ``document`` (bytes, a ``pathlib.Path`` or an ``https://``
-    URL); :class:`ConfigError` for anything that cannot be sent.  Runs in a worker
+    """Recognise and open ``document`` (bytes, a ``pathlib.Path`` — or any path-like
+    object — or an ``https://`` URL); :class:`ConfigError` for anything that cannot be
+    sent.  Runs in a worker
     thread: it reads files, parses image headers and opens PDFs."""
     if isinstance(document, str):
         return UrlDocument(check_url(document))

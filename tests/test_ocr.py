@@ -204,7 +204,9 @@ async def test_a_path_is_read(autojump_clock: trio.testing.MockClock, tmp_path: 
     up = FakeUpstream(size_reply)
     async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
         r = await s.ocr(path)
+        r2 = await s.ocr(trio.Path(path), pages=range(1, 2))  # any path-like; any sequence
     assert [p.text for p in r.pages] == ["100x100", "150x100"]
+    assert [(p.index, p.text) for p in r2.pages] == [(1, "150x100")]
 
 
 # --------------------------------------------------------------------------- images and URLs
