@@ -10,8 +10,8 @@ the imports, is reported apart):
   with ``image_format="png"``;
 * **render only**: the same pages rendered and encoded one after another in a worker
   thread, no network — the floor a sequential renderer would need;
-* **render on the loop**: the same rendering done synchronously in the trio thread —
-  what polygate avoids; its stall is the cost of one page.
+* **render on the loop**: the same rendering done synchronously in the trio thread,
+  one page per task step — what polygate avoids; its stall is the cost of one page.
 
 The stall is measured two ways.  A probe task sleeps 1 ms in a loop and records how
 late it wakes: the stall as the loop lives it, which on a busy machine includes the
@@ -144,8 +144,13 @@ async def run(pages: int, rounds: int) -> dict[str, Any]:
                 await trio.to_thread.run_sync(render_all, pdf, ocr_settings, pages)
 
             async def render_loop() -> None:
-                render_all(pdf, ocr_settings, pages)
-                await trio.lowlevel.checkpoint()
+                document = _ocr_document.open_document(pdf, ocr_settings)
+                try:
+                    for index in range(pages):  # one page per task step
+                        document.page(index, "Transcribe.")
+                        await trio.lowlevel.checkpoint()
+                finally:
+                    document.close()
 
             async def idle() -> None:
                 await trio.sleep(1.0)
