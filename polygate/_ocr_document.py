@@ -162,15 +162,17 @@ class PdfDocument(Document):
         with _PDFIUM:
             if self._pdf is None:
                 raise ConfigError("the PDF was closed")
-            page = self._pdf[index]
+            try:
+                page = self._pdf[index]
+            except Exception as exc:
+                raise ConfigError(f"page {index} of the PDF cannot be loaded: {exc}") from None
             try:
                 width_pt, height_pt = page.get_size()
-                scale = _pdf_scale(width_pt, height_pt, self.settings)
-                bitmap = page.render(scale=scale, may_draw_forms=True)
+                bitmap = page.render(scale=_pdf_scale(width_pt, height_pt, self.settings))
                 try:
-                    # A BGR bitmap (the default, no alpha) is copied into the image, so
-                    # the image outlives the bitmap closed below.
-                    image = bitmap.to_pil()
+                    # A copy: an image may share the bitmap's buffer (RGBA, L), and the
+                    # bitmap is freed below.  A memory copy next to a render is cheap.
+                    image = bitmap.to_pil().copy()
                 finally:
                     bitmap.close()
             except Exception as exc:
