@@ -169,7 +169,7 @@ async def run(pages: int, rounds: int) -> dict[str, Any]:
                         first[name] = measured
                     else:
                         results.setdefault(name, []).append(measured)
-    return {"pdf_bytes": len(pdf), "first": first, "rounds": results}
+    return {"pdf_bytes": len(pdf), "first": first, "measured": results}
 
 
 def main() -> None:
@@ -186,7 +186,7 @@ def main() -> None:
     print(f"  {'':26s} {'wall s':>8s} {'probe stall ms':>15s} {'step CPU ms':>12s}"
           f"   first round: wall s, stall ms, step ms")
     summary: dict[str, dict[str, float]] = {}
-    for name, measured in out["rounds"].items():
+    for name, measured in out["measured"].items():
         wall = median([m[0] for m in measured])
         stall = max(m[1] for m in measured)
         step = max(m[2] for m in measured)
