@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from ._context import AttemptRecord, CallContext
+from ._context import AttemptRecord, CallContext, ChatRequest
 from ._errors import Outcome, TransientUpstreamError, UpstreamError
 from ._types import Usage
 from .governance import Admission
@@ -88,12 +88,25 @@ class AttemptControl:
 
 
 async def run_chat_attempt(
-    ctx: CallContext, admission: Admission, control: AttemptControl
+    ctx: CallContext,
+    admission: Admission,
+    control: AttemptControl,
+    request: ChatRequest | None = None,
 ) -> dict[str, Any]:
+    """One chat exchange; ``request`` (default: the call's messages and parameters)
+    is what this attempt sends."""
     source = ctx.source(admission.source)
     endpoint = ctx.runtime.endpoints[(ctx.scope_name, source.name)]
     stall_timeout = ctx.scope.stream.stall_timeout_s
     forward = control.on_content
+    messages_json, params = ctx.messages_json, ctx.params
+    prompt_estimate, completion_estimate = ctx.prompt_estimate, ctx.completion_estimate
+    if request is not None:
+        messages_json, params = request.messages_json, request.params
+        if request.prompt_estimate is not None:
+            prompt_estimate = request.prompt_estimate
+        if request.completion_estimate is not None:
+            completion_estimate = request.completion_estimate
 
     async def work(timeline: Timeline) -> dict[str, Any]:
         watch = control.watch
@@ -115,9 +128,6 @@ async def run_chat_attempt(
                 first = False
                 watch(math.inf)  # the first token ends the ttft watchdog
 
-        messages_json, params = ctx.messages_json, ctx.params
-        if ctx.continuation is not None:
-            messages_json, params = ctx.continuation.request(source, params)
         return await chat_exchange(
             ctx.runtime.transport,
             endpoint,
@@ -131,9 +141,9 @@ async def run_chat_attempt(
 
     def usage_of(body: dict[str, Any]) -> Usage:
         return Usage.from_wire(body.get("usage")) or Usage(
-            ctx.prompt_estimate,
-            ctx.completion_estimate,
-            ctx.prompt_estimate + ctx.completion_estimate,
+            prompt_estimate,
+            completion_estimate,
+            prompt_estimate + completion_estimate,
             source="estimated",
         )
 

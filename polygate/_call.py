@@ -24,7 +24,7 @@ import math
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import nullcontext
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 
@@ -34,7 +34,8 @@ if sys.version_info < (3, 11):
 from ._attempt import AttemptControl, run_chat_attempt, run_embed_attempt
 from ._backoff import full_jitter
 from ._callstats import call_stats, chat_response
-from ._context import AttemptRecord, CallContext, Continuation, Runtime
+from ._config import Source
+from ._context import AttemptRecord, CallContext, ChatRequest, Continuation, Runtime
 from ._errors import (
     AllSourcesExhausted,
     DeadlineExceeded,
@@ -58,9 +59,29 @@ from ._resume import (
 from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
 from .governance import Admission, NoAdmission, RefusalReason, completion_budget
 
-__all__ = ["call_stats", "run_chat", "run_embed"]
+__all__ = ["Rounds", "call_stats", "run_chat", "run_embed"]
 
 T = TypeVar("T")
+
+
+class Rounds(Protocol):
+    """More rounds inside one logical call (structured output's re-asks, SPEC §8.1).
+
+    Every round is a full retry loop — admission, hedging, retries — under the call's
+    one deadline; its attempts are the call's attempts.  ``request`` says what an
+    attempt on ``source`` sends in the current round (``None``: the call's own
+    messages and parameters); ``after_round`` judges the round's answer: the call's
+    final response, or the messages of the next round.  It raises a polygate error to
+    end the call (carrying the response's frozen statistics).
+    """
+
+    def request(
+        self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str
+    ) -> ChatRequest | None: ...
+
+    async def after_round(
+        self, response: ChatResponse, messages: Sequence[Mapping[str, Any]]
+    ) -> ChatResponse | list[Mapping[str, Any]]: ...
 
 
 async def _with_deadline(
@@ -272,6 +293,7 @@ async def run_chat(
     *,
     forward: StreamSink | None = None,
     delivered: list[str] | None = None,
+    rounds: Rounds | None = None,
 ) -> ChatResponse:
     """One logical chat call: the retry loop in the asked scope, then — inside the same
     deadline — its fallback scopes (see _fallback), and for a committed stream whose
@@ -286,11 +308,17 @@ async def run_chat(
     shown = delivered if delivered is not None else []
 
     async def runner(admission: Admission, control: AttemptControl) -> Any:
+        source = ctx.source(admission.source)
+        request = None
+        cont = ctx.continuation
+        if cont is not None:
+            request = cont.request(source, ctx.params)
+        elif rounds is not None:
+            request = rounds.request(source, ctx.messages, ctx.messages_json)
         try:
-            return await run_chat_attempt(ctx, admission, control)
+            return await run_chat_attempt(ctx, admission, control, request)
         except FatalUpstreamError as exc:
-            cont = ctx.continuation
-            if cont is None or not cont.prefilled(ctx.source(admission.source)):
+            if cont is None or not cont.prefilled(source):
                 raise
             # The target rejected the assistant prefill: ask it again without one.  That
             # 400 concerns polygate's way of asking, never the caller's request.
@@ -300,7 +328,11 @@ async def run_chat(
                 source=exc.source, status_code=exc.status_code,
             ) from exc
 
-    async def body() -> ChatResponse:
+    async def one_round() -> ChatResponse:
+        """One answer: the retry loop in the asked scope, then its fallbacks; a
+        committed stream whose path fails is continued elsewhere."""
+        if ctx.scope_name != scope_name:
+            _move_to(ctx, scope_name, params)  # a re-ask starts from the asked scope
         deadline_at = _deadline_at(ctx, deadline_s)
         active: Forward | None = forward
         segments: list[AttemptRecord] = []
@@ -330,7 +362,7 @@ async def run_chat(
                     demoted = []
                 else:
                     demoted = [failed] if failed else []
-                _prepare_continuation(ctx, messages, "".join(shown))
+                _prepare_continuation(ctx, ctx.messages, "".join(shown))
                 active = ResumedForward(forward, Stitcher("".join(shown)))
             except (AllSourcesExhausted, FatalUpstreamError) as exc:
                 target = fallback_scope(
@@ -345,6 +377,7 @@ async def run_chat(
                 _move_to(ctx, target, params)
                 demoted = []
         if segments:
+            ctx.continuation = None
             await _finish_continuation(active, record, result)
             return chat_response(
                 ctx, record, result, segments, "".join(shown),
@@ -352,9 +385,27 @@ async def run_chat(
             )
         return chat_response(ctx, record, result)
 
+    async def body() -> ChatResponse:
+        while True:
+            response = await one_round()
+            if rounds is None:
+                return response
+            judged = await rounds.after_round(response, ctx.messages)
+            if isinstance(judged, ChatResponse):
+                return judged
+            _next_round(ctx, judged)
+
     response = await _with_deadline(ctx, deadline_s, body)
     runtime.recorder.call(ctx, response.call_stats, response.usage, None, response.message)
     return response
+
+
+def _next_round(ctx: CallContext, messages: list[Mapping[str, Any]]) -> None:
+    """The next round asks with ``messages``; the statistics count one more re-ask."""
+    ctx.messages = messages
+    ctx.messages_json = json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+    ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(messages)
+    ctx.reasks += 1
 
 
 def _committed_error(error: UpstreamError, shown: list[str]) -> UpstreamError:

@@ -45,6 +45,7 @@ def call_stats(
         "attempts": len(ctx.attempts),
         "hedges": ctx.hedges,
         "total_latency_ms": (now - ctx.started_at) * 1000.0,
+        "reasks": ctx.reasks,
         "scope": winner.scope if winner is not None and winner.scope else ctx.scope_name,
         "resumes": len(segments),
     }

@@ -24,12 +24,15 @@ from ._errors import ConfigError
 __all__ = [
     "ConfigWarning",
     "Hedge",
+    "Ocr",
     "Retry",
     "Scope",
     "Settings",
     "Source",
     "StreamWatch",
+    "Structured",
     "RESERVED_SEGMENTS",
+    "STRUCTURED_OUTPUT_MODES",
     "mask_url",
 ]
 
@@ -37,8 +40,11 @@ __all__ = [
 # POLYGATE__{SCOPE}__{SOURCE}__… and POLYGATE__{SCOPE}__{SETTING}… would collide).
 RESERVED_SEGMENTS = frozenset({
     "HEDGE", "RETRY", "STREAM", "BREAKER", "CALL_DEADLINE_S", "EMBED_BATCH_SIZE",
-    "COMPLETION_ESTIMATE_TOKENS", "FALLBACK", "FALLBACK_ON",
+    "COMPLETION_ESTIMATE_TOKENS", "FALLBACK", "FALLBACK_ON", "STRUCTURED", "OCR",
 })
+# Reserved for sources only: a scope may be named so ("ocr" is Session.ocr's default
+# scope), since a scope name is always the first segment and cannot collide.
+_SOURCE_ONLY_RESERVED = frozenset({"STRUCTURED", "OCR"})
 # What moves a call to its scope's fallback scope (Scope.fallback_on).
 FALLBACK_REASONS = frozenset({
     "exhausted", "rate_limited", "context_length", "content_policy", "fatal",
@@ -173,7 +179,11 @@ class Source:
     ``timeout_s`` bounds a whole attempt; ``ttft_timeout_s`` the wait for its first
     content token.  ``rpm``/``tpm`` are quotas in any rolling 60 s window;
     ``max_in_flight`` caps concurrent attempts; ``weight`` biases picking;
-    ``streaming=False`` says the upstream cannot stream.
+    ``streaming=False`` says the upstream cannot stream.  ``structured_output`` is
+    how a ``schema=`` call asks this source for JSON: ``"json_schema"`` (a
+    ``response_format`` of that type), ``"json_object"`` (``{"type": "json_object"}``
+    plus the schema in a system instruction) or ``"prompt"`` (the instruction alone,
+    for upstreams that reject ``response_format``).  See ``docs/structured.md``.
     """
 
     name: str = attrs.field()
@@ -190,6 +200,7 @@ class Source:
     # The upstream continues a trailing assistant message (vLLM's
     # continue_final_message): a resumed stream continues from the delivered text.
     prefill: bool = attrs.field(default=False, validator=_bool)
+    structured_output: str = attrs.field(default="json_schema")
 
     @name.validator
     def _check_name(self, attr: attrs.Attribute[str], value: Any) -> None:
@@ -220,9 +231,18 @@ class Source:
         if isinstance(value, str) and any(c in value for c in "\r\n"):
             raise _bad(self, "api_key", "must not contain line breaks")
 
+    @structured_output.validator
+    def _check_structured(self, attr: attrs.Attribute[str], value: Any) -> None:
+        if value not in STRUCTURED_OUTPUT_MODES:
+            modes = ", ".join(repr(m) for m in STRUCTURED_OUTPUT_MODES)
+            raise _bad(self, "structured_output", f"must be one of {modes}, got {value!r}")
+
     @property
     def url(self) -> str:
         return self.base_url.rstrip("/")
+
+
+STRUCTURED_OUTPUT_MODES = ("json_schema", "json_object", "prompt")
 
 
 @attrs.frozen
@@ -337,6 +357,55 @@ def _to_tuple(value: Any) -> Any:
     return value
 
 
+def _reasks(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10:
+        raise _bad(inst, attr.name, f"must be a whole number in [0, 10], got {value!r}")
+
+
+@attrs.frozen
+class Structured:
+    """Structured output (``chat(..., schema=...)``): how many times an answer that is
+    not valid JSON for the schema is re-asked inside the same call (0: never)."""
+
+    max_reasks: int = attrs.field(default=2, validator=_reasks)
+
+
+def _in_range(lo: float, hi: float, whole: bool) -> Any:
+    def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        kind = "whole number" if whole else "number"
+        ok = (isinstance(value, int) if whole else _is_number(value)) and not isinstance(value, bool)
+        if not ok or not _finite(value) or not lo <= value <= hi:
+            raise _bad(inst, attr.name, f"must be a {kind} in [{lo:g}, {hi:g}], got {value!r}")
+
+    return check
+
+
+@attrs.frozen
+class Ocr:
+    """OCR calls (``Session.ocr``): how documents become page images.
+
+    PDF pages are rendered at ``dpi`` and, like input images, scaled down (aspect
+    ratio kept) so that their longer side is at most ``max_side_px``; an input PNG or
+    JPEG within that size is sent unaltered; any image polygate encodes is
+    ``image_format`` (``"jpeg"``, quality 90, or ``"png"``).  A document over
+    ``max_document_bytes`` is refused; at most ``max_concurrent_pages`` pages are
+    rendered and in flight at once; ``prompt`` replaces the default transcription
+    prompt for this scope.
+    """
+
+    dpi: float = attrs.field(default=150.0, validator=_in_range(18, 1200, whole=False))
+    max_side_px: int = attrs.field(default=2048, validator=_in_range(64, 8192, whole=True))
+    max_document_bytes: int = attrs.field(default=50 * 1024 * 1024, validator=_pos_int)
+    max_concurrent_pages: int = attrs.field(default=4, validator=_in_range(1, 64, whole=True))
+    prompt: str | None = attrs.field(default=None, validator=_opt_str)
+    image_format: str = attrs.field(default="jpeg")
+
+    @image_format.validator
+    def _check_format(self, attr: attrs.Attribute[str], value: Any) -> None:
+        if value not in ("jpeg", "png"):
+            raise _bad(self, "image_format", f"must be 'jpeg' or 'png', got {value!r}")
+
+
 def _to_sources(value: Any) -> Any:
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return tuple(value)
@@ -355,6 +424,8 @@ class Scope:
     breaker: Breaker = attrs.field(factory=Breaker)
     embed_batch_size: int = attrs.field(default=256, validator=_pos_int)
     completion_estimate_tokens: int = attrs.field(default=256, validator=_pos_int)
+    structured: Structured = attrs.field(factory=Structured)
+    ocr: Ocr = attrs.field(factory=Ocr)
     # The scope a call moves to, inside the same logical call and deadline, when this
     # one fails for one of the ``fallback_on`` reasons; fallbacks chain.
     fallback: str | None = attrs.field(default=None)
@@ -392,9 +463,11 @@ class Scope:
             seen.add(source.name)
 
     def __attrs_post_init__(self) -> None:
-        for name, cls in (
-            ("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch), ("breaker", Breaker)
-        ):
+        groups = (
+            ("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch), ("breaker", Breaker),
+            ("structured", Structured), ("ocr", Ocr),
+        )
+        for name, cls in groups:
             if not isinstance(getattr(self, name), cls):
                 raise _bad(self, name, f"must be a {cls.__name__}")
         check_hedge_assembly(self)
@@ -554,7 +627,7 @@ class Settings:
         for name, scope in value.items():
             if not isinstance(name, str) or not _NAME_RE.match(name) or "__" in name:
                 raise _bad(self, "scopes", f"scope name {name!r} must be letters, digits, '_', '-'")
-            if name.upper() in RESERVED_SEGMENTS | {"BACKEND", "TELEMETRY"}:
+            if name.upper() in (RESERVED_SEGMENTS - _SOURCE_ONLY_RESERVED) | {"BACKEND", "TELEMETRY"}:
                 raise _bad(self, "scopes", f"scope name {name!r} is reserved")
             if not isinstance(scope, Scope):
                 raise _bad(self, "scopes", f"scope {name!r} must be a Scope, got {type(scope).__name__}")

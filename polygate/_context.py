@@ -18,7 +18,7 @@ from ._types import CallStats, Usage
 from .governance import Admission, Governor
 from .transport import Endpoint, Limits, Timeline
 
-__all__ = ["AttemptRecord", "CallContext", "Continuation", "Recorder", "Runtime"]
+__all__ = ["AttemptRecord", "CallContext", "ChatRequest", "Continuation", "Recorder", "Runtime"]
 
 
 class Recorder(Protocol):
@@ -131,10 +131,22 @@ class Continuation:
     def prefilled(self, source: Source) -> bool:
         return source.prefill and source.name not in self.refused_prefill
 
-    def request(self, source: Source, params: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    def request(self, source: Source, params: Mapping[str, Any]) -> ChatRequest:
         if self.prefilled(source):
-            return self.prefill_json, {**params, **self.prefill_params}
-        return self.prompt_json, params
+            return ChatRequest(self.prefill_json, {**params, **self.prefill_params})
+        return ChatRequest(self.prompt_json, params)
+
+
+@attrs.frozen
+class ChatRequest:
+    """What one chat attempt sends when it is not the call's own messages and
+    parameters: an OCR page, or a structured call's per-source form of its round.
+    The estimates, when set, replace the call's (usage the upstream did not report)."""
+
+    messages_json: str
+    params: Mapping[str, Any]
+    prompt_estimate: int | None = None
+    completion_estimate: int | None = None
 
 
 @attrs.define(eq=False)
@@ -155,6 +167,7 @@ class CallContext:
     hedge_refused: bool = False  # the hedge budget refused this call once (counted once)
     streaming_to_caller: bool = False
     continuation: Continuation | None = None  # set once a committed stream resumes
+    reasks: int = 0  # structured output: rounds re-asked after an invalid answer
 
     @property
     def estimate(self) -> int:

@@ -12,7 +12,8 @@
     │   └── RateLimitedError                 429: source cools down for Retry-After
     ├── DeadlineExceeded (+ TimeoutError)    the logical call ran out of time
     ├── AllSourcesExhausted                  attempts or sources ran out; .errors has each one
-    └── GovernanceBackendError               the shared backend cannot answer: fail closed
+    ├── GovernanceBackendError               the shared backend cannot answer: fail closed
+    └── StructuredOutputError                answers never matched the schema (re-asks spent)
 
 A public call raises exactly one of these.  Internal nursery groups ride along as
 ``__cause__`` at most.  Cancellation (``trio.Cancelled``) is a ``BaseException`` and is
@@ -44,6 +45,7 @@ __all__ = [
     "RateLimitedError",
     "SourceDeadError",
     "StreamStalled",
+    "StructuredOutputError",
     "TransientUpstreamError",
     "UpstreamError",
     "Outcome",
@@ -184,6 +186,28 @@ class AllSourcesExhausted(PolygateError):
     ) -> None:
         super().__init__(message)
         self.errors: list[UpstreamError] = list(errors or [])
+        self.call_stats = call_stats
+
+
+class StructuredOutputError(PolygateError):
+    """No answer of the call matched the schema, and its re-asks are spent (SPEC §8.1).
+
+    ``errors`` has one string per round, in order: that round's validation problems;
+    ``text`` is the last answer as the upstream sent it; ``call_stats`` the frozen
+    statistics of the whole call (every round's attempts; ``reasks`` made).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errors: list[str] | None = None,
+        text: str = "",
+        call_stats: CallStats | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.errors: list[str] = list(errors or [])
+        self.text = text
         self.call_stats = call_stats
 
 

@@ -20,11 +20,13 @@ import attrs
 import httpx
 import trio
 
-from ._call import run_chat, run_embed
+from ._call import Rounds, run_chat, run_embed
 from ._config import Settings
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
-from ._types import ChatResponse, EmbeddingResponse, StreamChunk
+from ._ocr import run_ocr
+from ._structured import prepare
+from ._types import ChatResponse, EmbeddingResponse, OcrResponse, StreamChunk
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
@@ -74,13 +76,21 @@ class Session:
         *,
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
+        schema: Any = None,
         **params: Any,
     ) -> ChatResponse:
-        """One logical chat call; returns the assembled answer with its statistics."""
+        """One logical chat call; returns the assembled answer with its statistics.
+
+        ``schema`` (a pydantic v2 model class or a JSON Schema dict) asks for
+        structured output: ``response.parsed`` is the validated answer, and an invalid
+        one is re-asked inside this call (``docs/structured.md``)."""
         deadline = self._prepare(scope, call_deadline_s)
         encoded = _check_messages(messages)
         _check_params(params)
-        return await run_chat(self._runtime, scope, list(messages), encoded, params, deadline)
+        rounds = self._rounds(scope, schema, params, reask=True)
+        return await run_chat(
+            self._runtime, scope, list(messages), encoded, params, deadline, rounds=rounds
+        )
 
     def stream_chat(
         self,
@@ -88,14 +98,22 @@ class Session:
         *,
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
+        schema: Any = None,
         **params: Any,
     ) -> ChatStream:
         """A streamed chat call: ``async with s.stream_chat(...) as stream:`` then
-        ``async for chunk in stream``; ``stream.response`` once it is exhausted."""
+        ``async for chunk in stream``; ``stream.response`` once it is exhausted.
+
+        With ``schema`` the answer is validated once the stream ends; an invalid one
+        raises ``StructuredOutputError`` from the iteration (never re-asked: the
+        caller has seen the text)."""
         deadline = self._prepare(scope, call_deadline_s)
         encoded = _check_messages(messages)
         _check_params(params)
-        return ChatStream(self._runtime, scope, list(messages), encoded, params, deadline)
+        rounds = self._rounds(scope, schema, params, reask=False)
+        return ChatStream(
+            self._runtime, scope, list(messages), encoded, params, deadline, rounds=rounds
+        )
 
     async def embed(
         self,
@@ -114,9 +132,37 @@ class Session:
         _check_params(params, reserved=("input",))
         return await run_embed(self._runtime, scope, list(inputs), params, deadline)
 
+    async def ocr(
+        self,
+        document: Any,
+        *,
+        scope: str = "ocr",
+        prompt: str | None = None,
+        pages: Sequence[int] | None = None,
+        call_deadline_s: float | None = _UNSET,
+        **params: Any,
+    ) -> OcrResponse:
+        """The text of ``document`` (PNG/JPEG/WebP/GIF/PDF ``bytes``, a
+        ``pathlib.Path``, or an ``https://`` URL), one vision request per page, all in
+        one logical call; ``pages`` selects 0-based pages (``docs/ocr.md``)."""
+        deadline = self._prepare(scope, call_deadline_s)
+        _check_params(params)
+        return await run_ocr(
+            self._runtime, scope, document, prompt=prompt, pages=pages, params=params,
+            deadline_s=deadline,
+        )
+
     async def statistics(self) -> SessionStatistics:
         telemetry = self._telemetry.statistics() if self._telemetry else TelemetryStatistics()
         return SessionStatistics(await self._runtime.governor.statistics(), telemetry)
+
+    def _rounds(
+        self, scope: str, schema: Any, params: Mapping[str, Any], *, reask: bool
+    ) -> Rounds | None:
+        if schema is None:
+            return None
+        reasks = self._runtime.settings.scopes[scope].structured.max_reasks if reask else 0
+        return prepare(schema, params, reasks)
 
     def _prepare(self, scope: str, call_deadline_s: float | None) -> float | None:
         if self._closed:
@@ -192,8 +238,11 @@ class ChatStream:
         messages_json: str,
         params: dict[str, Any],
         deadline: float | None,
+        *,
+        rounds: Rounds | None = None,
     ) -> None:
         self._runtime = runtime
+        self._rounds = rounds
         self._scope = scope
         self._messages = messages
         self._messages_json = messages_json
@@ -251,6 +300,7 @@ class ChatStream:
                 response = await run_chat(
                     self._runtime, self._scope, self._messages, self._messages_json,
                     self._params, self._deadline, forward=sink, delivered=self.text_parts,
+                    rounds=self._rounds,
                 )
             except PolygateError as exc:
                 await send.send(_Failed(exc))

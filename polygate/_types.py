@@ -6,7 +6,9 @@ from typing import Any
 
 import attrs
 
-__all__ = ["CallStats", "ChatResponse", "EmbeddingResponse", "StreamChunk", "Usage"]
+__all__ = [
+    "CallStats", "ChatResponse", "EmbeddingResponse", "OcrPage", "OcrResponse", "StreamChunk", "Usage",
+]
 
 
 @attrs.frozen
@@ -71,6 +73,7 @@ class CallStats:
     stall_count: int | None = None
     active_generation_ms: float | None = None
     cached: bool = False
+    reasks: int = 0
     # The scope that answered (another than the one asked when the call fell back).
     scope: str | None = None
     # Committed streams continued on another source after their path failed.
@@ -83,7 +86,9 @@ class ChatResponse:
 
     ``message`` is the first choice's assembled assistant message; ``choices`` holds
     every choice; ``raw`` the whole response body (for a streamed upstream, the
-    equivalent non-streamed body, provider extras included).
+    equivalent non-streamed body, provider extras included).  ``parsed`` is set by a
+    call made with ``schema=``: the validated answer (an instance of the pydantic
+    model, or the JSON value a JSON Schema accepted); ``None`` otherwise.
     """
 
     text: str
@@ -95,6 +100,7 @@ class ChatResponse:
     finish_reason: str | None
     call_stats: CallStats
     raw: dict[str, Any] = attrs.field(repr=False)
+    parsed: Any = None
 
 
 @attrs.frozen
@@ -127,3 +133,27 @@ class EmbeddingResponse:
     call_stats: CallStats
     model: str | None = None
     source: str | None = None
+
+
+@attrs.frozen
+class OcrPage:
+    """One page of an OCR call: its 0-based ``index`` in the document, the text the
+    model transcribed, that page's usage and the source that answered it."""
+
+    index: int
+    text: str = attrs.field(repr=lambda t: repr(t if len(t) <= 60 else t[:60] + "…"))
+    usage: Usage | None
+    source: str
+
+
+@attrs.frozen
+class OcrResponse:
+    """The answer of an OCR call: ``text`` is the pages' texts joined in document
+    order (``"\n\n"`` between pages); ``pages`` holds each page."""
+
+    text: str = attrs.field(repr=lambda t: f"<{len(t)} characters>")
+    pages: list[OcrPage]
+    usage: Usage | None
+    source: str | None
+    model: str | None
+    call_stats: CallStats

@@ -26,11 +26,13 @@ from polygate._config import (
     Breaker,
     ConfigWarning,
     Hedge,
+    Ocr,
     Retry,
     Scope,
     Settings,
     Source,
     StreamWatch,
+    Structured,
 )
 from polygate._config_load import (
     describe,
@@ -80,7 +82,7 @@ def to_objects(config: Config) -> Settings:
         sources = [Source(name=n, **fields) for n, fields in table.pop("sources").items()]
         groups: dict[str, Any] = {g: cls(**table.pop(g)) for g, cls in
                   (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch),
-                   ("breaker", Breaker)) if g in table}
+                   ("breaker", Breaker), ("structured", Structured), ("ocr", Ocr)) if g in table}
         scopes[name] = Scope(sources=sources, **groups, **table)
     top = {k: v for k, v in config.items() if k != "scopes"}
     return Settings(scopes=scopes, **top)
@@ -208,10 +210,15 @@ FULL: Config = {
                         "rate_min_calls": 6, "open_s": 2.0, "max_open_s": 40.0, "probes": 2},
             "fallback": "embed",
             "fallback_on": ["exhausted", "content_policy", "status:413"],
+            "structured": {"max_reasks": 4},
+            "ocr": {"dpi": 300.0, "max_side_px": 1024, "max_document_bytes": 1000000,
+                    "max_concurrent_pages": 2, "prompt": "Transcribe this page.",
+                    "image_format": "png"},
             "sources": {
                 "a": {"base_url": URL_A, "api_key": KEY, "model": "m1", "timeout_s": 250.0,
                       "ttft_timeout_s": 60.0, "rpm": 600, "tpm": 100000, "max_in_flight": 8,
-                      "weight": 2.5, "streaming": False, "prefill": True},
+                      "weight": 2.5, "streaming": False, "prefill": True,
+                      "structured_output": "prompt"},
                 "b": {"base_url": URL_B, "model": "m1"},
             },
         },
@@ -246,12 +253,14 @@ def test_full_case_sets_every_field() -> None:
     scope, source = FULL["scopes"]["chat"], FULL["scopes"]["chat"]["sources"]["a"]
     tables: list[tuple[type, dict[str, Any], set[str]]] = [
         (Settings, FULL, {"scopes"}),
-        (Scope, scope, {"sources", "hedge", "retry", "stream", "breaker"}),
+        (Scope, scope, {"sources", "hedge", "retry", "stream", "breaker", "structured", "ocr"}),
         (Source, source, {"name"}),
         (Hedge, scope["hedge"], set()),
         (Retry, scope["retry"], set()),
         (StreamWatch, scope["stream"], set()),
         (Breaker, scope["breaker"], set()),
+        (Structured, scope["structured"], set()),
+        (Ocr, scope["ocr"], set()),
     ]
     for cls, table, structural in tables:
         missing = {f.name for f in attrs.fields(cls)} - set(table) - structural
@@ -312,6 +321,13 @@ BAD: list[tuple[str, Any]] = [
     ("scopes.chat.retry.backoff_max_s", 0.1),  # below the default backoff_base_s
     ("scopes.chat.retry.rate_limit_wait_s", -5),
     ("scopes.chat.stream.stall_timeout_s", 0),
+    *[("scopes.chat.structured.max_reasks", v) for v in (-1, 11, 1.5, True, "two")],
+    *[(f"{A}.structured_output", v) for v in ("xml", "JSON_SCHEMA", 1)],
+    *[("scopes.chat.ocr.dpi", v) for v in (0, 10, 5000, math.nan)],
+    *[("scopes.chat.ocr.max_side_px", v) for v in (0, 32, 100000, 512.5)],
+    *[("scopes.chat.ocr.max_document_bytes", v) for v in (0, -1, 1.5)],
+    *[("scopes.chat.ocr.max_concurrent_pages", v) for v in (0, 65, True)],
+    *[("scopes.chat.ocr.image_format", v) for v in ("gif", "PNG", 1)],
     ("scopes.chat.stream.stall_threshold_ms", -1),
     *[("scopes.chat.call_deadline_s", v) for v in (0, math.nan, "1m")],
     *[("scopes.chat.embed_batch_size", v) for v in (0, 2.5)],
@@ -515,6 +531,10 @@ UNKNOWN_KEYS = {
     "POLYGATE__CHAT__A__NAME": "source fields are BASE_URL",
     "POLYGATE__CHAT__A__B__BASE_URL": "too many segments",
     "POLYGATE__CHAT__HEDGE__BASE_URL": "HEDGE is reserved",
+    "POLYGATE__CHAT__STRUCTURED__BASE_URL": "STRUCTURED is reserved",
+    "POLYGATE__CHAT__OCR__BASE_URL": "OCR is reserved",
+    "POLYGATE__CHAT__OCR__DPY": "did you mean DPI?",
+    "POLYGATE__CHAT__STRUCTURED__MAX_REASK": "did you mean MAX_REASKS?",
     "POLYGATE__CHAT__CALL_DEADLINE_S__BASE_URL": "CALL_DEADLINE_S is a scope setting",
     "POLYGATE__Chat__A__BASE_URL": "upper case",
 }
@@ -547,6 +567,20 @@ def test_scope_without_sources(key: str) -> None:
         settings_from_env(env)
     assert key in str(info.value)
     assert "POLYGATE__CHAT__{SOURCE}__BASE_URL" in str(info.value)
+
+
+def test_a_scope_may_be_named_like_a_group() -> None:
+    """``ocr`` is Session.ocr's default scope: STRUCTURED and OCR are reserved for
+    sources only (a scope name is the first segment and cannot collide)."""
+    env = {"POLYGATE__OCR__A__BASE_URL": URL_A, "POLYGATE__OCR__OCR__DPI": "300",
+           "POLYGATE__STRUCTURED__A__BASE_URL": URL_B,
+           "POLYGATE__STRUCTURED__STRUCTURED__MAX_REASKS": "0"}
+    settings = settings_from_env(env)
+    assert settings.scopes["ocr"].ocr.dpi == 300
+    assert settings.scopes["structured"].structured.max_reasks == 0
+    for name in ("ocr", "OCR", "structured"):
+        with pytest.raises(ConfigError, match="reserved"):
+            Source(name=name, base_url=URL_A)
 
 
 def test_only_top_level_keys() -> None:

@@ -14,6 +14,10 @@ PUBLIC = {
     # additions
     "ConfigWarning", "UpstreamError", "Session", "SessionStatistics", "ChatStream",
     "StreamChunk", "Usage", "Breaker",
+    # SPEC §8.1 and §8.2 (pinned)
+    "StructuredOutputError", "OcrResponse",
+    # additions of the second release
+    "Structured", "Ocr", "OcrPage",
 }
 
 
@@ -37,7 +41,7 @@ def test_callstats_fields_pinned() -> None:
         "logical_call_id", "attempts", "hedges", "hedge_won", "source", "total_latency_ms",
         "generation_ms", "ttft_ms", "stall_ms", "stall_count", "active_generation_ms", "cached",
         # additions of the second release
-        "scope", "resumes",
+        "reasks", "scope", "resumes",
     }
 
 
