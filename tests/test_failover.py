@@ -477,3 +477,30 @@ async def test_a_resumed_streams_response_is_what_the_caller_was_shown(
     assert "".join(c.text for c in chunks) == stream.text == stream.response.text
     assert stream.text.startswith(" ".join(WORDS[:cut]))
     json.dumps(stream.response.raw)  # still a JSON-able body
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_fallback_settings_are_checked_the_same_three_ways(tmp_path: Any) -> None:
+    src = [polygate.Source(name="a", base_url="http://a/v1")]
+    with pytest.raises(polygate.ConfigError, match="fallback chain loops: x -> y -> x"):
+        polygate.Settings(scopes={"x": polygate.Scope(src, fallback="y"),
+                                  "y": polygate.Scope(src, fallback="x")})
+    with pytest.raises(polygate.ConfigError, match="falls back to 'nowhere'"):
+        polygate.Settings(scopes={"x": polygate.Scope(src, fallback="nowhere")})
+    with pytest.raises(polygate.ConfigError, match="unknown reason 'sometimes'"):
+        polygate.Scope(src, fallback_on=("exhausted", "sometimes"))
+    env = {"POLYGATE__X__A__BASE_URL": "http://a/v1", "POLYGATE__X__FALLBACK": "x"}
+    with pytest.raises(polygate.ConfigError, match="loops: x -> x"):
+        polygate.Settings.from_env(env)
+    env = {"POLYGATE__X__A__BASE_URL": "http://a/v1", "POLYGATE__X__FALLBACK_ON": "exhausted,bogus"}
+    with pytest.raises(polygate.ConfigError, match="POLYGATE__X__FALLBACK_ON.*bogus"):
+        polygate.Settings.from_env(env)
+    path = tmp_path / "p.toml"
+    path.write_text('[scopes.x]\nfallback_on = ["status:99"]\n[scopes.x.sources.a]\n'
+                    'base_url = "http://a/v1"\n')
+    with pytest.raises(polygate.ConfigError, match="scopes.x.fallback_on"):
+        polygate.Settings.from_toml(str(path))
+    with pytest.raises(polygate.ConfigError, match="max_open_s"):
+        polygate.Breaker(open_s=30, max_open_s=10)
