@@ -37,6 +37,7 @@ __all__ = [
 # POLYGATE__{SCOPE}__{SOURCE}__… and POLYGATE__{SCOPE}__{SETTING}… would collide).
 RESERVED_SEGMENTS = frozenset({
     "HEDGE", "RETRY", "STREAM", "CALL_DEADLINE_S", "EMBED_BATCH_SIZE", "COMPLETION_ESTIMATE_TOKENS",
+    "CACHE_TTL_S",
 })
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -295,6 +296,8 @@ class Scope:
     call_deadline_s: float | None = attrs.field(default=None, validator=_opt_positive)
     embed_batch_size: int = attrs.field(default=256, validator=_pos_int)
     completion_estimate_tokens: int = attrs.field(default=256, validator=_pos_int)
+    # None: this scope never caches (docs/cache.md); otherwise answers live this long.
+    cache_ttl_s: float | None = attrs.field(default=None, validator=_opt_positive)
 
     @sources.validator
     def _check_sources(self, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -391,6 +394,15 @@ def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
     )
 
 
+def _check_cache(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
+    from .cache._url import parse_cache_url  # lazy: it imports mask_url from here
+
+    try:
+        parse_cache_url(value)
+    except ConfigError as exc:
+        raise _bad(inst, attr.name, str(exc)) from None
+
+
 def _split_url(inst: Any, field: str, value: str) -> Any:
     try:
         parts = urlsplit(value)
@@ -424,6 +436,8 @@ class Settings:
     max_line_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_pos_int)
     dead_cooldown_s: float = attrs.field(default=300.0, validator=_positive)
     log_content: bool = attrs.field(default=False, validator=_bool)
+    # "off" | "memory" | "sqlite:///path" | "redis://…" (docs/cache.md)
+    cache: str = attrs.field(default="off", repr=lambda v: repr(mask_url(v)), validator=_check_cache)
 
     @scopes.validator
     def _check_scopes(self, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -432,7 +446,7 @@ class Settings:
         for name, scope in value.items():
             if not isinstance(name, str) or not _NAME_RE.match(name) or "__" in name:
                 raise _bad(self, "scopes", f"scope name {name!r} must be letters, digits, '_', '-'")
-            if name.upper() in RESERVED_SEGMENTS | {"BACKEND", "TELEMETRY"}:
+            if name.upper() in RESERVED_SEGMENTS | {"BACKEND", "TELEMETRY", "CACHE"}:
                 raise _bad(self, "scopes", f"scope name {name!r} is reserved")
             if not isinstance(scope, Scope):
                 raise _bad(self, "scopes", f"scope {name!r} must be a Scope, got {type(scope).__name__}")
@@ -461,7 +475,7 @@ class Settings:
     def secrets(self) -> tuple[str, ...]:
         """Every secret in these settings, for redaction of upstream text."""
         found = [s.api_key for scope in self.scopes.values() for s in scope.sources if s.api_key]
-        for url in (self.backend, self.telemetry):
+        for url in (self.backend, self.telemetry, self.cache):
             try:
                 password = urlsplit(url).password
             except ValueError:

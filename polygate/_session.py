@@ -20,11 +20,12 @@ import attrs
 import httpx
 import trio
 
-from ._call import run_chat, run_embed
+from ._cached import cache_mode, cached_chat, cached_embed
 from ._config import Settings
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
 from ._types import ChatResponse, EmbeddingResponse, StreamChunk
+from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
@@ -40,14 +41,18 @@ _UNSET: Any = object()
 class SessionStatistics:
     governance: GovernanceStatistics
     telemetry: TelemetryStatistics = attrs.field(factory=TelemetryStatistics)
+    cache: CacheStatistics = attrs.field(factory=CacheStatistics)
 
 
 class Session:
     """Front door of polygate; obtain one with ``async with polygate.session(...)``."""
 
-    def __init__(self, runtime: Runtime, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self, runtime: Runtime, telemetry: Telemetry | None = None, cache: Cache | None = None
+    ) -> None:
         self._runtime = runtime
         self._telemetry = telemetry
+        self._cache = cache
         self._closed = False
 
     @property
@@ -66,13 +71,18 @@ class Session:
         *,
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
+        cache: bool | str = True,
         **params: Any,
     ) -> ChatResponse:
-        """One logical chat call; returns the assembled answer with its statistics."""
+        """One logical chat call; returns the assembled answer with its statistics.
+        ``cache=False``: neither read nor write the cache; ``"refresh"``: write only."""
         deadline = self._prepare(scope, call_deadline_s)
         encoded = _check_messages(messages)
         _check_params(params)
-        return await run_chat(self._runtime, scope, list(messages), encoded, params, deadline)
+        mode = cache_mode(cache)
+        return await cached_chat(
+            self._runtime, self._cache, mode, scope, list(messages), encoded, params, deadline
+        )
 
     def stream_chat(
         self,
@@ -80,6 +90,7 @@ class Session:
         *,
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
+        cache: bool | str = True,
         **params: Any,
     ) -> ChatStream:
         """A streamed chat call: ``async with s.stream_chat(...) as stream:`` then
@@ -87,7 +98,11 @@ class Session:
         deadline = self._prepare(scope, call_deadline_s)
         encoded = _check_messages(messages)
         _check_params(params)
-        return ChatStream(self._runtime, scope, list(messages), encoded, params, deadline)
+        mode = cache_mode(cache)
+        return ChatStream(
+            self._runtime, scope, list(messages), encoded, params, deadline,
+            cache=self._cache, cache_mode=mode,
+        )
 
     async def embed(
         self,
@@ -95,6 +110,7 @@ class Session:
         *,
         scope: str = "embed",
         call_deadline_s: float | None = _UNSET,
+        cache: bool | str = True,
         **params: Any,
     ) -> EmbeddingResponse:
         """Embeddings of ``inputs`` (in order), batched by the scope's ``embed_batch_size``."""
@@ -104,11 +120,13 @@ class Session:
         if not all(isinstance(text, str) for text in inputs):
             raise ConfigError("inputs must be a non-empty list of strings")
         _check_params(params, reserved=("input",))
-        return await run_embed(self._runtime, scope, list(inputs), params, deadline)
+        mode = cache_mode(cache)
+        return await cached_embed(self._runtime, self._cache, mode, scope, list(inputs), params, deadline)
 
     async def statistics(self) -> SessionStatistics:
         telemetry = self._telemetry.statistics() if self._telemetry else TelemetryStatistics()
-        return SessionStatistics(await self._runtime.governor.statistics(), telemetry)
+        cache = self._cache.statistics() if self._cache else CacheStatistics()
+        return SessionStatistics(await self._runtime.governor.statistics(), telemetry, cache)
 
     def _prepare(self, scope: str, call_deadline_s: float | None) -> float | None:
         if self._closed:
@@ -184,8 +202,13 @@ class ChatStream:
         messages_json: str,
         params: dict[str, Any],
         deadline: float | None,
+        *,
+        cache: Cache | None = None,
+        cache_mode: bool | str = True,
     ) -> None:
         self._runtime = runtime
+        self._cache = cache
+        self._cache_mode = cache_mode
         self._scope = scope
         self._messages = messages
         self._messages_json = messages_json
@@ -263,9 +286,10 @@ class ChatStream:
                 await forward(chunk)
 
             try:
-                response = await run_chat(
-                    self._runtime, self._scope, self._messages, self._messages_json,
-                    self._params, self._deadline, forward=counted, delivered=delivered,
+                response = await cached_chat(
+                    self._runtime, self._cache, self._cache_mode, self._scope, self._messages,
+                    self._messages_json, self._params, self._deadline,
+                    forward=counted, delivered=delivered,
                 )
             except PolygateError as exc:
                 await send.send(_Failed(exc))
@@ -350,17 +374,25 @@ async def session(
         try:
             # Telemetry opens (and fails with ConfigError) at session start; its flusher
             # runs in the session's nursery and is flushed, bounded, before it is cancelled.
-            async with open_telemetry(settings) as telemetry, trio.open_nursery() as nursery:
+            async with (
+                open_telemetry(settings) as telemetry,
+                open_cache(settings.cache) as cache,  # ConfigError: a SQLite file it cannot use
+                trio.open_nursery() as nursery,
+            ):
                 governor = Governor(settings, backend, rng=rng)
                 runtime = Runtime(settings, transport, governor, rng=rng, recorder=telemetry.recorder)
                 telemetry.start(nursery, governor)
-                handle = Session(runtime, telemetry)
+                if cache is not None:
+                    cache.start(nursery)  # the writer of write-behind backends
+                handle = Session(runtime, telemetry, cache)
                 try:
                     yield handle
                 except Exception as exc:  # re-raised below as itself, not inside a group
                     body_error = exc
                 finally:
                     handle._closed = True
+                    if cache is not None:
+                        await cache.aclose()  # queued writes, bounded; before the writer stops
                     await telemetry.aclose()
                     nursery.cancel_scope.cancel()
         finally:
