@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import attrs
 import trio
 
 from ._call import run_chat, run_embed
@@ -183,10 +184,14 @@ async def cached_chat(
     async def upstream() -> ChatResponse:
         left = call.remaining()
         call.recorded = True  # run_chat writes the row, however it ends
-        return await run_chat(
+        response = await run_chat(
             runtime, scope, messages, messages_json, params, left,
             forward=forward, delivered=delivered,
         )
+        # The logical call began before the lookup (and any wait on a flight it took
+        # over): its total latency counts from there, as the deadline does.
+        total = (trio.current_time() - call.ctx.started_at) * 1000.0
+        return _with_stats(response, attrs.evolve(response.call_stats, total_latency_ms=total))
 
     async def served(data: bytes) -> ChatResponse | None:
         """A stored or coalesced answer as this call's response (None: it did not decode)."""

@@ -184,9 +184,11 @@ FULL: Config = {
     "max_line_bytes": 100,
     "dead_cooldown_s": 60.5,
     "log_content": True,
+    "cache": f"redis://:{REDIS_PW}@localhost:6379/1?prefix=app&timeout_s=0.2",
     "scopes": {
         "chat": {
             "call_deadline_s": 120.0,
+            "cache_ttl_s": 600.0,
             "embed_batch_size": 64,
             "completion_estimate_tokens": 512,
             "hedge": {"after_s": 8.0, "max_extra": 2, "stall_after_s": 5.0, "budget_ratio": 0.2,

@@ -223,6 +223,15 @@ def render(report: dict[str, Any]) -> str:
     out.append(f"  won by the hedge: {h['hedge_wins']} ({_p(h['hedge_win_rate_pct'])} of hedged calls)")
     out.append(f"  suppressed by the budget: {h['suppressed_by_budget']} (session totals)")
 
+    c = report.get("cache")
+    if c is not None and c["cached_calls"]:
+        out += ["", "Response cache"]
+        out.append(f"  served from the cache: {c['cached_calls']} calls, "
+                   f"hit rate {_p(c['hit_rate_pct'])} of successful calls")
+        if len(c["scopes"]) > 1:
+            for name, row in c["scopes"].items():
+                out.append(f"    {name}: {row['cached_calls']} of {row['calls']} ({_p(row['hit_rate_pct'])})")
+
     a = report["attempts_per_call"]
     histogram = ", ".join(f"{k}: {v}" for k, v in a["histogram"].items())
     out += ["", f"Attempts per call: mean {a['mean']:.2f} ({histogram})"]
