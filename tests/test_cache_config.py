@@ -98,7 +98,7 @@ def test_bad_urls(url: str, problem: str) -> None:
 
 
 def test_not_a_string() -> None:
-    with pytest.raises(polygate.ConfigError, match="Settings.cache"):
+    with pytest.raises(polygate.ConfigError, match=r"Settings\.cache"):
         _settings(42)  # type: ignore[arg-type]
 
 

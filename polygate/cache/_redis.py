@@ -89,9 +89,9 @@ class RedisBackend:
     async def aclose(self) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
-            with trio.CancelScope(shield=True) as scope:
-                scope.deadline = trio.current_time() + max(self.timeout_s, 1.0)
-                await stack.aclose()
+            # No cancel scope around it: it exits the client's task group, which
+            # start() entered outside any scope of ours.
+            await stack.aclose()
 
     # ------------------------------------------------------------------ operations
 
