@@ -91,6 +91,8 @@ class _Call:
     async def within(self, work: Callable[[], Awaitable[Any]]) -> Any:
         """``work`` (a lookup, a wait, a replay) under the call deadline.  Never wraps
         an upstream call: that one runs under its own scope for what is left."""
+        if self.deadline_at is None:
+            return await work()
         scope: AbstractContextManager[Any] = (
             trio.fail_at(self.deadline_at) if self.deadline_at is not None else nullcontext()
         )
@@ -196,20 +198,20 @@ async def cached_chat(
     async def served(data: bytes) -> ChatResponse | None:
         """A stored or coalesced answer as this call's response (None: it did not decode)."""
         try:
-            response = decode_chat(data, CallStats(logical_call_id=call.ctx.logical_call_id))
+            fields = decode_chat(data)
         except ValueError as exc:
             cache.failed(f"a cached chat answer did not decode ({exc})")
             return None
         if forward is not None:
-            chunks = _replay(response)
+            chunks = _replay(fields)
 
             async def replay() -> None:
                 for chunk in chunks:
                     await forward(chunk)
 
             await call.within(replay)
-        stats = call.stats(cached=True, source=response.source)
-        response = _with_stats(response, stats)
+        stats = call.stats(cached=True, source=fields["source"])
+        response = ChatResponse(**fields, call_stats=stats)
         call.record(stats, response.usage, None, response.message)
         return response
 
@@ -281,14 +283,16 @@ def _with_stats(response: ChatResponse, stats: CallStats) -> ChatResponse:
     )
 
 
-def _replay(response: ChatResponse) -> list[dict[str, Any]]:
-    """A stored answer as stream chunks: per choice, its reasoning, content, refusal and
-    tool calls, the role on the first and the finish reason on the last."""
-    raw = response.raw
+def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A stored answer (the fields of a ChatResponse) as stream chunks: per choice, its
+    reasoning, content, refusal and tool calls, the role on the first chunk and the
+    finish reason on the last."""
+    raw = answer["raw"]
+    text = answer["text"]
     base = {"id": raw.get("id"), "object": "chat.completion.chunk", "created": raw.get("created"),
-            "model": response.model}
+            "model": answer["model"]}
     chunks: list[dict[str, Any]] = []
-    for position, choice in enumerate(response.choices):
+    for position, choice in enumerate(answer["choices"]):
         if not isinstance(choice, dict):
             continue
         index = choice.get("index", position)
@@ -296,7 +300,7 @@ def _replay(response: ChatResponse) -> list[dict[str, Any]]:
         assert isinstance(message, dict)
         content = message.get("content")
         if not isinstance(content, str):
-            content = response.text if index == 0 and response.text else None
+            content = text if index == 0 and text else None
         deltas: list[dict[str, Any]] = []
         for name, value in (
             ("reasoning_content", message.get("reasoning_content")),

@@ -85,15 +85,15 @@ async def test_round_trips(redis_server: RedisServer) -> None:
         cache: Any = s._cache
         backend = cache.backend
         before = await _commandstats(redis_server)
-        trips = backend.round_trips
+        trips = backend.read_round_trips
         await s.chat(question)  # miss
-        miss_trips = backend.round_trips - trips
+        miss_trips = backend.read_round_trips - trips
         await cache.aclose()  # let the write land before counting
         after_miss = await _commandstats(redis_server)
-        trips = backend.round_trips
+        trips = backend.read_round_trips
         for _ in range(10):
             assert (await s.chat(question)).call_stats.cached
-        hit_trips = (backend.round_trips - trips) / 10
+        hit_trips = (backend.read_round_trips - trips) / 10
         after_hits = await _commandstats(redis_server)
     assert miss_trips == 1  # the GET on the call path
     assert after_miss.get("get", 0) - before.get("get", 0) == 1
@@ -107,11 +107,15 @@ async def test_writes_are_batched(redis_server: RedisServer) -> None:
     url, prefix = _url(redis_server)
     async with polygate.session(_settings(url), transport=Router({"a": FakeUpstream()})) as s:
         cache: Any = s._cache
-        trips = cache.backend.round_trips
+        trips = cache.backend.read_round_trips
+        writes = cache.backend.write_round_trips
         vectors = await s.embed([f"text {i}" for i in range(100)], scope="chat")
-        lookups = cache.backend.round_trips - trips
+        lookups = cache.backend.read_round_trips - trips
+        await cache.aclose()
+        writes = cache.backend.write_round_trips - writes
     assert len(vectors.vectors) == 100
-    assert lookups <= 3  # one MGET, then one or two pipelined SET batches at the end
+    assert lookups == 1  # one MGET for the hundred inputs
+    assert writes == 1  # one pipelined batch of a hundred SETs
     assert command(redis_server.port, "EXISTS", f"{prefix}:missing") == b":0"
 
 

@@ -59,7 +59,7 @@ async def test_codec_round_trip(autojump_clock: trio.testing.MockClock) -> None:
     async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(reasoning_tokens=2))})) as s:
         response = await s.chat(MESSAGES)
     data = encode_chat(response)
-    back = decode_chat(data, response.call_stats)
+    back = polygate.ChatResponse(**decode_chat(data), call_stats=response.call_stats)
     assert back == response
     assert back.message is back.choices[0]["message"]  # stored once
     assert data.count(b"reasoning_content") == 1
@@ -83,9 +83,8 @@ def test_vector_round_trip_is_exact() -> None:
     b"\xff\xfe",
 ])
 def test_garbage_does_not_decode(data: bytes) -> None:
-    stats = polygate.CallStats(logical_call_id="x")
     with pytest.raises(ValueError):
-        decode_chat(data, stats)
+        decode_chat(data)
     with pytest.raises(ValueError):
         decode_vector(data)
 

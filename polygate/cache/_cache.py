@@ -41,6 +41,7 @@ log = logging.getLogger("polygate.cache")
 
 _QUEUE = 4096  # entries waiting for the writer
 _BATCH = 256  # entries per write
+_WRITE_EVERY_S = 0.02  # floor on the writer's period
 _PAUSE_MIN_S = 0.25
 _PAUSE_MAX_S = 30.0
 _WARN_EVERY_S = 10.0
@@ -92,6 +93,7 @@ class Cache:
         self._send, self._recv = trio.open_memory_channel[tuple[str, _Pending, float]](_QUEUE)
         self._writer_done = trio.Event()
         self._writer_started = False
+        self._closing = trio.Event()
         self._models: dict[str, list[str]] = {}
         self._down_until = -math.inf
         self._pause = 0.0
@@ -196,9 +198,18 @@ class Cache:
         self._pending[key] = entry
 
     async def run_writer(self) -> None:
-        """The writer task (in the session's nursery) for write-behind backends."""
+        """The writer task (in the session's nursery) for write-behind backends.
+
+        The loop's period has a floor of ``_WRITE_EVERY_S``: the first answer of a
+        burst is written at once, the rest gather meanwhile and go as one batch, so a
+        stream of misses costs a write per period, not one each (on Redis, a write
+        per call would also queue behind the next call's lookup on the connection)."""
         try:
-            async for first in self._recv:
+            while True:
+                try:
+                    first = await self._recv.receive()
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    break
                 batch = [first]
                 while len(batch) < _BATCH:
                     try:
@@ -206,6 +217,8 @@ class Cache:
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
                 await self._write(batch)
+                with trio.move_on_after(_WRITE_EVERY_S):
+                    await self._closing.wait()  # closing: drain without pause
         finally:
             self._writer_done.set()
 
@@ -242,6 +255,7 @@ class Cache:
         bounded by the backend's timeout, the rest dropped at the first failure, and
         all of it within ``_FLUSH_S``.  Call it before cancelling the writer's nursery."""
         self._send.close()
+        self._closing.set()
         if not self._writer_started:
             return
         with trio.CancelScope(shield=True) as scope:

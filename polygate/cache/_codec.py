@@ -20,7 +20,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from .._types import CallStats, ChatResponse, Usage
+from .._types import ChatResponse, Usage
 
 __all__ = ["decode_chat", "decode_vector", "encode_chat", "encode_vector"]
 
@@ -60,8 +60,9 @@ def encode_chat(response: ChatResponse) -> bytes:
     return _dumps(entry).encode("utf-8", "surrogatepass")
 
 
-def decode_chat(data: bytes, stats: CallStats) -> ChatResponse:
-    """A fresh :class:`ChatResponse` from an entry, with ``stats`` as its statistics."""
+def decode_chat(data: bytes) -> dict[str, Any]:
+    """A fresh copy of a stored answer: the keyword arguments of a :class:`ChatResponse`
+    but its ``call_stats`` (the caller's own)."""
     try:
         entry = json.loads(data)
         if entry["f"] != _FORMAT or entry["k"] != "chat":
@@ -72,19 +73,19 @@ def decode_chat(data: bytes, stats: CallStats) -> ChatResponse:
         text, source = entry["text"], entry["source"]
         model, finish = entry["model"], entry["finish"]
         if not (
-            isinstance(raw, dict) and isinstance(choices, list) and isinstance(message, dict)
-            and isinstance(text, str) and isinstance(source, str)
-            and (model is None or isinstance(model, str))
-            and (finish is None or isinstance(finish, str))
+            type(raw) is dict and type(choices) is list and type(message) is dict
+            and type(text) is str and type(source) is str
+            and (model is None or type(model) is str)
+            and (finish is None or type(finish) is str)
         ):
             raise ValueError("bad chat entry")
         usage = _read_usage(entry["usage"])
     except (KeyError, IndexError, TypeError, UnicodeDecodeError) as exc:
         raise ValueError(f"not a polygate chat entry ({type(exc).__name__})") from None
-    return ChatResponse(
-        text=text, message=message, choices=choices, usage=usage, source=source,
-        model=model, finish_reason=finish, call_stats=stats, raw=raw,
-    )
+    return {
+        "text": text, "message": message, "choices": choices, "usage": usage, "source": source,
+        "model": model, "finish_reason": finish, "raw": raw,
+    }
 
 
 def encode_vector(

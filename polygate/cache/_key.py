@@ -95,13 +95,28 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
+def _plain(messages: Sequence[Any]) -> bool:
+    """Messages already canonical: a list of dicts of strings (the usual case), which
+    the encoder's ``sort_keys`` alone makes canonical, so they need no walk."""
+    if type(messages) is not list:
+        return False
+    for message in messages:
+        if type(message) is not dict:
+            return False
+        for k, v in message.items():
+            if type(k) is not str or type(v) is not str:
+                return False
+    return True
+
+
 def chat_key(
     scope: str, models: Sequence[str], messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
 ) -> str:
     """The key of one chat call (``chat`` and ``stream_chat`` share it)."""
-    return _digest(canonical_json({
+    return _digest(_dumps({
         "v": KEY_VERSION, "kind": "chat", "scope": scope, "models": list(models),
-        "messages": messages, "params": _kept(params),
+        "messages": messages if _plain(messages) else canonical(messages),
+        "params": canonical(_kept(params)),
     }))
 
 

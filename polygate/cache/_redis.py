@@ -49,8 +49,9 @@ class RedisBackend:
         self._client: Any = None
         self._errors: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
-        #: Requests whose reply was waited for, in batches: what a call paid in round trips.
-        self.round_trips = 0
+        #: Round trips waited for: lookups (on a call's path) and write batches (behind).
+        self.read_round_trips = 0
+        self.write_round_trips = 0
 
     @classmethod
     def from_options(cls, options: CacheOptions) -> RedisBackend:
@@ -102,6 +103,7 @@ class RedisBackend:
             command = b"GET" if len(names) == 1 else b"MGET"
             return await self._request(command, *names)
 
+        self.read_round_trips += 1
         reply = await self._bounded(send, "GET" if len(names) == 1 else "MGET")
         values = [reply] if len(names) == 1 else reply
         if not isinstance(values, list) or len(values) != len(names):
@@ -124,6 +126,7 @@ class RedisBackend:
             for request in requests:  # pipelined: the replies arrive together
                 await request
 
+        self.write_round_trips += 1
         await self._bounded(send, "SET")
 
     # ------------------------------------------------------------------ plumbing
@@ -140,7 +143,6 @@ class RedisBackend:
     async def _bounded(self, op: Callable[[], Awaitable[T]], what: str) -> T:
         if self._client is None:
             raise CacheBackendError(f"cache {self._where} is not started")
-        self.round_trips += 1
         with trio.move_on_after(self.timeout_s):
             try:
                 return await op()
