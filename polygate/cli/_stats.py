@@ -3,8 +3,8 @@
 Reads the ``calls``, ``attempts`` and ``sessions`` tables that a session with
 ``telemetry`` set writes (SQLite or PostgreSQL, read-only) and prints latency
 quantiles per scope and source, the share of all time the slowest calls take,
-waiting versus generating, hedging, error classes, attempts per call and each
-source's attempts.  ``--json`` prints the same as data; ``--plot`` draws the latency
+waiting versus generating, hedging, the response cache's hit rate, error classes,
+attempts per call and each source's attempts.  ``--json`` prints the same as data; ``--plot`` draws the latency
 CDF per source and where the time went (needs ``polygate[plot]``).
 
 Exit status: 0 with a report, 1 when there is nothing to report (no database, no
