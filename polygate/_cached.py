@@ -231,11 +231,7 @@ async def cached_chat(
             if leading:
                 cache.misses += 1
                 return await _lead(cache, key, flight, upstream, ttl)
-            flight.waiters += 1
-            try:
-                await call.within(flight.done.wait)
-            finally:
-                flight.waiters -= 1
+            await call.within(flight.done.wait)
             if flight.value is not None:
                 response = await served(flight.value)
                 if response is not None:
@@ -259,7 +255,9 @@ async def _lead(
     """Make the upstream call; store and share its answer, or settle the flight."""
     if flight is None:  # cache="refresh" while another call leads: compute alone
         response = await upstream()
-        cache.put(key, encode_chat(response), ttl)
+        data = _encoded(cache, response)
+        if data is not None:
+            cache.put(key, data, ttl)
         return response
     try:
         response = await upstream()
@@ -269,10 +267,22 @@ async def _lead(
     except BaseException:
         cache.flights.settle(key, flight)  # handed over to a waiter
         raise
-    data = encode_chat(response)
+    data = _encoded(cache, response)
+    if data is None:
+        cache.flights.settle(key, flight)  # not storable: each waiter asks for itself
+        return response
     cache.put(key, data, ttl)  # stored before the flight ends: no window without either
     cache.flights.settle(key, flight, value=data)
     return response
+
+
+def _encoded(cache: Cache, response: ChatResponse) -> bytes | None:
+    """The answer as an entry; None (counted, the call unharmed) if it cannot be one."""
+    try:
+        return encode_chat(response)
+    except (TypeError, ValueError) as exc:
+        cache.failed(f"an answer could not be stored ({type(exc).__name__})")
+        return None
 
 
 def _with_stats(response: ChatResponse, stats: CallStats) -> ChatResponse:
@@ -373,17 +383,19 @@ async def cached_embed(
                 cache.flights.settle(k, f)
             raise
         runs.append(response)
-        shares = _token_shares(response.usage, [texts[k] for k in led])
-        usage_source = response.usage.source if response.usage is not None else None
-        for k, vector, tokens in zip(led, response.vectors, shares, strict=True):
-            data = encode_vector(
-                vector, model=response.model, source=response.source, tokens=tokens,
-                usage_source=usage_source,
-            )
-            cache.put(k, data, ttl)
-            found[k] = (vector, response.model, response.source, tokens, usage_source)
-            if k in flights:
-                cache.flights.settle(k, flights[k], value=data)
+        try:
+            shares = _token_shares(response.usage, [texts[k] for k in led])
+            usage_source = response.usage.source if response.usage is not None else None
+            for k, vector, tokens in zip(led, response.vectors, shares, strict=True):
+                found[k] = (vector, response.model, response.source, tokens, usage_source)
+                data = _encoded_vector(cache, vector, response, tokens, usage_source)
+                if data is not None:
+                    cache.put(k, data, ttl)
+                    if k in flights:
+                        cache.flights.settle(k, flights[k], value=data)
+        finally:
+            for k, f in flights.items():  # whatever was not shared: its waiters ask again
+                cache.flights.settle(k, f)
 
     async def body() -> EmbeddingResponse:
         todo = list(texts)
@@ -429,6 +441,20 @@ async def cached_embed(
 
     result: EmbeddingResponse = await _guard(call, body)
     return result
+
+
+def _encoded_vector(
+    cache: Cache, vector: list[float], response: EmbeddingResponse, tokens: int | None,
+    usage_source: str | None,
+) -> bytes | None:
+    try:
+        return encode_vector(
+            vector, model=response.model, source=response.source, tokens=tokens,
+            usage_source=usage_source,
+        )
+    except (TypeError, ValueError, OverflowError) as exc:
+        cache.failed(f"a vector could not be stored ({type(exc).__name__})")
+        return None
 
 
 def _token_shares(usage: Usage | None, texts: list[str]) -> list[int | None]:

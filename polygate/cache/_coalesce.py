@@ -38,13 +38,12 @@ class Flight:
     """One key being computed.  ``value``: the encoded answer; ``error``: a shared
     verdict; both ``None`` once ``done``: abandoned, someone else must lead."""
 
-    __slots__ = ("done", "error", "value", "waiters")
+    __slots__ = ("done", "error", "value")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.value: bytes | None = None
         self.error: BaseException | None = None
-        self.waiters = 0
 
 
 class Coalescer:
@@ -73,7 +72,10 @@ class Coalescer:
     def settle(
         self, key: str, flight: Flight, value: bytes | None = None, error: BaseException | None = None
     ) -> None:
-        """End ``flight`` with an answer, a shared error, or neither (abandoned)."""
+        """End ``flight`` with an answer, a shared error, or neither (abandoned).
+        Only the first settlement counts: a flight never changes its outcome."""
+        if flight.done.is_set():
+            return
         if self._flights.get(key) is flight:
             del self._flights[key]
         flight.value = value
