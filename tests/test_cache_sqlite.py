@@ -192,3 +192,15 @@ async def test_telemetry_rows_and_stats_report(tmp_path: Path, capsys: pytest.Ca
     assert report["cache"]["cached_calls"] == 3 and report["cache"]["hit_rate_pct"] == 75.0
     assert main(["stats", "--db", f"sqlite://{db}"]) == 0
     assert "hit rate 75.0 % of successful calls" in capsys.readouterr().out
+
+
+async def test_sqlite_under_mockclock(tmp_path: Path, autojump_clock: Any) -> None:
+    """The file's timeouts are real time inside the thread: virtual time jumping while
+    a read runs does not make it fail."""
+    up = FakeUpstream(Reply(text="kept", first_token_s=5.0))
+    async with polygate.session(_settings(f"sqlite://{tmp_path}/c.db"), transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+        await trio.sleep(1)  # the writer's batch
+        hit = await s.chat(MESSAGES)
+        stats = (await s.statistics()).cache
+    assert hit.call_stats.cached and stats.errors == 0
