@@ -64,7 +64,7 @@ def decode_chat(data: bytes) -> dict[str, Any]:
     """A fresh copy of a stored answer: the keyword arguments of a :class:`ChatResponse`
     but its ``call_stats`` (the caller's own)."""
     try:
-        entry = json.loads(data)
+        entry = json.loads(data.decode("utf-8", "surrogatepass"))  # str: no encoding sniffing
         if entry["f"] != _FORMAT or entry["k"] != "chat":
             raise ValueError("not a chat entry")
         raw = entry["raw"]
@@ -106,7 +106,7 @@ def encode_vector(
 def decode_vector(data: bytes) -> tuple[list[float], str | None, str | None, int | None, str | None]:
     """``(vector, model, source, tokens, usage_source)`` of an embedding entry."""
     try:
-        entry = json.loads(data)
+        entry = json.loads(data.decode("utf-8", "surrogatepass"))  # str: no encoding sniffing
         if entry["f"] != _FORMAT or entry["k"] != "embed":
             raise ValueError("not an embedding entry")
         doubles = array("d")
