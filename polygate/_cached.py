@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import attrs
@@ -93,11 +92,8 @@ class _Call:
         an upstream call: that one runs under its own scope for what is left."""
         if self.deadline_at is None:
             return await work()
-        scope: AbstractContextManager[Any] = (
-            trio.fail_at(self.deadline_at) if self.deadline_at is not None else nullcontext()
-        )
         try:
-            with scope:
+            with trio.fail_at(self.deadline_at):
                 return await work()
         except trio.TooSlowError:
             error = self.timed_out()
@@ -200,7 +196,7 @@ async def cached_chat(
         try:
             fields = decode_chat(data)
         except ValueError as exc:
-            cache.failed(f"a cached chat answer did not decode ({exc})")
+            cache.failed(f"a cached chat answer did not decode ({exc})", pause=False)
             return None
         if forward is not None:
             chunks = _replay(fields)
@@ -281,7 +277,7 @@ def _encoded(cache: Cache, response: ChatResponse) -> bytes | None:
     try:
         return encode_chat(response)
     except (TypeError, ValueError) as exc:
-        cache.failed(f"an answer could not be stored ({type(exc).__name__})")
+        cache.failed(f"an answer could not be stored ({type(exc).__name__})", pause=False)
         return None
 
 
@@ -364,7 +360,7 @@ async def cached_embed(
         try:
             found[key] = decode_vector(data)
         except ValueError as exc:
-            cache.failed(f"a cached embedding did not decode ({exc})")
+            cache.failed(f"a cached embedding did not decode ({exc})", pause=False)
             return False
         return True
 
@@ -453,7 +449,7 @@ def _encoded_vector(
             usage_source=usage_source,
         )
     except (TypeError, ValueError, OverflowError) as exc:
-        cache.failed(f"a vector could not be stored ({type(exc).__name__})")
+        cache.failed(f"a vector could not be stored ({type(exc).__name__})", pause=False)
         return None
 
 

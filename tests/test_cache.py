@@ -522,3 +522,31 @@ def test_cached_chat_key_ignores_noise_in_the_body() -> None:
     assert {"user", "metadata", "stream_options"} <= EXCLUDED_PARAMS
     assert "temperature" not in EXCLUDED_PARAMS and "seed" not in EXCLUDED_PARAMS
     json.dumps(sorted(EXCLUDED_PARAMS))
+
+
+async def test_an_answer_that_cannot_be_stored_hands_over(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defensive: should an answer fail to encode, its waiters are not left waiting
+    for a value that never comes — each asks upstream for itself — and nothing fails."""
+    import polygate._cached
+
+    def broken(response: Any) -> bytes:
+        raise TypeError("not storable")
+
+    monkeypatch.setattr(polygate._cached, "encode_chat", broken)
+    up = FakeUpstream(Reply(first_token_s=1.0, text="unstored"))
+    got: list[polygate.ChatResponse] = []
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+
+        async def one() -> None:
+            got.append(await s.chat(MESSAGES))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(one)
+        stats = (await s.statistics()).cache
+    assert [r.text for r in got] == ["unstored"] * 3
+    assert not any(r.call_stats.cached for r in got)
+    assert _sent(up) == 3 and stats.errors == 3 and stats.in_flight == 0

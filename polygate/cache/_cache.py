@@ -171,12 +171,15 @@ class Cache:
         self._pause = 0.0
         return values
 
-    def failed(self, message: str) -> None:
-        """Count a failed operation (or an entry that did not decode) and pause the backend."""
+    def failed(self, message: str, *, pause: bool = True) -> None:
+        """Count a failed operation and pause the backend; ``pause=False`` for a bad
+        entry (one that does not decode, an answer that cannot be encoded): the
+        backend itself is fine."""
         self.errors += 1
         now = trio.current_time()
-        self._pause = min(max(self._pause * 2, _PAUSE_MIN_S), _PAUSE_MAX_S)
-        self._down_until = now + self._pause
+        if pause:
+            self._pause = min(max(self._pause * 2, _PAUSE_MIN_S), _PAUSE_MAX_S)
+            self._down_until = now + self._pause
         if now - self._last_warning >= _WARN_EVERY_S:
             self._last_warning = now
             log.warning("%s; the cache fails open (%d error(s) so far)", message, self.errors)
