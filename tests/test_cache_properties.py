@@ -194,12 +194,18 @@ callers = st.lists(
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(callers, st.sampled_from([0.0, 1.0, 4.0]))
-def test_coalescing_under_cancellation(plan: list[tuple[float, float | None, str]], latency: float) -> None:
-    """Whoever is cancelled, every caller that is not gets the answer; the upstream is
-    asked at most once per leader that was cancelled, plus once; no task is left."""
-    up = FakeUpstream(Reply(first_token_s=latency, text="the answer"))
+@given(callers, st.sampled_from([0.0, 1.0, 4.0]), st.booleans())
+def test_coalescing_under_cancellation(
+    plan: list[tuple[float, float | None, str]], latency: float, fatal: bool,
+) -> None:
+    """Whoever is cancelled, every caller that is not gets the answer — or, when the
+    upstream rejects the request, a clean FatalUpstreamError of its own (never a
+    group, never another's cancellation); the upstream is asked at most once per
+    cancelled leader, plus once; no task is left."""
+    reply = Reply(status=400, headers_delay_s=latency) if fatal else Reply(first_token_s=latency, text="the answer")
+    up = FakeUpstream(reply)
     outcomes: list[str] = ["?"] * len(plan)
+    errors: list[BaseException] = []
 
     async def main() -> None:
         async with polygate.session(_settings(), transport=Router({"a": up})) as s:
@@ -209,13 +215,18 @@ def test_coalescing_under_cancellation(plan: list[tuple[float, float | None, str
                 with trio.CancelScope() as scope:
                     if cancel_after is not None:
                         scope.deadline = trio.current_time() + cancel_after
-                    if how == "stream":
-                        async with s.stream_chat([{"role": "user", "content": "q"}]) as stream:
-                            text = "".join([c.text async for c in stream])
-                        assert stream.response is not None
-                        assert stream.response.text == text
-                    else:
-                        text = (await s.chat([{"role": "user", "content": "q"}])).text
+                    try:
+                        if how == "stream":
+                            async with s.stream_chat([{"role": "user", "content": "q"}]) as stream:
+                                text = "".join([c.text async for c in stream])
+                            assert stream.response is not None
+                            assert stream.response.text == text
+                        else:
+                            text = (await s.chat([{"role": "user", "content": "q"}])).text
+                    except polygate.FatalUpstreamError as exc:
+                        errors.append(exc)
+                        outcomes[i] = "fatal"
+                        return
                     assert text == "the answer"
                     outcomes[i] = "answer"
                 if scope.cancelled_caught:
@@ -226,16 +237,20 @@ def test_coalescing_under_cancellation(plan: list[tuple[float, float | None, str
                     nursery.start_soon(caller, i, start, cancel_after, how)
             stats = (await s.statistics()).cache
             assert stats.in_flight == 0
-            assert stats.hits + stats.misses + stats.coalesced >= outcomes.count("answer")
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert "?" not in outcomes
+    expected = "fatal" if fatal else "answer"
     for (_, cancel_after, _), outcome in zip(plan, outcomes, strict=True):
         if cancel_after is None:
-            assert outcome == "answer"  # never cancelled by anyone else's cancellation
+            assert outcome == expected  # never cancelled by anyone else's cancellation
+        else:
+            assert outcome in (expected, "cancelled")
+    assert len({id(e) for e in errors}) == len(errors)  # each its own error
     completed = [r for r in up.requests if r.outcome == "complete"]
     closed = [r for r in up.requests if r.outcome == "client_closed"]
-    assert len(completed) <= 1  # after one complete answer everyone else is served
+    if not fatal:
+        assert len(completed) <= 1  # after one complete answer everyone else is served
     assert all(r.outcome is not None for r in up.requests)  # nothing still running
     # every upstream call but the last was abandoned by its cancelled leader
     assert len(closed) <= sum(1 for _, c, _ in plan if c is not None)
