@@ -5,6 +5,7 @@ request into a logical call: admission, retries with a strict error taxonomy,
 deadlines, hedged requests, stream watchdogs and honest per-call statistics.
 """
 
+from ._config import Breaker as Breaker
 from ._config import ConfigWarning as ConfigWarning
 from ._config import Hedge as Hedge
 from ._config import Retry as Retry
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllSourcesExhausted",
+    "Breaker",
     "CallStats",
     "ChatResponse",
     "ChatStream",

@@ -41,6 +41,7 @@ from ._errors import (
     FatalUpstreamError,
     GovernanceBackendError,
 )
+from ._resume import StreamSink
 from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
 from .cache import Cache, chat_key, embed_keys
 from .cache._coalesce import Flight
@@ -48,7 +49,6 @@ from .cache._codec import decode_chat, decode_vector, encode_chat, encode_vector
 
 __all__ = ["cache_mode", "cached_chat", "cached_embed"]
 
-Forward = Callable[[dict[str, Any]], Awaitable[None]]
 
 #: Errors that are a verdict on the request or the upstreams: shared with waiters.
 _SHARED = (FatalUpstreamError, AllSourcesExhausted, GovernanceBackendError)
@@ -113,6 +113,7 @@ class _Call:
         return CallStats(
             logical_call_id=self.ctx.logical_call_id, source=source, cached=cached,
             total_latency_ms=(trio.current_time() - self.ctx.started_at) * 1000.0,
+            scope=self.ctx.scope_name,
         )
 
     def timed_out(self) -> DeadlineExceeded:
@@ -164,7 +165,7 @@ async def cached_chat(
     params: Mapping[str, Any],
     deadline_s: float | None,
     *,
-    forward: Forward | None = None,
+    forward: StreamSink | None = None,
     delivered: list[str] | None = None,
 ) -> ChatResponse:
     ttl = _caching(runtime, cache, mode, scope)
@@ -203,7 +204,8 @@ async def cached_chat(
 
             async def replay() -> None:
                 for chunk in chunks:
-                    await forward(chunk)
+                    if not forward.offer(chunk):  # the consumer is behind: wait for it
+                        await forward.deliver_held()
 
             await call.within(replay)
         stats = call.stats(cached=True, source=fields["source"])
@@ -493,6 +495,7 @@ def _embedding(
             attempts=sum(r.call_stats.attempts for r in runs),
             hedges=sum(r.call_stats.hedges for r in runs),
             source=first.source,
+            scope=first.scope,
             total_latency_ms=(trio.current_time() - call.ctx.started_at) * 1000.0,
             generation_ms=sum(r.call_stats.generation_ms for r in runs),
         )

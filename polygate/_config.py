@@ -36,9 +36,14 @@ __all__ = [
 # Scope-level configuration segments: no source may be named so (the environment keys
 # POLYGATE__{SCOPE}__{SOURCE}__… and POLYGATE__{SCOPE}__{SETTING}… would collide).
 RESERVED_SEGMENTS = frozenset({
-    "HEDGE", "RETRY", "STREAM", "CALL_DEADLINE_S", "EMBED_BATCH_SIZE", "COMPLETION_ESTIMATE_TOKENS",
-    "CACHE_TTL_S",
+    "HEDGE", "RETRY", "STREAM", "BREAKER", "CALL_DEADLINE_S", "EMBED_BATCH_SIZE",
+    "COMPLETION_ESTIMATE_TOKENS", "FALLBACK", "FALLBACK_ON", "CACHE_TTL_S",
 })
+# What moves a call to its scope's fallback scope (Scope.fallback_on).
+FALLBACK_REASONS = frozenset({
+    "exhausted", "rate_limited", "context_length", "content_policy", "fatal",
+})
+_STATUS_REASON = re.compile(r"^status:(4\d\d)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -101,6 +106,11 @@ def _pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         raise _bad(inst, attr.name, f"must be a whole number > 0, got {value!r}")
     if value <= 0:
         raise _bad(inst, attr.name, f"must be > 0, got {value!r}")
+
+
+def _non_negative_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _bad(inst, attr.name, f"must be a whole number >= 0, got {value!r}")
 
 
 def _opt_pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -177,6 +187,9 @@ class Source:
     max_in_flight: int | None = attrs.field(default=None, validator=_opt_pos_int)
     weight: float = attrs.field(default=1.0, validator=_positive)
     streaming: bool = attrs.field(default=True, validator=_bool)
+    # The upstream continues a trailing assistant message (vLLM's
+    # continue_final_message): a resumed stream continues from the delivered text.
+    prefill: bool = attrs.field(default=False, validator=_bool)
 
     @name.validator
     def _check_name(self, attr: attrs.Attribute[str], value: Any) -> None:
@@ -262,6 +275,11 @@ class Retry:
     backoff_base_s: float = attrs.field(default=0.25, validator=_non_negative)
     backoff_max_s: float = attrs.field(default=8.0, validator=_non_negative)
     rate_limit_wait_s: float = attrs.field(default=60, validator=_non_negative)
+    # 0: fail over at once (the sources of a scope are equivalent, another one is the
+    # fastest answer).  N: after a transient failure or a 429, retry the same source up
+    # to N times first (waiting out its Retry-After), then fail over — for a scope whose
+    # fallback is costlier or weaker.
+    same_source_retries: int = attrs.field(default=0, validator=_non_negative_int)
 
     def __attrs_post_init__(self) -> None:
         if self.backoff_max_s < self.backoff_base_s:
@@ -277,6 +295,46 @@ class StreamWatch:
 
     stall_timeout_s: float | None = attrs.field(default=None, validator=_opt_positive)
     stall_threshold_ms: float = attrs.field(default=2000, validator=_positive)
+    # A committed stream_chat() whose path fails (cut, stalled, malformed, an error
+    # event) continues the same answer on another source instead of failing.
+    resume: bool = attrs.field(default=False, validator=_bool)
+    max_resumes: int = attrs.field(default=2, validator=_non_negative_int)
+
+
+@attrs.frozen
+class Breaker:
+    """Each source's circuit breaker.  Opens after ``failures`` consecutive failures, or
+    when at least ``rate_min_calls`` of the last ``rate_window`` outcomes include a share
+    of failures over ``failure_rate``.  It stays open ``open_s``, then half-opens: one
+    probe at a time, and ``probes`` successes in a row close it.  A failed probe opens it
+    again for twice as long as the time before, jittered (× 0.5–1), up to
+    ``max_open_s`` — short for a blip, patient with a real outage, and never so long
+    that a recovered source waits minutes for traffic."""
+
+    failures: int = attrs.field(default=5, validator=_pos_int)
+    failure_rate: float = attrs.field(default=0.5)
+    rate_window: int = attrs.field(default=20, validator=_pos_int)
+    rate_min_calls: int = attrs.field(default=10, validator=_pos_int)
+    open_s: float = attrs.field(default=5.0, validator=_positive)
+    max_open_s: float = attrs.field(default=20.0, validator=_positive)
+    probes: int = attrs.field(default=1, validator=_pos_int)
+
+    @failure_rate.validator
+    def _check_rate(self, attr: attrs.Attribute[float], value: Any) -> None:
+        if not _is_number(value) or not _finite(value) or not 0 < value <= 1:
+            raise _bad(self, "failure_rate", f"must be a number in (0, 1], got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_open_s < self.open_s:
+            raise _bad(
+                self, "max_open_s", f"({self.max_open_s}) must be >= open_s ({self.open_s})"
+            )
+
+
+def _to_tuple(value: Any) -> Any:
+    if isinstance(value, (list, frozenset, set)):
+        return tuple(value)
+    return value
 
 
 def _to_sources(value: Any) -> Any:
@@ -294,10 +352,34 @@ class Scope:
     retry: Retry = attrs.field(factory=Retry)
     stream: StreamWatch = attrs.field(factory=StreamWatch)
     call_deadline_s: float | None = attrs.field(default=None, validator=_opt_positive)
+    breaker: Breaker = attrs.field(factory=Breaker)
     embed_batch_size: int = attrs.field(default=256, validator=_pos_int)
     completion_estimate_tokens: int = attrs.field(default=256, validator=_pos_int)
+    # The scope a call moves to, inside the same logical call and deadline, when this
+    # one fails for one of the ``fallback_on`` reasons; fallbacks chain.
+    fallback: str | None = attrs.field(default=None)
+    fallback_on: tuple[str, ...] = attrs.field(
+        default=("exhausted", "context_length"), converter=_to_tuple
+    )
     # None: this scope never caches (docs/cache.md); otherwise answers live this long.
     cache_ttl_s: float | None = attrs.field(default=None, validator=_opt_positive)
+
+    @fallback.validator
+    def _check_fallback(self, attr: attrs.Attribute[str | None], value: Any) -> None:
+        if value is not None and (not isinstance(value, str) or not _NAME_RE.match(value)):
+            raise _bad(self, "fallback", f"must be a scope name, got {value!r}")
+
+    @fallback_on.validator
+    def _check_fallback_on(self, attr: attrs.Attribute[tuple[str, ...]], value: Any) -> None:
+        if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+            raise _bad(self, "fallback_on", "must be a list of reasons")
+        for reason in value:
+            if reason not in FALLBACK_REASONS and not _STATUS_REASON.match(reason):
+                known = ", ".join(sorted(FALLBACK_REASONS))
+                raise _bad(
+                    self, "fallback_on",
+                    f"unknown reason {reason!r} (known: {known}, or status:4NN)",
+                )
 
     @sources.validator
     def _check_sources(self, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -312,7 +394,9 @@ class Scope:
             seen.add(source.name)
 
     def __attrs_post_init__(self) -> None:
-        for name, cls in (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch)):
+        for name, cls in (
+            ("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch), ("breaker", Breaker)
+        ):
             if not isinstance(getattr(self, name), cls):
                 raise _bad(self, name, f"must be a {cls.__name__}")
         check_hedge_assembly(self)
@@ -419,6 +503,26 @@ def _to_scopes(value: Any) -> Any:
     return value
 
 
+def _check_fallback_chains(inst: Any, scopes: Mapping[str, Scope]) -> None:
+    """Every fallback names a configured scope, and no chain comes back on itself."""
+    for name, scope in scopes.items():
+        seen = [name]
+        target = scope.fallback
+        while target is not None:
+            if target not in scopes:
+                known = ", ".join(sorted(scopes))
+                raise _bad(
+                    inst, "scopes",
+                    f"scope {seen[-1]!r} falls back to {target!r}, which is not a scope "
+                    f"(configured: {known})",
+                )
+            if target in seen:
+                chain = " -> ".join([*seen, target])
+                raise _bad(inst, "scopes", f"fallback chain loops: {chain}")
+            seen.append(target)
+            target = scopes[target].fallback
+
+
 @attrs.frozen(hash=False)
 class Settings:
     """Everything a session needs: scopes of sources, the governance backend, telemetry.
@@ -436,6 +540,13 @@ class Settings:
     max_line_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_pos_int)
     dead_cooldown_s: float = attrs.field(default=300.0, validator=_positive)
     log_content: bool = attrs.field(default=False, validator=_bool)
+    # The telemetry pipeline's bounds: rows queued between calls and the sink (a full
+    # queue drops rows, never delays a call), rows per write, and how long one write
+    # and the final flush at close may take (real seconds).
+    telemetry_queue: int = attrs.field(default=10_000, validator=_pos_int)
+    telemetry_batch: int = attrs.field(default=5_000, validator=_pos_int)
+    telemetry_write_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    telemetry_close_timeout_s: float = attrs.field(default=5.0, validator=_positive)
     # "off" | "memory" | "sqlite:///path" | "redis://…" (docs/cache.md)
     cache: str = attrs.field(default="off", repr=lambda v: repr(mask_url(v)), validator=_check_cache)
 
@@ -450,6 +561,7 @@ class Settings:
                 raise _bad(self, "scopes", f"scope name {name!r} is reserved")
             if not isinstance(scope, Scope):
                 raise _bad(self, "scopes", f"scope {name!r} must be a Scope, got {type(scope).__name__}")
+        _check_fallback_chains(self, value)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

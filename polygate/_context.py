@@ -18,7 +18,7 @@ from ._types import CallStats, Usage
 from .governance import Admission, Governor
 from .transport import Endpoint, Limits, Timeline
 
-__all__ = ["AttemptRecord", "CallContext", "Recorder", "Runtime"]
+__all__ = ["AttemptRecord", "CallContext", "Continuation", "Recorder", "Runtime"]
 
 
 class Recorder(Protocol):
@@ -70,6 +70,9 @@ class Runtime:
     endpoints: dict[tuple[str, str], Endpoint] = attrs.field(init=False)
     limits: Limits = attrs.field(init=False)
     sketches: dict[tuple[str, str], LatencySketch] = attrs.field(factory=dict)
+    # Set when the session's block exits: calls still running (started from a task
+    # outside the block) send nothing more.
+    closed: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.endpoints = {
@@ -111,6 +114,27 @@ class AttemptRecord:
     tokens_settled: int | None = None
     usage: Usage | None = None
     ended_at: float | None = None
+    scope: str = ""
+
+
+@attrs.define(eq=False)
+class Continuation:
+    """How the rounds of a resumed stream ask for the rest of the answer: the messages
+    with the text shown as a trailing assistant message (for a source that accepts a
+    prefill, with ``prefill_params``), or followed by a request to continue."""
+
+    prefill_json: str
+    prompt_json: str
+    prefill_params: Mapping[str, Any]
+    refused_prefill: set[str] = attrs.field(factory=set)  # sources that answered 400 to it
+
+    def prefilled(self, source: Source) -> bool:
+        return source.prefill and source.name not in self.refused_prefill
+
+    def request(self, source: Source, params: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+        if self.prefilled(source):
+            return self.prefill_json, {**params, **self.prefill_params}
+        return self.prompt_json, params
 
 
 @attrs.define(eq=False)
@@ -129,6 +153,7 @@ class CallContext:
     attempts: list[AttemptRecord] = attrs.field(factory=list)
     hedges: int = 0
     streaming_to_caller: bool = False
+    continuation: Continuation | None = None  # set once a committed stream resumes
 
     @property
     def estimate(self) -> int:
@@ -144,6 +169,7 @@ class CallContext:
             role=role,
             started_at=now,
             tokens_reserved=admission.tokens,
+            scope=admission.scope,
         )
         self.attempts.append(record)
         return record

@@ -101,6 +101,9 @@ class UpstreamError(PolygateError):
         self.source = source
         self.status_code = status_code
         self.retry_after_s = retry_after_s
+        # The provider's own error code when it sent one ("context_length_exceeded",
+        # "content_filter"…): what decides a fallback, beside the status.
+        self.code: str | None = None
         # Set when this error ends a logical call (a fatal error, a committed stream's
         # failure): the call's frozen statistics.
         self.call_stats: CallStats | None = None
@@ -262,6 +265,20 @@ def error_status(payload: Any) -> int | None:
             return int(value)
         if isinstance(value, str) and value.isdigit() and 100 <= int(value) <= 599:
             return int(value)
+    return None
+
+
+def error_code(payload: Any) -> str | None:
+    """The provider's symbolic error code (``error.code``, else ``error.type``), when it
+    is a short word rather than a number."""
+    if not isinstance(payload, dict):
+        return None
+    inner = payload.get("error", payload)
+    if not isinstance(inner, dict):
+        return None
+    for value in (inner.get("code"), inner.get("type")):
+        if isinstance(value, str) and 0 < len(value) <= 64 and not value.isdigit():
+            return value
     return None
 
 

@@ -71,6 +71,10 @@ class CallStats:
     stall_count: int | None = None
     active_generation_ms: float | None = None
     cached: bool = False
+    # The scope that answered (another than the one asked when the call fell back).
+    scope: str | None = None
+    # Committed streams continued on another source after their path failed.
+    resumes: int = 0
 
 
 @attrs.frozen
@@ -99,12 +103,14 @@ class StreamChunk:
 
     ``text`` is the first choice's content delta (``""`` when that chunk carries only
     reasoning, refusal or tool-call deltas, or deltas of other choices); ``delta`` the
-    first choice's delta; ``raw`` the chunk as received.
+    first choice's delta; ``raw`` the chunk as received.  ``resumed`` marks the first
+    chunk of a continuation: the stream's source failed and another one took over.
     """
 
     text: str
     delta: dict[str, Any]
     raw: dict[str, Any] = attrs.field(repr=False)
+    resumed: bool = False
 
     @property
     def reasoning(self) -> str:

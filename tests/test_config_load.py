@@ -23,6 +23,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from polygate._config import (
+    Breaker,
     ConfigWarning,
     Hedge,
     Retry,
@@ -78,7 +79,8 @@ def to_objects(config: Config) -> Settings:
         table = dict(table)
         sources = [Source(name=n, **fields) for n, fields in table.pop("sources").items()]
         groups: dict[str, Any] = {g: cls(**table.pop(g)) for g, cls in
-                  (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch)) if g in table}
+                  (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch),
+                   ("breaker", Breaker)) if g in table}
         scopes[name] = Scope(sources=sources, **groups, **table)
     top = {k: v for k, v in config.items() if k != "scopes"}
     return Settings(scopes=scopes, **top)
@@ -97,6 +99,8 @@ def env_key(path: str) -> str:
 def env_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(value)
     return str(value)
 
 
@@ -120,7 +124,7 @@ def toml_value(value: Any) -> str:
         return "nan"
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"
-    if isinstance(value, str):
+    if isinstance(value, str | list):
         return json.dumps(value)
     return repr(value)
 
@@ -184,6 +188,10 @@ FULL: Config = {
     "max_line_bytes": 100,
     "dead_cooldown_s": 60.5,
     "log_content": True,
+    "telemetry_queue": 500,
+    "telemetry_batch": 50,
+    "telemetry_write_timeout_s": 12.5,
+    "telemetry_close_timeout_s": 2.5,
     "cache": f"redis://:{REDIS_PW}@localhost:6379/1?prefix=app&timeout_s=0.2",
     "scopes": {
         "chat": {
@@ -195,12 +203,17 @@ FULL: Config = {
                       "budget_burst": 4.0, "after_quantile": 0.95, "min_after_s": 2.0,
                       "max_after_s": 20.0},
             "retry": {"max_attempts": 5, "backoff_base_s": 0.5, "backoff_max_s": 4.0,
-                      "rate_limit_wait_s": 30.0},
-            "stream": {"stall_timeout_s": 30.0, "stall_threshold_ms": 1500.0},
+                      "rate_limit_wait_s": 30.0, "same_source_retries": 2},
+            "stream": {"stall_timeout_s": 30.0, "stall_threshold_ms": 1500.0, "resume": True,
+                       "max_resumes": 3},
+            "breaker": {"failures": 3, "failure_rate": 0.75, "rate_window": 10,
+                        "rate_min_calls": 6, "open_s": 2.0, "max_open_s": 40.0, "probes": 2},
+            "fallback": "embed",
+            "fallback_on": ["exhausted", "content_policy", "status:413"],
             "sources": {
                 "a": {"base_url": URL_A, "api_key": KEY, "model": "m1", "timeout_s": 250.0,
                       "ttft_timeout_s": 60.0, "rpm": 600, "tpm": 100000, "max_in_flight": 8,
-                      "weight": 2.5, "streaming": False},
+                      "weight": 2.5, "streaming": False, "prefill": True},
                 "b": {"base_url": URL_B, "model": "m1"},
             },
         },
@@ -235,11 +248,12 @@ def test_full_case_sets_every_field() -> None:
     scope, source = FULL["scopes"]["chat"], FULL["scopes"]["chat"]["sources"]["a"]
     tables: list[tuple[type, dict[str, Any], set[str]]] = [
         (Settings, FULL, {"scopes"}),
-        (Scope, scope, {"sources", "hedge", "retry", "stream"}),
+        (Scope, scope, {"sources", "hedge", "retry", "stream", "breaker"}),
         (Source, source, {"name"}),
         (Hedge, scope["hedge"], set()),
         (Retry, scope["retry"], set()),
         (StreamWatch, scope["stream"], set()),
+        (Breaker, scope["breaker"], set()),
     ]
     for cls, table, structural in tables:
         missing = {f.name for f in attrs.fields(cls)} - set(table) - structural

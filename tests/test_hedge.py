@@ -161,7 +161,8 @@ async def test_open_breaker_refuses_the_hedge(autojump_clock: trio.testing.MockC
     a = FakeUpstream(Reply(first_token_s=20))
     b = FakeUpstream(Reply(status=500))
     settings = _settings(source_kw={"a": {"weight": 1e-9}, "b": {"weight": 1.0}},
-                         retry=polygate.Retry(max_attempts=1))
+                         retry=polygate.Retry(max_attempts=1),
+                         breaker=polygate.Breaker(open_s=30, max_open_s=30))  # past the 8 s trigger
     async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
         for _ in range(5):  # five consecutive failures open b's breaker
             with pytest.raises(polygate.AllSourcesExhausted):

@@ -75,6 +75,8 @@ def _rows(node: Any, path: str) -> Iterator[tuple[str, str]]:
     if isinstance(node, dict):
         for key, value in node.items():
             yield from _rows(value, f"{path}.{key}" if path else key)
+    elif isinstance(node, list) and all(isinstance(item, str) for item in node):
+        yield path, ", ".join(node) or "-"
     elif isinstance(node, list):
         for item in node:
             rest = {k: v for k, v in item.items() if k != "name"}

@@ -169,9 +169,15 @@ async def open_telemetry(
 
             session_id = os.urandom(8).hex()
             secrets = settings.secrets()
-            pipeline = Pipeline(
-                sink, session_id=session_id, version=__version__, secrets=secrets,
+            options = {
+                "capacity": settings.telemetry_queue,
+                "max_batch": settings.telemetry_batch,
+                "write_timeout_s": settings.telemetry_write_timeout_s,
+                "shutdown_timeout_s": settings.telemetry_close_timeout_s,
                 **pipeline_options,
+            }
+            pipeline = Pipeline(
+                sink, session_id=session_id, version=__version__, secrets=secrets, **options
             )
             recorders.append(TelemetryRecorder(
                 pipeline.send, pipeline.counters, session_id=session_id,
