@@ -321,7 +321,15 @@ async def run_chat(
                 if failure.record is not None:
                     segments.append(failure.record)
                     segment_chars.append(sum(map(len, shown)) - sum(segment_chars))
-                demoted = [failure.error.source] if failure.error.source else []
+                failed = failure.error.source
+                if ctx.scope.fallback is not None and all(
+                    s.name == failed for s in ctx.scope.sources
+                ):
+                    # The scope's only source just failed: continue in its fallback.
+                    _move_to(ctx, ctx.scope.fallback, params)
+                    demoted = []
+                else:
+                    demoted = [failed] if failed else []
                 _prepare_continuation(ctx, messages, "".join(shown))
                 active = ResumedForward(forward, Stitcher("".join(shown)))
             except (AllSourcesExhausted, FatalUpstreamError) as exc:

@@ -409,11 +409,21 @@ class Scope:
 
 
 def check_hedge_assembly(scope: Scope) -> None:
-    """The assembly guards of seed 000 §5: impossible hedges are errors, dubious ones warn."""
+    """The assembly guards: impossible hedges are errors, dubious ones warn
+    (``docs/configuration.md``, "Assembly guards")."""
     hedge = scope.hedge
     after = hedge.first_threshold_s
     if after is not None:
         _check_hedge_threshold(scope, after, "after_s" if hedge.after_s is not None else "max_after_s")
+    if hedge.stall_after_s is not None and not hedge.enabled:
+        # (b), the mid-stream trigger, runs inside a hedging round; without (a) no round
+        # hedges, so the setting alone would silently do nothing.
+        warnings.warn(
+            "hedge.stall_after_s does nothing without after_s or after_quantile: "
+            "hedging is off until one of them is set",
+            ConfigWarning,
+            stacklevel=4,
+        )
     if hedge.enabled and len(scope.sources) < 2:
         # Checked even for adaptive-only hedging (after_quantile without a static bound).
         warnings.warn(

@@ -152,6 +152,7 @@ class CallContext:
     logical_call_id: str = attrs.field(factory=new_call_id)
     attempts: list[AttemptRecord] = attrs.field(factory=list)
     hedges: int = 0
+    hedge_refused: bool = False  # the hedge budget refused this call once (counted once)
     streaming_to_caller: bool = False
     continuation: Continuation | None = None  # set once a committed stream resumes
 

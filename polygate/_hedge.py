@@ -341,13 +341,17 @@ class Round:
         # A shared backend that cannot answer means no hedge (fail closed): the
         # primary carries on.
         try:
-            took = await governor.take_hedge_token(ctx.scope_name)
+            # The budget's refusals are counted per call, not per re-check.
+            took = await governor.take_hedge_token(
+                ctx.scope_name, count_refusal=not ctx.hedge_refused
+            )
+            ctx.hedge_refused |= not took
         except GovernanceBackendError:
             took = False
         if took and not self._decided():
             in_flight = {p.admission.source for p in self._paths if not p.done}
             # Sources that failed in this round go to the back too, not only those
-            # that failed in earlier rounds (SPEC §3 picking).
+            # that failed in earlier rounds (a source that failed in this call goes last).
             demote = [*self._demote, *(
                 p.admission.source for p in self._paths
                 if p.error is not None and p.admission.source not in self._demote

@@ -15,9 +15,11 @@ fallback scope) for the *rest of the same answer*, and the caller sees one strea
 
 Models asked to continue often restate the last words.  :class:`Stitcher` holds the
 start of the continuation until it can tell (at most ``window`` characters), drops the
-longest overlap with the end of what was shown (at least ``min_overlap`` characters,
-so a genuine continuation that merely begins like the tail is left alone), and lets
-the rest through.  The first chunk of a continuation is marked ``resumed``.
+longest overlap with the end of what was shown — whole words, at least
+``min_overlap`` (12) characters, so that a genuine continuation that merely begins like
+the tail ("the" after "in the") is left alone — and lets the rest through.  Shorter
+restatements are kept: a repeated word is a smaller harm than a lost one.  The first
+chunk of a continuation is marked ``resumed``.
 
 Limits (documented, tested): only the first choice's *content* is continued — a stream
 that already showed tool-call deltas, or asked for ``n > 1``, is not resumed; reasoning
@@ -72,7 +74,7 @@ class Stitcher:
 
     __slots__ = ("_held", "_min", "_passing", "_tail", "emitted")
 
-    def __init__(self, shown: str, *, window: int = 256, min_overlap: int = 3) -> None:
+    def __init__(self, shown: str, *, window: int = 256, min_overlap: int = 12) -> None:
         self._tail = shown[-window:]
         self._min = min_overlap
         self._held = ""

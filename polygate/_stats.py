@@ -1,4 +1,5 @@
-"""Chunk timeline → the generation statistics of SPEC §5 (pure arithmetic).
+"""Chunk timeline → the generation statistics of ``CallStats`` (pure arithmetic;
+``docs/statistics.md`` defines them).
 
 All inputs are ``trio.current_time()`` seconds; outputs are milliseconds.
 """

@@ -424,6 +424,11 @@ GUARD_WARNINGS = {
         {"scopes": {"chat": {"sources": {"a": {"base_url": URL_A}}, "hedge": {"after_s": 8.0}}}},
         "scopes.chat", "single source",
     ),
+    "stall_after_s without after_s": (
+        {"scopes": {"chat": {"sources": {"a": {"base_url": URL_A}, "b": {"base_url": URL_B}},
+                             "hedge": {"stall_after_s": 5.0}}}},
+        "scopes.chat.hedge.stall_after_s", "does nothing without",
+    ),
     "single source, after_quantile": (
         {"scopes": {"chat": {"sources": {"a": {"base_url": URL_A}},
                              "hedge": {"after_quantile": 0.9}}}},

@@ -1,6 +1,6 @@
 """The governor: picking, admission with waiting, settlement, hedge budget.
 
-It turns an attempt's end into the accounting rules of SPEC §3, in one table
+It turns an attempt's end into the accounting rules (``docs/admission.md``), in one table
 (:data:`SETTLE_RULES`), and leaves the shared state to the backend.
 """
 
@@ -248,11 +248,16 @@ class Governor:
 
     # ------------------------------------------------------------------ hedge budget
 
-    async def take_hedge_token(self, scope_name: str) -> bool:
+    async def take_hedge_token(self, scope_name: str, *, count_refusal: bool = True) -> bool:
+        """Take one token from the scope's hedge budget.  A refusal is counted in
+        ``hedges_suppressed_by_budget`` only with ``count_refusal``: the round passes
+        False once its call has been counted, so the counter counts calls denied a
+        hedge, not the trigger's re-checks."""
         burst = self._settings.scopes[scope_name].hedge.budget_burst
         if await self.backend.budget_take(scope_name, burst):
             return True
-        self._suppressed[scope_name] = self._suppressed.get(scope_name, 0) + 1
+        if count_refusal:
+            self._suppressed[scope_name] = self._suppressed.get(scope_name, 0) + 1
         return False
 
     async def refund_hedge_token(self, scope_name: str) -> None:
