@@ -83,6 +83,14 @@ class Rounds(Protocol):
         self, response: ChatResponse, messages: Sequence[Mapping[str, Any]]
     ) -> ChatResponse | list[Mapping[str, Any]]: ...
 
+    def cache_key(self) -> Any:
+        """What these rounds add to a response-cache key (a schema changes the answer)."""
+        ...
+
+    async def accept(self, response: ChatResponse) -> ChatResponse | None:
+        """A stored answer as these rounds' answer (``parsed`` set), or ``None``."""
+        ...
+
 
 async def _with_deadline(
     ctx: CallContext, deadline_s: float | None, body: Callable[[], Awaitable[T]]

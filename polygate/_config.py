@@ -40,7 +40,7 @@ __all__ = [
 # POLYGATE__{SCOPE}__{SOURCE}__… and POLYGATE__{SCOPE}__{SETTING}… would collide).
 RESERVED_SEGMENTS = frozenset({
     "HEDGE", "RETRY", "STREAM", "BREAKER", "CALL_DEADLINE_S", "EMBED_BATCH_SIZE",
-    "COMPLETION_ESTIMATE_TOKENS", "FALLBACK", "FALLBACK_ON", "STRUCTURED", "OCR",
+    "COMPLETION_ESTIMATE_TOKENS", "FALLBACK", "FALLBACK_ON", "STRUCTURED", "OCR", "CACHE_TTL_S",
 })
 # Reserved for sources only: a scope may be named so ("ocr" is Session.ocr's default
 # scope), since a scope name is always the first segment and cannot collide.
@@ -432,6 +432,8 @@ class Scope:
     fallback_on: tuple[str, ...] = attrs.field(
         default=("exhausted", "context_length"), converter=_to_tuple
     )
+    # None: this scope never caches (docs/cache.md); otherwise answers live this long.
+    cache_ttl_s: float | None = attrs.field(default=None, validator=_opt_positive)
 
     @fallback.validator
     def _check_fallback(self, attr: attrs.Attribute[str | None], value: Any) -> None:
@@ -559,6 +561,15 @@ def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
     )
 
 
+def _check_cache(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
+    from .cache._url import parse_cache_url  # lazy: it imports mask_url from here
+
+    try:
+        parse_cache_url(value)
+    except ConfigError as exc:
+        raise _bad(inst, attr.name, str(exc)) from None
+
+
 def _split_url(inst: Any, field: str, value: str) -> Any:
     try:
         parts = urlsplit(value)
@@ -619,6 +630,8 @@ class Settings:
     telemetry_batch: int = attrs.field(default=5_000, validator=_pos_int)
     telemetry_write_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     telemetry_close_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    # "off" | "memory" | "sqlite:///path" | "redis://…" (docs/cache.md)
+    cache: str = attrs.field(default="off", repr=lambda v: repr(mask_url(v)), validator=_check_cache)
 
     @scopes.validator
     def _check_scopes(self, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -627,7 +640,8 @@ class Settings:
         for name, scope in value.items():
             if not isinstance(name, str) or not _NAME_RE.match(name) or "__" in name:
                 raise _bad(self, "scopes", f"scope name {name!r} must be letters, digits, '_', '-'")
-            if name.upper() in (RESERVED_SEGMENTS - _SOURCE_ONLY_RESERVED) | {"BACKEND", "TELEMETRY"}:
+            reserved = (RESERVED_SEGMENTS - _SOURCE_ONLY_RESERVED) | {"BACKEND", "TELEMETRY", "CACHE"}
+            if name.upper() in reserved:
                 raise _bad(self, "scopes", f"scope name {name!r} is reserved")
             if not isinstance(scope, Scope):
                 raise _bad(self, "scopes", f"scope {name!r} must be a Scope, got {type(scope).__name__}")
@@ -657,7 +671,7 @@ class Settings:
     def secrets(self) -> tuple[str, ...]:
         """Every secret in these settings, for redaction of upstream text."""
         found = [s.api_key for scope in self.scopes.values() for s in scope.sources if s.api_key]
-        for url in (self.backend, self.telemetry):
+        for url in (self.backend, self.telemetry, self.cache):
             try:
                 password = urlsplit(url).password
             except ValueError:

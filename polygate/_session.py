@@ -20,13 +20,15 @@ import attrs
 import httpx
 import trio
 
-from ._call import Rounds, run_chat, run_embed
+from ._cached import cache_mode, cached_chat, cached_embed
+from ._call import Rounds
 from ._config import Settings
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
 from ._ocr import run_ocr
 from ._structured import prepare
 from ._types import ChatResponse, EmbeddingResponse, OcrResponse, StreamChunk
+from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
@@ -47,14 +49,18 @@ _UNSET: Any = object()
 class SessionStatistics:
     governance: GovernanceStatistics
     telemetry: TelemetryStatistics = attrs.field(factory=TelemetryStatistics)
+    cache: CacheStatistics = attrs.field(factory=CacheStatistics)
 
 
 class Session:
     """Front door of polygate; obtain one with ``async with polygate.session(...)``."""
 
-    def __init__(self, runtime: Runtime, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self, runtime: Runtime, telemetry: Telemetry | None = None, cache: Cache | None = None
+    ) -> None:
         self._runtime = runtime
         self._telemetry = telemetry
+        self._cache = cache
 
     @property
     def _closed(self) -> bool:
@@ -77,19 +83,23 @@ class Session:
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
         schema: Any = None,
+        cache: bool | str = True,
         **params: Any,
     ) -> ChatResponse:
         """One logical chat call; returns the assembled answer with its statistics.
 
         ``schema`` (a pydantic v2 model class or a JSON Schema dict) asks for
         structured output: ``response.parsed`` is the validated answer, and an invalid
-        one is re-asked inside this call (``docs/structured.md``)."""
+        one is re-asked inside this call (``docs/structured.md``).  ``cache=False``:
+        neither read nor write the response cache; ``"refresh"``: write only."""
         deadline = self._prepare(scope, call_deadline_s)
         encoded = _check_messages(messages)
         _check_params(params)
         rounds = self._rounds(scope, schema, params, reask=True)
-        return await run_chat(
-            self._runtime, scope, list(messages), encoded, params, deadline, rounds=rounds
+        mode = cache_mode(cache)
+        return await cached_chat(
+            self._runtime, self._cache, mode, scope, list(messages), encoded, params, deadline,
+            rounds=rounds,
         )
 
     def stream_chat(
@@ -99,6 +109,7 @@ class Session:
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
         schema: Any = None,
+        cache: bool | str = True,
         **params: Any,
     ) -> ChatStream:
         """A streamed chat call: ``async with s.stream_chat(...) as stream:`` then
@@ -111,8 +122,10 @@ class Session:
         encoded = _check_messages(messages)
         _check_params(params)
         rounds = self._rounds(scope, schema, params, reask=False)
+        mode = cache_mode(cache)
         return ChatStream(
-            self._runtime, scope, list(messages), encoded, params, deadline, rounds=rounds
+            self._runtime, scope, list(messages), encoded, params, deadline, rounds=rounds,
+            cache=self._cache, cache_mode=mode,
         )
 
     async def embed(
@@ -121,6 +134,7 @@ class Session:
         *,
         scope: str = "embed",
         call_deadline_s: float | None = _UNSET,
+        cache: bool | str = True,
         **params: Any,
     ) -> EmbeddingResponse:
         """Embeddings of ``inputs`` (in order), batched by the scope's ``embed_batch_size``."""
@@ -130,7 +144,8 @@ class Session:
         if not all(isinstance(text, str) for text in inputs):
             raise ConfigError("inputs must be a non-empty list of strings")
         _check_params(params, reserved=("input",))
-        return await run_embed(self._runtime, scope, list(inputs), params, deadline)
+        mode = cache_mode(cache)
+        return await cached_embed(self._runtime, self._cache, mode, scope, list(inputs), params, deadline)
 
     async def ocr(
         self,
@@ -154,7 +169,8 @@ class Session:
 
     async def statistics(self) -> SessionStatistics:
         telemetry = self._telemetry.statistics() if self._telemetry else TelemetryStatistics()
-        return SessionStatistics(await self._runtime.governor.statistics(), telemetry)
+        cache = self._cache.statistics() if self._cache else CacheStatistics()
+        return SessionStatistics(await self._runtime.governor.statistics(), telemetry, cache)
 
     def _rounds(
         self, scope: str, schema: Any, params: Mapping[str, Any], *, reask: bool
@@ -240,9 +256,13 @@ class ChatStream:
         deadline: float | None,
         *,
         rounds: Rounds | None = None,
+        cache: Cache | None = None,
+        cache_mode: bool | str = True,
     ) -> None:
         self._runtime = runtime
         self._rounds = rounds
+        self._cache = cache
+        self._cache_mode = cache_mode
         self._scope = scope
         self._messages = messages
         self._messages_json = messages_json
@@ -297,10 +317,10 @@ class ChatStream:
         async with send:
             sink = _Sink(send, self.text_parts)
             try:
-                response = await run_chat(
-                    self._runtime, self._scope, self._messages, self._messages_json,
-                    self._params, self._deadline, forward=sink, delivered=self.text_parts,
-                    rounds=self._rounds,
+                response = await cached_chat(
+                    self._runtime, self._cache, self._cache_mode, self._scope, self._messages,
+                    self._messages_json, self._params, self._deadline,
+                    forward=sink, delivered=self.text_parts, rounds=self._rounds,
                 )
             except PolygateError as exc:
                 await send.send(_Failed(exc))
@@ -440,11 +460,17 @@ async def session(
         try:
             # Telemetry opens (and fails with ConfigError) at session start; its flusher
             # runs in the session's nursery and is flushed, bounded, before it is cancelled.
-            async with open_telemetry(settings) as telemetry, trio.open_nursery() as nursery:
+            async with (
+                open_telemetry(settings) as telemetry,
+                open_cache(settings.cache) as cache,  # ConfigError: a SQLite file it cannot use
+                trio.open_nursery() as nursery,
+            ):
                 governor = Governor(settings, backend, rng=rng)
                 runtime = Runtime(settings, transport, governor, rng=rng, recorder=telemetry.recorder)
                 telemetry.start(nursery, governor)
-                handle = Session(runtime, telemetry)
+                if cache is not None:
+                    cache.start(nursery)  # the writer of write-behind backends
+                handle = Session(runtime, telemetry, cache)
                 try:
                     yield handle
                 except _PASS_THROUGH:
@@ -453,6 +479,8 @@ async def session(
                     body_error = exc
                 finally:
                     runtime.closed = True
+                    if cache is not None:
+                        await cache.aclose()  # queued writes, bounded; before the writer stops
                     await telemetry.aclose()
                     nursery.cancel_scope.cancel()
         finally:

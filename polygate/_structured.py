@@ -387,6 +387,23 @@ class StructuredRounds:
         return attrs.evolve(response, parsed=parsed)
 
 
+    def cache_key(self) -> Any:
+        return {"name": self.schema.name, "schema": self.schema.json_schema}
+
+    async def accept(self, response: ChatResponse) -> ChatResponse | None:
+        """A cached answer was valid when stored; it is validated again to build
+        ``parsed`` (and refused, as a miss, should it not be)."""
+        text = response.text
+        try:
+            if len(text) > self.schema.off_loop_chars:
+                parsed = await trio.to_thread.run_sync(self.schema.validate, text)
+            else:
+                parsed = self.schema.validate(text)
+        except Invalid:
+            return None
+        return attrs.evolve(response, parsed=parsed)
+
+
 def prepare(schema: Any, params: Mapping[str, Any], max_reasks: int) -> StructuredRounds:
     """The rounds of one structured call; :class:`ConfigError` on a bad schema."""
     return StructuredRounds(schema_of(schema), params, max_reasks)

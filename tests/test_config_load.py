@@ -194,9 +194,11 @@ FULL: Config = {
     "telemetry_batch": 50,
     "telemetry_write_timeout_s": 12.5,
     "telemetry_close_timeout_s": 2.5,
+    "cache": f"redis://:{REDIS_PW}@localhost:6379/1?prefix=app&timeout_s=0.2",
     "scopes": {
         "chat": {
             "call_deadline_s": 120.0,
+            "cache_ttl_s": 600.0,
             "embed_batch_size": 64,
             "completion_estimate_tokens": 512,
             "hedge": {"after_s": 8.0, "max_extra": 2, "stall_after_s": 5.0, "budget_ratio": 0.2,

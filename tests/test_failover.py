@@ -495,12 +495,12 @@ def test_fallback_settings_are_checked_the_same_three_ways(tmp_path: Any) -> Non
     with pytest.raises(polygate.ConfigError, match="loops: x -> x"):
         polygate.Settings.from_env(env)
     env = {"POLYGATE__X__A__BASE_URL": "http://a/v1", "POLYGATE__X__FALLBACK_ON": "exhausted,bogus"}
-    with pytest.raises(polygate.ConfigError, match="POLYGATE__X__FALLBACK_ON.*bogus"):
+    with pytest.raises(polygate.ConfigError, match=r"POLYGATE__X__FALLBACK_ON.*bogus"):
         polygate.Settings.from_env(env)
     path = tmp_path / "p.toml"
     path.write_text('[scopes.x]\nfallback_on = ["status:99"]\n[scopes.x.sources.a]\n'
                     'base_url = "http://a/v1"\n')
-    with pytest.raises(polygate.ConfigError, match="scopes.x.fallback_on"):
+    with pytest.raises(polygate.ConfigError, match=r"scopes\.x\.fallback_on"):
         polygate.Settings.from_toml(str(path))
     with pytest.raises(polygate.ConfigError, match="max_open_s"):
         polygate.Breaker(open_s=30, max_open_s=10)

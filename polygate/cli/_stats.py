@@ -3,8 +3,8 @@
 Reads the ``calls``, ``attempts`` and ``sessions`` tables that a session with
 ``telemetry`` set writes (SQLite or PostgreSQL, read-only) and prints latency
 quantiles per scope and source, the share of all time the slowest calls take,
-waiting versus generating, hedging, error classes, attempts per call and each
-source's attempts.  ``--json`` prints the same as data; ``--plot`` draws the latency
+waiting versus generating, hedging, the response cache's hit rate, error classes,
+attempts per call and each source's attempts.  ``--json`` prints the same as data; ``--plot`` draws the latency
 CDF per source and where the time went (needs ``polygate[plot]``).
 
 Exit status: 0 with a report, 1 when there is nothing to report (no database, no
@@ -222,6 +222,15 @@ def render(report: dict[str, Any]) -> str:
     out.append(f"  hedged calls: {h['hedged_calls']} ({_p(h['hedge_rate_pct'])}), {h['hedges']} hedges sent")
     out.append(f"  won by the hedge: {h['hedge_wins']} ({_p(h['hedge_win_rate_pct'])} of hedged calls)")
     out.append(f"  hedges suppressed by the budget: {h['suppressed_by_budget']} calls (session totals)")
+
+    c = report.get("cache")
+    if c is not None and c["cached_calls"]:
+        out += ["", "Response cache"]
+        out.append(f"  served from the cache: {c['cached_calls']} calls, "
+                   f"hit rate {_p(c['hit_rate_pct'])} of successful calls")
+        if len(c["scopes"]) > 1:
+            for name, row in c["scopes"].items():
+                out.append(f"    {name}: {row['cached_calls']} of {row['calls']} ({_p(row['hit_rate_pct'])})")
 
     a = report["attempts_per_call"]
     histogram = ", ".join(f"{k}: {v}" for k, v in a["histogram"].items())

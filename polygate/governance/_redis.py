@@ -77,6 +77,7 @@ import attrs
 import trio
 
 from .._config import mask_url
+from .._coredis import closing_connection_class, import_coredis
 from .._errors import ConfigError, GovernanceBackendError
 from . import _redis_scripts as lua
 from ._memory import WINDOW_S
@@ -233,15 +234,7 @@ _SCRIPTS = (_ADMIT, _SETTLE, _SNAPSHOT, _RENEW, _TAKE, _REFILL, _LEVEL, _PROBE)
 
 
 def _coredis() -> Any:
-    try:
-        import coredis
-        import coredis.exceptions
-        import coredis.retry
-    except ImportError:
-        raise ConfigError(
-            "the redis backend needs the coredis package: pip install 'polygate[redis]'"
-        ) from None
-    return coredis
+    return import_coredis("the redis backend")
 
 
 class RedisBackend:
@@ -323,7 +316,7 @@ class RedisBackend:
             stream_timeout=self._timeout * 0.6, pool_timeout=self._timeout,
             retry_policy=coredis.retry.NoRetryPolicy(), client_name="polygate", **ssl_kw,
         )
-        self._client.connection_pool.connection_class = _closing_connection_class(coredis)
+        self._client.connection_pool.connection_class = closing_connection_class(coredis)
         stack = contextlib.AsyncExitStack()
         try:
             await stack.enter_async_context(self._client)
@@ -759,26 +752,6 @@ class RedisBackend:
         if now - self._last_warning.get(kind, -math.inf) >= 10.0:
             self._last_warning[kind] = now
             log.warning("%s", message)
-
-
-def _closing_connection_class(coredis: Any) -> Any:
-    """coredis's TCP connection, closing its in-memory streams when it ends.
-
-    A connection that never connects (Redis down) leaves them open, and each warns
-    when collected; during an outage that is one warning per attempted call."""
-    from anyio import TASK_STATUS_IGNORED
-    from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-
-    class ClosingTCPConnection(coredis.connection.TCPConnection):  # type: ignore[misc]
-        async def run(self, *, task_status: Any = TASK_STATUS_IGNORED) -> None:
-            try:
-                await super().run(task_status=task_status)
-            finally:
-                for value in vars(self).values():
-                    if isinstance(value, (MemoryObjectSendStream, MemoryObjectReceiveStream)):
-                        value.close()
-
-    return ClosingTCPConnection
 
 
 def _opt(value: int | None) -> int:

@@ -48,6 +48,7 @@ class CallRow(NamedTuple):
     attempts: int
     hedges: int
     hedge_won: int
+    cached: int
 
 
 class AttemptRow(NamedTuple):
@@ -185,6 +186,7 @@ def build_report(
     ]
     report["waiting_vs_generating"] = _waiting(calls)
     report["hedging"] = _hedging(calls, sessions, scope)
+    report["cache"] = _cache(calls)
     report["attempts_per_call"] = _attempts_per_call(calls)
     report["sources"] = _sources(attempts)
     report["telemetry"] = {
@@ -272,6 +274,25 @@ def _hedging(calls: Sequence[CallRow], sessions: Sequence[SessionRow], scope: st
         "hedge_wins": wins,
         "hedge_win_rate_pct": _pct(wins, len(hedged)),
         "suppressed_by_budget": suppressed,
+    }
+
+
+def _cache(calls: Sequence[CallRow]) -> dict[str, Any]:
+    """Calls answered by the response cache (hits and coalesced calls: ``cached = 1``).
+    The hit rate is over successful calls, per scope and in all."""
+    ok = [c for c in calls if c.outcome == "ok"]
+    per_scope: dict[str, list[CallRow]] = defaultdict(list)
+    for c in ok:
+        per_scope[c.scope].append(c)
+    hits = sum(1 for c in ok if c.cached)
+    return {
+        "cached_calls": hits,
+        "hit_rate_pct": _pct(hits, len(ok)),
+        "scopes": {
+            name: {"calls": len(rows), "cached_calls": sum(1 for c in rows if c.cached),
+                   "hit_rate_pct": _pct(sum(1 for c in rows if c.cached), len(rows))}
+            for name, rows in sorted(per_scope.items())
+        },
     }
 
 

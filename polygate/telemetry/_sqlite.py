@@ -14,9 +14,7 @@ user's state directory (:func:`default_path`).
 
 from __future__ import annotations
 
-import os
 import sqlite3
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,31 +22,16 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .._errors import ConfigError
+from .._paths import state_dir
 from ._schema import check_version, insert_sql, statements, upsert_session_sql, version_table
 from ._sink import Batch
 
-__all__ = ["SQLiteReader", "SQLiteSink", "default_path", "sqlite_path"]
+__all__ = ["SQLiteReader", "SQLiteSink", "default_path", "sqlite_path", "state_dir"]
 
 _CALLS = insert_sql("calls", "sqlite")
 _ATTEMPTS = insert_sql("attempts", "sqlite")
 _SESSION = upsert_session_sql("sqlite")
 _BUSY_TIMEOUT_S = 5.0
-
-
-def state_dir(env: dict[str, str] | None = None, platform: str = sys.platform) -> Path:
-    """Where per-user state lives: ``$XDG_STATE_HOME`` (``~/.local/state``) on Linux,
-    ``~/Library/Application Support`` on macOS, ``%LOCALAPPDATA%`` on Windows; a
-    ``polygate`` folder inside it.  (A few lines instead of a dependency.)"""
-    env = dict(os.environ) if env is None else env
-    home = Path(env.get("HOME") or Path.home())
-    if platform == "win32":
-        base = Path(env["LOCALAPPDATA"]) if env.get("LOCALAPPDATA") else home / "AppData" / "Local"
-    elif platform == "darwin":
-        base = home / "Library" / "Application Support"
-    else:
-        xdg = env.get("XDG_STATE_HOME")
-        base = Path(xdg) if xdg and os.path.isabs(xdg) else home / ".local" / "state"
-    return base / "polygate"
 
 
 def default_path(env: dict[str, str] | None = None) -> Path:

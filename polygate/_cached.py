@@ -1,0 +1,511 @@
+"""The response cache at the call boundary: a logical call, looked up first.
+
+The session calls :func:`cached_chat` and :func:`cached_embed` in place of
+``run_chat`` / ``run_embed``.  When the scope caches (``Scope.cache_ttl_s``), the
+session has a cache and the call did not say ``cache=False``::
+
+    lookup (fail-open) ── hit ──────────────────────────────> stored answer, cached=True
+       └ miss → flight for the key? ── yes: wait (own deadline) ─ answer ─> cached=True
+                                    │                          ├ verdict ─> same error
+                                    │                          └ abandoned: lead instead
+                                    └ no: lead: run_chat / run_embed (admission, hedging,
+                                          retries as usual), store the answer, hand it
+                                          to the waiters
+
+A hit never enters the retry loop and never touches the governor: it costs no quota,
+no permit, no hedge budget.  Its statistics say ``cached=True, attempts=0, hedges=0,
+generation_ms=0, ttft_ms=None`` and ``total_latency_ms`` is the lookup; its telemetry
+row has ``cached = 1``.  ``stream_chat`` replays a hit (or a coalesced answer) as
+chunks through the stream's own ``forward``, so the caller iterates as usual.
+
+The call deadline is one absolute time for the lookup, the wait and the upstream
+call: a leader, or a waiter taking over, gets what is left of it.  Coalescing rules
+(who shares what when a leader fails): :mod:`polygate.cache._coalesce`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from ._call import Rounds, run_chat, run_embed
+from ._context import CallContext, Runtime
+from ._errors import (
+    AllSourcesExhausted,
+    ConfigError,
+    DeadlineExceeded,
+    FatalUpstreamError,
+    GovernanceBackendError,
+)
+from ._resume import StreamSink
+from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
+from .cache import Cache, chat_key, embed_keys
+from .cache._coalesce import Flight
+from .cache._codec import decode_chat, decode_vector, encode_chat, encode_vector
+
+__all__ = ["cache_mode", "cached_chat", "cached_embed"]
+
+
+#: Errors that are a verdict on the request or the upstreams: shared with waiters.
+_SHARED = (FatalUpstreamError, AllSourcesExhausted, GovernanceBackendError)
+
+
+def cache_mode(value: Any) -> bool | str:
+    """The per-call ``cache=`` argument: True (default), False or ``"refresh"``."""
+    if value is True or value is False or value == "refresh":
+        return value  # type: ignore[no-any-return]
+    raise ConfigError(f"cache must be True, False or 'refresh', got {value!r}")
+
+
+def _caching(runtime: Runtime, cache: Cache | None, mode: bool | str, scope: str) -> float | None:
+    """The scope's TTL when this call uses the cache, else None."""
+    if cache is None or mode is False:
+        return None
+    return runtime.settings.scopes[scope].cache_ttl_s
+
+
+class _Call:
+    """What the cache layer knows of one logical call: its clock, deadline and row."""
+
+    def __init__(
+        self, runtime: Runtime, scope: str, kind: str, deadline_s: float | None, *,
+        messages: Sequence[Mapping[str, Any]] = (), messages_json: str = "[]",
+        params: Mapping[str, Any], streaming: bool = False,
+    ) -> None:
+        self.runtime = runtime
+        self.ctx = CallContext(
+            runtime, scope, runtime.settings.scopes[scope], kind, trio.current_time(),
+            messages=messages, messages_json=messages_json, params=params,
+            streaming_to_caller=streaming,
+        )
+        self.deadline_s = deadline_s
+        self.deadline_at = None if deadline_s is None else self.ctx.started_at + deadline_s
+        # True once this call has a telemetry row, or an upstream call that writes one
+        self.recorded = False
+
+    async def within(self, work: Callable[[], Awaitable[Any]]) -> Any:
+        """``work`` (a lookup, a wait, a replay) under the call deadline.  Never wraps
+        an upstream call: that one runs under its own scope for what is left."""
+        if self.deadline_at is None:
+            return await work()
+        try:
+            with trio.fail_at(self.deadline_at):
+                return await work()
+        except trio.TooSlowError:
+            error = self.timed_out()
+            self.record(error.call_stats or self.stats(cached=False), None, error)
+            raise error from None
+
+    def remaining(self) -> float | None:
+        """What is left of the deadline for an upstream call; DeadlineExceeded at 0."""
+        if self.deadline_at is None:
+            return None
+        left = self.deadline_at - trio.current_time()
+        if left <= 0:
+            raise self.timed_out()
+        return left
+
+    def stats(self, *, cached: bool, source: str | None = None) -> CallStats:
+        return CallStats(
+            logical_call_id=self.ctx.logical_call_id, source=source, cached=cached,
+            total_latency_ms=(trio.current_time() - self.ctx.started_at) * 1000.0,
+            scope=self.ctx.scope_name,
+        )
+
+    def timed_out(self) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            f"call exceeded its deadline of {self.deadline_s} s waiting for the cache "
+            f"(scope {self.ctx.scope_name!r})",
+            call_stats=self.stats(cached=False),
+        )
+
+    def record(
+        self, stats: CallStats, usage: Usage | None, error: BaseException | None,
+        output: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.recorded = True
+        self.runtime.recorder.call(self.ctx, stats, usage, error, output)
+
+    def shared(self, error: BaseException) -> BaseException:
+        """The leader's verdict as this call's own error, with its own statistics."""
+        clone = copy.copy(error)
+        clone.__traceback__ = clone.__cause__ = clone.__context__ = None
+        if isinstance(clone, AllSourcesExhausted):
+            clone.errors = list(clone.errors)
+        if hasattr(clone, "call_stats"):
+            clone.call_stats = self.stats(cached=False)
+        return clone
+
+
+async def _guard(call: _Call, body: Callable[[], Awaitable[Any]]) -> Any:
+    """Run the cache's part of a call.  Whatever ends it without a row so far — a
+    cancellation while looking up or waiting — still gets one (as upstream calls do)."""
+    try:
+        return await body()
+    except BaseException as exc:
+        if not call.recorded:
+            call.record(call.stats(cached=False), None, exc)
+        raise
+
+
+# --------------------------------------------------------------------------- chat
+
+
+async def cached_chat(
+    runtime: Runtime,
+    cache: Cache | None,
+    mode: bool | str,
+    scope: str,
+    messages: Sequence[Mapping[str, Any]],
+    messages_json: str,
+    params: Mapping[str, Any],
+    deadline_s: float | None,
+    *,
+    forward: StreamSink | None = None,
+    delivered: list[str] | None = None,
+    rounds: Rounds | None = None,
+) -> ChatResponse:
+    ttl = _caching(runtime, cache, mode, scope)
+    if cache is None or ttl is None:
+        return await run_chat(
+            runtime, scope, messages, messages_json, params, deadline_s,
+            forward=forward, delivered=delivered, rounds=rounds,
+        )
+    call = _Call(
+        runtime, scope, "chat", deadline_s, messages=messages, messages_json=messages_json,
+        params=params, streaming=forward is not None,
+    )
+    # A schema changes the answer (and whether it is acceptable): it is in the key.
+    keyed = params if rounds is None else {**params, "polygate:schema": rounds.cache_key()}
+    key = chat_key(scope, cache.models(scope, call.ctx.scope.sources), messages, keyed)
+
+    async def upstream() -> ChatResponse:
+        left = call.remaining()
+        call.recorded = True  # run_chat writes the row, however it ends
+        response = await run_chat(
+            runtime, scope, messages, messages_json, params, left,
+            forward=forward, delivered=delivered, rounds=rounds,
+        )
+        # The logical call began before the lookup (and any wait on a flight it took
+        # over): its total latency counts from there, as the deadline does.
+        total = (trio.current_time() - call.ctx.started_at) * 1000.0
+        return _with_stats(response, attrs.evolve(response.call_stats, total_latency_ms=total))
+
+    async def served(data: bytes) -> ChatResponse | None:
+        """A stored or coalesced answer as this call's response (None: it did not decode)."""
+        try:
+            fields = decode_chat(data)
+        except ValueError as exc:
+            cache.failed(f"a cached chat answer did not decode ({exc})", pause=False)
+            return None
+        if rounds is not None:
+            judged = await rounds.accept(ChatResponse(**fields, call_stats=call.stats(cached=True)))
+            if judged is None:
+                cache.failed("a cached answer no longer matches its schema", pause=False)
+                return None
+            fields["parsed"] = judged.parsed
+        if forward is not None:
+            chunks = _replay(fields)
+
+            async def replay() -> None:
+                for chunk in chunks:
+                    if not forward.offer(chunk):  # the consumer is behind: wait for it
+                        await forward.deliver_held()
+
+            await call.within(replay)
+        stats = call.stats(cached=True, source=fields["source"])
+        response = ChatResponse(**fields, call_stats=stats)
+        call.record(stats, response.usage, None, response.message)
+        return response
+
+    async def body() -> ChatResponse:
+        if mode != "refresh":
+            data = await call.within(lambda: cache.get(key))
+            if data is not None:
+                response = await served(data)
+                if response is not None:
+                    cache.hits += 1
+                    return response
+        while True:
+            if mode == "refresh":
+                cache.misses += 1
+                return await _lead(cache, key, cache.flights.lead_if_free(key), upstream, ttl)
+            flight, leading = cache.flights.claim(key)
+            if leading:
+                cache.misses += 1
+                return await _lead(cache, key, flight, upstream, ttl)
+            await call.within(flight.done.wait)
+            if flight.value is not None:
+                response = await served(flight.value)
+                if response is not None:
+                    cache.coalesced += 1
+                    return response
+                continue
+            if flight.error is not None:
+                error = call.shared(flight.error)
+                call.record(getattr(error, "call_stats", None) or call.stats(cached=False), None, error)
+                raise error
+            # abandoned: loop and lead (or wait on whoever led first)
+
+    result: ChatResponse = await _guard(call, body)
+    return result
+
+
+async def _lead(
+    cache: Cache, key: str, flight: Flight | None, upstream: Callable[[], Awaitable[ChatResponse]],
+    ttl: float,
+) -> ChatResponse:
+    """Make the upstream call; store and share its answer, or settle the flight."""
+    if flight is None:  # cache="refresh" while another call leads: compute alone
+        response = await upstream()
+        data = _encoded(cache, response)
+        if data is not None:
+            cache.put(key, data, ttl)
+        return response
+    try:
+        response = await upstream()
+    except _SHARED as exc:
+        cache.flights.settle(key, flight, error=exc)
+        raise
+    except BaseException:
+        cache.flights.settle(key, flight)  # handed over to a waiter
+        raise
+    data = _encoded(cache, response)
+    if data is None:
+        cache.flights.settle(key, flight)  # not storable: each waiter asks for itself
+        return response
+    cache.put(key, data, ttl)  # stored before the flight ends: no window without either
+    cache.flights.settle(key, flight, value=data)
+    return response
+
+
+def _encoded(cache: Cache, response: ChatResponse) -> bytes | None:
+    """The answer as an entry; None (counted, the call unharmed) if it cannot be one."""
+    try:
+        return encode_chat(response)
+    except (TypeError, ValueError) as exc:
+        cache.failed(f"an answer could not be stored ({type(exc).__name__})", pause=False)
+        return None
+
+
+def _with_stats(response: ChatResponse, stats: CallStats) -> ChatResponse:
+    return attrs.evolve(response, call_stats=stats)  # every other field kept (parsed too)
+
+
+def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A stored answer (the fields of a ChatResponse) as stream chunks: per choice, its
+    reasoning, content, refusal and tool calls, the role on the first chunk and the
+    finish reason on the last."""
+    raw = answer["raw"]
+    text = answer["text"]
+    base = {"id": raw.get("id"), "object": "chat.completion.chunk", "created": raw.get("created"),
+            "model": answer["model"]}
+    chunks: list[dict[str, Any]] = []
+    for position, choice in enumerate(answer["choices"]):
+        if not isinstance(choice, dict):
+            continue
+        index = choice.get("index", position)
+        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+        assert isinstance(message, dict)
+        content = message.get("content")
+        if not isinstance(content, str):
+            content = text if index == 0 and text else None
+        deltas: list[dict[str, Any]] = []
+        for name, value in (
+            ("reasoning_content", message.get("reasoning_content")),
+            ("content", content),
+            ("refusal", message.get("refusal")),
+        ):
+            if value:
+                deltas.append({name: value})
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            deltas.append({"tool_calls": [
+                {"index": i, **c} if isinstance(c, dict) else c for i, c in enumerate(calls)
+            ]})
+        for n, delta in enumerate(deltas):
+            if n == 0:
+                delta = {"role": message.get("role", "assistant"), **delta}
+            last = n == len(deltas) - 1
+            chunks.append({**base, "choices": [{
+                "index": index, "delta": delta,
+                "finish_reason": choice.get("finish_reason") if last else None,
+            }]})
+    return chunks
+
+
+# --------------------------------------------------------------------------- embed
+
+
+async def cached_embed(
+    runtime: Runtime,
+    cache: Cache | None,
+    mode: bool | str,
+    scope: str,
+    inputs: Sequence[str],
+    params: Mapping[str, Any],
+    deadline_s: float | None,
+) -> EmbeddingResponse:
+    """Each distinct input is looked up on its own; only the misses go upstream (in
+    one ``run_embed``, batched as usual), and the vectors come back in input order."""
+    ttl = _caching(runtime, cache, mode, scope)
+    if cache is None or ttl is None:
+        return await run_embed(runtime, scope, inputs, params, deadline_s)
+    call = _Call(runtime, scope, "embed", deadline_s, params=params)
+    keys = embed_keys(scope, cache.models(scope, call.ctx.scope.sources), inputs, params)
+    texts: dict[str, str] = dict(zip(keys, inputs, strict=True))  # distinct, in order
+    found: dict[str, tuple[list[float], str | None, str | None, int | None, str | None]] = {}
+    runs: list[EmbeddingResponse] = []
+
+    def take(key: str, data: bytes | None) -> bool:
+        if data is None:
+            return False
+        try:
+            found[key] = decode_vector(data)
+        except ValueError as exc:
+            cache.failed(f"a cached embedding did not decode ({exc})", pause=False)
+            return False
+        return True
+
+    async def compute(led: list[str], flights: dict[str, Flight]) -> None:
+        """One upstream call for ``led``; store and share each vector, or settle."""
+        try:
+            left = call.remaining()
+            call.recorded = True  # run_embed writes the row, however it ends
+            response = await run_embed(runtime, scope, [texts[k] for k in led], params, left)
+        except _SHARED as exc:
+            for k, f in flights.items():
+                cache.flights.settle(k, f, error=exc)
+            raise
+        except BaseException:
+            for k, f in flights.items():
+                cache.flights.settle(k, f)
+            raise
+        runs.append(response)
+        try:
+            shares = _token_shares(response.usage, [texts[k] for k in led])
+            usage_source = response.usage.source if response.usage is not None else None
+            for k, vector, tokens in zip(led, response.vectors, shares, strict=True):
+                found[k] = (vector, response.model, response.source, tokens, usage_source)
+                data = _encoded_vector(cache, vector, response, tokens, usage_source)
+                if data is not None:
+                    cache.put(k, data, ttl)
+                    if k in flights:
+                        cache.flights.settle(k, flights[k], value=data)
+        finally:
+            for k, f in flights.items():  # whatever was not shared: its waiters ask again
+                cache.flights.settle(k, f)
+
+    async def body() -> EmbeddingResponse:
+        todo = list(texts)
+        if mode != "refresh":
+            values = await call.within(lambda: cache.get_many(todo))
+            for key, data in zip(todo, values, strict=True):
+                if take(key, data):
+                    cache.hits += 1
+            todo = [k for k in todo if k not in found]
+        while todo:
+            led: list[str] = []
+            flights: dict[str, Flight] = {}
+            joined: list[tuple[str, Flight]] = []
+            for key in todo:
+                if mode == "refresh":
+                    flight = cache.flights.lead_if_free(key)
+                    if flight is not None:
+                        flights[key] = flight
+                    led.append(key)
+                    continue
+                flight, leading = cache.flights.claim(key)
+                if leading:
+                    flights[key] = flight
+                    led.append(key)
+                else:
+                    joined.append((key, flight))
+            cache.misses += len(led)
+            if led:
+                await compute(led, flights)
+            todo = []
+            for key, flight in joined:
+                await call.within(flight.done.wait)
+                if flight.value is not None and take(key, flight.value):
+                    cache.coalesced += 1
+                elif flight.error is not None:
+                    error = call.shared(flight.error)
+                    if not call.recorded:
+                        call.record(getattr(error, "call_stats", None) or call.stats(cached=False), None, error)
+                    raise error
+                else:
+                    todo.append(key)  # abandoned (or undecodable): lead it next round
+        return _embedding(call, inputs, keys, found, runs)
+
+    result: EmbeddingResponse = await _guard(call, body)
+    return result
+
+
+def _encoded_vector(
+    cache: Cache, vector: list[float], response: EmbeddingResponse, tokens: int | None,
+    usage_source: str | None,
+) -> bytes | None:
+    try:
+        return encode_vector(
+            vector, model=response.model, source=response.source, tokens=tokens,
+            usage_source=usage_source,
+        )
+    except (TypeError, ValueError, OverflowError) as exc:
+        cache.failed(f"a vector could not be stored ({type(exc).__name__})", pause=False)
+        return None
+
+
+def _token_shares(usage: Usage | None, texts: list[str]) -> list[int | None]:
+    """The batch's prompt tokens split over its inputs by length (largest remainder),
+    so the shares add up to what the upstream reported."""
+    if usage is None:
+        return [None] * len(texts)
+    total = usage.prompt_tokens
+    weights = [len(t) + 1 for t in texts]
+    whole = sum(weights)
+    exact = [total * w / whole for w in weights]
+    shares = [int(x) for x in exact]
+    order = sorted(range(len(texts)), key=lambda i: exact[i] - shares[i], reverse=True)
+    for i in order[: total - sum(shares)]:
+        shares[i] += 1
+    return list(shares)
+
+
+def _embedding(
+    call: _Call,
+    inputs: Sequence[str],
+    keys: list[str],
+    found: Mapping[str, tuple[list[float], str | None, str | None, int | None, str | None]],
+    runs: list[EmbeddingResponse],
+) -> EmbeddingResponse:
+    vectors = [list(found[k][0]) for k in keys]
+    distinct = {k: found[k] for k in dict.fromkeys(keys)}
+    tokens = 0
+    estimated = False
+    for _, _, _, share, usage_source in distinct.values():
+        tokens += share or 0
+        estimated = estimated or usage_source != "upstream"
+    usage = Usage(tokens, 0, tokens, "estimated" if estimated else "upstream")
+    model = next((m for _, m, _, _, _ in distinct.values() if m is not None), None)
+    if runs:
+        first = runs[0].call_stats
+        source = runs[0].source
+        stats = CallStats(
+            logical_call_id=first.logical_call_id,
+            attempts=sum(r.call_stats.attempts for r in runs),
+            hedges=sum(r.call_stats.hedges for r in runs),
+            source=first.source,
+            scope=first.scope,
+            total_latency_ms=(trio.current_time() - call.ctx.started_at) * 1000.0,
+            generation_ms=sum(r.call_stats.generation_ms for r in runs),
+        )
+    else:
+        source = next((s for _, _, s, _, _ in distinct.values() if s is not None), None)
+        stats = call.stats(cached=True, source=source)
+        call.record(stats, usage, None)  # no upstream call: the cache writes the row
+    return EmbeddingResponse(vectors=vectors, usage=usage, call_stats=stats, model=model, source=source)

@@ -1,0 +1,299 @@
+"""The cache a session owns: lookups that fail open, writes off the call path,
+coalescing, and the counters ``Session.statistics()`` reports.
+
+**Fail open.**  A backend that fails — Redis down or slow, SQLite locked past its
+timeout, a value that does not decode — makes the lookup a miss: the call goes
+upstream as if there were no cache, and the failure is counted (``errors``) and
+logged at most every 10 s.  After a failure the backend is left alone for a short,
+growing pause (0.25 s doubling to 30 s, reset by the first success), so a dead Redis
+does not add its timeout to every call; lookups meanwhile are plain misses.
+
+**Writes behind.**  For the SQLite and Redis backends a store is a ``send_nowait``
+into a bounded channel; a writer task in the session's nursery writes batches (one
+SQLite transaction, or one pipelined round trip to Redis).  Until its batch has been
+written, an entry is served from ``pending``, so a call that follows its twin at once
+still hits.  A full channel drops the write (``writes_dropped``), never blocks a
+call.  When the session ends the writer drains what is queued, each batch bounded by
+the backend's own timeout, and gives up on the rest at the first failure.  The memory
+backend writes in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from .._paths import state_dir
+from ._backend import CacheBackend, CacheBackendError
+from ._coalesce import Coalescer
+from ._memory import MemoryBackend
+from ._url import CacheOptions, parse_cache_url
+
+__all__ = ["Cache", "CacheStatistics", "open_cache"]
+
+log = logging.getLogger("polygate.cache")
+
+_QUEUE = 4096  # entries waiting for the writer
+_BATCH = 256  # entries per write
+_WRITE_EVERY_S = 0.02  # floor on the writer's period
+_PAUSE_MIN_S = 0.25
+_PAUSE_MAX_S = 30.0
+_WARN_EVERY_S = 10.0
+_FLUSH_S = 5.0  # the most a session's end waits for queued writes
+
+
+@attrs.frozen
+class CacheStatistics:
+    """What the response cache did in this session.
+
+    Each cacheable lookup (one per ``chat``/``stream_chat`` call, one per distinct
+    ``embed`` input) is exactly one of ``hits`` (found stored), ``coalesced`` (got the
+    answer of an identical call in flight) or ``misses`` (went upstream, including
+    ``cache="refresh"`` calls and lookups the backend failed).  ``errors`` counts
+    failed backend operations, reads and writes; ``writes`` the entries stored,
+    ``writes_dropped`` those given up (queue full, backend failing).  ``in_flight``:
+    keys being computed right now.  Calls with ``cache=False``, and scopes without
+    ``cache_ttl_s``, are not counted.
+    """
+
+    backend: str = "off"
+    hits: int = 0
+    misses: int = 0
+    coalesced: int = 0
+    errors: int = 0
+    writes: int = 0
+    writes_dropped: int = 0
+    in_flight: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Share of lookups answered without an upstream call (hits and coalesced)."""
+        served = self.hits + self.coalesced
+        total = served + self.misses
+        return served / total if total else None
+
+
+_Pending = tuple[bytes, float]  # (value, expires at, trio time)
+
+
+class Cache:
+    """One session's response cache; see the module docstring."""
+
+    def __init__(self, backend: CacheBackend) -> None:
+        self.backend = backend
+        self.flights = Coalescer()
+        self._memory = backend if isinstance(backend, MemoryBackend) else None
+        self._pending: dict[str, _Pending] = {}
+        self._send, self._recv = trio.open_memory_channel[tuple[str, _Pending, float]](_QUEUE)
+        self._writer_done = trio.Event()
+        self._writer_started = False
+        self._closing = trio.Event()
+        self._models: dict[str, list[str]] = {}
+        self._down_until = -math.inf
+        self._pause = 0.0
+        self._last_warning = -math.inf
+        self.hits = 0
+        self.misses = 0
+        self.coalesced = 0
+        self.errors = 0
+        self.writes = 0
+        self.writes_dropped = 0
+
+    def __repr__(self) -> str:
+        return f"<polygate cache {self.backend!r}>"
+
+    def statistics(self) -> CacheStatistics:
+        return CacheStatistics(
+            backend=self.backend.name, hits=self.hits, misses=self.misses,
+            coalesced=self.coalesced, errors=self.errors, writes=self.writes,
+            writes_dropped=self.writes_dropped, in_flight=len(self.flights),
+        )
+
+    def models(self, scope: str, sources: Sequence[Any]) -> list[str]:
+        """The scope's source models, sorted (part of every key of the scope)."""
+        found = self._models.get(scope)
+        if found is None:
+            found = self._models[scope] = sorted({s.model or "" for s in sources})
+        return found
+
+    # ------------------------------------------------------------------ reads
+
+    async def get(self, key: str) -> bytes | None:
+        """The stored value, or None: absent, expired, or the backend failed."""
+        if self._memory is not None:
+            # A checkpoint, as every trio operation has: a loop of hits must not starve
+            # the other tasks, and a cancelled caller must not be served.
+            await trio.lowlevel.checkpoint()
+            return self._memory.get_now(key)
+        pending = self._pending.get(key)
+        if pending is not None and trio.current_time() < pending[1]:
+            return pending[0]
+        return (await self._read([key]))[0]
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if self._memory is not None:
+            await trio.lowlevel.checkpoint()
+            return [self._memory.get_now(k) for k in keys]
+        now = trio.current_time()
+        found: list[bytes | None] = [None] * len(keys)
+        ask: list[int] = []
+        for i, key in enumerate(keys):
+            pending = self._pending.get(key)
+            if pending is not None and now < pending[1]:
+                found[i] = pending[0]
+            else:
+                ask.append(i)
+        if ask:
+            values = await self._read([keys[i] for i in ask])
+            for i, value in zip(ask, values, strict=True):
+                found[i] = value
+        return found
+
+    async def _read(self, keys: list[str]) -> list[bytes | None]:
+        if trio.current_time() < self._down_until:
+            await trio.lowlevel.checkpoint()
+            return [None] * len(keys)
+        try:
+            values = await self.backend.get_many(keys)
+        except CacheBackendError as exc:
+            self.failed(str(exc))
+            return [None] * len(keys)
+        except Exception as exc:  # a bug in a backend must not fail the call either
+            log.exception("cache lookup failed")
+            self.failed(f"{type(exc).__name__} in a lookup")
+            return [None] * len(keys)
+        self._pause = 0.0
+        return values
+
+    def failed(self, message: str, *, pause: bool = True) -> None:
+        """Count a failed operation and pause the backend; ``pause=False`` for a bad
+        entry (one that does not decode, an answer that cannot be encoded): the
+        backend itself is fine."""
+        self.errors += 1
+        now = trio.current_time()
+        if pause:
+            self._pause = min(max(self._pause * 2, _PAUSE_MIN_S), _PAUSE_MAX_S)
+            self._down_until = now + self._pause
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            log.warning("%s; the cache fails open (%d error(s) so far)", message, self.errors)
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        """Store an answer; never blocks, never raises."""
+        if self._memory is not None:
+            self._memory.put_now([(key, value, ttl_s)])
+            self.writes += 1
+            return
+        entry = (value, trio.current_time() + ttl_s)
+        try:
+            self._send.send_nowait((key, entry, ttl_s))
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            self.writes_dropped += 1
+            return
+        self._pending[key] = entry
+
+    async def run_writer(self) -> None:
+        """The writer task (in the session's nursery) for write-behind backends.
+
+        The loop's period has a floor of ``_WRITE_EVERY_S``: the first answer of a
+        burst is written at once, the rest gather meanwhile and go as one batch, so a
+        stream of misses costs a write per period, not one each (on Redis, a write
+        per call would also queue behind the next call's lookup on the connection)."""
+        try:
+            while True:
+                try:
+                    first = await self._recv.receive()
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+                batch = [first]
+                while len(batch) < _BATCH:
+                    try:
+                        batch.append(self._recv.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                await self._write(batch)
+                with trio.move_on_after(_WRITE_EVERY_S):
+                    await self._closing.wait()  # closing: drain without pause
+        finally:
+            self._writer_done.set()
+
+    async def _write(self, batch: list[tuple[str, _Pending, float]]) -> None:
+        try:
+            if trio.current_time() < self._down_until:
+                self.writes_dropped += len(batch)
+                return
+            try:
+                await self.backend.set_many([(key, entry[0], ttl) for key, entry, ttl in batch])
+            except CacheBackendError as exc:
+                self.failed(str(exc))
+                self.writes_dropped += len(batch)
+            except Exception as exc:
+                log.exception("cache write failed")
+                self.failed(f"{type(exc).__name__} in a write")
+                self.writes_dropped += len(batch)
+            else:
+                self._pause = 0.0
+                self.writes += len(batch)
+        finally:
+            for key, entry, _ in batch:
+                if self._pending.get(key) is entry:
+                    del self._pending[key]
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Start the writer in the session's nursery (write-behind backends only)."""
+        if self.backend.write_behind:
+            self._writer_started = True
+            nursery.start_soon(self.run_writer, name="polygate cache writer")
+
+    async def aclose(self) -> None:
+        """Stop taking writes and let the writer drain the queue: shielded, each batch
+        bounded by the backend's timeout, the rest dropped at the first failure, and
+        all of it within ``_FLUSH_S``.  Call it before cancelling the writer's nursery."""
+        self._send.close()
+        self._closing.set()
+        if not self._writer_started:
+            return
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + _FLUSH_S
+            await self._writer_done.wait()
+
+
+def _backend(options: CacheOptions) -> CacheBackend:
+    if options.kind == "memory":
+        return MemoryBackend(options.max_entries, options.max_bytes)
+    if options.kind == "sqlite":
+        from ._sqlite import SQLiteBackend
+
+        path = options.path if options.path is not None else state_dir() / "cache.db"
+        return SQLiteBackend(path, timeout_s=options.timeout_s)
+    from ._redis import RedisBackend
+
+    return RedisBackend.from_options(options)
+
+
+@asynccontextmanager
+async def open_cache(url: str) -> AsyncIterator[Cache | None]:
+    """The cache ``Settings.cache`` names (None for ``"off"``), its backend started;
+    leaving closes the backend.  The session starts the writer (:meth:`Cache.start`)
+    and flushes it (:meth:`Cache.aclose`) before its nursery is cancelled.
+
+    A SQLite file that cannot be opened is a :class:`~polygate.ConfigError` here; an
+    unreachable Redis is not (the cache fails open until it answers)."""
+    options = parse_cache_url(url)
+    if options.kind == "off":
+        yield None
+        return
+    backend = _backend(options)
+    await backend.start()
+    try:
+        yield Cache(backend)
+    finally:
+        await backend.aclose()

@@ -1,0 +1,83 @@
+"""Coalescing: identical calls in flight at once share one upstream call.
+
+The first call to miss on a key *leads*: it registers a :class:`Flight` and makes the
+upstream call in its own task, inside its own call tree, under its own deadline —
+there is no background task, so nothing outlives the call that started it.  Calls
+that miss on the same key while the flight is open *wait* on it, each under its own
+deadline.  A waiter that gives up (cancelled, out of time) just stops waiting: the
+leader does not notice.
+
+How a flight ends decides what its waiters do:
+
+* **an answer** — every waiter gets it (decoded afresh, marked ``cached``);
+* **a verdict on the request or the upstreams** — a :class:`~polygate.FatalUpstreamError`
+  (the request is wrong), :class:`~polygate.AllSourcesExhausted` (every source or
+  attempt failed) or :class:`~polygate.GovernanceBackendError` (admission is down):
+  every waiter raises the same error as its own (a copy with its own statistics),
+  rather than queue up to hear it again;
+* **anything about the leader itself** — its caller cancelled it, its own deadline
+  passed, its committed stream stalled (a ``chat()`` waiter would have retried that),
+  or a bug: the flight is *abandoned* and handed over.  Every waiter wakes; the first
+  to run registers a new flight and leads, the rest wait on it.  A waiter that
+  outlived its leader therefore always carries on, never orphaned.
+
+All of it is synchronous bookkeeping between awaits: a flight is registered, settled
+and removed with no checkpoint in between, so a call that misses just after a flight
+ended either finds the answer stored or leads a new flight — it never waits on a
+flight that is already over.
+"""
+
+from __future__ import annotations
+
+import trio
+
+__all__ = ["Coalescer", "Flight"]
+
+
+class Flight:
+    """One key being computed.  ``value``: the encoded answer; ``error``: a shared
+    verdict; both ``None`` once ``done``: abandoned, someone else must lead."""
+
+    __slots__ = ("done", "error", "value")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.value: bytes | None = None
+        self.error: BaseException | None = None
+
+
+class Coalescer:
+    def __init__(self) -> None:
+        self._flights: dict[str, Flight] = {}
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def claim(self, key: str) -> tuple[Flight, bool]:
+        """The flight for ``key`` and whether the caller leads it (it registered it)."""
+        flight = self._flights.get(key)
+        if flight is None:
+            flight = self._flights[key] = Flight()
+            return flight, True
+        return flight, False
+
+    def lead_if_free(self, key: str) -> Flight | None:
+        """A new flight led by the caller, or None when one is already open (a
+        ``cache="refresh"`` call then computes on its own: it must not read)."""
+        if key in self._flights:
+            return None
+        flight = self._flights[key] = Flight()
+        return flight
+
+    def settle(
+        self, key: str, flight: Flight, value: bytes | None = None, error: BaseException | None = None
+    ) -> None:
+        """End ``flight`` with an answer, a shared error, or neither (abandoned).
+        Only the first settlement counts: a flight never changes its outcome."""
+        if flight.done.is_set():
+            return
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+        flight.value = value
+        flight.error = error
+        flight.done.set()

@@ -1,0 +1,138 @@
+"""The canonical cache key: SHA-256 of a canonical JSON of what decides the answer.
+
+A chat key covers ``(format version, scope, call kind, the scope's models, messages,
+parameters)``; an embedding key the same with one input text in place of the
+messages, so ``embed`` caches each input on its own.  The canonical JSON is
+``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=True)`` of the value
+after :func:`canonical`:
+
+* object keys are sorted, so key order never matters, at any depth;
+* a number is its value: ``1``, ``1.0`` and ``1e0`` are the same (an integral float
+  becomes an int), ``0.5`` and ``0.50`` too; ``True`` is not ``1`` (JSON tells them apart);
+* tuples are lists; any other Mapping is an object;
+* strings are compared exactly (no Unicode normalisation: a different prompt is a
+  different prompt).
+
+So two requests get the same key exactly when they are equal as JSON values under
+these rules (and SHA-256 does not collide).  Every parameter is part of the key —
+``temperature``, ``seed``, ``tools``, ``response_format``, ``n``, ``model``,
+``max_tokens``… — except :data:`EXCLUDED_PARAMS`, which say who asks or how the answer
+travels, never what it is.  The scope's source models are in the key so that pointing
+a scope at another model does not serve the old model's answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["EXCLUDED_PARAMS", "KEY_VERSION", "canonical", "canonical_json", "chat_key", "embed_keys"]
+
+#: Bumped whenever the canonical form changes, so old entries are never misread.
+KEY_VERSION = 1
+
+#: Parameters left out of the key: they identify the caller or shape the transport,
+#: and never change the answer.
+EXCLUDED_PARAMS: frozenset[str] = frozenset({
+    "user",               # end-user id for the provider's abuse monitoring
+    "safety_identifier",  # its successor
+    "metadata",           # tags stored with the completion
+    "store",              # whether the provider keeps the completion
+    "stream_options",     # include_usage etc.: how a stream reports, not what it says
+    "service_tier",       # latency / price class
+    "prompt_cache_key",   # a hint for the provider's own prompt cache
+})
+
+_dumps = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True
+).encode
+
+
+def canonical(value: Any) -> Any:
+    """``value`` with integral floats as ints, tuples as lists, Mappings as dicts.
+
+    Raises ``TypeError`` for what JSON cannot hold (callers validated it already)."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return value
+    if kind is float:
+        # NaN and ±inf are not integral and stay as they are (JSON's NaN/Infinity).
+        return int(value) if value.is_integer() else value
+    if kind is dict or isinstance(value, Mapping):
+        return {_key_text(k): canonical(v) for k, v in value.items()}
+    if kind is list or kind is tuple:
+        return [canonical(v) for v in value]
+    # Subclasses (IntEnum, str enums, numpy floats): JSON writes their plain value.
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return canonical(float(value))
+    if isinstance(value, str):
+        return str.__str__(value)
+    raise TypeError(f"{kind.__name__} is not JSON")
+
+
+def _key_text(key: Any) -> str:
+    """Object keys as JSON writes them (``1`` → ``"1"``, ``True`` → ``"true"``)."""
+    if type(key) is str:
+        return key
+    if isinstance(key, str):
+        return str.__str__(key)
+    return json.dumps(canonical(key))
+
+
+def canonical_json(value: Any) -> str:
+    return _dumps(canonical(value))
+
+
+def _kept(params: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k not in EXCLUDED_PARAMS}
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _plain(messages: Sequence[Any]) -> bool:
+    """Messages already canonical: a list of dicts of strings (the usual case), which
+    the encoder's ``sort_keys`` alone makes canonical, so they need no walk."""
+    if type(messages) is not list:
+        return False
+    for message in messages:
+        if type(message) is not dict:
+            return False
+        for k, v in message.items():
+            if type(k) is not str or type(v) is not str:
+                return False
+    return True
+
+
+def chat_key(
+    scope: str, models: Sequence[str], messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+) -> str:
+    """The key of one chat call (``chat`` and ``stream_chat`` share it)."""
+    return _digest(_dumps({
+        "v": KEY_VERSION, "kind": "chat", "scope": scope, "models": list(models),
+        "messages": messages if _plain(messages) else canonical(messages),
+        "params": canonical(_kept(params)),
+    }))
+
+
+def embed_keys(
+    scope: str, models: Sequence[str], inputs: Iterable[str], params: Mapping[str, Any]
+) -> list[str]:
+    """One key per input text; the shared part is encoded once.
+
+    The text is spliced in as the last member of an object whose other members are
+    already canonical, so the document is the canonical JSON of
+    ``{"input": text, "kind": "embed", "models", "params", "scope", "v"}`` with
+    ``input`` moved last — unambiguous, since a JSON string delimits itself.
+    """
+    head = _dumps({
+        "v": KEY_VERSION, "kind": "embed", "scope": scope, "models": list(models),
+        "params": canonical(_kept(params)),
+    })
+    prefix = head[:-1] + ',"input":'
+    return [_digest(prefix + _dumps(text) + "}") for text in inputs]

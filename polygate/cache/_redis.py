@@ -1,0 +1,164 @@
+"""The shared backend: Redis, through coredis, for every process that points at it.
+
+An entry is one string key, ``{prefix}:{sha256 hex}``, written with ``SET … PX ttl``:
+Redis keeps the time to live and drops the entry itself.  A lookup is one ``GET`` (or
+one ``MGET`` for an ``embed`` call's inputs): one round trip.  Writes are batched by
+the cache's writer, off the call path, and pipelined on one connection: a batch is one
+round trip whatever its size.
+
+Commands go straight to a pooled connection (``create_request``), as the governance
+backend does: coredis's command layer costs more CPU than the round trip on
+loopback.  Every operation is bounded by ``timeout_s`` (default 0.5 s); past it, or on
+any coredis, OS or protocol error, it raises :class:`CacheBackendError` and the cache
+carries on without it (fails open).  coredis reconnects by itself on the next
+command, so once Redis is back the cache works again.  A cancelled lookup abandons its
+request; the connection still reads the reply and stays in order.
+
+Starting never fails the session: an unreachable Redis (or one that refuses the
+credentials) is logged and then treated like any other failing cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import trio
+
+from .._coredis import closing_connection_class, import_coredis
+from ._backend import CacheBackendError, Entry
+from ._url import CacheOptions
+
+__all__ = ["RedisBackend"]
+
+log = logging.getLogger("polygate.cache")
+T = TypeVar("T")
+
+
+class RedisBackend:
+    name = "redis"
+    write_behind = True
+
+    def __init__(self, options: CacheOptions) -> None:
+        self.options = options
+        self.timeout_s = options.timeout_s
+        self._where = options.where()
+        self._prefix = options.prefix + ":"
+        self._client: Any = None
+        self._errors: Any = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        #: Round trips waited for: lookups (on a call's path) and write batches (behind).
+        self.read_round_trips = 0
+        self.write_round_trips = 0
+
+    @classmethod
+    def from_options(cls, options: CacheOptions) -> RedisBackend:
+        import_coredis("the redis cache")  # ConfigError at once when the extra is missing
+        return cls(options)
+
+    def __repr__(self) -> str:
+        return f"<RedisBackend {self._where} prefix={self.options.prefix!r}>"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        coredis = import_coredis("the redis cache")
+        self._errors = coredis.exceptions
+        opts = self.options
+        ssl_kw: dict[str, Any] = {}
+        if opts.ssl:
+            reqs = opts.ssl_cert_reqs or "required"
+            ssl_kw = {"ssl": True, "ssl_ca_certs": opts.ssl_ca_certs, "ssl_cert_reqs": reqs,
+                      "ssl_check_hostname": reqs != "none"}
+        self._client = coredis.Redis(
+            host=opts.host, port=opts.port, db=opts.db, username=opts.username,
+            password=opts.password, connect_timeout=self.timeout_s * 0.5,
+            stream_timeout=self.timeout_s, pool_timeout=self.timeout_s,
+            retry_policy=coredis.retry.NoRetryPolicy(), client_name="polygate-cache", **ssl_kw,
+        )
+        self._client.connection_pool.connection_class = closing_connection_class(coredis)
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(self._client)
+        self._stack = stack
+        try:
+            await self._bounded(lambda: self._client.ping(), "PING")
+        except CacheBackendError as exc:
+            log.warning("%s; the cache fails open until it answers", exc)
+
+    async def aclose(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            # No cancel scope around it: it exits the client's task group, which
+            # start() entered outside any scope of ours.
+            await stack.aclose()
+
+    # ------------------------------------------------------------------ operations
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        names = [self._prefix + k for k in keys]
+
+        async def send() -> Any:
+            command = b"GET" if len(names) == 1 else b"MGET"
+            return await self._request(command, *names)
+
+        self.read_round_trips += 1
+        reply = await self._bounded(send, "GET" if len(names) == 1 else "MGET")
+        values = [reply] if len(names) == 1 else reply
+        if not isinstance(values, list) or len(values) != len(names):
+            raise CacheBackendError(f"cache {self._where}: unexpected reply to a lookup")
+        return [v if isinstance(v, bytes) else None for v in values]
+
+    async def set_many(self, entries: Sequence[Entry]) -> None:
+        async def send() -> None:
+            pool = self._client.connection_pool
+            connection = await pool.get_connection()
+            try:
+                requests = [
+                    connection.create_request(
+                        b"SET", self._prefix + key, value, b"PX", max(1, int(ttl_s * 1000))
+                    )
+                    for key, value, ttl_s in entries
+                ]
+            finally:
+                pool.release(connection)
+            for request in requests:  # pipelined: the replies arrive together
+                await request
+
+        self.write_round_trips += 1
+        await self._bounded(send, "SET")
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _request(self, command: bytes, *args: Any) -> Any:
+        pool = self._client.connection_pool
+        connection = await pool.get_connection()
+        try:
+            request = connection.create_request(command, *args)
+        finally:
+            pool.release(connection)
+        return await request
+
+    async def _bounded(self, op: Callable[[], Awaitable[T]], what: str) -> T:
+        if self._client is None:
+            raise CacheBackendError(f"cache {self._where} is not started")
+        with trio.move_on_after(self.timeout_s):
+            try:
+                return await op()
+            except Exception as exc:  # coredis, OS and protocol errors, their groups
+                raise CacheBackendError(self._failure(what, exc)) from None
+        raise CacheBackendError(f"cache {self._where} did not answer {what} within {self.timeout_s} s")
+
+    def _failure(self, what: str, exc: BaseException) -> str:
+        errors = self._errors
+        if errors is not None and isinstance(exc, errors.AuthenticationError):
+            return f"cache {self._where} refused the credentials"
+        root = exc
+        while root.__cause__ is not None and root.__cause__ is not root:
+            root = root.__cause__
+        text = f"{type(root).__name__}: {root}" if str(root) else type(root).__name__
+        password = self.options.password
+        if password:
+            text = text.replace(password, "***")
+        return f"cache {self._where} failed {what} ({text[:300]})"

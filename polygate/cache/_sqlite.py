@@ -1,0 +1,268 @@
+"""The persistent backend: one SQLite file in WAL mode, used from worker threads.
+
+WAL lets every process that points at the file read while one of them writes; a
+write batch is one ``BEGIN IMMEDIATE`` transaction of ``INSERT OR REPLACE`` rows.
+``synchronous=NORMAL``: a commit reaches the WAL without an fsync — durable across a
+process crash, not a power cut, which is right for a cache.
+
+**Threads.**  Every statement runs in ``trio.to_thread.run_sync``, never on the event
+loop.  Reads take a connection from a small pool (one per concurrent reader; WAL
+readers never wait for the writer) and are *abandoned* when their caller gives up
+(cancelled, or out of time), with ``Connection.interrupt()`` so the thread stops at
+once and returns the connection.  Writes use one connection,
+serialised by a lock.  SQLite's own ``busy_timeout`` is ``timeout_s``, so a file
+locked past it fails the operation instead of blocking; it is real time, kept inside
+the thread, so a session under ``MockClock`` reads the file as any other would.
+
+**Time to live.**  A row holds its expiry as epoch seconds (wall clock: the file
+outlives processes and is shared by them).  An expired row is never returned; the
+writer deletes expired rows at most once a minute, in the transaction of a batch.
+
+**Privacy.**  Cached answers are as sensitive as the prompts: a new folder is created
+``0700`` and a new file ``0600`` (SQLite gives its ``-wal`` and ``-shm`` files the
+mode of the database), whatever the umask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import trio
+
+from .._errors import ConfigError
+from ._backend import CacheBackendError, Entry
+
+__all__ = ["SQLiteBackend"]
+
+T = TypeVar("T")
+
+_SCHEMA_VERSION = 1
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS polygate_cache ("
+    " key TEXT PRIMARY KEY, value BLOB NOT NULL, expires_at REAL NOT NULL) WITHOUT ROWID",
+    "CREATE INDEX IF NOT EXISTS polygate_cache_expires ON polygate_cache (expires_at)",
+)
+_GET = "SELECT value, expires_at FROM polygate_cache WHERE key = ?"
+_PUT = "INSERT OR REPLACE INTO polygate_cache (key, value, expires_at) VALUES (?, ?, ?)"
+_EXPIRE = "DELETE FROM polygate_cache WHERE expires_at <= ?"
+_IN_CHUNK = 500  # keys per SELECT … IN (…): well below SQLite's variable limit
+_EVICT_EVERY_S = 60.0
+
+
+class _Read:
+    """One read: ``new`` → ``running`` (in its thread) → ``done``; the lock on the
+    pool guards the transitions, so an abandoned read is interrupted only while it
+    still owns its connection."""
+
+    __slots__ = ("conn", "state")
+
+    def __init__(self, conn: sqlite3.Connection | None) -> None:
+        self.conn = conn  # None: the thread opens a new one
+        self.state = "new"
+
+
+class SQLiteBackend:
+    name = "sqlite"
+    write_behind = True
+
+    def __init__(
+        self, path: Path, *, timeout_s: float = 1.0, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._where = f"sqlite://{path}"
+        self._readers: list[sqlite3.Connection] = []  # idle read connections
+        self._writer: sqlite3.Connection | None = None
+        self._write_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._closed = False
+        self._last_evict = -float("inf")
+
+    def __repr__(self) -> str:
+        return f"<SQLiteBackend {self._where}>"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Create the folder, the file and the table (ConfigError when it cannot)."""
+        await trio.to_thread.run_sync(self._open)
+
+    def _open(self) -> None:
+        try:
+            _make_private(self.path)
+            conn = self._connect(busy_s=max(self.timeout_s, 5.0))
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(f"cannot open the cache database {self._where}: {exc}") from None
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            found = conn.execute("PRAGMA user_version").fetchone()[0]
+            if found > _SCHEMA_VERSION:
+                raise ConfigError(
+                    f"the cache database {self._where} was written by a newer polygate "
+                    f"(format {found}); point the cache elsewhere or upgrade"
+                )
+            conn.execute("BEGIN IMMEDIATE")
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+            conn.execute(f"PRAGMA busy_timeout = {int(self.timeout_s * 1000)}")
+        except ConfigError:
+            conn.close()
+            raise
+        except sqlite3.Error as exc:
+            conn.close()
+            raise ConfigError(f"cannot use {self._where} as a cache database: {exc}") from None
+        self._writer = conn
+
+    def _connect(self, busy_s: float) -> sqlite3.Connection:
+        return sqlite3.connect(
+            self.path, timeout=busy_s, isolation_level=None, check_same_thread=False
+        )
+
+    async def aclose(self) -> None:
+        """Close every connection; bounded, and done in a thread (the writer may be
+        finishing a batch).  Shielded: it runs while the session is torn down."""
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + max(self.timeout_s, 1.0)
+            await trio.to_thread.run_sync(self._close_all, abandon_on_cancel=True)
+
+    def _close_all(self) -> None:
+        with self._pool_lock:
+            self._closed = True
+            idle, self._readers = self._readers, []
+        for conn in idle:
+            conn.close()
+        with self._write_lock:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+
+    # ------------------------------------------------------------------ reads
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        op = _Read(self._reader())
+        try:
+            # Bounded by SQLite's busy_timeout (real time, inside the thread) rather than
+            # a trio deadline: under MockClock a trio deadline would fire at once while
+            # the thread runs.  A caller that gives up abandons the read.
+            return await trio.to_thread.run_sync(self._read, op, keys, abandon_on_cancel=True)
+        except sqlite3.Error as exc:
+            raise CacheBackendError(f"cache {self._where}: read failed ({exc})") from None
+        finally:
+            self._abandon(op)  # cancelled or never started: stop it, return the connection
+
+    def _read(self, op: _Read, keys: Sequence[str]) -> list[bytes | None]:
+        with self._pool_lock:
+            if op.state != "new":
+                raise CacheBackendError("abandoned before it started")
+            op.state = "running"
+        if op.conn is None:
+            op.conn = self._connect(busy_s=self.timeout_s)
+        conn = op.conn
+        try:
+            now = self._clock()
+            if len(keys) == 1:
+                row = conn.execute(_GET, (keys[0],)).fetchone()
+                return [row[0] if row is not None and row[1] > now else None]
+            found: dict[str, bytes] = {}
+            for i in range(0, len(keys), _IN_CHUNK):
+                chunk = keys[i : i + _IN_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                rows = conn.execute(
+                    f"SELECT key, value, expires_at FROM polygate_cache WHERE key IN ({marks})",
+                    tuple(chunk),
+                )
+                found.update((k, v) for k, v, e in rows if e > now)
+            return [found.get(k) for k in keys]
+        finally:
+            with self._pool_lock:
+                op.state = "done"
+            self._give_back(conn)
+
+    def _abandon(self, op: _Read) -> None:
+        """After the caller stopped waiting: a read that never started returns its
+        connection here; a running one is interrupted and returns it itself."""
+        with self._pool_lock:
+            state = op.state
+            if state == "new":
+                op.state = "done"  # its thread, should it start after all, does nothing
+            elif state == "running" and op.conn is not None:
+                op.conn.interrupt()  # under the lock: it cannot have moved to another read
+        if state == "new" and op.conn is not None:
+            self._give_back(op.conn)
+
+    def _reader(self) -> sqlite3.Connection | None:
+        """An idle read connection, or None: the read's thread opens one."""
+        with self._pool_lock:
+            if self._closed:
+                raise CacheBackendError(f"cache {self._where} is closed")
+            return self._readers.pop() if self._readers else None
+
+    def _give_back(self, conn: sqlite3.Connection) -> None:
+        with self._pool_lock:
+            if not self._closed:
+                self._readers.append(conn)
+                return
+        conn.close()
+
+    # ------------------------------------------------------------------ writes
+
+    async def set_many(self, entries: Sequence[Entry]) -> None:
+        try:
+            await trio.to_thread.run_sync(self._write, entries, abandon_on_cancel=True)
+        except sqlite3.Error as exc:
+            raise CacheBackendError(f"cache {self._where}: write failed ({exc})") from None
+        except BaseException:
+            writer = self._writer  # one write at a time: this can only stop our own
+            if writer is not None:
+                writer.interrupt()
+            raise
+
+    def _write(self, entries: Sequence[Entry]) -> None:
+        with self._write_lock:
+            conn = self._writer
+            if conn is None:
+                raise CacheBackendError(f"cache {self._where} is closed")
+            now = self._clock()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(_PUT, [(k, v, now + ttl) for k, v, ttl in entries])
+                if now - self._last_evict >= _EVICT_EVERY_S:
+                    conn.execute(_EXPIRE, (now,))
+                    self._last_evict = now
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                raise
+
+
+def _make_private(path: Path) -> None:
+    """Create the missing folders ``0700`` and the file ``0600`` (no umask involved)."""
+    missing = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            continue  # made by someone else meanwhile: not ours to change
+        os.chmod(folder, 0o700)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)

@@ -1,0 +1,552 @@
+"""The response cache through the fake transport under MockClock: hits and their
+statistics (seed 000 matrix ⑩), what is and is not stored, per-call overrides, TTL,
+stream replay, embeddings per input, coalescing, telemetry rows, statistics."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import FIRST_A, MESSAGES, SECRET
+
+
+def cache_settings(
+    *, ttl: float | None = 60.0, cache: str = "memory", rpm: int | None = None,
+    names: tuple[str, ...] = ("a",), **scope: Any,
+) -> polygate.Settings:
+    sources = [
+        polygate.Source(name=n, base_url=f"http://{n}/v1", api_key=SECRET, rpm=rpm,
+                        weight=FIRST_A.get(n, 1.0))
+        for n in names
+    ]
+    return polygate.Settings(
+        scopes={
+            "chat": polygate.Scope(sources=sources, cache_ttl_s=ttl, **scope),
+            "embed": polygate.Scope(sources=sources, cache_ttl_s=ttl),
+        },
+        cache=cache,
+    )
+
+
+def _sent(up: FakeUpstream) -> int:
+    return len([r for r in up.requests if r.path.endswith(("/chat/completions", "/embeddings"))])
+
+
+class Capture:
+    """A recorder that keeps every call row (what telemetry would write)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[polygate.CallStats, BaseException | None, bool]] = []
+
+    def attempt(self, ctx: Any, record: Any) -> None:
+        return None
+
+    def call(self, ctx: Any, stats: polygate.CallStats, usage: Any, error: BaseException | None,
+             output: Mapping[str, Any] | None = None) -> None:
+        self.calls.append((stats, error, ctx.streaming_to_caller))
+
+
+# --------------------------------------------------------------------------- hits
+
+
+async def test_second_identical_call_is_a_hit(autojump_clock: trio.testing.MockClock) -> None:
+    """Seed 000 matrix ⑩: a second call with the same key has generation_ms == 0 and
+    attempts == 0 — and returns the same content as the first."""
+    up = FakeUpstream(Reply(first_token_s=2.0, inter_token_s=0.1, tokens=6))
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        first = await s.chat(MESSAGES)
+        start = trio.current_time()
+        second = await s.chat(MESSAGES)
+        assert trio.current_time() == start  # no upstream time at all
+        stats = await s.statistics()
+    assert first.call_stats.attempts == 1 and not first.call_stats.cached
+    assert first.call_stats.generation_ms > 0
+    st = second.call_stats
+    assert st.cached is True
+    assert st.attempts == 0 and st.hedges == 0 and not st.hedge_won
+    assert st.generation_ms == 0 and st.ttft_ms is None
+    assert st.stall_ms is None and st.stall_count is None and st.active_generation_ms is None
+    assert st.total_latency_ms == 0
+    assert st.logical_call_id != first.call_stats.logical_call_id
+    for field in ("text", "message", "choices", "usage", "model", "finish_reason", "source", "raw"):
+        assert getattr(second, field) == getattr(first, field), field
+    assert st.source == first.source == "a"
+    assert _sent(up) == 1
+    assert stats.cache.hits == 1 and stats.cache.misses == 1 and stats.cache.coalesced == 0
+    assert stats.cache.backend == "memory" and stats.cache.hit_rate == 0.5
+
+
+async def test_a_hit_uses_no_quota(autojump_clock: trio.testing.MockClock) -> None:
+    """rpm=1: a second upstream call would wait a minute for the window; a hit does not
+    wait and is not admitted at all."""
+    up = FakeUpstream(Reply())
+    async with polygate.session(cache_settings(rpm=1), transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+        before = (await s.statistics()).governance.sources[0].state
+        start = trio.current_time()
+        for _ in range(5):
+            assert (await s.chat(MESSAGES)).call_stats.cached
+        assert trio.current_time() == start
+        after = (await s.statistics()).governance.sources[0].state
+    assert after.admissions == before.admissions == 1
+    assert after.requests_in_window == 1
+    assert after.reserved_total == before.reserved_total
+
+
+async def test_hits_are_fresh_copies(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text="stable answer"))
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        first = await s.chat(MESSAGES)
+        second = await s.chat(MESSAGES)
+        second.message["content"] = "tampered"
+        second.choices.append({"index": 9})
+        third = await s.chat(MESSAGES)
+    assert third.message["content"] == first.text == "stable answer"
+    assert third.choices == first.choices
+
+
+async def test_key_follows_the_answer(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply())
+    reordered = [{"content": "hello there", "role": "user"}]
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES, temperature=0.5)
+        assert (await s.chat(reordered, temperature=0.5)).call_stats.cached  # key order
+        assert (await s.chat(MESSAGES, temperature=0.5, user="bob", metadata={"x": "1"},
+                             stream_options={"include_usage": False})).call_stats.cached
+        assert not (await s.chat(MESSAGES, temperature=0.7)).call_stats.cached
+        assert not (await s.chat(MESSAGES, temperature=0.5, max_tokens=5)).call_stats.cached
+        assert not (await s.chat([{"role": "user", "content": "hello"}], temperature=0.5)).call_stats.cached
+        other = [{"role": "system", "content": "hello there"}]
+        assert not (await s.chat(other, temperature=0.5)).call_stats.cached
+    assert _sent(up) == 5
+
+
+# --------------------------------------------------------------------------- what is stored
+
+
+async def test_failures_are_not_stored(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream([Reply(status=400), Reply(status=500), Reply(status=500), Reply(status=500),
+                       Reply(text="finally")])
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.chat(MESSAGES)
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat(MESSAGES)
+        r = await s.chat(MESSAGES)
+        assert r.text == "finally" and not r.call_stats.cached
+        assert (await s.chat(MESSAGES)).call_stats.cached
+    assert _sent(up) == 5
+
+
+async def test_a_stalled_committed_stream_is_not_stored(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream([Reply(tokens=6, stall_at=3, stall_s=50.0), Reply(text="whole")])
+    settings = cache_settings(stream=polygate.StreamWatch(stall_timeout_s=5.0))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.StreamStalled):
+            async with s.stream_chat(MESSAGES) as stream:
+                async for _ in stream:
+                    pass
+        r = await s.chat(MESSAGES)
+    assert r.text == "whole" and not r.call_stats.cached
+
+
+async def test_cache_false_and_refresh(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream([Reply(text=f"answer {i}") for i in range(1, 8)])
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        assert (await s.chat(MESSAGES, cache=False)).text == "answer 1"   # not written
+        assert (await s.chat(MESSAGES, cache=False)).text == "answer 2"   # not read
+        assert (await s.chat(MESSAGES)).text == "answer 3"                # miss, written
+        assert (await s.chat(MESSAGES)).text == "answer 3"                # hit
+        assert (await s.chat(MESSAGES, cache=False)).text == "answer 4"   # not read
+        refreshed = await s.chat(MESSAGES, cache="refresh")              # not read, written
+        assert refreshed.text == "answer 5" and not refreshed.call_stats.cached
+        hit = await s.chat(MESSAGES)
+        assert hit.text == "answer 5" and hit.call_stats.cached
+        stats = (await s.statistics()).cache
+    assert stats.hits == 2 and stats.misses == 2 and stats.writes == 2
+
+
+async def test_scopes_without_ttl_and_cache_off_never_cache(autojump_clock: trio.testing.MockClock) -> None:
+    for settings in (cache_settings(ttl=None), cache_settings(cache="off")):
+        up = FakeUpstream(Reply())
+        async with polygate.session(settings, transport=Router({"a": up})) as s:
+            for _ in range(3):
+                assert not (await s.chat(MESSAGES)).call_stats.cached
+            stats = (await s.statistics()).cache
+        assert _sent(up) == 3
+        assert stats.hits == stats.misses == 0
+
+
+async def test_entries_expire_after_the_ttl(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply())
+    async with polygate.session(cache_settings(ttl=10.0), transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+        await trio.sleep(9.9)
+        assert (await s.chat(MESSAGES)).call_stats.cached
+        await trio.sleep(0.1)  # 10 s after the answer was stored: gone
+        assert not (await s.chat(MESSAGES)).call_stats.cached
+    assert _sent(up) == 2
+
+
+@pytest.mark.parametrize("value", [None, 1, "yes", "REFRESH", 0.0, [], "off"])
+async def test_bad_cache_argument_before_any_io(value: Any, autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply())
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="cache must be True, False or 'refresh'"):
+            await s.chat(MESSAGES, cache=value)
+        with pytest.raises(polygate.ConfigError, match="cache must be"):
+            s.stream_chat(MESSAGES, cache=value)
+        with pytest.raises(polygate.ConfigError, match="cache must be"):
+            await s.embed(["x"], cache=value)
+    assert _sent(up) == 0
+
+
+# --------------------------------------------------------------------------- streams
+
+
+async def test_stream_replays_a_hit_as_chunks(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(tokens=6, reasoning_tokens=3, first_token_s=1.0))
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        first = await s.chat(MESSAGES)
+        start = trio.current_time()
+        async with s.stream_chat(MESSAGES) as stream:
+            chunks = [c async for c in stream]
+        assert trio.current_time() == start
+    assert len(chunks) >= 2
+    assert "".join(c.text for c in chunks) == first.text == stream.text
+    assert "".join(c.reasoning for c in chunks) == first.message["reasoning_content"]
+    assert chunks[0].delta["role"] == "assistant"
+    assert chunks[-1].raw["choices"][0]["finish_reason"] == first.finish_reason
+    response = stream.response
+    assert response is not None
+    assert response.call_stats.cached and response.call_stats.attempts == 0
+    assert response.message == first.message and response.usage == first.usage
+    assert _sent(up) == 1
+
+
+async def test_a_streamed_answer_is_stored(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(tokens=5))
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            text = "".join([c.text async for c in stream])
+        hit = await s.chat(MESSAGES)
+    assert hit.call_stats.cached and hit.text == text
+    assert _sent(up) == 1
+
+
+def _tool_body(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, json={
+        "id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [
+            {"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": None,
+                "tool_calls": [{"id": "t1", "type": "function",
+                                "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}},
+            {"index": 1, "finish_reason": "stop", "message": {"role": "assistant", "content": "second"}},
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+    })
+
+
+async def test_replay_of_tool_calls_and_other_choices(autojump_clock: trio.testing.MockClock) -> None:
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)],
+            cache_ttl_s=60)},
+        cache="memory",
+    )
+    async with polygate.session(settings, transport=httpx.MockTransport(_tool_body)) as s:
+        first = await s.chat(MESSAGES, n=2)
+        async with s.stream_chat(MESSAGES, n=2) as stream:
+            chunks = [c async for c in stream]
+    assert first.message["tool_calls"][0]["function"]["name"] == "f"
+    calls = [c.delta["tool_calls"] for c in chunks if "tool_calls" in c.delta]
+    assert calls == [[{"index": 0, **first.message["tool_calls"][0]}]]
+    others = [c.raw["choices"][0] for c in chunks if c.raw["choices"][0]["index"] == 1]
+    assert others[0]["delta"]["content"] == "second" and others[0]["finish_reason"] == "stop"
+    assert all(c.text == "" for c in chunks)  # the first choice has no content
+    assert stream.response is not None and stream.response.choices == first.choices
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+async def test_embed_sends_only_the_misses(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply())
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        plain = await s.embed(["a", "b", "c"], cache=False)
+        first = await s.embed(["a", "b"])
+        second = await s.embed(["b", "c", "a", "c"])
+        third = await s.embed(["c", "a"])
+        stats = (await s.statistics()).cache
+    bodies = [r.body["input"] for r in up.requests]
+    assert bodies == [["a", "b", "c"], ["a", "b"], ["c"]]
+    assert first.vectors == plain.vectors[:2]
+    assert second.vectors == [plain.vectors[1], plain.vectors[2], plain.vectors[0], plain.vectors[2]]
+    assert not second.call_stats.cached and second.call_stats.attempts == 1
+    assert third.call_stats.cached and third.call_stats.attempts == 0
+    assert third.call_stats.generation_ms == 0
+    assert third.vectors == [plain.vectors[2], plain.vectors[0]]
+    assert third.usage is not None and first.usage is not None
+    # usage of a fully cached call: the stored shares of its inputs' batches
+    assert third.usage.prompt_tokens > 0
+    assert stats.hits == 2 + 2 and stats.misses == 2 + 1  # per distinct input
+
+
+async def test_embed_usage_shares_add_up(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply())
+    texts = ["short", "a much longer input text", "mid length"]
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        first = await s.embed(texts)
+        again = await s.embed(texts)
+    assert again.call_stats.cached
+    assert first.usage is not None and again.usage is not None
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+
+
+# --------------------------------------------------------------------------- coalescing
+
+
+async def test_identical_calls_in_flight_share_one_upstream_call(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(Reply(first_token_s=5.0, text="shared"))
+    results: list[polygate.ChatResponse] = []
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+
+        async def one(delay: float) -> None:
+            await trio.sleep(delay)
+            results.append(await s.chat(MESSAGES))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(5):
+                nursery.start_soon(one, i * 0.5)
+        stats = (await s.statistics()).cache
+    assert _sent(up) == 1
+    assert all(r.text == "shared" for r in results)
+    leaders = [r for r in results if not r.call_stats.cached]
+    assert len(leaders) == 1 and leaders[0].call_stats.attempts == 1
+    for r in results:
+        if r.call_stats.cached:
+            assert r.call_stats.attempts == 0 and r.call_stats.generation_ms == 0
+    # each waiter's total latency is its own wait: they joined 0.5 s apart
+    assert sorted(r.call_stats.total_latency_ms for r in results) == pytest.approx(
+        [3000, 3500, 4000, 4500, 5000])
+    assert stats.coalesced == 4 and stats.misses == 1 and stats.in_flight == 0
+
+
+async def test_a_cancelled_waiter_does_not_cancel_the_leader(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(Reply(first_token_s=10.0, text="done"))
+    capture = Capture()
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        s._runtime.recorder = capture
+        leader: list[polygate.ChatResponse] = []
+
+        async def lead() -> None:
+            leader.append(await s.chat(MESSAGES))
+
+        async def wait_then_give_up() -> None:
+            await trio.sleep(1.0)
+            with trio.move_on_after(2.0):
+                await s.chat(MESSAGES)
+            assert trio.current_time() == pytest.approx(3.0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lead)
+            nursery.start_soon(wait_then_give_up)
+    assert leader[0].text == "done" and leader[0].call_stats.attempts == 1
+    assert leader[0].call_stats.total_latency_ms == pytest.approx(10_000)
+    assert [r.outcome for r in up.requests] == ["complete"]
+    errors = [type(e).__name__ for _, e, _ in capture.calls if e is not None]
+    assert errors == ["Cancelled"]  # the waiter's own row
+
+
+async def test_a_cancelled_leader_hands_over_to_a_waiter(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(Reply(first_token_s=10.0, text="answer"))
+    got: list[polygate.ChatResponse] = []
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+
+        async def lead() -> None:
+            with trio.move_on_after(4.0):
+                await s.chat(MESSAGES)
+
+        async def wait(delay: float) -> None:
+            await trio.sleep(delay)
+            got.append(await s.chat(MESSAGES))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lead)
+            nursery.start_soon(wait, 1.0)
+            nursery.start_soon(wait, 2.0)
+        stats = (await s.statistics()).cache
+    # the leader's request was closed at t=4; one waiter took over (t=4..14)
+    assert [r.outcome for r in up.requests] == ["client_closed", "complete"]
+    assert all(r.text == "answer" for r in got)
+    new_leader = [r for r in got if not r.call_stats.cached]
+    assert len(new_leader) == 1
+    assert new_leader[0].call_stats.attempts == 1
+    # its total latency counts its wait on the first flight too
+    assert new_leader[0].call_stats.total_latency_ms in (pytest.approx(13_000), pytest.approx(12_000))
+    assert stats.misses == 2 and stats.coalesced == 1
+
+
+async def test_a_leader_past_its_deadline_hands_over(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(first_token_s=3.0, text="slow"))
+    got: list[polygate.ChatResponse] = []
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+
+        async def lead() -> None:
+            with pytest.raises(polygate.DeadlineExceeded):
+                await s.chat(MESSAGES, call_deadline_s=2.0)
+
+        async def wait() -> None:
+            await trio.sleep(1.0)
+            got.append(await s.chat(MESSAGES))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lead)
+            nursery.start_soon(wait)
+    assert got[0].text == "slow" and got[0].call_stats.attempts == 1
+    assert trio.current_time() == pytest.approx(5.0)
+
+
+async def test_a_waiter_keeps_its_own_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(first_token_s=10.0))
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        results: list[Any] = []
+
+        async def lead() -> None:
+            results.append(await s.chat(MESSAGES))
+
+        async def wait() -> None:
+            await trio.sleep(1.0)
+            with pytest.raises(polygate.DeadlineExceeded) as info:
+                await s.chat(MESSAGES, call_deadline_s=2.0)
+            assert trio.current_time() == pytest.approx(3.0)
+            stats = info.value.call_stats
+            assert stats is not None and stats.attempts == 0
+            assert stats.total_latency_ms == pytest.approx(2000)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lead)
+            nursery.start_soon(wait)
+    assert results[0].call_stats.attempts == 1
+    assert [r.outcome for r in up.requests] == ["complete"]
+
+
+async def test_a_fatal_answer_is_every_waiters_error(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(status=400, headers_delay_s=2.0))
+    errors: list[BaseException] = []
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+
+        async def one(delay: float) -> None:
+            await trio.sleep(delay)
+            try:
+                await s.chat(MESSAGES)
+            except polygate.FatalUpstreamError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, i * 0.5)
+    assert _sent(up) == 1
+    assert len(errors) == 3 and len({id(e) for e in errors}) == 3
+    assert all(e.status_code == 400 for e in errors)  # type: ignore[attr-defined]
+    waiters = [e for e in errors if e.call_stats is not None and e.call_stats.attempts == 0]  # type: ignore[attr-defined]
+    assert len(waiters) == 2
+
+
+async def test_embed_calls_coalesce_per_input(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(first_token_s=2.0))
+    out: dict[str, polygate.EmbeddingResponse] = {}
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+
+        async def one(name: str, inputs: list[str], delay: float) -> None:
+            await trio.sleep(delay)
+            out[name] = await s.embed(inputs)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "first", ["x", "y"], 0.0)
+            nursery.start_soon(one, "second", ["y", "z"], 0.5)
+        plain = await s.embed(["x", "y", "z"], cache=False)
+    assert [r.body["input"] for r in up.requests][:2] == [["x", "y"], ["z"]]
+    assert out["first"].vectors == plain.vectors[:2]
+    assert out["second"].vectors == plain.vectors[1:]
+
+
+# --------------------------------------------------------------------------- telemetry
+
+
+async def test_hits_have_cached_telemetry_rows(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply())
+    capture = Capture()
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        s._runtime.recorder = capture
+        await s.chat(MESSAGES)
+        await s.chat(MESSAGES)
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                pass
+        await s.embed(["q"])
+        await s.embed(["q"])
+    cached = [(st.cached, err, streamed) for st, err, streamed in capture.calls]
+    assert cached == [(False, None, False), (True, None, False), (True, None, True),
+                      (False, None, False), (True, None, False)]
+    assert all(st.attempts == 0 for st, _, _ in capture.calls if st.cached)
+
+
+async def test_session_statistics_default_to_off(autojump_clock: trio.testing.MockClock) -> None:
+    async with polygate.session(cache_settings(cache="off"), transport=Router({"a": FakeUpstream()})) as s:
+        stats = (await s.statistics()).cache
+    assert stats.backend == "off" and stats.hit_rate is None
+
+
+def test_cached_chat_key_ignores_noise_in_the_body() -> None:
+    """What the upstream saw does carry the excluded parameters: they are only left
+    out of the key."""
+    from polygate.cache import EXCLUDED_PARAMS
+
+    assert {"user", "metadata", "stream_options"} <= EXCLUDED_PARAMS
+    assert "temperature" not in EXCLUDED_PARAMS and "seed" not in EXCLUDED_PARAMS
+    json.dumps(sorted(EXCLUDED_PARAMS))
+
+
+async def test_an_answer_that_cannot_be_stored_hands_over(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defensive: should an answer fail to encode, its waiters are not left waiting
+    for a value that never comes — each asks upstream for itself — and nothing fails."""
+    import polygate._cached
+
+    def broken(response: Any) -> bytes:
+        raise TypeError("not storable")
+
+    monkeypatch.setattr(polygate._cached, "encode_chat", broken)
+    up = FakeUpstream(Reply(first_token_s=1.0, text="unstored"))
+    got: list[polygate.ChatResponse] = []
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+
+        async def one() -> None:
+            got.append(await s.chat(MESSAGES))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(one)
+        stats = (await s.statistics()).cache
+    assert [r.text for r in got] == ["unstored"] * 3
+    assert not any(r.call_stats.cached for r in got)
+    assert _sent(up) == 3 and stats.errors == 3 and stats.in_flight == 0

@@ -1,0 +1,206 @@
+"""The SQLite cache on real files, with the real clock: persistence across sessions,
+private files, WAL, TTL eviction, fail-open on a locked file, telemetry rows and the
+hit rate in ``polygate stats``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import polygate
+from polygate.cache._sqlite import SQLiteBackend
+from polygate.cli import main
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import MESSAGES
+
+pytestmark = pytest.mark.integration
+
+
+def _settings(url: str, **top: Any) -> polygate.Settings:
+    source = polygate.Source(name="a", base_url="http://a/v1")
+    return polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[source], cache_ttl_s=3600)}, cache=url, **top
+    )
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+async def test_answers_outlive_the_session(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path}/state/cache.db"
+    up = FakeUpstream(Reply(text="kept"))
+    async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+        first = await s.chat(MESSAGES)
+        again = await s.chat(MESSAGES)  # served while its write may still be queued
+        assert again.call_stats.cached
+    async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+        later = await s.chat(MESSAGES)
+        embedded = await s.embed(["one", "two"], scope="chat")
+        stats = (await s.statistics()).cache
+    async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+        embedded_again = await s.embed(["two", "one"], scope="chat")
+    assert later.call_stats.cached and later.text == first.text == "kept"
+    assert later.message == first.message and later.usage == first.usage
+    assert stats.backend == "sqlite" and stats.hits == 1 and stats.errors == 0
+    assert embedded_again.call_stats.cached
+    assert embedded_again.vectors == embedded.vectors[::-1]
+    assert len(up.requests) == 2
+
+
+async def test_files_are_private_and_in_wal_mode(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "new" / "deeper" / "cache.db"
+        async with polygate.session(_settings(f"sqlite://{path}"),
+                                    transport=Router({"a": FakeUpstream()})) as s:
+            await s.chat(MESSAGES)
+    finally:
+        os.umask(old)
+    assert _mode(tmp_path / "new") == 0o700 and _mode(tmp_path / "new" / "deeper") == 0o700
+    assert _mode(path) == 0o600
+    for extra in path.parent.iterdir():  # -wal / -shm, when they are left
+        assert _mode(extra) == 0o600, extra
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("SELECT count(*) FROM polygate_cache").fetchone()[0] == 1
+    conn.close()
+
+
+async def test_ttl_and_eviction(tmp_path: Path) -> None:
+    now = [1000.0]
+    backend = SQLiteBackend(tmp_path / "c.db", timeout_s=1.0, clock=lambda: now[0])
+    await backend.start()
+    try:
+        await backend.set_many([("short", b"s", 10.0), ("long", b"l", 1000.0)])
+        assert await backend.get_many(["short", "long", "none"]) == [b"s", b"l", None]
+        now[0] += 10.0
+        assert await backend.get_many(["short"]) == [None]  # expired: never returned
+        assert await backend.get_many(["long"]) == [b"l"]
+        now[0] += 60.0  # the next write also deletes what has expired
+        await backend.set_many([("other", b"o", 1000.0)])
+    finally:
+        await backend.aclose()
+    with sqlite3.connect(tmp_path / "c.db") as conn:
+        keys = {k for (k,) in conn.execute("SELECT key FROM polygate_cache")}
+    conn.close()
+    assert keys == {"long", "other"}
+
+
+async def test_many_concurrent_readers(tmp_path: Path) -> None:
+    backend = SQLiteBackend(tmp_path / "c.db", timeout_s=2.0)
+    await backend.start()
+    try:
+        await backend.set_many([(f"k{i}", b"%d" % i, 60.0) for i in range(50)])
+        results: dict[int, list[bytes | None]] = {}
+
+        async def read(i: int) -> None:
+            results[i] = await backend.get_many([f"k{i}", f"k{(i + 1) % 50}"])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(50):
+                nursery.start_soon(read, i)
+    finally:
+        await backend.aclose()
+    assert all(results[i] == [b"%d" % i, b"%d" % ((i + 1) % 50)] for i in range(50))
+
+
+async def test_cancelled_reads_return_their_connection(tmp_path: Path) -> None:
+    backend = SQLiteBackend(tmp_path / "c.db", timeout_s=2.0)
+    await backend.start()
+    try:
+        for _ in range(20):
+            with trio.move_on_after(0):
+                await backend.get_many(["x"])
+        assert await backend.get_many(["x"]) == [None]
+    finally:
+        await backend.aclose()
+    assert len(backend._readers) == 0  # all closed
+
+
+async def test_a_locked_file_fails_open(tmp_path: Path) -> None:
+    """Another process holds a write transaction past the cache's timeout: the answer
+    cannot be stored, the failure is counted, and no call notices."""
+    path = tmp_path / "c.db"
+    url = f"sqlite://{path}?timeout_s=0.1"
+    up = FakeUpstream(Reply(text="answer"))
+    async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+        blocker = sqlite3.connect(path, isolation_level=None)
+        try:
+            blocker.execute("BEGIN IMMEDIATE")
+            blocker.execute("INSERT INTO polygate_cache VALUES ('x', x'00', 0)")
+            with trio.fail_after(5):
+                r = await s.chat(MESSAGES)
+                assert r.text == "answer" and not r.call_stats.cached
+                while (await s.statistics()).cache.errors == 0:  # noqa: ASYNC110 - a counter: no event
+                    await trio.sleep(0.01)  # the writer gives up after 0.1 s
+                # the write is dropped; the backend is paused: the next call is a miss
+                again = await s.chat(MESSAGES)
+                assert again.text == "answer" and not again.call_stats.cached
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        stats = (await s.statistics()).cache
+    assert stats.errors >= 1 and stats.misses == 2 and stats.hits == 0
+    assert stats.writes_dropped >= 1
+    assert len(up.requests) == 2
+
+
+async def test_a_file_that_cannot_be_read_fails_open(tmp_path: Path) -> None:
+    path = tmp_path / "c.db"
+    up = FakeUpstream(Reply(text="answer"))
+    async with polygate.session(_settings(f"sqlite://{path}"), transport=Router({"a": up})) as s:
+        path.rename(tmp_path / "moved.db")
+        path.mkdir()  # a new read connection finds a folder where the file was
+        with trio.fail_after(5):
+            r = await s.chat(MESSAGES)
+        stats = (await s.statistics()).cache
+    assert r.text == "answer" and not r.call_stats.cached
+    assert stats.errors >= 1 and stats.misses == 1
+
+
+async def test_a_newer_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA user_version = 99")
+    conn.close()
+    with pytest.raises(polygate.ConfigError, match="newer polygate"):
+        async with polygate.session(_settings(f"sqlite://{path}")):
+            pass
+
+
+async def test_telemetry_rows_and_stats_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "telemetry.db"
+    settings = _settings(f"sqlite://{tmp_path}/cache.db", telemetry=f"sqlite://{db}")
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream()})) as s:
+        for _ in range(4):
+            await s.chat(MESSAGES)
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT cached, attempts, generation_ms, outcome FROM calls").fetchall()
+    conn.close()
+    assert sorted(rows) == [(0, 1, rows[0][2], "ok"), (1, 0, 0.0, "ok"), (1, 0, 0.0, "ok"), (1, 0, 0.0, "ok")]
+    assert main(["stats", "--db", f"sqlite://{db}", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cache"]["cached_calls"] == 3 and report["cache"]["hit_rate_pct"] == 75.0
+    assert main(["stats", "--db", f"sqlite://{db}"]) == 0
+    assert "hit rate 75.0 % of successful calls" in capsys.readouterr().out
+
+
+async def test_sqlite_under_mockclock(tmp_path: Path, autojump_clock: Any) -> None:
+    """The file's timeouts are real time inside the thread: virtual time jumping while
+    a read runs does not make it fail."""
+    up = FakeUpstream(Reply(text="kept", first_token_s=5.0))
+    async with polygate.session(_settings(f"sqlite://{tmp_path}/c.db"), transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+        await trio.sleep(1)  # the writer's batch
+        hit = await s.chat(MESSAGES)
+        stats = (await s.statistics()).cache
+    assert hit.call_stats.cached and stats.errors == 0

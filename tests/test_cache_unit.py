@@ -1,0 +1,245 @@
+"""The cache's parts alone: the memory LRU, the codec, and the front's fail-open
+lookups and writes behind (with a backend that fails on demand)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.cache import Cache, CacheBackendError, MemoryBackend
+from polygate.cache._backend import Entry
+from polygate.cache._codec import decode_chat, decode_vector, encode_chat, encode_vector
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import MESSAGES
+
+# --------------------------------------------------------------------------- memory LRU
+
+
+async def test_lru_bound_by_entries(autojump_clock: trio.testing.MockClock) -> None:
+    lru = MemoryBackend(max_entries=2, max_bytes=1 << 20)
+    lru.put_now([("a", b"1", 60), ("b", b"2", 60)])
+    assert lru.get_now("a") == b"1"  # a is now the most recent
+    lru.put_now([("c", b"3", 60)])
+    assert lru.get_now("b") is None and lru.get_now("a") == b"1" and lru.get_now("c") == b"3"
+    assert lru.statistics().evicted == 1 and lru.statistics().entries == 2
+
+
+async def test_lru_bound_by_bytes(autojump_clock: trio.testing.MockClock) -> None:
+    lru = MemoryBackend(max_entries=100, max_bytes=1000)
+    for i in range(10):
+        lru.put_now([(f"k{i}", b"x" * 200, 60)])
+        assert lru.statistics().bytes <= 1000
+    assert lru.statistics().entries == 2  # 200 + key + ~200 of bookkeeping each
+    lru.put_now([("huge", b"x" * 5000, 60)])  # never fits: not stored, nothing evicted
+    assert lru.get_now("huge") is None and lru.statistics().entries == 2
+    lru.put_now([("k9", b"y", 60)])  # replacing an entry frees its bytes first
+    assert lru.get_now("k9") == b"y"
+
+
+async def test_lru_ttl(autojump_clock: trio.testing.MockClock) -> None:
+    lru = MemoryBackend(max_entries=10, max_bytes=1 << 20)
+    lru.put_now([("a", b"1", 5), ("b", b"2", 50)])
+    await trio.sleep(5)
+    assert lru.get_now("a") is None and lru.get_now("b") == b"2"
+    assert lru.statistics().expired == 1 and lru.statistics().entries == 1
+
+
+# --------------------------------------------------------------------------- codec
+
+
+async def test_codec_round_trip(autojump_clock: trio.testing.MockClock) -> None:
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(reasoning_tokens=2))})) as s:
+        response = await s.chat(MESSAGES)
+    data = encode_chat(response)
+    back = polygate.ChatResponse(**decode_chat(data), call_stats=response.call_stats)
+    assert back == response
+    assert back.message is back.choices[0]["message"]  # stored once
+    assert data.count(b"reasoning_content") == 1
+
+
+def test_vector_round_trip_is_exact() -> None:
+    vector = [0.1, -1e-300, 3.141592653589793, 1e300, -0.0]
+    data = encode_vector(vector, model="m", source="a", tokens=3, usage_source="upstream")
+    assert decode_vector(data) == (vector, "m", "a", 3, "upstream")
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"not json", b"[]", b'{"f": 1, "k": "embed"}', b'{"f": 2, "k": "chat"}',
+    b'{"f": 1, "k": "chat", "raw": {}, "text": "", "usage": null, "source": "a", "model": null, "finish": null}',
+    b'{"f": 1, "k": "chat", "raw": {"choices": [{"message": 5}]}, "text": "", "usage": null,'
+    b' "source": "a", "model": null, "finish": null}',
+    b'{"f": 1, "k": "chat", "raw": {"choices": []}, "choices": [], "message": {}, "text": "",'
+    b' "usage": [1, 2], "source": "a", "model": null, "finish": null}',
+    b'{"f": 1, "k": "embed", "v": "@@@", "model": null, "source": null, "tokens": null, "us": null}',
+    b'{"f": 1, "k": "embed", "v": "AAAA", "model": null, "source": null, "tokens": null, "us": null}',
+    b"\xff\xfe",
+])
+def test_garbage_does_not_decode(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode_chat(data)
+    with pytest.raises(ValueError):
+        decode_vector(data)
+
+
+# --------------------------------------------------------------------------- fail open
+
+
+class Flaky:
+    """A write-behind backend that fails while ``down`` and records what it saw."""
+
+    name = "flaky"
+    write_behind = True
+
+    def __init__(self) -> None:
+        self.down = False
+        self.slow = 0.0
+        self.data: dict[str, bytes] = {}
+        self.reads = 0
+        self.batches: list[int] = []
+
+    async def start(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        self.reads += 1
+        await trio.sleep(self.slow)
+        if self.down:
+            raise CacheBackendError("flaky is down")
+        return [self.data.get(k) for k in keys]
+
+    async def set_many(self, entries: Sequence[Entry]) -> None:
+        await trio.sleep(self.slow)
+        if self.down:
+            raise CacheBackendError("flaky is down")
+        self.batches.append(len(entries))
+        for key, value, _ in entries:
+            self.data[key] = value
+
+
+async def test_failed_lookups_are_misses_and_pause_the_backend(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = Flaky()
+    backend.data["k"] = b"v"
+    cache = Cache(backend)
+    backend.down = True
+    assert await cache.get("k") is None
+    assert cache.errors == 1 and backend.reads == 1
+    assert await cache.get("k") is None  # paused: not even asked
+    assert backend.reads == 1
+    backend.down = False
+    await trio.sleep(0.25)
+    assert await cache.get("k") == b"v"
+    assert cache.errors == 1 and backend.reads == 2
+
+
+async def test_pauses_grow_and_reset(autojump_clock: trio.testing.MockClock) -> None:
+    backend = Flaky()
+    cache = Cache(backend)
+    backend.down = True
+    pauses = []
+    for _ in range(10):
+        start = trio.current_time()
+        reads = backend.reads
+        while backend.reads == reads:
+            await cache.get("k")
+            await trio.sleep(0.01)
+        pauses.append(round(trio.current_time() - start, 2))
+    assert pauses[0] == 0.01 and pauses[1] >= 0.25 and pauses[-1] <= 30.01
+    assert pauses[2] > pauses[1] and max(pauses) == pytest.approx(30.0, abs=0.02)
+    backend.down = False
+    await trio.sleep(30)
+    assert await cache.get("k") is None and cache._pause == 0
+
+
+async def test_writes_go_behind_and_are_served_meanwhile(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = Flaky()
+    backend.slow = 1.0
+    cache = Cache(backend)
+    async with trio.open_nursery() as nursery:
+        cache.start(nursery)
+        for i in range(300):
+            cache.put(f"k{i}", b"v%d" % i, 60)
+        assert await cache.get("k7") == b"v7"  # pending, not yet written
+        assert backend.reads == 0
+        await trio.sleep(0.5)
+        assert backend.batches == []  # the first batch is still being written
+        await cache.aclose()
+        nursery.cancel_scope.cancel()
+    assert backend.batches == [256, 44]
+    assert cache.writes == 300 and cache._pending == {}
+    assert backend.data["k299"] == b"v299"
+
+
+async def test_a_full_queue_drops_writes(autojump_clock: trio.testing.MockClock) -> None:
+    cache = Cache(Flaky())  # no writer started: nothing drains the queue
+    for i in range(5000):
+        cache.put(f"k{i}", b"v", 60)
+    assert cache.writes_dropped == 5000 - 4096
+    assert await cache.get("k4095") == b"v" and await cache.get("k4096") is None
+
+
+async def test_failed_writes_are_counted_and_dropped(autojump_clock: trio.testing.MockClock) -> None:
+    backend = Flaky()
+    backend.down = True
+    cache = Cache(backend)
+    async with trio.open_nursery() as nursery:
+        cache.start(nursery)
+        cache.put("a", b"1", 60)
+        await trio.sleep(0.01)
+        cache.put("b", b"2", 60)  # the backend is paused: dropped without asking it
+        await cache.aclose()
+        nursery.cancel_scope.cancel()
+    assert cache.errors == 1 and cache.writes_dropped == 2 and cache.writes == 0
+    assert cache._pending == {}
+
+
+async def test_a_failing_cache_never_fails_a_call(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text="fine"))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)}, cache="memory")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        backend = Flaky()
+        backend.down = True
+        s._cache = Cache(backend)
+        async with trio.open_nursery() as nursery:
+            s._cache.start(nursery)
+            for i in range(3):
+                r = await s.chat([{"role": "user", "content": f"question {i}"}])
+                assert r.text == "fine" and not r.call_stats.cached
+            embedded = await s.embed(["x"], scope="chat")
+            assert len(embedded.vectors) == 1
+            await s._cache.aclose()
+            nursery.cancel_scope.cancel()
+        stats = (await s.statistics()).cache
+    assert stats.misses == 4 and stats.errors >= 1 and stats.hits == 0
+    assert len(up.requests) == 4
+
+
+async def test_an_undecodable_entry_is_a_miss(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text="fresh"))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)}, cache="memory")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+        cache: Any = s._cache
+        memory: MemoryBackend = cache.backend
+        key = next(iter(memory._data))
+        memory.put_now([(key, b"garbage", 60)])
+        r = await s.chat(MESSAGES)
+        stats = (await s.statistics()).cache
+    assert r.text == "fresh" and not r.call_stats.cached
+    assert stats.errors == 1 and stats.misses == 2
