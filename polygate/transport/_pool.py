@@ -67,7 +67,6 @@ import math
 import re
 import ssl
 import sys
-import time
 from collections.abc import Mapping
 from typing import Any, Final, cast
 
@@ -76,8 +75,16 @@ import h11
 import httpx
 import trio
 
-__all__ = ["LeanTransport", "PoolStatistics"]
+__all__ = ["LeanTransport", "PoolStatistics", "SENT_EXTENSION"]
 
+#: A request extension: a callable, called with no argument when the request starts
+#: going out on a connection (after any wait for one and the connect).  polygate
+#: stamps ``Timeline.sent_at`` with it.
+SENT_EXTENSION: Final = "polygate.sent"
+#: Interim (1xx) responses accepted before the final one.  Each is bounded by h11's
+#: 16 KiB limit on an incomplete event; without a count an upstream could send them
+#: for ever, each one costing CPU and escaping every byte cap.
+MAX_INTERIM_RESPONSES: Final = 8
 _READ_SIZE: Final = 65536
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 #: Network failures of a reused connection that may mean "the server had closed it".
@@ -145,17 +152,22 @@ class _Waiter:
     """A request queued for a connection: it is granted either a kept-alive
     connection of its origin (``conn``) or a slot to open one (``conn is None``)."""
 
-    __slots__ = ("conn", "event", "granted", "key")
+    __slots__ = ("conn", "event", "granted", "key", "refused")
 
     def __init__(self, key: _Key) -> None:
         self.key = key
         self.event = trio.Event()
         self.granted = False
+        self.refused = False  # woken by aclose(): granted nothing
         self.conn: _Connection | None = None
 
     def grant(self, conn: _Connection | None) -> None:
         self.conn = conn
         self.granted = True
+        self.event.set()
+
+    def refuse(self) -> None:
+        self.granted = self.refused = True
         self.event.set()
 
 
@@ -241,6 +253,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         except httpx.RequestNotRead:
             body = await request.aread()  # a streamed body: read once, replayable after
         timeouts = _timeouts(request.extensions)
+        on_sent = request.extensions.get(SENT_EXTENSION)
         wire = _encode(request.method, url.raw_path, request.headers.raw, body)
         if wire is None:  # h11 validates and frames it (or says why it cannot)
             try:
@@ -248,7 +261,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     method=request.method, target=url.raw_path, headers=request.headers.raw
                 )
             except h11.LocalProtocolError as exc:  # a header with CR/LF, no Host, ...
-                raise httpx.LocalProtocolError(str(exc), request=request) from exc
+                raise httpx.LocalProtocolError(
+                    _refusal(exc, request.headers.raw), request=request
+                ) from None
 
         for attempt in (1, 2):
             conn, reused = await self._acquire(key, request, timeouts)
@@ -265,8 +280,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     if body:
                         data += h.send(h11.Data(data=body)) or b""
                     data += h.send(_END) or b""
+                if on_sent is not None:
+                    on_sent()
                 await conn.send(data, timeouts[3])
                 error_class = httpx.ReadError
+                interim = 0
                 while True:
                     event = h.next_event()
                     if event is h11.NEED_DATA:
@@ -278,7 +296,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     elif isinstance(event, h11.Response):
                         response = event
                         break
-                    # else an InformationalResponse (1xx): the real one follows
+                    else:  # an InformationalResponse (1xx): the real one follows
+                        interim += 1
+                        if interim > MAX_INTERIM_RESPONSES:
+                            raise h11.RemoteProtocolError(
+                                f"more than {MAX_INTERIM_RESPONSES} interim (1xx) responses "
+                                "(the cap on them)"
+                            )
             except BaseException as exc:
                 self._discard(conn)
                 if (
@@ -333,13 +357,17 @@ class LeanTransport(httpx.AsyncBaseTransport):
         except BaseException:
             if not waiter.granted:
                 self._waiters.remove(waiter)
+            elif waiter.refused:
+                pass  # woken by aclose(): it holds no slot
             elif waiter.conn is not None:
                 self._put_back(waiter.conn)  # granted just as we were cancelled: pass it on
             else:
                 self._free_slot()
             raise
         if self._closed:
-            if waiter.conn is not None:
+            if waiter.refused:
+                pass  # aclose() woke it without a slot
+            elif waiter.conn is not None:
                 self._discard(waiter.conn)
             else:
                 self._free_slot()
@@ -355,7 +383,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         stack = self._idle.get(key)
         if not stack:
             return None
-        now = time.monotonic()
+        now = trio.current_time()
         while stack:
             conn = stack.pop()
             self._idle_count -= 1
@@ -377,6 +405,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
 
     def _put_back(self, conn: _Connection) -> None:
         """A connection whose exchange ended cleanly: to the first waiter, or idle."""
+        if self._closed:
+            self._discard(conn)
+            return
         if self._waiters:
             waiter = self._waiters.popleft()
             if waiter.key == conn.key:
@@ -390,7 +421,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         stack = self._idle.get(key)
         if stack is None:
             stack = self._idle[key] = []
-        now = time.monotonic()
+        now = trio.current_time()
         conn.idle_since = now
         stack.append(conn)
         self._idle_count += 1
@@ -421,7 +452,16 @@ class LeanTransport(httpx.AsyncBaseTransport):
         """The response was read to its end: keep the connection alive if both
         sides allow it (no ``Connection: close``, no HTTP/1.0 close-delimited body)."""
         h = conn.h11
-        if self._closed or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
+        if (
+            self._closed
+            or h.our_state is not h11.DONE
+            or h.their_state is not h11.DONE
+            # Bytes past the end of this response (a 204 with a body, more than its
+            # Content-Length, a stray response): the next request on this
+            # connection would be answered from them.
+            or h.trailing_data[0]
+            or h.trailing_data[1]
+        ):
             self._discard(conn)
             return
         h.start_next_cycle()
@@ -483,8 +523,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._idle.clear()
         self._open -= self._idle_count  # busy ones free their slots as they fail
         self._idle_count = 0
+        # Queued requests are refused, not granted a slot: they never held one, so
+        # they must not free one (``open`` would go negative).
         while self._waiters:
-            self._waiters.popleft().grant(None)
+            self._waiters.popleft().refuse()
         await trio.lowlevel.checkpoint()
 
 
@@ -570,7 +612,8 @@ class _Body(httpx.AsyncByteStream):
 # what the real request gives it.  Anything unusual goes through h11's own writer.
 
 _TOKEN: Final = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
-_FIELD_VALUE: Final = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")  # no CR, LF, NUL or other CTL
+# No CR, LF, NUL or other CTL, and (as h11 requires) no blank at either end.
+_FIELD_VALUE: Final = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?")
 _TARGET: Final = re.compile(rb"[\x21-\x7e\x80-\xff]+")
 #: Request headers that change framing or the connection's fate: h11 handles them.
 _H11_ONLY: Final = frozenset({b"connection", b"transfer-encoding", b"upgrade", b"expect", b"te"})
@@ -617,6 +660,19 @@ def _stand_in(method: str) -> h11.Request:
     return event
 
 
+def _refusal(exc: h11.LocalProtocolError, headers: list[tuple[bytes, bytes]]) -> str:
+    """h11's reason for refusing a request, without the value it quotes: a header
+    value can be an API key (``Illegal header value b'Bearer …'``)."""
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name):
+            return "illegal header name (not a token)"
+        if not _FIELD_VALUE.fullmatch(value):
+            shown = name.decode("ascii", "replace").lower()
+            return f"illegal value in header {shown!r} (a control character or an edge blank)"
+    reason = str(exc).split("'", 1)[0].split('"', 1)[0].strip()
+    return f"invalid request: {reason or type(exc).__name__}"
+
+
 def _timeouts(extensions: Mapping[str, Any]) -> tuple[float | None, ...]:
     """(pool, connect, read, write) seconds from httpx's ``timeout`` extension; all
     ``None`` for polygate's own requests, whose deadlines are cancel scopes."""
@@ -641,7 +697,7 @@ def _mapped(
     if isinstance(exc, (h11.RemoteProtocolError, _Disconnected)):
         cls = httpx.RemoteProtocolError
     elif isinstance(exc, h11.LocalProtocolError):
-        cls = httpx.LocalProtocolError
+        return httpx.LocalProtocolError(_refusal(exc, request.headers.raw), request=request)
     elif isinstance(exc, _STALE_ERRORS):
         cls = network_error
     else:
