@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import sys
+import traceback
 from array import array
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
@@ -35,8 +36,8 @@ from ._assemble import ChatAssembler
 from ._pool import SENT_EXTENSION, LeanTransport
 from ._sse import Event, SSEDecoder
 from ._wire import (
-    Endpoint,
     MAX_JSON_DEPTH,
+    Endpoint,
     Limits,
     body_pieces,
     chat_body,
@@ -188,9 +189,10 @@ def _classified(exc: BaseException, endpoint: Endpoint) -> UpstreamError:
             if len(_last_traceback) > 64:
                 _last_traceback.clear()
             _last_traceback[kind] = now
+            trace = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
             _log.error(
-                "unexpected error in an exchange with %s", endpoint.name,
-                exc_info=(kind, exc, exc.__traceback__),
+                "unexpected error in an exchange with %s\n%s",
+                endpoint.name, redact(trace, endpoint.secrets).rstrip(),
             )
         else:
             _log.debug("unexpected %s in an exchange with %s", kind.__name__, endpoint.name)
