@@ -256,14 +256,17 @@ class LeanTransport(httpx.AsyncBaseTransport):
         on_sent = request.extensions.get(SENT_EXTENSION)
         wire = _encode(request.method, url.raw_path, request.headers.raw, body)
         if wire is None:  # h11 validates and frames it (or says why it cannot)
+            refusal = None
             try:
                 head = h11.Request(
                     method=request.method, target=url.raw_path, headers=request.headers.raw
                 )
             except h11.LocalProtocolError as exc:  # a header with CR/LF, no Host, ...
-                raise httpx.LocalProtocolError(
-                    _refusal(exc, request.headers.raw), request=request
-                ) from None
+                refusal = _refusal(exc, request.headers.raw)
+            if refusal is not None:
+                # Raised outside the handler: h11's error quotes the value (a key,
+                # perhaps), so it must not ride along as __context__.
+                raise httpx.LocalProtocolError(refusal, request=request)
 
         for attempt in (1, 2):
             conn, reused = await self._acquire(key, request, timeouts)
