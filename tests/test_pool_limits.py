@@ -16,7 +16,7 @@ import polygate
 from polygate.transport import LeanTransport
 from polygate.transport._pool import _encode
 
-from ._raw_server import OK_EVENTS, RawServer, raw_server, sse_head
+from ._raw_server import OK_EVENTS, raw_server, sse_head
 
 pytestmark = pytest.mark.integration
 

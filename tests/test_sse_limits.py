@@ -24,7 +24,7 @@ def decode(pieces: list[bytes], max_line: int = 1 << 20, max_body: int = 1 << 30
 
 def cuts(data: bytes, points: list[int]) -> list[bytes]:
     points = sorted({p % (len(data) + 1) for p in points})
-    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)])]
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
 
 
 # --------------------------------------------------------------------------- F6
