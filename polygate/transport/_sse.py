@@ -74,7 +74,7 @@ class SSEDecoder:
             end = buf.rfind(b"\n\n", start)
             if end < 0:
                 if len(buf) > self._max_line:
-                    self._too_long()
+                    self._check_pending()
                 return
             complete = bytes(buf[:end])
             del buf[: end + 2]
@@ -83,7 +83,7 @@ class SSEDecoder:
             if end < 0:
                 buf += piece
                 if len(buf) > self._max_line:
-                    self._too_long()
+                    self._check_pending()
                 return
             complete = piece[:end]
             if end + 2 < len(piece):
@@ -96,12 +96,22 @@ class SSEDecoder:
             if event is not None:
                 yield event
 
+    # An event is measured without the line ends at its edges (the blank line that
+    # ends it, a stray one before it), so its size is the same however it is cut.
+
     def _check(self, complete: bytes) -> None:
         if len(self._buf) > self._max_line:
-            self._too_long()
+            self._check_pending()
         if len(complete) > self._max_line and any(
-            len(block) > self._max_line for block in complete.split(b"\n\n")
+            len(block.strip(b"\n")) > self._max_line for block in complete.split(b"\n\n")
         ):
+            self._too_long()
+
+    def _check_pending(self) -> None:
+        # The unfinished event has at most one line end at each edge (two in a row
+        # would have ended it).
+        buf = self._buf
+        if len(buf) > self._max_line + 2 or len(buf.strip(b"\n")) > self._max_line:
             self._too_long()
 
     def _too_long(self) -> None:
