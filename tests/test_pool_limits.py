@@ -58,9 +58,23 @@ async def test_bytes_past_a_response_are_never_the_next_answer(first: bytes) -> 
     async with raw_server(answers(first, OK, OK)) as server, LeanTransport() as transport:
         await get(transport, server.url)
         second = await get(transport, server.url)
+        third = await get(transport, server.url)
+    assert second.content == b"ok" and third.content == b"ok"
+
+
+async def test_stray_bytes_arriving_after_a_response_close_its_connection() -> None:
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(OK)
+        await trio.sleep(0.05)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale")
+
+    async with raw_server(reply) as server, LeanTransport() as transport:
+        await get(transport, server.url)
+        await trio.sleep(0.5)  # the stray bytes arrive while the connection is idle
+        second = await get(transport, server.url)
         stats = transport.statistics()
     assert second.content == b"ok"
-    assert stats.opened == 2 and stats.reused == 0  # the first connection was not pooled
+    assert stats.opened == 2
 
 
 # --------------------------------------------------------------------------- idle

@@ -36,10 +36,13 @@ What it does (and does not)
   to the first waiter (its own, if the origins match; otherwise it is closed and
   the waiter opens one in its slot).  At the cap, an idle connection of another
   origin is closed to make room.
-* A connection goes back to the pool only after its response was read to the end
-  and neither side said ``Connection: close``.  Anything else -- an error, a
-  cancellation, a response closed half-read -- closes it at once, so the server
-  sees the client leave (polygate relies on that to stop hedge losers).
+* A connection goes back to the pool only after its response was read to the end,
+  with nothing after it (bytes past the end -- a 204 with a body, more than the
+  Content-Length -- would answer the next request), and neither side said
+  ``Connection: close``.  Anything else -- an error, a cancellation, a response
+  closed half-read -- closes it at once, so the server sees the client leave
+  (polygate relies on that to stop hedge losers).  Closing a response never waits
+  for the rest of its body: the connection is kept only if its end already arrived.
 * Idle connections expire after ``keepalive_expiry`` seconds; one the server has
   closed (readable while idle) is dropped when it is next picked.  If a reused
   connection fails before a single byte of the response arrived (the server
@@ -47,9 +50,13 @@ What it does (and does not)
   connection: the body is bytes, so it can be replayed.  (A server that read the
   request, acted on it and died without a byte of answer would see it twice; a
   fresh connection is never retried.)
-* h11 runs every connection's state machine and parses every response; plain
-  requests are written here, byte for byte as h11 would write them (see "the
-  request" below), anything unusual through h11's writer.
+* h11 runs every connection's state machine and parses every response (its 16 KiB
+  limit bounds a response head; at most ``MAX_INTERIM_RESPONSES`` 1xx responses are
+  read before the final one); plain requests are written here, byte for byte as h11
+  would write them (see "the request" below), anything unusual through h11's writer.
+  h11's refusal of a header value is re-worded so that it never quotes the value.
+* The :data:`SENT_EXTENSION` callable of a request, if any, is called as the
+  request starts going out: after any wait for a connection and the connect.
 * Errors come out as httpx's exceptions, as httpx's transport raises them:
   ``ConnectError``, ``WriteError``, ``ReadError``, ``RemoteProtocolError``
   (a body shorter than its Content-Length, a server that hung up without
@@ -78,8 +85,9 @@ import trio
 __all__ = ["LeanTransport", "PoolStatistics", "SENT_EXTENSION"]
 
 #: A request extension: a callable, called with no argument when the request starts
-#: going out on a connection (after any wait for one and the connect).  polygate
-#: stamps ``Timeline.sent_at`` with it.
+#: going out on a connection (after any wait for one and the connect; again if a
+#: stale kept-alive connection makes it go out a second time).  polygate stamps
+#: ``Timeline.sent_at`` with it, so a request cancelled while it waited was not sent.
 SENT_EXTENSION: Final = "polygate.sent"
 #: Interim (1xx) responses accepted before the final one.  Each is bounded by h11's
 #: 16 KiB limit on an incomplete event; without a count an upstream could send them
@@ -455,19 +463,25 @@ class LeanTransport(httpx.AsyncBaseTransport):
         """The response was read to its end: keep the connection alive if both
         sides allow it (no ``Connection: close``, no HTTP/1.0 close-delimited body)."""
         h = conn.h11
-        if (
-            self._closed
-            or h.our_state is not h11.DONE
-            or h.their_state is not h11.DONE
-            # Bytes past the end of this response (a 204 with a body, more than its
-            # Content-Length, a stray response): the next request on this
-            # connection would be answered from them.
-            or h.trailing_data[0]
-            or h.trailing_data[1]
-        ):
+        if self._closed or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
             self._discard(conn)
             return
-        h.start_next_cycle()
+        stray, eof = h.trailing_data
+        if eof:
+            self._discard(conn)
+            return
+        if stray:
+            # Bytes past the end of this response (a 204 with a body, more than its
+            # Content-Length, a stray response): kept, they would answer the next
+            # request.  They are dropped with this state machine; if more are still
+            # arriving the connection is closed (and one that receives any later,
+            # while idle, is dropped when next picked: _pop_idle's probe).
+            conn.h11 = h11.Connection(h11.CLIENT)
+            if conn.socket.is_readable():
+                self._discard(conn)
+                return
+        else:
+            h.start_next_cycle()
         self._put_back(conn)
 
     async def _connect(
