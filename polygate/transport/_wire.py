@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+import itertools
 import json
 import math
 import re
@@ -148,8 +149,13 @@ def embeddings_body(endpoint: Endpoint, inputs: Sequence[str], params: Mapping[s
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-# A JSON string (skipped whole, escapes included) or one bracket.
-_STRUCTURE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+# A JSON string, escapes included (brackets inside one are not nesting).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_ONE_KIND = bytes.maketrans(b"{}", b"[]")  # nesting is nesting, whatever the kind
+_STEP = [0] * 256
+_STEP[ord("[")] = _STEP[ord("{")] = 1
+_STEP[ord("]")] = _STEP[ord("}")] = -1
 
 
 def check_depth(data: bytes, limit: int, source: str) -> None:
@@ -158,23 +164,29 @@ def check_depth(data: bytes, limit: int, source: str) -> None:
     Python's decoder recurses once a level: nesting is otherwise bounded only by the
     interpreter's recursion limit (a ``RecursionError`` that looks like a bug), and a
     document that stays just under it breaks whatever walks it later (a ``repr``, a
-    telemetry row).  Counting brackets is C-speed and nearly always ends the check;
-    the scan that follows is linear and stops at the first level too deep.
+    telemetry row).  Counting brackets nearly always ends the check; otherwise the
+    strings are dropped, then everything but brackets, and the running depth is
+    summed -- every step a C loop, linear in the bytes.
     """
     if data.count(b"[") + data.count(b"{") <= limit:
         return
-    depth = 0
-    for match in _STRUCTURE.finditer(data):
-        char = data[match.start()]
-        if char == 0x5B or char == 0x7B:  # [ {
-            depth += 1
-            if depth > limit:
-                raise TransientUpstreamError(
-                    f"malformed upstream body: JSON nested deeper than {limit} levels",
-                    source=source,
-                )
-        elif char != 0x22:  # ] }  (a string is skipped)
-            depth -= 1
+    brackets = _STRING.sub(b"", data).translate(_ONE_KIND, _NOT_BRACKETS)
+    # Each pass drops every innermost pair, so the depth by exactly one: wide JSON
+    # ([[],[],...]) shrinks to almost nothing before anything is summed.
+    peeled = 0
+    while brackets.count(b"[") > limit - peeled:
+        shorter = brackets.replace(b"[]", b"")
+        if peeled == 3 or len(shorter) == len(brackets):
+            break
+        brackets, peeled = shorter, peeled + 1
+    else:
+        return  # too few openings left to be too deep
+    if peeled > limit or (
+        brackets and peeled + max(itertools.accumulate(map(_STEP.__getitem__, brackets))) > limit
+    ):
+        raise TransientUpstreamError(
+            f"malformed upstream body: JSON nested deeper than {limit} levels", source=source
+        )
 
 
 def check_encoding(response: httpx.Response, source: str) -> str | None:
