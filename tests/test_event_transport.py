@@ -327,7 +327,7 @@ def test_a_schedule_is_one_reproducible_interleaving() -> None:
     orders = [tuple(Schedule(seed).run(_woken_order)) for seed in (1, 1, 2, 3, 4)]
     assert orders[0] == orders[1]  # same seed, same order
     assert len(set(orders)) >= 3  # other seeds, other orders (8! of them)
-    assert _run._r.getstate() == state and _run._ALLOW_DETERMINISTIC_SCHEDULING == flag
+    assert _run._r.getstate() == state and flag == _run._ALLOW_DETERMINISTIC_SCHEDULING
 
     async def now() -> float:
         return trio.current_time()
