@@ -712,12 +712,15 @@ def _general(draw: st.DrawFn) -> Scenario:
 
 
 _RACE_FIRST = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
-_RACE_REPLIES = tuple(
-    [Reply(first_token_s=t, inter_token_s=i, tokens=k)
-     for t in _RACE_FIRST for i in (0.0, 1.0) for k in (1, 3)]
-    + [r for r in REPLIES if r.status != 200 or r.fault is not None or r.stream is False]
+_RACE_HEALTHY = tuple(
+    Reply(first_token_s=t, inter_token_s=i, tokens=k)
+    for t in _RACE_FIRST for i in (0.0, 1.0) for k in (1, 3)
 )
-_RACE_SOURCE = st.lists(st.sampled_from(_RACE_REPLIES), min_size=1, max_size=3).map(tuple)
+_RACE_FAULTY = tuple(r for r in REPLIES if r.status != 200 or r.fault is not None or r.stream is False)
+_RACE_REPLY = st.one_of(
+    st.sampled_from(_RACE_HEALTHY), st.sampled_from(_RACE_HEALTHY), st.sampled_from(_RACE_FAULTY)
+)
+_RACE_SOURCE = st.lists(_RACE_REPLY, min_size=1, max_size=3).map(tuple)
 _RACE_HEDGE = st.builds(
     Hedge,
     after_s=st.sampled_from(tuple(t for t in _RACE_FIRST if t > 0)),
@@ -735,15 +738,23 @@ _RACE_CALL = st.builds(
 @st.composite
 def _race(draw: st.DrawFn) -> Scenario:
     """Two sources racing one or two calls (mostly streams) whose answers often
-    arrive whole with their first token."""
-    sources = (
-        SourceSpec(name="a", replies=draw(_RACE_SOURCE)),
-        SourceSpec(name="b", replies=draw(_RACE_SOURCE), weight=draw(st.sampled_from((1.0, 1e-9)))),
-    )
+    arrive whole with their first token — and, half the time, with the hedge's first
+    token aligned on the primary's: same instant, two runnable paths."""
+    a, b = draw(_RACE_SOURCE), draw(_RACE_SOURCE)
+    hedge = draw(_RACE_HEDGE)
+    latency = draw(_LATENCY)
+    weight = draw(st.sampled_from((1.0, 1e-9)))
+    if draw(st.booleans()) and a[0].status == 200 and hedge.after_s is not None:
+        # a is the primary, sent after one admission round trip; the hedge is sent
+        # after_s later, after two more (try_admit, then the budget token).
+        aligned = a[0].first_token_s - hedge.after_s - 2 * latency
+        if aligned >= 0:
+            b = (attrs.evolve(b[0], first_token_s=aligned), *b[1:])
+            weight = 1e-9
     return Scenario(
-        sources=sources, calls=tuple(draw(st.lists(_RACE_CALL, min_size=1, max_size=2))),
-        hedge=draw(_RACE_HEDGE), max_attempts=2,
-        latency=draw(_LATENCY), tick_s=draw(_RACE_TICK), seed=draw(_SEED),
+        sources=(SourceSpec(name="a", replies=a), SourceSpec(name="b", replies=b, weight=weight)),
+        calls=tuple(draw(st.lists(_RACE_CALL, min_size=1, max_size=2))),
+        hedge=hedge, max_attempts=2, latency=latency, tick_s=draw(_RACE_TICK), seed=draw(_SEED),
     )
 
 

@@ -50,11 +50,11 @@ SCALE = float(os.environ.get("POLYGATE_SCHEDULES", "1"))
 
 # focus: (examples, schedules per example, time box in seconds)
 PLAN = {
-    "general": (1500, 2, 50.0),
-    "race": (1000, 4, 35.0),
-    "window": (1500, 1, 25.0),
-    "retry": (1000, 1, 20.0),
-    "pace": (500, 1, 15.0),
+    "general": (1500, 2, 35.0),
+    "race": (1000, 4, 25.0),
+    "window": (1500, 1, 15.0),
+    "retry": (1000, 1, 15.0),
+    "pace": (500, 1, 10.0),
 }
 
 _tally = {"schedules": 0, "seconds": 0.0, "boxed": 0, "shared": 0}
