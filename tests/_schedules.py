@@ -361,7 +361,8 @@ def run(
     backend = backend if backend is not None else RoundTripBackend(sc.latency)
     upstreams = {
         src.name: FakeUpstream(
-            src.replies, seed=sc.seed + i, name=src.name, then=None if src.repeat_last else Reply()
+            [_own_words(r, src.name) for r in src.replies], seed=sc.seed + i, name=src.name,
+            then=None if src.repeat_last else _own_words(Reply(), src.name),
         )
         for i, src in enumerate(sc.sources)
     }
@@ -382,6 +383,14 @@ def run(
             where = "".join(traceback.format_exception(exc)[-6:])
             obs.problems.append(f"the run crashed: {exc!r}\n{where}")
     return obs
+
+
+def _own_words(reply: Reply, name: str) -> Reply:
+    """Each source answers in words of its own ("a0 a1 a2"), so that text shown from one
+    answer and a response from another differ visibly."""
+    if reply.text is not None:
+        return reply
+    return attrs.evolve(reply, text=" ".join(f"{name}{i}" for i in range(reply.tokens)))
 
 
 def replay(sc: Scenario, seed: int) -> list[str]:
@@ -758,8 +767,10 @@ def _race(draw: st.DrawFn) -> Scenario:
     )
 
 
+# 3 tokens already cost more than an estimate of 1 (positive drift), 1 token less
+# than one of 256 (negative drift)
 _WINDOW_REPLIES = tuple(
-    Reply(first_token_s=t, tokens=k) for t in (60.0, 0.0, 1.0, 30.0) for k in (1, 3, 40)
+    Reply(first_token_s=t, tokens=k) for t in (60.0, 0.0, 1.0, 30.0) for k in (1, 3, 20)
 )
 _WINDOW_SOURCE = st.fixed_dictionaries({
     "replies": st.lists(st.sampled_from(_WINDOW_REPLIES), min_size=1, max_size=3).map(tuple),
