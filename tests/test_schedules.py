@@ -6,7 +6,8 @@ retry configuration, a governance backend whose operations take a shielded virtu
 round trip like Redis, and calls with their start times, deadlines, points of
 external cancellation and consumer pace) played under one or more schedules (seeds
 of trio's batch order) through :class:`polygate.testing.EventTransport`.  After each
-run every invariant of ``tests/_schedules.py`` must hold:
+run every invariant of ``tests/_schedules.py`` must hold (the scenarios' strategies are
+in ``tests/_schedule_scenarios.py``):
 
 * one outcome per call, never a group: an answer or exactly one polygate error (or
   the caller's own cancellation, or a consumer that left early);
@@ -44,7 +45,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from polygate.testing import Schedule
 from polygate.testing import strategies as pst
 
-from ._schedules import Scenario, reproduction, run, scenarios, violations
+from ._schedule_scenarios import scenarios
+from ._schedules import Scenario, reproduction, run, violations
 
 SCALE = float(os.environ.get("POLYGATE_SCHEDULES", "1"))
 
