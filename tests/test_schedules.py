@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -66,16 +66,24 @@ _started: dict[str, float] = {}
 _failed: set[str] = set()
 
 
+class _Summary:
+    """A pytest plugin: one line in the terminal summary with what the suite ran."""
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if _tally["schedules"]:
+            cut = f"; the time box cut {_tally['boxed']} examples" if _tally["boxed"] else ""
+            terminalreporter.write_line(
+                f"scheduling-aware suite: {_tally['schedules']} schedules in "
+                f"{_tally['seconds']:.1f} s of runs ({_tally['shared']} with same-batch "
+                f"wake-ups{cut})"
+            )
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _summary(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and _tally["schedules"]:
-        reporter.write_line(
-            f"scheduling-aware suite: {_tally['schedules']} schedules in "
-            f"{_tally['seconds']:.1f} s ({_tally['shared']} with same-batch wake-ups"
-            f"{'; time box cut ' + str(_tally['boxed']) + ' examples' if _tally['boxed'] else ''})"
-        )
+def _summary(request: pytest.FixtureRequest) -> None:
+    manager = request.config.pluginmanager
+    if not manager.has_plugin("polygate-schedules-summary"):
+        manager.register(_Summary(), "polygate-schedules-summary")
 
 
 def _check(focus: str, sc: Scenario, schedule: Schedule) -> None:
