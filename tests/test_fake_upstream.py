@@ -729,6 +729,8 @@ def test_public_names() -> None:
     assert set(polygate.testing.__all__) == {
         "Behaviour",
         "Distribution",
+        "EventStatistics",
+        "EventTransport",
         "FakeUpstream",
         "Fault",
         "Outcome",
@@ -736,6 +738,7 @@ def test_public_names() -> None:
         "RecordedRequest",
         "Reply",
         "Router",
+        "Schedule",
         "UpstreamStatistics",
     }
     assert FakeUpstream.__module__ == "polygate.testing"
