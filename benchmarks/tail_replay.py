@@ -1,4 +1,4 @@
-"""The issue-#24 incident replayed in virtual time: hedging against what users reach for.
+"""The queue-hang incident (docs/incident.md) replayed in virtual time: hedging against what users reach for.
 
 Source a hangs 90-96 s before its first token on 25 % of calls (first token otherwise
 0.5-2 s); source b is healthy with the same profile.  Output length varies as real
@@ -9,7 +9,7 @@ all under trio's MockClock (hours of virtual time in seconds of wall time).
 Configurations: no hedging; a per-attempt timeout of 8 s with retry on the other
 source (what LiteLLM's Router does with ``timeout`` + fallbacks); a 30 s call deadline;
 hedging after 8 s; adaptive hedging (q=0.95).  Then: the budget when *both* sources
-hang; the seed-004 mid-stream stall scenario; and the hedge configuration scaled ÷10
+hang; the mid-stream stall scenario (docs/incident.md); and the hedge configuration scaled ÷10
 in real time against loopback servers.
 
     python benchmarks/tail_replay.py [--calls 2000] [--plot docs/img/tail_cdf.png]
@@ -222,7 +222,7 @@ def main() -> None:
         rows.append(row(label, outcomes, waste))
         print(".", end="", file=sys.stderr, flush=True)
     result["incident"] = rows
-    print_table(rows, f"issue #24 replay: {args.calls} calls, concurrency {args.concurrency}")
+    print_table(rows, f"queue-hang incident replay: {args.calls} calls, concurrency {args.concurrency}")
     print("(hung 1st: calls whose first attempt drew a hang; health-weighted picking sends"
           " fewer first attempts to the hanging source when nothing rescues its calls)")
 
@@ -259,7 +259,7 @@ def main() -> None:
         mid_rows.append(row(label, outcomes, waste))
     result["mid_stream"] = mid_rows
     print_table([budget_row], "budget: both sources hang 25 %, budget_ratio 0.1")
-    print_table(mid_rows, "seed 004: 15 % of streams on a stall 50-60 s mid-way")
+    print_table(mid_rows, "mid-stream stalls: 15 % of streams silent 50-60 s mid-way")
 
     # Real time, ÷10, against loopback servers, beside the same scenario in virtual time.
     scale = 0.1
@@ -278,7 +278,7 @@ def main() -> None:
         print(f"  [{'ok' if ok else 'MISSED'}] {name}")
     if args.plot:
         plot_cdf(outcomes_by, args.plot, xlabel="call latency, s (virtual time)",
-                 title="issue #24 replay: latency CDF, 2 sources, 25 % hangs on one")
+                 title="queue-hang incident replay: latency CDF, 2 sources, 25 % hangs on one")
         print(f"\nplot: {args.plot}")
     path = write_result("tail_replay-quick" if args.quick else "tail_replay", result)
     print(f"results: {path}")

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from ._context import AttemptRecord, CallContext
+from ._context import AttemptRecord, CallContext, ChatRequest
 from ._errors import Outcome, TransientUpstreamError, UpstreamError
 from ._types import Usage
 from .governance import Admission
@@ -66,17 +66,47 @@ class AttemptControl:
         self._watch = deadline
         self.scope.deadline = deadline if deadline < self._whole else self._whole
 
+    async def hold_while(self, wait: Callable[[], Awaitable[None]]) -> None:
+        """Run ``wait`` (the caller taking a chunk it is behind on) with the attempt's
+        own clocks stopped.  The consumer's pace is neither the upstream's silence nor
+        its slowness: no timeout or stall fires meanwhile (nothing is fed to the
+        breaker), the whole-attempt deadline moves by the time held, and the timeline
+        subtracts it from later chunk times (no false stall in the statistics, no
+        consumer time in ``generation_ms``)."""
+        start = trio.current_time()
+        self.scope.deadline = math.inf
+        try:
+            await wait()
+        finally:
+            held = trio.current_time() - start
+            self.record.timeline.paused_s += held
+            self._whole += held
+            self.scope.deadline = self._watch if self._watch < self._whole else self._whole
+
     def timed_out(self, now: float) -> bool:
         return now >= self._whole
 
 
 async def run_chat_attempt(
-    ctx: CallContext, admission: Admission, control: AttemptControl
+    ctx: CallContext,
+    admission: Admission,
+    control: AttemptControl,
+    request: ChatRequest | None = None,
 ) -> dict[str, Any]:
+    """One chat exchange; ``request`` (default: the call's messages and parameters)
+    is what this attempt sends."""
     source = ctx.source(admission.source)
     endpoint = ctx.runtime.endpoints[(ctx.scope_name, source.name)]
     stall_timeout = ctx.scope.stream.stall_timeout_s
     forward = control.on_content
+    messages_json, params = ctx.messages_json, ctx.params
+    prompt_estimate, completion_estimate = ctx.prompt_estimate, ctx.completion_estimate
+    if request is not None:
+        messages_json, params = request.messages_json, request.params
+        if request.prompt_estimate is not None:
+            prompt_estimate = request.prompt_estimate
+        if request.completion_estimate is not None:
+            completion_estimate = request.completion_estimate
 
     async def work(timeline: Timeline) -> dict[str, Any]:
         watch = control.watch
@@ -87,14 +117,11 @@ async def run_chat_attempt(
             # it is done only when a watchdog needs it.
             nonlocal first
             if forward is not None:
+                # The round hands the chunk to the caller; when the caller is behind,
+                # it stops this attempt's clocks meanwhile (AttemptControl.hold_while).
+                await forward(now, chunk)
                 if stall_timeout is not None:
-                    # The consumer's pace is not the upstream's silence: pause the
-                    # watchdog while the chunk is handed over.
-                    watch(math.inf)
-                    await forward(now, chunk)
                     now = trio.current_time()
-                else:
-                    await forward(now, chunk)
             if stall_timeout is not None:
                 watch(now + stall_timeout)
             elif first:
@@ -104,8 +131,8 @@ async def run_chat_attempt(
         return await chat_exchange(
             ctx.runtime.transport,
             endpoint,
-            ctx.messages_json,
-            ctx.params,
+            messages_json,
+            params,
             limits=ctx.runtime.limits,
             timeline=timeline,
             on_content=on_content,
@@ -114,9 +141,9 @@ async def run_chat_attempt(
 
     def usage_of(body: dict[str, Any]) -> Usage:
         return Usage.from_wire(body.get("usage")) or Usage(
-            ctx.prompt_estimate,
-            ctx.completion_estimate,
-            ctx.prompt_estimate + ctx.completion_estimate,
+            prompt_estimate,
+            completion_estimate,
+            prompt_estimate + completion_estimate,
             source="estimated",
         )
 
@@ -176,8 +203,13 @@ async def _guarded(
         with control.scope:
             result = await work(timeline)
             record.usage = usage_of(result)
-            outcome = Outcome.OK
-            return result
+            if not control.cancelled:
+                outcome = Outcome.OK
+                return result
+        # ``cancel()`` is delivered at the next checkpoint: an attempt runnable in the
+        # winner's scheduler batch can finish its buffered answer without one and
+        # return normally after it was cancelled.  It lost all the same (its usage is
+        # known, so it settles that, not the estimate).
         # The scope caught a cancellation of its own: the round's, or one of the clocks.
         if control.cancelled:
             outcome = control.cancel_reason
@@ -228,7 +260,7 @@ async def _settle(
     record.outcome = outcome
     usage = record.usage
     usage_tokens = usage.total_tokens if usage is not None and usage.source == "upstream" else None
-    latency = (now - timeline.sent_at) if timeline.sent_at is not None else None
+    latency = (now - timeline.sent_at - timeline.paused_s) if timeline.sent_at is not None else None
     record.tokens_settled = await ctx.runtime.governor.release(
         admission,
         outcome,

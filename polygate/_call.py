@@ -19,11 +19,12 @@ attempt's error.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import nullcontext
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 
@@ -32,7 +33,9 @@ if sys.version_info < (3, 11):
 
 from ._attempt import AttemptControl, run_chat_attempt, run_embed_attempt
 from ._backoff import full_jitter
-from ._context import AttemptRecord, CallContext, Runtime
+from ._callstats import call_stats, chat_response
+from ._config import Source
+from ._context import AttemptRecord, CallContext, ChatRequest, Continuation, Runtime
 from ._errors import (
     AllSourcesExhausted,
     DeadlineExceeded,
@@ -41,58 +44,56 @@ from ._errors import (
     PolygateError,
     RateLimitedError,
     StreamStalled,
+    TransientUpstreamError,
     UpstreamError,
 )
+from ._fallback import fallback_scope
 from ._hedge import Forward, Round, RoundFailed, Runner
-from ._stats import stall_stats
+from ._resume import (
+    PREFILL_PARAMS,
+    ResumedForward,
+    Stitcher,
+    StreamSink,
+    continuation_messages,
+)
 from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
-from .governance import Admission, NoAdmission, completion_budget
-from .transport import message_text
+from .governance import Admission, NoAdmission, RefusalReason, completion_budget
 
-__all__ = ["run_chat", "run_embed", "call_stats"]
+__all__ = ["Rounds", "call_stats", "run_chat", "run_embed"]
 
 T = TypeVar("T")
 
 
-def call_stats(ctx: CallContext, winner: AttemptRecord | None, now: float) -> CallStats:
-    """Freeze the statistics; called only after every path of the call has ended."""
-    base = {
-        "logical_call_id": ctx.logical_call_id,
-        "attempts": len(ctx.attempts),
-        "hedges": ctx.hedges,
-        "total_latency_ms": (now - ctx.started_at) * 1000.0,
-    }
-    if winner is None:
-        return CallStats(**base)  # type: ignore[arg-type]
-    tl = winner.timeline
-    generation = 0.0
-    ended = tl.ended_at if tl.ended_at is not None else winner.ended_at
-    if tl.sent_at is not None and ended is not None:
-        generation = (ended - tl.sent_at) * 1000.0
-    ttft = None
-    stalls = stall_stats((), 0)
-    if tl.streamed:
-        if tl.first_token_at is not None and tl.sent_at is not None:
-            ttft = (tl.first_token_at - tl.sent_at) * 1000.0
-        stalls = stall_stats(tl.chunk_times, ctx.scope.stream.stall_threshold_ms)
-    return CallStats(
-        **base,  # type: ignore[arg-type]
-        hedge_won=winner.role == "hedge",
-        source=winner.source,
-        generation_ms=generation,
-        ttft_ms=ttft,
-        stall_ms=stalls.stall_ms,
-        stall_count=stalls.stall_count,
-        active_generation_ms=stalls.active_generation_ms,
-    )
+class Rounds(Protocol):
+    """More rounds inside one logical call (structured output's re-asks, SPEC §8.1).
+
+    Every round is a full retry loop — admission, hedging, retries — under the call's
+    one deadline; its attempts are the call's attempts.  ``request`` says what an
+    attempt on ``source`` sends in the current round (``None``: the call's own
+    messages and parameters); ``after_round`` judges the round's answer: the call's
+    final response, or the messages of the next round.  It raises a polygate error to
+    end the call (carrying the response's frozen statistics).
+    """
+
+    def request(
+        self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str
+    ) -> ChatRequest | None: ...
+
+    async def after_round(
+        self, response: ChatResponse, messages: Sequence[Mapping[str, Any]]
+    ) -> ChatResponse | list[Mapping[str, Any]]: ...
 
 
 async def _with_deadline(
     ctx: CallContext, deadline_s: float | None, body: Callable[[], Awaitable[T]]
 ) -> T:
-    """Run ``body`` under the call deadline; attach frozen statistics to every error."""
+    """Run ``body`` under the call deadline; attach frozen statistics to every error.
+
+    The deadline is one absolute time, ``ctx.started_at + deadline_s`` (the same
+    ``_deadline_at`` that bounds admission waits): one clock base for the whole tree."""
     recorder = ctx.runtime.recorder
-    scope = trio.fail_after(deadline_s) if deadline_s is not None else nullcontext()
+    deadline_at = _deadline_at(ctx, deadline_s)
+    scope = trio.fail_at(deadline_at) if deadline_at is not None else nullcontext()
     try:
         try:
             with scope:
@@ -123,18 +124,32 @@ async def _with_deadline(
             await ctx.runtime.governor.refill_hedge_budget(ctx.scope_name)
 
 
+class CommittedFailure(Exception):
+    """The committed path of a stream failed after the caller saw its text: no retry
+    of this request (its ``record`` is the segment as far as it got)."""
+
+    def __init__(self, error: UpstreamError, record: AttemptRecord | None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.record = record
+
+
 async def _retry_loop(
     ctx: CallContext,
     runner: Runner,
     forward: Forward | None,
     deadline_at: float | None,
     tokens: int,
+    *,
+    demoted: Sequence[str] = (),
 ) -> tuple[AttemptRecord, Any]:
     retry = ctx.scope.retry
     governor = ctx.runtime.governor
     errors: list[UpstreamError] = []
-    failed: list[str] = []
+    failed: list[str] = list(demoted)
     consumed = 0
+    same_source: dict[str, int] = {}
+    again: str | None = None  # the source to retry first (Retry.same_source_retries)
     # Admission waits until the deadline; without one, waiting out 429 cooldowns is
     # bounded by rate_limit_wait_s (permits, RPM windows and breakers free up alone).
     give_up_at = deadline_at if deadline_at is not None else math.inf
@@ -142,21 +157,33 @@ async def _retry_loop(
         deadline_at if deadline_at is not None else ctx.started_at + retry.rate_limit_wait_s
     )
     while True:
-        try:
-            admission = await governor.acquire(
-                ctx.scope_name, tokens, demote=failed, give_up_at=give_up_at,
-                cooldown_give_up_at=cooldown_give_up_at,
-            )
-        except NoAdmission as exc:
-            raise AllSourcesExhausted(
-                f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}",
-                errors=errors,
-            ) from None
+        if ctx.runtime.closed:
+            # A call from a task outside the session block outlived the session:
+            # nothing more is sent through its closed transport.
+            raise PolygateError("this session is closed")
+        admission = None
+        if again is not None:
+            admission = await _same_source(ctx, again, tokens, cooldown_give_up_at)
+        if admission is None:
+            try:
+                admission = await governor.acquire(
+                    ctx.scope_name, tokens, demote=failed, give_up_at=give_up_at,
+                    cooldown_give_up_at=cooldown_give_up_at,
+                )
+            except NoAdmission as exc:
+                # Gave up at the deadline: the deadline's own cancellation is due at this
+                # very instant (one clock base), so let it speak (DeadlineExceeded).
+                await trio.lowlevel.checkpoint_if_cancelled()
+                raise AllSourcesExhausted(
+                    f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}",
+                    errors=errors,
+                ) from None
         try:
             return await Round(ctx, runner, forward=forward, demote=failed).run(admission)
         except RoundFailed as failure:
             round_errors = failure.errors
             committed = failure.committed
+            committed_record = failure.committed_record
             if committed is not None:
                 # Content reached the caller: no retry.  Its statistics are those of
                 # the committed attempt, as far as it got.
@@ -170,12 +197,35 @@ async def _retry_loop(
             if error.source is not None:
                 failed.append(error.source)
         if committed is not None:
-            raise committed
+            raise CommittedFailure(committed, committed_record)
         for error in round_errors:
             if isinstance(error, FatalUpstreamError):
                 raise error
+        again = _retry_same(retry.same_source_retries, round_errors, same_source)
+        if again is not None:
+            # Retried on the same source first, free of max_attempts (bounded by
+            # same_source_retries per source): a short outage of the preferred
+            # source costs a wait, not a move to the others (or the fallback).
+            failed.remove(again)
+            if not isinstance(round_errors[-1], RateLimitedError):
+                await trio.sleep(full_jitter(
+                    same_source[again], retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng
+                ))
+            continue
         if round_errors and all(isinstance(e, RateLimitedError) for e in round_errors):
-            continue  # free of max_attempts; cooldowns make admission wait
+            # Free of max_attempts: the sources cool down (never for less than the
+            # governor's floor, so Retry-After: 0 cannot make this loop spin) and
+            # admission waits them out — but only until the deadline or, without
+            # one, rate_limit_wait_s after the call started.
+            if trio.current_time() >= cooldown_give_up_at:
+                waited = "at the deadline" if deadline_at is not None else (
+                    f"after rate_limit_wait_s={retry.rate_limit_wait_s}"
+                )
+                raise AllSourcesExhausted(
+                    f"every source still rate limited {waited} in scope {ctx.scope_name!r}",
+                    errors=errors,
+                )
+            continue
         consumed += 1
         if consumed >= retry.max_attempts:
             raise AllSourcesExhausted(
@@ -187,6 +237,46 @@ async def _retry_loop(
             await trio.sleep(
                 full_jitter(consumed, retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng)
             )
+
+
+def _retry_same(
+    limit: int, round_errors: Sequence[UpstreamError], counts: dict[str, int]
+) -> str | None:
+    """The source to retry first after a failed round, under ``same_source_retries``:
+    the one whose transient failure or 429 ended the round, while it has retries left."""
+    if not limit or not round_errors:
+        return None
+    last = round_errors[-1]
+    source = last.source
+    if source is None or not isinstance(last, (TransientUpstreamError, RateLimitedError)):
+        return None
+    if counts.get(source, 0) >= limit:
+        return None
+    counts[source] = counts.get(source, 0) + 1
+    return source
+
+
+async def _same_source(
+    ctx: CallContext, source: str, tokens: int, give_up_at: float
+) -> Admission | None:
+    """Admission on ``source`` alone, waiting out its cooldown (a 429's Retry-After)
+    until ``give_up_at``; ``None`` when it cannot be had that way (its breaker opened,
+    it is dead, its cooldown ends later): then the loop fails over as usual."""
+    governor = ctx.runtime.governor
+    others = [s.name for s in ctx.scope.sources if s.name != source]
+    while True:
+        result = await governor.try_admit(ctx.scope_name, tokens, exclude=others)
+        if isinstance(result, Admission):
+            return result
+        refusal = next((r for r in result if r.source == source), None)
+        if (
+            refusal is None
+            or refusal.reason is not RefusalReason.COOLING_DOWN
+            or refusal.retry_at is None
+            or refusal.retry_at > give_up_at
+        ):
+            return None
+        await trio.sleep_until(refusal.retry_at)
 
 
 def _deadline_at(ctx: CallContext, deadline_s: float | None) -> float | None:
@@ -201,9 +291,13 @@ async def run_chat(
     params: Mapping[str, Any],
     deadline_s: float | None,
     *,
-    forward: Forward | None = None,
+    forward: StreamSink | None = None,
     delivered: list[str] | None = None,
+    rounds: Rounds | None = None,
 ) -> ChatResponse:
+    """One logical chat call: the retry loop in the asked scope, then — inside the same
+    deadline — its fallback scopes (see _fallback), and for a committed stream whose
+    path failed, continuations on other sources (see _resume)."""
     scope = runtime.settings.scopes[scope_name]
     ctx = CallContext(
         runtime, scope_name, scope, "chat", trio.current_time(), messages=messages,
@@ -211,47 +305,181 @@ async def run_chat(
     )
     ctx.prompt_estimate = runtime.governor.prompt_estimate(messages)
     ctx.completion_estimate = completion_budget(params, scope.completion_estimate_tokens)
+    shown = delivered if delivered is not None else []
 
     async def runner(admission: Admission, control: AttemptControl) -> Any:
-        return await run_chat_attempt(ctx, admission, control)
+        source = ctx.source(admission.source)
+        request = None
+        cont = ctx.continuation
+        if cont is not None:
+            request = cont.request(source, ctx.params)
+        elif rounds is not None:
+            request = rounds.request(source, ctx.messages, ctx.messages_json)
+        try:
+            return await run_chat_attempt(ctx, admission, control, request)
+        except FatalUpstreamError as exc:
+            if cont is None or not cont.prefilled(source):
+                raise
+            # The target rejected the assistant prefill: ask it again without one.  That
+            # 400 concerns polygate's way of asking, never the caller's request.
+            cont.refused_prefill.add(admission.source)
+            raise TransientUpstreamError(
+                f"rejected the assistant prefill ({exc.message}); asking without one",
+                source=exc.source, status_code=exc.status_code,
+            ) from exc
+
+    async def one_round() -> ChatResponse:
+        """One answer: the retry loop in the asked scope, then its fallbacks; a
+        committed stream whose path fails is continued elsewhere."""
+        if ctx.scope_name != scope_name:
+            _move_to(ctx, scope_name, params)  # a re-ask starts from the asked scope
+        deadline_at = _deadline_at(ctx, deadline_s)
+        active: Forward | None = forward
+        segments: list[AttemptRecord] = []
+        segment_chars: list[int] = []
+        committed_error: UpstreamError | None = None
+        demoted: list[str] = []
+        while True:
+            try:
+                record, result = await _retry_loop(
+                    ctx, runner, active, deadline_at, ctx.estimate, demoted=demoted
+                )
+                break
+            except CommittedFailure as failure:
+                committed_error = failure.error
+                if forward is None or not _can_resume(ctx, forward, failure.error, len(segments)):
+                    raise _committed_error(failure.error, shown) from None
+                # Continue the answer elsewhere: the failed source goes to the back.
+                if failure.record is not None:
+                    segments.append(failure.record)
+                    segment_chars.append(sum(map(len, shown)) - sum(segment_chars))
+                failed = failure.error.source
+                if ctx.scope.fallback is not None and all(
+                    s.name == failed for s in ctx.scope.sources
+                ):
+                    # The scope's only source just failed: continue in its fallback.
+                    _move_to(ctx, ctx.scope.fallback, params)
+                    demoted = []
+                else:
+                    demoted = [failed] if failed else []
+                _prepare_continuation(ctx, ctx.messages, "".join(shown))
+                active = ResumedForward(forward, Stitcher("".join(shown)))
+            except (AllSourcesExhausted, FatalUpstreamError) as exc:
+                target = fallback_scope(
+                    runtime.settings, ctx.scope_name, exc, _refused_model(ctx, exc)
+                )
+                if target is None:
+                    if committed_error is not None:
+                        # No source could continue the stream: the caller's error is
+                        # the stream's own failure.
+                        raise _committed_error(committed_error, shown) from exc
+                    raise
+                _move_to(ctx, target, params)
+                demoted = []
+        if segments:
+            ctx.continuation = None
+            await _finish_continuation(active, record, result)
+            return chat_response(
+                ctx, record, result, segments, "".join(shown),
+                [*segment_chars, sum(map(len, shown)) - sum(segment_chars)],
+            )
+        return chat_response(ctx, record, result)
 
     async def body() -> ChatResponse:
-        try:
-            record, result = await _retry_loop(
-                ctx, runner, forward, _deadline_at(ctx, deadline_s), ctx.estimate
-            )
-        except UpstreamError as exc:
-            if forward is not None and exc.outcome is Outcome.STALLED:
-                raise StreamStalled(
-                    exc.message, source=exc.source, text="".join(delivered or ()),
-                    call_stats=exc.call_stats,
-                ) from exc
-            raise
-        return _chat_response(ctx, record, result)
+        while True:
+            response = await one_round()
+            if rounds is None:
+                return response
+            judged = await rounds.after_round(response, ctx.messages)
+            if isinstance(judged, ChatResponse):
+                return judged
+            _next_round(ctx, judged)
 
     response = await _with_deadline(ctx, deadline_s, body)
     runtime.recorder.call(ctx, response.call_stats, response.usage, None, response.message)
     return response
 
 
-def _chat_response(ctx: CallContext, record: AttemptRecord, body: dict[str, Any]) -> ChatResponse:
-    stats = call_stats(ctx, record, trio.current_time())
-    choices = body.get("choices") or []
-    first = choices[0] if choices else {}
-    message = first.get("message") or {}
-    finish = first.get("finish_reason")
-    model = body.get("model")
-    return ChatResponse(
-        text=message_text(message),
-        message=message,
-        choices=choices,
-        usage=record.usage,
-        source=record.source,
-        model=model if isinstance(model, str) else None,
-        finish_reason=finish if isinstance(finish, str) else None,
-        call_stats=stats,
-        raw=body,
+def _next_round(ctx: CallContext, messages: list[Mapping[str, Any]]) -> None:
+    """The next round asks with ``messages``; the statistics count one more re-ask."""
+    ctx.messages = messages
+    ctx.messages_json = json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+    ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(messages)
+    ctx.reasks += 1
+
+
+def _committed_error(error: UpstreamError, shown: list[str]) -> UpstreamError:
+    """A committed stream's failure as the caller gets it: a stall is StreamStalled,
+    carrying the text delivered."""
+    if error.outcome is Outcome.STALLED and not isinstance(error, StreamStalled):
+        stalled = StreamStalled(
+            error.message, source=error.source, text="".join(shown), call_stats=error.call_stats
+        )
+        stalled.__cause__ = error
+        return stalled
+    return error
+
+
+def _can_resume(ctx: CallContext, sink: StreamSink, error: UpstreamError, resumes: int) -> bool:
+    watch = ctx.scope.stream
+    n = ctx.params.get("n", 1)
+    return (
+        watch.resume
+        and resumes < watch.max_resumes
+        and not isinstance(error, FatalUpstreamError)
+        and not sink.shown_tool_calls
+        and (n is None or n == 1)
     )
+
+
+def _prepare_continuation(
+    ctx: CallContext, messages: Sequence[Mapping[str, Any]], shown: str
+) -> None:
+    """The next rounds ask for the rest of the answer; their estimate grows by it."""
+    prefill = json.dumps(continuation_messages(messages, shown, prefill=True),
+                         ensure_ascii=False, separators=(",", ":"))
+    prompt = json.dumps(continuation_messages(messages, shown, prefill=False),
+                        ensure_ascii=False, separators=(",", ":"))
+    refused = ctx.continuation.refused_prefill if ctx.continuation is not None else set()
+    ctx.continuation = Continuation(prefill, prompt, PREFILL_PARAMS, refused)
+    ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(
+        continuation_messages(messages, shown, prefill=False)
+    )
+
+
+async def _finish_continuation(
+    active: Forward | None, record: AttemptRecord, result: dict[str, Any]
+) -> None:
+    """Show what a continuation's stitcher still holds; a continuation that came back
+    as one JSON body (a source that cannot stream) is shown as one chunk."""
+    if not isinstance(active, ResumedForward):
+        return
+    if not record.timeline.streamed:
+        choices = result.get("choices") or [{}]
+        message = choices[0].get("message") or {}
+        text = message.get("content")
+        if isinstance(text, str) and text and not active.offer(
+            {"choices": [{"index": 0, "delta": {"content": text}}]}
+        ):
+            await active.deliver_held()
+    await active.finish()
+
+
+def _refused_model(ctx: CallContext, error: PolygateError) -> str | None:
+    if isinstance(error, FatalUpstreamError) and error.source is not None:
+        try:
+            return ctx.source(error.source).model
+        except KeyError:
+            return None
+    return None
+
+
+def _move_to(ctx: CallContext, scope_name: str, params: Mapping[str, Any]) -> None:
+    """The call continues in its fallback scope: same logical call, same deadline."""
+    scope = ctx.runtime.settings.scopes[scope_name]
+    ctx.scope_name = scope_name
+    ctx.scope = scope
+    ctx.completion_estimate = completion_budget(params, scope.completion_estimate_tokens)
 
 
 async def run_embed(
@@ -294,13 +522,21 @@ async def run_embed(
 
 
 def _one_error(group: BaseExceptionGroup[Any]) -> BaseException:
-    """A public call raises one exception, never a nursery's group: its polygate
-    error, else its first plain exception (a bug, surfaced as itself).  A group
-    holding a cancellation or KeyboardInterrupt is re-raised whole for trio."""
+    """A public call raises one exception, never a nursery's group.
+
+    In order: a ``KeyboardInterrupt`` or other non-cancellation ``BaseException``
+    (Ctrl-C reaches the caller as itself, as from ``trio.run``); else the call's
+    polygate error; else its first plain exception (a bug, surfaced as itself).  A
+    group of nothing but cancellations is re-raised whole: trio's cancel scopes take
+    groups of ``Cancelled`` apart themselves."""
     leaves = _leaves(group)
-    if any(not isinstance(exc, Exception) for exc in leaves):
+    for exc in leaves:
+        if not isinstance(exc, (Exception, trio.Cancelled)):
+            return exc
+    errors = [exc for exc in leaves if isinstance(exc, Exception)]
+    if not errors:
         raise group
-    return next((exc for exc in leaves if isinstance(exc, PolygateError)), leaves[0])
+    return next((exc for exc in errors if isinstance(exc, PolygateError)), errors[0])
 
 
 def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:

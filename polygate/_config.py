@@ -24,20 +24,32 @@ from ._errors import ConfigError
 __all__ = [
     "ConfigWarning",
     "Hedge",
+    "Ocr",
     "Retry",
     "Scope",
     "Settings",
     "Source",
     "StreamWatch",
+    "Structured",
     "RESERVED_SEGMENTS",
+    "STRUCTURED_OUTPUT_MODES",
     "mask_url",
 ]
 
 # Scope-level configuration segments: no source may be named so (the environment keys
 # POLYGATE__{SCOPE}__{SOURCE}__… and POLYGATE__{SCOPE}__{SETTING}… would collide).
 RESERVED_SEGMENTS = frozenset({
-    "HEDGE", "RETRY", "STREAM", "CALL_DEADLINE_S", "EMBED_BATCH_SIZE", "COMPLETION_ESTIMATE_TOKENS",
+    "HEDGE", "RETRY", "STREAM", "BREAKER", "CALL_DEADLINE_S", "EMBED_BATCH_SIZE",
+    "COMPLETION_ESTIMATE_TOKENS", "FALLBACK", "FALLBACK_ON", "STRUCTURED", "OCR",
 })
+# Reserved for sources only: a scope may be named so ("ocr" is Session.ocr's default
+# scope), since a scope name is always the first segment and cannot collide.
+_SOURCE_ONLY_RESERVED = frozenset({"STRUCTURED", "OCR"})
+# What moves a call to its scope's fallback scope (Scope.fallback_on).
+FALLBACK_REASONS = frozenset({
+    "exhausted", "rate_limited", "context_length", "content_policy", "fatal",
+})
+_STATUS_REASON = re.compile(r"^status:(4\d\d)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -102,6 +114,11 @@ def _pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         raise _bad(inst, attr.name, f"must be > 0, got {value!r}")
 
 
+def _non_negative_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _bad(inst, attr.name, f"must be a whole number >= 0, got {value!r}")
+
+
 def _opt_pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if value is not None:
         _pos_int(inst, attr, value)
@@ -162,7 +179,11 @@ class Source:
     ``timeout_s`` bounds a whole attempt; ``ttft_timeout_s`` the wait for its first
     content token.  ``rpm``/``tpm`` are quotas in any rolling 60 s window;
     ``max_in_flight`` caps concurrent attempts; ``weight`` biases picking;
-    ``streaming=False`` says the upstream cannot stream.
+    ``streaming=False`` says the upstream cannot stream.  ``structured_output`` is
+    how a ``schema=`` call asks this source for JSON: ``"json_schema"`` (a
+    ``response_format`` of that type), ``"json_object"`` (``{"type": "json_object"}``
+    plus the schema in a system instruction) or ``"prompt"`` (the instruction alone,
+    for upstreams that reject ``response_format``).  See ``docs/structured.md``.
     """
 
     name: str = attrs.field()
@@ -176,6 +197,10 @@ class Source:
     max_in_flight: int | None = attrs.field(default=None, validator=_opt_pos_int)
     weight: float = attrs.field(default=1.0, validator=_positive)
     streaming: bool = attrs.field(default=True, validator=_bool)
+    # The upstream continues a trailing assistant message (vLLM's
+    # continue_final_message): a resumed stream continues from the delivered text.
+    prefill: bool = attrs.field(default=False, validator=_bool)
+    structured_output: str = attrs.field(default="json_schema")
 
     @name.validator
     def _check_name(self, attr: attrs.Attribute[str], value: Any) -> None:
@@ -206,9 +231,18 @@ class Source:
         if isinstance(value, str) and any(c in value for c in "\r\n"):
             raise _bad(self, "api_key", "must not contain line breaks")
 
+    @structured_output.validator
+    def _check_structured(self, attr: attrs.Attribute[str], value: Any) -> None:
+        if value not in STRUCTURED_OUTPUT_MODES:
+            modes = ", ".join(repr(m) for m in STRUCTURED_OUTPUT_MODES)
+            raise _bad(self, "structured_output", f"must be one of {modes}, got {value!r}")
+
     @property
     def url(self) -> str:
         return self.base_url.rstrip("/")
+
+
+STRUCTURED_OUTPUT_MODES = ("json_schema", "json_object", "prompt")
 
 
 @attrs.frozen
@@ -261,6 +295,11 @@ class Retry:
     backoff_base_s: float = attrs.field(default=0.25, validator=_non_negative)
     backoff_max_s: float = attrs.field(default=8.0, validator=_non_negative)
     rate_limit_wait_s: float = attrs.field(default=60, validator=_non_negative)
+    # 0: fail over at once (the sources of a scope are equivalent, another one is the
+    # fastest answer).  N: after a transient failure or a 429, retry the same source up
+    # to N times first (waiting out its Retry-After), then fail over — for a scope whose
+    # fallback is costlier or weaker.
+    same_source_retries: int = attrs.field(default=0, validator=_non_negative_int)
 
     def __attrs_post_init__(self) -> None:
         if self.backoff_max_s < self.backoff_base_s:
@@ -276,6 +315,95 @@ class StreamWatch:
 
     stall_timeout_s: float | None = attrs.field(default=None, validator=_opt_positive)
     stall_threshold_ms: float = attrs.field(default=2000, validator=_positive)
+    # A committed stream_chat() whose path fails (cut, stalled, malformed, an error
+    # event) continues the same answer on another source instead of failing.
+    resume: bool = attrs.field(default=False, validator=_bool)
+    max_resumes: int = attrs.field(default=2, validator=_non_negative_int)
+
+
+@attrs.frozen
+class Breaker:
+    """Each source's circuit breaker.  Opens after ``failures`` consecutive failures, or
+    when at least ``rate_min_calls`` of the last ``rate_window`` outcomes include a share
+    of failures over ``failure_rate``.  It stays open ``open_s``, then half-opens: one
+    probe at a time, and ``probes`` successes in a row close it.  A failed probe opens it
+    again for twice as long as the time before, jittered (× 0.5–1), up to
+    ``max_open_s`` — short for a blip, patient with a real outage, and never so long
+    that a recovered source waits minutes for traffic."""
+
+    failures: int = attrs.field(default=5, validator=_pos_int)
+    failure_rate: float = attrs.field(default=0.5)
+    rate_window: int = attrs.field(default=20, validator=_pos_int)
+    rate_min_calls: int = attrs.field(default=10, validator=_pos_int)
+    open_s: float = attrs.field(default=5.0, validator=_positive)
+    max_open_s: float = attrs.field(default=20.0, validator=_positive)
+    probes: int = attrs.field(default=1, validator=_pos_int)
+
+    @failure_rate.validator
+    def _check_rate(self, attr: attrs.Attribute[float], value: Any) -> None:
+        if not _is_number(value) or not _finite(value) or not 0 < value <= 1:
+            raise _bad(self, "failure_rate", f"must be a number in (0, 1], got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_open_s < self.open_s:
+            raise _bad(
+                self, "max_open_s", f"({self.max_open_s}) must be >= open_s ({self.open_s})"
+            )
+
+
+def _to_tuple(value: Any) -> Any:
+    if isinstance(value, (list, frozenset, set)):
+        return tuple(value)
+    return value
+
+
+def _reasks(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10:
+        raise _bad(inst, attr.name, f"must be a whole number in [0, 10], got {value!r}")
+
+
+@attrs.frozen
+class Structured:
+    """Structured output (``chat(..., schema=...)``): how many times an answer that is
+    not valid JSON for the schema is re-asked inside the same call (0: never)."""
+
+    max_reasks: int = attrs.field(default=2, validator=_reasks)
+
+
+def _in_range(lo: float, hi: float, whole: bool) -> Any:
+    def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        kind = "whole number" if whole else "number"
+        ok = (isinstance(value, int) if whole else _is_number(value)) and not isinstance(value, bool)
+        if not ok or not _finite(value) or not lo <= value <= hi:
+            raise _bad(inst, attr.name, f"must be a {kind} in [{lo:g}, {hi:g}], got {value!r}")
+
+    return check
+
+
+@attrs.frozen
+class Ocr:
+    """OCR calls (``Session.ocr``): how documents become page images.
+
+    PDF pages are rendered at ``dpi`` and, like input images, scaled down (aspect
+    ratio kept) so that their longer side is at most ``max_side_px``; an input PNG or
+    JPEG within that size is sent unaltered; any image polygate encodes is
+    ``image_format`` (``"jpeg"``, quality 90, or ``"png"``).  A document over
+    ``max_document_bytes`` is refused; at most ``max_concurrent_pages`` pages are
+    rendered and in flight at once; ``prompt`` replaces the default transcription
+    prompt for this scope.
+    """
+
+    dpi: float = attrs.field(default=150.0, validator=_in_range(18, 1200, whole=False))
+    max_side_px: int = attrs.field(default=2048, validator=_in_range(64, 8192, whole=True))
+    max_document_bytes: int = attrs.field(default=50 * 1024 * 1024, validator=_pos_int)
+    max_concurrent_pages: int = attrs.field(default=4, validator=_in_range(1, 64, whole=True))
+    prompt: str | None = attrs.field(default=None, validator=_opt_str)
+    image_format: str = attrs.field(default="jpeg")
+
+    @image_format.validator
+    def _check_format(self, attr: attrs.Attribute[str], value: Any) -> None:
+        if value not in ("jpeg", "png"):
+            raise _bad(self, "image_format", f"must be 'jpeg' or 'png', got {value!r}")
 
 
 def _to_sources(value: Any) -> Any:
@@ -293,8 +421,34 @@ class Scope:
     retry: Retry = attrs.field(factory=Retry)
     stream: StreamWatch = attrs.field(factory=StreamWatch)
     call_deadline_s: float | None = attrs.field(default=None, validator=_opt_positive)
+    breaker: Breaker = attrs.field(factory=Breaker)
     embed_batch_size: int = attrs.field(default=256, validator=_pos_int)
     completion_estimate_tokens: int = attrs.field(default=256, validator=_pos_int)
+    structured: Structured = attrs.field(factory=Structured)
+    ocr: Ocr = attrs.field(factory=Ocr)
+    # The scope a call moves to, inside the same logical call and deadline, when this
+    # one fails for one of the ``fallback_on`` reasons; fallbacks chain.
+    fallback: str | None = attrs.field(default=None)
+    fallback_on: tuple[str, ...] = attrs.field(
+        default=("exhausted", "context_length"), converter=_to_tuple
+    )
+
+    @fallback.validator
+    def _check_fallback(self, attr: attrs.Attribute[str | None], value: Any) -> None:
+        if value is not None and (not isinstance(value, str) or not _NAME_RE.match(value)):
+            raise _bad(self, "fallback", f"must be a scope name, got {value!r}")
+
+    @fallback_on.validator
+    def _check_fallback_on(self, attr: attrs.Attribute[tuple[str, ...]], value: Any) -> None:
+        if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+            raise _bad(self, "fallback_on", "must be a list of reasons")
+        for reason in value:
+            if reason not in FALLBACK_REASONS and not _STATUS_REASON.match(reason):
+                known = ", ".join(sorted(FALLBACK_REASONS))
+                raise _bad(
+                    self, "fallback_on",
+                    f"unknown reason {reason!r} (known: {known}, or status:4NN)",
+                )
 
     @sources.validator
     def _check_sources(self, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -309,7 +463,11 @@ class Scope:
             seen.add(source.name)
 
     def __attrs_post_init__(self) -> None:
-        for name, cls in (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch)):
+        groups = (
+            ("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch), ("breaker", Breaker),
+            ("structured", Structured), ("ocr", Ocr),
+        )
+        for name, cls in groups:
             if not isinstance(getattr(self, name), cls):
                 raise _bad(self, name, f"must be a {cls.__name__}")
         check_hedge_assembly(self)
@@ -322,11 +480,21 @@ class Scope:
 
 
 def check_hedge_assembly(scope: Scope) -> None:
-    """The assembly guards of seed 000 §5: impossible hedges are errors, dubious ones warn."""
+    """The assembly guards: impossible hedges are errors, dubious ones warn
+    (``docs/configuration.md``, "Assembly guards")."""
     hedge = scope.hedge
     after = hedge.first_threshold_s
     if after is not None:
         _check_hedge_threshold(scope, after, "after_s" if hedge.after_s is not None else "max_after_s")
+    if hedge.stall_after_s is not None and not hedge.enabled:
+        # (b), the mid-stream trigger, runs inside a hedging round; without (a) no round
+        # hedges, so the setting alone would silently do nothing.
+        warnings.warn(
+            "hedge.stall_after_s does nothing without after_s or after_quantile: "
+            "hedging is off until one of them is set",
+            ConfigWarning,
+            stacklevel=4,
+        )
     if hedge.enabled and len(scope.sources) < 2:
         # Checked even for adaptive-only hedging (after_quantile without a static bound).
         warnings.warn(
@@ -407,6 +575,26 @@ def _to_scopes(value: Any) -> Any:
     return value
 
 
+def _check_fallback_chains(inst: Any, scopes: Mapping[str, Scope]) -> None:
+    """Every fallback names a configured scope, and no chain comes back on itself."""
+    for name, scope in scopes.items():
+        seen = [name]
+        target = scope.fallback
+        while target is not None:
+            if target not in scopes:
+                known = ", ".join(sorted(scopes))
+                raise _bad(
+                    inst, "scopes",
+                    f"scope {seen[-1]!r} falls back to {target!r}, which is not a scope "
+                    f"(configured: {known})",
+                )
+            if target in seen:
+                chain = " -> ".join([*seen, target])
+                raise _bad(inst, "scopes", f"fallback chain loops: {chain}")
+            seen.append(target)
+            target = scopes[target].fallback
+
+
 @attrs.frozen(hash=False)
 class Settings:
     """Everything a session needs: scopes of sources, the governance backend, telemetry.
@@ -424,6 +612,13 @@ class Settings:
     max_line_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_pos_int)
     dead_cooldown_s: float = attrs.field(default=300.0, validator=_positive)
     log_content: bool = attrs.field(default=False, validator=_bool)
+    # The telemetry pipeline's bounds: rows queued between calls and the sink (a full
+    # queue drops rows, never delays a call), rows per write, and how long one write
+    # and the final flush at close may take (real seconds).
+    telemetry_queue: int = attrs.field(default=10_000, validator=_pos_int)
+    telemetry_batch: int = attrs.field(default=5_000, validator=_pos_int)
+    telemetry_write_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    telemetry_close_timeout_s: float = attrs.field(default=5.0, validator=_positive)
 
     @scopes.validator
     def _check_scopes(self, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -432,10 +627,11 @@ class Settings:
         for name, scope in value.items():
             if not isinstance(name, str) or not _NAME_RE.match(name) or "__" in name:
                 raise _bad(self, "scopes", f"scope name {name!r} must be letters, digits, '_', '-'")
-            if name.upper() in RESERVED_SEGMENTS | {"BACKEND", "TELEMETRY"}:
+            if name.upper() in (RESERVED_SEGMENTS - _SOURCE_ONLY_RESERVED) | {"BACKEND", "TELEMETRY"}:
                 raise _bad(self, "scopes", f"scope name {name!r} is reserved")
             if not isinstance(scope, Scope):
                 raise _bad(self, "scopes", f"scope {name!r} must be a Scope, got {type(scope).__name__}")
+        _check_fallback_chains(self, value)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -123,6 +123,8 @@ def _schema(cls: type) -> _Schema:
 def _scalar_kind(hint: Any) -> type | None:
     if hint in _SCALAR_TYPES:
         return typing.cast(type, hint)
+    if typing.get_origin(hint) is tuple and typing.get_args(hint) == (str, Ellipsis):
+        return tuple  # a list of strings: a TOML array, or comma-separated in the environment
     if typing.get_origin(hint) in (Union, types.UnionType):
         rest = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(rest) == 1 and rest[0] in _SCALAR_TYPES:
@@ -182,6 +184,8 @@ def _value_from_text(kind: type, text: str, where: str) -> Any:
     """An environment string → the field's type; the key is named on failure."""
     if kind is str:
         return text
+    if kind is tuple:
+        return tuple(item.strip() for item in text.split(",") if item.strip())
     if kind is bool:
         if text.lower() in _TRUE:
             return True
@@ -204,7 +208,10 @@ def _value_from_toml(kind: type, value: Any, where: str) -> Any:
         return value
     if kind in (bool, str) and isinstance(value, kind):
         return value
-    wanted = {float: "a number", int: "a whole number", bool: "true or false", str: "a string"}
+    if kind is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    wanted = {float: "a number", int: "a whole number", bool: "true or false", str: "a string",
+              tuple: "an array of strings"}
     hint = " (write it without quotes)" if kind in (int, float) and isinstance(value, str) else ""
     raise ConfigError(f"{where}: expected {wanted[kind]}, got {_what(value)}{hint}")
 
@@ -679,6 +686,8 @@ def _describe(obj: Any) -> dict[str, Any]:
 def _depth(value: Any) -> int:
     if attrs.has(type(value)):
         return 1
+    if isinstance(value, tuple) and all(isinstance(v, str) for v in value):
+        return 0  # a list of strings is a scalar here (Scope.fallback_on)
     return 2 if isinstance(value, (tuple, Mapping)) else 0
 
 
@@ -688,7 +697,7 @@ def _describe_value(field: attrs.Attribute[Any], value: Any) -> Any:
     if attrs.has(type(value)):
         return _describe(value)
     if isinstance(value, tuple):
-        return [_describe(v) for v in value]
+        return [v if isinstance(v, str) else _describe(v) for v in value]
     if isinstance(value, Mapping):
         return {k: _describe(v) for k, v in value.items()}
     if isinstance(value, str):

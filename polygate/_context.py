@@ -18,7 +18,7 @@ from ._types import CallStats, Usage
 from .governance import Admission, Governor
 from .transport import Endpoint, Limits, Timeline
 
-__all__ = ["AttemptRecord", "CallContext", "Recorder", "Runtime"]
+__all__ = ["AttemptRecord", "CallContext", "ChatRequest", "Continuation", "Recorder", "Runtime"]
 
 
 class Recorder(Protocol):
@@ -70,6 +70,9 @@ class Runtime:
     endpoints: dict[tuple[str, str], Endpoint] = attrs.field(init=False)
     limits: Limits = attrs.field(init=False)
     sketches: dict[tuple[str, str], LatencySketch] = attrs.field(factory=dict)
+    # Set when the session's block exits: calls still running (started from a task
+    # outside the block) send nothing more.
+    closed: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.endpoints = {
@@ -111,6 +114,39 @@ class AttemptRecord:
     tokens_settled: int | None = None
     usage: Usage | None = None
     ended_at: float | None = None
+    scope: str = ""
+
+
+@attrs.define(eq=False)
+class Continuation:
+    """How the rounds of a resumed stream ask for the rest of the answer: the messages
+    with the text shown as a trailing assistant message (for a source that accepts a
+    prefill, with ``prefill_params``), or followed by a request to continue."""
+
+    prefill_json: str
+    prompt_json: str
+    prefill_params: Mapping[str, Any]
+    refused_prefill: set[str] = attrs.field(factory=set)  # sources that answered 400 to it
+
+    def prefilled(self, source: Source) -> bool:
+        return source.prefill and source.name not in self.refused_prefill
+
+    def request(self, source: Source, params: Mapping[str, Any]) -> ChatRequest:
+        if self.prefilled(source):
+            return ChatRequest(self.prefill_json, {**params, **self.prefill_params})
+        return ChatRequest(self.prompt_json, params)
+
+
+@attrs.frozen
+class ChatRequest:
+    """What one chat attempt sends when it is not the call's own messages and
+    parameters: an OCR page, or a structured call's per-source form of its round.
+    The estimates, when set, replace the call's (usage the upstream did not report)."""
+
+    messages_json: str
+    params: Mapping[str, Any]
+    prompt_estimate: int | None = None
+    completion_estimate: int | None = None
 
 
 @attrs.define(eq=False)
@@ -128,7 +164,10 @@ class CallContext:
     logical_call_id: str = attrs.field(factory=new_call_id)
     attempts: list[AttemptRecord] = attrs.field(factory=list)
     hedges: int = 0
+    hedge_refused: bool = False  # the hedge budget refused this call once (counted once)
     streaming_to_caller: bool = False
+    continuation: Continuation | None = None  # set once a committed stream resumes
+    reasks: int = 0  # structured output: rounds re-asked after an invalid answer
 
     @property
     def estimate(self) -> int:
@@ -144,6 +183,7 @@ class CallContext:
             role=role,
             started_at=now,
             tokens_reserved=admission.tokens,
+            scope=admission.scope,
         )
         self.attempts.append(record)
         return record

@@ -12,7 +12,8 @@
     │   └── RateLimitedError                 429: source cools down for Retry-After
     ├── DeadlineExceeded (+ TimeoutError)    the logical call ran out of time
     ├── AllSourcesExhausted                  attempts or sources ran out; .errors has each one
-    └── GovernanceBackendError               the shared backend cannot answer: fail closed
+    ├── GovernanceBackendError               the shared backend cannot answer: fail closed
+    └── StructuredOutputError                answers never matched the schema (re-asks spent)
 
 A public call raises exactly one of these.  Internal nursery groups ride along as
 ``__cause__`` at most.  Cancellation (``trio.Cancelled``) is a ``BaseException`` and is
@@ -44,6 +45,7 @@ __all__ = [
     "RateLimitedError",
     "SourceDeadError",
     "StreamStalled",
+    "StructuredOutputError",
     "TransientUpstreamError",
     "UpstreamError",
     "Outcome",
@@ -101,6 +103,9 @@ class UpstreamError(PolygateError):
         self.source = source
         self.status_code = status_code
         self.retry_after_s = retry_after_s
+        # The provider's own error code when it sent one ("context_length_exceeded",
+        # "content_filter"…): what decides a fallback, beside the status.
+        self.code: str | None = None
         # Set when this error ends a logical call (a fatal error, a committed stream's
         # failure): the call's frozen statistics.
         self.call_stats: CallStats | None = None
@@ -184,6 +189,28 @@ class AllSourcesExhausted(PolygateError):
         self.call_stats = call_stats
 
 
+class StructuredOutputError(PolygateError):
+    """No answer of the call matched the schema, and its re-asks are spent (SPEC §8.1).
+
+    ``errors`` has one string per round, in order: that round's validation problems;
+    ``text`` is the last answer as the upstream sent it; ``call_stats`` the frozen
+    statistics of the whole call (every round's attempts; ``reasks`` made).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errors: list[str] | None = None,
+        text: str = "",
+        call_stats: CallStats | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.errors: list[str] = list(errors or [])
+        self.text = text
+        self.call_stats = call_stats
+
+
 # --------------------------------------------------------------------------- mapping
 
 
@@ -262,6 +289,20 @@ def error_status(payload: Any) -> int | None:
             return int(value)
         if isinstance(value, str) and value.isdigit() and 100 <= int(value) <= 599:
             return int(value)
+    return None
+
+
+def error_code(payload: Any) -> str | None:
+    """The provider's symbolic error code (``error.code``, else ``error.type``), when it
+    is a short word rather than a number."""
+    if not isinstance(payload, dict):
+        return None
+    inner = payload.get("error", payload)
+    if not isinstance(inner, dict):
+        return None
+    for value in (inner.get("code"), inner.get("type")):
+        if isinstance(value, str) and 0 < len(value) <= 64 and not value.isdigit():
+            return value
     return None
 
 

@@ -27,13 +27,15 @@ Keep-alive comments and empty deltas are not content, so they delay nothing.  Wi
 first-token times (whole-call times for non-streaming sources), clamped to
 ``[min_after_s, max_after_s]``.
 
-**Admission.**  A hedge goes to another source of the scope, picked normally with the
-sources already in flight excluded; it only *tries* admission (quota, breaker,
-permits) and then takes a token from the scope's hedge budget, a token bucket that
-refills by ``budget_ratio`` per finished call — so over the long run no more than that
-share of calls are hedged, even when every source hangs.  Refused, or no candidate:
-no hedge, the round keeps waiting, and ``hedges`` does not count it; it tries again
-one threshold later.
+**Admission.**  A hedge first takes a token from the scope's hedge budget, a token
+bucket that refills by ``budget_ratio`` per finished call — so over the long run no
+more than that share of calls are hedged, even when every source hangs.  Then it goes
+to another source of the scope, picked normally with the sources in flight excluded
+and the sources that failed in this call (this round included) at the back; it only
+*tries* admission (quota, breaker, permits).  Refused, or no candidate: the token is
+given back, no hedge, the round keeps waiting, and ``hedges`` does not count it; it
+tries again one threshold later, and never sooner than a floor (a learnt threshold can
+be microseconds).
 
 **Winners and losers.**  For ``chat()`` the first *complete, successful* answer
 wins; an attempt that fails does not end the round while another is alive.  For
@@ -46,26 +48,51 @@ own ``finally`` inside this nursery, so when the round returns every attempt is
 settled and the call's statistics, frozen afterwards, count them all.  Losers feed
 neither the breaker nor the health score.  If every attempt of a round fails, the
 round counts as one attempt against ``max_attempts``.
+
+**A race decides once.**  Unlike happy eyeballs, a committed stream keeps its
+winner alive, so contestants are cancelled one by one and the decision needs explicit
+guards, because ``cancel()`` is delivered only at the next checkpoint: a path that is
+runnable in the winner's scheduler batch (its socket became readable in the same
+wake-up) can read the rest of a buffered answer and return without ever reaching one.
+So a path wins only if nothing else won or committed and it was not cancelled; a
+cancelled path can neither commit nor forward a chunk; and the monitor re-checks the
+round after every await of a hedge's admission, so nothing launches after a winner or
+a commit (a granted admission found too late is released unsent, its token refunded).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
 from ._attempt import AttemptCancelled, AttemptControl
 from ._context import AttemptRecord, CallContext
 from ._errors import GovernanceBackendError, Outcome, UpstreamError
-from .governance import Admission
+from .governance import Admission, Governor
 from .transport import OnContent
 
 __all__ = ["Round", "RoundFailed"]
 
+# After a refused hedge the monitor looks again one threshold later, never sooner.
+_RECHECK_FLOOR_S = 0.05
+
 Runner = Callable[[Admission, AttemptControl], Awaitable[Any]]
-Forward = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Forward(Protocol):
+    """The caller's end of a committed stream."""
+
+    def offer(self, chunk: dict[str, Any]) -> bool:
+        """Hand ``chunk`` to the caller without blocking.  False: the caller is
+        behind; the chunk is held until :meth:`deliver_held`."""
+        ...
+
+    async def deliver_held(self) -> None:
+        """Wait until the caller takes the held chunk."""
+        ...
 
 
 class RoundFailed(Exception):
@@ -121,6 +148,7 @@ class Round:
         hedge = ctx.scope.hedge
         self._hedging = hedge.enabled and ctx.kind == "chat" and len(ctx.scope.sources) > 1
         self._nursery: trio.Nursery | None = None
+        self._monitor_scope = trio.CancelScope()
 
     @property
     def winner_record(self) -> AttemptRecord | None:
@@ -131,7 +159,11 @@ class Round:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._launch(primary, "primary")
-                await self._monitor()
+                # A win or a commit cancels the monitor with the losers (as happy
+                # eyeballs cancels its starter): a hedge whose budget or admission
+                # round trip is in flight then never launches.
+                with self._monitor_scope:
+                    await self._monitor()
         else:
             # Nothing to race: the primary runs in the caller's task, no nursery needed.
             await self._run_path(self._new_path(primary, "primary"))
@@ -168,7 +200,11 @@ class Round:
         except UpstreamError as exc:
             path.error = exc
         else:
-            if self._winner is None:
+            # A race decides once.  The attempt layer already refuses a result that
+            # finished after its cancel was called (it was runnable in the winner's
+            # scheduler batch and never reached a checkpoint); the round asks again
+            # here, so that no path wins over a winner or over a commit.
+            if self._may_win(path):
                 self._winner = path
                 if self._committed is None:
                     self._committed = path
@@ -178,17 +214,31 @@ class Round:
             self._observe(path)
             self._wake()
 
+    def _may_win(self, path: _Path) -> bool:
+        return (
+            self._winner is None
+            and self._committed in (None, path)
+            and not path.control.cancelled
+        )
+
+    def _decided(self) -> bool:
+        """A winner or a commit: from then on nothing launches."""
+        return self._winner is not None or self._committed is not None
+
     def _committer(self, path: _Path) -> OnContent:
         forward = self._forward
         assert forward is not None
 
         async def on_content(now: float, chunk: dict[str, Any]) -> None:
-            if self._committed is None:
+            # A path cancelled by another's commit can still be running in the same
+            # scheduler batch: it must neither commit nor reach the caller.
+            if self._committed is None and self._winner is None and not path.control.cancelled:
                 self._committed = path
                 self._cancel_others(path)
                 self._wake()
-            if self._committed is path:
-                await forward(chunk)
+            if self._committed is path and not forward.offer(chunk):
+                # The caller is behind: that wait is the caller's, not the upstream's.
+                await path.control.hold_while(forward.deliver_held)
 
         return on_content
 
@@ -204,6 +254,7 @@ class Round:
         return on_content
 
     def _cancel_others(self, keep: _Path) -> None:
+        self._monitor_scope.cancel()
         for path in self._paths:
             if path is not keep and not path.done:
                 path.control.cancel(Outcome.HEDGE_CANCELLED)
@@ -228,7 +279,7 @@ class Round:
     # ------------------------------------------------------------------ hedging
 
     async def _monitor(self) -> None:
-        while self._winner is None and any(not p.done for p in self._paths):
+        while not self._decided() and any(not p.done for p in self._paths):
             at = self._next_trigger()
             if at <= trio.current_time():
                 await self._try_hedge()
@@ -280,27 +331,55 @@ class Round:
         return max(latest, self._quiet_until)
 
     async def _try_hedge(self) -> None:
+        """Take a budget token, then try admission on another source; launch only if
+        the round is still undecided after both awaits (each can be a network round
+        trip to a shared backend, during which a path may win or commit)."""
         ctx = self._ctx
         governor = ctx.runtime.governor
-        in_flight = {p.admission.source for p in self._paths if not p.done}
-        # A shared backend that cannot answer means no hedge: the primary carries on.
+        # The budget first: with an empty bucket a trigger costs one backend call, not
+        # an admission and its release (and no transient permit or probe occupancy).
+        # A shared backend that cannot answer means no hedge (fail closed): the
+        # primary carries on.
         try:
-            result = await governor.try_admit(
-                ctx.scope_name, ctx.estimate, exclude=in_flight, demote=self._demote
+            # The budget's refusals are counted per call, not per re-check.
+            took = await governor.take_hedge_token(
+                ctx.scope_name, count_refusal=not ctx.hedge_refused
             )
+            ctx.hedge_refused |= not took
         except GovernanceBackendError:
-            result = []
-        if isinstance(result, Admission):
+            took = False
+        if took and not self._decided():
+            in_flight = {p.admission.source for p in self._paths if not p.done}
+            # Sources that failed in this round go to the back too, not only those
+            # that failed in earlier rounds (a source that failed in this call goes last).
+            demote = [*self._demote, *(
+                p.admission.source for p in self._paths
+                if p.error is not None and p.admission.source not in self._demote
+            )]
             try:
-                took = await governor.take_hedge_token(ctx.scope_name)
+                result = await governor.try_admit(
+                    ctx.scope_name, ctx.estimate, exclude=in_flight, demote=demote
+                )
             except GovernanceBackendError:
-                took = False
-            if took:
-                ctx.hedges += 1
-                self._extras += 1
-                self._launch(result, "hedge")
-                return
-            await governor.release(result, Outcome.CANCELLED, sent=False)
-        # Refused or no candidate: stay silent, look again one threshold later.
+                result = []
+            if isinstance(result, Admission):
+                if not self._decided():
+                    ctx.hedges += 1
+                    self._extras += 1
+                    self._launch(result, "hedge")
+                    return
+                await governor.release(result, Outcome.CANCELLED, sent=False)
+        if took:
+            await self._refund(governor)
+        # Refused, no candidate, or decided meanwhile: stay silent and look again one
+        # threshold later — never sooner than the floor, or a tiny learnt threshold
+        # turns a refused hedge into a busy loop of admission round trips.
         gap = self._threshold(self._paths[0].admission.source)
-        self._quiet_until = trio.current_time() + (gap if math.isfinite(gap) else 1.0)
+        gap = gap if math.isfinite(gap) else 1.0
+        self._quiet_until = trio.current_time() + max(gap, _RECHECK_FLOOR_S)
+
+    async def _refund(self, governor: Governor) -> None:
+        try:
+            await governor.refund_hedge_token(self._ctx.scope_name)
+        except GovernanceBackendError:
+            pass  # the token is lost: the budget errs on the side of fewer hedges

@@ -20,11 +20,13 @@ import attrs
 import httpx
 import trio
 
-from ._call import run_chat, run_embed
+from ._call import Rounds, run_chat, run_embed
 from ._config import Settings
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
-from ._types import ChatResponse, EmbeddingResponse, StreamChunk
+from ._ocr import run_ocr
+from ._structured import prepare
+from ._types import ChatResponse, EmbeddingResponse, OcrResponse, StreamChunk
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
@@ -32,6 +34,11 @@ from .transport import LeanTransport, TextParts
 
 __all__ = ["ChatStream", "Session", "SessionStatistics", "session"]
 
+# What a context manager's body may raise that must not be held back until its
+# nursery closes: trio's cancel scopes handle Cancelled (in groups too), and a
+# generator being closed must close.  Anything else — an error, Ctrl-C — leaves as
+# itself after the nursery, never wrapped in its group.
+_PASS_THROUGH = (trio.Cancelled, GeneratorExit)
 _POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=1024, keepalive_expiry=30)
 _UNSET: Any = object()
 
@@ -48,7 +55,10 @@ class Session:
     def __init__(self, runtime: Runtime, telemetry: Telemetry | None = None) -> None:
         self._runtime = runtime
         self._telemetry = telemetry
-        self._closed = False
+
+    @property
+    def _closed(self) -> bool:
+        return self._runtime.closed
 
     @property
     def settings(self) -> Settings:
@@ -66,13 +76,21 @@ class Session:
         *,
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
+        schema: Any = None,
         **params: Any,
     ) -> ChatResponse:
-        """One logical chat call; returns the assembled answer with its statistics."""
+        """One logical chat call; returns the assembled answer with its statistics.
+
+        ``schema`` (a pydantic v2 model class or a JSON Schema dict) asks for
+        structured output: ``response.parsed`` is the validated answer, and an invalid
+        one is re-asked inside this call (``docs/structured.md``)."""
         deadline = self._prepare(scope, call_deadline_s)
         encoded = _check_messages(messages)
         _check_params(params)
-        return await run_chat(self._runtime, scope, list(messages), encoded, params, deadline)
+        rounds = self._rounds(scope, schema, params, reask=True)
+        return await run_chat(
+            self._runtime, scope, list(messages), encoded, params, deadline, rounds=rounds
+        )
 
     def stream_chat(
         self,
@@ -80,14 +98,22 @@ class Session:
         *,
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
+        schema: Any = None,
         **params: Any,
     ) -> ChatStream:
         """A streamed chat call: ``async with s.stream_chat(...) as stream:`` then
-        ``async for chunk in stream``; ``stream.response`` once it is exhausted."""
+        ``async for chunk in stream``; ``stream.response`` once it is exhausted.
+
+        With ``schema`` the answer is validated once the stream ends; an invalid one
+        raises ``StructuredOutputError`` from the iteration (never re-asked: the
+        caller has seen the text)."""
         deadline = self._prepare(scope, call_deadline_s)
         encoded = _check_messages(messages)
         _check_params(params)
-        return ChatStream(self._runtime, scope, list(messages), encoded, params, deadline)
+        rounds = self._rounds(scope, schema, params, reask=False)
+        return ChatStream(
+            self._runtime, scope, list(messages), encoded, params, deadline, rounds=rounds
+        )
 
     async def embed(
         self,
@@ -106,9 +132,37 @@ class Session:
         _check_params(params, reserved=("input",))
         return await run_embed(self._runtime, scope, list(inputs), params, deadline)
 
+    async def ocr(
+        self,
+        document: Any,
+        *,
+        scope: str = "ocr",
+        prompt: str | None = None,
+        pages: Sequence[int] | None = None,
+        call_deadline_s: float | None = _UNSET,
+        **params: Any,
+    ) -> OcrResponse:
+        """The text of ``document`` (PNG/JPEG/WebP/GIF/PDF ``bytes``, a
+        ``pathlib.Path``, or an ``https://`` URL), one vision request per page, all in
+        one logical call; ``pages`` selects 0-based pages (``docs/ocr.md``)."""
+        deadline = self._prepare(scope, call_deadline_s)
+        _check_params(params)
+        return await run_ocr(
+            self._runtime, scope, document, prompt=prompt, pages=pages, params=params,
+            deadline_s=deadline,
+        )
+
     async def statistics(self) -> SessionStatistics:
         telemetry = self._telemetry.statistics() if self._telemetry else TelemetryStatistics()
         return SessionStatistics(await self._runtime.governor.statistics(), telemetry)
+
+    def _rounds(
+        self, scope: str, schema: Any, params: Mapping[str, Any], *, reask: bool
+    ) -> Rounds | None:
+        if schema is None:
+            return None
+        reasks = self._runtime.settings.scopes[scope].structured.max_reasks if reask else 0
+        return prepare(schema, params, reasks)
 
     def _prepare(self, scope: str, call_deadline_s: float | None) -> float | None:
         if self._closed:
@@ -184,8 +238,11 @@ class ChatStream:
         messages_json: str,
         params: dict[str, Any],
         deadline: float | None,
+        *,
+        rounds: Rounds | None = None,
     ) -> None:
         self._runtime = runtime
+        self._rounds = rounds
         self._scope = scope
         self._messages = messages
         self._messages_json = messages_json
@@ -194,6 +251,7 @@ class ChatStream:
         self._recv: trio.MemoryReceiveChannel[StreamChunk | _Done | _Failed] | None = None
         self._cm: Any = None
         self._finished = False
+        self._exited = False
         self.response: ChatResponse | None = None
         self.text_parts: list[str] = TextParts()
 
@@ -215,67 +273,44 @@ class ChatStream:
 
     @asynccontextmanager
     async def _run(self) -> AsyncIterator[None]:
+        if self._runtime.closed:
+            raise PolygateError("this session is closed")
         send, self._recv = trio.open_memory_channel[StreamChunk | _Done | _Failed](32)
-        body_error: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._produce, send)
-            try:
-                yield
-            except Exception as exc:  # re-raised below as itself, not inside a group
-                body_error = exc
-            finally:
-                nursery.cancel_scope.cancel()
+        body_error: BaseException | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._produce, send)
+                try:
+                    yield
+                except _PASS_THROUGH:
+                    raise
+                except BaseException as exc:  # Ctrl-C too: re-raised below as itself
+                    body_error = exc
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._exited = True
         if body_error is not None:
             raise body_error
 
     async def _produce(self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed]) -> None:
         async with send:
-            delivered = self.text_parts
-
-            async def forward(chunk: dict[str, Any]) -> None:
-                delta: dict[str, Any] = {}
-                choices = chunk.get("choices")
-                if choices:
-                    first = choices[0]
-                    if not (isinstance(first, dict) and first.get("index", 0) == 0):
-                        first = next((c for c in choices if isinstance(c, dict)
-                                      and c.get("index", 0) == 0), None)
-                    if first is not None:
-                        d = first.get("delta")
-                        if isinstance(d, dict):
-                            delta = d
-                content = delta.get("content")
-                text = content if isinstance(content, str) else ""
-                if text:
-                    delivered.append(text)
-                item = StreamChunk(text=text, delta=delta, raw=chunk)
-                try:
-                    # No scheduling round trip per chunk while the buffer has room.
-                    send.send_nowait(item)
-                except trio.WouldBlock:
-                    await send.send(item)
-
-            sent = 0
-
-            async def counted(chunk: dict[str, Any]) -> None:
-                nonlocal sent
-                sent += 1
-                await forward(chunk)
-
+            sink = _Sink(send, self.text_parts)
             try:
                 response = await run_chat(
                     self._runtime, self._scope, self._messages, self._messages_json,
-                    self._params, self._deadline, forward=counted, delivered=delivered,
+                    self._params, self._deadline, forward=sink, delivered=self.text_parts,
+                    rounds=self._rounds,
                 )
             except PolygateError as exc:
                 await send.send(_Failed(exc))
             else:
-                if not sent and _has_output(response.message):
+                if not sink.sent and _has_output(response.message):
                     # The upstream answered with a plain JSON body (it cannot stream):
                     # the whole answer is one chunk, so iterating still shows it.
                     delta = {k: v for k, v in response.message.items() if v is not None}
                     if response.text:
-                        delivered.append(response.text)
+                        self.text_parts.append(response.text)
                     await send.send(StreamChunk(text=response.text, delta=delta, raw=response.raw))
                 await send.send(_Done(response))
 
@@ -287,6 +322,8 @@ class ChatStream:
             raise PolygateError("use 'async with session.stream_chat(...) as stream' first")
         if self._finished:
             raise StopAsyncIteration
+        if self._exited:
+            raise PolygateError("this stream was closed before it finished (its block exited)")
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
             item = self._recv.receive_nowait()  # buffered chunks: no round trip each
@@ -304,6 +341,59 @@ class ChatStream:
     def text(self) -> str:
         """What has been delivered so far (the first choice's content)."""
         return "".join(self.text_parts)
+
+
+class _Sink:
+    """The committed path's chunks, on their way to the iterator (see ``Forward``)."""
+
+    __slots__ = ("_delivered", "_held", "_resumed", "_send", "sent", "shown_tool_calls")
+
+    def __init__(
+        self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed], delivered: list[str]
+    ) -> None:
+        self._send = send
+        self._delivered = delivered
+        self._held: StreamChunk | None = None
+        self._resumed = False
+        self.sent = 0
+        self.shown_tool_calls = False  # a stream that showed tool calls cannot be resumed
+
+    def mark_resumed(self) -> None:
+        self._resumed = True
+
+    def offer(self, chunk: dict[str, Any]) -> bool:
+        delta: dict[str, Any] = {}
+        choices = chunk.get("choices")
+        if choices:
+            first = choices[0]
+            if not (isinstance(first, dict) and first.get("index", 0) == 0):
+                first = next((c for c in choices if isinstance(c, dict)
+                              and c.get("index", 0) == 0), None)
+            if first is not None:
+                d = first.get("delta")
+                if isinstance(d, dict):
+                    delta = d
+        content = delta.get("content")
+        text = content if isinstance(content, str) else ""
+        if text:
+            self._delivered.append(text)
+        if delta.get("tool_calls"):
+            self.shown_tool_calls = True
+        item = StreamChunk(text=text, delta=delta, raw=chunk, resumed=self._resumed)
+        self._resumed = False
+        self.sent += 1
+        try:
+            # No scheduling round trip per chunk while the buffer has room.
+            self._send.send_nowait(item)
+        except trio.WouldBlock:
+            self._held = item
+            return False
+        return True
+
+    async def deliver_held(self) -> None:
+        item, self._held = self._held, None
+        if item is not None:
+            await self._send.send(item)
 
 
 def _has_output(message: Mapping[str, Any]) -> bool:
@@ -343,7 +433,7 @@ async def session(
     owned = transport is None
     if transport is None:
         transport = LeanTransport.from_limits(_POOL_LIMITS)
-    body_error: Exception | None = None
+    body_error: BaseException | None = None
     try:
         if isinstance(backend, RedisBackend):
             await backend.start()  # connects, checks Lua, loads scripts; cleans up on failure
@@ -357,10 +447,12 @@ async def session(
                 handle = Session(runtime, telemetry)
                 try:
                     yield handle
-                except Exception as exc:  # re-raised below as itself, not inside a group
+                except _PASS_THROUGH:
+                    raise
+                except BaseException as exc:  # Ctrl-C too: re-raised below as itself
                     body_error = exc
                 finally:
-                    handle._closed = True
+                    runtime.closed = True
                     await telemetry.aclose()
                     nursery.cancel_scope.cancel()
         finally:

@@ -1,4 +1,5 @@
-"""Chunk timeline → the generation statistics of SPEC §5 (pure arithmetic).
+"""Chunk timeline → the generation statistics of ``CallStats`` (pure arithmetic;
+``docs/statistics.md`` defines them).
 
 All inputs are ``trio.current_time()`` seconds; outputs are milliseconds.
 """
@@ -20,6 +21,7 @@ class StallStats:
 
 
 _NONE = StallStats(None, None, None)
+_EPSILON_S = 1e-6
 
 
 def stall_stats(chunk_times: Sequence[float], threshold_ms: float) -> StallStats:
@@ -27,11 +29,13 @@ def stall_stats(chunk_times: Sequence[float], threshold_ms: float) -> StallStats
     ``threshold_ms``, and the net decode time ``(last - first) - stall_ms``.
 
     With fewer than two chunks there are no gaps to speak of: every field is ``None``.
-    A gap exactly equal to the threshold is not a stall.
+    A gap exactly equal to the threshold is not a stall — to the microsecond: a
+    difference of two clock readings carries float noise (``10.3 - 8.3`` is
+    ``2.0000000000000018``), so a gap counts only beyond the threshold plus 1 µs.
     """
     if len(chunk_times) < 2:
         return _NONE
-    threshold_s = threshold_ms / 1000.0
+    threshold_s = threshold_ms / 1000.0 + _EPSILON_S
     stall_s = 0.0
     count = 0
     previous = chunk_times[0]

@@ -6,7 +6,9 @@ from typing import Any
 
 import attrs
 
-__all__ = ["CallStats", "ChatResponse", "EmbeddingResponse", "StreamChunk", "Usage"]
+__all__ = [
+    "CallStats", "ChatResponse", "EmbeddingResponse", "OcrPage", "OcrResponse", "StreamChunk", "Usage",
+]
 
 
 @attrs.frozen
@@ -71,6 +73,11 @@ class CallStats:
     stall_count: int | None = None
     active_generation_ms: float | None = None
     cached: bool = False
+    reasks: int = 0
+    # The scope that answered (another than the one asked when the call fell back).
+    scope: str | None = None
+    # Committed streams continued on another source after their path failed.
+    resumes: int = 0
 
 
 @attrs.frozen
@@ -79,7 +86,9 @@ class ChatResponse:
 
     ``message`` is the first choice's assembled assistant message; ``choices`` holds
     every choice; ``raw`` the whole response body (for a streamed upstream, the
-    equivalent non-streamed body, provider extras included).
+    equivalent non-streamed body, provider extras included).  ``parsed`` is set by a
+    call made with ``schema=``: the validated answer (an instance of the pydantic
+    model, or the JSON value a JSON Schema accepted); ``None`` otherwise.
     """
 
     text: str
@@ -91,6 +100,7 @@ class ChatResponse:
     finish_reason: str | None
     call_stats: CallStats
     raw: dict[str, Any] = attrs.field(repr=False)
+    parsed: Any = None
 
 
 @attrs.frozen
@@ -99,12 +109,14 @@ class StreamChunk:
 
     ``text`` is the first choice's content delta (``""`` when that chunk carries only
     reasoning, refusal or tool-call deltas, or deltas of other choices); ``delta`` the
-    first choice's delta; ``raw`` the chunk as received.
+    first choice's delta; ``raw`` the chunk as received.  ``resumed`` marks the first
+    chunk of a continuation: the stream's source failed and another one took over.
     """
 
     text: str
     delta: dict[str, Any]
     raw: dict[str, Any] = attrs.field(repr=False)
+    resumed: bool = False
 
     @property
     def reasoning(self) -> str:
@@ -121,3 +133,27 @@ class EmbeddingResponse:
     call_stats: CallStats
     model: str | None = None
     source: str | None = None
+
+
+@attrs.frozen
+class OcrPage:
+    """One page of an OCR call: its 0-based ``index`` in the document, the text the
+    model transcribed, that page's usage and the source that answered it."""
+
+    index: int
+    text: str = attrs.field(repr=lambda t: repr(t if len(t) <= 60 else t[:60] + "…"))
+    usage: Usage | None
+    source: str
+
+
+@attrs.frozen
+class OcrResponse:
+    """The answer of an OCR call: ``text`` is the pages' texts joined in document
+    order (``"\n\n"`` between pages); ``pages`` holds each page."""
+
+    text: str = attrs.field(repr=lambda t: f"<{len(t)} characters>")
+    pages: list[OcrPage]
+    usage: Usage | None
+    source: str | None
+    model: str | None
+    call_stats: CallStats

@@ -323,7 +323,9 @@ def test_cooldowns_are_honoured_and_never_shortened(h: Harness) -> None:
     h.run(body)
 
 
-POLICY = BreakerPolicy(failures=3, open_s=30.0, failure_rate=0.5, rate_window=4, rate_min_calls=4)
+POLICY = BreakerPolicy(
+    failures=3, open_s=30.0, failure_rate=0.5, rate_window=4, rate_min_calls=4, max_open_s=1e6
+)
 
 
 def test_breaker_never_skips_a_state(h: Harness) -> None:
@@ -372,6 +374,71 @@ def test_breaker_never_skips_a_state(h: Harness) -> None:
             follower = await granted(b, ask(breaker=policy))
             assert not follower.probe
             await b.settle(settle(follower, 1, breaker=policy))
+
+    h.run(body)
+
+
+def test_a_failed_probe_doubles_the_open_period_up_to_the_cap(h: Harness) -> None:
+    """A breaker that recovers: each failed probe in a row doubles the open period
+    (times the settle's jitter), up to ``max_open_s``; a successful probe closes it and
+    the next opening starts from ``open_s`` again."""
+    base = h.window / 8
+    policy = BreakerPolicy(failures=1, open_s=base, max_open_s=base * 3, rate_min_calls=100)
+
+    async def opened_for(b: GovernanceBackend) -> float:
+        """Wait out the open period; return how long it was (from the refusal)."""
+        start = b.now()
+        refusal = await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
+        assert refusal.retry_at is not None
+        await trio.sleep_until(refusal.retry_at + EPS)
+        return refusal.retry_at - start
+
+    async def body() -> None:
+        async with h.backend() as b:
+            a = await granted(b, ask(breaker=policy))
+            await b.settle(settle(a, None, Feedback.FAILURE, breaker=policy, jitter=1.0))
+            periods = [await opened_for(b)]
+            for jitter in (1.0, 0.5, 1.0):
+                probe = await granted(b, ask(breaker=policy))
+                assert probe.probe
+                await b.settle(settle(probe, None, Feedback.FAILURE, breaker=policy, jitter=jitter))
+                periods.append(await opened_for(b))
+            probe = await granted(b, ask(breaker=policy))
+            await b.settle(settle(probe, 1, Feedback.SUCCESS, breaker=policy))
+            assert (await snap(b)).breaker is BreakerState.CLOSED
+            a = await granted(b, ask(breaker=policy))
+            await b.settle(settle(a, None, Feedback.FAILURE, breaker=policy, jitter=1.0))
+            periods.append(await opened_for(b))
+        # base, 2 × base, min(4 × base, cap) × 0.5, cap; then base again after closing
+        expected = [base, 2 * base, 1.5 * base, 3 * base, base]
+        tolerance = EPS + (0.05 * h.window if h.kind == "redis" else 0)
+        for got, want in zip(periods, expected, strict=True):
+            assert want - tolerance <= got <= want + EPS, (periods, expected)
+
+    h.run(body)
+
+
+def test_probes_in_a_row_close_the_breaker(h: Harness) -> None:
+    """``probes=2``: one probe at a time, and two successes in a row close it."""
+    policy = BreakerPolicy(failures=1, open_s=h.window / 8, rate_min_calls=100, probes=2)
+
+    async def body() -> None:
+        async with h.backend() as b:
+            a = await granted(b, ask(breaker=policy))
+            await b.settle(settle(a, None, Feedback.FAILURE, breaker=policy))
+            refusal = await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
+            assert refusal.retry_at is not None
+            await trio.sleep_until(refusal.retry_at + EPS)
+            first = await granted(b, ask(breaker=policy))
+            assert first.probe
+            await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)  # one at a time
+            await b.settle(settle(first, 1, Feedback.SUCCESS, breaker=policy))
+            assert (await snap(b)).breaker is BreakerState.HALF_OPEN  # one success is not enough
+            second = await granted(b, ask(breaker=policy))
+            assert second.probe
+            await b.settle(settle(second, 1, Feedback.SUCCESS, breaker=policy))
+            assert (await snap(b)).breaker is BreakerState.CLOSED
+            assert not (await granted(b, ask(breaker=policy))).probe
 
     h.run(body)
 

@@ -9,7 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import trio
 
+import polygate
+from polygate import ConfigError
 from polygate._config_load import describe, settings_from_toml
 from polygate.cli import SUBCOMMANDS, main
 
@@ -204,3 +207,36 @@ def test_python_dash_m(tmp_path: Path) -> None:
     assert "POLYGATE__CHAT__A__RPM" in bad.stderr
     assert "Traceback" not in bad.stderr
     assert_no_secret(bad.stdout, bad.stderr)
+
+
+# check-config validates exactly what session() validates before it connects anything:
+# each of these settings builds, and session() refuses it with a ConfigError.
+SESSION_ONLY = {
+    "redis option unknown": ('backend = "redis://localhost:6379/0?bogus=1"', {}),
+    "redis option malformed": ('backend = "redis://localhost:6379/0?timeout_s=soon"', {}),
+    "redis poll_s against lease_s": ('backend = "redis://localhost:6379/0?poll_s=10"', {}),
+    "redis database not a number": ('backend = "redis://localhost:6379/zero"', {}),
+    "coredis missing": ('backend = "redis://localhost:6379/0"', {"coredis": None}),
+    "psycopg missing": ('telemetry = "postgresql://db.invalid/telemetry"', {"psycopg": None}),
+}
+
+
+@pytest.mark.parametrize("case", SESSION_ONLY)
+def test_check_config_is_as_strict_as_session(
+    case: str, clean: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    top, missing = SESSION_ONLY[case]
+    for module, value in missing.items():
+        monkeypatch.setitem(sys.modules, module, value)
+    path = write(clean, top + '\n[scopes.chat.sources.a]\nbase_url = "http://127.0.0.1:8001/v1"\n')
+    settings = settings_from_toml(path)  # the settings themselves are valid
+
+    async def open_session() -> None:
+        async with polygate.session(settings):
+            pass
+
+    with pytest.raises(ConfigError) as info:
+        trio.run(open_session)
+    assert main(["check-config", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err == f"polygate check-config: invalid configuration: {info.value}\n"

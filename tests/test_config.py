@@ -206,6 +206,20 @@ def test_single_source_hedging_warns(hedge: Hedge) -> None:
         Scope(sources=[src()], hedge=hedge)
 
 
+def test_stall_after_s_alone_warns() -> None:
+    # stall_after_s only adds a trigger to hedging that after_s or after_quantile turns
+    # on; alone it would silently do nothing.
+    with pytest.warns(ConfigWarning, match=r"^hedge.stall_after_s .*after_s or after_quantile"):
+        scope = Scope(sources=pair(), hedge=Hedge(stall_after_s=5))
+    assert not scope.hedge.enabled
+
+
+@pytest.mark.parametrize("hedge", [Hedge(after_s=8, stall_after_s=5),
+                                   Hedge(after_quantile=0.9, stall_after_s=5)])
+def test_stall_after_s_with_a_trigger_is_silent(hedge: Hedge) -> None:
+    assert Scope(sources=pair(), hedge=hedge).hedge.enabled
+
+
 def test_sane_hedging_is_silent() -> None:
     # filterwarnings = error: any warning here fails the test.
     scope = Scope(sources=pair(ttft_timeout_s=20), hedge=Hedge(after_s=8), call_deadline_s=120)

@@ -23,13 +23,16 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from polygate._config import (
+    Breaker,
     ConfigWarning,
     Hedge,
+    Ocr,
     Retry,
     Scope,
     Settings,
     Source,
     StreamWatch,
+    Structured,
 )
 from polygate._config_load import (
     describe,
@@ -78,7 +81,8 @@ def to_objects(config: Config) -> Settings:
         table = dict(table)
         sources = [Source(name=n, **fields) for n, fields in table.pop("sources").items()]
         groups: dict[str, Any] = {g: cls(**table.pop(g)) for g, cls in
-                  (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch)) if g in table}
+                  (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch),
+                   ("breaker", Breaker), ("structured", Structured), ("ocr", Ocr)) if g in table}
         scopes[name] = Scope(sources=sources, **groups, **table)
     top = {k: v for k, v in config.items() if k != "scopes"}
     return Settings(scopes=scopes, **top)
@@ -97,6 +101,8 @@ def env_key(path: str) -> str:
 def env_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(value)
     return str(value)
 
 
@@ -120,7 +126,7 @@ def toml_value(value: Any) -> str:
         return "nan"
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"
-    if isinstance(value, str):
+    if isinstance(value, str | list):
         return json.dumps(value)
     return repr(value)
 
@@ -184,6 +190,10 @@ FULL: Config = {
     "max_line_bytes": 100,
     "dead_cooldown_s": 60.5,
     "log_content": True,
+    "telemetry_queue": 500,
+    "telemetry_batch": 50,
+    "telemetry_write_timeout_s": 12.5,
+    "telemetry_close_timeout_s": 2.5,
     "scopes": {
         "chat": {
             "call_deadline_s": 120.0,
@@ -193,12 +203,22 @@ FULL: Config = {
                       "budget_burst": 4.0, "after_quantile": 0.95, "min_after_s": 2.0,
                       "max_after_s": 20.0},
             "retry": {"max_attempts": 5, "backoff_base_s": 0.5, "backoff_max_s": 4.0,
-                      "rate_limit_wait_s": 30.0},
-            "stream": {"stall_timeout_s": 30.0, "stall_threshold_ms": 1500.0},
+                      "rate_limit_wait_s": 30.0, "same_source_retries": 2},
+            "stream": {"stall_timeout_s": 30.0, "stall_threshold_ms": 1500.0, "resume": True,
+                       "max_resumes": 3},
+            "breaker": {"failures": 3, "failure_rate": 0.75, "rate_window": 10,
+                        "rate_min_calls": 6, "open_s": 2.0, "max_open_s": 40.0, "probes": 2},
+            "fallback": "embed",
+            "fallback_on": ["exhausted", "content_policy", "status:413"],
+            "structured": {"max_reasks": 4},
+            "ocr": {"dpi": 300.0, "max_side_px": 1024, "max_document_bytes": 1000000,
+                    "max_concurrent_pages": 2, "prompt": "Transcribe this page.",
+                    "image_format": "png"},
             "sources": {
                 "a": {"base_url": URL_A, "api_key": KEY, "model": "m1", "timeout_s": 250.0,
                       "ttft_timeout_s": 60.0, "rpm": 600, "tpm": 100000, "max_in_flight": 8,
-                      "weight": 2.5, "streaming": False},
+                      "weight": 2.5, "streaming": False, "prefill": True,
+                      "structured_output": "prompt"},
                 "b": {"base_url": URL_B, "model": "m1"},
             },
         },
@@ -233,11 +253,14 @@ def test_full_case_sets_every_field() -> None:
     scope, source = FULL["scopes"]["chat"], FULL["scopes"]["chat"]["sources"]["a"]
     tables: list[tuple[type, dict[str, Any], set[str]]] = [
         (Settings, FULL, {"scopes"}),
-        (Scope, scope, {"sources", "hedge", "retry", "stream"}),
+        (Scope, scope, {"sources", "hedge", "retry", "stream", "breaker", "structured", "ocr"}),
         (Source, source, {"name"}),
         (Hedge, scope["hedge"], set()),
         (Retry, scope["retry"], set()),
         (StreamWatch, scope["stream"], set()),
+        (Breaker, scope["breaker"], set()),
+        (Structured, scope["structured"], set()),
+        (Ocr, scope["ocr"], set()),
     ]
     for cls, table, structural in tables:
         missing = {f.name for f in attrs.fields(cls)} - set(table) - structural
@@ -298,6 +321,13 @@ BAD: list[tuple[str, Any]] = [
     ("scopes.chat.retry.backoff_max_s", 0.1),  # below the default backoff_base_s
     ("scopes.chat.retry.rate_limit_wait_s", -5),
     ("scopes.chat.stream.stall_timeout_s", 0),
+    *[("scopes.chat.structured.max_reasks", v) for v in (-1, 11, 1.5, True, "two")],
+    *[(f"{A}.structured_output", v) for v in ("xml", "JSON_SCHEMA", 1)],
+    *[("scopes.chat.ocr.dpi", v) for v in (0, 10, 5000, math.nan)],
+    *[("scopes.chat.ocr.max_side_px", v) for v in (0, 32, 100000, 512.5)],
+    *[("scopes.chat.ocr.max_document_bytes", v) for v in (0, -1, 1.5)],
+    *[("scopes.chat.ocr.max_concurrent_pages", v) for v in (0, 65, True)],
+    *[("scopes.chat.ocr.image_format", v) for v in ("gif", "PNG", 1)],
     ("scopes.chat.stream.stall_threshold_ms", -1),
     *[("scopes.chat.call_deadline_s", v) for v in (0, math.nan, "1m")],
     *[("scopes.chat.embed_batch_size", v) for v in (0, 2.5)],
@@ -408,6 +438,11 @@ GUARD_WARNINGS = {
         {"scopes": {"chat": {"sources": {"a": {"base_url": URL_A}}, "hedge": {"after_s": 8.0}}}},
         "scopes.chat", "single source",
     ),
+    "stall_after_s without after_s": (
+        {"scopes": {"chat": {"sources": {"a": {"base_url": URL_A}, "b": {"base_url": URL_B}},
+                             "hedge": {"stall_after_s": 5.0}}}},
+        "scopes.chat.hedge.stall_after_s", "does nothing without",
+    ),
     "single source, after_quantile": (
         {"scopes": {"chat": {"sources": {"a": {"base_url": URL_A}},
                              "hedge": {"after_quantile": 0.9}}}},
@@ -496,6 +531,10 @@ UNKNOWN_KEYS = {
     "POLYGATE__CHAT__A__NAME": "source fields are BASE_URL",
     "POLYGATE__CHAT__A__B__BASE_URL": "too many segments",
     "POLYGATE__CHAT__HEDGE__BASE_URL": "HEDGE is reserved",
+    "POLYGATE__CHAT__STRUCTURED__BASE_URL": "STRUCTURED is reserved",
+    "POLYGATE__CHAT__OCR__BASE_URL": "OCR is reserved",
+    "POLYGATE__CHAT__OCR__DPY": "did you mean DPI?",
+    "POLYGATE__CHAT__STRUCTURED__MAX_REASK": "did you mean MAX_REASKS?",
     "POLYGATE__CHAT__CALL_DEADLINE_S__BASE_URL": "CALL_DEADLINE_S is a scope setting",
     "POLYGATE__Chat__A__BASE_URL": "upper case",
 }
@@ -528,6 +567,20 @@ def test_scope_without_sources(key: str) -> None:
         settings_from_env(env)
     assert key in str(info.value)
     assert "POLYGATE__CHAT__{SOURCE}__BASE_URL" in str(info.value)
+
+
+def test_a_scope_may_be_named_like_a_group() -> None:
+    """``ocr`` is Session.ocr's default scope: STRUCTURED and OCR are reserved for
+    sources only (a scope name is the first segment and cannot collide)."""
+    env = {"POLYGATE__OCR__A__BASE_URL": URL_A, "POLYGATE__OCR__OCR__DPI": "300",
+           "POLYGATE__STRUCTURED__A__BASE_URL": URL_B,
+           "POLYGATE__STRUCTURED__STRUCTURED__MAX_REASKS": "0"}
+    settings = settings_from_env(env)
+    assert settings.scopes["ocr"].ocr.dpi == 300
+    assert settings.scopes["structured"].structured.max_reasks == 0
+    for name in ("ocr", "OCR", "structured"):
+        with pytest.raises(ConfigError, match="reserved"):
+            Source(name=name, base_url=URL_A)
 
 
 def test_only_top_level_keys() -> None:

@@ -13,7 +13,11 @@ PUBLIC = {
     "ChatResponse", "EmbeddingResponse", "CallStats",
     # additions
     "ConfigWarning", "UpstreamError", "Session", "SessionStatistics", "ChatStream",
-    "StreamChunk", "Usage",
+    "StreamChunk", "Usage", "Breaker",
+    # SPEC §8.1 and §8.2 (pinned)
+    "StructuredOutputError", "OcrResponse",
+    # additions of the second release
+    "Structured", "Ocr", "OcrPage",
 }
 
 
@@ -36,6 +40,8 @@ def test_callstats_fields_pinned() -> None:
     assert fields == {
         "logical_call_id", "attempts", "hedges", "hedge_won", "source", "total_latency_ms",
         "generation_ms", "ttft_ms", "stall_ms", "stall_count", "active_generation_ms", "cached",
+        # additions of the second release
+        "reasks", "scope", "resumes",
     }
 
 

@@ -216,10 +216,18 @@ async def test_waiting_does_not_poll(autojump_clock: trio.testing.MockClock,
 # breaker and cooldowns --------------------------------------------------------------------
 
 
+class _NoJitter(random.Random):
+    """random() == 1 - 2**-53: the breaker's equal jitter is then (almost exactly) 1."""
+
+    def random(self) -> float:
+        return 1.0 - 2.0**-53
+
+
 async def test_breaker_opens_probes_and_closes(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream([Reply(status=500)] * 5 + [Reply()])
-    settings = _settings(names=("a",), retry=polygate.Retry(max_attempts=1))
-    async with polygate.session(settings, transport=Router({"a": a})) as s:
+    settings = _settings(names=("a",), retry=polygate.Retry(max_attempts=1),
+                         breaker=polygate.Breaker(open_s=30, max_open_s=60))
+    async with polygate.session(settings, transport=Router({"a": a}), rng=_NoJitter()) as s:
         for _ in range(5):
             with pytest.raises(polygate.AllSourcesExhausted):
                 await s.chat(MESSAGES)
@@ -231,17 +239,98 @@ async def test_breaker_opens_probes_and_closes(autojump_clock: trio.testing.Mock
     assert r.call_stats.attempts == 1 and len(a.requests) == 6
 
 
-async def test_failed_probe_reopens(autojump_clock: trio.testing.MockClock) -> None:
+async def test_failed_probe_reopens_for_twice_as_long(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream([Reply(status=500)] * 6 + [Reply()])
-    settings = _settings(names=("a",), retry=polygate.Retry(max_attempts=1))
-    async with polygate.session(settings, transport=Router({"a": a})) as s:
+    settings = _settings(names=("a",), retry=polygate.Retry(max_attempts=1),
+                         breaker=polygate.Breaker(open_s=30, max_open_s=60))
+    async with polygate.session(settings, transport=Router({"a": a}), rng=_NoJitter()) as s:
         for _ in range(6):  # five to open, the sixth is the failed probe at 30 s
             with pytest.raises(polygate.AllSourcesExhausted):
                 await s.chat(MESSAGES)
         assert trio.current_time() == pytest.approx(30)
         assert _state(await s.statistics(), "a").breaker is BreakerState.OPEN
-        await s.chat(MESSAGES)
-        assert trio.current_time() == pytest.approx(60)
+        await s.chat(MESSAGES)  # the next probe after 2 × 30 s
+        assert trio.current_time() == pytest.approx(90)
+
+
+async def test_the_open_period_is_jittered(autojump_clock: trio.testing.MockClock) -> None:
+    """Equal jitter: an opening lasts between half and all of its nominal period, drawn
+    per settle — breakers that opened together do not probe together."""
+    periods = []
+    for seed in range(8):
+        a = FakeUpstream([Reply(status=500)], then=Reply())
+        settings = _settings(names=("a",), retry=polygate.Retry(max_attempts=1),
+                             breaker=polygate.Breaker(failures=1, open_s=10))
+        async with polygate.session(settings, transport=Router({"a": a}),
+                                    rng=random.Random(seed)) as s:
+            t0 = trio.current_time()
+            with pytest.raises(polygate.AllSourcesExhausted):
+                await s.chat(MESSAGES)
+            await s.chat(MESSAGES)
+            periods.append(trio.current_time() - t0)
+    assert all(5 <= p <= 10 for p in periods) and len(set(periods)) == 8
+
+
+async def test_a_flapping_source_gets_traffic_again_within_30_s(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The breaker timeline under sparse traffic: one source answers 503 for 60 s, then
+    recovers; one request every 4 s; the other source is healthy.  With the default
+    breaker (5 s, doubling, capped at 20 s, jittered), a probe due first in the picking
+    order and failures that fade with time, it is back in use within 30 s of
+    recovering, whatever the jitter and the picking draws."""
+    down_until = 60.0
+
+    def primary(request: Any, rng: random.Random) -> Reply:
+        return Reply(status=503) if request.started_at < down_until else Reply()
+
+    for seed in range(6):
+        a = FakeUpstream(primary)
+        b = FakeUpstream(Reply())
+        settings = _settings()  # equal weights: health and the breaker decide
+        served_by_a_at = []
+        async with polygate.session(settings, transport=Router({"a": a, "b": b}),
+                                    rng=random.Random(seed)) as s:
+            start = trio.current_time()
+            while trio.current_time() - start < 150:
+                r = await s.chat(MESSAGES)
+                if r.source == "a":
+                    served_by_a_at.append(trio.current_time() - start)
+                await trio.sleep_until(start + 4 * (1 + int((trio.current_time() - start) // 4)))
+        back = [t for t in served_by_a_at if t >= down_until]
+        assert back and back[0] - down_until <= 30, (seed, back[:3])
+        # and once back it carries its share again (equal weights: about half)
+        assert len(back) >= 0.25 * (150 - back[0]) / 4, (seed, back)
+
+
+@pytest.mark.parametrize("interval", [4.0, 0.25])
+async def test_a_source_recovering_after_a_failed_probe_waits_at_most_the_cap(
+    autojump_clock: trio.testing.MockClock, interval: float
+) -> None:
+    """The worst moment to recover is just after a failed probe.  The primary (preferred
+    by weight) fails its first 7 requests — 5 open the breaker, 2 probes fail — and is
+    healthy from then on; requests every 4 s (sparse) or 0.25 s (steady load).  The
+    next probe comes at most one open period (``max_open_s``, 20 s) + one request
+    interval later: within 30 s of recovering, where a fixed 30 s re-open period takes
+    up to 34 s."""
+    for seed in range(6):
+        seen: list[float] = []
+
+        def primary(request: Any, rng: random.Random, seen: list[float] = seen) -> Reply:
+            seen.append(request.started_at)
+            return Reply(status=503) if len(seen) <= 7 else Reply()
+
+        a = FakeUpstream(primary)
+        settings = _settings(weights={"a": 1.0, "b": 1e-9})
+        async with polygate.session(settings, transport=Router({"a": a, "b": FakeUpstream(Reply())}),
+                                    rng=random.Random(seed)) as s:
+            start = trio.current_time()
+            while len(seen) < 9 and trio.current_time() - start < 300:
+                await s.chat(MESSAGES)
+                tick = 1 + int((trio.current_time() - start) // interval)
+                await trio.sleep_until(start + interval * tick)
+        recovered_at, next_probe = seen[6], seen[7]
+        assert next_probe - recovered_at <= 20 + interval + 1e-6, (seed, seen)
 
 
 @pytest.mark.parametrize("reply", [Reply(status=429, retry_after_s=0.1), Reply(status=400)])

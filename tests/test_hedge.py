@@ -161,7 +161,8 @@ async def test_open_breaker_refuses_the_hedge(autojump_clock: trio.testing.MockC
     a = FakeUpstream(Reply(first_token_s=20))
     b = FakeUpstream(Reply(status=500))
     settings = _settings(source_kw={"a": {"weight": 1e-9}, "b": {"weight": 1.0}},
-                         retry=polygate.Retry(max_attempts=1))
+                         retry=polygate.Retry(max_attempts=1),
+                         breaker=polygate.Breaker(open_s=30, max_open_s=30))  # past the 8 s trigger
     async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
         for _ in range(5):  # five consecutive failures open b's breaker
             with pytest.raises(polygate.AllSourcesExhausted):
@@ -341,3 +342,20 @@ async def test_every_attempt_carries_the_logical_call_id(
         r = await s.chat(MESSAGES)
     ids = {req.headers["x-polygate-call-id"] for req in a.requests + b.requests}
     assert ids == {r.call_stats.logical_call_id}
+
+
+async def test_budget_refusals_count_calls_not_rechecks(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A hung primary re-checks its trigger every after_s; an empty budget refuses
+    each re-check, but the counter counts the call once (it is named for calls)."""
+    a = FakeUpstream(Reply(first_token_s=90))
+    b = FakeUpstream(Reply(first_token_s=90))
+    hedge = polygate.Hedge(after_s=8, budget_burst=1, budget_ratio=0.0)
+    settings = _settings(hedge=hedge, source_kw={"b": {"weight": 1e-9}})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        first = await s.chat(MESSAGES)   # takes the only token
+        second = await s.chat(MESSAGES)  # refused at 8, 16, …, 88 s: eleven re-checks
+        stats = await s.statistics()
+    assert (first.call_stats.hedges, second.call_stats.hedges) == (1, 0)
+    assert stats.governance.hedges_suppressed_by_budget["chat"] == 1

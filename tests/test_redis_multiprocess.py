@@ -403,6 +403,8 @@ def _worker_settings(cmd: dict[str, Any]) -> Any:
             sources=[polygate.Source(name="a", base_url=cmd["upstream"], timeout_s=30, **cmd.get("source", {}))],
             call_deadline_s=cmd.get("deadline", 10.0),
             retry=polygate.Retry(backoff_base_s=0.01, backoff_max_s=0.05),
+            # open long enough that no probe happens while a test looks
+            breaker=polygate.Breaker(open_s=30, max_open_s=30),
         )},
         backend=cmd["backend"],
     )

@@ -51,3 +51,11 @@ def test_shift_invariant(chunks: list[float], shift: float) -> None:
     a = stall_stats(chunks, 2000)
     b = stall_stats([t + shift for t in chunks], 2000)
     assert a.stall_count == b.stall_count
+
+
+def test_a_gap_equal_to_the_threshold_is_not_a_stall_despite_float_noise() -> None:
+    # 10.3 - 8.3 == 2.0000000000000018 in floating point: still exactly the threshold.
+    s = stall_stats([8.3, 10.3], 2000)
+    assert (s.stall_count, s.stall_ms) == (0, 0.0)
+    s = stall_stats([8.3, 10.3011], 2000)  # a millisecond over: a stall
+    assert s.stall_count == 1

@@ -340,7 +340,9 @@ async def test_many_calls_all_flushed_on_exit(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     db = tmp_path / "t.db"
-    settings = _with_telemetry(two_source_settings(), db)
+    # The close bound is real time; on a loaded CI machine 600 rows can take longer
+    # than the default 5 s.  This test is about completeness, not the bound.
+    settings = _with_telemetry(two_source_settings(), db, telemetry_close_timeout_s=60.0)
     router = Router({"a": FakeUpstream(Reply(first_token_s=0.2)), "b": FakeUpstream(Reply())})
     async with polygate.session(settings, transport=router) as s:
         async with trio.open_nursery() as nursery:
@@ -367,3 +369,21 @@ async def test_a_cancelled_session_still_flushes(tmp_path: Path) -> None:
     calls = _rows(db, "calls")
     assert len(calls) == 6
     assert calls[-1]["outcome"] == "cancelled"
+
+
+async def test_pipeline_bounds_are_settings(tmp_path: Path) -> None:
+    """Review debt: the pipeline's queue, batch and timeouts come from Settings (and so
+    from TOML and POLYGATE__TELEMETRY_* keys), not from constants."""
+    settings = attrs.evolve(
+        _with_telemetry(two_source_settings(names=("a",)), tmp_path / "t.db"),
+        telemetry_queue=3, telemetry_batch=2, telemetry_write_timeout_s=7.0,
+        telemetry_close_timeout_s=1.0,
+    )
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        pipeline = s._telemetry.pipeline if s._telemetry is not None else None
+        assert pipeline is not None
+        assert (pipeline.capacity, pipeline.max_batch) == (3, 2)
+        assert (pipeline.write_timeout_s, pipeline.shutdown_timeout_s) == (7.0, 1.0)
+        assert (await s.statistics()).telemetry.capacity == 3
+    env = {"POLYGATE__CHAT__A__BASE_URL": "http://a/v1", "POLYGATE__TELEMETRY_QUEUE": "50"}
+    assert polygate.Settings.from_env(env).telemetry_queue == 50

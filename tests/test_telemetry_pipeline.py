@@ -276,3 +276,27 @@ async def test_every_row_is_written_or_dropped(
     assert stats.written + stats.dropped == 2 * calls
     assert sum(len(b) for b in sink.batches) == stats.written
     assert sink.closed
+
+
+async def test_a_sink_that_fails_to_close_never_replaces_the_sessions_result(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review, suspicious point 3: closing the sink fails (disk full at the final
+    checkpoint).  The session's body result stands — its own exception, or a clean
+    exit — and the failure is reported in the statistics and the log."""
+
+    class BadClose(ListSink):
+        def close(self) -> None:
+            raise OSError("disk full")
+
+    _use(monkeypatch, BadClose())
+    router = Router({"a": FakeUpstream(Reply()), "b": FakeUpstream(Reply())})
+    with pytest.raises(LookupError, match="the body's own"):
+        async with polygate.session(two_source_settings(), transport=router) as s:
+            await s.chat(MESSAGES)
+            raise LookupError("the body's own")
+    async with polygate.session(two_source_settings(), transport=router) as s:
+        await s.chat(MESSAGES)
+    stats = (await s.statistics()).telemetry
+    assert stats.written == 2 and stats.last_error is not None and "disk full" in stats.last_error
+    assert any("disk full" in r.getMessage() for r in caplog.records)

@@ -1,7 +1,9 @@
 """``polygate check-config``: load the configuration a session would use and show it.
 
 Prints every resolved setting (defaults included) with secrets masked, and any
-:class:`ConfigWarning`.  Exit status 0 when the configuration is valid, 2 with the
+:class:`ConfigWarning`.  It refuses exactly what ``polygate.session()`` refuses before
+connecting anything (:func:`~polygate._config_preflight.preflight`): Redis URL options
+and the coredis package, the telemetry sink's kind and driver.  It connects to nothing.  Exit status 0 when the configuration is valid, 2 with the
 :class:`ConfigError` message on stderr (no traceback) when it is not — so it can run
 in CI or a container's start script before the application does.
 """
@@ -17,6 +19,7 @@ from typing import Any
 
 from .._config import ConfigWarning, Settings
 from .._config_load import describe, load_settings, locate_config, settings_from_toml
+from .._config_preflight import preflight
 from .._errors import ConfigError
 
 __all__ = ["add_parser", "run"]
@@ -61,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(path: str | None) -> Settings:
-    return settings_from_toml(path) if path else load_settings()
+    settings = settings_from_toml(path) if path else load_settings()
+    preflight(settings)  # what session() refuses before connecting, refused here too
+    return settings
 
 
 def _table(described: dict[str, Any]) -> str:
@@ -75,6 +80,8 @@ def _rows(node: Any, path: str) -> Iterator[tuple[str, str]]:
     if isinstance(node, dict):
         for key, value in node.items():
             yield from _rows(value, f"{path}.{key}" if path else key)
+    elif isinstance(node, list) and all(isinstance(item, str) for item in node):
+        yield path, ", ".join(node) or "-"
     elif isinstance(node, list):
         for item in node:
             rest = {k: v for k, v in item.items() if k != "name"}

@@ -1,4 +1,5 @@
-"""``polygate demo``: the issue-#24 incident, replayed with and without hedging.
+"""``polygate demo``: the queue-hang incident (``docs/incident.md``), replayed with and
+without hedging.
 
 Runs in virtual time on the built-in fake upstream (a few seconds of wall time for
 thousands of virtual seconds), or with ``--real-time`` scaled down ÷10 on real
@@ -21,7 +22,8 @@ def add_parser(
 ) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "demo",
-        help="replay the issue-#24 incident on the built-in fake upstream, hedging off and on",
+        help="replay the queue-hang incident (docs/incident.md) on the built-in fake upstream, "
+             "hedging off and on",
         description=__doc__,
     )
     parser.add_argument("--calls", type=int, default=200, help="logical calls per configuration")
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
     scale = 0.1 if args.real_time else 1.0
     print(
-        f"issue #24 replay: {args.calls} calls per configuration, concurrency {args.concurrency};\n"
+        f"queue-hang incident replay (docs/incident.md): {args.calls} calls per configuration, "
+        f"concurrency {args.concurrency};\n"
         f"source a hangs 90-96 s before its first token on 25 % of calls, b is healthy;\n"
         f"10 % of calls are long healthy generations (1,500-3,000 tokens at 40 tokens/s)."
     )
@@ -153,6 +156,6 @@ def _plot(results: Mapping[str, Sequence[Any]], path: str, scale: float) -> int:
         print("error: --plot needs matplotlib: pip install 'polygate[plot]'", file=sys.stderr)
         return 1
     xlabel = "call latency, s" + (" (scaled ÷10)" if scale != 1.0 else "")
-    plot_cdf(results, path, title="issue #24 replay: latency CDF", xlabel=xlabel)
+    plot_cdf(results, path, title="queue-hang incident replay: latency CDF", xlabel=xlabel)
     print(f"wrote {path}")
     return 0

@@ -1,4 +1,4 @@
-"""Replaying the issue-#24 incident on the built-in fake upstream.
+"""Replaying the queue-hang incident (``docs/incident.md``) on the built-in fake upstream.
 
 Shared by ``polygate demo`` and ``benchmarks/tail_replay.py``.  Two equivalent sources:
 ``a`` hangs before its first token on ``hang_p`` of the calls (90–96 s, the incident's

@@ -221,7 +221,7 @@ def render(report: dict[str, Any]) -> str:
     out += ["", "Hedging"]
     out.append(f"  hedged calls: {h['hedged_calls']} ({_p(h['hedge_rate_pct'])}), {h['hedges']} hedges sent")
     out.append(f"  won by the hedge: {h['hedge_wins']} ({_p(h['hedge_win_rate_pct'])} of hedged calls)")
-    out.append(f"  suppressed by the budget: {h['suppressed_by_budget']} (session totals)")
+    out.append(f"  hedges suppressed by the budget: {h['suppressed_by_budget']} calls (session totals)")
 
     a = report["attempts_per_call"]
     histogram = ", ".join(f"{k}: {v}" for k, v in a["histogram"].items())

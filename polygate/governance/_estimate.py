@@ -24,25 +24,47 @@ class TokenEstimator(Protocol):
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]]) -> int: ...
 
 
-def _message_text(message: Mapping[str, Any]) -> str:
+# An image part is not its bytes: a base64 data URI of a page would "cost" hundreds of
+# thousands of tokens by its length.  Vision models bill an image by its size, about
+# 765 tokens for a 1024×1024 image in high detail on OpenAI's models.
+_PER_IMAGE = 765
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "input_audio", "file"})
+
+
+def _message_parts(message: Mapping[str, Any]) -> tuple[str, int]:
+    """The text a message carries (content, tool calls, names…) and its media parts.
+    Non-string content counts too: content-part lists by their text, anything else by
+    its JSON, so tool calls and structured content never reserve 0 tokens."""
     parts: list[str] = []
+    media = 0
     for key, value in message.items():
         if key == "role":
             continue  # counted in the per-message overhead
         if isinstance(value, str):
             parts.append(value)
+        elif key == "content" and isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind in _MEDIA_PARTS:
+                    media += 1
+                elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+                elif part is not None:
+                    parts.append(json.dumps(part, ensure_ascii=False, default=str))
         elif value is not None:
             parts.append(json.dumps(value, ensure_ascii=False, default=str))
-    return " ".join(parts)
+    return " ".join(parts), media
 
 
 class CharEstimator:
-    """``len(text) / 4`` rounded up, plus a per-message overhead."""
+    """``len(text) / 4`` rounded up, plus a per-message overhead and a flat cost per
+    image (or other media) part."""
 
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]]) -> int:
         total = 3
         for message in messages:
-            total += _PER_MESSAGE + (len(_message_text(message)) + 3) // 4
+            text, media = _message_parts(message)
+            total += _PER_MESSAGE + (len(text) + 3) // 4 + media * _PER_IMAGE
         return total
 
 
@@ -53,7 +75,9 @@ class TiktokenEstimator:
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]]) -> int:
         total = 3
         for message in messages:
-            total += _PER_MESSAGE + len(self._encoding.encode(_message_text(message), disallowed_special=()))
+            text, media = _message_parts(message)
+            total += _PER_MESSAGE + media * _PER_IMAGE
+            total += len(self._encoding.encode(text, disallowed_special=()))
         return total
 
 

@@ -1,6 +1,6 @@
 """The governor: picking, admission with waiting, settlement, hedge budget.
 
-It turns an attempt's end into the accounting rules of SPEC §3, in one table
+It turns an attempt's end into the accounting rules (``docs/admission.md``), in one table
 (:data:`SETTLE_RULES`), and leaves the shared state to the backend.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from .._config import Settings
+from .._config import Breaker, Settings
 from .._errors import Outcome
 from ._backend import GovernanceBackend
 from ._estimate import TokenEstimator, default_estimator
@@ -32,7 +32,8 @@ from ._picking import Health, HealthStats, pick_order, reference_latency
 
 __all__ = ["Governor", "GovernanceStatistics", "NoAdmission", "SETTLE_RULES", "SourceStatistics"]
 
-# outcome -> (tokens recorded: "usage" | "estimate" | "zero", breaker feedback)
+# outcome -> (tokens recorded: "usage" | "estimate" (the usage when an attempt that
+# lost had reported it) | "zero", breaker feedback)
 SETTLE_RULES: Mapping[Outcome, tuple[str, Feedback]] = {
     Outcome.OK: ("usage", Feedback.SUCCESS),
     Outcome.TRANSIENT: ("estimate", Feedback.FAILURE),
@@ -46,6 +47,9 @@ SETTLE_RULES: Mapping[Outcome, tuple[str, Feedback]] = {
 }
 
 DEFAULT_RATE_LIMIT_COOLDOWN_S = 1.0
+# The floor of a 429's cooldown, whatever Retry-After says: the period of the loop
+# that retries rate-limited rounds (they are free of max_attempts).
+MIN_RATE_LIMIT_COOLDOWN_S = 0.1
 _MIN_WAIT_S = 0.001
 _NEVER = frozenset({RefusalReason.TOO_LARGE})
 
@@ -72,6 +76,14 @@ class GovernanceStatistics:
     hedges_suppressed_by_budget: Mapping[str, int]
 
 
+def _policy(breaker: Breaker) -> BreakerPolicy:
+    return BreakerPolicy(
+        failures=breaker.failures, open_s=breaker.open_s, failure_rate=breaker.failure_rate,
+        rate_window=breaker.rate_window, rate_min_calls=breaker.rate_min_calls,
+        max_open_s=breaker.max_open_s, probes=breaker.probes,
+    )
+
+
 class Governor:
     def __init__(
         self,
@@ -85,11 +97,16 @@ class Governor:
         self._settings = settings
         self.backend = backend
         self._rng = rng or random.Random()
-        self._breaker = breaker or BreakerPolicy()
+        # One breaker policy per scope (Scope.breaker); ``breaker`` overrides them all.
+        self._breakers = {
+            name: breaker or _policy(scope.breaker) for name, scope in settings.scopes.items()
+        }
         self._estimator = estimator or default_estimator()
         self._health: dict[tuple[str, str], Health] = {}
         self._limits: dict[tuple[str, str], SourceLimits] = {}
         self._suppressed: dict[str, int] = {}
+        # (scope, source) -> when its open breaker half-opens, as a refusal reported it
+        self._probe_due: dict[tuple[str, str], float] = {}
         for scope_name, scope in settings.scopes.items():
             for source in scope.sources:
                 key = (scope_name, source.name)
@@ -113,8 +130,13 @@ class Governor:
         healths = [self._health[(scope_name, s.name)] for s in scope.sources]
         ref = reference_latency(healths)
         names = [s.name for s in scope.sources]
-        weights = [s.weight * h.score(ref) for s, h in zip(scope.sources, healths, strict=True)]
-        return pick_order(names, weights, self._rng, exclude=exclude, demote=demote)
+        now = self.backend.now()
+        weights = [s.weight * h.score(ref, now) for s, h in zip(scope.sources, healths, strict=True)]
+        # A breaker whose open period is over is probed first: one real request tells
+        # whether the source recovered, and without it a source that failed (and so has
+        # a low score) would wait long for traffic.
+        due = [n for n in names if self._probe_due.get((scope_name, n), math.inf) <= now]
+        return pick_order(names, weights, self._rng, exclude=exclude, demote=demote, first=due)
 
     async def try_admit(
         self, scope_name: str, tokens: int, *, exclude: Collection[str] = (), demote: Sequence[str] = ()
@@ -122,11 +144,16 @@ class Governor:
         """One pass over the candidates in picking order; the first grant wins."""
         refusals: list[Refusal] = []
         for name in self.order(scope_name, exclude=exclude, demote=demote):
-            result = await self.backend.admit(
-                AdmitRequest(scope_name, name, self._limits[(scope_name, name)], tokens, self._breaker)
-            )
+            result = await self.backend.admit(AdmitRequest(
+                scope_name, name, self._limits[(scope_name, name)], tokens,
+                self._breakers[scope_name],
+            ))
+            key = (scope_name, name)
             if isinstance(result, Admission):
+                self._probe_due.pop(key, None)
                 return result
+            if result.reason is RefusalReason.BREAKER_OPEN and result.retry_at is not None:
+                self._probe_due[key] = result.retry_at
             refusals.append(result)
         return refusals
 
@@ -185,37 +212,58 @@ class Governor:
         elif kind == "zero":
             tokens = 0
         else:
-            tokens = None
+            # The estimate stands in for a cost that is unknown; an attempt that lost
+            # after reporting its usage (it finished in the winner's batch) settles that.
+            tokens = usage_tokens
         cooldown = None
         dead = False
         if outcome is Outcome.RATE_LIMITED:
             cooldown = retry_after_s if retry_after_s is not None else DEFAULT_RATE_LIMIT_COOLDOWN_S
+            # "Retry-After: 0" means "now"; honoured literally, a call whose every
+            # source answers 429 at once would retry in a loop with no period.
+            cooldown = max(cooldown, MIN_RATE_LIMIT_COOLDOWN_S)
         elif retry_after_s is not None and outcome is Outcome.TRANSIENT:
             cooldown = retry_after_s  # a 503 with Retry-After: the server said when
         elif outcome is Outcome.DEAD:
             cooldown = self._settings.dead_cooldown_s
             dead = True
-        await self.backend.settle(
-            SettleRequest(admission, tokens, feedback, self._breaker, sent, cooldown, dead)
-        )
+        await self.backend.settle(SettleRequest(
+            admission, tokens, feedback, self._breakers[admission.scope], sent, cooldown, dead,
+            # Equal jitter on any open period this settle starts: processes sharing a
+            # backend, and sources that failed together, do not re-probe in step.
+            jitter=0.5 + 0.5 * self._rng.random() if feedback is Feedback.FAILURE else 1.0,
+        ))
         health = self._health.get((admission.scope, admission.source))
         if health is not None:
+            now = self.backend.now()
+            if feedback is Feedback.SUCCESS and admission.probe:
+                health.recovered(now)
             if feedback is Feedback.SUCCESS and latency_s is not None:
-                health.success(latency_s)
+                health.success(latency_s, now)
             elif feedback is Feedback.FAILURE:
-                health.failed()
+                health.failed(now)
         if not sent:
             return 0
         return admission.tokens if tokens is None else tokens
 
     # ------------------------------------------------------------------ hedge budget
 
-    async def take_hedge_token(self, scope_name: str) -> bool:
+    async def take_hedge_token(self, scope_name: str, *, count_refusal: bool = True) -> bool:
+        """Take one token from the scope's hedge budget.  A refusal is counted in
+        ``hedges_suppressed_by_budget`` only with ``count_refusal``: the round passes
+        False once its call has been counted, so the counter counts calls denied a
+        hedge, not the trigger's re-checks."""
         burst = self._settings.scopes[scope_name].hedge.budget_burst
         if await self.backend.budget_take(scope_name, burst):
             return True
-        self._suppressed[scope_name] = self._suppressed.get(scope_name, 0) + 1
+        if count_refusal:
+            self._suppressed[scope_name] = self._suppressed.get(scope_name, 0) + 1
         return False
+
+    async def refund_hedge_token(self, scope_name: str) -> None:
+        """Give back a token taken for a hedge that was not launched after all."""
+        burst = self._settings.scopes[scope_name].hedge.budget_burst
+        await self.backend.budget_refill(scope_name, 1.0, burst)
 
     async def refill_hedge_budget(self, scope_name: str) -> None:
         hedge = self._settings.scopes[scope_name].hedge
@@ -231,6 +279,6 @@ class Governor:
             ref = reference_latency(healths)
             for source, health in zip(scope.sources, healths, strict=True):
                 state = await self.backend.snapshot(scope_name, source.name)
-                records.append(SourceStatistics(state, health.stats(ref)))
+                records.append(SourceStatistics(state, health.stats(ref, self.backend.now())))
             budgets[scope_name] = await self.backend.budget_level(scope_name, scope.hedge.budget_burst)
         return GovernanceStatistics(tuple(records), budgets, dict(self._suppressed))

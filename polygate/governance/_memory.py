@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 
 import trio
 
@@ -38,18 +39,22 @@ WINDOW_S = 60.0
 
 
 class _Entry:
-    __slots__ = ("at", "tokens")
+    __slots__ = ("at", "live", "tokens")
 
     def __init__(self, at: float, tokens: int) -> None:
         self.at = at
         self.tokens = tokens
+        # In the window.  One predicate decides membership — expire() clears this as
+        # it pops — so settling never re-tests a float boundary that expire() saw
+        # differently (``at + 60 <= now`` and ``at > now - 60`` can both be true).
+        self.live = True
 
 
 class _Source:
     __slots__ = (
         "admissions", "breaker", "consecutive", "cooldown_until", "cost_total", "dead",
-        "in_flight", "open", "opened_at", "outcomes", "probe_out", "released_total",
-        "reserved_total", "settled_total", "window", "window_tokens",
+        "in_flight", "open", "open_for", "opened_at", "outcomes", "probe_out", "probes_ok",
+        "released_total", "reopens", "reserved_total", "settled_total", "window", "window_tokens",
     )
 
     def __init__(self) -> None:
@@ -62,7 +67,10 @@ class _Source:
         self.breaker = BreakerState.CLOSED
         self.consecutive = 0
         self.opened_at = 0.0
+        self.open_for = 0.0  # this opening's period
+        self.reopens = 0  # failed probes in a row: the open period doubles with each
         self.probe_out = False
+        self.probes_ok = 0  # successful probes in a row while half-open
         self.outcomes: collections.deque[bool] = collections.deque()
         self.reserved_total = 0
         self.settled_total = 0
@@ -76,7 +84,9 @@ class _Source:
         # instant, and a waiter woken then would be refused again, forever.
         window = self.window
         while window and window[0].at + WINDOW_S <= now:
-            self.window_tokens -= window.popleft().tokens
+            entry = window.popleft()
+            entry.live = False
+            self.window_tokens -= entry.tokens
 
     def tokens_reserved(self) -> int:
         return sum(estimate for _, estimate in self.open.values())
@@ -115,7 +125,7 @@ class MemoryBackend:
         s.dead = False
         probe = False
         if s.breaker is BreakerState.OPEN:
-            reopen_at = s.opened_at + request.breaker.open_s
+            reopen_at = s.opened_at + s.open_for
             if now < reopen_at:
                 return Refusal(name, RefusalReason.BREAKER_OPEN, reopen_at)
             s.breaker = BreakerState.HALF_OPEN
@@ -161,20 +171,21 @@ class MemoryBackend:
         s.expire(now)
         if not request.sent:
             s.released_total += estimate
-            if entry in s.window:
+            if entry.live:
                 s.window.remove(entry)
+                entry.live = False
                 s.window_tokens -= entry.tokens
         else:
             s.settled_total += estimate
             cost = estimate if request.tokens is None else request.tokens
             s.cost_total += cost
-            if entry.at > now - WINDOW_S and cost != entry.tokens:
+            if entry.live and cost != entry.tokens:
                 s.window_tokens += cost - entry.tokens
             entry.tokens = cost
         if request.cooldown_s is not None and request.cooldown_s > 0:
             s.cooldown_until = max(s.cooldown_until, now + request.cooldown_s)
             s.dead = s.dead or request.dead
-        _feed_breaker(s, request.feedback, request.breaker, admission.probe, now)
+        _feed_breaker(s, request.feedback, request.breaker, admission.probe, now, request.jitter)
         self._notify()
 
     async def snapshot(self, scope: str, source: str) -> SourceSnapshot:
@@ -229,11 +240,14 @@ def _tpm_free_at(s: _Source, tokens: int, tpm: int) -> float:
         freed += entry.tokens
         if freed >= excess:
             return entry.at + WINDOW_S
-    return s.window[-1].at + WINDOW_S if s.window else 0.0
+    # Unreachable while window_tokens is the sum of the window (an estimate larger
+    # than tpm is refused as TOO_LARGE first); never report a time in the past.
+    return s.window[-1].at + WINDOW_S if s.window else math.inf
 
 
 def _feed_breaker(
-    s: _Source, feedback: Feedback, policy: BreakerPolicy, probe: bool, now: float
+    s: _Source, feedback: Feedback, policy: BreakerPolicy, probe: bool, now: float,
+    jitter: float,
 ) -> None:
     """closed -> open -> half_open -> (closed | open); never skips a state."""
     if probe:
@@ -247,14 +261,19 @@ def _feed_breaker(
     if not failed:
         s.consecutive = 0
         if s.breaker is BreakerState.HALF_OPEN and probe:
-            s.breaker = BreakerState.CLOSED
-            s.outcomes.clear()
+            s.probes_ok += 1
+            if s.probes_ok >= policy.probes:
+                s.breaker = BreakerState.CLOSED
+                s.outcomes.clear()
+                s.reopens = 0
+                s.probes_ok = 0
         return
     s.consecutive += 1
     if s.breaker is BreakerState.HALF_OPEN:
         if probe:
-            s.breaker = BreakerState.OPEN
-            s.opened_at = now
+            # The source is still down: wait twice as long as last time (capped).
+            s.reopens += 1
+            _open(s, policy, now, jitter)
         return
     if s.breaker is BreakerState.CLOSED:
         rate_trip = (
@@ -262,5 +281,12 @@ def _feed_breaker(
             and sum(s.outcomes) / len(s.outcomes) > policy.failure_rate
         )
         if s.consecutive >= policy.failures or rate_trip:
-            s.breaker = BreakerState.OPEN
-            s.opened_at = now
+            s.reopens = 0
+            _open(s, policy, now, jitter)
+
+
+def _open(s: _Source, policy: BreakerPolicy, now: float, jitter: float) -> None:
+    s.breaker = BreakerState.OPEN
+    s.opened_at = now
+    s.open_for = policy.open_for(s.reopens, jitter)
+    s.probes_ok = 0

@@ -53,13 +53,22 @@ class RefusalReason(str, enum.Enum):
 class BreakerPolicy:
     """Opens after ``failures`` consecutive failures, or when at least ``rate_min_calls``
     of the last ``rate_window`` outcomes include a share over ``failure_rate``; stays
-    open ``open_s``, then admits one probe (half-open)."""
+    open ``open_s`` (× the settle's jitter), then half-opens: one probe at a time, and
+    ``probes`` successes in a row close it.  A failed probe re-opens it for
+    ``open_s × 2^n`` (n failed probes in a row), capped at ``max_open_s``, × jitter."""
 
     failures: int = 5
-    open_s: float = 30.0
+    open_s: float = 5.0
     failure_rate: float = 0.5
     rate_window: int = 20
     rate_min_calls: int = 10
+    max_open_s: float = 20.0
+    probes: int = 1
+
+    def open_for(self, reopens: int, jitter: float) -> float:
+        """How long to stay open after ``reopens`` failed probes in a row."""
+        nominal = min(self.max_open_s, self.open_s * 2.0 ** min(reopens, 30))
+        return nominal * jitter
 
 
 @attrs.frozen
@@ -106,6 +115,7 @@ class SettleRequest:
     ``tokens``: the real cost to record; ``None`` keeps the reserved estimate.
     ``sent=False`` voids the reservation (the request never left).
     ``cooldown_s``: cool the source down (429's Retry-After, a dead source).
+    ``jitter``: the factor on the open period, if this settle opens the breaker.
     """
 
     admission: Admission
@@ -115,6 +125,9 @@ class SettleRequest:
     sent: bool = True
     cooldown_s: float | None = None
     dead: bool = False
+    # Multiplies the open period if this settle opens the breaker: in [0.5, 1], drawn
+    # by the caller (so that processes sharing a backend do not re-probe in step).
+    jitter: float = 1.0
 
 
 @attrs.frozen

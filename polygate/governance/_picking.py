@@ -16,6 +16,10 @@ import attrs
 __all__ = ["Health", "HealthStats", "pick_order"]
 
 _ALPHA = 0.2  # EWMA weight of the newest sample: ~ the last 10 outcomes matter
+# Failures are forgotten with time too, not only by later successes: a source that was
+# failing gets few requests, so without this its score would stay at the floor long
+# after it recovered (and its breaker would rarely be probed).
+_FAILURE_HALF_LIFE_S = 10.0
 
 
 @attrs.frozen
@@ -26,34 +30,51 @@ class HealthStats:
 
 
 class Health:
-    """EWMA latency (successes only) and failure rate of one source."""
+    """EWMA latency (successes only) and failure rate of one source; the failure rate
+    halves every ``_FAILURE_HALF_LIFE_S`` seconds without news."""
 
-    __slots__ = ("failure", "latency")
+    __slots__ = ("_failure", "_failure_at", "latency")
 
     def __init__(self) -> None:
         self.latency: float | None = None
-        self.failure = 0.0
+        self._failure = 0.0
+        self._failure_at = 0.0
 
-    def success(self, latency_s: float) -> None:
-        self.failure *= 1 - _ALPHA
+    def failure(self, now: float) -> float:
+        if self._failure == 0.0:
+            return 0.0
+        elapsed = max(now - self._failure_at, 0.0)
+        return self._failure * math.pow(2.0, -elapsed / _FAILURE_HALF_LIFE_S)
+
+    def _set_failure(self, value: float, now: float) -> None:
+        self._failure = value if value > 1e-6 else 0.0
+        self._failure_at = now
+
+    def success(self, latency_s: float, now: float = 0.0) -> None:
+        self._set_failure(self.failure(now) * (1 - _ALPHA), now)
         if self.latency is None:
             self.latency = latency_s
         else:
             self.latency += _ALPHA * (latency_s - self.latency)
 
-    def failed(self) -> None:
-        self.failure += _ALPHA * (1.0 - self.failure)
+    def failed(self, now: float = 0.0) -> None:
+        failure = self.failure(now)
+        self._set_failure(failure + _ALPHA * (1.0 - failure), now)
 
-    def score(self, reference_latency: float | None) -> float:
+    def recovered(self, now: float) -> None:
+        """Its breaker's probe succeeded: the failures are history."""
+        self._set_failure(0.0, now)
+
+    def score(self, reference_latency: float | None, now: float = 0.0) -> float:
         """In (0, 1]: 1 for a source that never failed and is no slower than the
         reference; a floor keeps every source pickable so it can recover."""
-        ok = max(0.05, 1.0 - self.failure)
+        ok = max(0.05, 1.0 - self.failure(now))
         if self.latency is None or not reference_latency:
             return ok
         return ok * min(1.0, reference_latency / max(self.latency, 1e-6))
 
-    def stats(self, reference_latency: float | None) -> HealthStats:
-        return HealthStats(self.latency, self.failure, self.score(reference_latency))
+    def stats(self, reference_latency: float | None, now: float = 0.0) -> HealthStats:
+        return HealthStats(self.latency, self.failure(now), self.score(reference_latency, now))
 
 
 def reference_latency(healths: Collection[Health]) -> float | None:
@@ -68,10 +89,12 @@ def pick_order(
     *,
     exclude: Collection[str] = (),
     demote: Collection[str] = (),
+    first: Collection[str] = (),
 ) -> list[str]:
     """A weighted random permutation (Efraimidis–Spirakis keys ``u ** (1 / w)``) of the
-    names not excluded; names in ``demote`` come after all others, in the order they
-    failed (least recently failed first)."""
+    names not excluded; names in ``first`` (breakers due for a probe) lead, names in
+    ``demote`` come after all others, in the order they failed (least recently failed
+    first)."""
     fresh: list[tuple[float, str]] = []
     for name, weight in zip(names, weights, strict=True):
         if name in exclude or name in demote:
@@ -80,6 +103,7 @@ def pick_order(
         key = math.log(u) / weight if u > 0 else -math.inf
         fresh.append((key, name))
     fresh.sort(reverse=True)
-    order = [name for _, name in fresh]
+    order = [name for _, name in fresh if name in first]
+    order += [name for _, name in fresh if name not in first]
     order += [name for name in demote if name in names and name not in exclude]
     return order

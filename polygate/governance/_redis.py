@@ -476,6 +476,8 @@ class RedisBackend:
             _FEEDBACK[request.feedback], int(cooldown * 1e6), 1 if request.dead else 0,
             policy.failures, repr(float(policy.failure_rate)), policy.rate_window,
             policy.rate_min_calls, self._window_us, self._ttl_ms,
+            int(policy.open_s * 1e6), int(policy.max_open_s * 1e6), policy.probes,
+            repr(float(request.jitter)),
         ]
 
     async def snapshot(self, scope: str, source: str) -> SourceSnapshot:

@@ -141,7 +141,7 @@ if redis.call('HEXISTS', K_OPEN, member) == 1 then
   return {1, again, now, version()}
 end
 
-local s = redis.call('HMGET', K_STATE, 'cu', 'dd', 'br', 'oa', 'pr')
+local s = redis.call('HMGET', K_STATE, 'cu', 'dd', 'br', 'oa', 'pr', 'op')
 local cu = tonumber(s[1]) or 0
 if cu > now then
   local reason = 'cooling_down'
@@ -153,7 +153,7 @@ if s[2] == '1' then redis.call('HSET', K_STATE, 'dd', '0') end
 local br = s[3] or 'c'
 local probe = 0
 if br == 'o' then
-  local reopen = (tonumber(s[4]) or 0) + open_us
+  local reopen = (tonumber(s[4]) or 0) + (tonumber(s[6]) or open_us)
   if now < reopen then return {0, 'breaker_open', reopen, now, version()} end
   br = 'h'
   redis.call('HSET', K_STATE, 'br', 'h', 'pr', '')
@@ -209,7 +209,7 @@ return {1, probe, now, version()}
 
 # ARGV: member, sent (1/0), tokens (-1: keep the estimate), feedback (s/f/n),
 # cooldown_us (0: none), dead (1/0), failures, failure_rate, rate_window,
-# rate_min_calls, window_us, key_ttl_ms.
+# rate_min_calls, window_us, key_ttl_ms, open_us, max_open_us, probes, jitter.
 # Returns {settled (1/0), now, version}.
 SETTLE = _PRELUDE + r"""
 local member = ARGV[1]
@@ -218,6 +218,8 @@ local cooldown_us, dead = tonumber(ARGV[5]), ARGV[6] == '1'
 local failures, rate = tonumber(ARGV[7]), tonumber(ARGV[8])
 local rate_window, rate_min = tonumber(ARGV[9]), tonumber(ARGV[10])
 local window_us, ttl_ms = tonumber(ARGV[11]), tonumber(ARGV[12])
+local open_us, max_open_us = tonumber(ARGV[13]), tonumber(ARGV[14])
+local probes, jitter = tonumber(ARGV[15]), tonumber(ARGV[16])
 local now = now_us()
 purge(now, ttl_ms)
 
@@ -256,6 +258,13 @@ if cooldown_us > 0 then
 end
 
 -- The breaker: closed -> open -> half_open -> (closed | open); never skips a state.
+-- Opening sets 'op', this opening's period: open_us * 2^rn (rn: failed probes in a
+-- row), capped at max_open_us, times the caller's jitter (the memory backend's rule).
+local function open_breaker(reopens)
+  local nominal = math.min(max_open_us, open_us * (2 ^ math.min(reopens, 30)))
+  redis.call('HSET', K_STATE, 'br', 'o', 'oa', now, 'rn', reopens,
+             'op', math.floor(nominal * jitter), 'pk', 0)
+end
 if probe then redis.call('HSET', K_STATE, 'pr', '') end
 if fb ~= 'n' then
   local failed = fb == 'f'
@@ -266,17 +275,20 @@ if fb ~= 'n' then
   if not failed then
     redis.call('HSET', K_STATE, 'cf', 0)
     if br == 'h' and probe then
-      redis.call('HSET', K_STATE, 'br', 'c')
-      oc = ''
+      local ok = redis.call('HINCRBY', K_STATE, 'pk', 1)
+      if ok >= probes then
+        redis.call('HSET', K_STATE, 'br', 'c', 'rn', 0, 'pk', 0)
+        oc = ''
+      end
     end
   else
     local cf = redis.call('HINCRBY', K_STATE, 'cf', 1)
     if br == 'h' then
-      if probe then redis.call('HSET', K_STATE, 'br', 'o', 'oa', now) end
+      if probe then open_breaker((tonumber(redis.call('HGET', K_STATE, 'rn')) or 0) + 1) end
     elseif br == 'c' then
       local _, fails = string.gsub(oc, '1', '')
       local trip = #oc >= rate_min and fails / #oc > rate
-      if cf >= failures or trip then redis.call('HSET', K_STATE, 'br', 'o', 'oa', now) end
+      if cf >= failures or trip then open_breaker(0) end
     end
   end
   redis.call('HSET', K_STATE, 'oc', oc)

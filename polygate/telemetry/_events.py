@@ -92,8 +92,8 @@ class SessionEvent(NamedTuple):
     """A session's running totals: the ``sessions`` row, upserted now and then.
 
     It carries what no call row can: rows this session dropped (a lower bound on what
-    the tables are missing) and the hedges the budget suppressed, per scope, as a JSON
-    object.
+    the tables are missing) and, per scope as a JSON object, the calls the hedge budget
+    denied a hedge (each call counted once, however often its trigger re-checked).
     """
 
     session_id: str
@@ -104,7 +104,7 @@ class SessionEvent(NamedTuple):
     polygate_version: str
     rows_written: int
     rows_dropped: int
-    hedges_suppressed: str  # JSON object: scope -> count
+    hedges_suppressed: str  # JSON object: scope -> calls denied a hedge by the budget
 
 
 Event = CallEvent | AttemptEvent

@@ -34,7 +34,7 @@ from .._types import CallStats, Usage
 from ._recorder import TelemetryRecorder
 from ._sink import OFF, Pipeline, Sink, TelemetryStatistics, _GovernanceLike, real_time_bound
 
-__all__ = ["Telemetry", "open_sink", "open_telemetry"]
+__all__ = ["Telemetry", "check_sink", "open_sink", "open_telemetry"]
 
 logger = logging.getLogger("polygate.telemetry")
 
@@ -92,30 +92,46 @@ class _Both:
         self._b.call(ctx, stats, usage, error, output)
 
 
+def check_sink(url: str) -> str:
+    """What can be known of a ``telemetry`` setting without opening it: its kind
+    (``"off"``, ``"sqlite"`` or ``"postgresql"``), and that the driver it needs is
+    installed.  :func:`open_sink` starts with it, and ``polygate check-config`` runs
+    it alone, so the two cannot disagree."""
+    if url == "off":
+        return "off"
+    try:
+        scheme = urlsplit(url).scheme
+    except ValueError:
+        scheme = ""
+    if scheme == "sqlite":
+        return "sqlite"
+    if scheme in ("postgresql", "postgres"):
+        from ._postgres import _psycopg
+
+        _psycopg()
+        return "postgresql"
+    raise ConfigError(
+        f"telemetry: unknown sink {mask_url(url)!r}; use 'off', sqlite:///path or postgresql://…"
+    )
+
+
 async def open_sink(url: str) -> Sink | None:
     """The sink a ``telemetry`` setting names, opened (``None`` for ``"off"``).
 
     Opening runs in a worker thread, bounded by :data:`OPEN_TIMEOUT_S` of real time;
     every failure is a :class:`ConfigError` whose message shows the URL masked.
     """
-    if url == "off":
+    kind = check_sink(url)
+    if kind == "off":
         return None
-    try:
-        scheme = urlsplit(url).scheme
-    except ValueError:
-        scheme = ""
-    if scheme == "sqlite":
+    if kind == "sqlite":
         from ._sqlite import SQLiteSink, sqlite_path
 
         path = sqlite_path(url)
         return await _bounded_open(url, lambda: SQLiteSink.open(path))
-    if scheme in ("postgresql", "postgres"):
-        from ._postgres import PostgresSink
+    from ._postgres import PostgresSink
 
-        return await _bounded_open(url, lambda: PostgresSink.open(url))
-    raise ConfigError(
-        f"telemetry: unknown sink {mask_url(url)!r}; use 'off', sqlite:///path or postgresql://…"
-    )
+    return await _bounded_open(url, lambda: PostgresSink.open(url))
 
 
 async def _bounded_open(url: str, opener: Any) -> Sink:
@@ -169,9 +185,15 @@ async def open_telemetry(
 
             session_id = os.urandom(8).hex()
             secrets = settings.secrets()
-            pipeline = Pipeline(
-                sink, session_id=session_id, version=__version__, secrets=secrets,
+            options = {
+                "capacity": settings.telemetry_queue,
+                "max_batch": settings.telemetry_batch,
+                "write_timeout_s": settings.telemetry_write_timeout_s,
+                "shutdown_timeout_s": settings.telemetry_close_timeout_s,
                 **pipeline_options,
+            }
+            pipeline = Pipeline(
+                sink, session_id=session_id, version=__version__, secrets=secrets, **options
             )
             recorders.append(TelemetryRecorder(
                 pipeline.send, pipeline.counters, session_id=session_id,

@@ -1,6 +1,6 @@
 """What ``polygate stats`` computes from a telemetry database (pure, testable).
 
-The questions are the incident's (seed 000, issue #24): where does the time go —
+The questions are the queue-hang incident's (``docs/incident.md``): where does the time go —
 latency quantiles per scope and source, how much of all the time the slowest few
 calls take ("13 % of calls ate 71 %"), waiting versus generating (``total −
 generation``, time to first token, stalls), hedging (rate, win rate, suppressed by
@@ -10,9 +10,9 @@ Definitions match the demo's (``docs/cli.md``): quantiles are nearest-rank over
 ``total_latency_ms`` of every call, failed ones included; the tail share is the summed
 latency of the slowest ⌈x % · calls⌉ calls over the summed latency of all calls.
 
-Hedges suppressed by the budget are not a property of any one call (the call never
-learns a hedge was refused), so they come from the ``sessions`` rows: the totals of
-sessions active in the window, not cut to it.
+Hedges suppressed by the budget (calls the budget denied a hedge, each counted once)
+are counted by the governor, not stored per call, so they come from the ``sessions``
+rows: the totals of sessions active in the window, not cut to it.
 """
 
 from __future__ import annotations

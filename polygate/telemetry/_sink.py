@@ -165,6 +165,11 @@ class Counters:
         self.last_error = redact(text, self.secrets)[:500]
         self.maybe_log()
 
+    def close_failed(self, error: BaseException) -> None:
+        self.write_errors += 1
+        self.last_error = redact(f"closing the sink: {type(error).__name__}: {error}", self.secrets)[:500]
+        logger.warning("polygate telemetry: %s", self.last_error)
+
     def maybe_log(self, *, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now < self._next_log:
@@ -254,6 +259,7 @@ class Pipeline:
         self._running = False
         self._closing = False
         self._governance: _GovernanceLike | None = None
+        self._gathered: list[Event] = []  # taken off the channel, not yet written
         self._next_summary = 0.0
 
     # ------------------------------------------------------------------ flusher
@@ -286,10 +292,13 @@ class Pipeline:
             first = await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             return None
+        # The batch being gathered lives on self, not in a local: a flusher cancelled
+        # while it lingers (the session left by cancellation) leaves it for aclose(),
+        # which writes it or counts it — a row is never lost uncounted.
+        events = self._gathered = [first]
         buffered = self._receive.statistics().current_buffer_used
         if self.linger_s > 0 and buffered < self.max_batch // 2 and not self._closing:
             await trio.sleep(self.linger_s)  # let a quiet session's rows gather
-        events = [first]
         receive_nowait = self._receive.receive_nowait
         while len(events) < self.max_batch:
             try:
@@ -305,6 +314,7 @@ class Pipeline:
         # Whoever accounts for the batch (this write, or aclose giving up on it) takes
         # the in-flight count, so a row is never both written and dropped.
         self._in_flight = len(batch)
+        self._gathered = []
         try:
             with real_time_bound(self.write_timeout_s) as bound:
                 await trio.to_thread.run_sync(
@@ -371,14 +381,25 @@ class Pipeline:
         with real_time_bound(self.shutdown_timeout_s, shield=True) as bound:
             if self._running:
                 await self._stopped.wait()  # the flusher drains the channel, then stops
-            leftovers = self._drain()
+            leftovers = [*self._gathered, *self._drain()]
+            self._gathered = leftovers
             summary = await self._summary(ended=True)
             await self._write(leftovers, summary)
-            await trio.to_thread.run_sync(self.sink.close, abandon_on_cancel=True, limiter=self._limiter)
+            try:
+                await trio.to_thread.run_sync(
+                    self.sink.close, abandon_on_cancel=True, limiter=self._limiter
+                )
+            except Exception as exc:
+                # Telemetry never fails the session: a close that fails (disk full at
+                # the checkpoint) is reported, and the session's own result stands.
+                self.counters.close_failed(exc)
         if bound.cancelled_caught:
             self._flusher_scope.cancel()
             self._interrupt()
-            self.counters.drop_closed(self._take_in_flight() + len(self._drain()))
+            gathered, self._gathered = self._gathered, []
+            self.counters.drop_closed(
+                self._take_in_flight() + len(gathered) + len(self._drain())
+            )
             _close_in_background(self.sink)
         self._receive.close()
         self.counters.maybe_log(force=True)

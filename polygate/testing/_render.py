@@ -396,7 +396,8 @@ class _Chat:
         if self.include_usage:
             usage = _dumps(self.usage(n))
             yield head + f'[],"usage":{usage}}}\n\n'.encode()
-        yield _DONE
+        if r.done:
+            yield _DONE
 
     def _error_event(self) -> bytes:
         code = self.reply.error_event_code

@@ -152,6 +152,9 @@ class Reply:
     oversized_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_non_negative)
     stream: bool | None = None
     usage: bool = True
+    # False: the stream ends after its finish (and usage) chunk without ``[DONE]``
+    # (complete all the same: the finish_reason says so).
+    done: bool = True
     finish_reason: str = "stop"
     model: str | None = None
     embedding_dim: int | None = attrs.field(

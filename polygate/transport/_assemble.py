@@ -3,7 +3,7 @@
 Pure and synchronous: it is fed parsed chunk dicts and knows nothing of sockets or
 time, so it is tested directly against the recorded provider transcripts.
 
-What counts as a *content token* (SPEC §4) is decided here, in :func:`has_content`:
+What counts as a *content token* (``docs/concepts.md``) is decided here, in :func:`has_content`:
 non-empty ``content``, ``reasoning_content``/``reasoning``, ``refusal`` or
 ``tool_calls`` in any choice's delta.  Role-only and empty deltas, usage-only chunks
 and provider annotations are not content and reset no timer.

@@ -27,6 +27,7 @@ from .._errors import (
     UpstreamError,
     classify_exception,
     classify_status,
+    error_code,
     error_message,
     error_status,
     redact,
@@ -60,6 +61,10 @@ class Timeline:
     chunk_times: array[float] = attrs.Factory(lambda: array("d"))
     status_code: int | None = None
     streamed: bool = False
+    # Time the reader spent held by its caller (a committed stream's slow consumer):
+    # the caller's, not the upstream's.  Chunk times are stamped net of it, so gaps
+    # between them are the upstream's own; durations subtract it.
+    paused_s: float = 0.0
 
     @property
     def last_token_at(self) -> float | None:
@@ -221,7 +226,7 @@ async def _on_event(
         now = trio.current_time()
         if not chunk_times:
             timeline.first_token_at = now
-        chunk_times.append(now)
+        chunk_times.append(now - timeline.paused_s)
         if on_content is not None:
             await on_content(now, chunk)
     return False
@@ -237,8 +242,11 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
     status = error_status(payload)
     detail = redact("error event in stream: " + error_message(payload), endpoint.secrets)
     if status is None or 200 <= status < 300:
-        return TransientUpstreamError(detail, source=endpoint.name)
-    return classify_status(status, detail, source=endpoint.name)
+        error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
+    else:
+        error = classify_status(status, detail, source=endpoint.name)
+    error.code = error_code(payload)
+    return error
 
 
 async def _read_json(

@@ -12,7 +12,13 @@ from typing import Any
 import attrs
 import httpx
 
-from .._errors import TransientUpstreamError, classify_status, error_message, redact
+from .._errors import (
+    TransientUpstreamError,
+    classify_status,
+    error_code,
+    error_message,
+    redact,
+)
 
 __all__ = [
     "CALL_ID_HEADER",
@@ -148,23 +154,25 @@ async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None
                 break
     except httpx.HTTPError:
         pass  # the status alone classifies the failure
-    detail = _error_detail(excerpt)
+    detail, code = _error_detail(excerpt)
     detail = redact(detail, endpoint.secrets)
     retry_after = parse_retry_after(response.headers)
-    raise classify_status(
+    error = classify_status(
         response.status_code, detail, source=endpoint.name, retry_after_s=retry_after
     )
+    error.code = code
+    raise error
 
 
-def _error_detail(excerpt: bytes) -> str:
+def _error_detail(excerpt: bytes) -> tuple[str, str | None]:
     text = excerpt.decode("utf-8", "replace").strip()
     if not text:
-        return ""
+        return "", None
     try:
         payload = json.loads(text)
     except ValueError:
-        return text[:200] + ("…" if len(text) > 200 else "")
-    return error_message(payload)
+        return text[:200] + ("…" if len(text) > 200 else ""), None
+    return error_message(payload), error_code(payload)
 
 
 # Retry hints: openai-python reads retry-after-ms, then retry-after as seconds or an

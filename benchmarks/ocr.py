@@ -1,0 +1,212 @@
+"""OCR of a 20-page PDF against a zero-delay loopback upstream: wall time, and the
+event loop's longest stall while the pages render.
+
+The FakeUpstream server runs in its own process (so its JSON parsing of 20 page images
+is not on this loop).  The PDF is generated here with PDFium: US-letter pages of 45
+lines of Helvetica text each.  Measured side by side, in rounds (the first one, with
+the imports, is reported apart):
+
+* **ocr**: ``session.ocr(pdf)`` with the defaults (150 dpi, JPEG, 4 pages at once), and
+  with ``image_format="png"``;
+* **render only**: the same pages rendered and encoded one after another in a worker
+  thread, no network — the floor a sequential renderer would need;
+* **render on the loop**: the same rendering done synchronously in the trio thread,
+  one page per task step — what polygate avoids; its stall is the cost of one page.
+
+The stall is measured two ways.  A probe task sleeps 1 ms in a loop and records how
+late it wakes: the stall as the loop lives it, which on a busy machine includes the
+OS preempting the process (the same probe on an otherwise idle loop gives that noise
+floor).  An instrument times every task step in CPU time of the loop's thread
+(``time.thread_time``): the loop's own work per step, free of preemption.
+
+    python benchmarks/ocr.py            # 20 pages, 5 rounds
+    python benchmarks/ocr.py --quick    # 4 pages, 1 round (CI smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import io
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pypdfium2 as pdfium
+import pypdfium2.raw as pdfium_raw
+import trio
+
+import polygate
+from polygate import _ocr_document
+
+from _common import fake_server, machine, median, write_result
+
+LINE = "the quick brown fox jumps over the lazy dog, 0123456789 and some more words"
+
+
+def make_pdf(pages: int) -> bytes:
+    pdf = pdfium.PdfDocument.new()
+    font = pdfium_raw.FPDFText_LoadStandardFont(pdf.raw, b"Helvetica")
+    for number in range(pages):
+        page = pdf.new_page(612, 792)
+        for line in range(45):
+            obj = pdfium_raw.FPDFPageObj_CreateTextObj(pdf.raw, font, 11.0)
+            text = (f"Page {number + 1}, line {line + 1}: {LINE}\0").encode("utf-16-le")
+            wide = ctypes.cast(ctypes.c_char_p(text), ctypes.POINTER(pdfium_raw.FPDF_WCHAR))
+            pdfium_raw.FPDFText_SetText(obj, wide)
+            pdfium_raw.FPDFPageObj_Transform(obj, 1, 0, 0, 1, 40, 750 - line * 15)
+            pdfium_raw.FPDFPage_InsertObject(page.raw, obj)
+        pdfium_raw.FPDFPage_GenerateContent(page.raw)
+        page.close()
+    out = io.BytesIO()
+    pdf.save(out)
+    pdf.close()
+    return out.getvalue()
+
+
+class StepTimer(trio.abc.Instrument):
+    """The longest task step, in CPU seconds of the loop's thread."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._started: float | None = None  # added mid-step: the first end has no start
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._started = time.thread_time()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self._started is not None:
+            self.longest = max(self.longest, time.thread_time() - self._started)
+            self._started = None
+
+
+async def with_stall_probe(work: Callable[[], Awaitable[Any]]) -> tuple[float, float, float]:
+    """(wall seconds of ``work``, the probe's longest stall in ms, the longest task
+    step in CPU ms) while it ran."""
+    worst = 0.0
+    done = trio.Event()
+
+    async def probe(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        nonlocal worst
+        task_status.started()  # runs on to its first sleep before ``work`` starts
+        while not done.is_set():
+            t0 = time.perf_counter()
+            await trio.sleep(0.001)
+            worst = max(worst, time.perf_counter() - t0 - 0.001)
+
+    steps = StepTimer()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(probe)
+            t0 = time.perf_counter()
+            await work()
+            wall = time.perf_counter() - t0
+            done.set()
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    return wall, worst * 1000, steps.longest * 1000
+
+
+def render_all(pdf: bytes, settings: polygate.Ocr, pages: int) -> None:
+    document = _ocr_document.open_document(pdf, settings)
+    try:
+        for index in range(pages):
+            document.page(index, "Transcribe.")
+    finally:
+        document.close()
+
+
+async def run(pages: int, rounds: int) -> dict[str, Any]:
+    pdf = make_pdf(pages)
+    results: dict[str, list[tuple[float, float, float]]] = {}
+    first: dict[str, tuple[float, float, float]] = {}
+    with fake_server({"text": "# A page\n\nIts text.", "tokens": 8}) as url:
+        def settings_for(fmt: str) -> polygate.Settings:
+            return polygate.Settings(scopes={"ocr": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url=url, timeout_s=120)],
+                ocr=polygate.Ocr(image_format=fmt),
+            )})
+
+        async with polygate.session(settings_for("jpeg")) as jpeg, \
+                polygate.session(settings_for("png")) as png:
+            ocr_settings = polygate.Ocr()
+
+            async def ocr_jpeg() -> None:
+                r = await jpeg.ocr(pdf)
+                assert len(r.pages) == pages
+
+            async def ocr_png() -> None:
+                r = await png.ocr(pdf)
+                assert len(r.pages) == pages
+
+            async def render_thread() -> None:
+                await trio.to_thread.run_sync(render_all, pdf, ocr_settings, pages)
+
+            async def render_loop() -> None:
+                document = _ocr_document.open_document(pdf, ocr_settings)
+                try:
+                    for index in range(pages):  # one page per task step
+                        document.page(index, "Transcribe.")
+                        await trio.lowlevel.checkpoint()
+                finally:
+                    document.close()
+
+            async def idle() -> None:
+                await trio.sleep(1.0)
+
+            cases = {
+                "ocr (jpeg, default)": ocr_jpeg,
+                "ocr (png)": ocr_png,
+                "render only, in a thread": render_thread,
+                "render on the loop": render_loop,
+                "idle loop (noise floor)": idle,
+            }
+            for number in range(rounds + 1):  # round 0: imports and first connections
+                for name, work in cases.items():
+                    measured = await with_stall_probe(work)
+                    if number == 0:
+                        first[name] = measured
+                    else:
+                        results.setdefault(name, []).append(measured)
+    return {"pdf_bytes": len(pdf), "first": first, "measured": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 pages, 1 round (CI smoke)")
+    parser.add_argument("--pages", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args()
+    pages = args.pages or (4 if args.quick else 20)
+    rounds = args.rounds or (1 if args.quick else 5)
+    out = trio.run(run, pages, rounds)
+    print(f"OCR of a {pages}-page PDF ({out['pdf_bytes']} bytes) against a zero-delay "
+          f"loopback upstream; {rounds} round(s):")
+    print(f"  {'':26s} {'wall s':>8s} {'probe stall ms':>15s} {'step CPU ms':>12s}"
+          f"   first round: wall s, stall ms, step ms")
+    summary: dict[str, dict[str, float]] = {}
+    for name, measured in out["measured"].items():
+        wall = median([m[0] for m in measured])
+        stall = max(m[1] for m in measured)
+        step = max(m[2] for m in measured)
+        fw, fs, fc = out["first"][name]
+        summary[name] = {"wall_s": wall, "max_stall_ms": stall, "max_step_cpu_ms": step,
+                         "first_wall_s": fw, "first_stall_ms": fs, "first_step_cpu_ms": fc}
+        print(f"  {name:26s} {wall:8.3f} {stall:15.2f} {step:12.2f}"
+              f"   {fw:8.3f} {fs:8.2f} {fc:8.2f}")
+    ocr = summary["ocr (jpeg, default)"]
+    floor = summary["render only, in a thread"]
+    idle = summary["idle loop (noise floor)"]
+    print("  (wall: median of rounds; stall and step: the worst of all rounds)")
+    print(f"  ocr / render only: ×{ocr['wall_s'] / floor['wall_s']:.2f} wall; ocr stall "
+          f"{ocr['max_stall_ms']:.2f} ms against {idle['max_stall_ms']:.2f} ms on the idle "
+          f"loop and {summary['render on the loop']['max_stall_ms']:.1f} ms rendering on the "
+          f"loop; the loop's longest step {ocr['max_step_cpu_ms']:.2f} ms CPU "
+          f"(target ≤ 5 ms: {'met' if ocr['max_step_cpu_ms'] <= 5 else 'MISSED'})")
+    write_result("ocr", {"machine": machine(), "pages": pages, "rounds": rounds, **out,
+                         "summary": summary})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Freezing a logical call's statistics and building its response (call layer).
+
+A call's answer usually comes from one attempt, the round's winner.  A committed
+stream that was resumed has several *segments*: the attempts whose text the caller
+was shown, in order, the last one the winner.  Their statistics combine the way the
+caller lived them: ``ttft_ms`` from the first segment, ``generation_ms`` the sum of the
+segments' transport times, stalls measured over the joined chunk timeline (the gap
+while a continuation was found is a stall the caller saw), usage the sum of what each
+segment reported (estimated for a segment that reported none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from ._context import AttemptRecord, CallContext
+from ._stats import stall_stats
+from ._types import CallStats, ChatResponse, Usage
+from .transport import message_text
+
+__all__ = ["call_stats", "chat_response"]
+
+
+def _generation_s(record: AttemptRecord) -> float:
+    tl = record.timeline
+    ended = tl.ended_at if tl.ended_at is not None else record.ended_at
+    if tl.sent_at is None or ended is None:
+        return 0.0
+    return max(ended - tl.sent_at - tl.paused_s, 0.0)
+
+
+def call_stats(
+    ctx: CallContext,
+    winner: AttemptRecord | None,
+    now: float,
+    segments: Sequence[AttemptRecord] = (),
+) -> CallStats:
+    """Freeze the statistics; called only after every path of the call has ended.
+    ``segments``: the earlier committed segments of a resumed stream, in order."""
+    base = {
+        "logical_call_id": ctx.logical_call_id,
+        "attempts": len(ctx.attempts),
+        "hedges": ctx.hedges,
+        "total_latency_ms": (now - ctx.started_at) * 1000.0,
+        "reasks": ctx.reasks,
+        "scope": winner.scope if winner is not None and winner.scope else ctx.scope_name,
+        "resumes": len(segments),
+    }
+    if winner is None:
+        return CallStats(**base)  # type: ignore[arg-type]
+    parts = [*segments, winner]
+    first = parts[0].timeline
+    generation = sum(_generation_s(r) for r in parts) * 1000.0
+    ttft = None
+    stalls = stall_stats((), 0)
+    if any(r.timeline.streamed for r in parts):
+        if first.first_token_at is not None and first.sent_at is not None:
+            ttft = (first.first_token_at - first.sent_at) * 1000.0
+        times = [t for r in parts for t in r.timeline.chunk_times] if segments else (
+            winner.timeline.chunk_times
+        )
+        stalls = stall_stats(times, ctx.scope.stream.stall_threshold_ms)
+    return CallStats(
+        **base,  # type: ignore[arg-type]
+        hedge_won=winner.role == "hedge",
+        source=winner.source,
+        generation_ms=generation,
+        ttft_ms=ttft,
+        stall_ms=stalls.stall_ms,
+        stall_count=stalls.stall_count,
+        active_generation_ms=stalls.active_generation_ms,
+    )
+
+
+def chat_response(
+    ctx: CallContext,
+    record: AttemptRecord,
+    body: dict[str, Any],
+    segments: Sequence[AttemptRecord] = (),
+    shown: str | None = None,
+    shown_chars: Sequence[int] = (),
+) -> ChatResponse:
+    """The call's answer.  For a resumed stream, the first choice's content is
+    ``shown`` (everything the caller received, stitched) and the usage sums the
+    segments (``shown_chars``: the characters each segment showed, for an estimate
+    where one reported no usage); the rest (finish reason, tool calls of the last
+    segment…) is the last segment's."""
+    stats = call_stats(ctx, record, trio.current_time(), segments)
+    choices = body.get("choices") or []
+    usage = record.usage
+    if segments:
+        choices = [dict(c) if isinstance(c, dict) else c for c in choices]
+        if choices and isinstance(choices[0], dict):
+            message = dict(choices[0].get("message") or {})
+            message["content"] = shown or ""
+            choices[0]["message"] = message
+        body = {**body, "choices": choices}
+        usage = _summed_usage(ctx, [*segments, record], shown_chars)
+    first = choices[0] if choices else {}
+    message = first.get("message") or {}
+    finish = first.get("finish_reason")
+    model = body.get("model")
+    return ChatResponse(
+        text=message_text(message),
+        message=message,
+        choices=choices,
+        usage=usage,
+        source=record.source,
+        model=model if isinstance(model, str) else None,
+        finish_reason=finish if isinstance(finish, str) else None,
+        call_stats=stats,
+        raw=body,
+    )
+
+
+def _summed_usage(
+    ctx: CallContext, parts: Sequence[AttemptRecord], shown_chars: Sequence[int]
+) -> Usage:
+    """What every segment cost: its reported usage, else an estimate (its prompt, and
+    what it showed at about four characters a token)."""
+    prompt = completion = 0
+    estimated = False
+    chars = [*shown_chars, *([0] * len(parts))]
+    for record, shown in zip(parts, chars, strict=False):
+        usage = record.usage
+        if usage is not None and usage.source == "upstream":
+            prompt += usage.prompt_tokens
+            completion += usage.completion_tokens
+        else:
+            estimated = True
+            prompt += ctx.prompt_estimate
+            completion += (shown + 3) // 4
+    return Usage(prompt, completion, prompt + completion, "estimated" if estimated else "upstream")

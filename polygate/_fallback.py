@@ -1,0 +1,107 @@
+"""Fallback chains: which failures move a logical call to another scope, and where.
+
+Sources inside a scope are interchangeable; scopes are ordered.  When a scope fails a
+call for one of its ``fallback_on`` reasons, the call moves — inside the same logical
+call and deadline — to ``fallback``, whose own fallback may follow, and so on.  A
+failure is described by a set of reasons (pure functions, tested as a table):
+
+============================  =================================================
+failure                       reasons
+============================  =================================================
+``AllSourcesExhausted``       ``exhausted`` (+ ``rate_limited`` when every error
+                              was a 429)
+context length exceeded       ``context_length``, ``fatal``, ``status:NNN``
+content policy refusal        ``content_policy`` only
+other fatal 4xx               ``fatal``, ``status:NNN``
+anything else                 none (a deadline is the call's, a backend outage
+                              fails closed)
+============================  =================================================
+
+A content-policy refusal matches nothing but ``content_policy``, so it is never routed
+around unless the scope lists that reason by name.  A context-length refusal never goes
+to a scope whose every source serves the same model that refused: that scope is
+skipped for its own fallback.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ._config import Settings
+from ._errors import AllSourcesExhausted, FatalUpstreamError, PolygateError, RateLimitedError
+
+__all__ = ["failure_reasons", "fallback_scope", "is_content_policy", "is_context_length"]
+
+_CONTEXT_CODES = frozenset({
+    "context_length_exceeded", "string_above_max_length", "model_max_context_length",
+})
+_CONTEXT_TEXT = re.compile(
+    r"context.length|context.window|maximum context|too many tokens|prompt is too long"
+    r"|input is too long|exceeds? the model'?s? max|reduce the length of the (messages|prompt)",
+    re.IGNORECASE,
+)
+_POLICY_CODES = frozenset({
+    "content_filter", "content_policy_violation", "content_policy", "safety", "moderation",
+})
+_POLICY_TEXT = re.compile(
+    r"content.(management.)?polic|content.filter|flagged by|safety system|responsible ai",
+    re.IGNORECASE,
+)
+
+
+def is_context_length(error: PolygateError) -> bool:
+    if not isinstance(error, FatalUpstreamError):
+        return False
+    if error.code in _CONTEXT_CODES:
+        return True
+    return bool(_CONTEXT_TEXT.search(error.message)) and not is_content_policy(error)
+
+
+def is_content_policy(error: PolygateError) -> bool:
+    if not isinstance(error, FatalUpstreamError):
+        return False
+    return error.code in _POLICY_CODES or bool(_POLICY_TEXT.search(error.message))
+
+
+def failure_reasons(error: PolygateError) -> frozenset[str]:
+    """Every ``fallback_on`` reason that ``error`` matches."""
+    if isinstance(error, AllSourcesExhausted):
+        errors = error.errors
+        if errors and all(isinstance(e, RateLimitedError) for e in errors):
+            return frozenset({"exhausted", "rate_limited"})
+        return frozenset({"exhausted"})
+    if isinstance(error, FatalUpstreamError):
+        if is_content_policy(error):
+            return frozenset({"content_policy"})
+        reasons = {"fatal"}
+        if error.status_code is not None:
+            reasons.add(f"status:{error.status_code}")
+        if is_context_length(error):
+            reasons.add("context_length")
+        return frozenset(reasons)
+    return frozenset()
+
+
+def fallback_scope(
+    settings: Settings, scope_name: str, error: PolygateError, refused_model: str | None = None
+) -> str | None:
+    """The scope a call failing in ``scope_name`` with ``error`` moves to, or ``None``.
+
+    ``refused_model``: the model that refused a context-length error; a fallback whose
+    every source serves that same model would get the same answer, so it is skipped
+    (for its own fallback)."""
+    scope = settings.scopes[scope_name]
+    reasons = failure_reasons(error)
+    if scope.fallback is None or not reasons & set(scope.fallback_on):
+        return None
+    target: str | None = scope.fallback
+    context = "context_length" in reasons
+    seen = {scope_name}
+    while target is not None and target not in seen:
+        seen.add(target)
+        candidate = settings.scopes[target]
+        models = {s.model for s in candidate.sources}
+        if not (context and refused_model is not None and models == {refused_model}):
+            return target
+        target = candidate.fallback
+    return None

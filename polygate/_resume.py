@@ -1,0 +1,208 @@
+"""Streams that survive their source: continuing a committed answer elsewhere.
+
+When the committed path of a ``stream_chat()`` fails — cut before its
+``finish_reason``, silent past ``stall_timeout_s``, a malformed event, an error event —
+and the scope has ``StreamWatch(resume=True)``, the call asks another source (or the
+fallback scope) for the *rest of the same answer*, and the caller sees one stream:
+
+* **With a prefill** (``Source(prefill=True)``: the upstream continues a trailing
+  assistant message, as vLLM does with ``continue_final_message``), the request is the
+  original conversation plus an assistant message holding the text already shown.
+* **Without one**, the assistant message is followed by a user message asking to
+  continue exactly where it stopped, without repeating anything.  A target that
+  rejects the prefill with a 400 is asked again this way; that 400 never reaches the
+  caller.
+
+Models asked to continue often restate the last words.  :class:`Stitcher` holds the
+start of the continuation until it can tell (at most ``window`` characters), drops the
+longest overlap with the end of what was shown — whole words, at least
+``min_overlap`` (12) characters, so that a genuine continuation that merely begins like
+the tail ("the" after "in the") is left alone — and lets the rest through.  Shorter
+restatements are kept: a repeated word is a smaller harm than a lost one.  The first
+chunk of a continuation is marked ``resumed``.
+
+Limits (documented, tested): only the first choice's *content* is continued — a stream
+that already showed tool-call deltas, or asked for ``n > 1``, is not resumed; reasoning
+text is not carried over (a continuation may reason afresh).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from ._hedge import Forward
+
+__all__ = [
+    "CONTINUE_PROMPT",
+    "PREFILL_PARAMS",
+    "ResumedForward",
+    "Stitcher",
+    "StreamSink",
+    "continuation_messages",
+    "resumable_delta",
+]
+
+CONTINUE_PROMPT = (
+    "Your previous message was cut off. Continue it exactly where it stopped: do not "
+    "repeat any of it, do not add a preamble or comment, output only the rest."
+)
+# vLLM's names: continue the last (assistant) message, no new generation prompt.
+PREFILL_PARAMS: Mapping[str, Any] = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+def continuation_messages(
+    messages: Sequence[Mapping[str, Any]], shown: str, *, prefill: bool
+) -> list[Mapping[str, Any]]:
+    """The conversation that asks for the rest of an answer of which ``shown`` was seen."""
+    assistant = {"role": "assistant", "content": shown}
+    if prefill:
+        return [*messages, assistant]
+    return [*messages, assistant, {"role": "user", "content": CONTINUE_PROMPT}]
+
+
+def resumable_delta(delta: Mapping[str, Any]) -> bool:
+    """A delta a continuation can extend: no tool calls (half-sent arguments cannot be
+    continued by another model)."""
+    return not delta.get("tool_calls")
+
+
+class Stitcher:
+    """Removes the overlap between the end of what was shown and the start of a
+    continuation, holding at most ``window`` characters while it decides."""
+
+    __slots__ = ("_held", "_min", "_passing", "_tail", "emitted")
+
+    def __init__(self, shown: str, *, window: int = 256, min_overlap: int = 12) -> None:
+        self._tail = shown[-window:]
+        self._min = min_overlap
+        self._held = ""
+        self._passing = not self._tail  # nothing shown: nothing to overlap
+        self.emitted: list[str] = []
+
+    @property
+    def deciding(self) -> bool:
+        return not self._passing
+
+    def feed(self, text: str) -> str:
+        """Continuation text in; the text to show now out ("" while deciding)."""
+        if self._passing:
+            self.emitted.append(text)
+            return text
+        self._held += text
+        if len(self._held) <= len(self._tail) and self._could_overlap():
+            return ""
+        return self._decide()
+
+    def flush(self) -> str:
+        """The end of the continuation: decide with what there is."""
+        return "" if self._passing else self._decide()
+
+    def _whole_words(self, k: int) -> bool:
+        """The overlap starts and ends at word boundaries on both sides: " the" is not
+        an overlap of " theory"."""
+        tail, held = self._tail, self._held
+        starts = k == len(tail) or not (tail[-k - 1].isalnum() and held[0].isalnum())
+        ends = k == len(held) or not (held[k - 1].isalnum() and held[k].isalnum())
+        return starts and ends
+
+    def _could_overlap(self) -> bool:
+        """The held text may still be the start of a suffix of the tail."""
+        tail, held = self._tail, self._held
+        start = tail.find(held[: len(tail)])
+        while start != -1:
+            if tail[start:].startswith(held[: len(tail) - start]):
+                return True
+            start = tail.find(held[: len(tail)], start + 1)
+        return False
+
+    def _decide(self) -> str:
+        tail, held = self._tail, self._held
+        overlap = 0
+        for k in range(min(len(tail), len(held)), self._min - 1, -1):
+            if tail.endswith(held[:k]) and self._whole_words(k):
+                overlap = k
+                break
+        out = held[overlap:]
+        self._held = ""
+        self._passing = True
+        if out:
+            self.emitted.append(out)
+        return out
+
+
+def _content(chunk: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return None, ""
+    for choice in choices:
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                content = delta.get("content")
+                return delta, content if isinstance(content, str) else ""
+    return None, ""
+
+
+class StreamSink(Forward, Protocol):
+    """The caller's end of a stream that can say where a continuation begins."""
+
+    shown_tool_calls: bool  # tool-call deltas were shown: the stream cannot be resumed
+
+    def mark_resumed(self) -> None:
+        """The next chunk offered is the first of a continuation."""
+        ...
+
+
+class ResumedForward:
+    """The caller's end of a stream, for a continuation: stitched, first chunk marked.
+
+    Chunks whose content is held while the stitcher decides are not passed on; the
+    decision goes out as one chunk — the last held chunk, with the stitched text."""
+
+    def __init__(self, inner: StreamSink, stitcher: Stitcher) -> None:
+        self._inner = inner
+        self._stitcher = stitcher
+        self._last: dict[str, Any] | None = None
+        self._first = True
+
+    def offer(self, chunk: dict[str, Any]) -> bool:
+        stitcher = self._stitcher
+        delta, text = _content(chunk)
+        if stitcher.deciding:
+            other = delta is not None and any(
+                v for k, v in delta.items() if k not in ("content", "role")
+            )
+            out = stitcher.flush() if other else stitcher.feed(text)
+            if stitcher.deciding:
+                self._last = chunk
+                return True
+            chunk = _with_content(chunk, out)
+        elif text:
+            stitcher.emitted.append(text)
+        return self._pass(chunk)
+
+    async def deliver_held(self) -> None:
+        await self._inner.deliver_held()
+
+    async def finish(self) -> None:
+        """The continuation ended: show what the stitcher still holds."""
+        if self._stitcher.deciding:
+            out = self._stitcher.flush()
+            if out and self._last is not None and not self._pass(_with_content(self._last, out)):
+                await self._inner.deliver_held()
+
+    def _pass(self, chunk: dict[str, Any]) -> bool:
+        if self._first:
+            self._first = False
+            self._inner.mark_resumed()
+        return self._inner.offer(chunk)
+
+
+def _with_content(chunk: dict[str, Any], text: str) -> dict[str, Any]:
+    out = copy.deepcopy(chunk)
+    delta, _ = _content(out)
+    if delta is not None:
+        delta["content"] = text
+    return out

@@ -1,0 +1,392 @@
+"""Structured output: a schema, the ways of asking a source for it, and the re-ask
+loop (SPEC §8.1; seed 000 §4.5: "结构化重问 = 最后一轮", the last round's statistics).
+
+::
+
+    chat(messages, schema=Model | {...})
+      └ logical call (one deadline, one id)
+          ├ round 1: retry loop (admission, hedging, retries) → answer → validate
+          ├ round 2: + assistant answer + user message quoting the problems → validate
+          └ … at most Scope.structured.max_reasks re-asks, then StructuredOutputError
+
+A schema is *prepared* once per call, before any I/O (:func:`prepare`): a pydantic v2
+model class, or a JSON Schema dict checked against its metaschema and compiled once
+(cached by its canonical JSON).  Neither → :class:`ConfigError`.
+
+How a round asks depends on the source (``Source.structured_output``):
+
+* ``"json_schema"`` (default): ``response_format={"type": "json_schema", "json_schema":
+  {"name", "schema", "strict": true}}``, messages unchanged;
+* ``"json_object"``: ``response_format={"type": "json_object"}`` and the schema in a
+  system instruction;
+* ``"prompt"``: the instruction alone, for upstreams that reject ``response_format``.
+
+A caller who passed their own ``response_format`` gets it sent unchanged to every
+source; polygate then only validates.  The conversation itself (what a re-ask
+appends to) is mode-neutral: the instruction is added per attempt, so a round may
+fail over between sources of different modes.
+
+pydantic is never imported here: a model class can only come from a program that
+has already imported it, so :func:`prepare` looks it up in ``sys.modules``.
+``jsonschema`` (the ``polygate[structured]`` extra) is imported on the first dict
+schema.  See ``docs/structured.md`` for why jsonschema and not fastjsonschema.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from ._config import Source
+from ._context import ChatRequest
+from ._errors import ConfigError, StructuredOutputError
+from ._types import ChatResponse
+
+__all__ = ["Schema", "StructuredRounds", "prepare", "schema_of"]
+
+_MAX_PROBLEMS = 20
+_MAX_PROBLEM_CHARS = 300
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_FENCE = re.compile(r"\A\s*```[A-Za-z0-9_-]*[ \t]*\r?\n(.*?)\r?\n?[ \t]*```\s*\Z", re.S)
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+INSTRUCTION = (
+    "Answer with a single JSON value that matches this JSON Schema, and nothing else "
+    "(no prose, no code fences):\n"
+)
+REASK = (
+    "Your previous answer is not valid: it must be only a JSON value that matches the "
+    "required JSON Schema.\nProblems:\n{problems}\nAnswer again with the corrected JSON only."
+)
+
+
+class Invalid(Exception):
+    """An answer that is not JSON or does not match the schema; ``problems`` is one
+    line per problem (``$.path: message``), already bounded in count and length."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+class Schema:
+    """A prepared schema: what to send (``name``, ``json_schema``) and how to check.
+
+    An answer longer than ``off_loop_chars`` is validated in a worker thread: about
+    5 ms of validation at that size (measured, ``benchmarks/structured.py``), so the
+    event loop never stalls longer than that on one answer.
+    """
+
+    name: str
+    json_schema: dict[str, Any]
+    off_loop_chars: int
+
+    def validate(self, text: str) -> Any:
+        """The validated value of ``text``; raises :class:`Invalid`."""
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- pydantic
+
+
+class _ModelSchema(Schema):
+    off_loop_chars = 32 * 1024  # pydantic-core: about 6 µs a kilobyte
+
+    def __init__(self, model: type[Any]) -> None:
+        self.model = model
+        self.name = _safe_name(model.__name__)
+        try:
+            self.json_schema = model.model_json_schema()
+        except Exception as exc:  # pydantic's PydanticUserError and friends
+            raise ConfigError(
+                f"schema: cannot build a JSON Schema for {model.__name__}: {_first_line(exc)}"
+            ) from None
+        self._validate_json = model.model_validate_json
+        self._error_type: type[Exception] = sys.modules["pydantic"].ValidationError
+
+    def validate(self, text: str) -> Any:
+        try:
+            return self._validate_json(_unfenced(text))
+        except self._error_type as exc:
+            errors: Any = exc.errors(include_url=False, include_input=False)  # type: ignore[attr-defined]
+            raise Invalid(_bounded(f"{_json_path(e['loc'])}: {e['msg']}" for e in errors)) from None
+
+
+_models: weakref.WeakKeyDictionary[type[Any], _ModelSchema] = weakref.WeakKeyDictionary()
+
+
+def _model_schema(model: type[Any]) -> _ModelSchema:
+    prepared = _models.get(model)
+    if prepared is None:
+        prepared = _models[model] = _ModelSchema(model)
+    return prepared
+
+
+def _is_pydantic_model(obj: Any) -> bool:
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is None or not isinstance(obj, type):
+        return False
+    return issubclass(obj, pydantic.BaseModel)
+
+
+# --------------------------------------------------------------------------- JSON Schema
+
+
+class _DictSchema(Schema):
+    off_loop_chars = 2 * 1024  # jsonschema is pure Python: about 1 ms per 300 bytes
+
+    def __init__(self, canonical: str) -> None:
+        schema = json.loads(canonical)
+        title = schema.get("title") if isinstance(schema, dict) else None
+        self.name = _safe_name(title) if isinstance(title, str) and title else "response"
+        self.json_schema = schema
+        self._validator = _compile(schema)
+
+    def validate(self, text: str) -> Any:
+        try:
+            value = json.loads(_unfenced(text))
+        except ValueError as exc:
+            raise Invalid([f"$: not valid JSON ({exc})"]) from None
+        validator = self._validator
+        try:
+            if validator.is_valid(value):
+                return value
+            errors = sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.path)))
+        except Exception as exc:  # a reference below a nested $id that does not resolve
+            raise ConfigError(f"schema: cannot be applied ({_first_line(exc)})") from None
+        raise Invalid(_bounded(f"{e.json_path}: {e.message}" for e in errors))
+
+
+def _compile(schema: Any) -> Any:
+    try:
+        import jsonschema
+        import referencing
+        import referencing.exceptions
+        import referencing.jsonschema
+    except ImportError:
+        raise ConfigError(
+            "schema: a JSON Schema dict needs the jsonschema package "
+            "(pip install 'polygate[structured]')"
+        ) from None
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        raise ConfigError(
+            f"schema: not a valid JSON Schema{f' at {where}' if where else ''}: "
+            f"{_first_line(exc.message)}"
+        ) from None
+    dialect = schema.get("$schema") if isinstance(schema, dict) else None
+    default = referencing.jsonschema.DRAFT202012
+    spec = (
+        referencing.jsonschema.specification_with(dialect, default=default)
+        if isinstance(dialect, str) else default
+    )
+    resolver = referencing.Registry().resolver_with_root(spec.create_resource(schema))
+    for ref in _refs(schema):
+        try:
+            resolver.lookup(ref)
+        except referencing.exceptions.Unresolvable:
+            raise ConfigError(
+                f"schema: $ref {ref!r} does not resolve inside the schema "
+                "(polygate never fetches remote schemas)"
+            ) from None
+    return cls(schema)
+
+
+# Keywords whose values are data, not subschemas: a "$ref" key in them is not a reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _refs(node: Any, root: bool = True) -> list[str]:
+    """Every ``$ref`` resolved against the root's base (subtrees with their own
+    ``$id`` have their own base: they are left to validation time, where an
+    unresolvable reference is a ConfigError too)."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        if not root and isinstance(node.get("$id"), str):
+            return found
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            found.append(ref)
+        for key, value in node.items():
+            if key not in _DATA_KEYWORDS:
+                found.extend(_refs(value, False))
+    elif isinstance(node, list):
+        for item in node:
+            found.extend(_refs(item, False))
+    return found
+
+
+@functools.lru_cache(maxsize=128)
+def _dict_schema(canonical: str) -> _DictSchema:
+    """Compiled once per schema (the key is its canonical JSON) and kept (LRU)."""
+    return _DictSchema(canonical)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _safe_name(name: str) -> str:
+    """``json_schema.name`` must match ``^[A-Za-z0-9_-]{1,64}$`` (OpenAI)."""
+    return _NAME_UNSAFE.sub("_", name)[:64] or "response"
+
+
+def _first_line(exc: Any) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _json_path(loc: Sequence[Any]) -> str:
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+
+
+def _bounded(lines: Any) -> list[str]:
+    """At most ``_MAX_PROBLEMS`` problems, each at most ``_MAX_PROBLEM_CHARS`` long:
+    they go back to the model and into the error, so an absurd answer stays small."""
+    out: list[str] = []
+    extra = 0
+    for line in lines:
+        if len(out) == _MAX_PROBLEMS:
+            extra += 1
+            continue
+        out.append(line if len(line) <= _MAX_PROBLEM_CHARS else line[:_MAX_PROBLEM_CHARS] + "…")
+    if extra:
+        out.append(f"… and {extra} more")
+    return out or ["$: does not match the schema"]
+
+
+def _unfenced(text: str) -> str:
+    """The JSON inside a single Markdown code fence (models often add one in the
+    prompt modes); anything else unchanged."""
+    if "```" not in text:
+        return text
+    match = _FENCE.match(text)
+    return match.group(1) if match else text
+
+
+def schema_of(schema: Any) -> Schema:
+    """A prepared :class:`Schema`, or :class:`ConfigError` (before any I/O)."""
+    if _is_pydantic_model(schema):
+        if not hasattr(schema, "model_validate_json"):
+            raise ConfigError("schema: pydantic v1 models are not supported; use a pydantic v2 model")
+        return _model_schema(schema)
+    if isinstance(schema, Mapping):
+        try:
+            canonical = json.dumps(schema, sort_keys=True, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"schema: a JSON Schema dict must be JSON-serialisable ({exc})") from None
+        return _dict_schema(canonical)
+    what = schema.__name__ if isinstance(schema, type) else type(schema).__name__
+    raise ConfigError(
+        f"schema must be a pydantic v2 model class or a JSON Schema dict, got {what}"
+    )
+
+
+# --------------------------------------------------------------------------- the rounds
+
+
+def _with_instruction(
+    messages: Sequence[Mapping[str, Any]], instruction: str
+) -> list[Mapping[str, Any]]:
+    """The instruction merged into a leading system message, else prepended as one
+    (several chat templates accept a single system message, first)."""
+    first = messages[0] if messages else None
+    if first is not None and first.get("role") == "system" and isinstance(first.get("content"), str):
+        merged = {**first, "content": f"{first['content']}\n\n{instruction}"}
+        return [merged, *messages[1:]]
+    return [{"role": "system", "content": instruction}, *messages]
+
+
+@attrs.define(eq=False)
+class StructuredRounds:
+    """The :class:`~polygate._call.Rounds` of one structured call.
+
+    ``errors`` collects each invalid round's problems; the loop ends within
+    ``max_reasks + 1`` rounds whatever the upstream says: ``after_round`` either
+    accepts, asks again (at most ``max_reasks`` times), or raises.
+    """
+
+    schema: Schema
+    params: Mapping[str, Any]
+    max_reasks: int
+    errors: list[str] = attrs.field(factory=list)
+    _caller_format: bool = attrs.field(init=False)
+    _forms: dict[str, ChatRequest] = attrs.field(init=False, factory=dict)
+    _round_key: str | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        self._caller_format = "response_format" in self.params
+
+    def request(
+        self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str
+    ) -> ChatRequest | None:
+        if self._caller_format:
+            return None  # the caller's own response_format: sent as is, only validated
+        if messages_json != self._round_key:  # a new round: forms are per round
+            self._forms.clear()
+            self._round_key = messages_json
+        mode = source.structured_output
+        form = self._forms.get(mode)
+        if form is None:
+            form = self._forms[mode] = self._form(mode, messages, messages_json)
+        return form
+
+    def _form(
+        self, mode: str, messages: Sequence[Mapping[str, Any]], messages_json: str
+    ) -> ChatRequest:
+        if mode == "json_schema":
+            response_format = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": self.schema.name, "schema": self.schema.json_schema, "strict": True,
+                },
+            }
+            return ChatRequest(messages_json, {**self.params, "response_format": response_format})
+        instruction = INSTRUCTION + _ENCODE(self.schema.json_schema)
+        instructed = _ENCODE(_with_instruction(messages, instruction))
+        if mode == "json_object":
+            return ChatRequest(instructed, {**self.params, "response_format": {"type": "json_object"}})
+        return ChatRequest(instructed, self.params)
+
+    async def after_round(
+        self, response: ChatResponse, messages: Sequence[Mapping[str, Any]]
+    ) -> ChatResponse | list[Mapping[str, Any]]:
+        text = response.text
+        try:
+            if len(text) > self.schema.off_loop_chars:
+                # Not abandoned on cancellation: a pure computation, bounded by the
+                # answer's size; the call's cleanup waits for it like for a page render.
+                parsed = await trio.to_thread.run_sync(self.schema.validate, text)
+            else:
+                parsed = self.schema.validate(text)
+        except Invalid as exc:
+            self.errors.append("\n".join(exc.problems))
+            if len(self.errors) > self.max_reasks:
+                rounds = len(self.errors)
+                raise StructuredOutputError(
+                    f"no answer matched the schema {self.schema.name!r} in {rounds} round(s) "
+                    f"({rounds - 1} re-ask(s)); see .errors",
+                    errors=self.errors, text=text, call_stats=response.call_stats,
+                ) from None
+            problems = "\n".join(f"- {p}" for p in exc.problems)
+            return [
+                *messages,
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": REASK.format(problems=problems)},
+            ]
+        return attrs.evolve(response, parsed=parsed)
+
+
+def prepare(schema: Any, params: Mapping[str, Any], max_reasks: int) -> StructuredRounds:
+    """The rounds of one structured call; :class:`ConfigError` on a bad schema."""
+    return StructuredRounds(schema_of(schema), params, max_reasks)

@@ -1,0 +1,93 @@
+"""A committed stream's consumer sets its own pace; the upstream is not charged for it
+(review R9, R13): no timeout, no stall, no breaker failure, no false statistics."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.governance import BreakerState
+from polygate.testing import FakeUpstream, Reply
+
+from .conftest import MESSAGES, one_source_settings
+
+
+async def test_a_slow_consumer_is_not_an_upstream_stall(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """R9: the upstream sends 60 tokens 10 ms apart after 0.5 s; the caller spends 3 s
+    on each chunk.  The statistics describe the upstream: no stall, and the generation
+    time is at most the upstream's 1.09 s, not the caller's three minutes.  (While the
+    caller holds the read loop nothing is read, so chunks that arrived meanwhile count
+    from the moment the hold began: the figures are then lower bounds.)"""
+    up = FakeUpstream(Reply(first_token_s=0.5, inter_token_s=0.01, tokens=60))
+    async with polygate.session(one_source_settings(), transport=up.transport()) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                await trio.sleep(3)
+    assert stream.response is not None
+    cs = stream.response.call_stats
+    assert (cs.stall_count, cs.stall_ms) == (0, 0)
+    assert cs.ttft_ms == pytest.approx(500)
+    assert cs.active_generation_ms is not None and 0 < cs.active_generation_ms <= 590 + 1e-6
+    assert cs.ttft_ms + cs.active_generation_ms <= cs.generation_ms <= 1090 + 1e-6
+    assert cs.total_latency_ms > 60_000  # the caller's own pace is in the total
+
+
+async def test_a_real_stall_is_still_seen_behind_a_slow_consumer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Subtracting the consumer's time must not hide the upstream's own silence: a
+    5 s pause after token 40 counts as one stall, whatever the caller does."""
+    up = FakeUpstream(Reply(first_token_s=0.5, inter_token_s=0.01, tokens=60,
+                            stall_at=40, stall_s=5))
+    async with polygate.session(one_source_settings(), transport=up.transport()) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for chunk in stream:
+                if chunk.text:
+                    await trio.sleep(0.001)
+    assert stream.response is not None
+    cs = stream.response.call_stats
+    assert cs.stall_count == 1
+    assert cs.stall_ms == pytest.approx(5010, abs=2)
+
+
+async def test_a_slow_reader_never_fails_the_source(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """R13: the upstream finishes in 0.8 s; the caller takes a minute to read it.
+    ``timeout_s=20`` is the upstream's budget, not the caller's: no error, and five such
+    streams leave the breaker closed with no failure counted."""
+    up = FakeUpstream(Reply(first_token_s=0.2, inter_token_s=0.01, tokens=60))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", timeout_s=20)],
+        stream=polygate.StreamWatch(stall_timeout_s=2))})
+    async with polygate.session(settings, transport=up.transport()) as s:
+        for _ in range(5):
+            async with s.stream_chat(MESSAGES) as stream:
+                async for _ in stream:
+                    await trio.sleep(1)
+            assert stream.response is not None and stream.response.text == stream.text
+        state = (await s.statistics()).governance.sources[0].state
+    assert state.breaker is BreakerState.CLOSED and state.consecutive_failures == 0
+    assert [r.outcome for r in up.requests] == ["complete"] * 5
+
+
+async def test_the_watchdogs_still_fire_after_the_consumer_caught_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The clocks stop only while the caller holds the read loop: an upstream that goes
+    silent afterwards trips ``stall_timeout_s`` as before, 2 s after its last token."""
+    up = FakeUpstream(Reply(first_token_s=0.2, inter_token_s=0.01, tokens=60,
+                            stall_at=50, stall_s=100))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", timeout_s=20)],
+        stream=polygate.StreamWatch(stall_timeout_s=2))})
+    async with polygate.session(settings, transport=up.transport()) as s:
+        with pytest.raises(polygate.StreamStalled) as info:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for _ in stream:
+                    await trio.sleep(0.5)
+    assert stream.text == info.value.text and len(info.value.text) > 0

@@ -1,0 +1,506 @@
+"""Failover that finishes the answer (MockClock, fake transport): fallback chains between
+scopes, the same-source retry policy, and committed streams resumed on another source,
+stitched so that the caller sees one stream and ``stream.response`` is all of it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import polygate
+from polygate._resume import CONTINUE_PROMPT, Stitcher
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import MESSAGES, SECRET
+
+WORDS = [f"w{i}" for i in range(60)]
+ANSWER = " ".join(WORDS)
+
+
+def _scopes(**scopes: dict[str, Any]) -> polygate.Settings:
+    """``name={"sources": {"a": {...}}, **scope}``; sources named after their hosts."""
+    built = {}
+    for name, spec in scopes.items():
+        spec = dict(spec)
+        sources = [
+            polygate.Source(name=n, base_url=f"http://{n}/v1", api_key=SECRET, **kw)
+            for n, kw in spec.pop("sources").items()
+        ]
+        built[name] = polygate.Scope(sources=sources, **spec)
+    return polygate.Settings(scopes=built)
+
+
+def _err(status: int, code: str, message: str) -> Reply:
+    return Reply(status=status, error_body={"error": {"message": message, "type":
+                                                       "invalid_request_error", "code": code}})
+
+
+CONTEXT = _err(400, "context_length_exceeded",
+               "This model's maximum context length is 8192 tokens. However, you requested 9000.")
+POLICY = _err(400, "content_filter",
+              "The response was filtered due to the prompt triggering the content management policy.")
+
+
+# --------------------------------------------------------------------------- fallback
+
+
+async def test_an_exhausted_scope_falls_back_within_the_call(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    small = FakeUpstream(Reply(status=503))
+    large = FakeUpstream(Reply(text="from the large model"))
+    settings = _scopes(
+        chat={"sources": {"small": {}}, "fallback": "large",
+              "retry": polygate.Retry(max_attempts=2, backoff_base_s=0.5)},
+        large={"sources": {"large": {}}},
+    )
+    async with polygate.session(settings, transport=Router({"small": small, "large": large})) as s:
+        r = await s.chat(MESSAGES)
+    st_ = r.call_stats
+    assert (r.text, r.source, st_.scope, st_.attempts) == ("from the large model", "large", "large", 3)
+    assert len(small.requests) == 2
+
+
+async def test_fallbacks_chain_and_share_one_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(status=503, headers_delay_s=3))
+    b = FakeUpstream(Reply(status=503, headers_delay_s=3))
+    c = FakeUpstream(Reply(first_token_s=10))
+    settings = _scopes(
+        chat={"sources": {"a": {}}, "fallback": "mid", "retry": polygate.Retry(max_attempts=1),
+              "call_deadline_s": 8},
+        mid={"sources": {"b": {}}, "fallback": "big", "retry": polygate.Retry(max_attempts=1)},
+        big={"sources": {"c": {}}},
+    )
+    async with polygate.session(settings, transport=Router({"a": a, "b": b, "c": c})) as s:
+        with pytest.raises(polygate.DeadlineExceeded) as info:
+            await s.chat(MESSAGES)
+    # a fails at 3, b at 6, c is cancelled by the call's one deadline at 8
+    assert info.value.call_stats is not None
+    assert info.value.call_stats.total_latency_ms == pytest.approx(8000)
+    assert [len(u.requests) for u in (a, b, c)] == [1, 1, 1]
+    assert c.requests[0].started_at == pytest.approx(6)
+
+
+async def test_a_context_length_error_moves_to_a_larger_model(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    small = FakeUpstream(CONTEXT)
+    large = FakeUpstream(Reply(text="long answer"))
+    settings = _scopes(
+        chat={"sources": {"small": {"model": "m-8k"}}, "fallback": "large"},
+        large={"sources": {"large": {"model": "m-128k"}}},
+    )
+    async with polygate.session(settings, transport=Router({"small": small, "large": large})) as s:
+        r = await s.chat(MESSAGES)
+    assert (r.text, r.call_stats.scope) == ("long answer", "large")
+    assert len(small.requests) == 1  # a fatal 400 is never retried on the same source
+
+
+async def test_a_context_length_error_is_never_resent_to_the_same_model(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A fallback whose sources all serve the model that refused is skipped for its
+    own fallback; with none left, the caller gets the 400 itself."""
+    small = FakeUpstream(CONTEXT)
+    same = FakeUpstream(Reply(text="same model elsewhere"))
+    large = FakeUpstream(Reply(text="large"))
+    settings = _scopes(
+        chat={"sources": {"small": {"model": "m-8k"}}, "fallback": "mirror"},
+        mirror={"sources": {"same": {"model": "m-8k"}}, "fallback": "large"},
+        large={"sources": {"large": {"model": "m-128k"}}},
+    )
+    router = Router({"small": small, "same": same, "large": large})
+    async with polygate.session(settings, transport=router) as s:
+        assert (await s.chat(MESSAGES)).text == "large"
+    assert same.requests == []
+    settings = _scopes(
+        chat={"sources": {"small": {"model": "m-8k"}}, "fallback": "mirror"},
+        mirror={"sources": {"same": {"model": "m-8k"}}},
+    )
+    async with polygate.session(settings, transport=router) as s:
+        with pytest.raises(polygate.FatalUpstreamError, match="maximum context length"):
+            await s.chat(MESSAGES)
+
+
+async def test_a_content_policy_refusal_is_not_routed_around_unless_asked(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    strict = FakeUpstream(POLICY)
+    lax = FakeUpstream(Reply(text="anything goes"))
+    router = Router({"strict": strict, "lax": lax})
+    broad = ("exhausted", "context_length", "fatal", "status:400")
+    settings = _scopes(chat={"sources": {"strict": {}}, "fallback": "other", "fallback_on": broad},
+                       other={"sources": {"lax": {}}})
+    async with polygate.session(settings, transport=router) as s:
+        with pytest.raises(polygate.FatalUpstreamError) as info:
+            await s.chat(MESSAGES)
+    assert info.value.code == "content_filter" and lax.requests == []
+    settings = _scopes(
+        chat={"sources": {"strict": {}}, "fallback": "other", "fallback_on": ("content_policy",)},
+        other={"sources": {"lax": {}}})
+    async with polygate.session(settings, transport=router) as s:
+        assert (await s.chat(MESSAGES)).call_stats.scope == "other"
+
+
+async def test_a_fatal_4xx_moves_only_when_listed(autojump_clock: trio.testing.MockClock) -> None:
+    bad = FakeUpstream(_err(422, "unsupported_parameter", "Unsupported parameter: 'seed'"))
+    good = FakeUpstream(Reply(text="ok"))
+    router = Router({"bad": bad, "good": good})
+    settings = _scopes(chat={"sources": {"bad": {}}, "fallback": "other"},
+                       other={"sources": {"good": {}}})
+    async with polygate.session(settings, transport=router) as s:
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.chat(MESSAGES)
+    settings = _scopes(chat={"sources": {"bad": {}}, "fallback": "other",
+                             "fallback_on": ("status:422",)},
+                       other={"sources": {"good": {}}})
+    async with polygate.session(settings, transport=router) as s:
+        assert (await s.chat(MESSAGES)).text == "ok"
+
+
+# --------------------------------------------------------------------------- retry policy
+
+
+@pytest.mark.parametrize(("same", "expected"), [(0, "b"), (1, "a")])
+async def test_same_source_retries_wait_out_retry_after_before_failing_over(
+    autojump_clock: trio.testing.MockClock, same: int, expected: str
+) -> None:
+    """a answers 429 (Retry-After: 2 s) once.  Failing over at once (the default), b
+    answers at 0; with ``same_source_retries=1`` a answers at 2 s."""
+    a = FakeUpstream([Reply(status=429, retry_after_s=2)], then=Reply(text="a"))
+    b = FakeUpstream(Reply(text="b"))
+    settings = _scopes(chat={"sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}},
+                             "retry": polygate.Retry(same_source_retries=same)})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+        done = trio.current_time()
+    assert r.text == expected
+    assert done == pytest.approx(0 if expected == "b" else 2)
+
+
+async def test_same_source_retries_then_fail_over(autojump_clock: trio.testing.MockClock) -> None:
+    """A 500 twice on the preferred source: retried once (after a backoff), then the call
+    moves to the other source; the retry did not use up max_attempts."""
+    a = FakeUpstream(Reply(status=500))
+    b = FakeUpstream(Reply(text="b"))
+    settings = _scopes(chat={"sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}},
+                             "retry": polygate.Retry(same_source_retries=1, max_attempts=2)})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert (r.text, len(a.requests), r.call_stats.attempts) == ("b", 2, 3)
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def _continuing(rest: str, **kw: Any) -> Any:
+    """An upstream that answers a continuation request (its last message is the
+    continue prompt, or a trailing assistant message) with ``rest``."""
+
+    def behaviour(request: Any, rng: Any) -> Reply:
+        messages = request.body["messages"]
+        if messages[-1]["role"] == "assistant" or messages[-1]["content"] == CONTINUE_PROMPT:
+            return Reply(text=rest, **kw)
+        return Reply(text=ANSWER, **kw)
+
+    return behaviour
+
+
+def _resume_settings(**stream: Any) -> polygate.Settings:
+    return _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}},
+        "stream": polygate.StreamWatch(resume=True, **stream),
+    })
+
+
+async def _read(s: polygate.Session) -> tuple[polygate.ChatStream, list[polygate.StreamChunk]]:
+    chunks = []
+    async with s.stream_chat(MESSAGES) as stream:
+        async for chunk in stream:
+            chunks.append(chunk)
+    return stream, chunks
+
+
+async def test_a_stream_cut_mid_way_is_finished_by_another_source(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Cut after 40 of 60 tokens: b continues (restating the last words, which are
+    stitched away); the caller sees one stream, marked where it resumed."""
+    a = FakeUpstream(Reply(text=ANSWER, inter_token_s=0.01, fault="truncated", fault_after=40))
+    shown = " ".join(WORDS[:40])
+    rest = " " + " ".join(WORDS[37:])  # restates w37 w38 w39
+    b = FakeUpstream(_continuing(rest, inter_token_s=0.01))
+    async with polygate.session(_resume_settings(), transport=Router({"a": a, "b": b})) as s:
+        stream, chunks = await _read(s)
+    response = stream.response
+    assert response is not None
+    assert stream.text == response.text == ANSWER
+    assert [c.resumed for c in chunks].count(True) == 1
+    resumed_at = next(i for i, c in enumerate(chunks) if c.resumed)
+    assert "".join(c.text for c in chunks[:resumed_at]) == shown
+    cs = response.call_stats
+    assert (cs.resumes, cs.source, cs.attempts) == (1, "b", 2)
+    sent = b.requests[0].body["messages"]
+    assert sent[-2] == {"role": "assistant", "content": shown}
+    assert sent[-1] == {"role": "user", "content": CONTINUE_PROMPT}
+    # usage: the continuation's reported usage plus an estimate for the cut segment
+    assert response.usage is not None and response.usage.source == "estimated"
+    assert response.usage.completion_tokens > b.requests[0].reply.tokens  # type: ignore[union-attr]
+
+
+async def test_a_prefill_source_continues_from_the_text_shown(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(text=ANSWER, fault="truncated", fault_after=40))
+    rest = " " + " ".join(WORDS[40:])
+    b = FakeUpstream(_continuing(rest))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9, "prefill": True}},
+        "stream": polygate.StreamWatch(resume=True)})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        stream, _ = await _read(s)
+    assert stream.response is not None and stream.response.text == ANSWER
+    body = b.requests[0].body
+    assert body["messages"][-1] == {"role": "assistant", "content": " ".join(WORDS[:40])}
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+
+
+async def test_a_rejected_prefill_is_asked_again_without_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The target answers the prefill with a 400; it is asked again with the continue
+    prompt, and that 400 never reaches the caller."""
+    a = FakeUpstream(Reply(text=ANSWER, fault="truncated", fault_after=40))
+    rest = " " + " ".join(WORDS[40:])
+
+    def picky(request: Any, rng: Any) -> Reply:
+        if request.body.get("continue_final_message"):
+            return _err(400, "invalid_request_error", "Unsupported parameter: continue_final_message")
+        return _continuing(rest)(request, rng)
+
+    b = FakeUpstream(picky)
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9, "prefill": True}},
+        "stream": polygate.StreamWatch(resume=True)})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        stream, _ = await _read(s)
+    assert stream.response is not None and stream.response.text == ANSWER
+    assert [r.status for r in b.requests] == [400, 200]
+    assert b.requests[1].body["messages"][-1]["content"] == CONTINUE_PROMPT
+
+
+@pytest.mark.parametrize("fault", [
+    {"stall_at": 20, "stall_s": 100},
+    {"fault": "malformed_json", "fault_after": 10},
+    {"fault": "error_event", "fault_after": 10},
+])
+async def test_a_committed_stream_survives_stalls_and_bad_events(
+    autojump_clock: trio.testing.MockClock, fault: dict[str, Any]
+) -> None:
+    a = FakeUpstream(Reply(text=ANSWER, inter_token_s=0.01, **fault))
+    b = FakeUpstream(_continuing(" " + " ".join(WORDS[1:])))  # worst case: a restates nearly all
+    async with polygate.session(_resume_settings(stall_timeout_s=5),
+                                transport=Router({"a": a, "b": b})) as s:
+        stream, _ = await _read(s)
+    assert stream.response is not None
+    assert stream.text == stream.response.text
+    assert stream.text.startswith(" ".join(WORDS[:10])) and stream.text.endswith("w59")
+    assert stream.response.call_stats.resumes == 1
+
+
+async def test_a_malformed_event_before_the_commit_fails_the_attempt_as_before(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(text=ANSWER, fault="malformed_json", fault_after=0))
+    b = FakeUpstream(Reply(text=ANSWER))
+    async with polygate.session(_resume_settings(), transport=Router({"a": a, "b": b})) as s:
+        stream, chunks = await _read(s)
+    assert stream.response is not None and stream.response.text == ANSWER
+    assert stream.response.call_stats.resumes == 0 and not any(c.resumed for c in chunks)
+    assert b.requests[0].body["messages"] == MESSAGES  # a plain retry, not a continuation
+
+
+async def test_a_tool_call_cut_mid_arguments_is_not_resumed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Half-sent tool-call arguments cannot be continued by another model: the stream
+    fails as it would without resume (documented limit)."""
+    body = (
+        b'data: {"choices":[{"index":0,"delta":{"role":"assistant","tool_calls":[{"index":0,'
+        b'"id":"c1","type":"function","function":{"name":"lookup","arguments":"{\\"ci"}}]}}]}\n\n'
+    )
+    b = FakeUpstream(Reply(text=ANSWER))
+
+    async def cut(request: Any) -> Any:
+        import httpx
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    import httpx
+
+    transport = Router({"a": httpx.MockTransport(cut), "b": b})  # type: ignore[dict-item]
+    async with polygate.session(_resume_settings(), transport=transport) as s:
+        with pytest.raises(polygate.TransientUpstreamError, match="truncated"):
+            await _read(s)
+    assert b.requests == []
+
+
+async def test_chat_restarts_cleanly_instead_of_resuming(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """chat() has shown nothing: a cut answer is retried whole, never stitched."""
+    a = FakeUpstream(Reply(text=ANSWER, fault="truncated", fault_after=40))
+    b = FakeUpstream(Reply(text=ANSWER))
+    async with polygate.session(_resume_settings(), transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert (r.text, r.call_stats.resumes) == (ANSWER, 0)
+    assert b.requests[0].body["messages"] == MESSAGES
+
+
+async def test_resume_off_keeps_todays_behaviour(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(text=ANSWER, fault="truncated", fault_after=40))
+    b = FakeUpstream(Reply(text=ANSWER))
+    settings = _scopes(chat={"sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}}})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        with pytest.raises(polygate.TransientUpstreamError):
+            await _read(s)
+    assert b.requests == []
+
+
+async def test_a_resume_can_move_to_the_fallback_scope(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(text=ANSWER, fault="truncated", fault_after=40))
+    big = FakeUpstream(_continuing(" " + " ".join(WORDS[40:])))
+    settings = _scopes(
+        chat={"sources": {"a": {}}, "fallback": "big", "retry": polygate.Retry(max_attempts=1),
+              "stream": polygate.StreamWatch(resume=True)},
+        big={"sources": {"big": {}}},
+    )
+    async with polygate.session(settings, transport=Router({"a": a, "big": big})) as s:
+        stream, _ = await _read(s)
+    assert stream.response is not None and stream.response.text == ANSWER
+    assert (stream.response.call_stats.scope, stream.response.call_stats.resumes) == ("big", 1)
+
+
+async def test_resumes_are_bounded(autojump_clock: trio.testing.MockClock) -> None:
+    """Every continuation is cut too: after max_resumes the stream fails as itself."""
+    cut = Reply(text=ANSWER, fault="truncated", fault_after=5)
+    a = FakeUpstream(cut)
+    b = FakeUpstream(cut)
+    async with polygate.session(_resume_settings(max_resumes=2),
+                                transport=Router({"a": a, "b": b})) as s:
+        with pytest.raises(polygate.TransientUpstreamError) as info:
+            await _read(s)
+    assert info.value.call_stats is not None
+    assert len(a.requests) + len(b.requests) == 3
+
+
+# --------------------------------------------------------------------------- stitching
+
+
+def _fed(stitcher: Stitcher, text: str, pieces: list[int]) -> str:
+    out, i, k = [], 0, 0
+    while i < len(text):
+        size = pieces[k % len(pieces)]
+        out.append(stitcher.feed(text[i:i + size]))
+        i += size
+        k += 1
+    out.append(stitcher.flush())
+    return "".join(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    words=st.lists(st.sampled_from(["alpha", "beta", "gamma", "the", "a", "theory", ",", "."]),
+                   min_size=2, max_size=40),
+    cut=st.integers(min_value=1, max_value=200),
+    restate=st.integers(min_value=0, max_value=60),
+    pieces=st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=20),
+)
+def test_stitching_never_invents_and_ignores_chunking(
+    words: list[str], cut: int, restate: int, pieces: list[int]
+) -> None:
+    """Whatever the text (repetitive on purpose) and the chunking: the stitched text is
+    a suffix of the continuation (only a restated start is ever dropped, nothing is
+    added) and the same as when the continuation arrives in one piece."""
+    text = " ".join(words)
+    cut = min(cut, len(text) - 1)
+    continuation = text[max(0, cut - restate):]
+    stitched = _fed(Stitcher(text[:cut]), continuation, pieces)
+    whole = Stitcher(text[:cut])
+    assert continuation.endswith(stitched)
+    assert stitched == whole.feed(continuation) + whole.flush()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cut=st.integers(min_value=1, max_value=59),
+    restate=st.integers(min_value=0, max_value=8),
+    pieces=st.lists(st.integers(min_value=1, max_value=9), min_size=1, max_size=20),
+)
+def test_a_restated_tail_of_whole_words_is_removed(cut: int, restate: int, pieces: list[int]) -> None:
+    """Distinct words, a continuation that restates the last ``restate`` words: the
+    result is exactly the answer when the restatement is long enough to be told from a
+    coincidence (≥ 12 characters), and keeps the repetition when it is shorter."""
+    shown = " ".join(WORDS[:cut])
+    restated = " ".join(WORDS[cut - restate:cut]) if restate and restate < cut else ""
+    rest = " " + " ".join(WORDS[cut:]) if cut < 60 else ""
+    continuation = (" " + restated if restated else "") + rest
+    stitched = _fed(Stitcher(shown), continuation, pieces)
+    if len(" " + restated) >= 12 if restated else True:
+        assert shown + stitched == ANSWER
+    else:
+        assert shown + stitched == shown + continuation
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(min_value=1, max_value=59), restate=st.integers(min_value=0, max_value=5),
+       stall=st.booleans())
+async def test_a_resumed_streams_response_is_what_the_caller_was_shown(
+    autojump_clock: trio.testing.MockClock, cut: int, restate: int, stall: bool
+) -> None:
+    """Property: for any cut point and restated overlap, ``stream.response.text`` is
+    exactly the concatenation of the chunks the caller received."""
+    fault = {"stall_at": cut, "stall_s": 100} if stall else {"fault": "truncated", "fault_after": cut}
+    a = FakeUpstream(Reply(text=ANSWER, inter_token_s=0.01, **fault))
+    rest = " " + " ".join(WORDS[max(0, cut - restate):])
+    b = FakeUpstream(_continuing(rest, inter_token_s=0.01))
+    async with polygate.session(_resume_settings(stall_timeout_s=1),
+                                transport=Router({"a": a, "b": b})) as s:
+        stream, chunks = await _read(s)
+    assert stream.response is not None
+    assert "".join(c.text for c in chunks) == stream.text == stream.response.text
+    assert stream.text.startswith(" ".join(WORDS[:cut]))
+    json.dumps(stream.response.raw)  # still a JSON-able body
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_fallback_settings_are_checked_the_same_three_ways(tmp_path: Any) -> None:
+    src = [polygate.Source(name="a", base_url="http://a/v1")]
+    with pytest.raises(polygate.ConfigError, match="fallback chain loops: x -> y -> x"):
+        polygate.Settings(scopes={"x": polygate.Scope(src, fallback="y"),
+                                  "y": polygate.Scope(src, fallback="x")})
+    with pytest.raises(polygate.ConfigError, match="falls back to 'nowhere'"):
+        polygate.Settings(scopes={"x": polygate.Scope(src, fallback="nowhere")})
+    with pytest.raises(polygate.ConfigError, match="unknown reason 'sometimes'"):
+        polygate.Scope(src, fallback_on=("exhausted", "sometimes"))
+    env = {"POLYGATE__X__A__BASE_URL": "http://a/v1", "POLYGATE__X__FALLBACK": "x"}
+    with pytest.raises(polygate.ConfigError, match="loops: x -> x"):
+        polygate.Settings.from_env(env)
+    env = {"POLYGATE__X__A__BASE_URL": "http://a/v1", "POLYGATE__X__FALLBACK_ON": "exhausted,bogus"}
+    with pytest.raises(polygate.ConfigError, match="POLYGATE__X__FALLBACK_ON.*bogus"):
+        polygate.Settings.from_env(env)
+    path = tmp_path / "p.toml"
+    path.write_text('[scopes.x]\nfallback_on = ["status:99"]\n[scopes.x.sources.a]\n'
+                    'base_url = "http://a/v1"\n')
+    with pytest.raises(polygate.ConfigError, match="scopes.x.fallback_on"):
+        polygate.Settings.from_toml(str(path))
+    with pytest.raises(polygate.ConfigError, match="max_open_s"):
+        polygate.Breaker(open_s=30, max_open_s=10)

@@ -1,0 +1,154 @@
+"""Sessions and streams begin and end cleanly (review R4, R5, R10, R11, suspicious 9):
+Ctrl-C arrives as KeyboardInterrupt, a closed session sends nothing, a finished or
+abandoned stream says so, and no telemetry row vanishes uncounted."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import MESSAGES, one_source_settings
+
+_CTRL_C = textwrap.dedent('''
+    import os, signal, threading, trio, polygate
+    from polygate.testing import FakeUpstream, Reply, Router
+
+    sources = [polygate.Source(name=n, base_url=f"http://{{n}}/v1", weight=w)
+               for n, w in (("a", 1.0), ("b", 1e-9))]
+    hedge = polygate.Hedge(after_s=30) if {hedge} else polygate.Hedge()
+    settings = polygate.Settings(scopes={{"chat": polygate.Scope(sources=sources, hedge=hedge)}})
+    slow = FakeUpstream(Reply(first_token_s=60))
+
+    async def main():
+        async with polygate.session(settings, transport=Router({{"a": slow, "b": slow}})) as s:
+            try:
+                {body}
+            except BaseException as exc:
+                print("INNER", type(exc).__name__, flush=True)
+                raise
+
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        print("OUTER KeyboardInterrupt")
+    except BaseException as exc:
+        print("OUTER", type(exc).__name__)
+''')
+
+_BODIES = {
+    "sleep": "await trio.sleep(30)",
+    "chat": "await s.chat([{'role': 'user', 'content': 'hi'}])",
+    "stream": ("async with s.stream_chat([{'role': 'user', 'content': 'hi'}]) as st:\n"
+               "                    async for _ in st: pass"),
+}
+
+
+@pytest.mark.parametrize(("body", "hedge"), [
+    ("sleep", False), ("chat", False), ("chat", True), ("stream", False), ("stream", True),
+])
+def test_ctrl_c_is_a_keyboard_interrupt(body: str, hedge: bool) -> None:
+    """R4: wherever trio delivers Ctrl-C — the session body, a call's round nursery, a
+    stream's producer nursery — it leaves the call and the session as itself, never as
+    a (nested) BaseExceptionGroup, so ``except KeyboardInterrupt`` works."""
+    script = _CTRL_C.format(hedge=hedge, body=_BODIES[body])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=50, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("INNER", "OUTER"))]
+    assert lines == ["INNER KeyboardInterrupt", "OUTER KeyboardInterrupt"], out.stderr[-2000:]
+
+
+async def test_iterating_a_closed_stream_is_a_polygate_error() -> None:
+    """R10: after an early exit from its block, iterating the stream raises a clear
+    PolygateError (not trio.EndOfChannel); a finished stream just stops."""
+    up = FakeUpstream(Reply(tokens=80))
+    async with polygate.session(one_source_settings(), transport=up.transport()) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                break
+        with pytest.raises(polygate.PolygateError, match="closed before it finished"):
+            await stream.__anext__()
+        async with s.stream_chat(MESSAGES) as done:
+            async for _ in done:
+                pass
+        with pytest.raises(StopAsyncIteration):
+            await done.__anext__()
+
+
+async def test_a_stream_entered_after_its_session_closed_sends_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """R11: created while the session was open, entered after it closed: refused with
+    "this session is closed" before any I/O, with no error logged."""
+    up = FakeUpstream(Reply())
+    async with polygate.session(one_source_settings(), transport=up.transport()) as s:
+        late = s.stream_chat(MESSAGES)
+    with pytest.raises(polygate.PolygateError, match="session is closed") as info:
+        async with late:
+            pass
+    assert type(info.value) is polygate.PolygateError
+    assert up.requests == [] and not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_a_call_outliving_its_session_sends_nothing_more(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Suspicious point 9: a call started from a task outside the session block keeps
+    running when the session closes (it lives in its caller's tree), but its next round
+    sends nothing through the closed session: it ends with "this session is closed"."""
+    up = FakeUpstream([Reply(status=500, headers_delay_s=5)], then=Reply())
+    settings = one_source_settings(retry=polygate.Retry(backoff_base_s=0, backoff_max_s=0))
+    outcome: list[BaseException] = []
+
+    async def outside(s: polygate.Session) -> None:
+        try:
+            await s.chat(MESSAGES)
+        except polygate.PolygateError as exc:
+            outcome.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        async with polygate.session(settings, transport=up.transport()) as s:
+            nursery.start_soon(outside, s)
+            await trio.sleep(1)
+    assert len(up.requests) == 1
+    assert [type(e) for e in outcome] == [polygate.PolygateError]
+    assert "session is closed" in str(outcome[0])
+
+
+async def test_no_telemetry_row_vanishes_when_the_session_is_cancelled(tmp_path: Path) -> None:
+    """R5: the flusher took the first rows off the channel and lingers; the session is
+    cancelled from outside.  Every recorded row is written or counted as dropped."""
+    db = tmp_path / "t.db"
+    settings = polygate.Settings(
+        scopes=one_source_settings().scopes, telemetry=f"sqlite:///{db}")
+    up = FakeUpstream(Reply())
+    with trio.CancelScope() as cancel:
+        async with polygate.session(settings, transport=up.transport()) as s:
+            await s.chat(MESSAGES)  # an attempt row and a call row
+            await trio.sleep(0.01)  # the flusher holds them, lingering 50 ms
+            cancel.cancel()
+            await trio.sleep(1)
+    stats = (s._telemetry.statistics() if s._telemetry is not None else None)
+    assert stats is not None
+    con = sqlite3.connect(db)
+    rows = sum(con.execute(f"select count(*) from {t}").fetchone()[0] for t in ("calls", "attempts"))
+    con.close()
+    assert rows + stats.dropped == 2 and stats.written == rows
+
+
+async def test_the_session_leaves_as_the_bodys_own_exception() -> None:
+    """The session's nursery never wraps the body's error (one exception, as itself)."""
+    up = FakeUpstream(Reply())
+    with pytest.raises(LookupError, match="mine"):
+        async with polygate.session(one_source_settings(), transport=Router({"a": up})):
+            raise LookupError("mine")

@@ -1,0 +1,442 @@
+"""OCR (SPEC §8.2) through the fake transport under MockClock, with real documents:
+PDFs made by pypdfium2 (and one written by hand) rendered by PDFium, images made by
+Pillow.  The fake upstream decodes each page image it receives and answers with its
+size, so the tests see what was sent, and in which order it came back."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pypdfium2 as pdfium
+import pytest
+import trio
+import trio.testing
+from PIL import Image
+
+import polygate
+from polygate._ocr import DEFAULT_PROMPT
+from polygate.testing import FakeUpstream, RecordedRequest, Reply, Router
+
+from .conftest import FIRST_A
+
+
+def make_pdf(sizes: list[tuple[float, float]]) -> bytes:
+    """A PDF whose page i has size ``sizes[i]`` in points (blank pages: the fake tells
+    pages apart by their rendered size)."""
+    pdf = pdfium.PdfDocument.new()
+    try:
+        for width, height in sizes:
+            pdf.new_page(width, height).close()
+        out = io.BytesIO()
+        pdf.save(out)
+        return out.getvalue()
+    finally:
+        pdf.close()
+
+
+def minimal_pdf() -> bytes:
+    """A one-page PDF written by hand (catalog, pages, page, content, font), 200×100 pt."""
+    content = b"BT /F1 24 Tf 20 40 Td (Hello OCR) Tj ET"
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 100] /Contents 4 0 R "
+        b"/Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n%s\nendstream" % (len(content), content),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return bytes(out)
+
+
+def image_bytes(fmt: str, size: tuple[int, int], mode: str = "RGB") -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, size, "white" if mode != "P" else 0).save(out, fmt)
+    return out.getvalue()
+
+
+def sent_image(req: RecordedRequest) -> tuple[str, bytes]:
+    """The mime type and bytes of the page image a request carried."""
+    url = req.body["messages"][0]["content"][1]["image_url"]["url"]
+    head, data = url.split(",", 1)
+    assert head.startswith("data:") and head.endswith(";base64")
+    return head[5:-7], base64.b64decode(data)
+
+
+def size_reply(rec: RecordedRequest, rng: Any, **kw: Any) -> Reply:
+    """Answer with the size of the image received; the page of width 100 + 50 i
+    (points at 72 dpi) takes i + 1 seconds."""
+    _, data = sent_image(rec)
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+    delay = (width - 100) / 50 + 1
+    return Reply(text=f"{width}x{height}", first_token_s=delay, **kw)
+
+
+def ocr_settings(sources: tuple[str, ...] = ("a",), **ocr: Any) -> polygate.Settings:
+    scope = polygate.Scope(
+        sources=[polygate.Source(name=n, base_url=f"http://{n}/v1",
+                                 weight=FIRST_A.get(n, 1.0)) for n in sources],
+        ocr=polygate.Ocr(**ocr),
+    )
+    return polygate.Settings(scopes={"ocr": scope})
+
+
+SIZES = [(100 + 50 * i, 100.0) for i in range(5)]  # at dpi=72: 100x100, 150x100, …
+
+
+# --------------------------------------------------------------------------- PDFs
+
+
+async def test_pdf_pages_in_order_with_their_usage_and_source(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(size_reply)
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        r = await s.ocr(make_pdf(SIZES))
+    assert [p.index for p in r.pages] == [0, 1, 2, 3, 4]
+    assert [p.text for p in r.pages] == [f"{100 + 50 * i}x100" for i in range(5)]
+    assert r.text == "\n\n".join(p.text for p in r.pages)
+    assert all(p.source == "a" and p.usage is not None for p in r.pages)
+    assert r.usage is not None
+    assert r.usage.total_tokens == sum(p.usage.total_tokens for p in r.pages if p.usage)
+    assert r.usage.source == "upstream"
+    assert r.source == "a" and r.model == "fake-model"
+    st = r.call_stats
+    assert st.attempts == 5 and st.hedges == 0 and st.reasks == 0
+    assert st.generation_ms == pytest.approx(1000 * (1 + 2 + 3 + 4 + 5))  # the sum
+    assert st.ttft_ms is None  # several pages: no single first token
+    assert isinstance(r, polygate.OcrResponse) and isinstance(r.pages[0], polygate.OcrPage)
+
+
+async def test_request_shape(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text="# Title"))
+    async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
+        r = await s.ocr(make_pdf([(612, 792)]), temperature=0, max_tokens=4096)
+    [req] = up.requests
+    assert req.path.endswith("/chat/completions")
+    [message] = req.body["messages"]
+    assert message["role"] == "user"
+    text, image = message["content"]
+    assert text == {"type": "text", "text": DEFAULT_PROMPT}
+    assert image["type"] == "image_url"
+    mime, data = sent_image(req)
+    assert mime == "image/jpeg"  # the default image_format
+    with Image.open(io.BytesIO(data)) as page:
+        # letter size at the default 150 dpi, aspect ratio kept
+        assert page.format == "JPEG"
+        assert abs(page.size[0] - 1275) <= 1 and abs(page.size[1] - 1650) <= 1
+    assert req.body["temperature"] == 0 and req.body["max_tokens"] == 4096
+    assert r.text == "# Title"
+    assert r.call_stats.ttft_ms is not None  # one page: that call's own statistics
+
+
+async def test_large_pages_are_scaled_down_keeping_the_aspect_ratio(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(Reply(text="x"))
+    settings = ocr_settings(max_side_px=1000, image_format="png")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        await s.ocr(make_pdf([(3000, 1500), (500, 2500)]))
+    sizes = []
+    for req in up.requests:
+        mime, data = sent_image(req)
+        assert mime == "image/png"
+        with Image.open(io.BytesIO(data)) as image:
+            sizes.append(image.size)
+    assert sorted(sizes) == [(200, 1000), (1000, 500)]
+
+
+async def test_pages_selects_and_keeps_document_order(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(size_reply)
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        r = await s.ocr(make_pdf(SIZES), pages=[3, 0])
+    assert [p.index for p in r.pages] == [0, 3]
+    assert [p.text for p in r.pages] == ["100x100", "250x100"]
+    assert len(up.requests) == 2
+
+
+async def test_pages_are_bounded_and_come_back_in_order(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Under MockClock, virtual time jumps while workers wait for their render threads,
+    # so how much the pages overlap is not deterministic here: the bound and the order
+    # are (the overlap itself is checked on the real clock, test_integration_chains).
+    up = FakeUpstream(size_reply)
+    sizes = [(100 + 50 * (6 - i), 100) for i in range(7)]  # the first page is the slowest
+    settings = ocr_settings(dpi=72, max_concurrent_pages=3)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.ocr(make_pdf(sizes))
+    assert [p.text for p in r.pages] == [f"{w}x100" for w, _ in sizes]
+    assert up.statistics().peak_in_flight <= 3
+    assert r.call_stats.generation_ms == pytest.approx(1000 * sum(range(1, 8)))
+
+
+async def test_hand_written_pdf(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(size_reply)
+    async with polygate.session(ocr_settings(dpi=144), transport=Router({"a": up})) as s:
+        r = await s.ocr(minimal_pdf())
+    assert r.text == "400x200"
+    _, data = sent_image(up.requests[0])
+    with Image.open(io.BytesIO(data)) as image:
+        # the text was rendered: the page is not blank
+        assert image.convert("L").getextrema()[0] < 128
+
+
+async def test_a_path_is_read(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    path = tmp_path / "doc.pdf"
+    path.write_bytes(make_pdf(SIZES[:2]))
+    up = FakeUpstream(size_reply)
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        r = await s.ocr(path)
+        r2 = await s.ocr(trio.Path(path), pages=range(1, 2))  # any path-like; any sequence
+    assert [p.text for p in r.pages] == ["100x100", "150x100"]
+    assert [(p.index, p.text) for p in r2.pages] == [(1, "150x100")]
+
+
+# --------------------------------------------------------------------------- images and URLs
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+async def test_an_image_within_the_limits_is_sent_unaltered(
+    autojump_clock: trio.testing.MockClock, fmt: str
+) -> None:
+    data = image_bytes(fmt, (640, 480))
+    up = FakeUpstream(Reply(text="text"))
+    async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
+        r = await s.ocr(data)
+    mime, sent = sent_image(up.requests[0])
+    assert mime == f"image/{fmt.lower()}" and sent == data
+    assert [p.index for p in r.pages] == [0]
+
+
+@pytest.mark.parametrize(("fmt", "mode"), [("WEBP", "RGB"), ("GIF", "P"), ("PNG", "RGBA")])
+@pytest.mark.parametrize("image_format", ["jpeg", "png"])
+async def test_other_images_are_converted_and_large_ones_scaled(
+    autojump_clock: trio.testing.MockClock, fmt: str, mode: str, image_format: str
+) -> None:
+    data = image_bytes(fmt, (3000, 1000), mode)
+    up = FakeUpstream(Reply(text="text"))
+    settings = ocr_settings(image_format=image_format)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        await s.ocr(data)
+    mime, sent = sent_image(up.requests[0])
+    assert mime == f"image/{image_format}"
+    with Image.open(io.BytesIO(sent)) as image:
+        assert image.format == image_format.upper()
+        assert image.size == (2048, 683)  # the default max_side_px, 3:1 kept
+
+
+async def test_a_small_webp_is_converted_not_scaled(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text="text"))
+    async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
+        await s.ocr(image_bytes("WEBP", (300, 200)))
+    mime, sent = sent_image(up.requests[0])
+    with Image.open(io.BytesIO(sent)) as image:
+        assert (mime, image.size) == ("image/jpeg", (300, 200))
+
+
+async def test_an_https_url_is_handed_over_as_is(autojump_clock: trio.testing.MockClock) -> None:
+    url = "https://example.com/scans/page-1.png?sig=abc"
+    up = FakeUpstream(Reply(text="hello"))
+    settings = ocr_settings(prompt="Read this page.")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.ocr(url)
+        r2 = await s.ocr(url, prompt="Only the title.")
+    contents = [req.body["messages"][0]["content"] for req in up.requests]
+    assert contents[0] == [
+        {"type": "text", "text": "Read this page."},  # the scope's prompt
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    assert contents[1][0]["text"] == "Only the title."  # the call's prompt wins
+    assert r.text == r2.text == "hello"
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+class Weird:
+    pass
+
+
+async def test_bad_documents_before_any_io(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    big = tmp_path / "big.pdf"
+    big.write_bytes(make_pdf([(100, 100)]) + b"\0" * 2000)
+    cases: list[tuple[Any, str]] = [
+        (b"hello world", "not a PNG, JPEG, WebP, GIF or PDF"),
+        (b"", "empty"),
+        (b"%PDF-1.7\n this is no pdf", "PDF cannot be opened"),
+        (b"\x89PNG\r\n\x1a\n" + b"\0" * 40, "PNG image cannot be read"),
+        (image_bytes("PNG", (10, 10))[:30], "PNG image cannot be read"),
+        (b"x" * 3000, "over max_document_bytes"),
+        (big, "over max_document_bytes"),
+        (tmp_path / "missing.pdf", "cannot read document"),
+        (tmp_path, "is not a file"),
+        ("http://example.com/a.png", "https:// URL"),
+        ("/tmp/a.pdf", "https:// URL"),
+        ("https://", "https:// URL"),
+        (12, "got int"),
+        (memoryview(b"%PDF-"), "got memoryview"),
+        (Weird(), "got Weird"),
+        (None, "got NoneType"),
+    ]
+    up = FakeUpstream(Reply(text="x"))
+    settings = ocr_settings(max_document_bytes=2048)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        for document, problem in cases:
+            with pytest.raises(polygate.ConfigError, match=problem):
+                await s.ocr(document)
+    assert up.requests == []
+
+
+async def test_bad_pages_and_prompts_before_any_io(autojump_clock: trio.testing.MockClock) -> None:
+    pdf = make_pdf([(100, 100)] * 3)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"pages": [3]}, "page 3 is out of range: the document has 3 page"),
+        ({"pages": [0, 7]}, "page 7 is out of range"),
+        ({"pages": [-1]}, "0-based"),
+        ({"pages": [True]}, "0-based"),
+        ({"pages": [1.0]}, "0-based"),
+        ({"pages": []}, "non-empty"),
+        ({"pages": "0"}, "non-empty"),
+        ({"pages": 0}, "non-empty"),
+        ({"pages": [1, 1]}, "twice"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"messages": []}, "set by polygate"),
+        ({"scope": "nope"}, "unknown scope"),
+        ({"call_deadline_s": 0}, "call_deadline_s"),
+    ]
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
+        for kwargs, problem in cases:
+            with pytest.raises(polygate.ConfigError, match=problem):
+                await s.ocr(pdf, **kwargs)
+        for image in (image_bytes("PNG", (10, 10)), "https://example.com/x.png"):
+            with pytest.raises(polygate.ConfigError, match="out of range"):
+                await s.ocr(image, pages=[1])
+    assert up.requests == []
+
+
+# --------------------------------------------------------------------------- the call
+
+
+async def test_rendering_runs_in_a_worker_thread(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from polygate import _ocr_document
+
+    threads: list[int] = []
+    for cls in (_ocr_document.PdfDocument, _ocr_document.ImageDocument):
+        original = cls.page
+
+        def page(self: Any, index: int, prompt: str, original: Any = original) -> Any:
+            threads.append(threading.get_ident())
+            return original(self, index, prompt)
+
+        monkeypatch.setattr(cls, "page", page)
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
+        await s.ocr(make_pdf([(100, 100)] * 3))
+        await s.ocr(image_bytes("WEBP", (50, 50)))
+    assert len(threads) == 4
+    assert threading.get_ident() not in threads
+
+
+async def test_a_failed_page_is_retried_on_another_source(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream([Reply(status=503), Reply(text="from a")])
+    b = FakeUpstream(Reply(text="from b"))
+    settings = ocr_settings(sources=("a", "b"), max_concurrent_pages=1)
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.ocr(make_pdf([(100, 100)] * 2))
+    assert [(p.text, p.source) for p in r.pages] == [("from b", "b"), ("from a", "a")]
+    assert r.call_stats.attempts == 3
+    assert len({req.body["messages"][0]["content"][1]["image_url"]["url"]
+                for req in (a.requests[0], b.requests[0])}) == 1  # the retry sent the same page
+
+
+async def test_a_fatal_page_fails_the_call_with_one_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    def behaviour(rec: RecordedRequest, rng: Any) -> Reply:
+        _, data = sent_image(rec)
+        with Image.open(io.BytesIO(data)) as image:
+            wide = image.size[0] > 120
+        return Reply(status=400) if wide else Reply(text="ok", first_token_s=50.0)
+
+    up = FakeUpstream(behaviour)
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.FatalUpstreamError) as info:
+            await s.ocr(make_pdf(SIZES[:3]))
+    assert info.value.call_stats is not None
+    assert up.in_flight == 0  # the slow pages were cancelled, not left behind
+
+
+async def test_the_deadline_covers_every_page(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text="x", first_token_s=1000.0))
+    async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.DeadlineExceeded) as info:
+            await s.ocr(make_pdf([(100, 100)] * 6), call_deadline_s=20)
+    assert info.value.call_stats is not None
+    assert info.value.call_stats.total_latency_ms == pytest.approx(20_000)
+    assert up.in_flight == 0
+
+
+async def test_cancelled_call_closes_the_document(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from polygate import _ocr_document
+
+    closed: list[Any] = []
+    original = _ocr_document.PdfDocument.close
+
+    def close(self: Any) -> None:
+        original(self)
+        closed.append(self)
+
+    monkeypatch.setattr(_ocr_document.PdfDocument, "close", close)
+    up = FakeUpstream(Reply(text="x", first_token_s=1000.0))
+    async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
+        with trio.move_on_after(5):
+            await s.ocr(make_pdf([(100, 100)] * 3))
+    assert len(closed) == 1 and closed[0]._pdf is None
+    assert up.in_flight == 0
+
+
+async def test_telemetry_row_is_one_ocr_call(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    import sqlite3
+
+    db = tmp_path / "t.db"
+    up = FakeUpstream(Reply(text="x"))
+    settings = attrs.evolve(ocr_settings(), telemetry=f"sqlite://{db}")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.ocr(make_pdf([(100, 100)] * 3))
+    conn = sqlite3.connect(db)
+    try:
+        calls = conn.execute("SELECT logical_call_id, kind, attempts, content FROM calls").fetchall()
+        attempts = conn.execute("SELECT logical_call_id FROM attempts").fetchall()
+    finally:
+        conn.close()
+    assert calls == [(r.call_stats.logical_call_id, "ocr", 3, None)]
+    assert attempts == [(r.call_stats.logical_call_id,)] * 3

@@ -1,0 +1,493 @@
+"""Structured output (SPEC §8.1) through the fake transport under MockClock: the
+response_format sent, validation, re-asks inside one logical call and one deadline,
+the statistics of the last round, the per-source ways of asking, stream_chat, and bad
+schemas refused before any I/O."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pydantic
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+import polygate
+from polygate.testing import FakeUpstream, RecordedRequest, Reply, Router
+
+from .conftest import FIRST_A, MESSAGES, one_source_settings, two_source_settings
+
+
+class Answer(pydantic.BaseModel):
+    city: str
+    population: int
+
+
+GOOD = '{"city": "Paris", "population": 2100000}'
+WRONG_TYPE = '{"city": "Paris", "population": "lots"}'
+NOT_JSON = "Paris, about two million people."
+
+CITY_SCHEMA: dict[str, Any] = {
+    "title": "City",
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+}
+
+
+def by_round(*replies: Reply) -> Any:
+    """A behaviour answering by round: the round is the number of assistant messages
+    (answers already re-asked about) in the request."""
+
+    def behaviour(rec: RecordedRequest, rng: Any) -> Reply:
+        done = sum(1 for m in rec.body["messages"] if m.get("role") == "assistant")
+        return replies[min(done, len(replies) - 1)]
+
+    return behaviour
+
+
+def with_structured(settings: polygate.Settings, max_reasks: int) -> polygate.Settings:
+    scope = settings.scopes["chat"]
+    new = attrs.evolve(scope, structured=polygate.Structured(max_reasks=max_reasks))
+    return attrs.evolve(settings, scopes={"chat": new})
+
+
+# --------------------------------------------------------------------------- the happy path
+
+
+async def test_first_answer_valid(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text=GOOD))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=Answer)
+    assert r.parsed == Answer(city="Paris", population=2100000)
+    assert isinstance(r.parsed, Answer)
+    assert r.text == GOOD
+    assert r.call_stats.reasks == 0 and r.call_stats.attempts == 1
+    [req] = up.requests
+    assert req.body["messages"] == MESSAGES
+    assert req.body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "Answer", "schema": Answer.model_json_schema(), "strict": True},
+    }
+
+
+async def test_dict_schema_parses_to_the_json_value(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text=GOOD))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=CITY_SCHEMA)
+    assert r.parsed == {"city": "Paris", "population": 2100000}
+    rf = up.requests[0].body["response_format"]
+    assert rf["json_schema"] == {"name": "City", "schema": CITY_SCHEMA, "strict": True}
+
+
+async def test_fenced_answer_is_accepted(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text=f"```json\n{GOOD}\n```"))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=Answer)
+    assert r.parsed == Answer(city="Paris", population=2100000)
+    assert r.call_stats.reasks == 0
+
+
+async def test_plain_chat_has_no_parsed_value(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text=GOOD))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.parsed is None and r.call_stats.reasks == 0
+    assert "response_format" not in up.requests[0].body
+
+
+# --------------------------------------------------------------------------- re-asks
+
+
+async def test_reask_appends_the_answer_and_the_problems(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(by_round(
+        Reply(text=WRONG_TYPE, first_token_s=2.0), Reply(text=GOOD, first_token_s=5.0)
+    ))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        start = trio.current_time()
+        r = await s.chat(MESSAGES, schema=Answer)
+        assert trio.current_time() - start == pytest.approx(7.0)
+    assert r.parsed == Answer(city="Paris", population=2100000)
+    st = r.call_stats
+    assert st.reasks == 1 and st.attempts == 2
+    assert st.generation_ms == pytest.approx(5000)  # the last round's, not the sum
+    assert st.ttft_ms == pytest.approx(5000)
+    assert st.total_latency_ms == pytest.approx(7000)
+    first, second = (q.body["messages"] for q in up.requests)
+    assert first == MESSAGES
+    assert second[: len(MESSAGES)] == MESSAGES
+    assert second[len(MESSAGES)] == {"role": "assistant", "content": WRONG_TYPE}
+    reask = second[len(MESSAGES) + 1]
+    assert reask["role"] == "user" and "$.population" in reask["content"]
+    assert len(second) == len(MESSAGES) + 2
+    # every round asks the same way
+    assert up.requests[1].body["response_format"] == up.requests[0].body["response_format"]
+
+
+async def test_out_of_reasks_raises_structured_output_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(by_round(
+        Reply(text=NOT_JSON), Reply(text=WRONG_TYPE), Reply(text='{"city": 1}')
+    ))
+    settings = with_structured(one_source_settings(), 2)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.StructuredOutputError) as info:
+            await s.chat(MESSAGES, schema=Answer)
+    error = info.value
+    assert isinstance(error, polygate.PolygateError)
+    assert len(error.errors) == 3  # one string per round, in order
+    assert "Invalid JSON" in error.errors[0]
+    assert "$.population" in error.errors[1]
+    assert "$.city" in error.errors[2] and "$.population" in error.errors[2]
+    assert error.text == '{"city": 1}'
+    assert error.call_stats is not None
+    assert error.call_stats.reasks == 2 and error.call_stats.attempts == 3
+    assert error.call_stats.source == "a"
+    assert len(up.requests) == 3
+
+
+async def test_max_reasks_zero_never_reasks(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(by_round(Reply(text=NOT_JSON), Reply(text=GOOD)))
+    settings = with_structured(one_source_settings(), 0)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.StructuredOutputError) as info:
+            await s.chat(MESSAGES, schema=Answer)
+    assert len(info.value.errors) == 1 and len(up.requests) == 1
+    assert info.value.call_stats is not None and info.value.call_stats.reasks == 0
+
+
+async def test_dict_schema_reask_quotes_jsonschema_errors(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(by_round(Reply(text=WRONG_TYPE), Reply(text=GOOD)))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=CITY_SCHEMA)
+    assert r.parsed == {"city": "Paris", "population": 2100000}
+    reask = up.requests[1].body["messages"][-1]["content"]
+    assert "$.population: 'lots' is not of type 'integer'" in reask
+
+
+async def test_each_round_has_its_own_retries(autojump_clock: trio.testing.MockClock) -> None:
+    # round 1: valid JSON of the wrong shape; round 2: a 503 first, then a good answer
+    up = FakeUpstream([Reply(text=WRONG_TYPE), Reply(status=503), Reply(text=GOOD)])
+    settings = one_source_settings(retry=polygate.Retry(max_attempts=2, backoff_base_s=0.5))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=Answer)
+    assert r.call_stats.attempts == 3 and r.call_stats.reasks == 1
+    assert r.parsed is not None
+    # the retry of round 2 resends round 2's messages
+    assert up.requests[1].body["messages"] == up.requests[2].body["messages"]
+
+
+async def test_a_reask_round_is_hedged(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(by_round(Reply(text=WRONG_TYPE), Reply(text=GOOD, first_token_s=30.0)))
+    b = FakeUpstream(Reply(text=GOOD, first_token_s=1.0))
+    settings = two_source_settings(hedge=polygate.Hedge(after_s=2.0), weights=FIRST_A)
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES, schema=Answer)
+    st = r.call_stats
+    assert (st.reasks, st.hedges, st.hedge_won, st.source) == (1, 1, True, "b")
+    assert st.attempts == 3  # round 1, then round 2's primary and its hedge
+    assert st.generation_ms == pytest.approx(1000)
+    assert len(b.requests[0].body["messages"]) == len(MESSAGES) + 2
+
+
+async def test_the_deadline_covers_every_round(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text=NOT_JSON, first_token_s=4.0))
+    settings = with_structured(one_source_settings(call_deadline_s=10.0), 10)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        start = trio.current_time()
+        with pytest.raises(polygate.DeadlineExceeded) as info:
+            await s.chat(MESSAGES, schema=Answer)
+        assert trio.current_time() - start == pytest.approx(10.0)
+    assert len(up.requests) == 3  # rounds at 0, 4 and 8 s; the third cut at 10 s
+    assert up.in_flight == 0
+    assert info.value.call_stats is not None and info.value.call_stats.attempts == 3
+
+
+async def test_fatal_error_in_a_reask_round_is_raised_as_itself(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream([Reply(text=NOT_JSON), Reply(status=400)])
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.chat(MESSAGES, schema=Answer)
+
+
+async def test_callers_response_format_is_sent_as_is(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(by_round(Reply(text=NOT_JSON), Reply(text=GOOD)))
+    own = {"type": "json_object"}
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=Answer, response_format=own)
+    assert r.parsed is not None and r.call_stats.reasks == 1  # still validated, re-asked
+    for req in up.requests:
+        assert req.body["response_format"] == own
+        assert req.body["messages"][0] == MESSAGES[0]  # no instruction added
+
+
+# --------------------------------------------------------------------------- ways of asking
+
+
+def _source_settings(*modes: str, **scope: Any) -> polygate.Settings:
+    names = "abc"
+    sources = [
+        polygate.Source(name=names[i], base_url=f"http://{names[i]}/v1", structured_output=mode,
+                        weight=1.0 if i == 0 else 1e-9)
+        for i, mode in enumerate(modes)
+    ]
+    return polygate.Settings(scopes={"chat": polygate.Scope(sources=sources, **scope)})
+
+
+@pytest.mark.parametrize("mode", ["json_object", "prompt"])
+async def test_instruction_modes(autojump_clock: trio.testing.MockClock, mode: str) -> None:
+    up = FakeUpstream(by_round(Reply(text=WRONG_TYPE), Reply(text=GOOD)))
+    async with polygate.session(_source_settings(mode), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=Answer)
+    assert r.parsed == Answer(city="Paris", population=2100000)
+    for req, rest in zip(up.requests, (MESSAGES, None), strict=True):
+        system, *conversation = req.body["messages"]
+        assert system["role"] == "system"
+        assert json.dumps(Answer.model_json_schema(), separators=(",", ":")) in system["content"]
+        if rest is not None:
+            assert conversation == rest
+        if mode == "json_object":
+            assert req.body["response_format"] == {"type": "json_object"}
+        else:
+            assert "response_format" not in req.body
+    # the re-ask appends to the conversation, not to the instruction
+    conversation = up.requests[1].body["messages"][1:]
+    assert conversation[len(MESSAGES)] == {"role": "assistant", "content": WRONG_TYPE}
+    assert sum(m["role"] == "system" for m in up.requests[1].body["messages"]) == 1
+
+
+async def test_instruction_joins_an_existing_system_message(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(Reply(text=GOOD))
+    messages = [{"role": "system", "content": "You are terse."}, *MESSAGES]
+    async with polygate.session(_source_settings("prompt"), transport=Router({"a": up})) as s:
+        await s.chat(messages, schema=Answer)
+    sent = up.requests[0].body["messages"]
+    assert len(sent) == len(messages)
+    assert sent[0]["content"].startswith("You are terse.\n\n")
+    assert "JSON Schema" in sent[0]["content"]
+    assert sent[1:] == MESSAGES
+
+
+async def test_failover_asks_each_source_its_own_way(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(status=500))
+    b = FakeUpstream(Reply(text=GOOD))
+    settings = _source_settings("json_schema", "prompt")
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES, schema=Answer)
+    assert r.source == "b" and r.parsed is not None
+    assert a.requests[0].body["response_format"]["type"] == "json_schema"
+    assert a.requests[0].body["messages"] == MESSAGES
+    assert "response_format" not in b.requests[0].body
+    assert b.requests[0].body["messages"][0]["role"] == "system"
+
+
+# --------------------------------------------------------------------------- stream_chat
+
+
+async def test_stream_chat_validates_at_the_end(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text=GOOD, inter_token_s=0.1))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        async with s.stream_chat(MESSAGES, schema=Answer) as stream:
+            text = "".join([c.text async for c in stream])
+    assert text == GOOD
+    assert stream.response is not None
+    assert stream.response.parsed == Answer(city="Paris", population=2100000)
+    assert up.requests[0].body["response_format"]["type"] == "json_schema"
+
+
+async def test_stream_chat_never_reasks(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(by_round(Reply(text=WRONG_TYPE, inter_token_s=0.1), Reply(text=GOOD)))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        async with s.stream_chat(MESSAGES, schema=Answer) as stream:
+            seen: list[str] = []
+            with pytest.raises(polygate.StructuredOutputError) as info:
+                async for chunk in stream:
+                    seen.append(chunk.text)
+    assert "".join(seen) == WRONG_TYPE  # the caller saw the text: no second round
+    assert len(up.requests) == 1
+    error = info.value
+    assert len(error.errors) == 1 and "$.population" in error.errors[0]
+    assert error.text == WRONG_TYPE
+    assert error.call_stats is not None and error.call_stats.reasks == 0
+    assert stream.response is None
+
+
+# --------------------------------------------------------------------------- bad schemas
+
+
+class NotAModel:
+    city: str
+
+
+BAD_SCHEMAS: list[Any] = [
+    5, "Answer", ["object"], True, NotAModel, Answer(city="x", population=1),
+    {"type": "strnig"}, {"properties": 5}, {"required": "city"},
+    {"$ref": "#/$defs/Missing"}, {"$ref": "https://example.com/city.json"},
+    {"type": "string", "pattern": "("}, {"type": "object", "default": float("nan")},
+    {"type": "object", "x": object()},
+]
+
+
+@pytest.mark.parametrize("schema", BAD_SCHEMAS, ids=lambda s: type(s).__name__)
+async def test_bad_schema_before_any_io(autojump_clock: trio.testing.MockClock, schema: Any) -> None:
+    up = FakeUpstream(Reply(text=GOOD))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="schema"):
+            await s.chat(MESSAGES, schema=schema)
+        with pytest.raises(polygate.ConfigError, match="schema"):
+            s.stream_chat(MESSAGES, schema=schema)
+    assert up.requests == []
+
+
+def test_pydantic_v1_models_are_refused() -> None:
+    import pydantic.v1
+
+    class Old(pydantic.v1.BaseModel):
+        x: int
+
+    from polygate._structured import schema_of
+
+    with pytest.raises(polygate.ConfigError, match="pydantic v2"):
+        schema_of(Old)
+
+
+def test_dict_schemas_are_compiled_once() -> None:
+    from polygate._structured import schema_of
+
+    one = schema_of(dict(CITY_SCHEMA))
+    reordered = dict(reversed(list(CITY_SCHEMA.items())))
+    assert schema_of(reordered) is one  # key order does not make a new validator
+    assert schema_of(Answer) is schema_of(Answer)
+
+
+def test_polygate_imports_neither_pydantic_nor_jsonschema() -> None:
+    code = (
+        "import sys, polygate, polygate.testing; "
+        "print(sorted(m for m in ('pydantic', 'jsonschema') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+async def test_large_answers_are_validated_off_the_loop(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from polygate import _structured
+
+    threads: list[int] = []
+    original = _structured._DictSchema.validate
+
+    def validate(self: Any, text: str) -> Any:
+        threads.append(threading.get_ident())
+        return original(self, text)
+
+    monkeypatch.setattr(_structured._DictSchema, "validate", validate)
+    big = json.dumps({"city": "x" * 5000, "population": 1})
+    up = FakeUpstream([Reply(text=GOOD), Reply(text=big)])
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        small_answer = await s.chat(MESSAGES, schema=CITY_SCHEMA)
+        big_answer = await s.chat(MESSAGES, schema=CITY_SCHEMA)
+    assert small_answer.parsed["population"] == 2100000
+    assert big_answer.parsed["city"] == "x" * 5000
+    assert threads[0] == threading.get_ident() != threads[1]
+
+
+# --------------------------------------------------------------------------- telemetry
+
+
+async def test_every_rounds_attempts_are_rows_of_the_one_call(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    db = tmp_path / "t.db"
+    up = FakeUpstream(by_round(Reply(text=NOT_JSON), Reply(text=WRONG_TYPE), Reply(text=GOOD)))
+    settings = attrs.evolve(one_source_settings(), telemetry=f"sqlite://{db}")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=Answer)
+        with pytest.raises(polygate.StructuredOutputError):  # no answer has a country
+            await s.chat(MESSAGES, schema={"type": "object", "required": ["country"]})
+    conn = sqlite3.connect(db)
+    try:
+        calls = conn.execute("SELECT logical_call_id, outcome, error_class, attempts FROM calls "
+                             "ORDER BY rowid").fetchall()
+        attempts = conn.execute("SELECT logical_call_id, call_id, error FROM attempts "
+                                "ORDER BY rowid").fetchall()
+    finally:
+        conn.close()
+    assert calls[0] == (r.call_stats.logical_call_id, "ok", None, 3)
+    assert [a[1] for a in attempts[:3]] == [f"{r.call_stats.logical_call_id}.{i}" for i in (1, 2, 3)]
+    assert {a[0] for a in attempts[:3]} == {r.call_stats.logical_call_id}
+    assert calls[1][1:] == ("error", "StructuredOutputError", 3)
+
+
+# --------------------------------------------------------------------------- property
+
+_answers = st.sampled_from(
+    [GOOD, WRONG_TYPE, NOT_JSON, '{"city": 1}', "", f"```json\n{GOOD}\n```", "[]", "null"]
+)
+_replies = st.one_of(
+    _answers.map(lambda text: Reply(text=text)),
+    st.sampled_from([
+        Reply(status=500), Reply(status=429, retry_after_s=1.0), Reply(status=400),
+        Reply(fault="truncated", fault_after=1), Reply(text=GOOD, first_token_s=500.0),
+    ]),
+)
+
+
+@hsettings(max_examples=80, deadline=None,
+           suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(script=st.lists(_replies, min_size=1, max_size=10), max_reasks=st.integers(0, 3),
+       stream=st.booleans())
+async def test_the_reask_loop_ends_within_max_reasks_plus_one_rounds(
+    autojump_clock: trio.testing.MockClock, script: list[Reply], max_reasks: int, stream: bool
+) -> None:
+    up = FakeUpstream(script)
+    settings = with_structured(one_source_settings(call_deadline_s=120.0), max_reasks)
+    outcome: Any = None
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        try:
+            if stream:
+                async with s.stream_chat(MESSAGES, schema=Answer) as chat_stream:
+                    async for _ in chat_stream:
+                        pass
+                outcome = chat_stream.response
+            else:
+                outcome = await s.chat(MESSAGES, schema=Answer)
+        except polygate.PolygateError as exc:  # exactly one polygate error, never a group
+            outcome = exc
+    rounds = len({sum(m["role"] == "assistant" for m in r.body["messages"]) for r in up.requests})
+    allowed = 0 if stream else max_reasks
+    assert rounds <= allowed + 1
+    assert up.in_flight == 0
+    if isinstance(outcome, polygate.ChatResponse):
+        assert isinstance(outcome.parsed, Answer)
+        assert outcome.call_stats.reasks == rounds - 1
+        assert outcome.call_stats.attempts == len(up.requests)
+    elif isinstance(outcome, polygate.StructuredOutputError):
+        assert len(outcome.errors) == allowed + 1 == rounds
+        assert outcome.call_stats is not None
+        assert outcome.call_stats.reasks == allowed
+        assert outcome.call_stats.attempts == len(up.requests)
+    else:
+        assert isinstance(outcome, (polygate.AllSourcesExhausted, polygate.FatalUpstreamError,
+                                    polygate.DeadlineExceeded, polygate.TransientUpstreamError))
