@@ -8,12 +8,14 @@ draws, not hundreds.  Tables are ordered simplest first (shrinking goes there).
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import attrs
 from hypothesis import strategies as st
 
 from polygate import Hedge
 from polygate.testing import Reply
-from polygate.testing import strategies as pst
 
 from ._schedules import CallSpec, Scenario, SourceSpec
 
@@ -48,25 +50,35 @@ def _reply_table() -> tuple[Reply, ...]:
 
 REPLIES = _reply_table()
 _REPLY = st.sampled_from(REPLIES)
-_GENERAL_SOURCE = st.fixed_dictionaries({
-    "replies": st.lists(_REPLY, min_size=1, max_size=4).map(tuple),
-    "weight": st.sampled_from((1.0, 1.0, 1e-6)),
-    "timeout_s": st.sampled_from((20.0, 90.0)),
-    "tpm": st.sampled_from((None, None, 400, 2000)),
-    "rpm": st.sampled_from((None, None, None, 2, 50)),
-    "max_in_flight": st.sampled_from((None, None, 1)),
-    "repeat_last": st.sampled_from((False, False, True)),
-})
-_STARTS = st.sampled_from((0.0, 0.0, 0.3, 1.0, 2.5))
-_DEADLINES = st.sampled_from((None, None, 3.0, 10.0, 45.0))
-_CANCELS = st.sampled_from((None, None, None, 0.3, 1.0, 2.0, 4.0, 9.0))
-_GENERAL_CALL = st.one_of(
-    st.builds(CallSpec, kind=st.just("chat"), start=_STARTS, deadline=_DEADLINES,
-              cancel_after=_CANCELS),
-    st.builds(CallSpec, kind=st.just("stream"), start=_STARTS, deadline=_DEADLINES,
-              cancel_after=_CANCELS, pace=st.sampled_from((0.0, 0.0, 0.0, 1.0)),
-              stop_after=st.sampled_from((None, None, None, 1, 2))),
+_REPLY_LISTS = st.lists(_REPLY, min_size=1, max_size=4).map(tuple)
+
+
+def _product(**choices: tuple[Any, ...]) -> st.SearchStrategy[dict[str, Any]]:
+    """Every combination of the choices as one table: a single draw instead of one per
+    field.  A value repeated in a choice weighs more; the table starts with every
+    field's first choice, so shrinking heads for it."""
+    names = list(choices)
+    return st.sampled_from(
+        tuple(dict(zip(names, combo, strict=True)) for combo in itertools.product(*choices.values()))
+    )
+
+
+_GENERAL_KNOBS = _product(
+    weight=(1.0, 1.0, 1e-6),
+    timeout_s=(20.0, 90.0),
+    tpm=(None, None, 400, 2000),
+    rpm=(None, None, None, 2, 50),
+    max_in_flight=(None, None, 1),
+    repeat_last=(False, False, True),
 )
+_STARTS = (0.0, 0.0, 0.3, 1.0, 2.5)
+_DEADLINES = (None, None, 3.0, 10.0, 45.0)
+_CANCELS = (None, None, None, 0.3, 1.0, 2.0, 4.0, 9.0)
+_GENERAL_CALL = st.one_of(
+    _product(kind=("chat",), start=_STARTS, deadline=_DEADLINES, cancel_after=_CANCELS),
+    _product(kind=("stream",), start=_STARTS, deadline=_DEADLINES, cancel_after=_CANCELS,
+             pace=(0.0, 0.0, 0.0, 1.0), stop_after=(None, None, None, 1, 2)),
+).map(lambda fields: CallSpec(**fields))
 _HEDGES = st.sampled_from((
     Hedge(),
     Hedge(after_s=1.0, budget_burst=5),
@@ -83,7 +95,10 @@ _HEDGES = st.sampled_from((
 def _general(draw: st.DrawFn) -> Scenario:
     n = draw(st.integers(2, 3))
     return Scenario(
-        sources=tuple(SourceSpec(name=name, **draw(_GENERAL_SOURCE)) for name in NAMES[:n]),
+        sources=tuple(
+            SourceSpec(name=name, replies=draw(_REPLY_LISTS), **draw(_GENERAL_KNOBS))
+            for name in NAMES[:n]
+        ),
         calls=tuple(draw(st.lists(_GENERAL_CALL, min_size=1, max_size=3))),
         hedge=draw(_HEDGES),
         max_attempts=draw(st.integers(1, 3)),
@@ -103,18 +118,13 @@ _RACE_REPLY = st.one_of(
     st.sampled_from(_RACE_HEALTHY), st.sampled_from(_RACE_HEALTHY), st.sampled_from(_RACE_FAULTY)
 )
 _RACE_SOURCE = st.lists(_RACE_REPLY, min_size=1, max_size=3).map(tuple)
-_RACE_HEDGE = st.builds(
-    Hedge,
-    after_s=st.sampled_from(tuple(t for t in _RACE_FIRST if t > 0)),
-    stall_after_s=st.sampled_from((None, 1.0)),
-    budget_burst=st.sampled_from((1, 5)),
-)
-_RACE_CALL = st.builds(
-    CallSpec,
-    kind=st.sampled_from(("stream", "stream", "chat")),
-    start=st.sampled_from((0.0, 0.0, 0.5)),
-    cancel_after=st.sampled_from((None, None, None, *_RACE_FIRST)),
-)
+_RACE_HEDGE = _product(
+    after_s=tuple(t for t in _RACE_FIRST if t > 0), stall_after_s=(None, 1.0), budget_burst=(1, 5)
+).map(lambda fields: Hedge(**fields))
+_RACE_CALL = _product(
+    kind=("stream", "stream", "chat"), start=(0.0, 0.0, 0.5),
+    cancel_after=(None, None, None, *_RACE_FIRST),
+).map(lambda fields: CallSpec(**fields))
 
 
 @st.composite
@@ -145,18 +155,13 @@ def _race(draw: st.DrawFn) -> Scenario:
 _WINDOW_REPLIES = tuple(
     Reply(first_token_s=t, tokens=k) for t in (60.0, 0.0, 1.0, 30.0) for k in (1, 3, 20)
 )
-_WINDOW_SOURCE = st.fixed_dictionaries({
-    "replies": st.lists(st.sampled_from(_WINDOW_REPLIES), min_size=1, max_size=3).map(tuple),
-    "timeout_s": st.just(90.0),
-    "tpm": st.sampled_from((None, 600, 2000)),
-    "rpm": st.sampled_from((None, 3)),
-})
-_WINDOW_CALL = st.builds(
-    CallSpec,
-    kind=st.sampled_from(("chat", "stream")),
-    start=pst.instants(most=8.0),  # decimal instants: 0.3 + 60 - 60 < 0.3
-    cancel_after=st.sampled_from((None, None, None, 60.0)),
-)
+_WINDOW_REPLY_LISTS = st.lists(st.sampled_from(_WINDOW_REPLIES), min_size=1, max_size=3).map(tuple)
+_WINDOW_KNOBS = _product(timeout_s=(90.0,), tpm=(None, 600, 2000), rpm=(None, 3))
+_WINDOW_CALL = _product(
+    kind=("chat", "stream"),
+    start=tuple(k / 10 for k in range(81)),  # decimal instants: 0.3 + 60 - 60 < 0.3
+    cancel_after=(None, None, None, 60.0),
+).map(lambda fields: CallSpec(**fields))
 
 
 @st.composite
@@ -165,7 +170,10 @@ def _window(draw: st.DrawFn) -> Scenario:
     estimates above and below the real cost."""
     n = draw(st.integers(1, 2))
     return Scenario(
-        sources=tuple(SourceSpec(name=name, **draw(_WINDOW_SOURCE)) for name in NAMES[:n]),
+        sources=tuple(
+            SourceSpec(name=name, replies=draw(_WINDOW_REPLY_LISTS), **draw(_WINDOW_KNOBS))
+            for name in NAMES[:n]
+        ),
         calls=tuple(draw(st.lists(_WINDOW_CALL, min_size=1, max_size=3))),
         max_attempts=1, completion_estimate=draw(st.sampled_from((256, 1))),
         seed=draw(_SEED),
@@ -181,17 +189,13 @@ _RETRY_REPLIES = (
     Reply(status=500), Reply(status=503, retry_after_s=0.0), Reply(status=503, retry_after_s=2.0),
     Reply(status=401), Reply(status=400), Reply(first_token_s=2.0, tokens=1),
 )
-_RETRY_SOURCE = st.fixed_dictionaries({
-    "replies": st.lists(st.sampled_from(_RETRY_REPLIES), min_size=1, max_size=3).map(tuple),
-    "repeat_last": st.sampled_from((True, True, False)),
-    "timeout_s": st.just(20.0),
-    "rpm": st.sampled_from((None, None, 5)),
-    "max_in_flight": st.sampled_from((None, 1)),
-})
-_RETRY_CALL = st.builds(
-    CallSpec, kind=st.sampled_from(("chat", "stream")), start=st.sampled_from((0.0, 0.5)),
-    deadline=st.sampled_from((None, None, 5.0, 30.0)),
+_RETRY_REPLY_LISTS = st.lists(st.sampled_from(_RETRY_REPLIES), min_size=1, max_size=3).map(tuple)
+_RETRY_KNOBS = _product(
+    repeat_last=(True, True, False), timeout_s=(20.0,), rpm=(None, None, 5), max_in_flight=(None, 1)
 )
+_RETRY_CALL = _product(
+    kind=("chat", "stream"), start=(0.0, 0.5), deadline=(None, None, 5.0, 30.0)
+).map(lambda fields: CallSpec(**fields))
 
 
 @st.composite
@@ -200,7 +204,10 @@ def _retry(draw: st.DrawFn) -> Scenario:
     retries, cooldowns and give-up bounds."""
     n = draw(st.integers(1, 2))
     return Scenario(
-        sources=tuple(SourceSpec(name=name, **draw(_RETRY_SOURCE)) for name in NAMES[:n]),
+        sources=tuple(
+            SourceSpec(name=name, replies=draw(_RETRY_REPLY_LISTS), **draw(_RETRY_KNOBS))
+            for name in NAMES[:n]
+        ),
         calls=tuple(draw(st.lists(_RETRY_CALL, min_size=1, max_size=2))),
         max_attempts=draw(st.integers(1, 3)),
         rate_limit_wait_s=draw(st.sampled_from((0.0, 1.0, 2.0))),
@@ -208,16 +215,12 @@ def _retry(draw: st.DrawFn) -> Scenario:
     )
 
 
-_PACE_REPLY = st.builds(
-    Reply,
-    first_token_s=st.sampled_from((0.0, 0.2, 1.0)),
-    inter_token_s=st.sampled_from((0.0, 0.01, 0.1)),
-    tokens=st.sampled_from((2, 40)),
-)
-_PACE_CALL = st.builds(
-    CallSpec, kind=st.just("stream"), start=st.sampled_from((0.0, 0.5)),
-    pace=st.sampled_from((0.5, 1.0, 3.0)),
-)
+_PACE_REPLY = _product(
+    first_token_s=(0.0, 0.2, 1.0), inter_token_s=(0.0, 0.01, 0.1), tokens=(2, 40)
+).map(lambda fields: Reply(**fields))
+_PACE_CALL = _product(
+    kind=("stream",), start=(0.0, 0.5), pace=(0.5, 1.0, 3.0)
+).map(lambda fields: CallSpec(**fields))
 
 
 @st.composite

@@ -51,14 +51,14 @@ from ._schedules import Scenario, reproduction, run, violations
 SCALE = float(os.environ.get("POLYGATE_SCHEDULES", "1"))
 
 # focus: (examples, schedules per example, time box in seconds)
-# 10,000 schedules; about 90 s of CPU (the time boxes add up to 100 s).  Several
-# schedules of one scenario share its generation (a hypothesis draw costs ~50 us).
+# 10,000 schedules; about 80 s of CPU (the time boxes add up to 100 s).  Several
+# schedules of one scenario share its generation (hypothesis spends ~3 ms an example).
 PLAN = {
     "general": (1000, 3, 30.0),
     "race": (700, 6, 30.0),
-    "window": (1500, 1, 18.0),
-    "retry": (800, 1, 12.0),
-    "pace": (500, 1, 10.0),
+    "window": (750, 2, 16.0),
+    "retry": (400, 2, 12.0),
+    "pace": (250, 2, 12.0),
 }
 
 _tally = {"schedules": 0, "seconds": 0.0, "boxed": 0, "shared": 0}
