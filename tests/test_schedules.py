@@ -20,10 +20,10 @@ in ``tests/_schedule_scenarios.py``):
   within the bounds its configuration implies;
 * the hedge budget stays within ``[0, burst]``;
 * losers are settled before the statistics freeze, and ``attempts`` counts them;
-* a consumer's pace never shows up as upstream stalls, timeouts or stalls charged to
-  the source.
+* a consumer's pace never shows up as upstream stalls, nor as a timeout or a stall
+  charged to the source.
 
-Four focuses share the work: ``general`` (everything), ``race`` (commit races of
+Five focuses share the work: ``general`` (everything), ``race`` (commit races of
 hedged streams), ``window`` (exact 60-second answers on decimal instants), ``retry``
 (sources that keep failing or rate limiting) and ``pace`` (slow consumers).
 
