@@ -324,8 +324,13 @@ class ChatStream:
                     self._messages_json, self._params, self._deadline,
                     forward=sink, delivered=self.text_parts, rounds=self._rounds,
                 )
-            except PolygateError as exc:
-                await send.send(_Failed(exc))
+            except trio.Cancelled:
+                raise
+            except BaseException as exc:
+                # Every way the call ends reaches the iterator as itself — a polygate
+                # error, Ctrl-C, a bug — never as EndOfChannel, never wrapped in this
+                # nursery's group (the consumer raises it from __anext__).
+                await _deliver(send, _Failed(exc))
             else:
                 if not sink.sent and _has_output(response.message):
                     # The upstream answered with a plain JSON body (it cannot stream):
@@ -348,9 +353,13 @@ class ChatStream:
             raise PolygateError("this stream was closed before it finished (its block exited)")
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            item = self._recv.receive_nowait()  # buffered chunks: no round trip each
-        except trio.WouldBlock:
-            item = await self._recv.receive()
+            try:
+                item = self._recv.receive_nowait()  # buffered chunks: no round trip each
+            except trio.WouldBlock:
+                item = await self._recv.receive()
+        except trio.EndOfChannel:
+            self._finished = True
+            raise PolygateError("the stream ended without an answer") from None
         if isinstance(item, StreamChunk):
             return item
         self._finished = True
@@ -416,6 +425,15 @@ class _Sink:
         item, self._held = self._held, None
         if item is not None:
             await self._send.send(item)
+
+
+async def _deliver(
+    send: trio.MemorySendChannel[StreamChunk | _Done | _Failed], item: _Failed
+) -> None:
+    try:
+        send.send_nowait(item)
+    except trio.WouldBlock:
+        await send.send(item)
 
 
 def _has_output(message: Mapping[str, Any]) -> bool:

@@ -62,3 +62,28 @@ def test_settings_fields_pinned() -> None:
     assert names(polygate.Retry)[:4] == [
         "max_attempts", "backoff_base_s", "backoff_max_s", "rate_limit_wait_s"]
     assert names(polygate.StreamWatch)[:2] == ["stall_timeout_s", "stall_threshold_ms"]
+
+
+TESTING_PUBLIC = {
+    "Behaviour", "Distribution", "FakeUpstream", "Fault", "Outcome", "Profile",
+    "RecordedRequest", "Reply", "Router", "UpstreamStatistics",
+    # the scheduling-aware kit
+    "EventStatistics", "EventTransport", "Schedule",
+}
+
+
+def test_testing_public_names() -> None:
+    import polygate.testing
+
+    assert set(polygate.testing.__all__) == TESTING_PUBLIC
+    for name in TESTING_PUBLIC:
+        assert hasattr(polygate.testing, name)
+    for name in ("EventStatistics", "EventTransport", "Schedule", "FakeUpstream", "Reply"):
+        assert getattr(polygate.testing, name).__module__ == "polygate.testing", name
+
+
+def test_testing_strategies_names() -> None:
+    """polygate.testing.strategies needs hypothesis; polygate.testing does not import it."""
+    import polygate.testing.strategies as strategies
+
+    assert set(strategies.__all__) == {"cancellations", "hedges", "instants", "replies", "schedules"}

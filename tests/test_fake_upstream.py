@@ -558,7 +558,25 @@ async def test_history_bounds_records_not_counters(autojump_clock: Any) -> None:
         stats = (await c.get("/_stats")).json()
     assert 5 <= len(up.requests) < 10
     assert up.requests[-1].index == 22
-    assert (stats["requests"], stats["completed"], len(stats["request_times"])) == (23, 23, 23)
+    assert (stats["requests"], stats["completed"]) == (23, 23)
+    # the listed times are the kept requests' (bounded like them), newest last
+    assert stats["request_times"] == [r.wall_started_at for r in up.requests]
+
+
+async def test_history_bounds_memory_of_a_long_run(autojump_clock: Any) -> None:
+    """Nothing a FakeUpstream keeps per request grows past 2 x history."""
+    up = FakeUpstream(Reply(tokens=0), history=3)
+    transport = up.transport()
+    for _ in range(500):
+        response = await transport.handle_async_request(
+            httpx.Request("POST", "http://a/v1/chat/completions", json=chat_body(stream=False))
+        )
+        await response.aread()
+    assert up.statistics().requests == 500
+    assert len(up.requests) < 6
+    per_request = [v for v in vars(up).values() if isinstance(v, (list, dict, tuple))]
+    assert all(len(v) < 6 for v in per_request), [len(v) for v in per_request]
+    assert len(up._stats_payload()["request_times"]) < 6
 
 
 async def test_sequence_then_and_callable(autojump_clock: Any) -> None:
@@ -711,6 +729,8 @@ def test_public_names() -> None:
     assert set(polygate.testing.__all__) == {
         "Behaviour",
         "Distribution",
+        "EventStatistics",
+        "EventTransport",
         "FakeUpstream",
         "Fault",
         "Outcome",
@@ -718,6 +738,7 @@ def test_public_names() -> None:
         "RecordedRequest",
         "Reply",
         "Router",
+        "Schedule",
         "UpstreamStatistics",
     }
     assert FakeUpstream.__module__ == "polygate.testing"

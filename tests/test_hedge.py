@@ -158,7 +158,9 @@ async def test_refused_admission_is_silent(
 
 
 async def test_open_breaker_refuses_the_hedge(autojump_clock: trio.testing.MockClock) -> None:
-    a = FakeUpstream(Reply(first_token_s=20))
+    # a answers at 12 s: the hedge tries b at 8 s, while b's breaker is open (30 s, at
+    # least 15 s with the jitter), and the call ends before the next look at 16 s.
+    a = FakeUpstream(Reply(first_token_s=12))
     b = FakeUpstream(Reply(status=500))
     settings = _settings(source_kw={"a": {"weight": 1e-9}, "b": {"weight": 1.0}},
                          retry=polygate.Retry(max_attempts=1),

@@ -152,3 +152,21 @@ async def test_the_session_leaves_as_the_bodys_own_exception() -> None:
     with pytest.raises(LookupError, match="mine"):
         async with polygate.session(one_source_settings(), transport=Router({"a": up})):
             raise LookupError("mine")
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+async def test_whatever_ends_a_stream_reaches_the_iterator_as_itself(
+    raised: type[BaseException],
+) -> None:
+    """Ctrl-C raised inside the stream's producer — here by the transport itself —
+    comes out of the iteration as itself: never EndOfChannel, never a group.  (An
+    ordinary exception there is one attempt's unexpected failure: transient.)"""
+
+    def explode(request: object, rng: object) -> Reply:
+        raise raised()
+
+    async with polygate.session(one_source_settings(), transport=FakeUpstream(explode).transport()) as s:
+        with pytest.raises(raised):
+            async with s.stream_chat(MESSAGES) as stream:
+                async for _ in stream:
+                    pass

@@ -9,7 +9,7 @@ backend reads ``trio.current_time()`` (so ``MockClock`` drives it), Redis reads
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ._model import Admission, AdmitRequest, Refusal, SettleRequest, SourceSnapshot
 
@@ -38,9 +38,15 @@ class GovernanceBackend(Protocol):
 
     async def budget_level(self, scope: str, burst: float) -> float: ...
 
-    async def wait_changed(self, deadline: float) -> None:
+    def change_mark(self) -> Any:
+        """A mark of "now" for :meth:`wait_changed`: take it *before* checking, so a
+        change that lands between the check and the wait is not missed."""
+        ...
+
+    async def wait_changed(self, deadline: float, mark: Any = None) -> None:
         """Return when some admission may have become possible (a permit came back, a
-        settle happened) or at ``deadline`` (trio time), whichever is first."""
+        settle happened) since ``mark`` (default: since this call), or at ``deadline``
+        (trio time), whichever is first."""
         ...
 
     def now(self) -> float:

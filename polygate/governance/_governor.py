@@ -174,6 +174,9 @@ class Governor:
         if cooldown_give_up_at is None:
             cooldown_give_up_at = give_up_at
         while True:
+            # Taken before the check: a permit returned while the check's round trip
+            # is in flight (a shared backend) still wakes the wait below.
+            mark = self.backend.change_mark()
             result = await self.try_admit(scope_name, tokens, exclude=exclude, demote=demote)
             if isinstance(result, Admission):
                 return result
@@ -192,7 +195,7 @@ class Governor:
             # A retry time that is already due (clock arithmetic, or a shared backend's
             # time converted to ours) must not turn the wait into a spin.
             next_at = max(next_at, now + _MIN_WAIT_S)
-            await self.backend.wait_changed(min(next_at, bound))
+            await self.backend.wait_changed(min(next_at, bound), mark)
 
     async def release(
         self,

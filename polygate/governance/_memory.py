@@ -224,9 +224,12 @@ class MemoryBackend:
     async def budget_level(self, scope: str, burst: float) -> float:
         return self._budgets.get(scope, burst)
 
-    async def wait_changed(self, deadline: float) -> None:
+    def change_mark(self) -> trio.Event:
+        return self._changed
+
+    async def wait_changed(self, deadline: float, mark: trio.Event | None = None) -> None:
         with trio.move_on_at(deadline):
-            await self._changed.wait()
+            await (mark if mark is not None else self._changed).wait()
 
     async def aclose(self) -> None:
         return None

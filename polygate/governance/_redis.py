@@ -533,8 +533,11 @@ class RedisBackend:
         except (TypeError, ValueError, AttributeError):
             raise self._garbage("budget_level") from None
 
-    async def wait_changed(self, deadline: float) -> None:
-        changed = self._changed
+    def change_mark(self) -> trio.Event:
+        return self._changed
+
+    async def wait_changed(self, deadline: float, mark: trio.Event | None = None) -> None:
+        changed = mark if mark is not None else self._changed
         self._waiting += 1
         self._has_waiters.set()
         try:

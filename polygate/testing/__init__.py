@@ -6,8 +6,18 @@ bytes: ``upstream.transport()`` (an httpx transport in trio time, for
 ``MockClock`` tests) and ``async with upstream.serve() as base_url`` (a real
 HTTP/1.1 server on 127.0.0.1).  ``python -m polygate.testing.serve`` runs the
 server face on its own.
+
+The scheduling-aware kit: :class:`EventTransport` answers from the same
+FakeUpstreams, but its bodies wake the way sockets do — through events shared by
+every path due at one instant, delivering what has already arrived without a
+checkpoint — and :class:`Schedule` runs a test under one seeded, reproducible
+interleaving of trio's scheduler.  Hypothesis strategies for both live in
+:mod:`polygate.testing.strategies` (which needs ``hypothesis``).
 """
 
+from ._events import EventStatistics as EventStatistics
+from ._events import EventTransport as EventTransport
+from ._schedule import Schedule as Schedule
 from ._script import Distribution as Distribution
 from ._script import Fault as Fault
 from ._script import Profile as Profile
@@ -22,6 +32,8 @@ from ._upstream import UpstreamStatistics as UpstreamStatistics
 __all__ = [
     "Behaviour",
     "Distribution",
+    "EventStatistics",
+    "EventTransport",
     "FakeUpstream",
     "Fault",
     "Outcome",
@@ -29,15 +41,19 @@ __all__ = [
     "RecordedRequest",
     "Reply",
     "Router",
+    "Schedule",
     "UpstreamStatistics",
 ]
 
 for _name in (
+    "EventStatistics",
+    "EventTransport",
     "FakeUpstream",
     "Profile",
     "RecordedRequest",
     "Reply",
     "Router",
+    "Schedule",
     "UpstreamStatistics",
 ):
     globals()[_name].__module__ = __name__  # tracebacks and reprs say polygate.testing.X

@@ -97,7 +97,9 @@ class FakeUpstream:
     same replies and the same bytes.
 
     ``requests`` keeps every RecordedRequest, or with ``history=N`` at least the
-    latest N (for long benchmarks; the counters and ``/_stats`` stay exact).
+    latest N and fewer than 2N (for long benchmarks).  The counters stay exact; the
+    ``request_times`` that ``/_stats`` lists are those of the kept requests, so
+    memory stays bounded however many requests arrive.
 
     Two faces: :meth:`transport` (an httpx transport driven by trio time, for
     ``MockClock`` tests) and :meth:`serve` (a real HTTP/1.1 server on loopback).
@@ -137,7 +139,6 @@ class FakeUpstream:
         self._in_flight = 0
         self._started = 0
         self._outcomes: dict[Outcome, int] = {"complete": 0, "client_closed": 0, "fault": 0}
-        self._request_times: list[float] = []
 
     def __repr__(self) -> str:
         return f"<FakeUpstream {self.name!r} seed={self.seed} requests={self._started}>"
@@ -204,7 +205,6 @@ class FakeUpstream:
             wall_started_at=time.time(),
         )
         self._started += 1
-        self._request_times.append(rec.wall_started_at)
         self.requests.append(rec)
         if self.history is not None and len(self.requests) >= 2 * self.history:
             del self.requests[: -self.history]
@@ -256,5 +256,6 @@ class FakeUpstream:
 
     def _stats_payload(self) -> dict[str, Any]:
         payload = attrs.asdict(self.statistics())
-        payload["request_times"] = self._request_times
+        # Derived from the kept requests, not a second list: bounded by ``history`` too.
+        payload["request_times"] = [r.wall_started_at for r in self.requests]
         return payload

@@ -1,0 +1,129 @@
+"""The Redis backend keeps time by the server's ``TIME``, so clients whose clocks
+disagree still share one RPM window, one cooldown and one breaker.
+
+Two clients of one real ``redis-server``, one after the other, each in its own
+``trio.run``: the first runs with every local clock it could read — trio's clock and
+the wall clock (``time.time``, ``time.time_ns``) — skewed by ``SKEW_S``, the second
+with the true ones.  The first fills a one-request RPM window, puts a source in a 30 s
+cooldown and opens another's breaker; the second must then be refused by all three,
+with retry times that count from the server's instants (converted to its own clock),
+not from the first client's.  Were the scripts to take "now" from the client, a
+client ``SKEW_S`` behind would leave entries that a true client sees as long expired
+(and would be admitted), and one ``SKEW_S`` ahead would leave retry times ``SKEW_S``
+too late.  Both directions run.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import attrs
+import pytest
+import trio
+
+from polygate.governance import Admission, Feedback, RefusalReason
+
+from . import _redis_server
+from ._redis_server import RedisServer
+from .test_backend_contract import POLICY, ask, granted, refused, settle
+
+pytestmark = pytest.mark.integration
+redis_server = _redis_server.redis_server  # the fixture
+
+T = TypeVar("T")
+SKEW_S = 120.0  # two windows: a skewed "now" would expire or keep every entry
+COOLDOWN_S = 30.0
+BREAKER = attrs.evolve(POLICY, failures=2, open_s=30.0)
+
+
+class SkewedClock(trio.abc.Clock):
+    """trio's clock, ``offset`` seconds off (trio's own clock has a random offset too;
+    a fixed one makes the skew exact)."""
+
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+
+    def start_clock(self) -> None:
+        return None
+
+    def current_time(self) -> float:
+        return time.perf_counter() + self.offset
+
+    def deadline_to_sleep_time(self, deadline: float) -> float:
+        return deadline - self.current_time()
+
+
+def _run_with_clocks(
+    monkeypatch: pytest.MonkeyPatch, skew: float, fn: Callable[..., Awaitable[T]], *args: Any
+) -> T:
+    """Run ``fn`` in its own trio run, with trio's clock and the wall clock skewed."""
+    wall, wall_ns = time.time, time.time_ns
+    with monkeypatch.context() as patch:
+        patch.setattr(time, "time", lambda: wall() + skew)
+        patch.setattr(time, "time_ns", lambda: wall_ns() + int(skew * 1e9))
+        return trio.run(fn, *args, clock=SkewedClock(1_000.0 + skew))
+
+
+def _backend(url: str, prefix: str) -> Any:
+    from polygate.governance._redis import RedisBackend, parse_redis_url
+
+    return RedisBackend(parse_redis_url(f"{url}?prefix={prefix}"))
+
+
+async def _fill(url: str, prefix: str) -> None:
+    """The skewed client: one RPM slot used, a cooldown, an open breaker."""
+    backend = _backend(url, prefix)
+    await backend.start()
+    try:
+        a = await granted(backend, ask(source="a", rpm=1))
+        await backend.settle(settle(a, 5))  # sent: the window keeps its entry
+        c = await granted(backend, ask(source="c"))
+        await backend.settle(settle(c, 0, Feedback.NEUTRAL, cooldown_s=COOLDOWN_S))
+        for _ in range(BREAKER.failures):
+            b = await granted(backend, ask(source="b", breaker=BREAKER))
+            await backend.settle(settle(b, None, Feedback.FAILURE, breaker=BREAKER))
+    finally:
+        await backend.aclose()
+
+
+async def _check(url: str, prefix: str) -> dict[str, Any]:
+    """The true client: refused by all three, retry times from the server's instants."""
+    backend = _backend(url, prefix)
+    await backend.start()
+    try:
+        now = backend.now()
+        rpm = await refused(backend, ask(source="a", rpm=1), RefusalReason.RPM)
+        cooling = await refused(backend, ask(source="c"), RefusalReason.COOLING_DOWN)
+        opened = await refused(backend, ask(source="b", breaker=BREAKER), RefusalReason.BREAKER_OPEN)
+        snapshot = await backend.snapshot("chat", "c")
+        fresh = await backend.admit(ask(source="d", rpm=1))  # an untouched source: admitted
+        assert isinstance(fresh, Admission)
+        await backend.settle(settle(fresh, 1))
+        return {
+            "rpm": rpm.retry_at - now if rpm.retry_at is not None else None,
+            "cooldown": cooling.retry_at - now if cooling.retry_at is not None else None,
+            "breaker": opened.retry_at - now if opened.retry_at is not None else None,
+            "snapshot_cooldown": snapshot.cooldown_until - now if snapshot.cooldown_until else None,
+        }
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("skew", [-SKEW_S, SKEW_S], ids=["behind", "ahead"])
+def test_skewed_clients_share_windows_cooldowns_and_breakers(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, skew: float
+) -> None:
+    prefix = f"skew-{secrets.token_hex(4)}"
+    _run_with_clocks(monkeypatch, skew, _fill, redis_server.url, prefix)
+    waits = _run_with_clocks(monkeypatch, 0.0, _check, redis_server.url, prefix)
+    # Measured from the true client's clock: a window, a cooldown and an open time
+    # that began moments ago on the server — whatever the first client's clocks said.
+    margin = 5.0  # the real time the two runs took, generously
+    assert 60.0 - margin < waits["rpm"] <= 60.0 + 0.01, waits
+    assert COOLDOWN_S - margin < waits["cooldown"] <= COOLDOWN_S + 0.01, waits
+    assert COOLDOWN_S - margin < waits["snapshot_cooldown"] <= COOLDOWN_S + 0.01, waits
+    assert BREAKER.open_s - margin < waits["breaker"] <= BREAKER.open_s + 0.01, waits
