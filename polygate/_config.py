@@ -19,6 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
+from ._config_serve import Serve, check_serve_models
 from ._errors import ConfigError
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "Source",
     "StreamWatch",
     "RESERVED_SEGMENTS",
+    "Serve",
     "mask_url",
 ]
 
@@ -424,6 +426,8 @@ class Settings:
     max_line_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_pos_int)
     dead_cooldown_s: float = attrs.field(default=300.0, validator=_positive)
     log_content: bool = attrs.field(default=False, validator=_bool)
+    # The gateway server's settings (polygate serve); unused by the library itself.
+    serve: Serve = attrs.field(factory=Serve)
 
     @scopes.validator
     def _check_scopes(self, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -432,10 +436,15 @@ class Settings:
         for name, scope in value.items():
             if not isinstance(name, str) or not _NAME_RE.match(name) or "__" in name:
                 raise _bad(self, "scopes", f"scope name {name!r} must be letters, digits, '_', '-'")
-            if name.upper() in RESERVED_SEGMENTS | {"BACKEND", "TELEMETRY"}:
+            if name.upper() in RESERVED_SEGMENTS | {"BACKEND", "TELEMETRY", "SERVE"}:
                 raise _bad(self, "scopes", f"scope name {name!r} is reserved")
             if not isinstance(scope, Scope):
                 raise _bad(self, "scopes", f"scope {name!r} must be a Scope, got {type(scope).__name__}")
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.serve, Serve):
+            raise _bad(self, "serve", f"must be a Serve, got {type(self.serve).__name__}")
+        check_serve_models(self.serve, self.scopes)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -461,6 +470,7 @@ class Settings:
     def secrets(self) -> tuple[str, ...]:
         """Every secret in these settings, for redaction of upstream text."""
         found = [s.api_key for scope in self.scopes.values() for s in scope.sources if s.api_key]
+        found += self.serve.api_keys
         for url in (self.backend, self.telemetry):
             try:
                 password = urlsplit(url).password
