@@ -9,6 +9,7 @@ from ._config import ConfigWarning as ConfigWarning
 from ._config import Hedge as Hedge
 from ._config import Retry as Retry
 from ._config import Scope as Scope
+from ._config import Serve as Serve
 from ._config import Settings as Settings
 from ._config import Source as Source
 from ._config import StreamWatch as StreamWatch
@@ -51,6 +52,7 @@ __all__ = [
     "RateLimitedError",
     "Retry",
     "Scope",
+    "Serve",
     "Session",
     "SessionStatistics",
     "Settings",

@@ -14,6 +14,8 @@ PUBLIC = {
     # additions
     "ConfigWarning", "UpstreamError", "Session", "SessionStatistics", "ChatStream",
     "StreamChunk", "Usage",
+    # SPEC §8.5: Settings.serve
+    "Serve",
 }
 
 
