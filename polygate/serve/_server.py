@@ -165,6 +165,13 @@ class Server:
 
     # ------------------------------------------------------------------ connections
 
+    async def _serve_connections(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as connections:
+            self._connections = connections
+            for listener in self._listeners:
+                connections.start_soon(self._accept, listener)
+            task_status.started()
+
     async def _accept(self, listener: trio.SocketListener) -> None:
         assert self._connections is not None
         while True:
@@ -305,22 +312,21 @@ async def open_server(
         server._sessions = sessions
         try:
             server._current = await sessions.start(server._generation, settings)
-            async with trio.open_nursery() as connections:
-                server._connections = connections
-                for listener in listeners:
-                    connections.start_soon(server._accept, listener)
-                try:
-                    yield server
-                except BaseException as exc:  # re-raised below as itself
-                    failure = exc
-                finally:
-                    connections.cancel_scope.cancel()
+            # The connections live in a task of their own, so that shutdown() can cancel
+            # them without cancelling the caller's block.
+            await sessions.start(server._serve_connections)
+            try:
+                yield server
+            except BaseException as exc:  # re-raised below as itself
+                failure = exc
         except BaseException as exc:
             failure = failure or exc
         finally:
+            if server._connections is not None:
+                server._connections.cancel_scope.cancel()
             for listener in listeners:
                 await listener.aclose()
             for gateway in list(server._generations):
-                gateway.retire()
+                gateway.retire()  # each session closes once its last request has left
     if failure is not None:
         raise failure
