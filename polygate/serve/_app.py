@@ -14,6 +14,7 @@ same ``x-polygate-call-id`` as the call's telemetry rows.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any, Final, Protocol
 
 import attrs
+import h11
 import trio
 
 from .._config import Settings
@@ -129,20 +131,35 @@ class Context:
 
 
 async def answer(ctx: Context, request: Request) -> None:
-    """Answer one request; never raises but for cancellation (the client left)."""
+    """Answer one request.  Raises only when the request was cancelled (its client
+    left, or the server stopped); a bug in this module is logged and answered 500."""
     started = trio.current_time()
     endpoint, status = request.path, 500
     try:
         endpoint, status = await _route(ctx, request)
     except ClientGone:
         status = 499  # nginx's "client closed request"
-    except trio.Cancelled:
+    except Exception as exc:
+        log.error("unexpected error answering %s %s", request.method, _endpoint_label(request.path),
+                  exc_info=exc)
+        await _internal_error(ctx)
+    except BaseException:  # cancelled, perhaps inside a group from the call's nursery
         ctx.metrics.disconnects += 1
         ctx.metrics.request(_endpoint_label(endpoint), 499, trio.current_time() - started)
         raise
     if status == 499:
         ctx.metrics.disconnects += 1
     ctx.metrics.request(_endpoint_label(endpoint), status, trio.current_time() - started)
+
+
+async def _internal_error(ctx: Context) -> None:
+    """A 500 when no answer had started; otherwise the connection cannot be trusted."""
+    if ctx.conn.h11.our_state is not h11.SEND_RESPONSE:
+        ctx.conn.client_gone = True  # close it
+        return
+    reply = ErrorReply(500, "internal error in the gateway", "api_error", "internal_error")
+    with contextlib.suppress(ClientGone):
+        await _fail(ctx, reply)
 
 
 _ROUTES: Final = {
