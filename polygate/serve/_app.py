@@ -47,6 +47,10 @@ _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 #: Body keys that are Session keywords, not upstream parameters.
 _NOT_PARAMS: Final = frozenset({"scope", "call_deadline_s"})
 _READY_TIMEOUT_S: Final = 2.0
+_SHUTDOWN = ErrorReply(
+    503, "The gateway is shutting down and cancelled this call; retry it.", "api_error",
+    "shutting_down", retry_after_s=1,
+)
 
 
 @attrs.define(eq=False)
@@ -121,6 +125,9 @@ class Context:
     gateway: Gateway
     metrics: Metrics
     state: _State
+    #: Cancelled by the server when a drain's grace period is over: the call stops and
+    #: the client is told why (503, or an error event on a stream already started).
+    stop: trio.CancelScope = attrs.field(factory=trio.CancelScope)
 
     @property
     def draining(self) -> bool:
@@ -315,10 +322,13 @@ async def _chat(ctx: Context, scope: str, body: dict[str, Any]) -> int:
         if stream:
             include_usage = bool(options and options.get("include_usage"))
             return await _chat_stream(ctx, scope, call_id, messages, body, include_usage)
-        try:
-            response = await ctx.gateway.session.chat(messages, scope=scope, **body)
-        except Exception as exc:
-            return await _call_failed(ctx, scope, call_id, exc)
+        with ctx.stop:
+            try:
+                response = await ctx.gateway.session.chat(messages, scope=scope, **body)
+            except Exception as exc:
+                return await _call_failed(ctx, scope, call_id, exc)
+        if ctx.stop.cancelled_caught:
+            return await _fail(ctx, _SHUTDOWN, call_id)
     finally:
         PRESET_CALL_ID.reset(token)
     stats = response.call_stats
@@ -355,23 +365,30 @@ async def _chat_stream(
         stream = ctx.gateway.session.stream_chat(messages, scope=scope, **params)
     except Exception as exc:  # arguments refused before the call started
         return await _call_failed(ctx, scope, call_id, exc)
-    async with stream:
-        chunks = stream.__aiter__()
-        while True:
-            with trio.move_on_after(interval) as waiting:
-                try:
-                    chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    break
-                except Exception as exc:
-                    failure = exc
-                    break
-            if waiting.cancelled_caught:
+    with ctx.stop:
+        async with stream:
+            chunks = stream.__aiter__()
+            while True:
+                with trio.move_on_after(interval) as waiting:
+                    try:
+                        chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except Exception as exc:
+                        failure = exc
+                        break
+                if waiting.cancelled_caught:
+                    out = head() if not head_sent else b""
+                    await conn.send(out + conn.frame(KEEPALIVE))
+                    continue
                 out = head() if not head_sent else b""
-                await conn.send(out + conn.frame(KEEPALIVE))
-                continue
-            out = head() if not head_sent else b""
-            await conn.send(out + conn.frame(shape.chunk(chunk)))
+                await conn.send(out + conn.frame(shape.chunk(chunk)))
+    if ctx.stop.cancelled_caught:
+        if not head_sent:
+            return await _fail(ctx, _SHUTDOWN, call_id)
+        event = error_event(_SHUTDOWN.message, _SHUTDOWN.type, _SHUTDOWN.code)
+        await conn.send(conn.frame(event) + conn.end())
+        return _SHUTDOWN.status
     if failure is not None:
         if not head_sent:
             return await _call_failed(ctx, scope, call_id, failure)
@@ -400,7 +417,10 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any]) -> int:
     call_id = fresh_call_id()
     token = PRESET_CALL_ID.set(call_id)
     try:
-        response = await ctx.gateway.session.embed(inputs, scope=scope, **body)
+        with ctx.stop:
+            response = await ctx.gateway.session.embed(inputs, scope=scope, **body)
+        if ctx.stop.cancelled_caught:
+            return await _fail(ctx, _SHUTDOWN, call_id)
     except Exception as exc:
         return await _call_failed(ctx, scope, call_id, exc)
     finally:

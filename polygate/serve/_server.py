@@ -43,6 +43,7 @@ log = logging.getLogger("polygate.serve")
 
 _ACCEPT_PAUSE_S = 0.1  # out of file descriptors: the floor on the accept loop's period
 _REFUSING = 64  # connections being answered 503 at once, beyond max_connections
+_LAST_WORDS_S = 1.0  # after the grace period: time to tell cancelled clients why
 _FD_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
@@ -94,6 +95,7 @@ class Server:
         self._sessions: trio.Nursery | None = None
         self._connections: trio.Nursery | None = None
         self._idle: set[trio.CancelScope] = set()
+        self._stops: set[trio.CancelScope] = set()
         self._in_flight = 0
         self._quiet = trio.Event()
         self._refusing = 0
@@ -159,7 +161,11 @@ class Server:
             if self._in_flight:
                 await self._quiet.wait()
         if self._in_flight:
-            log.warning("grace period over: cancelling %d request(s) in flight", self._in_flight)
+            log.warning("grace period over: cancelling %d call(s) in flight", self._in_flight)
+            for stop in list(self._stops):
+                stop.cancel()  # each call stops, settles, and its client is told why
+            with trio.move_on_after(_LAST_WORDS_S):
+                await self._quiet.wait()
         if self._connections is not None:
             self._connections.cancel_scope.cancel()
 
@@ -249,12 +255,15 @@ class Server:
         assert gateway is not None
         gateway.enter()
         self._in_flight += 1
+        context = Context(conn, gateway, self.metrics, self)
+        self._stops.add(context.stop)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(conn.watch_close, nursery.cancel_scope.cancel)
-                await answer(Context(conn, gateway, self.metrics, self), request)
+                await answer(context, request)
                 nursery.cancel_scope.cancel()
         finally:
+            self._stops.discard(context.stop)
             gateway.leave()
             self._in_flight -= 1
             if self._in_flight == 0 and self.draining:
