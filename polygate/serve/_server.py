@@ -255,6 +255,7 @@ class Server:
         assert gateway is not None
         gateway.enter()
         self._in_flight += 1
+        self.metrics.in_flight += 1
         context = Context(conn, gateway, self.metrics, self)
         self._stops.add(context.stop)
         try:
@@ -266,6 +267,7 @@ class Server:
             self._stops.discard(context.stop)
             gateway.leave()
             self._in_flight -= 1
+            self.metrics.in_flight -= 1
             if self._in_flight == 0 and self.draining:
                 self._quiet.set()
 
