@@ -109,7 +109,7 @@ class Serve:
             # The key itself is never echoed: only its position and what is wrong.
             if not isinstance(key, str) or not key:
                 raise _bad("Serve", "api_keys", f"key #{index + 1} must be a non-empty string")
-            if not _KEY_RE.match(key):
+            if not _KEY_RE.fullmatch(key):
                 raise _bad(
                     "Serve", "api_keys",
                     f"key #{index + 1} may hold only letters, digits and -._~+/ (a Bearer token)",
@@ -122,7 +122,7 @@ class Serve:
         if not isinstance(value, Mapping):
             raise _bad("Serve", "models", "must be a mapping of alias to scope name")
         for alias, scope in value.items():
-            if not isinstance(alias, str) or not _ALIAS_RE.match(alias):
+            if not isinstance(alias, str) or not _ALIAS_RE.fullmatch(alias):
                 raise _bad("Serve", "models", f"alias {alias!r} must be a model name")
             if not isinstance(scope, str) or not scope:
                 raise _bad("Serve", "models", f"alias {alias!r} must name a scope")
