@@ -188,7 +188,7 @@ class Client:
                 buffer = buffer[-16:]
         finally:
             writer.close()
-        return [t for t in times]
+        return times
 
     def close(self) -> None:
         for _, writer in self.idle:
