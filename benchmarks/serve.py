@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -53,6 +54,7 @@ KEY = "sk-gateway-bench"
 BODY = {"model": "chat", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 STREAM_TOKENS = 100
 TOKEN_GAP_S = 0.02  # 50 tokens/s
+_TOKEN = re.compile(rb'"content":"[^"]')  # a content delta; not a role chunk's ""
 
 
 # --------------------------------------------------------------------------- processes
@@ -80,7 +82,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[Any], limit_s: float) -> None:
 
 def polygate_toml(upstream: str, path: Path) -> Path:
     path.write_text(
-        f'[serve]\napi_keys = ["{KEY}"]\n\n'
+        f'[serve]\napi_keys = ["{KEY}"]\nmax_connections = 8192\n\n'
         f'[scopes.chat.sources.a]\nbase_url = "{upstream}"\nmodel = "m1"\n'
     )
     return path
@@ -147,29 +149,41 @@ def build_request(url: str, body: dict[str, Any], auth: bool) -> bytes:
 
 
 class Client:
-    """Keep-alive connections to one origin; one request at a time per connection."""
+    """At most ``size`` keep-alive connections to one origin, one request at a time on
+    each; a request waits for a free connection (so an open-loop schedule that falls
+    behind queues, as wrk2's does, instead of opening ever more connections)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, size: int = 64) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.free = asyncio.Semaphore(size)
 
     async def exchange(self, request: bytes) -> int:
-        conn = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
-        reader, writer = conn
-        writer.write(request)
-        head = await reader.readuntil(b"\r\n\r\n")
-        lowered = head.lower()
-        if b"transfer-encoding: chunked" in lowered:
-            await reader.readuntil(b"\r\n0\r\n\r\n")
-        else:
-            at = lowered.index(b"content-length:") + 15
-            await reader.readexactly(int(lowered[at:lowered.index(b"\r\n", at)]))
-        self.idle.append(conn)
-        return int(head[9:12])
+        async with self.free:
+            conn = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+            reader, writer = conn
+            try:
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                lowered = head.lower()
+                if b"transfer-encoding: chunked" in lowered:
+                    await reader.readuntil(b"\r\n0\r\n\r\n")
+                else:
+                    at = lowered.index(b"content-length:") + 15
+                    await reader.readexactly(int(lowered[at:lowered.index(b"\r\n", at)]))
+            except (OSError, asyncio.IncompleteReadError):
+                writer.close()
+                return 0  # reset or closed: counted as an error
+            if b"connection: close" in lowered:
+                writer.close()
+            else:
+                self.idle.append(conn)
+            return int(head[9:12])
 
     async def stream(self, request: bytes) -> list[float]:
-        """Send a streamed request; the arrival time of each content event."""
+        """Send a streamed request on a connection of its own; the arrival time of each
+        content event."""
         reader, writer = await asyncio.open_connection(self.host, self.port)
         sent = time.perf_counter()
         writer.write(request)
@@ -182,10 +196,12 @@ class Client:
                     break
                 now = time.perf_counter()
                 buffer += data
-                times += [now - sent] * data.count(b'"content":"')  # role chunk: "content":""
+                times += [now - sent] * len(_TOKEN.findall(data))
                 if b"data: [DONE]" in buffer or buffer.endswith(b"\r\n0\r\n\r\n"):
                     break
                 buffer = buffer[-16:]
+        except OSError:
+            pass
         finally:
             writer.close()
         return times
@@ -199,8 +215,8 @@ class Client:
 async def open_loop(url: str, auth: bool, rps: float, seconds: float) -> dict[str, float]:
     client = Client(url)
     request = build_request(url, BODY, auth)
-    for _ in range(32):  # warm connections: the figure is the steady state, not connects
-        await client.exchange(request)
+    # Warm the connections: the figure is the steady state, not connects.
+    await asyncio.gather(*(client.exchange(request) for _ in range(64)))
     n = int(rps * seconds)
     latencies: list[float] = []
     errors = 0

@@ -138,3 +138,28 @@ async def test_client_that_stops_reading_is_dropped() -> None:
         await wait_for(lambda: upstream.in_flight == 0)
         assert upstream.requests[0].outcome == "client_closed"  # cut, not finished
         await client.aclose()
+
+
+async def test_grace_end_tells_a_started_stream_why() -> None:
+    """A stream already answered 200 (keep-alive comments while it waits) that the
+    drain's grace period cuts ends with a ``shutting_down`` error event."""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], sse_keepalive_s=0.05)
+    upstream = FakeUpstream(Reply(first_token_s=30))
+    async with gateway(upstream, serve=serve) as (server, _):
+        client = await _open_request(server, {**CHAT, "stream": True})
+        received = b""
+        with trio.fail_after(5):
+            while b": keep-alive" not in received:
+                received += await client.receive_some(65536)
+        with trio.fail_after(10):
+            await server.shutdown(grace_s=0.2)
+        with trio.fail_after(5):
+            while b"0\r\n\r\n" not in received:
+                data = await client.receive_some(65536)
+                if not data:
+                    break
+                received += data
+        await client.aclose()
+        await _settled(server)
+    assert b'"code":"shutting_down"' in received
+    assert upstream.requests[0].outcome == "client_closed"

@@ -20,12 +20,12 @@ import hmac
 import json
 import logging
 import sys
+import urllib.parse
 from array import array
 from collections.abc import Mapping
 from typing import Any, Final, Protocol
 
 import attrs
-import h11
 import trio
 
 from .._config import Settings
@@ -161,7 +161,7 @@ async def answer(ctx: Context, request: Request) -> None:
 
 async def _internal_error(ctx: Context) -> None:
     """A 500 when no answer had started; otherwise the connection cannot be trusted."""
-    if ctx.conn.h11.our_state is not h11.SEND_RESPONSE:
+    if ctx.conn.responding:
         ctx.conn.client_gone = True  # close it
         return
     reply = ErrorReply(500, "internal error in the gateway", "api_error", "internal_error")
@@ -209,7 +209,7 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
     if path == "/v1/models":
         return path, await _send_json(ctx, 200, ctx.gateway.models_body)
     if path.startswith("/v1/models/"):
-        name = path[len("/v1/models/"):]
+        name = urllib.parse.unquote(path[len("/v1/models/"):])
         if ctx.gateway.scope_of(name) is None:
             return path, await _fail(ctx, _unknown_model(name))
         return path, await _send_json(ctx, 200, _ENCODE(_model(name)).encode())

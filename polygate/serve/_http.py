@@ -14,8 +14,16 @@ end of file (or a reset) means the client has left and the request's cancel scop
 cancelled at once -- that is how a disconnect reaches the logical call.  Bytes that
 arrive meanwhile (a pipelined request) go to h11's buffer, up to a cap.
 
-Each response leaves in one ``send_all`` where it can (head and body together; a
-stream's head with its first chunk), so a zero-delay answer is one write.
+h11 parses requests; responses are written here, byte for byte as h11 would write
+them (status line, headers, Content-Length or chunked framing), because h11's writer
+validated every header of every answer -- a tenth of the gateway's own CPU per
+request in ``benchmarks/serve.py``'s profile -- and every header here is ours.  The
+parser is replaced by a fresh one after each answer, fed whatever the client has
+already pipelined; keep-alive follows the request (HTTP/1.0 without
+``Connection: keep-alive``, or ``Connection: close``, closes after the answer; an
+HTTP/1.0 stream is delimited by the close, not chunked).  Each response leaves in
+one ``send_all`` where it can (head and body together; a stream's head with its
+first chunk), so a zero-delay answer is one write.
 """
 
 from __future__ import annotations
@@ -29,12 +37,23 @@ import trio
 
 from .._config import Serve
 
-__all__ = ["ClientGone", "Connection", "HTTPProblem", "Request"]
+__all__ = ["ClientGone", "Connection", "HTTPProblem", "Request", "reason"]
 
 _RECEIVE: Final = 65536
 _MAX_HEAD: Final = 64 * 1024  # request line and headers
 _MAX_PIPELINED: Final = 1024 * 1024  # bytes buffered for the next request while answering
-_SERVER: Final = (b"server", b"polygate")
+_SERVER_LINE: Final = b"server: polygate\r\n"
+_REASONS: Final = {
+    100: b"Continue", 200: b"OK", 400: b"Bad Request", 401: b"Unauthorized",
+    404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout",
+    413: b"Content Too Large", 429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+
+
+def reason(status: int) -> bytes:
+    return _REASONS.get(status, b"")
 
 Headers = Sequence[tuple[bytes, bytes]]
 
@@ -64,7 +83,8 @@ class Request:
 class Connection:
     """One client connection: read a request, answer it, repeat."""
 
-    __slots__ = ("client_gone", "h11", "limits", "requests", "stream")
+    __slots__ = ("chunked", "client_gone", "h11", "keep_alive", "limits", "requests",
+                 "responding", "stream")
 
     def __init__(self, stream: trio.SocketStream, limits: Serve) -> None:
         self.stream = stream
@@ -72,6 +92,9 @@ class Connection:
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
         self.requests = 0
         self.client_gone = False
+        self.keep_alive = True  # what the current request allows
+        self.chunked = True  # HTTP/1.1: streams are chunked; HTTP/1.0: close-delimited
+        self.responding = False  # a response head has been sent for the current request
 
     # ------------------------------------------------------------------ reading
 
@@ -94,7 +117,15 @@ class Connection:
         if not isinstance(event, h11.Request):
             return None  # ConnectionClosed
         self.requests += 1
+        self.responding = False
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
+        tokens = headers.get("connection", "").lower()
+        if event.http_version == b"1.0":
+            self.chunked = False
+            self.keep_alive = "keep-alive" in tokens
+        else:
+            self.chunked = True
+            self.keep_alive = "close" not in tokens
         length = headers.get("content-length")
         if length is not None and int(length) > limits.max_request_bytes:
             raise HTTPProblem(
@@ -102,7 +133,7 @@ class Connection:
                 f"{limits.max_request_bytes} bytes", "request_too_large",
             )
         if self.h11.they_are_waiting_for_100_continue:
-            await self._send(self.h11.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
+            await self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
         body = await self._read_body()
         target = event.target.decode("latin-1")
         return Request(event.method.decode("latin-1"), target.split("?", 1)[0], headers, body)
@@ -168,28 +199,40 @@ class Connection:
 
     # ------------------------------------------------------------------ writing
 
-    def response_head(self, status: int, headers: Headers, *, close: bool = False) -> bytes:
-        all_headers = [_SERVER, *headers]
-        if close:
-            all_headers.append((b"connection", b"close"))
-        return self.h11.send(h11.Response(status_code=status, headers=all_headers)) or b""
+    def response_head(
+        self, status: int, headers: Headers, *, length: int | None = None, close: bool = False
+    ) -> bytes:
+        """A response head: ``length`` gives a Content-Length, ``None`` a stream
+        (chunked on HTTP/1.1, close-delimited on HTTP/1.0).  Every header is ours:
+        names are constants, values numbers, ids and names the settings validated."""
+        self.responding = True
+        if close or (length is None and not self.chunked):
+            self.keep_alive = False
+        out = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"")), _SERVER_LINE]
+        out += [name + b": " + value + b"\r\n" for name, value in headers]
+        if length is not None:
+            out.append(b"content-length: %d\r\n" % length)
+        elif self.chunked:
+            out.append(b"transfer-encoding: chunked\r\n")
+        if not self.keep_alive:
+            out.append(b"connection: close\r\n")
+        out.append(b"\r\n")
+        return b"".join(out)
 
     async def send_response(
         self, status: int, headers: Headers, body: bytes, *, close: bool = False
     ) -> None:
         """A whole response (head and body) in one write."""
-        head = self.response_head(
-            status, [*headers, (b"content-length", b"%d" % len(body))], close=close
-        )
-        data = self.h11.send(h11.Data(data=body)) if body else b""
-        await self._send(head + (data or b"") + (self.h11.send(h11.EndOfMessage()) or b""))
+        await self._send(self.response_head(status, headers, length=len(body), close=close) + body)
 
     def frame(self, payload: bytes) -> bytes:
-        """A piece of a streamed (chunked) body, ready to send."""
-        return self.h11.send(h11.Data(data=payload)) or b""
+        """A piece of a streamed body, ready to send."""
+        if not self.chunked:
+            return payload
+        return b"%x\r\n%s\r\n" % (len(payload), payload)
 
     def end(self) -> bytes:
-        return self.h11.send(h11.EndOfMessage()) or b""
+        return b"0\r\n\r\n" if self.chunked else b""
 
     async def send(self, data: bytes) -> None:
         await self._send(data)
@@ -206,13 +249,17 @@ class Connection:
         raise ClientGone
 
     def reusable(self) -> bool:
-        """Whether another request may follow on this connection."""
-        if self.client_gone:
+        """Whether another request may follow; if so, a fresh parser takes over with
+        whatever the client already sent (pipelining)."""
+        if self.client_gone or not self.keep_alive or self.h11.their_state is not h11.DONE:
             return False
-        if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
-            self.h11.start_next_cycle()
-            return True
-        return False
+        pending, closed = self.h11.trailing_data
+        if closed:
+            return False
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
+        if pending:
+            self.h11.receive_data(pending)
+        return True
 
     async def aclose(self) -> None:
         with trio.move_on_after(1):

@@ -82,6 +82,7 @@ class Server:
 
     def __init__(self, listeners: list[trio.SocketListener], host: str, transport: Any) -> None:
         self._listeners = listeners
+        self._host = host
         self._transport = transport
         self.metrics = Metrics()
         self.port: int = listeners[0].socket.getsockname()[1]
@@ -141,7 +142,7 @@ class Server:
         old = self._current
         if (settings.serve.host, settings.serve.port) != (old.settings.serve.host, old.settings.serve.port):
             log.warning("reload: serve.host and serve.port take effect only at restart")
-        check_exposure(settings, self._listeners[0].socket.getsockname()[0])
+        check_exposure(settings, self._host)
         new: Gateway = await self._sessions.start(self._generation, settings)
         self._current = new
         old.retire()
