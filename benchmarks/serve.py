@@ -66,6 +66,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its descendants, from /proc."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(times.get(p, 0.0) for p in tree)
+
+
 def wait_healthy(url: str, proc: subprocess.Popen[Any], limit_s: float) -> None:
     give_up = time.monotonic() + limit_s
     while True:
@@ -125,7 +150,7 @@ def gateway(kind: str, upstream: str, workdir: Path, litellm_venv: str) -> Itera
         health = root + "/health/liveliness"
     try:
         wait_healthy(health, proc, 120)
-        yield {"url": root + "/v1", "startup_s": time.monotonic() - started}
+        yield {"url": root + "/v1", "startup_s": time.monotonic() - started, "pid": proc.pid}
     finally:
         proc.terminate()
         try:
@@ -236,7 +261,8 @@ async def open_loop(url: str, auth: bool, rps: float, seconds: float) -> dict[st
             "errors": errors, "n": n}
 
 
-async def closed_loop(url: str, auth: bool, concurrency: int, seconds: float) -> float:
+async def closed_loop(url: str, auth: bool, concurrency: int, seconds: float) -> tuple[float, int]:
+    """Requests per second, and how many were made."""
     client = Client(url)
     request = build_request(url, BODY, auth)
     done = 0
@@ -252,7 +278,7 @@ async def closed_loop(url: str, auth: bool, concurrency: int, seconds: float) ->
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - t0
     client.close()
-    return done / elapsed
+    return done / elapsed, done
 
 
 async def streams(url: str, auth: bool, n: int) -> dict[str, float]:
@@ -306,8 +332,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         figures[f"{rps}rps"] = via
                         figures[f"{rps}rps_added_p50_ms"] = via["p50_ms"] - direct["p50_ms"]
                         figures[f"{rps}rps_added_p99_ms"] = via["p99_ms"] - direct["p99_ms"]
-                    figures["max_rps"] = asyncio.run(closed_loop(gw["url"], True, 64, seconds))
-                    direct_max = asyncio.run(closed_loop(upstream, False, 64, seconds))
+                    cpu0 = tree_cpu_s(gw["pid"])
+                    figures["max_rps"], done = asyncio.run(closed_loop(gw["url"], True, 64, seconds))
+                    # The steadiest figure on a shared machine: the gateway's own CPU.
+                    figures["cpu_ms_per_request"] = (tree_cpu_s(gw["pid"]) - cpu0) / done * 1e3
+                    direct_max, _ = asyncio.run(closed_loop(upstream, False, 64, seconds))
                     rnd["direct"].setdefault("max_rps", []).append(direct_max)
                     rnd["gateways"][kind] = figures
                     print(f"round {round_ + 1} {kind}: {json.dumps(_short(figures))}", flush=True)
@@ -353,6 +382,7 @@ def summarise(rounds: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
         pg, ll = summary["polygate"], summary["litellm"]
         summary["vs_litellm"] = {
             "throughput_ratio": pg["max_rps"] / ll["max_rps"],
+            "cpu_per_request_ratio": pg["cpu_ms_per_request"] / ll["cpu_ms_per_request"],
             "added_p50_ratio_100rps": pg["100rps_added_p50_ms"] / ll["100rps_added_p50_ms"],
             "added_p99_ratio_100rps": pg["100rps_added_p99_ms"] / ll["100rps_added_p99_ms"],
             "startup_ratio": pg["startup_s"] / ll["startup_s"],

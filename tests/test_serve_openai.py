@@ -68,7 +68,7 @@ async def test_async_json() -> None:
 
 @pytest.mark.parametrize("include_usage", [True, False])
 async def test_async_stream(include_usage: bool) -> None:
-    async with gateway(Reply(tokens=5, inter_token_s=0.01)) as (server, _):
+    async with gateway(Reply(tokens=5, inter_token_s=0.01)) as (server, upstream):
         async with async_client(server.base_url) as client:
             async with client.chat.completions.with_streaming_response.create(
                 model="chat", messages=MESSAGES, stream=True,
@@ -77,7 +77,8 @@ async def test_async_stream(include_usage: bool) -> None:
                 headers = response.headers
                 chunks = [chunk async for chunk in await response.parse()]
     assert headers["content-type"].startswith("text/event-stream")
-    assert headers["x-polygate-call-id"]
+    # Sent before the call had an answer, and still the call's own id.
+    assert headers["x-polygate-call-id"] == upstream.requests[0].headers["x-polygate-call-id"]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "The quick brown fox jumps"
     assert chunks[0].choices[0].delta.role == "assistant"
