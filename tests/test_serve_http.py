@@ -168,6 +168,7 @@ async def test_oversize_body_is_413_before_it_is_read() -> None:
             answer = await read_answer(stream)
         assert answer.status == 413
         assert answer.json()["error"]["code"] == "request_too_large"
+        assert answer.headers["x-polygate-call-id"]  # every answer carries one
         chunked = await _chunked_post(server.port, b"x" * 4000)
     assert chunked.startswith(b"HTTP/1.1 413")
     assert not upstream.requests
@@ -294,6 +295,7 @@ async def test_connection_cap_answers_503() -> None:
         after = await http(server, "GET", "/healthz")
     assert data.startswith(b"HTTP/1.1 503")
     assert b"too_many_connections" in data
+    assert b"x-polygate-call-id: " in data
     assert after.status == 200
 
 

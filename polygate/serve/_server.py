@@ -30,6 +30,7 @@ import httpx
 import trio
 
 from .._config import Settings
+from .._context import fresh_call_id
 from .._errors import ConfigError
 from .._session import Session, session
 from ._app import Context, Gateway, answer
@@ -211,7 +212,8 @@ class Server:
             head = (
                 b"HTTP/1.1 503 Service Unavailable\r\nserver: polygate\r\n"
                 b"content-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
-                b"content-length: %d\r\n\r\n" % len(body)
+                b"x-polygate-call-id: %s\r\ncontent-length: %d\r\n\r\n"
+                % (fresh_call_id().encode(), len(body))
             )
             with trio.move_on_after(1):
                 try:
@@ -275,8 +277,10 @@ class Server:
     async def _problem(self, conn: Connection, problem: HTTPProblem) -> None:
         self.metrics.request("other", problem.status, 0.0)
         try:
+            cid = fresh_call_id().encode()
             await conn.send_response(
-                problem.status, [(b"content-type", b"application/json")],
+                problem.status,
+                [(b"content-type", b"application/json"), (b"x-polygate-call-id", cid)],
                 error_body(problem.message, "invalid_request_error", problem.code), close=True,
             )
         except ClientGone:
