@@ -237,6 +237,15 @@ class Connection:
     async def send(self, data: bytes) -> None:
         await self._send(data)
 
+    async def send_unbounded(self, data: bytes) -> None:
+        """A write whose time bound the caller keeps (a stream moves one deadline
+        instead of opening a cancel scope per chunk)."""
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.client_gone = True
+            raise ClientGone from None
+
     async def _send(self, data: bytes) -> None:
         with trio.move_on_after(self.limits.send_timeout_s):
             try:
