@@ -281,7 +281,7 @@ async def closed_loop(url: str, auth: bool, concurrency: int, seconds: float) ->
     return done / elapsed, done
 
 
-async def streams(url: str, auth: bool, n: int) -> dict[str, float]:
+async def streams(url: str, auth: bool, n: int) -> dict[str, Any]:
     client = Client(url)
     body = {**BODY, "stream": True, "max_tokens": STREAM_TOKENS}
     request = build_request(url, body, auth)
@@ -298,7 +298,7 @@ async def streams(url: str, auth: bool, n: int) -> dict[str, float]:
 
     await asyncio.gather(*(one(i) for i in range(n)))
     return {"p50_ms": quantile(lateness, 0.5) * 1e3, "p99_ms": quantile(lateness, 0.99) * 1e3,
-            "short_streams": short}
+            "short_streams": short, "tokens": len(lateness)}
 
 
 # --------------------------------------------------------------------------- the run
@@ -308,6 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kinds = ["polygate"] + (["hypercorn"] if args.libraries else [])
     if not args.no_litellm:
         kinds.append("litellm")
+    if args.streams_only:
+        kinds = []
     seconds = 1.5 if args.quick else args.duration
     repeats = 1 if args.quick else args.repeats
     rates = (100, 500)
@@ -318,8 +320,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         workdir = Path(tmp)
         for round_ in range(repeats):
             rnd: dict[str, Any] = {"direct": {}, "gateways": {}}
-            order = kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)]
-            for kind in order:
+            order = kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)] if kinds else []
+            for kind in order if kinds else ():
                 with gateway(kind, upstream, workdir, args.litellm_venv) as gw:
                     figures: dict[str, Any] = {"startup_s": gw["startup_s"]}
                     for rps in rates:
@@ -348,16 +350,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def stream_ramp(upstream: str, workdir: Path, args: argparse.Namespace, quick: bool) -> list[dict[str, Any]]:
-    levels = [25, 50] if quick else [50, 100, 200, 400, 800, 1600]
+    levels = [25, 50] if quick else [25, 50, 100, 200, 400, 800, 1600]
     out = []
     with gateway("polygate", upstream, workdir, args.litellm_venv) as gw:
         for n in levels:
             direct = asyncio.run(streams(upstream, False, n))
+            cpu0 = tree_cpu_s(gw["pid"])
             via = asyncio.run(streams(gw["url"], True, n))
+            cpu_us = (tree_cpu_s(gw["pid"]) - cpu0) / max(1, via["tokens"]) * 1e6
             added = via["p99_ms"] - direct["p99_ms"]
-            out.append({"streams": n, "direct": direct, "gateway": via, "added_p99_ms": added})
+            out.append({"streams": n, "direct": direct, "gateway": via, "added_p99_ms": added,
+                        "gateway_cpu_us_per_token": cpu_us})
             print(f"streams {n}: added p99 {added:.2f} ms (direct p99 {direct['p99_ms']:.2f}, "
-                  f"gateway {via['p99_ms']:.2f}, short {via['short_streams']})", flush=True)
+                  f"gateway {via['p99_ms']:.2f}, short {via['short_streams']}, "
+                  f"gateway CPU {cpu_us:.0f} µs/token)", flush=True)
             if added > 10 or via["short_streams"]:
                 break
     return out
@@ -377,7 +383,8 @@ def summarise(rounds: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
                                     if k in r["gateways"].get(kind, {})]) for k in sorted(keys)}
         spread = [r["gateways"][kind].get("500rps_added_p50_ms") for r in rounds]
         summary[kind]["500rps_added_p50_ms_all"] = spread
-    summary["direct_max_rps"] = median([x for r in rounds for x in r["direct"]["max_rps"]])
+    if kinds:
+        summary["direct_max_rps"] = median([x for r in rounds for x in r["direct"]["max_rps"]])
     if "litellm" in summary:
         pg, ll = summary["polygate"], summary["litellm"]
         summary["vs_litellm"] = {
@@ -403,6 +410,7 @@ def main() -> None:
     parser.add_argument("--libraries", action="store_true", help="also hypercorn's trio worker")
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument("--no-streams", action="store_true")
+    parser.add_argument("--streams-only", action="store_true", help="only the streams ramp")
     parser.add_argument("--litellm-venv", default=os.environ.get("LITELLM_VENV", "/work/venv-litellm"))
     args = parser.parse_args()
     if not args.no_litellm and not (Path(args.litellm_venv) / "bin" / "litellm").exists():
