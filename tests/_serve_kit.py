@@ -4,8 +4,11 @@ and a raw HTTP/1.1 client on trio sockets (h11) for what the SDK cannot do."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -134,3 +137,44 @@ async def wait_for(predicate: Any, limit_s: float = 5.0, period_s: float = 0.005
         while not predicate():  # noqa: ASYNC110 - state of another component: no event
             await trio.sleep(period_s)
     return trio.current_time()
+
+
+# --------------------------------------------------------------------------- a server process
+
+
+class Running:
+    def __init__(self, proc: trio.Process, port: int) -> None:
+        self.proc = proc
+        self.port = port
+
+
+@asynccontextmanager
+async def serve_process(config: Path) -> AsyncIterator[Running]:
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "polygate", "serve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = b""
+        with trio.fail_after(30):
+            while not line.endswith(b"\n"):
+                chunk = await proc.stdout.receive_some(1)
+                if not chunk:
+                    err = await proc.stderr.receive_some(65536) if proc.stderr else b""
+                    raise AssertionError(f"server exited: {err.decode()}")
+                line += chunk
+        assert b"listening on http://127.0.0.1:" in line, line
+        yield Running(proc, int(line.rsplit(b":", 1)[1]))
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        with trio.move_on_after(10):
+            await proc.wait()
+
+
+class _Port:
+    """Just enough of a Server for the raw-socket helpers."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port

@@ -8,8 +8,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,17 @@ import trio
 
 from polygate.testing import FakeUpstream, Reply
 
-from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, http, read_until_closed, request_bytes, wait_for
+from ._serve_kit import (
+    AUTH,
+    CHAT,
+    GATEWAY_KEY,
+    _Port,
+    http,
+    read_until_closed,
+    request_bytes,
+    serve_process,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -29,44 +37,6 @@ def write_config(path: Path, upstream: str, *, grace_s: float = 30, alias: str =
         f'[scopes.chat.sources.a]\nbase_url = "{upstream}"\nmodel = "m1"\n'
     )
     return path
-
-
-class Running:
-    def __init__(self, proc: trio.Process, port: int) -> None:
-        self.proc = proc
-        self.port = port
-
-
-@asynccontextmanager
-async def serve_process(config: Path) -> AsyncIterator[Running]:
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "polygate", "serve", "--config", str(config), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
-    try:
-        assert proc.stdout is not None
-        line = b""
-        with trio.fail_after(30):
-            while not line.endswith(b"\n"):
-                chunk = await proc.stdout.receive_some(1)
-                if not chunk:
-                    err = await proc.stderr.receive_some(65536) if proc.stderr else b""
-                    raise AssertionError(f"server exited: {err.decode()}")
-                line += chunk
-        assert b"listening on http://127.0.0.1:" in line, line
-        yield Running(proc, int(line.rsplit(b":", 1)[1]))
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-        with trio.move_on_after(10):
-            await proc.wait()
-
-
-class _Port:
-    """Just enough of a Server for the raw-socket helpers."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
 
 
 async def test_sigterm_drains_calls_in_flight(tmp_path: Path) -> None:

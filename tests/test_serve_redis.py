@@ -14,8 +14,7 @@ import trio
 from polygate.testing import FakeUpstream, Reply
 
 from ._redis_server import RedisServer, own_redis, redis_server  # noqa: F401 - fixtures
-from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, http
-from .test_serve_lifecycle import _Port, serve_process
+from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, _Port, gateway, http, serve_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
