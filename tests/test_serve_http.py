@@ -81,6 +81,21 @@ async def test_gateway_key_is_required(headers: dict[str, str], status: int) -> 
         assert not upstream.requests
 
 
+async def test_a_request_without_a_key_is_refused_from_its_head() -> None:
+    """The server does not hold an unauthenticated client's body: 401 from the head."""
+    async with gateway() as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 5000000\r\n\r\n"
+            )
+            with trio.fail_after(5):
+                answer = await read_answer(stream)
+    assert answer.status == 401
+    assert answer.json()["error"]["code"] == "invalid_api_key"
+    assert answer.headers["connection"] == "close"
+
+
 async def test_health_needs_no_key_but_everything_else_does() -> None:
     async with gateway() as (server, _):
         assert (await http(server, "GET", "/healthz")).status == 200
@@ -178,7 +193,8 @@ async def _chunked_post(port: int, payload: bytes) -> bytes:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
         await stream.send_all(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ntransfer-encoding: chunked\r\n"
+            b"authorization: Bearer " + GATEWAY_KEY.encode() + b"\r\n\r\n"
             + b"%x\r\n" % len(payload) + payload + b"\r\n0\r\n\r\n"
         )
         return await read_until_closed(stream)
@@ -261,7 +277,8 @@ async def test_slow_body_times_out() -> None:
         stream = await trio.open_tcp_stream("127.0.0.1", server.port)
         async with stream:
             await stream.send_all(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 100\r\n\r\n{"
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 100\r\n"
+                b"authorization: Bearer " + GATEWAY_KEY.encode() + b"\r\n\r\n{"
             )
             data = await read_until_closed(stream)
     assert data.startswith(b"HTTP/1.1 408")

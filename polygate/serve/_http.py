@@ -98,11 +98,15 @@ class Connection:
 
     # ------------------------------------------------------------------ reading
 
-    async def read_request(self) -> Request | None:
+    async def read_request(
+        self, admit: Callable[[str, dict[str, str]], bool] | None = None
+    ) -> Request | None:
         """The next request, or ``None`` when the client closed or stayed idle.
 
         Raises :class:`HTTPProblem` for a request that is malformed, too large or too
-        slow; the caller answers it and closes.
+        slow, or that ``admit(path, headers)`` refuses (a missing gateway key: refused
+        from the head, so a client without a key never makes the server hold its
+        body); the caller answers it and closes.
         """
         limits = self.limits
         now = trio.current_time()
@@ -126,6 +130,13 @@ class Connection:
         else:
             self.chunked = True
             self.keep_alive = "close" not in tokens
+        target = event.target.decode("latin-1")
+        path = target.split("?", 1)[0]
+        if admit is not None and not admit(path, headers):
+            raise HTTPProblem(
+                401, "Incorrect or missing gateway key: send 'Authorization: Bearer <key>'.",
+                "invalid_api_key",
+            )
         length = headers.get("content-length")
         if length is not None and int(length) > limits.max_request_bytes:
             raise HTTPProblem(
@@ -135,8 +146,7 @@ class Connection:
         if self.h11.they_are_waiting_for_100_continue:
             await self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
         body = await self._read_body()
-        target = event.target.decode("latin-1")
-        return Request(event.method.decode("latin-1"), target.split("?", 1)[0], headers, body)
+        return Request(event.method.decode("latin-1"), path, headers, body)
 
     async def _next_head_event(self, scope: trio.CancelScope, started: bool) -> h11.Event:
         while True:

@@ -44,6 +44,7 @@ log = logging.getLogger("polygate.serve")
 
 _ACCEPT_PAUSE_S = 0.1  # out of file descriptors: the floor on the accept loop's period
 _REFUSING = 64  # connections being answered 503 at once, beyond max_connections
+_OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # the only paths without a key
 _LAST_WORDS_S = 1.0  # after the grace period: time to tell cancelled clients why
 _FD_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
@@ -236,7 +237,7 @@ class Server:
                 self._idle.add(idle)
                 try:
                     with idle:
-                        request = await conn.read_request()
+                        request = await conn.read_request(self._admit)
                 except HTTPProblem as problem:
                     await self._problem(conn, problem)
                     return
@@ -252,6 +253,11 @@ class Server:
         finally:
             metrics.connections -= 1
             await conn.aclose()
+
+    def _admit(self, path: str, headers: dict[str, str]) -> bool:
+        """Whether a request may be read past its head: the key, checked early."""
+        assert self._current is not None
+        return path in _OPEN_PATHS or self._current.authorised(headers)
 
     async def _answer(self, conn: Connection, request: Any) -> None:
         gateway = self._current
