@@ -15,12 +15,14 @@ import warnings
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import attrs
+import httpx
 
 from ._config_serve import Serve, check_serve_models
 from ._errors import ConfigError
+from ._secrets import is_header_safe, mask_prefixes, url_secrets
 
 __all__ = [
     "ConfigWarning",
@@ -55,26 +57,40 @@ _STATUS_REASON = re.compile(r"^status:(4\d\d)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
+#: What is wrong with an API key that cannot be an HTTP header value (never the key).
+KEY_PROBLEM = (
+    "must be printable ASCII without blanks or control characters (a copied key can "
+    "carry an invisible character, such as a zero-width space)"
+)
+
+
 class ConfigWarning(UserWarning):
     """A configuration that works but probably does not do what was meant."""
 
 
 class FieldError(ConfigError):
-    """A ConfigError about one field; ``field`` and ``problem`` let loaders re-word it."""
+    """A ConfigError about one field; ``field`` and ``problem`` let loaders re-word it.
+    ``secrets``: what the message must not show, even by coincidence (see
+    :func:`polygate._secrets.mask_prefixes`)."""
 
-    def __init__(self, owner: str, field: str, problem: str) -> None:
-        super().__init__(f"{owner}.{field}: {problem}")
+    def __init__(
+        self, owner: str, field: str, problem: str, secrets: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(mask_prefixes(f"{owner}.{field}: {problem}", secrets))
         self.owner = owner
         self.field = field
-        self.problem = problem
+        self.problem = mask_prefixes(problem, secrets)
+        self.secrets = secrets
 
 
-def _bad(instance: Any, field: str, problem: str) -> FieldError:
+def _bad(instance: Any, field: str, problem: str, *, url: Any = None) -> FieldError:
+    """``url``: the value of a URL field the message is about; no run of its password
+    (or of its user:password part) shows in the message."""
     owner = type(instance).__name__
     name = getattr(instance, "name", None) if field != "name" else None
     if isinstance(name, str):
         owner = f"{owner}({name!r})"
-    return FieldError(owner, field, problem)
+    return FieldError(owner, field, problem, url_secrets(url) if isinstance(url, str) else ())
 
 
 # --------------------------------------------------------------------------- validators
@@ -146,29 +162,46 @@ def _secret_repr(value: str | None) -> str:
 
 
 def mask_url(url: str) -> str:
-    """The URL with any password replaced by ``***`` (for reprs, logs and messages)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    if parts.password is None:
-        return _mask_unparsed_credentials(url)
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    """The URL with any password replaced by ``***`` (for reprs, logs and messages).
 
-
-def _mask_unparsed_credentials(url: str) -> str:
-    """Hide ``user:secret@`` that urlsplit did not recognise (no or misspelt scheme).
-
-    ``"user:pw@host"`` parses as scheme ``user``, so ``parts.password`` is None and
-    the password would otherwise be echoed by a validator's message.
+    Read from the raw text, not a parser: the credentials are everything between
+    ``://`` and the *last* ``@`` (an unencoded ``#``, ``/`` or ``?`` in a password
+    would make a parser end them early and show the rest).
     """
     head, at, tail = url.rpartition("@")
-    scheme, sep, userinfo = head.partition("://")
-    if not at or ":" not in (userinfo if sep else head):
+    if not at:
+        try:
+            urlsplit(url)
+        except ValueError:
+            return "<unparseable URL>"
         return url
-    return f"{scheme}{sep}***@{tail}" if sep else f"***@{tail}"
+    scheme, sep, userinfo = head.partition("://")
+    if ":" not in (userinfo if sep else head):
+        return url  # a user name alone is not a secret
+    if sep:
+        user = userinfo.split(":", 1)[0]
+        if any(c in user for c in "/?#"):
+            return f"{scheme}://***@{tail}"
+        return f"{scheme}://{user}:***@{tail}"
+    return f"***@{tail}"
+
+
+_BAD_URL = (
+    "is not a valid URL (bad port, or an unencoded '#', '/', '?' or '@' in the "
+    "user:password part; percent-encode it)"
+)
+
+
+def _url_problem(value: str) -> str | None:
+    """What makes ``value`` unusable as written, in words that never quote it."""
+    if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        return "must not contain blanks or control characters"
+    # "user:pa/ss@host": a parser ends the authority at the "/" and reads "pa" as
+    # the port of host "user" -- the key would go there.
+    userinfo = value.rpartition("@")[0].partition("://")[2]
+    if ":" in userinfo and any(c in userinfo for c in "/?#"):
+        return _BAD_URL
+    return None
 
 
 # --------------------------------------------------------------------------- classes
@@ -213,25 +246,60 @@ class Source:
 
     @base_url.validator
     def _check_url(self, attr: attrs.Attribute[str], value: Any) -> None:
+        """An http(s) URL the session can use exactly as written.
+
+        Refused: blanks and control characters (a parser drops some silently), a
+        query or fragment (``/chat/completions`` is appended to the path, so they
+        would change the path), and ``user:password@`` (polygate authenticates with
+        ``api_key`` as a Bearer token and would never send them).
+        """
         if not isinstance(value, str):
-            raise _bad(self, "base_url", f"must be a string, got {type(value).__name__}")
+            raise _bad(self, "base_url", url=value, problem=f"must be a string, got {type(value).__name__}")
+        problem = _url_problem(value)
+        if problem is not None:
+            raise _bad(self, "base_url", url=value, problem=problem)
         try:
             parts = urlsplit(value)
             parts.port  # noqa: B018 - raises ValueError on a bad port
-        except ValueError as exc:
-            raise _bad(self, "base_url", f"is not a valid URL ({exc})") from None
+        except ValueError:
+            raise _bad(self, "base_url", url=value, problem=_BAD_URL) from None
+        if "@" in parts.netloc:
+            raise _bad(self, "base_url", url=value, problem=
+                "must not carry credentials before the host ('…@host'): they are never "
+                "sent (the key goes in api_key)",
+            )
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise _bad(
-                self, "base_url",
+            raise _bad(self, "base_url", url=value, problem=
                 f"must be an absolute http:// or https:// URL, got {mask_url(value)!r}",
             )
+        if "?" in value or "#" in value:
+            raise _bad(self, "base_url", url=value, problem=
+                "must not have a query or a fragment ('?', '#'): the request path is the "
+                "base URL followed by /chat/completions",
+            )
+        try:
+            httpx.URL(value + "/chat/completions")
+        except (httpx.InvalidURL, ValueError):
+            raise _bad(self, "base_url", url=value, problem=_BAD_URL) from None
 
     @api_key.validator
     def _check_key(self, attr: attrs.Attribute[str | None], value: Any) -> None:
+        # The key itself is never echoed, whatever is wrong with it.
         if value is not None and (not isinstance(value, str) or not value):
             raise _bad(self, "api_key", "must be a non-empty string")
-        if isinstance(value, str) and any(c in value for c in "\r\n"):
-            raise _bad(self, "api_key", "must not contain line breaks")
+        if isinstance(value, str) and ("\r" in value or "\n" in value):
+            # A line break could end the header and start another: never accepted.
+            raise _bad(self, "api_key", f"must not contain line breaks; it {KEY_PROBLEM}")
+        if isinstance(value, str) and not is_header_safe(value):
+            # From a file or the environment this is a ConfigError (the loaders and
+            # check-config refuse it).  Built here, it is a warning at once, and every
+            # call to the source fails as SourceDeadError, typed and redacted, while
+            # the other sources carry on.
+            warnings.warn(
+                f"Source({self.name!r}).api_key: {KEY_PROBLEM}; every call to this "
+                "source fails until it is fixed",
+                ConfigWarning, stacklevel=4,
+            )
 
     @structured_output.validator
     def _check_structured(self, attr: attrs.Attribute[str], value: Any) -> None:
@@ -534,31 +602,33 @@ def _check_hedge_threshold(scope: Scope, after: float, label: str) -> None:
 
 def _check_backend(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
     if not isinstance(value, str):
-        raise _bad(inst, attr.name, "must be a string")
+        raise _bad(inst, attr.name, url=value, problem="must be a string")
     if value == "memory":
         return
     parts = _split_url(inst, attr.name, value)
+    if parts.fragment:
+        raise _bad(inst, attr.name, url=value, problem=_BAD_URL)
     if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-        raise _bad(
-            inst, attr.name,
+        raise _bad(inst, attr.name, url=value, problem=
             f"must be 'memory' or a redis://host:port/db URL, got {mask_url(value)!r}",
         )
 
 
 def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
     if not isinstance(value, str):
-        raise _bad(inst, attr.name, "must be a string")
+        raise _bad(inst, attr.name, url=value, problem="must be a string")
     if value == "off":
         return
     parts = _split_url(inst, attr.name, value)
     if parts.scheme == "sqlite":
         if not value.startswith("sqlite:///") and value != "sqlite://":
-            raise _bad(inst, attr.name, "a SQLite URL is sqlite:///path/to/file.db")
+            raise _bad(inst, attr.name, url=value, problem="a SQLite URL is sqlite:///path/to/file.db")
         return
     if parts.scheme in ("postgresql", "postgres") and parts.hostname is not None:
+        if parts.fragment:
+            raise _bad(inst, attr.name, url=value, problem=_BAD_URL)
         return
-    raise _bad(
-        inst, attr.name,
+    raise _bad(inst, attr.name, url=value, problem=
         f"must be 'off', sqlite:///path or postgresql://…, got {mask_url(value)!r}",
     )
 
@@ -569,15 +639,21 @@ def _check_cache(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
     try:
         parse_cache_url(value)
     except ConfigError as exc:
-        raise _bad(inst, attr.name, str(exc)) from None
+        raise _bad(inst, attr.name, url=value, problem=str(exc)) from None
 
 
 def _split_url(inst: Any, field: str, value: str) -> Any:
+    """urlsplit, with messages that never quote the URL (a parser's error text can
+    hold part of a password)."""
+    if not value.startswith("sqlite:"):
+        problem = _url_problem(value)
+        if problem is not None:
+            raise _bad(inst, field, url=value, problem=problem)
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError as exc:
-        raise _bad(inst, field, f"is not a valid URL ({exc})") from None
+    except ValueError:
+        raise _bad(inst, field, url=value, problem=_BAD_URL) from None
     return parts
 
 
@@ -682,10 +758,5 @@ class Settings:
         found = [s.api_key for scope in self.scopes.values() for s in scope.sources if s.api_key]
         found += self.serve.api_keys
         for url in (self.backend, self.telemetry, self.cache):
-            try:
-                password = urlsplit(url).password
-            except ValueError:
-                password = None
-            if password:
-                found.append(password)
-        return tuple(found)
+            found += url_secrets(url)
+        return tuple(dict.fromkeys(found))

@@ -38,14 +38,14 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, Union
-from urllib.parse import urlsplit
 
 import attrs
 
 from . import _config as _config_module
 from . import _config_serve as _config_serve_module
-from ._config import ConfigWarning, FieldError, Scope, Serve, Settings, Source, mask_url
+from ._config import KEY_PROBLEM, ConfigWarning, FieldError, Scope, Serve, Settings, Source, mask_url
 from ._errors import ConfigError
+from ._secrets import is_header_safe, redact, url_secrets
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -72,7 +72,6 @@ _Where = Callable[[str], str]
 _SCALAR_TYPES: tuple[type, ...] = (bool, int, float, str)
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
-_MIN_SCRUB_LEN = 4  # shorter "secrets" would garble messages more than they protect
 _NOTHING_FOUND = (
     "no polygate configuration found: set POLYGATE_CONFIG to a TOML file, create "
     "./polygate.toml, or set environment keys such as "
@@ -235,18 +234,9 @@ def _what(value: Any) -> str:
     return names.get(type(value), "a date or time")
 
 
-def _url_password(text: str) -> str | None:
-    try:
-        return urlsplit(text).password
-    except ValueError:
-        return None
-
-
 def _scrub(text: str, secrets: Iterable[str]) -> str:
-    for secret in sorted(secrets, key=len, reverse=True):
-        if len(secret) >= _MIN_SCRUB_LEN:
-            text = text.replace(secret, "***")
-    return text
+    """The last line of defence: every form of every secret seen in the input."""
+    return redact(text, tuple(secrets))
 
 
 def _unknown(
@@ -366,7 +356,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
 def _parse_env(entries: Mapping[str, str]) -> _SettingsPart:
     secret_names = {name.upper() for name in _secret_field_names()}
     secrets = {v for k, v in entries.items() if k.rsplit("__", 1)[-1] in secret_names}
-    secrets |= {pw for v in entries.values() if (pw := _url_password(v))}
+    secrets |= {pw for v in entries.values() for pw in url_secrets(v)}
     settings = _SettingsPart(own=_Part(where=_env_settings_where), secrets=secrets)
     for key in sorted(entries):
         if key.startswith(_SERVE_ENV):
@@ -374,6 +364,7 @@ def _parse_env(entries: Mapping[str, str]) -> _SettingsPart:
             continue
         part, field, kind = _route_env_key(settings, key)
         part.values[field] = _value_from_text(kind, entries[key], key)
+        _check_key(field, part.values[field], key)
         part.keys.append(key)
     return settings
 
@@ -682,6 +673,7 @@ def _secret_from_env(
     if not value:
         raise ConfigError(f"{where(key)}: environment variable {var} is not set")
     secrets.add(value)
+    _check_key(field, value, where(key))
     part.values[field] = value
     part.keys.append(where(key))
 
@@ -696,7 +688,15 @@ def _toml_fields(
         if key not in allowed:
             raise _unknown(part.where(key), what, [*allowed, *extra], key)
         part.values[key] = _value_from_toml(schema.scalars[key], value, part.where(key))
+        _check_key(key, part.values[key], part.where(key))
         part.keys.append(part.where(key))
+
+
+def _check_key(field: str, value: Any, where: str) -> None:
+    """A configured key that cannot be sent is a configuration error here, before
+    anything runs (objects built in Python get a warning: Source's validator)."""
+    if field == "api_key" and isinstance(value, str) and value and not is_header_safe(value):
+        raise ConfigError(f"{where}: {KEY_PROBLEM}")
 
 
 def _toml_table(value: Any, where: str) -> dict[str, Any]:
@@ -727,9 +727,7 @@ def _harvest_secrets(node: Any, key: str = "") -> set[str]:
     elif isinstance(node, str):
         if key in _secret_field_names():
             found.add(node)
-        password = _url_password(node)
-        if password:
-            found.add(password)
+        found.update(url_secrets(node))
     return found
 
 

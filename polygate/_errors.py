@@ -27,10 +27,14 @@ decided once and tested as a table.
 from __future__ import annotations
 
 import enum
+import json
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import httpx
+
+from ._secrets import clip, redact
 
 if TYPE_CHECKING:
     from ._types import CallStats
@@ -51,6 +55,8 @@ __all__ = [
     "Outcome",
     "classify_status",
     "classify_exception",
+    "error_message",
+    "redact",
 ]
 
 
@@ -214,14 +220,6 @@ class StructuredOutputError(PolygateError):
 # --------------------------------------------------------------------------- mapping
 
 
-def redact(text: str, secrets: tuple[str, ...]) -> str:
-    """Replace every secret (longer than 3 characters) in ``text`` by ``***``."""
-    for secret in secrets:
-        if secret and len(secret) > 3 and secret in text:
-            text = text.replace(secret, "***")
-    return text
-
-
 def classify_status(
     status: int,
     detail: str,
@@ -266,6 +264,8 @@ def classify_exception(exc: BaseException, *, source: str | None = None) -> Upst
     if isinstance(exc, httpx.TransportError):
         # httpx messages carry host:port at most; never headers.
         return TransientUpstreamError(f"transport error ({name}): {exc}", source=source)
+    if isinstance(exc, RecursionError):  # bytes nested past what a decoder can follow
+        return TransientUpstreamError(f"malformed upstream body ({name})", source=source)
     if isinstance(exc, (ValueError, UnicodeDecodeError, KeyError, TypeError)):
         return TransientUpstreamError(f"malformed upstream body ({name}): {exc}", source=source)
     return TransientUpstreamError(f"unexpected failure ({name}): {exc}", source=source)
@@ -306,8 +306,13 @@ def error_code(payload: Any) -> str | None:
     return None
 
 
-def error_message(payload: Any, limit: int = 300) -> str:
-    """A short human message from an OpenAI-style (or vLLM-style) error body."""
+def error_message(payload: Any, limit: int = 300, secrets: Iterable[str] = ()) -> str:
+    """A short human message from an OpenAI-style (or vLLM-style) error body.
+
+    The whole message is redacted of ``secrets`` first and cut to ``limit``
+    characters after (see :func:`polygate._secrets.clip`): a key echoed across the
+    cut point is never left half-visible.
+    """
     message: Any = None
     if isinstance(payload, dict):
         inner = payload.get("error", payload)
@@ -319,5 +324,9 @@ def error_message(payload: Any, limit: int = 300) -> str:
             message = payload.get("message")
     if message is None:
         message = payload
-    text = message if isinstance(message, str) else repr(message)
-    return text if len(text) <= limit else text[:limit] + "…"
+    if not isinstance(message, str):
+        try:
+            message = json.dumps(message, ensure_ascii=False, default=repr)
+        except (ValueError, RecursionError):
+            message = f"<{type(message).__name__}>"
+    return clip(message, limit, secrets)

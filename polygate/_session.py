@@ -219,6 +219,8 @@ def _check_params(params: Mapping[str, Any], reserved: tuple[str, ...] = ("messa
     for key in reserved:
         if key in params:
             raise ConfigError(f"parameter {key!r} is set by polygate, not by the caller")
+    if not isinstance(params.get("stream_options") or {}, Mapping):
+        raise ConfigError("parameter 'stream_options' must be an object (a mapping)")
     try:
         json.dumps(params)
     except (TypeError, ValueError) as exc:

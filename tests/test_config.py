@@ -236,7 +236,7 @@ def test_single_source_without_hedging_is_silent() -> None:
 def secret_settings() -> Settings:
     sources = [
         src("a", api_key=KEY),
-        Source(name="b", base_url=f"http://user:{URL_PW}@127.0.0.1:8002/v1", api_key=KEY),
+        Source(name="b", base_url="http://127.0.0.1:8002/v1", api_key=KEY),
     ]
     return Settings(
         scopes={"chat": Scope(sources=sources)},

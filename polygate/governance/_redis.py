@@ -305,6 +305,12 @@ class RedisBackend:
         ssl_kw: dict[str, Any] = {}
         if opts.ssl:  # verified against the system CAs (or ssl_ca_certs) and the host name
             reqs = opts.ssl_cert_reqs or "required"
+            if reqs == "none":
+                log.warning(
+                    "backend %s:%d: ssl_cert_reqs=none turns off TLS verification (certificate "
+                    "and host name): anyone on the network path can pose as the server and "
+                    "read the Redis password and every admission", opts.host, opts.port,
+                )
             ssl_kw = {"ssl": True, "ssl_ca_certs": opts.ssl_ca_certs, "ssl_cert_reqs": reqs,
                       "ssl_check_hostname": reqs != "none"}
         # coredis's own timeouts are shorter than an operation's bound, so a stuck

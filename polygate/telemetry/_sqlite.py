@@ -14,6 +14,7 @@ user's state directory (:func:`default_path`).
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -59,6 +60,25 @@ def _connect(path: Path, *, read_only: bool = False) -> sqlite3.Connection:
     return conn
 
 
+def _create_private(path: Path) -> None:
+    """Create the database file (and any folder missing on its way) readable by its
+    owner only: with ``log_content=True`` it holds every prompt and answer.  Folders
+    polygate creates are 0700, the file 0600 (SQLite gives its ``-wal`` and ``-shm``
+    files the database's mode).  Existing folders and files are left as they are."""
+    missing = []
+    folder = path.parent
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            pass  # another process made it first
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+    os.close(fd)
+
+
 def _migrate(conn: sqlite3.Connection, where: str) -> int:
     """Create or upgrade the schema in one ``BEGIN IMMEDIATE`` transaction, so two
     processes opening a fresh file do not both create it.  Returns the version."""
@@ -96,7 +116,7 @@ class SQLiteSink:
         Raises :class:`ConfigError` when the file cannot be a telemetry database."""
         where = f"sqlite:///{path}" if path.is_absolute() else str(path)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _create_private(path)
             conn = _connect(path)
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(f"cannot open the telemetry database {where}: {exc}") from None

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._errors import TransientUpstreamError
+
 __all__ = ["ChatAssembler", "TextParts", "has_content", "message_text"]
 
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
@@ -77,13 +79,16 @@ class TextParts(list[str]):
 
 class _Choice:
     __slots__ = (
+        "_max_tool_calls", "_source",
         "content", "extras", "finish_reason", "function_call", "index", "logprobs",
         "message_extras", "reasoning", "reasoning_name", "refusal", "role", "saw_content",
         "tool_calls",
     )
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, max_tool_calls: int = 128, source: str | None = None) -> None:
         self.index = index
+        self._max_tool_calls = max_tool_calls
+        self._source = source
         self.role: str | None = None
         self.content: list[str] = TextParts()
         self.saw_content = False
@@ -161,6 +166,13 @@ class _Choice:
             index = len(self.tool_calls)
         slot = self.tool_calls.get(index)
         if slot is None:
+            if not _carries_call(call):
+                return  # nothing to keep: no slot (an index flood costs nothing)
+            if len(self.tool_calls) >= self._max_tool_calls:
+                raise TransientUpstreamError(
+                    f"malformed stream: more than {self._max_tool_calls} tool calls in a choice",
+                    source=self._source,
+                )
             slot = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
             self.tool_calls[index] = slot
         if isinstance(call.get("id"), str) and call["id"]:
@@ -219,6 +231,35 @@ class _Choice:
         return choice
 
 
+def _carries(choice: dict[str, Any]) -> bool:
+    """Whether folding ``choice`` in would change anything (see ``_Choice.add``):
+    a choice that carries nothing needs no state, whatever its index."""
+    for key, value in choice.items():
+        if value is None or key == "index" or key == "message":
+            continue
+        if key == "delta":
+            if isinstance(value, dict) and any(v is not None for v in value.values()):
+                return True
+        elif key == "finish_reason":
+            if isinstance(value, str):
+                return True
+        elif key == "logprobs":
+            if isinstance(value, dict):
+                return True
+        else:
+            return True
+    return False
+
+
+def _carries_call(call: dict[str, Any]) -> bool:
+    """Whether a tool-call delta sets anything (see ``_Choice._add_tool_call``)."""
+    if isinstance(call.get("id"), str) and call["id"]:
+        return True
+    if isinstance(call.get("type"), str) and call["type"]:
+        return True
+    return isinstance(call.get("function"), dict)
+
+
 def _join_function(target: dict[str, Any], part: dict[str, Any]) -> None:
     name = part.get("name")
     if isinstance(name, str) and name:
@@ -245,9 +286,21 @@ def _merge_extra(target: dict[str, Any], key: str, value: Any) -> None:
 
 
 class ChatAssembler:
-    """Accumulates ``chat.completion.chunk`` dicts; ``build()`` gives the response body."""
+    """Accumulates ``chat.completion.chunk`` dicts; ``build()`` gives the response body.
 
-    def __init__(self) -> None:
+    Bounded whatever the upstream sends: a choice (or tool call) gets state only
+    when it carries something, and at most ``max_choices`` choices (and
+    ``max_tool_calls`` tool calls per choice) do; one more is a malformed stream
+    (:class:`~polygate.TransientUpstreamError`).  Without the caps a stream of new
+    indexes held 25–60 times its own size.
+    """
+
+    def __init__(
+        self, *, max_choices: int = 128, max_tool_calls: int = 128, source: str | None = None
+    ) -> None:
+        self._max_choices = max_choices
+        self._max_tool_calls = max_tool_calls
+        self._source = source
         self._choices: dict[int, _Choice] = {}
         self._header: dict[str, Any] = {}
         self._missing = set(_HEADER_KEYS)
@@ -278,7 +331,9 @@ class ChatAssembler:
                             index = 0
                         state = self._choices.get(index)
                         if state is None:
-                            state = self._choices[index] = _Choice(index)
+                            if not _carries(choice):
+                                continue
+                            state = self._new_choice(index)
                         if state.add(choice):
                             content = True
             elif key == "usage":
@@ -287,6 +342,15 @@ class ChatAssembler:
             elif value is not None and key not in _CHUNK_ONLY_KEYS and key not in _HEADER_KEYS:
                 _merge_extra(self._extras, key, value)
         return content
+
+    def _new_choice(self, index: int) -> _Choice:
+        if len(self._choices) >= self._max_choices:
+            raise TransientUpstreamError(
+                f"malformed stream: more than {self._max_choices} choices in one answer",
+                source=self._source,
+            )
+        state = self._choices[index] = _Choice(index, self._max_tool_calls, self._source)
+        return state
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import sys
+import traceback
 from array import array
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
@@ -23,6 +24,7 @@ import httpx
 import trio
 
 from .._errors import (
+    SourceDeadError,
     TransientUpstreamError,
     UpstreamError,
     classify_exception,
@@ -30,11 +32,23 @@ from .._errors import (
     error_code,
     error_message,
     error_status,
-    redact,
 )
+from .._secrets import redact
 from ._assemble import ChatAssembler
+from ._pool import SENT_EXTENSION, LeanTransport
 from ._sse import Event, SSEDecoder
-from ._wire import Endpoint, Limits, chat_body, embeddings_body, raise_for_status, read_capped
+from ._wire import (
+    MAX_JSON_DEPTH,
+    Endpoint,
+    Limits,
+    body_pieces,
+    chat_body,
+    check_depth,
+    check_encoding,
+    embeddings_body,
+    raise_for_status,
+    read_capped,
+)
 
 __all__ = ["OnContent", "Timeline", "chat_exchange", "embeddings_exchange"]
 
@@ -44,10 +58,6 @@ T = TypeVar("T")
 _decode_json = json.JSONDecoder().decode
 
 OnContent = Callable[[float, dict[str, Any]], Awaitable[None]]
-
-# After [DONE] the rest of the body is drained so the connection returns to the pool;
-# a server that keeps the body open past [DONE] gets this long, then it is closed.
-_DRAIN_AFTER_DONE_S = 1.0
 
 
 @attrs.define
@@ -106,10 +116,33 @@ async def _exchange(
     read: Callable[[httpx.Response], Awaitable[T]],
 ) -> T:
     """POST ``body``, check the status, ``read`` the response, close it, and turn any
-    failure into one UpstreamError; the timeline records send, status and end."""
-    request = httpx.Request("POST", url, content=body, headers=endpoint.headers(call_id))
+    failure into one UpstreamError; the timeline records send, status and end.
+
+    Everything happens inside the ``try``, building the request included (a header
+    value httpx cannot encode is a typed error too).  The error leaves *outside* the
+    ``except`` block, so it carries no ``__context__``: the httpx exception it
+    replaces holds the request, and the request holds the key.
+
+    ``timeline.sent_at`` is stamped when the request is written: LeanTransport
+    reports the write through the :data:`SENT_EXTENSION` callable, after any wait
+    for a connection and the connect.  Another transport cannot say when it writes,
+    so the request counts as sent when it is handed over (the safe side for quotas).
+    """
+    error: UpstreamError
+    if endpoint.key_problem is not None:
+        # Nothing is sent: the source is unusable as configured (its key cannot be a
+        # header).  Dead, like a source that answers 401: the others carry the calls.
+        raise SourceDeadError(endpoint.key_problem, source=endpoint.name)
     try:
-        timeline.sent_at = trio.current_time()
+        def sent() -> None:
+            timeline.sent_at = trio.current_time()
+
+        request = httpx.Request(
+            "POST", url, content=body, headers=endpoint.headers(call_id),
+            extensions={SENT_EXTENSION: sent},
+        )
+        if not isinstance(transport, LeanTransport):
+            sent()
         response = await _send(transport, request)
         try:
             timeline.status_code = response.status_code
@@ -123,7 +156,8 @@ async def _exchange(
     except UpstreamError:
         raise
     except Exception as exc:
-        raise _classified(exc, endpoint) from None
+        error = _classified(exc, endpoint)
+    raise error from None
 
 
 async def _send(transport: httpx.AsyncBaseTransport, request: httpx.Request) -> httpx.Response:
@@ -144,13 +178,34 @@ async def _close(response: httpx.Response) -> None:
             await response.aclose()
 
 
+#: Failures that bytes from an upstream can cause; anything else is more likely a bug.
+_INPUT_ERRORS = (httpx.HTTPError, ValueError, UnicodeDecodeError, RecursionError)
+#: A bug that an upstream can trigger at will must not fill the logs: one traceback
+#: per exception type in this many seconds, the rest one line at DEBUG.
+_TRACEBACK_EVERY_S = 60.0
+_last_traceback: dict[type[BaseException], float] = {}
+
+
 def _classified(exc: BaseException, endpoint: Endpoint) -> UpstreamError:
     """The one polygate error for whatever the wire or the bytes raised.  Anything
-    that is not a known network or decoding failure is logged with its traceback:
-    it is more likely a bug than an upstream fault, but one attempt's bug must not
-    become the caller's crash."""
-    if not isinstance(exc, (httpx.HTTPError, ValueError, UnicodeDecodeError)):
-        _log.error("unexpected error in an exchange with %s", endpoint.name, exc_info=exc)
+    that is not a known network or decoding failure is logged with its traceback
+    (rate-limited): it is more likely a bug than an upstream fault, but one
+    attempt's bug must not become the caller's crash."""
+    if not isinstance(exc, _INPUT_ERRORS):
+        now = trio.current_time()
+        kind = type(exc)
+        last = _last_traceback.get(kind)
+        if last is None or now - last >= _TRACEBACK_EVERY_S or now < last:
+            if len(_last_traceback) > 64:
+                _last_traceback.clear()
+            _last_traceback[kind] = now
+            trace = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
+            _log.error(
+                "unexpected error in an exchange with %s\n%s",
+                endpoint.name, redact(trace, endpoint.secrets).rstrip(),
+            )
+        else:
+            _log.debug("unexpected %s in an exchange with %s", kind.__name__, endpoint.name)
     error = classify_exception(exc, source=endpoint.name)
     error.message = redact(error.message, endpoint.secrets)
     error.args = (error.message,)
@@ -164,40 +219,64 @@ async def _read_sse(
     timeline: Timeline,
     on_content: OnContent | None,
 ) -> dict[str, Any]:
+    refused = check_encoding(response, endpoint.name)
+    if refused is not None:
+        raise TransientUpstreamError(refused, source=endpoint.name)
     decoder = SSEDecoder(
         max_body=limits.max_body_bytes, max_line=limits.max_line_bytes, source=endpoint.name
     )
-    assembler = ChatAssembler()
+    assembler = ChatAssembler(
+        max_choices=limits.max_choices, max_tool_calls=limits.max_tool_calls,
+        source=endpoint.name,
+    )
     chunk_times = timeline.chunk_times
-    # Raw bytes when nothing needs decoding (one generator less per piece); a body
-    # already read (a mock response) or content-encoded goes through aiter_bytes.
-    raw = not response.is_stream_consumed and "content-encoding" not in response.headers
-    pieces = response.aiter_raw() if raw else response.aiter_bytes()
+    depth = limits.max_json_depth
+    pieces = body_pieces(response)
     done = False
     async with aclosing(pieces):  # type: ignore[type-var]
         async for piece in pieces:
             for event in decoder.feed(piece):
+                done = await _on_event(
+                    event, endpoint, assembler, timeline, chunk_times, on_content, depth
+                )
                 if done:
-                    continue  # drained, not parsed: the answer is complete
-                done = await _on_event(event, endpoint, assembler, timeline, chunk_times, on_content)
+                    break
             if done:
                 break
-        if done:
-            timeline.ended_at = trio.current_time()  # the answer is complete; drain after
-            with trio.move_on_after(_DRAIN_AFTER_DONE_S):
-                async for _ in pieces:
-                    pass
-        else:
+        if not done:
             for event in decoder.flush():
-                if await _on_event(event, endpoint, assembler, timeline, chunk_times, on_content):
+                if await _on_event(
+                    event, endpoint, assembler, timeline, chunk_times, on_content, depth
+                ):
                     done = True
                     break
+        else:
+            timeline.ended_at = trio.current_time()
+            await _drain_buffered(pieces)
+    # After [DONE] the answer is complete: it is never held for the rest of the body.
+    # What had already arrived was read (a body whose end is here finishes, and its
+    # connection can be reused); closing the response closes a body still open.
+    if timeline.ended_at is None:
+        timeline.ended_at = trio.current_time()
     if not done and not assembler.finished:
         raise TransientUpstreamError(
             "stream ended before [DONE] and before any finish_reason (truncated)",
             source=endpoint.name,
         )
     return assembler.build()
+
+
+async def _drain_buffered(pieces: Any) -> None:
+    """Read the rest of a body only as far as it is already here: in a cancel scope
+    cancelled from the start, the first read that would wait (a checkpoint) ends the
+    drain at once, and a rest already buffered is consumed without one."""
+    with trio.CancelScope() as drain:
+        drain.cancel()
+        try:
+            async for _ in pieces:
+                pass
+        except (httpx.HTTPError, TransientUpstreamError):
+            pass  # the answer is complete; whatever follows it does not matter
 
 
 async def _on_event(
@@ -207,6 +286,7 @@ async def _on_event(
     timeline: Timeline,
     chunk_times: array[float],
     on_content: OnContent | None,
+    max_depth: int,
 ) -> bool:
     """Handle one event; True once the stream says ``[DONE]``."""
     data = event.data
@@ -214,6 +294,9 @@ async def _on_event(
         raise _error_event(data.decode("utf-8", "replace"), endpoint)
     if data == b"[DONE]":
         return True
+    # Nesting needs 2 bytes a level: short events (nearly all) skip the depth check.
+    if len(data) > 2 * max_depth:
+        check_depth(data, max_depth, endpoint.name)
     chunk = _decode_json(data.decode("utf-8"))
     if not isinstance(chunk, dict):
         raise TransientUpstreamError(
@@ -236,11 +319,12 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
     """An error inside a 200 stream: classified by its code like an HTTP status."""
     if isinstance(payload, str):
         try:
+            check_depth(payload.encode(), MAX_JSON_DEPTH, endpoint.name)
             payload = json.loads(payload)
-        except ValueError:
+        except (ValueError, UpstreamError):
             pass
     status = error_status(payload)
-    detail = redact("error event in stream: " + error_message(payload), endpoint.secrets)
+    detail = "error event in stream: " + error_message(payload, 300, endpoint.secrets)
     if status is None or 200 <= status < 300:
         error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
     else:
@@ -253,13 +337,14 @@ async def _read_json(
     response: httpx.Response, endpoint: Endpoint, limits: Limits, ctype: str | None = None
 ) -> Any:
     raw = await read_capped(response, limits.max_body_bytes, endpoint.name)
+    check_depth(raw, limits.max_json_depth, endpoint.name)
     try:
         payload = json.loads(raw)
     except ValueError:
         if ctype is None:
             ctype = response.headers.get("content-type", "?")
         raise TransientUpstreamError(
-            f"malformed upstream body: not JSON (content-type {ctype}, {len(raw)} bytes)",
+            f"malformed upstream body: not JSON (content-type {ctype[:80]}, {len(raw)} bytes)",
             source=endpoint.name,
         ) from None
     if isinstance(payload, dict) and payload.get("error") is not None:

@@ -36,10 +36,13 @@ What it does (and does not)
   to the first waiter (its own, if the origins match; otherwise it is closed and
   the waiter opens one in its slot).  At the cap, an idle connection of another
   origin is closed to make room.
-* A connection goes back to the pool only after its response was read to the end
-  and neither side said ``Connection: close``.  Anything else -- an error, a
-  cancellation, a response closed half-read -- closes it at once, so the server
-  sees the client leave (polygate relies on that to stop hedge losers).
+* A connection goes back to the pool only after its response was read to the end,
+  with nothing after it (bytes past the end -- a 204 with a body, more than the
+  Content-Length -- would answer the next request), and neither side said
+  ``Connection: close``.  Anything else -- an error, a cancellation, a response
+  closed half-read -- closes it at once, so the server sees the client leave
+  (polygate relies on that to stop hedge losers).  Closing a response never waits
+  for the rest of its body: the connection is kept only if its end already arrived.
 * Idle connections expire after ``keepalive_expiry`` seconds; one the server has
   closed (readable while idle) is dropped when it is next picked.  If a reused
   connection fails before a single byte of the response arrived (the server
@@ -47,9 +50,13 @@ What it does (and does not)
   connection: the body is bytes, so it can be replayed.  (A server that read the
   request, acted on it and died without a byte of answer would see it twice; a
   fresh connection is never retried.)
-* h11 runs every connection's state machine and parses every response; plain
-  requests are written here, byte for byte as h11 would write them (see "the
-  request" below), anything unusual through h11's writer.
+* h11 runs every connection's state machine and parses every response (its 16 KiB
+  limit bounds a response head; at most ``MAX_INTERIM_RESPONSES`` 1xx responses are
+  read before the final one); plain requests are written here, byte for byte as h11
+  would write them (see "the request" below), anything unusual through h11's writer.
+  h11's refusal of a header value is re-worded so that it never quotes the value.
+* The :data:`SENT_EXTENSION` callable of a request, if any, is called as the
+  request starts going out: after any wait for a connection and the connect.
 * Errors come out as httpx's exceptions, as httpx's transport raises them:
   ``ConnectError``, ``WriteError``, ``ReadError``, ``RemoteProtocolError``
   (a body shorter than its Content-Length, a server that hung up without
@@ -67,7 +74,6 @@ import math
 import re
 import ssl
 import sys
-import time
 from collections.abc import Mapping
 from typing import Any, Final, cast
 
@@ -76,8 +82,17 @@ import h11
 import httpx
 import trio
 
-__all__ = ["LeanTransport", "PoolStatistics"]
+__all__ = ["LeanTransport", "PoolStatistics", "SENT_EXTENSION"]
 
+#: A request extension: a callable, called with no argument when the request starts
+#: going out on a connection (after any wait for one and the connect; again if a
+#: stale kept-alive connection makes it go out a second time).  polygate stamps
+#: ``Timeline.sent_at`` with it, so a request cancelled while it waited was not sent.
+SENT_EXTENSION: Final = "polygate.sent"
+#: Interim (1xx) responses accepted before the final one.  Each is bounded by h11's
+#: 16 KiB limit on an incomplete event; without a count an upstream could send them
+#: for ever, each one costing CPU and escaping every byte cap.
+MAX_INTERIM_RESPONSES: Final = 8
 _READ_SIZE: Final = 65536
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 #: Network failures of a reused connection that may mean "the server had closed it".
@@ -145,17 +160,22 @@ class _Waiter:
     """A request queued for a connection: it is granted either a kept-alive
     connection of its origin (``conn``) or a slot to open one (``conn is None``)."""
 
-    __slots__ = ("conn", "event", "granted", "key")
+    __slots__ = ("conn", "event", "granted", "key", "refused")
 
     def __init__(self, key: _Key) -> None:
         self.key = key
         self.event = trio.Event()
         self.granted = False
+        self.refused = False  # woken by aclose(): granted nothing
         self.conn: _Connection | None = None
 
     def grant(self, conn: _Connection | None) -> None:
         self.conn = conn
         self.granted = True
+        self.event.set()
+
+    def refuse(self) -> None:
+        self.granted = self.refused = True
         self.event.set()
 
 
@@ -241,14 +261,20 @@ class LeanTransport(httpx.AsyncBaseTransport):
         except httpx.RequestNotRead:
             body = await request.aread()  # a streamed body: read once, replayable after
         timeouts = _timeouts(request.extensions)
+        on_sent = request.extensions.get(SENT_EXTENSION)
         wire = _encode(request.method, url.raw_path, request.headers.raw, body)
         if wire is None:  # h11 validates and frames it (or says why it cannot)
+            refusal = None
             try:
                 head = h11.Request(
                     method=request.method, target=url.raw_path, headers=request.headers.raw
                 )
             except h11.LocalProtocolError as exc:  # a header with CR/LF, no Host, ...
-                raise httpx.LocalProtocolError(str(exc), request=request) from exc
+                refusal = _refusal(exc, request.headers.raw)
+            if refusal is not None:
+                # Raised outside the handler: h11's error quotes the value (a key,
+                # perhaps), so it must not ride along as __context__.
+                raise httpx.LocalProtocolError(refusal, request=request)
 
         for attempt in (1, 2):
             conn, reused = await self._acquire(key, request, timeouts)
@@ -265,8 +291,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     if body:
                         data += h.send(h11.Data(data=body)) or b""
                     data += h.send(_END) or b""
+                if on_sent is not None:
+                    on_sent()
                 await conn.send(data, timeouts[3])
                 error_class = httpx.ReadError
+                interim = 0
                 while True:
                     event = h.next_event()
                     if event is h11.NEED_DATA:
@@ -278,7 +307,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     elif isinstance(event, h11.Response):
                         response = event
                         break
-                    # else an InformationalResponse (1xx): the real one follows
+                    else:  # an InformationalResponse (1xx): the real one follows
+                        interim += 1
+                        if interim > MAX_INTERIM_RESPONSES:
+                            raise h11.RemoteProtocolError(
+                                f"more than {MAX_INTERIM_RESPONSES} interim (1xx) responses "
+                                "(the cap on them)"
+                            )
             except BaseException as exc:
                 self._discard(conn)
                 if (
@@ -333,13 +368,17 @@ class LeanTransport(httpx.AsyncBaseTransport):
         except BaseException:
             if not waiter.granted:
                 self._waiters.remove(waiter)
+            elif waiter.refused:
+                pass  # woken by aclose(): it holds no slot
             elif waiter.conn is not None:
                 self._put_back(waiter.conn)  # granted just as we were cancelled: pass it on
             else:
                 self._free_slot()
             raise
         if self._closed:
-            if waiter.conn is not None:
+            if waiter.refused:
+                pass  # aclose() woke it without a slot
+            elif waiter.conn is not None:
                 self._discard(waiter.conn)
             else:
                 self._free_slot()
@@ -355,7 +394,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         stack = self._idle.get(key)
         if not stack:
             return None
-        now = time.monotonic()
+        now = trio.current_time()
         while stack:
             conn = stack.pop()
             self._idle_count -= 1
@@ -377,6 +416,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
 
     def _put_back(self, conn: _Connection) -> None:
         """A connection whose exchange ended cleanly: to the first waiter, or idle."""
+        if self._closed:
+            self._discard(conn)
+            return
         if self._waiters:
             waiter = self._waiters.popleft()
             if waiter.key == conn.key:
@@ -390,7 +432,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         stack = self._idle.get(key)
         if stack is None:
             stack = self._idle[key] = []
-        now = time.monotonic()
+        now = trio.current_time()
         conn.idle_since = now
         stack.append(conn)
         self._idle_count += 1
@@ -424,7 +466,22 @@ class LeanTransport(httpx.AsyncBaseTransport):
         if self._closed or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
             self._discard(conn)
             return
-        h.start_next_cycle()
+        stray, eof = h.trailing_data
+        if eof:
+            self._discard(conn)
+            return
+        if stray:
+            # Bytes past the end of this response (a 204 with a body, more than its
+            # Content-Length, a stray response): kept, they would answer the next
+            # request.  They are dropped with this state machine; if more are still
+            # arriving the connection is closed (and one that receives any later,
+            # while idle, is dropped when next picked: _pop_idle's probe).
+            conn.h11 = h11.Connection(h11.CLIENT)
+            if conn.socket.is_readable():
+                self._discard(conn)
+                return
+        else:
+            h.start_next_cycle()
         self._put_back(conn)
 
     async def _connect(
@@ -483,8 +540,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._idle.clear()
         self._open -= self._idle_count  # busy ones free their slots as they fail
         self._idle_count = 0
+        # Queued requests are refused, not granted a slot: they never held one, so
+        # they must not free one (``open`` would go negative).
         while self._waiters:
-            self._waiters.popleft().grant(None)
+            self._waiters.popleft().refuse()
         await trio.lowlevel.checkpoint()
 
 
@@ -570,7 +629,8 @@ class _Body(httpx.AsyncByteStream):
 # what the real request gives it.  Anything unusual goes through h11's own writer.
 
 _TOKEN: Final = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
-_FIELD_VALUE: Final = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")  # no CR, LF, NUL or other CTL
+# No CR, LF, NUL or other CTL, and (as h11 requires) no blank at either end.
+_FIELD_VALUE: Final = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?")
 _TARGET: Final = re.compile(rb"[\x21-\x7e\x80-\xff]+")
 #: Request headers that change framing or the connection's fate: h11 handles them.
 _H11_ONLY: Final = frozenset({b"connection", b"transfer-encoding", b"upgrade", b"expect", b"te"})
@@ -617,6 +677,19 @@ def _stand_in(method: str) -> h11.Request:
     return event
 
 
+def _refusal(exc: h11.LocalProtocolError, headers: list[tuple[bytes, bytes]]) -> str:
+    """h11's reason for refusing a request, without the value it quotes: a header
+    value can be an API key (``Illegal header value b'Bearer …'``)."""
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name):
+            return "illegal header name (not a token)"
+        if not _FIELD_VALUE.fullmatch(value):
+            shown = name.decode("ascii", "replace").lower()
+            return f"illegal value in header {shown!r} (a control character or an edge blank)"
+    reason = str(exc).split("'", 1)[0].split('"', 1)[0].strip()
+    return f"invalid request: {reason or type(exc).__name__}"
+
+
 def _timeouts(extensions: Mapping[str, Any]) -> tuple[float | None, ...]:
     """(pool, connect, read, write) seconds from httpx's ``timeout`` extension; all
     ``None`` for polygate's own requests, whose deadlines are cancel scopes."""
@@ -641,7 +714,7 @@ def _mapped(
     if isinstance(exc, (h11.RemoteProtocolError, _Disconnected)):
         cls = httpx.RemoteProtocolError
     elif isinstance(exc, h11.LocalProtocolError):
-        cls = httpx.LocalProtocolError
+        return httpx.LocalProtocolError(_refusal(exc, request.headers.raw), request=request)
     elif isinstance(exc, _STALE_ERRORS):
         cls = network_error
     else:

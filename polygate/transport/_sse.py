@@ -36,13 +36,20 @@ class Event:
 
 class SSEDecoder:
     """Feed body pieces; get complete events.  Comments (``: keep-alive``) and
-    events without data are dropped: they carry nothing and reset no timer."""
+    events without data are dropped: they carry nothing and reset no timer.
 
-    __slots__ = ("_cr", "_max_body", "_max_line", "_parts", "_source", "_tail", "_total")
+    Linear in the bytes fed, however they are cut: the unfinished event lives in a
+    ``bytearray`` that grows in place, and only the new bytes (and the one byte
+    before them) are searched for the blank line that ends it.  One cap,
+    ``max_line``, bounds both an SSE line and a whole event (every line of an event
+    counts): it is checked on the unfinished event as bytes arrive and on every
+    complete event, so it does not depend on how the body is chunked.
+    """
+
+    __slots__ = ("_buf", "_cr", "_max_body", "_max_line", "_source", "_total")
 
     def __init__(self, *, max_body: int, max_line: int, source: str) -> None:
-        self._parts: list[bytes] = []  # the incomplete event so far
-        self._tail = 0  # bytes since the last line end: the line cap's measure
+        self._buf = bytearray()  # the unfinished event so far
         self._cr = False  # the previous piece ended in "\r": a "\n" may follow
         self._total = 0
         self._max_body = max_body
@@ -60,34 +67,62 @@ class SSEDecoder:
         self._cr = piece.endswith(b"\r")
         if b"\r" in piece:
             piece = piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        if b"\n" not in piece:
-            # A long line arriving in pieces: collect, never re-copy the whole buffer.
-            self._parts.append(piece)
-            self._tail += len(piece)
-            self._check_line()
+        buf = self._buf
+        if not buf:
+            # The common case (a piece starts an event): as cheap as a split.
+            blocks = piece.split(b"\n\n")
+            rest = blocks.pop()
+            if rest:
+                buf += rest
+            if len(piece) > self._max_line:
+                self._check(blocks)
+        elif b"\n\n" in piece or (buf[-1] == 0x0A and piece[:1] == b"\n"):
+            # The unfinished event completes: it is copied out once, now.  Only the
+            # new bytes (and the byte before them) were searched for its end.
+            complete = b"".join((buf, piece))
+            buf.clear()
+            blocks = complete.split(b"\n\n")
+            rest = blocks.pop()
+            if rest:
+                buf += rest
+            if len(complete) > self._max_line:
+                self._check(blocks)
+        else:
+            buf += piece  # grows in place: no copy of what came before
+            if len(buf) > self._max_line:
+                self._check_pending()
             return
-        parts = self._parts
-        buffer = b"".join((*parts, piece)) if parts else piece
-        blocks = buffer.split(b"\n\n")
-        rest = blocks.pop()
-        self._parts = [rest] if rest else []
-        self._tail = len(rest) - rest.rfind(b"\n") - 1
-        self._check_line()
         for block in blocks:
             event = _parse(block)
             if event is not None:
                 yield event
 
-    def _check_line(self) -> None:
-        if self._tail > self._max_line:
-            raise TransientUpstreamError(
-                f"an SSE line exceeds the {self._max_line}-byte line cap", source=self._source
-            )
+    # An event is measured without the line ends at its edges (the blank line that
+    # ends it, a stray one before it), so its size is the same however it is cut.
+
+    def _check(self, blocks: list[bytes]) -> None:
+        if len(self._buf) > self._max_line:
+            self._check_pending()
+        if any(len(block.strip(b"\n")) > self._max_line for block in blocks):
+            self._too_long()
+
+    def _check_pending(self) -> None:
+        # The unfinished event has at most one line end at each edge (two in a row
+        # would have ended it).
+        buf = self._buf
+        if len(buf) > self._max_line + 2 or len(buf.strip(b"\n")) > self._max_line:
+            self._too_long()
+
+    def _too_long(self) -> None:
+        raise TransientUpstreamError(
+            f"an SSE line or event exceeds the {self._max_line}-byte line cap",
+            source=self._source,
+        )
 
     def flush(self) -> Iterator[Event]:
         """At the end of the body: a last event not followed by a blank line."""
-        rest = b"".join(self._parts)
-        self._parts = []
+        rest = bytes(self._buf)
+        self._buf.clear()
         if rest.strip():
             event = _parse(rest.strip(b"\n"))
             if event is not None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import email.utils
+import itertools
 import json
 import math
+import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -17,14 +19,17 @@ from .._errors import (
     classify_status,
     error_code,
     error_message,
-    redact,
 )
+from .._secrets import clip, is_header_safe
 
 __all__ = [
     "CALL_ID_HEADER",
     "Endpoint",
     "Limits",
+    "body_pieces",
     "chat_body",
+    "check_depth",
+    "check_encoding",
     "embeddings_body",
     "read_capped",
     "raise_for_status",
@@ -51,16 +56,29 @@ class Endpoint:
     chat_url: httpx.URL = attrs.field(init=False, repr=False)
     embeddings_url: httpx.URL = attrs.field(init=False, repr=False)
     _headers: tuple[tuple[str, str], ...] = attrs.field(init=False, repr=False)
+    key_problem: str | None = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        unsendable = self.api_key is not None and (
+            not isinstance(self.api_key, str) or not is_header_safe(self.api_key)
+        )
+        # Never echoed, never sent: a key that cannot be a header value reaches no
+        # header; every exchange refuses at once (key_problem), before any I/O.
+        object.__setattr__(self, "key_problem", (
+            f"the API key of source {self.name!r} cannot be sent: it is not printable "
+            "ASCII without blanks (check it for an invisible character)"
+        ) if unsendable else None)
         object.__setattr__(self, "chat_url", httpx.URL(self.url + "/chat/completions"))
         object.__setattr__(self, "embeddings_url", httpx.URL(self.url + "/embeddings"))
         headers = [
             ("accept", "application/json, text/event-stream"),
+            # No compression: a few hundred compressed bytes can decode to gigabytes,
+            # and LLM answers are small.  Any other coding is refused (check_encoding).
+            ("accept-encoding", "identity"),
             ("content-type", "application/json"),
             ("user-agent", _USER_AGENT),
         ]
-        if self.api_key:
+        if self.api_key and not unsendable:
             headers.append(("authorization", f"Bearer {self.api_key}"))
         object.__setattr__(self, "_headers", tuple(headers))
 
@@ -77,10 +95,27 @@ class Endpoint:
         return (self.api_key,) if self.api_key else ()
 
 
+MAX_JSON_DEPTH = 128
+
+
 @attrs.frozen
 class Limits:
+    """The caps on what an upstream can make polygate hold or do, each checked once,
+    on the bytes as they arrive (docs/configuration.md, "Limits on upstream input").
+
+    ``max_body_bytes``: a whole body, streamed or not (bytes on the wire: polygate
+    accepts no content coding, so they are also the decoded bytes);
+    ``max_line_bytes``: one SSE line, and one SSE event (all its lines together);
+    ``max_choices``: distinct ``choices[].index`` values in one answer;
+    ``max_tool_calls``: distinct ``tool_calls[].index`` values in one choice;
+    ``max_json_depth``: nesting of arrays and objects in one JSON document.
+    """
+
     max_body_bytes: int = 32 * 1024 * 1024
     max_line_bytes: int = 4 * 1024 * 1024
+    max_choices: int = 128
+    max_tool_calls: int = 128
+    max_json_depth: int = MAX_JSON_DEPTH
 
 
 _RESERVED_PARAMS = frozenset({"messages", "stream"})
@@ -102,7 +137,8 @@ def chat_body(
         body["model"] = endpoint.model
     if stream:
         body["stream"] = True
-        options = dict(body.get("stream_options") or {})
+        given = body.get("stream_options")
+        options = dict(given) if isinstance(given, Mapping) else {}
         options["include_usage"] = True
         body["stream_options"] = options
     else:
@@ -123,8 +159,72 @@ def embeddings_body(endpoint: Endpoint, inputs: Sequence[str], params: Mapping[s
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+# A JSON string, escapes included (brackets inside one are not nesting).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_ONE_KIND = bytes.maketrans(b"{}", b"[]")  # nesting is nesting, whatever the kind
+_STEP = [0] * 256
+_STEP[ord("[")] = _STEP[ord("{")] = 1
+_STEP[ord("]")] = _STEP[ord("}")] = -1
+
+
+def check_depth(data: bytes, limit: int, source: str) -> None:
+    """Refuse JSON nested deeper than ``limit`` before it is decoded.
+
+    Python's decoder recurses once a level: nesting is otherwise bounded only by the
+    interpreter's recursion limit (a ``RecursionError`` that looks like a bug), and a
+    document that stays just under it breaks whatever walks it later (a ``repr``, a
+    telemetry row).  Counting brackets nearly always ends the check; otherwise the
+    strings are dropped, then everything but brackets, and the running depth is
+    summed -- every step a C loop, linear in the bytes.
+    """
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return
+    brackets = _STRING.sub(b"", data).translate(_ONE_KIND, _NOT_BRACKETS)
+    # Each pass drops every innermost pair, so the depth by exactly one: wide JSON
+    # ([[],[],...]) shrinks to almost nothing before anything is summed.
+    peeled = 0
+    while brackets.count(b"[") > limit - peeled:
+        shorter = brackets.replace(b"[]", b"")
+        if peeled == 3 or len(shorter) == len(brackets):
+            break
+        brackets, peeled = shorter, peeled + 1
+    else:
+        return  # too few openings left to be too deep
+    if peeled > limit or (
+        brackets and peeled + max(itertools.accumulate(map(_STEP.__getitem__, brackets))) > limit
+    ):
+        raise TransientUpstreamError(
+            f"malformed upstream body: JSON nested deeper than {limit} levels", source=source
+        )
+
+
+def check_encoding(response: httpx.Response, source: str) -> str | None:
+    """Why the body must not be read, or None.
+
+    polygate asks for ``accept-encoding: identity``; a body in any other coding is
+    refused unread: decoding it is the one step where a few hundred bytes on the
+    wire can become gigabytes in memory (stacked gzip layers), and refusing keeps
+    one cap, ``max_body_bytes``, measuring what is held.
+    """
+    coding = response.headers.get("content-encoding", "").strip().lower()
+    if coding in ("", "identity"):
+        return None
+    return f"upstream sent a body with content-encoding {coding[:40]!r} (polygate asks for identity)"
+
+
+def body_pieces(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The body's bytes as they arrive, undecoded (a body some transport already read
+    into memory comes from there)."""
+    return response.aiter_bytes() if response.is_stream_consumed else response.aiter_raw()
+
+
 async def read_capped(response: httpx.Response, limit: int, source: str) -> bytes:
-    """The whole (decoded) body, or a transient error as soon as it passes ``limit``."""
+    """The whole body, or a transient error as soon as it passes ``limit``: a declared
+    Content-Length over the limit is refused before a byte is read."""
+    refused = check_encoding(response, source)
+    if refused is not None:
+        raise TransientUpstreamError(refused, source=source)
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise TransientUpstreamError(
@@ -132,7 +232,7 @@ async def read_capped(response: httpx.Response, limit: int, source: str) -> byte
         )
     parts: list[bytes] = []
     size = 0
-    async for part in response.aiter_bytes():
+    async for part in body_pieces(response):
         size += len(part)
         if size > limit:
             raise TransientUpstreamError(
@@ -142,20 +242,31 @@ async def read_capped(response: httpx.Response, limit: int, source: str) -> byte
     return b"".join(parts)
 
 
+#: How much of an error response's body is read for its message.
+_EXCERPT_BYTES = 65536
+
+
 async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None:
     """Raise the classified error of a non-2xx response (reading a bounded excerpt)."""
     if 200 <= response.status_code < 300:
         return
     excerpt = b""
-    try:
-        async for part in response.aiter_bytes():
-            excerpt += part
-            if len(excerpt) > 8192:
-                break
-    except httpx.HTTPError:
-        pass  # the status alone classifies the failure
-    detail, code = _error_detail(excerpt)
-    detail = redact(detail, endpoint.secrets)
+    cut = False
+    code = None
+    refused = check_encoding(response, endpoint.name)
+    if refused is None:
+        try:
+            async for part in body_pieces(response):
+                excerpt += part
+                if len(excerpt) > _EXCERPT_BYTES:
+                    excerpt, cut = excerpt[:_EXCERPT_BYTES], True
+                    break
+        except httpx.HTTPError:
+            pass  # the status alone classifies the failure
+    if refused is None:
+        detail, code = _error_detail(excerpt, cut, endpoint.secrets)
+    else:
+        detail = refused
     retry_after = parse_retry_after(response.headers)
     error = classify_status(
         response.status_code, detail, source=endpoint.name, retry_after_s=retry_after
@@ -164,15 +275,22 @@ async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None
     raise error
 
 
-def _error_detail(excerpt: bytes) -> tuple[str, str | None]:
+def _error_detail(
+    excerpt: bytes, cut: bool, secrets: tuple[str, ...]
+) -> tuple[str, str | None]:
+    """The message of an error body, redacted before it is shortened, and the
+    provider's error code when the body says one."""
     text = excerpt.decode("utf-8", "replace").strip()
     if not text:
         return "", None
-    try:
-        payload = json.loads(text)
-    except ValueError:
-        return text[:200] + ("…" if len(text) > 200 else ""), None
-    return error_message(payload), error_code(payload)
+    if not cut:
+        try:
+            payload = json.loads(text)
+        except (ValueError, RecursionError):
+            pass
+        else:
+            return error_message(payload, 300, secrets), error_code(payload)
+    return clip(text, 200, secrets, cut=cut), None
 
 
 # Retry hints: openai-python reads retry-after-ms, then retry-after as seconds or an

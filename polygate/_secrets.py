@@ -1,0 +1,139 @@
+"""The one place that decides what a secret is, what it may look like, and how text
+is cleaned of it.
+
+A secret is an API key, or the password of a backend or telemetry URL.  It can reach
+a message in more than its raw form: an HTTP library quotes the header value it
+refused (``b'Bearer sk-\\x00…'``), a ``repr`` escapes it, a JSON body escapes it, a
+URL percent-encodes it.  :func:`redact` replaces every one of those forms, and it
+runs *before* any truncation: text is cut only after it is clean, and a cut that
+ends in the first characters of a secret (an excerpt that stopped mid-key) loses
+that tail too (:func:`clip`).
+
+Secrets shorter than :data:`MIN_SECRET_LEN` characters are not searched for: they
+would garble messages more than they protect.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterable
+from urllib.parse import quote, unquote
+
+__all__ = ["MIN_SECRET_LEN", "clip", "is_header_safe", "mask_prefixes", "redact", "url_secrets"]
+
+MIN_SECRET_LEN = 4
+MASK = "***"
+#: An API key as it can travel in an ``Authorization`` header: visible ASCII, no
+#: blanks, no control characters (a pasted key with a zero-width space fails here,
+#: at construction, instead of in every request).
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
+
+
+def is_header_safe(key: str) -> bool:
+    return _HEADER_SAFE.fullmatch(key) is not None
+
+
+@functools.lru_cache(maxsize=128)
+def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
+    """Every spelling of every secret a message could carry, longest first (so a
+    longer form is replaced before a shorter one that it contains)."""
+    found: set[str] = set()
+    for secret in secrets:
+        if not isinstance(secret, str) or len(secret) < MIN_SECRET_LEN:
+            continue
+        found.add(secret)
+        found.add(repr(secret)[1:-1])  # str repr: \x00, \\, \'
+        found.add(repr(secret.encode("utf-8", "backslashreplace"))[2:-1])  # bytes repr (h11)
+        found.add(json.dumps(secret)[1:-1])  # JSON, ASCII-escaped
+        found.add(json.dumps(secret, ensure_ascii=False)[1:-1])
+        found.add(quote(secret, safe=""))  # a URL's percent-encoding
+        found.add(quote(secret))
+    return tuple(sorted((f for f in found if len(f) >= MIN_SECRET_LEN), key=len, reverse=True))
+
+
+def redact(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every form of every secret replaced by ``***``."""
+    for form in _forms(_key(secrets)):
+        if form in text:
+            text = text.replace(form, MASK)
+    return text
+
+
+def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = False) -> str:
+    """Redact, then shorten to ``limit`` characters (an ellipsis marks a cut).
+
+    A text that ends where it was cut (here, or earlier: ``cut=True`` says the text
+    is an excerpt) may end in the first characters of a secret that no longer
+    matches whole; such a tail of :data:`MIN_SECRET_LEN` characters or more is
+    dropped as well.
+    """
+    forms = _forms(_key(secrets))
+    for form in forms:
+        if form in text:
+            text = text.replace(form, MASK)
+    if len(text) > limit:
+        text, cut = text[:limit], True
+    if cut:
+        text = _drop_partial_tail(text, forms) + "…"
+    return text
+
+
+def _drop_partial_tail(text: str, forms: tuple[str, ...]) -> str:
+    longest = 0
+    for form in forms:
+        for n in range(min(len(form), len(text)), MIN_SECRET_LEN - 1, -1):
+            if n <= longest:
+                break
+            if text.endswith(form[:n]):
+                longest = n
+                break
+    return text[: len(text) - longest] if longest else text
+
+
+def _key(secrets: Iterable[str]) -> tuple[str, ...]:
+    return secrets if isinstance(secrets, tuple) else tuple(secrets)
+
+
+def url_secrets(url: str) -> tuple[str, ...]:
+    """The credentials a URL carries, harvested from the raw text: everything
+    between ``://`` and the *last* ``@``, its password part, and the password
+    percent-decoded (what the server actually checks).
+
+    No parser is asked: an unencoded ``#``, ``/`` or ``?`` in a password makes
+    ``urlsplit`` end the authority early and find no password at all.  A user name
+    alone (no ``:``) is not a secret.
+    """
+    if not isinstance(url, str):
+        return ()
+    _, sep, rest = url.partition("://")
+    userinfo, at, _ = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return ()
+    password = userinfo.split(":", 1)[1]
+    found = [userinfo, password, unquote(password)]
+    return tuple(dict.fromkeys(s for s in found if len(s) >= MIN_SECRET_LEN))
+
+
+#: A configuration message about a URL masks any run of this many characters or more
+#: that begins its password, whether the run came from the password or not.
+PREFIX_RUN = 6
+
+
+def mask_prefixes(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with the secrets redacted, and any run that begins like one of them
+    (:data:`PREFIX_RUN` characters or more) masked too.
+
+    Used for messages about a URL holding a password: a parser that stops early (an
+    unencoded ``#`` in the password) quotes the password's start, and a message is
+    not worth showing even a coincidental start of it ("Source…" for a password
+    "Source1!").  The message may read oddly then; it never helps a reader rebuild
+    the password."""
+    text = redact(text, secrets)
+    for secret in _key(secrets):
+        for n in range(len(secret), PREFIX_RUN - 1, -1):
+            start = secret[:n]
+            if start in text:
+                text = text.replace(start, MASK)
+    return text

@@ -1,0 +1,199 @@
+"""What a secret is and where it may not appear: redaction of every spelling, before
+any cut; keys that can travel in a header; URLs whose passwords a parser misreads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import pytest
+
+import polygate
+from polygate._config import mask_url
+from polygate._config_load import settings_from_env, settings_from_toml
+from polygate._secrets import clip, redact, url_secrets
+from polygate.testing import FakeUpstream, Reply
+from polygate.transport import Endpoint
+from polygate.transport._exchange import _classified
+
+KEY = "sk-live-SECRET-4f9a1c77d0e2'\\\"x"
+PASSWORD = "Xk9mQ2vLr7#Tq/z?w"
+
+
+# --------------------------------------------------------------------------- redaction
+
+
+@pytest.mark.parametrize("spelling", [
+    KEY,
+    repr(KEY)[1:-1],
+    repr(KEY.encode())[2:-1],
+    json.dumps(KEY)[1:-1],
+    quote(KEY, safe=""),
+])
+def test_every_spelling_of_a_secret_is_redacted(spelling: str) -> None:
+    assert redact(f"echo: {spelling}!", (KEY,)) == "echo: ***!"
+
+
+def test_redaction_comes_before_the_cut() -> None:
+    text = "y" * 180 + KEY + " and more"
+    clipped = clip(text, 200, (KEY,))
+    assert clipped == "y" * 180 + "*** and more"
+
+
+def test_a_cut_mid_secret_drops_the_partial_tail() -> None:
+    text = "y" * 190 + KEY
+    clipped = clip(text[:200], 300, (KEY,), cut=True)  # an excerpt that stopped in the key
+    assert KEY[:4] not in clipped and clipped.endswith("…")
+    assert clip("y" * 190 + KEY[:3], 300, (KEY,), cut=True) == "y" * 190 + KEY[:3] + "…"
+
+
+def test_short_secrets_are_left_alone() -> None:
+    assert redact("abc abc", ("abc",)) == "abc abc"
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    (f"redis://default:{PASSWORD}@h:6379/0", {f"default:{PASSWORD}", PASSWORD}),
+    ("postgresql://u:p%40ss-word@db/t", {"u:p%40ss-word", "p%40ss-word", "p@ss-word"}),
+    ("redis://user@h/0", set()),
+    ("sqlite:///tmp/a@b.db", set()),
+    ("http://h/v1", set()),
+])
+def test_url_secrets_come_from_the_raw_text(url: str, expected: set[str]) -> None:
+    assert set(url_secrets(url)) == expected
+
+
+def test_settings_secrets_include_the_decoded_password() -> None:
+    settings = polygate.Settings(
+        scopes={"c": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://h")])},
+        telemetry="postgresql://u:p%40ss-word@db/t",
+    )
+    assert "p@ss-word" in settings.secrets()
+
+
+# --------------------------------------------------------------------------- F1 F2 F13
+
+
+BAD_KEYS = [
+    "sk-live-SECRET-4f9a\x001c77d0e2",
+    "sk-live-SECRET-4f9a\x0b1c77d0e2",
+    "sk-live-SECRET-4f9a\x0c1c77d0e2",
+    "sk-live-SECRET-4f9a1c\u200b",
+    "sk-live-SECRET-4f9a1c\u00e9",
+    "sk-live-SECRET-4f9a1c ",
+    " sk-live-SECRET-4f9a1c",
+    "sk-live SECRET-4f9a1c",
+]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+async def test_a_key_that_cannot_be_a_header_is_announced_at_construction_and_never_sent(
+    key: str,
+) -> None:
+    """Built in Python, such a key is a ConfigWarning at once (the loaders and
+    check-config refuse it outright, below); no call sends it: the source fails every
+    call as SourceDeadError, typed, before any I/O, and no message shows the key."""
+    with pytest.warns(polygate.ConfigWarning, match="printable ASCII") as caught:
+        source = polygate.Source(name="a", base_url="http://h/v1", api_key=key)
+    assert all("SECRET" not in str(w.message) for w in caught)
+    endpoint = Endpoint("a", "http://h/v1", key)
+    assert endpoint.key_problem is not None and "SECRET" not in endpoint.key_problem
+    assert all(name != "authorization" for name, _ in endpoint.headers(None))
+    up = FakeUpstream(Reply())
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[source], retry=polygate.Retry(max_attempts=1))})
+    async with polygate.session(settings, transport=up.transport()) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat([{"role": "user", "content": "hi"}])
+    assert [type(e) for e in info.value.errors] == [polygate.SourceDeadError]
+    assert "cannot be sent" in str(info.value.errors[0])
+    assert "SECRET" not in repr(info.value) and "SECRET" not in repr(info.value.errors)
+    assert up.requests == []
+
+
+def test_a_key_with_a_line_break_is_refused_at_construction() -> None:
+    with pytest.raises(polygate.ConfigError, match="line breaks") as info:
+        polygate.Source(name="a", base_url="http://h/v1", api_key="sk-live-SECRET\r\nX: 1")
+    assert "SECRET" not in str(info.value)
+
+
+@pytest.mark.parametrize("key", BAD_KEYS[:5])
+def test_a_bad_key_is_refused_by_the_loaders(key: str, tmp_path: Path) -> None:
+    with pytest.raises(polygate.ConfigError) as info:
+        settings_from_env({"POLYGATE__CHAT__A__BASE_URL": "http://h/v1", "POLYGATE__CHAT__A__API_KEY": key})
+    assert "SECRET" not in str(info.value)
+    assert "POLYGATE__CHAT__A__API_KEY" in str(info.value)
+    path = tmp_path / "p.toml"
+    path.write_text(f'[scopes.chat.sources.a]\nbase_url = "http://h/v1"\napi_key = {json.dumps(key)}\n')
+    with pytest.raises(polygate.ConfigError) as info:
+        settings_from_toml(str(path))
+    assert "SECRET" not in str(info.value)
+
+
+def test_check_config_refuses_a_key_with_an_invisible_character(tmp_path: Path) -> None:
+    env = {**os.environ, "POLYGATE__CHAT__A__BASE_URL": "http://127.0.0.1:9/v1",
+           "POLYGATE__CHAT__A__API_KEY": "sk-live-SECRET-4f9a1c\u200b"}
+    done = subprocess.run([sys.executable, "-m", "polygate", "check-config"], env=env,
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2
+    assert "SECRET" not in done.stdout + done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_transport_error_shows_no_spelling_of_the_key() -> None:
+    """Defence in depth below the validators: h11 quotes a refused value escaped."""
+    key = "sk-SECRET-\x00-abcdef"
+    endpoint = Endpoint("a", "http://h/v1", "sk-SECRET-ok-abcdef")
+    object.__setattr__(endpoint, "api_key", key)
+    error = _classified(httpx.LocalProtocolError(f"Illegal header value {('Bearer ' + key).encode()!r}"), endpoint)
+    assert "SECRET" not in str(error)
+
+
+# --------------------------------------------------------------------------- F4 F10
+
+
+@pytest.mark.parametrize("kind", ["base_url", "backend", "telemetry"])
+@pytest.mark.parametrize("password", [PASSWORD, "Xk9mQ2vLr7/Tq", "1234/Xk9mQ2v", "Xk9mQ2?vLr7"])
+def test_a_url_password_a_parser_misreads_is_never_shown(kind: str, password: str) -> None:
+    scheme = {"base_url": "http", "backend": "redis", "telemetry": "postgresql"}[kind]
+    url = f"{scheme}://user:{password}@127.0.0.1:5000/v1"
+    with pytest.raises(polygate.ConfigError) as info:
+        if kind == "base_url":
+            polygate.Source(name="a", base_url=url)
+        else:
+            polygate.Settings(scopes={"c": polygate.Scope(sources=[
+                polygate.Source(name="a", base_url="http://h")])}, **{kind: url})
+    for n in range(4, len(password) + 1):
+        assert password[:n] not in str(info.value), str(info.value)
+    assert password[:4] not in mask_url(url)
+
+
+def test_check_config_never_prints_a_password_prefix(tmp_path: Path) -> None:
+    env = {**os.environ, "POLYGATE__CHAT__A__BASE_URL": "http://127.0.0.1:9/v1",
+           "POLYGATE__BACKEND": f"redis://default:{PASSWORD}@127.0.0.1:6379/0"}
+    done = subprocess.run([sys.executable, "-m", "polygate", "check-config"], env=env,
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2
+    assert PASSWORD[:6] not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("http://127.0.0.1:9/v1\r\nX-Injected: 1", "blanks or control characters"),
+    ("http://127.0.0.1:9/v1\t", "blanks or control characters"),
+    ("http://127.0.0.1:9/ v1", "blanks or control characters"),
+    ("http://127.0.0.1:9/v1?api-version=2024-06-01", "query or a fragment"),
+    ("http://127.0.0.1:9/v1#frag", "query or a fragment"),
+    ("http://user:pa55-SECRET@127.0.0.1:9/v1", "credentials before the host"),
+    ("http://user:1234/x@api.example.com/v1", "percent-encode"),
+])
+def test_a_base_url_that_cannot_work_as_written_is_refused(url: str, problem: str) -> None:
+    with pytest.raises(polygate.ConfigError, match=problem) as info:
+        polygate.Source(name="a", base_url=url)
+    assert "SECRET" not in str(info.value)
+
+
+def test_an_at_sign_in_a_base_url_path_is_fine() -> None:
+    polygate.Source(name="a", base_url="http://h/v1/@models")

@@ -1,0 +1,128 @@
+"""Files created private, a Redis TLS downgrade announced, typed errors that hold no
+reference to the request, logs a hostile upstream cannot flood, and caller
+arguments refused before any I/O."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import traceback
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.testing import FakeUpstream, Reply, Router
+
+from ._redis_server import free_port
+from .conftest import MESSAGES, SECRET, one_source_settings
+
+# --------------------------------------------------------------------------- F9
+
+
+async def test_the_telemetry_database_is_private(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    old = os.umask(0o022)
+    try:
+        db = tmp_path / "state" / "polygate" / "telemetry.db"
+        settings = polygate.Settings(
+            scopes=one_source_settings().scopes, telemetry=f"sqlite:///{db}", log_content=True
+        )
+        up = FakeUpstream(Reply())
+        async with polygate.session(settings, transport=Router({"a": up})) as s:
+            await s.chat([{"role": "user", "content": "record 123-45-6789"}])
+        found = [db.parent.parent, db.parent, *db.parent.iterdir()]
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in found}
+    assert {name for name in modes if name.startswith("telemetry.db")} >= {"telemetry.db"}
+    exposed = {name: oct(mode) for name, mode in modes.items() if mode & 0o077}
+    assert not exposed, exposed
+
+
+# --------------------------------------------------------------------------- I2
+
+
+async def test_redis_without_certificate_checks_is_announced(caplog: pytest.LogCaptureFixture) -> None:
+    from polygate import GovernanceBackendError
+    from polygate.governance._redis import RedisBackend, parse_redis_url
+
+    caplog.set_level(logging.WARNING)
+    url = f"rediss://:redis-PASSWORD-9@127.0.0.1:{free_port()}/0?ssl_cert_reqs=none&timeout_s=0.5"
+    backend = RedisBackend(parse_redis_url(url))
+    with pytest.raises(GovernanceBackendError):
+        await backend.start()
+    (record,) = [r for r in caplog.records if "ssl_cert_reqs=none" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "redis-PASSWORD-9" not in caplog.text
+
+
+# --------------------------------------------------------------------------- I1
+
+
+def _references(error: BaseException) -> list[BaseException]:
+    seen, todo = [], [error]
+    while todo:
+        exc = todo.pop()
+        seen.append(exc)
+        todo += [e for e in (exc.__cause__, exc.__context__) if e is not None and e not in seen]
+        todo += list(getattr(exc, "errors", []) or [])
+    return seen
+
+
+@pytest.mark.parametrize("fault", ["reset", "truncated"])
+async def test_a_typed_error_holds_no_reference_to_the_request(
+    fault: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    up = FakeUpstream(Reply(fault=fault, fault_after=1))
+    settings = one_source_settings(retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+    chain = _references(info.value)
+    assert not [e for e in chain if isinstance(e, httpx.HTTPError)], chain
+    assert SECRET not in "".join(traceback.format_exception(info.value))
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def _bug(request: httpx.Request) -> httpx.Response:
+    raise LookupError(f"a bug that quotes {request.headers['authorization']}")
+
+
+async def test_an_unexpected_error_logs_one_redacted_traceback_a_minute(
+    caplog: pytest.LogCaptureFixture, autojump_clock: trio.testing.MockClock
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    settings = one_source_settings(retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=httpx.MockTransport(_bug)) as s:
+        for _ in range(5):
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.chat(MESSAGES)
+            assert SECRET not in str(info.value)
+        await trio.sleep(61)
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat(MESSAGES)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 2 and "Traceback" in errors[0].getMessage()
+    assert SECRET not in caplog.text
+
+
+# --------------------------------------------------------------------------- F12
+
+
+@pytest.mark.parametrize("value", ["abc", [1], 5])
+async def test_a_bad_stream_options_is_a_config_error_before_any_io(
+    value: object, autojump_clock: trio.testing.MockClock
+) -> None:
+    up = FakeUpstream(Reply())
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="stream_options"):
+            await s.chat(MESSAGES, stream_options=value)
+        await s.chat(MESSAGES, stream_options={"include_usage": False})
+    assert up.statistics().requests == 1
