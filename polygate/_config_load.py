@@ -43,7 +43,16 @@ import attrs
 
 from . import _config as _config_module
 from . import _config_serve as _config_serve_module
-from ._config import KEY_PROBLEM, ConfigWarning, FieldError, Scope, Serve, Settings, Source, mask_url
+from ._config import (
+    KEY_PROBLEM,
+    ConfigWarning,
+    FieldError,
+    Scope,
+    Serve,
+    Settings,
+    Source,
+    mask_url,
+)
 from ._errors import ConfigError
 from ._secrets import is_header_safe, redact, url_secrets
 
