@@ -58,7 +58,7 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The benchmarks in quick mode (tiny counts); results go to benchmarks/results/.
     The ``bench`` extra brings the peers that ``peers.py`` measures (openai, litellm)."""
-    session.install("-e", ".[bench]")
+    session.install("-e", ".[bench,serve]")
     for script in ("overhead.py", "tail_replay.py", "peers.py", "scale.py", "structured.py", "ocr.py",
-                   "cache.py", "sse_hostile.py"):
+                   "cache.py", "sse_hostile.py", "serve.py"):
         session.run("python", f"benchmarks/{script}", "--quick", *session.posargs)

@@ -11,6 +11,7 @@ from ._config import Hedge as Hedge
 from ._config import Ocr as Ocr
 from ._config import Retry as Retry
 from ._config import Scope as Scope
+from ._config import Serve as Serve
 from ._config import Settings as Settings
 from ._config import Source as Source
 from ._config import StreamWatch as StreamWatch
@@ -61,6 +62,7 @@ __all__ = [
     "RateLimitedError",
     "Retry",
     "Scope",
+    "Serve",
     "Session",
     "SessionStatistics",
     "Settings",

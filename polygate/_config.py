@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import attrs
 import httpx
 
+from ._config_serve import Serve, check_serve_models
 from ._errors import ConfigError
 from ._secrets import is_header_safe, mask_prefixes, url_secrets
 
@@ -35,6 +36,7 @@ __all__ = [
     "Structured",
     "RESERVED_SEGMENTS",
     "STRUCTURED_OUTPUT_MODES",
+    "Serve",
     "mask_url",
 ]
 
@@ -708,6 +710,8 @@ class Settings:
     telemetry_close_timeout_s: float = attrs.field(default=5.0, validator=_positive)
     # "off" | "memory" | "sqlite:///path" | "redis://…" (docs/cache.md)
     cache: str = attrs.field(default="off", repr=lambda v: repr(mask_url(v)), validator=_check_cache)
+    # The gateway server's settings (polygate serve); unused by the library itself.
+    serve: Serve = attrs.field(factory=Serve)
 
     @scopes.validator
     def _check_scopes(self, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -716,12 +720,17 @@ class Settings:
         for name, scope in value.items():
             if not isinstance(name, str) or not _NAME_RE.match(name) or "__" in name:
                 raise _bad(self, "scopes", f"scope name {name!r} must be letters, digits, '_', '-'")
-            reserved = (RESERVED_SEGMENTS - _SOURCE_ONLY_RESERVED) | {"BACKEND", "TELEMETRY", "CACHE"}
+            reserved = (RESERVED_SEGMENTS - _SOURCE_ONLY_RESERVED) | {"BACKEND", "TELEMETRY", "CACHE", "SERVE"}
             if name.upper() in reserved:
                 raise _bad(self, "scopes", f"scope name {name!r} is reserved")
             if not isinstance(scope, Scope):
                 raise _bad(self, "scopes", f"scope {name!r} must be a Scope, got {type(scope).__name__}")
         _check_fallback_chains(self, value)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.serve, Serve):
+            raise _bad(self, "serve", f"must be a Serve, got {type(self.serve).__name__}")
+        check_serve_models(self.serve, self.scopes)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -747,6 +756,7 @@ class Settings:
     def secrets(self) -> tuple[str, ...]:
         """Every secret in these settings, for redaction of upstream text."""
         found = [s.api_key for scope in self.scopes.values() for s in scope.sources if s.api_key]
+        found += self.serve.api_keys
         for url in (self.backend, self.telemetry, self.cache):
             found += url_secrets(url)
         return tuple(dict.fromkeys(found))

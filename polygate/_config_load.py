@@ -42,7 +42,17 @@ from typing import Any, TypeVar, Union
 import attrs
 
 from . import _config as _config_module
-from ._config import KEY_PROBLEM, ConfigWarning, FieldError, Scope, Settings, Source, mask_url
+from . import _config_serve as _config_serve_module
+from ._config import (
+    KEY_PROBLEM,
+    ConfigWarning,
+    FieldError,
+    Scope,
+    Serve,
+    Settings,
+    Source,
+    mask_url,
+)
 from ._errors import ConfigError
 from ._secrets import is_header_safe, redact, url_secrets
 
@@ -101,7 +111,9 @@ class _Schema:
 def _schema(cls: type) -> _Schema:
     # The classes' __module__ says "polygate" (for tracebacks); their annotations
     # resolve in the module that defines them.
-    hints = typing.get_type_hints(cls, globalns=vars(_config_module))
+    hints = typing.get_type_hints(
+        cls, globalns={**vars(_config_serve_module), **vars(_config_module)}
+    )
     scalars: dict[str, type] = {}
     groups: dict[str, type] = {}
     for field in attrs.fields(cls):
@@ -146,7 +158,10 @@ def _source_fields() -> list[str]:
 
 
 def _secret_field_names() -> frozenset[str]:
-    return _schema(Source).secrets | _schema(Settings).secrets | _schema(Scope).secrets
+    return (
+        _schema(Source).secrets | _schema(Settings).secrets | _schema(Scope).secrets
+        | _schema(Serve).secrets
+    )
 
 
 # --------------------------------------------------------------------------- parsed parts
@@ -174,6 +189,7 @@ class _SettingsPart:
     own: _Part
     scopes: dict[str, _ScopePart] = attrs.field(factory=dict)
     secrets: set[str] = attrs.field(factory=set)
+    serve: _Part | None = None  # [serve] / POLYGATE__SERVE__…: the gateway server
 
 
 # --------------------------------------------------------------------------- values
@@ -298,7 +314,10 @@ def _build_scope(part: _ScopePart, secrets: Iterable[str]) -> Scope:
 def _build_settings(part: _SettingsPart) -> Settings:
     _check_complete(part)
     scopes = {name: _build_scope(p, part.secrets) for name, p in part.scopes.items()}
-    return _build(Settings, part.own, {"scopes": scopes}, part.secrets)
+    extra: dict[str, Any] = {"scopes": scopes}
+    if part.serve is not None:
+        extra["serve"] = _build(Serve, part.serve, {}, part.secrets)
+    return _build(Settings, part.own, extra, part.secrets)
 
 
 def _check_complete(part: _SettingsPart) -> None:
@@ -349,6 +368,9 @@ def _parse_env(entries: Mapping[str, str]) -> _SettingsPart:
     secrets |= {pw for v in entries.values() for pw in url_secrets(v)}
     settings = _SettingsPart(own=_Part(where=_env_settings_where), secrets=secrets)
     for key in sorted(entries):
+        if key.startswith(_SERVE_ENV):
+            _env_serve(settings, key, entries[key])
+            continue
         part, field, kind = _route_env_key(settings, key)
         part.values[field] = _value_from_text(kind, entries[key], key)
         _check_key(field, part.values[field], key)
@@ -359,7 +381,7 @@ def _parse_env(entries: Mapping[str, str]) -> _SettingsPart:
 def _env_settings_where(field: str) -> str:
     if field == "scopes":
         return f"{ENV_PREFIX}{{SCOPE}}__{{SOURCE}}__BASE_URL"
-    return ENV_PREFIX + field.upper()
+    return ENV_PREFIX + field.upper().replace(".", "__")
 
 
 def _env_key(*segments: str) -> str:
@@ -452,6 +474,93 @@ def _env_source_where(scope: str, source: str, part: _ScopePart) -> _Where:
     return where
 
 
+# --------------------------------------------------------------------------- [serve]
+
+_SERVE_ENV = f"{ENV_PREFIX}SERVE__"
+#: Serve fields that are not scalars: lists and tables, parsed here.
+_SERVE_LISTS = ("api_keys", "models")
+
+
+def _env_serve(settings: _SettingsPart, key: str, text: str) -> None:
+    """``POLYGATE__SERVE__{FIELD}``; ``API_KEYS`` is comma-separated, ``MODELS`` is
+    ``alias=scope,alias=scope``."""
+    part = _serve_part(settings, lambda f: _env_key("serve", *f.split(".")))
+    segment = key[len(_SERVE_ENV):]
+    field = segment.lower()
+    if segment != segment.upper() or "__" in segment:
+        raise _unknown(key, "serve keys", _serve_keys(upper=True), segment)
+    if field == "api_keys":
+        keys = [k.strip() for k in text.split(",") if k.strip()]
+        settings.secrets.update(keys)
+        part.values[field] = keys
+    elif field == "models":
+        part.values[field] = _env_models(key, text)
+    elif field in _schema(Serve).scalars:
+        part.values[field] = _value_from_text(_schema(Serve).scalars[field], text, key)
+    else:
+        raise _unknown(key, "serve keys", _serve_keys(upper=True), segment)
+    part.keys.append(key)
+
+
+def _env_models(key: str, text: str) -> dict[str, str]:
+    models: dict[str, str] = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        alias, eq, scope = (p.strip() for p in item.partition("="))
+        if not eq or not alias or not scope:
+            raise ConfigError(f"{key}: expected alias=scope pairs separated by commas, got {item!r}")
+        if alias in models:
+            raise ConfigError(f"{key}: alias {alias!r} appears twice")
+        models[alias] = scope
+    return models
+
+
+def _serve_keys(upper: bool = False) -> list[str]:
+    names = [*_schema(Serve).scalars, *_SERVE_LISTS]
+    return [n.upper() for n in names] if upper else names
+
+
+def _serve_part(settings: _SettingsPart, where: _Where) -> _Part:
+    if settings.serve is None:
+        settings.serve = _Part(where=where)
+    return settings.serve
+
+
+def _toml_serve(settings: _SettingsPart, value: Any, file: str, env: Mapping[str, str]) -> None:
+    """The ``[serve]`` table: scalars, ``api_keys`` (a list, or ``api_keys_env`` naming
+    an environment variable with comma-separated keys) and ``[serve.models]``."""
+    at = _toml_where(file, "serve")
+    table = _toml_table(value, f"{file}: serve")
+    part = _serve_part(settings, at)
+    if "api_keys_env" in table:
+        if "api_keys" in table:
+            raise ConfigError(f"{at('api_keys_env')}: set api_keys or api_keys_env, not both")
+        var = _value_from_toml(str, table.pop("api_keys_env"), at("api_keys_env"))
+        keys = [k.strip() for k in env.get(var, "").split(",") if k.strip()]
+        if not keys:
+            raise ConfigError(f"{at('api_keys_env')}: environment variable {var} is not set")
+        settings.secrets.update(keys)
+        part.values["api_keys"] = keys
+        part.keys.append(at("api_keys_env"))
+    if "api_keys" in table:
+        keys = table.pop("api_keys")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ConfigError(f"{at('api_keys')}: expected an array of strings, got {_what(keys)}")
+        part.values["api_keys"] = keys
+        part.keys.append(at("api_keys"))
+    if "models" in table:
+        models = _toml_table(table.pop("models"), at("models"))
+        for alias, scope in models.items():
+            if not isinstance(scope, str):
+                where = at(f"models.{alias}") if _BARE_KEY.match(alias) else at("models")
+                raise ConfigError(f"{where}: expected a scope name, got {_what(scope)}")
+        part.values["models"] = models
+        part.keys.append(at("models"))
+    _toml_fields(part, _schema(Serve), table, "serve", "serve keys",
+                 extra=[*_SERVE_LISTS, "api_keys_env"])
+
+
 # --------------------------------------------------------------------------- TOML
 
 
@@ -491,7 +600,11 @@ def _parse_toml(data: dict[str, Any], file: str, env: Mapping[str, str]) -> _Set
     at = _toml_where(file, "")
     settings = _SettingsPart(own=_Part(where=at), secrets=_harvest_secrets(data))
     scopes = data.pop("scopes", {})
-    _toml_fields(settings.own, _schema(Settings), data, "", "top-level keys", extra=["scopes"])
+    if "serve" in data:
+        _toml_serve(settings, data.pop("serve"), file, env)
+    _toml_fields(
+        settings.own, _schema(Settings), data, "", "top-level keys", extra=["scopes", "serve"]
+    )
     for name, table in _toml_table(scopes, at("scopes")).items():
         path = _join("scopes", name)
         table = _toml_table(table, at(path))
@@ -695,9 +808,9 @@ def _describe_value(field: attrs.Attribute[Any], value: Any) -> Any:
     if attrs.has(type(value)):
         return _describe(value)
     if isinstance(value, tuple):
-        return [v if isinstance(v, str) else _describe(v) for v in value]
+        return [_describe(v) if attrs.has(type(v)) else v for v in value]
     if isinstance(value, Mapping):
-        return {k: _describe(v) for k, v in value.items()}
+        return {k: _describe(v) if attrs.has(type(v)) else v for k, v in value.items()}
     if isinstance(value, str):
         return mask_url(value)
     return value

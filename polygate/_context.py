@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import os
 import random
@@ -94,8 +95,24 @@ _ids = itertools.count(1)
 _PROCESS_TAG = os.urandom(4).hex()
 
 
+#: A front end that must name a call before it starts (the gateway server sends the id
+#: in its response headers before the first chunk) sets this around the call; calls
+#: started in that context take it as their ``logical_call_id``.
+PRESET_CALL_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "polygate_preset_call_id", default=None
+)
+
+
 def new_call_id() -> str:
     """Unique across processes (random per-process tag) and cheap (a counter)."""
+    preset = PRESET_CALL_ID.get()
+    if preset is not None:
+        return preset
+    return f"{_PROCESS_TAG}-{next(_ids):08x}"
+
+
+def fresh_call_id() -> str:
+    """A new id in the same format, whatever the context says."""
     return f"{_PROCESS_TAG}-{next(_ids):08x}"
 
 

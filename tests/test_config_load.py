@@ -29,6 +29,7 @@ from polygate._config import (
     Ocr,
     Retry,
     Scope,
+    Serve,
     Settings,
     Source,
     StreamWatch,
@@ -51,7 +52,8 @@ REDIS_PW = "redis-PASSWORD-42"
 URL_PW = "url-PASSWORD-77"
 URL_A = "http://127.0.0.1:8001/v1"
 URL_B = "http://127.0.0.1:8002/v1"
-SECRETS = (KEY, REDIS_PW, URL_PW)
+GATEWAY_KEY = "sk-gw-SECRET-0987654321"
+SECRETS = (KEY, REDIS_PW, URL_PW, GATEWAY_KEY)
 
 
 # --------------------------------------------------------------------------- the harness
@@ -84,7 +86,9 @@ def to_objects(config: Config) -> Settings:
                   (("hedge", Hedge), ("retry", Retry), ("stream", StreamWatch),
                    ("breaker", Breaker), ("structured", Structured), ("ocr", Ocr)) if g in table}
         scopes[name] = Scope(sources=sources, **groups, **table)
-    top = {k: v for k, v in config.items() if k != "scopes"}
+    top = {k: v for k, v in config.items() if k not in ("scopes", "serve")}
+    if "serve" in config:
+        top["serve"] = Serve(**config["serve"])
     return Settings(scopes=scopes, **top)
 
 
@@ -116,7 +120,16 @@ def leaves(node: Config, path: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def to_env(config: Config) -> dict[str, str]:
-    return {env_key(path): env_text(value) for path, value in leaves(config)}
+    config = dict(config)
+    serve = dict(config.pop("serve", {}))
+    env = {env_key(path): env_text(value) for path, value in leaves(config)}
+    # [serve]: a list is comma-separated, the models table is alias=scope pairs.
+    if "api_keys" in serve:
+        env["POLYGATE__SERVE__API_KEYS"] = ",".join(serve.pop("api_keys"))
+    if "models" in serve:
+        env["POLYGATE__SERVE__MODELS"] = ",".join(f"{a}={s}" for a, s in serve.pop("models").items())
+    env.update({f"POLYGATE__SERVE__{k.upper()}": env_text(v) for k, v in serve.items()})
+    return env
 
 
 def toml_value(value: Any) -> str:
@@ -195,6 +208,11 @@ FULL: Config = {
     "telemetry_write_timeout_s": 12.5,
     "telemetry_close_timeout_s": 2.5,
     "cache": f"redis://:{REDIS_PW}@localhost:6379/1?prefix=app&timeout_s=0.2",
+    "serve": {"host": "0.0.0.0", "port": 9000, "api_keys": [GATEWAY_KEY, "sk-gw-2"],
+              "models": {"gpt-4o": "chat", "text-embedding-3-small": "embed"},
+              "max_request_bytes": 1024, "max_connections": 10, "header_timeout_s": 1.5,
+              "body_timeout_s": 2.5, "idle_timeout_s": 3.5, "send_timeout_s": 4.5,
+              "sse_keepalive_s": 0.5, "grace_s": 5.5},
     "scopes": {
         "chat": {
             "call_deadline_s": 120.0,
@@ -254,7 +272,8 @@ def test_full_case_sets_every_field() -> None:
     """Reminds whoever adds a settings field to add it to the equality table."""
     scope, source = FULL["scopes"]["chat"], FULL["scopes"]["chat"]["sources"]["a"]
     tables: list[tuple[type, dict[str, Any], set[str]]] = [
-        (Settings, FULL, {"scopes"}),
+        (Settings, FULL, {"scopes", "serve"}),
+        (Serve, FULL["serve"], set()),
         (Scope, scope, {"sources", "hedge", "retry", "stream", "breaker", "structured", "ocr"}),
         (Source, source, {"name"}),
         (Hedge, scope["hedge"], set()),

@@ -18,6 +18,8 @@ PUBLIC = {
     "StructuredOutputError", "OcrResponse",
     # additions of the second release
     "Structured", "Ocr", "OcrPage",
+    # SPEC §8.5: Settings.serve
+    "Serve",
 }
 
 

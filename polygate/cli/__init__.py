@@ -17,7 +17,7 @@ from typing import Protocol, cast
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
 #: Module names under ``polygate.cli`` (without the leading underscore), in help order.
-SUBCOMMANDS: tuple[str, ...] = ("demo", "check_config", "stats", "chat")
+SUBCOMMANDS: tuple[str, ...] = ("demo", "check_config", "stats", "chat", "serve")
 
 
 class _Subcommand(Protocol):

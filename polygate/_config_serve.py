@@ -1,0 +1,151 @@
+"""``Settings.serve``: the gateway server's own settings (``polygate serve``, SPEC §8.5).
+
+Kept apart from :mod:`polygate._config` so that the server's knobs do not crowd the
+library's; :class:`Serve` uses the same validators, so a wrong value is a
+:class:`ConfigError` naming the field (and, through the loaders, the TOML path or
+environment key).  A gateway key is never shown: not in a repr, not in a message.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from ._errors import ConfigError
+
+__all__ = ["Serve", "check_serve_models"]
+
+#: What a gateway key may contain: a Bearer token (RFC 6750 b64token), so it can be
+#: sent in an Authorization header unchanged.
+_KEY_RE = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
+_ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$")
+
+
+def _bad(owner: str, field: str, problem: str) -> ConfigError:
+    from ._config import FieldError
+
+    return FieldError(owner, field, problem)
+
+
+def _keys_repr(value: Any) -> str:
+    return f"<{len(value)} key(s)>" if isinstance(value, tuple) else "'***'"
+
+
+def _to_keys(value: Any) -> Any:
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return tuple(value)
+    return value
+
+
+def _to_models(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType(dict(value))
+    return value
+
+
+def _seconds(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    from ._config import _positive
+
+    _positive(inst, attr, value)
+
+
+def _count(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    from ._config import _pos_int
+
+    _pos_int(inst, attr, value)
+
+
+@attrs.frozen
+class Serve:
+    """How ``polygate serve`` listens, authenticates and protects itself.
+
+    ``api_keys``: the gateway keys clients send as ``Authorization: Bearer …`` (none:
+    no authentication, allowed only on a loopback address).  ``models``: aliases a
+    request's ``model`` may use besides the scope names (alias → scope).  The limits
+    bound what one client can hold: ``max_request_bytes`` a request body,
+    ``header_timeout_s`` / ``body_timeout_s`` the time to send the request head / body,
+    ``idle_timeout_s`` an idle keep-alive connection, ``send_timeout_s`` one write to a
+    client that does not read, ``max_connections`` open connections.
+    ``sse_keepalive_s`` is the interval of ``: keep-alive`` comments on a stream that is
+    waiting (admission, a hedge, a slow first token); ``grace_s`` how long SIGTERM lets
+    calls in flight finish before cancelling them.
+    """
+
+    host: str = attrs.field(default="127.0.0.1")
+    port: int = attrs.field(default=8080)
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_to_keys, repr=_keys_repr)
+    models: Mapping[str, str] = attrs.field(
+        factory=dict, converter=_to_models,
+        repr=lambda v: repr(dict(v)) if isinstance(v, Mapping) else repr(v),
+    )
+    max_request_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=_count)
+    max_connections: int = attrs.field(default=1024, validator=_count)
+    header_timeout_s: float = attrs.field(default=10.0, validator=_seconds)
+    body_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
+    idle_timeout_s: float = attrs.field(default=75.0, validator=_seconds)
+    send_timeout_s: float = attrs.field(default=60.0, validator=_seconds)
+    sse_keepalive_s: float = attrs.field(default=15.0, validator=_seconds)
+    grace_s: float = attrs.field(default=30.0, validator=_seconds)
+
+    @host.validator
+    def _check_host(self, attr: attrs.Attribute[str], value: Any) -> None:
+        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+            raise _bad("Serve", "host", f"must be a host name or address, got {value!r}")
+
+    @port.validator
+    def _check_port(self, attr: attrs.Attribute[int], value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+            raise _bad("Serve", "port", f"must be a whole number in [0, 65535], got {value!r}")
+
+    @api_keys.validator
+    def _check_keys(self, attr: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, tuple):
+            raise _bad("Serve", "api_keys", "must be a list of strings")
+        for index, key in enumerate(value):
+            # The key itself is never echoed: only its position and what is wrong.
+            if not isinstance(key, str) or not key:
+                raise _bad("Serve", "api_keys", f"key #{index + 1} must be a non-empty string")
+            if not _KEY_RE.fullmatch(key):
+                raise _bad(
+                    "Serve", "api_keys",
+                    f"key #{index + 1} may hold only letters, digits and -._~+/ (a Bearer token)",
+                )
+        if len(set(value)) != len(value):
+            raise _bad("Serve", "api_keys", "a key appears twice")
+
+    @models.validator
+    def _check_models(self, attr: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, Mapping):
+            raise _bad("Serve", "models", "must be a mapping of alias to scope name")
+        for alias, scope in value.items():
+            if not isinstance(alias, str) or not _ALIAS_RE.fullmatch(alias):
+                raise _bad("Serve", "models", f"alias {alias!r} must be a model name")
+            if not isinstance(scope, str) or not scope:
+                raise _bad("Serve", "models", f"alias {alias!r} must name a scope")
+
+    def __attrs_post_init__(self) -> None:
+        if self.sse_keepalive_s < 0.05:
+            raise _bad("Serve", "sse_keepalive_s", "must be at least 0.05 s (a floor on its period)")
+
+    def scope_of(self, model: str, scopes: Mapping[str, Any]) -> str | None:
+        """The scope a request's ``model`` names (a scope name or an alias)."""
+        if model in scopes:
+            return model
+        return self.models.get(model)
+
+
+def check_serve_models(serve: Serve, scopes: Mapping[str, Any]) -> None:
+    """Every alias names a configured scope, and no alias shadows a scope name."""
+    for alias, scope in serve.models.items():
+        if scope not in scopes:
+            known = ", ".join(sorted(scopes))
+            raise _bad(
+                "Settings", "serve.models",
+                f"alias {alias!r} names scope {scope!r}, which is not configured (scopes: {known})",
+            )
+        if alias in scopes and alias != scope:
+            raise _bad("Settings", "serve.models", f"alias {alias!r} is also a scope name")

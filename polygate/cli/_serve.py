@@ -1,0 +1,110 @@
+"""``polygate serve``: the OpenAI-compatible gateway server (see docs/serve.md).
+
+Serves the configuration ``polygate.session()`` would load (``POLYGATE_CONFIG``,
+``./polygate.toml``, or ``POLYGATE__…`` keys; or ``--config PATH``) on
+``--host``/``--port`` (default: ``[serve] host``/``port``, 127.0.0.1:8080).  Prints
+one line, ``polygate serve: listening on http://HOST:PORT``, once it accepts
+connections (``--port 0`` picks a free port).
+
+Signals: SIGTERM or SIGINT drains (stop accepting, let calls in flight finish within
+``[serve] grace_s``, then cancel the rest) and exits 0; a second one cancels at once.
+SIGHUP reloads the configuration from the same place; calls in flight finish on the
+old one, and an invalid new configuration is logged and ignored.
+
+Exit status: 0 after a drain, 2 the configuration (or the address) is unusable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+log = logging.getLogger("polygate.serve")
+
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve your configuration as an OpenAI-compatible HTTP gateway",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", metavar="PATH", help="a TOML file instead of the default configuration")
+    parser.add_argument("--host", help="address to listen on (default: [serve] host, 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default: [serve] port, 8080; 0: any free port)")
+    return parser
+
+
+def _load(config: str | None) -> Any:
+    from .._config_load import load_settings, settings_from_toml
+
+    return settings_from_toml(config) if config else load_settings()
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    from .._errors import ConfigError
+
+    logging.basicConfig(level=logging.INFO, format="polygate serve: %(message)s", stream=sys.stderr)
+    try:
+        settings = _load(args.config)
+        return trio.run(_serve, settings, args)
+    except ConfigError as exc:
+        print(f"polygate serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a signal before the receiver was installed
+        return 0
+
+
+async def _serve(settings: Any, args: argparse.Namespace) -> int:
+    import trio
+
+    from ..serve import open_server
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async with open_server(settings, host=args.host, port=args.port) as server:
+            keys = len(settings.serve.api_keys)
+            print(f"polygate serve: listening on {server.url}", flush=True)
+            log.info("%d scope(s), %s", len(settings.scopes),
+                     f"{keys} gateway key(s)" if keys else "no gateway keys (loopback only)")
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    await _reload(server, args)
+                    continue
+                log.info("draining: no new connections; calls in flight have %.0f s",
+                         server.settings.serve.grace_s)
+                async with trio.open_nursery() as nursery:
+
+                    async def drain() -> None:
+                        await server.shutdown()
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(drain)
+                    async for again in signals:
+                        if again != signal.SIGHUP:
+                            log.info("second signal: cancelling the calls in flight now")
+                            nursery.cancel_scope.cancel()
+                break
+    log.info("stopped")
+    return 0
+
+
+async def _reload(server: Any, args: argparse.Namespace) -> None:
+    from .._errors import PolygateError
+
+    try:
+        settings = _load(args.config)
+        await server.reload(settings)
+    except PolygateError as exc:
+        server.metrics.reload_failures += 1
+        log.error("reload refused, the old configuration stays: %s", exc)
+        return
+    log.info("configuration reloaded: %d scope(s)", len(settings.scopes))

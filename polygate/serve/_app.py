@@ -1,0 +1,493 @@
+"""The endpoints: one HTTP request in, one session call, one answer out.
+
+No gateway logic lives here -- admission, hedging, retries, deadlines and statistics
+are the session's.  This module only checks the gateway key, maps the request's
+``model`` to a scope, hands the body's parameters to ``Session.chat`` /
+``stream_chat`` / ``embed`` unchanged, and writes the result (or the error of
+:mod:`._errors`) back in OpenAI's shapes.
+
+The logical call's id is chosen here before the call starts (``PRESET_CALL_ID``), so
+that a stream's response head -- sent before the call has an answer -- can carry the
+same ``x-polygate-call-id`` as the call's telemetry rows.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import sys
+import urllib.parse
+from array import array
+from collections.abc import Mapping
+from typing import Any, Final, Protocol
+
+import attrs
+import trio
+
+from .._config import Settings
+from .._context import PRESET_CALL_ID, fresh_call_id
+from .._errors import PolygateError
+from .._session import Session
+from .._types import CallStats
+from ._errors import ErrorReply, reply_for
+from ._http import ClientGone, Connection, Request
+from ._metrics import Metrics, render
+from ._sse import KEEPALIVE, StreamShape, error_event
+
+__all__ = ["Gateway", "answer"]
+
+log = logging.getLogger("polygate.serve")
+
+_JSON: Final = (b"content-type", b"application/json")
+_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+#: Body keys that are Session keywords, not upstream parameters.
+_NOT_PARAMS: Final = frozenset({"scope", "call_deadline_s"})
+_READY_TIMEOUT_S: Final = 2.0
+_SHUTDOWN = ErrorReply(
+    503, "The gateway is shutting down and cancelled this call; retry it.", "api_error",
+    "shutting_down", retry_after_s=1,
+)
+
+
+@attrs.define(eq=False)
+class Gateway:
+    """One configuration generation: its settings, its open session, what is derived
+    from them once (key digests, the models list), and who is still using it."""
+
+    settings: Settings
+    session: Session
+    keys: tuple[bytes, ...] = attrs.field(init=False)
+    models_body: bytes = attrs.field(init=False)
+    users: int = 0
+    retired: bool = False
+    idle: trio.Event = attrs.field(factory=trio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        # Keys are compared as SHA-256 digests: equal lengths, and hmac.compare_digest
+        # over every configured key (no early exit) leaks neither a key nor which one.
+        self.keys = tuple(_digest(key) for key in self.settings.serve.api_keys)
+        names = [*self.settings.scopes, *self.settings.serve.models]
+        self.models_body = _ENCODE({"object": "list", "data": [_model(n) for n in names]}).encode()
+
+    def scope_of(self, model: Any) -> str | None:
+        if not isinstance(model, str):
+            return None
+        return self.settings.serve.scope_of(model, self.settings.scopes)
+
+    def authorised(self, headers: Mapping[str, str]) -> bool:
+        if not self.keys:
+            return True
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        presented = _digest(token.strip())
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(presented, key)
+        return ok
+
+    def enter(self) -> None:
+        self.users += 1
+
+    def leave(self) -> None:
+        self.users -= 1
+        if self.retired and self.users == 0:
+            self.idle.set()
+
+    def retire(self) -> None:
+        self.retired = True
+        if self.users == 0:
+            self.idle.set()
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "polygate"}
+
+
+class _State(Protocol):
+    draining: bool
+
+
+@attrs.define(eq=False)
+class Context:
+    """What a request handler needs besides the request; ``state.draining`` is read
+    when each answer goes out (a draining server closes the connection after it)."""
+
+    conn: Connection
+    gateway: Gateway
+    metrics: Metrics
+    state: _State
+    #: Cancelled by the server when a drain's grace period is over: the call stops and
+    #: the client is told why (503, or an error event on a stream already started).
+    stop: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+    @property
+    def draining(self) -> bool:
+        return self.state.draining
+
+
+# --------------------------------------------------------------------------- entry
+
+
+async def answer(ctx: Context, request: Request) -> None:
+    """Answer one request.  Raises only when the request was cancelled (its client
+    left, or the server stopped); a bug in this module is logged and answered 500."""
+    started = trio.current_time()
+    endpoint, status = request.path, 500
+    try:
+        endpoint, status = await _route(ctx, request)
+    except ClientGone:
+        status = 499  # nginx's "client closed request"
+    except Exception as exc:
+        log.error("unexpected error answering %s %s", request.method, _endpoint_label(request.path),
+                  exc_info=exc)
+        await _internal_error(ctx)
+    except BaseException:  # cancelled, perhaps inside a group from the call's nursery
+        ctx.metrics.disconnects += 1
+        ctx.metrics.request(_endpoint_label(endpoint), 499, trio.current_time() - started)
+        raise
+    if status == 499:
+        ctx.metrics.disconnects += 1
+    ctx.metrics.request(_endpoint_label(endpoint), status, trio.current_time() - started)
+
+
+async def _internal_error(ctx: Context) -> None:
+    """A 500 when no answer had started; otherwise the connection cannot be trusted."""
+    if ctx.conn.responding:
+        ctx.conn.client_gone = True  # close it
+        return
+    reply = ErrorReply(500, "internal error in the gateway", "api_error", "internal_error")
+    with contextlib.suppress(ClientGone):
+        await _fail(ctx, reply)
+
+
+_ROUTES: Final = {
+    "/v1/chat/completions": "POST",
+    "/v1/embeddings": "POST",
+    "/v1/models": "GET",
+    "/healthz": "GET",
+    "/readyz": "GET",
+    "/metrics": "GET",
+}
+
+
+def _endpoint_label(path: str) -> str:
+    if path in _ROUTES:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+async def _route(ctx: Context, request: Request) -> tuple[str, int]:
+    path = request.path
+    method = _ROUTES.get(path, "GET" if path.startswith("/v1/models/") else None)
+    if method is None:
+        return path, await _fail(ctx, ErrorReply(
+            404, f"Unknown request URL: {request.method} {path}", "invalid_request_error",
+            "unknown_url"))
+    if request.method != method:
+        return path, await _fail(ctx, ErrorReply(
+            405, f"{request.method} is not allowed on {path} (use {method})",
+            "invalid_request_error", "method_not_allowed"))
+    if path == "/healthz":
+        return path, await _send_json(ctx, 200, b'{"status":"ok"}')
+    if path == "/readyz":
+        return path, await _readyz(ctx)
+    if not ctx.gateway.authorised(request.headers):
+        return path, await _fail(ctx, ErrorReply(
+            401, "Incorrect or missing gateway key: send 'Authorization: Bearer <key>'.",
+            "invalid_request_error", "invalid_api_key"))
+    if path == "/metrics":
+        return path, await _metrics(ctx)
+    if path == "/v1/models":
+        return path, await _send_json(ctx, 200, ctx.gateway.models_body)
+    if path.startswith("/v1/models/"):
+        name = urllib.parse.unquote(path[len("/v1/models/"):])
+        if ctx.gateway.scope_of(name) is None:
+            return path, await _fail(ctx, _unknown_model(name))
+        return path, await _send_json(ctx, 200, _ENCODE(_model(name)).encode())
+    body = _parse_body(request.body)
+    if isinstance(body, ErrorReply):
+        return path, await _fail(ctx, body)
+    scope = ctx.gateway.scope_of(body.get("model"))
+    if scope is None:
+        model = body.get("model")
+        if model is None:
+            return path, await _fail(ctx, _bad_param("you must provide a model parameter", "model"))
+        return path, await _fail(ctx, _unknown_model(model))
+    refused = sorted(_NOT_PARAMS & body.keys())
+    if refused:
+        return path, await _fail(
+            ctx, _bad_param(f"parameter {refused[0]!r} is not accepted here", refused[0])
+        )
+    if path == "/v1/embeddings":
+        return path, await _embeddings(ctx, scope, body)
+    return path, await _chat(ctx, scope, body)
+
+
+def _parse_body(raw: bytes) -> dict[str, Any] | ErrorReply:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return ErrorReply(
+            400, "We could not parse the JSON body of your request: it is not valid JSON.",
+            "invalid_request_error", "invalid_json",
+        )
+    if not isinstance(body, dict):
+        return ErrorReply(400, "The request body must be a JSON object.",
+                          "invalid_request_error", "invalid_json")
+    return body
+
+
+def _bad_param(message: str, param: str) -> ErrorReply:
+    return ErrorReply(400, message, "invalid_request_error", "invalid_request")
+
+
+def _unknown_model(model: Any) -> ErrorReply:
+    shown = model if isinstance(model, str) else json.dumps(model)
+    return ErrorReply(
+        404, f"The model `{shown[:200]}` does not exist: it is neither a scope nor an alias "
+        "of this gateway (GET /v1/models lists them).",
+        "invalid_request_error", "model_not_found",
+    )
+
+
+# --------------------------------------------------------------------------- answers
+
+
+def _stats_headers(call_id: str, stats: CallStats | None) -> list[tuple[bytes, bytes]]:
+    cid = (stats.logical_call_id if stats is not None else call_id).encode()
+    headers = [(b"x-polygate-call-id", cid), (b"x-request-id", cid)]
+    if stats is not None:
+        headers += [
+            (b"x-polygate-source", (stats.source or "").encode()),
+            (b"x-polygate-attempts", b"%d" % stats.attempts),
+            (b"x-polygate-hedges", b"%d" % stats.hedges),
+            (b"x-polygate-cached", b"true" if stats.cached else b"false"),
+        ]
+    return headers
+
+
+async def _send_json(
+    ctx: Context, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> int:
+    if headers is None:
+        cid = fresh_call_id().encode()
+        headers = [(b"x-polygate-call-id", cid), (b"x-request-id", cid)]
+    await ctx.conn.send_response(status, [_JSON, *headers], body, close=ctx.draining)
+    return status
+
+
+async def _fail(
+    ctx: Context, reply: ErrorReply, call_id: str | None = None, stats: CallStats | None = None
+) -> int:
+    headers = _stats_headers(call_id or fresh_call_id(), stats)
+    await ctx.conn.send_response(
+        reply.status, [*reply.headers(), *headers], reply.body(), close=ctx.draining
+    )
+    return reply.status
+
+
+async def _call_failed(ctx: Context, scope: str, call_id: str, exc: BaseException) -> int:
+    reply = reply_for(exc)
+    if reply.status == 500:
+        log.error("unexpected error answering a call: %s", type(exc).__name__, exc_info=exc)
+    stats: CallStats | None = getattr(exc, "call_stats", None)
+    ctx.metrics.call(scope, stats, reply.code)
+    return await _fail(ctx, reply, call_id, stats)
+
+
+async def _chat(ctx: Context, scope: str, body: dict[str, Any]) -> int:
+    messages = body.pop("messages", None)
+    if messages is None:
+        return await _fail(ctx, _bad_param("you must provide a messages parameter", "messages"))
+    stream = body.pop("stream", False)
+    if stream not in (True, False, None):
+        return await _fail(ctx, _bad_param("stream must be true or false", "stream"))
+    options = body.get("stream_options")
+    if not stream:
+        body.pop("stream_options", None)  # OpenAI accepts it only with stream: true
+    elif options is not None and not isinstance(options, dict):
+        return await _fail(ctx, _bad_param("stream_options must be an object", "stream_options"))
+    call_id = fresh_call_id()
+    token = PRESET_CALL_ID.set(call_id)
+    try:
+        if stream:
+            include_usage = bool(options and options.get("include_usage"))
+            return await _chat_stream(ctx, scope, call_id, messages, body, include_usage)
+        with ctx.stop:
+            try:
+                response = await ctx.gateway.session.chat(messages, scope=scope, **body)
+            except Exception as exc:
+                return await _call_failed(ctx, scope, call_id, exc)
+        if ctx.stop.cancelled_caught:
+            return await _fail(ctx, _SHUTDOWN, call_id)
+    finally:
+        PRESET_CALL_ID.reset(token)
+    stats = response.call_stats
+    ctx.metrics.call(scope, stats, "ok")
+    return await _send_json(ctx, 200, _ENCODE(response.raw).encode(), _stats_headers(call_id, stats))
+
+
+async def _chat_stream(
+    ctx: Context, scope: str, call_id: str, messages: Any, params: dict[str, Any],
+    include_usage: bool,
+) -> int:
+    """Forward the committed chunks as they come.  The response head goes out with
+    the first chunk, or with the first keep-alive comment when the call is still
+    waiting after ``sse_keepalive_s``; until then a failure is a plain HTTP error
+    with its status, after it an SSE error event."""
+    conn = ctx.conn
+    interval = ctx.gateway.settings.serve.sse_keepalive_s
+    shape = StreamShape()
+    head_sent = False
+    failure: BaseException | None = None
+
+    def head() -> bytes:
+        nonlocal head_sent
+        head_sent = True
+        return conn.response_head(200, [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),  # proxies (nginx) must not buffer the stream
+            (b"x-polygate-call-id", call_id.encode()),
+            (b"x-request-id", call_id.encode()),
+        ], close=ctx.draining)
+
+    try:
+        stream = ctx.gateway.session.stream_chat(messages, scope=scope, **params)
+    except Exception as exc:  # arguments refused before the call started
+        return await _call_failed(ctx, scope, call_id, exc)
+    send_timeout = ctx.gateway.settings.serve.send_timeout_s
+    with ctx.stop:
+        async with stream:
+            chunks = stream.__aiter__()
+            done = False
+            while not done:
+                # One clock per quiet period, not a cancel scope per chunk: its deadline
+                # is the keep-alive while waiting for a chunk, the send timeout while
+                # writing one.  A scope costs ~5 µs to open and close; moving its
+                # deadline well under one.
+                sending = False
+                with trio.CancelScope(deadline=trio.current_time() + interval) as clock:
+                    while True:
+                        try:
+                            chunk = await chunks.__anext__()
+                        except StopAsyncIteration:
+                            done = True
+                            break
+                        except Exception as exc:
+                            failure = exc
+                            done = True
+                            break
+                        out = head() if not head_sent else b""
+                        sending = True
+                        clock.deadline = trio.current_time() + send_timeout
+                        await conn.send_unbounded(out + conn.frame(shape.chunk(chunk)))
+                        sending = False
+                        clock.deadline = trio.current_time() + interval
+                if clock.cancelled_caught:
+                    if sending:  # a client that does not read is a client that left
+                        conn.client_gone = True
+                        raise ClientGone
+                    out = head() if not head_sent else b""
+                    await conn.send(out + conn.frame(KEEPALIVE))
+    if ctx.stop.cancelled_caught:
+        if not head_sent:
+            return await _fail(ctx, _SHUTDOWN, call_id)
+        event = error_event(_SHUTDOWN.message, _SHUTDOWN.type, _SHUTDOWN.code)
+        await conn.send(conn.frame(event) + conn.end())
+        return _SHUTDOWN.status
+    if failure is not None:
+        if not head_sent:
+            return await _call_failed(ctx, scope, call_id, failure)
+        reply = reply_for(failure)
+        stats = getattr(failure, "call_stats", None)
+        ctx.metrics.call(scope, stats, reply.code)
+        await conn.send(conn.frame(error_event(reply.message, reply.type, reply.code)) + conn.end())
+        return reply.status
+    response = stream.response
+    assert response is not None
+    ctx.metrics.call(scope, response.call_stats, "ok")
+    out = head() if not head_sent else b""
+    await conn.send(out + conn.frame(shape.ending(response, include_usage)) + conn.end())
+    return 200
+
+
+async def _embeddings(ctx: Context, scope: str, body: dict[str, Any]) -> int:
+    inputs = body.pop("input", None)
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(i, str) for i in inputs):
+        return await _fail(ctx, _bad_param(
+            "input must be a string or a non-empty array of strings "
+            "(token arrays are not supported by this gateway)", "input"))
+    base64_out = body.get("encoding_format") == "base64"
+    call_id = fresh_call_id()
+    token = PRESET_CALL_ID.set(call_id)
+    try:
+        with ctx.stop:
+            response = await ctx.gateway.session.embed(inputs, scope=scope, **body)
+        if ctx.stop.cancelled_caught:
+            return await _fail(ctx, _SHUTDOWN, call_id)
+    except Exception as exc:
+        return await _call_failed(ctx, scope, call_id, exc)
+    finally:
+        PRESET_CALL_ID.reset(token)
+    stats = response.call_stats
+    ctx.metrics.call(scope, stats, "ok")
+    data = [
+        {"object": "embedding", "index": i, "embedding": _b64(v) if base64_out else v}
+        for i, v in enumerate(response.vectors)
+    ]
+    usage = response.usage
+    payload = {
+        "object": "list", "data": data, "model": response.model or body.get("model"),
+        "usage": {"prompt_tokens": usage.prompt_tokens if usage else 0,
+                  "total_tokens": usage.total_tokens if usage else 0},
+    }
+    return await _send_json(ctx, 200, _ENCODE(payload).encode(), _stats_headers(call_id, stats))
+
+
+def _b64(vector: list[float]) -> str:
+    floats = array("f", vector)
+    if sys.byteorder == "big":
+        floats.byteswap()
+    return base64.b64encode(floats.tobytes()).decode()
+
+
+async def _readyz(ctx: Context) -> int:
+    if ctx.draining:
+        return await _send_json(ctx, 503, b'{"status":"draining"}')
+    with trio.move_on_after(_READY_TIMEOUT_S):
+        try:
+            await ctx.gateway.session.statistics()  # reaches the governance backend
+        except PolygateError as exc:
+            reply = reply_for(exc)
+            return await _send_json(ctx, 503, _ENCODE(
+                {"status": "unavailable", "reason": reply.code}).encode())
+        return await _send_json(ctx, 200, b'{"status":"ready"}')
+    return await _send_json(ctx, 503, b'{"status":"unavailable","reason":"backend_timeout"}')
+
+
+async def _metrics(ctx: Context) -> int:
+    stats = None
+    with trio.move_on_after(_READY_TIMEOUT_S):
+        try:
+            stats = await ctx.gateway.session.statistics()
+        except PolygateError:
+            stats = None  # the gateway's own counters still go out
+    body = render(ctx.metrics, stats)
+    cid = fresh_call_id().encode()
+    await ctx.conn.send_response(
+        200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+              (b"x-polygate-call-id", cid), (b"x-request-id", cid)], body, close=ctx.draining,
+    )
+    return 200

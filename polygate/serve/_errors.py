@@ -1,0 +1,117 @@
+"""polygate's errors as OpenAI-shaped HTTP errors: the one table of SPEC §8.5.
+
+=================================  ======  ===========================  ==========================
+what happened                      status  type                         code
+=================================  ======  ===========================  ==========================
+malformed body, bad parameter      400     invalid_request_error        ``invalid_request``
+the upstream refused the request   400     invalid_request_error        ``upstream_rejected``
+no or wrong gateway key            401     invalid_request_error        ``invalid_api_key``
+unknown ``model``                  404     invalid_request_error        ``model_not_found``
+request body over the cap          413     invalid_request_error        ``request_too_large``
+every source rate limited          429     rate_limit_error             ``rate_limit_exceeded``
+sources exhausted                  502     api_error                    ``sources_exhausted``
+governance backend down            503     api_error                    ``governance_unavailable``
+call deadline passed               504     timeout_error                ``deadline_exceeded``
+=================================  ======  ===========================  ==========================
+
+A 429 carries ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``.
+Messages are the polygate error's own text, which never holds a source's key (the
+errors module redacts upstream text), and never a gateway key (none reaches here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import attrs
+import trio
+
+from .. import _errors as errors
+
+__all__ = ["ErrorReply", "error_body", "reply_for"]
+
+
+@attrs.frozen
+class ErrorReply:
+    status: int
+    message: str
+    type: str
+    code: str
+    retry_after_s: float | None = None
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        out = [(b"content-type", b"application/json")]
+        if self.retry_after_s is not None:
+            seconds = max(1, math.ceil(self.retry_after_s))
+            out.append((b"retry-after", str(seconds).encode()))
+            out.append((b"retry-after-ms", str(max(1, round(self.retry_after_s * 1000))).encode()))
+        return out
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code)
+
+
+def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
+    payload = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return json.dumps(payload, ensure_ascii=False).encode()
+
+
+def reply_for(exc: BaseException) -> ErrorReply:
+    """The HTTP error for an exception a session call raised (or a bug)."""
+    if isinstance(exc, errors.ConfigError):
+        return ErrorReply(400, str(exc), "invalid_request_error", "invalid_request")
+    if isinstance(exc, errors.FatalUpstreamError):
+        return ErrorReply(400, str(exc), "invalid_request_error", "upstream_rejected")
+    if isinstance(exc, errors.DeadlineExceeded):
+        return ErrorReply(504, str(exc), "timeout_error", "deadline_exceeded")
+    if isinstance(exc, errors.GovernanceBackendError):
+        return ErrorReply(503, str(exc), "api_error", "governance_unavailable")
+    if isinstance(exc, errors.AllSourcesExhausted):
+        wait = rate_limited_for(exc)
+        if wait is not None:
+            return ErrorReply(
+                429, str(exc), "rate_limit_error", "rate_limit_exceeded", retry_after_s=wait
+            )
+        return ErrorReply(502, str(exc), "api_error", "sources_exhausted")
+    if isinstance(exc, errors.StreamStalled):
+        return ErrorReply(504, str(exc), "timeout_error", "stream_stalled")
+    if isinstance(exc, errors.UpstreamError):
+        return ErrorReply(502, str(exc), "api_error", "upstream_error")
+    if isinstance(exc, errors.PolygateError):
+        return ErrorReply(503, str(exc), "api_error", "unavailable")
+    return ErrorReply(500, "internal error in the gateway", "api_error", "internal_error")
+
+
+#: Admission refusals that a wait cures: the call found every source rate limited.
+_RATE_REASONS = frozenset({"cooling_down", "rpm", "tpm"})
+
+
+def rate_limited_for(exc: errors.AllSourcesExhausted) -> float | None:
+    """Seconds until a source may take the call again, when every source was rate
+    limited; ``None`` when something else exhausted the call.
+
+    Two ways a call ends so: its attempts were all answered 429 (``exc.errors`` are
+    all :class:`RateLimitedError`, each maybe with its Retry-After), or admission
+    found every source over its RPM/TPM quota or cooling down from an earlier 429
+    until past the call's deadline (no attempt was made).  The second case is read
+    from the governor's refusal, which the call leaves as the error's
+    ``__context__`` (duck-typed: ``refusals`` with ``reason`` and ``retry_at``, in
+    ``trio.current_time()``).  A public ``AllSourcesExhausted.retry_after_s`` would
+    replace this read; see docs/serve.md.
+    """
+    if exc.errors:
+        if not all(isinstance(e, errors.RateLimitedError) for e in exc.errors):
+            return None
+        known = [e.retry_after_s for e in exc.errors if e.retry_after_s is not None]
+        return min(known) if known else 1.0
+    refusals: Any = getattr(exc.__context__, "refusals", None)
+    if not refusals:
+        return None
+    reasons = [getattr(getattr(r, "reason", None), "value", None) for r in refusals]
+    if not all(reason in _RATE_REASONS for reason in reasons):
+        return None
+    now = trio.current_time()
+    known = [r.retry_at - now for r in refusals if getattr(r, "retry_at", None) is not None]
+    return max(0.0, min(known)) if known else 1.0

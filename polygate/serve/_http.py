@@ -1,0 +1,285 @@
+"""HTTP/1.1 for the gateway: one keep-alive connection on h11 over a trio stream.
+
+Everything a client can hold is bounded here: the wait for a request head
+(``idle_timeout_s`` before its first byte on a kept-alive connection or
+``header_timeout_s`` on a new one, then ``header_timeout_s`` for the rest of it),
+its size (h11's ``max_incomplete_event_size``), the body's size
+(``max_request_bytes``, refused from ``Content-Length`` before a byte of it is read)
+and time (``body_timeout_s``), and every write to a client that does not read
+(``send_timeout_s``).  A slow or silent client costs one connection slot for a
+bounded time, never a task that lives forever.
+
+While a request is being answered, :meth:`Connection.watch_close` reads the socket:
+end of file (or a reset) means the client has left and the request's cancel scope is
+cancelled at once -- that is how a disconnect reaches the logical call.  Bytes that
+arrive meanwhile (a pipelined request) go to h11's buffer, up to a cap.
+
+h11 parses requests; responses are written here, byte for byte as h11 would write
+them (status line, headers, Content-Length or chunked framing), because h11's writer
+validated every header of every answer -- a tenth of the gateway's own CPU per
+request in ``benchmarks/serve.py``'s profile -- and every header here is ours.  The
+parser is replaced by a fresh one after each answer, fed whatever the client has
+already pipelined; keep-alive follows the request (HTTP/1.0 without
+``Connection: keep-alive``, or ``Connection: close``, closes after the answer; an
+HTTP/1.0 stream is delimited by the close, not chunked).  Each response leaves in
+one ``send_all`` where it can (head and body together; a stream's head with its
+first chunk), so a zero-delay answer is one write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import attrs
+import h11
+import trio
+
+from .._config import Serve
+
+__all__ = ["ClientGone", "Connection", "HTTPProblem", "Request", "reason"]
+
+_RECEIVE: Final = 65536
+_MAX_HEAD: Final = 64 * 1024  # request line and headers
+_MAX_PIPELINED: Final = 1024 * 1024  # bytes buffered for the next request while answering
+_SERVER_LINE: Final = b"server: polygate\r\n"
+_REASONS: Final = {
+    100: b"Continue", 200: b"OK", 400: b"Bad Request", 401: b"Unauthorized",
+    404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout",
+    413: b"Content Too Large", 429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+
+
+def reason(status: int) -> bytes:
+    return _REASONS.get(status, b"")
+
+Headers = Sequence[tuple[bytes, bytes]]
+
+
+class ClientGone(Exception):
+    """The client closed or reset the connection, or stopped reading."""
+
+
+class HTTPProblem(Exception):
+    """The request cannot be read: answer ``status`` and close the connection."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+@attrs.define(slots=True)
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]  # lower-case names; a repeated header keeps its last value
+    body: bytes
+
+
+class Connection:
+    """One client connection: read a request, answer it, repeat."""
+
+    __slots__ = ("chunked", "client_gone", "h11", "keep_alive", "limits", "requests",
+                 "responding", "stream")
+
+    def __init__(self, stream: trio.SocketStream, limits: Serve) -> None:
+        self.stream = stream
+        self.limits = limits
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
+        self.requests = 0
+        self.client_gone = False
+        self.keep_alive = True  # what the current request allows
+        self.chunked = True  # HTTP/1.1: streams are chunked; HTTP/1.0: close-delimited
+        self.responding = False  # a response head has been sent for the current request
+
+    # ------------------------------------------------------------------ reading
+
+    async def read_request(
+        self, admit: Callable[[str, dict[str, str]], bool] | None = None
+    ) -> Request | None:
+        """The next request, or ``None`` when the client closed or stayed idle.
+
+        Raises :class:`HTTPProblem` for a request that is malformed, too large or too
+        slow, or that ``admit(path, headers)`` refuses (a missing gateway key: refused
+        from the head, so a client without a key never makes the server hold its
+        body); the caller answers it and closes.
+        """
+        limits = self.limits
+        now = trio.current_time()
+        started = bool(self.h11.trailing_data[0])
+        wait = limits.idle_timeout_s if self.requests and not started else limits.header_timeout_s
+        with trio.CancelScope(deadline=now + wait) as scope:
+            event = await self._next_head_event(scope, started)
+        if scope.cancelled_caught:
+            if self.h11.their_state is h11.IDLE and not self.h11.trailing_data[0]:
+                return None  # idle keep-alive connection: close quietly
+            raise HTTPProblem(408, "the request head was not received in time", "request_timeout")
+        if not isinstance(event, h11.Request):
+            return None  # ConnectionClosed
+        self.requests += 1
+        self.responding = False
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
+        tokens = headers.get("connection", "").lower()
+        if event.http_version == b"1.0":
+            self.chunked = False
+            self.keep_alive = "keep-alive" in tokens
+        else:
+            self.chunked = True
+            self.keep_alive = "close" not in tokens
+        target = event.target.decode("latin-1")
+        path = target.split("?", 1)[0]
+        if admit is not None and not admit(path, headers):
+            raise HTTPProblem(
+                401, "Incorrect or missing gateway key: send 'Authorization: Bearer <key>'.",
+                "invalid_api_key",
+            )
+        length = headers.get("content-length")
+        if length is not None and int(length) > limits.max_request_bytes:
+            raise HTTPProblem(
+                413, f"request body of {length} bytes exceeds the limit of "
+                f"{limits.max_request_bytes} bytes", "request_too_large",
+            )
+        if self.h11.they_are_waiting_for_100_continue:
+            await self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = await self._read_body()
+        return Request(event.method.decode("latin-1"), path, headers, body)
+
+    async def _next_head_event(self, scope: trio.CancelScope, started: bool) -> h11.Event:
+        while True:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
+                raise HTTPProblem(status, f"malformed request: {exc}", "bad_request") from None
+            if event is not h11.NEED_DATA:
+                return event  # type: ignore[return-value]
+            data = await self._receive()
+            if data and not started:
+                # The first byte of a request: from now on the head has header_timeout_s.
+                started = True
+                scope.deadline = trio.current_time() + self.limits.header_timeout_s
+            self.h11.receive_data(data)
+
+    async def _read_body(self) -> bytes:
+        limits = self.limits
+        body = bytearray()
+        with trio.move_on_after(limits.body_timeout_s):
+            while True:
+                try:
+                    event = self.h11.next_event()
+                except h11.RemoteProtocolError as exc:
+                    raise HTTPProblem(400, f"malformed request body: {exc}", "bad_request") from None
+                if event is h11.NEED_DATA:
+                    self.h11.receive_data(await self._receive())
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                    if len(body) > limits.max_request_bytes:  # chunked bodies
+                        raise HTTPProblem(
+                            413, f"request body exceeds the limit of {limits.max_request_bytes} bytes",
+                            "request_too_large",
+                        )
+                elif isinstance(event, h11.EndOfMessage):
+                    return bytes(body)
+                else:  # ConnectionClosed mid-body
+                    raise ClientGone
+        raise HTTPProblem(408, "the request body was not received in time", "request_timeout")
+
+    async def _receive(self) -> bytes:
+        try:
+            return await self.stream.receive_some(_RECEIVE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return b""
+
+    async def watch_close(self, on_close: Callable[[], object]) -> None:
+        """Run while a request is answered: when the client leaves, call ``on_close``
+        (which cancels the request).  Pipelined bytes are kept for the next request."""
+        while True:
+            data = await self._receive()
+            if not data:
+                self.client_gone = True
+                on_close()
+                return
+            self.h11.receive_data(data)
+            if len(self.h11.trailing_data[0]) > _MAX_PIPELINED:
+                await trio.sleep_forever()  # stop reading; the answer still goes out
+
+    # ------------------------------------------------------------------ writing
+
+    def response_head(
+        self, status: int, headers: Headers, *, length: int | None = None, close: bool = False
+    ) -> bytes:
+        """A response head: ``length`` gives a Content-Length, ``None`` a stream
+        (chunked on HTTP/1.1, close-delimited on HTTP/1.0).  Every header is ours:
+        names are constants, values numbers, ids and names the settings validated."""
+        self.responding = True
+        if close or (length is None and not self.chunked):
+            self.keep_alive = False
+        out = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"")), _SERVER_LINE]
+        out += [name + b": " + value + b"\r\n" for name, value in headers]
+        if length is not None:
+            out.append(b"content-length: %d\r\n" % length)
+        elif self.chunked:
+            out.append(b"transfer-encoding: chunked\r\n")
+        if not self.keep_alive:
+            out.append(b"connection: close\r\n")
+        out.append(b"\r\n")
+        return b"".join(out)
+
+    async def send_response(
+        self, status: int, headers: Headers, body: bytes, *, close: bool = False
+    ) -> None:
+        """A whole response (head and body) in one write."""
+        await self._send(self.response_head(status, headers, length=len(body), close=close) + body)
+
+    def frame(self, payload: bytes) -> bytes:
+        """A piece of a streamed body, ready to send."""
+        if not self.chunked:
+            return payload
+        return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+    def end(self) -> bytes:
+        return b"0\r\n\r\n" if self.chunked else b""
+
+    async def send(self, data: bytes) -> None:
+        await self._send(data)
+
+    async def send_unbounded(self, data: bytes) -> None:
+        """A write whose time bound the caller keeps (a stream moves one deadline
+        instead of opening a cancel scope per chunk)."""
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.client_gone = True
+            raise ClientGone from None
+
+    async def _send(self, data: bytes) -> None:
+        with trio.move_on_after(self.limits.send_timeout_s):
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.client_gone = True
+                raise ClientGone from None
+            return
+        self.client_gone = True  # a client that does not read is a client that left
+        raise ClientGone
+
+    def reusable(self) -> bool:
+        """Whether another request may follow; if so, a fresh parser takes over with
+        whatever the client already sent (pipelining)."""
+        if self.client_gone or not self.keep_alive or self.h11.their_state is not h11.DONE:
+            return False
+        pending, closed = self.h11.trailing_data
+        if closed:
+            return False
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
+        if pending:
+            self.h11.receive_data(pending)
+        return True
+
+    async def aclose(self) -> None:
+        with trio.move_on_after(1):
+            await self.stream.aclose()

@@ -1,0 +1,354 @@
+"""The server: listeners, connections, and the lifecycle (drain on SIGTERM, reload).
+
+::
+
+    open_server ─ sessions nursery: one task per configuration generation, each holding
+      │           an open polygate.session until it is retired and no request uses it
+      └ connections nursery: an accept loop per listener, a task per connection
+          └ connection: read request → nursery(answer, watch_close) → next request
+
+A request holds the generation it started with (``Gateway.enter``/``leave``), so a
+reload swaps the generation for new requests while calls in flight finish on the
+old session, which then closes (its telemetry flushed).  :meth:`Server.shutdown`
+stops accepting, closes idle keep-alive connections, lets requests in flight finish
+for ``grace_s``, then cancels the rest -- each cancelled call is settled and recorded
+as ``cancelled`` by the session, like any cancelled call.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import ipaddress
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from .._config import Settings
+from .._context import fresh_call_id
+from .._errors import ConfigError
+from .._session import Session, session
+from ._app import Context, Gateway, answer
+from ._errors import error_body
+from ._http import ClientGone, Connection, HTTPProblem
+from ._metrics import Metrics
+
+__all__ = ["Server", "ServerStatistics", "check_exposure", "open_server"]
+
+log = logging.getLogger("polygate.serve")
+
+_ACCEPT_PAUSE_S = 0.1  # out of file descriptors: the floor on the accept loop's period
+_REFUSING = 64  # connections being answered 503 at once, beyond max_connections
+_OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # the only paths without a key
+_LAST_WORDS_S = 1.0  # after the grace period: time to tell cancelled clients why
+_FD_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+@attrs.frozen
+class ServerStatistics:
+    """Where the server stands: ``in_flight`` requests being answered, ``connections``
+    open, ``draining`` after :meth:`Server.shutdown` began, ``generations`` sessions
+    open (more than one while a reload lets old calls finish)."""
+
+    in_flight: int
+    connections: int
+    draining: bool
+    generations: int
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(settings: Settings, host: str) -> None:
+    """Refuse to serve without gateway keys anywhere but on a loopback address."""
+    if not settings.serve.api_keys and not is_loopback(host):
+        raise ConfigError(
+            f"serve.api_keys: refusing to listen on {host!r} without gateway keys; set "
+            "[serve] api_keys (or POLYGATE__SERVE__API_KEYS), or listen on 127.0.0.1"
+        )
+
+
+class Server:
+    """A running gateway; obtain one with ``async with open_server(...)``."""
+
+    def __init__(self, listeners: list[trio.SocketListener], host: str, transport: Any) -> None:
+        self._listeners = listeners
+        self._host = host
+        self._transport = transport
+        self.metrics = Metrics()
+        self.port: int = listeners[0].socket.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        #: ``http://host:port``; an OpenAI client's ``base_url`` is :attr:`base_url`.
+        self.url = f"http://{shown}:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.draining = False
+        self._current: Gateway | None = None
+        self._generations: set[Gateway] = set()
+        self._sessions: trio.Nursery | None = None
+        self._connections: trio.Nursery | None = None
+        self._idle: set[trio.CancelScope] = set()
+        self._stops: set[trio.CancelScope] = set()
+        self._in_flight = 0
+        self._quiet = trio.Event()
+        self._refusing = 0
+
+    def __repr__(self) -> str:
+        return f"<polygate.serve.Server {self.url}{' draining' if self.draining else ''}>"
+
+    @property
+    def session(self) -> Session:
+        """The session new requests use."""
+        assert self._current is not None
+        return self._current.session
+
+    @property
+    def settings(self) -> Settings:
+        assert self._current is not None
+        return self._current.settings
+
+    def statistics(self) -> ServerStatistics:
+        return ServerStatistics(
+            self._in_flight, self.metrics.connections, self.draining, len(self._generations)
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _generation(
+        self, settings: Settings, *, task_status: trio.TaskStatus[Gateway] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with session(settings, transport=self._transport) as opened:
+            gateway = Gateway(settings, opened)
+            self._generations.add(gateway)
+            try:
+                task_status.started(gateway)
+                await gateway.idle.wait()
+            finally:
+                self._generations.discard(gateway)
+
+    async def reload(self, settings: Settings) -> None:
+        """Serve new requests with ``settings``; calls in flight finish on the old
+        session.  Raises (and changes nothing) when the new session cannot open.
+        ``host`` and ``port`` are not rebound: they need a restart."""
+        assert self._sessions is not None and self._current is not None
+        old = self._current
+        if (settings.serve.host, settings.serve.port) != (old.settings.serve.host, old.settings.serve.port):
+            log.warning("reload: serve.host and serve.port take effect only at restart")
+        check_exposure(settings, self._host)
+        new: Gateway = await self._sessions.start(self._generation, settings)
+        self._current = new
+        old.retire()
+        self.metrics.reloads += 1
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop accepting; let requests in flight finish within ``grace_s`` (default
+        ``serve.grace_s``), then cancel what is left."""
+        if grace_s is None:
+            grace_s = self.settings.serve.grace_s
+        self.draining = True
+        for listener in self._listeners:
+            await listener.aclose()
+        for scope in list(self._idle):
+            scope.cancel()  # idle keep-alive connections: nothing in flight, close now
+        with trio.move_on_after(grace_s):
+            if self._in_flight:
+                await self._quiet.wait()
+        if self._in_flight:
+            log.warning("grace period over: cancelling %d call(s) in flight", self._in_flight)
+            for stop in list(self._stops):
+                stop.cancel()  # each call stops, settles, and its client is told why
+            with trio.move_on_after(_LAST_WORDS_S):
+                await self._quiet.wait()
+        if self._connections is not None:
+            self._connections.cancel_scope.cancel()
+
+    # ------------------------------------------------------------------ connections
+
+    async def _serve_connections(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as connections:
+            self._connections = connections
+            for listener in self._listeners:
+                connections.start_soon(self._accept, listener)
+            task_status.started()
+
+    async def _accept(self, listener: trio.SocketListener) -> None:
+        assert self._connections is not None
+        while True:
+            try:
+                stream = await listener.accept()
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return
+            except OSError as exc:
+                if exc.errno not in _FD_ERRORS:
+                    raise
+                log.error("accept failed (%s): pausing %.1f s", errno.errorcode.get(exc.errno or 0), _ACCEPT_PAUSE_S)
+                await trio.sleep(_ACCEPT_PAUSE_S)
+                continue
+            if self.metrics.connections >= self.settings.serve.max_connections:
+                self.metrics.connections_refused += 1
+                if self._refusing < _REFUSING:
+                    self._connections.start_soon(self._refuse, stream)
+                else:
+                    await _close(stream)
+                continue
+            self._connections.start_soon(self._connection, stream)
+
+    async def _refuse(self, stream: trio.SocketStream) -> None:
+        self._refusing += 1
+        try:
+            body = error_body(
+                "The gateway is at its connection limit; try again shortly.", "api_error",
+                "too_many_connections",
+            )
+            head = (
+                b"HTTP/1.1 503 Service Unavailable\r\nserver: polygate\r\n"
+                b"content-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
+                b"x-polygate-call-id: %s\r\ncontent-length: %d\r\n\r\n"
+                % (fresh_call_id().encode(), len(body))
+            )
+            with trio.move_on_after(1):
+                try:
+                    await stream.send_all(head + body)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+        finally:
+            self._refusing -= 1
+            await _close(stream)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        metrics = self.metrics
+        metrics.connections += 1
+        metrics.connections_total += 1
+        assert self._current is not None
+        conn = Connection(stream, self._current.settings.serve)
+        try:
+            while not self.draining:
+                idle = trio.CancelScope()
+                self._idle.add(idle)
+                try:
+                    with idle:
+                        request = await conn.read_request(self._admit)
+                except HTTPProblem as problem:
+                    await self._problem(conn, problem)
+                    return
+                except ClientGone:
+                    return
+                finally:
+                    self._idle.discard(idle)
+                if request is None or idle.cancelled_caught:
+                    return
+                await self._answer(conn, request)
+                if not conn.reusable():
+                    return
+        finally:
+            metrics.connections -= 1
+            await conn.aclose()
+
+    def _admit(self, path: str, headers: dict[str, str]) -> bool:
+        """Whether a request may be read past its head: the key, checked early."""
+        assert self._current is not None
+        return path in _OPEN_PATHS or self._current.authorised(headers)
+
+    async def _answer(self, conn: Connection, request: Any) -> None:
+        gateway = self._current
+        assert gateway is not None
+        gateway.enter()
+        self._in_flight += 1
+        self.metrics.in_flight += 1
+        context = Context(conn, gateway, self.metrics, self)
+        self._stops.add(context.stop)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(conn.watch_close, nursery.cancel_scope.cancel)
+                await answer(context, request)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._stops.discard(context.stop)
+            gateway.leave()
+            self._in_flight -= 1
+            self.metrics.in_flight -= 1
+            if self._in_flight == 0 and self.draining:
+                self._quiet.set()
+
+    async def _problem(self, conn: Connection, problem: HTTPProblem) -> None:
+        self.metrics.request("other", problem.status, 0.0)
+        try:
+            cid = fresh_call_id().encode()
+            await conn.send_response(
+                problem.status,
+                [(b"content-type", b"application/json"), (b"x-polygate-call-id", cid)],
+                error_body(problem.message, "invalid_request_error", problem.code), close=True,
+            )
+        except ClientGone:
+            pass
+        except Exception:  # h11 could not even frame an answer: just close
+            pass
+
+
+async def _close(stream: trio.SocketStream) -> None:
+    with trio.move_on_after(1):
+        await stream.aclose()
+
+
+@asynccontextmanager
+async def open_server(
+    settings: Settings | None = None,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    env: Mapping[str, str] | None = None,
+) -> AsyncIterator[Server]:
+    """Serve ``settings`` (default: the configuration ``polygate.session()`` would
+    load) over HTTP while the block runs.  ``host``/``port`` override
+    ``settings.serve``; port 0 picks a free port (``server.port``).  Leaving the block
+    cancels whatever is still running; call :meth:`Server.shutdown` first to drain."""
+    if settings is None:
+        from .._config_load import load_settings
+
+        settings = load_settings(env)
+    elif not isinstance(settings, Settings):
+        raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
+    host = settings.serve.host if host is None else host
+    port = settings.serve.port if port is None else port
+    check_exposure(settings, host)
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError("polygate serve needs the serve extra: pip install 'polygate[serve]'")
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise ConfigError(f"serve: cannot listen on {host}:{port} ({exc.strerror})") from None
+    server = Server(listeners, host, transport)
+    failure: BaseException | None = None
+    async with trio.open_nursery() as sessions:
+        server._sessions = sessions
+        try:
+            server._current = await sessions.start(server._generation, settings)
+            # The connections live in a task of their own, so that shutdown() can cancel
+            # them without cancelling the caller's block.
+            await sessions.start(server._serve_connections)
+            try:
+                yield server
+            except BaseException as exc:  # re-raised below as itself
+                failure = exc
+        except BaseException as exc:
+            failure = failure or exc
+        finally:
+            if server._connections is not None:
+                server._connections.cancel_scope.cancel()
+            for listener in listeners:
+                await listener.aclose()
+            for gateway in list(server._generations):
+                gateway.retire()  # each session closes once its last request has left
+    if failure is not None:
+        raise failure

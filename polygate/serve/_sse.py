@@ -1,0 +1,118 @@
+"""Server-sent events out: the session's committed chunks as OpenAI chunk events.
+
+The session forwards only *content* chunks (SPEC §4: role-only deltas, the finish
+chunk and the usage chunk carry no content).  A client expects the rest of OpenAI's
+stream too, so this module adds, around the forwarded chunks and in the same writes:
+
+* before the first chunk, a role chunk (``delta: {"role": "assistant", "content": ""}``)
+  unless that chunk already names the role;
+* after the last, a finish chunk for every choice whose ``finish_reason`` the
+  forwarded chunks did not carry, the usage chunk when the client asked for it
+  (``stream_options.include_usage``), and ``data: [DONE]``.
+
+A chunk whose ``raw`` is not a chunk (an upstream that cannot stream answers with a
+whole ``chat.completion``) is re-shaped from its delta.  Nothing is buffered: each
+forwarded chunk is encoded and written as it comes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any, Final
+
+from .._types import ChatResponse, StreamChunk
+
+__all__ = ["DONE", "KEEPALIVE", "StreamShape", "error_event"]
+
+DONE: Final = b"data: [DONE]\n\n"
+KEEPALIVE: Final = b": keep-alive\n\n"
+_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def _event(payload: Any) -> bytes:
+    return b"data: " + _ENCODE(payload).encode() + b"\n\n"
+
+
+def error_event(message: str, type_: str, code: str) -> bytes:
+    """An OpenAI-style error inside a stream (the SDKs raise ``APIError`` on it)."""
+    return _event({"error": {"message": message, "type": type_, "param": None, "code": code}})
+
+
+class StreamShape:
+    """Turns one call's forwarded chunks into the client's events."""
+
+    __slots__ = ("_finished", "_meta", "_started")
+
+    def __init__(self) -> None:
+        self._meta: dict[str, Any] | None = None
+        self._finished: set[int] = set()
+        self._started = False
+
+    def chunk(self, chunk: StreamChunk) -> bytes:
+        raw = chunk.raw
+        choices = raw.get("choices")
+        if not (isinstance(choices, list) and choices
+                and all(isinstance(c, Mapping) and "delta" in c for c in choices)):
+            raw = {**self._header(raw), "choices": [
+                {"index": 0, "delta": chunk.delta, "finish_reason": None}]}
+            choices = raw["choices"]
+        for choice in choices:
+            if choice.get("finish_reason") is not None:
+                self._finished.add(choice.get("index", 0))
+        out = b""
+        if not self._started:
+            self._started = True
+            self._meta = self._header(raw)
+            first = choices[0].get("delta") if choices else None
+            if not (isinstance(first, Mapping) and first.get("role")):
+                out = _event({**self._meta, "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "finish_reason": None}]})
+        return out + _event(raw)
+
+    def ending(self, response: ChatResponse, include_usage: bool) -> bytes:
+        """The role chunk (when nothing was forwarded), finish chunk, usage chunk, [DONE]."""
+        out = b""
+        if not self._started:
+            self._started = True
+            self._meta = self._header(response.raw)
+            out += _event({**self._meta, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        meta = self._meta or self._header(response.raw)
+        finishing = []
+        for position, choice in enumerate(response.choices or [{}]):
+            index = choice.get("index", position) if isinstance(choice, Mapping) else position
+            if index in self._finished:
+                continue
+            reason = choice.get("finish_reason") if isinstance(choice, Mapping) else None
+            finishing.append({"index": index, "delta": {}, "finish_reason": reason or "stop"})
+        if finishing:
+            out += _event({**meta, "choices": finishing})
+        if include_usage:
+            out += _event({**meta, "choices": [], "usage": _usage(response)})
+        return out + DONE
+
+    def _header(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        created = raw.get("created")
+        return {
+            "id": raw.get("id") or "chatcmpl-polygate",
+            "object": "chat.completion.chunk",
+            "created": created if isinstance(created, int) else int(time.time()),
+            "model": raw.get("model") or "",
+        }
+
+
+def _usage(response: ChatResponse) -> dict[str, Any]:
+    wire = response.raw.get("usage") if isinstance(response.raw, Mapping) else None
+    if isinstance(wire, Mapping):
+        return dict(wire)
+    usage = response.usage
+    if usage is None:
+        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }

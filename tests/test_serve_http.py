@@ -1,0 +1,378 @@
+"""The gateway server at the wire: routing, keys, headers, the status mapping of SPEC
+§8.5, and what a misbehaving client gets (raw sockets, real clock, loopback)."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import h11
+import pytest
+import trio
+
+import polygate
+from polygate.serve import open_server
+from polygate.testing import FakeUpstream, Reply
+
+from ._serve_kit import (
+    AUTH,
+    CHAT,
+    GATEWAY_KEY,
+    gateway,
+    http,
+    read_answer,
+    read_until_closed,
+    request_bytes,
+    settings_for,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+
+# --------------------------------------------------------------------------- routing, keys
+
+
+async def test_chat_json_carries_the_call_headers() -> None:
+    async with gateway(Reply(tokens=3)) as (server, upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    assert answer.status == 200
+    body = answer.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["content"]
+    h = answer.headers
+    assert h["x-polygate-source"] == "s0"
+    assert h["x-polygate-attempts"] == "1"
+    assert h["x-polygate-hedges"] == "0"
+    assert h["x-polygate-cached"] == "false"
+    # The id the upstream saw is the one the client gets: one logical call, one id.
+    assert upstream.requests[0].headers["x-polygate-call-id"] == h["x-polygate-call-id"]
+
+
+async def test_parameters_pass_through_and_the_alias_routes() -> None:
+    async with gateway(Reply(tokens=3)) as (server, upstream):
+        body = {**CHAT, "model": "gpt-4o", "temperature": 0.25, "max_tokens": 7,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                "vendor_extra": {"x": 1}}
+        answer = await http(server, "POST", "/v1/chat/completions", body, AUTH)
+    assert answer.status == 200
+    sent = upstream.requests[0].body
+    assert sent["temperature"] == 0.25
+    assert sent["max_tokens"] == 7
+    assert sent["tools"] == body["tools"]
+    assert sent["vendor_extra"] == {"x": 1}
+    assert sent["model"] == "m1"  # the source's model wins, as in the library
+
+
+@pytest.mark.parametrize(("headers", "status"), [
+    ({}, 401),
+    ({"authorization": "Bearer wrong-key"}, 401),
+    ({"authorization": f"Basic {GATEWAY_KEY}"}, 401),
+    ({"authorization": f"bearer {GATEWAY_KEY}"}, 200),
+])
+async def test_gateway_key_is_required(headers: dict[str, str], status: int) -> None:
+    async with gateway() as (server, upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT, headers)
+    assert answer.status == status
+    assert "x-polygate-call-id" in answer.headers
+    if status == 401:
+        assert answer.json()["error"]["code"] == "invalid_api_key"
+        assert GATEWAY_KEY not in answer.body.decode()
+        assert not upstream.requests
+
+
+async def test_a_request_without_a_key_is_refused_from_its_head() -> None:
+    """The server does not hold an unauthenticated client's body: 401 from the head."""
+    async with gateway() as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 5000000\r\n\r\n"
+            )
+            with trio.fail_after(5):
+                answer = await read_answer(stream)
+    assert answer.status == 401
+    assert answer.json()["error"]["code"] == "invalid_api_key"
+    assert answer.headers["connection"] == "close"
+
+
+async def test_health_needs_no_key_but_everything_else_does() -> None:
+    async with gateway() as (server, _):
+        assert (await http(server, "GET", "/healthz")).status == 200
+        assert (await http(server, "GET", "/readyz")).status == 200
+        for path in ("/metrics", "/v1/models"):
+            assert (await http(server, "GET", path)).status == 401
+            assert (await http(server, "GET", path, headers=AUTH)).status == 200
+
+
+async def test_models_lists_every_scope_and_alias() -> None:
+    async with gateway() as (server, _):
+        answer = await http(server, "GET", "/v1/models", headers=AUTH)
+        one = await http(server, "GET", "/v1/models/gpt-4o", headers=AUTH)
+        missing = await http(server, "GET", "/v1/models/nope", headers=AUTH)
+    assert sorted(m["id"] for m in answer.json()["data"]) == ["chat", "embed", "gpt-4o"]
+    assert one.json()["id"] == "gpt-4o"
+    assert missing.status == 404
+
+
+async def test_no_keys_configured_on_loopback_serves_openly() -> None:
+    async with gateway(serve=polygate.Serve()) as (server, _):
+        assert (await http(server, "POST", "/v1/chat/completions", CHAT)).status == 200
+
+
+async def test_refuses_a_public_address_without_keys() -> None:
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://127.0.0.1:9/v1")])}
+    )
+    with pytest.raises(polygate.ConfigError, match="api_keys"):
+        async with open_server(settings, host="0.0.0.0", port=0):
+            pass
+
+
+async def test_unknown_model_is_model_not_found() -> None:
+    async with gateway() as (server, upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", {**CHAT, "model": "gpt-9"}, AUTH)
+        missing = await http(server, "POST", "/v1/chat/completions", {"messages": CHAT["messages"]}, AUTH)
+    assert answer.status == 404
+    assert answer.json()["error"]["code"] == "model_not_found"
+    assert missing.status == 400
+    assert not upstream.requests
+
+
+async def test_unknown_path_and_wrong_method() -> None:
+    async with gateway() as (server, _):
+        assert (await http(server, "POST", "/v1/completions", CHAT, AUTH)).status == 404
+        wrong = await http(server, "GET", "/v1/chat/completions", headers=AUTH)
+    assert wrong.status == 405
+    assert wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+# --------------------------------------------------------------------------- bad bodies
+
+
+@pytest.mark.parametrize(("body", "code"), [
+    (b"{not json", "invalid_json"),
+    (b"[1, 2]", "invalid_json"),
+    (b'{"model": "chat", "messages": "hi"}', "invalid_request"),
+    (b'{"model": "chat"}', "invalid_request"),
+    (b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+     "invalid_request"),
+    (b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "scope": "embed"}',
+     "invalid_request"),
+])
+async def test_malformed_bodies_are_400(body: bytes, code: str) -> None:
+    async with gateway() as (server, upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", body, AUTH)
+    assert answer.status == 400
+    error = answer.json()["error"]
+    assert set(error) >= {"message", "type", "code"}
+    assert error["code"] == code
+    assert not upstream.requests
+
+
+async def test_oversize_body_is_413_before_it_is_read() -> None:
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_request_bytes=1000)
+    async with gateway(serve=serve) as (server, upstream):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            # Only the head: the server must answer from Content-Length alone.
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 5000000\r\n"
+                b"authorization: Bearer " + GATEWAY_KEY.encode() + b"\r\n\r\n"
+            )
+            answer = await read_answer(stream)
+        assert answer.status == 413
+        assert answer.json()["error"]["code"] == "request_too_large"
+        assert answer.headers["x-polygate-call-id"]  # every answer carries one
+        chunked = await _chunked_post(server.port, b"x" * 4000)
+    assert chunked.startswith(b"HTTP/1.1 413")
+    assert not upstream.requests
+
+
+async def _chunked_post(port: int, payload: bytes) -> bytes:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ntransfer-encoding: chunked\r\n"
+            b"authorization: Bearer " + GATEWAY_KEY.encode() + b"\r\n\r\n"
+            + b"%x\r\n" % len(payload) + payload + b"\r\n0\r\n\r\n"
+        )
+        return await read_until_closed(stream)
+
+
+async def test_malformed_request_line_is_400() -> None:
+    async with gateway() as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(b"THIS IS NOT HTTP\r\n\r\n")
+            data = await read_until_closed(stream)
+    assert data.startswith(b"HTTP/1.1 400")
+
+
+async def test_expect_100_continue_is_answered() -> None:
+    async with gateway() as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            body = json.dumps(CHAT).encode()
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\nexpect: 100-continue\r\n"
+                b"authorization: Bearer " + GATEWAY_KEY.encode() + b"\r\n"
+                b"content-length: %d\r\n\r\n" % len(body)
+            )
+            with trio.fail_after(5):
+                first = await stream.receive_some(65536)
+            assert first.startswith(b"HTTP/1.1 100")
+            await stream.send_all(body)
+            answer = await read_answer(stream)
+    assert answer.status == 200
+
+
+async def test_keep_alive_and_pipelining() -> None:
+    async with gateway(Reply(tokens=2)) as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            one = request_bytes("POST", "/v1/chat/completions", CHAT, AUTH)
+            await stream.send_all(one + one)  # two requests in one write
+            conn = h11.Connection(h11.CLIENT)
+            statuses = []
+            for _ in range(2):
+                conn.send(h11.Request(method="POST", target="/", headers=[
+                    ("host", "g"), ("content-length", "0")]))
+                conn.send(h11.EndOfMessage())
+                statuses.append((await read_answer(stream, conn)).status)
+                conn.start_next_cycle()
+    assert statuses == [200, 200]
+
+
+# --------------------------------------------------------------------------- slow clients
+
+
+async def test_slow_request_head_times_out() -> None:
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], header_timeout_s=0.3)
+    async with gateway(serve=serve) as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\n")
+            started = trio.current_time()
+            # A slowloris trickle: one header byte every 100 ms never completes the head.
+            async with trio.open_nursery() as nursery:
+                async def trickle() -> None:
+                    for _ in range(50):
+                        await trio.sleep(0.1)
+                        try:
+                            await stream.send_all(b"x")
+                        except trio.BrokenResourceError:
+                            return
+
+                nursery.start_soon(trickle)
+                data = await read_until_closed(stream)
+                nursery.cancel_scope.cancel()
+    assert data.startswith(b"HTTP/1.1 408")
+    assert trio.current_time() - started < 3
+
+
+async def test_slow_body_times_out() -> None:
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], body_timeout_s=0.3)
+    async with gateway(serve=serve) as (server, upstream):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 100\r\n"
+                b"authorization: Bearer " + GATEWAY_KEY.encode() + b"\r\n\r\n{"
+            )
+            data = await read_until_closed(stream)
+    assert data.startswith(b"HTTP/1.1 408")
+    assert not upstream.requests
+
+
+async def test_idle_keep_alive_connection_is_closed() -> None:
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], idle_timeout_s=0.3)
+    async with gateway(serve=serve) as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(request_bytes("GET", "/healthz"))
+            await read_answer(stream)
+            started = trio.current_time()
+            rest = await read_until_closed(stream)  # the server hangs up, silently
+    assert rest == b""
+    assert 0.2 < trio.current_time() - started < 3
+
+
+async def test_connection_cap_answers_503() -> None:
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=2)
+    async with gateway(serve=serve) as (server, _):
+        held = [await trio.open_tcp_stream("127.0.0.1", server.port) for _ in range(2)]
+        await wait_for(lambda: server.statistics().connections == 2)
+        extra = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with extra:
+            data = await read_until_closed(extra)
+        for stream in held:
+            await stream.aclose()
+        await wait_for(lambda: server.statistics().connections == 0)
+        after = await http(server, "GET", "/healthz")
+    assert data.startswith(b"HTTP/1.1 503")
+    assert b"too_many_connections" in data
+    assert b"x-polygate-call-id: " in data
+    assert after.status == 200
+
+
+# --------------------------------------------------------------------------- status mapping
+
+
+async def test_fatal_upstream_error_is_400() -> None:
+    reply = Reply(status=400, error_body={"error": {"message": "bad tools", "type": "invalid_request_error"}})
+    async with gateway(reply) as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    assert answer.status == 400
+    assert answer.json()["error"]["code"] == "upstream_rejected"
+    assert "bad tools" in answer.json()["error"]["message"]
+    assert "sk-upstream-key" not in answer.body.decode()
+
+
+async def test_every_source_rate_limited_is_429_with_retry_after() -> None:
+    async with gateway(Reply(status=429, retry_after_s=7), sources=2,
+                       retry=polygate.Retry(rate_limit_wait_s=0.5)) as (server, upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        # The sources are now cooling down: the next call is refused at admission,
+        # without an attempt, and still says when to come back.
+        again = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    assert answer.status == 429
+    assert answer.json()["error"]["type"] == "rate_limit_error"
+    assert 6 <= int(answer.headers["retry-after"]) <= 7
+    assert again.status == 429
+    assert 1 <= int(again.headers["retry-after"]) <= 7
+    assert len(upstream.requests) == 2
+
+
+async def test_sources_exhausted_is_502() -> None:
+    async with gateway(Reply(status=500), retry=polygate.Retry(max_attempts=2, backoff_base_s=0)) as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    assert answer.status == 502
+    assert answer.json()["error"]["code"] == "sources_exhausted"
+    assert answer.headers["x-polygate-attempts"] == "2"
+
+
+async def test_deadline_is_504() -> None:
+    async with gateway(Reply(first_token_s=10), call_deadline_s=0.3) as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    assert answer.status == 504
+    assert answer.json()["error"]["code"] == "deadline_exceeded"
+
+
+async def test_rpm_quota_full_is_429() -> None:
+    """One source with rpm=1: the second call cannot be admitted before its deadline."""
+    fake = FakeUpstream(Reply(tokens=1))
+    async with fake.serve() as url:
+        settings = settings_for(url, call_deadline_s=1.0)
+        chat = settings.scopes["chat"]
+        limited = attrs.evolve(settings, scopes={
+            **settings.scopes,
+            "chat": attrs.evolve(chat, sources=[attrs.evolve(chat.sources[0], rpm=1)]),
+        })
+        async with open_server(limited, port=0) as server:
+            first = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+            second = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    assert first.status == 200
+    assert second.status == 429
+    assert 50 <= int(second.headers["retry-after"]) <= 60
+    assert len(fake.requests) == 1

@@ -1,0 +1,157 @@
+"""``polygate serve`` as a process: start-up, the SIGTERM drain (calls in flight finish,
+new connections are refused), the grace period's end (what is left is cancelled and
+told why), SIGHUP reload, and refusing an unsafe address.  Real clock, generous
+margins: the server runs in its own process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from polygate.testing import FakeUpstream, Reply
+
+from ._serve_kit import (
+    AUTH,
+    CHAT,
+    GATEWAY_KEY,
+    _Port,
+    http,
+    read_until_closed,
+    request_bytes,
+    serve_process,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def write_config(path: Path, upstream: str, *, grace_s: float = 30, alias: str = "gpt-4o") -> Path:
+    path.write_text(
+        f'[serve]\napi_keys = ["{GATEWAY_KEY}"]\ngrace_s = {grace_s}\n'
+        f'[serve.models]\n"{alias}" = "chat"\n\n'
+        f'[scopes.chat.sources.a]\nbase_url = "{upstream}"\nmodel = "m1"\n'
+    )
+    return path
+
+
+async def test_sigterm_drains_calls_in_flight(tmp_path: Path) -> None:
+    upstream = FakeUpstream(Reply(tokens=10, inter_token_s=0.1))  # a call takes ~1 s
+    async with upstream.serve() as url, serve_process(write_config(tmp_path / "c.toml", url)) as srv:
+        results: dict[str, object] = {}
+
+        async def call(name: str, stream: bool) -> None:
+            results[name] = await http(
+                _Port(srv.port), "POST", "/v1/chat/completions", {**CHAT, "stream": stream}, AUTH)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, "json", False)
+            nursery.start_soon(call, "stream", True)
+            await wait_for(lambda: upstream.in_flight == 2, limit_s=10)
+            srv.proc.send_signal(signal.SIGTERM)
+            # The listener closes at once: a new connection is refused.
+            with trio.fail_after(5):
+                while True:
+                    try:
+                        probe = await trio.open_tcp_stream("127.0.0.1", srv.port)
+                    except OSError:
+                        break
+                    await probe.aclose()
+                    await trio.sleep(0.02)
+        with trio.fail_after(10):
+            code = await srv.proc.wait()
+    assert code == 0
+    json_answer, stream_answer = results["json"], results["stream"]
+    assert json_answer.status == 200  # type: ignore[attr-defined]
+    assert json_answer.headers["connection"] == "close"  # type: ignore[attr-defined]
+    assert stream_answer.status == 200  # type: ignore[attr-defined]
+    assert stream_answer.body.endswith(b"data: [DONE]\n\n")  # type: ignore[attr-defined]
+    assert [r.outcome for r in upstream.requests] == ["complete", "complete"]
+
+
+async def test_grace_period_end_cancels_what_is_left(tmp_path: Path) -> None:
+    upstream = FakeUpstream(Reply(first_token_s=60))
+    async with upstream.serve() as url:
+        config = write_config(tmp_path / "c.toml", url, grace_s=0.5)
+        async with serve_process(config) as srv:
+            client = await trio.open_tcp_stream("127.0.0.1", srv.port)
+            async with client:
+                await client.send_all(request_bytes("POST", "/v1/chat/completions", CHAT, AUTH))
+                await wait_for(lambda: upstream.in_flight == 1, limit_s=10)
+                signalled = trio.current_time()
+                srv.proc.send_signal(signal.SIGTERM)
+                answer = await read_until_closed(client, limit_s=10)
+                await wait_for(lambda: upstream.in_flight == 0, limit_s=10)
+                cut_after = upstream.requests[0].ended_at - signalled
+            with trio.fail_after(10):
+                assert await srv.proc.wait() == 0
+    assert answer.startswith(b"HTTP/1.1 503")
+    assert b"shutting_down" in answer
+    assert upstream.requests[0].outcome == "client_closed"
+    assert 0.4 < cut_after < 5
+
+
+async def test_sighup_reloads_without_dropping_a_call(tmp_path: Path) -> None:
+    upstream = FakeUpstream(Reply(tokens=10, inter_token_s=0.1))
+    async with upstream.serve() as url:
+        config = write_config(tmp_path / "c.toml", url, alias="old-name")
+        async with serve_process(config) as srv:
+            port = _Port(srv.port)
+            body = {**CHAT, "model": "old-name"}
+            async with trio.open_nursery() as nursery:
+                results = []
+
+                async def slow_call() -> None:
+                    results.append(await http(port, "POST", "/v1/chat/completions", body, AUTH))
+
+                nursery.start_soon(slow_call)
+                await wait_for(lambda: upstream.in_flight == 1, limit_s=10)
+                write_config(config, url, alias="new-name")
+                srv.proc.send_signal(signal.SIGHUP)
+                with trio.fail_after(10):
+                    while (await http(port, "GET", "/v1/models/new-name", headers=AUTH)).status != 200:  # noqa: ASYNC110
+                        await trio.sleep(0.05)
+                assert (await http(port, "GET", "/v1/models/old-name", headers=AUTH)).status == 404
+            assert results[0].status == 200  # the call that started before the reload
+            # An invalid file is refused; the configuration in force stays.
+            config.write_text("[scopes.chat.sources.a]\nbase_url = 42\n")
+            srv.proc.send_signal(signal.SIGHUP)
+            await trio.sleep(0.5)
+            assert (await http(port, "GET", "/v1/models/new-name", headers=AUTH)).status == 200
+            srv.proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(10):
+                assert await srv.proc.wait() == 0
+            assert srv.proc.stderr is not None
+            err = await srv.proc.stderr.receive_some(65536)
+    assert b"reload refused" in err
+
+
+def test_refuses_a_public_address_without_keys(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[scopes.chat.sources.a]\nbase_url = "http://127.0.0.1:9/v1"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "polygate", "serve", "--config", str(config), "--host", "0.0.0.0",
+         "--port", "0"], capture_output=True, text=True, timeout=30,
+    )
+    assert done.returncode == 2
+    assert "api_keys" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_bad_configuration_exits_2_without_echoing_a_key(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[serve]\napi_keys = ["has a space-SECRET"]\n'
+        '[scopes.chat.sources.a]\nbase_url = "http://127.0.0.1:9/v1"\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "polygate", "serve", "--config", str(config)],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert done.returncode == 2
+    assert "serve.api_keys" in done.stderr
+    assert "SECRET" not in done.stderr + done.stdout

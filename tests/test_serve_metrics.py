@@ -1,0 +1,65 @@
+"""``GET /metrics``: valid Prometheus text (read back with prometheus-client's own
+parser), the gateway's counters, and the session's statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import polygate
+from polygate.testing import Reply
+
+from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, http
+
+pytestmark = pytest.mark.integration
+
+
+def samples(text: str) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def value(found: dict[str, list[Any]], name: str, **labels: str) -> float:
+    matching = [s.value for s in found.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(matching) == 1, (name, labels, found.get(name))
+    return float(matching[0])
+
+
+async def test_exposition_parses_and_counts() -> None:
+    async with gateway(Reply(tokens=2)) as (server, _):
+        for _ in range(3):
+            assert (await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status == 200
+        await http(server, "POST", "/v1/chat/completions", {**CHAT, "model": "nope"}, AUTH)
+        answer = await http(server, "GET", "/metrics", headers=AUTH)
+    assert answer.status == 200
+    assert answer.headers["content-type"].startswith("text/plain")
+    found = samples(answer.body.decode())
+    chat = "/v1/chat/completions"
+    assert value(found, "polygate_serve_requests_total", endpoint=chat, status="200") == 3
+    assert value(found, "polygate_serve_requests_total", endpoint=chat, status="404") == 1
+    assert value(found, "polygate_serve_request_duration_seconds_count", endpoint=chat) == 4
+    assert value(found, "polygate_serve_calls_total", scope="chat", source="s0", result="ok") == 3
+    assert value(found, "polygate_serve_call_attempts_total", scope="chat") == 3
+    # The session's side, read from Session.statistics() at the scrape.
+    assert value(found, "polygate_source_in_flight", scope="chat", source="s0") == 0
+    assert value(found, "polygate_source_admissions_total", scope="chat", source="s0") == 3
+    assert value(found, "polygate_source_breaker_state", scope="chat", source="s0", state="closed") == 1
+    assert value(found, "polygate_serve_requests_in_flight") == 1  # the scrape itself
+
+
+async def test_no_key_leaks_into_metrics() -> None:
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], models={"gpt-4o": "chat"})
+    async with gateway(Reply(status=401), serve=serve) as (server, _):
+        await http(server, "POST", "/v1/chat/completions", CHAT, {"authorization": "Bearer guess"})
+        await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        text = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
+    assert GATEWAY_KEY not in text
+    assert "guess" not in text
+    assert "sk-upstream-key" not in text
+    found = samples(text)
+    assert value(found, "polygate_source_dead", scope="chat", source="s0") == 1
