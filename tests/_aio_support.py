@@ -18,9 +18,11 @@ from polygate.testing import FakeUpstream
 
 from .conftest import SECRET
 
-#: anyio's pytest plugin runs the asyncio tests; on plain asyncio and on uvloop.
+#: anyio's pytest plugin runs the asyncio tests; on plain asyncio and on uvloop.  The
+#: loop class is named: importing trio_asyncio (anywhere in the process) replaces
+#: what ``asyncio.new_event_loop()`` returns.
 BACKENDS = [
-    pytest.param(("asyncio", {}), id="asyncio"),
+    pytest.param(("asyncio", {"loop_factory": asyncio.SelectorEventLoop}), id="asyncio"),
     pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
 ]
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -38,6 +39,9 @@ import outcome
 import trio
 
 from .. import PolygateError
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["Host", "acquire", "resolve"]
 
@@ -52,7 +56,7 @@ def resolve(fut: asyncio.Future[Any], result: outcome.Outcome[Any]) -> None:
         return
     if isinstance(result, outcome.Value):
         fut.set_result(result.value)
-    else:
+    elif isinstance(result, outcome.Error):
         fut.set_exception(result.error)
 
 

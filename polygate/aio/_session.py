@@ -67,8 +67,17 @@ _CLOSED_IN_FLIGHT = "the session was closed while this call was in flight"
 class _Job:
     """One bridged call: the asyncio future its caller awaits, and its trio side."""
 
-    __slots__ = ("args", "context", "cancel_requested", "done", "fn", "fut", "kwargs",
-                 "scope", "waiter")
+    __slots__ = (
+        "args",
+        "cancel_requested",
+        "context",
+        "done",
+        "fn",
+        "fut",
+        "kwargs",
+        "scope",
+        "waiter",
+    )
 
     def __init__(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
                  kwargs: dict[str, Any], fut: asyncio.Future[Any]) -> None:
@@ -100,7 +109,7 @@ def _forward(
 
     functools.update_wrapper(forward, method)
     forward.__qualname__ = f"Session.{method.__name__}"
-    forward.__module__ = __name__
+    forward.__module__ = "polygate.aio"
     return forward
 
 
@@ -114,7 +123,7 @@ def _forward_stream(
 
     functools.update_wrapper(forward, method)
     forward.__qualname__ = f"Session.{method.__name__}"
-    forward.__module__ = __name__
+    forward.__module__ = "polygate.aio"
     return forward
 
 
@@ -136,10 +145,12 @@ class Session:
     def settings(self) -> Settings:
         return self._session.settings
 
-    chat = _forward(polygate.Session.chat)
-    embed = _forward(polygate.Session.embed)
+    # One line per method.  (mypy wants a positional-only ``self`` for Concatenate and
+    # says so, yet infers the exact signature: hence the ignores.)
+    chat = _forward(polygate.Session.chat)  # type: ignore[arg-type]
+    embed = _forward(polygate.Session.embed)  # type: ignore[arg-type]
     statistics = _forward(polygate.Session.statistics)
-    stream_chat = _forward_stream(polygate.Session.stream_chat)
+    stream_chat = _forward_stream(polygate.Session.stream_chat)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
         # Public methods of polygate.Session without a line above (new ones).
