@@ -245,8 +245,7 @@ class _Owner:
         # The caller's context variables (request ids, the current span) go with it.
         job.context.run(self.calls.start_soon, self._run_job, job)
 
-    @staticmethod
-    async def _run_job(job: _Job) -> None:
+    async def _run_job(self, job: _Job) -> None:
         try:
             with trio.CancelScope() as scope:
                 job.scope = scope
@@ -264,6 +263,7 @@ class _Owner:
             resolve(job.fut, outcome.Error(PolygateError(_CLOSED_IN_FLIGHT)))
             if job.waiter is not None:
                 resolve(job.waiter, outcome.Value(None))
+            self.host.linger()
 
 
 # --------------------------------------------------------------------------- streams
