@@ -89,6 +89,27 @@ async def test_a_new_session_method_needs_no_line(monkeypatch: pytest.MonkeyPatc
         assert s.settings is not None  # a property is read as it is
 
 
+@pytest.mark.skipif(not hasattr(polygate.Session, "ocr"), reason="no Session.ocr in this build")
+async def test_ocr_is_reachable_without_a_line_of_its_own() -> None:
+    up = fake(Reply(text="the page's text"))
+    source = polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET, model="vision")
+    settings = polygate.Settings(scopes={"ocr": polygate.Scope(sources=[source])})
+    async with polygate.aio.session(settings, transport=up.transport()) as s:
+        r = await s.ocr("https://example.com/scans/page-1.png")
+        assert r.text == "the page's text" and r.call_stats.attempts == 1
+        with pytest.raises(polygate.ConfigError):
+            await s.ocr(b"not an image")
+
+
+@pytest.mark.skipif(not hasattr(polygate, "StructuredOutputError"), reason="no schema= in this build")
+async def test_structured_output_through_the_bridge() -> None:
+    up = fake(Reply(text='{"city": "Paris"}'))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        r = await s.chat(messages("where?"), schema=schema)
+        assert r.parsed == {"city": "Paris"}  # type: ignore[attr-defined]
+
+
 # --------------------------------------------------------------------------- results
 
 
