@@ -169,6 +169,35 @@ def run_config(config: str, urls: tuple[str, str], plan: list[tuple[str, int]]) 
     return asyncio.run(asyncio_block(urls, plan))
 
 
+def thread_round_trip_us(n: int = 2000) -> float:
+    """Median time of one round trip main thread -> another thread -> main thread
+    through a socketpair (two context switches, two GIL hand-offs): the unit a guest
+    run pays when trio waits for I/O in its helper thread, measured on this machine
+    in this run."""
+    import socket
+    import threading
+
+    a, b = socket.socketpair()
+
+    def echo() -> None:
+        while (data := b.recv(1)) not in (b"", b"q"):
+            b.send(data)
+
+    thread = threading.Thread(target=echo)
+    thread.start()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        a.send(b"x")
+        a.recv(1)
+        times.append(time.perf_counter() - t0)
+    a.send(b"q")
+    thread.join()
+    a.close()
+    b.close()
+    return median(times) * 1e6
+
+
 def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Medians over rounds of each figure, and of each ratio taken within a round."""
     med: dict[str, Any] = {}
@@ -261,6 +290,7 @@ def main() -> None:
             order = CONFIGS[i % 3:] + CONFIGS[: i % 3]
             rounds.append({c: run_config(c, urls, plan) for c in order})
     summary = summarise(rounds)
+    summary["thread_round_trip_us"] = thread_round_trip_us()
     med, rat = summary["median"], summary["ratios"]
     print(f"{'median of rounds':<34}" + "".join(f"{c:>12}" for c in CONFIGS))
     rows = [("sequential", "median_us", "sequential µs/call"), ("sequential", "p99_us", "sequential p99 µs"),
@@ -273,6 +303,7 @@ def main() -> None:
     for key in rat["asyncio"]:
         if key != "spread":
             print(f"{key:<34}" + "".join(f"{rat[c][key]:>12.2f}" for c in CONFIGS[1:]))
+    print(f"{'one thread round trip µs (here)':<34}{summary['thread_round_trip_us']:>12.0f}")
     checks = {}
     for config in ("asyncio", "uvloop"):
         checks[f"{config}: added time per call <= 30 µs"] = (rat[config]["added_us_per_call"], 30.0, "<=")

@@ -313,7 +313,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    counts = {"warmup": 50, "sequential": 1500, "concurrent": 6000, "streams": 100, "cancels": 40}
+    counts = {"warmup": 50, "sequential": 600, "concurrent": 3000, "streams": 40, "cancels": 20}
     if args.quick:
         counts = {"warmup": 10, "sequential": 100, "concurrent": 500, "streams": 10, "cancels": 5}
         args.repeats = 1

@@ -546,6 +546,27 @@ def test_loop_closed_under_an_open_session_is_finished_later(kind: str) -> None:
     assert not trio.lowlevel.in_trio_run()
 
 
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_loop_closed_with_a_trio_tick_queued(kind: str) -> None:
+    """Right after a result, trio's next tick sits in the loop's queue (the linger);
+    closing the loop drops it, and the rescue must run it again."""
+    loop = _new_loop(kind)
+    cm = polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport())
+    s = loop.run_until_complete(cm.__aenter__())
+    assert loop.run_until_complete(s.chat(messages("x"))).text
+    loop.close()
+
+    async def reopen() -> None:
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s2:
+            assert (await s2.chat(messages("y"))).text
+
+    t0 = time.monotonic()
+    with pytest.warns(ResourceWarning):
+        _run(reopen(), kind)
+    assert time.monotonic() - t0 < 5  # not the rescue's time limit
+    assert not trio.lowlevel.in_trio_run()
+
+
 def test_sessions_on_loops_in_other_threads() -> None:
     """Each thread's loop gets its own trio run."""
     results: list[str] = []

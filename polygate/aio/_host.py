@@ -92,6 +92,7 @@ class Host:
         self._queued: set[_Queued] = set()
         self._orphans: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._rescuing = False
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------ asyncio side
 
@@ -194,19 +195,18 @@ class Host:
     # The loop's own queues, with a record of what has not run yet (see _queued).
 
     def _post(self, fn: Callable[[], object]) -> None:
-        if self._rescuing:
-            self._orphans.put(fn)
-            return
-        item = _Queued(fn, self._queued)
-        self._queued.add(item)
-        self.loop.call_soon(item)
+        self._post_threadsafe(fn, threadsafe=False)
 
-    def _post_threadsafe(self, fn: Callable[[], object]) -> None:
-        if self._rescuing:
-            self._orphans.put(fn)
+    def _post_threadsafe(self, fn: Callable[[], object], *, threadsafe: bool = True) -> None:
+        with self._lock:  # against rescue() taking its snapshot
+            if self._rescuing:
+                self._orphans.put(fn)
+                return
+            item = _Queued(fn, self._queued)
+            self._queued.add(item)
+        if not threadsafe:
+            self.loop.call_soon(item)
             return
-        item = _Queued(fn, self._queued)
-        self._queued.add(item)
         try:
             self.loop.call_soon_threadsafe(item)
         except RuntimeError:  # the loop is closed: the rescue will run it
@@ -222,10 +222,12 @@ class Host:
         cancelled (their calls settle, their connections close), and trio's ticks
         are driven from a plain queue until the run has finished.
         """
-        self._rescuing = True
-        for item in list(self._queued):
-            self._orphans.put(item)
-        self._queued.clear()
+        with self._lock:
+            self._rescuing = True
+            dropped = [item.fn for item in self._queued]
+            self._queued.clear()
+        for fn in dropped:
+            self._orphans.put(fn)
         if self.token is not None and self._nursery is not None:
             nursery = self._nursery
             self.token.run_sync_soon(nursery.cancel_scope.cancel)
