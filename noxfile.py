@@ -59,5 +59,5 @@ def bench(session: nox.Session) -> None:
     """The benchmarks in quick mode (tiny counts); results go to benchmarks/results/.
     The ``bench`` extra brings the peers that ``peers.py`` measures (openai, litellm)."""
     session.install("-e", ".[bench]")
-    for script in ("overhead.py", "tail_replay.py", "peers.py", "scale.py", "aio.py"):
+    for script in ("overhead.py", "tail_replay.py", "peers.py", "scale.py"):
         session.run("python", f"benchmarks/{script}", "--quick", *session.posargs)
