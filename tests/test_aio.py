@@ -34,7 +34,7 @@ from ._aio_support import (
     settings_for,
     wait_until,
 )
-from .conftest import SECRET
+from .conftest import ROOT, SECRET
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -565,6 +565,41 @@ def test_loop_closed_with_a_trio_tick_queued(kind: str) -> None:
         _run(reopen(), kind)
     assert time.monotonic() - t0 < 5  # not the rescue's time limit
     assert not trio.lowlevel.in_trio_run()
+
+
+_CTRL_C = """
+import asyncio, os, signal, sys, threading
+import polygate.aio, trio
+from polygate.testing import FakeUpstream, Reply
+from tests._aio_support import messages, settings_for
+
+up = FakeUpstream(Reply(headers_delay_s=3600))
+
+async def main():
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        await s.chat(messages("x"))
+
+try:
+    if sys.argv[1] == "asyncio.run":
+        asyncio.run(main())
+    else:  # no asyncio.run: nobody handles SIGINT but Python's default (and trio's)
+        asyncio.SelectorEventLoop().run_until_complete(main())
+except KeyboardInterrupt:
+    print(up.statistics().client_closed, up.in_flight, trio.lowlevel.in_trio_run(),
+          signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+@pytest.mark.parametrize("how", ["asyncio.run", "run_until_complete"])
+def test_ctrl_c_ends_the_program_after_settling(how: str) -> None:
+    """Ctrl-C during a call: KeyboardInterrupt ends the program as usual, the call's
+    upstream connection is closed first, and the signal handler is left as found."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _CTRL_C, how], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.stdout.split() == ["1", "0", "False", "True"], done.stdout + done.stderr
 
 
 def test_sessions_on_loops_in_other_threads() -> None:
