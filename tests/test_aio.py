@@ -622,6 +622,31 @@ def test_sessions_on_loops_in_other_threads() -> None:
     assert sorted(results) == ["t0", "t1", "t2"]
 
 
+def test_a_session_used_from_another_loop_says_so() -> None:
+    async def main() -> None:
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
+            errors: list[BaseException] = []
+
+            def elsewhere() -> None:
+                try:
+                    _run(s.chat(messages("x")))
+                except BaseException as exc:
+                    errors.append(exc)
+                try:
+                    s.stream_chat(messages("x"))  # no running loop in this thread now
+                except BaseException as exc:
+                    errors.append(exc)
+
+            thread = threading.Thread(target=elsewhere)
+            thread.start()
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
+            assert [type(e) for e in errors] == [polygate.PolygateError] * 2
+            assert all("another event loop" in str(e) for e in errors)
+            assert (await s.chat(messages("x"))).text  # still fine on its own loop
+
+    _run(main())
+
+
 def test_secret_never_in_repr() -> None:
     async def main() -> str:
         async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:

@@ -99,9 +99,13 @@ class Host:
     def submit(self, fn: Callable[..., object], *args: Any) -> None:
         self._batch.append((fn, args))
         if not self._wake_pending:
-            self._wake_pending = True
             assert self.token is not None
-            self.token.run_sync_soon(self._drain)
+            try:
+                self.token.run_sync_soon(self._drain)
+            except trio.RunFinishedError:
+                self._batch.clear()
+                raise PolygateError("polygate's trio run has ended (its loop is shutting down)") from None
+            self._wake_pending = True
 
     def _drain(self) -> None:
         # trio context (the run's entry queue); same thread as the asyncio side.

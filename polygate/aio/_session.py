@@ -178,6 +178,13 @@ class Session:
     def _check_open(self) -> None:
         if self._owner.closing:
             raise PolygateError(_CLOSED)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise PolygateError("this session belongs to another event loop (or thread); "
+                                "open one per loop")
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
