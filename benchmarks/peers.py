@@ -10,6 +10,11 @@ loops are its own:
 * ``c64`` / ``c256``: non-streamed calls, 64 / 256 at a time (throughput);
 * ``streams``: streams of 200 chunks one after another (per-stream time).
 
+From asyncio (``asyncio.run``, the same loop for each): ``aio`` (``polygate.aio``,
+polygate as a trio guest on the asyncio loop, the same settings as ``polygate``),
+``openai-asyncio`` (``openai.AsyncOpenAI`` on asyncio) and ``litellm-async``
+(``litellm.acompletion``, no Router).
+
 Clients: ``httpx`` (a raw ``httpx.AsyncClient`` under trio), ``polygate``
 (admission limits that never bind, hedging configured but not triggering; plain JSON
 sources for the non-streamed workloads so every client sends the same request),
@@ -43,7 +48,10 @@ from urllib.parse import urlsplit
 
 from _common import fake_server, machine, median, quantile, write_result
 
-CLIENTS = ("httpx", "polygate", "openai", "litellm", "floor")
+CLIENTS = ("httpx", "polygate", "openai", "litellm", "floor", "aio", "openai-asyncio",
+           "litellm-async")
+#: The asyncio peers of polygate.aio: the same asyncio loop for all three.
+ASYNCIO_PEERS = ("openai-asyncio", "litellm-async")
 WORKLOADS = ("sequential", "c64", "c256", "streams")
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 JSON_PARAMS: dict[str, Any] = {"model": "m", "max_tokens": 8}
@@ -161,6 +169,55 @@ async def client_polygate(url: str, counts: dict[str, int]) -> dict[str, Any]:
         return await _run_all(_trio_workload, call, stream, counts)
 
 
+async def client_aio(url: str, counts: dict[str, int]) -> dict[str, Any]:
+    """polygate.aio from asyncio: the same calls as client_polygate."""
+    import polygate.aio
+
+    async with polygate.aio.session(_polygate_settings(url, streaming=False)) as plain, \
+            polygate.aio.session(_polygate_settings(url, streaming=True)) as streamed:
+
+        async def call() -> None:
+            response = await plain.chat(MESSAGES, max_tokens=8)
+            assert response.text
+
+        async def stream() -> None:
+            n = 0
+            async with streamed.stream_chat(MESSAGES) as chunks:
+                async for _ in chunks:
+                    n += 1
+            assert n >= 200
+
+        return await _run_all(_asyncio_workload, call, stream, counts)
+
+
+async def client_openai_asyncio(url: str, counts: dict[str, int]) -> dict[str, Any]:
+    """openai.AsyncOpenAI on asyncio (client_openai runs it under trio)."""
+    return await client_openai(url, counts, workload=_asyncio_workload)
+
+
+async def client_litellm_acompletion(url: str, counts: dict[str, int]) -> dict[str, Any]:
+    """litellm.acompletion on asyncio, no Router: its lightest path."""
+    import litellm
+
+    litellm.telemetry = False
+    litellm.suppress_debug_info = True
+    kw = {"model": "openai/m", "api_base": url, "api_key": API_KEY, "max_retries": 0}
+
+    async def call() -> None:
+        r = await litellm.acompletion(messages=MESSAGES, max_tokens=8, **kw)
+        assert r.choices[0].message.content
+
+    async def stream() -> None:
+        n = 0
+        chunks = await litellm.acompletion(messages=MESSAGES, stream=True,
+                                           stream_options={"include_usage": True}, **kw)
+        async for _ in chunks:
+            n += 1
+        assert n >= 200
+
+    return await _run_all(_asyncio_workload, call, stream, counts)
+
+
 async def client_httpx(url: str, counts: dict[str, int]) -> dict[str, Any]:
     import httpx
     from httpx_sse import EventSource
@@ -191,7 +248,10 @@ async def client_httpx(url: str, counts: dict[str, int]) -> dict[str, Any]:
         return await _run_all(_trio_workload, call, stream, counts)
 
 
-async def client_openai(url: str, counts: dict[str, int]) -> dict[str, Any]:
+async def client_openai(
+    url: str, counts: dict[str, int],
+    workload: Callable[[Call, int, int], Awaitable[dict[str, float]]] = _trio_workload,
+) -> dict[str, Any]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=60)
@@ -211,7 +271,7 @@ async def client_openai(url: str, counts: dict[str, int]) -> dict[str, Any]:
                 n += 1
             assert n >= 200
 
-        return await _run_all(_trio_workload, call, stream, counts)
+        return await _run_all(workload, call, stream, counts)
     finally:
         await client.close()
 
@@ -290,6 +350,9 @@ RUNNERS: dict[str, tuple[str, Callable[[str, dict[str, int]], Awaitable[dict[str
     "openai": ("trio", client_openai),
     "litellm": ("asyncio", client_litellm),
     "floor": ("asyncio", client_floor),
+    "aio": ("asyncio", client_aio),
+    "openai-asyncio": ("asyncio", client_openai_asyncio),
+    "litellm-async": ("asyncio", client_litellm_acompletion),
 }
 
 
@@ -349,6 +412,12 @@ def ratios(run: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, floa
                 "overhead_median_us": r["median_us"] - b["median_us"],
                 "overhead_p99_us": r["p99_us"] - b["p99_us"],
             }
+            if client == "aio":
+                for peer in (*ASYNCIO_PEERS, "polygate"):
+                    if peer in run:
+                        per[w][f"throughput_vs_{peer}"] = _ratio(
+                            r["calls_per_s"], run[peer][w]["calls_per_s"])
+                        per[w][f"time_vs_{peer}"] = _ratio(r["median_us"], run[peer][w]["median_us"])
             if client == "polygate":
                 for peer in ("openai", "litellm", "floor"):
                     if peer in run:
@@ -371,21 +440,36 @@ def _median_tree(trees: list[Any]) -> Any:
 
 
 def targets(med: dict[str, Any], rat: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    pg = rat["polygate"]
-    checks: dict[str, tuple[float, str, float]] = {
-        "c64 throughput >= 3x raw httpx": (pg["c64"]["throughput_vs_httpx"], ">=", 3.0),
-        "c256 throughput >= 3x raw httpx": (pg["c256"]["throughput_vs_httpx"], ">=", 3.0),
-        "c64 throughput >= 0.3x floor": (pg["c64"].get("throughput_vs_floor", float("nan")), ">=", 0.3),
-        "c256 throughput >= 0.3x floor": (pg["c256"].get("throughput_vs_floor", float("nan")), ">=", 0.3),
-        "sequential per-call <= 0.8x raw httpx": (pg["sequential"]["time_vs_httpx"], "<=", 0.8),
-    }
-    for peer in ("openai", "litellm"):
-        if peer not in med:
-            continue
-        for w in WORKLOADS:
-            key = "throughput" if w.startswith("c") else "time"
-            value = pg[w][f"{key}_vs_{peer}"]
-            checks[f"{w}: faster than {peer}"] = (value, ">" if key == "throughput" else "<", 1.0)
+    checks: dict[str, tuple[float, str, float]] = {}
+    if "polygate" in rat:
+        pg = rat["polygate"]
+        checks.update({
+            "c64 throughput >= 3x raw httpx": (pg["c64"]["throughput_vs_httpx"], ">=", 3.0),
+            "c256 throughput >= 3x raw httpx": (pg["c256"]["throughput_vs_httpx"], ">=", 3.0),
+            "sequential per-call <= 0.8x raw httpx": (pg["sequential"]["time_vs_httpx"], "<=", 0.8),
+        })
+        if "floor" in med:
+            checks["c64 throughput >= 0.3x floor"] = (pg["c64"]["throughput_vs_floor"], ">=", 0.3)
+            checks["c256 throughput >= 0.3x floor"] = (pg["c256"]["throughput_vs_floor"], ">=", 0.3)
+        for peer in ("openai", "litellm"):
+            if peer not in med:
+                continue
+            for w in WORKLOADS:
+                key = "throughput" if w.startswith("c") else "time"
+                value = pg[w][f"{key}_vs_{peer}"]
+                checks[f"{w}: faster than {peer}"] = (value, ">" if key == "throughput" else "<", 1.0)
+    if "aio" in rat:
+        aio = rat["aio"]
+        for peer in ASYNCIO_PEERS:
+            if peer not in med:
+                continue
+            for w in WORKLOADS:
+                key = "throughput" if w.startswith("c") else "time"
+                value = aio[w][f"{key}_vs_{peer}"]
+                checks[f"aio {w}: faster than {peer}"] = (value, ">" if key == "throughput" else "<", 1.0)
+        if "polygate" in med:
+            checks["aio c64 throughput >= 0.9x polygate (trio)"] = (
+                aio["c64"]["throughput_vs_polygate"], ">=", 0.9)
     out = {}
     for name, (value, op, bound) in checks.items():
         met = {">=": value >= bound, "<=": value <= bound, ">": value > bound, "<": value < bound}[op]
@@ -395,22 +479,22 @@ def targets(med: dict[str, Any], rat: dict[str, Any]) -> dict[str, dict[str, Any
 
 def report(med: dict[str, Any], rat: dict[str, Any], checks: dict[str, Any]) -> None:
     clients = list(med)
-    print(f"\n{'per call (median of repeats)':<30}" + "".join(f"{c:>12}" for c in clients))
+    print(f"\n{'per call (median of repeats)':<30}" + "".join(f"{c:>15}" for c in clients))
     rows = [("sequential", "median_us", "µs median"), ("sequential", "p99_us", "µs p99"),
             ("sequential", "cpu_us", "cpu µs/call"),
             ("c64", "calls_per_s", "calls/s"), ("c64", "cpu_us", "cpu µs/call"),
             ("c256", "calls_per_s", "calls/s"), ("c256", "cpu_us", "cpu µs/call"),
             ("streams", "median_us", "µs median"), ("streams", "p99_us", "µs p99")]
     for w, key, label in rows:
-        print(f"{w + ' ' + label:<30}" + "".join(f"{med[c][w][key]:>12.0f}" for c in clients))
-    print(f"{'peak RSS MB':<30}" + "".join(f"{med[c]['peak_rss_mb']:>12.1f}" for c in clients))
-    print(f"\n{'ratio to raw httpx':<30}" + "".join(f"{c:>12}" for c in clients))
+        print(f"{w + ' ' + label:<30}" + "".join(f"{med[c][w][key]:>15.0f}" for c in clients))
+    print(f"{'peak RSS MB':<30}" + "".join(f"{med[c]['peak_rss_mb']:>15.1f}" for c in clients))
+    print(f"\n{'ratio to raw httpx':<30}" + "".join(f"{c:>15}" for c in clients))
     for w in WORKLOADS:
         key = "throughput_vs_httpx" if w.startswith("c") else "time_vs_httpx"
         label = f"{w} {'throughput' if w.startswith('c') else 'time'}"
-        print(f"{label:<30}" + "".join(f"{rat[c][w][key]:>12.2f}" for c in clients))
+        print(f"{label:<30}" + "".join(f"{rat[c][w][key]:>15.2f}" for c in clients))
     print(f"{'sequential overhead µs':<30}"
-          + "".join(f"{rat[c]['sequential']['overhead_median_us']:>12.0f}" for c in clients))
+          + "".join(f"{rat[c]['sequential']['overhead_median_us']:>15.0f}" for c in clients))
     print("\ntargets")
     for name, check in checks.items():
         print(f"  {'met ' if check['met'] else 'MISS'} {name:<40} {check['value']:.2f} ({check['bound']})")
@@ -486,6 +570,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clients", default=",".join(CLIENTS))
     parser.add_argument("--profile", action="store_true", help="profile raw httpx and polygate")
+    parser.add_argument("--name", help="results file name (default: peers, peers-quick)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--counts", help=argparse.SUPPRESS)
@@ -520,7 +605,7 @@ def main() -> None:
     report(med, rat, checks)
     payload = {"machine": machine(), "counts": counts, "repeats": args.repeats,
                "median": med, "ratios": rat, "targets": checks, "runs": runs}
-    path = write_result("peers-quick" if args.quick else "peers", payload)
+    path = write_result(args.name or ("peers-quick" if args.quick else "peers"), payload)
     print(f"\nresults: {path}")
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import polygate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,3 +47,12 @@ def two_source_settings(
 
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # pytest-trio's trio mode marks every async test as a trio test; the asyncio tests
+    # (polygate.aio) are anyio's (``@pytest.mark.anyio``): they keep only that mark.
+    for item in items:
+        if item.get_closest_marker("anyio") is not None:
+            item.own_markers[:] = [m for m in item.own_markers if m.name != "trio"]

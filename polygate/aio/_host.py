@@ -1,0 +1,353 @@
+"""The trio run that carries polygate on an asyncio loop: one per loop, shared.
+
+An asyncio application keeps its own loop (asyncio, uvloop, uvicorn's).  polygate is
+trio code, so something must run trio beside it.  The chosen mechanism, measured in
+``benchmarks/aio_mechanisms.py`` and explained in docs/asyncio.md, is trio's *guest
+mode*: ``trio.lowlevel.start_guest_run`` unrolls trio's scheduler into callbacks on
+the running asyncio loop, in the same thread.  trio tasks and asyncio tasks then
+take turns on one thread: a trio task may resolve an asyncio future directly, the
+asyncio side may call the session's synchronous methods directly, and nothing runs
+behind the application's back when its loop stops.  trio's I/O wait (``epoll``)
+runs in a helper thread only while trio is idle; when busy, trio polls inline.
+
+Invariants:
+
+* One guest run per loop, shared by every ``polygate.aio.session()`` on it
+  (trio allows one run per thread).  It starts with the first session and stops
+  when the last one closes; ``stop()`` returns once the run has finished.
+* Under trio-asyncio's loop trio is already running in this thread: no guest run
+  is started, the sessions' tasks run as system tasks of that run.
+* A loop closed while a guest run was still active (a session that was never
+  left) cannot be driven any more; the next ``acquire()`` in the same thread
+  finishes that run synchronously (every call cancelled, every connection closed)
+  and warns with a ``ResourceWarning``, so trio stays usable in the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sys
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import outcome
+import trio
+
+from .. import PolygateError
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["Host", "acquire", "resolve"]
+
+#: How long finishing an abandoned run (its loop closed under it) may take.
+_RESCUE_LIMIT_S = 10.0
+
+#: trio ticks the scheduler stays on the loop's thread after a result went to asyncio
+#: (see Host.linger).  Measured: 2 beats 1, 4 and 8 (benchmarks/aio.py).
+_LINGER_TICKS = 2
+
+
+def resolve(fut: asyncio.Future[Any], result: outcome.Outcome[Any]) -> None:
+    """Settle ``fut`` unless it is already done (cancelled from asyncio) or its loop is
+    closed (the waiter is gone: there is nobody to tell)."""
+    if fut.done() or fut.get_loop().is_closed():
+        return
+    if isinstance(result, outcome.Value):
+        fut.set_result(result.value)
+    elif isinstance(result, outcome.Error):
+        fut.set_exception(result.error)
+
+
+class Host:
+    """A trio run on one asyncio loop, and a way to start trio tasks in it.
+
+    ``submit(fn, *args)`` asks trio to call the synchronous ``fn(*args)`` in trio
+    context, soon.  Submissions made in one asyncio tick are handed over in one
+    ``run_sync_soon``: one wake-up of trio per batch, not per call.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, guest: bool) -> None:
+        self.loop = loop
+        self.guest = guest
+        self.users = 0
+        self.accepting = True
+        self.token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._stop: trio.Event | None = None
+        self._batch: deque[tuple[Callable[..., object], tuple[Any, ...]]] = deque()
+        self._wake_pending = False
+        self._lingering = False
+        self.ready: asyncio.Future[None] = loop.create_future()
+        self.finished: asyncio.Future[None] = loop.create_future()
+        self._done = False
+        self._run_outcome: outcome.Outcome[None] | None = None
+        # Callbacks handed to the loop that have not run yet.  Only read when the
+        # loop closed under the run (then they never will, and the rescue runs them).
+        self._queued: set[_Queued] = set()
+        self._orphans: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        self._rescuing = False
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ asyncio side
+
+    def submit(self, fn: Callable[..., object], *args: Any) -> None:
+        self._batch.append((fn, args))
+        if not self._wake_pending:
+            assert self.token is not None
+            try:
+                self.token.run_sync_soon(self._drain)
+            except trio.RunFinishedError:
+                self._batch.clear()
+                raise PolygateError("polygate's trio run has ended (its loop is shutting down)") from None
+            self._wake_pending = True
+
+    def _drain(self) -> None:
+        # trio context (the run's entry queue); same thread as the asyncio side.
+        self._wake_pending = False
+        batch = self._batch
+        while batch:
+            fn, args = batch.popleft()
+            fn(*args)
+
+    def linger(self) -> None:
+        """In trio context, when a result has just gone to asyncio: keep trio's
+        scheduler busy on this thread for ``_LINGER_TICKS`` ticks.
+
+        An idle guest run waits for I/O in a helper thread; waking it (the next call's
+        submission) costs two thread hand-offs, each with a GIL hand-off: the largest
+        part of a sequential call's overhead.  The caller's next call usually comes
+        within a loop iteration or two of its result, so a short, bounded linger lets
+        it start inline.  One linger at a time; it never outlasts its ticks.
+        """
+        if not self._lingering and self._nursery is not None:
+            self._lingering = True
+            self._nursery.start_soon(self._linger)
+
+    async def _linger(self) -> None:
+        try:
+            for _ in range(_LINGER_TICKS):
+                await trio.lowlevel.checkpoint()
+        finally:
+            self._lingering = False
+
+    def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """In trio context: run ``fn()`` as a task of this run (it must not raise)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(fn)
+        else:  # under trio-asyncio: the run belongs to someone else
+            trio.lowlevel.spawn_system_task(fn)
+
+    # ------------------------------------------------------------ guest run
+
+    def start(self) -> None:
+        """Start the guest run; ``ready`` resolves once it accepts tasks."""
+        trio.lowlevel.start_guest_run(
+            self._main,
+            run_sync_soon_threadsafe=self._post_threadsafe,
+            run_sync_soon_not_threadsafe=self._post,
+            done_callback=self._finished,
+            # asyncio (and uvloop, uvicorn) own the process's signal wake-up fd.
+            host_uses_signal_set_wakeup_fd=True,
+        )
+        self.token = trio.lowlevel.current_trio_token()
+
+    async def _main(self) -> None:
+        self._stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            resolve(self.ready, outcome.Value(None))
+            await self._stop.wait()
+            # Every session has closed (or the run is being abandoned): nothing of
+            # ours is left in the nursery but what is being cancelled.
+            nursery.cancel_scope.cancel()
+
+    def stop(self) -> None:
+        """Ask the guest run to end (the last session closed); ``finished`` resolves
+        when it has."""
+        self.accepting = False
+        if self.guest and self.token is not None:
+            self.token.run_sync_soon(self._set_stop)
+        else:
+            resolve(self.finished, outcome.Value(None))
+
+    def _set_stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        elif self._nursery is None:  # stopped before _main ran: it ends at once
+            self._stop = trio.Event()
+            self._stop.set()
+
+    def _finished(self, run_outcome: outcome.Outcome[None]) -> None:
+        self._done = True
+        self._run_outcome = run_outcome
+        if not self.ready.done():
+            resolve(self.ready, outcome.Error(PolygateError("polygate's trio run ended early")))
+        resolve(self.finished, outcome.Value(None))
+        if isinstance(run_outcome, outcome.Error) and not self._rescuing:
+            error = _leaf(run_outcome.error)
+            if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                # Ctrl-C reached trio (its handler was installed): every call was
+                # cancelled on the way out; now it ends the host loop as it would have.
+                raise error
+
+    # The loop's own queues, with a record of what has not run yet (see _queued).
+
+    def _post(self, fn: Callable[[], object]) -> None:
+        self._post_threadsafe(fn, threadsafe=False)
+
+    def _post_threadsafe(self, fn: Callable[[], object], *, threadsafe: bool = True) -> None:
+        with self._lock:  # against rescue() taking its snapshot
+            if self._rescuing:
+                self._orphans.put(fn)
+                return
+            item = _Queued(fn, self._queued)
+            self._queued.add(item)
+        if not threadsafe:
+            self.loop.call_soon(item)
+            return
+        try:
+            self.loop.call_soon_threadsafe(item)
+        except RuntimeError:  # the loop is closed: the rescue will run it
+            pass
+
+    # ------------------------------------------------------------ rescue
+
+    def rescue(self) -> None:
+        """Finish a guest run whose loop closed under it, here and now.
+
+        Runs in the thread of that run (trio's run state is thread-local).  Every
+        callback the closed loop dropped is run again, every session of the run is
+        cancelled (their calls settle, their connections close), and trio's ticks
+        are driven from a plain queue until the run has finished.
+        """
+        with self._lock:
+            self._rescuing = True
+            dropped = [item.fn for item in self._queued]
+            self._queued.clear()
+        for fn in dropped:
+            self._orphans.put(fn)
+        if self.token is not None and self._nursery is not None:
+            nursery = self._nursery
+            self.token.run_sync_soon(nursery.cancel_scope.cancel)
+        give_up = time.monotonic() + _RESCUE_LIMIT_S
+        while not self._done:
+            remaining = give_up - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                fn = self._orphans.get(timeout=remaining)
+            except queue.Empty:
+                break
+            fn()
+
+
+class _Queued:
+    """A callback on the loop's queue that removes itself from ``pending`` when run."""
+
+    __slots__ = ("fn", "pending")
+
+    def __init__(self, fn: Callable[[], object], pending: set[_Queued]) -> None:
+        self.fn = fn
+        self.pending = pending
+
+    def __call__(self) -> None:
+        if self in self.pending:
+            self.pending.discard(self)
+            self.fn()
+
+
+def _leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+# --------------------------------------------------------------------------- registry
+
+
+class _Hosts(threading.local):
+    def __init__(self) -> None:
+        self.by_loop: dict[asyncio.AbstractEventLoop, Host] = {}
+
+
+_hosts = _Hosts()
+
+
+async def acquire() -> Host:
+    """The host of the running loop, started if needed, with one more user.
+
+    Pair every successful ``acquire()`` with ``release()``."""
+    loop = asyncio.get_running_loop()
+    by_loop = _hosts.by_loop
+    for stale_loop, stale in list(by_loop.items()):
+        if stale_loop.is_closed():
+            del by_loop[stale_loop]
+            if stale.guest and not stale._done:
+                stale.rescue()
+                warnings.warn(
+                    "a polygate.aio session was still open when its event loop closed; "
+                    "its calls were cancelled and it was closed now",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
+    while True:
+        host = by_loop.get(loop)
+        if host is None:
+            if trio.lowlevel.in_trio_run() and any(h.guest and not h._done for h in by_loop.values()):
+                raise PolygateError(
+                    "polygate.aio cannot start on this event loop: the sessions of another "
+                    "event loop in this thread are still open (that loop was stopped, not "
+                    "closed); leave them, or close that loop, first"
+                )
+            host = Host(loop, guest=not trio.lowlevel.in_trio_run())
+            by_loop[loop] = host
+            if host.guest:
+                host.start()
+            else:
+                # trio is already running in this thread: trio-asyncio's loop (or the
+                # application's own guest run) is driven by this asyncio loop.
+                host.token = trio.lowlevel.current_trio_token()
+                resolve(host.ready, outcome.Value(None))
+        if not host.accepting:
+            # The last session of this loop is shutting its run down: wait, then anew.
+            await asyncio.shield(host.finished)
+            if by_loop.get(loop) is host:
+                del by_loop[loop]
+            continue
+        host.users += 1
+        try:
+            await asyncio.shield(host.ready)
+        except BaseException:
+            await release(host)
+            raise
+        return host
+
+
+async def release(host: Host) -> None:
+    """One user fewer; the last one stops the run and waits until it has finished."""
+    host.users -= 1
+    if host.users > 0:
+        return
+    host.stop()
+    await settle(host.finished)
+    if _hosts.by_loop.get(host.loop) is host:
+        del _hosts.by_loop[host.loop]
+
+
+async def settle(fut: asyncio.Future[Any]) -> None:
+    """Wait for ``fut`` even through cancellation (bounded by what it waits for: trio
+    settling work it has already cancelled); a cancellation is re-raised after."""
+    cancelled: asyncio.CancelledError | None = None
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        raise cancelled

@@ -1,0 +1,457 @@
+"""``polygate.aio.session()``: a polygate session for asyncio code.
+
+The bridge is thin on purpose: every call is the trio ``polygate.Session``'s own
+method, run as a trio task in a nursery the session owns (one task per call, no
+thread per call), its result or error handed to the awaiting asyncio task through
+an asyncio future.  No logic of polygate lives here.
+
+Forwarding, so that a new ``polygate.Session`` method needs one line or none:
+
+* ``chat = _forward(polygate.Session.chat)``: one line per coroutine method gives it
+  its exact signature for type checkers and ``help()``;
+* anything else public on ``polygate.Session`` is found by ``__getattr__``:
+  coroutine methods are bridged the same way, synchronous ones are called directly
+  (same thread: the trio run is a guest of this loop), and a result that is an async
+  context manager *and* an async iterator (a stream) is wrapped in
+  :class:`ChatStream`.  ``tests/test_aio.py`` checks that every public method of
+  ``polygate.Session`` is reachable here with the same parameters.
+
+Cancellation, both ways (the invariants):
+
+* asyncio → trio: a cancelled asyncio task cancels its call's cancel scope and waits
+  until the trio task has *finished* (every path settled, the upstream connection
+  closed) before ``CancelledError`` goes on.  ``asyncio.timeout()`` is such a
+  cancellation, so it behaves like ``call_deadline_s``: a ``TimeoutError`` once
+  everything is settled.
+* trio → asyncio: a call's error reaches asyncio as itself (polygate raises one
+  error, never a group).  Leaving the session cancels the calls still in flight; each
+  caller gets ``PolygateError`` (the session was closed), after its call settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+
+import httpx
+import outcome
+import trio
+
+import polygate
+from polygate import PolygateError
+
+from ._host import Host, acquire, release, resolve, settle
+
+if TYPE_CHECKING:
+    from polygate import ChatResponse, Settings, StreamChunk
+
+__all__ = ["ChatStream", "Session", "session"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: Chunks a stream buffers for a slow asyncio consumer before its trio side waits.
+_STREAM_BUFFER = 32
+
+_CLOSED = "this session is closed"
+_CLOSED_IN_FLIGHT = "the session was closed while this call was in flight"
+
+
+class _Job:
+    """One bridged call: the asyncio future its caller awaits, and its trio side."""
+
+    __slots__ = (
+        "args",
+        "cancel_requested",
+        "context",
+        "done",
+        "fn",
+        "fut",
+        "kwargs",
+        "scope",
+        "waiter",
+    )
+
+    def __init__(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
+                 kwargs: dict[str, Any], fut: asyncio.Future[Any]) -> None:
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.fut = fut
+        self.context = contextvars.copy_context()
+        self.scope: trio.CancelScope | None = None
+        self.cancel_requested = False
+        self.done = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def cancel(self) -> None:
+        # trio context
+        self.cancel_requested = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+def _forward(
+    method: Callable[Concatenate[polygate.Session, P], Awaitable[T]],
+) -> Callable[Concatenate[Session, P], Coroutine[Any, Any, T]]:
+    """An asyncio method running the trio ``method`` of the session (one line per
+    method: ``chat = _forward(polygate.Session.chat)``)."""
+
+    async def forward(self: Session, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._call(method, (self._session, *args), kwargs)  # type: ignore[no-any-return]
+
+    functools.update_wrapper(forward, method)
+    forward.__qualname__ = f"Session.{method.__name__}"
+    forward.__module__ = "polygate.aio"
+    return forward
+
+
+def _forward_stream(
+    method: Callable[Concatenate[polygate.Session, P], polygate.ChatStream],
+) -> Callable[Concatenate[Session, P], ChatStream]:
+    def forward(self: Session, /, *args: P.args, **kwargs: P.kwargs) -> ChatStream:
+        self._check_open()
+        # Validation happens here, synchronously, exactly as in trio: same errors.
+        return ChatStream(self, method(self._session, *args, **kwargs))
+
+    functools.update_wrapper(forward, method)
+    forward.__qualname__ = f"Session.{method.__name__}"
+    forward.__module__ = "polygate.aio"
+    return forward
+
+
+class Session:
+    """The asyncio face of a :class:`polygate.Session`; obtain one with
+    ``async with polygate.aio.session(...)``.  Same methods, arguments, results and
+    errors; share one among any number of asyncio tasks."""
+
+    def __init__(self, host: Host, owner: _Owner, trio_session: polygate.Session) -> None:
+        self._host = host
+        self._owner = owner
+        self._session = trio_session
+        self._loop = host.loop
+
+    def __repr__(self) -> str:
+        return repr(self._session).replace("polygate.Session", "polygate.aio.Session", 1)
+
+    @property
+    def settings(self) -> Settings:
+        return self._session.settings
+
+    # One line per method.  (mypy wants a positional-only ``self`` for Concatenate and
+    # says so, yet infers the exact signature: hence the ignores.)
+    chat = _forward(polygate.Session.chat)  # type: ignore[arg-type]
+    embed = _forward(polygate.Session.embed)  # type: ignore[arg-type]
+    statistics = _forward(polygate.Session.statistics)
+    ocr = _forward(polygate.Session.ocr)  # type: ignore[arg-type]
+    stream_chat = _forward_stream(polygate.Session.stream_chat)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Public methods of polygate.Session without a line above (new ones).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        target = getattr(self._session, name)
+        method = getattr(type(self._session), name, None)
+        if inspect.iscoroutinefunction(method):
+            return functools.partial(_forward(method), self)
+        if callable(target):
+
+            @functools.wraps(target)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self._check_open()
+                result = target(*args, **kwargs)
+                if hasattr(result, "__aenter__") and hasattr(result, "__anext__"):
+                    return ChatStream(self, result)
+                return result
+
+            return call
+        return target
+
+    # ------------------------------------------------------------------ the bridge
+
+    def _check_open(self) -> None:
+        if self._owner.closing:
+            raise PolygateError(_CLOSED)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise PolygateError("this session belongs to another event loop (or thread); "
+                                "open one per loop")
+
+    async def _call(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        self._check_open()
+        job = _Job(fn, args, kwargs, self._loop.create_future())
+        self._host.submit(self._owner.start_job, job)
+        try:
+            return await job.fut
+        except asyncio.CancelledError:
+            if not job.done:
+                # Cancel the trio side and wait until every path of it has settled.
+                job.waiter = self._loop.create_future()
+                self._host.submit(job.cancel)
+                await settle(job.waiter)
+            raise
+
+
+class _Owner:
+    """The trio task that owns one trio session and the nursery of its calls."""
+
+    def __init__(self, host: Host, open_session: Callable[[], Any]) -> None:
+        self.host = host
+        self.open_session = open_session
+        loop = host.loop
+        self.opened: asyncio.Future[polygate.Session] = loop.create_future()
+        self.closed: asyncio.Future[None] = loop.create_future()
+        self.closing = False
+        self.close_requested = trio.Event()
+        self.calls: trio.Nursery | None = None
+
+    async def run(self) -> None:
+        """Open the session, run calls until asked to close, close.  Never raises
+        an Exception: its outcome goes to asyncio through ``opened`` / ``closed``."""
+        result: outcome.Outcome[None] = outcome.Value(None)
+        try:
+            async with self.open_session() as trio_session, trio.open_nursery() as calls:
+                self.calls = calls
+                resolve(self.opened, outcome.Value(trio_session))
+                await self.close_requested.wait()
+                calls.cancel_scope.cancel()
+        except Exception as exc:
+            result = outcome.Error(exc)
+        finally:
+            # Also on the way out of a cancelled run (host loop shut down, Ctrl-C).
+            self.calls = None
+            self.closing = True
+            if not self.opened.done():
+                resolve(self.opened, result if isinstance(result, outcome.Error)
+                        else outcome.Error(PolygateError(_CLOSED)))
+                result = outcome.Value(None)
+            resolve(self.closed, result)
+
+    def request_close(self) -> None:
+        # trio context (before run() started, too: it then closes at once)
+        self.close_requested.set()
+
+    def start_job(self, job: _Job) -> None:
+        # trio context: a call starts, or is refused when the session is closing.
+        if self.calls is None or self.close_requested.is_set():
+            job.done = True
+            resolve(job.fut, outcome.Error(PolygateError(_CLOSED)))
+            if job.waiter is not None:
+                resolve(job.waiter, outcome.Value(None))
+            return
+        # The caller's context variables (request ids, the current span) go with it.
+        job.context.run(self.calls.start_soon, self._run_job, job)
+
+    async def _run_job(self, job: _Job) -> None:
+        try:
+            with trio.CancelScope() as scope:
+                job.scope = scope
+                if job.cancel_requested:
+                    scope.cancel()
+                try:
+                    value = await job.fn(*job.args, **job.kwargs)
+                except Exception as exc:
+                    resolve(job.fut, outcome.Error(exc))
+                else:
+                    resolve(job.fut, outcome.Value(value))
+        finally:
+            job.done = True
+            # Cancelled from outside this job's scope: the session is closing.
+            resolve(job.fut, outcome.Error(PolygateError(_CLOSED_IN_FLIGHT)))
+            if job.waiter is not None:
+                resolve(job.waiter, outcome.Value(None))
+            self.host.linger()
+
+
+# --------------------------------------------------------------------------- streams
+
+
+class _End:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+class ChatStream:
+    """Async context manager and async iterator of :class:`polygate.StreamChunk`, the
+    asyncio face of :class:`polygate.ChatStream`.
+
+    Its trio side enters the trio stream and iterates it in a task of the session,
+    handing chunks over through a bounded buffer (a slow consumer holds the trio side
+    back, as in trio).  Leaving the block early, or a cancellation, cancels the call;
+    ``__aexit__`` returns once every path has settled.  The job's future resolves
+    when the trio stream has been *entered*; the iteration goes on after it.
+    """
+
+    def __init__(self, owner_session: Session, trio_stream: Any) -> None:
+        self._session = owner_session
+        self._stream = trio_stream
+        self._loop = owner_session._loop
+        self._chunks: deque[StreamChunk | _End] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._space: trio.Event | None = None
+        self._job: _Job | None = None
+        self._finished = False
+        self._ended = False
+        self._trio_response: ChatResponse | None = None
+        self.response: ChatResponse | None = None
+
+    @property
+    def text(self) -> str:
+        """What has been delivered so far (the first choice's content)."""
+        return str(self._stream.text)
+
+    @property
+    def text_parts(self) -> list[str]:
+        return self._stream.text_parts  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        # Attributes the trio stream may grow (read-only, same thread).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._stream, name)
+
+    async def __aenter__(self) -> ChatStream:
+        if self._job is not None:
+            raise PolygateError("a ChatStream can be entered only once")
+        session = self._session
+        session._check_open()
+        job = self._job = _Job(self._iterate, (), {}, self._loop.create_future())
+        session._host.submit(session._owner.start_job, job)
+        try:
+            await job.fut
+        except BaseException:
+            await self._settle()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._settle()
+
+    async def _settle(self) -> None:
+        """Cancel the trio side unless it has finished, and wait until it has."""
+        job = self._job
+        if job is None or job.done:
+            return
+        job.waiter = self._loop.create_future()
+        self._session._host.submit(job.cancel)
+        await settle(job.waiter)
+
+    async def _iterate(self) -> None:
+        # trio side: the job's task.
+        job = self._job
+        assert job is not None
+        entered = False
+        self._ended = False
+        try:
+            async with self._stream as stream:
+                entered = True
+                resolve(job.fut, outcome.Value(None))
+                try:
+                    async for chunk in stream:
+                        self._push(chunk)
+                        if len(self._chunks) >= _STREAM_BUFFER:
+                            self._space = trio.Event()
+                            await self._space.wait()
+                except Exception as exc:
+                    self._push(_End(exc))
+                else:
+                    self._trio_response = stream.response
+                    self._push(_End(None))
+        except Exception as exc:
+            if entered:
+                self._push(_End(exc))
+            else:
+                raise  # the job delivers it to __aenter__
+        finally:
+            if entered and not self._ended:
+                # Cancelled from outside: the session is closing under the stream.
+                self._push(_End(PolygateError(_CLOSED_IN_FLIGHT)))
+
+    def _push(self, item: StreamChunk | _End) -> None:
+        if isinstance(item, _End):
+            self._ended = True
+        self._chunks.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            resolve(waiter, outcome.Value(None))
+
+    def __aiter__(self) -> ChatStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self._job is None:
+            raise PolygateError("use 'async with session.stream_chat(...) as stream' first")
+        if self._finished:
+            raise StopAsyncIteration
+        while not self._chunks:
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        item = self._chunks.popleft()
+        space = self._space
+        if space is not None and len(self._chunks) <= _STREAM_BUFFER // 2:
+            self._space = None
+            self._session._host.submit(space.set)
+        if isinstance(item, _End):
+            self._finished = True
+            if item.error is not None:
+                raise item.error
+            self.response = self._trio_response
+            raise StopAsyncIteration
+        return item
+
+
+# --------------------------------------------------------------------------- session()
+
+
+@asynccontextmanager
+async def session(
+    settings: Settings | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> AsyncIterator[Session]:
+    """Open a polygate session from asyncio code (asyncio, uvloop, uvicorn, or
+    trio-asyncio's loop).  Same arguments and behaviour as :func:`polygate.session`:
+    leaving it flushes and closes everything, and cancels calls still in flight."""
+    host = await acquire()
+    try:
+        owner = _Owner(host, lambda: polygate.session(settings, env=env, transport=transport))
+        host.submit(host.start_task, owner.run)
+        try:
+            trio_session = await asyncio.shield(owner.opened)
+        except asyncio.CancelledError:
+            host.submit(owner.request_close)
+            await settle(owner.closed)
+            raise
+        except BaseException:
+            await settle(owner.closed)
+            raise
+        handle = Session(host, owner, trio_session)
+        try:
+            yield handle
+        finally:
+            owner.closing = True
+            host.submit(owner.request_close)
+            await settle(owner.closed)
+            owner.closed.result()  # an error closing the trio session, as itself
+    finally:
+        await release(host)

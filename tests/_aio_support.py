@@ -1,0 +1,104 @@
+"""Helpers shared by the polygate.aio tests (asyncio side; no async fixtures, so the
+anyio plugin and pytest-trio's trio mode never compete for one)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import trio
+
+import polygate
+from polygate.testing import FakeUpstream
+
+from .conftest import SECRET
+
+#: anyio's pytest plugin runs the asyncio tests; on plain asyncio and on uvloop.  The
+#: loop class is named: importing trio_asyncio (anywhere in the process) replaces
+#: what ``asyncio.new_event_loop()`` returns.
+BACKENDS = [
+    pytest.param(("asyncio", {"loop_factory": asyncio.SelectorEventLoop}), id="asyncio"),
+    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+]
+
+
+def settings_for(*urls: str, embed: bool = True, **scope: Any) -> polygate.Settings:
+    sources = [polygate.Source(name=chr(ord("a") + i), base_url=url, api_key=SECRET)
+               for i, url in enumerate(urls)]
+    scopes = {"chat": polygate.Scope(sources=sources, **scope)}
+    if embed:
+        scopes["embed"] = polygate.Scope(sources=sources)
+    return polygate.Settings(scopes=scopes)
+
+
+def messages(tag: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": tag}]
+
+
+def request_for(upstream: FakeUpstream, tag: str) -> Any:
+    """The upstream's record of the (only) request whose last message says ``tag``."""
+    found = [r for r in upstream.requests
+             if isinstance(r.body, dict) and r.body.get("messages", [{}])[-1].get("content") == tag]
+    assert len(found) == 1, (tag, len(found))
+    return found[0]
+
+
+async def wait_until(condition: Callable[[], bool], limit_s: float = 10.0) -> None:
+    """Poll a condition of another thread or process (no event to wait on), bounded."""
+    give_up = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > give_up:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+async def governance_idle(s: Any) -> None:
+    """Permits and reservations all returned: no call holds anything any more."""
+    stats = await s.statistics()
+    for source in stats.governance.sources:
+        state = source.state
+        assert state.in_flight == 0, state
+        assert state.tokens_reserved == 0, state
+        assert state.reserved_total == state.settled_total + state.released_total, state
+
+
+@contextmanager
+def loopback(upstream: FakeUpstream) -> Iterator[str]:
+    """Serve ``upstream`` on 127.0.0.1 from a trio run in a thread of its own (real
+    sockets, a separate scheduler: what a remote upstream looks like); yields its
+    base URL.  Reading its counters from the test's thread is safe (ints, GIL)."""
+    started = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def serve() -> None:
+        state["token"] = trio.lowlevel.current_trio_token()
+        state["stop"] = stop = trio.Event()
+        async with upstream.serve() as url:
+            state["url"] = url
+            started.set()
+            await stop.wait()
+
+    def run() -> None:
+        try:
+            trio.run(serve)
+        except BaseException as exc:  # reported by the main thread
+            state["error"] = exc
+            started.set()
+
+    thread = threading.Thread(target=run, name="fake-upstream", daemon=True)
+    thread.start()
+    if not started.wait(10) or "error" in state:
+        raise RuntimeError(f"loopback upstream did not start: {state.get('error')!r}")
+    try:
+        yield state["url"]
+    finally:
+        state["token"].run_sync_soon(state["stop"].set)
+        thread.join(10)
+        assert not thread.is_alive()
+        if "error" in state:
+            raise state["error"]

@@ -1,0 +1,655 @@
+"""polygate.aio: the asyncio front door (SPEC §8.4).
+
+Run by anyio's pytest plugin on plain asyncio and on uvloop (``anyio_backend``
+below); the upstream is a FakeUpstream, through its transport face (in polygate's
+trio run) or served on loopback by a trio run in another thread (real sockets).
+The tests that drive an event loop by hand (stopping, closing it) are plain
+functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+import polygate
+import polygate.aio
+from polygate.testing import FakeUpstream, Profile, Reply
+
+from ._aio_support import (
+    BACKENDS,
+    governance_idle,
+    loopback,
+    messages,
+    request_for,
+    settings_for,
+    wait_until,
+)
+from .conftest import ROOT, SECRET
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+pytestmark = pytest.mark.anyio
+
+HANG = Reply(headers_delay_s=3600)
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+def fake(behaviour: Any = Reply(text="hello from the fake")) -> FakeUpstream:  # noqa: B008
+    return FakeUpstream(behaviour)
+
+
+# --------------------------------------------------------------------------- surface
+
+
+def test_public_surface() -> None:
+    assert set(polygate.aio.__all__) == {"session", "Session", "ChatStream"}
+    for name in ("Session", "ChatStream"):
+        assert getattr(polygate.aio, name).__module__ == "polygate.aio"
+
+
+def test_every_public_session_method_is_bridged() -> None:
+    """A method added to polygate.Session is reachable from asyncio with the same
+    parameters, whether or not it got its one line in polygate.aio."""
+    for name, member in inspect.getmembers(polygate.Session):
+        if name.startswith("_"):
+            continue
+        if isinstance(member, property):
+            assert isinstance(getattr(polygate.aio.Session, name, None), property), name
+            continue
+        explicit = getattr(polygate.aio.Session, name, None)
+        if explicit is not None:
+            assert list(inspect.signature(explicit).parameters) == list(
+                inspect.signature(member).parameters), name
+            assert inspect.iscoroutinefunction(explicit) == inspect.iscoroutinefunction(member), name
+
+
+async def test_a_new_session_method_needs_no_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def echo(self: polygate.Session, value: int, *, twice: bool = False) -> int:
+        await trio.lowlevel.checkpoint()  # trio code, run in polygate's trio run
+        return value * (2 if twice else 1)
+
+    monkeypatch.setattr(polygate.Session, "echo", echo, raising=False)
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
+        assert await s.echo(21, twice=True) == 42
+        assert s.settings is not None  # a property is read as it is
+
+
+@pytest.mark.skipif(not hasattr(polygate.Session, "ocr"), reason="no Session.ocr in this build")
+async def test_ocr_is_reachable_without_a_line_of_its_own() -> None:
+    up = fake(Reply(text="the page's text"))
+    source = polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET, model="vision")
+    settings = polygate.Settings(scopes={"ocr": polygate.Scope(sources=[source])})
+    async with polygate.aio.session(settings, transport=up.transport()) as s:
+        r = await s.ocr("https://example.com/scans/page-1.png")
+        assert r.text == "the page's text" and r.call_stats.attempts == 1
+        with pytest.raises(polygate.ConfigError):
+            await s.ocr(b"not an image")
+
+
+@pytest.mark.skipif(not hasattr(polygate, "StructuredOutputError"), reason="no schema= in this build")
+async def test_structured_output_through_the_bridge() -> None:
+    up = fake(Reply(text='{"city": "Paris"}'))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        r = await s.chat(messages("where?"), schema=schema)
+        assert r.parsed == {"city": "Paris"}  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- results
+
+
+async def test_chat_stream_embed_statistics() -> None:
+    up = fake(Reply(text="hello from the fake", inter_token_s=0.001))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        assert "polygate.aio.Session" in repr(s)
+        r = await s.chat(messages("hi"))
+        assert isinstance(r, polygate.ChatResponse)
+        assert r.text == "hello from the fake" and r.source == "a"
+        assert r.call_stats.attempts == 1 and r.call_stats.ttft_ms is not None
+
+        async with s.stream_chat(messages("stream")) as stream:
+            assert isinstance(stream, polygate.aio.ChatStream)
+            chunks = [chunk async for chunk in stream]
+        assert all(isinstance(c, polygate.StreamChunk) for c in chunks)
+        assert "".join(c.text for c in chunks) == "hello from the fake" == stream.text
+        assert stream.response is not None and stream.response.text == "hello from the fake"
+        with pytest.raises(polygate.PolygateError, match="only once"):
+            async with stream:
+                pass
+
+        e = await s.embed(["x", "y", "z"])
+        assert isinstance(e, polygate.EmbeddingResponse) and len(e.vectors) == 3
+
+        stats = await s.statistics()
+        assert isinstance(stats, polygate.SessionStatistics)
+        await governance_idle(s)
+    assert up.in_flight == 0
+
+
+async def test_errors_are_the_same_polygate_errors() -> None:
+    fatal = fake(Reply(status=400))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=fatal.transport()) as s:
+        with pytest.raises(polygate.ConfigError, match="messages"):
+            await s.chat("not a list")  # type: ignore[arg-type]
+        with pytest.raises(polygate.ConfigError):
+            await s.chat(messages("x"), scope="nope")
+        with pytest.raises(polygate.ConfigError):  # raised by the call itself, as in trio
+            s.stream_chat(messages("x"), call_deadline_s=-1)
+        with pytest.raises(polygate.ConfigError, match="inputs"):
+            await s.embed("not a list")  # type: ignore[arg-type]
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.chat(messages("x"))
+        with pytest.raises(polygate.FatalUpstreamError):
+            async with s.stream_chat(messages("x")) as stream:
+                async for _ in stream:
+                    pass
+
+    broken = fake(Reply(status=500))
+    settings = settings_for("http://a/v1", retry=polygate.Retry(max_attempts=2, backoff_base_s=0.001))
+    async with polygate.aio.session(settings, transport=broken.transport()) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as caught:
+            await s.chat(messages("x"))
+        assert not isinstance(caught.value, BaseExceptionGroup)
+        assert len(caught.value.errors) == 2
+
+    slow = fake(Reply(first_token_s=5))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=slow.transport()) as s:
+        with pytest.raises(polygate.DeadlineExceeded):
+            await s.chat(messages("x"), call_deadline_s=0.05)
+    assert slow.in_flight == 0
+
+    with pytest.raises(polygate.ConfigError):
+        async with polygate.aio.session("not settings"):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(polygate.ConfigError):  # no settings anywhere
+        async with polygate.aio.session(env={}):
+            pass
+
+
+async def test_an_error_in_the_body_is_raised_as_itself() -> None:
+    class Boom(Exception):
+        pass
+
+    up = fake()
+    with pytest.raises(Boom):
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+            await s.chat(messages("x"))
+            raise Boom
+    with pytest.raises(polygate.PolygateError, match="closed"):
+        await s.chat(messages("x"))
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+async def test_hundred_concurrent_tasks_share_one_session() -> None:
+    up = fake(Profile(first_token_s=(0.3, 0.4), tokens=(2, 6)))
+    threads_before = threading.active_count()
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        peak_threads = 0
+
+        async def one(i: int) -> polygate.ChatResponse:
+            nonlocal peak_threads
+            peak_threads = max(peak_threads, threading.active_count())
+            if i % 4 == 0:
+                async with s.stream_chat(messages(f"call {i}")) as stream:
+                    async for _ in stream:
+                        peak_threads = max(peak_threads, threading.active_count())
+                assert stream.response is not None
+                return stream.response
+            return await s.chat(messages(f"call {i}"))
+
+        results = await asyncio.gather(*(one(i) for i in range(100)))
+        await governance_idle(s)
+    assert len({r.call_stats.logical_call_id for r in results}) == 100
+    assert all(r.text for r in results)
+    assert up.statistics().requests == 100
+    assert up.peak_in_flight >= 50  # they really ran at the same time
+    # No thread per call: trio's I/O helper at most, whatever the concurrency.
+    assert peak_threads <= threads_before + 2
+
+
+async def test_two_sessions_on_one_loop() -> None:
+    one, two = fake(Reply(text="one")), fake(Reply(text="two"))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=one.transport()) as a:
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=two.transport()) as b:
+            ra, rb = await asyncio.gather(a.chat(messages("x")), b.chat(messages("x")))
+            assert (ra.text, rb.text) == ("one", "two")
+        assert (await a.chat(messages("x"))).text == "one"  # b leaving did not stop a
+
+
+async def test_context_variables_reach_the_call() -> None:
+    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+    seen: list[str] = []
+    inner = fake().transport()
+
+    class Recording(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append(request_id.get())
+            return await inner.handle_async_request(request)
+
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=Recording()) as s:
+
+        async def tagged(tag: str) -> None:
+            request_id.set(tag)
+            await s.chat(messages(tag))
+
+        await asyncio.gather(tagged("r1"), tagged("r2"))
+    assert sorted(seen) == ["r1", "r2"]
+
+
+# --------------------------------------------------------------------------- cancellation
+
+
+async def test_cancelling_the_task_settles_the_call_first() -> None:
+    up = fake(HANG)
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        task = asyncio.ensure_future(s.chat(messages("hang")))
+        await wait_until(lambda: up.in_flight == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Nothing awaited since: the upstream had already seen the abandonment.
+        assert request_for(up, "hang").outcome == "client_closed"
+        assert up.in_flight == 0
+        await governance_idle(s)
+
+
+async def test_cancelling_before_the_call_started() -> None:
+    up = fake()
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        task = asyncio.ensure_future(s.chat(messages("never")))
+        await asyncio.sleep(0)  # submitted, not yet started in trio
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (await s.chat(messages("after"))).text  # the session is fine
+        await governance_idle(s)
+
+
+async def test_cancellation_over_real_sockets_closes_the_connection() -> None:
+    up = fake(HANG)
+    with loopback(up) as url:
+        async with polygate.aio.session(settings_for(url)) as s:
+            task = asyncio.ensure_future(s.chat(messages("hang")))
+            await wait_until(lambda: up.in_flight == 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await governance_idle(s)  # settled on our side before CancelledError
+            # The other side notices the closed connection (another scheduler).
+            await wait_until(lambda: request_for(up, "hang").outcome == "client_closed")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is 3.11+")
+async def test_asyncio_timeout_behaves_like_call_deadline() -> None:
+    up = fake(HANG)
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(TimeoutError) as by_deadline:
+            await s.chat(messages("deadline"), call_deadline_s=0.1)
+        t1 = loop.time()
+        with pytest.raises(TimeoutError) as by_asyncio:
+            async with asyncio.timeout(0.1):
+                await s.chat(messages("asyncio"))
+        t2 = loop.time()
+        assert isinstance(by_deadline.value, polygate.DeadlineExceeded)
+        assert not isinstance(by_asyncio.value, asyncio.CancelledError)
+        for tag in ("deadline", "asyncio"):
+            assert request_for(up, tag).outcome == "client_closed"
+        assert 0.1 <= t1 - t0 < 2 and 0.1 <= t2 - t1 < 2
+        await governance_idle(s)
+
+
+async def test_wait_for_timeout_settles_too() -> None:
+    up = fake(HANG)
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        with pytest.raises((asyncio.TimeoutError, TimeoutError)):
+            await asyncio.wait_for(s.chat(messages("w")), 0.05)
+        assert request_for(up, "w").outcome == "client_closed"
+        await governance_idle(s)
+
+
+async def test_stream_cancelled_while_iterating() -> None:
+    up = fake(Reply(tokens=50, inter_token_s=0.01))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        got: list[str] = []
+
+        async def consume() -> None:
+            async with s.stream_chat(messages("stream")) as stream:
+                async for chunk in stream:
+                    got.append(chunk.text)
+
+        task = asyncio.ensure_future(consume())
+        await wait_until(lambda: len(got) >= 3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert request_for(up, "stream").outcome == "client_closed"
+        await governance_idle(s)
+
+
+async def test_stream_left_early_or_failing_body() -> None:
+    up = fake(Reply(tokens=200, inter_token_s=0.001))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        async with s.stream_chat(messages("early")) as stream:
+            async for _ in stream:
+                break
+        assert request_for(up, "early").outcome == "client_closed"
+        assert stream.response is None
+
+        with pytest.raises(KeyError):
+            async with s.stream_chat(messages("body")) as stream:
+                await stream.__anext__()
+                raise KeyError("the application's own error")
+        assert request_for(up, "body").outcome == "client_closed"
+        with pytest.raises(polygate.PolygateError, match="async with"):
+            await s.stream_chat(messages("x")).__anext__()
+        await governance_idle(s)
+
+
+async def test_slow_consumer_holds_the_stream_back() -> None:
+    up = fake(Reply(tokens=300))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        async with s.stream_chat(messages("slow")) as stream:
+            first = await stream.__anext__()
+            await asyncio.sleep(0.05)  # the whole answer is ready upstream by now
+            assert len(stream._chunks) <= 40  # bounded: the trio side waits for room
+            rest = [c async for c in stream]
+        assert "".join(c.text for c in [first, *rest]) == stream.response.text  # type: ignore[union-attr]
+
+
+async def test_leaving_the_session_cancels_calls_in_flight() -> None:
+    up = fake(HANG)
+    streamer = fake(Reply(tokens=10, first_token_s=0, inter_token_s=3600))
+    outcomes: dict[str, BaseException] = {}
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s, \
+            polygate.aio.session(settings_for("http://a/v1"), transport=streamer.transport()) as s2:
+
+        async def call(tag: str) -> None:
+            try:
+                await s.chat(messages(tag))
+            except BaseException as exc:
+                outcomes[tag] = exc
+
+        async def stream() -> None:
+            try:
+                async with s2.stream_chat(messages("stream")) as st:
+                    async for _ in st:
+                        pass
+            except BaseException as exc:
+                outcomes["stream"] = exc
+
+        tasks = [asyncio.ensure_future(call(f"c{i}")) for i in range(5)]
+        tasks.append(asyncio.ensure_future(stream()))
+        await wait_until(lambda: up.in_flight == 5 and streamer.in_flight == 1)
+    # Both sessions are closed; every call was cancelled and settled before that.
+    assert up.in_flight == 0 and streamer.in_flight == 0
+    await asyncio.gather(*tasks)
+    assert set(outcomes) == {"c0", "c1", "c2", "c3", "c4", "stream"}
+    for exc in outcomes.values():
+        assert type(exc) is polygate.PolygateError and "closed" in str(exc)
+    with pytest.raises(polygate.PolygateError, match="closed"):
+        await s.chat(messages("late"))
+    with pytest.raises(polygate.PolygateError, match="closed"):
+        s.stream_chat(messages("late"))
+
+
+async def test_cancelled_while_in_the_session_or_opening_it() -> None:
+    up = fake(HANG)
+    outcomes: list[BaseException] = []
+
+    async def hold() -> None:
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+            try:
+                await s.chat(messages("x"))
+            except BaseException as exc:
+                outcomes.append(exc)
+                raise
+
+    holder = asyncio.ensure_future(hold())
+    await wait_until(lambda: up.in_flight == 1)
+    holder.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await holder
+    assert [type(e) for e in outcomes] == [asyncio.CancelledError]
+    assert up.in_flight == 0
+
+    opener = asyncio.ensure_future(
+        polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()).__aenter__())
+    await asyncio.sleep(0)
+    opener.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opener
+    # The loop is left clean: a new session starts and works.
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
+        assert (await s.chat(messages("x"))).text
+
+
+# --------------------------------------------------------------------------- the host loop
+# Plain functions: these tests start, stop and close event loops themselves.
+
+
+def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.SelectorEventLoop()  # (not the policy's: anything may have replaced it)
+
+
+def _run(coro: Any, kind: str = "asyncio") -> Any:
+    """``asyncio.run()`` on a loop of the given kind (its own code on 3.11+)."""
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=lambda: _new_loop(kind)) as runner:
+            return runner.run(coro)
+    loop = _new_loop(kind)
+    try:
+        return loop.run_until_complete(coro)
+    finally:  # what asyncio.run() does on the way out
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_host_loop_paused_and_resumed(kind: str) -> None:
+    """A stopped loop pauses polygate with it; running it again resumes the calls."""
+    up = fake(Reply(text="resumed", first_token_s=0.2))
+    loop = _new_loop(kind)
+    try:
+        cm = polygate.aio.session(settings_for("http://a/v1"), transport=up.transport())
+        s = loop.run_until_complete(cm.__aenter__())
+        task = loop.create_task(s.chat(messages("x")))
+        loop.run_until_complete(asyncio.sleep(0.05))  # the call is in flight
+        assert up.in_flight == 1 and not task.done()
+        # Stopped: nothing runs, no trio tick either (same thread), until resumed,
+        # even once the upstream's answer is due.
+        time.sleep(0.3)
+        assert not task.done() and up.in_flight == 1
+        assert loop.run_until_complete(task).text == "resumed"
+        loop.run_until_complete(cm.__aexit__(None, None, None))
+    finally:
+        loop.close()
+    assert not trio.lowlevel.in_trio_run()
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_asyncio_run_ends_with_a_session_still_open(kind: str) -> None:
+    """asyncio.run() cancels the tasks left over: their sessions close, their calls
+    settle and the upstream sees the connections closed, before it returns."""
+    up = fake(HANG)
+    results: list[BaseException] = []
+
+    async def main() -> None:
+        async def background() -> None:
+            async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+                try:
+                    await s.chat(messages("left over"))
+                except BaseException as exc:
+                    results.append(exc)
+                    raise
+
+        asyncio.get_running_loop().create_task(background())
+        await wait_until(lambda: up.in_flight == 1)
+
+    _run(main(), kind)
+    assert [type(e) for e in results] == [asyncio.CancelledError]
+    assert request_for(up, "left over").outcome == "client_closed"
+    assert not trio.lowlevel.in_trio_run()
+    trio.run(trio.sleep, 0)  # trio is free in this thread again
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_loop_closed_under_an_open_session_is_finished_later(kind: str) -> None:
+    """A loop closed while a session was never left cannot run polygate any more; the
+    next session in the thread finishes that run first (calls cancelled, connections
+    closed) and warns."""
+    up = fake(HANG)
+    loop = _new_loop(kind)
+    cm = polygate.aio.session(settings_for("http://a/v1"), transport=up.transport())
+    s = loop.run_until_complete(cm.__aenter__())
+    task = loop.create_task(s.chat(messages("abandoned")))
+    loop.run_until_complete(wait_until(lambda: up.in_flight == 1))
+    task.cancel()  # (only so that the loop does not complain of a pending task)
+    loop.stop()
+    loop.close()
+    assert trio.lowlevel.in_trio_run()  # the orphaned run still holds this thread
+
+    async def next_session() -> str:
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s2:
+            return (await s2.chat(messages("x"))).text
+
+    with pytest.warns(ResourceWarning, match="still open when its event loop closed"):
+        assert _run(next_session(), kind)
+    assert request_for(up, "abandoned").outcome == "client_closed"
+    assert up.in_flight == 0
+    assert not trio.lowlevel.in_trio_run()
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_loop_closed_with_a_trio_tick_queued(kind: str) -> None:
+    """Right after a result, trio's next tick sits in the loop's queue (the linger);
+    closing the loop drops it, and the rescue must run it again."""
+    loop = _new_loop(kind)
+    cm = polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport())
+    s = loop.run_until_complete(cm.__aenter__())
+    assert loop.run_until_complete(s.chat(messages("x"))).text
+    loop.close()
+
+    async def reopen() -> None:
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s2:
+            assert (await s2.chat(messages("y"))).text
+
+    t0 = time.monotonic()
+    with pytest.warns(ResourceWarning):
+        _run(reopen(), kind)
+    assert time.monotonic() - t0 < 5  # not the rescue's time limit
+    assert not trio.lowlevel.in_trio_run()
+
+
+_CTRL_C = """
+import asyncio, os, signal, sys, threading
+import polygate.aio, trio
+from polygate.testing import FakeUpstream, Reply
+from tests._aio_support import messages, settings_for
+
+up = FakeUpstream(Reply(headers_delay_s=3600))
+
+async def main():
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        await s.chat(messages("x"))
+
+try:
+    if sys.argv[1] == "asyncio.run":
+        asyncio.run(main())
+    else:  # no asyncio.run: nobody handles SIGINT but Python's default (and trio's)
+        asyncio.SelectorEventLoop().run_until_complete(main())
+except KeyboardInterrupt:
+    print(up.statistics().client_closed, up.in_flight, trio.lowlevel.in_trio_run(),
+          signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+@pytest.mark.parametrize("how", ["asyncio.run", "run_until_complete"])
+def test_ctrl_c_ends_the_program_after_settling(how: str) -> None:
+    """Ctrl-C during a call: KeyboardInterrupt ends the program as usual, the call's
+    upstream connection is closed first, and the signal handler is left as found."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _CTRL_C, how], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.stdout.split() == ["1", "0", "False", "True"], done.stdout + done.stderr
+
+
+def test_sessions_on_loops_in_other_threads() -> None:
+    """Each thread's loop gets its own trio run."""
+    results: list[str] = []
+
+    def worker(tag: str) -> None:
+        async def main() -> None:
+            async with polygate.aio.session(settings_for("http://a/v1"),
+                                            transport=fake(Reply(text=tag)).transport()) as s:
+                results.append((await s.chat(messages(tag))).text)
+
+        _run(main())
+
+    threads = [threading.Thread(target=worker, args=(f"t{i}",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(results) == ["t0", "t1", "t2"]
+
+
+def test_a_session_used_from_another_loop_says_so() -> None:
+    async def main() -> None:
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
+            errors: list[BaseException] = []
+
+            def elsewhere() -> None:
+                try:
+                    _run(s.chat(messages("x")))
+                except BaseException as exc:
+                    errors.append(exc)
+                try:
+                    s.stream_chat(messages("x"))  # no running loop in this thread now
+                except BaseException as exc:
+                    errors.append(exc)
+
+            thread = threading.Thread(target=elsewhere)
+            thread.start()
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
+            assert [type(e) for e in errors] == [polygate.PolygateError] * 2
+            assert all("another event loop" in str(e) for e in errors)
+            assert (await s.chat(messages("x"))).text  # still fine on its own loop
+
+    _run(main())
+
+
+def test_secret_never_in_repr() -> None:
+    async def main() -> str:
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
+            return repr(s) + repr(s.settings)
+
+    assert SECRET not in _run(main())
