@@ -38,6 +38,7 @@ from ._config import Ocr
 from ._context import AttemptRecord, CallContext, ChatRequest, Runtime
 from ._errors import ConfigError
 from ._ocr_document import Document, check_url, open_document
+from ._threads import run_sync
 from ._types import CallStats, OcrPage, OcrResponse, Usage
 from .governance import Admission, completion_budget
 from .transport import message_text
@@ -105,7 +106,7 @@ async def run_ocr(
 ) -> OcrResponse:
     settings = runtime.settings.scopes[scope_name].ocr
     text_prompt, wanted = check_arguments(document, prompt, pages, settings)
-    opened = await trio.to_thread.run_sync(open_document, document, settings)
+    opened = await run_sync(open_document, document, settings)
     try:
         if wanted is None:
             wanted = list(range(opened.page_count))
@@ -118,7 +119,7 @@ async def run_ocr(
     finally:
         # Bounded: waits at most for another call's page render to release PDFium.
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(opened.close)
+            await run_sync(opened.close)
 
 
 async def _ocr_call(
@@ -139,7 +140,7 @@ async def _ocr_call(
     todo = iter(enumerate(pages))
 
     async def one_page(slot: int, index: int) -> None:
-        page = await trio.to_thread.run_sync(document.page, index, prompt)
+        page = await run_sync(document.page, index, prompt)
         estimate = prompt_tokens + page.image_tokens
         request = ChatRequest(page.messages_json, params, estimate, ctx.completion_estimate)
         del page  # the request holds the only copy of the image while the page runs

@@ -43,11 +43,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-import trio
 
 from ._config import Source
 from ._context import ChatRequest
 from ._errors import ConfigError, StructuredOutputError
+from ._threads import run_sync
 from ._types import ChatResponse
 
 __all__ = ["Schema", "StructuredRounds", "prepare", "schema_of"]
@@ -366,7 +366,7 @@ class StructuredRounds:
             if len(text) > self.schema.off_loop_chars:
                 # Not abandoned on cancellation: a pure computation, bounded by the
                 # answer's size; the call's cleanup waits for it like for a page render.
-                parsed = await trio.to_thread.run_sync(self.schema.validate, text)
+                parsed = await run_sync(self.schema.validate, text)
             else:
                 parsed = self.schema.validate(text)
         except Invalid as exc:
@@ -396,7 +396,7 @@ class StructuredRounds:
         text = response.text
         try:
             if len(text) > self.schema.off_loop_chars:
-                parsed = await trio.to_thread.run_sync(self.schema.validate, text)
+                parsed = await run_sync(self.schema.validate, text)
             else:
                 parsed = self.schema.validate(text)
         except Invalid:

@@ -37,6 +37,7 @@ from typing import TypeVar
 import trio
 
 from .._errors import ConfigError
+from .._threads import run_sync
 from ._backend import CacheBackendError, Entry
 
 __all__ = ["SQLiteBackend"]
@@ -93,7 +94,7 @@ class SQLiteBackend:
 
     async def start(self) -> None:
         """Create the folder, the file and the table (ConfigError when it cannot)."""
-        await trio.to_thread.run_sync(self._open)
+        await run_sync(self._open)
 
     def _open(self) -> None:
         try:
@@ -134,7 +135,7 @@ class SQLiteBackend:
         finishing a batch).  Shielded: it runs while the session is torn down."""
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + max(self.timeout_s, 1.0)
-            await trio.to_thread.run_sync(self._close_all, abandon_on_cancel=True)
+            await run_sync(self._close_all, abandon_on_cancel=True)
 
     def _close_all(self) -> None:
         with self._pool_lock:
@@ -156,7 +157,7 @@ class SQLiteBackend:
             # Bounded by SQLite's busy_timeout (real time, inside the thread) rather than
             # a trio deadline: under MockClock a trio deadline would fire at once while
             # the thread runs.  A caller that gives up abandons the read.
-            return await trio.to_thread.run_sync(self._read, op, keys, abandon_on_cancel=True)
+            return await run_sync(self._read, op, keys, abandon_on_cancel=True)
         except sqlite3.Error as exc:
             raise CacheBackendError(f"cache {self._where}: read failed ({exc})") from None
         finally:
@@ -220,7 +221,7 @@ class SQLiteBackend:
 
     async def set_many(self, entries: Sequence[Entry]) -> None:
         try:
-            await trio.to_thread.run_sync(self._write, entries, abandon_on_cancel=True)
+            await run_sync(self._write, entries, abandon_on_cancel=True)
         except sqlite3.Error as exc:
             raise CacheBackendError(f"cache {self._where}: write failed ({exc})") from None
         except BaseException:

@@ -30,6 +30,7 @@ import trio
 from .._config import Settings, mask_url
 from .._context import AttemptRecord, CallContext, NullRecorder, Recorder
 from .._errors import ConfigError
+from .._threads import run_sync
 from .._types import CallStats, Usage
 from ._recorder import TelemetryRecorder
 from ._sink import OFF, Pipeline, Sink, TelemetryStatistics, _GovernanceLike, real_time_bound
@@ -137,7 +138,7 @@ async def open_sink(url: str) -> Sink | None:
 async def _bounded_open(url: str, opener: Any) -> Sink:
     sink: Sink | None = None
     with real_time_bound(OPEN_TIMEOUT_S):
-        sink = await trio.to_thread.run_sync(opener, abandon_on_cancel=True)
+        sink = await run_sync(opener, abandon_on_cancel=True)
     if sink is None:
         raise ConfigError(
             f"telemetry: opening {mask_url(url)} took longer than {OPEN_TIMEOUT_S} s"

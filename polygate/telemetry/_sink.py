@@ -44,6 +44,7 @@ import attrs
 import trio
 
 from .._errors import redact
+from .._threads import run_sync
 from ._events import AttemptEvent, CallEvent, Event, SessionEvent
 
 __all__ = ["Batch", "Pipeline", "Sink", "TelemetryStatistics", "real_time_bound"]
@@ -317,7 +318,7 @@ class Pipeline:
         self._gathered = []
         try:
             with real_time_bound(self.write_timeout_s) as bound:
-                await trio.to_thread.run_sync(
+                await run_sync(
                     self.sink.write, batch, abandon_on_cancel=True, limiter=self._limiter
                 )
         except trio.Cancelled:
@@ -386,7 +387,7 @@ class Pipeline:
             summary = await self._summary(ended=True)
             await self._write(leftovers, summary)
             try:
-                await trio.to_thread.run_sync(
+                await run_sync(
                     self.sink.close, abandon_on_cancel=True, limiter=self._limiter
                 )
             except Exception as exc:
