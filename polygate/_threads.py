@@ -16,13 +16,13 @@ Any other clock is left alone.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import trio
-import trio.testing
 
 __all__ = ["run_sync"]
 
@@ -30,13 +30,16 @@ T = TypeVar("T")
 
 _PATIENT_THRESHOLD_S = 0.001
 # clock -> (threads waited on now, the threshold to restore)
-_lent: weakref.WeakKeyDictionary[trio.testing.MockClock, list[Any]] = weakref.WeakKeyDictionary()
+_lent: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 @contextmanager
 def _patient_clock() -> Iterator[None]:
+    # A MockClock exists only if trio.testing was imported; importing it here would
+    # cost every program ~0.2 s (it imports pytest when pytest is installed).
+    testing = sys.modules.get("trio.testing")
     clock = trio.lowlevel.current_clock()
-    if not isinstance(clock, trio.testing.MockClock):
+    if testing is None or not isinstance(clock, testing.MockClock):
         yield
         return
     entry = _lent.get(clock)
