@@ -316,6 +316,9 @@ def _run_command(state: DocState, command: str, expected: str) -> str:
             ["bash", "-c", "exec " + real.rstrip().rstrip("&")],
             cwd=state.workdir, env=state.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            # Unbuffered: a buffered readline can take two lines off the pipe at once,
+            # and select() then waits for a line that is already in the buffer.
+            bufsize=0,
         )
         state.processes.append(proc)
         wanted = len(_normalise(expected))
