@@ -61,7 +61,7 @@ async def test_a_lookup_in_flight_when_the_leader_finishes_does_not_lead_again(
 ) -> None:
     @asynccontextmanager
     async def slow_cache(url: str) -> AsyncIterator[Cache]:
-        yield Cache(SlowStore())  # type: ignore[arg-type]
+        yield Cache(SlowStore())
 
     monkeypatch.setattr(session_mod, "open_cache", slow_cache)
     settings = polygate.Settings(
