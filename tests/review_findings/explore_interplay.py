@@ -183,7 +183,7 @@ async def one_call(s: polygate.Session, i: int, spec: dict[str, Any], out: dict[
 
 async def play(sc: dict[str, Any], out: dict[str, Any]) -> None:
     backend = Counting()
-    session_mod._backend_for = lambda settings: backend  # type: ignore[assignment,return-value]
+    session_mod._backend_for = lambda settings: backend
     ups = {n: FakeUpstream(behaviour(m), name=n, seed=sc["seed"]) for n, m in sc["sources"].items()}
     async with polygate.session(settings(sc), transport=EventTransport(ups),
                                 rng=random.Random(sc["seed"])) as s:
