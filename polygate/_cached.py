@@ -40,6 +40,7 @@ from ._errors import (
     DeadlineExceeded,
     FatalUpstreamError,
     GovernanceBackendError,
+    StructuredOutputError,
 )
 from ._resume import StreamSink
 from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
@@ -51,7 +52,9 @@ __all__ = ["cache_mode", "cached_chat", "cached_embed"]
 
 
 #: Errors that are a verdict on the request or the upstreams: shared with waiters.
-_SHARED = (FatalUpstreamError, AllSourcesExhausted, GovernanceBackendError)
+_SHARED = (
+    FatalUpstreamError, AllSourcesExhausted, GovernanceBackendError, StructuredOutputError,
+)
 
 
 def cache_mode(value: Any) -> bool | str:
@@ -97,7 +100,8 @@ class _Call:
                 return await work()
         except trio.TooSlowError:
             error = self.timed_out()
-            self.record(error.call_stats or self.stats(cached=False), None, error)
+            if not self.recorded:
+                self.record(error.call_stats or self.stats(cached=False), None, error)
             raise error from None
 
     def remaining(self) -> float | None:
@@ -109,11 +113,13 @@ class _Call:
             raise self.timed_out()
         return left
 
-    def stats(self, *, cached: bool, source: str | None = None) -> CallStats:
+    def stats(
+        self, *, cached: bool, source: str | None = None, scope: str | None = None
+    ) -> CallStats:
         return CallStats(
             logical_call_id=self.ctx.logical_call_id, source=source, cached=cached,
             total_latency_ms=(trio.current_time() - self.ctx.started_at) * 1000.0,
-            scope=self.ctx.scope_name,
+            scope=scope or self.ctx.scope_name,
         )
 
     def timed_out(self) -> DeadlineExceeded:
@@ -148,7 +154,7 @@ async def _guard(call: _Call, body: Callable[[], Awaitable[Any]]) -> Any:
         return await body()
     except BaseException as exc:
         if not call.recorded:
-            call.record(call.stats(cached=False), None, exc)
+            call.record(getattr(exc, "call_stats", None) or call.stats(cached=False), None, exc)
         raise
 
 
@@ -202,6 +208,7 @@ async def cached_chat(
         except ValueError as exc:
             cache.failed(f"a cached chat answer did not decode ({exc})", pause=False)
             return None
+        answered = fields.pop("scope")
         if rounds is not None:
             judged = await rounds.accept(ChatResponse(**fields, call_stats=call.stats(cached=True)))
             if judged is None:
@@ -217,12 +224,13 @@ async def cached_chat(
                         await forward.deliver_held()
 
             await call.within(replay)
-        stats = call.stats(cached=True, source=fields["source"])
+        stats = call.stats(cached=True, source=fields["source"], scope=answered)
         response = ChatResponse(**fields, call_stats=stats)
         call.record(stats, response.usage, None, response.message)
         return response
 
     async def body() -> ChatResponse:
+        rejected: bytes | None = None  # an entry that did not serve: not tried again
         if mode != "refresh":
             data = await call.within(lambda: cache.get(key))
             if data is not None:
@@ -230,12 +238,29 @@ async def cached_chat(
                 if response is not None:
                     cache.hits += 1
                     return response
+                rejected = data
         while True:
             if mode == "refresh":
                 cache.misses += 1
                 return await _lead(cache, key, cache.flights.lead_if_free(key), upstream, ttl)
             flight, leading = cache.flights.claim(key)
             if leading:
+                # The miss was decided before an await (the backend's read): an
+                # identical call may have finished meanwhile, its answer now held here.
+                # Looked at again with no await between the look and the claim.
+                data = cache.get_local(key)
+                if data is not None and data != rejected:
+                    try:
+                        response = await served(data)
+                    except BaseException:
+                        cache.flights.settle(key, flight)  # handed over to a waiter
+                        raise
+                    if response is not None:
+                        cache.flights.settle(key, flight, value=data)
+                        cache.hits += 1
+                        return response
+                    # It did not serve: this call leads (never the same entry twice,
+                    # so there is no loop without an await).
                 cache.misses += 1
                 return await _lead(cache, key, flight, upstream, ttl)
             await call.within(flight.done.wait)
@@ -375,8 +400,12 @@ async def cached_embed(
         """One upstream call for ``led``; store and share each vector, or settle."""
         try:
             left = call.remaining()
-            call.recorded = True  # run_embed writes the row, however it ends
-            response = await run_embed(runtime, scope, [texts[k] for k in led], params, left)
+            # Part of this call: its attempts carry this call's id, and this layer
+            # writes the one call row (however the call ends: _guard, _embedding).
+            response = await run_embed(
+                runtime, scope, [texts[k] for k in led], params, left,
+                part_of=call.ctx.logical_call_id,
+            )
         except _SHARED as exc:
             for k, f in flights.items():
                 cache.flights.settle(k, f, error=exc)
@@ -507,5 +536,5 @@ def _embedding(
     else:
         source = next((s for _, _, s, _, _ in distinct.values() if s is not None), None)
         stats = call.stats(cached=True, source=source)
-        call.record(stats, usage, None)  # no upstream call: the cache writes the row
+    call.record(stats, usage, None)  # the call's one row, upstream part or not
     return EmbeddingResponse(vectors=vectors, usage=usage, call_stats=stats, model=model, source=source)

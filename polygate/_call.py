@@ -38,6 +38,7 @@ from ._config import Source
 from ._context import AttemptRecord, CallContext, ChatRequest, Continuation, Runtime
 from ._errors import (
     AllSourcesExhausted,
+    ConfigError,
     DeadlineExceeded,
     FatalUpstreamError,
     Outcome,
@@ -115,21 +116,29 @@ async def _with_deadline(
                 f"({frozen.attempts} attempt(s), scope {ctx.scope_name!r})",
                 call_stats=frozen,
             ) from None
+    except ConfigError:
+        raise  # the caller's arguments (an OCR page out of range): not a call's outcome
     except PolygateError as exc:
         stats: CallStats | None = getattr(exc, "call_stats", None)
         if stats is None:
             stats = call_stats(ctx, None, trio.current_time())
             if hasattr(exc, "call_stats"):
                 exc.call_stats = stats
-        recorder.call(ctx, stats, None, exc)
+        if ctx.record_call:
+            recorder.call(ctx, stats, None, exc)
         raise
     except BaseException as exc:  # cancelled by the caller (or a bug): still one row
-        recorder.call(ctx, call_stats(ctx, None, trio.current_time()), None, exc)
+        if ctx.record_call:
+            recorder.call(ctx, call_stats(ctx, None, trio.current_time()), None, exc)
         raise
     finally:
-        if ctx.scope.hedge.enabled and ctx.kind == "chat":
-            # In finally: cancelled calls refill the hedge budget too.
-            await ctx.runtime.governor.refill_hedge_budget(ctx.scope_name)
+        if ctx.kind == "chat":
+            # In finally: cancelled calls refill the hedge budget too — of every scope
+            # the call asked (the one it started in, and each fallback it moved to).
+            settings = ctx.runtime.settings
+            for name in dict.fromkeys((ctx.first_scope or ctx.scope_name, *ctx.fallbacks)):
+                if settings.scopes[name].hedge.enabled:
+                    await ctx.runtime.governor.refill_hedge_budget(name)
 
 
 class CommittedFailure(Exception):
@@ -215,7 +224,7 @@ async def _retry_loop(
             # same_source_retries per source): a short outage of the preferred
             # source costs a wait, not a move to the others (or the fallback).
             failed.remove(again)
-            if not isinstance(round_errors[-1], RateLimitedError):
+            if not isinstance(round_errors[0], RateLimitedError):
                 await trio.sleep(full_jitter(
                     same_source[again], retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng
                 ))
@@ -251,12 +260,13 @@ def _retry_same(
     limit: int, round_errors: Sequence[UpstreamError], counts: dict[str, int]
 ) -> str | None:
     """The source to retry first after a failed round, under ``same_source_retries``:
-    the one whose transient failure or 429 ended the round, while it has retries left."""
+    the round's first source (the preferred one; a hedge came after it), when its
+    failure was transient or a 429, while it has retries left."""
     if not limit or not round_errors:
         return None
-    last = round_errors[-1]
-    source = last.source
-    if source is None or not isinstance(last, (TransientUpstreamError, RateLimitedError)):
+    first = round_errors[0]
+    source = first.source
+    if source is None or not isinstance(first, (TransientUpstreamError, RateLimitedError)):
         return None
     if counts.get(source, 0) >= limit:
         return None
@@ -485,6 +495,9 @@ def _refused_model(ctx: CallContext, error: PolygateError) -> str | None:
 def _move_to(ctx: CallContext, scope_name: str, params: Mapping[str, Any]) -> None:
     """The call continues in its fallback scope: same logical call, same deadline."""
     scope = ctx.runtime.settings.scopes[scope_name]
+    if ctx.first_scope is None:
+        ctx.first_scope = ctx.scope_name
+    ctx.fallbacks.append(scope_name)
     ctx.scope_name = scope_name
     ctx.scope = scope
     ctx.completion_estimate = completion_budget(params, scope.completion_estimate_tokens)
@@ -496,12 +509,20 @@ async def run_embed(
     inputs: Sequence[str],
     params: Mapping[str, Any],
     deadline_s: float | None,
+    *,
+    part_of: str | None = None,
 ) -> EmbeddingResponse:
     """Batches of ``embed_batch_size`` run concurrently in the call's nursery, each with
     its own retry loop; vectors are reassembled in input order and ``generation_ms`` is
-    the sum of the batches' transport times (seed 000 H8)."""
+    the sum of the batches' transport times.
+
+    ``part_of``: the logical call this is part of (the cache layer's, which sent only
+    its misses): its attempts carry that id, and that layer writes the one call row."""
     scope = runtime.settings.scopes[scope_name]
     ctx = CallContext(runtime, scope_name, scope, "embed", trio.current_time(), params=params)
+    if part_of is not None:
+        ctx.logical_call_id = part_of
+        ctx.record_call = False
     size = scope.embed_batch_size
     batches = [list(inputs[i : i + size]) for i in range(0, len(inputs), size)]
     results: list[tuple[AttemptRecord, Any] | None] = [None] * len(batches)
@@ -525,7 +546,8 @@ async def run_embed(
         return _embedding_response(ctx, results)
 
     response = await _with_deadline(ctx, deadline_s, body)
-    runtime.recorder.call(ctx, response.call_stats, response.usage, None)
+    if ctx.record_call:
+        runtime.recorder.call(ctx, response.call_stats, response.usage, None)
     return response
 
 

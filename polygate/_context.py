@@ -184,6 +184,9 @@ class CallContext:
     hedge_refused: bool = False  # the hedge budget refused this call once (counted once)
     streaming_to_caller: bool = False
     continuation: Continuation | None = None  # set once a committed stream resumes
+    first_scope: str | None = None  # the scope asked, once the call moved to a fallback
+    record_call: bool = True  # False: part of a larger call, which writes the call row
+    fallbacks: list[str] = attrs.field(factory=list)  # the scopes it moved to, in order
     reasks: int = 0  # structured output: rounds re-asked after an invalid answer
 
     @property

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -106,33 +107,80 @@ async def run_ocr(
 ) -> OcrResponse:
     settings = runtime.settings.scopes[scope_name].ocr
     text_prompt, wanted = check_arguments(document, prompt, pages, settings)
-    opened = await run_sync(open_document, document, settings)
+    scope = runtime.settings.scopes[scope_name]
+    # The logical call starts here: opening the document (reading it, parsing a PDF
+    # under the process-wide PDFium lock, maybe behind other calls' renders) is inside
+    # its one deadline and hears its cancellation.
+    ctx = CallContext(runtime, scope_name, scope, "ocr", trio.current_time(), params=params)
+
+    async def body() -> OcrResponse:
+        opened = await _open(document, settings)
+        try:
+            chosen = wanted
+            if chosen is None:
+                chosen = list(range(opened.page_count))
+            elif chosen[-1] >= opened.page_count:
+                raise ConfigError(
+                    f"page {chosen[-1]} is out of range: the document has "
+                    f"{opened.page_count} page(s), numbered from 0"
+                )
+            return await _ocr_pages(ctx, opened, chosen, text_prompt, params, deadline_s)
+        finally:
+            # Bounded: waits at most for another call's page render to release PDFium.
+            with trio.CancelScope(shield=True):
+                await run_sync(opened.close)
+
+    response = await _with_deadline(ctx, deadline_s, body)
+    runtime.recorder.call(ctx, response.call_stats, response.usage, None)
+    return response
+
+
+class _Opening:
+    """A document opened in a worker thread that its caller may abandon: whoever comes
+    second (the thread finishing, or the caller giving up) closes it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
+        self.opened: Document | None = None
+
+
+def _open_in_thread(document: Any, settings: Ocr, state: _Opening) -> Document | None:
+    opened = open_document(document, settings)
+    with state.lock:
+        if not state.abandoned:
+            state.opened = opened
+            return opened
+    opened.close()
+    return None
+
+
+async def _open(document: Any, settings: Ocr) -> Document:
+    state = _Opening()
     try:
-        if wanted is None:
-            wanted = list(range(opened.page_count))
-        elif wanted[-1] >= opened.page_count:
-            raise ConfigError(
-                f"page {wanted[-1]} is out of range: the document has {opened.page_count} "
-                "page(s), numbered from 0"
-            )
-        return await _ocr_call(runtime, scope_name, opened, wanted, text_prompt, params, deadline_s)
-    finally:
-        # Bounded: waits at most for another call's page render to release PDFium.
-        with trio.CancelScope(shield=True):
-            await run_sync(opened.close)
+        opened = await run_sync(_open_in_thread, document, settings, state, abandon_on_cancel=True)
+    except BaseException:
+        with state.lock:
+            state.abandoned = True
+            leftover, state.opened = state.opened, None
+        if leftover is not None:  # opened just as the caller gave up: close it now
+            with trio.CancelScope(shield=True):
+                await run_sync(leftover.close)
+        raise
+    assert opened is not None
+    return opened
 
 
-async def _ocr_call(
-    runtime: Runtime,
-    scope_name: str,
+async def _ocr_pages(
+    ctx: CallContext,
     document: Document,
     pages: list[int],
     prompt: str,
     params: Mapping[str, Any],
     deadline_s: float | None,
 ) -> OcrResponse:
-    scope = runtime.settings.scopes[scope_name]
-    ctx = CallContext(runtime, scope_name, scope, "ocr", trio.current_time(), params=params)
+    runtime = ctx.runtime
+    scope = ctx.scope
     ctx.completion_estimate = completion_budget(params, scope.completion_estimate_tokens)
     prompt_tokens = runtime.governor.prompt_estimate([{"role": "user", "content": prompt}])
     deadline_at = _deadline_at(ctx, deadline_s)
@@ -155,16 +203,11 @@ async def _ocr_call(
         for slot, index in todo:  # one shared iterator: every page taken once, in order
             await one_page(slot, index)
 
-    async def body() -> OcrResponse:
-        # A failed page leaves the nursery as a group: _with_deadline unwraps it.
-        async with trio.open_nursery() as nursery:
-            for _ in range(min(scope.ocr.max_concurrent_pages, len(pages))):
-                nursery.start_soon(worker)
-        return _ocr_response(ctx, pages, results)
-
-    response = await _with_deadline(ctx, deadline_s, body)
-    runtime.recorder.call(ctx, response.call_stats, response.usage, None)
-    return response
+    # A failed page leaves the nursery as a group: _with_deadline unwraps it.
+    async with trio.open_nursery() as nursery:
+        for _ in range(min(scope.ocr.max_concurrent_pages, len(pages))):
+            nursery.start_soon(worker)
+    return _ocr_response(ctx, pages, results)
 
 
 def _ocr_response(

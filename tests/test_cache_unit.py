@@ -59,7 +59,9 @@ async def test_codec_round_trip(autojump_clock: trio.testing.MockClock) -> None:
     async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(reasoning_tokens=2))})) as s:
         response = await s.chat(MESSAGES)
     data = encode_chat(response)
-    back = polygate.ChatResponse(**decode_chat(data), call_stats=response.call_stats)
+    fields = decode_chat(data)
+    assert fields.pop("scope") == "chat"  # the scope that answered travels with it
+    back = polygate.ChatResponse(**fields, call_stats=response.call_stats)
     assert back == response
     assert back.message is back.choices[0]["message"]  # stored once
     assert data.count(b"reasoning_content") == 1

@@ -136,6 +136,18 @@ class Cache:
             return pending[0]
         return (await self._read([key]))[0]
 
+    def get_local(self, key: str) -> bytes | None:
+        """What this process holds for ``key`` without asking the backend: the memory
+        store, or an answer still waiting to be written behind.  A caller that found a
+        miss after an await asks again here before it leads: an identical call may
+        have finished (and left) meanwhile."""
+        if self._memory is not None:
+            return self._memory.get_now(key)
+        pending = self._pending.get(key)
+        if pending is not None and trio.current_time() < pending[1]:
+            return pending[0]
+        return None
+
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if self._memory is not None:
             await trio.lowlevel.checkpoint()

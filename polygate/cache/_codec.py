@@ -51,6 +51,9 @@ def encode_chat(response: ChatResponse) -> bytes:
         "source": response.source, "model": response.model, "finish": response.finish_reason,
         "raw": raw,
     }
+    answered = response.call_stats.scope
+    if answered is not None:
+        entry["scope"] = answered  # a fallback's answer: the scope that gave it
     inner = raw.get("choices") if isinstance(raw, dict) else None
     if response.choices is not inner:
         entry["choices"] = response.choices
@@ -62,7 +65,8 @@ def encode_chat(response: ChatResponse) -> bytes:
 
 def decode_chat(data: bytes) -> dict[str, Any]:
     """A fresh copy of a stored answer: the keyword arguments of a :class:`ChatResponse`
-    but its ``call_stats`` (the caller's own)."""
+    but its ``call_stats`` (the caller's own), and ``scope``: the scope that answered
+    (``None`` when the entry does not say)."""
     try:
         entry = json.loads(data.decode("utf-8", "surrogatepass"))  # str: no encoding sniffing
         if entry["f"] != _FORMAT or entry["k"] != "chat":
@@ -82,9 +86,11 @@ def decode_chat(data: bytes) -> dict[str, Any]:
         usage = _read_usage(entry["usage"])
     except (KeyError, IndexError, TypeError, UnicodeDecodeError) as exc:
         raise ValueError(f"not a polygate chat entry ({type(exc).__name__})") from None
+    scope = entry.get("scope")
     return {
         "text": text, "message": message, "choices": choices, "usage": usage, "source": source,
         "model": model, "finish_reason": finish, "raw": raw,
+        "scope": scope if isinstance(scope, str) else None,
     }
 
 

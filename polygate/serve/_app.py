@@ -44,8 +44,10 @@ log = logging.getLogger("polygate.serve")
 
 _JSON: Final = (b"content-type", b"application/json")
 _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
-#: Body keys that are Session keywords, not upstream parameters.
-_NOT_PARAMS: Final = frozenset({"scope", "call_deadline_s"})
+#: Body keys that are Session keywords, not upstream parameters: a client of the
+#: gateway may not set them (structured re-asks multiply upstream calls; the cache is
+#: shared by every client; the scope and the deadline are the gateway's).
+_NOT_PARAMS: Final = frozenset({"scope", "call_deadline_s", "schema", "cache"})
 _READY_TIMEOUT_S: Final = 2.0
 _SHUTDOWN = ErrorReply(
     503, "The gateway is shutting down and cancelled this call; retry it.", "api_error",

@@ -106,7 +106,8 @@ class StreamShape:
 
 def _usage(response: ChatResponse) -> dict[str, Any]:
     wire = response.raw.get("usage") if isinstance(response.raw, Mapping) else None
-    if isinstance(wire, Mapping):
+    # A resumed stream's raw body is its last segment's; its usage covers them all.
+    if isinstance(wire, Mapping) and not response.call_stats.resumes:
         return dict(wire)
     usage = response.usage
     if usage is None:

@@ -1,4 +1,4 @@
-"""REVIEW FINDING (expected to FAIL on main f431ce0), Medium-Low: ``polygate serve``
+"""Review finding (failed on main f431ce0, fixed since), Medium-Low: ``polygate serve``
 reports a resumed stream's usage as the *last segment's* only.  ``StreamShape.ending``
 → ``_usage`` (polygate/serve/_sse.py:108-111) prefers ``response.raw["usage"]``; for a
 resumed stream ``raw`` is the last segment's body (polygate/_callstats.py:100), while
@@ -6,7 +6,7 @@ resumed stream ``raw`` is the last segment's body (polygate/_callstats.py:100), 
 from ``stream_options.include_usage`` is told 20 completion tokens for the 40 + 20
 tokens it received; the gateway's own statistics and telemetry say otherwise.
 
-Run: python -m pytest tests/review_findings/test_f_serve_resumed_usage.py -q
+Run: python -m pytest tests/interplay/test_f_serve_resumed_usage.py -q
 """
 
 from __future__ import annotations

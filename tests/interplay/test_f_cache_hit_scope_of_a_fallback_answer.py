@@ -1,4 +1,4 @@
-"""REVIEW FINDING (expected to FAIL on main f431ce0), Low: an answer that came from the
+"""Review finding (failed on main f431ce0, fixed since), Low: an answer that came from the
 fallback scope is stored under the asked scope's key (by design: the key is the
 request's), but a hit then reports ``call_stats.scope`` = the *asked* scope with
 ``source`` = a source of the *fallback* scope — a pair that names no configured
@@ -6,7 +6,7 @@ source.  The miss said ``("big", "big")``; the hit says ``("chat", "big")``
 (polygate/_cached.py:112-117, :220: ``_Call.stats`` always uses ``ctx.scope_name``).
 Telemetry rows and ``polygate stats`` per-scope/per-source figures inherit it.
 
-Run: python -m pytest tests/review_findings/test_f_cache_hit_scope_of_a_fallback_answer.py -q
+Run: python -m pytest tests/interplay/test_f_cache_hit_scope_of_a_fallback_answer.py -q
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ cancellation; no task outlives the calls; governance back to zero (in_flight,
 tokens_reserved, reserved == settled + released); no half-open probe left out with
 nothing in flight; admissions never spin (> 300 tries per virtual second).
 
-    python tests/review_findings/explore_interplay.py N [FIRST_SEED]
+    python tests/interplay/explore_interplay.py N [FIRST_SEED]
 
 1,400 scenarios (seeds 0-199, 1000-1799, 3000-3299, 5000-5299) found nothing.
 """

@@ -1,4 +1,4 @@
-"""REVIEW FINDING (expected to FAIL on main f431ce0), Medium-Low: coalescing turns a
+"""Review finding (failed on main f431ce0, fixed since), Medium-Low: coalescing turns a
 failure that is not a "shared verdict" into a queue.  Four identical
 ``chat(schema=...)`` calls whose answers never validate: without the cache all four
 end at t=3 s (1 round + 2 re-asks of 1 s each, concurrently); with the cache the
@@ -9,7 +9,7 @@ requests.  The same queue forms behind any handed-over failure (a leader's own
 deadline, a committed stream that stalled, a cancelled leader whose waiters all have
 the same deadline...).
 
-Run: python -m pytest tests/review_findings/test_f_cache_handover_serialises.py -q
+Run: python -m pytest tests/interplay/test_f_cache_handover_serialises.py -q
 """
 
 from __future__ import annotations

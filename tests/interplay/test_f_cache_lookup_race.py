@@ -1,4 +1,4 @@
-"""REVIEW FINDING (expected to FAIL on main f431ce0), Low-Medium: with a write-behind
+"""Review finding (failed on main f431ce0, fixed since), Low-Medium: with a write-behind
 cache (Redis, SQLite) a call whose lookup round trip is in flight when an identical
 leader finishes leads a *second* upstream call.  ``cached_chat`` decides "miss" from
 a read that started before the leader stored its answer, then claims a flight after
@@ -11,7 +11,7 @@ in flight at once share one upstream call") has a window of one lookup round tri
 The backend here is a stand-in for Redis with a 50 ms round trip (virtual time), put
 in through ``polygate._session.open_cache`` (a private seam).
 
-Run: python -m pytest tests/review_findings/test_f_cache_lookup_race.py -q
+Run: python -m pytest tests/interplay/test_f_cache_lookup_race.py -q
 """
 
 from __future__ import annotations

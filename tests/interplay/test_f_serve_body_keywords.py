@@ -1,4 +1,4 @@
-"""REVIEW FINDING (expected to FAIL on main f431ce0): `polygate serve` hands every body
+"""Review finding (failed on main f431ce0, fixed since): `polygate serve` hands every body
 key except scope/call_deadline_s to Session.chat as keywords, so a client can set the
 session-level keywords that arrived in parallel branches: ``schema`` (structured
 re-asks: up to max_reasks+1 upstream calls per request, failure mapped to 503
@@ -6,7 +6,7 @@ re-asks: up to max_reasks+1 upstream calls per request, failure mapped to 503
 for every other client).  Neither is documented in docs/serve.md; neither is an
 OpenAI parameter; both are refused nowhere.
 
-Run: python -m pytest tests/review_findings/test_f_serve_body_keywords.py -q
+Run: python -m pytest tests/interplay/test_f_serve_body_keywords.py -q
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ async def test_client_cannot_turn_on_structured_reasks() -> None:
     async with gateway(Reply(text="not json at all")) as (server, upstream):
         answer = await http(server, "POST", "/v1/chat/completions", {**CHAT, "schema": schema}, AUTH)
     sent = [r for r in upstream.requests if r.path.endswith("/chat/completions")]
-    # Observed: 3 upstream calls (1 + 2 re-asks, polygate's response_format injected)
-    # and a 503 "unavailable" for a StructuredOutputError.
-    assert len(sent) == 1, (len(sent), answer.status, answer.body[:200])
-    assert answer.status in (200, 400), answer.status
+    # Was: 3 upstream calls (1 + 2 re-asks, polygate's response_format injected) and a
+    # 503 "unavailable" for a StructuredOutputError.  Now: a 400 before any upstream call.
+    assert (len(sent), answer.status) == (0, 400), (len(sent), answer.status, answer.body[:200])
+    assert b"schema" in answer.body
 
 
 async def test_client_cannot_bypass_or_refresh_the_shared_cache() -> None:

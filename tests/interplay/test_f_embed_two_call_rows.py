@@ -1,4 +1,4 @@
-"""REVIEW FINDING (expected to FAIL on main f431ce0), Low: a cached ``embed`` that
+"""Review finding (failed on main f431ce0, fixed since), Low: a cached ``embed`` that
 computed its own misses and then ran out of time waiting on another call's flight
 writes two call rows: run_embed's ``ok`` row (its own logical_call_id) and the cache
 layer's DeadlineExceeded row (another id).  ``_Call.within`` records unconditionally
@@ -7,7 +7,7 @@ layer's DeadlineExceeded row (another id).  ``_Call.within`` records uncondition
 (The converse also holds: when a joined flight ends in a shared error after the call
 computed its own misses, :438 skips the row and the only row says ``ok``.)
 
-Run: python -m pytest tests/review_findings/test_f_embed_two_call_rows.py -q
+Run: python -m pytest tests/interplay/test_f_embed_two_call_rows.py -q
 """
 
 from __future__ import annotations
