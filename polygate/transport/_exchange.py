@@ -35,7 +35,7 @@ from .._errors import (
 )
 from .._secrets import redact
 from ._assemble import ChatAssembler
-from ._pool import SENT_EXTENSION, LeanTransport
+from ._pool import SENT_EXTENSION, LeanTransport, body_of
 from ._sse import Event, SSEDecoder
 from ._wire import (
     MAX_JSON_DEPTH,
@@ -231,7 +231,7 @@ async def _read_sse(
     )
     chunk_times = timeline.chunk_times
     depth = limits.max_json_depth
-    pieces = body_pieces(response)
+    pieces = body_of(response) or body_pieces(response)
     done = False
     async with aclosing(pieces):  # type: ignore[type-var]
         async for piece in pieces:
