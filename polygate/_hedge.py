@@ -229,7 +229,7 @@ class Round:
         forward = self._forward
         assert forward is not None
 
-        async def on_content(now: float, chunk: dict[str, Any]) -> None:
+        def on_content(now: float, chunk: dict[str, Any]) -> Awaitable[None] | None:
             # A path cancelled by another's commit can still be running in the same
             # scheduler batch: it must neither commit nor reach the caller.
             if self._committed is None and self._winner is None and not path.control.cancelled:
@@ -238,14 +238,15 @@ class Round:
                 self._wake()
             if self._committed is path and not forward.offer(chunk):
                 # The caller is behind: that wait is the caller's, not the upstream's.
-                await path.control.hold_while(forward.deliver_held)
+                return path.control.hold_while(forward.deliver_held)
+            return None
 
         return on_content
 
     def _first_token_waker(self) -> OnContent:
         woken = False
 
-        async def on_content(now: float, chunk: dict[str, Any]) -> None:
+        def on_content(now: float, chunk: dict[str, Any]) -> None:
             nonlocal woken
             if not woken:
                 woken = True

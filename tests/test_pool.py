@@ -605,3 +605,79 @@ async def test_a_head_response_has_no_body_and_keeps_its_connection() -> None:
                 response = await fetch(transport, httpx.Request("HEAD", url))
             assert (response.headers["content-length"], response.content) == ("1000", b"")
         assert transport.statistics().opened == 1
+
+
+# --------------------------------------------------------------------------- chunked bodies
+# LeanTransport decodes chunked bodies itself (transport/_chunked.py); h11 parses the
+# head, the last chunk and the trailers.  These hold the seams between the two.
+
+CHUNKED_REPLY = (
+    b"HTTP/1.1 100 Continue\r\n\r\n"
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\nx-trailer: yes\r\n\r\n"
+)
+
+
+@pytest.mark.parametrize("cut", ["one write", "byte by byte", "head apart"])
+async def test_a_chunked_body_however_it_is_cut_and_its_connection_kept(cut: str) -> None:
+    """An interim response, the head and the body in one write, a byte a write, or
+    the head's blank line split from the rest: the same body, trailers read, and the
+    connection serves the next request."""
+
+    async def handler(stream: trio.SocketStream, _n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        while await read_request(stream, conn):
+            if cut == "one write":
+                await stream.send_all(CHUNKED_REPLY)
+            elif cut == "byte by byte":
+                for i in range(len(CHUNKED_REPLY)):
+                    await stream.send_all(CHUNKED_REPLY[i:i + 1])
+                    await trio.sleep(0.0005)  # (a pause between writes, not a race)
+            else:
+                at = CHUNKED_REPLY.index(b"\r\n\r\n5") + 3
+                await stream.send_all(CHUNKED_REPLY[:at])
+                await trio.sleep(0.01)
+                await stream.send_all(CHUNKED_REPLY[at:])
+            conn = h11.Connection(h11.SERVER)
+
+    async with raw_server(handler) as url, LeanTransport() as transport:
+        for _ in range(3):
+            with trio.fail_after(10):
+                response = await fetch(transport, post(url))
+            assert response.status_code == 200
+            assert response.content == b"hello, world"
+        assert transport.statistics().opened == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (b"5\r\nhelloXX0\r\n\r\n", "chunk footer"),  # no CRLF after the data
+        (b"0x5\r\nhello\r\n0\r\n\r\n", "chunk header"),
+        (b"5\r\nhel", "incomplete chunked read"),  # the server hangs up mid-chunk
+    ],
+)
+async def test_malformed_chunked_framing_is_a_remote_protocol_error(body: bytes, error: str) -> None:
+    async def handler(stream: trio.SocketStream, _n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        if await read_request(stream, conn):
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body)
+
+    async with raw_server(handler) as url, LeanTransport() as transport:
+        with trio.fail_after(10), pytest.raises(httpx.RemoteProtocolError, match=error):
+            await fetch(transport, post(url))
+        assert transport.statistics().open == 0
+
+
+async def test_a_chunked_body_closed_with_its_end_buffered_keeps_its_connection() -> None:
+    async def handler(stream: trio.SocketStream, _n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        while await read_request(stream, conn):
+            await stream.send_all(CHUNKED_REPLY)
+            conn = h11.Connection(h11.SERVER)
+
+    async with raw_server(handler) as url, LeanTransport() as transport:
+        for _ in range(3):
+            response = await transport.handle_async_request(post(url))
+            await response.aclose()  # never iterated: its end came with the head (one write)
+        assert transport.statistics().opened == 1

@@ -35,7 +35,7 @@ from .._errors import (
 )
 from .._secrets import redact
 from ._assemble import ChatAssembler
-from ._pool import SENT_EXTENSION, LeanTransport
+from ._pool import SENT_EXTENSION, LeanTransport, body_of
 from ._sse import Event, SSEDecoder
 from ._wire import (
     MAX_JSON_DEPTH,
@@ -57,7 +57,11 @@ T = TypeVar("T")
 # json.loads on bytes first sniffs the encoding in Python; SSE is UTF-8 by definition.
 _decode_json = json.JSONDecoder().decode
 
-OnContent = Callable[[float, dict[str, Any]], Awaitable[None]]
+#: Called with every content chunk as it is decoded (and the time it was).  It
+#: returns ``None`` when it is done with the chunk, or an awaitable the exchange
+#: awaits before it reads on (a committed stream whose caller is behind): no
+#: coroutine per chunk on the usual path.
+OnContent = Callable[[float, dict[str, Any]], Awaitable[None] | None]
 
 
 @attrs.define
@@ -231,33 +235,47 @@ async def _read_sse(
     )
     chunk_times = timeline.chunk_times
     depth = limits.max_json_depth
-    pieces = body_pieces(response)
-    done = False
+    pieces = body_of(response) or body_pieces(response)
+    events_of = decoder.feed
+    add = assembler.add
+    current_time = trio.current_time
+    done = ended = False
     async with aclosing(pieces):  # type: ignore[type-var]
-        async for piece in pieces:
-            for event in decoder.feed(piece):
-                done = await _on_event(
-                    event, endpoint, assembler, timeline, chunk_times, on_content, depth
-                )
-                if done:
-                    break
-            if done:
-                break
-        if not done:
-            for event in decoder.flush():
-                if await _on_event(
-                    event, endpoint, assembler, timeline, chunk_times, on_content, depth
-                ):
+        iterator = pieces.__aiter__()
+        while True:
+            # One path for every event, the last one (``flush``) included; it runs
+            # for every token, so the steps are written out here, not called.
+            try:
+                piece = await iterator.__anext__()
+            except StopAsyncIteration:
+                events = decoder.flush()
+                ended = True
+            else:
+                events = events_of(piece)
+            for event in events:
+                chunk = _chunk_of(event, endpoint, depth)
+                if chunk is None:
                     done = True
                     break
-        else:
-            timeline.ended_at = trio.current_time()
+                if add(chunk):
+                    now = current_time()
+                    if not chunk_times:
+                        timeline.first_token_at = now
+                    chunk_times.append(now - timeline.paused_s)
+                    if on_content is not None:
+                        wait = on_content(now, chunk)
+                        if wait is not None:
+                            await wait
+            if done or ended:
+                break
+        if done:
+            timeline.ended_at = current_time()
             await _drain_buffered(pieces)
     # After [DONE] the answer is complete: it is never held for the rest of the body.
     # What had already arrived was read (a body whose end is here finishes, and its
     # connection can be reused); closing the response closes a body still open.
     if timeline.ended_at is None:
-        timeline.ended_at = trio.current_time()
+        timeline.ended_at = current_time()
     if not done and not assembler.finished:
         raise TransientUpstreamError(
             "stream ended before [DONE] and before any finish_reason (truncated)",
@@ -279,40 +297,25 @@ async def _drain_buffered(pieces: Any) -> None:
             pass  # the answer is complete; whatever follows it does not matter
 
 
-async def _on_event(
-    event: Event,
-    endpoint: Endpoint,
-    assembler: ChatAssembler,
-    timeline: Timeline,
-    chunk_times: array[float],
-    on_content: OnContent | None,
-    max_depth: int,
-) -> bool:
-    """Handle one event; True once the stream says ``[DONE]``."""
+def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any] | None:
+    """One event's chunk; ``None`` for ``[DONE]``.  Error events raise."""
     data = event.data
     if event.event == "error":
         raise _error_event(data.decode("utf-8", "replace"), endpoint)
     if data == b"[DONE]":
-        return True
+        return None
     # Nesting needs 2 bytes a level: short events (nearly all) skip the depth check.
     if len(data) > 2 * max_depth:
         check_depth(data, max_depth, endpoint.name)
     chunk = _decode_json(data.decode("utf-8"))
-    if not isinstance(chunk, dict):
+    if type(chunk) is not dict:
         raise TransientUpstreamError(
             f"malformed stream chunk: expected an object, got {type(chunk).__name__}",
             source=endpoint.name,
         )
     if chunk.get("error") is not None:
         raise _error_event(chunk, endpoint)
-    if assembler.add(chunk):
-        now = trio.current_time()
-        if not chunk_times:
-            timeline.first_token_at = now
-        chunk_times.append(now - timeline.paused_s)
-        if on_content is not None:
-            await on_content(now, chunk)
-    return False
+    return chunk
 
 
 def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:

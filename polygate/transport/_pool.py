@@ -82,7 +82,9 @@ import h11
 import httpx
 import trio
 
-__all__ = ["LeanTransport", "PoolStatistics", "SENT_EXTENSION"]
+from ._chunked import ChunkedDecoder
+
+__all__ = ["LeanTransport", "PoolStatistics", "SENT_EXTENSION", "body_of"]
 
 #: A request extension: a callable, called with no argument when the request starts
 #: going out on a connection (after any wait for one and the connect; again if a
@@ -296,14 +298,35 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 await conn.send(data, timeouts[3])
                 error_class = httpx.ReadError
                 interim = 0
+                # h11 is given the bytes up to the end of a head, no further: a
+                # chunked body that follows is decoded here (see _chunked).
+                rest = b""  # received past the head h11 was given
+                tail = b""  # the end of what h11 was given, for a blank line cut by a read
                 while True:
                     event = h.next_event()
                     if event is h11.NEED_DATA:
-                        chunk = await conn.receive(timeouts[2])
-                        if not chunk and not got_bytes:
-                            raise _Disconnected("server disconnected without sending a response")
-                        got_bytes = True
-                        h.receive_data(chunk)
+                        if rest:
+                            data, rest = rest, b""
+                        else:
+                            data = await conn.receive(timeouts[2])
+                            if not data:
+                                if not got_bytes:
+                                    raise _Disconnected(
+                                        "server disconnected without sending a response"
+                                    )
+                                h.receive_data(b"")
+                                continue
+                            got_bytes = True
+                        window = tail + data
+                        blank = _BLANK_LINE.search(window)
+                        if blank is None:
+                            h.receive_data(data)
+                            tail = window[-2:]
+                        else:
+                            cut = blank.end() - len(tail)
+                            h.receive_data(data[:cut])
+                            rest = data[cut:]
+                            tail = b""
                     elif isinstance(event, h11.Response):
                         response = event
                         break
@@ -314,6 +337,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
                                 f"more than {MAX_INTERIM_RESPONSES} interim (1xx) responses "
                                 "(the cap on them)"
                             )
+                chunked = None
+                if _is_chunked(request.method, response):
+                    chunked = ChunkedDecoder()
+                elif rest:
+                    h.receive_data(rest)
+                    rest = b""
             except BaseException as exc:
                 self._discard(conn)
                 if (
@@ -331,7 +360,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             return httpx.Response(
                 response.status_code,
                 headers=response.headers.raw_items(),
-                stream=_Body(self, conn, request, timeouts[2]),
+                stream=_Body(self, conn, request, timeouts[2], chunked, rest),
                 extensions={
                     "http_version": b"HTTP/" + response.http_version,
                     "reason_phrase": response.reason,
@@ -554,17 +583,29 @@ class _Body(httpx.AsyncByteStream):
     not an async generator, so a caller that stops early leaves nothing for the
     garbage collector to finalise.  The connection goes back to the pool the moment
     the end of the body is parsed; ``aclose()`` before that closes it.
+
+    A chunked body is decoded here (``_chunked``) until its last chunk, whose bytes
+    and whatever follows go to h11; every other body, and that end, is h11's.  Each
+    read's data comes out as one piece.
     """
 
-    __slots__ = ("_conn", "_pool", "_request", "_timeout")
+    __slots__ = ("_chunked", "_conn", "_pending", "_pool", "_request", "_timeout")
 
     def __init__(
-        self, pool: LeanTransport, conn: _Connection, request: httpx.Request, timeout: float | None
+        self,
+        pool: LeanTransport,
+        conn: _Connection,
+        request: httpx.Request,
+        timeout: float | None,
+        chunked: ChunkedDecoder | None = None,
+        pending: bytes = b"",
     ) -> None:
         self._pool = pool
         self._conn: _Connection | None = conn
         self._request = request
         self._timeout = timeout
+        self._chunked = chunked
+        self._pending = pending  # body bytes that came with the head (chunked only)
 
     def __aiter__(self) -> _Body:
         return self
@@ -575,6 +616,24 @@ class _Body(httpx.AsyncByteStream):
             raise StopAsyncIteration
         h = conn.h11
         try:
+            chunked = self._chunked
+            while chunked is not None:
+                data = self._pending
+                if data:
+                    self._pending = b""
+                else:
+                    data = await conn.receive(self._timeout)
+                    if not data:
+                        raise h11.RemoteProtocolError(
+                            "peer closed connection without sending complete message body "
+                            "(incomplete chunked read)"
+                        )
+                piece, last = chunked.decode(data)
+                if last is not None:
+                    self._chunked = chunked = None
+                    h.receive_data(last)  # the last chunk and trailers: h11's
+                if piece:
+                    return piece
             while True:
                 event = h.next_event()
                 if event is h11.NEED_DATA:
@@ -606,6 +665,13 @@ class _Body(httpx.AsyncByteStream):
         self._conn = None
         h = conn.h11
         try:
+            if self._chunked is not None:
+                _, last = self._chunked.decode(self._pending)
+                self._pending = b""
+                if last is None:
+                    self._pool._discard(conn)
+                    return
+                h.receive_data(last)
             while True:
                 event = h.next_event()
                 if type(event) is h11.EndOfMessage:
@@ -616,6 +682,28 @@ class _Body(httpx.AsyncByteStream):
         except h11.RemoteProtocolError:
             pass
         self._pool._discard(conn)
+
+
+def body_of(response: httpx.Response) -> _Body | None:
+    """The body of a LeanTransport response not read yet, to iterate directly:
+    httpx's ``aiter_raw`` adds an async generator and a chunker per piece.  The
+    response counts as consumed from then on (``aclose`` still closes the body)."""
+    stream = response.stream
+    if type(stream) is not _Body or response.is_stream_consumed or response.is_closed:
+        return None
+    response.is_stream_consumed = True
+    return stream
+
+
+def _is_chunked(method: str, response: h11.Response) -> bool:
+    """Whether h11 frames this response's body as chunked (its ``_body_framing``):
+    a response to HEAD, a 204 or 304 has no body, and h11 accepts no
+    ``transfer-encoding`` but ``chunked``."""
+    if method == "HEAD" or response.status_code in (204, 304):
+        return False
+    if method == "CONNECT" and 200 <= response.status_code < 300:
+        return False
+    return any(name == b"transfer-encoding" for name, _ in response.headers)
 
 
 # ----------------------------------------------------------------------- the request
@@ -635,6 +723,8 @@ _TARGET: Final = re.compile(rb"[\x21-\x7e\x80-\xff]+")
 #: Request headers that change framing or the connection's fate: h11 handles them.
 _H11_ONLY: Final = frozenset({b"connection", b"transfer-encoding", b"upgrade", b"expect", b"te"})
 _END: Final = h11.EndOfMessage()
+#: The end of a response head, as h11 finds it (``h11._receivebuffer``).
+_BLANK_LINE: Final = re.compile(rb"\n\r?\n", re.MULTILINE)
 _STAND_INS: dict[str, h11.Request] = {}
 
 

@@ -16,8 +16,6 @@ ends) follows the WHATWG rules and is checked against httpx-sse by a hypothesis 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from .._errors import TransientUpstreamError
 
 __all__ = ["SSEDecoder", "Event"]
@@ -56,7 +54,9 @@ class SSEDecoder:
         self._max_line = max_line
         self._source = source
 
-    def feed(self, piece: bytes) -> Iterator[Event]:
+    def feed(self, piece: bytes) -> list[Event]:
+        """The events this piece completes (a list: one event a piece is the common
+        case, and a list is cheaper than a generator for it)."""
         self._total += len(piece)
         if self._total > self._max_body:
             raise TransientUpstreamError(
@@ -69,6 +69,15 @@ class SSEDecoder:
             piece = piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buf = self._buf
         if not buf:
+            # The usual piece of an LLM stream: exactly one event of one data line.
+            # The general path below would give the same Event (split, _parse).
+            if (
+                piece.startswith(b"data: ")
+                and piece.endswith(b"\n\n")
+                and piece.find(b"\n", 0, -2) < 0
+                and len(piece) - 2 <= self._max_line
+            ):
+                return [Event(piece[6:-2])]
             # The common case (a piece starts an event): as cheap as a split.
             blocks = piece.split(b"\n\n")
             rest = blocks.pop()
@@ -91,11 +100,8 @@ class SSEDecoder:
             buf += piece  # grows in place: no copy of what came before
             if len(buf) > self._max_line:
                 self._check_pending()
-            return
-        for block in blocks:
-            event = _parse(block)
-            if event is not None:
-                yield event
+            return []
+        return [event for event in map(_parse, blocks) if event is not None]
 
     # An event is measured without the line ends at its edges (the blank line that
     # ends it, a stray one before it), so its size is the same however it is cut.
@@ -119,14 +125,15 @@ class SSEDecoder:
             source=self._source,
         )
 
-    def flush(self) -> Iterator[Event]:
+    def flush(self) -> list[Event]:
         """At the end of the body: a last event not followed by a blank line."""
         rest = bytes(self._buf)
         self._buf.clear()
         if rest.strip():
             event = _parse(rest.strip(b"\n"))
             if event is not None:
-                yield event
+                return [event]
+        return []
 
 
 def _parse(block: bytes) -> Event | None:
