@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -93,3 +94,29 @@ async def test_the_watchdogs_still_fire_after_the_consumer_caught_up(
                 async for _ in stream:
                     await trio.sleep(0.5)
     assert stream.text == info.value.text and len(info.value.text) > 0
+
+
+async def test_the_first_token_of_a_whole_answer_read_at_once_is_not_held_back() -> None:
+    """An answer that arrives in one read (generated before the request's head went
+    out, or a burst) is parsed a chunk at a time; the caller gets the first token
+    before the other 49 are parsed, not after (benchmarks/streams.py, sequential:
+    the first chunk took as long as the whole read).  ``stream.text`` is what the
+    producer has handed on so far: at the first chunk, only that chunk."""
+    body = b"".join(
+        b'data: {"choices":[{"index":0,"delta":{"content":"t%d "}}]}\n\n' % i for i in range(50)
+    ) + b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    for _ in range(20):  # trio orders each batch at random: both orders, many times
+        async with polygate.session(
+            one_source_settings(), transport=httpx.MockTransport(handler)
+        ) as s:
+            async with s.stream_chat(MESSAGES) as stream:
+                seen: list[str] = []
+                async for chunk in stream:
+                    if not seen:
+                        assert stream.text == "t0 "
+                    seen.append(chunk.text)
+        assert "".join(seen) == "".join(f"t{i} " for i in range(50))
