@@ -25,6 +25,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import attrs
 
 from .._errors import ConfigError
+from .._redis_url import SHARED_OPTIONS, redis_address, shared_option
 
 __all__ = ["CacheOptions", "parse_cache_url"]
 
@@ -34,7 +35,6 @@ _DEFAULT_MAX_ENTRIES = 10_000
 _DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 _INT_OPTIONS = {"max_entries": (1, 10**9), "max_bytes": (1024, 2**40)}
 _TIMEOUT = (0.01, 60.0)
-_CERT_REQS = ("none", "optional", "required")
 
 
 @attrs.frozen
@@ -133,44 +133,16 @@ def _sqlite(url: str, parts: Any, query: list[tuple[str, str]]) -> CacheOptions:
 
 
 def _redis(shown: str, parts: Any, port: int | None, query: list[tuple[str, str]]) -> CacheOptions:
-    if not parts.hostname:
-        raise ConfigError(f"{shown!r} has no host")
-    path = parts.path.strip("/")
-    try:
-        db = int(path) if path else 0
-    except ValueError:
-        raise ConfigError(f"the database in {shown!r} must be a number, got {path!r}") from None
-    if db < 0:
-        raise ConfigError(f"the database in {shown!r} must be >= 0")
+    address = redis_address(shown, parts, port)
     options: dict[str, Any] = {"timeout_s": 0.5}
-    known = ["prefix", "timeout_s", "ssl_ca_certs", "ssl_cert_reqs"]
     for name, value in query:
         if name == "timeout_s":
             options[name] = _timeout(value)
-        elif name == "prefix":
-            if not value or any(c.isspace() or c in "{}" for c in value):
-                raise ConfigError(f"option prefix must be a non-empty key prefix, got {value!r}")
-            options[name] = value
-        elif name == "ssl_cert_reqs":
-            if value not in _CERT_REQS:
-                raise ConfigError(f"option ssl_cert_reqs must be one of {_CERT_REQS}, got {value!r}")
-            options[name] = value
-        elif name == "ssl_ca_certs":
-            options[name] = value
-        else:
-            raise _unknown(name, "redis", known)
+        elif not shared_option(options, name, value):
+            raise _unknown(name, "redis", ["timeout_s", *SHARED_OPTIONS])
     if parts.scheme != "rediss" and ("ssl_ca_certs" in options or "ssl_cert_reqs" in options):
         raise ConfigError("options ssl_ca_certs and ssl_cert_reqs need a rediss:// URL")
-    return CacheOptions(
-        kind="redis",
-        host=parts.hostname,
-        port=port or 6379,
-        db=db,
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password else None,
-        ssl=parts.scheme == "rediss",
-        **options,
-    )
+    return CacheOptions(kind="redis", **address, **options)
 
 
 def _timeout(value: str) -> float:

@@ -71,7 +71,7 @@ import math
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import attrs
 import trio
@@ -79,6 +79,7 @@ import trio
 from .._config import mask_url
 from .._coredis import closing_connection_class, import_coredis
 from .._errors import ConfigError, GovernanceBackendError
+from .._redis_url import SHARED_OPTIONS, redis_address, shared_option
 from . import _redis_scripts as lua
 from ._memory import WINDOW_S
 from ._model import (
@@ -107,7 +108,6 @@ _FLOAT_OPTIONS = {
     "poll_s": (0.005, 10.0),
     "key_ttl_s": (60.0, 365 * 86400.0),
 }
-_CERT_REQS = ("none", "optional", "required")
 
 
 @attrs.frozen
@@ -151,15 +151,7 @@ def parse_redis_url(url: str) -> RedisOptions:
         raise ConfigError(f"backend: {shown!r} is not a valid URL ({exc})") from None
     if parts.scheme not in ("redis", "rediss"):
         raise ConfigError(f"backend: unknown scheme in {shown!r}: expected redis:// or rediss://")
-    if not parts.hostname:
-        raise ConfigError(f"backend: {shown!r} has no host")
-    path = parts.path.strip("/")
-    try:
-        db = int(path) if path else 0
-    except ValueError:
-        raise ConfigError(f"backend: the database in {shown!r} must be a number, got {path!r}") from None
-    if db < 0:
-        raise ConfigError(f"backend: the database in {shown!r} must be >= 0")
+    address = redis_address(shown, parts, port, say="backend: ")
     options: dict[str, Any] = {}
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name in _FLOAT_OPTIONS:
@@ -171,30 +163,12 @@ def parse_redis_url(url: str) -> RedisOptions:
             if not lo <= number <= hi:
                 raise ConfigError(f"backend: option {name} must be a number in [{lo}, {hi}], got {value!r}")
             options[name] = number
-        elif name == "prefix":
-            if not value or any(c.isspace() or c in "{}" for c in value):
-                raise ConfigError(f"backend: option prefix must be a non-empty key prefix, got {value!r}")
-            options[name] = value
-        elif name == "ssl_cert_reqs":
-            if value not in _CERT_REQS:
-                raise ConfigError(f"backend: option ssl_cert_reqs must be one of {_CERT_REQS}, got {value!r}")
-            options[name] = value
-        elif name == "ssl_ca_certs":
-            options[name] = value
-        else:
-            known = ", ".join(sorted([*_FLOAT_OPTIONS, "prefix", "ssl_ca_certs", "ssl_cert_reqs"]))
+        elif not shared_option(options, name, value, say="backend: "):
+            known = ", ".join(sorted([*_FLOAT_OPTIONS, *SHARED_OPTIONS]))
             raise ConfigError(f"backend: unknown option {name!r} in the redis URL (known: {known})")
     if options.get("poll_s", 0.05) * 3 > options.get("lease_s", 15.0):
         raise ConfigError("backend: poll_s must be well below lease_s")
-    return RedisOptions(
-        host=parts.hostname,
-        port=port or 6379,
-        db=db,
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password else None,
-        ssl=parts.scheme == "rediss",
-        **options,
-    )
+    return RedisOptions(**address, **options)
 
 
 @attrs.frozen

@@ -1,0 +1,60 @@
+"""What a ``redis://`` URL says, read once for both things polygate keeps in Redis.
+
+The governance backend (``Settings.backend``) and the response cache
+(``Settings.cache``) each take a ``redis[s]://[user[:password]@]host[:port][/db]``
+URL with options of their own, and three options they share (``prefix``,
+``ssl_ca_certs``, ``ssl_cert_reqs``).  The address and the shared options are read
+and checked here, so that the two accept and refuse the same URLs with the same
+words.  ``say`` is the caller's prefix for its messages (``"backend: "``, or nothing
+where the settings validator names the field); no message holds the password.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import SplitResult, unquote
+
+from ._errors import ConfigError
+
+__all__ = ["CERT_REQS", "SHARED_OPTIONS", "redis_address", "shared_option"]
+
+CERT_REQS = ("none", "optional", "required")
+#: Options every Redis URL of polygate's takes (each parser adds its own).
+SHARED_OPTIONS = ("prefix", "ssl_ca_certs", "ssl_cert_reqs")
+
+
+def redis_address(shown: str, parts: SplitResult, port: int | None, say: str = "") -> dict[str, Any]:
+    """The server a URL names, as fields of the caller's options class.  ``shown`` is
+    the masked URL; ``port`` is ``parts.port``, read by the caller (it raises)."""
+    if not parts.hostname:
+        raise ConfigError(f"{say}{shown!r} has no host")
+    path = parts.path.strip("/")
+    try:
+        db = int(path) if path else 0
+    except ValueError:
+        raise ConfigError(f"{say}the database in {shown!r} must be a number, got {path!r}") from None
+    if db < 0:
+        raise ConfigError(f"{say}the database in {shown!r} must be >= 0")
+    return {
+        "host": parts.hostname,
+        "port": port or 6379,
+        "db": db,
+        "username": unquote(parts.username) if parts.username else None,
+        "password": unquote(parts.password) if parts.password else None,
+        "ssl": parts.scheme == "rediss",
+    }
+
+
+def shared_option(options: dict[str, Any], name: str, value: str, say: str = "") -> bool:
+    """Check and keep one of :data:`SHARED_OPTIONS`; False for any other name."""
+    if name == "prefix":
+        # Braces would make a Redis Cluster hash tag of the prefix; blanks break keys.
+        if not value or any(c.isspace() or c in "{}" for c in value):
+            raise ConfigError(f"{say}option prefix must be a non-empty key prefix, got {value!r}")
+    elif name == "ssl_cert_reqs":
+        if value not in CERT_REQS:
+            raise ConfigError(f"{say}option ssl_cert_reqs must be one of {CERT_REQS}, got {value!r}")
+    elif name != "ssl_ca_certs":
+        return False
+    options[name] = value
+    return True
