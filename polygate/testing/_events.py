@@ -50,6 +50,7 @@ import httpx
 import trio
 
 from ._render import Pause, Plan
+from ._transport import body_ending
 from ._upstream import FakeUpstream, Outcome, RecordedRequest
 
 __all__ = ["EventStatistics", "EventTransport"]
@@ -264,14 +265,9 @@ class _Body(httpx.AsyncByteStream):
                 yield piece
             if plan.ending == "hang":
                 await trio.sleep_forever()
-            outcome = "fault" if plan.fault or plan.ending != "complete" else "complete"
-            if plan.ending == "reset":
-                raise httpx.ReadError("[Errno 104] Connection reset by peer", request=self._request)
-            if plan.ending == "truncate":
-                raise httpx.RemoteProtocolError(
-                    "peer closed connection without sending complete message body",
-                    request=self._request,
-                )
+            outcome, error = body_ending(plan, self._request)
+            if error is not None:
+                raise error
         finally:
             self._upstream._finish(self._rec, outcome)
 

@@ -83,14 +83,9 @@ class _FakeStream(httpx.AsyncByteStream):
                     yield step
             if plan.ending == "hang":
                 await trio.sleep_forever()
-            outcome = "fault" if plan.fault or plan.ending != "complete" else "complete"
-            if plan.ending == "reset":
-                raise httpx.ReadError("[Errno 104] Connection reset by peer", request=self._request)
-            if plan.ending == "truncate":
-                raise httpx.RemoteProtocolError(
-                    "peer closed connection without sending complete message body",
-                    request=self._request,
-                )
+            outcome, error = body_ending(plan, self._request)
+            if error is not None:
+                raise error
         finally:
             self._upstream._finish(self._rec, outcome)
 
@@ -98,6 +93,20 @@ class _FakeStream(httpx.AsyncByteStream):
         if self._iterator is not None:
             await self._iterator.aclose()
         self._upstream._finish(self._rec, "client_closed")
+
+
+def body_ending(plan: Plan, request: httpx.Request) -> tuple[Outcome, httpx.TransportError | None]:
+    """How a body that did not hang ends, for every transport face of FakeUpstream:
+    the outcome it records, and the error a reset or a cut-short body raises, worded
+    as httpx words them."""
+    outcome: Outcome = "fault" if plan.fault or plan.ending != "complete" else "complete"
+    if plan.ending == "reset":
+        return outcome, httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
+    if plan.ending == "truncate":
+        return outcome, httpx.RemoteProtocolError(
+            "peer closed connection without sending complete message body", request=request
+        )
+    return outcome, None
 
 
 class Router(httpx.AsyncBaseTransport):
