@@ -583,7 +583,9 @@ async def client_floor_trio(
     idle: list[trio.SocketStream] = []
     request = _floor_request(url, model)
 
-    async def read(chunks: int, emit: Callable[[str], Any]) -> None:
+    async def start(chunks: int) -> tuple[trio.SocketStream, bytes]:
+        """A connection with the request sent and the head read; the body bytes
+        that came with the head."""
         conn = idle.pop() if idle else await trio.open_tcp_stream(host, port)
         await conn.send_all(request(chunks))
         buf = b""
@@ -591,10 +593,11 @@ async def client_floor_trio(
             buf += await conn.receive_some(65536)
             end = buf.find(b"\r\n\r\n")
             if end >= 0:
-                buf = buf[end + 4:]
-                break
+                return conn, buf[end + 4:]
+
+    async def read(chunks: int, emit: Callable[[str], Any]) -> None:
+        conn, data = await start(chunks)
         parser = _FloorParser()
-        data = buf
         while True:
             for text in parser.feed(data):
                 await emit(text)
@@ -607,17 +610,8 @@ async def client_floor_trio(
 
     if not hop:
         async def open_stream(chunks: int) -> AsyncIterator[str]:
-            conn = idle.pop() if idle else await trio.open_tcp_stream(host, port)
-            await conn.send_all(request(chunks))
-            buf = b""
-            while True:  # the head
-                buf += await conn.receive_some(65536)
-                end = buf.find(b"\r\n\r\n")
-                if end >= 0:
-                    buf = buf[end + 4:]
-                    break
+            conn, data = await start(chunks)
             parser = _FloorParser()
-            data = buf
             while True:
                 for text in parser.feed(data):
                     yield text
