@@ -112,32 +112,29 @@ async def run_chat_attempt(
         watch = control.watch
         first = True
 
-        def on_content(now: float, chunk: dict[str, Any]) -> Awaitable[None] | None:
-            # Runs for every content chunk, synchronously unless the caller is behind:
-            # moving a deadline costs a heap update, so it is done only when a
-            # watchdog needs it.
+        def seen(now: float) -> None:
+            # Moving a deadline costs a heap update: done only when a watchdog needs it.
             nonlocal first
+            if stall_timeout is not None:
+                watch(now + stall_timeout)
+            elif first:
+                first = False
+                watch(math.inf)  # the first token ends the ttft watchdog
+
+        def on_content(now: float, chunk: dict[str, Any]) -> Awaitable[None] | None:
+            # Runs for every content chunk, synchronously unless the caller is behind.
             if forward is not None:
                 # The round hands the chunk to the caller; when the caller is behind,
                 # it stops this attempt's clocks meanwhile (AttemptControl.hold_while).
                 wait = forward(now, chunk)
                 if wait is not None:
                     return held(wait)
-            if stall_timeout is not None:
-                watch(now + stall_timeout)
-            elif first:
-                first = False
-                watch(math.inf)  # the first token ends the ttft watchdog
+            seen(now)
             return None
 
         async def held(wait: Awaitable[None]) -> None:
-            nonlocal first
             await wait
-            if stall_timeout is not None:
-                watch(trio.current_time() + stall_timeout)
-            elif first:
-                first = False
-                watch(math.inf)
+            seen(trio.current_time())  # the stall clock restarts when the caller is back
 
         return await chat_exchange(
             ctx.runtime.transport,
