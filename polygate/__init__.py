@@ -12,6 +12,7 @@ from ._config import Ocr as Ocr
 from ._config import Retry as Retry
 from ._config import Scope as Scope
 from ._config import Serve as Serve
+from ._config import ServeKey as ServeKey
 from ._config import Settings as Settings
 from ._config import Source as Source
 from ._config import StreamWatch as StreamWatch
@@ -63,6 +64,7 @@ __all__ = [
     "Retry",
     "Scope",
     "Serve",
+    "ServeKey",
     "Session",
     "SessionStatistics",
     "Settings",

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import attrs
 import httpx
 
-from ._config_serve import Serve, check_serve_models
+from ._config_serve import Serve, ServeKey, check_serve_models
 from ._errors import ConfigError
 from ._secrets import is_header_safe, mask_prefixes, url_secrets
 
@@ -37,6 +37,7 @@ __all__ = [
     "RESERVED_SEGMENTS",
     "STRUCTURED_OUTPUT_MODES",
     "Serve",
+    "ServeKey",
     "mask_url",
 ]
 
@@ -757,6 +758,7 @@ class Settings:
         """Every secret in these settings, for redaction of upstream text."""
         found = [s.api_key for scope in self.scopes.values() for s in scope.sources if s.api_key]
         found += self.serve.api_keys
+        found += [k.key for k in self.serve.keys.values()]
         for url in (self.backend, self.telemetry, self.cache):
             found += url_secrets(url)
         return tuple(dict.fromkeys(found))

@@ -478,7 +478,9 @@ def _env_source_where(scope: str, source: str, part: _ScopePart) -> _Where:
 
 _SERVE_ENV = f"{ENV_PREFIX}SERVE__"
 #: Serve fields that are not scalars: lists and tables, parsed here.
-_SERVE_LISTS = ("api_keys", "models")
+_SERVE_LISTS = ("api_keys", "models", "keys")
+#: The fields of one labelled key, ``[serve.keys.NAME]`` / ``POLYGATE__SERVE__KEYS__NAME__…``.
+_KEY_FIELDS: dict[str, type] = {"key": str, "rpm": int, "tpm": int, "max_in_flight": int}
 
 
 def _env_serve(settings: _SettingsPart, key: str, text: str) -> None:
@@ -487,6 +489,10 @@ def _env_serve(settings: _SettingsPart, key: str, text: str) -> None:
     part = _serve_part(settings, lambda f: _env_key("serve", *f.split(".")))
     segment = key[len(_SERVE_ENV):]
     field = segment.lower()
+    if segment.startswith("KEYS__") and segment == segment.upper():
+        _env_serve_key(settings, part, key, segment.split("__")[1:], text)
+        part.keys.append(key)
+        return
     if segment != segment.upper() or "__" in segment:
         raise _unknown(key, "serve keys", _serve_keys(upper=True), segment)
     if field == "api_keys":
@@ -500,6 +506,24 @@ def _env_serve(settings: _SettingsPart, key: str, text: str) -> None:
     else:
         raise _unknown(key, "serve keys", _serve_keys(upper=True), segment)
     part.keys.append(key)
+
+
+def _env_serve_key(
+    settings: _SettingsPart, part: _Part, key: str, segments: list[str], text: str
+) -> None:
+    """``POLYGATE__SERVE__KEYS__{NAME}__{KEY|RPM|TPM|MAX_IN_FLIGHT}``; the name is
+    lower-cased, as scope names are."""
+    fields = ", ".join(f.upper() for f in _KEY_FIELDS)
+    if len(segments) != 2 or not all(segments) or segments[1].lower() not in _KEY_FIELDS:
+        raise ConfigError(
+            f"{key}: unknown configuration key; a labelled gateway key is set by "
+            f"{_SERVE_ENV}KEYS__{{NAME}}__{{FIELD}} with FIELD one of {fields}"
+        )
+    name, field = segments[0].lower(), segments[1].lower()
+    if field == "key":
+        settings.secrets.add(text)
+    keys = part.values.setdefault("keys", {})
+    keys.setdefault(name, {})[field] = _value_from_text(_KEY_FIELDS[field], text, key)
 
 
 def _env_models(key: str, text: str) -> dict[str, str]:
@@ -557,8 +581,40 @@ def _toml_serve(settings: _SettingsPart, value: Any, file: str, env: Mapping[str
                 raise ConfigError(f"{where}: expected a scope name, got {_what(scope)}")
         part.values["models"] = models
         part.keys.append(at("models"))
+    if "keys" in table:
+        part.values["keys"] = _toml_serve_keys(table.pop("keys"), at, env, settings.secrets)
+        part.keys.append(at("keys"))
     _toml_fields(part, _schema(Serve), table, "serve", "serve keys",
                  extra=[*_SERVE_LISTS, "api_keys_env"])
+
+
+def _toml_serve_keys(
+    value: Any, at: _Where, env: Mapping[str, str], secrets: set[str]
+) -> dict[str, dict[str, Any]]:
+    """``[serve.keys.NAME]`` tables: ``key`` (or ``key_env`` naming an environment
+    variable that holds it), ``rpm``, ``tpm``, ``max_in_flight``."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, raw in _toml_table(value, at("keys")).items():
+        where = at(f"keys.{name}") if _BARE_KEY.match(name) else at("keys")
+        table = dict(_toml_table(raw, where))
+        if "key_env" in table:
+            if "key" in table:
+                raise ConfigError(f"{where}.key_env: set key or key_env, not both")
+            var = _value_from_toml(str, table.pop("key_env"), f"{where}.key_env")
+            if not env.get(var, "").strip():
+                raise ConfigError(f"{where}.key_env: environment variable {var} is not set")
+            table["key"] = env[var].strip()
+        fields: dict[str, Any] = {}
+        for field, item in table.items():
+            kind = _KEY_FIELDS.get(field)
+            if kind is None:
+                known = ", ".join([*_KEY_FIELDS, "key_env"])
+                raise ConfigError(f"{where}.{field}: unknown key (a gateway key takes {known})")
+            if field == "key" and isinstance(item, str):
+                secrets.add(item)
+            fields[field] = _value_from_toml(kind, item, f"{where}.{field}")
+        out[name] = fields
+    return out
 
 
 # --------------------------------------------------------------------------- TOML

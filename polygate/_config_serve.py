@@ -17,12 +17,16 @@ import attrs
 
 from ._errors import ConfigError
 
-__all__ = ["Serve", "check_serve_models"]
+__all__ = ["Serve", "ServeKey", "check_serve_models"]
 
 #: What a gateway key may contain: a Bearer token (RFC 6750 b64token), so it can be
 #: sent in an Authorization header unchanged.
 _KEY_RE = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
 _ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$")
+#: A labelled key's name: it is shown (metrics, messages, governance key names), so it
+#: is the operator's word for the key, never derived from the key.  No ``__`` (the
+#: environment's separator) and no ``:`` (the Redis key separator).
+_LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def _bad(owner: str, field: str, problem: str) -> ConfigError:
@@ -47,6 +51,33 @@ def _to_models(value: Any) -> Any:
     return value
 
 
+def _to_labelled(value: Any) -> Any:
+    """A mapping of name to :class:`ServeKey` or to its fields (what the loaders build);
+    a field's error names its path, ``keys.NAME.FIELD``."""
+    if not isinstance(value, Mapping):
+        return value
+    out: dict[Any, Any] = {}
+    for name, key in value.items():
+        if isinstance(key, Mapping):
+            key = _serve_key(name, key)
+        out[name] = key
+    return MappingProxyType(out)
+
+
+def _serve_key(name: Any, fields: Mapping[str, Any]) -> ServeKey:
+    from ._config import FieldError
+
+    unknown = sorted(set(fields) - {f.name for f in attrs.fields(ServeKey)})
+    if unknown:
+        raise _bad("Serve", f"keys.{name}.{unknown[0]}", "unknown field (key, rpm, tpm, max_in_flight)")
+    if "key" not in fields:
+        raise _bad("Serve", f"keys.{name}.key", "is missing: a labelled gateway key needs its key")
+    try:
+        return ServeKey(**fields)
+    except FieldError as exc:
+        raise _bad("Serve", f"keys.{name}.{exc.field}", exc.problem) from None
+
+
 def _seconds(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     from ._config import _positive
 
@@ -59,13 +90,55 @@ def _count(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     _pos_int(inst, attr, value)
 
 
+def _opt_count(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    from ._config import _opt_pos_int
+
+    _opt_pos_int(inst, attr, value)
+
+
+def _check_key(owner: str, field: str, key: Any, which: str) -> None:
+    # The key itself is never echoed: only which one and what is wrong.
+    if not isinstance(key, str) or not key:
+        raise _bad(owner, field, f"{which} must be a non-empty string")
+    if not _KEY_RE.fullmatch(key):
+        raise _bad(owner, field, f"{which} may hold only letters, digits and -._~+/ (a Bearer token)")
+
+
+@attrs.frozen
+class ServeKey:
+    """A labelled gateway key and its own quota (``[serve.keys.NAME]``).
+
+    ``key`` is the secret a client sends as ``Authorization: Bearer …``; it is never
+    shown.  The limits bound what this key may take, across every replica sharing
+    the governance backend: ``rpm`` requests and ``tpm`` tokens in any 60 s window
+    (the call's estimate is reserved when it is admitted and settled with the
+    answer's usage) and ``max_in_flight`` calls at once.  ``None``: no bound.  A key
+    over a limit is answered 429 with ``Retry-After`` at once, without waiting.
+    """
+
+    key: str = attrs.field(repr=lambda _: "'***'")
+    rpm: int | None = attrs.field(default=None, validator=_opt_count)
+    tpm: int | None = attrs.field(default=None, validator=_opt_count)
+    max_in_flight: int | None = attrs.field(default=None, validator=_opt_count)
+
+    @key.validator
+    def _check_the_key(self, attr: attrs.Attribute[str], value: Any) -> None:
+        _check_key("ServeKey", "key", value, "the key")
+
+    @property
+    def limited(self) -> bool:
+        return (self.rpm, self.tpm, self.max_in_flight) != (None, None, None)
+
+
 @attrs.frozen
 class Serve:
     """How ``polygate serve`` listens, authenticates and protects itself.
 
     ``api_keys``: the gateway keys clients send as ``Authorization: Bearer …`` (none:
     no authentication, allowed only on a loopback address).  ``models``: aliases a
-    request's ``model`` may use besides the scope names (alias → scope).  The limits
+    request's ``model`` may use besides the scope names (alias → scope).  ``keys``:
+    labelled gateway keys (name → :class:`ServeKey`), accepted like ``api_keys``, each
+    with its own quota (``docs/serve.md``, "Per-key quotas").  The limits
     bound what one client can hold: ``max_request_bytes`` a request body,
     ``header_timeout_s`` / ``body_timeout_s`` the time to send the request head / body,
     ``idle_timeout_s`` an idle keep-alive connection, ``send_timeout_s`` one write to a
@@ -78,6 +151,11 @@ class Serve:
     host: str = attrs.field(default="127.0.0.1")
     port: int = attrs.field(default=8080)
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=_to_keys, repr=_keys_repr)
+    keys: Mapping[str, ServeKey] = attrs.field(
+        # Shown: a ServeKey's own repr hides its key (check-config lists the limits).
+        factory=dict, converter=_to_labelled,
+        repr=lambda v: repr(dict(v)) if isinstance(v, Mapping) else repr(v),
+    )
     models: Mapping[str, str] = attrs.field(
         factory=dict, converter=_to_models,
         repr=lambda v: repr(dict(v)) if isinstance(v, Mapping) else repr(v),
@@ -106,16 +184,22 @@ class Serve:
         if not isinstance(value, tuple):
             raise _bad("Serve", "api_keys", "must be a list of strings")
         for index, key in enumerate(value):
-            # The key itself is never echoed: only its position and what is wrong.
-            if not isinstance(key, str) or not key:
-                raise _bad("Serve", "api_keys", f"key #{index + 1} must be a non-empty string")
-            if not _KEY_RE.fullmatch(key):
-                raise _bad(
-                    "Serve", "api_keys",
-                    f"key #{index + 1} may hold only letters, digits and -._~+/ (a Bearer token)",
-                )
+            _check_key("Serve", "api_keys", key, f"key #{index + 1}")
         if len(set(value)) != len(value):
             raise _bad("Serve", "api_keys", "a key appears twice")
+
+    @keys.validator
+    def _check_labelled(self, attr: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, Mapping):
+            raise _bad("Serve", "keys", "must be a mapping of key name to ServeKey")
+        for name, key in value.items():
+            if not isinstance(name, str) or not _LABEL_RE.fullmatch(name) or "__" in name:
+                raise _bad("Serve", "keys", f"key name {name!r} must be letters, digits, '_', '-', '.'")
+            if not isinstance(key, ServeKey):
+                raise _bad("Serve", "keys", f"key {name!r} must be a ServeKey or a table")
+        secrets = [k.key for k in value.values()]
+        if len(set(secrets)) != len(secrets) or set(secrets) & set(self.api_keys):
+            raise _bad("Serve", "keys", "a key appears twice (in keys, or in keys and api_keys)")
 
     @models.validator
     def _check_models(self, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -130,6 +214,11 @@ class Serve:
     def __attrs_post_init__(self) -> None:
         if self.sse_keepalive_s < 0.05:
             raise _bad("Serve", "sse_keepalive_s", "must be at least 0.05 s (a floor on its period)")
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether requests must present a gateway key."""
+        return bool(self.api_keys or self.keys)
 
     def scope_of(self, model: str, scopes: Mapping[str, Any]) -> str | None:
         """The scope a request's ``model`` names (a scope name or an alias)."""

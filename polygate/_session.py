@@ -25,6 +25,7 @@ from ._call import Rounds
 from ._config import Settings
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
+from ._key_quota import KeyQuotas
 from ._ocr import run_ocr
 from ._structured import prepare
 from ._types import ChatResponse, EmbeddingResponse, OcrResponse, StreamChunk
@@ -73,6 +74,12 @@ class Session:
     def __repr__(self) -> str:
         scopes = ", ".join(self._runtime.settings.scopes)
         return f"<polygate.Session scopes=[{scopes}]{' closed' if self._closed else ''}>"
+
+    def _key_quotas(self) -> KeyQuotas:
+        """The per-key quotas of ``settings.serve.keys``, held in this session's
+        governance backend (for ``polygate serve``, which never reaches the backend
+        itself)."""
+        return KeyQuotas(self._runtime.settings.serve.keys, self._runtime.governor)
 
     # ------------------------------------------------------------------ calls
 

@@ -128,6 +128,9 @@ def to_env(config: Config) -> dict[str, str]:
         env["POLYGATE__SERVE__API_KEYS"] = ",".join(serve.pop("api_keys"))
     if "models" in serve:
         env["POLYGATE__SERVE__MODELS"] = ",".join(f"{a}={s}" for a, s in serve.pop("models").items())
+    for name, fields in serve.pop("keys", {}).items():
+        env.update({f"POLYGATE__SERVE__KEYS__{name.upper()}__{f.upper()}": env_text(v)
+                    for f, v in fields.items()})
     env.update({f"POLYGATE__SERVE__{k.upper()}": env_text(v) for k, v in serve.items()})
     return env
 
@@ -212,7 +215,9 @@ FULL: Config = {
               "models": {"gpt-4o": "chat", "text-embedding-3-small": "embed"},
               "max_request_bytes": 1024, "max_connections": 10, "header_timeout_s": 1.5,
               "body_timeout_s": 2.5, "idle_timeout_s": 3.5, "send_timeout_s": 4.5,
-              "sse_keepalive_s": 0.5, "grace_s": 5.5},
+              "sse_keepalive_s": 0.5, "grace_s": 5.5,
+              "keys": {"team-a": {"key": "sk-gw-team-a", "rpm": 60, "tpm": 9000,
+                                  "max_in_flight": 3}}},
     "scopes": {
         "chat": {
             "call_deadline_s": 120.0,

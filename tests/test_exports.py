@@ -20,6 +20,7 @@ PUBLIC = {
     "Structured", "Ocr", "OcrPage",
     # SPEC §8.5: Settings.serve
     "Serve",
+    "ServeKey",
 }
 
 

@@ -71,7 +71,7 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
 
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with open_server(settings, host=args.host, port=args.port) as server:
-            keys = len(settings.serve.api_keys)
+            keys = len(settings.serve.api_keys) + len(settings.serve.keys)
             print(f"polygate serve: listening on {server.url}", flush=True)
             log.info("%d scope(s), %s", len(settings.scopes),
                      f"{keys} gateway key(s)" if keys else "no gateway keys (loopback only)")

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import sys
 import urllib.parse
 from array import array
@@ -31,6 +32,7 @@ import trio
 from .._config import Settings
 from .._context import PRESET_CALL_ID, fresh_call_id
 from .._errors import PolygateError
+from .._key_quota import KeyQuotas, KeyRefusal
 from .._session import Session
 from .._types import CallStats
 from ._errors import ErrorReply, reply_for
@@ -63,6 +65,10 @@ class Gateway:
     settings: Settings
     session: Session
     keys: tuple[bytes, ...] = attrs.field(init=False)
+    #: The name of each key in ``keys`` (``None``: an unlabelled ``api_keys`` entry).
+    names: tuple[str | None, ...] = attrs.field(init=False)
+    #: The labelled keys with a quota; ``None`` when no key has one.
+    quotas: KeyQuotas | None = attrs.field(init=False)
     models_body: bytes = attrs.field(init=False)
     users: int = 0
     retired: bool = False
@@ -71,7 +77,11 @@ class Gateway:
     def __attrs_post_init__(self) -> None:
         # Keys are compared as SHA-256 digests: equal lengths, and hmac.compare_digest
         # over every configured key (no early exit) leaks neither a key nor which one.
-        self.keys = tuple(_digest(key) for key in self.settings.serve.api_keys)
+        serve = self.settings.serve
+        self.keys = tuple(_digest(key) for key in (*serve.api_keys, *(k.key for k in serve.keys.values())))
+        self.names = (*(None for _ in serve.api_keys), *serve.keys)
+        quotas = self.session._key_quotas()
+        self.quotas = quotas if quotas.limits else None
         names = [*self.settings.scopes, *self.settings.serve.models]
         self.models_body = _ENCODE({"object": "list", "data": [_model(n) for n in names]}).encode()
 
@@ -81,16 +91,27 @@ class Gateway:
         return self.settings.serve.scope_of(model, self.settings.scopes)
 
     def authorised(self, headers: Mapping[str, str]) -> bool:
-        if not self.keys:
-            return True
+        return not self.keys or self._match(headers) >= 0
+
+    def limited_key(self, headers: Mapping[str, str]) -> str | None:
+        """The name of the presented key when that key has a quota."""
+        if self.quotas is None:
+            return None
+        index = self._match(headers)
+        name = self.names[index] if index >= 0 else None
+        return name if name in self.quotas.limits else None
+
+    def _match(self, headers: Mapping[str, str]) -> int:
+        """The index of the presented key in ``keys``, or -1."""
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":
-            return False
+            return -1
         presented = _digest(token.strip())
-        ok = False
-        for key in self.keys:
-            ok |= hmac.compare_digest(presented, key)
-        return ok
+        found = -1
+        for index, key in enumerate(self.keys):
+            if hmac.compare_digest(presented, key):
+                found = index
+        return found
 
     def enter(self) -> None:
         self.users += 1
@@ -229,9 +250,82 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
         return path, await _fail(
             ctx, _bad_param(f"parameter {refused[0]!r} is not accepted here", refused[0])
         )
+    key = ctx.gateway.limited_key(request.headers)
+    if key is None:
+        charge = _Charge()
+        if path == "/v1/embeddings":
+            return path, await _embeddings(ctx, scope, body, charge)
+        return path, await _chat(ctx, scope, body, charge)
+    return path, await _charged(ctx, path, scope, body, key)
+
+
+# --------------------------------------------------------------------------- per-key quotas
+
+
+@attrs.define
+class _Charge:
+    """What a call cost the key that made it, by the rules of
+    :mod:`polygate._key_quota`; until the call says otherwise (a client that left, a
+    drain), the request counts and its estimate stands."""
+
+    attempted: bool = True
+    tokens: int | None = None
+
+    def answered(self, stats: CallStats, usage: Any) -> None:
+        self.attempted = True
+        total = getattr(usage, "total_tokens", None)
+        self.tokens = 0 if stats.cached else total if isinstance(total, int) else None
+
+    def failed(self, exc: BaseException) -> None:
+        stats: CallStats | None = getattr(exc, "call_stats", None)
+        self.attempted = stats is not None and (stats.attempts > 0 or stats.cached)
+        self.tokens = None
+
+
+async def _charged(ctx: Context, path: str, scope: str, body: dict[str, Any], key: str) -> int:
+    """Admit the call against the key's quota, run it, settle what it cost."""
+    quotas = ctx.gateway.quotas
+    assert quotas is not None
     if path == "/v1/embeddings":
-        return path, await _embeddings(ctx, scope, body)
-    return path, await _chat(ctx, scope, body)
+        inputs = body.get("input")
+        texts: Any = [inputs] if isinstance(inputs, str) else inputs
+        ok = isinstance(texts, list) and all(isinstance(t, str) for t in texts)
+        tokens = quotas.embed_estimate(texts) if ok else None
+    else:
+        completion = ctx.gateway.settings.scopes[scope].completion_estimate_tokens
+        tokens = quotas.chat_estimate(body.get("messages"), body, completion)
+    handler = _embeddings if path == "/v1/embeddings" else _chat
+    if tokens is None:  # malformed: the handler answers 400 before any upstream work
+        return await handler(ctx, scope, body, _Charge())
+    try:
+        admitted = await quotas.admit(key, tokens)
+    except PolygateError as exc:  # the governance backend is down: fail closed
+        return await _fail(ctx, reply_for(exc))
+    if isinstance(admitted, KeyRefusal):
+        ctx.metrics.key_refused(key, admitted.reason)
+        return await _fail(ctx, _key_refusal(admitted))
+    ctx.metrics.key_admitted(key)
+    charge = _Charge()
+    try:
+        return await handler(ctx, scope, body, charge)
+    finally:
+        # Settling never raises and needs no checkpoint to finish (the memory backend
+        # has none; Redis shields its round trip, bounded): a client that left still
+        # returns its permit.
+        await quotas.settle(admitted, attempted=charge.attempted, tokens=charge.tokens)
+
+
+def _key_refusal(refusal: KeyRefusal) -> ErrorReply:
+    if refusal.wait_s is None:
+        message = (f"This request needs about {refusal.tokens} tokens, more than gateway key "
+                   f"{refusal.name!r} may use in a minute (tpm {refusal.limit}).")
+    else:
+        unit = {"rpm": "requests a minute", "tpm": "tokens a minute",
+                "in_flight": "calls at once"}.get(refusal.reason, "")
+        message = (f"Gateway key {refusal.name!r} is over its {refusal.reason} limit "
+                   f"({refusal.limit} {unit}); retry in {max(1, math.ceil(refusal.wait_s))} s.")
+    return ErrorReply(429, message, "rate_limit_error", "rate_limit_exceeded",
+                      retry_after_s=refusal.wait_s)
 
 
 def _parse_body(raw: bytes) -> dict[str, Any] | ErrorReply:
@@ -297,7 +391,10 @@ async def _fail(
     return reply.status
 
 
-async def _call_failed(ctx: Context, scope: str, call_id: str, exc: BaseException) -> int:
+async def _call_failed(
+    ctx: Context, scope: str, call_id: str, exc: BaseException, charge: _Charge
+) -> int:
+    charge.failed(exc)
     reply = reply_for(exc)
     if reply.status == 500:
         log.error("unexpected error answering a call: %s", type(exc).__name__, exc_info=exc)
@@ -306,7 +403,7 @@ async def _call_failed(ctx: Context, scope: str, call_id: str, exc: BaseExceptio
     return await _fail(ctx, reply, call_id, stats)
 
 
-async def _chat(ctx: Context, scope: str, body: dict[str, Any]) -> int:
+async def _chat(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge) -> int:
     messages = body.pop("messages", None)
     if messages is None:
         return await _fail(ctx, _bad_param("you must provide a messages parameter", "messages"))
@@ -323,24 +420,25 @@ async def _chat(ctx: Context, scope: str, body: dict[str, Any]) -> int:
     try:
         if stream:
             include_usage = bool(options and options.get("include_usage"))
-            return await _chat_stream(ctx, scope, call_id, messages, body, include_usage)
+            return await _chat_stream(ctx, scope, call_id, messages, body, include_usage, charge)
         with ctx.stop:
             try:
                 response = await ctx.gateway.session.chat(messages, scope=scope, **body)
             except Exception as exc:
-                return await _call_failed(ctx, scope, call_id, exc)
+                return await _call_failed(ctx, scope, call_id, exc, charge)
         if ctx.stop.cancelled_caught:
             return await _fail(ctx, _SHUTDOWN, call_id)
     finally:
         PRESET_CALL_ID.reset(token)
     stats = response.call_stats
+    charge.answered(stats, response.usage)
     ctx.metrics.call(scope, stats, "ok")
     return await _send_json(ctx, 200, _ENCODE(response.raw).encode(), _stats_headers(call_id, stats))
 
 
 async def _chat_stream(
     ctx: Context, scope: str, call_id: str, messages: Any, params: dict[str, Any],
-    include_usage: bool,
+    include_usage: bool, charge: _Charge,
 ) -> int:
     """Forward the committed chunks as they come.  The response head goes out with
     the first chunk, or with the first keep-alive comment when the call is still
@@ -366,7 +464,7 @@ async def _chat_stream(
     try:
         stream = ctx.gateway.session.stream_chat(messages, scope=scope, **params)
     except Exception as exc:  # arguments refused before the call started
-        return await _call_failed(ctx, scope, call_id, exc)
+        return await _call_failed(ctx, scope, call_id, exc, charge)
     send_timeout = ctx.gateway.settings.serve.send_timeout_s
     with ctx.stop:
         async with stream:
@@ -409,7 +507,8 @@ async def _chat_stream(
         return _SHUTDOWN.status
     if failure is not None:
         if not head_sent:
-            return await _call_failed(ctx, scope, call_id, failure)
+            return await _call_failed(ctx, scope, call_id, failure, charge)
+        charge.failed(failure)
         reply = reply_for(failure)
         stats = getattr(failure, "call_stats", None)
         ctx.metrics.call(scope, stats, reply.code)
@@ -417,13 +516,14 @@ async def _chat_stream(
         return reply.status
     response = stream.response
     assert response is not None
+    charge.answered(response.call_stats, response.usage)
     ctx.metrics.call(scope, response.call_stats, "ok")
     out = head() if not head_sent else b""
     await conn.send(out + conn.frame(shape.ending(response, include_usage)) + conn.end())
     return 200
 
 
-async def _embeddings(ctx: Context, scope: str, body: dict[str, Any]) -> int:
+async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge) -> int:
     inputs = body.pop("input", None)
     if isinstance(inputs, str):
         inputs = [inputs]
@@ -440,10 +540,11 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any]) -> int:
         if ctx.stop.cancelled_caught:
             return await _fail(ctx, _SHUTDOWN, call_id)
     except Exception as exc:
-        return await _call_failed(ctx, scope, call_id, exc)
+        return await _call_failed(ctx, scope, call_id, exc, charge)
     finally:
         PRESET_CALL_ID.reset(token)
     stats = response.call_stats
+    charge.answered(stats, response.usage)
     ctx.metrics.call(scope, stats, "ok")
     data = [
         {"object": "embedding", "index": i, "embedding": _b64(v) if base64_out else v}

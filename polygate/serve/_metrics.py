@@ -69,6 +69,15 @@ class Metrics:
         self.disconnects = 0
         self.reloads = 0
         self.reload_failures = 0
+        self.key_requests: dict[str, int] = {}  # admitted under a key's quota
+        self.key_refusals: dict[tuple[str, str], int] = {}  # (key name, reason)
+
+    def key_admitted(self, name: str) -> None:
+        self.key_requests[name] = self.key_requests.get(name, 0) + 1
+
+    def key_refused(self, name: str, reason: str) -> None:
+        key = (name, reason)
+        self.key_refusals[key] = self.key_refusals.get(key, 0) + 1
 
     def request(self, endpoint: str, status: int, seconds: float) -> None:
         key = (endpoint, status)
@@ -141,6 +150,21 @@ class _Collector:
             for scope, count in sorted(table.items()):
                 family.add_metric([scope], count)
             yield family
+        keys = CounterMetricFamily(
+            "polygate_serve_key_requests", "Calls admitted under a gateway key's quota, by key name",
+            labels=["key"],
+        )
+        for name, count in sorted(m.key_requests.items()):
+            keys.add_metric([name], count)
+        yield keys
+        refusals = CounterMetricFamily(
+            "polygate_serve_key_refusals",
+            "Calls refused (429) because a gateway key was over its quota, by key name and limit",
+            labels=["key", "reason"],
+        )
+        for (name, reason), count in sorted(m.key_refusals.items()):
+            refusals.add_metric([name, reason], count)
+        yield refusals
         yield GaugeMetricFamily(
             "polygate_serve_requests_in_flight", "Requests being answered", value=m.in_flight
         )

@@ -72,10 +72,11 @@ def is_loopback(host: str) -> bool:
 
 def check_exposure(settings: Settings, host: str) -> None:
     """Refuse to serve without gateway keys anywhere but on a loopback address."""
-    if not settings.serve.api_keys and not is_loopback(host):
+    if not settings.serve.authenticated and not is_loopback(host):
         raise ConfigError(
             f"serve.api_keys: refusing to listen on {host!r} without gateway keys; set "
-            "[serve] api_keys (or POLYGATE__SERVE__API_KEYS), or listen on 127.0.0.1"
+            "[serve] api_keys or [serve.keys.NAME] (or POLYGATE__SERVE__API_KEYS), or listen on "
+            "127.0.0.1"
         )
 
 

@@ -1,0 +1,277 @@
+"""Per-key quotas in ``polygate serve``: a labelled gateway key's RPM, TPM and
+in-flight bound, held in the session's governance backend (so replicas on one Redis
+share them), charged with what the call really cost, and returned whatever ends the
+call -- an answer, an error, or a client that left.  Loopback FakeUpstream, real clock;
+the two-replica test runs a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import polygate
+from polygate._config_load import describe, settings_from_env, settings_from_toml
+from polygate._key_quota import KEY_SCOPE
+from polygate.serve import Server
+from polygate.testing import FakeUpstream, Reply
+
+from ._redis_server import RedisServer, redis_server  # noqa: F401 - fixture
+from ._serve_kit import (
+    AUTH,
+    CHAT,
+    GATEWAY_KEY,
+    _Port,
+    gateway,
+    http,
+    request_bytes,
+    serve_process,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+ALICE = "sk-gw-alice-0123456789abcdef"
+BOB = "sk-gw-bob-0123456789abcdef"
+URL = "http://127.0.0.1:8001/v1"
+CALL = "/v1/chat/completions"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def keyed(**alice: Any) -> polygate.Serve:
+    return polygate.Serve(api_keys=[GATEWAY_KEY], keys={
+        "alice": polygate.ServeKey(key=ALICE, **alice),
+        "bob": polygate.ServeKey(key=BOB, rpm=100),
+    })
+
+
+async def key_state(server: Server, name: str) -> Any:
+    backend = server.session._runtime.governor.backend
+    return await backend.snapshot(KEY_SCOPE, name)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_env_and_toml_agree_and_never_show_the_key(tmp_path: Path) -> None:
+    env = settings_from_env({
+        "POLYGATE__CHAT__A__BASE_URL": URL,
+        "POLYGATE__SERVE__KEYS__ALICE__KEY": ALICE,
+        "POLYGATE__SERVE__KEYS__ALICE__RPM": "60",
+        "POLYGATE__SERVE__KEYS__ALICE__MAX_IN_FLIGHT": "2",
+    })
+    path = tmp_path / "p.toml"
+    path.write_text(
+        '[serve.keys.alice]\nkey_env = "ALICE_KEY"\nrpm = 60\nmax_in_flight = 2\n'
+        f'[scopes.chat.sources.a]\nbase_url = "{URL}"\n'
+    )
+    toml = settings_from_toml(path, env={"ALICE_KEY": ALICE})
+    assert toml.serve == env.serve
+    assert env.serve.keys["alice"] == polygate.ServeKey(key=ALICE, rpm=60, max_in_flight=2)
+    assert env.serve.authenticated
+    shown = repr(env.serve) + json.dumps(describe(env))
+    assert ALICE not in shown
+    assert describe(env)["serve"]["keys"]["alice"] == {
+        "key": "***", "rpm": 60, "tpm": None, "max_in_flight": 2}
+    assert ALICE in env.secrets()  # redacted from upstream text like any secret
+
+
+@pytest.mark.parametrize(("serve", "where"), [
+    (f'[serve.keys.alice]\nkey = "{ALICE}"\nrpm = 0\n', "serve.keys.alice.rpm"),
+    (f'[serve.keys.alice]\nkey = "{ALICE}"\ntpm = "many"\n', "serve.keys.alice.tpm"),
+    ('[serve.keys.alice]\nrpm = 3\n', "serve.keys.alice.key"),
+    (f'[serve.keys.alice]\nkey = "{ALICE} x"\n', "serve.keys.alice.key"),
+    (f'[serve.keys.alice]\nkey = "{ALICE}"\nrpx = 3\n', "serve.keys.alice.rpx"),
+    (f'[serve.keys."a:b"]\nkey = "{ALICE}"\n', "serve.keys"),
+    (f'[serve]\napi_keys = ["{ALICE}"]\n[serve.keys.a]\nkey = "{ALICE}"\n', "serve.keys"),
+    (f'[serve.keys.a]\nkey = "{ALICE}"\n[serve.keys.b]\nkey = "{ALICE}"\n', "serve.keys"),
+    ('[serve.keys.alice]\nkey_env = "NOPE"\n', "serve.keys.alice.key_env"),
+])
+def test_bad_keys_name_their_path_and_hide_the_key(tmp_path: Path, serve: str, where: str) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(f'{serve}[scopes.chat.sources.a]\nbase_url = "{URL}"\n')
+    with pytest.raises(polygate.ConfigError) as info:
+        settings_from_toml(path, env={})
+    message = str(info.value)
+    assert message.startswith(f"{path}: {where}"), message
+    assert ALICE not in message
+
+
+@pytest.mark.parametrize("extra", [
+    {"POLYGATE__SERVE__KEYS__ALICE__RPM": "5"},  # no key
+    {"POLYGATE__SERVE__KEYS__ALICE__KEY": ALICE, "POLYGATE__SERVE__KEYS__ALICE__RPX": "1"},
+    {"POLYGATE__SERVE__KEYS__ALICE": ALICE},
+])
+def test_bad_env_keys_name_the_variable(extra: dict[str, str]) -> None:
+    with pytest.raises(polygate.ConfigError) as info:
+        settings_from_env({"POLYGATE__CHAT__A__BASE_URL": URL, **extra})
+    assert str(info.value).startswith("POLYGATE__SERVE__KEYS__ALICE")
+    assert ALICE not in str(info.value)
+
+
+async def test_labelled_keys_alone_allow_a_public_address() -> None:
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=URL)])},
+        serve=polygate.Serve(keys={"alice": polygate.ServeKey(key=ALICE)}),
+    )
+    from polygate.serve._server import check_exposure
+
+    check_exposure(settings, "0.0.0.0")  # keys are configured: no ConfigError
+    with pytest.raises(polygate.ConfigError):
+        check_exposure(polygate.Settings(scopes=settings.scopes), "0.0.0.0")
+
+
+# --------------------------------------------------------------------------- the limits
+
+
+async def test_a_keys_rpm_refuses_it_alone_and_at_the_wire() -> None:
+    async with gateway(Reply(tokens=2), serve=keyed(rpm=2)) as (server, upstream):
+        alice = [await http(server, "POST", CALL, CHAT, bearer(ALICE)) for _ in range(3)]
+        bob = await http(server, "POST", CALL, CHAT, bearer(BOB))
+        plain = await http(server, "POST", CALL, CHAT, AUTH)
+        metrics = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
+    assert [a.status for a in alice] == [200, 200, 429]
+    refused = alice[2]
+    error = refused.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    assert "'alice'" in error["message"] and "rpm" in error["message"]
+    assert ALICE not in refused.body.decode()
+    assert 50 <= int(refused.headers["retry-after"]) <= 60
+    assert (bob.status, plain.status) == (200, 200)  # other keys keep their own quota
+    assert len(upstream.requests) == 4  # the refused call never reached a source
+    assert 'polygate_serve_key_refusals_total{key="alice",reason="rpm"} 1.0' in metrics
+    assert 'polygate_serve_key_requests_total{key="alice"} 2.0' in metrics
+    assert ALICE not in metrics and BOB not in metrics
+
+
+async def test_a_key_pays_the_answers_usage_not_its_estimate() -> None:
+    async with gateway(Reply(tokens=5), serve=keyed(tpm=10_000)) as (server, _):
+        answer = await http(server, "POST", CALL, {**CHAT, "max_tokens": 900}, bearer(ALICE))
+        streamed = await http(server, "POST", CALL, {**CHAT, "stream": True}, bearer(ALICE))
+        state = await key_state(server, "alice")
+    assert (answer.status, streamed.status) == (200, 200)
+    used = answer.json()["usage"]["total_tokens"]
+    assert used < 900  # the estimate reserved the 900-token budget; the usage replaced it
+    assert state.tokens_in_window == 2 * used
+    assert (state.in_flight, state.tokens_reserved, state.requests_in_window) == (0, 0, 2)
+
+
+async def test_a_request_over_the_keys_whole_tpm_is_refused_without_retry_after() -> None:
+    async with gateway(Reply(tokens=2), serve=keyed(tpm=100)) as (server, upstream):
+        answer = await http(server, "POST", CALL, {**CHAT, "max_tokens": 500}, bearer(ALICE))
+    assert answer.status == 429
+    assert "retry-after" not in answer.headers  # no wait cures it: an SDK must not retry
+    assert "tpm 100" in answer.json()["error"]["message"]
+    assert upstream.requests == []
+
+
+async def test_in_flight_bound_and_a_client_that_leaves_returns_its_permit() -> None:
+    upstream = FakeUpstream(Reply(first_token_s=30))
+    async with gateway(upstream, serve=keyed(max_in_flight=1)) as (server, _):
+        client = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await client.send_all(request_bytes("POST", CALL, {**CHAT, "stream": True}, bearer(ALICE)))
+        await wait_for(lambda: upstream.in_flight == 1)
+        second = await http(server, "POST", CALL, CHAT, bearer(ALICE))
+        assert second.status == 429
+        assert int(second.headers["retry-after"]) == 1
+        assert "in_flight" in second.json()["error"]["message"]
+        await client.aclose()
+        await wait_for(lambda: upstream.in_flight == 0)
+        await wait_for(lambda: server.statistics().in_flight == 0)
+        state = await key_state(server, "alice")
+    assert state.in_flight == 0
+    assert state.tokens_reserved == 0
+    assert state.reserved_total == state.settled_total + state.released_total
+    assert state.requests_in_window == 1  # the abandoned call counts; the 429 does not
+
+
+async def test_a_call_refused_before_any_upstream_work_costs_the_key_nothing() -> None:
+    bad = {"model": "chat", "messages": [{"content": "hi"}]}  # no role: the session says 400
+    async with gateway(Reply(tokens=2), serve=keyed(rpm=1)) as (server, upstream):
+        refused = await http(server, "POST", CALL, bad, bearer(ALICE))
+        answer = await http(server, "POST", CALL, CHAT, bearer(ALICE))
+    assert refused.status == 400
+    assert answer.status == 200  # the 400 did not use alice's one request a minute
+    assert len(upstream.requests) == 1
+
+
+async def test_a_cache_hit_counts_as_a_request_and_costs_no_tokens(tmp_path: Path) -> None:
+    upstream = FakeUpstream(Reply(tokens=5))
+    async with upstream.serve() as url:
+        import attrs
+
+        from polygate.serve import open_server
+
+        from ._serve_kit import settings_for
+
+        settings = attrs.evolve(
+            settings_for(url, serve=keyed(tpm=10_000), cache_ttl_s=60), cache="memory")
+        async with open_server(settings, port=0) as server:
+            first = await http(server, "POST", CALL, CHAT, bearer(ALICE))
+            hit = await http(server, "POST", CALL, CHAT, bearer(ALICE))
+            state = await key_state(server, "alice")
+    assert hit.headers["x-polygate-cached"] == "true"
+    assert state.requests_in_window == 2
+    assert state.tokens_in_window == first.json()["usage"]["total_tokens"]
+    assert len(upstream.requests) == 1
+
+
+# --------------------------------------------------------------------------- scale-out
+
+
+@pytest.mark.timeout(120)
+async def test_two_replicas_hold_one_keys_rpm(redis_server: RedisServer, tmp_path: Path) -> None:  # noqa: F811
+    rpm = 3
+    prefix = f"keys-{secrets.token_hex(4)}"
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        config = tmp_path / "c.toml"
+        config.write_text(
+            f'backend = "{redis_server.url}?prefix={prefix}"\n'
+            f'[serve.keys.alice]\nkey = "{ALICE}"\nrpm = {rpm}\n'
+            f'[scopes.chat.sources.a]\nbase_url = "{url}"\nmodel = "m1"\n'
+        )
+        async with serve_process(config) as one, serve_process(config) as two:
+            statuses = []
+            for i in range(8):  # alternating: each replica alone would admit 3
+                replica = (one, two)[i % 2]
+                answer = await http(_Port(replica.port), "POST", CALL, CHAT, bearer(ALICE))
+                statuses.append(answer.status)
+            for replica in (one, two):
+                replica.proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(20):
+                assert await one.proc.wait() == 0
+                assert await two.proc.wait() == 0
+        stored = await _everything_in_redis(redis_server, prefix)
+    assert statuses.count(200) == rpm
+    assert statuses.count(429) == 8 - rpm
+    assert len(upstream.requests) == rpm
+    # The key's state is kept under its name; neither the key nor a hash of it is stored.
+    assert any(f"{KEY_SCOPE}:alice" in key for key in stored)
+    assert ALICE not in "".join(stored.keys()) + "".join(stored.values())
+
+
+async def _everything_in_redis(server: RedisServer, prefix: str) -> dict[str, str]:
+    import coredis
+
+    out: dict[str, str] = {}
+    async with coredis.Redis(host="127.0.0.1", port=server.port, decode_responses=True) as client:
+        async for key in client.scan_iter(match=f"{prefix}:*"):
+            kind = await client.type(key)
+            if kind == "string":
+                out[key] = str(await client.get(key))
+            elif kind == "hash":
+                out[key] = json.dumps(await client.hgetall(key))
+            elif kind == "zset":
+                out[key] = json.dumps(await client.zrange(key, 0, -1))
+            else:
+                out[key] = kind
+    return out
