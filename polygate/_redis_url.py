@@ -58,3 +58,10 @@ def shared_option(options: dict[str, Any], name: str, value: str, say: str = "")
         return False
     options[name] = value
     return True
+
+
+def check_tls_options(scheme: str, options: dict[str, Any], say: str = "") -> None:
+    """TLS options on a plain ``redis://`` URL would be ignored: the connection would
+    not use TLS while its configuration says how to verify it.  Refused instead."""
+    if scheme != "rediss" and ("ssl_ca_certs" in options or "ssl_cert_reqs" in options):
+        raise ConfigError(f"{say}options ssl_ca_certs and ssl_cert_reqs need a rediss:// URL")

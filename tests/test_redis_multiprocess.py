@@ -207,6 +207,10 @@ def test_keys_are_namespaced_and_all_expire(server: RedisServer) -> None:
         ("redis://h/0?colour=blue", "unknown option"),
         ("redis://h/0?prefix=", "prefix"),
         ("redis://h/0?ssl_cert_reqs=maybe", "ssl_cert_reqs"),
+        # TLS options on a plain URL would be ignored: no TLS while the file says how
+        # to verify it.  The cache refuses the same URL with the same words.
+        ("redis://h/0?ssl_cert_reqs=none", "need a rediss:// URL"),
+        ("redis://h/0?ssl_ca_certs=/etc/ca.pem", "need a rediss:// URL"),
         ("redis://h/0?poll_s=1&lease_s=1", "poll_s"),
         ("http://h/0", "scheme"),
         ("redis:///0", "host"),

@@ -25,7 +25,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import attrs
 
 from .._errors import ConfigError
-from .._redis_url import SHARED_OPTIONS, redis_address, shared_option
+from .._redis_url import SHARED_OPTIONS, check_tls_options, redis_address, shared_option
 
 __all__ = ["CacheOptions", "parse_cache_url"]
 
@@ -140,8 +140,7 @@ def _redis(shown: str, parts: Any, port: int | None, query: list[tuple[str, str]
             options[name] = _timeout(value)
         elif not shared_option(options, name, value):
             raise _unknown(name, "redis", ["timeout_s", *SHARED_OPTIONS])
-    if parts.scheme != "rediss" and ("ssl_ca_certs" in options or "ssl_cert_reqs" in options):
-        raise ConfigError("options ssl_ca_certs and ssl_cert_reqs need a rediss:// URL")
+    check_tls_options(parts.scheme, options)
     return CacheOptions(kind="redis", **address, **options)
 
 

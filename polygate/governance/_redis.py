@@ -79,7 +79,7 @@ import trio
 from .._config import mask_url
 from .._coredis import closing_connection_class, import_coredis
 from .._errors import ConfigError, GovernanceBackendError
-from .._redis_url import SHARED_OPTIONS, redis_address, shared_option
+from .._redis_url import SHARED_OPTIONS, check_tls_options, redis_address, shared_option
 from . import _redis_scripts as lua
 from ._memory import WINDOW_S
 from ._model import (
@@ -166,6 +166,7 @@ def parse_redis_url(url: str) -> RedisOptions:
         elif not shared_option(options, name, value, say="backend: "):
             known = ", ".join(sorted([*_FLOAT_OPTIONS, *SHARED_OPTIONS]))
             raise ConfigError(f"backend: unknown option {name!r} in the redis URL (known: {known})")
+    check_tls_options(parts.scheme, options, say="backend: ")
     if options.get("poll_s", 0.05) * 3 > options.get("lease_s", 15.0):
         raise ConfigError("backend: poll_s must be well below lease_s")
     return RedisOptions(**address, **options)
