@@ -193,14 +193,23 @@ async def test_in_flight_bound_and_a_client_that_leaves_returns_its_permit() -> 
     assert state.requests_in_window == 1  # the abandoned call counts; the 429 does not
 
 
-async def test_a_call_refused_before_any_upstream_work_costs_the_key_nothing() -> None:
-    bad = {"model": "chat", "messages": [{"content": "hi"}]}  # no role: the session says 400
+@pytest.mark.parametrize(("path", "bad"), [
+    (CALL, {**CHAT, "messages": [{"content": "hi"}]}),  # no role: the session's 400
+    (CALL, {**CHAT, "stream": "yes"}),  # the server's own 400, before the call
+    (CALL, {**CHAT, "stream": True, "stream_options": 3}),
+    ("/v1/embeddings", {"model": "embed", "input": []}),
+])
+async def test_a_call_refused_before_any_upstream_work_costs_the_key_nothing(
+    path: str, bad: dict[str, Any]
+) -> None:
     async with gateway(Reply(tokens=2), serve=keyed(rpm=1)) as (server, upstream):
-        refused = await http(server, "POST", CALL, bad, bearer(ALICE))
+        refused = await http(server, "POST", path, bad, bearer(ALICE))
         answer = await http(server, "POST", CALL, CHAT, bearer(ALICE))
+        state = await key_state(server, "alice")
     assert refused.status == 400
     assert answer.status == 200  # the 400 did not use alice's one request a minute
     assert len(upstream.requests) == 1
+    assert (state.requests_in_window, state.in_flight) == (1, 0)
 
 
 async def test_a_cache_hit_counts_as_a_request_and_costs_no_tokens(tmp_path: Path) -> None:

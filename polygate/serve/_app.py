@@ -265,11 +265,17 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
 @attrs.define
 class _Charge:
     """What a call cost the key that made it, by the rules of
-    :mod:`polygate._key_quota`; until the call says otherwise (a client that left, a
-    drain), the request counts and its estimate stands."""
+    :mod:`polygate._key_quota`.  A request refused before its session call started
+    (a 400 of this module) costs nothing; once started, until the call says otherwise
+    (a client that left, a drain), the request counts and its estimate stands."""
 
+    started: bool = False
     attempted: bool = True
     tokens: int | None = None
+
+    @property
+    def counts(self) -> bool:
+        return self.started and self.attempted
 
     def answered(self, stats: CallStats, usage: Any) -> None:
         self.attempted = True
@@ -312,7 +318,7 @@ async def _charged(ctx: Context, path: str, scope: str, body: dict[str, Any], ke
         # Settling never raises and needs no checkpoint to finish (the memory backend
         # has none; Redis shields its round trip, bounded): a client that left still
         # returns its permit.
-        await quotas.settle(admitted, attempted=charge.attempted, tokens=charge.tokens)
+        await quotas.settle(admitted, attempted=charge.counts, tokens=charge.tokens)
 
 
 def _key_refusal(refusal: KeyRefusal) -> ErrorReply:
@@ -423,6 +429,7 @@ async def _chat(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge)
             return await _chat_stream(ctx, scope, call_id, messages, body, include_usage, charge)
         with ctx.stop:
             try:
+                charge.started = True
                 response = await ctx.gateway.session.chat(messages, scope=scope, **body)
             except Exception as exc:
                 return await _call_failed(ctx, scope, call_id, exc, charge)
@@ -462,6 +469,7 @@ async def _chat_stream(
         ], close=ctx.draining)
 
     try:
+        charge.started = True
         stream = ctx.gateway.session.stream_chat(messages, scope=scope, **params)
     except Exception as exc:  # arguments refused before the call started
         return await _call_failed(ctx, scope, call_id, exc, charge)
@@ -536,6 +544,7 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
     token = PRESET_CALL_ID.set(call_id)
     try:
         with ctx.stop:
+            charge.started = True
             response = await ctx.gateway.session.embed(inputs, scope=scope, **body)
         if ctx.stop.cancelled_caught:
             return await _fail(ctx, _SHUTDOWN, call_id)
