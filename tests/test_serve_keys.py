@@ -173,9 +173,15 @@ async def test_a_request_over_the_keys_whole_tpm_is_refused_without_retry_after(
     assert upstream.requests == []
 
 
-async def test_in_flight_bound_and_a_client_that_leaves_returns_its_permit() -> None:
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_in_flight_bound_and_a_client_that_leaves_returns_its_permit(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    if backend == "redis":  # the settle runs in a cancelled scope: shielded, bounded
+        server_: RedisServer = request.getfixturevalue("redis_server")
+        backend = f"{server_.url}?prefix=inflight-{secrets.token_hex(4)}"
     upstream = FakeUpstream(Reply(first_token_s=30))
-    async with gateway(upstream, serve=keyed(max_in_flight=1)) as (server, _):
+    async with gateway(upstream, serve=keyed(max_in_flight=1), backend=backend) as (server, _):
         client = await trio.open_tcp_stream("127.0.0.1", server.port)
         await client.send_all(request_bytes("POST", CALL, {**CHAT, "stream": True}, bearer(ALICE)))
         await wait_for(lambda: upstream.in_flight == 1)
