@@ -178,3 +178,24 @@ class _Port:
 
     def __init__(self, port: int) -> None:
         self.port = port
+
+
+async def two_replicas_alternately(
+    config: Path, calls: int, headers: dict[str, str], body: Any = CHAT
+) -> list[Answer]:
+    """Two ``polygate serve`` processes on one configuration, sent ``calls`` chat
+    requests in turn (so each replica alone would admit its share), then stopped with
+    SIGTERM; both must exit cleanly."""
+    import signal
+
+    answers = []
+    async with serve_process(config) as one, serve_process(config) as two:
+        for i in range(calls):
+            replica = (one, two)[i % 2]
+            answers.append(await http(_Port(replica.port), "POST", "/v1/chat/completions", body, headers))
+        for replica in (one, two):
+            replica.proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(20):
+            assert await one.proc.wait() == 0
+            assert await two.proc.wait() == 0
+    return answers

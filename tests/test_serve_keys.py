@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +25,10 @@ from ._serve_kit import (
     AUTH,
     CHAT,
     GATEWAY_KEY,
-    _Port,
     gateway,
     http,
     request_bytes,
-    serve_process,
+    two_replicas_alternately,
     wait_for,
 )
 
@@ -254,18 +252,9 @@ async def test_two_replicas_hold_one_keys_rpm(redis_server: RedisServer, tmp_pat
             f'[serve.keys.alice]\nkey = "{ALICE}"\nrpm = {rpm}\n'
             f'[scopes.chat.sources.a]\nbase_url = "{url}"\nmodel = "m1"\n'
         )
-        async with serve_process(config) as one, serve_process(config) as two:
-            statuses = []
-            for i in range(8):  # alternating: each replica alone would admit 3
-                replica = (one, two)[i % 2]
-                answer = await http(_Port(replica.port), "POST", CALL, CHAT, bearer(ALICE))
-                statuses.append(answer.status)
-            for replica in (one, two):
-                replica.proc.send_signal(signal.SIGTERM)
-            with trio.fail_after(20):
-                assert await one.proc.wait() == 0
-                assert await two.proc.wait() == 0
+        answers = await two_replicas_alternately(config, 8, bearer(ALICE))
         stored = await _everything_in_redis(redis_server, prefix)
+    statuses = [answer.status for answer in answers]
     assert statuses.count(200) == rpm
     assert statuses.count(429) == 8 - rpm
     assert len(upstream.requests) == rpm

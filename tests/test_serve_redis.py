@@ -5,7 +5,6 @@ A real redis-server, started by the tests (``tests/_redis_server.py``)."""
 from __future__ import annotations
 
 import secrets
-import signal
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import trio
 from polygate.testing import FakeUpstream, Reply
 
 from ._redis_server import RedisServer, own_redis, redis_server  # noqa: F401 - fixtures
-from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, _Port, gateway, http, serve_process
+from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, http, two_replicas_alternately
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -31,19 +30,11 @@ async def test_two_replicas_hold_one_rpm_limit(redis_server: RedisServer, tmp_pa
             f'[scopes.chat]\ncall_deadline_s = 2.0\n'
             f'[scopes.chat.sources.a]\nbase_url = "{url}"\nmodel = "m1"\nrpm = {rpm}\n'
         )
-        async with serve_process(config) as one, serve_process(config) as two:
-            statuses = []
-            for i in range(8):  # alternating: each replica alone would admit 3
-                replica = (one, two)[i % 2]
-                answer = await http(_Port(replica.port), "POST", "/v1/chat/completions", CHAT, AUTH)
-                statuses.append(answer.status)
-                if answer.status == 429:
-                    assert 1 <= int(answer.headers["retry-after"]) <= 60
-            for replica in (one, two):
-                replica.proc.send_signal(signal.SIGTERM)
-            with trio.fail_after(20):
-                assert await one.proc.wait() == 0
-                assert await two.proc.wait() == 0
+        answers = await two_replicas_alternately(config, 8, AUTH)
+    statuses = [answer.status for answer in answers]
+    for answer in answers:
+        if answer.status == 429:
+            assert 1 <= int(answer.headers["retry-after"]) <= 60
     assert statuses.count(200) == rpm
     assert statuses.count(429) == 8 - rpm
     assert len(upstream.requests) == rpm  # the limit held at the wire, across both
