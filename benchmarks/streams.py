@@ -380,6 +380,7 @@ async def churn(open_stream: Stream, job: dict[str, Any], spawn: Callable[..., A
             pass
     gc.collect()
     base_rss, base_objects = rss_bytes(), len(gc.get_objects())
+    base_collected = sum(g["collected"] for g in gc.get_stats())
     step = max(1, total // 20)
     samples: list[dict[str, float]] = []
     started = done = 0
@@ -401,6 +402,7 @@ async def churn(open_stream: Stream, job: dict[str, Any], spawn: Callable[..., A
     await spawn(worker, workers)
     wall, cpu = monotonic() - t0, time.process_time() - cpu0
     gc.collect()
+    collected = sum(g["collected"] for g in gc.get_stats()) - base_collected
     after = {"rss_kb": (rss_bytes() - base_rss) / 1024, "objects": len(gc.get_objects()) - base_objects}
     tenth = samples[min(len(samples) - 1, 1)]  # the sample at 10 % (the first at 5 % is still warming)
     last = samples[-1]
@@ -413,6 +415,8 @@ async def churn(open_stream: Stream, job: dict[str, Any], spawn: Callable[..., A
         "rss_growth_kb_per_10k_streams": (last["rss_kb"] - tenth["rss_kb"])
         / max(1, last["streams"] - tenth["streams"]) * 10_000,
         "objects_end_over_10pct": (last["objects"] / tenth["objects"]) if tenth["objects"] > 0 else math.nan,
+        # objects only the cyclic collector freed (garbage cycles), per stream
+        "cycle_garbage_per_stream": collected / total,
         "after_idle_collected": after,
         "samples": samples,
     }
@@ -906,7 +910,8 @@ def run_churn(clients: list[str], url: str, job: dict[str, Any], repeats: int) -
             ("rss_per_stream_kb_at_end", "RSS KB/stream at end", 1),
             ("rss_end_over_10pct", "RSS end / at 10 %", 3),
             ("rss_growth_kb_per_10k_streams", "RSS growth KB/10k str", 1),
-            ("objects_end_over_10pct", "objects end / at 10 %", 3)]
+            ("objects_end_over_10pct", "objects end / at 10 %", 3),
+            ("cycle_garbage_per_stream", "cycle garbage obj/stream", 1)]
     print(f"  {'':<26}" + "".join(f"{c:>12}" for c in clients))
     for key, label, digits in rows:
         print(f"  {label:<26}" + "".join(f"{med[c][key]:>12.{digits}f}" for c in clients))
@@ -915,6 +920,8 @@ def run_churn(clients: list[str], url: str, job: dict[str, Any], repeats: int) -
         print(f"  {client} (last repeat), streams: RSS KB over the baseline / live objects over it")
         print("    " + "  ".join(f"{int(x['streams']):,}: {x['rss_kb']:.0f}/{int(x['objects'])}"
                                   for x in samples))
+        after = runs[-1][client]["after_idle_collected"]
+        print(f"    idle and collected at the end: {after['rss_kb']:.0f} KB / {after['objects']} objects")
     return {"median": med, "runs": runs}
 
 
