@@ -37,6 +37,11 @@ Workloads:
 * ``sequential``: ``--seq-streams`` streams of 50 chunks one after another, every
   chunk written at once (no pacing): time per stream and time to the first chunk,
   medians.
+* ``churn`` (``--churn N``, alone): N short unpaced streams (``--churn-chunks``, 10)
+  through one process, ``--churn-concurrency`` (200) at a time, RSS and the live
+  gc-tracked objects sampled every 5 % of the way: is memory flat over many streams
+  (the end over the sample at 10 %, and the growth per 10,000 streams)?  ``--quick``
+  runs 1,000 of them at 50 at a time.
 
 Ratios are taken within one repeat (every client against the floor and against
 aiohttp), and the medians of the repeats reported.
@@ -45,6 +50,7 @@ aiohttp), and the medians of the repeats reported.
     python benchmarks/streams.py --quick                # CI smoke, seconds
     python benchmarks/streams.py --profile 200          # polygate at c200 under cProfile
     python benchmarks/streams.py --timeline 200         # polygate: per-chunk stage times
+    python benchmarks/streams.py --churn --clients polygate,floor --repeats 1   # 100,000 streams
     python benchmarks/streams.py --plot docs/img/stream_delay.png   # from the results
 """
 
@@ -364,6 +370,58 @@ async def paced(open_stream: Stream, job: dict[str, Any], spawn: Callable[..., A
     return probe.summary()
 
 
+async def churn(open_stream: Stream, job: dict[str, Any], spawn: Callable[..., Awaitable[None]]) -> dict[str, Any]:
+    """``job["streams"]`` short unpaced streams through one process, ``job["concurrency"]``
+    at a time; RSS and the live gc-tracked objects sampled every 5 % of the way (no
+    collection before a sample: what the process really holds)."""
+    total, workers, chunks = job["streams"], job["concurrency"], job["chunks"]
+    for _ in range(2):  # warm-up
+        async for _text in open_stream(chunks):
+            pass
+    gc.collect()
+    base_rss, base_objects = rss_bytes(), len(gc.get_objects())
+    base_collected = sum(g["collected"] for g in gc.get_stats())
+    step = max(1, total // 20)
+    samples: list[dict[str, float]] = []
+    started = done = 0
+    monotonic = time.monotonic
+    t0, cpu0 = monotonic(), time.process_time()
+
+    async def worker() -> None:
+        nonlocal started, done
+        while started < total:
+            started += 1
+            async for _text in open_stream(chunks):
+                pass
+            done += 1
+            if done % step == 0:
+                samples.append({"streams": done, "rss_kb": (rss_bytes() - base_rss) / 1024,
+                                "objects": len(gc.get_objects()) - base_objects,
+                                "wall_s": monotonic() - t0, "cpu_s": time.process_time() - cpu0})
+
+    await spawn(worker, workers)
+    wall, cpu = monotonic() - t0, time.process_time() - cpu0
+    gc.collect()
+    collected = sum(g["collected"] for g in gc.get_stats()) - base_collected
+    after = {"rss_kb": (rss_bytes() - base_rss) / 1024, "objects": len(gc.get_objects()) - base_objects}
+    tenth = samples[min(len(samples) - 1, 1)]  # the sample at 10 % (the first at 5 % is still warming)
+    last = samples[-1]
+    return {
+        "streams": total, "concurrency": workers, "chunks": chunks,
+        "streams_per_s": total / wall, "cpu_per_stream_us": cpu / total * 1e6,
+        "rss_per_stream_kb_at_10pct": tenth["rss_kb"] / workers,
+        "rss_per_stream_kb_at_end": last["rss_kb"] / workers,
+        "rss_end_over_10pct": (last["rss_kb"] / tenth["rss_kb"]) if tenth["rss_kb"] > 0 else math.nan,
+        "rss_growth_kb_per_10k_streams": (last["rss_kb"] - tenth["rss_kb"])
+        / max(1, last["streams"] - tenth["streams"]) * 10_000,
+        "objects_end_over_10pct": (last["objects"] / tenth["objects"]) if tenth["objects"] > 0 else math.nan,
+        # objects only the cyclic collector freed (garbage cycles), per stream
+        "cycle_garbage_per_stream": collected / total,
+        "after_idle_collected": after,
+        "samples": samples,
+    }
+
+
 async def sequential(open_stream: Stream, job: dict[str, Any]) -> dict[str, Any]:
     """``job["streams"]`` unpaced streams one after another."""
     per_stream: list[float] = []
@@ -674,6 +732,8 @@ def worker_main(client: str, url: str, job: dict[str, Any]) -> None:
     async def run(open_stream: Stream) -> Any:
         if job["kind"] == "paced":
             return await paced(open_stream, job, spawn)
+        if job["kind"] == "churn":
+            return await churn(open_stream, job, spawn)
         return await sequential(open_stream, job)
 
     if job.get("profile"):
@@ -831,6 +891,40 @@ def report(med: dict[str, Any], rat: dict[str, Any], checks: dict[str, Any], lag
         print(f"  {'met ' if check['met'] else 'MISS'} {name:<44} {check['value']:.2f} ({check['bound']})")
 
 
+def run_churn(clients: list[str], url: str, job: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """Every client through the same churn, rotated between repeats; a table of the
+    medians, and each client's RSS curve."""
+    runs: list[dict[str, Any]] = []
+    for repeat in range(repeats):
+        order = clients[repeat % len(clients):] + clients[:repeat % len(clients)]
+        run = {}
+        for client in order:
+            run[client] = run_worker(client, url, job, limit_s=3600)
+            print(f"repeat {repeat + 1}: churn {client} done", file=sys.stderr, flush=True)
+        runs.append({c: run[c] for c in clients})
+    med = {c: _median_tree([{k: v for k, v in r[c].items() if k != "samples"} for r in runs]) for c in clients}
+    print(f"\nchurn: {job['streams']:,} streams of {job['chunks']} chunks, {job['concurrency']} at a time, "
+          f"one process each (medians of {repeats})")
+    rows = [("streams_per_s", "streams/s", 0), ("cpu_per_stream_us", "CPU µs/stream", 0),
+            ("rss_per_stream_kb_at_10pct", "RSS KB/stream at 10 %", 1),
+            ("rss_per_stream_kb_at_end", "RSS KB/stream at end", 1),
+            ("rss_end_over_10pct", "RSS end / at 10 %", 3),
+            ("rss_growth_kb_per_10k_streams", "RSS growth KB/10k str", 1),
+            ("objects_end_over_10pct", "objects end / at 10 %", 3),
+            ("cycle_garbage_per_stream", "cycle garbage obj/stream", 1)]
+    print(f"  {'':<26}" + "".join(f"{c:>12}" for c in clients))
+    for key, label, digits in rows:
+        print(f"  {label:<26}" + "".join(f"{med[c][key]:>12.{digits}f}" for c in clients))
+    for client in clients:
+        samples = runs[-1][client]["samples"]
+        print(f"  {client} (last repeat), streams: RSS KB over the baseline / live objects over it")
+        print("    " + "  ".join(f"{int(x['streams']):,}: {x['rss_kb']:.0f}/{int(x['objects'])}"
+                                  for x in samples))
+        after = runs[-1][client]["after_idle_collected"]
+        print(f"    idle and collected at the end: {after['rss_kb']:.0f} KB / {after['objects']} objects")
+    return {"median": med, "runs": runs}
+
+
 def plot(results: Path, out: str) -> None:
     import matplotlib
 
@@ -873,6 +967,11 @@ def main() -> None:
     parser.add_argument("--name", help="results file name (default: streams, streams-quick)")
     parser.add_argument("--profile", type=int, metavar="N", help="polygate at cN under cProfile")
     parser.add_argument("--plot", metavar="PNG", help="draw the figure from the results and exit")
+    parser.add_argument("--churn", type=int, nargs="?", const=100_000, metavar="N",
+                        help="only the churn: N short streams (default 100,000) through one process "
+                             "per client, RSS sampled every 5 %% of the way")
+    parser.add_argument("--churn-concurrency", type=int, default=200)
+    parser.add_argument("--churn-chunks", type=int, default=10)
     parser.add_argument("--upstream", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -889,6 +988,7 @@ def main() -> None:
         return
     if args.quick:
         args.levels, args.chunks, args.rounds, args.seq_streams, args.repeats = "20,50", 20, 3, 20, 1
+        args.churn, args.churn_concurrency = min(args.churn or 1_000, 1_000), 50
     levels = [int(x) for x in args.levels.split(",") if x]
     clients = [c for c in args.clients.split(",") if c]
     upstream = Upstream(args.gap)
@@ -905,6 +1005,16 @@ def main() -> None:
             print("\n".join(prof["top"]))
             write_result("streams-profile", {"machine": machine(), "job": job, **result, "profile": prof})
             return
+        churned: dict[str, Any] = {}
+        if args.churn:
+            job = {"kind": "churn", "streams": args.churn, "concurrency": args.churn_concurrency,
+                   "chunks": args.churn_chunks}
+            churned = run_churn(clients, upstream.url, job, args.repeats)
+            if not args.quick:
+                path = write_result(args.name or "streams-churn",
+                                    {"machine": machine(), "args": vars(args), "job": job, **churned})
+                print(f"\nresults: {path}")
+                return
         runs: list[dict[str, dict[str, Any]]] = []
         lags: dict[str, Any] = {}
         for repeat in range(args.repeats):
@@ -934,7 +1044,7 @@ def main() -> None:
     checks = targets(rat, levels)
     report(med, rat, checks, lag_med)
     payload = {"machine": machine(), "args": vars(args), "repeats": args.repeats, "median": med,
-               "ratios": rat, "upstream_lag": lag_med, "targets": checks, "runs": runs}
+               "ratios": rat, "upstream_lag": lag_med, "targets": checks, "runs": runs, "churn": churned}
     path = write_result(args.name or ("streams-quick" if args.quick else "streams"), payload)
     print(f"\nresults: {path}")
 

@@ -211,6 +211,10 @@ class Round:
                 self._cancel_others(path)
         finally:
             path.done = True
+            # The path's callback closes over this round, which holds the path: drop
+            # it, so that a finished round is freed by reference counting, not left as
+            # a cycle (with its nursery, tasks and records) for the cyclic collector.
+            path.control.on_content = None
             self._observe(path)
             self._wake()
 

@@ -95,7 +95,11 @@ SENT_EXTENSION: Final = "polygate.sent"
 #: 16 KiB limit on an incomplete event; without a count an upstream could send them
 #: for ever, each one costing CPU and escaping every byte cap.
 MAX_INTERIM_RESPONSES: Final = 8
-_READ_SIZE: Final = 65536
+# At most this much is taken from the kernel per read.  A process that falls behind
+# otherwise pulls each stream's whole backlog into memory at once (64 KiB reads: 139 KB
+# RSS a stream at 1,000 concurrent streams, 4 KiB: 94 KB, with the same CPU a chunk and
+# unchanged at 200 streams; benchmarks/streams.py): the rest waits in the socket buffer.
+_READ_SIZE: Final = 4096
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 #: Network failures of a reused connection that may mean "the server had closed it".
 _STALE_ERRORS: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
