@@ -681,3 +681,32 @@ async def test_a_chunked_body_closed_with_its_end_buffered_keeps_its_connection(
             response = await transport.handle_async_request(post(url))
             await response.aclose()  # never iterated: its end came with the head (one write)
         assert transport.statistics().opened == 1
+
+
+async def test_reads_are_small_for_an_event_stream_and_large_for_a_whole_body(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An event stream is taken from the kernel 4 KiB at a time (a process that falls
+    behind must not pull each stream's backlog into memory at once); a whole body --
+    a JSON answer, embeddings megabytes long -- 64 KiB at a time, not 16 times the
+    reads."""
+    sizes: list[int] = []
+    receive = trio.SocketStream.receive_some
+
+    async def recording(self: trio.SocketStream, max_bytes: int | None = None) -> bytes:
+        if self.socket.getpeername()[1] == port:  # the client's side, not the server's
+            sizes.append(max_bytes or 0)
+        return await receive(self, max_bytes)
+
+    monkeypatch.setattr(trio.SocketStream, "receive_some", recording)
+    upstream = FakeUpstream(Reply(text="word " * 100_000, tokens=2000))
+    async with upstream.serve() as url, LeanTransport() as transport:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        whole = await fetch(transport, post(url))
+        whole_reads, sizes[:] = sizes[1:], []  # the first read brought the head
+        streamed = await fetch(transport, post(url, STREAM_BODY))
+        stream_reads = sizes[1:]  # the head was read as the connection's last body was
+    assert len(whole.content) > 500_000
+    assert set(whole_reads) == {65536}
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert stream_reads and set(stream_reads) == {4096}

@@ -95,11 +95,14 @@ SENT_EXTENSION: Final = "polygate.sent"
 #: 16 KiB limit on an incomplete event; without a count an upstream could send them
 #: for ever, each one costing CPU and escaping every byte cap.
 MAX_INTERIM_RESPONSES: Final = 8
-# At most this much is taken from the kernel per read.  A process that falls behind
-# otherwise pulls each stream's whole backlog into memory at once (64 KiB reads: 139 KB
-# RSS a stream at 1,000 concurrent streams, 4 KiB: 94 KB, with the same CPU a chunk and
-# unchanged at 200 streams; benchmarks/streams.py): the rest waits in the socket buffer.
-_READ_SIZE: Final = 4096
+# At most this much is taken from the kernel per read of an event stream.  A process
+# that falls behind otherwise pulls each stream's whole backlog into memory at once
+# (64 KiB reads: 139 KB RSS a stream at 1,000 concurrent streams, 4 KiB: 94 KB, with
+# the same CPU a chunk and unchanged at 200 streams; benchmarks/streams.py): the rest
+# waits in the socket buffer.  A whole body (a JSON answer, a batch of embeddings
+# megabytes long) is read in large pieces: at 4 KiB it would take 16 times the reads.
+_STREAM_READ: Final = 4096
+_BODY_READ: Final = 65536
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 #: Network failures of a reused connection that may mean "the server had closed it".
 _STALE_ERRORS: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
@@ -130,7 +133,7 @@ class _Disconnected(Exception):
 class _Connection:
     """One socket, its (optional) TLS layer and its h11 state machine."""
 
-    __slots__ = ("h11", "idle_since", "key", "socket", "stream")
+    __slots__ = ("h11", "idle_since", "key", "read_size", "socket", "stream")
 
     def __init__(self, key: _Key, stream: trio.abc.Stream, socket: trio.socket.SocketType) -> None:
         self.key = key
@@ -138,6 +141,7 @@ class _Connection:
         self.socket = socket
         self.h11 = h11.Connection(h11.CLIENT)
         self.idle_since = 0.0
+        self.read_size = _BODY_READ  # per response: see _STREAM_READ
 
     def close(self) -> None:
         """Close the socket now, without I/O (no TLS close_notify): the server sees
@@ -156,9 +160,9 @@ class _Connection:
     async def receive(self, limit_s: float | None) -> bytes:
         # h11 takes bytes-like; SSLStream's bytearray is fine (typeshed says bytes).
         if limit_s is None:
-            return cast("bytes", await self.stream.receive_some(_READ_SIZE))
+            return cast("bytes", await self.stream.receive_some(self.read_size))
         with trio.move_on_after(limit_s):
-            return cast("bytes", await self.stream.receive_some(_READ_SIZE))
+            return cast("bytes", await self.stream.receive_some(self.read_size))
         raise httpx.ReadTimeout("timed out reading the response")
 
 
@@ -341,6 +345,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                                 f"more than {MAX_INTERIM_RESPONSES} interim (1xx) responses "
                                 "(the cap on them)"
                             )
+                conn.read_size = _read_size(response)
                 chunked = None
                 if _is_chunked(request.method, response):
                     chunked = ChunkedDecoder()
@@ -697,6 +702,13 @@ def body_of(response: httpx.Response) -> _Body | None:
         return None
     response.is_stream_consumed = True
     return stream
+
+
+def _read_size(response: h11.Response) -> int:
+    for name, value in response.headers:
+        if name == b"content-type":
+            return _STREAM_READ if value.lower().startswith(b"text/event-stream") else _BODY_READ
+    return _BODY_READ
 
 
 def _is_chunked(method: str, response: h11.Response) -> bool:
