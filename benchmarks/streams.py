@@ -49,7 +49,6 @@ aiohttp), and the medians of the repeats reported.
     python benchmarks/streams.py                        # 100/200/500/1000, 3 repeats
     python benchmarks/streams.py --quick                # CI smoke, seconds
     python benchmarks/streams.py --profile 200          # polygate at c200 under cProfile
-    python benchmarks/streams.py --timeline 200         # polygate: per-chunk stage times
     python benchmarks/streams.py --churn --clients polygate,floor --repeats 1   # 100,000 streams
     python benchmarks/streams.py --plot docs/img/stream_delay.png   # from the results
 """

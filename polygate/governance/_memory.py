@@ -50,6 +50,19 @@ class _Entry:
         self.live = True
 
 
+def _remove_newest_first(window: collections.deque[_Entry], entry: _Entry) -> None:
+    """Take ``entry`` out of the window.  A voided admission is almost always among the
+    newest (it never left, so it ends soon after it began), and the window holds a
+    minute of admissions -- tens of thousands at gateway load -- so it is looked for
+    from the newest end, and deleted there (a deque deletes in O(distance to an end)),
+    not scanned from the oldest as ``deque.remove`` does."""
+    last = len(window) - 1
+    for back, item in enumerate(reversed(window)):
+        if item is entry:
+            del window[last - back]
+            return
+
+
 class _Source:
     __slots__ = (
         "admissions", "breaker", "consecutive", "cooldown_until", "cost_total", "dead",
@@ -172,7 +185,7 @@ class MemoryBackend:
         if not request.sent:
             s.released_total += estimate
             if entry.live:
-                s.window.remove(entry)
+                _remove_newest_first(s.window, entry)
                 entry.live = False
                 s.window_tokens -= entry.tokens
         else:
