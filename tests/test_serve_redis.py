@@ -1,19 +1,31 @@
 """Scale-out: replicas of ``polygate serve`` on one Redis share one governance view.
-Two server processes hold one RPM limit at the wire; a Redis that dies answers 503.
+Two server processes hold one RPM limit at the wire; a Redis that dies answers 503,
+and so does one that is not up yet when the gateway starts.
 A real redis-server, started by the tests (``tests/_redis_server.py``)."""
 
 from __future__ import annotations
 
 import secrets
+import signal
 from pathlib import Path
 
 import pytest
 import trio
 
+from polygate import GovernanceBackendError
 from polygate.testing import FakeUpstream, Reply
 
 from ._redis_server import RedisServer, own_redis, redis_server  # noqa: F401 - fixtures
-from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, http, two_replicas_alternately
+from ._serve_kit import (
+    AUTH,
+    CHAT,
+    GATEWAY_KEY,
+    _Port,
+    gateway,
+    http,
+    serve_process,
+    two_replicas_alternately,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -53,3 +65,58 @@ async def test_governance_backend_down_is_503(own_redis: RedisServer) -> None:  
     assert answer.json()["error"]["code"] == "governance_unavailable"
     assert ready.status == 503
     assert len(upstream.requests) == 1  # fail closed: nothing sent unadmitted
+
+
+async def test_a_gateway_started_while_redis_is_down_fails_closed_then_serves(
+    own_redis: RedisServer,  # noqa: F811
+) -> None:
+    """A replica started before its Redis (or while it restarts) does not exit: it
+    answers every call 503 governance_unavailable without sending anything upstream,
+    says so on /readyz (and is alive on /healthz), and serves once Redis is back."""
+    own_redis.kill()
+    backend = f"{own_redis.url}?prefix=late-{secrets.token_hex(4)}&timeout_s=0.3"
+    async with gateway(Reply(tokens=2), backend=backend) as (server, upstream):
+        refused = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        streamed = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
+        ready = await http(server, "GET", "/readyz")
+        alive = await http(server, "GET", "/healthz")
+        metrics = await http(server, "GET", "/metrics", headers=AUTH)
+        with pytest.raises(GovernanceBackendError):
+            server.session  # noqa: B018 - the property raises while there is no session
+        await trio.to_thread.run_sync(own_redis.start)
+        with trio.fail_after(30):
+            # Another process coming up: nothing to wait on but its answers.
+            while (await http(server, "GET", "/readyz")).status != 200:  # noqa: ASYNC110
+                await trio.sleep(0.1)
+        served = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        await server.shutdown(grace_s=1)
+    assert (refused.status, streamed.status) == (503, 503)
+    assert refused.json()["error"]["code"] == "governance_unavailable"
+    assert "retrying" in refused.json()["error"]["message"]
+    assert ready.status == 503 and alive.status == 200 and metrics.status == 200
+    assert served.status == 200
+    assert len(upstream.requests) == 1  # nothing was sent while Redis was down
+
+
+@pytest.mark.timeout(90)
+async def test_serve_with_redis_down_at_start_listens_and_stops_cleanly(
+    own_redis: RedisServer, tmp_path: Path  # noqa: F811
+) -> None:
+    """`polygate serve` whose Redis is down when it starts listens (no traceback, no
+    exit), and a SIGTERM still stops it with status 0 while it is retrying."""
+    own_redis.kill()
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'backend = "{own_redis.url}?timeout_s=0.3"\n[serve]\napi_keys = ["{GATEWAY_KEY}"]\n'
+        '[scopes.chat.sources.a]\nbase_url = "http://127.0.0.1:9/v1"\n'
+    )
+    async with serve_process(config) as replica:
+        answer = await http(_Port(replica.port), "POST", "/v1/chat/completions", CHAT, AUTH)
+        replica.proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(20):
+            assert await replica.proc.wait() == 0
+        assert replica.proc.stderr is not None
+        err = (await replica.proc.stderr.receive_some(1 << 20)).decode()
+    assert answer.status == 503
+    assert "Traceback" not in err
+    assert "governance backend unreachable" in err

@@ -11,7 +11,12 @@ Signals: SIGTERM or SIGINT drains (stop accepting, let calls in flight finish wi
 SIGHUP reloads the configuration from the same place; calls in flight finish on the
 old one, and an invalid new configuration is logged and ignored.
 
-Exit status: 0 after a drain, 2 the configuration (or the address) is unusable.
+A governance backend (Redis) that does not answer at start does not stop it: it
+listens, answers every call 503 (``/readyz`` too) and opens its session as soon as the
+backend answers.
+
+Exit status: 0 after a drain, 2 the configuration (or the address) is unusable, 1 any
+other failure to start (a message, never a traceback).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def _load(config: str | None) -> Any:
 def run(args: argparse.Namespace) -> int:
     import trio
 
-    from .._errors import ConfigError
+    from .._errors import ConfigError, PolygateError
 
     logging.basicConfig(level=logging.INFO, format="polygate serve: %(message)s", stream=sys.stderr)
     try:
@@ -60,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"polygate serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    except PolygateError as exc:  # could not start (a governance backend down is not one)
+        print(f"polygate serve: cannot start: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # a signal before the receiver was installed
         return 0
 

@@ -39,6 +39,7 @@ from ._errors import ErrorReply, reply_for
 from ._http import ClientGone, Connection, Request
 from ._metrics import Metrics, render
 from ._sse import KEEPALIVE, StreamShape, error_event
+from ._unavailable import UnavailableSession
 
 __all__ = ["Gateway", "answer"]
 
@@ -63,7 +64,8 @@ class Gateway:
     from them once (key digests, the models list), and who is still using it."""
 
     settings: Settings
-    session: Session
+    #: An UnavailableSession while the governance backend has not answered since start.
+    session: Session | UnavailableSession
     keys: tuple[bytes, ...] = attrs.field(init=False)
     #: The name of each key in ``keys`` (``None``: an unlabelled ``api_keys`` entry).
     names: tuple[str | None, ...] = attrs.field(init=False)
@@ -81,7 +83,7 @@ class Gateway:
         self.keys = tuple(_digest(key) for key in (*serve.api_keys, *(k.key for k in serve.keys.values())))
         self.names = (*(None for _ in serve.api_keys), *serve.keys)
         quotas = self.session._key_quotas()
-        self.quotas = quotas if quotas.limits else None
+        self.quotas = quotas if quotas is not None and quotas.limits else None
         names = [*self.settings.scopes, *self.settings.serve.models]
         self.models_body = _ENCODE({"object": "list", "data": [_model(n) for n in names]}).encode()
 

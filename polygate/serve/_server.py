@@ -13,6 +13,10 @@ old session, which then closes (its telemetry flushed).  :meth:`Server.shutdown`
 stops accepting, closes idle keep-alive connections, lets requests in flight finish
 for ``grace_s``, then cancels the rest -- each cancelled call is settled and recorded
 as ``cancelled`` by the session, like any cancelled call.
+
+When the governance backend does not answer at start, the first generation is a
+stand-in (:mod:`._unavailable`: every call 503) and a task in the sessions nursery,
+``_recover``, keeps opening the real one until it can.
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ import trio
 
 from .._config import Settings
 from .._context import fresh_call_id
-from .._errors import ConfigError
+from .._errors import ConfigError, GovernanceBackendError
 from .._session import Session, session
 from ._app import Context, Gateway, answer
 from ._errors import error_body
 from ._http import ClientGone, Connection, HTTPProblem
 from ._metrics import Metrics
+from ._unavailable import UnavailableSession
 
 __all__ = ["Server", "ServerStatistics", "check_exposure", "open_server"]
 
@@ -46,6 +51,11 @@ _ACCEPT_PAUSE_S = 0.1  # out of file descriptors: the floor on the accept loop's
 _REFUSING = 64  # connections being answered 503 at once, beyond max_connections
 _OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # the only paths without a key
 _LAST_WORDS_S = 1.0  # after the grace period: time to tell cancelled clients why
+#: Retries of a session whose governance backend did not answer at start: the first
+#: after this long, then doubling up to the cap (a backend that restarts is back within
+#: seconds; one that stays down is not hammered).
+_RECOVER_FIRST_S = 0.5
+_RECOVER_MAX_S = 10.0
 _FD_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
@@ -103,15 +113,22 @@ class Server:
         self._in_flight = 0
         self._quiet = trio.Event()
         self._refusing = 0
+        #: The retries of a session the governance backend refused at start.
+        self._recovering = trio.CancelScope()
 
     def __repr__(self) -> str:
         return f"<polygate.serve.Server {self.url}{' draining' if self.draining else ''}>"
 
     @property
     def session(self) -> Session:
-        """The session new requests use."""
+        """The session new requests use.  Raises :class:`GovernanceBackendError` while
+        the governance backend has not answered since start (the server then answers
+        every call 503 and keeps trying to open its session)."""
         assert self._current is not None
-        return self._current.session
+        session = self._current.session
+        if isinstance(session, UnavailableSession):
+            raise session._error()
+        return session
 
     @property
     def settings(self) -> Settings:
@@ -139,17 +156,48 @@ class Server:
 
     async def reload(self, settings: Settings) -> None:
         """Serve new requests with ``settings``; calls in flight finish on the old
-        session.  Raises (and changes nothing) when the new session cannot open.
-        ``host`` and ``port`` are not rebound: they need a restart."""
+        session.  Raises (and changes nothing) when the new session cannot open --
+        except while the server is still waiting for its governance backend: then the
+        new settings are the ones it keeps trying.  ``host`` and ``port`` are not
+        rebound: they need a restart."""
         assert self._sessions is not None and self._current is not None
         old = self._current
         if (settings.serve.host, settings.serve.port) != (old.settings.serve.host, old.settings.serve.port):
             log.warning("reload: serve.host and serve.port take effect only at restart")
         check_exposure(settings, self._host)
-        new: Gateway = await self._sessions.start(self._generation, settings)
+        try:
+            new: Gateway = await self._sessions.start(self._generation, settings)
+        except GovernanceBackendError as exc:
+            if isinstance(old.session, UnavailableSession):
+                self._current = Gateway(settings, UnavailableSession(settings, str(exc)))
+                old.retire()
+            raise
         self._current = new
         old.retire()
+        self._recovering.cancel()  # a reload that opened its session ends the waiting
         self.metrics.reloads += 1
+
+    async def _recover(self) -> None:
+        """Open the session the backend refused at start, retrying with a growing
+        period; the generation it opens replaces the stand-in."""
+        assert self._sessions is not None
+        with self._recovering:
+            delay = _RECOVER_FIRST_S
+            while True:
+                await trio.sleep(delay)
+                assert self._current is not None
+                settings = self._current.settings  # a reload may have changed them
+                try:
+                    new: Gateway = await self._sessions.start(self._generation, settings)
+                except GovernanceBackendError as exc:
+                    delay = min(delay * 2, _RECOVER_MAX_S)
+                    log.warning("governance backend still unreachable (%s); retrying in %.1f s",
+                                exc, delay)
+                    continue
+                old, self._current = self._current, new
+                old.retire()
+                log.info("governance backend reachable: serving calls")
+                return
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Stop accepting; let requests in flight finish within ``grace_s`` (default
@@ -157,6 +205,7 @@ class Server:
         if grace_s is None:
             grace_s = self.settings.serve.grace_s
         self.draining = True
+        self._recovering.cancel()
         for listener in self._listeners:
             await listener.aclose()
         for scope in list(self._idle):
@@ -334,7 +383,13 @@ async def open_server(
     async with trio.open_nursery() as sessions:
         server._sessions = sessions
         try:
-            server._current = await sessions.start(server._generation, settings)
+            try:
+                server._current = await sessions.start(server._generation, settings)
+            except GovernanceBackendError as exc:
+                # Fail closed per call (503), not by exiting: see _unavailable.
+                log.warning("governance backend unreachable (%s): answering 503 and retrying", exc)
+                server._current = Gateway(settings, UnavailableSession(settings, str(exc)))
+                sessions.start_soon(server._recover)
             # The connections live in a task of their own, so that shutdown() can cancel
             # them without cancelling the caller's block.
             await sessions.start(server._serve_connections)
@@ -345,6 +400,7 @@ async def open_server(
         except BaseException as exc:
             failure = failure or exc
         finally:
+            server._recovering.cancel()
             if server._connections is not None:
                 server._connections.cancel_scope.cancel()
             for listener in listeners:
