@@ -310,3 +310,23 @@ def test_rows_written_by_sessions(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert latency["a"]["p50_ms"] == pytest.approx(20_000, rel=0.01)
     assert latency["b"]["max_ms"] == pytest.approx(9_000, rel=0.01)
     assert r["waiting_vs_generating"]["waiting_ms"] == pytest.approx(8000, rel=0.01)
+
+
+def test_a_reader_that_left_is_no_traceback(known_db: Path) -> None:
+    """``polygate stats | head -3``: once the reader has gone, writing fails with a
+    broken pipe; the command ends quietly (status 141, as a shell reports SIGPIPE),
+    with no traceback."""
+    import os
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has already left, like `head` after its lines
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "polygate", "stats", "--db", str(known_db)],
+            stdout=write_end, stderr=subprocess.PIPE, timeout=60, check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in proc.stderr.decode()
+    assert proc.returncode == 141

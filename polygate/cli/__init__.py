@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -51,4 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     if run is None:
         parser.print_help()
         return 2
-    return run(args)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # The reader left (``polygate stats | head``): not an error of ours.  Point
+        # stdout at /dev/null so the interpreter's final flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for a process killed by it
