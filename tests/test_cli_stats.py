@@ -330,3 +330,14 @@ def test_a_reader_that_left_is_no_traceback(known_db: Path) -> None:
         os.close(write_end)
     assert "Traceback" not in proc.stderr.decode()
     assert proc.returncode == 141
+
+
+def test_the_database_may_be_given_as_an_argument(
+    known_db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["stats", "--json", str(known_db)]) == 0
+    positional = json.loads(capsys.readouterr().out)
+    assert main(["stats", "--json", "--db", str(known_db)]) == 0
+    assert json.loads(capsys.readouterr().out) == positional
+    assert main(["stats", str(known_db), "--db", str(known_db) + "x"]) == 2
+    assert "once" in capsys.readouterr().err

@@ -45,6 +45,10 @@ def add_parser(
              "telemetry, else the default SQLite file under the user's state directory)",
     )
     parser.add_argument(
+        "database", nargs="?", metavar="DB",
+        help="the same as --db (polygate stats telemetry.db)",
+    )
+    parser.add_argument(
         "--since", metavar="WHEN",
         help="only calls started since WHEN: an age (90s, 30m, 6h, 2d, 1w) or an ISO date/time",
     )
@@ -110,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"polygate stats: {exc}", file=sys.stderr)
         return 2
-    url = args.db or default_db()
+    if args.database and args.db and args.database != args.db:
+        print("polygate stats: give the database once, as DB or as --db", file=sys.stderr)
+        return 2
+    url = args.db or args.database or default_db()
     where = mask_url(url)
     try:
         reader = open_reader(url)
