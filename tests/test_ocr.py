@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,12 @@ import pypdfium2 as pdfium
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
 import polygate
+from polygate import _ocr_document
 from polygate._ocr import DEFAULT_PROMPT
 from polygate.testing import FakeUpstream, RecordedRequest, Reply, Router
 
@@ -440,3 +444,35 @@ async def test_telemetry_row_is_one_ocr_call(
         conn.close()
     assert calls == [(r.call_stats.logical_call_id, "ocr", 3, None)]
     assert attempts == [(r.call_stats.logical_call_id,)] * 3
+
+
+# --------------------------------------------------------------------------- the page's JSON
+
+@given(prompt=st.text(), image=st.binary(max_size=300), mime=st.sampled_from(["image/png", "image/jpeg"]))
+def test_a_page_message_is_the_json_of_its_parts(prompt: str, image: bytes, mime: str) -> None:
+    """The data URI is spliced into the message, not JSON-escaped (see _page_messages):
+    the text is the same as encoding the whole message, whatever the prompt holds."""
+    uri = _ocr_document._data_uri(mime, image)
+    spliced = _ocr_document._page_messages(prompt, uri)
+    assert spliced == _ocr_document._ENCODE(_ocr_document._message(prompt, str(uri)))
+    content = json.loads(spliced)[0]["content"]
+    assert content == [{"type": "text", "text": prompt},
+                       {"type": "image_url", "image_url": {"url": str(uri)}}]
+
+
+def test_a_url_that_was_not_made_here_is_escaped() -> None:
+    url = 'https://example.com/a"b\\c'
+    message = json.loads(_ocr_document._page_messages("p", url))
+    assert message[0]["content"][1]["image_url"]["url"] == url
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "png"])
+def test_encoding_through_a_file_gives_the_same_image(fmt: str) -> None:
+    image = Image.new("RGB", (64, 48), (200, 30, 90))
+    uri = _ocr_document._encoded(image, fmt)
+    expected = io.BytesIO()
+    if fmt == "png":
+        image.save(expected, "PNG", compress_level=6)
+    else:
+        image.save(expected, "JPEG", quality=_ocr_document._JPEG_QUALITY)
+    assert base64.b64decode(uri.split(",", 1)[1]) == expected.getvalue()
