@@ -190,6 +190,9 @@ async def test_telemetry_rows_and_stats_report(tmp_path: Path, capsys: pytest.Ca
     assert main(["stats", "--db", f"sqlite://{db}", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["cache"]["cached_calls"] == 3 and report["cache"]["hit_rate_pct"] == 75.0
+    # A source's latency is its own answers': the hits have a row of their own.
+    by_source = {row["source"]: row["calls"] for row in report["latency"]}
+    assert by_source == {"(all)": 4, "a": 1, "(cache)": 3}
     assert main(["stats", "--db", f"sqlite://{db}"]) == 0
     assert "hit rate 75.0 % of successful calls" in capsys.readouterr().out
 

@@ -199,7 +199,10 @@ def build_report(
 def _latency_table(calls: Sequence[CallRow]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, str], list[float]] = defaultdict(list)
     for c in calls:
-        source = c.source if c.outcome == "ok" and c.source else f"({c.outcome})"
+        if c.cached:  # answered by the cache, not by the source that once answered it
+            source = "(cache)"
+        else:
+            source = c.source if c.outcome == "ok" and c.source else f"({c.outcome})"
         groups[(c.scope, source)].append(c.total_latency_ms)
         groups[(c.scope, "(all)")].append(c.total_latency_ms)
     rows = []
