@@ -123,16 +123,18 @@ async def test_two_sessions_start_on_a_fresh_database_at_once(pg_url: str) -> No
 # --------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("problem", ["no server", "wrong password", "no database"])
-async def test_unreachable_at_start_is_a_config_error(pg: PgServer, problem: str) -> None:
-    if problem == "no server":
-        import socket
+def _dead_url(database: str = "postgres") -> str:
+    import socket
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        url = f"postgresql://polygate:{PG_PASSWORD}@127.0.0.1:{port}/postgres"
-    elif problem == "wrong password":
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"postgresql://polygate:{PG_PASSWORD}@127.0.0.1:{port}/{database}"
+
+
+@pytest.mark.parametrize("problem", ["wrong password", "no database"])
+async def test_a_server_that_refuses_us_at_start_is_a_config_error(pg: PgServer, problem: str) -> None:
+    if problem == "wrong password":
         url = pg.url(password="wrong-" + PG_PASSWORD)
     else:
         url = pg.url("no_such_database")
@@ -144,6 +146,41 @@ async def test_unreachable_at_start_is_a_config_error(pg: PgServer, problem: str
     message = str(info.value)
     assert "telemetry database postgresql://polygate:***@127.0.0.1" in message
     assert PG_PASSWORD not in message and "wrong-" not in message
+
+
+async def test_a_server_down_at_start_stops_no_call(
+    pg: PgServer, pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A dead sink never stops calls (SPEC 6): a server that does not answer when the
+    session starts is a warning, not an error; rows are dropped and counted, and once
+    the server answers the first connection creates the schema and rows are written."""
+    from polygate.telemetry._postgres import PostgresSink
+
+    dead = _dead_url()
+    with caplog.at_level(logging.WARNING, logger="polygate.telemetry"):
+        sink = PostgresSink.open(dead)
+    assert "unreachable" in caplog.text and PG_PASSWORD not in caplog.text
+    assert "postgresql://polygate:***@127.0.0.1" in caplog.text
+    sink._reconnect_s = 0.05
+    async with polygate.session(_settings(dead), transport=Router({"a": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)  # the session opened, and the call is not held up
+        await trio.sleep(0.3)
+        down = (await s.statistics()).telemetry
+    assert down.written == 0 and down.dropped >= 1
+    assert down.last_error is not None and PG_PASSWORD not in down.last_error
+
+    # The same sink once its server answers (here: pointed at a live one).
+    sink._url = pg_url
+    monkeypatched = functools.partial(open_telemetry, sink=sink, linger_s=0)
+    original = polygate._session.open_telemetry
+    polygate._session.open_telemetry = monkeypatched  # type: ignore[assignment]
+    try:
+        async with polygate.session(_settings(pg_url), transport=Router({"a": FakeUpstream(Reply())})) as s:
+            await s.chat(MESSAGES)
+    finally:
+        polygate._session.open_telemetry = original  # type: ignore[assignment]
+    assert _query(pg_url, "SELECT max(version) FROM polygate_schema") == [(SCHEMA_VERSION,)]
+    assert len(_dicts(pg_url, "calls")) == 1
 
 
 # --------------------------------------------------------------------------- at run time

@@ -19,6 +19,10 @@ runs every sink in a thread, so a blocking driver costs nothing on the call path
   fail at once rather than waiting on a dead server.
 * The schema is created or migrated under a transaction-scoped advisory lock, so
   several processes starting at once do not race.
+* A server that does not answer when the session starts does not stop it (a dead sink
+  never stops calls): the sink starts unconnected, drops and counts its rows, and the
+  first connection creates the schema.  A server that answers and refuses us
+  (credentials, no such database) is a ``ConfigError`` at start.
 
 The URL (with its password) is handed to libpq and nowhere else: messages show it
 through :func:`polygate._config.mask_url` and error texts are redacted of it.
@@ -26,6 +30,7 @@ through :func:`polygate._config.mask_url` and error texts are redacted of it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -41,6 +46,8 @@ if TYPE_CHECKING:
     import psycopg
 
 __all__ = ["PostgresReader", "PostgresSink"]
+
+logger = logging.getLogger("polygate.telemetry")
 
 _SESSION = upsert_session_sql("postgresql")
 _COPY_CALLS = f"COPY calls ({', '.join(CallEvent._fields)}) FROM STDIN"
@@ -91,6 +98,14 @@ def _connect(url: str, *setup: str) -> psycopg.Connection[Any]:
     return conn
 
 
+def _refused_by_server(exc: BaseException) -> bool:
+    """Whether a failed connect reached a server that said no (credentials, no such
+    database, pg_hba): libpq then quotes the server's ``FATAL:`` message.  Anything
+    else -- refused, timed out, no route, no such host -- is a server not answering.
+    (psycopg gives no SQLSTATE for errors while connecting.)"""
+    return "FATAL:" in str(exc)
+
+
 def _explain(url: str, exc: BaseException) -> str:
     """An error text without the password (libpq does not echo it; belt and braces)."""
     return redact(f"{type(exc).__name__}: {exc}".strip(), _password(url))
@@ -125,9 +140,13 @@ class PostgresSink:
         *,
         statement_timeout_ms: int = 30_000,
         reconnect_s: float = 5.0,
+        migrated: bool = True,
     ) -> None:
         self._url = url
         self._conn = conn
+        #: False until a connection has created or migrated the schema (a server that
+        #: was down when the session started).
+        self._migrated = migrated
         self._lock = threading.Lock()
         self._statement_timeout_ms = statement_timeout_ms
         self._reconnect_s = reconnect_s
@@ -140,12 +159,22 @@ class PostgresSink:
     @classmethod
     def open(cls, url: str, *, statement_timeout_ms: int = 30_000) -> PostgresSink:
         """Connect and create or migrate the schema; blocking.  Raises
-        :class:`ConfigError` when the server cannot be reached or used."""
+        :class:`ConfigError` when the server refuses us (credentials, no such
+        database, a newer schema).  A server that does not answer at all is not an
+        error: a dead sink never stops calls, so the sink opens without a connection,
+        its rows are dropped and counted until the server answers, and the first
+        connection creates the schema."""
         psycopg = _psycopg()
         where = mask_url(url)
         try:
             conn = _connect(url, f"SET statement_timeout = {int(statement_timeout_ms)}")
         except psycopg.Error as exc:
+            if not _refused_by_server(exc):
+                logger.warning(
+                    "telemetry database %s is unreachable (%s): calls go on, rows are "
+                    "dropped and counted until it answers", where, _explain(url, exc),
+                )
+                return cls(url, None, statement_timeout_ms=statement_timeout_ms, migrated=False)
             raise ConfigError(
                 f"cannot connect to the telemetry database {where}: {_explain(url, exc)}"
             ) from None
@@ -171,12 +200,18 @@ class PostgresSink:
             raise ConnectionError("telemetry database unreachable; waiting before reconnecting")
         self._next_connect = now + self._reconnect_s
         try:
-            self._conn = _connect(
-                self._url, f"SET statement_timeout = {int(self._statement_timeout_ms)}"
-            )
+            conn = _connect(self._url, f"SET statement_timeout = {int(self._statement_timeout_ms)}")
         except Exception as exc:
             raise ConnectionError(_explain(self._url, exc)) from None
-        return self._conn
+        if not self._migrated:
+            try:
+                _migrate(conn, mask_url(self._url))
+            except Exception as exc:  # a newer schema, too: this batch is dropped
+                conn.close()
+                raise ConnectionError(_explain(self._url, exc)) from None
+            self._migrated = True
+        self._conn = conn
+        return conn
 
     def write(self, batch: Batch) -> None:
         with self._lock:
