@@ -120,3 +120,36 @@ async def test_serve_with_redis_down_at_start_listens_and_stops_cleanly(
     assert answer.status == 503
     assert "Traceback" not in err
     assert "governance backend unreachable" in err
+
+
+async def test_a_reload_while_waiting_for_redis_is_what_it_then_serves(
+    own_redis: RedisServer,  # noqa: F811
+) -> None:
+    """SIGHUP while the backend has not answered since start: the reload cannot open
+    its session either (it says so), but its settings are the ones the server keeps
+    trying -- once Redis is up, the new alias routes."""
+    import attrs
+
+    from polygate.serve import open_server
+
+    from ._serve_kit import settings_for
+
+    own_redis.kill()
+    backend = f"{own_redis.url}?prefix=reload-{secrets.token_hex(4)}&timeout_s=0.3"
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        first = settings_for(url, backend=backend)
+        second = attrs.evolve(first, serve=attrs.evolve(first.serve, models={"renamed": "chat"}))
+        async with open_server(first, port=0) as server:
+            with pytest.raises(GovernanceBackendError):
+                await server.reload(second)
+            assert server.settings is second
+            await trio.to_thread.run_sync(own_redis.start)
+            with trio.fail_after(30):
+                while (await http(server, "GET", "/readyz")).status != 200:  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+            renamed = await http(server, "POST", "/v1/chat/completions",
+                                 {**CHAT, "model": "renamed"}, AUTH)
+            assert server.statistics().generations == 1  # the stand-ins are gone
+            await server.shutdown(grace_s=1)
+    assert renamed.status == 200

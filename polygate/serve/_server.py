@@ -172,7 +172,8 @@ class Server:
                 self._current = Gateway(settings, UnavailableSession(settings, str(exc)))
                 old.retire()
             raise
-        self._current = new
+        # Re-read: a recovery (below) may have replaced the stand-in meanwhile.
+        old, self._current = self._current, new
         old.retire()
         self._recovering.cancel()  # a reload that opened its session ends the waiting
         self.metrics.reloads += 1
@@ -194,6 +195,9 @@ class Server:
                     log.warning("governance backend still unreachable (%s); retrying in %.1f s",
                                 exc, delay)
                     continue
+                if self._recovering.cancel_called:  # a reload got there first
+                    new.retire()
+                    return
                 old, self._current = self._current, new
                 old.retire()
                 log.info("governance backend reachable: serving calls")
