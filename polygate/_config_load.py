@@ -214,8 +214,10 @@ def _value_from_text(kind: type, text: str, where: str) -> Any:
         raise ConfigError(f"{where}: expected {wanted}, got {text!r}") from None
 
 
-def _value_from_toml(kind: type, value: Any, where: str) -> Any:
-    """A typed TOML value checked against the field's type (ints are fine for floats)."""
+def _value_from_toml(kind: type, value: Any, where: str, *, secret: bool = False) -> Any:
+    """A typed TOML value checked against the field's type (ints are fine for floats).
+    A ``secret`` field's wrong value is described by its kind alone: a key written as
+    a bare number must not be echoed."""
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is float and is_number:
         return float(value)
@@ -228,7 +230,8 @@ def _value_from_toml(kind: type, value: Any, where: str) -> Any:
     wanted = {float: "a number", int: "a whole number", bool: "true or false", str: "a string",
               tuple: "an array of strings"}
     hint = " (write it without quotes)" if kind in (int, float) and isinstance(value, str) else ""
-    raise ConfigError(f"{where}: expected {wanted[kind]}, got {_what(value)}{hint}")
+    got = _what(value).split(" (", 1)[0] if secret else _what(value)
+    raise ConfigError(f"{where}: expected {wanted[kind]}, got {got}{hint}")
 
 
 def _what(value: Any) -> str:
@@ -612,7 +615,7 @@ def _toml_serve_keys(
                 raise ConfigError(f"{where}.{field}: unknown key (a gateway key takes {known})")
             if field == "key" and isinstance(item, str):
                 secrets.add(item)
-            fields[field] = _value_from_toml(kind, item, f"{where}.{field}")
+            fields[field] = _value_from_toml(kind, item, f"{where}.{field}", secret=field == "key")
         out[name] = fields
     return out
 
@@ -752,7 +755,9 @@ def _toml_fields(
     for key, value in table.items():
         if key not in allowed:
             raise _unknown(part.where(key), what, [*allowed, *extra], key)
-        part.values[key] = _value_from_toml(schema.scalars[key], value, part.where(key))
+        part.values[key] = _value_from_toml(
+            schema.scalars[key], value, part.where(key), secret=key in schema.secrets
+        )
         _check_key(key, part.values[key], part.where(key))
         part.keys.append(part.where(key))
 

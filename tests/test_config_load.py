@@ -874,3 +874,16 @@ def test_load_settings_warns_about_ignored_keys(clean: Path) -> None:
 def test_load_settings_passes_env_to_api_key_env(clean: Path) -> None:
     write(clean, f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\napi_key_env = 'K'\n")
     assert load_settings({"K": KEY}).scopes["chat"].sources[0].api_key == KEY
+
+
+@pytest.mark.parametrize("toml", [
+    '[scopes.chat.sources.a]\nbase_url = "http://a/v1"\napi_key = 9876543210123\n',
+    '[serve.keys.a]\nkey = 9876543210123\n[scopes.chat.sources.a]\nbase_url = "http://a/v1"\n',
+])
+def test_a_secret_of_the_wrong_type_is_not_echoed(tmp_path: Path, toml: str) -> None:
+    """A key written as a bare number is still a key: the error says what kind of
+    value it is, never the value."""
+    with pytest.raises(ConfigError) as info:
+        settings_from_toml(write(tmp_path, toml), env={})
+    assert "expected a string, got an integer" in str(info.value)
+    assert "9876543210123" not in str(info.value)
