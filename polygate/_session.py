@@ -278,6 +278,7 @@ class ChatStream:
         self._params = params
         self._deadline = deadline
         self._recv: trio.MemoryReceiveChannel[StreamChunk | _Done | _Failed] | None = None
+        self._end: _Done | _Failed | None = None  # taken by _ready(), given by __anext__
         self._cm: Any = None
         self._finished = False
         self._exited = False
@@ -359,14 +360,18 @@ class ChatStream:
         if self._exited:
             raise PolygateError("this stream was closed before it finished (its block exited)")
         await trio.lowlevel.checkpoint_if_cancelled()
-        try:
+        item: StreamChunk | _Done | _Failed
+        if self._end is not None:
+            item, self._end = self._end, None
+        else:
             try:
-                item = self._recv.receive_nowait()  # buffered chunks: no round trip each
-            except trio.WouldBlock:
-                item = await self._recv.receive()
-        except trio.EndOfChannel:
-            self._finished = True
-            raise PolygateError("the stream ended without an answer") from None
+                try:
+                    item = self._recv.receive_nowait()  # buffered chunks: no round trip each
+                except trio.WouldBlock:
+                    item = await self._recv.receive()
+            except trio.EndOfChannel:
+                self._finished = True
+                raise PolygateError("the stream ended without an answer") from None
         if isinstance(item, StreamChunk):
             return item
         self._finished = True
@@ -374,6 +379,24 @@ class ChatStream:
             self.response = item.response
             raise StopAsyncIteration
         raise item.error
+
+    def _ready(self, limit: int) -> list[StreamChunk]:
+        """Up to ``limit`` chunks that have already arrived, without waiting (for
+        ``polygate serve``, which writes them to its client in one send).  The end of
+        the stream, if it is among them, is kept for the next ``__anext__``."""
+        ready: list[StreamChunk] = []
+        if self._recv is None or self._finished or self._exited or self._end is not None:
+            return ready
+        while len(ready) < limit:
+            try:
+                item = self._recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if not isinstance(item, StreamChunk):
+                self._end = item
+                break
+            ready.append(item)
+        return ready
 
     @property
     def text(self) -> str:

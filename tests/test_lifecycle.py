@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -170,3 +171,33 @@ async def test_whatever_ends_a_stream_reaches_the_iterator_as_itself(
             async with s.stream_chat(MESSAGES) as stream:
                 async for _ in stream:
                     pass
+
+
+@pytest.mark.parametrize("fault", [None, "truncated"])
+async def test_taking_the_chunks_already_here_loses_nothing(
+    fault: str | None, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``ChatStream._ready`` (the gateway's burst write) takes only chunks that have
+    arrived; the end of the stream -- the answer, or the error -- stays for the next
+    ``__anext__``, so the chunks, their order and the outcome are those of plain
+    iteration."""
+
+    async def read(take_ready: bool) -> tuple[list[str], Any]:
+        up = FakeUpstream(Reply(tokens=40, fault=fault, fault_after=30))
+        async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+            texts: list[str] = []
+            try:
+                async with s.stream_chat(MESSAGES) as stream:
+                    async for chunk in stream:
+                        texts.append(chunk.text)
+                        if take_ready:
+                            texts += [c.text for c in stream._ready(7)]
+                outcome: Any = stream.response.text if stream.response else None
+            except polygate.PolygateError as exc:
+                outcome = type(exc)
+            return texts, outcome
+
+    plain = await read(take_ready=False)
+    bursts = await read(take_ready=True)
+    assert bursts == plain
+    assert plain[0]  # the stream carried chunks

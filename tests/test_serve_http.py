@@ -376,3 +376,30 @@ async def test_rpm_quota_full_is_429() -> None:
     assert second.status == 429
     assert 50 <= int(second.headers["retry-after"]) <= 60
     assert len(fake.requests) == 1
+
+
+async def test_chunks_that_arrived_together_leave_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst (here: a zero-delay answer, every token in one read) is written to the
+    client in a few sends, not one per token, and the client reads the same events."""
+    from polygate.serve._http import Connection
+
+    writes: list[int] = []
+    send = Connection.send_unbounded
+
+    async def counting(self: Connection, data: bytes) -> None:
+        writes.append(data.count(b"data: "))
+        await send(self, data)
+
+    monkeypatch.setattr(Connection, "send_unbounded", counting)
+    async with gateway(Reply(tokens=200)) as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
+        whole = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    upstream_text = whole.json()["choices"][0]["message"]["content"]
+    events = [line for line in answer.body.split(b"\n") if line.startswith(b"data: ")]
+    texts = [json.loads(e[6:])["choices"][0]["delta"].get("content", "")
+             for e in events[:-1] if json.loads(e[6:]).get("choices")]
+    assert sum(1 for text in texts if text) == 200  # every token, once, in order below
+    assert "".join(texts) == upstream_text
+    assert events[-1] == b"data: [DONE]"
+    assert sum(writes) >= 200  # every token went out ...
+    assert len(writes) < 50  # ... in bursts

@@ -52,6 +52,8 @@ _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 #: shared by every client; the scope and the deadline are the gateway's).
 _NOT_PARAMS: Final = frozenset({"scope", "call_deadline_s", "schema", "cache"})
 _READY_TIMEOUT_S: Final = 2.0
+#: At most this many already-arrived chunks are written to a client in one send.
+_BURST: Final = 32
 _SHUTDOWN = ErrorReply(
     503, "The gateway is shutting down and cancelled this call; retry it.", "api_error",
     "shutting_down", retry_after_s=1,
@@ -498,9 +500,14 @@ async def _chat_stream(
                             done = True
                             break
                         out = head() if not head_sent else b""
+                        # Chunks that arrived with this one go out in the same write:
+                        # nothing waits for them, and a burst costs one send, not one
+                        # per token.
+                        frames = [conn.frame(shape.chunk(chunk))]
+                        frames += [conn.frame(shape.chunk(c)) for c in stream._ready(_BURST)]
                         sending = True
                         clock.deadline = trio.current_time() + send_timeout
-                        await conn.send_unbounded(out + conn.frame(shape.chunk(chunk)))
+                        await conn.send_unbounded(out + b"".join(frames))
                         sending = False
                         clock.deadline = trio.current_time() + interval
                 if clock.cancelled_caught:
