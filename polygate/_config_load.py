@@ -600,13 +600,9 @@ def _toml_serve_keys(
     for name, raw in _toml_table(value, at("keys")).items():
         where = at(f"keys.{name}") if _BARE_KEY.match(name) else at("keys")
         table = dict(_toml_table(raw, where))
-        if "key_env" in table:
-            if "key" in table:
-                raise ConfigError(f"{where}.key_env: set key or key_env, not both")
-            var = _value_from_toml(str, table.pop("key_env"), f"{where}.key_env")
-            if not env.get(var, "").strip():
-                raise ConfigError(f"{where}.key_env: environment variable {var} is not set")
-            table["key"] = env[var].strip()
+        key = _env_secret(table, "key", env, f"{where}.key_env")
+        if key is not None:
+            table["key"] = key
         fields: dict[str, Any] = {}
         for field, item in table.items():
             kind = _KEY_FIELDS.get(field)
@@ -732,18 +728,28 @@ def _secret_from_env(
 ) -> None:
     """``api_key_env = "NAME"``: read the secret from the environment, not the file."""
     key = f"{field}_env"
-    if key not in table:
+    value = _env_secret(table, field, env, where(key))
+    if value is None:
         return
-    var = _value_from_toml(str, table.pop(key), where(key))
-    if field in table:
-        raise ConfigError(f"{where(key)}: set {field} or {key}, not both")
-    value = env.get(var, "").strip()
-    if not value:
-        raise ConfigError(f"{where(key)}: environment variable {var} is not set")
     secrets.add(value)
     _check_key(field, value, where(key))
     part.values[field] = value
     part.keys.append(where(key))
+
+
+def _env_secret(table: dict[str, Any], field: str, env: Mapping[str, str], where: str) -> str | None:
+    """The secret a ``{field}_env = "NAME"`` entry of ``table`` names (the entry is
+    taken out), or ``None`` when there is none; ``where`` is that entry's path."""
+    key = f"{field}_env"
+    if key not in table:
+        return None
+    var = _value_from_toml(str, table.pop(key), where)
+    if field in table:
+        raise ConfigError(f"{where}: set {field} or {key}, not both")
+    value = env.get(var, "").strip()
+    if not value:
+        raise ConfigError(f"{where}: environment variable {var} is not set")
+    return value
 
 
 def _toml_fields(

@@ -83,11 +83,7 @@ class KeyQuotas:
         of objects (the session refuses it, 400, before any upstream work)."""
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             return None
-        try:
-            budget = completion_budget(params, completion_tokens)
-        except Exception:  # a malformed max_tokens: the session's check answers it
-            return None
-        return self._governor.prompt_estimate(messages) + budget
+        return self._governor.prompt_estimate(messages) + completion_budget(params, completion_tokens)
 
     def embed_estimate(self, inputs: Sequence[str]) -> int:
         return self._governor.estimate_inputs(inputs)
@@ -120,7 +116,6 @@ class KeyQuotas:
         await self._backend.settle(SettleRequest(
             admission, tokens, Feedback.NEUTRAL, sent=attempted,
         ))
-
 
 
 def _limit(limits: SourceLimits, refusal: Refusal) -> int | None:

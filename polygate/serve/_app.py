@@ -23,7 +23,7 @@ import math
 import sys
 import urllib.parse
 from array import array
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, Protocol
 
 import attrs
@@ -254,16 +254,16 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
         return path, await _fail(
             ctx, _bad_param(f"parameter {refused[0]!r} is not accepted here", refused[0])
         )
+    handler = _embeddings if path == "/v1/embeddings" else _chat
     key = ctx.gateway.limited_key(request.headers)
     if key is None:
-        charge = _Charge()
-        if path == "/v1/embeddings":
-            return path, await _embeddings(ctx, scope, body, charge)
-        return path, await _chat(ctx, scope, body, charge)
-    return path, await _charged(ctx, path, scope, body, key)
+        return path, await handler(ctx, scope, body, _Charge())
+    return path, await _charged(ctx, handler, scope, body, key)
 
 
 # --------------------------------------------------------------------------- per-key quotas
+
+_Handler = Callable[["Context", str, dict[str, Any], "_Charge"], Awaitable[int]]
 
 
 @attrs.define
@@ -292,19 +292,19 @@ class _Charge:
         self.tokens = None
 
 
-async def _charged(ctx: Context, path: str, scope: str, body: dict[str, Any], key: str) -> int:
+async def _charged(
+    ctx: Context, handler: _Handler, scope: str, body: dict[str, Any], key: str
+) -> int:
     """Admit the call against the key's quota, run it, settle what it cost."""
     quotas = ctx.gateway.quotas
     assert quotas is not None
-    if path == "/v1/embeddings":
-        inputs = body.get("input")
-        texts: Any = [inputs] if isinstance(inputs, str) else inputs
-        ok = isinstance(texts, list) and all(isinstance(t, str) for t in texts)
-        tokens = quotas.embed_estimate(texts) if ok else None
+    tokens: int | None
+    if handler is _embeddings:
+        texts = _embedding_inputs(body.get("input"))
+        tokens = None if texts is None else quotas.embed_estimate(texts)
     else:
         completion = ctx.gateway.settings.scopes[scope].completion_estimate_tokens
         tokens = quotas.chat_estimate(body.get("messages"), body, completion)
-    handler = _embeddings if path == "/v1/embeddings" else _chat
     if tokens is None:  # malformed: the handler answers 400 before any upstream work
         return await handler(ctx, scope, body, _Charge())
     try:
@@ -540,11 +540,17 @@ async def _chat_stream(
     return 200
 
 
-async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge) -> int:
-    inputs = body.pop("input", None)
-    if isinstance(inputs, str):
-        inputs = [inputs]
+def _embedding_inputs(value: Any) -> list[str] | None:
+    """A request's ``input`` as a non-empty list of strings, or ``None`` (a 400)."""
+    inputs = [value] if isinstance(value, str) else value
     if not isinstance(inputs, list) or not inputs or not all(isinstance(i, str) for i in inputs):
+        return None
+    return inputs
+
+
+async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge) -> int:
+    inputs = _embedding_inputs(body.pop("input", None))
+    if inputs is None:
         return await _fail(ctx, _bad_param(
             "input must be a string or a non-empty array of strings "
             "(token arrays are not supported by this gateway)", "input"))
