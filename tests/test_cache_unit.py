@@ -186,6 +186,38 @@ async def test_writes_go_behind_and_are_served_meanwhile(
     assert backend.data["k299"] == b"v299"
 
 
+@pytest.mark.parametrize("many", [False, True])
+async def test_an_answer_waiting_to_be_written_is_served_at_a_schedule_point(
+    autojump_clock: trio.testing.MockClock, many: bool
+) -> None:
+    """Served from ``pending`` (no I/O), a lookup is still a checkpoint: a loop of such
+    hits let nothing else run (not even the writer, so the entries stayed pending
+    for good), and a cancelled caller was served."""
+    backend = Flaky()
+    backend.slow = 1.0
+    cache = Cache(backend)
+    cache.put("k", b"v", 60)
+
+    async def lookup() -> bytes | None:
+        return (await cache.get_many(["k"]))[0] if many else await cache.get("k")
+
+    ran: list[str] = []
+
+    async def other() -> None:
+        ran.append("other")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        assert await lookup() == b"v"
+        assert ran == ["other"]  # it ran during the lookup
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await lookup()
+            raise AssertionError("a cancelled lookup answered")  # pragma: no cover
+        assert scope.cancelled_caught
+    assert backend.reads == 0
+
+
 async def test_a_full_queue_drops_writes(autojump_clock: trio.testing.MockClock) -> None:
     cache = Cache(Flaky())  # no writer started: nothing drains the queue
     for i in range(5000):

@@ -131,9 +131,13 @@ class Cache:
             # the other tasks, and a cancelled caller must not be served.
             await trio.lowlevel.checkpoint()
             return self._memory.get_now(key)
-        pending = self._pending.get(key)
-        if pending is not None and trio.current_time() < pending[1]:
-            return pending[0]
+        if key in self._pending:
+            # Served from here without I/O, so with the same schedule point (and looked
+            # at after it: the writer may have written the entry meanwhile).
+            await trio.lowlevel.checkpoint()
+            local = self.get_local(key)
+            if local is not None:
+                return local
         return (await self._read([key]))[0]
 
     def get_local(self, key: str) -> bytes | None:
@@ -165,6 +169,8 @@ class Cache:
             values = await self._read([keys[i] for i in ask])
             for i, value in zip(ask, values, strict=True):
                 found[i] = value
+        else:
+            await trio.lowlevel.checkpoint()  # all served from here: see get()
         return found
 
     async def _read(self, keys: list[str]) -> list[bytes | None]:
