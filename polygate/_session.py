@@ -207,6 +207,11 @@ class Session:
         return float(call_deadline_s)
 
 
+# One encoder each, made once: json.dumps with arguments builds a new one per call.
+_encode_messages = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_encode_params = json.JSONEncoder().encode
+
+
 def _check_messages(messages: Any) -> str:
     """Validate the messages and encode them once (every attempt reuses the JSON)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
@@ -217,7 +222,7 @@ def _check_messages(messages: Any) -> str:
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ConfigError(f"messages[{index}] must be an object with a string 'role'")
     try:
-        return json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+        return _encode_messages(messages)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"messages are not JSON-serialisable: {exc}") from None
 
@@ -228,8 +233,10 @@ def _check_params(params: Mapping[str, Any], reserved: tuple[str, ...] = ("messa
             raise ConfigError(f"parameter {key!r} is set by polygate, not by the caller")
     if not isinstance(params.get("stream_options") or {}, Mapping):
         raise ConfigError("parameter 'stream_options' must be an object (a mapping)")
+    if not params:
+        return
     try:
-        json.dumps(params)
+        _encode_params(params)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"parameters are not JSON-serialisable: {exc}") from None
 

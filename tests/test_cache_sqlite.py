@@ -8,6 +8,7 @@ import json
 import os
 import sqlite3
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import trio
 
 import polygate
+from polygate.cache._backend import CacheBackendError
 from polygate.cache._sqlite import SQLiteBackend
 from polygate.cli import main
 from polygate.testing import FakeUpstream, Reply, Router
@@ -207,3 +209,119 @@ async def test_sqlite_under_mockclock(tmp_path: Path, autojump_clock: Any) -> No
         hit = await s.chat(MESSAGES)
         stats = (await s.statistics()).cache
     assert hit.call_stats.cached and stats.errors == 0
+
+
+class _Threads:
+    """Counts the reads that went to a worker thread."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from polygate.cache import _sqlite
+
+        self.count = 0
+        real = _sqlite.run_sync  # type: ignore[attr-defined]
+
+        async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(fn, "__name__", "") == "_read":
+                self.count += 1
+            return await real(fn, *args, **kwargs)
+
+        monkeypatch.setattr(_sqlite, "run_sync", counted)
+
+
+async def test_lookups_run_on_the_loop_once_a_connection_is_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads = _Threads(monkeypatch)
+    backend = SQLiteBackend(tmp_path / "c.db", timeout_s=2.0)
+    await backend.start()
+    try:
+        await backend.set_many([(f"k{i}", b"%d" % i, 60.0) for i in range(20)])
+        assert await backend.get_many(["k1"]) == [b"1"]  # opens a connection, in a thread
+        assert threads.count == 1
+        for _ in range(5):
+            assert await backend.get_many(["k2"]) == [b"2"]
+            assert await backend.get_many(["k3", "nope", "k4"]) == [b"3", None, b"4"]
+        assert threads.count == 1  # on the loop
+        many = [f"k{i}" for i in range(17)]  # more than a loop read takes
+        assert await backend.get_many(many) == [b"%d" % i for i in range(17)]
+        assert threads.count == 2
+        # an expired entry is not served on the loop either
+        await backend.set_many([("old", b"x", -1.0)])
+        assert await backend.get_many(["old"]) == [None]
+        assert threads.count == 2
+    finally:
+        await backend.aclose()
+    assert backend._loop_reader is None
+    with pytest.raises(CacheBackendError, match="closed"):
+        await backend.get_many(["k1"])
+
+
+async def test_a_locked_file_sends_the_read_to_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop never waits for a lock: a read that finds the file busy (a WAL
+    recovery, a writer holding it exclusively) is done again in a thread, which waits
+    up to ``timeout_s``, and the next reads go there too for a while."""
+    threads = _Threads(monkeypatch)
+    backend = SQLiteBackend(tmp_path / "c.db", timeout_s=2.0)
+    await backend.start()
+    real = backend._select
+    loop_thread = threading.current_thread()
+    busy_on_loop: list[str] = []
+
+    def select(conn: sqlite3.Connection, keys: Any) -> Any:
+        if threading.current_thread() is loop_thread:
+            busy_on_loop.append(keys[0])
+            raise sqlite3.OperationalError("database is locked")
+        return real(conn, keys)
+
+    try:
+        await backend.set_many([("k", b"v", 60.0)])
+        assert await backend.get_many(["k"]) == [b"v"]
+        assert threads.count == 1
+        monkeypatch.setattr(backend, "_select", select)
+        assert await backend.get_many(["k"]) == [b"v"]  # busy on the loop, read in a thread
+        assert busy_on_loop == ["k"] and threads.count == 2
+        assert await backend.get_many(["k"]) == [b"v"]
+        assert busy_on_loop == ["k"] and threads.count == 3  # not tried on the loop again yet
+    finally:
+        await backend.aclose()
+
+
+async def test_a_slow_read_on_the_loop_sends_the_next_ones_to_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from polygate.cache import _sqlite
+
+    threads = _Threads(monkeypatch)
+    backend = SQLiteBackend(tmp_path / "c.db", timeout_s=2.0)
+    await backend.start()
+    try:
+        await backend.set_many([("k", b"v", 60.0)])
+        assert await backend.get_many(["k"]) == [b"v"]
+        assert await backend.get_many(["k"]) == [b"v"]
+        assert threads.count == 1
+        monkeypatch.setattr(_sqlite, "_LOOP_SLOW_S", 0.0)  # every read is "slow" now
+        assert await backend.get_many(["k"]) == [b"v"]  # on the loop, found slow
+        assert threads.count == 1
+        assert await backend.get_many(["k"]) == [b"v"]
+        assert threads.count == 2
+    finally:
+        await backend.aclose()
+
+
+async def test_a_read_on_the_loop_that_fails_is_the_backends_error(tmp_path: Path) -> None:
+    path = tmp_path / "c.db"
+    backend = SQLiteBackend(path, timeout_s=2.0)
+    await backend.start()
+    try:
+        await backend.set_many([("k", b"v", 60.0)])
+        assert await backend.get_many(["k"]) == [b"v"]
+        assert backend._loop_reader is not None
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("DROP TABLE polygate_cache")
+        other.close()
+        with pytest.raises(CacheBackendError, match="no such table"):
+            await backend.get_many(["k"])
+    finally:
+        await backend.aclose()

@@ -5,14 +5,26 @@ write batch is one ``BEGIN IMMEDIATE`` transaction of ``INSERT OR REPLACE`` rows
 ``synchronous=NORMAL``: a commit reaches the WAL without an fsync — durable across a
 process crash, not a power cut, which is right for a cache.
 
-**Threads.**  Every statement runs in ``trio.to_thread.run_sync``, never on the event
-loop.  Reads take a connection from a small pool (one per concurrent reader; WAL
-readers never wait for the writer) and are *abandoned* when their caller gives up
-(cancelled, or out of time), with ``Connection.interrupt()`` so the thread stops at
-once and returns the connection.  Writes use one connection,
-serialised by a lock.  SQLite's own ``busy_timeout`` is ``timeout_s``, so a file
-locked past it fails the operation instead of blocking; it is real time, kept inside
-the thread, so a session under ``MockClock`` reads the file as any other would.
+**Threads, and reads on the loop.**  Writes, and reads that may wait, run in
+``trio.to_thread.run_sync``.  Threaded reads take a connection from a small pool (one
+per concurrent reader; WAL readers never wait for the writer) and are *abandoned*
+when their caller gives up (cancelled, or out of time), with
+``Connection.interrupt()`` so the thread stops at once and returns the connection.
+Writes use one connection, serialised by a lock.  SQLite's own ``busy_timeout`` is
+``timeout_s``, so a file locked past it fails the operation instead of blocking; it
+is real time, kept inside the thread, so a session under ``MockClock`` reads the file
+as any other would.
+
+A lookup of a few keys is one indexed ``SELECT`` on pages that are almost always in
+memory: 10–30 µs, where the hop to a worker thread and back costs ~190 µs on a 2-core
+machine (``benchmarks/cache.py``).  So once a threaded read has opened a connection,
+that connection becomes the *loop reader*, and lookups of up to
+:data:`_LOOP_KEYS` keys run on the event loop itself, with a ``busy_timeout`` of 0:
+they never wait.  A read that finds the file locked (``SQLITE_BUSY``: a WAL recovery,
+a writer that took the file exclusively) is done again in a thread, as before; one
+that took longer than :data:`_LOOP_SLOW_S` (a cold disk) sends the reads of the next
+:data:`_THREADS_FOR_S` seconds to threads, so a slow disk never stalls the loop for
+long.  The first read of a session always goes through a thread.
 
 **Time to live.**  A row holds its expiry as epoch seconds (wall clock: the file
 outlives processes and is shared by them).  An expired row is never returned; the
@@ -55,6 +67,11 @@ _PUT = "INSERT OR REPLACE INTO polygate_cache (key, value, expires_at) VALUES (?
 _EXPIRE = "DELETE FROM polygate_cache WHERE expires_at <= ?"
 _IN_CHUNK = 500  # keys per SELECT … IN (…): well below SQLite's variable limit
 _EVICT_EVERY_S = 60.0
+_LOOP_KEYS = 16  # the most keys a read on the event loop looks up
+_LOOP_SLOW_S = 0.005  # a read on the loop that took longer (a cold disk; not a 1–3 ms preemption) …
+_THREADS_FOR_S = 1.0  # … sends the reads of the next second (real time) to threads
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
 
 
 class _Read:
@@ -86,6 +103,9 @@ class SQLiteBackend:
         self._pool_lock = threading.Lock()
         self._closed = False
         self._last_evict = -float("inf")
+        # Used on the event loop's thread only, never pooled, closed by aclose.
+        self._loop_reader: sqlite3.Connection | None = None
+        self._threads_until = -float("inf")  # time.monotonic(): reads go to threads until
 
     def __repr__(self) -> str:
         return f"<SQLiteBackend {self._where}>"
@@ -133,11 +153,14 @@ class SQLiteBackend:
     async def aclose(self) -> None:
         """Close every connection; bounded, and done in a thread (the writer may be
         finishing a batch).  Shielded: it runs while the session is torn down."""
+        loop_reader, self._loop_reader = self._loop_reader, None  # no read uses it now
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + max(self.timeout_s, 1.0)
-            await run_sync(self._close_all, abandon_on_cancel=True)
+            await run_sync(self._close_all, loop_reader, abandon_on_cancel=True)
 
-    def _close_all(self) -> None:
+    def _close_all(self, loop_reader: sqlite3.Connection | None = None) -> None:
+        if loop_reader is not None:
+            loop_reader.close()
         with self._pool_lock:
             self._closed = True
             idle, self._readers = self._readers, []
@@ -151,17 +174,47 @@ class SQLiteBackend:
     # ------------------------------------------------------------------ reads
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        await trio.lowlevel.checkpoint_if_cancelled()
+        conn = self._loop_reader
+        if conn is not None and len(keys) <= _LOOP_KEYS and time.monotonic() >= self._threads_until:
+            # A schedule point first, as every trio operation takes: a loop of hits must
+            # not starve the other tasks, and a cancelled caller must not be served.
+            await trio.lowlevel.checkpoint()
+            found = self._read_on_loop(conn, keys)
+            if found is not None:
+                return found
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
         op = _Read(self._reader())
         try:
             # Bounded by SQLite's busy_timeout (real time, inside the thread) rather than
             # a trio deadline: under MockClock a trio deadline would fire at once while
             # the thread runs.  A caller that gives up abandons the read.
-            return await run_sync(self._read, op, keys, abandon_on_cancel=True)
+            found = await run_sync(self._read, op, keys, abandon_on_cancel=True)
         except sqlite3.Error as exc:
             raise CacheBackendError(f"cache {self._where}: read failed ({exc})") from None
         finally:
             self._abandon(op)  # cancelled or never started: stop it, return the connection
+        if self._loop_reader is None:
+            self._promote()
+        return found
+
+    def _read_on_loop(self, conn: sqlite3.Connection, keys: Sequence[str]) -> list[bytes | None] | None:
+        """The lookup on the event loop; None when it must be done in a thread instead
+        (the file is locked).  Any other failure is the backend's."""
+        started = time.monotonic()
+        try:
+            return self._select(conn, keys)
+        except sqlite3.OperationalError as exc:
+            if not _busy(exc):
+                raise CacheBackendError(f"cache {self._where}: read failed ({exc})") from None
+            self._threads_until = time.monotonic() + _THREADS_FOR_S
+            return None
+        except sqlite3.Error as exc:
+            raise CacheBackendError(f"cache {self._where}: read failed ({exc})") from None
+        finally:
+            ended = time.monotonic()
+            if ended - started > _LOOP_SLOW_S:
+                self._threads_until = max(self._threads_until, ended + _THREADS_FOR_S)
 
     def _read(self, op: _Read, keys: Sequence[str]) -> list[bytes | None]:
         with self._pool_lock:
@@ -172,24 +225,27 @@ class SQLiteBackend:
             op.conn = self._connect(busy_s=self.timeout_s)
         conn = op.conn
         try:
-            now = self._clock()
-            if len(keys) == 1:
-                row = conn.execute(_GET, (keys[0],)).fetchone()
-                return [row[0] if row is not None and row[1] > now else None]
-            found: dict[str, bytes] = {}
-            for i in range(0, len(keys), _IN_CHUNK):
-                chunk = keys[i : i + _IN_CHUNK]
-                marks = ",".join("?" * len(chunk))
-                rows = conn.execute(
-                    f"SELECT key, value, expires_at FROM polygate_cache WHERE key IN ({marks})",
-                    tuple(chunk),
-                )
-                found.update((k, v) for k, v, e in rows if e > now)
-            return [found.get(k) for k in keys]
+            return self._select(conn, keys)
         finally:
             with self._pool_lock:
                 op.state = "done"
             self._give_back(conn)
+
+    def _select(self, conn: sqlite3.Connection, keys: Sequence[str]) -> list[bytes | None]:
+        now = self._clock()
+        if len(keys) == 1:
+            row = conn.execute(_GET, (keys[0],)).fetchone()
+            return [row[0] if row is not None and row[1] > now else None]
+        found: dict[str, bytes] = {}
+        for i in range(0, len(keys), _IN_CHUNK):
+            chunk = keys[i : i + _IN_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            rows = conn.execute(
+                f"SELECT key, value, expires_at FROM polygate_cache WHERE key IN ({marks})",
+                tuple(chunk),
+            )
+            found.update((k, v) for k, v, e in rows if e > now)
+        return [found.get(k) for k in keys]
 
     def _abandon(self, op: _Read) -> None:
         """After the caller stopped waiting: a read that never started returns its
@@ -216,6 +272,20 @@ class SQLiteBackend:
                 self._readers.append(conn)
                 return
         conn.close()
+
+    def _promote(self) -> None:
+        """After a threaded read: one of the pool's connections becomes the loop
+        reader, one that never waits for a lock (the loop must not block)."""
+        with self._pool_lock:
+            if self._closed or self._loop_reader is not None or not self._readers:
+                return
+            conn = self._readers.pop()
+        try:
+            conn.execute("PRAGMA busy_timeout = 0")
+        except sqlite3.Error:
+            conn.close()
+            return
+        self._loop_reader = conn
 
     # ------------------------------------------------------------------ writes
 
@@ -267,3 +337,11 @@ def _make_private(path: Path) -> None:
         os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
+
+
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    """SQLITE_BUSY or SQLITE_LOCKED (by code from Python 3.11, by message before)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED)
+    return "locked" in str(exc) or "busy" in str(exc)
