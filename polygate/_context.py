@@ -163,7 +163,7 @@ class ChatRequest:
     parameters: an OCR page, or a structured call's per-source form of its round.
     The estimates, when set, replace the call's (usage the upstream did not report)."""
 
-    messages_json: str
+    messages_json: str | bytes  # bytes: UTF-8 (an OCR page, prepared off the loop)
     params: Mapping[str, Any]
     prompt_estimate: int | None = None
     completion_estimate: int | None = None

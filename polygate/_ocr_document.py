@@ -65,7 +65,7 @@ class PageRequest:
     off the event loop: a page image is hundreds of kilobytes of base64) and the
     admission estimate of its image's tokens."""
 
-    messages_json: str = attrs.field(repr=lambda v: f"<{len(v)} characters>")
+    messages_json: bytes = attrs.field(repr=lambda v: f"<{len(v)} bytes>")  # UTF-8
     image_tokens: int
     width: int | None = None
     height: int | None = None
@@ -94,7 +94,7 @@ class UrlDocument(Document):
 
     async def page(self, index: int, prompt: str) -> PageRequest:
         await trio.lowlevel.checkpoint()
-        return PageRequest(page_messages(prompt, self.url), _URL_IMAGE_TOKENS)
+        return PageRequest(page_messages(prompt, self.url).encode(), _URL_IMAGE_TOKENS)
 
 
 class ImageDocument(Document):
@@ -108,10 +108,15 @@ class ImageDocument(Document):
 
     async def page(self, index: int, prompt: str) -> PageRequest:
         messages, width, height = await run_sync(
-            image_page, self.data, self.format, self.size, prompt,
+            _image_page, self.data, self.format, self.size, prompt,
             self.settings.max_side_px, self.settings.image_format,
         )
         return PageRequest(messages, tokens(width, height), width, height)
+
+
+def _image_page(*args: Any) -> tuple[bytes, int, int]:
+    messages, width, height = image_page(*args)
+    return messages.encode(), width, height  # here, in the worker thread
 
 
 class PdfDocument(Document):
@@ -138,7 +143,7 @@ class PdfDocument(Document):
         (_, width, height), messages = await self._renderers.request(
             s.render_in, self.key, header, self.data
         )
-        return PageRequest(messages.decode(), tokens(width, height), width, height)
+        return PageRequest(messages, tokens(width, height), width, height)
 
     async def aclose(self) -> None:
         if not self.closed:

@@ -49,7 +49,7 @@ import tempfile
 import threading
 from typing import Any
 
-__all__ = ["BadDocument", "Renderer", "image_page", "page_messages", "serve", "tokens"]
+__all__ = ["BadDocument", "Renderer", "answer", "image_page", "page_messages", "serve", "tokens"]
 
 _PDFIUM = threading.Lock()
 _JPEG_QUALITY = 90
@@ -267,6 +267,15 @@ class Renderer:
             self._pdf = self.key = None
 
 
+def answer(renderer: Renderer, header: tuple[Any, ...], blob: bytes) -> tuple[tuple[Any, ...], bytes]:
+    """``renderer.handle``, with anything else it raises — a bug, not the document —
+    as a ``("fail", "Type: message")`` reply: what went wrong, not where."""
+    try:
+        return renderer.handle(header, blob)
+    except Exception as exc:
+        return ("fail", f"{type(exc).__name__}: {exc}"), b""
+
+
 # --------------------------------------------------------------------------- the process
 
 
@@ -314,10 +323,7 @@ def _serve(source: Any, sink: Any, idle_exit_s: float) -> None:
             raise ValueError("renderer request header too large")
         header = pickle.loads(_read_exactly(source, header_len) or b"")
         blob = (_read_exactly(source, blob_len) or b"") if blob_len else b""
-        try:
-            reply, out = renderer.handle(header, blob)
-        except Exception as exc:  # a bug, not the document: say what, not where
-            reply, out = ("fail", f"{type(exc).__name__}: {exc}"), b""
+        reply, out = answer(renderer, header, blob)
         del blob
         packed = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         sink.write(FRAME.pack(len(packed), len(out)) + packed)

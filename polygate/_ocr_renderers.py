@@ -69,13 +69,15 @@ from ._threads import patient_clock, run_sync
 
 __all__ = ["IDLE_S", "RendererStatistics", "Renderers", "new_key"]
 
-#: A renderer idle this long is retired; the process exits by itself after twice as
-#: long (polygate never sends to one idle past ``IDLE_S``, so the two cannot cross).
+#: A renderer idle this long is retired; the process exits by itself later
+#: (:func:`_exit_after`: polygate never sends to one idle past ``IDLE_S``, so the two
+#: cannot cross).
 IDLE_S = 60.0
 _RENDER_FILE = os.path.abspath(_ocr_render.__file__)
 _BOOT = (
     "import importlib.util as u,json,signal,sys;"
     "signal.signal(signal.SIGINT,signal.SIG_IGN);"  # Ctrl-C is the parent's to handle
+    "import os;n=int(os.environ.get('PG_NICE','0'));n and os.nice(n);"
     "sys.path[:]=json.loads(sys.argv[3]);"
     "s=u.spec_from_file_location('_polygate_ocr_render',sys.argv[1]);"
     "m=u.module_from_spec(s);sys.modules[s.name]=m;s.loader.exec_module(m);"
@@ -83,6 +85,12 @@ _BOOT = (
 )
 _PIPE_BYTES = 1 << 20  # a page's messages cross in one or two reads, not dozens
 _keys = itertools.count(1)
+
+
+def _exit_after() -> float:
+    """How long an idle renderer process waits before it exits by itself: well past
+    ``IDLE_S``, so that it never exits while polygate could still send to it."""
+    return max(2 * IDLE_S, IDLE_S + 30.0)
 
 
 def new_key() -> int:
@@ -162,7 +170,7 @@ class _ThreadWorker(_Worker):
 
     def _handle(self, header: tuple[Any, ...], blob: bytes) -> tuple[tuple[Any, ...], bytes]:
         try:
-            return self._renderer.handle(header, blob)
+            return _ocr_render.answer(self._renderer, header, blob)
         finally:
             with self._lock:
                 self._busy = False
@@ -198,7 +206,7 @@ class _ProcessWorker(_Worker):
                 "OCR renders PDF pages in a worker process, and this interpreter has no "
                 "sys.executable to start one: set Ocr.render_in='thread'"
             )
-        command = [executable, "-I", "-c", _BOOT, _RENDER_FILE, repr(2 * IDLE_S), json.dumps(sys.path)]
+        command = [executable, "-I", "-c", _BOOT, _RENDER_FILE, repr(_exit_after()), json.dumps(sys.path)]
         try:
             # Shielded: trio spawns in a thread, and a cancellation there would lose the
             # Popen of a process already started.  Bounded: a fork and an exec.  Once

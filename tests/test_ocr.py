@@ -66,6 +66,22 @@ def minimal_pdf() -> bytes:
     return bytes(out)
 
 
+def encrypted_pdf() -> bytes:
+    """:func:`minimal_pdf` with a standard security handler whose keys no password
+    matches: PDFium refuses it ("Incorrect password error")."""
+    plain = minimal_pdf()
+    body = plain[:plain.index(b"xref")] + (
+        b"6 0 obj\n<< /Filter /Standard /V 1 /R 2 /Length 40 /P -4 /O <" + b"00" * 32
+        + b"> /U <" + b"11" * 32 + b"> >>\nendobj\n"
+    )
+    offsets = [body.index(b"%d 0 obj" % n) for n in range(1, 7)]
+    return body + (
+        b"xref\n0 7\n0000000000 65535 f \n" + b"".join(b"%010d 00000 n \n" % o for o in offsets)
+        + b"trailer\n<< /Size 7 /Root 1 0 R /Encrypt 6 0 R /ID [<%s> <%s>] >>\nstartxref\n%d\n%%%%EOF\n"
+        % (b"ab" * 16, b"ab" * 16, len(body))
+    )
+
+
 def image_bytes(fmt: str, size: tuple[int, int], mode: str = "RGB") -> bytes:
     out = io.BytesIO()
     Image.new(mode, size, "white" if mode != "P" else 0).save(out, fmt)
@@ -278,8 +294,9 @@ class Weird:
     pass
 
 
+@pytest.mark.parametrize("render_in", ["process", "thread"])
 async def test_bad_documents_before_any_io(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, render_in: str
 ) -> None:
     big = tmp_path / "big.pdf"
     big.write_bytes(make_pdf([(100, 100)]) + b"\0" * 2000)
@@ -287,6 +304,7 @@ async def test_bad_documents_before_any_io(
         (b"hello world", "not a PNG, JPEG, WebP, GIF or PDF"),
         (b"", "empty"),
         (b"%PDF-1.7\n this is no pdf", "PDF cannot be opened"),
+        (encrypted_pdf(), r"^the PDF cannot be opened: .*password"),
         (b"\x89PNG\r\n\x1a\n" + b"\0" * 40, "PNG image cannot be read"),
         (image_bytes("PNG", (10, 10))[:30], "PNG image cannot be read"),
         (b"x" * 3000, "over max_document_bytes"),
@@ -302,7 +320,7 @@ async def test_bad_documents_before_any_io(
         (None, "got NoneType"),
     ]
     up = FakeUpstream(Reply(text="x"))
-    settings = ocr_settings(max_document_bytes=2048)
+    settings = ocr_settings(max_document_bytes=2048, render_in=render_in)
     async with polygate.session(settings, transport=Router({"a": up})) as s:
         for document, problem in cases:
             with pytest.raises(polygate.ConfigError, match=problem):
