@@ -34,7 +34,7 @@ import trio
 
 from ._config import Ocr
 from ._errors import ConfigError
-from ._ocr_render import image_page, page_messages, tokens
+from ._ocr_render import image_page, page_messages, tokens, unaltered
 from ._ocr_renderers import Renderers, new_key
 from ._threads import run_sync
 
@@ -98,19 +98,34 @@ class UrlDocument(Document):
 
 
 class ImageDocument(Document):
+    """An image: sent unaltered (a base64 encoding, in a worker thread: a renderer
+    process would only add a round trip), or decoded, maybe scaled, and re-encoded —
+    by a renderer, where Pillow's decoding and scaling hold no GIL of this process
+    (in a thread they kept the event loop waiting 9–17 ms at a time, ``docs/ocr.md``)."""
+
     kind = "image"
 
-    def __init__(self, data: bytes, fmt: str, size: tuple[int, int], settings: Ocr) -> None:
+    def __init__(
+        self, data: bytes, fmt: str, size: tuple[int, int], settings: Ocr,
+        renderers: Renderers | None = None,
+    ) -> None:
         self.data = data
         self.format = fmt
         self.size = size
         self.settings = settings
+        self.renderers = renderers
 
     async def page(self, index: int, prompt: str) -> PageRequest:
-        messages, width, height = await run_sync(
-            _image_page, self.data, self.format, self.size, prompt,
-            self.settings.max_side_px, self.settings.image_format,
-        )
+        s = self.settings
+        if unaltered(self.format, self.size, s.max_side_px) or self.renderers is None:
+            messages, width, height = await run_sync(
+                _image_page, self.data, self.format, self.size, prompt, s.max_side_px, s.image_format
+            )
+        else:
+            header = ("image", self.format, self.size, prompt, s.max_side_px, s.image_format)
+            (_, width, height), messages = await self.renderers.request(
+                s.render_in, None, header, self.data
+            )
         return PageRequest(messages, tokens(width, height), width, height)
 
 
@@ -202,6 +217,8 @@ async def open_document(document: Any, settings: Ocr, renderers: Renderers) -> D
     """:func:`read_document` in a worker thread, then a PDF opened by a renderer (which
     checks it and counts its pages).  Nothing is left open when it raises."""
     read = await run_sync(read_document, document, settings, abandon_on_cancel=True)
+    if isinstance(read, ImageDocument):
+        read.renderers = renderers
     if not isinstance(read, bytes):
         return read
     key = new_key()

@@ -49,7 +49,9 @@ import tempfile
 import threading
 from typing import Any
 
-__all__ = ["BadDocument", "Renderer", "answer", "image_page", "page_messages", "serve", "tokens"]
+__all__ = [
+    "BadDocument", "Renderer", "answer", "image_page", "page_messages", "serve", "tokens", "unaltered",
+]
 
 _PDFIUM = threading.Lock()
 _JPEG_QUALITY = 90
@@ -152,6 +154,11 @@ def saved(image: Any, fmt: str, **options: Any) -> bytes:
         return out.read()
 
 
+def unaltered(fmt: str, size: tuple[int, int], max_side_px: int) -> bool:
+    """An image sent as it is: a PNG or JPEG within ``max_side_px``."""
+    return fmt in _MIME and max(size) <= max_side_px
+
+
 def image_page(
     data: bytes, fmt: str, size: tuple[int, int], prompt: str, max_side_px: int, image_format: str
 ) -> tuple[str, int, int]:
@@ -159,8 +166,8 @@ def image_page(
     ``max_side_px`` goes unaltered; anything else is decoded, scaled down (aspect ratio
     kept) and re-encoded in ``image_format``."""
     width, height = size
-    if fmt in _MIME and max(width, height) <= max_side_px:
-        uri = data_uri(_MIME[fmt], data)  # within the limits: unaltered
+    if unaltered(fmt, size, max_side_px):
+        uri = data_uri(_MIME[fmt], data)
     else:
         image_mod, _ = _pil()
         image = decoded(data)
@@ -201,6 +208,9 @@ class Renderer:
                 elif self.key != header[1]:
                     raise BadDocument("the PDF was closed")
                 messages, width, height = self.page(*header[2:])
+                return ("ok", width, height), messages.encode()
+            if op == "image":  # ("image", format, size, prompt, max_side_px, image_format)
+                messages, width, height = image_page(blob, *header[1:])
                 return ("ok", width, height), messages.encode()
             if op == "drop":  # ("drop", key)
                 if self.key == header[1]:

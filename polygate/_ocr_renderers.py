@@ -302,7 +302,7 @@ class _Pool:
         self.closed = False
 
     @asynccontextmanager
-    async def checkout(self, key: int) -> AsyncIterator[_Worker]:
+    async def checkout(self, key: int | None) -> AsyncIterator[_Worker]:
         """A renderer for a page of ``key``'s document, held for the block; one cut
         short inside it is discarded (killed), never reused."""
         async with self.limiter:
@@ -324,9 +324,9 @@ class _Pool:
                 else:
                     await self._discard(worker)
 
-    def _take(self, key: int) -> _Worker | None:
+    def _take(self, key: int | None) -> _Worker | None:
         for at in range(len(self.idle) - 1, -1, -1):
-            if self.idle[at].key == key:
+            if key is not None and self.idle[at].key == key:
                 return self.idle.pop(at)
         return self.idle.pop() if self.idle else None
 
@@ -387,17 +387,20 @@ class Renderers:
         return pool
 
     async def request(
-        self, render_in: str, key: int, header: tuple[Any, ...], data: bytes
+        self, render_in: str, key: int | None, header: tuple[Any, ...], data: bytes
     ) -> tuple[tuple[Any, ...], bytes]:
         """Send ``header`` about ``key``'s document (whose bytes are ``data``) to a
         renderer; ``data`` goes along only to a renderer that does not hold it yet.
-        A ``("bad", message)`` reply raises ``ConfigError(message)``."""
+        ``key=None``: a request that leaves nothing held (an image), ``data`` always
+        goes.  A ``("bad", message)`` reply raises ``ConfigError(message)``."""
         pool = self._pool(render_in)
         async with pool.checkout(key) as worker:
-            blob = data if worker.key != key or header[0] == "open" else b""
-            pool.documents_sent += bool(blob)
+            blob = data if key is None or worker.key != key or header[0] == "open" else b""
+            pool.documents_sent += bool(blob) and key is not None
             reply, out = await worker.request(header, blob)
-            if reply[0] == "ok":
+            if key is None:
+                pass
+            elif reply[0] == "ok":
                 worker.key = key
             elif header[0] == "open" or blob:
                 worker.key = None  # a failed open leaves the renderer holding nothing

@@ -360,7 +360,7 @@ async def test_bad_pages_and_prompts_before_any_io(autojump_clock: trio.testing.
 # --------------------------------------------------------------------------- the call
 
 
-async def test_pdf_pages_render_in_a_renderer_process_and_images_in_a_thread(
+async def test_pdf_pages_and_converted_images_render_in_a_renderer_process(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     in_here: list[tuple[str, int]] = []  # rendering done in this process: (what, thread)
@@ -378,9 +378,11 @@ async def test_pdf_pages_render_in_a_renderer_process_and_images_in_a_thread(
     async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
         r = await s.ocr(make_pdf(SIZES[:3]))
         assert [p.text for p in r.pages] == ["100x100", "150x100", "200x100"]
-        await s.ocr(image_bytes("WEBP", (50, 50)))
+        assert (await s.ocr(image_bytes("WEBP", (150, 40)))).text == "150x40"
+        assert (await s.ocr(image_bytes("PNG", (120, 20)))).text == "120x20"
         stats = s._runtime.renderers.statistics()
-    # the PDF was opened and rendered elsewhere; the image in a worker thread
+    # the PDF was opened and rendered elsewhere, and the WebP converted there; the
+    # PNG (sent as it is: a base64 encoding) was prepared in a worker thread
     assert [name for name, _ in in_here] == ["image"]
     assert in_here[0][1] != threading.get_ident()
     assert stats.started >= 1 and stats.alive == stats.started - stats.stopped

@@ -192,12 +192,17 @@ async def test_what_a_renderer_prints_does_not_corrupt_its_answers(
     assert [p.text for p in r.pages] == ["x", "x"]
 
 
-async def test_images_are_prepared_without_a_renderer(autojump_clock: trio.testing.MockClock) -> None:
+async def test_only_images_to_convert_need_a_renderer(autojump_clock: trio.testing.MockClock) -> None:
     up = FakeUpstream(Reply(text="x"))
-    async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
+    async with polygate.session(ocr_settings(max_side_px=64), transport=Router({"a": up})) as s:
         await s.ocr(image_bytes("PNG", (40, 30)))
+        await s.ocr(image_bytes("JPEG", (64, 30)))
+        assert renderers(s).statistics().started == 0  # sent as they are
         await s.ocr(image_bytes("WEBP", (40, 30)))
-        assert renderers(s).statistics().started == 0
+        await s.ocr(image_bytes("PNG", (65, 30)))
+        stats = renderers(s).statistics()
+    assert stats.started == 1 and stats.documents_sent == 0  # images are not kept
+    assert len(up.requests) == 4
 
 
 SCRIPT = """
