@@ -3,10 +3,10 @@
 A document is one of
 
 * an image (PNG, JPEG, WebP or GIF, recognised by its magic bytes): one page.  A PNG
-  or JPEG whose longer side is within ``Ocr.max_side_px`` is sent unaltered; any other
-  image is re-encoded (WebP and GIF are not accepted by every upstream; a large image
-  is scaled down, aspect ratio kept).  Prepared in a worker thread: mostly one base64
-  encoding, which a renderer process would only make slower (``docs/ocr.md``);
+  or JPEG whose longer side is within ``Ocr.max_side_px`` is sent unaltered (one
+  base64 encoding, in a worker thread: a renderer would only add a round trip); any
+  other image is converted by a renderer (WebP and GIF are not accepted by every
+  upstream; a large image is scaled down, aspect ratio kept);
 * a PDF: each page rendered by PDFium (pypdfium2) at ``Ocr.dpi``, scaled down when its
   longer side would exceed ``Ocr.max_side_px`` — by a renderer
   (``polygate._ocr_renderers``: a process by default, so that nothing of the

@@ -282,3 +282,15 @@ async def test_a_renderer_bug_is_a_polygate_error_without_a_traceback(
             "the OCR renderer failed: ValueError: unknown renderer request 'no such request'"
         )
         assert renderers(s).statistics(render_in).idle == 1  # it answered: kept
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no process priorities here")
+async def test_renderers_yield_the_cpu_to_the_event_loop() -> None:
+    worker = await _ocr_renderers._ProcessWorker.start()
+    try:
+        with trio.fail_after(30):
+            await worker.request(("drop", 0), b"")  # it has booted
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, worker.process.pid) == min(mine + 10, 19)
+    finally:
+        await worker.discard()
