@@ -3,7 +3,7 @@
 Why processes.  Rendering a page (PDFium), encoding it (Pillow) and its base64 take
 tens of milliseconds, and parts of that hold the GIL.  In worker threads the event
 loop's thread competes for the GIL with them: with the interpreter's 5 ms switch
-interval the loop waited up to ~9 ms at a time while a 20-page PDF rendered
+interval the loop waited 8–14 ms at a time while a 20-page PDF rendered
 (``benchmarks/ocr.py``).  A renderer process has its own GIL; the calling process only
 moves bytes through a pipe.
 
