@@ -99,7 +99,8 @@ async def run_chat_attempt(
     endpoint = ctx.runtime.endpoints[(ctx.scope_name, source.name)]
     stall_timeout = ctx.scope.stream.stall_timeout_s
     forward = control.on_content
-    messages_json, params = ctx.messages_json, ctx.params
+    messages_json: str | bytes = ctx.messages_json
+    params = ctx.params
     prompt_estimate, completion_estimate = ctx.prompt_estimate, ctx.completion_estimate
     if request is not None:
         messages_json, params = request.messages_json, request.params

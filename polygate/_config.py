@@ -461,7 +461,11 @@ class Ocr:
     ``image_format`` (``"jpeg"``, quality 90, or ``"png"``).  A document over
     ``max_document_bytes`` is refused; at most ``max_concurrent_pages`` pages are
     rendered and in flight at once; ``prompt`` replaces the default transcription
-    prompt for this scope.
+    prompt for this scope.  PDF pages are rendered in renderer processes
+    (``render_in="process"``, at most one per CPU, kept by the session) so that no
+    rendering holds the event loop's GIL, or in worker threads of this process
+    (``"thread"``: frozen applications, sandboxes that forbid starting
+    ``sys.executable``).
     """
 
     dpi: float = attrs.field(default=150.0, validator=_in_range(18, 1200, whole=False))
@@ -470,11 +474,17 @@ class Ocr:
     max_concurrent_pages: int = attrs.field(default=4, validator=_in_range(1, 64, whole=True))
     prompt: str | None = attrs.field(default=None, validator=_opt_str)
     image_format: str = attrs.field(default="jpeg")
+    render_in: str = attrs.field(default="process")
 
     @image_format.validator
     def _check_format(self, attr: attrs.Attribute[str], value: Any) -> None:
         if value not in ("jpeg", "png"):
             raise _bad(self, "image_format", f"must be 'jpeg' or 'png', got {value!r}")
+
+    @render_in.validator
+    def _check_render_in(self, attr: attrs.Attribute[str], value: Any) -> None:
+        if value not in ("process", "thread"):
+            raise _bad(self, "render_in", f"must be 'process' or 'thread', got {value!r}")
 
 
 def _to_sources(value: Any) -> Any:

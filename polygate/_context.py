@@ -14,6 +14,7 @@ import httpx
 
 from ._config import Scope, Settings, Source
 from ._errors import Outcome, UpstreamError
+from ._ocr_renderers import Renderers
 from ._sketch import LatencySketch
 from ._types import CallStats, Usage
 from .governance import Admission, Governor
@@ -71,6 +72,8 @@ class Runtime:
     endpoints: dict[tuple[str, str], Endpoint] = attrs.field(init=False)
     limits: Limits = attrs.field(init=False)
     sketches: dict[tuple[str, str], LatencySketch] = attrs.field(factory=dict)
+    # OCR's renderer processes (started on first use); the session closes them.
+    renderers: Renderers = attrs.field(factory=Renderers)
     # Set when the session's block exits: calls still running (started from a task
     # outside the block) send nothing more.
     closed: bool = False
@@ -160,7 +163,7 @@ class ChatRequest:
     parameters: an OCR page, or a structured call's per-source form of its round.
     The estimates, when set, replace the call's (usage the upstream did not report)."""
 
-    messages_json: str
+    messages_json: str | bytes  # bytes: UTF-8 (an OCR page, prepared off the loop)
     params: Mapping[str, Any]
     prompt_estimate: int | None = None
     completion_estimate: int | None = None

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import operator
 import os
-import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,7 +38,6 @@ from ._config import Ocr
 from ._context import AttemptRecord, CallContext, ChatRequest, Runtime
 from ._errors import ConfigError
 from ._ocr_document import Document, check_url, open_document
-from ._threads import run_sync
 from ._types import CallStats, OcrPage, OcrResponse, Usage
 from .governance import Admission, completion_budget
 from .transport import message_text
@@ -108,13 +106,13 @@ async def run_ocr(
     settings = runtime.settings.scopes[scope_name].ocr
     text_prompt, wanted = check_arguments(document, prompt, pages, settings)
     scope = runtime.settings.scopes[scope_name]
-    # The logical call starts here: opening the document (reading it, parsing a PDF
-    # under the process-wide PDFium lock, maybe behind other calls' renders) is inside
-    # its one deadline and hears its cancellation.
+    # The logical call starts here: opening the document (reading it, a renderer
+    # parsing a PDF — maybe starting first) is inside its one deadline and hears its
+    # cancellation.
     ctx = CallContext(runtime, scope_name, scope, "ocr", trio.current_time(), params=params)
 
     async def body() -> OcrResponse:
-        opened = await _open(document, settings)
+        opened = await open_document(document, settings, runtime.renderers)
         try:
             chosen = wanted
             if chosen is None:
@@ -126,49 +124,13 @@ async def run_ocr(
                 )
             return await _ocr_pages(ctx, opened, chosen, text_prompt, params, deadline_s)
         finally:
-            # Bounded: waits at most for another call's page render to release PDFium.
+            # Bounded: idle renderers holding the document answer at once.
             with trio.CancelScope(shield=True):
-                await run_sync(opened.close)
+                await opened.aclose()
 
     response = await _with_deadline(ctx, deadline_s, body)
     runtime.recorder.call(ctx, response.call_stats, response.usage, None)
     return response
-
-
-class _Opening:
-    """A document opened in a worker thread that its caller may abandon: whoever comes
-    second (the thread finishing, or the caller giving up) closes it."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.abandoned = False
-        self.opened: Document | None = None
-
-
-def _open_in_thread(document: Any, settings: Ocr, state: _Opening) -> Document | None:
-    opened = open_document(document, settings)
-    with state.lock:
-        if not state.abandoned:
-            state.opened = opened
-            return opened
-    opened.close()
-    return None
-
-
-async def _open(document: Any, settings: Ocr) -> Document:
-    state = _Opening()
-    try:
-        opened = await run_sync(_open_in_thread, document, settings, state, abandon_on_cancel=True)
-    except BaseException:
-        with state.lock:
-            state.abandoned = True
-            leftover, state.opened = state.opened, None
-        if leftover is not None:  # opened just as the caller gave up: close it now
-            with trio.CancelScope(shield=True):
-                await run_sync(leftover.close)
-        raise
-    assert opened is not None
-    return opened
 
 
 async def _ocr_pages(
@@ -188,7 +150,10 @@ async def _ocr_pages(
     todo = iter(enumerate(pages))
 
     async def one_page(slot: int, index: int) -> None:
-        page = await run_sync(document.page, index, prompt)
+        page = await document.page(index, prompt)
+        # The page's bytes arrived in this step; sending them is the next one (each
+        # moves ~0.7 MB: together they made the loop's longest step).
+        await trio.lowlevel.checkpoint()
         estimate = prompt_tokens + page.image_tokens
         request = ChatRequest(page.messages_json, params, estimate, ctx.completion_estimate)
         del page  # the request holds the only copy of the image while the page runs

@@ -1,63 +1,46 @@
-"""OCR documents: recognising, reading and rendering them into page images.
-
-Everything here is synchronous and meant for a worker thread (``trio.to_thread``):
-decoding and rendering a page takes tens of milliseconds, the event loop must not
-wait for it.  Nothing here knows of calls, sources or the network.
+"""OCR documents: recognising, reading and opening them, and preparing their pages.
 
 A document is one of
 
 * an image (PNG, JPEG, WebP or GIF, recognised by its magic bytes): one page.  A PNG
-  or JPEG whose longer side is within ``Ocr.max_side_px`` is sent unaltered; any other
-  image is re-encoded (WebP and GIF are not accepted by every upstream; a large image
-  is scaled down, aspect ratio kept);
+  or JPEG whose longer side is within ``Ocr.max_side_px`` is sent unaltered (one
+  base64 encoding, in a worker thread: a renderer would only add a round trip); any
+  other image is converted by a renderer (WebP and GIF are not accepted by every
+  upstream; a large image is scaled down, aspect ratio kept);
 * a PDF: each page rendered by PDFium (pypdfium2) at ``Ocr.dpi``, scaled down when its
-  longer side would exceed ``Ocr.max_side_px``;
+  longer side would exceed ``Ocr.max_side_px`` — by a renderer
+  (``polygate._ocr_renderers``: a process by default, so that nothing of the
+  rendering holds this process's GIL);
 * an ``https://`` URL: one page, handed to the upstream as is.
 
-Re-encoded images use ``Ocr.image_format``: JPEG (quality 90, transparency flattened
-onto white) by default — for rendered text about ten times faster to encode than PNG
-and no larger — or PNG (lossless).
-
-**PDFium is not thread-safe**, not even across documents: every pdfium call of the
-process goes through :data:`_PDFIUM` (one lock), and every pdfium object is closed
-explicitly under it, so that no garbage-collector finaliser calls pdfium from another
-thread.  Pillow work (encoding) runs outside the lock.
-
-Bad input — an unknown format, an image or PDF that does not open, a document over
-``max_document_bytes`` — raises :class:`ConfigError` from :func:`open_document`,
-before any request is sent.
+The rendering itself is ``polygate._ocr_render`` (shared by renderer processes and
+threads).  Bad input — an unknown format, an image or PDF that does not open, a
+document over ``max_document_bytes`` — raises :class:`ConfigError` from
+:func:`open_document`, before any request is sent.
 """
 
 from __future__ import annotations
 
-import base64
+import importlib.util
 import io
-import json
-import math
 import os
 import stat
-import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
+import trio
 
 from ._config import Ocr
 from ._errors import ConfigError
+from ._ocr_render import image_page, page_messages, tokens, unaltered
+from ._ocr_renderers import Renderers, new_key
+from ._threads import run_sync
 
-__all__ = ["Document", "PageRequest", "open_document", "sniff"]
+__all__ = ["Document", "PageRequest", "open_document", "read_document", "sniff"]
 
-_PDFIUM = threading.Lock()
-_JPEG_QUALITY = 90
-# Admission estimate of an image's prompt tokens: one per 28×28-pixel patch (the rule
-# of Qwen2-VL-style models; OpenAI's tiles come out lower).  Settled with real usage.
-_PATCH_PX = 28 * 28
 _URL_IMAGE_TOKENS = 1500  # unknown size: a typical page
-_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-
-_MIME = {"PNG": "image/png", "JPEG": "image/jpeg"}
 
 
 def sniff(data: bytes) -> str | None:
@@ -82,59 +65,24 @@ class PageRequest:
     off the event loop: a page image is hundreds of kilobytes of base64) and the
     admission estimate of its image's tokens."""
 
-    messages_json: str = attrs.field(repr=lambda v: f"<{len(v)} characters>")
+    messages_json: bytes = attrs.field(repr=lambda v: f"<{len(v)} bytes>")  # UTF-8
     image_tokens: int
     width: int | None = None
     height: int | None = None
 
 
-class _DataURI(str):
-    """A data URI made here (:func:`_data_uri`): base64, so nothing in it needs JSON
-    escaping."""
-
-    __slots__ = ()
-
-
-def _page_messages(prompt: str, url: str) -> str:
-    if not isinstance(url, _DataURI):
-        return _ENCODE(_message(prompt, url))
-    # JSON-escaping megabytes of base64 holds the GIL (so the event loop waits) for
-    # milliseconds a page, to change nothing: it is spliced into the skeleton's empty
-    # "url" instead.
-    skeleton = _ENCODE(_message(prompt, ""))
-    at = skeleton.rindex('"url":""') + len('"url":"')
-    return skeleton[:at] + url + skeleton[at:]
-
-
-def _message(prompt: str, url: str) -> list[dict[str, Any]]:
-    return [{
-        "role": "user",
-        "content": [
-            {"type": "text", "text": prompt},
-            {"type": "image_url", "image_url": {"url": url}},
-        ],
-    }]
-
-
-def _data_uri(mime: str, data: bytes) -> str:
-    return _DataURI(f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}")
-
-
-def _tokens(width: int, height: int) -> int:
-    return max(1, math.ceil(width * height / _PATCH_PX))
-
-
 class Document:
-    """A document opened for OCR; :meth:`page` (in a worker thread) prepares one page.
-    :meth:`close` releases what it holds (a PDF handle) and may be called twice."""
+    """A document opened for OCR.  :meth:`page` prepares one page off the event loop;
+    :meth:`aclose` releases what renderers hold of it (bounded) and may be called
+    twice."""
 
     kind: str
     page_count: int = 1
 
-    def page(self, index: int, prompt: str) -> PageRequest:
+    async def page(self, index: int, prompt: str) -> PageRequest:
         raise NotImplementedError
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         return None
 
 
@@ -144,132 +92,78 @@ class UrlDocument(Document):
     def __init__(self, url: str) -> None:
         self.url = url
 
-    def page(self, index: int, prompt: str) -> PageRequest:
-        return PageRequest(_page_messages(prompt, self.url), _URL_IMAGE_TOKENS)
+    async def page(self, index: int, prompt: str) -> PageRequest:
+        await trio.lowlevel.checkpoint()
+        return PageRequest(page_messages(prompt, self.url).encode(), _URL_IMAGE_TOKENS)
 
 
 class ImageDocument(Document):
+    """An image: sent unaltered (a base64 encoding, in a worker thread: a renderer
+    process would only add a round trip), or decoded, maybe scaled, and re-encoded —
+    by a renderer, where Pillow's decoding and scaling hold no GIL of this process
+    (in a thread they kept the event loop waiting 9–17 ms at a time, ``docs/ocr.md``)."""
+
     kind = "image"
 
-    def __init__(self, data: bytes, fmt: str, size: tuple[int, int], settings: Ocr) -> None:
+    def __init__(
+        self, data: bytes, fmt: str, size: tuple[int, int], settings: Ocr,
+        renderers: Renderers | None = None,
+    ) -> None:
         self.data = data
         self.format = fmt
         self.size = size
         self.settings = settings
+        self.renderers = renderers
 
-    def page(self, index: int, prompt: str) -> PageRequest:
-        width, height = self.size
-        if self.format in _MIME and max(width, height) <= self.settings.max_side_px:
-            uri = _data_uri(_MIME[self.format], self.data)  # within the limits: unaltered
+    async def page(self, index: int, prompt: str) -> PageRequest:
+        s = self.settings
+        if unaltered(self.format, self.size, s.max_side_px) or self.renderers is None:
+            messages, width, height = await run_sync(
+                _image_page, self.data, self.format, self.size, prompt, s.max_side_px, s.image_format
+            )
         else:
-            image = _decoded(self.data)
-            image.thumbnail((self.settings.max_side_px,) * 2, _lanczos())
-            width, height = image.size
-            uri = _encoded(image, self.settings.image_format)
-        return PageRequest(_page_messages(prompt, uri), _tokens(width, height), width, height)
+            header = ("image", self.format, self.size, prompt, s.max_side_px, s.image_format)
+            (_, width, height), messages = await self.renderers.request(
+                s.render_in, None, header, self.data
+            )
+        return PageRequest(messages, tokens(width, height), width, height)
+
+
+def _image_page(*args: Any) -> tuple[bytes, int, int]:
+    messages, width, height = image_page(*args)
+    return messages.encode(), width, height  # here, in the worker thread
 
 
 class PdfDocument(Document):
+    """A PDF that a renderer opened (and holds under :attr:`key`); the bytes stay
+    here for renderers that do not hold it yet."""
+
     kind = "pdf"
 
-    def __init__(self, pdf: Any, page_count: int, settings: Ocr) -> None:
-        self._pdf = pdf
+    def __init__(
+        self, renderers: Renderers, key: int, data: bytes, page_count: int, settings: Ocr
+    ) -> None:
+        self._renderers = renderers
+        self.key = key
+        self.data = data
         self.page_count = page_count
         self.settings = settings
+        self.closed = False
 
-    def page(self, index: int, prompt: str) -> PageRequest:
-        with _PDFIUM:
-            if self._pdf is None:
-                raise ConfigError("the PDF was closed")
-            try:
-                page = self._pdf[index]
-            except Exception as exc:
-                raise ConfigError(f"page {index} of the PDF cannot be loaded: {exc}") from None
-            try:
-                width_pt, height_pt = page.get_size()
-                bitmap = page.render(scale=_pdf_scale(width_pt, height_pt, self.settings))
-                try:
-                    # A copy: an image may share the bitmap's buffer (RGBA, L), and the
-                    # bitmap is freed below.  A memory copy next to a render is cheap.
-                    image = bitmap.to_pil().copy()
-                finally:
-                    bitmap.close()
-            except Exception as exc:
-                raise ConfigError(f"page {index} of the PDF cannot be rendered: {exc}") from None
-            finally:
-                page.close()
-        uri = _encoded(image, self.settings.image_format)  # outside the lock
-        width, height = image.size
-        return PageRequest(_page_messages(prompt, uri), _tokens(width, height), width, height)
+    async def page(self, index: int, prompt: str) -> PageRequest:
+        if self.closed:
+            raise ConfigError("the PDF was closed")
+        s = self.settings
+        header = ("page", self.key, index, prompt, s.dpi, s.max_side_px, s.image_format)
+        (_, width, height), messages = await self._renderers.request(
+            s.render_in, self.key, header, self.data
+        )
+        return PageRequest(messages, tokens(width, height), width, height)
 
-    def close(self) -> None:
-        with _PDFIUM:
-            if self._pdf is not None:
-                self._pdf.close()
-                self._pdf = None
-
-
-def _pdf_scale(width_pt: float, height_pt: float, settings: Ocr) -> float:
-    """``dpi / 72`` pixels per point, lowered so the longer side fits ``max_side_px``
-    (one scale for both axes: the aspect ratio is kept)."""
-    scale = settings.dpi / 72.0
-    longest = max(width_pt, height_pt, 1e-6)
-    return min(scale, settings.max_side_px / longest)
-
-
-# --------------------------------------------------------------------------- Pillow
-
-
-def _pil() -> Any:
-    try:
-        from PIL import Image, ImageOps
-    except ImportError:
-        raise ConfigError(
-            "OCR of an image or PDF needs Pillow (and pypdfium2 for PDFs): "
-            "pip install 'polygate[pdf]'"
-        ) from None
-    return Image, ImageOps
-
-
-def _lanczos() -> Any:
-    image, _ = _pil()
-    return image.Resampling.LANCZOS
-
-
-def _decoded(data: bytes) -> Any:
-    """The first frame, upright (EXIF orientation applied), fully decoded."""
-    image_mod, image_ops = _pil()
-    with image_mod.open(io.BytesIO(data)) as opened:
-        opened.seek(0)
-        image = image_ops.exif_transpose(opened)
-        image.load()
-        return image
-
-
-def _encoded(image: Any, fmt: str) -> str:
-    image_mod, _ = _pil()
-    if fmt == "png":
-        if image.mode not in ("RGB", "RGBA", "L", "LA"):
-            image = image.convert("RGBA" if "A" in image.getbands() or "transparency" in image.info else "RGB")
-        return _data_uri("image/png", _saved(image, "PNG", compress_level=6))
-    if image.mode != "RGB":
-        rgba = image.convert("RGBA")
-        background = image_mod.new("RGB", rgba.size, (255, 255, 255))
-        background.paste(rgba, mask=rgba.getchannel("A"))
-        image = background
-    return _data_uri("image/jpeg", _saved(image, "JPEG", quality=_JPEG_QUALITY))
-
-
-def _saved(image: Any, fmt: str, **options: Any) -> bytes:
-    """The encoded image.  Saved to a file with a descriptor, not a BytesIO: Pillow
-    then encodes without holding the GIL, so the event loop is not kept waiting
-    (a page's JPEG is ~12 ms of encoding: the loop's longest stall went from 7 ms to
-    1 ms, ``benchmarks/ocr.py``).  In memory where the system allows (memfd)."""
-    memfd = getattr(os, "memfd_create", None)
-    with (os.fdopen(memfd("polygate-page"), "w+b") if memfd else tempfile.TemporaryFile()) as out:
-        image.save(out, fmt, **options)
-        out.seek(0)
-        return out.read()
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            await self._renderers.drop(self.settings.render_in, self.key)
 
 
 # --------------------------------------------------------------------------- opening
@@ -299,11 +193,12 @@ def _read(document: Any, settings: Ocr) -> bytes:
     return data
 
 
-def open_document(document: Any, settings: Ocr) -> Document:
-    """Recognise and open ``document`` (bytes, a ``pathlib.Path`` — or any path-like
-    object — or an ``https://`` URL); :class:`ConfigError` for anything that cannot be
-    sent.  Runs in a worker
-    thread: it reads files, parses image headers and opens PDFs."""
+def read_document(document: Any, settings: Ocr) -> Document | bytes:
+    """Recognise ``document`` (bytes, a ``pathlib.Path`` — or any path-like object — or
+    an ``https://`` URL): a URL or image document, or the bytes of a PDF (opened by a
+    renderer next); :class:`ConfigError` for anything that cannot be sent.  Runs in a
+    worker thread: it reads files and parses image headers.  It holds nothing that
+    needs closing, so a caller may abandon it."""
     if isinstance(document, str):
         return UrlDocument(check_url(document))
     data = _read(document, settings)
@@ -313,8 +208,22 @@ def open_document(document: Any, settings: Ocr) -> Document:
             "document is not a PNG, JPEG, WebP, GIF or PDF (unrecognised first bytes)"
         )
     if fmt == "PDF":
-        return _open_pdf(data, settings)
+        _check_pdf_libraries()
+        return data
     return _open_image(data, fmt, settings)
+
+
+async def open_document(document: Any, settings: Ocr, renderers: Renderers) -> Document:
+    """:func:`read_document` in a worker thread, then a PDF opened by a renderer (which
+    checks it and counts its pages).  Nothing is left open when it raises."""
+    read = await run_sync(read_document, document, settings, abandon_on_cancel=True)
+    if isinstance(read, ImageDocument):
+        read.renderers = renderers
+    if not isinstance(read, bytes):
+        return read
+    key = new_key()
+    (_, count), _ = await renderers.request(settings.render_in, key, ("open", key), read)
+    return PdfDocument(renderers, key, read, count, settings)
 
 
 def check_url(url: str) -> str:
@@ -333,8 +242,19 @@ def check_url(url: str) -> str:
     return url
 
 
+def _pil() -> Any:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ConfigError(
+            "OCR of an image or PDF needs Pillow (and pypdfium2 for PDFs): "
+            "pip install 'polygate[pdf]'"
+        ) from None
+    return Image
+
+
 def _open_image(data: bytes, fmt: str, settings: Ocr) -> ImageDocument:
-    image_mod, _ = _pil()
+    image_mod = _pil()
     try:
         with image_mod.open(io.BytesIO(data)) as image:
             size = image.size
@@ -348,24 +268,12 @@ def _open_image(data: bytes, fmt: str, settings: Ocr) -> ImageDocument:
     return ImageDocument(data, fmt, size, settings)
 
 
-def _open_pdf(data: bytes, settings: Ocr) -> PdfDocument:
-    try:
-        import pypdfium2 as pdfium
-    except ImportError:
-        raise ConfigError("OCR of a PDF needs pypdfium2: pip install 'polygate[pdf]'") from None
-    _pil()  # rendering needs Pillow too: say so now, not after the first request
-    with _PDFIUM:
-        try:
-            pdf = pdfium.PdfDocument(data)
-        except pdfium.PdfiumError as exc:
-            raise ConfigError(f"the PDF cannot be opened: {exc}") from None
-        try:
-            count = len(pdf)
-        except Exception:
-            pdf.close()
-            raise
-    if count <= 0:
-        with _PDFIUM:
-            pdf.close()
-        raise ConfigError("the PDF has no pages")
-    return PdfDocument(pdf, count, settings)
+def _check_pdf_libraries() -> None:
+    """Say now, not from a renderer, that pypdfium2 or Pillow is missing."""
+    if importlib.util.find_spec("pypdfium2") is None:
+        raise ConfigError("OCR of a PDF needs pypdfium2: pip install 'polygate[pdf]'")
+    if importlib.util.find_spec("PIL") is None:
+        raise ConfigError(
+            "OCR of an image or PDF needs Pillow (and pypdfium2 for PDFs): "
+            "pip install 'polygate[pdf]'"
+        )

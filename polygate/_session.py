@@ -536,6 +536,7 @@ async def session(
                     body_error = exc
                 finally:
                     runtime.closed = True
+                    await runtime.renderers.aclose()  # bounded: kills idle renderers
                     if cache is not None:
                         await cache.aclose()  # queued writes, bounded; before the writer stops
                     await telemetry.aclose()

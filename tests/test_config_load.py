@@ -238,7 +238,7 @@ FULL: Config = {
             "structured": {"max_reasks": 4},
             "ocr": {"dpi": 300.0, "max_side_px": 1024, "max_document_bytes": 1000000,
                     "max_concurrent_pages": 2, "prompt": "Transcribe this page.",
-                    "image_format": "png"},
+                    "image_format": "png", "render_in": "thread"},
             "sources": {
                 "a": {"base_url": URL_A, "api_key": KEY, "model": "m1", "timeout_s": 250.0,
                       "ttft_timeout_s": 60.0, "rpm": 600, "tpm": 100000, "max_in_flight": 8,
@@ -354,6 +354,7 @@ BAD: list[tuple[str, Any]] = [
     *[("scopes.chat.ocr.max_document_bytes", v) for v in (0, -1, 1.5)],
     *[("scopes.chat.ocr.max_concurrent_pages", v) for v in (0, 65, True)],
     *[("scopes.chat.ocr.image_format", v) for v in ("gif", "PNG", 1)],
+    *[("scopes.chat.ocr.render_in", v) for v in ("fork", "Thread", 1)],
     ("scopes.chat.stream.stall_threshold_ms", -1),
     *[("scopes.chat.call_deadline_s", v) for v in (0, math.nan, "1m")],
     *[("scopes.chat.embed_batch_size", v) for v in (0, 2.5)],

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import polygate
-from polygate import _ocr_document
+from polygate import _ocr_document, _ocr_render, _ocr_renderers
 from polygate._ocr import DEFAULT_PROMPT
 from polygate.testing import FakeUpstream, RecordedRequest, Reply, Router
 
@@ -64,6 +64,22 @@ def minimal_pdf() -> bytes:
     out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
     out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
     return bytes(out)
+
+
+def encrypted_pdf() -> bytes:
+    """:func:`minimal_pdf` with a standard security handler whose keys no password
+    matches: PDFium refuses it ("Incorrect password error")."""
+    plain = minimal_pdf()
+    body = plain[:plain.index(b"xref")] + (
+        b"6 0 obj\n<< /Filter /Standard /V 1 /R 2 /Length 40 /P -4 /O <" + b"00" * 32
+        + b"> /U <" + b"11" * 32 + b"> >>\nendobj\n"
+    )
+    offsets = [body.index(b"%d 0 obj" % n) for n in range(1, 7)]
+    return body + (
+        b"xref\n0 7\n0000000000 65535 f \n" + b"".join(b"%010d 00000 n \n" % o for o in offsets)
+        + b"trailer\n<< /Size 7 /Root 1 0 R /Encrypt 6 0 R /ID [<%s> <%s>] >>\nstartxref\n%d\n%%%%EOF\n"
+        % (b"ab" * 16, b"ab" * 16, len(body))
+    )
 
 
 def image_bytes(fmt: str, size: tuple[int, int], mode: str = "RGB") -> bytes:
@@ -278,8 +294,9 @@ class Weird:
     pass
 
 
+@pytest.mark.parametrize("render_in", ["process", "thread"])
 async def test_bad_documents_before_any_io(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, render_in: str
 ) -> None:
     big = tmp_path / "big.pdf"
     big.write_bytes(make_pdf([(100, 100)]) + b"\0" * 2000)
@@ -287,6 +304,7 @@ async def test_bad_documents_before_any_io(
         (b"hello world", "not a PNG, JPEG, WebP, GIF or PDF"),
         (b"", "empty"),
         (b"%PDF-1.7\n this is no pdf", "PDF cannot be opened"),
+        (encrypted_pdf(), r"^the PDF cannot be opened: .*password"),
         (b"\x89PNG\r\n\x1a\n" + b"\0" * 40, "PNG image cannot be read"),
         (image_bytes("PNG", (10, 10))[:30], "PNG image cannot be read"),
         (b"x" * 3000, "over max_document_bytes"),
@@ -302,7 +320,7 @@ async def test_bad_documents_before_any_io(
         (None, "got NoneType"),
     ]
     up = FakeUpstream(Reply(text="x"))
-    settings = ocr_settings(max_document_bytes=2048)
+    settings = ocr_settings(max_document_bytes=2048, render_in=render_in)
     async with polygate.session(settings, transport=Router({"a": up})) as s:
         for document, problem in cases:
             with pytest.raises(polygate.ConfigError, match=problem):
@@ -342,25 +360,52 @@ async def test_bad_pages_and_prompts_before_any_io(autojump_clock: trio.testing.
 # --------------------------------------------------------------------------- the call
 
 
-async def test_rendering_runs_in_a_worker_thread(
+async def test_pdf_pages_and_converted_images_render_in_a_renderer_process(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from polygate import _ocr_document
+    in_here: list[tuple[str, int]] = []  # rendering done in this process: (what, thread)
 
+    def spy(name: str, original: Any) -> Any:
+        def wrapper(*args: Any) -> Any:
+            in_here.append((name, threading.get_ident()))
+            return original(*args)
+        return wrapper
+
+    for name in ("open", "page"):
+        monkeypatch.setattr(_ocr_render.Renderer, name, spy(name, getattr(_ocr_render.Renderer, name)))
+    monkeypatch.setattr(_ocr_document, "image_page", spy("image", _ocr_document.image_page))
+    up = FakeUpstream(size_reply)
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        r = await s.ocr(make_pdf(SIZES[:3]))
+        assert [p.text for p in r.pages] == ["100x100", "150x100", "200x100"]
+        assert (await s.ocr(image_bytes("WEBP", (150, 40)))).text == "150x40"
+        assert (await s.ocr(image_bytes("PNG", (120, 20)))).text == "120x20"
+        stats = s._runtime.renderers.statistics()
+    # the PDF was opened and rendered elsewhere, and the WebP converted there; the
+    # PNG (sent as it is: a base64 encoding) was prepared in a worker thread
+    assert [name for name, _ in in_here] == ["image"]
+    assert in_here[0][1] != threading.get_ident()
+    assert stats.started >= 1 and stats.alive == stats.started - stats.stopped
+
+
+async def test_with_render_in_thread_pdf_pages_render_in_worker_threads(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
     threads: list[int] = []
-    for cls in (_ocr_document.PdfDocument, _ocr_document.ImageDocument):
-        original = cls.page
+    original = _ocr_render.Renderer.page
 
-        def page(self: Any, index: int, prompt: str, original: Any = original) -> Any:
-            threads.append(threading.get_ident())
-            return original(self, index, prompt)
+    def page(self: Any, *args: Any) -> Any:
+        threads.append(threading.get_ident())
+        return original(self, *args)
 
-        monkeypatch.setattr(cls, "page", page)
-    up = FakeUpstream(Reply(text="x"))
-    async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
-        await s.ocr(make_pdf([(100, 100)] * 3))
-        await s.ocr(image_bytes("WEBP", (50, 50)))
-    assert len(threads) == 4
+    monkeypatch.setattr(_ocr_render.Renderer, "page", page)
+    up = FakeUpstream(size_reply)
+    settings = ocr_settings(dpi=72, render_in="thread")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.ocr(make_pdf(SIZES[:3]))
+        assert s._runtime.renderers.statistics("process").started == 0
+    assert [p.text for p in r.pages] == ["100x100", "150x100", "200x100"]
+    assert len(threads) == 3
     assert threading.get_ident() not in threads
 
 
@@ -405,24 +450,27 @@ async def test_the_deadline_covers_every_page(autojump_clock: trio.testing.MockC
     assert up.in_flight == 0
 
 
+@pytest.mark.parametrize("render_in", ["process", "thread"])
 async def test_cancelled_call_closes_the_document(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, render_in: str
 ) -> None:
-    from polygate import _ocr_document
+    keys: list[int] = []
 
-    closed: list[Any] = []
-    original = _ocr_document.PdfDocument.close
+    def new_key() -> int:
+        keys.append(_ocr_renderers.new_key())
+        return keys[-1]
 
-    def close(self: Any) -> None:
-        original(self)
-        closed.append(self)
-
-    monkeypatch.setattr(_ocr_document.PdfDocument, "close", close)
+    monkeypatch.setattr(_ocr_document, "new_key", new_key)
     up = FakeUpstream(Reply(text="x", first_token_s=1000.0))
-    async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
+    async with polygate.session(ocr_settings(render_in=render_in), transport=Router({"a": up})) as s:
         with trio.move_on_after(5):
             await s.ocr(make_pdf([(100, 100)] * 3))
-    assert len(closed) == 1 and closed[0]._pdf is None
+        renderers = s._runtime.renderers
+        stats = renderers.statistics(render_in)
+        assert stats.idle >= 1 and stats.holding == 0
+        # The renderers really closed it: asked for a page of it, they do not have it.
+        with pytest.raises(polygate.ConfigError, match="the PDF was closed"):
+            await renderers.request(render_in, keys[0], ("page", keys[0], 0, "p", 72.0, 100, "jpeg"), b"")
     assert up.in_flight == 0
 
 
@@ -450,11 +498,11 @@ async def test_telemetry_row_is_one_ocr_call(
 
 @given(prompt=st.text(), image=st.binary(max_size=300), mime=st.sampled_from(["image/png", "image/jpeg"]))
 def test_a_page_message_is_the_json_of_its_parts(prompt: str, image: bytes, mime: str) -> None:
-    """The data URI is spliced into the message, not JSON-escaped (see _page_messages):
+    """The data URI is spliced into the message, not JSON-escaped (see page_messages):
     the text is the same as encoding the whole message, whatever the prompt holds."""
-    uri = _ocr_document._data_uri(mime, image)
-    spliced = _ocr_document._page_messages(prompt, uri)
-    assert spliced == _ocr_document._ENCODE(_ocr_document._message(prompt, str(uri)))
+    uri = _ocr_render.data_uri(mime, image)
+    spliced = _ocr_render.page_messages(prompt, uri)
+    assert spliced == _ocr_render._ENCODE(_ocr_render._message(prompt, str(uri)))
     content = json.loads(spliced)[0]["content"]
     assert content == [{"type": "text", "text": prompt},
                        {"type": "image_url", "image_url": {"url": str(uri)}}]
@@ -462,17 +510,17 @@ def test_a_page_message_is_the_json_of_its_parts(prompt: str, image: bytes, mime
 
 def test_a_url_that_was_not_made_here_is_escaped() -> None:
     url = 'https://example.com/a"b\\c'
-    message = json.loads(_ocr_document._page_messages("p", url))
+    message = json.loads(_ocr_render.page_messages("p", url))
     assert message[0]["content"][1]["image_url"]["url"] == url
 
 
 @pytest.mark.parametrize("fmt", ["jpeg", "png"])
 def test_encoding_through_a_file_gives_the_same_image(fmt: str) -> None:
     image = Image.new("RGB", (64, 48), (200, 30, 90))
-    uri = _ocr_document._encoded(image, fmt)
+    uri = _ocr_render.encoded(image, fmt)
     expected = io.BytesIO()
     if fmt == "png":
         image.save(expected, "PNG", compress_level=6)
     else:
-        image.save(expected, "JPEG", quality=_ocr_document._JPEG_QUALITY)
+        image.save(expected, "JPEG", quality=_ocr_render._JPEG_QUALITY)
     assert base64.b64decode(uri.split(",", 1)[1]) == expected.getvalue()

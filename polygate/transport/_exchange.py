@@ -88,7 +88,7 @@ class Timeline:
 async def chat_exchange(
     transport: httpx.AsyncBaseTransport,
     endpoint: Endpoint,
-    messages_json: str,
+    messages_json: str | bytes,
     params: Mapping[str, Any],
     *,
     limits: Limits,

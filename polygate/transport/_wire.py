@@ -122,10 +122,11 @@ _RESERVED_PARAMS = frozenset({"messages", "stream"})
 
 
 def chat_body(
-    endpoint: Endpoint, messages_json: str, params: Mapping[str, Any], stream: bool
+    endpoint: Endpoint, messages_json: str | bytes, params: Mapping[str, Any], stream: bool
 ) -> bytes:
     """The JSON body of ``POST /chat/completions``; ``messages_json`` is the messages
-    array already encoded (once per call, however many attempts it takes).
+    array already encoded (once per call, however many attempts it takes), as text or
+    as UTF-8 (an OCR page's ~0.7 MB of messages: one copy into the body, not three).
 
     The source's ``model`` wins over a caller's ``model`` (sources of a scope are
     equivalent only with their own model names); every other parameter passes through
@@ -145,6 +146,8 @@ def chat_body(
         body.pop("stream_options", None)
     head = _ENCODE(body)
     middle = "," if len(head) > 2 else ""
+    if isinstance(messages_json, bytes):
+        return b"".join((f'{head[:-1]}{middle}"messages":'.encode(), messages_json, b"}"))
     return f'{head[:-1]}{middle}"messages":{messages_json}}}'.encode()
 
 

@@ -1,0 +1,296 @@
+"""OCR's renderer processes (polygate/_ocr_renderers.py): reuse, documents sent once
+per renderer, cancellation kills, a renderer that dies, idle retirement, the session's
+close, and a script without a ``__main__`` guard running once.
+
+Misbehaving renderers come from a stand-in for ``_ocr_render.py`` (the file a renderer
+process loads): the real module, whose pages die, hang or print to stdout when the
+prompt says so.  Tests that cancel a renderer mid-work run on the real clock (under a
+zero-threshold ``MockClock`` no virtual time passes while a renderer works)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate import _ocr_render, _ocr_renderers
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .test_ocr import image_bytes, make_pdf, ocr_settings
+
+STAND_IN = """
+import importlib.util, os, sys, time
+
+_spec = importlib.util.spec_from_file_location("_polygate_ocr_render_real", {real!r})
+_real = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _real
+_spec.loader.exec_module(_real)
+
+
+class Renderer(_real.Renderer):
+    def page(self, index, prompt, *rest):
+        if prompt == "die":
+            os._exit(3)
+        if prompt == "hang":
+            time.sleep(120)
+        if prompt == "chatter":
+            print("noise on stdout", flush=True)
+            os.write(1, b"more noise on fd 1\\n")
+        return super().page(index, prompt, *rest)
+
+
+_real.Renderer = Renderer
+serve = _real.serve
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "stand_in_render.py"
+    path.write_text(STAND_IN.format(real=os.path.abspath(_ocr_render.__file__)))
+    monkeypatch.setattr(_ocr_renderers, "_RENDER_FILE", str(path))
+
+
+def renderers(s: polygate.Session) -> _ocr_renderers.Renderers:
+    return s._runtime.renderers
+
+
+async def test_a_document_crosses_to_a_renderer_once(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text="x"))
+    settings = ocr_settings(dpi=72, max_concurrent_pages=1)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        await s.ocr(make_pdf([(100, 100)] * 6))
+        await s.ocr(make_pdf([(120, 100)] * 2))
+        stats = renderers(s).statistics()
+    # one renderer served both calls; each document went to it once (its opening),
+    # not once per page
+    assert (stats.started, stats.documents_sent) == (1, 2)
+    assert len(up.requests) == 8
+
+
+async def test_renderers_are_bounded_by_the_cpus(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_ocr_renderers, "_cores", lambda: 2)
+    up = FakeUpstream(Reply(text="x"))
+    settings = ocr_settings(dpi=72, max_concurrent_pages=8)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.ocr(make_pdf([(100, 100)] * 8))
+        stats = renderers(s).statistics()
+    assert len(r.pages) == 8
+    assert stats.started <= 2 and stats.documents_sent <= 2
+
+
+async def test_the_session_stops_its_renderers(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        await s.ocr(make_pdf([(100, 100)] * 4))
+        pool = renderers(s)
+        assert pool.statistics().alive >= 1
+    stats = pool.statistics()
+    assert stats.alive == 0 and stats.stopped == stats.started
+    with pytest.raises(polygate.PolygateError, match="closed"):
+        await s.ocr(make_pdf([(100, 100)]))
+
+
+async def test_rendering_takes_no_virtual_time(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text="x", first_token_s=2.0))
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        start = trio.current_time()
+        r = await s.ocr(make_pdf([(100, 100)] * 3))  # a renderer starts, then 3 pages
+        assert trio.current_time() - start == pytest.approx(2.0)
+    assert r.call_stats.total_latency_ms == pytest.approx(2000.0)
+
+
+async def test_idle_renderers_retire(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_ocr_renderers, "IDLE_S", 0.0)
+    up = FakeUpstream(Reply(text="x"))
+    settings = ocr_settings(dpi=72, max_concurrent_pages=1)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        await s.ocr(make_pdf([(100, 100)]))
+        await s.ocr(make_pdf([(100, 100)]))
+        stats = renderers(s).statistics()
+    # every checkout found the renderer idle past IDLE_S: killed, a new one started
+    assert (stats.started, stats.stopped) == (4, 3)  # each call: its opening, then its page
+
+
+async def test_a_renderer_killed_while_idle_is_replaced(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text="x"))
+    settings = ocr_settings(dpi=72, max_concurrent_pages=1)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        await s.ocr(make_pdf([(100, 100)]))
+        [worker] = renderers(s)._pool("process").idle
+        assert isinstance(worker, _ocr_renderers._ProcessWorker)
+        worker.process.send_signal(signal.SIGKILL)  # the OOM killer, say
+        await worker.process.wait()
+        r = await s.ocr(make_pdf([(100, 100)] * 2))
+        stats = renderers(s).statistics()
+    assert len(r.pages) == 2
+    assert (stats.started, stats.stopped) == (2, 1)
+
+
+@pytest.mark.usefixtures("stand_in")
+async def test_a_renderer_that_dies_fails_the_page_with_config_error() -> None:
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match=r"renderer process died \(exit status 3\)"):
+            await s.ocr(make_pdf([(100, 100)] * 2), prompt="die")
+        r = await s.ocr(make_pdf([(100, 100)]))  # the next call starts a new renderer
+        stats = renderers(s).statistics()
+    assert r.text == "x"
+    assert stats.alive == stats.started - stats.stopped
+    assert up.requests and all("die" not in q.body["messages"][0]["content"][0]["text"]
+                               for q in up.requests)
+
+
+@pytest.mark.usefixtures("stand_in")
+async def test_a_cancelled_call_kills_its_renderer_mid_page() -> None:
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        await s.ocr(make_pdf([(100, 100)]))  # renderers started: the next call is warm
+        start = time.monotonic()
+        with pytest.raises(polygate.DeadlineExceeded):
+            await s.ocr(make_pdf([(100, 100)] * 3), prompt="hang", call_deadline_s=1.0)
+        took = time.monotonic() - start
+        stats = renderers(s).statistics()
+        # every renderer that was hanging on a page was killed and reaped before the
+        # call returned; only idle ones are left
+        assert stats.alive == stats.idle
+        assert stats.stopped >= 1
+    assert took < 10  # not the 120 s a hanging page would take
+    assert up.requests == [up.requests[0]]  # no hanging page was sent
+
+
+async def test_a_cancelled_start_leaves_no_process() -> None:
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        for after in (0.0, 0.005, 0.02, 0.05):
+            with trio.move_on_after(after):
+                await s.ocr(make_pdf([(100, 100)]))
+            stats = renderers(s).statistics()
+            assert stats.alive == stats.idle  # killed, or started and parked: never lost
+
+
+@pytest.mark.usefixtures("stand_in")
+async def test_what_a_renderer_prints_does_not_corrupt_its_answers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        r = await s.ocr(make_pdf([(100, 100)] * 2), prompt="chatter")
+    assert [p.text for p in r.pages] == ["x", "x"]
+
+
+async def test_only_images_to_convert_need_a_renderer(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(ocr_settings(max_side_px=64), transport=Router({"a": up})) as s:
+        await s.ocr(image_bytes("PNG", (40, 30)))
+        await s.ocr(image_bytes("JPEG", (64, 30)))
+        assert renderers(s).statistics().started == 0  # sent as they are
+        await s.ocr(image_bytes("WEBP", (40, 30)))
+        await s.ocr(image_bytes("PNG", (65, 30)))
+        stats = renderers(s).statistics()
+    assert stats.started == 1 and stats.documents_sent == 0  # images are not kept
+    assert len(up.requests) == 4
+
+
+SCRIPT = """
+import io, sys
+import pypdfium2 as pdfium
+import trio
+import polygate
+from polygate.testing import FakeUpstream, Reply, Router
+
+with open(sys.argv[1], "a") as log:
+    log.write("ran\\n")  # top-level code: a re-import of __main__ would run it again
+
+
+def pdf():
+    doc = pdfium.PdfDocument.new()
+    doc.new_page(100, 100).close()
+    out = io.BytesIO()
+    doc.save(out)
+    doc.close()
+    return out.getvalue()
+
+
+async def main():
+    settings = polygate.Settings(scopes={"ocr": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(text="ok"))})) as s:
+        r = await s.ocr(pdf())
+    print(r.text)
+
+
+trio.run(main)  # no `if __name__ == "__main__":` guard
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    log = tmp_path / "runs.log"
+    done = subprocess.run(
+        [sys.executable, str(script), str(log)], capture_output=True, text=True, timeout=100,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+    assert log.read_text() == "ran\n"
+
+
+async def test_an_idle_renderer_process_exits_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the backstop for a session that never comes back: no request for a while, exit
+    monkeypatch.setattr(_ocr_renderers, "_exit_after", lambda: 0.2)
+    worker = await _ocr_renderers._ProcessWorker.start()
+    with trio.fail_after(30):
+        assert await worker.process.wait() == 0
+    await worker.discard()
+
+
+async def test_a_renderer_process_exits_when_polygate_goes_away() -> None:
+    # the parent gone (its end of the pipe closed): the renderer exits, idle or not
+    worker = await _ocr_renderers._ProcessWorker.start()
+    assert worker.process.stdin is not None
+    await worker.process.stdin.aclose()
+    with trio.fail_after(30):
+        assert await worker.process.wait() == 0
+    await worker.discard()
+
+
+@pytest.mark.parametrize("render_in", ["process", "thread"])
+async def test_a_renderer_bug_is_a_polygate_error_without_a_traceback(
+    autojump_clock: trio.testing.MockClock, render_in: str
+) -> None:
+    async with polygate.session(ocr_settings(), transport=Router({"a": FakeUpstream(Reply())})) as s:
+        with pytest.raises(polygate.PolygateError) as info:
+            await renderers(s).request(render_in, 1, ("no such request",), b"")
+        assert not isinstance(info.value, polygate.ConfigError)
+        assert str(info.value) == (
+            "the OCR renderer failed: ValueError: unknown renderer request 'no such request'"
+        )
+        assert renderers(s).statistics(render_in).idle == 1  # it answered: kept
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no process priorities here")
+async def test_renderers_yield_the_cpu_to_the_event_loop() -> None:
+    worker = await _ocr_renderers._ProcessWorker.start()
+    try:
+        with trio.fail_after(30):
+            await worker.request(("drop", 0), b"")  # it has booted
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, worker.process.pid) == min(mine + 10, 19)
+    finally:
+        await worker.discard()
