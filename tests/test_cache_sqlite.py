@@ -4,11 +4,13 @@ hit rate in ``polygate stats``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import stat
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +230,21 @@ class _Threads:
         monkeypatch.setattr(_sqlite, "run_sync", counted)
 
 
+@contextlib.asynccontextmanager
+async def _warm(path: Path, threads: _Threads) -> AsyncIterator[SQLiteBackend]:
+    """A backend holding ``k`` → ``v`` whose first read (the one that opens the loop's
+    connection, in a thread) is done."""
+    backend = SQLiteBackend(path, timeout_s=2.0)
+    await backend.start()
+    try:
+        await backend.set_many([("k", b"v", 60.0)])
+        assert await backend.get_many(["k"]) == [b"v"]
+        assert threads.count == 1
+        yield backend
+    finally:
+        await backend.aclose()
+
+
 async def test_lookups_run_on_the_loop_once_a_connection_is_open(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -263,29 +280,22 @@ async def test_a_locked_file_sends_the_read_to_a_thread(
     recovery, a writer holding it exclusively) is done again in a thread, which waits
     up to ``timeout_s``, and the next reads go there too for a while."""
     threads = _Threads(monkeypatch)
-    backend = SQLiteBackend(tmp_path / "c.db", timeout_s=2.0)
-    await backend.start()
-    real = backend._select
     loop_thread = threading.current_thread()
     busy_on_loop: list[str] = []
+    async with _warm(tmp_path / "c.db", threads) as backend:
+        real = backend._select
 
-    def select(conn: sqlite3.Connection, keys: Any) -> Any:
-        if threading.current_thread() is loop_thread:
-            busy_on_loop.append(keys[0])
-            raise sqlite3.OperationalError("database is locked")
-        return real(conn, keys)
+        def select(conn: sqlite3.Connection, keys: Any) -> Any:
+            if threading.current_thread() is loop_thread:
+                busy_on_loop.append(keys[0])
+                raise sqlite3.OperationalError("database is locked")
+            return real(conn, keys)
 
-    try:
-        await backend.set_many([("k", b"v", 60.0)])
-        assert await backend.get_many(["k"]) == [b"v"]
-        assert threads.count == 1
         monkeypatch.setattr(backend, "_select", select)
         assert await backend.get_many(["k"]) == [b"v"]  # busy on the loop, read in a thread
         assert busy_on_loop == ["k"] and threads.count == 2
         assert await backend.get_many(["k"]) == [b"v"]
         assert busy_on_loop == ["k"] and threads.count == 3  # not tried on the loop again yet
-    finally:
-        await backend.aclose()
 
 
 async def test_a_slow_read_on_the_loop_sends_the_next_ones_to_threads(
@@ -294,20 +304,14 @@ async def test_a_slow_read_on_the_loop_sends_the_next_ones_to_threads(
     from polygate.cache import _sqlite
 
     threads = _Threads(monkeypatch)
-    backend = SQLiteBackend(tmp_path / "c.db", timeout_s=2.0)
-    await backend.start()
-    try:
-        await backend.set_many([("k", b"v", 60.0)])
+    async with _warm(tmp_path / "c.db", threads) as backend:
         assert await backend.get_many(["k"]) == [b"v"]
-        assert await backend.get_many(["k"]) == [b"v"]
-        assert threads.count == 1
+        assert threads.count == 1  # on the loop
         monkeypatch.setattr(_sqlite, "_LOOP_SLOW_S", 0.0)  # every read is "slow" now
         assert await backend.get_many(["k"]) == [b"v"]  # on the loop, found slow
         assert threads.count == 1
         assert await backend.get_many(["k"]) == [b"v"]
         assert threads.count == 2
-    finally:
-        await backend.aclose()
 
 
 async def test_a_read_on_the_loop_that_fails_is_the_backends_error(tmp_path: Path) -> None:
