@@ -191,7 +191,7 @@ class SQLiteBackend:
             # the thread runs.  A caller that gives up abandons the read.
             found = await run_sync(self._read, op, keys, abandon_on_cancel=True)
         except sqlite3.Error as exc:
-            raise CacheBackendError(f"cache {self._where}: read failed ({exc})") from None
+            raise self._read_failed(exc) from None
         finally:
             self._abandon(op)  # cancelled or never started: stop it, return the connection
         if self._loop_reader is None:
@@ -204,17 +204,18 @@ class SQLiteBackend:
         started = time.monotonic()
         try:
             return self._select(conn, keys)
-        except sqlite3.OperationalError as exc:
-            if not _busy(exc):
-                raise CacheBackendError(f"cache {self._where}: read failed ({exc})") from None
+        except sqlite3.Error as exc:
+            if not (isinstance(exc, sqlite3.OperationalError) and _busy(exc)):
+                raise self._read_failed(exc) from None
             self._threads_until = time.monotonic() + _THREADS_FOR_S
             return None
-        except sqlite3.Error as exc:
-            raise CacheBackendError(f"cache {self._where}: read failed ({exc})") from None
         finally:
             ended = time.monotonic()
             if ended - started > _LOOP_SLOW_S:
                 self._threads_until = max(self._threads_until, ended + _THREADS_FOR_S)
+
+    def _read_failed(self, exc: sqlite3.Error) -> CacheBackendError:
+        return CacheBackendError(f"cache {self._where}: read failed ({exc})")
 
     def _read(self, op: _Read, keys: Sequence[str]) -> list[bytes | None]:
         with self._pool_lock:
