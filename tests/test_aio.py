@@ -23,6 +23,7 @@ import trio
 
 import polygate
 import polygate.aio
+from polygate.aio import _guest_io
 from polygate.testing import FakeUpstream, Profile, Reply
 
 from ._aio_support import (
@@ -47,6 +48,16 @@ HANG = Reply(headers_delay_s=3600)
 @pytest.fixture(params=BACKENDS)
 def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
+
+
+@pytest.fixture(autouse=True, params=["loop-io", "thread-io"])
+def guest_io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs twice: with trio's I/O wait on the host loop (the default
+    where trio's I/O manager can be polled) and with trio's own helper thread (the
+    fallback for other platforms and for a trio whose internals changed)."""
+    if request.param == "thread-io":
+        monkeypatch.setattr(_guest_io, "_guest_tick", lambda: None)
+    return str(request.param)
 
 
 def fake(behaviour: Any = Reply(text="hello from the fake")) -> FakeUpstream:  # noqa: B008

@@ -7,8 +7,9 @@ mode*: ``trio.lowlevel.start_guest_run`` unrolls trio's scheduler into callbacks
 the running asyncio loop, in the same thread.  trio tasks and asyncio tasks then
 take turns on one thread: a trio task may resolve an asyncio future directly, the
 asyncio side may call the session's synchronous methods directly, and nothing runs
-behind the application's back when its loop stops.  trio's I/O wait (``epoll``)
-runs in a helper thread only while trio is idle; when busy, trio polls inline.
+behind the application's back when its loop stops.  trio's I/O wait runs on the
+loop too where trio's I/O manager can be polled by it (Linux, macOS: see
+:mod:`._guest_io`); elsewhere in trio's helper thread, only while trio is idle.
 
 Invariants:
 
@@ -39,6 +40,7 @@ import outcome
 import trio
 
 from .. import PolygateError
+from ._guest_io import LoopDriver, driver_for
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -67,9 +69,11 @@ def resolve(fut: asyncio.Future[Any], result: outcome.Outcome[Any]) -> None:
 class Host:
     """A trio run on one asyncio loop, and a way to start trio tasks in it.
 
-    ``submit(fn, *args)`` asks trio to call the synchronous ``fn(*args)`` in trio
-    context, soon.  Submissions made in one asyncio tick are handed over in one
-    ``run_sync_soon``: one wake-up of trio per batch, not per call.
+    ``submit(fn, *args)`` has trio context call the synchronous ``fn(*args)``.  With
+    trio's I/O wait on this loop (``driver``) that is now, in this thread, between two
+    of trio's ticks, with one tick scheduled to act on it.  Otherwise submissions made
+    in one asyncio tick are handed over in one ``run_sync_soon``: one wake-up of
+    trio's helper thread per batch, not per call.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *, guest: bool) -> None:
@@ -83,6 +87,10 @@ class Host:
         self._batch: deque[tuple[Callable[..., object], tuple[Any, ...]]] = deque()
         self._wake_pending = False
         self._lingering = False
+        # Set when trio's I/O wait runs on this loop (see _guest_io): no helper thread
+        # to wake, so work is handed to trio directly and there is nothing to linger for.
+        self.driver: LoopDriver | None = None
+        self._first_tick_seen = False
         self.ready: asyncio.Future[None] = loop.create_future()
         self.finished: asyncio.Future[None] = loop.create_future()
         self._done = False
@@ -97,6 +105,14 @@ class Host:
     # ------------------------------------------------------------ asyncio side
 
     def submit(self, fn: Callable[..., object], *args: Any) -> None:
+        driver = self.driver
+        if driver is not None and not self._rescuing:
+            # Same thread, and trio is between ticks: call it now, one tick scheduled.
+            if driver.ended:
+                raise PolygateError("polygate's trio run has ended (its loop is shutting down)")
+            driver.prod()
+            fn(*args)
+            return
         self._batch.append((fn, args))
         if not self._wake_pending:
             assert self.token is not None
@@ -119,13 +135,15 @@ class Host:
         """In trio context, when a result has just gone to asyncio: keep trio's
         scheduler busy on this thread for ``_LINGER_TICKS`` ticks.
 
-        An idle guest run waits for I/O in a helper thread; waking it (the next call's
-        submission) costs two thread hand-offs, each with a GIL hand-off: the largest
-        part of a sequential call's overhead.  The caller's next call usually comes
-        within a loop iteration or two of its result, so a short, bounded linger lets
-        it start inline.  One linger at a time; it never outlasts its ticks.
+        Only with trio's helper thread (no :class:`LoopDriver`): an idle guest run
+        waits for I/O in that thread, and waking it (the next call's submission)
+        costs two thread hand-offs, each with a GIL hand-off.  The caller's next call
+        usually comes within a loop iteration or two of its result, so a short,
+        bounded linger lets it start inline.  One linger at a time; it never outlasts
+        its ticks.  With the driver an idle run wakes in the loop's own poll, and a
+        linger would only add ticks.
         """
-        if not self._lingering and self._nursery is not None:
+        if self.driver is None and not self._lingering and self._nursery is not None:
             self._lingering = True
             self._nursery.start_soon(self._linger)
 
@@ -199,6 +217,14 @@ class Host:
     # The loop's own queues, with a record of what has not run yet (see _queued).
 
     def _post(self, fn: Callable[[], object]) -> None:
+        if not self._first_tick_seen:
+            # trio hands its first tick over once, from start_guest_run: take over
+            # its ticks when its I/O wait can run on this loop.
+            self._first_tick_seen = True
+            driver = driver_for(self.loop, fn, self._post, lambda: self._rescuing)
+            if driver is not None:
+                self.driver = driver
+                fn = driver.start()
         self._post_threadsafe(fn, threadsafe=False)
 
     def _post_threadsafe(self, fn: Callable[[], object], *, threadsafe: bool = True) -> None:
@@ -232,6 +258,8 @@ class Host:
             self._queued.clear()
         for fn in dropped:
             self._orphans.put(fn)
+        if self.driver is not None:
+            self.driver.prod()  # an idle run waited on the closed loop: poll here now
         if self.token is not None and self._nursery is not None:
             nursery = self._nursery
             self.token.run_sync_soon(nursery.cancel_scope.cancel)

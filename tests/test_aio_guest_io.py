@@ -1,0 +1,162 @@
+"""polygate.aio: trio's I/O wait on the host loop (``polygate.aio._guest_io``).
+
+Every test of ``tests/test_aio.py`` already runs with the driver and with trio's own
+helper thread.  These check what is particular to the driver: that the installed trio
+qualifies for it, that an idle run then wakes without any thread (from sockets, from
+its deadlines, from another thread), and that trio's descriptor is released with the
+run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from trio._core import _run as trio_run
+
+import polygate
+import polygate.aio
+from polygate.aio import _guest_io, _host
+from polygate.testing import FakeUpstream, Reply
+
+from ._aio_support import BACKENDS, loopback, messages, settings_for
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(sys.platform == "win32", reason="IOCP is not pollable: the helper thread"),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+@pytest.fixture(params=["loop-io", "thread-io"])
+def io_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "thread-io":
+        monkeypatch.setattr(_guest_io, "_guest_tick", lambda: None)
+    return str(request.param)
+
+
+@pytest.fixture
+def helper_threads(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every I/O wait trio hands to its helper thread (guest mode's only use of it)."""
+    started: list[Any] = []
+    original = trio_run.start_thread_soon
+
+    def counting(fn: Any, deliver: Any, name: str | None = None) -> None:
+        started.append(fn)
+        original(fn, deliver, name)
+
+    monkeypatch.setattr(trio_run, "start_thread_soon", counting)
+    return started
+
+
+def host_of_running_loop() -> _host.Host:
+    return _host._hosts.by_loop[asyncio.get_running_loop()]
+
+
+async def test_the_installed_trio_runs_its_io_wait_on_the_loop() -> None:
+    """If a trio upgrade changes the internals the driver relies on, this fails (the
+    sessions would still work, on the helper thread, but slower)."""
+    async with polygate.aio.session(settings_for("http://a/v1"),
+                                    transport=FakeUpstream().transport()) as s:
+        assert host_of_running_loop().driver is not None
+        assert (await s.chat(messages("x"))).text
+
+
+async def test_an_idle_run_wakes_without_a_thread(io_mode: str, helper_threads: list[Any]) -> None:
+    """Sequential calls over real sockets: trio goes idle waiting for each answer.
+    With the driver no I/O wait ever goes to a thread; with the fallback they all do
+    (which shows the count can see them)."""
+    up = FakeUpstream(Reply(text="hi", headers_delay_s=0.002))
+    with loopback(up) as url:
+        async with polygate.aio.session(settings_for(url)) as s:
+            for i in range(20):
+                # (bounded: a lost wake-up fails here instead of hanging)
+                assert (await asyncio.wait_for(s.chat(messages(f"m{i}")), 10)).text == "hi"
+                await asyncio.sleep(0.001)  # the loop idles between calls, too
+    if io_mode == "loop-io":
+        assert helper_threads == []
+    else:
+        assert len(helper_threads) >= 20
+
+
+async def test_deadlines_fire_while_idle(io_mode: str) -> None:
+    """A run with nothing to do but wait for a deadline is woken by the loop's timer:
+    the call ends at its deadline, not never."""
+    up = FakeUpstream(Reply(headers_delay_s=3600))
+    with loopback(up) as url:
+        async with polygate.aio.session(settings_for(url, call_deadline_s=0.3)) as s:
+            t0 = time.monotonic()
+            with pytest.raises(polygate.DeadlineExceeded):
+                await asyncio.wait_for(s.chat(messages("slow")), 10)
+            assert 0.25 <= time.monotonic() - t0 < 5
+
+
+async def test_another_thread_wakes_an_idle_run(io_mode: str, tmp_path: Path) -> None:
+    """A worker thread's result (the SQLite cache reads in one) reaches an idle run:
+    trio's wake-up from another thread is seen by the loop."""
+    settings = settings_for("http://a/v1", cache_ttl_s=60)
+    settings = polygate.Settings(scopes=settings.scopes, cache=f"sqlite:///{tmp_path / 'c.db'}")
+    up = FakeUpstream(Reply(text="stored"))
+    async with polygate.aio.session(settings, transport=up.transport()) as s:
+        first = await asyncio.wait_for(s.chat(messages("q")), 10)
+        second = await asyncio.wait_for(s.chat(messages("q")), 10)
+        assert (first.text, second.text) == ("stored", "stored")
+        assert second.call_stats.cached and len(up.requests) == 1
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_the_descriptor_is_released_with_the_run(kind: str) -> None:
+    """trio's descriptor is registered once, for the run's life (not once per wait),
+    and removed before the run's end is reported: the loop keeps nothing of it."""
+    if kind == "uvloop":
+        import uvloop
+
+        base: Any = uvloop.Loop
+    else:
+        base = asyncio.SelectorEventLoop
+    calls: list[tuple[str, int]] = []
+
+    class Spy(base):  # type: ignore[misc, valid-type]
+        def add_reader(self, fd: Any, *args: Any) -> None:
+            calls.append(("add", fd))
+            super().add_reader(fd, *args)
+
+        def remove_reader(self, fd: Any) -> Any:
+            calls.append(("remove", fd))
+            return super().remove_reader(fd)
+
+    async def main() -> int:
+        async with polygate.aio.session(settings_for("http://a/v1"),
+                                        transport=FakeUpstream().transport()) as s:
+            driver = host_of_running_loop().driver
+            assert driver is not None
+            for i in range(10):
+                await s.chat(messages(f"x{i}"))
+                await asyncio.sleep(0.001)
+            return driver._fd
+
+    loop = Spy()
+    try:
+        fd = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert [c for c in calls if c[1] == fd] == [("add", fd), ("remove", fd)]
+    assert not trio.lowlevel.in_trio_run()
+
+
+def test_a_foreign_tick_is_not_driven() -> None:
+    """Only trio's own first tick is taken over; anything else stays as it is."""
+    loop = asyncio.SelectorEventLoop()
+    try:
+        assert _guest_io.driver_for(loop, lambda: None, loop.call_soon, lambda: False) is None
+    finally:
+        loop.close()
