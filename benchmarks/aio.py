@@ -7,7 +7,10 @@ blocks (rotated order, many rounds) so that machine noise hits all alike:
 
 * ``trio``: ``polygate.session()`` under ``trio.run`` (the baseline);
 * ``asyncio``: ``polygate.aio.session()`` under ``asyncio.run`` (selector loop);
-* ``uvloop``: the same under ``uvloop.run``.
+* ``uvloop``: the same under ``uvloop.run``;
+* with ``--thread-io``, also ``asyncio-thread-io``: ``asyncio`` with trio's I/O wait
+  in trio's own helper thread (stock guest mode: polygate's fallback where trio's I/O
+  manager cannot be polled by the loop), to show what the loop driver saves.
 
 Workloads: sequential non-streamed calls (per-call time and CPU), the same at
 concurrency 64 (throughput), 200-chunk streams one after another (per-stream time),
@@ -21,6 +24,8 @@ throughput at c=64 from asyncio is >= 0.9x trio-native.
     python benchmarks/aio.py                # full counts
     python benchmarks/aio.py --quick        # seconds (CI smoke)
     python benchmarks/aio.py --profile      # where an asyncio call's time goes
+    python benchmarks/aio.py --thread-io    # also stock guest mode, side by side
+    python benchmarks/aio.py --in-process   # the bridge alone: no network, no server
 """
 
 from __future__ import annotations
@@ -160,6 +165,15 @@ async def asyncio_block(urls: tuple[str, str], plan: list[tuple[str, int]]) -> d
 
 
 def run_config(config: str, urls: tuple[str, str], plan: list[tuple[str, int]]) -> dict[str, Any]:
+    if config == "asyncio-thread-io":
+        from polygate.aio import _guest_io
+
+        tick = _guest_io._guest_tick
+        _guest_io._guest_tick = lambda: None  # the fallback: trio's helper thread
+        try:
+            return asyncio.run(asyncio_block(urls, plan))
+        finally:
+            _guest_io._guest_tick = tick
     if config == "trio":
         return trio.run(trio_block, urls, plan)
     if config == "uvloop":
@@ -167,6 +181,54 @@ def run_config(config: str, urls: tuple[str, str], plan: list[tuple[str, int]]) 
 
         return uvloop.run(asyncio_block(urls, plan))
     return asyncio.run(asyncio_block(urls, plan))
+
+
+def in_process(n: int, rounds: int) -> dict[str, Any]:
+    """Sequential calls on polygate's in-process fake upstream (no sockets, no server):
+    what the bridge itself adds, with nothing else in the way.  Alternating rounds."""
+    from polygate.testing import FakeUpstream, Reply, Router
+
+    def fresh() -> tuple[polygate.Settings, Any]:
+        source = polygate.Source(name="a", base_url="http://a/v1", model="m")
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})
+        return settings, Router({"a": FakeUpstream(Reply(text="Paris.", tokens=2))})
+
+    async def timed(s: Any) -> dict[str, float]:
+        for _ in range(100):
+            await s.chat(MESSAGES)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            await s.chat(MESSAGES)
+        return {"us": (time.perf_counter() - t0) / n * 1e6,
+                "cpu_us": (time.process_time() - c0) / n * 1e6}
+
+    async def on_trio() -> dict[str, float]:
+        settings, transport = fresh()
+        async with polygate.session(settings, transport=transport) as s:
+            return await timed(s)
+
+    async def on_asyncio() -> dict[str, float]:
+        settings, transport = fresh()
+        async with polygate.aio.session(settings, transport=transport) as s:
+            return await timed(s)
+
+    import uvloop
+
+    runs: list[dict[str, dict[str, float]]] = []
+    for _ in range(rounds):
+        runs.append({"trio": trio.run(on_trio), "asyncio": asyncio.run(on_asyncio()),
+                     "uvloop": uvloop.run(on_asyncio())})
+    out: dict[str, Any] = {}
+    for config in ("trio", "asyncio", "uvloop"):
+        out[config] = {k: median([r[config][k] for r in runs]) for k in ("us", "cpu_us")}
+    for config in ("asyncio", "uvloop"):
+        out[f"{config}_added_us"] = median([r[config]["us"] - r["trio"]["us"] for r in runs])
+    print(f"in-process, {n} sequential calls, median of {rounds} rounds")
+    for config in ("trio", "asyncio", "uvloop"):
+        print(f"  {config:<8} {out[config]['us']:8.0f} µs/call ({out[config]['cpu_us']:.0f} CPU)")
+    for config in ("asyncio", "uvloop"):
+        print(f"  {config} adds {out[f'{config}_added_us']:.0f} µs a call")
+    return out
 
 
 def thread_round_trip_us(n: int = 2000) -> float:
@@ -200,14 +262,15 @@ def thread_round_trip_us(n: int = 2000) -> float:
 
 def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Medians over rounds of each figure, and of each ratio taken within a round."""
+    configs = list(rounds[0])
     med: dict[str, Any] = {}
-    for config in CONFIGS:
+    for config in configs:
         med[config] = {}
         for block in rounds[0][config]:
             med[config][block] = {k: median([r[config][block][k] for r in rounds])
                                   for k in rounds[0][config][block]}
     ratios: dict[str, Any] = {}
-    for config in ("asyncio", "uvloop"):
+    for config in (c for c in configs if c != "trio"):
         per_round = []
         for r in rounds:
             a, t = r[config], r["trio"]
@@ -271,6 +334,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--in-process", action="store_true",
+                        help="sequential calls on the in-process fake upstream only")
+    parser.add_argument("--thread-io", action="store_true",
+                        help="also run asyncio with trio's I/O wait in its helper thread")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply the counts (short blocks, many rounds: --scale 0.25 --rounds 30)")
     args = parser.parse_args()
@@ -279,30 +346,39 @@ def main() -> None:
         plan = [("sequential", 50), ("c64", 300), ("streams", 5), ("cancel", 3)]
         args.rounds = 1
     plan = [(block, max(3, round(n * args.scale))) for block, n in plan]
+    if args.in_process:
+        result = in_process(300 if args.quick else 3000, 1 if args.quick else 5)
+        print(f"\nresults: {write_result('aio-in-process', {'machine': machine(), **result})}")
+        return
     with fake_server({"tokens": 200}) as url, fake_server({"headers_delay_s": 3600}) as hang:
         urls = (url, hang)
         if args.profile:
             result = profile(urls, 500 if args.quick else 3000)
             print(f"\nresults: {write_result('aio-profile', {'machine': machine(), **result})}")
             return
+        configs = CONFIGS + (("asyncio-thread-io",) if args.thread_io else ())
         rounds = []
         for i in range(args.rounds):
-            order = CONFIGS[i % 3:] + CONFIGS[: i % 3]
+            k = i % len(configs)
+            order = configs[k:] + configs[:k]
             rounds.append({c: run_config(c, urls, plan) for c in order})
     summary = summarise(rounds)
     summary["thread_round_trip_us"] = thread_round_trip_us()
     med, rat = summary["median"], summary["ratios"]
-    print(f"{'median of rounds':<34}" + "".join(f"{c:>12}" for c in CONFIGS))
+    configs = tuple(summary["median"])
+    others = configs[1:] if configs[0] == "trio" else tuple(c for c in configs if c != "trio")
+    configs = ("trio", *others)
+    print(f"{'median of rounds':<34}" + "".join(f"{c:>18}" for c in configs))
     rows = [("sequential", "median_us", "sequential µs/call"), ("sequential", "p99_us", "sequential p99 µs"),
             ("sequential", "cpu_us", "sequential CPU µs/call"), ("c64", "calls_per_s", "c64 calls/s"),
             ("c64", "cpu_us", "c64 CPU µs/call"), ("streams", "median_us", "200-chunk stream µs"),
             ("cancel", "median_us", "cancellation µs"), ("cancel", "max_us", "cancellation max µs")]
     for block, key, label in rows:
-        print(f"{label:<34}" + "".join(f"{med[c][block][key]:>12.0f}" for c in CONFIGS))
-    print(f"\n{'against trio, within each round':<34}" + "".join(f"{c:>12}" for c in CONFIGS[1:]))
+        print(f"{label:<34}" + "".join(f"{med[c][block][key]:>18.0f}" for c in configs))
+    print(f"\n{'against trio, within each round':<34}" + "".join(f"{c:>18}" for c in others))
     for key in rat["asyncio"]:
         if key != "spread":
-            print(f"{key:<34}" + "".join(f"{rat[c][key]:>12.2f}" for c in CONFIGS[1:]))
+            print(f"{key:<34}" + "".join(f"{rat[c][key]:>18.2f}" for c in others))
     print(f"{'one thread round trip µs (here)':<34}{summary['thread_round_trip_us']:>12.0f}")
     checks = {}
     for config in ("asyncio", "uvloop"):
