@@ -348,7 +348,8 @@ def main() -> None:
     plan = [(block, max(3, round(n * args.scale))) for block, n in plan]
     if args.in_process:
         result = in_process(300 if args.quick else 3000, 1 if args.quick else 5)
-        print(f"\nresults: {write_result('aio-in-process', {'machine': machine(), **result})}")
+        name = 'aio-in-process-quick' if args.quick else 'aio-in-process'
+        print(f"\nresults: {write_result(name, {'machine': machine(), **result})}")
         return
     with fake_server({"tokens": 200}) as url, fake_server({"headers_delay_s": 3600}) as hang:
         urls = (url, hang)
