@@ -153,6 +153,27 @@ def test_the_descriptor_is_released_with_the_run(kind: str) -> None:
     assert not trio.lowlevel.in_trio_run()
 
 
+def test_a_loop_that_cannot_watch_descriptors_keeps_the_helper_thread() -> None:
+    """A loop whose ``add_reader`` is not implemented (as on Windows' proactor) is not
+    an error: the run keeps trio's helper thread."""
+
+    class NoReaders(asyncio.SelectorEventLoop):
+        def add_reader(self, fd: Any, *args: Any) -> None:
+            raise NotImplementedError
+
+    async def main() -> tuple[bool, str]:
+        async with polygate.aio.session(settings_for("http://a/v1"),
+                                        transport=FakeUpstream(Reply(text="ok")).transport()) as s:
+            return host_of_running_loop().driver is None, (await s.chat(messages("x"))).text
+
+    loop = NoReaders()
+    try:
+        assert loop.run_until_complete(main()) == (True, "ok")
+    finally:
+        loop.close()
+    assert not trio.lowlevel.in_trio_run()
+
+
 def test_a_foreign_tick_is_not_driven() -> None:
     """Only trio's own first tick is taken over; anything else stays as it is."""
     loop = asyncio.SelectorEventLoop()

@@ -223,8 +223,12 @@ class Host:
             self._first_tick_seen = True
             driver = driver_for(self.loop, fn, self._post, lambda: self._rescuing)
             if driver is not None:
-                self.driver = driver
-                fn = driver.start()
+                try:
+                    fn = driver.start()
+                except (NotImplementedError, OSError, ValueError):
+                    pass  # a loop that cannot watch trio's descriptor: the helper thread
+                else:
+                    self.driver = driver
         self._post_threadsafe(fn, threadsafe=False)
 
     def _post_threadsafe(self, fn: Callable[[], object], *, threadsafe: bool = True) -> None:
