@@ -40,7 +40,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -160,8 +159,10 @@ class LoopDriver:
             self._wait_here(timeout)
             return
         self._idle = True
-        if math.isfinite(timeout) and timeout < _MAX_WAIT_S:
-            self._timer = self._loop.call_later(timeout, self._ready)
+        # trio caps its timeout at 24 hours (a farther deadline arrives as exactly
+        # that), so a timer is always armed: an empty wake after 24 hours is what
+        # trio's own loop would see, and it then recomputes.
+        self._timer = self._loop.call_later(min(timeout, _MAX_WAIT_S), self._ready)
 
     def _ready(self) -> None:
         # trio's descriptor is readable, or its next deadline came: resume if idle
@@ -185,6 +186,11 @@ class LoopDriver:
     def _resume_scheduled(self) -> None:
         self._state.unrolled_run_next_send = outcome.capture(self._io.get_events, 0)
         self.tick()
+
+    def run_in_system_context(self, fn: Callable[..., object], *args: Any) -> None:
+        """``fn(*args)`` in (a copy of) trio's system context, as trio's entry queue
+        would run it: tasks it starts do not inherit the asyncio caller's context."""
+        self._runner.system_context.copy().run(fn, *args)
 
     def _wake(self) -> None:
         self._idle = False

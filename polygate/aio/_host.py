@@ -111,7 +111,7 @@ class Host:
             if driver.ended:
                 raise PolygateError("polygate's trio run has ended (its loop is shutting down)")
             driver.prod()
-            fn(*args)
+            driver.run_in_system_context(fn, *args)
             return
         self._batch.append((fn, args))
         if not self._wake_pending:
