@@ -54,7 +54,7 @@ try:  # trio internals: checked one by one in driver_for()
 except ImportError:  # pragma: no cover - a trio without them runs the helper thread
     _trio_run = None  # type: ignore[assignment]
 
-#: trio caps a wait at 24 hours; a longer timeout means "no deadline".
+#: trio caps a wait at 24 hours (a farther deadline, or none, arrives as exactly that).
 _MAX_WAIT_S = 24 * 60 * 60
 
 
@@ -121,13 +121,11 @@ class LoopDriver:
         self._blocking = blocking
         self._timer: asyncio.TimerHandle | None = None
         self._idle = False
-        self._reading = False
-        self.ended = False
+        self.ended = False  # also: the descriptor is no longer registered
 
     def start(self) -> Callable[[], None]:
         """Register trio's descriptor; the returned callback is the run's first tick."""
         self._loop.add_reader(self._fd, self._ready)
-        self._reading = True
         return self.tick
 
     # ------------------------------------------------------------ ticks
@@ -172,8 +170,7 @@ class LoopDriver:
 
     def _resume(self) -> None:
         self._wake()
-        self._state.unrolled_run_next_send = outcome.capture(self._io.get_events, 0)
-        self.tick()
+        self._poll_and_tick()
 
     def prod(self) -> None:
         """The loop's thread is about to hand trio work directly (start a task, cancel
@@ -181,9 +178,9 @@ class LoopDriver:
         wake-up socket, a poll, a read) is not needed."""
         if self._idle:
             self._wake()
-            self._post(self._resume_scheduled)
+            self._post(self._poll_and_tick)
 
-    def _resume_scheduled(self) -> None:
+    def _poll_and_tick(self) -> None:
         self._state.unrolled_run_next_send = outcome.capture(self._io.get_events, 0)
         self.tick()
 
@@ -195,6 +192,9 @@ class LoopDriver:
     def _wake(self) -> None:
         self._idle = False
         self._runner.guest_tick_scheduled = True
+        self._cancel_timer()
+
+    def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -213,10 +213,6 @@ class LoopDriver:
     def _end(self) -> None:
         self.ended = True
         self._idle = False
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._reading:
-            self._reading = False
-            if not self._loop.is_closed():
-                self._loop.remove_reader(self._fd)
+        self._cancel_timer()
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
