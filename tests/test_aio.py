@@ -40,7 +40,9 @@ from .conftest import ROOT, SECRET
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-pytestmark = pytest.mark.anyio
+# A lost trio wake-up spins or waits inside a loop callback, where asyncio swallows
+# pytest-timeout's signal: the thread method ends the run instead of hanging it.
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60, method="thread")]
 
 HANG = Reply(headers_delay_s=3600)
 

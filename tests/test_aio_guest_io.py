@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from trio._core import _run as trio_run
 
 import polygate
@@ -25,9 +26,13 @@ from polygate.aio import _guest_io, _host
 from polygate.testing import FakeUpstream, Reply
 
 from ._aio_support import BACKENDS, loopback, messages, settings_for
+from .conftest import ROOT
 
 pytestmark = [
     pytest.mark.anyio,
+    # A broken driver loses wake-ups inside loop callbacks, where asyncio swallows
+    # pytest-timeout's signal: the thread method ends the run instead of hanging it.
+    pytest.mark.timeout(60, method="thread"),
     pytest.mark.skipif(sys.platform == "win32", reason="IOCP is not pollable: the helper thread"),
 ]
 
@@ -181,3 +186,104 @@ def test_a_foreign_tick_is_not_driven() -> None:
         assert _guest_io.driver_for(loop, lambda: None, loop.call_soon, lambda: False) is None
     finally:
         loop.close()
+
+
+_STRANDED = """
+import asyncio, sys, time, warnings
+import trio
+import trio.testing
+from polygate import PolygateError
+from polygate.aio import _guest_io, _host
+
+mode, kind = sys.argv[1], sys.argv[2]
+if mode == "thread-io":
+    _guest_io._guest_tick = lambda: None
+_host._RESCUE_LIMIT_S = 0.5
+warnings.simplefilter("ignore", ResourceWarning)
+
+def new_loop():
+    if kind == "uvloop":
+        import uvloop
+        return uvloop.new_event_loop()
+    return asyncio.SelectorEventLoop()
+
+async def first():
+    host = await _host.acquire()
+
+    async def stubborn():  # a call whose clean-up never ends (a shielded wait)
+        with trio.CancelScope(shield=True):
+            await trio.sleep_forever()
+
+    host.submit(host.start_task, stubborn)
+    await asyncio.sleep(0.05)
+
+loop = new_loop()
+loop.run_until_complete(first())
+loop.close()  # the run is abandoned, with a task that will not finish
+
+async def again():
+    t0 = time.monotonic()
+    try:
+        await _host.acquire()
+    except PolygateError as exc:
+        return f"{time.monotonic() - t0:.2f}", "did not finish within 0.5 s" in str(exc)
+    return "acquired", False
+
+for _ in range(2):  # and again: the stranded run is tried again, not forgotten
+    loop = new_loop()
+    print(*loop.run_until_complete(again()))
+    loop.close()
+"""
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("mode", ["loop-io", "thread-io"])
+def test_a_rescue_that_cannot_finish_gives_up_in_time(mode: str, kind: str) -> None:
+    """A run abandoned by its closed loop, with a task whose clean-up never ends: the
+    next session in the thread waits for it no longer than the rescue's limit, then
+    says why it cannot start (trio's timeout there is 24 hours: the wait in the loop's
+    thread must not take that)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _STRANDED, mode, kind], cwd=ROOT,
+                          capture_output=True, text=True, timeout=30, check=False)
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert len(lines) == 2 and all(flag == "True" for _, flag in lines), done.stdout + done.stderr
+    assert all(0.4 <= float(took) < 5 for took, _ in lines), done.stdout
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_work_handed_over_is_not_a_timeout(io_mode: str, kind: str) -> None:
+    """trio reads an empty poll result as its wait having timed out.  Work handed to an
+    idle run (here: nothing to do at all) must not look like that: a
+    ``wait_all_tasks_blocked(cushion)`` waiter in the run wakes after its cushion,
+    not at the hand-over."""
+
+    async def main() -> float:
+        host = await _host.acquire()
+        try:
+            loop = asyncio.get_running_loop()
+            woke: asyncio.Future[float] = loop.create_future()
+            started: asyncio.Future[float] = loop.create_future()
+
+            async def waiter() -> None:
+                started.set_result(time.perf_counter())
+                await trio.testing.wait_all_tasks_blocked(cushion=0.5)
+                woke.set_result(time.perf_counter())
+
+            host.submit(host.start_task, waiter)
+            t0 = await started
+            for _ in range(5):
+                await asyncio.sleep(0.02)
+                host.submit(lambda: None)
+            return await asyncio.wait_for(woke, 10) - t0
+        finally:
+            await _host.release(host)
+
+    if kind == "uvloop":
+        import uvloop
+
+        waited = uvloop.run(main())
+    else:
+        waited = asyncio.run(main())
+    assert waited >= 0.45

@@ -36,7 +36,8 @@ from ._aio_support import BACKENDS
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-pytestmark = pytest.mark.anyio
+# (the thread method: see tests/test_aio.py)
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60, method="thread")]
 
 
 @pytest.fixture(params=BACKENDS)

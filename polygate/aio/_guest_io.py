@@ -34,7 +34,13 @@ Invariants:
 * When the run ends, the descriptor and the timer are released before trio's done
   callback runs.
 * A host loop that has closed (the rescue in :mod:`._host`) cannot wait: the driver
-  then waits for trio's I/O in the calling thread, blocking, as ``trio.run`` would.
+  then waits for trio's I/O in the calling thread, blocking, as ``trio.run`` would,
+  but never past the rescue's time limit.
+* trio reads an empty poll result as "the wait's timeout expired" (it then wakes
+  ``wait_all_tasks_blocked`` waiters, or jumps a ``MockClock``).  Only the deadline
+  timer's wake-up may hand trio an empty result; a wake-up for work handed over, or
+  for the descriptor, hands an empty result as a ``_Woken`` (empty, but true), as
+  trio's own wake-up socket would.
 """
 
 from __future__ import annotations
@@ -58,6 +64,15 @@ except ImportError:  # pragma: no cover - a trio without them runs the helper th
 _MAX_WAIT_S = 24 * 60 * 60
 
 
+class _Woken(list[Any]):
+    """No I/O events, but not a timeout: the run was woken (see the invariants)."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        return True
+
+
 def _guest_tick() -> Any:
     state_type = getattr(_trio_run, "GuestState", None)
     return getattr(state_type, "guest_tick", None)
@@ -76,7 +91,7 @@ def _pollable_fd(io_manager: Any) -> int | None:
 
 def driver_for(
     loop: asyncio.AbstractEventLoop, tick: Callable[[], object],
-    post: Callable[[Callable[[], object]], None], blocking: Callable[[], bool],
+    post: Callable[[Callable[[], object]], None], rescue_left: Callable[[], float | None],
 ) -> LoopDriver | None:
     """A driver for the guest run whose first tick trio just handed to the host loop,
     or None when ``tick`` is not trio's ``GuestState.guest_tick`` or anything the
@@ -97,20 +112,21 @@ def driver_for(
     fd = _pollable_fd(io_manager)
     if fd is None or not hasattr(loop, "add_reader"):
         return None
-    return LoopDriver(loop, state, fd, post, blocking)
+    return LoopDriver(loop, state, fd, post, rescue_left)
 
 
 class LoopDriver:
     """Runs one guest run's ticks on the host loop, its I/O wait included.
 
     ``post`` schedules a callback on the host loop (the host's own, which keeps what
-    a closed loop dropped); ``blocking()`` says the loop has closed and the run is
-    being finished synchronously.
+    a closed loop dropped); ``rescue_left()`` is None while the loop runs, and once it
+    has closed and the run is being finished synchronously, the seconds the rescue has
+    left.
     """
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, state: Any, fd: int,
-        post: Callable[[Callable[[], object]], None], blocking: Callable[[], bool],
+        post: Callable[[Callable[[], object]], None], rescue_left: Callable[[], float | None],
     ) -> None:
         self._loop = loop
         self._state = state
@@ -118,7 +134,7 @@ class LoopDriver:
         self._io = state.runner.io_manager
         self._fd = fd
         self._post = post
-        self._blocking = blocking
+        self._rescue_left = rescue_left
         self._timer: asyncio.TimerHandle | None = None
         self._idle = False
         self.ended = False  # also: the descriptor is no longer registered
@@ -153,24 +169,29 @@ class LoopDriver:
             self._post(self.tick)
             return
         runner.guest_tick_scheduled = False
-        if self._blocking():
-            self._wait_here(timeout)
+        left = self._rescue_left()
+        if left is not None:
+            self._wait_here(timeout, left)
             return
         self._idle = True
         # trio caps its timeout at 24 hours (a farther deadline arrives as exactly
         # that), so a timer is always armed: an empty wake after 24 hours is what
         # trio's own loop would see, and it then recomputes.
-        self._timer = self._loop.call_later(min(timeout, _MAX_WAIT_S), self._ready)
+        self._timer = self._loop.call_later(min(timeout, _MAX_WAIT_S), self._deadline)
 
     def _ready(self) -> None:
-        # trio's descriptor is readable, or its next deadline came: resume if idle
-        # (while a tick is scheduled, that tick polls anyway).
+        # trio's descriptor is readable: resume if idle (while a tick is scheduled,
+        # that tick polls anyway).
         if self._idle:
-            self._resume()
+            self._wake()
+            self._poll_and_tick()
 
-    def _resume(self) -> None:
-        self._wake()
-        self._poll_and_tick()
+    def _deadline(self) -> None:
+        # trio's wait timed out: the one wake-up that may hand trio an empty result.
+        self._timer = None
+        if self._idle:
+            self._wake()
+            self._poll_and_tick(timed_out=True)
 
     def prod(self) -> None:
         """The loop's thread is about to hand trio work directly (start a task, cancel
@@ -180,8 +201,11 @@ class LoopDriver:
             self._wake()
             self._post(self._poll_and_tick)
 
-    def _poll_and_tick(self) -> None:
-        self._state.unrolled_run_next_send = outcome.capture(self._io.get_events, 0)
+    def _poll_and_tick(self, *, timed_out: bool = False) -> None:
+        events = outcome.capture(self._io.get_events, 0)
+        if not timed_out and isinstance(events, outcome.Value) and not events.value:
+            events = outcome.Value(_Woken())
+        self._state.unrolled_run_next_send = events
         self.tick()
 
     def run_in_system_context(self, fn: Callable[..., object], *args: Any) -> None:
@@ -199,9 +223,15 @@ class LoopDriver:
             self._timer.cancel()
             self._timer = None
 
-    def _wait_here(self, timeout: float) -> None:
-        """The host loop is gone: wait for trio's I/O in this thread, then go on."""
-        events = outcome.capture(self._io.get_events, timeout)
+    def _wait_here(self, timeout: float, left: float) -> None:
+        """The host loop is gone: wait for trio's I/O in this thread, then go on; or,
+        when the rescue's time runs out first, leave the run where it is (the rescue
+        gives up, and says so)."""
+        wait = max(0.0, min(timeout, left))
+        events = outcome.capture(self._io.get_events, wait)
+        if wait < timeout and isinstance(events, outcome.Value) and not events.value:
+            self._idle = True  # a later rescue's prod() resumes it
+            return
 
         def resume() -> None:
             self._state.unrolled_run_next_send = events

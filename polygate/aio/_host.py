@@ -100,6 +100,7 @@ class Host:
         self._queued: set[_Queued] = set()
         self._orphans: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._rescuing = False
+        self._give_up = 0.0  # (monotonic) when the rescue stops trying
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ asyncio side
@@ -221,7 +222,7 @@ class Host:
             # trio hands its first tick over once, from start_guest_run: take over
             # its ticks when its I/O wait can run on this loop.
             self._first_tick_seen = True
-            driver = driver_for(self.loop, fn, self._post, lambda: self._rescuing)
+            driver = driver_for(self.loop, fn, self._post, self._rescue_left)
             if driver is not None:
                 try:
                     fn = driver.start()
@@ -248,15 +249,24 @@ class Host:
 
     # ------------------------------------------------------------ rescue
 
+    def _rescue_left(self) -> float | None:
+        """None while the loop runs the run; during a rescue, the seconds it has left."""
+        if not self._rescuing:
+            return None
+        return max(0.0, self._give_up - time.monotonic())
+
     def rescue(self) -> None:
         """Finish a guest run whose loop closed under it, here and now.
 
         Runs in the thread of that run (trio's run state is thread-local).  Every
         callback the closed loop dropped is run again, every session of the run is
         cancelled (their calls settle, their connections close), and trio's ticks
-        are driven from a plain queue until the run has finished.
+        are driven from a plain queue until the run has finished, or for at most
+        ``_RESCUE_LIMIT_S`` (``done`` then says whether it did).
         """
+        give_up = time.monotonic() + _RESCUE_LIMIT_S
         with self._lock:
+            self._give_up = give_up
             self._rescuing = True
             dropped = [item.fn for item in self._queued]
             self._queued.clear()
@@ -267,7 +277,6 @@ class Host:
         if self.token is not None and self._nursery is not None:
             nursery = self._nursery
             self.token.run_sync_soon(nursery.cancel_scope.cancel)
-        give_up = time.monotonic() + _RESCUE_LIMIT_S
         while not self._done:
             remaining = give_up - time.monotonic()
             if remaining <= 0:
@@ -319,15 +328,22 @@ async def acquire() -> Host:
     by_loop = _hosts.by_loop
     for stale_loop, stale in list(by_loop.items()):
         if stale_loop.is_closed():
-            del by_loop[stale_loop]
             if stale.guest and not stale._done:
                 stale.rescue()
+                if not stale._done:
+                    # Kept: the next acquire() in this thread tries again.
+                    raise PolygateError(
+                        "polygate.aio cannot start in this thread: a session was still "
+                        "open when its event loop closed, and its calls did not finish "
+                        f"within {_RESCUE_LIMIT_S:g} s of being cancelled"
+                    )
                 warnings.warn(
                     "a polygate.aio session was still open when its event loop closed; "
                     "its calls were cancelled and it was closed now",
                     ResourceWarning,
                     stacklevel=2,
                 )
+            del by_loop[stale_loop]
     while True:
         host = by_loop.get(loop)
         if host is None:
