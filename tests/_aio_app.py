@@ -10,14 +10,16 @@ lifespan opens the session and prints what it saw when it closes.
 # No ``from __future__ import annotations``: FastAPI reads the annotations at run time.
 
 import asyncio
+import logging
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Annotated, TypeVar
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -29,29 +31,48 @@ T = TypeVar("T")
 
 async def cancel_on_disconnect(request: Request, call: Awaitable[T]) -> T:
     """Await ``call``; if the client hangs up first, cancel it (polygate then closes
-    the upstream connection before the cancellation goes on)."""
+    the upstream connection before the cancellation goes on) and end the request
+    quietly (499: nobody reads it)."""
     task = asyncio.ensure_future(call)
+    gone = False
 
     async def watch() -> None:
+        nonlocal gone
         while not task.done():
             if (await request.receive())["type"] == "http.disconnect":
+                gone = True
                 task.cancel()
                 return
 
     watcher = asyncio.ensure_future(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        if gone:
+            raise HTTPException(499, "client closed request") from None
+        raise
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
+
+
+class _Errors(logging.Handler):
+    """Counts what the server logs at ERROR (an exception escaping an endpoint)."""
+
+    count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        _Errors.count += 1
+
 
 
 class Ask(BaseModel):
     question: str
 
 
-def get_session(request: Request) -> polygate.aio.Session:
-    """The dependency: the session the lifespan opened."""
+async def get_session(request: Request) -> polygate.aio.Session:
+    """The dependency: the session the lifespan opened (``async def``: FastAPI runs
+    a plain ``def`` dependency in its thread pool, a thread per request)."""
     session: polygate.aio.Session = request.app.state.polygate
     return session
 
@@ -63,6 +84,8 @@ def build_app(settings: polygate.Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         print(f"loop: {type(asyncio.get_running_loop()).__module__}", flush=True)
+        # (here: uvicorn's logging set-up has replaced the handlers of its loggers)
+        logging.getLogger("uvicorn.error").addHandler(_Errors(logging.ERROR))
         async with polygate.aio.session(settings) as session:
             app.state.polygate = session
             yield
@@ -88,6 +111,10 @@ def build_app(settings: polygate.Settings) -> FastAPI:
                     yield chunk.text
 
         return StreamingResponse(chunks(), media_type="text/plain")
+
+    @app.get("/process")
+    async def process() -> dict[str, int]:
+        return {"threads": threading.active_count(), "errors_logged": _Errors.count}
 
     @app.get("/held")
     async def held(s: Session) -> dict[str, int]:

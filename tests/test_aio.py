@@ -669,3 +669,35 @@ def test_secret_never_in_repr() -> None:
             return repr(s) + repr(s.settings)
 
     assert SECRET not in _run(main())
+
+
+async def test_cancelled_while_opening_then_the_open_fails_logs_nothing() -> None:
+    """A task cancelled while its session is still opening gets CancelledError once
+    the open has ended; if the open then failed, that error is nobody's news: the loop
+    must not log "Future exception was never retrieved"."""
+    import gc
+    import socket
+
+    reported: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        settings = polygate.Settings(scopes=settings_for("http://a/v1").scopes,
+                                     backend=f"redis://127.0.0.1:{port}/0")
+
+        async def opener() -> None:
+            async with polygate.aio.session(settings):
+                pass
+
+        task = asyncio.ensure_future(opener())
+        await asyncio.sleep(0.1)  # (the open is under way: it waits for Redis)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+    del task
+    gc.collect()
+    await asyncio.sleep(0)
+    assert [c.get("message") for c in reported] == []

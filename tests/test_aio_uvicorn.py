@@ -139,6 +139,10 @@ async def test_fastapi_on_uvicorn_with_uvloop() -> None:
             await wait_until(lambda: request_for(up, "stream-hang").outcome == "client_closed")
             await wait_until(lambda: up.in_flight == 0)
             assert (await client.get("/held")).json() == {"held": 0}
+            # No thread per request (a plain-def dependency would take one each), and
+            # a hang-up is not an error in the server's log.
+            process = (await client.get("/process")).json()
+            assert process == {"threads": 1, "errors_logged": 0}, process
 
             # Shutdown with calls in flight.
             failures: list[Any] = []

@@ -441,6 +441,10 @@ async def session(
         except asyncio.CancelledError:
             host.submit(owner.request_close)
             await settle(owner.closed)
+            if owner.opened.done() and not owner.opened.cancelled():
+                # Retrieved: an opening that failed after the cancellation is not
+                # news to anyone ("Future exception was never retrieved" otherwise).
+                owner.opened.exception()
             raise
         except BaseException:
             await settle(owner.closed)
