@@ -366,6 +366,11 @@ async def run_chat(
             except CommittedFailure as failure:
                 committed_error = failure.error
                 if forward is None or not _can_resume(ctx, forward, failure.error, len(segments)):
+                    if segments and failure.record is not None:
+                        # A continuation failed: the statistics are the whole stream's.
+                        failure.error.call_stats = call_stats(
+                            ctx, failure.record, trio.current_time(), segments
+                        )
                     raise _committed_error(failure.error, shown) from None
                 # Continue the answer elsewhere: the failed source goes to the back.
                 if failure.record is not None:
@@ -378,8 +383,10 @@ async def run_chat(
                     # The scope's only source just failed: continue in its fallback.
                     _move_to(ctx, ctx.scope.fallback, params)
                     demoted = []
-                else:
-                    demoted = [failed] if failed else []
+                elif failed:
+                    # Behind every source that has not failed in this call, the
+                    # least recently failed first (as within a round).
+                    demoted = [*(d for d in demoted if d != failed), failed]
                 _prepare_continuation(ctx, ctx.messages, "".join(shown))
                 active = ResumedForward(forward, Stitcher("".join(shown)))
             except (AllSourcesExhausted, FatalUpstreamError) as exc:
@@ -389,7 +396,10 @@ async def run_chat(
                 if target is None:
                     if committed_error is not None:
                         # No source could continue the stream: the caller's error is
-                        # the stream's own failure.
+                        # the stream's own failure, with the whole stream's statistics.
+                        committed_error.call_stats = call_stats(
+                            ctx, segments[-1], trio.current_time(), segments[:-1]
+                        ) if segments else committed_error.call_stats
                         raise _committed_error(committed_error, shown) from exc
                     raise
                 _move_to(ctx, target, params)
@@ -427,14 +437,16 @@ def _next_round(ctx: CallContext, messages: list[Mapping[str, Any]]) -> None:
 
 
 def _committed_error(error: UpstreamError, shown: list[str]) -> UpstreamError:
-    """A committed stream's failure as the caller gets it: a stall is StreamStalled,
-    carrying the text delivered."""
+    """A committed stream's failure as the caller gets it, carrying the text delivered
+    (``text``); a stall is StreamStalled."""
+    text = "".join(shown)
     if error.outcome is Outcome.STALLED and not isinstance(error, StreamStalled):
         stalled = StreamStalled(
-            error.message, source=error.source, text="".join(shown), call_stats=error.call_stats
+            error.message, source=error.source, text=text, call_stats=error.call_stats
         )
         stalled.__cause__ = error
         return stalled
+    error.text = text
     return error
 
 

@@ -115,6 +115,8 @@ class UpstreamError(PolygateError):
         # Set when this error ends a logical call (a fatal error, a committed stream's
         # failure): the call's frozen statistics.
         self.call_stats: CallStats | None = None
+        # Set when this error ends a committed stream: the text the caller was shown.
+        self.text = ""
         if outcome is not None:
             self.outcome = outcome
 

@@ -400,6 +400,55 @@ async def test_resumes_are_bounded(autojump_clock: trio.testing.MockClock) -> No
     assert len(a.requests) + len(b.requests) == 3
 
 
+@pytest.mark.parametrize("seed", range(8))
+async def test_a_second_continuation_prefers_a_source_that_never_failed(
+    autojump_clock: trio.testing.MockClock, seed: int,
+) -> None:
+    """a is cut, b continues and is cut too: the second continuation goes to c, which
+    never failed in this call, not back to a (every failed source goes last, not only
+    the latest).  Weights favour a, so a wrong pick is not left to chance."""
+    import random
+
+    cut = Reply(text=ANSWER, inter_token_s=0.01, fault="truncated", fault_after=5)
+    ups = {n: FakeUpstream(cut) for n in "abc"}
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-6}, "c": {"weight": 1e-9}},
+        "stream": polygate.StreamWatch(resume=True, max_resumes=2),
+    })
+    async with polygate.session(settings, transport=Router(ups), rng=random.Random(seed)) as s:
+        with pytest.raises(polygate.TransientUpstreamError):
+            await _read(s)
+    order = [n for _, n in sorted((r.started_at, n) for n, u in ups.items() for r in u.requests)]
+    assert order == ["a", "b", "c"]
+
+
+async def test_a_failed_continuation_reports_the_whole_stream(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The continuation fails too and no resume is left: the error's statistics are
+    the stream's as the caller lived it (both segments, one resume), and it carries
+    the text shown."""
+    a = FakeUpstream(Reply(text=ANSWER, first_token_s=0.5, inter_token_s=0.25,
+                           fault="truncated", fault_after=4))
+    b = FakeUpstream(_continuing(" w4 w5 w6 w7 w8", first_token_s=0.5, inter_token_s=0.25,
+                                 fault="truncated", fault_after=2))
+    shown: list[str] = []
+    async with polygate.session(_resume_settings(max_resumes=1),
+                                transport=Router({"a": a, "b": b})) as s:
+        with pytest.raises(polygate.TransientUpstreamError) as info:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for chunk in stream:
+                    shown.append(chunk.text)
+    error = info.value
+    cs = error.call_stats
+    assert cs is not None
+    assert (cs.resumes, cs.source, cs.attempts) == (1, "b", 2)
+    assert cs.ttft_ms == pytest.approx(500)  # the first segment's
+    # both segments' transport time: a's 0.5 + 3 x 0.25 s, b's 0.5 + 0.25 s (at least)
+    assert cs.generation_ms is not None and cs.generation_ms >= 2000
+    assert error.text == "".join(shown) and len(shown) >= 5
+
+
 # --------------------------------------------------------------------------- stitching
 
 
