@@ -19,7 +19,9 @@ from ._serve_kit import (
     AUTH,
     CHAT,
     GATEWAY_KEY,
+    Answer,
     _Port,
+    gateway,
     http,
     read_until_closed,
     request_bytes,
@@ -155,3 +157,25 @@ def test_bad_configuration_exits_2_without_echoing_a_key(tmp_path: Path) -> None
     assert done.returncode == 2
     assert "serve.api_keys" in done.stderr
     assert "SECRET" not in done.stderr + done.stdout
+
+
+async def test_drain_with_a_connection_that_sent_nothing() -> None:
+    """A client's pre-opened connection that has not sent a request yet is idle: the
+    drain closes it, and the call in flight on another connection still finishes
+    (the drain once crashed on it, losing every call in flight)."""
+    async with gateway(Reply(first_token_s=0.5, tokens=3)) as (server, upstream):
+        silent = await trio.open_tcp_stream("127.0.0.1", server.port)
+        results: list[Answer] = []
+
+        async def call() -> None:
+            results.append(await http(server, "POST", "/v1/chat/completions", CHAT, AUTH))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            await wait_for(lambda: upstream.in_flight == 1)
+            with trio.fail_after(10):
+                await server.shutdown(grace_s=10)
+        assert await read_until_closed(silent) == b""  # closed without an answer
+        await silent.aclose()
+    assert results[0].status == 200
+    assert upstream.requests[0].outcome == "complete"

@@ -299,7 +299,8 @@ class Server:
                     return
                 finally:
                     self._idle.discard(idle)
-                if request is None or idle.cancelled_caught:
+                # The scope first: a drain cancels it before a request was read at all.
+                if idle.cancelled_caught or request is None:
                     return
                 await self._answer(conn, request)
                 if not conn.reusable():
