@@ -403,3 +403,37 @@ async def test_chunks_that_arrived_together_leave_in_one_write(monkeypatch: pyte
     assert events[-1] == b"data: [DONE]"
     assert sum(writes) >= 200  # every token went out ...
     assert len(writes) < 50  # ... in bursts
+
+
+async def test_a_chunk_that_arrives_as_a_keep_alive_falls_due_is_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stream's keep-alive deadline passes just as a chunk is taken (the chunk was
+    ready, so no checkpoint saw the deadline): the chunk goes out and the stream
+    finishes.  It used to be sent in the already-cancelled scope and the stream was
+    dropped as a client that left (499, no terminator).  Scheduling-aware: the first
+    chunk is held, without a checkpoint, until its keep-alive deadline has passed."""
+    from polygate._session import ChatStream
+
+    interval = 0.05
+    take = ChatStream.__anext__
+    held = False
+
+    async def late(self: ChatStream) -> polygate.StreamChunk:
+        nonlocal held
+        chunk = await take(self)
+        if not held:
+            held = True
+            with trio.CancelScope(shield=True):  # the deadline passes, unseen
+                await trio.sleep(interval * 3)
+        return chunk
+
+    monkeypatch.setattr(ChatStream, "__anext__", late)
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], sse_keepalive_s=interval)
+    async with gateway(Reply(tokens=3), serve=serve) as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
+        assert held
+        assert answer.status == 200
+        assert answer.body.endswith(b"data: [DONE]\n\n")
+        assert answer.body.count(b'"content":"') == 4  # the role chunk and 3 tokens
+        assert server.metrics.disconnects == 0

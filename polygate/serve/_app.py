@@ -34,7 +34,7 @@ from .._context import PRESET_CALL_ID, fresh_call_id
 from .._errors import PolygateError
 from .._key_quota import KeyQuotas, KeyRefusal
 from .._session import Session
-from .._types import CallStats
+from .._types import CallStats, StreamChunk
 from ._errors import ErrorReply, reply_for
 from ._http import ClientGone, Connection, Request
 from ._metrics import Metrics, render
@@ -482,6 +482,7 @@ async def _chat_stream(
         async with stream:
             chunks = stream.__aiter__()
             done = False
+            late: StreamChunk | None = None  # taken as its clock's keep-alive fell due
             while not done:
                 # One clock per quiet period, not a cancel scope per chunk: its deadline
                 # is the keep-alive while waiting for a chunk, the send timeout while
@@ -490,15 +491,25 @@ async def _chat_stream(
                 sending = False
                 with trio.CancelScope(deadline=trio.current_time() + interval) as clock:
                     while True:
-                        try:
-                            chunk = await chunks.__anext__()
-                        except StopAsyncIteration:
-                            done = True
-                            break
-                        except Exception as exc:
-                            failure = exc
-                            done = True
-                            break
+                        if late is not None:
+                            chunk, late = late, None
+                        else:
+                            try:
+                                chunk = await chunks.__anext__()
+                            except StopAsyncIteration:
+                                done = True
+                                break
+                            except Exception as exc:
+                                failure = exc
+                                done = True
+                                break
+                            if clock.cancel_called:
+                                # The keep-alive fell due as the chunk came (it was
+                                # ready: no checkpoint raised).  Moving the deadline
+                                # cannot un-cancel this clock, so the chunk goes out
+                                # under the next one; it keeps the stream alive too.
+                                late = chunk
+                                break
                         out = head() if not head_sent else b""
                         # Chunks that arrived with this one go out in the same write:
                         # nothing waits for them, and a burst costs one send, not one
