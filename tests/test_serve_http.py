@@ -170,6 +170,32 @@ async def test_malformed_bodies_are_400(body: bytes, code: str) -> None:
     assert not upstream.requests
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {**CHAT, "self": 1}, "self"),
+    ("/v1/chat/completions", {**CHAT, "self": 1, "stream": True}, "self"),
+    ("/v1/chat/completions", {**CHAT, "cache": False}, "cache"),
+    ("/v1/embeddings", {"model": "embed", "input": "x", "inputs": ["y"]}, "inputs"),
+    ("/v1/embeddings", {"model": "embed", "input": "x", "self": 1}, "self"),
+    ("/v1/embeddings", {"model": "embed", "input": "x", "call_deadline_s": 9}, "call_deadline_s"),
+])
+async def test_a_key_that_is_a_session_parameter_is_400(
+    path: str, body: dict[str, object], param: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A body key that names a parameter of the Session method (``self``,
+    ``messages``, ``inputs``, the keywords) is the client's mistake: a 400 that names
+    it, not a 500 with a traceback in the log."""
+    async with gateway() as (server, upstream):
+        answer = await http(server, "POST", path, body, AUTH)
+    assert answer.status == 400
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert repr(param) in error["message"]
+    assert not upstream.requests
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 async def test_oversize_body_is_413_before_it_is_read() -> None:
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_request_bytes=1000)
     async with gateway(serve=serve) as (server, upstream):
