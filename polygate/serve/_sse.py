@@ -106,16 +106,20 @@ class StreamShape:
 
 
 def _usage(response: ChatResponse) -> dict[str, Any] | None:
-    """The usage the upstream reported, as the JSON answer would carry it; ``None``
-    (``"usage": null``: not known) when it reported none -- the library's estimate
-    is for its own accounting, never passed off as a count."""
+    """The usage the upstream reported, decided as for the JSON answer (which is the
+    raw body, ``usage`` included or not); ``None`` (``"usage": null``: not known)
+    when it reported none -- the library's estimate of a whole call (its completion
+    budget) is for its own accounting, never passed off as a count."""
     wire = response.raw.get("usage") if isinstance(response.raw, Mapping) else None
-    # A resumed stream's raw body is its last segment's; its usage covers them all.
-    if isinstance(wire, Mapping) and not response.call_stats.resumes:
-        return dict(wire)
-    usage = response.usage
-    if usage is None or usage.source != "upstream":
+    if not isinstance(wire, Mapping):
         return None
+    if not response.call_stats.resumes:
+        return dict(wire)
+    # A resumed stream's raw body is its last segment's; its usage covers them all (a
+    # cut segment, which never reports, counted from the text it showed).
+    usage = response.usage
+    if usage is None:
+        return dict(wire)
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
