@@ -144,6 +144,21 @@ def test_refuses_a_public_address_without_keys(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_port_out_of_range_exits_2(tmp_path: Path, port: str) -> None:
+    """``--port`` is checked like ``[serve] port`` (70000 once listened on 4464)."""
+    config = tmp_path / "c.toml"
+    config.write_text('[scopes.chat.sources.a]\nbase_url = "http://127.0.0.1:9/v1"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "polygate", "serve", "--config", str(config), "--port", port],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert done.returncode == 2, done.stdout
+    assert f"port: must be a whole number in [0, 65535], got {port}" in done.stderr
+    assert "listening" not in done.stdout
+    assert "Traceback" not in done.stderr
+
+
 def test_bad_configuration_exits_2_without_echoing_a_key(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(

@@ -33,7 +33,7 @@ import attrs
 import httpx
 import trio
 
-from .._config import Settings
+from .._config import FieldError, Settings
 from .._context import fresh_call_id
 from .._errors import ConfigError, GovernanceBackendError
 from .._session import Session, session
@@ -374,6 +374,11 @@ async def open_server(
         settings = load_settings(env)
     elif not isinstance(settings, Settings):
         raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
+    overrides = {name: v for name, v in (("host", host), ("port", port)) if v is not None}
+    try:  # checked like [serve] host and port (port 70000 once listened on 4464)
+        attrs.evolve(settings.serve, **overrides)
+    except FieldError as exc:
+        raise ConfigError(f"{exc.field}: {exc.problem}") from None
     host = settings.serve.host if host is None else host
     port = settings.serve.port if port is None else port
     check_exposure(settings, host)
