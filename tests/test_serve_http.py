@@ -339,7 +339,40 @@ async def test_connection_cap_answers_503() -> None:
     assert data.startswith(b"HTTP/1.1 503")
     assert b"too_many_connections" in data
     assert b"x-polygate-call-id: " in data
+    assert _call_id_headers(data)  # x-request-id too, the same id
     assert after.status == 200
+
+
+def _call_id_headers(data: bytes) -> bool:
+    """Whether a raw answer carries x-polygate-call-id and, copied, x-request-id."""
+    head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower().split("\r\n")[1:]
+    headers = dict(line.split(": ", 1) for line in head)
+    return bool(headers.get("x-polygate-call-id")) and (
+        headers.get("x-request-id") == headers["x-polygate-call-id"])
+
+
+_KEY_LINE = b"authorization: Bearer " + GATEWAY_KEY.encode() + b"\r\n"
+
+
+@pytest.mark.parametrize(("sent", "status"), [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 5\r\n\r\n", 401),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 5000\r\n"
+     + _KEY_LINE + b"\r\n", 413),
+    (b"THIS IS NOT HTTP\r\n\r\n", 400),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 100\r\n"
+     + _KEY_LINE + b"\r\n{", 408),
+], ids=["no-key", "too-large", "malformed", "slow-body"])
+async def test_answers_before_a_request_is_read_carry_the_call_id(sent: bytes, status: int) -> None:
+    """Every answer carries x-polygate-call-id and its copy x-request-id -- those
+    written before the request was read (refused from the head, malformed, slow) too."""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_request_bytes=1000, body_timeout_s=0.3)
+    async with gateway(serve=serve) as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(sent)
+            data = await read_until_closed(stream)
+    assert data.startswith(b"HTTP/1.1 %d" % status)
+    assert _call_id_headers(data), data
 
 
 # --------------------------------------------------------------------------- status mapping

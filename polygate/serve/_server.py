@@ -260,6 +260,7 @@ class Server:
     async def _refuse(self, stream: trio.SocketStream) -> None:
         self._refusing += 1
         try:
+            cid = fresh_call_id().encode()
             body = error_body(
                 "The gateway is at its connection limit; try again shortly.", "api_error",
                 "too_many_connections",
@@ -267,8 +268,8 @@ class Server:
             head = (
                 b"HTTP/1.1 503 Service Unavailable\r\nserver: polygate\r\n"
                 b"content-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
-                b"x-polygate-call-id: %s\r\ncontent-length: %d\r\n\r\n"
-                % (fresh_call_id().encode(), len(body))
+                b"x-polygate-call-id: %s\r\nx-request-id: %s\r\ncontent-length: %d\r\n\r\n"
+                % (cid, cid, len(body))
             )
             with trio.move_on_after(1):
                 try:
@@ -341,7 +342,8 @@ class Server:
             cid = fresh_call_id().encode()
             await conn.send_response(
                 problem.status,
-                [(b"content-type", b"application/json"), (b"x-polygate-call-id", cid)],
+                [(b"content-type", b"application/json"), (b"x-polygate-call-id", cid),
+                 (b"x-request-id", cid)],
                 error_body(problem.message, "invalid_request_error", problem.code), close=True,
             )
         except ClientGone:
