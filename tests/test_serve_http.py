@@ -9,9 +9,11 @@ import attrs
 import h11
 import pytest
 import trio
+import trio.testing
 
 import polygate
 from polygate.serve import open_server
+from polygate.serve._http import Connection, HTTPProblem
 from polygate.testing import FakeUpstream, Reply
 
 from ._serve_kit import (
@@ -295,6 +297,61 @@ async def test_slow_request_head_times_out() -> None:
                 nursery.cancel_scope.cancel()
     assert data.startswith(b"HTTP/1.1 408")
     assert trio.current_time() - started < 3
+
+
+def _connection(serve: polygate.Serve) -> tuple[trio.abc.Stream, Connection]:
+    """A server-side Connection on a memory stream (MockClock tests), and its client."""
+    client, server_side = trio.testing.memory_stream_pair()
+    return client, Connection(server_side, serve)  # type: ignore[arg-type]
+
+
+async def test_a_new_connection_has_header_timeout_s_for_its_whole_head(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A slowloris that sends its first byte just before ``header_timeout_s`` does
+    not get a second ``header_timeout_s`` from that byte (it was held ~2x).  On a
+    kept-alive connection the wait for the next request is ``idle_timeout_s``, then
+    the head has ``header_timeout_s`` from its first byte."""
+    client, conn = _connection(polygate.Serve(header_timeout_s=1.0, idle_timeout_s=5.0))
+
+    async def slowloris(first_after_s: float) -> None:
+        await trio.sleep(first_after_s)
+        while True:
+            await client.send_all(b"G")
+            await trio.sleep(0.1)
+
+    async def times_out(first_after_s: float) -> float:
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slowloris, first_after_s)
+            with pytest.raises(HTTPProblem) as caught:
+                await conn.read_request()
+            nursery.cancel_scope.cancel()
+        assert caught.value.status == 408
+        return trio.current_time() - started
+
+    assert await times_out(0.9) == pytest.approx(1.0)
+    client, conn = _connection(polygate.Serve(header_timeout_s=1.0, idle_timeout_s=5.0))
+    await client.send_all(request_bytes("GET", "/healthz"))
+    assert await conn.read_request() is not None
+    assert conn.reusable()
+    assert await times_out(4.5) == pytest.approx(5.5)
+
+
+@pytest.mark.parametrize(("size", "refused"), [(60_000, False), (70_000, True), (120_000, True)])
+async def test_the_request_head_is_capped_at_64_kib(size: int, refused: bool) -> None:
+    """A head over 64 KiB is a 431 however it arrives: h11 checks its limit only while
+    a head is incomplete, so one completed by the second 64 KiB read once passed."""
+    client, conn = _connection(polygate.Serve())
+    head = b"GET /healthz HTTP/1.1\r\nhost: g\r\nx-big: " + b"a" * size + b"\r\n\r\n"
+    await client.send_all(head)
+    if not refused:
+        request = await conn.read_request()
+        assert request is not None and request.path == "/healthz"
+        return
+    with pytest.raises(HTTPProblem) as caught:
+        await conn.read_request()
+    assert caught.value.status == 431
 
 
 async def test_slow_body_times_out() -> None:
