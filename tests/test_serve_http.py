@@ -172,6 +172,18 @@ async def test_malformed_bodies_are_400(body: bytes, code: str) -> None:
     assert not upstream.requests
 
 
+@pytest.mark.parametrize("encoding", ["int8", 1, ["float"]])
+async def test_unknown_embeddings_encoding_format_is_400(encoding: object) -> None:
+    """``encoding_format`` is ``float`` or ``base64``, as OpenAI's API says."""
+    body = {"model": "embed", "input": "x", "encoding_format": encoding}
+    async with gateway() as (server, upstream):
+        answer = await http(server, "POST", "/v1/embeddings", body, AUTH)
+    assert answer.status == 400
+    error = answer.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", "encoding_format")
+    assert not upstream.requests
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/chat/completions", {**CHAT, "self": 1}, "self"),
     ("/v1/chat/completions", {**CHAT, "self": 1, "stream": True}, "self"),

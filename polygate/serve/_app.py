@@ -583,7 +583,11 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
         return await _fail(ctx, _bad_param(
             "input must be a string or a non-empty array of strings "
             "(token arrays are not supported by this gateway)", "input"))
-    base64_out = body.get("encoding_format") == "base64"
+    encoding = body.get("encoding_format")
+    if encoding not in (None, "float", "base64"):
+        return await _fail(ctx, _bad_param(
+            "encoding_format must be 'float' or 'base64'", "encoding_format"))
+    base64_out = encoding == "base64"
     call_id = fresh_call_id()
     token = PRESET_CALL_ID.set(call_id)
     try:
