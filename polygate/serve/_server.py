@@ -376,13 +376,12 @@ async def open_server(
         settings = load_settings(env)
     elif not isinstance(settings, Settings):
         raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
-    overrides = {name: v for name, v in (("host", host), ("port", port)) if v is not None}
-    try:  # checked like [serve] host and port (port 70000 once listened on 4464)
-        attrs.evolve(settings.serve, **overrides)
-    except FieldError as exc:
-        raise ConfigError(f"{exc.field}: {exc.problem}") from None
     host = settings.serve.host if host is None else host
     port = settings.serve.port if port is None else port
+    try:  # the overrides are checked like [serve] host and port (70000 is not 4464)
+        attrs.evolve(settings.serve, host=host, port=port)
+    except FieldError as exc:
+        raise ConfigError(f"{exc.field}: {exc.problem}") from None
     check_exposure(settings, host)
     if importlib.util.find_spec("prometheus_client") is None:
         raise ConfigError("polygate serve needs the serve extra: pip install 'polygate[serve]'")
