@@ -6,8 +6,8 @@ Everything a client can hold is bounded here: the wait for a request head
 (64 KiB: h11's ``max_incomplete_event_size`` while incomplete, and checked once
 complete), the body's size (``max_request_bytes``, refused from ``Content-Length``
 before a byte of it is read) and time (``body_timeout_s``), and every write to a
-client that does not read (``send_timeout_s``).  A slow or silent client costs one connection slot for a
-bounded time, never a task that lives forever.
+client that does not read (``send_timeout_s``).  A slow or silent client costs one
+connection slot for a bounded time, never a task that lives forever.
 
 While a request is being answered, :meth:`Connection.watch_close` reads the socket:
 end of file (or a reset) means the client has left and the request's cancel scope is
