@@ -9,9 +9,11 @@ import attrs
 import h11
 import pytest
 import trio
+import trio.testing
 
 import polygate
 from polygate.serve import open_server
+from polygate.serve._http import Connection, HTTPProblem
 from polygate.testing import FakeUpstream, Reply
 
 from ._serve_kit import (
@@ -170,6 +172,44 @@ async def test_malformed_bodies_are_400(body: bytes, code: str) -> None:
     assert not upstream.requests
 
 
+@pytest.mark.parametrize("encoding", ["int8", 1, ["float"]])
+async def test_unknown_embeddings_encoding_format_is_400(encoding: object) -> None:
+    """``encoding_format`` is ``float`` or ``base64``, as OpenAI's API says."""
+    body = {"model": "embed", "input": "x", "encoding_format": encoding}
+    async with gateway() as (server, upstream):
+        answer = await http(server, "POST", "/v1/embeddings", body, AUTH)
+    assert answer.status == 400
+    error = answer.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", "encoding_format")
+    assert not upstream.requests
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {**CHAT, "self": 1}, "self"),
+    ("/v1/chat/completions", {**CHAT, "self": 1, "stream": True}, "self"),
+    ("/v1/chat/completions", {**CHAT, "cache": False}, "cache"),
+    ("/v1/embeddings", {"model": "embed", "input": "x", "inputs": ["y"]}, "inputs"),
+    ("/v1/embeddings", {"model": "embed", "input": "x", "self": 1}, "self"),
+    ("/v1/embeddings", {"model": "embed", "input": "x", "call_deadline_s": 9}, "call_deadline_s"),
+])
+async def test_a_key_that_is_a_session_parameter_is_400(
+    path: str, body: dict[str, object], param: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A body key that names a parameter of the Session method (``self``,
+    ``messages``, ``inputs``, the keywords) is the client's mistake: a 400 that names
+    it, not a 500 with a traceback in the log."""
+    async with gateway() as (server, upstream):
+        answer = await http(server, "POST", path, body, AUTH)
+    assert answer.status == 400
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert repr(param) in error["message"]
+    assert not upstream.requests
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 async def test_oversize_body_is_413_before_it_is_read() -> None:
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_request_bytes=1000)
     async with gateway(serve=serve) as (server, upstream):
@@ -271,6 +311,61 @@ async def test_slow_request_head_times_out() -> None:
     assert trio.current_time() - started < 3
 
 
+def _connection(serve: polygate.Serve) -> tuple[trio.abc.Stream, Connection]:
+    """A server-side Connection on a memory stream (MockClock tests), and its client."""
+    client, server_side = trio.testing.memory_stream_pair()
+    return client, Connection(server_side, serve)  # type: ignore[arg-type]
+
+
+async def test_a_new_connection_has_header_timeout_s_for_its_whole_head(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A slowloris that sends its first byte just before ``header_timeout_s`` does
+    not get a second ``header_timeout_s`` from that byte (it was held ~2x).  On a
+    kept-alive connection the wait for the next request is ``idle_timeout_s``, then
+    the head has ``header_timeout_s`` from its first byte."""
+    client, conn = _connection(polygate.Serve(header_timeout_s=1.0, idle_timeout_s=5.0))
+
+    async def slowloris(first_after_s: float) -> None:
+        await trio.sleep(first_after_s)
+        while True:
+            await client.send_all(b"G")
+            await trio.sleep(0.1)
+
+    async def times_out(first_after_s: float) -> float:
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slowloris, first_after_s)
+            with pytest.raises(HTTPProblem) as caught:
+                await conn.read_request()
+            nursery.cancel_scope.cancel()
+        assert caught.value.status == 408
+        return trio.current_time() - started
+
+    assert await times_out(0.9) == pytest.approx(1.0)
+    client, conn = _connection(polygate.Serve(header_timeout_s=1.0, idle_timeout_s=5.0))
+    await client.send_all(request_bytes("GET", "/healthz"))
+    assert await conn.read_request() is not None
+    assert conn.reusable()
+    assert await times_out(4.5) == pytest.approx(5.5)
+
+
+@pytest.mark.parametrize(("size", "refused"), [(60_000, False), (70_000, True), (120_000, True)])
+async def test_the_request_head_is_capped_at_64_kib(size: int, refused: bool) -> None:
+    """A head over 64 KiB is a 431 however it arrives: h11 checks its limit only while
+    a head is incomplete, so one completed by the second 64 KiB read once passed."""
+    client, conn = _connection(polygate.Serve())
+    head = b"GET /healthz HTTP/1.1\r\nhost: g\r\nx-big: " + b"a" * size + b"\r\n\r\n"
+    await client.send_all(head)
+    if not refused:
+        request = await conn.read_request()
+        assert request is not None and request.path == "/healthz"
+        return
+    with pytest.raises(HTTPProblem) as caught:
+        await conn.read_request()
+    assert caught.value.status == 431
+
+
 async def test_slow_body_times_out() -> None:
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], body_timeout_s=0.3)
     async with gateway(serve=serve) as (server, upstream):
@@ -313,7 +408,40 @@ async def test_connection_cap_answers_503() -> None:
     assert data.startswith(b"HTTP/1.1 503")
     assert b"too_many_connections" in data
     assert b"x-polygate-call-id: " in data
+    assert _call_id_headers(data)  # x-request-id too, the same id
     assert after.status == 200
+
+
+def _call_id_headers(data: bytes) -> bool:
+    """Whether a raw answer carries x-polygate-call-id and, copied, x-request-id."""
+    head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower().split("\r\n")[1:]
+    headers = dict(line.split(": ", 1) for line in head)
+    return bool(headers.get("x-polygate-call-id")) and (
+        headers.get("x-request-id") == headers["x-polygate-call-id"])
+
+
+_KEY_LINE = b"authorization: Bearer " + GATEWAY_KEY.encode() + b"\r\n"
+
+
+@pytest.mark.parametrize(("sent", "status"), [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 5\r\n\r\n", 401),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 5000\r\n"
+     + _KEY_LINE + b"\r\n", 413),
+    (b"THIS IS NOT HTTP\r\n\r\n", 400),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 100\r\n"
+     + _KEY_LINE + b"\r\n{", 408),
+], ids=["no-key", "too-large", "malformed", "slow-body"])
+async def test_answers_before_a_request_is_read_carry_the_call_id(sent: bytes, status: int) -> None:
+    """Every answer carries x-polygate-call-id and its copy x-request-id -- those
+    written before the request was read (refused from the head, malformed, slow) too."""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_request_bytes=1000, body_timeout_s=0.3)
+    async with gateway(serve=serve) as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(sent)
+            data = await read_until_closed(stream)
+    assert data.startswith(b"HTTP/1.1 %d" % status)
+    assert _call_id_headers(data), data
 
 
 # --------------------------------------------------------------------------- status mapping
@@ -403,3 +531,37 @@ async def test_chunks_that_arrived_together_leave_in_one_write(monkeypatch: pyte
     assert events[-1] == b"data: [DONE]"
     assert sum(writes) >= 200  # every token went out ...
     assert len(writes) < 50  # ... in bursts
+
+
+async def test_a_chunk_that_arrives_as_a_keep_alive_falls_due_is_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stream's keep-alive deadline passes just as a chunk is taken (the chunk was
+    ready, so no checkpoint saw the deadline): the chunk goes out and the stream
+    finishes.  It used to be sent in the already-cancelled scope and the stream was
+    dropped as a client that left (499, no terminator).  Scheduling-aware: the first
+    chunk is held, without a checkpoint, until its keep-alive deadline has passed."""
+    from polygate._session import ChatStream
+
+    interval = 0.05
+    take = ChatStream.__anext__
+    held = False
+
+    async def late(self: ChatStream) -> polygate.StreamChunk:
+        nonlocal held
+        chunk = await take(self)
+        if not held:
+            held = True
+            with trio.CancelScope(shield=True):  # the deadline passes, unseen
+                await trio.sleep(interval * 3)
+        return chunk
+
+    monkeypatch.setattr(ChatStream, "__anext__", late)
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], sse_keepalive_s=interval)
+    async with gateway(Reply(tokens=3), serve=serve) as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
+        assert held
+        assert answer.status == 200
+        assert answer.body.endswith(b"data: [DONE]\n\n")
+        assert answer.body.count(b'"content":"') == 4  # the role chunk and 3 tokens
+        assert server.metrics.disconnects == 0

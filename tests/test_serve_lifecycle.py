@@ -19,7 +19,9 @@ from ._serve_kit import (
     AUTH,
     CHAT,
     GATEWAY_KEY,
+    Answer,
     _Port,
+    gateway,
     http,
     read_until_closed,
     request_bytes,
@@ -142,6 +144,21 @@ def test_refuses_a_public_address_without_keys(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_port_out_of_range_exits_2(tmp_path: Path, port: str) -> None:
+    """``--port`` is checked like ``[serve] port`` (70000 once listened on 4464)."""
+    config = tmp_path / "c.toml"
+    config.write_text('[scopes.chat.sources.a]\nbase_url = "http://127.0.0.1:9/v1"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "polygate", "serve", "--config", str(config), "--port", port],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert done.returncode == 2, done.stdout
+    assert f"port: must be a whole number in [0, 65535], got {port}" in done.stderr
+    assert "listening" not in done.stdout
+    assert "Traceback" not in done.stderr
+
+
 def test_bad_configuration_exits_2_without_echoing_a_key(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(
@@ -155,3 +172,25 @@ def test_bad_configuration_exits_2_without_echoing_a_key(tmp_path: Path) -> None
     assert done.returncode == 2
     assert "serve.api_keys" in done.stderr
     assert "SECRET" not in done.stderr + done.stdout
+
+
+async def test_drain_with_a_connection_that_sent_nothing() -> None:
+    """A client's pre-opened connection that has not sent a request yet is idle: the
+    drain closes it, and the call in flight on another connection still finishes
+    (the drain once crashed on it, losing every call in flight)."""
+    async with gateway(Reply(first_token_s=0.5, tokens=3)) as (server, upstream):
+        silent = await trio.open_tcp_stream("127.0.0.1", server.port)
+        results: list[Answer] = []
+
+        async def call() -> None:
+            results.append(await http(server, "POST", "/v1/chat/completions", CHAT, AUTH))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            await wait_for(lambda: upstream.in_flight == 1)
+            with trio.fail_after(10):
+                await server.shutdown(grace_s=10)
+        assert await read_until_closed(silent) == b""  # closed without an answer
+        await silent.aclose()
+    assert results[0].status == 200
+    assert upstream.requests[0].outcome == "complete"

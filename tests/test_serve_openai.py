@@ -93,6 +93,24 @@ async def test_async_stream(include_usage: bool) -> None:
         assert usage == []
 
 
+async def test_stream_usage_is_null_when_the_upstream_reports_none() -> None:
+    """``include_usage`` with an upstream that reports no usage: the usage chunk says
+    ``null``, as the JSON answer has none -- never the library's estimate (the
+    completion budget) passed off as the upstream's count."""
+    async with gateway(Reply(tokens=3, usage=False)) as (server, _):
+        async with async_client(server.base_url) as client:
+            whole = await client.chat.completions.create(
+                model="chat", messages=MESSAGES, max_tokens=50)
+            stream = await client.chat.completions.create(
+                model="chat", messages=MESSAGES, max_tokens=50, stream=True,
+                stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+    assert whole.usage is None
+    assert not chunks[-1].choices  # the usage chunk is there ...
+    assert chunks[-1].usage is None  # ... and says it is not known
+    assert all(c.usage is None for c in chunks)
+
+
 async def test_sync_stream_helper_accumulates() -> None:
     """The SDK's own stream helper (which needs a role and a finish) assembles the answer."""
     async with gateway(Reply(tokens=4)) as (server, _):

@@ -17,6 +17,7 @@ import base64
 import contextlib
 import hashlib
 import hmac
+import inspect
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ from .._context import PRESET_CALL_ID, fresh_call_id
 from .._errors import PolygateError
 from .._key_quota import KeyQuotas, KeyRefusal
 from .._session import Session
-from .._types import CallStats
+from .._types import CallStats, StreamChunk
 from ._errors import ErrorReply, reply_for
 from ._http import ClientGone, Connection, Request
 from ._metrics import Metrics, render
@@ -51,6 +52,22 @@ _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 #: gateway may not set them (structured re-asks multiply upstream calls; the cache is
 #: shared by every client; the scope and the deadline are the gateway's).
 _NOT_PARAMS: Final = frozenset({"scope", "call_deadline_s", "schema", "cache"})
+
+
+def _named(*methods: Callable[..., Any]) -> frozenset[str]:
+    """The parameters of Session methods other than their ``**params``: a body key
+    so named would clash with the call's own arguments (``self``, ``inputs``)."""
+    return frozenset(
+        name for method in methods for name, p in inspect.signature(method).parameters.items()
+        if p.kind is not p.VAR_KEYWORD
+    )
+
+
+#: The body keys each endpoint refuses (400): the Session keywords and whatever else
+#: the session method names -- except the body's own ``messages``, taken out before
+#: the call (an embeddings body says ``input``; ``inputs`` would clash).
+_CHAT_REFUSED: Final = (_NOT_PARAMS | _named(Session.chat, Session.stream_chat)) - {"messages"}
+_EMBED_REFUSED: Final = _NOT_PARAMS | _named(Session.embed)
 _READY_TIMEOUT_S: Final = 2.0
 #: At most this many already-arrived chunks are written to a client in one send.
 _BURST: Final = 32
@@ -249,12 +266,13 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
         if model is None:
             return path, await _fail(ctx, _bad_param("you must provide a model parameter", "model"))
         return path, await _fail(ctx, _unknown_model(model))
-    refused = sorted(_NOT_PARAMS & body.keys())
+    embeddings = path == "/v1/embeddings"
+    refused = sorted((_EMBED_REFUSED if embeddings else _CHAT_REFUSED) & body.keys())
     if refused:
         return path, await _fail(
             ctx, _bad_param(f"parameter {refused[0]!r} is not accepted here", refused[0])
         )
-    handler = _embeddings if path == "/v1/embeddings" else _chat
+    handler = _embeddings if embeddings else _chat
     key = ctx.gateway.limited_key(request.headers)
     if key is None:
         return path, await handler(ctx, scope, body, _Charge())
@@ -353,7 +371,7 @@ def _parse_body(raw: bytes) -> dict[str, Any] | ErrorReply:
 
 
 def _bad_param(message: str, param: str) -> ErrorReply:
-    return ErrorReply(400, message, "invalid_request_error", "invalid_request")
+    return ErrorReply(400, message, "invalid_request_error", "invalid_request", param=param)
 
 
 def _unknown_model(model: Any) -> ErrorReply:
@@ -482,6 +500,7 @@ async def _chat_stream(
         async with stream:
             chunks = stream.__aiter__()
             done = False
+            late: StreamChunk | None = None  # taken as its clock's keep-alive fell due
             while not done:
                 # One clock per quiet period, not a cancel scope per chunk: its deadline
                 # is the keep-alive while waiting for a chunk, the send timeout while
@@ -490,15 +509,25 @@ async def _chat_stream(
                 sending = False
                 with trio.CancelScope(deadline=trio.current_time() + interval) as clock:
                     while True:
-                        try:
-                            chunk = await chunks.__anext__()
-                        except StopAsyncIteration:
-                            done = True
-                            break
-                        except Exception as exc:
-                            failure = exc
-                            done = True
-                            break
+                        if late is not None:
+                            chunk, late = late, None
+                        else:
+                            try:
+                                chunk = await chunks.__anext__()
+                            except StopAsyncIteration:
+                                done = True
+                                break
+                            except Exception as exc:
+                                failure = exc
+                                done = True
+                                break
+                            if clock.cancel_called:
+                                # The keep-alive fell due as the chunk came (it was
+                                # ready: no checkpoint raised).  Moving the deadline
+                                # cannot un-cancel this clock, so the chunk goes out
+                                # under the next one; it keeps the stream alive too.
+                                late = chunk
+                                break
                         out = head() if not head_sent else b""
                         # Chunks that arrived with this one go out in the same write:
                         # nothing waits for them, and a burst costs one send, not one
@@ -554,7 +583,11 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
         return await _fail(ctx, _bad_param(
             "input must be a string or a non-empty array of strings "
             "(token arrays are not supported by this gateway)", "input"))
-    base64_out = body.get("encoding_format") == "base64"
+    encoding = body.get("encoding_format")
+    if encoding not in (None, "float", "base64"):
+        return await _fail(ctx, _bad_param(
+            "encoding_format must be 'float' or 'base64'", "encoding_format"))
+    base64_out = encoding == "base64"
     call_id = fresh_call_id()
     token = PRESET_CALL_ID.set(call_id)
     try:

@@ -40,6 +40,8 @@ class ErrorReply:
     type: str
     code: str
     retry_after_s: float | None = None
+    #: The request parameter at fault (OpenAI's ``error.param``), when one is.
+    param: str | None = None
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         out = [(b"content-type", b"application/json")]
@@ -50,7 +52,7 @@ class ErrorReply:
         return out
 
     def body(self) -> bytes:
-        return error_body(self.message, self.type, self.code)
+        return error_body(self.message, self.type, self.code, self.param)
 
 
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:

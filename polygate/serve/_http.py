@@ -1,13 +1,13 @@
 """HTTP/1.1 for the gateway: one keep-alive connection on h11 over a trio stream.
 
 Everything a client can hold is bounded here: the wait for a request head
-(``idle_timeout_s`` before its first byte on a kept-alive connection or
-``header_timeout_s`` on a new one, then ``header_timeout_s`` for the rest of it),
-its size (h11's ``max_incomplete_event_size``), the body's size
-(``max_request_bytes``, refused from ``Content-Length`` before a byte of it is read)
-and time (``body_timeout_s``), and every write to a client that does not read
-(``send_timeout_s``).  A slow or silent client costs one connection slot for a
-bounded time, never a task that lives forever.
+(``header_timeout_s`` for the whole head on a new connection; on a kept-alive one,
+``idle_timeout_s`` before its first byte, then ``header_timeout_s`` from it), its size
+(64 KiB: h11's ``max_incomplete_event_size`` while incomplete, and checked once
+complete), the body's size (``max_request_bytes``, refused from ``Content-Length``
+before a byte of it is read) and time (``body_timeout_s``), and every write to a
+client that does not read (``send_timeout_s``).  A slow or silent client costs one
+connection slot for a bounded time, never a task that lives forever.
 
 While a request is being answered, :meth:`Connection.watch_close` reads the socket:
 end of file (or a reset) means the client has left and the request's cancel scope is
@@ -110,16 +110,24 @@ class Connection:
         """
         limits = self.limits
         now = trio.current_time()
-        started = bool(self.h11.trailing_data[0])
-        wait = limits.idle_timeout_s if self.requests and not started else limits.header_timeout_s
+        pending = len(self.h11.trailing_data[0])  # pipelined: already here
+        # A kept-alive connection waits idle_timeout_s for a request, and its head has
+        # header_timeout_s from its first byte; a new one has header_timeout_s for the
+        # whole head, from its start (a first byte does not buy a second period).
+        idle = bool(self.requests) and not pending
+        wait = limits.idle_timeout_s if idle else limits.header_timeout_s
         with trio.CancelScope(deadline=now + wait) as scope:
-            event = await self._next_head_event(scope, started)
+            event, fed = await self._next_head_event(scope, idle)
         if scope.cancelled_caught:
             if self.h11.their_state is h11.IDLE and not self.h11.trailing_data[0]:
                 return None  # idle keep-alive connection: close quietly
             raise HTTPProblem(408, "the request head was not received in time", "request_timeout")
         if not isinstance(event, h11.Request):
             return None  # ConnectionClosed
+        # h11 checks its size limit only while a head is incomplete: one completed by a
+        # later read (or pipelined) may be larger.  What it has not consumed is body.
+        if pending + fed > _MAX_HEAD and pending + fed - len(self.h11.trailing_data[0]) > _MAX_HEAD:
+            raise HTTPProblem(431, "the request head is over 64 KiB", "bad_request")
         self.requests += 1
         self.responding = False
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
@@ -148,7 +156,9 @@ class Connection:
         body = await self._read_body()
         return Request(event.method.decode("latin-1"), path, headers, body)
 
-    async def _next_head_event(self, scope: trio.CancelScope, started: bool) -> h11.Event:
+    async def _next_head_event(self, scope: trio.CancelScope, idle: bool) -> tuple[h11.Event, int]:
+        """The next event, and how many bytes were received for it."""
+        fed = 0
         while True:
             try:
                 event = self.h11.next_event()
@@ -156,12 +166,13 @@ class Connection:
                 status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
                 raise HTTPProblem(status, f"malformed request: {exc}", "bad_request") from None
             if event is not h11.NEED_DATA:
-                return event  # type: ignore[return-value]
+                return event, fed  # type: ignore[return-value]
             data = await self._receive()
-            if data and not started:
+            if data and idle:
                 # The first byte of a request: from now on the head has header_timeout_s.
-                started = True
+                idle = False
                 scope.deadline = trio.current_time() + self.limits.header_timeout_s
+            fed += len(data)
             self.h11.receive_data(data)
 
     async def _read_body(self) -> bytes:

@@ -33,7 +33,7 @@ import attrs
 import httpx
 import trio
 
-from .._config import Settings
+from .._config import FieldError, Settings
 from .._context import fresh_call_id
 from .._errors import ConfigError, GovernanceBackendError
 from .._session import Session, session
@@ -260,6 +260,7 @@ class Server:
     async def _refuse(self, stream: trio.SocketStream) -> None:
         self._refusing += 1
         try:
+            cid = fresh_call_id().encode()
             body = error_body(
                 "The gateway is at its connection limit; try again shortly.", "api_error",
                 "too_many_connections",
@@ -267,8 +268,8 @@ class Server:
             head = (
                 b"HTTP/1.1 503 Service Unavailable\r\nserver: polygate\r\n"
                 b"content-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
-                b"x-polygate-call-id: %s\r\ncontent-length: %d\r\n\r\n"
-                % (fresh_call_id().encode(), len(body))
+                b"x-polygate-call-id: %s\r\nx-request-id: %s\r\ncontent-length: %d\r\n\r\n"
+                % (cid, cid, len(body))
             )
             with trio.move_on_after(1):
                 try:
@@ -299,7 +300,8 @@ class Server:
                     return
                 finally:
                     self._idle.discard(idle)
-                if request is None or idle.cancelled_caught:
+                # The scope first: a drain cancels it before a request was read at all.
+                if idle.cancelled_caught or request is None:
                     return
                 await self._answer(conn, request)
                 if not conn.reusable():
@@ -340,7 +342,8 @@ class Server:
             cid = fresh_call_id().encode()
             await conn.send_response(
                 problem.status,
-                [(b"content-type", b"application/json"), (b"x-polygate-call-id", cid)],
+                [(b"content-type", b"application/json"), (b"x-polygate-call-id", cid),
+                 (b"x-request-id", cid)],
                 error_body(problem.message, "invalid_request_error", problem.code), close=True,
             )
         except ClientGone:
@@ -375,6 +378,10 @@ async def open_server(
         raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
     host = settings.serve.host if host is None else host
     port = settings.serve.port if port is None else port
+    try:  # the overrides are checked like [serve] host and port (70000 is not 4464)
+        attrs.evolve(settings.serve, host=host, port=port)
+    except FieldError as exc:
+        raise ConfigError(f"{exc.field}: {exc.problem}") from None
     check_exposure(settings, host)
     if importlib.util.find_spec("prometheus_client") is None:
         raise ConfigError("polygate serve needs the serve extra: pip install 'polygate[serve]'")

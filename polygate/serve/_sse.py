@@ -8,7 +8,8 @@ stream too, so this module adds, around the forwarded chunks and in the same wri
   unless that chunk already names the role;
 * after the last, a finish chunk for every choice whose ``finish_reason`` the
   forwarded chunks did not carry, the usage chunk when the client asked for it
-  (``stream_options.include_usage``), and ``data: [DONE]``.
+  (``stream_options.include_usage``; ``"usage": null`` when the upstream reported
+  none, as the JSON answer then has none), and ``data: [DONE]``.
 
 A chunk whose ``raw`` is not a chunk (an upstream that cannot stream answers with a
 whole ``chat.completion``) is re-shaped from its delta.  Nothing is buffered: each
@@ -104,14 +105,21 @@ class StreamShape:
         }
 
 
-def _usage(response: ChatResponse) -> dict[str, Any]:
+def _usage(response: ChatResponse) -> dict[str, Any] | None:
+    """The usage the upstream reported, decided as for the JSON answer (which is the
+    raw body, ``usage`` included or not); ``None`` (``"usage": null``: not known)
+    when it reported none -- the library's estimate of a whole call (its completion
+    budget) is for its own accounting, never passed off as a count."""
     wire = response.raw.get("usage") if isinstance(response.raw, Mapping) else None
-    # A resumed stream's raw body is its last segment's; its usage covers them all.
-    if isinstance(wire, Mapping) and not response.call_stats.resumes:
+    if not isinstance(wire, Mapping):
+        return None
+    if not response.call_stats.resumes:
         return dict(wire)
+    # A resumed stream's raw body is its last segment's; its usage covers them all (a
+    # cut segment, which never reports, counted from the text it showed).
     usage = response.usage
     if usage is None:
-        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        return dict(wire)
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
