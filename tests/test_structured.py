@@ -428,6 +428,22 @@ def slow_validation(monkeypatch: pytest.MonkeyPatch, took_s: float) -> None:
 BIG = json.dumps({"city": "x" * 5000, "population": 1})
 
 
+async def test_a_threaded_validation_takes_no_virtual_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Under MockClock a validation in a worker thread takes no virtual time, however
+    long it takes for real (it once let the clock jump to the call's deadline)."""
+    answer = json.dumps([{"city": "x" * 20, "population": i} for i in range(2000)])
+    up = FakeUpstream(Reply(text=answer))
+    settings = one_source_settings(call_deadline_s=60.0)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        for _ in range(3):
+            start = trio.current_time()
+            r = await s.chat(MESSAGES, schema={"type": "array", "items": CITY_SCHEMA})
+            assert trio.current_time() == start and r.call_stats.total_latency_ms == 0
+            assert len(r.parsed) == 2000
+
+
 async def test_total_latency_covers_the_last_validation(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
