@@ -629,6 +629,7 @@ def _embedding_response(
         source=source,
         total_latency_ms=(now - ctx.started_at) * 1000.0,
         generation_ms=generation,
+        scope=ctx.scope_name,
     )
     usage = Usage(prompt, total - prompt, total, "estimated" if estimated else "upstream")
     return EmbeddingResponse(vectors=vectors, usage=usage, call_stats=stats, model=model, source=source)
