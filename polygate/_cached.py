@@ -210,7 +210,9 @@ async def cached_chat(
             return None
         answered = fields.pop("scope")
         if rounds is not None:
-            judged = await rounds.accept(ChatResponse(**fields, call_stats=call.stats(cached=True)))
+            candidate = ChatResponse(**fields, call_stats=call.stats(cached=True))
+            # Validating a stored answer is part of the call: under its deadline.
+            judged = await call.within(lambda: rounds.accept(candidate))
             if judged is None:
                 cache.failed("a cached answer no longer matches its schema", pause=False)
                 return None

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any, Protocol, TypeVar
 
+import attrs
 import trio
 
 if sys.version_info < (3, 11):
@@ -45,6 +46,7 @@ from ._errors import (
     PolygateError,
     RateLimitedError,
     StreamStalled,
+    StructuredOutputError,
     TransientUpstreamError,
     UpstreamError,
 )
@@ -418,14 +420,32 @@ async def run_chat(
             response = await one_round()
             if rounds is None:
                 return response
-            judged = await rounds.after_round(response, ctx.messages)
+            try:
+                judged = await rounds.after_round(response, ctx.messages)
+            except StructuredOutputError as exc:
+                await trio.lowlevel.checkpoint()
+                if exc.call_stats is not None:
+                    exc.call_stats = _judged(ctx, exc.call_stats)
+                raise
             if isinstance(judged, ChatResponse):
-                return judged
+                await trio.lowlevel.checkpoint()
+                return attrs.evolve(judged, call_stats=_judged(ctx, judged.call_stats))
             _next_round(ctx, judged)
 
     response = await _with_deadline(ctx, deadline_s, body)
     runtime.recorder.call(ctx, response.call_stats, response.usage, None, response.message)
     return response
+
+
+def _judged(ctx: CallContext, stats: CallStats) -> CallStats:
+    """The statistics of a call whose last answer was just judged: judging (a
+    validation, perhaps seconds of it in a worker thread) is part of the logical call,
+    so ``total_latency_ms`` runs to now.
+
+    The caller checkpoints first: a deadline that passed while an answer was validated
+    on the loop (which nothing could interrupt) is then the call's outcome
+    (DeadlineExceeded), not the answer."""
+    return attrs.evolve(stats, total_latency_ms=(trio.current_time() - ctx.started_at) * 1000.0)
 
 
 def _next_round(ctx: CallContext, messages: list[Mapping[str, Any]]) -> None:
@@ -621,6 +641,7 @@ def _embedding_response(
         source=source,
         total_latency_ms=(now - ctx.started_at) * 1000.0,
         generation_ms=generation,
+        scope=ctx.scope_name,
     )
     usage = Usage(prompt, total - prompt, total, "estimated" if estimated else "upstream")
     return EmbeddingResponse(vectors=vectors, usage=usage, call_stats=stats, model=model, source=source)

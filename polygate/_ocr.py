@@ -209,6 +209,7 @@ def _ocr_response(
             logical_call_id=ctx.logical_call_id,
             attempts=len(ctx.attempts),
             source=_most_common(r.source for r in records),
+            scope=ctx.scope_name,
             total_latency_ms=(now - ctx.started_at) * 1000.0,
             generation_ms=generation,
         )

@@ -208,8 +208,10 @@ class Session:
 
 
 # One encoder each, made once: json.dumps with arguments builds a new one per call.
-_encode_messages = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-_encode_params = json.JSONEncoder().encode
+# allow_nan=False: NaN and ±Infinity are not JSON (the default encoder writes bare
+# NaN/Infinity tokens an upstream may reject, or worse, read); the check is free.
+_encode_messages = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+_encode_params = json.JSONEncoder(allow_nan=False).encode
 
 
 def _check_messages(messages: Any) -> str:
@@ -224,6 +226,8 @@ def _check_messages(messages: Any) -> str:
     try:
         return _encode_messages(messages)
     except (TypeError, ValueError) as exc:
+        if isinstance(exc, ValueError) and "Out of range float" in str(exc):
+            raise ConfigError("messages must not contain NaN or Infinity (not JSON)") from None
         raise ConfigError(f"messages are not JSON-serialisable: {exc}") from None
 
 
@@ -238,7 +242,22 @@ def _check_params(params: Mapping[str, Any], reserved: tuple[str, ...] = ("messa
     try:
         _encode_params(params)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"parameters are not JSON-serialisable: {exc}") from None
+        raise ConfigError(_unencodable(params, exc)) from None
+
+
+def _unencodable(params: Mapping[str, Any], exc: Exception) -> str:
+    """Which parameter cannot be sent (found on the error path only: the common path
+    encodes all of them at once)."""
+    name = "parameters"
+    for key, value in params.items():
+        try:
+            _encode_params(value)
+        except (TypeError, ValueError) as found:
+            name, exc = f"parameter {key!r}", found
+            break
+    if isinstance(exc, ValueError) and "Out of range float" in str(exc):
+        return f"{name} must not contain NaN or Infinity (not JSON)"
+    return f"{name} must be JSON-serialisable: {exc}"
 
 
 # --------------------------------------------------------------------------- streams

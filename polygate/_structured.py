@@ -364,9 +364,11 @@ class StructuredRounds:
         text = response.text
         try:
             if len(text) > self.schema.off_loop_chars:
-                # Not abandoned on cancellation: a pure computation, bounded by the
-                # answer's size; the call's cleanup waits for it like for a page render.
-                parsed = await run_sync(self.schema.validate, text)
+                # Inside the call's deadline: abandoned when it passes (or the caller
+                # cancels), so the call ends on time.  The thread computes on, a pure
+                # function of the answer with nothing to clean up, for at most what
+                # validating that answer takes.
+                parsed = await run_sync(self.schema.validate, text, abandon_on_cancel=True)
             else:
                 parsed = self.schema.validate(text)
         except Invalid as exc:
@@ -396,7 +398,7 @@ class StructuredRounds:
         text = response.text
         try:
             if len(text) > self.schema.off_loop_chars:
-                parsed = await run_sync(self.schema.validate, text)
+                parsed = await run_sync(self.schema.validate, text, abandon_on_cancel=True)
             else:
                 parsed = self.schema.validate(text)
         except Invalid:

@@ -3,26 +3,35 @@
 ``trio.to_thread.run_sync`` is how polygate runs blocking work (SQLite, image encoding,
 large validations) off the event loop.  Under ``MockClock(autojump_threshold=0)`` —
 how polygate's own tests, the users' tests and ``polygate demo`` run virtual time — a
-run whose every task waits for a thread has nothing to jump to, and trio's autojumper
-then loops without pause, holding the GIL: the worker thread gets it back only every
-switch interval, and a 2-row SQLite write took over a second (the telemetry flush at
-close then ran out of its real-time bound and dropped rows).
+run whose every task waits for a thread looks idle, and trio's autojumper then jumps
+the clock to the next timer (often a call's deadline: a spurious DeadlineExceeded),
+or, with nothing to jump to, loops without pause holding the GIL the thread needs.
 
-:func:`run_sync` lends such a clock a 1 ms real-time threshold while threads run, so
-the autojumper waits instead of spinning.  Virtual time does not move while the
-thread works (as if the work took no time), which is also the deterministic answer.
-Any other clock is left alone.
+:func:`run_sync` holds such a clock still while the thread works: it lends it an
+infinite autojump threshold, so the clock does not jump at all until the thread is
+done.  Virtual time does not move while the thread works (as if the work took no
+time), which is also the deterministic answer.  The loop meanwhile waits for the
+thread's wake-up like for any I/O, and cancellation is unchanged (an abandoned thread
+returns the loan when ``run_sync`` returns).  A finite loan (once 1 ms) is not enough:
+any thread slower than it in wall time — a GIL switch interval, a busy machine — let
+the clock jump.  Any other clock is left alone; the check costs a dictionary lookup.
 
-:func:`patient_clock` is the same loan for other waits on real work: OCR's renderer
-processes (``polygate._ocr_renderers``) lend ``math.inf`` — no jump at all while a
-renderer works, since its answer always comes in bounded real time, and a process
-start (a few hundred milliseconds) would otherwise let the clock jump to every timer
-of the run, a call's deadline included.  While several loans overlap the clock keeps
-the smallest threshold lent.
+The hold is for work bounded in real time that a task waits for.  ``background=True``
+is for work no call waits for and that may stall without bound (the telemetry sink's
+writes to a database that hangs): it lends only 1 ms — the autojumper waits instead
+of spinning against the thread for the GIL, yet virtual time goes on past a stuck
+sink.  While loans overlap the clock keeps the largest: a hold is kept even while
+background work runs.
+
+:func:`patient_clock` is the same loan for other waits on real work, e.g. OCR's
+renderer processes (``polygate._ocr_renderers``): a renderer's answer always comes in
+bounded real time, and a process start (a few hundred milliseconds) would otherwise
+let the clock jump to every timer of the run.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -35,15 +44,16 @@ __all__ = ["patient_clock", "run_sync"]
 
 T = TypeVar("T")
 
-_PATIENT_THRESHOLD_S = 0.001
+_HOLD_S = math.inf  # no jump at all while the real work runs
+_BACKGROUND_S = 0.001  # jump after 1 ms of real idleness: a stuck thread holds nothing
 # clock -> (the thresholds lent now, one entry per wait; the threshold to restore)
 _lent: weakref.WeakKeyDictionary[Any, tuple[list[float], float]] = weakref.WeakKeyDictionary()
 
 
 @contextmanager
-def patient_clock(threshold: float = _PATIENT_THRESHOLD_S) -> Iterator[None]:
+def patient_clock(threshold: float = _HOLD_S) -> Iterator[None]:
     """While inside, a ``MockClock`` whose autojump threshold is 0 has ``threshold``
-    instead (the smallest of the loans in force); any other clock is left alone."""
+    instead (the largest of the loans in force); any other clock is left alone."""
     # A MockClock exists only if trio.testing was imported; importing it here would
     # cost every program ~0.2 s (it imports pytest when pytest is installed).
     testing = sys.modules.get("trio.testing")
@@ -59,13 +69,13 @@ def patient_clock(threshold: float = _PATIENT_THRESHOLD_S) -> Iterator[None]:
         entry = _lent[clock] = ([], clock.autojump_threshold)
     loans = entry[0]
     loans.append(threshold)
-    clock.autojump_threshold = min(loans)
+    clock.autojump_threshold = max(loans)
     try:
         yield
     finally:
         loans.remove(threshold)
         if loans:
-            clock.autojump_threshold = min(loans)
+            clock.autojump_threshold = max(loans)
         else:
             del _lent[clock]
             clock.autojump_threshold = entry[1]
@@ -76,9 +86,11 @@ async def run_sync(
     *args: Any,
     abandon_on_cancel: bool = False,
     limiter: trio.CapacityLimiter | None = None,
+    background: bool = False,
 ) -> T:
-    """``trio.to_thread.run_sync``, patient with a zero-threshold ``MockClock``."""
-    with patient_clock():
+    """``trio.to_thread.run_sync``; a zero-threshold ``MockClock`` holds still while
+    the thread works (``background``: only waits 1 ms of real idleness to jump)."""
+    with patient_clock(_BACKGROUND_S if background else _HOLD_S):
         return await trio.to_thread.run_sync(
             fn, *args, abandon_on_cancel=abandon_on_cancel, limiter=limiter
         )

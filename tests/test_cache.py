@@ -302,6 +302,18 @@ async def test_embed_sends_only_the_misses(autojump_clock: trio.testing.MockCloc
     assert stats.hits == 2 + 2 and stats.misses == 2 + 1  # per distinct input
 
 
+async def test_embed_statistics_name_the_scope(autojump_clock: trio.testing.MockClock) -> None:
+    """CallStats.scope is the scope for every embed outcome (it was None for a miss
+    and a partial hit, set for a hit)."""
+    up = FakeUpstream(Reply())
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        uncached = await s.embed(["x"], cache=False)
+        miss = await s.embed(["a"])
+        partial = await s.embed(["a", "b"])
+        hit = await s.embed(["a", "b"])
+    assert [r.call_stats.scope for r in (uncached, miss, partial, hit)] == ["embed"] * 4
+
+
 async def test_embed_usage_shares_add_up(autojump_clock: trio.testing.MockClock) -> None:
     up = FakeUpstream(Reply())
     texts = ["short", "a much longer input text", "mid length"]

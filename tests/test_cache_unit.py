@@ -219,6 +219,45 @@ async def test_a_full_queue_drops_writes(autojump_clock: trio.testing.MockClock)
     assert await cache.get("k4095") == b"v" and await cache.get("k4096") is None
 
 
+async def test_writes_given_up_at_close_are_counted(autojump_clock: trio.testing.MockClock) -> None:
+    """The flush at close has 5 s: the batch being written when they run out and the
+    entries still queued are given up, and counted (writes_dropped) by the time
+    aclose returns — every entry is either written or dropped."""
+    backend = Flaky()
+    backend.slow = 3.0
+    cache = Cache(backend)
+    async with trio.open_nursery() as nursery:
+        cache.start(nursery)
+        for i in range(1000):
+            cache.put(f"k{i}", b"v", 60)
+        start = trio.current_time()
+        await cache.aclose()
+        assert trio.current_time() - start == pytest.approx(5.0)
+        assert (cache.writes, cache.writes_dropped) == (256, 744)
+        nursery.cancel_scope.cancel()
+    assert (cache.writes, cache.writes_dropped) == (256, 744)
+    assert backend.batches == [256] and cache._pending == {}
+
+
+async def test_writes_given_up_at_close_are_counted_on_the_real_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from polygate.cache import _cache
+
+    monkeypatch.setattr(_cache, "_FLUSH_S", 0.2)
+    backend = Flaky()
+    backend.slow = 2.0
+    cache = Cache(backend)
+    async with trio.open_nursery() as nursery:
+        cache.start(nursery)
+        for i in range(300):
+            cache.put(f"k{i}", b"v", 60)
+        with trio.fail_after(1.5):
+            await cache.aclose()
+        nursery.cancel_scope.cancel()
+    assert (cache.writes, cache.writes_dropped) == (0, 300)
+
+
 async def test_failed_writes_are_counted_and_dropped(autojump_clock: trio.testing.MockClock) -> None:
     backend = Flaky()
     backend.down = True

@@ -295,6 +295,36 @@ async def test_bad_arguments_before_any_io(autojump_clock: trio.testing.MockCloc
         await s.chat(MESSAGES)
 
 
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+async def test_non_finite_numbers_are_refused_before_any_io(
+    autojump_clock: trio.testing.MockClock, value: float
+) -> None:
+    """NaN and ±Infinity are not JSON: once sent upstream as bare NaN/Infinity tokens.
+    A ConfigError (a ValueError) naming the parameter, for every kind of call, nested
+    values and messages too."""
+    up = FakeUpstream(Reply())
+    scope = polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])
+    settings = polygate.Settings(scopes={"chat": scope, "embed": scope, "ocr": scope})
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="'temperature'"):
+            await s.chat(MESSAGES, temperature=value)
+        with pytest.raises(ValueError, match="'max_tokens'"):
+            await s.chat(MESSAGES, max_tokens=value)
+        with pytest.raises(polygate.ConfigError, match="'logit_bias'"):
+            await s.chat(MESSAGES, logit_bias={"50256": value})
+        with pytest.raises(polygate.ConfigError, match="'extra'"):
+            await s.chat(MESSAGES, temperature=0.5, extra={"a": [1, {"b": value}]})
+        with pytest.raises(polygate.ConfigError, match="messages"):
+            await s.chat([{"role": "user", "content": "x", "weight": value}])
+        with pytest.raises(polygate.ConfigError, match="'top_p'"):
+            s.stream_chat(MESSAGES, top_p=value)
+        with pytest.raises(polygate.ConfigError, match="'dimensions'"):
+            await s.embed(["x"], dimensions=value)
+        with pytest.raises(polygate.ConfigError, match="'temperature'"):
+            await s.ocr(b"not read", temperature=value)
+    assert up.requests == []
+
+
 async def test_params_pass_through(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream(Reply())
     settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[

@@ -139,6 +139,7 @@ async def test_pdf_pages_in_order_with_their_usage_and_source(
     assert st.attempts == 5 and st.hedges == 0 and st.reasks == 0
     assert st.generation_ms == pytest.approx(1000 * (1 + 2 + 3 + 4 + 5))  # the sum
     assert st.ttft_ms is None  # several pages: no single first token
+    assert st.scope == "ocr"
     assert isinstance(r, polygate.OcrResponse) and isinstance(r.pages[0], polygate.OcrPage)
 
 

@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -411,6 +412,116 @@ async def test_large_answers_are_validated_off_the_loop(
     assert small_answer.parsed["population"] == 2100000
     assert big_answer.parsed["city"] == "x" * 5000
     assert threads[0] == threading.get_ident() != threads[1]
+
+
+def slow_validation(monkeypatch: pytest.MonkeyPatch, took_s: float) -> None:
+    """Thread-hopped validations take ``took_s`` of (virtual) time."""
+    from polygate import _structured
+
+    async def run_sync(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        await trio.sleep(took_s)
+        return fn(*args)
+
+    monkeypatch.setattr(_structured, "run_sync", run_sync)
+
+
+BIG = json.dumps({"city": "x" * 5000, "population": 1})
+
+
+async def test_a_threaded_validation_takes_no_virtual_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Under MockClock a validation in a worker thread takes no virtual time, however
+    long it takes for real (it once let the clock jump to the call's deadline)."""
+    answer = json.dumps([{"city": "x" * 20, "population": i} for i in range(2000)])
+    up = FakeUpstream(Reply(text=answer))
+    settings = one_source_settings(call_deadline_s=60.0)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        for _ in range(3):
+            start = trio.current_time()
+            r = await s.chat(MESSAGES, schema={"type": "array", "items": CITY_SCHEMA})
+            assert trio.current_time() == start and r.call_stats.total_latency_ms == 0
+            assert len(r.parsed) == 2000
+
+
+async def test_total_latency_covers_the_last_validation(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last round's validation is part of the logical call: in its latency."""
+    slow_validation(monkeypatch, 3.0)
+    up = FakeUpstream(Reply(text=BIG, first_token_s=1.0))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        start = trio.current_time()
+        r = await s.chat(MESSAGES, schema=CITY_SCHEMA)
+        took = trio.current_time() - start
+    assert took == pytest.approx(4.0)
+    assert r.call_stats.total_latency_ms == pytest.approx(4000)
+    assert r.call_stats.generation_ms == pytest.approx(1000)
+
+
+async def test_the_deadline_covers_the_last_validation(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deadline that passes while the answer is validated ends the call there."""
+    slow_validation(monkeypatch, 30.0)
+    up = FakeUpstream(Reply(text=BIG, first_token_s=1.0))
+    settings = one_source_settings(call_deadline_s=5.0)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        start = trio.current_time()
+        with pytest.raises(polygate.DeadlineExceeded) as info:
+            await s.chat(MESSAGES, schema=CITY_SCHEMA)
+        assert trio.current_time() - start == pytest.approx(5.0)
+    assert info.value.call_stats is not None
+    assert info.value.call_stats.total_latency_ms == pytest.approx(5000)
+
+
+async def test_an_inline_validation_past_the_deadline_is_deadline_exceeded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small answer validated on the loop cannot be interrupted, but a deadline
+    that passed meanwhile is the call's outcome, not OK (real clock)."""
+    from polygate import _structured
+
+    original = _structured._DictSchema.validate
+
+    def validate(self: Any, text: str) -> Any:
+        time.sleep(0.3)  # the loop is blocked: as a slow inline validation would
+        return original(self, text)
+
+    monkeypatch.setattr(_structured._DictSchema, "validate", validate)
+    up = FakeUpstream(Reply(text=GOOD))
+    settings = one_source_settings(call_deadline_s=0.2)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.DeadlineExceeded):
+            await s.chat(MESSAGES, schema=CITY_SCHEMA)
+        with pytest.raises(polygate.DeadlineExceeded):  # an invalid answer too
+            await s.chat(MESSAGES, schema={"type": "object", "required": ["country"]})
+
+
+@pytest.mark.timeout(120)
+async def test_a_slow_validation_is_cut_at_the_deadline_over_loopback() -> None:
+    """Real clock, real server: an 800 KB answer whose validation takes over a second
+    ends at a 0.5 s deadline (the thread is abandoned), and without one the call's
+    total latency covers the validation."""
+    schema = {"type": "array", "items": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a", "b"]}}
+    answer = json.dumps([{"a": i, "b": "x" * 20} for i in range(25000)], separators=(",", ":"))
+    up = FakeUpstream(Reply(text=answer))
+    async with up.serve() as base:
+        scope = polygate.Scope(sources=[polygate.Source(name="a", base_url=base, model="m")])
+        async with polygate.session(polygate.Settings(scopes={"chat": scope})) as s:
+            started = time.perf_counter()
+            r = await s.chat(MESSAGES, schema=schema)
+            wall_ms = (time.perf_counter() - started) * 1000
+            assert len(r.parsed) == 25000
+            assert r.call_stats.total_latency_ms >= 0.9 * wall_ms
+            took_s = wall_ms / 1000
+            if took_s < 0.9:
+                pytest.skip(f"validation took only {took_s:.2f} s: nothing to cut")
+            started = time.perf_counter()
+            with pytest.raises(polygate.DeadlineExceeded):
+                await s.chat(MESSAGES, schema=schema, call_deadline_s=0.5)
+            assert time.perf_counter() - started < 0.5 + took_s / 2
 
 
 # --------------------------------------------------------------------------- telemetry

@@ -14,8 +14,9 @@ SQLite transaction, or one pipelined round trip to Redis).  Until its batch has 
 written, an entry is served from ``pending``, so a call that follows its twin at once
 still hits.  A full channel drops the write (``writes_dropped``), never blocks a
 call.  When the session ends the writer drains what is queued, each batch bounded by
-the backend's own timeout, and gives up on the rest at the first failure.  The memory
-backend writes in place.
+the backend's own timeout, and gives up on the rest at the first failure or after
+``_FLUSH_S``; every entry given up is counted in ``writes_dropped`` (queued ones too),
+so ``writes + writes_dropped`` is every entry put.  The memory backend writes in place.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class Cache:
         self._send, self._recv = trio.open_memory_channel[tuple[str, _Pending, float]](_QUEUE)
         self._writer_done = trio.Event()
         self._writer_started = False
+        self._writer_scope = trio.CancelScope()  # aclose gives up on the writer with it
         self._closing = trio.Event()
         self._models: dict[str, list[str]] = {}
         self._down_until = -math.inf
@@ -226,41 +228,60 @@ class Cache:
         stream of misses costs a write per period, not one each (on Redis, a write
         per call would also queue behind the next call's lookup on the connection)."""
         try:
-            while True:
-                try:
-                    first = await self._recv.receive()
-                except (trio.EndOfChannel, trio.ClosedResourceError):
-                    break
-                batch = [first]
-                while len(batch) < _BATCH:
+            with self._writer_scope:
+                while True:
                     try:
-                        batch.append(self._recv.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
+                        first = await self._recv.receive()
+                    except (trio.EndOfChannel, trio.ClosedResourceError):
                         break
-                await self._write(batch)
-                with trio.move_on_after(_WRITE_EVERY_S):
-                    await self._closing.wait()  # closing: drain without pause
+                    batch = [first]
+                    while len(batch) < _BATCH:
+                        try:
+                            batch.append(self._recv.receive_nowait())
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                    await self._write(batch)
+                    with trio.move_on_after(_WRITE_EVERY_S):
+                        await self._closing.wait()  # closing: drain without pause
         finally:
+            # Whatever is still queued (the writer was given up on, or cancelled with
+            # the session) will never be written: counted, not lost.
+            self._drop_queued()
             self._writer_done.set()
 
+    def _drop_queued(self) -> None:
+        while True:
+            try:
+                key, entry, _ = self._recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            self.writes_dropped += 1
+            if self._pending.get(key) is entry:
+                del self._pending[key]
+
     async def _write(self, batch: list[tuple[str, _Pending, float]]) -> None:
+        """Write one batch; each of its entries ends up in ``writes`` or in
+        ``writes_dropped``, a batch cancelled midway (given up at close) in the latter
+        (an abandoned SQLite write is interrupted; should its commit have won the race,
+        the entries are stored yet counted dropped — never counted twice)."""
+        counted = False
         try:
             if trio.current_time() < self._down_until:
-                self.writes_dropped += len(batch)
                 return
             try:
                 await self.backend.set_many([(key, entry[0], ttl) for key, entry, ttl in batch])
             except CacheBackendError as exc:
                 self.failed(str(exc))
-                self.writes_dropped += len(batch)
             except Exception as exc:
                 log.exception("cache write failed")
                 self.failed(f"{type(exc).__name__} in a write")
-                self.writes_dropped += len(batch)
             else:
                 self._pause = 0.0
                 self.writes += len(batch)
+                counted = True
         finally:
+            if not counted:
+                self.writes_dropped += len(batch)
             for key, entry, _ in batch:
                 if self._pending.get(key) is entry:
                     del self._pending[key]
@@ -274,14 +295,23 @@ class Cache:
     async def aclose(self) -> None:
         """Stop taking writes and let the writer drain the queue: shielded, each batch
         bounded by the backend's timeout, the rest dropped at the first failure, and
-        all of it within ``_FLUSH_S``.  Call it before cancelling the writer's nursery."""
+        all of it within ``_FLUSH_S``.  Call it before cancelling the writer's nursery.
+
+        At ``_FLUSH_S`` the writer is given up on: the batch it is writing and what is
+        still queued are counted in ``writes_dropped`` before this returns."""
         self._send.close()
         self._closing.set()
         if not self._writer_started:
+            self._drop_queued()
             return
-        with trio.CancelScope(shield=True) as scope:
-            scope.deadline = trio.current_time() + _FLUSH_S
-            await self._writer_done.wait()
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(_FLUSH_S):
+                await self._writer_done.wait()
+            # The writer's backend calls abandon their threads or sockets when
+            # cancelled, so this is at once; bounded all the same (no unbounded shield).
+            self._writer_scope.cancel()
+            with trio.move_on_after(1.0):
+                await self._writer_done.wait()
 
 
 def _backend(options: CacheOptions) -> CacheBackend:

@@ -319,7 +319,8 @@ class Pipeline:
         try:
             with real_time_bound(self.write_timeout_s) as bound:
                 await run_sync(
-                    self.sink.write, batch, abandon_on_cancel=True, limiter=self._limiter
+                    self.sink.write, batch, abandon_on_cancel=True, limiter=self._limiter,
+                    background=True,  # a stuck sink must not freeze virtual time
                 )
         except trio.Cancelled:
             self._interrupt()
@@ -388,7 +389,8 @@ class Pipeline:
             await self._write(leftovers, summary)
             try:
                 await run_sync(
-                    self.sink.close, abandon_on_cancel=True, limiter=self._limiter
+                    self.sink.close, abandon_on_cancel=True, limiter=self._limiter,
+                    background=True,
                 )
             except Exception as exc:
                 # Telemetry never fails the session: a close that fails (disk full at
