@@ -150,6 +150,8 @@ class Session:
             raise ConfigError("inputs must be a non-empty list of strings")
         if not all(isinstance(text, str) for text in inputs):
             raise ConfigError("inputs must be a non-empty list of strings")
+        for index, text in enumerate(inputs):
+            _check_utf8(text, f"inputs[{index}]")
         _check_params(params, reserved=("input",))
         mode = cache_mode(cache)
         return await cached_embed(self._runtime, self._cache, mode, scope, list(inputs), params, deadline)
@@ -211,7 +213,37 @@ class Session:
 # allow_nan=False: NaN and ±Infinity are not JSON (the default encoder writes bare
 # NaN/Infinity tokens an upstream may reject, or worse, read); the check is free.
 _encode_messages = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
-_encode_params = json.JSONEncoder(allow_nan=False).encode
+# ensure_ascii=False as the wire encodes them: a lone surrogate stays a character here,
+# so _check_utf8 sees it (an escaped one would pass the check and fail at send).
+_encode_params = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+_NOT_UNICODE = "is not valid Unicode (a lone surrogate, e.g. U+D800, cannot be sent as UTF-8)"
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes to UTF-8 (no lone surrogate).
+
+    ``isascii`` settles nearly every call at memchr speed; otherwise one encode whose
+    copy is dropped (the wire body is built per attempt around the spliced JSON).
+    """
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """Refuse text holding a lone surrogate (only UTF-8 goes on the wire)."""
+    if text.isascii():
+        return
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            f"{what} {_NOT_UNICODE}: U+{ord(exc.object[exc.start]):04X} at character {exc.start}"
+        ) from None
 
 
 def _check_messages(messages: Any) -> str:
@@ -224,11 +256,15 @@ def _check_messages(messages: Any) -> str:
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ConfigError(f"messages[{index}] must be an object with a string 'role'")
     try:
-        return _encode_messages(messages)
+        encoded = _encode_messages(messages)
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ValueError) and "Out of range float" in str(exc):
             raise ConfigError("messages must not contain NaN or Infinity (not JSON)") from None
         raise ConfigError(f"messages are not JSON-serialisable: {exc}") from None
+    if not _is_utf8(encoded):  # which one, on the error path only
+        for index, message in enumerate(messages):
+            _check_utf8(_encode_messages(message), f"messages[{index}]")
+    return encoded
 
 
 def _check_params(params: Mapping[str, Any], reserved: tuple[str, ...] = ("messages", "stream")) -> None:
@@ -240,9 +276,12 @@ def _check_params(params: Mapping[str, Any], reserved: tuple[str, ...] = ("messa
     if not params:
         return
     try:
-        _encode_params(params)
+        encoded = _encode_params(params)
     except (TypeError, ValueError) as exc:
         raise ConfigError(_unencodable(params, exc)) from None
+    if not _is_utf8(encoded):
+        for key, value in params.items():
+            _check_utf8(_encode_params({key: value}), f"parameter {key!r}")
 
 
 def _unencodable(params: Mapping[str, Any], exc: Exception) -> str:

@@ -148,7 +148,15 @@ def chat_body(
     middle = "," if len(head) > 2 else ""
     if isinstance(messages_json, bytes):
         return b"".join((f'{head[:-1]}{middle}"messages":'.encode(), messages_json, b"}"))
-    return f'{head[:-1]}{middle}"messages":{messages_json}}}'.encode()
+    return f'{head[:-1]}{middle}"messages":{messages_json}}}'.encode("utf-8", _ESCAPE)
+
+
+# A lone surrogate is refused from the caller (ConfigError, polygate/_session.py), but an
+# upstream may send one as a valid JSON escape ("\ud800") that a re-ask or a resume then
+# sends back.  A surrogate can only stand inside a JSON string, and "backslashreplace"
+# writes it as exactly that escape: the upstream gets back the bytes it sent, the same
+# as from an ensure_ascii client.  Valid text never reaches the handler (no cost).
+_ESCAPE = "backslashreplace"
 
 
 _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
@@ -159,7 +167,7 @@ def embeddings_body(endpoint: Endpoint, inputs: Sequence[str], params: Mapping[s
     if endpoint.model is not None:
         body["model"] = endpoint.model
     body["input"] = list(inputs)
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8", _ESCAPE)
 
 
 # A JSON string, escapes included (brackets inside one are not nesting).

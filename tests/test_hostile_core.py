@@ -1,0 +1,104 @@
+"""Hostile bytes and arguments at the core: text that is not valid Unicode, vectors
+and indexes that are not what they claim, usage that does not add up.  Each ends
+in a typed error (or a documented, safe reading) — never a bare exception."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.testing import FakeUpstream, Reply, Router
+
+from ._raw_server import RawServer, raw_server
+from .conftest import MESSAGES
+
+LONE = "a\ud800b"
+
+
+def _embed_settings() -> polygate.Settings:
+    source = polygate.Source(name="a", base_url="http://a/v1", api_key="sk-x")
+    return polygate.Settings(scopes={"chat": polygate.Scope(sources=[source]),
+                                     "embed": polygate.Scope(sources=[source])})
+
+
+# --------------------------------------------------------------------- lone surrogates
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: s.chat([{"role": "user", "content": LONE}]),
+    lambda s: s.chat([{"role": "user", "content": [{"type": "text", "text": LONE}]}]),
+    lambda s: s.chat([{"role": "user", LONE: "x"}]),
+    lambda s: s.chat(MESSAGES, user=LONE),
+    lambda s: s.chat(MESSAGES, metadata={"k": [LONE]}),
+    lambda s: s.embed([LONE], scope="embed"),
+    lambda s: s.embed(["ok", "ok", LONE], scope="embed"),
+    lambda s: s.embed(["ok"], scope="embed", user=LONE),
+])
+async def test_a_lone_surrogate_from_the_caller_is_a_config_error_before_any_io(
+    call: Any, autojump_clock: trio.testing.MockClock
+) -> None:
+    up = FakeUpstream(Reply())
+    async with polygate.session(_embed_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="not valid Unicode") as info:
+            await call(s)
+        assert "\ud800" not in str(info.value)
+        with pytest.raises(polygate.ConfigError, match="not valid Unicode"):
+            async with s.stream_chat([{"role": "user", "content": LONE}]) as stream:
+                async for _ in stream:
+                    pass
+    assert up.statistics().requests == 0
+
+
+async def test_valid_non_ascii_and_escaped_pairs_still_pass(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(Reply())
+    async with polygate.session(_embed_settings(), transport=Router({"a": up})) as s:
+        await s.chat([{"role": "user", "content": "é 😀 \U0001f600 ✓"}], user="ü")
+        await s.embed(["😀", "plain"], scope="embed")
+    assert up.statistics().requests == 2
+
+
+def _sized(body: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+            % len(body) + body)
+
+
+async def test_an_answer_with_a_lone_surrogate_is_re_asked_faithfully() -> None:
+    """The upstream's ``\\ud800`` escape is valid JSON: the re-ask sends it back as the
+    same escape (lossless, what an ``ensure_ascii`` client sends) instead of raising a
+    bare UnicodeEncodeError while building the next body."""
+    bad = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"bad \\ud800 x"},"finish_reason":"stop"}]}'
+    good = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"{\\"ok\\": 1}"},"finish_reason":"stop"}]}'
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(_sized(bad if len(server.requests) == 1 else good))
+
+    async with raw_server(reply) as server:
+        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x", streaming=False)
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})
+        async with polygate.session(settings) as s:
+            response = await s.chat(MESSAGES, schema={"type": "object"})
+    assert response.parsed == {"ok": 1}
+    reask = _body(server, 1)
+    assert b"bad \\ud800 x" in reask
+    assert json.loads(reask)["messages"][1]["content"] == "bad \ud800 x"
+
+
+def _body(server: RawServer, n: int) -> bytes:
+    return server.requests[n].partition(b"\r\n\r\n")[2]
+
+
+def test_chat_body_escapes_a_lone_surrogate_as_json_does() -> None:
+    from polygate.transport._wire import Endpoint, chat_body, embeddings_body
+
+    endpoint = Endpoint.__new__(Endpoint)
+    object.__setattr__(endpoint, "model", None)
+    body = chat_body(endpoint, json.dumps([{"role": "assistant", "content": "x\udfff"}], ensure_ascii=False), {}, False)
+    assert json.loads(body) == json.loads(json.dumps({"messages": [{"role": "assistant", "content": "x\udfff"}]}))
+    assert json.loads(embeddings_body(endpoint, ["\ud800"], {}))["input"] == ["\ud800"]
