@@ -102,3 +102,43 @@ def test_chat_body_escapes_a_lone_surrogate_as_json_does() -> None:
     body = chat_body(endpoint, json.dumps([{"role": "assistant", "content": "x\udfff"}], ensure_ascii=False), {}, False)
     assert json.loads(body) == json.loads(json.dumps({"messages": [{"role": "assistant", "content": "x\udfff"}]}))
     assert json.loads(embeddings_body(endpoint, ["\ud800"], {}))["input"] == ["\ud800"]
+
+
+# --------------------------------------------------------------------- linear assembly
+
+
+def test_text_parts_copies_each_character_a_logarithmic_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/security.md promises work linear in the bytes received: the assembler must
+    not rejoin the whole answer every few pieces (quadratic in the answer's length).
+    Counted in characters copied by joins, not in time, so it cannot flake."""
+    from polygate.transport import _assemble
+
+    copied = 0
+    real_join = "".join
+
+    def counting_join(pieces: Any) -> str:
+        nonlocal copied
+        joined = real_join(pieces)
+        copied += len(joined)
+        return joined
+
+    monkeypatch.setattr(_assemble, "_join", counting_join)
+    parts = _assemble.TextParts()
+    n = 50_000
+    for i in range(n):
+        parts.append(str(i % 10))
+    assert "".join(parts) == "".join(str(i % 10) for i in range(n))
+    assert copied <= 5 * n  # log16(50 000) < 4 levels; quadratic would be ~n²/32
+    assert len(parts) <= 15 * 4 + 1  # still a few pieces, not one per token
+
+
+def test_the_assembler_still_builds_the_whole_text() -> None:
+    from polygate.transport import ChatAssembler
+
+    assembler = ChatAssembler()
+    for i in range(5000):
+        assembler.add({"choices": [{"index": 0, "delta": {"content": f"{i},"}}]})
+    message = assembler.build()["choices"][0]["message"]
+    assert message["content"] == "".join(f"{i}," for i in range(5000))

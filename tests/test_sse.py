@@ -123,8 +123,10 @@ def test_text_parts_compact_without_changing_the_text(pieces: list[str]) -> None
     from polygate.transport import TextParts
 
     parts = TextParts()
-    for piece in pieces:
+    for appended, piece in enumerate(pieces, 1):
         parts.append(piece)
-        assert len(parts) < 16
+        # A base-16 counter: one piece per unit of each digit, at most 15 a level
+        # (log16 levels; a flat "< 16" meant rejoining the whole text: quadratic).
+        assert len(parts) == sum(int(digit, 16) for digit in f"{appended:x}")
     assert "".join(parts) == "".join(pieces)
     assert bool(parts) == bool(pieces)
