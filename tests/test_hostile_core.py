@@ -142,3 +142,68 @@ def test_the_assembler_still_builds_the_whole_text() -> None:
         assembler.add({"choices": [{"index": 0, "delta": {"content": f"{i},"}}]})
     message = assembler.build()["choices"][0]["message"]
     assert message["content"] == "".join(f"{i}," for i in range(5000))
+
+
+# --------------------------------------------------------------------- embedding vectors
+
+
+class _Named:
+    name = "a"
+    secrets = ("sk-x",)
+
+
+def _f32(*values: float) -> str:
+    import base64
+    from array import array
+
+    return base64.b64encode(array("f", values).tobytes()).decode()
+
+
+_HUGE = json.loads("1" + "0" * 400)  # an int no float can hold
+
+
+@pytest.mark.parametrize("data", [
+    [{"index": 0, "embedding": [_HUGE, 1.0]}],
+    [{"index": 0, "embedding": [-_HUGE]}],
+    [{"index": 0, "embedding": _f32(float("nan"), 1.0)}],
+    [{"index": 0, "embedding": _f32(1.0, float("inf"))}],
+    [{"index": 0, "embedding": []}],
+    [{"index": 0, "embedding": ""}],
+    [{"index": 0, "embedding": [0.1]}, {"index": 1, "embedding": [0.1, 0.2]}],
+    [{"index": 0, "embedding": _f32(0.1)}, {"index": 1, "embedding": [0.1, 0.2]}],
+    [{"index": False, "embedding": [0.1]}, {"index": True, "embedding": [0.2]}],
+], ids=["huge-int", "huge-negative-int", "b64-nan", "b64-inf", "empty", "b64-empty",
+        "ragged", "ragged-mixed", "bool-index"])
+def test_a_malformed_embeddings_body_is_refused(data: list[dict[str, Any]]) -> None:
+    from polygate.transport._exchange import _vectors
+
+    with pytest.raises(polygate.TransientUpstreamError, match="malformed embedding") as info:
+        _vectors({"data": data}, len(data), _Named())  # type: ignore[arg-type]
+    assert info.value.source == "a"
+
+
+def test_well_formed_vectors_still_pass() -> None:
+    from polygate.transport._exchange import _vectors
+
+    data = [{"index": 1, "embedding": [1, 2.5]}, {"index": 0, "embedding": _f32(0.5, -1.0)}]
+    assert _vectors({"data": data}, 2, _Named()) == [[0.5, -1.0], [1.0, 2.5]]  # type: ignore[arg-type]
+
+
+async def test_a_huge_integer_in_a_vector_is_a_quiet_upstream_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    body = b'{"data":[{"index":0,"embedding":[1' + b"0" * 400 + b',0.5]}]}'
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(_sized(body))
+
+    async with raw_server(reply) as server:
+        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x")
+        scope = polygate.Scope(sources=[source], retry=polygate.Retry(max_attempts=1))
+        async with polygate.session(polygate.Settings(scopes={"embed": scope})) as s:
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.embed(["x"], scope="embed")
+    (error,) = info.value.errors
+    assert isinstance(error, polygate.TransientUpstreamError)
+    assert "malformed embedding vector" in str(error)
+    assert not [r for r in caplog.records if r.levelno >= 40], caplog.text

@@ -410,6 +410,8 @@ async def embeddings_exchange(
 
 
 def _vectors(payload: Any, expected: int, endpoint: Endpoint) -> list[list[float]]:
+    """The vectors of an embeddings body in input order: one per input, each indexed
+    once by a plain ``int`` (not a ``bool``), all of one non-zero length, all finite."""
     data = payload.get("data") if isinstance(payload, dict) else None
     if not isinstance(data, list) or len(data) != expected:
         got = len(data) if isinstance(data, list) else "no"
@@ -417,27 +419,56 @@ def _vectors(payload: Any, expected: int, endpoint: Endpoint) -> list[list[float
             f"malformed embeddings body: {got} vectors for {expected} inputs", source=endpoint.name
         )
     vectors: list[list[float] | None] = [None] * expected
+    size = -1
     for position, item in enumerate(data):
         if not isinstance(item, dict):
             raise TransientUpstreamError("malformed embeddings item", source=endpoint.name)
         index = item.get("index", position)
-        if not isinstance(index, int) or not 0 <= index < expected or vectors[index] is not None:
+        if (
+            not isinstance(index, int) or isinstance(index, bool)
+            or not 0 <= index < expected or vectors[index] is not None
+        ):
             raise TransientUpstreamError(
                 f"malformed embeddings body: bad index {index!r}", source=endpoint.name
             )
-        vectors[index] = _vector(item.get("embedding"), endpoint)
+        vector = _vector(item.get("embedding"), endpoint)
+        if size != len(vector):
+            if size >= 0:
+                raise TransientUpstreamError(
+                    f"malformed embedding vector: {len(vector)} dimensions after {size}",
+                    source=endpoint.name,
+                )
+            size = len(vector)
+        vectors[index] = vector
     return [v for v in vectors if v is not None]
 
 
 def _vector(value: Any, endpoint: Endpoint) -> list[float]:
+    """One non-empty vector of finite floats.
+
+    Finiteness is one C-speed ``sum``: a NaN or an infinity makes it non-finite, and
+    float32 values (base64) cannot overflow a float64 sum; JSON values so large that
+    their sum overflows are refused too (no embedding has them).  A JSON integer too
+    large for a float (``OverflowError``) is malformed, not a bug.
+    """
+    vector: list[float] | None = None
     if isinstance(value, str):  # encoding_format="base64": little-endian float32
         floats = array("f")
-        floats.frombytes(base64.b64decode(value, validate=True))
-        if sys.byteorder == "big":
-            floats.byteswap()
-        return floats.tolist()
-    if isinstance(value, list) and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value
+        try:
+            floats.frombytes(base64.b64decode(value, validate=True))
+        except ValueError:  # binascii.Error, or a length that is not whole floats
+            pass
+        else:
+            if sys.byteorder == "big":
+                floats.byteswap()
+            vector = floats.tolist()
+    elif isinstance(value, list) and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in value
     ):
-        return [float(x) for x in value]
+        try:
+            vector = [float(x) for x in value]
+        except OverflowError:
+            vector = None
+    if vector and math.isfinite(sum(vector)):
+        return vector
     raise TransientUpstreamError("malformed embedding vector", source=endpoint.name)
