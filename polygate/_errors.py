@@ -294,9 +294,10 @@ def error_status(payload: Any) -> int | None:
     return None
 
 
-def error_code(payload: Any) -> str | None:
+def error_code(payload: Any, secrets: Iterable[str] = ()) -> str | None:
     """The provider's symbolic error code (``error.code``, else ``error.type``), when it
-    is a short word rather than a number."""
+    is a short word rather than a number, redacted of ``secrets`` like the message (an
+    upstream may echo the key it refused in any field)."""
     if not isinstance(payload, dict):
         return None
     inner = payload.get("error", payload)
@@ -304,7 +305,7 @@ def error_code(payload: Any) -> str | None:
         return None
     for value in (inner.get("code"), inner.get("type")):
         if isinstance(value, str) and 0 < len(value) <= 64 and not value.isdigit():
-            return value
+            return redact(value, secrets)
     return None
 
 

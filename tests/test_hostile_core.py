@@ -15,7 +15,7 @@ import polygate
 from polygate.testing import FakeUpstream, Reply, Router
 
 from ._raw_server import RawServer, raw_server
-from .conftest import MESSAGES
+from .conftest import MESSAGES, SECRET
 
 LONE = "a\ud800b"
 
@@ -207,3 +207,25 @@ async def test_a_huge_integer_in_a_vector_is_a_quiet_upstream_error(
     assert isinstance(error, polygate.TransientUpstreamError)
     assert "malformed embedding vector" in str(error)
     assert not [r for r in caplog.records if r.levelno >= 40], caplog.text
+
+
+# --------------------------------------------------------------------- error codes
+
+
+@pytest.mark.parametrize("status", [500, 200])  # an HTTP error; an error inside a 200 body
+@pytest.mark.parametrize("field", ["code", "type"])
+async def test_an_echoed_key_in_the_error_code_is_redacted(status: int, field: str) -> None:
+    body = json.dumps({"error": {"message": "nope", field: SECRET}}).encode()
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(_sized(body).replace(b"200 OK", b"%d X" % status, 1))
+
+    async with raw_server(reply) as server:
+        source = polygate.Source(name="a", base_url=server.url, api_key=SECRET, streaming=False)
+        scope = polygate.Scope(sources=[source], retry=polygate.Retry(max_attempts=1))
+        async with polygate.session(polygate.Settings(scopes={"chat": scope})) as s:
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.chat(MESSAGES)
+    (error,) = info.value.errors
+    assert error.code is not None, "the code is kept, redacted"
+    assert SECRET not in error.code and SECRET[:12] not in repr(error)

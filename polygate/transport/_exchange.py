@@ -347,7 +347,7 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
         error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
     else:
         error = classify_status(status, detail, source=endpoint.name)
-    error.code = error_code(payload)
+    error.code = error_code(payload, endpoint.secrets)
     return error
 
 

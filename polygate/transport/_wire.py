@@ -300,7 +300,7 @@ def _error_detail(
         except (ValueError, RecursionError):
             pass
         else:
-            return error_message(payload, 300, secrets), error_code(payload)
+            return error_message(payload, 300, secrets), error_code(payload, secrets)
     return clip(text, 200, secrets, cut=cut), None
 
 
