@@ -229,3 +229,71 @@ async def test_an_echoed_key_in_the_error_code_is_redacted(status: int, field: s
     (error,) = info.value.errors
     assert error.code is not None, "the code is kept, redacted"
     assert SECRET not in error.code and SECRET[:12] not in repr(error)
+
+
+# --------------------------------------------------------------------- choice indexes
+
+
+@pytest.mark.parametrize("index", [-1, -(10**30), 128, 10**30, True])
+def test_a_choice_index_out_of_range_is_a_malformed_stream(index: object) -> None:
+    from polygate.transport import ChatAssembler
+
+    assembler = ChatAssembler(source="a")
+    assembler.add({"choices": [{"index": 0, "delta": {"content": "GOOD"}}]})
+    with pytest.raises(polygate.TransientUpstreamError, match="choice index") as info:
+        assembler.add({"choices": [{"index": index, "delta": {"content": "EVIL"}}]})
+    assert info.value.source == "a"
+
+
+def test_choice_indexes_in_range_still_assemble_in_order() -> None:
+    from polygate.transport import ChatAssembler
+
+    assembler = ChatAssembler()
+    assembler.add({"choices": [{"index": 1, "delta": {"content": "one"}}]})
+    assembler.add({"choices": [{"index": 0, "delta": {"content": "zero"}}, {"index": 127, "delta": {"content": "x"}}]})
+    assembler.add({"choices": [{"delta": {"content": "!"}}]})  # no index: the first choice
+    choices = assembler.build()["choices"]
+    assert [c["message"]["content"] for c in choices] == ["zero!", "one", "x"]
+
+
+async def test_a_negative_choice_index_cannot_replace_the_answer() -> None:
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "GOOD"}}]},
+        {"choices": [{"index": -1, "delta": {"content": "EVIL"}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    ]
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n"
+            % len(body) + body
+        )
+
+    async with raw_server(reply) as server:
+        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x")
+        scope = polygate.Scope(sources=[source], retry=polygate.Retry(max_attempts=1))
+        async with polygate.session(polygate.Settings(scopes={"chat": scope})) as s:
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.chat(MESSAGES)
+    (error,) = info.value.errors
+    assert isinstance(error, polygate.TransientUpstreamError) and "choice index -1" in str(error)
+
+
+async def test_a_negative_choice_index_in_a_json_body_is_malformed() -> None:
+    body = json.dumps({"choices": [
+        {"index": -1, "message": {"role": "assistant", "content": "EVIL"}, "finish_reason": "stop"},
+        {"index": 0, "message": {"role": "assistant", "content": "GOOD"}, "finish_reason": "stop"},
+    ]}).encode()
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(_sized(body))
+
+    async with raw_server(reply) as server:
+        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x", streaming=False)
+        scope = polygate.Scope(sources=[source], retry=polygate.Retry(max_attempts=1))
+        async with polygate.session(polygate.Settings(scopes={"chat": scope})) as s:
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.chat(MESSAGES)
+    (error,) = info.value.errors
+    assert isinstance(error, polygate.TransientUpstreamError) and "choice index -1" in str(error)

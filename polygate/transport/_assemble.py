@@ -347,6 +347,8 @@ class ChatAssembler:
                         index = choice.get("index", 0)
                         if not isinstance(index, int):
                             index = 0
+                        elif isinstance(index, bool) or not 0 <= index < self._max_choices:
+                            self._bad_index(index)
                         state = self._choices.get(index)
                         if state is None:
                             if not _carries(choice):
@@ -360,6 +362,14 @@ class ChatAssembler:
             elif value is not None and key not in _CHUNK_ONLY_KEYS and key not in _HEADER_KEYS:
                 _merge_extra(self._extras, key, value)
         return content
+
+    def _bad_index(self, index: int) -> None:
+        # build() orders choices by index and the first is *the* answer: a -1 would
+        # replace choice 0's text.  Past max_choices no answer can have that index.
+        raise TransientUpstreamError(
+            f"malformed stream: choice index {str(index)[:24]} is not in 0..{self._max_choices - 1}",
+            source=self._source,
+        )
 
     def _new_choice(self, index: int) -> _Choice:
         if len(self._choices) >= self._max_choices:

@@ -383,6 +383,16 @@ async def _read_chat_json(
         raise TransientUpstreamError(
             "malformed upstream body: no choices with a message", source=endpoint.name
         )
+    for choice in choices:  # the first choice is *the* answer: no index may come before 0
+        index = choice.get("index", 0)
+        if isinstance(index, bool) or (
+            isinstance(index, int) and not 0 <= index < limits.max_choices
+        ):
+            raise TransientUpstreamError(
+                f"malformed upstream body: choice index {str(index)[:24]} is not in "
+                f"0..{limits.max_choices - 1}",
+                source=endpoint.name,
+            )
     assert isinstance(payload, dict)
     return payload
 
