@@ -24,11 +24,18 @@ class Usage:
     @classmethod
     def from_wire(cls, payload: Any) -> Usage | None:
         """A usage record from an upstream ``usage`` object; ``None`` when it is absent
-        or not believable (missing fields, negatives, absurdly large numbers)."""
+        or not believable (missing fields, negatives, absurdly large numbers).
+
+        The total is the sum of the reported parts: ``total_tokens`` counts only when
+        neither ``prompt_tokens`` nor ``completion_tokens`` is reported.  Quotas settle
+        the total, so a ``total_tokens`` far above its parts (a bug, or a hostile
+        upstream) would otherwise hold a TPM window for 60 s; one below them would
+        under-count (docs/admission.md, "Accounting rules")."""
         if not isinstance(payload, dict):
             return None
-        prompt = payload.get("prompt_tokens", 0)
-        completion = payload.get("completion_tokens", 0)
+        prompt = payload.get("prompt_tokens")
+        completion = payload.get("completion_tokens")
+        parts = prompt is not None or completion is not None
         if prompt is None:
             prompt = 0
         if completion is None:
@@ -36,7 +43,7 @@ class Usage:
         if not all(_plausible(v) for v in (prompt, completion)):
             return None
         total: Any = payload.get("total_tokens")
-        if not _plausible(total):
+        if parts or not _plausible(total):
             total = prompt + completion
         return cls(int(prompt), int(completion), int(total), "upstream")
 

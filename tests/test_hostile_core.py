@@ -297,3 +297,43 @@ async def test_a_negative_choice_index_in_a_json_body_is_malformed() -> None:
                 await s.chat(MESSAGES)
     (error,) = info.value.errors
     assert isinstance(error, polygate.TransientUpstreamError) and "choice index -1" in str(error)
+
+
+# --------------------------------------------------------------------- usage
+
+
+@pytest.mark.parametrize(("wire", "expected"), [
+    ({"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 99_999_999}, (5, 5, 10)),
+    ({"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 3}, (5, 5, 10)),
+    ({"prompt_tokens": 5, "total_tokens": 99_999_999}, (5, 0, 5)),  # embeddings: no completion
+    ({"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}, (5, 5, 10)),
+    ({"prompt_tokens": 5, "completion_tokens": 5}, (5, 5, 10)),
+    ({"total_tokens": 42}, (0, 0, 42)),  # only a total: nothing to check it against
+])
+def test_the_total_is_the_sum_of_the_reported_parts(
+    wire: dict[str, int], expected: tuple[int, int, int]
+) -> None:
+    usage = polygate.Usage.from_wire(wire)
+    assert usage is not None and usage.source == "upstream"
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == expected
+
+
+async def test_an_inflated_total_does_not_lock_the_token_quota() -> None:
+    body = json.dumps({
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 99_999_999},
+    }).encode()
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(_sized(body))
+
+    async with raw_server(reply) as server:
+        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x", streaming=False,
+                                 tpm=1_000_000)
+        scope = polygate.Scope(sources=[source], retry=polygate.Retry(max_attempts=1))
+        async with polygate.session(polygate.Settings(scopes={"chat": scope})) as s:
+            first = await s.chat(MESSAGES)
+            state = (await s.statistics()).governance.sources[0].state
+            await s.chat(MESSAGES)  # admitted: the window holds 10 tokens, not 99,999,999
+    assert first.usage.total_tokens == 10
+    assert state.tokens_in_window == 10
