@@ -234,8 +234,8 @@ async def test_an_echoed_key_in_the_error_code_is_redacted(status: int, field: s
 # --------------------------------------------------------------------- choice indexes
 
 
-@pytest.mark.parametrize("index", [-1, -(10**30), 128, 10**30, True])
-def test_a_choice_index_out_of_range_is_a_malformed_stream(index: object) -> None:
+@pytest.mark.parametrize("index", [-1, -(10**30), True])
+def test_a_negative_or_bool_choice_index_is_a_malformed_stream(index: object) -> None:
     from polygate.transport import ChatAssembler
 
     assembler = ChatAssembler(source="a")
@@ -250,7 +250,7 @@ def test_choice_indexes_in_range_still_assemble_in_order() -> None:
 
     assembler = ChatAssembler()
     assembler.add({"choices": [{"index": 1, "delta": {"content": "one"}}]})
-    assembler.add({"choices": [{"index": 0, "delta": {"content": "zero"}}, {"index": 127, "delta": {"content": "x"}}]})
+    assembler.add({"choices": [{"index": 0, "delta": {"content": "zero"}}, {"index": 10**30, "delta": {"content": "x"}}]})
     assembler.add({"choices": [{"delta": {"content": "!"}}]})  # no index: the first choice
     choices = assembler.build()["choices"]
     assert [c["message"]["content"] for c in choices] == ["zero!", "one", "x"]

@@ -347,7 +347,7 @@ class ChatAssembler:
                         index = choice.get("index", 0)
                         if not isinstance(index, int):
                             index = 0
-                        elif isinstance(index, bool) or not 0 <= index < self._max_choices:
+                        elif index < 0 or isinstance(index, bool):
                             self._bad_index(index)
                         state = self._choices.get(index)
                         if state is None:
@@ -365,9 +365,10 @@ class ChatAssembler:
 
     def _bad_index(self, index: int) -> None:
         # build() orders choices by index and the first is *the* answer: a -1 would
-        # replace choice 0's text.  Past max_choices no answer can have that index.
+        # replace choice 0's text.  A large index is harmless (sorted after 0; how many
+        # choices there are is capped by max_choices in _new_choice).
         raise TransientUpstreamError(
-            f"malformed stream: choice index {str(index)[:24]} is not in 0..{self._max_choices - 1}",
+            f"malformed stream: choice index {str(index)[:24]} (not a natural number)",
             source=self._source,
         )
 

@@ -385,12 +385,9 @@ async def _read_chat_json(
         )
     for choice in choices:  # the first choice is *the* answer: no index may come before 0
         index = choice.get("index", 0)
-        if isinstance(index, bool) or (
-            isinstance(index, int) and not 0 <= index < limits.max_choices
-        ):
+        if isinstance(index, bool) or (isinstance(index, int) and index < 0):
             raise TransientUpstreamError(
-                f"malformed upstream body: choice index {str(index)[:24]} is not in "
-                f"0..{limits.max_choices - 1}",
+                f"malformed upstream body: choice index {str(index)[:24]} (not a natural number)",
                 source=endpoint.name,
             )
     assert isinstance(payload, dict)
