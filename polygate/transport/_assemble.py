@@ -58,6 +58,7 @@ def message_text(message: dict[str, Any]) -> str:
 
 
 _join = "".join  # a seam: tests count the characters joins copy
+_append = list.append
 
 
 class TextParts(list[str]):
@@ -77,22 +78,21 @@ class TextParts(list[str]):
     """
 
     __slots__ = ("_appended",)
-    _FANOUT = 16
 
     def __init__(self) -> None:
         super().__init__()
         self._appended = 0
 
     def append(self, piece: str) -> None:
-        super().append(piece)
-        self._appended += 1
-        carries = self._appended
-        fanout = self._FANOUT
-        while carries % fanout == 0:
-            carries //= fanout
-            joined = _join(self[-fanout:])
-            del self[-fanout:]
-            super().append(joined)
+        _append(self, piece)
+        carries = self._appended = self._appended + 1
+        if carries & 15:  # 15 appends in 16 end here (the hot path: one token)
+            return
+        while not carries & 15:
+            carries >>= 4
+            joined = _join(self[-16:])
+            del self[-16:]
+            _append(self, joined)
 
 
 class _Choice:
