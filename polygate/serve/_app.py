@@ -21,6 +21,7 @@ import inspect
 import json
 import logging
 import math
+import re
 import sys
 import urllib.parse
 from array import array
@@ -38,6 +39,7 @@ from .._session import Session
 from .._types import CallStats, StreamChunk
 from ._errors import ErrorReply, reply_for
 from ._http import ClientGone, Connection, Request
+from ._json import Unencodable, dump, has_lone_surrogate
 from ._metrics import Metrics, render
 from ._sse import KEEPALIVE, StreamShape, error_event
 from ._unavailable import UnavailableSession
@@ -367,7 +369,39 @@ def _parse_body(raw: bytes) -> dict[str, Any] | ErrorReply:
     if not isinstance(body, dict):
         return ErrorReply(400, "The request body must be a JSON object.",
                           "invalid_request_error", "invalid_json")
+    if _lone_surrogates(raw, body):
+        return ErrorReply(
+            400, "The JSON body of your request is not valid Unicode text: it holds a lone "
+            "surrogate (an unpaired \\ud800-\\udfff escape).", "invalid_request_error",
+            "invalid_json",
+        )
     return body
+
+
+#: A JSON escape of a UTF-16 surrogate (paired or not).
+_SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogates(raw: bytes, body: Any) -> bool:
+    """Whether the parsed body holds a lone surrogate, which no text encoding can
+    carry upstream.  One can come only from a surrogate escape, or from bytes that
+    are not strict UTF-8 (``json.loads`` decodes with ``surrogatepass``): a strict
+    UTF-8 body without such an escape is checked in one scan, without a walk."""
+    if raw.isascii() or _is_utf8(raw):
+        if _SURROGATE_ESCAPE.search(raw) is None:
+            return False
+    try:
+        return has_lone_surrogate(body)
+    except RecursionError:  # nesting is not this check's concern
+        return False
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _bad_param(message: str, param: str) -> ErrorReply:
