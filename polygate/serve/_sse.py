@@ -114,14 +114,22 @@ def string_content(choices: list[Any], key: str) -> list[Any] | None:
     string nor null blanked to ``""``; ``None`` when none needs it (the common case
     copies nothing).  The library reads such content (a number, a list of parts) as no
     text, and a client that concatenates deltas must not meet an int or a list."""
-    def bad(choice: Any) -> bool:
-        part = choice.get(key) if isinstance(choice, Mapping) else None
-        return isinstance(part, Mapping) and not isinstance(part.get("content", ""), (str, type(None)))
-
-    if not any(bad(choice) for choice in choices):
+    for choice in choices:  # a plain loop: this runs once per streamed chunk
+        if _not_text(choice, key):
+            break
+    else:
         return None
-    return [{**choice, key: {**choice[key], "content": ""}} if bad(choice) else choice
+    return [{**choice, key: {**choice[key], "content": ""}} if _not_text(choice, key) else choice
             for choice in choices]
+
+
+def _not_text(choice: Any, key: str) -> bool:
+    # dict, not Mapping: parsed JSON is dicts, and an ABC check costs ~0.4 µs a chunk.
+    part = choice.get(key) if type(choice) is dict else None
+    if type(part) is not dict:
+        return False
+    content = part.get("content")
+    return content is not None and type(content) is not str
 
 
 def reported_usage(response: ChatResponse) -> dict[str, Any] | None:
