@@ -101,6 +101,10 @@ GOOD_SSE = _sse(b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content"
      b'{"model":"chat","stream":true,"messages":[{"role":"user","content":"a\\udfffb"}]}'),
     ("/v1/embeddings", b'{"model":"embed","input":["a\\uD800b"]}'),
     ("/v1/chat/completions", b'{"model":"chat","messages":[],"\\ud800":1}'),  # in a key
+    # Not an escape: UTF-8-shaped bytes of a surrogate, which json.loads decodes
+    # with surrogatepass.
+    ("/v1/chat/completions",
+     b'{"model":"chat","messages":[{"role":"user","content":"a\xed\xa0\x80b"}]}'),
 ])
 async def test_client_lone_surrogate_is_a_400(
     path: str, body: bytes, caplog: pytest.LogCaptureFixture
