@@ -21,6 +21,7 @@ import inspect
 import json
 import logging
 import math
+import re
 import sys
 import urllib.parse
 from array import array
@@ -35,11 +36,12 @@ from .._context import PRESET_CALL_ID, fresh_call_id
 from .._errors import PolygateError
 from .._key_quota import KeyQuotas, KeyRefusal
 from .._session import Session
-from .._types import CallStats, StreamChunk
+from .._types import CallStats, ChatResponse, StreamChunk
 from ._errors import ErrorReply, reply_for
 from ._http import ClientGone, Connection, Request
+from ._json import Unencodable, dump, has_lone_surrogate
 from ._metrics import Metrics, render
-from ._sse import KEEPALIVE, StreamShape, error_event
+from ._sse import KEEPALIVE, StreamShape, error_event, reported_usage, string_content
 from ._unavailable import UnavailableSession
 
 __all__ = ["Gateway", "answer"]
@@ -47,7 +49,6 @@ __all__ = ["Gateway", "answer"]
 log = logging.getLogger("polygate.serve")
 
 _JSON: Final = (b"content-type", b"application/json")
-_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 #: Body keys that are Session keywords, not upstream parameters: a client of the
 #: gateway may not set them (structured re-asks multiply upstream calls; the cache is
 #: shared by every client; the scope and the deadline are the gateway's).
@@ -104,7 +105,7 @@ class Gateway:
         quotas = self.session._key_quotas()
         self.quotas = quotas if quotas is not None and quotas.limits else None
         names = [*self.settings.scopes, *self.settings.serve.models]
-        self.models_body = _ENCODE({"object": "list", "data": [_model(n) for n in names]}).encode()
+        self.models_body = dump({"object": "list", "data": [_model(n) for n in names]})
 
     def scope_of(self, model: Any) -> str | None:
         if not isinstance(model, str):
@@ -256,7 +257,7 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
         name = urllib.parse.unquote(path[len("/v1/models/"):])
         if ctx.gateway.scope_of(name) is None:
             return path, await _fail(ctx, _unknown_model(name))
-        return path, await _send_json(ctx, 200, _ENCODE(_model(name)).encode())
+        return path, await _send_json(ctx, 200, dump(_model(name)))
     body = _parse_body(request.body)
     if isinstance(body, ErrorReply):
         return path, await _fail(ctx, body)
@@ -305,6 +306,8 @@ class _Charge:
         self.tokens = 0 if stats.cached else total if isinstance(total, int) else None
 
     def failed(self, exc: BaseException) -> None:
+        if isinstance(exc, Unencodable):
+            return  # the answer came (or was coming): its cost, or the estimate, stands
         stats: CallStats | None = getattr(exc, "call_stats", None)
         self.attempted = stats is not None and (stats.attempts > 0 or stats.cached)
         self.tokens = None
@@ -367,7 +370,38 @@ def _parse_body(raw: bytes) -> dict[str, Any] | ErrorReply:
     if not isinstance(body, dict):
         return ErrorReply(400, "The request body must be a JSON object.",
                           "invalid_request_error", "invalid_json")
+    if _lone_surrogates(raw, body):
+        return ErrorReply(
+            400, "The JSON body of your request is not valid Unicode text: it holds a lone "
+            "surrogate (an unpaired \\ud800-\\udfff escape).", "invalid_request_error",
+            "invalid_json",
+        )
     return body
+
+
+#: A JSON escape of a UTF-16 surrogate (paired or not).
+_SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogates(raw: bytes, body: Any) -> bool:
+    """Whether the parsed body holds a lone surrogate, which no text encoding can
+    carry upstream.  One can come only from a surrogate escape, or from bytes that
+    are not strict UTF-8 (``json.loads`` decodes with ``surrogatepass``): a strict
+    UTF-8 body without such an escape is checked in one scan, without a walk."""
+    if (raw.isascii() or _is_utf8(raw)) and _SURROGATE_ESCAPE.search(raw) is None:
+        return False
+    try:
+        return has_lone_surrogate(body)
+    except RecursionError:  # nesting is not this check's concern
+        return False
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _bad_param(message: str, param: str) -> ErrorReply:
@@ -461,8 +495,40 @@ async def _chat(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge)
         PRESET_CALL_ID.reset(token)
     stats = response.call_stats
     charge.answered(stats, response.usage)
+    try:
+        answer = dump(_answer_body(response))
+    except Unencodable as exc:
+        return await _unencodable(ctx, scope, call_id, exc, stats)
     ctx.metrics.call(scope, stats, "ok")
-    return await _send_json(ctx, 200, _ENCODE(response.raw).encode(), _stats_headers(call_id, stats))
+    return await _send_json(ctx, 200, answer, _stats_headers(call_id, stats))
+
+
+def _answer_body(response: ChatResponse) -> dict[str, Any]:
+    """The upstream's body as the library validated it: its usage as read (none when
+    it reported none or numbers the library refused), content that is not a string
+    blanked; every other field (a provider's extras) as the upstream sent it."""
+    raw = response.raw
+    out = dict(raw)
+    usage = reported_usage(response)
+    if usage is None:
+        out.pop("usage", None)
+    else:
+        out["usage"] = usage
+    choices = raw.get("choices")
+    cleaned = string_content(choices, "message") if isinstance(choices, list) else None
+    if cleaned is not None:
+        out["choices"] = cleaned
+    return out
+
+
+async def _unencodable(
+    ctx: Context, scope: str, call_id: str, exc: Unencodable, stats: CallStats | None
+) -> int:
+    """An answer that came but cannot be written as JSON: a 502, counted as such; the
+    call's cost stands (the upstream did the work)."""
+    reply = reply_for(exc)
+    ctx.metrics.call(scope, stats, reply.code)
+    return await _fail(ctx, reply, call_id, stats)
 
 
 async def _chat_stream(
@@ -528,12 +594,17 @@ async def _chat_stream(
                                 # under the next one; it keeps the stream alive too.
                                 late = chunk
                                 break
-                        out = head() if not head_sent else b""
                         # Chunks that arrived with this one go out in the same write:
                         # nothing waits for them, and a burst costs one send, not one
                         # per token.
-                        frames = [conn.frame(shape.chunk(chunk))]
-                        frames += [conn.frame(shape.chunk(c)) for c in stream._ready(_BURST)]
+                        try:
+                            frames = [conn.frame(shape.chunk(chunk))]
+                            frames += [conn.frame(shape.chunk(c)) for c in stream._ready(_BURST)]
+                        except Unencodable as exc:  # a NaN in a chunk: the stream ends
+                            failure = exc
+                            done = True
+                            break
+                        out = head() if not head_sent else b""
                         sending = True
                         clock.deadline = trio.current_time() + send_timeout
                         await conn.send_unbounded(out + b"".join(frames))
@@ -563,9 +634,18 @@ async def _chat_stream(
     response = stream.response
     assert response is not None
     charge.answered(response.call_stats, response.usage)
+    try:
+        ending = shape.ending(response, include_usage)
+    except Unencodable as exc:
+        if not head_sent:
+            return await _unencodable(ctx, scope, call_id, exc, response.call_stats)
+        reply = reply_for(exc)
+        ctx.metrics.call(scope, response.call_stats, reply.code)
+        await conn.send(conn.frame(error_event(reply.message, reply.type, reply.code)) + conn.end())
+        return reply.status
     ctx.metrics.call(scope, response.call_stats, "ok")
     out = head() if not head_sent else b""
-    await conn.send(out + conn.frame(shape.ending(response, include_usage)) + conn.end())
+    await conn.send(out + conn.frame(ending) + conn.end())
     return 200
 
 
@@ -602,7 +682,6 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
         PRESET_CALL_ID.reset(token)
     stats = response.call_stats
     charge.answered(stats, response.usage)
-    ctx.metrics.call(scope, stats, "ok")
     data = [
         {"object": "embedding", "index": i, "embedding": _b64(v) if base64_out else v}
         for i, v in enumerate(response.vectors)
@@ -613,7 +692,12 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
         "usage": {"prompt_tokens": usage.prompt_tokens if usage else 0,
                   "total_tokens": usage.total_tokens if usage else 0},
     }
-    return await _send_json(ctx, 200, _ENCODE(payload).encode(), _stats_headers(call_id, stats))
+    try:
+        answer = dump(payload)
+    except Unencodable as exc:  # a NaN or an infinity in a vector
+        return await _unencodable(ctx, scope, call_id, exc, stats)
+    ctx.metrics.call(scope, stats, "ok")
+    return await _send_json(ctx, 200, answer, _stats_headers(call_id, stats))
 
 
 def _b64(vector: list[float]) -> str:
@@ -631,8 +715,7 @@ async def _readyz(ctx: Context) -> int:
             await ctx.gateway.session.statistics()  # reaches the governance backend
         except PolygateError as exc:
             reply = reply_for(exc)
-            return await _send_json(ctx, 503, _ENCODE(
-                {"status": "unavailable", "reason": reply.code}).encode())
+            return await _send_json(ctx, 503, dump({"status": "unavailable", "reason": reply.code}))
         return await _send_json(ctx, 200, b'{"status":"ready"}')
     return await _send_json(ctx, 503, b'{"status":"unavailable","reason":"backend_timeout"}')
 

@@ -10,6 +10,7 @@ unknown ``model``                  404     invalid_request_error        ``model_
 request body over the cap          413     invalid_request_error        ``request_too_large``
 every source rate limited          429     rate_limit_error             ``rate_limit_exceeded``
 sources exhausted                  502     api_error                    ``sources_exhausted``
+an answer JSON cannot carry (NaN)  502     api_error                    ``upstream_error``
 governance backend down            503     api_error                    ``governance_unavailable``
 call deadline passed               504     timeout_error                ``deadline_exceeded``
 =================================  ======  ===========================  ==========================
@@ -21,7 +22,6 @@ errors module redacts upstream text), and never a gateway key (none reaches here
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -29,6 +29,7 @@ import attrs
 import trio
 
 from .. import _errors as errors
+from ._json import Unencodable, dump
 
 __all__ = ["ErrorReply", "error_body", "reply_for"]
 
@@ -57,7 +58,7 @@ class ErrorReply:
 
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
     payload = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return json.dumps(payload, ensure_ascii=False).encode()
+    return dump(payload)
 
 
 def reply_for(exc: BaseException) -> ErrorReply:
@@ -81,6 +82,11 @@ def reply_for(exc: BaseException) -> ErrorReply:
         return ErrorReply(504, str(exc), "timeout_error", "stream_stalled")
     if isinstance(exc, errors.UpstreamError):
         return ErrorReply(502, str(exc), "api_error", "upstream_error")
+    if isinstance(exc, Unencodable):
+        return ErrorReply(
+            502, "The upstream's answer holds a number that JSON cannot carry (NaN or "
+            "Infinity); the gateway does not relay it.", "api_error", "upstream_error",
+        )
     if isinstance(exc, errors.PolygateError):
         return ErrorReply(503, str(exc), "api_error", "unavailable")
     return ErrorReply(500, "internal error in the gateway", "api_error", "internal_error")

@@ -18,22 +18,22 @@ forwarded chunk is encoded and written as it comes.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from typing import Any, Final
 
 from .._types import ChatResponse, StreamChunk
+from ._json import dump
 
-__all__ = ["DONE", "KEEPALIVE", "StreamShape", "error_event"]
+__all__ = ["DONE", "KEEPALIVE", "StreamShape", "error_event", "reported_usage", "string_content"]
 
 DONE: Final = b"data: [DONE]\n\n"
 KEEPALIVE: Final = b": keep-alive\n\n"
-_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def _event(payload: Any) -> bytes:
-    return b"data: " + _ENCODE(payload).encode() + b"\n\n"
+    """One event; raises :class:`._json.Unencodable` on a non-finite float."""
+    return b"data: " + dump(payload) + b"\n\n"
 
 
 def error_event(message: str, type_: str, code: str) -> bytes:
@@ -59,6 +59,10 @@ class StreamShape:
             raw = {**self._header(raw), "choices": [
                 {"index": 0, "delta": chunk.delta, "finish_reason": None}]}
             choices = raw["choices"]
+        cleaned = string_content(choices, "delta")
+        if cleaned is not None:
+            raw = {**raw, "choices": cleaned}
+            choices = cleaned
         for choice in choices:
             if choice.get("finish_reason") is not None:
                 self._finished.add(choice.get("index", 0))
@@ -92,7 +96,7 @@ class StreamShape:
         if finishing:
             out += _event({**meta, "choices": finishing})
         if include_usage:
-            out += _event({**meta, "choices": [], "usage": _usage(response)})
+            out += _event({**meta, "choices": [], "usage": reported_usage(response)})
         return out + DONE
 
     def _header(self, raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -105,23 +109,49 @@ class StreamShape:
         }
 
 
-def _usage(response: ChatResponse) -> dict[str, Any] | None:
-    """The usage the upstream reported, decided as for the JSON answer (which is the
-    raw body, ``usage`` included or not); ``None`` (``"usage": null``: not known)
-    when it reported none -- the library's estimate of a whole call (its completion
-    budget) is for its own accounting, never passed off as a count."""
-    wire = response.raw.get("usage") if isinstance(response.raw, Mapping) else None
-    if not isinstance(wire, Mapping):
+def string_content(choices: list[Any], key: str) -> list[Any] | None:
+    """``choices`` with each ``message``/``delta`` (``key``) content that is neither a
+    string nor null blanked to ``""``; ``None`` when none needs it (the common case
+    copies nothing).  The library reads such content (a number, a list of parts) as no
+    text, and a client that concatenates deltas must not meet an int or a list."""
+    for choice in choices:  # a plain loop: this runs once per streamed chunk
+        if _not_text(choice, key):
+            break
+    else:
         return None
-    if not response.call_stats.resumes:
-        return dict(wire)
-    # A resumed stream's raw body is its last segment's; its usage covers them all (a
-    # cut segment, which never reports, counted from the text it showed).
+    return [{**choice, key: {**choice[key], "content": ""}} if _not_text(choice, key) else choice
+            for choice in choices]
+
+
+def _not_text(choice: Any, key: str) -> bool:
+    # dict, not Mapping: parsed JSON is dicts, and an ABC check costs ~0.4 µs a chunk.
+    part = choice.get(key) if type(choice) is dict else None
+    if type(part) is not dict:
+        return False
+    content = part.get("content")
+    return content is not None and type(content) is not str
+
+
+def reported_usage(response: ChatResponse) -> dict[str, Any] | None:
+    """The usage the upstream reported, as the library read it -- for the JSON answer
+    and the stream's usage chunk alike.  ``None`` (no ``usage``, or ``"usage": null``:
+    not known) when it reported none, or numbers the library refused as not
+    believable (a negative, 1e300, a string): the library's estimate of a call (its
+    completion budget) is for its own accounting, never passed off as a count.  The
+    provider's other usage fields (``prompt_tokens_details`` ...) go through."""
+    wire = response.raw.get("usage") if isinstance(response.raw, Mapping) else None
     usage = response.usage
-    if usage is None:
-        return dict(wire)
-    return {
+    if not isinstance(wire, Mapping) or usage is None:
+        return None
+    counts = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
     }
+    if response.call_stats.resumes:
+        # A resumed stream's raw body is its last segment's; its usage covers them
+        # all (a cut segment, which never reports, counted from the text it showed).
+        return counts
+    if usage.source != "upstream":
+        return None
+    return {**wire, **counts}

@@ -1,0 +1,278 @@
+"""Hostile bytes through the gateway server: a client request that is valid JSON but
+not valid Unicode text, and upstream answers the library accepted (or cleaned) that
+the server must not relay raw -- lone surrogates, out-of-range usage, non-string
+content, non-finite floats.  Each ends in a clean answer or a clean error: never a
+500 with a traceback, a torn stream, or a body that is not strict JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+import trio
+
+import polygate
+from polygate.serve import open_server
+
+from ._raw_server import raw_server
+from ._serve_kit import AUTH, GATEWAY_KEY, http
+
+pytestmark = pytest.mark.integration
+
+HEADERS = {**AUTH, "content-type": "application/json"}
+
+
+def _strict(body: bytes) -> Any:
+    """The body as JSON, refusing NaN/Infinity tokens and invalid UTF-8 as a strict
+    client (a browser's JSON.parse, serde_json) would."""
+
+    def refuse(token: str) -> Any:
+        raise ValueError(f"non-standard JSON token {token}")
+
+    return json.loads(body.decode("utf-8"), parse_constant=refuse)
+
+
+def _events(body: bytes) -> list[Any]:
+    out: list[Any] = []
+    for frame in body.split(b"\n\n"):
+        if frame.startswith(b"data: ") and frame != b"data: [DONE]":
+            out.append(_strict(frame[len(b"data: "):]))
+    return out
+
+
+def _sized(body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (
+        ctype, len(body), body)
+
+
+def _sse(*events: bytes) -> bytes:
+    return _sized(b"".join(b"data: " + e + b"\n\n" for e in events) + b"data: [DONE]\n\n",
+                  b"text/event-stream")
+
+
+async def _against(
+    json_body: bytes, sse_body: bytes, *requests: tuple[str, Any]
+) -> list[tuple[int, bytes]]:
+    """Send ``requests`` to a gateway whose upstream answers raw bytes, as a hostile
+    upstream sends them: model ``chat`` is a streaming source answered ``sse_body``
+    (a JSON answer is then assembled from it), model ``whole`` and ``embed`` a
+    non-streaming one answered ``json_body``."""
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        path = head.split(b" ")[1]
+        await stream.send_all(sse_body if path.startswith(b"/sse/") else _sized(json_body))
+
+    async with raw_server(reply) as server:
+        def source(kind: str, model: str) -> polygate.Source:
+            return polygate.Source(name=kind, base_url=f"http://127.0.0.1:{server.port}/{kind}/v1",
+                                   model=model, streaming=kind == "sse")
+
+        settings = polygate.Settings(
+            scopes={name: polygate.Scope(sources=[source(kind, name)], retry=polygate.Retry(max_attempts=1))
+                    for name, kind in (("chat", "sse"), ("whole", "json"), ("embed", "json"))},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]),
+        )
+        async with open_server(settings, port=0) as gw:
+            out = []
+            for path, body in requests:
+                answer = await http(gw, "POST", path, body, HEADERS)
+                out.append((answer.status, answer.body))
+            return out
+
+
+def _no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+GOOD = json.dumps({"id": "x", "object": "chat.completion", "model": "m", "choices": [
+    {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}).encode()
+GOOD_SSE = _sse(b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"hi"}}]}')
+
+
+# --------------------------------------------------------------------------- lone surrogates
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", b'{"model":"chat","messages":[{"role":"user","content":"a\\ud800b"}]}'),
+    ("/v1/chat/completions",
+     b'{"model":"chat","stream":true,"messages":[{"role":"user","content":"a\\udfffb"}]}'),
+    ("/v1/embeddings", b'{"model":"embed","input":["a\\uD800b"]}'),
+    ("/v1/chat/completions", b'{"model":"chat","messages":[],"\\ud800":1}'),  # in a key
+    # Not an escape: UTF-8-shaped bytes of a surrogate, which json.loads decodes
+    # with surrogatepass.
+    ("/v1/chat/completions",
+     b'{"model":"chat","messages":[{"role":"user","content":"a\xed\xa0\x80b"}]}'),
+])
+async def test_client_lone_surrogate_is_a_400(
+    path: str, body: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """JSON that parses but holds a lone surrogate escape is not Unicode text: a 400
+    naming the problem, before any upstream work."""
+    (status, answer), = await _against(GOOD, GOOD_SSE, (path, body))
+    assert status == 400, answer
+    error = _strict(answer)["error"]
+    assert error["code"] == "invalid_json"
+    assert "surrogate" in error["message"]
+    _no_traceback(caplog)
+
+
+async def test_client_surrogate_pair_is_text() -> None:
+    """A proper pair (an emoji, escaped) is valid text and goes through."""
+    body = b'{"model":"chat","messages":[{"role":"user","content":"\\ud83d\\ude00"}]}'
+    (status, answer), = await _against(GOOD, GOOD_SSE, ("/v1/chat/completions", body))
+    assert status == 200, answer
+
+
+SURROGATE_JSON = (b'{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,'
+                  b'"message":{"role":"assistant","content":"bad \\ud800 surrogate"},'
+                  b'"finish_reason":"stop"}]}')
+SURROGATE_SSE = _sse(b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"bad \\ud800"}}]}',
+                     b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":" end"}}]}')
+
+
+@pytest.mark.parametrize(("model", "text"), [("whole", "bad \ufffd surrogate"), ("chat", "bad \ufffd end")])
+async def test_upstream_lone_surrogate_json_answer(
+    model: str, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An upstream answer holding a lone surrogate (a whole body, or a stream the
+    library assembled): a 200 in valid UTF-8, the surrogate replaced by U+FFFD --
+    not a 500."""
+    request = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    (status, answer), = await _against(SURROGATE_JSON, SURROGATE_SSE, ("/v1/chat/completions", request))
+    assert status == 200, answer
+    assert _strict(answer)["choices"][0]["message"]["content"] == text
+    _no_traceback(caplog)
+
+
+async def test_upstream_lone_surrogate_stream(caplog: pytest.LogCaptureFixture) -> None:
+    """The same in a stream: every event valid UTF-8, the stream whole to [DONE]."""
+    request = {"model": "chat", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    (status, answer), = await _against(GOOD, SURROGATE_SSE, ("/v1/chat/completions", request))
+    assert status == 200, answer
+    assert answer.endswith(b"data: [DONE]\n\n")
+    text = "".join(c["choices"][0]["delta"].get("content") or ""
+                   for c in _events(answer) if c.get("choices"))
+    assert text == "bad \ufffd end"
+    _no_traceback(caplog)
+
+
+# --------------------------------------------------------------------------- what the library cleaned
+
+CHAT_REQUEST = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+WHOLE_REQUEST = {**CHAT_REQUEST, "model": "whole"}
+STREAM_REQUEST = {**CHAT_REQUEST, "stream": True, "stream_options": {"include_usage": True}}
+#: One answer each way: a whole upstream body, one assembled from a stream, a stream.
+THREE = (("/v1/chat/completions", WHOLE_REQUEST), ("/v1/chat/completions", CHAT_REQUEST),
+         ("/v1/chat/completions", STREAM_REQUEST))
+
+
+def _answer(usage: Any, content: Any = "GOOD") -> bytes:
+    return json.dumps({"id": "x", "object": "chat.completion", "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        "usage": usage, "system_fingerprint": "fp_1"}).encode()
+
+
+def _usage_sse(usage: Any) -> bytes:
+    return _sse(b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"GOOD"}}]}',
+                b'{"id":"x","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}',
+                json.dumps({"id": "x", "model": "m", "choices": [], "usage": usage}).encode())
+
+
+@pytest.mark.parametrize("usage", [
+    {"prompt_tokens": 1e300, "completion_tokens": 1e300, "total_tokens": 1e300},
+    {"prompt_tokens": -5, "completion_tokens": 2, "total_tokens": -3},
+    {"prompt_tokens": "3", "completion_tokens": "x"},
+])
+async def test_refused_upstream_usage_is_not_relayed(usage: Any) -> None:
+    """Usage the library refused as not believable is not a count: the JSON answer
+    has none and the stream's usage chunk says null (docs/serve.md), never the raw
+    numbers -- the rest of the body still goes through."""
+    (status, body), (a_status, a_body), (s_status, s_body) = await _against(
+        _answer(usage), _usage_sse(usage), *THREE)
+    assert (status, a_status, s_status) == (200, 200, 200), (body, a_body, s_body)
+    whole = _strict(body)
+    assert whole.get("usage") is None
+    assert whole["system_fingerprint"] == "fp_1"  # provider extras pass through
+    assert whole["choices"][0]["message"]["content"] == "GOOD"
+    assert _strict(a_body).get("usage") is None
+    events = _events(s_body)
+    assert events[-1]["choices"] == [] and events[-1]["usage"] is None
+
+
+async def test_reported_usage_keeps_its_extras_and_validated_counts() -> None:
+    """Believable usage goes out as the library read it, with the provider's extra
+    fields (``prompt_tokens_details``) kept; an inconsistent total is the library's."""
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+             "prompt_tokens_details": {"cached_tokens": 3}}
+    (status, body), (_, a_body), (_, s_body) = await _against(
+        _answer(usage), _usage_sse(usage), *THREE)
+    assert status == 200
+    assert _strict(body)["usage"] == usage
+    assert _strict(a_body)["usage"] == usage
+    assert _events(s_body)[-1]["usage"] == usage
+
+
+@pytest.mark.parametrize("content", [42, [{"type": "text", "text": "hi"}], {"a": 1}])
+async def test_non_string_content_goes_out_as_a_string(content: Any) -> None:
+    """Content that is not a string (the library reads it as no text) is blank in the
+    JSON answer and in every streamed delta: an SDK concatenating deltas must not
+    meet an int or a list."""
+    raw = json.dumps(content).encode()
+    sse = _sse(b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":' + raw + b'}}]}',
+               b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"ok"}}]}')
+    (status, body), (a_status, a_body), (s_status, s_body) = await _against(
+        _answer({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, content), sse,
+        *THREE)
+    assert (status, a_status, s_status) == (200, 200, 200), (body, a_body, s_body)
+    assert _strict(body)["choices"][0]["message"]["content"] == ""
+    assert _strict(a_body)["choices"][0]["message"]["content"] == "ok"
+    deltas = [c["choices"][0]["delta"] for c in _events(s_body) if c.get("choices")]
+    assert all(isinstance(d.get("content", ""), str) for d in deltas), deltas
+    assert "".join(d.get("content") or "" for d in deltas) == "ok"
+
+
+# --------------------------------------------------------------------------- non-finite floats
+
+
+async def test_non_finite_extras_in_a_chat_answer_are_a_clean_502(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``NaN`` in an answer's extras (Python's json accepts it; JSON has no such
+    token): a strict-JSON 502, never a body a strict client cannot parse."""
+    nan = (b'{"choices":[{"index":0,"message":{"role":"assistant","content":"GOOD"},'
+           b'"finish_reason":"stop","logprobs":{"x":NaN,"y":1e400}}],"model":"m"}')
+    (status, body), = await _against(nan, GOOD_SSE, ("/v1/chat/completions", WHOLE_REQUEST))
+    assert status == 502, body
+    assert _strict(body)["error"]["code"] == "upstream_error"
+    _no_traceback(caplog)
+
+
+async def test_non_finite_floats_in_a_streamed_chunk_end_it_with_an_error_event() -> None:
+    sse = _sse(b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}',
+               b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"b"},'
+               b'"logprobs":{"x":NaN}}]}')
+    (status, body), = await _against(GOOD, sse, ("/v1/chat/completions", STREAM_REQUEST))
+    assert status == 200
+    events = _events(body)  # every event strict JSON
+    assert events[-1]["error"]["code"] == "upstream_error"
+
+
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+async def test_non_finite_embeddings_never_make_invalid_json(encoding: str) -> None:
+    """Vectors holding NaN/Infinity (base64 floats decode to them): the body is
+    strict JSON either way -- a 502 for floats, which JSON cannot carry."""
+    vectors = json.dumps({"object": "list", "model": "emb", "data": [
+        {"object": "embedding", "index": 0, "embedding": "AADAfwAAgH8="}],
+        "usage": {"prompt_tokens": 1, "total_tokens": 1}}).encode()
+    request = {"model": "embed", "input": ["a"], "encoding_format": encoding}
+    (status, body), = await _against(vectors, GOOD_SSE, ("/v1/embeddings", request))
+    answer = _strict(body)
+    if encoding == "float":
+        assert status == 502, body
+        assert answer["error"]["code"] == "upstream_error"
+    else:
+        assert status in (200, 502), body
+
