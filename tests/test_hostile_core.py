@@ -270,14 +270,7 @@ async def test_a_negative_choice_index_cannot_replace_the_answer() -> None:
             % len(body) + body
         )
 
-    async with raw_server(reply) as server:
-        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x")
-        scope = polygate.Scope(sources=[source], retry=polygate.Retry(max_attempts=1))
-        async with polygate.session(polygate.Settings(scopes={"chat": scope})) as s:
-            with pytest.raises(polygate.AllSourcesExhausted) as info:
-                await s.chat(MESSAGES)
-    (error,) = info.value.errors
-    assert isinstance(error, polygate.TransientUpstreamError) and "choice index -1" in str(error)
+    await _refused_as_index_minus_one(reply, streaming=True)
 
 
 async def test_a_negative_choice_index_in_a_json_body_is_malformed() -> None:
@@ -289,8 +282,13 @@ async def test_a_negative_choice_index_in_a_json_body_is_malformed() -> None:
     async def reply(stream: trio.SocketStream, head: bytes) -> None:
         await stream.send_all(_sized(body))
 
+    await _refused_as_index_minus_one(reply, streaming=False)
+
+
+async def _refused_as_index_minus_one(reply: Any, *, streaming: bool) -> None:
+    """One attempt against ``reply``: it fails as a malformed answer (choice -1)."""
     async with raw_server(reply) as server:
-        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x", streaming=False)
+        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x", streaming=streaming)
         scope = polygate.Scope(sources=[source], retry=polygate.Retry(max_attempts=1))
         async with polygate.session(polygate.Settings(scopes={"chat": scope})) as s:
             with pytest.raises(polygate.AllSourcesExhausted) as info:
