@@ -343,6 +343,7 @@ async def test_bad_pages_and_prompts_before_any_io(autojump_clock: trio.testing.
         ({"pages": [1, 1]}, "twice"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": 5}, "prompt"),
+        ({"prompt": "read \ud800 this"}, "prompt is not valid Unicode"),
         ({"messages": []}, "set by polygate"),
         ({"scope": "nope"}, "unknown scope"),
         ({"call_deadline_s": 0}, "call_deadline_s"),
