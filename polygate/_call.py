@@ -399,9 +399,10 @@ async def run_chat(
                     if committed_error is not None:
                         # No source could continue the stream: the caller's error is
                         # the stream's own failure, with the whole stream's statistics.
-                        committed_error.call_stats = call_stats(
-                            ctx, segments[-1], trio.current_time(), segments[:-1]
-                        ) if segments else committed_error.call_stats
+                        if segments:
+                            committed_error.call_stats = call_stats(
+                                ctx, segments[-1], trio.current_time(), segments[:-1]
+                            )
                         raise _committed_error(committed_error, shown) from exc
                     raise
                 _move_to(ctx, target, params)

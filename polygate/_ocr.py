@@ -75,14 +75,6 @@ def check_arguments(
         prompt = settings.prompt or DEFAULT_PROMPT
     elif not isinstance(prompt, str) or not prompt.strip():
         raise ConfigError("prompt must be a non-empty string or None")
-    elif not prompt.isascii():
-        try:
-            prompt.encode()
-        except UnicodeEncodeError as exc:  # a lone surrogate: only UTF-8 goes on the wire
-            raise ConfigError(
-                f"prompt is not valid Unicode (a lone surrogate cannot be sent as UTF-8): "
-                f"U+{ord(exc.object[exc.start]):04X} at character {exc.start}"
-            ) from None
     if pages is None:
         return prompt, None
     if isinstance(pages, (str, bytes)) or not isinstance(pages, Sequence) or not pages:

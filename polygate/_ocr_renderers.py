@@ -186,8 +186,8 @@ class _ThreadWorker(_Worker):
     async def _exchange(self, header: tuple[Any, ...], blob: bytes) -> tuple[tuple[Any, ...], bytes]:
         with self._lock:
             self._busy = True
-        with patient_clock(math.inf):  # as a renderer process: no virtual time passes
-            return await trio.to_thread.run_sync(self._handle, header, blob, abandon_on_cancel=True)
+        # (run_sync holds virtual time still, as for a renderer process)
+        return await run_sync(self._handle, header, blob, abandon_on_cancel=True)
 
     async def discard(self) -> None:
         with self._lock:

@@ -170,6 +170,8 @@ class Session:
         ``pathlib.Path``, or an ``https://`` URL), one vision request per page, all in
         one logical call; ``pages`` selects 0-based pages (``docs/ocr.md``)."""
         deadline = self._prepare(scope, call_deadline_s)
+        if isinstance(prompt, str):  # (its other checks are OCR's own, in run_ocr)
+            _check_utf8(prompt, "prompt")
         _check_params(params)
         return await run_ocr(
             self._runtime, scope, document, prompt=prompt, pages=pages, params=params,
@@ -235,15 +237,16 @@ def _is_utf8(text: str) -> bool:
 
 
 def _check_utf8(text: str, what: str) -> None:
-    """Refuse text holding a lone surrogate (only UTF-8 goes on the wire)."""
-    if text.isascii():
+    """Refuse text holding a lone surrogate (only UTF-8 goes on the wire), naming it."""
+    if _is_utf8(text):
         return
-    try:
-        text.encode()
-    except UnicodeEncodeError as exc:
-        raise ConfigError(
-            f"{what} {_NOT_UNICODE}: U+{ord(exc.object[exc.start]):04X} at character {exc.start}"
-        ) from None
+    start = next(i for i, char in enumerate(text) if "\ud800" <= char <= "\udfff")
+    raise ConfigError(f"{what} {_NOT_UNICODE}: U+{ord(text[start]):04X} at character {start}")
+
+
+def _is_nan_error(exc: Exception) -> bool:
+    """Whether an encoder (allow_nan=False) refused a NaN or an infinity."""
+    return isinstance(exc, ValueError) and "Out of range float" in str(exc)
 
 
 def _check_messages(messages: Any) -> str:
@@ -258,7 +261,7 @@ def _check_messages(messages: Any) -> str:
     try:
         encoded = _encode_messages(messages)
     except (TypeError, ValueError) as exc:
-        if isinstance(exc, ValueError) and "Out of range float" in str(exc):
+        if _is_nan_error(exc):
             raise ConfigError("messages must not contain NaN or Infinity (not JSON)") from None
         raise ConfigError(f"messages are not JSON-serialisable: {exc}") from None
     if not _is_utf8(encoded):  # which one, on the error path only
@@ -294,7 +297,7 @@ def _unencodable(params: Mapping[str, Any], exc: Exception) -> str:
         except (TypeError, ValueError) as found:
             name, exc = f"parameter {key!r}", found
             break
-    if isinstance(exc, ValueError) and "Out of range float" in str(exc):
+    if _is_nan_error(exc):
         return f"{name} must not contain NaN or Infinity (not JSON)"
     return f"{name} must be JSON-serialisable: {exc}"
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from .._errors import TransientUpstreamError
 
-__all__ = ["ChatAssembler", "TextParts", "has_content", "message_text"]
+__all__ = ["ChatAssembler", "TextParts", "bad_choice_index", "has_content", "message_text"]
 
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
 # Keys of a chunk that describe the chunk itself, not the response.
@@ -59,6 +59,14 @@ def message_text(message: dict[str, Any]) -> str:
 
 _join = "".join  # a seam: tests count the characters joins copy
 _append = list.append
+
+
+def bad_choice_index(index: Any) -> bool:
+    """A choice index an answer may not carry: the choices are ordered by index and
+    the first is *the* answer, so a negative one would replace choice 0 (a ``bool``
+    is an ``int`` to Python, not to JSON).  A large index is harmless: it sorts after 0,
+    and how many choices there are is capped by ``max_choices``."""
+    return isinstance(index, bool) or (isinstance(index, int) and index < 0)
 
 
 class TextParts(list[str]):
@@ -347,7 +355,7 @@ class ChatAssembler:
                         index = choice.get("index", 0)
                         if not isinstance(index, int):
                             index = 0
-                        elif index < 0 or isinstance(index, bool):
+                        elif bad_choice_index(index):
                             self._bad_index(index)
                         state = self._choices.get(index)
                         if state is None:
@@ -364,9 +372,6 @@ class ChatAssembler:
         return content
 
     def _bad_index(self, index: int) -> None:
-        # build() orders choices by index and the first is *the* answer: a -1 would
-        # replace choice 0's text.  A large index is harmless (sorted after 0; how many
-        # choices there are is capped by max_choices in _new_choice).
         raise TransientUpstreamError(
             f"malformed stream: choice index {str(index)[:24]} (not a natural number)",
             source=self._source,

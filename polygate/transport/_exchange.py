@@ -34,7 +34,7 @@ from .._errors import (
     error_status,
 )
 from .._secrets import redact
-from ._assemble import ChatAssembler
+from ._assemble import ChatAssembler, bad_choice_index
 from ._pool import SENT_EXTENSION, LeanTransport, body_of
 from ._sse import Event, SSEDecoder
 from ._wire import (
@@ -385,7 +385,7 @@ async def _read_chat_json(
         )
     for choice in choices:  # the first choice is *the* answer: no index may come before 0
         index = choice.get("index", 0)
-        if isinstance(index, bool) or (isinstance(index, int) and index < 0):
+        if bad_choice_index(index):
             raise TransientUpstreamError(
                 f"malformed upstream body: choice index {str(index)[:24]} (not a natural number)",
                 source=endpoint.name,
