@@ -274,3 +274,54 @@ async def test_non_finite_embeddings_never_make_invalid_json(encoding: str) -> N
     assert status == 502, body
     assert answer["error"]["code"] in ("sources_exhausted", "upstream_error")
 
+
+
+@pytest.mark.parametrize("reason", [42, ["stop"], {"a": 1}, True])
+async def test_non_string_finish_reason_goes_out_as_a_string(reason: Any) -> None:
+    """A ``finish_reason`` that is not a string (the library reads it as none) never
+    reaches the client as it came: the JSON answer says ``"stop"``, and a streamed
+    chunk carries ``null`` until the stream's own finish chunk says ``"stop"`` -- an SDK
+    typing it as a string enum must not meet an int or a list."""
+    raw = json.dumps(reason).encode()
+    whole = json.dumps({"id": "x", "object": "chat.completion", "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": reason}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+    sse = _sse(b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"hi"},'
+               b'"finish_reason":' + raw + b'}]}')
+    (status, body), (a_status, a_body), (s_status, s_body) = await _against(whole, sse, *THREE)
+    assert (status, a_status, s_status) == (200, 200, 200), (body, a_body, s_body)
+    assert _strict(body)["choices"][0]["finish_reason"] == "stop"
+    assert _strict(a_body)["choices"][0]["finish_reason"] == "stop"
+    reasons = [c["choices"][0].get("finish_reason") for c in _events(s_body) if c.get("choices")]
+    assert all(r is None or isinstance(r, str) for r in reasons), reasons
+    assert reasons[-1] == "stop"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in _events(s_body)
+                   if c.get("choices")) == "hi"
+
+
+@pytest.mark.parametrize("usage", [
+    None, "absent", {"prompt_tokens": -5, "total_tokens": -5}, {"prompt_tokens": 1e300, "total_tokens": 1e300}])
+async def test_embeddings_without_a_believable_usage_have_none(usage: Any) -> None:
+    """As for chat (docs/serve.md, "Answers"): an embeddings answer whose upstream
+    reported no usage, or numbers the library refused, has no ``usage`` -- the
+    library's estimate is never passed off as a count."""
+    body: dict[str, Any] = {"object": "list", "model": "emb", "data": [
+        {"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}]}
+    if usage != "absent":
+        body["usage"] = usage
+    request = {"model": "embed", "input": ["a"]}
+    (status, answer), = await _against(json.dumps(body).encode(), GOOD_SSE, ("/v1/embeddings", request))
+    assert status == 200, answer
+    parsed = _strict(answer)
+    assert parsed["data"][0]["embedding"] == [0.5, 0.25]
+    assert "usage" not in parsed, parsed
+
+
+async def test_embeddings_relay_the_reported_usage() -> None:
+    body = {"object": "list", "model": "emb", "data": [
+        {"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
+        "usage": {"prompt_tokens": 7, "total_tokens": 7}}
+    request = {"model": "embed", "input": ["a"]}
+    (status, answer), = await _against(json.dumps(body).encode(), GOOD_SSE, ("/v1/embeddings", request))
+    assert status == 200, answer
+    assert _strict(answer)["usage"] == {"prompt_tokens": 7, "total_tokens": 7}

@@ -506,7 +506,8 @@ async def _chat(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge)
 def _answer_body(response: ChatResponse) -> dict[str, Any]:
     """The upstream's body as the library validated it: its usage as read (none when
     it reported none or numbers the library refused), content that is not a string
-    blanked; every other field (a provider's extras) as the upstream sent it."""
+    blanked, a missing or unreadable reason "stop"; every other field (a provider's
+    extras) as the upstream sent it."""
     raw = response.raw
     out = dict(raw)
     usage = reported_usage(response)
@@ -515,9 +516,13 @@ def _answer_body(response: ChatResponse) -> dict[str, Any]:
     else:
         out["usage"] = usage
     choices = raw.get("choices")
-    cleaned = string_content(choices, "message") if isinstance(choices, list) else None
-    if cleaned is not None:
-        out["choices"] = cleaned
+    if isinstance(choices, list):
+        choices = string_content(choices, "message") or choices
+        # The answer is complete (the library accepted it), so a choice whose reason
+        # was missing or unreadable ended as the stream's finish chunk says: "stop".
+        out["choices"] = [
+            {**c, "finish_reason": "stop"} if type(c) is dict and not c.get("finish_reason") else c
+            for c in choices]
     return out
 
 
@@ -687,11 +692,11 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
         for i, v in enumerate(response.vectors)
     ]
     usage = response.usage
-    payload = {
-        "object": "list", "data": data, "model": response.model or body.get("model"),
-        "usage": {"prompt_tokens": usage.prompt_tokens if usage else 0,
-                  "total_tokens": usage.total_tokens if usage else 0},
-    }
+    payload: dict[str, Any] = {
+        "object": "list", "data": data, "model": response.model or body.get("model")}
+    if usage is not None and usage.source == "upstream":
+        # As for chat: the library's estimate is for its own accounting, never a count.
+        payload["usage"] = {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens}
     try:
         answer = dump(payload)
     except Unencodable as exc:  # a NaN or an infinity in a vector

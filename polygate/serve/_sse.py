@@ -92,7 +92,8 @@ class StreamShape:
             if index in self._finished:
                 continue
             reason = choice.get("finish_reason") if isinstance(choice, Mapping) else None
-            finishing.append({"index": index, "delta": {}, "finish_reason": reason or "stop"})
+            finishing.append({"index": index, "delta": {},
+                              "finish_reason": reason if isinstance(reason, str) and reason else "stop"})
         if finishing:
             out += _event({**meta, "choices": finishing})
         if include_usage:
@@ -111,21 +112,40 @@ class StreamShape:
 
 def string_content(choices: list[Any], key: str) -> list[Any] | None:
     """``choices`` with each ``message``/``delta`` (``key``) content that is neither a
-    string nor null blanked to ``""``; ``None`` when none needs it (the common case
-    copies nothing).  The library reads such content (a number, a list of parts) as no
-    text, and a client that concatenates deltas must not meet an int or a list."""
+    string nor null blanked to ``""``, and each ``finish_reason`` that is neither a
+    string nor null made null; ``None`` when none needs it (the common case copies
+    nothing).  The library reads such a content (a number, a list of parts) as no text
+    and such a reason as none, and a client that concatenates deltas or types the
+    reason as a string enum must not meet an int or a list."""
     for choice in choices:  # a plain loop: this runs once per streamed chunk
         if _not_text(choice, key):
             break
     else:
         return None
-    return [{**choice, key: {**choice[key], "content": ""}} if _not_text(choice, key) else choice
-            for choice in choices]
+    return [_cleaned(choice, key) if _not_text(choice, key) else choice for choice in choices]
+
+
+def _cleaned(choice: dict[str, Any], key: str) -> dict[str, Any]:
+    out = dict(choice)
+    reason = out.get("finish_reason")
+    if reason is not None and type(reason) is not str:
+        out["finish_reason"] = None
+    part = out.get(key)
+    if type(part) is dict:
+        content = part.get("content")
+        if content is not None and type(content) is not str:
+            out[key] = {**part, "content": ""}
+    return out
 
 
 def _not_text(choice: Any, key: str) -> bool:
     # dict, not Mapping: parsed JSON is dicts, and an ABC check costs ~0.4 µs a chunk.
-    part = choice.get(key) if type(choice) is dict else None
+    if type(choice) is not dict:
+        return False
+    reason = choice.get("finish_reason")
+    if reason is not None and type(reason) is not str:
+        return True
+    part = choice.get(key)
     if type(part) is not dict:
         return False
     content = part.get("content")
