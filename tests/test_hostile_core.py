@@ -69,25 +69,58 @@ def _sized(body: bytes) -> bytes:
             % len(body) + body)
 
 
-async def test_an_answer_with_a_lone_surrogate_is_re_asked_faithfully() -> None:
-    """The upstream's ``\\ud800`` escape is valid JSON: the re-ask sends it back as the
-    same escape (lossless, what an ``ensure_ascii`` client sends) instead of raising a
-    bare UnicodeEncodeError while building the next body."""
+async def test_an_answer_with_a_lone_surrogate_reads_as_text() -> None:
+    """The upstream's ``\\ud800`` escape is valid JSON but no Unicode text: the library
+    reads it as U+FFFD, as a UTF-8 decoder with ``errors="replace"`` reads a bad byte.
+    So the answer prints, encodes, and goes back into the next call (a re-ask here; a
+    chat history in general) instead of failing there as a ConfigError, or as a bare
+    UnicodeEncodeError while building the next body."""
     bad = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"bad \\ud800 x"},"finish_reason":"stop"}]}'
     good = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"{\\"ok\\": 1}"},"finish_reason":"stop"}]}'
 
     async def reply(stream: trio.SocketStream, head: bytes) -> None:
-        await stream.send_all(_sized(bad if len(server.requests) == 1 else good))
+        await stream.send_all(_sized(bad if len(server.requests) in (1, 3) else good))
 
     async with raw_server(reply) as server:
         source = polygate.Source(name="a", base_url=server.url, api_key="sk-x", streaming=False)
         settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})
         async with polygate.session(settings) as s:
             response = await s.chat(MESSAGES, schema={"type": "object"})
+            first = await s.chat(MESSAGES, cache=False)  # the bad answer again, alone
+            # ... and back into a conversation, as a caller appends an answer
+            await s.chat([*MESSAGES, first.message, {"role": "user", "content": "go on"}])
     assert response.parsed == {"ok": 1}
     reask = _body(server, 1)
-    assert b"bad \\ud800 x" in reask
-    assert json.loads(reask)["messages"][1]["content"] == "bad \ud800 x"
+    assert json.loads(reask)["messages"][1]["content"] == "bad \ufffd x"
+    assert first.text == "bad \ufffd x"
+    assert json.loads(_body(server, 3))["messages"][1]["content"] == "bad \ufffd x"
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udfff", "\\uDBFF", "\\ud83d"])
+async def test_a_streamed_lone_surrogate_reads_as_text(escape: str) -> None:
+    """The same in a stream: each delta, the assembled text, and a key, with a proper
+    escaped pair (an emoji) left whole."""
+    def event(content: str) -> bytes:
+        return (b'data: {"choices":[{"index":0,"delta":{"content":"' + content.encode()
+                + b'"},"x_' + escape.encode() + b'":1}]}\n\n')
+
+    body = event("a" + escape + "b") + event("\\ud83d\\ude00") + b"data: [DONE]\n\n"
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                              b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    async with raw_server(reply) as server:
+        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x")
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})
+        async with polygate.session(settings) as s:
+            async with s.stream_chat(MESSAGES) as stream:
+                deltas = [chunk.text async for chunk in stream]
+            response = stream.response
+    assert deltas == ["a\ufffdb", "\U0001f600"]
+    assert response.text == "a\ufffdb\U0001f600"
+    response.text.encode()
+    json.dumps(response.raw, ensure_ascii=False).encode()
 
 
 def _body(server: RawServer, n: int) -> bytes:
@@ -335,3 +368,26 @@ async def test_an_inflated_total_does_not_lock_the_token_quota() -> None:
             await s.chat(MESSAGES)  # admitted: the window holds 10 tokens, not 99,999,999
     assert first.usage.total_tokens == 10
     assert state.tokens_in_window == 10
+
+
+@pytest.mark.parametrize(("status", "body"), [
+    (b"200 OK", b'{"choices":[{"index":0,"message":{"role":"assistant","content":"a\xed\xa0\x80b"},'
+                b'"finish_reason":"stop"}]}'),  # the raw UTF-8-shaped bytes of U+D800
+    (b"400 Bad Request", b'{"error":{"message":"bad \\udc00 input","code":"x\\ud800"}}'),
+])
+async def test_lone_surrogates_in_a_json_body_or_an_error_read_as_text(status: bytes, body: bytes) -> None:
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+                              b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    async with raw_server(reply) as server:
+        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x", streaming=False)
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})
+        async with polygate.session(settings) as s:
+            if status.startswith(b"200"):
+                assert (await s.chat(MESSAGES)).text == "a\ufffdb"
+                return
+            with pytest.raises(polygate.FatalUpstreamError) as info:
+                await s.chat(MESSAGES)
+    assert "bad \ufffd input" in str(info.value)
+    assert info.value.code == "x\ufffd"

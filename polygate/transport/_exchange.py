@@ -41,6 +41,7 @@ from ._wire import (
     MAX_JSON_DEPTH,
     Endpoint,
     Limits,
+    as_text,
     body_pieces,
     chat_body,
     check_depth,
@@ -322,7 +323,10 @@ def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any
     # Nesting needs 2 bytes a level: short events (nearly all) skip the depth check.
     if len(data) > 2 * max_depth:
         check_depth(data, max_depth, endpoint.name)
-    chunk = _decode_json(data.decode("utf-8"))
+    text = data.decode("utf-8")
+    chunk = _decode_json(text)
+    if "\\u" in text:  # a string search first: an escape is rare in a chunk
+        chunk = as_text(chunk, text)
     if type(chunk) is not dict:
         raise TransientUpstreamError(
             f"malformed stream chunk: expected an object, got {type(chunk).__name__}",
@@ -338,7 +342,7 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
     if isinstance(payload, str):
         try:
             check_depth(payload.encode(), MAX_JSON_DEPTH, endpoint.name)
-            payload = json.loads(payload)
+            payload = as_text(json.loads(payload), payload)
         except (ValueError, UpstreamError):
             pass
     status = error_status(payload)
@@ -357,7 +361,7 @@ async def _read_json(
     raw = await read_capped(response, limits.max_body_bytes, endpoint.name)
     check_depth(raw, limits.max_json_depth, endpoint.name)
     try:
-        payload = json.loads(raw)
+        payload = as_text(json.loads(raw), raw)
     except ValueError:
         if ctype is None:
             ctype = response.headers.get("content-type", "?")

@@ -33,6 +33,7 @@ __all__ = [
     "embeddings_body",
     "read_capped",
     "raise_for_status",
+    "as_text",
     "parse_retry_after",
 ]
 
@@ -210,6 +211,46 @@ def check_depth(data: bytes, limit: int, source: str) -> None:
         )
 
 
+# Where a decoded JSON document can hold a lone surrogate: a \\uD800-\\uDFFF escape (a
+# proper pair matches too, and is left whole), or the raw UTF-8-shaped bytes of one
+# (json.loads decodes bytes with "surrogatepass").  Searched before anything is walked:
+# nearly every body has neither, and the search is one C pass.
+_SURROGATE_STR = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def as_text(payload: Any, source: str | bytes) -> Any:
+    """``payload``, decoded from ``source``, with every lone surrogate in its strings
+    (keys too) read as U+FFFD.
+
+    JSON allows a lone ``\\ud800`` escape, but it is no Unicode text: left in, an answer
+    would not print, encode, or go back into the next call (a chat history) -- the
+    library refuses such text from a caller.  U+FFFD is what a UTF-8 decoder with
+    ``errors="replace"`` reads for a bad byte; ``polygate serve`` writes the same."""
+    if isinstance(source, bytes):
+        found = _SURROGATE_BYTES.search(source) is not None
+    else:
+        found = _SURROGATE_STR.search(source) is not None
+    return _mended(payload) if found else payload
+
+
+def _mended(value: Any) -> Any:
+    if type(value) is str:
+        if value.isascii():
+            return value
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            # UTF-16 pairs what can pair and replaces the rest.
+            return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return value
+    if type(value) is dict:
+        return {_mended(k): _mended(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_mended(v) for v in value]
+    return value
+
+
 def check_encoding(response: httpx.Response, source: str) -> str | None:
     """Why the body must not be read, or None.
 
@@ -296,7 +337,7 @@ def _error_detail(
         return "", None
     if not cut:
         try:
-            payload = json.loads(text)
+            payload = as_text(json.loads(text), text)
         except (ValueError, RecursionError):
             pass
         else:
