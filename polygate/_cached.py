@@ -272,14 +272,28 @@ async def cached_chat(
                     cache.coalesced += 1
                     return response
                 continue
-            if flight.error is not None:
+            if flight.error is not None and _binds(flight.error, rounds):
                 error = call.shared(flight.error)
                 call.record(getattr(error, "call_stats", None) or call.stats(cached=False), None, error)
                 raise error
-            # abandoned: loop and lead (or wait on whoever led first)
+            # abandoned, or a verdict that does not bind this call: loop and lead (or
+            # wait on whoever led first)
 
     result: ChatResponse = await _guard(call, body)
     return result
+
+
+def _binds(error: BaseException, rounds: Rounds | None) -> bool:
+    """Whether the leader's shared error is this waiter's answer too.
+
+    A ``StructuredOutputError`` is, once the leader had at least the re-asks this call
+    may make (identical calls under one schema would end the same way, and asking
+    again one after the other would only queue them); not when it had fewer -- a
+    ``stream_chat`` leader never re-asks, and a ``chat`` waiter still may."""
+    if not isinstance(error, StructuredOutputError) or rounds is None:
+        return True
+    stats = error.call_stats
+    return stats is not None and stats.reasks >= rounds.max_reasks
 
 
 async def _lead(

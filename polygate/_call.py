@@ -78,6 +78,9 @@ class Rounds(Protocol):
     end the call (carrying the response's frozen statistics).
     """
 
+    #: How many times a round may be asked again (0: one round only).
+    max_reasks: int
+
     def request(
         self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str
     ) -> ChatRequest | None: ...

@@ -481,6 +481,59 @@ async def test_a_fatal_answer_is_every_waiters_error(autojump_clock: trio.testin
     assert len(waiters) == 2
 
 
+def _prose_then_json(request: Any, rng: Any) -> Reply:
+    """A first round answers prose; a re-asked round (one with the answer in its
+    history) valid JSON."""
+    reasked = any(m["role"] == "assistant" for m in request.body["messages"])
+    return Reply(text='{"x": 1}' if reasked else "not json", first_token_s=1.0)
+
+
+@pytest.mark.parametrize("leader", ["chat", "stream_chat"])
+async def test_a_failed_structured_answer_binds_only_waiters_with_no_more_reasks(
+    leader: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A leader's ``StructuredOutputError`` is its waiters' answer when the leader had
+    as many re-asks as they may make (identical calls would end the same way; asking
+    one after another would only queue them: tests/interplay/
+    test_f_cache_handover_serialises.py).  A ``stream_chat`` leader never re-asks, so
+    a ``chat(schema=...)`` waiter is not handed its error: it leads its own call,
+    re-asks and all, as it would alone (docs/cache.md, "Coalescing")."""
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    up = FakeUpstream(_prose_then_json)
+    settings = cache_settings(structured=polygate.Structured(max_reasks=0 if leader == "chat" else 2))
+    out: dict[str, Any] = {}
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+
+        async def lead() -> None:
+            with pytest.raises(polygate.StructuredOutputError):
+                if leader == "chat":
+                    await s.chat(MESSAGES, schema=schema)
+                    return
+                async with s.stream_chat(MESSAGES, schema=schema) as stream:
+                    async for _ in stream:
+                        pass
+
+        async def wait() -> None:
+            await trio.sleep(0.5)
+            try:
+                out["waiter"] = await s.chat(MESSAGES, schema=schema)
+            except polygate.StructuredOutputError as exc:
+                out["waiter"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lead)
+            nursery.start_soon(wait)
+    waiter = out["waiter"]
+    if leader == "stream_chat":
+        assert isinstance(waiter, polygate.ChatResponse), waiter
+        assert waiter.parsed == {"x": 1} and waiter.call_stats.reasks == 1
+        assert _sent(up) == 3  # the stream's round, the waiter's round and its re-ask
+    else:  # max_reasks=0 for both: the leader's verdict is the waiter's
+        assert isinstance(waiter, polygate.StructuredOutputError), waiter
+        assert waiter.call_stats is not None and waiter.call_stats.attempts == 0
+        assert _sent(up) == 1
+
+
 async def test_embed_calls_coalesce_per_input(autojump_clock: trio.testing.MockClock) -> None:
     up = FakeUpstream(Reply(first_token_s=2.0))
     out: dict[str, polygate.EmbeddingResponse] = {}
