@@ -76,6 +76,34 @@ async def test_sessions_share_the_cache(redis_server: RedisServer) -> None:
     assert all(0.9 * TTL * 1000 < t <= TTL * 1000 for t in ttls)
 
 
+@pytest.mark.parametrize("ttl", [1e17, 1.7e308])
+async def test_a_huge_ttl_is_stored_as_the_longest_redis_keeps(redis_server: RedisServer, ttl: float) -> None:
+    """Any finite ``cache_ttl_s`` > 0 is valid (docs/cache.md); one past what Redis's
+    ``PX`` holds is the longest it holds, never a refused write that drops the other
+    entries of its batch."""
+    url, prefix = _url(redis_server)
+    question = _question()
+    up = FakeUpstream(Reply(text="kept"))
+    settings = polygate.Settings(scopes={
+        "chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=ttl),
+        "other": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=TTL),
+    }, cache=url)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:  # two writes, likely one batch
+            nursery.start_soon(lambda: s.chat(question))
+            nursery.start_soon(lambda: s.chat(question, scope="other"))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        assert (await s.chat(question)).call_stats.cached
+        assert (await s.chat(question, scope="other")).call_stats.cached
+        stats = (await s.statistics()).cache
+    assert stats.errors == 0
+    import coredis
+
+    async with coredis.Redis(host="127.0.0.1", port=redis_server.port) as client:
+        ttls = sorted([await client.pttl(k) for k in await client.keys(f"{prefix}:*")])
+    assert ttls[0] <= TTL * 1000 and ttls[1] > 10 * 365 * 86400 * 1000
+
+
 async def test_round_trips(redis_server: RedisServer) -> None:
     """A hit is one GET; a miss is one GET before the upstream call, and its answer
     is written behind (one SET, pipelined with others, off the call path)."""

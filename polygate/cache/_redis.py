@@ -117,7 +117,7 @@ class RedisBackend:
             try:
                 requests = [
                     connection.create_request(
-                        b"SET", self._prefix + key, value, b"PX", max(1, int(ttl_s * 1000))
+                        b"SET", self._prefix + key, value, b"PX", _px(ttl_s)
                     )
                     for key, value, ttl_s in entries
                 ]
@@ -162,3 +162,14 @@ class RedisBackend:
         if password:
             text = text.replace(password, "***")
         return f"cache {self._where} failed {what} ({text[:300]})"
+
+
+#: The longest expiry written, in ms (~31,700 years).  Redis refuses a ``PX`` past a
+#: 64-bit millisecond time ("value is not an integer or out of range"), and one
+#: refused ``SET`` fails the pipelined batch it travels in.
+_MAX_PX = 10**15
+
+
+def _px(ttl_s: float) -> int:
+    """A TTL (finite, > 0: validated in Settings) as Redis's ``PX``: at least 1 ms."""
+    return max(1, int(min(ttl_s * 1000, _MAX_PX)))  # min first: 1e308 * 1000 is inf
