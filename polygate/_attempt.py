@@ -230,6 +230,12 @@ async def _guarded(
             )
         raise _watchdog_error(ctx, admission.source, timeline, ttft_timeout_s)
     except UpstreamError as exc:
+        if control.cancelled:
+            # The same race as above, ending in a fault instead: a buffered cut or
+            # malformed body surfacing after this path lost.  A loser never feeds the
+            # breaker or the source's health, whatever its body held.
+            outcome = control.cancel_reason
+            raise AttemptCancelled(outcome) from None
         error = exc
         outcome = exc.outcome
         raise

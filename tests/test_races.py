@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -50,13 +51,16 @@ class _GatedBody(httpx.AsyncByteStream):
     """A role chunk, then nothing until ``gate`` is set; then either the whole rest of
     the answer in one piece (already buffered) or word by word ``gap`` apart."""
 
-    def __init__(self, gate: trio.Event, words: list[str], gap: float) -> None:
-        self._gate, self._words, self._gap = gate, words, gap
+    def __init__(self, gate: trio.Event, words: list[str], gap: float, *, cut: bool = False) -> None:
+        self._gate, self._words, self._gap, self._cut = gate, words, gap, cut
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         yield _sse({"object": "chat.completion.chunk", "model": "m", "choices": [
             {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
         await self._gate.wait()
+        if self._cut:  # the words, then the body ends: no finish_reason, no [DONE]
+            yield b"".join(map(_delta, self._words))
+            return
         if self._gap == 0:
             yield b"".join([*map(_delta, self._words), _delta(None, "stop"), b"data: [DONE]\n\n"])
             return
@@ -72,10 +76,11 @@ class _SameBatch(httpx.AsyncBaseTransport):
     same batch, in an order trio picks at random.  ``a`` streams word by word unless
     ``a_buffered``; ``b`` has its whole answer buffered."""
 
-    def __init__(self, nursery: trio.Nursery, *, a_buffered: bool = False) -> None:
+    def __init__(self, nursery: trio.Nursery, *, a_buffered: bool = False, b_cut: bool = False) -> None:
         self.gate = trio.Event()
         self._nursery = nursery
         self._a_gap = 0.0 if a_buffered else 1.0
+        self._b_cut = b_cut
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
@@ -84,7 +89,7 @@ class _SameBatch(httpx.AsyncBaseTransport):
             body = _GatedBody(self.gate, ["alpha", " beta", " gamma"], self._a_gap)
         else:
             gate = self.gate
-            body = _GatedBody(gate, ["one", " two", " three"], 0.0)
+            body = _GatedBody(gate, ["one", " two", " three"], 0.0, cut=self._b_cut)
 
             async def open_gate() -> None:
                 await trio.sleep(2)
@@ -154,6 +159,34 @@ async def test_a_chat_loser_finishing_in_the_winners_batch_is_a_loser(
         loser = "b" if winner == "a" else "a"
         assert outcomes[call][winner][0] == "ok"
         assert outcomes[call][loser][0] == "hedge_cancelled"
+
+
+async def test_a_loser_cut_in_the_winners_batch_does_not_feed_the_breaker(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The hedge's buffered answer ends cut (truncated) in the batch where the primary
+    completes.  When the primary runs first, it wins and cancels the hedge, whose
+    buffered fault then surfaces without a checkpoint: that path lost, so it is
+    ``hedge_cancelled`` and feeds neither the breaker nor the source's health (SPEC
+    §3, §4: "losers do not feed the breaker").  When the hedge runs first, its cut is
+    a real failure of a path still in the race, and counts."""
+    recorder = _Attempts()
+    async with trio.open_nursery() as nursery:
+        transport = _SameBatch(nursery, a_buffered=True, b_cut=True)
+        settings = _settings(budget_burst=20)
+        settings = attrs.evolve(settings, scopes={"chat": attrs.evolve(
+            settings.scopes["chat"], breaker=polygate.Breaker(failures=1000, failure_rate=1.0))})
+        async with polygate.session(settings, transport=transport) as s:
+            s._runtime.recorder = recorder
+            for _ in range(16):
+                r = await s.chat(MESSAGES)
+                assert r.source == "a" and r.call_stats.attempts == 2
+            sources = {x.state.source: x.state for x in (await s.statistics()).governance.sources}
+    b_rows = [outcome for _, source, outcome, _ in recorder.rows if source == "b"]
+    assert set(b_rows) <= {"hedge_cancelled", "transient"}, b_rows
+    assert "hedge_cancelled" in b_rows, "the primary never ran first (or its loser counted as failed)"
+    # Only the real failures fed the breaker; a loser never did.
+    assert sources["b"].consecutive_failures == b_rows.count("transient")
 
 
 class _SlowBudget(MemoryBackend):
