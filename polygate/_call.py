@@ -592,17 +592,28 @@ def _one_error(group: BaseExceptionGroup[Any]) -> BaseException:
 
     In order: a ``KeyboardInterrupt`` or other non-cancellation ``BaseException``
     (Ctrl-C reaches the caller as itself, as from ``trio.run``); else the call's
-    polygate error; else its first plain exception (a bug, surfaced as itself).  A
-    group of nothing but cancellations is re-raised whole: trio's cancel scopes take
-    groups of ``Cancelled`` apart themselves."""
+    polygate error; else its first plain exception (a bug, surfaced as itself); else
+    (nothing but cancellations) one of its ``Cancelled``: they are interchangeable --
+    a cancel scope asks its own state, not which instance reached it -- and a caller's
+    ``except trio.Cancelled:`` must see one."""
     leaves = _leaves(group)
     for exc in leaves:
         if not isinstance(exc, (Exception, trio.Cancelled)):
             return exc
     errors = [exc for exc in leaves if isinstance(exc, Exception)]
     if not errors:
-        raise group
+        return leaves[0]
     return next((exc for exc in errors if isinstance(exc, PolygateError)), errors[0])
+
+
+def one_cancelled(group: BaseExceptionGroup[Any]) -> trio.Cancelled | None:
+    """The first ``Cancelled`` of a group made of nothing else (see ``_one_error``)."""
+    leaves = _leaves(group)
+    if leaves and all(isinstance(exc, trio.Cancelled) for exc in leaves):
+        first = leaves[0]
+        assert isinstance(first, trio.Cancelled)
+        return first
+    return None
 
 
 def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:

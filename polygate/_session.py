@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
@@ -21,7 +22,7 @@ import httpx
 import trio
 
 from ._cached import cache_mode, cached_chat, cached_embed
-from ._call import Rounds
+from ._call import Rounds, one_cancelled
 from ._config import Settings
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
@@ -34,6 +35,9 @@ from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
 from .transport import LeanTransport, TextParts
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["ChatStream", "Session", "SessionStatistics", "session"]
 
@@ -386,6 +390,13 @@ class ChatStream:
                     body_error = exc
                 finally:
                     nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # The body's cancellation and the call's, side by side: one Cancelled
+            # leaves, as from an unstreamed call (SPEC §3: never a nursery's group).
+            cancelled = one_cancelled(group)
+            if cancelled is None:
+                raise
+            raise cancelled from None
         finally:
             self._exited = True
         if body_error is not None:

@@ -201,3 +201,35 @@ async def test_taking_the_chunks_already_here_loses_nothing(
     bursts = await read(take_ready=True)
     assert bursts == plain
     assert plain[0]  # the stream carried chunks
+
+
+@pytest.mark.parametrize("hedge", [False, True])
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_a_call_cancelled_from_outside_raises_one_cancelled(
+    hedge: bool, streaming: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    """SPEC §3: a public call raises one exception, never an internal nursery's group.
+    Cancelled from outside -- mid-hedge, mid-stream -- it is one ``trio.Cancelled``, so
+    a caller's ``except trio.Cancelled:`` clean-up runs whatever the call was doing;
+    the caller's scope absorbs it and the session goes on."""
+    sources = [polygate.Source(name=n, base_url=f"http://{n}/v1") for n in "ab"]
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=sources, hedge=polygate.Hedge(after_s=0.5 if hedge else None))})
+    ups = {n: FakeUpstream(Reply(first_token_s=1.0, inter_token_s=0.5, tokens=4)) for n in "ab"}
+    caught: list[BaseException] = []
+    async with polygate.session(settings, transport=Router(ups)) as s:
+        for at in (0.25, 0.75, 1.25, 2.0):
+            with trio.move_on_after(at):
+                try:
+                    if streaming:
+                        async with s.stream_chat(MESSAGES) as stream:
+                            async for _ in stream:
+                                pass
+                    else:
+                        await s.chat(MESSAGES)
+                except BaseException as exc:
+                    caught.append(exc)
+                    raise
+        assert (await s.chat(MESSAGES)).text
+    assert len(caught) == 4
+    assert all(type(exc) is trio.Cancelled for exc in caught), caught
