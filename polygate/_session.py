@@ -176,6 +176,12 @@ class Session:
         deadline = self._prepare(scope, call_deadline_s)
         if isinstance(prompt, str):  # (its other checks are OCR's own, in run_ocr)
             _check_utf8(prompt, "prompt")
+        for name in ("cache", "schema"):
+            # chat()'s own arguments: OCR answers are neither cached nor validated,
+            # and sending them on as vendor fields would hide that.
+            if name in params:
+                raise ConfigError(f"ocr() does not take {name!r} (OCR answers are neither "
+                                  "cached nor schema-validated)")
         _check_params(params)
         return await run_ocr(
             self._runtime, scope, document, prompt=prompt, pages=pages, params=params,

@@ -345,6 +345,9 @@ async def test_bad_pages_and_prompts_before_any_io(autojump_clock: trio.testing.
         ({"prompt": 5}, "prompt"),
         ({"prompt": "read \ud800 this"}, "prompt is not valid Unicode"),
         ({"messages": []}, "set by polygate"),
+        # chat()'s own arguments, which OCR does not take: never sent as vendor fields
+        ({"cache": False}, "ocr\\(\\) does not take 'cache'"),
+        ({"schema": {"type": "object"}}, "ocr\\(\\) does not take 'schema'"),
         ({"scope": "nope"}, "unknown scope"),
         ({"call_deadline_s": 0}, "call_deadline_s"),
     ]
