@@ -39,6 +39,14 @@ async def _settled(server: Server) -> None:
         assert state.reserved_total == state.settled_total + state.released_total, state
 
 
+def _results(server: Server) -> dict[str, int]:
+    """``polygate_serve_calls_total`` by result (every call is counted, however it ended)."""
+    out: dict[str, int] = {}
+    for (_, _, result), n in server.metrics.calls.items():
+        out[result] = out.get(result, 0) + n
+    return out
+
+
 def _call_rows(db: Path) -> list[tuple[str, str]]:
     with sqlite3.connect(db) as conn:
         rows = conn.execute("SELECT logical_call_id, outcome FROM calls").fetchall()
@@ -62,6 +70,9 @@ async def test_disconnect_while_waiting_for_the_first_token(tmp_path: Path, stre
         await wait_for(lambda: server.statistics().in_flight == 0)
         await _settled(server)
         call_id = upstream.requests[0].headers["x-polygate-call-id"]
+        # The call is in /metrics too, with the attempt it made (which reached the upstream).
+        assert _results(server) == {"client_closed": 1}
+        assert server.metrics.attempts == {"chat": 1}
     assert _call_rows(db) == [(call_id, "cancelled")]
     assert server.metrics.disconnects == 1
 
@@ -82,6 +93,8 @@ async def test_disconnect_mid_stream(tmp_path: Path) -> None:
         assert upstream.requests[0].ended_at - left_at < ABANDON_LIMIT_S
         await wait_for(lambda: server.statistics().in_flight == 0)
         await _settled(server)
+        assert _results(server) == {"client_closed": 1}
+        assert server.metrics.attempts == {"chat": 1}
     assert [outcome for _, outcome in _call_rows(db)] == ["cancelled"]
 
 
@@ -163,3 +176,27 @@ async def test_grace_end_tells_a_started_stream_why() -> None:
         await _settled(server)
     assert b'"code":"shutting_down"' in received
     assert upstream.requests[0].outcome == "client_closed"
+    assert _results(server) == {"shutting_down": 1}
+    assert server.metrics.attempts == {"chat": 1}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/embeddings"])
+async def test_a_json_call_cut_by_the_drain_is_counted(path: str) -> None:
+    """A JSON call (chat or embeddings) that the drain's grace period cuts is answered
+    503 ``shutting_down`` and counted so in /metrics, with the attempt it made."""
+    upstream = FakeUpstream(Reply(first_token_s=30, headers_delay_s=30))
+    body = CHAT if path.endswith("completions") else {"model": "chat", "input": ["x"]}
+    async with gateway(upstream) as (server, _):
+        client = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await client.send_all(request_bytes("POST", path, body, AUTH))
+        await wait_for(lambda: upstream.in_flight == 1)
+        with trio.fail_after(10):
+            await server.shutdown(grace_s=0.2)
+        received = b""
+        with trio.fail_after(5):
+            while data := await client.receive_some(65536):
+                received += data
+        await client.aclose()
+    assert received.startswith(b"HTTP/1.1 503")
+    assert _results(server) == {"shutting_down": 1}
+    assert server.metrics.attempts == {"chat": 1}

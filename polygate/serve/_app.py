@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import contextvars
 import hashlib
 import hmac
 import inspect
@@ -40,6 +41,7 @@ from .._types import CallStats, ChatResponse, StreamChunk
 from ._errors import ErrorReply, reply_for
 from ._http import ClientGone, Connection, Request
 from ._json import Unencodable, dump, has_lone_surrogate
+from ._meter import CURRENT, CallMeter, tap
 from ._metrics import Metrics, render
 from ._sse import KEEPALIVE, StreamShape, error_event, reported_usage, string_content
 from ._unavailable import UnavailableSession
@@ -97,6 +99,8 @@ class Gateway:
     idle: trio.Event = attrs.field(factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
+        if isinstance(self.session, Session):
+            tap(self.session)  # every call counted in /metrics, cancelled ones too
         # Keys are compared as SHA-256 digests: equal lengths, and hmac.compare_digest
         # over every configured key (no early exit) leaks neither a key nor which one.
         serve = self.settings.serve
@@ -173,10 +177,32 @@ class Context:
     #: Cancelled by the server when a drain's grace period is over: the call stops and
     #: the client is told why (503, or an error event on a stream already started).
     stop: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    #: The call this request started, once it has started one.
+    meter: CallMeter | None = None
 
     @property
     def draining(self) -> bool:
         return self.state.draining
+
+    def start_call(self, scope: str, call_id: str) -> contextvars.Token[CallMeter | None]:
+        self.meter = CallMeter(scope, call_id)
+        return CURRENT.set(self.meter)
+
+    def count_call(self, scope: str, stats: CallStats | None, result: str) -> None:
+        if self.meter is not None:
+            self.meter.count(self.metrics, stats, result)
+        else:
+            self.metrics.call(scope, stats, result)
+
+    def count_leftover(self, status: int) -> None:
+        """Count the started call that no answer counted: its client left (499), a
+        drain cut it (503), or this module failed (500)."""
+        if self.meter is not None:
+            result = _LEFTOVER.get(status, str(status))
+            self.meter.count_leftover(self.metrics, result)
+
+
+_LEFTOVER: Final = {499: "client_closed", 503: "shutting_down", 500: "internal_error"}
 
 
 # --------------------------------------------------------------------------- entry
@@ -197,10 +223,12 @@ async def answer(ctx: Context, request: Request) -> None:
         await _internal_error(ctx)
     except BaseException:  # cancelled, perhaps inside a group from the call's nursery
         ctx.metrics.disconnects += 1
+        ctx.count_leftover(499)
         ctx.metrics.request(_endpoint_label(endpoint), 499, trio.current_time() - started)
         raise
     if status == 499:
         ctx.metrics.disconnects += 1
+    ctx.count_leftover(status)
     ctx.metrics.request(_endpoint_label(endpoint), status, trio.current_time() - started)
 
 
@@ -461,7 +489,7 @@ async def _call_failed(
     if reply.status == 500:
         log.error("unexpected error answering a call: %s", type(exc).__name__, exc_info=exc)
     stats: CallStats | None = getattr(exc, "call_stats", None)
-    ctx.metrics.call(scope, stats, reply.code)
+    ctx.count_call(scope, stats, reply.code)
     return await _fail(ctx, reply, call_id, stats)
 
 
@@ -479,6 +507,7 @@ async def _chat(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge)
         return await _fail(ctx, _bad_param("stream_options must be an object", "stream_options"))
     call_id = fresh_call_id()
     token = PRESET_CALL_ID.set(call_id)
+    metered = ctx.start_call(scope, call_id)
     try:
         if stream:
             include_usage = bool(options and options.get("include_usage"))
@@ -493,13 +522,14 @@ async def _chat(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge)
             return await _fail(ctx, _SHUTDOWN, call_id)
     finally:
         PRESET_CALL_ID.reset(token)
+        CURRENT.reset(metered)
     stats = response.call_stats
     charge.answered(stats, response.usage)
     try:
         answer = dump(_answer_body(response))
     except Unencodable as exc:
         return await _unencodable(ctx, scope, call_id, exc, stats)
-    ctx.metrics.call(scope, stats, "ok")
+    ctx.count_call(scope, stats, "ok")
     return await _send_json(ctx, 200, answer, _stats_headers(call_id, stats))
 
 
@@ -532,7 +562,7 @@ async def _unencodable(
     """An answer that came but cannot be written as JSON: a 502, counted as such; the
     call's cost stands (the upstream did the work)."""
     reply = reply_for(exc)
-    ctx.metrics.call(scope, stats, reply.code)
+    ctx.count_call(scope, stats, reply.code)
     return await _fail(ctx, reply, call_id, stats)
 
 
@@ -633,7 +663,7 @@ async def _chat_stream(
         charge.failed(failure)
         reply = reply_for(failure)
         stats = getattr(failure, "call_stats", None)
-        ctx.metrics.call(scope, stats, reply.code)
+        ctx.count_call(scope, stats, reply.code)
         await conn.send(conn.frame(error_event(reply.message, reply.type, reply.code)) + conn.end())
         return reply.status
     response = stream.response
@@ -645,10 +675,10 @@ async def _chat_stream(
         if not head_sent:
             return await _unencodable(ctx, scope, call_id, exc, response.call_stats)
         reply = reply_for(exc)
-        ctx.metrics.call(scope, response.call_stats, reply.code)
+        ctx.count_call(scope, response.call_stats, reply.code)
         await conn.send(conn.frame(error_event(reply.message, reply.type, reply.code)) + conn.end())
         return reply.status
-    ctx.metrics.call(scope, response.call_stats, "ok")
+    ctx.count_call(scope, response.call_stats, "ok")
     out = head() if not head_sent else b""
     await conn.send(out + conn.frame(ending) + conn.end())
     return 200
@@ -675,6 +705,7 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
     base64_out = encoding == "base64"
     call_id = fresh_call_id()
     token = PRESET_CALL_ID.set(call_id)
+    metered = ctx.start_call(scope, call_id)
     try:
         with ctx.stop:
             charge.started = True
@@ -685,6 +716,7 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
         return await _call_failed(ctx, scope, call_id, exc, charge)
     finally:
         PRESET_CALL_ID.reset(token)
+        CURRENT.reset(metered)
     stats = response.call_stats
     charge.answered(stats, response.usage)
     data = [
@@ -701,7 +733,7 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
         answer = dump(payload)
     except Unencodable as exc:  # a NaN or an infinity in a vector
         return await _unencodable(ctx, scope, call_id, exc, stats)
-    ctx.metrics.call(scope, stats, "ok")
+    ctx.count_call(scope, stats, "ok")
     return await _send_json(ctx, 200, answer, _stats_headers(call_id, stats))
 
 
