@@ -167,8 +167,29 @@ async def test_a_request_over_the_keys_whole_tpm_is_refused_without_retry_after(
         answer = await http(server, "POST", CALL, {**CHAT, "max_tokens": 500}, bearer(ALICE))
     assert answer.status == 429
     assert "retry-after" not in answer.headers  # no wait cures it: an SDK must not retry
+    assert answer.headers["x-should-retry"] == "false"  # what the OpenAI SDKs obey
     assert "tpm 100" in answer.json()["error"]["message"]
     assert upstream.requests == []
+
+
+async def test_the_openai_sdk_does_not_retry_a_request_over_the_whole_tpm() -> None:
+    """openai-python retries a 429 with backoff whatever ``Retry-After`` says; it
+    obeys ``x-should-retry: false``.  One request, one refusal."""
+    import openai
+
+    async with gateway(Reply(tokens=2), serve=keyed(tpm=100)) as (server, _):
+
+        def call() -> BaseException:
+            client = openai.OpenAI(base_url=server.base_url, api_key=ALICE, max_retries=2, timeout=20)
+            with client, pytest.raises(openai.RateLimitError) as info:
+                client.chat.completions.create(
+                    model=CHAT["model"], messages=CHAT["messages"], max_tokens=500)
+            return info.value
+
+        error = await trio.to_thread.run_sync(call)
+        refusals = dict(server.metrics.key_refusals)
+    assert "tpm 100" in str(error)
+    assert refusals == {("alice", "too_large"): 1}
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])

@@ -384,7 +384,7 @@ def _key_refusal(refusal: KeyRefusal) -> ErrorReply:
         message = (f"Gateway key {refusal.name!r} is over its {refusal.reason} limit "
                    f"({refusal.limit} {unit}); retry in {max(1, math.ceil(refusal.wait_s))} s.")
     return ErrorReply(429, message, "rate_limit_error", "rate_limit_exceeded",
-                      retry_after_s=refusal.wait_s)
+                      retry_after_s=refusal.wait_s, final=refusal.wait_s is None)
 
 
 def _parse_body(raw: bytes) -> dict[str, Any] | ErrorReply:

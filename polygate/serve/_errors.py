@@ -43,9 +43,14 @@ class ErrorReply:
     retry_after_s: float | None = None
     #: The request parameter at fault (OpenAI's ``error.param``), when one is.
     param: str | None = None
+    #: No retry can succeed: ``x-should-retry: false``, which the OpenAI SDKs obey
+    #: (they retry a 429 with backoff whatever ``Retry-After`` says).
+    final: bool = False
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         out = [(b"content-type", b"application/json")]
+        if self.final:
+            out.append((b"x-should-retry", b"false"))
         if self.retry_after_s is not None:
             seconds = max(1, math.ceil(self.retry_after_s))
             out.append((b"retry-after", str(seconds).encode()))
