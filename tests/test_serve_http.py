@@ -98,6 +98,31 @@ async def test_a_request_without_a_key_is_refused_from_its_head() -> None:
     assert answer.headers["connection"] == "close"
 
 
+@pytest.mark.parametrize("order", ["wrong-first", "valid-first"])
+async def test_two_authorization_headers_are_refused(order: str) -> None:
+    """The header cannot repeat (RFC 9110); a proxy reading the first one and the
+    gateway the last would disagree on who calls.  A 400, whichever comes first."""
+    keys = [b"Bearer wrong-key", b"Bearer " + GATEWAY_KEY.encode()]
+    if order == "valid-first":
+        keys.reverse()
+    body = json.dumps(CHAT).encode()
+    async with gateway() as (server, upstream):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
+                + b"".join(b"authorization: " + k + b"\r\n" for k in keys)
+                + b"content-length: %d\r\n\r\n" % len(body) + body)
+            with trio.fail_after(5):
+                answer = await read_answer(stream)
+        requests = dict(server.metrics.requests)
+    assert answer.status == 400
+    assert "Authorization" in answer.json()["error"]["message"]
+    assert GATEWAY_KEY not in answer.body.decode()
+    assert not upstream.requests
+    assert requests == {("/v1/chat/completions", 400): 1}  # labelled with its path
+
+
 async def test_health_needs_no_key_but_everything_else_does() -> None:
     async with gateway() as (server, _):
         assert (await http(server, "GET", "/healthz")).status == 200
@@ -158,6 +183,11 @@ async def test_unknown_path_and_wrong_method() -> None:
     (b'{"model": "chat", "messages": "hi"}', "invalid_request"),
     (b'{"model": "chat"}', "invalid_request"),
     (b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+     "invalid_request"),
+    # JSON's 1 is no boolean (OpenAI refuses it too), though Python's 1 == True
+    (b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "stream": 1}',
+     "invalid_request"),
+    (b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "stream": 0}',
      "invalid_request"),
     (b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "scope": "embed"}',
      "invalid_request"),

@@ -46,7 +46,7 @@ from ._metrics import Metrics, render
 from ._sse import KEEPALIVE, StreamShape, error_event, reported_usage, string_content
 from ._unavailable import UnavailableSession
 
-__all__ = ["Gateway", "answer"]
+__all__ = ["Gateway", "answer", "endpoint_label"]
 
 log = logging.getLogger("polygate.serve")
 
@@ -218,18 +218,18 @@ async def answer(ctx: Context, request: Request) -> None:
     except ClientGone:
         status = 499  # nginx's "client closed request"
     except Exception as exc:
-        log.error("unexpected error answering %s %s", request.method, _endpoint_label(request.path),
+        log.error("unexpected error answering %s %s", request.method, endpoint_label(request.path),
                   exc_info=exc)
         await _internal_error(ctx)
     except BaseException:  # cancelled, perhaps inside a group from the call's nursery
         ctx.metrics.disconnects += 1
         ctx.count_leftover(499)
-        ctx.metrics.request(_endpoint_label(endpoint), 499, trio.current_time() - started)
+        ctx.metrics.request(endpoint_label(endpoint), 499, trio.current_time() - started)
         raise
     if status == 499:
         ctx.metrics.disconnects += 1
     ctx.count_leftover(status)
-    ctx.metrics.request(_endpoint_label(endpoint), status, trio.current_time() - started)
+    ctx.metrics.request(endpoint_label(endpoint), status, trio.current_time() - started)
 
 
 async def _internal_error(ctx: Context) -> None:
@@ -252,7 +252,7 @@ _ROUTES: Final = {
 }
 
 
-def _endpoint_label(path: str) -> str:
+def endpoint_label(path: str) -> str:
     if path in _ROUTES:
         return path
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
@@ -498,7 +498,7 @@ async def _chat(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge)
     if messages is None:
         return await _fail(ctx, _bad_param("you must provide a messages parameter", "messages"))
     stream = body.pop("stream", False)
-    if stream not in (True, False, None):
+    if stream is not None and type(stream) is not bool:  # 1 == True in Python, not in JSON
         return await _fail(ctx, _bad_param("stream must be true or false", "stream"))
     options = body.get("stream_options")
     if not stream:

@@ -65,11 +65,13 @@ class ClientGone(Exception):
 class HTTPProblem(Exception):
     """The request cannot be read: answer ``status`` and close the connection."""
 
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(self, status: int, message: str, code: str, path: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        #: The request's path, when its head was read (for the metrics' label).
+        self.path = path
 
 
 @attrs.define(slots=True)
@@ -131,6 +133,13 @@ class Connection:
         self.requests += 1
         self.responding = False
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
+        target = event.target.decode("latin-1")
+        path = target.split("?", 1)[0]
+        if len(headers) < len(event.headers) and sum(
+                k == b"authorization" for k, _ in event.headers) > 1:
+            # It cannot repeat (RFC 9110): a proxy reading the first and this server
+            # the last would disagree on who calls.
+            raise HTTPProblem(400, "more than one Authorization header", "invalid_request", path)
         tokens = headers.get("connection", "").lower()
         if event.http_version == b"1.0":
             self.chunked = False
@@ -138,18 +147,16 @@ class Connection:
         else:
             self.chunked = True
             self.keep_alive = "close" not in tokens
-        target = event.target.decode("latin-1")
-        path = target.split("?", 1)[0]
         if admit is not None and not admit(path, headers):
             raise HTTPProblem(
                 401, "Incorrect or missing gateway key: send 'Authorization: Bearer <key>'.",
-                "invalid_api_key",
+                "invalid_api_key", path,
             )
         length = headers.get("content-length")
         if length is not None and int(length) > limits.max_request_bytes:
             raise HTTPProblem(
                 413, f"request body of {length} bytes exceeds the limit of "
-                f"{limits.max_request_bytes} bytes", "request_too_large",
+                f"{limits.max_request_bytes} bytes", "request_too_large", path,
             )
         if self.h11.they_are_waiting_for_100_continue:
             await self._send(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -37,7 +37,7 @@ from .._config import FieldError, Settings
 from .._context import fresh_call_id
 from .._errors import ConfigError, GovernanceBackendError
 from .._session import Session, session
-from ._app import Context, Gateway, answer
+from ._app import Context, Gateway, answer, endpoint_label
 from ._errors import error_body
 from ._http import ClientGone, Connection, HTTPProblem
 from ._metrics import Metrics
@@ -337,7 +337,8 @@ class Server:
                 self._quiet.set()
 
     async def _problem(self, conn: Connection, problem: HTTPProblem) -> None:
-        self.metrics.request("other", problem.status, 0.0)
+        self.metrics.request(
+            "other" if problem.path is None else endpoint_label(problem.path), problem.status, 0.0)
         try:
             cid = fresh_call_id().encode()
             await conn.send_response(
