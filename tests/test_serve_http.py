@@ -132,6 +132,23 @@ async def test_health_needs_no_key_but_everything_else_does() -> None:
             assert (await http(server, "GET", path, headers=AUTH)).status == 200
 
 
+async def test_head_answers_like_get_without_a_body() -> None:
+    """Load balancers probe with HEAD: the GET answer's head, no body, and the
+    connection stays usable for the next request."""
+    async with gateway() as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(b"HEAD /healthz HTTP/1.1\r\nhost: g\r\n\r\n"
+                                  b"GET /healthz HTTP/1.1\r\nhost: g\r\nconnection: close\r\n\r\n")
+            data = await read_until_closed(stream)
+        assert (await http(server, "POST", "/healthz")).status == 405
+    first, _, rest = data.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200")
+    assert b"content-length: 15" in first.lower()
+    assert rest.startswith(b"HTTP/1.1 200"), rest  # no body between the two heads
+    assert rest.endswith(b'{"status":"ok"}')
+
+
 async def test_models_lists_every_scope_and_alias() -> None:
     async with gateway() as (server, _):
         answer = await http(server, "GET", "/v1/models", headers=AUTH)

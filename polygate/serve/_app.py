@@ -265,7 +265,7 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
         return path, await _fail(ctx, ErrorReply(
             404, f"Unknown request URL: {request.method} {path}", "invalid_request_error",
             "unknown_url"))
-    if request.method != method:
+    if request.method != method and not (request.method == "HEAD" and method == "GET"):
         return path, await _fail(ctx, ErrorReply(
             405, f"{request.method} is not allowed on {path} (use {method})",
             "invalid_request_error", "method_not_allowed"))

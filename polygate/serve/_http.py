@@ -85,8 +85,8 @@ class Request:
 class Connection:
     """One client connection: read a request, answer it, repeat."""
 
-    __slots__ = ("chunked", "client_gone", "h11", "keep_alive", "limits", "requests",
-                 "responding", "stream")
+    __slots__ = ("chunked", "client_gone", "h11", "head_only", "keep_alive", "limits",
+                 "requests", "responding", "stream")
 
     def __init__(self, stream: trio.SocketStream, limits: Serve) -> None:
         self.stream = stream
@@ -97,6 +97,7 @@ class Connection:
         self.keep_alive = True  # what the current request allows
         self.chunked = True  # HTTP/1.1: streams are chunked; HTTP/1.0: close-delimited
         self.responding = False  # a response head has been sent for the current request
+        self.head_only = False  # the current request is a HEAD: its answer has no body
 
     # ------------------------------------------------------------------ reading
 
@@ -132,6 +133,7 @@ class Connection:
             raise HTTPProblem(431, "the request head is over 64 KiB", "bad_request")
         self.requests += 1
         self.responding = False
+        self.head_only = event.method == b"HEAD"
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
         target = event.target.decode("latin-1")
         path = target.split("?", 1)[0]
@@ -250,8 +252,9 @@ class Connection:
     async def send_response(
         self, status: int, headers: Headers, body: bytes, *, close: bool = False
     ) -> None:
-        """A whole response (head and body) in one write."""
-        await self._send(self.response_head(status, headers, length=len(body), close=close) + body)
+        """A whole response (head and body) in one write; a HEAD's without the body."""
+        head = self.response_head(status, headers, length=len(body), close=close)
+        await self._send(head if self.head_only else head + body)
 
     def frame(self, payload: bytes) -> bytes:
         """A piece of a streamed body, ready to send."""
