@@ -108,6 +108,7 @@ async def run_chat_attempt(
             prompt_estimate = request.prompt_estimate
         if request.completion_estimate is not None:
             completion_estimate = request.completion_estimate
+    control.record.prompt_estimate = prompt_estimate
 
     async def work(timeline: Timeline) -> dict[str, Any]:
         watch = control.watch

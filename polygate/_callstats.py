@@ -59,9 +59,18 @@ def call_stats(
     if any(r.timeline.streamed for r in parts):
         if first.first_token_at is not None and first.sent_at is not None:
             ttft = (first.first_token_at - first.sent_at) * 1000.0
-        times = [t for r in parts for t in r.timeline.chunk_times] if segments else (
-            winner.timeline.chunk_times
-        )
+        if segments:
+            # Each segment's times leave out its own consumer holds; the joined
+            # timeline leaves out the earlier segments' holds too, or a slow consumer
+            # would show as a stall at each seam.
+            joined: list[float] = []
+            held = 0.0
+            for r in parts:
+                joined.extend(t - held for t in r.timeline.chunk_times)
+                held += r.timeline.paused_s
+            times: Sequence[float] = joined
+        else:
+            times = winner.timeline.chunk_times
         stalls = stall_stats(times, ctx.scope.stream.stall_threshold_ms)
     return CallStats(
         **base,  # type: ignore[arg-type]
@@ -98,7 +107,7 @@ def chat_response(
             message["content"] = shown or ""
             choices[0]["message"] = message
         body = {**body, "choices": choices}
-        usage = _summed_usage(ctx, [*segments, record], shown_chars)
+        usage = _summed_usage([*segments, record], shown_chars)
     first = choices[0] if choices else {}
     message = first.get("message") or {}
     finish = first.get("finish_reason")
@@ -116,9 +125,7 @@ def chat_response(
     )
 
 
-def _summed_usage(
-    ctx: CallContext, parts: Sequence[AttemptRecord], shown_chars: Sequence[int]
-) -> Usage:
+def _summed_usage(parts: Sequence[AttemptRecord], shown_chars: Sequence[int]) -> Usage:
     """What every segment cost: its reported usage, else an estimate (its prompt, and
     what it showed at about four characters a token)."""
     prompt = completion = 0
@@ -131,6 +138,6 @@ def _summed_usage(
             completion += usage.completion_tokens
         else:
             estimated = True
-            prompt += ctx.prompt_estimate
+            prompt += record.prompt_estimate  # what this segment sent, not the next one
             completion += (shown + 3) // 4
     return Usage(prompt, completion, prompt + completion, "estimated" if estimated else "upstream")

@@ -135,6 +135,9 @@ class AttemptRecord:
     usage: Usage | None = None
     ended_at: float | None = None
     scope: str = ""
+    #: The estimate of the prompt this attempt sent (a continuation's is bigger than
+    #: the call's): what its usage is estimated with when it reports none.
+    prompt_estimate: int = 0
 
 
 @attrs.define(eq=False)

@@ -254,6 +254,54 @@ async def test_a_stream_cut_mid_way_is_finished_by_another_source(
     assert response.usage.completion_tokens > b.requests[0].reply.tokens  # type: ignore[union-attr]
 
 
+async def test_a_slow_consumer_is_no_stall_across_the_seam(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A consumer taking 0.5 s a chunk holds the first segment back for many seconds.
+    That time is the caller's (docs/statistics.md): subtracted from the joined
+    timeline, it is no stall at the seam -- the continuation answered at once."""
+    a = FakeUpstream(Reply(text=ANSWER, first_token_s=0.5, inter_token_s=0.01,
+                           fault="truncated", fault_after=40))
+    b = FakeUpstream(_continuing(" " + " ".join(WORDS[40:]), inter_token_s=0.01))
+    settings = _resume_settings(stall_timeout_s=3.0)
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                await trio.sleep(0.5)
+    response = stream.response
+    assert response is not None and response.text == ANSWER
+    cs = response.call_stats
+    assert cs.resumes == 1
+    assert (cs.stall_count, cs.stall_ms) == (0, 0), cs
+    # and the generation time is the upstreams', not the consumer's 30 s
+    assert cs.generation_ms is not None and cs.generation_ms < 2_000
+
+
+async def test_a_cut_segments_usage_estimate_uses_the_callers_prompt(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The cut segment reported no usage: its estimate is the caller's prompt plus what
+    it showed (docs/failover.md) -- not the continuation's prompt, which holds the
+    whole text shown and is reported by the continuation itself."""
+    long = " ".join(f"word{i:04d}" for i in range(1_000))  # 9,999 characters
+    a = FakeUpstream(Reply(text=long, fault="truncated", fault_after=600))
+    b = FakeUpstream(_continuing(" " + " ".join(f"word{i:04d}" for i in range(600, 1_000))))
+    async with polygate.session(_resume_settings(), transport=Router({"a": a, "b": b})) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                pass
+    response = stream.response
+    assert response is not None and response.text == long
+    from polygate.testing._render import _prompt_tokens
+
+    usage, continuation = response.usage, _prompt_tokens(b.requests[0].body)
+    assert usage is not None
+    # the continuation's own (reported) prompt carries the ~6,000 characters shown
+    assert continuation > 1_000
+    # the cut segment adds the caller's small prompt, not another continuation's
+    assert usage.prompt_tokens - continuation < 50, (usage, continuation)
+
+
 async def test_a_prefill_source_continues_from_the_text_shown(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
