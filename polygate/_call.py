@@ -362,6 +362,9 @@ async def run_chat(
         segment_chars: list[int] = []
         committed_error: UpstreamError | None = None
         demoted: list[str] = []
+        # The errors of the scopes this round left for a fallback: the last scope's
+        # AllSourcesExhausted lists them first, in the order they happened.
+        earlier: list[UpstreamError] = []
         while True:
             try:
                 record, result = await _retry_loop(
@@ -399,6 +402,8 @@ async def run_chat(
                     runtime.settings, ctx.scope_name, exc, _refused_model(ctx, exc)
                 )
                 if target is None:
+                    if earlier and isinstance(exc, AllSourcesExhausted):
+                        exc.errors = [*earlier, *exc.errors]
                     if committed_error is not None:
                         # No source could continue the stream: the caller's error is
                         # the stream's own failure, with the whole stream's statistics.
@@ -408,6 +413,7 @@ async def run_chat(
                             )
                         raise _committed_error(committed_error, shown) from exc
                     raise
+                earlier.extend(exc.errors if isinstance(exc, AllSourcesExhausted) else [exc])
                 _move_to(ctx, target, params)
                 demoted = []
         if segments:

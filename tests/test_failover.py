@@ -67,6 +67,34 @@ async def test_an_exhausted_scope_falls_back_within_the_call(
     assert len(small.requests) == 2
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_errors_of_a_fallback_chain_are_every_scopes(
+    streaming: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``AllSourcesExhausted.errors`` lists every attempt's error across the chain, in
+    the order they happened (SPEC §3; docs/concepts.md) -- the context-length 400 that
+    moved the call on included -- not only the last scope's."""
+    a = FakeUpstream(Reply(status=503))
+    b = FakeUpstream(CONTEXT)
+    c = FakeUpstream(Reply(status=502))
+    settings = _scopes(
+        chat={"sources": {"a": {}}, "fallback": "mid", "retry": polygate.Retry(max_attempts=2)},
+        mid={"sources": {"b": {}}, "fallback": "big"},
+        big={"sources": {"c": {}}, "retry": polygate.Retry(max_attempts=1)},
+    )
+    async with polygate.session(settings, transport=Router({"a": a, "b": b, "c": c})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            if streaming:
+                async with s.stream_chat(MESSAGES) as stream:
+                    async for _ in stream:
+                        pass
+            else:
+                await s.chat(MESSAGES)
+    errors = info.value.errors
+    assert [(e.source, e.status_code) for e in errors] == [("a", 503), ("a", 503), ("b", 400), ("c", 502)]
+    assert info.value.call_stats is not None and info.value.call_stats.attempts == 4
+
+
 async def test_fallbacks_chain_and_share_one_deadline(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream(Reply(status=503, headers_delay_s=3))
     b = FakeUpstream(Reply(status=503, headers_delay_s=3))
