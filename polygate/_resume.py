@@ -63,9 +63,9 @@ def continuation_messages(
 
 
 def resumable_delta(delta: Mapping[str, Any]) -> bool:
-    """A delta a continuation can extend: no tool calls (half-sent arguments cannot be
-    continued by another model)."""
-    return not delta.get("tool_calls")
+    """A delta a continuation can extend: no tool calls, nor the legacy
+    ``function_call`` (half-sent arguments cannot be continued by another model)."""
+    return not (delta.get("tool_calls") or delta.get("function_call"))
 
 
 class Stitcher:

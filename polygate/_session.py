@@ -28,6 +28,7 @@ from ._context import Runtime
 from ._errors import ConfigError, PolygateError
 from ._key_quota import KeyQuotas
 from ._ocr import run_ocr
+from ._resume import resumable_delta
 from ._structured import prepare
 from ._types import ChatResponse, EmbeddingResponse, OcrResponse, StreamChunk
 from .cache import Cache, CacheStatistics, open_cache
@@ -523,7 +524,7 @@ class _Sink:
         text = content if isinstance(content, str) else ""
         if text:
             self._delivered.append(text)
-        if delta.get("tool_calls"):
+        if not resumable_delta(delta):
             self.shown_tool_calls = True
         item = StreamChunk(text=text, delta=delta, raw=chunk, resumed=self._resumed)
         self._resumed = False

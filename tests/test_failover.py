@@ -402,14 +402,20 @@ async def test_a_malformed_event_before_the_commit_fails_the_attempt_as_before(
     assert b.requests[0].body["messages"] == MESSAGES  # a plain retry, not a continuation
 
 
+@pytest.mark.parametrize("call", [
+    b'"tool_calls":[{"index":0,"id":"c1","type":"function","function":{"name":"lookup",'
+    b'"arguments":"{\\"ci"}}]',
+    # the legacy form (functions=...), which OpenAI-compatible servers still stream
+    b'"function_call":{"name":"lookup","arguments":"{\\"ci"}',
+], ids=["tool_calls", "function_call"])
 async def test_a_tool_call_cut_mid_arguments_is_not_resumed(
-    autojump_clock: trio.testing.MockClock,
+    call: bytes, autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Half-sent tool-call arguments cannot be continued by another model: the stream
     fails as it would without resume (documented limit)."""
     body = (
-        b'data: {"choices":[{"index":0,"delta":{"role":"assistant","tool_calls":[{"index":0,'
-        b'"id":"c1","type":"function","function":{"name":"lookup","arguments":"{\\"ci"}}]}}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"Let me look. "}}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{' + call + b'}}]}\n\n'
     )
     b = FakeUpstream(Reply(text=ANSWER))
 
