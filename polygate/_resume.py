@@ -85,6 +85,11 @@ class Stitcher:
     def deciding(self) -> bool:
         return not self._passing
 
+    @property
+    def holding(self) -> bool:
+        """Continuation text is held while deciding."""
+        return bool(self._held)
+
     def feed(self, text: str) -> str:
         """Continuation text in; the text to show now out ("" while deciding)."""
         if self._passing:
@@ -174,6 +179,11 @@ class ResumedForward:
             other = delta is not None and any(
                 v for k, v in delta.items() if k not in ("content", "role")
             )
+            if other and not text and not stitcher.holding:
+                # Reasoning (or another field) before any of the continuation's text:
+                # shown as it comes, and the restatement that may follow is still
+                # looked for -- a reasoning model reasons afresh, then restates.
+                return self._pass(chunk)
             out = stitcher.flush() if other else stitcher.feed(text)
             if stitcher.deciding:
                 self._last = chunk

@@ -330,6 +330,26 @@ async def test_a_cut_segments_usage_estimate_uses_the_callers_prompt(
     assert usage.prompt_tokens - continuation < 50, (usage, continuation)
 
 
+async def test_a_continuation_that_reasons_first_is_still_stitched(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reasoning model used as the continuation sends its reasoning, then restates the
+    last words shown.  The reasoning goes through as it comes (unchanged: no content
+    added), and the restatement is still removed."""
+    a = FakeUpstream(Reply(text=ANSWER, inter_token_s=0.01, fault="truncated", fault_after=40))
+    rest = " " + " ".join(WORDS[37:])  # restates w37 w38 w39
+    b = FakeUpstream(_continuing(rest, inter_token_s=0.01, reasoning_tokens=3))
+    async with polygate.session(_resume_settings(), transport=Router({"a": a, "b": b})) as s:
+        stream, chunks = await _read(s)
+    response = stream.response
+    assert response is not None
+    assert stream.text == response.text == ANSWER
+    reasoning = [c for c in chunks if "reasoning_content" in c.delta]
+    assert len(reasoning) == 3
+    assert all("content" not in c.delta for c in reasoning)
+    assert reasoning[0].resumed  # the continuation's first chunk carries the mark
+
+
 async def test_a_prefill_source_continues_from_the_text_shown(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
