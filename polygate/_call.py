@@ -395,6 +395,7 @@ async def run_chat(
                     # Behind every source that has not failed in this call, the
                     # least recently failed first (as within a round).
                     demoted = [*(d for d in demoted if d != failed), failed]
+                ctx.resumes = len(segments)
                 _prepare_continuation(ctx, ctx.messages, "".join(shown))
                 active = ResumedForward(forward, Stitcher("".join(shown)))
             except (AllSourcesExhausted, FatalUpstreamError) as exc:
@@ -481,7 +482,9 @@ def _committed_error(error: UpstreamError, shown: list[str]) -> UpstreamError:
 
 
 def _can_resume(ctx: CallContext, sink: StreamSink, error: UpstreamError, resumes: int) -> bool:
-    watch = ctx.scope.stream
+    # The call's policy, set by the scope it asked: a fallback it moved to (with other
+    # settings) neither stops nor extends it.
+    watch = ctx.runtime.settings.scopes[ctx.first_scope or ctx.scope_name].stream
     n = ctx.params.get("n", 1)
     return (
         watch.resume

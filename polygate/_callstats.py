@@ -47,7 +47,9 @@ def call_stats(
         "total_latency_ms": (now - ctx.started_at) * 1000.0,
         "reasks": ctx.reasks,
         "scope": winner.scope if winner is not None and winner.scope else ctx.scope_name,
-        "resumes": len(segments),
+        # (a call ended without a winner -- a deadline mid-continuation -- still
+        # counts the continuations it made)
+        "resumes": max(len(segments), ctx.resumes),
     }
     if winner is None:
         return CallStats(**base)  # type: ignore[arg-type]

@@ -194,6 +194,7 @@ class CallContext:
     record_call: bool = True  # False: part of a larger call, which writes the call row
     fallbacks: list[str] = attrs.field(factory=list)  # the scopes it moved to, in order
     reasks: int = 0  # structured output: rounds re-asked after an invalid answer
+    resumes: int = 0  # continuations of a committed stream so far (for any outcome)
 
     @property
     def estimate(self) -> int:

@@ -502,6 +502,40 @@ async def test_resumes_are_bounded(autojump_clock: trio.testing.MockClock) -> No
     assert len(a.requests) + len(b.requests) == 3
 
 
+async def test_the_asked_scopes_resume_policy_holds_in_its_fallback(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``resume`` and ``max_resumes`` are the call's, set by the scope it asked: a
+    fallback with other settings neither stops nor extends them."""
+    cut = Reply(text=ANSWER, fault="truncated", fault_after=5)
+    a, big = FakeUpstream(cut), FakeUpstream(cut)
+    settings = _scopes(
+        chat={"sources": {"a": {}}, "fallback": "big", "retry": polygate.Retry(max_attempts=1),
+              "stream": polygate.StreamWatch(resume=True, max_resumes=2)},
+        big={"sources": {"big": {}}, "stream": polygate.StreamWatch(resume=True, max_resumes=5)},
+    )
+    async with polygate.session(settings, transport=Router({"a": a, "big": big})) as s:
+        with pytest.raises(polygate.TransientUpstreamError) as info:
+            await _read(s)
+    assert len(a.requests) + len(big.requests) == 3  # the first segment and 2 resumes
+    assert info.value.call_stats is not None and info.value.call_stats.resumes == 2
+
+
+async def test_a_deadline_during_a_continuation_counts_the_resume(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(text=ANSWER, inter_token_s=0.01, fault="truncated", fault_after=20))
+    b = FakeUpstream(_continuing(" " + " ".join(WORDS[20:]), inter_token_s=1.0))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}},
+        "stream": polygate.StreamWatch(resume=True), "call_deadline_s": 5.0,
+    })
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        with pytest.raises(polygate.DeadlineExceeded) as info:
+            await _read(s)
+    assert info.value.call_stats is not None and info.value.call_stats.resumes == 1
+
+
 @pytest.mark.parametrize("seed", range(8))
 async def test_a_second_continuation_prefers_a_source_that_never_failed(
     autojump_clock: trio.testing.MockClock, seed: int,
