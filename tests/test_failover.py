@@ -17,7 +17,7 @@ import polygate
 from polygate._resume import CONTINUE_PROMPT, Stitcher
 from polygate.testing import FakeUpstream, Reply, Router
 
-from .conftest import MESSAGES, SECRET
+from .conftest import MESSAGES, SECRET, ask
 
 WORDS = [f"w{i}" for i in range(60)]
 ANSWER = " ".join(WORDS)
@@ -84,12 +84,7 @@ async def test_errors_of_a_fallback_chain_are_every_scopes(
     )
     async with polygate.session(settings, transport=Router({"a": a, "b": b, "c": c})) as s:
         with pytest.raises(polygate.AllSourcesExhausted) as info:
-            if streaming:
-                async with s.stream_chat(MESSAGES) as stream:
-                    async for _ in stream:
-                        pass
-            else:
-                await s.chat(MESSAGES)
+            await ask(s, streaming)
     errors = info.value.errors
     assert [(e.source, e.status_code) for e in errors] == [("a", 503), ("a", 503), ("b", 400), ("c", 502)]
     assert info.value.call_stats is not None and info.value.call_stats.attempts == 4

@@ -18,7 +18,7 @@ import trio.testing
 import polygate
 from polygate.testing import FakeUpstream, Reply, Router
 
-from .conftest import MESSAGES, one_source_settings
+from .conftest import MESSAGES, ask, one_source_settings
 
 _CTRL_C = textwrap.dedent('''
     import os, signal, threading, trio, polygate
@@ -221,12 +221,7 @@ async def test_a_call_cancelled_from_outside_raises_one_cancelled(
         for at in (0.25, 0.75, 1.25, 2.0):
             with trio.move_on_after(at):
                 try:
-                    if streaming:
-                        async with s.stream_chat(MESSAGES) as stream:
-                            async for _ in stream:
-                                pass
-                    else:
-                        await s.chat(MESSAGES)
+                    await ask(s, streaming)
                 except BaseException as exc:
                     caught.append(exc)
                     raise

@@ -12,12 +12,11 @@ counts it on its way out if nothing did before.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Mapping
 from typing import Any
 
 from .._context import CallContext, Recorder
 from .._session import Session
-from .._types import CallStats, Usage
+from .._types import CallStats
 from ._metrics import Metrics
 
 __all__ = ["CallMeter", "tap"]
@@ -59,15 +58,8 @@ class _Tap:
     def attempt(self, ctx: CallContext, record: Any) -> None:
         self.inner.attempt(ctx, record)
 
-    def call(
-        self,
-        ctx: CallContext,
-        stats: CallStats,
-        usage: Usage | None,
-        error: BaseException | None,
-        output: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.inner.call(ctx, stats, usage, error, output)
+    def call(self, ctx: CallContext, stats: CallStats, *rest: Any) -> None:
+        self.inner.call(ctx, stats, *rest)  # (usage, error, output: Recorder.call's)
         meter = CURRENT.get()
         if meter is not None and stats.logical_call_id == meter.call_id:
             meter.stats = stats
