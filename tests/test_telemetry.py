@@ -369,6 +369,27 @@ async def test_a_cancelled_session_still_flushes(tmp_path: Path) -> None:
     assert calls[-1]["outcome"] == "cancelled"
 
 
+async def test_a_session_left_by_cancellation_counts_what_it_wrote(tmp_path: Path) -> None:
+    """Cancelled while the flusher is writing a batch: that batch still commits (the
+    close waits for it, bounded), so it counts as written -- never as dropped -- and the
+    sessions row says what the database holds ("dropped means not confirmed")."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",)), db)
+    with trio.CancelScope() as outer:
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+            async with trio.open_nursery() as nursery:
+                for _ in range(300):
+                    nursery.start_soon(s.chat, MESSAGES)
+            # the flusher is (very likely) writing now: leave the session
+            outer.cancel()
+    stats = (await s.statistics()).telemetry
+    in_db = len(_rows(db, "calls")) + len(_rows(db, "attempts"))
+    assert in_db == 600
+    assert (stats.written, stats.dropped) == (600, 0), stats
+    [session_row] = _rows(db, "sessions")
+    assert (session_row["rows_written"], session_row["rows_dropped"]) == (600, 0)
+
+
 async def test_pipeline_bounds_are_settings(tmp_path: Path) -> None:
     """Review debt: the pipeline's queue, batch and timeouts come from Settings (and so
     from TOML and POLYGATE__TELEMETRY_* keys), not from constants."""

@@ -155,6 +155,32 @@ async def test_slow_write_is_abandoned_and_interrupted(stalled: StalledSink) -> 
         await pipeline.aclose()
 
 
+async def test_a_write_the_session_left_during_counts_as_written(stalled: StalledSink) -> None:
+    """The session is left by cancellation while the flusher's batch is in the sink.
+    The close waits for that write (bounded) instead of giving it up: it commits, so
+    it is counted written, not dropped, and the final sessions row -- written in the
+    same transaction as the last rows -- counts every row the sink holds."""
+    pipeline = Pipeline(stalled, session_id="s", linger_s=0)
+    with trio.CancelScope() as leaving:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pipeline.run)
+            for i in range(5):
+                pipeline.send.send_nowait(_event(i))
+            await trio.to_thread.run_sync(stalled.entered.wait)  # the batch is being written
+            for i in range(5, 8):
+                pipeline.send.send_nowait(_event(i))  # queued behind it
+            leaving.cancel()
+    stalled.release.set()  # the database answers
+    await pipeline.aclose()
+    stats = pipeline.statistics()
+    assert len(stalled.calls) == 8
+    assert (stats.written, stats.dropped) == (8, 0), stats
+    final = stalled.batches[-1].session
+    assert final is not None and final.ended_at is not None
+    assert (final.rows_written, final.rows_dropped) == (8, 0)
+    assert stalled.interrupted == 0  # a write that answers in time is never interrupted
+
+
 async def test_recording_after_close_is_counted() -> None:
     sink = ListSink()
     pipeline = Pipeline(sink, session_id="s")

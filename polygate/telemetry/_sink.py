@@ -262,6 +262,10 @@ class Pipeline:
         self._governance: _GovernanceLike | None = None
         self._gathered: list[Event] = []  # taken off the channel, not yet written
         self._next_summary = 0.0
+        # A write the flusher was cancelled out of (the session left by cancellation):
+        # its thread goes on and may commit, so it is settled by aclose once the
+        # thread is done -- (its outcome, filled by the thread; its rows).
+        self._abandoned: tuple[list[BaseException | None], int] | None = None
 
     # ------------------------------------------------------------------ flusher
 
@@ -316,15 +320,29 @@ class Pipeline:
         # the in-flight count, so a row is never both written and dropped.
         self._in_flight = len(batch)
         self._gathered = []
+        if summary is not None:
+            # The rows and the summary commit in one transaction: it counts them.
+            summary = summary._replace(rows_written=summary.rows_written + len(batch))
+            batch = Batch(batch.calls, batch.attempts, summary)
+        outcome: list[BaseException | None] = []
+
+        def write() -> None:
+            try:
+                self.sink.write(batch)
+            except BaseException as exc:
+                outcome.append(exc)
+                raise
+            outcome.append(None)
+
         try:
             with real_time_bound(self.write_timeout_s) as bound:
                 await run_sync(
-                    self.sink.write, batch, abandon_on_cancel=True, limiter=self._limiter,
+                    write, abandon_on_cancel=True, limiter=self._limiter,
                     background=True,  # a stuck sink must not freeze virtual time
                 )
         except trio.Cancelled:
-            self._interrupt()
-            self.counters.drop_closed(self._take_in_flight())
+            # Left by cancellation: the thread may still commit; aclose settles it.
+            self._abandoned = (outcome, self._take_in_flight())
             raise
         except Exception as exc:
             self.counters.write_failed(self._take_in_flight(), exc)
@@ -336,6 +354,18 @@ class Pipeline:
                 )
             else:
                 self.counters.written += self._take_in_flight()
+
+    async def _settle_abandoned(self) -> None:
+        """Wait for the write the flusher was cancelled out of (its thread holds the
+        limiter until it ends), then count its rows by what it did."""
+        if self._abandoned is None:
+            return
+        await run_sync(_nothing, limiter=self._limiter, abandon_on_cancel=True, background=True)
+        (outcome, rows), self._abandoned = self._abandoned, None
+        if outcome and outcome[0] is None:
+            self.counters.written += rows
+        else:
+            self.counters.write_failed(rows, outcome[0] if outcome and outcome[0] else "abandoned")
 
     def _take_in_flight(self) -> int:
         n, self._in_flight = self._in_flight, 0
@@ -365,7 +395,7 @@ class Pipeline:
             ended_at=now if ended else None,
             pid=os.getpid(),
             polygate_version=self.version,
-            # rows of this very write are not confirmed yet: the next summary has them
+            # (_write adds the rows written with it: they commit together)
             rows_written=c.written,
             rows_dropped=c.dropped,
             hedges_suppressed=json.dumps(dict(suppressed), sort_keys=True),
@@ -383,6 +413,7 @@ class Pipeline:
         with real_time_bound(self.shutdown_timeout_s, shield=True) as bound:
             if self._running:
                 await self._stopped.wait()  # the flusher drains the channel, then stops
+            await self._settle_abandoned()
             leftovers = [*self._gathered, *self._drain()]
             self._gathered = leftovers
             summary = await self._summary(ended=True)
@@ -400,8 +431,10 @@ class Pipeline:
             self._flusher_scope.cancel()
             self._interrupt()
             gathered, self._gathered = self._gathered, []
+            abandoned, self._abandoned = self._abandoned, None
             self.counters.drop_closed(
                 self._take_in_flight() + len(gathered) + len(self._drain())
+                + (abandoned[1] if abandoned is not None else 0)
             )
             _close_in_background(self.sink)
         self._receive.close()
@@ -431,6 +464,10 @@ class Pipeline:
             recorder_errors=c.recorder_errors,
             last_error=c.last_error,
         )
+
+
+def _nothing() -> None:
+    return None
 
 
 def _split(events: Sequence[Event], summary: SessionEvent | None) -> Batch:
