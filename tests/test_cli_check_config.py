@@ -216,6 +216,7 @@ SESSION_ONLY = {
     "redis poll_s against lease_s": ('backend = "redis://localhost:6379/0?poll_s=10"', {}),
     "redis database not a number": ('backend = "redis://localhost:6379/zero"', {}),
     "coredis missing": ('backend = "redis://localhost:6379/0"', {"coredis": None}),
+    "coredis missing for the cache": ('cache = "redis://localhost:6379/0"', {"coredis": None}),
     "psycopg missing": ('telemetry = "postgresql://db.invalid/telemetry"', {"psycopg": None}),
 }
 

@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 import trio
 
+from .._coredis import import_coredis
 from .._paths import state_dir
 from ._backend import CacheBackend, CacheBackendError
 from ._coalesce import Coalescer
@@ -325,6 +326,13 @@ def _backend(options: CacheOptions) -> CacheBackend:
     from ._redis import RedisBackend
 
     return RedisBackend.from_options(options)
+
+
+def check_cache(url: str) -> None:
+    """The ConfigError :func:`open_cache` would raise before any I/O (a missing
+    coredis for ``redis://``), or nothing: for ``polygate check-config``."""
+    if parse_cache_url(url).kind == "redis":
+        import_coredis("the redis cache")
 
 
 @asynccontextmanager
