@@ -207,6 +207,30 @@ def test_plot_without_matplotlib(
     assert "pip install 'polygate[plot]'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("name", "problem"), [
+    ("no/such/folder/out.png", "No such file or directory"),
+    ("out.txt", "Format 'txt' is not supported"),
+])
+def test_a_plot_that_cannot_be_written_is_one_line(
+    name: str, problem: str, known_db: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    assert main(["stats", "--db", str(known_db), "--plot", str(tmp_path / name)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "polygate stats: cannot write the plot" in err and problem in err
+
+
+def test_demo_plot_that_cannot_be_written_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "no" / "out.png"
+    assert main(["demo", "--calls", "20", "--plot", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "polygate demo: cannot write the plot" in err
+
+
 # --------------------------------------------------------------------------- nothing to report
 
 

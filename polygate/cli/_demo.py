@@ -157,6 +157,8 @@ def _plot(results: Mapping[str, Sequence[Any]], path: str, scale: float) -> int:
         print("error: --plot needs matplotlib: pip install 'polygate[plot]'", file=sys.stderr)
         return 1
     xlabel = "call latency, s" + (" (scaled ÷10)" if scale != 1.0 else "")
-    plot_cdf(results, path, title="queue-hang incident replay: latency CDF", xlabel=xlabel)
+    if not plot_cdf(results, path, title="queue-hang incident replay: latency CDF", xlabel=xlabel,
+                    prog="polygate demo"):
+        return 1
     print(f"wrote {path}")
     return 0

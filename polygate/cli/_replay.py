@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "Summary",
     "incident_upstreams",
     "plot_cdf",
+    "save_plot",
     "replay",
     "run_virtual",
     "scope_settings",
@@ -212,11 +214,29 @@ def summarize(outcomes: Sequence[Outcome]) -> Summary:
     )
 
 
+def save_plot(fig: Any, path: str, prog: str) -> bool:
+    """Write ``fig`` to ``path`` (closing it); False, with one line on stderr naming
+    why, when it cannot be written (no such folder, no permission, a format matplotlib
+    does not know)."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=120)
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"{prog}: cannot write the plot to {path}: {reason}", file=sys.stderr)
+        return False
+    finally:
+        plt.close(fig)
+    return True
+
+
 def plot_cdf(
-    results: Mapping[str, Sequence[Outcome]], path: str, *, title: str, xlabel: str
-) -> None:
+    results: Mapping[str, Sequence[Outcome]], path: str, *, title: str, xlabel: str,
+    prog: str = "polygate",
+) -> bool:
     """Latency CDFs, one line per configuration, on a log axis (needs matplotlib;
-    failed calls count at the time they failed)."""
+    failed calls count at the time they failed); False when it cannot be written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,8 +253,7 @@ def plot_cdf(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return save_plot(fig, path, prog)
 
 
 def scope_settings(

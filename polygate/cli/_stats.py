@@ -261,6 +261,8 @@ def render(report: dict[str, Any]) -> str:
 
 
 def _plot(calls: Sequence[Any], path: str) -> int:
+    from ._replay import save_plot
+
     try:
         import matplotlib
 
@@ -304,7 +306,7 @@ def _plot(calls: Sequence[Any], path: str) -> int:
     bars.set_title("where the time of successful calls went")
     bars.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=5)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if not save_plot(fig, path, "polygate stats"):
+        return 1
     print(f"wrote {path}", file=sys.stderr)
     return 0
