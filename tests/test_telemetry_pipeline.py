@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -179,6 +180,25 @@ async def test_a_write_the_session_left_during_counts_as_written(stalled: Stalle
     assert final is not None and final.ended_at is not None
     assert (final.rows_written, final.rows_dropped) == (8, 0)
     assert stalled.interrupted == 0  # a write that answers in time is never interrupted
+
+
+@pytest.mark.parametrize("seconds", [threading.TIMEOUT_MAX, 1e10, 1e300])
+async def test_bounds_past_what_a_timer_can_wait_are_no_bound(
+    seconds: float, tmp_path: Any
+) -> None:
+    """``telemetry_write_timeout_s`` / ``telemetry_close_timeout_s`` accept any finite
+    number > 0; one past what ``threading.Timer`` can wait (~292 years) is no bound,
+    never an OverflowError in a timer thread for every batch."""
+    with real_time_bound(seconds) as bound:
+        await trio.sleep(0)
+    assert not bound.cancelled_caught
+    settings = attrs.evolve(
+        two_source_settings(names=("a",)), telemetry=f"sqlite:///{tmp_path / 't.db'}",
+        telemetry_write_timeout_s=seconds, telemetry_close_timeout_s=seconds,
+    )
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)
+    assert (await s.statistics()).telemetry.written == 2
 
 
 async def test_recording_after_close_is_counted() -> None:

@@ -196,6 +196,10 @@ def real_time_bound(seconds: float, *, shield: bool = False) -> Iterator[trio.Ca
     whatever clock trio uses.
     """
     scope = trio.CancelScope(shield=shield)
+    if seconds >= threading.TIMEOUT_MAX:  # ~292 years: a timer thread cannot wait that long
+        with scope:
+            yield scope
+        return
     token = trio.lowlevel.current_trio_token()
 
     def fire() -> None:
