@@ -65,6 +65,22 @@ async def test_stream_and_json_calls() -> None:
     assert up.in_flight == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_model_that_is_not_text_is_echoed_escaped(stream: bool) -> None:
+    """A raw client can send a lone surrogate escape as the model; the fake echoes the
+    model, so it answers with it escaped, and keeps serving (it crashed and stopped
+    accepting connections)."""
+    up = FakeUpstream(Reply(tokens=2))
+    body = b'{"model":"m\\udce9","stream":%s,"messages":[{"role":"user","content":"x"}]}' % (
+        b"true" if stream else b"false")
+    async with up.serve() as base_url, httpx.AsyncClient(base_url=base_url) as client:
+        answer = await client.post(CHAT, content=body, headers={"content-type": "application/json"})
+        again = await client.post(CHAT, json=JSON_BODY)
+    assert answer.status_code == 200 and "\\udce9" in answer.text
+    answer.content.decode("utf-8")  # valid UTF-8 throughout
+    assert again.status_code == 200
+
+
 async def test_both_faces_send_the_same_bytes() -> None:
     reply = Reply(tokens=6, reasoning_tokens=2, keepalive_s=0.02, first_token_s=0.05)
     bodies = []

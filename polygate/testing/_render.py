@@ -218,7 +218,11 @@ def _model(reply: Reply, ex: Exchange) -> str:
     if reply.model is not None:
         return reply.model
     requested = ex.body.get("model") if isinstance(ex.body, dict) else None
-    return requested if isinstance(requested, str) else "fake-model"
+    if not isinstance(requested, str):
+        return "fake-model"
+    # Echoed in the answer: a lone surrogate (valid JSON, no text) goes back as its
+    # escape, or the answer could not be written as UTF-8.
+    return requested.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _split_text(text: str) -> list[str]:
