@@ -154,8 +154,23 @@ def _bool(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 
 
 def _opt_str(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (not isinstance(value, str) or not value):
+    if value is None:
+        return
+    if not isinstance(value, str) or not value:
         raise _bad(inst, attr.name, "must be a non-empty string")
+    if "\x00" in value or not _encodes(value):
+        # A lone surrogate is how Python reads a non-UTF-8 byte of an environment
+        # value; it would fail every request, as an upstream error, far from here.
+        raise _bad(inst, attr.name, "must be text: it holds a NUL or a lone surrogate "
+                   "(a byte that is not UTF-8, e.g. in an environment value)")
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _secret_repr(value: str | None) -> str:
