@@ -154,6 +154,30 @@ async def test_deadline_and_fatal_rows(autojump_clock: trio.testing.MockClock, t
     assert [a["error"] for a in _rows(db, "attempts")] == ["cancelled", "fatal"]
 
 
+async def test_a_call_that_fell_back_is_its_asked_scopes_row(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """``calls.scope`` is the scope called (docs/telemetry.md), so ``polygate stats
+    --scope`` finds a call that moved to its fallback; each attempt row keeps the
+    scope it ran in, and ``CallStats.scope`` says which scope answered."""
+    db = tmp_path / "t.db"
+    settings = polygate.Settings(
+        scopes={
+            "fb": polygate.Scope(sources=[polygate.Source(name="f1", base_url="http://f1/v1")],
+                                 fallback="chat", retry=polygate.Retry(max_attempts=1)),
+            "chat": polygate.Scope(sources=[polygate.Source(name="c1", base_url="http://c1/v1")]),
+        },
+        telemetry=_url(db),
+    )
+    ups = {"f1": FakeUpstream(Reply(status=503)), "c1": FakeUpstream(Reply())}
+    async with polygate.session(settings, transport=Router(ups)) as s:
+        response = await s.chat(MESSAGES, scope="fb")
+    assert response.call_stats.scope == "chat"
+    [call] = _rows(db, "calls")
+    assert (call["scope"], call["source"]) == ("fb", "c1")
+    assert [(a["scope"], a["source"]) for a in _rows(db, "attempts")] == [("fb", "f1"), ("chat", "c1")]
+
+
 async def test_caller_cancellation_is_a_row(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:

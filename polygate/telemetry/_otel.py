@@ -93,9 +93,10 @@ class OtelRecorder:
 
         operation = _OPERATION.get(ctx.kind, ctx.kind)
         start = ns(ctx.started_at)
+        scope = ctx.first_scope or ctx.scope_name  # the scope called, as the calls row
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
-            "polygate.scope": ctx.scope_name,
+            "polygate.scope": scope,
             "polygate.logical_call_id": ctx.logical_call_id,
             "polygate.stream": ctx.streaming_to_caller,
             "polygate.attempts": stats.attempts,
@@ -118,7 +119,7 @@ class OtelRecorder:
         if self._log_content and ctx.kind == "chat":
             attributes["gen_ai.input.messages"] = redact(ctx.messages_json, self._secrets)
         span = self._tracer.start_span(
-            f"{operation} {ctx.scope_name}", kind=SpanKind.INTERNAL, start_time=start,
+            f"{operation} {scope}", kind=SpanKind.INTERNAL, start_time=start,
             attributes=attributes,
         )
         if error is not None:

@@ -165,7 +165,7 @@ def call_event(
     return CallEvent(
         session_id=session_id,
         logical_call_id=ctx.logical_call_id,
-        scope=ctx.scope_name,
+        scope=ctx.first_scope or ctx.scope_name,  # the scope called, fallbacks or not
         kind=ctx.kind,
         stream=int(ctx.streaming_to_caller),
         started_at=ctx.started_at + offset,
