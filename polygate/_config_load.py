@@ -624,11 +624,11 @@ def settings_from_toml(
 ) -> Settings:
     """Settings from a TOML file; ``env`` (default ``os.environ``) serves ``api_key_env``."""
     label = os.fspath(path)
-    data = _read_toml(label)
+    data = read_toml(label)
     return _build_settings(_parse_toml(data, label, os.environ if env is None else env))
 
 
-def _read_toml(label: str) -> dict[str, Any]:
+def read_toml(label: str) -> dict[str, Any]:
     try:
         with open(label, "rb") as f:
             return tomllib.load(f)

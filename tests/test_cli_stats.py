@@ -304,6 +304,23 @@ def test_default_database(tmp_path: Path) -> None:
     assert default_db(env) == "sqlite:///x/t.db"
 
 
+def test_default_database_from_a_file_without_scopes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    """A polygate.toml holding only ``telemetry`` (as for a machine that only reads
+    reports) names the database; keys beside a file warn nothing here: stats only
+    looks for the database."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "polygate.toml").write_text('telemetry = "sqlite:///from/file.db"\n')
+    env = {"HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
+    assert default_db(env) == "sqlite:///from/file.db"
+    (tmp_path / "polygate.toml").write_text(
+        'telemetry = "sqlite:///from/file.db"\n[scopes.chat.sources.a]\nbase_url = "http://a/v1"\n')
+    env["POLYGATE__CHAT__A__BASE_URL"] = "http://b/v1"  # ignored beside the file
+    assert default_db(env) == "sqlite:///from/file.db"
+    assert not recwarn.list
+
+
 # --------------------------------------------------------------------------- from real sessions
 
 

@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -89,16 +90,29 @@ def _tails(text: str) -> list[float]:
 
 def default_db(env: dict[str, str] | None = None) -> str:
     """The configured telemetry URL when there is one, else the default SQLite file."""
-    from .._config_load import load_settings
+    from .._config import ConfigWarning
+    from .._config_load import load_settings, locate_config, read_toml
     from .._errors import ConfigError
     from ..telemetry import default_path
 
     environ = dict(os.environ) if env is None else env
     try:
-        configured = load_settings(environ).telemetry
+        with warnings.catch_warnings():
+            # (keys beside a file are the configuration's business, not the report's)
+            warnings.simplefilter("ignore", ConfigWarning)
+            configured: Any = load_settings(environ).telemetry
     except ConfigError:
-        configured = environ.get("POLYGATE__TELEMETRY", "off")
-    if configured and configured != "off":
+        # Not a whole configuration (a machine that only reads reports may name just
+        # the database): the telemetry key itself, from the file or the environment.
+        path = locate_config(environ)
+        if path is None:
+            configured = environ.get("POLYGATE__TELEMETRY", "off")
+        else:
+            try:
+                configured = read_toml(path).get("telemetry", "off")
+            except ConfigError:
+                configured = "off"
+    if isinstance(configured, str) and configured and configured != "off":
         return configured
     return f"sqlite://{default_path(environ)}"
 
