@@ -140,8 +140,12 @@ def _run_real_time(settings: Any, upstreams: Any, calls: int, concurrency: int, 
                 bar = "#" * (30 * done // calls)
                 print(f"\r{label:<18} [{bar:<30}] {done}/{calls}", end="", flush=True)
 
-            outcomes = await replay(real, None, calls=calls, concurrency=concurrency, on_done=progress)
-            print()
+            # A progress bar is for a terminal; redirected output gets the results only.
+            tty = sys.stdout.isatty()
+            outcomes = await replay(real, None, calls=calls, concurrency=concurrency,
+                                    on_done=progress if tty else None)
+            if tty:
+                print()
             return outcomes
 
     result: list[Any] = trio.run(main)

@@ -35,7 +35,7 @@ class CallEvent(NamedTuple):
     session_id: str
     logical_call_id: str
     scope: str
-    kind: str  # "chat" | "embed"
+    kind: str  # "chat" | "embed" | "ocr"
     stream: int  # 1: stream_chat(), 0: chat() / embed()
     started_at: float
     outcome: str
