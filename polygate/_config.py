@@ -276,9 +276,11 @@ class Source:
             raise _bad(self, "base_url", url=value, problem=problem)
         try:
             parts = urlsplit(value)
-            parts.port  # noqa: B018 - raises ValueError on a bad port
+            port = parts.port  # raises ValueError on a bad port
         except ValueError:
             raise _bad(self, "base_url", url=value, problem=_BAD_URL) from None
+        if port == 0:
+            raise _bad(self, "base_url", url=value, problem="port 0 cannot be connected to")
         if "@" in parts.netloc:
             raise _bad(self, "base_url", url=value, problem=
                 "must not carry credentials before the host ('…@host'): they are never "

@@ -195,12 +195,18 @@ class _SettingsPart:
 # --------------------------------------------------------------------------- values
 
 
+_PLAIN_NUMBER = re.compile(r"\A\s*[-+]?[0-9A-Za-z.+-]*\s*\Z", re.ASCII)
+
+
 def _value_from_text(kind: type, text: str, where: str) -> Any:
     """An environment string → the field's type; the key is named on failure."""
     if kind is str:
         return text
     if kind is tuple:
-        return tuple(item.strip() for item in text.split(",") if item.strip())
+        items = tuple(item.strip() for item in text.split(","))
+        if text.strip() and not all(items):
+            raise ConfigError(f"{where}: a comma-separated list with an empty entry, got {text!r}")
+        return tuple(item for item in items if item)
     if kind is bool:
         if text.lower() in _TRUE:
             return True
@@ -208,6 +214,10 @@ def _value_from_text(kind: type, text: str, where: str) -> Any:
             return False
         raise ConfigError(f"{where}: expected true/false/1/0/yes/no, got {text!r}")
     try:
+        # Python's int() and float() also read '1_000' and other scripts' digits; a
+        # configuration value is plain ASCII.
+        if not _PLAIN_NUMBER.match(text):
+            raise ValueError(text)
         return int(text) if kind is int else float(text)
     except ValueError:
         wanted = "a whole number" if kind is int else "a number"

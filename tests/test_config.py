@@ -80,7 +80,7 @@ BAD_VALUES: list[tuple[type, str, Any]] = [
     *[(Source, "model", v) for v in ("", 3, "mod\udce9le", "m\x00")],
     *[(Source, "api_key", v) for v in ("", 3, "sk-a\nb")],
     *[(Source, "base_url", v) for v in ("127.0.0.1:8000/v1", "localhost", "ftp://h/v1",
-                                        "http://", "http://h:99999/v1", 3)],
+                                        "http://", "http://h:99999/v1", "http://h:0/v1", 3)],
     *[(Source, "name", v) for v in ("", "a b", "a__b", "-a", 3)],
     *[(Source, "name", v) for seg in RESERVED_SEGMENTS for v in (seg, seg.lower())],
     *[(Hedge, "after_s", v) for v in (0, -1, math.nan, "8", True)],

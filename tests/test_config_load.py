@@ -888,3 +888,36 @@ def test_a_secret_of_the_wrong_type_is_not_echoed(tmp_path: Path, toml: str) -> 
         settings_from_toml(write(tmp_path, toml), env={})
     assert "expected a string, got an integer" in str(info.value)
     assert "9876543210123" not in str(info.value)
+
+
+@pytest.mark.parametrize(("key", "text", "says"), [
+    ("POLYGATE__CHAT__A__RPM", "1_000", "expected a whole number"),
+    ("POLYGATE__CHAT__A__RPM", "١٢٣", "expected a whole number"),  # Arabic-Indic digits
+    ("POLYGATE__CHAT__A__RPM", "１２", "expected a whole number"),  # full-width digits
+    ("POLYGATE__CHAT__A__TIMEOUT_S", "1_0.5", "expected a number"),
+    ("POLYGATE__CHAT__A__TIMEOUT_S", "٣.٥", "expected a number"),
+    ("POLYGATE__CHAT__FALLBACK_ON", ",,", "an empty entry"),
+    ("POLYGATE__CHAT__FALLBACK_ON", "exhausted,,context_length", "an empty entry"),
+])
+def test_environment_numbers_and_lists_are_plain(key: str, text: str, says: str) -> None:
+    """What a shell user writes: ASCII digits (Python's int() also takes '1_000' and
+    other scripts' digits), and lists without empty entries (',,' silently meant no
+    fallback at all)."""
+    from polygate._config_load import settings_from_env
+
+    env = {"POLYGATE__CHAT__A__BASE_URL": "http://a/v1", "POLYGATE__BIG__B__BASE_URL": "http://b/v1",
+           "POLYGATE__CHAT__FALLBACK": "big", key: text}
+    with pytest.raises(ConfigError) as info:
+        settings_from_env(env)
+    assert key in str(info.value) and says in str(info.value)
+
+
+def test_plain_environment_numbers_still_parse() -> None:
+    from polygate._config_load import settings_from_env
+
+    settings = settings_from_env({
+        "POLYGATE__CHAT__A__BASE_URL": "http://a/v1", "POLYGATE__CHAT__A__RPM": " +120 ",
+        "POLYGATE__CHAT__A__TIMEOUT_S": "1e2", "POLYGATE__CHAT__A__WEIGHT": ".5",
+    })
+    source = settings.scopes["chat"].sources[0]
+    assert (source.rpm, source.timeout_s, source.weight) == (120, 100.0, 0.5)
