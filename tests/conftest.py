@@ -49,7 +49,6 @@ def two_source_settings(
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 
-@pytest.hookimpl(trylast=True)
 async def ask(s: polygate.Session, streaming: bool, messages: Any = MESSAGES) -> None:
     """One call, ``chat()`` or a ``stream_chat()`` read to its end."""
     if not streaming:
@@ -60,6 +59,7 @@ async def ask(s: polygate.Session, streaming: bool, messages: Any = MESSAGES) ->
             pass
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # pytest-trio's trio mode marks every async test as a trio test; the asyncio tests
     # (polygate.aio) are anyio's (``@pytest.mark.anyio``): they keep only that mark.
