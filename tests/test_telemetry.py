@@ -408,7 +408,7 @@ async def test_a_session_left_by_cancellation_counts_what_it_wrote(tmp_path: Pat
             outer.cancel()
     stats = (await s.statistics()).telemetry
     in_db = len(_rows(db, "calls")) + len(_rows(db, "attempts"))
-    assert in_db == 600
+    assert in_db == 600, (stats, _rows(db, "sessions"))
     assert (stats.written, stats.dropped) == (600, 0), stats
     [session_row] = _rows(db, "sessions")
     assert (session_row["rows_written"], session_row["rows_dropped"]) == (600, 0)

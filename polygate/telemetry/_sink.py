@@ -268,8 +268,8 @@ class Pipeline:
         self._next_summary = 0.0
         # A write the flusher was cancelled out of (the session left by cancellation):
         # its thread goes on and may commit, so it is settled by aclose once the
-        # thread is done -- (its outcome, filled by the thread; its rows).
-        self._abandoned: tuple[list[BaseException | None], int] | None = None
+        # thread is done -- (its outcome, filled by the thread if it ran; its events).
+        self._abandoned: tuple[list[BaseException | None], list[Event]] | None = None
 
     # ------------------------------------------------------------------ flusher
 
@@ -345,8 +345,10 @@ class Pipeline:
                     background=True,  # a stuck sink must not freeze virtual time
                 )
         except trio.Cancelled:
-            # Left by cancellation: the thread may still commit; aclose settles it.
-            self._abandoned = (outcome, self._take_in_flight())
+            # Left by cancellation: the thread may still commit (or may never have
+            # started); aclose settles it.
+            if self._take_in_flight():
+                self._abandoned = (outcome, list(events))
             raise
         except Exception as exc:
             self.counters.write_failed(self._take_in_flight(), exc)
@@ -365,11 +367,13 @@ class Pipeline:
         if self._abandoned is None:
             return
         await run_sync(_nothing, limiter=self._limiter, abandon_on_cancel=True, background=True)
-        (outcome, rows), self._abandoned = self._abandoned, None
-        if outcome and outcome[0] is None:
-            self.counters.written += rows
+        (outcome, events), self._abandoned = self._abandoned, None
+        if not outcome:  # cancelled before its thread started: written with the rest
+            self._gathered = [*events, *self._gathered]
+        elif outcome[0] is None:
+            self.counters.written += len(_split(events, None))
         else:
-            self.counters.write_failed(rows, outcome[0] if outcome and outcome[0] else "abandoned")
+            self.counters.write_failed(len(_split(events, None)), outcome[0])
 
     def _take_in_flight(self) -> int:
         n, self._in_flight = self._in_flight, 0
@@ -438,7 +442,7 @@ class Pipeline:
             abandoned, self._abandoned = self._abandoned, None
             self.counters.drop_closed(
                 self._take_in_flight() + len(gathered) + len(self._drain())
-                + (abandoned[1] if abandoned is not None else 0)
+                + (len(_split(abandoned[1], None)) if abandoned is not None else 0)
             )
             _close_in_background(self.sink)
         self._receive.close()
