@@ -93,6 +93,10 @@ class Rounds(Protocol):
         """What these rounds add to a response-cache key (a schema changes the answer)."""
         ...
 
+    async def ready(self) -> None:
+        """Finish preparing before the first round (ConfigError: nothing was sent)."""
+        ...
+
     async def accept(self, response: ChatResponse) -> ChatResponse | None:
         """A stored answer as these rounds' answer (``parsed`` set), or ``None``."""
         ...
@@ -427,6 +431,8 @@ async def run_chat(
         return chat_response(ctx, record, result)
 
     async def body() -> ChatResponse:
+        if rounds is not None:
+            await rounds.ready()  # a big schema compiles here: off the loop, in the deadline
         while True:
             response = await one_round()
             if rounds is None:

@@ -93,6 +93,10 @@ class Schema:
         """The validated value of ``text``; raises :class:`Invalid`."""
         raise NotImplementedError
 
+    async def ready(self) -> None:
+        """Finish preparing (a big JSON Schema is checked and compiled off the loop,
+        inside the call's deadline); :class:`ConfigError` on a bad schema."""
+
 
 # --------------------------------------------------------------------------- pydantic
 
@@ -143,12 +147,29 @@ def _is_pydantic_model(obj: Any) -> bool:
 class _DictSchema(Schema):
     off_loop_chars = 2 * 1024  # jsonschema is pure Python: about 1 ms per 300 bytes
 
-    def __init__(self, canonical: str) -> None:
-        schema = json.loads(canonical)
+    def __init__(self, text: str) -> None:
+        # The caller's dict as given, keys in their order: models generate properties
+        # in schema order (OpenAI strict mode, guided decoding), and a schema that asks
+        # for its reasoning before its answer means it.
+        schema = json.loads(text)
         title = schema.get("title") if isinstance(schema, dict) else None
         self.name = _safe_name(title) if isinstance(title, str) and title else "response"
         self.json_schema = schema
-        self._validator = _compile(schema)
+        self._validator: Any = None
+
+    @property
+    def compiled(self) -> bool:
+        return self._validator is not None
+
+    def compile(self) -> None:
+        """Check the schema against its metaschema and compile it: pure Python, ~1 s
+        for a few thousand properties, so once per schema whatever its key order."""
+        if self._validator is None:
+            self._validator = _validator(json.dumps(self.json_schema, sort_keys=True, ensure_ascii=False))
+
+    async def ready(self) -> None:
+        if self._validator is None:
+            await run_sync(self.compile, abandon_on_cancel=True)
 
     def validate(self, text: str) -> Any:
         try:
@@ -156,6 +177,7 @@ class _DictSchema(Schema):
         except ValueError as exc:
             raise Invalid([f"$: not valid JSON ({exc})"]) from None
         validator = self._validator
+        assert validator is not None, "validated before it was ready()"
         try:
             if validator.is_valid(value):
                 return value
@@ -228,9 +250,24 @@ def _refs(node: Any, root: bool = True) -> list[str]:
 
 
 @functools.lru_cache(maxsize=128)
-def _dict_schema(canonical: str) -> _DictSchema:
-    """Compiled once per schema (the key is its canonical JSON) and kept (LRU)."""
-    return _DictSchema(canonical)
+def _validator(canonical: str) -> Any:
+    """The compiled validator of a schema, by its canonical JSON (key order does not
+    make a new one)."""
+    return _compile(json.loads(canonical))
+
+
+@functools.lru_cache(maxsize=128)
+def _dict_schema(text: str) -> _DictSchema:
+    """One per schema (the key is its JSON, keys in the caller's order), compiled once
+    and kept (LRU)."""
+    return _DictSchema(text)
+
+
+#: A schema up to this much JSON is checked and compiled where it is given, so a bad
+#: one is a ConfigError from ``chat()`` itself (a few ms at most); a bigger one off
+#: the loop at the start of the call, under its deadline (then the ConfigError comes
+#: from the call, still before any I/O; from a stream's first ``__anext__``).
+_INLINE_COMPILE_CHARS = 1024
 
 
 # --------------------------------------------------------------------------- helpers
@@ -282,14 +319,31 @@ def schema_of(schema: Any) -> Schema:
         return _model_schema(schema)
     if isinstance(schema, Mapping):
         try:
-            canonical = json.dumps(schema, sort_keys=True, ensure_ascii=False, allow_nan=False)
+            text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"schema: a JSON Schema dict must be JSON-serialisable ({exc})") from None
-        return _dict_schema(canonical)
+        _check_text(text)
+        prepared = _dict_schema(text)
+        if not prepared.compiled and len(text) <= _INLINE_COMPILE_CHARS:
+            prepared.compile()
+        return prepared
     what = schema.__name__ if isinstance(schema, type) else type(schema).__name__
     raise ConfigError(
         f"schema must be a pydantic v2 model class or a JSON Schema dict, got {what}"
     )
+
+
+def _check_text(text: str) -> None:
+    """A schema is sent: a lone surrogate in it (no Unicode text) is refused, as in
+    the messages."""
+    if text.isascii():
+        return
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ConfigError(
+            "schema: holds a lone surrogate (e.g. U+D800), which is not valid Unicode"
+        ) from None
 
 
 # --------------------------------------------------------------------------- the rounds
@@ -301,9 +355,15 @@ def _with_instruction(
     """The instruction merged into a leading system message, else prepended as one
     (several chat templates accept a single system message, first)."""
     first = messages[0] if messages else None
-    if first is not None and first.get("role") == "system" and isinstance(first.get("content"), str):
-        merged = {**first, "content": f"{first['content']}\n\n{instruction}"}
-        return [merged, *messages[1:]]
+    if first is not None and first.get("role") == "system":
+        content = first.get("content")
+        if isinstance(content, str):
+            return [{**first, "content": f"{content}\n\n{instruction}"}, *messages[1:]]
+        if isinstance(content, list):  # OpenAI's array of content parts
+            part = {"type": "text", "text": instruction}
+            return [{**first, "content": [*content, part]}, *messages[1:]]
+        if content is None:
+            return [{**first, "content": instruction}, *messages[1:]]
     return [{"role": "system", "content": instruction}, *messages]
 
 
@@ -389,12 +449,16 @@ class StructuredRounds:
         return attrs.evolve(response, parsed=parsed)
 
 
+    async def ready(self) -> None:
+        await self.schema.ready()
+
     def cache_key(self) -> Any:
         return {"name": self.schema.name, "schema": self.schema.json_schema}
 
     async def accept(self, response: ChatResponse) -> ChatResponse | None:
         """A cached answer was valid when stored; it is validated again to build
         ``parsed`` (and refused, as a miss, should it not be)."""
+        await self.schema.ready()
         text = response.text
         try:
             if len(text) > self.schema.off_loop_chars:

@@ -288,6 +288,108 @@ async def test_instruction_joins_an_existing_system_message(
     assert sent[1:] == MESSAGES
 
 
+@pytest.mark.parametrize("content", [
+    [{"type": "text", "text": "You are terse."}], None,
+], ids=["parts", "null"])
+async def test_instruction_joins_a_system_message_of_any_content_form(
+    content: Any, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """OpenAI's array of content parts (and null) is a leading system message too:
+    still one system message, never a second put in front of it."""
+    up = FakeUpstream(Reply(text=GOOD))
+    messages = [{"role": "system", "content": content}, *MESSAGES]
+    async with polygate.session(_source_settings("prompt"), transport=Router({"a": up})) as s:
+        await s.chat(messages, schema=Answer)
+    sent = up.requests[0].body["messages"]
+    assert [m["role"] for m in sent] == ["system", *(m["role"] for m in MESSAGES)]
+    if content is None:
+        assert "JSON Schema" in sent[0]["content"]
+    else:
+        assert sent[0]["content"][0] == content[0]
+        assert "JSON Schema" in sent[0]["content"][1]["text"]
+
+
+@pytest.mark.parametrize("mode", ["json_schema", "prompt"])
+async def test_a_dict_schema_is_sent_in_the_callers_key_order(
+    mode: str, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Models write properties in schema order: a schema asking for its reasoning
+    first gets it first.  The dict goes out as given, never sorted."""
+    schema = {"type": "object", "required": ["reasoning", "answer"], "properties": {
+        "reasoning": {"type": "string"}, "answer": {"type": "integer"}}}
+    up = FakeUpstream(Reply(text='{"reasoning": "r", "answer": 1}'))
+    async with polygate.session(_source_settings(mode), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=schema)
+    assert r.parsed == {"reasoning": "r", "answer": 1}
+    body = up.requests[0].body
+    if mode == "json_schema":
+        sent = body["response_format"]["json_schema"]["schema"]
+    else:
+        text = body["messages"][0]["content"]
+        sent = json.loads(text[text.index("{"):])
+    assert list(sent) == ["type", "required", "properties"]
+    assert list(sent["properties"]) == ["reasoning", "answer"]
+
+
+async def test_a_lone_surrogate_in_a_schema_is_a_config_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(Reply(text=GOOD))
+    schema = {"type": "object", "description": "bad \ud800 text"}
+    async with polygate.session(_source_settings("json_schema"), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="lone surrogate"):
+            await s.chat(MESSAGES, schema=schema)
+    assert up.requests == []
+
+
+def _big_schema(properties: int, *, broken: bool = False) -> dict[str, Any]:
+    props: dict[str, Any] = {f"field_{i}": {"type": "string", "maxLength": 100, "description": f"f{i}"}
+                             for i in range(properties)}
+    if broken:
+        props["field_0"] = {"type": "no-such-type"}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+async def test_a_big_schema_compiles_off_the_loop_inside_the_deadline() -> None:
+    """Checking and compiling a JSON Schema is pure Python (seconds for thousands of
+    properties): it runs in a worker thread at the start of the call, so the loop
+    never stalls on it, and the call's deadline covers it."""
+    up = FakeUpstream(Reply(text="{}"))
+    worst = 0.0
+    done = trio.Event()
+
+    async def watch_the_loop() -> None:
+        nonlocal worst
+        while not done.is_set():
+            before = time.perf_counter()
+            await trio.sleep(0.005)
+            worst = max(worst, time.perf_counter() - before - 0.005)
+
+    async with polygate.session(_source_settings("json_schema"), transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_the_loop)
+            started = time.perf_counter()
+            with pytest.raises(polygate.DeadlineExceeded):
+                await s.chat(MESSAGES, schema=_big_schema(3000), call_deadline_s=0.2)
+            took = time.perf_counter() - started
+            done.set()
+    assert took < 1.0, took  # compiling alone takes seconds here
+    assert worst < 0.1, worst
+    assert up.requests == []
+
+
+async def test_a_big_broken_schema_is_a_config_error_before_any_io() -> None:
+    up = FakeUpstream(Reply(text="{}"))
+    async with polygate.session(_source_settings("json_schema"), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="not a valid JSON Schema"):
+            await s.chat(MESSAGES, schema=_big_schema(100, broken=True))
+        with pytest.raises(polygate.ConfigError, match="not a valid JSON Schema"):
+            async with s.stream_chat(MESSAGES, schema=_big_schema(101, broken=True)) as stream:
+                async for _ in stream:
+                    pass
+    assert up.requests == []
+
+
 async def test_failover_asks_each_source_its_own_way(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -377,8 +479,12 @@ def test_dict_schemas_are_compiled_once() -> None:
     from polygate._structured import schema_of
 
     one = schema_of(dict(CITY_SCHEMA))
+    assert schema_of(dict(CITY_SCHEMA)) is one
     reordered = dict(reversed(list(CITY_SCHEMA.items())))
-    assert schema_of(reordered) is one  # key order does not make a new validator
+    other = schema_of(reordered)
+    # sent as given (key order is the caller's), checked by the one compiled validator
+    assert list(other.json_schema) == list(reordered) != list(one.json_schema)
+    assert other._validator is one._validator  # type: ignore[attr-defined]
     assert schema_of(Answer) is schema_of(Answer)
 
 
