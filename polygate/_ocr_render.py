@@ -124,6 +124,10 @@ def decoded(data: bytes) -> Any:
         opened.seek(0)
         image = image_ops.exif_transpose(opened)
         image.load()
+        if image.mode.startswith("I"):
+            # 16-bit greyscale (PNG's I;16, or I): convert() to 8 bits clips at 255,
+            # which turns every tone of a 16-bit scan white.  Scale instead.
+            image = image.convert("I").point(lambda v: v * (1 / 256)).convert("L")
         return image
 
 

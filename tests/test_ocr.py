@@ -263,6 +263,26 @@ async def test_other_images_are_converted_and_large_ones_scaled(
         assert image.size == (2048, 683)  # the default max_side_px, 3:1 kept
 
 
+@pytest.mark.parametrize("render_in", ["process", "thread"])
+@pytest.mark.parametrize("image_format", ["jpeg", "png"])
+async def test_a_16_bit_grey_image_keeps_its_tones(
+    autojump_clock: trio.testing.MockClock, render_in: str, image_format: str
+) -> None:
+    """A 16-bit greyscale scan, scaled: its tones are scaled to 8 bits, not clipped
+    (Pillow's convert() clips, which made every tone above 255/65535 white)."""
+    out = io.BytesIO()
+    Image.new("I;16", (200, 100), 40_000).save(out, "PNG")
+    up = FakeUpstream(Reply(text="text"))
+    settings = ocr_settings(max_side_px=64, render_in=render_in, image_format=image_format)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        await s.ocr(out.getvalue())
+    _, sent = sent_image(up.requests[0])
+    with Image.open(io.BytesIO(sent)) as image:
+        assert image.size == (64, 32)
+        pixel = image.convert("L").getpixel((10, 10))
+    assert abs(pixel - 40_000 // 256) <= 3, pixel
+
+
 async def test_a_small_webp_is_converted_not_scaled(autojump_clock: trio.testing.MockClock) -> None:
     up = FakeUpstream(Reply(text="text"))
     async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
