@@ -234,7 +234,12 @@ class Renderer:
             try:
                 pdf = pdfium.PdfDocument(data)
             except pdfium.PdfiumError as exc:
-                raise BadDocument(f"the PDF cannot be opened: {exc}") from None
+                reason = str(exc)
+                if "Success" in reason:
+                    # PDFium refused it without an error code (a document with no pages
+                    # does this): its "Success" would read as nonsense.
+                    reason = "PDFium gave no reason (no pages, or a damaged page tree)"
+                raise BadDocument(f"the PDF cannot be opened: {reason}") from None
             try:
                 count = len(pdf)
             except Exception:
