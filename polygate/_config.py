@@ -158,10 +158,11 @@ def _opt_str(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         return
     if not isinstance(value, str) or not value:
         raise _bad(inst, attr.name, "must be a non-empty string")
-    if "\x00" in value or not _encodes(value):
+    if not _encodes(value):
         # A lone surrogate is how Python reads a non-UTF-8 byte of an environment
         # value; it would fail every request, as an upstream error, far from here.
-        raise _bad(inst, attr.name, "must be text: it holds a NUL or a lone surrogate "
+        # (Any other character, a NUL included, is sent escaped in the JSON body.)
+        raise _bad(inst, attr.name, "must be text: it holds a lone surrogate "
                    "(a byte that is not UTF-8, e.g. in an environment value)")
 
 
