@@ -361,6 +361,7 @@ class ChatStream:
         self._cm: Any = None
         self._finished = False
         self._exited = False
+        self._end_sent = False  # the answer (or the error) is in the channel
         self.response: ChatResponse | None = None
         self.text_parts: list[str] = TextParts()
 
@@ -424,6 +425,7 @@ class ChatStream:
                 # Every way the call ends reaches the iterator as itself — a polygate
                 # error, Ctrl-C, a bug — never as EndOfChannel, never wrapped in this
                 # nursery's group (the consumer raises it from __anext__).
+                self._end_sent = True
                 await _deliver(send, _Failed(exc))
             else:
                 if not sink.sent and _has_output(response.message):
@@ -433,6 +435,7 @@ class ChatStream:
                     if response.text:
                         self.text_parts.append(response.text)
                     await send.send(StreamChunk(text=response.text, delta=delta, raw=response.raw))
+                self._end_sent = True
                 await send.send(_Done(response))
 
     def __aiter__(self) -> ChatStream:
@@ -456,6 +459,9 @@ class ChatStream:
                 except trio.WouldBlock:
                     item = await self._recv.receive()
             except trio.EndOfChannel:
+                if self._end_sent:  # another task reading this stream took its end
+                    self._finished = True
+                    raise StopAsyncIteration from None
                 self._finished = True
                 raise PolygateError("the stream ended without an answer") from None
         if isinstance(item, StreamChunk):

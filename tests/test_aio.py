@@ -380,6 +380,36 @@ async def test_stream_left_early_or_failing_body() -> None:
         await governance_idle(s)
 
 
+async def test_reading_a_stream_after_its_block_says_so() -> None:
+    """As in trio: the stream's block was left, not the session."""
+    up = fake(Reply(tokens=200, inter_token_s=0.01))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        async with s.stream_chat(messages("early")) as stream:
+            await stream.__anext__()
+        with pytest.raises(polygate.PolygateError, match="its block exited"):
+            async for _ in stream:
+                pass
+        assert (await s.chat(messages("after"))).text  # the session is open
+
+
+async def test_two_tasks_reading_one_stream_share_it() -> None:
+    """As with trio's stream: two consumers split the chunks, and both loops end
+    (one waited for ever: a second reader replaced the first's wake-up)."""
+    up = fake(Reply(tokens=20, inter_token_s=0.01))
+    got: dict[str, list[str]] = {"a": [], "b": []}
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        async with s.stream_chat(messages("shared")) as stream:
+
+            async def read(name: str) -> None:
+                async for chunk in stream:
+                    got[name].append(chunk.text)
+                    await asyncio.sleep(0)
+
+            await asyncio.wait_for(asyncio.gather(read("a"), read("b")), 10)
+    assert len(got["a"]) + len(got["b"]) == 20
+    assert stream.response is not None
+
+
 async def test_slow_consumer_holds_the_stream_back() -> None:
     up = fake(Reply(tokens=300))
     async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:

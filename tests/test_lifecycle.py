@@ -228,3 +228,29 @@ async def test_a_call_cancelled_from_outside_raises_one_cancelled(
         assert (await s.chat(MESSAGES)).text
     assert len(caught) == 4
     assert all(type(exc) is trio.Cancelled for exc in caught), caught
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_two_tasks_reading_one_stream_both_end(seed: int) -> None:
+    """Two tasks may read one stream (they split its chunks); whichever takes the end,
+    the other's loop ends too -- it raised "the stream ended without an answer" when
+    it was waiting as the stream closed."""
+    from polygate.testing import Schedule
+
+    async def main() -> tuple[int, bool]:
+        up = FakeUpstream(Reply(tokens=10, inter_token_s=0.01))
+        async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+            count = 0
+            async with s.stream_chat(MESSAGES) as stream:
+
+                async def read() -> None:
+                    nonlocal count
+                    async for _ in stream:
+                        count += 1
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read)
+                    nursery.start_soon(read)
+            return count, stream.response is not None
+
+    assert Schedule(seed).run(main) == (10, True)

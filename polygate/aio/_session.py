@@ -61,6 +61,7 @@ T = TypeVar("T")
 _STREAM_BUFFER = 32
 
 _CLOSED = "this session is closed"
+_BLOCK_LEFT = "this stream was closed before it finished (its block exited)"
 _CLOSED_IN_FLIGHT = "the session was closed while this call was in flight"
 
 
@@ -300,7 +301,9 @@ class ChatStream:
         self._stream = trio_stream
         self._loop = owner_session._loop
         self._chunks: deque[StreamChunk | _End] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+        # One wake-up per reader waiting: two tasks may read one stream, as in trio.
+        self._waiters: list[asyncio.Future[None]] = []
+        self._leaving = False  # the stream's own block is being left
         self._space: trio.Event | None = None
         self._job: _Job | None = None
         self._finished = False
@@ -350,6 +353,7 @@ class ChatStream:
         job = self._job
         if job is None or job.done:
             return
+        self._leaving = True
         job.waiter = self._loop.create_future()
         self._session._host.submit(job.cancel)
         await settle(job.waiter)
@@ -382,17 +386,18 @@ class ChatStream:
                 raise  # the job delivers it to __aenter__
         finally:
             if entered and not self._ended:
-                # Cancelled from outside: the session is closing under the stream.
-                self._push(_End(PolygateError(_CLOSED_IN_FLIGHT)))
+                # Cancelled from outside: the stream's block was left, or the session
+                # is closing under the stream.
+                self._push(_End(PolygateError(_BLOCK_LEFT if self._leaving else _CLOSED_IN_FLIGHT)))
 
     def _push(self, item: StreamChunk | _End) -> None:
         if isinstance(item, _End):
             self._ended = True
         self._chunks.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            resolve(waiter, outcome.Value(None))
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                resolve(waiter, outcome.Value(None))
 
     def __aiter__(self) -> ChatStream:
         return self
@@ -403,8 +408,15 @@ class ChatStream:
         if self._finished:
             raise StopAsyncIteration
         while not self._chunks:
-            self._waiter = self._loop.create_future()
-            await self._waiter
+            if self._finished:  # another reader took the end
+                raise StopAsyncIteration
+            waiter = self._loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:  # cancelled while waiting
+                    self._waiters.remove(waiter)
         item = self._chunks.popleft()
         space = self._space
         if space is not None and len(self._chunks) <= _STREAM_BUFFER // 2:
