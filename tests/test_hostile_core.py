@@ -391,3 +391,22 @@ async def test_lone_surrogates_in_a_json_body_or_an_error_read_as_text(status: b
                 await s.chat(MESSAGES)
     assert "bad \ufffd input" in str(info.value)
     assert info.value.code == "x\ufffd"
+
+
+@pytest.mark.parametrize("done", [b"data: [DONE] \n\n", b"data:  [DONE]\n\n"])
+async def test_a_done_with_spaces_ends_the_stream(done: bytes) -> None:
+    """openai-python accepts '[DONE]' with spaces around it; so does polygate (it read
+    it as JSON and threw the finished answer away)."""
+    body = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
+            + done)
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                              b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    async with raw_server(reply) as server:
+        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x")
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})
+        async with polygate.session(settings) as s:
+            response = await s.chat(MESSAGES)
+    assert response.text == "hi" and len(server.requests) == 1

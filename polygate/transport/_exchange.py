@@ -318,7 +318,7 @@ def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any
     data = event.data
     if event.event == "error":
         raise _error_event(data.decode("utf-8", "replace"), endpoint)
-    if data == b"[DONE]":
+    if data == b"[DONE]" or data.strip() == b"[DONE]":  # (as openai-python, spaces around it)
         return None
     # Nesting needs 2 bytes a level: short events (nearly all) skip the depth check.
     if len(data) > 2 * max_depth:
