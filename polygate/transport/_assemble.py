@@ -327,6 +327,8 @@ class ChatAssembler:
         self._max_choices = max_choices
         self._max_tool_calls = max_tool_calls
         self._source = source
+        #: Why the stream is malformed (a choice index that is not a natural number).
+        self.malformed: str | None = None
         self._choices: dict[int, _Choice] = {}
         self._header: dict[str, Any] = {}
         self._missing = set(_HEADER_KEYS)
@@ -356,7 +358,11 @@ class ChatAssembler:
                         if not isinstance(index, int):
                             index = 0
                         elif bad_choice_index(index):
-                            self._bad_index(index)
+                            # Noted, not raised: add() is total (any chunk folds in);
+                            # the exchange ends the attempt on it.
+                            self.malformed = (f"malformed stream: choice index {str(index)[:24]} "
+                                              "(not a natural number)")
+                            continue
                         state = self._choices.get(index)
                         if state is None:
                             if not _carries(choice):
@@ -370,12 +376,6 @@ class ChatAssembler:
             elif value is not None and key not in _CHUNK_ONLY_KEYS and key not in _HEADER_KEYS:
                 _merge_extra(self._extras, key, value)
         return content
-
-    def _bad_index(self, index: int) -> None:
-        raise TransientUpstreamError(
-            f"malformed stream: choice index {str(index)[:24]} (not a natural number)",
-            source=self._source,
-        )
 
     def _new_choice(self, index: int) -> _Choice:
         if len(self._choices) >= self._max_choices:

@@ -258,7 +258,10 @@ async def _read_sse(
                 if chunk is None:
                     done = True
                     break
-                if add(chunk):
+                content = add(chunk)
+                if assembler.malformed is not None:
+                    raise TransientUpstreamError(assembler.malformed, source=endpoint.name)
+                if content:
                     now = current_time()
                     if not chunk_times:
                         timeline.first_token_at = now
