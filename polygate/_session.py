@@ -23,7 +23,7 @@ import trio
 
 from ._cached import cache_mode, cached_chat, cached_embed
 from ._call import Rounds, one_cancelled
-from ._config import Settings
+from ._config import Settings, is_utf8
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
 from ._key_quota import KeyQuotas
@@ -232,24 +232,9 @@ _encode_params = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
 _NOT_UNICODE = "is not valid Unicode (a lone surrogate, e.g. U+D800, cannot be sent as UTF-8)"
 
 
-def _is_utf8(text: str) -> bool:
-    """Whether ``text`` encodes to UTF-8 (no lone surrogate).
-
-    ``isascii`` settles nearly every call at memchr speed; otherwise one encode whose
-    copy is dropped (the wire body is built per attempt around the spliced JSON).
-    """
-    if text.isascii():
-        return True
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _check_utf8(text: str, what: str) -> None:
     """Refuse text holding a lone surrogate (only UTF-8 goes on the wire), naming it."""
-    if _is_utf8(text):
+    if is_utf8(text):
         return
     start = next(i for i, char in enumerate(text) if "\ud800" <= char <= "\udfff")
     raise ConfigError(f"{what} {_NOT_UNICODE}: U+{ord(text[start]):04X} at character {start}")
@@ -275,7 +260,7 @@ def _check_messages(messages: Any) -> str:
         if _is_nan_error(exc):
             raise ConfigError("messages must not contain NaN or Infinity (not JSON)") from None
         raise ConfigError(f"messages are not JSON-serialisable: {exc}") from None
-    if not _is_utf8(encoded):  # which one, on the error path only
+    if not is_utf8(encoded):  # which one, on the error path only
         for index, message in enumerate(messages):
             _check_utf8(_encode_messages(message), f"messages[{index}]")
     return encoded
@@ -293,7 +278,7 @@ def _check_params(params: Mapping[str, Any], reserved: tuple[str, ...] = ("messa
         encoded = _encode_params(params)
     except (TypeError, ValueError) as exc:
         raise ConfigError(_unencodable(params, exc)) from None
-    if not _is_utf8(encoded):
+    if not is_utf8(encoded):
         for key, value in params.items():
             _check_utf8(_encode_params({key: value}), f"parameter {key!r}")
 

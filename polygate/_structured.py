@@ -44,7 +44,7 @@ from typing import Any
 
 import attrs
 
-from ._config import Source
+from ._config import Source, is_utf8
 from ._context import ChatRequest
 from ._errors import ConfigError, StructuredOutputError
 from ._threads import run_sync
@@ -336,14 +336,8 @@ def schema_of(schema: Any) -> Schema:
 def _check_text(text: str) -> None:
     """A schema is sent: a lone surrogate in it (no Unicode text) is refused, as in
     the messages."""
-    if text.isascii():
-        return
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        raise ConfigError(
-            "schema: holds a lone surrogate (e.g. U+D800), which is not valid Unicode"
-        ) from None
+    if not is_utf8(text):
+        raise ConfigError("schema: holds a lone surrogate (e.g. U+D800), which is not valid Unicode")
 
 
 # --------------------------------------------------------------------------- the rounds

@@ -64,6 +64,21 @@ async def test_valid_non_ascii_and_escaped_pairs_still_pass(
     assert up.statistics().requests == 2
 
 
+def _answers_sse(body: bytes) -> Any:
+    """A raw server's reply: ``body`` as one event stream, whatever was asked."""
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                              b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    return reply
+
+
+def _one_source(server: RawServer, **source: Any) -> polygate.Settings:
+    return polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url=server.url, api_key="sk-x", **source)])})
+
+
 def _sized(body: bytes) -> bytes:
     return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
             % len(body) + body)
@@ -82,9 +97,7 @@ async def test_an_answer_with_a_lone_surrogate_reads_as_text() -> None:
         await stream.send_all(_sized(bad if len(server.requests) in (1, 3) else good))
 
     async with raw_server(reply) as server:
-        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x", streaming=False)
-        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})
-        async with polygate.session(settings) as s:
+        async with polygate.session(_one_source(server, streaming=False)) as s:
             response = await s.chat(MESSAGES, schema={"type": "object"})
             first = await s.chat(MESSAGES, cache=False)  # the bad answer again, alone
             # ... and back into a conversation, as a caller appends an answer
@@ -106,17 +119,10 @@ async def test_a_streamed_lone_surrogate_reads_as_text(escape: str) -> None:
 
     body = event("a" + escape + "b") + event("\\ud83d\\ude00") + b"data: [DONE]\n\n"
 
-    async def reply(stream: trio.SocketStream, head: bytes) -> None:
-        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                              b"content-length: %d\r\n\r\n" % len(body) + body)
-
-    async with raw_server(reply) as server:
-        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x")
-        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})
-        async with polygate.session(settings) as s:
-            async with s.stream_chat(MESSAGES) as stream:
-                deltas = [chunk.text async for chunk in stream]
-            response = stream.response
+    async with raw_server(_answers_sse(body)) as server, polygate.session(_one_source(server)) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            deltas = [chunk.text async for chunk in stream]
+        response = stream.response
     assert deltas == ["a\ufffdb", "\U0001f600"]
     assert response.text == "a\ufffdb\U0001f600"
     response.text.encode()
@@ -384,9 +390,7 @@ async def test_lone_surrogates_in_a_json_body_or_an_error_read_as_text(status: b
                               b"content-length: %d\r\n\r\n" % len(body) + body)
 
     async with raw_server(reply) as server:
-        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x", streaming=False)
-        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})
-        async with polygate.session(settings) as s:
+        async with polygate.session(_one_source(server, streaming=False)) as s:
             if status.startswith(b"200"):
                 assert (await s.chat(MESSAGES)).text == "a\ufffdb"
                 return
@@ -403,13 +407,6 @@ async def test_a_done_with_spaces_ends_the_stream(done: bytes) -> None:
     body = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
             + done)
 
-    async def reply(stream: trio.SocketStream, head: bytes) -> None:
-        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                              b"content-length: %d\r\n\r\n" % len(body) + body)
-
-    async with raw_server(reply) as server:
-        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x")
-        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})
-        async with polygate.session(settings) as s:
-            response = await s.chat(MESSAGES)
+    async with raw_server(_answers_sse(body)) as server, polygate.session(_one_source(server)) as s:
+        response = await s.chat(MESSAGES)
     assert response.text == "hi" and len(server.requests) == 1
