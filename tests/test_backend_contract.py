@@ -323,6 +323,35 @@ def test_cooldowns_are_honoured_and_never_shortened(h: Harness) -> None:
     h.run(body)
 
 
+def test_an_expired_dead_mark_does_not_outlive_its_cooldown(h: Harness) -> None:
+    """A dead mark whose cooldown has passed, with no admission since to clear it,
+    must not turn a later, ordinary cooldown (a 429's Retry-After) into 'dead': a dead
+    refusal is never waited out, so the calls would fail at once instead of waiting."""
+
+    async def body() -> None:
+        async with h.backend() as b:
+            cool = h.window / 2
+            early = await granted(b, ask())  # still in flight when the source is marked dead
+            a = await granted(b, ask())
+            await b.settle(settle(a, 0, Feedback.FAILURE, cooldown_s=cool, dead=True))
+            dead = await refused(b, ask(), RefusalReason.DEAD)
+            assert dead.retry_at is not None
+            await trio.sleep_until(dead.retry_at + EPS)
+            # No admission since: the stale mark is still stored.  Now a 429 settles.
+            await b.settle(settle(early, 0, Feedback.NEUTRAL, cooldown_s=cool))
+            refused_now = await refused(b, ask(), RefusalReason.COOLING_DOWN)
+            assert refused_now.retry_at is not None
+            assert not (await snap(b)).dead
+            # A dead mark while the source is still dead stays (the longer wins).
+            await trio.sleep_until(refused_now.retry_at + EPS)
+            x, y = await granted(b, ask()), await granted(b, ask())
+            await b.settle(settle(x, 0, Feedback.FAILURE, cooldown_s=cool, dead=True))
+            await b.settle(settle(y, 0, Feedback.NEUTRAL, cooldown_s=cool / 4))
+            await refused(b, ask(), RefusalReason.DEAD)
+
+    h.run(body)
+
+
 POLICY = BreakerPolicy(
     failures=3, open_s=30.0, failure_rate=0.5, rate_window=4, rate_min_calls=4, max_open_s=1e6
 )

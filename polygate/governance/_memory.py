@@ -196,8 +196,12 @@ class MemoryBackend:
                 s.window_tokens += cost - entry.tokens
             entry.tokens = cost
         if request.cooldown_s is not None and request.cooldown_s > 0:
+            # A dead mark only holds for its own cooldown; one that has run out (nothing
+            # was admitted since to clear it) must not make this cooldown a dead one, or
+            # an ordinary wait (a 429's Retry-After) would fail calls at once.
+            live_dead = s.dead and s.cooldown_until > now
             s.cooldown_until = max(s.cooldown_until, now + request.cooldown_s)
-            s.dead = s.dead or request.dead
+            s.dead = live_dead or request.dead
         _feed_breaker(s, request.feedback, request.breaker, admission.probe, now, request.jitter)
         self._notify()
 

@@ -252,9 +252,15 @@ else
 end
 
 if cooldown_us > 0 then
-  local cu = tonumber(redis.call('HGET', K_STATE, 'cu')) or 0
+  local c = redis.call('HMGET', K_STATE, 'cu', 'dd')
+  local cu = tonumber(c[1]) or 0
   redis.call('HSET', K_STATE, 'cu', math.max(cu, now + cooldown_us))
-  if dead then redis.call('HSET', K_STATE, 'dd', '1') end
+  if dead then
+    redis.call('HSET', K_STATE, 'dd', '1')
+  elseif c[2] == '1' and cu <= now then
+    -- a dead mark whose cooldown ran out: this cooldown is an ordinary one
+    redis.call('HSET', K_STATE, 'dd', '0')
+  end
 end
 
 -- The breaker: closed -> open -> half_open -> (closed | open); never skips a state.
