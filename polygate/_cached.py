@@ -233,7 +233,9 @@ async def cached_chat(
 
     async def body() -> ChatResponse:
         rejected: bytes | None = None  # an entry that did not serve: not tried again
-        if mode != "refresh":
+        if looked_up:
+            rejected = found
+        elif mode != "refresh":
             data = await call.within(lambda: cache.get(key))
             if data is not None:
                 response = await served(data)
@@ -279,8 +281,39 @@ async def cached_chat(
             # abandoned, or a verdict that does not bind this call: loop and lead (or
             # wait on whoever led first)
 
+    looked_up, found = False, None
+    if cache.local and mode is True and rounds is None and forward is None:
+        # The common hit, on the memory backend: looked up and served inline, with
+        # none of the machinery a miss needs (a measured third of a hit's cost).
+        try:
+            await trio.lowlevel.checkpoint()  # as cache.get(): fairness, cancellation
+        except BaseException as exc:
+            call.record(call.stats(cached=False), None, exc)
+            raise
+        if call.deadline_at is None or trio.current_time() < call.deadline_at:
+            looked_up, found = True, cache.get_local(key)
+            if found is not None:
+                response = _plain_hit(call, cache, found)
+                if response is not None:
+                    return response
     result: ChatResponse = await _guard(call, body)
     return result
+
+
+def _plain_hit(call: _Call, cache: Cache, data: bytes) -> ChatResponse | None:
+    """A stored answer served as it is (no schema, no replay); None: it did not decode
+    (counted; the caller goes upstream)."""
+    try:
+        fields = decode_chat(data)
+    except ValueError as exc:
+        cache.failed(f"a cached chat answer did not decode ({exc})", pause=False)
+        return None
+    answered = fields.pop("scope")
+    stats = call.stats(cached=True, source=fields["source"], scope=answered)
+    response = ChatResponse(**fields, call_stats=stats)
+    call.record(stats, response.usage, None, response.message)
+    cache.hits += 1
+    return response
 
 
 def _binds(error: BaseException, rounds: Rounds | None) -> bool:

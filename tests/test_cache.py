@@ -573,6 +573,48 @@ async def test_hits_have_cached_telemetry_rows(autojump_clock: trio.testing.Mock
     assert all(st.attempts == 0 for st, _, _ in capture.calls if st.cached)
 
 
+
+@pytest.mark.parametrize("cache", ["memory", "sqlite"])
+async def test_a_cancelled_caller_is_not_served_a_hit_and_gets_a_row(
+    autojump_clock: trio.testing.MockClock, cache: str, tmp_path: Any,
+) -> None:
+    """A hit takes a schedule point like any trio operation: a caller already cancelled
+    is not served (no hit counted) and still has its call row, saying cancelled."""
+    url = "memory" if cache == "memory" else f"sqlite://{tmp_path}/c.db"
+    up = FakeUpstream(Reply())
+    capture = Capture()
+    async with polygate.session(cache_settings(cache=url), transport=Router({"a": up})) as s:
+        s._runtime.recorder = capture
+        await s.chat(MESSAGES)
+        await s.chat(MESSAGES)  # a hit: the entry is readable
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await s.chat(MESSAGES)
+        stats = (await s.statistics()).cache
+    assert scope.cancelled_caught
+    assert stats.hits == 1
+    assert [(st.cached, type(err).__name__) for st, err, _ in capture.calls][-1] == (False, "Cancelled")
+    assert _sent(up) == 1
+
+
+async def test_an_entry_that_does_not_decode_is_a_counted_miss(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A damaged entry on the memory backend: counted in errors, the call goes upstream
+    and its answer replaces the entry."""
+    up = FakeUpstream(Reply())
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+        backend: Any = s._cache.backend  # type: ignore[union-attr]
+        ((key, (_, expires_at)),) = backend._data.items()
+        backend._data[key] = (b'{"f": 1, "k": "chat"}', expires_at)
+        again = await s.chat(MESSAGES)
+        third = await s.chat(MESSAGES)
+        stats = (await s.statistics()).cache
+    assert not again.call_stats.cached and third.call_stats.cached
+    assert (stats.hits, stats.misses, stats.errors) == (1, 2, 1)
+    assert _sent(up) == 2
+
 async def test_session_statistics_default_to_off(autojump_clock: trio.testing.MockClock) -> None:
     async with polygate.session(cache_settings(cache="off"), transport=Router({"a": FakeUpstream()})) as s:
         stats = (await s.statistics()).cache

@@ -91,6 +91,8 @@ class Cache:
         self.backend = backend
         self.flights = Coalescer()
         self._memory = backend if isinstance(backend, MemoryBackend) else None
+        #: Whether a lookup needs no I/O (the memory backend): ``get_local`` is the lookup.
+        self.local = self._memory is not None
         self._pending: dict[str, _Pending] = {}
         self._send, self._recv = trio.open_memory_channel[tuple[str, _Pending, float]](_QUEUE)
         self._writer_done = trio.Event()
