@@ -174,8 +174,23 @@ async def test_a_call_that_fell_back_is_its_asked_scopes_row(
         response = await s.chat(MESSAGES, scope="fb")
     assert response.call_stats.scope == "chat"
     [call] = _rows(db, "calls")
-    assert (call["scope"], call["source"]) == ("fb", "c1")
+    assert (call["scope"], call["source"], call["answered_scope"]) == ("fb", "c1", "chat")
     assert [(a["scope"], a["source"]) for a in _rows(db, "attempts")] == [("fb", "f1"), ("chat", "c1")]
+
+
+async def test_a_reasked_call_row_counts_its_reasks(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """CallStats.reasks is in the call's row (schema 2), so re-asks can be queried."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",)), db)
+    up = FakeUpstream([Reply(text="not JSON"), Reply(text='{"n": 1}')])
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        response = await s.chat(MESSAGES, schema=schema)
+    assert response.parsed == {"n": 1} and response.call_stats.reasks == 1
+    [call] = _rows(db, "calls")
+    assert (call["reasks"], call["resumes"], call["attempts"]) == (1, 0, response.call_stats.attempts)
 
 
 async def test_caller_cancellation_is_a_row(
@@ -262,7 +277,9 @@ def test_schema_columns_are_the_event_fields(tmp_path: Path) -> None:
         columns = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
         assert tuple(columns) == event._fields, table
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert conn.execute("SELECT version FROM polygate_schema").fetchall() == [(_schema.SCHEMA_VERSION,)]
+    # one row per version applied, the newest last
+    assert conn.execute("SELECT version FROM polygate_schema ORDER BY version").fetchall() == [
+        (v,) for v in range(1, _schema.SCHEMA_VERSION + 1)]
     conn.close()
 
 
@@ -275,20 +292,56 @@ def test_reopening_keeps_rows_and_version(tmp_path: Path) -> None:
     conn.close()
     SQLiteSink.open(path).close()
     assert [r["session_id"] for r in _rows(path, "sessions")] == ["s"]
-    assert len(_rows(path, "polygate_schema")) == 1
+    assert len(_rows(path, "polygate_schema")) == _schema.SCHEMA_VERSION  # nothing applied twice
 
 
 def test_migration_to_a_new_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "t.db"
     SQLiteSink.open(path).close()
     migrations = dict(_schema.MIGRATIONS)
-    migrations[2] = ("ALTER TABLE calls ADD COLUMN tenant TEXT",)
+    newest = _schema.SCHEMA_VERSION
+    migrations[newest + 1] = ("ALTER TABLE calls ADD COLUMN tenant TEXT",)
     monkeypatch.setattr(_schema, "MIGRATIONS", migrations)
     SQLiteSink.open(path).close()
     conn = sqlite3.connect(path)
     assert "tenant" in [r[1] for r in conn.execute("PRAGMA table_info(calls)")]
-    assert [r[0] for r in conn.execute("SELECT version FROM polygate_schema ORDER BY version")] == [1, 2]
+    assert [r[0] for r in conn.execute("SELECT version FROM polygate_schema ORDER BY version")] == [
+        *range(1, newest + 2)]
     conn.close()
+
+
+async def test_a_version_1_database_is_migrated_and_keeps_its_rows(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """A file written by the first release (schema 1) gains the columns of version 2
+    (re-asks, resumes, the answering scope): its old rows read as 'none of those', new
+    rows carry them."""
+    path = tmp_path / "t.db"
+    conn = sqlite3.connect(path)
+    conn.execute(_schema.version_table("sqlite"))
+    for version, stmts in _schema.statements("sqlite", 0, 1):
+        for statement in stmts:
+            conn.execute(statement)
+        conn.execute("INSERT INTO polygate_schema VALUES (?, 0)", (version,))
+    old = CallEvent(*_event_fields_v1())
+    conn.execute(f"INSERT INTO calls VALUES ({', '.join('?' * 24)})", old[:24])
+    conn.commit()
+    conn.close()
+    up = FakeUpstream(Reply())
+    settings = _with_telemetry(two_source_settings(names=("a",)), path)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+    first, second = _rows(path, "calls")
+    assert (first["logical_call_id"], first["reasks"], first["resumes"], first["answered_scope"]) == (
+        "old", 0, 0, None)
+    assert (second["reasks"], second["resumes"], second["answered_scope"]) == (0, 0, "chat")
+    versions = [r["version"] for r in _rows(path, "polygate_schema")]
+    assert versions == [1, 2] == list(range(1, _schema.SCHEMA_VERSION + 1))
+
+
+def _event_fields_v1() -> tuple[Any, ...]:
+    return ("s", "old", "chat", "chat", 0, 1.0, "ok", None, None, 1.0, 1.0, None, None, None,
+            None, 1, 0, 0, "a", 0, None, None, None, None)
 
 
 async def test_newer_schema_is_refused_at_session_start(tmp_path: Path) -> None:
@@ -299,7 +352,7 @@ async def test_newer_schema_is_refused_at_session_start(tmp_path: Path) -> None:
     conn.commit()
     conn.close()
     settings = _with_telemetry(two_source_settings(names=("a",)), path)
-    with pytest.raises(polygate.ConfigError, match=r"schema version 99, newer than this polygate supports \(1\)"):
+    with pytest.raises(polygate.ConfigError, match=r"schema version 99, newer than this polygate supports \(2\)"):
         async with polygate.session(settings, transport=Router({})):
             pass  # pragma: no cover
 

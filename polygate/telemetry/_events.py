@@ -56,6 +56,10 @@ class CallEvent(NamedTuple):
     completion_tokens: int | None
     usage_source: str | None  # "upstream" | "estimated" | None
     content: str | None
+    # Schema version 2 (defaults: rows built by code that predates them stay valid).
+    reasks: int = 0  # structured-output re-asks (CallStats.reasks)
+    resumes: int = 0  # committed streams continued on another source (CallStats.resumes)
+    answered_scope: str | None = None  # CallStats.scope: the scope that answered
 
 
 class AttemptEvent(NamedTuple):

@@ -187,4 +187,7 @@ def call_event(
         completion_tokens=usage.completion_tokens if usage is not None else None,
         usage_source=usage.source if usage is not None else None,
         content=content,
+        reasks=stats.reasks,
+        resumes=stats.resumes,
+        answered_scope=stats.scope,
     )

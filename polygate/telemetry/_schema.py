@@ -101,8 +101,16 @@ _V1 = (
     )""",
 )
 
+# CallStats fields added by the second release (§8): a column each, for old rows the
+# value they would have had (no re-ask, no resume; the answering scope unknown).
+_V2 = (
+    "ALTER TABLE calls ADD COLUMN reasks {int} NOT NULL DEFAULT 0",
+    "ALTER TABLE calls ADD COLUMN resumes {int} NOT NULL DEFAULT 0",
+    "ALTER TABLE calls ADD COLUMN answered_scope TEXT",
+)
+
 #: version -> statements that bring version - 1 up to it.
-MIGRATIONS: dict[int, Sequence[str]] = {1: _V1}
+MIGRATIONS: dict[int, Sequence[str]] = {1: _V1, 2: _V2}
 SCHEMA_VERSION = max(MIGRATIONS)
 
 VERSION_TABLE = (
