@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from ._hedge import Forward
+from ._types import choice_index
 
 __all__ = [
     "CONTINUE_PROMPT",
@@ -142,7 +143,7 @@ def _content(chunk: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
     if not isinstance(choices, list):
         return None, ""
     for choice in choices:
-        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+        if isinstance(choice, dict) and choice_index(choice) == 0:
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 content = delta.get("content")

@@ -30,7 +30,7 @@ from ._key_quota import KeyQuotas
 from ._ocr import run_ocr
 from ._resume import resumable_delta
 from ._structured import prepare
-from ._types import ChatResponse, EmbeddingResponse, OcrResponse, StreamChunk
+from ._types import ChatResponse, EmbeddingResponse, OcrResponse, StreamChunk, choice_index
 from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
@@ -503,10 +503,11 @@ class _Sink:
         delta: dict[str, Any] = {}
         choices = chunk.get("choices")
         if choices:
+            # Choice 0 by the one rule (choice_index): an index of 0.0 or false is not 0.
             first = choices[0]
-            if not (isinstance(first, dict) and first.get("index", 0) == 0):
+            if not (isinstance(first, dict) and choice_index(first) == 0):
                 first = next((c for c in choices if isinstance(c, dict)
-                              and c.get("index", 0) == 0), None)
+                              and choice_index(c) == 0), None)
             if first is not None:
                 d = first.get("delta")
                 if isinstance(d, dict):

@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 __all__ = [
     "CallStats", "ChatResponse", "EmbeddingResponse", "OcrPage", "OcrResponse", "StreamChunk", "Usage",
+    "choice_index",
 ]
+
+
+def choice_index(choice: Mapping[str, Any]) -> int | None:
+    """A choice's ``index`` as the wire gives it, or ``None`` when it is malformed.
+
+    The one rule for every reader of choices (the assembler, the JSON body check, the
+    stream's first-choice pick, the gateway's relay): a missing index is 0, as
+    OpenAI-compatible servers that omit it send one choice; any other value that is
+    not a natural number -- a bool (an ``int`` to Python, not to JSON), a float, a
+    string, null, a negative -- is malformed.  Reading ``1.0`` or ``"1"`` as 0
+    spliced a second choice's text into the answer, and a negative one sorted
+    before choice 0 and replaced it.  A large index is harmless: it sorts after 0,
+    and how many choices an answer holds is capped."""
+    index = choice.get("index", 0)
+    if type(index) is int and index >= 0:  # type, not isinstance: a bool is no index
+        return index
+    return None
 
 
 @attrs.frozen

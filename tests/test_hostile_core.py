@@ -273,16 +273,22 @@ async def test_an_echoed_key_in_the_error_code_is_redacted(status: int, field: s
 # --------------------------------------------------------------------- choice indexes
 
 
-@pytest.mark.parametrize("index", [-1, -(10**30), True])
-def test_a_negative_or_bool_choice_index_is_a_malformed_stream(index: object) -> None:
-    from polygate.transport import ChatAssembler
+#: Present indexes that are no natural number: each was read as choice 0 (or, for a
+#: negative one, sorted before it), splicing another choice's text into the answer.
+NOT_AN_INDEX = [-1, -(10**30), True, False, 1.0, 0.0, "1", "0", None, {"i": 1}, [0]]
+
+
+@pytest.mark.parametrize("index", NOT_AN_INDEX)
+def test_a_choice_index_that_is_no_natural_number_is_a_malformed_stream(index: object) -> None:
+    from polygate.transport import ChatAssembler, has_content
 
     # add() is total (the shared review's fuzz test: any chunk folds in): the bad index
     # is noted, never folded, and the exchange ends the attempt on it (the end-to-end
-    # test above: AllSourcesExhausted, "choice index").
+    # tests below: AllSourcesExhausted, "choice index").
     assembler = ChatAssembler(source="a")
     assembler.add({"choices": [{"index": 0, "delta": {"content": "GOOD"}}]})
-    assembler.add({"choices": [{"index": index, "delta": {"content": "EVIL"}}]})
+    chunk = {"choices": [{"index": index, "delta": {"content": "EVIL"}}]}
+    assert assembler.add(chunk) is has_content(chunk) is True  # content, as has_content says
     assert assembler.malformed is not None and "choice index" in assembler.malformed
     assert [c["message"]["content"] for c in assembler.build()["choices"]] == ["GOOD"]
 
@@ -298,37 +304,40 @@ def test_choice_indexes_in_range_still_assemble_in_order() -> None:
     assert [c["message"]["content"] for c in choices] == ["zero!", "one", "x"]
 
 
-async def test_a_negative_choice_index_cannot_replace_the_answer() -> None:
+def _index_sse(index: object) -> bytes:
+    """A stream whose second chunk is choice ``index`` ("EVIL"), around choice 0."""
     events = [
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "GOOD"}}]},
-        {"choices": [{"index": -1, "delta": {"content": "EVIL"}}]},
+        {"choices": [{"index": index, "delta": {"content": "EVIL"}}]},
         {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
     ]
-    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-
-    async def reply(stream: trio.SocketStream, head: bytes) -> None:
-        await stream.send_all(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n"
-            % len(body) + body
-        )
-
-    await _refused_as_index_minus_one(reply, streaming=True)
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
-async def test_a_negative_choice_index_in_a_json_body_is_malformed() -> None:
+@pytest.mark.parametrize("index", [-1, 1.0, 0.0, "1", None])
+async def test_a_streamed_choice_index_that_is_no_natural_number_cannot_join_the_answer(
+    index: object,
+) -> None:
+    await _refused_as_bad_index(_answers_sse(_index_sse(index)), index, streaming=True)
+
+
+@pytest.mark.parametrize("index", [-1, 1.0, "1", None])
+async def test_a_choice_index_that_is_no_natural_number_in_a_json_body_is_malformed(
+    index: object,
+) -> None:
     body = json.dumps({"choices": [
-        {"index": -1, "message": {"role": "assistant", "content": "EVIL"}, "finish_reason": "stop"},
+        {"index": index, "message": {"role": "assistant", "content": "EVIL"}, "finish_reason": "stop"},
         {"index": 0, "message": {"role": "assistant", "content": "GOOD"}, "finish_reason": "stop"},
     ]}).encode()
 
     async def reply(stream: trio.SocketStream, head: bytes) -> None:
         await stream.send_all(_sized(body))
 
-    await _refused_as_index_minus_one(reply, streaming=False)
+    await _refused_as_bad_index(reply, index, streaming=False)
 
 
-async def _refused_as_index_minus_one(reply: Any, *, streaming: bool) -> None:
-    """One attempt against ``reply``: it fails as a malformed answer (choice -1)."""
+async def _refused_as_bad_index(reply: Any, index: object, *, streaming: bool) -> None:
+    """One attempt against ``reply``: it fails as a malformed answer (choice ``index``)."""
     async with raw_server(reply) as server:
         source = polygate.Source(name="a", base_url=server.url, api_key="sk-x", streaming=streaming)
         scope = polygate.Scope(sources=[source], retry=polygate.Retry(max_attempts=1))
@@ -336,7 +345,39 @@ async def _refused_as_index_minus_one(reply: Any, *, streaming: bool) -> None:
             with pytest.raises(polygate.AllSourcesExhausted) as info:
                 await s.chat(MESSAGES)
     (error,) = info.value.errors
-    assert isinstance(error, polygate.TransientUpstreamError) and "choice index -1" in str(error)
+    shown = "null" if index is None else repr(index)
+    assert isinstance(error, polygate.TransientUpstreamError), error
+    assert f"choice index {shown} (not a natural number)" in str(error)
+
+
+async def test_a_committed_stream_never_shows_a_choice_index_read_as_0() -> None:
+    """``0.0 == 0`` in Python: the stream's first-choice pick showed choice 0.0's text
+    to the caller as the answer's.  The attempt now fails at that chunk, and the
+    caller has seen choice 0 only."""
+    shown: list[str] = []
+    async with raw_server(_answers_sse(_index_sse(0.0))) as server:
+        scope = polygate.Scope(sources=[polygate.Source(name="a", base_url=server.url)],
+                               retry=polygate.Retry(max_attempts=1))
+        async with polygate.session(polygate.Settings(scopes={"chat": scope})) as s:
+            with pytest.raises(polygate.PolygateError, match=r"choice index 0\.0"):
+                async with s.stream_chat(MESSAGES) as stream:
+                    async for chunk in stream:
+                        shown.append(chunk.text)
+    assert shown == ["GOOD"]
+
+
+async def test_the_streams_first_choice_is_index_0_by_the_one_rule() -> None:
+    """The stream's pick of choice 0 in a chunk (the exchange refuses a bad index
+    before it offers a chunk; the pick holds on its own): false and 0.0 are not 0."""
+    from polygate._session import _Sink
+
+    send, receive = trio.open_memory_channel[Any](8)
+    sink = _Sink(send, [])
+    for bad in (False, 0.0, "0", None):
+        sink.offer({"choices": [{"index": bad, "delta": {"content": "EVIL"}},
+                                {"index": 0, "delta": {"content": "GOOD"}}]})
+    sink.offer({"choices": [{"delta": {"content": "!"}}]})  # no index: choice 0
+    assert [receive.receive_nowait().text for _ in range(5)] == ["GOOD"] * 4 + ["!"]
 
 
 # --------------------------------------------------------------------- usage

@@ -325,3 +325,43 @@ async def test_embeddings_relay_the_reported_usage() -> None:
     (status, answer), = await _against(json.dumps(body).encode(), GOOD_SSE, ("/v1/embeddings", request))
     assert status == 200, answer
     assert _strict(answer)["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+
+
+# --------------------------------------------------------------------------- choice indexes
+
+
+@pytest.mark.parametrize("index", [b"1.0", b'"1"', b"null", b"false"])
+async def test_a_choice_index_that_is_no_natural_number_is_never_relayed(index: bytes) -> None:
+    """A streamed choice whose index is no natural number: the library refuses the
+    stream (it was read as choice 0, its text spliced into the answer), so the
+    assembled JSON answer is a 502 and a stream ends with an error event; the client
+    never meets the index, nor the text."""
+    sse = _sse(b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"GOOD"}}]}',
+               b'{"id":"x","model":"m","choices":[{"index":' + index + b',"delta":{"content":"EVIL"}}]}',
+               b'{"id":"x","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}')
+    (a_status, a_body), (s_status, s_body) = await _against(
+        GOOD, sse, ("/v1/chat/completions", CHAT_REQUEST), ("/v1/chat/completions", STREAM_REQUEST))
+    assert a_status == 502, a_body
+    assert b"EVIL" not in a_body
+    assert s_status == 200 and b"EVIL" not in s_body
+    events = _events(s_body)
+    assert events[-1]["error"]["code"] == "upstream_error", events
+    indexes = [c["index"] for e in events for c in e.get("choices") or []]
+    assert indexes and all(type(i) is int and i >= 0 for i in indexes), indexes
+
+
+def test_the_relay_reshapes_a_chunk_with_an_index_that_is_no_natural_number() -> None:
+    """The relay's own guard (the session refuses such a chunk before it gets here):
+    a choice index of 1.0 or false is re-shaped as choice 0 from the chunk's delta,
+    never relayed as it came, and never taken for choice 0's finish."""
+    from polygate._types import StreamChunk
+    from polygate.serve._sse import StreamShape
+
+    shape = StreamShape()
+    for bad in (1.0, False):
+        raw = {"id": "x", "model": "m", "choices": [
+            {"index": bad, "delta": {"content": "EVIL"}, "finish_reason": "stop"}]}
+        out = shape.chunk(StreamChunk(text="", delta={"content": "GOOD"}, raw=raw))
+        (event,) = [e for e in _events(out) if e["choices"][0]["delta"].get("content")]
+        assert event["choices"] == [{"index": 0, "delta": {"content": "GOOD"}, "finish_reason": None}]
+    assert shape._finished == set()

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Final
 
-from .._types import ChatResponse, StreamChunk
+from .._types import ChatResponse, StreamChunk, choice_index
 from ._json import dump
 
 __all__ = ["DONE", "KEEPALIVE", "StreamShape", "error_event", "reported_usage", "string_content"]
@@ -54,8 +54,12 @@ class StreamShape:
     def chunk(self, chunk: StreamChunk) -> bytes:
         raw = chunk.raw
         choices = raw.get("choices")
+        # A choice whose index is no natural number (choice_index) is never relayed
+        # raw: the library refuses such a stream, and a client that keys choices by
+        # index must not meet 1.0 or "1"; the chunk is re-shaped from its delta.
         if not (isinstance(choices, list) and choices
-                and all(isinstance(c, Mapping) and "delta" in c for c in choices)):
+                and all(isinstance(c, Mapping) and "delta" in c and choice_index(c) is not None
+                        for c in choices)):
             raw = {**self._header(raw), "choices": [
                 {"index": 0, "delta": chunk.delta, "finish_reason": None}]}
             choices = raw["choices"]
@@ -65,7 +69,9 @@ class StreamShape:
             choices = cleaned
         for choice in choices:
             if choice.get("finish_reason") is not None:
-                self._finished.add(choice.get("index", 0))
+                index = choice_index(choice)
+                if index is not None:  # (always, after the check above)
+                    self._finished.add(index)
         out = b""
         if not self._started:
             self._started = True

@@ -14,8 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import TransientUpstreamError
+from .._types import choice_index
 
-__all__ = ["ChatAssembler", "TextParts", "bad_choice_index", "has_content", "message_text"]
+__all__ = ["ChatAssembler", "TextParts", "has_content", "message_text", "malformed_index"]
 
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
 # Keys of a chunk that describe the chunk itself, not the response.
@@ -28,22 +29,21 @@ def has_content(chunk: dict[str, Any]) -> bool:
     choices = chunk.get("choices")
     if not isinstance(choices, list):
         return False
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        if not isinstance(delta, dict):
-            continue
-        for key in _CONTENT_KEYS:
-            value = delta.get(key)
-            if isinstance(value, str) and value:
-                return True
-        tool_calls = delta.get("tool_calls")
-        if isinstance(tool_calls, list) and tool_calls:
+    return any(isinstance(choice, dict) and _choice_has_content(choice) for choice in choices)
+
+
+def _choice_has_content(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    for key in _CONTENT_KEYS:
+        value = delta.get(key)
+        if isinstance(value, str) and value:
             return True
-        if isinstance(delta.get("function_call"), dict):
-            return True
-    return False
+    tool_calls = delta.get("tool_calls")
+    if isinstance(tool_calls, list) and tool_calls:
+        return True
+    return isinstance(delta.get("function_call"), dict)
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -61,12 +61,12 @@ _join = "".join  # a seam: tests count the characters joins copy
 _append = list.append
 
 
-def bad_choice_index(index: Any) -> bool:
-    """A choice index an answer may not carry: the choices are ordered by index and
-    the first is *the* answer, so a negative one would replace choice 0 (a ``bool``
-    is an ``int`` to Python, not to JSON).  A large index is harmless: it sorts after 0,
-    and how many choices there are is capped by ``max_choices``."""
-    return isinstance(index, bool) or (isinstance(index, int) and index < 0)
+def malformed_index(choice: dict[str, Any], what: str) -> str:
+    """Why ``choice`` (whose index :func:`~polygate._types.choice_index` refused)
+    makes ``what`` malformed."""
+    index = choice.get("index")
+    shown = "null" if index is None else repr(index)[:24]
+    return f"{what}: choice index {shown} (not a natural number)"
 
 
 class TextParts(list[str]):
@@ -354,14 +354,16 @@ class ChatAssembler:
                     for choice in value:
                         if not isinstance(choice, dict):
                             continue
-                        index = choice.get("index", 0)
-                        if not isinstance(index, int):
-                            index = 0
-                        elif bad_choice_index(index):
+                        index = choice_index(choice)
+                        if index is None:
                             # Noted, not raised: add() is total (any chunk folds in);
-                            # the exchange ends the attempt on it.
-                            self.malformed = (f"malformed stream: choice index {str(index)[:24]} "
-                                              "(not a natural number)")
+                            # the exchange ends the attempt on it.  Never folded into
+                            # another choice; its content still counts as content, as
+                            # has_content() counts it.
+                            if self.malformed is None:
+                                self.malformed = malformed_index(choice, "malformed stream")
+                            if _choice_has_content(choice):
+                                content = True
                             continue
                         state = self._choices.get(index)
                         if state is None:

@@ -34,7 +34,8 @@ from .._errors import (
     error_status,
 )
 from .._secrets import redact
-from ._assemble import ChatAssembler, bad_choice_index
+from .._types import choice_index
+from ._assemble import ChatAssembler, malformed_index
 from ._pool import SENT_EXTENSION, LeanTransport, body_of
 from ._sse import Event, SSEDecoder
 from ._wire import (
@@ -390,12 +391,10 @@ async def _read_chat_json(
         raise TransientUpstreamError(
             "malformed upstream body: no choices with a message", source=endpoint.name
         )
-    for choice in choices:  # the first choice is *the* answer: no index may come before 0
-        index = choice.get("index", 0)
-        if bad_choice_index(index):
+    for choice in choices:  # the stream's rule: no index may come before 0, or be no index
+        if choice_index(choice) is None:
             raise TransientUpstreamError(
-                f"malformed upstream body: choice index {str(index)[:24]} (not a natural number)",
-                source=endpoint.name,
+                malformed_index(choice, "malformed upstream body"), source=endpoint.name
             )
     assert isinstance(payload, dict)
     return payload
