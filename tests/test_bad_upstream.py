@@ -123,3 +123,93 @@ async def test_secret_never_appears_anywhere(
     assert any("Incorrect API key" in t for t in texts)  # the upstream message is kept...
     for text in texts:
         assert SECRET not in text  # ...without the key
+
+
+# --------------------------------------------------------------------- no choices
+
+_USAGE = b'{"prompt_tokens":3,"completion_tokens":0,"total_tokens":3}'
+_NO_CHOICE_STREAMS = {
+    "empty object": b"data: {}\n\ndata: [DONE]\n\n",
+    "header only": b'data: {"id":"x","object":"chat.completion.chunk","model":"m"}\n\ndata: [DONE]\n\n',
+    "usage only": b'data: {"id":"x","choices":[],"usage":' + _USAGE + b"}\n\ndata: [DONE]\n\n",
+    "empty choices": b'data: {"choices":[]}\n\ndata: {"choices":[]}\n\ndata: [DONE]\n\n',
+    "non-object choices": b'data: {"choices":[1,"a",null]}\n\ndata: [DONE]\n\n',
+}
+_GOOD_STREAM = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
+                b"data: [DONE]\n\n")
+
+
+def _sse_handler(*bodies: bytes) -> tuple[httpx.MockTransport, list[httpx.Request]]:
+    """Answers the n-th request with ``bodies[n]`` (the last one from then on)."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        body = bodies[min(len(seen), len(bodies)) - 1]
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    return httpx.MockTransport(handler), seen
+
+
+@pytest.mark.parametrize("body", _NO_CHOICE_STREAMS.values(), ids=_NO_CHOICE_STREAMS.keys())
+async def test_a_stream_without_a_choice_is_a_malformed_answer(
+    body: bytes, autojump_clock: trio.testing.MockClock
+) -> None:
+    """An answer with zero choices is no answer: it was accepted as an empty text."""
+    transport, _ = _sse_handler(body)
+    async with polygate.session(_settings(), transport=transport) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+    (error,) = info.value.errors
+    assert isinstance(error, polygate.TransientUpstreamError)
+    assert "malformed stream: no choices" in str(error)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_json_body_with_empty_choices_is_a_malformed_answer(
+    stream: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The same for a whole JSON body (a source that cannot stream, or one that
+    answered a stream request with JSON)."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"id": "x", "object": "chat.completion", "choices": []})
+
+    source = {} if stream else {"streaming": False}
+    async with polygate.session(_settings(**source), transport=httpx.MockTransport(handler)) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+    (error,) = info.value.errors
+    assert isinstance(error, polygate.TransientUpstreamError) and "no choices" in str(error)
+
+
+async def test_a_stream_without_a_choice_is_retried_and_never_cached(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    transport, seen = _sse_handler(_NO_CHOICE_STREAMS["usage only"], _GOOD_STREAM)
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+            retry=polygate.Retry(max_attempts=2), cache_ttl_s=60)},
+        cache="memory",
+    )
+    async with polygate.session(settings, transport=transport) as s:
+        first = await s.chat(MESSAGES)
+        again = await s.chat(MESSAGES)
+    assert (first.text, first.call_stats.attempts, len(seen)) == ("hi", 2, 2)
+    assert again.text == "hi" and again.call_stats.cached  # the answer, not the empty one
+
+
+@pytest.mark.parametrize("choice", [
+    b'{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":"stop"}',
+    b'{"index":0,"delta":{},"finish_reason":"stop"}',
+    b'{"delta":{"content":""},"finish_reason":"length"}',
+])
+async def test_choices_with_no_content_are_still_an_empty_answer(
+    choice: bytes, autojump_clock: trio.testing.MockClock
+) -> None:
+    transport, _ = _sse_handler(b'data: {"choices":[' + choice + b"]}\n\n"
+                                b'data: {"choices":[],"usage":' + _USAGE + b"}\n\ndata: [DONE]\n\n")
+    async with polygate.session(_settings(), transport=transport) as s:
+        response = await s.chat(MESSAGES)
+    assert response.text == "" and response.finish_reason in ("stop", "length")
+    assert response.choices[0]["index"] == 0

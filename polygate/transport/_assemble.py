@@ -329,6 +329,9 @@ class ChatAssembler:
         self._source = source
         #: Why the stream is malformed (a choice index that is not a natural number).
         self.malformed: str | None = None
+        #: Some chunk held a choice (with a valid index), even one that carried
+        #: nothing: without one the stream is no answer (see :meth:`build`).
+        self.saw_choice = False
         self._choices: dict[int, _Choice] = {}
         self._header: dict[str, Any] = {}
         self._missing = set(_HEADER_KEYS)
@@ -365,6 +368,7 @@ class ChatAssembler:
                             if _choice_has_content(choice):
                                 content = True
                             continue
+                        self.saw_choice = True
                         state = self._choices.get(index)
                         if state is None:
                             if not _carries(choice):
@@ -404,6 +408,9 @@ class ChatAssembler:
             body["system_fingerprint"] = self._header["system_fingerprint"]
         choices = [self._choices[i].as_dict() for i in sorted(self._choices)]
         if not choices:
+            # Choices came, none carrying anything: an empty answer.  (A stream with
+            # no choice at all is no answer: the exchange refuses it, see saw_choice;
+            # build() itself stays total.)
             choices = [_Choice(0).as_dict()]
         body["choices"] = choices
         body["usage"] = self.usage

@@ -288,6 +288,13 @@ async def _read_sse(
             "stream ended before [DONE] and before any finish_reason (truncated)",
             source=endpoint.name,
         )
+    if not assembler.saw_choice:
+        # ``data: {}`` or only a usage chunk, then [DONE]: an answer with no choice is
+        # no answer (a JSON body without choices is refused the same way), so it is
+        # retried elsewhere and never cached as an empty text.  Choices that carried
+        # no content (``"content": ""``, a finish_reason) are an empty answer.
+        raise TransientUpstreamError("malformed stream: no choices in the answer",
+                                     source=endpoint.name)
     return assembler.build()
 
 
