@@ -5,8 +5,10 @@ in a typed error (or a documented, safe reading) — never a bare exception."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -14,7 +16,7 @@ import trio.testing
 import polygate
 from polygate.testing import FakeUpstream, Reply, Router
 
-from ._raw_server import RawServer, raw_server
+from ._raw_server import OK_EVENTS, RawServer, raw_server
 from .conftest import MESSAGES, SECRET
 
 LONE = "a\ud800b"
@@ -451,3 +453,96 @@ async def test_a_done_with_spaces_ends_the_stream(done: bytes) -> None:
     async with raw_server(_answers_sse(body)) as server, polygate.session(_one_source(server)) as s:
         response = await s.chat(MESSAGES)
     assert response.text == "hi" and len(server.requests) == 1
+
+
+# --------------------------------------------------------------------- stream labels
+
+
+def _labelled(ctype: bytes | None, body: bytes) -> Any:
+    """A raw server's reply: 200, ``body`` under content-type ``ctype`` (or none)."""
+    label = b"" if ctype is None else b"content-type: " + ctype + b"\r\n"
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\n" + label
+                              + b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    return reply
+
+
+@pytest.mark.parametrize("ctype", [
+    None, b"text/event-stream; charset=utf-8", b"text/event-stream;charset=UTF-8",
+    b"Text/Event-Stream", b"application/x-ndjson", b"application/json", b"text/plain",
+])
+async def test_an_answer_to_a_stream_request_that_starts_as_sse_is_read_as_sse(
+    ctype: bytes | None,
+) -> None:
+    """openai-python reads a stream request's answer as SSE whatever its label; an
+    unlabelled or mislabelled stream failed here as 'not JSON' (and was paid for
+    again on every retry)."""
+    async with raw_server(_labelled(ctype, OK_EVENTS)) as server:
+        async with polygate.session(_one_source(server)) as s:
+            response = await s.chat(MESSAGES)
+            async with s.stream_chat(MESSAGES) as stream:
+                texts = [chunk.text async for chunk in stream]
+    assert (response.text, texts, len(server.requests)) == ("hi", ["hi"], 2)
+    assert response.call_stats.ttft_ms is not None  # read as a stream, timed as one
+
+
+@pytest.mark.parametrize("ctype", [None, b"application/json", b"application/json; charset=utf-8",
+                                   b"text/plain"])
+async def test_a_json_body_to_a_stream_request_is_still_read_as_json(ctype: bytes | None) -> None:
+    """An upstream that ignored ``stream`` (a whole answer), or an error object inside
+    a 200: read as JSON, labelled or not, as before."""
+    answer = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "whole"},
+                                      "finish_reason": "stop"}]}).encode()
+    error = json.dumps({"error": {"message": "bad request", "code": 400}}).encode()
+    async with raw_server(_labelled(ctype, answer)) as server:
+        async with polygate.session(_one_source(server)) as s:
+            response = await s.chat(MESSAGES)
+    assert response.text == "whole" and response.call_stats.ttft_ms is None
+    async with raw_server(_labelled(ctype, b"\n " + error)) as server:
+        async with polygate.session(_one_source(server)) as s:
+            with pytest.raises(polygate.FatalUpstreamError, match="bad request"):
+                await s.chat(MESSAGES)
+
+
+async def test_an_unlabelled_body_is_told_apart_across_small_pieces(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The body decides by its first bytes past blank lines, however they are cut; a
+    body that is neither SSE nor JSON is a malformed one, as before."""
+    def upstream(pieces: list[bytes]) -> httpx.MockTransport:
+        async def body() -> AsyncIterator[bytes]:
+            for piece in pieces:
+                yield piece
+
+        return httpx.MockTransport(lambda request: httpx.Response(200, content=body()))
+
+    source = polygate.Source(name="a", base_url="http://a/v1", api_key="sk-x")
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[source], retry=polygate.Retry(max_attempts=1))})
+    sse = [b"\r", b"\n\n", b"  ", b"da", b"ta", b": " + OK_EVENTS[6:]]
+    async with polygate.session(settings, transport=upstream(sse)) as s:
+        assert (await s.chat(MESSAGES)).text == "hi"
+    async with polygate.session(settings, transport=upstream([b"\n", b"<html>", b"</html>"])) as s:
+        with pytest.raises(polygate.AllSourcesExhausted, match="not JSON"):
+            await s.chat(MESSAGES)
+
+
+@pytest.mark.parametrize(("done", "ends"), [
+    (b"data: [DONE] trailing\n\n", True), (b"data: [done]\n\n", False), (b"data: [Done]\n\n", False),
+])
+async def test_done_is_read_as_openai_python_reads_it(done: bytes, ends: bool) -> None:
+    """openai-python ends a stream on data that starts with '[DONE]' and reads any
+    other data as JSON: '[done]' is no end but a malformed event there (a
+    JSONDecodeError) and here."""
+    body = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
+            + done)
+    async with raw_server(_labelled(b"text/event-stream", body)) as server:
+        async with polygate.session(_one_source(server)) as s:
+            if ends:
+                assert (await s.chat(MESSAGES)).text == "hi"
+                return
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.chat(MESSAGES)
+    assert all("malformed" in str(e) for e in info.value.errors), info.value.errors

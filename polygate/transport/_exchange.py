@@ -12,10 +12,11 @@ import base64
 import json
 import logging
 import math
+import re
 import sys
 import traceback
 from array import array
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -47,6 +48,7 @@ from ._wire import (
     chat_body,
     check_depth,
     check_encoding,
+    check_readable,
     embeddings_body,
     raise_for_status,
     read_capped,
@@ -103,10 +105,23 @@ async def chat_exchange(
 
     async def read(response: httpx.Response) -> dict[str, Any]:
         ctype = response.headers.get("content-type", "")
-        if stream and "text/event-stream" in ctype:
+        if not stream:
+            return await _read_chat_json(response, endpoint, limits, ctype)
+        if ctype.partition(";")[0].strip().lower() == "text/event-stream":  # any case, any params
             timeline.streamed = True
             return await _read_sse(response, endpoint, limits, timeline, on_content)
-        return await _read_chat_json(response, endpoint, limits, ctype)
+        # Any other label, or none: openai-python reads a stream request's answer as
+        # SSE whatever the header says, so an upstream that sends its events unlabelled
+        # (or as application/json, application/x-ndjson...) streams.  The body decides:
+        # SSE if it starts as SSE, else a whole JSON body as before -- an upstream that
+        # ignored "stream", or an error object inside a 200.
+        check_readable(response, limits.max_body_bytes, endpoint.name)  # before a byte is read
+        pieces = body_of(response) or body_pieces(response)
+        head = await _sniff(pieces, limits.max_line_bytes)
+        if _SSE_START.match(head):
+            timeline.streamed = True
+            return await _read_sse(response, endpoint, limits, timeline, on_content, pieces, head)
+        return await _read_chat_json(response, endpoint, limits, ctype, pieces, head)
 
     body = chat_body(endpoint, messages_json, params, stream)
     return await _exchange(transport, endpoint, endpoint.chat_url, body, call_id, timeline, read)
@@ -218,13 +233,42 @@ def _classified(exc: BaseException, endpoint: Endpoint) -> UpstreamError:
     return error
 
 
+#: How an SSE body starts (after blank lines): a comment, or a field of the standard.
+#: JSON starts with none of them; neither does an HTML page or a plain-text error.
+_SSE_START = re.compile(rb":|(?:data|event|id|retry)(?::|\r|\n|$)")
+
+
+async def _sniff(pieces: AsyncIterator[bytes], limit: int) -> bytes:
+    """The first bytes of a body, enough to tell SSE from JSON: six bytes past any
+    leading whitespace, or all there is.  The whitespace is dropped (it means nothing
+    before an SSE field or a JSON value), and at most ``limit`` bytes of it are read."""
+    head = b""
+    skipped = 0
+    while len(head) < 6:
+        try:
+            piece = await pieces.__anext__()
+        except StopAsyncIteration:
+            break
+        if not head:
+            kept = piece.lstrip()
+            skipped += len(piece) - len(kept)
+            if skipped > limit:
+                break  # read as a JSON body: not JSON, or over the body cap
+            piece = kept
+        head += piece
+    return head
+
+
 async def _read_sse(
     response: httpx.Response,
     endpoint: Endpoint,
     limits: Limits,
     timeline: Timeline,
     on_content: OnContent | None,
+    pieces: AsyncIterator[bytes] | None = None,
+    head: bytes = b"",
 ) -> dict[str, Any]:
+    """``pieces``/``head``: the body's iterator after :func:`_sniff` read ``head``."""
     refused = check_encoding(response, endpoint.name)
     if refused is not None:
         raise TransientUpstreamError(refused, source=endpoint.name)
@@ -237,7 +281,8 @@ async def _read_sse(
     )
     chunk_times = timeline.chunk_times
     depth = limits.max_json_depth
-    pieces = body_of(response) or body_pieces(response)
+    if pieces is None:
+        pieces = body_of(response) or body_pieces(response)
     events_of = decoder.feed
     add = assembler.add
     current_time = trio.current_time
@@ -247,13 +292,16 @@ async def _read_sse(
         while True:
             # One path for every event, the last one (``flush``) included; it runs
             # for every token, so the steps are written out here, not called.
-            try:
-                piece = await iterator.__anext__()
-            except StopAsyncIteration:
-                events = decoder.flush()
-                ended = True
+            if head:  # the sniffed bytes go first (an exhausted iterator stays so)
+                events, head = events_of(head), b""
             else:
-                events = events_of(piece)
+                try:
+                    piece = await iterator.__anext__()
+                except StopAsyncIteration:
+                    events = decoder.flush()
+                    ended = True
+                else:
+                    events = events_of(piece)
             for event in events:
                 chunk = _chunk_of(event, endpoint, depth)
                 if chunk is None:
@@ -329,7 +377,9 @@ def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any
     data = event.data
     if event.event == "error":
         raise _error_event(data.decode("utf-8", "replace"), endpoint)
-    if data == b"[DONE]" or data.strip() == b"[DONE]":  # (as openai-python, spaces around it)
+    # As openai-python (``sse.data.startswith("[DONE]")``), with spaces before it too;
+    # like it, case-sensitive: ``[done]`` is no end, and not JSON (a malformed stream).
+    if data.startswith(b"[DONE]") or data.lstrip().startswith(b"[DONE]"):
         return None
     # Nesting needs 2 bytes a level: short events (nearly all) skip the depth check.
     if len(data) > 2 * max_depth:
@@ -367,9 +417,14 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
 
 
 async def _read_json(
-    response: httpx.Response, endpoint: Endpoint, limits: Limits, ctype: str | None = None
+    response: httpx.Response,
+    endpoint: Endpoint,
+    limits: Limits,
+    ctype: str | None = None,
+    pieces: AsyncIterator[bytes] | None = None,
+    head: bytes = b"",
 ) -> Any:
-    raw = await read_capped(response, limits.max_body_bytes, endpoint.name)
+    raw = await read_capped(response, limits.max_body_bytes, endpoint.name, pieces, head)
     check_depth(raw, limits.max_json_depth, endpoint.name)
     try:
         payload = as_text(json.loads(raw), raw)
@@ -386,9 +441,14 @@ async def _read_json(
 
 
 async def _read_chat_json(
-    response: httpx.Response, endpoint: Endpoint, limits: Limits, ctype: str
+    response: httpx.Response,
+    endpoint: Endpoint,
+    limits: Limits,
+    ctype: str,
+    pieces: AsyncIterator[bytes] | None = None,
+    head: bytes = b"",
 ) -> dict[str, Any]:
-    payload = await _read_json(response, endpoint, limits, ctype)
+    payload = await _read_json(response, endpoint, limits, ctype or None, pieces, head)
     choices = payload.get("choices") if isinstance(payload, dict) else None
     if (
         not isinstance(choices, list)

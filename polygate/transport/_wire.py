@@ -30,6 +30,7 @@ __all__ = [
     "chat_body",
     "check_depth",
     "check_encoding",
+    "check_readable",
     "embeddings_body",
     "read_capped",
     "raise_for_status",
@@ -271,9 +272,9 @@ def body_pieces(response: httpx.Response) -> AsyncIterator[bytes]:
     return response.aiter_bytes() if response.is_stream_consumed else response.aiter_raw()
 
 
-async def read_capped(response: httpx.Response, limit: int, source: str) -> bytes:
-    """The whole body, or a transient error as soon as it passes ``limit``: a declared
-    Content-Length over the limit is refused before a byte is read."""
+def check_readable(response: httpx.Response, limit: int, source: str) -> None:
+    """Refuse a body unread: one in a coding polygate did not ask for, or one whose
+    declared Content-Length is over ``limit``."""
     refused = check_encoding(response, source)
     if refused is not None:
         raise TransientUpstreamError(refused, source=source)
@@ -282,9 +283,24 @@ async def read_capped(response: httpx.Response, limit: int, source: str) -> byte
         raise TransientUpstreamError(
             f"response body of {declared} bytes exceeds the {limit}-byte cap", source=source
         )
-    parts: list[bytes] = []
-    size = 0
-    async for part in body_pieces(response):
+
+
+async def read_capped(
+    response: httpx.Response,
+    limit: int,
+    source: str,
+    pieces: AsyncIterator[bytes] | None = None,
+    head: bytes = b"",
+) -> bytes:
+    """The whole body, or a transient error as soon as it passes ``limit``: a declared
+    Content-Length over the limit is refused before a byte is read.  ``pieces`` and
+    ``head``: the body's iterator, after ``head`` was read from it (to sniff it)."""
+    check_readable(response, limit, source)
+    parts: list[bytes] = [head]
+    size = len(head)
+    if size > limit:
+        raise TransientUpstreamError(f"response body exceeds the {limit}-byte cap", source=source)
+    async for part in body_pieces(response) if pieces is None else pieces:
         size += len(part)
         if size > limit:
             raise TransientUpstreamError(
