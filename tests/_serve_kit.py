@@ -31,6 +31,7 @@ def settings_for(
     sources: int = 1,
     telemetry: str = "off",
     backend: str = "memory",
+    cache: str = "off",
     **scope: Any,
 ) -> polygate.Settings:
     chat = polygate.Scope(
@@ -46,6 +47,7 @@ def settings_for(
         serve=serve or polygate.Serve(api_keys=[GATEWAY_KEY], models={"gpt-4o": "chat"}),
         telemetry=telemetry,
         backend=backend,
+        cache=cache,
     )
 
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Final
 
-from .._types import ChatResponse, StreamChunk, choice_index
+from .._types import ChatResponse, StreamChunk, Usage, choice_index
 from ._json import dump
 
 __all__ = ["DONE", "KEEPALIVE", "StreamShape", "error_event", "reported_usage", "string_content"]
@@ -174,10 +174,12 @@ def reported_usage(response: ChatResponse) -> dict[str, Any] | None:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
     }
-    if response.call_stats.resumes:
+    if usage.source == "upstream":
+        return {**wire, **counts}
+    if response.call_stats.resumes or Usage.from_wire(wire) is not None:
         # A resumed stream's raw body is its last segment's; its usage covers them
         # all (a cut segment, which never reports, counted from the text it showed).
+        # Believable numbers on the wire beside an estimate mean just that, also for
+        # the stream's cache hits, whose statistics say no resume (this call made none).
         return counts
-    if usage.source != "upstream":
-        return None
-    return {**wire, **counts}
+    return None

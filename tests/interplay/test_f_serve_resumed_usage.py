@@ -48,3 +48,30 @@ async def test_usage_of_a_resumed_stream_counts_every_segment() -> None:
     usage = next(e["usage"] for e in events if e.get("usage"))
     # Observed: {'prompt_tokens': ..., 'completion_tokens': 20, ...}: the continuation's alone.
     assert usage["completion_tokens"] >= 40, usage
+
+
+async def test_a_cache_hit_of_a_resumed_stream_reports_the_same_usage() -> None:
+    """Probe finding (third round): a hit of a stored resumed stream lost its usage
+    through the gateway (JSON: no usage; stream: usage null), because the relay looked
+    for a resume in the hit's own statistics.  A hit reports the usage the answer first
+    reported (SPEC §8.3), as the library's ChatResponse.usage already did."""
+    upstream = FakeUpstream(_behaviour)
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    async with gateway(upstream, sources=2, stream=polygate.StreamWatch(resume=True),
+                       cache="memory", cache_ttl_s=3600) as (server, _):
+        first = await http(server, "POST", "/v1/chat/completions", body, AUTH)
+        sent = len(upstream.requests)
+        streamed_hit = await http(server, "POST", "/v1/chat/completions", body, AUTH)
+        json_hit = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        assert len(upstream.requests) == sent  # both were hits (a stream's headers leave before it knows)
+
+    def stream_usage(answer: Any) -> Any:
+        events = [json.loads(line[6:]) for line in answer.body.decode().split("\n\n")
+                  if line.startswith("data: {")]
+        return [e["usage"] for e in events if "usage" in e]
+
+    [usage] = [u for u in stream_usage(first) if u]
+    assert usage["completion_tokens"] >= 40
+    assert stream_usage(streamed_hit)[-1] == usage
+    assert json_hit.headers["x-polygate-cached"] == "true"
+    assert {k: json_hit.json()["usage"][k] for k in usage} == usage
