@@ -323,6 +323,10 @@ class Round:
     def _next_trigger(self) -> float:
         if self._committed is not None or self._extras >= self._ctx.scope.hedge.max_extra:
             return math.inf
+        if self._ctx.runtime.closed:
+            # A call that outlived its session (started from a task outside the block)
+            # sends nothing new through the closed transport: no hedge, as no new round.
+            return math.inf
         latest = -math.inf
         for path in self._paths:
             if path.done:
@@ -368,7 +372,7 @@ class Round:
             except GovernanceBackendError:
                 result = []
             if isinstance(result, Admission):
-                if not self._decided():
+                if not self._decided() and not ctx.runtime.closed:
                     ctx.hedges += 1
                     self._extras += 1
                     self._launch(result, "hedge")

@@ -125,6 +125,29 @@ async def test_a_call_outliving_its_session_sends_nothing_more(
     assert [type(e) for e in outcome] == [polygate.PolygateError]
     assert "session is closed" in str(outcome[0])
 
+async def test_a_call_outliving_its_session_launches_no_hedge(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Probe finding (third round): the same call, hedged, still launched its hedge a
+    second after the session had closed.  The primary carries on alone."""
+    a, b = FakeUpstream(Reply(first_token_s=5)), FakeUpstream(Reply(first_token_s=5))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
+        hedge=polygate.Hedge(after_s=2))})
+    answers: list[polygate.ChatResponse] = []
+
+    async def outside(s: polygate.Session) -> None:
+        answers.append(await s.chat(MESSAGES))
+
+    async with trio.open_nursery() as nursery:
+        async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+            nursery.start_soon(outside, s)
+            await trio.sleep(1)
+    assert b.requests == [] and len(a.requests) == 1
+    assert answers[0].call_stats.hedges == 0 and answers[0].call_stats.attempts == 1
+
+
 
 async def test_no_telemetry_row_vanishes_when_the_session_is_cancelled(tmp_path: Path) -> None:
     """R5: the flusher took the first rows off the channel and lingers; the session is
