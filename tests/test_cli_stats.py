@@ -31,9 +31,10 @@ NOW = time.time()
 def _call(i: int, *, scope: str = "chat", total: float, generation: float, ttft: float | None,
           source: str | None = "a", outcome: str = "ok", error_class: str | None = None,
           hedges: int = 0, hedge_won: int = 0, attempts: int = 1, stall_ms: float | None = None,
-          stall_count: int | None = None, active: float | None = None, started_at: float = NOW) -> CallEvent:
+          stall_count: int | None = None, active: float | None = None, started_at: float = NOW,
+          kind: str = "chat") -> CallEvent:
     return CallEvent(
-        session_id="s1", logical_call_id=f"{scope}-{i}", scope=scope, kind="chat", stream=0,
+        session_id="s1", logical_call_id=f"{scope}-{i}", scope=scope, kind=kind, stream=0,
         started_at=started_at, outcome=outcome, error_class=error_class, error_message=None,
         total_latency_ms=total, generation_ms=generation, ttft_ms=ttft, stall_ms=stall_ms,
         stall_count=stall_count, active_generation_ms=active, attempts=attempts, hedges=hedges,
@@ -152,6 +153,39 @@ def test_exact_figures(known_db: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert sources["a"]["outcomes"] == {"ok": 93, "hedge_cancelled": 7}
     assert sources["b"]["hedge_attempts"] == 10 and sources["b"]["failure_pct"] == 0
     assert r["telemetry"] == {"sessions": 1, "rows_dropped": 5}
+
+
+def test_embeddings_and_failed_calls_do_not_skew_the_split_or_the_wins(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Probe findings (third round): an embedding call's generation_ms is the sum of its
+    batches (4 batches of 1 s side by side: 4 s in a 1 s call), which made 'waiting'
+    negative for every call in the report, and it counted in the hedge rate though
+    embeddings are never hedged; a call that failed after its hedge took over (a
+    committed stream that stalled) counted as won by the hedge.  No attempt rows at all
+    (as in a database of cache hits): the text report's empty sources table raised."""
+    calls = [
+        _call(0, total=2000, generation=1500, ttft=500),
+        _call(1, total=1000, generation=4000, ttft=None, kind="embed", attempts=4),
+        _call(2, total=3000, generation=2500, ttft=400, hedges=1, hedge_won=1, attempts=2,
+              source="b", outcome="error", error_class="StreamStalled"),
+        _call(3, total=2000, generation=1000, ttft=300, hedges=1, hedge_won=1, attempts=2, source="b"),
+    ]
+    path = tmp_path / "mixed.db"
+    sink = SQLiteSink.open(path)
+    sink.write(Batch(calls, [], None))
+    sink.close()
+    r = _json(capsys, "--db", str(path))
+    w = r["waiting_vs_generating"]
+    assert (w["successful_calls"], w["other_calls"], w["failed_calls"]) == (2, 1, 1)
+    assert (w["total_ms"], w["waiting_ms"], w["generating_ms"]) == (4000, 1500, 2500)
+    h = r["hedging"]
+    assert (h["hedged_calls"], h["hedge_wins"]) == (2, 1)
+    assert h["hedge_rate_pct"] == pytest.approx(100 * 2 / 3)  # the embedding call is not in it
+    assert main(["stats", "--db", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "2 successful chat calls" in text and "1 embedding and OCR calls not split" in text
+    assert "-" not in text.split("waiting (total - generation)")[1].split("\n")[0]
 
 
 def test_all_scopes_with_errors(known_db: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -190,7 +190,7 @@ def _p(value: float | None) -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]  # rows may be none
     align = [str.ljust if i < 2 else str.rjust for i in range(len(headers))]
 
     def line(cells: Sequence[str]) -> str:
@@ -223,7 +223,9 @@ def render(report: dict[str, Any]) -> str:
 
     w = report["waiting_vs_generating"]
     total = w["total_ms"]
-    out += ["", f"Waiting vs generating ({w['successful_calls']} successful calls, {_dur(total)} in all)"]
+    other = f"; {w['other_calls']} embedding and OCR calls not split" if w["other_calls"] else ""
+    out += ["", f"Waiting vs generating ({w['successful_calls']} successful chat calls, "
+                f"{_dur(total)} in all{other})"]
     if total:
         for label, key in (("waiting (total - generation)", "waiting_ms"),
                            ("time to first token", "ttft_ms"), ("stalls", "stall_ms"),
@@ -300,11 +302,11 @@ def _plot(calls: Sequence[Any], path: str) -> int:
     cdf.set_title("latency CDF per scope/source")
     cdf.grid(True, which="both", alpha=0.3)
     cdf.legend(fontsize="small")
-    from ..telemetry._report import time_split
+    from ..telemetry._report import split_calls, time_split
 
     parts = [("waiting", "waiting_ms"), ("first token", "ttft_ms"), ("stalls", "stall_ms"),
              ("decoding", "active_decode_ms"), ("rest", "other_generation_ms")]
-    ok = [c for c in calls if c.outcome == "ok"]
+    ok = [c for c in split_calls(calls) if c.outcome == "ok"]
     by_source: dict[str, list[Any]] = {"all successful": ok}
     for c in ok:
         by_source.setdefault(f"{c.scope}/{c.source}", []).append(c)
@@ -317,7 +319,7 @@ def _plot(calls: Sequence[Any], path: str) -> int:
         left = [a + b for a, b in zip(left, shares, strict=True)]
     bars.set_xlim(0, 100)
     bars.set_xlabel("% of total call time")
-    bars.set_title("where the time of successful calls went")
+    bars.set_title("where the time of successful chat calls went")
     bars.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=5)
     fig.tight_layout()
     if not save_plot(fig, path, "polygate stats"):

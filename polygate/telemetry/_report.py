@@ -29,12 +29,14 @@ from .._errors import ConfigError
 from ._schema import check_version
 
 __all__ = [
-    "AttemptRow", "CallRow", "NoData", "Reader", "build_report", "open_reader", "read_rows", "time_split",
+    "AttemptRow", "CallRow", "NoData", "Reader", "build_report", "open_reader", "read_rows", "split_calls",
+    "time_split",
 ]
 
 
 class CallRow(NamedTuple):
     scope: str
+    kind: str  # "chat" | "embed" | "ocr"
     source: str | None
     outcome: str
     error_class: str | None
@@ -232,16 +234,26 @@ def time_split(calls: Sequence[CallRow]) -> dict[str, float]:
     }
 
 
+def split_calls(calls: Sequence[CallRow]) -> list[CallRow]:
+    """The calls whose time splits into waiting and generating: chat calls.  An
+    embedding call's ``generation_ms`` is the sum of its batches and a multi-page OCR
+    call's the sum of its pages (seed 000 §4.5), which run side by side: more than the
+    call's own time, so ``total - generation`` would be negative."""
+    return [c for c in calls if c.kind == "chat"]
+
+
 def _waiting(calls: Sequence[CallRow]) -> dict[str, Any]:
-    """:func:`time_split` of the successful calls, with TTFT and stall figures."""
-    ok = [c for c in calls if c.outcome == "ok"]
+    """:func:`time_split` of the successful chat calls, with TTFT and stall figures."""
+    chat = split_calls(calls)
+    ok = [c for c in chat if c.outcome == "ok"]
     split = time_split(ok)
     total = split["total_ms"]
     ttfts = sorted(c.ttft_ms for c in ok if c.ttft_ms is not None)
     stalled = [c for c in ok if (c.stall_count or 0) > 0]
-    failed = [c for c in calls if c.outcome != "ok"]
+    failed = [c for c in chat if c.outcome != "ok"]
     return {
         "successful_calls": len(ok),
+        "other_calls": len(calls) - len(chat),  # embeddings and OCR: not split
         **split,
         "waiting_pct": _pct(split["waiting_ms"], total),
         # the demo's "everything but decoding": waiting plus time to first token
@@ -259,8 +271,12 @@ def _waiting(calls: Sequence[CallRow]) -> dict[str, Any]:
 
 
 def _hedging(calls: Sequence[CallRow], sessions: Sequence[SessionRow], scope: str | None) -> dict[str, Any]:
+    # Embedding calls are never hedged: the rate is over the calls that may be.
+    calls = [c for c in calls if c.kind != "embed"]
     hedged = [c for c in calls if c.hedges > 0]
-    wins = sum(1 for c in hedged if c.hedge_won)
+    # A win is a hedge that answered: a call that failed after its hedge had taken
+    # over (a committed stream that then stalled) won nothing.
+    wins = sum(1 for c in hedged if c.hedge_won and c.outcome == "ok")
     suppressed = 0
     for s in sessions:
         try:
