@@ -596,7 +596,17 @@ async def run_embed(
                 nursery.start_soon(one_batch, index, batch)
         return _embedding_response(ctx, results)
 
-    response = await _with_deadline(ctx, deadline_s, body)
+    try:
+        response = await _with_deadline(ctx, deadline_s, body)
+    except AllSourcesExhausted as exc:
+        if len(batches) > 1:
+            # The failing batch knew its own errors; the call's are every batch's
+            # failed attempts (one that was retried and then answered included), in the
+            # order they failed, as one retry loop lists them.
+            failed = [r for r in ctx.attempts if r.error is not None]
+            failed.sort(key=lambda r: r.ended_at if r.ended_at is not None else math.inf)
+            exc.errors = [r.error for r in failed if r.error is not None]
+        raise
     if ctx.record_call:
         runtime.recorder.call(ctx, response.call_stats, response.usage, None)
     return response

@@ -4,6 +4,7 @@ timeouts, watchdogs, statistics.  Times asserted here are exact virtual times.""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import trio
@@ -465,3 +466,33 @@ async def test_a_failed_embed_batch_raises_one_error(autojump_clock: trio.testin
     assert type(info.value) is polygate.AllSourcesExhausted  # not an ExceptionGroup
     assert info.value.call_stats is not None
     assert up.in_flight == 0
+
+
+async def test_a_failed_embed_call_carries_every_batchs_errors(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Probe finding (third round): AllSourcesExhausted.errors held only the failing
+    batch's errors; another batch's failed attempt (retried, then answered) was counted
+    in call_stats.attempts but missing.  Every failed attempt of the call, in order."""
+    seen: dict[str, int] = {}
+
+    def behaviour(request: Any, rng: Any) -> Reply:
+        text = request.body["input"][0]
+        seen[text] = seen.get(text, 0) + 1
+        if text == "x0" and seen[text] == 1:
+            return Reply(status=503)  # batch 0: fails once, then answers
+        if text == "x1":
+            return Reply(status=500, headers_delay_s=1)  # batch 1: always fails, later
+        return Reply()
+
+    up = FakeUpstream(behaviour)
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], embed_batch_size=1,
+        retry=polygate.Retry(backoff_base_s=0.5))})
+    async with polygate.session(settings, transport=_router(a=up)) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.embed(["x0", "x1"])
+    failed = [r for r in up.requests if r.status >= 500]
+    errors = info.value.errors
+    assert len(errors) == len(failed) == info.value.call_stats.attempts - 1  # x0's second answered
+    assert [e.status_code for e in errors] == [503, 500, 500, 500]  # type: ignore[attr-defined]
