@@ -657,3 +657,19 @@ async def test_an_answer_that_cannot_be_stored_hands_over(
     assert [r.text for r in got] == ["unstored"] * 3
     assert not any(r.call_stats.cached for r in got)
     assert _sent(up) == 3 and stats.errors == 3 and stats.in_flight == 0
+
+
+async def test_an_answer_too_big_for_the_memory_store_is_a_dropped_write(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Probe finding (third round): an answer bigger than the memory backend's whole
+    ``max_bytes`` is not stored (docs/cache.md), yet ``writes`` counted it.  It is a
+    dropped write, and the next identical call goes upstream."""
+    up = FakeUpstream(Reply(text="word " * 1200))
+    async with polygate.session(cache_settings(cache="memory?max_bytes=4000"),
+                                transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+        again = await s.chat(MESSAGES)
+        stats = (await s.statistics()).cache
+    assert not again.call_stats.cached and _sent(up) == 2
+    assert (stats.writes, stats.writes_dropped, stats.hits, stats.misses) == (0, 2, 0, 2)

@@ -212,8 +212,10 @@ class Cache:
     def put(self, key: str, value: bytes, ttl_s: float) -> None:
         """Store an answer; never blocks, never raises."""
         if self._memory is not None:
-            self._memory.put_now([(key, value, ttl_s)])
-            self.writes += 1
+            if self._memory.put_now([(key, value, ttl_s)]):
+                self.writes += 1
+            else:  # bigger than the whole store: not kept
+                self.writes_dropped += 1
             return
         entry = (value, trio.current_time() + ttl_s)
         try:

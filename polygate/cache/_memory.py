@@ -69,21 +69,26 @@ class MemoryBackend:
         self._data.move_to_end(key)
         return value
 
-    def put_now(self, entries: Sequence[Entry]) -> None:
+    def put_now(self, entries: Sequence[Entry]) -> int:
+        """Store the entries; returns how many were stored (one over ``max_bytes`` on
+        its own is not: it would evict everything and still not fit)."""
         now = trio.current_time()
+        stored = 0
         for key, value, ttl_s in entries:
             old = self._data.pop(key, None)
             if old is not None:
                 self._bytes -= _cost(key, old[0])
             cost = _cost(key, value)
             if cost > self.max_bytes:
-                continue  # it would evict everything and still not fit
+                continue
+            stored += 1
             self._data[key] = (value, now + ttl_s)
             self._bytes += cost
             while len(self._data) > self.max_entries or self._bytes > self.max_bytes:
                 oldest, (gone, _) = self._data.popitem(last=False)
                 self._bytes -= _cost(oldest, gone)
                 self._evicted += 1
+        return stored
 
     def _drop(self, key: str, value: bytes) -> None:
         del self._data[key]
