@@ -660,10 +660,13 @@ def _embedding_response(
     generation = 0.0
     sources: dict[str, int] = {}
     model = None
+    dimensions: dict[int, str] = {}  # each vector length seen, and the source that first sent it
     for item in results:
         assert item is not None
         record, (batch_vectors, payload) = item
         vectors.extend(batch_vectors)
+        if batch_vectors:  # one length within a batch: the exchange checked it
+            dimensions.setdefault(len(batch_vectors[0]), record.source)
         if record.usage is not None:
             prompt += record.usage.prompt_tokens
             total += record.usage.total_tokens
@@ -673,6 +676,15 @@ def _embedding_response(
         sources[record.source] = sources.get(record.source, 0) + 1
         if model is None and isinstance(payload, dict) and isinstance(payload.get("model"), str):
             model = payload["model"]
+    if len(dimensions) > 1:
+        # Batches answered by sources serving different models (one failed over):
+        # vectors of mixed lengths cannot be compared, so none is returned.
+        seen = ", ".join(f"{n} (source {name!r})" for n, name in dimensions.items())
+        raise FatalUpstreamError(
+            f"the batches of this call came back with vectors of different dimensions: {seen}; "
+            f"the sources of scope {ctx.scope_name!r} must serve the same embedding model",
+            source=list(dimensions.values())[-1],
+        )
     source = max(sources, key=lambda s: sources[s]) if sources else None
     estimated = any(r is not None and r[0].usage is not None and r[0].usage.source == "estimated" for r in results)
     stats = CallStats(

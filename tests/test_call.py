@@ -496,3 +496,27 @@ async def test_a_failed_embed_call_carries_every_batchs_errors(
     errors = info.value.errors
     assert len(errors) == len(failed) == info.value.call_stats.attempts - 1  # x0's second answered
     assert [e.status_code for e in errors] == [503, 500, 500, 500]  # type: ignore[attr-defined]
+
+
+async def test_embed_batches_of_different_dimensions_are_an_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Probe finding (third round): one batch failed over to a source serving another
+    model, and the call returned vectors of 8 and of 4 dimensions side by side.  Within
+    a batch mixed lengths were already refused; across the batches of a call too now,
+    with a message naming both."""
+
+    def a_behaviour(request: Any, rng: Any) -> Reply:
+        return Reply(status=503) if "x3" in request.body["input"] else Reply(embedding_dim=8)
+
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
+        embed_batch_size=2)})
+    ups = _router(a=FakeUpstream(a_behaviour), b=FakeUpstream(Reply(embedding_dim=4)))
+    async with polygate.session(settings, transport=ups) as s:
+        with pytest.raises(polygate.FatalUpstreamError, match=r"8 \(source 'a'\), 4 \(source 'b'\)") as info:
+            await s.embed([f"x{i}" for i in range(6)])
+        same = await s.embed(["x0", "x1", "x2"])  # one source, one dimension: fine
+    assert info.value.call_stats is not None and info.value.call_stats.attempts == 4
+    assert {len(v) for v in same.vectors} == {8}
