@@ -338,6 +338,25 @@ async def test_a_choice_index_that_is_no_natural_number_in_a_json_body_is_malfor
     await _refused_as_bad_index(reply, index, streaming=False)
 
 
+async def test_a_json_body_listing_choice_1_first_answers_with_choice_0() -> None:
+    """A JSON body whose choices are not in index order: the answer is choice 0, as an
+    assembled stream's is (the first listed was taken, so index 1 answered)."""
+    body = json.dumps({"choices": [
+        {"index": 1, "message": {"role": "assistant", "content": "SECOND"}, "finish_reason": "stop"},
+        {"index": 0, "message": {"role": "assistant", "content": "FIRST"}, "finish_reason": "length"},
+    ]}).encode()
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(_sized(body))
+
+    async with raw_server(reply) as server:
+        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x", streaming=False)
+        async with polygate.session(polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})) as s:
+            response = await s.chat(MESSAGES)
+    assert (response.text, response.finish_reason) == ("FIRST", "length")
+    assert [c["index"] for c in response.choices] == [0, 1]
+
+
 async def _refused_as_bad_index(reply: Any, index: object, *, streaming: bool) -> None:
     """One attempt against ``reply``: it fails as a malformed answer (choice ``index``)."""
     async with raw_server(reply) as server:

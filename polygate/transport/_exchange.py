@@ -458,12 +458,20 @@ async def _read_chat_json(
         raise TransientUpstreamError(
             "malformed upstream body: no choices with a message", source=endpoint.name
         )
+    indexes = []
     for choice in choices:  # the stream's rule: no index may come before 0, or be no index
-        if choice_index(choice) is None:
+        index = choice_index(choice)
+        if index is None:
             raise TransientUpstreamError(
                 malformed_index(choice, "malformed upstream body"), source=endpoint.name
             )
+        indexes.append(index)
     assert isinstance(payload, dict)
+    if indexes != sorted(indexes):
+        # Choices in index order, as an assembled stream has them: the first is the
+        # answer (choice 0), wherever the body listed it.
+        order = sorted(range(len(choices)), key=indexes.__getitem__)
+        payload["choices"] = [choices[i] for i in order]
     return payload
 
 
