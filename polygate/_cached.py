@@ -26,13 +26,14 @@ call: a leader, or a waiter taking over, gets what is left of it.  Coalescing ru
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import trio
 
-from ._call import Rounds, run_chat, run_embed
+from ._call import Rounds, one_error, run_chat, run_embed
 from ._context import CallContext, Runtime
 from ._errors import (
     AllSourcesExhausted,
@@ -47,6 +48,9 @@ from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
 from .cache import Cache, chat_key, embed_keys
 from .cache._coalesce import Flight
 from .cache._codec import decode_chat, decode_vector, encode_chat, encode_vector
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["cache_mode", "cached_chat", "cached_embed"]
 
@@ -486,13 +490,19 @@ async def cached_embed(
                 if take(key, data):
                     cache.hits += 1
             todo = [k for k in todo if k not in found]
-        while todo:
+        if not todo:
+            return _embedding(call, inputs, keys, found, runs)
+        # What this call leads and what it waits on run side by side: a flight it
+        # joined that is abandoned (its leader cancelled) is led again at once, not
+        # after this call's own upstream batch (docs/cache.md, "Coalescing").
+        orphans: list[str] = []
+
+        def start(nursery: trio.Nursery, todo: list[str]) -> None:
             led: list[str] = []
             flights: dict[str, Flight] = {}
-            joined: list[tuple[str, Flight]] = []
             for key in todo:
                 if mode == "refresh":
-                    flight = cache.flights.lead_if_free(key)
+                    flight: Flight | None = cache.flights.lead_if_free(key)
                     if flight is not None:
                         flights[key] = flight
                     led.append(key)
@@ -502,22 +512,37 @@ async def cached_embed(
                     flights[key] = flight
                     led.append(key)
                 else:
-                    joined.append((key, flight))
+                    nursery.start_soon(wait_on, nursery, key, flight)
             cache.misses += len(led)
             if led:
-                await compute(led, flights)
-            todo = []
-            for key, flight in joined:
-                await call.within(flight.done.wait)
-                if flight.value is not None and take(key, flight.value):
-                    cache.coalesced += 1
-                elif flight.error is not None:
-                    error = call.shared(flight.error)
-                    if not call.recorded:
-                        call.record(getattr(error, "call_stats", None) or call.stats(cached=False), None, error)
-                    raise error
-                else:
-                    todo.append(key)  # abandoned (or undecodable): lead it next round
+                nursery.start_soon(compute, led, flights)
+
+        async def wait_on(nursery: trio.Nursery, key: str, flight: Flight) -> None:
+            await call.within(flight.done.wait)
+            if flight.value is not None and take(key, flight.value):
+                cache.coalesced += 1
+            elif flight.error is not None:
+                error = call.shared(flight.error)
+                if not call.recorded:
+                    call.record(getattr(error, "call_stats", None) or call.stats(cached=False), None, error)
+                raise error
+            else:  # abandoned (or undecodable): lead it, with the others woken with it
+                orphans.append(key)
+                if len(orphans) == 1:
+                    nursery.start_soon(relead, nursery)
+
+        async def relead(nursery: trio.Nursery) -> None:
+            # Started by the first orphan: it runs after every waiter woken with it
+            # (one leader's flights end together) has joined the list: one batch.
+            todo = orphans[:]
+            orphans.clear()
+            start(nursery, todo)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                start(nursery, todo)
+        except BaseExceptionGroup as group:
+            raise one_error(group) from group
         return _embedding(call, inputs, keys, found, runs)
 
     result: EmbeddingResponse = await _guard(call, body)

@@ -62,7 +62,7 @@ from ._resume import (
 from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
 from .governance import Admission, NoAdmission, RefusalReason, completion_budget
 
-__all__ = ["Rounds", "call_stats", "run_chat", "run_embed"]
+__all__ = ["Rounds", "call_stats", "one_error", "run_chat", "run_embed"]
 
 T = TypeVar("T")
 
@@ -117,7 +117,7 @@ async def _with_deadline(
             with scope:
                 return await body()
         except BaseExceptionGroup as group:
-            raise _one_error(group) from group
+            raise one_error(group) from group
         except trio.TooSlowError:
             frozen = call_stats(ctx, None, trio.current_time())
             raise DeadlineExceeded(
@@ -612,7 +612,7 @@ async def run_embed(
     return response
 
 
-def _one_error(group: BaseExceptionGroup[Any]) -> BaseException:
+def one_error(group: BaseExceptionGroup[Any]) -> BaseException:
     """A public call raises one exception, never a nursery's group.
 
     In order: a ``KeyboardInterrupt`` or other non-cancellation ``BaseException``
@@ -632,7 +632,7 @@ def _one_error(group: BaseExceptionGroup[Any]) -> BaseException:
 
 
 def one_cancelled(group: BaseExceptionGroup[Any]) -> trio.Cancelled | None:
-    """The first ``Cancelled`` of a group made of nothing else (see ``_one_error``)."""
+    """The first ``Cancelled`` of a group made of nothing else (see ``one_error``)."""
     leaves = _leaves(group)
     if leaves and all(isinstance(exc, trio.Cancelled) for exc in leaves):
         first = leaves[0]

@@ -673,3 +673,34 @@ async def test_an_answer_too_big_for_the_memory_store_is_a_dropped_write(
         stats = (await s.statistics()).cache
     assert not again.call_stats.cached and _sent(up) == 2
     assert (stats.writes, stats.writes_dropped, stats.hits, stats.misses) == (0, 2, 0, 2)
+
+
+async def test_an_embed_waiter_leads_an_abandoned_input_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Probe finding (third round): a call that led some inputs and waited on others
+    looked at the flights it joined only after its own upstream batch: when their leader
+    was cancelled, the hand-over waited for that batch, and the call's two upstream
+    requests ran one after the other (done at 4.5 s instead of 3 s)."""
+    up = FakeUpstream(Reply(embedding_dim=3, first_token_s=2))  # every request takes 2 s
+    done: dict[str, float] = {}
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+
+        async def leader() -> None:  # t=0: leads "a" and "b"; cancelled at t=1
+            with trio.move_on_after(1):
+                await s.embed(["a", "b"])
+
+        async def waiter() -> None:  # t=0.5: leads "c", waits on "b"
+            await trio.sleep(0.5)
+            response = await s.embed(["b", "c"])
+            assert len(response.vectors) == 2
+            done["waiter"] = trio.current_time()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(leader)
+            nursery.start_soon(waiter)
+        stats = (await s.statistics()).cache
+    assert [(r.body["input"], r.started_at) for r in up.requests] == [
+        (["a", "b"], 0), (["c"], 0.5), (["b"], 1)]
+    assert done["waiter"] == pytest.approx(3.0)
+    assert (stats.misses, stats.coalesced) == (4, 0)
