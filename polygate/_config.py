@@ -22,7 +22,7 @@ import httpx
 
 from ._config_serve import Serve, ServeKey, check_serve_models
 from ._errors import ConfigError
-from ._secrets import is_header_safe, mask_prefixes, url_secrets
+from ._secrets import SECRET_PARAM, is_header_safe, mask_prefixes, url_secrets
 
 __all__ = [
     "ConfigWarning",
@@ -187,12 +187,18 @@ def _secret_repr(value: str | None) -> str:
 
 
 def mask_url(url: str) -> str:
-    """The URL with any password replaced by ``***`` (for reprs, logs and messages).
+    """The URL with any password replaced by ``***`` (for reprs, logs and messages):
+    the ``user:password@`` part's, and the value of every credential-like query
+    parameter (``?password=``, ``sslpassword=``, ``api_key=``, ``token=``...).
 
     Read from the raw text, not a parser: the credentials are everything between
     ``://`` and the *last* ``@`` (an unencoded ``#``, ``/`` or ``?`` in a password
     would make a parser end them early and show the rest).
     """
+    return SECRET_PARAM.sub(lambda m: m.group("lead") + "***", _mask_userinfo(url))
+
+
+def _mask_userinfo(url: str) -> str:
     head, at, tail = url.rpartition("@")
     if not at:
         try:
@@ -296,8 +302,11 @@ class Source:
                 "sent (the key goes in api_key)",
             )
         if parts.scheme not in ("http", "https") or not parts.hostname:
+            # Quoted up to its query at most: a key may ride there (refused below anyway).
+            shown = mask_url(re.split(r"[?#]", value, maxsplit=1)[0])
+            more = "…" if "?" in value or "#" in value else ""
             raise _bad(self, "base_url", url=value, problem=
-                f"must be an absolute http:// or https:// URL, got {mask_url(value)!r}",
+                f"must be an absolute http:// or https:// URL, got {shown + more!r}",
             )
         if "?" in value or "#" in value:
             raise _bad(self, "base_url", url=value, problem=

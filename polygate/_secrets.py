@@ -96,6 +96,24 @@ def _key(secrets: Iterable[str]) -> tuple[str, ...]:
     return secrets if isinstance(secrets, tuple) else tuple(secrets)
 
 
+#: Query parameters whose value is a credential (libpq's ``password`` and
+#: ``sslpassword``, a Redis URL's ``password``, an ``api_key`` or ``token``...).
+SECRET_PARAM = re.compile(
+    r"(?P<lead>[?&;](?P<name>[^=&#;]*(?:pass|secret|token|key|auth)[^=&#;]*)=)(?P<value>[^&#;]*)",
+    re.IGNORECASE,
+)
+
+
+def query_secrets(url: str) -> list[str]:
+    """The values of a URL's credential-like query parameters (see SECRET_PARAM), as
+    written and percent-decoded."""
+    found: list[str] = []
+    for match in SECRET_PARAM.finditer(url):
+        value = match.group("value")
+        found += [value, unquote(value)]
+    return found
+
+
 def url_secrets(url: str) -> tuple[str, ...]:
     """The credentials a URL carries, harvested from the raw text: everything
     between ``://`` and the *last* ``@``, its password part, and the password
@@ -107,12 +125,12 @@ def url_secrets(url: str) -> tuple[str, ...]:
     """
     if not isinstance(url, str):
         return ()
+    found = query_secrets(url)
     _, sep, rest = url.partition("://")
     userinfo, at, _ = rest.rpartition("@")
-    if not sep or not at or ":" not in userinfo:
-        return ()
-    password = userinfo.split(":", 1)[1]
-    found = [userinfo, password, unquote(password)]
+    if sep and at and ":" in userinfo:
+        password = userinfo.split(":", 1)[1]
+        found += [userinfo, password, unquote(password)]
     return tuple(dict.fromkeys(s for s in found if len(s) >= MIN_SECRET_LEN))
 
 

@@ -306,10 +306,39 @@ def test_api_key_errors_never_echo_the_key() -> None:
         ("user:pw@h/v1", "***@h/v1"),
         ("http://h/v1/@models", "http://h/v1/@models"),
         ("http://[::1", "<unparseable URL>"),
+        # libpq's query form of the password, and other credential-like parameters
+        ("postgresql://h/db?user=app&password=s3cret", "postgresql://h/db?user=app&password=***"),
+        ("postgresql://u:pw@h/db?sslpassword=zz&sslmode=require",
+         "postgresql://u:***@h/db?sslpassword=***&sslmode=require"),
+        ("https://h/v1?api_key=sk-1&x=1", "https://h/v1?api_key=***&x=1"),
+        ("redis://h:6379/0?prefix=app&timeout_s=1", "redis://h:6379/0?prefix=app&timeout_s=1"),
     ],
 )
 def test_mask_url(url: str, masked: str) -> None:
     assert mask_url(url) == masked
+
+
+def test_a_password_in_a_telemetry_urls_query_never_shows() -> None:
+    """Probe finding (third round): postgresql://host/db?password=… (libpq's documented
+    form) showed the password in repr(Settings) and in check-config; only the
+    user:password@ form was masked."""
+    secret = "Sup3rSecretPassw0rd"
+    settings = Settings(scopes=secret_settings().scopes,
+                        telemetry=f"postgresql://db.internal/app?user=app&password={secret}")
+    assert secret not in repr(settings)
+    assert "password=***" in repr(settings)
+    from polygate._secrets import url_secrets
+
+    assert secret in url_secrets(settings.telemetry)  # so messages about it are redacted
+
+
+def test_a_base_url_without_a_scheme_is_not_quoted_past_its_path() -> None:
+    """Probe finding (third round): the scheme check quoted the whole value, a key in
+    its query included."""
+    for url in (f"api.example.com/v1?k={KEY}", f"ftp://api.example.com/v1?key={KEY}"):
+        with pytest.raises(ConfigError, match="must be an absolute http") as info:
+            Source(name="a", base_url=url)
+        assert KEY not in str(info.value)
 
 
 @given(st.from_regex(r"[A-Za-z0-9._~-]{4,30}", fullmatch=True))
