@@ -60,7 +60,7 @@ from ._resume import (
     continuation_messages,
 )
 from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
-from .governance import Admission, NoAdmission, RefusalReason, completion_budget
+from .governance import Admission, NoAdmission, Refusal, RefusalReason, completion_budget
 
 __all__ = ["Rounds", "call_stats", "one_error", "run_chat", "run_embed"]
 
@@ -202,7 +202,7 @@ async def _retry_loop(
                 await trio.lowlevel.checkpoint_if_cancelled()
                 raise AllSourcesExhausted(
                     f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}",
-                    errors=errors,
+                    errors=errors, retry_after_s=_rate_limited_for(exc.refusals),
                 ) from None
         try:
             return await Round(ctx, runner, forward=forward, demote=failed).run(admission)
@@ -263,6 +263,20 @@ async def _retry_loop(
             await trio.sleep(
                 full_jitter(consumed, retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng)
             )
+
+
+#: Admission refusals a wait cures: every source was rate limited.
+_RATE_REASONS = frozenset({RefusalReason.COOLING_DOWN, RefusalReason.RPM, RefusalReason.TPM})
+
+
+def _rate_limited_for(refusals: Sequence[Refusal]) -> float | None:
+    """Seconds until a source may admit the call, when every refusal is one a wait
+    cures (``AllSourcesExhausted.retry_after_s``); None otherwise."""
+    if not refusals or not all(r.reason in _RATE_REASONS for r in refusals):
+        return None
+    now = trio.current_time()
+    known = [r.retry_at - now for r in refusals if r.retry_at is not None]
+    return max(0.0, min(known)) if known else 1.0  # (each reason has its time: a guess)
 
 
 def _retry_same(

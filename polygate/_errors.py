@@ -183,7 +183,12 @@ class DeadlineExceeded(PolygateError, TimeoutError):
 
 
 class AllSourcesExhausted(PolygateError):
-    """Every allowed attempt failed; ``errors`` holds each attempt's error in order."""
+    """Every allowed attempt failed; ``errors`` holds each attempt's error in order.
+
+    ``retry_after_s``: when admission refused the call because every source was over
+    its RPM/TPM quota or cooling down after a 429 until past the call's deadline, the
+    seconds until the first of them may admit it; ``None`` otherwise (then ``errors``
+    says what happened: a 429's own ``retry_after_s`` is on its ``RateLimitedError``)."""
 
     def __init__(
         self,
@@ -191,10 +196,12 @@ class AllSourcesExhausted(PolygateError):
         *,
         errors: list[UpstreamError] | None = None,
         call_stats: CallStats | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.errors: list[UpstreamError] = list(errors or [])
         self.call_stats = call_stats
+        self.retry_after_s = retry_after_s
 
 
 class StructuredOutputError(PolygateError):

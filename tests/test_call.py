@@ -520,3 +520,32 @@ async def test_embed_batches_of_different_dimensions_are_an_error(
         same = await s.embed(["x0", "x1", "x2"])  # one source, one dimension: fine
     assert info.value.call_stats is not None and info.value.call_stats.attempts == 4
     assert {len(v) for v in same.vectors} == {8}
+
+
+@pytest.mark.parametrize("kind", ["chat", "embed"])
+async def test_a_call_refused_for_quota_says_when_to_retry(
+    autojump_clock: trio.testing.MockClock, kind: str,
+) -> None:
+    """AllSourcesExhausted.retry_after_s: admission refused the call (every source over
+    its RPM quota until past the deadline) and says when the first may admit it; None
+    when attempts failed for another reason."""
+    source = polygate.Source(name="a", base_url="http://a/v1", rpm=1)
+    scope = polygate.Scope(sources=[source], call_deadline_s=1.0,
+                           retry=polygate.Retry(max_attempts=1))
+    settings = polygate.Settings(scopes={kind: scope})
+    up = FakeUpstream([Reply(), Reply(status=500)])
+
+    async def once(s: polygate.Session) -> Any:
+        return await (s.chat(MESSAGES, scope=kind) if kind == "chat" else s.embed(["x"], scope=kind))
+
+    async with polygate.session(settings, transport=_router(a=up)) as s:
+        await once(s)
+        await trio.sleep(30)
+        with pytest.raises(polygate.AllSourcesExhausted) as refused:
+            await once(s)
+        await trio.sleep(60)
+        with pytest.raises(polygate.AllSourcesExhausted) as failed:
+            await once(s)  # admitted; the upstream answers 500
+    assert refused.value.errors == []
+    assert refused.value.retry_after_s == pytest.approx(30.0)  # refused at once: its window frees at 60 s
+    assert failed.value.retry_after_s is None and len(failed.value.errors) == 1

@@ -553,6 +553,29 @@ async def test_rpm_quota_full_is_429() -> None:
     assert len(fake.requests) == 1
 
 
+async def test_embeddings_rpm_quota_full_is_429_too() -> None:
+    """Probe finding (third round): the same refusal on /v1/embeddings answered 502
+    sources_exhausted without Retry-After (the refusal was read from the error's
+    __context__, which the batches' nursery overwrote); the SDK then retried at once."""
+    fake = FakeUpstream(Reply(tokens=1))
+    async with fake.serve() as url:
+        settings = settings_for(url)
+        embed = settings.scopes["embed"]
+        limited = attrs.evolve(settings, scopes={
+            **settings.scopes,
+            "embed": attrs.evolve(embed, call_deadline_s=1.0,
+                                  sources=[attrs.evolve(embed.sources[0], rpm=1)]),
+        })
+        body = {"model": "embed", "input": ["a"]}
+        async with open_server(limited, port=0) as server:
+            first = await http(server, "POST", "/v1/embeddings", body, AUTH)
+            second = await http(server, "POST", "/v1/embeddings", body, AUTH)
+    assert first.status == 200
+    assert second.status == 429, second.body
+    assert second.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 50 <= int(second.headers["retry-after"]) <= 60
+
+
 async def test_chunks_that_arrived_together_leave_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
     """A burst (here: a zero-delay answer, every token in one read) is written to the
     client in a few sends, not one per token, and the client reads the same events."""

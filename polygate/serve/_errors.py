@@ -23,10 +23,8 @@ errors module redacts upstream text), and never a gateway key (none reaches here
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import attrs
-import trio
 
 from .. import _errors as errors
 from ._json import Unencodable, dump
@@ -97,10 +95,6 @@ def reply_for(exc: BaseException) -> ErrorReply:
     return ErrorReply(500, "internal error in the gateway", "api_error", "internal_error")
 
 
-#: Admission refusals that a wait cures: the call found every source rate limited.
-_RATE_REASONS = frozenset({"cooling_down", "rpm", "tpm"})
-
-
 def rate_limited_for(exc: errors.AllSourcesExhausted) -> float | None:
     """Seconds until a source may take the call again, when every source was rate
     limited; ``None`` when something else exhausted the call.
@@ -108,23 +102,11 @@ def rate_limited_for(exc: errors.AllSourcesExhausted) -> float | None:
     Two ways a call ends so: its attempts were all answered 429 (``exc.errors`` are
     all :class:`RateLimitedError`, each maybe with its Retry-After), or admission
     found every source over its RPM/TPM quota or cooling down from an earlier 429
-    until past the call's deadline (no attempt was made).  The second case is read
-    from the governor's refusal, which the call leaves as the error's
-    ``__context__`` (duck-typed: ``refusals`` with ``reason`` and ``retry_at``, in
-    ``trio.current_time()``).  A public ``AllSourcesExhausted.retry_after_s`` would
-    replace this read; see docs/serve.md.
+    until past the call's deadline (no attempt was made: ``exc.retry_after_s``).
     """
     if exc.errors:
         if not all(isinstance(e, errors.RateLimitedError) for e in exc.errors):
             return None
         known = [e.retry_after_s for e in exc.errors if e.retry_after_s is not None]
         return min(known) if known else 1.0
-    refusals: Any = getattr(exc.__context__, "refusals", None)
-    if not refusals:
-        return None
-    reasons = [getattr(getattr(r, "reason", None), "value", None) for r in refusals]
-    if not all(reason in _RATE_REASONS for reason in reasons):
-        return None
-    now = trio.current_time()
-    known = [r.retry_at - now for r in refusals if getattr(r, "retry_at", None) is not None]
-    return max(0.0, min(known)) if known else 1.0
+    return exc.retry_after_s
