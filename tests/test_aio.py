@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -152,6 +153,20 @@ async def test_chat_stream_embed_statistics() -> None:
         assert isinstance(stats, polygate.SessionStatistics)
         await governance_idle(s)
     assert up.in_flight == 0
+
+
+async def test_statistics_after_the_session_closed_are_its_final_figures(tmp_path: Any) -> None:
+    """Probe finding (third round): in trio, statistics() after the block answers with
+    the final figures (the last telemetry flush: the one place to read
+    dropped_at_close); polygate.aio raised 'this session is closed'."""
+    settings = attrs.evolve(settings_for("http://a/v1"), telemetry=f"sqlite:///{tmp_path}/t.db")
+    async with polygate.aio.session(settings, transport=fake(Reply()).transport()) as s:
+        await s.chat(messages("hi"))
+    after = await s.statistics()
+    assert (after.telemetry.written, after.telemetry.queued) == (2, 0)  # a call row, an attempt row
+    assert after.governance is not None
+    with pytest.raises(polygate.PolygateError, match="closed"):
+        await s.chat(messages("again"))
 
 
 async def test_errors_are_the_same_polygate_errors() -> None:

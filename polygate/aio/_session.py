@@ -50,7 +50,7 @@ from polygate import PolygateError
 from ._host import Host, acquire, release, resolve, settle
 
 if TYPE_CHECKING:
-    from polygate import ChatResponse, Settings, StreamChunk
+    from polygate import ChatResponse, SessionStatistics, Settings, StreamChunk
 
 __all__ = ["ChatStream", "Session", "session"]
 
@@ -150,7 +150,16 @@ class Session:
     # says so, yet infers the exact signature: hence the ignores.)
     chat = _forward(polygate.Session.chat)  # type: ignore[arg-type]
     embed = _forward(polygate.Session.embed)  # type: ignore[arg-type]
-    statistics = _forward(polygate.Session.statistics)
+    _statistics = _forward(polygate.Session.statistics)
+
+    async def statistics(self) -> SessionStatistics:
+        """As :meth:`polygate.Session.statistics`; after the session's block was left,
+        its final figures (the last telemetry flush included)."""
+        if self._owner.closing:
+            await settle(self._owner.closed)
+            if self._owner.final is not None:
+                return self._owner.final
+        return await self._statistics()
     ocr = _forward(polygate.Session.ocr)  # type: ignore[arg-type]
     stream_chat = _forward_stream(polygate.Session.stream_chat)  # type: ignore[arg-type]
 
@@ -216,6 +225,9 @@ class _Owner:
         self.closing = False
         self.close_requested = trio.Event()
         self.calls: trio.Nursery | None = None
+        # The session's statistics once it has closed (its telemetry flushed): what
+        # statistics() answers from then on, as the trio session's does.
+        self.final: SessionStatistics | None = None
 
     async def run(self) -> None:
         """Open the session, run calls until asked to close, close.  Never raises
@@ -227,6 +239,10 @@ class _Owner:
                 resolve(self.opened, outcome.Value(trio_session))
                 await self.close_requested.wait()
                 calls.cancel_scope.cancel()
+            try:
+                self.final = await trio_session.statistics()
+            except Exception:  # a backend that needs its closed connections: no figures
+                self.final = None
         except Exception as exc:
             result = outcome.Error(exc)
         finally:
