@@ -459,6 +459,33 @@ async def test_connection_cap_answers_503() -> None:
     assert after.status == 200
 
 
+async def test_a_burst_of_connects_never_overshoots_the_cap() -> None:
+    """Probe finding (third round): connections were counted when their task first
+    ran, so a burst accepted before any of them ran held one more than
+    max_connections open."""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=3)
+    async with gateway(serve=serve) as (server, _):
+        for _ in range(5):
+            streams: list[trio.SocketStream] = []
+
+            async def connect(streams: list[trio.SocketStream] = streams) -> None:
+                streams.append(await trio.open_tcp_stream("127.0.0.1", server.port))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(connect)
+            refused = 0
+            for stream in streams:
+                with trio.move_on_after(0.5):
+                    if (await read_until_closed(stream)).startswith(b"HTTP/1.1 503"):
+                        refused += 1
+            assert server.statistics().connections <= 3
+            assert refused >= 17
+            for stream in streams:
+                await stream.aclose()
+            await wait_for(lambda: server.statistics().connections == 0)
+
+
 def _call_id_headers(data: bytes) -> bool:
     """Whether a raw answer carries x-polygate-call-id and, copied, x-request-id."""
     head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower().split("\r\n")[1:]

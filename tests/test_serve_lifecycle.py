@@ -5,6 +5,7 @@ margins: the server runs in its own process."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -194,3 +195,25 @@ async def test_drain_with_a_connection_that_sent_nothing() -> None:
         await silent.aclose()
     assert results[0].status == 200
     assert upstream.requests[0].outcome == "complete"
+
+
+async def test_a_drain_answers_a_request_it_caught_half_received() -> None:
+    """Probe finding (third round): a request whose head had arrived and whose body was
+    still uploading when the drain began was cut with no answer at all (its reading was
+    'idle' to the drain, and nothing was in flight, so the drain did not wait)."""
+    async with gateway(Reply(tokens=2)) as (server, upstream):
+        body = json.dumps(CHAT).encode()
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        head = request_bytes("POST", "/v1/chat/completions", body, AUTH)
+        cut = len(head) - len(body) + 10
+        await stream.send_all(head[:cut])
+        await wait_for(lambda: server.statistics().in_flight == 1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.shutdown, 5)
+            await wait_for(lambda: server.draining)
+            await stream.send_all(head[cut:])  # the rest, well within the grace period
+            with trio.fail_after(5):
+                answer = await read_until_closed(stream)
+        await stream.aclose()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
+    assert len(upstream.requests) == 1

@@ -102,14 +102,16 @@ class Connection:
     # ------------------------------------------------------------------ reading
 
     async def read_request(
-        self, admit: Callable[[str, dict[str, str]], bool] | None = None
+        self, admit: Callable[[str, dict[str, str]], bool] | None = None,
+        started: Callable[[], object] | None = None,
     ) -> Request | None:
         """The next request, or ``None`` when the client closed or stayed idle.
 
         Raises :class:`HTTPProblem` for a request that is malformed, too large or too
         slow, or that ``admit(path, headers)`` refuses (a missing gateway key: refused
         from the head, so a client without a key never makes the server hold its
-        body); the caller answers it and closes.
+        body); the caller answers it and closes.  ``started()`` is called once the
+        request's first byte is here.
         """
         limits = self.limits
         now = trio.current_time()
@@ -119,8 +121,11 @@ class Connection:
         # whole head, from its start (a first byte does not buy a second period).
         idle = bool(self.requests) and not pending
         wait = limits.idle_timeout_s if idle else limits.header_timeout_s
+        if pending and started is not None:
+            started()
+            started = None
         with trio.CancelScope(deadline=now + wait) as scope:
-            event, fed = await self._next_head_event(scope, idle)
+            event, fed = await self._next_head_event(scope, idle, started)
         if scope.cancelled_caught:
             if self.h11.their_state is h11.IDLE and not self.h11.trailing_data[0]:
                 return None  # idle keep-alive connection: close quietly
@@ -165,7 +170,9 @@ class Connection:
         body = await self._read_body()
         return Request(event.method.decode("latin-1"), path, headers, body)
 
-    async def _next_head_event(self, scope: trio.CancelScope, idle: bool) -> tuple[h11.Event, int]:
+    async def _next_head_event(
+        self, scope: trio.CancelScope, idle: bool, started: Callable[[], object] | None,
+    ) -> tuple[h11.Event, int]:
         """The next event, and how many bytes were received for it."""
         fed = 0
         while True:
@@ -177,6 +184,9 @@ class Connection:
             if event is not h11.NEED_DATA:
                 return event, fed  # type: ignore[return-value]
             data = await self._receive()
+            if data and started is not None:
+                started()
+                started = None
             if data and idle:
                 # The first byte of a request: from now on the head has header_timeout_s.
                 idle = False

@@ -255,6 +255,10 @@ class Server:
                 else:
                     await _close(stream)
                 continue
+            # Counted here, not when its task first runs: a burst of connects accepted
+            # before any of them ran overshot max_connections.
+            self.metrics.connections += 1
+            self.metrics.connections_total += 1
             self._connections.start_soon(self._connection, stream)
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
@@ -281,18 +285,28 @@ class Server:
             await _close(stream)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        """One connection, counted in ``metrics.connections`` by the accept loop."""
         metrics = self.metrics
-        metrics.connections += 1
-        metrics.connections_total += 1
         assert self._current is not None
         conn = Connection(stream, self._current.settings.serve)
         try:
             while not self.draining:
                 idle = trio.CancelScope()
                 self._idle.add(idle)
+                begun = False
+
+                def started(idle: trio.CancelScope = idle) -> None:
+                    # Idle until its first byte: a drain closes an idle connection, but a
+                    # request it has begun to receive is in flight: read and answered.
+                    nonlocal begun
+                    begun = True
+                    self._idle.discard(idle)
+                    self._in_flight += 1
+
+                request = None
                 try:
                     with idle:
-                        request = await conn.read_request(self._admit)
+                        request = await conn.read_request(self._admit, started=started)
                 except HTTPProblem as problem:
                     await self._problem(conn, problem)
                     return
@@ -300,8 +314,12 @@ class Server:
                     return
                 finally:
                     self._idle.discard(idle)
+                    if begun and request is None:
+                        self._landed()  # nothing to answer: (the answer lands its own)
                 # The scope first: a drain cancels it before a request was read at all.
                 if idle.cancelled_caught or request is None:
+                    if begun and request is not None:
+                        self._landed()
                     return
                 await self._answer(conn, request)
                 if not conn.reusable():
@@ -319,7 +337,7 @@ class Server:
         gateway = self._current
         assert gateway is not None
         gateway.enter()
-        self._in_flight += 1
+        # (in self._in_flight since its first byte: see _connection)
         self.metrics.in_flight += 1
         context = Context(conn, gateway, self.metrics, self)
         self._stops.add(context.stop)
@@ -331,10 +349,14 @@ class Server:
         finally:
             self._stops.discard(context.stop)
             gateway.leave()
-            self._in_flight -= 1
             self.metrics.in_flight -= 1
-            if self._in_flight == 0 and self.draining:
-                self._quiet.set()
+            self._landed()
+
+    def _landed(self) -> None:
+        """A request in flight (being read, or answered) is done."""
+        self._in_flight -= 1
+        if self._in_flight == 0 and self.draining:
+            self._quiet.set()
 
     async def _problem(self, conn: Connection, problem: HTTPProblem) -> None:
         self.metrics.request(
