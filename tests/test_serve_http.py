@@ -159,6 +159,13 @@ async def test_models_lists_every_scope_and_alias() -> None:
     assert missing.status == 404
 
 
+async def test_an_alias_named_as_its_scope_is_listed_once() -> None:
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], models={"chat": "chat", "gpt-4o": "chat"})
+    async with gateway(serve=serve) as (server, _):
+        answer = await http(server, "GET", "/v1/models", headers=AUTH)
+    assert sorted(m["id"] for m in answer.json()["data"]) == ["chat", "embed", "gpt-4o"]
+
+
 async def test_no_keys_configured_on_loopback_serves_openly() -> None:
     async with gateway(serve=polygate.Serve()) as (server, _):
         assert (await http(server, "POST", "/v1/chat/completions", CHAT)).status == 200

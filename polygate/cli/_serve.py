@@ -60,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     from .._errors import ConfigError, PolygateError
 
     logging.basicConfig(level=logging.INFO, format="polygate serve: %(message)s", stream=sys.stderr)
+    # polygate's own lines at INFO, not a library's: coredis logs every dropped Redis
+    # connection at INFO (with an empty traceback), which the cache and governance
+    # backends already report, once, in their own words.
+    logging.getLogger("coredis").setLevel(logging.WARNING)
     try:
         settings = _load(args.config)
         return trio.run(_serve, settings, args)

@@ -108,7 +108,8 @@ class Gateway:
         self.names = (*(None for _ in serve.api_keys), *serve.keys)
         quotas = self.session._key_quotas()
         self.quotas = quotas if quotas is not None and quotas.limits else None
-        names = [*self.settings.scopes, *self.settings.serve.models]
+        # Once each: an alias may repeat its scope's own name (models = {"chat": "chat"}).
+        names = list(dict.fromkeys([*self.settings.scopes, *self.settings.serve.models]))
         self.models_body = dump({"object": "list", "data": [_model(n) for n in names]})
 
     def scope_of(self, model: Any) -> str | None:
