@@ -150,6 +150,19 @@ async def test_a_keys_rpm_refuses_it_alone_and_at_the_wire() -> None:
     assert ALICE not in metrics and BOB not in metrics
 
 
+async def test_a_voided_request_is_not_counted_as_charged() -> None:
+    """Probe finding (third round): requests the quota voided (answered 400 before any
+    upstream work) counted in polygate_serve_key_requests_total, which then disagreed
+    with the quota: 5 counted where the key was charged 2."""
+    bad = {**CHAT, "messages": []}
+    async with gateway(Reply(tokens=2), serve=keyed(rpm=2)) as (server, _):
+        statuses = [(await http(server, "POST", CALL, body, bearer(ALICE))).status
+                    for body in (bad, bad, bad, CHAT, CHAT, CHAT)]
+        metrics = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
+    assert statuses == [400, 400, 400, 200, 200, 429]
+    assert 'polygate_serve_key_requests_total{key="alice"} 2.0' in metrics
+
+
 async def test_a_key_pays_the_answers_usage_not_its_estimate() -> None:
     async with gateway(Reply(tokens=5), serve=keyed(tpm=10_000)) as (server, _):
         answer = await http(server, "POST", CALL, {**CHAT, "max_tokens": 900}, bearer(ALICE))

@@ -364,11 +364,12 @@ async def _charged(
     if isinstance(admitted, KeyRefusal):
         ctx.metrics.key_refused(key, admitted.reason)
         return await _fail(ctx, _key_refusal(admitted))
-    ctx.metrics.key_admitted(key)
     charge = _Charge()
     try:
         return await handler(ctx, scope, body, charge)
     finally:
+        if charge.counts:  # as the quota counts it: a voided request (a 400) is not
+            ctx.metrics.key_admitted(key)
         # Settling never raises and needs no checkpoint to finish (the memory backend
         # has none; Redis shields its round trip, bounded): a client that left still
         # returns its permit.

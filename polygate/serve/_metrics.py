@@ -151,7 +151,7 @@ class _Collector:
                 family.add_metric([scope], count)
             yield family
         keys = CounterMetricFamily(
-            "polygate_serve_key_requests", "Calls admitted under a gateway key's quota, by key name",
+            "polygate_serve_key_requests", "Calls charged to a gateway key's quota, by key name",
             labels=["key"],
         )
         for name, count in sorted(m.key_requests.items()):
