@@ -62,7 +62,7 @@ from ._resume import (
 from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
 from .governance import Admission, NoAdmission, Refusal, RefusalReason, completion_budget
 
-__all__ = ["Rounds", "call_stats", "one_error", "run_chat", "run_embed"]
+__all__ = ["Rounds", "call_stats", "every_error", "one_error", "run_chat", "run_embed"]
 
 T = TypeVar("T")
 
@@ -613,17 +613,21 @@ async def run_embed(
     try:
         response = await _with_deadline(ctx, deadline_s, body)
     except AllSourcesExhausted as exc:
-        if len(batches) > 1:
-            # The failing batch knew its own errors; the call's are every batch's
-            # failed attempts (one that was retried and then answered included), in the
-            # order they failed, as one retry loop lists them.
-            failed = [r for r in ctx.attempts if r.error is not None]
-            failed.sort(key=lambda r: r.ended_at if r.ended_at is not None else math.inf)
-            exc.errors = [r.error for r in failed if r.error is not None]
+        exc.errors = every_error(ctx)
         raise
     if ctx.record_call:
         runtime.recorder.call(ctx, response.call_stats, response.usage, None)
     return response
+
+
+def every_error(ctx: CallContext) -> list[UpstreamError]:
+    """Every failed attempt's error of a call made of several retry loops (embedding
+    batches, OCR pages), in the order they failed, as one retry loop lists them: the
+    failing loop knew only its own, and another's failed attempt (retried, then
+    answered) counts in ``call_stats.attempts`` too."""
+    failed = [r for r in ctx.attempts if r.error is not None]
+    failed.sort(key=lambda r: r.ended_at if r.ended_at is not None else math.inf)
+    return [r.error for r in failed if r.error is not None]
 
 
 def one_error(group: BaseExceptionGroup[Any]) -> BaseException:

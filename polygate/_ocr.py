@@ -33,10 +33,10 @@ from typing import Any
 import trio
 
 from ._attempt import AttemptControl, run_chat_attempt
-from ._call import _deadline_at, _retry_loop, _with_deadline, call_stats
+from ._call import _deadline_at, _retry_loop, _with_deadline, call_stats, every_error
 from ._config import Ocr
 from ._context import AttemptRecord, CallContext, ChatRequest, Runtime
-from ._errors import ConfigError
+from ._errors import AllSourcesExhausted, ConfigError
 from ._ocr_document import Document, check_url, open_document
 from ._types import CallStats, OcrPage, OcrResponse, Usage
 from .governance import Admission, completion_budget
@@ -128,7 +128,11 @@ async def run_ocr(
             with trio.CancelScope(shield=True):
                 await opened.aclose()
 
-    response = await _with_deadline(ctx, deadline_s, body)
+    try:
+        response = await _with_deadline(ctx, deadline_s, body)
+    except AllSourcesExhausted as exc:
+        exc.errors = every_error(ctx)  # every page's, as an embedding call's batches
+        raise
     runtime.recorder.call(ctx, response.call_stats, response.usage, None)
     return response
 

@@ -448,6 +448,33 @@ async def test_a_failed_page_is_retried_on_another_source(
                 for req in (a.requests[0], b.requests[0])}) == 1  # the retry sent the same page
 
 
+async def test_a_failed_ocr_call_carries_every_pages_errors(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """As an embedding call's batches: AllSourcesExhausted.errors holds the failed
+    attempts of every page (a page that failed once, then answered, included)."""
+    seen: dict[int, int] = {}
+
+    def behaviour(rec: RecordedRequest, rng: Any) -> Reply:
+        _, data = sent_image(rec)
+        with Image.open(io.BytesIO(data)) as image:
+            width = image.size[0]
+        seen[width] = seen.get(width, 0) + 1
+        if width <= 120:  # page 0 fails once, then answers
+            return Reply(status=503) if seen[width] == 1 else Reply(text="ok")
+        return Reply(status=500, headers_delay_s=1)  # page 1 always fails, later
+
+    up = FakeUpstream(behaviour)
+    settings = attrs.evolve(ocr_settings(dpi=72), scopes={"ocr": attrs.evolve(
+        ocr_settings(dpi=72).scopes["ocr"], retry=polygate.Retry(backoff_base_s=0.5))})
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.ocr(make_pdf(SIZES[:2]))
+    failed = [r for r in up.requests if r.status >= 500]
+    assert len(info.value.errors) == len(failed) == info.value.call_stats.attempts - 1
+    assert info.value.errors[0].status_code == 503  # the one that failed first
+
+
 async def test_a_fatal_page_fails_the_call_with_one_error(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
