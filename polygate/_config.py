@@ -719,13 +719,13 @@ def _check_fallback_chains(inst: Any, scopes: Mapping[str, Scope]) -> None:
             if target not in scopes:
                 known = ", ".join(sorted(scopes))
                 raise _bad(
-                    inst, "scopes",
+                    inst, f"scopes.{seen[-1]}.fallback",
                     f"scope {seen[-1]!r} falls back to {target!r}, which is not a scope "
                     f"(configured: {known})",
                 )
             if target in seen:
                 chain = " -> ".join([*seen, target])
-                raise _bad(inst, "scopes", f"fallback chain loops: {chain}")
+                raise _bad(inst, f"scopes.{name}.fallback", f"fallback chain loops: {chain}")
             seen.append(target)
             target = scopes[target].fallback
 
@@ -765,10 +765,11 @@ class Settings:
             raise _bad(self, "scopes", "must be a non-empty mapping of scope name to Scope")
         for name, scope in value.items():
             if not isinstance(name, str) or not _NAME_RE.match(name) or "__" in name:
-                raise _bad(self, "scopes", f"scope name {name!r} must be letters, digits, '_', '-'")
+                field = f"scopes.{name}" if isinstance(name, str) and "." not in name else "scopes"
+                raise _bad(self, field, f"scope name {name!r} must be letters, digits, '_', '-'")
             reserved = (RESERVED_SEGMENTS - _SOURCE_ONLY_RESERVED) | {"BACKEND", "TELEMETRY", "CACHE", "SERVE"}
             if name.upper() in reserved:
-                raise _bad(self, "scopes", f"scope name {name!r} is reserved")
+                raise _bad(self, f"scopes.{name}", f"scope name {name!r} is reserved")
             if not isinstance(scope, Scope):
                 raise _bad(self, "scopes", f"scope {name!r} must be a Scope, got {type(scope).__name__}")
         _check_fallback_chains(self, value)

@@ -394,6 +394,9 @@ def _parse_env(entries: Mapping[str, str]) -> _SettingsPart:
 def _env_settings_where(field: str) -> str:
     if field == "scopes":
         return f"{ENV_PREFIX}{{SCOPE}}__{{SOURCE}}__BASE_URL"
+    if field.startswith("scopes."):  # a scope's key (its fallback), or its name
+        parts = field.split(".")[1:]
+        return ENV_PREFIX + "__".join(p.upper() for p in parts) + ("" if len(parts) > 1 else "__…")
     return ENV_PREFIX + field.upper().replace(".", "__")
 
 

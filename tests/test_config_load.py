@@ -921,3 +921,20 @@ def test_plain_environment_numbers_still_parse() -> None:
     })
     source = settings.scopes["chat"].sources[0]
     assert (source.rpm, source.timeout_s, source.weight) == (120, 100.0, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"POLYGATE__CHAT__FALLBACK": "chat"}, "POLYGATE__CHAT__FALLBACK: fallback chain loops"),
+        ({"POLYGATE__CHAT__FALLBACK": "nope"}, "POLYGATE__CHAT__FALLBACK: scope 'chat' falls back"),
+        ({"POLYGATE__CACHE__X__BASE_URL": "http://h/v1"}, "POLYGATE__CACHE__…: scope name 'cache' is reserved"),
+    ],
+)
+def test_env_errors_about_a_scope_name_its_key(extra: dict[str, str], named: str) -> None:
+    """Probe finding (third round): these named the placeholder
+    POLYGATE__{SCOPE}__{SOURCE}__BASE_URL instead of the key the user set."""
+    env = {"POLYGATE__CHAT__A__BASE_URL": "http://h/v1", **extra}
+    with pytest.raises(ConfigError) as info:
+        settings_from_env(env)
+    assert named in str(info.value) and "{SCOPE}" not in str(info.value)
