@@ -35,11 +35,11 @@ Lifetime (one :class:`Renderers` per session):
   is left behind;
 * a renderer that dies (a PDF that crashes PDFium, the OOM killer) fails the page with
   ``ConfigError`` naming its exit status; the calling process is unharmed;
-* renderers run at nice +10: where CPUs are short (2 renderers, the event loop and
-  the upstream on 2 cores) the event loop's thread gets one first.  It cut the
-  loop's worst stall by ~1.5 ms on average in ``benchmarks/ocr.py`` (within noise
-  run by run) and cost no wall time on an otherwise idle machine; on a busy one,
-  OCR is what waits.
+* renderers run at nice +19, the lowest priority: where CPUs are short (2 renderers,
+  the event loop and the upstream on 2 cores) the event loop's thread gets one first.
+  In ``benchmarks/ocr.py`` (5 alternating runs each, one session) the loop's worst
+  stall was 3.1-4.8 ms at +19 against 4.5-5.1 ms at +10 (+10 had cut it by ~1.5 ms
+  from 0), at the same wall time; on a busy machine, OCR is what waits.
 
 With ``Ocr.render_in="thread"`` the same requests are answered in worker threads of
 the calling process (one lock around every PDFium call): for frozen applications and
@@ -82,7 +82,7 @@ _RENDER_FILE = os.path.abspath(_ocr_render.__file__)
 _BOOT = (
     "import importlib.util as u,json,signal,sys;"
     "signal.signal(signal.SIGINT,signal.SIG_IGN);"  # Ctrl-C is the parent's to handle
-    "import os;hasattr(os,'nice') and os.nice(10);"  # the event loop first (docstring)
+    "import os;hasattr(os,'nice') and os.nice(19);"  # the event loop first (docstring)
     "sys.path[:]=json.loads(sys.argv[3]);"
     "s=u.spec_from_file_location('_polygate_ocr_render',sys.argv[1]);"
     "m=u.module_from_spec(s);sys.modules[s.name]=m;s.loader.exec_module(m);"

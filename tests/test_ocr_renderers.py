@@ -290,7 +290,6 @@ async def test_renderers_yield_the_cpu_to_the_event_loop() -> None:
     try:
         with trio.fail_after(30):
             await worker.request(("drop", 0), b"")  # it has booted
-        mine = os.getpriority(os.PRIO_PROCESS, 0)
-        assert os.getpriority(os.PRIO_PROCESS, worker.process.pid) == min(mine + 10, 19)
+        assert os.getpriority(os.PRIO_PROCESS, worker.process.pid) == 19  # the lowest (nice caps at 19)
     finally:
         await worker.discard()
