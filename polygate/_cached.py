@@ -207,10 +207,8 @@ async def cached_chat(
 
     async def served(data: bytes) -> ChatResponse | None:
         """A stored or coalesced answer as this call's response (None: it did not decode)."""
-        try:
-            fields = decode_chat(data)
-        except ValueError as exc:
-            cache.failed(f"a cached chat answer did not decode ({exc})", pause=False)
+        fields = _decoded(cache, data)
+        if fields is None:
             return None
         answered = fields.pop("scope")
         if rounds is not None:
@@ -304,13 +302,20 @@ async def cached_chat(
     return result
 
 
+def _decoded(cache: Cache, data: bytes) -> dict[str, Any] | None:
+    """A stored chat answer's fields; None (counted as a cache error) if it does not decode."""
+    try:
+        return decode_chat(data)
+    except ValueError as exc:
+        cache.failed(f"a cached chat answer did not decode ({exc})", pause=False)
+        return None
+
+
 def _plain_hit(call: _Call, cache: Cache, data: bytes) -> ChatResponse | None:
     """A stored answer served as it is (no schema, no replay); None: it did not decode
     (counted; the caller goes upstream)."""
-    try:
-        fields = decode_chat(data)
-    except ValueError as exc:
-        cache.failed(f"a cached chat answer did not decode ({exc})", pause=False)
+    fields = _decoded(cache, data)
+    if fields is None:
         return None
     answered = fields.pop("scope")
     stats = call.stats(cached=True, source=fields["source"], scope=answered)
