@@ -69,6 +69,10 @@ def failure_reasons(error: PolygateError) -> frozenset[str]:
         errors = error.errors
         if errors and all(isinstance(e, RateLimitedError) for e in errors):
             return frozenset({"exhausted", "rate_limited"})
+        if not errors and error.retry_after_s is not None:
+            # Refused at admission: every source over its quota or still cooling down
+            # after a 429 (a later call in the window of the 429 that moved the first).
+            return frozenset({"exhausted", "rate_limited"})
         return frozenset({"exhausted"})
     if isinstance(error, FatalUpstreamError):
         if is_content_policy(error):

@@ -187,6 +187,23 @@ async def test_a_fatal_4xx_moves_only_when_listed(autojump_clock: trio.testing.M
         assert (await s.chat(MESSAGES)).text == "ok"
 
 
+async def test_rate_limited_moves_the_later_calls_of_a_429s_window_too(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Probe finding (fourth round): fallback_on=("rate_limited",) moved only the call
+    that got the 429; the next calls, refused at admission while the source cooled
+    down (no attempt, so no 429 of their own), failed instead of moving on."""
+    cheap = FakeUpstream(Reply(status=429, retry_after_s=120))
+    costly = FakeUpstream(Reply(text="costly answer"))
+    settings = _scopes(chat={"sources": {"cheap": {}}, "fallback": "costly",
+                             "fallback_on": ("rate_limited",), "call_deadline_s": 30},
+                       costly={"sources": {"costly": {}}})
+    async with polygate.session(settings, transport=Router({"cheap": cheap, "costly": costly})) as s:
+        answers = [await s.chat(MESSAGES) for _ in range(3)]
+    assert [(a.text, a.call_stats.scope) for a in answers] == [("costly answer", "costly")] * 3
+    assert len(cheap.requests) == 1  # the later calls did not knock on it again
+
+
 # --------------------------------------------------------------------------- retry policy
 
 
