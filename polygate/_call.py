@@ -379,7 +379,9 @@ async def run_chat(
         segments: list[AttemptRecord] = []
         segment_chars: list[int] = []
         committed_error: UpstreamError | None = None
-        demoted: list[str] = []
+        # A re-ask starts behind the sources that already failed in this call (a source
+        # that failed in this call goes to the back, round or no round).
+        demoted = _failed_sources(ctx, scope_name)
         # The errors of the scopes this round left for a fallback: the last scope's
         # AllSourcesExhausted lists them first, in the order they happened.
         earlier: list[UpstreamError] = []
@@ -448,7 +450,12 @@ async def run_chat(
         if rounds is not None:
             await rounds.ready()  # a big schema compiles here: off the loop, in the deadline
         while True:
-            response = await one_round()
+            try:
+                response = await one_round()
+            except AllSourcesExhausted as exc:
+                if ctx.reasks:  # the earlier rounds' failed attempts too
+                    exc.errors = every_error(ctx)
+                raise
             if rounds is None:
                 return response
             try:
@@ -618,6 +625,14 @@ async def run_embed(
     if ctx.record_call:
         runtime.recorder.call(ctx, response.call_stats, response.usage, None)
     return response
+
+
+def _failed_sources(ctx: CallContext, scope_name: str) -> list[str]:
+    """The sources of ``scope_name`` that failed in this call so far, least recently
+    failed first (each once): where a new round of the call puts them."""
+    failed = [r for r in ctx.attempts if r.error is not None and r.scope == scope_name]
+    failed.sort(key=lambda r: r.ended_at if r.ended_at is not None else math.inf)
+    return list(reversed(dict.fromkeys(r.source for r in reversed(failed))))
 
 
 def every_error(ctx: CallContext) -> list[UpstreamError]:

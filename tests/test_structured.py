@@ -193,6 +193,35 @@ async def test_each_round_has_its_own_retries(autojump_clock: trio.testing.MockC
     assert up.requests[1].body["messages"] == up.requests[2].body["messages"]
 
 
+async def test_a_reask_round_starts_behind_a_source_that_failed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Probe finding (fourth round): a re-ask round went back first to the source that
+    had failed earlier in the same call ('a source that failed in this call goes to the
+    back'): one attempt more, and a second request to the failing source."""
+    a = FakeUpstream(Reply(status=503))
+    b = FakeUpstream(by_round(Reply(text=NOT_JSON), Reply(text=GOOD)))
+    settings = two_source_settings(weights=FIRST_A)  # a first, while it has not failed
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES, schema=Answer)
+    assert r.parsed is not None and r.call_stats.reasks == 1
+    assert (len(a.requests), len(b.requests), r.call_stats.attempts) == (1, 2, 3)
+
+
+async def test_a_failed_reasked_call_carries_every_rounds_errors(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Probe finding (fourth round): AllSourcesExhausted.errors held only the last
+    round's failed attempts; an earlier round's (retried, then answered) were missing."""
+    up = FakeUpstream([Reply(status=503), Reply(text=WRONG_TYPE)], then=Reply(status=500))
+    settings = one_source_settings(retry=polygate.Retry(max_attempts=2, backoff_base_s=0.5))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES, schema=Answer)
+    assert [e.status_code for e in info.value.errors] == [503, 500, 500]
+    assert info.value.call_stats is not None and info.value.call_stats.attempts == 4
+
+
 async def test_a_reask_round_is_hedged(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream(by_round(Reply(text=WRONG_TYPE), Reply(text=GOOD, first_token_s=30.0)))
     b = FakeUpstream(Reply(text=GOOD, first_token_s=1.0))
