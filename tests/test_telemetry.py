@@ -175,6 +175,19 @@ async def test_a_call_that_fell_back_is_its_asked_scopes_row(
     assert response.call_stats.scope == "chat"
     [call] = _rows(db, "calls")
     assert (call["scope"], call["source"], call["answered_scope"]) == ("fb", "c1", "chat")
+
+
+async def test_a_failed_call_row_has_no_answered_scope(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """answered_scope is NULL when no scope answered (a probe found the last scope tried)."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",), retry=polygate.Retry(max_attempts=1)), db)
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(status=500))})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat(MESSAGES)
+    [call] = _rows(db, "calls")
+    assert (call["outcome"], call["answered_scope"]) == ("error", None)
     assert [(a["scope"], a["source"]) for a in _rows(db, "attempts")] == [("fb", "f1"), ("chat", "c1")]
 
 

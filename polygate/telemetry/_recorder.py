@@ -189,5 +189,5 @@ def call_event(
         content=content,
         reasks=stats.reasks,
         resumes=stats.resumes,
-        answered_scope=stats.scope,
+        answered_scope=stats.scope if error is None else None,  # no scope answered
     )
