@@ -175,6 +175,7 @@ async def test_a_call_that_fell_back_is_its_asked_scopes_row(
     assert response.call_stats.scope == "chat"
     [call] = _rows(db, "calls")
     assert (call["scope"], call["source"], call["answered_scope"]) == ("fb", "c1", "chat")
+    assert [(a["scope"], a["source"]) for a in _rows(db, "attempts")] == [("fb", "f1"), ("chat", "c1")]
 
 
 async def test_a_failed_call_row_has_no_answered_scope(
@@ -188,7 +189,6 @@ async def test_a_failed_call_row_has_no_answered_scope(
             await s.chat(MESSAGES)
     [call] = _rows(db, "calls")
     assert (call["outcome"], call["answered_scope"]) == ("error", None)
-    assert [(a["scope"], a["source"]) for a in _rows(db, "attempts")] == [("fb", "f1"), ("chat", "c1")]
 
 
 async def test_a_reasked_call_row_counts_its_reasks(
