@@ -227,6 +227,14 @@ async def _retry_loop(
         for error in round_errors:
             if isinstance(error, FatalUpstreamError):
                 raise error
+        if round_errors and all(getattr(e, "prefill_refused", False) for e in round_errors):
+            # polygate's way of asking was refused, not the request: the same source is
+            # asked again without the prefill, free of max_attempts (once per source:
+            # it is never sent a prefill again in this call).
+            for error in round_errors:
+                if error.source in failed:
+                    failed.remove(error.source)
+            continue
         again = _retry_same(retry.same_source_retries, round_errors, same_source)
         if again is not None:
             # Retried on the same source first, free of max_attempts (bounded by
@@ -364,10 +372,12 @@ async def run_chat(
             # The target rejected the assistant prefill: ask it again without one.  That
             # 400 concerns polygate's way of asking, never the caller's request.
             cont.refused_prefill.add(admission.source)
-            raise TransientUpstreamError(
+            refused = TransientUpstreamError(
                 f"rejected the assistant prefill ({exc.message}); asking without one",
                 source=exc.source, status_code=exc.status_code,
-            ) from exc
+            )
+            refused.prefill_refused = True  # type: ignore[attr-defined]  # (see _retry_loop)
+            raise refused from exc
 
     async def one_round() -> ChatResponse:
         """One answer: the retry loop in the asked scope, then its fallbacks; a
