@@ -188,6 +188,35 @@ def test_embeddings_and_failed_calls_do_not_skew_the_split_or_the_wins(
     assert "-" not in text.split("waiting (total - generation)")[1].split("\n")[0]
 
 
+def test_scope_and_since_select_calls_with_all_their_attempts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Probe findings (fourth round): --scope selected the attempts by the scope each ran
+    in, so a call's attempts in its fallback scope went missing ('4 calls, 4 attempts'
+    beside a mean of 2 a call); --since selected them by when each was admitted, so a
+    call started before the cut-off brought in its late attempt but not itself."""
+    calls, attempts = [], []
+    for i in range(4):
+        call = _call(i, total=2000, generation=1000, ttft=100, attempts=2, source="b")
+        calls.append(call)
+        attempts += [_attempt(call, 1, source="a", error="transient"),
+                     _attempt(call, 2, source="b")._replace(scope="large")]
+    early = _call(9, total=9000, generation=1000, ttft=100, started_at=NOW - 100)
+    calls.append(early)
+    attempts.append(_attempt(early, 1, source="a")._replace(started_at=NOW))  # waited past the cut-off
+    path = tmp_path / "fallback.db"
+    sink = SQLiteSink.open(path)
+    sink.write(Batch(calls, attempts, None))
+    sink.close()
+    r = _json(capsys, "--db", str(path), "--scope", "chat", "--since", "2026-01-01T00:00:00+00:00")
+    assert (r["calls"], r["attempts"]) == (5, 9)
+    r = _json(capsys, "--db", str(path), "--since", "60s")
+    assert (r["calls"], r["attempts"]) == (4, 8)
+    assert r["attempts_per_call"]["mean"] == 2.0
+    sources = {(s["scope"], s["source"]): s for s in r["sources"]}
+    assert sources[("large", "b")]["outcomes"] == {"ok": 4}
+
+
 def test_all_scopes_with_errors(known_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     r = _json(capsys, "--db", str(known_db))  # a plain path works too
     assert r["calls"] == 103

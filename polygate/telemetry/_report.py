@@ -119,8 +119,11 @@ def read_rows(
     clause = (" WHERE " + " AND ".join(where)) if where else ""
     calls = [CallRow(*r) for r in reader.query(
         f"SELECT {', '.join(CallRow._fields)} FROM calls{clause}", tuple(params))]
+    # The attempts of those calls, whatever scope each ran in (a fallback's) and
+    # whenever it was admitted (after a wait past --since): one report, one set of calls.
+    selected = f" WHERE logical_call_id IN (SELECT logical_call_id FROM calls{clause})" if where else ""
     attempts = [AttemptRow(*r) for r in reader.query(
-        f"SELECT {', '.join(AttemptRow._fields)} FROM attempts{clause}", tuple(params))]
+        f"SELECT {', '.join(AttemptRow._fields)} FROM attempts{selected}", tuple(params))]
     session_clause = " WHERE updated_at >= ?" if since is not None else ""
     sessions = [SessionRow(*r) for r in reader.query(
         f"SELECT {', '.join(SessionRow._fields)} FROM sessions{session_clause}",
