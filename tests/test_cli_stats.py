@@ -384,6 +384,21 @@ def test_default_database_from_a_file_without_scopes(
     assert not recwarn.list
 
 
+def test_a_configuration_file_that_is_missing_or_broken_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Probe finding (fourth round): with POLYGATE_CONFIG naming a missing file, stats
+    reported on the default database instead (chat and check-config exit 2)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("POLYGATE_CONFIG", str(tmp_path / "missing.toml"))
+    code, err = _stats_error(capsys)
+    assert code == 2 and "missing.toml: configuration file not found" in err
+    monkeypatch.delenv("POLYGATE_CONFIG")
+    (tmp_path / "polygate.toml").write_text("telemetry = [unclosed\n")
+    code, err = _stats_error(capsys)
+    assert code == 2 and "invalid TOML" in err
+
+
 # --------------------------------------------------------------------------- from real sessions
 
 

@@ -108,10 +108,10 @@ def default_db(env: dict[str, str] | None = None) -> str:
         if path is None:
             configured = environ.get("POLYGATE__TELEMETRY", "off")
         else:
-            try:
-                configured = read_toml(path).get("telemetry", "off")
-            except ConfigError:
-                configured = "off"
+            # A file named that is missing or not TOML is an error, as for every other
+            # command: reporting on the default database instead would answer about
+            # another database than the one configured.
+            configured = read_toml(path).get("telemetry", "off")
     if isinstance(configured, str) and configured and configured != "off":
         return configured
     return f"sqlite://{default_path(environ)}"
@@ -131,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
     if args.database and args.db and args.database != args.db:
         print("polygate stats: give the database once, as DB or as --db", file=sys.stderr)
         return 2
-    url = args.db or args.database or default_db()
+    try:
+        url = args.db or args.database or default_db()
+    except ConfigError as exc:
+        print(f"polygate stats: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     where = mask_url(url)
     try:
         reader = open_reader(url)
