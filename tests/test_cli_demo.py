@@ -26,4 +26,4 @@ def test_demo_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_demo_rejects_bad_counts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--calls", "0"]) == 2
-    assert "must be > 0" in capsys.readouterr().err
+    assert "polygate demo: --calls and --concurrency must be > 0" in capsys.readouterr().err

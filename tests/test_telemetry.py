@@ -396,6 +396,7 @@ async def test_unknown_scheme_is_a_config_error() -> None:
 def test_sqlite_urls_and_default_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert sqlite_path("sqlite:///tmp/x.db") == Path("/tmp/x.db")
     assert sqlite_path("sqlite:///tmp/with%20space.db") == Path("/tmp/with space.db")
+    assert sqlite_path("sqlite:////tmp/x.db") == Path("/tmp/x.db")  # one slash too many: shown once
     env = {"HOME": "/home/u", "XDG_STATE_HOME": str(tmp_path)}
     assert sqlite_path("sqlite://", env) == tmp_path / "polygate" / "telemetry.db"
     assert state_dir({"HOME": "/home/u"}, "linux") == Path("/home/u/.local/state/polygate")

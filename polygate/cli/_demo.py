@@ -54,7 +54,7 @@ def configurations(scale: float = 1.0) -> list[tuple[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     if args.calls <= 0 or args.concurrency <= 0:
-        print("error: --calls and --concurrency must be > 0", file=sys.stderr)
+        print("polygate demo: --calls and --concurrency must be > 0", file=sys.stderr)
         return 2
     from ._replay import Summary, incident_upstreams, run_virtual, summarize
 

@@ -44,6 +44,8 @@ def sqlite_path(url: str, env: dict[str, str] | None = None) -> Path:
     path = unquote(urlsplit(url).path)
     if path in ("", "/"):
         return default_path(env)
+    if path.startswith("//"):  # sqlite://///x, one slash too many: the same file
+        path = "/" + path.lstrip("/")
     return Path(path)
 
 
