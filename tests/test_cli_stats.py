@@ -3,6 +3,7 @@ reports, plots, and every way of having nothing to report."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import sqlite3
 import sys
@@ -210,7 +211,8 @@ def test_scope_and_since_select_calls_with_all_their_attempts(
     sink.close()
     r = _json(capsys, "--db", str(path), "--scope", "chat", "--since", "2026-01-01T00:00:00+00:00")
     assert (r["calls"], r["attempts"]) == (5, 9)
-    r = _json(capsys, "--db", str(path), "--since", "60s")
+    cut_off = datetime.datetime.fromtimestamp(NOW - 50, tz=datetime.timezone.utc).isoformat()
+    r = _json(capsys, "--db", str(path), "--since", cut_off)  # (NOW is this module's import)
     assert (r["calls"], r["attempts"]) == (4, 8)
     assert r["attempts_per_call"]["mean"] == 2.0
     sources = {(s["scope"], s["source"]): s for s in r["sources"]}
