@@ -712,6 +712,14 @@ def test_profile_hang_phase_headers() -> None:
     assert Profile(streaming=False).draw(random.Random(0)).stream is False
 
 
+def test_profile_keeps_its_bases_keepalive() -> None:
+    """A probe found a Profile's keepalive_s (None by default) overwrote its base's:
+    'slow first token with keep-alives' scripted through a base sent none."""
+    base = Reply(keepalive_s=0.5, tokens=2)
+    assert Profile(first_token_s=2.0, base=base).draw(random.Random(0)).keepalive_s == 0.5
+    assert Profile(keepalive_s=1.0, base=base).draw(random.Random(0)).keepalive_s == 1.0
+
+
 def test_validation() -> None:
     with pytest.raises(ValueError, match="fault"):
         Reply(fault="bogus")  # type: ignore[arg-type]

@@ -185,7 +185,9 @@ class Profile:
     stall (``stall_p``) puts ``stall_s`` of silence after a random token strictly
     inside the stream.  Malformed/truncated/reset faults strike after a random
     number of tokens.  ``streaming=False`` answers stream requests with plain JSON.
-    Fields a Profile does not draw come from ``base``.
+    Fields a Profile does not draw come from ``base``; ``keepalive_s`` is the
+    Profile's when set, else the base's.  The distribution fields are always drawn:
+    their defaults (0, 0, 8 tokens) replace the base's values.
     """
 
     first_token_s: Distribution = attrs.field(
@@ -242,7 +244,9 @@ class Profile:
             "first_token_s": first,
             "inter_token_s": inter,
             "tokens": tokens,
-            "keepalive_s": self.keepalive_s,
+            # Not drawn: the Profile's own value, else its base's (as every field it
+            # does not draw); a keep-alive set on the base was silently dropped.
+            "keepalive_s": self.keepalive_s if self.keepalive_s is not None else self.base.keepalive_s,
             "stream": self.base.stream if self.streaming else False,
         }
         if u_hang < self.hang_p:
