@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -565,3 +566,54 @@ async def test_done_is_read_as_openai_python_reads_it(done: bytes, ends: bool) -
             with pytest.raises(polygate.AllSourcesExhausted) as info:
                 await s.chat(MESSAGES)
     assert all("malformed" in str(e) for e in info.value.errors), info.value.errors
+
+
+_FINISHED = [
+    b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"hello"}}]}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+    b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}\n\n',
+]
+
+
+@pytest.mark.parametrize("cut", ["no chunked terminator", "short content-length", "cut before finish"])
+@pytest.mark.parametrize("api", ["chat", "stream_chat"])
+async def test_a_finished_stream_cut_before_done_is_complete(cut: str, api: str) -> None:
+    """SPEC §3: a stream with its finish_reason but no [DONE] is complete.  A probe found
+    it thrown away (and paid for again) when the connection then broke mid-frame: a
+    chunked body without its terminator, or shorter than its Content-Length.  Cut
+    before the finish_reason, it is still truncated."""
+    events = _FINISHED if cut != "cut before finish" else _FINISHED[:1]
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        if cut == "short content-length":
+            body = b"".join(events)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                  b"content-length: %d\r\n\r\n" % (len(body) + 100) + body)
+        else:
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                  b"transfer-encoding: chunked\r\n\r\n"
+                                  + b"".join(b"%x\r\n" % len(e) + e + b"\r\n" for e in events))
+        await stream.aclose()
+
+    async with raw_server(reply) as server:
+        settings = _one_source(server)
+        settings = attrs.evolve(settings, scopes={"chat": attrs.evolve(
+            settings.scopes["chat"], retry=polygate.Retry(max_attempts=1))})
+        async with polygate.session(settings) as s:
+            if cut == "cut before finish":
+                with pytest.raises((polygate.AllSourcesExhausted, polygate.TransientUpstreamError)):
+                    await _answer(s, api)
+                return
+            response = await _answer(s, api)
+    assert (response.text, response.finish_reason) == ("hello", "stop")
+    assert response.usage is not None and response.usage.total_tokens == 4
+
+
+async def _answer(s: polygate.Session, api: str) -> polygate.ChatResponse:
+    if api == "chat":
+        return await s.chat(MESSAGES)
+    async with s.stream_chat(MESSAGES) as stream:
+        async for _ in stream:
+            pass
+    assert stream.response is not None
+    return stream.response

@@ -300,6 +300,13 @@ async def _read_sse(
                 except StopAsyncIteration:
                     events = decoder.flush()
                     ended = True
+                except httpx.TransportError:
+                    if not assembler.finished:
+                        raise
+                    # The answer had its finish_reason: complete without [DONE] (SPEC
+                    # §3), whether the body then ends cleanly, is cut mid-frame or reset.
+                    events = decoder.flush()
+                    ended = True
                 else:
                     events = events_of(piece)
             for event in events:
