@@ -617,3 +617,28 @@ async def _answer(s: polygate.Session, api: str) -> polygate.ChatResponse:
             pass
     assert stream.response is not None
     return stream.response
+
+
+async def test_a_stream_of_typed_content_parts_is_assembled() -> None:
+    """Mistral's magistral models stream ``delta.content`` as a list of typed parts
+    (thinking, then text), as their non-streamed message has it.  A probe found the
+    text dropped (``""``), no content token seen (no ttft; the watchdog would kill a
+    source that is answering), and stream_chat() yielding nothing."""
+
+    def part(kind: str, text: str) -> bytes:
+        content = ([{"type": "thinking", "thinking": [{"type": "text", "text": text}]}]
+                   if kind == "thinking" else [{"type": "text", "text": text}])
+        return b"data: " + json.dumps(
+            {"choices": [{"index": 0, "delta": {"content": content}}]}).encode() + b"\n\n"
+
+    body = (part("thinking", "Let me think. ") + part("text", "Hello") + part("text", " world")
+            + b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+            + b"data: [DONE]\n\n")
+    async with raw_server(_answers_sse(body)) as server, polygate.session(_one_source(server)) as s:
+        answer = await s.chat(MESSAGES)
+        async with s.stream_chat(MESSAGES) as stream:
+            texts = [chunk.text async for chunk in stream]
+    assert answer.text == "Hello world" == answer.message["content"]
+    assert answer.message.get("reasoning_content") == "Let me think. "
+    assert answer.call_stats.ttft_ms is not None
+    assert "".join(texts) == "Hello world"

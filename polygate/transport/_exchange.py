@@ -402,7 +402,39 @@ def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any
         )
     if chunk.get("error") is not None:
         raise _error_event(chunk, endpoint)
+    choices = chunk.get("choices")
+    if type(choices) is list:
+        for choice in choices:
+            delta = choice.get("delta") if type(choice) is dict else None
+            if type(delta) is dict and type(delta.get("content")) is list:
+                _flatten_parts(delta)
     return chunk
+
+
+def _flatten_parts(delta: dict[str, Any]) -> None:
+    """A delta whose ``content`` is a list of typed parts (Mistral's magistral models
+    stream ``{"type": "thinking", "thinking": [...]}`` then ``{"type": "text", ...}``
+    parts, the shape of their non-streamed message) as the string deltas every
+    OpenAI-compatible stream sends: the text parts become ``content``, the thinking
+    parts ``reasoning_content``.  So the answer's text is assembled, a part is a content
+    token (for the commit and the watchdog), and the gateway relays a string."""
+    text: list[str] = []
+    thought: list[str] = []
+    for part in delta["content"]:
+        if type(part) is not dict:
+            continue
+        if part.get("type") == "thinking":
+            inner = part.get("thinking")
+            if isinstance(inner, str):
+                thought.append(inner)
+            elif isinstance(inner, list):
+                thought += [p["text"] for p in inner if type(p) is dict and isinstance(p.get("text"), str)]
+        elif isinstance(part.get("text"), str):
+            text.append(part["text"])
+    delta["content"] = "".join(text)
+    if thought:
+        earlier = delta.get("reasoning_content")
+        delta["reasoning_content"] = (earlier if isinstance(earlier, str) else "") + "".join(thought)
 
 
 def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
