@@ -130,3 +130,18 @@ def test_text_parts_compact_without_changing_the_text(pieces: list[str]) -> None
         assert len(parts) == sum(int(digit, 16) for digit in f"{appended:x}")
     assert "".join(parts) == "".join(pieces)
     assert bool(parts) == bool(pieces)
+
+
+def test_reasoning_sent_under_both_names_is_assembled_once() -> None:
+    """A probe found 'Think hard.' assembled as 'ThinkThink hard. hard.' from deltas that
+    carry the same text as reasoning_content and reasoning (LightLLM, a vLLM PR)."""
+    assembler = ChatAssembler()
+    for piece in ("Think", " hard."):
+        assert assembler.add({"choices": [{"index": 0, "delta": {
+            "reasoning_content": piece, "reasoning": piece}}]})
+    assembler.add({"choices": [{"index": 0, "delta": {"content": "42"}, "finish_reason": "stop"}]})
+    message = assembler.build()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Think hard.", "42")
+    # an empty reasoning_content beside a reasoning: the reasoning counts
+    lone = ChatAssembler()
+    assert lone.add({"choices": [{"index": 0, "delta": {"reasoning_content": "", "reasoning": "x"}}]})

@@ -46,6 +46,10 @@ def _choice_has_content(choice: dict[str, Any]) -> bool:
     return isinstance(delta.get("function_call"), dict)
 
 
+def _nonempty(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
 def message_text(message: dict[str, Any]) -> str:
     content = message.get("content")
     if isinstance(content, str):
@@ -158,6 +162,8 @@ class _Choice:
                         self.content.append(value)
                         content = True
             elif key == "reasoning_content" or key == "reasoning":
+                if key == "reasoning" and _nonempty(delta.get("reasoning_content")):
+                    continue  # the same text under both names (LightLLM, some vLLM): once
                 if isinstance(value, str) and value:
                     self.reasoning.append(value)
                     content = True
