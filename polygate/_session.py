@@ -545,7 +545,10 @@ async def _deliver(
 
 
 def _has_output(message: Mapping[str, Any]) -> bool:
-    return any(message.get(k) for k in ("content", "reasoning_content", "refusal", "tool_calls"))
+    """Whether a whole (JSON) answer holds a content token (docs/concepts.md): the
+    legacy ``function_call`` and Ollama's ``reasoning`` count too."""
+    return any(message.get(k) for k in (
+        "content", "reasoning_content", "reasoning", "refusal", "tool_calls", "function_call"))
 
 
 # --------------------------------------------------------------------------- session()

@@ -642,3 +642,25 @@ async def test_a_stream_of_typed_content_parts_is_assembled() -> None:
     assert answer.message.get("reasoning_content") == "Let me think. "
     assert answer.call_stats.ttft_ms is not None
     assert "".join(texts) == "Hello world"
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+    {"role": "assistant", "content": "", "reasoning": "thinking..."},
+])
+async def test_a_json_answer_with_only_a_function_call_or_reasoning_is_one_chunk(
+    message: dict[str, Any],
+) -> None:
+    """stream_chat() over an upstream that answers JSON yields the whole answer as one
+    chunk; a probe found none for these two content tokens (docs/concepts.md)."""
+    body = json.dumps({"id": "x", "object": "chat.completion", "model": "m", "choices": [
+        {"index": 0, "message": message, "finish_reason": "stop"}]}).encode()
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(_sized(body))
+
+    async with raw_server(reply) as server, polygate.session(_one_source(server)) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            chunks = [chunk async for chunk in stream]
+    assert len(chunks) == 1
+    assert stream.response is not None
