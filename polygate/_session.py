@@ -477,7 +477,8 @@ class ChatStream:
 
     @property
     def text(self) -> str:
-        """What has been delivered so far (the first choice's content)."""
+        """The first choice's content handed to this stream so far: yielded, or queued
+        for the iterator (docs/concepts.md)."""
         return "".join(self.text_parts)
 
 

@@ -329,7 +329,7 @@ class ChatStream:
 
     @property
     def text(self) -> str:
-        """What has been delivered so far (the first choice's content)."""
+        """The first choice's content handed to this stream so far (see polygate.ChatStream.text)."""
         return str(self._stream.text)
 
     @property
