@@ -140,8 +140,15 @@ def _cleaned(choice: dict[str, Any], key: str) -> dict[str, Any]:
     if type(part) is dict:
         content = part.get("content")
         if content is not None and type(content) is not str:
-            out[key] = {**part, "content": ""}
+            # Typed parts: their text, as the library reads them (message_text); a
+            # number or an object: no text.
+            out[key] = {**part, "content": _parts_text(content) if type(content) is list else ""}
     return out
+
+
+def _parts_text(parts: list[Any]) -> str:
+    """The text parts of a typed content list, joined (as the library reads them)."""
+    return "".join(p["text"] for p in parts if type(p) is dict and isinstance(p.get("text"), str))
 
 
 def _not_text(choice: Any, key: str) -> bool:
