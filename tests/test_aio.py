@@ -92,6 +92,23 @@ def test_every_public_session_method_is_bridged() -> None:
             assert inspect.iscoroutinefunction(explicit) == inspect.iscoroutinefunction(member), name
 
 
+def test_session_takes_the_same_arguments_as_the_trio_one() -> None:
+    """SPEC §8.4: 'same arguments as polygate.session' (a probe found rng= refused)."""
+    trio_side = inspect.signature(polygate.session).parameters
+    aio_side = inspect.signature(polygate.aio.session).parameters
+    assert list(aio_side) == list(trio_side)
+    assert all(aio_side[n].default == trio_side[n].default for n in trio_side)
+
+
+async def test_a_seeded_rng_reaches_the_session() -> None:
+    import random
+
+    rng = random.Random(7)
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=fake(Reply()).transport(),
+                                    rng=rng) as s:
+        assert s._session._runtime.rng is rng  # what picks sources and jitters backoff
+
+
 async def test_a_new_session_method_needs_no_line(monkeypatch: pytest.MonkeyPatch) -> None:
     async def echo(self: polygate.Session, value: int, *, twice: bool = False) -> int:
         await trio.lowlevel.checkpoint()  # trio code, run in polygate's trio run

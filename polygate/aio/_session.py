@@ -34,6 +34,7 @@ import asyncio
 import contextvars
 import functools
 import inspect
+import random
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
@@ -456,13 +457,15 @@ async def session(
     *,
     env: Mapping[str, str] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    rng: random.Random | None = None,
 ) -> AsyncIterator[Session]:
     """Open a polygate session from asyncio code (asyncio, uvloop, uvicorn, or
     trio-asyncio's loop).  Same arguments and behaviour as :func:`polygate.session`:
     leaving it flushes and closes everything, and cancels calls still in flight."""
     host = await acquire()
     try:
-        owner = _Owner(host, lambda: polygate.session(settings, env=env, transport=transport))
+        owner = _Owner(
+            host, lambda: polygate.session(settings, env=env, transport=transport, rng=rng))
         host.submit(host.start_task, owner.run)
         try:
             trio_session = await asyncio.shield(owner.opened)
