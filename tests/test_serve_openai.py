@@ -84,6 +84,9 @@ async def test_async_stream(include_usage: bool) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == ["stop"]
+    # Every chunk carries the upstream's fingerprint, the gateway's own (role, finish,
+    # usage) too: the SDK's stream helper reads it from the first (a probe found it lost).
+    assert {c.system_fingerprint for c in chunks} == {"fp_fake"}
     usage = [c.usage for c in chunks if c.usage is not None]
     if include_usage:
         assert len(usage) == 1

@@ -108,12 +108,19 @@ class StreamShape:
 
     def _header(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         created = raw.get("created")
-        return {
+        header = {
             "id": raw.get("id") or "chatcmpl-polygate",
             "object": "chat.completion.chunk",
             "created": created if isinstance(created, int) else int(time.time()),
             "model": raw.get("model") or "",
         }
+        # What every chunk of an OpenAI stream carries when the upstream sent it: the
+        # SDK's stream helper reads the fingerprint from the first (this role chunk).
+        for key in ("system_fingerprint", "service_tier"):
+            value = raw.get(key)
+            if isinstance(value, str):
+                header[key] = value
+        return header
 
 
 def string_content(choices: list[Any], key: str) -> list[Any] | None:
