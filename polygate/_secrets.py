@@ -16,6 +16,7 @@ would garble messages more than they protect.
 from __future__ import annotations
 
 import functools
+import html
 import json
 import re
 from collections.abc import Iterable
@@ -50,6 +51,9 @@ def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
         found.add(json.dumps(secret, ensure_ascii=False)[1:-1])
         found.add(quote(secret, safe=""))  # a URL's percent-encoding
         found.add(quote(secret))
+        found.add(html.escape(secret))  # an HTML error page (&amp; &lt; &#x27;)
+        found.add(html.escape(secret, quote=False))
+        found.add(secret.lower())  # a header value compared case-insensitively
     return tuple(sorted((f for f in found if len(f) >= MIN_SECRET_LEN), key=len, reverse=True))
 
 

@@ -3,11 +3,13 @@ any cut; keys that can travel in a header; URLs whose passwords a parser misread
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -34,6 +36,8 @@ PASSWORD = "Xk9mQ2vLr7#Tq/z?w"
     repr(KEY.encode())[2:-1],
     json.dumps(KEY)[1:-1],
     quote(KEY, safe=""),
+    html.escape(KEY),  # an HTML error page
+    KEY.lower(),  # a header value read case-insensitively
 ])
 def test_every_spelling_of_a_secret_is_redacted(spelling: str) -> None:
     assert redact(f"echo: {spelling}!", (KEY,)) == "echo: ***!"
@@ -197,3 +201,36 @@ def test_a_base_url_that_cannot_work_as_written_is_refused(url: str, problem: st
 
 def test_an_at_sign_in_a_base_url_path_is_fine() -> None:
     polygate.Source(name="a", base_url="http://h/v1/@models")
+
+
+@pytest.mark.parametrize("header", ["content-type", "content-encoding"])
+async def test_a_key_in_an_upstream_response_header_never_shows(header: str, tmp_path: Path) -> None:
+    """A probe found the source's key, echoed by an upstream in a response header, in
+    the error's message: whole from Content-Type (a body that was not JSON), lower-cased
+    from Content-Encoding, and so in the telemetry rows and a gateway's 502 body."""
+    from ._raw_server import raw_server
+
+    value = f"text/plain; k={KEY}" if header == "content-type" else f"gzip-{KEY}"
+
+    async def reply(stream: Any, head: bytes) -> None:
+        await stream.send_all(f"HTTP/1.1 200 OK\r\n{header}: {value}\r\n"
+                              "content-length: 3\r\n\r\nabc".encode("latin-1"))
+
+    db = tmp_path / "t.db"
+    async with raw_server(reply) as server:
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url=server.url, api_key=KEY, streaming=False)],
+            retry=polygate.Retry(max_attempts=1))}, telemetry=f"sqlite://{db}")
+        async with polygate.session(settings) as s:
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.chat([{"role": "user", "content": "hi"}])
+    text = f"{info.value!s} {info.value!r} {info.value.errors!r}"
+    for spelling in (KEY, KEY.lower(), KEY[:12]):
+        assert spelling not in text
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT * FROM calls").fetchall() + conn.execute(
+            "SELECT * FROM attempts").fetchall()
+    cells = [str(cell).lower() for row in rows for cell in row]
+    assert cells and not [c for c in cells if KEY.lower()[:12] in c]

@@ -200,7 +200,11 @@ class Cache:
         backend itself is fine."""
         self.errors += 1
         now = trio.current_time()
-        if pause:
+        if pause and now >= self._down_until:
+            # Once per pause: the lookups in flight when the backend stalled all fail
+            # together, and each doubling the pause would turn one short stall into the
+            # 30 s cap (8 lookups: 0.25 s * 2^7).  A failure that ends during the pause
+            # it caused changes nothing.
             self._pause = min(max(self._pause * 2, _PAUSE_MIN_S), _PAUSE_MAX_S)
             self._down_until = now + self._pause
         if now - self._last_warning >= _WARN_EVERY_S:

@@ -34,7 +34,7 @@ from .._errors import (
     error_message,
     error_status,
 )
-from .._secrets import redact
+from .._secrets import clip, redact
 from .._types import choice_index
 from ._assemble import ChatAssembler, malformed_index
 from ._pool import SENT_EXTENSION, LeanTransport, body_of
@@ -174,7 +174,13 @@ async def _exchange(
             return result
         finally:
             await _close(response)
-    except UpstreamError:
+    except UpstreamError as exc:
+        # Every message leaves redacted, whatever built it: some quote what the
+        # upstream sent (a header's value, its body), which may carry the key.
+        message = redact(exc.message, endpoint.secrets)
+        if message != exc.message:
+            exc.message = message
+            exc.args = (message,)
         raise
     except Exception as exc:
         error = _classified(exc, endpoint)
@@ -269,7 +275,7 @@ async def _read_sse(
     head: bytes = b"",
 ) -> dict[str, Any]:
     """``pieces``/``head``: the body's iterator after :func:`_sniff` read ``head``."""
-    refused = check_encoding(response, endpoint.name)
+    refused = check_encoding(response, endpoint.name, endpoint.secrets)
     if refused is not None:
         raise TransientUpstreamError(refused, source=endpoint.name)
     decoder = SSEDecoder(
@@ -470,8 +476,11 @@ async def _read_json(
     except ValueError:
         if ctype is None:
             ctype = response.headers.get("content-type", "?")
+        # The media type only (its parameters are the upstream's to fill), redacted
+        # before it is cut (a cut key no longer matches whole).
+        shown = clip(ctype.split(";", 1)[0].strip(), 80, endpoint.secrets)
         raise TransientUpstreamError(
-            f"malformed upstream body: not JSON (content-type {ctype[:80]}, {len(raw)} bytes)",
+            f"malformed upstream body: not JSON (content-type {shown}, {len(raw)} bytes)",
             source=endpoint.name,
         ) from None
     if isinstance(payload, dict) and payload.get("error") is not None:

@@ -252,7 +252,9 @@ def _mended(value: Any) -> Any:
     return value
 
 
-def check_encoding(response: httpx.Response, source: str) -> str | None:
+def check_encoding(
+    response: httpx.Response, source: str, secrets: Sequence[str] = ()
+) -> str | None:
     """Why the body must not be read, or None.
 
     polygate asks for ``accept-encoding: identity``; a body in any other coding is
@@ -260,10 +262,13 @@ def check_encoding(response: httpx.Response, source: str) -> str | None:
     wire can become gigabytes in memory (stacked gzip layers), and refusing keeps
     one cap, ``max_body_bytes``, measuring what is held.
     """
-    coding = response.headers.get("content-encoding", "").strip().lower()
-    if coding in ("", "identity"):
+    coding = response.headers.get("content-encoding", "").strip()
+    if coding.lower() in ("", "identity"):
         return None
-    return f"upstream sent a body with content-encoding {coding[:40]!r} (polygate asks for identity)"
+    # As sent (a key in it is redacted by the exchange only if its case is kept), and
+    # cut short of 40 characters the way that drops a key's cut tail.
+    shown = clip(coding, 40, secrets)
+    return f"upstream sent a body with content-encoding {shown!r} (polygate asks for identity)"
 
 
 def body_pieces(response: httpx.Response) -> AsyncIterator[bytes]:
@@ -321,7 +326,7 @@ async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None
     excerpt = b""
     cut = False
     code = None
-    refused = check_encoding(response, endpoint.name)
+    refused = check_encoding(response, endpoint.name, endpoint.secrets)
     if refused is None:
         try:
             async for part in body_pieces(response):
