@@ -165,6 +165,26 @@ async def test_pauses_grow_and_reset(autojump_clock: trio.testing.MockClock) -> 
     assert await cache.get("k") is None and cache._pause == 0
 
 
+async def test_lookups_failing_together_pause_the_backend_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A probe found one short stall (8 lookups in flight, all timing out together)
+    doubling the pause 8 times, to the 30 s cap: the cache stayed off long after the
+    backend answered again.  A failure that ends during the pause lengthens nothing."""
+    backend = Flaky()
+    backend.slow = 0.2
+    cache = Cache(backend)
+    backend.down = True
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(cache.get, f"k{i}")
+    assert cache.errors == 8 and cache._pause == 0.25
+    backend.down, backend.slow = False, 0.0
+    backend.data["k"] = b"v"
+    await trio.sleep(0.25)
+    assert await cache.get("k") == b"v"
+
+
 async def test_writes_go_behind_and_are_served_meanwhile(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
