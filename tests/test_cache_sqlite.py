@@ -171,6 +171,27 @@ async def test_a_file_that_cannot_be_read_fails_open(tmp_path: Path) -> None:
     assert stats.errors >= 1 and stats.misses == 1
 
 
+async def test_a_value_stored_as_text_is_a_bad_entry(tmp_path: Path) -> None:
+    """A probe cast a stored value to TEXT (another program, a DB tool): the next call
+    raised a bare AttributeError.  It is a bad entry: counted, a miss, replaced."""
+    import sqlite3
+
+    path = tmp_path / "c.db"
+    up = FakeUpstream(Reply(text="answer"))
+    async with polygate.session(_settings(f"sqlite://{path}"), transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE polygate_cache SET value = CAST(value AS TEXT)")
+    async with polygate.session(_settings(f"sqlite://{path}"), transport=Router({"a": up})) as s:
+        again = await s.chat(MESSAGES)
+        stats = (await s.statistics()).cache
+    async with polygate.session(_settings(f"sqlite://{path}"), transport=Router({"a": up})) as s:
+        healed = await s.chat(MESSAGES)
+    assert again.text == "answer" and not again.call_stats.cached
+    assert (stats.errors, stats.misses) == (1, 1)
+    assert healed.call_stats.cached
+
+
 async def test_a_newer_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
     with sqlite3.connect(path) as conn:

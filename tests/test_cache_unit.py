@@ -83,6 +83,10 @@ def test_vector_round_trip_is_exact() -> None:
     b'{"f": 1, "k": "embed", "v": "@@@", "model": null, "source": null, "tokens": null, "us": null}',
     b'{"f": 1, "k": "embed", "v": "AAAA", "model": null, "source": null, "tokens": null, "us": null}',
     b"\xff\xfe",
+    # a value another program stored as text or a number (a probe found a SQLite TEXT
+    # value raising AttributeError out of the call)
+    '{"f": 1, "k": "chat"}',
+    42,
 ])
 def test_garbage_does_not_decode(data: bytes) -> None:
     with pytest.raises(ValueError):

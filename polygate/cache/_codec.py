@@ -63,10 +63,18 @@ def encode_chat(response: ChatResponse) -> bytes:
     return _dumps(entry).encode("utf-8", "surrogatepass")
 
 
+def _check_bytes(data: Any) -> None:
+    """An entry is bytes: a value another program stored as text (a SQLite TEXT
+    column, say) is a bad entry, not a failed call."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise ValueError(f"not a polygate entry (a {type(data).__name__}, not bytes)")
+
+
 def decode_chat(data: bytes) -> dict[str, Any]:
     """A fresh copy of a stored answer: the keyword arguments of a :class:`ChatResponse`
     but its ``call_stats`` (the caller's own), and ``scope``: the scope that answered
     (``None`` when the entry does not say)."""
+    _check_bytes(data)
     try:
         entry = json.loads(data.decode("utf-8", "surrogatepass"))  # str: no encoding sniffing
         if entry["f"] != _FORMAT or entry["k"] != "chat":
@@ -111,6 +119,7 @@ def encode_vector(
 
 def decode_vector(data: bytes) -> tuple[list[float], str | None, str | None, int | None, str | None]:
     """``(vector, model, source, tokens, usage_source)`` of an embedding entry."""
+    _check_bytes(data)
     try:
         entry = json.loads(data.decode("utf-8", "surrogatepass"))  # str: no encoding sniffing
         if entry["f"] != _FORMAT or entry["k"] != "embed":
