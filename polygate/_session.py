@@ -30,7 +30,14 @@ from ._key_quota import KeyQuotas
 from ._ocr import run_ocr
 from ._resume import resumable_delta
 from ._structured import prepare
-from ._types import ChatResponse, EmbeddingResponse, OcrResponse, StreamChunk, choice_index
+from ._types import (
+    ChatResponse,
+    EmbeddingResponse,
+    OcrResponse,
+    StreamChunk,
+    choice_index,
+    json_default,
+)
 from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
@@ -225,10 +232,11 @@ class Session:
 # One encoder each, made once: json.dumps with arguments builds a new one per call.
 # allow_nan=False: NaN and ±Infinity are not JSON (the default encoder writes bare
 # NaN/Infinity tokens an upstream may reject, or worse, read); the check is free.
-_encode_messages = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+_encode_messages = json.JSONEncoder(
+    ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=json_default).encode
 # ensure_ascii=False as the wire encodes them: a lone surrogate stays a character here,
 # so _check_utf8 sees it (an escaped one would pass the check and fail at send).
-_encode_params = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+_encode_params = json.JSONEncoder(ensure_ascii=False, allow_nan=False, default=json_default).encode
 _NOT_UNICODE = "is not valid Unicode (a lone surrogate, e.g. U+D800, cannot be sent as UTF-8)"
 
 

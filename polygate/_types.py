@@ -13,6 +13,15 @@ __all__ = [
 ]
 
 
+def json_default(value: Any) -> Any:
+    """For ``json`` encoders (``default=``): a Mapping that is not a dict (a
+    MappingProxyType, a custom message class) is encoded as its items, as the public
+    signatures (``Sequence[Mapping]``) allow."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def choice_index(choice: Mapping[str, Any]) -> int | None:
     """A choice's ``index`` as the wire gives it, or ``None`` when it is malformed.
 

@@ -326,6 +326,24 @@ async def test_non_finite_numbers_are_refused_before_any_io(
     assert up.requests == []
 
 
+async def test_messages_may_be_any_mapping(autojump_clock: trio.testing.MockClock) -> None:
+    """The signature takes Sequence[Mapping]: a probe found a MappingProxyType message
+    (or parameter value) refused as 'not JSON-serialisable'.  It goes out as its items,
+    and is cached under the same key as the dict."""
+    import types
+
+    up = FakeUpstream(Reply(text="ok"))
+    scope = polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)
+    settings = polygate.Settings(scopes={"chat": scope}, cache="memory")
+    frozen = [types.MappingProxyType(dict(m)) for m in MESSAGES]
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        first = await s.chat(frozen, response_format=types.MappingProxyType({"type": "text"}))
+        again = await s.chat(MESSAGES, response_format={"type": "text"})
+    assert first.text == "ok" and again.call_stats.cached
+    assert up.requests[0].body["messages"] == [dict(m) for m in MESSAGES]
+    assert up.requests[0].body["response_format"] == {"type": "text"}
+
+
 async def test_params_pass_through(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream(Reply())
     settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[

@@ -21,6 +21,7 @@ from .._errors import (
     error_message,
 )
 from .._secrets import clip, is_header_safe
+from .._types import json_default
 
 __all__ = [
     "CALL_ID_HEADER",
@@ -161,7 +162,7 @@ def chat_body(
 _ESCAPE = "backslashreplace"
 
 
-_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=json_default).encode
 
 
 def embeddings_body(endpoint: Endpoint, inputs: Sequence[str], params: Mapping[str, Any]) -> bytes:
@@ -169,7 +170,7 @@ def embeddings_body(endpoint: Endpoint, inputs: Sequence[str], params: Mapping[s
     if endpoint.model is not None:
         body["model"] = endpoint.model
     body["input"] = list(inputs)
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8", _ESCAPE)
+    return _ENCODE(body).encode("utf-8", _ESCAPE)
 
 
 # A JSON string, escapes included (brackets inside one are not nesting).
