@@ -11,6 +11,7 @@ where the settings validator names the field); no message holds the password.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from urllib.parse import SplitResult, unquote
 
@@ -65,3 +66,8 @@ def check_tls_options(scheme: str, options: dict[str, Any], say: str = "") -> No
     not use TLS while its configuration says how to verify it.  Refused instead."""
     if scheme != "rediss" and ("ssl_ca_certs" in options or "ssl_cert_reqs" in options):
         raise ConfigError(f"{say}options ssl_ca_certs and ssl_cert_reqs need a rediss:// URL")
+    ca = options.get("ssl_ca_certs")
+    if ca is not None and not os.path.exists(ca):
+        # Looked for now, not at the first connection: a missing file is a setting to
+        # fix (it surfaced as a bare FileNotFoundError, naming nothing, at session open).
+        raise ConfigError(f"{say}option ssl_ca_certs names no file or folder: {ca!r}")

@@ -88,6 +88,7 @@ def test_parsed_options() -> None:
         ("redis://h/0?db=3", "unknown option 'db' for a redis cache"),
         ("redis://h/0?ssl_cert_reqs=none", "need a rediss:// URL"),
         ("rediss://h/0?ssl_cert_reqs=maybe", "ssl_cert_reqs must be one of"),
+        ("rediss://h/0?ssl_ca_certs=/nonexistent/ca.pem", "ssl_ca_certs names no file"),
     ],
 )
 def test_bad_urls(url: str, problem: str) -> None:

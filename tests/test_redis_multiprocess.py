@@ -211,6 +211,8 @@ def test_keys_are_namespaced_and_all_expire(server: RedisServer) -> None:
         # to verify it.  The cache refuses the same URL with the same words.
         ("redis://h/0?ssl_cert_reqs=none", "need a rediss:// URL"),
         ("redis://h/0?ssl_ca_certs=/etc/ca.pem", "need a rediss:// URL"),
+        # a CA file that is not there: named now, not a bare FileNotFoundError at open
+        ("rediss://h/0?ssl_ca_certs=/nonexistent/ca.pem", "ssl_ca_certs names no file"),
         ("redis://h/0?poll_s=1&lease_s=1", "poll_s"),
         ("http://h/0", "scheme"),
         ("redis:///0", "host"),
