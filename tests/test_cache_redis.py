@@ -105,7 +105,7 @@ async def test_a_huge_ttl_is_stored_as_the_longest_redis_keeps(redis_server: Red
 
 
 async def test_round_trips(redis_server: RedisServer) -> None:
-    """A hit is one GET; a miss is one GET before the upstream call, and its answer
+    """A hit is one lookup; a miss is one lookup before the upstream call, and its answer
     is written behind (one SET, pipelined with others, off the call path)."""
     url, _ = _url(redis_server)
     question = _question()
@@ -123,12 +123,40 @@ async def test_round_trips(redis_server: RedisServer) -> None:
             assert (await s.chat(question)).call_stats.cached
         hit_trips = (backend.read_round_trips - trips) / 10
         after_hits = await _commandstats(redis_server)
-    assert miss_trips == 1  # the GET on the call path
-    assert after_miss.get("get", 0) - before.get("get", 0) == 1
+    assert miss_trips == 1  # the lookup (an MGET of one key) on the call path
+    assert after_miss.get("mget", 0) - before.get("mget", 0) == 1
     assert after_miss.get("set", 0) - before.get("set", 0) == 1
     assert hit_trips == 1
-    assert after_hits.get("get", 0) - after_miss.get("get", 0) == 10
+    assert after_hits.get("mget", 0) - after_miss.get("mget", 0) == 10
     assert after_hits.get("set", 0) == after_miss.get("set", 0)
+
+
+async def test_a_key_of_another_type_is_a_miss_written_over(redis_server: RedisServer) -> None:
+    """A probe put another program's hash where an answer's key goes: GET failed on it
+    (WRONGTYPE), which paused the whole cache and dropped the write that would have
+    healed the key.  It is a miss, the answer replaces it, and nothing pauses."""
+    url, prefix = _url(redis_server)
+    question = _question()
+    up = FakeUpstream(Reply(text="answer"))
+    async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+        await s.chat(question)
+        cache: Any = s._cache
+        await cache.aclose()  # the write has landed
+    import coredis
+
+    async with coredis.Redis(host="127.0.0.1", port=redis_server.port) as client:
+        (key,) = await client.keys(f"{prefix}:*")
+        await client.delete([key])
+        await client.hset(key, {"field": "value"})
+    async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+        first = await s.chat(question)
+        other = await s.chat(_question())  # an unrelated lookup right after: not paused
+        stats = (await s.statistics()).cache
+    async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+        healed = await s.chat(question)
+    assert not first.call_stats.cached and not other.call_stats.cached
+    assert (stats.errors, stats.writes_dropped) == (0, 0)
+    assert healed.call_stats.cached
 
 
 async def test_writes_are_batched(redis_server: RedisServer) -> None:

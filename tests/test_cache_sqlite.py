@@ -192,6 +192,27 @@ async def test_a_value_stored_as_text_is_a_bad_entry(tmp_path: Path) -> None:
     assert healed.call_stats.cached
 
 
+async def test_a_row_with_no_time_for_its_expiry_is_a_miss(tmp_path: Path) -> None:
+    """A probe wrote a row whose expires_at was text: the lookup failed as the backend's
+    failure, paused the whole cache and never healed.  It is an expired row: a miss,
+    written over."""
+    import sqlite3
+
+    path = tmp_path / "c.db"
+    up = FakeUpstream(Reply(text="answer"))
+    async with polygate.session(_settings(f"sqlite://{path}"), transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE polygate_cache SET expires_at = 'never'")
+    async with polygate.session(_settings(f"sqlite://{path}"), transport=Router({"a": up})) as s:
+        again = await s.chat(MESSAGES)
+        stats = (await s.statistics()).cache
+    async with polygate.session(_settings(f"sqlite://{path}"), transport=Router({"a": up})) as s:
+        healed = await s.chat(MESSAGES)
+    assert not again.call_stats.cached and stats.errors == 0
+    assert healed.call_stats.cached
+
+
 async def test_a_newer_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
     with sqlite3.connect(path) as conn:

@@ -100,12 +100,13 @@ class RedisBackend:
         names = [self._prefix + k for k in keys]
 
         async def send() -> Any:
-            command = b"GET" if len(names) == 1 else b"MGET"
-            return await self._request(command, *names)
+            # MGET even for one key: a key of another type under the prefix (another
+            # program's hash) reads as nil, a miss the answer's SET then writes over;
+            # GET fails on it (WRONGTYPE), and the failure would pause the whole cache.
+            return await self._request(b"MGET", *names)
 
         self.read_round_trips += 1
-        reply = await self._bounded(send, "GET" if len(names) == 1 else "MGET")
-        values = [reply] if len(names) == 1 else reply
+        values = await self._bounded(send, "MGET")
         if not isinstance(values, list) or len(values) != len(names):
             raise CacheBackendError(f"cache {self._where}: unexpected reply to a lookup")
         return [v if isinstance(v, bytes) else None for v in values]

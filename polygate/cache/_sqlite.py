@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -65,6 +65,15 @@ _SCHEMA = (
 _GET = "SELECT value, expires_at FROM polygate_cache WHERE key = ?"
 _PUT = "INSERT OR REPLACE INTO polygate_cache (key, value, expires_at) VALUES (?, ?, ?)"
 _EXPIRE = "DELETE FROM polygate_cache WHERE expires_at <= ?"
+
+
+def _live(expires_at: Any, now: float) -> bool:
+    """Whether a row has not expired.  A row another program wrote with a time that is
+    no number is treated as expired: a miss (its key is then written over), never a
+    failed lookup that would pause the whole cache."""
+    return isinstance(expires_at, (int, float)) and expires_at > now
+
+
 _IN_CHUNK = 500  # keys per SELECT … IN (…): well below SQLite's variable limit
 _EVICT_EVERY_S = 60.0
 _LOOP_KEYS = 16  # the most keys a read on the event loop looks up
@@ -236,7 +245,7 @@ class SQLiteBackend:
         now = self._clock()
         if len(keys) == 1:
             row = conn.execute(_GET, (keys[0],)).fetchone()
-            return [row[0] if row is not None and row[1] > now else None]
+            return [row[0] if row is not None and _live(row[1], now) else None]
         found: dict[str, bytes] = {}
         for i in range(0, len(keys), _IN_CHUNK):
             chunk = keys[i : i + _IN_CHUNK]
@@ -245,7 +254,7 @@ class SQLiteBackend:
                 f"SELECT key, value, expires_at FROM polygate_cache WHERE key IN ({marks})",
                 tuple(chunk),
             )
-            found.update((k, v) for k, v, e in rows if e > now)
+            found.update((k, v) for k, v, e in rows if _live(e, now))
         return [found.get(k) for k in keys]
 
     def _abandon(self, op: _Read) -> None:
