@@ -188,7 +188,8 @@ class Cache:
             self.failed(str(exc))
             return [None] * len(keys)
         except Exception as exc:  # a bug in a backend must not fail the call either
-            log.exception("cache lookup failed")
+            if trio.current_time() - self._last_warning >= _WARN_EVERY_S:
+                log.exception("cache lookup failed")  # (its traceback: at most every 10 s)
             self.failed(f"{type(exc).__name__} in a lookup")
             return [None] * len(keys)
         self._pause = 0.0
