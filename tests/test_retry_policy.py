@@ -56,3 +56,20 @@ def test_retry_after_http_date() -> None:
     assert value is not None and 25 <= value <= 31
     past = email.utils.formatdate(time.time() - 30, usegmt=True)
     assert parse_retry_after({"retry-after": past}) == 0.0
+
+
+@pytest.mark.parametrize("tz", ["UTC", "America/Los_Angeles", "Asia/Tokyo"])
+def test_retry_after_dates_without_a_zone_are_gmt(tz: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RFC 9110's asctime form and a '-0000' zone (email.utils.formatdate's default)
+    carry no zone: they are GMT, not the local time (a probe found a date 40 s ahead
+    read as 600 s under Los Angeles time, 0.1 s under Tokyo's)."""
+    monkeypatch.setenv("TZ", tz)
+    time.tzset()
+    try:
+        ahead = time.time() + 40
+        for when in (time.asctime(time.gmtime(ahead)), email.utils.formatdate(ahead)):
+            value = parse_retry_after({"retry-after": when})
+            assert value is not None and 35 <= value <= 41, (when, value)
+    finally:
+        monkeypatch.undo()
+        time.tzset()

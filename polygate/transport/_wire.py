@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import email.utils
 import itertools
 import json
@@ -397,6 +398,10 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
             return None
         if when is None:
             return None
+        if when.tzinfo is None:
+            # HTTP dates are GMT (RFC 9110): the asctime form and a "-0000" zone parse
+            # without one, and .timestamp() would read them as the local time.
+            when = when.replace(tzinfo=datetime.timezone.utc)
         value = when.timestamp() - time.time()
         value = max(value, 0.0)
     if not math.isfinite(value) or value < 0:
