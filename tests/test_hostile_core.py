@@ -664,3 +664,29 @@ async def test_a_json_answer_with_only_a_function_call_or_reasoning_is_one_chunk
             chunks = [chunk async for chunk in stream]
     assert len(chunks) == 1
     assert stream.response is not None
+
+
+@pytest.mark.parametrize("shape", ["json", "sse"])
+async def test_a_429_inside_a_200_keeps_the_responses_retry_after(shape: str) -> None:
+    """An error with code 429 inside a 200 (a JSON body, an SSE error event) is the
+    429 it says; a probe found the response's Retry-After ignored (1 s, not 30 s)."""
+    error = {"error": {"message": "slow down", "type": "rate_limit_error", "code": 429}}
+    if shape == "json":
+        body, ctype = json.dumps(error).encode(), b"application/json"
+    else:
+        body, ctype = b"data: " + json.dumps(error).encode() + b"\n\n", b"text/event-stream"
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype + b"\r\nretry-after: 30\r\n"
+                              b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    async with raw_server(reply) as server:
+        settings = _one_source(server, streaming=shape == "sse")
+        settings = attrs.evolve(settings, scopes={"chat": attrs.evolve(
+            settings.scopes["chat"], retry=polygate.Retry(max_attempts=1), call_deadline_s=5)})
+        async with polygate.session(settings) as s:
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.chat(MESSAGES)
+    (error_,) = info.value.errors
+    assert isinstance(error_, polygate.RateLimitedError)
+    assert error_.retry_after_s == 30.0

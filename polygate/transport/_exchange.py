@@ -50,6 +50,7 @@ from ._wire import (
     check_encoding,
     check_readable,
     embeddings_body,
+    parse_retry_after,
     raise_for_status,
     read_capped,
 )
@@ -172,6 +173,12 @@ async def _exchange(
             if timeline.ended_at is None:
                 timeline.ended_at = trio.current_time()
             return result
+        except UpstreamError as exc:
+            if exc.status_code is not None and exc.retry_after_s is None:
+                # An error inside a 200 (a JSON error body, an SSE error event) with a
+                # code: the response's Retry-After applies, as on that real status.
+                exc.retry_after_s = parse_retry_after(response.headers)
+            raise
         finally:
             await _close(response)
     except UpstreamError as exc:
