@@ -186,7 +186,8 @@ class AllSourcesExhausted(PolygateError):
     """Every allowed attempt failed; ``errors`` holds each attempt's error in order.
 
     ``retry_after_s``: when admission refused the call because every source was over
-    its RPM/TPM quota or cooling down after a 429 until past the call's deadline, the
+    its RPM/TPM quota or cooling down (after a 429, or a 5xx that sent Retry-After)
+    until past the call's deadline, the
     seconds until the first of them may admit it; ``None`` otherwise (then ``errors``
     says what happened: a 429's own ``retry_after_s`` is on its ``RateLimitedError``)."""
 
