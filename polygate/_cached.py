@@ -93,6 +93,10 @@ class _Call:
         self.deadline_at = None if deadline_s is None else self.ctx.started_at + deadline_s
         # True once this call has a telemetry row, or an upstream call that writes one
         self.recorded = False
+        # What the upstream calls this call made and finished cost (an embed's runs of
+        # its misses): in its statistics however it ends, a later wait failing included.
+        self.done_attempts = 0
+        self.done_generation_ms = 0.0
 
     async def within(self, work: Callable[[], Awaitable[Any]]) -> Any:
         """``work`` (a lookup, a wait, a replay) under the call deadline.  Never wraps
@@ -124,6 +128,7 @@ class _Call:
             logical_call_id=self.ctx.logical_call_id, source=source, cached=cached,
             total_latency_ms=(trio.current_time() - self.ctx.started_at) * 1000.0,
             scope=scope or self.ctx.scope_name,
+            attempts=self.done_attempts, generation_ms=self.done_generation_ms,
         )
 
     def timed_out(self) -> DeadlineExceeded:
@@ -467,12 +472,16 @@ async def cached_embed(
         except _SHARED as exc:
             for k, f in flights.items():
                 cache.flights.settle(k, f, error=exc)
+            _count_earlier_runs(call, exc)
             raise
-        except BaseException:
+        except BaseException as exc:
             for k, f in flights.items():
                 cache.flights.settle(k, f)
+            _count_earlier_runs(call, exc)
             raise
         runs.append(response)
+        call.done_attempts += response.call_stats.attempts
+        call.done_generation_ms += response.call_stats.generation_ms
         try:
             shares = _token_shares(response.usage, [texts[k] for k in led])
             usage_source = response.usage.source if response.usage is not None else None
@@ -552,6 +561,17 @@ async def cached_embed(
 
     result: EmbeddingResponse = await _guard(call, body)
     return result
+
+
+def _count_earlier_runs(call: _Call, exc: BaseException) -> None:
+    """An embed run that failed reports its own attempts: the call's other runs,
+    finished before it, count too."""
+    stats = getattr(exc, "call_stats", None)
+    if isinstance(stats, CallStats) and call.done_attempts:
+        exc.call_stats = attrs.evolve(  # type: ignore[attr-defined]
+            stats, attempts=stats.attempts + call.done_attempts,
+            generation_ms=stats.generation_ms + call.done_generation_ms,
+        )
 
 
 def _encoded_vector(

@@ -704,3 +704,31 @@ async def test_an_embed_waiter_leads_an_abandoned_input_at_once(
         (["a", "b"], 0), (["c"], 0.5), (["b"], 1)]
     assert done["waiter"] == pytest.approx(3.0)
     assert (stats.misses, stats.coalesced) == (4, 0)
+
+
+async def test_an_embed_call_that_fails_waiting_still_counts_its_own_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Probe finding (ninth round): an embed call that sent its misses upstream and then
+    ran out of its deadline waiting on another call's input reported attempts=0 (its
+    row too), though its own request had gone out and been answered."""
+    def slow_for_b(request: Any, rng: Any) -> Reply:
+        return Reply(embedding_dim=3, first_token_s=100 if "b" in request.body["input"] else 1)
+
+    up = FakeUpstream(slow_for_b)
+    capture = Capture()
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        s._runtime.recorder = capture
+
+        async def leader() -> None:  # leads "b", which takes 100 s
+            with trio.move_on_after(50):
+                await s.embed(["b"])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(leader)
+            await trio.sleep(0.5)
+            with pytest.raises(polygate.DeadlineExceeded) as info:
+                await s.embed(["b", "c"], call_deadline_s=5)  # leads "c" (1 s), waits on "b"
+    assert info.value.call_stats is not None and info.value.call_stats.attempts == 1
+    rows = [st for st, err, _ in capture.calls if isinstance(err, polygate.DeadlineExceeded)]
+    assert [st.attempts for st in rows] == [1]
