@@ -335,6 +335,21 @@ async def test_adaptive_threshold_learns_the_quantile(autojump_clock: trio.testi
     assert b.requests[0].started_at - a.requests[-1].started_at == pytest.approx(3)
 
 
+async def test_a_call_exactly_as_slow_as_the_quantile_is_not_hedged(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """'Hedges when a path is slower than that quantile' (SPEC §4): a probe found a
+    source answering at a constant 1.0 s hedged at 0.99 s on every call once learnt,
+    the sketch's answer being up to 1 % under the samples of its bucket."""
+    a = FakeUpstream(Reply(first_token_s=1.0))
+    b = FakeUpstream(Reply(first_token_s=1.0))
+    hedge = polygate.Hedge(after_quantile=0.95, max_after_s=20, budget_burst=10)
+    settings = _settings(hedge=hedge, source_kw={"b": {"weight": 1e-9}})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        hedges = [(await s.chat(MESSAGES)).call_stats.hedges for _ in range(40)]
+    assert hedges == [0] * 40 and b.requests == []
+
+
 async def test_every_attempt_carries_the_logical_call_id(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
