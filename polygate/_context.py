@@ -187,7 +187,9 @@ class CallContext:
     logical_call_id: str = attrs.field(factory=new_call_id)
     attempts: list[AttemptRecord] = attrs.field(factory=list)
     hedges: int = 0
-    hedge_refused: bool = False  # the hedge budget refused this call once (counted once)
+    # The scopes whose hedge budget refused this call (each counted once per call: a
+    # call that moved to a fallback scope is refused there on that scope's budget).
+    hedge_refused: set[str] = attrs.field(factory=set)
     streaming_to_caller: bool = False
     continuation: Continuation | None = None  # set once a committed stream resumes
     first_scope: str | None = None  # the scope asked, once the call moved to a fallback

@@ -352,9 +352,10 @@ class Round:
         try:
             # The budget's refusals are counted per call, not per re-check.
             took = await governor.take_hedge_token(
-                ctx.scope_name, count_refusal=not ctx.hedge_refused
+                ctx.scope_name, count_refusal=ctx.scope_name not in ctx.hedge_refused
             )
-            ctx.hedge_refused |= not took
+            if not took:
+                ctx.hedge_refused.add(ctx.scope_name)
         except GovernanceBackendError:
             took = False
         if took and not self._decided():

@@ -350,6 +350,31 @@ async def test_a_call_exactly_as_slow_as_the_quantile_is_not_hedged(
     assert hedges == [0] * 40 and b.requests == []
 
 
+async def test_a_refusal_in_a_fallback_scope_counts_in_that_scope(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """hedges_suppressed_by_budget is per scope: a call refused a hedge in x, moved to
+    its fallback y and refused there too counts once in each (a probe found y's missing:
+    one flag per call, not per scope)."""
+    def sources(scope: str) -> list[polygate.Source]:
+        return [polygate.Source(name="a", base_url=f"http://a{scope}/v1", weight=1.0, ttft_timeout_s=5),
+                polygate.Source(name="b", base_url=f"http://b{scope}/v1", weight=1e-9, ttft_timeout_s=5)]
+
+    hedge = polygate.Hedge(after_s=2, budget_burst=0.5, budget_ratio=0)  # never a whole token
+    settings = polygate.Settings(scopes={
+        "x": polygate.Scope(sources=sources("x"), hedge=hedge, retry=polygate.Retry(max_attempts=1),
+                            fallback="y"),
+        "y": polygate.Scope(sources=sources("y"), hedge=hedge, retry=polygate.Retry(max_attempts=1)),
+    })
+    ups = {n: FakeUpstream(Reply(first_token_s=90)) for n in ("ax", "bx", "ay", "by")}
+    async with polygate.session(settings, transport=Router(ups)) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat(MESSAGES, scope="x")
+        suppressed = (await s.statistics()).governance.hedges_suppressed_by_budget
+    assert suppressed == {"x": 1, "y": 1}
+    assert (len(ups["bx"].requests), len(ups["by"].requests)) == (0, 0)
+
+
 async def test_every_attempt_carries_the_logical_call_id(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
