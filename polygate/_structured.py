@@ -113,6 +113,9 @@ class _ModelSchema(Schema):
             raise ConfigError(
                 f"schema: cannot build a JSON Schema for {model.__name__}: {_first_line(exc)}"
             ) from None
+        # Sent upstream as the dict schema is: a lone surrogate in it (a description, a
+        # title) is refused the same way.
+        _check_text(json.dumps(self.json_schema, ensure_ascii=False, default=str))
         self._validate_json = model.model_validate_json
         self._error_type: type[Exception] = sys.modules["pydantic"].ValidationError
 
@@ -173,15 +176,19 @@ class _DictSchema(Schema):
 
     def validate(self, text: str) -> Any:
         try:
-            value = json.loads(_unfenced(text))
+            value = json.loads(_unfenced(text), parse_constant=_no_constant)
         except ValueError as exc:
             raise Invalid([f"$: not valid JSON ({exc})"]) from None
+        except RecursionError:  # Python's decoder recurses a level per bracket
+            raise Invalid(["$: nested too deeply to be read as JSON"]) from None
         validator = self._validator
         assert validator is not None, "validated before it was ready()"
         try:
             if validator.is_valid(value):
                 return value
             errors = sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.path)))
+        except RecursionError:  # an answer too deep for the validator to walk
+            raise Invalid(["$: nested too deeply to be validated"]) from None
         except Exception as exc:  # a reference below a nested $id that does not resolve
             raise ConfigError(f"schema: cannot be applied ({_first_line(exc)})") from None
         raise Invalid(_bounded(f"{e.json_path}: {e.message}" for e in errors))
@@ -283,6 +290,12 @@ def _first_line(exc: Any) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _no_constant(name: str) -> Any:
+    """NaN, Infinity and -Infinity are no JSON (Python's decoder reads them): an answer
+    holding one is not valid JSON, so it is re-asked."""
+    raise ValueError(f"{name} is not JSON")
+
+
 def _json_path(loc: Sequence[Any]) -> str:
     return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
 
@@ -296,9 +309,9 @@ def _bounded(lines: Any) -> list[str]:
         if len(out) == _MAX_PROBLEMS:
             extra += 1
             continue
-        out.append(line if len(line) <= _MAX_PROBLEM_CHARS else line[:_MAX_PROBLEM_CHARS] + "…")
-    if extra:
-        out.append(f"… and {extra} more")
+        out.append(line if len(line) <= _MAX_PROBLEM_CHARS else line[:_MAX_PROBLEM_CHARS - 1] + "…")
+    if extra:  # the last line says how many more: 20 lines in all
+        out[-1] = f"… and {extra + 1} more"
     return out or ["$: does not match the schema"]
 
 
@@ -322,6 +335,8 @@ def schema_of(schema: Any) -> Schema:
             text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"schema: a JSON Schema dict must be JSON-serialisable ({exc})") from None
+        except RecursionError:
+            raise ConfigError("schema: nested too deeply to be a JSON Schema") from None
         _check_text(text)
         prepared = _dict_schema(text)
         if not prepared.compiled and len(text) <= _INLINE_COMPILE_CHARS:

@@ -737,3 +737,49 @@ async def test_the_reask_loop_ends_within_max_reasks_plus_one_rounds(
     else:
         assert isinstance(outcome, (polygate.AllSourcesExhausted, polygate.FatalUpstreamError,
                                     polygate.DeadlineExceeded, polygate.TransientUpstreamError))
+
+
+@pytest.mark.parametrize("answer", ["[" * 3000 + "]" * 3000, '{"x": NaN}', '{"x": -Infinity}'])
+async def test_an_answer_no_json_reader_takes_is_reasked(
+    autojump_clock: trio.testing.MockClock, answer: str,
+) -> None:
+    """Probe findings (tenth round): a 6 KB answer nested 3000 deep raised a bare
+    RecursionError out of chat() (a dict schema); NaN and Infinity, which are no JSON,
+    were accepted as values.  Each is an invalid answer: re-asked, then
+    StructuredOutputError."""
+    up = FakeUpstream(Reply(text=answer))
+    async with polygate.session(with_structured(one_source_settings(), 1),
+                                transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.StructuredOutputError) as info:
+            # any number, and any array: only the JSON reading can refuse these
+            await s.chat(MESSAGES, schema={"type": ["object", "array"],
+                                           "properties": {"x": {"type": "number"}}})
+    assert info.value.call_stats is not None and info.value.call_stats.reasks == 1
+    assert len(up.requests) == 2
+
+
+def test_a_schema_too_deep_or_a_model_with_a_surrogate_is_a_config_error() -> None:
+    """Before any request: a dict schema 3000 levels deep raised a bare RecursionError,
+    and a pydantic model whose schema holds a lone surrogate (a description) was sent."""
+    from polygate._structured import schema_of
+
+    deep: dict[str, Any] = {}
+    for _ in range(3000):
+        deep = {"items": deep}
+    with pytest.raises(polygate.ConfigError, match="nested too deeply"):
+        schema_of(deep)
+
+    class Odd(pydantic.BaseModel):
+        x: int = pydantic.Field(description="\ud800")
+
+    with pytest.raises(polygate.ConfigError, match="lone surrogate"):
+        schema_of(Odd)
+
+
+def test_reported_problems_keep_their_documented_bounds() -> None:
+    """'At most 20, each at most 300 characters': it was 21 lines and 301 characters."""
+    from polygate._structured import _bounded
+
+    lines = _bounded(f"$.f{i}: " + "x" * 400 for i in range(30))
+    assert len(lines) == 20 and max(map(len, lines)) <= 300
+    assert lines[-1] == "… and 11 more"
