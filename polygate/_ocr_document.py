@@ -25,6 +25,7 @@ import importlib.util
 import io
 import os
 import stat
+import warnings
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,7 +35,7 @@ import trio
 
 from ._config import Ocr
 from ._errors import ConfigError
-from ._ocr_render import image_page, page_messages, tokens, unaltered
+from ._ocr_render import BadDocument, image_page, page_messages, tokens, unaltered
 from ._ocr_renderers import Renderers, new_key
 from ._threads import run_sync
 
@@ -130,7 +131,10 @@ class ImageDocument(Document):
 
 
 def _image_page(*args: Any) -> tuple[bytes, int, int]:
-    messages, width, height = image_page(*args)
+    try:
+        messages, width, height = image_page(*args)
+    except BadDocument as exc:
+        raise ConfigError(str(exc)) from None
     return messages.encode(), width, height  # here, in the worker thread
 
 
@@ -256,13 +260,25 @@ def _pil() -> Any:
 def _open_image(data: bytes, fmt: str, settings: Ocr) -> ImageDocument:
     image_mod = _pil()
     try:
-        with image_mod.open(io.BytesIO(data)) as image:
-            size = image.size
-            image.verify()  # structure and checksums, without decoding every pixel
+        with warnings.catch_warnings():
+            # Pillow warns above MAX_IMAGE_PIXELS; such an image is refused below.
+            warnings.simplefilter("ignore", image_mod.DecompressionBombWarning)
+            with image_mod.open(io.BytesIO(data)) as image:
+                size = image.size
+                image.verify()  # structure and checksums, without decoding every pixel
     except image_mod.DecompressionBombError as exc:
         raise ConfigError(f"the {fmt} image is too large to decode safely: {exc}") from None
     except Exception as exc:
-        raise ConfigError(f"the {fmt} image cannot be read: {exc}") from None
+        reason = "not a readable image" if "BytesIO" in str(exc) else str(exc)
+        raise ConfigError(f"the {fmt} image cannot be read: {reason}") from None
+    limit = image_mod.MAX_IMAGE_PIXELS
+    if limit is not None and size[0] * size[1] > limit:
+        # Pillow only warns up to twice its limit, and decodes: a 631-byte JPEG header
+        # declaring 13000 × 13000 took 1.3 GB.  Refused, before any I/O.
+        raise ConfigError(
+            f"the {fmt} image is {size[0]}×{size[1]} pixels, too large to decode safely "
+            f"(more than {limit:,} pixels)"
+        )
     if min(size) <= 0:
         raise ConfigError(f"the {fmt} image has no pixels ({size[0]}×{size[1]})")
     return ImageDocument(data, fmt, size, settings)

@@ -117,11 +117,15 @@ def _pil() -> Any:
     return Image, ImageOps
 
 
-def decoded(data: bytes) -> Any:
-    """The first frame, upright (EXIF orientation applied), fully decoded."""
+def decoded(data: bytes, max_side_px: int | None = None) -> Any:
+    """The first frame, upright (EXIF orientation applied), fully decoded; a JPEG at
+    the smallest power-of-two scale still at least ``max_side_px`` a side (Pillow's
+    ``draft``: a 13000 × 13000 JPEG decodes in ~100 MB, not ~1.3 GB)."""
     image_mod, image_ops = _pil()
     with image_mod.open(io.BytesIO(data)) as opened:
         opened.seek(0)
+        if max_side_px is not None and opened.format == "JPEG":
+            opened.draft(opened.mode, (max_side_px, max_side_px))
         image = image_ops.exif_transpose(opened)
         image.load()
         if image.mode.startswith("I"):
@@ -174,10 +178,15 @@ def image_page(
         uri = data_uri(_MIME[fmt], data)
     else:
         image_mod, _ = _pil()
-        image = decoded(data)
-        image.thumbnail((max_side_px,) * 2, image_mod.Resampling.LANCZOS)
-        width, height = image.size
-        uri = encoded(image, image_format)
+        try:
+            image = decoded(data, max_side_px)
+            image.thumbnail((max_side_px,) * 2, image_mod.Resampling.LANCZOS)
+            width, height = image.size
+            uri = encoded(image, image_format)
+        except Exception as exc:
+            # It opened and passed verify() but does not decode (a truncated scan, an
+            # empty IDAT, a broken WebP frame, no memory for it): a bad document.
+            raise BadDocument(f"the {fmt} image cannot be decoded: {type(exc).__name__}: {exc}") from None
     return page_messages(prompt, uri), width, height
 
 

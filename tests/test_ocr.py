@@ -576,3 +576,34 @@ def test_encoding_through_a_file_gives_the_same_image(fmt: str) -> None:
     else:
         image.save(expected, "JPEG", quality=_ocr_render._JPEG_QUALITY)
     assert base64.b64decode(uri.split(",", 1)[1]) == expected.getvalue()
+
+
+@pytest.mark.parametrize("render_in", ["process", "thread"])
+async def test_an_image_that_opens_but_does_not_decode_is_a_config_error(
+    autojump_clock: trio.testing.MockClock, render_in: str,
+) -> None:
+    """A probe found a truncated JPEG (it passes open() and verify()) failing only when
+    decoded, as a plain PolygateError 'the OCR renderer failed' (docs/ocr.md: a page
+    that opens but fails to render later raises ConfigError)."""
+    picture = io.BytesIO()
+    Image.new("RGB", (300, 300), (120, 30, 200)).save(picture, "JPEG", quality=95)
+    truncated = picture.getvalue()[: len(picture.getvalue()) // 3]
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(ocr_settings(max_side_px=100, render_in=render_in),
+                                transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="cannot be decoded"):
+            await s.ocr(truncated)
+    assert up.requests == []
+
+
+def test_an_image_over_the_pixel_limit_is_refused_before_any_io(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pillow only warns between its limit and twice it, and decodes: a probe's 631-byte
+    JPEG header declaring 13000 × 13000 took 1.3 GB in a renderer.  Over the limit is a
+    ConfigError when the document is opened, and no warning reaches the caller."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 6_000)
+    picture = io.BytesIO()
+    Image.new("RGB", (100, 100)).save(picture, "PNG")
+    with pytest.raises(polygate.ConfigError, match="100×100 pixels, too large to decode safely"):
+        _ocr_document._open_image(picture.getvalue(), "PNG", polygate.Ocr())
