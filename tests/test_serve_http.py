@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import attrs
 import h11
@@ -301,6 +302,60 @@ async def test_malformed_request_line_is_400() -> None:
             await stream.send_all(b"THIS IS NOT HTTP\r\n\r\n")
             data = await read_until_closed(stream)
     assert data.startswith(b"HTTP/1.1 400")
+
+
+async def _raw(server: Any, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection; everything the gateway answers until it closes."""
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    async with stream:
+        await stream.send_all(data)
+        return await read_until_closed(stream)
+
+
+def _chunked_chat(extra_head: bytes = b"") -> bytes:
+    body = json.dumps(CHAT).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\n" + _KEY_LINE + extra_head
+            + b"transfer-encoding: chunked\r\n\r\n%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+
+
+async def test_http_edges_found_by_a_probe() -> None:
+    """Probe findings (eleventh round), each at the raw HTTP edge."""
+    async with gateway() as (server, _):
+        # Content-Length beside Transfer-Encoding (request smuggling): answered, then
+        # closed (RFC 9112 §6.1); the bytes after the chunked body are never a request.
+        smuggled = _chunked_chat(b"content-length: 4\r\n") + request_bytes("GET", "/healthz")
+        data = await _raw(server, smuggled)
+        assert data.count(b"HTTP/1.1 ") == 1 and b"connection: close" in data.lower()
+        # An Upgrade that is not taken (h2c, websocket): the answer says close, so a
+        # pipelined request is not silently dropped by a close the client never heard of.
+        upgrade = request_bytes("GET", "/healthz", headers={"upgrade": "h2c", "connection": "upgrade"})
+        data = await _raw(server, upgrade)
+        assert data.startswith(b"HTTP/1.1 200") and b"connection: close" in data.lower()
+        # A bad header line: 400, and h11's words (which quote the line, a key with it)
+        # are not echoed.
+        data = await _raw(server, b"GET /healthz HTTP/1.1\r\nhost: g\r\nauthorization : Bearer "
+                          + GATEWAY_KEY.encode() + b"\r\n\r\n")
+        assert data.startswith(b"HTTP/1.1 400") and GATEWAY_KEY.encode() not in data
+        assert b"bytearray" not in data
+        # The absolute form of the target (a client with the gateway as its proxy).
+        data = await _raw(server, b"GET http://gateway/healthz HTTP/1.1\r\nhost: gateway\r\n"
+                          b"connection: close\r\n\r\n")
+        assert data.startswith(b"HTTP/1.1 200")
+        # 405 says which methods the URL takes (RFC 9110 §15.5.6).
+        answer = await http(server, "DELETE", "/v1/chat/completions", None, AUTH)
+        assert answer.status == 405 and answer.headers["allow"] == "POST"
+        answer = await http(server, "POST", "/healthz", {}, AUTH)
+        assert answer.status == 405 and answer.headers["allow"] == "GET, HEAD"
+
+
+async def test_a_chunked_body_over_the_cap_is_labelled_by_its_endpoint() -> None:
+    """The same 413 was labelled endpoint="other" when the body came chunked."""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_request_bytes=64)
+    async with gateway(serve=serve) as (server, _):
+        data = await _raw(server, _chunked_chat())
+        metrics = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
+    assert data.startswith(b"HTTP/1.1 413")
+    assert 'endpoint="/v1/chat/completions",status="413"' in metrics
 
 
 async def test_expect_100_continue_is_answered() -> None:

@@ -269,7 +269,8 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
     if request.method != method and not (request.method == "HEAD" and method == "GET"):
         return path, await _fail(ctx, ErrorReply(
             405, f"{request.method} is not allowed on {path} (use {method})",
-            "invalid_request_error", "method_not_allowed"))
+            "invalid_request_error", "method_not_allowed",
+            allow="GET, HEAD" if method == "GET" else method))
     if path == "/healthz":
         return path, await _send_json(ctx, 200, b'{"status":"ok"}')
     if path == "/readyz":

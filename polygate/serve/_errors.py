@@ -44,9 +44,13 @@ class ErrorReply:
     #: No retry can succeed: ``x-should-retry: false``, which the OpenAI SDKs obey
     #: (they retry a 429 with backoff whatever ``Retry-After`` says).
     final: bool = False
+    #: A 405's ``Allow`` (RFC 9110 §15.5.6): the methods the URL takes.
+    allow: str | None = None
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         out = [(b"content-type", b"application/json")]
+        if self.allow is not None:
+            out.append((b"allow", self.allow.encode()))
         if self.final:
             out.append((b"x-should-retry", b"false"))
         if self.retry_after_s is not None:

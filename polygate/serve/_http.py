@@ -82,6 +82,13 @@ class Request:
     body: bytes
 
 
+def _head_problem(status: int) -> str:
+    if status == 431:
+        return "malformed request: the request head is too large"
+    return ("malformed request: the request line or a header line is not valid HTTP/1.1 "
+            "(or a header is repeated that may not be)")
+
+
 class Connection:
     """One client connection: read a request, answer it, repeat."""
 
@@ -141,19 +148,30 @@ class Connection:
         self.head_only = event.method == b"HEAD"
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
         target = event.target.decode("latin-1")
+        if target[:8].lower().startswith(("http://", "https://")):
+            # The absolute form (RFC 9112 §3.2.2: a server MUST accept it), which a
+            # client configured with the gateway as its proxy sends: its path.
+            rest = target.split("://", 1)[1]
+            target = "/" + rest.split("/", 1)[1] if "/" in rest else "/"
         path = target.split("?", 1)[0]
         if len(headers) < len(event.headers) and sum(
                 k == b"authorization" for k, _ in event.headers) > 1:
             # It cannot repeat (RFC 9110): a proxy reading the first and this server
             # the last would disagree on who calls.
             raise HTTPProblem(400, "more than one Authorization header", "invalid_request", path)
-        tokens = headers.get("connection", "").lower()
+        # Every Connection header's tokens (a repeated one is one list, RFC 9110 §5.3).
+        tokens = b",".join(v for k, v in event.headers if k == b"connection").decode("latin-1").lower()
         if event.http_version == b"1.0":
             self.chunked = False
             self.keep_alive = "keep-alive" in tokens
         else:
             self.chunked = True
             self.keep_alive = "close" not in tokens
+        if "upgrade" in headers or ("content-length" in headers and "transfer-encoding" in headers):
+            # An Upgrade (h2c, websocket) is not taken: h11 will not read past it, so
+            # the answer says close.  Content-Length beside Transfer-Encoding is a
+            # request smuggling shape: RFC 9112 §6.1 has the server close after it.
+            self.keep_alive = False
         if admit is not None and not admit(path, headers):
             raise HTTPProblem(
                 401, "Incorrect or missing gateway key: send 'Authorization: Bearer <key>'.",
@@ -167,7 +185,7 @@ class Connection:
             )
         if self.h11.they_are_waiting_for_100_continue:
             await self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
-        body = await self._read_body()
+        body = await self._read_body(path)
         return Request(event.method.decode("latin-1"), path, headers, body)
 
     async def _next_head_event(
@@ -180,7 +198,8 @@ class Connection:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError as exc:
                 status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
-                raise HTTPProblem(status, f"malformed request: {exc}", "bad_request") from None
+                # Not h11's words: they quote the offending line, a key in it included.
+                raise HTTPProblem(status, _head_problem(status), "bad_request") from None
             if event is not h11.NEED_DATA:
                 return event, fed  # type: ignore[return-value]
             data = await self._receive()
@@ -194,15 +213,17 @@ class Connection:
             fed += len(data)
             self.h11.receive_data(data)
 
-    async def _read_body(self) -> bytes:
+    async def _read_body(self, path: str | None = None) -> bytes:
         limits = self.limits
         body = bytearray()
         with trio.move_on_after(limits.body_timeout_s):
             while True:
                 try:
                     event = self.h11.next_event()
-                except h11.RemoteProtocolError as exc:
-                    raise HTTPProblem(400, f"malformed request body: {exc}", "bad_request") from None
+                except h11.RemoteProtocolError:
+                    raise HTTPProblem(
+                        400, "malformed request body: its framing (Content-Length or chunked "
+                        "encoding) is not valid HTTP/1.1", "bad_request", path) from None
                 if event is h11.NEED_DATA:
                     self.h11.receive_data(await self._receive())
                 elif isinstance(event, h11.Data):
@@ -210,7 +231,7 @@ class Connection:
                     if len(body) > limits.max_request_bytes:  # chunked bodies
                         raise HTTPProblem(
                             413, f"request body exceeds the limit of {limits.max_request_bytes} bytes",
-                            "request_too_large",
+                            "request_too_large", path,
                         )
                 elif isinstance(event, h11.EndOfMessage):
                     return bytes(body)
