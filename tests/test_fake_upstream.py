@@ -750,3 +750,18 @@ def test_public_names() -> None:
         "UpstreamStatistics",
     }
     assert FakeUpstream.__module__ == "polygate.testing"
+
+
+async def test_an_absurd_embedding_size_is_a_400_not_a_frozen_server(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A probe asked the fake for dimensions=10**9: it built the vector and froze (and,
+    served, ignored SIGTERM).  It answers 400 as a provider would."""
+    import polygate
+
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], retry=polygate.Retry(max_attempts=1))})
+    async with polygate.session(settings, transport=FakeUpstream(Reply()).transport()) as s:
+        with pytest.raises(polygate.FatalUpstreamError, match="dimensions"):
+            await s.embed(["x"], dimensions=10**9)
+        assert len((await s.embed(["x"], dimensions=8)).vectors[0]) == 8

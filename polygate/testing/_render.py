@@ -524,6 +524,9 @@ def _vector(text: str, dim: int) -> bytes:
     return struct.pack(f"<{dim}f", *(x / norm for x in xs))
 
 
+_MAX_DIMENSIONS = 16_384  # more than any embedding model offers
+
+
 def _embeddings(reply: Reply, ex: Exchange, headers: tuple[tuple[str, str], ...]) -> Plan:
     body = ex.body if isinstance(ex.body, dict) else {}
     inputs = _embedding_inputs(body)
@@ -531,6 +534,11 @@ def _embeddings(reply: Reply, ex: Exchange, headers: tuple[tuple[str, str], ...]
         bad = error_reply(400, "'input' must be a string or a list.", "invalid_request_error", None)
         return _fixed(400, headers, reply.headers_delay_s, _error_body(bad))
     dim = body.get("dimensions")
+    if isinstance(dim, int) and not isinstance(dim, bool) and dim > _MAX_DIMENSIONS:
+        # As a provider answers an absurd size (one of 10**9 froze the fake server).
+        bad = error_reply(400, f"'dimensions' must be at most {_MAX_DIMENSIONS}.",
+                          "invalid_request_error", None)
+        return _fixed(400, headers, reply.headers_delay_s, _error_body(bad))
     if not (isinstance(dim, int) and not isinstance(dim, bool) and dim > 0):
         dim = reply.embedding_dim or ex.embedding_dim
     as_base64 = body.get("encoding_format") == "base64"
