@@ -10,6 +10,7 @@ import os
 import sqlite3
 import stat
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,30 @@ async def test_a_locked_file_fails_open(tmp_path: Path) -> None:
     assert stats.errors >= 1 and stats.misses == 2 and stats.hits == 0
     assert stats.writes_dropped >= 1
     assert len(up.requests) == 2
+
+
+async def test_a_file_locked_when_the_session_opens_does_not_hold_it(tmp_path: Path) -> None:
+    """A probe opened a session while another process held a write transaction on a
+    cache file that already had its schema: the open waited 5 s (not timeout_s) and
+    then refused the file with a ConfigError.  It opens at once; the locked file then
+    fails open as documented."""
+    path = tmp_path / "c.db"
+    url = f"sqlite://{path}?timeout_s=0.1"
+    up = FakeUpstream(Reply(text="answer"))
+    async with polygate.session(_settings(url), transport=Router({"a": up})):
+        pass  # the file and its schema
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        with trio.fail_after(5):
+            async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+                opened_in = time.monotonic() - started
+                r = await s.chat(MESSAGES)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert opened_in < 1.0 and r.text == "answer"
 
 
 async def test_a_file_that_cannot_be_read_fails_open(tmp_path: Path) -> None:

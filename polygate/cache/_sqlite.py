@@ -140,11 +140,15 @@ class SQLiteBackend:
                     f"the cache database {self._where} was written by a newer polygate "
                     f"(format {found}); point the cache elsewhere or upgrade"
                 )
-            conn.execute("BEGIN IMMEDIATE")
-            for statement in _SCHEMA:
-                conn.execute(statement)
-            conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
-            conn.execute("COMMIT")
+            if found != _SCHEMA_VERSION:
+                # Only a file without the schema is written here: one that has it opens
+                # without the write lock, so that another process writing to it does not
+                # hold this session's start (it waited 5 s, then refused the file).
+                conn.execute("BEGIN IMMEDIATE")
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+                conn.execute("COMMIT")
             conn.execute(f"PRAGMA busy_timeout = {int(self.timeout_s * 1000)}")
         except ConfigError:
             conn.close()
