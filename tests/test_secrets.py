@@ -203,14 +203,20 @@ def test_an_at_sign_in_a_base_url_path_is_fine() -> None:
     polygate.Source(name="a", base_url="http://h/v1/@models")
 
 
-@pytest.mark.parametrize("header", ["content-type", "content-encoding"])
+@pytest.mark.parametrize("header", ["content-type", "content-encoding", "content-encoding, cut"])
 async def test_a_key_in_an_upstream_response_header_never_shows(header: str, tmp_path: Path) -> None:
     """A probe found the source's key, echoed by an upstream in a response header, in
     the error's message: whole from Content-Type (a body that was not JSON), lower-cased
     from Content-Encoding, and so in the telemetry rows and a gateway's 502 body."""
     from ._raw_server import raw_server
 
-    value = f"text/plain; k={KEY}" if header == "content-type" else f"gzip-{KEY}"
+    value = {
+        "content-type": f"text/plain; k={KEY}",
+        "content-encoding": f"gzip-{KEY}",
+        # quoted cut at 40 characters, inside the key: the cut part must not show either
+        "content-encoding, cut": f"gzip-padding-padding-{KEY}",
+    }[header]
+    header = header.split(",")[0]
 
     async def reply(stream: Any, head: bytes) -> None:
         await stream.send_all(f"HTTP/1.1 200 OK\r\n{header}: {value}\r\n"

@@ -116,7 +116,8 @@ async def chat_exchange(
         # (or as application/json, application/x-ndjson...) streams.  The body decides:
         # SSE if it starts as SSE, else a whole JSON body as before -- an upstream that
         # ignored "stream", or an error object inside a 200.
-        check_readable(response, limits.max_body_bytes, endpoint.name)  # before a byte is read
+        # before a byte is read
+        check_readable(response, limits.max_body_bytes, endpoint.name, endpoint.secrets)
         pieces = body_of(response) or body_pieces(response)
         head = await _sniff(pieces, limits.max_line_bytes)
         if _SSE_START.match(head):
@@ -476,7 +477,8 @@ async def _read_json(
     pieces: AsyncIterator[bytes] | None = None,
     head: bytes = b"",
 ) -> Any:
-    raw = await read_capped(response, limits.max_body_bytes, endpoint.name, pieces, head)
+    raw = await read_capped(
+        response, limits.max_body_bytes, endpoint.name, endpoint.secrets, pieces, head)
     check_depth(raw, limits.max_json_depth, endpoint.name)
     try:
         payload = as_text(json.loads(raw), raw)

@@ -254,9 +254,7 @@ def _mended(value: Any) -> Any:
     return value
 
 
-def check_encoding(
-    response: httpx.Response, source: str, secrets: Sequence[str] = ()
-) -> str | None:
+def check_encoding(response: httpx.Response, source: str, secrets: Sequence[str]) -> str | None:
     """Why the body must not be read, or None.
 
     polygate asks for ``accept-encoding: identity``; a body in any other coding is
@@ -279,10 +277,13 @@ def body_pieces(response: httpx.Response) -> AsyncIterator[bytes]:
     return response.aiter_bytes() if response.is_stream_consumed else response.aiter_raw()
 
 
-def check_readable(response: httpx.Response, limit: int, source: str) -> None:
+def check_readable(
+    response: httpx.Response, limit: int, source: str, secrets: Sequence[str]
+) -> None:
     """Refuse a body unread: one in a coding polygate did not ask for, or one whose
-    declared Content-Length is over ``limit``."""
-    refused = check_encoding(response, source)
+    declared Content-Length is over ``limit``.  ``secrets``: what the refusal, which
+    quotes the coding, must not show (the key, whole or cut)."""
+    refused = check_encoding(response, source, secrets)
     if refused is not None:
         raise TransientUpstreamError(refused, source=source)
     declared = response.headers.get("content-length")
@@ -296,13 +297,16 @@ async def read_capped(
     response: httpx.Response,
     limit: int,
     source: str,
+    secrets: Sequence[str],
     pieces: AsyncIterator[bytes] | None = None,
     head: bytes = b"",
 ) -> bytes:
     """The whole body, or a transient error as soon as it passes ``limit``: a declared
     Content-Length over the limit is refused before a byte is read.  ``pieces`` and
-    ``head``: the body's iterator, after ``head`` was read from it (to sniff it)."""
-    check_readable(response, limit, source)
+    ``head``: the body's iterator, after ``head`` was read from it (to sniff it; the
+    caller checked the body was readable before that read)."""
+    if pieces is None:
+        check_readable(response, limit, source, secrets)
     parts: list[bytes] = [head]
     size = len(head)
     if size > limit:
