@@ -637,12 +637,18 @@ async def run_embed(
     return response
 
 
+def _failed(ctx: CallContext) -> list[tuple[AttemptRecord, UpstreamError]]:
+    """The call's failed attempts and their errors, in the order they failed."""
+    failed = [(r, r.error) for r in ctx.attempts if r.error is not None]
+    failed.sort(key=lambda f: f[0].ended_at if f[0].ended_at is not None else math.inf)
+    return failed
+
+
 def _failed_sources(ctx: CallContext, scope_name: str) -> list[str]:
     """The sources of ``scope_name`` that failed in this call so far, least recently
     failed first (each once): where a new round of the call puts them."""
-    failed = [r for r in ctx.attempts if r.error is not None and r.scope == scope_name]
-    failed.sort(key=lambda r: r.ended_at if r.ended_at is not None else math.inf)
-    return list(reversed(dict.fromkeys(r.source for r in reversed(failed))))
+    latest = [r.source for r, _ in reversed(_failed(ctx)) if r.scope == scope_name]
+    return list(reversed(dict.fromkeys(latest)))
 
 
 def every_error(ctx: CallContext) -> list[UpstreamError]:
@@ -650,9 +656,7 @@ def every_error(ctx: CallContext) -> list[UpstreamError]:
     batches, OCR pages), in the order they failed, as one retry loop lists them: the
     failing loop knew only its own, and another's failed attempt (retried, then
     answered) counts in ``call_stats.attempts`` too."""
-    failed = [r for r in ctx.attempts if r.error is not None]
-    failed.sort(key=lambda r: r.ended_at if r.ended_at is not None else math.inf)
-    return [r.error for r in failed if r.error is not None]
+    return [error for _, error in _failed(ctx)]
 
 
 def one_error(group: BaseExceptionGroup[Any]) -> BaseException:
