@@ -93,10 +93,9 @@ class _Call:
         self.deadline_at = None if deadline_s is None else self.ctx.started_at + deadline_s
         # True once this call has a telemetry row, or an upstream call that writes one
         self.recorded = False
-        # What the upstream calls this call made and finished cost (an embed's runs of
-        # its misses): in its statistics however it ends, a later wait failing included.
-        self.done_attempts = 0
-        self.done_generation_ms = 0.0
+        # The upstream calls this call made and finished (an embed's runs of its
+        # misses): in its statistics however it ends, a later wait failing included.
+        self.runs: list[EmbeddingResponse] = []
 
     async def within(self, work: Callable[[], Awaitable[Any]]) -> Any:
         """``work`` (a lookup, a wait, a replay) under the call deadline.  Never wraps
@@ -124,11 +123,16 @@ class _Call:
     def stats(
         self, *, cached: bool, source: str | None = None, scope: str | None = None
     ) -> CallStats:
-        return CallStats(
+        stats = CallStats(
             logical_call_id=self.ctx.logical_call_id, source=source, cached=cached,
             total_latency_ms=(trio.current_time() - self.ctx.started_at) * 1000.0,
             scope=scope or self.ctx.scope_name,
-            attempts=self.done_attempts, generation_ms=self.done_generation_ms,
+        )
+        if not self.runs:  # (a hit: nothing to add, on the path a hit takes)
+            return stats
+        return attrs.evolve(
+            stats, attempts=sum(r.call_stats.attempts for r in self.runs),
+            generation_ms=sum(r.call_stats.generation_ms for r in self.runs),
         )
 
     def timed_out(self) -> DeadlineExceeded:
@@ -447,7 +451,6 @@ async def cached_embed(
     keys = embed_keys(scope, cache.models(scope, call.ctx.scope.sources), inputs, params)
     texts: dict[str, str] = dict(zip(keys, inputs, strict=True))  # distinct, in order
     found: dict[str, tuple[list[float], str | None, str | None, int | None, str | None]] = {}
-    runs: list[EmbeddingResponse] = []
 
     def take(key: str, data: bytes | None) -> bool:
         if data is None:
@@ -479,9 +482,7 @@ async def cached_embed(
                 cache.flights.settle(k, f)
             _count_earlier_runs(call, exc)
             raise
-        runs.append(response)
-        call.done_attempts += response.call_stats.attempts
-        call.done_generation_ms += response.call_stats.generation_ms
+        call.runs.append(response)
         try:
             shares = _token_shares(response.usage, [texts[k] for k in led])
             usage_source = response.usage.source if response.usage is not None else None
@@ -505,7 +506,7 @@ async def cached_embed(
                     cache.hits += 1
             todo = [k for k in todo if k not in found]
         if not todo:
-            return _embedding(call, inputs, keys, found, runs)
+            return _embedding(call, inputs, keys, found, call.runs)
         # What this call leads and what it waits on run side by side: a flight it
         # joined that is abandoned (its leader cancelled) is led again at once, not
         # after this call's own upstream batch (docs/cache.md, "Coalescing").
@@ -557,7 +558,7 @@ async def cached_embed(
                 start(nursery, todo)
         except BaseExceptionGroup as group:
             raise one_error(group) from group
-        return _embedding(call, inputs, keys, found, runs)
+        return _embedding(call, inputs, keys, found, call.runs)
 
     result: EmbeddingResponse = await _guard(call, body)
     return result
@@ -567,10 +568,11 @@ def _count_earlier_runs(call: _Call, exc: BaseException) -> None:
     """An embed run that failed reports its own attempts: the call's other runs,
     finished before it, count too."""
     stats = getattr(exc, "call_stats", None)
-    if isinstance(stats, CallStats) and call.done_attempts:
+    if isinstance(stats, CallStats) and call.runs:
+        done = call.stats(cached=False)
         exc.call_stats = attrs.evolve(  # type: ignore[attr-defined]
-            stats, attempts=stats.attempts + call.done_attempts,
-            generation_ms=stats.generation_ms + call.done_generation_ms,
+            stats, attempts=stats.attempts + done.attempts,
+            generation_ms=stats.generation_ms + done.generation_ms,
         )
 
 
