@@ -22,6 +22,12 @@ def json_default(value: Any) -> Any:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
+def parts_text(parts: list[Any]) -> str:
+    """The text of a content given as typed parts (``[{"type": "text", "text": ...}]``):
+    the parts that have a string ``text``, joined."""
+    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
 def choice_index(choice: Mapping[str, Any]) -> int | None:
     """A choice's ``index`` as the wire gives it, or ``None`` when it is malformed.
 

@@ -316,10 +316,9 @@ class Server:
                     self._idle.discard(idle)
                     if begun and request is None:
                         self._landed()  # nothing to answer: (the answer lands its own)
-                # The scope first: a drain cancels it before a request was read at all.
+                # The scope first: a drain cancels it before a request was read at all
+                # (then request is None: a cancellation leaves nothing read).
                 if idle.cancelled_caught or request is None:
-                    if begun and request is not None:
-                        self._landed()
                     return
                 await self._answer(conn, request)
                 if not conn.reusable():

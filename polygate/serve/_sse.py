@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Final
 
-from .._types import ChatResponse, StreamChunk, Usage, choice_index
+from .._types import ChatResponse, StreamChunk, Usage, choice_index, parts_text
 from ._json import dump
 
 __all__ = ["DONE", "KEEPALIVE", "StreamShape", "error_event", "reported_usage", "string_content"]
@@ -147,15 +147,10 @@ def _cleaned(choice: dict[str, Any], key: str) -> dict[str, Any]:
     if type(part) is dict:
         content = part.get("content")
         if content is not None and type(content) is not str:
-            # Typed parts: their text, as the library reads them (message_text); a
+            # Typed parts: their text, as the library reads them (parts_text); a
             # number or an object: no text.
-            out[key] = {**part, "content": _parts_text(content) if type(content) is list else ""}
+            out[key] = {**part, "content": parts_text(content) if type(content) is list else ""}
     return out
-
-
-def _parts_text(parts: list[Any]) -> str:
-    """The text parts of a typed content list, joined (as the library reads them)."""
-    return "".join(p["text"] for p in parts if type(p) is dict and isinstance(p.get("text"), str))
 
 
 def _not_text(choice: Any, key: str) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import TransientUpstreamError
-from .._types import choice_index
+from .._types import choice_index, parts_text
 
 __all__ = ["ChatAssembler", "TextParts", "has_content", "message_text", "malformed_index"]
 
@@ -55,9 +55,7 @@ def message_text(message: dict[str, Any]) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(
-            p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
+        return parts_text(content)
     return ""
 
 
