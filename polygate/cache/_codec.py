@@ -20,6 +20,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+from .._json import loads
 from .._types import ChatResponse, Usage
 
 __all__ = ["decode_chat", "decode_vector", "encode_chat", "encode_vector"]
@@ -76,7 +77,7 @@ def decode_chat(data: bytes) -> dict[str, Any]:
     (``None`` when the entry does not say)."""
     _check_bytes(data)
     try:
-        entry = json.loads(data.decode("utf-8", "surrogatepass"))  # str: no encoding sniffing
+        entry = loads(data)
         if entry["f"] != _FORMAT or entry["k"] != "chat":
             raise ValueError("not a chat entry")
         raw = entry["raw"]
@@ -121,7 +122,7 @@ def decode_vector(data: bytes) -> tuple[list[float], str | None, str | None, int
     """``(vector, model, source, tokens, usage_source)`` of an embedding entry."""
     _check_bytes(data)
     try:
-        entry = json.loads(data.decode("utf-8", "surrogatepass"))  # str: no encoding sniffing
+        entry = loads(data)
         if entry["f"] != _FORMAT or entry["k"] != "embed":
             raise ValueError("not an embedding entry")
         doubles = array("d")

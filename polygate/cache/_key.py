@@ -2,9 +2,13 @@
 
 A chat key covers ``(format version, scope, call kind, the scope's models, messages,
 parameters)``; an embedding key the same with one input text in place of the
-messages, so ``embed`` caches each input on its own.  The canonical JSON is
-``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=True)`` of the value
-after :func:`canonical`:
+messages, so ``embed`` caches each input on its own.  The canonical JSON is the
+compact UTF-8 JSON, object keys sorted, of the value after :func:`canonical`, written
+by msgspec (``polygate._json.sorted_dumps``); a value msgspec cannot write faithfully
+(a NaN or an infinity, a lone surrogate) is written by
+``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=True)`` instead.
+Either text parses back to the value it was written from, and which one a value gets
+depends on the value alone, so equal values share a key and different ones do not:
 
 * object keys are sorted, so key order never matters, at any depth;
 * a number is its value: ``1``, ``1.0`` and ``1e0`` are the same (an integral float
@@ -28,10 +32,13 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .._json import sorted_dumps
+
 __all__ = ["EXCLUDED_PARAMS", "KEY_VERSION", "canonical", "canonical_json", "chat_key", "embed_keys"]
 
 #: Bumped whenever the canonical form changes, so old entries are never misread.
-KEY_VERSION = 1
+#: 2: written by msgspec (UTF-8) where version 1 used ``json`` (ASCII escapes).
+KEY_VERSION = 2
 
 #: Parameters left out of the key: they identify the caller or shape the transport,
 #: and never change the answer.
@@ -84,15 +91,24 @@ def _key_text(key: Any) -> str:
 
 
 def canonical_json(value: Any) -> str:
-    return _dumps(canonical(value))
+    """The canonical JSON of ``value`` (what a key hashes), as text."""
+    return _document(canonical(value)).decode("utf-8")
+
+
+def _document(value: Any) -> bytes:
+    """The canonical JSON of an already canonical value."""
+    encoded = sorted_dumps(value)
+    if encoded is None:
+        return _dumps(value).encode("ascii")
+    return encoded
 
 
 def _kept(params: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if k not in EXCLUDED_PARAMS}
 
 
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode("ascii")).hexdigest()
+def _digest(document: bytes) -> str:
+    return hashlib.sha256(document).hexdigest()
 
 
 def _plain(messages: Sequence[Any]) -> bool:
@@ -113,7 +129,7 @@ def chat_key(
     scope: str, models: Sequence[str], messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
 ) -> str:
     """The key of one chat call (``chat`` and ``stream_chat`` share it)."""
-    return _digest(_dumps({
+    return _digest(_document({
         "v": KEY_VERSION, "kind": "chat", "scope": scope, "models": list(models),
         "messages": messages if _plain(messages) else canonical(messages),
         "params": canonical(_kept(params)),
@@ -130,9 +146,9 @@ def embed_keys(
     ``{"input": text, "kind": "embed", "models", "params", "scope", "v"}`` with
     ``input`` moved last — unambiguous, since a JSON string delimits itself.
     """
-    head = _dumps({
+    head = _document({
         "v": KEY_VERSION, "kind": "embed", "scope": scope, "models": list(models),
         "params": canonical(_kept(params)),
     })
-    prefix = head[:-1] + ',"input":'
-    return [_digest(prefix + _dumps(text) + "}") for text in inputs]
+    prefix = head[:-1] + b',"input":'
+    return [_digest(prefix + _document(text) + b"}") for text in inputs]

@@ -1,0 +1,111 @@
+"""polygate._json: msgspec's speed, the standard library's answers.
+
+The cache decodes stored answers and hashes canonical keys with msgspec; these
+properties hold it to what ``json`` returned before, on the documents where the two
+libraries differ (NaN tokens, integers beyond 64 bits, lone surrogates, overflowing
+numbers, a byte-order mark)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from polygate._json import loads, sorted_dumps
+from polygate.cache import canonical_json, chat_key, embed_keys
+
+leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers()  # unbounded: msgspec must read 2**200 as the int it is
+    | st.floats(width=64)  # NaN and ±inf included
+    | st.text(alphabet=st.characters(), max_size=6)  # lone surrogates included
+)
+values = st.recursive(
+    leaves,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal as decoded values, types included (1 is not 1.0, NaN equals NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@given(values, st.booleans())
+def test_loads_returns_what_json_returns(value: Any, ascii_only: bool) -> None:
+    document = json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    assert same(loads(document), json.loads(document.decode("utf-8", "surrogatepass")))
+
+
+@pytest.mark.parametrize("document", [
+    b"[18446744073709551617]", b"[-9223372036854775809]", b"[NaN, Infinity, -Infinity]", b"[1e400]",
+    b'["\\ud800"]', b'{"a": 1, "a": 2}', b' [1.0, -0.0, 1E2] ', b'"\xed\xa0\x80"',
+])
+def test_loads_on_the_documents_msgspec_and_json_disagree_on(document: bytes) -> None:
+    assert same(loads(document), json.loads(document.decode("utf-8", "surrogatepass")))
+
+
+@pytest.mark.parametrize("document", [b"", b"[1,", b"{'a': 1}", b"\xff", b"[1] x", b"\xef\xbb\xbf[1]"])
+def test_loads_refuses_what_json_refuses(document: bytes) -> None:
+    with pytest.raises(ValueError):
+        loads(document)
+
+
+def test_a_big_integer_stays_exact() -> None:
+    """orjson would read 2**64 + 1 as the float 1.8446744073709552e19: a cached answer
+    must give back the very integer the upstream sent."""
+    assert loads(b'{"seed": 18446744073709551617}') == {"seed": 2**64 + 1}
+    assert type(loads(b"[18446744073709551617]")[0]) is int
+
+
+@given(values)
+def test_sorted_dumps_parses_back_to_its_value_or_declines(value: Any) -> None:
+    encoded = sorted_dumps(value)
+    if encoded is None:  # only for what msgspec cannot write as json would
+        text = json.dumps(value)
+        assert "NaN" in text or "Infinity" in text or not _utf8(value)
+        return
+    assert same(json.loads(encoded), json.loads(json.dumps(value, sort_keys=True)))
+
+
+def _utf8(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def test_sorted_dumps_declines_non_finite_floats_rather_than_write_null() -> None:
+    assert sorted_dumps({"t": float("nan")}) is None
+    assert sorted_dumps([1, [float("-inf")]]) is None
+    assert sorted_dumps({"t": None, "u": "null"}) == b'{"t":null,"u":"null"}'
+
+
+def test_keys_tell_nan_and_none_apart_and_big_integers_apart() -> None:
+    """The cases where a faster encoder would merge two requests into one key."""
+    messages = [{"role": "user", "content": "x"}]
+    assert chat_key("chat", ["m"], messages, {"p": float("nan")}) != chat_key("chat", ["m"], messages, {"p": None})
+    assert chat_key("chat", ["m"], messages, {"p": 2**64 + 1}) != chat_key("chat", ["m"], messages, {"p": 2**64})
+    assert chat_key("chat", ["m"], messages, {"p": float("inf")}) != chat_key(
+        "chat", ["m"], messages, {"p": float("-inf")})
+    assert embed_keys("e", ["m"], ["a\ud800"], {}) != embed_keys("e", ["m"], ["a\ud801"], {})
+
+
+def test_canonical_json_is_sorted_compact_utf8() -> None:
+    assert canonical_json({"b": 1.0, "a": ["é", (2, 0.5)]}) == '{"a":["é",[2,0.5]],"b":1}'
+    assert canonical_json({"x": float("nan")}) == '{"x":NaN}'
