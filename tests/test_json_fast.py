@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from polygate._json import loads, sorted_dumps
+from polygate._json import dumps, loads, sorted_dumps
 from polygate.cache import canonical_json, chat_key, embed_keys
 
 leaves = (
@@ -45,10 +45,11 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-@given(values, st.booleans())
-def test_loads_returns_what_json_returns(value: Any, ascii_only: bool) -> None:
-    document = json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
-    assert same(loads(document), json.loads(document.decode("utf-8", "surrogatepass")))
+@given(values, st.booleans(), st.booleans())
+def test_loads_returns_what_json_returns(value: Any, ascii_only: bool, as_text: bool) -> None:
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    document: str | bytes = text if as_text else text.encode("utf-8", "surrogatepass")
+    assert same(loads(document), json.loads(document))
 
 
 @pytest.mark.parametrize("document", [
@@ -56,13 +57,33 @@ def test_loads_returns_what_json_returns(value: Any, ascii_only: bool) -> None:
     b'["\\ud800"]', b'{"a": 1, "a": 2}', b' [1.0, -0.0, 1E2] ', b'"\xed\xa0\x80"',
 ])
 def test_loads_on_the_documents_msgspec_and_json_disagree_on(document: bytes) -> None:
-    assert same(loads(document), json.loads(document.decode("utf-8", "surrogatepass")))
+    assert same(loads(document), json.loads(document))
 
 
-@pytest.mark.parametrize("document", [b"", b"[1,", b"{'a': 1}", b"\xff", b"[1] x", b"\xef\xbb\xbf[1]"])
+def test_loads_reads_what_json_reads_beyond_utf8() -> None:
+    """json.loads sniffs a byte-order mark and UTF-16/32: so does loads (through it)."""
+    for document in (b"\xef\xbb\xbf[1]", '["\u00e9"]'.encode("utf-16"), '{"a": 1}'.encode("utf-32-le")):
+        assert same(loads(document), json.loads(document))
+
+
+@pytest.mark.parametrize("document", [
+    b"", b"[1,", b"{'a': 1}", b"\xff", b"[1] x", b'"a\tb"', b"01", b'"\\x"', b"\x0c[1]",
+    b'"\xf4\x90\x80\x80"',
+])
 def test_loads_refuses_what_json_refuses(document: bytes) -> None:
     with pytest.raises(ValueError):
+        json.loads(document)
+    with pytest.raises(ValueError):
         loads(document)
+
+
+def test_loads_too_deep_fails_as_json_does() -> None:
+    deep = b"[" * 5000 + b"]" * 5000
+    with pytest.raises(RecursionError):
+        json.loads(deep)
+    with pytest.raises(RecursionError):
+        loads(deep)
+    assert loads(b"[" * 900 + b"]" * 900) == json.loads(b"[" * 900 + b"]" * 900)
 
 
 def test_a_big_integer_stays_exact() -> None:
@@ -109,3 +130,41 @@ def test_keys_tell_nan_and_none_apart_and_big_integers_apart() -> None:
 def test_canonical_json_is_sorted_compact_utf8() -> None:
     assert canonical_json({"b": 1.0, "a": ["é", (2, 0.5)]}) == '{"a":["é",[2,0.5]],"b":1}'
     assert canonical_json({"x": float("nan")}) == '{"x":NaN}'
+
+
+@given(values)
+def test_dumps_writes_what_json_writes_or_declines(value: Any) -> None:
+    encoded = dumps(value)
+    try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        expected: bytes | None = text.encode()
+    except (ValueError, UnicodeEncodeError):  # NaN / ±Infinity; a lone surrogate
+        expected = None
+    if expected is None:
+        assert encoded is None
+    else:
+        assert encoded is not None and same(json.loads(encoded), json.loads(expected))
+
+
+def test_dumps_declines_a_non_finite_float_anywhere() -> None:
+    """msgspec would write null; a tuple or a float subclass must not slip past."""
+
+    class Ratio(float):
+        pass
+
+    for value in ({"a": [1, (2, float("nan"))]}, (float("inf"),), [Ratio("nan")], {"k": {"x": -math.inf}}):
+        assert dumps(value) is None
+    assert dumps({"a": None, "b": [1.5, "null"]}) == b'{"a":null,"b":[1.5,"null"]}'
+
+
+@pytest.mark.parametrize("document", [b'"\xc0\xaf"', b'"\xed\xa0\x80"', b'"\xf8\x88\x80\x80\x80"'])
+def test_what_msgspec_reads_is_strict_utf8(document: bytes) -> None:
+    """The transport skips its surrogate repair for what msgspec read: so msgspec must
+    refuse every byte sequence that is not strict UTF-8."""
+    calls: list[bytes] = []
+
+    def fallback(data: bytes) -> str:
+        calls.append(data)
+        return "slow"
+
+    assert loads(document, fallback) == "slow" and calls == [document]

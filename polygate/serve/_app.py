@@ -35,6 +35,7 @@ import trio
 from .._config import Settings
 from .._context import PRESET_CALL_ID, fresh_call_id
 from .._errors import PolygateError
+from .._json import loads
 from .._key_quota import KeyQuotas, KeyRefusal
 from .._session import Session
 from .._types import CallStats, ChatResponse, StreamChunk
@@ -392,7 +393,7 @@ def _key_refusal(refusal: KeyRefusal) -> ErrorReply:
 
 def _parse_body(raw: bytes) -> dict[str, Any] | ErrorReply:
     try:
-        body = json.loads(raw)
+        body = loads(raw)
     except (ValueError, RecursionError):
         return ErrorReply(
             400, "We could not parse the JSON body of your request: it is not valid JSON.",

@@ -11,7 +11,9 @@ body and event the gateway writes goes through :func:`dump`:
 * a non-finite float raises :class:`Unencodable` -- a number cannot be repaired
   without changing what it says, so the caller answers 502 (or an SSE error event).
 
-The common case costs one encode: the repairs run only when it fails.
+The common case costs one encode, by msgspec (``polygate._json``): the standard
+library writes what msgspec cannot write as it would, and the repairs run only when
+that fails.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any, Final
+
+from .._json import dumps
 
 __all__ = ["Unencodable", "dump", "has_lone_surrogate"]
 
@@ -32,6 +36,9 @@ class Unencodable(ValueError):
 
 def dump(payload: Any) -> bytes:
     """``payload`` as compact, strict JSON in UTF-8, lone surrogates replaced."""
+    fast = dumps(payload)
+    if fast is not None:
+        return fast
     try:
         text = _ENCODE(payload)
     except ValueError:  # allow_nan=False: "Out of range float values ..."

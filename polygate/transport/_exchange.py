@@ -34,6 +34,7 @@ from .._errors import (
     error_message,
     error_status,
 )
+from .._json import loads
 from .._secrets import clip, redact
 from .._types import choice_index
 from ._assemble import ChatAssembler, malformed_index
@@ -393,6 +394,22 @@ async def _drain_buffered(pieces: Any) -> None:
             pass  # the answer is complete; whatever follows it does not matter
 
 
+def _slow_chunk(data: bytes) -> Any:
+    """A chunk msgspec did not read: strict UTF-8 (a bad byte fails the stream), and a
+    lone surrogate escape read as U+FFFD."""
+    text = data.decode("utf-8")
+    chunk = _decode_json(text)
+    if "\\u" in text:  # a string search first: an escape is rare in a chunk
+        chunk = as_text(chunk, text)
+    return chunk
+
+
+def _slow_body(raw: bytes) -> Any:
+    """A body msgspec did not read, as ``json.loads`` reads bytes, lone surrogates
+    read as U+FFFD."""
+    return as_text(json.loads(raw), raw)
+
+
 def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any] | None:
     """One event's chunk; ``None`` for ``[DONE]``.  Error events raise."""
     data = event.data
@@ -405,10 +422,7 @@ def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any
     # Nesting needs 2 bytes a level: short events (nearly all) skip the depth check.
     if len(data) > 2 * max_depth:
         check_depth(data, max_depth, endpoint.name)
-    text = data.decode("utf-8")
-    chunk = _decode_json(text)
-    if "\\u" in text:  # a string search first: an escape is rare in a chunk
-        chunk = as_text(chunk, text)
+    chunk = loads(data, _slow_chunk)
     if type(chunk) is not dict:
         raise TransientUpstreamError(
             f"malformed stream chunk: expected an object, got {type(chunk).__name__}",
@@ -481,7 +495,7 @@ async def _read_json(
         response, limits.max_body_bytes, endpoint.name, endpoint.secrets, pieces, head)
     check_depth(raw, limits.max_json_depth, endpoint.name)
     try:
-        payload = as_text(json.loads(raw), raw)
+        payload = loads(raw, _slow_body)
     except ValueError:
         if ctype is None:
             ctype = response.headers.get("content-type", "?")
