@@ -26,6 +26,7 @@ from ._call import Rounds, one_cancelled
 from ._config import Settings, is_utf8
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
+from ._json import dumps
 from ._key_quota import KeyQuotas
 from ._ocr import run_ocr
 from ._resume import resumable_delta
@@ -259,9 +260,18 @@ def _check_messages(messages: Any) -> str:
         raise ConfigError("messages must be a list of message objects")
     if not messages:
         raise ConfigError("messages must not be empty")
+    text_only = type(messages) is list
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ConfigError(f"messages[{index}] must be an object with a string 'role'")
+        text_only = text_only and type(message) is dict and all(type(v) is str for v in message.values())
+    if text_only:
+        # The usual shape (plain text messages): msgspec writes byte for byte what the
+        # encoder below would, and cannot meet a NaN; None: a lone surrogate or a
+        # key that is not text, which the path below reports.
+        fast = dumps(messages)
+        if fast is not None:
+            return fast.decode()
     try:
         encoded = _encode_messages(messages)
     except (TypeError, ValueError) as exc:

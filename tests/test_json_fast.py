@@ -168,3 +168,29 @@ def test_what_msgspec_reads_is_strict_utf8(document: bytes) -> None:
         return "slow"
 
     assert loads(document, fallback) == "slow" and calls == [document]
+
+
+# Escapes, controls and lone surrogates drawn often (st.characters() alone rarely does).
+tricky = st.characters() | st.sampled_from(["\ud800", "\udfff", "\x00", "\x1f", "\x7f", "\u2028", '"', "\\", "é"])
+text_messages = st.lists(
+    st.dictionaries(st.text(max_size=5), st.text(alphabet=tricky, max_size=8), max_size=3).map(
+        lambda d: {"role": "user", **d}),
+    min_size=1, max_size=3,
+)
+
+
+@given(text_messages)
+def test_plain_text_messages_encode_byte_for_byte_as_before(messages: list[dict[str, str]]) -> None:
+    """The fast path of the session's message check (msgspec, for text-only messages)
+    gives the very JSON the standard encoder gave, and refuses what it refused."""
+    from polygate._errors import ConfigError
+    from polygate._session import _check_messages
+
+    try:
+        expected = json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+        expected.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: refused, naming the message
+        with pytest.raises(ConfigError, match=r"messages\[\d\] is not valid Unicode"):
+            _check_messages(messages)
+        return
+    assert _check_messages(messages) == expected
