@@ -686,6 +686,32 @@ async def test_every_rounds_attempts_are_rows_of_the_one_call(
     assert calls[1][1:] == ("error", "StructuredOutputError", 3)
 
 
+async def test_usage_is_the_last_rounds_and_every_round_is_on_its_attempt_row(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """docs/structured.md: ``response.usage`` is what the returned answer cost; the
+    earlier rounds' tokens are on their attempt rows and charged to the quota."""
+    db = tmp_path / "t.db"
+    up = FakeUpstream(by_round(Reply(text=NOT_JSON), Reply(text=GOOD)))
+    settings = attrs.evolve(one_source_settings(), telemetry=f"sqlite://{db}")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=Answer)
+        (source,) = (await s.statistics()).governance.sources
+    assert r.call_stats.reasks == 1 and r.usage is not None
+    conn = sqlite3.connect(db)
+    try:
+        call = conn.execute("SELECT prompt_tokens, completion_tokens FROM calls").fetchone()
+        rows = conn.execute("SELECT prompt_tokens, completion_tokens, tokens_settled FROM attempts "
+                            "ORDER BY rowid").fetchall()
+    finally:
+        conn.close()
+    assert len(rows) == 2 and None not in rows[0] and None not in rows[1]
+    assert call == (r.usage.prompt_tokens, r.usage.completion_tokens) == rows[1][:2]  # the last round
+    assert rows[0][0] < rows[1][0]  # the re-ask carried the first answer and the problems
+    assert all(row[2] == row[0] + row[1] for row in rows)  # settled: what each round cost
+    assert source.state.cost_total == rows[0][2] + rows[1][2]  # both rounds charged
+
+
 # --------------------------------------------------------------------------- property
 
 _answers = st.sampled_from(
