@@ -74,10 +74,16 @@ def _checked(encode: Callable[[Any], bytes], value: Any) -> bytes | None:
 
 
 def _has_non_finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if isinstance(value, dict):
-        return any(_has_non_finite(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_non_finite(v) for v in value)
+    """Whether a non-finite float is anywhere in ``value``: a walk with a stack of its
+    own, so a value msgspec wrote however deep never exhausts Python's."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return True
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
     return False

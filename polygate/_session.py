@@ -264,11 +264,13 @@ def _check_messages(messages: Any) -> str:
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ConfigError(f"messages[{index}] must be an object with a string 'role'")
-        text_only = text_only and type(message) is dict and all(type(v) is str for v in message.values())
+        text_only = text_only and type(message) is dict and all(
+            type(k) is str and type(v) is str for k, v in message.items())
     if text_only:
         # The usual shape (plain text messages): msgspec writes byte for byte what the
-        # encoder below would, and cannot meet a NaN; None: a lone surrogate or a
-        # key that is not text, which the path below reports.
+        # encoder below would, and cannot meet a NaN.  Text keys only: msgspec writes
+        # keys json refuses (NaN, bytes) and spells a float key its own way (1e16).
+        # None: a lone surrogate, which the path below reports.
         fast = dumps(messages)
         if fast is not None:
             return fast.decode()

@@ -194,3 +194,64 @@ def test_plain_text_messages_encode_byte_for_byte_as_before(messages: list[dict[
             _check_messages(messages)
         return
     assert _check_messages(messages) == expected
+
+
+# --------------------------------------------------------------------------- found by a differential probe
+
+
+@pytest.mark.parametrize("key", [float("nan"), b"k", 1e16, 7])
+def test_a_message_key_that_is_not_text_takes_the_standard_path(key: Any) -> None:
+    """msgspec writes keys json refuses (NaN, bytes) and spells others its own way
+    (1e16, not 1e+16): the fast path is for text keys only."""
+    from polygate._errors import ConfigError
+    from polygate._session import _check_messages
+
+    messages = [{"role": "user", "content": "hi", key: "x"}]
+    try:
+        expected = json.dumps(messages, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError):
+        with pytest.raises(ConfigError):
+            _check_messages(messages)
+        return
+    assert _check_messages(messages) == expected
+
+
+def test_a_deep_value_with_a_null_does_not_exhaust_the_stack() -> None:
+    """The NaN check after msgspec walked the value recursively: ~400 levels with a null
+    raised RecursionError from a cache key that json had written."""
+    value: Any = None
+    for _ in range(600):
+        value = [value]
+    encoded = sorted_dumps(value)
+    assert encoded is not None and encoded.count(b"[") == 600
+    # A key walks the value (canonical()) as it did with json alone: as deep as that
+    # walk goes (~500 levels), the null check after msgspec must go too.
+    param: Any = None
+    for _ in range(400):
+        param = [param]
+    messages = [{"role": "user", "content": "x"}]
+    assert chat_key("chat", ["m"], messages, {"x": param}) != chat_key("chat", ["m"], messages, {"x": [param]})
+
+
+def _entries() -> list[tuple[bytes, Any]]:
+    from polygate._types import CallStats, ChatResponse, Usage
+    from polygate.cache._codec import decode_chat, decode_vector, encode_chat, encode_vector
+
+    message = {"role": "assistant", "content": "Paris."}
+    choices = [{"index": 0, "message": message, "finish_reason": "stop"}]
+    answer = ChatResponse(
+        text="Paris.", message=message, choices=choices, usage=Usage(3, 2, 5), source="a", model="m",
+        finish_reason="stop", raw={"choices": choices}, call_stats=CallStats(logical_call_id="x"),
+    )
+    vector = encode_vector([0.5], model="m", source="a", tokens=1, usage_source="upstream")
+    return [(encode_chat(answer), decode_chat), (vector, decode_vector)]
+
+
+@pytest.mark.parametrize(("prefix", "encoding"), [(b"\xef\xbb\xbf", "utf-8"), (b"", "utf-16"), (b"", "utf-32")])
+def test_a_cache_entry_not_in_plain_utf8_is_a_bad_entry(prefix: bytes, encoding: str) -> None:
+    """Entries are UTF-8 JSON; one another program rewrote with a BOM or in UTF-16/32 is
+    not served (json.loads would sniff the encoding and read it)."""
+    for data, decode in _entries():
+        decode(data)  # as stored: it reads
+        with pytest.raises(ValueError):
+            decode(prefix + data.decode("utf-8").encode(encoding))

@@ -64,6 +64,13 @@ def encode_chat(response: ChatResponse) -> bytes:
     return _dumps(entry).encode("utf-8", "surrogatepass")
 
 
+def _utf8_json(data: bytes) -> Any:
+    """What msgspec did not read, as entries are written: UTF-8 (with ``surrogatepass``,
+    as :func:`encode_chat` writes a lone surrogate), never sniffed for a BOM or UTF-16,
+    so an entry another program rewrote is a bad entry, not a hit."""
+    return json.loads(data.decode("utf-8", "surrogatepass"))
+
+
 def _check_bytes(data: Any) -> None:
     """An entry is bytes: a value another program stored as text (a SQLite TEXT
     column, say) is a bad entry, not a failed call."""
@@ -77,7 +84,7 @@ def decode_chat(data: bytes) -> dict[str, Any]:
     (``None`` when the entry does not say)."""
     _check_bytes(data)
     try:
-        entry = loads(data)
+        entry = loads(data, _utf8_json)
         if entry["f"] != _FORMAT or entry["k"] != "chat":
             raise ValueError("not a chat entry")
         raw = entry["raw"]
@@ -122,7 +129,7 @@ def decode_vector(data: bytes) -> tuple[list[float], str | None, str | None, int
     """``(vector, model, source, tokens, usage_source)`` of an embedding entry."""
     _check_bytes(data)
     try:
-        entry = loads(data)
+        entry = loads(data, _utf8_json)
         if entry["f"] != _FORMAT or entry["k"] != "embed":
             raise ValueError("not an embedding entry")
         doubles = array("d")
