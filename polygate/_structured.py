@@ -208,52 +208,62 @@ def _compile(schema: Any) -> Any:
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
+        dangling = _dangling(schema, referencing)
+    except RecursionError:
+        # Encodable, but deeper than the metaschema check can follow (~100 levels of
+        # properties): no validator could use it either.
+        raise ConfigError(
+            "schema: nested too deeply to be a JSON Schema (for jsonschema to check)"
+        ) from None
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         raise ConfigError(
             f"schema: not a valid JSON Schema{f' at {where}' if where else ''}: "
             f"{_first_line(exc.message)}"
         ) from None
+    if dangling is not None:
+        raise ConfigError(
+            f"schema: $ref {dangling!r} does not resolve inside the schema "
+            "(polygate never fetches remote schemas)"
+        )
+    return cls(schema)
+
+
+def _dangling(schema: Any, referencing: Any) -> str | None:
+    """The first ``$ref`` of a checked schema that does not resolve, or None."""
     dialect = schema.get("$schema") if isinstance(schema, dict) else None
     default = referencing.jsonschema.DRAFT202012
     spec = (
         referencing.jsonschema.specification_with(dialect, default=default)
         if isinstance(dialect, str) else default
     )
-    resolver = referencing.Registry().resolver_with_root(spec.create_resource(schema))
-    for ref in _refs(schema):
+    root = spec.create_resource(schema)
+    return _unresolved(root, referencing.Registry().resolver_with_root(root))
+
+
+def _unresolved(resource: Any, resolver: Any) -> str | None:
+    """The first ``$ref`` in ``resource`` that does not resolve, or None.
+
+    Each reference is resolved as the validator will: against the base of the resource
+    it sits in, which an embedded resource sets with its own ``$id`` (``id`` in
+    draft-04), and only where the draft says a subschema is -- the dialect's knowledge,
+    from ``referencing``, not a walk over every key (a ``"$ref"`` inside ``enum`` or
+    ``default`` is data)."""
+    import referencing.exceptions
+
+    resolver = resolver.in_subresource(resource)
+    contents = resource.contents
+    ref = contents.get("$ref") if isinstance(contents, dict) else None
+    if isinstance(ref, str):
         try:
             resolver.lookup(ref)
         except referencing.exceptions.Unresolvable:
-            raise ConfigError(
-                f"schema: $ref {ref!r} does not resolve inside the schema "
-                "(polygate never fetches remote schemas)"
-            ) from None
-    return cls(schema)
-
-
-# Keywords whose values are data, not subschemas: a "$ref" key in them is not a reference.
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
-
-
-def _refs(node: Any, root: bool = True) -> list[str]:
-    """Every ``$ref`` resolved against the root's base (subtrees with their own
-    ``$id`` have their own base: they are left to validation time, where an
-    unresolvable reference is a ConfigError too)."""
-    found: list[str] = []
-    if isinstance(node, dict):
-        if not root and isinstance(node.get("$id"), str):
+            return ref
+    for sub in resource.subresources():
+        found = _unresolved(sub, resolver)
+        if found is not None:
             return found
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            found.append(ref)
-        for key, value in node.items():
-            if key not in _DATA_KEYWORDS:
-                found.extend(_refs(value, False))
-    elif isinstance(node, list):
-        for item in node:
-            found.extend(_refs(item, False))
-    return found
+    return None
 
 
 @functools.lru_cache(maxsize=128)

@@ -478,6 +478,23 @@ BAD_SCHEMAS: list[Any] = [
     {"$ref": "#/$defs/Missing"}, {"$ref": "https://example.com/city.json"},
     {"type": "string", "pattern": "("}, {"type": "object", "default": float("nan")},
     {"type": "object", "x": object()},
+    # a dangling $ref inside an embedded resource (its own $id, so its own base)
+    {"$defs": {"B": {"$id": "https://ex.com/b.json", "properties": {"q": {"$ref": "#/nope"}}}},
+     "properties": {"a": {"$ref": "https://ex.com/b.json"}}},
+]
+
+# Valid schemas whose references resolve only against an embedded resource's own base.
+GOOD_REF_SCHEMAS: list[Any] = [
+    # draft-04 says "id", not "$id"
+    {"$schema": "http://json-schema.org/draft-04/schema#",
+     "definitions": {"s": {"id": "http://ex.com/s.json", "definitions": {"z": {"type": "integer"}},
+                           "properties": {"q": {"$ref": "#/definitions/z"}}}},
+     "properties": {"a": {"$ref": "#/definitions/s"}}},
+    {"$defs": {"B": {"$id": "https://ex.com/b.json", "$defs": {"z": {"type": "integer"}},
+                     "properties": {"q": {"$ref": "#/$defs/z"}}}},
+     "properties": {"a": {"$ref": "https://ex.com/b.json"}}},
+    {"$id": "https://ex.com/root.json", "$defs": {"c": {"$id": "c.json", "type": "integer"}},
+     "properties": {"a": {"$ref": "c.json"}}},
 ]
 
 
@@ -490,6 +507,21 @@ async def test_bad_schema_before_any_io(autojump_clock: trio.testing.MockClock, 
         with pytest.raises(polygate.ConfigError, match="schema"):
             s.stream_chat(MESSAGES, schema=schema)
     assert up.requests == []
+
+
+@pytest.mark.parametrize("schema", GOOD_REF_SCHEMAS, ids=range(len(GOOD_REF_SCHEMAS)))
+async def test_references_resolve_against_their_own_resource(
+    autojump_clock: trio.testing.MockClock, schema: Any
+) -> None:
+    """A reference inside an embedded resource resolves against that resource's base,
+    in every draft (draft-04 names it ``id``): the schema is valid, and validation
+    follows the reference."""
+    up = FakeUpstream(by_round(Reply(text='{"a": {"q": "x"}}'), Reply(text='{"a": {"q": 1}}')))
+    if "c.json" in str(schema):
+        up = FakeUpstream(by_round(Reply(text='{"a": "x"}'), Reply(text='{"a": 1}')))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=schema)
+    assert r.call_stats.reasks == 1  # the first answer broke the referenced subschema
 
 
 def test_pydantic_v1_models_are_refused() -> None:
@@ -800,6 +832,23 @@ def test_a_schema_too_deep_or_a_model_with_a_surrogate_is_a_config_error() -> No
 
     with pytest.raises(polygate.ConfigError, match="lone surrogate"):
         schema_of(Odd)
+
+
+@pytest.mark.parametrize("depth", [120, 400])
+async def test_a_schema_too_deep_for_the_validator_is_a_config_error(
+    autojump_clock: trio.testing.MockClock, depth: int
+) -> None:
+    """Found by a probe: a schema nested ~100 levels deep encodes, but jsonschema's check
+    of it recursed out of the stack: a bare RecursionError from chat(), after nothing
+    was sent.  A ConfigError before any I/O, as for any schema that cannot be used."""
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    up = FakeUpstream(Reply(text=GOOD))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="schema: nested too deeply"):
+            await s.chat(MESSAGES, schema=schema)
+    assert up.requests == []
 
 
 def test_reported_problems_keep_their_documented_bounds() -> None:
