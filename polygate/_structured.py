@@ -205,6 +205,8 @@ def _compile(schema: Any) -> Any:
             "schema: a JSON Schema dict needs the jsonschema package "
             "(pip install 'polygate[structured]')"
         ) from None
+    if isinstance(schema, dict) and "$schema" in schema and not isinstance(schema["$schema"], str):
+        raise ConfigError("schema: $schema must be a string (the URI of a draft)")
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
@@ -231,39 +233,85 @@ def _compile(schema: Any) -> Any:
 
 def _dangling(schema: Any, referencing: Any) -> str | None:
     """The first ``$ref`` of a checked schema that does not resolve, or None."""
+    import referencing.jsonschema
+    from jsonschema_specifications import REGISTRY  # type: ignore[import-untyped]  # the metaschemas
+
     dialect = schema.get("$schema") if isinstance(schema, dict) else None
     default = referencing.jsonschema.DRAFT202012
     spec = (
         referencing.jsonschema.specification_with(dialect, default=default)
         if isinstance(dialect, str) else default
     )
-    root = spec.create_resource(schema)
-    return _unresolved(root, referencing.Registry().resolver_with_root(root))
+    resolver = REGISTRY.resolver_with_root(spec.create_resource(schema))
+    legacy = spec in (referencing.jsonschema.DRAFT3, referencing.jsonschema.DRAFT4,
+                      referencing.jsonschema.DRAFT6, referencing.jsonschema.DRAFT7)
+    return _unresolved(schema, resolver, resolver, spec, legacy=legacy, root_node=True)
 
 
-def _unresolved(resource: Any, resolver: Any) -> str | None:
-    """The first ``$ref`` in ``resource`` that does not resolve, or None.
+# Keywords whose values are data, not subschemas: a "$ref" key in them is not a reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
-    Each reference is resolved as the validator will: against the base of the resource
-    it sits in, which an embedded resource sets with its own ``$id`` (``id`` in
-    draft-04), and only where the draft says a subschema is -- the dialect's knowledge,
-    from ``referencing``, not a walk over every key (a ``"$ref"`` inside ``enum`` or
-    ``default`` is data)."""
-    import referencing.exceptions
 
-    resolver = resolver.in_subresource(resource)
-    contents = resource.contents
-    ref = contents.get("$ref") if isinstance(contents, dict) else None
-    if isinstance(ref, str):
-        try:
-            resolver.lookup(ref)
-        except referencing.exceptions.Unresolvable:
-            return ref
-    for sub in resource.subresources():
-        found = _unresolved(sub, resolver)
-        if found is not None:
-            return found
+def _unresolved(
+    node: Any, resolver: Any, root: Any, spec: Any, *, legacy: bool, root_node: bool = False,
+    seen: set[int] | None = None,
+) -> str | None:
+    """The first ``$ref`` under ``node`` that does not resolve, or None.
+
+    Every key is walked but data (a ``$ref`` can point anywhere: ``#/components/...``),
+    and each reference is resolved against the base of the resource it sits in, as the
+    validator resolves it: an embedded resource sets its own with ``$id`` (``id`` before
+    draft-06; the root's draft decides, as for jsonschema, and ``referencing`` knows
+    which).  Before 2019-09 a ``$ref`` hides its siblings: they are not walked, but what
+    it points to is.  A reference that resolves against the root instead is let
+    through: jsonschema does not take every embedded ``$id`` as a base (one directly
+    under ``not``, say), and refusing a schema it uses would be worse than finding the
+    rare dangling one at validation (a ConfigError then too)."""
+    seen = set() if seen is None else seen
+    if isinstance(node, dict):
+        if id(node) in seen:
+            return None
+        seen.add(id(node))
+        if not root_node and isinstance(spec.id_of(node), str):
+            resolver = resolver.in_subresource(spec.create_resource(node))
+        dynamic = node.get("$dynamicRef")  # (resolved first as a $ref is: it must)
+        if isinstance(dynamic, str) and _target(resolver, root, dynamic) is None:
+            return dynamic
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            target = _target(resolver, root, ref)
+            if target is None:
+                return ref
+            if legacy:
+                return _unresolved(target.contents, target.resolver, root, spec, legacy=legacy, seen=seen)
+        for key, value in node.items():
+            if key not in _DATA_KEYWORDS:
+                found = _unresolved(value, resolver, root, spec, legacy=legacy, seen=seen)
+                if found is not None:
+                    return found
+    elif isinstance(node, list):
+        for item in node:
+            found = _unresolved(item, resolver, root, spec, legacy=legacy, seen=seen)
+            if found is not None:
+                return found
     return None
+
+
+def _target(resolver: Any, root: Any, ref: str) -> Any:
+    """What ``ref`` resolves to (a ``referencing`` Resolved), against the resource's
+    base or else the root's; None if neither."""
+    return _resolved(resolver, ref) or _resolved(root, ref)
+
+
+def _resolved(resolver: Any, ref: str) -> Any:
+    """``resolver.lookup(ref)``, or None.  Any failure counts: a pointer through a
+    number or past a list's end raises TypeError or ValueError in ``referencing``, and
+    a schema ``referencing`` cannot crawl raises what it raises, where validation would
+    fail the same way."""
+    try:
+        return resolver.lookup(ref)
+    except Exception:
+        return None
 
 
 @functools.lru_cache(maxsize=128)

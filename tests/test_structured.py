@@ -481,6 +481,22 @@ BAD_SCHEMAS: list[Any] = [
     # a dangling $ref inside an embedded resource (its own $id, so its own base)
     {"$defs": {"B": {"$id": "https://ex.com/b.json", "properties": {"q": {"$ref": "#/nope"}}}},
      "properties": {"a": {"$ref": "https://ex.com/b.json"}}},
+    # dangling $refs where only a walk over every key finds them (OpenAPI-style
+    # components; draft-07, where $defs is no keyword; a dependency after an array one)
+    {"properties": {"pet": {"$ref": "#/components/schemas/Pet"}},
+     "components": {"schemas": {"Pet": {"properties": {"owner": {"$ref": "#/components/schemas/Owner"}}}}}},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "properties": {"pet": {"$ref": "#/$defs/Pet"}},
+     "$defs": {"Pet": {"properties": {"owner": {"$ref": "#/$defs/Owner"}}}}},
+    {"$schema": "http://json-schema.org/draft-07/schema#",
+     "dependencies": {"a": ["b"], "card": {"$ref": "#/definitions/Card"}}, "definitions": {}},
+    # draft-07: a $ref hides its siblings, not what it points to
+    {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/pet",
+     "definitions": {"pet": {"properties": {"owner": {"$ref": "#/definitions/gone"}}}}},
+    # pointers through a number or into a list by name; a $dynamicRef to nothing
+    {"minimum": 5, "properties": {"a": {"$ref": "#/minimum/x"}}},
+    {"allOf": [{}], "properties": {"a": {"$ref": "#/allOf/x"}}},
+    {"properties": {"a": {"$dynamicRef": "#nope"}}},
+    {"$schema": 5}, {"$schema": []},
 ]
 
 # Valid schemas whose references resolve only against an embedded resource's own base.
@@ -495,6 +511,28 @@ GOOD_REF_SCHEMAS: list[Any] = [
      "properties": {"a": {"$ref": "https://ex.com/b.json"}}},
     {"$id": "https://ex.com/root.json", "$defs": {"c": {"$id": "c.json", "type": "integer"}},
      "properties": {"a": {"$ref": "c.json"}}},
+]
+
+# Valid schemas a stricter or narrower walk refused or crashed on (probes).
+VALID_SCHEMAS: list[Any] = [
+    # a schema dependency beside an array one (referencing's own walk crashed here)
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+     "dependencies": {"billing": {"required": ["card"]}, "card": ["billing"]}},
+    {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+     "dependencies": {"billing": {"required": ["card"]}, "card": ["billing"]}},
+    # draft-07 ignores a $ref's siblings, dangling references in them too
+    {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/pet",
+     "definitions": {"pet": {"type": "object"}}, "properties": {"legacy": {"$ref": "#/definitions/gone"}}},
+    # the metaschemas jsonschema ships resolve without a fetch
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+     "properties": {"schema": {"$ref": "http://json-schema.org/draft-07/schema#"}}},
+    # an embedded $schema does not change the root draft's rules (jsonschema's): "id"
+    # sets no base in 2020-12
+    {"$defs": {"y": {"type": "string"}},
+     "properties": {"x": {"$schema": "http://json-schema.org/draft-04/schema#", "id": "http://ex.com/e.json",
+                          "properties": {"p": {"$ref": "#/$defs/y"}}}}},
+    # a "$ref" key inside data is no reference
+    {"properties": {"a": {"enum": [{"$ref": "#/nope"}], "default": {"$ref": "#/nope"}}}},
 ]
 
 
@@ -522,6 +560,14 @@ async def test_references_resolve_against_their_own_resource(
     async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
         r = await s.chat(MESSAGES, schema=schema)
     assert r.call_stats.reasks == 1  # the first answer broke the referenced subschema
+
+
+@pytest.mark.parametrize("schema", VALID_SCHEMAS, ids=range(len(VALID_SCHEMAS)))
+async def test_valid_schemas_are_accepted(autojump_clock: trio.testing.MockClock, schema: Any) -> None:
+    up = FakeUpstream(Reply(text='{"billing": 1, "card": 2, "schema": {"type": "string"}, "x": {"p": "s"}}'))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=schema)
+    assert r.call_stats.reasks == 0 and r.parsed is not None
 
 
 def test_pydantic_v1_models_are_refused() -> None:
