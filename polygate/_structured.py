@@ -197,9 +197,8 @@ class _DictSchema(Schema):
 def _compile(schema: Any) -> Any:
     try:
         import jsonschema
-        import referencing
-        import referencing.exceptions
         import referencing.jsonschema
+        from jsonschema_specifications import REGISTRY  # type: ignore[import-untyped]
     except ImportError:
         raise ConfigError(
             "schema: a JSON Schema dict needs the jsonschema package "
@@ -210,7 +209,7 @@ def _compile(schema: Any) -> Any:
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
-        dangling = _dangling(schema, referencing)
+        dangling = _dangling(schema, referencing.jsonschema, REGISTRY)
     except RecursionError:
         # Encodable, but deeper than the metaschema check can follow (~100 levels of
         # properties): no validator could use it either.
@@ -224,77 +223,89 @@ def _compile(schema: Any) -> Any:
             f"{_first_line(exc.message)}"
         ) from None
     if dangling is not None:
+        keyword, ref = dangling
         raise ConfigError(
-            f"schema: $ref {dangling!r} does not resolve inside the schema "
+            f"schema: {keyword} {ref!r} does not resolve inside the schema "
             "(polygate never fetches remote schemas)"
         )
-    return cls(schema)
-
-
-def _dangling(schema: Any, referencing: Any) -> str | None:
-    """The first ``$ref`` of a checked schema that does not resolve, or None."""
-    import referencing.jsonschema
-    from jsonschema_specifications import REGISTRY  # type: ignore[import-untyped]  # the metaschemas
-
-    dialect = schema.get("$schema") if isinstance(schema, dict) else None
-    default = referencing.jsonschema.DRAFT202012
-    spec = (
-        referencing.jsonschema.specification_with(dialect, default=default)
-        if isinstance(dialect, str) else default
-    )
-    resolver = REGISTRY.resolver_with_root(spec.create_resource(schema))
-    legacy = spec in (referencing.jsonschema.DRAFT3, referencing.jsonschema.DRAFT4,
-                      referencing.jsonschema.DRAFT6, referencing.jsonschema.DRAFT7)
-    return _unresolved(schema, resolver, resolver, spec, legacy=legacy, root_node=True)
+    # The registry of the drafts' metaschemas, which never retrieves: without it,
+    # jsonschema fetches an unknown URI over the network while validating an answer.
+    return cls(schema, registry=REGISTRY)
 
 
 # Keywords whose values are data, not subschemas: a "$ref" key in them is not a reference.
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
+# Keywords whose values map names to subschemas: their keys are names, not keywords
+# (a property may be called "default").
+_NAMED_SCHEMAS = frozenset({
+    "properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies",
+})
 
 
-def _unresolved(
-    node: Any, resolver: Any, root: Any, spec: Any, *, legacy: bool, root_node: bool = False,
-    seen: set[int] | None = None,
-) -> str | None:
-    """The first ``$ref`` under ``node`` that does not resolve, or None.
+def _dangling(schema: Any, drafts: Any, metaschemas: Any) -> tuple[str, str] | None:
+    """The first reference of a checked schema that does not resolve, as
+    ``(keyword, reference)``, or None.
 
     Every key is walked but data (a ``$ref`` can point anywhere: ``#/components/...``),
-    and each reference is resolved against the base of the resource it sits in, as the
-    validator resolves it: an embedded resource sets its own with ``$id`` (``id`` before
-    draft-06; the root's draft decides, as for jsonschema, and ``referencing`` knows
-    which).  Before 2019-09 a ``$ref`` hides its siblings: they are not walked, but what
-    it points to is.  A reference that resolves against the root instead is let
-    through: jsonschema does not take every embedded ``$id`` as a base (one directly
-    under ``not``, say), and refusing a schema it uses would be worse than finding the
-    rare dangling one at validation (a ConfigError then too)."""
-    seen = set() if seen is None else seen
-    if isinstance(node, dict):
-        if id(node) in seen:
-            return None
+    with an explicit stack (a long chain of references must not exhaust Python's), and
+    each reference is resolved as the validator resolves it: against the base of the
+    resource it sits in, which an embedded resource sets with its own ``$id`` (``id``
+    before draft-06; the root's draft decides, as for jsonschema).  Before 2019-09 a
+    ``$ref`` hides its siblings: they are not walked, but what it points to is.  A
+    reference that resolves against the root's base instead is let through: jsonschema
+    does not take every embedded ``$id`` as a base (one directly under ``not``, say),
+    and refusing a schema it uses would be worse than finding the rare dangling one
+    when an answer is validated (a ConfigError then too)."""
+    dialect = schema.get("$schema") if isinstance(schema, dict) else None
+    spec = (
+        drafts.specification_with(dialect, default=drafts.DRAFT202012)
+        if isinstance(dialect, str) else drafts.DRAFT202012
+    )
+    legacy = spec in (drafts.DRAFT3, drafts.DRAFT4, drafts.DRAFT6, drafts.DRAFT7)
+    root = _root_resolver(spec.create_resource(schema), metaschemas)
+    seen: set[int] = set()
+    # (node, its resolver, whether its keys are names, whether it is the root)
+    stack: list[tuple[Any, Any, bool, bool]] = [(schema, root, False, True)]
+    while stack:
+        node, resolver, names, is_root = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, resolver, False, False) for item in reversed(node))
+            continue
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
         seen.add(id(node))
-        if not root_node and isinstance(spec.id_of(node), str):
+        if names:
+            stack.extend((value, resolver, False, False) for value in reversed(node.values()))
+            continue
+        if not is_root and isinstance(spec.id_of(node), str):
             resolver = resolver.in_subresource(spec.create_resource(node))
-        dynamic = node.get("$dynamicRef")  # (resolved first as a $ref is: it must)
-        if isinstance(dynamic, str) and _target(resolver, root, dynamic) is None:
-            return dynamic
+        dynamic = node.get("$dynamicRef")
+        if spec is drafts.DRAFT202012 and isinstance(dynamic, str) and (
+                _target(resolver, root, dynamic) is None):
+            return "$dynamicRef", dynamic  # resolved first as a $ref is: it must resolve
         ref = node.get("$ref")
         if isinstance(ref, str):
             target = _target(resolver, root, ref)
             if target is None:
-                return ref
+                return "$ref", ref
             if legacy:
-                return _unresolved(target.contents, target.resolver, root, spec, legacy=legacy, seen=seen)
-        for key, value in node.items():
-            if key not in _DATA_KEYWORDS:
-                found = _unresolved(value, resolver, root, spec, legacy=legacy, seen=seen)
-                if found is not None:
-                    return found
-    elif isinstance(node, list):
-        for item in node:
-            found = _unresolved(item, resolver, root, spec, legacy=legacy, seen=seen)
-            if found is not None:
-                return found
+                stack.append((target.contents, target.resolver, False, False))
+                continue
+        stack.extend(
+            (value, resolver, key in _NAMED_SCHEMAS, False)
+            for key, value in reversed(node.items()) if key not in _DATA_KEYWORDS
+        )
     return None
+
+
+def _root_resolver(root: Any, metaschemas: Any) -> Any:
+    """A resolver for ``root``, its embedded resources crawled once (looked up lazily,
+    each reference to one crawled the whole schema again: quadratic)."""
+    uri = root.id() or ""
+    try:
+        return metaschemas.with_resource(uri, root).crawl().resolver(base_uri=uri)
+    except Exception:  # a shape referencing's walker cannot crawl: looked up lazily
+        return metaschemas.resolver_with_root(root)
 
 
 def _target(resolver: Any, root: Any, ref: str) -> Any:
@@ -310,6 +321,8 @@ def _resolved(resolver: Any, ref: str) -> Any:
     fail the same way."""
     try:
         return resolver.lookup(ref)
+    except RecursionError:
+        raise
     except Exception:
         return None
 

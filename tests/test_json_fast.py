@@ -157,10 +157,14 @@ def test_dumps_declines_a_non_finite_float_anywhere() -> None:
     assert dumps({"a": None, "b": [1.5, "null"]}) == b'{"a":null,"b":[1.5,"null"]}'
 
 
-@pytest.mark.parametrize("document", [b'"\xc0\xaf"', b'"\xed\xa0\x80"', b'"\xf8\x88\x80\x80\x80"'])
+@pytest.mark.parametrize("document", [
+    b'"\xc0\xaf"', b'"\xed\xa0\x80"', b'"\xf8\x88\x80\x80\x80"', b'"\\ud800"', b'{"\\udc00": 1}',
+    b'"\\ud83d\\ude00\\udc00"',
+])
 def test_what_msgspec_reads_is_strict_utf8(document: bytes) -> None:
     """The transport skips its surrogate repair for what msgspec read: so msgspec must
-    refuse every byte sequence that is not strict UTF-8."""
+    refuse every byte sequence that is not strict UTF-8, and every lone surrogate
+    escape (a pair is one character, and fine)."""
     calls: list[bytes] = []
 
     def fallback(data: bytes) -> str:

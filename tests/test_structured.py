@@ -497,6 +497,8 @@ BAD_SCHEMAS: list[Any] = [
     {"allOf": [{}], "properties": {"a": {"$ref": "#/allOf/x"}}},
     {"properties": {"a": {"$dynamicRef": "#nope"}}},
     {"$schema": 5}, {"$schema": []},
+    # a property may be called "default": its schema is a schema, not data
+    {"properties": {"default": {"$ref": "#/nope"}}},
 ]
 
 # Valid schemas whose references resolve only against an embedded resource's own base.
@@ -509,8 +511,11 @@ GOOD_REF_SCHEMAS: list[Any] = [
     {"$defs": {"B": {"$id": "https://ex.com/b.json", "$defs": {"z": {"type": "integer"}},
                      "properties": {"q": {"$ref": "#/$defs/z"}}}},
      "properties": {"a": {"$ref": "https://ex.com/b.json"}}},
-    {"$id": "https://ex.com/root.json", "$defs": {"c": {"$id": "c.json", "type": "integer"}},
-     "properties": {"a": {"$ref": "c.json"}}},
+    # a relative $id: "#/$defs/i" is only in the resource it names (not in the root)
+    {"$id": "https://ex.com/root.json",
+     "$defs": {"c": {"$id": "sub/c.json", "$defs": {"i": {"type": "integer"}},
+                     "properties": {"q": {"$ref": "#/$defs/i"}}}},
+     "properties": {"a": {"$ref": "sub/c.json"}}},
 ]
 
 # Valid schemas a stricter or narrower walk refused or crashed on (probes).
@@ -532,8 +537,49 @@ VALID_SCHEMAS: list[Any] = [
      "properties": {"x": {"$schema": "http://json-schema.org/draft-04/schema#", "id": "http://ex.com/e.json",
                           "properties": {"p": {"$ref": "#/$defs/y"}}}}},
     # a "$ref" key inside data is no reference
-    {"properties": {"a": {"enum": [{"$ref": "#/nope"}], "default": {"$ref": "#/nope"}}}},
+    {"properties": {"a": {"enum": [{"$ref": "#/nope"}], "default": {"$ref": "#/nope"},
+                          "example": {"$ref": "#/nope"}}}},
+    # $dynamicRef is a keyword of 2020-12 only: in draft-07 it is an unknown one
+    {"$schema": "http://json-schema.org/draft-07/schema#", "properties": {"a": {"$dynamicRef": "#nope"}}},
 ]
+
+
+def test_a_long_chain_of_references_is_checked_without_recursion() -> None:
+    """The check walks with its own stack: a chain of 3000 draft-07 references, each to
+    the next, was reported as a dangling one once Python's stack ran out."""
+    from polygate._structured import _compile
+
+    chain = {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/d0",
+             "definitions": {f"d{i}": {"$ref": f"#/definitions/d{i + 1}"} for i in range(2999)}}
+    _compile({**chain, "definitions": {**chain["definitions"], "d2999": {"type": "object"}}})
+    with pytest.raises(polygate.ConfigError, match="d2999"):
+        _compile(chain)  # the last link missing
+
+
+async def test_validation_never_fetches_a_remote_schema(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """jsonschema's default registry retrieves an unknown URI over HTTP while it
+    validates: polygate validates with the metaschemas' registry, which never does.  A
+    reference the check before I/O let through (it resolves against the root's base,
+    not its own) fails as a ConfigError at validation, without a fetch."""
+    import urllib.request
+
+    fetched: list[Any] = []
+
+    def no_network(url: Any, *args: Any, **kwargs: Any) -> Any:
+        fetched.append(url)
+        raise OSError("no network in tests")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    schema = {"$id": "https://a.example/root.json",
+              "$defs": {"x": {"$id": "https://a.example/x.json", "type": "string"}},
+              "properties": {"p": {"$id": "https://b.example/dir/p.json", "$ref": "x.json"}}}
+    up = FakeUpstream(Reply(text='{"p": 1}'))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="schema"):
+            await s.chat(MESSAGES, schema=schema)
+    assert fetched == []
 
 
 @pytest.mark.parametrize("schema", BAD_SCHEMAS, ids=lambda s: type(s).__name__)
@@ -555,8 +601,6 @@ async def test_references_resolve_against_their_own_resource(
     in every draft (draft-04 names it ``id``): the schema is valid, and validation
     follows the reference."""
     up = FakeUpstream(by_round(Reply(text='{"a": {"q": "x"}}'), Reply(text='{"a": {"q": 1}}')))
-    if "c.json" in str(schema):
-        up = FakeUpstream(by_round(Reply(text='{"a": "x"}'), Reply(text='{"a": 1}')))
     async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
         r = await s.chat(MESSAGES, schema=schema)
     assert r.call_stats.reasks == 1  # the first answer broke the referenced subschema
