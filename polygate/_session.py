@@ -26,7 +26,7 @@ from ._call import Rounds, one_cancelled
 from ._config import Settings, is_utf8
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
-from ._json import dumps
+from ._json import dumps, plain_messages
 from ._key_quota import KeyQuotas
 from ._ocr import run_ocr
 from ._resume import resumable_delta
@@ -260,15 +260,12 @@ def _check_messages(messages: Any) -> str:
         raise ConfigError("messages must be a list of message objects")
     if not messages:
         raise ConfigError("messages must not be empty")
-    text_only = type(messages) is list
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ConfigError(f"messages[{index}] must be an object with a string 'role'")
-        text_only = text_only and type(message) is dict and all(
-            type(k) is str and type(v) is str for k, v in message.items())
-    if text_only:
-        # The usual shape (plain text messages): msgspec writes byte for byte what the
-        # encoder below would, and cannot meet a NaN.  Text keys only: msgspec writes
+    if plain_messages(messages):
+        # The usual shape (text keys and values): msgspec writes byte for byte what the
+        # encoder below would, and cannot meet a NaN.  Not other keys: msgspec writes
         # keys json refuses (NaN, bytes) and spells a float key its own way (1e16).
         # None: a lone surrogate, which the path below reports.
         fast = dumps(messages)

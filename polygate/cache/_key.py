@@ -32,7 +32,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .._json import sorted_dumps
+from .._json import plain_messages, sorted_dumps
 
 __all__ = ["EXCLUDED_PARAMS", "KEY_VERSION", "canonical", "canonical_json", "chat_key", "embed_keys"]
 
@@ -111,27 +111,14 @@ def _digest(document: bytes) -> str:
     return hashlib.sha256(document).hexdigest()
 
 
-def _plain(messages: Sequence[Any]) -> bool:
-    """Messages already canonical: a list of dicts of strings (the usual case), which
-    the encoder's ``sort_keys`` alone makes canonical, so they need no walk."""
-    if type(messages) is not list:
-        return False
-    for message in messages:
-        if type(message) is not dict:
-            return False
-        for k, v in message.items():
-            if type(k) is not str or type(v) is not str:
-                return False
-    return True
-
-
 def chat_key(
     scope: str, models: Sequence[str], messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
 ) -> str:
     """The key of one chat call (``chat`` and ``stream_chat`` share it)."""
     return _digest(_document({
         "v": KEY_VERSION, "kind": "chat", "scope": scope, "models": list(models),
-        "messages": messages if _plain(messages) else canonical(messages),
+        # Text-only messages are canonical as they are: sorting the keys is enough.
+        "messages": messages if plain_messages(messages) else canonical(messages),
         "params": canonical(_kept(params)),
     }))
 
