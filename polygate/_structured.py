@@ -48,7 +48,7 @@ from ._config import Source, is_utf8
 from ._context import ChatRequest
 from ._errors import ConfigError, StructuredOutputError
 from ._threads import run_sync
-from ._types import ChatResponse
+from ._types import ChatResponse, json_default
 
 __all__ = ["Schema", "StructuredRounds", "prepare", "schema_of"]
 
@@ -56,7 +56,9 @@ _MAX_PROBLEMS = 20
 _MAX_PROBLEM_CHARS = 300
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _FENCE = re.compile(r"\A\s*```[A-Za-z0-9_-]*[ \t]*\r?\n(.*?)\r?\n?[ \t]*```\s*\Z", re.S)
-_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# default: a message that is a Mapping but not a dict is written as its items, as the
+# session writes it.
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=json_default).encode
 
 INSTRUCTION = (
     "Answer with a single JSON value that matches this JSON Schema, and nothing else "

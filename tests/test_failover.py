@@ -294,6 +294,24 @@ async def test_a_stream_cut_mid_way_is_finished_by_another_source(
     assert response.usage.completion_tokens > b.requests[0].reply.tokens  # type: ignore[union-attr]
 
 
+async def test_a_resume_of_mapping_messages_is_sent_as_their_items(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Found by a differential fuzz: messages that are Mappings but not dicts (the
+    public signature allows them) broke the continuation's encoding with a bare
+    TypeError; they are sent as their items, as the first request sends them."""
+    import types
+
+    a = FakeUpstream(Reply(text=ANSWER, inter_token_s=0.01, fault="truncated", fault_after=40))
+    b = FakeUpstream(_continuing(" " + " ".join(WORDS[40:]), inter_token_s=0.01))
+    messages = [types.MappingProxyType(dict(m)) for m in MESSAGES]
+    async with polygate.session(_resume_settings(), transport=Router({"a": a, "b": b})) as s:
+        async with s.stream_chat(messages) as stream:
+            text = "".join([c.text async for c in stream])
+    assert text == ANSWER and stream.response is not None and stream.response.call_stats.resumes == 1
+    assert b.requests[0].body["messages"][0] == dict(MESSAGES[0])
+
+
 async def test_a_slow_consumer_is_no_stall_across_the_seam(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

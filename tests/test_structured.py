@@ -193,6 +193,23 @@ async def test_each_round_has_its_own_retries(autojump_clock: trio.testing.MockC
     assert up.requests[1].body["messages"] == up.requests[2].body["messages"]
 
 
+@pytest.mark.parametrize("mode", ["json_schema", "prompt"])
+async def test_a_reask_of_mapping_messages_is_sent_as_their_items(
+    autojump_clock: trio.testing.MockClock, mode: str
+) -> None:
+    """Found by a differential fuzz: messages that are Mappings but not dicts (the
+    public signature allows them) broke the re-ask's encoding, and an instruction's,
+    with a bare TypeError; they are sent as their items, as a first request sends them."""
+    import types
+
+    up = FakeUpstream(by_round(Reply(text=NOT_JSON), Reply(text=GOOD)))
+    messages = [types.MappingProxyType(dict(m)) for m in MESSAGES]
+    async with polygate.session(_source_settings(mode), transport=Router({"a": up})) as s:
+        r = await s.chat(messages, schema=Answer)
+    assert r.call_stats.reasks == 1 and r.parsed == Answer(city="Paris", population=2100000)
+    assert dict(MESSAGES[0]) in up.requests[1].body["messages"]
+
+
 async def test_a_reask_round_starts_behind_a_source_that_failed(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
