@@ -19,14 +19,16 @@ where ``json`` raises (the session's message check sends only text-only messages
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-__all__ = ["dumps", "loads", "plain_messages", "sorted_dumps"]
+__all__ = ["dumps", "loads", "nested_deeper", "plain_messages", "sorted_dumps"]
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -107,3 +109,44 @@ def _has_non_finite(value: Any) -> bool:
         elif isinstance(item, (list, tuple)):
             pending.extend(item)
     return False
+
+
+# A JSON string, escapes included (brackets inside one are not nesting).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_ONE_KIND = bytes.maketrans(b"{}", b"[]")  # nesting is nesting, whatever the kind
+_STEP = [0] * 256
+_STEP[ord("[")] = _STEP[ord("{")] = 1
+_STEP[ord("]")] = _STEP[ord("}")] = -1
+
+
+def nested_deeper(data: bytes | str, limit: int) -> bool:
+    """Whether the JSON text ``data`` nests arrays and objects deeper than ``limit``,
+    found before it is decoded (or right after it is encoded).
+
+    Python's decoder and encoder recurse once a level: nesting is otherwise bounded
+    only by the interpreter's recursion limit (a ``RecursionError`` that looks like a
+    bug), and a document that stays just under it breaks whatever walks it later (a
+    ``repr``, a cache key, a telemetry row).  Counting brackets nearly always ends the
+    check; otherwise the strings are dropped, then everything but brackets, and the
+    running depth is summed -- every step a C loop, linear in the size."""
+    if isinstance(data, str):
+        if data.count("[") + data.count("{") <= limit:
+            return False
+        data = data.encode("utf-8", "surrogatepass")
+    elif data.count(b"[") + data.count(b"{") <= limit:
+        return False
+    brackets = _STRING.sub(b"", data).translate(_ONE_KIND, _NOT_BRACKETS)
+    # Each pass drops every innermost pair, so the depth by exactly one: wide JSON
+    # ([[],[],...]) shrinks to almost nothing before anything is summed.
+    peeled = 0
+    while brackets.count(b"[") > limit - peeled:
+        shorter = brackets.replace(b"[]", b"")
+        if peeled == 3 or len(shorter) == len(brackets):
+            break
+        brackets, peeled = shorter, peeled + 1
+    else:
+        return False  # too few openings left to be too deep
+    return peeled > limit or bool(
+        brackets and peeled + max(itertools.accumulate(map(_STEP.__getitem__, brackets))) > limit
+    )

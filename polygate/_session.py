@@ -26,7 +26,7 @@ from ._call import Rounds, one_cancelled
 from ._config import Settings, is_utf8
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
-from ._json import dumps, plain_messages
+from ._json import dumps, nested_deeper, plain_messages
 from ._key_quota import KeyQuotas
 from ._ocr import run_ocr
 from ._resume import resumable_delta
@@ -239,6 +239,11 @@ _encode_messages = json.JSONEncoder(
 # so _check_utf8 sees it (an escaped one would pass the check and fail at send).
 _encode_params = json.JSONEncoder(ensure_ascii=False, allow_nan=False, default=json_default).encode
 _NOT_UNICODE = "is not valid Unicode (a lone surrogate, e.g. U+D800, cannot be sent as UTF-8)"
+#: How deep messages and parameters may nest (``polygate serve`` refuses deeper request
+#: bodies too).  Python walks JSON recursively -- the encoder, the cache key, telemetry
+#: -- so a value just under its recursion limit passed one walk and broke the next.
+MAX_DEPTH = 256
+_TOO_DEEP = "{}: nested deeper than 256 levels of arrays and objects"
 
 
 def _check_utf8(text: str, what: str) -> None:
@@ -273,10 +278,14 @@ def _check_messages(messages: Any) -> str:
             return fast.decode()
     try:
         encoded = _encode_messages(messages)
+    except RecursionError:
+        raise ConfigError(_TOO_DEEP.format("messages")) from None
     except (TypeError, ValueError) as exc:
         if _is_nan_error(exc):
             raise ConfigError("messages must not contain NaN or Infinity (not JSON)") from None
         raise ConfigError(f"messages are not JSON-serialisable: {exc}") from None
+    if nested_deeper(encoded, MAX_DEPTH):
+        raise ConfigError(_TOO_DEEP.format("messages"))
     if not is_utf8(encoded):  # which one, on the error path only
         for index, message in enumerate(messages):
             _check_utf8(_encode_messages(message), f"messages[{index}]")
@@ -293,11 +302,27 @@ def _check_params(params: Mapping[str, Any], reserved: tuple[str, ...] = ("messa
         return
     try:
         encoded = _encode_params(params)
+    except RecursionError:
+        raise ConfigError(_too_deep(params)) from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(_unencodable(params, exc)) from None
+    if nested_deeper(encoded, MAX_DEPTH):
+        raise ConfigError(_too_deep(params))
     if not is_utf8(encoded):
         for key, value in params.items():
             _check_utf8(_encode_params({key: value}), f"parameter {key!r}")
+
+
+def _too_deep(params: Mapping[str, Any]) -> str:
+    """Which parameter nests too deeply (on the error path only)."""
+    for key, value in params.items():
+        try:
+            deep = nested_deeper(_encode_params(value), MAX_DEPTH - 1)
+        except RecursionError:
+            deep = True
+        if deep:
+            return _TOO_DEEP.format(f"parameter {key!r}")
+    return _TOO_DEEP.format("parameters")
 
 
 def _unencodable(params: Mapping[str, Any], exc: Exception) -> str:

@@ -326,6 +326,32 @@ async def test_non_finite_numbers_are_refused_before_any_io(
     assert up.requests == []
 
 
+@pytest.mark.parametrize("depth", [300, 600, 985, 5000])
+@pytest.mark.parametrize("cache", ["off", "memory"])
+async def test_arguments_nested_too_deeply_are_refused_before_any_io(
+    autojump_clock: trio.testing.MockClock, depth: int, cache: str
+) -> None:
+    """Found by a probe: a parameter or message nested past what Python's recursive
+    JSON walks can take raised a bare RecursionError (from the cache key, from the
+    check's encoder).  A ConfigError past 256 levels, the gateway's limit too."""
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    up = FakeUpstream(Reply())
+    scope = polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)
+    settings = polygate.Settings(scopes={"chat": scope, "embed": scope}, cache=cache)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="'tools'.*256"):
+            await s.chat(MESSAGES, tools=value)
+        with pytest.raises(polygate.ConfigError, match="messages.*256"):
+            await s.chat([{"role": "user", "content": "x", "extra": value}])
+        with pytest.raises(polygate.ConfigError, match="256"):
+            s.stream_chat(MESSAGES, tools=value)
+        with pytest.raises(polygate.ConfigError, match="256"):
+            await s.embed(["x"], extra=value)
+    assert up.requests == []
+
+
 async def test_messages_may_be_any_mapping(autojump_clock: trio.testing.MockClock) -> None:
     """The signature takes Sequence[Mapping]: a probe found a MappingProxyType message
     (or parameter value) refused as 'not JSON-serialisable'.  It goes out as its items,

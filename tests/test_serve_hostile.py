@@ -119,6 +119,38 @@ async def test_client_lone_surrogate_is_a_400(
     _no_traceback(caplog)
 
 
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"1" + b"]" * depth
+
+
+@pytest.mark.parametrize("body", [
+    # In a parameter, in a message, as the model: every depth from well past the
+    # limit to just under Python's recursion limit (a 500 there, found by a probe).
+    b'{"model":"chat","messages":[{"role":"user","content":"x"}],"p":%s}' % _nested(300),
+    b'{"model":"chat","messages":[{"role":"user","content":"x"}],"p":%s}' % _nested(984),
+    b'{"model":"chat","messages":[{"role":"user","content":"x","extra":%s}]}' % _nested(985),
+    b'{"model":%s,"messages":[{"role":"user","content":"x"}]}' % _nested(985),
+    b'{"model":"embed","input":["x"],"p":%s}' % _nested(990),
+    b'{"model":"chat","messages":[{"role":"user","content":"x"}],"p":%s}' % _nested(5000),
+])
+async def test_a_request_nested_too_deeply_is_a_400(body: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """A body nested deeper than 256 levels is refused as invalid JSON before it is
+    read: just under the interpreter's recursion limit it parsed, and the next walk of
+    it (the arguments' check, the model's name in an error) raised a 500."""
+    path = "/v1/embeddings" if b'"embed"' in body else "/v1/chat/completions"
+    (status, answer), = await _against(GOOD, GOOD_SSE, (path, body))
+    assert status == 400, answer
+    error = _strict(answer)["error"]
+    assert error["code"] == "invalid_json" and "256" in error["message"]
+    _no_traceback(caplog)
+
+
+async def test_a_request_nested_at_the_limit_is_read() -> None:
+    body = b'{"model":"chat","messages":[{"role":"user","content":"x"}],"p":%s}' % _nested(250)
+    (status, answer), = await _against(GOOD, GOOD_SSE, ("/v1/chat/completions", body))
+    assert status == 200, answer
+
+
 async def test_client_surrogate_pair_is_text() -> None:
     """A proper pair (an emoji, escaped) is valid text and goes through."""
     body = b'{"model":"chat","messages":[{"role":"user","content":"\\ud83d\\ude00"}]}'

@@ -35,7 +35,7 @@ import trio
 from .._config import Settings
 from .._context import PRESET_CALL_ID, fresh_call_id
 from .._errors import PolygateError
-from .._json import loads
+from .._json import loads, nested_deeper
 from .._key_quota import KeyQuotas, KeyRefusal
 from .._session import Session
 from .._types import CallStats, ChatResponse, StreamChunk
@@ -391,7 +391,18 @@ def _key_refusal(refusal: KeyRefusal) -> ErrorReply:
                       retry_after_s=refusal.wait_s, final=refusal.wait_s is None)
 
 
+#: How deep a request's JSON may nest.  Python walks JSON recursively, so just under its
+#: recursion limit a body parsed and the next walk of it failed (a 500); no request
+#: of the API nests anywhere near this.
+MAX_REQUEST_DEPTH: Final = 256
+
+
 def _parse_body(raw: bytes) -> dict[str, Any] | ErrorReply:
+    if _nested_too_deeply(raw):
+        return ErrorReply(
+            400, f"The JSON body of your request is nested deeper than {MAX_REQUEST_DEPTH} levels.",
+            "invalid_request_error", "invalid_json",
+        )
     try:
         body = loads(raw)
     except (ValueError, RecursionError):
@@ -426,6 +437,18 @@ def _lone_surrogates(raw: bytes, body: Any) -> bool:
         return has_lone_surrogate(body)
     except RecursionError:  # nesting is not this check's concern
         return False
+
+
+def _nested_too_deeply(raw: bytes) -> bool:
+    """Whether the body nests deeper than :data:`MAX_REQUEST_DEPTH`, read as
+    ``json.loads`` reads bytes (UTF-8, or the UTF-16/32 it detects)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_REQUEST_DEPTH:
+        return False  # (the common case, whatever the encoding)
+    try:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    except (UnicodeDecodeError, LookupError):
+        return False  # not text: json.loads refuses it, a 400 as well
+    return nested_deeper(text, MAX_REQUEST_DEPTH)
 
 
 def _is_utf8(raw: bytes) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import email.utils
-import itertools
 import json
 import math
 import re
@@ -21,6 +20,7 @@ from .._errors import (
     error_code,
     error_message,
 )
+from .._json import nested_deeper
 from .._secrets import clip, is_header_safe
 from .._types import json_default
 
@@ -174,41 +174,10 @@ def embeddings_body(endpoint: Endpoint, inputs: Sequence[str], params: Mapping[s
     return _ENCODE(body).encode("utf-8", _ESCAPE)
 
 
-# A JSON string, escapes included (brackets inside one are not nesting).
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_ONE_KIND = bytes.maketrans(b"{}", b"[]")  # nesting is nesting, whatever the kind
-_STEP = [0] * 256
-_STEP[ord("[")] = _STEP[ord("{")] = 1
-_STEP[ord("]")] = _STEP[ord("}")] = -1
-
-
 def check_depth(data: bytes, limit: int, source: str) -> None:
-    """Refuse JSON nested deeper than ``limit`` before it is decoded.
-
-    Python's decoder recurses once a level: nesting is otherwise bounded only by the
-    interpreter's recursion limit (a ``RecursionError`` that looks like a bug), and a
-    document that stays just under it breaks whatever walks it later (a ``repr``, a
-    telemetry row).  Counting brackets nearly always ends the check; otherwise the
-    strings are dropped, then everything but brackets, and the running depth is
-    summed -- every step a C loop, linear in the bytes.
-    """
-    if data.count(b"[") + data.count(b"{") <= limit:
-        return
-    brackets = _STRING.sub(b"", data).translate(_ONE_KIND, _NOT_BRACKETS)
-    # Each pass drops every innermost pair, so the depth by exactly one: wide JSON
-    # ([[],[],...]) shrinks to almost nothing before anything is summed.
-    peeled = 0
-    while brackets.count(b"[") > limit - peeled:
-        shorter = brackets.replace(b"[]", b"")
-        if peeled == 3 or len(shorter) == len(brackets):
-            break
-        brackets, peeled = shorter, peeled + 1
-    else:
-        return  # too few openings left to be too deep
-    if peeled > limit or (
-        brackets and peeled + max(itertools.accumulate(map(_STEP.__getitem__, brackets))) > limit
-    ):
+    """Refuse JSON nested deeper than ``limit`` before it is decoded
+    (:func:`polygate._json.nested_deeper`)."""
+    if nested_deeper(data, limit):
         raise TransientUpstreamError(
             f"malformed upstream body: JSON nested deeper than {limit} levels", source=source
         )
