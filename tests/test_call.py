@@ -341,9 +341,9 @@ async def test_arguments_nested_too_deeply_are_refused_before_any_io(
     scope = polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)
     settings = polygate.Settings(scopes={"chat": scope, "embed": scope}, cache=cache)
     async with polygate.session(settings, transport=Router({"a": up})) as s:
-        with pytest.raises(polygate.ConfigError, match="'tools'.*256"):
+        with pytest.raises(polygate.ConfigError, match=r"'tools'.*256"):
             await s.chat(MESSAGES, tools=value)
-        with pytest.raises(polygate.ConfigError, match="messages.*256"):
+        with pytest.raises(polygate.ConfigError, match=r"messages.*256"):
             await s.chat([{"role": "user", "content": "x", "extra": value}])
         with pytest.raises(polygate.ConfigError, match="256"):
             s.stream_chat(MESSAGES, tools=value)
