@@ -243,7 +243,7 @@ _NOT_UNICODE = "is not valid Unicode (a lone surrogate, e.g. U+D800, cannot be s
 #: bodies too).  Python walks JSON recursively -- the encoder, the cache key, telemetry
 #: -- so a value just under its recursion limit passed one walk and broke the next.
 MAX_DEPTH = 256
-_TOO_DEEP = "{}: nested deeper than 256 levels of arrays and objects"
+_TOO_DEEP = "{}: nested deeper than " + str(MAX_DEPTH) + " levels of arrays and objects"
 
 
 def _check_utf8(text: str, what: str) -> None:

@@ -37,7 +37,7 @@ from .._context import PRESET_CALL_ID, fresh_call_id
 from .._errors import PolygateError
 from .._json import loads, nested_deeper
 from .._key_quota import KeyQuotas, KeyRefusal
-from .._session import Session
+from .._session import MAX_DEPTH, Session
 from .._types import CallStats, ChatResponse, StreamChunk
 from ._errors import ErrorReply, reply_for
 from ._http import ClientGone, Connection, Request
@@ -391,16 +391,10 @@ def _key_refusal(refusal: KeyRefusal) -> ErrorReply:
                       retry_after_s=refusal.wait_s, final=refusal.wait_s is None)
 
 
-#: How deep a request's JSON may nest.  Python walks JSON recursively, so just under its
-#: recursion limit a body parsed and the next walk of it failed (a 500); no request
-#: of the API nests anywhere near this.
-MAX_REQUEST_DEPTH: Final = 256
-
-
 def _parse_body(raw: bytes) -> dict[str, Any] | ErrorReply:
     if _nested_too_deeply(raw):
         return ErrorReply(
-            400, f"The JSON body of your request is nested deeper than {MAX_REQUEST_DEPTH} levels.",
+            400, f"The JSON body of your request is nested deeper than {MAX_DEPTH} levels.",
             "invalid_request_error", "invalid_json",
         )
     try:
@@ -440,15 +434,18 @@ def _lone_surrogates(raw: bytes, body: Any) -> bool:
 
 
 def _nested_too_deeply(raw: bytes) -> bool:
-    """Whether the body nests deeper than :data:`MAX_REQUEST_DEPTH`, read as
-    ``json.loads`` reads bytes (UTF-8, or the UTF-16/32 it detects)."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_REQUEST_DEPTH:
-        return False  # (the common case, whatever the encoding)
+    """Whether the body nests deeper than the session takes its arguments
+    (``MAX_DEPTH``: a body just under the recursion limit parsed, and the next walk of
+    it answered 500), read as ``json.loads`` reads bytes (UTF-8, or the UTF-16/32 it
+    detects)."""
+    # Counted before decoding (nested_deeper counts again): every request passes here.
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return False
     try:
         text = raw.decode(json.detect_encoding(raw), "surrogatepass")
     except (UnicodeDecodeError, LookupError):
         return False  # not text: json.loads refuses it, a 400 as well
-    return nested_deeper(text, MAX_REQUEST_DEPTH)
+    return nested_deeper(text, MAX_DEPTH)
 
 
 def _is_utf8(raw: bytes) -> bool:
