@@ -118,6 +118,74 @@ async def test_another_thread_wakes_an_idle_run(io_mode: str, tmp_path: Path) ->
         assert second.call_stats.cached and len(up.requests) == 1
 
 
+async def test_a_call_on_an_idle_run_starts_in_the_callers_step() -> None:
+    """trio steps on a call submitted to an idle run inside the caller's own loop
+    callback: a call that needs no I/O (the in-process fake) is answered before the
+    loop runs anything else, and costs no loop iteration at all."""
+    async with polygate.aio.session(settings_for("http://a/v1"),
+                                    transport=FakeUpstream(Reply(text="ok")).transport()) as s:
+        await s.chat(messages("warm"))
+        for i in range(5):
+            other: list[int] = []
+            asyncio.get_running_loop().call_soon(other.append, i)
+            assert (await s.chat(messages(f"x{i}"))).text == "ok"
+            assert other == [], "the loop ran a callback of its own before the answer"
+            await asyncio.sleep(0)
+            assert other == [i]
+
+
+async def test_the_wait_timer_is_armed_once_not_per_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two waits a call (its answer, then the next call): a timer per wait would be a
+    handle, a heap push and a cancellation each.  The armed timer is kept while it
+    fires no later than trio's next deadline."""
+    armed: list[float] = []
+    original = _guest_io.LoopDriver._arm
+
+    def counting(self: Any, until: float) -> None:
+        armed.append(until)
+        original(self, until)
+
+    monkeypatch.setattr(_guest_io.LoopDriver, "_arm", counting)
+    up = FakeUpstream(Reply(text="hi"))
+    with loopback(up) as url:
+        async with polygate.aio.session(settings_for(url)) as s:
+            for i in range(30):
+                assert (await asyncio.wait_for(s.chat(messages(f"m{i}")), 10)).text == "hi"
+    assert 1 <= len(armed) <= 5, len(armed)
+
+
+async def test_an_early_timer_is_not_a_timeout() -> None:
+    """The kept timer may fire before trio's current wait ends (it was armed for an
+    earlier deadline that went away).  That must not reach trio as "the wait timed
+    out": trio would then wake ``wait_all_tasks_blocked`` waiters before their
+    cushion, or jump a MockClock."""
+    async with polygate.aio.session(settings_for("http://a/v1"),
+                                    transport=FakeUpstream().transport()):
+        host = host_of_running_loop()
+        assert host.driver is not None
+        loop = asyncio.get_running_loop()
+        scopes: list[trio.CancelScope] = []
+        waited: asyncio.Future[float] = loop.create_future()
+
+        async def short_deadline() -> None:
+            with trio.CancelScope() as scope:
+                scopes.append(scope)
+                await trio.sleep(0.05)  # trio goes idle with a timer armed for this
+
+        async def long_wait() -> None:
+            scopes[0].cancel()  # that deadline goes away before it fires
+            t0 = trio.current_time()
+            await trio.testing.wait_all_tasks_blocked(cushion=0.3)
+            waited.set_result(trio.current_time() - t0)
+
+        host.submit(host.start_task, short_deadline)
+        await asyncio.sleep(0.01)
+        assert host.driver._timer is not None
+        host.submit(host.start_task, long_wait)
+        # (the loop's clock and trio's differ by a few µs: a margin, far above 0.05)
+        assert await asyncio.wait_for(waited, 10) >= 0.25
+
+
 @pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
 def test_the_descriptor_is_released_with_the_run(kind: str) -> None:
     """trio's descriptor is registered once, for the run's life (not once per wait),

@@ -31,6 +31,14 @@ Invariants:
   flag trio's own wake-ups test).
 * :meth:`LoopDriver.prod` schedules a tick before the loop's thread hands trio work
   directly, so that trio does not wake itself through its wake-up socket.
+  :meth:`LoopDriver.hand_over` (a call submitted from asyncio) goes further when trio
+  is idle: trio steps right there, inside the caller's callback, so that a call
+  starts (and, if it needs no I/O, ends) without a loop iteration of its own.  Never
+  from inside a tick (no re-entry).
+* While trio has work ready, up to ``_CHAINED_STEPS`` steps run in one callback;
+  then the next goes to the back of the loop's queue.
+* One deadline timer at a time, kept across waits while it fires no later than the
+  current wait ends; when it fires early it is re-armed, and trio is not woken.
 * When the run ends, the descriptor and the timer are released before trio's done
   callback runs.
 * A host loop that has closed (the rescue in :mod:`._host`) cannot wait: the driver
@@ -59,6 +67,10 @@ try:  # trio internals: checked one by one in driver_for()
     from trio._core import _run as _trio_run
 except ImportError:  # pragma: no cover - a trio without them runs the helper thread
     _trio_run = None  # type: ignore[assignment]
+
+#: trio steps run back to back in one loop callback while trio has work ready
+#: (see LoopDriver.tick).  A call takes ~4-6 steps; a step of ready tasks is short.
+_CHAINED_STEPS = 8
 
 #: trio caps a wait at 24 hours (a farther deadline, or none, arrives as exactly that).
 _MAX_WAIT_S = 24 * 60 * 60
@@ -136,7 +148,10 @@ class LoopDriver:
         self._post = post
         self._rescue_left = rescue_left
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # (loop time) when _timer fires
+        self._wait_until = 0.0  # (loop time) when trio's current I/O wait ends
         self._idle = False
+        self._ticking = False
         self.ended = False  # also: the descriptor is no longer registered
 
     def start(self) -> Callable[[], None]:
@@ -147,27 +162,41 @@ class LoopDriver:
     # ------------------------------------------------------------ ticks
 
     def tick(self) -> None:
-        """One step of trio's run loop, then schedule the next or go idle."""
+        """Steps of trio's run loop, then schedule the next or go idle.
+
+        While trio has work ready (its timeout is 0, or I/O events are waiting) the
+        next step runs here too, up to ``_CHAINED_STEPS`` in a row: a loop iteration
+        per step (a poll, a callback) is what trio's own loop does not pay, and a call
+        takes several steps.  After that the next step goes to the back of the loop's
+        queue, so that asyncio's callbacks are never held up by more than that.
+        """
         state, runner = self._state, self._runner
-        previous, sniffio.thread_local.name = sniffio.thread_local.name, "trio"
+        self._ticking = True
         try:
-            timeout = state.unrolled_run_next_send.send(state.unrolled_run_gen)
-        except StopIteration:
-            self._end()
-            state.done_callback(runner.main_task_outcome)
-            return
-        except trio.TrioInternalError as exc:
-            self._end()
-            state.done_callback(outcome.Error(exc))
-            return
+            for _ in range(_CHAINED_STEPS):
+                previous, sniffio.thread_local.name = sniffio.thread_local.name, "trio"
+                try:
+                    timeout = state.unrolled_run_next_send.send(state.unrolled_run_gen)
+                except StopIteration:
+                    self._end()
+                    state.done_callback(runner.main_task_outcome)
+                    return
+                except trio.TrioInternalError as exc:
+                    self._end()
+                    state.done_callback(outcome.Error(exc))
+                    return
+                finally:
+                    sniffio.thread_local.name = previous
+                events = outcome.capture(self._io.get_events, 0)
+                if not (timeout <= 0 or isinstance(events, outcome.Error) or events.value):
+                    break
+                state.unrolled_run_next_send = events
+                runner.guest_tick_scheduled = True
+            else:
+                self._post(self.tick)
+                return
         finally:
-            sniffio.thread_local.name = previous
-        events = outcome.capture(self._io.get_events, 0)
-        if timeout <= 0 or isinstance(events, outcome.Error) or events.value:
-            state.unrolled_run_next_send = events
-            runner.guest_tick_scheduled = True
-            self._post(self.tick)
-            return
+            self._ticking = False
         runner.guest_tick_scheduled = False
         left = self._rescue_left()
         if left is not None:
@@ -177,7 +206,13 @@ class LoopDriver:
         # trio caps its timeout at 24 hours (a farther deadline arrives as exactly
         # that), so a timer is always armed: an empty wake after 24 hours is what
         # trio's own loop would see, and it then recomputes.
-        self._timer = self._loop.call_later(min(timeout, _MAX_WAIT_S), self._deadline)
+        until = self._wait_until = self._loop.time() + min(timeout, _MAX_WAIT_S)
+        if self._timer is None or self._timer_at > until:
+            self._arm(until)
+        # else the armed timer fires first (trio's next deadline moved later, as it
+        # does after every call): it then finds the wait not over and re-arms.  A
+        # timer per wait would cost a handle and a heap push and a cancellation for
+        # each of the two waits of every call.
 
     def _ready(self) -> None:
         # trio's descriptor is readable: resume if idle (while a tick is scheduled,
@@ -187,11 +222,23 @@ class LoopDriver:
             self._poll_and_tick()
 
     def _deadline(self) -> None:
-        # trio's wait timed out: the one wake-up that may hand trio an empty result.
+        # A timer fired.  It may be one armed for an earlier wait: while trio is busy
+        # (it is left armed then), or for a wait that ends sooner than this one.
         self._timer = None
-        if self._idle:
-            self._wake()
-            self._poll_and_tick(timed_out=True)
+        if not self._idle:
+            return
+        if self._timer_at < self._wait_until:
+            self._arm(self._wait_until)
+            return
+        # trio's wait timed out: the one wake-up that may hand trio an empty result.
+        self._wake()
+        self._poll_and_tick(timed_out=True)
+
+    def _arm(self, until: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = until
+        self._timer = self._loop.call_at(until, self._deadline)
 
     def prod(self) -> None:
         """The loop's thread is about to hand trio work directly (start a task, cancel
@@ -200,6 +247,26 @@ class LoopDriver:
         if self._idle:
             self._wake()
             self._post(self._poll_and_tick)
+
+    def hand_over(self, fn: Callable[..., object], *args: Any) -> None:
+        """From the loop's thread, outside trio: ``fn(*args)`` in trio's system
+        context (it starts a task, cancels a scope), and trio steps on it.
+
+        When trio is idle its steps run here and now, inside the caller's own loop
+        callback: a call's first steps (and all of one that needs no I/O) then cost
+        no loop iteration of their own.  Otherwise a step is already scheduled (or
+        running, further up this stack) and will see the work.
+        """
+        if self._idle and not self._ticking:
+            self._wake()
+            self.run_in_system_context(fn, *args)
+            # No poll first: trio has a task to run now, and I/O that is ready waits
+            # one step (the step's own poll, after it, finds it).
+            self._state.unrolled_run_next_send = outcome.Value(_Woken())
+            self.tick()
+        else:
+            self.prod()
+            self.run_in_system_context(fn, *args)
 
     def _poll_and_tick(self, *, timed_out: bool = False) -> None:
         events = outcome.capture(self._io.get_events, 0)
@@ -214,9 +281,10 @@ class LoopDriver:
         self._runner.system_context.copy().run(fn, *args)
 
     def _wake(self) -> None:
+        # The timer stays armed (see tick): if it fires while trio is busy, it is
+        # ignored.
         self._idle = False
         self._runner.guest_tick_scheduled = True
-        self._cancel_timer()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:

@@ -111,8 +111,7 @@ class Host:
             # Same thread, and trio is between ticks: call it now, one tick scheduled.
             if driver.ended:
                 raise PolygateError("polygate's trio run has ended (its loop is shutting down)")
-            driver.prod()
-            driver.run_in_system_context(fn, *args)
+            driver.hand_over(fn, *args)
             return
         self._batch.append((fn, args))
         if not self._wake_pending:
