@@ -117,7 +117,9 @@ def driver_for(
     if not all(
         hasattr(state, name)
         for name in ("unrolled_run_gen", "unrolled_run_next_send", "done_callback")
-    ) or not hasattr(runner, "guest_tick_scheduled") or not hasattr(runner, "main_task_outcome"):
+    ) or not all(
+        hasattr(runner, name) for name in ("guest_tick_scheduled", "main_task_outcome", "is_guest")
+    ):
         return None
     if not callable(getattr(io_manager, "get_events", None)):
         return None
@@ -172,6 +174,12 @@ class LoopDriver:
         """
         state, runner = self._state, self._runner
         self._ticking = True
+        # While trio runs its own steps it is not a guest: its "is_guest" branches
+        # exist to wake a run that is waiting while the host changes a deadline or
+        # reschedules a task, and here trio is not waiting (its next step, or its
+        # next wait, sees every change).  Left on, every deadline change of a call
+        # (~20 a call) would look up trio's next deadline twice for nothing.
+        runner.is_guest = False
         try:
             for _ in range(_CHAINED_STEPS):
                 previous, sniffio.thread_local.name = sniffio.thread_local.name, "trio"
@@ -197,6 +205,7 @@ class LoopDriver:
                 return
         finally:
             self._ticking = False
+            runner.is_guest = True
         runner.guest_tick_scheduled = False
         left = self._rescue_left()
         if left is not None:
@@ -248,9 +257,11 @@ class LoopDriver:
             self._wake()
             self._post(self._poll_and_tick)
 
-    def hand_over(self, fn: Callable[..., object], *args: Any) -> None:
-        """From the loop's thread, outside trio: ``fn(*args)`` in trio's system
-        context (it starts a task, cancels a scope), and trio steps on it.
+    def hand_over(self, fn: Callable[..., object], *args: Any,
+                  system_context: bool = True) -> None:
+        """From the loop's thread, outside trio: ``fn(*args)`` (it starts a task,
+        cancels a scope) in trio's system context, or with ``system_context=False``
+        in the caller's, and trio steps on it.
 
         When trio is idle its steps run here and now, inside the caller's own loop
         callback: a call's first steps (and all of one that needs no I/O) then cost
@@ -259,14 +270,20 @@ class LoopDriver:
         """
         if self._idle and not self._ticking:
             self._wake()
-            self.run_in_system_context(fn, *args)
+            if system_context:
+                self.run_in_system_context(fn, *args)
+            else:
+                fn(*args)
             # No poll first: trio has a task to run now, and I/O that is ready waits
             # one step (the step's own poll, after it, finds it).
             self._state.unrolled_run_next_send = outcome.Value(_Woken())
             self.tick()
         else:
             self.prod()
-            self.run_in_system_context(fn, *args)
+            if system_context:
+                self.run_in_system_context(fn, *args)
+            else:
+                fn(*args)
 
     def _poll_and_tick(self, *, timed_out: bool = False) -> None:
         events = outcome.capture(self._io.get_events, 0)

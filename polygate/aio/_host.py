@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import queue
 import sys
 import threading
@@ -122,6 +123,22 @@ class Host:
                 self._batch.clear()
                 raise PolygateError("polygate's trio run has ended (its loop is shutting down)") from None
             self._wake_pending = True
+
+    def start_job(self, start: Callable[[Any], object], job: Any) -> None:
+        """``submit(start, job)`` for a call's job, where ``start`` spawns its task.
+
+        Handed to trio here and now (the loop driver), ``start`` runs in the caller's
+        own context, so the task it spawns copies the caller's context variables.
+        Handed over later, from trio's entry queue, it would run in another context:
+        then the job carries a copy of the caller's (``job.context``)."""
+        driver = self.driver
+        if driver is not None and not self._rescuing:
+            if driver.ended:
+                raise PolygateError("polygate's trio run has ended (its loop is shutting down)")
+            driver.hand_over(start, job, system_context=False)
+            return
+        job.context = contextvars.copy_context()
+        self.submit(start, job)
 
     def _drain(self) -> None:
         # trio context (the run's entry queue); same thread as the asyncio side.

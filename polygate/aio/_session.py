@@ -64,6 +64,8 @@ _STREAM_BUFFER = 32
 _CLOSED = "this session is closed"
 _BLOCK_LEFT = "this stream was closed before it finished (its block exited)"
 _CLOSED_IN_FLIGHT = "the session was closed while this call was in flight"
+#: The name of a bridged call's trio task (trio would otherwise format one per call).
+_TASK_NAME = "polygate.aio call"
 
 
 class _Job:
@@ -87,7 +89,10 @@ class _Job:
         self.args = args
         self.kwargs = kwargs
         self.fut = fut
-        self.context = contextvars.copy_context()
+        # The caller's context variables (request ids, the current span) go with the
+        # call.  Set only when the job is handed over later, from another context (see
+        # Host.start_job); otherwise the job starts in the caller's own context.
+        self.context: contextvars.Context | None = None
         self.scope: trio.CancelScope | None = None
         self.cancel_requested = False
         self.done = False
@@ -107,7 +112,15 @@ def _forward(
     method: ``chat = _forward(polygate.Session.chat)``)."""
 
     async def forward(self: Session, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self._call(method, (self._session, *args), kwargs)  # type: ignore[no-any-return]
+        # (Session._call inlined: one coroutine frame fewer a call.)
+        self._check_open()
+        job = _Job(method, (self._session, *args), kwargs, self._loop.create_future())
+        self._host.start_job(self._owner.start_job, job)
+        try:
+            return await job.fut  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            await self._cancel(job)
+            raise
 
     functools.update_wrapper(forward, method)
     forward.__qualname__ = f"Session.{method.__name__}"
@@ -198,20 +211,13 @@ class Session:
             raise PolygateError("this session belongs to another event loop (or thread); "
                                 "open one per loop")
 
-    async def _call(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> Any:
-        self._check_open()
-        job = _Job(fn, args, kwargs, self._loop.create_future())
-        self._host.submit(self._owner.start_job, job)
-        try:
-            return await job.fut
-        except asyncio.CancelledError:
-            if not job.done:
-                # Cancel the trio side and wait until every path of it has settled.
-                job.waiter = self._loop.create_future()
-                self._host.submit(job.cancel)
-                await settle(job.waiter)
-            raise
+    async def _cancel(self, job: _Job) -> None:
+        """The caller was cancelled: cancel the trio side and wait until every path of
+        it has settled."""
+        if not job.done:
+            job.waiter = self._loop.create_future()
+            self._host.submit(job.cancel)
+            await settle(job.waiter)
 
 
 class _Owner:
@@ -268,10 +274,19 @@ class _Owner:
             if job.waiter is not None:
                 resolve(job.waiter, outcome.Value(None))
             return
-        # The caller's context variables (request ids, the current span) go with it.
-        job.context.run(self.calls.start_soon, self._run_job, job)
+        # The caller's context variables (request ids, the current span) go with it:
+        # this runs in the caller's context, or in a copy of it taken at submission.
+        if job.context is None:
+            self._spawn(job)
+        else:
+            job.context.run(self._spawn, job)
+
+    def _spawn(self, job: _Job) -> None:
+        assert self.calls is not None
+        self.calls.start_soon(self._run_job, job, name=_TASK_NAME)
 
     async def _run_job(self, job: _Job) -> None:
+        fut = job.fut
         try:
             with trio.CancelScope() as scope:
                 job.scope = scope
@@ -280,13 +295,16 @@ class _Owner:
                 try:
                     value = await job.fn(*job.args, **job.kwargs)
                 except Exception as exc:
-                    resolve(job.fut, outcome.Error(exc))
+                    if not fut.done() and not fut.get_loop().is_closed():
+                        fut.set_exception(exc)
                 else:
-                    resolve(job.fut, outcome.Value(value))
+                    if not fut.done() and not fut.get_loop().is_closed():
+                        fut.set_result(value)
         finally:
             job.done = True
-            # Cancelled from outside this job's scope: the session is closing.
-            resolve(job.fut, outcome.Error(PolygateError(_CLOSED_IN_FLIGHT)))
+            if not fut.done():
+                # Cancelled from outside this job's scope: the session is closing.
+                resolve(fut, outcome.Error(PolygateError(_CLOSED_IN_FLIGHT)))
             if job.waiter is not None:
                 resolve(job.waiter, outcome.Value(None))
             self.host.linger()
@@ -349,7 +367,7 @@ class ChatStream:
         session = self._session
         session._check_open()
         job = self._job = _Job(self._iterate, (), {}, self._loop.create_future())
-        session._host.submit(session._owner.start_job, job)
+        session._host.start_job(session._owner.start_job, job)
         try:
             await job.fut
         except BaseException:
