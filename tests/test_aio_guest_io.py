@@ -134,6 +134,28 @@ async def test_a_call_on_an_idle_run_starts_in_the_callers_step() -> None:
             assert other == [i]
 
 
+async def test_a_busy_trio_still_polls_for_io() -> None:
+    """trio steps back to back while it has tasks ready, polling for I/O only before
+    it waits or before a chain of steps ends: a task that never blocks must not
+    starve a call waiting on a socket."""
+    up = FakeUpstream(Reply(text="hi"))
+    with loopback(up) as url:
+        async with polygate.aio.session(settings_for(url)) as s:
+            host = host_of_running_loop()
+            spinning = True
+
+            async def spin() -> None:
+                while spinning:
+                    await trio.lowlevel.checkpoint()
+
+            host.submit(host.start_task, spin)
+            try:
+                for i in range(5):
+                    assert (await asyncio.wait_for(s.chat(messages(f"m{i}")), 10)).text == "hi"
+            finally:
+                spinning = False
+
+
 async def test_the_wait_timer_is_armed_once_not_per_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two waits a call (its answer, then the next call): a timer per wait would be a
     handle, a heap push and a cancellation each.  The armed timer is kept while it
