@@ -85,6 +85,10 @@ class _Woken(list[Any]):
         return True
 
 
+#: (trio only iterates and tests the events it is handed: one instance serves.)
+_WOKEN = _Woken()
+
+
 def _guest_tick() -> Any:
     state_type = getattr(_trio_run, "GuestState", None)
     return getattr(state_type, "guest_tick", None)
@@ -172,7 +176,7 @@ class LoopDriver:
         takes several steps.  After that the next step goes to the back of the loop's
         queue, so that asyncio's callbacks are never held up by more than that.
         """
-        state, runner = self._state, self._runner
+        state, runner, gen = self._state, self._runner, self._state.unrolled_run_gen
         self._ticking = True
         # While trio runs its own steps it is not a guest: its "is_guest" branches
         # exist to wake a run that is waiting while the host changes a deadline or
@@ -180,11 +184,19 @@ class LoopDriver:
         # next wait, sees every change).  Left on, every deadline change of a call
         # (~20 a call) would look up trio's next deadline twice for nothing.
         runner.is_guest = False
+        previous, sniffio.thread_local.name = sniffio.thread_local.name, "trio"
+        # What the next step is sent: the outcome the tick was scheduled with, then
+        # plain poll results (an outcome only for a poll that raised).
+        first: outcome.Outcome[Any] | None = state.unrolled_run_next_send
+        events: Any = None
         try:
             for step in range(_CHAINED_STEPS):
-                previous, sniffio.thread_local.name = sniffio.thread_local.name, "trio"
                 try:
-                    timeout = state.unrolled_run_next_send.send(state.unrolled_run_gen)
+                    if first is not None:
+                        timeout = first.send(gen)
+                        first = None
+                    else:
+                        timeout = gen.send(events)
                 except StopIteration:
                     self._end()
                     state.done_callback(runner.main_task_outcome)
@@ -193,26 +205,29 @@ class LoopDriver:
                     self._end()
                     state.done_callback(outcome.Error(exc))
                     return
-                finally:
-                    sniffio.thread_local.name = previous
                 if timeout <= 0 and step < _CHAINED_STEPS - 1:
                     # trio has tasks ready: the next step runs them at once.  I/O that
                     # became ready meanwhile is polled for before the chain ends or
                     # trio waits (within _CHAINED_STEPS steps), not before every step.
-                    state.unrolled_run_next_send = outcome.Value(_Woken())
+                    events = _WOKEN
                     runner.guest_tick_scheduled = True
                     continue
-                events = outcome.capture(self._io.get_events, 0)
-                if not (timeout <= 0 or isinstance(events, outcome.Error) or events.value):
-                    break
-                state.unrolled_run_next_send = events
+                try:
+                    events = self._io.get_events(0)
+                except BaseException as exc:  # trio's own loop hands it to trio, too
+                    first = outcome.Error(exc)
+                else:
+                    if not (timeout <= 0 or events):
+                        break
                 runner.guest_tick_scheduled = True
             else:
+                state.unrolled_run_next_send = first if first is not None else outcome.Value(events)
                 self._post(self.tick)
                 return
         finally:
             self._ticking = False
             runner.is_guest = True
+            sniffio.thread_local.name = previous
         runner.guest_tick_scheduled = False
         left = self._rescue_left()
         if left is not None:
@@ -281,9 +296,9 @@ class LoopDriver:
                 self.run_in_system_context(fn, *args)
             else:
                 fn(*args)
-            # No poll first: trio has a task to run now, and I/O that is ready waits
-            # one step (the step's own poll, after it, finds it).
-            self._state.unrolled_run_next_send = outcome.Value(_Woken())
+            # No poll first: trio has a task to run now, and I/O that is ready is
+            # polled for before trio waits or its chain of steps ends (see tick).
+            self._state.unrolled_run_next_send = outcome.Value(_WOKEN)
             self.tick()
         else:
             self.prod()
@@ -295,7 +310,7 @@ class LoopDriver:
     def _poll_and_tick(self, *, timed_out: bool = False) -> None:
         events = outcome.capture(self._io.get_events, 0)
         if not timed_out and isinstance(events, outcome.Value) and not events.value:
-            events = outcome.Value(_Woken())
+            events = outcome.Value(_WOKEN)
         self._state.unrolled_run_next_send = events
         self.tick()
 
