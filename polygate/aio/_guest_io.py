@@ -167,8 +167,11 @@ class LoopDriver:
 
     # ------------------------------------------------------------ ticks
 
-    def tick(self) -> None:
+    def tick(self, events: Any = None) -> None:
         """Steps of trio's run loop, then schedule the next or go idle.
+
+        The first step is sent ``events`` (a poll's result) or, without them, the
+        outcome the tick was scheduled with (``unrolled_run_next_send``).
 
         While trio has work ready (its timeout is 0, or I/O events are waiting) the
         next step runs here too, up to ``_CHAINED_STEPS`` in a row: a loop iteration
@@ -187,8 +190,7 @@ class LoopDriver:
         previous, sniffio.thread_local.name = sniffio.thread_local.name, "trio"
         # What the next step is sent: the outcome the tick was scheduled with, then
         # plain poll results (an outcome only for a poll that raised).
-        first: outcome.Outcome[Any] | None = state.unrolled_run_next_send
-        events: Any = None
+        first: outcome.Outcome[Any] | None = state.unrolled_run_next_send if events is None else None
         try:
             for step in range(_CHAINED_STEPS):
                 try:
@@ -250,7 +252,13 @@ class LoopDriver:
         # that tick polls anyway).
         if self._idle:
             self._wake()
-            self._poll_and_tick()
+            try:
+                events = self._io.get_events(0)
+            except BaseException as exc:  # handed to trio, as its own loop would
+                self._state.unrolled_run_next_send = outcome.Error(exc)
+                self.tick()
+                return
+            self.tick(events or _WOKEN)
 
     def _deadline(self) -> None:
         # A timer fired.  It may be one armed for an earlier wait: while trio is busy
@@ -298,8 +306,7 @@ class LoopDriver:
                 fn(*args)
             # No poll first: trio has a task to run now, and I/O that is ready is
             # polled for before trio waits or its chain of steps ends (see tick).
-            self._state.unrolled_run_next_send = outcome.Value(_WOKEN)
-            self.tick()
+            self.tick(_WOKEN)
         else:
             self.prod()
             if system_context:
