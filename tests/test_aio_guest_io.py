@@ -120,18 +120,100 @@ async def test_another_thread_wakes_an_idle_run(io_mode: str, tmp_path: Path) ->
 
 async def test_a_call_on_an_idle_run_starts_in_the_callers_step() -> None:
     """trio steps on a call submitted to an idle run inside the caller's own loop
-    callback: a call that needs no I/O (the in-process fake) is answered before the
-    loop runs anything else, and costs no loop iteration at all."""
+    callback: a call that needs no I/O (the in-process fake) is answered there, and
+    costs one loop iteration (its yield point) where it cost two (a scheduled trio
+    tick, then the caller's wake-up)."""
+    loop = asyncio.get_running_loop()
     async with polygate.aio.session(settings_for("http://a/v1"),
                                     transport=FakeUpstream(Reply(text="ok")).transport()) as s:
         await s.chat(messages("warm"))
         for i in range(5):
-            other: list[int] = []
-            asyncio.get_running_loop().call_soon(other.append, i)
+            iterations = [0]
+
+            def count(iterations: list[int] = iterations) -> None:
+                if iterations[0] >= 0:
+                    iterations[0] += 1
+                    loop.call_soon(count)
+
+            loop.call_soon(count)
             assert (await s.chat(messages(f"x{i}"))).text == "ok"
-            assert other == [], "the loop ran a callback of its own before the answer"
-            await asyncio.sleep(0)
-            assert other == [i]
+            counted, iterations[0] = iterations[0], -100
+            assert counted == 1
+
+
+async def test_answers_that_need_no_io_do_not_starve_the_loop() -> None:
+    """A call answered inside the caller's step still yields to the loop once, as
+    every trio call checkpoints: a loop of them lets other tasks run, and its own
+    timeout fires."""
+    async with polygate.aio.session(settings_for("http://a/v1"),
+                                    transport=FakeUpstream(Reply(text="ok")).transport()) as s:
+        other = 0
+
+        async def elsewhere() -> None:
+            nonlocal other
+            while True:
+                await asyncio.sleep(0)
+                other += 1
+
+        async def calls_for_ever() -> None:
+            give_up = time.monotonic() + 5  # (bounded: a starved timeout fails, not hangs)
+            while time.monotonic() < give_up:
+                await s.chat(messages("again"))
+
+        task = asyncio.ensure_future(elsewhere())
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(calls_for_ever(), 0.2)
+        finally:
+            task.cancel()
+        assert time.monotonic() - t0 < 2
+        assert other > 10
+
+
+async def test_a_hand_over_that_raises_does_not_strand_trio() -> None:
+    """Work handed to an idle trio that raises (a closed nursery) still gets the
+    trio step it was promised: the next call is answered, and trio's descriptor does
+    not spin the loop."""
+    async with polygate.aio.session(settings_for("http://a/v1"),
+                                    transport=FakeUpstream(Reply(text="ok")).transport()) as s:
+        await s.chat(messages("warm"))
+        host = host_of_running_loop()
+
+        def boom() -> None:
+            raise RuntimeError("Nursery is closed to new arrivals")
+
+        with pytest.raises(RuntimeError):
+            host.submit(boom)
+        assert (await asyncio.wait_for(s.chat(messages("next")), 5)).text == "ok"
+
+
+async def test_the_callers_exception_stays_its_own() -> None:
+    """trio steps inside the caller's frame only when the caller is not handling an
+    exception: otherwise every trio task stepped there (other callers' calls too)
+    would chain its errors to that exception."""
+    slow = FakeUpstream(Reply(headers_delay_s=3600))
+    fast = FakeUpstream(Reply(text="ok"))
+    async with polygate.aio.session(settings_for("http://b/v1", call_deadline_s=0.05),
+                                    transport=slow.transport()) as sb, \
+            polygate.aio.session(settings_for("http://a/v1"), transport=fast.transport()) as sa:
+        await sa.chat(messages("warm"))
+        b = asyncio.ensure_future(sb.chat(messages("b")))
+        await asyncio.sleep(0.01)  # b is in flight; trio waits for b's deadline
+        # The loop is blocked past that deadline, on purpose: trio steps on it next.
+        time.sleep(0.15)  # noqa: ASYNC251
+        try:
+            raise ValueError("the caller's own error")
+        except ValueError:
+            assert (await sa.chat(messages("a"))).text == "ok"
+        with pytest.raises(polygate.DeadlineExceeded) as caught:
+            await b
+        chain: list[BaseException] = []
+        error: BaseException | None = caught.value
+        while error is not None and len(chain) < 20:
+            chain.append(error)
+            error = error.__context__
+        assert not [e for e in chain if isinstance(e, ValueError)], chain
 
 
 async def test_a_busy_trio_still_polls_for_io() -> None:

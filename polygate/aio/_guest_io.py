@@ -54,6 +54,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -296,17 +297,24 @@ class LoopDriver:
         When trio is idle its steps run here and now, inside the caller's own loop
         callback: a call's first steps (and all of one that needs no I/O) then cost
         no loop iteration of their own.  Otherwise a step is already scheduled (or
-        running, further up this stack) and will see the work.
+        running, further up this stack) and will see the work.  Also when the caller
+        is handling an exception: trio's tasks, stepped inside its frame, would see
+        that exception as their own context (``sys.exc_info()``, the ``__context__``
+        of what they raise); one loop iteration is the cheaper price.
         """
-        if self._idle and not self._ticking:
+        if self._idle and not self._ticking and sys.exc_info()[1] is None:
             self._wake()
-            if system_context:
-                self.run_in_system_context(fn, *args)
-            else:
-                fn(*args)
-            # No poll first: trio has a task to run now, and I/O that is ready is
-            # polled for before trio waits or its chain of steps ends (see tick).
-            self.tick(_WOKEN)
+            try:
+                if system_context:
+                    self.run_in_system_context(fn, *args)
+                else:
+                    fn(*args)
+            finally:
+                # (Even when ``fn`` raised: the tick marked scheduled must run, or
+                # trio would wait for it forever.)  No poll first: trio has a task to
+                # run now, and I/O that is ready is polled for before trio waits or
+                # its chain of steps ends (see tick).
+                self.tick(_WOKEN)
         else:
             self.prod()
             if system_context:

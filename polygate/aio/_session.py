@@ -117,6 +117,12 @@ def _forward(
         job = _Job(method, (self._session, *args), kwargs, self._loop.create_future())
         self._host.start_job(self._owner.start_job, job)
         try:
+            if job.fut.done():
+                # Answered inside this step (no I/O was needed: a cache hit).  A call
+                # still yields to the loop once, as every trio call checkpoints: a
+                # loop of such calls must not starve other tasks, nor its own
+                # asyncio.timeout().
+                await asyncio.sleep(0)
             return await job.fut  # type: ignore[no-any-return]
         except asyncio.CancelledError:
             await self._cancel(job)
@@ -276,10 +282,18 @@ class _Owner:
             return
         # The caller's context variables (request ids, the current span) go with it:
         # this runs in the caller's context, or in a copy of it taken at submission.
-        if job.context is None:
-            self._spawn(job)
-        else:
-            job.context.run(self._spawn, job)
+        try:
+            if job.context is None:
+                self._spawn(job)
+            else:
+                job.context.run(self._spawn, job)
+        except RuntimeError:
+            # The calls' nursery has closed under us (the session's block was
+            # cancelled from outside and is still closing): refused like a closed one.
+            job.done = True
+            resolve(job.fut, outcome.Error(PolygateError(_CLOSED)))
+            if job.waiter is not None:
+                resolve(job.waiter, outcome.Value(None))
 
     def _spawn(self, job: _Job) -> None:
         assert self.calls is not None
@@ -369,6 +383,8 @@ class ChatStream:
         job = self._job = _Job(self._iterate, (), {}, self._loop.create_future())
         session._host.start_job(session._owner.start_job, job)
         try:
+            if job.fut.done():
+                await asyncio.sleep(0)  # a yield point, as for a call (see _forward)
             await job.fut
         except BaseException:
             await self._settle()
