@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import inspect
 import sys
 import threading
@@ -339,6 +340,30 @@ async def test_cancelling_before_the_call_started() -> None:
             spinning = False
         assert (await s.chat(messages("after"))).text  # the session is fine
         await governance_idle(s)
+
+
+async def test_a_cancelled_caller_leaves_no_unretrieved_error() -> None:
+    """A call answered with an error inside the caller's step, whose caller is then
+    cancelled at the call's yield point: the caller sees its cancellation, and asyncio
+    has no "exception was never retrieved" to report for the answer it did not see."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        up = fake(Reply(status=400))
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+            for i in range(3):
+                task = asyncio.ensure_future(s.chat(messages(f"bad{i}")))
+                await asyncio.sleep(0)  # answered (loop-io: inside its first step), not seen
+                task.cancel()
+                with pytest.raises((asyncio.CancelledError, polygate.FatalUpstreamError)):
+                    await task
+                del task
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+    assert reported == []
 
 
 async def test_cancellation_over_real_sockets_closes_the_connection() -> None:

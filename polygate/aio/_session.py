@@ -224,6 +224,14 @@ class Session:
             job.waiter = self._loop.create_future()
             self._host.submit(job.cancel)
             await settle(job.waiter)
+        _retrieved(job.fut)
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark an answer the caller will not see (it was cancelled at the yield point
+    after it) as seen: asyncio would log an error it held as never retrieved."""
+    if fut.done() and not fut.cancelled():
+        fut.exception()
 
 
 class _Owner:
@@ -388,6 +396,7 @@ class ChatStream:
             await job.fut
         except BaseException:
             await self._settle()
+            _retrieved(job.fut)
             raise
         return self
 
