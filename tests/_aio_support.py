@@ -14,6 +14,7 @@ import pytest
 import trio
 
 import polygate
+from polygate.aio import _host
 from polygate.testing import FakeUpstream
 
 from .conftest import SECRET
@@ -38,6 +39,25 @@ def settings_for(*urls: str, embed: bool = True, **scope: Any) -> polygate.Setti
 
 def messages(tag: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": tag}]
+
+
+@contextmanager
+def trio_kept_busy() -> Iterator[None]:
+    """While the block runs, the running loop's trio run always has a task ready (one
+    that never blocks): trio is never idle, so work handed to it waits for its next
+    step, which the loop runs after whatever was queued before it."""
+    host = _host._hosts.by_loop[asyncio.get_running_loop()]
+    spinning = True
+
+    async def spin() -> None:
+        while spinning:
+            await trio.lowlevel.checkpoint()
+
+    host.submit(host.start_task, spin)
+    try:
+        yield
+    finally:
+        spinning = False
 
 
 def request_for(upstream: FakeUpstream, tag: str) -> Any:

@@ -25,7 +25,7 @@ import trio
 
 import polygate
 import polygate.aio
-from polygate.aio import _guest_io, _host
+from polygate.aio import _guest_io
 from polygate.testing import FakeUpstream, Profile, Reply
 
 from ._aio_support import (
@@ -35,6 +35,7 @@ from ._aio_support import (
     messages,
     request_for,
     settings_for,
+    trio_kept_busy,
     wait_until,
 )
 from .conftest import ROOT, SECRET
@@ -322,22 +323,12 @@ async def test_cancelling_before_the_call_started() -> None:
         # An idle trio starts a call inside the caller's own step (and this fake
         # answers it there); a busy one (here a task that never blocks) takes it at
         # its next step, which the loop runs after this test's resumption.
-        host = _host._hosts.by_loop[asyncio.get_running_loop()]
-        spinning = True
-
-        async def spin() -> None:
-            while spinning:
-                await trio.lowlevel.checkpoint()
-
-        host.submit(host.start_task, spin)
-        try:
+        with trio_kept_busy():
             task = asyncio.ensure_future(s.chat(messages("never")))
             await asyncio.sleep(0)  # submitted, not yet started in trio
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-        finally:
-            spinning = False
         assert (await s.chat(messages("after"))).text  # the session is fine
         await governance_idle(s)
 

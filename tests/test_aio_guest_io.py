@@ -25,7 +25,7 @@ import polygate.aio
 from polygate.aio import _guest_io, _host
 from polygate.testing import FakeUpstream, Reply
 
-from ._aio_support import BACKENDS, loopback, messages, settings_for
+from ._aio_support import BACKENDS, loopback, messages, settings_for, trio_kept_busy
 from .conftest import ROOT
 
 pytestmark = [
@@ -223,19 +223,9 @@ async def test_a_busy_trio_still_polls_for_io() -> None:
     up = FakeUpstream(Reply(text="hi"))
     with loopback(up) as url:
         async with polygate.aio.session(settings_for(url)) as s:
-            host = host_of_running_loop()
-            spinning = True
-
-            async def spin() -> None:
-                while spinning:
-                    await trio.lowlevel.checkpoint()
-
-            host.submit(host.start_task, spin)
-            try:
+            with trio_kept_busy():
                 for i in range(5):
                     assert (await asyncio.wait_for(s.chat(messages(f"m{i}")), 10)).text == "hi"
-            finally:
-                spinning = False
 
 
 async def test_the_wait_timer_is_armed_once_not_per_wait(monkeypatch: pytest.MonkeyPatch) -> None:
