@@ -574,7 +574,8 @@ def _run(coro: Any, kind: str = "asyncio") -> Any:
         left = asyncio.all_tasks(loop)
         for task in left:
             task.cancel()
-        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        if left:  # (an empty gather() would take the thread's current loop on 3.10)
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
 
