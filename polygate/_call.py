@@ -19,7 +19,6 @@ attempt's error.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -59,7 +58,7 @@ from ._resume import (
     StreamSink,
     continuation_messages,
 )
-from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage, json_default
+from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage, encode_compact
 from .governance import Admission, NoAdmission, Refusal, RefusalReason, completion_budget
 
 __all__ = ["Rounds", "call_stats", "every_error", "one_error", "run_chat", "run_embed"]
@@ -496,16 +495,10 @@ def _judged(ctx: CallContext, stats: CallStats) -> CallStats:
     return attrs.evolve(stats, total_latency_ms=(trio.current_time() - ctx.started_at) * 1000.0)
 
 
-def _messages_json(messages: Sequence[Mapping[str, Any]]) -> str:
-    """Messages as the wire carries them, the session's way: a Mapping that is not a
-    dict (the public signature allows one) is written as its items."""
-    return json.dumps(messages, ensure_ascii=False, separators=(",", ":"), default=json_default)
-
-
 def _next_round(ctx: CallContext, messages: list[Mapping[str, Any]]) -> None:
     """The next round asks with ``messages``; the statistics count one more re-ask."""
     ctx.messages = messages
-    ctx.messages_json = _messages_json(messages)
+    ctx.messages_json = encode_compact(messages)
     ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(messages)
     ctx.reasks += 1
 
@@ -542,8 +535,8 @@ def _prepare_continuation(
     ctx: CallContext, messages: Sequence[Mapping[str, Any]], shown: str
 ) -> None:
     """The next rounds ask for the rest of the answer; their estimate grows by it."""
-    prefill = _messages_json(continuation_messages(messages, shown, prefill=True))
-    prompt = _messages_json(continuation_messages(messages, shown, prefill=False))
+    prefill = encode_compact(continuation_messages(messages, shown, prefill=True))
+    prompt = encode_compact(continuation_messages(messages, shown, prefill=False))
     refused = ctx.continuation.refused_prefill if ctx.continuation is not None else set()
     ctx.continuation = Continuation(prefill, prompt, PREFILL_PARAMS, refused)
     ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(

@@ -48,7 +48,7 @@ from ._config import Source, is_utf8
 from ._context import ChatRequest
 from ._errors import ConfigError, StructuredOutputError
 from ._threads import run_sync
-from ._types import ChatResponse, json_default
+from ._types import ChatResponse, encode_compact
 
 __all__ = ["Schema", "StructuredRounds", "prepare", "schema_of"]
 
@@ -56,9 +56,6 @@ _MAX_PROBLEMS = 20
 _MAX_PROBLEM_CHARS = 300
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _FENCE = re.compile(r"\A\s*```[A-Za-z0-9_-]*[ \t]*\r?\n(.*?)\r?\n?[ \t]*```\s*\Z", re.S)
-# default: a message that is a Mapping but not a dict is written as its items, as the
-# session writes it.
-_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=json_default).encode
 
 INSTRUCTION = (
     "Answer with a single JSON value that matches this JSON Schema, and nothing else "
@@ -494,8 +491,8 @@ class StructuredRounds:
                 },
             }
             return ChatRequest(messages_json, {**self.params, "response_format": response_format})
-        instruction = INSTRUCTION + _ENCODE(self.schema.json_schema)
-        instructed = _ENCODE(_with_instruction(messages, instruction))
+        instruction = INSTRUCTION + encode_compact(self.schema.json_schema)
+        instructed = encode_compact(_with_instruction(messages, instruction))
         if mode == "json_object":
             return ChatRequest(instructed, {**self.params, "response_format": {"type": "json_object"}})
         return ChatRequest(instructed, self.params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,11 @@ def json_default(value: Any) -> Any:
     if isinstance(value, Mapping):
         return dict(value)
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+#: Compact JSON of messages as the wire carries them (a Mapping as its items), made
+#: once: ``json.dumps`` with arguments builds an encoder per call.
+encode_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=json_default).encode
 
 
 def parts_text(parts: list[Any]) -> str:
