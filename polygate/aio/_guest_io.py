@@ -253,13 +253,7 @@ class LoopDriver:
         # that tick polls anyway).
         if self._idle:
             self._wake()
-            try:
-                events = self._io.get_events(0)
-            except BaseException as exc:  # handed to trio, as its own loop would
-                self._state.unrolled_run_next_send = outcome.Error(exc)
-                self.tick()
-                return
-            self.tick(events or _WOKEN)
+            self._poll_and_tick()
 
     def _deadline(self) -> None:
         # A timer fired.  It may be one armed for an earlier wait: while trio is busy
@@ -302,32 +296,33 @@ class LoopDriver:
         that exception as their own context (``sys.exc_info()``, the ``__context__``
         of what they raise); one loop iteration is the cheaper price.
         """
-        if self._idle and not self._ticking and sys.exc_info()[1] is None:
+        here = self._idle and not self._ticking and sys.exc_info()[1] is None
+        if here:
             self._wake()
-            try:
-                if system_context:
-                    self.run_in_system_context(fn, *args)
-                else:
-                    fn(*args)
-            finally:
+        else:
+            self.prod()
+        try:
+            if system_context:
+                self.run_in_system_context(fn, *args)
+            else:
+                fn(*args)
+        finally:
+            if here:
                 # (Even when ``fn`` raised: the tick marked scheduled must run, or
                 # trio would wait for it forever.)  No poll first: trio has a task to
                 # run now, and I/O that is ready is polled for before trio waits or
                 # its chain of steps ends (see tick).
                 self.tick(_WOKEN)
-        else:
-            self.prod()
-            if system_context:
-                self.run_in_system_context(fn, *args)
-            else:
-                fn(*args)
 
     def _poll_and_tick(self, *, timed_out: bool = False) -> None:
-        events = outcome.capture(self._io.get_events, 0)
-        if not timed_out and isinstance(events, outcome.Value) and not events.value:
-            events = outcome.Value(_WOKEN)
-        self._state.unrolled_run_next_send = events
-        self.tick()
+        try:
+            events = self._io.get_events(0)
+        except BaseException as exc:  # handed to trio, as its own loop would
+            self._state.unrolled_run_next_send = outcome.Error(exc)
+            self.tick()
+            return
+        # Empty: "timed out" only for the deadline timer (see the invariants).
+        self.tick(events if events or timed_out else _WOKEN)
 
     def run_in_system_context(self, fn: Callable[..., object], *args: Any) -> None:
         """``fn(*args)`` in (a copy of) trio's system context, as trio's entry queue

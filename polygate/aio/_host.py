@@ -46,7 +46,7 @@ from ._guest_io import LoopDriver, driver_for
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["Host", "acquire", "resolve"]
+__all__ = ["Host", "acquire", "resolve", "settleable"]
 
 #: How long finishing an abandoned run (its loop closed under it) may take.
 _RESCUE_LIMIT_S = 10.0
@@ -56,10 +56,18 @@ _RESCUE_LIMIT_S = 10.0
 _LINGER_TICKS = 2
 
 
+_ENDED = "polygate's trio run has ended (its loop is shutting down)"
+
+
+def settleable(fut: asyncio.Future[Any]) -> bool:
+    """Whether ``fut`` still takes a result: not done (cancelled from asyncio) and its
+    loop not closed (the waiter is gone: there is nobody to tell)."""
+    return not fut.done() and not fut.get_loop().is_closed()
+
+
 def resolve(fut: asyncio.Future[Any], result: outcome.Outcome[Any]) -> None:
-    """Settle ``fut`` unless it is already done (cancelled from asyncio) or its loop is
-    closed (the waiter is gone: there is nobody to tell)."""
-    if fut.done() or fut.get_loop().is_closed():
+    """Settle ``fut`` if it is :func:`settleable`."""
+    if not settleable(fut):
         return
     if isinstance(result, outcome.Value):
         fut.set_result(result.value)
@@ -106,12 +114,19 @@ class Host:
 
     # ------------------------------------------------------------ asyncio side
 
-    def submit(self, fn: Callable[..., object], *args: Any) -> None:
+    def _live_driver(self) -> LoopDriver | None:
+        """The loop driver, when work is handed to trio directly (same thread, trio
+        between ticks); None when it goes through trio's entry queue."""
         driver = self.driver
-        if driver is not None and not self._rescuing:
-            # Same thread, and trio is between ticks: call it now, one tick scheduled.
-            if driver.ended:
-                raise PolygateError("polygate's trio run has ended (its loop is shutting down)")
+        if driver is None or self._rescuing:
+            return None
+        if driver.ended:
+            raise PolygateError(_ENDED)
+        return driver
+
+    def submit(self, fn: Callable[..., object], *args: Any) -> None:
+        driver = self._live_driver()
+        if driver is not None:
             driver.hand_over(fn, *args)
             return
         self._batch.append((fn, args))
@@ -121,7 +136,7 @@ class Host:
                 self.token.run_sync_soon(self._drain)
             except trio.RunFinishedError:
                 self._batch.clear()
-                raise PolygateError("polygate's trio run has ended (its loop is shutting down)") from None
+                raise PolygateError(_ENDED) from None
             self._wake_pending = True
 
     def start_job(self, start: Callable[[Any], object], job: Any) -> None:
@@ -131,10 +146,8 @@ class Host:
         own context, so the task it spawns copies the caller's context variables.
         Handed over later, from trio's entry queue, it would run in another context:
         then the job carries a copy of the caller's (``job.context``)."""
-        driver = self.driver
-        if driver is not None and not self._rescuing:
-            if driver.ended:
-                raise PolygateError("polygate's trio run has ended (its loop is shutting down)")
+        driver = self._live_driver()
+        if driver is not None:
             driver.hand_over(start, job, system_context=False)
             return
         job.context = contextvars.copy_context()

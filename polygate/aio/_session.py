@@ -48,7 +48,7 @@ import trio
 import polygate
 from polygate import PolygateError
 
-from ._host import Host, acquire, release, resolve, settle
+from ._host import Host, acquire, release, resolve, settle, settleable
 
 if TYPE_CHECKING:
     from polygate import ChatResponse, SessionStatistics, Settings, StreamChunk
@@ -234,6 +234,14 @@ def _retrieved(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+def _refuse(job: _Job) -> None:
+    """A job that never started: the session is closed."""
+    job.done = True
+    resolve(job.fut, outcome.Error(PolygateError(_CLOSED)))
+    if job.waiter is not None:
+        resolve(job.waiter, outcome.Value(None))
+
+
 class _Owner:
     """The trio task that owns one trio session and the nursery of its calls."""
 
@@ -283,10 +291,7 @@ class _Owner:
     def start_job(self, job: _Job) -> None:
         # trio context: a call starts, or is refused when the session is closing.
         if self.calls is None or self.close_requested.is_set():
-            job.done = True
-            resolve(job.fut, outcome.Error(PolygateError(_CLOSED)))
-            if job.waiter is not None:
-                resolve(job.waiter, outcome.Value(None))
+            _refuse(job)
             return
         # The caller's context variables (request ids, the current span) go with it:
         # this runs in the caller's context, or in a copy of it taken at submission.
@@ -298,10 +303,7 @@ class _Owner:
         except RuntimeError:
             # The calls' nursery has closed under us (the session's block was
             # cancelled from outside and is still closing): refused like a closed one.
-            job.done = True
-            resolve(job.fut, outcome.Error(PolygateError(_CLOSED)))
-            if job.waiter is not None:
-                resolve(job.waiter, outcome.Value(None))
+            _refuse(job)
 
     def _spawn(self, job: _Job) -> None:
         assert self.calls is not None
@@ -317,10 +319,10 @@ class _Owner:
                 try:
                     value = await job.fn(*job.args, **job.kwargs)
                 except Exception as exc:
-                    if not fut.done() and not fut.get_loop().is_closed():
+                    if settleable(fut):
                         fut.set_exception(exc)
                 else:
-                    if not fut.done() and not fut.get_loop().is_closed():
+                    if settleable(fut):
                         fut.set_result(value)
         finally:
             job.done = True
