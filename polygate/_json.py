@@ -28,7 +28,15 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["dumps", "loads", "nested_deeper", "plain_messages", "sorted_dumps"]
+__all__ = ["MAX_DEPTH", "dumps", "loads", "nested_deeper", "plain_messages", "sorted_dumps"]
+
+#: How deep any JSON polygate reads or sends may nest: messages and parameters, a
+#: structured answer, a schema, a ``polygate serve`` request body.  Python walks JSON
+#: recursively (the encoder, the cache key, telemetry, jsonschema), so a value just
+#: under the interpreter's recursion limit passed one walk and broke the next; and that
+#: limit differs between Pythons (3.13's decoder reads 3000 levels, 3.11's recursed out
+#: at ~1000), so a limit of our own keeps one answer valid on every Python or on none.
+MAX_DEPTH = 256
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode

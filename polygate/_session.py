@@ -26,7 +26,7 @@ from ._call import Rounds, one_cancelled
 from ._config import Settings, is_utf8
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
-from ._json import dumps, nested_deeper, plain_messages
+from ._json import MAX_DEPTH, dumps, nested_deeper, plain_messages
 from ._key_quota import KeyQuotas
 from ._ocr import run_ocr
 from ._resume import resumable_delta
@@ -239,10 +239,6 @@ _encode_messages = json.JSONEncoder(
 # so _check_utf8 sees it (an escaped one would pass the check and fail at send).
 _encode_params = json.JSONEncoder(ensure_ascii=False, allow_nan=False, default=json_default).encode
 _NOT_UNICODE = "is not valid Unicode (a lone surrogate, e.g. U+D800, cannot be sent as UTF-8)"
-#: How deep messages and parameters may nest (``polygate serve`` refuses deeper request
-#: bodies too).  Python walks JSON recursively -- the encoder, the cache key, telemetry
-#: -- so a value just under its recursion limit passed one walk and broke the next.
-MAX_DEPTH = 256
 _TOO_DEEP = "{}: nested deeper than " + str(MAX_DEPTH) + " levels of arrays and objects"
 
 

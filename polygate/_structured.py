@@ -47,6 +47,7 @@ import attrs
 from ._config import Source, is_utf8
 from ._context import ChatRequest
 from ._errors import ConfigError, StructuredOutputError
+from ._json import MAX_DEPTH, nested_deeper
 from ._threads import run_sync
 from ._types import ChatResponse, encode_compact
 
@@ -54,6 +55,9 @@ __all__ = ["Schema", "StructuredRounds", "prepare", "schema_of"]
 
 _MAX_PROBLEMS = 20
 _MAX_PROBLEM_CHARS = 300
+_TOO_DEEP_ANSWER = (
+    f"$: nested too deeply to be read as JSON (deeper than {MAX_DEPTH} levels of arrays and objects)"
+)
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _FENCE = re.compile(r"\A\s*```[A-Za-z0-9_-]*[ \t]*\r?\n(.*?)\r?\n?[ \t]*```\s*\Z", re.S)
 
@@ -174,8 +178,11 @@ class _DictSchema(Schema):
             await run_sync(self.compile, abandon_on_cancel=True)
 
     def validate(self, text: str) -> Any:
+        text = _unfenced(text)
+        if nested_deeper(text, MAX_DEPTH):
+            raise Invalid([_TOO_DEEP_ANSWER])
         try:
-            value = json.loads(_unfenced(text), parse_constant=_no_constant)
+            value = json.loads(text, parse_constant=_no_constant)
         except ValueError as exc:
             raise Invalid([f"$: not valid JSON ({exc})"]) from None
         except RecursionError:  # Python's decoder recurses a level per bracket
@@ -407,6 +414,11 @@ def schema_of(schema: Any) -> Schema:
             raise ConfigError(f"schema: a JSON Schema dict must be JSON-serialisable ({exc})") from None
         except RecursionError:
             raise ConfigError("schema: nested too deeply to be a JSON Schema") from None
+        if nested_deeper(text, MAX_DEPTH):
+            raise ConfigError(
+                "schema: nested too deeply to be a JSON Schema "
+                f"(deeper than {MAX_DEPTH} levels of arrays and objects)"
+            )
         _check_text(text)
         prepared = _dict_schema(text)
         if not prepared.compiled and len(text) <= _INLINE_COMPILE_CHARS:

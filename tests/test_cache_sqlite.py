@@ -216,6 +216,7 @@ async def test_a_row_another_program_damaged_is_a_miss_written_over(
         await s.chat(MESSAGES)
     with sqlite3.connect(path) as conn:
         conn.execute(f"UPDATE polygate_cache SET {damage}")
+    conn.close()  # the with block commits; it does not close (3.13 warns of it)
     async with polygate.session(_settings(f"sqlite://{path}"), transport=Router({"a": up})) as s:
         again = await s.chat(MESSAGES)
         stats = (await s.statistics()).cache

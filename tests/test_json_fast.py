@@ -78,11 +78,16 @@ def test_loads_refuses_what_json_refuses(document: bytes) -> None:
 
 
 def test_loads_too_deep_fails_as_json_does() -> None:
+    """Whatever this Python's json does with 5000 levels (3.11 recurses out of its
+    stack; 3.13's decoder reads it), loads() does the same."""
     deep = b"[" * 5000 + b"]" * 5000
-    with pytest.raises(RecursionError):
-        json.loads(deep)
-    with pytest.raises(RecursionError):
-        loads(deep)
+    try:
+        expected: Any = json.loads(deep)
+    except RecursionError:
+        with pytest.raises(RecursionError):
+            loads(deep)
+    else:
+        assert loads(deep) == expected
     assert loads(b"[" * 900 + b"]" * 900) == json.loads(b"[" * 900 + b"]" * 900)
 
 

@@ -238,5 +238,6 @@ async def test_a_key_in_an_upstream_response_header_never_shows(header: str, tmp
     with sqlite3.connect(db) as conn:
         rows = conn.execute("SELECT * FROM calls").fetchall() + conn.execute(
             "SELECT * FROM attempts").fetchall()
+    conn.close()
     cells = [str(cell).lower() for row in rows for cell in row]
     assert cells and not [c for c in cells if KEY.lower()[:12] in c]

@@ -923,6 +923,40 @@ async def test_an_answer_no_json_reader_takes_is_reasked(
     assert len(up.requests) == 2
 
 
+@pytest.mark.parametrize("depth", [257, 900])
+async def test_an_answer_deeper_than_max_depth_is_reasked_on_every_python(
+    autojump_clock: trio.testing.MockClock, depth: int,
+) -> None:
+    """On 3.13 the standard decoder reads 3000 levels that 3.11's recursed out of: the
+    same answer was accepted on one Python and re-asked on the other.  The limit is
+    polygate's own (MAX_DEPTH, as for messages), whatever the interpreter's stack."""
+    from polygate._json import MAX_DEPTH
+
+    up = FakeUpstream(Reply(text="[" * depth + "]" * depth))
+    async with polygate.session(with_structured(one_source_settings(), 1),
+                                transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.StructuredOutputError) as info:
+            await s.chat(MESSAGES, schema={"type": "array"})
+    assert f"deeper than {MAX_DEPTH} levels" in str(info.value.errors[0])
+    assert len(up.requests) == 2
+    shallow = FakeUpstream(Reply(text="[" * MAX_DEPTH + "]" * MAX_DEPTH))
+    async with polygate.session(with_structured(one_source_settings(), 1),
+                                transport=Router({"a": shallow})) as s:
+        answer = await s.chat(MESSAGES, schema={"type": "array"})
+    assert answer.parsed is not None and len(shallow.requests) == 1
+
+
+def test_a_schema_deeper_than_max_depth_is_a_config_error_on_every_python() -> None:
+    from polygate._json import MAX_DEPTH
+    from polygate._structured import schema_of
+
+    deep: dict[str, Any] = {}
+    for _ in range(MAX_DEPTH + 1):
+        deep = {"items": deep}
+    with pytest.raises(polygate.ConfigError, match=f"deeper than {MAX_DEPTH} levels"):
+        schema_of(deep)
+
+
 def test_a_schema_too_deep_or_a_model_with_a_surrogate_is_a_config_error() -> None:
     """Before any request: a dict schema 3000 levels deep raised a bare RecursionError,
     and a pydantic model whose schema holds a lone surrogate (a description) was sent."""

@@ -35,9 +35,9 @@ import trio
 from .._config import Settings
 from .._context import PRESET_CALL_ID, fresh_call_id
 from .._errors import PolygateError
-from .._json import loads, nested_deeper
+from .._json import MAX_DEPTH, loads, nested_deeper
 from .._key_quota import KeyQuotas, KeyRefusal
-from .._session import MAX_DEPTH, Session
+from .._session import Session
 from .._types import CallStats, ChatResponse, StreamChunk
 from ._errors import ErrorReply, reply_for
 from ._http import ClientGone, Connection, Request
