@@ -21,10 +21,12 @@ differences and ratios.
 Gateways: ``polygate`` (``python -m polygate serve``), ``hypercorn`` (the same
 session behind a minimal ASGI app on hypercorn's trio worker, ``_serve_asgi.py``; the
 server-library comparison, ``--libraries``), ``litellm`` (``litellm --config`` in
-``--litellm-venv``, one worker).
+``--litellm-venv``, one worker), ``floor`` (a trio proxy that does no work,
+``_serve_floor.py``, ``--floor``: what one more hop alone adds on this machine).
 
     python benchmarks/serve.py                      # polygate vs direct vs LiteLLM, 3 rounds
     python benchmarks/serve.py --libraries          # + hypercorn: the server-library choice
+    python benchmarks/serve.py --floor              # + the no-work proxy: the hop's own price
     python benchmarks/serve.py --quick              # a smoke run (CI)
 """
 
@@ -130,6 +132,16 @@ def gateway(kind: str, upstream: str, workdir: Path, litellm_venv: str) -> Itera
         if "listening on " not in line:
             proc.kill()
             raise RuntimeError(f"{kind} did not start: {line!r}")
+        root = line.split("listening on ", 1)[1]
+        health = root + "/healthz"
+    elif kind == "floor":
+        proc = subprocess.Popen([sys.executable, str(HERE / "_serve_floor.py"), "--upstream", upstream],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        if "listening on " not in line:
+            proc.kill()
+            raise RuntimeError(f"the floor proxy did not start: {line!r}")
         root = line.split("listening on ", 1)[1]
         health = root + "/healthz"
     else:
@@ -305,7 +317,7 @@ async def streams(url: str, auth: bool, n: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    kinds = ["polygate"] + (["hypercorn"] if args.libraries else [])
+    kinds = ["polygate"] + (["hypercorn"] if args.libraries else []) + (["floor"] if args.floor else [])
     if not args.no_litellm:
         kinds.append("litellm")
     if args.streams_only:
@@ -408,6 +420,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
     parser.add_argument("--libraries", action="store_true", help="also hypercorn's trio worker")
+    parser.add_argument("--floor", action="store_true",
+                        help="also a proxy that does no work: the added latency of the hop alone")
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument("--no-streams", action="store_true")
     parser.add_argument("--streams-only", action="store_true", help="only the streams ramp")
