@@ -9,10 +9,11 @@ before a byte of it is read) and time (``body_timeout_s``), and every write to a
 client that does not read (``send_timeout_s``).  A slow or silent client costs one
 connection slot for a bounded time, never a task that lives forever.
 
-While a request is being answered, :meth:`Connection.watch_close` reads the socket:
-end of file (or a reset) means the client has left and the request's cancel scope is
-cancelled at once -- that is how a disconnect reaches the logical call.  Bytes that
-arrive meanwhile (a pipelined request) go to h11's buffer, up to a cap.
+While a request is being answered, its socket is watched (by :mod:`._hangups`, or
+:meth:`Connection.watch_close` on another stream): end of file (or a reset) means the
+client has left and the request's cancel scope is cancelled at once -- that is how a
+disconnect reaches the logical call.  Bytes that arrive meanwhile (a pipelined
+request) go to h11's buffer, up to a cap.
 
 h11 parses requests; responses are written here, byte for byte as h11 would write
 them (status line, headers, Content-Length or chunked framing), because h11's writer
@@ -247,16 +248,31 @@ class Connection:
 
     async def watch_close(self, on_close: Callable[[], object]) -> None:
         """Run while a request is answered: when the client leaves, call ``on_close``
-        (which cancels the request).  Pipelined bytes are kept for the next request."""
+        (which cancels the request).  Pipelined bytes are kept for the next request.
+
+        The server does this for all its socket connections in one task instead
+        (:mod:`._hangups`); this is for any other stream."""
         while True:
             data = await self._receive()
-            if not data:
-                self.client_gone = True
-                on_close()
-                return
-            self.h11.receive_data(data)
-            if len(self.h11.trailing_data[0]) > _MAX_PIPELINED:
+            if not self.took(data, on_close):
                 await trio.sleep_forever()  # stop reading; the answer still goes out
+
+    def took(self, data: bytes, on_close: Callable[[], object]) -> bool:
+        """What a read while a request is answered brought: ``b""`` (the client left:
+        ``on_close()``) or pipelined bytes, kept for the next request.  Whether to go
+        on reading: not once the client has left, or has pipelined more than the cap."""
+        if not data:
+            self.client_gone = True
+            on_close()
+            return False
+        self.h11.receive_data(data)
+        return len(self.h11.trailing_data[0]) <= _MAX_PIPELINED
+
+    def fileno(self) -> int | None:
+        """The socket's descriptor, or None on another kind of stream."""
+        if isinstance(self.stream, trio.SocketStream):
+            return self.stream.socket.fileno()
+        return None
 
     # ------------------------------------------------------------------ writing
 

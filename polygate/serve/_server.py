@@ -5,7 +5,8 @@
     open_server ─ sessions nursery: one task per configuration generation, each holding
       │           an open polygate.session until it is retired and no request uses it
       └ connections nursery: an accept loop per listener, a task per connection
-          └ connection: read request → nursery(answer, watch_close) → next request
+          ├ connection: read request → answer (its client watched) → next request
+          └ hang-ups: one task watching the clients of every request being answered
 
 A request holds the generation it started with (``Gateway.enter``/``leave``), so a
 reload swaps the generation for new requests while calls in flight finish on the
@@ -39,6 +40,7 @@ from .._errors import ConfigError, GovernanceBackendError
 from .._session import Session, session
 from ._app import Context, Gateway, answer, endpoint_label
 from ._errors import error_body
+from ._hangups import Hangups
 from ._http import ClientGone, Connection, HTTPProblem
 from ._metrics import Metrics
 from ._unavailable import UnavailableSession
@@ -115,6 +117,8 @@ class Server:
         self._refusing = 0
         #: The retries of a session the governance backend refused at start.
         self._recovering = trio.CancelScope()
+        #: Made with the connections' nursery (see _serve_connections).
+        self._hangups: Hangups | None = None
 
     def __repr__(self) -> str:
         return f"<polygate.serve.Server {self.url}{' draining' if self.draining else ''}>"
@@ -229,11 +233,18 @@ class Server:
     # ------------------------------------------------------------------ connections
 
     async def _serve_connections(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as connections:
-            self._connections = connections
-            for listener in self._listeners:
-                connections.start_soon(self._accept, listener)
-            task_status.started()
+        hangups = self._hangups = Hangups() if Hangups.supported() else None
+        try:
+            async with trio.open_nursery() as connections:
+                self._connections = connections
+                if hangups is not None:
+                    connections.start_soon(hangups.run)
+                for listener in self._listeners:
+                    connections.start_soon(self._accept, listener)
+                task_status.started()
+        finally:
+            if hangups is not None:
+                hangups.close()  # every connection task has ended, and its run
 
     async def _accept(self, listener: trio.SocketListener) -> None:
         assert self._connections is not None
@@ -340,11 +351,22 @@ class Server:
         self.metrics.in_flight += 1
         context = Context(conn, gateway, self.metrics, self)
         self._stops.add(context.stop)
+        hangups = self._hangups
+        fd = None if hangups is None else conn.fileno()
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(conn.watch_close, nursery.cancel_scope.cancel)
-                await answer(context, request)
-                nursery.cancel_scope.cancel()
+            if hangups is None or fd is None:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(conn.watch_close, nursery.cancel_scope.cancel)
+                    await answer(context, request)
+                    nursery.cancel_scope.cancel()
+            else:
+                # A client that leaves cancels this scope (see _hangups).
+                with trio.CancelScope() as scope:
+                    hangups.watch(conn, fd, scope.cancel)
+                    try:
+                        await answer(context, request)
+                    finally:
+                        hangups.unwatch(fd)
         finally:
             self._stops.discard(context.stop)
             gateway.leave()
