@@ -159,3 +159,44 @@ async def test_a_request_on_a_socket_starts_no_task_to_be_watched() -> None:
         assert answer.status == 200
         await wait_for(lambda: len(hangups) == 0)
     assert spawned and not [name for name in spawned if "watch_close" in name]
+
+
+async def test_a_socket_the_set_cannot_take_is_watched_by_a_task_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel may refuse a registration (out of memory, say): that request is
+    still answered, and its client still watched -- by a task of its own."""
+    async with gateway(Reply(first_token_s=30)) as (server, upstream):
+        hangups = server._hangups
+        assert hangups is not None
+        monkeypatch.setattr(hangups, "_epoll", _Refusing(hangups._epoll))
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await stream.send_all(request_bytes("POST", "/v1/chat/completions", CHAT, AUTH))
+        await wait_for(lambda: upstream.in_flight == 1)
+        assert len(hangups) == 0
+        await stream.aclose()
+        await wait_for(lambda: upstream.requests[0].outcome is not None)
+        assert upstream.requests[0].outcome == "client_closed"
+
+
+class _Refusing:
+    """An epoll set whose register() fails; the rest is the real set's."""
+
+    def __init__(self, real: select.epoll) -> None:
+        self._real = real
+
+    def register(self, fd: int, events: int) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+
+def test_a_closed_set_takes_nothing() -> None:
+    hangups = Hangups()
+    a, b = socket.socketpair()
+    with a, b:
+        conn = Connection(trio.SocketStream(trio.socket.from_stdlib_socket(a)), polygate.Serve())
+        hangups.close()
+        assert hangups.watch(conn, a.fileno(), lambda: None) is False
+        hangups.unwatch(a.fileno())  # harmless

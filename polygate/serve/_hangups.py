@@ -24,6 +24,7 @@ sockets, the server keeps a watcher task per request.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 from collections.abc import Callable
@@ -33,6 +34,8 @@ import trio
 from ._http import _RECEIVE, Connection
 
 __all__ = ["Hangups"]
+
+log = logging.getLogger("polygate.serve")
 
 
 class Hangups:
@@ -50,10 +53,16 @@ class Hangups:
     def __len__(self) -> int:
         return len(self._watched)
 
-    def watch(self, conn: Connection, fd: int, on_close: Callable[[], object]) -> None:
-        """Until :meth:`unwatch`: when ``conn``'s client leaves, call ``on_close``."""
-        self._epoll.register(fd, self._events)
+    def watch(self, conn: Connection, fd: int, on_close: Callable[[], object]) -> bool:
+        """Until :meth:`unwatch`: when ``conn``'s client leaves, call ``on_close``.
+        False if the set cannot take the socket (the kernel refused it, or the set is
+        closed): the caller watches it some other way."""
+        try:
+            self._epoll.register(fd, self._events)
+        except (OSError, ValueError):
+            return False
         self._watched[fd] = (conn, on_close)
+        return True
 
     def unwatch(self, fd: int) -> None:
         if self._watched.pop(fd, None) is not None:
@@ -80,7 +89,14 @@ class Hangups:
             return
         except OSError:  # a reset: the client has gone as surely as at end of file
             data = b""
-        if not conn.took(data, on_close):
+        try:
+            more = conn.took(data, on_close)
+        except Exception:  # a bug here must not stop the watching of every client
+            log.exception("watching a client failed: its request is cancelled")
+            conn.client_gone = True
+            on_close()
+            more = False
+        if not more:
             self.unwatch(fd)
 
     def close(self) -> None:

@@ -354,19 +354,19 @@ class Server:
         hangups = self._hangups
         fd = None if hangups is None else conn.fileno()
         try:
-            if hangups is None or fd is None:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(conn.watch_close, nursery.cancel_scope.cancel)
-                    await answer(context, request)
-                    nursery.cancel_scope.cancel()
-            else:
-                # A client that leaves cancels this scope (see _hangups).
-                with trio.CancelScope() as scope:
-                    hangups.watch(conn, fd, scope.cancel)
+            # A client that leaves cancels this scope: the server's one watching task
+            # sees it (see _hangups), or, for a stream it cannot take, a task of its own.
+            with trio.CancelScope() as scope:
+                if hangups is not None and fd is not None and hangups.watch(conn, fd, scope.cancel):
                     try:
                         await answer(context, request)
                     finally:
                         hangups.unwatch(fd)
+                else:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(conn.watch_close, scope.cancel)
+                        await answer(context, request)
+                        nursery.cancel_scope.cancel()
         finally:
             self._stops.discard(context.stop)
             gateway.leave()
