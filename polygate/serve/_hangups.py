@@ -64,8 +64,12 @@ class Hangups:
         self._watched[fd] = (conn, on_close)
         return True
 
-    def unwatch(self, fd: int) -> None:
-        if self._watched.pop(fd, None) is not None:
+    def unwatch(self, fd: int, conn: Connection) -> None:
+        """Stop watching ``conn`` -- only ``conn``: were its socket closed first, its
+        descriptor's number could already be another connection's."""
+        entry = self._watched.get(fd)
+        if entry is not None and entry[0] is conn:
+            del self._watched[fd]
             # (Already gone from the set if the socket was closed, or the set was.)
             with contextlib.suppress(OSError, ValueError):
                 self._epoll.unregister(fd)
@@ -97,7 +101,7 @@ class Hangups:
             on_close()
             more = False
         if not more:
-            self.unwatch(fd)
+            self.unwatch(fd, conn)
 
     def close(self) -> None:
         """(Once no task waits on the set any more.)"""

@@ -233,7 +233,13 @@ class Server:
     # ------------------------------------------------------------------ connections
 
     async def _serve_connections(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        hangups = self._hangups = Hangups() if Hangups.supported() else None
+        hangups = None
+        if Hangups.supported():
+            try:
+                hangups = Hangups()
+            except OSError as exc:  # out of descriptors, say: a task per request will do
+                log.warning("cannot watch clients in one epoll set (%s): a task per request", exc)
+        self._hangups = hangups
         try:
             async with trio.open_nursery() as connections:
                 self._connections = connections
@@ -361,7 +367,7 @@ class Server:
                     try:
                         await answer(context, request)
                     finally:
-                        hangups.unwatch(fd)
+                        hangups.unwatch(fd, conn)
                 else:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(conn.watch_close, scope.cancel)
