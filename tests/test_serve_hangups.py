@@ -252,3 +252,29 @@ async def test_no_epoll_set_at_start_means_a_task_per_request(
         await stream.aclose()
         await wait_for(lambda: upstream.requests[0].outcome is not None)
         assert upstream.requests[0].outcome == "client_closed"
+
+
+def test_reading_pipelined_bytes_costs_no_copy_of_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: each read while a request is answered asked h11 for
+    trailing_data, a copy of its whole buffer, so a client trickling bytes up to the
+    1 MiB cap cost a copy per read of up to 1 MiB: quadratic.  The cap still holds."""
+    import h11
+
+    copies = 0
+    real = h11.Connection.trailing_data
+
+    def counted(self: h11.Connection) -> tuple[bytes, bool]:
+        nonlocal copies
+        copies += 1
+        return real.fget(self)  # type: ignore[no-any-return,attr-defined]
+
+    a, b = socket.socketpair()
+    with a, b:
+        conn = Connection(trio.SocketStream(trio.socket.from_stdlib_socket(a)), polygate.Serve())
+        monkeypatch.setattr(h11.Connection, "trailing_data", property(counted))
+        piece = b"x" * 1024
+        reads = 0
+        while conn.took(piece, lambda: None):
+            reads += 1
+        assert reads == _MAX_PIPELINED // len(piece)
+        assert copies == 0
