@@ -120,11 +120,13 @@ def gateway(kind: str, upstream: str, workdir: Path, litellm_venv: str) -> Itera
     """Start one gateway in front of ``upstream``; yields its base URL and start-up time."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
-    if kind in ("polygate", "hypercorn"):
+    if kind in ("polygate", "hypercorn", "floor"):  # each prints "listening on URL"
         config = polygate_toml(upstream, workdir / f"{kind}.toml")
-        cmd = ([sys.executable, "-m", "polygate", "serve", "--config", str(config), "--port", "0"]
-               if kind == "polygate" else
-               [sys.executable, str(HERE / "_serve_asgi.py"), "--config", str(config)])
+        cmd = {
+            "polygate": [sys.executable, "-m", "polygate", "serve", "--config", str(config), "--port", "0"],
+            "hypercorn": [sys.executable, str(HERE / "_serve_asgi.py"), "--config", str(config)],
+            "floor": [sys.executable, str(HERE / "_serve_floor.py"), "--upstream", upstream],
+        }[kind]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True, env=env)
         assert proc.stdout is not None
@@ -132,16 +134,6 @@ def gateway(kind: str, upstream: str, workdir: Path, litellm_venv: str) -> Itera
         if "listening on " not in line:
             proc.kill()
             raise RuntimeError(f"{kind} did not start: {line!r}")
-        root = line.split("listening on ", 1)[1]
-        health = root + "/healthz"
-    elif kind == "floor":
-        proc = subprocess.Popen([sys.executable, str(HERE / "_serve_floor.py"), "--upstream", upstream],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
-        if "listening on " not in line:
-            proc.kill()
-            raise RuntimeError(f"the floor proxy did not start: {line!r}")
         root = line.split("listening on ", 1)[1]
         health = root + "/healthz"
     else:
