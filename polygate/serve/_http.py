@@ -257,6 +257,8 @@ class Connection:
         while True:
             data = await self._receive()
             if not self.took(data, on_close):
+                if self.client_gone:
+                    return
                 await trio.sleep_forever()  # stop reading; the answer still goes out
 
     def took(self, data: bytes, on_close: Callable[[], object]) -> bool:
