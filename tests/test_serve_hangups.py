@@ -99,28 +99,34 @@ async def test_pipelined_bytes_are_kept_and_still_watched() -> None:
         await wait_for(lambda: closed == ["closed"])
 
 
-async def test_over_the_pipelining_cap_the_socket_leaves_the_set_and_nothing_spins() -> None:
-    """Past the cap the watcher task stopped reading; here the socket leaves the set,
-    else its unread bytes would keep the level-triggered set readable for ever."""
+async def test_past_the_pipelining_cap_reading_stops_nothing_spins_and_leaving_still_counts() -> None:
+    """Past the cap the watcher task stopped reading, and so never saw its client
+    leave.  Here the socket stays in the set for a hang-up only: its unread bytes
+    would keep a level-triggered set readable for ever (a spinning task) if it were
+    still watched for input."""
     async with watched() as (hangups, conn, client, closed):
         client.setblocking(False)
         chunk = b"x" * 65536
         with trio.fail_after(10):
-            while len(hangups):
+            while conn.pipelined <= _MAX_PIPELINED:
                 try:
                     client.send(chunk)
                 except BlockingIOError:
                     await trio.sleep(0.001)
                 else:
                     await trio.lowlevel.checkpoint()
-        assert len(conn.h11.trailing_data[0]) > _MAX_PIPELINED
-        assert closed == [] and not conn.client_gone
+        read = conn.pipelined
+        assert closed == [] and not conn.client_gone and len(hangups) == 1
         with contextlib.suppress(BlockingIOError):
             client.send(chunk)  # unread bytes: the socket itself stays readable
         fd = conn.fileno()
         assert fd is not None and select.select([fd], [], [], 0)[0]
         await trio.testing.wait_all_tasks_blocked()
-        assert _idle(hangups)
+        assert _idle(hangups) and conn.pipelined == read  # no more reads, no wake-ups
+        assert closed == [] and len(hangups) == 1  # and still watched for leaving
+        client.close()
+        await wait_for(lambda: closed == ["closed"])
+        assert conn.client_gone and len(hangups) == 0 and _idle(hangups)
 
 
 async def test_unwatched_before_its_event_is_handled_is_ignored() -> None:

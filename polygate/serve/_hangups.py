@@ -13,9 +13,12 @@ one task waits on that set's descriptor through trio. Watching a request costs o
 ``epoll_ctl`` to add its socket and one to remove it. The task runs only when a
 client sends something or leaves, and it does what the watcher did: at end of file,
 or on a reset, it marks the client gone and cancels the request; it keeps pipelined
-bytes for the next request, up to the cap. The set is level-triggered. A socket that
-would stay readable (gone, or over the pipelining cap) is removed at once, so the set
-never wakes the task for nothing.
+bytes for the next request, up to the cap. The set is level-triggered, so no socket
+may sit in it readable and unread, or the task would spin. A socket whose client has
+gone is removed at once. One past the pipelining cap stays, watched for a hang-up only
+(``EPOLLRDHUP`` without ``EPOLLIN``): its unread bytes wake nothing, and its client's
+leaving still cancels the request, which the watcher task, asleep past the cap, never
+saw.
 
 Only where ``select.epoll`` exists (Linux); elsewhere, and for streams that are not
 sockets, the server keeps a watcher task per request.
@@ -45,6 +48,8 @@ class Hangups:
         self._epoll = select.epoll()
         self._events = select.EPOLLIN | select.EPOLLRDHUP
         self._watched: dict[int, tuple[Connection, Callable[[], object]]] = {}
+        #: Sockets past the pipelining cap: no longer read, watched for a hang-up only.
+        self._capped: set[int] = set()
 
     @staticmethod
     def supported() -> bool:
@@ -70,6 +75,7 @@ class Hangups:
         entry = self._watched.get(fd)
         if entry is not None and entry[0] is conn:
             del self._watched[fd]
+            self._capped.discard(fd)
             # (Already gone from the set if the socket was closed, or the set was.)
             with contextlib.suppress(OSError, ValueError):
                 self._epoll.unregister(fd)
@@ -87,6 +93,11 @@ class Hangups:
         if entry is None:
             return
         conn, on_close = entry
+        if fd in self._capped:  # a hang-up (or an error): the bytes are left unread
+            conn.client_gone = True
+            on_close()
+            self.unwatch(fd, conn)
+            return
         try:
             data = os.read(fd, _RECEIVE)  # (non-blocking: trio's sockets are)
         except BlockingIOError:
@@ -100,10 +111,23 @@ class Hangups:
             conn.client_gone = True
             on_close()
             more = False
-        if not more:
-            self.unwatch(fd, conn)
+        if more:
+            return
+        if not conn.client_gone:
+            # Past the cap: reading stops, but a client that then leaves must still
+            # cancel its request.  Without EPOLLIN the unread bytes wake nothing;
+            # EPOLLRDHUP (and a reset's EPOLLHUP or EPOLLERR) still does.
+            try:
+                self._epoll.modify(fd, select.EPOLLRDHUP)
+            except OSError:
+                pass
+            else:
+                self._capped.add(fd)
+                return
+        self.unwatch(fd, conn)
 
     def close(self) -> None:
         """(Once no task waits on the set any more.)"""
         self._watched.clear()
+        self._capped.clear()
         self._epoll.close()
