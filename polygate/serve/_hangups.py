@@ -94,8 +94,7 @@ class Hangups:
             return
         conn, on_close = entry
         if fd in self._capped:  # a hang-up (or an error): the bytes are left unread
-            conn.client_gone = True
-            on_close()
+            conn.left(on_close)
             self.unwatch(fd, conn)
             return
         try:
@@ -108,8 +107,7 @@ class Hangups:
             more = conn.took(data, on_close)
         except Exception:  # a bug here must not stop the watching of every client
             log.exception("watching a client failed: its request is cancelled")
-            conn.client_gone = True
-            on_close()
+            conn.left(on_close)
             more = False
         if more:
             return

@@ -266,14 +266,19 @@ class Connection:
         ``on_close()``) or pipelined bytes, kept for the next request.  Whether to go
         on reading: not once the client has left, or has pipelined more than the cap."""
         if not data:
-            self.client_gone = True
-            on_close()
+            self.left(on_close)
             return False
         self.h11.receive_data(data)
         # Counted here: h11's trailing_data copies its whole buffer, and a client that
         # trickles bytes would make that quadratic (a 1 MiB copy per read, near the cap).
         self.pipelined += len(data)
         return self.pipelined <= _MAX_PIPELINED
+
+    def left(self, on_close: Callable[[], object]) -> None:
+        """The client has gone (end of file, a reset, a hang-up): its request is
+        cancelled by ``on_close()``, and the connection is not reused."""
+        self.client_gone = True
+        on_close()
 
     def fileno(self) -> int | None:
         """The socket's descriptor, or None on another kind of stream."""
