@@ -30,13 +30,21 @@ from ._serve_kit import AUTH, CHAT, gateway, read_answer, request_bytes, wait_fo
 pytestmark = pytest.mark.skipif(not Hangups.supported(), reason="epoll is Linux's")
 
 
-@asynccontextmanager
-async def watched() -> AsyncIterator[tuple[Hangups, Connection, socket.socket, list[str]]]:
-    """A running set watching one server-side connection; the client's socket; and the
-    log of on_close calls."""
-    server_side, client = socket.socketpair()
-    conn = Connection(trio.SocketStream(trio.socket.from_stdlib_socket(server_side)),
+def _connection(server_side: socket.socket) -> Connection:
+    """The server's Connection on one end of a socketpair."""
+    return Connection(trio.SocketStream(trio.socket.from_stdlib_socket(server_side)),
                       polygate.Serve())
+
+
+@asynccontextmanager
+async def watched(
+    *, tcp: bool = False,
+) -> AsyncIterator[tuple[Hangups, Connection, socket.socket, list[str]]]:
+    """A running set watching one server-side connection; the client's socket; and the
+    log of on_close calls.  A socketpair, or with ``tcp`` a loopback TCP connection
+    (only TCP has resets)."""
+    server_side, client = _tcp_pair() if tcp else socket.socketpair()
+    conn = _connection(server_side)
     fd = conn.fileno()
     assert fd is not None
     closed: list[str] = []
@@ -51,6 +59,14 @@ async def watched() -> AsyncIterator[tuple[Hangups, Connection, socket.socket, l
         hangups.close()
         client.close()
         server_side.close()
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server_side, _ = listener.accept()
+    server_side.setblocking(False)
+    return server_side, client
 
 
 def _idle(hangups: Hangups) -> bool:
@@ -80,7 +96,8 @@ async def test_a_half_close_counts_as_leaving() -> None:
 
 
 async def test_a_reset_cancels() -> None:
-    async with watched() as (hangups, conn, client, closed):
+    """A reset makes the read raise (ECONNRESET), not return end of file."""
+    async with watched(tcp=True) as (hangups, conn, client, closed):
         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         client.close()
         await wait_for(lambda: closed == ["closed"])
@@ -129,9 +146,10 @@ async def test_past_the_pipelining_cap_reading_stops_nothing_spins_and_leaving_s
         assert conn.client_gone and len(hangups) == 0 and _idle(hangups)
 
 
-async def test_unwatched_before_its_event_is_handled_is_ignored() -> None:
-    """The answer ends (unwatch) in the same batch as the client leaves: the event the
-    set still holds for that descriptor must not cancel anything."""
+async def test_an_unwatched_socket_leaves_the_set() -> None:
+    """The answer ends (unwatch) in the same batch as the client leaves: the socket
+    is out of the set, so its end of file neither cancels anything nor keeps the
+    level-triggered set readable."""
     async with watched() as (hangups, conn, client, closed):
         fd = conn.fileno()
         assert fd is not None
@@ -202,7 +220,7 @@ def test_a_closed_set_takes_nothing() -> None:
     hangups = Hangups()
     a, b = socket.socketpair()
     with a, b:
-        conn = Connection(trio.SocketStream(trio.socket.from_stdlib_socket(a)), polygate.Serve())
+        conn = _connection(a)
         hangups.close()
         assert hangups.watch(conn, a.fileno(), lambda: None) is False
         hangups.unwatch(a.fileno(), conn)  # harmless
@@ -215,7 +233,7 @@ async def test_a_late_unwatch_leaves_the_next_owner_of_the_number_alone() -> Non
     hangups = Hangups()
     closed: list[str] = []
     a_server, a_client = socket.socketpair()
-    old = Connection(trio.SocketStream(trio.socket.from_stdlib_socket(a_server)), polygate.Serve())
+    old = _connection(a_server)
     fd = a_server.fileno()
     try:
         async with trio.open_nursery() as nursery:
@@ -226,8 +244,7 @@ async def test_a_late_unwatch_leaves_the_next_owner_of_the_number_alone() -> Non
             with b_server, b_client:
                 if b_server.fileno() != fd:
                     pytest.skip("the kernel did not reuse the descriptor's number")
-                new = Connection(trio.SocketStream(trio.socket.from_stdlib_socket(b_server)),
-                                 polygate.Serve())
+                new = _connection(b_server)
                 assert hangups.watch(new, fd, lambda: closed.append("new"))
                 hangups.unwatch(fd, old)  # the old request's finally
                 assert len(hangups) == 1
@@ -276,7 +293,7 @@ def test_reading_pipelined_bytes_costs_no_copy_of_the_buffer(monkeypatch: pytest
 
     a, b = socket.socketpair()
     with a, b:
-        conn = Connection(trio.SocketStream(trio.socket.from_stdlib_socket(a)), polygate.Serve())
+        conn = _connection(a)
         monkeypatch.setattr(h11.Connection, "trailing_data", property(counted))
         piece = b"x" * 1024
         reads = 0
