@@ -259,7 +259,10 @@ class Round:
         return on_content
 
     def _cancel_others(self, keep: _Path) -> None:
-        self._monitor_scope.cancel()
+        if self._hedging:
+            # (Without hedging there is no monitor, and trio's cancel() formats the
+            # calling task's repr for its reason: ~2 µs a call for nothing.)
+            self._monitor_scope.cancel()
         for path in self._paths:
             if path is not keep and not path.done:
                 path.control.cancel(Outcome.HEDGE_CANCELLED)

@@ -489,6 +489,34 @@ async def test_slow_body_times_out() -> None:
     assert not upstream.requests
 
 
+async def test_a_trickled_body_is_bounded_as_a_whole() -> None:
+    # body_timeout_s bounds the whole body, not each read: a client that sends a byte
+    # every 0.1 s (each read well within the limit) is still answered 408 once the
+    # body's time is up.  A limit per read would never end this one (100 bytes).
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], body_timeout_s=0.5)
+    async with gateway(serve=serve) as (server, upstream):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 100\r\n"
+                b"authorization: Bearer " + GATEWAY_KEY.encode() + b"\r\n\r\n{"
+            )
+            started = trio.current_time()
+            answer = b""
+            with trio.fail_after(5):
+                for _ in range(99):
+                    with trio.move_on_after(0.1):
+                        answer += await stream.receive_some(65536)
+                    if answer:
+                        break
+                    await stream.send_all(b" ")
+                answer += await read_until_closed(stream)
+            took = trio.current_time() - started
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+    assert 0.4 < took < 2.5
+    assert not upstream.requests
+
+
 async def test_idle_keep_alive_connection_is_closed() -> None:
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], idle_timeout_s=0.3)
     async with gateway(serve=serve) as (server, _):

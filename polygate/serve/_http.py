@@ -219,28 +219,35 @@ class Connection:
     async def _read_body(self, path: str | None = None) -> bytes:
         limits = self.limits
         body = bytearray()
-        with trio.move_on_after(limits.body_timeout_s):
-            while True:
-                try:
-                    event = self.h11.next_event()
-                except h11.RemoteProtocolError:
-                    raise HTTPProblem(
-                        400, "malformed request body: its framing (Content-Length or chunked "
-                        "encoding) is not valid HTTP/1.1", "bad_request", path) from None
-                if event is h11.NEED_DATA:
+        # body_timeout_s runs from here.  A body that came with its head (most do) is
+        # read without a cancel scope; one is opened only for a read that may wait.
+        deadline: float | None = None
+        while True:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError:
+                raise HTTPProblem(
+                    400, "malformed request body: its framing (Content-Length or chunked "
+                    "encoding) is not valid HTTP/1.1", "bad_request", path) from None
+            if event is h11.NEED_DATA:
+                if deadline is None:
+                    deadline = trio.current_time() + limits.body_timeout_s
+                with trio.move_on_at(deadline):
                     self.h11.receive_data(await self._receive())
-                elif isinstance(event, h11.Data):
-                    body += event.data
-                    if len(body) > limits.max_request_bytes:  # chunked bodies
-                        raise HTTPProblem(
-                            413, f"request body exceeds the limit of {limits.max_request_bytes} bytes",
-                            "request_too_large", path,
-                        )
-                elif isinstance(event, h11.EndOfMessage):
-                    return bytes(body)
-                else:  # ConnectionClosed mid-body
-                    raise ClientGone
-        raise HTTPProblem(408, "the request body was not received in time", "request_timeout")
+                    continue
+                raise HTTPProblem(408, "the request body was not received in time",
+                                  "request_timeout")
+            if isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > limits.max_request_bytes:  # chunked bodies
+                    raise HTTPProblem(
+                        413, f"request body exceeds the limit of {limits.max_request_bytes} bytes",
+                        "request_too_large", path,
+                    )
+            elif isinstance(event, h11.EndOfMessage):
+                return bytes(body)
+            else:  # ConnectionClosed mid-body
+                raise ClientGone
 
     async def _receive(self) -> bytes:
         try:

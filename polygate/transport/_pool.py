@@ -84,7 +84,7 @@ import trio
 
 from ._chunked import ChunkedDecoder
 
-__all__ = ["LeanTransport", "PoolStatistics", "SENT_EXTENSION", "body_of"]
+__all__ = ["LeanTransport", "PoolStatistics", "SENT_EXTENSION", "body_of", "close_now", "drains_on_close"]
 
 #: A request extension: a callable, called with no argument when the request starts
 #: going out on a connection (after any wait for one and the connect; again if a
@@ -665,9 +665,12 @@ class _Body(httpx.AsyncByteStream):
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
+        self.close_now()
+
+    def close_now(self) -> None:
         """Release the connection if what is left of the body is already buffered
         (parsed without I/O), else close it: unread bytes would corrupt the next
-        response.  Never blocks, so it is safe in a shielded ``finally``."""
+        response.  No I/O and no await, so a cancellation cannot interrupt it."""
         conn = self._conn
         if conn is None:
             return
@@ -702,6 +705,24 @@ def body_of(response: httpx.Response) -> _Body | None:
         return None
     response.is_stream_consumed = True
     return stream
+
+
+def close_now(response: httpx.Response) -> bool:
+    """Close a LeanTransport response here and now, without an await (see
+    :meth:`_Body.close_now`); False, and nothing done, for another transport's."""
+    stream = response.stream
+    if type(stream) is not _Body:
+        return False
+    response.is_closed = True
+    stream.close_now()
+    return True
+
+
+def drains_on_close(pieces: object) -> bool:
+    """Whether closing ``pieces`` (a body being iterated) reads what is left of it as
+    far as it is already here, as :func:`polygate.transport._exchange._drain_buffered`
+    would: a LeanTransport body does, without a cancel scope or a read."""
+    return type(pieces) is _Body
 
 
 def _read_size(response: h11.Response) -> int:
