@@ -147,6 +147,9 @@ async def run_chat_attempt(
             timeline=timeline,
             on_content=on_content,
             call_id=ctx.logical_call_id,
+            # Only the round's consumer (a stream's caller, a hedge's monitor) waits
+            # for a first token; the watchdogs above need no scheduler pass for it.
+            hand_on_first_token=forward is not None,
         )
 
     def usage_of(body: dict[str, Any]) -> Usage:

@@ -120,3 +120,37 @@ async def test_the_first_token_of_a_whole_answer_read_at_once_is_not_held_back()
                         assert stream.text == "t0 "
                     seen.append(chunk.text)
         assert "".join(seen) == "".join(f"t{i} " for i in range(50))
+
+
+async def test_only_a_stream_hands_its_first_token_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hand-on (two scheduler passes before the rest of a read is parsed) is for
+    whoever waits for the first token: a stream's caller.  A chat() that no hedge
+    watches waits for the whole answer only, and skips it (~30 µs of CPU a call
+    through the gateway)."""
+    from polygate.transport import _exchange
+
+    body = b"".join(
+        b'data: {"choices":[{"index":0,"delta":{"content":"t%d "}}]}\n\n' % i for i in range(5)
+    ) + b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    handed: list[int] = []
+    original = _exchange._hand_on_first_token
+
+    async def counted() -> None:
+        handed.append(1)
+        await original()
+
+    monkeypatch.setattr(_exchange, "_hand_on_first_token", counted)
+    async with polygate.session(
+        one_source_settings(), transport=httpx.MockTransport(handler)
+    ) as s:
+        response = await s.chat(MESSAGES)
+        assert response.text == "t0 t1 t2 t3 t4 "
+        assert handed == []
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                pass
+        assert handed == [1]

@@ -37,6 +37,7 @@ import h11
 import trio
 
 from .._config import Serve
+from .._sockets import write_now
 
 __all__ = ["ClientGone", "Connection", "HTTPProblem", "Request", "reason"]
 
@@ -344,9 +345,17 @@ class Connection:
             raise ClientGone from None
 
     async def _send(self, data: bytes) -> None:
+        # Most answers leave in one write the kernel takes at once: then no scope and
+        # no scheduler pass (see polygate._sockets).  A cancelled request writes
+        # nothing (the check does not yield unless cancelled).
+        await trio.lowlevel.checkpoint_if_cancelled()
+        written = write_now(self.stream, data)
+        if written == len(data):
+            return
+        rest = memoryview(data)[written:]
         with trio.move_on_after(self.limits.send_timeout_s):
             try:
-                await self.stream.send_all(data)
+                await self.stream.send_all(rest)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.client_gone = True
                 raise ClientGone from None

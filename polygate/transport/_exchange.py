@@ -101,8 +101,14 @@ async def chat_exchange(
     timeline: Timeline,
     on_content: OnContent | None = None,
     call_id: str | None = None,
+    hand_on_first_token: bool = True,
 ) -> dict[str, Any]:
-    """Run one chat completion and return the (assembled) non-streamed response body."""
+    """Run one chat completion and return the (assembled) non-streamed response body.
+
+    ``hand_on_first_token``: someone waits for the first token (a stream's caller), so
+    a read that brings more than it is parsed after a pass of the scheduler (see
+    :func:`_hand_on_first_token`); False where the whole answer is all anyone waits for
+    (a ``chat()`` that no hedge watches), which saves two scheduler passes a call."""
     stream = endpoint.streaming
 
     async def read(response: httpx.Response) -> dict[str, Any]:
@@ -111,7 +117,8 @@ async def chat_exchange(
             return await _read_chat_json(response, endpoint, limits, ctype)
         if ctype.partition(";")[0].strip().lower() == "text/event-stream":  # any case, any params
             timeline.streamed = True
-            return await _read_sse(response, endpoint, limits, timeline, on_content)
+            return await _read_sse(response, endpoint, limits, timeline, on_content,
+                                   hand_on=hand_on_first_token)
         # Any other label, or none: openai-python reads a stream request's answer as
         # SSE whatever the header says, so an upstream that sends its events unlabelled
         # (or as application/json, application/x-ndjson...) streams.  The body decides:
@@ -123,7 +130,8 @@ async def chat_exchange(
         head = await _sniff(pieces, limits.max_line_bytes)
         if _SSE_START.match(head):
             timeline.streamed = True
-            return await _read_sse(response, endpoint, limits, timeline, on_content, pieces, head)
+            return await _read_sse(response, endpoint, limits, timeline, on_content, pieces, head,
+                                   hand_on=hand_on_first_token)
         return await _read_chat_json(response, endpoint, limits, ctype, pieces, head)
 
     body = chat_body(endpoint, messages_json, params, stream)
@@ -283,8 +291,11 @@ async def _read_sse(
     on_content: OnContent | None,
     pieces: AsyncIterator[bytes] | None = None,
     head: bytes = b"",
+    *,
+    hand_on: bool = True,
 ) -> dict[str, Any]:
-    """``pieces``/``head``: the body's iterator after :func:`_sniff` read ``head``."""
+    """``pieces``/``head``: the body's iterator after :func:`_sniff` read ``head``;
+    ``hand_on``: as ``hand_on_first_token`` of :func:`chat_exchange`."""
     refused = check_encoding(response, endpoint.name, endpoint.secrets)
     if refused is not None:
         raise TransientUpstreamError(refused, source=endpoint.name)
@@ -342,7 +353,7 @@ async def _read_sse(
                         wait = on_content(now, chunk)
                         if wait is not None:
                             await wait
-                        elif len(chunk_times) == 1 and event is not events[-1]:
+                        elif hand_on and len(chunk_times) == 1 and event is not events[-1]:
                             await _hand_on_first_token()
             if done or ended:
                 break

@@ -82,6 +82,7 @@ import h11
 import httpx
 import trio
 
+from .._sockets import write_now
 from ._chunked import ChunkedDecoder
 
 __all__ = ["LeanTransport", "PoolStatistics", "SENT_EXTENSION", "body_of", "close_now", "drains_on_close"]
@@ -149,11 +150,19 @@ class _Connection:
         self.socket.close()
 
     async def send(self, data: bytes, limit_s: float | None) -> None:
+        # A request cancelled before this point is never written (the check does not
+        # yield unless cancelled); most requests then leave in one write, without
+        # trio's scheduler pass (see polygate._sockets).
+        await trio.lowlevel.checkpoint_if_cancelled()
+        written = write_now(self.stream, data)
+        if written == len(data):
+            return
+        rest = memoryview(data)[written:]
         if limit_s is None:
-            await self.stream.send_all(data)
+            await self.stream.send_all(rest)
             return
         with trio.move_on_after(limit_s):
-            await self.stream.send_all(data)
+            await self.stream.send_all(rest)
             return
         raise httpx.WriteTimeout("timed out sending the request")
 
