@@ -50,11 +50,16 @@ What it does (and does not)
   connection: the body is bytes, so it can be replayed.  (A server that read the
   request, acted on it and died without a byte of answer would see it twice; a
   fresh connection is never retried.)
-* h11 runs every connection's state machine and parses every response (its 16 KiB
-  limit bounds a response head; at most ``MAX_INTERIM_RESPONSES`` 1xx responses are
-  read before the final one); plain requests are written here, byte for byte as h11
-  would write them (see "the request" below), anything unusual through h11's writer.
-  h11's refusal of a header value is re-worded so that it never quotes the value.
+* The common exchange never touches h11: a plain request is written here, byte for
+  byte as h11 would write it (see "the request" below), and an answer whose whole
+  head is in the first read and has the plain shape (``HTTP/1.1``, a final status,
+  CRLF lines, one Content-Length or ``chunked``: see ``_head``) is read here, its
+  body counted or de-chunked to its end.  Everything else is h11's: an unusual
+  request goes through h11's writer, and any other answer is handed to h11 from its
+  first byte (its 16 KiB limit bounds a response head; at most
+  ``MAX_INTERIM_RESPONSES`` 1xx responses are read before the final one), as is a
+  chunked end with trailers or bytes after it.  h11's refusal of a header value is
+  re-worded so that it never quotes the value.
 * The :data:`SENT_EXTENSION` callable of a request, if any, is called as the
   request starts going out: after any wait for a connection and the connect.
 * Errors come out as httpx's exceptions, as httpx's transport raises them:
@@ -84,6 +89,7 @@ import trio
 
 from .._sockets import write_now
 from ._chunked import ChunkedDecoder
+from ._head import Head, parse_head
 
 __all__ = ["LeanTransport", "PoolStatistics", "SENT_EXTENSION", "body_of", "close_now", "drains_on_close"]
 
@@ -302,8 +308,6 @@ class LeanTransport(httpx.AsyncBaseTransport):
             error_class: type[httpx.TransportError] = httpx.WriteError
             try:
                 if wire is not None:
-                    h.send(_stand_in(request.method))
-                    h.send(_END)
                     data = wire
                 else:
                     data = h.send(head) or b""
@@ -314,10 +318,36 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     on_sent()
                 await conn.send(data, timeouts[3])
                 error_class = httpx.ReadError
+                rest = b""  # received past the head h11 was given
+                if wire is not None:
+                    # The common answer, whole head in the first read, is read without
+                    # h11 (see _head); h11 then sees nothing of this exchange.
+                    data = await conn.receive(timeouts[2])
+                    if not data:
+                        raise _Disconnected("server disconnected without sending a response")
+                    got_bytes = True
+                    end = data.find(b"\r\n\r\n") + 4
+                    fast = parse_head(data[:end], request.method) if end > 3 else None
+                    if fast is not None:
+                        conn.read_size = _STREAM_READ if fast.event_stream else _BODY_READ
+                        return httpx.Response(
+                            fast.status,
+                            headers=fast.headers,
+                            stream=_Body(
+                                self, conn, request, timeouts[2],
+                                ChunkedDecoder() if fast.chunked else None, data[end:],
+                                fast=fast,
+                            ),
+                            extensions={"http_version": b"HTTP/1.1", "reason_phrase": fast.reason},
+                        )
+                    # Anything else is h11's, from the first byte: it learns of the
+                    # request (written here, byte for byte as it would) first.
+                    h.send(_stand_in(request.method))
+                    h.send(_END)
+                    rest = data
                 interim = 0
                 # h11 is given the bytes up to the end of a head, no further: a
                 # chunked body that follows is decoded here (see _chunked).
-                rest = b""  # received past the head h11 was given
                 tail = b""  # the end of what h11 was given, for a blank line cut by a read
                 while True:
                     event = h.next_event()
@@ -506,6 +536,16 @@ class LeanTransport(httpx.AsyncBaseTransport):
         else:
             self._open -= 1
 
+    def _release_fast(self, conn: _Connection, stray: bool, keep_alive: bool) -> None:
+        """A response read to its end without h11 (see _head): h11 saw nothing of it,
+        so its state is the fresh one the next exchange needs.  As in :meth:`_release`:
+        kept alive only if both sides allow it, and bytes past the end are dropped
+        (the connection closed if more are still arriving)."""
+        if self._closed or not keep_alive or (stray and conn.socket.is_readable()):
+            self._discard(conn)
+            return
+        self._put_back(conn)
+
     def _release(self, conn: _Connection) -> None:
         """The response was read to its end: keep the connection alive if both
         sides allow it (no ``Connection: close``, no HTTP/1.0 close-delimited body)."""
@@ -602,12 +642,17 @@ class _Body(httpx.AsyncByteStream):
     garbage collector to finalise.  The connection goes back to the pool the moment
     the end of the body is parsed; ``aclose()`` before that closes it.
 
-    A chunked body is decoded here (``_chunked``) until its last chunk, whose bytes
-    and whatever follows go to h11; every other body, and that end, is h11's.  Each
-    read's data comes out as one piece.
+    A chunked body is decoded here (``_chunked``) until its last chunk.  After a head
+    h11 read, the last chunk's bytes and whatever follows go to h11, and every other
+    body is h11's.  After a head read without h11 (``fast``, see :mod:`._head`), a
+    Content-Length body is counted here, and a chunked one ends here when its last
+    chunk is the plain ``0\r\n\r\n``; anything else (trailers, bytes after it) is
+    replayed to h11 behind a stand-in head of the same framing, and h11 decides.
+    Each read's data comes out as one piece.
     """
 
-    __slots__ = ("_chunked", "_conn", "_pending", "_pool", "_request", "_timeout")
+    __slots__ = ("_chunked", "_conn", "_fast", "_keep_alive", "_left", "_pending", "_pool",
+                 "_request", "_size", "_timeout")
 
     def __init__(
         self,
@@ -617,13 +662,23 @@ class _Body(httpx.AsyncByteStream):
         timeout: float | None,
         chunked: ChunkedDecoder | None = None,
         pending: bytes = b"",
+        *,
+        fast: Head | None = None,
     ) -> None:
         self._pool = pool
         self._conn: _Connection | None = conn
         self._request = request
         self._timeout = timeout
         self._chunked = chunked
-        self._pending = pending  # body bytes that came with the head (chunked only)
+        # Body bytes that came with the head (h11's own, unless chunked or fast); in a
+        # fast body, also what came past its end once the end is here.
+        self._pending = pending
+        # h11 has seen nothing of this exchange: the end is found here.
+        self._fast = fast is not None
+        self._keep_alive = fast is None or fast.keep_alive
+        # A fast body's bytes still to come: its Content-Length, counted down; -1
+        # while a chunked one has not ended (0 once it has).
+        self._size = self._left = -1 if fast is None or fast.chunked else fast.length
 
     def __aiter__(self) -> _Body:
         return self
@@ -649,19 +704,25 @@ class _Body(httpx.AsyncByteStream):
                 piece, last = chunked.decode(data)
                 if last is not None:
                     self._chunked = chunked = None
-                    h.receive_data(last)  # the last chunk and trailers: h11's
+                    self._last_chunk(conn, last)
                 if piece:
                     return piece
-            while True:
-                event = h.next_event()
-                if event is h11.NEED_DATA:
-                    h.receive_data(await conn.receive(self._timeout))  # b"" at EOF
-                elif type(event) is h11.Data:
-                    return bytes(event.data)
-                elif type(event) is h11.EndOfMessage:
-                    break
-                else:
-                    raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} in a body")
+            if self._fast:
+                piece = await self._sized(conn)
+                if piece:
+                    return piece
+            else:
+                while True:
+                    event = h.next_event()
+                    if event is h11.NEED_DATA:
+                        h.receive_data(await conn.receive(self._timeout))  # b"" at EOF
+                    elif type(event) is h11.Data:
+                        return bytes(event.data)
+                    elif type(event) is h11.EndOfMessage:
+                        break
+                    else:
+                        raise h11.RemoteProtocolError(
+                            f"unexpected {type(event).__name__} in a body")
         except BaseException as exc:
             self._conn = None
             self._pool._discard(conn)
@@ -670,8 +731,52 @@ class _Body(httpx.AsyncByteStream):
                 raise
             raise mapped from exc
         self._conn = None
-        self._pool._release(conn)
+        self._ended(conn)
         raise StopAsyncIteration
+
+    async def _sized(self, conn: _Connection) -> bytes:
+        """A fast body's next piece; ``b""`` at its end (what came past it stays in
+        ``_pending``)."""
+        left = self._left
+        if not left:
+            return b""
+        data = self._pending
+        if data:
+            self._pending = b""
+        else:
+            data = await conn.receive(self._timeout)
+            if not data:
+                raise h11.RemoteProtocolError(  # (h11's words)
+                    "peer closed connection without sending complete message body: "
+                    f"received {self._size - left} bytes, expected {self._size}"
+                )
+        if len(data) > left:
+            self._pending = data[left:]
+            data = data[:left]
+        self._left = left - len(data)
+        return data
+
+    def _last_chunk(self, conn: _Connection, last: bytes) -> None:
+        """The bytes from a chunked body's last-chunk line on: its end, here, when
+        fast and plain; else h11's (a fast body's replayed behind a stand-in head)."""
+        if self._fast:
+            if last == _PLAIN_END:
+                self._left = 0
+                return
+            self._fast = False
+            h = conn.h11
+            h.send(_stand_in(self._request.method))
+            h.send(_END)
+            h.receive_data(_CHUNKED_HEAD if self._keep_alive else _CHUNKED_HEAD_CLOSE)
+            event = h.next_event()
+            assert type(event) is h11.Response, event
+        conn.h11.receive_data(last)
+
+    def _ended(self, conn: _Connection) -> None:
+        if self._fast:
+            self._pool._release_fast(conn, bool(self._pending), self._keep_alive)
+        else:
+            self._pool._release(conn)
 
     async def aclose(self) -> None:
         self.close_now()
@@ -692,17 +797,32 @@ class _Body(httpx.AsyncByteStream):
                 if last is None:
                     self._pool._discard(conn)
                     return
-                h.receive_data(last)
-            while True:
-                event = h.next_event()
-                if type(event) is h11.EndOfMessage:
-                    self._pool._release(conn)
+                self._chunked = None
+                self._last_chunk(conn, last)
+            if self._fast:
+                if len(self._pending) >= self._left:  # the end is here
+                    self._pool._release_fast(
+                        conn, len(self._pending) > self._left, self._keep_alive)
                     return
-                if type(event) is not h11.Data:
-                    break
+            else:
+                while True:
+                    event = h.next_event()
+                    if type(event) is h11.EndOfMessage:
+                        self._pool._release(conn)
+                        return
+                    if type(event) is not h11.Data:
+                        break
         except h11.RemoteProtocolError:
             pass
         self._pool._discard(conn)
+
+
+#: A chunked body's plain end: the last chunk, no trailers, nothing after it.
+_PLAIN_END: Final = b"0\r\n\r\n"
+#: What h11 is told a fast chunked answer's head was, to read its end (see _Body).
+_CHUNKED_HEAD: Final = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+_CHUNKED_HEAD_CLOSE: Final = (
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n")
 
 
 def body_of(response: httpx.Response) -> _Body | None:

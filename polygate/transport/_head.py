@@ -1,0 +1,98 @@
+"""An upstream's response head, read the common way without h11's event machinery.
+
+h11 parsed every response head and ran its state machine through every exchange:
+~21 % of a ``chat()`` call's CPU over sockets, the largest single cost after the
+kernel's (py-spy, docs/benchmarks.md "An upstream's answer without h11").  Almost
+every answer is the same shape: ``HTTP/1.1``, a final status, ``name: value`` lines
+ended by CRLF, and a body framed by one Content-Length or by ``Transfer-Encoding:
+chunked``.  :func:`parse_head` reads exactly that shape, and only that: anything
+else -- an interim (1xx) answer, HTTP/1.0, a body delimited by the close, a folded,
+malformed or bare-LF line, a repeated or odd framing header, a head over h11's
+16 KiB -- returns ``None``, and LeanTransport hands the same bytes to h11 as before,
+so its answer (and its error) decides.  What is accepted is a subset of what h11
+accepts, read as h11 reads it (``tests/test_head.py`` holds the two together).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final, NamedTuple
+
+__all__ = ["MAX_HEAD", "Head", "parse_head"]
+
+#: h11's bound on an incomplete event: a longer head is h11's to refuse or read.
+MAX_HEAD: Final = 16 * 1024
+
+_STATUS: Final = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
+#: A field line (h11's ``header_field``, with no control character or NUL anywhere).
+_FIELD: Final = re.compile(
+    rb"([-!#$%&'*+.^_`|~0-9A-Za-z]+):[ \t]*"
+    rb"((?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?)[ \t]*"
+)
+#: h11 allows 20 digits; 18 always fit an int64 (and no body is that long).
+_LENGTH: Final = re.compile(rb"[0-9]{1,18}")
+
+
+class Head(NamedTuple):
+    status: int
+    reason: bytes
+    #: (name, value) as they came, names in their own case.
+    headers: list[tuple[bytes, bytes]]
+    #: The body's framing: chunked, or ``length`` bytes (0: no body).
+    chunked: bool
+    length: int
+    #: Neither side said ``Connection: close`` (the request never does on this path).
+    keep_alive: bool
+    #: The first Content-Type says ``text/event-stream`` (read in small pieces).
+    event_stream: bool
+
+
+def parse_head(head: bytes, method: str) -> Head | None:
+    """``head``: a response's bytes up to and including its blank line (``\\r\\n\\r\\n``),
+    answering a request of ``method``.  ``None``: not the common shape (see above)."""
+    if len(head) > MAX_HEAD or not head.endswith(b"\r\n\r\n"):
+        return None
+    lines = head[:-4].split(b"\r\n")
+    status_line = _STATUS.fullmatch(lines[0])
+    if status_line is None or method == "CONNECT":
+        return None
+    status = int(status_line[1])
+    headers: list[tuple[bytes, bytes]] = []
+    length = -1
+    chunked = False
+    keep_alive = True
+    content_type: bytes | None = None
+    field = _FIELD.fullmatch
+    for line in lines[1:]:
+        match = field(line)
+        if match is None:
+            return None
+        name, value = match[1], match[2]
+        headers.append((name, value))
+        lower = name.lower()
+        if lower == b"content-length":
+            if length >= 0 or _LENGTH.fullmatch(value) is None:
+                return None  # repeated ("5, 5" included) or not a plain number: h11's
+            length = int(value)
+        elif lower == b"transfer-encoding":
+            if chunked or value.lower() != b"chunked":
+                return None
+            chunked = True
+            headers[-1] = (name, b"chunked")  # as h11 hands it on: lower-cased
+        elif lower == b"connection":
+            if b"close" in (token.strip().lower() for token in value.split(b",")):
+                keep_alive = False
+        elif lower == b"content-type" and content_type is None:
+            content_type = value
+    if method == "HEAD" or status in (204, 304):
+        length, chunked = 0, False  # no body, whatever the head says (h11's framing)
+    elif chunked:
+        if length >= 0:
+            return None  # both: h11 decides
+        length = 0
+    elif length < 0:
+        return None  # delimited by the close: h11's
+    return Head(
+        status, status_line[2] or b"", headers, chunked, length, keep_alive,
+        content_type is not None and content_type.lower().startswith(b"text/event-stream"),
+    )
