@@ -64,7 +64,12 @@ class AttemptControl:
     def watch(self, deadline: float) -> None:
         """Move the watchdog (only real content tokens do)."""
         self._watch = deadline
-        self.scope.deadline = deadline if deadline < self._whole else self._whole
+        earliest = deadline if deadline < self._whole else self._whole
+        # trio re-registers an entered scope's deadline on every assignment, even of
+        # the same value (a heap update): the first token of an attempt without a
+        # ttft watchdog changes nothing, so it assigns nothing.
+        if earliest != self.scope.deadline:
+            self.scope.deadline = earliest
 
     async def hold_while(self, wait: Callable[[], Awaitable[None]]) -> None:
         """Run ``wait`` (the caller taking a chunk it is behind on) with the attempt's
