@@ -18,19 +18,14 @@ from __future__ import annotations
 import re
 from typing import Final, NamedTuple
 
+from .._http11 import FIELD_LINE, LENGTH
+
 __all__ = ["MAX_HEAD", "Head", "parse_head"]
 
 #: h11's bound on an incomplete event: a longer head is h11's to refuse or read.
 MAX_HEAD: Final = 16 * 1024
 
 _STATUS: Final = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
-#: A field line (h11's ``header_field``, with no control character or NUL anywhere).
-_FIELD: Final = re.compile(
-    rb"([-!#$%&'*+.^_`|~0-9A-Za-z]+):[ \t]*"
-    rb"((?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?)[ \t]*"
-)
-#: h11 allows 20 digits; 18 always fit an int64 (and no body is that long).
-_LENGTH: Final = re.compile(rb"[0-9]{1,18}")
 
 
 class Head(NamedTuple):
@@ -62,7 +57,7 @@ def parse_head(head: bytes, method: str) -> Head | None:
     chunked = False
     keep_alive = True
     content_type: bytes | None = None
-    field = _FIELD.fullmatch
+    field = FIELD_LINE.fullmatch
     for line in lines[1:]:
         match = field(line)
         if match is None:
@@ -71,7 +66,7 @@ def parse_head(head: bytes, method: str) -> Head | None:
         headers.append((name, value))
         lower = name.lower()
         if lower == b"content-length":
-            if length >= 0 or _LENGTH.fullmatch(value) is None:
+            if length >= 0 or LENGTH.fullmatch(value) is None:
                 return None  # repeated ("5, 5" included) or not a plain number: h11's
             length = int(value)
         elif lower == b"transfer-encoding":
