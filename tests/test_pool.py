@@ -554,6 +554,40 @@ def test_requests_are_written_exactly_as_h11_writes_them(request_: httpx.Request
                    request_.content) == _h11_bytes(request_)
 
 
+@pytest.mark.parametrize(("url", "headers", "body"), [
+    ("http://h:1/v1/chat/completions?x=1", [("Authorization", "Bearer k"),
+                                            ("x-polygate-call-id", "c1")], JSON_BODY),
+    ("http://h/v1/chat/completions", [("content-type", "application/json")], b"{}"),
+    ("https://h.example/v1/embeddings", [], b""),
+    ("https://h.example:443/x", [("x-tab", "a\tb")], b"{}"),
+    ("http://[::1]:8080/x", [("authorization", "Bearer sk-1")], b"{}"),
+    ("http://xn--bcher-kva.example/x", [], b"{}"),
+], ids=["post", "json", "https-default-port", "https-explicit-port", "ipv6", "idna"])
+def test_a_post_without_an_httpx_request_goes_out_as_httpx_would_send_it(
+    url: str, headers: list[tuple[str, str]], body: bytes,
+) -> None:
+    # LeanTransport.post skips building the httpx.Request; its bytes are those of
+    # handle_async_request(httpx.Request(...)), and those are h11's.
+    from polygate.transport._pool import _encode, _post_wire
+
+    request = httpx.Request("POST", url, headers=headers, content=body)
+    expected = _encode("POST", request.url.raw_path, request.headers.raw, body)
+    assert expected is not None and expected == _h11_bytes(request)
+    assert _post_wire(httpx.URL(url), headers, body) == expected
+
+
+@pytest.mark.parametrize("headers", [
+    [("x-key", "caf\u00e9")], [("connection", "close")], [("content-length", "1")],
+    [("x-bad", "a\r\nb")], [("host", "other")],
+])
+def test_a_post_that_is_not_plain_takes_the_httpx_request_path(
+    headers: list[tuple[str, str]],
+) -> None:
+    from polygate.transport._pool import _post_wire
+
+    assert _post_wire(httpx.URL("http://h/x"), headers, b"{}") is None
+
+
 @pytest.mark.parametrize("headers", [
     {"connection": "close"}, {"transfer-encoding": "chunked"}, {"expect": "100-continue"},
     {"upgrade": "websocket"}, {"content-length": "99"}, {"x-bad": "a\r\nb"}, {"bad name": "v"},

@@ -169,13 +169,19 @@ async def _exchange(
         def sent() -> None:
             timeline.sent_at = trio.current_time()
 
-        request = httpx.Request(
-            "POST", url, content=body, headers=endpoint.headers(call_id),
-            extensions={SENT_EXTENSION: sent},
-        )
-        if not isinstance(transport, LeanTransport):
-            sent()
-        response = await _send(transport, request)
+        response = None
+        if type(transport) is LeanTransport:  # (a subclass may hook handle_async_request)
+            # No httpx.Request to build and take apart (LeanTransport.post); None
+            # for a request that is not plain, which then takes the path below.
+            response = await transport.post(url, endpoint.headers(call_id), body, sent)
+        if response is None:
+            request = httpx.Request(
+                "POST", url, content=body, headers=endpoint.headers(call_id),
+                extensions={SENT_EXTENSION: sent},
+            )
+            if not isinstance(transport, LeanTransport):
+                sent()
+            response = await _send(transport, request)
         try:
             timeline.status_code = response.status_code
             await raise_for_status(response, endpoint)
