@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 from polygate.transport import LeanTransport
 from polygate.transport._head import MAX_HEAD, parse_head
 
+from ._raw_server import raw_server
+
 
 def h11_reads(head: bytes, method: str) -> tuple[int, bytes, list[tuple[bytes, bytes]], object, bool]:
     """What h11 makes of ``head`` answering ``method``: status, reason, headers,
@@ -141,52 +143,25 @@ def test_connect_is_left_to_h11() -> None:
 
 
 @asynccontextmanager
-async def one_shot_server(answers: list[bytes]) -> AsyncIterator[tuple[str, list[int]]]:
-    """A loopback server that answers each request on a connection with the next of
-    ``answers`` (sent whole) and records which connection (by accept order) served it;
-    a connection it should close after its answer is closed."""
-    listener = trio.socket.socket()
-    await listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    port = listener.getsockname()[1]
+async def answering(answers: list[bytes]) -> AsyncIterator[tuple[str, list[int]]]:
+    """A loopback server (tests/_raw_server.py) giving ``answers`` in turn, one per
+    request, and closing a connection after an answer that says ``close``; with the
+    list of which connection (in order of first use) served each request."""
     served: list[int] = []
+    streams: list[trio.SocketStream] = []
     queue = list(answers)
 
-    async def serve(sock: trio.socket.SocketType, number: int) -> None:
-        with sock:
-            buffer = b""
-            while queue:
-                while b"\r\n\r\n" not in buffer:
-                    data = await sock.recv(65536)
-                    if not data:
-                        return
-                    buffer += data
-                head, _, buffer = buffer.partition(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                while len(buffer) < length:
-                    buffer += await sock.recv(65536)
-                buffer = buffer[length:]
-                served.append(number)
-                answer = queue.pop(0)
-                await sock.send(answer)
-                if b"connection: close" in answer.lower():
-                    return
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        if stream not in streams:
+            streams.append(stream)
+        served.append(streams.index(stream))
+        answer = queue.pop(0)
+        await stream.send_all(answer)
+        if b"connection: close" in answer.lower():
+            await stream.aclose()
 
-    async with trio.open_nursery() as nursery:
-        async def accept() -> None:
-            number = 0
-            while True:
-                sock, _ = await listener.accept()
-                nursery.start_soon(serve, sock, number)
-                number += 1
-
-        nursery.start_soon(accept)
-        try:
-            yield f"http://127.0.0.1:{port}", served
-        finally:
-            nursery.cancel_scope.cancel()
-            listener.close()
+    async with raw_server(reply) as server:
+        yield f"http://127.0.0.1:{server.port}/", served
 
 
 async def _get(transport: LeanTransport, url: str) -> tuple[int, bytes, httpx.Headers]:
@@ -203,7 +178,7 @@ async def test_bodies_framed_either_way_arrive_whole_on_one_kept_connection() ->
         b"HTTP/1.1 204 No Content\r\n\r\n",
         b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 2\r\nretry-after: 1\r\n\r\n{}",
     ]
-    async with one_shot_server(answers) as (url, served):
+    async with answering(answers) as (url, served):
         transport = LeanTransport()
         async with transport:
             got = [await _get(transport, url) for _ in answers]
@@ -218,7 +193,7 @@ async def test_trailers_go_through_h11_and_the_connection_is_kept() -> None:
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\nx-done: 1\r\n\r\n",
         b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
     ]
-    async with one_shot_server(answers) as (url, served):
+    async with answering(answers) as (url, served):
         async with LeanTransport() as transport:
             assert (await _get(transport, url))[:2] == (200, b"hi")
             assert (await _get(transport, url))[:2] == (200, b"ok")
@@ -227,7 +202,7 @@ async def test_trailers_go_through_h11_and_the_connection_is_kept() -> None:
 
 async def test_malformed_trailers_are_h11s_error() -> None:
     answers = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\nbad trailer\r\n\r\n"]
-    async with one_shot_server(answers) as (url, _):
+    async with answering(answers) as (url, _):
         async with LeanTransport() as transport:
             with pytest.raises(httpx.RemoteProtocolError):
                 await _get(transport, url)
@@ -239,7 +214,7 @@ async def test_connection_close_is_honoured() -> None:
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n1\r\nb\r\n0\r\nx: y\r\n\r\n",
         b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nc",
     ]
-    async with one_shot_server(answers) as (url, served):
+    async with answering(answers) as (url, served):
         async with LeanTransport() as transport:
             bodies, kept = [], []
             for _ in answers:

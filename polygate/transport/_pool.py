@@ -727,16 +727,7 @@ class _Body(httpx.AsyncByteStream):
         try:
             chunked = self._chunked
             while chunked is not None:
-                data = self._pending
-                if data:
-                    self._pending = b""
-                else:
-                    data = await conn.receive(self._timeout)
-                    if not data:
-                        raise h11.RemoteProtocolError(
-                            "peer closed connection without sending complete message body "
-                            "(incomplete chunked read)"
-                        )
+                data = await self._more(conn, " (incomplete chunked read)")
                 piece, last = chunked.decode(data)
                 if last is not None:
                     self._chunked = chunked = None
@@ -776,20 +767,24 @@ class _Body(httpx.AsyncByteStream):
         left = self._left
         if not left:
             return b""
-        data = self._pending
-        if data:
-            self._pending = b""
-        else:
-            data = await conn.receive(self._timeout)
-            if not data:
-                raise h11.RemoteProtocolError(  # (h11's words)
-                    "peer closed connection without sending complete message body: "
-                    f"received {self._size - left} bytes, expected {self._size}"
-                )
+        data = await self._more(conn, f": received {self._size - left} bytes, expected {self._size}")
         if len(data) > left:
             self._pending = data[left:]
             data = data[:left]
         self._left = left - len(data)
+        return data
+
+    async def _more(self, conn: _Connection, missing: str) -> bytes:
+        """The body bytes already here, else the next read; the end of the stream
+        before the body's end is an error (h11's words, then what is ``missing``)."""
+        data = self._pending
+        if data:
+            self._pending = b""
+            return data
+        data = await conn.receive(self._timeout)
+        if not data:
+            raise h11.RemoteProtocolError(
+                f"peer closed connection without sending complete message body{missing}")
         return data
 
     def _last_chunk(self, conn: _Connection, last: bytes) -> None:
