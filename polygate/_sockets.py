@@ -12,7 +12,7 @@ anyway, so nothing is starved by skipping them.
 :func:`write_now` writes what the socket's buffer takes right now; the caller sends
 whatever is left (if anything) with ``send_all`` as before, and on any error it
 writes nothing, so ``send_all`` meets the same error and raises it as trio does.
-Cancellation is the caller's to check first (``checkpoint_if_cancelled``, which
+:func:`write_first` checks cancellation first (``checkpoint_if_cancelled``, which
 does not yield unless cancelled): a cancelled request must never be written.
 
 Only for a stream that one task writes at a time (trio's conflict detector is
@@ -26,7 +26,15 @@ import os
 
 import trio
 
-__all__ = ["write_now"]
+__all__ = ["write_first", "write_now"]
+
+
+async def write_first(stream: trio.abc.SendStream, data: bytes) -> memoryview:
+    """What is left of ``data`` for ``send_all`` after :func:`write_now` (empty when
+    the kernel took it all).  A cancelled caller writes nothing: cancellation is
+    checked first, without a yield unless cancelled."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    return memoryview(data)[write_now(stream, data):]
 
 
 def write_now(stream: trio.abc.SendStream, data: bytes | memoryview) -> int:

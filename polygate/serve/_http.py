@@ -44,7 +44,7 @@ import trio
 
 from .._config import Serve
 from .._http11 import FIELD_LINE, LENGTH, TOKEN
-from .._sockets import write_now
+from .._sockets import write_first
 
 __all__ = ["ClientGone", "Connection", "HTTPProblem", "Request", "reason"]
 
@@ -434,13 +434,10 @@ class Connection:
 
     async def _send(self, data: bytes) -> None:
         # Most answers leave in one write the kernel takes at once: then no scope and
-        # no scheduler pass (see polygate._sockets).  A cancelled request writes
-        # nothing (the check does not yield unless cancelled).
-        await trio.lowlevel.checkpoint_if_cancelled()
-        written = write_now(self.stream, data)
-        if written == len(data):
+        # no scheduler pass.  A cancelled request writes nothing (see polygate._sockets).
+        rest = await write_first(self.stream, data)
+        if not rest:
             return
-        rest = memoryview(data)[written:]
         with trio.move_on_after(self.limits.send_timeout_s):
             try:
                 await self.stream.send_all(rest)

@@ -87,7 +87,7 @@ import h11
 import httpx
 import trio
 
-from .._sockets import write_now
+from .._sockets import write_first
 from ._chunked import ChunkedDecoder
 from ._head import Head, parse_head
 
@@ -156,14 +156,11 @@ class _Connection:
         self.socket.close()
 
     async def send(self, data: bytes, limit_s: float | None) -> None:
-        # A request cancelled before this point is never written (the check does not
-        # yield unless cancelled); most requests then leave in one write, without
-        # trio's scheduler pass (see polygate._sockets).
-        await trio.lowlevel.checkpoint_if_cancelled()
-        written = write_now(self.stream, data)
-        if written == len(data):
+        # Most requests leave in one write, without trio's scheduler pass; a request
+        # cancelled before this point is never written (see polygate._sockets).
+        rest = await write_first(self.stream, data)
+        if not rest:
             return
-        rest = memoryview(data)[written:]
         if limit_s is None:
             await self.stream.send_all(rest)
             return
