@@ -4,7 +4,7 @@ trio's ``SocketStream.send_all`` ends every send with a scheduler pass (a
 ``cancel_shielded_checkpoint`` after the write, so that the call always looks as if
 it blocked).  On the gateway's path that is two passes per request -- the upstream
 request and the client's answer -- each a run-loop iteration with its own
-``epoll_wait``: measured at ~30 µs of CPU per request together, in-process
+``epoll_wait``: measured at ~40 µs of CPU per request together, in-process
 (``benchmarks/serve.py``'s request, alternating blocks).  Both writes are followed
 by a real wait (for the answer, for the next request), where the scheduler runs
 anyway, so nothing is starved by skipping them.

@@ -568,17 +568,20 @@ class LeanTransport(httpx.AsyncBaseTransport):
             self._open -= 1
 
     def _release_fast(self, conn: _Connection, stray: bool, keep_alive: bool) -> None:
-        """A response read to its end without h11 (see _head): h11 saw nothing of it,
-        so its state is the fresh one the next exchange needs.  As in :meth:`_release`:
-        kept alive only if both sides allow it, and bytes past the end are dropped
-        (the connection closed if more are still arriving)."""
-        if self._closed or not keep_alive or (stray and conn.socket.is_readable()):
+        """A response read to its end, and h11's state already the fresh one the next
+        exchange needs (a fast body never touched it; :meth:`_release` resets it):
+        kept alive if both sides allow it.  Bytes past the end of the response (a 204
+        with a body, more than its Content-Length, a stray response) would answer the
+        next request: they were dropped, and if more are still arriving the connection
+        is closed (one that receives any later, while idle, is dropped when next
+        picked: _pop_idle's probe)."""
+        if not keep_alive or (stray and conn.socket.is_readable()):
             self._discard(conn)
             return
-        self._put_back(conn)
+        self._put_back(conn)  # (which closes it instead if the pool has closed)
 
     def _release(self, conn: _Connection) -> None:
-        """The response was read to its end: keep the connection alive if both
+        """The response was read to its end by h11: keep the connection alive if both
         sides allow it (no ``Connection: close``, no HTTP/1.0 close-delimited body)."""
         h = conn.h11
         if self._closed or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
@@ -589,18 +592,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
             self._discard(conn)
             return
         if stray:
-            # Bytes past the end of this response (a 204 with a body, more than its
-            # Content-Length, a stray response): kept, they would answer the next
-            # request.  They are dropped with this state machine; if more are still
-            # arriving the connection is closed (and one that receives any later,
-            # while idle, is dropped when next picked: _pop_idle's probe).
-            conn.h11 = h11.Connection(h11.CLIENT)
-            if conn.socket.is_readable():
-                self._discard(conn)
-                return
+            conn.h11 = h11.Connection(h11.CLIENT)  # the stray bytes go with the old one
         else:
             h.start_next_cycle()
-        self._put_back(conn)
+        self._release_fast(conn, bool(stray), keep_alive=True)
 
     async def _connect(
         self, key: _Key, request: httpx.Request | None, limit_s: float | None
