@@ -161,7 +161,7 @@ class Connection:
     """One client connection: read a request, answer it, repeat."""
 
     __slots__ = ("chunked", "client_gone", "h11", "head_only", "keep_alive", "limits",
-                 "pipelined", "plain", "requests", "responding", "stream")
+                 "pipelined", "requests", "responding", "stream")
 
     def __init__(self, stream: trio.SocketStream, limits: Serve) -> None:
         self.stream = stream
@@ -174,7 +174,6 @@ class Connection:
         self.responding = False  # a response head has been sent for the current request
         self.head_only = False  # the current request is a HEAD: its answer has no body
         self.pipelined = 0  # bytes read while the current request is answered
-        self.plain = False  # the current request was read without h11 (h11 is still IDLE)
 
     # ------------------------------------------------------------------ reading
 
@@ -210,7 +209,6 @@ class Connection:
             if self.h11.their_state is h11.IDLE and not self.h11.trailing_data[0]:
                 return None  # idle keep-alive connection: close quietly
             raise HTTPProblem(408, "the request head was not received in time", "request_timeout")
-        self.plain = isinstance(event, _PlainRequest)
         if not isinstance(event, _PlainRequest):
             if not isinstance(event, h11.Request):
                 return None  # ConnectionClosed
@@ -453,10 +451,9 @@ class Connection:
         whatever the client already sent (pipelining)."""
         if self.client_gone or not self.keep_alive:
             return False
-        if self.plain:
-            # h11 saw nothing of this request: it is still fresh (IDLE), holding
-            # whatever the client pipelined meanwhile, for the next request.
-            self.plain = False
+        if self.h11.their_state is h11.IDLE:
+            # A plain request (h11 reads any other to its end: DONE): h11 saw nothing
+            # of it and is still fresh, holding whatever the client pipelined meanwhile.
             return not self.h11.trailing_data[1]
         if self.h11.their_state is not h11.DONE:
             return False
