@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from polygate._json import dumps, loads, sorted_dumps
 from polygate.cache import canonical_json, chat_key, embed_keys
+from polygate.transport._wire import Endpoint, chat_body
 
 leaves = (
     st.none()
@@ -264,3 +265,35 @@ def test_a_cache_entry_not_in_plain_utf8_is_a_bad_entry(prefix: bytes, encoding:
         decode(data)  # as stored: it reads
         with pytest.raises(ValueError):
             decode(prefix + data.decode("utf-8").encode(encoding))
+
+
+@given(
+    st.dictionaries(st.text(max_size=8), values, max_size=5),
+    st.lists(st.dictionaries(st.sampled_from(["role", "content"]), st.text(alphabet=tricky, max_size=6)),
+             max_size=3),
+    st.booleans(), st.booleans(), st.sampled_from([None, "m1"]),
+)
+def test_a_chat_body_is_the_request_json_would_write(
+    params: dict[str, Any], messages: list[dict[str, str]], as_bytes: bool, stream: bool,
+    model: str | None,
+) -> None:
+    """chat_body writes its parameters with msgspec and falls back to json's encoder
+    (a non-finite float, a lone surrogate): whichever writes them, the body reads back
+    as the request, keys in order, with the source's model, the stream flags and the
+    messages last, exactly as they were encoded."""
+    endpoint = Endpoint(name="a", url="http://upstream/v1", model=model)
+    text = json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+    messages_json: str | bytes = text.encode("utf-8", "backslashreplace") if as_bytes else text
+    body = json.loads(chat_body(endpoint, messages_json, params, stream))  # NaN allowed
+    expected = {k: v for k, v in params.items() if k not in ("messages", "stream")}
+    if model is not None:
+        expected["model"] = model
+    if stream:
+        expected["stream"] = True
+        given_options = expected.get("stream_options")
+        expected["stream_options"] = {**(given_options if isinstance(given_options, dict) else {}),
+                                      "include_usage": True}
+    else:
+        expected.pop("stream_options", None)
+    expected["messages"] = json.loads(text.encode("utf-8", "backslashreplace"))
+    assert same(body, json.loads(json.dumps(expected, ensure_ascii=False).encode("utf-8", "backslashreplace")))

@@ -20,7 +20,7 @@ from .._errors import (
     error_code,
     error_message,
 )
-from .._json import nested_deeper
+from .._json import dumps, nested_deeper
 from .._secrets import clip, is_header_safe
 from .._types import json_default
 
@@ -148,11 +148,17 @@ def chat_body(
         body["stream_options"] = options
     else:
         body.pop("stream_options", None)
-    head = _ENCODE(body)
-    middle = "," if len(head) > 2 else ""
-    if isinstance(messages_json, bytes):
-        return b"".join((f'{head[:-1]}{middle}"messages":'.encode(), messages_json, b"}"))
-    return f'{head[:-1]}{middle}"messages":{messages_json}}}'.encode("utf-8", _ESCAPE)
+    # msgspec (~0.6 µs here against ~2.8 for json's encoder, on every attempt); json's
+    # where msgspec would not write what json does (see polygate._json.dumps).  The
+    # caller's parameters were checked with json's encoder (Session._check_params), so
+    # the types msgspec takes and json refuses (bytes, dates, sets) never reach here.
+    head = dumps(body)
+    if head is None:
+        head = _ENCODE(body).encode("utf-8", _ESCAPE)
+    middle = b"," if len(head) > 2 else b""
+    if not isinstance(messages_json, bytes):
+        messages_json = messages_json.encode("utf-8", _ESCAPE)
+    return b"".join((head[:-1], middle, b'"messages":', messages_json, b"}"))
 
 
 # A lone surrogate is refused from the caller (ConfigError, polygate/_session.py), but an
