@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h11
 import pytest
 import trio
 
@@ -21,9 +22,11 @@ from ._serve_kit import (
     CHAT,
     GATEWAY_KEY,
     Answer,
+    _h11_headers,
     _Port,
     gateway,
     http,
+    read_answer,
     read_until_closed,
     request_bytes,
     serve_process,
@@ -195,6 +198,39 @@ async def test_drain_with_a_connection_that_sent_nothing() -> None:
         await silent.aclose()
     assert results[0].status == 200
     assert upstream.requests[0].outcome == "complete"
+
+
+async def test_a_drain_closes_idle_connections_before_the_calls_in_flight_end() -> None:
+    """Idle connections are closed as the drain begins, not once the calls in flight
+    have ended: one that has sent nothing, and one kept alive after its answer.  They
+    hold no request, and a client on one would otherwise send its next request into a
+    server that is going away, for as long as the grace period lasts.  (The idle read
+    and its head deadline share one cancel scope, which the drain cancels.)"""
+    upstream = FakeUpstream([Reply(tokens=1), Reply(first_token_s=30)])
+    async with gateway(upstream) as (server, _):
+        silent = await trio.open_tcp_stream("127.0.0.1", server.port)
+        kept = await trio.open_tcp_stream("127.0.0.1", server.port)
+        conn = h11.Connection(h11.CLIENT)
+        data = request_bytes("POST", "/v1/chat/completions", CHAT, AUTH)
+        conn.send(h11.Request(method="POST", target="/v1/chat/completions",
+                              headers=_h11_headers(data)))
+        await kept.send_all(data)
+        assert (await read_answer(kept, conn)).status == 200  # then idle, kept alive
+
+        async def slow_call() -> None:
+            await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slow_call)
+            await wait_for(lambda: upstream.in_flight == 1)
+            nursery.start_soon(server.shutdown, 60)
+            # Both close within seconds, while the slow call is still waiting.
+            assert await read_until_closed(silent, limit_s=5) == b""
+            assert await read_until_closed(kept, limit_s=5) == b""
+            assert upstream.in_flight == 1
+            nursery.cancel_scope.cancel()
+        await silent.aclose()
+        await kept.aclose()
 
 
 async def test_a_drain_answers_a_request_it_caught_half_received() -> None:

@@ -180,6 +180,7 @@ class Connection:
     async def read_request(
         self, admit: Callable[[str, dict[str, str]], bool] | None = None,
         started: Callable[[], object] | None = None,
+        scope: trio.CancelScope | None = None,
     ) -> Request | None:
         """The next request, or ``None`` when the client closed or stayed idle.
 
@@ -188,6 +189,11 @@ class Connection:
         from the head, so a client without a key never makes the server hold its
         body); the caller answers it and closes.  ``started()`` is called once the
         request's first byte is here.
+
+        The head is read in ``scope`` (a new one if none is given), with its deadline
+        set here: the server's scope for a connection that a drain may close while it
+        is idle, so one scope does both (cancelled there before the first byte, it
+        ends the read like a timeout does: ``None``).
         """
         limits = self.limits
         now = trio.current_time()
@@ -203,7 +209,10 @@ class Connection:
         # The usual request, whole in one read, is read without h11 (see
         # _plain_request); only when nothing is pending, so that h11 is fresh.
         plain = not pending and self.h11.their_state is h11.IDLE
-        with trio.CancelScope(deadline=now + wait) as scope:
+        if scope is None:
+            scope = trio.CancelScope()
+        scope.deadline = now + wait
+        with scope:
             event, fed = await self._next_head_event(scope, idle, started, plain)
         if scope.cancelled_caught:
             if self.h11.their_state is h11.IDLE and not self.h11.trailing_data[0]:
@@ -288,10 +297,6 @@ class Connection:
             if data and started is not None:
                 started()
                 started = None
-            if data and idle:
-                # The first byte of a request: from now on the head has header_timeout_s.
-                idle = False
-                scope.deadline = trio.current_time() + self.limits.header_timeout_s
             fed += len(data)
             if plain:
                 plain = False
@@ -301,6 +306,11 @@ class Connection:
                     if after:
                         self.h11.receive_data(after)  # pipelined: the next request's
                     return request, fed
+            if data and idle:
+                # The first byte of a request: from now on the head has header_timeout_s.
+                # (Not for a request already whole: nothing more is waited for.)
+                idle = False
+                scope.deadline = trio.current_time() + self.limits.header_timeout_s
             self.h11.receive_data(data)
 
     async def _read_body(self, path: str | None = None) -> bytes:

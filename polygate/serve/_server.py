@@ -322,8 +322,8 @@ class Server:
 
                 request = None
                 try:
-                    with idle:
-                        request = await conn.read_request(self._admit, started=started)
+                    # (read_request enters idle, with the head's deadline: one scope.)
+                    request = await conn.read_request(self._admit, started=started, scope=idle)
                 except HTTPProblem as problem:
                     await self._problem(conn, problem)
                     return
