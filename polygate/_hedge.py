@@ -268,7 +268,8 @@ class Round:
                 path.control.cancel(Outcome.HEDGE_CANCELLED)
 
     def _wake(self) -> None:
-        self._changed.unpark_all()
+        if self._changed:  # (only a hedging round's monitor ever parks)
+            self._changed.unpark_all()
 
     def _observe(self, path: _Path) -> None:
         """Feed the adaptive threshold: first-token time, or whole-call time when the
