@@ -32,6 +32,14 @@ def _generation_s(record: AttemptRecord) -> float:
     return max(ended - tl.sent_at - tl.paused_s, 0.0)
 
 
+def _hedges_sent(attempts: Sequence[AttemptRecord]) -> int:
+    """Hedge attempts whose request went out (SPEC §5: "actually sent").  A hedge
+    launched in the instant its round was decided (the primary's answer and the
+    trigger in one scheduler batch) is cancelled before its request leaves: it is
+    an attempt, settled with ``hedge_cancelled``, but not a hedge sent."""
+    return sum(1 for r in attempts if r.role == "hedge" and r.timeline.sent_at is not None)
+
+
 def call_stats(
     ctx: CallContext,
     winner: AttemptRecord | None,
@@ -43,7 +51,7 @@ def call_stats(
     base = {
         "logical_call_id": ctx.logical_call_id,
         "attempts": len(ctx.attempts),
-        "hedges": ctx.hedges,
+        "hedges": _hedges_sent(ctx.attempts),
         "total_latency_ms": (now - ctx.started_at) * 1000.0,
         "reasks": ctx.reasks,
         "scope": winner.scope if winner is not None and winner.scope else ctx.scope_name,

@@ -186,7 +186,6 @@ class CallContext:
     completion_estimate: int = 0
     logical_call_id: str = attrs.field(factory=new_call_id)
     attempts: list[AttemptRecord] = attrs.field(factory=list)
-    hedges: int = 0
     # The scopes whose hedge budget refused this call (each counted once per call: a
     # call that moved to a fallback scope is refused there on that scope's budget).
     hedge_refused: set[str] = attrs.field(factory=set)

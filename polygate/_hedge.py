@@ -378,7 +378,6 @@ class Round:
                 result = []
             if isinstance(result, Admission):
                 if not self._decided() and not ctx.runtime.closed:
-                    ctx.hedges += 1
                     self._extras += 1
                     self._launch(result, "hedge")
                     return

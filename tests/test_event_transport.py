@@ -373,3 +373,18 @@ def test_strategies_drive_a_scheduled_exchange(schedule: Schedule, reply: Reply)
     body = b"".join(p for _, p in pieces)
     assert body.endswith(b"data: [DONE]\n\n" if reply.stream is None else b"}")
 
+
+
+def test_the_fakes_say_when_a_request_is_written() -> None:
+    """polygate stamps an attempt as sent when a transport that says itself when it
+    writes calls the request's SENT_EXTENSION (REPORTS_SENT); for any other
+    transport, on hand-over.  The fakes say it: a request a fake never recorded was
+    never sent, in the statistics too (see test_hedge's instant test)."""
+    from polygate.transport._pool import REPORTS_SENT, reports_sent
+
+    up = FakeUpstream(Reply())
+    assert reports_sent(up.transport()) and reports_sent(EventTransport(up))
+    assert reports_sent(Router({"a": up})) and getattr(Router({"a": up}), REPORTS_SENT) is True
+    # A route that cannot say (any other httpx transport): the Router cannot either.
+    assert not reports_sent(Router({"a": up, "b": httpx.MockTransport(lambda r: httpx.Response(200))}))
+    assert not reports_sent(httpx.MockTransport(lambda r: httpx.Response(200)))

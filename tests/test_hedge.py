@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 import polygate
-from polygate.testing import FakeUpstream, Reply, Router
+from polygate.testing import EventTransport, FakeUpstream, Reply, Router, Schedule
 
 from .conftest import FIRST_A, MESSAGES, SECRET
 
@@ -115,6 +115,30 @@ async def test_hedge_never_goes_to_a_source_in_flight(autojump_clock: trio.testi
         r = await s.chat(MESSAGES)
     assert (r.call_stats.attempts, r.call_stats.hedges) == (1, 0)
     assert len(a.requests) == 1
+
+
+@pytest.mark.parametrize("kind", ["router", "events"])
+@pytest.mark.parametrize("seed", range(12))
+def test_a_hedge_triggered_in_the_instant_the_primary_answers_is_not_sent(kind: str, seed: int) -> None:
+    """The trigger (after_s = 8) and the primary's whole answer (at 8) fall in one
+    instant.  The monitor may launch the hedge in that batch, but the primary wins
+    in it too, and the hedge is cancelled before it starts: nothing reaches b, and
+    ``hedges`` -- hedge attempts actually sent (SPEC §5) -- is 0.  Before, the hedge
+    was counted whatever happened, and through a transport that records a request on
+    hand-over (Router) it even went out after the round was decided.  Each seed is
+    one order of trio's scheduler batches."""
+    a = FakeUpstream(Reply(first_token_s=8, tokens=1))
+    b = FakeUpstream(Reply(first_token_s=1, tokens=1))
+    routes = {"a": a, "b": b}
+    transport = Router(routes) if kind == "router" else EventTransport(routes)
+
+    async def call() -> polygate.ChatResponse:
+        async with polygate.session(_settings(), transport=transport) as s:
+            return await s.chat(MESSAGES)
+
+    r = Schedule(seed).run(call)
+    assert r.source == "a" and not r.call_stats.hedge_won
+    assert r.call_stats.hedges == len(b.requests) == 0
 
 
 async def test_no_candidate_is_silent(autojump_clock: trio.testing.MockClock) -> None:

@@ -50,7 +50,7 @@ import httpx
 import trio
 
 from ._render import Pause, Plan
-from ._transport import body_ending
+from ._transport import body_ending, report_sent
 from ._upstream import FakeUpstream, Outcome, RecordedRequest
 
 __all__ = ["EventStatistics", "EventTransport"]
@@ -118,6 +118,10 @@ class EventTransport(httpx.AsyncBaseTransport):
     It needs nothing opened: the run-loop instrument is added to the current trio
     run by the first request (and again in a later run).
     """
+
+    #: (polygate.transport's ``REPORTS_SENT``) it calls ``SENT_EXTENSION`` itself,
+    #: once the request is past its write (see :func:`report_sent`)
+    polygate_reports_sent = True
 
     def __init__(
         self, routes: FakeUpstream | Mapping[str, FakeUpstream], *, tick_s: float = 0.0
@@ -193,6 +197,7 @@ class EventTransport(httpx.AsyncBaseTransport):
         await trio.lowlevel.checkpoint()  # the write: a cancelled request is never sent
         headers = {k.lower(): v for k, v in request.headers.items()}
         plan, rec = upstream._open(request.method, request.url.path, headers, raw)
+        report_sent(request)  # (polygate stamps the attempt as sent here, not before)
         try:
             if plan.head_delay is None:
                 await trio.sleep_forever()  # "silent": the head never comes

@@ -16,16 +16,23 @@ from typing import TYPE_CHECKING
 import httpx
 import trio
 
+from ..transport._pool import REPORTS_SENT, SENT_EXTENSION
 from ._render import Pause, Plan
 
 if TYPE_CHECKING:
     from ._upstream import FakeUpstream, Outcome, RecordedRequest
 
-__all__ = ["FakeTransport", "Router"]
+__all__ = ["FakeTransport", "Router", "report_sent"]
 
 
 class FakeTransport(httpx.AsyncBaseTransport):
-    """Answers every request from one FakeUpstream (see ``FakeUpstream.transport``)."""
+    """Answers every request from one FakeUpstream (see ``FakeUpstream.transport``).
+
+    The request is sent (recorded by the upstream) when it is handed over, and the
+    transport says so through polygate's ``SENT_EXTENSION`` (``REPORTS_SENT``)."""
+
+    #: (polygate.transport's ``REPORTS_SENT``) it calls ``SENT_EXTENSION`` itself
+    polygate_reports_sent = True
 
     def __init__(self, upstream: FakeUpstream) -> None:
         self.upstream = upstream
@@ -34,6 +41,7 @@ class FakeTransport(httpx.AsyncBaseTransport):
         raw = await request.aread()
         headers = {k.lower(): v for k, v in request.headers.items()}
         plan, rec = self.upstream._open(request.method, request.url.path, headers, raw)
+        report_sent(request)
         try:
             if plan.head_delay is None:
                 await trio.sleep_forever()
@@ -109,6 +117,15 @@ def body_ending(plan: Plan, request: httpx.Request) -> tuple[Outcome, httpx.Tran
     return outcome, None
 
 
+def report_sent(request: httpx.Request) -> None:
+    """Tell polygate that ``request`` was written: the call of its
+    ``SENT_EXTENSION`` callable, if it has one."""
+    sent = request.extensions.get(SENT_EXTENSION)
+    if callable(sent):
+        sent()
+
+
+
 class Router(httpx.AsyncBaseTransport):
     """Dispatches by the request URL's host, so sources configured as ``http://a/v1``
     and ``http://b/v1`` reach different fakes.  Keys are hosts or ``host:port``;
@@ -120,6 +137,11 @@ class Router(httpx.AsyncBaseTransport):
             host: route if isinstance(route, httpx.AsyncBaseTransport) else route.transport()
             for host, route in routes.items()
         }
+
+    @property
+    def polygate_reports_sent(self) -> bool:
+        """(``REPORTS_SENT``) when every route says itself when it writes."""
+        return all(getattr(route, REPORTS_SENT, False) is True for route in self._routes.values())
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url

@@ -38,7 +38,7 @@ from .._json import loads
 from .._secrets import clip, redact
 from .._types import choice_index
 from ._assemble import ChatAssembler, malformed_index
-from ._pool import SENT_EXTENSION, LeanTransport, body_of, close_now, drains_on_close
+from ._pool import SENT_EXTENSION, LeanTransport, body_of, close_now, drains_on_close, reports_sent
 from ._sse import Event, SSEDecoder
 from ._wire import (
     MAX_JSON_DEPTH,
@@ -157,8 +157,12 @@ async def _exchange(
 
     ``timeline.sent_at`` is stamped when the request is written: LeanTransport
     reports the write through the :data:`SENT_EXTENSION` callable, after any wait
-    for a connection and the connect.  Another transport cannot say when it writes,
-    so the request counts as sent when it is handed over (the safe side for quotas).
+    for a connection and the connect, and so do the fakes of ``polygate.testing``
+    (see :data:`REPORTS_SENT`).  Another transport cannot say when it writes, so the
+    request counts as sent when it is handed over (the safe side for quotas) -- but
+    only if the attempt was not cancelled first: a hedge launched in the instant its
+    round was decided is cancelled before it ever reaches the transport, and is not
+    a hedge sent (``CallStats.hedges``).
     """
     error: UpstreamError
     if endpoint.key_problem is not None:
@@ -179,7 +183,10 @@ async def _exchange(
                 "POST", url, content=body, headers=endpoint.headers(call_id),
                 extensions={SENT_EXTENSION: sent},
             )
-            if not isinstance(transport, LeanTransport):
+            # A cancelled attempt never reaches the transport (as LeanTransport never
+            # writes one): a hedge launched in the instant its round was decided.
+            await trio.lowlevel.checkpoint_if_cancelled()  # (no yield unless cancelled)
+            if not reports_sent(transport):
                 sent()
             response = await _send(transport, request)
         try:

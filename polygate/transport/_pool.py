@@ -91,13 +91,26 @@ from .._sockets import write_first
 from ._chunked import ChunkedDecoder
 from ._head import Head, parse_head
 
-__all__ = ["LeanTransport", "PoolStatistics", "SENT_EXTENSION", "body_of", "close_now", "drains_on_close"]
+__all__ = [
+    "REPORTS_SENT", "SENT_EXTENSION", "LeanTransport", "PoolStatistics", "body_of", "close_now",
+    "drains_on_close", "reports_sent",
+]
 
 #: A request extension: a callable, called with no argument when the request starts
 #: going out on a connection (after any wait for one and the connect; again if a
 #: stale kept-alive connection makes it go out a second time).  polygate stamps
 #: ``Timeline.sent_at`` with it, so a request cancelled while it waited was not sent.
 SENT_EXTENSION: Final = "polygate.sent"
+#: A transport with this attribute set to True calls the :data:`SENT_EXTENSION`
+#: callable itself when it writes a request (LeanTransport does; so do the fakes of
+#: ``polygate.testing``).  For any other transport polygate cannot tell when a request
+#: is written, so it counts the request as sent when it hands it over.
+REPORTS_SENT: Final = "polygate_reports_sent"
+
+
+def reports_sent(transport: object) -> bool:
+    """Whether ``transport`` says itself when a request is written (:data:`REPORTS_SENT`)."""
+    return isinstance(transport, LeanTransport) or getattr(transport, REPORTS_SENT, False) is True
 #: Interim (1xx) responses accepted before the final one.  Each is bounded by h11's
 #: 16 KiB limit on an incomplete event; without a count an upstream could send them
 #: for ever, each one costing CPU and escaping every byte cap.
