@@ -530,6 +530,18 @@ def _call_violations(sc: Scenario, obs: Observation, r: CallResult, ctx: Any) ->
         late = [p for p in reports if p.at > frozen]
         if late:
             out.append(f"{len(late)} attempt(s) reported after the statistics froze")
+    # Sent means sent (the fakes report the write: REPORTS_SENT): every attempt stamped
+    # as sent reached its upstream and no other did, and ``hedges`` counts the hedges
+    # among them -- not a hedge cancelled before its request left (SPEC §5).
+    for name, up in obs.upstreams.items():
+        received = sum(1 for q in up.requests if isinstance(q.body, dict)
+                       and q.body.get("messages", [{}])[0].get("content") == f"call {r.index}")
+        sent = sum(1 for a in records if a.source == name and a.timeline.sent_at is not None)
+        if received != sent:
+            out.append(f"{sent} attempt(s) on {name} stamped as sent, {received} request(s) arrived")
+    hedges_sent = sum(1 for a in records if a.role == "hedge" and a.timeline.sent_at is not None)
+    if stats is not None and stats.hedges != hedges_sent:
+        out.append(f"call_stats.hedges={stats.hedges}, but {hedges_sent} hedge(s) were sent")
     if not math.isnan(r.ended):
         unsettled = [a.attempt_id for a in records if a.outcome is None]
         if unsettled or len(reports) != len(records):
