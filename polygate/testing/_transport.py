@@ -125,7 +125,6 @@ def report_sent(request: httpx.Request) -> None:
         sent()
 
 
-
 class Router(httpx.AsyncBaseTransport):
     """Dispatches by the request URL's host, so sources configured as ``http://a/v1``
     and ``http://b/v1`` reach different fakes.  Keys are hosts or ``host:port``;
