@@ -449,3 +449,55 @@ def test_work_handed_over_is_not_a_timeout(io_mode: str, kind: str) -> None:
     else:
         waited = asyncio.run(main())
     assert waited >= 0.45
+
+
+async def test_an_error_between_trio_steps_does_not_wedge_the_run() -> None:
+    """Anything raised in the driver between two of trio's steps (a KeyboardInterrupt
+    that lands there, or a bug) goes on to its caller or the loop, and trio keeps
+    going: a step is scheduled before the error leaves.  Before, the run was wedged:
+    trio's descriptor stayed readable with nothing left to step trio, so the loop
+    spun at full CPU and every call hung."""
+    up = FakeUpstream(Reply(text="hi"))
+    with loopback(up) as url:
+        async with polygate.aio.session(settings_for(url)) as s:
+            assert (await s.chat(messages("warm"))).text == "hi"
+            loop = asyncio.get_running_loop()
+            logged: list[Any] = []
+            loop.set_exception_handler(lambda _loop, context: logged.append(context.get("exception")))
+            driver = host_of_running_loop().driver
+            assert driver is not None
+            original = driver._rescue_left  # asked every time trio is about to wait
+            raised: list[bool] = []
+
+            def failing() -> float | None:
+                if not raised:
+                    raised.append(True)
+                    raise RuntimeError("a bug between two steps")
+                return original()
+
+            driver._rescue_left = failing  # type: ignore[method-assign]
+            # The error reaches the call (raised in the step the call itself ran) or
+            # the loop's handler (raised in a step of the loop's own), exactly once.
+            (first,) = await asyncio.gather(asyncio.wait_for(s.chat(messages("a")), 5),
+                                            return_exceptions=True)
+            errors = [e for e in (first, *logged) if isinstance(e, RuntimeError)]
+            assert [str(e) for e in errors] == ["a bug between two steps"]
+            assert isinstance(first, RuntimeError) or first.text == "hi"
+            for i in range(3):
+                assert (await asyncio.wait_for(s.chat(messages(f"b{i}")), 5)).text == "hi"
+            assert raised
+            # Idle, trio's descriptor is not read as ready over and over.
+            ready = 0
+            original_ready = driver._ready
+
+            def counting() -> None:
+                nonlocal ready
+                ready += 1
+                original_ready()
+
+            loop.remove_reader(driver._fd)
+            loop.add_reader(driver._fd, counting)
+            await asyncio.sleep(0.2)
+            loop.remove_reader(driver._fd)
+            loop.add_reader(driver._fd, original_ready)
+            assert ready < 20, ready

@@ -41,6 +41,9 @@ Invariants:
   current wait ends; when it fires early it is re-armed, and trio is not woken.
 * When the run ends, the descriptor and the timer are released before trio's done
   callback runs.
+* An error raised between two of trio's steps (a KeyboardInterrupt that lands in
+  this driver, or a bug in it) leaves with the next step scheduled: it reaches its
+  caller or the loop, and trio is never left waiting for a step nobody will run.
 * A host loop that has closed (the rescue in :mod:`._host`) cannot wait: the driver
   then waits for trio's I/O in the calling thread, blocking, as ``trio.run`` would,
   but never past the rescue's time limit.
@@ -180,6 +183,28 @@ class LoopDriver:
         takes several steps.  After that the next step goes to the back of the loop's
         queue, so that asyncio's callbacks are never held up by more than that.
         """
+        try:
+            self._tick(events)
+        except BaseException:
+            self._recover()
+            raise
+
+    def _recover(self) -> None:
+        """Something raised between two of trio's steps (a KeyboardInterrupt that
+        landed in this driver, or a bug in it): its caller or the loop gets the
+        error, and trio, which is waiting for its next step, gets one -- scheduled, a
+        poll first.  Left as it was, no wake-up would step trio again: its descriptor
+        would stay readable (the loop spinning on it) and every call would hang."""
+        if self.ended:
+            return
+        self._idle = False
+        self._runner.guest_tick_scheduled = True
+        try:
+            self._post(self._poll_and_tick)
+        except BaseException:  # (a closed loop: the rescue, which resumes a run, is next)
+            self._idle = True
+
+    def _tick(self, events: Any) -> None:
         state, runner, gen = self._state, self._runner, self._state.unrolled_run_gen
         self._ticking = True
         # While trio runs its own steps it is not a guest: its "is_guest" branches
