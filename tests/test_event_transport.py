@@ -380,7 +380,8 @@ def test_the_fakes_say_when_a_request_is_written() -> None:
     writes calls the request's SENT_EXTENSION (REPORTS_SENT); for any other
     transport, on hand-over.  The fakes say it: a request a fake never recorded was
     never sent, in the statistics too (see test_hedge's instant test)."""
-    from polygate.transport._pool import REPORTS_SENT, reports_sent
+    from polygate.transport import REPORTS_SENT
+    from polygate.transport._pool import reports_sent
 
     up = FakeUpstream(Reply())
     assert reports_sent(up.transport()) and reports_sent(EventTransport(up))

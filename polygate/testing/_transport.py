@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import httpx
 import trio
 
-from ..transport._pool import REPORTS_SENT, SENT_EXTENSION
+from ..transport import REPORTS_SENT, SENT_EXTENSION
 from ._render import Pause, Plan
 
 if TYPE_CHECKING:

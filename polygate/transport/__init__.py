@@ -5,10 +5,12 @@ Knows nothing of admission, hedging or retries (an import-linter contract keeps 
 
 from ._assemble import ChatAssembler, TextParts, has_content, message_text
 from ._exchange import OnContent, Timeline, chat_exchange, embeddings_exchange
-from ._pool import LeanTransport
+from ._pool import REPORTS_SENT, SENT_EXTENSION, LeanTransport
 from ._wire import Endpoint, Limits, parse_retry_after
 
 __all__ = [
+    "REPORTS_SENT",
+    "SENT_EXTENSION",
     "ChatAssembler",
     "Endpoint",
     "LeanTransport",
