@@ -217,6 +217,11 @@ class Round:
             path.control.on_content = None
             self._observe(path)
             self._wake()
+        if path.record.role == "hedge" and path.record.timeline.sent_at is None:
+            # Never sent (launched in the instant the round was decided, or it failed
+            # before its request left): not a hedge (CallStats.hedges), so its budget
+            # token goes back -- the budget caps the hedges that reach an upstream.
+            await self._refund(self._ctx.runtime.governor)
 
     def _may_win(self, path: _Path) -> bool:
         return (

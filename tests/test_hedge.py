@@ -141,6 +141,28 @@ def test_a_hedge_triggered_in_the_instant_the_primary_answers_is_not_sent(kind: 
     assert r.call_stats.hedges == len(b.requests) == 0
 
 
+@pytest.mark.parametrize("kind", ["router", "events"])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_hedge_that_was_never_sent_gives_its_budget_token_back(kind: str, seed: int) -> None:
+    """The budget caps the hedges that reach an upstream: the first call's hedge,
+    triggered in the instant its primary answered, is never sent, so its token goes
+    back, and with a budget of one token and no refill the next call still hedges."""
+    a = FakeUpstream([Reply(first_token_s=8, tokens=1), Reply(first_token_s=20, tokens=1)])
+    b = FakeUpstream(Reply(first_token_s=1, tokens=1))
+    routes = {"a": a, "b": b}
+    transport = Router(routes) if kind == "router" else EventTransport(routes)
+    settings = _settings(hedge=polygate.Hedge(after_s=8, budget_burst=1, budget_ratio=0))
+
+    async def calls() -> tuple[polygate.ChatResponse, polygate.ChatResponse]:
+        async with polygate.session(settings, transport=transport) as s:
+            return await s.chat(MESSAGES), await s.chat(MESSAGES)
+
+    first, second = Schedule(seed).run(calls)
+    assert (first.source, first.call_stats.hedges) == ("a", 0)
+    assert (second.source, second.call_stats.hedges, second.call_stats.hedge_won) == ("b", 1, True)
+    assert len(b.requests) == 1
+
+
 async def test_no_candidate_is_silent(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream([Reply(status=401), Reply(first_token_s=20)])
     b = FakeUpstream(Reply(first_token_s=20))
