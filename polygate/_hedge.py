@@ -217,11 +217,14 @@ class Round:
             path.control.on_content = None
             self._observe(path)
             self._wake()
-        if path.record.role == "hedge" and path.record.timeline.sent_at is None:
-            # Never sent (launched in the instant the round was decided, or it failed
-            # before its request left): not a hedge (CallStats.hedges), so its budget
-            # token goes back -- the budget caps the hedges that reach an upstream.
-            await self._refund(self._ctx.runtime.governor)
+            if path.record.role == "hedge" and path.record.timeline.sent_at is None:
+                # Never sent (launched in the instant the round was decided, cut by
+                # the call's deadline or its caller while it waited for a connection,
+                # or failed before its request left): not a hedge (CallStats.hedges),
+                # so its budget token goes back -- the budget caps the hedges that
+                # reach an upstream.  (Also on the way out of a cancelled call: the
+                # memory backend's refill has no checkpoint, Redis's is shielded.)
+                await self._refund(self._ctx.runtime.governor)
 
     def _may_win(self, path: _Path) -> bool:
         return (

@@ -58,6 +58,23 @@ def plain_messages(messages: Any) -> bool:
     return True
 
 
+def plain_keys(value: Any) -> bool:
+    """Whether every object key in ``value`` is a ``str`` or an ``int``, the keys msgspec
+    writes as ``json`` does (``json`` writes a float key with ``repr``, ``1e-05``;
+    msgspec as ``0.00001``; a bool key as ``true``): a walk with a stack of its own."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if type(item) is dict:
+            for key in item:
+                if type(key) is not str and type(key) is not int:
+                    return False
+            pending.extend(item.values())
+        elif type(item) is list or type(item) is tuple:
+            pending.extend(item)
+    return True
+
+
 def loads(data: bytes | bytearray | str, fallback: Callable[[Any], Any] = json.loads) -> Any:
     """``fallback(data)``, by default ``json.loads(data)``, faster.
 

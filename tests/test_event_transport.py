@@ -389,3 +389,6 @@ def test_the_fakes_say_when_a_request_is_written() -> None:
     # A route that cannot say (any other httpx transport): the Router cannot either.
     assert not reports_sent(Router({"a": up, "b": httpx.MockTransport(lambda r: httpx.Response(200))}))
     assert not reports_sent(httpx.MockTransport(lambda r: httpx.Response(200)))
+    # polygate's own transport says it too, as a route as well.
+    lean = polygate.transport.LeanTransport()
+    assert reports_sent(lean) and reports_sent(Router({"a": up, "b": lean}))

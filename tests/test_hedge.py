@@ -3,6 +3,7 @@ seed 004, each under MockClock through the fake transport with exact virtual tim
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -161,6 +162,44 @@ def test_a_hedge_that_was_never_sent_gives_its_budget_token_back(kind: str, seed
     assert (first.source, first.call_stats.hedges) == ("a", 0)
     assert (second.source, second.call_stats.hedges, second.call_stats.hedge_won) == ("b", 1, True)
     assert len(b.requests) == 1
+
+
+class _SlowToConnect(httpx.AsyncBaseTransport):
+    """Says itself when it writes (REPORTS_SENT); host b takes 100 s to "connect"
+    first, so a hedge to b waits there with nothing written."""
+
+    polygate_reports_sent = True
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.host == "b":
+            await trio.sleep(100)
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.mark.parametrize("end", ["deadline", "caller"])
+async def test_a_hedge_cut_with_its_call_before_it_was_sent_gives_its_token_back(
+    end: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The call ends (its deadline, its caller's cancel scope) while its hedge still
+    waits for a connection: the hedge was never sent, so its token goes back on the
+    way out too."""
+    a = FakeUpstream(Reply(first_token_s=50, tokens=1))
+    b = FakeUpstream(Reply(first_token_s=1, tokens=1))
+    settings = _settings(hedge=polygate.Hedge(after_s=1, budget_burst=1, budget_ratio=0),
+                         call_deadline_s=5 if end == "deadline" else None)
+    async with polygate.session(settings, transport=_SlowToConnect(Router({"a": a, "b": b}))) as s:
+        if end == "deadline":
+            with pytest.raises(polygate.DeadlineExceeded) as caught:
+                await s.chat(MESSAGES)
+            assert caught.value.call_stats.hedges == 0 and caught.value.call_stats.attempts == 2
+        else:
+            with trio.move_on_after(5):
+                await s.chat(MESSAGES)
+        budget = (await s.statistics()).governance.hedge_budget
+    assert b.requests == [] and budget == {"chat": pytest.approx(1)}
 
 
 async def test_no_candidate_is_silent(autojump_clock: trio.testing.MockClock) -> None:

@@ -297,3 +297,15 @@ def test_a_chat_body_is_the_request_json_would_write(
         expected.pop("stream_options", None)
     expected["messages"] = json.loads(text.encode("utf-8", "backslashreplace"))
     assert same(body, json.loads(json.dumps(expected, ensure_ascii=False).encode("utf-8", "backslashreplace")))
+
+
+@pytest.mark.parametrize("key", [1e-5, 1e16, 1e22, 2.5, 7, 2**70, True, None])
+def test_a_chat_body_writes_a_key_that_is_not_text_as_json_does(key: Any) -> None:
+    """json writes a float key with repr (``1e-05``), msgspec otherwise (``0.00001``):
+    another key, not another spelling.  Such a body is json's, byte for byte."""
+    endpoint = Endpoint(name="a", url="http://upstream/v1", model="m1")
+    params = {"logit_bias": {key: 1}, "max_tokens": 8}
+    body = chat_body(endpoint, "[]", params, False)
+    expected = json.dumps({**params, "model": "m1", "messages": []}, ensure_ascii=False,
+                          separators=(",", ":")).encode()
+    assert body == expected

@@ -739,3 +739,30 @@ async def test_a_chunk_that_arrives_as_a_keep_alive_falls_due_is_sent(
         assert answer.body.endswith(b"data: [DONE]\n\n")
         assert answer.body.count(b'"content":"') == 4  # the role chunk and 3 tokens
         assert server.metrics.disconnects == 0
+
+
+async def test_a_head_whose_wait_is_cancelled_is_no_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The scope a head is read in is the server's idle scope, which a drain cancels.
+    A drain that cancels it in the instant a request's first bytes came (the server
+    no longer cancels it after them) closes the connection quietly: the head was not
+    late, so no 408 saying it was."""
+    client, conn = _connection(polygate.Serve(header_timeout_s=10.0))
+    scope = trio.CancelScope()
+
+    async def first_bytes_then_drain() -> None:
+        await client.send_all(b"GET /healthz HT")
+        await trio.sleep(1)
+        scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first_bytes_then_drain)
+        assert await conn.read_request(scope=scope) is None
+    assert scope.cancelled_caught and trio.current_time() == pytest.approx(1.0)
+    # Its deadline is still a 408.
+    client, conn = _connection(polygate.Serve(header_timeout_s=10.0))
+    await client.send_all(b"GET /healthz HT")
+    with pytest.raises(HTTPProblem) as caught:
+        await conn.read_request(scope=trio.CancelScope())
+    assert caught.value.status == 408

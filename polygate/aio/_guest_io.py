@@ -340,6 +340,8 @@ class LoopDriver:
                 self.tick(_WOKEN)
 
     def _poll_and_tick(self, *, timed_out: bool = False) -> None:
+        if self.ended:  # (a step posted by _recover, after the run ended after all)
+            return
         try:
             events = self._io.get_events(0)
         except BaseException as exc:  # handed to trio, as its own loop would

@@ -217,6 +217,11 @@ class Connection:
         if scope.cancelled_caught:
             if self.h11.their_state is h11.IDLE and not self.h11.trailing_data[0]:
                 return None  # idle keep-alive connection: close quietly
+            if trio.current_time() < scope.deadline:
+                # Cancelled, not timed out: a drain, in the instant the request's
+                # first bytes came (after them, the server no longer cancels it).
+                # The connection closes quietly; a 408 would say the client was slow.
+                return None
             raise HTTPProblem(408, "the request head was not received in time", "request_timeout")
         if not isinstance(event, _PlainRequest):
             if not isinstance(event, h11.Request):

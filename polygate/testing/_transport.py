@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import httpx
 import trio
 
-from ..transport import REPORTS_SENT, SENT_EXTENSION
+from ..transport import SENT_EXTENSION
+from ..transport._pool import reports_sent
 from ._render import Pause, Plan
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ class Router(httpx.AsyncBaseTransport):
     @property
     def polygate_reports_sent(self) -> bool:
         """(``REPORTS_SENT``) when every route says itself when it writes."""
-        return all(getattr(route, REPORTS_SENT, False) is True for route in self._routes.values())
+        return all(reports_sent(route) for route in self._routes.values())
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
