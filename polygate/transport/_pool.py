@@ -106,11 +106,6 @@ SENT_EXTENSION: Final = "polygate.sent"
 #: ``polygate.testing``).  For any other transport polygate cannot tell when a request
 #: is written, so it counts the request as sent when it hands it over.
 REPORTS_SENT: Final = "polygate_reports_sent"
-
-
-def reports_sent(transport: object) -> bool:
-    """Whether ``transport`` says itself when a request is written (:data:`REPORTS_SENT`)."""
-    return isinstance(transport, LeanTransport) or getattr(transport, REPORTS_SENT, False) is True
 #: Interim (1xx) responses accepted before the final one.  Each is bounded by h11's
 #: 16 KiB limit on an incomplete event; without a count an upstream could send them
 #: for ever, each one costing CPU and escaping every byte cap.
@@ -223,6 +218,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
     ``ssl_context``: for ``https`` (default: ``ssl.create_default_context()``
     with ALPN ``http/1.1``, made on first use).
     """
+
+    #: (:data:`REPORTS_SENT`) it calls a request's :data:`SENT_EXTENSION` itself
+    polygate_reports_sent = True
 
     def __init__(
         self,
@@ -859,6 +857,11 @@ _PLAIN_END: Final = b"0\r\n\r\n"
 _CHUNKED_HEAD: Final = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
 _CHUNKED_HEAD_CLOSE: Final = (
     b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+
+
+def reports_sent(transport: object) -> bool:
+    """Whether ``transport`` says itself when a request is written (:data:`REPORTS_SENT`)."""
+    return getattr(transport, REPORTS_SENT, False) is True
 
 
 def body_of(response: httpx.Response) -> _Body | None:
