@@ -300,6 +300,59 @@ async def test_context_variables_reach_the_call() -> None:
     assert sorted(seen) == ["r1", "r2"]
 
 
+async def test_a_worker_that_runs_another_call_runs_it_in_that_callers_context() -> None:
+    # Sequential calls share one parked trio task (see _Owner._spawn); each must still
+    # see its own caller's context variables, and nothing a call set in its context.
+    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+    set_inside: contextvars.ContextVar[str] = contextvars.ContextVar("set_inside", default="-")
+    seen: list[tuple[str, str]] = []
+    tasks: list[trio.lowlevel.Task] = []
+    inner = fake().transport()
+
+    class Recording(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append((request_id.get(), set_inside.get()))
+            set_inside.set("leaked")
+            tasks.append(trio.lowlevel.current_task())
+            return await inner.handle_async_request(request)
+
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=Recording()) as s:
+
+        async def tagged(tag: str) -> None:
+            request_id.set(tag)
+            await s.chat(messages(tag))
+
+        for tag in ("r1", "r2", "r3"):
+            await asyncio.ensure_future(tagged(tag))  # a task (a context) of its own
+        request_id.set("here")
+        await s.chat(messages("here"))
+    assert seen == [("r1", "-"), ("r2", "-"), ("r3", "-"), ("here", "-")]
+    assert len(set(tasks)) == 1  # one worker ran them all
+
+
+async def test_parked_workers_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from polygate.aio import _session
+
+    monkeypatch.setattr(_session, "_IDLE_WORKERS", 2)
+    tasks: list[trio.lowlevel.Task] = []
+    inner = fake().transport()
+
+    class Recording(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            tasks.append(trio.lowlevel.current_task())
+            await trio.sleep(0.001)  # (all five in flight at once)
+            return await inner.handle_async_request(request)
+
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=Recording()) as s:
+        await asyncio.gather(*(s.chat(messages(str(i))) for i in range(5)))
+        first = set(tasks)
+        tasks.clear()
+        await asyncio.gather(*(s.chat(messages(str(i))) for i in range(5)))
+        second = set(tasks)
+    assert len(first) == len(second) == 5
+    assert len(first & second) == 2  # two stayed parked; three ended with their calls
+
+
 # --------------------------------------------------------------------------- cancellation
 
 
