@@ -353,6 +353,43 @@ async def test_parked_workers_are_capped(monkeypatch: pytest.MonkeyPatch) -> Non
     assert len(first & second) == 2  # two stayed parked; three ended with their calls
 
 
+async def test_a_late_cancellation_of_a_finished_call_leaves_the_next_one_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker runs its calls in one cancel scope: a cancellation of a call that has
+    # already finished (handed over late, through trio's entry queue) must not reach
+    # the call the same worker runs next.
+    from polygate.aio import _session
+
+    jobs: list[Any] = []
+    start_job = _session._Owner.start_job
+
+    def recorded(owner: Any, job: Any) -> None:
+        jobs.append(job)
+        start_job(owner, job)
+
+    monkeypatch.setattr(_session._Owner, "start_job", recorded)
+    gate = trio.Event()
+    waiting: list[str] = []
+    inner = fake().transport()
+
+    class Gated(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if waiting:
+                waiting.append("in")
+                await gate.wait()
+            return await inner.handle_async_request(request)
+
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=Gated()) as s:
+        await s.chat(messages("one"))
+        waiting.append("gate")
+        second = asyncio.ensure_future(s.chat(messages("two")))
+        await wait_until(lambda: len(waiting) == 2)
+        s._host.submit(jobs[0].cancel)
+        s._host.submit(gate.set)
+        assert (await second).text == "hello from the fake"
+
+
 # --------------------------------------------------------------------------- cancellation
 
 
