@@ -335,18 +335,23 @@ async def test_parked_workers_are_capped(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(_session, "_IDLE_WORKERS", 2)
     tasks: list[trio.lowlevel.Task] = []
+    all_in: list[trio.Event] = []
     inner = fake().transport()
 
     class Recording(httpx.AsyncBaseTransport):
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             tasks.append(trio.lowlevel.current_task())
-            await trio.sleep(0.001)  # (all five in flight at once)
+            if len(tasks) == 5:
+                all_in[-1].set()
+            await all_in[-1].wait()  # all five in flight at once
             return await inner.handle_async_request(request)
 
     async with polygate.aio.session(settings_for("http://a/v1"), transport=Recording()) as s:
+        all_in.append(trio.Event())
         await asyncio.gather(*(s.chat(messages(str(i))) for i in range(5)))
         first = set(tasks)
         tasks.clear()
+        all_in.append(trio.Event())
         await asyncio.gather(*(s.chat(messages(str(i))) for i in range(5)))
         second = set(tasks)
     assert len(first) == len(second) == 5

@@ -21,6 +21,8 @@ import h11
 import httpx
 import pytest
 import trio
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import polygate
 from polygate.testing import FakeUpstream, Reply
@@ -574,6 +576,37 @@ def test_a_post_without_an_httpx_request_goes_out_as_httpx_would_send_it(
     expected = _encode("POST", request.url.raw_path, request.headers.raw, body)
     assert expected is not None and expected == _h11_bytes(request)
     assert _post_wire(httpx.URL(url), headers, body) == expected
+
+
+_HEADER_NAMES = st.sampled_from([
+    "authorization", "Host", "content-length", "Content-Length", "connection", "x-polygate-call-id",
+    "user-agent", "bad name", "x-caf\u00e9", "te", "x:y", "",
+])
+_HEADER_VALUES = st.one_of(
+    st.sampled_from(["Bearer sk-1", "a\tb", " edge", "edge ", "a\r\nb", "caf\u00e9", "", "x\x00"]),
+    st.text(alphabet=st.characters(max_codepoint=0x10F), max_size=12),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    headers=st.lists(st.tuples(_HEADER_NAMES, _HEADER_VALUES), max_size=5),
+    url=st.sampled_from(["http://h:1/v1/chat/completions?x=1", "http://[::1]:8080/x",
+                         "https://h.example/v1/embeddings", "http://xn--bcher-kva.example/x"]),
+)
+@example(headers=[("Host", "x")], url="http://h:1/v1/chat/completions?x=1")
+@example(headers=[("content-length", "2")], url="http://h:1/v1/chat/completions?x=1")
+@example(headers=[("x-polygate-call-id", "a\r\nb")], url="http://[::1]:8080/x")
+def test_the_checked_header_lines_kept_write_what_a_full_check_writes(
+    headers: list[tuple[str, str]], url: str,
+) -> None:
+    # _post_wire keeps each line it checked; the bytes (or the refusal) are always
+    # those of the full check, the first time and every time after.
+    from polygate.transport._pool import _post_wire, _post_wire_checked
+
+    expected = _post_wire_checked(httpx.URL(url), headers, b"{}")
+    for _ in range(2):
+        assert _post_wire(httpx.URL(url), headers, b"{}") == expected
 
 
 @pytest.mark.parametrize("headers", [

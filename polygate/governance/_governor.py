@@ -127,6 +127,11 @@ class Governor:
         self, scope_name: str, *, exclude: Collection[str] = (), demote: Sequence[str] = ()
     ) -> list[str]:
         scope = self._settings.scopes[scope_name]
+        if len(scope.sources) == 1:
+            # One candidate: nothing to weigh or probe first (a third of admission's
+            # CPU in a one-source scope went to the weighing).
+            name = scope.sources[0].name
+            return [] if name in exclude else [name]
         healths = [self._health[(scope_name, s.name)] for s in scope.sources]
         ref = reference_latency(healths)
         names = [s.name for s in scope.sources]

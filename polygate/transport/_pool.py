@@ -962,9 +962,64 @@ def _encode(
     return b"".join(parts)
 
 
+#: Checked pieces of plain POSTs (see _post_wire): a (target, netloc) -> its request
+#: line and Host line; a header pair -> its line, or b"" where only _encode may
+#: decide.  Bounded: a full cache stops taking entries (a source's own headers come
+#: first; per-call values, the call id, are checked each time once it is full).
+_FIRST_LINES: dict[tuple[bytes, bytes], bytes] = {}
+_HEADER_LINES: dict[tuple[str, str], bytes] = {}
+_CACHED_LINES = 1024
+
+
 def _post_wire(url: httpx.URL, headers: list[tuple[str, str]], body: bytes) -> bytes | None:
     """The bytes ``httpx.Request("POST", url, headers=headers, content=body)`` goes out
-    as (see :meth:`LeanTransport.post`), or ``None`` where h11 or httpx must see it."""
+    as (see :meth:`LeanTransport.post`), or ``None`` where h11 or httpx must see it.
+
+    A source sends the same headers with every call: each line is checked once and
+    kept (~10 µs a call to check them all again); anything unusual goes the whole
+    way through :func:`_encode`, which decides exactly as before."""
+    place = (url.raw_path, url.netloc)
+    first = _FIRST_LINES.get(place)
+    if first is None:
+        target, netloc = place
+        if not _TARGET.fullmatch(target) or not _FIELD_VALUE.fullmatch(netloc):
+            return _post_wire_checked(url, headers, body)
+        first = b"POST %s HTTP/1.1\r\nHost: %s\r\n" % place
+        if len(_FIRST_LINES) < _CACHED_LINES:
+            _FIRST_LINES[place] = first
+    parts = [first]
+    for pair in headers:
+        line = _HEADER_LINES.get(pair)
+        if line is None:
+            line = _plain_line(*pair)
+            if len(_HEADER_LINES) < _CACHED_LINES:
+                _HEADER_LINES[pair] = line
+        if not line:
+            return _post_wire_checked(url, headers, body)
+        parts.append(line)
+    parts += (b"Content-Length: %d\r\n\r\n" % len(body), body)
+    return b"".join(parts)
+
+
+def _plain_line(name: str, value: str) -> bytes:
+    """``name: value`` as a header line, or b"" for a header that is not plain: not
+    ASCII, one h11 must write, a second Host or Content-Length, or invalid."""
+    try:
+        raw_name, raw_value = name.encode("ascii"), value.encode("ascii")
+    except UnicodeEncodeError:
+        return b""
+    lower = raw_name.lower()
+    if lower in _H11_ONLY or lower == b"host" or lower == b"content-length":
+        return b""
+    if not _TOKEN.fullmatch(raw_name) or not _FIELD_VALUE.fullmatch(raw_value):
+        return b""
+    return b"%s: %s\r\n" % (raw_name, raw_value)
+
+
+def _post_wire_checked(
+    url: httpx.URL, headers: list[tuple[str, str]], body: bytes,
+) -> bytes | None:
+    """:func:`_post_wire`, every piece checked by :func:`_encode`."""
     try:
         raw = [(name.encode("ascii"), value.encode("ascii")) for name, value in headers]
     except UnicodeEncodeError:
