@@ -124,15 +124,25 @@ def _has_non_finite(value: Any) -> bool:
     """Whether a non-finite float is anywhere in ``value``: a walk with a stack of its
     own, so a value msgspec wrote however deep never exhausts Python's."""
     pending = [value]
+    pop, extend, isfinite = pending.pop, pending.extend, math.isfinite
     while pending:
-        item = pending.pop()
-        if isinstance(item, float):
-            if not math.isfinite(item):
+        item = pop()
+        kind = type(item)
+        # The exact JSON types first (nearly everything, strings most): one identity
+        # test each; subclasses take the isinstance path below.
+        if kind is str or kind is int or item is None or kind is bool:
+            continue
+        if kind is dict:
+            extend(item.values())
+        elif kind is list:
+            extend(item)
+        elif kind is float or isinstance(item, float):
+            if not isfinite(item):
                 return True
         elif isinstance(item, dict):
-            pending.extend(item.values())
+            extend(item.values())
         elif isinstance(item, (list, tuple)):
-            pending.extend(item)
+            extend(item)
     return False
 
 

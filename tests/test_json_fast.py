@@ -158,7 +158,14 @@ def test_dumps_declines_a_non_finite_float_anywhere() -> None:
     class Ratio(float):
         pass
 
-    for value in ({"a": [1, (2, float("nan"))]}, (float("inf"),), [Ratio("nan")], {"k": {"x": -math.inf}}):
+    class Doc(dict):  # type: ignore[type-arg]
+        pass
+
+    class Items(list):  # type: ignore[type-arg]
+        pass
+
+    for value in ({"a": [1, (2, float("nan"))]}, (float("inf"),), [Ratio("nan")], {"k": {"x": -math.inf}},
+                  [None, Doc(x=float("nan"))], {"k": Items([1, float("inf")]), "n": None}):
         assert dumps(value) is None
     assert dumps({"a": None, "b": [1.5, "null"]}) == b'{"a":null,"b":[1.5,"null"]}'
 

@@ -127,6 +127,43 @@ async def test_labelled_keys_alone_allow_a_public_address() -> None:
         check_exposure(polygate.Settings(scopes=settings.scopes), "0.0.0.0")
 
 
+async def test_a_key_is_hashed_once_a_request_and_checked_again_after_a_reload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The server checks the key from the head, before it reads a body; the answer
+    # does not check it again -- unless a reload changed the keys in between.
+    import attrs
+
+    from polygate.serve import _app
+
+    from ._serve_kit import read_answer
+
+    hashed: list[str] = []
+    digest = _app._digest
+
+    def counted(key: str) -> bytes:
+        hashed.append(key)
+        return digest(key)
+
+    monkeypatch.setattr(_app, "_digest", counted)
+    async with gateway() as (server, _):
+        hashed.clear()
+        assert (await http(server, "POST", CALL, CHAT, AUTH)).status == 200
+        assert len(hashed) == 1
+
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            head, _, body = request_bytes("POST", CALL, CHAT, AUTH).partition(b"\r\n\r\n")
+            await stream.send_all(head + b"\r\n\r\n")
+            await wait_for(lambda: len(hashed) == 2)  # admitted at its head
+            other = polygate.Serve(api_keys=["sk-gw-other-0123456789"], models={"gpt-4o": "chat"})
+            await server.reload(attrs.evolve(server.settings, serve=other))
+            await stream.send_all(body)
+            answer = await read_answer(stream)
+        assert answer.status == 401
+        assert answer.json()["error"]["code"] == "invalid_api_key"
+
+
 # --------------------------------------------------------------------------- the limits
 
 

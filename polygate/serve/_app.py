@@ -181,6 +181,9 @@ class Context:
     stop: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     #: The call this request started, once it has started one.
     meter: CallMeter | None = None
+    #: ``gateway``'s keys admitted this request when its head arrived (the server
+    #: checks them before reading a body): no second check.
+    key_checked: bool = False
 
     @property
     def draining(self) -> bool:
@@ -276,7 +279,7 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
         return path, await _send_json(ctx, 200, b'{"status":"ok"}')
     if path == "/readyz":
         return path, await _readyz(ctx)
-    if not ctx.gateway.authorised(request.headers):
+    if not ctx.key_checked and not ctx.gateway.authorised(request.headers):
         return path, await _fail(ctx, ErrorReply(
             401, "Incorrect or missing gateway key: send 'Authorization: Bearer <key>'.",
             "invalid_request_error", "invalid_api_key"))

@@ -306,8 +306,24 @@ class Server:
         metrics = self.metrics
         assert self._current is not None
         conn = Connection(stream, self._current.settings.serve)
+        # The generation whose keys admitted the request being read (admit, below): its
+        # answer needs no second check, unless a reload came in between.
+        checked: Gateway | None = None
+
+        def admit(path: str, headers: dict[str, str]) -> bool:
+            nonlocal checked
+            gateway = self._current
+            assert gateway is not None
+            if path in _OPEN_PATHS:
+                return True
+            if gateway.authorised(headers):
+                checked = gateway
+                return True
+            return False
+
         try:
             while not self.draining:
+                checked = None
                 idle = trio.CancelScope()
                 self._idle.add(idle)
                 begun = False
@@ -323,7 +339,7 @@ class Server:
                 request = None
                 try:
                     # (read_request enters idle, with the head's deadline: one scope.)
-                    request = await conn.read_request(self._admit, started=started, scope=idle)
+                    request = await conn.read_request(admit, started=started, scope=idle)
                 except HTTPProblem as problem:
                     await self._problem(conn, problem)
                     return
@@ -337,25 +353,21 @@ class Server:
                 # (then request is None: a cancellation leaves nothing read).
                 if idle.cancelled_caught or request is None:
                     return
-                await self._answer(conn, request)
+                await self._answer(conn, request, checked)
                 if not conn.reusable():
                     return
         finally:
             metrics.connections -= 1
             await conn.aclose()
 
-    def _admit(self, path: str, headers: dict[str, str]) -> bool:
-        """Whether a request may be read past its head: the key, checked early."""
-        assert self._current is not None
-        return path in _OPEN_PATHS or self._current.authorised(headers)
-
-    async def _answer(self, conn: Connection, request: Any) -> None:
+    async def _answer(self, conn: Connection, request: Any, checked: Gateway | None = None) -> None:
+        """``checked``: the generation whose keys admitted the request at its head."""
         gateway = self._current
         assert gateway is not None
         gateway.enter()
         # (in self._in_flight since its first byte: see _connection)
         self.metrics.in_flight += 1
-        context = Context(conn, gateway, self.metrics, self)
+        context = Context(conn, gateway, self.metrics, self, key_checked=checked is gateway)
         self._stops.add(context.stop)
         hangups = self._hangups
         fd = None if hangups is None else conn.fileno()
