@@ -1,9 +1,10 @@
 """``polygate.aio.session()``: a polygate session for asyncio code.
 
 The bridge is thin on purpose: every call is the trio ``polygate.Session``'s own
-method, run as a trio task in a nursery the session owns (one task per call, no
-thread per call), its result or error handed to the awaiting asyncio task through
-an asyncio future.  No logic of polygate lives here.
+method, run in a trio task of a nursery the session owns (a task parked after its
+call takes the next one: see ``_Owner._spawn``; no thread per call), its result or
+error handed to the awaiting asyncio task through an asyncio future.  No logic of
+polygate lives here.
 
 Forwarding, so that a new ``polygate.Session`` method needs one line or none:
 
