@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from polygate._json import dumps, loads, sorted_dumps
@@ -316,3 +316,42 @@ def test_a_chat_body_writes_a_key_that_is_not_text_as_json_does(key: Any) -> Non
     expected = json.dumps({**params, "model": "m1", "messages": []}, ensure_ascii=False,
                           separators=(",", ":")).encode()
     assert body == expected
+
+
+class _Count(int):
+    pass
+
+
+_ANY_CHARACTER = st.characters(exclude_categories=())  # lone surrogates included
+_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(width=64) | st.text(_ANY_CHARACTER, max_size=4)
+
+
+@given(st.dictionaries(
+    st.text(_ANY_CHARACTER, max_size=4),
+    _SCALARS | values | st.builds(_Count, st.integers()) | st.builds(set, st.lists(st.integers(), max_size=2)),
+    max_size=4,
+))
+@example({"\ud800": 1})
+@example({"t": float("nan")})
+@example({"t": 0.5, "u": "\udc00"})
+@example({"n": _Count(3)})
+@example({"s": {1}})
+def test_call_parameters_skip_the_encoding_only_where_it_finds_nothing(params: dict[str, Any]) -> None:
+    """Session._check_params trusts plain scalars without encoding them: wherever it
+    does, the full check passes too; everything else gets the full check."""
+    from polygate import ConfigError
+    from polygate._session import _check_encoded, _check_params, _plain_scalars
+
+    try:
+        _check_encoded(params)
+        refused = None
+    except ConfigError as exc:
+        refused = str(exc)
+    if _plain_scalars(params):
+        assert refused is None
+    if refused is None:
+        _check_params(params)
+    else:
+        with pytest.raises(ConfigError) as info:
+            _check_params(params)
+        assert str(info.value) == refused
