@@ -77,6 +77,25 @@ async def test_disconnect_while_waiting_for_the_first_token(tmp_path: Path, stre
     assert server.metrics.disconnects == 1
 
 
+async def test_disconnect_during_an_embeddings_call() -> None:
+    upstream = FakeUpstream(Reply(headers_delay_s=30))
+    async with gateway(upstream) as (server, _):
+        client = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await client.send_all(
+            request_bytes("POST", "/v1/embeddings", {"model": "chat", "input": ["x"]}, AUTH))
+        await wait_for(lambda: upstream.in_flight == 1)
+        left_at = trio.current_time()
+        await client.aclose()
+        await wait_for(lambda: upstream.requests[0].outcome is not None)
+        assert upstream.requests[0].outcome == "client_closed"
+        assert upstream.requests[0].ended_at - left_at < ABANDON_LIMIT_S
+        await wait_for(lambda: server.statistics().in_flight == 0)
+        await _settled(server)
+        assert _results(server) == {"client_closed": 1}
+        assert server.metrics.requests == {("/v1/embeddings", 499): 1}
+    assert server.metrics.disconnects == 1
+
+
 async def test_disconnect_mid_stream(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     upstream = FakeUpstream(Reply(tokens=200, inter_token_s=0.02))

@@ -176,8 +176,10 @@ class Context:
     gateway: Gateway
     metrics: Metrics
     state: _State
-    #: Cancelled by the server when a drain's grace period is over: the call stops and
-    #: the client is told why (503, or an error event on a stream already started).
+    #: The scope of the request's call.  Cancelled by the server when its client leaves
+    #: (the connection then says ``client_gone``: a 499, nothing sent), and when a
+    #: drain's grace period is over: the call stops and the client is told why (503,
+    #: or an error event on a stream already started).  See :func:`_stopped`.
     stop: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     #: The call this request started, once it has started one.
     meter: CallMeter | None = None
@@ -508,6 +510,14 @@ async def _fail(
     return reply.status
 
 
+async def _stopped(ctx: Context, call_id: str) -> int:
+    """The call's scope (``ctx.stop``) was cancelled: its client left (nothing to
+    send: a 499), or a drain's grace period ended (the client is told why)."""
+    if ctx.conn.client_gone:
+        raise ClientGone
+    return await _fail(ctx, _SHUTDOWN, call_id)
+
+
 async def _call_failed(
     ctx: Context, scope: str, call_id: str, exc: BaseException, charge: _Charge
 ) -> int:
@@ -546,7 +556,7 @@ async def _chat(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge)
             except Exception as exc:
                 return await _call_failed(ctx, scope, call_id, exc, charge)
         if ctx.stop.cancelled_caught:
-            return await _fail(ctx, _SHUTDOWN, call_id)
+            return await _stopped(ctx, call_id)
     finally:
         PRESET_CALL_ID.reset(token)
         CURRENT.reset(metered)
@@ -679,8 +689,8 @@ async def _chat_stream(
                     out = head() if not head_sent else b""
                     await conn.send(out + conn.frame(KEEPALIVE))
     if ctx.stop.cancelled_caught:
-        if not head_sent:
-            return await _fail(ctx, _SHUTDOWN, call_id)
+        if not head_sent or conn.client_gone:
+            return await _stopped(ctx, call_id)
         event = error_event(_SHUTDOWN.message, _SHUTDOWN.type, _SHUTDOWN.code)
         await conn.send(conn.frame(event) + conn.end())
         return _SHUTDOWN.status
@@ -735,12 +745,13 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
     metered = ctx.start_call(scope, call_id)
     try:
         with ctx.stop:
-            charge.started = True
-            response = await ctx.gateway.session.embed(inputs, scope=scope, **body)
+            try:
+                charge.started = True
+                response = await ctx.gateway.session.embed(inputs, scope=scope, **body)
+            except Exception as exc:
+                return await _call_failed(ctx, scope, call_id, exc, charge)
         if ctx.stop.cancelled_caught:
-            return await _fail(ctx, _SHUTDOWN, call_id)
-    except Exception as exc:
-        return await _call_failed(ctx, scope, call_id, exc, charge)
+            return await _stopped(ctx, call_id)
     finally:
         PRESET_CALL_ID.reset(token)
         CURRENT.reset(metered)

@@ -372,19 +372,23 @@ class Server:
         hangups = self._hangups
         fd = None if hangups is None else conn.fileno()
         try:
-            # A client that leaves cancels this scope: the server's one watching task
-            # sees it (see _hangups), or, for a stream it cannot take, a task of its own.
-            with trio.CancelScope() as scope:
-                if hangups is not None and fd is not None and hangups.watch(conn, fd, scope.cancel):
-                    try:
-                        await answer(context, request)
-                    finally:
-                        hangups.unwatch(fd, conn)
-                else:
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(conn.watch_close, scope.cancel)
-                        await answer(context, request)
-                        nursery.cancel_scope.cancel()
+            # A client that leaves cancels the request's call: the server's one
+            # watching task sees it (see _hangups), or, for a stream it cannot take, a
+            # task of its own.  The call's scope is the one a drain cancels too
+            # (Context.stop): one scope a request, not two (each costs ~3 % of a
+            # request's instructions); the answer tells the two apart by whether the
+            # client is gone.  Everything else a request awaits is bounded on its own.
+            stop = context.stop.cancel
+            if hangups is not None and fd is not None and hangups.watch(conn, fd, stop):
+                try:
+                    await answer(context, request)
+                finally:
+                    hangups.unwatch(fd, conn)
+            else:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(conn.watch_close, stop)
+                    await answer(context, request)
+                    nursery.cancel_scope.cancel()
         finally:
             self._stops.discard(context.stop)
             gateway.leave()
