@@ -39,6 +39,19 @@ async def _settled(server: Server) -> None:
         assert state.reserved_total == state.settled_total + state.released_total, state
 
 
+async def _left(server: Server, upstream: FakeUpstream, client: trio.SocketStream) -> None:
+    """The client leaves: its upstream request is abandoned within the bound, and the
+    server's call settles everything it held."""
+    left_at = trio.current_time()
+    await client.aclose()
+    await wait_for(lambda: upstream.requests[0].outcome is not None)
+    ended_at = upstream.requests[0].ended_at
+    assert upstream.requests[0].outcome == "client_closed"
+    assert ended_at is not None and ended_at - left_at < ABANDON_LIMIT_S
+    await wait_for(lambda: server.statistics().in_flight == 0)
+    await _settled(server)
+
+
 def _results(server: Server) -> dict[str, int]:
     """``polygate_serve_calls_total`` by result (every call is counted, however it ended)."""
     out: dict[str, int] = {}
@@ -61,14 +74,7 @@ async def test_disconnect_while_waiting_for_the_first_token(tmp_path: Path, stre
     async with gateway(upstream, telemetry=f"sqlite:///{db}") as (server, _):
         client = await _open_request(server, {**CHAT, "stream": stream})
         await wait_for(lambda: upstream.in_flight == 1)
-        left_at = trio.current_time()
-        await client.aclose()
-        await wait_for(lambda: upstream.requests[0].outcome is not None)
-        ended_at = upstream.requests[0].ended_at
-        assert upstream.requests[0].outcome == "client_closed"
-        assert ended_at is not None and ended_at - left_at < ABANDON_LIMIT_S
-        await wait_for(lambda: server.statistics().in_flight == 0)
-        await _settled(server)
+        await _left(server, upstream, client)
         call_id = upstream.requests[0].headers["x-polygate-call-id"]
         # The call is in /metrics too, with the attempt it made (which reached the upstream).
         assert _results(server) == {"client_closed": 1}
@@ -84,13 +90,7 @@ async def test_disconnect_during_an_embeddings_call() -> None:
         await client.send_all(
             request_bytes("POST", "/v1/embeddings", {"model": "chat", "input": ["x"]}, AUTH))
         await wait_for(lambda: upstream.in_flight == 1)
-        left_at = trio.current_time()
-        await client.aclose()
-        await wait_for(lambda: upstream.requests[0].outcome is not None)
-        assert upstream.requests[0].outcome == "client_closed"
-        assert upstream.requests[0].ended_at - left_at < ABANDON_LIMIT_S
-        await wait_for(lambda: server.statistics().in_flight == 0)
-        await _settled(server)
+        await _left(server, upstream, client)
         assert _results(server) == {"client_closed": 1}
         assert server.metrics.requests == {("/v1/embeddings", 499): 1}
     assert server.metrics.disconnects == 1
@@ -105,13 +105,7 @@ async def test_disconnect_mid_stream(tmp_path: Path) -> None:
         with trio.fail_after(5):
             while received.count(b"data: ") < 4:  # role chunk and three tokens
                 received += await client.receive_some(65536)
-        left_at = trio.current_time()
-        await client.aclose()
-        await wait_for(lambda: upstream.requests[0].outcome is not None)
-        assert upstream.requests[0].outcome == "client_closed"
-        assert upstream.requests[0].ended_at - left_at < ABANDON_LIMIT_S
-        await wait_for(lambda: server.statistics().in_flight == 0)
-        await _settled(server)
+        await _left(server, upstream, client)
         assert _results(server) == {"client_closed": 1}
         assert server.metrics.attempts == {"chat": 1}
     assert [outcome for _, outcome in _call_rows(db)] == ["cancelled"]
