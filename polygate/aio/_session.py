@@ -68,8 +68,10 @@ _CLOSED_IN_FLIGHT = "the session was closed while this call was in flight"
 #: The name of a bridged call's trio task (trio would otherwise format one per call).
 _TASK_NAME = "polygate.aio call"
 #: Worker tasks kept parked for the next calls (see _Owner._spawn); more concurrent
-#: calls than this spawn tasks that end with their call.
-_IDLE_WORKERS = 128
+#: calls than this spawn tasks that end with their call.  A woken task runs its next
+#: call in that caller's context through trio's ``Task.context`` (the context trio
+#: steps a task in): a trio without it as a settable field gets a task per call.
+_IDLE_WORKERS = 128 if "context" in getattr(trio.lowlevel.Task, "__slots__", ()) else 0
 
 
 class _Job:
