@@ -314,9 +314,15 @@ def _plain_scalars(params: Mapping[str, Any]) -> bool:
         elif kind is float:
             if not math.isfinite(value):
                 return False
-        elif kind is not int and kind is not bool and value is not None:
+        elif kind is int:
+            if not -_PLAIN_INT < value < _PLAIN_INT:
+                return False  # (Python writes no int past 4,300 digits: the full check says so)
+        elif kind is not bool and value is not None:
             return False
     return True
+
+
+_PLAIN_INT = 1 << 64
 
 
 def _check_encoded(params: Mapping[str, Any]) -> None:

@@ -330,6 +330,33 @@ async def test_a_worker_that_runs_another_call_runs_it_in_that_callers_context()
     assert len(set(tasks)) == 1  # one worker ran them all
 
 
+async def test_a_parked_worker_holds_nothing_of_its_last_call() -> None:
+    # The answer, the prompt and the caller's context variables are the caller's: a
+    # worker parked after the call must not keep them alive.
+    import weakref
+
+    class Tag:
+        pass
+
+    span: contextvars.ContextVar[Tag] = contextvars.ContextVar("span")
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
+
+        async def one() -> tuple[weakref.ref[Any], weakref.ref[Any]]:
+            tag = Tag()
+            span.set(tag)
+            response = await s.chat(messages("x"))
+            return weakref.ref(tag), weakref.ref(response)
+
+        task = asyncio.ensure_future(one())  # (a context of its own)
+        tag, response = await task
+        del task  # (the finished task holds its context,
+        await asyncio.sleep(0)  # and so does the loop's handle that resumed this one)
+        gc.collect()
+        assert tag() is None
+        assert response() is None
+        assert (await s.chat(messages("y"))).text == "hello from the fake"  # and it still works
+
+
 async def test_parked_workers_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     from polygate.aio import _session
 

@@ -336,6 +336,8 @@ _SCALARS = st.none() | st.booleans() | st.integers() | st.floats(width=64) | st.
 @example({"t": 0.5, "u": "\udc00"})
 @example({"n": _Count(3)})
 @example({"s": {1}})
+@example({"seed": 10**5000})  # Python writes no int past 4,300 digits
+@example({"seed": -(10**30)})
 def test_call_parameters_skip_the_encoding_only_where_it_finds_nothing(params: dict[str, Any]) -> None:
     """Session._check_params trusts plain scalars without encoding them: wherever it
     does, the full check passes too; everything else gets the full check."""

@@ -602,11 +602,31 @@ def test_the_checked_header_lines_kept_write_what_a_full_check_writes(
 ) -> None:
     # _post_wire keeps each line it checked; the bytes (or the refusal) are always
     # those of the full check, the first time and every time after.
-    from polygate.transport._pool import _post_wire, _post_wire_checked
+    from polygate.transport._pool import _Lines, _post_wire, _post_wire_checked
 
     expected = _post_wire_checked(httpx.URL(url), headers, b"{}")
+    lines = _Lines()
     for _ in range(2):
-        assert _post_wire(httpx.URL(url), headers, b"{}") == expected
+        assert _post_wire(httpx.URL(url), headers, b"{}", lines) == expected
+
+
+async def test_the_kept_lines_are_the_transports_and_leave_with_it() -> None:
+    # A kept line may hold a source's key: it lives as long as the transport, and a
+    # call's own id is never kept (it would fill the set with lines used once).
+    upstream = FakeUpstream(Reply())
+    async with upstream.serve() as url:
+        transport = LeanTransport()
+        async with polygate.session(polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+            polygate.Source(name="a", base_url=url, api_key="sk-kept-0123", model="m")])}),
+            transport=transport,
+        ) as s:
+            await s.chat([{"role": "user", "content": "hi"}])
+            await s.chat([{"role": "user", "content": "hi"}])
+            kept = transport._lines.headers
+            assert ("authorization", "Bearer sk-kept-0123") in kept
+            assert not any(name == "x-polygate-call-id" for name, _ in kept)
+        await transport.aclose()
+        assert not transport._lines.headers and not transport._lines.first
 
 
 @pytest.mark.parametrize("headers", [

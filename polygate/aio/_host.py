@@ -175,7 +175,9 @@ class Host:
         """
         if self.driver is None and not self._lingering and self._nursery is not None:
             self._lingering = True
-            self._nursery.start_soon(self._linger)
+            # In a context of its own: started from a call's task, it would hold that
+            # caller's context variables for as long as it lingers.
+            contextvars.Context().run(self._nursery.start_soon, self._linger)
 
     async def _linger(self) -> None:
         try:

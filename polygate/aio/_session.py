@@ -32,6 +32,7 @@ Cancellation, both ways (the invariants):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -339,7 +340,9 @@ class _Owner:
         idle = self._idle
 
         def abort(_: Any) -> trio.lowlevel.Abort:
-            idle.remove(task)
+            # (Not there only if an interrupt landed between a pop and its wake-up.)
+            with contextlib.suppress(ValueError):
+                idle.remove(task)
             return trio.lowlevel.Abort.SUCCEEDED
 
         # One cancel scope for the worker's life, not one a call: cancelling a call
@@ -351,6 +354,11 @@ class _Owner:
                 if scope.cancel_called or len(idle) >= _IDLE_WORKERS \
                         or self.close_requested.is_set():
                     return
+                # Parked, it holds nothing of the call it ran: not the job (its
+                # future holds the answer, its arguments the prompt), not its
+                # caller's context variables.
+                job = None  # type: ignore[assignment]
+                task.context = contextvars.Context()
                 idle.append(task)
                 job = await trio.lowlevel.wait_task_rescheduled(abort)
 

@@ -251,6 +251,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._opened = 0
         self._reused = 0
         self._retried = 0
+        self._lines = _Lines()
 
     @classmethod
     def from_limits(cls, limits: httpx.Limits, **kwargs: Any) -> LeanTransport:
@@ -329,7 +330,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             raise RuntimeError("this LeanTransport is closed")
         scheme = url.scheme
         port = url.port or _DEFAULT_PORTS.get(scheme)
-        wire = _post_wire(url, headers, body)
+        wire = _post_wire(url, headers, body, self._lines)
         if port is None or wire is None:
             return None
         key = (scheme, url.raw_host.decode("ascii"), port)
@@ -658,6 +659,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         """Close every connection, idle or busy (a busy one's reader gets a
         ``ReadError``); requests still queued are refused."""
         self._closed = True
+        self._lines.clear()
         for conn in self._conns:
             conn.close()
         self._conns.clear()
@@ -962,38 +964,56 @@ def _encode(
     return b"".join(parts)
 
 
-#: Checked pieces of plain POSTs (see _post_wire): a (target, netloc) -> its request
-#: line and Host line; a header pair -> its line, or b"" where only _encode may
-#: decide.  Bounded: a full cache stops taking entries (a source's own headers come
-#: first; per-call values, the call id, are checked each time once it is full).
-_FIRST_LINES: dict[tuple[bytes, bytes], bytes] = {}
-_HEADER_LINES: dict[tuple[str, str], bytes] = {}
-_CACHED_LINES = 1024
+#: A header whose value changes with every call: checked each time, never kept.
+_PER_CALL = "x-polygate-call-id"  # (polygate.transport._wire.CALL_ID_HEADER)
 
 
-def _post_wire(url: httpx.URL, headers: list[tuple[str, str]], body: bytes) -> bytes | None:
+class _Lines:
+    """Checked pieces of plain POSTs (see :func:`_post_wire`), one set per transport
+    (emptied when it closes: a line may hold a source's key): a (target, netloc) ->
+    its request line and Host line; a header pair -> its line, or b"" where only
+    :func:`_encode` may decide.  Bounded: a full set stops taking entries."""
+
+    __slots__ = ("first", "headers")
+    limit = 1024
+
+    def __init__(self) -> None:
+        self.first: dict[tuple[bytes, bytes], bytes] = {}
+        self.headers: dict[tuple[str, str], bytes] = {}
+
+    def clear(self) -> None:
+        self.first.clear()
+        self.headers.clear()
+
+
+def _post_wire(
+    url: httpx.URL, headers: list[tuple[str, str]], body: bytes, lines: _Lines | None = None,
+) -> bytes | None:
     """The bytes ``httpx.Request("POST", url, headers=headers, content=body)`` goes out
     as (see :meth:`LeanTransport.post`), or ``None`` where h11 or httpx must see it.
 
     A source sends the same headers with every call: each line is checked once and
-    kept (~10 µs a call to check them all again); anything unusual goes the whole
-    way through :func:`_encode`, which decides exactly as before."""
+    kept in ``lines`` (~10 µs a call to check them all again); anything unusual goes
+    the whole way through :func:`_encode`, which decides exactly as before."""
+    if lines is None:
+        lines = _Lines()
     place = (url.raw_path, url.netloc)
-    first = _FIRST_LINES.get(place)
+    first = lines.first.get(place)
     if first is None:
         target, netloc = place
         if not _TARGET.fullmatch(target) or not _FIELD_VALUE.fullmatch(netloc):
             return _post_wire_checked(url, headers, body)
         first = b"POST %s HTTP/1.1\r\nHost: %s\r\n" % place
-        if len(_FIRST_LINES) < _CACHED_LINES:
-            _FIRST_LINES[place] = first
+        if len(lines.first) < lines.limit:
+            lines.first[place] = first
     parts = [first]
+    kept = lines.headers
     for pair in headers:
-        line = _HEADER_LINES.get(pair)
+        line = kept.get(pair)
         if line is None:
             line = _plain_line(*pair)
-            if len(_HEADER_LINES) < _CACHED_LINES:
-                _HEADER_LINES[pair] = line
+            if len(kept) < lines.limit and pair[0] != _PER_CALL:
+                kept[pair] = line
         if not line:
             return _post_wire_checked(url, headers, body)
         parts.append(line)
