@@ -570,12 +570,12 @@ def test_a_post_without_an_httpx_request_goes_out_as_httpx_would_send_it(
 ) -> None:
     # LeanTransport.post skips building the httpx.Request; its bytes are those of
     # handle_async_request(httpx.Request(...)), and those are h11's.
-    from polygate.transport._pool import _encode, _post_wire
+    from polygate.transport._pool import _encode, _Lines, _post_wire
 
     request = httpx.Request("POST", url, headers=headers, content=body)
     expected = _encode("POST", request.url.raw_path, request.headers.raw, body)
     assert expected is not None and expected == _h11_bytes(request)
-    assert _post_wire(httpx.URL(url), headers, body) == expected
+    assert _post_wire(httpx.URL(url), headers, body, _Lines()) == expected
 
 
 _HEADER_NAMES = st.sampled_from([
@@ -636,9 +636,9 @@ async def test_the_kept_lines_are_the_transports_and_leave_with_it() -> None:
 def test_a_post_that_is_not_plain_takes_the_httpx_request_path(
     headers: list[tuple[str, str]],
 ) -> None:
-    from polygate.transport._pool import _post_wire
+    from polygate.transport._pool import _Lines, _post_wire
 
-    assert _post_wire(httpx.URL("http://h/x"), headers, b"{}") is None
+    assert _post_wire(httpx.URL("http://h/x"), headers, b"{}", _Lines()) is None
 
 
 @pytest.mark.parametrize("headers", [

@@ -90,6 +90,7 @@ import trio
 from .._sockets import write_first
 from ._chunked import ChunkedDecoder
 from ._head import Head, parse_head
+from ._wire import CALL_ID_HEADER
 
 __all__ = [
     "REPORTS_SENT", "SENT_EXTENSION", "LeanTransport", "PoolStatistics", "body_of", "close_now",
@@ -964,10 +965,6 @@ def _encode(
     return b"".join(parts)
 
 
-#: A header whose value changes with every call: checked each time, never kept.
-_PER_CALL = "x-polygate-call-id"  # (polygate.transport._wire.CALL_ID_HEADER)
-
-
 class _Lines:
     """Checked pieces of plain POSTs (see :func:`_post_wire`), one set per transport
     (emptied when it closes: a line may hold a source's key): a (target, netloc) ->
@@ -987,16 +984,15 @@ class _Lines:
 
 
 def _post_wire(
-    url: httpx.URL, headers: list[tuple[str, str]], body: bytes, lines: _Lines | None = None,
+    url: httpx.URL, headers: list[tuple[str, str]], body: bytes, lines: _Lines,
 ) -> bytes | None:
     """The bytes ``httpx.Request("POST", url, headers=headers, content=body)`` goes out
     as (see :meth:`LeanTransport.post`), or ``None`` where h11 or httpx must see it.
 
     A source sends the same headers with every call: each line is checked once and
     kept in ``lines`` (~10 µs a call to check them all again); anything unusual goes
-    the whole way through :func:`_encode`, which decides exactly as before."""
-    if lines is None:
-        lines = _Lines()
+    the whole way through :func:`_encode`, which decides exactly as before.  A call's
+    own id (:data:`CALL_ID_HEADER`) changes with every call: checked, never kept."""
     place = (url.raw_path, url.netloc)
     first = lines.first.get(place)
     if first is None:
@@ -1012,7 +1008,7 @@ def _post_wire(
         line = kept.get(pair)
         if line is None:
             line = _plain_line(*pair)
-            if len(kept) < lines.limit and pair[0] != _PER_CALL:
+            if len(kept) < lines.limit and pair[0] != CALL_ID_HEADER:
                 kept[pair] = line
         if not line:
             return _post_wire_checked(url, headers, body)

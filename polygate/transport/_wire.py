@@ -150,9 +150,10 @@ def chat_body(
         body.pop("stream_options", None)
     # msgspec (~0.6 µs here against ~2.8 for json's encoder, on every attempt); json's
     # where msgspec would not write what json does (see polygate._json.dumps; a key
-    # that is neither a str nor an int, see plain_keys).  The
-    # caller's parameters were checked with json's encoder (Session._check_params), so
-    # the types msgspec takes and json refuses (bytes, dates, sets) never reach here.
+    # that is neither a str nor an int, see plain_keys).  The caller's parameters
+    # were checked (Session._check_params: with json's encoder, or one by one when all
+    # are plain JSON scalars, which both encoders write alike), so the types msgspec
+    # takes and json refuses (bytes, dates, sets) never reach here.
     head = dumps(body) if plain_keys(body) else None
     if head is None:
         head = _ENCODE(body).encode("utf-8", _ESCAPE)
