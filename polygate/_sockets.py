@@ -1,4 +1,5 @@
-"""A write that the kernel takes at once, without a pass of trio's scheduler.
+"""A write that the kernel takes at once, without a pass of trio's scheduler; a read
+that waits before it tries.
 
 trio's ``SocketStream.send_all`` ends every send with a scheduler pass (a
 ``cancel_shielded_checkpoint`` after the write, so that the call always looks as if
@@ -15,6 +16,15 @@ writes nothing, so ``send_all`` meets the same error and raises it as trio does.
 :func:`write_first` checks cancellation first (``checkpoint_if_cancelled``, which
 does not yield unless cancelled): a cancelled request must never be written.
 
+:func:`receive_when_readable` is for a read whose bytes cannot be here yet: the
+answer to a request just written, the next request on a kept-alive connection just
+answered.  trio's ``receive_some`` tries the read first (to return at once when the
+bytes are there), and there that try always fails: a ``recv`` that returns EAGAIN,
+raised as ``BlockingIOError`` and caught, inside two context managers, before the
+wait it was always going to come to.  Waiting first goes straight to the wait and
+reads once.  When the bytes were there after all, the wait returns at trio's next
+I/O poll: a scheduler pass later, never wrong.
+
 Only for a stream that one task writes at a time (trio's conflict detector is
 bypassed for the synchronous write, which cannot interleave with anything, but a
 ``send_all`` of another task parked on a full buffer could be overtaken).
@@ -22,11 +32,15 @@ bypassed for the synchronous write, which cannot interleave with anything, but a
 
 from __future__ import annotations
 
+import errno
 import os
+from typing import cast
 
 import trio
 
-__all__ = ["write_first", "write_now"]
+__all__ = ["receive_when_readable", "write_first", "write_now"]
+
+_POSIX = os.name == "posix"
 
 
 async def write_first(stream: trio.abc.SendStream, data: bytes) -> memoryview:
@@ -48,3 +62,31 @@ def write_now(stream: trio.abc.SendStream, data: bytes | memoryview) -> int:
         return os.write(stream.socket.fileno(), data)
     except OSError:  # EAGAIN, EPIPE, ECONNRESET, EBADF (closed): send_all's to raise
         return 0
+
+
+async def receive_when_readable(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes:
+    """``stream.receive_some(max_bytes)``, for a read that will wait: it waits for the
+    socket to be readable, then reads.  The same results and errors as trio's: the
+    bytes, ``b""`` at the end, ``trio.BrokenResourceError`` for a broken connection,
+    ``trio.ClosedResourceError`` for a closed socket; a checkpoint (cancellable)
+    whatever happens.  Any stream that is not a plain socket stream goes to its own
+    ``receive_some``, and so does every stream on Windows, whose sockets are not
+    file descriptors."""
+    if type(stream) is not trio.SocketStream or not _POSIX or stream.socket.fileno() < 0:
+        # (a closed socket: trio's error).  SSLStream's bytearray reads as bytes here,
+        # as everywhere polygate reads a stream (typeshed says bytes-like).
+        return cast("bytes", await stream.receive_some(max_bytes))
+    sock = stream.socket
+    while True:
+        await trio.lowlevel.wait_readable(sock)
+        try:
+            # A socket's read(2) is its recv(2) without flags (the socket is
+            # non-blocking); a closed trio socket's descriptor is -1: EBADF.
+            return os.read(sock.fileno(), max_bytes)
+        except BlockingIOError:
+            continue  # readable, then not (another reader, a spurious wake-up)
+        except OSError as exc:
+            # As trio's _translate_socket_errors_to_stream_errors: its messages.
+            if exc.errno == errno.EBADF:
+                raise trio.ClosedResourceError("this socket was already closed") from None
+            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc

@@ -15,7 +15,9 @@ import trio
 import trio.testing
 
 import polygate
-from polygate._sockets import write_now
+import polygate._sockets
+import polygate.testing
+from polygate._sockets import receive_when_readable, write_now
 from polygate.serve._http import Connection as ServerConnection
 from polygate.transport._pool import _Connection as PoolConnection
 
@@ -136,3 +138,187 @@ async def test_a_write_taken_whole_costs_no_scheduler_pass(sender: str) -> None:
 
 async def _note(ran: list[str]) -> None:
     ran.append("ran")
+
+
+# ------------------------------------------------------------ receive_when_readable
+#
+# A read whose bytes cannot be there yet (an answer to a request just written, the
+# next request on a connection just answered) waits, then reads once; trio's
+# receive_some would first try a read bound to fail.  What it must keep of
+# receive_some: the bytes, b"" at the end, trio's errors, and a checkpoint.
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    return client, server
+
+
+async def test_a_read_that_waits_brings_what_was_sent_then_the_end() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        stream = _stream(ours)
+        async with trio.open_nursery() as nursery:
+            got: list[bytes] = []
+
+            async def read() -> None:
+                got.append(await receive_when_readable(stream, 100))
+                got.append(await receive_when_readable(stream, 100))
+
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []  # waiting: nothing was there
+            theirs.send(b"answer")
+            await trio.testing.wait_all_tasks_blocked()
+            theirs.close()
+        assert got == [b"answer", b""]
+
+
+async def test_a_read_that_waits_reads_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[int] = []
+    real_read = polygate._sockets.os.read
+
+    def counted(fd: int, n: int) -> bytes:
+        reads.append(fd)
+        return real_read(fd, n)
+
+    monkeypatch.setattr(polygate._sockets.os, "read", counted)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        stream = _stream(ours)
+        async with trio.open_nursery() as nursery:
+            got: list[bytes] = []
+
+            async def read() -> None:
+                got.append(await receive_when_readable(stream, 100))
+
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            theirs.send(b"answer")
+        assert got == [b"answer"]
+        assert reads == [ours.fileno()]  # no read before the wait
+
+
+async def test_bytes_already_there_come_too() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.send(b"early")
+        assert await receive_when_readable(_stream(ours), 100) == b"early"
+
+
+async def test_a_reset_connection_is_broken_as_trio_says() -> None:
+    client, server = _tcp_pair()
+    with client, server:
+        # SO_LINGER 0: close sends a reset, and the next read fails ECONNRESET.
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        server.close()
+        stream = _stream(client)
+        with pytest.raises(trio.BrokenResourceError) as ours:
+            await receive_when_readable(stream, 100)
+    client2, server2 = _tcp_pair()
+    with client2, server2:
+        server2.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        server2.close()
+        with pytest.raises(trio.BrokenResourceError) as theirs:
+            await _stream(client2).receive_some(100)
+    assert str(ours.value) == str(theirs.value)
+
+
+async def test_a_closed_socket_raises_as_trio_says() -> None:
+    ours, theirs = socket.socketpair()
+    with theirs:
+        stream = _stream(ours)
+        await stream.aclose()
+        with pytest.raises(trio.ClosedResourceError):
+            await receive_when_readable(stream, 100)
+
+
+async def test_a_socket_closed_while_it_waits_ends_the_wait() -> None:
+    ours, theirs = socket.socketpair()
+    with theirs:
+        stream = _stream(ours)
+        raised: list[BaseException] = []
+        async with trio.open_nursery() as nursery:
+
+            async def read() -> None:
+                try:
+                    await receive_when_readable(stream, 100)
+                except trio.ClosedResourceError as exc:
+                    raised.append(exc)
+
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            await stream.aclose()
+        assert len(raised) == 1
+
+
+async def test_a_cancelled_read_takes_nothing() -> None:
+    # A checkpoint first, as receive_some's: a cancelled caller's bytes stay for the
+    # next reader, even when they are already there.
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.send(b"kept")
+        stream = _stream(ours)
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await receive_when_readable(stream, 100)
+        assert scope.cancelled_caught
+        assert await stream.receive_some(100) == b"kept"
+
+
+async def test_a_read_that_waits_is_cancellable_while_it_waits() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        with trio.move_on_after(0.01) as scope:
+            await receive_when_readable(_stream(ours), 100)
+        assert scope.cancelled_caught
+
+
+async def test_a_stream_that_is_not_a_socket_is_left_to_receive_some() -> None:
+    send, receive = trio.testing.memory_stream_pair()
+    await send.send_all(b"memory")
+    assert await receive_when_readable(receive, 100) == b"memory"
+
+
+async def test_the_pool_and_the_server_wait_before_their_first_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Where the read is bound to wait: an upstream's answer to the request just
+    # written, and a kept-alive client's next request once its last was answered.
+    from polygate.serve import _http as serve_http
+    from polygate.transport import _pool
+
+    used: list[str] = []
+
+    def recorder(where: str):  # type: ignore[no-untyped-def]
+        async def receive(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes:
+            used.append(where)
+            return await receive_when_readable(stream, max_bytes)
+        return receive
+
+    monkeypatch.setattr(_pool, "receive_when_readable", recorder("pool"))
+    monkeypatch.setattr(serve_http, "receive_when_readable", recorder("server"))
+    upstream = polygate.testing.FakeUpstream(polygate.testing.Reply(text="hi", tokens=2))
+    async with upstream.serve() as url:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=url)])},
+        )
+        from polygate.serve import open_server
+
+        async with open_server(settings, port=0) as server:
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            async with stream:
+                body = b'{"model":"chat","messages":[{"role":"user","content":"hi"}]}'
+                request = (
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                    b"application/json\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
+                    + body)
+                for _ in range(2):
+                    await stream.send_all(request)
+                    answer = b""
+                    while b'"choices"' not in answer:
+                        answer += await stream.receive_some(65536)
+                    assert answer.startswith(b"HTTP/1.1 200")
+    assert used.count("pool") == 2  # each request's answer
+    assert used.count("server") >= 1  # the second request, on the kept-alive connection

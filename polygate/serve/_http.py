@@ -44,7 +44,7 @@ import trio
 
 from .._config import Serve
 from .._http11 import FIELD_LINE, LENGTH, TOKEN
-from .._sockets import write_first
+from .._sockets import receive_when_readable, write_first
 
 __all__ = ["ClientGone", "Connection", "HTTPProblem", "Request", "reason"]
 
@@ -298,7 +298,9 @@ class Connection:
                     raise HTTPProblem(status, _head_problem(status), "bad_request") from None
                 if event is not h11.NEED_DATA:
                     return event, fed  # type: ignore[return-value]
-            data = await self._receive()
+            # A kept-alive connection just answered waits for its next request: the
+            # first read waits before it tries.
+            data = await self._receive(wait_first=idle and not fed)
             if data and started is not None:
                 started()
                 started = None
@@ -351,8 +353,11 @@ class Connection:
             else:  # ConnectionClosed mid-body
                 raise ClientGone
 
-    async def _receive(self) -> bytes:
+    async def _receive(self, wait_first: bool = False) -> bytes:
+        """``wait_first``: the bytes cannot be here yet (see polygate._sockets)."""
         try:
+            if wait_first:
+                return await receive_when_readable(self.stream, _RECEIVE)
             return await self.stream.receive_some(_RECEIVE)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return b""

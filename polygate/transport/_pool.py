@@ -87,7 +87,7 @@ import h11
 import httpx
 import trio
 
-from .._sockets import write_first
+from .._sockets import receive_when_readable, write_first
 from ._chunked import ChunkedDecoder
 from ._head import Head, parse_head
 from ._wire import CALL_ID_HEADER
@@ -184,6 +184,15 @@ class _Connection:
             return cast("bytes", await self.stream.receive_some(self.read_size))
         with trio.move_on_after(limit_s):
             return cast("bytes", await self.stream.receive_some(self.read_size))
+        raise httpx.ReadTimeout("timed out reading the response")
+
+    async def receive_answer(self, limit_s: float | None) -> bytes:
+        """The first read after the request went out: its answer cannot be here
+        yet, so this waits before it reads (see polygate._sockets)."""
+        if limit_s is None:
+            return await receive_when_readable(self.stream, self.read_size)
+        with trio.move_on_after(limit_s):
+            return await receive_when_readable(self.stream, self.read_size)
         raise httpx.ReadTimeout("timed out reading the response")
 
 
@@ -366,7 +375,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 if wire is not None:
                     # The common answer, whole head in the first read, is read without
                     # h11 (see _head); h11 then sees nothing of this exchange.
-                    data = await conn.receive(timeouts[2])
+                    data = await conn.receive_answer(timeouts[2])
                     if not data:
                         raise _Disconnected("server disconnected without sending a response")
                     got_bytes = True
