@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from polygate.transport import LeanTransport
-from polygate.transport._head import MAX_HEAD, parse_head
+from polygate.transport._head import HEAD_EXTENSION, MAX_HEAD, header_of, parse_head
 
 from ._raw_server import raw_server
 
@@ -84,6 +84,37 @@ def test_what_it_reads_h11_reads_the_same(head: bytes, method: str) -> None:
     if read is None:
         return
     assert h11_reads(head, method) == read
+
+
+_NAMES = ["content-type", "content-length", "transfer-encoding", "connection", "x-request-id",
+          "x-empty", "x-blank", "x-tab", "x-obs", "server", "content-encoding", "date"]
+
+
+@settings(max_examples=2000, deadline=None)
+@given(heads(), st.sampled_from(_NAMES), st.sampled_from(["", "?"]))
+def test_a_header_read_from_the_head_is_what_httpx_would_say(
+    head: bytes, name: str, default: str,
+) -> None:
+    # header_of answers from the head it kept, not from httpx's Headers: the same
+    # text for every name, repeated ones joined, absent ones the default, a value
+    # that is not ASCII included (httpx decides its encoding).
+    parsed = parse_head(head, "POST")
+    if parsed is None:
+        return
+    response = httpx.Response(parsed.status, headers=parsed.headers,
+                              extensions={HEAD_EXTENSION: parsed})
+    assert header_of(response, name, default) == response.headers.get(name, default)
+    plain = httpx.Response(parsed.status, headers=parsed.headers)  # not read here: httpx's
+    assert header_of(plain, name, default) == plain.headers.get(name, default)
+
+
+def test_a_repeated_header_and_a_latin1_one_read_as_httpx_reads_them() -> None:
+    parsed = parse_head(b"HTTP/1.1 200 OK\r\nx-a: 1\r\nX-A: 2\r\nx-b: caf\xe9\r\n"
+                        b"content-length: 0\r\n\r\n", "POST")
+    assert parsed is not None
+    response = httpx.Response(200, headers=parsed.headers, extensions={HEAD_EXTENSION: parsed})
+    assert header_of(response, "x-a") == "1, 2" == response.headers.get("x-a")
+    assert header_of(response, "x-b") == response.headers.get("x-b")
 
 
 @settings(max_examples=500, deadline=None)

@@ -38,6 +38,7 @@ from .._json import loads
 from .._secrets import clip, redact
 from .._types import choice_index
 from ._assemble import ChatAssembler, malformed_index
+from ._head import header_of
 from ._pool import SENT_EXTENSION, LeanTransport, body_of, close_now, drains_on_close, reports_sent
 from ._sse import Event, SSEDecoder
 from ._wire import (
@@ -112,7 +113,7 @@ async def chat_exchange(
     stream = endpoint.streaming
 
     async def read(response: httpx.Response) -> dict[str, Any]:
-        ctype = response.headers.get("content-type", "")
+        ctype = header_of(response, "content-type")
         if not stream:
             return await _read_chat_json(response, endpoint, limits, ctype)
         if ctype.partition(";")[0].strip().lower() == "text/event-stream":  # any case, any params

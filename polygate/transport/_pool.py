@@ -89,7 +89,7 @@ import trio
 
 from .._sockets import receive_when_readable, write_first
 from ._chunked import ChunkedDecoder
-from ._head import Head, parse_head
+from ._head import HEAD_EXTENSION, Head, parse_head
 from ._wire import CALL_ID_HEADER
 
 __all__ = [
@@ -391,7 +391,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
                                 ChunkedDecoder() if fast.chunked else None, data[end:],
                                 fast=fast,
                             ),
-                            extensions={"http_version": b"HTTP/1.1", "reason_phrase": fast.reason},
+                            extensions={"http_version": b"HTTP/1.1", "reason_phrase": fast.reason,
+                                        HEAD_EXTENSION: fast},
                         )
                     # Anything else is h11's, from the first byte: it learns of the
                     # request (written here, byte for byte as it would) first.

@@ -23,6 +23,7 @@ from .._errors import (
 from .._json import dumps, nested_deeper, plain_keys
 from .._secrets import clip, is_header_safe
 from .._types import json_default
+from ._head import header_of
 
 __all__ = [
     "CALL_ID_HEADER",
@@ -239,7 +240,7 @@ def check_encoding(response: httpx.Response, source: str, secrets: Sequence[str]
     wire can become gigabytes in memory (stacked gzip layers), and refusing keeps
     one cap, ``max_body_bytes``, measuring what is held.
     """
-    coding = response.headers.get("content-encoding", "").strip()
+    coding = header_of(response, "content-encoding").strip()
     if coding.lower() in ("", "identity"):
         return None
     # As sent (a key in it is redacted by the exchange only if its case is kept), and
