@@ -109,6 +109,57 @@ chunks = st.fixed_dictionaries({}, optional={
 })
 
 
+_NAMES = st.sampled_from([
+    "id", "object", "created", "model", "system_fingerprint", "obfuscation", "error", "usage",
+    "choices", "x_vendor", "service_tier", "index", "delta", "message", "finish_reason",
+    "logprobs", "content_filter_results",
+])
+_VALUES = st.one_of(st.none(), st.integers(0, 3), st.sampled_from(["", "v", "stop"]),
+                    st.just([1]), st.just({"k": 1}))
+rich_chunks = st.tuples(chunks, st.dictionaries(_NAMES, _VALUES, max_size=4),
+                        st.dictionaries(_NAMES, _VALUES, max_size=4)).map(
+    lambda t: {**t[1], **t[0], "choices": [{**t[2], **c} for c in t[0].get("choices", [])]})
+
+
+def _assembled(sequence: list[dict[str, object]]) -> dict[str, object] | str:
+    assembler = ChatAssembler()
+    try:
+        for chunk in sequence:
+            assembler.add(chunk)
+    except polygate.TransientUpstreamError as exc:
+        return str(exc)
+    return assembler.malformed or assembler.build()
+
+
+def _without_nones(chunk: dict[str, object]) -> dict[str, object]:
+    out = {k: v for k, v in chunk.items() if v is not None}
+    if type(out.get("choices")) is list:
+        out["choices"] = [{k: v for k, v in c.items() if v is not None} if type(c) is dict else c
+                          for c in out["choices"]]  # type: ignore[attr-defined]
+    return out
+
+
+@given(st.lists(rich_chunks, max_size=6))
+def test_a_key_set_to_null_changes_nothing(sequence: list[dict[str, object]]) -> None:
+    # null is "not sent": a chunk or a choice with any key set to null assembles as
+    # one without that key (the assembler skips them before it looks at the name).
+    assert _assembled(sequence) == _assembled([_without_nones(c) for c in sequence])
+
+
+@given(st.lists(rich_chunks, min_size=1, max_size=6))
+def test_a_chunks_own_keys_never_become_extras(sequence: list[dict[str, object]]) -> None:
+    # Keys every chunk carries (its id, object, model...) are the answer's header or
+    # nothing; any other key a chunk carries (not null) is kept in the answer.
+    body = _assembled(sequence)
+    if isinstance(body, str):
+        return
+    assert "obfuscation" not in body and "error" not in body
+    assert body["object"] == "chat.completion"
+    for name in ("x_vendor", "service_tier", "index", "delta", "finish_reason", "logprobs"):
+        if any(c.get(name) is not None for c in sequence):
+            assert name in body, name
+
+
 @given(st.lists(chunks, max_size=6))
 def test_assembler_agrees_with_has_content(sequence: list[dict[str, object]]) -> None:
     assembler = ChatAssembler()

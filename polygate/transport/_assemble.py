@@ -22,6 +22,9 @@ _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
 # Keys of a chunk that describe the chunk itself, not the response.
 _CHUNK_ONLY_KEYS = frozenset({"object", "choices", "usage", "obfuscation", "error"})
 _HEADER_KEYS = ("id", "created", "model", "system_fingerprint")
+#: A chunk's keys that never become an extra of the answer, other than the two that
+#: ChatAssembler.add reads (choices, usage): every chunk carries most of them.
+_HELD_ELSEWHERE = (_CHUNK_ONLY_KEYS - {"choices", "usage"}) | frozenset(_HEADER_KEYS)
 
 
 def has_content(chunk: dict[str, Any]) -> bool:
@@ -134,6 +137,8 @@ class _Choice:
         """Fold one choice of a chunk in; True when its delta carried content."""
         content = False
         for key, value in choice.items():
+            if value is None:  # nothing to fold in ("logprobs": null, "finish_reason": null)
+                continue
             if key == "delta":
                 if isinstance(value, dict):
                     content = self._add_delta(value)
@@ -143,7 +148,7 @@ class _Choice:
             elif key == "logprobs":
                 if isinstance(value, dict):
                     self._add_logprobs(value)
-            elif key != "index" and key != "message" and value is not None:
+            elif key != "index" and key != "message":
                 _merge_extra(self.extras, key, value)
         return content
 
@@ -356,6 +361,8 @@ class ChatAssembler:
                     missing.discard(key)
         content = False
         for key, value in chunk.items():
+            if key in _HELD_ELSEWHERE:  # id, object, model...: one look-up, not four
+                continue
             if key == "choices":
                 if isinstance(value, list):
                     for choice in value:
@@ -383,7 +390,7 @@ class ChatAssembler:
             elif key == "usage":
                 if isinstance(value, dict):
                     self.usage = value  # cumulative on vLLM: the last one is the total
-            elif value is not None and key not in _CHUNK_ONLY_KEYS and key not in _HEADER_KEYS:
+            elif value is not None:
                 _merge_extra(self._extras, key, value)
         return content
 
