@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from _common import fake_server, machine, median, quantile, write_result
+from _common import fake_server, machine, median, quantile, wake_cpu_us, write_result
 
 HERE = Path(__file__).resolve().parent
 KEY = "sk-gateway-bench"
@@ -323,7 +323,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for round_ in range(repeats):
-            rnd: dict[str, Any] = {"direct": {}, "gateways": {}}
+            # What every blocking wait costs on the machine this round (see
+            # _common.wake_cpu_us): the hop's price moves with it.
+            rnd: dict[str, Any] = {"direct": {}, "gateways": {}, "wake_cpu_us": wake_cpu_us()}
+            print(f"round {round_ + 1}: a sleep and wake-up costs {rnd['wake_cpu_us']} µs of CPU here",
+                  flush=True)
             order = kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)] if kinds else []
             for kind in order if kinds else ():
                 with gateway(kind, upstream, workdir, args.litellm_venv) as gw:
