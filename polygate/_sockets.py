@@ -71,7 +71,13 @@ async def receive_when_readable(stream: trio.abc.ReceiveStream, max_bytes: int) 
     ``trio.ClosedResourceError`` for a closed socket; a checkpoint (cancellable)
     whatever happens.  Any stream that is not a plain socket stream goes to its own
     ``receive_some``, and so does every stream on Windows, whose sockets are not
-    file descriptors."""
+    file descriptors.
+
+    One reader at a time, as everywhere polygate reads a socket: a second task
+    waiting on the same socket raises ``trio.BusyResourceError`` (trio's
+    ``receive_some`` would too, unless the bytes were already there)."""
+    if max_bytes < 1:
+        raise ValueError("max_bytes must be >= 1")  # (as receive_some: 0 is not the end)
     if type(stream) is not trio.SocketStream or not _POSIX or stream.socket.fileno() < 0:
         # (a closed socket: trio's error).  SSLStream's bytearray reads as bytes here,
         # as everywhere polygate reads a stream (typeshed says bytes-like).

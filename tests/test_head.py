@@ -274,3 +274,24 @@ async def test_a_body_cut_short_is_an_error_and_the_connection_is_dropped() -> N
             with pytest.raises(httpx.RemoteProtocolError, match="received 4 bytes, expected 10"):
                 await _get(transport, url)
             assert transport.statistics().idle == 0
+
+
+async def test_a_response_edited_on_its_way_is_read_as_edited() -> None:
+    # Only LeanTransport.post's responses (which go straight to the exchange) are
+    # read from the head they kept; one from handle_async_request may pass through a
+    # wrapper transport that edits its headers, and is read through httpx.
+    answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+    async with answering([answer, answer]) as (url, _):
+        async with LeanTransport() as transport:
+            response = await transport.handle_async_request(httpx.Request("POST", url, content=b"{}"))
+            response.headers["content-type"] = "text/event-stream"
+            response.headers["content-encoding"] = "gzip"
+            assert header_of(response, "content-type") == "text/event-stream"
+            assert header_of(response, "content-encoding") == "gzip"
+            await response.aclose()  # (unread: its connection closes)
+            posted = await transport.post(httpx.URL(url), [("content-type", "application/json")], b"{}")
+            assert posted is not None
+            assert HEAD_EXTENSION in posted.extensions  # this one is read from its head
+            assert header_of(posted, "content-type") == "application/json"
+            await posted.aread()
+            await posted.aclose()

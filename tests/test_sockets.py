@@ -322,3 +322,15 @@ async def test_the_pool_and_the_server_wait_before_their_first_read(
                     assert answer.startswith(b"HTTP/1.1 200")
     assert used.count("pool") == 2  # each request's answer
     assert used.count("server") >= 1  # the second request, on the kept-alive connection
+
+
+@pytest.mark.parametrize("size", [0, -1])
+async def test_a_size_below_one_is_refused_as_trio_refuses_it(size: int) -> None:
+    # 0 would read b"", which says "the end": trio refuses it, and so does this.
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.send(b"waiting")
+        with pytest.raises(ValueError):
+            await _stream(ours).receive_some(size)
+        with pytest.raises(ValueError):
+            await receive_when_readable(_stream(ours), size)

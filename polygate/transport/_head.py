@@ -107,6 +107,9 @@ def header_of(response: httpx.Response, name: str, default: str = "") -> str:
     (~2 % of a gateway request's time, for the two the exchange makes).  The same
     answer: every value of that name, joined by ", ".  A value that is not ASCII
     (where the encoding would matter) is left to httpx, as is any other response.
+    Only LeanTransport.post's responses carry their head (it goes straight to the
+    exchange): one that went through ``handle_async_request`` may have had its
+    headers edited on the way (a wrapper transport), and is read through httpx.
     """
     head = response.extensions.get(HEAD_EXTENSION)
     if type(head) is Head:

@@ -391,8 +391,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                                 ChunkedDecoder() if fast.chunked else None, data[end:],
                                 fast=fast,
                             ),
-                            extensions={"http_version": b"HTTP/1.1", "reason_phrase": fast.reason,
-                                        HEAD_EXTENSION: fast},
+                            extensions=_extensions(fast, request),
                         )
                     # Anything else is h11's, from the first byte: it learns of the
                     # request (written here, byte for byte as it would) first.
@@ -875,6 +874,17 @@ _CHUNKED_HEAD_CLOSE: Final = (
 def reports_sent(transport: object) -> bool:
     """Whether ``transport`` says itself when a request is written (:data:`REPORTS_SENT`)."""
     return getattr(transport, REPORTS_SENT, False) is True
+
+
+def _extensions(fast: Head, request: httpx.Request | None) -> dict[str, Any]:
+    """A lean response's extensions.  The head read is kept (see ``header_of``) only
+    for :meth:`LeanTransport.post`'s (``request`` None): polygate's exchange reads
+    those as they come.  One that leaves through ``handle_async_request`` may pass
+    through a wrapper transport, or a subclass, that edits its headers on the way."""
+    extensions: dict[str, Any] = {"http_version": b"HTTP/1.1", "reason_phrase": fast.reason}
+    if request is None:
+        extensions[HEAD_EXTENSION] = fast
+    return extensions
 
 
 def body_of(response: httpx.Response) -> _Body | None:
