@@ -686,13 +686,13 @@ async def test_chunks_that_arrived_together_leave_in_one_write(monkeypatch: pyte
     from polygate.serve._http import Connection
 
     writes: list[int] = []
-    send = Connection.send_unbounded
+    write = Connection.write_first
 
-    async def counting(self: Connection, data: bytes) -> None:
-        writes.append(data.count(b"data: "))
-        await send(self, data)
+    async def counting(self: Connection, data: bytes) -> memoryview:
+        writes.append(data.count(b"data: "))  # (a rest, if any, follows in send_unbounded)
+        return await write(self, data)
 
-    monkeypatch.setattr(Connection, "send_unbounded", counting)
+    monkeypatch.setattr(Connection, "write_first", counting)
     async with gateway(Reply(tokens=200)) as (server, _):
         answer = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
         whole = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
@@ -739,6 +739,26 @@ async def test_a_chunk_that_arrives_as_a_keep_alive_falls_due_is_sent(
         assert answer.body.endswith(b"data: [DONE]\n\n")
         assert answer.body.count(b'"content":"') == 4  # the role chunk and 3 tokens
         assert server.metrics.disconnects == 0
+
+
+async def test_a_flowing_stream_gets_no_keep_alive_and_a_quiet_one_does() -> None:
+    """Keep-alive comments count from the last write: none while tokens flow more
+    often than the interval (the stream's clock falls due several times meanwhile,
+    since a write the kernel takes at once leaves it alone), and one once the stream
+    has been quiet for the interval (a first token 2.5 intervals late).  Real clock,
+    with margins: tokens 0.4 intervals apart."""
+    interval = 0.1
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], sse_keepalive_s=interval)
+    async with gateway(Reply(tokens=20, inter_token_s=interval * 0.4), serve=serve) as (server, _):
+        flowing = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
+    assert flowing.status == 200
+    assert flowing.body.count(b'"content":"') == 21  # the role chunk and 20 tokens
+    assert b": keep-alive" not in flowing.body
+    async with gateway(Reply(tokens=2, first_token_s=interval * 2.5), serve=serve) as (server, _):
+        quiet = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
+    assert quiet.status == 200
+    assert b": keep-alive" in quiet.body
+    assert quiet.body.endswith(b"data: [DONE]\n\n")
 
 
 async def test_a_head_whose_wait_is_cancelled_is_no_timeout(

@@ -334,3 +334,36 @@ async def test_a_size_below_one_is_refused_as_trio_refuses_it(size: int) -> None
             await _stream(ours).receive_some(size)
         with pytest.raises(ValueError):
             await receive_when_readable(_stream(ours), size)
+
+
+async def test_after_a_read_that_emptied_the_socket_the_next_waits_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The pool's reads of a body: a read that brought less than it asked for emptied
+    # the socket, so the next (a stream's next token) waits before it tries; after a
+    # full read more may be there, and it tries first.
+    from polygate.transport import _pool
+
+    waited: list[int] = []
+
+    async def recorded(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes:
+        waited.append(max_bytes)
+        return await receive_when_readable(stream, max_bytes)
+
+    monkeypatch.setattr(_pool, "receive_when_readable", recorded)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        conn = PoolConnection(("http", "h", 80), _stream(ours), None)  # type: ignore[arg-type]
+        conn.read_size = 4
+        theirs.send(b"0123456789")
+        assert await conn.receive(None) == b"0123"  # full: more may be there
+        assert await conn.receive(None) == b"4567"
+        assert waited == []
+        assert await conn.receive(None) == b"89"  # short: the socket is empty
+        assert waited == []
+        theirs.send(b"ab")
+        assert await conn.receive(None) == b"ab"
+        assert waited == [4]  # this one waited first
+        theirs.close()
+        assert await conn.receive_answer(None) == b""
+        assert waited == [4, 4]  # an answer's first read always waits first

@@ -639,13 +639,18 @@ async def _chat_stream(
             chunks = stream.__aiter__()
             done = False
             late: StreamChunk | None = None  # taken as its clock's keep-alive fell due
+            # The last write (or a chunk about to be written): keep-alives count from it.
+            wrote_at = trio.current_time()
             while not done:
                 # One clock per quiet period, not a cancel scope per chunk: its deadline
                 # is the keep-alive while waiting for a chunk, the send timeout while
-                # writing one.  A scope costs ~5 µs to open and close; moving its
-                # deadline well under one.
+                # a write waits for the client.  A write the kernel takes at once
+                # (nearly all) leaves the clock alone: when it falls due with chunks
+                # still flowing, nothing was quiet, and the next clock counts from the
+                # last write.  (A scope costs ~5 µs; moving its deadline ~2 µs, which
+                # was twice a chunk.)
                 sending = False
-                with trio.CancelScope(deadline=trio.current_time() + interval) as clock:
+                with trio.CancelScope(deadline=wrote_at + interval) as clock:
                     while True:
                         if late is not None:
                             chunk, late = late, None
@@ -663,8 +668,10 @@ async def _chat_stream(
                                 # The keep-alive fell due as the chunk came (it was
                                 # ready: no checkpoint raised).  Moving the deadline
                                 # cannot un-cancel this clock, so the chunk goes out
-                                # under the next one; it keeps the stream alive too.
+                                # under the next one; it keeps the stream alive too
+                                # (the next clock counts from now).
                                 late = chunk
+                                wrote_at = trio.current_time()
                                 break
                         # Chunks that arrived with this one go out in the same write:
                         # nothing waits for them, and a burst costs one send, not one
@@ -677,17 +684,25 @@ async def _chat_stream(
                             done = True
                             break
                         out = head() if not head_sent else b""
-                        sending = True
-                        clock.deadline = trio.current_time() + send_timeout
-                        await conn.send_unbounded(out + b"".join(frames))
-                        sending = False
-                        clock.deadline = trio.current_time() + interval
+                        # No scheduler pass after a write the kernel took whole: the
+                        # next chunk is waited for (or taken) right after.
+                        rest = await conn.write_first(out + b"".join(frames))
+                        if rest:  # the client's buffer is full: bounded by the send timeout
+                            sending = True
+                            clock.deadline = trio.current_time() + send_timeout
+                            await conn.send_unbounded(rest)
+                            sending = False
+                        wrote_at = trio.current_time()
+                        if rest:
+                            clock.deadline = wrote_at + interval
                 if clock.cancelled_caught:
                     if sending:  # a client that does not read is a client that left
                         conn.client_gone = True
                         raise ClientGone
-                    out = head() if not head_sent else b""
-                    await conn.send(out + conn.frame(KEEPALIVE))
+                    if trio.current_time() >= wrote_at + interval:  # quiet that long
+                        out = head() if not head_sent else b""
+                        await conn.send(out + conn.frame(KEEPALIVE))
+                        wrote_at = trio.current_time()
     if ctx.stop.cancelled_caught:
         if not head_sent or conn.client_gone:
             return await _stopped(ctx, call_id)

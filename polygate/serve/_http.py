@@ -441,7 +441,13 @@ class Connection:
     async def send(self, data: bytes) -> None:
         await self._send(data)
 
-    async def send_unbounded(self, data: bytes) -> None:
+    async def write_first(self, data: bytes) -> memoryview:
+        """What is left of ``data`` after a write the kernel takes at once (empty,
+        nearly always), without a scheduler pass (see polygate._sockets); a
+        cancelled request writes nothing.  The caller sends the rest, if any."""
+        return await write_first(self.stream, data)
+
+    async def send_unbounded(self, data: bytes | memoryview) -> None:
         """A write whose time bound the caller keeps (a stream moves one deadline
         instead of opening a cancel scope per chunk)."""
         try:

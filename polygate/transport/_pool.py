@@ -79,7 +79,7 @@ import math
 import re
 import ssl
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, cast
 
 import attrs
@@ -149,7 +149,7 @@ class _Disconnected(Exception):
 class _Connection:
     """One socket, its (optional) TLS layer and its h11 state machine."""
 
-    __slots__ = ("h11", "idle_since", "key", "read_size", "socket", "stream")
+    __slots__ = ("drained", "h11", "idle_since", "key", "read_size", "socket", "stream")
 
     def __init__(self, key: _Key, stream: trio.abc.Stream, socket: trio.socket.SocketType) -> None:
         self.key = key
@@ -158,6 +158,7 @@ class _Connection:
         self.h11 = h11.Connection(h11.CLIENT)
         self.idle_since = 0.0
         self.read_size = _BODY_READ  # per response: see _STREAM_READ
+        self.drained = False  # the last read emptied the socket (see receive)
 
     def close(self) -> None:
         """Close the socket now, without I/O (no TLS close_notify): the server sees
@@ -179,21 +180,33 @@ class _Connection:
         raise httpx.WriteTimeout("timed out sending the request")
 
     async def receive(self, limit_s: float | None) -> bytes:
-        # h11 takes bytes-like; SSLStream's bytearray is fine (typeshed says bytes).
+        """The next bytes (``b""`` at the end).  After a read that emptied the socket
+        (it brought less than it asked for), the next one waits before it tries (see
+        polygate._sockets): a stream's next token, the rest of a body, is rarely
+        there yet, and trio's try-first read would fail first, every time."""
+        size = self.read_size
+        read: Awaitable[bytes]
+        if self.drained:
+            read = receive_when_readable(self.stream, size)
+        else:
+            # h11 takes bytes-like; SSLStream's bytearray is fine (typeshed says bytes).
+            read = cast("Awaitable[bytes]", self.stream.receive_some(size))
         if limit_s is None:
-            return cast("bytes", await self.stream.receive_some(self.read_size))
-        with trio.move_on_after(limit_s):
-            return cast("bytes", await self.stream.receive_some(self.read_size))
-        raise httpx.ReadTimeout("timed out reading the response")
+            data = await read
+        else:
+            with trio.move_on_after(limit_s):
+                data = await read
+                self.drained = len(data) < size
+                return data
+            raise httpx.ReadTimeout("timed out reading the response")
+        self.drained = len(data) < size
+        return data
 
     async def receive_answer(self, limit_s: float | None) -> bytes:
         """The first read after the request went out: its answer cannot be here
-        yet, so this waits before it reads (see polygate._sockets)."""
-        if limit_s is None:
-            return await receive_when_readable(self.stream, self.read_size)
-        with trio.move_on_after(limit_s):
-            return await receive_when_readable(self.stream, self.read_size)
-        raise httpx.ReadTimeout("timed out reading the response")
+        yet, so this waits before it reads."""
+        self.drained = True
+        return await self.receive(limit_s)
 
 
 class _Waiter:
