@@ -155,27 +155,9 @@ def _tcp_pair() -> tuple[socket.socket, socket.socket]:
     return client, server
 
 
-async def test_a_read_that_waits_brings_what_was_sent_then_the_end() -> None:
-    ours, theirs = socket.socketpair()
-    with ours, theirs:
-        stream = _stream(ours)
-        async with trio.open_nursery() as nursery:
-            got: list[bytes] = []
-
-            async def read() -> None:
-                got.append(await receive_when_readable(stream, 100))
-                got.append(await receive_when_readable(stream, 100))
-
-            nursery.start_soon(read)
-            await trio.testing.wait_all_tasks_blocked()
-            assert got == []  # waiting: nothing was there
-            theirs.send(b"answer")
-            await trio.testing.wait_all_tasks_blocked()
-            theirs.close()
-        assert got == [b"answer", b""]
-
-
-async def test_a_read_that_waits_reads_once(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_read_that_waits_brings_what_was_sent_then_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     reads: list[int] = []
     real_read = polygate._sockets.os.read
 
@@ -192,12 +174,17 @@ async def test_a_read_that_waits_reads_once(monkeypatch: pytest.MonkeyPatch) -> 
 
             async def read() -> None:
                 got.append(await receive_when_readable(stream, 100))
+                got.append(await receive_when_readable(stream, 100))
 
             nursery.start_soon(read)
             await trio.testing.wait_all_tasks_blocked()
+            assert got == []  # waiting: nothing was there
+            assert reads == []  # and no read tried before the wait
             theirs.send(b"answer")
-        assert got == [b"answer"]
-        assert reads == [ours.fileno()]  # no read before the wait
+            await trio.testing.wait_all_tasks_blocked()
+            theirs.close()
+        assert got == [b"answer", b""]
+        assert reads == [ours.fileno()] * 2  # one read a wait
 
 
 async def test_bytes_already_there_come_too() -> None:
