@@ -746,13 +746,14 @@ async def test_a_flowing_stream_gets_no_keep_alive_and_a_quiet_one_does() -> Non
     often than the interval (the stream's clock falls due several times meanwhile,
     since a write the kernel takes at once leaves it alone), and one once the stream
     has been quiet for the interval (a first token 2.5 intervals late).  Real clock,
-    with margins: tokens 0.4 intervals apart."""
-    interval = 0.1
+    with margins: tokens a quarter of an interval apart (a token 150 ms late would
+    let one through)."""
+    interval = 0.2
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], sse_keepalive_s=interval)
-    async with gateway(Reply(tokens=20, inter_token_s=interval * 0.4), serve=serve) as (server, _):
+    async with gateway(Reply(tokens=16, inter_token_s=interval / 4), serve=serve) as (server, _):
         flowing = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
     assert flowing.status == 200
-    assert flowing.body.count(b'"content":"') == 21  # the role chunk and 20 tokens
+    assert flowing.body.count(b'"content":"') == 17  # the role chunk and 16 tokens
     assert b": keep-alive" not in flowing.body
     async with gateway(Reply(tokens=2, first_token_s=interval * 2.5), serve=serve) as (server, _):
         quiet = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import h11
 import pytest
@@ -253,3 +254,35 @@ async def test_a_drain_answers_a_request_it_caught_half_received() -> None:
         await stream.aclose()
     assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
     assert len(upstream.requests) == 1
+
+
+async def test_a_drain_that_lands_as_a_stream_takes_its_first_chunk_answers_503(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A drain's grace period ends in the scheduler batch that hands a stream its
+    first chunk: the chunk's write is cancelled before any byte goes out, so nothing
+    was answered yet, and the client gets a whole 503 ``shutting_down``.  The head
+    used to count as sent once it was built, and the client got an SSE error frame
+    with no status line before it.  Scheduling-aware: the cancellation is made right
+    where the chunk is taken, with no checkpoint between."""
+    from polygate._session import ChatStream
+
+    take = ChatStream.__anext__
+    servers: list[Any] = []
+    first = True
+
+    async def drained_as_taken(self: ChatStream) -> Any:
+        nonlocal first
+        chunk = await take(self)
+        if first:
+            first = False
+            for stop in list(servers[0]._stops):
+                stop.cancel()  # what the grace period's end does
+        return chunk
+
+    monkeypatch.setattr(ChatStream, "__anext__", drained_as_taken)
+    async with gateway(Reply(tokens=3, first_token_s=0.05)) as (server, _):
+        servers.append(server)
+        answer = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
+    assert answer.status == 503
+    assert json.loads(answer.body)["error"]["code"] == "shutting_down"

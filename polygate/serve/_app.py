@@ -618,8 +618,8 @@ async def _chat_stream(
     failure: BaseException | None = None
 
     def head() -> bytes:
-        nonlocal head_sent
-        head_sent = True
+        # (The caller marks it sent once its write has begun: a write cancelled before
+        # any byte went out, a drain's, leaves the answer free to be a whole 503.)
         return conn.response_head(200, [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
@@ -687,6 +687,7 @@ async def _chat_stream(
                         # No scheduler pass after a write the kernel took whole: the
                         # next chunk is waited for (or taken) right after.
                         rest = await conn.write_first(out + b"".join(frames))
+                        head_sent = True  # begun: no other head may follow
                         if rest:  # the client's buffer is full: bounded by the send timeout
                             sending = True
                             clock.deadline = trio.current_time() + send_timeout
@@ -701,7 +702,10 @@ async def _chat_stream(
                         raise ClientGone
                     if trio.current_time() >= wrote_at + interval:  # quiet that long
                         out = head() if not head_sent else b""
-                        await conn.send(out + conn.frame(KEEPALIVE))
+                        rest = await conn.write_first(out + conn.frame(KEEPALIVE))
+                        head_sent = True
+                        if rest:
+                            await conn.send(bytes(rest))  # (bounded by the send timeout)
                         wrote_at = trio.current_time()
     if ctx.stop.cancelled_caught:
         if not head_sent or conn.client_gone:

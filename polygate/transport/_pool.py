@@ -185,22 +185,22 @@ class _Connection:
         polygate._sockets): a stream's next token, the rest of a body, is rarely
         there yet, and trio's try-first read would fail first, every time."""
         size = self.read_size
-        read: Awaitable[bytes]
-        if self.drained:
-            read = receive_when_readable(self.stream, size)
-        else:
-            # h11 takes bytes-like; SSLStream's bytearray is fine (typeshed says bytes).
-            read = cast("Awaitable[bytes]", self.stream.receive_some(size))
         if limit_s is None:
-            data = await read
+            data = await self._read(size)
         else:
-            with trio.move_on_after(limit_s):
-                data = await read
+            with trio.move_on_after(limit_s):  # (a bad limit raises before a read starts)
+                data = await self._read(size)
                 self.drained = len(data) < size
                 return data
             raise httpx.ReadTimeout("timed out reading the response")
         self.drained = len(data) < size
         return data
+
+    def _read(self, size: int) -> Awaitable[bytes]:
+        if self.drained:
+            return receive_when_readable(self.stream, size)
+        # h11 takes bytes-like; SSLStream's bytearray is fine (typeshed says bytes).
+        return cast("Awaitable[bytes]", self.stream.receive_some(size))
 
     async def receive_answer(self, limit_s: float | None) -> bytes:
         """The first read after the request went out: its answer cannot be here
