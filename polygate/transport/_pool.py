@@ -188,11 +188,10 @@ class _Connection:
         if limit_s is None:
             data = await self._read(size)
         else:
-            with trio.move_on_after(limit_s):  # (a bad limit raises before a read starts)
+            with trio.move_on_after(limit_s) as clock:  # (a bad limit raises before a read)
                 data = await self._read(size)
-                self.drained = len(data) < size
-                return data
-            raise httpx.ReadTimeout("timed out reading the response")
+            if clock.cancelled_caught:
+                raise httpx.ReadTimeout("timed out reading the response")
         self.drained = len(data) < size
         return data
 
