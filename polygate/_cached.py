@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final, TypeVar
 
 import attrs
 import trio
@@ -59,6 +59,13 @@ __all__ = ["cache_mode", "cached_chat", "cached_embed"]
 _SHARED = (
     FatalUpstreamError, AllSourcesExhausted, GovernanceBackendError, StructuredOutputError,
 )
+
+
+T = TypeVar("T")
+
+#: The most of what is left of a call's deadline a cache lookup may take; the rest is
+#: the upstream's (docs/cache.md, "Fail open").
+LOOKUP_SHARE: Final = 0.1
 
 
 def cache_mode(value: Any) -> bool | str:
@@ -110,6 +117,21 @@ class _Call:
             if not self.recorded:
                 self.record(error.call_stats or self.stats(cached=False), None, error)
             raise error from None
+
+    async def lookup(self, cache: Cache, read: Callable[[], Awaitable[T]], missed: T) -> T:
+        """A cache read, ``missed`` when it takes more than ``LOOKUP_SHARE`` of what is
+        left of the deadline.  The backend's own timeout can be longer than a short
+        deadline: a read that used the deadline up would fail a call the upstream could
+        have answered, where the cache must fail open (a slow read is counted as a
+        failure, but does not pause the backend: it was this call that had little time)."""
+        if self.deadline_at is None:
+            return await read()
+        now = trio.current_time()
+        with trio.move_on_at(now + max(0.0, self.deadline_at - now) * LOOKUP_SHARE):
+            return await read()
+        cache.failed("a cache lookup took longer than its share of the call's deadline",
+                      pause=False)
+        return missed
 
     def remaining(self) -> float | None:
         """What is left of the deadline for an upstream call; DeadlineExceeded at 0."""
@@ -247,7 +269,7 @@ async def cached_chat(
         if looked_up:
             rejected = found
         elif mode != "refresh":
-            data = await call.within(lambda: cache.get(key))
+            data = await call.lookup(cache, lambda: cache.get(key), None)
             if data is not None:
                 response = await served(data)
                 if response is not None:
@@ -500,7 +522,8 @@ async def cached_embed(
     async def body() -> EmbeddingResponse:
         todo = list(texts)
         if mode != "refresh":
-            values = await call.within(lambda: cache.get_many(todo))
+            missed: list[bytes | None] = [None] * len(todo)
+            values = await call.lookup(cache, lambda: cache.get_many(todo), missed)
             for key, data in zip(todo, values, strict=True):
                 if take(key, data):
                     cache.hits += 1

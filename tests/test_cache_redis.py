@@ -211,6 +211,36 @@ async def test_redis_down_at_session_start(caplog: pytest.LogCaptureFixture) -> 
     assert all(ALICE_PASSWORD not in rec.getMessage() for rec in caplog.records)
 
 
+@pytest.mark.parametrize("kind", ["chat", "embed"])
+async def test_a_redis_that_does_not_answer_never_fails_a_call_with_a_deadline(kind: str) -> None:
+    """A black-holed Redis (connections accepted, nothing answered) with a timeout
+    longer than the call's deadline: the lookup gives up within a tenth of the
+    deadline and the call goes upstream (it used to fail with DeadlineExceeded)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    held: list[trio.SocketStream] = []
+
+    async def hold(stream: trio.SocketStream) -> None:
+        held.append(stream)  # read nothing, answer nothing, until the test ends
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, hold, listeners)
+        url = f"redis://127.0.0.1:{port}/0?timeout_s=2"
+        up = FakeUpstream(Reply(text="answered"))
+        async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+            with trio.fail_after(20):
+                if kind == "chat":
+                    r: Any = await s.chat(_question(), call_deadline_s=1.0)
+                    assert r.text == "answered" and not r.call_stats.cached
+                else:
+                    r = await s.embed(["one", "two"], scope="chat", call_deadline_s=1.0)
+                    assert len(r.vectors) == 2
+            stats = (await s.statistics()).cache
+            nursery.cancel_scope.cancel()
+    assert stats.errors >= 1 and stats.hits == 0 and len(up.requests) == 1
+
+
 async def test_acl_user_and_wrong_password(redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     base = f"redis://alice:{ALICE_PASSWORD}@127.0.0.1:{redis_server.port}/0?prefix=t{secrets.token_hex(3)}"
     question = _question()

@@ -319,6 +319,38 @@ async def test_a_failing_cache_never_fails_a_call(autojump_clock: trio.testing.M
     assert len(up.requests) == 4
 
 
+@pytest.mark.parametrize("kind", ["chat", "embed"])
+async def test_a_slow_lookup_never_uses_up_the_deadline(
+    autojump_clock: trio.testing.MockClock, kind: str
+) -> None:
+    """A backend slower than what a short deadline leaves (its own timeout is longer)
+    is a miss after a tenth of the deadline, not a DeadlineExceeded; it is counted,
+    and pauses nothing (the next call asks the backend again)."""
+    up = FakeUpstream(Reply(text="fine"))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)}, cache="memory")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        backend = Flaky()
+        backend.slow = 3600.0  # answers long after any deadline here
+        s._cache = Cache(backend)
+        async with trio.open_nursery() as nursery:
+            s._cache.start(nursery)
+            for i in range(2):
+                started = trio.current_time()
+                if kind == "chat":
+                    r: Any = await s.chat([{"role": "user", "content": f"q{i}"}], call_deadline_s=2.0)
+                    assert r.text == "fine" and not r.call_stats.cached
+                else:
+                    r = await s.embed([f"q{i}", "x"], scope="chat", call_deadline_s=2.0)
+                    assert len(r.vectors) == 2
+                assert trio.current_time() - started == pytest.approx(0.2)
+            nursery.cancel_scope.cancel()
+        stats = (await s.statistics()).cache
+    assert backend.reads == 2  # the second call was not kept from the backend
+    assert stats.errors == 2 and stats.misses >= 2 and stats.hits == 0
+    assert len(up.requests) == 2
+
+
 async def test_an_undecodable_entry_is_a_miss(autojump_clock: trio.testing.MockClock) -> None:
     up = FakeUpstream(Reply(text="fresh"))
     settings = polygate.Settings(scopes={"chat": polygate.Scope(
