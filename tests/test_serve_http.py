@@ -623,6 +623,23 @@ async def test_every_source_rate_limited_is_429_with_retry_after() -> None:
     assert len(upstream.requests) == 2
 
 
+async def test_every_source_cooling_down_after_a_5xx_with_retry_after_is_429() -> None:
+    """Review finding: 5xx answers that sent Retry-After leave every source cooling
+    down past the deadline.  The call that caused it was answered 502 (its errors were
+    5xx, not 429s), the next one, refused at admission in the same state, 429: one
+    state, two answers.  Both are 429 with Retry-After (docs/serve.md's table)."""
+    async with gateway(Reply(status=503, retry_after_s=30), sources=2, call_deadline_s=2.0,
+                       retry=polygate.Retry(backoff_base_s=0)) as (server, upstream):
+        first = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        again = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    for answer in (first, again):
+        assert answer.status == 429, answer.body
+        assert answer.json()["error"]["code"] == "rate_limit_exceeded"
+        assert 25 <= int(answer.headers["retry-after"]) <= 30
+    assert first.headers["x-polygate-attempts"] == "2"
+    assert len(upstream.requests) == 2
+
+
 async def test_sources_exhausted_is_502() -> None:
     async with gateway(Reply(status=500), retry=polygate.Retry(max_attempts=2, backoff_base_s=0)) as (server, _):
         answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)

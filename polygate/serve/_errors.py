@@ -103,14 +103,16 @@ def rate_limited_for(exc: errors.AllSourcesExhausted) -> float | None:
     """Seconds until a source may take the call again, when every source was rate
     limited; ``None`` when something else exhausted the call.
 
-    Two ways a call ends so: its attempts were all answered 429 (``exc.errors`` are
-    all :class:`RateLimitedError`, each maybe with its Retry-After), or admission
-    found every source over its RPM/TPM quota or cooling down from an earlier 429
-    until past the call's deadline (no attempt was made: ``exc.retry_after_s``).
+    Two ways a call ends so.  Admission, at the end, found every source over its
+    RPM/TPM quota or cooling down until past the call's deadline (``exc.retry_after_s``,
+    the wait it measured): after 429s, or after 5xx answers that sent Retry-After (the
+    upstream asked for the wait either way), or with no attempt made.  Or the
+    attempts were all answered 429 (``exc.errors`` are all :class:`RateLimitedError`,
+    each maybe with its Retry-After).  One state gets one answer, whichever call met it.
     """
-    if exc.errors:
-        if not all(isinstance(e, errors.RateLimitedError) for e in exc.errors):
-            return None
+    if exc.retry_after_s is not None:
+        return exc.retry_after_s
+    if exc.errors and all(isinstance(e, errors.RateLimitedError) for e in exc.errors):
         known = [e.retry_after_s for e in exc.errors if e.retry_after_s is not None]
         return min(known) if known else 1.0
-    return exc.retry_after_s
+    return None
