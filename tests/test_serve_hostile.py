@@ -385,6 +385,37 @@ async def test_a_choice_index_that_is_no_natural_number_is_never_relayed(index: 
     assert indexes and all(type(i) is int and i >= 0 for i in indexes), indexes
 
 
+async def test_every_choice_of_a_stream_gets_its_role_first() -> None:
+    """Review finding: with n=2 only choice 0 was given a role chunk (the library
+    forwards content, not the upstream's role-only chunks), so the OpenAI SDK's stream
+    helper assembled choice 1 with role None.  Each choice's first event now carries
+    its role, from a streaming source and from a non-streaming one alike."""
+    two = json.dumps({"id": "x", "object": "chat.completion", "model": "m", "choices": [
+        {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": "stop"}
+        for i, t in ((0, "A"), (1, "B"))]}).encode()
+    sse = _sse(
+        b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""}},'
+        b'{"index":1,"delta":{"role":"assistant","content":""}}]}',
+        b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"A"}}]}',
+        b'{"id":"x","model":"m","choices":[{"index":1,"delta":{"content":"B"}}]}',
+        b'{"id":"x","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"},'
+        b'{"index":1,"delta":{},"finish_reason":"stop"}]}')
+    request = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True}
+    answers = await _against(two, sse, ("/v1/chat/completions", {**request, "model": "chat"}),
+                             ("/v1/chat/completions", {**request, "model": "whole"}))
+    for status, body in answers:
+        assert status == 200, body
+        first: dict[int, Any] = {}
+        text: dict[int, str] = {0: "", 1: ""}
+        for event in _events(body):
+            for choice in event["choices"]:
+                first.setdefault(choice["index"], choice["delta"])
+                text[choice["index"]] += choice["delta"].get("content") or ""
+        assert set(first) == {0, 1}
+        assert all(delta.get("role") == "assistant" for delta in first.values()), first
+        assert text == {0: "A", 1: "B"}, body
+
+
 def test_the_relay_reshapes_a_chunk_with_an_index_that_is_no_natural_number() -> None:
     """The relay's own guard (the session refuses such a chunk before it gets here):
     a choice index of 1.0 or false is re-shaped as choice 0 from the chunk's delta,

@@ -44,11 +44,12 @@ def error_event(message: str, type_: str, code: str) -> bytes:
 class StreamShape:
     """Turns one call's forwarded chunks into the client's events."""
 
-    __slots__ = ("_finished", "_meta", "_started")
+    __slots__ = ("_finished", "_meta", "_roled", "_started")
 
     def __init__(self) -> None:
         self._meta: dict[str, Any] | None = None
         self._finished: set[int] = set()
+        self._roled: set[int] = set()  # the choices whose role the client has
         self._started = False
 
     def chunk(self, chunk: StreamChunk) -> bytes:
@@ -60,28 +61,39 @@ class StreamShape:
         if not (isinstance(choices, list) and choices
                 and all(isinstance(c, Mapping) and "delta" in c and choice_index(c) is not None
                         for c in choices)):
-            raw = {**self._header(raw), "choices": [
+            raw = {**self._header(raw), "choices": _whole_answer(choices, chunk.delta) or [
                 {"index": 0, "delta": chunk.delta, "finish_reason": None}]}
             choices = raw["choices"]
         cleaned = string_content(choices, "delta")
         if cleaned is not None:
             raw = {**raw, "choices": cleaned}
             choices = cleaned
-        for choice in choices:
-            if choice.get("finish_reason") is not None:
-                index = choice_index(choice)
-                if index is not None:  # (always, after the check above)
-                    self._finished.add(index)
-        out = b""
         if not self._started:
             self._started = True
             self._meta = self._header(raw)
-            first = choices[0].get("delta") if choices else None
-            if not (isinstance(first, Mapping) and first.get("role")):
-                out = _event({**self._meta, "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""},
-                     "finish_reason": None}]})
-        return out + _event(raw)
+        # Every choice gets its role before its first delta, as in an OpenAI stream
+        # (with n > 1 too): the library forwards content, not the upstream's role-only
+        # chunks, and a client assembling choices by index reads the role from there.
+        unroled: list[int] | None = None
+        for choice in choices:
+            index = choice_index(choice)
+            if index is None:  # (never, after the check above)
+                continue
+            if index not in self._roled:
+                self._roled.add(index)
+                delta = choice.get("delta")
+                if not (isinstance(delta, Mapping) and delta.get("role")):
+                    unroled = [index] if unroled is None else [*unroled, index]
+            if choice.get("finish_reason") is not None:
+                self._finished.add(index)
+        if unroled is None:
+            return _event(raw)
+        return self._roles(unroled, self._meta) + _event(raw)
+
+    def _roles(self, indexes: list[int], meta: dict[str, Any] | None) -> bytes:
+        return _event({**(meta or {}), "choices": [
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            for index in indexes]})
 
     def ending(self, response: ChatResponse, include_usage: bool) -> bytes:
         """The role chunk (when nothing was forwarded), finish chunk, usage chunk, [DONE]."""
@@ -89,17 +101,21 @@ class StreamShape:
         if not self._started:
             self._started = True
             self._meta = self._header(response.raw)
-            out += _event({**self._meta, "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
         meta = self._meta or self._header(response.raw)
         finishing = []
+        unroled = []
         for position, choice in enumerate(response.choices or [{}]):
             index = choice.get("index", position) if isinstance(choice, Mapping) else position
+            if index not in self._roled:  # a choice nothing was forwarded for
+                self._roled.add(index)
+                unroled.append(index)
             if index in self._finished:
                 continue
             reason = choice.get("finish_reason") if isinstance(choice, Mapping) else None
             finishing.append({"index": index, "delta": {},
                               "finish_reason": reason if isinstance(reason, str) and reason else "stop"})
+        if unroled:
+            out += self._roles(unroled, meta)
         if finishing:
             out += _event({**meta, "choices": finishing})
         if include_usage:
@@ -121,6 +137,26 @@ class StreamShape:
             if isinstance(value, str):
                 header[key] = value
         return header
+
+
+def _whole_answer(choices: Any, first: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A non-streamed body's choices as deltas, every choice kept: a source that cannot
+    stream shows its whole answer as one chunk, whose delta is only the first choice's
+    message (``first``, as the library read it).  ``None`` unless every choice is a
+    message with a natural-number index."""
+    if not (isinstance(choices, list) and len(choices) > 1):
+        return None
+    out = []
+    for choice in choices:
+        message = choice.get("message") if isinstance(choice, Mapping) else None
+        if not isinstance(message, Mapping):
+            return None
+        index = choice_index(choice)
+        if index is None:
+            return None
+        delta = first if index == 0 else {k: v for k, v in message.items() if v is not None}
+        out.append({"index": index, "delta": delta, "finish_reason": None})
+    return out
 
 
 def string_content(choices: list[Any], key: str) -> list[Any] | None:
