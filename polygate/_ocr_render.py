@@ -197,7 +197,15 @@ def pdf_scale(width_pt: float, height_pt: float, dpi: float, max_side_px: int) -
     """``dpi / 72`` pixels per point, lowered so the longer side fits ``max_side_px``
     (one scale for both axes: the aspect ratio is kept)."""
     longest = max(width_pt, height_pt, 1e-6)
-    return min(dpi / 72.0, max_side_px / longest)
+    scale = min(dpi / 72.0, max_side_px / longest)
+    # pypdfium2 renders ceil(side * scale) pixels, and the product can land a hair
+    # above the integer (1683.78 x 2383.94 pt at 1600 px: 1601).  Down by an ulp at a
+    # time until it fits: a few steps at most, the excess being rounding.
+    for _ in range(64):
+        if math.ceil(longest * scale) <= max_side_px:
+            break
+        scale = math.nextafter(scale, 0.0)
+    return scale
 
 
 class Renderer:

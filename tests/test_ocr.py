@@ -181,6 +181,37 @@ async def test_large_pages_are_scaled_down_keeping_the_aspect_ratio(
     assert sorted(sizes) == [(200, 1000), (1000, 500)]
 
 
+@pytest.mark.parametrize("render_in", ["process", "thread"])
+async def test_the_longer_side_never_passes_max_side_px(
+    autojump_clock: trio.testing.MockClock, render_in: str
+) -> None:
+    """Review finding: pypdfium2 renders ceil(side * scale) pixels, and an ISO A1 page
+    (1683.78 x 2383.94 pt) at max_side_px=1600 came out 1601 px tall."""
+    up = FakeUpstream(Reply(text="x"))
+    settings = ocr_settings(max_side_px=1600, image_format="png", render_in=render_in)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        await s.ocr(make_pdf([(1683.78, 2383.94), (1000.63, 1417.32)]))
+    for req in up.requests:
+        with Image.open(io.BytesIO(sent_image(req)[1])) as image:
+            assert max(image.size) == 1600, image.size
+
+
+@given(
+    width=st.floats(1.0, 20_000.0), height=st.floats(1.0, 20_000.0),
+    dpi=st.floats(36.0, 600.0), max_side=st.integers(16, 8192),
+)
+def test_pdf_scale_fits_max_side_px_and_loses_nothing_else(
+    width: float, height: float, dpi: float, max_side: int
+) -> None:
+    import math
+
+    scale = _ocr_render.pdf_scale(width, height, dpi, max_side)
+    longest = max(width, height)
+    assert math.ceil(longest * scale) <= max_side  # as pypdfium2 sizes the bitmap
+    # and it is the wanted scale, less no more than rounding
+    assert scale >= min(dpi / 72.0, max_side / longest) * (1 - 1e-12)
+
+
 async def test_pages_selects_and_keeps_document_order(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
