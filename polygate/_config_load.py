@@ -388,6 +388,11 @@ def _parse_env(entries: Mapping[str, str]) -> _SettingsPart:
         part.values[field] = _value_from_text(kind, entries[key], key)
         _check_key(field, part.values[field], key)
         part.keys.append(key)
+    for scope in settings.scopes.values():
+        # By name, as documented: the keys' own order (sorted whole) put A-1__… before
+        # A__… and GPU10__… before GPU1__…, and Scope.sources is an ordered tuple, so
+        # the same sources in a TOML file in name order made unequal Settings.
+        scope.sources = dict(sorted(scope.sources.items()))
     return settings
 
 

@@ -263,6 +263,11 @@ EQUAL_CASES = {
                                    scopes__chat__hedge__after_s=8, dead_cooldown_s=5),
     "postgres telemetry": with_values(two_sources(),
                                       telemetry=f"postgresql://app:{REDIS_PW}@db:5432/t"),
+    # in name order, which the environment's keys sorted whole are not (A-1__ before
+    # A__, GPU10__ before GPU1__, A__ before A_B__ but AB__ before A_B__): a review
+    # finding, the environment's sources came out in key order
+    "names that sort apart as keys": {"scopes": {"chat": {"sources": {
+        name: {"base_url": URL_A} for name in ("a", "a-1", "a_b", "ab", "gpu1", "gpu10")}}}},
 }
 
 
