@@ -658,6 +658,14 @@ def _check_backend(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
         raise _bad(inst, attr.name, url=value, problem=
             f"must be 'memory' or a redis://host:port/db URL, got {mask_url(value)!r}",
         )
+    # Its options too, here rather than at session start: the loaders then name the
+    # key or TOML path that set it (SPEC §2), as they do for the cache's URL.
+    from .governance._redis import parse_redis_url  # lazy: it imports mask_url from here
+
+    try:
+        parse_redis_url(value)
+    except ConfigError as exc:
+        raise _bad(inst, attr.name, url=value, problem=str(exc).removeprefix("backend: ")) from None
 
 
 def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:

@@ -211,14 +211,34 @@ def test_python_dash_m(tmp_path: Path) -> None:
 # check-config validates exactly what session() validates before it connects anything:
 # each of these settings builds, and session() refuses it with a ConfigError.
 SESSION_ONLY = {
-    "redis option unknown": ('backend = "redis://localhost:6379/0?bogus=1"', {}),
-    "redis option malformed": ('backend = "redis://localhost:6379/0?timeout_s=soon"', {}),
-    "redis poll_s against lease_s": ('backend = "redis://localhost:6379/0?poll_s=10"', {}),
-    "redis database not a number": ('backend = "redis://localhost:6379/zero"', {}),
     "coredis missing": ('backend = "redis://localhost:6379/0"', {"coredis": None}),
     "coredis missing for the cache": ('cache = "redis://localhost:6379/0"', {"coredis": None}),
     "psycopg missing": ('telemetry = "postgresql://db.invalid/telemetry"', {"psycopg": None}),
 }
+
+
+# The backend URL's options are checked with the URL itself (they were checked only at
+# session start, where no key or TOML path could be named): refused as the file loads.
+AT_LOAD = {
+    "redis option unknown": ('backend = "redis://localhost:6379/0?bogus=1"', "unknown option 'bogus'"),
+    "redis option malformed": ('backend = "redis://localhost:6379/0?timeout_s=soon"', "timeout_s"),
+    "redis poll_s against lease_s": ('backend = "redis://localhost:6379/0?poll_s=10"', "poll_s"),
+    "redis database not a number": ('backend = "redis://localhost:6379/zero"', "database"),
+}
+
+
+@pytest.mark.parametrize("case", AT_LOAD)
+def test_a_bad_backend_option_is_refused_as_the_file_loads(
+    case: str, clean: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    top, words = AT_LOAD[case]
+    path = write(clean, top + '\n[scopes.chat.sources.a]\nbase_url = "http://127.0.0.1:8001/v1"\n')
+    with pytest.raises(ConfigError) as info:
+        settings_from_toml(path)
+    assert f"{path}: backend: " in str(info.value) and words in str(info.value)
+    assert main(["check-config", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err == f"polygate check-config: invalid configuration: {info.value}\n"
 
 
 @pytest.mark.parametrize("case", SESSION_ONLY)

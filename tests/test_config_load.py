@@ -943,3 +943,27 @@ def test_env_errors_about_a_scope_name_its_key(extra: dict[str, str], named: str
     with pytest.raises(ConfigError) as info:
         settings_from_env(env)
     assert named in str(info.value) and "{SCOPE}" not in str(info.value)
+
+
+@pytest.mark.parametrize(("query", "problem"), [
+    ("timeout_s=abc", "option timeout_s must be a number"),
+    ("colour=blue", "unknown option 'colour'"),
+    ("poll_s=1&lease_s=1", "poll_s must be well below lease_s"),
+])
+def test_a_bad_backend_option_names_its_key_or_path(query: str, problem: str, tmp_path: Path) -> None:
+    """Review finding: the backend URL's options were parsed only at session start,
+    under a bare "backend:", where the cache's were named by their key or path."""
+    url = f"redis://:{REDIS_PW}@h:6379/0?{query}"
+    path = tmp_path / "polygate.toml"
+    path.write_text(f'backend = "{url}"\n[scopes.chat.sources.a]\nbase_url = "{URL_A}"\n')
+    for build, where in (
+        (lambda: settings_from_env({"POLYGATE__BACKEND": url, "POLYGATE__CHAT__A__BASE_URL": URL_A}),
+         "POLYGATE__BACKEND"),
+        (lambda: settings_from_toml(path), f"{path}: backend"),
+        (lambda: Settings(scopes={"chat": Scope(sources=[Source(name="a", base_url=URL_A)])}, backend=url),
+         "Settings.backend"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            build()
+        assert where in str(info.value) and problem in str(info.value), str(info.value)
+        assert REDIS_PW not in str(info.value)

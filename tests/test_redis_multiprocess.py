@@ -243,11 +243,12 @@ def test_url_options_and_no_secret_in_repr() -> None:
 async def _session_error(backend_url: str) -> BaseException:
     import polygate
 
-    settings = polygate.Settings(
-        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
-        backend=backend_url,
-    )
     with pytest.raises(BaseException) as info:  # the callers check which
+        # (a bad option is refused by Settings itself, the others by session())
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
+            backend=backend_url,
+        )
         async with polygate.session(settings):
             pass
     return info.value
