@@ -38,7 +38,8 @@ tries again one threshold later, and never sooner than a floor (a learnt thresho
 be microseconds).
 
 **Winners and losers.**  For ``chat()`` the first *complete, successful* answer
-wins; an attempt that fails does not end the round while another is alive.  For
+wins; an attempt that fails does not end the round while another is alive, unless
+it failed with a fatal error (the request is wrong: raised at once).  For
 ``stream_chat()`` the first attempt to hand a content chunk to the caller is
 *committed*: the others are cancelled at once and never revived, because the
 caller has seen that attempt's text.  Losers are cancelled through their own cancel
@@ -70,7 +71,7 @@ import trio
 
 from ._attempt import AttemptCancelled, AttemptControl
 from ._context import AttemptRecord, CallContext
-from ._errors import GovernanceBackendError, Outcome, UpstreamError
+from ._errors import FatalUpstreamError, GovernanceBackendError, Outcome, UpstreamError
 from .governance import Admission, Governor
 from .transport import OnContent
 
@@ -199,6 +200,11 @@ class Round:
             pass
         except UpstreamError as exc:
             path.error = exc
+            if isinstance(exc, FatalUpstreamError) and not self._decided():
+                # The request is wrong (SPEC §3: raised at once): the other paths would
+                # be told so too, later.  They end now, as losers, and the round with
+                # this error.
+                self._cancel_others(path)
         else:
             # A race decides once.  The attempt layer already refuses a result that
             # finished after its cancel was called (it was runnable in the winner's
@@ -299,6 +305,13 @@ class Round:
         while not self._decided() and any(not p.done for p in self._paths):
             at = self._next_trigger()
             if at <= trio.current_time():
+                # Paths woken in this same instant run first (a first token, an answer
+                # or a failure exactly at the threshold): a path exactly at it is not
+                # late, and whether a hedge goes out must not hang on the order of one
+                # scheduler batch.
+                await trio.lowlevel.checkpoint()
+                if self._decided() or self._next_trigger() > trio.current_time():
+                    continue
                 await self._try_hedge()
                 continue
             if at == math.inf:

@@ -337,6 +337,69 @@ async def test_a_failing_hedge_does_not_end_the_round(autojump_clock: trio.testi
     assert (r.call_stats.attempts, r.call_stats.hedges) == (2, 1)
 
 
+async def test_a_fatal_hedge_ends_the_round_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    """Review finding: a 400 (the request is wrong) from the hedge at 8 s waited for the
+    primary, here until its own 400 at 30 s.  SPEC §3: a fatal error is raised at once;
+    the primary is cancelled as a loser, and settled before the statistics freeze."""
+    a = FakeUpstream(Reply(status=400, headers_delay_s=30))
+    b = FakeUpstream(Reply(status=400))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        with pytest.raises(polygate.FatalUpstreamError) as info:
+            await s.chat(MESSAGES)
+        assert trio.current_time() == pytest.approx(8)
+        stats = await s.statistics()
+    assert info.value.source == "b"
+    assert (info.value.call_stats.attempts, info.value.call_stats.hedges) == (2, 1)
+    assert a.requests[0].outcome == "client_closed"
+    assert _source(stats, "a").in_flight == 0 and _source(stats, "a").tokens_reserved == 0
+
+
+async def test_a_fatal_primary_ends_the_round_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    a = FakeUpstream(Reply(status=422, headers_delay_s=10))
+    b = FakeUpstream(Reply(first_token_s=5))  # would answer at 13
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        with pytest.raises(polygate.FatalUpstreamError) as info:
+            await s.chat(MESSAGES)
+        assert trio.current_time() == pytest.approx(10)
+    assert info.value.source == "a" and b.requests[0].outcome == "client_closed"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_first_token_exactly_at_the_threshold_is_not_late(seed: int) -> None:
+    """Review finding: the first token and the trigger in one instant sent a hedge in
+    about half of trio's batch orders (a request to b, a budget token, hedges == 1).
+    The monitor now lets the paths woken in that instant run first."""
+    a = FakeUpstream(Reply(first_token_s=8, inter_token_s=1, tokens=3))
+    b = FakeUpstream(Reply(first_token_s=5, tokens=1))
+
+    async def call() -> polygate.ChatResponse:
+        async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+            return await s.chat(MESSAGES)
+
+    r = Schedule(seed).run(call)
+    assert (r.source, r.call_stats.attempts, r.call_stats.hedges) == ("a", 1, 0)
+    assert not b.requests
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_failure_exactly_at_the_threshold_ends_the_round(seed: int) -> None:
+    """The same instant with a failing primary and one attempt allowed: the call
+    ended as AllSourcesExhausted or as b's answer by batch order alone."""
+    a = FakeUpstream(Reply(status=500, headers_delay_s=8))
+    b = FakeUpstream(Reply(first_token_s=1, tokens=1))
+
+    async def call() -> polygate.AllSourcesExhausted:
+        settings = _settings(retry=polygate.Retry(max_attempts=1))
+        async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.chat(MESSAGES)
+            return info.value
+
+    error = Schedule(seed).run(call)
+    assert (error.call_stats.attempts, error.call_stats.hedges) == (1, 0)
+    assert not b.requests
+
+
 # mid-stream (seed 004) ----------------------------------------------------------------
 
 
@@ -395,6 +458,18 @@ async def test_budget_suppresses_hedges(autojump_clock: trio.testing.MockClock) 
     assert hedged == [1, 1] + [0] * 8
     assert stats.governance.hedges_suppressed_by_budget["chat"] == 8
     assert stats.governance.hedge_budget["chat"] == pytest.approx(1.0)
+
+
+async def test_ten_refills_of_a_tenth_are_a_token(autojump_clock: trio.testing.MockClock) -> None:
+    """Review finding: 0.1 added ten times is 0.9999999999999999, which the bucket did
+    not take for a token, so the 11th call could not hedge (91 hedges per 1,000 calls
+    where the ratio promises 100)."""
+    a = FakeUpstream(Reply(first_token_s=20, tokens=1))
+    b = FakeUpstream(Reply(first_token_s=1, tokens=1))
+    hedge = polygate.Hedge(after_s=8, budget_burst=1, budget_ratio=0.1)
+    async with polygate.session(_settings(hedge=hedge), transport=Router({"a": a, "b": b})) as s:
+        hedged = [(await s.chat(MESSAGES)).call_stats.hedges for _ in range(11)]
+    assert hedged == [1] + [0] * 9 + [1]
 
 
 async def test_hedging_off_never_hedges(autojump_clock: trio.testing.MockClock) -> None:

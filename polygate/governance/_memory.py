@@ -37,6 +37,10 @@ __all__ = ["MemoryBackend", "WINDOW_S"]
 
 WINDOW_S = 60.0
 
+#: A hedge takes a whole budget token, give or take rounding: refills of 0.1 ten times
+#: add up to 0.9999999999999999, and that is a token (the Redis script says the same).
+WHOLE_TOKEN = 1.0 - 1e-9
+
 
 class _Entry:
     __slots__ = ("at", "live", "tokens")
@@ -229,10 +233,10 @@ class MemoryBackend:
 
     async def budget_take(self, scope: str, burst: float) -> bool:
         level = self._budgets.get(scope, burst)
-        if level < 1.0:
+        if level < WHOLE_TOKEN:
             self._budgets[scope] = level
             return False
-        self._budgets[scope] = level - 1.0
+        self._budgets[scope] = max(level - 1.0, 0.0)
         return True
 
     async def budget_refill(self, scope: str, amount: float, burst: float) -> None:

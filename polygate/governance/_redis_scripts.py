@@ -349,8 +349,8 @@ local level = tonumber(redis.call('GET', KEYS[1])) or burst
 # ARGV: burst, key_ttl_ms.  Returns {taken (1/0), level}.
 BUDGET_TAKE = _BUDGET + r"""
 local taken = 0
-if level >= 1 then
-  level = level - 1
+if level >= 1 - 1e-9 then  -- a whole token, give or take rounding (as _memory.WHOLE_TOKEN)
+  level = math.max(level - 1, 0)
   taken = 1
 end
 redis.call('SET', KEYS[1], fmt(level), 'PX', ttl_ms)
