@@ -576,6 +576,22 @@ async def test_reading_a_stream_after_its_block_says_so() -> None:
         assert (await s.chat(messages("after"))).text  # the session is open
 
 
+async def test_a_stream_left_after_its_answer_came_hands_out_nothing_more() -> None:
+    """Review finding: with the whole answer buffered when the block was left, the
+    stream went on handing out the buffered chunks and ended normally with a
+    response; trio's stream says at once that its block exited, and so does this."""
+    up = fake(Reply(tokens=5))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        async with s.stream_chat(messages("early")) as stream:
+            await stream.__anext__()
+            await wait_until(lambda: up.in_flight == 0)  # the rest is buffered here
+        leftover = []
+        with pytest.raises(polygate.PolygateError, match="its block exited"):
+            async for chunk in stream:
+                leftover.append(chunk.text)
+        assert leftover == [] and stream.response is None
+
+
 async def test_two_tasks_reading_one_stream_share_it() -> None:
     """As with trio's stream: two consumers split the chunks, and both loops end
     (one waited for ever: a second reader replaced the first's wake-up)."""
@@ -874,6 +890,36 @@ def test_a_session_used_from_another_loop_says_so() -> None:
             assert [type(e) for e in errors] == [polygate.PolygateError] * 2
             assert all("another event loop" in str(e) for e in errors)
             assert (await s.chat(messages("x"))).text  # still fine on its own loop
+
+    _run(main())
+
+
+def test_a_stream_used_from_another_loop_says_so() -> None:
+    """Review finding: a stream read or left from another thread handed trio work from
+    that thread: trio's RuntimeError there, and the stream (after an exit, the whole
+    session) stuck for ever on its own loop.  Now a PolygateError, and nothing moves."""
+    async def main() -> None:
+        up = fake(Reply(tokens=60))
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+            async with s.stream_chat(messages("x")) as stream:
+                first = await stream.__anext__()
+                errors: list[BaseException] = []
+
+                def elsewhere() -> None:
+                    for step in (stream.__anext__, lambda: stream.__aexit__(None, None, None)):
+                        try:
+                            _run(step())
+                        except BaseException as exc:
+                            errors.append(exc)
+
+                thread = threading.Thread(target=elsewhere)
+                thread.start()
+                await asyncio.get_running_loop().run_in_executor(None, thread.join)
+                assert [type(e) for e in errors] == [polygate.PolygateError] * 2
+                assert all("another event loop" in str(e) for e in errors)
+                texts = [first.text] + [chunk.text async for chunk in stream]  # the rest, here
+            assert stream.response is not None and "".join(texts) == stream.response.text
+            assert (await s.chat(messages("y"))).text
 
     _run(main())
 

@@ -415,6 +415,7 @@ class ChatStream:
         # One wake-up per reader waiting: two tasks may read one stream, as in trio.
         self._waiters: list[asyncio.Future[None]] = []
         self._leaving = False  # the stream's own block is being left
+        self._exited = False  # ... or has been: reading on is an error, as in trio
         self._space: trio.Event | None = None
         self._job: _Job | None = None
         self._finished = False
@@ -460,7 +461,20 @@ class ChatStream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._check_loop()
+        self._exited = True
         await self._settle()
+
+    def _check_loop(self) -> None:
+        """A stream is its session's loop's, as the session is: from another thread it
+        would hand trio work from the wrong thread and leave the session stuck."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise PolygateError("this stream belongs to another event loop (or thread); "
+                                "read it where its session was opened")
 
     async def _settle(self) -> None:
         """Cancel the trio side unless it has finished, and wait until it has."""
@@ -519,8 +533,13 @@ class ChatStream:
     async def __anext__(self) -> StreamChunk:
         if self._job is None:
             raise PolygateError("use 'async with session.stream_chat(...) as stream' first")
+        self._check_loop()
         if self._finished:
             raise StopAsyncIteration
+        if self._exited:
+            # Whatever was buffered when the block was left is not handed out (trio's
+            # stream says the same, whether or not its call had finished).
+            raise PolygateError(_BLOCK_LEFT)
         while not self._chunks:
             if self._finished:  # another reader took the end
                 raise StopAsyncIteration
