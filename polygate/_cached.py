@@ -124,7 +124,7 @@ class _Call:
         deadline: a read that used the deadline up would fail a call the upstream could
         have answered, where the cache must fail open (a slow read is counted as a
         failure, but does not pause the backend: it was this call that had little time)."""
-        if self.deadline_at is None:
+        if self.deadline_at is None or cache.local:  # (a memory lookup never waits)
             return await read()
         now = trio.current_time()
         with trio.move_on_at(now + max(0.0, self.deadline_at - now) * LOOKUP_SHARE):
