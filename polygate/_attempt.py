@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import trio
 
@@ -31,6 +31,10 @@ from .transport import OnContent, Timeline, chat_exchange, embeddings_exchange
 __all__ = ["AttemptCancelled", "AttemptControl", "run_chat_attempt", "run_embed_attempt"]
 
 T = TypeVar("T")
+
+#: How far past its limit a watchdog fires (the statistics' stall threshold has the
+#: same tolerance, polygate._stats): a token exactly at the limit is in time.
+_WATCH_GRACE_S: Final = 1e-6
 
 
 class AttemptControl:
@@ -62,7 +66,11 @@ class AttemptControl:
         self.watch(watch)
 
     def watch(self, deadline: float) -> None:
-        """Move the watchdog (only real content tokens do)."""
+        """Move the watchdog (only real content tokens do).  A token exactly at the
+        limit is in time (SPEC §4: silent *longer* than ``stall_timeout_s``; a first
+        token *within* ``ttft_timeout_s``): the scope fires a hair after it, or in the
+        instant they share trio would cancel the read that brings the token."""
+        deadline += _WATCH_GRACE_S
         self._watch = deadline
         earliest = deadline if deadline < self._whole else self._whole
         # trio re-registers an entered scope's deadline on every assignment, even of

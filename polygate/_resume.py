@@ -185,7 +185,14 @@ class ResumedForward:
                 # shown as it comes, and the restatement that may follow is still
                 # looked for -- a reasoning model reasons afresh, then restates.
                 return self._pass(chunk)
-            out = stitcher.flush() if other else stitcher.feed(text)
+            if other:
+                # A chunk that cannot be held (it carries reasoning or a vendor field):
+                # decide now, with its own text in the decision (it was dropped).
+                out = stitcher.feed(text) if text else ""
+                if stitcher.deciding:
+                    out = stitcher.flush()
+            else:
+                out = stitcher.feed(text)
             if stitcher.deciding:
                 self._last = chunk
                 return True

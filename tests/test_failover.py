@@ -485,6 +485,42 @@ async def test_a_tool_call_cut_mid_arguments_is_not_resumed(
     assert b.requests == []
 
 
+@pytest.mark.parametrize("restate", [0, 5], ids=["nothing_held", "restated_tail_held"])
+@pytest.mark.parametrize("extra", [
+    {"reasoning_content": "(picking up where I stopped)"},  # reasoning beside the text
+    {"x_vendor": {"segment": 2}},  # a provider's extra on the delta
+], ids=["reasoning", "vendor_field"])
+async def test_a_continuation_whose_first_text_comes_with_another_field_keeps_it(
+    autojump_clock: trio.testing.MockClock, extra: dict[str, Any], restate: int
+) -> None:
+    """Review finding: a delta that cannot be held (it carries another field) made
+    the stitcher decide with what it held, and its own text was dropped: " w10" was
+    missing from the caller's stream and from response.text alike."""
+    import httpx
+
+    words = WORDS[:20]
+    answer = " ".join(words)
+    a = FakeUpstream(Reply(text=answer, fault="truncated", fault_after=10))  # shows w0..w9
+
+    async def continuation(request: Any) -> Any:
+        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+        deltas += [{"content": " " + w} for w in words[10 - restate:10]]  # a restated tail
+        deltas += [{"content": " " + words[10], **extra}]
+        deltas += [{"content": " " + w} for w in words[11:]]
+        body = b"".join(
+            b"data: " + json.dumps({"choices": [{"index": 0, "delta": d}]}).encode() + b"\n\n"
+            for d in deltas)
+        body += b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    transport = Router({"a": a, "b": httpx.MockTransport(continuation)})  # type: ignore[dict-item]
+    async with polygate.session(_resume_settings(), transport=transport) as s:
+        stream, chunks = await _read(s)
+    r = stream.response
+    assert r is not None and r.call_stats.resumes == 1
+    assert "".join(c.text for c in chunks) == r.text == answer
+
+
 async def test_chat_restarts_cleanly_instead_of_resuming(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

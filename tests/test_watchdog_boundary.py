@@ -1,0 +1,73 @@
+"""A token exactly at a watchdog's limit is in time (review finding).
+
+SPEC §4: a stream is stalled when silent *longer* than ``stall_timeout_s``, and
+``ttft_timeout_s`` wants a first token *within* it; the statistics already count a
+gap equal to the threshold as no stall.  The watchdog's deadline fell in the instant
+the token came, and trio cancelled the read that brought it: a StreamStalled, an
+attempt failed as stalled, or "no first token within ttft_timeout_s", on every
+scheduling order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.testing import FakeUpstream, Reply, Router, Schedule
+
+from .conftest import MESSAGES
+
+ANSWER = " ".join(f"w{i}" for i in range(20))
+
+
+def _settings(stream: polygate.StreamWatch, **source: Any) -> polygate.Settings:
+    return polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", **source)],
+        stream=stream, retry=polygate.Retry(max_attempts=1))})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_committed_stream_silent_exactly_stall_timeout_is_not_stalled(seed: int) -> None:
+    async def main() -> str:
+        a = FakeUpstream(Reply(text=ANSWER, stall_at=10, stall_s=5.0))  # one gap of 5.0 s
+        async with polygate.session(_settings(polygate.StreamWatch(stall_timeout_s=5.0)),
+                                    transport=Router({"a": a})) as s:
+            async with s.stream_chat(MESSAGES) as stream:
+                return "".join([c.text async for c in stream])
+
+    assert Schedule(seed).run(main) == ANSWER
+
+
+async def test_a_chat_silent_exactly_stall_timeout_is_not_stalled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(text=ANSWER, stall_at=10, stall_s=5.0))
+    async with polygate.session(_settings(polygate.StreamWatch(stall_timeout_s=5.0)),
+                                transport=Router({"a": a})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.text == ANSWER and r.call_stats.stall_count == 1  # 5.0 s > the 2 s threshold
+
+
+async def test_a_first_token_exactly_at_ttft_timeout_is_in_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = FakeUpstream(Reply(text=ANSWER, first_token_s=5.0))
+    async with polygate.session(_settings(polygate.StreamWatch(), ttft_timeout_s=5.0),
+                                transport=Router({"a": a})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.text == ANSWER and r.call_stats.ttft_ms == pytest.approx(5000)
+
+
+async def test_a_token_a_hair_late_still_trips_the_watchdog(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The grace is a microsecond, not a loophole: 1 ms late is late."""
+    a = FakeUpstream(Reply(text=ANSWER, first_token_s=5.001))
+    async with polygate.session(_settings(polygate.StreamWatch(), ttft_timeout_s=5.0),
+                                transport=Router({"a": a})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+    assert "no first token within ttft_timeout_s=5.0" in str(info.value.errors[0])
