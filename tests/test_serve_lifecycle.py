@@ -286,3 +286,35 @@ async def test_a_drain_that_lands_as_a_stream_takes_its_first_chunk_answers_503(
         answer = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
     assert answer.status == 503
     assert json.loads(answer.body)["error"]["code"] == "shutting_down"
+
+
+async def test_a_reload_reaches_the_connections_already_open(tmp_path: Path) -> None:
+    """Review finding: a connection kept alive from before a SIGHUP went on with the
+    old [serve] limits (they were copied when it was accepted), so a pooled client
+    (the OpenAI SDK's) kept them for as long as its connections stayed open."""
+    import httpx
+
+    def write(cap: int) -> None:
+        config.write_text(f'[serve]\napi_keys = ["{GATEWAY_KEY}"]\nmax_request_bytes = {cap}\n'
+                          f'[scopes.chat.sources.a]\nbase_url = "{url}"\nmodel = "m1"\n')
+
+    upstream = FakeUpstream(Reply(tokens=2))
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 2000}]}
+    config = tmp_path / "c.toml"
+    async with upstream.serve() as url:
+        write(1_000_000)
+        async with serve_process(config) as srv:
+            base = f"http://127.0.0.1:{srv.port}"
+            async with httpx.AsyncClient(base_url=base, headers=AUTH) as kept:
+                assert (await kept.post("/v1/chat/completions", json=big)).status_code == 200
+                write(1000)
+                srv.proc.send_signal(signal.SIGHUP)
+                async with httpx.AsyncClient(base_url=base, headers=AUTH) as fresh:
+                    with trio.fail_after(10):  # the reload is in force for new connections
+                        while (await fresh.post("/v1/chat/completions", json=big)).status_code != 413:  # noqa: ASYNC110
+                            await trio.sleep(0.05)
+                again = await kept.post("/v1/chat/completions", json=big)
+                assert again.status_code == 413, again.text
+            srv.proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(10):
+                assert await srv.proc.wait() == 0

@@ -70,6 +70,11 @@ Headers = Sequence[tuple[bytes, bytes]]
 class ClientGone(Exception):
     """The client closed or reset the connection, or stopped reading."""
 
+    def __init__(self, path: str | None = None) -> None:
+        super().__init__()
+        #: The request's path, when its head was read (for the metrics' label).
+        self.path = path
+
 
 class HTTPProblem(Exception):
     """The request cannot be read: answer ``status`` and close the connection."""
@@ -187,8 +192,10 @@ class Connection:
         Raises :class:`HTTPProblem` for a request that is malformed, too large or too
         slow, or that ``admit(path, headers)`` refuses (a missing gateway key: refused
         from the head, so a client without a key never makes the server hold its
-        body); the caller answers it and closes.  ``started()`` is called once the
-        request's first byte is here.
+        body); the caller answers it and closes.  ``admit`` may set ``limits`` (a
+        reload's, for the rest of the request).  ``started()`` is called once the
+        request's first byte is here.  A client that leaves mid-request raises
+        :class:`ClientGone`.
 
         The head is read in ``scope`` (a new one if none is given), with its deadline
         set here: the server's scope for a connection that a drain may close while it
@@ -266,6 +273,7 @@ class Connection:
                 401, "Incorrect or missing gateway key: send 'Authorization: Bearer <key>'.",
                 "invalid_api_key", path,
             )
+        limits = self.limits  # (admit may have brought a reload's)
         length = headers.get("content-length")
         if length is not None and int(length) > limits.max_request_bytes:
             raise HTTPProblem(
@@ -301,6 +309,10 @@ class Connection:
             # A kept-alive connection just answered waits for its next request: the
             # first read waits before it tries.
             data = await self._receive(wait_first=idle and not fed)
+            if not data and (fed or self.h11.trailing_data[0]):
+                # The client left in the middle of a head: gone (499), not a
+                # malformed request (h11 would call the cut head a 400).
+                raise ClientGone
             if data and started is not None:
                 started()
                 started = None
@@ -337,7 +349,10 @@ class Connection:
                 if deadline is None:
                     deadline = trio.current_time() + limits.body_timeout_s
                 with trio.move_on_at(deadline):
-                    self.h11.receive_data(await self._receive())
+                    data = await self._receive()
+                    if not data:  # left mid-body: gone, not a malformed body
+                        raise ClientGone(path)
+                    self.h11.receive_data(data)
                     continue
                 raise HTTPProblem(408, "the request body was not received in time",
                                   "request_timeout")
@@ -351,7 +366,7 @@ class Connection:
             elif isinstance(event, h11.EndOfMessage):
                 return bytes(body)
             else:  # ConnectionClosed mid-body
-                raise ClientGone
+                raise ClientGone(path)
 
     async def _receive(self, wait_first: bool = False) -> bytes:
         """``wait_first``: the bytes cannot be here yet (see polygate._sockets)."""

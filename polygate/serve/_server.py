@@ -314,6 +314,9 @@ class Server:
             nonlocal checked
             gateway = self._current
             assert gateway is not None
+            # The request's body is read under the limits in force when its head
+            # came: a reload changes them for the connections already open too.
+            conn.limits = gateway.settings.serve
             if path in _OPEN_PATHS:
                 return True
             if gateway.authorised(headers):
@@ -343,7 +346,11 @@ class Server:
                 except HTTPProblem as problem:
                     await self._problem(conn, problem)
                     return
-                except ClientGone:
+                except ClientGone as gone:
+                    if begun:  # left in the middle of its request: as after it, a 499
+                        metrics.disconnects += 1
+                        metrics.request(
+                            "other" if gone.path is None else endpoint_label(gone.path), 499, 0.0)
                     return
                 finally:
                     self._idle.discard(idle)
