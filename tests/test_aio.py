@@ -872,26 +872,31 @@ def test_sessions_on_loops_in_other_threads() -> None:
 def test_a_session_used_from_another_loop_says_so() -> None:
     async def main() -> None:
         async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
-            errors: list[BaseException] = []
-
-            def elsewhere() -> None:
-                try:
-                    _run(s.chat(messages("x")))
-                except BaseException as exc:
-                    errors.append(exc)
-                try:
-                    s.stream_chat(messages("x"))  # no running loop in this thread now
-                except BaseException as exc:
-                    errors.append(exc)
-
-            thread = threading.Thread(target=elsewhere)
-            thread.start()
-            await asyncio.get_running_loop().run_in_executor(None, thread.join)
-            assert [type(e) for e in errors] == [polygate.PolygateError] * 2
-            assert all("another event loop" in str(e) for e in errors)
+            await _refused_elsewhere(
+                lambda: _run(s.chat(messages("x"))),
+                lambda: s.stream_chat(messages("x")),  # no running loop in that thread
+            )
             assert (await s.chat(messages("x"))).text  # still fine on its own loop
 
     _run(main())
+
+
+async def _refused_elsewhere(*steps: Any) -> None:
+    """Run each step in another thread: each raises PolygateError("… another event loop")."""
+    errors: list[BaseException] = []
+
+    def elsewhere() -> None:
+        for step in steps:
+            try:
+                step()
+            except BaseException as exc:
+                errors.append(exc)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    await asyncio.get_running_loop().run_in_executor(None, thread.join)
+    assert [type(e) for e in errors] == [polygate.PolygateError] * len(steps), errors
+    assert all("another event loop" in str(e) for e in errors)
 
 
 def test_a_stream_used_from_another_loop_says_so() -> None:
@@ -903,20 +908,10 @@ def test_a_stream_used_from_another_loop_says_so() -> None:
         async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
             async with s.stream_chat(messages("x")) as stream:
                 first = await stream.__anext__()
-                errors: list[BaseException] = []
-
-                def elsewhere() -> None:
-                    for step in (stream.__anext__, lambda: stream.__aexit__(None, None, None)):
-                        try:
-                            _run(step())
-                        except BaseException as exc:
-                            errors.append(exc)
-
-                thread = threading.Thread(target=elsewhere)
-                thread.start()
-                await asyncio.get_running_loop().run_in_executor(None, thread.join)
-                assert [type(e) for e in errors] == [polygate.PolygateError] * 2
-                assert all("another event loop" in str(e) for e in errors)
+                await _refused_elsewhere(
+                    lambda: _run(stream.__anext__()),
+                    lambda: _run(stream.__aexit__(None, None, None)),
+                )
                 texts = [first.text] + [chunk.text async for chunk in stream]  # the rest, here
             assert stream.response is not None and "".join(texts) == stream.response.text
             assert (await s.chat(messages("y"))).text

@@ -220,13 +220,7 @@ class Session:
     def _check_open(self) -> None:
         if self._owner.closing:
             raise PolygateError(_CLOSED)
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is not self._loop:
-            raise PolygateError("this session belongs to another event loop (or thread); "
-                                "open one per loop")
+        _check_loop(self._loop, "this session", "open one per loop")
 
     async def _cancel(self, job: _Job) -> None:
         """The caller was cancelled: cancel the trio side and wait until every path of
@@ -236,6 +230,16 @@ class Session:
             self._host.submit(job.cancel)
             await settle(job.waiter)
         _retrieved(job.fut)
+
+
+def _check_loop(loop: asyncio.AbstractEventLoop, what: str, advice: str) -> None:
+    """A PolygateError unless the running loop is ``loop``."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is not loop:
+        raise PolygateError(f"{what} belongs to another event loop (or thread); {advice}")
 
 
 def _retrieved(fut: asyncio.Future[Any]) -> None:
@@ -466,15 +470,9 @@ class ChatStream:
         await self._settle()
 
     def _check_loop(self) -> None:
-        """A stream is its session's loop's, as the session is: from another thread it
-        would hand trio work from the wrong thread and leave the session stuck."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is not self._loop:
-            raise PolygateError("this stream belongs to another event loop (or thread); "
-                                "read it where its session was opened")
+        # A stream is its session's loop's: from another thread it would hand trio
+        # work from the wrong thread and leave the session stuck.
+        _check_loop(self._loop, "this stream", "read it where its session was opened")
 
     async def _settle(self) -> None:
         """Cancel the trio side unless it has finished, and wait until it has."""
