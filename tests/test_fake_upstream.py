@@ -765,3 +765,87 @@ async def test_an_absurd_embedding_size_is_a_400_not_a_frozen_server(
         with pytest.raises(polygate.FatalUpstreamError, match="dimensions"):
             await s.embed(["x"], dimensions=10**9)
         assert len((await s.embed(["x"], dimensions=8)).vectors[0]) == 8
+
+
+# --------------------------------------------------------------------------- review findings
+
+
+async def _timed_chunks(transport: Any, read_after: float = 0.0) -> list[tuple[float, bytes]]:
+    """(time since the request, raw body piece) for a streamed chat."""
+    async with httpx.AsyncClient(transport=transport, base_url="http://x/v1") as c:
+        t0 = trio.current_time()
+        async with c.stream("POST", CHAT, json=chat_body()) as r:
+            await trio.sleep(read_after)
+            return [(trio.current_time() - t0, piece) async for piece in r.aiter_raw()]
+
+
+@pytest.mark.parametrize("keepalive", [None, 0.1, 0.3, 0.7])
+async def test_keep_alive_comments_do_not_move_the_tokens(
+    autojump_clock: trio.testing.MockClock, keepalive: float | None
+) -> None:
+    """A wait split by keep-alives summed its pieces in floating point: the first
+    token came at 0.9999999999999999 instead of 1.0 (each test: a clock from 0)."""
+    up = FakeUpstream(Reply(first_token_s=1.0, inter_token_s=0.1, tokens=3, keepalive_s=keepalive))
+    times = [t for t, piece in await _timed_chunks(up.transport()) if b'"content":"' in piece]
+    assert times[1:4] == [1.0, 1.0 + 0.1, 1.0 + 0.1 + 0.1]  # (after the role chunk)
+
+
+async def test_a_late_reader_finds_the_body_already_sent(autojump_clock: trio.testing.MockClock) -> None:
+    """The body's schedule runs from the head (a socket buffers what came meanwhile),
+    not from the first read: it was 5, 6, 7 s for a body sent by 2 s."""
+    reply = Reply(first_token_s=1, inter_token_s=1, tokens=2)
+    for transport in (FakeUpstream(reply).transport(), polygate.testing.EventTransport(FakeUpstream(reply))):
+        assert {t for t, _ in await _timed_chunks(transport, read_after=5)} == {5.0}
+
+
+@pytest.mark.parametrize("status", [201, 202, 206])
+async def test_a_2xx_status_is_sent_as_scripted(autojump_clock: trio.testing.MockClock, status: int) -> None:
+    """Every 2xx path sent 200 (the record said the scripted status)."""
+    for stream in (True, False):
+        up = FakeUpstream(Reply(status=status, fault="html" if status == 206 else None))
+        async with client(up) as c:
+            r = await c.post(CHAT, json=chat_body(stream=stream))
+        assert r.status_code == up.requests[0].status == status
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda: Reply(status=100), "status"),
+    (lambda: Reply(status=204), "status"),
+    (lambda: Reply(status=304), "status"),
+    (lambda: Reply(first_token_s=float("nan")), "first_token_s"),
+    (lambda: Reply(headers_delay_s=float("nan")), "headers_delay_s"),
+    (lambda: Reply(tokens=2.5), "tokens"),
+    (lambda: Reply(stall_at=1.5), "stall_at"),
+    (lambda: Reply(fault="truncated", fault_after=1.5), "fault_after"),
+    (lambda: Reply(text=123), "text"),
+    (lambda: Profile(first_token_s=float("nan")), "first_token_s"),
+    (lambda: Profile(first_token_s=(0, float("nan"))), "first_token_s"),
+    (lambda: Profile(tokens=float("inf")), "tokens"),
+    (lambda: Profile(base={"tokens": 3}), "base"),
+    (lambda: FakeUpstream([Reply()], then="x"), "then"),
+])
+def test_a_bad_script_is_refused_when_it_is_written(make: Any, words: str) -> None:
+    """Each of these was accepted, then ignored or failed on every request with an
+    unrelated error (a NaN wait of 0 s, a fault that never came, an AssertionError)."""
+    with pytest.raises((ValueError, TypeError), match=words):
+        make()
+
+
+async def test_a_failing_script_is_a_500_on_loopback_not_the_end_of_the_server() -> None:
+    """A behaviour that raises tore the whole loopback server down (and the block
+    serving it); now that request gets a 500 that says why, and the next one is served."""
+    calls = []
+
+    def behaviour(request: Any, rng: random.Random) -> Reply:
+        calls.append(request)
+        if len(calls) == 1:
+            raise KeyError("the script's own bug")
+        return Reply(text="fine")
+
+    up = FakeUpstream(behaviour)
+    with trio.fail_after(20):
+        async with up.serve() as url, httpx.AsyncClient(base_url=url) as c:
+            first = await c.post(CHAT, json=chat_body(stream=False))
+            second = await c.post(CHAT, json=chat_body(stream=False))
+    assert first.status_code == 500 and b"KeyError" in first.content
+    assert second.status_code == 200 and second.json()["choices"][0]["message"]["content"] == "fine"

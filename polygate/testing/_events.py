@@ -49,7 +49,7 @@ import attrs
 import httpx
 import trio
 
-from ._render import Pause, Plan
+from ._render import Due, Pause, Plan
 from ._transport import body_ending, report_sent
 from ._upstream import FakeUpstream, Outcome, RecordedRequest
 
@@ -244,10 +244,10 @@ class _Body(httpx.AsyncByteStream):
         buffered: list[bytes] = []
         size = 0
         try:
-            due = self._start
+            schedule = Due(self._start)
             for step in plan.steps:
                 if isinstance(step, Pause):
-                    due += step.seconds
+                    due = schedule.after(step)
                     if transport.arrival(due) <= trio.current_time():
                         continue  # arrived already: it joins the buffered piece
                     if buffered:

@@ -49,9 +49,41 @@ def _dumps(obj: Any) -> str:
 
 @attrs.frozen
 class Pause:
-    """Send nothing for ``seconds`` (a face sleeps, and notices a client leaving)."""
+    """Send nothing for ``seconds`` (a face sleeps, and notices a client leaving).
+
+    A wait split by keep-alive comments is pauses marked ``beat`` and a last one
+    whose ``whole`` is the whole wait: it ends where the unsplit wait would, to the
+    last bit (see :class:`Due`)."""
 
     seconds: float
+    beat: bool = False
+    whole: float | None = None
+
+
+class Due:
+    """A face's absolute schedule of a plan's pauses, from ``start``: a wake-up that
+    comes late shortens the next pause instead of delaying every later step, and
+    keep-alive beats do not move what follows them (adding the pieces of a split
+    wait up in floating point lands a hair off the unsplit time)."""
+
+    __slots__ = ("_wait_start", "at")
+
+    def __init__(self, start: float) -> None:
+        self.at = start
+        self._wait_start: float | None = None
+
+    def after(self, pause: Pause) -> float:
+        """When the step after ``pause`` is due."""
+        if pause.beat:
+            if self._wait_start is None:
+                self._wait_start = self.at
+            self.at += pause.seconds
+        elif pause.whole is not None and self._wait_start is not None:
+            self.at = self._wait_start + pause.whole
+            self._wait_start = None
+        else:
+            self.at += pause.seconds
+        return self.at
 
 
 #: A body step: bytes to send, or a pause.
@@ -110,8 +142,8 @@ def render(reply: Reply, ex: Exchange) -> Plan:
     if reply.fault in ("html", "no_choices"):
         delay = reply.headers_delay_s + reply.first_token_s
         if reply.fault == "html":
-            return _fixed(200, headers, delay, _HTML, "text/html; charset=utf-8", fault=True)
-        return _fixed(200, headers, delay, _no_choices(reply, ex), fault=True)
+            return _fixed(reply.status, headers, delay, _HTML, "text/html; charset=utf-8", fault=True)
+        return _fixed(reply.status, headers, delay, _no_choices(reply, ex), fault=True)
     if ex.path.endswith("/embeddings"):
         return _embeddings(reply, ex, headers)
     chat = _Chat(reply, ex)
@@ -261,10 +293,12 @@ def _wait(seconds: float, keepalive: float | None) -> Iterator[Step]:
     if keepalive is not None:
         beats = 0
         while (beats + 1) * keepalive < seconds:
-            yield Pause(keepalive)
+            yield Pause(keepalive, beat=True)
             yield _KEEPALIVE
             beats += 1
-        seconds -= beats * keepalive
+        if beats:
+            yield Pause(seconds - beats * keepalive, whole=seconds)
+            return
     yield Pause(seconds)
 
 
@@ -363,7 +397,7 @@ class _Chat:
     def stream_plan(self, headers: tuple[tuple[str, str], ...]) -> Plan:
         r = self.reply
         return Plan(
-            200,
+            r.status,  # (any 2xx: the script says which)
             (("content-type", "text/event-stream; charset=utf-8"), *headers),
             r.headers_delay_s,
             True,
@@ -454,19 +488,19 @@ class _Chat:
             payload = _error_payload(
                 "The server had an error while generating.", "server_error", r.error_event_code
             )
-            return _fixed(200, headers, delay, _dumps(payload).encode(), fault=True)
+            return _fixed(r.status, headers, delay, _dumps(payload).encode(), fault=True)
         if r.fault == "oversized":
             prefix = f'{{"id":"{self.id}","padding":"'.encode()
-            return _oversized(r.oversized_bytes, prefix, headers, delay)
+            return _oversized(r.status, r.oversized_bytes, prefix, headers, delay)
         return _faulty_json(r, headers, delay, _dumps(self.message_body()).encode())
 
 
 def _oversized(
-    total: int, prefix: bytes, headers: tuple[tuple[str, str], ...], delay: float
+    status: int, total: int, prefix: bytes, headers: tuple[tuple[str, str], ...], delay: float
 ) -> Plan:
     size = max(total, len(prefix) + 2)
     return Plan(
-        200,
+        status,
         (("content-type", "application/json"), *headers),
         delay,
         False,
@@ -481,7 +515,7 @@ def _faulty_json(
     reply: Reply, headers: tuple[tuple[str, str], ...], delay: float, body: bytes
 ) -> Plan:
     """A JSON body, damaged as ``reply.fault`` says (malformed, truncated, reset)."""
-    plan = _fixed(200, headers, delay, body)
+    plan = _fixed(reply.status, headers, delay, body)
     if reply.fault == "malformed_json":
         broken = body[:-1] + b","
         return attrs.evolve(plan, steps=(broken,), content_length=len(broken), fault=True)
@@ -558,7 +592,7 @@ def _embeddings(reply: Reply, ex: Exchange, headers: tuple[tuple[str, str], ...]
     delay = reply.headers_delay_s + reply.first_token_s
     if reply.fault == "error_event":
         payload = _error_payload("The server had an error.", "server_error", reply.error_event_code)
-        return _fixed(200, headers, delay, _dumps(payload).encode(), fault=True)
+        return _fixed(reply.status, headers, delay, _dumps(payload).encode(), fault=True)
     if reply.fault == "oversized":
-        return _oversized(reply.oversized_bytes, b'{"object":"list","padding":"', headers, delay)
+        return _oversized(reply.status, reply.oversized_bytes, b'{"object":"list","padding":"', headers, delay)
     return _faulty_json(reply, headers, delay, _dumps(payload).encode())

@@ -16,6 +16,7 @@ probability therefore never shifts the timings drawn for other requests.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeAlias
@@ -63,14 +64,19 @@ def sample(dist: Distribution, rng: random.Random) -> float:
 
 def _check_distribution(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, tuple):
-        if len(value) != 2 or not all(isinstance(v, int | float) for v in value):
-            raise ValueError(f"{attribute.name}: a distribution tuple is (lo, hi), got {value!r}")
+        if len(value) != 2 or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                for v in value):
+            raise ValueError(f"{attribute.name}: a distribution tuple is (lo, hi), two finite "
+                             f"numbers, got {value!r}")
         if value[0] > value[1] or value[0] < 0:
             raise ValueError(f"{attribute.name}: need 0 <= lo <= hi, got {value!r}")
     elif callable(value):
         return
-    elif isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"{attribute.name}: expected a number >= 0, (lo, hi) or a callable")
+    elif (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or value < 0):
+        raise ValueError(f"{attribute.name}: expected a finite number >= 0, (lo, hi) or a "
+                         f"callable, got {value!r}")
 
 
 def _to_distribution(value: Any) -> Any:
@@ -85,11 +91,40 @@ def _headers(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tupl
 
 
 def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+    """A time: a number >= 0 (infinity waits for ever; NaN is no time)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < 0:
+        raise ValueError(f"{attribute.name} must be a number >= 0, got {value!r}")
 
 
 _optional_non_negative = _non_negative
+
+
+def _count(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A count (tokens, a token index, bytes): a whole number >= 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name} must be a whole number >= 0, got {value!r}")
+
+
+#: Statuses h11 cannot frame as a reply with a body (1xx are interim, 204/205/304
+#: have none): a fake that sent them would not be the reply the script says.
+_NO_BODY_STATUSES = frozenset({204, 205, 304})
+
+
+def _check_status(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int) or not 200 <= value <= 599
+            or value in _NO_BODY_STATUSES):
+        raise ValueError(
+            f"status must be a whole number in [200, 599] other than 204, 205 and 304 "
+            f"(a reply with a body), got {value!r}")
+
+
+def _optional_text(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{attribute.name} must be a string or None, got {type(value).__name__}")
 _probability = [attrs.validators.ge(0.0), attrs.validators.le(1.0)]
 
 
@@ -127,10 +162,7 @@ class Reply:
     answer, stream request or not.
     """
 
-    status: int = attrs.field(
-        default=200,
-        validator=attrs.validators.and_(attrs.validators.ge(100), attrs.validators.le(599)),
-    )
+    status: int = attrs.field(default=200, validator=_check_status)
     headers: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_headers)
     retry_after_s: float | None = attrs.field(default=None, validator=_optional_non_negative)
     retry_after_ms: float | None = attrs.field(default=None, validator=_optional_non_negative)
@@ -138,18 +170,18 @@ class Reply:
     headers_delay_s: float = attrs.field(default=0.0, validator=_non_negative)
     first_token_s: float = attrs.field(default=0.0, validator=_non_negative)
     inter_token_s: float = attrs.field(default=0.0, validator=_non_negative)
-    tokens: int = attrs.field(default=8, validator=_non_negative)
-    text: str | None = None
-    reasoning_tokens: int = attrs.field(default=0, validator=_non_negative)
-    stall_at: int | None = attrs.field(default=None, validator=_optional_non_negative)
+    tokens: int = attrs.field(default=8, validator=_count)
+    text: str | None = attrs.field(default=None, validator=_optional_text)
+    reasoning_tokens: int = attrs.field(default=0, validator=_count)
+    stall_at: int | None = attrs.field(default=None, validator=_count)
     stall_s: float = attrs.field(default=0.0, validator=_non_negative)
     keepalive_s: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
     )
     fault: Fault | None = attrs.field(default=None, validator=_check_fault)
-    fault_after: int = attrs.field(default=0, validator=_non_negative)
+    fault_after: int = attrs.field(default=0, validator=_count)
     error_event_code: int | str = 500
-    oversized_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_non_negative)
+    oversized_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_count)
     stream: bool | None = None
     usage: bool = True
     # False: the stream ends after its finish (and usage) chunk without ``[DONE]``
@@ -158,7 +190,8 @@ class Reply:
     finish_reason: str = "stop"
     model: str | None = None
     embedding_dim: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
+        default=None, validator=attrs.validators.optional(
+            [attrs.validators.instance_of(int), attrs.validators.gt(0)])
     )
 
 
@@ -224,7 +257,7 @@ class Profile:
     p_truncated: float = attrs.field(default=0.0, validator=_probability)
     p_reset: float = attrs.field(default=0.0, validator=[*_probability, _check_fault_sum])
     streaming: bool = True
-    base: Reply = attrs.field(factory=Reply)
+    base: Reply = attrs.field(factory=Reply, validator=attrs.validators.instance_of(Reply))
 
     def draw(self, rng: random.Random, request: object = None) -> Reply:
         """The Reply for one request (``request`` is accepted for symmetry with

@@ -14,6 +14,7 @@ so no request bytes are lost; any that arrive early (pipelining) go to h11's buf
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import struct
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 import h11
 import trio
 
-from ._render import Pause, Plan
+from ._render import Due, Pause, Plan
 
 if TYPE_CHECKING:
     from ._upstream import FakeUpstream, Outcome
@@ -66,6 +67,9 @@ async def run_server(upstream: FakeUpstream, host: str, port: int) -> AsyncItera
         raise failure
 
 
+log = logging.getLogger("polygate.testing")
+
+
 async def _serve_connection(upstream: FakeUpstream, stream: trio.SocketStream) -> None:
     upstream.connections += 1
     async with stream:
@@ -73,6 +77,12 @@ async def _serve_connection(upstream: FakeUpstream, stream: trio.SocketStream) -
             await _Connection(upstream, stream).run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, _ClientGone):
             pass  # the client went away between requests: nothing to report
+        except Exception:
+            # A script that fails (a behaviour callable that raises, a status h11
+            # cannot frame) ends its connection, not the whole server and the block
+            # that serves it.
+            log.exception("%s: answering a request failed; its connection is closed",
+                          upstream.name)
 
 
 class _Connection:
@@ -132,7 +142,19 @@ class _Connection:
         target = request.target.decode("latin-1")
         path = target.split("?", 1)[0]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
-        plan, rec = self.upstream._open(request.method.decode("latin-1"), path, headers, body)
+        try:
+            plan, rec = self.upstream._open(request.method.decode("latin-1"), path, headers, body)
+        except Exception as exc:
+            # The script itself failed (a behaviour callable raised): a 500 that says
+            # so, and the connection closes.
+            log.exception("%s: the script failed for %s", self.upstream.name, path)
+            message = f"FakeUpstream script failed: {type(exc).__name__}: {exc}".encode()
+            head = h11.Response(status_code=500, headers=[
+                _SERVER, ("content-type", "text/plain"), ("content-length", str(len(message))),
+                ("connection", "close")])
+            await self.stream.send_all(
+                self._send(head) + self._send(h11.Data(data=message)) + self._send(h11.EndOfMessage()))
+            return False
         outcome: Outcome = "client_closed"
         try:
             outcome = await self._send_plan(plan)
@@ -179,13 +201,12 @@ class _Connection:
         Pauses are kept on an absolute schedule: a wake-up that comes late (a busy
         machine) shortens the next pause instead of delaying every later token."""
         size = 0
-        due = trio.current_time()
+        due = Due(trio.current_time())
         for step in steps:
             if isinstance(step, Pause):
                 await self._flush(out, pending)
                 size = 0
-                due += step.seconds
-                await self._pause_until(due)
+                await self._pause_until(due.after(step))
                 continue
             pending.append(step)
             size += len(step)

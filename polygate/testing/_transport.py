@@ -18,7 +18,7 @@ import trio
 
 from ..transport import SENT_EXTENSION
 from ..transport._pool import reports_sent
-from ._render import Pause, Plan
+from ._render import Due, Pause, Plan
 
 if TYPE_CHECKING:
     from ._upstream import FakeUpstream, Outcome, RecordedRequest
@@ -53,7 +53,9 @@ class FakeTransport(httpx.AsyncBaseTransport):
         response_headers = list(plan.headers)
         if plan.content_length is not None:
             response_headers.append(("content-length", str(plan.content_length)))
-        stream = _FakeStream(self.upstream, rec, plan, request)
+        # The body's schedule runs from the head, however late the client reads it (a
+        # socket would have buffered it meanwhile), as on the other faces.
+        stream = _FakeStream(self.upstream, rec, plan, request, trio.current_time())
         return httpx.Response(plan.status, headers=response_headers, stream=stream)
 
 
@@ -66,11 +68,13 @@ class _FakeStream(httpx.AsyncByteStream):
         rec: RecordedRequest | None,
         plan: Plan,
         request: httpx.Request,
+        head_at: float,
     ) -> None:
         self._upstream = upstream
         self._rec = rec
         self._plan = plan
         self._request = request
+        self._head_at = head_at
         self._iterator: AsyncGenerator[bytes, None] | None = None
 
     def __aiter__(self) -> AsyncIterator[bytes]:
@@ -83,11 +87,10 @@ class _FakeStream(httpx.AsyncByteStream):
         plan = self._plan
         outcome: Outcome = "client_closed"
         try:
-            due = trio.current_time()  # an absolute schedule, as the server face keeps
+            due = Due(self._head_at)  # an absolute schedule, as the server face keeps
             for step in plan.steps:
                 if isinstance(step, Pause):
-                    due += step.seconds
-                    await trio.sleep_until(due)
+                    await trio.sleep_until(due.after(step))
                 else:
                     yield step
             if plan.ending == "hang":

@@ -121,6 +121,8 @@ class FakeUpstream:
             behaviour = tuple(behaviour)
         elif not isinstance(behaviour, Reply | Profile) and not callable(behaviour):
             raise TypeError(f"unsupported behaviour: {behaviour!r}")
+        if then is not None and not isinstance(then, Reply | Profile):
+            raise TypeError(f"then must be a Reply, a Profile or None, got {then!r}")
         if embedding_dim <= 0:
             raise ValueError("embedding_dim must be positive")
         if history is not None and history < 1:
