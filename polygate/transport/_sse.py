@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from .._errors import TransientUpstreamError
 
-__all__ = ["SSEDecoder", "Event"]
+__all__ = ["BOM", "SSEDecoder", "Event"]
+
+#: The UTF-8 byte order mark: a stream may start with one, which means nothing.
+BOM = b"\xef\xbb\xbf"
 
 
 class Event:
@@ -44,11 +47,15 @@ class SSEDecoder:
     complete event, so it does not depend on how the body is chunked.
     """
 
-    __slots__ = ("_buf", "_cr", "_max_body", "_max_line", "_source", "_total")
+    __slots__ = ("_bom", "_buf", "_cr", "_fresh", "_max_body", "_max_line", "_source", "_total")
 
     def __init__(self, *, max_body: int, max_line: int, source: str) -> None:
         self._buf = bytearray()  # the unfinished event so far
         self._cr = False  # the previous piece ended in "\r": a "\n" may follow
+        # Nothing read yet: a byte order mark may start the stream (WHATWG ignores
+        # one); while fresh, ``_bom`` holds the start of one split across reads.
+        self._fresh = True
+        self._bom = b""
         self._total = 0
         self._max_body = max_body
         self._max_line = max_line
@@ -62,6 +69,8 @@ class SSEDecoder:
             raise TransientUpstreamError(
                 f"stream exceeds the {self._max_body}-byte body cap", source=self._source
             )
+        if self._fresh:
+            piece = self._without_bom(piece)
         if self._cr and piece.startswith(b"\n"):
             piece = piece[1:]
         self._cr = piece.endswith(b"\r")
@@ -124,6 +133,18 @@ class SSEDecoder:
             f"an SSE line or event exceeds the {self._max_line}-byte line cap",
             source=self._source,
         )
+
+    def _without_bom(self, piece: bytes) -> bytes:
+        """The stream's first bytes without a leading UTF-8 byte order mark: left in,
+        it made the first field b"\xef\xbb\xbfdata", which is no field, and the first
+        event was dropped without a word."""
+        held = self._bom + piece
+        if len(held) < len(BOM) and BOM.startswith(held):
+            self._bom = held  # (only the start of a mark so far)
+            return b""
+        self._fresh = False
+        self._bom = b""
+        return held[len(BOM):] if held.startswith(BOM) else held
 
     def flush(self) -> list[Event]:
         """At the end of the body: a last event not followed by a blank line."""

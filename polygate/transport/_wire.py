@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 import httpx
+import trio
 
 from .._errors import (
     TransientUpstreamError,
@@ -301,6 +302,9 @@ async def read_capped(
 
 #: How much of an error response's body is read for its message.
 _EXCERPT_BYTES = 65536
+#: How long it may take, at most (and at most half of what is left of the time the
+#: caller has): the status line classifies the failure, the body only words it.
+_EXCERPT_S = 1.0
 
 
 async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None:
@@ -312,14 +316,20 @@ async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None
     code = None
     refused = check_encoding(response, endpoint.name, endpoint.secrets)
     if refused is None:
-        try:
-            async for part in body_pieces(response):
-                excerpt += part
-                if len(excerpt) > _EXCERPT_BYTES:
-                    excerpt, cut = excerpt[:_EXCERPT_BYTES], True
-                    break
-        except httpx.HTTPError:
-            pass  # the status alone classifies the failure
+        # A body that stalls must not turn a 400, a 401 or a 429 into a timeout of the
+        # attempt (retried, the source not marked dead, Retry-After lost): what came
+        # by the bound words the error, the status classifies it.
+        now = trio.current_time()
+        left = trio.current_effective_deadline() - now
+        with trio.move_on_at(now + min(_EXCERPT_S, max(left, 0.0) / 2)):
+            try:
+                async for part in body_pieces(response):
+                    excerpt += part
+                    if len(excerpt) > _EXCERPT_BYTES:
+                        excerpt, cut = excerpt[:_EXCERPT_BYTES], True
+                        break
+            except httpx.HTTPError:
+                pass  # the status alone classifies the failure
     if refused is None:
         detail, code = _error_detail(excerpt, cut, endpoint.secrets)
     else:
