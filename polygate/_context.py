@@ -79,8 +79,9 @@ class Runtime:
     closed: bool = False
 
     def __attrs_post_init__(self) -> None:
+        others = self.settings.secrets()
         self.endpoints = {
-            (scope_name, s.name): Endpoint(s.name, s.url, s.api_key, s.model, s.streaming)
+            (scope_name, s.name): Endpoint(s.name, s.url, s.api_key, s.model, s.streaming, others)
             for scope_name, scope in self.settings.scopes.items()
             for s in scope.sources
         }

@@ -241,3 +241,34 @@ async def test_a_key_in_an_upstream_response_header_never_shows(header: str, tmp
     conn.close()
     cells = [str(cell).lower() for row in rows for cell in row]
     assert cells and not [c for c in cells if KEY.lower()[:12] in c]
+
+
+async def test_an_upstream_echoing_any_secret_of_the_settings_is_redacted(
+    autojump_clock: Any,
+) -> None:
+    """Review finding: only the source's own key was redacted from its error text;
+    the backend's password (docs/distributed.md promises it), another source's key,
+    a gateway key or the cache URL's password came through as the upstream sent them."""
+    from polygate.testing import Router
+
+    others = {
+        "b_key": "sk-other-source-SECRET-77aa",
+        "gateway": "sk-gw-SECRET-0c1d2e3f",
+        "cache_pw": "cache-pw-SECRET-9b8a",
+    }
+    echo = " / ".join(others.values())
+    a = FakeUpstream(Reply(status=400, error_body={"error": {"message": f"echo: {echo}"}}))
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[
+            polygate.Source(name="a", base_url="http://a/v1", api_key="sk-own-SECRET-1234", weight=1.0),
+            polygate.Source(name="b", base_url="http://b/v1", api_key=others["b_key"], weight=1e-9),
+        ])},
+        serve=polygate.Serve(api_keys=(others["gateway"],)),
+        cache=f"redis://:{others['cache_pw']}@127.0.0.1:1/0",  # unreachable: fails open
+    )
+    async with polygate.session(settings, transport=Router({"a": a, "b": FakeUpstream()})) as s:
+        with pytest.raises(polygate.FatalUpstreamError) as info:
+            await s.chat([{"role": "user", "content": "hi"}], cache=False)
+    shown = str(info.value) + repr(info.value) + str(vars(info.value))
+    assert "echo:" in shown
+    assert not [name for name, secret in others.items() if secret in shown]

@@ -59,12 +59,19 @@ class Endpoint:
     api_key: str | None = attrs.field(default=None, repr=False)
     model: str | None = None
     streaming: bool = True
+    #: The settings' other secrets (other sources' keys, gateway keys, the passwords
+    #: of the backend, telemetry and cache URLs): an upstream that echoes one in its
+    #: error text must not show it either.
+    others: tuple[str, ...] = attrs.field(default=(), repr=False)
     chat_url: httpx.URL = attrs.field(init=False, repr=False)
     embeddings_url: httpx.URL = attrs.field(init=False, repr=False)
     _headers: tuple[tuple[str, str], ...] = attrs.field(init=False, repr=False)
     key_problem: str | None = attrs.field(init=False, repr=False)
+    _secrets: tuple[str, ...] = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        own = (self.api_key,) if isinstance(self.api_key, str) and self.api_key else ()
+        object.__setattr__(self, "_secrets", tuple(dict.fromkeys((*own, *self.others))))
         unsendable = self.api_key is not None and (
             not isinstance(self.api_key, str) or not is_header_safe(self.api_key)
         )
@@ -98,7 +105,8 @@ class Endpoint:
 
     @property
     def secrets(self) -> tuple[str, ...]:
-        return (self.api_key,) if self.api_key else ()
+        """Every secret to redact from this source's text: its key first."""
+        return self._secrets
 
 
 MAX_JSON_DEPTH = 128
