@@ -67,11 +67,8 @@ class Endpoint:
     embeddings_url: httpx.URL = attrs.field(init=False, repr=False)
     _headers: tuple[tuple[str, str], ...] = attrs.field(init=False, repr=False)
     key_problem: str | None = attrs.field(init=False, repr=False)
-    _secrets: tuple[str, ...] = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        own = (self.api_key,) if isinstance(self.api_key, str) and self.api_key else ()
-        object.__setattr__(self, "_secrets", tuple(dict.fromkeys((*own, *self.others))))
         unsendable = self.api_key is not None and (
             not isinstance(self.api_key, str) or not is_header_safe(self.api_key)
         )
@@ -105,8 +102,9 @@ class Endpoint:
 
     @property
     def secrets(self) -> tuple[str, ...]:
-        """Every secret to redact from this source's text: its key first."""
-        return self._secrets
+        """Every secret to redact from this source's text: its key first (read here,
+        not kept: the key is the one the request carries)."""
+        return (self.api_key, *self.others) if self.api_key else self.others
 
 
 MAX_JSON_DEPTH = 128
