@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
+import trio
 
 from .governance import (
     Admission,
@@ -93,6 +94,11 @@ class KeyQuotas:
         Raises :class:`~polygate.GovernanceBackendError` when the backend cannot
         answer: a key's quota fails closed, as a source's admission does."""
         limits = self.limits[name]
+        if limits.tpm is not None and tokens > limits.tpm:
+            # No wait cures it, whatever else is full: said first (a full rpm window or
+            # in-flight cap would answer with a Retry-After, and the SDKs retry).
+            await trio.lowlevel.checkpoint()
+            return KeyRefusal(name, RefusalReason.TOO_LARGE.value, limits.tpm, tokens, None)
         result = await self._backend.admit(AdmitRequest(KEY_SCOPE, name, limits, tokens))
         if isinstance(result, Admission):
             return result

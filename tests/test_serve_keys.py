@@ -222,6 +222,27 @@ async def test_a_request_over_the_keys_whole_tpm_is_refused_without_retry_after(
     assert upstream.requests == []
 
 
+@pytest.mark.parametrize("full", ["rpm", "max_in_flight"])
+async def test_a_request_over_the_whole_tpm_says_so_when_another_limit_is_full(full: str) -> None:
+    """Review finding: with the key's rpm window or in-flight cap full as well, the
+    refusal named that limit, with a Retry-After (and the SDKs retried a request no
+    wait can cure): the backend checks the whole-tpm case last."""
+    limit = {"rpm": 1} if full == "rpm" else {"max_in_flight": 1}
+    async with gateway(Reply(tokens=2, inter_token_s=0.5), serve=keyed(tpm=100, **limit)) as (server, _):
+        async with trio.open_nursery() as nursery:
+            small = {**CHAT, "max_tokens": 8}  # within the key's tpm
+            if full == "rpm":
+                assert (await http(server, "POST", CALL, small, bearer(ALICE))).status == 200
+            else:  # a call of the key in flight holds its one permit
+                nursery.start_soon(http, server, "POST", CALL, small, bearer(ALICE))
+                await wait_for(lambda: server.statistics().in_flight == 1)
+            answer = await http(server, "POST", CALL, {**CHAT, "max_tokens": 500}, bearer(ALICE))
+    assert answer.status == 429
+    assert "retry-after" not in answer.headers and answer.headers["x-should-retry"] == "false"
+    assert "tpm 100" in answer.json()["error"]["message"]
+    assert ("alice", "too_large") in dict(server.metrics.key_refusals)
+
+
 async def test_the_openai_sdk_does_not_retry_a_request_over_the_whole_tpm() -> None:
     """openai-python retries a 429 with backoff whatever ``Retry-After`` says; it
     obeys ``x-should-retry: false``.  One request, one refusal."""
