@@ -889,7 +889,7 @@ def _depth(value: Any) -> int:
 
 def _describe_value(field: attrs.Attribute[Any], value: Any) -> Any:
     if _is_secret(field):
-        return None if value is None else "***"
+        return None if not value else "***"  # (no gateway keys: none, not "***")
     if attrs.has(type(value)):
         return _describe(value)
     if isinstance(value, tuple):

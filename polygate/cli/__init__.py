@@ -16,6 +16,9 @@ import sys
 from collections.abc import Callable
 from typing import Protocol, cast
 
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
 #: Module names under ``polygate.cli`` (without the leading underscore), in help order.
@@ -35,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="polygate", description="polygate: a trio-native LLM gateway library."
     )
-    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
     for name in SUBCOMMANDS:
         module = cast(_Subcommand, importlib.import_module(f"{__name__}._{name}"))
         module.add_parser(subparsers).set_defaults(run=module.run)
@@ -55,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run(args)
+    except (KeyboardInterrupt, BaseExceptionGroup) as exc:
+        if not _interrupted(exc):
+            raise
+        # Ctrl-C, as itself or inside trio's group: one line, the shell's status.
+        print(f"polygate {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader left (``polygate stats | head``): not an error of ours.  Point
         # stdout at /dev/null so the interpreter's final flush cannot fail again.
@@ -62,3 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 141  # 128 + SIGPIPE, what a shell reports for a process killed by it
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Ctrl-C: a KeyboardInterrupt, or a group of nothing else (trio's nurseries)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_interrupted(e) for e in exc.exceptions)
+    return isinstance(exc, KeyboardInterrupt)

@@ -153,7 +153,9 @@ def _run_real_time(settings: Any, upstreams: Any, calls: int, concurrency: int, 
 
 
 def _plot(results: Mapping[str, Sequence[Any]], path: str, scale: float) -> int:
-    from ._replay import plot_cdf
+    from ._replay import plot_cdf, plot_path
+
+    path = plot_path(path)
 
     try:
         import matplotlib  # noqa: F401 - only to tell the user what is missing

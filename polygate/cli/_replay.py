@@ -11,6 +11,7 @@ tell from a hang.
 from __future__ import annotations
 
 import math
+import os
 import random
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -212,6 +213,12 @@ def summarize(outcomes: Sequence[Outcome]) -> Summary:
         slowest_13pct_share_pct=100.0 * slowest / total_time,
         waiting_p99_s=_quantile(waits, 0.99),
     )
+
+
+def plot_path(path: str) -> str:
+    """The file a plot is written to: matplotlib adds ``.png`` to a name without an
+    extension, so the name said to the user must have it too."""
+    return path if os.path.splitext(path)[1] else path + ".png"
 
 
 def save_plot(fig: Any, path: str, prog: str) -> bool:

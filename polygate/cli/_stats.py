@@ -281,7 +281,9 @@ def render(report: dict[str, Any]) -> str:
 
 
 def _plot(calls: Sequence[Any], path: str) -> int:
-    from ._replay import save_plot
+    from ._replay import plot_path, save_plot
+
+    path = plot_path(path)
 
     try:
         import matplotlib

@@ -145,7 +145,9 @@ def tail_share(latencies: Sequence[float], pct: float) -> tuple[int, float]:
     """How many calls the slowest ``pct`` % are, and their share (%) of all the time."""
     ordered = sorted(latencies, reverse=True)
     total = sum(ordered)
-    k = math.ceil(pct / 100.0 * len(ordered))
+    # (rounded first: 7 / 100 * 100 is 7.000000000000001 in floating point, and its
+    # ceiling one call too many)
+    k = math.ceil(round(pct / 100.0 * len(ordered), 9))
     if not ordered or total <= 0:
         return k, 0.0
     return k, 100.0 * sum(ordered[:k]) / total

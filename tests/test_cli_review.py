@@ -1,0 +1,121 @@
+"""Findings of a review of the command line (docs/cli.md), each failing before its fix:
+Ctrl-C in any command, the tail share's count, an empty key list shown as a secret,
+and the name of a plot written without an extension."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import polygate
+import polygate.cli
+from polygate.testing import FakeUpstream, Profile, Router
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+
+def _make_db(path: Path, calls: int) -> None:
+    healthy = {"first_token_s": (0.5, 2.0), "inter_token_s": 1 / 40, "tokens": (10, 30)}
+    url = f"sqlite://{path.absolute()}"
+
+    async def main() -> None:
+        settings = polygate.Settings(telemetry=url, scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+        router = Router({"a": FakeUpstream(Profile(hang_p=0.2, hang_s=(20, 40), **healthy), seed=3)})
+        async with polygate.session(settings, transport=router, rng=random.Random(1)) as s:
+            async with trio.open_nursery() as nursery:
+                for _ in range(calls):
+                    nursery.start_soon(s.chat, [{"role": "user", "content": "x"}])
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "polygate", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("raised", [
+    KeyboardInterrupt(),
+    BaseExceptionGroup("trio's nursery", [KeyboardInterrupt()]),
+    BaseExceptionGroup("nested", [BaseExceptionGroup("inner", [KeyboardInterrupt()])]),
+])
+def test_ctrl_c_in_any_command_is_one_line_and_130(
+    raised: BaseException, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C in `polygate demo` (in trio's nursery, as a group) printed a traceback
+    and exited 1; only chat and serve handled it."""
+    from polygate.cli import _demo
+
+    def interrupted(args: Any) -> int:
+        raise raised
+
+    monkeypatch.setattr(_demo, "run", interrupted)
+    assert polygate.cli.main(["demo"]) == 130
+    assert capsys.readouterr().err == "polygate demo: interrupted\n"
+
+
+def test_a_failure_beside_ctrl_c_is_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    from polygate.cli import _demo
+
+    def failed(args: Any) -> int:
+        raise BaseExceptionGroup("both", [KeyboardInterrupt(), ValueError("a bug")])
+
+    monkeypatch.setattr(_demo, "run", failed)
+    with pytest.raises(BaseExceptionGroup):
+        polygate.cli.main(["demo"])
+
+
+def test_ctrl_c_while_chat_reads_its_prompt_is_interrupted(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/cli.md: Ctrl-C gives "polygate chat: interrupted" and 130; with the prompt
+    read from standard input (`-`) it was a bare traceback."""
+    class Stdin:
+        def read(self) -> str:
+            raise KeyboardInterrupt
+
+    monkeypatch.setenv("POLYGATE__CHAT__A__BASE_URL", "http://127.0.0.1:1/v1")
+    monkeypatch.setattr(sys, "stdin", Stdin())
+    assert polygate.cli.main(["chat", "-"]) == 130
+    assert capsys.readouterr().err.endswith("polygate chat: interrupted\n")
+
+
+def test_the_tail_share_counts_the_ceiling_of_its_share(tmp_path: Path) -> None:
+    """docs/cli.md: the slowest ⌈x % · calls⌉ calls.  With 100 calls, 7 % was 8 calls
+    (7 / 100 * 100 is 7.000000000000001 in floating point)."""
+    db = tmp_path / "t.db"
+    _make_db(db, 100)
+    out = _cli("stats", str(db), "--json", "--tail", "7,14,28")
+    assert out.returncode == 0, out.stderr
+    got = {t["slowest_pct"]: t["calls"] for t in json.loads(out.stdout)["tail_share"]}
+    assert got == {7.0: 7, 14.0: 14, 28.0: 28}
+
+
+def test_check_config_shows_no_gateway_keys_as_none(tmp_path: Path) -> None:
+    """docs/cli.md: secrets as ***, unset values as -.  An empty api_keys was ***,
+    as if keys were configured."""
+    config = tmp_path / "g.toml"
+    config.write_text('[scopes.chat.sources.a]\nbase_url = "http://127.0.0.1:8001/v1"\n')
+    out = _cli("check-config", "--config", str(config), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["settings"]["serve"]["api_keys"] is None
+
+
+def test_a_plot_named_without_an_extension_says_the_file_it_wrote(tmp_path: Path) -> None:
+    """matplotlib writes NAME.png for --plot NAME; stats said it wrote NAME."""
+    pytest.importorskip("matplotlib")
+    db = tmp_path / "t.db"
+    _make_db(db, 10)
+    out = _cli("stats", str(db), "--plot", str(tmp_path / "myplot"))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == f"wrote {tmp_path / 'myplot.png'}"
+    assert (tmp_path / "myplot.png").is_file()
