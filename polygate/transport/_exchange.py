@@ -40,7 +40,7 @@ from .._types import choice_index
 from ._assemble import ChatAssembler, malformed_index
 from ._head import header_of
 from ._pool import SENT_EXTENSION, LeanTransport, body_of, close_now, drains_on_close, reports_sent
-from ._sse import BOM, Event, SSEDecoder
+from ._sse import Event, SSEDecoder, without_bom
 from ._wire import (
     MAX_JSON_DEPTH,
     Endpoint,
@@ -282,8 +282,8 @@ async def _sniff(pieces: AsyncIterator[bytes], limit: int) -> bytes:
     before an SSE field or a JSON value), and at most ``limit`` bytes of it are read."""
     head = b""
     skipped = 0
-    # A leading byte order mark means nothing either (WHATWG ignores it before SSE);
-    # its bytes may come in reads of their own.
+    # A leading byte order mark means nothing either; its bytes may come in reads of
+    # their own (``mark``: what came of one so far, until it is decided).
     mark: bytes | None = b""
     while len(head) < 6:
         try:
@@ -291,12 +291,11 @@ async def _sniff(pieces: AsyncIterator[bytes], limit: int) -> bytes:
         except StopAsyncIteration:
             break
         if mark is not None:
-            held = mark + piece
-            if len(held) < len(BOM) and BOM.startswith(held):
-                mark = held
+            rest = without_bom(mark + piece)
+            if rest is None:
+                mark += piece
                 continue
-            mark = None
-            piece = held[len(BOM):] if held.startswith(BOM) else held
+            mark, piece = None, rest
         if not head:
             kept = piece.lstrip()
             skipped += len(piece) - len(kept)

@@ -18,10 +18,20 @@ from __future__ import annotations
 
 from .._errors import TransientUpstreamError
 
-__all__ = ["BOM", "SSEDecoder", "Event"]
+__all__ = ["SSEDecoder", "Event", "without_bom"]
 
 #: The UTF-8 byte order mark: a stream may start with one, which means nothing.
 BOM = b"\xef\xbb\xbf"
+
+
+def without_bom(start: bytes) -> bytes | None:
+    """A body's first bytes so far without a leading byte order mark (WHATWG ignores
+    one before SSE; left in, it made the first field b"\xef\xbb\xbfdata", which is no
+    field, and the first event was dropped without a word).  ``None`` while they may
+    still be the start of one: the caller holds them and adds the next read."""
+    if len(start) < len(BOM) and BOM.startswith(start):
+        return None
+    return start[len(BOM):] if start.startswith(BOM) else start
 
 
 class Event:
@@ -52,8 +62,8 @@ class SSEDecoder:
     def __init__(self, *, max_body: int, max_line: int, source: str) -> None:
         self._buf = bytearray()  # the unfinished event so far
         self._cr = False  # the previous piece ended in "\r": a "\n" may follow
-        # Nothing read yet: a byte order mark may start the stream (WHATWG ignores
-        # one); while fresh, ``_bom`` holds the start of one split across reads.
+        # Nothing read yet: a byte order mark may start the stream (without_bom);
+        # while fresh, ``_bom`` holds the start of one split across reads.
         self._fresh = True
         self._bom = b""
         self._total = 0
@@ -70,7 +80,11 @@ class SSEDecoder:
                 f"stream exceeds the {self._max_body}-byte body cap", source=self._source
             )
         if self._fresh:
-            piece = self._without_bom(piece)
+            rest = without_bom(self._bom + piece)
+            if rest is None:
+                self._bom += piece  # (only the start of a mark so far)
+                return []
+            self._fresh, self._bom, piece = False, b"", rest
         if self._cr and piece.startswith(b"\n"):
             piece = piece[1:]
         self._cr = piece.endswith(b"\r")
@@ -133,18 +147,6 @@ class SSEDecoder:
             f"an SSE line or event exceeds the {self._max_line}-byte line cap",
             source=self._source,
         )
-
-    def _without_bom(self, piece: bytes) -> bytes:
-        """The stream's first bytes without a leading UTF-8 byte order mark: left in,
-        it made the first field b"\xef\xbb\xbfdata", which is no field, and the first
-        event was dropped without a word."""
-        held = self._bom + piece
-        if len(held) < len(BOM) and BOM.startswith(held):
-            self._bom = held  # (only the start of a mark so far)
-            return b""
-        self._fresh = False
-        self._bom = b""
-        return held[len(BOM):] if held.startswith(BOM) else held
 
     def flush(self) -> list[Event]:
         """At the end of the body: a last event not followed by a blank line."""
