@@ -37,6 +37,8 @@ estimate in the window.  The owner renews its live leases with :data:`RENEW`.
 
 from __future__ import annotations
 
+from ._memory import WHOLE_TOKEN
+
 __all__ = ["ADMIT", "BUDGET_LEVEL", "BUDGET_REFILL", "BUDGET_TAKE", "PROBE", "RENEW", "SETTLE", "SNAPSHOT"]
 
 # Shared helpers, prepended to every per-source script.  ``unpack`` is limited by Lua's
@@ -349,13 +351,13 @@ local level = tonumber(redis.call('GET', KEYS[1])) or burst
 # ARGV: burst, key_ttl_ms.  Returns {taken (1/0), level}.
 BUDGET_TAKE = _BUDGET + r"""
 local taken = 0
-if level >= 1 - 1e-9 then  -- a whole token, give or take rounding (as _memory.WHOLE_TOKEN)
+if level >= WHOLE_TOKEN then  -- a whole token, give or take rounding
   level = math.max(level - 1, 0)
   taken = 1
 end
 redis.call('SET', KEYS[1], fmt(level), 'PX', ttl_ms)
 return {taken, fmt(level)}
-"""
+""".replace("WHOLE_TOKEN", repr(WHOLE_TOKEN))  # the memory backend's, to the bit
 
 # ARGV: burst, key_ttl_ms, amount.  Returns the level.
 BUDGET_REFILL = _BUDGET + r"""
