@@ -117,14 +117,17 @@ _NO_BODY_STATUSES = frozenset({204, 205, 304})
 def _check_status(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> None:
     if (isinstance(value, bool) or not isinstance(value, int) or not 200 <= value <= 599
             or value in _NO_BODY_STATUSES):
+        others = ", ".join(map(str, sorted(_NO_BODY_STATUSES)))
         raise ValueError(
-            f"status must be a whole number in [200, 599] other than 204, 205 and 304 "
+            f"status must be a whole number in [200, 599] other than {others} "
             f"(a reply with a body), got {value!r}")
 
 
 def _optional_text(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{attribute.name} must be a string or None, got {type(value).__name__}")
+
+
 _probability = [attrs.validators.ge(0.0), attrs.validators.le(1.0)]
 
 
