@@ -116,15 +116,23 @@ class _ModelSchema(Schema):
             raise ConfigError(
                 f"schema: cannot build a JSON Schema for {model.__name__}: {_first_line(exc)}"
             ) from None
-        # Sent upstream as the dict schema is: a lone surrogate in it (a description, a
-        # title) is refused the same way.
-        _check_text(json.dumps(self.json_schema, ensure_ascii=False, default=str))
+        # Sent upstream as the dict schema is, so checked as one: JSON (an infinite
+        # default, an object from json_schema_extra are not) without a lone surrogate.
+        try:
+            text = json.dumps(self.json_schema, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"schema: the JSON Schema of {model.__name__} is not JSON ({_first_line(exc)})"
+            ) from None
+        _check_text(text)
         self._validate_json = model.model_validate_json
         self._error_type: type[Exception] = sys.modules["pydantic"].ValidationError
 
     def validate(self, text: str) -> Any:
+        text = _unfenced(text)
+        _refuse_constants(text)
         try:
-            return self._validate_json(_unfenced(text))
+            return self._validate_json(text)
         except self._error_type as exc:
             errors: Any = exc.errors(include_url=False, include_input=False)  # type: ignore[attr-defined]
             raise Invalid(_bounded(f"{_json_path(e['loc'])}: {e['msg']}" for e in errors)) from None
@@ -370,7 +378,25 @@ def _first_line(exc: Any) -> str:
 def _no_constant(name: str) -> Any:
     """NaN, Infinity and -Infinity are no JSON (Python's decoder reads them): an answer
     holding one is not valid JSON, so it is re-asked."""
-    raise ValueError(f"{name} is not JSON")
+    raise _NotJson(f"{name} is not JSON")
+
+
+def _refuse_constants(text: str) -> None:
+    """pydantic-core's JSON reader takes NaN and Infinity, which are no JSON: an answer
+    holding one outside a string is refused as the dict schema's reader refuses it.
+    The standard reader looks only when the words appear at all (rarely)."""
+    if "NaN" not in text and "Infinity" not in text:
+        return
+    try:
+        json.loads(text, parse_constant=_no_constant)
+    except _NotJson as exc:
+        raise Invalid([f"$: not valid JSON ({exc})"]) from None
+    except (ValueError, RecursionError):
+        pass  # not JSON for another reason: pydantic's own message says which
+
+
+class _NotJson(ValueError):
+    pass
 
 
 def _json_path(loc: Sequence[Any]) -> str:
@@ -512,6 +538,8 @@ class StructuredRounds:
     async def after_round(
         self, response: ChatResponse, messages: Sequence[Mapping[str, Any]]
     ) -> ChatResponse | list[Mapping[str, Any]]:
+        if not_an_answer(response):
+            return response
         text = response.text
         try:
             if len(text) > self.schema.off_loop_chars:
@@ -550,6 +578,8 @@ class StructuredRounds:
         """A cached answer was valid when stored; it is validated again to build
         ``parsed`` (and refused, as a miss, should it not be)."""
         await self.schema.ready()
+        if not_an_answer(response):
+            return response
         text = response.text
         try:
             if len(text) > self.schema.off_loop_chars:
@@ -559,6 +589,15 @@ class StructuredRounds:
         except Invalid:
             return None
         return attrs.evolve(response, parsed=parsed)
+
+
+def not_an_answer(response: ChatResponse) -> bool:
+    """Tool calls (the model chose a tool) or a refusal, and no content: nothing to
+    validate and nothing a re-ask would mend.  The response is returned as it is,
+    ``parsed=None``, as the OpenAI SDK's ``parse()`` returns it; re-asking would drop
+    the calls or the refusal and pay for rounds the model already declined."""
+    message = response.message
+    return not response.text and bool(message.get("tool_calls") or message.get("refusal"))
 
 
 def prepare(schema: Any, params: Mapping[str, Any], max_reasks: int) -> StructuredRounds:

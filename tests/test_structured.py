@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import pydantic
 import pytest
 import trio
@@ -999,3 +1000,122 @@ def test_reported_problems_keep_their_documented_bounds() -> None:
     lines = _bounded(f"$.f{i}: " + "x" * 400 for i in range(30))
     assert len(lines) == 20 and max(map(len, lines)) <= 300
     assert lines[-1] == "… and 11 more"
+
+
+# --------------------------------------------------------------------------- review findings (2026-12-02, fourth)
+
+
+class Reading(pydantic.BaseModel):
+    x: float
+    note: str = ""
+
+
+@pytest.mark.parametrize("answer", ['{"x": NaN}', '{"x": -Infinity}', '{"x": 1, "more": [1, NaN]}',
+                                    '{"note": "a", "x": Infinity}'])
+async def test_non_json_constants_are_reasked_with_a_pydantic_model_too(
+    autojump_clock: trio.testing.MockClock, answer: str,
+) -> None:
+    """Review: pydantic-core's JSON reader takes NaN and Infinity, so a model schema
+    accepted ``{"x": NaN}`` as ``Reading(x=nan)`` with no re-ask, where the docs say an
+    answer is JSON as RFC 8259 has it (the dict schema already re-asked)."""
+    up = FakeUpstream(by_round(Reply(text=answer), Reply(text='{"x": 1.5, "note": "NaN or Infinity"}')))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=Reading)
+    # the words NaN and Infinity inside a string are text, not constants
+    assert r.parsed == Reading(x=1.5, note="NaN or Infinity")
+    assert r.call_stats.reasks == 1 and len(up.requests) == 2
+    reask = up.requests[1].body["messages"][-1]["content"]
+    assert "not JSON" in reask
+
+
+class InfiniteDefault(pydantic.BaseModel):
+    limit: float = float("inf")
+
+
+class ObjectInSchema(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(json_schema_extra=lambda s: s.update(bad=object()))
+    x: int
+
+
+@pytest.mark.parametrize("model", [InfiniteDefault, ObjectInSchema])
+async def test_a_model_whose_json_schema_is_not_json_is_a_config_error(
+    autojump_clock: trio.testing.MockClock, model: Any,
+) -> None:
+    """Review: a model with an infinite default sent ``"default":Infinity`` upstream (no
+    JSON: a 400 from a real upstream), and an object in ``json_schema_extra`` raised a
+    bare TypeError out of chat() after admission.  Both are bad schemas: ConfigError
+    before any request, as for a dict."""
+    up = FakeUpstream(Reply(text='{"x": 1, "limit": 1.5}'))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match=f"schema: .*{model.__name__}.*JSON"):
+            await s.chat(MESSAGES, schema=model)
+        with pytest.raises(polygate.ConfigError):
+            async with s.stream_chat(MESSAGES, schema=model) as stream:
+                async for _ in stream:
+                    pass
+    assert up.requests == []
+
+
+class _OneMessage(httpx.AsyncBaseTransport):
+    """A JSON answer whose first choice is ``message`` (also to a stream request: a
+    source may answer a stream with JSON)."""
+
+    def __init__(self, message: dict[str, Any], finish: str) -> None:
+        self.message, self.finish = message, finish
+        self.bodies: list[dict[str, Any]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.bodies.append(json.loads(await request.aread()))
+        return httpx.Response(200, json={
+            "id": "x", "object": "chat.completion", "model": "m1",
+            "choices": [{"index": 0, "message": self.message, "finish_reason": self.finish}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+        })
+
+
+_TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "Paris"}'}}
+_TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+NO_ANSWER_MESSAGES = [
+    pytest.param({"role": "assistant", "content": None, "tool_calls": [_TOOL_CALL]}, "tool_calls", id="tool_calls"),
+    pytest.param({"role": "assistant", "content": None, "refusal": "I can't help with that."}, "stop", id="refusal"),
+]
+
+
+@pytest.mark.parametrize(("message", "finish"), NO_ANSWER_MESSAGES)
+async def test_tool_calls_or_a_refusal_are_returned_not_reasked(
+    autojump_clock: trio.testing.MockClock, message: dict[str, Any], finish: str,
+) -> None:
+    """Review: an answer made of tool calls (the model chose a tool) or a refusal was
+    taken for invalid JSON and re-asked until StructuredOutputError, the re-ask
+    sending an empty assistant turn: the tool calls and the refusal were lost and two
+    rounds paid for nothing.  Like the OpenAI SDK's ``parse()``, the response comes
+    back with ``parsed=None`` and its ``tool_calls`` or ``refusal``; no re-ask."""
+    for stream in (False, True):
+        up = _OneMessage(message, finish)
+        async with polygate.session(one_source_settings(), transport=up) as s:
+            if stream:
+                async with s.stream_chat(MESSAGES, schema=Answer, tools=_TOOLS) as st_:
+                    async for _ in st_:
+                        pass
+                r = st_.response
+            else:
+                r = await s.chat(MESSAGES, schema=Answer, tools=_TOOLS)
+        assert r is not None and r.parsed is None and r.text == ""
+        assert r.call_stats.reasks == 0 and len(up.bodies) == 1
+        key = "tool_calls" if "tool_calls" in message else "refusal"
+        assert r.message[key] == message[key]
+
+
+async def test_a_cached_tool_call_answer_is_a_hit(autojump_clock: trio.testing.MockClock) -> None:
+    """The cache re-validates a structured hit to build ``parsed``: a tool-call answer,
+    stored as any complete answer is, must come back as a hit (not a miss every time)."""
+    message, finish = NO_ANSWER_MESSAGES[0].values
+    base = one_source_settings()
+    scope = attrs.evolve(base.scopes["chat"], cache_ttl_s=60)
+    settings = attrs.evolve(base, scopes={"chat": scope}, cache="memory")
+    up = _OneMessage(message, finish)
+    async with polygate.session(settings, transport=up) as s:
+        await s.chat(MESSAGES, schema=Answer, tools=_TOOLS)
+        hit = await s.chat(MESSAGES, schema=Answer, tools=_TOOLS)
+    assert hit.call_stats.cached and hit.parsed is None
+    assert hit.message["tool_calls"][0]["id"] == "call_1" and len(up.bodies) == 1
