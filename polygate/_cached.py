@@ -225,16 +225,15 @@ async def cached_chat(
     key = chat_key(scope, cache.models(scope, call.ctx.scope.sources), messages, keyed)
 
     async def upstream() -> ChatResponse:
-        left = call.remaining()
+        call.remaining()  # DeadlineExceeded when nothing is left
         call.recorded = True  # run_chat writes the row, however it ends
-        response = await run_chat(
-            runtime, scope, messages, messages_json, params, left,
-            forward=forward, delivered=delivered, rounds=rounds,
-        )
         # The logical call began before the lookup (and any wait on a flight it took
-        # over): its total latency counts from there, as the deadline does.
-        total = (trio.current_time() - call.ctx.started_at) * 1000.0
-        return _with_stats(response, attrs.evolve(response.call_stats, total_latency_ms=total))
+        # over): its deadline, statistics and row count from there.
+        return await run_chat(
+            runtime, scope, messages, messages_json, params, call.deadline_s,
+            forward=forward, delivered=delivered, rounds=rounds,
+            started_at=call.ctx.started_at,
+        )
 
     async def served(data: bytes) -> ChatResponse | None:
         """A stored or coalesced answer as this call's response (None: it did not decode)."""
@@ -406,10 +405,6 @@ def _encoded(cache: Cache, response: ChatResponse) -> bytes | None:
         return None
 
 
-def _with_stats(response: ChatResponse, stats: CallStats) -> ChatResponse:
-    return attrs.evolve(response, call_stats=stats)  # every other field kept (parsed too)
-
-
 def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A stored answer (the fields of a ChatResponse) as stream chunks: per choice, its
     reasoning, content, refusal and tool calls, the role on the first chunk and the
@@ -418,6 +413,11 @@ def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
     text = answer["text"]
     base = {"id": raw.get("id"), "object": "chat.completion.chunk", "created": raw.get("created"),
             "model": answer["model"]}
+    # On every chunk of a stream, as the upstream's own chunks carried them (the SDK's
+    # stream helper reads the fingerprint from the first chunk).
+    for name in ("system_fingerprint", "service_tier"):
+        if isinstance(raw.get(name), str):
+            base[name] = raw[name]
     chunks: list[dict[str, Any]] = []
     for position, choice in enumerate(answer["choices"]):
         if not isinstance(choice, dict):
@@ -487,12 +487,13 @@ async def cached_embed(
     async def compute(led: list[str], flights: dict[str, Flight]) -> None:
         """One upstream call for ``led``; store and share each vector, or settle."""
         try:
-            left = call.remaining()
+            call.remaining()  # DeadlineExceeded when nothing is left
             # Part of this call: its attempts carry this call's id, and this layer
-            # writes the one call row (however the call ends: _guard, _embedding).
+            # writes the one call row (however the call ends: _guard, _embedding);
+            # its deadline and statistics count from this call's start.
             response = await run_embed(
-                runtime, scope, [texts[k] for k in led], params, left,
-                part_of=call.ctx.logical_call_id,
+                runtime, scope, [texts[k] for k in led], params, call.deadline_s,
+                part_of=call.ctx.logical_call_id, started_at=call.ctx.started_at,
             )
         except _SHARED as exc:
             for k, f in flights.items():

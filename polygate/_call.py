@@ -342,13 +342,19 @@ async def run_chat(
     forward: StreamSink | None = None,
     delivered: list[str] | None = None,
     rounds: Rounds | None = None,
+    started_at: float | None = None,
 ) -> ChatResponse:
     """One logical chat call: the retry loop in the asked scope, then — inside the same
     deadline — its fallback scopes (see _fallback), and for a committed stream whose
-    path failed, continuations on other sources (see _resume)."""
+    path failed, continuations on other sources (see _resume).
+
+    ``started_at``: when the logical call began, if before now (the cache layer's
+    lookup and a wait on a flight it took over): the deadline, the statistics and the
+    row all count from there."""
     scope = runtime.settings.scopes[scope_name]
     ctx = CallContext(
-        runtime, scope_name, scope, "chat", trio.current_time(), messages=messages,
+        runtime, scope_name, scope, "chat",
+        trio.current_time() if started_at is None else started_at, messages=messages,
         messages_json=messages_json, params=params, streaming_to_caller=forward is not None,
     )
     ctx.prompt_estimate = runtime.governor.prompt_estimate(messages)
@@ -590,15 +596,18 @@ async def run_embed(
     deadline_s: float | None,
     *,
     part_of: str | None = None,
+    started_at: float | None = None,
 ) -> EmbeddingResponse:
     """Batches of ``embed_batch_size`` run concurrently in the call's nursery, each with
     its own retry loop; vectors are reassembled in input order and ``generation_ms`` is
     the sum of the batches' transport times.
 
     ``part_of``: the logical call this is part of (the cache layer's, which sent only
-    its misses): its attempts carry that id, and that layer writes the one call row."""
+    its misses): its attempts carry that id, and that layer writes the one call row;
+    ``started_at``: when that call began (see :func:`run_chat`)."""
     scope = runtime.settings.scopes[scope_name]
-    ctx = CallContext(runtime, scope_name, scope, "embed", trio.current_time(), params=params)
+    began = trio.current_time() if started_at is None else started_at
+    ctx = CallContext(runtime, scope_name, scope, "embed", began, params=params)
     if part_of is not None:
         ctx.logical_call_id = part_of
         ctx.record_call = False

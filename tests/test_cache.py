@@ -8,6 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -732,3 +733,91 @@ async def test_an_embed_call_that_fails_waiting_still_counts_its_own_run(
     assert info.value.call_stats is not None and info.value.call_stats.attempts == 1
     rows = [st for st, err, _ in capture.calls if isinstance(err, polygate.DeadlineExceeded)]
     assert [st.attempts for st in rows] == [1]
+
+
+# --------------------------------------------------------------------------- a waiter that takes over: one clock
+
+
+def _call_rows(db: Any) -> dict[str, dict[str, Any]]:
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        conn.row_factory = sqlite3.Row
+        return {r["logical_call_id"]: dict(r) for r in conn.execute("SELECT * FROM calls")}
+
+
+async def _leader_cancelled_at_5_waiter_from_1(
+    s: polygate.Session, call: Any,
+) -> dict[str, Any]:
+    """A leader cancelled at t=5, and a waiter that joined its flight at t=1 and
+    then leads: what the waiter got (``"r"`` or ``"e"``) and when (``"t"``, from the
+    start)."""
+    got: dict[str, Any] = {}
+    start = trio.current_time()
+
+    async def lead() -> None:
+        with trio.move_on_after(5.0):
+            await call()
+
+    async def wait() -> None:
+        await trio.sleep(1.0)
+        try:
+            got["r"] = await call()
+        except polygate.PolygateError as exc:
+            got["e"] = exc
+        got["t"] = trio.current_time() - start
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lead)
+        nursery.start_soon(wait)
+    return got
+
+
+async def test_a_waiter_that_leads_counts_from_its_own_start_everywhere(
+    autojump_clock: trio.testing.MockClock, tmp_path: Any,
+) -> None:
+    """Review: a waiter that took over an abandoned flight ran its upstream call as a
+    new call from the handover: its statistics were patched on success only, so its
+    telemetry row started at the handover (total 2 s where the response said 6 s), and
+    a DeadlineExceeded named the time that was left ("deadline of 6.0 s", total 6 s)
+    instead of the caller's 10 s.  One clock now: the call's own start."""
+    db = tmp_path / "t.db"
+    up = FakeUpstream([Reply(first_token_s=100.0, tokens=1), Reply(first_token_s=2.0, tokens=1)])
+    settings = attrs.evolve(cache_settings(), telemetry=f"sqlite://{db}")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        got = await _leader_cancelled_at_5_waiter_from_1(s, lambda: s.chat(MESSAGES))
+    stats = got["r"].call_stats
+    assert got["t"] == pytest.approx(7.0) and stats.total_latency_ms == pytest.approx(6000)
+    row = _call_rows(db)[stats.logical_call_id]
+    assert row["total_latency_ms"] == pytest.approx(6000)
+    assert row["outcome"] == "ok"
+
+    db2 = tmp_path / "t2.db"
+    up = FakeUpstream(Reply(first_token_s=100.0, tokens=1))
+    settings = attrs.evolve(cache_settings(call_deadline_s=10.0), telemetry=f"sqlite://{db2}")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        got = await _leader_cancelled_at_5_waiter_from_1(s, lambda: s.chat(MESSAGES))
+    error = got["e"]
+    assert isinstance(error, polygate.DeadlineExceeded)
+    assert got["t"] == pytest.approx(11.0)  # the waiter's own deadline: 1 + 10
+    assert "deadline of 10.0 s" in str(error)
+    assert error.call_stats is not None and error.call_stats.total_latency_ms == pytest.approx(10_000)
+    assert _call_rows(db2)[error.call_stats.logical_call_id]["total_latency_ms"] == pytest.approx(10_000)
+
+
+async def test_an_embed_waiter_that_leads_counts_from_its_own_start(
+    autojump_clock: trio.testing.MockClock, tmp_path: Any,
+) -> None:
+    """The same for embed: a waiter from t=1 that leads at t=5 and gets a 503 at t=7
+    reported 2 s (its call from the handover) in its error and its row."""
+    db = tmp_path / "t.db"
+    up = FakeUpstream([Reply(first_token_s=100.0), Reply(status=503, headers_delay_s=2.0)])
+    settings = attrs.evolve(cache_settings(retry=polygate.Retry(max_attempts=1)), telemetry=f"sqlite://{db}")
+    embed_scope = attrs.evolve(settings.scopes["embed"], retry=polygate.Retry(max_attempts=1))
+    settings = attrs.evolve(settings, scopes={**settings.scopes, "embed": embed_scope})
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        got = await _leader_cancelled_at_5_waiter_from_1(s, lambda: s.embed(["x"]))
+    error = got["e"]
+    assert isinstance(error, polygate.AllSourcesExhausted) and got["t"] == pytest.approx(7.0)
+    assert error.call_stats is not None and error.call_stats.total_latency_ms == pytest.approx(6000)
+    assert _call_rows(db)[error.call_stats.logical_call_id]["total_latency_ms"] == pytest.approx(6000)

@@ -96,6 +96,27 @@ async def test_async_stream(include_usage: bool) -> None:
         assert usage == []
 
 
+async def test_a_cached_stream_keeps_the_fingerprint_on_every_chunk() -> None:
+    """Review: a hit replayed over SSE lost ``system_fingerprint`` (and
+    ``service_tier``) on every chunk, the gateway's own included, where the miss had it
+    on all of them: the replay built its chunks from id, created and model only."""
+    async with gateway(Reply(tokens=3), cache="memory", cache_ttl_s=60) as (server, upstream):
+        async with async_client(server.base_url) as client:
+            runs = []
+            for _ in range(2):
+                response = await client.chat.completions.with_raw_response.create(
+                    model="chat", messages=MESSAGES, stream=True,
+                    stream_options={"include_usage": True},
+                )
+                runs.append((response.headers["x-polygate-cached"] if "x-polygate-cached" in
+                             response.headers else None, [c async for c in response.parse()]))
+    assert len(upstream.requests) == 1
+    (_, miss), (_, hit) = runs
+    assert {c.system_fingerprint for c in miss} == {"fp_fake"}
+    assert {c.system_fingerprint for c in hit} == {"fp_fake"}
+    assert "".join(c.choices[0].delta.content or "" for c in hit if c.choices) == "The quick brown"
+
+
 async def test_stream_usage_is_null_when_the_upstream_reports_none() -> None:
     """``include_usage`` with an upstream that reports no usage: the usage chunk says
     ``null``, as the JSON answer has none -- never the library's estimate (the
