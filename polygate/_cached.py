@@ -103,6 +103,9 @@ class _Call:
         # The upstream calls this call made and finished (an embed's runs of its
         # misses): in its statistics however it ends, a later wait failing included.
         self.runs: list[EmbeddingResponse] = []
+        # The contexts of its upstream calls still running (one per run, once it has
+        # one): their attempts started count too, should this call end before them.
+        self.live: list[list[CallContext]] = []
 
     async def within(self, work: Callable[[], Awaitable[Any]]) -> Any:
         """``work`` (a lookup, a wait, a replay) under the call deadline.  Never wraps
@@ -150,10 +153,12 @@ class _Call:
             total_latency_ms=(trio.current_time() - self.ctx.started_at) * 1000.0,
             scope=scope or self.ctx.scope_name,
         )
-        if not self.runs:  # (a hit: nothing to add, on the path a hit takes)
+        if not self.runs and not self.live:  # (a hit: nothing to add, on its path)
             return stats
         return attrs.evolve(
-            stats, attempts=sum(r.call_stats.attempts for r in self.runs),
+            stats,
+            attempts=sum(r.call_stats.attempts for r in self.runs)
+            + sum(len(ctx.attempts) for held in self.live for ctx in held),
             generation_ms=sum(r.call_stats.generation_ms for r in self.runs),
         )
 
@@ -491,10 +496,16 @@ async def cached_embed(
             # Part of this call: its attempts carry this call's id, and this layer
             # writes the one call row (however the call ends: _guard, _embedding);
             # its deadline and statistics count from this call's start.
-            response = await run_embed(
-                runtime, scope, [texts[k] for k in led], params, call.deadline_s,
-                part_of=call.ctx.logical_call_id, started_at=call.ctx.started_at,
-            )
+            held: list[CallContext] = []
+            call.live.append(held)
+            try:
+                response = await run_embed(
+                    runtime, scope, [texts[k] for k in led], params, call.deadline_s,
+                    part_of=call.ctx.logical_call_id, started_at=call.ctx.started_at,
+                    live=held,
+                )
+            finally:
+                call.live.remove(held)
         except _SHARED as exc:
             for k, f in flights.items():
                 cache.flights.settle(k, f, error=exc)
@@ -545,6 +556,13 @@ async def cached_embed(
                     if flight is not None:
                         flights[key] = flight
                     led.append(key)
+                    continue
+                # The miss was decided before an await (the lookup, a wait on a
+                # flight): an identical input's leader may have finished meanwhile,
+                # its vector now held here.  Looked at again with no await between
+                # the look and the claim (as chat does).
+                if take(key, cache.get_local(key)):
+                    cache.hits += 1
                     continue
                 flight, leading = cache.flights.claim(key)
                 if leading:

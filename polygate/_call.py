@@ -597,6 +597,7 @@ async def run_embed(
     *,
     part_of: str | None = None,
     started_at: float | None = None,
+    live: list[CallContext] | None = None,
 ) -> EmbeddingResponse:
     """Batches of ``embed_batch_size`` run concurrently in the call's nursery, each with
     its own retry loop; vectors are reassembled in input order and ``generation_ms`` is
@@ -604,10 +605,14 @@ async def run_embed(
 
     ``part_of``: the logical call this is part of (the cache layer's, which sent only
     its misses): its attempts carry that id, and that layer writes the one call row;
-    ``started_at``: when that call began (see :func:`run_chat`)."""
+    ``started_at``: when that call began (see :func:`run_chat`); ``live``: gets this
+    run's context, so that layer counts its attempts while it runs (its call may end
+    first, on an error it shares with another flight)."""
     scope = runtime.settings.scopes[scope_name]
     began = trio.current_time() if started_at is None else started_at
     ctx = CallContext(runtime, scope_name, scope, "embed", began, params=params)
+    if live is not None:
+        live.append(ctx)
     if part_of is not None:
         ctx.logical_call_id = part_of
         ctx.record_call = False

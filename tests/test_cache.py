@@ -4,6 +4,7 @@ stream replay, embeddings per input, coalescing, telemetry rows, statistics."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -821,3 +822,51 @@ async def test_an_embed_waiter_that_leads_counts_from_its_own_start(
     assert isinstance(error, polygate.AllSourcesExhausted) and got["t"] == pytest.approx(7.0)
     assert error.call_stats is not None and error.call_stats.total_latency_ms == pytest.approx(6000)
     assert _call_rows(db)[error.call_stats.logical_call_id]["total_latency_ms"] == pytest.approx(6000)
+
+
+@pytest.mark.parametrize("fatal", [False, True])
+async def test_an_embed_that_leads_and_waits_counts_its_own_attempt_however_it_ends(
+    autojump_clock: trio.testing.MockClock, fatal: bool,
+) -> None:
+    """Review: a call that sends some inputs and waits on another call's flight for the
+    others, and ends while its own request is in flight (its deadline; the flight's
+    fatal error, which it shares), reported ``attempts=0`` in its error and its row,
+    though its request reached the upstream (SPEC §5: attempts started count)."""
+
+    def behaviour(rec: Any, rng: Any) -> Reply:
+        if rec.body["input"] == ["a"]:
+            return Reply(status=400, headers_delay_s=5.0) if fatal else Reply(headers_delay_s=10.0)
+        return Reply(headers_delay_s=10.0)
+
+    up = FakeUpstream(behaviour)
+    capture = Capture()
+    got: dict[str, BaseException] = {}
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        s._runtime.recorder = capture  # type: ignore[attr-defined]
+
+        async def first() -> None:
+            with contextlib.suppress(polygate.PolygateError):
+                await s.embed(["a"])
+
+        async def second() -> None:
+            await trio.sleep(1.0)
+            try:
+                await s.embed(["a", "b"], call_deadline_s=None if fatal else 3.0)
+            except polygate.PolygateError as exc:
+                got["e"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            nursery.start_soon(second)
+        stats = await s.statistics()
+    error = got["e"]
+    assert isinstance(error, polygate.FatalUpstreamError if fatal else polygate.DeadlineExceeded)
+    assert [r.body["input"] for r in up.requests] == [["a"], ["b"]]
+    assert up.requests[1].outcome == "client_closed"
+    assert error.call_stats is not None and error.call_stats.attempts == 1
+    [row] = [st for st, e, _ in capture.calls if e is not None and type(e) is type(error)
+             and st.logical_call_id == error.call_stats.logical_call_id]
+    assert row.attempts == 1
+    assert all(src.state.in_flight == 0 and src.state.tokens_reserved == 0
+               for src in stats.governance.sources)
+    assert stats.cache.in_flight == 0

@@ -347,8 +347,15 @@ async def test_a_slow_lookup_never_uses_up_the_deadline(
             nursery.cancel_scope.cancel()
         stats = (await s.statistics()).cache
     assert backend.reads == 2  # the second call was not kept from the backend
-    assert stats.errors == 2 and stats.misses >= 2 and stats.hits == 0
+    assert stats.errors == 2 and stats.misses >= 2
     assert len(up.requests) == 2
+    if kind == "embed":
+        # "x", answered by the first call, is still held here (its write to the slow
+        # backend pending): the second call's miss is looked at again before it leads
+        # (as chat's is), so only "q1" goes upstream.
+        assert stats.hits == 1 and up.requests[1].body["input"] == ["q1"]
+    else:
+        assert stats.hits == 0
 
 
 async def test_an_undecodable_entry_is_a_miss(autojump_clock: trio.testing.MockClock) -> None:

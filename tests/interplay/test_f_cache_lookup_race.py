@@ -92,3 +92,40 @@ async def test_a_lookup_in_flight_when_the_leader_finishes_does_not_lead_again(
     # Observed: 2 upstream requests, the twin not cached.
     assert len(up.requests) == 1, len(up.requests)
     assert out[0].call_stats.cached
+
+
+async def test_an_embed_lookup_in_flight_when_the_leader_finishes_does_not_lead_again(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same window for embed (a later review): ``start()`` claimed a flight for an
+    input straight after its lookup's await, without looking at what the leader had
+    just left here."""
+
+    @asynccontextmanager
+    async def slow_cache(url: str) -> AsyncIterator[Cache]:
+        yield Cache(SlowStore())
+
+    monkeypatch.setattr(session_mod, "open_cache", slow_cache)
+    settings = polygate.Settings(
+        scopes={"embed": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+            cache_ttl_s=60.0,
+        )},
+        cache="memory",  # replaced by the slow store above
+    )
+    up = FakeUpstream(Reply(headers_delay_s=1.0))
+    out: list[polygate.EmbeddingResponse] = []
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+
+        async def leader() -> None:
+            await s.embed(["x"])  # lookup 0-0.05, upstream until ~1.05
+
+        async def twin() -> None:
+            await trio.sleep(1.03)  # its lookup (1.03-1.08) spans the leader's end
+            out.append(await s.embed(["x", "y"]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(leader)
+            nursery.start_soon(twin)
+    assert [r.body["input"] for r in up.requests] == [["x"], ["y"]]
+    assert len(out[0].vectors) == 2
