@@ -17,6 +17,7 @@ from polygate._errors import Outcome
 from polygate.testing import FakeUpstream, Reply, Schedule
 
 from ._schedules import (
+    MAX_ADMITS_PER_S,
     CallResult,
     CallSpec,
     Observation,
@@ -80,7 +81,7 @@ async def test_spinning_and_budget_bounds_are_seen(autojump_clock: trio.testing.
     with pytest.raises(Spinning, match="admission tries within 1 virtual second"):
         for _ in range(1000):
             backend._count_admit()  # a loop with no floor on its period
-    assert backend.admits == 201
+    assert backend.admits == MAX_ADMITS_PER_S + 1
     backend._budgets["chat"] = 7.5
     backend._check_budget("chat", 5.0, "budget_refill")
     assert backend.problems[-1] == "hedge budget 7.5 outside [0, 5.0] after budget_refill"
@@ -135,6 +136,21 @@ def test_groups_and_stray_outcomes_are_seen() -> None:
                       error=polygate.AllSourcesExhausted("x", errors=[]))
     found = violations(sc, _observation([], both))
     assert any(v.startswith("call 0: outcome:") for v in found), found
+
+
+def test_legitimate_churn_at_the_rate_limit_floor_is_no_spin() -> None:
+    """Found by hypothesis on Python 3.10: three calls retrying a "Retry-After: 0" 429
+    at its 0.1 s floor (retries free of max_attempts, every settle waking every waiting
+    acquirer) try ~240 admissions a virtual second; the old limit (200) called that a
+    spin.  A loop on the 1 ms wait floor would still pass the limit (3 sources)."""
+    sc = Scenario(
+        sources=(SourceSpec(name="a", replies=(Reply(status=429), Reply(status=429))),
+                 SourceSpec(name="b", replies=(Reply(status=429),)),
+                 SourceSpec(name="c", replies=(Reply(status=429, retry_after_s=0.0),), repeat_last=True)),
+        calls=(CallSpec(), CallSpec(), CallSpec()), max_attempts=1, rate_limit_wait_s=1.0,
+    )
+    assert violations(sc, run(sc, Schedule(0))) == []
+    assert MAX_ADMITS_PER_S < 3 * 1000
 
 
 def test_reproduction_lines_replay_exactly() -> None:
