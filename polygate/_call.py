@@ -175,6 +175,7 @@ async def _retry_loop(
     consumed = 0
     same_source: dict[str, int] = {}
     again: str | None = None  # the source to retry first (Retry.same_source_retries)
+    admitted: Admission | None = None  # an admission the loop already holds
     # Admission waits until the deadline; without one, waiting out 429 cooldowns is
     # bounded by rate_limit_wait_s (permits, RPM windows and breakers free up alone).
     give_up_at = deadline_at if deadline_at is not None else math.inf
@@ -182,12 +183,14 @@ async def _retry_loop(
         deadline_at if deadline_at is not None else ctx.started_at + retry.rate_limit_wait_s
     )
     while True:
+        admission, admitted = admitted, None
         if ctx.runtime.closed:
             # A call from a task outside the session block outlived the session:
             # nothing more is sent through its closed transport.
+            if admission is not None:
+                await governor.release(admission, Outcome.CANCELLED, sent=False)
             raise PolygateError("this session is closed")
-        admission = None
-        if again is not None:
+        if admission is None and again is not None:
             admission = await _same_source(ctx, again, tokens, cooldown_give_up_at)
         if admission is None:
             try:
@@ -249,15 +252,23 @@ async def _retry_loop(
             # Free of max_attempts: the sources cool down (never for less than the
             # governor's floor, so Retry-After: 0 cannot make this loop spin) and
             # admission waits them out — but only until the deadline or, without
-            # one, rate_limit_wait_s after the call started.
+            # one, rate_limit_wait_s after the call started.  Past that, only a
+            # source that has not rate limited this call may still take it (one that
+            # failed otherwise, long ago): the call is not given up while one admits.
             if trio.current_time() >= cooldown_give_up_at:
-                waited = "at the deadline" if deadline_at is not None else (
-                    f"after rate_limit_wait_s={retry.rate_limit_wait_s}"
+                limited = {e.source for e in errors if isinstance(e, RateLimitedError) and e.source}
+                result = await governor.try_admit(
+                    ctx.scope_name, tokens, exclude=limited, demote=failed
                 )
-                raise AllSourcesExhausted(
-                    f"every source still rate limited {waited} in scope {ctx.scope_name!r}",
-                    errors=errors,
-                )
+                if not isinstance(result, Admission):
+                    waited = "at the deadline" if deadline_at is not None else (
+                        f"after rate_limit_wait_s={retry.rate_limit_wait_s}"
+                    )
+                    raise AllSourcesExhausted(
+                        f"every source still rate limited {waited} in scope {ctx.scope_name!r}",
+                        errors=errors, retry_after_s=_rate_limited_for(result),
+                    )
+                admitted = result
             continue
         consumed += 1
         if consumed >= retry.max_attempts:

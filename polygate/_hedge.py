@@ -397,6 +397,12 @@ class Round:
                 )
             except GovernanceBackendError:
                 result = []
+            except BaseException:
+                # Cancelled during the admission round trip (the call ended): no hedge
+                # was sent, so the token goes back (the refund has no checkpoint on
+                # the memory backend and is shielded on Redis, as settles are).
+                await self._refund(governor)
+                raise
             if isinstance(result, Admission):
                 if not self._decided() and not ctx.runtime.closed:
                     self._extras += 1

@@ -123,10 +123,31 @@ async def test_rate_limit_without_deadline_is_bounded(autojump_clock: trio.testi
     settings = one_source_settings(retry=polygate.Retry(rate_limit_wait_s=60))
     async with polygate.session(settings, transport=_router(a=a)) as s:
         start = trio.current_time()
-        with pytest.raises(polygate.AllSourcesExhausted) as info:
+        with pytest.raises(polygate.AllSourcesExhausted,
+                           match="every source still rate limited after rate_limit_wait_s=60") as info:
             await s.chat(MESSAGES)
         assert trio.current_time() - start <= 60
     assert all(isinstance(e, polygate.RateLimitedError) for e in info.value.errors)
+
+
+async def test_a_429_after_rate_limit_wait_s_does_not_end_a_call_another_source_takes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: no deadline; a answers 502 after 70 s, the retry on b gets a 429.  The
+    call ended with "every source still rate limited after rate_limit_wait_s=60",
+    though a was not rate limited and admitted at once, with attempts left: the bound
+    was checked against the clock whatever the sources' state.  It bounds only the
+    waiting out of cooldowns; admission decides."""
+    a = FakeUpstream([Reply(status=502, headers_delay_s=70), Reply(text="from a")])
+    b = FakeUpstream(Reply(status=429, retry_after_s=1))
+    settings = two_source_settings(
+        retry=polygate.Retry(max_attempts=3, backoff_base_s=0, backoff_max_s=0), weights=FIRST_A,
+    )
+    async with polygate.session(settings, transport=_router(a=a, b=b)) as s:
+        r = await s.chat(MESSAGES)
+        assert r.source == "a" and r.text == "from a"
+        assert trio.current_time() == pytest.approx(70)
+        assert r.call_stats.attempts == 3
 
 
 async def test_rate_limit_wait_past_deadline_fails_fast(

@@ -166,6 +166,77 @@ async def test_tpm_counts_reservations_then_real_usage(
     assert starts[2] == pytest.approx(third_at)
 
 
+async def test_a_tpm_wait_within_the_deadline_is_not_given_up_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: with a call deadline, the third call of the case above gave up at t=0
+    (AllSourcesExhausted "tpm"), taking the window's expiry (t=60, past the deadline)
+    for the earliest admission, though the two open reservations settled at t=1 far
+    below their estimates and let it in.  SPEC §3: a primary waits for admission,
+    bounded by the deadline."""
+    a = FakeUpstream(Reply(tokens=10, first_token_s=1))
+    settings = _settings(names=("a",), source={"a": {"tpm": 250}}, call_deadline_s=30)
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(lambda: s.chat(MESSAGES, max_tokens=100))
+        stats = await s.statistics()
+    assert sorted(r.started_at for r in a.requests) == [0, 0, pytest.approx(1.0)]
+    assert _state(stats, "a").in_flight == 0 and _state(stats, "a").tokens_reserved == 0
+
+
+async def test_a_tpm_refusal_past_the_deadline_still_fails_as_soon_as_it_is_known(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The other side: once nothing is open, the window's expiry is exact, and a call
+    whose deadline comes first fails then, not at its deadline."""
+    a = FakeUpstream(Reply(tokens=100, first_token_s=1))
+    settings = _settings(names=("a",), source={"a": {"tpm": 250}}, call_deadline_s=30)
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        await s.chat(MESSAGES, max_tokens=100)
+        await s.chat(MESSAGES, max_tokens=100)  # ~220 tokens used, nothing open
+        started = trio.current_time()
+        with pytest.raises(polygate.AllSourcesExhausted, match="tpm"):
+            await s.chat(MESSAGES, max_tokens=100)
+        assert trio.current_time() == started
+
+
+@pytest.mark.parametrize(("b_limits", "deadline"), [({"max_in_flight": 1}, None), ({"rpm": 1}, 30.0)])
+async def test_a_waiting_call_takes_a_dead_source_back_when_its_cooldown_ends(
+    autojump_clock: trio.testing.MockClock, b_limits: dict[str, int], deadline: float | None,
+) -> None:
+    """Review: a call waiting for b's permit (busy for 100 s) ignored that a, dead after
+    a 401, was back at t=5: it waited until t=100.  And with b over its RPM until t=60
+    and a 30 s deadline, the call gave up at t=0 though a was back at t=5.  A dead
+    source is never waited for alone, but a call that waits anyway takes it back."""
+    base = {"api_key": SECRET}
+    a = FakeUpstream([Reply(status=401), Reply()])
+    b = FakeUpstream(Reply(first_token_s=100) if "max_in_flight" in b_limits else Reply())
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", **base),
+        polygate.Source(name="b", base_url="http://b/v1", weight=1e-9, **base, **b_limits),
+    ], call_deadline_s=deadline)}, dead_cooldown_s=5)
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        async with trio.open_nursery() as nursery:
+            first_done = trio.Event()
+
+            async def first() -> None:
+                await s.chat(MESSAGES)  # a: 401 (dead for 5 s), then b
+                first_done.set()
+
+            nursery.start_soon(first)
+            if "rpm" in b_limits:
+                await first_done.wait()  # b's one request this minute is spent
+            else:
+                await trio.sleep(1.0)  # b's one permit is held until t=100
+            r = await s.chat(MESSAGES)
+            assert r.source == "a"
+            assert trio.current_time() == pytest.approx(5.0)
+            nursery.cancel_scope.cancel()
+        stats = await s.statistics()
+    assert all(_state(stats, n).in_flight == 0 for n in "ab")
+
+
 async def test_estimate_larger_than_tpm_fails_at_once(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream(Reply())
     settings = _settings(names=("a",), source={"a": {"tpm": 100}})

@@ -3,15 +3,18 @@ seed 004, each under MockClock through the fake transport with exact virtual tim
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 import trio
 import trio.testing
 
 import polygate
+from polygate.governance import MemoryBackend
 from polygate.testing import EventTransport, FakeUpstream, Reply, Router, Schedule
 
-from .conftest import FIRST_A, MESSAGES, SECRET
+from .conftest import FIRST_A, MESSAGES, SECRET, two_source_settings
 
 
 def _settings(
@@ -561,3 +564,48 @@ async def test_budget_refusals_count_calls_not_rechecks(
         stats = await s.statistics()
     assert (first.call_stats.hedges, second.call_stats.hedges) == (1, 0)
     assert stats.governance.hedges_suppressed_by_budget["chat"] == 1
+
+
+class _RoundTrips(MemoryBackend):
+    """Like the Redis backend: each admission and budget take is a shielded round trip,
+    and an admission first checks for a pending cancellation (nothing sent then)."""
+
+    async def _trip(self) -> None:
+        with trio.CancelScope(shield=True):
+            await trio.sleep(0.5)
+
+    async def admit(self, request: Any) -> Any:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        await self._trip()
+        return await super().admit(request)
+
+    async def budget_take(self, scope: str, burst: float) -> bool:
+        await self._trip()
+        return await super().budget_take(scope, burst)
+
+
+async def test_a_call_cancelled_while_its_hedge_asks_admission_gives_the_token_back(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: the call was cancelled after its hedge took a budget token and while the
+    hedge's admission round trip was in flight: the cancellation left through
+    ``try_admit`` and the refund after it never ran.  No hedge was sent, yet the
+    budget (burst 1) stayed spent: 0.1 (the call's refill) instead of 1."""
+    import polygate._session as session_mod
+
+    backend = _RoundTrips()
+    monkeypatch.setattr(session_mod, "_backend_for", lambda settings: backend)
+    a = FakeUpstream(Reply(first_token_s=100))
+    b = FakeUpstream(Reply(first_token_s=100))
+    settings = two_source_settings(
+        weights=FIRST_A, hedge=polygate.Hedge(after_s=2, budget_burst=1, budget_ratio=0.1),
+    )
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        # the primary's admission 0-0.5, the hedge's trigger at 2.5, its budget take
+        # until 3.0: cancelled at 2.75, inside that round trip; the admission after it
+        # sees the cancellation at once
+        with trio.move_on_after(2.75):
+            await s.chat(MESSAGES)
+        stats = await s.statistics()
+    assert b.requests == []  # no hedge was sent
+    assert stats.governance.hedge_budget["chat"] == pytest.approx(1.0)

@@ -191,6 +191,10 @@ class Governor:
                 raise NoAdmission(refusals)
             known = [r.retry_at for r in waitable if r.retry_at is not None]
             unknown = len(known) < len(waitable)
+            # A dead source is never waited for alone; but a call that waits anyway is
+            # woken when its cooldown ends (and is not given up on before then).
+            known += [r.retry_at for r in refusals
+                      if r.reason is RefusalReason.DEAD and r.retry_at is not None]
             next_at = min(known) if known else math.inf
             only_cooldowns = all(r.reason is RefusalReason.COOLING_DOWN for r in waitable)
             bound = min(give_up_at, cooldown_give_up_at) if only_cooldowns else give_up_at

@@ -161,7 +161,11 @@ class MemoryBackend:
             if request.tokens > limits.tpm:
                 return Refusal(name, RefusalReason.TOO_LARGE, None)
             if s.window_tokens + request.tokens > limits.tpm:
-                return Refusal(name, RefusalReason.TPM, _tpm_free_at(s, request.tokens, limits.tpm))
+                # While reservations are open, settling them (real usage below the
+                # estimate, a void) can free tokens before the window expires: the
+                # time is then unknown, so a waiting call is not given up on early.
+                free_at = None if s.open else _tpm_free_at(s, request.tokens, limits.tpm)
+                return Refusal(name, RefusalReason.TPM, free_at)
         entry = _Entry(now, request.tokens)
         s.window.append(entry)
         s.window_tokens += request.tokens

@@ -476,8 +476,8 @@ class RedisBackend:
             raise self._garbage("snapshot") from None
 
     async def budget_take(self, scope: str, burst: float) -> bool:
-        # No cancellation check here: the hedge that asks holds an admission, and must
-        # get an answer to either launch the hedge or release it.
+        # No cancellation check here: a token taken must be known, so that a hedge
+        # that is then not launched (the call decided or cancelled) gives it back.
         reply = await self._script(_TAKE, [self._budget_key(scope)], [repr(float(burst)), self._ttl_ms], "budget_take")
         try:
             return bool(reply[0] == 1)

@@ -179,6 +179,9 @@ if tpm >= 0 then
   if tokens > tpm then return {0, 'too_large', -1, now, version()} end
   local sum = tonumber(redis.call('HGET', K_WTOK, '=sum')) or 0
   if sum + tokens > tpm then
+    -- While reservations are open, settling them can free tokens before the window
+    -- expires: the time is unknown (as in the memory backend).
+    if redis.call('HLEN', K_OPEN) > 0 then return {0, 'tpm', -1, now, version()} end
     -- When enough of the window expires for the estimate to fit.
     local excess = sum + tokens - tpm
     local entries = redis.call('ZRANGE', K_WINDOW, 0, -1, 'WITHSCORES')
