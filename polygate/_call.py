@@ -514,6 +514,8 @@ def _judged(ctx: CallContext, stats: CallStats) -> CallStats:
 
 def _next_round(ctx: CallContext, messages: list[Mapping[str, Any]]) -> None:
     """The next round asks with ``messages``; the statistics count one more re-ask."""
+    if ctx.asked_json is None:
+        ctx.asked_json = ctx.messages_json
     ctx.messages = messages
     ctx.messages_json = encode_compact(messages)
     ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(messages)

@@ -196,6 +196,9 @@ class CallContext:
     record_call: bool = True  # False: part of a larger call, which writes the call row
     fallbacks: list[str] = attrs.field(factory=list)  # the scopes it moved to, in order
     reasks: int = 0  # structured output: rounds re-asked after an invalid answer
+    # The caller's messages once a re-ask has changed ``messages_json`` (the call
+    # row's content is the request, not the last round's conversation).
+    asked_json: str | None = None
     resumes: int = 0  # continuations of a committed stream so far (for any outcome)
 
     @property

@@ -251,6 +251,44 @@ async def test_content_only_when_asked(autojump_clock: trio.testing.MockClock, t
             assert call["content"] is None
 
 
+async def test_a_reasked_call_row_holds_the_request_and_the_final_answer(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """Review: with log_content, a re-asked call's row held the last round's
+    conversation (the invalid answer and polygate's re-ask prompt), where the docs say
+    the request's messages."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",)), db, log_content=True)
+    up = FakeUpstream([Reply(text="not JSON"), Reply(text='{"n": 1}')])
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=schema)
+    assert r.call_stats.reasks == 1
+    [call] = _rows(db, "calls")
+    assert json.loads(call["content"]) == {"messages": MESSAGES, "output": r.message}
+
+
+async def test_an_attempt_row_leaves_out_the_time_its_consumer_held_the_stream(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """Review: a stream_chat() consumer that took 1 s per chunk made its attempt's
+    latency_ms 168 s for an upstream that answered in 1.33 s: ``polygate stats``'
+    per-source latency blamed the upstream for the caller's pace (generation_ms and
+    the source's health already left it out)."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",)), db)
+    # (more chunks than the stream buffers: the consumer's pace holds the upstream)
+    up = FakeUpstream(Reply(first_token_s=1.0, inter_token_s=0.01, tokens=200))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                await trio.sleep(1.0)
+    [call] = _rows(db, "calls")
+    [attempt] = _rows(db, "attempts")
+    assert call["generation_ms"] == pytest.approx(1330)  # (the statistics leave the holds out)
+    assert attempt["latency_ms"] == pytest.approx(call["generation_ms"])
+
+
 async def test_secrets_never_reach_rows_logs_or_statistics(
     autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

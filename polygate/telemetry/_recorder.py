@@ -121,7 +121,9 @@ def attempt_event(
         source=record.source,
         role=record.role,
         started_at=record.started_at + offset,
-        latency_ms=(end - start) * 1000.0,
+        # The time a stream_chat() consumer held its chunks is the caller's, not the
+        # upstream's (as in generation_ms and the source's health).
+        latency_ms=max(end - start - tl.paused_s, 0.0) * 1000.0,
         ttft_ms=ttft,
         status_code=tl.status_code,
         streamed=int(tl.streamed),
@@ -161,7 +163,8 @@ def call_event(
     content = None
     if log_content and ctx.kind == "chat":
         answer = json.dumps(output, ensure_ascii=False, default=str) if output is not None else "null"
-        content = redact('{"messages":' + ctx.messages_json + ',"output":' + answer + "}", secrets)
+        asked = ctx.asked_json if ctx.asked_json is not None else ctx.messages_json
+        content = redact('{"messages":' + asked + ',"output":' + answer + "}", secrets)
     return CallEvent(
         session_id=session_id,
         logical_call_id=ctx.logical_call_id,
