@@ -124,8 +124,15 @@ async def _with_deadline(
                 f"({frozen.attempts} attempt(s), scope {ctx.scope_name!r})",
                 call_stats=frozen,
             ) from None
-    except ConfigError:
-        raise  # the caller's arguments (an OCR page out of range): not a call's outcome
+    except ConfigError as exc:
+        if not ctx.attempts:
+            raise  # the caller's arguments (an OCR page out of range): not a call's outcome
+        # Found bad after attempts ran (a PDF page PDFium cannot load, met once the
+        # pages before it were sent): the call has an outcome, and its attempts'
+        # rows a call row to belong to.
+        if ctx.record_call:
+            recorder.call(ctx, call_stats(ctx, None, trio.current_time()), None, exc)
+        raise
     except PolygateError as exc:
         stats: CallStats | None = getattr(exc, "call_stats", None)
         if stats is None:

@@ -37,7 +37,7 @@ from ._call import _deadline_at, _retry_loop, _with_deadline, call_stats, every_
 from ._config import Ocr
 from ._context import AttemptRecord, CallContext, ChatRequest, Runtime
 from ._errors import AllSourcesExhausted, ConfigError
-from ._ocr_document import Document, check_url, open_document
+from ._ocr_document import Document, check_url, document_path, open_document
 from ._types import CallStats, OcrPage, OcrResponse, Usage
 from .governance import Admission, completion_budget
 from .transport import message_text
@@ -66,7 +66,9 @@ def check_arguments(
             )
     elif isinstance(document, str):
         check_url(document)
-    elif not isinstance(document, os.PathLike):
+    elif isinstance(document, os.PathLike):
+        document_path(document)
+    else:
         raise ConfigError(
             "document must be bytes, a pathlib.Path or an https:// URL string, "
             f"got {type(document).__name__}"

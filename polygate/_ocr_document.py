@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
-from ._config import Ocr
+from ._config import Ocr, is_utf8
 from ._errors import ConfigError
 from ._ocr_render import BadDocument, image_page, page_messages, tokens, unaltered
 from ._ocr_renderers import Renderers, new_key
@@ -178,7 +178,7 @@ def _read(document: Any, settings: Ocr) -> bytes:
     if isinstance(document, (bytes, bytearray)):
         data = bytes(document)
     else:  # a pathlib.Path, or any os.PathLike (trio.Path)
-        document = Path(os.fsdecode(os.fspath(document)))
+        document = document_path(document)
         try:
             info = os.stat(document)
             if not stat.S_ISREG(info.st_mode):
@@ -188,8 +188,9 @@ def _read(document: Any, settings: Ocr) -> bytes:
                 raise ConfigError(f"document {str(document)!r} is {size} bytes, over max_document_bytes={cap}")
             with open(document, "rb") as f:
                 data = f.read(cap + 1)
-        except OSError as exc:
-            raise ConfigError(f"cannot read document {str(document)!r}: {exc.strerror or exc}") from None
+        except (OSError, ValueError) as exc:  # ValueError: a name the system refuses
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ConfigError(f"cannot read document {str(document)!r}: {reason}") from None
     if len(data) > cap:
         raise ConfigError(f"document is {len(data)} bytes, over max_document_bytes={cap}")
     if not data:
@@ -230,8 +231,24 @@ async def open_document(document: Any, settings: Ocr, renderers: Renderers) -> D
     return PdfDocument(renderers, key, read, count, settings)
 
 
+def document_path(document: Any) -> Path:
+    """A path-like document as a Path, or ConfigError: a ``__fspath__`` that returns
+    no path, or a name with a NUL byte (no file can have one)."""
+    try:
+        path = Path(os.fsdecode(os.fspath(document)))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"document is not a usable path ({exc})") from None
+    if "\0" in str(path):
+        raise ConfigError(f"document {str(path)!r} is not a usable path (it holds a NUL byte)")
+    return path
+
+
 def check_url(url: str) -> str:
     """An ``https://`` URL with a host (handed to the upstream as is), else ConfigError."""
+    if not is_utf8(url):
+        raise ConfigError(
+            "document: the URL holds a lone surrogate (e.g. U+D800), which is not valid Unicode"
+        )
     try:
         parts = urlsplit(url)
         ok = parts.scheme == "https" and bool(parts.hostname)

@@ -638,3 +638,69 @@ def test_an_image_over_the_pixel_limit_is_refused_before_any_io(
     Image.new("RGB", (100, 100)).save(picture, "PNG")
     with pytest.raises(polygate.ConfigError, match="100×100 pixels, too large to decode safely"):
         _ocr_document._open_image(picture.getvalue(), "PNG", polygate.Ocr())
+
+
+def _pdf_with_a_broken_second_page() -> bytes:
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R 4 0 R] /Count 2 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 100] >>",
+        b"<< /Type /Font >>",  # page 1 is not a page: PDFium "Failed to load page."
+    ]
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("render_in", ["process", "thread"])
+async def test_a_page_failing_mid_call_still_writes_the_call_row(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, render_in: str
+) -> None:
+    """Review: page 1 of a PDF that PDFium cannot load was found bad after page 0 was
+    sent and answered: the ConfigError left the call without a call row, while page
+    0's attempt row was written (docs/ocr.md: one call row, one row per attempt)."""
+    db = tmp_path / "t.db"
+    up = FakeUpstream(Reply(text="page text"))
+    settings = attrs.evolve(
+        ocr_settings(render_in=render_in, max_concurrent_pages=1), telemetry=f"sqlite://{db}"
+    )
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="page 1 of the PDF cannot be loaded"):
+            await s.ocr(_pdf_with_a_broken_second_page())
+    assert len(up.requests) == 1  # page 0 was sent and answered
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    try:
+        attempts = conn.execute("SELECT logical_call_id, error FROM attempts").fetchall()
+        calls = conn.execute("SELECT logical_call_id, kind, outcome FROM calls").fetchall()
+    finally:
+        conn.close()
+    assert [error for _, error in attempts] == ["ok"]
+    # the attempt row's logical call has a call row
+    assert [(cid, kind) for cid, kind, _ in calls] == [(attempts[0][0], "ocr")]
+
+
+async def test_a_path_with_a_nul_byte_or_a_url_with_a_lone_surrogate_is_a_config_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: ``Path("scan\\x00.pdf")`` raised a bare ValueError from os.stat, and an
+    https URL holding a lone surrogate a UnicodeEncodeError from inside the call."""
+    up = FakeUpstream(Reply(text="x"))
+
+    class NotAPath:
+        def __fspath__(self) -> Any:
+            return 5
+
+    async with polygate.session(ocr_settings(), transport=Router({"a": up})) as s:
+        for document in (Path("scan\x00.pdf"), "https://example.com/scan-\ud800.png", NotAPath()):
+            with pytest.raises(polygate.ConfigError, match="document"):
+                await s.ocr(document)
+    assert up.requests == []
