@@ -237,3 +237,54 @@ async def test_transcript_streams(name: str) -> None:
 
 def test_fixture_dir_exists() -> None:
     assert Path(TRANSCRIPTS).is_dir()
+
+
+def _events(data: bytes) -> list[bytes]:
+    """A recorded SSE body as its events, each with its blank line (LF or CRLF)."""
+    parts = data.replace(b"\r\n", b"\n").split(b"\n\n")
+    return [p + b"\n\n" for p in parts if p.strip()]
+
+
+_FINISHED_THEN_MORE = sorted(
+    name for name in EXPECTED
+    if name.endswith(".sse") and any(
+        b'"finish_reason":"' in e and i < len(_events((TRANSCRIPTS / name).read_bytes())) - 1
+        for i, e in enumerate(_events((TRANSCRIPTS / name).read_bytes()))
+    )
+)
+
+
+@pytest.mark.parametrize("name", _FINISHED_THEN_MORE)
+async def test_a_finished_stream_cut_inside_its_next_event_is_complete(name: str) -> None:
+    """Review: a stream cut in the middle of the event after its finish chunk (the
+    usage event, say) failed as a malformed body: the half event was flushed and read
+    as JSON.  SPEC §3: a stream that has its finish_reason but no [DONE] is complete;
+    an event never completed is not dispatched (WHATWG)."""
+    events = _events((TRANSCRIPTS / name).read_bytes())
+    k = next(i for i, e in enumerate(events) if b'"finish_reason":"' in e) + 1
+    cut = b"".join(events[:k]) + events[k][: len(events[k]) // 2]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=cut)
+
+    settings = one_source_settings(retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+        r = await s.chat([{"role": "user", "content": "hi"}])
+    assert r.finish_reason == EXPECTED[name][1]
+
+
+async def test_an_unfinished_stream_cut_inside_an_event_is_still_transient() -> None:
+    """The other side: with no finish_reason yet, the half event is malformed and
+    the stream truncated: a transient failure, as before."""
+    events = _events((TRANSCRIPTS / "04-openai-stream-content-logprobs.sse").read_bytes())
+    cut = events[0] + events[1][: len(events[1]) // 2]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=cut)
+
+    settings = one_source_settings(retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat([{"role": "user", "content": "hi"}])
+    assert isinstance(info.value.errors[0], polygate.TransientUpstreamError)
+

@@ -360,7 +360,15 @@ async def _read_sse(
                 else:
                     events = events_of(piece)
             for event in events:
-                chunk = _chunk_of(event, endpoint, depth)
+                try:
+                    chunk = _chunk_of(event, endpoint, depth)
+                except Exception:
+                    if ended and assembler.finished:
+                        # The body ended inside an event after the answer had its
+                        # finish_reason: an event never completed is not dispatched
+                        # (WHATWG), and the answer is complete (SPEC §3).
+                        break
+                    raise
                 if chunk is None:
                     done = True
                     break
