@@ -38,6 +38,7 @@ from ._types import (
     StreamChunk,
     choice_index,
     json_default,
+    message_delta,
 )
 from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
@@ -485,7 +486,7 @@ class ChatStream:
                 if not sink.sent and _has_output(response.message):
                     # The upstream answered with a plain JSON body (it cannot stream):
                     # the whole answer is one chunk, so iterating still shows it.
-                    delta = {k: v for k, v in response.message.items() if v is not None}
+                    delta = message_delta(response.message)
                     if response.text:
                         self.text_parts.append(response.text)
                     await send.send(StreamChunk(text=response.text, delta=delta, raw=response.raw))

@@ -10,7 +10,7 @@ import attrs
 
 __all__ = [
     "CallStats", "ChatResponse", "EmbeddingResponse", "OcrPage", "OcrResponse", "StreamChunk", "Usage",
-    "choice_index",
+    "choice_index", "message_delta",
 ]
 
 
@@ -49,6 +49,20 @@ def choice_index(choice: Mapping[str, Any]) -> int | None:
     if type(index) is int and index >= 0:  # type, not isinstance: a bool is no index
         return index
     return None
+
+
+def message_delta(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A whole message (a JSON answer's) as the one delta a stream shows it in: its
+    non-null fields, each tool call with its position as ``index`` when it has none
+    (a stream delta's tool call must carry one: clients assemble calls by it)."""
+    delta = {k: v for k, v in message.items() if v is not None}
+    calls = delta.get("tool_calls")
+    if isinstance(calls, list) and any(isinstance(c, Mapping) and "index" not in c for c in calls):
+        delta["tool_calls"] = [
+            {"index": i, **c} if isinstance(c, Mapping) and "index" not in c else c
+            for i, c in enumerate(calls)
+        ]
+    return delta
 
 
 @attrs.frozen

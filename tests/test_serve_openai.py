@@ -265,3 +265,70 @@ async def test_failure_after_the_stream_commits_is_an_error_event() -> None:
     assert not isinstance(info.value, openai.APIStatusError)  # an SSE event, not a status
     assert isinstance(info.value.body, dict)
     assert info.value.body["code"] == "upstream_error"
+
+
+def _replaying(name: str) -> Any:
+    import httpx
+
+    from .conftest import TRANSCRIPTS
+
+    data = (TRANSCRIPTS / name).read_bytes()
+    ctype = "text/event-stream" if name.endswith(".sse") else "application/json"
+    return httpx.MockTransport(lambda request: httpx.Response(200, headers={"content-type": ctype}, content=data))
+
+
+@pytest.mark.parametrize(("name", "streaming"), [
+    ("08-openai-nonstream-parallel-tool-calls.json", False),
+    ("19-azure-nonstream-tool-calls-prompt-filter.json", False),
+    ("01-openai-stream-refusal-usage.sse", True),
+    ("02-openai-stream-parallel-tool-calls-usage.sse", True),
+    ("29-llamacpp-stream-tool-call-timings-crlf-as-documented.sse", True),
+])
+async def test_a_stream_assembles_to_the_json_answer_for_tool_calls_and_refusals(
+    name: str, streaming: bool,
+) -> None:
+    """Review: from a source that cannot stream, the one chunk's tool calls had no
+    ``index`` (the SDK's stream helper raised TypeError); and the role chunk said
+    ``"content": ""`` before tool calls or a refusal, so a client assembling the stream
+    got ``""`` where the JSON answer (and OpenAI's own stream) has null."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    from polygate.serve import open_server
+
+    from ._serve_kit import GATEWAY_KEY
+
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=streaming)],
+            retry=polygate.Retry(max_attempts=1))},
+        serve=polygate.Serve(api_keys=[GATEWAY_KEY]),
+    )
+
+    def both(base_url: str) -> tuple[Any, Any]:
+        with sync_client(base_url) as client:
+            answer = client.chat.completions.create(model="chat", messages=MESSAGES)
+            state = ChatCompletionStreamState()
+            for chunk in client.chat.completions.create(model="chat", messages=MESSAGES, stream=True):
+                state.handle_chunk(chunk)
+            return answer.choices[0].message, state.current_completion_snapshot.choices[0].message
+
+    async with open_server(settings, port=0, transport=_replaying(name)) as server:
+        whole, assembled = await in_thread(lambda: both(server.base_url))
+    assert assembled.content == whole.content
+    assert assembled.refusal == whole.refusal
+    calls = whole.tool_calls or []
+    assert [(c.id, c.function.name, c.function.arguments) for c in assembled.tool_calls or []] == [
+        (c.id, c.function.name, c.function.arguments) for c in calls]
+
+
+async def test_a_whole_answer_shown_as_a_stream_chunk_indexes_its_tool_calls() -> None:
+    """The library's side: the one chunk of a JSON answer to ``stream_chat`` is an
+    OpenAI delta, each tool call with its ``index``."""
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    async with polygate.session(
+        settings, transport=_replaying("08-openai-nonstream-parallel-tool-calls.json")
+    ) as s, s.stream_chat(MESSAGES) as stream:
+        chunks = [c async for c in stream]
+    [chunk] = chunks
+    assert [c["index"] for c in chunk.delta["tool_calls"]] == [0, 1]

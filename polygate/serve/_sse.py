@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Final
 
-from .._types import ChatResponse, StreamChunk, Usage, choice_index, parts_text
+from .._types import ChatResponse, StreamChunk, Usage, choice_index, message_delta, parts_text
 from ._json import dump
 
 __all__ = ["DONE", "KEEPALIVE", "StreamShape", "error_event", "reported_usage", "string_content"]
@@ -74,7 +74,7 @@ class StreamShape:
         # Every choice gets its role before its first delta, as in an OpenAI stream
         # (with n > 1 too): the library forwards content, not the upstream's role-only
         # chunks, and a client assembling choices by index reads the role from there.
-        unroled: list[int] | None = None
+        unroled: list[tuple[int, str | None]] | None = None
         for choice in choices:
             index = choice_index(choice)
             if index is None:  # (never, after the check above)
@@ -83,17 +83,18 @@ class StreamShape:
                 self._roled.add(index)
                 delta = choice.get("delta")
                 if not (isinstance(delta, Mapping) and delta.get("role")):
-                    unroled = [index] if unroled is None else [*unroled, index]
+                    role = (index, _role_content(delta))
+                    unroled = [role] if unroled is None else [*unroled, role]
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
         if unroled is None:
             return _event(raw)
         return self._roles(unroled, self._meta) + _event(raw)
 
-    def _roles(self, indexes: list[int], meta: dict[str, Any] | None) -> bytes:
+    def _roles(self, roles: list[tuple[int, str | None]], meta: dict[str, Any] | None) -> bytes:
         return _event({**(meta or {}), "choices": [
-            {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-            for index in indexes]})
+            {"index": index, "delta": {"role": "assistant", "content": content}, "finish_reason": None}
+            for index, content in roles]})
 
     def ending(self, response: ChatResponse, include_usage: bool) -> bytes:
         """The role chunk (when nothing was forwarded), finish chunk, usage chunk, [DONE]."""
@@ -103,12 +104,13 @@ class StreamShape:
             self._meta = self._header(response.raw)
         meta = self._meta or self._header(response.raw)
         finishing = []
-        unroled = []
+        unroled: list[tuple[int, str | None]] = []
         for position, choice in enumerate(response.choices or [{}]):
             index = choice.get("index", position) if isinstance(choice, Mapping) else position
             if index not in self._roled:  # a choice nothing was forwarded for
                 self._roled.add(index)
-                unroled.append(index)
+                message = choice.get("message") if isinstance(choice, Mapping) else None
+                unroled.append((index, _role_content(message)))
             if index in self._finished:
                 continue
             reason = choice.get("finish_reason") if isinstance(choice, Mapping) else None
@@ -139,6 +141,17 @@ class StreamShape:
         return header
 
 
+def _role_content(delta: Any) -> str | None:
+    """The content of a choice's role chunk, as OpenAI sends it: ``""`` before text,
+    null before tool calls or a refusal (whose message content is null, so that a
+    client assembling the stream gets the same message as the JSON answer)."""
+    if isinstance(delta, Mapping) and not isinstance(delta.get("content"), str) and (
+        delta.get("tool_calls") or delta.get("refusal") is not None
+    ):
+        return None
+    return ""
+
+
 def _whole_answer(choices: Any, first: dict[str, Any]) -> list[dict[str, Any]] | None:
     """A non-streamed body's choices as deltas, every choice kept: a source that cannot
     stream shows its whole answer as one chunk, whose delta is only the first choice's
@@ -154,7 +167,7 @@ def _whole_answer(choices: Any, first: dict[str, Any]) -> list[dict[str, Any]] |
         index = choice_index(choice)
         if index is None:
             return None
-        delta = first if index == 0 else {k: v for k, v in message.items() if v is not None}
+        delta = first if index == 0 else message_delta(message)
         out.append({"index": index, "delta": delta, "finish_reason": None})
     return out
 
