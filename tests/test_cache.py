@@ -742,7 +742,7 @@ async def test_an_embed_call_that_fails_waiting_still_counts_its_own_run(
 def _call_rows(db: Any) -> dict[str, dict[str, Any]]:
     import sqlite3
 
-    with sqlite3.connect(db) as conn:
+    with contextlib.closing(sqlite3.connect(db)) as conn:  # (a bare `with` only commits)
         conn.row_factory = sqlite3.Row
         return {r["logical_call_id"]: dict(r) for r in conn.execute("SELECT * FROM calls")}
 
