@@ -919,6 +919,52 @@ def test_a_stream_used_from_another_loop_says_so() -> None:
     _run(main())
 
 
+def test_a_session_left_from_another_loop_says_so_and_changes_nothing() -> None:
+    """Review: the session's own ``__aexit__`` from another thread closed the session
+    (its call in flight cancelled, new ones refused), then failed with asyncio's bare
+    RuntimeError about a future of another loop; in the on-loop I/O mode it even
+    stepped trio's run from that thread.  Now it is refused first, as a stream's is."""
+    async def main() -> None:
+        up = fake(Reply(text="x", first_token_s=0.05))
+        block = polygate.aio.session(settings_for("http://a/v1"), transport=up.transport())
+        s = await block.__aenter__()
+        try:
+            in_flight = asyncio.ensure_future(s.chat(messages("in flight")))
+            await asyncio.sleep(0.01)
+            await _refused_elsewhere(lambda: _run(block.__aexit__(None, None, None)))
+            assert (await asyncio.wait_for(in_flight, 10)).text == "x"  # changed nothing
+            assert (await s.chat(messages("after"))).text == "x"
+        finally:
+            await block.__aexit__(None, None, None)
+
+    _run(main())
+
+
+def test_an_aio_session_opened_from_plain_trio_says_what_to_use() -> None:
+    """Review: from trio code (no asyncio loop) it was asyncio's bare RuntimeError
+    ("no running event loop")."""
+    async def main() -> None:
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()):
+            pass
+
+    with pytest.raises(polygate.PolygateError, match=r"use polygate\.session"):
+        trio.run(main)
+
+
+async def test_a_transport_passed_in_is_closed_with_the_session(anyio_backend: Any) -> None:
+    """Review: an httpx transport passed to the session could not be closed by the
+    application (its connections are trio sockets: closing them from asyncio raised
+    trio's RuntimeError), so its sockets leaked.  The session closes it, in its trio
+    run, when it closes; the application's own close then finds nothing left."""
+    up = fake(Reply(text="hello"))
+    with loopback(up) as url:
+        async with httpx.AsyncHTTPTransport() as transport:
+            async with polygate.aio.session(settings_for(url), transport=transport) as s:
+                assert (await s.chat(messages("x"))).text == "hello"
+            pool: Any = transport._pool
+            assert pool.connections == []  # closed in the trio run
+
+
 def test_secret_never_in_repr() -> None:
     async def main() -> str:
         async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:

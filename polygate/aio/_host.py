@@ -355,7 +355,13 @@ async def acquire() -> Host:
     """The host of the running loop, started if needed, with one more user.
 
     Pair every successful ``acquire()`` with ``release()``."""
-    loop = asyncio.get_running_loop()
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise PolygateError(
+            "polygate.aio.session() runs on an asyncio event loop, and none is running "
+            "here; from trio, use polygate.session()"
+        ) from None
     by_loop = _hosts.by_loop
     for stale_loop, stale in list(by_loop.items()):
         if stale_loop.is_closed():

@@ -257,12 +257,20 @@ def _refuse(job: _Job) -> None:
         resolve(job.waiter, outcome.Value(None))
 
 
+#: The most closing a caller's transport may take when the session closes.
+_TRANSPORT_CLOSE_S = 5.0
+
+
 class _Owner:
     """The trio task that owns one trio session and the nursery of its calls."""
 
-    def __init__(self, host: Host, open_session: Callable[[], Any]) -> None:
+    def __init__(
+        self, host: Host, open_session: Callable[[], Any],
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.host = host
         self.open_session = open_session
+        self.transport = transport
         loop = host.loop
         self.opened: asyncio.Future[polygate.Session] = loop.create_future()
         self.closed: asyncio.Future[None] = loop.create_future()
@@ -289,6 +297,12 @@ class _Owner:
                 self.final = await trio_session.statistics()
             except Exception:  # a backend that needs its closed connections: no figures
                 self.final = None
+            if self.transport is not None:
+                # The caller's transport holds trio sockets now: only this run can close
+                # them (from asyncio, httpcore's close fails).  Bounded like a session's
+                # own closing.
+                with trio.move_on_after(_TRANSPORT_CLOSE_S):
+                    await self.transport.aclose()
         except Exception as exc:
             result = outcome.Error(exc)
         finally:
@@ -565,21 +579,55 @@ class ChatStream:
 # --------------------------------------------------------------------------- session()
 
 
-@asynccontextmanager
-async def session(
+def session(
     settings: Settings | None = None,
     *,
     env: Mapping[str, str] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     rng: random.Random | None = None,
-) -> AsyncIterator[Session]:
+) -> SessionBlock:
     """Open a polygate session from asyncio code (asyncio, uvloop, uvicorn, or
-    trio-asyncio's loop).  Same arguments and behaviour as :func:`polygate.session`:
-    leaving it flushes and closes everything, and cancels calls still in flight."""
+    trio-asyncio's loop): ``async with polygate.aio.session(...) as s``.  Same
+    arguments and behaviour as :func:`polygate.session`: leaving it flushes and closes
+    everything, and cancels calls still in flight.  A ``transport`` passed in is closed
+    with it: its connections are trio's, which asyncio code cannot close."""
+    return SessionBlock(_open(settings, env, transport, rng))
+
+
+class SessionBlock:
+    """The ``async with`` of :func:`session`: left only on the loop that opened it
+    (anywhere else a PolygateError that changes nothing, as for the session's calls)."""
+
+    def __init__(self, opening: contextlib.AbstractAsyncContextManager[Session]) -> None:
+        self._opening = opening
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def __aenter__(self) -> Session:
+        handle = await self._opening.__aenter__()
+        self._loop = handle._loop
+        return handle
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        if self._loop is not None:
+            _check_loop(self._loop, "this session", "leave it on the loop that opened it")
+        return await self._opening.__aexit__(exc_type, exc, tb)
+
+
+@asynccontextmanager
+async def _open(
+    settings: Settings | None,
+    env: Mapping[str, str] | None,
+    transport: httpx.AsyncBaseTransport | None,
+    rng: random.Random | None,
+) -> AsyncIterator[Session]:
     host = await acquire()
     try:
         owner = _Owner(
-            host, lambda: polygate.session(settings, env=env, transport=transport, rng=rng))
+            host, lambda: polygate.session(settings, env=env, transport=transport, rng=rng),
+            transport=transport)
         host.submit(host.start_task, owner.run)
         try:
             trio_session = await asyncio.shield(owner.opened)
