@@ -804,3 +804,29 @@ async def test_a_head_whose_wait_is_cancelled_is_no_timeout(
     with pytest.raises(HTTPProblem) as caught:
         await conn.read_request(scope=trio.CancelScope())
     assert caught.value.status == 408
+
+
+@pytest.mark.parametrize("second", [
+    b"GET /healthz HTTP/1.1\r\nhost: g\r\nbad header line\r\n\r\n",  # 400
+    b"GET /healthz HTTP/1.1\r\nhost: g\r\nx: " + b"a" * 70000 + b"\r\n\r\n",  # 431
+    b"GET /healthz HTTP/1.1\r\nhost: g\r\n",  # never finished: 408
+], ids=["400", "431", "408"])
+async def test_a_problem_after_a_head_request_is_answered_with_its_body(second: bytes) -> None:
+    """Review: after a HEAD on a kept-alive connection (a load balancer's probe), the
+    next request's 400/408/431 went out with its Content-Length and no body: the HEAD
+    of the request before still said "no body", as its head was never parsed."""
+    from ._serve_kit import read_until_closed
+
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], header_timeout_s=0.5)
+    async with gateway(Reply(), serve=serve) as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(b"HEAD /healthz HTTP/1.1\r\nhost: g\r\n\r\n")
+            first = await stream.receive_some(65536)
+            assert first.startswith(b"HTTP/1.1 200")
+            await stream.send_all(second)
+            data = await read_until_closed(stream, 10)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lengths = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+    assert len(body) == int(lengths[0]) > 0
+    assert json.loads(body)["error"]["message"]

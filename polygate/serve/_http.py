@@ -203,6 +203,10 @@ class Connection:
         ends the read like a timeout does: ``None``).
         """
         limits = self.limits
+        # A problem met before this request's head is parsed (a malformed or too large
+        # head, a head timeout) is answered whole: the last request's HEAD-ness (no
+        # body) is not this one's.
+        self.head_only = self.responding = False
         now = trio.current_time()
         pending = len(self.h11.trailing_data[0])  # pipelined: already here
         # A kept-alive connection waits idle_timeout_s for a request, and its head has
