@@ -318,3 +318,65 @@ async def test_a_reload_reaches_the_connections_already_open(tmp_path: Path) -> 
             srv.proc.send_signal(signal.SIGTERM)
             with trio.fail_after(10):
                 assert await srv.proc.wait() == 0
+
+
+_BIG = "x" * 60000
+
+
+async def test_a_grace_end_during_a_blocked_write_keeps_the_framing() -> None:
+    """Review: the grace period ended while a stream's write to a slow reader was half
+    done (trio cannot say how much of a cancelled send went out): the shutting_down
+    event was written into the middle of the cut chunk, the chunked framing broke, and
+    clients saw "incomplete chunked read" (the SDK an APIConnectionError, not the
+    documented APIError).  A frame begun is finished first, within the send timeout.
+    (The 1 s wait is a margin for the loopback buffers to fill: nothing signals it.)"""
+    import polygate
+    from polygate.serve import open_server
+
+    from ._raw_server import raw_server
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+        ev = json.dumps({"id": "x", "model": "m", "choices": [{"index": 0, "delta": {"content": _BIG}}]})
+        for _ in range(400):  # 24 MB: more than the loopback buffers hold
+            await stream.send_all(b"data: " + ev.encode() + b"\n\n")
+        await stream.send_all(b"data: [DONE]\n\n")
+
+    async with raw_server(reply) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=up.url)],
+                                           retry=polygate.Retry(max_attempts=1))},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]),  # send_timeout_s 60: not gone
+        )
+        async with open_server(settings, port=0) as server:
+            client = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await client.send_all(request_bytes("POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH))
+            first = await client.receive_some(1000)
+            assert first.startswith(b"HTTP/1.1 200")
+            await trio.sleep(1.0)  # the server's writes back up: it waits inside a write
+            async with trio.open_nursery() as n:
+                n.start_soon(server.shutdown, 0.2)
+                await trio.sleep(0.5)  # grace over; the client now reads everything
+                data = bytearray(first)
+                with trio.fail_after(10):
+                    while more := await client.receive_some(1 << 20):
+                        data += more
+            await client.aclose()
+            assert server.metrics.requests == {("/v1/chat/completions", 503): 1}
+    assert b"shutting_down" in data
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="POST", target="/", headers=[("host", "g"), ("content-length", "0")]))
+    conn.send(h11.EndOfMessage())
+    conn.receive_data(bytes(data))
+    conn.receive_data(b"")
+    body = bytearray()
+    while True:
+        ev = conn.next_event()  # fails: the error event sits inside the torn chunk
+        if isinstance(ev, h11.Data):
+            body += ev.data
+        elif isinstance(ev, h11.EndOfMessage):
+            break
+    events = [e for e in bytes(body).split(b"\n\n") if e]
+    for e in events:
+        json.loads(e[len(b"data: "):])
+    assert b"shutting_down" in events[-1]

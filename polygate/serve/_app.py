@@ -633,7 +633,6 @@ async def _chat_stream(
         stream = ctx.gateway.session.stream_chat(messages, scope=scope, **params)
     except Exception as exc:  # arguments refused before the call started
         return await _call_failed(ctx, scope, call_id, exc, charge)
-    send_timeout = ctx.gateway.settings.serve.send_timeout_s
     with ctx.stop:
         async with stream:
             chunks = stream.__aiter__()
@@ -643,13 +642,13 @@ async def _chat_stream(
             wrote_at = trio.current_time()
             while not done:
                 # One clock per quiet period, not a cancel scope per chunk: its deadline
-                # is the keep-alive while waiting for a chunk, the send timeout while
-                # a write waits for the client.  A write the kernel takes at once
+                # is the keep-alive while waiting for a chunk (a write that waits for
+                # the client has its own, the send timeout: Connection.finish_frame,
+                # which no drain cuts mid-frame).  A write the kernel takes at once
                 # (nearly all) leaves the clock alone: when it falls due with chunks
                 # still flowing, nothing was quiet, and the next clock counts from the
                 # last write.  (A scope costs ~5 µs; moving its deadline ~2 µs, which
                 # was twice a chunk.)
-                sending = False
                 with trio.CancelScope(deadline=wrote_at + interval) as clock:
                     while True:
                         if late is not None:
@@ -689,24 +688,17 @@ async def _chat_stream(
                         rest = await conn.write_first(out + b"".join(frames))
                         head_sent = True  # begun: no other head may follow
                         if rest:  # the client's buffer is full: bounded by the send timeout
-                            sending = True
-                            clock.deadline = trio.current_time() + send_timeout
-                            await conn.send_unbounded(rest)
-                            sending = False
+                            await conn.finish_frame(rest)
                         wrote_at = trio.current_time()
                         if rest:
                             clock.deadline = wrote_at + interval
-                if clock.cancelled_caught:
-                    if sending:  # a client that does not read is a client that left
-                        conn.client_gone = True
-                        raise ClientGone
-                    if trio.current_time() >= wrote_at + interval:  # quiet that long
-                        out = head() if not head_sent else b""
-                        rest = await conn.write_first(out + conn.frame(KEEPALIVE))
-                        head_sent = True
-                        if rest:
-                            await conn.send(bytes(rest))  # (bounded by the send timeout)
-                        wrote_at = trio.current_time()
+                if clock.cancelled_caught and trio.current_time() >= wrote_at + interval:
+                    out = head() if not head_sent else b""  # quiet that long: a keep-alive
+                    rest = await conn.write_first(out + conn.frame(KEEPALIVE))
+                    head_sent = True
+                    if rest:
+                        await conn.finish_frame(rest)
+                    wrote_at = trio.current_time()
     if ctx.stop.cancelled_caught:
         if not head_sent or conn.client_gone:
             return await _stopped(ctx, call_id)

@@ -466,14 +466,21 @@ class Connection:
         cancelled request writes nothing.  The caller sends the rest, if any."""
         return await write_first(self.stream, data)
 
-    async def send_unbounded(self, data: bytes | memoryview) -> None:
-        """A write whose time bound the caller keeps (a stream moves one deadline
-        instead of opening a cancel scope per chunk)."""
-        try:
-            await self.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.client_gone = True
-            raise ClientGone from None
+    async def finish_frame(self, data: bytes | memoryview) -> None:
+        """The rest of a stream frame whose write has begun, bounded by the send
+        timeout and by nothing else: a drain that cancelled it half-way would leave a
+        cut frame for its error event to land in (trio cannot say how much of a
+        cancelled ``send_all`` went out).  The drain takes effect right after."""
+        with trio.CancelScope(shield=True) as scope:  # bounded: the deadline below
+            scope.deadline = trio.current_time() + self.limits.send_timeout_s
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.client_gone = True
+                raise ClientGone from None
+        if scope.cancelled_caught:
+            self.client_gone = True  # a client that does not read is a client that left
+            raise ClientGone
 
     async def _send(self, data: bytes) -> None:
         # Most answers leave in one write the kernel takes at once: then no scope and
