@@ -161,9 +161,55 @@ async def test_ollama_reasoning_field() -> None:
 
 async def test_openrouter_reasoning_details_and_comments() -> None:
     r = await _chat("15-openrouter-stream-reasoning-details-usage.sse")
-    assert r.message["reasoning_details"]
     assert r.raw["provider"]
     assert r.raw["usage"]["cost"] > 0
+    # Review: every streamed fragment was kept as its own entry; a non-streamed
+    # answer has one entry per index, its text whole, with its signature and format.
+    [detail] = r.message["reasoning_details"]
+    assert detail["text"] == r.message["reasoning_content"]
+    assert detail["signature"] and detail["format"] == "anthropic-claude-v1"
+    assert (detail["type"], detail["index"]) == ("reasoning.text", 0)
+
+
+@pytest.mark.parametrize(("name", "categories"), [
+    ("09-azure-stream-content-filter.sse", {"hate", "self_harm", "sexual", "violence"}),
+    ("10-azure-stream-async-filter-annotations.sse",
+     {"hate", "self_harm", "sexual", "violence", "protected_material_code", "protected_material_text"}),
+])
+async def test_azure_content_filter_results_are_merged_not_replaced(name: str, categories: set[str]) -> None:
+    """Review: the finish chunk's empty ``{}`` (09), or a later annotation of other
+    categories (10), replaced the filter results whole, so the assembled choice said
+    nothing about hate or violence (SPEC §1: filter results are kept in raw)."""
+    r = await _chat(name)
+    assert set(r.raw["choices"][0]["content_filter_results"]) == categories
+    assert set(r.choices[0]["content_filter_results"]) == categories
+
+
+async def test_merging_extras_never_changes_the_chunks_a_stream_handed_out() -> None:
+    """The merges work on copies: a chunk's raw, handed to a stream's caller, keeps
+    what its upstream sent (here the first fragment's dict would otherwise become the
+    held entry, and its text "x" the joined "xy")."""
+    events = [
+        {"choices": [{"index": 0, "delta": {"content": "a", "reasoning_details": [{"index": 0, "text": "x"}]},
+                      "content_filter_results": {"hate": {"filtered": False}}}]},
+        {"choices": [{"index": 0, "delta": {"content": "b", "reasoning_details": [{"index": 0, "text": "y"}]},
+                      "content_filter_results": {"violence": {"filtered": False}}, "finish_reason": "stop"}]},
+    ]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode())
+
+    settings = one_source_settings(retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s, s.stream_chat(
+        [{"role": "user", "content": "hi"}]
+    ) as stream:
+        chunks = [c.raw async for c in stream]
+    # (looked at once the stream has ended: after every merge)
+    assert chunks == events
+    assert stream.response is not None
+    assert stream.response.message["reasoning_details"] == [{"index": 0, "text": "xy"}]
+    assert set(stream.response.choices[0]["content_filter_results"]) == {"hate", "violence"}
 
 
 async def test_n3_choices() -> None:

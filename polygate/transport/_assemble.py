@@ -309,15 +309,65 @@ def _join_function(target: dict[str, Any], part: dict[str, Any]) -> None:
 
 
 def _merge_extra(target: dict[str, Any], key: str, value: Any) -> None:
-    """Lists accumulate (e.g. ``reasoning_details``); scalars and objects: last wins."""
-    if isinstance(value, list):
-        existing = target.get(key)
-        if isinstance(existing, list):
-            existing.extend(value)
-        else:
-            target[key] = list(value)
+    """A provider extra of a delta or a choice, assembled as a non-streamed answer
+    would hold it: objects merge field by field (Azure's ``content_filter_results``:
+    an empty ``{}`` on the finish chunk, or a later annotation of other categories,
+    keeps what came before); list items that carry an ``index`` merge into the item of
+    that index, their strings joined (OpenRouter's ``reasoning_details``: one entry per
+    index, its text whole), other items accumulate; scalars: last wins.  What is held
+    is a copy: the chunks (handed to a stream's caller) are never changed."""
+    existing = target.get(key)
+    if isinstance(value, list) and isinstance(existing, list):
+        _merge_items(existing, value)
+    elif isinstance(value, dict) and isinstance(existing, dict):
+        _merge_fields(existing, value, join=False)
     else:
-        target[key] = value
+        target[key] = _own(value)
+
+
+#: Fields of an indexed list item that name or tag it: replaced, never joined (the
+#: same ``format`` in every fragment must not become its repetition).
+_TAGS = frozenset({"index", "type", "format", "id", "signature"})
+
+
+def _merge_items(held: list[Any], items: list[Any]) -> None:
+    for item in items:
+        index = item.get("index") if isinstance(item, dict) else None
+        if type(index) is int:
+            for entry in held:
+                if isinstance(entry, dict) and entry.get("index") == index:
+                    _merge_fields(entry, item, join=True)
+                    break
+            else:
+                held.append(_own(item))
+        else:
+            held.append(_own(item))
+
+
+def _merge_fields(held: dict[str, Any], fields: dict[str, Any], *, join: bool) -> None:
+    for key, value in fields.items():
+        old = held.get(key)
+        if value is None and key in held:
+            continue  # a null does not erase what came (as the SDK's accumulator)
+        if isinstance(old, dict) and isinstance(value, dict):
+            _merge_fields(old, value, join=join)
+        elif isinstance(old, list) and isinstance(value, list):
+            _merge_items(old, value)
+        elif join and isinstance(old, str) and isinstance(value, str) and key not in _TAGS:
+            held[key] = old + value
+        elif key in _TAGS and value == "" and old:
+            continue  # an empty tag (a signature to come) keeps the one that came
+        else:
+            held[key] = _own(value)
+
+
+def _own(value: Any) -> Any:
+    """A copy of a JSON value's containers (the merges above change them in place)."""
+    if isinstance(value, dict):
+        return {k: _own(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_own(v) for v in value]
+    return value
 
 
 class ChatAssembler:
