@@ -51,6 +51,21 @@ def test_pick_order_follows_weights() -> None:
     assert firsts["b"] / 10_000 == pytest.approx(0.2, abs=0.02)
 
 
+async def test_a_subnormal_weight_is_picked_last_not_a_division_by_zero(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: ``Source.weight=5e-324`` passes validation (> 0), and times a health
+    score below 1 it is 0.0: picking divided by it (a bare ZeroDivisionError)."""
+    b = FakeUpstream(Reply(text="from b"))
+    settings = _settings(weights={"a": 5e-324, "b": 1.0})
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply()), "b": b})) as s:
+        governor: Any = s._runtime.governor  # type: ignore[attr-defined]
+        governor._health[("chat", "a")].failed(trio.current_time())  # a score below 1
+        for _ in range(5):
+            assert (await s.chat(MESSAGES)).source == "b"
+    assert pick_order(["a", "b"], [0.0, 1.0], random.Random(1)) == ["b", "a"]
+
+
 def test_pick_order_excludes_and_demotes() -> None:
     rng = random.Random(2)
     for _ in range(200):

@@ -100,7 +100,9 @@ def pick_order(
         if name in exclude or name in demote:
             continue
         u = rng.random()
-        key = math.log(u) / weight if u > 0 else -math.inf
+        # A weight that underflowed to 0 (a subnormal Source.weight times a low
+        # score) sorts last instead of dividing by zero.
+        key = math.log(u) / weight if u > 0 and weight > 0 else -math.inf
         fresh.append((key, name))
     fresh.sort(reverse=True)
     order = [name for _, name in fresh if name in first]
