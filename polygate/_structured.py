@@ -59,7 +59,12 @@ _TOO_DEEP_ANSWER = (
     f"$: nested too deeply to be read as JSON (deeper than {MAX_DEPTH} levels of arrays and objects)"
 )
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
-_FENCE = re.compile(r"\A\s*```[A-Za-z0-9_-]*[ \t]*\r?\n(.*?)\r?\n?[ \t]*```\s*\Z", re.S)
+# One Markdown code fence around the whole answer: three or more backticks or tildes,
+# an optional info string (```json, ``` json), closed by the same fence (CommonMark).
+_FENCE = re.compile(
+    r"\A\s*(?P<fence>`{3,}|~{3,})[ \t]*[A-Za-z0-9_+.-]*[ \t]*\r?\n(?P<body>.*?)\r?\n?[ \t]*(?P=fence)\s*\Z",
+    re.S,
+)
 
 INSTRUCTION = (
     "Answer with a single JSON value that matches this JSON Schema, and nothing else "
@@ -421,10 +426,10 @@ def _bounded(lines: Any) -> list[str]:
 def _unfenced(text: str) -> str:
     """The JSON inside a single Markdown code fence (models often add one in the
     prompt modes); anything else unchanged."""
-    if "```" not in text:
+    if "```" not in text and "~~~" not in text:
         return text
     match = _FENCE.match(text)
-    return match.group(1) if match else text
+    return match.group("body") if match else text
 
 
 def schema_of(schema: Any) -> Schema:

@@ -92,12 +92,24 @@ async def test_dict_schema_parses_to_the_json_value(autojump_clock: trio.testing
     assert rf["json_schema"] == {"name": "City", "schema": CITY_SCHEMA, "strict": True}
 
 
-async def test_fenced_answer_is_accepted(autojump_clock: trio.testing.MockClock) -> None:
-    up = FakeUpstream(Reply(text=f"```json\n{GOOD}\n```"))
+@pytest.mark.parametrize("fence", [
+    "```json\n{}\n```", "``` json\n{}\n```", "~~~\n{}\n~~~", "````json\n{}\n````", "\n```JSON \r\n{}\r\n```\n",
+])
+async def test_fenced_answer_is_accepted(autojump_clock: trio.testing.MockClock, fence: str) -> None:
+    """Every CommonMark fence around the whole answer (a review found an info string
+    after a space, tildes and longer fences re-asked)."""
+    up = FakeUpstream(Reply(text=fence.replace("{}", GOOD)))
     async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
         r = await s.chat(MESSAGES, schema=Answer)
     assert r.parsed == Answer(city="Paris", population=2100000)
     assert r.call_stats.reasks == 0
+
+
+def test_a_fence_closed_by_another_fence_is_no_fence() -> None:
+    from polygate._structured import _unfenced
+
+    assert _unfenced("```json\n{}\n~~~") == "```json\n{}\n~~~"
+    assert _unfenced('{"a": "```"}') == '{"a": "```"}'
 
 
 async def test_plain_chat_has_no_parsed_value(autojump_clock: trio.testing.MockClock) -> None:
