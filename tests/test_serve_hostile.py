@@ -287,12 +287,17 @@ async def test_non_finite_extras_in_a_chat_answer_are_a_clean_502(
 
 async def test_non_finite_floats_in_a_streamed_chunk_end_it_with_an_error_event() -> None:
     sse = _sse(b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}',
-               b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"b"},'
+               b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"b"}}]}',
+               b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"c"}}]}',
+               b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"d"},'
                b'"logprobs":{"x":NaN}}]}')
     (status, body), = await _against(GOOD, sse, ("/v1/chat/completions", STREAM_REQUEST))
     assert status == 200
     events = _events(body)  # every event strict JSON
     assert events[-1]["error"]["code"] == "upstream_error"
+    # The chunks before it (sent in one write with it: one burst) still go out first
+    # (a review found the whole burst dropped).
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", [])) == "abc"
 
 
 @pytest.mark.parametrize("encoding", ["float", "base64"])

@@ -675,13 +675,18 @@ async def _chat_stream(
                         # Chunks that arrived with this one go out in the same write:
                         # nothing waits for them, and a burst costs one send, not one
                         # per token.
+                        frames: list[bytes] = []
                         try:
-                            frames = [conn.frame(shape.chunk(chunk))]
-                            frames += [conn.frame(shape.chunk(c)) for c in stream._ready(_BURST)]
-                        except Unencodable as exc:  # a NaN in a chunk: the stream ends
+                            frames.append(conn.frame(shape.chunk(chunk)))
+                            for ready in stream._ready(_BURST):
+                                frames.append(conn.frame(shape.chunk(ready)))
+                        except Unencodable as exc:
+                            # A NaN in a chunk: the stream ends with an error event,
+                            # after the chunks of its burst that came before it.
                             failure = exc
                             done = True
-                            break
+                            if not frames:
+                                break
                         out = head() if not head_sent else b""
                         # No scheduler pass after a write the kernel took whole: the
                         # next chunk is waited for (or taken) right after.
@@ -692,6 +697,8 @@ async def _chat_stream(
                         wrote_at = trio.current_time()
                         if rest:
                             clock.deadline = wrote_at + interval
+                        if done:  # (the burst's earlier chunks went out; then its error)
+                            break
                 if clock.cancelled_caught and trio.current_time() >= wrote_at + interval:
                     out = head() if not head_sent else b""  # quiet that long: a keep-alive
                     rest = await conn.write_first(out + conn.frame(KEEPALIVE))
