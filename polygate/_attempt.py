@@ -193,11 +193,18 @@ async def run_embed_attempt(
     def usage_of(result: tuple[list[list[float]], Any]) -> Usage:
         payload = result[1]
         wire = payload.get("usage") if isinstance(payload, dict) else None
-        return Usage.from_wire(wire) or Usage(
-            admission.tokens, 0, admission.tokens, source="estimated"
-        )
+        usage = Usage.from_wire(wire)
+        if usage is None:
+            return Usage(admission.tokens, 0, admission.tokens, source="estimated")
+        # An embedding's tokens are all input: an upstream that reports only
+        # total_tokens (Voyage AI) reported its prompt tokens.
+        return Usage(usage.total_tokens, 0, usage.total_tokens, source=usage.source)
 
-    return await _guarded(ctx, admission, control, source.timeout_s, None, work, usage_of)
+    # An embeddings answer is never streamed: ttft_timeout_s bounds the whole of it,
+    # as it does a chat answer from a source that cannot stream.
+    return await _guarded(
+        ctx, admission, control, source.timeout_s, source.ttft_timeout_s, work, usage_of
+    )
 
 
 class AttemptCancelled(Exception):
@@ -267,8 +274,9 @@ def _watchdog_error(
     ctx: CallContext, source: str, timeline: Timeline, ttft_timeout_s: float | None
 ) -> UpstreamError:
     if timeline.first_token_at is None:
+        waited = "no answer" if ctx.kind == "embed" else "no first token"
         return TransientUpstreamError(
-            f"no first token within ttft_timeout_s={ttft_timeout_s}",
+            f"{waited} within ttft_timeout_s={ttft_timeout_s}",
             source=source, outcome=Outcome.TIMEOUT,
         )
     return TransientUpstreamError(

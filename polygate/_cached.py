@@ -657,6 +657,21 @@ def _embedding(
 ) -> EmbeddingResponse:
     vectors = [list(found[k][0]) for k in keys]
     distinct = {k: found[k] for k in dict.fromkeys(keys)}
+    lengths: dict[int, str | None] = {}  # each vector length, and a source that sent it
+    for vector, _, sent_by, _, _ in distinct.values():
+        lengths.setdefault(len(vector), sent_by)
+    if len(lengths) > 1:
+        # Cached, coalesced and fresh vectors from sources serving different models
+        # (a failover, a shared cache): they cannot be compared, so none is returned,
+        # as when one call's batches disagree (_call._embedding_response).
+        seen = ", ".join(f"{n} (source {name!r})" for n, name in lengths.items())
+        error = FatalUpstreamError(
+            f"the inputs of this call came back with vectors of different dimensions: {seen}; "
+            f"the sources of scope {call.ctx.scope_name!r} must serve the same embedding model",
+            source=list(lengths.values())[-1],
+        )
+        error.call_stats = call.stats(cached=False)
+        raise error
     tokens = 0
     estimated = False
     for _, _, _, share, usage_source in distinct.values():

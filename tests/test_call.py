@@ -3,9 +3,11 @@ timeouts, watchdogs, statistics.  Times asserted here are exact virtual times.""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -585,6 +587,68 @@ async def test_embed_batches_of_different_dimensions_are_an_error(
         same = await s.embed(["x0", "x1", "x2"])  # one source, one dimension: fine
     assert info.value.call_stats is not None and info.value.call_stats.attempts == 4
     assert {len(v) for v in same.vectors} == {8}
+
+
+async def test_a_cache_partial_hit_of_another_dimension_is_an_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: with the cache on, a stored vector (8 dimensions, from a) and a fresh
+    one from a failover (4, from b) were returned side by side: the check covered the
+    batches of one upstream run, not what the cache layer puts together."""
+
+    def a_behaviour(request: Any, rng: Any) -> Reply:
+        return Reply(status=503) if "y" in request.body["input"] else Reply(embedding_dim=8)
+
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
+        cache_ttl_s=600)}, cache="memory")
+    ups = _router(a=FakeUpstream(a_behaviour), b=FakeUpstream(Reply(embedding_dim=4)))
+    async with polygate.session(settings, transport=ups) as s:
+        assert len((await s.embed(["x"])).vectors[0]) == 8  # stored, from a
+        with pytest.raises(polygate.FatalUpstreamError, match=r"8 \(source 'a'\), 4 \(source 'b'\)") as info:
+            await s.embed(["x", "y"])  # x a hit (8); y: a's 503, then b (4)
+    assert info.value.call_stats is not None and info.value.call_stats.attempts == 2
+
+
+def _total_only(request: httpx.Request) -> httpx.Response:
+    inputs = json.loads(request.content)["input"]
+    return httpx.Response(200, json={
+        "object": "list", "model": "e",
+        "data": [{"object": "embedding", "index": i, "embedding": [1.0, 2.0]} for i in range(len(inputs))],
+        "usage": {"total_tokens": 5 * len(inputs)},
+    })
+
+
+@pytest.mark.parametrize("cache", ["off", "memory"])
+async def test_an_embedding_usage_of_total_tokens_alone_is_its_prompt_tokens(cache: str) -> None:
+    """Review: an upstream that reports only ``total_tokens`` (Voyage AI) gave
+    ``completion_tokens=10, prompt_tokens=0`` (embeddings have no completion), and with
+    the cache on the usage was lost altogether (its per-input shares split only
+    ``prompt_tokens``): 0 tokens, for the call and every later hit."""
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)}, cache=cache)
+    async with polygate.session(settings, transport=httpx.MockTransport(_total_only)) as s:
+        first = await s.embed(["x", "y"])
+        again = await s.embed(["x", "y"])
+    for r in (first, again):
+        assert r.usage is not None and r.usage.source == "upstream"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (10, 0, 10)
+
+
+async def test_embed_honours_ttft_timeout_s_over_the_whole_answer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: embed() ignored ``Source.ttft_timeout_s``, which bounds the whole of an
+    answer that is not streamed (docs/configuration.md), as chat() with a source that
+    cannot stream does: a's 60 s answer was waited for in full."""
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(sources=[
+        polygate.Source(name=n, base_url=f"http://{n}/v1", ttft_timeout_s=5, weight=w)
+        for n, w in (("a", 1.0), ("b", 1e-9))])})
+    ups = _router(a=FakeUpstream(Reply(headers_delay_s=60)), b=FakeUpstream(Reply(headers_delay_s=1)))
+    async with polygate.session(settings, transport=ups) as s:
+        r = await s.embed(["x"])
+    assert r.source == "b" and trio.current_time() == pytest.approx(6.0)
 
 
 @pytest.mark.parametrize("kind", ["chat", "embed"])

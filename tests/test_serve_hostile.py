@@ -315,6 +315,22 @@ async def test_non_finite_embeddings_never_make_invalid_json(encoding: str) -> N
     assert answer["error"]["code"] in ("sources_exhausted", "upstream_error")
 
 
+async def test_a_float_beyond_float32_is_no_infinity_in_a_base64_answer() -> None:
+    """Review: a finite float too large for 32 bits (1e39, from an upstream that
+    ignored encoding_format) packed silently to infinity in the base64 answer: the
+    gateway said a number nobody sent.  A 502 upstream_error, as for a NaN."""
+    vectors = json.dumps({"object": "list", "model": "emb", "data": [
+        {"object": "embedding", "index": 0, "embedding": [0.5, 1e39]}],
+        "usage": {"prompt_tokens": 1, "total_tokens": 1}}).encode()
+    request = {"model": "embed", "input": ["a"], "encoding_format": "base64"}
+    (status, body), = await _against(vectors, GOOD_SSE, ("/v1/embeddings", request))
+    assert status == 502, body
+    assert _strict(body)["error"]["code"] == "upstream_error"
+    request = {"model": "embed", "input": ["a"], "encoding_format": "float"}
+    (status, body), = await _against(vectors, GOOD_SSE, ("/v1/embeddings", request))
+    assert status == 200 and _strict(body)["data"][0]["embedding"] == [0.5, 1e39]
+
+
 
 @pytest.mark.parametrize("reason", [42, ["stop"], {"a": 1}, True])
 async def test_non_string_finish_reason_goes_out_as_a_string(reason: Any) -> None:

@@ -775,17 +775,17 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
         CURRENT.reset(metered)
     stats = response.call_stats
     charge.answered(stats, response.usage)
-    data = [
-        {"object": "embedding", "index": i, "embedding": _b64(v) if base64_out else v}
-        for i, v in enumerate(response.vectors)
-    ]
     usage = response.usage
-    payload: dict[str, Any] = {
-        "object": "list", "data": data, "model": response.model or body.get("model")}
-    if usage is not None and usage.source == "upstream":
-        # As for chat: the library's estimate is for its own accounting, never a count.
-        payload["usage"] = {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens}
     try:
+        data = [
+            {"object": "embedding", "index": i, "embedding": _b64(v) if base64_out else v}
+            for i, v in enumerate(response.vectors)
+        ]
+        payload: dict[str, Any] = {
+            "object": "list", "data": data, "model": response.model or body.get("model")}
+        if usage is not None and usage.source == "upstream":
+            # As for chat: the library's estimate is for its own accounting, never a count.
+            payload["usage"] = {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens}
         answer = dump(payload)
     except Unencodable as exc:  # a NaN or an infinity in a vector
         return await _unencodable(ctx, scope, call_id, exc, stats)
@@ -794,7 +794,12 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
 
 
 def _b64(vector: list[float]) -> str:
+    """A vector as OpenAI's base64 (little-endian float32).  A value that is not finite,
+    or that float32 cannot hold (1e39 packs to infinity), is Unencodable: the answer
+    would say a number the upstream never sent."""
     floats = array("f", vector)
+    if not all(map(math.isfinite, floats)):
+        raise Unencodable("a vector value is not finite as a 32-bit float")
     if sys.byteorder == "big":
         floats.byteswap()
     return base64.b64encode(floats.tobytes()).decode()
