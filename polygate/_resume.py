@@ -107,10 +107,11 @@ class Stitcher:
 
     def _whole_words(self, k: int) -> bool:
         """The overlap starts and ends at word boundaries on both sides: " the" is not
-        an overlap of " theory"."""
+        an overlap of " theory".  In scripts written without spaces (Chinese,
+        Japanese, Thai…) every character's edge is one."""
         tail, held = self._tail, self._held
-        starts = k == len(tail) or not (tail[-k - 1].isalnum() and held[0].isalnum())
-        ends = k == len(held) or not (held[k - 1].isalnum() and held[k].isalnum())
+        starts = k == len(tail) or not _one_word(tail[-k - 1], held[0])
+        ends = k == len(held) or not _one_word(held[k - 1], held[k])
         return starts and ends
 
     def _could_overlap(self) -> bool:
@@ -136,6 +137,26 @@ class Stitcher:
         if out:
             self.emitted.append(out)
         return out
+
+
+#: Scripts written without spaces between words: CJK ideographs, kana, bopomofo,
+#: Thai, Lao, Myanmar, Khmer (code point ranges, first to last).
+_SPACELESS = (
+    (0x0E00, 0x0EFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x3040, 0x30FF),
+    (0x3100, 0x312F), (0x31F0, 0x31FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF),
+    (0xF900, 0xFAFF), (0xFF66, 0xFF9F), (0x20000, 0x3134F),
+)
+
+
+def _one_word(a: str, b: str) -> bool:
+    """Whether two adjacent characters sit inside one word: both alphanumeric, and
+    neither of a script that marks no word boundary (where any edge may be one)."""
+    return a.isalnum() and b.isalnum() and not (_spaceless(a) or _spaceless(b))
+
+
+def _spaceless(c: str) -> bool:
+    code = ord(c)
+    return code >= 0x0E00 and any(first <= code <= last for first, last in _SPACELESS)
 
 
 def _content(chunk: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:

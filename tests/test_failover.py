@@ -711,6 +711,30 @@ def test_a_restated_tail_of_whole_words_is_removed(cut: int, restate: int, piece
         assert shown + stitched == shown + continuation
 
 
+@pytest.mark.parametrize(("shown", "continuation", "rest"), [
+    # Chinese, Japanese, Thai: no spaces between words; a restated clause of 12+
+    # characters (a review found it shown twice: every character is alphanumeric, so
+    # no edge counted as a word boundary)
+    ("今天天气很好，我们一起去公园散步，然后我们去了附近的一家餐厅",
+     "然后我们去了附近的一家餐厅吃午饭。下午我们回家休息。", "吃午饭。下午我们回家休息。"),
+    ("昨日は雨でしたが、今日はとても良い天気なので公園に行きます",
+     "今日はとても良い天気なので公園に行きます。そして本を読みます。", "。そして本を読みます。"),
+    ("วันนี้อากาศดีมากเราจะไปเดินเล่นที่สวนสาธารณะ", "เราจะไปเดินเล่นที่สวนสาธารณะกัน", "กัน"),
+])
+def test_a_restated_tail_in_a_script_without_spaces_is_removed(
+    shown: str, continuation: str, rest: str
+) -> None:
+    for pieces in ([1], [3, 5], [len(continuation)]):
+        assert _fed(Stitcher(shown), continuation, pieces) == rest
+
+
+def test_latin_words_still_need_whole_word_edges() -> None:
+    """The other side: in a spaced script, " the" is still no overlap of " theory"."""
+    shown = "we wrote something about the"
+    continuation = "something about theory and practice"  # ends inside "theory": no overlap
+    assert _fed(Stitcher(shown), continuation, [4]) == continuation
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cut=st.integers(min_value=1, max_value=59), restate=st.integers(min_value=0, max_value=5),
        stall=st.booleans())
