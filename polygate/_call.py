@@ -49,7 +49,7 @@ from ._errors import (
     TransientUpstreamError,
     UpstreamError,
 )
-from ._fallback import fallback_scope
+from ._fallback import failure_reasons, fallback_scope
 from ._hedge import Forward, Round, RoundFailed, Runner
 from ._resume import (
     PREFILL_PARAMS,
@@ -452,9 +452,10 @@ async def run_chat(
                 _prepare_continuation(ctx, ctx.messages, "".join(shown))
                 active = ResumedForward(forward, Stitcher("".join(shown)))
             except (AllSourcesExhausted, FatalUpstreamError) as exc:
-                target = fallback_scope(
-                    runtime.settings, ctx.scope_name, exc, _refused_model(ctx, exc)
-                )
+                refused = _refused_model(ctx, exc)
+                if refused is not None and "context_length" in failure_reasons(exc):
+                    ctx.context_refused.add(refused)  # never asked of that model again
+                target = fallback_scope(runtime.settings, ctx.scope_name, exc, ctx.context_refused)
                 if target is None:
                     if earlier and isinstance(exc, AllSourcesExhausted):
                         exc.errors = [*earlier, *exc.errors]

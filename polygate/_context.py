@@ -199,6 +199,9 @@ class CallContext:
     # The caller's messages once a re-ask has changed ``messages_json`` (the call
     # row's content is the request, not the last round's conversation).
     asked_json: str | None = None
+    # Models that refused this call's request for its context length (a fallback
+    # serving only those is skipped: it would refuse it again).
+    context_refused: set[str] = attrs.field(factory=set)
     resumes: int = 0  # continuations of a committed stream so far (for any outcome)
 
     @property

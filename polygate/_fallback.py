@@ -26,6 +26,7 @@ skipped for its own fallback.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 from ._config import Settings
 from ._errors import AllSourcesExhausted, FatalUpstreamError, PolygateError, RateLimitedError
@@ -87,13 +88,14 @@ def failure_reasons(error: PolygateError) -> frozenset[str]:
 
 
 def fallback_scope(
-    settings: Settings, scope_name: str, error: PolygateError, refused_model: str | None = None
+    settings: Settings, scope_name: str, error: PolygateError,
+    refused_models: Collection[str] = (),
 ) -> str | None:
     """The scope a call failing in ``scope_name`` with ``error`` moves to, or ``None``.
 
-    ``refused_model``: the model that refused a context-length error; a fallback whose
-    every source serves that same model would get the same answer, so it is skipped
-    (for its own fallback)."""
+    ``refused_models``: the models that refused this call's request for its context
+    length (in any scope it went through); a fallback whose every source serves one
+    of them would get the same answer, so it is skipped (for its own fallback)."""
     scope = settings.scopes[scope_name]
     reasons = failure_reasons(error)
     if scope.fallback is None or not reasons & set(scope.fallback_on):
@@ -105,7 +107,7 @@ def fallback_scope(
         seen.add(target)
         candidate = settings.scopes[target]
         models = {s.model for s in candidate.sources}
-        if not (context and refused_model is not None and models == {refused_model}):
+        if not (context and models <= set(refused_models)):
             return target
         target = candidate.fallback
     return None

@@ -125,6 +125,26 @@ async def test_a_context_length_error_moves_to_a_larger_model(
     assert len(small.requests) == 1  # a fatal 400 is never retried on the same source
 
 
+async def test_a_model_that_refused_earlier_in_the_chain_is_never_asked_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: only the model that refused last was remembered, so a chain m-8k →
+    m-32k → m-8k → m-128k sent the request to m-8k again after m-32k refused it too."""
+    small, mid = FakeUpstream(CONTEXT), FakeUpstream(CONTEXT)
+    again, large = FakeUpstream(Reply(text="8k again")), FakeUpstream(Reply(text="large"))
+    settings = _scopes(
+        chat={"sources": {"small": {"model": "m-8k"}}, "fallback": "mid"},
+        mid={"sources": {"mid": {"model": "m-32k"}}, "fallback": "again"},
+        again={"sources": {"again": {"model": "m-8k"}}, "fallback": "large"},
+        large={"sources": {"large": {"model": "m-128k"}}},
+    )
+    router = Router({"small": small, "mid": mid, "again": again, "large": large})
+    async with polygate.session(settings, transport=router) as s:
+        r = await s.chat(MESSAGES)
+    assert (r.text, r.call_stats.scope) == ("large", "large")
+    assert again.requests == [] and len(mid.requests) == 1
+
+
 async def test_a_context_length_error_is_never_resent_to_the_same_model(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
