@@ -55,6 +55,12 @@ FALLBACK_REASONS = frozenset({
     "exhausted", "rate_limited", "context_length", "content_policy", "fatal",
 })
 _STATUS_REASON = re.compile(r"^status:(4\d\d)$")
+# 4xx statuses that are never a FatalUpstreamError (see _errors.classify_status), and
+# the reason that does cover them.
+_NEVER_FATAL = {
+    "status:429": "rate_limited",
+    **{f"status:{n}": "exhausted" for n in (401, 403, 404, 408, 409, 425)},
+}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -566,6 +572,14 @@ class Scope:
                 raise _bad(
                     self, "fallback_on",
                     f"unknown reason {reason!r} (known: {known}, or status:4NN)",
+                )
+            instead = _NEVER_FATAL.get(reason)
+            if instead is not None:
+                # Never a fatal error (SPEC §3's taxonomy): the reason could never fire.
+                raise _bad(
+                    self, "fallback_on",
+                    f"{reason!r} never moves a call: that status is not a fatal error "
+                    f"(use {instead!r})",
                 )
 
     @sources.validator

@@ -801,3 +801,20 @@ def test_fallback_settings_are_checked_the_same_three_ways(tmp_path: Any) -> Non
         polygate.Settings.from_toml(str(path))
     with pytest.raises(polygate.ConfigError, match="max_open_s"):
         polygate.Breaker(open_s=30, max_open_s=10)
+
+
+@pytest.mark.parametrize(("reason", "instead"), [
+    ("status:429", "rate_limited"), ("status:401", "exhausted"), ("status:404", "exhausted"),
+    ("status:408", "exhausted"), ("status:409", "exhausted"), ("status:425", "exhausted"),
+])
+def test_a_status_that_is_never_fatal_is_no_fallback_reason(reason: str, instead: str) -> None:
+    """Review: ``status:429`` (or 401/403/404, 408/409/425) passed the check, but those
+    statuses are never a FatalUpstreamError, so the reason could never fire and the
+    call ended without moving.  Refused, naming the reason that covers it."""
+    src = [polygate.Source(name="a", base_url="http://a/v1")]
+    with pytest.raises(polygate.ConfigError, match=f"'{reason}' never moves a call.*'{instead}'"):
+        polygate.Scope(src, fallback_on=(reason,))
+    env = {"POLYGATE__X__A__BASE_URL": "http://a/v1", "POLYGATE__X__FALLBACK_ON": reason}
+    with pytest.raises(polygate.ConfigError, match="POLYGATE__X__FALLBACK_ON"):
+        polygate.Settings.from_env(env)
+    polygate.Scope(src, fallback_on=("status:413", "status:422"))  # fatal statuses: fine
