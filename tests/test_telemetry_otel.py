@@ -182,3 +182,27 @@ async def test_spans_and_rows_together(
     call, [attempt] = _by_name(exporter.get_finished_spans())
     assert call.name == "embeddings chat" and attempt.name == "embeddings m1"
     assert stats.telemetry.sink == "sqlite"
+
+
+async def test_a_call_that_fell_back_has_its_spans(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter,
+) -> None:
+    """Review: after a call moved to its fallback scope, its attempts in the asked scope
+    were looked up in the fallback's sources (a KeyError, swallowed): no span at all
+    was exported, the call span started and never ended."""
+    settings = polygate.Settings(scopes={
+        "chat": polygate.Scope(
+            sources=[polygate.Source(name="small", base_url="http://small/v1", model="m-8k")],
+            fallback="large", retry=polygate.Retry(max_attempts=2, backoff_base_s=0.1),
+        ),
+        "large": polygate.Scope(
+            sources=[polygate.Source(name="large", base_url="http://large/v1", model="m-128k")],
+        ),
+    })
+    router = Router({"small": FakeUpstream(Reply(status=503)), "large": FakeUpstream(Reply())})
+    async with polygate.session(settings, transport=router) as s:
+        r = await s.chat(MESSAGES)
+    assert r.call_stats.scope == "large" and r.call_stats.attempts == 3
+    call, attempts = _by_name(exporter.get_finished_spans())
+    assert call.name == "chat chat"
+    assert [a.name for a in attempts] == ["chat m-8k", "chat m-8k", "chat m-128k"]

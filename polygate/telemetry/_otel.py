@@ -117,7 +117,8 @@ class OtelRecorder:
             attributes["gen_ai.usage.output_tokens"] = usage.completion_tokens
             attributes["polygate.usage_source"] = usage.source
         if self._log_content and ctx.kind == "chat":
-            attributes["gen_ai.input.messages"] = redact(ctx.messages_json, self._secrets)
+            asked = ctx.asked_json if ctx.asked_json is not None else ctx.messages_json
+            attributes["gen_ai.input.messages"] = redact(asked, self._secrets)
         span = self._tracer.start_span(
             f"{operation} {scope}", kind=SpanKind.INTERNAL, start_time=start,
             attributes=attributes,
@@ -130,14 +131,19 @@ class OtelRecorder:
             else:
                 span.set_attribute("polygate.cancelled", True)
         parent = trace.set_span_in_context(span)
-        for record in ctx.attempts:
-            self._attempt_span(ctx, record, operation, parent, ns, now)
-        span.end(end_time=start + int(stats.total_latency_ms * 1e6))
+        try:
+            for record in ctx.attempts:
+                self._attempt_span(ctx, record, operation, parent, ns, now)
+        finally:  # a started span always ends (exported), whatever an attempt's did
+            span.end(end_time=start + int(stats.total_latency_ms * 1e6))
 
     def _attempt_span(
         self, ctx: CallContext, record: AttemptRecord, operation: str, parent: Any, ns: Any, now: float
     ) -> None:
-        source = ctx.scope.source(record.source)
+        # The attempt's own scope: a call that moved to a fallback scope has attempts
+        # in the scope it was asked in too.
+        scope = ctx.runtime.settings.scopes.get(record.scope or "", ctx.scope)
+        source = scope.source(record.source)
         tl = record.timeline
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
