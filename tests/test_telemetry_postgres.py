@@ -90,6 +90,27 @@ async def test_rows_in_postgres(autojump_clock: trio.testing.MockClock, pg_url: 
         (v,) for v in range(1, SCHEMA_VERSION + 1)]
 
 
+async def test_a_nul_in_an_error_body_costs_no_row(
+    autojump_clock: trio.testing.MockClock, pg_url: str
+) -> None:
+    """Review: a 400 whose error body held a NUL made an error_message PostgreSQL
+    refuses in text: the whole batch (the other calls' rows, the sessions row) was
+    lost, where SQLite kept them.  The NUL is replaced, for every sink alike."""
+    bad = Reply(status=400, error_body={"error": {"message": "bad\x00byte"}})
+    a = FakeUpstream([Reply(), bad, Reply()])
+    async with polygate.session(_settings(pg_url), transport=Router({"a": a, "b": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.chat(MESSAGES)
+        await s.chat(MESSAGES)
+        stats = (await s.statistics()).telemetry
+    assert stats.dropped == 0 and stats.write_errors == 0, stats
+    calls = _dicts(pg_url, "calls")
+    assert len(calls) == 3
+    [failed] = [c for c in calls if c["outcome"] == "error"]
+    assert "bad\ufffdbyte" in failed["error_message"]
+
+
 async def test_schema_columns_match_the_events(pg_url: str) -> None:
     async with polygate.session(_settings(pg_url), transport=Router({})):
         pass

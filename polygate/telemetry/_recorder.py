@@ -97,7 +97,9 @@ def _message(error: BaseException, secrets: tuple[str, ...]) -> str | None:
     text = str(error)
     if not text:
         return None
-    text = redact(text, secrets)
+    # An upstream's error body can hold a NUL, which PostgreSQL refuses in text (the
+    # whole batch, other calls' rows with it): replaced, for every sink alike.
+    text = redact(text, secrets).replace("\x00", "\ufffd")
     return text if len(text) <= _MESSAGE_LIMIT else text[:_MESSAGE_LIMIT] + "…"
 
 
