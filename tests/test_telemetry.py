@@ -535,3 +535,27 @@ async def test_pipeline_bounds_are_settings(tmp_path: Path) -> None:
         assert (await s.statistics()).telemetry.capacity == 3
     env = {"POLYGATE__CHAT__A__BASE_URL": "http://a/v1", "POLYGATE__TELEMETRY_QUEUE": "50"}
     assert polygate.Settings.from_env(env).telemetry_queue == 50
+
+
+async def test_a_session_waits_for_another_process_creating_the_same_database(tmp_path: Path) -> None:
+    """Review: while another connection held a fresh file inside polygate's own
+    migration transaction (another process starting at the same time), opening failed
+    at once with ConfigError "database is locked": switching a fresh file to WAL does
+    not wait for the busy timeout.  It waits now (real clock: another connection holds
+    the lock for 0.3 s, within the 5 s timeout)."""
+    import threading
+
+    path = tmp_path / "t.db"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # what SQLiteSink.open does, in another process
+    other.execute(_schema.version_table("sqlite"))
+    release = threading.Timer(0.3, lambda: other.execute("COMMIT"))
+    release.start()
+    try:
+        settings = _with_telemetry(two_source_settings(names=("a",)), path)
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+            await s.chat(MESSAGES)
+    finally:
+        release.join()
+        other.close()
+    assert len(_rows(path, "calls")) == 1

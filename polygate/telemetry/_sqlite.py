@@ -49,6 +49,22 @@ def sqlite_path(url: str, env: dict[str, str] | None = None) -> Path:
     return Path(path)
 
 
+def _wal(conn: sqlite3.Connection) -> None:
+    """Switch to WAL, waiting out another connection's lock as the busy timeout does
+    for statements: switching a fresh file answers SQLITE_BUSY at once, without the
+    busy handler, while another process migrates it (processes starting together).
+    A worker thread's blocking wait (``SQLiteSink.open`` runs in one)."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
 def _connect(path: Path, *, read_only: bool = False) -> sqlite3.Connection:
     if read_only:
         conn = sqlite3.connect(
@@ -123,7 +139,7 @@ class SQLiteSink:
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(f"cannot open the telemetry database {where}: {exc}") from None
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
+            _wal(conn)
             conn.execute("PRAGMA synchronous=NORMAL")
             _migrate(conn, where)
         except ConfigError:
