@@ -360,6 +360,17 @@ def test_unknown_url(capsys: pytest.CaptureFixture[str]) -> None:
     assert "hunter2" not in err
 
 
+@pytest.mark.parametrize("url", ["sqlite://other.db", "sqlite://data/t.db"])
+def test_a_sqlite_url_with_a_host_is_refused_not_read_elsewhere(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: ``sqlite://other.db`` took "other.db" for a host and an empty path: the
+    command read the default database instead, exited 0, and labelled its report with
+    the URL it was given.  Refused, as the settings refuse it."""
+    code, err = _stats_error(capsys, "--db", url)
+    assert code == 1 and "names a host: a SQLite URL is sqlite:///path" in err
+
+
 def test_default_database(tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
     assert default_db(env) == f"sqlite://{tmp_path}/state/polygate/telemetry.db"

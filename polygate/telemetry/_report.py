@@ -22,6 +22,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any, NamedTuple, Protocol
 
 from .._config import mask_url
@@ -93,6 +94,13 @@ def open_reader(url: str) -> Reader:
         raise ConfigError(f"unknown database URL {mask_url(url)!r}: use sqlite:///path or postgresql://…")
     from ._sqlite import SQLiteReader, sqlite_path
 
+    if url.startswith("sqlite:") and urlsplit(url).netloc:
+        # sqlite://other.db: "other.db" is a host, and the path empty (the default
+        # file, read in its place); refused as the settings refuse it.
+        raise ConfigError(
+            f"{mask_url(url)!r} names a host: a SQLite URL is sqlite:///path/to/file.db "
+            "(or give the file's path alone)"
+        )
     path = sqlite_path(url) if url.startswith("sqlite:") else Path(url)
     if not path.is_file():
         raise NoData(f"no telemetry database at {path}")
