@@ -692,7 +692,9 @@ def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
         if not value.startswith("sqlite:///") and value != "sqlite://":
             raise _bad(inst, attr.name, url=value, problem="a SQLite URL is sqlite:///path/to/file.db")
         return
-    if parts.scheme in ("postgresql", "postgres") and parts.hostname is not None:
+    if parts.scheme in ("postgresql", "postgres"):
+        # Handed to libpq as it is: no host in the authority is its default (the local
+        # socket), and a host may come as a parameter (postgresql:///db?host=/run/pg).
         if parts.fragment:
             raise _bad(inst, attr.name, url=value, problem=_BAD_URL)
         return

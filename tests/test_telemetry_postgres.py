@@ -111,6 +111,25 @@ async def test_a_nul_in_an_error_body_costs_no_row(
     assert "bad\ufffdbyte" in failed["error_message"]
 
 
+async def test_a_url_with_its_host_as_a_parameter_is_taken(
+    autojump_clock: trio.testing.MockClock, pg_url: str
+) -> None:
+    """Review: libpq's forms without a host in the authority (a Unix socket,
+    ``postgresql:///db?host=/run/pg``; ``postgresql://u:pw@/db?host=h&port=p``) were
+    refused by the settings, whose own message says postgresql://… is accepted."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(pg_url)
+    url = (f"postgresql://{parts.username}:{parts.password}@{parts.path}"
+           f"?host={parts.hostname}&port={parts.port}")
+    async with polygate.session(_settings(url), transport=Router({"a": FakeUpstream(Reply()),
+                                                                   "b": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)
+        assert (await s.statistics()).telemetry.sink == "postgresql"
+    assert len(_dicts(pg_url, "calls")) == 1
+    polygate.Settings(scopes=_settings(url).scopes, telemetry="postgresql:///telemetry?host=/var/run/postgresql")
+
+
 async def test_schema_columns_match_the_events(pg_url: str) -> None:
     async with polygate.session(_settings(pg_url), transport=Router({})):
         pass
