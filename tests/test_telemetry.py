@@ -559,3 +559,29 @@ async def test_a_session_waits_for_another_process_creating_the_same_database(tm
         release.join()
         other.close()
     assert len(_rows(path, "calls")) == 1
+
+
+@pytest.mark.parametrize("table", ["sessions", "calls", "attempts"])
+async def test_a_database_with_a_table_of_the_same_name_is_refused(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, table: str
+) -> None:
+    """Review: an application's database with its own ``sessions`` table: the session
+    started, recorded schema version 2 over it, and every batch then failed ("no column
+    named session_id"): every row lost, silently, and later sessions none the wiser.
+    A ConfigError at session start, and the application's table left as it was."""
+    path = tmp_path / "app.db"
+    conn = sqlite3.connect(path)
+    conn.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, user_name TEXT)")
+    conn.commit()
+    conn.close()
+    settings = _with_telemetry(two_source_settings(names=("a",)), path)
+    with pytest.raises(polygate.ConfigError, match=f"has a table '{table}' that is not polygate's"):
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})):
+            pass
+    conn = sqlite3.connect(path)
+    try:
+        assert [r[1] for r in conn.execute(f"PRAGMA table_info({table})")] == ["id", "user_name"]
+        assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'polygate_schema'").fetchall() == []
+    finally:
+        conn.close()
+

@@ -130,6 +130,20 @@ async def test_a_url_with_its_host_as_a_parameter_is_taken(
     polygate.Settings(scopes=_settings(url).scopes, telemetry="postgresql:///telemetry?host=/var/run/postgresql")
 
 
+async def test_a_database_with_its_own_sessions_table_is_refused(pg_url: str) -> None:
+    """Review: an application's database with its own ``sessions`` table lost every
+    row of every session, silently.  A ConfigError at start; its table untouched."""
+    import psycopg
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE sessions (id serial PRIMARY KEY, user_name text)")
+    with pytest.raises(polygate.ConfigError, match="has a table 'sessions' that is not polygate's"):
+        async with polygate.session(_settings(pg_url), transport=Router({"a": FakeUpstream(Reply())})):
+            pass
+    assert _query(pg_url, "SELECT column_name FROM information_schema.columns WHERE table_name = "
+                          "'sessions' ORDER BY ordinal_position") == [("id",), ("user_name",)]
+
+
 async def test_schema_columns_match_the_events(pg_url: str) -> None:
     async with polygate.session(_settings(pg_url), transport=Router({})):
         pass

@@ -39,7 +39,15 @@ from urllib.parse import parse_qsl, urlsplit
 from .._config import mask_url
 from .._errors import ConfigError, redact
 from ._events import AttemptEvent, CallEvent
-from ._schema import check_version, statements, upsert_session_sql, version_table
+from ._schema import (
+    TABLES,
+    check_version,
+    foreign_table,
+    shape_checks,
+    statements,
+    upsert_session_sql,
+    version_table,
+)
 from ._sink import Batch
 
 if TYPE_CHECKING:
@@ -112,12 +120,20 @@ def _explain(url: str, exc: BaseException) -> str:
 
 
 def _migrate(conn: psycopg.Connection[Any], where: str) -> int:
+    import psycopg  # (the postgres extra: imported where it is used)
+
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
         conn.execute(version_table("postgresql"))
         row = conn.execute("SELECT max(version) FROM polygate_schema").fetchone()
         found = int(row[0] or 0) if row else 0
         check_version(found, where)
+        if not found:
+            for (table,) in conn.execute(
+                "SELECT table_name FROM information_schema.tables "
+                "WHERE table_schema = current_schema() AND table_name = ANY(%s)", (list(TABLES),)
+            ).fetchall():
+                raise foreign_table(table, where, "it was there before polygate's schema")
         for version, stmts in statements("postgresql", found):
             for statement in stmts:
                 conn.execute(statement)
@@ -125,6 +141,11 @@ def _migrate(conn: psycopg.Connection[Any], where: str) -> int:
                 "INSERT INTO polygate_schema VALUES (%s, %s)", (version, time.time())
             )
             found = version
+        for table, query in shape_checks():
+            try:
+                conn.execute(query)
+            except psycopg.Error as exc:
+                raise foreign_table(table, where, exc) from None
     return found
 
 

@@ -22,8 +22,8 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from urllib.parse import urlsplit
 from typing import Any, NamedTuple, Protocol
+from urllib.parse import urlsplit
 
 from .._config import mask_url
 from .._errors import ConfigError

@@ -145,6 +145,29 @@ def check_version(found: int, where: str) -> None:
         )
 
 
+def shape_checks() -> list[tuple[str, str]]:
+    """One query per table, selecting every column polygate writes and no row: a table
+    of that name that is not polygate's (``CREATE TABLE IF NOT EXISTS`` kept it) fails
+    its query, at session start rather than at every write."""
+    tables = (("calls", CallEvent._fields), ("attempts", AttemptEvent._fields),
+              ("sessions", SessionEvent._fields))
+    return [(name, f"SELECT {', '.join(fields)} FROM {name} LIMIT 0") for name, fields in tables]
+
+
+#: The tables polygate writes: a database without its version table that has one of
+#: them already holds another program's (an application's own ``sessions``).
+TABLES = ("calls", "attempts", "sessions")
+
+
+def foreign_table(table: str, where: str, problem: BaseException | str) -> ConfigError:
+    text = str(problem).strip()
+    first = text.splitlines()[0] if text else type(problem).__name__
+    return ConfigError(
+        f"the telemetry database {where} has a table {table!r} that is not polygate's "
+        f"({first}); point telemetry at a database of its own"
+    )
+
+
 def insert_sql(table: Literal["calls", "attempts"], dialect: Dialect) -> str:
     fields = CallEvent._fields if table == "calls" else AttemptEvent._fields
     mark = "?" if dialect == "sqlite" else "%s"

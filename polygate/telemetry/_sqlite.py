@@ -24,7 +24,16 @@ from urllib.parse import unquote, urlsplit
 
 from .._errors import ConfigError
 from .._paths import state_dir
-from ._schema import check_version, insert_sql, statements, upsert_session_sql, version_table
+from ._schema import (
+    TABLES,
+    check_version,
+    foreign_table,
+    insert_sql,
+    shape_checks,
+    statements,
+    upsert_session_sql,
+    version_table,
+)
 from ._sink import Batch
 
 __all__ = ["SQLiteReader", "SQLiteSink", "default_path", "sqlite_path", "state_dir"]
@@ -105,11 +114,21 @@ def _migrate(conn: sqlite3.Connection, where: str) -> int:
         conn.execute(version_table("sqlite"))
         found = conn.execute("SELECT max(version) FROM polygate_schema").fetchone()[0] or 0
         check_version(found, where)
+        if not found:
+            for (table,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?, ?)", TABLES
+            ).fetchall():
+                raise foreign_table(table, where, "it was there before polygate's schema")
         for version, stmts in statements("sqlite", found):
             for statement in stmts:
                 conn.execute(statement)
             conn.execute("INSERT INTO polygate_schema VALUES (?, ?)", (version, time.time()))
             found = version
+        for table, query in shape_checks():
+            try:
+                conn.execute(query)
+            except sqlite3.Error as exc:
+                raise foreign_table(table, where, exc) from None
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
