@@ -272,3 +272,32 @@ async def test_an_upstream_echoing_any_secret_of_the_settings_is_redacted(
     shown = str(info.value) + repr(info.value) + str(vars(info.value))
     assert "echo:" in shown
     assert not [name for name, secret in others.items() if secret in shown]
+
+
+def test_a_postgres_password_in_the_query_is_in_no_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Review: with ``?password=`` in the telemetry URL, the warning that the server is
+    unreachable quoted the driver's error, which repeated the password whole (only the
+    user part's password was redacted)."""
+    import logging
+
+    import trio
+
+    pytest.importorskip("psycopg")
+    secret = "Zq7SECRETpw%zz"  # a bad percent escape: libpq quotes the token it refused
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://127.0.0.1:9/v1")])},
+        telemetry=f"postgresql://u@127.0.0.1:1/db?password={secret}",
+    )
+
+    async def main() -> str:
+        try:
+            async with polygate.session(settings) as s:
+                return repr(await s.statistics())
+        except polygate.PolygateError as exc:
+            return str(exc)
+
+    with caplog.at_level(logging.DEBUG):
+        shown = trio.run(main)
+    text = shown + "\n".join(r.getMessage() for r in caplog.records)
+    assert "Zq7SECRET" not in text
+    assert caplog.records  # (the warning was written: there was something to hide)

@@ -38,6 +38,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from .._config import mask_url
 from .._errors import ConfigError, redact
+from .._secrets import url_secrets
 from ._events import AttemptEvent, CallEvent
 from ._schema import (
     TABLES,
@@ -82,14 +83,6 @@ def _psycopg() -> Any:
     return psycopg
 
 
-def _password(url: str) -> tuple[str, ...]:
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        return ()
-    return (password,) if password else ()
-
-
 def _connect(url: str, *setup: str) -> psycopg.Connection[Any]:
     """Connect in autocommit mode (writes open explicit transactions), with our
     defaults for what the URL leaves unset, then run the ``setup`` statements."""
@@ -116,7 +109,9 @@ def _refused_by_server(exc: BaseException) -> bool:
 
 def _explain(url: str, exc: BaseException) -> str:
     """An error text without the password (libpq does not echo it; belt and braces)."""
-    return redact(f"{type(exc).__name__}: {exc}".strip(), _password(url))
+    # Every credential the URL carries, in its user part or its query (password=,
+    # sslpassword=), raw and decoded: the driver's message may quote any of them.
+    return redact(f"{type(exc).__name__}: {exc}".strip(), url_secrets(url))
 
 
 def _migrate(conn: psycopg.Connection[Any], where: str) -> int:
