@@ -191,3 +191,15 @@ async def test_unusable_sqlite_file_fails_at_session_start(tmp_path: Path) -> No
     with pytest.raises(polygate.ConfigError, match="cache database"):
         async with polygate.session(settings):
             pass
+
+
+@pytest.mark.parametrize("password", ["k9Xq#2mT7vLr", "k9Xq/2mT7vLr", "k9Xq?2mT7vLr", "ab#"])
+def test_a_cache_url_that_cannot_be_parsed_shows_no_part_of_its_password(password: str) -> None:
+    """Review: a cache URL whose password held an unencoded ``#`` quoted the parser's
+    error text, "Port could not be cast to integer value as 'k9Xq'": the password's
+    start (masking covers runs of 6 characters or more).  The backend's URL already
+    had wording that quotes nothing; the cache's has it too."""
+    url = f"redis://u:{password}@cache.internal:6379/0"
+    with pytest.raises(polygate.ConfigError, match=r"Settings\.cache: .* is not a valid URL") as info:
+        _settings(url)
+    assert password[:3] not in str(info.value)

@@ -84,12 +84,21 @@ def parse_cache_url(url: Any) -> CacheOptions:
         raise ConfigError(f"must be 'off', 'memory', sqlite:///path or redis://…, got {type(url).__name__}")
     if url == "off":
         return CacheOptions(kind="off")
+    from .._config import _BAD_URL, _url_problem  # lazy: _config imports this module
+
     shown = _masked(url)
+    if not url.startswith("sqlite:"):
+        # As the backend's URL: the words never quote the URL, nor a parser's error
+        # text (which can hold the start of a password: "Port could not be cast to
+        # integer value as 'k9Xq'").
+        problem = _url_problem(url)
+        if problem is not None:
+            raise ConfigError(f"{shown!r} {problem}" if problem == _BAD_URL else problem)
     try:
         parts = urlsplit(url)
         port = parts.port
-    except ValueError as exc:
-        raise ConfigError(f"{shown!r} is not a valid URL ({exc})") from None
+    except ValueError:
+        raise ConfigError(f"{shown!r} {_BAD_URL}") from None
     query = parse_qsl(parts.query, keep_blank_values=True)
     if (parts.scheme, parts.netloc, parts.path) in (("", "", "memory"), ("memory", "", "")):
         return _memory(query)
