@@ -18,7 +18,7 @@ import trio.testing
 import polygate
 from polygate.testing import FakeUpstream, Reply, Router
 
-from ._redis_server import free_port
+from ._redis_server import RedisServer, free_port, redis_server  # noqa: F401 (a fixture)
 from .conftest import MESSAGES, SECRET, one_source_settings
 
 # --------------------------------------------------------------------------- F9
@@ -126,3 +126,29 @@ async def test_a_bad_stream_options_is_a_config_error_before_any_io(
             await s.chat(MESSAGES, stream_options=value)
         await s.chat(MESSAGES, stream_options={"include_usage": False})
     assert up.statistics().requests == 1
+
+
+@pytest.mark.parametrize("max_tokens", [2**63, 10**30])
+async def test_a_huge_max_tokens_is_no_backend_failure_on_redis(
+    redis_server: RedisServer, max_tokens: int,  # noqa: F811 - the fixture
+) -> None:
+    """Review: ``max_tokens`` past a 64-bit integer (JSON allows it; ``polygate serve``
+    passes it on) failed Redis's admission script half-way: GovernanceBackendError
+    ("unreachable", a 503 from serve) with Redis up, and the script had already put a
+    request that was never admitted in the source's RPM window.  An estimate counts at
+    most MAX_COMPLETION_ESTIMATE, in every backend alike."""
+    from polygate.governance._estimate import MAX_COMPLETION_ESTIMATE, completion_budget
+
+    assert completion_budget({"max_tokens": max_tokens}, 256) == MAX_COMPLETION_ESTIMATE
+    assert completion_budget({"max_tokens": 10, "n": 3}, 256) == 30
+    up = FakeUpstream(Reply(tokens=2))
+    async with up.serve() as url:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=url, rpm=1000)])},
+            backend=redis_server.url + f"?prefix=huge{max_tokens % 9973}",
+        )
+        async with polygate.session(settings) as s:
+            await s.chat(MESSAGES, max_tokens=max_tokens)
+            await s.chat(MESSAGES)
+            state = (await s.statistics()).governance.sources[0].state
+    assert state.requests_in_window == state.admissions == 2

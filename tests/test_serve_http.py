@@ -99,6 +99,31 @@ async def test_a_request_without_a_key_is_refused_from_its_head() -> None:
     assert answer.headers["connection"] == "close"
 
 
+@pytest.mark.parametrize(("around", "status"), [
+    ((b"", b"\xa0"), 401), ((b"", b"\x85"), 401), ((b"\xa0", b""), 401),
+    ((b"", b" \t"), 200), ((b"  ", b""), 200),
+])
+async def test_a_key_with_bytes_that_are_not_http_whitespace_around_it_is_refused(
+    around: tuple[bytes, bytes], status: int
+) -> None:
+    """Review: the header is read as latin-1, and str.strip() also takes NBSP (0xA0)
+    and NEL (0x85): a key with either byte before or after it was accepted.  Only
+    HTTP's optional whitespace (spaces, tabs) is taken off."""
+    from ._serve_kit import read_answer
+
+    before, after = around
+    body = json.dumps(CHAT).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
+               b"authorization: Bearer " + before + GATEWAY_KEY.encode() + after + b"\r\n"
+               b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    async with gateway() as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(request)
+            answer = await read_answer(stream)
+    assert answer.status == status
+
+
 @pytest.mark.parametrize("order", ["wrong-first", "valid-first"])
 async def test_two_authorization_headers_are_refused(order: str) -> None:
     """The header cannot repeat (RFC 9110); a proxy reading the first one and the

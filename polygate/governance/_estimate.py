@@ -105,11 +105,19 @@ def default_estimator() -> TokenEstimator:
         return CharEstimator()
 
 
+#: The most a completion estimate counts: far past any model's output, and small
+#: enough that a window's sum stays an exact integer in every backend (Redis's Lua
+#: numbers are doubles, its counters 64-bit: ``max_tokens=2**63`` failed its script
+#: after the window entry was written).
+MAX_COMPLETION_ESTIMATE = 10**12
+
+
 def completion_budget(params: Mapping[str, Any], default: int) -> int:
-    """``max_completion_tokens`` or ``max_tokens`` when the caller set one, times ``n``."""
+    """``max_completion_tokens`` or ``max_tokens`` when the caller set one, times ``n``,
+    at most :data:`MAX_COMPLETION_ESTIMATE`."""
     limit = params.get("max_completion_tokens", params.get("max_tokens"))
     tokens = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else default
     n = params.get("n", 1)
     if isinstance(n, int) and not isinstance(n, bool) and n > 1:
         tokens *= n
-    return tokens
+    return min(tokens, MAX_COMPLETION_ESTIMATE)

@@ -134,7 +134,9 @@ class Gateway:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":
             return -1
-        presented = _digest(token.strip())
+        # HTTP's optional whitespace only (a header is read as latin-1, where str.strip
+        # would also take NBSP and NEL: a key with either byte around it matched).
+        presented = _digest(token.strip(" \t"))
         found = -1
         for index, key in enumerate(self.keys):
             if hmac.compare_digest(presented, key):
