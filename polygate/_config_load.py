@@ -584,7 +584,7 @@ def _toml_serve(settings: _SettingsPart, value: Any, file: str, env: Mapping[str
         var = _value_from_toml(str, table.pop("api_keys_env"), at("api_keys_env"))
         keys = [k.strip() for k in env.get(var, "").split(",") if k.strip()]
         if not keys:
-            raise ConfigError(f"{at('api_keys_env')}: environment variable {var} is not set")
+            raise ConfigError(f"{at('api_keys_env')}: {_unset(var)}")
         settings.secrets.update(keys)
         part.values["api_keys"] = keys
         part.keys.append(at("api_keys_env"))
@@ -766,8 +766,20 @@ def _env_secret(table: dict[str, Any], field: str, env: Mapping[str, str], where
         raise ConfigError(f"{where}: set {field} or {key}, not both")
     value = env.get(var, "").strip()
     if not value:
-        raise ConfigError(f"{where}: environment variable {var} is not set")
+        raise ConfigError(f"{where}: {_unset(var)}")
     return value
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _unset(var: str) -> str:
+    """Why a ``*_env`` entry gave nothing.  A value that cannot be a variable's name
+    is not quoted: it is most likely the secret itself, pasted in the name's place."""
+    if _ENV_NAME.fullmatch(var):
+        return f"environment variable {var} is not set"
+    return ("must name an environment variable (letters, digits and _), which this value "
+            "cannot be: was a key pasted in its place? (the value is not shown)")
 
 
 def _toml_fields(

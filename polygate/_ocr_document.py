@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
-from ._config import Ocr, is_utf8
+from ._config import Ocr, is_utf8, mask_url
 from ._errors import ConfigError
 from ._ocr_render import BadDocument, image_page, page_messages, tokens, unaltered
 from ._ocr_renderers import Renderers, new_key
@@ -255,7 +255,9 @@ def check_url(url: str) -> str:
     except ValueError:
         ok = False
     if not ok or any(c.isspace() for c in url):
-        shown = url if len(url) <= 80 else url[:80] + "…"
+        # Masked as a configured URL is: a signed link's token, a user:password.
+        shown = mask_url(url)
+        shown = shown if len(shown) <= 80 else shown[:80] + "…"
         raise ConfigError(
             f"a document given as a string must be an https:// URL, got {shown!r} "
             "(pass bytes, or a pathlib.Path for a file)"

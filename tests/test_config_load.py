@@ -742,6 +742,21 @@ def test_api_key_env_bad_secret_is_not_echoed(tmp_path: Path) -> None:
     assert KEY not in str(info.value)
 
 
+@pytest.mark.parametrize("entry", ["[scopes.chat.sources.a]\napi_key_env", "[serve]\napi_keys_env"])
+def test_a_key_pasted_in_place_of_a_variable_name_is_not_echoed(tmp_path: Path, entry: str) -> None:
+    """Review: ``api_key_env = "<the key>"`` (a likely slip) said "environment variable
+    sk-… is not set", the key in the message.  A value that cannot be a variable's
+    name is not quoted."""
+    pasted = "sk-live-7Hq2w9XPz" + "Lk4mN8"
+    table, name = entry.split("\n")
+    text = (f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\n" if table.startswith("[serve") else "")
+    text += f"{table}\n" + (f"base_url = '{URL_A}'\n" if not table.startswith("[serve") else "")
+    text += f"{name} = '{pasted}'\n"
+    with pytest.raises(ConfigError, match=f"{name}: must name an environment variable") as info:
+        settings_from_toml(write(tmp_path, text), env={})
+    assert pasted not in str(info.value) and "sk-live" not in str(info.value)
+
+
 # --------------------------------------------------------------------------- secrets
 
 

@@ -704,3 +704,15 @@ async def test_a_path_with_a_nul_byte_or_a_url_with_a_lone_surrogate_is_a_config
             with pytest.raises(polygate.ConfigError, match="document"):
                 await s.ocr(document)
     assert up.requests == []
+
+
+def test_a_refused_url_document_is_shown_masked() -> None:
+    """Review: a refused URL was quoted as given, a signed link's token or a
+    user:password with it (messages get logged and stored)."""
+    from polygate._ocr_document import check_url
+
+    for url, secret in (("http://h/x.png?token=SECRETTOKEN123", "SECRETTOKEN123"),
+                        ("https://u:passw0rd123@h x", "passw0rd123")):
+        with pytest.raises(polygate.ConfigError, match="must be an https:// URL") as info:
+            check_url(url)
+        assert secret not in str(info.value)
