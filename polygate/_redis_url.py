@@ -36,9 +36,11 @@ def redis_address(shown: str, parts: SplitResult, port: int | None, say: str = "
         raise ConfigError(f"{say}the database in {shown!r} must be a number, got {path!r}") from None
     if db < 0:
         raise ConfigError(f"{say}the database in {shown!r} must be >= 0")
+    if port == 0:  # (it read as "no port": the default 6379, a server the URL did not name)
+        raise ConfigError(f"{say}the port in {shown!r} must be 1 to 65535, got 0")
     return {
         "host": parts.hostname,
-        "port": port or 6379,
+        "port": port if port is not None else 6379,
         "db": db,
         "username": unquote(parts.username) if parts.username else None,
         "password": unquote(parts.password) if parts.password else None,

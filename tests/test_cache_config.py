@@ -83,6 +83,7 @@ def test_parsed_options() -> None:
         ("redis://", "has no host"),
         ("redis://h:99999/0", "is not a valid URL"),
         ("redis://h/zero", "must be a number"),
+        ("redis://h:0/0", "port in 'redis://h:0/0' must be 1 to 65535"),  # (it meant 6379)
         ("redis://h/0?timeout_s=-1", "timeout_s must be"),
         ("redis://h/0?prefix=", "option prefix"),
         ("redis://h/0?db=3", "unknown option 'db' for a redis cache"),

@@ -203,6 +203,9 @@ async def test_a_file_that_cannot_be_read_fails_open(tmp_path: Path) -> None:
     # a row whose expiry is no time: the lookup failed as the backend's failure, paused
     # the whole cache and never healed; it is an expired row, no error
     ("expires_at = 'never'", 0),
+    # a value nested deeper than the JSON reader goes: a bare RecursionError came out
+    # of the call (a later review); it is a bad entry, counted
+    ("value = CAST(printf('%.100000c', '[') || printf('%.100000c', ']') AS BLOB)", 1),
 ])
 async def test_a_row_another_program_damaged_is_a_miss_written_over(
     tmp_path: Path, damage: str, errors: int,
@@ -225,6 +228,26 @@ async def test_a_row_another_program_damaged_is_a_miss_written_over(
     assert again.text == "answer" and not again.call_stats.cached
     assert (stats.errors, stats.misses) == (errors, 1)
     assert healed.call_stats.cached
+
+
+async def test_an_answer_is_written_when_the_session_ends_by_cancellation(tmp_path: Path) -> None:
+    """Review: a session ended by its caller's cancellation (a time budget, Ctrl-C)
+    dropped the answers queued to be written behind (writes 0, dropped 1, no row):
+    the writer, in the session's nursery, was cancelled with it.  A batch taken is
+    written and the queue drained, shielded and bounded as at a normal end."""
+    path = tmp_path / "c.db"
+    up = FakeUpstream(Reply(text="answer"))
+    with trio.move_on_after(30) as budget:
+        async with polygate.session(_settings(f"sqlite://{path}"), transport=Router({"a": up})) as s:
+            await s.chat(MESSAGES)
+            await s.chat([{"role": "user", "content": "and another"}])
+            budget.cancel()  # the program's overall time budget runs out
+            await trio.lowlevel.checkpoint()  # (where its Cancelled is raised)
+    stats = s._cache.statistics()  # type: ignore[attr-defined]
+    assert (stats.writes, stats.writes_dropped) == (2, 0)
+    async with polygate.session(_settings(f"sqlite://{path}"), transport=Router({"a": up})) as s:
+        assert (await s.chat(MESSAGES)).call_stats.cached
+    assert len(up.requests) == 2
 
 
 async def test_a_newer_file_is_refused(tmp_path: Path) -> None:

@@ -96,6 +96,8 @@ class Cache:
         self._pending: dict[str, _Pending] = {}
         self._send, self._recv = trio.open_memory_channel[tuple[str, _Pending, float]](_QUEUE)
         self._writer_done = trio.Event()
+        self._given_up = False  # aclose stopped waiting for the writer: drop, not write
+        self._writing: trio.CancelScope | None = None  # the writer's write, shielded
         self._writer_started = False
         self._writer_scope = trio.CancelScope()  # aclose gives up on the writer with it
         self._closing = trio.Event()
@@ -250,14 +252,36 @@ class Cache:
                             batch.append(self._recv.receive_nowait())
                         except (trio.WouldBlock, trio.EndOfChannel):
                             break
-                    await self._write(batch)
+                    # A batch taken is written, even if the session is cancelled
+                    # meanwhile (a caller's time budget): shielded, bounded by _FLUSH_S
+                    # and by aclose, which cancels it when it gives up on the writer.
+                    with trio.CancelScope(shield=True) as self._writing:  # bounded
+                        self._writing.deadline = trio.current_time() + _FLUSH_S
+                        await self._write(batch)
                     with trio.move_on_after(_WRITE_EVERY_S):
                         await self._closing.wait()  # closing: drain without pause
         finally:
-            # Whatever is still queued (the writer was given up on, or cancelled with
-            # the session) will never be written: counted, not lost.
+            if not self._given_up:
+                # Cancelled with the session (a caller's time budget, Ctrl-C): what is
+                # queued is still written, as at a normal end -- shielded, and bounded
+                # as aclose's drain is (each batch by the backend's timeout).
+                with trio.CancelScope(shield=True) as self._writing:  # bounded
+                    self._writing.deadline = trio.current_time() + _FLUSH_S
+                    while batch := self._queued(_BATCH):
+                        await self._write(batch)
+            # Whatever is still queued (the writer was given up on, or its drain ran
+            # out of time) will never be written: counted, not lost.
             self._drop_queued()
             self._writer_done.set()
+
+    def _queued(self, most: int) -> list[tuple[str, _Pending, float]]:
+        batch: list[tuple[str, _Pending, float]] = []
+        while len(batch) < most:
+            try:
+                batch.append(self._recv.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        return batch
 
     def _drop_queued(self) -> None:
         while True:
@@ -319,9 +343,14 @@ class Cache:
                 await self._writer_done.wait()
             # The writer's backend calls abandon their threads or sockets when
             # cancelled, so this is at once; bounded all the same (no unbounded shield).
+            self._given_up = True
             self._writer_scope.cancel()
+            if self._writing is not None:
+                self._writing.cancel()
             with trio.move_on_after(1.0):
                 await self._writer_done.wait()
+        if self._writer_done.is_set():
+            self._drop_queued()  # put between the writer's end and the close: counted
 
 
 def _backend(options: CacheOptions) -> CacheBackend:

@@ -100,7 +100,8 @@ def decode_chat(data: bytes) -> dict[str, Any]:
         ):
             raise ValueError("bad chat entry")
         usage = _read_usage(entry["usage"])
-    except (KeyError, IndexError, TypeError, UnicodeDecodeError) as exc:
+    except (KeyError, IndexError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+        # (RecursionError: a foreign value nested deeper than the JSON reader goes)
         raise ValueError(f"not a polygate chat entry ({type(exc).__name__})") from None
     scope = entry.get("scope")
     return {
@@ -143,6 +144,6 @@ def decode_vector(data: bytes) -> tuple[list[float], str | None, str | None, int
             and usage_source in (None, "upstream", "estimated")
         ):
             raise ValueError("bad embedding entry")
-    except (KeyError, TypeError, UnicodeDecodeError) as exc:
+    except (KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"not a polygate embedding entry ({type(exc).__name__})") from None
     return doubles.tolist(), model, source, tokens, usage_source
