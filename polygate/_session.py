@@ -52,10 +52,11 @@ if sys.version_info < (3, 11):
 __all__ = ["ChatStream", "Session", "SessionStatistics", "session"]
 
 # What a context manager's body may raise that must not be held back until its
-# nursery closes: trio's cancel scopes handle Cancelled (in groups too), and a
-# generator being closed must close.  Anything else — an error, Ctrl-C — leaves as
-# itself after the nursery, never wrapped in its group.
-_PASS_THROUGH = (trio.Cancelled, GeneratorExit)
+# nursery closes: trio's cancel scopes handle Cancelled (a group of only Cancelled
+# leaves as one).  Anything else — an error, Ctrl-C, the GeneratorExit of an async
+# generator closed around the block — leaves as itself after the nursery, never
+# wrapped in its group.
+_PASS_THROUGH = (trio.Cancelled,)
 _POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=1024, keepalive_expiry=30)
 _UNSET: Any = object()
 
@@ -686,6 +687,13 @@ async def session(
                         await cache.aclose()  # queued writes, bounded; before the writer stops
                     await telemetry.aclose()
                     nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # The body's cancellation and the background tasks', side by side: one
+            # Cancelled leaves (an `except trio.Cancelled:` around the block runs).
+            cancelled = one_cancelled(group)
+            if cancelled is None:
+                raise
+            raise cancelled from None
         finally:
             await backend.aclose()
     finally:

@@ -277,3 +277,57 @@ def test_two_tasks_reading_one_stream_both_end(seed: int) -> None:
             return count, stream.response is not None
 
     assert Schedule(seed).run(main) == (10, True)
+
+
+async def test_an_async_generator_closed_around_a_stream_or_a_session_closes_cleanly(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: closing an async generator that yields from inside ``stream_chat`` (or a
+    whole session) -- ``gen.aclose()``, ``contextlib.aclosing`` -- raised
+    ``BaseExceptionGroup([GeneratorExit()])`` from the block's nursery, where aclose()
+    must return None (PEP 525) and a public block never leaves as a group."""
+    import contextlib
+
+    up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=50))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+
+        async def texts() -> Any:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for chunk in stream:
+                    yield chunk.text
+
+        gen = texts()
+        assert await gen.__anext__()
+        await gen.aclose()  # returns None
+        async with contextlib.aclosing(texts()) as g:
+            async for _ in g:
+                break
+        stats = await s.statistics()
+    assert up.in_flight == 0 and stats.governance.sources[0].state.in_flight == 0
+
+    async def answers() -> Any:
+        async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+            while True:
+                yield (await s.chat(MESSAGES)).text
+
+    gen = answers()
+    assert await gen.__anext__()
+    await gen.aclose()
+
+
+async def test_a_session_block_cancelled_from_outside_leaves_as_one_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: the session's block left as ``BaseExceptionGroup([Cancelled])``, so an
+    ``except trio.Cancelled:`` clean-up around it never ran (the stream's block already
+    left as one Cancelled)."""
+    up = FakeUpstream(Reply(first_token_s=100))
+    seen: list[BaseException] = []
+    with trio.move_on_after(5):
+        try:
+            async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+                await s.chat(MESSAGES)
+        except trio.Cancelled as exc:
+            seen.append(exc)
+            raise
+    assert len(seen) == 1 and up.in_flight == 0
