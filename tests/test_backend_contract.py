@@ -243,9 +243,11 @@ def test_tpm_reserves_estimates_and_settles_real_usage(h: Harness) -> None:
             a2 = await granted(b, ask(40, tpm=100))
             refusal = await refused(b, ask(40, tpm=100), RefusalReason.TPM)
             # Two reservations are open: settling them can free tokens before the
-            # window expires, so the time is unknown (a waiting call must not be
-            # given up on at the window's time; a review found it was).
-            assert refusal.retry_at is None
+            # window expires, so its time is only the latest (``sooner``): a waiting
+            # call wakes then, but is not given up on because of it (a review found
+            # it was; a later one that a time of None left it asleep past the window).
+            assert refusal.retry_at is not None and refusal.sooner
+            assert sent + h.window - EPS <= refusal.retry_at <= b.now() + h.window
             await b.settle(settle(a1, 10))  # cheaper than estimated: room again
             a3 = await granted(b, ask(40, tpm=100))
             await b.settle(settle(a2, 70))  # dearer: the settle correction
@@ -257,7 +259,7 @@ def test_tpm_reserves_estimates_and_settles_real_usage(h: Harness) -> None:
             await b.settle(settle(a3, 40))
             # Nothing open: the window's expiry is the time, exactly.
             refusal = await refused(b, ask(40, tpm=100), RefusalReason.TPM)
-            assert refusal.retry_at is not None
+            assert refusal.retry_at is not None and not refusal.sooner
             assert sent + h.window - EPS <= refusal.retry_at <= b.now() + h.window
 
     h.run(body)

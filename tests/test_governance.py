@@ -200,6 +200,22 @@ async def test_a_tpm_wait_within_the_deadline_is_not_given_up_on(
     assert _state(stats, "a").in_flight == 0 and _state(stats, "a").tokens_reserved == 0
 
 
+async def test_a_tpm_waiter_wakes_when_the_window_frees_while_a_reservation_is_open(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review of the fix above: with the time unknown while a reservation was open, a
+    waiter woke only on a settle: a long stream (open for 190 s) kept a call that fits
+    once the window frees (t=60) waiting to t=190, or past its deadline.  The window's
+    time stays the wake time; it is only not a reason to give up."""
+    a = FakeUpstream([Reply(first_token_s=1, inter_token_s=1, tokens=190), Reply(tokens=2)])
+    settings = _settings(names=("a",), source={"a": {"tpm": 100}}, call_deadline_s=100)
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        async with s.stream_chat(MESSAGES, max_tokens=70) as stream:
+            await stream.__anext__()  # open for 190 s, its ~80 tokens in the window
+            assert (await s.chat(MESSAGES, max_tokens=30)).text  # ~40 more: fits at t=60
+    assert [r.started_at for r in a.requests] == [0, pytest.approx(60.0)]
+
+
 async def test_a_tpm_refusal_past_the_deadline_still_fails_as_soon_as_it_is_known(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -190,7 +190,9 @@ class Governor:
             if not waitable:
                 raise NoAdmission(refusals)
             known = [r.retry_at for r in waitable if r.retry_at is not None]
-            unknown = len(known) < len(waitable)
+            # A time that is only the latest (``sooner``) wakes the wait but does not
+            # let it give up early: the source may accept before it.
+            unknown = len(known) < len(waitable) or any(r.sooner for r in waitable)
             # A dead source is never waited for alone; but a call that waits anyway is
             # woken when its cooldown ends (and is not given up on before then).
             known += [r.retry_at for r in refusals

@@ -163,9 +163,9 @@ class MemoryBackend:
             if s.window_tokens + request.tokens > limits.tpm:
                 # While reservations are open, settling them (real usage below the
                 # estimate, a void) can free tokens before the window expires: the
-                # time is then unknown, so a waiting call is not given up on early.
-                free_at = None if s.open else _tpm_free_at(s, request.tokens, limits.tpm)
-                return Refusal(name, RefusalReason.TPM, free_at)
+                # window's time is then only the latest (``sooner``).
+                free_at = _tpm_free_at(s, request.tokens, limits.tpm)
+                return Refusal(name, RefusalReason.TPM, free_at, sooner=bool(s.open))
         entry = _Entry(now, request.tokens)
         s.window.append(entry)
         s.window_tokens += request.tokens

@@ -106,6 +106,10 @@ class Refusal:
     source: str
     reason: RefusalReason
     retry_at: float | None = None
+    #: ``retry_at`` is when the source may accept at the latest: it may accept sooner
+    #: (a TPM window with admissions open, which settle below their estimates or are
+    #: voided), so a waiter wakes then but is not given up on because of it.
+    sooner: bool = False
 
 
 @attrs.frozen

@@ -397,12 +397,14 @@ class RedisBackend:
                 self._open.setdefault(key, set()).add(member)
                 self._observe(reply[3])
                 return Admission(request.scope, request.source, rid, request.tokens, reply[1] == 1)
-            reason = _REASONS[_text(reply[1])]
+            said = _text(reply[1])
+            sooner = said == "tpm_open"  # a TPM window with admissions open
+            reason = RefusalReason.TPM if sooner else _REASONS[said]
             retry_at = None if reply[2] < 0 else local_now + (reply[2] - reply[3]) / 1e6
             self._observe(reply[4])
         except (TypeError, ValueError, IndexError, KeyError, AttributeError):
             raise self._garbage("admit") from None
-        return Refusal(request.source, reason, retry_at)
+        return Refusal(request.source, reason, retry_at, sooner=sooner)
 
     async def settle(self, request: SettleRequest) -> None:
         """Shielded and retried for up to ``settle_s``; never raises (see the module)."""

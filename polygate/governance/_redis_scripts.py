@@ -180,8 +180,10 @@ if tpm >= 0 then
   local sum = tonumber(redis.call('HGET', K_WTOK, '=sum')) or 0
   if sum + tokens > tpm then
     -- While reservations are open, settling them can free tokens before the window
-    -- expires: the time is unknown (as in the memory backend).
-    if redis.call('HLEN', K_OPEN) > 0 then return {0, 'tpm', -1, now, version()} end
+    -- expires: its time is then only the latest ('tpm_open', as the memory backend's
+    -- sooner).
+    local reason = 'tpm'
+    if redis.call('HLEN', K_OPEN) > 0 then reason = 'tpm_open' end
     -- When enough of the window expires for the estimate to fit.
     local excess = sum + tokens - tpm
     local entries = redis.call('ZRANGE', K_WINDOW, 0, -1, 'WITHSCORES')
@@ -192,7 +194,7 @@ if tpm >= 0 then
       free_at = tonumber(entries[i + 1]) + window_us
       if freed >= excess then break end
     end
-    return {0, 'tpm', free_at, now, version()}
+    return {0, reason, free_at, now, version()}
   end
 end
 
