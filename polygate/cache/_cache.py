@@ -98,6 +98,9 @@ class Cache:
         self._writer_done = trio.Event()
         self._given_up = False  # aclose stopped waiting for the writer: drop, not write
         self._writing: trio.CancelScope | None = None  # the writer's write, shielded
+        # What one steady write may take: the backend's timeout bounds it, this only
+        # backs it up (a SQLite timeout_s may be up to 60 s).
+        self._write_bound = float(getattr(backend, "timeout_s", 0.0)) + _FLUSH_S
         self._writer_started = False
         self._writer_scope = trio.CancelScope()  # aclose gives up on the writer with it
         self._closing = trio.Event()
@@ -253,10 +256,11 @@ class Cache:
                         except (trio.WouldBlock, trio.EndOfChannel):
                             break
                     # A batch taken is written, even if the session is cancelled
-                    # meanwhile (a caller's time budget): shielded, bounded by _FLUSH_S
-                    # and by aclose, which cancels it when it gives up on the writer.
+                    # meanwhile (a caller's time budget): shielded, bounded by the
+                    # backend's own timeout (with room: the backend enforces it) and by
+                    # aclose, which cancels it when it gives up on the writer.
                     with trio.CancelScope(shield=True) as self._writing:  # bounded
-                        self._writing.deadline = trio.current_time() + _FLUSH_S
+                        self._writing.deadline = trio.current_time() + self._write_bound
                         await self._write(batch)
                     with trio.move_on_after(_WRITE_EVERY_S):
                         await self._closing.wait()  # closing: drain without pause
