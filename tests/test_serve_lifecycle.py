@@ -380,3 +380,68 @@ async def test_a_grace_end_during_a_blocked_write_keeps_the_framing() -> None:
     for e in events:
         json.loads(e[len(b"data: "):])
     assert b"shutting_down" in events[-1]
+
+
+def _unread(sock: Any) -> int:
+    import fcntl
+    import struct
+    import termios
+
+    buf = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    return struct.unpack("i", buf)[0]
+
+
+async def _stuck_client(server: Any) -> trio.SocketStream:
+    """A streaming client that stops reading once the buffers are full (the server is
+    then blocked in a write)."""
+    client = await trio.open_tcp_stream("127.0.0.1", server.port)
+    import socket
+
+    client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await client.send_all(request_bytes("POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH))
+    await wait_for(lambda: _unread(client.socket) > 0)
+    # let the buffers fill: the server is then blocked in a write
+    last = -1
+    while (now := _unread(client.socket)) != last:
+        last = now
+        await trio.sleep(0.3)
+    return client
+
+
+async def test_leaving_the_server_block_does_not_wait_for_a_client_that_does_not_read() -> None:
+    """Docs: a second signal 'cancels at once: ... the connections are closed without a
+    last answer'. The CLI does so by leaving open_server; a non-reading client must not
+    hold that exit for send_timeout_s.  (Review of finish_frame's shield: it took the
+    whole send timeout, 30 s here.)"""
+    import polygate
+
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], send_timeout_s=30)
+    text = " ".join(["z" * 1000] * 3000)
+    upstream = FakeUpstream(Reply(tokens=3000, text=text))
+    with trio.fail_after(60):
+        start = None
+        async with gateway(upstream, serve=serve) as (server, _):
+            client = await _stuck_client(server)
+            start = trio.current_time()
+        took = trio.current_time() - start
+        await client.aclose()
+    assert took < 5, f"leaving open_server took {took:.1f} s (send_timeout_s=30)"
+
+
+async def test_drain_bounded_by_grace_plus_last_words() -> None:
+    """First signal: after grace_s the calls are cancelled, clients get 1 s of last
+    words, then the connections are cancelled (Server.shutdown): a frame being finished
+    is cut then too (it took the whole send timeout)."""
+    import polygate
+
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], send_timeout_s=30)
+    text = " ".join(["z" * 1000] * 3000)
+    upstream = FakeUpstream(Reply(tokens=3000, text=text))
+    with trio.fail_after(60):
+        async with gateway(upstream, serve=serve) as (server, _):
+            client = await _stuck_client(server)
+            start = trio.current_time()
+            await server.shutdown(grace_s=0.2)
+        took = trio.current_time() - start
+        await client.aclose()
+    assert took < 5, f"drain took {took:.1f} s (grace 0.2 s, send_timeout_s=30)"

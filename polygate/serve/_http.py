@@ -165,12 +165,18 @@ def _head_problem(status: int) -> str:
 class Connection:
     """One client connection: read a request, answer it, repeat."""
 
-    __slots__ = ("chunked", "client_gone", "h11", "head_only", "keep_alive", "limits",
-                 "pipelined", "requests", "responding", "stream")
+    __slots__ = ("chunked", "client_gone", "finishing", "h11", "head_only", "keep_alive",
+                 "limits", "pipelined", "requests", "responding", "stream")
 
-    def __init__(self, stream: trio.SocketStream, limits: Serve) -> None:
+    def __init__(
+        self, stream: trio.SocketStream, limits: Serve,
+        finishing: set[trio.CancelScope] | None = None,
+    ) -> None:
         self.stream = stream
         self.limits = limits
+        #: The server's frame writes in progress (see finish_frame): a hard stop cancels
+        #: them, a drain does not.
+        self.finishing = finishing if finishing is not None else set()
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
         self.requests = 0
         self.client_gone = False
@@ -473,11 +479,16 @@ class Connection:
         cancelled ``send_all`` went out).  The drain takes effect right after."""
         with trio.CancelScope(shield=True) as scope:  # bounded: the deadline below
             scope.deadline = trio.current_time() + self.limits.send_timeout_s
+            # A hard stop (the grace's last words over, a second signal, the server's
+            # block left) cancels it: only a drain waits for the frame.
+            self.finishing.add(scope)
             try:
                 await self.stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.client_gone = True
                 raise ClientGone from None
+            finally:
+                self.finishing.discard(scope)
         if scope.cancelled_caught:
             self.client_gone = True  # a client that does not read is a client that left
             raise ClientGone

@@ -110,6 +110,8 @@ class Server:
         self._generations: set[Gateway] = set()
         self._sessions: trio.Nursery | None = None
         self._connections: trio.Nursery | None = None
+        #: Stream frames being finished past a drain (Connection.finish_frame).
+        self._finishing: set[trio.CancelScope] = set()
         self._idle: set[trio.CancelScope] = set()
         self._stops: set[trio.CancelScope] = set()
         self._in_flight = 0
@@ -227,6 +229,12 @@ class Server:
                 stop.cancel()  # each call stops, settles, and its client is told why
             with trio.move_on_after(_LAST_WORDS_S):
                 await self._quiet.wait()
+        self.hard_stop()
+
+    def hard_stop(self) -> None:
+        """Cancel every connection now, a frame being finished too."""
+        for scope in list(self._finishing):
+            scope.cancel()
         if self._connections is not None:
             self._connections.cancel_scope.cancel()
 
@@ -305,7 +313,7 @@ class Server:
         """One connection, counted in ``metrics.connections`` by the accept loop."""
         metrics = self.metrics
         assert self._current is not None
-        conn = Connection(stream, self._current.settings.serve)
+        conn = Connection(stream, self._current.settings.serve, self._finishing)
         # The generation whose keys admitted the request being read (admit, below): its
         # answer needs no second check, unless a reload came in between.
         checked: Gateway | None = None
@@ -485,8 +493,7 @@ async def open_server(
             failure = failure or exc
         finally:
             server._recovering.cancel()
-            if server._connections is not None:
-                server._connections.cancel_scope.cancel()
+            server.hard_stop()
             for listener in listeners:
                 await listener.aclose()
             for gateway in list(server._generations):
