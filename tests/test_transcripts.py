@@ -334,3 +334,22 @@ async def test_an_unfinished_stream_cut_inside_an_event_is_still_transient() -> 
             await s.chat([{"role": "user", "content": "hi"}])
     assert isinstance(info.value.errors[0], polygate.TransientUpstreamError)
 
+
+
+def test_many_indexed_extra_items_fold_in_bounded_time() -> None:
+    """Review of the merge per index: each indexed item scanned everything held, so a
+    stream whose 30,000 chunks each carry a new index took ~15 s of event-loop CPU
+    (quadratic; the extend before it, ~0.05 s).  The look back is bounded: linear.
+    (The bound is 20× what linear takes on this machine's slow phase.)"""
+    import time
+
+    from polygate.transport._assemble import ChatAssembler
+
+    assembler = ChatAssembler()
+    started = time.perf_counter()
+    for i in range(30_000):
+        assembler.add({"choices": [{"index": 0, "delta": {
+            "content": "x", "reasoning_details": [{"type": "reasoning.text", "text": "t", "index": i}]}}]})
+    took = time.perf_counter() - started
+    assert len(assembler.build()["choices"][0]["message"]["reasoning_details"]) == 30_000
+    assert took < 6.0, f"{took:.1f} s"
