@@ -264,7 +264,8 @@ async def _retry_loop(
             # failed otherwise, long ago): the call is not given up while one admits.
             if trio.current_time() >= cooldown_give_up_at:
                 limited = {e.source for e in errors if isinstance(e, RateLimitedError) and e.source}
-                result = await governor.try_admit(
+                # (At a deadline nothing more starts: its cancellation is due now.)
+                result = [] if deadline_at is not None else await governor.try_admit(
                     ctx.scope_name, tokens, exclude=limited, demote=failed
                 )
                 if not isinstance(result, Admission):
