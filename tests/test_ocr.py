@@ -43,6 +43,20 @@ def make_pdf(sizes: list[tuple[float, float]]) -> bytes:
         pdf.close()
 
 
+def _pdf_of(objects: list[bytes]) -> bytes:
+    """A PDF file of ``objects`` (numbered from 1; the first is the catalog)."""
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return bytes(out)
+
+
 def minimal_pdf() -> bytes:
     """A one-page PDF written by hand (catalog, pages, page, content, font), 200×100 pt."""
     content = b"BT /F1 24 Tf 20 40 Td (Hello OCR) Tj ET"
@@ -54,16 +68,7 @@ def minimal_pdf() -> bytes:
         b"<< /Length %d >>\nstream\n%s\nendstream" % (len(content), content),
         b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
     ]
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for number, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
-    return bytes(out)
+    return _pdf_of(objects)
 
 
 def encrypted_pdf() -> bytes:
@@ -647,16 +652,7 @@ def _pdf_with_a_broken_second_page() -> bytes:
         b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 100] >>",
         b"<< /Type /Font >>",  # page 1 is not a page: PDFium "Failed to load page."
     ]
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for number, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
-    return bytes(out)
+    return _pdf_of(objects)
 
 
 @pytest.mark.parametrize("render_in", ["process", "thread"])

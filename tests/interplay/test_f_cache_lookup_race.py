@@ -56,21 +56,27 @@ class SlowStore:
         return None
 
 
-async def test_a_lookup_in_flight_when_the_leader_finishes_does_not_lead_again(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _slow_cache_settings(monkeypatch: pytest.MonkeyPatch, scope: str) -> polygate.Settings:
+    """One source in ``scope``, its cache the slow store (through the private seam)."""
+
     @asynccontextmanager
     async def slow_cache(url: str) -> AsyncIterator[Cache]:
         yield Cache(SlowStore())
 
     monkeypatch.setattr(session_mod, "open_cache", slow_cache)
-    settings = polygate.Settings(
-        scopes={"chat": polygate.Scope(
+    return polygate.Settings(
+        scopes={scope: polygate.Scope(
             sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
             cache_ttl_s=60.0,
         )},
         cache="memory",  # replaced by the slow store above
     )
+
+
+async def test_a_lookup_in_flight_when_the_leader_finishes_does_not_lead_again(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = _slow_cache_settings(monkeypatch, "chat")
     up = FakeUpstream(Reply(first_token_s=1.0, text="the answer"))
     async with polygate.session(settings, transport=Router({"a": up})) as s:
 
@@ -101,18 +107,7 @@ async def test_an_embed_lookup_in_flight_when_the_leader_finishes_does_not_lead_
     input straight after its lookup's await, without looking at what the leader had
     just left here."""
 
-    @asynccontextmanager
-    async def slow_cache(url: str) -> AsyncIterator[Cache]:
-        yield Cache(SlowStore())
-
-    monkeypatch.setattr(session_mod, "open_cache", slow_cache)
-    settings = polygate.Settings(
-        scopes={"embed": polygate.Scope(
-            sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
-            cache_ttl_s=60.0,
-        )},
-        cache="memory",  # replaced by the slow store above
-    )
+    settings = _slow_cache_settings(monkeypatch, "embed")
     up = FakeUpstream(Reply(headers_delay_s=1.0))
     out: list[polygate.EmbeddingResponse] = []
     async with polygate.session(settings, transport=Router({"a": up})) as s:
