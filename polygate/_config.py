@@ -21,7 +21,7 @@ import attrs
 import httpx
 
 from ._config_serve import Serve, ServeKey, check_serve_models
-from ._errors import ConfigError
+from ._errors import ConfigError, FatalUpstreamError, RateLimitedError, classify_status
 from ._secrets import SECRET_PARAM, is_header_safe, mask_prefixes, url_secrets
 
 __all__ = [
@@ -55,12 +55,6 @@ FALLBACK_REASONS = frozenset({
     "exhausted", "rate_limited", "context_length", "content_policy", "fatal",
 })
 _STATUS_REASON = re.compile(r"^status:(4\d\d)$")
-# 4xx statuses that are never a FatalUpstreamError (see _errors.classify_status), and
-# the reason that does cover them.
-_NEVER_FATAL = {
-    "status:429": "rate_limited",
-    **{f"status:{n}": "exhausted" for n in (401, 403, 404, 408, 409, 425)},
-}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -573,9 +567,14 @@ class Scope:
                     self, "fallback_on",
                     f"unknown reason {reason!r} (known: {known}, or status:4NN)",
                 )
-            instead = _NEVER_FATAL.get(reason)
-            if instead is not None:
-                # Never a fatal error (SPEC §3's taxonomy): the reason could never fire.
+            status = _STATUS_REASON.match(reason)
+            if status is None:
+                continue
+            # A status the taxonomy never makes a fatal error (a 429, 401/403/404,
+            # 408/409/425): the reason could never fire; say which one covers it.
+            error = classify_status(int(status.group(1)), "")
+            if not isinstance(error, FatalUpstreamError):
+                instead = "rate_limited" if isinstance(error, RateLimitedError) else "exhausted"
                 raise _bad(
                     self, "fallback_on",
                     f"{reason!r} never moves a call: that status is not a fatal error "
