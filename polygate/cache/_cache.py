@@ -249,12 +249,7 @@ class Cache:
                         first = await self._recv.receive()
                     except (trio.EndOfChannel, trio.ClosedResourceError):
                         break
-                    batch = [first]
-                    while len(batch) < _BATCH:
-                        try:
-                            batch.append(self._recv.receive_nowait())
-                        except (trio.WouldBlock, trio.EndOfChannel):
-                            break
+                    batch = [first, *self._queued(_BATCH - 1)]
                     # A batch taken is written, even if the session is cancelled
                     # meanwhile (a caller's time budget): shielded, bounded by the
                     # backend's own timeout (with room: the backend enforces it) and by
@@ -279,6 +274,7 @@ class Cache:
             self._writer_done.set()
 
     def _queued(self, most: int) -> list[tuple[str, _Pending, float]]:
+        """Up to ``most`` entries already queued, without waiting."""
         batch: list[tuple[str, _Pending, float]] = []
         while len(batch) < most:
             try:
