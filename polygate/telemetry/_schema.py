@@ -145,18 +145,19 @@ def check_version(found: int, where: str) -> None:
         )
 
 
+#: The tables polygate writes, and the columns it writes in each.
+_COLUMNS = {"calls": CallEvent._fields, "attempts": AttemptEvent._fields,
+            "sessions": SessionEvent._fields}
+#: A database without polygate's version table that has one of these already holds
+#: another program's (an application's own ``sessions``).
+TABLES = tuple(_COLUMNS)
+
+
 def shape_checks() -> list[tuple[str, str]]:
     """One query per table, selecting every column polygate writes and no row: a table
     of that name that is not polygate's (``CREATE TABLE IF NOT EXISTS`` kept it) fails
     its query, at session start rather than at every write."""
-    tables = (("calls", CallEvent._fields), ("attempts", AttemptEvent._fields),
-              ("sessions", SessionEvent._fields))
-    return [(name, f"SELECT {', '.join(fields)} FROM {name} LIMIT 0") for name, fields in tables]
-
-
-#: The tables polygate writes: a database without its version table that has one of
-#: them already holds another program's (an application's own ``sessions``).
-TABLES = ("calls", "attempts", "sessions")
+    return [(name, f"SELECT {', '.join(fields)} FROM {name} LIMIT 0") for name, fields in _COLUMNS.items()]
 
 
 def foreign_table(table: str, where: str, problem: BaseException | str) -> ConfigError:
