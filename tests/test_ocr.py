@@ -43,6 +43,17 @@ def make_pdf(sizes: list[tuple[float, float]]) -> bytes:
         pdf.close()
 
 
+def _query(db: Path, sql: str) -> list[tuple[Any, ...]]:
+    """The rows of ``sql`` in the telemetry database ``db``."""
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
 def _pdf_of(objects: list[bytes]) -> bytes:
     """A PDF file of ``objects`` (numbered from 1; the first is the catalog)."""
     out = bytearray(b"%PDF-1.4\n")
@@ -565,19 +576,14 @@ async def test_cancelled_call_closes_the_document(
 async def test_telemetry_row_is_one_ocr_call(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
-    import sqlite3
 
     db = tmp_path / "t.db"
     up = FakeUpstream(Reply(text="x"))
     settings = attrs.evolve(ocr_settings(), telemetry=f"sqlite://{db}")
     async with polygate.session(settings, transport=Router({"a": up})) as s:
         r = await s.ocr(make_pdf([(100, 100)] * 3))
-    conn = sqlite3.connect(db)
-    try:
-        calls = conn.execute("SELECT logical_call_id, kind, attempts, content FROM calls").fetchall()
-        attempts = conn.execute("SELECT logical_call_id FROM attempts").fetchall()
-    finally:
-        conn.close()
+    calls = _query(db, "SELECT logical_call_id, kind, attempts, content FROM calls")
+    attempts = _query(db, "SELECT logical_call_id FROM attempts")
     assert calls == [(r.call_stats.logical_call_id, "ocr", 3, None)]
     assert attempts == [(r.call_stats.logical_call_id,)] * 3
 
@@ -671,14 +677,8 @@ async def test_a_page_failing_mid_call_still_writes_the_call_row(
         with pytest.raises(polygate.ConfigError, match="page 1 of the PDF cannot be loaded"):
             await s.ocr(_pdf_with_a_broken_second_page())
     assert len(up.requests) == 1  # page 0 was sent and answered
-    import sqlite3
-
-    conn = sqlite3.connect(db)
-    try:
-        attempts = conn.execute("SELECT logical_call_id, error FROM attempts").fetchall()
-        calls = conn.execute("SELECT logical_call_id, kind, outcome FROM calls").fetchall()
-    finally:
-        conn.close()
+    attempts = _query(db, "SELECT logical_call_id, error FROM attempts")
+    calls = _query(db, "SELECT logical_call_id, kind, outcome FROM calls")
     assert [error for _, error in attempts] == ["ok"]
     # the attempt row's logical call has a call row
     assert [(cid, kind) for cid, kind, _ in calls] == [(attempts[0][0], "ocr")]
