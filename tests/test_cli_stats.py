@@ -371,6 +371,14 @@ def test_a_sqlite_url_with_a_host_is_refused_not_read_elsewhere(
     assert code == 1 and "names a host: a SQLite URL is sqlite:///path" in err
 
 
+def test_an_unparseable_sqlite_url_is_refused_as_a_url(capsys: pytest.CaptureFixture[str]) -> None:
+    """Review: ``sqlite://[x`` reached the generic reader failure ("cannot read ...:
+    ValueError"); it is a URL that cannot be parsed, said as such."""
+    code, err = _stats_error(capsys, "--db", "sqlite://[x")
+    assert code == 1 and "is not a database URL: Invalid IPv6 URL" in err
+    assert "ValueError" not in err
+
+
 def test_default_database(tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
     assert default_db(env) == f"sqlite://{tmp_path}/state/polygate/telemetry.db"

@@ -94,7 +94,11 @@ def open_reader(url: str) -> Reader:
         raise ConfigError(f"unknown database URL {mask_url(url)!r}: use sqlite:///path or postgresql://…")
     from ._sqlite import SQLiteReader, sqlite_path
 
-    if url.startswith("sqlite:") and urlsplit(url).netloc:
+    try:
+        host = urlsplit(url).netloc if url.startswith("sqlite:") else ""
+    except ValueError as exc:  # sqlite://[x: an unclosed IPv6 bracket
+        raise ConfigError(f"{mask_url(url)!r} is not a database URL: {exc}") from None
+    if host:
         # sqlite://other.db: "other.db" is a host, and the path empty (the default
         # file, read in its place); refused as the settings refuse it.
         raise ConfigError(

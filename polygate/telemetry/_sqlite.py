@@ -116,7 +116,7 @@ def _migrate(conn: sqlite3.Connection, where: str) -> int:
         check_version(found, where)
         if not found:
             for (table,) in conn.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?, ?)", TABLES
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND lower(name) IN (?, ?, ?)", TABLES
             ).fetchall():
                 raise foreign_table(table, where, "it was there before polygate's schema")
         for version, stmts in statements("sqlite", found):
