@@ -171,6 +171,8 @@ def test_embeddings_and_failed_calls_do_not_skew_the_split_or_the_wins(
         _call(2, total=3000, generation=2500, ttft=400, hedges=1, hedge_won=1, attempts=2,
               source="b", outcome="error", error_class="StreamStalled"),
         _call(3, total=2000, generation=1000, ttft=300, hedges=1, hedge_won=1, attempts=2, source="b"),
+        # (OCR pages are not hedged either: an OCR call is not in the rate.)
+        _call(4, total=1000, generation=900, ttft=None, kind="ocr", attempts=1),
     ]
     path = tmp_path / "mixed.db"
     sink = SQLiteSink.open(path)
@@ -178,14 +180,14 @@ def test_embeddings_and_failed_calls_do_not_skew_the_split_or_the_wins(
     sink.close()
     r = _json(capsys, "--db", str(path))
     w = r["waiting_vs_generating"]
-    assert (w["successful_calls"], w["other_calls"], w["failed_calls"]) == (2, 1, 1)
+    assert (w["successful_calls"], w["other_calls"], w["failed_calls"]) == (2, 2, 1)
     assert (w["total_ms"], w["waiting_ms"], w["generating_ms"]) == (4000, 1500, 2500)
     h = r["hedging"]
     assert (h["hedged_calls"], h["hedge_wins"]) == (2, 1)
-    assert h["hedge_rate_pct"] == pytest.approx(100 * 2 / 3)  # the embedding call is not in it
+    assert h["hedge_rate_pct"] == pytest.approx(100 * 2 / 3)  # neither embedding nor OCR in it
     assert main(["stats", "--db", str(path)]) == 0
     text = capsys.readouterr().out
-    assert "2 successful chat calls" in text and "1 embedding and OCR calls not split" in text
+    assert "2 successful chat calls" in text and "2 embedding and OCR calls not split" in text
     assert "-" not in text.split("waiting (total - generation)")[1].split("\n")[0]
 
 

@@ -288,8 +288,9 @@ def _waiting(calls: Sequence[CallRow]) -> dict[str, Any]:
 
 
 def _hedging(calls: Sequence[CallRow], sessions: Sequence[SessionRow], scope: str | None) -> dict[str, Any]:
-    # Embedding calls are never hedged: the rate is over the calls that may be.
-    calls = [c for c in calls if c.kind != "embed"]
+    # Embedding calls and OCR pages are never hedged: the rate is over the calls that
+    # may be (chat).
+    calls = [c for c in calls if c.kind == "chat"]
     hedged = [c for c in calls if c.hedges > 0]
     # A win is a hedge that answered: a call that failed after its hedge had taken
     # over (a committed stream that then stalled) won nothing.
