@@ -206,3 +206,27 @@ async def test_a_call_that_fell_back_has_its_spans(
     call, attempts = _by_name(exporter.get_finished_spans())
     assert call.name == "chat chat"
     assert [a.name for a in attempts] == ["chat m-8k", "chat m-8k", "chat m-128k"]
+
+
+async def test_an_ocr_call_has_an_ocr_span_and_a_chat_span_per_page(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter,
+) -> None:
+    """Review: an OCR call's spans were named ``ocr ocr`` / ``ocr m1`` with
+    ``gen_ai.operation.name = "ocr"``, which is no GenAI operation and not what the docs
+    list.  Each page is a vision chat completion on the wire: a ``chat <model>``
+    attempt; the call span says ``ocr <scope>``."""
+    import io
+
+    from PIL import Image
+
+    image = io.BytesIO()
+    Image.new("RGB", (20, 20), "white").save(image, "PNG")
+    scope = polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1", model="m1")])
+    settings = polygate.Settings(scopes={"ocr": scope})
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(text="x"))})) as s:
+        await s.ocr(image.getvalue())
+    call, [attempt] = _by_name(exporter.get_finished_spans())
+    assert call.name == "ocr ocr" and attempt.name == "chat m1"
+    assert call.attributes is not None and attempt.attributes is not None
+    assert call.attributes["gen_ai.operation.name"] == "chat"
+    assert attempt.attributes["gen_ai.operation.name"] == "chat"

@@ -36,7 +36,10 @@ from .._types import CallStats, Usage
 
 __all__ = ["OtelRecorder", "tracer_if_configured"]
 
-_OPERATION = {"chat": "chat", "embed": "embeddings"}
+#: The GenAI operation of each kind of call: an OCR page is a vision chat completion
+#: on the wire, so its attempts are ``chat`` spans; its call span keeps ``ocr`` in its
+#: name (``ocr <scope>``), as the calls row keeps its kind.
+_OPERATION = {"chat": "chat", "embed": "embeddings", "ocr": "chat"}
 _NOT_FAILURES = (Outcome.OK, Outcome.HEDGE_CANCELLED, Outcome.CANCELLED)
 
 
@@ -120,7 +123,8 @@ class OtelRecorder:
             asked = ctx.asked_json if ctx.asked_json is not None else ctx.messages_json
             attributes["gen_ai.input.messages"] = redact(asked, self._secrets)
         span = self._tracer.start_span(
-            f"{operation} {scope}", kind=SpanKind.INTERNAL, start_time=start,
+            f"{'ocr' if ctx.kind == 'ocr' else operation} {scope}", kind=SpanKind.INTERNAL,
+            start_time=start,
             attributes=attributes,
         )
         if error is not None:
