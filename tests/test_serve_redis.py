@@ -52,7 +52,12 @@ async def test_two_replicas_hold_one_rpm_limit(redis_server: RedisServer, tmp_pa
     assert len(upstream.requests) == rpm  # the limit held at the wire, across both
 
 
-async def test_governance_backend_down_is_503(own_redis: RedisServer) -> None:  # noqa: F811
+async def test_governance_backend_down_is_503(
+    own_redis: RedisServer, caplog: pytest.LogCaptureFixture,  # noqa: F811
+) -> None:
+    """The 503 says what happened, not where: Redis's host and port are the
+    operator's (logged), not every client's (review: the body quoted "redis at
+    127.0.0.1:PORT ...")."""
     prefix = f"down-{secrets.token_hex(4)}"
     backend = f"{own_redis.url}?prefix={prefix}"
     async with gateway(Reply(tokens=2), backend=backend, call_deadline_s=10) as (server, upstream):
@@ -60,9 +65,14 @@ async def test_governance_backend_down_is_503(own_redis: RedisServer) -> None:  
         own_redis.kill()
         with trio.fail_after(15):
             answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+            streamed = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
         ready = await http(server, "GET", "/readyz")
     assert answer.status == 503
     assert answer.json()["error"]["code"] == "governance_unavailable"
+    port = own_redis.url.rsplit(":", 1)[1].split("/")[0]
+    for body in (answer.body, streamed.body):
+        assert b"redis" not in body.lower() and port.encode() not in body
+    assert any(port in r.getMessage() for r in caplog.records if r.name == "polygate.serve")
     assert ready.status == 503
     assert len(upstream.requests) == 1  # fail closed: nothing sent unadmitted
 

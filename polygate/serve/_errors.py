@@ -17,12 +17,16 @@ call deadline passed               504     timeout_error                ``deadli
 
 A 429 carries ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``.
 Messages are the polygate error's own text, which never holds a source's key (the
-errors module redacts upstream text), and never a gateway key (none reaches here).
+errors module redacts upstream text), and never a gateway key (none reaches here) --
+except the 503's: the backend's own message names its host and port, which are the
+operator's to read (in the log), not the clients'.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 
 import attrs
 
@@ -30,6 +34,17 @@ from .. import _errors as errors
 from ._json import Unencodable, dump
 
 __all__ = ["ErrorReply", "error_body", "reply_for"]
+
+log = logging.getLogger("polygate.serve")
+
+_BACKEND_DOWN = (
+    "The gateway's governance backend (quotas, breakers) cannot be reached right now; "
+    "nothing was sent upstream. The gateway keeps retrying: retry later."
+)
+#: While the backend is down every call fails so: its reason is logged at most this
+#: often (at WARNING), the rest at DEBUG.
+_BACKEND_LOG_EVERY_S = 10.0
+_backend_logged_at = -math.inf
 
 
 @attrs.frozen
@@ -77,7 +92,8 @@ def reply_for(exc: BaseException) -> ErrorReply:
     if isinstance(exc, errors.DeadlineExceeded):
         return ErrorReply(504, str(exc), "timeout_error", "deadline_exceeded")
     if isinstance(exc, errors.GovernanceBackendError):
-        return ErrorReply(503, str(exc), "api_error", "governance_unavailable")
+        _log_backend_down(exc)
+        return ErrorReply(503, _BACKEND_DOWN, "api_error", "governance_unavailable")
     if isinstance(exc, errors.AllSourcesExhausted):
         wait = rate_limited_for(exc)
         if wait is not None:
@@ -97,6 +113,16 @@ def reply_for(exc: BaseException) -> ErrorReply:
     if isinstance(exc, errors.PolygateError):
         return ErrorReply(503, str(exc), "api_error", "unavailable")
     return ErrorReply(500, "internal error in the gateway", "api_error", "internal_error")
+
+
+def _log_backend_down(exc: errors.GovernanceBackendError) -> None:
+    global _backend_logged_at
+    now = time.monotonic()  # (a log's rate, not the call's time: no trio clock needed)
+    if now - _backend_logged_at >= _BACKEND_LOG_EVERY_S:
+        _backend_logged_at = now
+        log.warning("calls answered 503 governance_unavailable: %s", exc)
+    else:
+        log.debug("call answered 503 governance_unavailable: %s", exc)
 
 
 def rate_limited_for(exc: errors.AllSourcesExhausted) -> float | None:
