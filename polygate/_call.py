@@ -559,17 +559,34 @@ def _can_resume(ctx: CallContext, sink: StreamSink, error: UpstreamError, resume
     )
 
 
+#: The parameters that bound the answer's length (OpenAI's old and new names).
+_TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
+
+
 def _prepare_continuation(
     ctx: CallContext, messages: Sequence[Mapping[str, Any]], shown: str
 ) -> None:
-    """The next rounds ask for the rest of the answer; their estimate grows by it."""
+    """The next rounds ask for the rest of the answer; their prompt estimate grows by
+    it, and the caller's token limit shrinks by what was shown (estimated as a cut
+    segment's usage is: about four characters a token), at least 1."""
     prefill = encode_compact(continuation_messages(messages, shown, prefill=True))
     prompt = encode_compact(continuation_messages(messages, shown, prefill=False))
     refused = ctx.continuation.refused_prefill if ctx.continuation is not None else set()
-    ctx.continuation = Continuation(prefill, prompt, PREFILL_PARAMS, refused)
+    spent = (len(shown) + 3) // 4
+    limits = {
+        name: max(1, limit - spent)
+        for name in _TOKEN_LIMITS
+        if isinstance(limit := ctx.params.get(name), int) and not isinstance(limit, bool)
+        and limit > 0
+    }
+    ctx.continuation = Continuation(prefill, prompt, PREFILL_PARAMS, refused, limits)
     ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(
         continuation_messages(messages, shown, prefill=False)
     )
+    if limits:
+        ctx.completion_estimate = completion_budget(
+            {**ctx.params, **limits}, ctx.scope.completion_estimate_tokens
+        )
 
 
 async def _finish_continuation(

@@ -151,14 +151,17 @@ class Continuation:
     prompt_json: str
     prefill_params: Mapping[str, Any]
     refused_prefill: set[str] = attrs.field(factory=set)  # sources that answered 400 to it
+    #: The caller's token limits less what was already shown (``max_tokens`` bounds
+    #: the whole answer, not each segment of it).
+    limits: Mapping[str, Any] = attrs.field(factory=dict)
 
     def prefilled(self, source: Source) -> bool:
         return source.prefill and source.name not in self.refused_prefill
 
     def request(self, source: Source, params: Mapping[str, Any]) -> ChatRequest:
         if self.prefilled(source):
-            return ChatRequest(self.prefill_json, {**params, **self.prefill_params})
-        return ChatRequest(self.prompt_json, params)
+            return ChatRequest(self.prefill_json, {**params, **self.limits, **self.prefill_params})
+        return ChatRequest(self.prompt_json, {**params, **self.limits} if self.limits else params)
 
 
 @attrs.frozen

@@ -417,6 +417,30 @@ async def test_a_prefill_source_continues_from_the_text_shown(
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
 
 
+@pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("prefill", [False, True])
+async def test_a_continuation_asks_for_what_is_left_of_the_token_limit(
+    autojump_clock: trio.testing.MockClock, limit: str, prefill: bool,
+) -> None:
+    """Review: the continuation was asked with the caller's whole ``max_tokens`` again,
+    so a resumed answer could run to nearly twice the limit the caller set (and the
+    quota reserved for it).  The limit bounds the whole answer: what was shown
+    (estimated at four characters a token, as a cut segment's usage is) comes off."""
+    a = FakeUpstream(Reply(text=ANSWER, fault="truncated", fault_after=40))
+    b = FakeUpstream(_continuing(" " + " ".join(WORDS[40:])))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9, "prefill": prefill}},
+        "stream": polygate.StreamWatch(resume=True)})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        async with s.stream_chat(MESSAGES, **{limit: 100}) as stream:
+            async for _ in stream:
+                pass
+    shown = " ".join(WORDS[:40])
+    assert a.requests[0].body[limit] == 100
+    assert b.requests[0].body[limit] == 100 - (len(shown) + 3) // 4
+    assert stream.response is not None and stream.response.text == ANSWER
+
+
 @pytest.mark.parametrize("retries", [3, 1])
 async def test_a_rejected_prefill_is_asked_again_without_one(
     autojump_clock: trio.testing.MockClock, retries: int,
