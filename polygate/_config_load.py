@@ -230,7 +230,12 @@ def _value_from_toml(kind: type, value: Any, where: str, *, secret: bool = False
     a bare number must not be echoed."""
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is float and is_number:
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer of hundreds of digits: no float holds it
+            raise ConfigError(
+                f"{where}: expected a finite number, got an integer too large for one"
+            ) from None
     if kind is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if kind in (bool, str) and isinstance(value, kind):
@@ -517,7 +522,12 @@ def _env_serve(settings: _SettingsPart, key: str, text: str) -> None:
     if segment != segment.upper() or "__" in segment:
         raise _unknown(key, "serve keys", _serve_keys(upper=True), segment)
     if field == "api_keys":
-        keys = [k.strip() for k in text.split(",") if k.strip()]
+        keys = [k.strip() for k in text.split(",")]
+        if not all(keys):
+            # "," or "a,,b" (a variable expanded empty in a deploy script): refused, as
+            # api_keys_env holding no key is -- read as no keys it would turn
+            # authentication off.  (The message quotes nothing: the rest are keys.)
+            raise ConfigError(f"{key}: an empty key in the comma-separated list")
         settings.secrets.update(keys)
         part.values[field] = keys
     elif field == "models":
@@ -581,7 +591,7 @@ def _toml_serve(settings: _SettingsPart, value: Any, file: str, env: Mapping[str
     if "api_keys_env" in table:
         if "api_keys" in table:
             raise ConfigError(f"{at('api_keys_env')}: set api_keys or api_keys_env, not both")
-        var = _value_from_toml(str, table.pop("api_keys_env"), at("api_keys_env"))
+        var = _value_from_toml(str, table.pop("api_keys_env"), at("api_keys_env"), secret=True)
         keys = [k.strip() for k in env.get(var, "").split(",") if k.strip()]
         if not keys:
             raise ConfigError(f"{at('api_keys_env')}: {_unset(var)}")
@@ -591,7 +601,9 @@ def _toml_serve(settings: _SettingsPart, value: Any, file: str, env: Mapping[str
     if "api_keys" in table:
         keys = table.pop("api_keys")
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise ConfigError(f"{at('api_keys')}: expected an array of strings, got {_what(keys)}")
+            # Described by its kind alone: a key written as a bare number is a secret.
+            got = _what(keys).split(" (", 1)[0]
+            raise ConfigError(f"{at('api_keys')}: expected an array of strings, got {got}")
         part.values["api_keys"] = keys
         part.keys.append(at("api_keys"))
     if "models" in table:
@@ -617,7 +629,9 @@ def _toml_serve_keys(
     out: dict[str, dict[str, Any]] = {}
     for name, raw in _toml_table(value, at("keys")).items():
         where = at(f"keys.{name}") if _BARE_KEY.match(name) else at("keys")
-        table = dict(_toml_table(raw, where))
+        # ``NAME = 123456`` where a table belongs is most likely the key itself: not
+        # echoed.
+        table = dict(_toml_table(raw, where, secret=True))
         key = _env_secret(table, "key", env, f"{where}.key_env")
         if key is not None:
             table["key"] = key
@@ -658,6 +672,10 @@ def read_toml(label: str) -> dict[str, Any]:
         raise ConfigError(f"{label}: invalid TOML ({exc})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{label}: the configuration file is not UTF-8") from None
+    except ValueError as exc:
+        # Python's cap on an integer's digits (4300), which tomllib meets as it reads
+        # one: no setting takes such a number.  (Its message quotes no value.)
+        raise ConfigError(f"{label}: invalid TOML (a number too large: {exc})") from None
 
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -761,7 +779,8 @@ def _env_secret(table: dict[str, Any], field: str, env: Mapping[str, str], where
     key = f"{field}_env"
     if key not in table:
         return None
-    var = _value_from_toml(str, table.pop(key), where)
+    # (A number here may be a key pasted in place of a variable's name: not echoed.)
+    var = _value_from_toml(str, table.pop(key), where, secret=True)
     if field in table:
         raise ConfigError(f"{where}: set {field} or {key}, not both")
     value = env.get(var, "").strip()
@@ -805,9 +824,10 @@ def _check_key(field: str, value: Any, where: str) -> None:
         raise ConfigError(f"{where}: {KEY_PROBLEM}")
 
 
-def _toml_table(value: Any, where: str) -> dict[str, Any]:
+def _toml_table(value: Any, where: str, *, secret: bool = False) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected a table, got {_what(value)}")
+        got = _what(value).split(" (", 1)[0] if secret else _what(value)
+        raise ConfigError(f"{where}: expected a table, got {got}")
     return dict(value)
 
 

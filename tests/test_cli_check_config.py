@@ -107,6 +107,17 @@ def test_invalid_exits_2_without_traceback(clean: Path, capsys: pytest.CaptureFi
     assert_no_secret(out, err)
 
 
+def test_a_huge_integer_exits_2_without_traceback(
+    clean: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: an integer no float holds raised OverflowError out of the loader."""
+    path = write(clean, '[scopes.chat.sources.a]\nbase_url = "http://a/v1"\ntimeout_s = 1'
+                 + "0" * 400 + "\n", "huge.toml")
+    assert main(["check-config", "--config", path]) == 2
+    _out, err = capsys.readouterr()
+    assert "timeout_s: expected a finite number" in err and "Traceback" not in err
+
+
 def test_missing_file(clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config", "--config", "absent.toml"]) == 2
     assert "absent.toml: configuration file not found" in capsys.readouterr().err

@@ -982,3 +982,55 @@ def test_a_bad_backend_option_names_its_key_or_path(query: str, problem: str, tm
             build()
         assert where in str(info.value) and problem in str(info.value), str(info.value)
         assert REDIS_PW not in str(info.value)
+
+
+# --------------------------------------------------------------------------- review: hostile numbers and pasted keys
+
+_HUGE = "1" + "0" * 400  # TOML allows it; no float holds it
+
+
+@pytest.mark.parametrize("field", ["timeout_s", "weight"])
+def test_an_integer_too_large_for_a_float_is_a_config_error(tmp_path: Path, field: str) -> None:
+    """Review: ``timeout_s = 1000…0`` (401 digits) raised a bare OverflowError from the
+    loader (check-config and serve printed a traceback; a SIGHUP with it ended a
+    serving gateway)."""
+    path = tmp_path / "p.toml"
+    path.write_text(f'[scopes.chat.sources.a]\nbase_url = "{URL_A}"\n{field} = {_HUGE}\n')
+    with pytest.raises(ConfigError, match=f"{field}: expected a finite number, got an integer too large"):
+        settings_from_toml(path, env={})
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_config_error(tmp_path: Path) -> None:
+    """tomllib meets Python's 4,300-digit cap as a plain ValueError, not a TOML error."""
+    path = tmp_path / "p.toml"
+    path.write_text(f'[scopes.chat.sources.a]\nbase_url = "{URL_A}"\nrpm = 1{"0" * 5000}\n')
+    with pytest.raises(ConfigError, match=r"invalid TOML \(a number too large"):
+        settings_from_toml(path, env={})
+
+
+@pytest.mark.parametrize("text", [
+    "[serve]\napi_keys = 918273645501\n",
+    "[serve.keys]\nalice = 918273645501\n",
+    "[serve]\napi_keys_env = 918273645501\n",
+    "[serve.keys.alice]\nkey_env = 918273645501\n",
+    "[scopes.chat.sources.b]\nbase_url = 'http://b/v1'\napi_key_env = 918273645501\n",
+])
+def test_a_key_written_as_a_bare_number_is_not_echoed(tmp_path: Path, text: str) -> None:
+    """Review: ``api_keys = <number>`` (and a number where a key's table or a key's
+    variable name belongs) was quoted in the error, as `Source.api_key` never is."""
+    path = tmp_path / "p.toml"
+    path.write_text(f'[scopes.chat.sources.a]\nbase_url = "{URL_A}"\n{text}')
+    with pytest.raises(ConfigError) as caught:
+        settings_from_toml(path, env={})
+    assert "918273645501" not in str(caught.value)
+    assert "an integer" in str(caught.value)
+
+
+@pytest.mark.parametrize("value", [",", "a,,b", " , "])
+def test_an_empty_gateway_key_in_the_environment_is_refused(value: str) -> None:
+    """Review: ``POLYGATE__SERVE__API_KEYS=","`` (two variables expanded empty) loaded
+    as no keys at all -- authentication off -- where TOML's api_keys_env holding the
+    same is refused."""
+    with pytest.raises(ConfigError, match="POLYGATE__SERVE__API_KEYS: an empty key") as caught:
+        settings_from_env({"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__SERVE__API_KEYS": value})
+    assert value not in str(caught.value)

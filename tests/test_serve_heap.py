@@ -110,3 +110,33 @@ async def test_a_refused_reload_settles_nothing(
         status = await serve_cli._serve(serve_cli._load(str(config)), args)
     assert status == 0
     assert settled == [0]
+
+
+async def test_a_reload_that_fails_unexpectedly_is_refused_and_the_server_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Review: a reload whose reading raised anything but a PolygateError (an integer
+    no float holds was one) left the signal loop, and the server stopped with every
+    call in flight.  Refused and logged like an invalid file; the server goes on."""
+    config = _config(tmp_path / "c.toml")
+
+    def settle() -> None:
+        os.kill(os.getpid(), signal.SIGHUP)
+
+    def broken_load(path: str) -> object:
+        raise RuntimeError("a bug in reading the file")
+
+    async def reload_then_stop(server: object, args: argparse.Namespace) -> None:
+        await real_reload(server, args)  # (raising, it ends the server: the test fails)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    real_reload = serve_cli._reload
+    settings = serve_cli._load(str(config))
+    monkeypatch.setattr(serve_cli, "_settle_heap", settle)
+    monkeypatch.setattr(serve_cli, "_load", broken_load)
+    monkeypatch.setattr(serve_cli, "_reload", reload_then_stop)
+    args = argparse.Namespace(config=str(config), host="127.0.0.1", port=0)
+    with trio.fail_after(15):
+        status = await serve_cli._serve(settings, args)
+    assert status == 0
+    assert any("reload refused" in r.getMessage() for r in caplog.records)

@@ -121,6 +121,14 @@ async def _reload(server: Any, args: argparse.Namespace) -> None:
         server.metrics.reload_failures += 1
         log.error("reload refused, the old configuration stays: %s", exc)
         return
+    except Exception as exc:
+        # A bug in reading a configuration must not end a server that is answering
+        # calls (the signal loop would take the process, and every call in flight, with
+        # it): refused like an invalid file, with the traceback for the report.
+        server.metrics.reload_failures += 1
+        log.error("reload refused, the old configuration stays: unexpected %s",
+                  type(exc).__name__, exc_info=exc)
+        return
     _settle_heap()
     log.info("configuration reloaded: %d scope(s)", len(settings.scopes))
 
