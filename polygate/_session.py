@@ -634,6 +634,18 @@ def _backend_for(settings: Settings) -> MemoryBackend | RedisBackend:
     return RedisBackend.from_url(settings.backend)
 
 
+class SharedBackends:
+    """The governance backends of sessions that follow one another in one process
+    (``polygate serve``'s generations): one in-process backend for all of them, so
+    that a reload keeps in-flight limits, quota windows and breakers as Redis does."""
+
+    def __init__(self) -> None:
+        self._memory = MemoryBackend()
+
+    def for_settings(self, settings: Settings) -> MemoryBackend | RedisBackend:
+        return self._memory if settings.backend == "memory" else _backend_for(settings)
+
+
 @asynccontextmanager
 async def session(
     settings: Settings | None = None,
@@ -651,7 +663,22 @@ async def session(
         settings = load_settings(env)
     elif not isinstance(settings, Settings):
         raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
-    backend = _backend_for(settings)
+    async with session_on(settings, _backend_for(settings), transport=transport, rng=rng) as opened:
+        yield opened
+
+
+@asynccontextmanager
+async def session_on(
+    settings: Settings,
+    backend: MemoryBackend | RedisBackend,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    rng: random.Random | None = None,
+) -> AsyncIterator[Session]:
+    """:func:`session` on a given governance ``backend``: ``polygate serve`` keeps one
+    in-process backend across the generations a reload makes, so that in-flight limits,
+    quota windows and breakers hold across a reload as they do on Redis.  (Closing a
+    session closes its backend: the memory backend's close is a no-op.)"""
     rng = rng or random.Random()
     owned = transport is None
     if transport is None:

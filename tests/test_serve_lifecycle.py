@@ -445,3 +445,62 @@ async def test_drain_bounded_by_grace_plus_last_words() -> None:
         took = trio.current_time() - start
         await client.aclose()
     assert took < 5, f"drain took {took:.1f} s (grace 0.2 s, send_timeout_s=30)"
+
+
+def _one_at_a_time(url: str, **serve: Any) -> Any:
+    import polygate
+
+    return polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[
+            polygate.Source(name="a", base_url=url, model="m1", max_in_flight=1)])},
+        serve=polygate.Serve(**serve),
+    )
+
+
+async def test_a_reload_keeps_a_sources_max_in_flight() -> None:
+    """Review: with the in-memory backend each generation had its own, so the call
+    still running on the old one held a permit the new one did not see: two attempts
+    at once on a ``max_in_flight=1`` source across a reload."""
+    from polygate.serve import open_server
+
+    upstream = FakeUpstream(Reply(first_token_s=1.0, tokens=2))
+    async with upstream.serve() as url:
+        settings = _one_at_a_time(url, api_keys=[GATEWAY_KEY])
+        async with open_server(settings, port=0) as server:
+            statuses: list[int] = []
+
+            async def call() -> None:
+                statuses.append((await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                await wait_for(lambda: upstream.in_flight == 1)
+                await server.reload(settings)  # the same configuration
+                nursery.start_soon(call)
+    assert statuses == [200, 200]
+    assert upstream.peak_in_flight == 1
+
+
+async def test_a_reload_keeps_a_gateway_keys_max_in_flight() -> None:
+    """The same for a gateway key's ``max_in_flight``: its one call at once became two."""
+    import polygate
+    from polygate.serve import open_server
+
+    upstream = FakeUpstream(Reply(first_token_s=1.0, tokens=2))
+    async with upstream.serve() as url:
+        keys = {"team": polygate.ServeKey(key=GATEWAY_KEY, max_in_flight=1)}
+        settings = _one_at_a_time(url, keys=keys)
+        async with open_server(settings, port=0) as server:
+            first: list[int] = []
+
+            async def call() -> None:
+                first.append((await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                await wait_for(lambda: upstream.in_flight == 1)
+                before = (await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status
+                await server.reload(settings)
+                after = (await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status
+    assert first == [200]
+    assert (before, after) == (429, 429)

@@ -37,7 +37,7 @@ import trio
 from .._config import FieldError, Settings
 from .._context import fresh_call_id
 from .._errors import ConfigError, GovernanceBackendError
-from .._session import Session, session
+from .._session import Session, SharedBackends, session_on
 from ._app import Context, Gateway, answer, endpoint_label
 from ._errors import error_body
 from ._hangups import Hangups
@@ -107,6 +107,7 @@ class Server:
         self.base_url = self.url + "/v1"
         self.draining = False
         self._current: Gateway | None = None
+        self._backends = SharedBackends()
         self._generations: set[Gateway] = set()
         self._sessions: trio.Nursery | None = None
         self._connections: trio.Nursery | None = None
@@ -151,7 +152,11 @@ class Server:
     async def _generation(
         self, settings: Settings, *, task_status: trio.TaskStatus[Gateway] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        async with session(settings, transport=self._transport) as opened:
+        # One in-process backend for every generation: a reload keeps the in-flight
+        # permits of the calls still running on the old one (a source's and a key's
+        # max_in_flight would otherwise hold twice over), its quota windows and breakers.
+        backend = self._backends.for_settings(settings)
+        async with session_on(settings, backend, transport=self._transport) as opened:
             gateway = Gateway(settings, opened)
             self._generations.add(gateway)
             try:
