@@ -97,7 +97,12 @@ class Usage:
         if not all(_plausible(v) for v in (prompt, completion)):
             return None
         total: Any = payload.get("total_tokens")
-        if parts or not _plausible(total):
+        if not parts and not _plausible(total):
+            # ``{}``, or only a total that is no count (a string, a negative, 1e300):
+            # nothing was reported, so the estimate stands -- a usage of 0 "from the
+            # upstream" would settle nothing in the TPM window and show clients 0.
+            return None
+        if parts:
             total = prompt + completion
         return cls(int(prompt), int(completion), int(total), "upstream")
 

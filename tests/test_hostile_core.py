@@ -421,6 +421,35 @@ def test_the_total_is_the_sum_of_the_reported_parts(
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == expected
 
 
+@pytest.mark.parametrize("wire", [
+    {}, {"total_tokens": "12"}, {"total_tokens": -5}, {"total_tokens": 1e300},
+    {"total_tokens": None}, {"total_tokens": True},
+])
+def test_a_usage_with_no_believable_number_is_no_usage(wire: dict[str, Any]) -> None:
+    """Review: an object with no number, or only a total that is no count, read as 0
+    tokens *reported by the upstream*: TPM windows settled 0 (an embedding upstream
+    escaped its quota) and the gateway showed clients ``usage`` 0 (docs/serve.md: an
+    answer whose numbers were refused has no usage)."""
+    assert polygate.Usage.from_wire(wire) is None
+
+
+async def test_an_embedding_whose_usage_is_no_count_is_estimated_and_reserved() -> None:
+    """The same through a call: the estimate stands, and the TPM window keeps it."""
+    def handle(request: httpx.Request) -> httpx.Response:
+        inputs = json.loads(request.content)["input"]
+        return httpx.Response(200, json={"object": "list", "model": "emb", "usage": {
+            "total_tokens": "1000"}, "data": [
+            {"object": "embedding", "index": i, "embedding": [0.5, 0.25]} for i in range(len(inputs))]})
+
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="e", base_url="http://e/v1", model="emb", tpm=1_000_000)])})
+    async with polygate.session(settings, transport=httpx.MockTransport(handle)) as s:
+        r = await s.embed(["hello world, a longer text"])
+        snapshot = (await s.statistics()).governance.sources[0].state
+    assert r.usage is not None and r.usage.source == "estimated" and r.usage.total_tokens > 0
+    assert snapshot.tokens_in_window == r.usage.total_tokens
+
+
 async def test_an_inflated_total_does_not_lock_the_token_quota() -> None:
     body = json.dumps({
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
