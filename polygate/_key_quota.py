@@ -51,6 +51,10 @@ __all__ = ["KEY_SCOPE", "KeyQuotas", "KeyRefusal"]
 #: a key's state never shares a backend key with a source's.
 KEY_SCOPE: Final = "@key"
 
+#: The Retry-After of a refusal that ends when a call settles, not at a known time: an
+#: in-flight cap, or a TPM window full of open reservations.
+_OPEN_WAIT_S: Final = 1.0
+
 
 @attrs.frozen
 class KeyRefusal:
@@ -108,9 +112,15 @@ class KeyQuotas:
     def _wait_s(self, refusal: Refusal) -> float | None:
         if refusal.reason is RefusalReason.TOO_LARGE:
             return None
-        if refusal.retry_at is None:
-            return 1.0  # a permit comes back when a call of this key ends
-        return max(0.001, refusal.retry_at - self._backend.now())
+        wait = None if refusal.retry_at is None else refusal.retry_at - self._backend.now()
+        if wait is None or (refusal.sooner and wait > _OPEN_WAIT_S):
+            # A permit comes back when a call of this key ends; a TPM window full of
+            # open reservations frees as they settle, usually far below their
+            # estimates -- ``retry_at`` is only when it frees at the latest.  The
+            # SDKs obey a Retry-After of up to 60 s: a client must not sleep a minute
+            # for tokens that come back in a moment.
+            return _OPEN_WAIT_S
+        return max(0.001, wait)
 
     async def settle(
         self, admission: Admission, *, attempted: bool, tokens: int | None

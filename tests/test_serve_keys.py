@@ -212,6 +212,27 @@ async def test_a_key_pays_the_answers_usage_not_its_estimate() -> None:
     assert (state.in_flight, state.tokens_reserved, state.requests_in_window) == (0, 0, 2)
 
 
+async def test_a_tpm_refusal_behind_open_reservations_does_not_say_a_minute() -> None:
+    """Review: a key's window full only of reservations (calls in flight, settled down
+    to their usage when they end) was refused with ``Retry-After: 60`` -- when it
+    frees at the latest -- though the tokens came back half a second later.  The
+    SDKs obey up to 60 s: the client slept a minute for nothing."""
+    upstream = FakeUpstream(Reply(tokens=2, first_token_s=0.5))
+    async with gateway(upstream, serve=keyed(tpm=600)) as (server, _):
+        answers = []
+
+        async def one() -> None:
+            answers.append(await http(server, "POST", CALL, CHAT, bearer(ALICE)))
+
+        async with trio.open_nursery() as nursery:  # each reserves 264 of the 600
+            for _ in range(3):
+                nursery.start_soon(one)
+        right_after = await http(server, "POST", CALL, CHAT, bearer(ALICE))
+    [refused] = [a for a in answers if a.status == 429]
+    assert right_after.status == 200  # the two calls paid their usage: a few tokens
+    assert refused.headers["retry-after"] == "1"
+
+
 async def test_a_request_over_the_keys_whole_tpm_is_refused_without_retry_after() -> None:
     async with gateway(Reply(tokens=2), serve=keyed(tpm=100)) as (server, upstream):
         answer = await http(server, "POST", CALL, {**CHAT, "max_tokens": 500}, bearer(ALICE))
