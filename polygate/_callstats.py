@@ -4,9 +4,11 @@ A call's answer usually comes from one attempt, the round's winner.  A committed
 stream that was resumed has several *segments*: the attempts whose text the caller
 was shown, in order, the last one the winner.  Their statistics combine the way the
 caller lived them: ``ttft_ms`` from the first segment, ``generation_ms`` the sum of the
-segments' transport times, stalls measured over the joined chunk timeline (the gap
-while a continuation was found is a stall the caller saw), usage the sum of what each
-segment reported (estimated for a segment that reported none).
+segments' transport times, stalls measured over the joined chunk timeline of those
+transport times (a failed segment's silence before it failed and a continuation's wait
+for its first token are stalls the caller saw; the time between segments -- finding a
+source, backoff -- is waiting, as it is outside generation_ms), usage the sum of what
+each segment reported (estimated for a segment that reported none).
 """
 
 from __future__ import annotations
@@ -72,12 +74,23 @@ def call_stats(
         if segments:
             # Each segment's times leave out its own consumer holds; the joined
             # timeline leaves out the earlier segments' holds too, or a slow consumer
-            # would show as a stall at each seam.
+            # would show as a stall at each seam.  It leaves out the seams as well
+            # (from a segment's end to the next one's request: finding a source,
+            # backoff, continuations that failed before a token): that time is
+            # outside every segment's transport time, so outside generation_ms, and
+            # counted as decoding or a stall it would make them exceed it (SPEC §5:
+            # ttft, stalls and active decoding are where the generation time went).
             joined: list[float] = []
             held = 0.0
+            previous_end: float | None = None
             for r in parts:
-                joined.extend(t - held for t in r.timeline.chunk_times)
-                held += r.timeline.paused_s
+                tl = r.timeline
+                if previous_end is not None and tl.sent_at is not None:
+                    held += max(0.0, tl.sent_at - previous_end)
+                joined.extend(t - held for t in tl.chunk_times)
+                held += tl.paused_s
+                # (A failed segment's transport never recorded its end: its attempt did.)
+                previous_end = tl.ended_at if tl.ended_at is not None else r.ended_at
             times: Sequence[float] = joined
         else:
             times = winner.timeline.chunk_times

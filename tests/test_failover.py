@@ -441,6 +441,34 @@ async def test_a_continuation_asks_for_what_is_left_of_the_token_limit(
     assert stream.response is not None and stream.response.text == ANSWER
 
 
+async def test_the_time_between_segments_is_waiting_not_decoding(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review (scheduling-aware): ``a`` resets after 3 tokens, the continuation's first
+    try (``b``) fails after 1.5 s, then ``a`` continues.  The 1.5 s seam is outside
+    both segments' transport times (so outside generation_ms), yet the joined
+    timeline counted it as decoding: active_generation_ms 1740 ms of a 300 ms
+    generation.  SPEC §5: ttft, stalls and active decoding are where the generation
+    time went."""
+    a = FakeUpstream([
+        Reply(text=ANSWER, first_token_s=0.1, inter_token_s=0.1, fault="reset", fault_after=3),
+        Reply(tokens=2, first_token_s=0.1, inter_token_s=0.1),
+    ])
+    b = FakeUpstream(Reply(status=503, headers_delay_s=1.5))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-6}},
+        "stream": polygate.StreamWatch(resume=True), "retry": polygate.Retry(max_attempts=3)})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        stream, _ = await _read(s)
+    assert stream.response is not None
+    st = stream.response.call_stats
+    assert st.resumes == 1 and [r.status for r in b.requests] == [503]
+    assert st.ttft_ms is not None and st.stall_ms is not None
+    assert st.active_generation_ms is not None
+    assert st.ttft_ms + st.active_generation_ms + st.stall_ms <= st.generation_ms + 1e-6
+    assert st.total_latency_ms - st.generation_ms >= 1500  # the seam is waiting
+
+
 @pytest.mark.parametrize("retries", [3, 1])
 async def test_a_rejected_prefill_is_asked_again_without_one(
     autojump_clock: trio.testing.MockClock, retries: int,
