@@ -483,3 +483,20 @@ def test_the_database_may_be_given_as_an_argument(
     assert json.loads(capsys.readouterr().out) == positional
     assert main(["stats", str(known_db), "--db", str(known_db) + "x"]) == 2
     assert "once" in capsys.readouterr().err
+
+
+def test_the_report_is_one_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: the calls, attempts and sessions were three reads on three states of
+    the database: a batch committed between them gave 5 calls with 10 attempts."""
+    from polygate.telemetry._sqlite import SQLiteReader
+
+    from ._stats_snapshot import report_while_a_batch_lands
+
+    sink = SQLiteSink.open(tmp_path / "t.db")
+    try:
+        r = report_while_a_batch_lands(sink, SQLiteReader, str(tmp_path / "t.db"), monkeypatch, capsys)
+    finally:
+        sink.close()
+    assert (r["calls"], r["attempts"]) == (5, 5)

@@ -366,3 +366,19 @@ def test_ci_flag_turns_a_skip_into_a_failure(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(pytest.skip.Exception, match="not found"):
         _postgres_server.require_postgres()
 
+
+
+def test_stats_reads_one_snapshot(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same on PostgreSQL (its reader's connection is in autocommit mode)."""
+    from polygate.telemetry._postgres import PostgresReader, PostgresSink
+
+    from ._stats_snapshot import report_while_a_batch_lands
+
+    sink = PostgresSink.open(pg_url)
+    try:
+        r = report_while_a_batch_lands(sink, PostgresReader, pg_url, monkeypatch, capsys)
+    finally:
+        sink.close()
+    assert (r["calls"], r["attempts"]) == (5, 5)

@@ -33,6 +33,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -299,6 +301,15 @@ class PostgresReader:
             "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()"
         )
         return {r[0] for r in rows}
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        # (The connection is in autocommit mode: each query would see its own state.)
+        self._conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        try:
+            yield
+        finally:
+            self._conn.execute("COMMIT")
 
     def close(self) -> None:
         self._conn.close()

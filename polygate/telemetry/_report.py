@@ -21,6 +21,7 @@ import json
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
@@ -76,6 +77,11 @@ class Reader(Protocol):
 
     def tables(self) -> set[str]: ...
 
+    def snapshot(self) -> AbstractContextManager[None]:
+        """The queries inside read one state of the database: a batch a session
+        commits meanwhile is in all of them or in none."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -114,7 +120,15 @@ def open_reader(url: str) -> Reader:
 def read_rows(
     reader: Reader, *, since: float | None = None, scope: str | None = None
 ) -> tuple[list[CallRow], list[AttemptRow], list[SessionRow]]:
-    """The rows to report on; :class:`NoData` when the tables are not there."""
+    """The rows to report on; :class:`NoData` when the tables are not there.  One
+    snapshot: the calls, their attempts and the sessions rows agree."""
+    with reader.snapshot():
+        return _read_rows(reader, since, scope)
+
+
+def _read_rows(
+    reader: Reader, since: float | None, scope: str | None
+) -> tuple[list[CallRow], list[AttemptRow], list[SessionRow]]:
     tables = reader.tables()
     if "polygate_schema" not in tables or "calls" not in tables:
         raise NoData(f"{reader.where} is not a polygate telemetry database (no calls table)")

@@ -18,6 +18,8 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -215,6 +217,16 @@ class SQLiteReader:
     def tables(self) -> set[str]:
         rows = self.query("SELECT name FROM sqlite_master WHERE type = 'table'")
         return {r[0] for r in rows}
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        # A read transaction: in WAL mode its reads see the database as it was at
+        # its first read, whatever is committed meanwhile.
+        self._conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            self._conn.execute("COMMIT")
 
     def close(self) -> None:
         self._conn.close()
