@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import shutil
 import sqlite3
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -500,3 +503,36 @@ def test_the_report_is_one_snapshot(
     finally:
         sink.close()
     assert (r["calls"], r["attempts"]) == (5, 5)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None,
+    reason="a read-only bind mount needs root",
+)
+def test_a_closed_wal_database_on_a_read_only_volume_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: a session's database after every session closed (the file alone, no
+    ``-wal`` or ``-shm``) on a read-only volume -- a sidecar's ``:ro`` mount, a
+    snapshot -- failed with "unable to open database file": a WAL reader creates the
+    ``-shm`` file.  It is read as immutable there (no writer can be live)."""
+    src = tmp_path / "data"
+    src.mkdir()
+    settings = attrs.evolve(two_source_settings(names=("a",)), telemetry=f"sqlite://{src / 't.db'}")
+
+    async def calls() -> None:
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+            for _ in range(3):
+                await s.chat(MESSAGES)
+
+    trio.run(calls, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert sorted(p.name for p in src.iterdir()) == ["t.db"]
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", str(src), str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
+        r = _json(capsys, "--db", str(ro / "t.db"))
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
+    assert r["calls"] == 3

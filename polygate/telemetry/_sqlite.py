@@ -210,6 +210,20 @@ class SQLiteReader:
     def __init__(self, path: Path) -> None:
         self.where = str(path)
         self._conn = _connect(path, read_only=True)
+        try:
+            self._conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        except sqlite3.OperationalError as exc:
+            if "unable to open" not in str(exc):
+                raise
+            # A closed WAL database on a read-only volume (a snapshot, a sidecar's
+            # ``:ro`` mount): a reader must create its ``-shm`` file, and cannot.  No
+            # writer can be live there (it would need that file too), so the file is
+            # read as immutable: as it is, without the WAL machinery.
+            self._conn.close()
+            self._conn = sqlite3.connect(
+                f"{path.absolute().as_uri()}?mode=ro&immutable=1", uri=True,
+                timeout=_BUSY_TIMEOUT_S, check_same_thread=False,
+            )
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         return self._conn.execute(sql, params).fetchall()
