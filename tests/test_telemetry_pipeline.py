@@ -110,6 +110,33 @@ async def test_events_are_batched(autojump_clock: trio.testing.MockClock) -> Non
     assert sink.batches[-1].session is not None and sink.batches[-1].session.ended_at is not None
 
 
+async def test_a_quiet_session_brings_its_sessions_row_up_to_date(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: the sessions row was written only with a batch of rows, at most every
+    ``summary_interval_s``: rows written (and dropped, and hedges suppressed) after
+    the last one stayed unreported while the session went quiet -- for ``serve``,
+    until it closed, days later -- and ``polygate stats`` warned of nothing.  Once the
+    interval is over a row that is behind is written alone; one that is not, never."""
+    sink = ListSink()
+    pipeline = Pipeline(sink, session_id="s", linger_s=0, summary_interval_s=10)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pipeline.run)
+        pipeline.send.send_nowait(_event(0))
+        await trio.sleep(1)
+        for i in range(1, 6):
+            pipeline.send.send_nowait(_event(i))
+        await trio.sleep(1)
+        assert [b.session is not None for b in sink.batches] == [True, False]
+        await trio.sleep(20)
+        assert len(sink.batches) == 3 and len(sink.batches[2]) == 0
+        last = sink.batches[2].session
+        assert last is not None and last.rows_written == 6 and last.ended_at is None
+        await trio.sleep(100)  # nothing new since: nothing written
+        assert len(sink.batches) == 3
+        await pipeline.aclose()
+
+
 async def test_closing_without_a_flusher_still_writes_the_queue() -> None:
     sink = ListSink()
     pipeline = Pipeline(sink, session_id="s")

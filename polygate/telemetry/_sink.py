@@ -280,25 +280,39 @@ class Pipeline:
             return
         self._governance = governance
         self._running = True
-        self._next_summary = time.monotonic()  # a first sessions row with the first batch
+        self._next_summary = trio.current_time()  # a first sessions row with the first batch
+        # Rows written since the last sessions row (its counts are behind them): a
+        # session that then goes quiet still gets its row brought up to date once the
+        # interval is over -- rows dropped in a burst, hedges the budget suppressed --
+        # rather than days later, when it closes.
+        behind = False
         try:
             with self._flusher_scope:
                 while True:
-                    batch = await self._next_batch()
+                    batch = await self._next_batch(self._next_summary if behind else None)
                     if batch is None:
                         return
                     summary = None
-                    if time.monotonic() >= self._next_summary:
-                        self._next_summary = time.monotonic() + self.summary_interval_s
+                    if trio.current_time() >= self._next_summary:
+                        self._next_summary = trio.current_time() + self.summary_interval_s
                         summary = await self._summary(ended=False)
+                    behind = summary is None
                     await self._write(batch, summary)
         finally:
             self._running = False
             self._stopped.set()
 
-    async def _next_batch(self) -> list[Event] | None:
+    async def _next_batch(self, until: float | None = None) -> list[Event] | None:
+        """The next batch; ``None`` once the channel is closed and drained; empty when
+        ``until`` (trio time) comes first."""
         try:
-            first = await self._receive.receive()
+            if until is None:
+                first = await self._receive.receive()
+            else:
+                with trio.move_on_at(until) as waited:
+                    first = await self._receive.receive()
+                if waited.cancelled_caught:
+                    return []
         except (trio.EndOfChannel, trio.ClosedResourceError):
             return None
         # The batch being gathered lives on self, not in a local: a flusher cancelled
