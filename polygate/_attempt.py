@@ -301,6 +301,7 @@ async def _settle(
     usage = record.usage
     usage_tokens = usage.total_tokens if usage is not None and usage.source == "upstream" else None
     latency = (now - timeline.sent_at - timeline.paused_s) if timeline.sent_at is not None else None
+    streamed = len(timeline.chunk_times)  # content chunks: a token each, at least
     record.tokens_settled = await ctx.runtime.governor.release(
         admission,
         outcome,
@@ -308,5 +309,6 @@ async def _settle(
         sent=timeline.sent_at is not None,
         retry_after_s=error.retry_after_s if error is not None else None,
         latency_s=latency,
+        at_least=record.prompt_estimate + streamed if streamed else 0,
     )
     ctx.runtime.recorder.attempt(ctx, record)

@@ -83,12 +83,14 @@ class KeyQuotas:
 
     def chat_estimate(
         self, messages: Any, params: Mapping[str, Any], completion_tokens: int
-    ) -> int | None:
-        """The tokens a chat call reserves, or ``None`` when ``messages`` is not a list
-        of objects (the session refuses it, 400, before any upstream work)."""
+    ) -> tuple[int, int] | None:
+        """The tokens a chat call reserves and, of those, its prompt's; ``None`` when
+        ``messages`` is not a list of objects (the session refuses it, 400, before any
+        upstream work)."""
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             return None
-        return self._governor.prompt_estimate(messages) + completion_budget(params, completion_tokens)
+        prompt = self._governor.prompt_estimate(messages)
+        return prompt + completion_budget(params, completion_tokens), prompt
 
     def embed_estimate(self, inputs: Sequence[str]) -> int:
         return self._governor.estimate_inputs(inputs)
@@ -132,6 +134,14 @@ class KeyQuotas:
         await self._backend.settle(SettleRequest(
             admission, tokens, Feedback.NEUTRAL, sent=attempted,
         ))
+
+    @staticmethod
+    def at_least(admission: Admission, prompt: int, streamed: int) -> int | None:
+        """What a call that reported no usage settles: its estimate, or -- a stream
+        cut after more tokens than that (a client that left near the end of a long
+        answer) -- its prompt and the tokens it streamed."""
+        floor = prompt + streamed
+        return floor if streamed and floor > admission.tokens else None
 
 
 def _limit(limits: SourceLimits, refusal: Refusal) -> int | None:

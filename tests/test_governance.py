@@ -137,6 +137,30 @@ async def test_untrustworthy_usage_settles_the_estimate(usage: Any) -> None:
     assert state.tokens_in_window == state.reserved_total == r.usage.total_tokens
 
 
+async def test_a_stream_left_after_more_than_its_estimate_settles_what_it_streamed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: a cancelled attempt settled its estimate whatever it had streamed: a
+    caller that leaves just before the end of a long answer (the usage chunk never
+    comes) paid a 256-token budget for 400 -- a quota anyone could step around.
+    SPEC §3 keeps the estimate for a cost that is *unknown*; 400 tokens are known."""
+    from polygate.testing import FakeUpstream, Reply, Router
+
+    settings = _settings(names=("a",), source={"a": {"tpm": 10**9}})
+    upstream = FakeUpstream(Reply(tokens=400, stall_at=400, stall_s=30))
+    async with polygate.session(settings, transport=Router({"a": upstream})) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            seen = 0
+            async for chunk in stream:
+                seen += chunk.text != ""
+                if seen == 400:
+                    break  # the answer's end (and its usage) never read
+        state = _state(await s.statistics(), "a")
+    estimate = state.reserved_total
+    prompt = estimate - 256
+    assert state.tokens_in_window == prompt + 400 > estimate
+
+
 # quotas ----------------------------------------------------------------------------------
 
 

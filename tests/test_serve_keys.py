@@ -212,6 +212,28 @@ async def test_a_key_pays_the_answers_usage_not_its_estimate() -> None:
     assert (state.in_flight, state.tokens_reserved, state.requests_in_window) == (0, 0, 2)
 
 
+async def test_a_client_that_leaves_a_long_stream_pays_what_it_was_shown() -> None:
+    """Review: a keyed stream whose client left near the end of a 2,000-token answer
+    paid only the call's estimate (the prompt and a 256-token budget): a key with
+    ``tpm = 1000`` read 6,000 tokens in a minute without one refusal."""
+    upstream = FakeUpstream(Reply(tokens=2000, stall_at=2000, stall_s=30))
+    async with gateway(upstream, serve=keyed(tpm=1000)) as (server, _):
+        client = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await client.send_all(request_bytes("POST", CALL, {**CHAT, "stream": True}, bearer(ALICE)))
+        got = b""
+        with trio.fail_after(20):
+            while got.count(b'"content"') < 2001:  # the role chunk, then 2,000 tokens
+                data = await client.receive_some(1 << 16)
+                assert data
+                got += data
+        await client.aclose()
+        await wait_for(lambda: server.statistics().in_flight == 0 and upstream.in_flight == 0)
+        key = await key_state(server, "alice")
+        refused = await http(server, "POST", CALL, {**CHAT, "stream": True}, bearer(ALICE))
+    assert key.tokens_in_window >= 2000
+    assert refused.status == 429
+
+
 async def test_a_tpm_refusal_behind_open_reservations_does_not_say_a_minute() -> None:
     """Review: a key's window full only of reservations (calls in flight, settled down
     to their usage when they end) was refused with ``Retry-After: 60`` -- when it

@@ -217,9 +217,12 @@ class Governor:
         sent: bool = True,
         retry_after_s: float | None = None,
         latency_s: float | None = None,
+        at_least: int = 0,
     ) -> int:
         """Settle an admission by the rules of :data:`SETTLE_RULES`; returns the tokens
-        recorded against the quota (0 when the request never left)."""
+        recorded against the quota (0 when the request never left).  ``at_least``: what
+        the attempt is known to have cost whatever it reported (its prompt and the
+        tokens it streamed), which an estimate that stands never undercuts."""
         kind, feedback = SETTLE_RULES[outcome]
         if kind == "usage":
             tokens = usage_tokens
@@ -228,7 +231,12 @@ class Governor:
         else:
             # The estimate stands in for a cost that is unknown; an attempt that lost
             # after reporting its usage (it finished in the winner's batch) settles that.
+            # A stream cut (by its caller, a failure) after more tokens than its
+            # estimate cost at least what it streamed: a client that leaves just before
+            # the end of a long answer must not pay only the estimate.
             tokens = usage_tokens
+            if tokens is None and at_least > admission.tokens:
+                tokens = at_least
         cooldown = None
         dead = False
         if outcome is Outcome.RATE_LIMITED:

@@ -333,6 +333,10 @@ class _Charge:
     started: bool = False
     attempted: bool = True
     tokens: int | None = None
+    #: The prompt's share of the estimate, and the chunks of text a stream forwarded:
+    #: what a stream that ends without its usage cost at least.
+    prompt: int = 0
+    streamed: int = 0
 
     @property
     def counts(self) -> bool:
@@ -358,12 +362,14 @@ async def _charged(
     quotas = ctx.gateway.quotas
     assert quotas is not None
     tokens: int | None
+    prompt = 0
     if handler is _embeddings:
         texts = _embedding_inputs(body.get("input"))
         tokens = None if texts is None else quotas.embed_estimate(texts)
     else:
         completion = ctx.gateway.settings.scopes[scope].completion_estimate_tokens
-        tokens = quotas.chat_estimate(body.get("messages"), body, completion)
+        estimate = quotas.chat_estimate(body.get("messages"), body, completion)
+        tokens, prompt = estimate if estimate is not None else (None, 0)
     if tokens is None:  # malformed: the handler answers 400 before any upstream work
         return await handler(ctx, scope, body, _Charge())
     try:
@@ -373,16 +379,19 @@ async def _charged(
     if isinstance(admitted, KeyRefusal):
         ctx.metrics.key_refused(key, admitted.reason)
         return await _fail(ctx, _key_refusal(admitted))
-    charge = _Charge()
+    charge = _Charge(prompt=prompt)
     try:
         return await handler(ctx, scope, body, charge)
     finally:
         if charge.counts:  # as the quota counts it: a voided request (a 400) is not
             ctx.metrics.key_admitted(key)
+        spent = charge.tokens
+        if spent is None and charge.counts:
+            spent = quotas.at_least(admitted, charge.prompt, charge.streamed)
         # Settling never raises and needs no checkpoint to finish (the memory backend
         # has none; Redis shields its round trip, bounded): a client that left still
         # returns its permit.
-        await quotas.settle(admitted, attempted=charge.counts, tokens=charge.tokens)
+        await quotas.settle(admitted, attempted=charge.counts, tokens=spent)
 
 
 def _key_refusal(refusal: KeyRefusal) -> ErrorReply:
@@ -680,8 +689,10 @@ async def _chat_stream(
                         frames: list[bytes] = []
                         try:
                             frames.append(conn.frame(shape.chunk(chunk)))
+                            charge.streamed += chunk.text != ""
                             for ready in stream._ready(_BURST):
                                 frames.append(conn.frame(shape.chunk(ready)))
+                                charge.streamed += ready.text != ""
                         except Unencodable as exc:
                             # A NaN in a chunk: the stream ends with an error event,
                             # after the chunks of its burst that came before it.
