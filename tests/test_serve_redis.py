@@ -67,7 +67,7 @@ async def test_governance_backend_down_is_503(
             answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
             streamed = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
         ready = await http(server, "GET", "/readyz")
-    assert answer.status == 503
+    assert answer.status == 503 and answer.headers["retry-after"] == "1"
     assert answer.json()["error"]["code"] == "governance_unavailable"
     port = own_redis.url.rsplit(":", 1)[1].split("/")[0]
     for body in (answer.body, streamed.body):

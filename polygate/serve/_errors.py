@@ -44,6 +44,9 @@ _BACKEND_DOWN = (
 #: While the backend is down every call fails so: its reason is logged at most this
 #: often (at WARNING), the rest at DEBUG.
 _BACKEND_LOG_EVERY_S = 10.0
+#: The Retry-After of a 503 governance_unavailable: about one retry of the backend
+#: connection (its timeouts are of that order).
+_BACKEND_RETRY_S = 1.0
 _backend_logged_at = -math.inf
 
 
@@ -93,7 +96,10 @@ def reply_for(exc: BaseException) -> ErrorReply:
         return ErrorReply(504, str(exc), "timeout_error", "deadline_exceeded")
     if isinstance(exc, errors.GovernanceBackendError):
         _log_backend_down(exc)
-        return ErrorReply(503, _BACKEND_DOWN, "api_error", "governance_unavailable")
+        # (Retry-After: what "retry later" means -- the SDKs wait that long, up to 60 s,
+        # rather than their own backoff's first half second.)
+        return ErrorReply(503, _BACKEND_DOWN, "api_error", "governance_unavailable",
+                          retry_after_s=_BACKEND_RETRY_S)
     if isinstance(exc, errors.AllSourcesExhausted):
         wait = rate_limited_for(exc)
         if wait is not None:
