@@ -189,6 +189,11 @@ async def _retry_loop(
     cooldown_give_up_at = (
         deadline_at if deadline_at is not None else ctx.started_at + retry.rate_limit_wait_s
     )
+    # A scope whose sources' breakers are all open is exhausted for a call that has a
+    # fallback to go to: waiting out an open period (seconds, growing with each failed
+    # probe) only delays the answer the fallback can give now.  The probe that closes
+    # a breaker is the first call that finds it due.
+    wait_for_breakers = ctx.scope.fallback is None or "exhausted" not in ctx.scope.fallback_on
     while True:
         admission, admitted = admitted, None
         if ctx.runtime.closed:
@@ -203,7 +208,7 @@ async def _retry_loop(
             try:
                 admission = await governor.acquire(
                     ctx.scope_name, tokens, demote=failed, give_up_at=give_up_at,
-                    cooldown_give_up_at=cooldown_give_up_at,
+                    cooldown_give_up_at=cooldown_give_up_at, wait_for_breakers=wait_for_breakers,
                 )
             except NoAdmission as exc:
                 # Gave up at the deadline: the deadline's own cancellation is due at this

@@ -417,6 +417,35 @@ async def test_a_prefill_source_continues_from_the_text_shown(
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
 
 
+async def test_open_breakers_send_a_call_to_its_fallback_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: with its only source's breaker open, each call waited out the open
+    period (4.5 s, then 7.9 s, 11.5 s as probes failed) before the probe failed and
+    it moved to the fallback, which could have answered at once.  A scope whose
+    sources' breakers are all open is exhausted for a call with a fallback; the
+    breaker's probe is still the first call that finds it due."""
+    a = FakeUpstream(Reply(status=500))
+    big = FakeUpstream(Reply(text="big"))
+    settings = _scopes(
+        chat={"sources": {"a": {}}, "fallback": "large", "retry": polygate.Retry(max_attempts=1),
+              "call_deadline_s": 60},
+        large={"sources": {"big": {}}},
+    )
+    async with polygate.session(settings, transport=Router({"a": a, "big": big})) as s:
+        for _ in range(5):  # the breaker opens after 5 consecutive failures
+            await s.chat(MESSAGES)
+        for _ in range(3):
+            t0 = trio.current_time()
+            r = await s.chat(MESSAGES)
+            assert r.source == "big" and trio.current_time() == t0
+            assert r.call_stats.attempts == 1  # nothing sent to the open source
+        assert len(a.requests) == 5
+        await trio.sleep(30)  # past any open period: the next call is the probe
+        r = await s.chat(MESSAGES)
+    assert r.source == "big" and len(a.requests) == 6
+
+
 @pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
 @pytest.mark.parametrize("prefill", [False, True])
 async def test_a_continuation_asks_for_what_is_left_of_the_token_limit(

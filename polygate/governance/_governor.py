@@ -171,11 +171,14 @@ class Governor:
         demote: Sequence[str] = (),
         give_up_at: float = math.inf,
         cooldown_give_up_at: float | None = None,
+        wait_for_breakers: bool = True,
     ) -> Admission:
         """Admission for a primary attempt: waits (without polling) until a source
         accepts.  Raises :class:`NoAdmission` when none ever will (every source dead or
-        too small for the estimate), none can before ``give_up_at``, or the only thing
-        to wait for is a rate-limit cooldown ending after ``cooldown_give_up_at``."""
+        too small for the estimate), none can before ``give_up_at``, the only thing
+        to wait for is a rate-limit cooldown ending after ``cooldown_give_up_at``, or
+        -- ``wait_for_breakers=False``: a call with somewhere else to go -- open
+        breakers."""
         if cooldown_give_up_at is None:
             cooldown_give_up_at = give_up_at
         while True:
@@ -187,7 +190,9 @@ class Governor:
                 return result
             refusals = result
             waitable = [r for r in refusals if r.reason not in _NEVER and r.reason is not RefusalReason.DEAD]
-            if not waitable:
+            if not waitable or (not wait_for_breakers and all(
+                r.reason is RefusalReason.BREAKER_OPEN for r in waitable
+            )):
                 raise NoAdmission(refusals)
             known = [r.retry_at for r in waitable if r.retry_at is not None]
             # A time that is only the latest (``sooner``) wakes the wait but does not
