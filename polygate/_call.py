@@ -118,7 +118,9 @@ async def _with_deadline(
         except BaseExceptionGroup as group:
             raise one_error(group) from group
         except trio.TooSlowError:
-            frozen = call_stats(ctx, None, trio.current_time())
+            # A stream the deadline cut: its statistics are the committed attempt's, as
+            # far as it got (the source the caller's text came from, its first token).
+            frozen = call_stats(ctx, ctx.committed, trio.current_time())
             raise DeadlineExceeded(
                 f"call exceeded its deadline of {deadline_s} s "
                 f"({frozen.attempts} attempt(s), scope {ctx.scope_name!r})",

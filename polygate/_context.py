@@ -206,6 +206,9 @@ class CallContext:
     # serving only those is skipped: it would refuse it again).
     context_refused: set[str] = attrs.field(factory=set)
     resumes: int = 0  # continuations of a committed stream so far (for any outcome)
+    #: The attempt whose stream reached the caller (the latest, after a resume): a
+    #: deadline that cuts it still says where the text came from (CallStats.source).
+    committed: AttemptRecord | None = None
 
     @property
     def estimate(self) -> int:

@@ -252,6 +252,7 @@ class Round:
             # scheduler batch: it must neither commit nor reach the caller.
             if self._committed is None and self._winner is None and not path.control.cancelled:
                 self._committed = path
+                self._ctx.committed = path.record
                 self._cancel_others(path)
                 self._wake()
             if self._committed is path and not forward.offer(chunk):

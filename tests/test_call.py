@@ -163,6 +163,27 @@ async def test_rate_limit_wait_past_deadline_fails_fast(
         assert trio.current_time() < 1
 
 
+async def test_a_deadline_that_cuts_a_stream_says_where_its_text_came_from(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: a stream the deadline cut mid-way raised DeadlineExceeded whose
+    statistics had no source, no first token and no generation time, although the
+    caller had read five tokens from ``a`` (the telemetry row said the same)."""
+    a = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=20))
+    async with polygate.session(one_source_settings(call_deadline_s=5.5), transport=_router(a=a)) as s:
+        shown = []
+        with pytest.raises(polygate.DeadlineExceeded) as info:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for chunk in stream:
+                    shown.append(chunk.text)
+    stats = info.value.call_stats
+    assert stats is not None and "".join(shown)
+    assert stats.source == "a" and stats.attempts == 1
+    assert stats.ttft_ms == pytest.approx(1000)
+    assert stats.generation_ms == pytest.approx(5500)
+    assert stats.total_latency_ms == pytest.approx(5500)
+
+
 async def test_deadline_cuts_a_hang(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream(Reply(first_token_s=90))
     async with polygate.session(one_source_settings(call_deadline_s=10), transport=_router(a=a)) as s:
