@@ -189,7 +189,7 @@ class _Choice:
                 if isinstance(value, dict):
                     content = True
                     if self.function_call is None:
-                        self.function_call = {"name": "", "arguments": ""}
+                        self.function_call = {"name": "", "arguments": TextParts()}
                     _join_function(self.function_call, value)
             else:
                 _merge_extra(self.message_extras, key, value)
@@ -208,7 +208,8 @@ class _Choice:
                     f"malformed stream: more than {self._max_tool_calls} tool calls in a choice",
                     source=self._source,
                 )
-            slot = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            slot = {"id": None, "type": "function",
+                    "function": {"name": "", "arguments": TextParts()}}
             self.tool_calls[index] = slot
         if isinstance(call.get("id"), str) and call["id"]:
             slot["id"] = call["id"]
@@ -247,11 +248,11 @@ class _Choice:
             if self.reasoning_name == "reasoning":
                 message["reasoning"] = text
         if self.tool_calls:
-            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+            message["tool_calls"] = [_finished(self.tool_calls[i]) for i in sorted(self.tool_calls)]
         if self.function_call is not None:
-            message["function_call"] = self.function_call
+            message["function_call"] = _finished(self.function_call)
         for key, value in self.message_extras.items():
-            message.setdefault(key, value)
+            message.setdefault(key, _finished(value))
         return message
 
     def as_dict(self) -> dict[str, Any]:
@@ -262,7 +263,7 @@ class _Choice:
             "logprobs": self.logprobs,
         }
         for key, value in self.extras.items():
-            choice.setdefault(key, value)
+            choice.setdefault(key, _finished(value))
         return choice
 
 
@@ -305,7 +306,10 @@ def _join_function(target: dict[str, Any], part: dict[str, Any]) -> None:
             target["name"] = name
     arguments = part.get("arguments")
     if isinstance(arguments, str):
-        target["arguments"] += arguments
+        # Held as pieces, joined at the end: ``+=`` on a string that a dict also holds
+        # copies all of it each time -- quadratic in a hostile stream of one-character
+        # fragments (seconds of the loop for the body cap's worth).
+        target["arguments"].append(arguments)
 
 
 def _merge_extra(target: dict[str, Any], key: str, value: Any) -> None:
@@ -359,12 +363,28 @@ def _merge_fields(held: dict[str, Any], fields: dict[str, Any], *, join: bool) -
             _merge_fields(old, value, join=join)
         elif isinstance(old, list) and isinstance(value, list):
             _merge_items(old, value)
+        elif join and isinstance(old, TextParts) and isinstance(value, str):
+            old.append(value)  # (pieces, joined at the end: see _join_function)
         elif join and isinstance(old, str) and isinstance(value, str) and key not in _TAGS:
-            held[key] = old + value
+            parts = held[key] = TextParts()
+            parts.append(old)
+            parts.append(value)
         elif key in _TAGS and value == "" and old:
             continue  # an empty tag (a signature to come) keeps the one that came
         else:
             held[key] = _own(value)
+
+
+def _finished(value: Any) -> Any:
+    """What is held as the answer holds it: text pieces joined (a copy of the
+    containers on the way, so a second build is the same)."""
+    if isinstance(value, TextParts):
+        return "".join(value)
+    if isinstance(value, dict):
+        return {k: _finished(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finished(v) for v in value]
+    return value
 
 
 def _own(value: Any) -> Any:
@@ -482,5 +502,5 @@ class ChatAssembler:
         body["choices"] = choices
         body["usage"] = self.usage
         for key, value in self._extras.items():
-            body.setdefault(key, value)
+            body.setdefault(key, _finished(value))
         return body
