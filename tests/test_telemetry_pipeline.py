@@ -373,3 +373,29 @@ async def test_a_sink_that_fails_to_close_never_replaces_the_sessions_result(
     stats = (await s.statistics()).telemetry
     assert stats.written == 2 and stats.last_error is not None and "disk full" in stats.last_error
     assert any("disk full" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_sink_opened_after_its_bound_gave_up_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: a sink whose opening outlived the bound (a PostgreSQL migration waiting
+    on a lock) was opened anyway by its abandoned thread, and its connection held for
+    the process's life.  The thread closes what it opened too late."""
+    from polygate.telemetry import _open
+
+    monkeypatch.setattr(_open, "OPEN_TIMEOUT_S", 0.1)
+    release, done = threading.Event(), threading.Event()
+    sink = ListSink()
+
+    def slow_open() -> ListSink:
+        release.wait(10)  # past the bound: the session has given up on it
+        return sink
+
+    def closing() -> None:
+        ListSink.close(sink)
+        done.set()
+
+    sink.close = closing  # type: ignore[method-assign]
+    with pytest.raises(polygate.ConfigError, match=r"took longer than 0\.1 s"):
+        await _open._bounded_open("sqlite:///x.db", slow_open)
+    release.set()
+    assert await trio.to_thread.run_sync(done.wait, 10)
+    assert sink.closed

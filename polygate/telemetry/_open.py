@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -136,13 +137,35 @@ async def open_sink(url: str) -> Sink | None:
 
 
 async def _bounded_open(url: str, opener: Any) -> Sink:
+    """``opener()`` in a worker thread, bounded.  A thread that opens its sink after
+    the bound gave up on it closes that sink itself: abandoned, it would hold a
+    database connection (and a PostgreSQL session) for the process's life."""
+    lock = threading.Lock()
+    given_up = False
+    opened: list[Sink] = []  # the thread's sink, for the bound to find (see below)
+
+    def open_or_close() -> Sink:
+        sink: Sink = opener()
+        with lock:
+            if not given_up:
+                opened.append(sink)
+                return sink
+        sink.close()  # nobody will: the session went on (or failed) without it
+        return sink
+
     sink: Sink | None = None
     with real_time_bound(OPEN_TIMEOUT_S):
-        sink = await run_sync(opener, abandon_on_cancel=True)
+        sink = await run_sync(open_or_close, abandon_on_cancel=True)
     if sink is None:
-        raise ConfigError(
-            f"telemetry: opening {mask_url(url)} took longer than {OPEN_TIMEOUT_S} s"
-        )
+        with lock:
+            given_up = True
+            # Opened in the instant the bound fell (its result on its way, dropped
+            # with the cancelled wait): taken rather than leaked.
+            sink = opened[0] if opened else None
+        if sink is None:
+            raise ConfigError(
+                f"telemetry: opening {mask_url(url)} took longer than {OPEN_TIMEOUT_S} s"
+            )
     return sink
 
 
