@@ -369,7 +369,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
     Sources are ordered by name (an environment has no order).  An empty value is
     the same as an unset key.
     """
-    source = os.environ if env is None else env
+    source = os.environ if env is None else _checked_env(env)
     entries = {
         key: value.strip()
         for key, value in source.items()
@@ -656,8 +656,22 @@ def settings_from_toml(
 ) -> Settings:
     """Settings from a TOML file; ``env`` (default ``os.environ``) serves ``api_key_env``."""
     label = os.fspath(path)
+    source = os.environ if env is None else _checked_env(env)
     data = read_toml(label)
-    return _build_settings(_parse_toml(data, label, os.environ if env is None else env))
+    return _build_settings(_parse_toml(data, label, source))
+
+
+def _checked_env(env: Any) -> Mapping[str, str]:
+    """An ``env`` argument: a mapping of strings to strings, as ``os.environ`` is.  A
+    wrong one is named by its key alone (a value may be a key)."""
+    if not isinstance(env, Mapping):
+        raise ConfigError(f"env must be a mapping of names to strings, got {type(env).__name__}")
+    for key, value in env.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"env: names must be strings, got {type(key).__name__}")
+        if not isinstance(value, str):
+            raise ConfigError(f"env {key}: must be a string, got {type(value).__name__}")
+    return env
 
 
 def read_toml(label: str) -> dict[str, Any]:
@@ -876,7 +890,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     else the ``POLYGATE__…`` keys.  Keys left unused beside a file are warned about,
     since a user setting both probably expects the keys to count.
     """
-    source = os.environ if env is None else env
+    source = os.environ if env is None else _checked_env(env)
     path = locate_config(source)
     if path is None:
         return settings_from_env(source)

@@ -222,14 +222,18 @@ class Session:
             return config.call_deadline_s
         if call_deadline_s is None:
             return None
-        if (
-            isinstance(call_deadline_s, bool)
-            or not isinstance(call_deadline_s, (int, float))
-            or not math.isfinite(call_deadline_s)
-            or call_deadline_s <= 0
-        ):
+        refused = isinstance(call_deadline_s, bool) or not isinstance(call_deadline_s, (int, float))
+        if not refused:
+            try:
+                seconds = float(call_deadline_s)
+            except OverflowError:  # an integer no float holds (10**400)
+                raise ConfigError(
+                    "call_deadline_s must be a finite number > 0, got an integer too large "
+                    "for one") from None
+            refused = not math.isfinite(seconds) or seconds <= 0
+        if refused:
             raise ConfigError(f"call_deadline_s must be a finite number > 0, got {call_deadline_s!r}")
-        return float(call_deadline_s)
+        return seconds
 
 
 # One encoder each, made once: json.dumps with arguments builds a new one per call.
@@ -663,6 +667,14 @@ async def session(
         settings = load_settings(env)
     elif not isinstance(settings, Settings):
         raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
+    if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
+        # (A sync httpx.HTTPTransport is the easy mistake: every attempt would fail
+        # with an AttributeError, logged and counted against the sources' breakers.)
+        raise ConfigError(
+            f"transport must be an httpx.AsyncBaseTransport, got {type(transport).__name__}"
+        )
+    if rng is not None and not isinstance(rng, random.Random):
+        raise ConfigError(f"rng must be a random.Random, got {type(rng).__name__}")
     async with session_on(settings, _backend_for(settings), transport=transport, rng=rng) as opened:
         yield opened
 
@@ -679,7 +691,7 @@ async def session_on(
     in-process backend across the generations a reload makes, so that in-flight limits,
     quota windows and breakers hold across a reload as they do on Redis.  (Closing a
     session closes its backend: the memory backend's close is a no-op.)"""
-    rng = rng or random.Random()
+    rng = rng if rng is not None else random.Random()
     owned = transport is None
     if transport is None:
         transport = LeanTransport.from_limits(_POOL_LIMITS)

@@ -340,6 +340,42 @@ async def test_bad_arguments_before_any_io(autojump_clock: trio.testing.MockCloc
         await s.chat(MESSAGES)
 
 
+async def test_a_deadline_no_float_holds_is_refused_before_any_io(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: ``call_deadline_s=10**400`` raised a bare OverflowError from every call."""
+    a = FakeUpstream(Reply())
+    async with polygate.session(one_source_settings(), transport=_router(a=a)) as s:
+        with pytest.raises(polygate.ConfigError, match="call_deadline_s must be a finite number"):
+            await s.chat(MESSAGES, call_deadline_s=10**400)
+        with pytest.raises(polygate.ConfigError, match="call_deadline_s must be a finite number"):
+            s.stream_chat(MESSAGES, call_deadline_s=10**400)
+        with pytest.raises(polygate.ConfigError, match="call_deadline_s must be a finite number"):
+            await s.embed(["x"], scope="chat", call_deadline_s=10**400)
+    assert a.requests == []
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"transport": object()}, "transport must be an httpx.AsyncBaseTransport, got object"),
+    ({"transport": httpx.HTTPTransport()}, "got HTTPTransport"),
+    ({"rng": 5}, "rng must be a random.Random, got int"),
+    ({"env": "POLYGATE__CHAT__A__BASE_URL=x"}, "env must be a mapping"),
+    ({"env": {"POLYGATE__CHAT__A__TIMEOUT_S": 5}}, "env POLYGATE__CHAT__A__TIMEOUT_S: must be a string"),
+    ({"env": {"POLYGATE__CHAT__A__BASE_URL": None}}, "must be a string, got NoneType"),
+])
+async def test_session_arguments_of_the_wrong_type_are_config_errors(
+    kw: dict[str, Any], message: str
+) -> None:
+    """Review: a transport that is not an async one (httpx's sync HTTPTransport is the
+    easy mistake) opened a session whose every attempt failed with an AttributeError,
+    logged and fed to the breaker; a wrong ``rng`` or ``env`` failed later with a bare
+    AttributeError."""
+    settings = one_source_settings() if "env" not in kw else None
+    with pytest.raises(polygate.ConfigError, match=message):
+        async with polygate.session(settings, **kw):
+            pass
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 async def test_non_finite_numbers_are_refused_before_any_io(
     autojump_clock: trio.testing.MockClock, value: float
