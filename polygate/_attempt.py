@@ -166,12 +166,13 @@ async def run_chat_attempt(
         )
 
     def usage_of(body: dict[str, Any]) -> Usage:
-        return Usage.from_wire(body.get("usage")) or Usage(
-            prompt_estimate,
-            completion_estimate,
-            prompt_estimate + completion_estimate,
-            source="estimated",
-        )
+        reported = Usage.from_wire(body.get("usage"))
+        if reported is not None:
+            return reported
+        # The estimate, never below what streamed (a content chunk: a token at least),
+        # as the quota settles it.
+        completion = max(completion_estimate, len(control.record.timeline.chunk_times))
+        return Usage(prompt_estimate, completion, prompt_estimate + completion, source="estimated")
 
     return await _guarded(
         ctx, admission, control, source.timeout_s, source.ttft_timeout_s, work, usage_of

@@ -631,6 +631,8 @@ def _move_to(ctx: CallContext, scope_name: str, params: Mapping[str, Any]) -> No
     ctx.fallbacks.append(scope_name)
     ctx.scope_name = scope_name
     ctx.scope = scope
+    if ctx.continuation is not None and ctx.continuation.limits:
+        params = {**params, **ctx.continuation.limits}  # what is left of the limit
     ctx.completion_estimate = completion_budget(params, scope.completion_estimate_tokens)
 
 

@@ -265,6 +265,28 @@ def test_tpm_reserves_estimates_and_settles_real_usage(h: Harness) -> None:
     h.run(body)
 
 
+def test_open_reservations_too_small_to_make_room_leave_the_window_exact(h: Harness) -> None:
+    """Review: any open reservation made a TPM refusal's time only the latest
+    (``sooner``), even one far too small for its settle to make room: a gateway key
+    then said ``Retry-After: 1`` for a wait of a minute (the SDKs retried at once,
+    refused again), and a waiting call could not give up early."""
+    async def body() -> None:
+        async with h.backend() as b:
+            sent = b.now()
+            big = await granted(b, ask(70, tpm=100))
+            await b.settle(settle(big, 70))  # settled: 70 of the window's 100, exactly
+            small = await granted(b, ask(10, tpm=100))  # open, but 10 cannot make room
+            refusal = await refused(b, ask(40, tpm=100), RefusalReason.TPM)
+            assert refusal.retry_at is not None and not refusal.sooner
+            assert sent + h.window - EPS <= refusal.retry_at <= b.now() + h.window
+            # An open reservation big enough to make room: the time is only the latest.
+            refusal = await refused(b, ask(25, tpm=100), RefusalReason.TPM)
+            assert refusal.sooner
+            await b.settle(settle(small, 0))
+
+    h.run(body)
+
+
 def test_a_settle_after_the_window_passed_keeps_the_window_exact(h: Harness) -> None:
     async def body() -> None:
         async with h.backend() as b:

@@ -536,3 +536,37 @@ def test_a_closed_wal_database_on_a_read_only_volume_is_read(
     finally:
         subprocess.run(["umount", str(ro)], check=False)
     assert r["calls"] == 3
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None,
+    reason="a read-only bind mount needs root",
+)
+def test_a_read_only_database_whose_wal_holds_rows_is_refused_not_read_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: read as immutable, a database whose ``-wal`` still holds committed rows
+    (a writer killed, a copy taken without its ``-shm``) gave a report without them,
+    silently.  It is refused, saying what to do."""
+    live = tmp_path / "live"
+    live.mkdir()
+    w = sqlite3.connect(live / "t.db", isolation_level=None)
+    w.execute("PRAGMA journal_mode=WAL")
+    w.execute("PRAGMA wal_autocheckpoint=0")
+    w.execute("CREATE TABLE t (x)")
+    w.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    w.execute("INSERT INTO t VALUES (1)")  # committed, in the -wal only
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    shutil.copy(live / "t.db", snap / "t.db")
+    shutil.copy(live / "t.db-wal", snap / "t.db-wal")
+    w.close()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", str(snap), str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
+        code, err = _stats_error(capsys, "--db", str(ro / "t.db"))
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
+    assert code == 1 and "its write-ahead log t.db-wal still holds rows" in err

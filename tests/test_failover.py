@@ -446,6 +446,32 @@ async def test_open_breakers_send_a_call_to_its_fallback_at_once(
     assert r.source == "big" and len(a.requests) == 6
 
 
+async def test_a_continuation_in_a_fallback_scope_reserves_what_is_left(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: a continuation that moved on to the fallback scope was asked for what
+    was left of ``max_tokens`` but reserved the whole of it again (moving to a scope
+    reset the estimate from the caller's parameters)."""
+    a = FakeUpstream([Reply(text=ANSWER, fault="truncated", fault_after=40), Reply(status=503)])
+    b = FakeUpstream(Reply(status=503))
+    big = FakeUpstream(_continuing(" " + " ".join(WORDS[40:])))
+    settings = _scopes(
+        chat={"sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}}, "fallback": "big",
+              "retry": polygate.Retry(max_attempts=2), "stream": polygate.StreamWatch(resume=True)},
+        big={"sources": {"big": {}}},
+    )
+    async with polygate.session(settings, transport=Router({"a": a, "b": b, "big": big})) as s:
+        async with s.stream_chat(MESSAGES, max_tokens=100) as stream:
+            async for _ in stream:
+                pass
+        stats = await s.statistics()
+    assert stream.response is not None and stream.response.text == ANSWER
+    reserved = {x.state.source: x.state.reserved_total for x in stats.governance.sources}
+    left = 100 - (len(" ".join(WORDS[:40])) + 3) // 4
+    assert big.requests[0].body["max_tokens"] == left
+    assert reserved["big"] == reserved["b"]  # the same continuation, the same limit
+
+
 @pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
 @pytest.mark.parametrize("prefill", [False, True])
 async def test_a_continuation_asks_for_what_is_left_of_the_token_limit(

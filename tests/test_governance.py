@@ -161,6 +161,28 @@ async def test_a_stream_left_after_more_than_its_estimate_settles_what_it_stream
     assert state.tokens_in_window == prompt + 400 > estimate
 
 
+async def test_an_answered_stream_without_usage_settles_at_least_what_it_streamed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: the floor held for a stream left before its end but not for one read to
+    its end without a usage chunk: the whole answer paid less than a part of it.  The
+    estimated usage the caller is shown says the same."""
+    from polygate.testing import FakeUpstream, Reply, Router
+
+    settings = _settings(names=("a",), source={"a": {"tpm": 10**9}})
+    upstream = FakeUpstream(Reply(tokens=400, usage=False))
+    async with polygate.session(settings, transport=Router({"a": upstream})) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                pass
+        state = _state(await s.statistics(), "a")
+    prompt = state.reserved_total - 256
+    assert state.tokens_in_window == prompt + 400
+    usage = stream.response.usage if stream.response is not None else None
+    assert usage is not None and usage.source == "estimated"
+    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt, 400)
+
+
 # quotas ----------------------------------------------------------------------------------
 
 

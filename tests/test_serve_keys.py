@@ -234,6 +234,17 @@ async def test_a_client_that_leaves_a_long_stream_pays_what_it_was_shown() -> No
     assert refused.status == 429
 
 
+async def test_a_key_pays_at_least_what_a_stream_without_usage_forwarded() -> None:
+    """The same floor for a stream read to its end whose upstream reported no usage:
+    the key paid the estimate (the prompt and a 256-token budget) for 2,000 tokens."""
+    upstream = FakeUpstream(Reply(tokens=2000, usage=False))
+    async with gateway(upstream, serve=keyed(tpm=100_000)) as (server, _):
+        answer = await http(server, "POST", CALL, {**CHAT, "stream": True}, bearer(ALICE))
+        key = await key_state(server, "alice")
+    assert answer.status == 200 and answer.body.count(b'"content"') >= 2000
+    assert key.tokens_in_window >= 2000
+
+
 async def test_a_tpm_refusal_behind_open_reservations_does_not_say_a_minute() -> None:
     """Review: a key's window full only of reservations (calls in flight, settled down
     to their usage when they end) was refused with ``Retry-After: 60`` -- when it

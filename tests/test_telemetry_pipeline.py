@@ -137,6 +137,27 @@ async def test_a_quiet_session_brings_its_sessions_row_up_to_date(
         await pipeline.aclose()
 
 
+async def test_a_summary_that_did_not_land_is_written_again_while_quiet(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: a batch carrying the sessions row failed (its rows dropped); the session
+    then stayed quiet, and its row in the database never said so."""
+    sink = ListSink(fail=True)
+    pipeline = Pipeline(sink, session_id="s", linger_s=0, summary_interval_s=10)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pipeline.run)
+        for i in range(5):
+            pipeline.send.send_nowait(_event(i))
+        await trio.sleep(1)
+        assert pipeline.statistics().dropped == 5 and sink.batches == []
+        sink.fail = False
+        await trio.sleep(20)
+        [written] = sink.batches
+        assert len(written) == 0 and written.session is not None
+        assert written.session.rows_dropped == 5
+        await pipeline.aclose()
+
+
 async def test_closing_without_a_flusher_still_writes_the_queue() -> None:
     sink = ListSink()
     pipeline = Pipeline(sink, session_id="s")

@@ -231,6 +231,8 @@ class Governor:
         kind, feedback = SETTLE_RULES[outcome]
         if kind == "usage":
             tokens = usage_tokens
+            if tokens is None and at_least > admission.tokens:
+                tokens = at_least  # no usage reported: the estimate, never below what came
         elif kind == "zero":
             tokens = 0
         else:

@@ -163,9 +163,12 @@ class MemoryBackend:
             if s.window_tokens + request.tokens > limits.tpm:
                 # While reservations are open, settling them (real usage below the
                 # estimate, a void) can free tokens before the window expires: the
-                # window's time is then only the latest (``sooner``).
+                # window's time is then only the latest (``sooner``) -- if what they
+                # hold in the window could make room at all.
                 free_at = _tpm_free_at(s, request.tokens, limits.tpm)
-                return Refusal(name, RefusalReason.TPM, free_at, sooner=bool(s.open))
+                excess = s.window_tokens + request.tokens - limits.tpm
+                freeable = sum(entry.tokens for entry, _ in s.open.values() if entry.live)
+                return Refusal(name, RefusalReason.TPM, free_at, sooner=freeable >= excess)
         entry = _Entry(now, request.tokens)
         s.window.append(entry)
         s.window_tokens += request.tokens

@@ -182,10 +182,15 @@ if tpm >= 0 then
     -- While reservations are open, settling them can free tokens before the window
     -- expires: its time is then only the latest ('tpm_open', as the memory backend's
     -- sooner).
-    local reason = 'tpm'
-    if redis.call('HLEN', K_OPEN) > 0 then reason = 'tpm_open' end
-    -- When enough of the window expires for the estimate to fit.
+    -- (Only if what they hold in the window could make room at all.)
     local excess = sum + tokens - tpm
+    local reason = 'tpm'
+    local freeable = 0
+    for _, m in ipairs(redis.call('HKEYS', K_OPEN)) do
+      freeable = freeable + (tonumber(redis.call('HGET', K_WTOK, m)) or 0)
+    end
+    if freeable >= excess then reason = 'tpm_open' end
+    -- When enough of the window expires for the estimate to fit.
     local entries = redis.call('ZRANGE', K_WINDOW, 0, -1, 'WITHSCORES')
     local freed = 0
     local free_at = 0

@@ -346,6 +346,10 @@ class _Charge:
         self.attempted = True
         total = getattr(usage, "total_tokens", None)
         self.tokens = 0 if stats.cached else total if isinstance(total, int) else None
+        if self.tokens is not None and getattr(usage, "source", None) != "upstream":
+            # An estimate (the upstream reported none): never below what the stream
+            # forwarded, as for a client that left.
+            self.tokens = max(self.tokens, self.prompt + self.streamed)
 
     def failed(self, exc: BaseException) -> None:
         if isinstance(exc, Unencodable):

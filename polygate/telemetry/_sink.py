@@ -296,8 +296,9 @@ class Pipeline:
                     if trio.current_time() >= self._next_summary:
                         self._next_summary = trio.current_time() + self.summary_interval_s
                         summary = await self._summary(ended=False)
-                    behind = summary is None
-                    await self._write(batch, summary)
+                    # Behind: a batch without the summary, or one that did not land
+                    # (its rows dropped, the row in the database not updated).
+                    behind = not await self._write(batch, summary) or summary is None
         finally:
             self._running = False
             self._stopped.set()
@@ -330,10 +331,11 @@ class Pipeline:
                 break
         return events
 
-    async def _write(self, events: Sequence[Event], summary: SessionEvent | None) -> None:
+    async def _write(self, events: Sequence[Event], summary: SessionEvent | None) -> bool:
+        """Write a batch; whether it landed (nothing to write lands too)."""
         batch = _split(events, summary)
         if not len(batch) and summary is None:
-            return
+            return True
         # Whoever accounts for the batch (this write, or aclose giving up on it) takes
         # the in-flight count, so a row is never both written and dropped.
         self._in_flight = len(batch)
@@ -366,14 +368,15 @@ class Pipeline:
             raise
         except Exception as exc:
             self.counters.write_failed(self._take_in_flight(), exc)
-        else:
-            if bound.cancelled_caught:
-                self._interrupt()
-                self.counters.write_failed(
-                    self._take_in_flight(), f"write took longer than {self.write_timeout_s} s"
-                )
-            else:
-                self.counters.written += self._take_in_flight()
+            return False
+        if bound.cancelled_caught:
+            self._interrupt()
+            self.counters.write_failed(
+                self._take_in_flight(), f"write took longer than {self.write_timeout_s} s"
+            )
+            return False
+        self.counters.written += self._take_in_flight()
+        return True
 
     async def _settle_abandoned(self) -> None:
         """Wait for the write the flusher was cancelled out of (its thread holds the

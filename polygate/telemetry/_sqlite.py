@@ -215,11 +215,20 @@ class SQLiteReader:
         except sqlite3.OperationalError as exc:
             if "unable to open" not in str(exc):
                 raise
+            self._conn.close()
+            wal = path.with_name(path.name + "-wal")
+            if wal.exists() and wal.stat().st_size > 0:
+                # Committed rows may wait in the WAL (a writer killed, a copy taken
+                # without its -shm): read as immutable, they would be missing, silently.
+                raise ConfigError(
+                    f"{path} is on a read-only volume and its write-ahead log {wal.name} "
+                    "still holds rows; copy the database and its -wal file to a writable "
+                    "folder and read the copy"
+                ) from None
             # A closed WAL database on a read-only volume (a snapshot, a sidecar's
             # ``:ro`` mount): a reader must create its ``-shm`` file, and cannot.  No
-            # writer can be live there (it would need that file too), so the file is
-            # read as immutable: as it is, without the WAL machinery.
-            self._conn.close()
+            # writer can be live there (it would need that file too), and the WAL is
+            # empty, so the file is read as immutable: as it is.
             self._conn = sqlite3.connect(
                 f"{path.absolute().as_uri()}?mode=ro&immutable=1", uri=True,
                 timeout=_BUSY_TIMEOUT_S, check_same_thread=False,
