@@ -181,6 +181,8 @@ class _Call:
         clone = copy.copy(error)
         clone.__traceback__ = clone.__cause__ = clone.__context__ = None
         if isinstance(clone, AllSourcesExhausted):
+            clone.errors = list(clone.errors)  # each caller's own list
+        elif isinstance(clone, StructuredOutputError):
             clone.errors = list(clone.errors)
         if hasattr(clone, "call_stats"):
             clone.call_stats = self.stats(cached=False)
@@ -310,6 +312,7 @@ async def cached_chat(
                 if response is not None:
                     cache.coalesced += 1
                     return response
+                rejected = flight.value  # counted once: not looked at again below
                 continue
             if flight.error is not None and _binds(flight.error, rounds):
                 error = call.shared(flight.error)

@@ -49,7 +49,7 @@ from ._errors import (
     TransientUpstreamError,
     UpstreamError,
 )
-from ._fallback import failure_reasons, fallback_scope
+from ._fallback import failure_reasons, fallback_scope, first_not_refused
 from ._hedge import Forward, Round, RoundFailed, Runner
 from ._resume import (
     PREFILL_PARAMS,
@@ -413,8 +413,11 @@ async def run_chat(
     async def one_round() -> ChatResponse:
         """One answer: the retry loop in the asked scope, then its fallbacks; a
         committed stream whose path fails is continued elsewhere."""
-        if ctx.scope_name != scope_name:
-            _move_to(ctx, scope_name, params)  # a re-ask starts from the asked scope
+        # A re-ask starts from the asked scope -- or past it, when its models refused
+        # this call's context: a context-length error is never resent to the same model.
+        start = first_not_refused(runtime.settings, scope_name, ctx.context_refused)
+        if ctx.scope_name != start:
+            _move_to(ctx, start, params)
         deadline_at = _deadline_at(ctx, deadline_s)
         active: Forward | None = forward
         segments: list[AttemptRecord] = []

@@ -87,6 +87,26 @@ def failure_reasons(error: PolygateError) -> frozenset[str]:
     return frozenset()
 
 
+def first_not_refused(
+    settings: Settings, scope_name: str, refused_models: Collection[str]
+) -> str:
+    """Where a round of a call asked in ``scope_name`` starts (a structured re-ask):
+    the first scope of its fallback chain that does not only serve models that
+    refused this call's context -- the asked scope itself when none refused it, or
+    when every scope of the chain did (then its error is the round's again)."""
+    if not refused_models:
+        return scope_name
+    target: str | None = scope_name
+    seen: set[str] = set()
+    while target is not None and target not in seen:
+        seen.add(target)
+        scope = settings.scopes[target]
+        if not {s.model for s in scope.sources} <= set(refused_models):
+            return target
+        target = scope.fallback
+    return scope_name
+
+
 def fallback_scope(
     settings: Settings, scope_name: str, error: PolygateError,
     refused_models: Collection[str] = (),

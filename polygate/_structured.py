@@ -562,7 +562,7 @@ class StructuredRounds:
                 raise StructuredOutputError(
                     f"no answer matched the schema {self.schema.name!r} in {rounds} round(s) "
                     f"({rounds - 1} re-ask(s)); see .errors",
-                    errors=self.errors, text=text, call_stats=response.call_stats,
+                    errors=list(self.errors), text=text, call_stats=response.call_stats,
                 ) from None
             problems = "\n".join(f"- {p}" for p in exc.problems)
             return [
