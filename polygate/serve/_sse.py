@@ -71,6 +71,11 @@ class StreamShape:
         if not self._started:
             self._started = True
             self._meta = self._header(raw)
+        elif self._meta is not None and raw.get("id") != self._meta["id"]:
+            # A resumed stream's continuation (another source, another completion):
+            # one stream keeps one id, time and model, as the finish chunk does.
+            meta = self._meta
+            raw = {**raw, "id": meta["id"], "created": meta["created"], "model": meta["model"]}
         # Every choice gets its role before its first delta, as in an OpenAI stream
         # (with n > 1 too): the library forwards content, not the upstream's role-only
         # chunks, and a client assembling choices by index reads the role from there.
@@ -118,8 +123,8 @@ class StreamShape:
                               "finish_reason": reason if isinstance(reason, str) and reason else "stop"})
         if unroled:
             out += self._roles(unroled, meta)
-        if finishing:
-            out += _event({**meta, "choices": finishing})
+        for finish in finishing:  # one choice an event, as OpenAI sends them (n > 1)
+            out += _event({**meta, "choices": [finish]})
         if include_usage:
             out += _event({**meta, "choices": [], "usage": reported_usage(response)})
         return out + DONE
@@ -144,12 +149,19 @@ class StreamShape:
 def _role_content(delta: Any) -> str | None:
     """The content of a choice's role chunk, as OpenAI sends it: ``""`` before text,
     null before tool calls or a refusal (whose message content is null, so that a
-    client assembling the stream gets the same message as the JSON answer)."""
-    if isinstance(delta, Mapping) and not isinstance(delta.get("content"), str) and (
-        delta.get("tool_calls") or delta.get("refusal") is not None
-    ):
+    client assembling the stream gets the same message as the JSON answer) -- and
+    before reasoning, which tool calls may follow (DeepSeek's and vLLM's reasoning
+    models send null there; a client's accumulator takes the text that may follow
+    over a null as over "")."""
+    if not isinstance(delta, Mapping) or isinstance(delta.get("content"), str):
+        return ""
+    if delta.get("tool_calls") or delta.get("refusal") is not None:
         return None
-    return ""
+    return None if _REASONING.intersection(delta) else ""
+
+
+#: The fields a reasoning delta comes in (as the assembler reads them).
+_REASONING: Final = frozenset({"reasoning_content", "reasoning"})
 
 
 def _whole_answer(choices: Any, first: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -1,0 +1,146 @@
+"""``polygate serve``'s SSE answers against what OpenAI sends and what clients
+assemble (outside review, 2026-12-02: each test failed before its fix)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+
+import polygate
+from polygate._resume import CONTINUE_PROMPT
+from polygate.serve import open_server
+from polygate.testing import FakeUpstream, Reply
+
+from ._raw_server import raw_server
+from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, http
+from .conftest import TRANSCRIPTS
+
+pytestmark = pytest.mark.integration
+
+
+def _replay(name: str) -> Any:
+    data = (TRANSCRIPTS / name).read_bytes()
+    ctype = b"text/event-stream" if name.endswith(".sse") else b"application/json"
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype
+            + b"\r\ncontent-length: %d\r\n\r\n" % len(data) + data)
+
+    return reply
+
+
+def _events(body: bytes) -> list[Any]:
+    out = []
+    for block in body.split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if line.startswith(b"data: "):
+                data = line[6:]
+                out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+async def _through_gateway(name: str, body: dict[str, Any]) -> Any:
+    async with raw_server(_replay(name)) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url=up.url)],
+                retry=polygate.Retry(max_attempts=1))},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+        async with open_server(settings, port=0) as server:
+            return await http(server, "POST", "/v1/chat/completions", body, AUTH)
+
+
+WORDS = [f"w{i}" for i in range(20)]
+
+
+def _cut_then_continued(request: Any, rng: Any) -> Reply:
+    if request.body["messages"][-1]["content"] == CONTINUE_PROMPT:
+        return Reply(text=" " + " ".join(WORDS[10:]))
+    return Reply(text=" ".join(WORDS), fault="truncated", fault_after=10)
+
+
+async def test_a_resumed_stream_keeps_one_completion_id() -> None:
+    """docs/failover.md: with resume "the caller sees one stream".  Through the
+    gateway, the continuation's chunks carry the second upstream's ``id``, and the
+    gateway's finish and usage chunks go back to the first: three id changes in what
+    an OpenAI stream keeps as one completion id (clients key the message by it)."""
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    async with gateway(FakeUpstream(_cut_then_continued), sources=2,
+                       stream=polygate.StreamWatch(resume=True)) as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions", body, AUTH)
+    events = [e for e in _events(answer.body) if isinstance(e, dict)]
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert text == " ".join(WORDS)  # resumed and stitched
+    ids = [e["id"] for e in events]
+    assert len(set(ids)) == 1, sorted(set(ids))
+
+
+def _synthetic(tmp_name: str, events: list[tuple[dict[str, Any], str | None]]) -> Any:
+    base = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    data = "".join(
+        "data: " + json.dumps({**base, "choices": [
+            {"index": 0, "delta": d, "logprobs": None, "finish_reason": fr}]}) + "\n\n"
+        for d, fr in events).encode() + b"data: [DONE]\n\n"
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                              b"content-length: %d\r\n\r\n" % len(data) + data)
+
+    return reply
+
+
+async def test_reasoning_then_tool_calls_assembles_to_content_null() -> None:
+    """docs/serve.md: the role chunk's content "is null when the choice begins with tool
+    calls or a refusal ... so that a client assembling the stream gets the JSON
+    answer's content: null".  A reasoning model (DeepSeek-reasoner, Qwen3 on vLLM)
+    reasons first, then calls a tool, with no content: its upstream role chunk says
+    ``content: null`` and the gateway's JSON answer says null, but the gateway's role
+    chunk says ``""`` (decided from the first forwarded delta: reasoning), so the
+    OpenAI SDK assembled ``content == ""``."""
+    import openai
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    reply = _synthetic("rt", [
+        ({"role": "assistant", "content": None, "reasoning_content": ""}, None),
+        ({"content": None, "reasoning_content": "Think"}, None),
+        ({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                          "function": {"name": "f", "arguments": ""}}]}, None),
+        ({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}, None),
+        ({}, "tool_calls"),
+    ])
+    async with raw_server(reply) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=up.url)])},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+        async with open_server(settings, port=0) as server:
+            def both() -> tuple[Any, Any]:
+                with openai.OpenAI(base_url=server.base_url, api_key=GATEWAY_KEY, max_retries=0) as client:
+                    whole = client.chat.completions.create(model="chat", messages=CHAT["messages"])
+                    state = ChatCompletionStreamState()
+                    for chunk in client.chat.completions.create(
+                            model="chat", messages=CHAT["messages"], stream=True):
+                        state.handle_chunk(chunk)
+                    return whole.choices[0].message, state.current_completion_snapshot.choices[0].message
+            whole, assembled = await trio.to_thread.run_sync(both)
+    assert whole.content is None
+    assert assembled.tool_calls and assembled.tool_calls[0].function.arguments == "{}"
+    assert assembled.content == whole.content  # (it was "" against None)
+
+
+async def test_n_choices_finish_in_chunks_of_their_own_as_openai_sends_them() -> None:
+    """OpenAI (transcript 06, n=3) ends each choice with a finish chunk of its own,
+    one choice per chunk, as every chunk of its stream is.  The gateway puts the three
+    finishes in one chunk: a client that reads ``chunk.choices[0]`` (one choice per
+    chunk, as OpenAI sends) never sees choices 1 and 2 finish."""
+    name = "06-openai-stream-n3-choices-usage.sse"
+    upstream = [json.loads(line[6:]) for line in (TRANSCRIPTS / name).read_text().splitlines()
+                if line.startswith("data: {")]
+    assert all(len(e["choices"]) <= 1 for e in upstream)
+    answer = await _through_gateway(name, {**CHAT, "stream": True, "n": 3})
+    events = [e for e in _events(answer.body) if isinstance(e, dict)]
+    assert max(len(e["choices"]) for e in events) <= 1, [
+        e["choices"] for e in events if len(e["choices"]) > 1]
