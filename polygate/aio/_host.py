@@ -366,7 +366,14 @@ async def acquire() -> Host:
     for stale_loop, stale in list(by_loop.items()):
         if stale_loop.is_closed():
             if stale.guest and not stale._done:
-                stale.rescue()
+                # The abandoned run ends here, inside this loop's run, and trio then
+                # restores the async-generator hooks it found when it started: the
+                # closed loop's.  This loop keeps its own.
+                hooks = sys.get_asyncgen_hooks()
+                try:
+                    stale.rescue()
+                finally:
+                    sys.set_asyncgen_hooks(*hooks)
                 if not stale._done:
                     # Kept: the next acquire() in this thread tries again.
                     raise PolygateError(

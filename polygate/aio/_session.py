@@ -525,6 +525,9 @@ class ChatStream:
             else:
                 raise  # the job delivers it to __aenter__
         finally:
+            # Nothing waits for space any more: a reader must not wake a trio run that
+            # may have ended meanwhile (its submit would raise, a chunk taken and lost).
+            self._space = None
             if entered and not self._ended:
                 # Cancelled from outside: the stream's block was left, or the session
                 # is closing under the stream.
