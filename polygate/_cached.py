@@ -437,11 +437,18 @@ def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             content = text if index == 0 and text else None
         deltas: list[dict[str, Any]] = []
-        for name, value in (
-            ("reasoning_content", message.get("reasoning_content")),
-            ("content", content),
-            ("refusal", message.get("refusal")),
-        ):
+        # The reasoning under the field the upstream streamed it in (Ollama's and
+        # OpenRouter's "reasoning"; the assembler fills "reasoning_content" for all),
+        # with OpenRouter's reasoning_details (their signatures go back next turn).
+        field = "reasoning" if isinstance(message.get("reasoning"), str) else "reasoning_content"
+        reasoning: dict[str, Any] = {}
+        if message.get(field):
+            reasoning[field] = message[field]
+        if isinstance(message.get("reasoning_details"), list) and message["reasoning_details"]:
+            reasoning["reasoning_details"] = message["reasoning_details"]
+        if reasoning:
+            deltas.append(reasoning)
+        for name, value in (("content", content), ("refusal", message.get("refusal"))):
             if value:
                 deltas.append({name: value})
         calls = message.get("tool_calls")
@@ -449,14 +456,18 @@ def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
             deltas.append({"tool_calls": [
                 {"index": i, **c} if isinstance(c, dict) else c for i, c in enumerate(calls)
             ]})
+        logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else None
         for n, delta in enumerate(deltas):
             if n == 0:
                 delta = {"role": message.get("role", "assistant"), **delta}
             last = n == len(deltas) - 1
-            chunks.append({**base, "choices": [{
+            out: dict[str, Any] = {
                 "index": index, "delta": delta,
                 "finish_reason": choice.get("finish_reason") if last else None,
-            }]})
+            }
+            if logprobs is not None and "content" in delta:
+                out["logprobs"] = logprobs  # the text's, with the text (as they came)
+            chunks.append({**base, "choices": [out]})
     return chunks
 
 

@@ -79,6 +79,45 @@ async def test_a_resumed_stream_keeps_one_completion_id() -> None:
     assert len(set(ids)) == 1, sorted(set(ids))
 
 
+async def _miss_then_hit(name: str, body: dict[str, Any]) -> tuple[Any, Any]:
+    async with raw_server(_replay(name)) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url=up.url)],
+                retry=polygate.Retry(max_attempts=1), cache_ttl_s=60)},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]), cache="memory")
+        async with open_server(settings, port=0) as server:
+            miss = await http(server, "POST", "/v1/chat/completions", body, AUTH)
+            hit = await http(server, "POST", "/v1/chat/completions", body, AUTH)
+        assert len(up.requests) == 1  # the second was a hit
+    return miss, hit
+
+
+def _deltas(answer: Any, key: str) -> list[Any]:
+    return [c.get(key) if key == "logprobs" else c["delta"].get(key)
+            for e in _events(answer.body) if isinstance(e, dict) for c in e["choices"]
+            if (c.get(key) if key == "logprobs" else c["delta"].get(key)) is not None]
+
+
+async def test_a_streamed_cache_hit_keeps_the_logprobs_the_client_asked_for() -> None:
+    """A hit returns the same choices: ``logprobs: true`` is part of the key; the JSON
+    hit had the logprobs (the entry holds them), the miss streamed them, but the stream
+    replay of the hit had none (OpenAI SDK: choice.logprobs None)."""
+    body = {**CHAT, "stream": True, "logprobs": True}
+    miss, hit = await _miss_then_hit("04-openai-stream-content-logprobs.sse", body)
+    assert _deltas(miss, "logprobs")  # the miss streamed them
+    assert _deltas(hit, "logprobs"), hit.body.decode()[:500]
+
+
+async def test_a_streamed_cache_hit_keeps_the_providers_reasoning_field() -> None:
+    """Ollama (and OpenRouter) stream reasoning as ``delta.reasoning``; the miss
+    relayed it so, the hit replayed it renamed ``delta.reasoning_content``: a client
+    reading the field its provider uses saw reasoning on a miss and none on a hit."""
+    miss, hit = await _miss_then_hit("26-ollama-stream-reasoning-field-usage.sse", {**CHAT, "stream": True})
+    assert "".join(_deltas(miss, "reasoning")).startswith("We need to answer")
+    assert "".join(_deltas(hit, "reasoning")).startswith("We need to answer"), hit.body.decode()[:500]
+
+
 def _synthetic(tmp_name: str, events: list[tuple[dict[str, Any], str | None]]) -> Any:
     base = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
     data = "".join(
