@@ -3,6 +3,7 @@ reports, plots, and every way of having nothing to report."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -11,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -505,10 +507,26 @@ def test_the_report_is_one_snapshot(
     assert (r["calls"], r["attempts"]) == (5, 5)
 
 
-@pytest.mark.skipif(
+#: A read-only bind mount needs root (the CI machine's tests run as root).
+_NEEDS_ROOT = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None,
     reason="a read-only bind mount needs root",
 )
+
+
+@contextlib.contextmanager
+def _read_only(folder: Path, at: Path) -> Iterator[Path]:
+    """``folder`` mounted read-only at ``at`` (a bind mount: root only)."""
+    at.mkdir()
+    subprocess.run(["mount", "--bind", str(folder), str(at)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(at)], check=True)
+        yield at
+    finally:
+        subprocess.run(["umount", str(at)], check=False)
+
+
+@_NEEDS_ROOT
 def test_a_closed_wal_database_on_a_read_only_volume_is_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -527,21 +545,12 @@ def test_a_closed_wal_database_on_a_read_only_volume_is_read(
 
     trio.run(calls, clock=trio.testing.MockClock(autojump_threshold=0))
     assert sorted(p.name for p in src.iterdir()) == ["t.db"]
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    subprocess.run(["mount", "--bind", str(src), str(ro)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
+    with _read_only(src, tmp_path / "ro") as ro:
         r = _json(capsys, "--db", str(ro / "t.db"))
-    finally:
-        subprocess.run(["umount", str(ro)], check=False)
     assert r["calls"] == 3
 
 
-@pytest.mark.skipif(
-    not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None,
-    reason="a read-only bind mount needs root",
-)
+@_NEEDS_ROOT
 def test_a_read_only_database_whose_wal_holds_rows_is_refused_not_read_short(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -561,12 +570,6 @@ def test_a_read_only_database_whose_wal_holds_rows_is_refused_not_read_short(
     shutil.copy(live / "t.db", snap / "t.db")
     shutil.copy(live / "t.db-wal", snap / "t.db-wal")
     w.close()
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    subprocess.run(["mount", "--bind", str(snap), str(ro)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
+    with _read_only(snap, tmp_path / "ro") as ro:
         code, err = _stats_error(capsys, "--db", str(ro / "t.db"))
-    finally:
-        subprocess.run(["umount", str(ro)], check=False)
     assert code == 1 and "its write-ahead log t.db-wal still holds rows" in err

@@ -149,6 +149,23 @@ def test_chat_body_escapes_a_lone_surrogate_as_json_does() -> None:
 # --------------------------------------------------------------------- linear assembly
 
 
+class _Copies:
+    """Characters the assembler's joins copy (its ``_join`` seam), counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from polygate.transport import _assemble
+
+        self.copied = 0
+        real_join = "".join
+
+        def counting_join(pieces: Any) -> str:
+            joined = real_join(pieces)
+            self.copied += len(joined)
+            return joined
+
+        monkeypatch.setattr(_assemble, "_join", counting_join)
+
+
 def test_text_parts_copies_each_character_a_logarithmic_number_of_times(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -157,22 +174,13 @@ def test_text_parts_copies_each_character_a_logarithmic_number_of_times(
     Counted in characters copied by joins, not in time, so it cannot flake."""
     from polygate.transport import _assemble
 
-    copied = 0
-    real_join = "".join
-
-    def counting_join(pieces: Any) -> str:
-        nonlocal copied
-        joined = real_join(pieces)
-        copied += len(joined)
-        return joined
-
-    monkeypatch.setattr(_assemble, "_join", counting_join)
+    copies = _Copies(monkeypatch)
     parts = _assemble.TextParts()
     n = 50_000
     for i in range(n):
         parts.append(str(i % 10))
     assert "".join(parts) == "".join(str(i % 10) for i in range(n))
-    assert copied <= 5 * n  # log16(50 000) < 4 levels; quadratic would be ~n²/32
+    assert copies.copied <= 5 * n  # log16(50 000) < 4 levels; quadratic would be ~n²/32
     assert len(parts) <= 15 * 4 + 1  # still a few pieces, not one per token
 
 
@@ -187,16 +195,7 @@ def test_fragmented_arguments_and_extras_are_joined_in_linear_work(
     as the content (each character copied a logarithmic number of times)."""
     from polygate.transport import _assemble
 
-    copied = 0
-    real_join = "".join
-
-    def counting_join(pieces: Any) -> str:
-        nonlocal copied
-        joined = real_join(pieces)
-        copied += len(joined)
-        return joined
-
-    monkeypatch.setattr(_assemble, "_join", counting_join)
+    copies = _Copies(monkeypatch)
     delta: dict[str, Any] = {
         "tool_call": {"tool_calls": [{"index": 0, "function": {"arguments": "x"}}]},
         "function_call": {"function_call": {"arguments": "x"}},
@@ -213,7 +212,7 @@ def test_fragmented_arguments_and_extras_are_joined_in_linear_work(
         "indexed_extra": lambda: message["reasoning_details"][0]["text"],
     }[shape]()
     assert text == "x" * n
-    assert n <= copied <= 5 * n  # through the joiner, each character ~log16(n) times
+    assert n <= copies.copied <= 5 * n  # through the joiner, each character ~log16(n) times
     assert assembler.build()["choices"][0]["message"] == message  # a second build: the same
 
 
