@@ -41,6 +41,7 @@ from ._errors import (
     ConfigError,
     DeadlineExceeded,
     FatalUpstreamError,
+    GovernanceBackendError,
     Outcome,
     PolygateError,
     RateLimitedError,
@@ -120,7 +121,9 @@ async def _with_deadline(
         except trio.TooSlowError:
             # A stream the deadline cut: its statistics are the committed attempt's, as
             # far as it got (the source the caller's text came from, its first token).
-            frozen = call_stats(ctx, ctx.committed, trio.current_time())
+            committed = ctx.committed
+            earlier = [r for r in ctx.segments if r is not committed]
+            frozen = call_stats(ctx, committed, trio.current_time(), earlier)
             raise DeadlineExceeded(
                 f"call exceeded its deadline of {deadline_s} s "
                 f"({frozen.attempts} attempt(s), scope {ctx.scope_name!r})",
@@ -216,6 +219,14 @@ async def _retry_loop(
                 # Gave up at the deadline: the deadline's own cancellation is due at this
                 # very instant (one clock base), so let it speak (DeadlineExceeded).
                 await trio.lowlevel.checkpoint_if_cancelled()
+                if not wait_for_breakers and _only_breakers(exc.refusals) and not (
+                    await _fallback_admits(ctx, tokens)
+                ):
+                    # The fallback cannot take the call now either: this scope's
+                    # breakers are what to wait for after all (their probe may be due
+                    # long before the fallback's).
+                    wait_for_breakers = True
+                    continue
                 raise AllSourcesExhausted(
                     f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}",
                     errors=errors, retry_after_s=_rate_limited_for(exc.refusals),
@@ -300,6 +311,31 @@ async def _retry_loop(
 
 #: Admission refusals a wait cures: every source was rate limited.
 _RATE_REASONS = frozenset({RefusalReason.COOLING_DOWN, RefusalReason.RPM, RefusalReason.TPM})
+
+
+def _only_breakers(refusals: Sequence[Refusal]) -> bool:
+    """Whether open breakers are all that kept a call out (dead sources and estimates
+    too large aside): what a call with a fallback does not wait for."""
+    waitable = [r for r in refusals
+                if r.reason not in (RefusalReason.DEAD, RefusalReason.TOO_LARGE)]
+    return bool(waitable) and all(r.reason is RefusalReason.BREAKER_OPEN for r in waitable)
+
+
+async def _fallback_admits(ctx: CallContext, tokens: int) -> bool:
+    """Whether the call's fallback scope admits it now (the admission is given back: the
+    call moves there and is admitted as any call)."""
+    target = ctx.scope.fallback
+    if target is None:
+        return False
+    governor = ctx.runtime.governor
+    try:
+        result = await governor.try_admit(target, tokens)
+    except GovernanceBackendError:
+        return False
+    if not isinstance(result, Admission):
+        return False
+    await governor.release(result, Outcome.CANCELLED, sent=False)
+    return True
 
 
 def _rate_limited_for(refusals: Sequence[Refusal]) -> float | None:
@@ -420,12 +456,14 @@ async def run_chat(
             _move_to(ctx, start, params)
         deadline_at = _deadline_at(ctx, deadline_s)
         active: Forward | None = forward
+        # (On the context too: a deadline's statistics are the whole stream's.)
         segments: list[AttemptRecord] = []
+        ctx.segments = segments
         segment_chars: list[int] = []
         committed_error: UpstreamError | None = None
         # A re-ask starts behind the sources that already failed in this call (a source
         # that failed in this call goes to the back, round or no round).
-        demoted = _failed_sources(ctx, scope_name)
+        demoted = _failed_sources(ctx, start)
         # The errors of the scopes this round left for a fallback: the last scope's
         # AllSourcesExhausted lists them first, in the order they happened.
         earlier: list[UpstreamError] = []

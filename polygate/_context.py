@@ -209,6 +209,8 @@ class CallContext:
     #: The attempt whose stream reached the caller (the latest, after a resume): a
     #: deadline that cuts it still says where the text came from (CallStats.source).
     committed: AttemptRecord | None = None
+    #: The earlier committed segments of a resumed stream (the round's), in order.
+    segments: list[AttemptRecord] = attrs.field(factory=list)
 
     @property
     def estimate(self) -> int:

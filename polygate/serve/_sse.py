@@ -1,8 +1,10 @@
 """Server-sent events out: the session's committed chunks as OpenAI chunk events.
 
-The session forwards only *content* chunks (SPEC §4: role-only deltas, the finish
-chunk and the usage chunk carry no content).  A client expects the rest of OpenAI's
-stream too, so this module adds, around the forwarded chunks and in the same writes:
+The session forwards *content* chunks (SPEC §4: role-only deltas, the finish chunk
+and the usage chunk carry no content), and chunks that carry data without content (a
+reasoning block's signature, a finish chunk's annotations).  A client expects the
+rest of OpenAI's stream too, so this module adds, around the forwarded chunks and in
+the same writes:
 
 * before the first chunk, a role chunk (``delta: {"role": "assistant", "content": ""}``)
   unless that chunk already names the role;
@@ -71,10 +73,12 @@ class StreamShape:
         if not self._started:
             self._started = True
             self._meta = self._header(raw)
-        elif self._meta is not None and raw.get("id") != self._meta["id"]:
+        elif (meta := self._meta) is not None and (
+            raw.get("id") != meta["id"] or raw.get("model") != meta["model"]
+            or raw.get("created") != meta["created"]
+        ):
             # A resumed stream's continuation (another source, another completion):
             # one stream keeps one id, time and model, as the finish chunk does.
-            meta = self._meta
             raw = {**raw, "id": meta["id"], "created": meta["created"], "model": meta["model"]}
         # Every choice gets its role before its first delta, as in an OpenAI stream
         # (with n > 1 too): the library forwards content, not the upstream's role-only

@@ -154,18 +154,24 @@ async def _bounded_open(url: str, opener: Any) -> Sink:
         return sink
 
     sink: Sink | None = None
-    with real_time_bound(OPEN_TIMEOUT_S):
-        sink = await run_sync(open_or_close, abandon_on_cancel=True)
+    try:
+        with real_time_bound(OPEN_TIMEOUT_S):
+            sink = await run_sync(open_or_close, abandon_on_cancel=True)
+    finally:
+        if sink is None:  # the bound fell, or the session's opening was cancelled
+            with lock:
+                given_up = True
+                # Opened in the instant the wait ended (its result on its way, dropped
+                # with the wait): taken rather than leaked -- or, when the opening is
+                # cancelled, closed.
+                sink = opened[0] if opened else None
+            if sink is not None and sys.exc_info()[1] is not None:
+                sink.close()
+                sink = None
     if sink is None:
-        with lock:
-            given_up = True
-            # Opened in the instant the bound fell (its result on its way, dropped
-            # with the cancelled wait): taken rather than leaked.
-            sink = opened[0] if opened else None
-        if sink is None:
-            raise ConfigError(
-                f"telemetry: opening {mask_url(url)} took longer than {OPEN_TIMEOUT_S} s"
-            )
+        raise ConfigError(
+            f"telemetry: opening {mask_url(url)} took longer than {OPEN_TIMEOUT_S} s"
+        )
     return sink
 
 

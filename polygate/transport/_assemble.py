@@ -49,6 +49,37 @@ def _choice_has_content(choice: dict[str, Any]) -> bool:
     return isinstance(delta.get("function_call"), dict)
 
 
+#: A delta's and a choice's keys that content tokens, the assembly or the gateway's own
+#: chunks already carry (see carries_extras).
+_PLAIN_DELTA_KEYS = frozenset({"role", *_CONTENT_KEYS, "tool_calls", "function_call"})
+_PLAIN_CHOICE_KEYS = frozenset({"index", "delta", "finish_reason", "logprobs", "message"})
+
+
+def carries_extras(chunk: dict[str, Any]) -> bool:
+    """Whether a chunk without a content token still carries data a stream's caller
+    must see: a delta field beyond the content keys (OpenRouter's ``reasoning_details``
+    holding a thinking block's signature, which the next turn sends back) or a choice
+    field beyond the usual (Azure's ``content_filter_results`` on the finish chunk)."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(
+            _carries_value(v) for k, v in delta.items() if k not in _PLAIN_DELTA_KEYS
+        ):
+            return True
+        if any(_carries_value(v) for k, v in choice.items() if k not in _PLAIN_CHOICE_KEYS):
+            return True
+    return False
+
+
+def _carries_value(value: Any) -> bool:
+    return value is not None and value != "" and value != [] and value != {}
+
+
 def _nonempty(value: Any) -> bool:
     return isinstance(value, str) and bool(value)
 
@@ -359,12 +390,15 @@ def _merge_fields(held: dict[str, Any], fields: dict[str, Any], *, join: bool) -
         old = held.get(key)
         if value is None and key in held:
             continue  # a null does not erase what came (as the SDK's accumulator)
-        if isinstance(old, dict) and isinstance(value, dict):
+        if isinstance(old, TextParts):  # (a list subclass: before the lists below)
+            if join and isinstance(value, str):
+                old.append(value)  # (pieces, joined at the end: see _join_function)
+            else:
+                held[key] = _own(value)  # another kind of value: the last wins
+        elif isinstance(old, dict) and isinstance(value, dict):
             _merge_fields(old, value, join=join)
         elif isinstance(old, list) and isinstance(value, list):
             _merge_items(old, value)
-        elif join and isinstance(old, TextParts) and isinstance(value, str):
-            old.append(value)  # (pieces, joined at the end: see _join_function)
         elif join and isinstance(old, str) and isinstance(value, str) and key not in _TAGS:
             parts = held[key] = TextParts()
             parts.append(old)
