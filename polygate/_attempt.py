@@ -26,7 +26,7 @@ from ._context import AttemptRecord, CallContext, ChatRequest
 from ._errors import Outcome, TransientUpstreamError, UpstreamError
 from ._types import Usage
 from .governance import Admission
-from .transport import OnContent, Timeline, chat_exchange, embeddings_exchange
+from .transport import OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
 
 __all__ = ["AttemptCancelled", "AttemptControl", "run_chat_attempt", "run_embed_attempt"]
 
@@ -45,7 +45,10 @@ class AttemptControl:
     cancels it outright.  When it fires, ``cancelled`` and the clock tell which.
     """
 
-    __slots__ = ("_watch", "_whole", "cancel_reason", "cancelled", "on_content", "record", "scope")
+    __slots__ = (
+        "_watch", "_whole", "cancel_reason", "cancelled", "on_content", "on_extra", "record",
+        "scope",
+    )
 
     def __init__(self, record: AttemptRecord, on_content: OnContent | None = None) -> None:
         self.record = record
@@ -53,6 +56,8 @@ class AttemptControl:
         self.cancel_reason = Outcome.CANCELLED
         self.cancelled = False
         self.on_content = on_content
+        #: A stream's relay of chunks that carry data but no content token.
+        self.on_extra: OnExtra | None = None
         self._whole = math.inf
         self._watch = math.inf
 
@@ -163,6 +168,7 @@ async def run_chat_attempt(
             # Only the round's consumer (a stream's caller, a hedge's monitor) waits
             # for a first token; the watchdogs above need no scheduler pass for it.
             hand_on_first_token=forward is not None,
+            on_extra=control.on_extra,
         )
 
     def usage_of(body: dict[str, Any]) -> Usage:

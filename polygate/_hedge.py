@@ -73,7 +73,7 @@ from ._attempt import AttemptCancelled, AttemptControl
 from ._context import AttemptRecord, CallContext
 from ._errors import FatalUpstreamError, GovernanceBackendError, Outcome, UpstreamError
 from .governance import Admission, Governor
-from .transport import OnContent
+from .transport import OnContent, OnExtra
 
 __all__ = ["Round", "RoundFailed"]
 
@@ -187,6 +187,7 @@ class Round:
         path = _Path(admission, control)
         if self._forward is not None:
             control.on_content = self._committer(path)
+            control.on_extra = self._relayer(path)
         elif self._hedging and self._ctx.scope.hedge.stall_after_s is not None:
             # A first token can bring the stall trigger forward: wake the monitor once.
             control.on_content = self._first_token_waker()
@@ -220,7 +221,7 @@ class Round:
             # The path's callback closes over this round, which holds the path: drop
             # it, so that a finished round is freed by reference counting, not left as
             # a cycle (with its nursery, tasks and records) for the cyclic collector.
-            path.control.on_content = None
+            path.control.on_content = path.control.on_extra = None
             self._observe(path)
             self._wake()
             if path.record.role == "hedge" and path.record.timeline.sent_at is None:
@@ -261,6 +262,19 @@ class Round:
             return None
 
         return on_content
+
+    def _relayer(self, path: _Path) -> OnExtra:
+        forward = self._forward
+        assert forward is not None
+
+        def on_extra(chunk: dict[str, Any]) -> Awaitable[None] | None:
+            # Data without a content token (a reasoning block's signature, a finish
+            # chunk's annotations): the caller's only from the committed path.
+            if self._committed is path and not path.control.cancelled and not forward.offer(chunk):
+                return path.control.hold_while(forward.deliver_held)
+            return None
+
+        return on_extra
 
     def _first_token_waker(self) -> OnContent:
         woken = False

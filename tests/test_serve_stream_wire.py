@@ -54,6 +54,23 @@ async def _through_gateway(name: str, body: dict[str, Any]) -> Any:
             return await http(server, "POST", "/v1/chat/completions", body, AUTH)
 
 
+async def test_a_streamed_reasoning_signature_reaches_the_client() -> None:
+    """OpenRouter (Anthropic thinking) sends the reasoning block's ``signature`` in a
+    chunk of its own: ``content: ""``, ``reasoning: null``, ``reasoning_details``
+    carrying only the signature.  The JSON answer of the same transcript keeps it;
+    the stream dropped the chunk (no content token), so a client streaming through the
+    gateway could not send the signed thinking back on its next turn."""
+    name = "15-openrouter-stream-reasoning-details-usage.sse"
+    whole = await _through_gateway(name, {**CHAT})
+    [detail] = whole.json()["choices"][0]["message"]["reasoning_details"]
+    assert detail["signature"].startswith("Et0B")  # the JSON answer has it
+
+    streamed = await _through_gateway(name, {**CHAT, "stream": True})
+    signatures = [d.get("signature") for e in _events(streamed.body) if isinstance(e, dict)
+                  for c in e.get("choices") or [] for d in c["delta"].get("reasoning_details") or []]
+    assert any(s and s.startswith("Et0B") for s in signatures), signatures
+
+
 WORDS = [f"w{i}" for i in range(20)]
 
 

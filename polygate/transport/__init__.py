@@ -4,7 +4,7 @@ Knows nothing of admission, hedging or retries (an import-linter contract keeps 
 """
 
 from ._assemble import ChatAssembler, TextParts, has_content, message_text
-from ._exchange import OnContent, Timeline, chat_exchange, embeddings_exchange
+from ._exchange import OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
 from ._pool import REPORTS_SENT, SENT_EXTENSION, LeanTransport
 from ._wire import Endpoint, Limits, parse_retry_after
 
@@ -16,6 +16,7 @@ __all__ = [
     "LeanTransport",
     "Limits",
     "OnContent",
+    "OnExtra",
     "TextParts",
     "Timeline",
     "chat_exchange",

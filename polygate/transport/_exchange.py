@@ -37,7 +37,7 @@ from .._errors import (
 from .._json import loads
 from .._secrets import clip, redact
 from .._types import choice_index
-from ._assemble import ChatAssembler, malformed_index
+from ._assemble import ChatAssembler, carries_extras, malformed_index
 from ._head import header_of
 from ._pool import SENT_EXTENSION, LeanTransport, body_of, close_now, drains_on_close, reports_sent
 from ._sse import Event, SSEDecoder, without_bom
@@ -57,7 +57,7 @@ from ._wire import (
     read_capped,
 )
 
-__all__ = ["OnContent", "Timeline", "chat_exchange", "embeddings_exchange"]
+__all__ = ["OnContent", "OnExtra", "Timeline", "chat_exchange", "embeddings_exchange"]
 
 _log = logging.getLogger("polygate.transport")
 T = TypeVar("T")
@@ -69,6 +69,9 @@ _decode_json = json.JSONDecoder().decode
 #: awaits before it reads on (a committed stream whose caller is behind): no
 #: coroutine per chunk on the usual path.
 OnContent = Callable[[float, dict[str, Any]], Awaitable[None] | None]
+#: Called with a chunk that carries no content token but data a stream's caller must
+#: see (``carries_extras``); the same contract as :data:`OnContent`, with no time.
+OnExtra = Callable[[dict[str, Any]], Awaitable[None] | None]
 
 
 @attrs.define
@@ -103,6 +106,7 @@ async def chat_exchange(
     on_content: OnContent | None = None,
     call_id: str | None = None,
     hand_on_first_token: bool = True,
+    on_extra: OnExtra | None = None,
 ) -> dict[str, Any]:
     """Run one chat completion and return the (assembled) non-streamed response body.
 
@@ -119,7 +123,7 @@ async def chat_exchange(
         if ctype.partition(";")[0].strip().lower() == "text/event-stream":  # any case, any params
             timeline.streamed = True
             return await _read_sse(response, endpoint, limits, timeline, on_content,
-                                   hand_on=hand_on_first_token)
+                                   hand_on=hand_on_first_token, on_extra=on_extra)
         # Any other label, or none: openai-python reads a stream request's answer as
         # SSE whatever the header says, so an upstream that sends its events unlabelled
         # (or as application/json, application/x-ndjson...) streams.  The body decides:
@@ -132,7 +136,7 @@ async def chat_exchange(
         if _SSE_START.match(head):
             timeline.streamed = True
             return await _read_sse(response, endpoint, limits, timeline, on_content, pieces, head,
-                                   hand_on=hand_on_first_token)
+                                   hand_on=hand_on_first_token, on_extra=on_extra)
         return await _read_chat_json(response, endpoint, limits, ctype, pieces, head)
 
     body = chat_body(endpoint, messages_json, params, stream)
@@ -316,9 +320,11 @@ async def _read_sse(
     head: bytes = b"",
     *,
     hand_on: bool = True,
+    on_extra: OnExtra | None = None,
 ) -> dict[str, Any]:
     """``pieces``/``head``: the body's iterator after :func:`_sniff` read ``head``;
-    ``hand_on``: as ``hand_on_first_token`` of :func:`chat_exchange`."""
+    ``hand_on``: as ``hand_on_first_token`` of :func:`chat_exchange`; ``on_extra``:
+    as in :func:`chat_exchange`."""
     refused = check_encoding(response, endpoint.name, endpoint.secrets)
     if refused is not None:
         raise TransientUpstreamError(refused, source=endpoint.name)
@@ -386,6 +392,10 @@ async def _read_sse(
                             await wait
                         elif hand_on and len(chunk_times) == 1 and event is not events[-1]:
                             await _hand_on_first_token()
+                elif on_extra is not None and carries_extras(chunk):
+                    wait = on_extra(chunk)  # (no token: no time, no watchdog)
+                    if wait is not None:
+                        await wait
             if done or ended:
                 break
         if done:
