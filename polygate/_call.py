@@ -60,7 +60,14 @@ from ._resume import (
     continuation_messages,
 )
 from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage, encode_compact
-from .governance import Admission, NoAdmission, Refusal, RefusalReason, completion_budget
+from .governance import (
+    Admission,
+    BreakerState,
+    NoAdmission,
+    Refusal,
+    RefusalReason,
+    completion_budget,
+)
 
 __all__ = ["Rounds", "call_stats", "every_error", "one_error", "run_chat", "run_embed"]
 
@@ -220,7 +227,7 @@ async def _retry_loop(
                 # very instant (one clock base), so let it speak (DeadlineExceeded).
                 await trio.lowlevel.checkpoint_if_cancelled()
                 if not wait_for_breakers and _only_breakers(exc.refusals) and not (
-                    await _fallback_admits(ctx, tokens)
+                    await _fallback_admits(ctx)
                 ):
                     # The fallback cannot take the call now either: this scope's
                     # breakers are what to wait for after all (their probe may be due
@@ -321,21 +328,26 @@ def _only_breakers(refusals: Sequence[Refusal]) -> bool:
     return bool(waitable) and all(r.reason is RefusalReason.BREAKER_OPEN for r in waitable)
 
 
-async def _fallback_admits(ctx: CallContext, tokens: int) -> bool:
-    """Whether the call's fallback scope admits it now (the admission is given back: the
-    call moves there and is admitted as any call)."""
+async def _fallback_admits(ctx: CallContext) -> bool:
+    """Whether the call's fallback scope has a source that is up: its breaker not open,
+    neither dead nor cooling down.  Read from the backend's state, not by admitting (an
+    admission given back would still count as one, and take a half-open breaker's
+    probe); quotas and permits are left out: they free up by themselves, there too."""
     target = ctx.scope.fallback
     if target is None:
         return False
-    governor = ctx.runtime.governor
-    try:
-        result = await governor.try_admit(target, tokens)
-    except GovernanceBackendError:
-        return False
-    if not isinstance(result, Admission):
-        return False
-    await governor.release(result, Outcome.CANCELLED, sent=False)
-    return True
+    backend = ctx.runtime.governor.backend
+    now = backend.now()
+    for source in ctx.runtime.settings.scopes[target].sources:
+        try:
+            state = await backend.snapshot(target, source.name)
+        except GovernanceBackendError:
+            return False
+        if state.breaker is not BreakerState.OPEN and not state.dead and (
+            state.cooldown_until is None or state.cooldown_until <= now
+        ):
+            return True
+    return False
 
 
 def _rate_limited_for(refusals: Sequence[Refusal]) -> float | None:

@@ -201,6 +201,10 @@ class ResumedForward:
             other = delta is not None and any(
                 v for k, v in delta.items() if k not in ("content", "role")
             )
+            if not other and not text:
+                # Nothing to stitch (an annotation, a data-only chunk): it goes on as
+                # it came, unmarked, and the held text keeps its own chunk.
+                return self._inner.offer(chunk)
             if other and not text and not stitcher.holding:
                 # Reasoning (or another field) before any of the continuation's text:
                 # shown as it comes, and the restatement that may follow is still

@@ -63,9 +63,19 @@ class StreamShape:
         if not (isinstance(choices, list) and choices
                 and all(isinstance(c, Mapping) and "delta" in c and choice_index(c) is not None
                         for c in choices)):
-            raw = {**self._header(raw), "choices": _whole_answer(choices, chunk.delta) or [
-                {"index": 0, "delta": chunk.delta, "finish_reason": None}]}
+            annotated = _with_deltas(choices)
+            if annotated is not None:
+                # A data-only chunk whose choices carry no delta (Azure's annotations
+                # of what came before): relayed with an empty one, its data kept.
+                raw = {**raw, "choices": annotated}
+            else:
+                raw = {**self._header(raw), "choices": _whole_answer(choices, chunk.delta) or [
+                    {"index": 0, "delta": chunk.delta, "finish_reason": None}]}
             choices = raw["choices"]
+        if "usage" in raw:
+            # The usage goes out once, in the ending's usage chunk, when the client asked
+            # for it (a finish chunk the session relayed may carry the upstream's).
+            raw = {k: v for k, v in raw.items() if k != "usage"}
         cleaned = string_content(choices, "delta")
         if cleaned is not None:
             raw = {**raw, "choices": cleaned}
@@ -166,6 +176,19 @@ def _role_content(delta: Any) -> str | None:
 
 #: The fields a reasoning delta comes in (as the assembler reads them).
 _REASONING: Final = frozenset({"reasoning_content", "reasoning"})
+
+
+def _with_deltas(choices: Any) -> list[dict[str, Any]] | None:
+    """``choices`` with an empty delta where a choice has none, when each is a chunk's
+    choice (no ``message``) with a natural-number index; otherwise None."""
+    if not (isinstance(choices, list) and choices):
+        return None
+    out = []
+    for choice in choices:
+        if not isinstance(choice, Mapping) or "message" in choice or choice_index(choice) is None:
+            return None
+        out.append(dict(choice) if "delta" in choice else {**choice, "delta": {}})
+    return out
 
 
 def _whole_answer(choices: Any, first: dict[str, Any]) -> list[dict[str, Any]] | None:

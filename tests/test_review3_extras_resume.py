@@ -1,0 +1,108 @@
+"""Data-only chunks of a committed stream across a resume (outside review of 7ff843d, 2026-12-02: each test failed before its fix)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import trio
+import trio.testing
+
+import polygate
+from polygate._resume import CONTINUE_PROMPT
+from polygate.testing import Router
+
+MESSAGES = [{"role": "user", "content": "hello there"}]
+BASE = {"object": "chat.completion.chunk", "created": 1, "model": "m"}
+ANNOTATION = {"choices": [{"content_filter_offsets": {"check_offset": 1, "start_offset": 1, "end_offset": 9},
+                           "content_filter_results": {"hate": {"filtered": False, "severity": "safe"}},
+                           "finish_reason": None, "index": 0}],
+              "created": 0, "id": "", "model": "", "object": ""}
+
+
+def _sse(events: list[dict[str, Any]], done: bool = True) -> bytes:
+    out = "".join("data: " + json.dumps(e) + "\n\n" for e in events)
+    return (out + ("data: [DONE]\n\n" if done else "")).encode()
+
+
+def _chunk(cid: str, delta: dict[str, Any], finish: str | None = None, **choice: Any) -> dict[str, Any]:
+    return {**BASE, "id": cid, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                             "finish_reason": finish, **choice}]}
+
+
+def _first_segment() -> bytes:
+    words = ["I like", " cats", " and", " dogs"]
+    return _sse([_chunk("one", {"role": "assistant", "content": ""})]
+                + [_chunk("one", {"content": w}) for w in words], done=False)  # cut: no finish
+
+
+def _transport(continuation: list[dict[str, Any]]) -> Router:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        last = body["messages"][-1]
+        if last["role"] == "assistant" or last["content"] == CONTINUE_PROMPT:
+            data = _sse(continuation)
+        else:
+            data = _first_segment()
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=data)
+
+    t = httpx.MockTransport(handler)
+    return Router({"a": t, "b": t})
+
+
+def _settings() -> polygate.Settings:
+    return polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
+        stream=polygate.StreamWatch(resume=True))})
+
+
+async def _read(continuation: list[dict[str, Any]]) -> tuple[Any, list[polygate.StreamChunk]]:
+    chunks = []
+    async with polygate.session(_settings(), transport=_transport(continuation)) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for chunk in stream:
+                chunks.append(chunk)
+    return stream, chunks
+
+
+async def test_a_continuations_held_text_is_not_lost_to_a_trailing_annotation_chunk(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The continuation's text " and" is held by the Stitcher (it may be the start of
+    the restated tail " and dogs").  Azure's asynchronous filter then sends its
+    annotation chunks (no delta) after the finish chunk (transcript 10).  Since 7ff843d
+    such a chunk reaches ResumedForward.offer, which keeps it as ``_last`` in place of
+    the chunk holding the text; at the end the held text is written into a chunk with no
+    delta -- and is lost: the caller never sees " and", though the response says it."""
+    continuation = [
+        _chunk("two", {"role": "assistant", "content": ""}),
+        _chunk("two", {"content": " and"}),
+        _chunk("two", {}, "stop"),
+        ANNOTATION,
+    ]
+    stream, chunks = await _read(continuation)
+    shown = "".join(c.text for c in chunks)
+    assert stream.response is not None
+    assert shown == stream.text == stream.response.text, (shown, stream.text, stream.response.text)
+    assert shown == "I like cats and dogs and"
+
+
+async def test_an_annotation_chunk_while_the_stitcher_holds_text_reaches_the_caller(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """docs/concepts.md: once a path has committed, a chunk that carries data without a
+    content token "reaches the caller too".  On a resumed stream, one that comes while
+    the stitcher holds the continuation's first text is swallowed (kept as ``_last``,
+    then replaced by the next content chunk): the caller never sees it."""
+    continuation = [
+        _chunk("two", {"role": "assistant", "content": ""}),
+        _chunk("two", {"content": " and"}),
+        ANNOTATION,
+        _chunk("two", {"content": " birds too"}),
+        _chunk("two", {}, "stop"),
+    ]
+    _stream, chunks = await _read(continuation)
+    assert "".join(c.text for c in chunks) == "I like cats and dogs and birds too"
+    assert any("content_filter_offsets" in (c.raw.get("choices") or [{}])[0] for c in chunks), [
+        c.raw for c in chunks]
