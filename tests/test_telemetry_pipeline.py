@@ -110,48 +110,93 @@ async def test_events_are_batched(autojump_clock: trio.testing.MockClock) -> Non
     assert sink.batches[-1].session is not None and sink.batches[-1].session.ended_at is not None
 
 
+class _CountedSink(ListSink):
+    """A ListSink whose writes (in the pipeline's worker thread) a test can wait for."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        super().__init__(fail=fail)
+        self.attempts = 0
+        self._changed = threading.Condition()
+
+    def write(self, batch: Batch) -> None:
+        try:
+            super().write(batch)
+        finally:
+            with self._changed:
+                self.attempts += 1
+                self._changed.notify_all()
+
+    async def tried(self, n: int) -> None:
+        """Until ``n`` writes were tried (real time: they run in a thread)."""
+        def wait() -> bool:
+            with self._changed:
+                return self._changed.wait_for(lambda: self.attempts >= n, 10)
+
+        assert await trio.to_thread.run_sync(wait)
+
+
+async def _accounted(pipeline: Pipeline, rows: int) -> None:
+    """Until the pipeline has counted ``rows`` rows written or dropped: a write's
+    outcome reaches the flusher from its thread, and each thread round trip here
+    gives trio's loop a pass to take it in."""
+    for _ in range(1000):
+        statistics = pipeline.statistics()
+        if statistics.written + statistics.dropped >= rows:
+            return
+        await trio.to_thread.run_sync(lambda: None)
+    raise AssertionError(f"{rows} rows never accounted for: {pipeline.statistics()}")
+
+
 async def test_a_quiet_session_brings_its_sessions_row_up_to_date(
-    autojump_clock: trio.testing.MockClock,
+    mock_clock: trio.testing.MockClock,
 ) -> None:
     """Review: the sessions row was written only with a batch of rows, at most every
     ``summary_interval_s``: rows written (and dropped, and hedges suppressed) after
     the last one stayed unreported while the session went quiet -- for ``serve``,
     until it closed, days later -- and ``polygate stats`` warned of nothing.  Once the
-    interval is over a row that is behind is written alone; one that is not, never."""
-    sink = ListSink()
+    interval is over a row that is behind is written alone; one that is not, never.
+    (The clock moves only when the test moves it: the writes run in a thread.)"""
+    sink = _CountedSink()
     pipeline = Pipeline(sink, session_id="s", linger_s=0, summary_interval_s=10)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pipeline.run)
         pipeline.send.send_nowait(_event(0))
-        await trio.sleep(1)
+        await sink.tried(1)
+        mock_clock.jump(1)
         for i in range(1, 6):
             pipeline.send.send_nowait(_event(i))
-        await trio.sleep(1)
+        await sink.tried(2)
         assert [b.session is not None for b in sink.batches] == [True, False]
-        await trio.sleep(20)
-        assert len(sink.batches) == 3 and len(sink.batches[2]) == 0
+        mock_clock.jump(20)  # the interval is over, the session quiet
+        await sink.tried(3)
+        assert len(sink.batches[2]) == 0
         last = sink.batches[2].session
         assert last is not None and last.rows_written == 6 and last.ended_at is None
-        await trio.sleep(100)  # nothing new since: nothing written
-        assert len(sink.batches) == 3
+        mock_clock.jump(100)  # nothing new since: nothing written
+        await trio.testing.wait_all_tasks_blocked()
         await pipeline.aclose()
+    # Only the final row, at close, after the three.
+    assert len(sink.batches) == 4 and len(sink.batches[3]) == 0
+    assert sink.batches[3].session is not None and sink.batches[3].session.ended_at is not None
 
 
 async def test_a_summary_that_did_not_land_is_written_again_while_quiet(
-    autojump_clock: trio.testing.MockClock,
+    mock_clock: trio.testing.MockClock,
 ) -> None:
     """Review: a batch carrying the sessions row failed (its rows dropped); the session
     then stayed quiet, and its row in the database never said so."""
-    sink = ListSink(fail=True)
+    sink = _CountedSink(fail=True)
     pipeline = Pipeline(sink, session_id="s", linger_s=0, summary_interval_s=10)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pipeline.run)
         for i in range(5):
             pipeline.send.send_nowait(_event(i))
-        await trio.sleep(1)
+        await sink.tried(1)
+        await _accounted(pipeline, 5)  # the flusher took the failure in
         assert pipeline.statistics().dropped == 5 and sink.batches == []
         sink.fail = False
-        await trio.sleep(20)
+        mock_clock.jump(20)
+        await sink.tried(2)
         [written] = sink.batches
         assert len(written) == 0 and written.session is not None
         assert written.session.rows_dropped == 5
