@@ -12,7 +12,8 @@ import polygate
 from polygate._resume import CONTINUE_PROMPT
 from polygate.testing import Router
 
-MESSAGES = [{"role": "user", "content": "hello there"}]
+from .test_failover import _read as read_stream
+
 BASE = {"object": "chat.completion.chunk", "created": 1, "model": "m"}
 ANNOTATION = {"choices": [{"content_filter_offsets": {"check_offset": 1, "start_offset": 1, "end_offset": 9},
                            "content_filter_results": {"hate": {"filtered": False, "severity": "safe"}},
@@ -58,12 +59,8 @@ def _settings() -> polygate.Settings:
 
 
 async def _read(continuation: list[dict[str, Any]]) -> tuple[Any, list[polygate.StreamChunk]]:
-    chunks = []
     async with polygate.session(_settings(), transport=_transport(continuation)) as s:
-        async with s.stream_chat(MESSAGES) as stream:
-            async for chunk in stream:
-                chunks.append(chunk)
-    return stream, chunks
+        return await read_stream(s)
 
 
 async def test_a_continuations_held_text_is_not_lost_to_a_trailing_annotation_chunk(

@@ -14,26 +14,10 @@ import trio
 import trio.testing
 
 import polygate
-from polygate._resume import CONTINUE_PROMPT
 from polygate.testing import FakeUpstream, Reply, Router
 
-SECRET = "sk-test-SECRET-0123456789abcdef"
-MESSAGES = [{"role": "user", "content": "hello there"}]
-WORDS = [f"w{i}" for i in range(60)]
-ANSWER = " ".join(WORDS)
-
-
-def _scopes(**scopes: dict[str, Any]) -> polygate.Settings:
-    built = {}
-    for name, spec in scopes.items():
-        spec = dict(spec)
-        sources = [
-            polygate.Source(name=n, base_url=f"http://{n}/v1", api_key=SECRET, **kw)
-            for n, kw in spec.pop("sources").items()
-        ]
-        built[name] = polygate.Scope(sources=sources, **spec)
-    return polygate.Settings(scopes=built)
-
+from .conftest import SECRET
+from .test_failover import ANSWER, MESSAGES, WORDS, _continuing, _scopes
 
 # ------------------------------------------------------------------ (1) breakers / fallback
 
@@ -64,16 +48,6 @@ async def test_open_breakers_in_a_chain_whose_fallback_is_down_longer(
 
 
 # ------------------------------------------------------------------ (2) deadline statistics
-
-
-def _continuing(rest: str, **kw: Any) -> Any:
-    def behaviour(request: Any, rng: Any) -> Reply:
-        messages = request.body["messages"]
-        if messages[-1]["role"] == "assistant" or messages[-1]["content"] == CONTINUE_PROMPT:
-            return Reply(text=rest, **kw)
-        return Reply(text=ANSWER, **kw)
-
-    return behaviour
 
 
 async def test_a_deadline_cutting_a_resumed_stream_keeps_the_whole_streams_statistics(

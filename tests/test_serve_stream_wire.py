@@ -21,16 +21,18 @@ from .conftest import TRANSCRIPTS
 pytestmark = pytest.mark.integration
 
 
-def _replay(name: str) -> Any:
-    data = (TRANSCRIPTS / name).read_bytes()
-    ctype = b"text/event-stream" if name.endswith(".sse") else b"application/json"
-
+def _reply_with(data: bytes, ctype: bytes = b"text/event-stream") -> Any:
     async def reply(stream: trio.SocketStream, head: bytes) -> None:
         await stream.send_all(
             b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype
             + b"\r\ncontent-length: %d\r\n\r\n" % len(data) + data)
 
     return reply
+
+
+def _replay(name: str) -> Any:
+    ctype = b"text/event-stream" if name.endswith(".sse") else b"application/json"
+    return _reply_with((TRANSCRIPTS / name).read_bytes(), ctype)
 
 
 def _events(body: bytes) -> list[Any]:
@@ -44,7 +46,11 @@ def _events(body: bytes) -> list[Any]:
 
 
 async def _through_gateway(name: str, body: dict[str, Any]) -> Any:
-    async with raw_server(_replay(name)) as up:
+    return await _through(_replay(name), body)
+
+
+async def _through(reply: Any, body: dict[str, Any]) -> Any:
+    async with raw_server(reply) as up:
         settings = polygate.Settings(
             scopes={"chat": polygate.Scope(
                 sources=[polygate.Source(name="a", base_url=up.url)],
@@ -200,3 +206,52 @@ async def test_n_choices_finish_in_chunks_of_their_own_as_openai_sends_them() ->
     events = [e for e in _events(answer.body) if isinstance(e, dict)]
     assert max(len(e["choices"]) for e in events) <= 1, [
         e["choices"] for e in events if len(e["choices"]) > 1]
+
+
+async def test_azure_async_filter_annotations_reach_a_serve_client() -> None:
+    """docs/serve.md (7ff843d): "a chunk with no content token that carries data is
+    relayed too (... Azure's content_filter_results ...)".  Azure's asynchronous filter
+    sends its annotations as chunks whose choice has no ``delta`` (transcript 10).  The
+    library now forwards them, but StreamShape.chunk re-shapes any choice without a
+    ``delta`` from ``chunk.delta`` (``{}``): the client gets two empty chunks
+    (``delta: {}``, ``finish_reason: null``) after the answer's text and no annotation."""
+    data = (TRANSCRIPTS / "10-azure-stream-async-filter-annotations.sse").read_bytes()
+    answer = await _through(_reply_with(data), {**CHAT, "stream": True})
+    events = [e for e in _events(answer.body) if isinstance(e, dict)]
+    offsets = [c for e in events for c in e["choices"] if "content_filter_offsets" in c]
+    assert offsets, json.dumps(events)[:3000]
+
+
+async def test_a_relayed_finish_chunk_with_usage_is_not_followed_by_a_second_usage() -> None:
+    """A finish chunk that carries an extra (OpenRouter's native_finish_reason, Azure's
+    annotations) and the usage (DeepSeek/Mistral put usage on the finish chunk) is
+    relayed raw; with include_usage the client then gets a usage object twice."""
+    base = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    evs = [
+        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop",
+                              "native_finish_reason": "end_turn"}],
+         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}},
+    ]
+    data = ("".join("data: " + json.dumps(e) + "\n\n" for e in evs) + "data: [DONE]\n\n").encode()
+    answer = await _through(_reply_with(data), {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    events = [e for e in _events(answer.body) if isinstance(e, dict)]
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert finishes == ["stop"], events
+    usages = [e for e in events if e.get("usage")]
+    assert len(usages) == 1, usages
+
+
+async def test_a_relayed_finish_chunk_has_no_usage_the_client_did_not_ask_for() -> None:
+    base = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    evs = [
+        {**base, "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop",
+                              "native_finish_reason": "end_turn"}],
+         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}},
+    ]
+    data = ("".join("data: " + json.dumps(e) + "\n\n" for e in evs) + "data: [DONE]\n\n").encode()
+    answer = await _through(_reply_with(data), {**CHAT, "stream": True})
+    events = [e for e in _events(answer.body) if isinstance(e, dict)]
+    assert not [e for e in events if e.get("usage")], events
