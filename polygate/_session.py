@@ -168,6 +168,9 @@ class Session:
         for index, text in enumerate(inputs):
             _check_utf8(text, f"inputs[{index}]")
         _check_params(params, reserved=("input",))
+        if "schema" in params:
+            # (A chat keyword here is a mistake, not a vendor field to send upstream.)
+            raise ConfigError("embed() takes no schema: structured output is for chat calls")
         mode = cache_mode(cache)
         return await cached_embed(self._runtime, self._cache, mode, scope, list(inputs), params, deadline)
 
@@ -438,6 +441,8 @@ class ChatStream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        if self._cm is None:
+            raise PolygateError("this ChatStream was never entered ('async with' enters it)")
         result: bool | None = await self._cm.__aexit__(exc_type, exc, tb)
         return result
 

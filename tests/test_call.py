@@ -340,6 +340,20 @@ async def test_bad_arguments_before_any_io(autojump_clock: trio.testing.MockCloc
         await s.chat(MESSAGES)
 
 
+async def test_an_embedding_call_with_a_schema_and_an_unentered_stream_are_clear_errors(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: ``embed(schema=...)`` went upstream as a vendor field (``ocr()`` refuses
+    it); leaving a ChatStream never entered raised a bare AttributeError."""
+    a = FakeUpstream(Reply())
+    async with polygate.session(one_source_settings(), transport=_router(a=a)) as s:
+        with pytest.raises(polygate.ConfigError, match="embed\\(\\) takes no schema"):
+            await s.embed(["x"], scope="chat", schema={"type": "object"})
+        with pytest.raises(polygate.PolygateError, match="never entered"):
+            await s.stream_chat(MESSAGES).__aexit__(None, None, None)
+    assert a.requests == []
+
+
 async def test_a_deadline_no_float_holds_is_refused_before_any_io(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
