@@ -413,10 +413,6 @@ def _encoded(cache: Cache, response: ChatResponse) -> bytes | None:
         return None
 
 
-def _nonempty(value: Any) -> bool:
-    return isinstance(value, str) and bool(value)
-
-
 def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A stored answer (the fields of a ChatResponse) as stream chunks: per choice, its
     reasoning, content, refusal and tool calls, the role on the first chunk and the
@@ -444,7 +440,8 @@ def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
         # The reasoning under the field the upstream streamed it in (Ollama's and
         # OpenRouter's "reasoning"; the assembler fills "reasoning_content" for all),
         # with OpenRouter's reasoning_details (their signatures go back next turn).
-        field = "reasoning" if _nonempty(message.get("reasoning")) else "reasoning_content"
+        said = message.get("reasoning")
+        field = "reasoning" if isinstance(said, str) and said else "reasoning_content"
         reasoning: dict[str, Any] = {}
         if message.get(field):
             reasoning[field] = message[field]

@@ -67,6 +67,7 @@ from .governance import (
     Refusal,
     RefusalReason,
     completion_budget,
+    only_breakers,
 )
 
 __all__ = ["Rounds", "call_stats", "every_error", "one_error", "run_chat", "run_embed"]
@@ -226,7 +227,7 @@ async def _retry_loop(
                 # Gave up at the deadline: the deadline's own cancellation is due at this
                 # very instant (one clock base), so let it speak (DeadlineExceeded).
                 await trio.lowlevel.checkpoint_if_cancelled()
-                if not wait_for_breakers and _only_breakers(exc.refusals) and not (
+                if not wait_for_breakers and only_breakers(exc.refusals) and not (
                     await _fallback_admits(ctx)
                 ):
                     # The fallback cannot take the call now either: this scope's
@@ -318,14 +319,6 @@ async def _retry_loop(
 
 #: Admission refusals a wait cures: every source was rate limited.
 _RATE_REASONS = frozenset({RefusalReason.COOLING_DOWN, RefusalReason.RPM, RefusalReason.TPM})
-
-
-def _only_breakers(refusals: Sequence[Refusal]) -> bool:
-    """Whether open breakers are all that kept a call out (dead sources and estimates
-    too large aside): what a call with a fallback does not wait for."""
-    waitable = [r for r in refusals
-                if r.reason not in (RefusalReason.DEAD, RefusalReason.TOO_LARGE)]
-    return bool(waitable) and all(r.reason is RefusalReason.BREAKER_OPEN for r in waitable)
 
 
 async def _fallback_admits(ctx: CallContext) -> bool:

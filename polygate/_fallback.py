@@ -96,15 +96,22 @@ def first_not_refused(
     when every scope of the chain did (then its error is the round's again)."""
     if not refused_models:
         return scope_name
-    target: str | None = scope_name
-    seen: set[str] = set()
+    return _past_refused(settings, scope_name, refused_models, set()) or scope_name
+
+
+def _past_refused(
+    settings: Settings, target: str | None, refused_models: Collection[str], seen: set[str]
+) -> str | None:
+    """The first scope of the chain from ``target`` (not in ``seen``) that serves a model
+    not in ``refused_models``; ``None`` when the chain runs out (or comes back)."""
+    refused = set(refused_models)
     while target is not None and target not in seen:
         seen.add(target)
-        scope = settings.scopes[target]
-        if not {s.model for s in scope.sources} <= set(refused_models):
+        candidate = settings.scopes[target]
+        if not {s.model for s in candidate.sources} <= refused:
             return target
-        target = scope.fallback
-    return scope_name
+        target = candidate.fallback
+    return None
 
 
 def fallback_scope(
@@ -120,14 +127,6 @@ def fallback_scope(
     reasons = failure_reasons(error)
     if scope.fallback is None or not reasons & set(scope.fallback_on):
         return None
-    target: str | None = scope.fallback
-    context = "context_length" in reasons
-    seen = {scope_name}
-    while target is not None and target not in seen:
-        seen.add(target)
-        candidate = settings.scopes[target]
-        models = {s.model for s in candidate.sources}
-        if not (context and models <= set(refused_models)):
-            return target
-        target = candidate.fallback
-    return None
+    if "context_length" not in reasons:
+        return scope.fallback  # (a chain never comes back on itself: the settings refuse it)
+    return _past_refused(settings, scope.fallback, refused_models, {scope_name})

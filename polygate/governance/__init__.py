@@ -11,6 +11,7 @@ from ._governor import (
     Governor,
     NoAdmission,
     SourceStatistics,
+    only_breakers,
 )
 from ._memory import WINDOW_S, MemoryBackend
 from ._model import (
@@ -52,5 +53,6 @@ __all__ = [
     "TokenEstimator",
     "completion_budget",
     "default_estimator",
+    "only_breakers",
     "pick_order",
 ]

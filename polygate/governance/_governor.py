@@ -30,7 +30,14 @@ from ._model import (
 )
 from ._picking import Health, HealthStats, pick_order, reference_latency
 
-__all__ = ["Governor", "GovernanceStatistics", "NoAdmission", "SETTLE_RULES", "SourceStatistics"]
+__all__ = [
+    "SETTLE_RULES",
+    "GovernanceStatistics",
+    "Governor",
+    "NoAdmission",
+    "SourceStatistics",
+    "only_breakers",
+]
 
 # outcome -> (tokens recorded: "usage" | "estimate" (the usage when an attempt that
 # lost had reported it) | "zero", breaker feedback)
@@ -52,6 +59,18 @@ DEFAULT_RATE_LIMIT_COOLDOWN_S = 1.0
 MIN_RATE_LIMIT_COOLDOWN_S = 0.1
 _MIN_WAIT_S = 0.001
 _NEVER = frozenset({RefusalReason.TOO_LARGE})
+
+
+def _waitable(refusals: Sequence[Refusal]) -> list[Refusal]:
+    """The refusals a wait may cure: not a dead source, not an estimate too large."""
+    return [r for r in refusals if r.reason not in _NEVER and r.reason is not RefusalReason.DEAD]
+
+
+def only_breakers(refusals: Sequence[Refusal]) -> bool:
+    """Whether open breakers are all that kept a call out (dead sources and estimates
+    too large aside): what a call with a fallback does not wait for."""
+    waitable = _waitable(refusals)
+    return bool(waitable) and all(r.reason is RefusalReason.BREAKER_OPEN for r in waitable)
 
 
 class NoAdmission(Exception):
@@ -189,10 +208,8 @@ class Governor:
             if isinstance(result, Admission):
                 return result
             refusals = result
-            waitable = [r for r in refusals if r.reason not in _NEVER and r.reason is not RefusalReason.DEAD]
-            if not waitable or (not wait_for_breakers and all(
-                r.reason is RefusalReason.BREAKER_OPEN for r in waitable
-            )):
+            waitable = _waitable(refusals)
+            if not waitable or (not wait_for_breakers and only_breakers(refusals)):
                 raise NoAdmission(refusals)
             known = [r.retry_at for r in waitable if r.retry_at is not None]
             # A time that is only the latest (``sooner``) wakes the wait but does not
@@ -229,18 +246,16 @@ class Governor:
         the attempt is known to have cost whatever it reported (its prompt and the
         tokens it streamed), which an estimate that stands never undercuts."""
         kind, feedback = SETTLE_RULES[outcome]
-        if kind == "usage":
-            tokens = usage_tokens
-            if tokens is None and at_least > admission.tokens:
-                tokens = at_least  # no usage reported: the estimate, never below what came
-        elif kind == "zero":
+        tokens: int | None
+        if kind == "zero":
             tokens = 0
         else:
-            # The estimate stands in for a cost that is unknown; an attempt that lost
-            # after reporting its usage (it finished in the winner's batch) settles that.
-            # A stream cut (by its caller, a failure) after more tokens than its
-            # estimate cost at least what it streamed: a client that leaves just before
-            # the end of a long answer must not pay only the estimate.
+            # "usage": what the upstream reported; "estimate": the estimate stands in
+            # for a cost that is unknown, and an attempt that lost after reporting its
+            # usage (it finished in the winner's batch) settles that.  Either way, with
+            # no usage the estimate is a floor, never a discount: a stream that
+            # streamed more than it (a client that left just before the end of a long
+            # answer, an answer without a usage chunk) costs at least what it streamed.
             tokens = usage_tokens
             if tokens is None and at_least > admission.tokens:
                 tokens = at_least

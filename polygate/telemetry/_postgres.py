@@ -33,8 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -46,6 +45,7 @@ from ._schema import (
     TABLES,
     check_version,
     foreign_table,
+    read_transaction,
     shape_checks,
     statements,
     upsert_session_sql,
@@ -302,14 +302,9 @@ class PostgresReader:
         )
         return {r[0] for r in rows}
 
-    @contextmanager
-    def snapshot(self) -> Iterator[None]:
+    def snapshot(self) -> AbstractContextManager[None]:
         # (The connection is in autocommit mode: each query would see its own state.)
-        self._conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        try:
-            yield
-        finally:
-            self._conn.execute("COMMIT")
+        return read_transaction(self._conn.execute, "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
 
     def close(self) -> None:
         self._conn.close()

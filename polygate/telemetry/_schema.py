@@ -16,8 +16,9 @@ databases, so the same queries (and ``polygate stats``) read either.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Literal
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
 
 from .._errors import ConfigError
 from ._events import AttemptEvent, CallEvent, SessionEvent
@@ -158,6 +159,17 @@ def shape_checks() -> list[tuple[str, str]]:
     of that name that is not polygate's (``CREATE TABLE IF NOT EXISTS`` kept it) fails
     its query, at session start rather than at every write."""
     return [(name, f"SELECT {', '.join(fields)} FROM {name} LIMIT 0") for name, fields in _COLUMNS.items()]
+
+
+@contextmanager
+def read_transaction(execute: Callable[[str], Any], begin: str) -> Iterator[None]:
+    """The queries inside read one state of the database (``stats``'s snapshot): a
+    batch a session commits meanwhile is in all of them or in none."""
+    execute(begin)
+    try:
+        yield
+    finally:
+        execute("COMMIT")
 
 
 def foreign_table(table: str, where: str, problem: BaseException | str) -> ConfigError:

@@ -18,8 +18,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -31,6 +30,7 @@ from ._schema import (
     check_version,
     foreign_table,
     insert_sql,
+    read_transaction,
     shape_checks,
     statements,
     upsert_session_sql,
@@ -76,10 +76,12 @@ def _wal(conn: sqlite3.Connection) -> None:
             time.sleep(0.01)
 
 
-def _connect(path: Path, *, read_only: bool = False) -> sqlite3.Connection:
-    if read_only:
+def _connect(path: Path, *, read_only: bool = False, immutable: bool = False) -> sqlite3.Connection:
+    """``immutable`` (read-only too): the file as it is, without WAL or locks."""
+    if read_only or immutable:
+        mode = "mode=ro&immutable=1" if immutable else "mode=ro"
         conn = sqlite3.connect(
-            f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=_BUSY_TIMEOUT_S,
+            f"{path.absolute().as_uri()}?{mode}", uri=True, timeout=_BUSY_TIMEOUT_S,
             check_same_thread=False,
         )
     else:
@@ -229,10 +231,7 @@ class SQLiteReader:
             # ``:ro`` mount): a reader must create its ``-shm`` file, and cannot.  No
             # writer can be live there (it would need that file too), and the WAL is
             # empty, so the file is read as immutable: as it is.
-            self._conn = sqlite3.connect(
-                f"{path.absolute().as_uri()}?mode=ro&immutable=1", uri=True,
-                timeout=_BUSY_TIMEOUT_S, check_same_thread=False,
-            )
+            self._conn = _connect(path, immutable=True)
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         return self._conn.execute(sql, params).fetchall()
@@ -241,15 +240,9 @@ class SQLiteReader:
         rows = self.query("SELECT name FROM sqlite_master WHERE type = 'table'")
         return {r[0] for r in rows}
 
-    @contextmanager
-    def snapshot(self) -> Iterator[None]:
-        # A read transaction: in WAL mode its reads see the database as it was at
-        # its first read, whatever is committed meanwhile.
-        self._conn.execute("BEGIN")
-        try:
-            yield
-        finally:
-            self._conn.execute("COMMIT")
+    def snapshot(self) -> AbstractContextManager[None]:
+        # In WAL mode a read transaction sees the database as it was at its first read.
+        return read_transaction(self._conn.execute, "BEGIN")
 
     def close(self) -> None:
         self._conn.close()
