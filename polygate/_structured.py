@@ -39,7 +39,7 @@ import json
 import re
 import sys
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -163,6 +163,10 @@ def _is_pydantic_model(obj: Any) -> bool:
 # --------------------------------------------------------------------------- JSON Schema
 
 
+#: An answer this shallow never exhausts the validator's recursion by its own depth.
+_SHALLOW = 16
+
+
 class _DictSchema(Schema):
     off_loop_chars = 2 * 1024  # jsonschema is pure Python: about 1 ms per 300 bytes
 
@@ -206,8 +210,15 @@ class _DictSchema(Schema):
             if validator.is_valid(value):
                 return value
             errors = sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.path)))
-        except RecursionError:  # an answer too deep for the validator to walk
-            raise Invalid(["$: nested too deeply to be validated"]) from None
+        except RecursionError:
+            if not nested_deeper(text, _SHALLOW):
+                # Not the answer's depth: the schema loops in a way the check before
+                # the request could not see.  Never the model's fault, never re-asked.
+                raise ConfigError(
+                    "schema: validation recursed without end on an answer "
+                    f"at most {_SHALLOW} levels deep (the schema leads back to itself)"
+                ) from None
+            raise Invalid(["$: nested too deeply to be validated"]) from None  # too deep to walk
         except Exception as exc:  # a reference below a nested $id that does not resolve
             raise ConfigError(f"schema: cannot be applied ({_first_line(exc)})") from None
         raise Invalid(_bounded(f"{e.json_path}: {e.message}" for e in errors))
@@ -246,6 +257,12 @@ def _compile(schema: Any) -> Any:
         raise ConfigError(
             f"schema: {keyword} {ref!r} does not resolve inside the schema "
             "(polygate never fetches remote schemas)"
+        )
+    loop = _in_place_loop(schema, referencing.jsonschema, REGISTRY)
+    if loop is not None:
+        raise ConfigError(
+            f"schema: {loop} leads back to a schema it came from without descending "
+            "into the answer, so validating any answer would never end"
         )
     # The registry of the drafts' metaschemas, which never retrieves: without it,
     # jsonschema fetches an unknown URI over the network while validating an answer.
@@ -315,6 +332,111 @@ def _dangling(schema: Any, drafts: Any, metaschemas: Any) -> tuple[str, str] | N
             for key, value in reversed(node.items()) if key not in _DATA_KEYWORDS
         )
     return None
+
+
+# Keywords that apply their subschemas to the instance itself, not to a part of it: a
+# cycle through them alone (``{"$ref": "#"}``) never ends, whatever the answer.
+_IN_PLACE_ONE = ("not", "if", "then", "else")
+_IN_PLACE_MANY = ("allOf", "anyOf", "oneOf")
+_IN_PLACE_NAMED = ("dependentSchemas", "dependencies")
+_REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def _in_place_loop(schema: Any, drafts: Any, metaschemas: Any) -> str | None:
+    """How a checked schema leads back to itself without descending into the instance,
+    as ``"$ref '#'"`` or ``"allOf"``, or None.
+
+    JSON Schema forbids such a schema (its validation never ends); jsonschema takes
+    it and then recurses until Python's limit on every answer, which would otherwise
+    read as the answer's fault.  References are followed as :func:`_dangling` resolves
+    them; a ``$dynamicRef`` is taken as a plain reference (its dynamic target is one
+    the same walk reaches).  Before 2019-09 a ``$ref`` hides its siblings."""
+    if not isinstance(schema, dict):
+        return None
+    dialect = schema.get("$schema")
+    spec = (
+        drafts.specification_with(dialect, default=drafts.DRAFT202012)
+        if isinstance(dialect, str) else drafts.DRAFT202012
+    )
+    legacy = spec in (drafts.DRAFT3, drafts.DRAFT4, drafts.DRAFT6, drafts.DRAFT7)
+    root = _root_resolver(spec.create_resource(schema), metaschemas)
+
+    def steps(node: dict[str, Any], resolver: Any) -> Iterator[tuple[Any, Any, bool, str]]:
+        """(subschema, its resolver, whether reached through a reference, keyword)."""
+        for keyword in _REFERENCES:
+            ref = node.get(keyword)
+            if isinstance(ref, str):
+                target = _target(resolver, root, ref)
+                if target is not None:
+                    yield target.contents, target.resolver, True, f"{keyword} {ref!r}"
+                if legacy and keyword == "$ref":
+                    return
+        for keyword in _IN_PLACE_ONE:
+            if keyword in node:
+                yield node[keyword], resolver, False, keyword
+        for keyword in (*_IN_PLACE_MANY, "extends"):
+            value = node.get(keyword)
+            for item in value if isinstance(value, list) else [value] if keyword == "extends" else []:
+                yield item, resolver, False, keyword
+        for keyword in _IN_PLACE_NAMED:
+            value = node.get(keyword)
+            if isinstance(value, dict):
+                for item in value.values():
+                    yield item, resolver, False, keyword
+
+    def enter(node: dict[str, Any], resolver: Any, via_ref: bool) -> Iterator[tuple[Any, Any, bool, str]]:
+        if not via_ref and node is not schema and isinstance(spec.id_of(node), str):
+            resolver = resolver.in_subresource(spec.create_resource(node))
+        return steps(node, resolver)
+
+    # A depth-first search over the in-place steps alone, from every subschema (a loop
+    # may sit under a property), each subschema searched once.
+    done: set[int] = set()
+    for start, resolver in _subschemas(schema, spec, root):
+        if id(start) in done:
+            continue
+        on_path = {id(start)}
+        path = [(start, steps(start, resolver))]
+        while path:
+            node, children = path[-1]
+            for child, child_resolver, via_ref, keyword in children:
+                if not isinstance(child, dict) or id(child) in done:
+                    continue
+                if id(child) in on_path:
+                    return keyword
+                on_path.add(id(child))
+                path.append((child, enter(child, child_resolver, via_ref)))
+                break
+            else:
+                path.pop()
+                on_path.discard(id(node))
+                done.add(id(node))
+    return None
+
+
+def _subschemas(schema: Any, spec: Any, root: Any) -> Iterator[tuple[dict[str, Any], Any]]:
+    """Every object of a schema that is a schema, with the resolver of the resource it
+    sits in (as :func:`_dangling` walks them: data skipped, names not keywords)."""
+    stack: list[tuple[Any, Any, bool]] = [(schema, root, False)]
+    seen: set[int] = set()
+    while stack:
+        node, resolver, names = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, resolver, False) for item in node)
+            continue
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if names:
+            stack.extend((value, resolver, False) for value in node.values())
+            continue
+        if node is not schema and isinstance(spec.id_of(node), str):
+            resolver = resolver.in_subresource(spec.create_resource(node))
+        yield node, resolver
+        stack.extend(
+            (value, resolver, key in _NAMED_SCHEMAS)
+            for key, value in node.items() if key not in _DATA_KEYWORDS
+        )
 
 
 def _root_resolver(root: Any, metaschemas: Any) -> Any:

@@ -574,6 +574,78 @@ VALID_SCHEMAS: list[Any] = [
 ]
 
 
+# Schemas that lead back to themselves without descending into the answer: JSON Schema
+# forbids them, and jsonschema recursed on every answer until Python's limit, which
+# was taken for the answer's fault (re-asked until the re-asks ran out).
+LOOPING_SCHEMAS: list[Any] = [
+    {"$ref": "#"},
+    {"$defs": {"Node": {"$ref": "#/$defs/Node"}}, "$ref": "#/$defs/Node"},
+    {"$defs": {"A": {"allOf": [{"$ref": "#/$defs/B"}]}, "B": {"allOf": [{"$ref": "#/$defs/A"}]}},
+     "$ref": "#/$defs/A"},
+    {"anyOf": [{"type": "string"}, {"$ref": "#"}]},
+    {"not": {"if": {"$ref": "#"}}},
+    # only where a property leads: the loop is under "a", still in place there
+    {"properties": {"a": {"$ref": "#/$defs/X"}}, "$defs": {"X": {"oneOf": [{"$ref": "#/$defs/X"}]}}},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/a",
+     "definitions": {"a": {"$ref": "#/definitions/b"}, "b": {"$ref": "#/definitions/a"}}},
+]
+
+# Recursive schemas that descend into the answer before they come back: valid.
+RECURSIVE_SCHEMAS: list[Any] = [
+    {"type": "object", "properties": {"name": {"type": "string"},
+                                      "children": {"type": "array", "items": {"$ref": "#"}}}},
+    {"$defs": {"Node": {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#/$defs/Node"},
+                                                                            {"type": "null"}]}}}},
+     "$ref": "#/$defs/Node"},
+    {"$dynamicAnchor": "node", "type": "object",
+     "properties": {"kids": {"type": "array", "items": {"$dynamicRef": "#node"}}}},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/t",
+     "definitions": {"t": {"type": "object",
+                           "properties": {"children": {"type": "array", "items": {"$ref": "#/definitions/t"}}}}},
+     "allOf": [{"$ref": "#"}]},  # draft-07 ignores a $ref's siblings: no loop
+    {"$ref": "https://json-schema.org/draft/2020-12/schema"},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "http://json-schema.org/draft-07/schema#"},
+]
+
+
+@pytest.mark.parametrize("schema", LOOPING_SCHEMAS, ids=range(len(LOOPING_SCHEMAS)))
+async def test_a_schema_that_loops_in_place_is_a_config_error_before_any_io(
+    autojump_clock: trio.testing.MockClock, schema: Any
+) -> None:
+    up = FakeUpstream(Reply(text='{"a": 1}'))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="leads back"):
+            await s.chat(MESSAGES, schema=schema)
+    assert up.requests == []
+
+
+@pytest.mark.parametrize("schema", RECURSIVE_SCHEMAS, ids=range(len(RECURSIVE_SCHEMAS)))
+async def test_recursive_schemas_that_descend_are_accepted(
+    autojump_clock: trio.testing.MockClock, schema: Any
+) -> None:
+    up = FakeUpstream(Reply(text='{"name": "n", "children": [{"name": "m", "children": []}], "kids": []}'))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=schema)
+    assert r.call_stats.reasks == 0 and r.parsed is not None
+
+
+async def test_a_loop_found_only_while_validating_is_a_config_error_not_a_reask(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop the check before I/O does not see (here: the check switched off) recurses
+    on a shallow answer: the schema's fault, a ConfigError after the one request; a deep
+    answer that exhausts the validator is still the answer's fault (re-asked)."""
+    from polygate import _structured
+
+    monkeypatch.setattr(_structured, "_in_place_loop", lambda *args: None)
+    up = FakeUpstream(Reply(text='{"a": 1}'))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="recursed without end"):
+            await s.chat(MESSAGES, schema={"$defs": {"L": {"allOf": [{"$ref": "#/$defs/L"}]}},
+                                           "properties": {"a": {"$ref": "#/$defs/L"}}})
+    assert len(up.requests) == 1
+
+
 def test_a_long_chain_of_references_is_checked_without_recursion() -> None:
     """The check walks with its own stack: a chain of 3000 draft-07 references, each to
     the next, was reported as a dangling one once Python's stack ran out."""
