@@ -140,6 +140,9 @@ class Round:
         self._forward = forward
         self._demote = demote
         self._paths: list[_Path] = []
+        # The paths that failed, in the order they failed (not launched): the order of
+        # AllSourcesExhausted.errors, and of the sources that go to the back.
+        self._failed: list[_Path] = []
         self._winner: _Path | None = None
         self._committed: _Path | None = None
         # The monitor parks here; paths unpark it when something it watches changes.
@@ -170,7 +173,7 @@ class Round:
             await self._run_path(self._new_path(primary, "primary"))
         if self._winner is not None:
             return self._winner.record, self._winner.result
-        errors = [p.error for p in self._paths if p.error is not None]
+        errors = [p.error for p in self._failed if p.error is not None]
         if self._committed is not None:
             raise RoundFailed(errors, self._committed.error, self._committed.record)
         raise RoundFailed(errors, None)
@@ -201,6 +204,7 @@ class Round:
             pass
         except UpstreamError as exc:
             path.error = exc
+            self._failed.append(path)
             if isinstance(exc, FatalUpstreamError) and not self._decided():
                 # The request is wrong (SPEC §3: raised at once): the other paths would
                 # be told so too, later.  They end now, as losers, and the round with
@@ -401,11 +405,10 @@ class Round:
         if took and not self._decided():
             in_flight = {p.admission.source for p in self._paths if not p.done}
             # Sources that failed in this round go to the back too, not only those
-            # that failed in earlier rounds (a source that failed in this call goes last).
-            demote = [*self._demote, *(
-                p.admission.source for p in self._paths
-                if p.error is not None and p.admission.source not in self._demote
-            )]
+            # that failed in earlier rounds: least recently failed first, so one that
+            # failed before and again in this round moves to the end.
+            now_failed = list(dict.fromkeys(p.admission.source for p in self._failed))
+            demote = [*(s for s in self._demote if s not in now_failed), *now_failed]
             try:
                 result = await governor.try_admit(
                     ctx.scope_name, ctx.estimate, exclude=in_flight, demote=demote

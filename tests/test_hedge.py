@@ -609,3 +609,54 @@ async def test_a_call_cancelled_while_its_hedge_asks_admission_gives_the_token_b
         stats = await s.statistics()
     assert b.requests == []  # no hedge was sent
     assert stats.governance.hedge_budget["chat"] == pytest.approx(1.0)
+
+
+# the order of failures ------------------------------------------------------------------
+
+
+async def test_a_hedged_rounds_errors_are_listed_in_the_order_they_happened(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: the round listed its errors in the order its paths were launched.  The
+    hedge b (sent at 8) fails at 9, the primary a at 10: b's error comes first, as
+    concepts.md says (and as embed's every_error already did)."""
+    a = FakeUpstream(Reply(status=500, headers_delay_s=10))
+    b = FakeUpstream(Reply(status=502, headers_delay_s=1))
+    settings = _settings(retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+    assert [e.source for e in info.value.errors] == ["b", "a"]
+
+
+async def test_the_next_round_starts_on_the_least_recently_failed_source(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """b failed at 9, a at 10: the next round starts on b (admission.md, picking: the
+    sources that failed in this call come last, least recently failed first)."""
+    a = FakeUpstream([Reply(status=500, headers_delay_s=10), Reply(first_token_s=1)])
+    b = FakeUpstream([Reply(status=502, headers_delay_s=1), Reply(first_token_s=1)])
+    settings = _settings(retry=polygate.Retry(max_attempts=2, backoff_base_s=0))
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.source == "b" and len(a.requests) == 1 and len(b.requests) == 2
+
+
+async def test_a_source_failing_again_in_a_round_moves_behind_the_others(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Rounds 1 and 2 fail on a, then b; round 3's primary c hangs.  Its first hedge
+    goes to a (the least recently failed), which fails again at once: the second hedge
+    goes to b, not back to a (a source that failed in this round kept the place of its
+    earlier failure)."""
+    a = FakeUpstream([Reply(status=500), Reply(status=500, headers_delay_s=1)])
+    b = FakeUpstream([Reply(status=500), Reply(first_token_s=1)])
+    c = FakeUpstream(Reply(first_token_s=100))
+    settings = _settings(
+        names=("a", "b", "c"), hedge=polygate.Hedge(after_s=8, max_extra=2),
+        source_kw={"b": {"weight": 1e-4}}, retry=polygate.Retry(max_attempts=3, backoff_base_s=0),
+    )
+    async with polygate.session(settings, transport=Router({"a": a, "b": b, "c": c})) as s:
+        r = await s.chat(MESSAGES)
+    assert (r.source, r.call_stats.hedges) == ("b", 2)
+    assert (len(a.requests), len(b.requests), len(c.requests)) == (2, 2, 1)
