@@ -570,7 +570,7 @@ class Scope:
             status = _STATUS_REASON.match(reason)
             if status is None:
                 continue
-            # A status the taxonomy never makes a fatal error (a 429, 401/403/404,
+            # A status the taxonomy never makes a fatal error (a 429, 401/402/403/404/407,
             # 408/409/425): the reason could never fire; say which one covers it.
             error = classify_status(int(status.group(1)), "")
             if not isinstance(error, FatalUpstreamError):

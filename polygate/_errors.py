@@ -6,7 +6,7 @@
     ├── ConfigError (+ ValueError)           bad settings or caller arguments, before any I/O
     ├── UpstreamError                        one attempt against one source failed
     │   ├── FatalUpstreamError               400/422…: the request is wrong; never retried
-    │   ├── SourceDeadError                  401/403/404: source cools down for a long time
+    │   ├── SourceDeadError                  401/402/403/404/407: source cools down for a long time
     │   ├── TransientUpstreamError           5xx, network, timeouts, bad bodies; retried
     │   │   └── StreamStalled (+ TimeoutError)   a committed stream went silent
     │   └── RateLimitedError                 429: source cools down for Retry-After
@@ -136,7 +136,8 @@ class FatalUpstreamError(UpstreamError):
 
 
 class SourceDeadError(UpstreamError):
-    """The source rejects us (401, 403, 404): it is taken out for a long cooldown."""
+    """The source rejects us (401, 402, 403, 404, 407): it is taken out for a long
+    cooldown."""
 
     outcome = Outcome.DEAD
 
@@ -240,14 +241,16 @@ def classify_status(
     """Map a non-2xx HTTP status (or an error event's code) to one error class.
 
     408, 409 and 425 are the server saying "try again"; every other 4xx except the
-    auth/not-found family and 429 means our request is wrong.
+    auth/not-found family and 429 means our request is wrong.  402 (out of credit) and
+    407 (a proxy in front of the source wants credentials) are the source's state, not
+    the request's: another source can answer it, so they are dead, not fatal.
     """
     if status == 429:
         return RateLimitedError(
             detail or "rate limited", source=source, status_code=status,
             retry_after_s=retry_after_s,
         )
-    if status in (401, 403, 404):
+    if status in (401, 402, 403, 404, 407):
         return SourceDeadError(detail or "source rejected us", source=source, status_code=status)
     if status in (408, 409, 425) or status >= 500 or status < 400:
         return TransientUpstreamError(

@@ -749,3 +749,21 @@ async def test_a_call_refused_for_quota_says_when_to_retry(
     assert refused.value.errors == []
     assert refused.value.retry_after_s == pytest.approx(30.0)  # refused at once: its window frees at 60 s
     assert failed.value.retry_after_s is None and len(failed.value.errors) == 1
+
+
+@pytest.mark.parametrize("status", [402, 407])
+async def test_a_source_out_of_credit_fails_over_and_is_taken_out(
+    autojump_clock: trio.testing.MockClock, status: int
+) -> None:
+    """Review: a 402 (the source's key is out of credit) or 407 was 'the request is
+    wrong': about half the calls failed at once with FatalUpstreamError, forever, while
+    source b answered the same request.  It is the source that cannot serve: b answers,
+    and a is taken out for the dead cooldown (one request, not one per call)."""
+    a = FakeUpstream(Reply(status=status, error_body={"error": {"message": "Insufficient credits"}}))
+    b = FakeUpstream(Reply(text="from b"))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name=n, base_url=f"http://{n}/v1", api_key=SECRET) for n in "ab"])})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        texts = [(await s.chat(MESSAGES)).text for _ in range(20)]
+    assert texts == ["from b"] * 20
+    assert len(a.requests) <= 1

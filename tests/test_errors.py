@@ -22,6 +22,9 @@ STATUS_TABLE = [
     (401, polygate.SourceDeadError, Outcome.DEAD),
     (403, polygate.SourceDeadError, Outcome.DEAD),
     (404, polygate.SourceDeadError, Outcome.DEAD),
+    # the source's state, not the request's: out of credit, a proxy wanting credentials
+    (402, polygate.SourceDeadError, Outcome.DEAD),
+    (407, polygate.SourceDeadError, Outcome.DEAD),
     (429, polygate.RateLimitedError, Outcome.RATE_LIMITED),
     (408, polygate.TransientUpstreamError, Outcome.TRANSIENT),
     (409, polygate.TransientUpstreamError, Outcome.TRANSIENT),
