@@ -363,6 +363,16 @@ def _plain_hit(call: _Call, cache: Cache, data: bytes) -> ChatResponse | None:
     return response
 
 
+def _verdict(error: BaseException) -> BaseException | None:
+    """The leader's error as its waiters' answer; None (the flight handed over to a
+    waiter) when the leader only ran out of its own time: every source refused it until
+    past its deadline or its ``rate_limit_wait_s``, which a waiter with more time (or
+    that joined later) would have waited out."""
+    if isinstance(error, AllSourcesExhausted) and error.timed:
+        return None
+    return error
+
+
 def _binds(error: BaseException, rounds: Rounds | None) -> bool:
     """Whether the leader's shared error is this waiter's answer too.
 
@@ -390,7 +400,7 @@ async def _lead(
     try:
         response = await upstream()
     except _SHARED as exc:
-        cache.flights.settle(key, flight, error=exc)
+        cache.flights.settle(key, flight, error=_verdict(exc))
         raise
     except BaseException:
         cache.flights.settle(key, flight)  # handed over to a waiter
@@ -522,8 +532,9 @@ async def cached_embed(
             finally:
                 call.live.remove(held)
         except _SHARED as exc:
+            verdict = _verdict(exc)
             for k, f in flights.items():
-                cache.flights.settle(k, f, error=exc)
+                cache.flights.settle(k, f, error=verdict)
             _count_earlier_runs(call, exc)
             raise
         except BaseException as exc:

@@ -235,10 +235,10 @@ async def _retry_loop(
                     # long before the fallback's).
                     wait_for_breakers = True
                     continue
-                raise AllSourcesExhausted(
+                raise _timed(AllSourcesExhausted(
                     f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}",
                     errors=errors, retry_after_s=_rate_limited_for(exc.refusals),
-                ) from None
+                ), exc.timed) from None
         try:
             return await Round(ctx, runner, forward=forward, demote=failed).run(admission)
         except RoundFailed as failure:
@@ -298,10 +298,10 @@ async def _retry_loop(
                     waited = "at the deadline" if deadline_at is not None else (
                         f"after rate_limit_wait_s={retry.rate_limit_wait_s}"
                     )
-                    raise AllSourcesExhausted(
+                    raise _timed(AllSourcesExhausted(
                         f"every source still rate limited {waited} in scope {ctx.scope_name!r}",
                         errors=errors, retry_after_s=_rate_limited_for(result),
-                    )
+                    ), True)
                 admitted = result
             continue
         consumed += 1
@@ -341,6 +341,11 @@ async def _fallback_admits(ctx: CallContext) -> bool:
         ):
             return True
     return False
+
+
+def _timed(error: AllSourcesExhausted, timed: bool) -> AllSourcesExhausted:
+    error.timed = timed
+    return error
 
 
 def _rate_limited_for(refusals: Sequence[Refusal]) -> float | None:

@@ -204,6 +204,10 @@ class AllSourcesExhausted(PolygateError):
         self.errors: list[UpstreamError] = list(errors or [])
         self.call_stats = call_stats
         self.retry_after_s = retry_after_s
+        #: Given up at this call's own time limit (its deadline, or its
+        #: ``rate_limit_wait_s``) while a source would admit later: no verdict on the
+        #: request for a coalesced caller with more time (see polygate._cached).
+        self.timed = False
 
 
 class StructuredOutputError(PolygateError):

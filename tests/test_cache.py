@@ -870,3 +870,70 @@ async def test_an_embed_that_leads_and_waits_counts_its_own_attempt_however_it_e
     assert all(src.state.in_flight == 0 and src.state.tokens_reserved == 0
                for src in stats.governance.sources)
     assert stats.cache.in_flight == 0
+
+
+async def _leader_with_a_deadline_and_a_patient_waiter(
+    leader: Any, waiter: Any,
+) -> dict[str, Any]:
+    """The leader from t=0 and a waiter joining at 0.5; what each call gave."""
+    got: dict[str, Any] = {}
+
+    async def run(name: str, call: Any, at: float) -> None:
+        await trio.sleep(at)
+        try:
+            got[name] = await call()
+        except polygate.PolygateError as exc:
+            got[name] = exc
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, "leader", leader, 0.0)
+        nursery.start_soon(run, "waiter", waiter, 0.5)
+    return got
+
+
+@pytest.mark.parametrize("kind", ["chat", "embed"])
+async def test_a_leader_out_of_its_own_time_is_no_verdict_for_a_patient_waiter(
+    autojump_clock: trio.testing.MockClock, kind: str,
+) -> None:
+    """Review: a 429 cooling the only source down for 20 s; the leader (deadline 5 s)
+    gave up at once with AllSourcesExhausted, and that error went to the waiter (no
+    deadline) as a verdict, though alone it waits the cooldown out and is answered.
+    A refusal only because of the leader's time limit hands the flight over."""
+    up = FakeUpstream([Reply(status=429, retry_after_s=20, headers_delay_s=1.0), Reply(text="answer")])
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        if kind == "chat":
+            got = await _leader_with_a_deadline_and_a_patient_waiter(
+                lambda: s.chat(MESSAGES, call_deadline_s=5.0), lambda: s.chat(MESSAGES))
+        else:
+            got = await _leader_with_a_deadline_and_a_patient_waiter(
+                lambda: s.embed(["x"], call_deadline_s=5.0), lambda: s.embed(["x"]))
+    assert isinstance(got["leader"], polygate.AllSourcesExhausted)
+    answer = polygate.ChatResponse if kind == "chat" else polygate.EmbeddingResponse
+    assert isinstance(got["waiter"], answer), got
+    assert len(up.requests) == 2  # the waiter's own try, after the cooldown
+
+
+async def test_a_leader_past_its_rate_limit_wait_hands_over_to_a_later_waiter(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Without deadlines: rate_limit_wait_s counts from each call's start, so a waiter
+    that joined later has more of it left than the leader that gave up."""
+    # the 429 at 5 cools a down until 11: past the leader's 0 + 10, not the waiter's 4 + 10
+    up = FakeUpstream([Reply(status=429, retry_after_s=6, headers_delay_s=5.0), Reply(text="answer")])
+    settings = cache_settings(retry=polygate.Retry(rate_limit_wait_s=10))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        got: dict[str, Any] = {}
+
+        async def run(name: str, at: float) -> None:
+            await trio.sleep(at)
+            try:
+                got[name] = await s.chat(MESSAGES)
+            except polygate.PolygateError as exc:
+                got[name] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "leader", 0.0)
+            nursery.start_soon(run, "waiter", 4.0)
+    assert isinstance(got["leader"], polygate.AllSourcesExhausted)
+    assert isinstance(got["waiter"], polygate.ChatResponse), got
+    assert [r.started_at for r in up.requests] == [0.0, 11.0]

@@ -76,8 +76,11 @@ def only_breakers(refusals: Sequence[Refusal]) -> bool:
 class NoAdmission(Exception):
     """No source admitted the attempt (and waiting was not allowed or gave up)."""
 
-    def __init__(self, refusals: Sequence[Refusal]) -> None:
+    def __init__(self, refusals: Sequence[Refusal], *, timed: bool = False) -> None:
         self.refusals = list(refusals)
+        #: Given up at the caller's time limit (a source would admit later), not
+        #: because none ever will: another caller with more time may still be admitted.
+        self.timed = timed
         detail = ", ".join(f"{r.source}: {r.reason.value}" for r in refusals) or "no candidate"
         super().__init__(f"no source admitted the call ({detail})")
 
@@ -224,7 +227,7 @@ class Governor:
             bound = min(give_up_at, cooldown_give_up_at) if only_cooldowns else give_up_at
             now = self.backend.now()
             if (not unknown and next_at > bound) or now >= bound:
-                raise NoAdmission(refusals)
+                raise NoAdmission(refusals, timed=True)
             # A retry time that is already due (clock arithmetic, or a shared backend's
             # time converted to ours) must not turn the wait into a spin.
             next_at = max(next_at, now + _MIN_WAIT_S)
