@@ -13,6 +13,8 @@ depends on the value alone, so equal values share a key and different ones do no
 * object keys are sorted, so key order never matters, at any depth;
 * a number is its value: ``1``, ``1.0`` and ``1e0`` are the same (an integral float
   becomes an int), ``0.5`` and ``0.50`` too; ``True`` is not ``1`` (JSON tells them apart);
+  an object key is the text JSON writes for it, so the key ``1.0`` (``"1.0"`` on the
+  wire) is not the key ``1`` (``"1"``);
 * tuples are lists; any other Mapping is an object;
 * strings are compared exactly (no Unicode normalisation: a different prompt is a
   different prompt).
@@ -38,7 +40,8 @@ __all__ = ["EXCLUDED_PARAMS", "KEY_VERSION", "canonical", "canonical_json", "cha
 
 #: Bumped whenever the canonical form changes, so old entries are never misread.
 #: 2: written by msgspec (UTF-8) where version 1 used ``json`` (ASCII escapes).
-KEY_VERSION = 2
+#: 3: a float object key is its JSON text (``"1.0"``), no longer an int's (``"1"``).
+KEY_VERSION = 3
 
 #: Parameters left out of the key: they identify the caller or shape the transport,
 #: and never change the answer.
@@ -82,11 +85,14 @@ def canonical(value: Any) -> Any:
 
 
 def _key_text(key: Any) -> str:
-    """Object keys as JSON writes them (``1`` → ``"1"``, ``True`` → ``"true"``)."""
+    """Object keys as JSON writes them (``1`` → ``"1"``, ``True`` → ``"true"``, ``1.0``
+    → ``"1.0"``): a key is text on the wire, so an integral float key is not an int's."""
     if type(key) is str:
         return key
     if isinstance(key, str):
         return str.__str__(key)
+    if isinstance(key, float):
+        return json.dumps(float(key))
     return json.dumps(canonical(key))
 
 
