@@ -503,6 +503,8 @@ async def cached_embed(
     keys = embed_keys(scope, cache.models(scope, call.ctx.scope.sources), inputs, params)
     texts: dict[str, str] = dict(zip(keys, inputs, strict=True))  # distinct, in order
     found: dict[str, tuple[list[float], str | None, str | None, int | None, str | None]] = {}
+    fetched: set[str] = set()  # the inputs this call's own upstream runs answered
+    came: dict[str, str] = {}  # how the others came: "hit" or "coalesced"
 
     def take(key: str, data: bytes | None) -> bool:
         if data is None:
@@ -548,6 +550,7 @@ async def cached_embed(
             usage_source = response.usage.source if response.usage is not None else None
             for k, vector, tokens in zip(led, response.vectors, shares, strict=True):
                 found[k] = (vector, response.model, response.source, tokens, usage_source)
+                fetched.add(k)
                 data = _encoded_vector(cache, vector, response, tokens, usage_source)
                 if data is not None:
                     cache.put(k, data, ttl)
@@ -565,19 +568,18 @@ async def cached_embed(
             for key, data in zip(todo, values, strict=True):
                 if take(key, data):
                     cache.hits += 1
+                    came[key] = "hit"
             todo = [k for k in todo if k not in found]
-        if not todo:
-            return _embedding(call, inputs, keys, found, call.runs)
         # What this call leads and what it waits on run side by side: a flight it
         # joined that is abandoned (its leader cancelled) is led again at once, not
         # after this call's own upstream batch (docs/cache.md, "Coalescing").
         orphans: list[str] = []
 
-        def start(nursery: trio.Nursery, todo: list[str]) -> None:
+        def start(nursery: trio.Nursery, todo: list[str], refresh: bool = False) -> None:
             led: list[str] = []
             flights: dict[str, Flight] = {}
             for key in todo:
-                if mode == "refresh":
+                if mode == "refresh" or refresh:
                     flight: Flight | None = cache.flights.lead_if_free(key)
                     if flight is not None:
                         flights[key] = flight
@@ -589,6 +591,7 @@ async def cached_embed(
                 # the look and the claim (as chat does).
                 if take(key, cache.get_local(key)):
                     cache.hits += 1
+                    came[key] = "hit"
                     continue
                 flight, leading = cache.flights.claim(key)
                 if leading:
@@ -604,6 +607,7 @@ async def cached_embed(
             await call.within(flight.done.wait)
             if flight.value is not None and take(key, flight.value):
                 cache.coalesced += 1
+                came[key] = "coalesced"
             elif flight.error is not None:
                 error = call.shared(flight.error)
                 if not call.recorded:
@@ -622,14 +626,49 @@ async def cached_embed(
             start(nursery, todo)
 
         try:
-            async with trio.open_nursery() as nursery:
-                start(nursery, todo)
+            if todo:
+                async with trio.open_nursery() as nursery:
+                    start(nursery, todo)
+            stale = _stale(found, fetched)
+            if stale:
+                # Stored (or another call's) vectors of another length than this
+                # call's own from the upstream: the model behind the source changed
+                # (a `model=None` source on vLLM, Ollama).  A bad entry is a miss, never
+                # a failed call: fetched again, and stored over.
+                cache.failed(f"{len(stale)} stored vector(s) of another length than the "
+                             "upstream's now: fetched again", pause=False)
+                for key in stale:
+                    del found[key]
+                    kind = came.pop(key, None)
+                    if kind == "hit":
+                        cache.hits -= 1
+                    elif kind == "coalesced":
+                        cache.coalesced -= 1
+                async with trio.open_nursery() as nursery:
+                    start(nursery, stale, refresh=True)
         except BaseExceptionGroup as group:
             raise one_error(group) from group
         return _embedding(call, inputs, keys, found, call.runs)
 
     result: EmbeddingResponse = await _guard(call, body)
     return result
+
+
+def _stale(
+    found: Mapping[str, tuple[list[float], str | None, str | None, int | None, str | None]],
+    fetched: set[str],
+) -> list[str]:
+    """The vectors to fetch again when the call's vectors disagree in length: those not
+    fetched by this call, of another length than the ones it fetched (all of them when
+    it fetched none).  None when they agree, or when the fetched ones disagree among
+    themselves (the scope's sources serve different models: an error, not a miss)."""
+    lengths = {len(vector) for vector, *_ in found.values()}
+    if len(lengths) <= 1:
+        return []
+    fresh = {len(found[k][0]) for k in fetched}
+    if len(fresh) > 1:
+        return []
+    return [k for k, (vector, *_) in found.items() if k not in fetched and len(vector) not in fresh]
 
 
 def _count_earlier_runs(call: _Call, exc: BaseException) -> None:

@@ -937,3 +937,30 @@ async def test_a_leader_past_its_rate_limit_wait_hands_over_to_a_later_waiter(
     assert isinstance(got["leader"], polygate.AllSourcesExhausted)
     assert isinstance(got["waiter"], polygate.ChatResponse), got
     assert [r.started_at for r in up.requests] == [0.0, 11.0]
+
+
+async def test_stored_vectors_of_another_length_are_misses_never_a_failed_call(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: the model behind an unchanged source changed (a ``model=None`` source on
+    vLLM or Ollama: the key holds ""), and a call with one input cached and one not
+    failed with FatalUpstreamError (vectors of different dimensions) for the whole TTL.
+    A stored vector of another length than the upstream's now is a counted miss: it is
+    fetched again and stored over; a call whose inputs were all such hits is fetched
+    again whole."""
+    up = FakeUpstream(Reply(), embedding_dim=3)
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        await s.embed(["a"])
+        await s.embed(["c"])
+        up.embedding_dim = 8  # the same source, another model behind it
+        await s.embed(["d"])
+        partial = await s.embed(["a", "b"])
+        again = await s.embed(["a"])
+        mixed = await s.embed(["c", "d"])  # all hits, of two lengths
+        stats = (await s.statistics()).cache
+    assert [len(v) for v in partial.vectors] == [8, 8]
+    assert [r.body["input"] for r in up.requests[2:]] == [["d"], ["b"], ["a"], ["c", "d"]]
+    assert again.call_stats.cached and again.vectors == [partial.vectors[0]]
+    assert [len(v) for v in mixed.vectors] == [8, 8] and not mixed.call_stats.cached
+    assert stats.errors == 2  # one bad entry each time, counted
+    assert stats.hits == 1  # "a" at last; the stale hits were not hits
