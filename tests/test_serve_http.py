@@ -216,6 +216,21 @@ async def test_unknown_model_is_model_not_found() -> None:
     assert not upstream.requests
 
 
+@pytest.mark.parametrize("model", [5, ["chat"], {"id": "chat"}, True])
+async def test_a_model_that_is_not_a_string_is_a_400(model: object) -> None:
+    """Review: a model of the wrong JSON type was a 404 "the model `5` does not exist";
+    it is a malformed request (400, param "model"), as OpenAI answers it."""
+    async with gateway() as (server, upstream):
+        chat = await http(server, "POST", "/v1/chat/completions", {**CHAT, "model": model}, AUTH)
+        embed = await http(server, "POST", "/v1/embeddings", {"model": model, "input": "x"}, AUTH)
+    for answer in (chat, embed):
+        assert answer.status == 400, answer.body
+        error = answer.json()["error"]
+        assert (error["param"], error["code"]) == ("model", "invalid_request")
+        assert "must be a string" in error["message"]
+    assert not upstream.requests
+
+
 async def test_unknown_path_and_wrong_method() -> None:
     async with gateway() as (server, _):
         assert (await http(server, "POST", "/v1/completions", CHAT, AUTH)).status == 404
@@ -855,3 +870,53 @@ async def test_a_problem_after_a_head_request_is_answered_with_its_body(second: 
     lengths = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
     assert len(body) == int(lengths[0]) > 0
     assert json.loads(body)["error"]["message"]
+
+
+async def _one_answer(server: Any, data: bytes) -> Any:
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    async with stream:
+        await stream.send_all(data)
+        return await read_answer(stream)
+
+
+def _tiny_chunks(n: int) -> bytes:
+    """A chat request whose body comes as ``n`` chunks of one byte each."""
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\n" + _KEY_LINE
+            + b"transfer-encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * n + b"0\r\n\r\n")
+
+
+async def test_a_body_of_tiny_chunks_lets_every_other_task_run() -> None:
+    """Review: h11 gives one event per chunk (~6 µs), and the body was read event after
+    event with no checkpoint: each 64 KiB read of 1-byte chunks (~11,000 events) held
+    the loop, every other request and stream, for ~100 ms.  The body's events now
+    yield every few dozen: a task that only checkpoints runs thousands of times while
+    the 300,000 chunks are read, not once a read."""
+    ticks = 0
+    async with gateway() as (server, _):
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            answer = await _one_answer(server, _tiny_chunks(300_000))
+            nursery.cancel_scope.cancel()
+    assert answer.status == 400  # "x" * 300000 is no JSON
+    assert ticks > 300_000 // 64 // 2, ticks
+
+
+async def test_reading_a_body_of_tiny_chunks_counts_against_body_timeout() -> None:
+    """The time h11 takes over a body's chunks is the body's: past body_timeout_s it is
+    a 408, however much of it had already arrived."""
+    client, conn = _connection(polygate.Serve(body_timeout_s=0.2))
+    data = _tiny_chunks(1_000_000)  # ~6 s of h11 events, all there at once
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.send_all, data)
+        started = trio.current_time()
+        with pytest.raises(HTTPProblem) as caught:
+            await conn.read_request()
+        nursery.cancel_scope.cancel()
+    assert caught.value.status == 408
+    assert trio.current_time() - started < 2

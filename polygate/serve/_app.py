@@ -304,6 +304,9 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
         model = body.get("model")
         if model is None:
             return path, await _fail(ctx, _bad_param("you must provide a model parameter", "model"))
+        if not isinstance(model, str):  # a malformed request, not a name nobody serves
+            return path, await _fail(ctx, _bad_param(
+                f"model must be a string, not {_json_type(model)}", "model"))
         return path, await _fail(ctx, _unknown_model(model))
     embeddings = path == "/v1/embeddings"
     refused = sorted((_EMBED_REFUSED if embeddings else _CHAT_REFUSED) & body.keys())
@@ -396,6 +399,15 @@ async def _charged(
         # has none; Redis shields its round trip, bounded): a client that left still
         # returns its permit.
         await quotas.settle(admitted, attempted=charge.counts, tokens=spent)
+
+
+def _json_type(value: Any) -> str:
+    """What a decoded JSON value is, in JSON's words."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def _key_refusal(refusal: KeyRefusal) -> ErrorReply:
