@@ -65,8 +65,10 @@ def continuation_messages(
 
 def resumable_delta(delta: Mapping[str, Any]) -> bool:
     """A delta a continuation can extend: no tool calls, nor the legacy
-    ``function_call`` (half-sent arguments cannot be continued by another model)."""
-    return not (delta.get("tool_calls") or delta.get("function_call"))
+    ``function_call`` (half-sent arguments cannot be continued by another model), nor a
+    ``refusal`` (a refusal cut halfway, "continued" by another model, would be the
+    refused request answered: a refusal is never routed around)."""
+    return not (delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal"))
 
 
 class Stitcher:
@@ -175,7 +177,7 @@ def _content(chunk: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
 class StreamSink(Forward, Protocol):
     """The caller's end of a stream that can say where a continuation begins."""
 
-    shown_tool_calls: bool  # tool-call deltas were shown: the stream cannot be resumed
+    shown_tool_calls: bool  # tool-call or refusal deltas were shown: not resumable
 
     def mark_resumed(self) -> None:
         """The next chunk offered is the first of a continuation."""

@@ -575,7 +575,7 @@ class _Sink:
         self._held: StreamChunk | None = None
         self._resumed = False
         self.sent = 0
-        self.shown_tool_calls = False  # a stream that showed tool calls cannot be resumed
+        self.shown_tool_calls = False  # a stream that showed tool calls (or a refusal) cannot be resumed
 
     def mark_resumed(self) -> None:
         self._resumed = True

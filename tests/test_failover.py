@@ -586,12 +586,15 @@ async def test_a_malformed_event_before_the_commit_fails_the_attempt_as_before(
     b'"arguments":"{\\"ci"}}]',
     # the legacy form (functions=...), which OpenAI-compatible servers still stream
     b'"function_call":{"name":"lookup","arguments":"{\\"ci"}',
-], ids=["tool_calls", "function_call"])
+    # review: a refusal cut halfway, "continued" by another model, was the refused
+    # request answered afresh (half a refusal, then "Sure! ...")
+    b'"refusal":"I\'m sorry, I can"',
+], ids=["tool_calls", "function_call", "refusal"])
 async def test_a_tool_call_cut_mid_arguments_is_not_resumed(
     call: bytes, autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Half-sent tool-call arguments cannot be continued by another model: the stream
-    fails as it would without resume (documented limit)."""
+    """Half-sent tool-call arguments (or half a refusal) cannot be continued by another
+    model: the stream fails as it would without resume (documented limit)."""
     body = (
         b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"Let me look. "}}]}\n\n'
         b'data: {"choices":[{"index":0,"delta":{' + call + b'}}]}\n\n'
