@@ -533,9 +533,11 @@ async def run_chat(
         if segments:
             ctx.continuation = None
             await _finish_continuation(active, record, result)
+            assert forward is not None  # (only a stream is resumed)
             return chat_response(
                 ctx, record, result, segments, "".join(shown),
                 [*segment_chars, sum(map(len, shown)) - sum(segment_chars)],
+                ("".join(forward.shown_reasoning), forward.reasoning_field),
             )
         return chat_response(ctx, record, result)
 

@@ -114,12 +114,14 @@ def chat_response(
     segments: Sequence[AttemptRecord] = (),
     shown: str | None = None,
     shown_chars: Sequence[int] = (),
+    shown_reasoning: tuple[str, str] = ("", "reasoning_content"),
 ) -> ChatResponse:
     """The call's answer.  For a resumed stream, the first choice's content is
-    ``shown`` (everything the caller received, stitched) and the usage sums the
-    segments (``shown_chars``: the characters each segment showed, for an estimate
-    where one reported no usage); the rest (finish reason, tool calls of the last
-    segment…) is the last segment's."""
+    ``shown`` (everything the caller received, stitched), its reasoning every
+    segment's as shown (``shown_reasoning``: the text and the field it came in), and
+    the usage sums the segments (``shown_chars``: the characters each segment showed,
+    for an estimate where one reported no usage); the rest (finish reason, tool calls
+    of the last segment…) is the last segment's."""
     stats = call_stats(ctx, record, trio.current_time(), segments)
     choices = body.get("choices") or []
     usage = record.usage
@@ -128,6 +130,13 @@ def chat_response(
         if choices and isinstance(choices[0], dict):
             message = dict(choices[0].get("message") or {})
             message["content"] = shown or ""
+            reasoning, field = shown_reasoning
+            if reasoning:
+                # The assembler fills reasoning_content for every form; "reasoning"
+                # stays where the upstream sent it.
+                message["reasoning_content"] = reasoning
+                if field == "reasoning" or "reasoning" in message:
+                    message["reasoning"] = reasoning
             choices[0]["message"] = message
         body = {**body, "choices": choices}
         usage = _summed_usage([*segments, record], shown_chars)

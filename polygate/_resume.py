@@ -178,6 +178,11 @@ class StreamSink(Forward, Protocol):
     """The caller's end of a stream that can say where a continuation begins."""
 
     shown_tool_calls: bool  # tool-call or refusal deltas were shown: not resumable
+    #: The first choice's reasoning shown so far, and the field it came in
+    #: (``reasoning_content``, or ``reasoning`` as Ollama and OpenRouter send it): a
+    #: resumed stream's answer keeps every segment's, as the caller saw it.
+    shown_reasoning: list[str]
+    reasoning_field: str
 
     def mark_resumed(self) -> None:
         """The next chunk offered is the first of a continuation."""

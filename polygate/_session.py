@@ -565,7 +565,10 @@ class ChatStream:
 class _Sink:
     """The committed path's chunks, on their way to the iterator (see ``Forward``)."""
 
-    __slots__ = ("_delivered", "_held", "_resumed", "_send", "sent", "shown_tool_calls")
+    __slots__ = (
+        "_delivered", "_held", "_resumed", "_send", "reasoning_field", "sent", "shown_reasoning",
+        "shown_tool_calls",
+    )
 
     def __init__(
         self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed], delivered: list[str]
@@ -576,6 +579,8 @@ class _Sink:
         self._resumed = False
         self.sent = 0
         self.shown_tool_calls = False  # a stream that showed tool calls (or a refusal) cannot be resumed
+        self.shown_reasoning: list[str] = []
+        self.reasoning_field = "reasoning_content"
 
     def mark_resumed(self) -> None:
         self._resumed = True
@@ -599,6 +604,13 @@ class _Sink:
             self._delivered.append(text)
         if not resumable_delta(delta):
             self.shown_tool_calls = True
+        reasoning = delta.get("reasoning_content")
+        if not (isinstance(reasoning, str) and reasoning):
+            reasoning = delta.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                self.reasoning_field = "reasoning"
+        if isinstance(reasoning, str) and reasoning:
+            self.shown_reasoning.append(reasoning)
         item = StreamChunk(text=text, delta=delta, raw=chunk, resumed=self._resumed)
         self._resumed = False
         self.sent += 1

@@ -928,3 +928,40 @@ def test_a_status_that_is_never_fatal_is_no_fallback_reason(reason: str, instead
     with pytest.raises(polygate.ConfigError, match="POLYGATE__X__FALLBACK_ON"):
         polygate.Settings.from_env(env)
     polygate.Scope(src, fallback_on=("status:413", "status:422"))  # fatal statuses: fine
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+async def test_a_resumed_streams_answer_keeps_every_segments_reasoning(
+    autojump_clock: trio.testing.MockClock, field: str
+) -> None:
+    """Review: after a resume, stream.response.message had only the last segment's
+    reasoning (none here): the reasoning the caller was shown from the first segment
+    was gone from the answer.  It is every segment's, as shown, in the field the
+    upstream used (Ollama's and OpenRouter's ``reasoning`` too)."""
+    import httpx
+
+    def sse(*deltas: dict[str, Any], end: bool) -> bytes:
+        events = [json.dumps({"choices": [{"index": 0, "delta": d}]}) for d in deltas]
+        if end:
+            events += [json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+                       "[DONE]"]
+        return "".join(f"data: {e}\n\n" for e in events).encode()
+
+    first = sse({"role": "assistant", field: "Let me think. "}, {"content": "w0 w1 w2 w3 w4"},
+                end=False)  # cut: no finish_reason, no [DONE]
+    rest = sse({"role": "assistant", field: "Picking up."}, {"content": " w5"}, end=True)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = first if request.url.host == "a" else rest
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    transport = httpx.MockTransport(answer)
+    async with polygate.session(_resume_settings(), transport=Router({"a": transport, "b": transport})) as s:
+        stream, chunks = await _read(s)
+    response = stream.response
+    assert response is not None and response.call_stats.resumes == 1
+    shown = "".join(c.delta.get(field) or "" for c in chunks)
+    assert shown == "Let me think. Picking up."
+    assert response.message["reasoning_content"] == shown
+    assert response.message.get("reasoning") == (shown if field == "reasoning" else None)
+    assert response.text == "w0 w1 w2 w3 w4 w5"
