@@ -50,7 +50,7 @@ from ._errors import (
     TransientUpstreamError,
     UpstreamError,
 )
-from ._fallback import failure_reasons, fallback_scope, first_not_refused
+from ._fallback import continuation_scope, failure_reasons, fallback_scope, first_not_refused
 from ._hedge import Forward, Round, RoundFailed, Runner
 from ._resume import (
     PREFILL_PARAMS,
@@ -444,7 +444,9 @@ async def run_chat(
         try:
             return await run_chat_attempt(ctx, admission, control, request)
         except FatalUpstreamError as exc:
-            if cont is None or not cont.prefilled(source):
+            if cont is None or not cont.prefilled(source) or failure_reasons(exc) & _NOT_PREFILL:
+                # (A context-length or content-policy 400 is about the conversation,
+                # not the prefill: asked again without it, the request is longer still.)
                 raise
             # The target rejected the assistant prefill: ask it again without one.  That
             # 400 concerns polygate's way of asking, never the caller's request.
@@ -497,11 +499,11 @@ async def run_chat(
                     segments.append(failure.record)
                     segment_chars.append(sum(map(len, shown)) - sum(segment_chars))
                 failed = failure.error.source
-                if ctx.scope.fallback is not None and all(
-                    s.name == failed for s in ctx.scope.sources
-                ):
-                    # The scope's only source just failed: continue in its fallback.
-                    _move_to(ctx, ctx.scope.fallback, params)
+                onward = continuation_scope(runtime.settings, ctx.scope_name, ctx.context_refused)
+                if onward is not None and all(s.name == failed for s in ctx.scope.sources):
+                    # The scope's only source just failed: continue in its fallback
+                    # (never in one whose models refused this call's context).
+                    _move_to(ctx, onward, params)
                     demoted = []
                 elif failed:
                     # Behind every source that has not failed in this call, the
@@ -621,6 +623,9 @@ def _can_resume(ctx: CallContext, sink: StreamSink, error: UpstreamError, resume
 
 #: The parameters that bound the answer's length (OpenAI's old and new names).
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
+
+#: The 400s to a prefilled continuation that are not its prefill's refusal.
+_NOT_PREFILL = frozenset({"context_length", "content_policy"})
 
 
 def _prepare_continuation(

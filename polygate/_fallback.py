@@ -127,6 +127,16 @@ def fallback_scope(
     reasons = failure_reasons(error)
     if scope.fallback is None or not reasons & set(scope.fallback_on):
         return None
-    if "context_length" not in reasons:
-        return scope.fallback  # (a chain never comes back on itself: the settings refuse it)
+    # Whatever moves the call, never to a model that refused its context before (in
+    # an earlier scope of the chain): the chain never comes back on itself (the
+    # settings refuse it), so the walk ends.
     return _past_refused(settings, scope.fallback, refused_models, {scope_name})
+
+
+def continuation_scope(
+    settings: Settings, scope_name: str, refused_models: Collection[str] = ()
+) -> str | None:
+    """Where a committed stream continues when its scope has no other source: the
+    scope's fallback, past the scopes whose every model refused this call's context
+    (a continuation is longer still); ``None`` when there is none."""
+    return _past_refused(settings, settings.scopes[scope_name].fallback, refused_models, {scope_name})

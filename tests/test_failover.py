@@ -965,3 +965,64 @@ async def test_a_resumed_streams_answer_keeps_every_segments_reasoning(
     assert response.message["reasoning_content"] == shown
     assert response.message.get("reasoning") == (shown if field == "reasoning" else None)
     assert response.text == "w0 w1 w2 w3 w4 w5"
+
+
+# the models that refused the context, after the move ------------------------------------
+
+
+def _small_big_small(**big: Any) -> polygate.Settings:
+    """chat (w: m-small) → big (x: m-big) → other (y: m-small again)."""
+    return _scopes(
+        chat={"sources": {"w": {"model": "m-small"}}, "fallback": "big",
+              "stream": polygate.StreamWatch(resume=True)},
+        big={"sources": {"x": {"model": "m-big"}}, "fallback": "other", **big},
+        other={"sources": {"y": {"model": "m-small"}}},
+    )
+
+
+async def test_a_continuation_never_goes_to_a_model_that_refused_the_context(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: w (m-small) refused the context, the call moved to big; x committed and
+    was cut, and being big's only source, the continuation went to big's fallback --
+    whose only model, m-small, had refused this call's shorter prompt already."""
+    w, y = FakeUpstream(CONTEXT), FakeUpstream(CONTEXT)
+    x = FakeUpstream(Reply(text=ANSWER, fault="truncated", fault_after=40))
+    async with polygate.session(_small_big_small(), transport=Router({"w": w, "x": x, "y": y})) as s:
+        with pytest.raises(polygate.TransientUpstreamError):
+            await _read(s)
+    assert len(w.requests) == 1 and y.requests == []
+
+
+async def test_a_scope_exhausted_after_a_context_refusal_never_falls_back_to_that_model(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The same chain with big exhausted (503s): its fallback serves only m-small,
+    which refused this call's context; the call ends with big's error instead."""
+    w, y = FakeUpstream(CONTEXT), FakeUpstream(CONTEXT)
+    x = FakeUpstream(Reply(status=503))
+    settings = _small_big_small(retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=Router({"w": w, "x": x, "y": y})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat(MESSAGES)
+    assert len(w.requests) == 1 and len(x.requests) == 1 and y.requests == []
+
+
+@pytest.mark.parametrize("refusal", ["context", "policy"])
+async def test_a_prefilled_continuation_refused_for_its_conversation_is_not_asked_again(
+    autojump_clock: trio.testing.MockClock, refusal: str,
+) -> None:
+    """Review: any 400 to a prefilled continuation was taken for a refused prefill, and
+    the same source was asked again without it: a context-length refusal with a longer
+    request still, a content-policy refusal turned into a transient error."""
+    refused = CONTEXT if refusal == "context" else _err(
+        400, "content_filter", "The response was filtered due to the content management policy.")
+    a = FakeUpstream(Reply(text=ANSWER, fault="truncated", fault_after=40))
+    b = FakeUpstream(refused)
+    settings = _scopes(chat={"sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9, "prefill": True}},
+                             "stream": polygate.StreamWatch(resume=True)})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        with pytest.raises(polygate.PolygateError):
+            await _read(s)
+    assert len(b.requests) == 1
+    assert b.requests[0].body["messages"][-1]["role"] == "assistant"  # the prefill
