@@ -227,6 +227,8 @@ def _url_problem(value: str) -> str | None:
     """What makes ``value`` unusable as written, in words that never quote it."""
     if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in value):
         return "must not contain blanks or control characters"
+    if not is_utf8(value):  # a non-UTF-8 byte of an environment value: no client sends it
+        return "must be UTF-8 text (it holds a byte that is not)"
     # "user:pa/ss@host": a parser ends the authority at the "/" and reads "pa" as
     # the port of host "user" -- the key would go there.
     userinfo = value.rpartition("@")[0].partition("://")[2]

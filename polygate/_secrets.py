@@ -15,6 +15,7 @@ would garble messages more than they protect.
 
 from __future__ import annotations
 
+import base64
 import functools
 import html
 import json
@@ -44,17 +45,46 @@ def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
     for secret in secrets:
         if not isinstance(secret, str) or len(secret) < MIN_SECRET_LEN:
             continue
+        # The bytes as sent: a lone surrogate (a non-UTF-8 byte of an environment
+        # value) is that byte again, never an error here (redacting must not fail).
+        raw = secret.encode("utf-8", "surrogateescape")
         found.add(secret)
         found.add(repr(secret)[1:-1])  # str repr: \x00, \\, \'
         found.add(repr(secret.encode("utf-8", "backslashreplace"))[2:-1])  # bytes repr (h11)
         found.add(json.dumps(secret)[1:-1])  # JSON, ASCII-escaped
         found.add(json.dumps(secret, ensure_ascii=False)[1:-1])
-        found.add(quote(secret, safe=""))  # a URL's percent-encoding
-        found.add(quote(secret))
+        found.add(quote(raw, safe=""))  # a URL's percent-encoding
+        found.add(quote(raw))
+        for digits in ("%%%02X", "%%%02x"):  # every byte percent-encoded, unreserved ones too
+            found.add("".join(digits % byte for byte in raw))
+        found.add(raw.hex())  # hex dumps
+        found.add(raw.hex().upper())
         found.add(html.escape(secret))  # an HTML error page (&amp; &lt; &#x27;)
         found.add(html.escape(secret, quote=False))
         found.add(secret.lower())  # a header value compared case-insensitively
+        found.add(secret.upper())
+        found.update(_base64_forms(raw))
     return tuple(sorted((f for f in found if len(f) >= MIN_SECRET_LEN), key=len, reverse=True))
+
+
+#: The shortest run of base64 text searched for: shorter ones would match by chance.
+_MIN_BASE64 = 8
+
+
+def _base64_forms(raw: bytes) -> set[str]:
+    """The base64 text (standard and URL-safe alphabets) that ``raw`` becomes wherever
+    it sits in what was encoded (``Basic base64(user:key)``): at each of the three
+    byte alignments, the characters that only its own bytes decide."""
+    forms: set[str] = set()
+    for offset in range(3):
+        encoded = base64.b64encode(bytes(offset) + raw).decode("ascii")
+        # Characters are 6 bits: the first ones also hold the bytes before it, the
+        # last one (and the padding) the bytes after it.
+        stable = encoded[(8 * offset + 5) // 6:(8 * (offset + len(raw))) // 6]
+        if len(stable) >= _MIN_BASE64:
+            forms.add(stable)
+            forms.add(stable.replace("+", "-").replace("/", "_"))
+    return forms
 
 
 def redact(text: str, secrets: Iterable[str]) -> str:

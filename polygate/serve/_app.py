@@ -89,12 +89,14 @@ class Gateway:
     settings: Settings
     #: An UnavailableSession while the governance backend has not answered since start.
     session: Session | UnavailableSession
-    keys: tuple[bytes, ...] = attrs.field(init=False)
+    #: (Not in the repr: an unsalted digest lets a key be guessed offline, and a
+    #: crash reporter that records locals would keep it.)
+    keys: tuple[bytes, ...] = attrs.field(init=False, repr=False)
     #: The name of each key in ``keys`` (``None``: an unlabelled ``api_keys`` entry).
-    names: tuple[str | None, ...] = attrs.field(init=False)
+    names: tuple[str | None, ...] = attrs.field(init=False, repr=False)
     #: The labelled keys with a quota; ``None`` when no key has one.
-    quotas: KeyQuotas | None = attrs.field(init=False)
-    models_body: bytes = attrs.field(init=False)
+    quotas: KeyQuotas | None = attrs.field(init=False, repr=False)
+    models_body: bytes = attrs.field(init=False, repr=False)
     users: int = 0
     retired: bool = False
     idle: trio.Event = attrs.field(factory=trio.Event)
