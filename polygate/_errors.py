@@ -234,6 +234,15 @@ class StructuredOutputError(PolygateError):
 
 # --------------------------------------------------------------------------- mapping
 
+#: Error codes that say the request was too long for the model's context.
+CONTEXT_CODES = frozenset({
+    "context_length_exceeded", "string_above_max_length", "model_max_context_length",
+})
+#: Error codes that say a content policy refused the request.
+POLICY_CODES = frozenset({
+    "content_filter", "content_policy_violation", "content_policy", "safety", "moderation",
+})
+
 
 def classify_status(
     status: int,

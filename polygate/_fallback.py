@@ -29,21 +29,22 @@ import re
 from collections.abc import Collection
 
 from ._config import Settings
-from ._errors import AllSourcesExhausted, FatalUpstreamError, PolygateError, RateLimitedError
+from ._errors import (
+    CONTEXT_CODES as _CONTEXT_CODES,
+    POLICY_CODES as _POLICY_CODES,
+    AllSourcesExhausted,
+    FatalUpstreamError,
+    PolygateError,
+    RateLimitedError,
+)
 
 __all__ = ["failure_reasons", "fallback_scope", "is_content_policy", "is_context_length"]
 
-_CONTEXT_CODES = frozenset({
-    "context_length_exceeded", "string_above_max_length", "model_max_context_length",
-})
 _CONTEXT_TEXT = re.compile(
     r"context.length|context.window|maximum context|too many tokens|prompt is too long"
     r"|input is too long|exceeds? the model'?s? max|reduce the length of the (messages|prompt)",
     re.IGNORECASE,
 )
-_POLICY_CODES = frozenset({
-    "content_filter", "content_policy_violation", "content_policy", "safety", "moderation",
-})
 _POLICY_TEXT = re.compile(
     r"content.(management.)?polic|content.filter|flagged by|safety system|responsible ai",
     re.IGNORECASE,

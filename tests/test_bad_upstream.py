@@ -213,3 +213,41 @@ async def test_choices_with_no_content_are_still_an_empty_answer(
         response = await s.chat(MESSAGES)
     assert response.text == "" and response.finish_reason in ("stop", "length")
     assert response.choices[0]["index"] == 0
+
+
+@pytest.mark.parametrize(("code", "fatal"), [
+    ("content_filter", True), ("context_length_exceeded", True),
+    ("server_error", False), ("rate_limit_exceeded", False), ("invalid_api_key", False),
+])
+async def test_an_error_event_whose_code_names_the_request_is_fatal(
+    code: str, fatal: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Review: an error event with no status was always transient, so a content-policy
+    refusal inside a 200 stream was retried on another source (and a committed stream
+    resumed past it): routed around.  A code that names the request as the problem (a
+    content policy, the context's length) is what an HTTP 400 says; others stay
+    transient, as the event's own status would decide."""
+    a = FakeUpstream(Reply(fault="error_event", fault_after=1, error_event_code=code))
+    b = FakeUpstream(Reply(text="from b"))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name=n, base_url=f"http://{n}/v1", api_key=SECRET, weight=w)
+        for n, w in (("a", 1.0), ("b", 1e-9))])})
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        if fatal:
+            with pytest.raises(polygate.FatalUpstreamError) as info:
+                await s.chat(MESSAGES)
+            assert info.value.status_code == 400 and info.value.code == code
+            assert b.requests == []
+        else:
+            assert (await s.chat(MESSAGES)).text == "from b"
+    if not fatal:  # the class the code names: a rate limit cools down, a refused key is dead
+        alone = FakeUpstream(Reply(fault="error_event", fault_after=1, error_event_code=code))
+        one = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+            retry=polygate.Retry(max_attempts=1, rate_limit_wait_s=0))})
+        async with polygate.session(one, transport=Router({"a": alone})) as s:
+            with pytest.raises(polygate.AllSourcesExhausted) as exhausted:
+                await s.chat(MESSAGES)
+        assert type(exhausted.value.errors[0]) is {"server_error": polygate.TransientUpstreamError,
+                               "rate_limit_exceeded": polygate.RateLimitedError,
+                               "invalid_api_key": polygate.SourceDeadError}[code]

@@ -25,6 +25,8 @@ import httpx
 import trio
 
 from .._errors import (
+    CONTEXT_CODES,
+    POLICY_CODES,
     SourceDeadError,
     TransientUpstreamError,
     UpstreamError,
@@ -519,6 +521,13 @@ def _flatten_parts(delta: dict[str, Any]) -> None:
         delta["reasoning_content"] = (earlier if isinstance(earlier, str) else "") + "".join(thought)
 
 
+_STATUS_OF_CODE: dict[str | None, int] = {
+    **dict.fromkeys(CONTEXT_CODES | POLICY_CODES, 400),
+    "rate_limit_exceeded": 429,
+    "invalid_api_key": 401,
+}
+
+
 def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
     """An error inside a 200 stream: classified by its code like an HTTP status."""
     if isinstance(payload, str):
@@ -529,11 +538,18 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
             pass
     status = error_status(payload)
     detail = "error event in stream: " + error_message(payload, 300, endpoint.secrets)
+    code = error_code(payload, endpoint.secrets)
+    if (status is None or 200 <= status < 300) and code in _STATUS_OF_CODE:
+        # No status, but a code that says what an HTTP status would have: the request
+        # as the problem (too long for the context, refused by a content policy: a
+        # 400, which retried elsewhere or resumed would be routed around), a rate
+        # limit (a 429: the source cools down), a refused key (a 401: a dead source).
+        status = _STATUS_OF_CODE[code]
     if status is None or 200 <= status < 300:
         error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
     else:
         error = classify_status(status, detail, source=endpoint.name)
-    error.code = error_code(payload, endpoint.secrets)
+    error.code = code
     return error
 
 
