@@ -30,8 +30,8 @@ from collections.abc import Collection
 
 from ._config import Settings
 from ._errors import (
-    CONTEXT_CODES as _CONTEXT_CODES,
-    POLICY_CODES as _POLICY_CODES,
+    CONTEXT_CODES,
+    POLICY_CODES,
     AllSourcesExhausted,
     FatalUpstreamError,
     PolygateError,
@@ -54,7 +54,7 @@ _POLICY_TEXT = re.compile(
 def is_context_length(error: PolygateError) -> bool:
     if not isinstance(error, FatalUpstreamError):
         return False
-    if error.code in _CONTEXT_CODES:
+    if error.code in CONTEXT_CODES:
         return True
     return bool(_CONTEXT_TEXT.search(error.message)) and not is_content_policy(error)
 
@@ -62,7 +62,7 @@ def is_context_length(error: PolygateError) -> bool:
 def is_content_policy(error: PolygateError) -> bool:
     if not isinstance(error, FatalUpstreamError):
         return False
-    return error.code in _POLICY_CODES or bool(_POLICY_TEXT.search(error.message))
+    return error.code in POLICY_CODES or bool(_POLICY_TEXT.search(error.message))
 
 
 def failure_reasons(error: PolygateError) -> frozenset[str]:
