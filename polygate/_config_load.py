@@ -391,6 +391,10 @@ def _parse_env(entries: Mapping[str, str]) -> _SettingsPart:
             continue
         part, field, kind = _route_env_key(settings, key)
         part.values[field] = _value_from_text(kind, entries[key], key)
+        if field == "fallback" and isinstance(part.values[field], str):
+            # A scope's name, which the environment's keys give in any case and the
+            # loader lowers: POLYGATE__CHAT__FALLBACK=LARGE names POLYGATE__LARGE__*.
+            part.values[field] = part.values[field].lower()
         _check_key(field, part.values[field], key)
         part.keys.append(key)
     for scope in settings.scopes.values():

@@ -889,6 +889,14 @@ async def test_a_resumed_streams_response_is_what_the_caller_was_shown(
 # --------------------------------------------------------------------------- settings
 
 
+def test_an_env_fallback_names_its_scope_in_any_case() -> None:
+    """Review: the environment's scope names are lowered (POLYGATE__LARGE__* is scope
+    "large"), but FALLBACK=LARGE was taken as written: "'LARGE', which is not a scope"."""
+    env = {"POLYGATE__CHAT__A__BASE_URL": "http://a/v1", "POLYGATE__CHAT__FALLBACK": "LARGE",
+           "POLYGATE__LARGE__B__BASE_URL": "http://b/v1"}
+    assert polygate.Settings.from_env(env).scopes["chat"].fallback == "large"
+
+
 def test_fallback_settings_are_checked_the_same_three_ways(tmp_path: Any) -> None:
     src = [polygate.Source(name="a", base_url="http://a/v1")]
     with pytest.raises(polygate.ConfigError, match="fallback chain loops: x -> y -> x"):
