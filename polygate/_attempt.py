@@ -52,7 +52,9 @@ class AttemptControl:
 
     def __init__(self, record: AttemptRecord, on_content: OnContent | None = None) -> None:
         self.record = record
-        self.scope = trio.CancelScope()
+        #: Made by ``start_clocks`` with its deadline: an unentered scope's deadline
+        #: set afterwards costs trio's whole re-registration dance (~2 µs), for nothing.
+        self.scope: trio.CancelScope | None = None
         self.cancel_reason = Outcome.CANCELLED
         self.cancelled = False
         self.on_content = on_content
@@ -64,11 +66,20 @@ class AttemptControl:
     def cancel(self, reason: Outcome) -> None:
         self.cancel_reason = reason
         self.cancelled = True
-        self.scope.cancel()
+        if self.scope is not None:
+            self.scope.cancel()
+        # (else the attempt has not started: start_clocks makes its scope cancelled)
 
-    def start_clocks(self, whole: float, watch: float) -> None:
+    def start_clocks(self, whole: float, watch: float) -> trio.CancelScope:
+        """The attempt's scope, to be entered now, with its clocks set (``watch`` as
+        :meth:`watch` takes it)."""
         self._whole = whole
-        self.watch(watch)
+        watch += _WATCH_GRACE_S
+        self._watch = watch
+        scope = self.scope = trio.CancelScope(deadline=watch if watch < whole else whole)
+        if self.cancelled:  # by the round, before this attempt's task first ran
+            scope.cancel()
+        return scope
 
     def watch(self, deadline: float) -> None:
         """Move the watchdog (only real content tokens do).  A token exactly at the
@@ -81,8 +92,10 @@ class AttemptControl:
         # trio re-registers an entered scope's deadline on every assignment, even of
         # the same value (a heap update): the first token of an attempt without a
         # ttft watchdog changes nothing, so it assigns nothing.
-        if earliest != self.scope.deadline:
-            self.scope.deadline = earliest
+        scope = self.scope
+        assert scope is not None  # (the clocks run once the attempt has started)
+        if earliest != scope.deadline:
+            scope.deadline = earliest
 
     async def hold_while(self, wait: Callable[[], Awaitable[None]]) -> None:
         """Run ``wait`` (the caller taking a chunk it is behind on) with the attempt's
@@ -91,15 +104,17 @@ class AttemptControl:
         breaker), the whole-attempt deadline moves by the time held, and the timeline
         subtracts it from later chunk times (no false stall in the statistics, no
         consumer time in ``generation_ms``)."""
+        scope = self.scope
+        assert scope is not None  # (a chunk came: the attempt has started)
         start = trio.current_time()
-        self.scope.deadline = math.inf
+        scope.deadline = math.inf
         try:
             await wait()
         finally:
             held = trio.current_time() - start
             self.record.timeline.paused_s += held
             self._whole += held
-            self.scope.deadline = self._watch if self._watch < self._whole else self._whole
+            scope.deadline = self._watch if self._watch < self._whole else self._whole
 
     def timed_out(self, now: float) -> bool:
         return now >= self._whole
@@ -236,11 +251,11 @@ async def _guarded(
     outcome = Outcome.CANCELLED  # unless something below says otherwise
     error: UpstreamError | None = None
     start = trio.current_time()
-    control.start_clocks(
+    scope = control.start_clocks(
         start + timeout_s, start + ttft_timeout_s if ttft_timeout_s is not None else math.inf
     )
     try:
-        with control.scope:
+        with scope:
             result = await work(timeline)
             record.usage = usage_of(result)
             if not control.cancelled:
