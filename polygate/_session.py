@@ -266,12 +266,15 @@ def _is_nan_error(exc: Exception) -> bool:
 
 def _check_messages(messages: Any) -> str:
     """Validate the messages and encode them once (every attempt reuses the JSON)."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+    # (type() first: a list of dicts, the usual, needs no ABC check, ~0.2 µs each.)
+    if type(messages) is not list and (
+            isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence)):
         raise ConfigError("messages must be a list of message objects")
     if not messages:
         raise ConfigError("messages must not be empty")
     for index, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        if (type(message) is not dict and not isinstance(message, Mapping)) or not isinstance(
+                message.get("role"), str):
             raise ConfigError(f"messages[{index}] must be an object with a string 'role'")
     if plain_messages(messages):
         # The usual shape (text keys and values): msgspec writes byte for byte what the
@@ -301,7 +304,8 @@ def _check_params(params: Mapping[str, Any], reserved: tuple[str, ...] = ("messa
     for key in reserved:
         if key in params:
             raise ConfigError(f"parameter {key!r} is set by polygate, not by the caller")
-    if not isinstance(params.get("stream_options") or {}, Mapping):
+    options = params.get("stream_options")
+    if options and type(options) is not dict and not isinstance(options, Mapping):
         raise ConfigError("parameter 'stream_options' must be an object (a mapping)")
     if not params or _plain_scalars(params):
         return

@@ -151,7 +151,8 @@ def chat_body(
     if stream:
         body["stream"] = True
         given = body.get("stream_options")
-        options = dict(given) if isinstance(given, Mapping) else {}
+        # (None, the usual, decided without an ABC check: ~0.2 µs.)
+        options = dict(given) if given is not None and isinstance(given, Mapping) else {}
         options["include_usage"] = True
         body["stream_options"] = options
     else:
