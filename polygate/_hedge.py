@@ -146,7 +146,8 @@ class Round:
         self._winner: _Path | None = None
         self._committed: _Path | None = None
         # The monitor parks here; paths unpark it when something it watches changes.
-        self._changed = trio.lowlevel.ParkingLot()
+        # (Made with the monitor: a round without hedging has none to wake.)
+        self._changed: trio.lowlevel.ParkingLot | None = None
         self._quiet_until = -math.inf
         self._extras = 0
         hedge = ctx.scope.hedge
@@ -165,6 +166,7 @@ class Round:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 monitor = self._monitor_scope = trio.CancelScope()
+                self._changed = trio.lowlevel.ParkingLot()
                 self._launch(primary, "primary")
                 # A win or a commit cancels the monitor with the losers (as happy
                 # eyeballs cancels its starter): a hedge whose budget or admission
@@ -304,8 +306,9 @@ class Round:
                 path.control.cancel(Outcome.HEDGE_CANCELLED)
 
     def _wake(self) -> None:
-        if self._changed:  # (only a hedging round's monitor ever parks)
-            self._changed.unpark_all()
+        changed = self._changed
+        if changed is not None and changed:  # (only a hedging round's monitor parks)
+            changed.unpark_all()
 
     def _observe(self, path: _Path) -> None:
         """Feed the adaptive threshold: first-token time, or whole-call time when the
@@ -324,6 +327,8 @@ class Round:
     # ------------------------------------------------------------------ hedging
 
     async def _monitor(self) -> None:
+        changed = self._changed
+        assert changed is not None  # (made with the monitor, in run)
         while not self._decided() and any(not p.done for p in self._paths):
             at = self._next_trigger()
             if at <= trio.current_time():
@@ -337,10 +342,10 @@ class Round:
                 await self._try_hedge()
                 continue
             if at == math.inf:
-                await self._changed.park()
+                await changed.park()
             else:
                 with trio.move_on_at(at):
-                    await self._changed.park()
+                    await changed.park()
 
     def _threshold(self, source: str) -> float:
         hedge = self._ctx.scope.hedge
