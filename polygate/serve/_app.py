@@ -311,8 +311,9 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
                 f"model must be a string, not {_json_type(model)}", "model"))
         return path, await _fail(ctx, _unknown_model(model))
     embeddings = path == "/v1/embeddings"
-    refused = sorted((_EMBED_REFUSED if embeddings else _CHAT_REFUSED) & body.keys())
-    if refused:
+    not_accepted = _EMBED_REFUSED if embeddings else _CHAT_REFUSED
+    if not not_accepted.isdisjoint(body):  # (no set made, nothing sorted: the usual)
+        refused = sorted(not_accepted & body.keys())
         return path, await _fail(
             ctx, _bad_param(f"parameter {refused[0]!r} is not accepted here", refused[0])
         )
