@@ -67,8 +67,9 @@ def call_stats(
     first = parts[0].timeline
     generation = sum(_generation_s(r) for r in parts) * 1000.0
     ttft = None
-    stalls = stall_stats((), 0)
-    if any(r.timeline.streamed for r in parts):
+    if not any(r.timeline.streamed for r in parts):
+        stalls = stall_stats((), 0)
+    else:
         if first.first_token_at is not None and first.sent_at is not None:
             ttft = (first.first_token_at - first.sent_at) * 1000.0
         if segments:
