@@ -26,7 +26,6 @@ sockets, the server keeps a watcher task per request.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import select
@@ -77,8 +76,10 @@ class Hangups:
             del self._watched[fd]
             self._capped.discard(fd)
             # (Already gone from the set if the socket was closed, or the set was.)
-            with contextlib.suppress(OSError, ValueError):
+            try:  # (not contextlib.suppress: three calls on every request)
                 self._epoll.unregister(fd)
+            except (OSError, ValueError):
+                pass
 
     async def run(self) -> None:
         """Wait for the set's events and handle them, until cancelled."""
