@@ -17,7 +17,6 @@ import sys
 import traceback
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import aclosing
 from typing import Any, TypeVar
 
 import attrs
@@ -345,7 +344,8 @@ async def _read_sse(
     add = assembler.add
     current_time = trio.current_time
     done = ended = False
-    async with aclosing(pieces):  # type: ignore[type-var]
+    # (As ``async with aclosing(pieces)``, without its three calls a response.)
+    try:
         iterator = pieces.__aiter__()
         while True:
             # One path for every event, the last one (``flush``) included; it runs
@@ -402,8 +402,10 @@ async def _read_sse(
                 break
         if done:
             timeline.ended_at = current_time()
-            if not drains_on_close(pieces):  # (aclosing's close below drains a lean body)
+            if not drains_on_close(pieces):  # (the close below drains a lean body)
                 await _drain_buffered(pieces)
+    finally:
+        await pieces.aclose()  # type: ignore[attr-defined]
     # After [DONE] the answer is complete: it is never held for the rest of the body.
     # What had already arrived was read (a body whose end is here finishes, and its
     # connection can be reused); closing the response closes a body still open.
