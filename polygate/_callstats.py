@@ -39,7 +39,11 @@ def _hedges_sent(attempts: Sequence[AttemptRecord]) -> int:
     launched in the instant its round was decided (the primary's answer and the
     trigger in one scheduler batch) is cancelled before its request leaves: it is
     an attempt, settled with ``hedge_cancelled``, but not a hedge sent."""
-    return sum(1 for r in attempts if r.role == "hedge" and r.timeline.sent_at is not None)
+    sent = 0
+    for r in attempts:  # (a loop, not sum() over a generator: once a call, one attempt)
+        if r.role == "hedge" and r.timeline.sent_at is not None:
+            sent += 1
+    return sent
 
 
 def call_stats(

@@ -94,7 +94,7 @@ class Usage:
             prompt = 0
         if completion is None:
             completion = 0
-        if not all(_plausible(v) for v in (prompt, completion)):
+        if not (_plausible(prompt) and _plausible(completion)):
             return None
         total: Any = payload.get("total_tokens")
         if not parts and not _plausible(total):
