@@ -118,8 +118,8 @@ class MemoryBackend:
         self._ids = itertools.count(1)
         self._changed = trio.Event()
 
-    def now(self) -> float:
-        return trio.current_time()
+    #: trio's clock itself (a method calling it was one more call, three a call).
+    now = staticmethod(trio.current_time)
 
     def _state(self, scope: str, source: str) -> _Source:
         key = (scope, source)
