@@ -71,7 +71,12 @@ def call_stats(
     first = parts[0].timeline
     generation = sum(_generation_s(r) for r in parts) * 1000.0
     ttft = None
-    if not any(r.timeline.streamed for r in parts):
+    streamed = False
+    for r in parts:  # (not any() over a generator: one part, nearly always)
+        if r.timeline.streamed:
+            streamed = True
+            break
+    if not streamed:
         stalls = stall_stats((), 0)
     else:
         if first.first_token_at is not None and first.sent_at is not None:
