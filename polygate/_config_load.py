@@ -571,7 +571,10 @@ def _env_models(key: str, text: str) -> dict[str, str]:
             raise ConfigError(f"{key}: expected alias=scope pairs separated by commas, got {item!r}")
         if alias in models:
             raise ConfigError(f"{key}: alias {alias!r} appears twice")
-        models[alias] = scope
+        # A scope's name in any case, as the environment's keys give it (the loader
+        # lowers them): gpt-4o=LARGE names POLYGATE__LARGE__*.  The alias is the
+        # clients' model name: as written.
+        models[alias] = scope.lower()
     return models
 
 

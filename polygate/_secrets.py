@@ -47,7 +47,10 @@ def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
             continue
         # The bytes as sent: a lone surrogate (a non-UTF-8 byte of an environment
         # value) is that byte again, never an error here (redacting must not fail).
-        raw = secret.encode("utf-8", "surrogateescape")
+        try:
+            raw = secret.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate that stands for no byte (U+D83D)
+            raw = secret.encode("utf-8", "surrogatepass")
         found.add(secret)
         found.add(repr(secret)[1:-1])  # str repr: \x00, \\, \'
         found.add(repr(secret.encode("utf-8", "backslashreplace"))[2:-1])  # bytes repr (h11)

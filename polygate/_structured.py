@@ -258,7 +258,7 @@ def _compile(schema: Any) -> Any:
             f"schema: {keyword} {ref!r} does not resolve inside the schema "
             "(polygate never fetches remote schemas)"
         )
-    loop = _in_place_loop(schema, referencing.jsonschema, REGISTRY)
+    loop = _in_place_loop(schema, referencing.jsonschema, REGISTRY, frozenset(cls.VALIDATORS))
     if loop is not None:
         raise ConfigError(
             f"schema: {loop} leads back to a schema it came from without descending "
@@ -342,7 +342,9 @@ _IN_PLACE_NAMED = ("dependentSchemas", "dependencies")
 _REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
 
 
-def _in_place_loop(schema: Any, drafts: Any, metaschemas: Any) -> str | None:
+def _in_place_loop(
+    schema: Any, drafts: Any, metaschemas: Any, keywords: frozenset[str] = frozenset()
+) -> str | None:
     """How a checked schema leads back to itself without descending into the instance,
     as ``"$ref '#'"`` or ``"allOf"``, or None.
 
@@ -350,7 +352,9 @@ def _in_place_loop(schema: Any, drafts: Any, metaschemas: Any) -> str | None:
     it and then recurses until Python's limit on every answer, which would otherwise
     read as the answer's fault.  References are followed as :func:`_dangling` resolves
     them; a ``$dynamicRef`` is taken as a plain reference (its dynamic target is one
-    the same walk reaches).  Before 2019-09 a ``$ref`` hides its siblings."""
+    the same walk reaches).  Before 2019-09 a ``$ref`` hides its siblings.  Only the
+    ``keywords`` of the schema's draft are followed (its validator's): ``if`` means
+    nothing to draft-04, ``dependencies`` nothing to 2020-12."""
     if not isinstance(schema, dict):
         return None
     dialect = schema.get("$schema")
@@ -365,21 +369,22 @@ def _in_place_loop(schema: Any, drafts: Any, metaschemas: Any) -> str | None:
         """(subschema, its resolver, whether reached through a reference, keyword)."""
         for keyword in _REFERENCES:
             ref = node.get(keyword)
-            if isinstance(ref, str):
+            if isinstance(ref, str) and keyword in keywords:
                 target = _target(resolver, root, ref)
                 if target is not None:
                     yield target.contents, target.resolver, True, f"{keyword} {ref!r}"
                 if legacy and keyword == "$ref":
                     return
         for keyword in _IN_PLACE_ONE:
-            if keyword in node:
+            # (then and else are the if keyword's, not keywords of their own)
+            if keyword in node and (keyword if keyword in ("not", "if") else "if") in keywords:
                 yield node[keyword], resolver, False, keyword
         for keyword in (*_IN_PLACE_MANY, "extends"):
-            value = node.get(keyword)
+            value = node.get(keyword) if keyword in keywords else None
             for item in value if isinstance(value, list) else [value] if keyword == "extends" else []:
                 yield item, resolver, False, keyword
         for keyword in _IN_PLACE_NAMED:
-            value = node.get(keyword)
+            value = node.get(keyword) if keyword in keywords else None
             if isinstance(value, dict):
                 for item in value.values():
                     yield item, resolver, False, keyword

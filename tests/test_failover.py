@@ -895,6 +895,9 @@ def test_an_env_fallback_names_its_scope_in_any_case() -> None:
     env = {"POLYGATE__CHAT__A__BASE_URL": "http://a/v1", "POLYGATE__CHAT__FALLBACK": "LARGE",
            "POLYGATE__LARGE__B__BASE_URL": "http://b/v1"}
     assert polygate.Settings.from_env(env).scopes["chat"].fallback == "large"
+    # ...and so does the other value that names a scope, an alias's
+    settings = polygate.Settings.from_env({**env, "POLYGATE__SERVE__MODELS": "Big-Model=LARGE"})
+    assert settings.serve.models == {"Big-Model": "large"}
 
 
 def test_fallback_settings_are_checked_the_same_three_ways(tmp_path: Any) -> None:

@@ -220,3 +220,17 @@ async def test_no_repr_reachable_from_the_server_holds_a_gateway_key_digest() ->
     async with open_server(settings, port=0) as server:
         shown = repr(vars(server))
     assert repr(digest)[2:-1] not in shown and digest.hex() not in shown
+
+
+HIGH = "sk-SECRET\ud83d-1234"  # a lone surrogate that stands for no byte (json.loads('"\\ud83d"'))
+
+
+def test_redact_never_fails_on_any_lone_surrogate() -> None:
+    """Review: only U+DC80..U+DCFF (a non-UTF-8 byte of the environment) was handled;
+    half an emoji from a JSON-loaded configuration still made redaction raise."""
+    from polygate._secrets import redact
+
+    assert redact(f"echo {HIGH} end", (HIGH,)) == "echo *** end"
+    with pytest.raises(polygate.ConfigError) as info:
+        _one(backend="redis://:pw-SECRET\ud83d-9876@127.0.0.1:6379/0")
+    assert "SECRET" not in str(info.value)

@@ -588,6 +588,10 @@ LOOPING_SCHEMAS: list[Any] = [
     {"properties": {"a": {"$ref": "#/$defs/X"}}, "$defs": {"X": {"oneOf": [{"$ref": "#/$defs/X"}]}}},
     {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/a",
      "definitions": {"a": {"$ref": "#/definitions/b"}, "b": {"$ref": "#/definitions/a"}}},
+    # the same keywords where the draft has them
+    {"$schema": "http://json-schema.org/draft-07/schema#", "dependencies": {"a": {"$ref": "#"}}},
+    {"dependentSchemas": {"a": {"$ref": "#"}}},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "if": {"type": "object"}, "then": {"$ref": "#"}},
 ]
 
 # Recursive schemas that descend into the answer before they come back: valid.
@@ -605,6 +609,10 @@ RECURSIVE_SCHEMAS: list[Any] = [
      "allOf": [{"$ref": "#"}]},  # draft-07 ignores a $ref's siblings: no loop
     {"$ref": "https://json-schema.org/draft/2020-12/schema"},
     {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "http://json-schema.org/draft-07/schema#"},
+    # review: keywords the schema's own draft does not have are no loop (jsonschema
+    # ignores them): dependencies in 2020-12, if in draft-04
+    {"type": "object", "dependencies": {"name": {"$ref": "#"}}},
+    {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object", "if": {"$ref": "#"}},
 ]
 
 
