@@ -26,6 +26,7 @@ call: a leader, or a waiter taking over, gets what is left of it.  Coalescing ru
 from __future__ import annotations
 
 import copy
+import itertools
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -106,6 +107,9 @@ class _Call:
         # The contexts of its upstream calls still running (one per run, once it has
         # one): their attempts started count too, should this call end before them.
         self.live: list[list[CallContext]] = []
+        # One numbering of attempts for all of its upstream calls: each is a context of
+        # its own, and its attempts' ids ("<call>.<n>") must not repeat.
+        self.numbers = itertools.count(1)
 
     async def within(self, work: Callable[[], Awaitable[Any]]) -> Any:
         """``work`` (a lookup, a wait, a replay) under the call deadline.  Never wraps
@@ -529,7 +533,7 @@ async def cached_embed(
                 response = await run_embed(
                     runtime, scope, [texts[k] for k in led], params, call.deadline_s,
                     part_of=call.ctx.logical_call_id, started_at=call.ctx.started_at,
-                    live=held,
+                    live=held, numbers=call.numbers,
                 )
             finally:
                 call.live.remove(held)
@@ -672,10 +676,11 @@ def _stale(
 
 
 def _count_earlier_runs(call: _Call, exc: BaseException) -> None:
-    """An embed run that failed reports its own attempts: the call's other runs,
-    finished before it, count too."""
+    """An embed run that failed reports its own attempts: the call's other runs count
+    too, those finished before it and those still running (whose attempts started:
+    they end with it, cancelled)."""
     stats = getattr(exc, "call_stats", None)
-    if isinstance(stats, CallStats) and call.runs:
+    if isinstance(stats, CallStats) and (call.runs or call.live):
         done = call.stats(cached=False)
         exc.call_stats = attrs.evolve(  # type: ignore[attr-defined]
             stats, attempts=stats.attempts + done.attempts,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import attrs
@@ -704,6 +704,7 @@ async def run_embed(
     part_of: str | None = None,
     started_at: float | None = None,
     live: list[CallContext] | None = None,
+    numbers: Iterator[int] | None = None,
 ) -> EmbeddingResponse:
     """Batches of ``embed_batch_size`` run concurrently in the call's nursery, each with
     its own retry loop; vectors are reassembled in input order and ``generation_ms`` is
@@ -713,7 +714,8 @@ async def run_embed(
     its misses): its attempts carry that id, and that layer writes the one call row;
     ``started_at``: when that call began (see :func:`run_chat`); ``live``: gets this
     run's context, so that layer counts its attempts while it runs (its call may end
-    first, on an error it shares with another flight)."""
+    first, on an error it shares with another flight); ``numbers``: that call's one
+    numbering of attempts, shared by all of its runs."""
     scope = runtime.settings.scopes[scope_name]
     began = trio.current_time() if started_at is None else started_at
     ctx = CallContext(runtime, scope_name, scope, "embed", began, params=params)
@@ -722,6 +724,7 @@ async def run_embed(
     if part_of is not None:
         ctx.logical_call_id = part_of
         ctx.record_call = False
+    ctx.attempt_numbers = numbers
     size = scope.embed_batch_size
     batches = [list(inputs[i : i + size]) for i in range(0, len(inputs), size)]
     results: list[tuple[AttemptRecord, Any] | None] = [None] * len(batches)

@@ -6,7 +6,7 @@ import contextvars
 import itertools
 import os
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -211,6 +211,9 @@ class CallContext:
     committed: AttemptRecord | None = None
     #: The earlier committed segments of a resumed stream (the round's), in order.
     segments: list[AttemptRecord] = attrs.field(factory=list)
+    #: The numbering of the attempts of the logical call this context is part of, when
+    #: it is one of several (an embed's runs of its cache misses); else its own count.
+    attempt_numbers: Iterator[int] | None = None
 
     @property
     def estimate(self) -> int:
@@ -220,8 +223,10 @@ class CallContext:
         return self.scope.source(name)
 
     def new_attempt(self, admission: Admission, role: str, now: float) -> AttemptRecord:
+        numbers = self.attempt_numbers
+        number = len(self.attempts) + 1 if numbers is None else next(numbers)
         record = AttemptRecord(
-            attempt_id=f"{self.logical_call_id}.{len(self.attempts) + 1}",
+            attempt_id=f"{self.logical_call_id}.{number}",
             source=admission.source,
             role=role,
             started_at=now,

@@ -964,3 +964,80 @@ async def test_stored_vectors_of_another_length_are_misses_never_a_failed_call(
     assert [len(v) for v in mixed.vectors] == [8, 8] and not mixed.call_stats.cached
     assert stats.errors == 2  # one bad entry each time, counted
     assert stats.hits == 1  # "a" at last; the stale hits were not hits
+
+
+def _attempt_rows(db: Any, logical_call_id: str) -> list[dict[str, Any]]:
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.row_factory = sqlite3.Row
+        return [dict(r) for r in conn.execute(
+            "SELECT * FROM attempts WHERE logical_call_id = ? ORDER BY call_id", (logical_call_id,))]
+
+
+async def _x_leads_p_and_then_q_after_y_leaves(
+    s: polygate.Session, x_from: float,
+) -> dict[str, Any]:
+    """Y leads q from 0 and is cancelled at 2; X (from ``x_from``) leads p and waits on
+    q, then leads q itself: two upstream runs of one logical call.  What X got."""
+    got: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+        y_scope = trio.CancelScope()
+
+        async def y() -> None:
+            with y_scope:
+                await s.embed(["q"])
+
+        async def x() -> None:
+            await trio.sleep(x_from)
+            try:
+                got["x"] = await s.embed(["p", "q"])
+            except polygate.PolygateError as exc:
+                got["x"] = exc
+
+        nursery.start_soon(y)
+        nursery.start_soon(x)
+        await trio.sleep(2)
+        y_scope.cancel()
+    return got
+
+
+async def test_an_embeds_upstream_runs_number_their_attempts_as_one_call(
+    autojump_clock: trio.testing.MockClock, tmp_path: Any,
+) -> None:
+    """Review: each upstream run of a cached embed numbered its attempts from 1, so
+    one logical call wrote two attempt rows with the same id ("<call>.1")."""
+    db = tmp_path / "t.db"
+    up = FakeUpstream(Reply(first_token_s=5))
+    settings = attrs.evolve(cache_settings(), telemetry=f"sqlite://{db}")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        got = await _x_leads_p_and_then_q_after_y_leaves(s, 1.0)
+    stats = got["x"].call_stats
+    assert stats.attempts == 2
+    ids = [r["call_id"] for r in _attempt_rows(db, stats.logical_call_id)]
+    assert ids == [f"{stats.logical_call_id}.1", f"{stats.logical_call_id}.2"]
+
+
+async def test_an_embed_that_fails_counts_its_runs_still_in_flight(
+    autojump_clock: trio.testing.MockClock, tmp_path: Any,
+) -> None:
+    """Review: X's run of p failed (a 400 at 3.5) while its run of q (led again after Y
+    left) was in flight: the error's statistics and the call row said 1 attempt, with
+    2 attempt rows (the fatal one and the cancelled one)."""
+    db = tmp_path / "t.db"
+
+    def behaviour(request: Any, rng: Any) -> Reply:
+        if "p" in request.body["input"]:
+            return Reply(status=400, headers_delay_s=3)
+        return Reply(first_token_s=10)
+
+    up = FakeUpstream(behaviour)
+    settings = attrs.evolve(cache_settings(), telemetry=f"sqlite://{db}")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        got = await _x_leads_p_and_then_q_after_y_leaves(s, 0.5)
+    error = got["x"]
+    assert isinstance(error, polygate.FatalUpstreamError)
+    stats = error.call_stats
+    attempts = _attempt_rows(db, stats.logical_call_id)
+    assert sorted(r["error"] for r in attempts) == ["cancelled", "fatal"]
+    assert stats.attempts == len(attempts) == _call_rows(db)[stats.logical_call_id]["attempts"]
