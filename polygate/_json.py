@@ -114,8 +114,10 @@ def _checked(encode: Callable[[Any], bytes], value: Any) -> bytes | None:
         return None
     # msgspec writes NaN and ±Infinity as null: look for them only when a null is
     # there at all.  Rare in a key; common in an answer ("finish_reason": null), where
-    # the walk costs a fraction of the encode it follows.
-    if b"null" in encoded and _has_non_finite(value):
+    # the walk costs a fraction of the encode it follows.  (``find``, not ``in``: bytes'
+    # ``in`` raises and formats a TypeError inside before it searches, ~2,400
+    # instructions.)
+    if encoded.find(b"null") >= 0 and _has_non_finite(value):
         return None
     return encoded
 
