@@ -43,7 +43,7 @@ import h11
 import trio
 
 from .._config import Serve
-from .._http11 import FIELD_LINE, LENGTH, TOKEN
+from .._http11 import FIELD_LINE, LENGTH_DIGITS, TOKEN
 from .._sockets import receive_when_readable, write_first
 
 __all__ = ["ClientGone", "Connection", "HTTPProblem", "Request", "reason"]
@@ -146,7 +146,7 @@ def _plain_request(data: bytes) -> tuple[_PlainRequest, bytes] | None:
         if name == b"host":
             hosts += 1
         elif name == b"content-length":
-            if length >= 0 or LENGTH.fullmatch(value) is None:
+            if length >= 0 or not value.isdigit() or len(value) > LENGTH_DIGITS:
                 return None  # repeated, or not a plain number: h11's to judge
             length = int(value)
         headers.append((name, value))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Final, NamedTuple
 
-from .._http11 import FIELD_LINE, LENGTH
+from .._http11 import FIELD_LINE, LENGTH_DIGITS
 
 if TYPE_CHECKING:
     import httpx
@@ -72,7 +72,7 @@ def parse_head(head: bytes, method: str) -> Head | None:
         headers.append((name, value))
         lower = name.lower()
         if lower == b"content-length":
-            if length >= 0 or LENGTH.fullmatch(value) is None:
+            if length >= 0 or not value.isdigit() or len(value) > LENGTH_DIGITS:
                 return None  # repeated ("5, 5" included) or not a plain number: h11's
             length = int(value)
         elif lower == b"transfer-encoding":
