@@ -969,6 +969,7 @@ _TOKEN: Final = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 # No CR, LF, NUL or other CTL, and (as h11 requires) no blank at either end.
 _FIELD_VALUE: Final = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?")
 _TARGET: Final = re.compile(rb"[\x21-\x7e\x80-\xff]+")
+_CALL_ID_LINE: Final = CALL_ID_HEADER.encode() + b": "
 #: Request headers that change framing or the connection's fate: h11 handles them.
 _H11_ONLY: Final = frozenset({b"connection", b"transfer-encoding", b"upgrade", b"expect", b"te"})
 _END: Final = h11.EndOfMessage()
@@ -1054,9 +1055,19 @@ def _post_wire(
     for pair in headers:
         line = kept.get(pair)
         if line is None:
-            line = _plain_line(*pair)
-            if len(kept) < lines.limit and pair[0] != CALL_ID_HEADER:
-                kept[pair] = line
+            name, value = pair
+            if name == CALL_ID_HEADER:
+                # New with every call, and nearly always letters, digits and "-" (ids
+                # of polygate's format): a plain line, as _plain_line would write it,
+                # without its two pattern matches (~6,000 instructions).
+                if value.isascii() and value.replace("-", "").isalnum():
+                    line = _CALL_ID_LINE + value.encode() + b"\r\n"
+                else:
+                    line = _plain_line(name, value)
+            else:
+                line = _plain_line(name, value)
+                if len(kept) < lines.limit:
+                    kept[pair] = line
         if not line:
             return _post_wire_checked(url, headers, body)
         parts.append(line)
