@@ -920,3 +920,23 @@ async def test_reading_a_body_of_tiny_chunks_counts_against_body_timeout() -> No
         nursery.cancel_scope.cancel()
     assert caught.value.status == 408
     assert trio.current_time() - started < 2
+
+
+async def test_a_scope_given_with_a_deadline_gets_the_heads(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: read_request set the head's deadline as a relative one, which trio
+    refuses on a scope that already has a deadline (RuntimeError before anything was
+    read); such a scope gets the head's deadline over its own, as it always did: a
+    whole request is read, a slow head is a 408 after header_timeout_s."""
+    client, conn = _connection(polygate.Serve(header_timeout_s=1.0))
+    await client.send_all(request_bytes("GET", "/healthz"))
+    request = await conn.read_request(scope=trio.CancelScope(deadline=trio.current_time() + 100))
+    assert request is not None and request.path == "/healthz"
+    client, conn = _connection(polygate.Serve(header_timeout_s=1.0))
+    await client.send_all(b"GET /healthz HT")
+    started = trio.current_time()
+    with pytest.raises(HTTPProblem) as caught:
+        await conn.read_request(scope=trio.CancelScope(deadline=trio.current_time() + 100))
+    assert caught.value.status == 408
+    assert trio.current_time() - started == pytest.approx(1.0)

@@ -34,6 +34,7 @@ first chunk), so a zero-delay answer is one write.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -232,7 +233,12 @@ class Connection:
         # Relative: the deadline is fixed as the scope is entered, just below, at this
         # same instant (no checkpoint between).  Setting an absolute deadline on an
         # unentered scope runs trio's re-registration for nothing (~2 µs a request).
-        scope.relative_deadline = wait
+        # (trio refuses a relative deadline on a scope that has an absolute one: a
+        # scope given with a deadline gets this one over it, as always.)
+        if scope.deadline == math.inf:
+            scope.relative_deadline = wait
+        else:
+            scope.deadline = trio.current_time() + wait
         with scope:
             event, fed = await self._next_head_event(scope, idle, started, plain)
         if scope.cancelled_caught:
