@@ -91,6 +91,12 @@ def _event(i: int) -> CallEvent:
     )
 
 
+def _send(pipeline: Pipeline, numbers: range) -> None:
+    """Events ``c<i>`` for each ``i`` of ``numbers``, into the pipeline's channel."""
+    for i in numbers:
+        pipeline.send.send_nowait(_event(i))
+
+
 # --------------------------------------------------------------------------- batching
 
 
@@ -99,8 +105,7 @@ async def test_events_are_batched(autojump_clock: trio.testing.MockClock) -> Non
     pipeline = Pipeline(sink, session_id="s", linger_s=0.05, max_batch=100)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pipeline.run)
-        for i in range(250):
-            pipeline.send.send_nowait(_event(i))
+        _send(pipeline, range(250))
         await trio.sleep(1)
         await pipeline.aclose()
     assert [len(b) for b in sink.batches if len(b)] == [100, 100, 50]
@@ -163,8 +168,7 @@ async def test_a_quiet_session_brings_its_sessions_row_up_to_date(
         pipeline.send.send_nowait(_event(0))
         await sink.tried(1)
         mock_clock.jump(1)
-        for i in range(1, 6):
-            pipeline.send.send_nowait(_event(i))
+        _send(pipeline, range(1, 6))
         await sink.tried(2)
         assert [b.session is not None for b in sink.batches] == [True, False]
         mock_clock.jump(20)  # the interval is over, the session quiet
@@ -189,8 +193,7 @@ async def test_a_summary_that_did_not_land_is_written_again_while_quiet(
     pipeline = Pipeline(sink, session_id="s", linger_s=0, summary_interval_s=10)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pipeline.run)
-        for i in range(5):
-            pipeline.send.send_nowait(_event(i))
+        _send(pipeline, range(5))
         await sink.tried(1)
         await _accounted(pipeline, 5)  # the flusher took the failure in
         assert pipeline.statistics().dropped == 5 and sink.batches == []
@@ -206,8 +209,7 @@ async def test_a_summary_that_did_not_land_is_written_again_while_quiet(
 async def test_closing_without_a_flusher_still_writes_the_queue() -> None:
     sink = ListSink()
     pipeline = Pipeline(sink, session_id="s")
-    for i in range(10):
-        pipeline.send.send_nowait(_event(i))
+    _send(pipeline, range(10))
     await pipeline.aclose()
     assert len(sink.calls) == 10 and pipeline.statistics().written == 10
 
@@ -258,11 +260,9 @@ async def test_a_write_the_session_left_during_counts_as_written(stalled: Stalle
     with trio.CancelScope() as leaving:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pipeline.run)
-            for i in range(5):
-                pipeline.send.send_nowait(_event(i))
+            _send(pipeline, range(5))
             await trio.to_thread.run_sync(stalled.entered.wait)  # the batch is being written
-            for i in range(5, 8):
-                pipeline.send.send_nowait(_event(i))  # queued behind it
+            _send(pipeline, range(5, 8))  # queued behind it
             leaving.cancel()
     stalled.release.set()  # the database answers
     await pipeline.aclose()
