@@ -40,7 +40,7 @@ import re
 import sys
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -239,7 +239,8 @@ def _compile(schema: Any) -> Any:
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
-        dangling = _dangling(schema, referencing.jsonschema, REGISTRY)
+        draft = _draft_of(schema, referencing.jsonschema, REGISTRY)
+        dangling = _dangling(schema, draft)
     except RecursionError:
         # Encodable, but deeper than the metaschema check can follow (~100 levels of
         # properties): no validator could use it either.
@@ -258,7 +259,7 @@ def _compile(schema: Any) -> Any:
             f"schema: {keyword} {ref!r} does not resolve inside the schema "
             "(polygate never fetches remote schemas)"
         )
-    loop = _in_place_loop(schema, referencing.jsonschema, REGISTRY, frozenset(cls.VALIDATORS))
+    loop = _in_place_loop(schema, draft, frozenset(cls.VALIDATORS))
     if loop is not None:
         raise ConfigError(
             f"schema: {loop} leads back to a schema it came from without descending "
@@ -278,7 +279,36 @@ _NAMED_SCHEMAS = frozenset({
 })
 
 
-def _dangling(schema: Any, drafts: Any, metaschemas: Any) -> tuple[str, str] | None:
+class _Draft(NamedTuple):
+    """What both walks of a checked schema read from its root's draft."""
+
+    spec: Any  # referencing's specification of the draft
+    drafts: Any  # referencing.jsonschema, whose DRAFT* constants ``spec`` is one of
+    legacy: bool  # before 2019-09: a $ref hides its siblings
+    root: Any  # a resolver for the root resource
+
+
+def _draft_of(schema: Any, drafts: Any, metaschemas: Any) -> _Draft:
+    """The root's draft (its ``$schema``, else 2020-12, as for jsonschema) and a resolver
+    for it, its embedded resources crawled once."""
+    dialect = schema.get("$schema") if isinstance(schema, dict) else None
+    spec = (
+        drafts.specification_with(dialect, default=drafts.DRAFT202012)
+        if isinstance(dialect, str) else drafts.DRAFT202012
+    )
+    legacy = spec in (drafts.DRAFT3, drafts.DRAFT4, drafts.DRAFT6, drafts.DRAFT7)
+    return _Draft(spec, drafts, legacy, _root_resolver(spec.create_resource(schema), metaschemas))
+
+
+def _in_own_resource(spec: Any, node: dict[str, Any], resolver: Any) -> Any:
+    """The resolver for ``node``'s references: its own, when it is an embedded resource
+    (it has an ``$id``, ``id`` before draft-06)."""
+    if isinstance(spec.id_of(node), str):
+        return resolver.in_subresource(spec.create_resource(node))
+    return resolver
+
+
+def _dangling(schema: Any, draft: _Draft) -> tuple[str, str] | None:
     """The first reference of a checked schema that does not resolve, as
     ``(keyword, reference)``, or None.
 
@@ -292,13 +322,7 @@ def _dangling(schema: Any, drafts: Any, metaschemas: Any) -> tuple[str, str] | N
     does not take every embedded ``$id`` as a base (one directly under ``not``, say),
     and refusing a schema it uses would be worse than finding the rare dangling one
     when an answer is validated (a ConfigError then too)."""
-    dialect = schema.get("$schema") if isinstance(schema, dict) else None
-    spec = (
-        drafts.specification_with(dialect, default=drafts.DRAFT202012)
-        if isinstance(dialect, str) else drafts.DRAFT202012
-    )
-    legacy = spec in (drafts.DRAFT3, drafts.DRAFT4, drafts.DRAFT6, drafts.DRAFT7)
-    root = _root_resolver(spec.create_resource(schema), metaschemas)
+    spec, root = draft.spec, draft.root
     seen: set[int] = set()
     # (node, its resolver, whether its keys are names, whether it is the root)
     stack: list[tuple[Any, Any, bool, bool]] = [(schema, root, False, True)]
@@ -313,10 +337,10 @@ def _dangling(schema: Any, drafts: Any, metaschemas: Any) -> tuple[str, str] | N
         if names:
             stack.extend((value, resolver, False, False) for value in reversed(node.values()))
             continue
-        if not is_root and isinstance(spec.id_of(node), str):
-            resolver = resolver.in_subresource(spec.create_resource(node))
+        if not is_root:
+            resolver = _in_own_resource(spec, node, resolver)
         dynamic = node.get("$dynamicRef")
-        if spec is drafts.DRAFT202012 and isinstance(dynamic, str) and (
+        if spec is draft.drafts.DRAFT202012 and isinstance(dynamic, str) and (
                 _target(resolver, root, dynamic) is None):
             return "$dynamicRef", dynamic  # resolved first as a $ref is: it must resolve
         ref = node.get("$ref")
@@ -324,7 +348,7 @@ def _dangling(schema: Any, drafts: Any, metaschemas: Any) -> tuple[str, str] | N
             target = _target(resolver, root, ref)
             if target is None:
                 return "$ref", ref
-            if legacy:
+            if draft.legacy:
                 stack.append((target.contents, target.resolver, False, False))
                 continue
         stack.extend(
@@ -336,15 +360,15 @@ def _dangling(schema: Any, drafts: Any, metaschemas: Any) -> tuple[str, str] | N
 
 # Keywords that apply their subschemas to the instance itself, not to a part of it: a
 # cycle through them alone (``{"$ref": "#"}``) never ends, whatever the answer.
-_IN_PLACE_ONE = ("not", "if", "then", "else")
-_IN_PLACE_MANY = ("allOf", "anyOf", "oneOf")
+# Each with the keyword its draft's validator knows it by (then and else are if's).
+_IN_PLACE_ONE = {"not": "not", "if": "if", "then": "if", "else": "if"}
+# A list of subschemas (draft-3's extends may also be a single one).
+_IN_PLACE_MANY = ("allOf", "anyOf", "oneOf", "extends")
 _IN_PLACE_NAMED = ("dependentSchemas", "dependencies")
 _REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
 
 
-def _in_place_loop(
-    schema: Any, drafts: Any, metaschemas: Any, keywords: frozenset[str] = frozenset()
-) -> str | None:
+def _in_place_loop(schema: Any, draft: _Draft, keywords: frozenset[str]) -> str | None:
     """How a checked schema leads back to itself without descending into the instance,
     as ``"$ref '#'"`` or ``"allOf"``, or None.
 
@@ -357,13 +381,7 @@ def _in_place_loop(
     nothing to draft-04, ``dependencies`` nothing to 2020-12."""
     if not isinstance(schema, dict):
         return None
-    dialect = schema.get("$schema")
-    spec = (
-        drafts.specification_with(dialect, default=drafts.DRAFT202012)
-        if isinstance(dialect, str) else drafts.DRAFT202012
-    )
-    legacy = spec in (drafts.DRAFT3, drafts.DRAFT4, drafts.DRAFT6, drafts.DRAFT7)
-    root = _root_resolver(spec.create_resource(schema), metaschemas)
+    spec, root = draft.spec, draft.root
 
     def steps(node: dict[str, Any], resolver: Any) -> Iterator[tuple[Any, Any, bool, str]]:
         """(subschema, its resolver, whether reached through a reference, keyword)."""
@@ -373,15 +391,14 @@ def _in_place_loop(
                 target = _target(resolver, root, ref)
                 if target is not None:
                     yield target.contents, target.resolver, True, f"{keyword} {ref!r}"
-                if legacy and keyword == "$ref":
+                if draft.legacy and keyword == "$ref":
                     return
-        for keyword in _IN_PLACE_ONE:
-            # (then and else are the if keyword's, not keywords of their own)
-            if keyword in node and (keyword if keyword in ("not", "if") else "if") in keywords:
+        for keyword, known_as in _IN_PLACE_ONE.items():
+            if keyword in node and known_as in keywords:
                 yield node[keyword], resolver, False, keyword
-        for keyword in (*_IN_PLACE_MANY, "extends"):
+        for keyword in _IN_PLACE_MANY:
             value = node.get(keyword) if keyword in keywords else None
-            for item in value if isinstance(value, list) else [value] if keyword == "extends" else []:
+            for item in value if isinstance(value, list) else [value]:
                 yield item, resolver, False, keyword
         for keyword in _IN_PLACE_NAMED:
             value = node.get(keyword) if keyword in keywords else None
@@ -390,8 +407,8 @@ def _in_place_loop(
                     yield item, resolver, False, keyword
 
     def enter(node: dict[str, Any], resolver: Any, via_ref: bool) -> Iterator[tuple[Any, Any, bool, str]]:
-        if not via_ref and node is not schema and isinstance(spec.id_of(node), str):
-            resolver = resolver.in_subresource(spec.create_resource(node))
+        if not via_ref and node is not schema:
+            resolver = _in_own_resource(spec, node, resolver)
         return steps(node, resolver)
 
     # A depth-first search over the in-place steps alone, from every subschema (a loop
@@ -435,8 +452,8 @@ def _subschemas(schema: Any, spec: Any, root: Any) -> Iterator[tuple[dict[str, A
         if names:
             stack.extend((value, resolver, False) for value in node.values())
             continue
-        if node is not schema and isinstance(spec.id_of(node), str):
-            resolver = resolver.in_subresource(spec.create_resource(node))
+        if node is not schema:
+            resolver = _in_own_resource(spec, node, resolver)
         yield node, resolver
         stack.extend(
             (value, resolver, key in _NAMED_SCHEMAS)
