@@ -541,12 +541,12 @@ async def cached_embed(
             verdict = _verdict(exc)
             for k, f in flights.items():
                 cache.flights.settle(k, f, error=verdict)
-            _count_earlier_runs(call, exc)
+            _count_other_runs(call, exc)
             raise
         except BaseException as exc:
             for k, f in flights.items():
                 cache.flights.settle(k, f)
-            _count_earlier_runs(call, exc)
+            _count_other_runs(call, exc)
             raise
         call.runs.append(response)
         try:
@@ -664,7 +664,7 @@ def _stale(
 ) -> list[str]:
     """The vectors to fetch again when the call's vectors disagree in length: those not
     fetched by this call, of another length than the ones it fetched (all of them when
-    it fetched none).  None when they agree, or when the fetched ones disagree among
+    it fetched none).  Nothing when they agree, or when the fetched ones disagree among
     themselves (the scope's sources serve different models: an error, not a miss)."""
     lengths = {len(vector) for vector, *_ in found.values()}
     if len(lengths) <= 1:
@@ -675,7 +675,7 @@ def _stale(
     return [k for k, (vector, *_) in found.items() if k not in fetched and len(vector) not in fresh]
 
 
-def _count_earlier_runs(call: _Call, exc: BaseException) -> None:
+def _count_other_runs(call: _Call, exc: BaseException) -> None:
     """An embed run that failed reports its own attempts: the call's other runs count
     too, those finished before it and those still running (whose attempts started:
     they end with it, cancelled)."""

@@ -235,10 +235,10 @@ async def _retry_loop(
                     # long before the fallback's).
                     wait_for_breakers = True
                     continue
-                raise _timed(AllSourcesExhausted(
+                raise AllSourcesExhausted(
                     f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}",
-                    errors=errors, retry_after_s=_rate_limited_for(exc.refusals),
-                ), exc.timed) from None
+                    errors=errors, retry_after_s=_rate_limited_for(exc.refusals), timed=exc.timed,
+                ) from None
         try:
             return await Round(ctx, runner, forward=forward, demote=failed).run(admission)
         except RoundFailed as failure:
@@ -298,10 +298,10 @@ async def _retry_loop(
                     waited = "at the deadline" if deadline_at is not None else (
                         f"after rate_limit_wait_s={retry.rate_limit_wait_s}"
                     )
-                    raise _timed(AllSourcesExhausted(
+                    raise AllSourcesExhausted(
                         f"every source still rate limited {waited} in scope {ctx.scope_name!r}",
-                        errors=errors, retry_after_s=_rate_limited_for(result),
-                    ), True)
+                        errors=errors, retry_after_s=_rate_limited_for(result), timed=True,
+                    )
                 admitted = result
             continue
         consumed += 1
@@ -341,11 +341,6 @@ async def _fallback_admits(ctx: CallContext) -> bool:
         ):
             return True
     return False
-
-
-def _timed(error: AllSourcesExhausted, timed: bool) -> AllSourcesExhausted:
-    error.timed = timed
-    return error
 
 
 def _rate_limited_for(refusals: Sequence[Refusal]) -> float | None:
@@ -499,8 +494,10 @@ async def run_chat(
                     segments.append(failure.record)
                     segment_chars.append(sum(map(len, shown)) - sum(segment_chars))
                 failed = failure.error.source
-                onward = continuation_scope(runtime.settings, ctx.scope_name, ctx.context_refused)
-                if onward is not None and all(s.name == failed for s in ctx.scope.sources):
+                onward = continuation_scope(
+                    runtime.settings, ctx.scope_name, ctx.context_refused
+                ) if all(s.name == failed for s in ctx.scope.sources) else None
+                if onward is not None:
                     # The scope's only source just failed: continue in its fallback
                     # (never in one whose models refused this call's context).
                     _move_to(ctx, onward, params)

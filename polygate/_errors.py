@@ -199,6 +199,7 @@ class AllSourcesExhausted(PolygateError):
         errors: list[UpstreamError] | None = None,
         call_stats: CallStats | None = None,
         retry_after_s: float | None = None,
+        timed: bool = False,
     ) -> None:
         super().__init__(message)
         self.errors: list[UpstreamError] = list(errors or [])
@@ -207,7 +208,7 @@ class AllSourcesExhausted(PolygateError):
         #: Given up at this call's own time limit (its deadline, or its
         #: ``rate_limit_wait_s``) while a source would admit later: no verdict on the
         #: request for a coalesced caller with more time (see polygate._cached).
-        self.timed = False
+        self.timed = timed
 
 
 class StructuredOutputError(PolygateError):
