@@ -543,13 +543,13 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
     status = error_status(payload)
     detail = "error event in stream: " + error_message(payload, 300, endpoint.secrets)
     code = error_code(payload, endpoint.secrets)
-    if (status is None or 200 <= status < 300) and code in _STATUS_OF_CODE:
-        # No status, but a code that says what an HTTP status would have: the request
-        # as the problem (too long for the context, refused by a content policy: a
-        # 400, which retried elsewhere or resumed would be routed around), a rate
-        # limit (a 429: the source cools down), a refused key (a 401: a dead source).
-        status = _STATUS_OF_CODE[code]
     if status is None or 200 <= status < 300:
+        # No status, but perhaps a code that says what an HTTP status would have: the
+        # request as the problem (too long for the context, refused by a content
+        # policy: a 400, which retried elsewhere or resumed would be routed around), a
+        # rate limit (a 429: the source cools down), a refused key (a 401: dead).
+        status = _STATUS_OF_CODE.get(code)
+    if status is None:
         error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
     else:
         error = classify_status(status, detail, source=endpoint.name)
