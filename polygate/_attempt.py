@@ -74,9 +74,8 @@ class AttemptControl:
         """The attempt's scope, to be entered now, with its clocks set (``watch`` as
         :meth:`watch` takes it)."""
         self._whole = whole
-        watch += _WATCH_GRACE_S
-        self._watch = watch
-        scope = self.scope = trio.CancelScope(deadline=watch if watch < whole else whole)
+        self._watch = watch + _WATCH_GRACE_S
+        scope = self.scope = trio.CancelScope(deadline=self._deadline())
         if self.cancelled:  # by the round, before this attempt's task first ran
             scope.cancel()
         return scope
@@ -86,9 +85,8 @@ class AttemptControl:
         limit is in time (SPEC §4: silent *longer* than ``stall_timeout_s``; a first
         token *within* ``ttft_timeout_s``): the scope fires a hair after it, or in the
         instant they share trio would cancel the read that brings the token."""
-        deadline += _WATCH_GRACE_S
-        self._watch = deadline
-        earliest = deadline if deadline < self._whole else self._whole
+        self._watch = deadline + _WATCH_GRACE_S
+        earliest = self._deadline()
         # trio re-registers an entered scope's deadline on every assignment, even of
         # the same value (a heap update): the first token of an attempt without a
         # ttft watchdog changes nothing, so it assigns nothing.
@@ -114,7 +112,11 @@ class AttemptControl:
             held = trio.current_time() - start
             self.record.timeline.paused_s += held
             self._whole += held
-            scope.deadline = self._watch if self._watch < self._whole else self._whole
+            scope.deadline = self._deadline()
+
+    def _deadline(self) -> float:
+        """The scope's deadline: the watchdog's or the whole attempt's, the earlier."""
+        return self._watch if self._watch < self._whole else self._whole
 
     def timed_out(self, now: float) -> bool:
         return now >= self._whole
