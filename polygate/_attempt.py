@@ -111,7 +111,10 @@ class AttemptControl:
         finally:
             held = trio.current_time() - start
             self.record.timeline.paused_s += held
+            # Both clocks stop: the stall clock too, whatever the chunk held (a content
+            # chunk's caller restarts it at once; a data-only chunk's does not).
             self._whole += held
+            self._watch += held
             scope.deadline = self._deadline()
 
     def _deadline(self) -> float:

@@ -501,9 +501,9 @@ class ChatStream:
                     # The upstream answered with a plain JSON body (it cannot stream):
                     # the whole answer is one chunk, so iterating still shows it.
                     delta = message_delta(response.message)
-                    if response.text:
-                        self.text_parts.append(response.text)
                     await send.send(StreamChunk(text=response.text, delta=delta, raw=response.raw))
+                    if response.text:  # (shown once sent: see _Sink.deliver_held)
+                        self.text_parts.append(response.text)
                 self._end_sent = True
                 await send.send(_Done(response))
 
@@ -604,6 +604,31 @@ class _Sink:
                     delta = d
         content = delta.get("content")
         text = content if isinstance(content, str) else ""
+        item = StreamChunk(text=text, delta=delta, raw=chunk, resumed=self._resumed)
+        self._resumed = False
+        self.sent += 1
+        try:
+            # No scheduling round trip per chunk while the buffer has room.
+            self._send.send_nowait(item)
+        except trio.WouldBlock:
+            self._held = item
+            return False
+        self._shown(item)
+        return True
+
+    async def deliver_held(self) -> None:
+        item, self._held = self._held, None
+        if item is not None:
+            await self._send.send(item)
+            # Shown once sent (a cancelled send sent nothing).  The iterator reaches it
+            # only after the 32 chunks before it, each a scheduler pass: this task has
+            # run by then.
+            self._shown(item)
+
+    def _shown(self, item: StreamChunk) -> None:
+        """Record ``item`` as shown to the caller: its text (``ChatStream.text``), its
+        reasoning, whether it showed tool calls (then not resumable)."""
+        delta, text = item.delta, item.text
         if text:
             self._delivered.append(text)
         if not resumable_delta(delta):
@@ -615,21 +640,6 @@ class _Sink:
                 self.reasoning_field = "reasoning"
         if isinstance(reasoning, str) and reasoning:
             self.shown_reasoning.append(reasoning)
-        item = StreamChunk(text=text, delta=delta, raw=chunk, resumed=self._resumed)
-        self._resumed = False
-        self.sent += 1
-        try:
-            # No scheduling round trip per chunk while the buffer has room.
-            self._send.send_nowait(item)
-        except trio.WouldBlock:
-            self._held = item
-            return False
-        return True
-
-    async def deliver_held(self) -> None:
-        item, self._held = self._held, None
-        if item is not None:
-            await self._send.send(item)
 
 
 async def _deliver(

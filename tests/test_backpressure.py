@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
+
 import httpx
 import pytest
 import trio
@@ -10,7 +13,7 @@ import trio.testing
 
 import polygate
 from polygate.governance import BreakerState
-from polygate.testing import FakeUpstream, Reply
+from polygate.testing import FakeUpstream, Reply, Schedule
 
 from .conftest import MESSAGES, one_source_settings
 
@@ -154,3 +157,86 @@ async def test_only_a_stream_hands_its_first_token_on(monkeypatch: pytest.Monkey
             async for _ in stream:
                 pass
         assert handed == [1]
+
+
+# --- a held chunk that carries data but no content token (outside review, 2026-12-02) ---
+
+_FILTER = {"hate": {"filtered": False, "severity": "safe"}}
+
+
+def _content(text: str) -> dict[str, object]:
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+
+def _paced_transport(events: list[dict[str, object]], gap_s: float) -> httpx.MockTransport:
+    """Each event ``gap_s`` after the one before, then [DONE]."""
+
+    async def body() -> AsyncIterator[bytes]:
+        for event in events:
+            await trio.sleep(gap_s)
+            yield b"data: " + json.dumps(event).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return httpx.MockTransport(lambda _: httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=body()))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("where", ["finish", "mid-stream"])
+def test_a_caller_behind_on_a_data_only_chunk_is_not_a_stall(seed: int, where: str) -> None:
+    """32 content chunks fill the stream's channel; the next chunk carries data and no
+    token: Azure's finish chunk with its filter results, or OpenRouter's reasoning
+    signature mid-stream.  The caller reads only after 30 s.  Held like a content
+    chunk, it stops the attempt's clocks as one does: the caller gets the whole answer,
+    no ``StreamStalled`` (``stall_timeout_s=5``), and the breaker counts no failure.
+    (The stall clock stayed where it was, 25 s in the past, when the hold ended.)"""
+    events: list[dict[str, object]] = [_content(f"t{i} ") for i in range(32)]
+    if where == "finish":
+        events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop",
+                                    "content_filter_results": _FILTER}]})
+    else:
+        events.append({"choices": [{"index": 0, "delta": {"reasoning_details": [
+            {"type": "reasoning.encrypted", "data": "sig"}]}, "finish_reason": None}]})
+        events += [_content(f"u{i} ") for i in range(3)]
+        events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", timeout_s=300)],
+        stream=polygate.StreamWatch(stall_timeout_s=5))})
+    out: dict[str, object] = {}
+
+    async def main() -> None:
+        async with polygate.session(settings, transport=_paced_transport(events, 0.01)) as s:
+            async with s.stream_chat(MESSAGES) as stream:
+                await trio.sleep(30)
+                out["chunks"] = [chunk async for chunk in stream]
+            out["response"] = stream.response
+            out["state"] = (await s.statistics()).governance.sources[0].state
+
+    Schedule(seed).run(main)
+    response = out["response"]
+    assert isinstance(response, polygate.ChatResponse)
+    assert response.text.split()[-1] == ("t31" if where == "finish" else "u2")
+    # Every event but a bare finish (no data to relay: the response carries it).
+    assert len(out["chunks"]) == len(events) - (where == "mid-stream")  # type: ignore[arg-type]
+    assert response.call_stats.stall_count == 0
+    state = out["state"]
+    assert state.consecutive_failures == 0 and state.breaker is BreakerState.CLOSED  # type: ignore[attr-defined]
+
+
+async def test_a_held_chunk_the_caller_never_got_is_not_in_its_text(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``stream.text`` is what the iterator yielded plus what waits in its channel.  A
+    33rd chunk held back (the channel full) when the deadline cut the call was neither:
+    the caller got 32 chunks, and the text is theirs alone."""
+    up = FakeUpstream(Reply(first_token_s=0.1, inter_token_s=0.01, tokens=40))
+    got: list[str] = []
+    async with polygate.session(one_source_settings(call_deadline_s=5),
+                                transport=up.transport()) as s:
+        with pytest.raises(polygate.DeadlineExceeded):
+            async with s.stream_chat(MESSAGES) as stream:
+                await trio.sleep(10)  # the channel fills, the 33rd chunk is held, the deadline cuts
+                async for chunk in stream:
+                    got.append(chunk.text)
+    assert len(got) == 32
+    assert stream.text == "".join(got)
