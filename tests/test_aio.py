@@ -1003,3 +1003,54 @@ async def test_cancelled_while_opening_then_the_open_fails_logs_nothing() -> Non
     gc.collect()
     await asyncio.sleep(0)
     assert [c.get("message") for c in reported] == []
+
+
+class _SlowClose(httpx.AsyncBaseTransport):
+    """A transport whose close takes 0.5 s: its session stays closing meanwhile."""
+
+    def __init__(self) -> None:
+        self.inner = fake().transport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await trio.sleep(0.5)
+
+
+def test_statistics_from_another_loop_while_the_session_closes_says_so() -> None:
+    """Outside review (2026-12-02): ``statistics()`` waited for a closing session's
+    close before checking its loop: from another thread it touched the owning loop's
+    future (not thread-safe) and failed with asyncio's bare RuntimeError."""
+
+    async def main() -> None:
+        block = polygate.aio.session(settings_for("http://a/v1"), transport=_SlowClose())
+        s = await block.__aenter__()
+        await s.chat(messages("x"))
+        closing = asyncio.ensure_future(block.__aexit__(None, None, None))
+        await asyncio.sleep(0)  # the close begins (it takes 0.5 s)
+        assert s._owner.closing and not s._owner.closed.done()
+        await _refused_elsewhere(lambda: asyncio.run(asyncio.wait_for(s.statistics(), 5)))
+        await closing
+
+    _run(main())
+
+
+def test_leaving_a_stream_never_entered_is_the_trio_error() -> None:
+    """The same errors as polygate.Session: a ChatStream left without being entered."""
+
+    async def on_trio() -> str:
+        async with polygate.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
+            with pytest.raises(polygate.PolygateError) as info:
+                await s.stream_chat(messages("x")).__aexit__(None, None, None)
+        return str(info.value)
+
+    async def on_asyncio() -> str:
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
+            with pytest.raises(polygate.PolygateError) as info:
+                await s.stream_chat(messages("x")).__aexit__(None, None, None)
+        return str(info.value)
+
+    expected = trio.run(on_trio)
+    assert "never entered" in expected
+    assert _run(on_asyncio()) == expected

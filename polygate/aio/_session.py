@@ -186,6 +186,9 @@ class Session:
     async def statistics(self) -> SessionStatistics:
         """As :meth:`polygate.Session.statistics`; after the session's block was left,
         its final figures (the last telemetry flush included)."""
+        # The loop first: from another thread, waiting for the close would touch this
+        # loop's futures (not thread-safe) and fail with asyncio's own error.
+        _check_loop(self._loop, "this session", "open one per loop")
         if self._owner.closing:
             await settle(self._owner.closed)
             if self._owner.final is not None:
@@ -480,6 +483,8 @@ class ChatStream:
         tb: TracebackType | None,
     ) -> None:
         self._check_loop()
+        if self._job is None:  # (as polygate.ChatStream)
+            raise PolygateError("this ChatStream was never entered ('async with' enters it)")
         self._exited = True
         await self._settle()
 
