@@ -16,7 +16,7 @@ import polygate
 from polygate.serve import Server
 from polygate.testing import FakeUpstream, Reply
 
-from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, request_bytes, wait_for
+from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, http, request_bytes, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -233,3 +233,63 @@ async def test_a_client_that_leaves_mid_request_is_a_499(cut: str) -> None:
     label = "other" if cut == "mid_head" else "/v1/chat/completions"
     assert dict(server.metrics.requests) == {(label, 499): 1}
     assert server.metrics.disconnects == 1
+
+
+@pytest.mark.parametrize("how", ["close", "half-close"])
+async def test_a_client_that_leaves_while_its_stream_waits_to_be_read(how: str) -> None:
+    """Outside review (2026-12-02): a client that stopped reading, then half-closed,
+    left the gateway's frame write waiting out ``send_timeout_s`` (30 s here): its
+    call was cancelled at once, but the request stayed in flight, its 499 uncounted,
+    and its key's ``max_in_flight`` permit held -- the next request was refused with
+    a 429.  A client gone is gone: the waiting write ends with it."""
+    key = "sk-gw-limited-0123456789"
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], send_timeout_s=30,
+                           keys={"team": polygate.ServeKey(key=key, max_in_flight=1)})
+    auth = {"authorization": f"Bearer {key}"}
+    upstream = FakeUpstream(Reply(tokens=3000, text=" ".join(["z" * 1000] * 3000)))
+    async with gateway(upstream, serve=serve) as (server, _):
+        client = await trio.open_tcp_stream("127.0.0.1", server.port)
+        try:
+            client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await client.send_all(request_bytes(
+                "POST", "/v1/chat/completions", {**CHAT, "stream": True}, auth))
+            assert (await client.receive_some(1000)).startswith(b"HTTP/1.1 200")
+            # The client reads no more: the buffers fill and a frame's write waits.
+            await wait_for(lambda: bool(server._finishing), limit_s=10)
+            left = trio.current_time()
+            if how == "close":
+                await client.aclose()
+            else:
+                client.socket.shutdown(socket.SHUT_WR)
+            await wait_for(lambda: server.statistics().in_flight == 0)
+            assert trio.current_time() - left < 1
+            assert upstream.requests[0].outcome == "client_closed"
+            assert dict(server.metrics.requests) == {("/v1/chat/completions", 499): 1}
+            assert server.metrics.disconnects == 1
+            with trio.fail_after(5):
+                second = await http(server, "POST", "/v1/chat/completions", CHAT, auth)
+            assert second.status == 200, second.body[:200]
+        finally:
+            await client.aclose()
+
+
+async def test_a_client_that_leaves_before_reading_a_large_answer() -> None:
+    """The same for a whole answer too large for the socket's buffers: whether the
+    client half-closes before its write began or while it waits, the request ends at
+    once (a 499), not after ``send_timeout_s``."""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], send_timeout_s=30)
+    upstream = FakeUpstream(Reply(tokens=3000, text=" ".join(["z" * 1000] * 3000)))
+    async with gateway(upstream, serve=serve) as (server, _):
+        client = await trio.open_tcp_stream("127.0.0.1", server.port)
+        try:
+            client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await client.send_all(request_bytes("POST", "/v1/chat/completions", CHAT, AUTH))
+            await wait_for(lambda: bool(upstream.requests) and upstream.requests[0].outcome is not None,
+                           limit_s=10)
+            left = trio.current_time()
+            client.socket.shutdown(socket.SHUT_WR)
+            await wait_for(lambda: server.statistics().in_flight == 0)
+            assert trio.current_time() - left < 1
+            assert dict(server.metrics.requests) == {("/v1/chat/completions", 499): 1}
+        finally:
+            await client.aclose()

@@ -169,7 +169,7 @@ class Connection:
     """One client connection: read a request, answer it, repeat."""
 
     __slots__ = ("chunked", "client_gone", "finishing", "h11", "head_only", "keep_alive",
-                 "limits", "pipelined", "requests", "responding", "stream")
+                 "limits", "pipelined", "requests", "responding", "stream", "writing")
 
     def __init__(
         self, stream: trio.SocketStream, limits: Serve,
@@ -188,6 +188,8 @@ class Connection:
         self.responding = False  # a response head has been sent for the current request
         self.head_only = False  # the current request is a HEAD: its answer has no body
         self.pipelined = 0  # bytes read while the current request is answered
+        #: The scope of a write that waits for the client to read (see :meth:`left`).
+        self.writing: trio.CancelScope | None = None
 
     # ------------------------------------------------------------------ reading
 
@@ -441,6 +443,10 @@ class Connection:
         cancelled by ``on_close()``, and the connection is not reused."""
         self.client_gone = True
         on_close()
+        # A write waiting for this client to read would wait out the send timeout,
+        # the request (its permits, its key's in-flight count) with it: nobody reads.
+        if self.writing is not None:
+            self.writing.cancel()
 
     def fileno(self) -> int | None:
         """The socket's descriptor, or None on another kind of stream."""
@@ -493,6 +499,8 @@ class Connection:
         """What is left of ``data`` after a write the kernel takes at once (empty,
         nearly always), without a scheduler pass (see polygate._sockets); a
         cancelled request writes nothing.  The caller sends the rest, if any."""
+        if self.client_gone:  # (it left before the write: nobody reads it)
+            raise ClientGone
         return await write_first(self.stream, data)
 
     async def finish_frame(self, data: bytes | memoryview) -> None:
@@ -500,11 +508,14 @@ class Connection:
         timeout and by nothing else: a drain that cancelled it half-way would leave a
         cut frame for its error event to land in (trio cannot say how much of a
         cancelled ``send_all`` went out).  The drain takes effect right after."""
+        if self.client_gone:
+            raise ClientGone
         with trio.CancelScope(shield=True) as scope:  # bounded: the deadline below
             scope.deadline = trio.current_time() + self.limits.send_timeout_s
             # A hard stop (the grace's last words over, a second signal, the server's
             # block left) cancels it: only a drain waits for the frame.
             self.finishing.add(scope)
+            self.writing = scope
             try:
                 await self.stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -512,6 +523,7 @@ class Connection:
                 raise ClientGone from None
             finally:
                 self.finishing.discard(scope)
+                self.writing = None
         if scope.cancelled_caught:
             self.client_gone = True  # a client that does not read is a client that left
             raise ClientGone
@@ -519,15 +531,19 @@ class Connection:
     async def _send(self, data: bytes) -> None:
         # Most answers leave in one write the kernel takes at once: then no scope and
         # no scheduler pass.  A cancelled request writes nothing (see polygate._sockets).
+        if self.client_gone:  # (it left before the write: nobody reads it)
+            raise ClientGone
         rest = await write_first(self.stream, data)
         if not rest:
             return
-        with trio.move_on_after(self.limits.send_timeout_s):
+        with trio.move_on_after(self.limits.send_timeout_s) as self.writing:
             try:
                 await self.stream.send_all(rest)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.client_gone = True
                 raise ClientGone from None
+            finally:
+                self.writing = None
             return
         self.client_gone = True  # a client that does not read is a client that left
         raise ClientGone
