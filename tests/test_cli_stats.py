@@ -346,6 +346,33 @@ def test_not_a_telemetry_database(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert code == 1 and "cannot read" in err
 
 
+def test_a_file_that_is_no_database_leaves_no_connection_open(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.13 warns of an unclosed sqlite3 connection (a ResourceWarning: an
+    error under ``-W error``): the reader closes the one it opened when the file turns
+    out to be no database."""
+    from polygate.telemetry import _sqlite
+
+    opened: list[sqlite3.Connection] = []
+    connect = _sqlite._connect
+
+    def tracked(*args: object, **kwargs: object) -> sqlite3.Connection:
+        conn = connect(*args, **kwargs)  # type: ignore[arg-type]
+        opened.append(conn)
+        return conn
+
+    monkeypatch.setattr(_sqlite, "_connect", tracked)
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not sqlite" * 100)
+    code, err = _stats_error(capsys, "--db", str(junk))
+    assert code == 1 and "cannot read" in err
+    assert opened
+    for conn in opened:
+        with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+            conn.execute("SELECT 1")
+
+
 def test_newer_schema(known_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     conn = sqlite3.connect(known_db)
     conn.execute("INSERT INTO polygate_schema VALUES (7, 0)")

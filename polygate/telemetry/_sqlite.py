@@ -214,10 +214,10 @@ class SQLiteReader:
         self._conn = _connect(path, read_only=True)
         try:
             self._conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
-        except sqlite3.OperationalError as exc:
-            if "unable to open" not in str(exc):
+        except sqlite3.Error as exc:
+            self._conn.close()  # (not left to the collector: a file that is no database)
+            if not isinstance(exc, sqlite3.OperationalError) or "unable to open" not in str(exc):
                 raise
-            self._conn.close()
             wal = path.with_name(path.name + "-wal")
             if wal.exists() and wal.stat().st_size > 0:
                 # Committed rows may wait in the WAL (a writer killed, a copy taken
