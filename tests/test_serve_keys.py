@@ -347,6 +347,8 @@ async def test_in_flight_bound_and_a_client_that_leaves_returns_its_permit(
     (CALL, {**CHAT, "messages": [{"content": "hi"}]}),  # no role: the session's 400
     (CALL, {**CHAT, "stream": "yes"}),  # the server's own 400, before the call
     (CALL, {**CHAT, "stream": True, "stream_options": 3}),
+    # (a string is no boolean: "false" read as true sent a usage chunk nobody asked for)
+    (CALL, {**CHAT, "stream": True, "stream_options": {"include_usage": "false"}}),
     ("/v1/embeddings", {"model": "embed", "input": []}),
 ])
 async def test_a_call_refused_before_any_upstream_work_costs_the_key_nothing(

@@ -570,8 +570,14 @@ async def _chat(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge)
     options = body.get("stream_options")
     if not stream:
         body.pop("stream_options", None)  # OpenAI accepts it only with stream: true
-    elif options is not None and not isinstance(options, dict):
-        return await _fail(ctx, _bad_param("stream_options must be an object", "stream_options"))
+    elif options is not None:
+        if not isinstance(options, dict):
+            return await _fail(ctx, _bad_param("stream_options must be an object", "stream_options"))
+        usage = options.get("include_usage")
+        if usage is not None and type(usage) is not bool:  # "false" would read as true
+            return await _fail(ctx, _bad_param(
+                "stream_options.include_usage must be true or false",
+                "stream_options.include_usage"))
     call_id = fresh_call_id()
     token = PRESET_CALL_ID.set(call_id)
     metered = ctx.start_call(scope, call_id)
