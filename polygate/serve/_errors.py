@@ -11,8 +11,10 @@ request body over the cap          413     invalid_request_error        ``reques
 every source rate limited          429     rate_limit_error             ``rate_limit_exceeded``
 sources exhausted                  502     api_error                    ``sources_exhausted``
 an answer JSON cannot carry (NaN)  502     api_error                    ``upstream_error``
+a committed stream that failed     502     api_error                    ``upstream_error``
 governance backend down            503     api_error                    ``governance_unavailable``
 call deadline passed               504     timeout_error                ``deadline_exceeded``
+a committed stream went silent     504     timeout_error                ``stream_stalled``
 =================================  ======  ===========================  ==========================
 
 A 429 carries ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``.
