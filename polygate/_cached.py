@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import itertools
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import attrs
@@ -652,7 +652,7 @@ async def cached_embed(
                     start(nursery, stale, refresh=True)
         except BaseExceptionGroup as group:
             raise one_error(group) from group
-        return _embedding(call, inputs, keys, found, call.runs)
+        return _embedding(call, inputs, keys, found, call.runs, fetched)
 
     result: EmbeddingResponse = await _guard(call, body)
     return result
@@ -724,6 +724,7 @@ def _embedding(
     keys: list[str],
     found: Mapping[str, tuple[list[float], str | None, str | None, int | None, str | None]],
     runs: list[EmbeddingResponse],
+    fetched: set[str],
 ) -> EmbeddingResponse:
     vectors = [list(found[k][0]) for k in keys]
     distinct = {k: found[k] for k in dict.fromkeys(keys)}
@@ -742,12 +743,9 @@ def _embedding(
         )
         error.call_stats = call.stats(cached=False)
         raise error
-    tokens = 0
-    estimated = False
-    for _, _, _, share, usage_source in distinct.values():
-        tokens += share or 0
-        estimated = estimated or usage_source != "upstream"
-    usage = Usage(tokens, 0, tokens, "estimated" if estimated else "upstream")
+    usage = _summed(distinct.values())
+    # (What this call's own runs answered: a key pays for that, not for the hits.)
+    upstream_usage = _summed(v for k, v in distinct.items() if k in fetched)
     model = next((m for _, m, _, _, _ in distinct.values() if m is not None), None)
     if runs:
         first = runs[0].call_stats
@@ -765,4 +763,17 @@ def _embedding(
         source = next((s for _, _, s, _, _ in distinct.values() if s is not None), None)
         stats = call.stats(cached=True, source=source)
     call.record(stats, usage, None)  # the call's one row, upstream part or not
-    return EmbeddingResponse(vectors=vectors, usage=usage, call_stats=stats, model=model, source=source)
+    return EmbeddingResponse(vectors=vectors, usage=usage, call_stats=stats, model=model,
+                             source=source, upstream_usage=upstream_usage)
+
+
+def _summed(
+    found: Iterable[tuple[list[float], str | None, str | None, int | None, str | None]],
+) -> Usage:
+    """The usage of these inputs: their token shares, estimated if any share was."""
+    tokens = 0
+    estimated = False
+    for _, _, _, share, usage_source in found:
+        tokens += share or 0
+        estimated = estimated or usage_source != "upstream"
+    return Usage(tokens, 0, tokens, "estimated" if estimated else "upstream")

@@ -860,6 +860,7 @@ def _embedding_response(
         scope=ctx.scope_name,
     )
     usage = Usage(prompt, total - prompt, total, "estimated" if estimated else "upstream")
-    return EmbeddingResponse(vectors=vectors, usage=usage, call_stats=stats, model=model, source=source)
+    return EmbeddingResponse(vectors=vectors, usage=usage, call_stats=stats, model=model,
+                             source=source, upstream_usage=usage)
 
 

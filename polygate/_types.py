@@ -192,13 +192,19 @@ class StreamChunk:
 
 @attrs.frozen
 class EmbeddingResponse:
-    """Embedding vectors in input order."""
+    """Embedding vectors in input order.
+
+    ``usage`` covers every input of the call.  ``upstream_usage`` is the part this
+    call's own upstream requests spent: without a cache the same; with one, less the
+    inputs answered from the cache or by another call's request (0 tokens when none
+    went upstream).  None on a response built by hand."""
 
     vectors: list[list[float]] = attrs.field(repr=lambda v: f"<{len(v)} vectors>")
     usage: Usage | None
     call_stats: CallStats
     model: str | None = None
     source: str | None = None
+    upstream_usage: Usage | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen

@@ -327,6 +327,41 @@ async def test_embed_usage_shares_add_up(autojump_clock: trio.testing.MockClock)
     assert again.usage.prompt_tokens == first.usage.prompt_tokens
 
 
+async def test_embed_upstream_usage_is_what_went_upstream(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``usage`` covers every input; ``upstream_usage`` only what this call's own
+    requests spent: the same without a cache, the misses' shares on a partial hit,
+    nothing on a whole hit, nothing for an input another call's request answered."""
+    up = FakeUpstream(Reply(first_token_s=2.0))
+    texts = ["short", "a much longer input text", "mid length"]
+    out: dict[str, polygate.EmbeddingResponse] = {}
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        plain = await s.embed(texts, cache=False)
+        first = await s.embed(texts[:2])
+        partial = await s.embed(texts)
+        hit = await s.embed(texts)
+
+        async def one(name: str, inputs: list[str], delay: float) -> None:
+            await trio.sleep(delay)
+            out[name] = await s.embed(inputs)
+
+        async with trio.open_nursery() as nursery:  # "w" is led by one, joined by other
+            nursery.start_soon(one, "leader", ["w"], 0.0)
+            nursery.start_soon(one, "joined", ["w"], 0.5)
+    assert plain.upstream_usage == plain.usage
+    assert first.upstream_usage == first.usage
+    assert partial.usage is not None and partial.upstream_usage is not None
+    assert partial.usage.total_tokens == plain.usage.total_tokens  # type: ignore[union-attr]
+    assert 0 < partial.upstream_usage.total_tokens < partial.usage.total_tokens
+    assert partial.upstream_usage.total_tokens == (
+        partial.usage.total_tokens - first.usage.total_tokens)  # type: ignore[union-attr]
+    assert hit.upstream_usage is not None and hit.upstream_usage.total_tokens == 0
+    assert out["leader"].upstream_usage == out["leader"].usage
+    assert out["joined"].upstream_usage is not None
+    assert out["joined"].upstream_usage.total_tokens == 0
+
+
 # --------------------------------------------------------------------------- coalescing
 
 

@@ -385,6 +385,38 @@ async def test_a_cache_hit_counts_as_a_request_and_costs_no_tokens(tmp_path: Pat
     assert len(upstream.requests) == 1
 
 
+async def test_a_partial_embedding_hit_costs_the_key_only_its_misses() -> None:
+    """Outside review (2026-12-02): the inputs the cache answered cost the key tokens
+    as if they had gone upstream (a request with 2 of 3 inputs cached paid for 3); as
+    a whole hit costs nothing, each hit input costs nothing."""
+    upstream = FakeUpstream(Reply(tokens=5))
+    async with upstream.serve() as url:
+        import attrs
+
+        from polygate.serve import open_server
+
+        from ._serve_kit import settings_for
+
+        base = settings_for(url, serve=keyed(tpm=100_000), cache="memory")
+        settings = attrs.evolve(base, scopes={
+            **base.scopes, "embed": attrs.evolve(base.scopes["embed"], cache_ttl_s=60)})
+        inputs = ["x" * 400, "y" * 400, "z" * 400]
+        async with open_server(settings, port=0) as server:
+            first = await http(server, "POST", "/v1/embeddings",
+                               {"model": "embed", "input": inputs[:2]}, bearer(ALICE))
+            before = (await key_state(server, "alice")).tokens_in_window
+            second = await http(server, "POST", "/v1/embeddings",
+                                {"model": "embed", "input": inputs}, bearer(ALICE))
+            after = (await key_state(server, "alice")).tokens_in_window
+            sent = upstream.requests[-1].body["input"]
+    assert first.status == second.status == 200
+    assert sent == [inputs[2]]  # only the miss went upstream
+    assert before == first.json()["usage"]["total_tokens"]
+    # the third input's share of the second answer, as the first answer priced its two
+    assert second.json()["usage"]["total_tokens"] == before * 3 // 2
+    assert after - before == before // 2
+
+
 # --------------------------------------------------------------------------- scale-out
 
 

@@ -812,7 +812,10 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
         PRESET_CALL_ID.reset(token)
         CURRENT.reset(metered)
     stats = response.call_stats
-    charge.answered(stats, response.usage)
+    # The key pays for what went upstream: not for inputs the cache (or another
+    # request's flight) answered, as a whole cache hit costs it nothing.
+    spent = response.upstream_usage
+    charge.answered(stats, spent if spent is not None else response.usage)
     usage = response.usage
     try:
         data = [
