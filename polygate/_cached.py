@@ -538,7 +538,11 @@ async def cached_embed(
             finally:
                 call.live.remove(held)
         except _SHARED as exc:
-            verdict = _verdict(exc)
+            # A verdict on a request of this one input alone is its waiters' answer.
+            # Of a run of several, it may be any other input's (one that the upstream
+            # refuses fails the batch; a batch too large for a quota is the batch's):
+            # the flights are handed over, and each waiter asks for its own.
+            verdict = _verdict(exc) if len(led) == 1 else None
             for k, f in flights.items():
                 cache.flights.settle(k, f, error=verdict)
             _count_other_runs(call, exc)

@@ -589,6 +589,73 @@ async def test_embed_calls_coalesce_per_input(autojump_clock: trio.testing.MockC
     assert out["second"].vectors == plain.vectors[1:]
 
 
+def _embed_cache_settings(**scope: Any) -> polygate.Settings:
+    return polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", model="emb")],
+        cache_ttl_s=600, **scope)}, cache="memory")
+
+
+@pytest.mark.parametrize("batch_size", [16, 1])
+async def test_an_embed_waiter_is_not_failed_by_another_inputs_refusal(
+    autojump_clock: trio.testing.MockClock, batch_size: int
+) -> None:
+    """Outside review (2026-12-02): call A embeds ["bad", "y"], and the upstream
+    refuses any request holding "bad" (400); call B embeds ["y"] while A's run is in
+    flight, joining A's flight for "y".  A's 400 was B's answer too, though B's own
+    request is valid (and with one input a request, though "y" had been answered).
+    The 400 is a verdict on A's request, not on "y": B asks for "y" itself."""
+
+    def behaviour(request: Any, _rng: Any) -> Reply:
+        if "bad" in request.body["input"]:
+            return Reply(status=400, headers_delay_s=1)
+        return Reply(headers_delay_s=0.5)
+
+    up = FakeUpstream(behaviour)
+    out: dict[str, Any] = {}
+    settings = _embed_cache_settings(embed_batch_size=batch_size,
+                                     retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+
+        async def one(name: str, inputs: list[str], delay: float) -> None:
+            await trio.sleep(delay)
+            try:
+                out[name] = await s.embed(inputs)
+            except polygate.PolygateError as exc:
+                out[name] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "a", ["bad", "y"], 0.0)
+            nursery.start_soon(one, "b", ["y"], 0.1)
+        plain = await s.embed(["y"], cache=False)
+    assert isinstance(out["a"], polygate.FatalUpstreamError)
+    assert isinstance(out["b"], polygate.EmbeddingResponse), out["b"]
+    assert out["b"].vectors == plain.vectors
+
+
+async def test_an_embed_waiter_shares_a_refusal_of_its_input_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request of one input refused: that is a verdict on the input, and every
+    call waiting for it gets it (one upstream request, not one each)."""
+    up = FakeUpstream(Reply(status=400, headers_delay_s=1))
+    out: dict[str, Any] = {}
+    settings = _embed_cache_settings(retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+
+        async def one(name: str, delay: float) -> None:
+            await trio.sleep(delay)
+            try:
+                await s.embed(["bad"])
+            except polygate.PolygateError as exc:
+                out[name] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, f"c{i}", 0.1 * i)
+    assert all(isinstance(e, polygate.FatalUpstreamError) for e in out.values()) and len(out) == 3
+    assert len(up.requests) == 1
+
+
 # --------------------------------------------------------------------------- telemetry
 
 
