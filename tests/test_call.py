@@ -636,6 +636,39 @@ async def test_a_failed_embed_call_carries_every_batchs_errors(
     assert [e.status_code for e in errors] == [503, 500, 500, 500]  # type: ignore[attr-defined]
 
 
+def _ignores_dimensions(request: httpx.Request) -> httpx.Response:
+    """An upstream whose model has one size: 8 dimensions, whatever was asked."""
+    inputs = json.loads(request.content)["input"]
+    data = [{"object": "embedding", "index": i, "embedding": [0.5] * 8} for i in range(len(inputs))]
+    return httpx.Response(200, json={"object": "list", "data": data, "model": "e",
+                                     "usage": {"prompt_tokens": 2, "total_tokens": 2}})
+
+
+async def test_vectors_not_of_the_dimensions_asked_for_are_refused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Outside review (2026-12-02): ``embed(dimensions=4)`` from a source that ignores
+    ``dimensions`` returned its 8-dimension vectors as the answer.  Not what was asked
+    (a vector store of 4 would refuse them later): a malformed answer, tried elsewhere."""
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)])})
+    ups = _router(a=httpx.MockTransport(_ignores_dimensions), b=FakeUpstream(Reply()))
+    async with polygate.session(settings, transport=ups) as s:
+        answer = await s.embed(["x", "y"], dimensions=4)
+        unasked = await s.embed(["x", "y"])  # without dimensions, any size is the model's
+    assert {len(v) for v in answer.vectors} == {4}
+    assert answer.source == "b" and answer.call_stats.attempts == 2
+    assert unasked.source == "a" and {len(v) for v in unasked.vectors} == {8}
+    alone = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")],
+        retry=polygate.Retry(max_attempts=1))})
+    async with polygate.session(alone, transport=_router(a=httpx.MockTransport(_ignores_dimensions))) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.embed(["x"], dimensions=4)
+    assert "8 dimensions to dimensions=4" in str(info.value.errors[0])
+
+
 async def test_embed_batches_of_different_dimensions_are_an_error(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -632,9 +632,20 @@ async def embeddings_exchange(
 ) -> tuple[list[list[float]], dict[str, Any]]:
     """Run one embeddings request; vectors come back in input order."""
 
+    wanted = params.get("dimensions")
+
     async def read(response: httpx.Response) -> tuple[list[list[float]], dict[str, Any]]:
         payload = await _read_json(response, endpoint, limits)
-        return _vectors(payload, len(inputs), endpoint), payload
+        vectors = _vectors(payload, len(inputs), endpoint)
+        if type(wanted) is int and vectors and len(vectors[0]) != wanted:
+            # An upstream that ignores ``dimensions`` (its model has one size): vectors
+            # of another length are not what was asked for, and would fail later, in
+            # the caller's vector store.  Another source may honour it.
+            raise TransientUpstreamError(
+                f"the upstream answered vectors of {len(vectors[0])} dimensions to "
+                f"dimensions={wanted}: it does not honour dimensions", source=endpoint.name,
+            )
+        return vectors, payload
 
     body = embeddings_body(endpoint, inputs, params)
     return await _exchange(
