@@ -693,6 +693,10 @@ def read_toml(label: str) -> dict[str, Any]:
         raise ConfigError(f"{label}: invalid TOML ({exc})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{label}: the configuration file is not UTF-8") from None
+    except RecursionError:
+        # tomllib reads nested tables and arrays by recursion: past Python's limit
+        # (~400 levels) it fails with this.  No setting nests beyond a few levels.
+        raise ConfigError(f"{label}: invalid TOML (values nested too deeply)") from None
     except ValueError as exc:
         # Python's cap on an integer's digits (4300), which tomllib meets as it reads
         # one: no setting takes such a number.  (Its message quotes no value.)

@@ -1034,3 +1034,13 @@ def test_an_empty_gateway_key_in_the_environment_is_refused(value: str) -> None:
     with pytest.raises(ConfigError, match="POLYGATE__SERVE__API_KEYS: an empty key") as caught:
         settings_from_env({"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__SERVE__API_KEYS": value})
     assert value not in str(caught.value)
+
+
+def test_a_file_nested_past_pythons_limit_is_a_config_error(tmp_path: Path) -> None:
+    """tomllib reads nested tables by recursion: a file nesting ~1,000 inline tables
+    raised a bare RecursionError from session(), check-config, chat and serve."""
+    path = tmp_path / "deep.toml"
+    path.write_text("[scopes.chat.sources.a]\nbase_url = 'http://127.0.0.1:9/v1'\n"
+                    "x = " + "{b = " * 1000 + "1" + "}" * 1000 + "\n")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        Settings.from_toml(str(path))
