@@ -16,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 
+import polygate
 from polygate.cli import main
 from polygate.cli._chat import chat_once
 from polygate.testing import FakeUpstream, Reply, Router
@@ -152,3 +153,53 @@ def test_main_bad_configuration(
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and message in captured.err
+
+
+class _Bytes(io.TextIOWrapper):
+    """A standard input whose bytes are given (``buffer``), as a pipe's are."""
+
+
+@pytest.mark.parametrize(
+    ("stdin", "message"),
+    [
+        (None, "no standard input"),  # closed: a service, a cron job, `<&-`
+        (_Bytes(io.BytesIO(b"hello \xff there"), encoding="utf-8"), "not UTF-8"),
+    ],
+)
+def test_a_prompt_from_stdin_that_cannot_be_read_is_one_line(
+    env: pytest.MonkeyPatch, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    stdin: object, message: str,
+) -> None:
+    """Outside review (2026-12-02): ``polygate chat -`` raised a bare AttributeError
+    with no standard input, and UnicodeDecodeError on bytes that are not UTF-8."""
+    env.setenv("POLYGATE__CHAT__A__BASE_URL", "http://a/v1")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert main(["chat", "-"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err and "Traceback" not in captured.err
+
+
+def test_a_prompt_argument_that_is_not_utf8_is_said_so(
+    env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An argument in bytes that are not UTF-8 (surrogate escapes) was refused as
+    "invalid configuration: messages[0] ..." at a position inside the JSON."""
+    env.setenv("POLYGATE__CHAT__A__BASE_URL", "http://a/v1")
+    assert main(["chat", "caf\udce9"]) == 2
+    err = capsys.readouterr().err
+    assert "the prompt is not UTF-8" in err and "configuration" not in err
+
+
+async def test_a_stream_that_fails_midway_ends_its_line(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The error's line starts on a line of its own, not after the half answer."""
+    out = io.StringIO()
+    up = FakeUpstream(Reply(text="one two three", inter_token_s=0.1, fault="truncated",
+                            fault_after=2))
+    with pytest.raises(polygate.PolygateError):
+        await chat_once(
+            two_source_settings(names=("a",)), [{"role": "user", "content": "hi"}], "chat",
+            True, out, transport=Router({"a": up}),
+        )
+    assert out.getvalue() and out.getvalue().endswith("\n")

@@ -44,7 +44,13 @@ def run(args: argparse.Namespace) -> int:
     from .._config_load import load_settings, settings_from_toml
     from .._errors import ConfigError, PolygateError
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_stdin() if args.prompt == "-" else args.prompt
+    if prompt is None:
+        return 2
+    if not all(_is_utf8(text) for text in (prompt, args.system or "")):
+        # (An argument in bytes that are not UTF-8 arrives with surrogate escapes.)
+        print("polygate chat: the prompt is not UTF-8 text", file=sys.stderr)
+        return 2
     if not prompt.strip():
         print("polygate chat: the prompt is empty", file=sys.stderr)
         return 2
@@ -76,6 +82,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_stdin() -> str | None:
+    """The prompt from standard input; None (said on stderr) when there is none to
+    read (closed: a service, a cron job) or it is not UTF-8."""
+    stdin = sys.stdin
+    if stdin is None:
+        print("polygate chat: no standard input to read the prompt from", file=sys.stderr)
+        return None
+    try:
+        buffer = getattr(stdin, "buffer", None)
+        return buffer.read().decode("utf-8") if buffer is not None else stdin.read()
+    except UnicodeDecodeError:
+        print("polygate chat: the prompt is not UTF-8 text", file=sys.stderr)
+    except OSError as exc:
+        print(f"polygate chat: cannot read standard input ({exc.strerror})", file=sys.stderr)
+    return None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 async def chat_once(
     settings: Any,
     messages: list[dict[str, Any]],
@@ -93,11 +124,19 @@ async def chat_once(
             out.write(response.text + "\n")
             out.flush()
             return response
-        async with session.stream_chat(messages, scope=scope) as chunks:
-            async for chunk in chunks:
-                if chunk.text:
-                    out.write(chunk.text)
-                    out.flush()
+        shown = False
+        try:
+            async with session.stream_chat(messages, scope=scope) as chunks:
+                async for chunk in chunks:
+                    if chunk.text:
+                        out.write(chunk.text)
+                        out.flush()
+                        shown = True
+        except Exception:
+            if shown:  # the error's line starts on a line of its own
+                out.write("\n")
+                out.flush()
+            raise
         out.write("\n")
         out.flush()
         return chunks.response
