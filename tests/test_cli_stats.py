@@ -600,3 +600,26 @@ def test_a_read_only_database_whose_wal_holds_rows_is_refused_not_read_short(
     with _read_only(snap, tmp_path / "ro") as ro:
         code, err = _stats_error(capsys, "--db", str(ro / "t.db"))
     assert code == 1 and "its write-ahead log t.db-wal still holds rows" in err
+
+
+@pytest.mark.parametrize("where", ["env", "file"])
+def test_an_unchecked_telemetry_value_is_never_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], where: str,
+) -> None:
+    """Outside review (2026-12-02): with a configuration that does not load, stats
+    fell back to the raw telemetry value without checking it; a libpq key=value
+    string was then read as a file's path and printed whole, password included."""
+    secret = "SECRETpw-1234"
+    dsn = f"host=127.0.0.1 port=5432 user=app password={secret} dbname=telemetry"
+    for key in [k for k in os.environ if k.startswith("POLYGATE")]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    if where == "env":
+        monkeypatch.setenv("POLYGATE__TELEMETRY", dsn)
+    else:
+        (tmp_path / "polygate.toml").write_text(f'telemetry = "{dsn}"\n')
+    assert main(["stats"]) == 2
+    captured = capsys.readouterr()
+    assert secret not in captured.out + captured.err
+    assert "invalid configuration" in captured.err

@@ -112,9 +112,20 @@ def default_db(env: dict[str, str] | None = None) -> str:
             # command: reporting on the default database instead would answer about
             # another database than the one configured.
             configured = read_toml(path).get("telemetry", "off")
+        # Checked as the settings check it (a ConfigError that never quotes a
+        # password): unchecked, a libpq "key=value" string was read as a file's path
+        # and printed whole, its password with it.
+        _checked_telemetry(configured)
     if isinstance(configured, str) and configured and configured != "off":
         return configured
     return f"sqlite://{default_path(environ)}"
+
+
+def _checked_telemetry(value: Any) -> None:
+    from .._config import Scope, Settings, Source
+
+    stand_in = {"stats": Scope(sources=[Source(name="stats", base_url="http://127.0.0.1/v1")])}
+    Settings(scopes=stand_in, telemetry=value)
 
 
 def run(args: argparse.Namespace) -> int:
