@@ -271,3 +271,20 @@ def test_check_config_is_as_strict_as_session(
     assert main(["check-config", "--config", path]) == 2
     err = capsys.readouterr().err
     assert err == f"polygate check-config: invalid configuration: {info.value}\n"
+
+
+def test_a_path_that_is_not_utf8_is_shown_escaped(
+    clean: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside review (2026-12-02): a telemetry path holding a byte that is not UTF-8
+    (a Latin-1 file name, here from the environment) is a valid setting, but printing
+    it to a strict UTF-8 stdout failed with a bare UnicodeEncodeError."""
+    import io
+
+    monkeypatch.setenv("POLYGATE__CHAT__A__BASE_URL", "http://127.0.0.1:9/v1")
+    monkeypatch.setenv("POLYGATE__TELEMETRY", f"sqlite://{clean}/t\udce9l\udce9.db")
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["check-config"]) == 0
+    out.flush()
+    assert b"t\\udce9l\\udce9.db" in out.buffer.getvalue()  # type: ignore[attr-defined]

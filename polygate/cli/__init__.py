@@ -56,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     if run is None:
         parser.print_help()
         return 2
+    # A path (a database's, a configuration's) may hold bytes that are not UTF-8: they
+    # arrive as surrogate escapes, which a strict UTF-8 stdout refuses to print (a
+    # bare UnicodeEncodeError, after the work was done).  Shown escaped instead.
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="backslashreplace")
     try:
         return run(args)
     except (KeyboardInterrupt, BaseExceptionGroup) as exc:
