@@ -488,3 +488,42 @@ async def test_a_reload_keeps_max_in_flight(limited: str) -> None:
         assert statuses == [200, 200] and upstream.peak_in_flight == 1  # it waited its turn
     else:
         assert sorted(statuses) == [200, 429]  # a key over its limit is refused at once
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_it_starts_stops_the_start(tmp_path: Path, signum: int) -> None:
+    """Outside review (2026-12-02): the signals were read only once the server
+    listened.  Ctrl-C (or SIGTERM) while its session opened -- here a telemetry
+    PostgreSQL that accepts the connection and never answers -- was held until the
+    start-up ended (~10 s); the server then listened, and only then drained."""
+    import socket
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    silent.settimeout(30)
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'telemetry = "postgresql://app:pw@127.0.0.1:{silent.getsockname()[1]}/telemetry"\n'
+        '[scopes.chat.sources.a]\nbase_url = "http://127.0.0.1:9/v1"\n')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "polygate", "serve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        conn, _ = silent.accept()  # the session is opening its telemetry sink now
+        proc.send_signal(signum)
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - sent
+        conn.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        silent.close()
+    assert "listening on" not in out.decode()
+    assert elapsed < 4, f"exited {elapsed:.1f} s after the signal"
+    assert proc.returncode == 0
+    assert "stopped before it started listening" in err.decode()
+    assert "Traceback" not in err.decode()

@@ -8,6 +8,7 @@ connections (``--port 0`` picks a free port).
 
 Signals: SIGTERM or SIGINT drains (stop accepting, let calls in flight finish within
 ``[serve] grace_s``, then cancel the rest) and exits 0; a second one cancels at once.
+One while the server is still starting stops the start (it never listens), exit 0.
 SIGHUP reloads the configuration from the same place; calls in flight finish on the
 old one, and an invalid new configuration is logged and ignored.
 
@@ -27,6 +28,9 @@ import logging
 import signal
 import sys
 from typing import Any
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["add_parser", "run"]
 
@@ -66,7 +70,13 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("coredis").setLevel(logging.WARNING)
     try:
         settings = _load(args.config)
-        return trio.run(_serve, settings, args)
+        try:
+            return trio.run(_serve, settings, args)
+        except BaseExceptionGroup as group:  # (the start's nursery: one error in it)
+            leaf = _leaf(group)
+            if leaf is group:
+                raise
+            raise leaf from None
     except ConfigError as exc:
         print(f"polygate serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
@@ -77,37 +87,69 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
+def _leaf(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The one error inside nested groups of one; the group itself otherwise."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
 async def _serve(settings: Any, args: argparse.Namespace) -> int:
     import trio
 
     from ..serve import open_server
 
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async with open_server(settings, host=args.host, port=args.port) as server:
-            keys = len(settings.serve.api_keys) + len(settings.serve.keys)
-            _settle_heap()
-            print(f"polygate serve: listening on {server.url}", flush=True)
-            log.info("%d scope(s), %s", len(settings.scopes),
-                     f"{keys} gateway key(s)" if keys else "no gateway keys (loopback only)")
-            async for signum in signals:
-                if signum == signal.SIGHUP:
-                    await _reload(server, args)
-                    continue
-                log.info("draining: no new connections; calls in flight have %.0f s",
-                         server.settings.serve.grace_s)
-                async with trio.open_nursery() as nursery:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals, \
+            trio.CancelScope() as start:
+        # While the server starts (its session opening: a telemetry database, Redis),
+        # a stop signal ends the start: nothing is listening yet, nothing to drain.
+        watching = trio.CancelScope()
+        watched = trio.Event()
+        late: list[int] = []
 
-                    async def drain() -> None:
-                        await server.shutdown()
-                        nursery.cancel_scope.cancel()
+        async def stop_the_start() -> None:
+            try:
+                with watching:
+                    async for signum in signals:
+                        if watching.cancel_called:  # the start is over: the loop's signal
+                            late.append(signum)
+                        elif signum != signal.SIGHUP:  # (before the start: nothing to reload)
+                            start.cancel()
+            finally:
+                watched.set()
 
-                    nursery.start_soon(drain)
-                    async for again in signals:
-                        if again != signal.SIGHUP:
-                            log.info("second signal: cancelling the calls in flight now")
-                            nursery.cancel_scope.cancel()
-                break
-    log.info("stopped")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop_the_start)  # (it runs at the start's first checkpoint)
+            async with open_server(settings, host=args.host, port=args.port) as server:
+                watching.cancel()  # started: the signals are the loop's below
+                await watched.wait()  # (one reader of a signal receiver at a time)
+                keys = len(settings.serve.api_keys) + len(settings.serve.keys)
+                _settle_heap()
+                print(f"polygate serve: listening on {server.url}", flush=True)
+                log.info("%d scope(s), %s", len(settings.scopes),
+                         f"{keys} gateway key(s)" if keys else "no gateway keys (loopback only)")
+                while True:
+                    # (a signal the start's watcher took as the start ended comes first)
+                    signum = late.pop(0) if late else await signals.__anext__()
+                    if signum == signal.SIGHUP:
+                        await _reload(server, args)
+                        continue
+                    log.info("draining: no new connections; calls in flight have %.0f s",
+                             server.settings.serve.grace_s)
+                    async with trio.open_nursery() as draining:
+
+                        async def drain() -> None:
+                            await server.shutdown()
+                            draining.cancel_scope.cancel()
+
+                        draining.start_soon(drain)
+                        async for again in signals:
+                            if again != signal.SIGHUP:
+                                log.info("second signal: cancelling the calls in flight now")
+                                draining.cancel_scope.cancel()
+                    break
+    log.info("stopped before it started listening" if start.cancelled_caught else "stopped")
     return 0
 
 
