@@ -73,7 +73,9 @@ class AttemptControl:
     def start_clocks(self, whole: float, watch: float) -> trio.CancelScope:
         """The attempt's scope, to be entered now, with its clocks set (``watch`` as
         :meth:`watch` takes it)."""
-        self._whole = whole
+        # Both a hair past their limits: an answer exactly at ``timeout_s`` is in time,
+        # as a token exactly at a watchdog's limit is (see watch()).
+        self._whole = whole + _WATCH_GRACE_S
         self._watch = watch + _WATCH_GRACE_S
         scope = self.scope = trio.CancelScope(deadline=self._deadline())
         if self.cancelled:  # by the round, before this attempt's task first ran

@@ -239,6 +239,27 @@ async def test_whole_attempt_timeout(autojump_clock: trio.testing.MockClock) -> 
     assert "timeout_s" in str(error)
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("reply", [
+    Reply(first_token_s=1, inter_token_s=1, tokens=3),  # the last token at 3 s
+    Reply(first_token_s=3, tokens=1),  # the only one at 3 s
+])
+async def test_an_answer_exactly_at_timeout_s_is_in_time(
+    autojump_clock: trio.testing.MockClock, reply: Reply, streaming: bool
+) -> None:
+    """Outside review (2026-12-02): the docs say every watchdog, ``timeout_s``
+    included, fires a hair past its limit, so that what arrives exactly at it is in
+    time; ``timeout_s`` fired at the limit itself (every attempt failed at 3.000 s)."""
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", timeout_s=3,
+                                 streaming=streaming)],
+        retry=polygate.Retry(max_attempts=1))})
+    async with polygate.session(settings, transport=_router(a=FakeUpstream(reply))) as s:
+        response = await s.chat(MESSAGES)
+    assert response.call_stats.attempts == 1
+    assert response.call_stats.generation_ms == pytest.approx(3000)
+
+
 async def test_stall_in_chat_is_transient_and_retried(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream(Reply(first_token_s=1, tokens=10, stall_at=3, stall_s=55))
     b = FakeUpstream(Reply(first_token_s=1))
