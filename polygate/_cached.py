@@ -377,6 +377,19 @@ def _verdict(error: BaseException) -> BaseException | None:
     return error
 
 
+def _about_inputs(error: BaseException) -> bool:
+    """Whether an embed run's error may be about some of its inputs, not all: a
+    refusal of the request (one input the upstream rejects fails its whole batch), or
+    no source admitting it at all (a batch too large for a quota is the batch's).  Of
+    a run of several inputs, such an error is a verdict only for a waiter that would
+    send every one of them itself (an identical call); any other waiter asks for its
+    own inputs.  An outage (every attempt failed: 5xx, resets, 429s) or a backend
+    down is the same for any inputs, and shared with all."""
+    if isinstance(error, FatalUpstreamError):
+        return True
+    return isinstance(error, AllSourcesExhausted) and not error.errors
+
+
 def _binds(error: BaseException, rounds: Rounds | None) -> bool:
     """Whether the leader's shared error is this waiter's answer too.
 
@@ -506,6 +519,7 @@ async def cached_embed(
     call = _Call(runtime, scope, "embed", deadline_s, params=params)
     keys = embed_keys(scope, cache.models(scope, call.ctx.scope.sources), inputs, params)
     texts: dict[str, str] = dict(zip(keys, inputs, strict=True))  # distinct, in order
+    own = texts.keys()  # (what this call would send: see Flight.batch)
     found: dict[str, tuple[list[float], str | None, str | None, int | None, str | None]] = {}
     fetched: set[str] = set()  # the inputs this call's own upstream runs answered
     came: dict[str, str] = {}  # how the others came: "hit" or "coalesced"
@@ -538,13 +552,10 @@ async def cached_embed(
             finally:
                 call.live.remove(held)
         except _SHARED as exc:
-            # A verdict on a request of this one input alone is its waiters' answer.
-            # Of a run of several, it may be any other input's (one that the upstream
-            # refuses fails the batch; a batch too large for a quota is the batch's):
-            # the flights are handed over, and each waiter asks for its own.
-            verdict = _verdict(exc) if len(led) == 1 else None
+            verdict = _verdict(exc)
+            batch = frozenset(led) if len(led) > 1 and _about_inputs(exc) else None
             for k, f in flights.items():
-                cache.flights.settle(k, f, error=verdict)
+                cache.flights.settle(k, f, error=verdict, batch=batch)
             _count_other_runs(call, exc)
             raise
         except BaseException as exc:
@@ -616,7 +627,7 @@ async def cached_embed(
             if flight.value is not None and take(key, flight.value):
                 cache.coalesced += 1
                 came[key] = "coalesced"
-            elif flight.error is not None:
+            elif flight.error is not None and (flight.batch is None or flight.batch <= own):
                 error = call.shared(flight.error)
                 if not call.recorded:
                     call.record(getattr(error, "call_stats", None) or call.stats(cached=False), None, error)

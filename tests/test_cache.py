@@ -632,6 +632,35 @@ async def test_an_embed_waiter_is_not_failed_by_another_inputs_refusal(
     assert out["b"].vectors == plain.vectors
 
 
+@pytest.mark.parametrize("status", [400, 500])
+async def test_identical_embed_calls_of_several_inputs_share_one_request_and_its_error(
+    autojump_clock: trio.testing.MockClock, status: int
+) -> None:
+    """Review of the fix above: identical calls still make one upstream request, and
+    its error (a refusal: they would send the same batch; an outage: any inputs) is
+    every one's, after that one request."""
+    up = FakeUpstream(Reply(status=status, headers_delay_s=1))
+    out: dict[str, Any] = {}
+    ended: dict[str, float] = {}
+    settings = _embed_cache_settings(retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+
+        async def one(name: str, delay: float) -> None:
+            await trio.sleep(delay)
+            try:
+                await s.embed(["x", "y"])
+            except polygate.PolygateError as exc:
+                out[name] = exc
+            ended[name] = trio.current_time()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, f"c{i}", 0.1 * i)
+    assert len(out) == 3 and len({type(e) for e in out.values()}) == 1
+    assert len(up.requests) == 1
+    assert max(ended.values()) == pytest.approx(1.0)
+
+
 async def test_an_embed_waiter_shares_a_refusal_of_its_input_alone(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -14,7 +14,8 @@ How a flight ends decides what its waiters do:
   (the request is wrong), :class:`~polygate.AllSourcesExhausted` (every source or
   attempt failed) or :class:`~polygate.GovernanceBackendError` (admission is down):
   every waiter raises the same error as its own (a copy with its own statistics),
-  rather than queue up to hear it again;
+  rather than queue up to hear it again; a refusal of an embeddings batch only for a
+  waiter that would send the whole batch itself (``Flight.batch``);
 * **anything about the leader itself** — its caller cancelled it, its own deadline
   passed, its committed stream stalled (a ``chat()`` waiter would have retried that),
   or a bug: the flight is *abandoned* and handed over.  Every waiter wakes; the first
@@ -36,14 +37,19 @@ __all__ = ["Coalescer", "Flight"]
 
 class Flight:
     """One key being computed.  ``value``: the encoded answer; ``error``: a shared
-    verdict; both ``None`` once ``done``: abandoned, someone else must lead."""
+    verdict; both ``None`` once ``done``: abandoned, someone else must lead.
 
-    __slots__ = ("done", "error", "value")
+    ``batch``: with an ``error``, the keys of the request it is a verdict on when
+    that verdict may be about any one of them (an embeddings batch refused): only a
+    waiter that would send all of them itself takes it; the others lead anew."""
+
+    __slots__ = ("batch", "done", "error", "value")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.value: bytes | None = None
         self.error: BaseException | None = None
+        self.batch: frozenset[str] | None = None
 
 
 class Coalescer:
@@ -70,14 +76,17 @@ class Coalescer:
         return flight
 
     def settle(
-        self, key: str, flight: Flight, value: bytes | None = None, error: BaseException | None = None
+        self, key: str, flight: Flight, value: bytes | None = None,
+        error: BaseException | None = None, batch: frozenset[str] | None = None,
     ) -> None:
-        """End ``flight`` with an answer, a shared error, or neither (abandoned).
-        Only the first settlement counts: a flight never changes its outcome."""
+        """End ``flight`` with an answer, a shared error (``batch``: see
+        :class:`Flight`), or neither (abandoned).  Only the first settlement counts:
+        a flight never changes its outcome."""
         if flight.done.is_set():
             return
         if self._flights.get(key) is flight:
             del self._flights[key]
         flight.value = value
         flight.error = error
+        flight.batch = batch
         flight.done.set()
