@@ -171,6 +171,11 @@ class Session:
         if "schema" in params:
             # (A chat keyword here is a mistake, not a vendor field to send upstream.)
             raise ConfigError("embed() takes no schema: structured output is for chat calls")
+        dimensions = params.get("dimensions")
+        if dimensions is not None and (type(dimensions) is not int or dimensions <= 0):
+            # Checked here: the answer's vectors are held to it (a source that ignores
+            # it is refused), which needs a number to compare them with.
+            raise ConfigError(f"dimensions must be a whole number > 0, got {dimensions!r}")
         mode = cache_mode(cache)
         return await cached_embed(self._runtime, self._cache, mode, scope, list(inputs), params, deadline)
 

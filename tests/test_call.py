@@ -670,24 +670,28 @@ async def test_vectors_not_of_the_dimensions_asked_for_are_refused(
 ) -> None:
     """Outside review (2026-12-02): ``embed(dimensions=4)`` from a source that ignores
     ``dimensions`` returned its 8-dimension vectors as the answer.  Not what was asked
-    (a vector store of 4 would refuse them later): a malformed answer, tried elsewhere."""
+    (a vector store of 4 would refuse them later): a FatalUpstreamError naming both
+    sizes, as for sources of different models -- not a failure of the source's health
+    (review of that fix: as a transient error, two calls opened its breaker for every
+    other call)."""
     settings = polygate.Settings(scopes={"embed": polygate.Scope(
-        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
-                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)])})
-    ups = _router(a=httpx.MockTransport(_ignores_dimensions), b=FakeUpstream(Reply()))
-    async with polygate.session(settings, transport=ups) as s:
-        answer = await s.embed(["x", "y"], dimensions=4)
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    async with polygate.session(settings, transport=_router(a=httpx.MockTransport(_ignores_dimensions))) as s:
+        for _ in range(6):
+            with pytest.raises(polygate.FatalUpstreamError, match="8 dimensions to dimensions=4"):
+                await s.embed(["x"], dimensions=4)
         unasked = await s.embed(["x", "y"])  # without dimensions, any size is the model's
-    assert {len(v) for v in answer.vectors} == {4}
-    assert answer.source == "b" and answer.call_stats.attempts == 2
-    assert unasked.source == "a" and {len(v) for v in unasked.vectors} == {8}
-    alone = polygate.Settings(scopes={"embed": polygate.Scope(
-        sources=[polygate.Source(name="a", base_url="http://a/v1")],
-        retry=polygate.Retry(max_attempts=1))})
-    async with polygate.session(alone, transport=_router(a=httpx.MockTransport(_ignores_dimensions))) as s:
-        with pytest.raises(polygate.AllSourcesExhausted) as info:
-            await s.embed(["x"], dimensions=4)
-    assert "8 dimensions to dimensions=4" in str(info.value.errors[0])
+        state = (await s.statistics()).governance.sources[0].state
+    assert {len(v) for v in unasked.vectors} == {8}
+    assert state.consecutive_failures == 0 and unasked.call_stats.attempts == 1
+
+
+@pytest.mark.parametrize("dimensions", [4.0, "4", True, 0, -3])
+async def test_dimensions_that_are_not_a_whole_number_are_refused(dimensions: object) -> None:
+    """The vectors are held to ``dimensions``: it must be a number to hold them to."""
+    async with polygate.session(one_source_settings(), transport=_router(a=FakeUpstream(Reply()))) as s:
+        with pytest.raises(polygate.ConfigError, match="dimensions must be a whole number"):
+            await s.embed(["x"], scope="chat", dimensions=dimensions)
 
 
 async def test_embed_batches_of_different_dimensions_are_an_error(

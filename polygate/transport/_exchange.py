@@ -26,6 +26,7 @@ import trio
 from .._errors import (
     CONTEXT_CODES,
     POLICY_CODES,
+    FatalUpstreamError,
     SourceDeadError,
     TransientUpstreamError,
     UpstreamError,
@@ -637,11 +638,13 @@ async def embeddings_exchange(
     async def read(response: httpx.Response) -> tuple[list[list[float]], dict[str, Any]]:
         payload = await _read_json(response, endpoint, limits)
         vectors = _vectors(payload, len(inputs), endpoint)
-        if type(wanted) is int and vectors and len(vectors[0]) != wanted:
+        if wanted is not None and vectors and len(vectors[0]) != wanted:
             # An upstream that ignores ``dimensions`` (its model has one size): vectors
             # of another length are not what was asked for, and would fail later, in
-            # the caller's vector store.  Another source may honour it.
-            raise TransientUpstreamError(
+            # the caller's vector store.  Not a fault of the source's health (no
+            # breaker, no retry): the scope's sources do not all serve what the call
+            # asks, as with sources of different models.
+            raise FatalUpstreamError(
                 f"the upstream answered vectors of {len(vectors[0])} dimensions to "
                 f"dimensions={wanted}: it does not honour dimensions", source=endpoint.name,
             )
