@@ -44,7 +44,7 @@ from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
-from .transport import LeanTransport, TextParts
+from .transport import LeanTransport, TextParts, drop_last
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -506,8 +506,10 @@ class ChatStream:
                     # The upstream answered with a plain JSON body (it cannot stream):
                     # the whole answer is one chunk, so iterating still shows it.
                     delta = message_delta(response.message)
-                    await send.send(StreamChunk(text=response.text, delta=delta, raw=response.raw))
-                    if response.text:  # (shown once sent: see _Sink.deliver_held)
+                    # (The first item: the channel has room.  Sent and shown with no
+                    # scheduler pass between: the iterator never sees one without the other.)
+                    send.send_nowait(StreamChunk(text=response.text, delta=delta, raw=response.raw))
+                    if response.text:
                         self.text_parts.append(response.text)
                 self._end_sent = True
                 await send.send(_Done(response))
@@ -623,12 +625,21 @@ class _Sink:
 
     async def deliver_held(self) -> None:
         item, self._held = self._held, None
-        if item is not None:
+        if item is None:
+            return
+        # Shown before the send: the iterator may yield it before this task runs
+        # again (it takes what waits in the channel without a scheduler pass).  A send
+        # that raised sent nothing (trio's guarantee): then it was not shown.
+        before = (len(self.shown_reasoning), self.shown_tool_calls, self.reasoning_field)
+        self._shown(item)
+        try:
             await self._send.send(item)
-            # Shown once sent (a cancelled send sent nothing).  The iterator reaches it
-            # only after the 32 chunks before it, each a scheduler pass: this task has
-            # run by then.
-            self._shown(item)
+        except BaseException:
+            if item.text:
+                drop_last(self._delivered, item.text)
+            del self.shown_reasoning[before[0]:]
+            self.shown_tool_calls, self.reasoning_field = before[1], before[2]
+            raise
 
     def _shown(self, item: StreamChunk) -> None:
         """Record ``item`` as shown to the caller: its text (``ChatStream.text``), its

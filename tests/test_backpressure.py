@@ -240,3 +240,62 @@ async def test_a_held_chunk_the_caller_never_got_is_not_in_its_text(
                     got.append(chunk.text)
     assert len(got) == 32
     assert stream.text == "".join(got)
+
+
+async def test_stream_text_holds_every_chunk_yielded(autojump_clock: trio.testing.MockClock) -> None:
+    """Review of the fix above: a caller behind by 33 chunks reads them in a loop that
+    does not checkpoint; the iterator takes what waits in the channel without a
+    scheduler pass, so the held 33rd chunk, moved into the channel by the first
+    receive, was yielded before its sender recorded it in ``stream.text``."""
+    up = FakeUpstream(Reply(first_token_s=0.1, inter_token_s=0.01, tokens=40))
+    lag: list[int] = []
+    async with polygate.session(one_source_settings(), transport=up.transport()) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            await trio.sleep(10)  # 32 chunks in the channel, the 33rd held
+            got: list[str] = []
+            async for chunk in stream:
+                got.append(chunk.text)
+                if not stream.text.startswith("".join(got)):
+                    lag.append(len(got))
+    assert lag == []
+    assert stream.text == "".join(got)
+
+
+def _json_answer(request: httpx.Request) -> httpx.Response:
+    """An upstream that cannot stream: a plain JSON body to ``stream: true``."""
+    return httpx.Response(200, json={
+        "id": "x", "object": "chat.completion", "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "whole answer"},
+                     "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}})
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stream_text_holds_a_json_answers_chunk_once_yielded(seed: int) -> None:
+    """The same for the one chunk of a JSON answer, in every scheduler order."""
+    lag: list[str] = []
+
+    async def main() -> None:
+        async with polygate.session(one_source_settings(),
+                                    transport=httpx.MockTransport(_json_answer)) as s:
+            async with s.stream_chat(MESSAGES) as stream:
+                got = ""
+                async for chunk in stream:
+                    got += chunk.text
+                    if not stream.text.startswith(got):
+                        lag.append(stream.text)
+
+    Schedule(seed).run(main)
+    assert lag == []
+
+
+def test_a_taken_back_piece_leaves_the_text_before_it() -> None:
+    """``drop_last`` on a TextParts whose last append joined pieces (every 16th)."""
+    from polygate.transport import TextParts, drop_last
+
+    for n in range(1, 40):
+        parts = TextParts()
+        for i in range(n):
+            parts.append(f"<{i}>")
+        drop_last(parts, f"<{n - 1}>")
+        assert "".join(parts) == "".join(f"<{i}>" for i in range(n - 1))

@@ -3,7 +3,7 @@
 Knows nothing of admission, hedging or retries (an import-linter contract keeps it so).
 """
 
-from ._assemble import ChatAssembler, TextParts, has_content, message_text
+from ._assemble import ChatAssembler, TextParts, drop_last, has_content, message_text
 from ._exchange import OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
 from ._pool import REPORTS_SENT, SENT_EXTENSION, LeanTransport
 from ._wire import Endpoint, Limits, parse_retry_after
@@ -18,6 +18,7 @@ __all__ = [
     "OnContent",
     "OnExtra",
     "TextParts",
+    "drop_last",
     "Timeline",
     "chat_exchange",
     "embeddings_exchange",

@@ -16,7 +16,9 @@ from typing import Any
 from .._errors import TransientUpstreamError
 from .._types import choice_index, parts_text
 
-__all__ = ["ChatAssembler", "TextParts", "has_content", "message_text", "malformed_index"]
+__all__ = [
+    "ChatAssembler", "TextParts", "drop_last", "has_content", "message_text", "malformed_index",
+]
 
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
 # Keys of a chunk that describe the chunk itself, not the response.
@@ -137,6 +139,16 @@ class TextParts(list[str]):
             joined = _join(self[-16:])
             del self[-16:]
             _append(self, joined)
+
+
+def drop_last(parts: list[str], text: str) -> None:
+    """Take back ``text``, the last piece appended to ``parts`` (a :class:`TextParts`
+    may have joined it into its last element: it is that element's end either way)."""
+    last = parts[-1]
+    if len(last) == len(text):
+        parts.pop()
+    else:
+        parts[-1] = last[: len(last) - len(text)]
 
 
 class _Choice:
