@@ -163,7 +163,7 @@ class _Bytes(io.TextIOWrapper):
     ("stdin", "message"),
     [
         (None, "no standard input"),  # closed: a service, a cron job, `<&-`
-        (_Bytes(io.BytesIO(b"hello \xff there"), encoding="utf-8"), "not UTF-8"),
+        (_Bytes(io.BytesIO(b"hello \xff there"), encoding="utf-8"), "not valid utf-8 text"),
     ],
 )
 def test_a_prompt_from_stdin_that_cannot_be_read_is_one_line(
@@ -203,3 +203,27 @@ async def test_a_stream_that_fails_midway_ends_its_line(
             True, out, transport=Router({"a": up}),
         )
     assert out.getvalue() and out.getvalue().endswith("\n")
+
+
+def test_a_prompt_from_stdin_is_read_as_the_stream_decodes_it(
+    env: pytest.MonkeyPatch, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review: read as the text stream decodes it (its encoding, its newline
+    translation), not as UTF-8 bytes: a cp1252 pipe on Windows is text too."""
+    env.setenv("POLYGATE__CHAT__A__BASE_URL", "http://a/v1")
+    seen: list[str] = []
+
+    def run_chat(fn: object, settings: object, messages: list[dict[str, str]], *rest: object) -> object:
+        seen.append(messages[-1]["content"])
+        raise KeyboardInterrupt  # (enough: the prompt was read)
+
+    monkeypatch.setattr("trio.run", run_chat)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\r\nok"),
+                                                       encoding="cp1252", newline=None))
+    assert main(["chat", "-"]) == 130
+    assert seen == ["café\nok"]
+    closed = io.StringIO("x")
+    closed.close()
+    monkeypatch.setattr(sys, "stdin", closed)
+    assert main(["chat", "-"]) == 2
+    assert "standard input is closed" in capsys.readouterr().err

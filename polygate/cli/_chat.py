@@ -90,12 +90,16 @@ def _read_stdin() -> str | None:
         print("polygate chat: no standard input to read the prompt from", file=sys.stderr)
         return None
     try:
-        buffer = getattr(stdin, "buffer", None)
-        return buffer.read().decode("utf-8") if buffer is not None else stdin.read()
+        # As the text stream decodes it (its encoding, its newlines): as an argument is.
+        return stdin.read()
     except UnicodeDecodeError:
-        print("polygate chat: the prompt is not UTF-8 text", file=sys.stderr)
-    except OSError as exc:
-        print(f"polygate chat: cannot read standard input ({exc.strerror})", file=sys.stderr)
+        encoding = getattr(stdin, "encoding", None) or "its encoding"
+        print(f"polygate chat: the prompt on standard input is not valid {encoding} text",
+              file=sys.stderr)
+    except (OSError, ValueError) as exc:  # (ValueError: a closed stream)
+        print(f"polygate chat: cannot read standard input ({exc.strerror or exc})"
+              if isinstance(exc, OSError) else "polygate chat: standard input is closed",
+              file=sys.stderr)
     return None
 
 
