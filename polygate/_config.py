@@ -22,7 +22,7 @@ import httpx
 
 from ._config_serve import Serve, ServeKey, check_serve_models
 from ._errors import ConfigError, FatalUpstreamError, RateLimitedError, classify_status
-from ._secrets import SECRET_PARAM, is_header_safe, mask_prefixes, url_secrets
+from ._secrets import DSN_SECRET_PARAM, SECRET_PARAM, is_header_safe, mask_prefixes, url_secrets
 
 __all__ = [
     "ConfigWarning",
@@ -195,7 +195,10 @@ def mask_url(url: str) -> str:
     ``://`` and the *last* ``@`` (an unencoded ``#``, ``/`` or ``?`` in a password
     would make a parser end them early and show the rest).
     """
-    return SECRET_PARAM.sub(lambda m: m.group("lead") + "***", _mask_userinfo(url))
+    masked = SECRET_PARAM.sub(lambda m: m.group("lead") + "***", _mask_userinfo(url))
+    if "=" in masked and "://" not in masked:  # (a libpq key=value string, not a URL)
+        masked = DSN_SECRET_PARAM.sub(lambda m: m.group("lead") + "***", masked)
+    return masked
 
 
 def _mask_userinfo(url: str) -> str:

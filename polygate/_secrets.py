@@ -141,6 +141,16 @@ SECRET_PARAM = re.compile(
 )
 
 
+#: A credential in libpq's ``key=value`` connection string (``host=db password=x``;
+#: a value may be single-quoted, with backslash escapes): not a URL, but given where
+#: one is expected (``polygate stats --db``) it is shown masked all the same.
+DSN_SECRET_PARAM = re.compile(
+    r"(?P<lead>(?:^|\s)[a-z_]*(?:pass|secret|token|key|auth)[a-z_]*\s*=\s*)"
+    r"(?P<value>'(?:[^'\\]|\\.)*'?|\S*)",
+    re.IGNORECASE,
+)
+
+
 def query_secrets(url: str) -> list[str]:
     """The values of a URL's credential-like query parameters (see SECRET_PARAM), as
     written and percent-decoded."""

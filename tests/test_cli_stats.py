@@ -623,3 +623,16 @@ def test_an_unchecked_telemetry_value_is_never_printed(
     captured = capsys.readouterr()
     assert secret not in captured.out + captured.err
     assert "invalid configuration" in captured.err
+
+
+@pytest.mark.parametrize("how", ["--db", "positional"])
+def test_a_libpq_string_given_as_the_database_is_never_printed_whole(
+    capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    """Review: ``--db "host=... password=..."`` (libpq's key=value form, which stats
+    reads as a file's path) printed the password in "no telemetry database at ..."."""
+    dsn = "host=127.0.0.1 port=5432 user=app password=hunter2-secret dbname=telemetry"
+    argv = ["--db", dsn] if how == "--db" else [dsn]
+    code, err = _stats_error(capsys, *argv)
+    assert code == 1 and "no telemetry database at" in err
+    assert "hunter2-secret" not in err and "password=***" in err

@@ -113,7 +113,8 @@ def open_reader(url: str) -> Reader:
         )
     path = sqlite_path(url) if url.startswith("sqlite:") else Path(url)
     if not path.is_file():
-        raise NoData(f"no telemetry database at {path}")
+        # (Masked: a libpq "key=value" string given for a file shows no password.)
+        raise NoData(f"no telemetry database at {mask_url(str(path))}")
     return SQLiteReader(path)
 
 
