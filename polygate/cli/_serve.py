@@ -8,7 +8,7 @@ connections (``--port 0`` picks a free port).
 
 Signals: SIGTERM or SIGINT drains (stop accepting, let calls in flight finish within
 ``[serve] grace_s``, then cancel the rest) and exits 0; a second one cancels at once.
-One while the server is still starting stops the start (it never listens), exit 0.
+One while the server is still starting stops the start (it never answers), exit 0.
 SIGHUP reloads the configuration from the same place; calls in flight finish on the
 old one, and an invalid new configuration is logged and ignored.
 
