@@ -105,7 +105,8 @@ class _Call:
         # misses): in its statistics however it ends, a later wait failing included.
         self.runs: list[EmbeddingResponse] = []
         # The contexts of its upstream calls still running (one per run, once it has
-        # one): their attempts started count too, should this call end before them.
+        # one), and of those that ended with no statistics of their own (cancelled):
+        # their attempts started count too, should this call end before them.
         self.live: list[list[CallContext]] = []
         # One numbering of attempts for all of its upstream calls: each is a context of
         # its own, and its attempts' ids ("<call>.<n>") must not repeat.
@@ -549,8 +550,13 @@ async def cached_embed(
                     part_of=call.ctx.logical_call_id, started_at=call.ctx.started_at,
                     live=held, numbers=call.numbers,
                 )
-            finally:
-                call.live.remove(held)
+            except BaseException as exc:
+                if isinstance(getattr(exc, "call_stats", None), CallStats):
+                    call.live.remove(held)  # its own statistics count its attempts
+                # else (its caller cancelled it): its attempts started count in the
+                # call's row from here, as from a run still going
+                raise
+            call.live.remove(held)
         except _SHARED as exc:
             verdict = _verdict(exc)
             batch = frozenset(led) if len(led) > 1 and _about_inputs(exc) else None

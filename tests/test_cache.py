@@ -688,6 +688,33 @@ async def test_an_embed_waiter_shares_a_refusal_of_its_input_alone(
 # --------------------------------------------------------------------------- telemetry
 
 
+@pytest.mark.parametrize("kind", ["embed", "chat", "stream"])
+async def test_a_call_cancelled_in_flight_counts_its_attempt_in_its_row(
+    autojump_clock: trio.testing.MockClock, kind: str
+) -> None:
+    """Outside review (hypothesis properties, 2026-12-02): a cached ``embed()``
+    cancelled by its caller while its request was in flight wrote a call row with
+    ``attempts=0`` beside its attempt row (a run with no statistics of its own, once
+    ended, was counted nowhere).  Every kind of call counts the attempt it started."""
+    up = FakeUpstream(Reply(first_token_s=1.0, tokens=3))
+    capture = Capture()
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        s._runtime.recorder = capture
+        with trio.move_on_after(0.2):
+            if kind == "embed":
+                await s.embed(["hi"])
+            elif kind == "chat":
+                await s.chat(MESSAGES)
+            else:
+                async with s.stream_chat(MESSAGES) as stream:
+                    async for _ in stream:
+                        pass
+    assert len(up.requests) == 1
+    ((stats, error, _),) = capture.calls
+    assert isinstance(error, trio.Cancelled)
+    assert stats.attempts == 1
+
+
 async def test_hits_have_cached_telemetry_rows(autojump_clock: trio.testing.MockClock) -> None:
     up = FakeUpstream(Reply())
     capture = Capture()
