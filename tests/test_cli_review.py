@@ -119,3 +119,11 @@ def test_a_plot_named_without_an_extension_says_the_file_it_wrote(tmp_path: Path
     assert out.returncode == 0, out.stderr
     assert out.stderr.strip() == f"wrote {tmp_path / 'myplot.png'}"
     assert (tmp_path / "myplot.png").is_file()
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import polygate
+    from polygate.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"polygate {polygate.__version__}"

@@ -279,6 +279,25 @@ async def test_unknown_embeddings_encoding_format_is_400(encoding: object) -> No
     assert not upstream.requests
 
 
+@pytest.mark.parametrize(("messages", "param"), [
+    (None, "messages"), ([], "messages"), ({}, "messages"), ("hi", "messages"),
+    ([{"content": "x"}], "messages[0]"),
+])
+async def test_a_bad_messages_parameter_is_named(messages: object, param: str) -> None:
+    """Outside review (2026-12-02): a missing ``messages`` named its parameter, an
+    empty or malformed one did not (``param: null``): every session argument error
+    that starts by naming its parameter names it in ``error.param``."""
+    body = {k: v for k, v in CHAT.items() if k != "messages"}
+    if messages is not None:
+        body["messages"] = messages
+    async with gateway() as (server, upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", body, AUTH)
+    assert answer.status == 400
+    error = answer.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", param)
+    assert not upstream.requests
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/chat/completions", {**CHAT, "self": 1}, "self"),
     ("/v1/chat/completions", {**CHAT, "self": 1, "stream": True}, "self"),

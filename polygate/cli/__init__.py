@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="polygate", description="polygate: a trio-native LLM gateway library."
     )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"polygate {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
     for name in SUBCOMMANDS:
         module = cast(_Subcommand, importlib.import_module(f"{__name__}._{name}"))

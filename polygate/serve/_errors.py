@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 
 import attrs
@@ -88,10 +89,17 @@ def error_body(message: str, type_: str, code: str, param: str | None = None) ->
     return dump(payload)
 
 
+#: The parameter a session's argument error is about, when it starts by naming it.
+_PARAM = re.compile(r"([a-z_]+(?:\[\d+\])*(?:\.[a-z_]+)*) (?:must|is) ")
+
+
 def reply_for(exc: BaseException) -> ErrorReply:
     """The HTTP error for an exception a session call raised (or a bug)."""
     if isinstance(exc, errors.ConfigError):
-        return ErrorReply(400, str(exc), "invalid_request_error", "invalid_request")
+        message = str(exc)
+        found = _PARAM.match(message)  # ("messages[0] must be ...": the parameter it is about)
+        return ErrorReply(400, message, "invalid_request_error", "invalid_request",
+                          param=found[1] if found else None)
     if isinstance(exc, errors.FatalUpstreamError):
         return ErrorReply(400, str(exc), "invalid_request_error", "upstream_rejected")
     if isinstance(exc, errors.DeadlineExceeded):
