@@ -4,6 +4,7 @@ anyio plugin and pytest-trio's trio mode never compete for one)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -122,3 +123,29 @@ def loopback(upstream: FakeUpstream) -> Iterator[str]:
         assert not thread.is_alive()
         if "error" in state:
             raise state["error"]
+
+
+def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.SelectorEventLoop()  # (not the policy's: anything may have replaced it)
+
+
+def _run(coro: Any, kind: str = "asyncio") -> Any:
+    """``asyncio.run()`` on a loop of the given kind (its own code on 3.11+)."""
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=lambda: _new_loop(kind)) as runner:
+            return runner.run(coro)
+    loop = _new_loop(kind)
+    try:
+        return loop.run_until_complete(coro)
+    finally:  # what asyncio.run() does on the way out
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        if left:  # (an empty gather() would take the thread's current loop on 3.10)
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

@@ -12,7 +12,7 @@ import pytest
 import polygate.aio
 from polygate.testing import FakeUpstream
 
-from ._aio_support import messages, settings_for
+from ._aio_support import _run, messages, settings_for
 
 
 @pytest.mark.timeout(60, method="thread")
@@ -58,7 +58,6 @@ def test_the_rescue_leaves_the_new_loop_its_own_async_generator_hooks(kind: str)
         return hooks_are_this_loops
 
     with pytest.warns(ResourceWarning, match="still open when its event loop closed"):
-        with asyncio.Runner(loop_factory=new_loop) as runner:
-            hooks_are_this_loops = runner.run(main())
+        hooks_are_this_loops = _run(main(), kind)  # (asyncio.run() on a loop of this kind)
     assert hooks_are_this_loops
     assert cleaned == ["cleaned"]
