@@ -57,6 +57,8 @@ __all__ = ["ChatStream", "Session", "SessionStatistics", "session"]
 # generator closed around the block — leaves as itself after the nursery, never
 # wrapped in its group.
 _PASS_THROUGH = (trio.Cancelled,)
+#: The most a session's close waits for its governance figures (see _freeze_governance).
+_FREEZE_S = 1.0
 _POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=1024, keepalive_expiry=30)
 _UNSET: Any = object()
 
@@ -77,6 +79,18 @@ class Session:
         self._runtime = runtime
         self._telemetry = telemetry
         self._cache = cache
+        # The governance figures as the session closed, where its backend cannot be
+        # read once closed (Redis): what statistics() reports from then on.
+        self._governance_at_close: GovernanceStatistics | None = None
+
+    async def _freeze_governance(self) -> None:
+        """Take the governance figures before a backend that closes with its session
+        (Redis) is closed; bounded, and shielded (a session may close cancelled)."""
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + _FREEZE_S):
+            try:
+                self._governance_at_close = await self._runtime.governor.statistics()
+            except PolygateError:
+                pass  # (unreachable: statistics() after the close raises, as it would have)
 
     @property
     def _closed(self) -> bool:
@@ -210,7 +224,10 @@ class Session:
     async def statistics(self) -> SessionStatistics:
         telemetry = self._telemetry.statistics() if self._telemetry else TelemetryStatistics()
         cache = self._cache.statistics() if self._cache else CacheStatistics()
-        return SessionStatistics(await self._runtime.governor.statistics(), telemetry, cache)
+        governance = self._governance_at_close
+        if governance is None:
+            governance = await self._runtime.governor.statistics()
+        return SessionStatistics(governance, telemetry, cache)
 
     def _rounds(
         self, scope: str, schema: Any, params: Mapping[str, Any], *, reask: bool
@@ -740,6 +757,7 @@ async def session_on(
     session closes its backend: the memory backend's close is a no-op.)"""
     rng = rng if rng is not None else random.Random()
     owned = transport is None
+    handle: Session | None = None
     if transport is None:
         transport = LeanTransport.from_limits(_POOL_LIMITS)
     body_error: BaseException | None = None
@@ -781,6 +799,8 @@ async def session_on(
                 raise
             raise cancelled from None
         finally:
+            if handle is not None and isinstance(backend, RedisBackend):
+                await handle._freeze_governance()
             await backend.aclose()
     finally:
         if owned:  # a transport the caller passed in stays theirs to close

@@ -125,7 +125,9 @@ def test_leases_return_the_permits_of_a_crashed_holder(server: RedisServer) -> N
         crashed = _redis(server.url, prefix, lease_s=0.4)
         async with _started(crashed):
             await granted(crashed, ask(30, mif=1))
-        # aclose() stopped its renewals without settling: as if the process died.
+            # As if the process died: its renewals stop (aclose()), and nothing of its
+            # own settles the permit (a close settles what it still holds).
+            crashed._open.clear()
         async with _started(_redis(server.url, prefix)) as other:
             start = other.now()
             await refused(other, ask(30, mif=1), RefusalReason.IN_FLIGHT)

@@ -253,6 +253,9 @@ class RedisBackend:
         self._abandoned_total = 0
         self._abandoned_voided = 0
         self._cleanup = trio.Event()
+        # Set by aclose(): an operation after it fails at once, never touching the
+        # closed client (a call that outlived its session: see aclose).
+        self._closed = False
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisBackend:
@@ -348,11 +351,34 @@ class RedisBackend:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
             self._nursery = None
-        left = sum(len(m) for m in self._open.values())
-        if left:
-            log.warning("closing with %d unsettled admission(s); their leases expire in %.0f s",
-                        left, self._lease_us / 1e6)
+        if any(self._open.values()):
+            await self._settle_left()
+        self._closed = True
         await stack.aclose()  # exits the scopes start() entered, in reverse order
+
+    async def _settle_left(self) -> None:
+        """Calls still running as the session closes (in tasks outside its block: the
+        caller's mistake) would hold their permits, shared with every process, until
+        their leases ran out, and retry their settles against a closed client past
+        their deadlines.  Each is settled here, as a cancelled attempt is (its
+        estimate kept, its permit returned, nothing fed to the breaker), within one
+        ``timeout_s`` in all; their own settles later are no-ops."""
+        left = [(key, member) for key, members in self._open.items() for member in members]
+        self._open.clear()
+        settled = 0
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + self._timeout):
+            for key, member in left:
+                # (sent, the estimate kept: tokens None; neutral: no breaker feedback)
+                cancelled = SettleRequest(Admission(*key, 0, 0), None, Feedback.NEUTRAL)
+                args = self._settle_args(member, cancelled)
+                try:
+                    await self._script(_SETTLE, self._source_keys(key), args, "settle")
+                except GovernanceBackendError:
+                    break
+                settled += 1
+        if settled < len(left):
+            log.warning("closing with %d unsettled admission(s); their leases expire in %.0f s",
+                        len(left) - settled, self._lease_us / 1e6)
 
     def now(self) -> float:
         return trio.current_time()
@@ -408,6 +434,8 @@ class RedisBackend:
 
     async def settle(self, request: SettleRequest) -> None:
         """Shielded and retried for up to ``settle_s``; never raises (see the module)."""
+        if self._closed:
+            return  # settled by aclose() (see _settle_left), or left to its lease
         admission = request.admission
         key = (admission.scope, admission.source)
         member = f"{self._token}:{admission.reservation_id}"
@@ -677,6 +705,8 @@ class RedisBackend:
 
     async def _run(self, op: Callable[[], Awaitable[T]], what: str, *, deadline: float | None = None) -> T:
         """One bounded, shielded exchange; every failure becomes GovernanceBackendError."""
+        if self._closed:
+            raise GovernanceBackendError(f"the session's redis backend ({self._where}) is closed")
         bound = trio.current_time() + self._timeout
         if deadline is not None:
             bound = min(bound, deadline)
