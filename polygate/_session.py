@@ -83,10 +83,12 @@ class Session:
         # read once closed (Redis): what statistics() reports from then on.
         self._governance_at_close: GovernanceStatistics | None = None
 
-    async def _freeze_governance(self) -> None:
+    async def _freeze_governance(self, backend: RedisBackend) -> None:
         """Take the governance figures before a backend that closes with its session
-        (Redis) is closed; bounded, and shielded (a session may close cancelled)."""
-        with trio.CancelScope(shield=True, deadline=trio.current_time() + _FREEZE_S):
+        (Redis) is closed; bounded (each exchange is: see RedisBackend.bounded), and
+        shielded (a session may close cancelled)."""
+        deadline = trio.current_time() + _FREEZE_S
+        with trio.CancelScope(shield=True, deadline=deadline), backend.bounded(deadline):
             try:
                 self._governance_at_close = await self._runtime.governor.statistics()
             except PolygateError:
@@ -800,7 +802,10 @@ async def session_on(
             raise cancelled from None
         finally:
             if handle is not None and isinstance(backend, RedisBackend):
-                await handle._freeze_governance()
+                # The admissions of calls still running go back first, so that the
+                # figures taken next show them settled; then the connection closes.
+                await backend.settle_left()
+                await handle._freeze_governance(backend)
             await backend.aclose()
     finally:
         if owned:  # a transport the caller passed in stays theirs to close

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import secrets
+import signal
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ from polygate.governance._redis import RedisBackend, parse_redis_url
 from polygate.testing import FakeUpstream, Reply
 
 from . import _redis_server
-from ._redis_server import RedisServer
+from ._redis_server import RedisServer, need_redis, running_redis
 
 pytestmark = pytest.mark.integration
 redis_server = _redis_server.redis_server  # the fixture
@@ -97,3 +99,87 @@ def test_an_aio_session_on_redis_closes_cleanly(redis_server: RedisServer) -> No
     final = asyncio.run(main())
     gc.collect()
     assert final.governance.sources[0].state.requests_in_window == 1
+
+
+# --- review of the close above (2026-12-02) ---
+
+
+async def test_close_with_a_hung_redis_is_bounded_by_freeze_s() -> None:
+    """_session.py: ``_FREEZE_S = 1.0`` "The most a session's close waits for its
+    governance figures" (review of the close's
+    freeze, 2026-12-02).  With ``timeout_s=4`` and a Redis that stopped answering
+    (SIGSTOP), the freeze's outer 1 s deadline cannot cut the backend's own
+    *shielded* per-operation scope: the close waits the whole timeout_s (4 s)."""
+    with running_redis(need_redis()) as server:
+        url = f"{server.url}?prefix=rv{secrets.token_hex(4)}&timeout_s=4"
+        assert server.proc is not None
+        async with polygate.session(_settings(url), transport=FakeUpstream(Reply()).transport()) as s:
+            await s.chat(MESSAGES)
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            start = trio.current_time()
+        took = trio.current_time() - start
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert took < 2.0, f"session close took {took:.2f} s with Redis hung (bound: _FREEZE_S=1)"
+
+
+async def test_closed_session_statistics_agree_with_the_permits_it_returned() -> None:
+    """A call outlives its session: the close returns its permit (in Redis in_flight
+    is 0), but the figures frozen *before* ``_settle_left`` still say in_flight=1 --
+    ``statistics()`` after the close reports a permit that the close gave back."""
+    with running_redis(need_redis()) as server:
+        url = f"{server.url}?prefix=rv{secrets.token_hex(4)}"
+        up = FakeUpstream(Reply(tokens=2, headers_delay_s=0.5))
+        async with trio.open_nursery() as nursery:
+            async with polygate.session(_settings(url), transport=up.transport()) as s:
+                nursery.start_soon(lambda: s.chat(MESSAGES, call_deadline_s=0.8))
+                with trio.fail_after(5):
+                    while not up.requests:  # noqa: ASYNC110
+                        await trio.sleep(0.01)
+            after = await s.statistics()
+            other = RedisBackend(parse_redis_url(url))
+            await other.start()
+            try:
+                live = await other.snapshot("chat", "a")
+            finally:
+                await other.aclose()
+    assert live.in_flight == 0
+    assert after.governance.sources[0].state.in_flight == live.in_flight
+
+
+async def test_a_settle_sent_while_the_close_settles_is_not_retried_against_the_closed_backend() -> None:
+    """A call's own settle that starts while ``_settle_left`` is still settling (Redis
+    slow: each settle script takes 0.3 s to answer) passes the ``_closed`` check, then
+    meets the closed backend: its retry loop retries "closed" until ``settle_s`` (1 s),
+    counts a settle failure and warns -- the "settles retried past the deadline" that
+    24d4c1c meant to end.  Its admission was settled by the close."""
+    from polygate.governance import _redis as redis_mod
+
+    with running_redis(need_redis()) as server:
+        url = f"{server.url}?prefix=rv{secrets.token_hex(4)}"
+        up = FakeUpstream(Reply(tokens=2, headers_delay_s=0.2))
+        result: dict[str, Any] = {}
+        async with trio.open_nursery() as nursery:
+            async with polygate.session(_settings(url), transport=up.transport()) as s:
+                backend = s._runtime.governor.backend
+                real = backend._script
+
+                async def slow(script: Any, keys: Any, args: Any, what: str, **kw: Any) -> Any:
+                    if script is redis_mod._SETTLE:
+                        await trio.sleep(0.3)  # a slow Redis's answer time
+                    return await real(script, keys, args, what, **kw)
+
+                backend._script = slow
+
+                async def call() -> None:
+                    start = trio.current_time()
+                    result["answer"] = await s.chat(MESSAGES, call_deadline_s=0.8)
+                    result["took"] = trio.current_time() - start
+
+                nursery.start_soon(call)
+                with trio.fail_after(5):
+                    while not up.requests:  # noqa: ASYNC110
+                        await trio.sleep(0.01)
+    assert isinstance(result["answer"], polygate.ChatResponse)
+    stats = backend.statistics()
+    assert (stats.settle_failures, stats.settle_retries) == (0, 0), (stats, result["took"])
+    assert result["took"] < 0.8

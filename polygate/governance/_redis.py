@@ -69,7 +69,7 @@ import itertools
 import logging
 import math
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
@@ -256,6 +256,7 @@ class RedisBackend:
         # Set by aclose(): an operation after it fails at once, never touching the
         # closed client (a call that outlived its session: see aclose).
         self._closed = False
+        self._cap: float | None = None  # (see bounded())
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisBackend:
@@ -351,12 +352,21 @@ class RedisBackend:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
             self._nursery = None
-        if any(self._open.values()):
-            await self._settle_left()
+        await self.settle_left()
         self._closed = True
         await stack.aclose()  # exits the scopes start() entered, in reverse order
 
-    async def _settle_left(self) -> None:
+    @contextlib.contextmanager
+    def bounded(self, deadline: float) -> Iterator[None]:
+        """Within the block, no exchange waits past ``deadline`` (each is shielded on
+        its own: an outer scope's deadline would not reach it)."""
+        self._cap = deadline
+        try:
+            yield
+        finally:
+            self._cap = None
+
+    async def settle_left(self) -> None:
         """Calls still running as the session closes (in tasks outside its block: the
         caller's mistake) would hold their permits, shared with every process, until
         their leases ran out, and retry their settles against a closed client past
@@ -364,9 +374,12 @@ class RedisBackend:
         estimate kept, its permit returned, nothing fed to the breaker), within one
         ``timeout_s`` in all; their own settles later are no-ops."""
         left = [(key, member) for key, members in self._open.items() for member in members]
+        if not left:
+            return
         self._open.clear()
         settled = 0
-        with trio.CancelScope(shield=True, deadline=trio.current_time() + self._timeout):
+        deadline = trio.current_time() + self._timeout
+        with trio.CancelScope(shield=True, deadline=deadline), self.bounded(deadline):
             for key, member in left:
                 # (sent, the estimate kept: tokens None; neutral: no breaker feedback)
                 cancelled = SettleRequest(Admission(*key, 0, 0), None, Feedback.NEUTRAL)
@@ -435,7 +448,7 @@ class RedisBackend:
     async def settle(self, request: SettleRequest) -> None:
         """Shielded and retried for up to ``settle_s``; never raises (see the module)."""
         if self._closed:
-            return  # settled by aclose() (see _settle_left), or left to its lease
+            return  # settled by aclose() (see settle_left), or left to its lease
         admission = request.admission
         key = (admission.scope, admission.source)
         member = f"{self._token}:{admission.reservation_id}"
@@ -459,6 +472,10 @@ class RedisBackend:
                     error = exc
                 except (TypeError, IndexError):
                     error = self._garbage("settle")
+                if self._closed:
+                    # Closed meanwhile: settled by the close (settle_left) if it still
+                    # held it, else left to its lease; no retry can reach Redis now.
+                    return
                 self._settle_retries += 1
                 await trio.sleep(delay)
                 delay = min(delay * 2, 0.25)
@@ -710,6 +727,8 @@ class RedisBackend:
         bound = trio.current_time() + self._timeout
         if deadline is not None:
             bound = min(bound, deadline)
+        if self._cap is not None:
+            bound = min(bound, self._cap)
         with trio.CancelScope(shield=True, deadline=bound):
             try:
                 result = await op()
