@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import h11
 import pytest
 import trio
 
+import polygate
 from polygate.testing import FakeUpstream, Reply
 
 from ._serve_kit import (
@@ -318,6 +320,32 @@ async def test_a_reload_reaches_the_connections_already_open(tmp_path: Path) -> 
             srv.proc.send_signal(signal.SIGTERM)
             with trio.fail_after(10):
                 assert await srv.proc.wait() == 0
+
+
+async def test_a_reload_sets_the_head_timeout_of_a_connection_kept_alive() -> None:
+    """Outside review (2026-12-02): the wait for the next request on a connection kept
+    alive, and the deadline of its head, came from the limits of the request before
+    (a reload's were taken only once a head was whole): a head that stalled after a
+    reload to ``header_timeout_s=0.5`` waited out the old 30 s."""
+    from polygate.serve import open_server
+
+    from ._serve_kit import settings_for
+
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        serve = polygate.Serve(api_keys=[GATEWAY_KEY], header_timeout_s=30)
+        async with open_server(settings_for(url, serve=serve), port=0) as server:
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await stream.send_all(request_bytes("POST", "/v1/chat/completions", CHAT, AUTH))
+            assert (await read_answer(stream)).status == 200
+            await server.reload(settings_for(url, serve=attrs.evolve(serve, header_timeout_s=0.5)))
+            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")  # stalls
+            start = trio.current_time()
+            with trio.fail_after(5):
+                answer = await read_until_closed(stream)
+            assert trio.current_time() - start < 3
+            assert answer.startswith(b"HTTP/1.1 408 ")
+            await stream.aclose()
 
 
 _BIG = "x" * 60000

@@ -340,6 +340,9 @@ class Server:
         try:
             while not self.draining:
                 checked = None
+                # The wait for the next request, and its head, are under the limits in
+                # force now (a reload's too, on a connection kept alive across it).
+                conn.limits = self._current.settings.serve
                 idle = trio.CancelScope()
                 self._idle.add(idle)
                 begun = False
@@ -351,6 +354,9 @@ class Server:
                     begun = True
                     self._idle.discard(idle)
                     self._in_flight += 1
+                    # (The head's deadline, set right after: a reload during the wait.)
+                    assert self._current is not None
+                    conn.limits = self._current.settings.serve
 
                 request = None
                 try:
