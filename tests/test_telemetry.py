@@ -251,6 +251,36 @@ async def test_content_only_when_asked(autojump_clock: trio.testing.MockClock, t
             assert call["content"] is None
 
 
+@pytest.mark.parametrize("quote", [
+    "Invalid content in messages[0]: '{prompt}'",  # quoted whole
+    'Bad input "{cut}..."',  # quoted, cut short by the upstream
+    "{prompt} is not allowed",  # the whole message, unquoted
+])
+async def test_an_error_that_quotes_the_prompt_stores_no_prompt(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, quote: str
+) -> None:
+    """Outside review (2026-12-02): upstreams quote the offending input in a 400's
+    message; with ``log_content=False`` that text reached ``error_message`` of the call
+    and attempt rows, storing the prompt where no content is to be stored."""
+    prompt = "please ZQXMARKER4242 answer in French"
+    body = {"error": {"message": quote.format(prompt=prompt, cut=prompt[:20])}}
+    messages = [{"role": "user", "content": prompt}]
+    for log_content in (False, True):
+        db = tmp_path / f"{log_content}.db"
+        settings = _with_telemetry(two_source_settings(names=("a",)), db, log_content=log_content)
+        up = FakeUpstream(Reply(status=400, error_body=body))
+        async with polygate.session(settings, transport=Router({"a": up})) as s:
+            with pytest.raises(polygate.FatalUpstreamError):
+                await s.chat(messages)
+        [call] = _rows(db, "calls")
+        [attempt] = _rows(db, "attempts")
+        for row in (call, attempt):
+            assert "HTTP 400" in row["error_message"]
+            assert ("ZQXMARKER4242" in row["error_message"]) is log_content
+        if not log_content:
+            assert b"ZQXMARKER4242" not in db.read_bytes()
+
+
 async def test_a_reasked_call_row_holds_the_request_and_the_final_answer(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:

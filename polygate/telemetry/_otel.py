@@ -33,6 +33,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from .._context import AttemptRecord, CallContext
 from .._errors import Outcome, redact
 from .._types import CallStats, Usage
+from ._recorder import error_text, prompt_texts
 
 __all__ = ["OtelRecorder", "tracer_if_configured"]
 
@@ -85,6 +86,10 @@ class OtelRecorder:
         except Exception:  # tracing must never break the call it describes
             self.errors += 1
 
+    def _prompt(self, ctx: CallContext) -> list[str]:
+        """The prompt texts an error's text must not show (none with log_content)."""
+        return [] if self._log_content else prompt_texts(ctx)
+
     def _spans(
         self, ctx: CallContext, stats: CallStats, usage: Usage | None, error: BaseException | None
     ) -> None:
@@ -131,7 +136,8 @@ class OtelRecorder:
             kind = type(error).__name__
             span.set_attribute("error.type", kind)
             if isinstance(error, Exception):
-                span.set_status(Status(StatusCode.ERROR, redact(str(error), self._secrets)[:300]))
+                text = error_text(error, self._secrets, self._prompt(ctx)) or ""
+                span.set_status(Status(StatusCode.ERROR, text[:300]))
             else:
                 span.set_attribute("polygate.cancelled", True)
         parent = trace.set_span_in_context(span)
@@ -180,7 +186,8 @@ class OtelRecorder:
         if outcome not in _NOT_FAILURES:
             error = record.error
             span.set_attribute("error.type", type(error).__name__ if error else outcome.value)
-            text = redact(str(error), self._secrets)[:300] if error is not None else outcome.value
+            text = (error_text(error, self._secrets, self._prompt(ctx)) or "")[:300] \
+                if error is not None else outcome.value
             span.set_status(Status(StatusCode.ERROR, text))
         span.end(end_time=ns(record.ended_at if record.ended_at is not None else now))
 

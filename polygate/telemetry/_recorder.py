@@ -15,8 +15,9 @@ longer than an exception.
 from __future__ import annotations
 
 import json
+import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import trio
@@ -54,7 +55,8 @@ class TelemetryRecorder:
 
     def attempt(self, ctx: CallContext, record: AttemptRecord) -> None:
         try:
-            event: Event = attempt_event(ctx, record, _wall_offset(), self._secrets)
+            event: Event = attempt_event(ctx, record, _wall_offset(), self._secrets,
+                                         log_content=self._log_content)
         except Exception:
             self._counters.recorder_errors += 1
             return
@@ -93,18 +95,66 @@ def _wall_offset() -> float:
     return time.time() - trio.current_time()
 
 
-def _message(error: BaseException, secrets: tuple[str, ...]) -> str | None:
+def error_text(
+    error: BaseException, secrets: tuple[str, ...], prompt: Sequence[str] = ()
+) -> str | None:
+    """The error's text for a row: secrets redacted, and, when ``prompt`` (the call's
+    message texts: content is not to be stored), the prompt text an upstream's error
+    quotes (see :func:`_without_prompt`)."""
     text = str(error)
     if not text:
         return None
     # An upstream's error body can hold a NUL, which PostgreSQL refuses in text (the
     # whole batch, other calls' rows with it): replaced, for every sink alike.
     text = redact(text, secrets).replace("\x00", "\ufffd")
+    if prompt:
+        text = _without_prompt(text[: 4 * _MESSAGE_LIMIT], prompt)
     return text if len(text) <= _MESSAGE_LIMIT else text[:_MESSAGE_LIMIT] + "…"
 
 
+#: A quoted run in an error's text ('…', "…", `…`), possibly cut short ("…" / "...").
+_QUOTED = re.compile(r"""'([^'\n]{8,})'|"([^"\n]{8,})"|`([^`\n]{8,})`""")
+_PROMPT_SHOWN = "[prompt text]"
+
+
+def _without_prompt(text: str, prompt: Sequence[str]) -> str:
+    """``text`` without the call's prompt in it: upstreams quote the offending input in
+    a 400's message ("Invalid content in messages[0]: '…'"), which would store the
+    prompt where ``log_content=False`` stores none.  A message text that appears whole
+    is replaced, and so is any quoted run of 8 or more characters found in one (a
+    quote cut short by the upstream included).  Cheap on purpose: C-speed substring
+    searches, on an error path."""
+    for piece in prompt:
+        if len(piece) >= 8 and piece in text:
+            text = text.replace(piece, _PROMPT_SHOWN)
+
+    def shown(match: re.Match[str]) -> str:
+        quoted = next(group for group in match.groups() if group is not None)
+        core = quoted.removesuffix("...").removesuffix("…").strip()
+        if len(core) >= 8 and any(core in piece for piece in prompt):
+            return match[0].replace(quoted, _PROMPT_SHOWN)
+        return match[0]
+
+    return _QUOTED.sub(shown, text)
+
+
+def prompt_texts(ctx: CallContext) -> list[str]:
+    """The text of the call's messages (string contents and text parts)."""
+    texts: list[str] = []
+    for message in ctx.messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+    return texts
+
+
 def attempt_event(
-    ctx: CallContext, record: AttemptRecord, offset: float, secrets: tuple[str, ...] = ()
+    ctx: CallContext, record: AttemptRecord, offset: float, secrets: tuple[str, ...] = (),
+    *, log_content: bool = False,
 ) -> AttemptEvent:
     """Freeze one finished attempt."""
     tl = record.timeline
@@ -131,7 +181,10 @@ def attempt_event(
         streamed=int(tl.streamed),
         error=outcome.value if outcome is not None else "cancelled",
         error_class=type(error).__name__ if error is not None else None,
-        error_message=_message(error, secrets) if error is not None else None,
+        error_message=(
+            error_text(error, secrets, () if log_content else prompt_texts(ctx))
+            if error is not None else None
+        ),
         tokens_reserved=record.tokens_reserved,
         tokens_settled=record.tokens_settled,
         prompt_tokens=usage.prompt_tokens if usage is not None else None,
@@ -159,7 +212,7 @@ def call_event(
         outcome, error_class, message = "ok", None, None
     elif isinstance(error, Exception):
         outcome, error_class = "error", type(error).__name__
-        message = _message(error, secrets)
+        message = error_text(error, secrets, () if log_content else prompt_texts(ctx))
     else:
         outcome, error_class, message = "cancelled", type(error).__name__, None
     content = None
