@@ -16,6 +16,7 @@ import attrs
 import h11
 import pytest
 import trio
+import trio.testing
 
 import polygate
 from polygate.testing import FakeUpstream, Reply
@@ -346,6 +347,36 @@ async def test_a_reload_sets_the_head_timeout_of_a_connection_kept_alive() -> No
             assert trio.current_time() - start < 3
             assert answer.startswith(b"HTTP/1.1 408 ")
             await stream.aclose()
+
+
+async def test_reloads_asked_at_once_take_effect_in_the_order_asked() -> None:
+    """Outside review (2026-12-02): a slow reload (its session slow to open) asked
+    before a fast one was installed after it: the server kept the earlier settings."""
+    from polygate.serve import open_server
+
+    from ._serve_kit import settings_for
+
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        async with open_server(settings_for(url), port=0) as server:
+            opening = server._generation
+            opened: list[float] = []
+
+            async def slow_first(settings: polygate.Settings, **kw: Any) -> None:
+                if not opened:
+                    opened.append(settings.serve.header_timeout_s)
+                    await trio.sleep(0.3)  # a session slow to open (a Redis far away)
+                await opening(settings, **kw)
+
+            server._generation = slow_first  # type: ignore[method-assign]
+            first = settings_for(url, serve=polygate.Serve(api_keys=[GATEWAY_KEY], header_timeout_s=11))
+            second = settings_for(url, serve=polygate.Serve(api_keys=[GATEWAY_KEY], header_timeout_s=22))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.reload, first)
+                await trio.testing.wait_all_tasks_blocked()  # the first is opening
+                nursery.start_soon(server.reload, second)
+            assert opened == [11]
+            assert server.settings.serve.header_timeout_s == 22
 
 
 _BIG = "x" * 60000

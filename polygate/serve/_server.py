@@ -120,6 +120,9 @@ class Server:
         self._refusing = 0
         #: The retries of a session the governance backend refused at start.
         self._recovering = trio.CancelScope()
+        #: One reload at a time, in the order they were asked (trio's lock is fair):
+        #: two at once would install whichever opened its session last.
+        self._reloading = trio.Lock()
         #: Made with the connections' nursery (see _serve_connections).
         self._hangups: Hangups | None = None
 
@@ -170,7 +173,12 @@ class Server:
         session.  Raises (and changes nothing) when the new session cannot open --
         except while the server is still waiting for its governance backend: then the
         new settings are the ones it keeps trying.  ``host`` and ``port`` are not
-        rebound: they need a restart."""
+        rebound: they need a restart.  Reloads asked at once take effect one after the
+        other, in the order asked: the last one asked is the one in force."""
+        async with self._reloading:
+            await self._reload(settings)
+
+    async def _reload(self, settings: Settings) -> None:
         assert self._sessions is not None and self._current is not None
         old = self._current
         if (settings.serve.host, settings.serve.port) != (old.settings.serve.host, old.settings.serve.port):
