@@ -102,36 +102,32 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
 
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals, \
             trio.CancelScope() as start:
-        # While the server starts (its session opening: a telemetry database, Redis),
-        # a stop signal ends the start: nothing is listening yet, nothing to drain.
-        watching = trio.CancelScope()
-        watched = trio.Event()
-        late: list[int] = []
+        # One reader of the signals for the server's whole life, from before its start:
+        # while it starts (its session opening: a telemetry database, Redis), a stop
+        # signal ends the start (nothing is listening yet, nothing to drain) and a
+        # SIGHUP is dropped (nothing to reload); once started, each goes to the loop.
+        started = False
+        send, received = trio.open_memory_channel[int](0)
 
-        async def stop_the_start() -> None:
-            try:
-                with watching:
-                    async for signum in signals:
-                        if watching.cancel_called:  # the start is over: the loop's signal
-                            late.append(signum)
-                        elif signum != signal.SIGHUP:  # (before the start: nothing to reload)
-                            start.cancel()
-            finally:
-                watched.set()
+        async def relay() -> None:
+            async for signum in signals:
+                if started:
+                    # (Waits while the loop is busy, a reload: the receiver meanwhile
+                    # keeps what comes, each signal once.)
+                    await send.send(signum)
+                elif signum != signal.SIGHUP:
+                    start.cancel()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(stop_the_start)  # (it runs at the start's first checkpoint)
+            nursery.start_soon(relay)  # (it runs at the start's first checkpoint)
             async with open_server(settings, host=args.host, port=args.port) as server:
-                watching.cancel()  # started: the signals are the loop's below
-                await watched.wait()  # (one reader of a signal receiver at a time)
+                started = True
                 keys = len(settings.serve.api_keys) + len(settings.serve.keys)
                 _settle_heap()
                 print(f"polygate serve: listening on {server.url}", flush=True)
                 log.info("%d scope(s), %s", len(settings.scopes),
                          f"{keys} gateway key(s)" if keys else "no gateway keys (loopback only)")
-                while True:
-                    # (a signal the start's watcher took as the start ended comes first)
-                    signum = late.pop(0) if late else await signals.__anext__()
+                async for signum in received:
                     if signum == signal.SIGHUP:
                         await _reload(server, args)
                         continue
@@ -144,11 +140,12 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
                             draining.cancel_scope.cancel()
 
                         draining.start_soon(drain)
-                        async for again in signals:
+                        async for again in received:
                             if again != signal.SIGHUP:
                                 log.info("second signal: cancelling the calls in flight now")
                                 draining.cancel_scope.cancel()
                     break
+            nursery.cancel_scope.cancel()  # (the relay)
     log.info("stopped before it started listening" if start.cancelled_caught else "stopped")
     return 0
 
