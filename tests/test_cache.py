@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any
 
 import attrs
@@ -55,6 +56,21 @@ class Capture:
     def call(self, ctx: Any, stats: polygate.CallStats, usage: Any, error: BaseException | None,
              output: Mapping[str, Any] | None = None) -> None:
         self.calls.append((stats, error, ctx.streaming_to_caller))
+
+
+async def _outcome_at(
+    out: dict[str, Any], name: str, at: float, call: Callable[[], Awaitable[Any]],
+    ended: dict[str, float] | None = None,
+) -> None:
+    """``call()`` from ``at``: its answer or its polygate error in ``out[name]`` (and,
+    with ``ended``, when it ended)."""
+    await trio.sleep(at)
+    try:
+        out[name] = await call()
+    except polygate.PolygateError as exc:
+        out[name] = exc
+    if ended is not None:
+        ended[name] = trio.current_time()
 
 
 # --------------------------------------------------------------------------- hits
@@ -615,17 +631,9 @@ async def test_an_embed_waiter_is_not_failed_by_another_inputs_refusal(
     settings = _embed_cache_settings(embed_batch_size=batch_size,
                                      retry=polygate.Retry(max_attempts=1))
     async with polygate.session(settings, transport=Router({"a": up})) as s:
-
-        async def one(name: str, inputs: list[str], delay: float) -> None:
-            await trio.sleep(delay)
-            try:
-                out[name] = await s.embed(inputs)
-            except polygate.PolygateError as exc:
-                out[name] = exc
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(one, "a", ["bad", "y"], 0.0)
-            nursery.start_soon(one, "b", ["y"], 0.1)
+            nursery.start_soon(_outcome_at, out, "a", 0.0, partial(s.embed, ["bad", "y"]))
+            nursery.start_soon(_outcome_at, out, "b", 0.1, partial(s.embed, ["y"]))
         plain = await s.embed(["y"], cache=False)
     assert isinstance(out["a"], polygate.FatalUpstreamError)
     assert isinstance(out["b"], polygate.EmbeddingResponse), out["b"]
@@ -645,17 +653,10 @@ async def test_identical_embed_calls_of_several_inputs_share_one_request_and_its
     settings = _embed_cache_settings(retry=polygate.Retry(max_attempts=1))
     async with polygate.session(settings, transport=Router({"a": up})) as s:
 
-        async def one(name: str, delay: float) -> None:
-            await trio.sleep(delay)
-            try:
-                await s.embed(["x", "y"])
-            except polygate.PolygateError as exc:
-                out[name] = exc
-            ended[name] = trio.current_time()
-
         async with trio.open_nursery() as nursery:
             for i in range(3):
-                nursery.start_soon(one, f"c{i}", 0.1 * i)
+                nursery.start_soon(_outcome_at, out, f"c{i}", 0.1 * i,
+                                   partial(s.embed, ["x", "y"]), ended)
     assert len(out) == 3 and len({type(e) for e in out.values()}) == 1
     assert len(up.requests) == 1
     assert max(ended.values()) == pytest.approx(1.0)
@@ -671,16 +672,9 @@ async def test_an_embed_waiter_shares_a_refusal_of_its_input_alone(
     settings = _embed_cache_settings(retry=polygate.Retry(max_attempts=1))
     async with polygate.session(settings, transport=Router({"a": up})) as s:
 
-        async def one(name: str, delay: float) -> None:
-            await trio.sleep(delay)
-            try:
-                await s.embed(["bad"])
-            except polygate.PolygateError as exc:
-                out[name] = exc
-
         async with trio.open_nursery() as nursery:
             for i in range(3):
-                nursery.start_soon(one, f"c{i}", 0.1 * i)
+                nursery.start_soon(_outcome_at, out, f"c{i}", 0.1 * i, partial(s.embed, ["bad"]))
     assert all(isinstance(e, polygate.FatalUpstreamError) for e in out.values()) and len(out) == 3
     assert len(up.requests) == 1
 
@@ -1035,17 +1029,9 @@ async def _leader_with_a_deadline_and_a_patient_waiter(
 ) -> dict[str, Any]:
     """The leader from t=0 and a waiter joining at 0.5; what each call gave."""
     got: dict[str, Any] = {}
-
-    async def run(name: str, call: Any, at: float) -> None:
-        await trio.sleep(at)
-        try:
-            got[name] = await call()
-        except polygate.PolygateError as exc:
-            got[name] = exc
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(run, "leader", leader, 0.0)
-        nursery.start_soon(run, "waiter", waiter, 0.5)
+        nursery.start_soon(_outcome_at, got, "leader", 0.0, leader)
+        nursery.start_soon(_outcome_at, got, "waiter", 0.5, waiter)
     return got
 
 
@@ -1081,17 +1067,9 @@ async def test_a_leader_past_its_rate_limit_wait_hands_over_to_a_later_waiter(
     settings = cache_settings(retry=polygate.Retry(rate_limit_wait_s=10))
     async with polygate.session(settings, transport=Router({"a": up})) as s:
         got: dict[str, Any] = {}
-
-        async def run(name: str, at: float) -> None:
-            await trio.sleep(at)
-            try:
-                got[name] = await s.chat(MESSAGES)
-            except polygate.PolygateError as exc:
-                got[name] = exc
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run, "leader", 0.0)
-            nursery.start_soon(run, "waiter", 4.0)
+            nursery.start_soon(_outcome_at, got, "leader", 0.0, partial(s.chat, MESSAGES))
+            nursery.start_soon(_outcome_at, got, "waiter", 4.0, partial(s.chat, MESSAGES))
     assert isinstance(got["leader"], polygate.AllSourcesExhausted)
     assert isinstance(got["waiter"], polygate.ChatResponse), got
     assert [r.started_at for r in up.requests] == [0.0, 11.0]
