@@ -92,7 +92,7 @@ class Session:
             try:
                 self._governance_at_close = await self._runtime.governor.statistics()
             except PolygateError:
-                pass  # (unreachable: statistics() after the close raises, as it would have)
+                pass  # (Redis not answering: statistics() after the close then raises)
 
     @property
     def _closed(self) -> bool:
