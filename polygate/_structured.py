@@ -254,11 +254,8 @@ def _compile(schema: Any) -> Any:
             f"{_first_line(exc.message)}"
         ) from None
     if dangling is not None:
-        keyword, ref = dangling
-        raise ConfigError(
-            f"schema: {keyword} {ref!r} does not resolve inside the schema "
-            "(polygate never fetches remote schemas)"
-        )
+        keyword, ref, problem = dangling
+        raise ConfigError(f"schema: {keyword} {ref!r} {problem}")
     loop = _in_place_loop(schema, draft, frozenset(cls.VALIDATORS))
     if loop is not None:
         raise ConfigError(
@@ -308,9 +305,9 @@ def _in_own_resource(spec: Any, node: dict[str, Any], resolver: Any) -> Any:
     return resolver
 
 
-def _dangling(schema: Any, draft: _Draft) -> tuple[str, str] | None:
-    """The first reference of a checked schema that does not resolve, as
-    ``(keyword, reference)``, or None.
+def _dangling(schema: Any, draft: _Draft) -> tuple[str, str, str] | None:
+    """The first reference of a checked schema that does not resolve, or resolves to
+    something that is not a schema, as ``(keyword, reference, what is wrong)``, or None.
 
     Every key is walked but data (a ``$ref`` can point anywhere: ``#/components/...``),
     with an explicit stack (a long chain of references must not exhaust Python's), and
@@ -340,14 +337,17 @@ def _dangling(schema: Any, draft: _Draft) -> tuple[str, str] | None:
         if not is_root:
             resolver = _in_own_resource(spec, node, resolver)
         dynamic = node.get("$dynamicRef")
-        if spec is draft.drafts.DRAFT202012 and isinstance(dynamic, str) and (
-                _target(resolver, root, dynamic) is None):
-            return "$dynamicRef", dynamic  # resolved first as a $ref is: it must resolve
+        if spec is draft.drafts.DRAFT202012 and isinstance(dynamic, str):
+            # Resolved first as a $ref is: it must resolve, to a schema.
+            problem = _unusable(_target(resolver, root, dynamic))
+            if problem is not None:
+                return "$dynamicRef", dynamic, problem
         ref = node.get("$ref")
         if isinstance(ref, str):
             target = _target(resolver, root, ref)
-            if target is None:
-                return "$ref", ref
+            problem = _unusable(target)
+            if problem is not None:
+                return "$ref", ref, problem
             if draft.legacy:
                 stack.append((target.contents, target.resolver, False, False))
                 continue
@@ -362,8 +362,10 @@ def _dangling(schema: Any, draft: _Draft) -> tuple[str, str] | None:
 # cycle through them alone (``{"$ref": "#"}``) never ends, whatever the answer.
 # Each with the keyword its draft's validator knows it by (then and else are if's).
 _IN_PLACE_ONE = {"not": "not", "if": "if", "then": "if", "else": "if"}
-# A list of subschemas (draft-3's extends may also be a single one).
-_IN_PLACE_MANY = ("allOf", "anyOf", "oneOf", "extends")
+# A list of subschemas, or one.  Draft-3 also applies in place its extends, its
+# disallow (its not) and the schemas in a type list (beside type names, which are no
+# objects and so never followed; later drafts' metaschemas refuse schemas there).
+_IN_PLACE_MANY = ("allOf", "anyOf", "oneOf", "extends", "disallow", "type")
 _IN_PLACE_NAMED = ("dependentSchemas", "dependencies")
 _REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
 
@@ -469,6 +471,21 @@ def _root_resolver(root: Any, metaschemas: Any) -> Any:
         return metaschemas.with_resource(uri, root).crawl().resolver(base_uri=uri)
     except Exception:  # a shape referencing's walker cannot crawl: looked up lazily
         return metaschemas.resolver_with_root(root)
+
+
+def _unusable(target: Any) -> str | None:
+    """What makes a reference's :func:`_target` unusable to a validator, or None.
+
+    A pointer may reach any value of the document (``#/required/0``, ``#/$defs/a/type``);
+    only an object or a boolean is a schema.  jsonschema would take such a target and
+    fail on the first answer it validates, after the request (and an answer that is
+    not JSON never reaches it: the model would be re-asked for the schema's fault)."""
+    if target is None:
+        return "does not resolve inside the schema (polygate never fetches remote schemas)"
+    if not isinstance(target.contents, (dict, bool)):
+        kind = type(target.contents).__name__
+        return f"points to a value that is not a schema (a {kind}: a schema is an object)"
+    return None
 
 
 def _target(resolver: Any, root: Any, ref: str) -> Any:

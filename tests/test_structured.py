@@ -592,6 +592,9 @@ LOOPING_SCHEMAS: list[Any] = [
     {"$schema": "http://json-schema.org/draft-07/schema#", "dependencies": {"a": {"$ref": "#"}}},
     {"dependentSchemas": {"a": {"$ref": "#"}}},
     {"$schema": "http://json-schema.org/draft-07/schema#", "if": {"type": "object"}, "then": {"$ref": "#"}},
+    # review: draft-03 applies in place its disallow (its not) and the schemas of a type list
+    {"$schema": "http://json-schema.org/draft-03/schema#", "type": "any", "disallow": [{"$ref": "#"}]},
+    {"$schema": "http://json-schema.org/draft-03/schema#", "type": ["string", {"$ref": "#"}]},
 ]
 
 # Recursive schemas that descend into the answer before they come back: valid.
@@ -613,6 +616,11 @@ RECURSIVE_SCHEMAS: list[Any] = [
     # ignores them): dependencies in 2020-12, if in draft-04
     {"type": "object", "dependencies": {"name": {"$ref": "#"}}},
     {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object", "if": {"$ref": "#"}},
+    # draft-03: schemas in a type list and under disallow that descend first
+    {"$schema": "http://json-schema.org/draft-03/schema#",
+     "type": ["object", {"type": "array", "items": {"$ref": "#"}}],
+     "disallow": [{"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}},
+                                                    "name": {"type": "integer", "required": True}}}]},
 ]
 
 
@@ -691,6 +699,44 @@ async def test_validation_never_fetches_a_remote_schema(
         with pytest.raises(polygate.ConfigError, match="schema"):
             await s.chat(MESSAGES, schema=schema)
     assert fetched == []
+
+
+# review: a pointer may reach any value of the document, and only an object (or a
+# boolean) is a schema: jsonschema took these and failed on the first JSON answer, after
+# the request, and an answer that was not JSON was re-asked for the schema's fault.
+REFS_TO_NON_SCHEMAS: list[Any] = [
+    {"$ref": "#/$defs/a/type", "$defs": {"a": {"type": "string"}}},
+    {"type": "object", "properties": {"a": {"$ref": "#/required/0"}}, "required": ["a"]},
+    {"$ref": "#/$defs/a/minimum", "$defs": {"a": {"minimum": 3}}},
+    {"$ref": "#/$defs/a/enum", "$defs": {"a": {"enum": [1, 2]}}},
+    {"$dynamicRef": "#/$defs/a/minimum", "$defs": {"a": {"minimum": 3}}},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/a/type",
+     "definitions": {"a": {"type": "string"}}},
+]
+
+
+@pytest.mark.parametrize("answer", ['{"a": 1}', "Paris, about two million people."])
+@pytest.mark.parametrize("schema", REFS_TO_NON_SCHEMAS, ids=range(len(REFS_TO_NON_SCHEMAS)))
+async def test_a_reference_to_a_value_that_is_no_schema_is_refused_before_any_io(
+    autojump_clock: trio.testing.MockClock, schema: Any, answer: str
+) -> None:
+    up = FakeUpstream(Reply(text=answer))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="not a schema"):
+            await s.chat(MESSAGES, schema=schema)
+        with pytest.raises(polygate.ConfigError, match="not a schema"):
+            s.stream_chat(MESSAGES, schema=schema)
+    assert up.requests == []
+
+
+async def test_a_reference_to_a_boolean_schema_is_a_schema(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    up = FakeUpstream(Reply(text='{"a": 1}'))
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/any"}}, "$defs": {"any": True}}
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=schema)
+    assert r.parsed == {"a": 1}
 
 
 @pytest.mark.parametrize("schema", BAD_SCHEMAS, ids=lambda s: type(s).__name__)
