@@ -174,6 +174,13 @@ class _ThreadWorker(_Worker):
         self._abandoned = False
 
     def _handle(self, header: tuple[Any, ...], blob: bytes) -> tuple[tuple[Any, ...], bytes]:
+        # Busy from here, in the thread, not from the request: a request cut short
+        # before its thread started (trio checks for cancellation first) has no thread
+        # to close the renderer, so discard() must find it idle and close it itself.
+        with self._lock:
+            if self._abandoned:  # discarded before this thread began: discard() closes
+                return ("fail", "abandoned"), b""  # (nobody reads it)
+            self._busy = True
         try:
             return _ocr_render.answer(self._renderer, header, blob)
         finally:
@@ -184,8 +191,6 @@ class _ThreadWorker(_Worker):
                 self._renderer.close()
 
     async def _exchange(self, header: tuple[Any, ...], blob: bytes) -> tuple[tuple[Any, ...], bytes]:
-        with self._lock:
-            self._busy = True
         # (run_sync holds virtual time still, as for a renderer process)
         return await run_sync(self._handle, header, blob, abandon_on_cancel=True)
 

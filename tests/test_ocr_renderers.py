@@ -293,3 +293,39 @@ async def test_renderers_yield_the_cpu_to_the_event_loop() -> None:
         assert os.getpriority(os.PRIO_PROCESS, worker.process.pid) == 19  # the lowest (nice caps at 19)
     finally:
         await worker.discard()
+
+
+async def test_a_thread_renderer_cut_short_before_its_thread_started_is_closed() -> None:
+    """review: the request marked the renderer busy before trio started its thread; a
+    cancellation at that point (trio checks for one first) left no thread to close it,
+    and discard() left the closing to that thread: its open PDF went to the garbage
+    collector's finaliser, outside the lock every PDFium call takes."""
+    worker = _ocr_renderers._ThreadWorker()
+    closed: list[bool] = []
+    real_close = worker._renderer.close
+
+    def close() -> None:
+        closed.append(True)
+        real_close()
+
+    worker._renderer.close = close  # type: ignore[method-assign]
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await worker._exchange(("drop", 1), b"")
+    assert scope.cancelled_caught
+    await worker.discard()
+    assert closed == [True]
+
+
+async def test_a_thread_that_starts_after_its_renderer_was_discarded_leaves_it_alone() -> None:
+    """The other order: discard() closed an idle renderer, then the thread of the request
+    cut short begins: it must not touch the closed renderer (nor close it twice)."""
+    worker = _ocr_renderers._ThreadWorker()
+    calls: list[str] = []
+    worker._renderer.handle = lambda *args: calls.append("handle") or (("ok",), b"")  # type: ignore[method-assign]
+    worker._renderer.close = lambda: calls.append("close")  # type: ignore[method-assign]
+    await worker.discard()
+    assert calls == ["close"]
+    await trio.to_thread.run_sync(worker._handle, ("drop", 1), b"")
+    assert calls == ["close"]
+    assert not worker._busy
