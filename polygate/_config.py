@@ -156,7 +156,8 @@ def _bool(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 def _opt_str(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
-    if not isinstance(value, str) or not value:
+    if not isinstance(value, str) or not value.strip():
+        # (Blank is no model, and no prompt: a call's own blank prompt is refused too.)
         raise _bad(inst, attr.name, "must be a non-empty string")
     if not is_utf8(value):
         # A lone surrogate is how Python reads a non-UTF-8 byte of an environment

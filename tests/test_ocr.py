@@ -131,6 +131,16 @@ def ocr_settings(sources: tuple[str, ...] = ("a",), **ocr: Any) -> polygate.Sett
     return polygate.Settings(scopes={"ocr": scope})
 
 
+@pytest.mark.parametrize("blank", ["", "   ", "\n\t"])
+def test_a_blank_prompt_or_model_in_the_settings_is_refused(blank: str) -> None:
+    """review: a blank Ocr.prompt was taken, and every page was sent with it as its whole
+    instruction, where the same prompt given to ocr() is refused."""
+    with pytest.raises(polygate.ConfigError, match="prompt"):
+        polygate.Ocr(prompt=blank)
+    with pytest.raises(polygate.ConfigError, match="model"):
+        polygate.Source(name="a", base_url="http://a/v1", model=blank)
+
+
 SIZES = [(100 + 50 * i, 100.0) for i in range(5)]  # at dpi=72: 100x100, 150x100, …
 
 
