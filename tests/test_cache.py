@@ -1177,3 +1177,37 @@ async def test_an_embed_that_fails_counts_its_runs_still_in_flight(
     attempts = _attempt_rows(db, stats.logical_call_id)
     assert sorted(r["error"] for r in attempts) == ["cancelled", "fatal"]
     assert stats.attempts == len(attempts) == _call_rows(db)[stats.logical_call_id]["attempts"]
+
+
+class _Stops(list[str]):
+    pass
+
+
+class _Pair(tuple[str, str]):
+    pass
+
+
+async def test_list_and_tuple_subclasses_are_cached_as_the_lists_they_are_sent_as(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review: the key took only exact lists and tuples, so with the cache on a call with
+    a list subclass (a NamedTuple, a list type of the caller's) failed with a bare
+    TypeError, where the same call without a cache was sent as JSON arrays."""
+    from typing import NamedTuple
+
+    class Pair(NamedTuple):
+        a: str
+        b: str
+
+    up = FakeUpstream(Reply(text="ok"))
+    parts = _Stops([{"type": "text", "text": "hi"}])  # type: ignore[list-item]
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        for stop in (_Stops(["\n"]), Pair("x", "y"), _Pair(("x", "y"))):
+            first = await s.chat(MESSAGES, stop=stop)
+            again = await s.chat(MESSAGES, stop=list(stop))  # the same request on the wire
+            assert first.text == again.text == "ok" and again.call_stats.cached
+        assert (await s.chat([{"role": "user", "content": parts}])).text == "ok"
+        async with s.stream_chat([{"role": "user", "content": parts}]) as stream:
+            assert "".join([c.text async for c in stream]) == "ok"
+        assert (await s.embed(["a"], extra=_Stops(["x"]))).vectors
+    assert [r.body.get("stop") for r in up.requests if "stop" in r.body] == [["\n"], ["x", "y"]]

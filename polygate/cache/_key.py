@@ -15,7 +15,7 @@ depends on the value alone, so equal values share a key and different ones do no
   becomes an int), ``0.5`` and ``0.50`` too; ``True`` is not ``1`` (JSON tells them apart);
   an object key is the text JSON writes for it, so the key ``1.0`` (``"1.0"`` on the
   wire) is not the key ``1`` (``"1"``);
-* tuples are lists; any other Mapping is an object;
+* tuples are lists (so are their subclasses, a list's too); any other Mapping is an object;
 * strings are compared exactly (no Unicode normalisation: a different prompt is a
   different prompt).
 
@@ -74,7 +74,10 @@ def canonical(value: Any) -> Any:
         return {_key_text(k): canonical(v) for k, v in value.items()}
     if kind is list or kind is tuple:
         return [canonical(v) for v in value]
-    # Subclasses (IntEnum, str enums, numpy floats): JSON writes their plain value.
+    # Subclasses (IntEnum, str enums, numpy floats, a NamedTuple, a list of its own):
+    # JSON writes their plain value, and the session's checks took them.
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
