@@ -234,7 +234,7 @@ async def cached_chat(
     )
     # A schema changes the answer (and whether it is acceptable): it is in the key.
     keyed = params if rounds is None else {**params, "polygate:schema": rounds.cache_key()}
-    key = chat_key(scope, cache.models(scope, call.ctx.scope.sources), messages, keyed)
+    key = chat_key(scope, cache.models(scope, runtime.settings.scopes), messages, keyed)
 
     async def upstream() -> ChatResponse:
         call.remaining()  # DeadlineExceeded when nothing is left
@@ -518,7 +518,7 @@ async def cached_embed(
     if cache is None or ttl is None:
         return await run_embed(runtime, scope, inputs, params, deadline_s)
     call = _Call(runtime, scope, "embed", deadline_s, params=params)
-    keys = embed_keys(scope, cache.models(scope, call.ctx.scope.sources), inputs, params)
+    keys = embed_keys(scope, cache.models(scope, runtime.settings.scopes), inputs, params)
     texts: dict[str, str] = dict(zip(keys, inputs, strict=True))  # distinct, in order
     own = texts.keys()  # (what this call would send: see Flight.batch)
     found: dict[str, tuple[list[float], str | None, str | None, int | None, str | None]] = {}

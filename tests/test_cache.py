@@ -1211,3 +1211,48 @@ async def test_list_and_tuple_subclasses_are_cached_as_the_lists_they_are_sent_a
             assert "".join([c.text async for c in stream]) == "ok"
         assert (await s.embed(["a"], extra=_Stops(["x"]))).vectors
     assert [r.body.get("stop") for r in up.requests if "stop" in r.body] == [["\n"], ["x", "y"]]
+
+
+def _with_fallback(path: Any, large_model: str, *, fallback: bool = True) -> polygate.Settings:
+    return polygate.Settings(
+        scopes={
+            "chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url="http://a/v1", model="small")],
+                fallback="large" if fallback else None, cache_ttl_s=3600,
+                retry=polygate.Retry(max_attempts=1),
+            ),
+            "large": polygate.Scope(
+                sources=[polygate.Source(name="b", base_url="http://b/v1", model=large_model)],
+            ),
+        },
+        cache=f"sqlite://{path}",
+    )
+
+
+async def test_pointing_a_fallback_scope_at_another_model_is_a_new_key(tmp_path: Any) -> None:
+    """review: the key held the asked scope's models only, so an answer its fallback
+    scope gave was served after that scope was pointed at another model."""
+    path = tmp_path / "c.db"
+    down = FakeUpstream(Reply(status=500))
+    old = FakeUpstream(Reply(text="from the old model"))
+    async with polygate.session(_with_fallback(path, "large-v1"), transport=Router({"a": down, "b": old})) as s:
+        first = await s.chat(MESSAGES)
+        assert first.call_stats.scope == "large"
+        assert (await s.chat(MESSAGES)).call_stats.cached  # (the same models: a hit)
+    new = FakeUpstream(Reply(text="from the new model"))
+    async with polygate.session(_with_fallback(path, "large-v2"), transport=Router({"a": down, "b": new})) as s:
+        again = await s.chat(MESSAGES)
+    assert again.text == "from the new model" and not again.call_stats.cached
+
+
+def test_a_scope_without_a_fallback_keeps_its_key() -> None:
+    """Only a scope with a fallback has the chain's models in its key: every other
+    scope's entries stay valid across this change."""
+    from polygate.cache import Cache
+    from polygate.cache._memory import MemoryBackend
+
+    cache = Cache(MemoryBackend(10, 10_000))
+    scopes = _with_fallback("/x.db", "large-v1", fallback=False).scopes
+    assert cache.models("chat", scopes) == ["small"]
+    cache = Cache(MemoryBackend(10, 10_000))
+    assert cache.models("chat", _with_fallback("/x.db", "large-v1").scopes) == ["small", "fallback large: large-v1"]

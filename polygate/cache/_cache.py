@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -125,11 +125,22 @@ class Cache:
             writes_dropped=self.writes_dropped, in_flight=len(self.flights),
         )
 
-    def models(self, scope: str, sources: Sequence[Any]) -> list[str]:
-        """The scope's source models, sorted (part of every key of the scope)."""
+    def models(self, scope: str, scopes: Mapping[str, Any]) -> list[str]:
+        """The scope's source models, sorted (part of every key of the scope), then
+        those of each scope of its fallback chain, named (``"fallback large: m"``): an
+        answer may come from any of them, so pointing one at another model is a new
+        key too.  A scope without a fallback has its own models only."""
         found = self._models.get(scope)
         if found is None:
-            found = self._models[scope] = sorted({s.model or "" for s in sources})
+            found = sorted({s.model or "" for s in scopes[scope].sources})
+            target = scopes[scope].fallback
+            seen = {scope}
+            while target is not None and target not in seen:  # (settings refuse a loop)
+                seen.add(target)
+                found += [f"fallback {target}: {m}"
+                          for m in sorted({s.model or "" for s in scopes[target].sources})]
+                target = scopes[target].fallback
+            self._models[scope] = found
         return found
 
     # ------------------------------------------------------------------ reads
