@@ -202,8 +202,17 @@ async def run_chat_attempt(
         completion = max(completion_estimate, len(control.record.timeline.chunk_times))
         return Usage(prompt_estimate, completion, prompt_estimate + completion, source="estimated")
 
+    ttft_timeout = source.ttft_timeout_s
+    stall_first = False
+    if ctx.continuation is not None and stall_timeout is not None and (
+            ttft_timeout is None or stall_timeout < ttft_timeout):
+        # A continuation of a committed stream: the caller's stream is silent until
+        # its first token, so the stall watch bounds that wait too (else only
+        # timeout_s would, and resume would stretch the silence a stream may keep).
+        ttft_timeout, stall_first = stall_timeout, True
     return await _guarded(
-        ctx, admission, control, source.timeout_s, source.ttft_timeout_s, work, usage_of
+        ctx, admission, control, source.timeout_s, ttft_timeout, work, usage_of,
+        first_token_stall=stall_first,
     )
 
 
@@ -252,7 +261,11 @@ async def _guarded(
     ttft_timeout_s: float | None,
     work: Callable[[Timeline], Awaitable[T]],
     usage_of: Callable[[T], Usage],
+    *,
+    first_token_stall: bool = False,
 ) -> T:
+    """``first_token_stall``: ``ttft_timeout_s`` is the stall watch of a continuation
+    (its miss is a stall, not a timeout)."""
     record = control.record
     timeline = record.timeline
     outcome = Outcome.CANCELLED  # unless something below says otherwise
@@ -281,7 +294,7 @@ async def _guarded(
                 f"attempt exceeded timeout_s={timeout_s}",
                 source=admission.source, outcome=Outcome.TIMEOUT,
             )
-        raise _watchdog_error(ctx, admission.source, timeline, ttft_timeout_s)
+        raise _watchdog_error(ctx, admission.source, timeline, ttft_timeout_s, first_token_stall)
     except UpstreamError as exc:
         if control.cancelled:
             # The same race as above, ending in a fault instead: a buffered cut or
@@ -300,8 +313,14 @@ async def _guarded(
 
 
 def _watchdog_error(
-    ctx: CallContext, source: str, timeline: Timeline, ttft_timeout_s: float | None
+    ctx: CallContext, source: str, timeline: Timeline, ttft_timeout_s: float | None,
+    first_token_stall: bool = False,
 ) -> UpstreamError:
+    if timeline.first_token_at is None and first_token_stall:
+        return TransientUpstreamError(
+            "the continuation of the stream sent no first token within "
+            f"stall_timeout_s={ttft_timeout_s}", source=source, outcome=Outcome.STALLED,
+        )
     if timeline.first_token_at is None:
         waited = "no answer" if ctx.kind == "embed" else "no first token"
         return TransientUpstreamError(

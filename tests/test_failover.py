@@ -569,6 +569,57 @@ async def test_a_committed_stream_survives_stalls_and_bad_events(
     assert stream.response.call_stats.resumes == 1
 
 
+async def test_a_continuation_that_sends_no_first_token_is_a_stall(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review: a continuation was guarded only by its source's ttft_timeout_s (unset) and
+    timeout_s (300 s), so a committed stream whose continuation hung stayed silent for
+    600 s with stall_timeout_s=5.  Each continuation now has stall_timeout_s to send its
+    first token; one that does not is a stall, and the next source is tried."""
+    a = FakeUpstream([Reply(text=ANSWER, fault="truncated", fault_after=10)],
+                     then=Reply(text=" " + " ".join(WORDS[10:])))
+    b = FakeUpstream(Reply(text=" " + " ".join(WORDS[10:]), first_token_s=10_000))  # hangs
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}},
+        "stream": polygate.StreamWatch(resume=True, stall_timeout_s=5),
+        "retry": polygate.Retry(max_attempts=3),
+    })
+    gaps: list[float] = []
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        last = trio.current_time()
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                gaps.append(trio.current_time() - last)
+                last = trio.current_time()
+    assert stream.response is not None and stream.response.text == ANSWER
+    assert stream.response.call_stats.resumes == 1
+    # a failed, so it goes last: b is asked first and hangs for stall_timeout_s, then a
+    # continues; the caller's silence is those 5 s and the back-off before the retry.
+    assert b.requests[0].started_at == pytest.approx(0.0, abs=0.01)
+    assert 5 <= max(gaps) < 6
+    assert stream.response.call_stats.attempts == 3
+
+
+async def test_a_continuation_keeps_its_sources_shorter_ttft_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The stall watch only shortens a continuation's wait for its first token: a
+    source's own ttft_timeout_s below it still applies (and its miss is a timeout)."""
+    a = FakeUpstream([Reply(text=ANSWER, fault="truncated", fault_after=10)],
+                     then=Reply(text=" " + " ".join(WORDS[10:])))
+    b = FakeUpstream(Reply(text="x", first_token_s=10_000))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9, "ttft_timeout_s": 2}},
+        "stream": polygate.StreamWatch(resume=True, stall_timeout_s=5),
+        "retry": polygate.Retry(max_attempts=3),
+    })
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        t0 = trio.current_time()
+        stream, _ = await _read(s)
+    assert stream.response is not None and stream.response.text == ANSWER
+    assert trio.current_time() - t0 < 5
+
+
 async def test_a_malformed_event_before_the_commit_fails_the_attempt_as_before(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
