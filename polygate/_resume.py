@@ -200,6 +200,7 @@ class ResumedForward:
         self._stitcher = stitcher
         self._last: dict[str, Any] | None = None
         self._first = True
+        self._queued: dict[str, Any] | None = None  # offered after the held chunk goes
 
     def offer(self, chunk: dict[str, Any]) -> bool:
         stitcher = self._stitcher
@@ -209,6 +210,15 @@ class ResumedForward:
                 v for k, v in delta.items() if k not in ("content", "role")
             )
             if not other and not text:
+                if stitcher.holding and _ends_text(chunk):
+                    # The answer's finish (or what follows it): no more text comes to
+                    # decide with, and no text may follow it.  The held text goes
+                    # first, then this chunk.
+                    out = stitcher.flush()
+                    if out and self._last is not None and not self._pass(
+                            _with_content(self._last, out)):
+                        self._queued = chunk  # the caller is behind: after that one
+                        return False
                 # Nothing to stitch (an annotation, a data-only chunk): it goes on as
                 # it came, unmarked, and the held text keeps its own chunk.
                 return self._inner.offer(chunk)
@@ -235,6 +245,9 @@ class ResumedForward:
 
     async def deliver_held(self) -> None:
         await self._inner.deliver_held()
+        queued, self._queued = self._queued, None
+        if queued is not None and not self._inner.offer(queued):
+            await self._inner.deliver_held()
 
     async def finish(self) -> None:
         """The continuation ended: show what the stitcher still holds."""
@@ -248,6 +261,18 @@ class ResumedForward:
             self._first = False
             self._inner.mark_resumed()
         return self._inner.offer(chunk)
+
+
+def _ends_text(chunk: Mapping[str, Any]) -> bool:
+    """Whether no text of the first choice can follow ``chunk``: it carries that
+    choice's ``finish_reason``, or no such choice (the usage chunk after the finish)."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return True
+    for choice in choices:
+        if isinstance(choice, dict) and choice_index(choice) == 0:
+            return choice.get("finish_reason") is not None
+    return True
 
 
 def _with_content(chunk: dict[str, Any], text: str) -> dict[str, Any]:

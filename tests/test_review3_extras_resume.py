@@ -5,6 +5,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 import trio
 import trio.testing
 
@@ -103,3 +104,63 @@ async def test_an_annotation_chunk_while_the_stitcher_holds_text_reaches_the_cal
     assert "".join(c.text for c in chunks) == "I like cats and dogs and birds too"
     assert any("content_filter_offsets" in (c.raw.get("choices") or [{}])[0] for c in chunks), [
         c.raw for c in chunks]
+
+
+FINISH_WITH_EXTRAS = _chunk("two", {}, "stop", native_finish_reason="stop")  # OpenRouter's
+
+
+FILLER = [f" w{i}" for i in range(40)]
+
+
+async def _read_slowly(continuation: list[dict[str, Any]]) -> tuple[Any, list[polygate.StreamChunk]]:
+    """As ``_read``, with a caller so far behind that the stream's buffer (32 chunks) is
+    full when the continuation finishes: each chunk then waits to be handed over."""
+    first = _sse([_chunk("one", {"role": "assistant", "content": ""})]
+                 + [_chunk("one", {"content": w}) for w in ["I like cats", *FILLER, " and", " dogs"]],
+                 done=False)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        last = json.loads(request.content)["messages"][-1]
+        data = _sse(continuation) if last["role"] == "assistant" or last["content"] == CONTINUE_PROMPT else first
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=data)
+
+    chunks = []
+    t = httpx.MockTransport(handler)
+    async with polygate.session(_settings(), transport=Router({"a": t, "b": t})) as s:
+        async with s.stream_chat([{"role": "user", "content": "hi"}]) as stream:
+            await trio.sleep(100)
+            async for chunk in stream:
+                chunks.append(chunk)
+                await trio.sleep(1)
+    return stream, chunks
+
+
+def _finish_at(chunks: list[polygate.StreamChunk]) -> int:
+    return next(i for i, c in enumerate(chunks)
+                if ((c.raw.get("choices") or [{}])[0]).get("finish_reason"))
+
+
+@pytest.mark.parametrize("read", [_read, _read_slowly], ids=["prompt", "behind"])
+@pytest.mark.parametrize("after", [[], [{**BASE, "id": "two", "choices": [],
+                                         "usage": {"prompt_tokens": 1, "completion_tokens": 2,
+                                                   "total_tokens": 3}}]], ids=["", "usage"])
+async def test_a_continuations_finish_chunk_follows_its_held_text(
+    autojump_clock: trio.testing.MockClock, read: Any, after: list[dict[str, Any]],
+) -> None:
+    """review: the continuation's " and" is held while the stitcher decides (it may
+    restate " and dogs"); a finish chunk the caller is shown (it carries a vendor field)
+    went on at once, and the held text after it -- content after the chunk that says the
+    answer finished, which polygate serve relays to its clients as it is."""
+    continuation = [
+        _chunk("two", {"role": "assistant", "content": ""}),
+        _chunk("two", {"content": " and"}),
+        FINISH_WITH_EXTRAS,
+        *after,
+    ]
+    stream, chunks = await read(continuation)
+    assert "".join(c.text for c in chunks) == stream.text
+    assert stream.text.startswith("I like cats") and stream.text.endswith(" and dogs and")
+    finished = _finish_at(chunks)
+    assert [c.text for c in chunks[finished:] if c.text] == []
+    assert chunks[finished].raw["choices"][0]["native_finish_reason"] == "stop"
+    assert sum(c.resumed for c in chunks) == 1
