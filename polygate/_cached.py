@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -290,7 +291,8 @@ async def cached_chat(
         while True:
             if mode == "refresh":
                 cache.misses += 1
-                return await _lead(cache, key, cache.flights.lead_if_free(key), upstream, ttl)
+                return await _lead(cache, key, cache.flights.lead_if_free(key), upstream, ttl,
+                                   (messages, keyed))
             flight, leading = cache.flights.claim(key)
             if leading:
                 # The miss was decided before an await (the backend's read): an
@@ -310,7 +312,7 @@ async def cached_chat(
                     # It did not serve: this call leads (never the same entry twice,
                     # so there is no loop without an await).
                 cache.misses += 1
-                return await _lead(cache, key, flight, upstream, ttl)
+                return await _lead(cache, key, flight, upstream, ttl, (messages, keyed))
             await call.within(flight.done.wait)
             if flight.value is not None:
                 response = await served(flight.value)
@@ -319,7 +321,8 @@ async def cached_chat(
                     return response
                 rejected = flight.value  # counted once: not looked at again below
                 continue
-            if flight.error is not None and _binds(flight.error, rounds):
+            if flight.error is not None and _binds(flight.error, rounds) and _sent_alike(
+                    flight, (messages, keyed)):
                 error = call.shared(flight.error)
                 call.record(getattr(error, "call_stats", None) or call.stats(cached=False), None, error)
                 raise error
@@ -404,11 +407,32 @@ def _binds(error: BaseException, rounds: Rounds | None) -> bool:
     return stats is not None and stats.reasks >= rounds.max_reasks
 
 
+def _sent_alike(flight: Flight, request: Any) -> bool:
+    """Whether a refusal the leader got binds a waiter sending ``request``: only when
+    both send the same JSON.  A key counts ``1`` and ``1.0`` as one value; on the wire
+    they differ (``"max_tokens": 100.0`` is refused where ``100`` is taken).  Compared
+    only here, on the rare path of a shared refusal; anything that cannot be compared
+    counts as different (the waiter then asks for itself)."""
+    if not isinstance(flight.error, FatalUpstreamError) or flight.request is None:
+        return True
+    try:
+        return bool(_wire_json(flight.request) == _wire_json(request))
+    except (TypeError, ValueError):
+        return False
+
+
+def _wire_json(request: Any) -> str:
+    return json.dumps(request, sort_keys=True, ensure_ascii=False, default=repr)
+
+
 async def _lead(
     cache: Cache, key: str, flight: Flight | None, upstream: Callable[[], Awaitable[ChatResponse]],
-    ttl: float,
+    ttl: float, request: Any = None,
 ) -> ChatResponse:
-    """Make the upstream call; store and share its answer, or settle the flight."""
+    """Make the upstream call; store and share its answer, or settle the flight.
+    ``request``: what it sends (see :attr:`Flight.request`)."""
+    if flight is not None:
+        flight.request = request
     if flight is None:  # cache="refresh" while another call leads: compute alone
         response = await upstream()
         data = _encoded(cache, response)

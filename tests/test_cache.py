@@ -1256,3 +1256,44 @@ def test_a_scope_without_a_fallback_keeps_its_key() -> None:
     assert cache.models("chat", scopes) == ["small"]
     cache = Cache(MemoryBackend(10, 10_000))
     assert cache.models("chat", _with_fallback("/x.db", "large-v1").scopes) == ["small", "fallback large: large-v1"]
+
+
+def _strict_about_integers(request: Any, rng: Any) -> Reply:
+    """OpenAI's answer to ``"max_tokens": 100.0``: a 400 (an integer is expected)."""
+    if isinstance(request.body.get("max_tokens"), float):
+        return Reply(status=400, headers_delay_s=1.0, error_body={"error": {
+            "message": "Invalid type for 'max_tokens': expected an integer, but got a "
+                       "decimal number instead.", "type": "invalid_request_error"}})
+    return Reply(text="fine", first_token_s=1.0)
+
+
+@pytest.mark.parametrize(("leader", "waiter", "shared"), [
+    (100.0, 100, False),   # one key, two requests on the wire: the refusal is not the waiter's
+    (100.0, 100.0, True),  # the same request: the verdict is shared (one upstream call)
+])
+async def test_a_refusal_binds_only_a_waiter_that_sends_the_same_bytes(
+    autojump_clock: trio.testing.MockClock, leader: float, waiter: float, shared: bool,
+) -> None:
+    """review: ``max_tokens=100.0`` and ``100`` share a key (a number is its value), and a
+    waiter took the leader's FatalUpstreamError as its own though its request, sent
+    alone, is answered."""
+    up = FakeUpstream(_strict_about_integers)
+    out: dict[str, Any] = {}
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+
+        async def one(name: str, delay: float, max_tokens: float) -> None:
+            await trio.sleep(delay)
+            try:
+                out[name] = await s.chat(MESSAGES, max_tokens=max_tokens)
+            except polygate.PolygateError as exc:
+                out[name] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "leader", 0.0, leader)
+            nursery.start_soon(one, "waiter", 0.1, waiter)
+    assert isinstance(out["leader"], polygate.FatalUpstreamError)
+    if shared:
+        assert isinstance(out["waiter"], polygate.FatalUpstreamError) and _sent(up) == 1
+    else:
+        assert isinstance(out["waiter"], polygate.ChatResponse) and out["waiter"].text == "fine"
+        assert [r.body["max_tokens"] for r in up.requests] == [100.0, 100]

@@ -30,6 +30,8 @@ flight that is already over.
 
 from __future__ import annotations
 
+from typing import Any
+
 import trio
 
 __all__ = ["Coalescer", "Flight"]
@@ -41,15 +43,21 @@ class Flight:
 
     ``batch``: with an ``error``, the keys of the request it is a verdict on when
     that verdict may be about any one of them (an embeddings batch refused): only a
-    waiter that would send all of them itself takes it; the others lead anew."""
+    waiter that would send all of them itself takes it; the others lead anew.
 
-    __slots__ = ("batch", "done", "error", "value")
+    ``request``: what the leader sends, as given (for a chat: its messages and
+    parameters).  Equal keys may be different requests on the wire (``1`` and ``1.0``
+    share a key), and an upstream may refuse one and take the other: a refusal
+    (``FatalUpstreamError``) binds only a waiter that sends the same bytes."""
+
+    __slots__ = ("batch", "done", "error", "request", "value")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.value: bytes | None = None
         self.error: BaseException | None = None
         self.batch: frozenset[str] | None = None
+        self.request: Any = None
 
 
 class Coalescer:
