@@ -235,6 +235,25 @@ def test_rpm_is_a_rolling_window(h: Harness) -> None:
     h.run(body)
 
 
+def test_too_large_is_the_first_refusal(h: Harness) -> None:
+    """review: an estimate above tpm was refused as too_large only after the other
+    checks passed, so a call that can never be admitted first waited for an RPM window,
+    a permit, a cooldown or an open breaker (and a deadline then ended it as
+    DeadlineExceeded).  It depends on the settings alone: it is checked first."""
+    async def body() -> None:
+        async with h.backend() as b:
+            held = await granted(b, ask(10, rpm=1, tpm=100, mif=1))
+            await refused(b, ask(101, rpm=1, tpm=100, mif=1), RefusalReason.TOO_LARGE)
+            await refused(b, ask(10, rpm=1, tpm=100, mif=1), RefusalReason.IN_FLIGHT)
+            await b.settle(settle(held, 10, Feedback.NEUTRAL, cooldown_s=30.0))
+            await refused(b, ask(10, rpm=1, tpm=100), RefusalReason.COOLING_DOWN)
+            await refused(b, ask(101, rpm=1, tpm=100), RefusalReason.TOO_LARGE)
+            s = await snap(b)
+            assert (s.in_flight, s.requests_in_window) == (0, 1)
+
+    h.run(body)
+
+
 def test_tpm_reserves_estimates_and_settles_real_usage(h: Harness) -> None:
     async def body() -> None:
         async with h.backend() as b:

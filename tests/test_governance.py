@@ -599,3 +599,24 @@ def test_tiktoken_only_when_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     estimator = _estimate.default_estimator()
     assert not isinstance(estimator, CharEstimator)
     assert estimator.prompt_tokens([{"role": "user", "content": "one two three"}]) == 3 + 4 + 3
+
+
+async def test_a_call_that_can_never_be_admitted_fails_at_once_behind_a_busy_source(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review: with its only permit out, a call whose estimate is above tpm waited for
+    the permit (here: to its deadline, then DeadlineExceeded, a 504 at the gateway)
+    before it learnt that it can never be admitted."""
+    up = FakeUpstream(Reply(tokens=4, first_token_s=100))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[polygate.Source(
+        name="a", base_url="http://a/v1", api_key=SECRET, max_in_flight=1, tpm=1000)])})
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.chat, MESSAGES)
+            await trio.sleep(1)  # the permit is out
+            t0 = trio.current_time()
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.chat(MESSAGES, max_tokens=5000, call_deadline_s=30)
+            assert trio.current_time() == t0
+            assert "too_large" in str(info.value)
+            nursery.cancel_scope.cancel()

@@ -136,6 +136,11 @@ class MemoryBackend:
         now = self.now()
         s = self._state(request.scope, request.source)
         name = request.source
+        limits = request.limits
+        if limits.tpm is not None and request.tokens > limits.tpm:
+            # First: it depends on the settings alone, and no wait (a window, a permit,
+            # an open breaker) would ever make it admissible.
+            return Refusal(name, RefusalReason.TOO_LARGE, None)
         if s.cooldown_until > now:
             reason = RefusalReason.DEAD if s.dead else RefusalReason.COOLING_DOWN
             return Refusal(name, reason, s.cooldown_until)
@@ -151,24 +156,20 @@ class MemoryBackend:
             if s.probe_out:
                 return Refusal(name, RefusalReason.BREAKER_OPEN, None)
             probe = True
-        limits = request.limits
         if limits.max_in_flight is not None and s.in_flight >= limits.max_in_flight:
             return Refusal(name, RefusalReason.IN_FLIGHT, None)
         s.expire(now)
         if limits.rpm is not None and len(s.window) >= limits.rpm:
             return Refusal(name, RefusalReason.RPM, s.window[0].at + WINDOW_S)
-        if limits.tpm is not None:
-            if request.tokens > limits.tpm:
-                return Refusal(name, RefusalReason.TOO_LARGE, None)
-            if s.window_tokens + request.tokens > limits.tpm:
-                # While reservations are open, settling them (real usage below the
-                # estimate, a void) can free tokens before the window expires: the
-                # window's time is then only the latest (``sooner``) -- if what they
-                # hold in the window could make room at all.
-                free_at = _tpm_free_at(s, request.tokens, limits.tpm)
-                excess = s.window_tokens + request.tokens - limits.tpm
-                freeable = sum(entry.tokens for entry, _ in s.open.values() if entry.live)
-                return Refusal(name, RefusalReason.TPM, free_at, sooner=freeable >= excess)
+        if limits.tpm is not None and s.window_tokens + request.tokens > limits.tpm:
+            # While reservations are open, settling them (real usage below the
+            # estimate, a void) can free tokens before the window expires: the window's
+            # time is then only the latest (``sooner``) -- if what they hold in the
+            # window could make room at all.
+            free_at = _tpm_free_at(s, request.tokens, limits.tpm)
+            excess = s.window_tokens + request.tokens - limits.tpm
+            freeable = sum(entry.tokens for entry, _ in s.open.values() if entry.live)
+            return Refusal(name, RefusalReason.TPM, free_at, sooner=freeable >= excess)
         entry = _Entry(now, request.tokens)
         s.window.append(entry)
         s.window_tokens += request.tokens

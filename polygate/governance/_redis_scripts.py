@@ -143,6 +143,9 @@ if redis.call('HEXISTS', K_OPEN, member) == 1 then
   return {1, again, now, version()}
 end
 
+-- First: it depends on the settings alone, and no wait would ever make it admissible.
+if tpm >= 0 and tokens > tpm then return {0, 'too_large', -1, now, version()} end
+
 local s = redis.call('HMGET', K_STATE, 'cu', 'dd', 'br', 'oa', 'pr', 'op')
 local cu = tonumber(s[1]) or 0
 if cu > now then
@@ -176,7 +179,6 @@ if rpm >= 0 and redis.call('ZCARD', K_WINDOW) >= rpm then
   return {0, 'rpm', tonumber(first[2]) + window_us, now, version()}
 end
 if tpm >= 0 then
-  if tokens > tpm then return {0, 'too_large', -1, now, version()} end
   local sum = tonumber(redis.call('HGET', K_WTOK, '=sum')) or 0
   if sum + tokens > tpm then
     -- While reservations are open, settling them can free tokens before the window
