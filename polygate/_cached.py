@@ -504,24 +504,41 @@ def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
         for name, value in (("content", content), ("refusal", message.get("refusal"))):
             if value:
                 deltas.append({name: value})
+        # Any other field of the message (annotations, audio, a legacy function_call)
+        # in a delta of its own, as a stream carries it: a hit returns the same message.
+        for name, value in message.items():
+            if name not in _REPLAYED and value is not None:
+                deltas.append({name: value})
         calls = message.get("tool_calls")
         if isinstance(calls, list) and calls:
             deltas.append({"tool_calls": [
                 {"index": i, **c} if isinstance(c, dict) else c for i, c in enumerate(calls)
             ]})
         logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else None
+        # The role in a chunk of its own first, as OpenAI streams it: the OpenAI SDK's
+        # stream helper builds a choice from its first chunk and then adds that same
+        # chunk's logprobs again (a choice's logprobs counted twice).
+        chunks.append({**base, "choices": [{
+            "index": index, "delta": {"role": message.get("role", "assistant"), "content": ""},
+            "finish_reason": choice.get("finish_reason") if not deltas else None,
+        }]})
         for n, delta in enumerate(deltas):
-            if n == 0:
-                delta = {"role": message.get("role", "assistant"), **delta}
-            last = n == len(deltas) - 1
             out: dict[str, Any] = {
                 "index": index, "delta": delta,
-                "finish_reason": choice.get("finish_reason") if last else None,
+                "finish_reason": choice.get("finish_reason") if n == len(deltas) - 1 else None,
             }
-            if logprobs is not None and "content" in delta:
-                out["logprobs"] = logprobs  # the text's, with the text (as they came)
+            if logprobs is not None and ("content" in delta or "refusal" in delta):
+                # The text's (or the refusal's), with it, as they came; once.
+                out["logprobs"], logprobs = logprobs, None
             chunks.append({**base, "choices": [out]})
     return chunks
+
+
+#: Message fields the replay carries in deltas of their own making.
+_REPLAYED = frozenset({
+    "role", "content", "refusal", "tool_calls", "reasoning", "reasoning_content",
+    "reasoning_details",
+})
 
 
 # --------------------------------------------------------------------------- embed

@@ -1,0 +1,146 @@
+"""A cached answer replayed as a stream through ``polygate serve``, read by the OpenAI
+SDK's own stream helper, assembles as the miss did (outside review, 2026-12-02: each
+test failed before its fix)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+import trio
+from openai.lib.streaming.chat import ChatCompletionStreamState
+
+import polygate
+from polygate.serve import open_server
+
+from ._raw_server import raw_server
+from ._serve_kit import CHAT, GATEWAY_KEY
+from .conftest import TRANSCRIPTS
+
+pytestmark = pytest.mark.integration
+
+BASE = {"object": "chat.completion.chunk", "created": 1, "model": "m"}
+USAGE = {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+
+
+def _ev(choices: list[Any], usage: Any = None) -> bytes:
+    body: dict[str, Any] = {**BASE, "id": "c1", "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def _sse(data: bytes) -> Any:
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                              b"content-length: %d\r\n\r\n" % len(data) + data)
+    return reply
+
+
+def _events(body: bytes) -> list[Any]:
+    out = []
+    for block in body.split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if line.startswith(b"data: "):
+                out.append("[DONE]" if line[6:] == b"[DONE]" else json.loads(line[6:]))
+    return out
+
+
+async def _miss_then_hit_with_sdk(data: bytes, **params: Any) -> tuple[Any, Any, Any]:
+    """The same streamed request twice through a caching gateway (a miss, then a hit),
+    each assembled by the OpenAI SDK's own stream helper, then a JSON hit."""
+    async with raw_server(_sse(data)) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url=up.url)],
+                retry=polygate.Retry(max_attempts=1), cache_ttl_s=60)},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]), cache="memory")
+        async with open_server(settings, port=0) as server:
+            def run() -> list[Any]:
+                with openai.OpenAI(base_url=server.base_url, api_key=GATEWAY_KEY, max_retries=0) as client:
+                    out = []
+                    for _ in range(2):
+                        state = ChatCompletionStreamState()
+                        for chunk in client.chat.completions.create(
+                                model="chat", messages=CHAT["messages"], stream=True, **params):
+                            state.handle_chunk(chunk)
+                        out.append(state.current_completion_snapshot)
+                    out.append(client.chat.completions.create(
+                        model="chat", messages=CHAT["messages"], **params))
+                    return out
+            miss, hit, whole = await trio.to_thread.run_sync(run)
+        assert len(up.requests) == 1  # the second and third were hits
+    return miss, hit, whole
+
+
+def _lp(token: str) -> dict[str, Any]:
+    return {"content": [{"token": token, "logprob": -0.5, "bytes": list(token.encode()),
+                         "top_logprobs": []}], "refusal": None}
+
+
+def _choice(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": finish}
+    if logprobs is not None:
+        out["logprobs"] = logprobs
+    return out
+
+
+async def test_a_streamed_hit_with_n_2_and_logprobs_assembles_as_the_miss_did() -> None:
+    """docs/serve.md: "a role chunk ... before each choice's first chunk (with n > 1,
+    every choice gets its own, as the OpenAI SDK's stream helper expects)".  The miss
+    gets one; a streamed cache hit sends each choice as one chunk holding role, whole
+    content and logprobs.  The OpenAI SDK's stream helper then counts the logprobs of
+    choice 1 twice (it seeds a new choice from its first chunk, logprobs included,
+    and then extends them with the same chunk's): the miss assembles X, Y; the hit
+    X, Y, X, Y.  The JSON hit is right."""
+    empty = {"content": [], "refusal": None}
+    data = (_ev([_choice(0, {"role": "assistant", "content": ""}, logprobs=empty)])
+            + _ev([_choice(1, {"role": "assistant", "content": ""}, logprobs=empty)])
+            + _ev([_choice(0, {"content": "A"}, logprobs=_lp("A"))])
+            + _ev([_choice(1, {"content": "X"}, logprobs=_lp("X"))])
+            + _ev([_choice(0, {"content": "B"}, logprobs=_lp("B"))])
+            + _ev([_choice(1, {"content": "Y"}, logprobs=_lp("Y"))])
+            + _ev([_choice(0, {}, "stop")]) + _ev([_choice(1, {}, "length")])
+            + _ev([], USAGE) + b"data: [DONE]\n\n")
+    miss, hit, whole = await _miss_then_hit_with_sdk(data, n=2, logprobs=True)
+
+    def tokens(completion: Any) -> list[list[str]]:
+        return [[t.token for t in c.logprobs.content] for c in completion.choices]
+
+    assert tokens(miss) == [["A", "B"], ["X", "Y"]]
+    assert tokens(whole) == tokens(miss)
+    assert tokens(hit) == tokens(miss)  # was [["A", "B"], ["X", "Y", "X", "Y"]]
+
+
+async def test_a_streamed_hit_of_a_refusal_keeps_its_logprobs() -> None:
+    """A hit returns the same choices (SPEC §8.3).  OpenAI streams a refusal's logprobs
+    under ``logprobs.refusal`` (transcript 05).  The miss relays them, and the JSON hit
+    has them; the streamed hit drops them: the replay attaches a choice's logprobs only
+    to a chunk that carries ``content`` (polygate/_cached.py, ``_replay``)."""
+    data = (TRANSCRIPTS / "05-openai-stream-refusal-logprobs.sse").read_bytes()
+    miss, hit, whole = await _miss_then_hit_with_sdk(data, logprobs=True)
+    refused = [t.token for t in miss.choices[0].logprobs.refusal]
+    assert refused[:2] == ["I'm", " very"]
+    assert [t.token for t in whole.choices[0].logprobs.refusal] == refused
+    assert hit.choices[0].logprobs is not None  # was None
+    assert [t.token for t in hit.choices[0].logprobs.refusal] == refused
+
+
+async def test_a_streamed_hit_keeps_the_messages_annotations() -> None:
+    """OpenAI's search models stream ``url_citation`` annotations in a delta of their
+    own.  The miss relays them and the SDK assembles ``message.annotations``; the JSON
+    hit has them; the streamed hit replays reasoning, content, refusal and tool calls
+    only, so the citations are gone (polygate/_cached.py, ``_replay``)."""
+    annotations = [{"type": "url_citation", "url_citation": {
+        "start_index": 0, "end_index": 5, "title": "Paris", "url": "https://example.com/paris"}}]
+    data = (_ev([_choice(0, {"role": "assistant", "content": ""})])
+            + _ev([_choice(0, {"content": "Paris"})])
+            + _ev([_choice(0, {"annotations": annotations})])
+            + _ev([_choice(0, {}, "stop")]) + _ev([], USAGE) + b"data: [DONE]\n\n")
+    miss, hit, whole = await _miss_then_hit_with_sdk(data)
+    cited = [a.url_citation.url for a in miss.choices[0].message.annotations or []]
+    assert cited == ["https://example.com/paris"]
+    assert [a.url_citation.url for a in whole.choices[0].message.annotations or []] == cited
+    assert [a.url_citation.url for a in hit.choices[0].message.annotations or []] == cited  # was []
