@@ -47,7 +47,7 @@ from ._errors import (
 )
 from ._resume import StreamSink
 from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
-from .cache import Cache, chat_key, embed_keys
+from .cache import EXCLUDED_PARAMS, Cache, chat_key, embed_keys
 from .cache._coalesce import Flight
 from .cache._codec import decode_chat, decode_vector, encode_chat, encode_vector
 
@@ -416,13 +416,27 @@ def _sent_alike(flight: Flight, request: Any) -> bool:
     if not isinstance(flight.error, FatalUpstreamError) or flight.request is None:
         return True
     try:
-        return bool(_wire_json(flight.request) == _wire_json(request))
+        return _wire_json(flight.request) == _wire_json(request)
     except (TypeError, ValueError):
         return False
 
 
-def _wire_json(request: Any) -> str:
-    return json.dumps(request, sort_keys=True, ensure_ascii=False, default=repr)
+def _wire_json(request: tuple[Any, Mapping[str, Any]]) -> str:
+    """The messages and the parameters of the key (not those it leaves out: who asks,
+    how the answer travels) as JSON writes them, numbers as they are sent."""
+    messages, params = request
+    kept = {k: v for k, v in params.items() if k not in EXCLUDED_PARAMS}
+    return json.dumps([_as_sent(messages), _as_sent(kept)], sort_keys=True, ensure_ascii=False)
+
+
+def _as_sent(value: Any) -> Any:
+    """``value`` with any Mapping as a dict (its keys as the text JSON sends) and any
+    list or tuple as a list: equal requests compare equal whatever their types."""
+    if isinstance(value, Mapping):
+        return {k if isinstance(k, str) else json.dumps(k): _as_sent(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_sent(v) for v in value]
+    return value
 
 
 async def _lead(

@@ -1300,3 +1300,32 @@ async def test_a_refusal_binds_only_a_waiter_that_sends_the_same_bytes(
     else:
         assert isinstance(out["waiter"], polygate.ChatResponse) and out["waiter"].text == "fine"
         assert [r.body["max_tokens"] for r in up.requests] == [100.0, 100]
+
+
+async def test_waiters_that_differ_only_in_what_the_key_leaves_out_share_a_refusal(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review of the fix above: it compared every parameter, so five callers asking the
+    same thing for five end users (``user`` is left out of the key) each led in turn
+    after the previous refusal, and the later ones ran out of their deadline."""
+    def refuse(request: Any, rng: Any) -> Reply:
+        return Reply(status=400, headers_delay_s=1.0, error_body={"error": {
+            "message": "Invalid value for 'temperature'", "type": "invalid_request_error"}})
+
+    up = FakeUpstream(refuse)
+    ended: dict[int, tuple[str, float]] = {}
+    async with polygate.session(cache_settings(call_deadline_s=3.0), transport=Router({"a": up})) as s:
+
+        async def one(n: int) -> None:
+            await trio.sleep(0.01 * n)
+            try:
+                await s.chat(MESSAGES, temperature=9, user=f"end-user-{n}",
+                             metadata={"n": str(n)})
+            except polygate.PolygateError as exc:
+                ended[n] = (type(exc).__name__, trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            for n in range(5):
+                nursery.start_soon(one, n)
+    assert {kind for kind, _ in ended.values()} == {"FatalUpstreamError"}
+    assert max(t for _, t in ended.values()) < 1.5 and _sent(up) == 1
