@@ -204,11 +204,13 @@ async def run_chat_attempt(
 
     ttft_timeout = source.ttft_timeout_s
     stall_first = False
-    if ctx.continuation is not None and stall_timeout is not None and (
-            ttft_timeout is None or stall_timeout < ttft_timeout):
+    if ctx.continuation is not None and stall_timeout is not None and source.streaming and (
+            ttft_timeout is None or stall_timeout <= ttft_timeout):
         # A continuation of a committed stream: the caller's stream is silent until
         # its first token, so the stall watch bounds that wait too (else only
         # timeout_s would, and resume would stretch the silence a stream may keep).
+        # Not from a source that cannot stream: its first token is its whole answer,
+        # which the stall watch (silence between tokens) never bounds.
         ttft_timeout, stall_first = stall_timeout, True
     return await _guarded(
         ctx, admission, control, source.timeout_s, ttft_timeout, work, usage_of,

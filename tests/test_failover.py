@@ -600,6 +600,25 @@ async def test_a_continuation_that_sends_no_first_token_is_a_stall(
     assert stream.response.call_stats.attempts == 3
 
 
+async def test_a_source_that_cannot_stream_may_take_longer_to_continue(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review of the fix above: a source that cannot stream sends its continuation as one
+    body, its whole answer its "first token": the stall watch (silence between tokens)
+    does not bound it, or it could never finish a stream whose rest takes longer."""
+    a = FakeUpstream([Reply(text=ANSWER, fault="truncated", fault_after=10)], then=Reply(status=500))
+    b = FakeUpstream(Reply(text=" " + " ".join(WORDS[10:]), first_token_s=8.0))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9, "streaming": False}},
+        "stream": polygate.StreamWatch(resume=True, stall_timeout_s=5),
+        "retry": polygate.Retry(max_attempts=4),
+    })
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        stream, _ = await _read(s)
+    assert stream.response is not None and stream.response.text == ANSWER
+    assert stream.response.call_stats.resumes == 1 and len(b.requests) == 1
+
+
 async def test_a_continuation_keeps_its_sources_shorter_ttft_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
