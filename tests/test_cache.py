@@ -1329,3 +1329,17 @@ async def test_waiters_that_differ_only_in_what_the_key_leaves_out_share_a_refus
                 nursery.start_soon(one, n)
     assert {kind for kind, _ in ended.values()} == {"FatalUpstreamError"}
     assert max(t for _, t in ended.values()) < 1.5 and _sent(up) == 1
+
+
+async def test_embeddings_keep_their_key_when_a_fallback_chat_model_changes(tmp_path: Any) -> None:
+    """review of the fix above: embeddings never fall back (vectors of another model do
+    not compare), so the fallback chain's models are not in their keys."""
+    path = tmp_path / "c.db"
+    for model in ("large-v1", "large-v2"):
+        settings = _with_fallback(path, model)
+        scopes = {**settings.scopes, "embed": attrs.evolve(settings.scopes["chat"])}
+        up = FakeUpstream(Reply())
+        async with polygate.session(attrs.evolve(settings, scopes=scopes),
+                                    transport=Router({"a": up})) as s:
+            r = await s.embed(["a"])
+        assert r.call_stats.cached == (model == "large-v2")

@@ -104,7 +104,7 @@ class Cache:
         self._writer_started = False
         self._writer_scope = trio.CancelScope()  # aclose gives up on the writer with it
         self._closing = trio.Event()
-        self._models: dict[str, list[str]] = {}
+        self._models: dict[tuple[str, bool], list[str]] = {}
         self._down_until = -math.inf
         self._pause = 0.0
         self._last_warning = -math.inf
@@ -125,22 +125,23 @@ class Cache:
             writes_dropped=self.writes_dropped, in_flight=len(self.flights),
         )
 
-    def models(self, scope: str, scopes: Mapping[str, Any]) -> list[str]:
-        """The scope's source models, sorted (part of every key of the scope), then
-        those of each scope of its fallback chain, named (``"fallback large: m"``): an
-        answer may come from any of them, so pointing one at another model is a new
-        key too.  A scope without a fallback has its own models only."""
-        found = self._models.get(scope)
+    def models(self, scope: str, scopes: Mapping[str, Any], *, chain: bool = True) -> list[str]:
+        """The scope's source models, sorted (part of every key of the scope), then,
+        with ``chain`` (a chat's), those of each scope of its fallback chain, named
+        (``"fallback large: m"``): an answer may come from any of them, so pointing one
+        at another model is a new key too.  A scope without a fallback, or an
+        embedding's key (embeddings never fall back), has its own models only."""
+        found = self._models.get((scope, chain))
         if found is None:
             found = sorted({s.model or "" for s in scopes[scope].sources})
-            target = scopes[scope].fallback
+            target = scopes[scope].fallback if chain else None
             seen = {scope}
             while target is not None and target not in seen:  # (settings refuse a loop)
                 seen.add(target)
                 found += [f"fallback {target}: {m}"
                           for m in sorted({s.model or "" for s in scopes[target].sources})]
                 target = scopes[target].fallback
-            self._models[scope] = found
+            self._models[(scope, chain)] = found
         return found
 
     # ------------------------------------------------------------------ reads
