@@ -39,7 +39,7 @@ import json
 import re
 import sys
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -240,7 +240,7 @@ def _compile(schema: Any) -> Any:
     try:
         cls.check_schema(schema)
         draft = _draft_of(schema, referencing.jsonschema, REGISTRY)
-        dangling = _dangling(schema, draft)
+        dangling = _dangling(schema, draft, cls.check_schema)
     except RecursionError:
         # Encodable, but deeper than the metaschema check can follow (~100 levels of
         # properties): no validator could use it either.
@@ -305,9 +305,12 @@ def _in_own_resource(spec: Any, node: dict[str, Any], resolver: Any) -> Any:
     return resolver
 
 
-def _dangling(schema: Any, draft: _Draft) -> tuple[str, str, str] | None:
+def _dangling(
+    schema: Any, draft: _Draft, check: Callable[[Any], None],
+) -> tuple[str, str, str] | None:
     """The first reference of a checked schema that does not resolve, or resolves to
-    something that is not a schema, as ``(keyword, reference, what is wrong)``, or None.
+    something that is not a valid schema (``check``: the draft's metaschema check), as
+    ``(keyword, reference, what is wrong)``, or None.
 
     Every key is walked but data (a ``$ref`` can point anywhere: ``#/components/...``),
     with an explicit stack (a long chain of references must not exhaust Python's), and
@@ -321,6 +324,7 @@ def _dangling(schema: Any, draft: _Draft) -> tuple[str, str, str] | None:
     when an answer is validated (a ConfigError then too)."""
     spec, root = draft.spec, draft.root
     seen: set[int] = set()
+    checked: set[int] = set()  # reference targets checked as schemas (by id)
     # (node, its resolver, whether its keys are names, whether it is the root)
     stack: list[tuple[Any, Any, bool, bool]] = [(schema, root, False, True)]
     while stack:
@@ -339,17 +343,21 @@ def _dangling(schema: Any, draft: _Draft) -> tuple[str, str, str] | None:
         dynamic = node.get("$dynamicRef")
         if spec is draft.drafts.DRAFT202012 and isinstance(dynamic, str):
             # Resolved first as a $ref is: it must resolve, to a schema.
-            problem = _unusable(_target(resolver, root, dynamic))
+            target = _target(resolver, root, dynamic)
+            problem = _unusable(target, check, checked)
             if problem is not None:
                 return "$dynamicRef", dynamic, problem
+            stack.append((target.contents, target.resolver, False, False))
         ref = node.get("$ref")
         if isinstance(ref, str):
             target = _target(resolver, root, ref)
-            problem = _unusable(target)
+            problem = _unusable(target, check, checked)
             if problem is not None:
                 return "$ref", ref, problem
+            # What it points to is walked too: it may sit where nothing else walks
+            # (inside data, under a key no draft knows), and its references must resolve.
+            stack.append((target.contents, target.resolver, False, False))
             if draft.legacy:
-                stack.append((target.contents, target.resolver, False, False))
                 continue
         stack.extend(
             (value, resolver, key in _NAMED_SCHEMAS, False)
@@ -390,7 +398,9 @@ def _in_place_loop(schema: Any, draft: _Draft, keywords: frozenset[str]) -> str 
         for keyword in _REFERENCES:
             ref = node.get(keyword)
             if isinstance(ref, str) and keyword in keywords:
-                target = _target(resolver, root, ref)
+                # A $recursiveRef is "#" whatever it says (2019-09; jsonschema reads it
+                # so): its loops are those through the root of its resource.
+                target = _target(resolver, root, "#" if keyword == "$recursiveRef" else ref)
                 if target is not None:
                     yield target.contents, target.resolver, True, f"{keyword} {ref!r}"
                 if draft.legacy and keyword == "$ref":
@@ -473,18 +483,28 @@ def _root_resolver(root: Any, metaschemas: Any) -> Any:
         return metaschemas.resolver_with_root(root)
 
 
-def _unusable(target: Any) -> str | None:
+def _unusable(target: Any, check: Callable[[Any], None], checked: set[int]) -> str | None:
     """What makes a reference's :func:`_target` unusable to a validator, or None.
 
-    A pointer may reach any value of the document (``#/required/0``, ``#/$defs/a/type``);
-    only an object or a boolean is a schema.  jsonschema would take such a target and
-    fail on the first answer it validates, after the request (and an answer that is
-    not JSON never reaches it: the model would be re-asked for the schema's fault)."""
+    A pointer may reach any value of the document (``#/required/0``, ``#/$defs/a/type``,
+    a map of property names, an object under a key no draft knows); only a valid schema
+    will do.  jsonschema would take such a target and fail on the first answer it
+    validates, after the request (and an answer that is not JSON never reaches it: the
+    model would be re-asked for the schema's fault).  A target is checked against the
+    draft's metaschema once (``checked``: their ids)."""
     if target is None:
         return "does not resolve inside the schema (polygate never fetches remote schemas)"
-    if not isinstance(target.contents, (dict, bool)):
-        kind = type(target.contents).__name__
+    contents = target.contents
+    if not isinstance(contents, (dict, bool)):
+        kind = type(contents).__name__
         return f"points to a value that is not a schema (a {kind}: a schema is an object)"
+    if isinstance(contents, dict) and id(contents) not in checked:
+        checked.add(id(contents))
+        try:
+            check(contents)
+        except Exception as exc:  # jsonschema's SchemaError (imported where it is used)
+            message = getattr(exc, "message", None) or str(exc)
+            return f"points to an object that is not a valid schema: {_first_line(message)}"
     return None
 
 
