@@ -731,9 +731,9 @@ async def test_a_reference_to_a_value_that_is_no_schema_is_refused_before_any_io
 ) -> None:
     up = FakeUpstream(Reply(text=answer))
     async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
-        with pytest.raises(polygate.ConfigError, match="not a (valid )?schema|does not resolve"):
+        with pytest.raises(polygate.ConfigError, match=r"not a (valid )?schema|does not resolve"):
             await s.chat(MESSAGES, schema=schema)
-        with pytest.raises(polygate.ConfigError, match="not a (valid )?schema|does not resolve"):
+        with pytest.raises(polygate.ConfigError, match=r"not a (valid )?schema|does not resolve"):
             s.stream_chat(MESSAGES, schema=schema)
     assert up.requests == []
 
