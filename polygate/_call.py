@@ -243,6 +243,7 @@ async def _retry_loop(
             return await Round(ctx, runner, forward=forward, demote=failed).run(admission)
         except RoundFailed as failure:
             round_errors = failure.errors
+            primary_error = failure.primary
             committed = failure.committed
             committed_record = failure.committed_record
             if committed is not None:
@@ -270,13 +271,13 @@ async def _retry_loop(
                 if error.source in failed:
                     failed.remove(error.source)
             continue
-        again = _retry_same(retry.same_source_retries, round_errors, same_source)
+        again = _retry_same(retry.same_source_retries, primary_error, same_source)
         if again is not None:
             # Retried on the same source first, free of max_attempts (bounded by
             # same_source_retries per source): a short outage of the preferred
             # source costs a wait, not a move to the others (or the fallback).
             failed.remove(again)
-            if not isinstance(round_errors[0], RateLimitedError):
+            if not isinstance(primary_error, RateLimitedError):
                 await trio.sleep(full_jitter(
                     same_source[again], retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng
                 ))
@@ -354,14 +355,14 @@ def _rate_limited_for(refusals: Sequence[Refusal]) -> float | None:
 
 
 def _retry_same(
-    limit: int, round_errors: Sequence[UpstreamError], counts: dict[str, int]
+    limit: int, first: UpstreamError | None, counts: dict[str, int]
 ) -> str | None:
     """The source to retry first after a failed round, under ``same_source_retries``:
-    the round's first source (the preferred one; a hedge came after it), when its
-    failure was transient or a 429, while it has retries left."""
-    if not limit or not round_errors:
+    the round's primary source (the preferred one; a hedge came after it, and may have
+    failed first), when its failure (``first``) was transient or a 429, while it has
+    retries left."""
+    if not limit or first is None:
         return None
-    first = round_errors[0]
     source = first.source
     if source is None or not isinstance(first, (TransientUpstreamError, RateLimitedError)):
         return None

@@ -104,11 +104,15 @@ class RoundFailed(Exception):
         errors: Sequence[UpstreamError],
         committed: UpstreamError | None,
         committed_record: AttemptRecord | None = None,
+        primary: UpstreamError | None = None,
     ) -> None:
         super().__init__(f"{len(errors)} attempt(s) failed")
         self.errors = list(errors)
         self.committed = committed
         self.committed_record = committed_record
+        #: The primary path's error (the round's preferred source: hedges came after
+        #: it), wherever it is in ``errors`` (the order the paths failed in).
+        self.primary = primary
 
 
 class _Path:
@@ -179,9 +183,10 @@ class Round:
         if self._winner is not None:
             return self._winner.record, self._winner.result
         errors = [p.error for p in self._failed if p.error is not None]
+        primary_error = self._paths[0].error if self._paths else None
         if self._committed is not None:
-            raise RoundFailed(errors, self._committed.error, self._committed.record)
-        raise RoundFailed(errors, None)
+            raise RoundFailed(errors, self._committed.error, self._committed.record, primary_error)
+        raise RoundFailed(errors, None, primary=primary_error)
 
     # ------------------------------------------------------------------ paths
 

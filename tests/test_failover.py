@@ -1107,3 +1107,21 @@ async def test_a_prefilled_continuation_refused_for_its_conversation_is_not_aske
             await _read(s)
     assert len(b.requests) == 1
     assert b.requests[0].body["messages"][-1]["role"] == "assistant"  # the prefill
+
+
+async def test_same_source_retries_retry_the_preferred_source_after_a_hedged_round(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review: the retried source was the round's first to fail; with a hedge that
+    failed before the primary, the next round was pinned to the hedge's source, not
+    the preferred one."""
+    a = FakeUpstream([Reply(status=503, headers_delay_s=5)], then=Reply(text="preferred"))
+    b = FakeUpstream([Reply(status=503, headers_delay_s=0.5)], then=Reply(text="backup"))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}},
+        "hedge": polygate.Hedge(after_s=1),
+        "retry": polygate.Retry(same_source_retries=1),
+    })
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert (r.source, r.text, len(a.requests), len(b.requests)) == ("a", "preferred", 2, 1)
