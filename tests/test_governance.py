@@ -620,3 +620,25 @@ async def test_a_call_that_can_never_be_admitted_fails_at_once_behind_a_busy_sou
             assert trio.current_time() == t0
             assert "too_large" in str(info.value)
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("code", "outcome"), [(429, "rate_limited"), (400, "fatal"), (401, "dead")])
+async def test_an_error_event_after_content_keeps_what_streamed_in_the_tpm_window(
+    autojump_clock: trio.testing.MockClock, code: int, outcome: str,
+) -> None:
+    """review: a 200 stream that streamed 50 content tokens and then an error event with
+    a 429 (or a 4xx) settled 0 tokens, as a refused request does: the tokens had been
+    generated, and never counted against tpm.  A refusal before any content is 0."""
+    streamed = FakeUpstream(Reply(tokens=50, fault="error_event", fault_after=50, error_event_code=code))
+    refused = FakeUpstream(Reply(fault="error_event", fault_after=0, error_event_code=code))
+    windows = []
+    for up in (streamed, refused):
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET, tpm=100_000)],
+            retry=polygate.Retry(max_attempts=1))})
+        async with polygate.session(settings, transport=Router({"a": up})) as s:
+            with pytest.raises(polygate.PolygateError):
+                await s.chat(MESSAGES)
+            snapshot = await s._runtime.governor.backend.snapshot("chat", "a")  # type: ignore[attr-defined]
+            windows.append(snapshot.tokens_in_window)
+    assert windows[0] >= 50 and windows[1] == 0

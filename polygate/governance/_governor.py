@@ -251,7 +251,10 @@ class Governor:
         kind, feedback = SETTLE_RULES[outcome]
         tokens: int | None
         if kind == "zero":
-            tokens = 0
+            # The request was refused (a 429, a 4xx): nothing was generated -- unless it
+            # streamed content first (an error event inside a 200 stream), which was
+            # generated and may be billed, and counts against tpm like any.
+            tokens = at_least
         else:
             # "usage": what the upstream reported; "estimate": the estimate stands in
             # for a cost that is unknown, and an attempt that lost after reporting its
