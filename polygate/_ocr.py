@@ -55,7 +55,7 @@ PAGE_SEPARATOR = "\n\n"
 
 def check_arguments(
     document: Any, prompt: Any, pages: Any, settings: Ocr
-) -> tuple[str, list[int] | None]:
+) -> tuple[str, Sequence[int] | None]:
     """The prompt to send and the pages asked for (sorted), or ConfigError; cheap
     checks only (no file is read here)."""
     if isinstance(document, (bytes, bytearray)):
@@ -81,6 +81,13 @@ def check_arguments(
         return prompt, None
     if isinstance(pages, (str, bytes)) or not isinstance(pages, Sequence) or not pages:
         raise ConfigError("pages must be None or a non-empty list of 0-based page numbers")
+    if isinstance(pages, range):
+        # Checked by its ends, not page by page (range(10**9) is cheap to pass and
+        # costly to walk); kept a range until the document's page count has checked it.
+        ascending = pages if pages.step > 0 else pages[::-1]
+        if ascending[0] < 0:
+            raise ConfigError(f"pages must hold 0-based page numbers (ints >= 0), got {ascending[0]!r}")
+        return prompt, ascending
     numbers: list[int] = []
     for page in pages:
         try:
@@ -116,14 +123,15 @@ async def run_ocr(
     async def body() -> OcrResponse:
         opened = await open_document(document, settings, runtime.renderers)
         try:
-            chosen = wanted
-            if chosen is None:
+            if wanted is None:
                 chosen = list(range(opened.page_count))
-            elif chosen[-1] >= opened.page_count:
+            elif wanted[-1] >= opened.page_count:
                 raise ConfigError(
-                    f"page {chosen[-1]} is out of range: the document has "
+                    f"page {wanted[-1]} is out of range: the document has "
                     f"{opened.page_count} page(s), numbered from 0"
                 )
+            else:
+                chosen = list(wanted)
             return await _ocr_pages(ctx, opened, chosen, text_prompt, params, deadline_s)
         finally:
             # Bounded: idle renderers holding the document answer at once.

@@ -9,6 +9,7 @@ import base64
 import io
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -722,3 +723,22 @@ def test_a_refused_url_document_is_shown_masked() -> None:
         with pytest.raises(polygate.ConfigError, match="must be an https:// URL") as info:
             check_url(url)
         assert secret not in str(info.value)
+
+
+async def test_pages_given_as_a_range_are_checked_by_their_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review: ``pages=range(10**9)`` was checked page by page (minutes of CPU on the
+    event loop) before it was found out of range; a range is now checked by its ends,
+    and read as the pages it names, in order."""
+    pdf = make_pdf([(100, 100)] * 3)
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        started = time.perf_counter()
+        with pytest.raises(polygate.ConfigError, match="out of range"):
+            await s.ocr(pdf, pages=range(10**9))
+        assert time.perf_counter() - started < 1.0
+        with pytest.raises(polygate.ConfigError, match="0-based"):
+            await s.ocr(pdf, pages=range(-1, 2))
+        assert [p.index for p in (await s.ocr(pdf, pages=range(2, -1, -2))).pages] == [0, 2]
+        assert [p.index for p in (await s.ocr(pdf, pages=range(1, 3))).pages] == [1, 2]
