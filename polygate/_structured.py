@@ -688,7 +688,11 @@ class StructuredRounds:
     _round_key: str | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        self._caller_format = "response_format" in self.params
+        # ``response_format=None`` is no format of the caller's: polygate's is sent
+        # (and in the instruction-only mode, none at all).
+        self._caller_format = self.params.get("response_format") is not None
+        if "response_format" in self.params and not self._caller_format:
+            self.params = {k: v for k, v in self.params.items() if k != "response_format"}
 
     def request(
         self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str

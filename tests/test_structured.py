@@ -1267,3 +1267,22 @@ async def test_a_cached_tool_call_answer_is_a_hit(autojump_clock: trio.testing.M
         hit = await s.chat(MESSAGES, schema=Answer, tools=_TOOLS)
     assert hit.call_stats.cached and hit.parsed is None
     assert hit.message["tool_calls"][0]["id"] == "call_1" and len(up.bodies) == 1
+
+
+@pytest.mark.parametrize("mode", ["json_schema", "json_object", "prompt"])
+async def test_response_format_none_is_no_format_of_the_callers(
+    autojump_clock: trio.testing.MockClock, mode: str,
+) -> None:
+    """review: ``chat(schema=..., response_format=None)`` counted as the caller's own
+    format, so ``"response_format": null`` was sent and polygate's format was not: a
+    None is unset, as for every other parameter a caller leaves at its default."""
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[polygate.Source(
+        name="a", base_url="http://a/v1", structured_output=mode)])})
+    up = FakeUpstream(Reply(text='{"city": "Paris", "population": 2100000}'))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=CITY_SCHEMA, response_format=None)
+    assert r.parsed == {"city": "Paris", "population": 2100000}
+    sent = up.requests[0].body
+    expected = {"json_schema": "json_schema", "json_object": "json_object", "prompt": None}[mode]
+    assert (sent.get("response_format") or {}).get("type") == expected
+    assert mode != "prompt" or "response_format" not in sent
