@@ -8,6 +8,7 @@ task outlives the call that started it.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -453,6 +454,7 @@ class ChatStream:
         self._finished = False
         self._exited = False
         self._end_sent = False  # the answer (or the error) is in the channel
+        self._failure: BaseException | None = None  # the end, when the stream failed
         self.response: ChatResponse | None = None
         self.text_parts: list[str] = TextParts()
 
@@ -497,6 +499,10 @@ class ChatStream:
             cancelled = one_cancelled(group)
             if cancelled is None:
                 raise
+            if body_error is not None:
+                # The body raised as the scope around it was cancelled: its error is
+                # what leaves (as from a plain nursery), never lost to the Cancelled.
+                raise body_error from None
             raise cancelled from None
         finally:
             self._exited = True
@@ -519,6 +525,7 @@ class ChatStream:
                 # error, Ctrl-C, a bug — never as EndOfChannel, never wrapped in this
                 # nursery's group (the consumer raises it from __anext__).
                 self._end_sent = True
+                self._failure = exc  # (a reader woken by the channel's close hears it too)
                 await _deliver(send, _Failed(exc))
             else:
                 if not sink.sent and _has_output(response.message):
@@ -540,6 +547,8 @@ class ChatStream:
         if self._recv is None:
             raise PolygateError("use 'async with session.stream_chat(...) as stream' first")
         if self._finished:
+            if self._failure is not None:  # it failed: every reader hears so, every time
+                raise _twin(self._failure)
             raise StopAsyncIteration
         if self._exited:
             raise PolygateError("this stream was closed before it finished (its block exited)")
@@ -554,10 +563,11 @@ class ChatStream:
                 except trio.WouldBlock:
                     item = await self._recv.receive()
             except trio.EndOfChannel:
-                if self._end_sent:  # another task reading this stream took its end
-                    self._finished = True
-                    raise StopAsyncIteration from None
                 self._finished = True
+                if self._end_sent:  # another task reading this stream took its end
+                    if self._failure is not None:
+                        raise _twin(self._failure) from None
+                    raise StopAsyncIteration from None
                 raise PolygateError("the stream ended without an answer") from None
         if isinstance(item, StreamChunk):
             return item
@@ -590,6 +600,21 @@ class ChatStream:
         """The first choice's content handed to this stream so far: yielded, or queued
         for the iterator (docs/concepts.md)."""
         return "".join(self.text_parts)
+
+
+def _twin(error: BaseException) -> BaseException:
+    """The stream's failure for one more reader: a copy (one exception object is not
+    raised by two tasks: each raise writes its traceback into it), or, for one that
+    cannot be copied, a PolygateError that names it."""
+    try:
+        twin = copy.copy(error)
+    except Exception:
+        twin = None
+    if type(twin) is not type(error):
+        return PolygateError(f"the stream failed (another task reading it took the error): {error}")
+    assert twin is not None
+    twin.__traceback__ = None
+    return twin
 
 
 class _Sink:
@@ -799,6 +824,10 @@ async def session_on(
             cancelled = one_cancelled(group)
             if cancelled is None:
                 raise
+            if body_error is not None:
+                # The body raised as the scope around it was cancelled: its error is
+                # what leaves (as from a plain nursery), never lost to the Cancelled.
+                raise body_error from None
             raise cancelled from None
         finally:
             if handle is not None and isinstance(backend, RedisBackend):

@@ -331,3 +331,70 @@ async def test_a_session_block_cancelled_from_outside_leaves_as_one_cancelled(
             seen.append(exc)
             raise
     assert len(seen) == 1 and up.in_flight == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block", ["stream", "session"])
+def test_the_bodys_error_is_not_lost_when_its_scope_is_cancelled_as_it_raises(
+    seed: int, block: str,
+) -> None:
+    """review: the body raised right after the scope around it was cancelled; its error
+    was kept aside while the nursery's Cancelled left, the scope took that, and the
+    code after the scope ran as if the block had succeeded.  As from a plain nursery,
+    the body's error is what leaves."""
+    from polygate.testing import Schedule
+
+    async def main() -> str:
+        up = FakeUpstream(Reply(tokens=50, first_token_s=0.1, inter_token_s=0.1))
+        try:
+            with trio.CancelScope() as scope:
+                async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+                    if block == "session":
+                        await s.chat(MESSAGES)
+                        scope.cancel()
+                        raise LookupError("mine")
+                    async with s.stream_chat(MESSAGES) as stream:
+                        async for _ in stream:
+                            scope.cancel()
+                            raise LookupError("mine")
+        except LookupError:
+            return "raised"
+        return "lost"
+
+    assert Schedule(seed).run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == "raised"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_two_tasks_reading_a_failed_stream_both_hear_it(seed: int) -> None:
+    """review: when the stream failed after its commit, the reader that took the failure
+    raised it, and the other's loop ended as if the answer were complete (with no
+    ``stream.response``)."""
+    from polygate.testing import Schedule
+
+    async def main() -> list[str]:
+        up = FakeUpstream(Reply(text="a b c d", first_token_s=1.0, inter_token_s=0.1,
+                                stall_at=2, stall_s=100))
+        settings = one_source_settings(stream=polygate.StreamWatch(stall_timeout_s=5.0))
+        ends: list[str] = []
+        async with polygate.session(settings, transport=Router({"a": up})) as s:
+            async with s.stream_chat(MESSAGES) as stream:
+
+                async def read() -> None:
+                    try:
+                        async for _ in stream:
+                            pass
+                    except polygate.StreamStalled as exc:
+                        ends.append(f"stalled: {exc.text!r}")
+                        return
+                    ends.append("clean")
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read)
+                    nursery.start_soon(read)
+                with pytest.raises(polygate.StreamStalled):  # and a third look, later
+                    await stream.__anext__()
+            assert stream.response is None
+        return ends
+
+    ends = Schedule(seed).run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert ends == ["stalled: 'a b'"] * 2
