@@ -548,7 +548,7 @@ class ChatStream:
             raise PolygateError("use 'async with session.stream_chat(...) as stream' first")
         if self._finished:
             if self._failure is not None:  # it failed: every reader hears so, every time
-                raise _twin(self._failure)
+                raise twin_error(self._failure)
             raise StopAsyncIteration
         if self._exited:
             raise PolygateError("this stream was closed before it finished (its block exited)")
@@ -566,7 +566,7 @@ class ChatStream:
                 self._finished = True
                 if self._end_sent:  # another task reading this stream took its end
                     if self._failure is not None:
-                        raise _twin(self._failure) from None
+                        raise twin_error(self._failure) from None
                     raise StopAsyncIteration from None
                 raise PolygateError("the stream ended without an answer") from None
         if isinstance(item, StreamChunk):
@@ -602,7 +602,7 @@ class ChatStream:
         return "".join(self.text_parts)
 
 
-def _twin(error: BaseException) -> BaseException:
+def twin_error(error: BaseException) -> BaseException:
     """The stream's failure for one more reader: a copy (one exception object is not
     raised by two tasks: each raise writes its traceback into it), or, for one that
     cannot be copied, a PolygateError that names it."""

@@ -612,6 +612,30 @@ async def test_two_tasks_reading_one_stream_share_it() -> None:
     assert stream.response is not None
 
 
+async def test_two_tasks_reading_a_failed_stream_both_hear_it() -> None:
+    """review: the reader that took the failure raised it, and the other's loop ended as
+    if the answer were complete (as in trio's stream, fixed the same day)."""
+    up = fake(Reply(tokens=6, inter_token_s=0.01, fault="truncated", fault_after=3))
+    settings = attrs.evolve(settings_for("http://a/v1"))
+    ends: list[str] = []
+    async with polygate.aio.session(settings, transport=up.transport()) as s:
+        async with s.stream_chat(messages("shared-fail")) as stream:
+
+            async def read() -> None:
+                try:
+                    async for _ in stream:
+                        await asyncio.sleep(0)
+                except polygate.TransientUpstreamError:
+                    ends.append("failed")
+                    return
+                ends.append("clean")
+
+            await asyncio.wait_for(asyncio.gather(read(), read()), 10)
+            with pytest.raises(polygate.TransientUpstreamError):
+                await stream.__anext__()
+    assert ends == ["failed", "failed"] and stream.response is None
+
+
 async def test_slow_consumer_holds_the_stream_back() -> None:
     up = fake(Reply(tokens=300))
     async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:

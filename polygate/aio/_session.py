@@ -49,6 +49,7 @@ import trio
 
 import polygate
 from polygate import PolygateError
+from polygate._session import twin_error
 
 from ._host import Host, acquire, release, resolve, settle, settleable
 
@@ -433,6 +434,7 @@ class ChatStream:
         self._stream = trio_stream
         self._loop = owner_session._loop
         self._chunks: deque[StreamChunk | _End] = deque()
+        self._failure: BaseException | None = None  # the end a reader took, when it failed
         # One wake-up per reader waiting: two tasks may read one stream, as in trio.
         self._waiters: list[asyncio.Future[None]] = []
         self._leaving = False  # the stream's own block is being left
@@ -555,6 +557,8 @@ class ChatStream:
             raise PolygateError("use 'async with session.stream_chat(...) as stream' first")
         self._check_loop()
         if self._finished:
+            if self._failure is not None:  # it failed: every reader hears so, as in trio
+                raise twin_error(self._failure)
             raise StopAsyncIteration
         if self._exited:
             # Whatever was buffered when the block was left is not handed out (trio's
@@ -562,6 +566,8 @@ class ChatStream:
             raise PolygateError(_BLOCK_LEFT)
         while not self._chunks:
             if self._finished:  # another reader took the end
+                if self._failure is not None:
+                    raise twin_error(self._failure)
                 raise StopAsyncIteration
             waiter = self._loop.create_future()
             self._waiters.append(waiter)
@@ -578,6 +584,7 @@ class ChatStream:
         if isinstance(item, _End):
             self._finished = True
             if item.error is not None:
+                self._failure = item.error
                 raise item.error
             self.response = self._trio_response
             raise StopAsyncIteration
