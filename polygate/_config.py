@@ -55,7 +55,8 @@ FALLBACK_REASONS = frozenset({
     "exhausted", "rate_limited", "context_length", "content_policy", "fatal",
 })
 _STATUS_REASON = re.compile(r"^status:(4\d\d)$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# (Matched with fullmatch: "$" would also take a name that ends in a line break.)
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 #: What is wrong with an API key that cannot be an HTTP header value (never the key).
@@ -276,7 +277,7 @@ class Source:
 
     @name.validator
     def _check_name(self, attr: attrs.Attribute[str], value: Any) -> None:
-        if not isinstance(value, str) or not _NAME_RE.match(value) or "__" in value:
+        if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or "__" in value:
             raise _bad(self, "name", f"must be letters, digits, '_', '-' or '.' without '__', got {value!r}")
         if value.upper() in RESERVED_SEGMENTS:
             raise _bad(self, "name", f"{value!r} is a reserved configuration segment")
@@ -559,7 +560,7 @@ class Scope:
 
     @fallback.validator
     def _check_fallback(self, attr: attrs.Attribute[str | None], value: Any) -> None:
-        if value is not None and (not isinstance(value, str) or not _NAME_RE.match(value)):
+        if value is not None and (not isinstance(value, str) or not _NAME_RE.fullmatch(value)):
             raise _bad(self, "fallback", f"must be a scope name, got {value!r}")
 
     @fallback_on.validator
@@ -793,7 +794,7 @@ class Settings:
         if not isinstance(value, Mapping) or not value:
             raise _bad(self, "scopes", "must be a non-empty mapping of scope name to Scope")
         for name, scope in value.items():
-            if not isinstance(name, str) or not _NAME_RE.match(name) or "__" in name:
+            if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or "__" in name:
                 field = f"scopes.{name}" if isinstance(name, str) and "." not in name else "scopes"
                 raise _bad(self, field, f"scope name {name!r} must be letters, digits, '_', '-'")
             reserved = (RESERVED_SEGMENTS - _SOURCE_ONLY_RESERVED) | {"BACKEND", "TELEMETRY", "CACHE", "SERVE"}

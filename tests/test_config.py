@@ -365,3 +365,36 @@ def test_scopes_are_read_only() -> None:
         settings.scopes["x"] = settings.scopes["chat"]  # type: ignore[index]
     scope_fields = {f.name.upper() for f in attrs.fields(polygate.Scope)} - {"SOURCES"}
     assert scope_fields == RESERVED_SEGMENTS
+
+
+@pytest.mark.parametrize("name", ["a\n", "chat\n", "a\r", "a\n\n"])
+def test_a_name_that_ends_in_a_line_break_is_refused(name: str, tmp_path: Any) -> None:
+    """review: the name check was ``re.match`` with ``$``, which also takes a name that
+    ends in a line break; ``polygate serve`` then wrote the source's name into a header
+    and split its answer's head (a client waited for a body it never saw the length of)."""
+    import polygate
+
+    def source(n: str = "a", **kw: Any) -> polygate.Source:
+        return polygate.Source(name=n, base_url="http://a/v1", **kw)
+
+    with pytest.raises(ConfigError):
+        source(name)
+    with pytest.raises(ConfigError):
+        polygate.Settings(scopes={name: polygate.Scope(sources=[source()])})
+    with pytest.raises(ConfigError):
+        polygate.Scope(sources=[source()], fallback=name)
+    config = tmp_path / "polygate.toml"
+    config.write_text(f'[scopes.chat.sources."{name.encode("unicode_escape").decode()}"]\n'
+                      'base_url = "http://127.0.0.1:9/v1"\n')
+    with pytest.raises(ConfigError):
+        polygate.Settings.from_toml(str(config))
+
+
+def test_a_header_value_cannot_end_the_head_early() -> None:
+    """Defence in depth: a value with a line break or a NUL (never one of ours) is
+    written with spaces in their place, never as the end of the head."""
+    from polygate.serve._http import _field_value
+
+    assert _field_value(b"a\n") == b"a "
+    assert _field_value(b"a\r\nb: c\x00") == b"a  b: c "
+    assert _field_value(b"plain-1") == b"plain-1"

@@ -466,7 +466,7 @@ class Connection:
         if close or (length is None and not self.chunked):
             self.keep_alive = False
         out = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"")), _SERVER_LINE]
-        out += [name + b": " + value + b"\r\n" for name, value in headers]
+        out += [name + b": " + _field_value(value) + b"\r\n" for name, value in headers]
         if length is not None:
             out.append(b"content-length: %d\r\n" % length)
         elif self.chunked:
@@ -570,3 +570,15 @@ class Connection:
     async def aclose(self) -> None:
         with trio.move_on_after(1):
             await self.stream.aclose()
+
+
+_UNSAFE_IN_VALUES = bytes.maketrans(b"\r\n\x00", b"   ")
+
+
+def _field_value(value: bytes) -> bytes:
+    """``value`` as a header value can hold it: a line break or NUL (never in a value
+    of ours: names are validated, but one would end the head early and split the
+    answer) becomes a space."""
+    if value.find(b"\n") >= 0 or value.find(b"\r") >= 0 or value.find(b"\x00") >= 0:
+        return value.translate(_UNSAFE_IN_VALUES)
+    return value
