@@ -281,6 +281,34 @@ async def test_an_error_that_quotes_the_prompt_stores_no_prompt(
             assert b"ZQXMARKER4242" not in db.read_bytes()
 
 
+MULTILINE_PROMPT = "Summarise my notes ZQXMARKER4242 below.\nLine two of the private notes. é"
+
+
+@pytest.mark.parametrize(("status", "body"), [
+    # FastAPI / pydantic's 422 (in front of vLLM and other Python servers): the value
+    # comes back as "input", and the body, not OpenAI's shape, is stored as its JSON
+    (422, {"detail": [{"type": "string_too_long", "loc": ["body", "messages", 0, "content"],
+                       "msg": "String should have at most 16 characters", "input": MULTILINE_PROMPT}]}),
+    # OpenAI's shape, quoting a multi-line prompt cut short
+    (400, {"error": {"message": "Invalid content in messages[0]: '" + MULTILINE_PROMPT[:60] + "...'"}}),
+], ids=["pydantic-422", "quoted-multiline-cut"])
+async def test_an_error_that_quotes_a_multiline_prompt_stores_no_prompt(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, status: int, body: Any,
+) -> None:
+    """review: a prompt quoted in JSON (its line break written as a backslash and an n)
+    or quoted over two lines was stored, with ``log_content=False``."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",)), db, log_content=False)
+    up = FakeUpstream(Reply(status=status, error_body=body))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.chat([{"role": "user", "content": MULTILINE_PROMPT}])
+    for table in ("calls", "attempts"):
+        [row] = _rows(db, table)
+        assert row["error_message"] and "[prompt text]" in row["error_message"]
+    assert b"ZQXMARKER4242" not in db.read_bytes()
+
+
 async def test_a_reasked_call_row_holds_the_request_and_the_final_answer(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:

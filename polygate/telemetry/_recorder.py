@@ -112,8 +112,9 @@ def error_text(
     return text if len(text) <= _MESSAGE_LIMIT else text[:_MESSAGE_LIMIT] + "…"
 
 
-#: A quoted run in an error's text ('…', "…", `…`), possibly cut short ("…" / "...").
-_QUOTED = re.compile(r"""'([^'\n]{8,})'|"([^"\n]{8,})"|`([^`\n]{8,})`""")
+#: A quoted run in an error's text ('…', "…", `…`), possibly cut short ("…" / "..."),
+#: over several lines too (a multi-line prompt, quoted).
+_QUOTED = re.compile(r"""'([^']{8,})'|"([^"]{8,})"|`([^`]{8,})`""")
 _PROMPT_SHOWN = "[prompt text]"
 
 
@@ -124,18 +125,31 @@ def _without_prompt(text: str, prompt: Sequence[str]) -> str:
     is replaced, and so is any quoted run of 8 or more characters found in one (a
     quote cut short by the upstream included).  Cheap on purpose: C-speed substring
     searches, on an error path."""
-    for piece in prompt:
-        if len(piece) >= 8 and piece in text:
-            text = text.replace(piece, _PROMPT_SHOWN)
+    # Each text as it is, and as JSON writes it inside a string (an error body that is
+    # not OpenAI's shape is stored as its JSON: a line break is then "\\n").
+    forms = [form for piece in prompt if len(piece) >= 8 for form in _json_forms(piece)]
+    for form in forms:
+        if form in text:
+            text = text.replace(form, _PROMPT_SHOWN)
 
     def shown(match: re.Match[str]) -> str:
         quoted = next(group for group in match.groups() if group is not None)
         core = quoted.removesuffix("...").removesuffix("…").strip()
-        if len(core) >= 8 and any(core in piece for piece in prompt):
+        if len(core) >= 8 and any(core in form for form in forms):
             return match[0].replace(quoted, _PROMPT_SHOWN)
         return match[0]
 
     return _QUOTED.sub(shown, text)
+
+
+def _json_forms(piece: str) -> list[str]:
+    """``piece``, and how JSON writes it inside a string (escaped, and with non-ASCII
+    escaped too), each once."""
+    forms = [piece]
+    for escaped in (json.dumps(piece, ensure_ascii=False)[1:-1], json.dumps(piece)[1:-1]):
+        if escaped not in forms:
+            forms.append(escaped)
+    return forms
 
 
 def prompt_texts(ctx: CallContext) -> list[str]:
