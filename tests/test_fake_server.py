@@ -255,3 +255,24 @@ async def test_serve_module_subprocess() -> None:
             for pipe in (process.stdout, process.stderr):
                 if pipe is not None:
                     await pipe.aclose()
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "taken"])
+def test_the_serve_module_refuses_a_port_it_cannot_have(port: str) -> None:
+    """review: ``--port 70000`` listened on 4464 (70000 - 65536), and a port in use
+    ended in a trio traceback: a usage error (exit 2) or one line (exit 1)."""
+    import socket
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *sys.path])}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        value = str(held.getsockname()[1]) if port == "taken" else port
+        done = subprocess.run(
+            [sys.executable, "-m", "polygate.testing.serve", "--port", value],
+            capture_output=True, text=True, timeout=60, env=env, cwd=REPO_ROOT,
+        )
+    assert done.returncode == (1 if port == "taken" else 2), done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert ("cannot listen on" in last) if port == "taken" else ("--port must be in" in last)

@@ -733,6 +733,24 @@ def test_validation() -> None:
         FakeUpstream([])
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"embedding_dim": 2.5}, {"embedding_dim": True}, {"history": 1.5}, {"history": 0},
+])
+def test_a_fakes_own_settings_are_checked_when_written(kwargs: dict[str, Any]) -> None:
+    """review: a fractional embedding_dim was taken, and every request then failed inside
+    the fake (polygate saw a malformed upstream body): a script's mistake is refused
+    where it is written, as docs/testing.md says."""
+    with pytest.raises(ValueError, match="whole number"):
+        FakeUpstream(Reply(), **kwargs)
+
+
+def test_an_error_body_json_cannot_write_is_refused_when_written() -> None:
+    with pytest.raises(TypeError, match="error_body"):
+        Reply(status=500, error_body=object())
+    assert Reply(status=500, error_body=b"<html>").error_body == b"<html>"
+    assert Reply(status=400, error_body={"detail": ["x"]}).status == 400
+
+
 def test_public_names() -> None:
     assert set(polygate.testing.__all__) == {
         "Behaviour",

@@ -16,6 +16,7 @@ probability therefore never shifts the timings drawn for other requests.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping
@@ -114,6 +115,17 @@ def _count(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
 _NO_BODY_STATUSES = frozenset({204, 205, 304})
 
 
+def _check_error_body(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> None:
+    """bytes (sent as they are) or a value JSON can write: checked here, once, not on
+    every request (where it would fail inside the fake, as an upstream fault)."""
+    if value is None or isinstance(value, bytes):
+        return
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"error_body must be bytes or a JSON value, got {value!r} ({exc})") from None
+
+
 def _check_status(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> None:
     if (isinstance(value, bool) or not isinstance(value, int) or not 200 <= value <= 599
             or value in _NO_BODY_STATUSES):
@@ -169,7 +181,7 @@ class Reply:
     headers: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_headers)
     retry_after_s: float | None = attrs.field(default=None, validator=_optional_non_negative)
     retry_after_ms: float | None = attrs.field(default=None, validator=_optional_non_negative)
-    error_body: Any = attrs.field(default=None, hash=False)
+    error_body: Any = attrs.field(default=None, hash=False, validator=_check_error_body)
     headers_delay_s: float = attrs.field(default=0.0, validator=_non_negative)
     first_token_s: float = attrs.field(default=0.0, validator=_non_negative)
     inter_token_s: float = attrs.field(default=0.0, validator=_non_negative)

@@ -123,10 +123,11 @@ class FakeUpstream:
             raise TypeError(f"unsupported behaviour: {behaviour!r}")
         if then is not None and not isinstance(then, Reply | Profile):
             raise TypeError(f"then must be a Reply, a Profile or None, got {then!r}")
-        if embedding_dim <= 0:
-            raise ValueError("embedding_dim must be positive")
-        if history is not None and history < 1:
-            raise ValueError("history must be None or positive")
+        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
+            raise ValueError(f"embedding_dim must be a whole number > 0, got {embedding_dim!r}")
+        if history is not None and (isinstance(history, bool) or not isinstance(history, int)
+                                    or history < 1):
+            raise ValueError(f"history must be None or a whole number > 0, got {history!r}")
         self.name = name
         self.seed = seed
         self.embedding_dim = embedding_dim

@@ -89,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--history", type=int, default=1000, help="recorded requests kept in memory"
     )
     args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
     try:
         behaviour = parse_behaviour(args.profile, args.reply)
         upstream = FakeUpstream(
@@ -104,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         trio.run(_serve, upstream, args.host, args.port)
     except KeyboardInterrupt:  # a signal that arrived before the receiver was installed
         pass
+    except OSError as exc:  # the port is taken, the host is not ours: one line, no traceback
+        print(f"{parser.prog}: cannot listen on {args.host}:{args.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 
