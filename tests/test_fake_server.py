@@ -276,3 +276,36 @@ def test_the_serve_module_refuses_a_port_it_cannot_have(port: str) -> None:
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert ("cannot listen on" in last) if port == "taken" else ("--port must be in" in last)
+
+
+@pytest.mark.parametrize("face", ["transport", "server"])
+async def test_a_request_for_n_choices_gets_n_choices(face: str) -> None:
+    """review: ``n`` was ignored (always one choice), so no test could exercise the
+    n > 1 path with the fake; each choice now gets the same answer, in both faces."""
+    import polygate
+
+    up = FakeUpstream(Reply(tokens=3, reasoning_tokens=1))
+    source = polygate.Source(name="a", base_url="http://a/v1")
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source])})
+
+    async def calls(s: polygate.Session) -> tuple[Any, list[Any]]:
+        plain = await s.chat([{"role": "user", "content": "hi"}], n=3)
+        async with s.stream_chat([{"role": "user", "content": "hi"}], n=3) as stream:
+            chunks = [c async for c in stream]
+        return plain, [plain, stream.response, chunks]
+
+    if face == "transport":
+        async with polygate.session(settings, transport=up.transport()) as s:
+            plain, (_, streamed, chunks) = await calls(s)
+    else:
+        async with up.serve() as url:
+            settings = polygate.Settings(scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url=url)])})
+            async with polygate.session(settings) as s:
+                plain, (_, streamed, chunks) = await calls(s)
+    for response in (plain, streamed):
+        assert [c["index"] for c in response.choices] == [0, 1, 2]
+        texts = {c["message"]["content"] for c in response.choices}
+        assert len(texts) == 1 and response.text in texts
+        assert response.usage.completion_tokens == 3 * 4  # every choice's tokens
+    assert "".join(c.text for c in chunks) == streamed.text

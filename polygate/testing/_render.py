@@ -5,8 +5,10 @@ the same (virtual or real) times; only the HTTP framing differs.
 The wire shapes imitate the OpenAI captures in ``shared/transcripts``: compact JSON,
 one ``data: {json}\\n\\n`` event per chunk, a role chunk first, an empty-delta finish
 chunk, a ``choices: []`` usage chunk when the request set
-``stream_options.include_usage``, then ``data: [DONE]\\n\\n``.  ``n > 1`` is ignored:
-there is always a single choice.  A request's ``max_tokens`` (or
+``stream_options.include_usage``, then ``data: [DONE]\\n\\n``.  A request's ``n``
+(1 to 128) gets that many choices, each the same answer: a role chunk per choice
+first, each token once per choice, and a finish chunk per choice (usage counts every
+choice's tokens).  A request's ``max_tokens`` (or
 ``max_completion_tokens``) caps the tokens and turns ``finish_reason`` into
 ``"length"``, as a real model does.
 """
@@ -323,11 +325,22 @@ def _padding(total: int, prefix: bytes, suffix: bytes) -> Iterator[bytes]:
 # ---------------------------------------------------------------- chat
 
 
-def _choice(delta: str, finish: str = "null") -> bytes:
-    """The part of a chunk after ``"choices":`` for a single-choice delta."""
+def _choice(delta: str, finish: str = "null", index: int = 0) -> bytes:
+    """The part of a chunk after ``"choices":`` for one choice's delta."""
     return (
-        f'[{{"index":0,"delta":{delta},"logprobs":null,"finish_reason":{finish}}}]}}\n\n'
+        f'[{{"index":{index},"delta":{delta},"logprobs":null,"finish_reason":{finish}}}]}}\n\n'
     ).encode()
+
+
+#: The most choices a fake answers with (a request's ``n`` above it gets one).
+_MAX_CHOICES = 128
+
+
+def _choices_asked(body: Any) -> int:
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= _MAX_CHOICES:
+        return n
+    return 1
 
 
 @attrs.frozen
@@ -338,6 +351,7 @@ class _Tokens:
     content: tuple[str, ...]
     choices: tuple[bytes, ...]
     cut: bool  # the request's token limit cut the answer short
+    deltas: tuple[str, ...]  # each token's delta, as JSON (for the choices after the first)
 
 
 @functools.lru_cache(maxsize=256)
@@ -350,9 +364,10 @@ def _tokens(text: str | None, count: int, reasoning: int, limit: int | None) -> 
     if limit is not None:
         thoughts = thoughts[:limit]
         content = content[: max(0, limit - len(thoughts))]
-    choices = [_choice(_dumps({"reasoning_content": t})) for t in thoughts]
-    choices += [_choice(_dumps({"content": t})) for t in content]
-    return _Tokens(tuple(thoughts), tuple(content), tuple(choices), cut)
+    deltas = [_dumps({"reasoning_content": t}) for t in thoughts]
+    deltas += [_dumps({"content": t}) for t in content]
+    choices = [_choice(d) for d in deltas]
+    return _Tokens(tuple(thoughts), tuple(content), tuple(choices), cut, tuple(deltas))
 
 
 class _Chat:
@@ -375,6 +390,7 @@ class _Chat:
         self.thoughts = self.tokens.thoughts
         self.content = self.tokens.content
         self.finish_reason = "length" if self.tokens.cut else reply.finish_reason
+        self.n = _choices_asked(body)
         self.prompt_tokens = _prompt_tokens(body)
         self.head = (
             f'data: {{"id":"{self.id}","object":"chat.completion.chunk","created":{_CREATED},'
@@ -382,15 +398,16 @@ class _Chat:
         ).encode()
 
     def usage(self, completion: int) -> dict[str, Any]:
+        """``completion``: one choice's tokens (every choice's are counted)."""
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-            "completion_tokens_details": {"reasoning_tokens": len(self.thoughts)},
+            "completion_tokens": completion * self.n,
+            "total_tokens": self.prompt_tokens + completion * self.n,
+            "completion_tokens_details": {"reasoning_tokens": len(self.thoughts) * self.n},
         }
 
-    def _chunk(self, delta: str, finish: str = "null") -> bytes:
-        return self.head + _choice(delta, finish)
+    def _chunk(self, delta: str, finish: str = "null", index: int = 0) -> bytes:
+        return self.head + _choice(delta, finish, index)
 
     # -- streamed
 
@@ -414,7 +431,9 @@ class _Chat:
         n = len(choices)
         stall_at = None if r.stall_at is None else min(r.stall_at, n)
         fault_at = None if r.fault is None else min(r.fault_after, n)
-        yield self._chunk('{"role":"assistant","content":""}')
+        deltas, others = self.tokens.deltas, range(1, self.n)
+        for index in range(self.n):
+            yield self._chunk('{"role":"assistant","content":""}', index=index)
         for i in range(n + 1):
             if i == fault_at:
                 if r.fault in ("truncated", "reset"):
@@ -430,7 +449,10 @@ class _Chat:
                 yield from _wait(gap, r.keepalive_s)
             if i < n:
                 yield head + choices[i]
-        yield self._chunk("{}", _dumps(self.finish_reason))
+                for index in others:
+                    yield head + _choice(deltas[i], index=index)
+        for index in range(self.n):
+            yield self._chunk("{}", _dumps(self.finish_reason), index)
         if self.include_usage:
             usage = _dumps(self.usage(n))
             yield head + f'[],"usage":{usage}}}\n\n'.encode()
@@ -466,11 +488,12 @@ class _Chat:
             "model": self.model,
             "choices": [
                 {
-                    "index": 0,
+                    "index": index,
                     "message": message,
                     "logprobs": None,
                     "finish_reason": self.finish_reason,
                 }
+                for index in range(self.n)
             ],
         }
         if self.reply.usage:
