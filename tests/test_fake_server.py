@@ -309,3 +309,30 @@ async def test_a_request_for_n_choices_gets_n_choices(face: str) -> None:
         assert len(texts) == 1 and response.text in texts
         assert response.usage.completion_tokens == 3 * 4  # every choice's tokens
     assert "".join(c.text for c in chunks) == streamed.text
+
+
+@pytest.mark.parametrize("fault", ["error_event", "reset", "truncated"])
+@pytest.mark.parametrize("face", ["transport", "server"])
+async def test_a_delivered_fault_is_recorded_alike_on_both_faces(face: str, fault: str) -> None:
+    """review: the transport face decided a body's outcome only once it was read past its
+    last bytes, so a client that closed once it had read the error event recorded
+    ``client_closed`` there and ``fault`` on the server.  (A malformed event mid-stream,
+    after which the body goes on, is still ``client_closed`` on the transport face when
+    the client stops reading at it: the faces do not mark where a fault's bytes are.)"""
+    import polygate
+
+    up = FakeUpstream(Reply(fault=fault, fault_after=1))  # type: ignore[arg-type]
+
+    def settings(url: str) -> polygate.Settings:
+        return polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url=url)], retry=polygate.Retry(max_attempts=1))})
+
+    with pytest.raises(polygate.PolygateError):
+        if face == "transport":
+            async with polygate.session(settings("http://a/v1"), transport=up.transport()) as s:
+                await s.chat([{"role": "user", "content": "hi"}])
+        else:
+            async with up.serve() as url, polygate.session(settings(url)) as s:
+                await s.chat([{"role": "user", "content": "hi"}])
+    assert [r.outcome for r in up.requests] == ["fault"]
+    assert up.statistics().faults == 1

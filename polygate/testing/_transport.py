@@ -88,11 +88,20 @@ class _FakeStream(httpx.AsyncByteStream):
         outcome: Outcome = "client_closed"
         try:
             due = Due(self._head_at)  # an absolute schedule, as the server face keeps
-            for step in plan.steps:
+            steps = iter(plan.steps)
+            step = next(steps, None)
+            while step is not None:
                 if isinstance(step, Pause):
                     await trio.sleep_until(due.after(step))
-                else:
-                    yield step
+                    step = next(steps, None)
+                    continue
+                following = next(steps, None)
+                if following is None and (plan.fault or plan.ending in ("reset", "truncate")):
+                    # The fault's bytes go now: delivered, as the server face records
+                    # it, even when the client closes once it has read them.
+                    outcome = "fault"
+                yield step
+                step = following
             if plan.ending == "hang":
                 await trio.sleep_forever()
             outcome, error = body_ending(plan, self._request)
