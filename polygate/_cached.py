@@ -529,14 +529,9 @@ def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
                 {"index": i, **c} if isinstance(c, dict) else c for i, c in enumerate(calls)
             ]})
         logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else None
-        # The role in a chunk of its own first, as OpenAI streams it: the OpenAI SDK's
-        # stream helper builds a choice from its first chunk and then adds that same
-        # chunk's logprobs again (a choice's logprobs counted twice).
-        chunks.append({**base, "choices": [{
-            "index": index, "delta": {"role": message.get("role", "assistant"), "content": ""},
-            "finish_reason": choice.get("finish_reason") if not deltas else None,
-        }]})
         for n, delta in enumerate(deltas):
+            if n == 0:
+                delta = {"role": message.get("role", "assistant"), **delta}
             out: dict[str, Any] = {
                 "index": index, "delta": delta,
                 "finish_reason": choice.get("finish_reason") if n == len(deltas) - 1 else None,

@@ -94,6 +94,7 @@ class StreamShape:
         # (with n > 1 too): the library forwards content, not the upstream's role-only
         # chunks, and a client assembling choices by index reads the role from there.
         unroled: list[tuple[int, str | None]] | None = None
+        unrole: set[int] | None = None  # choices whose first delta's role goes on its own
         for choice in choices:
             index = choice_index(choice)
             if index is None:  # (never, after the check above)
@@ -101,13 +102,24 @@ class StreamShape:
             if index not in self._roled:
                 self._roled.add(index)
                 delta = choice.get("delta")
-                if not (isinstance(delta, Mapping) and delta.get("role")):
+                roled = isinstance(delta, Mapping) and delta.get("role")
+                if not roled or choice.get("logprobs"):
+                    # A role chunk of its own before a first delta that carries
+                    # logprobs too (a replayed cache hit does): the OpenAI SDK's stream
+                    # helper builds a choice from its first chunk, logprobs included,
+                    # and then adds that chunk's logprobs again.
                     role = (index, _role_content(delta))
                     unroled = [role] if unroled is None else [*unroled, role]
+                    if roled:
+                        unrole = {index} if unrole is None else {*unrole, index}
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
         if unroled is None:
             return _event(raw)
+        if unrole is not None:
+            raw = {**raw, "choices": [
+                {**c, "delta": {k: v for k, v in c["delta"].items() if k != "role"}}
+                if choice_index(c) in unrole else c for c in choices]}
         return self._roles(unroled, self._meta) + _event(raw)
 
     def _roles(self, roles: list[tuple[int, str | None]], meta: dict[str, Any] | None) -> bytes:
