@@ -499,11 +499,11 @@ class ChatStream:
             cancelled = one_cancelled(group)
             if cancelled is None:
                 raise
-            if body_error is not None:
-                # The body raised as the scope around it was cancelled: its error is
-                # what leaves (as from a plain nursery), never lost to the Cancelled.
-                raise body_error from None
-            raise cancelled from None
+            if body_error is None:
+                raise cancelled from None
+            # The body raised as the scope around it was cancelled: its error is what
+            # leaves (as from a plain nursery), never lost to the Cancelled -- raised
+            # below, outside this handler, so that its own cause and context stay.
         finally:
             self._exited = True
         if body_error is not None:
@@ -614,6 +614,12 @@ def twin_error(error: BaseException) -> BaseException:
         return PolygateError(f"the stream failed (another task reading it took the error): {error}")
     assert twin is not None
     twin.__traceback__ = None
+    # Its own notes (copy.copy shares the original's list), the same cause and context.
+    notes = getattr(error, "__notes__", None)
+    if isinstance(notes, list):
+        setattr(twin, "__notes__", list(notes))  # noqa: B010 (no attribute before 3.11)
+    twin.__cause__, twin.__context__ = error.__cause__, error.__context__
+    twin.__suppress_context__ = error.__suppress_context__
     return twin
 
 
@@ -824,11 +830,11 @@ async def session_on(
             cancelled = one_cancelled(group)
             if cancelled is None:
                 raise
-            if body_error is not None:
-                # The body raised as the scope around it was cancelled: its error is
-                # what leaves (as from a plain nursery), never lost to the Cancelled.
-                raise body_error from None
-            raise cancelled from None
+            if body_error is None:
+                raise cancelled from None
+            # The body raised as the scope around it was cancelled: its error is what
+            # leaves (as from a plain nursery), never lost to the Cancelled -- raised
+            # below, outside this handler, so that its own cause and context stay.
         finally:
             if handle is not None and isinstance(backend, RedisBackend):
                 # The admissions of calls still running go back first, so that the

@@ -352,13 +352,15 @@ def test_the_bodys_error_is_not_lost_when_its_scope_is_cancelled_as_it_raises(
                     if block == "session":
                         await s.chat(MESSAGES)
                         scope.cancel()
-                        raise LookupError("mine")
+                        raise LookupError("mine") from KeyError("root")
                     async with s.stream_chat(MESSAGES) as stream:
                         async for _ in stream:
                             scope.cancel()
-                            raise LookupError("mine")
-        except LookupError:
-            return "raised"
+                            raise LookupError("mine") from KeyError("root")
+        except LookupError as exc:
+            # ... with its own cause (review: it was raised "from None" inside the
+            # handler of the nursery's group, which replaced cause and context)
+            return "raised" if isinstance(exc.__cause__, KeyError) else f"cause {exc.__cause__!r}"
         return "lost"
 
     assert Schedule(seed).run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == "raised"
@@ -398,3 +400,24 @@ def test_two_tasks_reading_a_failed_stream_both_hear_it(seed: int) -> None:
 
     ends = Schedule(seed).run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert ends == ["stalled: 'a b'"] * 2
+
+
+def test_each_reader_of_a_failed_stream_gets_its_own_error() -> None:
+    """review: the copy a second reader gets shared the first one's notes (one list),
+    and lost the error's cause."""
+    from polygate._session import twin_error
+
+    try:
+        try:
+            raise KeyError("root")
+        except KeyError as root:
+            raise polygate.StreamStalled("silent", source="a") from root
+    except polygate.StreamStalled as caught:
+        error = caught
+    error.add_note("first reader")
+    twin = twin_error(error)
+    twin.add_note("second reader")
+    assert type(twin) is polygate.StreamStalled and twin is not error
+    assert error.__notes__ == ["first reader"]
+    assert twin.__notes__ == ["first reader", "second reader"]
+    assert isinstance(twin.__cause__, KeyError) and twin.__traceback__ is None

@@ -644,3 +644,20 @@ async def test_a_database_with_a_table_of_the_same_name_is_refused(
     finally:
         conn.close()
 
+
+
+@pytest.mark.parametrize("text", [
+    "The model can't accept this request.\ninput: 'please summarise the confidential merger pl…'",
+    "The model can't accept: 'please summarise the confidential merger pl...' (it's too long)",
+    'Bad "x" and `y` then "please summarise the\nconfidential merger pl…"',
+])
+def test_a_quote_cut_short_is_found_whatever_quote_marks_come_before_it(text: str) -> None:
+    """review: with quotes allowed over several lines, an apostrophe before the quote
+    ("can't") paired with its opening mark, and the quoted prompt was stored; every
+    quote mark is now tried as an opening one."""
+    from polygate.telemetry._recorder import error_text
+
+    prompt = ["please summarise the confidential merger plan for ACME and its board",
+              "please summarise the\nconfidential merger plan for ACME"]
+    out = error_text(RuntimeError(text), (), prompt)
+    assert out is not None and "confidential merger" not in out and "[prompt text]" in out, out

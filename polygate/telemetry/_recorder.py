@@ -112,34 +112,39 @@ def error_text(
     return text if len(text) <= _MESSAGE_LIMIT else text[:_MESSAGE_LIMIT] + "…"
 
 
-#: A quoted run in an error's text ('…', "…", `…`), possibly cut short ("…" / "..."),
-#: over several lines too (a multi-line prompt, quoted).
-_QUOTED = re.compile(r"""'([^']{8,})'|"([^"]{8,})"|`([^`]{8,})`""")
 _PROMPT_SHOWN = "[prompt text]"
+_QUOTES = re.compile(r"""['"`]""")
 
 
 def _without_prompt(text: str, prompt: Sequence[str]) -> str:
     """``text`` without the call's prompt in it: upstreams quote the offending input in
     a 400's message ("Invalid content in messages[0]: '…'"), which would store the
     prompt where ``log_content=False`` stores none.  A message text that appears whole
-    is replaced, and so is any quoted run of 8 or more characters found in one (a
-    quote cut short by the upstream included).  Cheap on purpose: C-speed substring
-    searches, on an error path."""
-    # Each text as it is, and as JSON writes it inside a string (an error body that is
-    # not OpenAI's shape is stored as its JSON: a line break is then "\\n").
+    is replaced (as it is, or as JSON writes it), and so is any quoted run ('…', "…",
+    `…`) of 8 or more characters found in one, a quote cut short by the upstream ("…" /
+    "...") and one over several lines included.  Each quote mark is tried as an
+    opening one, so an apostrophe before a quote ("can't") does not hide it.  Cheap on
+    purpose: C-speed substring searches, on an error path."""
     forms = [form for piece in prompt if len(piece) >= 8 for form in _json_forms(piece)]
     for form in forms:
         if form in text:
             text = text.replace(form, _PROMPT_SHOWN)
-
-    def shown(match: re.Match[str]) -> str:
-        quoted = next(group for group in match.groups() if group is not None)
-        core = quoted.removesuffix("...").removesuffix("…").strip()
+    spans: list[tuple[int, int]] = []
+    reached = 0
+    for mark in _QUOTES.finditer(text):
+        start = mark.end()
+        if start <= reached:
+            continue  # inside a quote already taken
+        end = text.find(mark.group(), start)
+        if end < 0:
+            continue
+        core = text[start:end].removesuffix("...").removesuffix("…").strip()
         if len(core) >= 8 and any(core in form for form in forms):
-            return match[0].replace(quoted, _PROMPT_SHOWN)
-        return match[0]
-
-    return _QUOTED.sub(shown, text)
+            spans.append((start, end))
+            reached = end
+    for start, end in reversed(spans):
+        text = text[:start] + _PROMPT_SHOWN + text[end:]
+    return text
 
 
 def _json_forms(piece: str) -> list[str]:
