@@ -54,7 +54,7 @@ _SOURCE_ONLY_RESERVED = frozenset({"STRUCTURED", "OCR"})
 FALLBACK_REASONS = frozenset({
     "exhausted", "rate_limited", "context_length", "content_policy", "fatal",
 })
-_STATUS_REASON = re.compile(r"^status:(4\d\d)$")
+_STATUS_REASON = re.compile(r"status:(4\d\d)")  # (fullmatch: "$" takes a final line break)
 # (Matched with fullmatch: "$" would also take a name that ends in a line break.)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -568,13 +568,13 @@ class Scope:
         if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
             raise _bad(self, "fallback_on", "must be a list of reasons")
         for reason in value:
-            if reason not in FALLBACK_REASONS and not _STATUS_REASON.match(reason):
+            if reason not in FALLBACK_REASONS and not _STATUS_REASON.fullmatch(reason):
                 known = ", ".join(sorted(FALLBACK_REASONS))
                 raise _bad(
                     self, "fallback_on",
                     f"unknown reason {reason!r} (known: {known}, or status:4NN)",
                 )
-            status = _STATUS_REASON.match(reason)
+            status = _STATUS_REASON.fullmatch(reason)
             if status is None:
                 continue
             # A status the taxonomy never makes a fatal error (a 429, 401/402/403/404/407,

@@ -617,7 +617,7 @@ def _toml_serve(settings: _SettingsPart, value: Any, file: str, env: Mapping[str
         models = _toml_table(table.pop("models"), at("models"))
         for alias, scope in models.items():
             if not isinstance(scope, str):
-                where = at(f"models.{alias}") if _BARE_KEY.match(alias) else at("models")
+                where = at(f"models.{alias}") if _BARE_KEY.fullmatch(alias) else at("models")
                 raise ConfigError(f"{where}: expected a scope name, got {_what(scope)}")
         part.values["models"] = models
         part.keys.append(at("models"))
@@ -635,7 +635,7 @@ def _toml_serve_keys(
     variable that holds it), ``rpm``, ``tpm``, ``max_in_flight``."""
     out: dict[str, dict[str, Any]] = {}
     for name, raw in _toml_table(value, at("keys")).items():
-        where = at(f"keys.{name}") if _BARE_KEY.match(name) else at("keys")
+        where = at(f"keys.{name}") if _BARE_KEY.fullmatch(name) else at("keys")
         # ``NAME = 123456`` where a table belongs is most likely the key itself: not
         # echoed.
         table = dict(_toml_table(raw, where, secret=True))
@@ -708,7 +708,7 @@ _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 def _join(path: str, key: str) -> str:
     """A TOML dotted path, quoting keys that are not bare (``scopes."a.b"``)."""
-    key = key if _BARE_KEY.match(key) else json.dumps(key)
+    key = key if _BARE_KEY.fullmatch(key) else json.dumps(key)
     return f"{path}.{key}" if path else key
 
 

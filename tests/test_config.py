@@ -398,3 +398,13 @@ def test_a_header_value_cannot_end_the_head_early() -> None:
     assert _field_value(b"a\n") == b"a "
     assert _field_value(b"a\r\nb: c\x00") == b"a  b: c "
     assert _field_value(b"plain-1") == b"plain-1"
+
+
+def test_a_fallback_reason_that_ends_in_a_line_break_is_refused() -> None:
+    """The same "$" as the names' (review): ``status:413\\n`` was taken as a reason."""
+    import polygate
+
+    source = polygate.Source(name="a", base_url="http://a/v1")
+    with pytest.raises(ConfigError, match="fallback_on"):
+        polygate.Scope(sources=[source], fallback="b", fallback_on=("status:413\n",))
+    assert polygate.Scope(sources=[source], fallback="b", fallback_on=("status:413",)).fallback_on
