@@ -554,6 +554,7 @@ class ChatStream:
             raise PolygateError("this stream was closed before it finished (its block exited)")
         await trio.lowlevel.checkpoint_if_cancelled()
         item: StreamChunk | _Done | _Failed
+        failed_elsewhere: BaseException | None = None
         if self._end is not None:
             item, self._end = self._end, None
         else:
@@ -564,11 +565,15 @@ class ChatStream:
                     item = await self._recv.receive()
             except trio.EndOfChannel:
                 self._finished = True
-                if self._end_sent:  # another task reading this stream took its end
-                    if self._failure is not None:
-                        raise twin_error(self._failure) from None
+                if not self._end_sent:
+                    raise PolygateError("the stream ended without an answer") from None
+                if self._failure is None:  # another task reading this stream took its end
                     raise StopAsyncIteration from None
-                raise PolygateError("the stream ended without an answer") from None
+                failed_elsewhere = self._failure  # ... and it was a failure: raised below
+        if failed_elsewhere is not None:
+            # A copy for this reader, raised outside the handler above, so that it keeps
+            # the error's cause and context.
+            raise twin_error(failed_elsewhere)
         if isinstance(item, StreamChunk):
             return item
         self._finished = True

@@ -421,3 +421,40 @@ def test_each_reader_of_a_failed_stream_gets_its_own_error() -> None:
     assert error.__notes__ == ["first reader"]
     assert twin.__notes__ == ["first reader", "second reader"]
     assert isinstance(twin.__cause__, KeyError) and twin.__traceback__ is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_reader_of_a_failed_stream_gets_its_cause(seed: int) -> None:
+    """review of the fix above: the copy for a reader woken by the channel's close was
+    raised "from None" inside the handler, which undid the cause the copy carried."""
+    from polygate.testing import Schedule
+
+    async def main() -> list[BaseException]:
+        up = FakeUpstream([
+            Reply(text="a b c d", first_token_s=1.0, inter_token_s=0.1, stall_at=2, stall_s=100),
+            Reply(status=500, error_body={"error": {"message": "down"}}),
+        ])
+        settings = one_source_settings(
+            stream=polygate.StreamWatch(stall_timeout_s=5.0, resume=True, max_resumes=1))
+        got: list[BaseException] = []
+        async with polygate.session(settings, transport=Router({"a": up})) as s:
+            async with s.stream_chat(MESSAGES) as stream:
+
+                async def read() -> None:
+                    try:
+                        async for _ in stream:
+                            pass
+                    except polygate.PolygateError as exc:
+                        got.append(exc)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read)
+                    nursery.start_soon(read)
+                with pytest.raises(polygate.PolygateError) as later:
+                    await stream.__anext__()
+                got.append(later.value)
+        return got
+
+    got = Schedule(seed).run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert len({type(e) for e in got}) == 1 and len(got) == 3
+    assert all(e.__cause__ is not None and type(e.__cause__) is type(got[0].__cause__) for e in got)
