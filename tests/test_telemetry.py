@@ -661,3 +661,29 @@ def test_a_quote_cut_short_is_found_whatever_quote_marks_come_before_it(text: st
               "please summarise the\nconfidential merger plan for ACME"]
     out = error_text(RuntimeError(text), (), prompt)
     assert out is not None and "confidential merger" not in out and "[prompt text]" in out, out
+
+
+def test_redacting_a_prompt_stays_cheap_in_an_error_full_of_quote_marks() -> None:
+    """review: trying every quote mark made a 2,000-character error text dense with
+    them cost ~0.13 s against a 260 KB prompt, on the event loop, for each row; the
+    searches are bounded now.  (And a prompt with an apostrophe, quoted cut short, is
+    still found on both sides of it.)"""
+    import time
+
+    from polygate.telemetry._recorder import _without_prompt
+
+    searched: list[str] = []
+
+    class Counted(str):
+        def __contains__(self, part: object) -> bool:
+            searched.append(str(part))
+            return str.__contains__(self, part)  # type: ignore[operator]
+
+    prompt = [Counted("aaaaaaaa" * 20000 + "z"), Counted("b" * 100000)]
+    started = time.perf_counter()
+    _without_prompt("'\"`aaaaaaaa" * 1500, prompt)
+    assert time.perf_counter() - started < 1.0
+    assert 0 < len(searched) <= 2 * 64  # at most 64 quoted runs, each in both texts
+    secret = "Please read it's about the secret merger plan with Globex"
+    out = _without_prompt(f"Bad content: '{secret[:45]}...'", [secret])
+    assert "merger" not in out and "Please read" not in out, out

@@ -114,6 +114,9 @@ def error_text(
 
 _PROMPT_SHOWN = "[prompt text]"
 _QUOTES = re.compile(r"""['"`]""")
+#: The most quoted runs searched for in the prompt, each a search through all of it:
+#: an error text full of quote marks (a body of JSON, say) stays cheap to store.
+_MAX_QUOTE_SEARCHES = 64
 
 
 def _without_prompt(text: str, prompt: Sequence[str]) -> str:
@@ -131,17 +134,24 @@ def _without_prompt(text: str, prompt: Sequence[str]) -> str:
             text = text.replace(form, _PROMPT_SHOWN)
     spans: list[tuple[int, int]] = []
     reached = 0
+    longest = max(map(len, forms), default=0)
+    searches = _MAX_QUOTE_SEARCHES
     for mark in _QUOTES.finditer(text):
         start = mark.end()
         if start <= reached:
             continue  # inside a quote already taken
         end = text.find(mark.group(), start)
-        if end < 0:
+        if end < 0 or end - start > longest + 4:  # (longer than any prompt text, "...")
             continue
         core = text[start:end].removesuffix("...").removesuffix("…").strip()
-        if len(core) >= 8 and any(core in form for form in forms):
+        if len(core) < 8:
+            continue
+        if any(core in form for form in forms):
             spans.append((start, end))
             reached = end
+        searches -= 1
+        if not searches:
+            break
     for start, end in reversed(spans):
         text = text[:start] + _PROMPT_SHOWN + text[end:]
     return text
