@@ -144,3 +144,60 @@ async def test_a_streamed_hit_keeps_the_messages_annotations() -> None:
     assert cited == ["https://example.com/paris"]
     assert [a.url_citation.url for a in whole.choices[0].message.annotations or []] == cited
     assert [a.url_citation.url for a in hit.choices[0].message.annotations or []] == cited  # was []
+
+
+# --- a live stream's first chunks through serve (outside review, 2026-12-02): the
+# role chunk of its own before a first chunk with logprobs, and every lower choice's
+# role before a choice's first chunk (choice 1 first raised an IndexError in the SDK)
+
+
+def _tokens(completion: Any) -> list[list[str]]:
+    return [[t.token for t in c.logprobs.content] for c in completion.choices]
+
+
+def _summary(c: Any) -> list[tuple[Any, ...]]:
+    return [(ch.index, ch.message.role, ch.message.content, ch.finish_reason) for ch in c.choices]
+
+
+async def test_live_first_chunk_with_role_content_and_logprobs() -> None:
+    data = (_ev([_choice(0, {"role": "assistant", "content": "A"}, logprobs=_lp("A"))])
+            + _ev([_choice(0, {"content": "B"}, logprobs=_lp("B"))])
+            + _ev([_choice(0, {}, "stop")]) + _ev([], USAGE) + b"data: [DONE]\n\n")
+    miss, hit, whole = await _miss_then_hit_with_sdk(data, logprobs=True)
+    assert _tokens(miss) == [["A", "B"]]
+    assert _summary(miss) == [(0, "assistant", "AB", "stop")]
+    assert _tokens(hit) == _tokens(whole) == _tokens(miss)
+    assert _summary(hit) == _summary(miss)
+
+
+async def test_n2_first_chunks_in_one_event_with_role_and_logprobs() -> None:
+    data = (_ev([_choice(0, {"role": "assistant", "content": "A"}, logprobs=_lp("A")),
+                 _choice(1, {"role": "assistant", "content": "X"}, logprobs=_lp("X"))])
+            + _ev([_choice(0, {"content": "B"}, logprobs=_lp("B")),
+                   _choice(1, {"content": "Y"}, logprobs=_lp("Y"))])
+            + _ev([_choice(0, {}, "stop"), _choice(1, {}, "stop")])
+            + _ev([], USAGE) + b"data: [DONE]\n\n")
+    miss, hit, whole = await _miss_then_hit_with_sdk(data, n=2, logprobs=True)
+    assert _tokens(miss) == [["A", "B"], ["X", "Y"]]
+    assert _summary(miss) == [(0, "assistant", "AB", "stop"), (1, "assistant", "XY", "stop")]
+    assert _tokens(hit) == _tokens(whole) == _tokens(miss)
+    assert _summary(hit) == _summary(miss)
+
+
+async def test_n2_choice1_content_first() -> None:
+    """OpenAI sends each choice's role chunk first; content of choice 1 may come before
+    choice 0's.  serve drops the upstream's role chunks and adds its own lazily."""
+    empty = {"content": [], "refusal": None}
+    data = (_ev([_choice(0, {"role": "assistant", "content": ""}, logprobs=empty)])
+            + _ev([_choice(1, {"role": "assistant", "content": ""}, logprobs=empty)])
+            + _ev([_choice(1, {"content": "X"}, logprobs=_lp("X"))])
+            + _ev([_choice(0, {"content": "A"}, logprobs=_lp("A"))])
+            + _ev([_choice(1, {"content": "Y"}, logprobs=_lp("Y"))])
+            + _ev([_choice(0, {"content": "B"}, logprobs=_lp("B"))])
+            + _ev([_choice(0, {}, "stop")]) + _ev([_choice(1, {}, "length")])
+            + _ev([], USAGE) + b"data: [DONE]\n\n")
+    miss, hit, whole = await _miss_then_hit_with_sdk(data, n=2, logprobs=True)
+    assert _summary(whole) == [(0, "assistant", "AB", "stop"), (1, "assistant", "XY", "length")]
+    assert _summary(miss) == _summary(whole)
+    assert _tokens(miss) == [["A", "B"], ["X", "Y"]]
+    assert _summary(hit) == _summary(whole)
