@@ -16,7 +16,7 @@ import polygate
 from polygate.serve import open_server
 
 from ._raw_server import raw_server
-from ._serve_kit import CHAT, GATEWAY_KEY
+from ._serve_kit import CHAT, GATEWAY_KEY, settings_for
 from .conftest import TRANSCRIPTS
 
 pytestmark = pytest.mark.integration
@@ -52,11 +52,8 @@ async def _miss_then_hit_with_sdk(data: bytes, **params: Any) -> tuple[Any, Any,
     """The same streamed request twice through a caching gateway (a miss, then a hit),
     each assembled by the OpenAI SDK's own stream helper, then a JSON hit."""
     async with raw_server(_sse(data)) as up:
-        settings = polygate.Settings(
-            scopes={"chat": polygate.Scope(
-                sources=[polygate.Source(name="a", base_url=up.url)],
-                retry=polygate.Retry(max_attempts=1), cache_ttl_s=60)},
-            serve=polygate.Serve(api_keys=[GATEWAY_KEY]), cache="memory")
+        settings = settings_for(up.url, cache="memory", retry=polygate.Retry(max_attempts=1),
+                                cache_ttl_s=60)
         async with open_server(settings, port=0) as server:
             def run() -> list[Any]:
                 with openai.OpenAI(base_url=server.base_url, api_key=GATEWAY_KEY, max_retries=0) as client:
@@ -87,6 +84,16 @@ def _choice(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: 
     return out
 
 
+def _two_choices(tokens: list[tuple[int, str]]) -> bytes:
+    """An OpenAI stream of two choices with logprobs: the role chunks, ``tokens`` (choice,
+    text) in that order, the finish chunks (stop, length) and the usage."""
+    empty = {"content": [], "refusal": None}
+    roles = b"".join(_ev([_choice(i, {"role": "assistant", "content": ""}, logprobs=empty)]) for i in (0, 1))
+    content = b"".join(_ev([_choice(i, {"content": t}, logprobs=_lp(t))]) for i, t in tokens)
+    ending = _ev([_choice(0, {}, "stop")]) + _ev([_choice(1, {}, "length")]) + _ev([], USAGE)
+    return roles + content + ending + b"data: [DONE]\n\n"
+
+
 async def test_a_streamed_hit_with_n_2_and_logprobs_assembles_as_the_miss_did() -> None:
     """docs/serve.md: "a role chunk ... before each choice's first chunk (with n > 1,
     every choice gets its own, as the OpenAI SDK's stream helper expects)".  The miss
@@ -95,16 +102,8 @@ async def test_a_streamed_hit_with_n_2_and_logprobs_assembles_as_the_miss_did() 
     choice 1 twice (it seeds a new choice from its first chunk, logprobs included,
     and then extends them with the same chunk's): the miss assembles X, Y; the hit
     X, Y, X, Y.  The JSON hit is right."""
-    empty = {"content": [], "refusal": None}
-    data = (_ev([_choice(0, {"role": "assistant", "content": ""}, logprobs=empty)])
-            + _ev([_choice(1, {"role": "assistant", "content": ""}, logprobs=empty)])
-            + _ev([_choice(0, {"content": "A"}, logprobs=_lp("A"))])
-            + _ev([_choice(1, {"content": "X"}, logprobs=_lp("X"))])
-            + _ev([_choice(0, {"content": "B"}, logprobs=_lp("B"))])
-            + _ev([_choice(1, {"content": "Y"}, logprobs=_lp("Y"))])
-            + _ev([_choice(0, {}, "stop")]) + _ev([_choice(1, {}, "length")])
-            + _ev([], USAGE) + b"data: [DONE]\n\n")
-    miss, hit, whole = await _miss_then_hit_with_sdk(data, n=2, logprobs=True)
+    miss, hit, whole = await _miss_then_hit_with_sdk(_two_choices([(0, "A"), (1, "X"), (0, "B"), (1, "Y")]),
+                                                     n=2, logprobs=True)
 
     def tokens(completion: Any) -> list[list[str]]:
         return [[t.token for t in c.logprobs.content] for c in completion.choices]
@@ -187,16 +186,8 @@ async def test_n2_first_chunks_in_one_event_with_role_and_logprobs() -> None:
 async def test_n2_choice1_content_first() -> None:
     """OpenAI sends each choice's role chunk first; content of choice 1 may come before
     choice 0's.  serve drops the upstream's role chunks and adds its own lazily."""
-    empty = {"content": [], "refusal": None}
-    data = (_ev([_choice(0, {"role": "assistant", "content": ""}, logprobs=empty)])
-            + _ev([_choice(1, {"role": "assistant", "content": ""}, logprobs=empty)])
-            + _ev([_choice(1, {"content": "X"}, logprobs=_lp("X"))])
-            + _ev([_choice(0, {"content": "A"}, logprobs=_lp("A"))])
-            + _ev([_choice(1, {"content": "Y"}, logprobs=_lp("Y"))])
-            + _ev([_choice(0, {"content": "B"}, logprobs=_lp("B"))])
-            + _ev([_choice(0, {}, "stop")]) + _ev([_choice(1, {}, "length")])
-            + _ev([], USAGE) + b"data: [DONE]\n\n")
-    miss, hit, whole = await _miss_then_hit_with_sdk(data, n=2, logprobs=True)
+    miss, hit, whole = await _miss_then_hit_with_sdk(_two_choices([(1, "X"), (0, "A"), (1, "Y"), (0, "B")]),
+                                                     n=2, logprobs=True)
     assert _summary(whole) == [(0, "assistant", "AB", "stop"), (1, "assistant", "XY", "length")]
     assert _summary(miss) == _summary(whole)
     assert _tokens(miss) == [["A", "B"], ["X", "Y"]]
