@@ -445,14 +445,13 @@ async def _lead(
 ) -> ChatResponse:
     """Make the upstream call; store and share its answer, or settle the flight.
     ``request``: what it sends (see :attr:`Flight.request`)."""
-    if flight is not None:
-        flight.request = request
     if flight is None:  # cache="refresh" while another call leads: compute alone
         response = await upstream()
         data = _encoded(cache, response)
         if data is not None:
             cache.put(key, data, ttl)
         return response
+    flight.request = request
     try:
         response = await upstream()
     except _SHARED as exc:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from operator import itemgetter
 from typing import Any, Final
 
 from .._types import ChatResponse, StreamChunk, Usage, choice_index, message_delta, parts_text
@@ -100,15 +101,14 @@ class StreamShape:
             if index is None:  # (never, after the check above)
                 continue
             if index not in self._roled:
-                if index > 0:
-                    # The choices below it first, whatever they begin with (null: a
-                    # client's accumulator takes text over it): the OpenAI SDK's stream
-                    # helper puts a new choice at the end of its list and then looks it
-                    # up by index (choice 1 before choice 0 raised an IndexError there).
-                    for lower in range(index):
-                        if lower not in self._roled:
-                            self._roled.add(lower)
-                            unroled = [(lower, None)] if unroled is None else [*unroled, (lower, None)]
+                # The choices below it first, whatever they begin with (null: a client's
+                # accumulator takes text over it): the OpenAI SDK's stream helper puts a
+                # new choice at the end of its list and then looks it up by index
+                # (choice 1 before choice 0 raised an IndexError there).
+                for lower in range(index):
+                    if lower not in self._roled:
+                        self._roled.add(lower)
+                        unroled = [(lower, None)] if unroled is None else [*unroled, (lower, None)]
                 self._roled.add(index)
                 delta = choice.get("delta")
                 roled = isinstance(delta, Mapping) and delta.get("role")
@@ -125,7 +125,7 @@ class StreamShape:
                 self._finished.add(index)
         if unroled is None:
             return _event(raw)
-        unroled.sort(key=_first)
+        unroled.sort(key=itemgetter(0))
         if unrole is not None:
             raw = {**raw, "choices": [
                 {**c, "delta": {k: v for k, v in c["delta"].items() if k != "role"}}
@@ -180,10 +180,6 @@ class StreamShape:
             if isinstance(value, str):
                 header[key] = value
         return header
-
-
-def _first(item: tuple[int, str | None]) -> int:
-    return item[0]
 
 
 def _role_content(delta: Any) -> str | None:
