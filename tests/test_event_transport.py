@@ -392,3 +392,20 @@ def test_the_fakes_say_when_a_request_is_written() -> None:
     # polygate's own transport says it too, as a route as well.
     lean = polygate.transport.LeanTransport()
     assert reports_sent(lean) and reports_sent(Router({"a": up, "b": lean}))
+
+
+async def test_a_fault_the_client_stops_at_is_recorded_as_delivered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """As in FakeUpstream's other faces: a client that reads up to a malformed line and
+    closes was sent the fault."""
+    up = FakeUpstream(Reply(tokens=6, inter_token_s=0.1, fault="malformed_json", fault_after=2))
+    response = await EventTransport(up).handle_async_request(
+        httpx.Request("POST", URL, json=_body()))
+    try:
+        async for piece in response.aiter_raw():
+            if b"unterminated" in piece:
+                break
+    finally:
+        await response.aclose()
+    assert up.requests[0].outcome == "fault"

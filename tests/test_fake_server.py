@@ -336,3 +336,17 @@ async def test_a_delivered_fault_is_recorded_alike_on_both_faces(face: str, faul
                 await s.chat([{"role": "user", "content": "hi"}])
     assert [r.outcome for r in up.requests] == ["fault"]
     assert up.statistics().faults == 1
+
+
+@pytest.mark.parametrize("fault", ["malformed_json", "error_event"])
+async def test_a_fault_the_client_stops_at_is_recorded_as_delivered(fault: Any) -> None:
+    """The transport face's test of the same name, over sockets: a timed stream (its
+    steps written one at a time) whose client leaves at the fault's bytes."""
+    up = FakeUpstream(Reply(tokens=6, inter_token_s=0.05, fault=fault, fault_after=2))
+    async with up.serve() as base_url, httpx.AsyncClient(base_url=base_url) as client:
+        async with client.stream("POST", CHAT, json=STREAM_BODY) as response:
+            async for line in response.aiter_lines():
+                if "unterminated" in line or line.startswith("event: error"):
+                    break
+        await wait_until(lambda: up.in_flight == 0)
+    assert up.requests[0].outcome == "fault"

@@ -867,3 +867,19 @@ async def test_a_failing_script_is_a_500_on_loopback_not_the_end_of_the_server()
             second = await c.post(CHAT, json=chat_body(stream=False))
     assert first.status_code == 500 and b"KeyError" in first.content
     assert second.status_code == 200 and second.json()["choices"][0]["message"]["content"] == "fine"
+
+
+@pytest.mark.parametrize("fault", ["malformed_json", "error_event"])
+async def test_a_fault_the_client_stops_at_is_recorded_as_delivered(
+    autojump_clock: Any, fault: Any
+) -> None:
+    """A client reads up to a mid-stream fault and closes (polygate does: the stream
+    failed).  The fault's bytes were delivered, so the exchange is a ``fault``, as
+    the server face records it, not ``client_closed``."""
+    up = FakeUpstream(Reply(tokens=6, inter_token_s=0.1, fault=fault, fault_after=2))
+    async with client(up) as c, c.stream("POST", CHAT, json=chat_body()) as response:
+        async for line in response.aiter_lines():
+            if "unterminated" in line or line.startswith("event: error"):
+                break
+    assert up.requests[0].outcome == "fault"
+    assert up.statistics().faults == 1

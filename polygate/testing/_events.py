@@ -49,7 +49,7 @@ import attrs
 import httpx
 import trio
 
-from ._render import Due, Pause, Plan
+from ._render import Due, FaultBytes, Pause, Plan
 from ._transport import body_ending, report_sent
 from ._upstream import FakeUpstream, Outcome, RecordedRequest
 
@@ -257,6 +257,10 @@ class _Body(httpx.AsyncByteStream):
                         yield piece
                     await transport._wait_for(due)
                 else:
+                    if type(step) is FaultBytes:
+                        # Delivered with this piece: it goes out before any wait
+                        # (nothing can close the body between here and that yield).
+                        outcome = "fault"
                     buffered.append(step)
                     size += len(step)
                     if size >= _PIECE:

@@ -28,7 +28,7 @@ import attrs
 
 from ._script import Reply
 
-__all__ = ["Exchange", "Pause", "Plan", "Step", "error_reply", "json_plan", "render"]
+__all__ = ["Exchange", "FaultBytes", "Pause", "Plan", "Step", "error_reply", "json_plan", "render"]
 
 _CREATED = 1_700_000_000
 _FINGERPRINT = "fp_fake"
@@ -86,6 +86,13 @@ class Due:
         else:
             self.at += pause.seconds
         return self.at
+
+
+class FaultBytes(bytes):
+    """The first bytes of a scripted fault inside a body (a malformed line, an error
+    event, an oversized line).  A face that has delivered them records the exchange
+    as a ``fault`` however it ends: a client that stops reading there (polygate does,
+    its stream failed) was still sent the fault."""
 
 
 #: A body step: bytes to send, or a pause.
@@ -439,7 +446,7 @@ class _Chat:
                 if r.fault in ("truncated", "reset"):
                     return
                 if r.fault == "error_event":
-                    yield self._error_event()
+                    yield FaultBytes(self._error_event())
                     return
                 yield from self._bad_line()
             gap = r.first_token_s if i == 0 else r.inter_token_s if i < n else 0.0
@@ -467,9 +474,11 @@ class _Chat:
     def _bad_line(self) -> Iterator[bytes]:
         if self.reply.fault == "oversized":
             prefix = f'data: {{"id":"{self.id}","padding":"'.encode()
-            yield from _padding(self.reply.oversized_bytes, prefix, b'"}\n\n')
+            pieces = _padding(self.reply.oversized_bytes, prefix, b'"}\n\n')
+            yield FaultBytes(next(pieces))
+            yield from pieces
         else:  # malformed_json: a JSON object cut off mid-string
-            yield self.head + b'[{"index":0,"delta":{"content":"unterminated\n\n'
+            yield FaultBytes(self.head + b'[{"index":0,"delta":{"content":"unterminated\n\n')
 
     # -- not streamed
 

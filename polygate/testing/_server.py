@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 import h11
 import trio
 
-from ._render import Due, Pause, Plan
+from ._render import Due, FaultBytes, Pause, Plan
 
 if TYPE_CHECKING:
     from ._upstream import FakeUpstream, Outcome
@@ -92,6 +92,9 @@ class _Connection:
         self.upstream = upstream
         self.stream = stream
         self.conn = h11.Connection(h11.SERVER)
+        #: Whether the current answer's fault bytes (FaultBytes) have been written:
+        #: then it is a ``fault`` even if the client leaves before its end.
+        self.fault_sent = False
 
     async def run(self) -> None:
         while True:
@@ -156,13 +159,14 @@ class _Connection:
                 self._send(head) + self._send(h11.Data(data=message)) + self._send(h11.EndOfMessage()))
             return False
         outcome: Outcome = "client_closed"
+        self.fault_sent = False
         try:
             outcome = await self._send_plan(plan)
             return plan.ending == "complete"
         except (_ClientGone, trio.BrokenResourceError, trio.ClosedResourceError):
             return False
         finally:
-            self.upstream._finish(rec, outcome)
+            self.upstream._finish(rec, "fault" if self.fault_sent else outcome)
 
     async def _send_plan(self, plan: Plan) -> Outcome:
         await self._pause(plan.head_delay)
@@ -202,16 +206,20 @@ class _Connection:
         machine) shortens the next pause instead of delaying every later token."""
         size = 0
         due = Due(trio.current_time())
+        fault = False  # a fault's bytes are pending: written with the next flush
         for step in steps:
             if isinstance(step, Pause):
                 await self._flush(out, pending)
+                self.fault_sent |= fault
                 size = 0
                 await self._pause_until(due.after(step))
                 continue
+            fault |= type(step) is FaultBytes
             pending.append(step)
             size += len(step)
             if size >= _FLUSH_AT:
                 await self._flush(out, pending)
+                self.fault_sent |= fault
                 size = 0
 
     def _send(self, event: h11.Event) -> bytes:

@@ -18,7 +18,7 @@ import trio
 
 from ..transport import SENT_EXTENSION
 from ..transport._pool import reports_sent
-from ._render import Due, Pause, Plan
+from ._render import Due, FaultBytes, Pause, Plan
 
 if TYPE_CHECKING:
     from ._upstream import FakeUpstream, Outcome, RecordedRequest
@@ -100,6 +100,8 @@ class _FakeStream(httpx.AsyncByteStream):
                     # The fault's bytes go now: delivered, as the server face records
                     # it, even when the client closes once it has read them.
                     outcome = "fault"
+                elif type(step) is FaultBytes:
+                    outcome = "fault"  # delivered, whether or not the client reads on
                 yield step
                 step = following
             if plan.ending == "hang":
