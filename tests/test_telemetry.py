@@ -687,3 +687,55 @@ def test_redacting_a_prompt_stays_cheap_in_an_error_full_of_quote_marks() -> Non
     secret = "Please read it's about the secret merger plan with Globex"
     out = _without_prompt(f"Bad content: '{secret[:45]}...'", [secret])
     assert "merger" not in out and "Please read" not in out, out
+
+
+LONG_PROMPT = ("Please summarise the confidential merger plan ZQXMARKER4242 between ACME and "
+               "Globex for the board. " * 6)
+
+
+@pytest.mark.parametrize("message", [
+    # quoted whole: the error's message is cut (300 characters) before its closing quote
+    f"Invalid content in messages[0]: '{LONG_PROMPT}'",
+    # echoed without quotes, and cut
+    f"Invalid content in messages[0]: {LONG_PROMPT}",
+], ids=["quoted", "unquoted"])
+async def test_a_long_prompt_an_error_echoes_past_its_cut_is_not_stored(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, message: str
+) -> None:
+    """review: an upstream's message is cut to 300 characters when its error is made,
+    so a long quoted prompt lost its closing quote, and its first ~250 characters were
+    stored as they were; an echo without quotes the same."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",)), db, log_content=False)
+    body = {"error": {"message": message, "type": "invalid_request_error"}}
+    up = FakeUpstream(Reply(status=400, error_body=body))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.chat([{"role": "user", "content": LONG_PROMPT}])
+    for table in ("calls", "attempts"):
+        [row] = _rows(db, table)
+        assert row["error_message"].startswith(
+            "[a] HTTP 400: Invalid content in messages[0]: "), row["error_message"]
+        assert "[prompt text]" in row["error_message"], row["error_message"]
+    assert b"ZQXMARKER4242" not in db.read_bytes()
+    assert b"confidential" not in db.read_bytes()
+
+
+@pytest.mark.parametrize(("text", "kept"), [
+    ("Bad: 'it is fine' and 'Please summarise the confidential…", "Bad: 'it is fine' and '"),
+    ("Bad input Please summarise the confidential…", "Bad input "),
+    ("Bad: Please summarise the confidential merger plan ZQXMARKER4242 between A...", "Bad: "),
+])
+def test_a_prompt_cut_at_the_end_of_an_error_text_is_replaced(text: str, kept: str) -> None:
+    from polygate.telemetry._recorder import _without_prompt
+
+    out = _without_prompt(text, [LONG_PROMPT])
+    assert out.startswith(kept + "[prompt text]"), out
+    assert "confidential" not in out and "Please" not in out, out
+
+
+def test_an_unclosed_quote_of_other_text_is_kept() -> None:
+    from polygate.telemetry._recorder import _without_prompt
+
+    text = "The model can't take requests longer than the context window…"
+    assert _without_prompt(text, [LONG_PROMPT]) == text

@@ -132,16 +132,22 @@ def _without_prompt(text: str, prompt: Sequence[str]) -> str:
     for form in forms:
         if form in text:
             text = text.replace(form, _PROMPT_SHOWN)
+    text = _without_cut_prompt(text, forms)
     spans: list[tuple[int, int]] = []
     reached = 0
     longest = max(map(len, forms), default=0)
     searches = _MAX_QUOTE_SEARCHES
+    # The text may end inside a quote: cut short (to 300 characters when its error was
+    # made, say), its closing mark gone.  Such a quote runs to the cut.
+    cut = len(text) - len(_cut_mark(text))
     for mark in _QUOTES.finditer(text):
         start = mark.end()
         if start <= reached:
             continue  # inside a quote already taken
         end = text.find(mark.group(), start)
-        if end < 0 or end - start > longest + 4:  # (longer than any prompt text, "...")
+        if end < 0:
+            end = cut
+        if end - start > longest + 4:  # (longer than any prompt text, "...")
             continue
         core = text[start:end].removesuffix("...").removesuffix("…").strip()
         if len(core) < 8:
@@ -154,6 +160,32 @@ def _without_prompt(text: str, prompt: Sequence[str]) -> str:
             break
     for start, end in reversed(spans):
         text = text[:start] + _PROMPT_SHOWN + text[end:]
+    return text
+
+
+def _cut_mark(text: str) -> str:
+    """The ellipsis that ends ``text``, if any ("" for none)."""
+    for mark in ("…", "..."):
+        if text.endswith(mark):
+            return mark
+    return ""
+
+
+def _without_cut_prompt(text: str, forms: list[str]) -> str:
+    """``text`` without a tail (of 8 or more characters) that is how a prompt text
+    begins: an echo cut short, quoted or not, by the upstream or by a limit on the
+    text's length.  A cut's ellipsis stays."""
+    mark = _cut_mark(text)
+    body = text[: len(text) - len(mark)]
+    searches = _MAX_QUOTE_SEARCHES
+    for form in forms:
+        probe = form[:8]
+        at = body.find(probe)
+        while at >= 0 and searches:
+            searches -= 1
+            if form.startswith(body[at:]):
+                return body[:at] + _PROMPT_SHOWN + mark
+            at = body.find(probe, at + 1)
     return text
 
 
