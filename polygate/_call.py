@@ -308,7 +308,7 @@ async def _retry_loop(
         consumed += 1
         if consumed >= retry.max_attempts:
             raise AllSourcesExhausted(
-                f"all {consumed} attempt(s) failed in scope {ctx.scope_name!r}: "
+                f"all {len(errors)} attempt(s) failed in scope {ctx.scope_name!r}: "
                 + "; ".join(str(e) for e in errors[-3:]),
                 errors=errors,
             )

@@ -660,3 +660,19 @@ async def test_a_source_failing_again_in_a_round_moves_behind_the_others(
         r = await s.chat(MESSAGES)
     assert (r.source, r.call_stats.hedges) == ("b", 2)
     assert (len(a.requests), len(b.requests), len(c.requests)) == (2, 2, 1)
+
+
+async def test_an_exhausted_call_says_how_many_attempts_failed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review: a hedged round whose two paths both failed made "all 1 attempt(s)
+    failed" (the rounds counted), where its statistics and errors hold two attempts."""
+    bad = Reply(status=500, headers_delay_s=2)
+    settings = _settings(hedge=polygate.Hedge(after_s=1), retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(
+        settings, transport=Router({"a": FakeUpstream(bad), "b": FakeUpstream(bad)})
+    ) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+    assert info.value.call_stats.attempts == 2 and len(info.value.errors) == 2
+    assert "all 2 attempt(s) failed in scope 'chat'" in str(info.value), str(info.value)

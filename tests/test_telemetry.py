@@ -739,3 +739,21 @@ def test_an_unclosed_quote_of_other_text_is_kept() -> None:
 
     text = "The model can't take requests longer than the context window…"
     assert _without_prompt(text, [LONG_PROMPT]) == text
+
+
+async def test_a_committed_stream_cut_by_its_deadline_is_stored_with_its_source(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """The row says what the statistics say (docs/statistics.md, docs/telemetry.md): a
+    committed stream's DeadlineExceeded carries the committed source."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",), call_deadline_s=3), db)
+    up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=10))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.DeadlineExceeded) as info:
+            async with s.stream_chat([{"role": "user", "content": "hi"}]) as stream:
+                async for _ in stream:
+                    pass
+    [call] = _rows(db, "calls")
+    assert call["error_class"] == "DeadlineExceeded"
+    assert call["source"] == info.value.call_stats.source == "a"
