@@ -768,3 +768,42 @@ def test_a_hung_redis_fails_calls_within_the_bound(own_redis: RedisServer) -> No
 
 if __name__ == "__main__":
     worker_main()
+
+
+def test_a_hung_redis_holds_a_call_no_longer_than_its_deadline(own_redis: RedisServer) -> None:
+    """review: an admission waited out the backend's ``timeout_s`` (2 s) whatever the
+    call's deadline (0.3 s): the call ended after ~1.2 s, as GovernanceBackendError.  An
+    admission is bounded by the deadline (one sent but not answered by then is
+    abandoned and voided later, as one that timed out), and the deadline speaks."""
+    import signal
+
+    import polygate
+    from polygate.testing import FakeUpstream, Reply
+
+    async def body() -> None:
+        up = FakeUpstream(Reply(tokens=2))
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
+            backend=f"{own_redis.url}?timeout_s=2",
+        )
+        async with polygate.session(settings, transport=up.transport()) as s:
+            assert (await s.chat(MESSAGES)).text
+            assert own_redis.proc is not None
+            own_redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                start = trio.current_time()
+                with pytest.raises(polygate.DeadlineExceeded):
+                    await s.chat(MESSAGES, call_deadline_s=0.3)
+                assert trio.current_time() - start < 0.3 + 0.25
+            finally:
+                own_redis.proc.send_signal(signal.SIGCONT)
+            assert (await s.chat(MESSAGES)).text
+            backend = s._runtime.governor.backend
+            with trio.fail_after(5):
+                while backend.statistics().abandoned_voided < 1:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            for source in (await s.statistics()).governance.sources:
+                assert (source.state.in_flight, source.state.tokens_reserved) == (0, 0)
+        assert up.statistics().requests == 2
+
+    trio.run(body)

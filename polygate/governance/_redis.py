@@ -31,7 +31,8 @@ complete.  Here an operation is a network round trip, so each runs in a
 ``CancelScope(shield=True)`` whose deadline is the operation's bound: once a script is
 sent, its reply is read — a granted admission always reaches the caller, which settles
 it — and a cancellation waits for at most ``timeout_s``.  ``admit`` first checks for a
-pending cancellation, so a cancelled caller sends nothing.  ``settle`` runs in the
+pending cancellation, so a cancelled caller sends nothing, and its bound is also the
+caller's deadline (one unanswered then is abandoned, as above).  ``settle`` runs in the
 attempt's ``finally``, often inside a cancelled scope (a hedge loser, a call deadline):
 it is cleanup that must not be lost, so it is shielded too, and retried (backing off
 from 20 ms) for up to ``settle_s`` (default ``timeout_s``).  If it still fails the
@@ -421,14 +422,21 @@ class RedisBackend:
         ]
         key = (request.scope, request.source)
         sent: list[bool] = []
+        # The caller's deadline (the call's) bounds the wait as well: an admission is
+        # part of the call.  One sent but unanswered by then is abandoned below, as is
+        # one that timed out.
+        deadline = trio.current_effective_deadline()
         try:
-            reply = await self._script(_ADMIT, self._source_keys(key), args, "admit", sent=sent)
+            reply = await self._script(
+                _ADMIT, self._source_keys(key), args, "admit", deadline=deadline, sent=sent)
         except GovernanceBackendError:
             if sent:
                 # It may be granted all the same (a hung Redis runs it later): void it
                 # once Redis answers again, rather than leave its permit to the lease.
                 self._abandoned[(request.scope, request.source, member)] = trio.current_time()
                 self._abandoned_total += 1
+            # Cut at the caller's deadline: its cancellation, due now, says so.
+            await trio.lowlevel.checkpoint_if_cancelled()
             raise
         local_now = trio.current_time()
         try:
@@ -724,7 +732,8 @@ class RedisBackend:
         """One bounded, shielded exchange; every failure becomes GovernanceBackendError."""
         if self._closed:
             raise GovernanceBackendError(f"the session's redis backend ({self._where}) is closed")
-        bound = trio.current_time() + self._timeout
+        started = trio.current_time()
+        bound = started + self._timeout
         if deadline is not None:
             bound = min(bound, deadline)
         if self._cap is not None:
@@ -737,25 +746,26 @@ class RedisBackend:
                 raise
             except Exception as exc:  # coredis, OS and protocol errors, their groups
                 self._healthy = False
-                raise self._failure(what, exc) from exc
+                raise self._failure(what, exc, trio.current_time() - started) from exc
             self._healthy = True
             if self._abandoned and not self._cleanup.is_set():
                 self._cleanup.set()
             return result
         self._healthy = False
         raise GovernanceBackendError(
-            f"redis at {self._where} did not answer {what} within {self._timeout} s"
+            f"redis at {self._where} did not answer {what} within "
+            f"{trio.current_time() - started:.2g} s"
         )
 
-    def _failure(self, what: str, exc: BaseException) -> GovernanceBackendError:
+    def _failure(self, what: str, exc: BaseException, waited: float) -> GovernanceBackendError:
         errors = self._errors
         if errors is not None and isinstance(exc, errors.AuthenticationError):
             return GovernanceBackendError(
                 f"redis at {self._where} refused the credentials (wrong username or password?)"
             )
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, TimeoutError):  # (coredis's read gives up first: the wait it took)
             return GovernanceBackendError(
-                f"redis at {self._where} did not answer {what} within {self._timeout} s"
+                f"redis at {self._where} did not answer {what} within {waited:.2g} s"
             )
         if errors is not None and isinstance(exc, errors.ConnectionError):
             return GovernanceBackendError(
