@@ -35,7 +35,7 @@ import attrs
 import pytest
 import trio
 
-from polygate.governance import Admission, Feedback, RefusalReason
+from polygate.governance import Admission, BreakerState, Feedback, RefusalReason
 
 from . import _redis_server
 from ._redis_server import RedisServer, need_redis
@@ -805,5 +805,35 @@ def test_a_hung_redis_holds_a_call_no_longer_than_its_deadline(own_redis: RedisS
             for source in (await s.statistics()).governance.sources:
                 assert (source.state.in_flight, source.state.tokens_reserved) == (0, 0)
         assert up.statistics().requests == 2
+
+    trio.run(body)
+
+
+@pytest.mark.parametrize(("open_s", "cooldown_s"), [(1000.0, 0.0), (1e300, 1e300)])
+def test_state_lives_as_long_as_its_open_breaker_and_any_cooldown(
+    server: RedisServer, open_s: float, cooldown_s: float
+) -> None:
+    """review: the state hash was kept ``key_ttl_s`` (60 s here) past its last write,
+    and longer only for a cooldown, so Redis forgot a breaker open for 1000 s after a
+    minute (the memory backend forgets nothing).  And a huge period (a valid setting)
+    made PEXPIRE refuse the TTL Lua wrote in exponent form: every settle on the
+    source failed halfway."""
+    import coredis
+
+    prefix = f"ttl-{secrets.token_hex(4)}"
+    policy = attrs.evolve(POLICY, failures=1, open_s=open_s, max_open_s=open_s)
+
+    async def body() -> None:
+        async with _started(_redis(server.url, prefix, key_ttl_s=60)) as b:
+            a = await granted(b, ask(breaker=policy))
+            await b.settle(settle(a, None, Feedback.FAILURE, breaker=policy, cooldown_s=cooldown_s))
+            assert b.statistics().settle_retries == 0
+            assert (await snap(b)).breaker is BreakerState.OPEN
+            async with coredis.Redis(port=server.port) as raw:
+                ttl = await raw.pttl(f"{prefix}:chat:a:state")
+                assert ttl >= min(open_s * 1000 * 0.5, 10**15 - 10**6), ttl  # (jitter: half at least)
+                assert ttl <= 10**15
+            await refused(b, ask(breaker=policy), RefusalReason.COOLING_DOWN if cooldown_s
+                          else RefusalReason.BREAKER_OPEN)
 
     trio.run(body)

@@ -58,8 +58,8 @@ lease renewals.
 **Keys** (``P`` = ``prefix``, default ``polygate``): ``P:{scope}:{source}:state |
 window | wtok | open | permits``, ``P:{scope}:budget`` and ``P:changes``.  Every key
 has a TTL: the window keys live one window past their last admission, the others
-``key_ttl_s`` (default one day, and at least as long as a running cooldown) past
-their last write; so idle sources and scopes vanish by themselves.
+``key_ttl_s`` (default one day, and at least as long as a running cooldown or an open
+breaker) past their last write; so idle sources and scopes vanish by themselves.
 """
 
 from __future__ import annotations

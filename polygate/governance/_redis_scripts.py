@@ -13,7 +13,7 @@ skewed clocks agree on windows, cooldowns and leases.  Scripts return the server
 
 Per-source keys (``KEYS`` in this order; ``P`` is the configured prefix)::
 
-    1 P:{scope}:{source}:state    hash   breaker, cooldown, totals      TTL key_ttl (>= cooldown)
+    1 P:{scope}:{source}:state    hash   breaker, cooldown, totals      TTL key_ttl (>= cooldown, open breaker)
     2 P:{scope}:{source}:window   zset   member -> admission time (us)  TTL window + 1 s
     3 P:{scope}:{source}:wtok     hash   member -> tokens, '=sum'       TTL window + 1 s
     4 P:{scope}:{source}:open     hash   member -> reserved estimate    TTL key_ttl
@@ -115,10 +115,17 @@ local function expire(now, window_us)
   redis.call('ZREMRANGEBYSCORE', K_WINDOW, '-inf', horizon)
 end
 
--- Keep the long-lived keys at least key_ttl, and the state as long as its cooldown.
+-- Keep the long-lived keys at least key_ttl, and the state as long as its cooldown
+-- and its open breaker (forgetting either would let calls through early).  At most
+-- 1e15 ms (~31,700 years): a longer TTL is written in exponent form, which PEXPIRE
+-- refuses, failing the script halfway.
 local function touch(now, ttl_ms)
-  local cu = tonumber(redis.call('HGET', K_STATE, 'cu')) or 0
-  local keep = math.max(ttl_ms, math.ceil((cu - now) / 1000) + 1000)
+  local s = redis.call('HMGET', K_STATE, 'cu', 'br', 'oa', 'op')
+  local until_us = tonumber(s[1]) or 0
+  if s[2] == 'o' then
+    until_us = math.max(until_us, (tonumber(s[3]) or 0) + (tonumber(s[4]) or 0))
+  end
+  local keep = math.min(1e15, math.max(ttl_ms, math.ceil((until_us - now) / 1000) + 1000))
   redis.call('PEXPIRE', K_STATE, keep)
   redis.call('PEXPIRE', K_OPEN, keep)
   redis.call('PEXPIRE', K_PERMITS, keep)
