@@ -154,6 +154,7 @@ async def test_a_reload_while_waiting_for_redis_is_what_it_then_serves(
             with pytest.raises(GovernanceBackendError):
                 await server.reload(second)
             assert server.settings is second
+            assert (server.metrics.reloads, server.metrics.reload_failures) == (1, 0)
             await trio.to_thread.run_sync(own_redis.start)
             with trio.fail_after(30):
                 while (await http(server, "GET", "/readyz")).status != 200:  # noqa: ASYNC110
@@ -163,3 +164,37 @@ async def test_a_reload_while_waiting_for_redis_is_what_it_then_serves(
             assert server.statistics().generations == 1  # the stand-ins are gone
             await server.shutdown(grace_s=1)
     assert renamed.status == 200
+
+
+async def test_the_cli_reports_a_reload_while_waiting_for_redis_as_applied(
+    own_redis: RedisServer,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """review: SIGHUP during the outage put the new settings in force, yet the log said
+    "reload refused, the old configuration stays" and the failures metric counted it:
+    an operator rotating keys was told the old key still worked."""
+    import argparse
+    import logging
+
+    import attrs
+
+    from polygate.cli import _serve
+    from polygate.serve import open_server
+
+    from ._serve_kit import settings_for
+
+    own_redis.kill()
+    backend = f"{own_redis.url}?prefix=reload-{secrets.token_hex(4)}&timeout_s=0.3"
+    first = settings_for("http://127.0.0.1:9/v1", backend=backend)
+    second = attrs.evolve(first, serve=attrs.evolve(first.serve, models={"renamed": "chat"}))
+    monkeypatch.setattr(_serve, "_load", lambda config: second)
+    async with open_server(first, port=0) as server:
+        with caplog.at_level(logging.INFO, logger="polygate.serve"):
+            await _serve._reload(server, argparse.Namespace(config=None))
+        assert server.settings is second
+        assert (server.metrics.reloads, server.metrics.reload_failures) == (1, 0)
+        await server.shutdown(grace_s=1)
+    text = caplog.text
+    assert "reload refused" not in text, text
+    assert "configuration reloaded: 2 scope(s), served once the governance backend answers" in text

@@ -153,10 +153,17 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
 async def _reload(server: Any, args: argparse.Namespace) -> None:
     from .._errors import PolygateError
 
+    settings = None
     try:
         settings = _load(args.config)
         await server.reload(settings)
     except PolygateError as exc:
+        if settings is not None and server.settings is settings:
+            # The server still waits for its governance backend: these settings are
+            # the ones it now keeps trying (and serves once the backend answers).
+            log.warning("configuration reloaded: %d scope(s), served once the governance "
+                        "backend answers: %s", len(settings.scopes), exc)
+            return
         server.metrics.reload_failures += 1
         log.error("reload refused, the old configuration stays: %s", exc)
         return

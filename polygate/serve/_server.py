@@ -188,8 +188,10 @@ class Server:
             new: Gateway = await self._sessions.start(self._generation, settings)
         except GovernanceBackendError as exc:
             if isinstance(old.session, UnavailableSession):
+                # In force all the same: the settings the server keeps trying.
                 self._current = Gateway(settings, UnavailableSession(settings, str(exc)))
                 old.retire()
+                self.metrics.reloads += 1
             raise
         # Re-read: a recovery (below) may have replaced the stand-in meanwhile.
         old, self._current = self._current, new
