@@ -381,10 +381,30 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
 
 
 def _parse_env(entries: Mapping[str, str]) -> _SettingsPart:
-    secret_names = {name.upper() for name in _secret_field_names()}
-    secrets = {v for k, v in entries.items() if k.rsplit("__", 1)[-1] in secret_names}
-    secrets |= {pw for v in entries.values() for pw in url_secrets(v)}
-    settings = _SettingsPart(own=_Part(where=_env_settings_where), secrets=secrets)
+    settings = _SettingsPart(own=_Part(where=_env_settings_where), secrets=_env_secrets(entries))
+    try:
+        _parse_env_keys(settings, entries)
+    except ConfigError as exc:
+        # A value of the wrong type is quoted, and a deploy script's slip may have put
+        # a key there: every secret of the input is scrubbed, as from every message.
+        raise ConfigError(_scrub(str(exc), settings.secrets)) from None
+    return settings
+
+
+def _env_secrets(entries: Mapping[str, str]) -> set[str]:
+    """Every secret among the keys, found before any key is read: a message about
+    one key may quote another's value."""
+    secret_names = {name.upper() for name in _secret_field_names()} | {"KEY"}
+    secrets: set[str] = set()
+    for key, value in entries.items():
+        if key.rsplit("__", 1)[-1] in secret_names:
+            secrets.add(value)
+            secrets.update(item.strip() for item in value.split(","))  # API_KEYS: a list
+        secrets.update(url_secrets(value))
+    return secrets
+
+
+def _parse_env_keys(settings: _SettingsPart, entries: Mapping[str, str]) -> None:
     for key in sorted(entries):
         if key.startswith(_SERVE_ENV):
             _env_serve(settings, key, entries[key])
@@ -402,7 +422,6 @@ def _parse_env(entries: Mapping[str, str]) -> _SettingsPart:
         # A__… and GPU10__… before GPU1__…, and Scope.sources is an ordered tuple, so
         # the same sources in a TOML file in name order made unequal Settings.
         scope.sources = dict(sorted(scope.sources.items()))
-    return settings
 
 
 def _env_settings_where(field: str) -> str:
@@ -662,7 +681,11 @@ def settings_from_toml(
     path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None
 ) -> Settings:
     """Settings from a TOML file; ``env`` (default ``os.environ``) serves ``api_key_env``."""
-    label = os.fspath(path)
+    try:
+        label = os.fsdecode(path)
+    except TypeError:
+        raise ConfigError(f"a configuration file's path must be a str or a path, not "
+                          f"{type(path).__name__}") from None
     source = os.environ if env is None else _checked_env(env)
     data = read_toml(label)
     return _build_settings(_parse_toml(data, label, source))
@@ -682,6 +705,8 @@ def _checked_env(env: Any) -> Mapping[str, str]:
 
 
 def read_toml(label: str) -> dict[str, Any]:
+    if "\x00" in label:  # (open() raises ValueError for it, as tomllib does for a number)
+        raise ConfigError(f"{label!r}: a path cannot hold a NUL character")
     try:
         with open(label, "rb") as f:
             return tomllib.load(f)
@@ -817,11 +842,25 @@ def _env_secret(table: dict[str, Any], field: str, env: Mapping[str, str], where
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+def _named_like_a_variable(var: str) -> bool:
+    """How variables are named: one case, words of at most 16 characters between the
+    underscores (OPENAI_API_KEY, groq_key).  Many keys are letters, digits and ``_``
+    too (hf_…, gsk_…, 32 alphanumerics), but in mixed case or in one long run."""
+    return (
+        len(var) <= 64 and (var.isupper() or var.islower())
+        and all(len(word) <= 16 for word in var.split("_"))
+    )
+
+
 def _unset(var: str) -> str:
-    """Why a ``*_env`` entry gave nothing.  A value that cannot be a variable's name
-    is not quoted: it is most likely the secret itself, pasted in the name's place."""
-    if _ENV_NAME.fullmatch(var):
+    """Why a ``*_env`` entry gave nothing.  A value that does not look like a
+    variable's name is not quoted: it is most likely the secret itself, pasted in the
+    name's place."""
+    if _ENV_NAME.fullmatch(var) and _named_like_a_variable(var):
         return f"environment variable {var} is not set"
+    if _ENV_NAME.fullmatch(var):
+        return ("names an environment variable that is not set (the name is not shown: it "
+                "looks more like a key than a variable's name: was a key pasted in its place?)")
     return ("must name an environment variable (letters, digits and _), which this value "
             "cannot be: was a key pasted in its place? (the value is not shown)")
 

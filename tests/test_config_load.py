@@ -1044,3 +1044,71 @@ def test_a_file_nested_past_pythons_limit_is_a_config_error(tmp_path: Path) -> N
                     "x = " + "{b = " * 1000 + "1" + "}" * 1000 + "\n")
     with pytest.raises(ConfigError, match="nested too deeply"):
         Settings.from_toml(str(path))
+
+
+_ENV_BASE = {"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CHAT__A__API_KEY": KEY}
+_GATEWAY_KEY = "sk-gw-SECRET-0123456789"
+
+
+@pytest.mark.parametrize(("extra", "secret"), [
+    # a deploy script whose variables slipped: a key in a boolean, a number, a float
+    ({"POLYGATE__CHAT__A__STREAMING": KEY}, KEY),
+    ({"POLYGATE__CHAT__A__RPM": KEY}, KEY),
+    ({"POLYGATE__CHAT__HEDGE__AFTER_S": KEY}, KEY),
+    ({"POLYGATE__LOG_CONTENT": KEY}, KEY),
+    # a gateway key (one of a comma-separated list, parsed after the scope's keys)
+    ({"POLYGATE__SERVE__API_KEYS": f"other-key-1,{_GATEWAY_KEY}",
+      "POLYGATE__CHAT__A__MAX_IN_FLIGHT": _GATEWAY_KEY}, _GATEWAY_KEY),
+    ({"POLYGATE__SERVE__KEYS__TEAM__KEY": _GATEWAY_KEY, "POLYGATE__SERVE__PORT": _GATEWAY_KEY},
+     _GATEWAY_KEY),
+    # a URL's password in a numeric key
+    ({"POLYGATE__CHAT__CALL_DEADLINE_S": f"redis://:{REDIS_PW}@h:6379/0"}, REDIS_PW),
+    # an alias list that quotes its bad item
+    ({"POLYGATE__SERVE__API_KEYS": _GATEWAY_KEY, "POLYGATE__SERVE__MODELS": _GATEWAY_KEY},
+     _GATEWAY_KEY),
+])
+def test_an_environment_value_of_the_wrong_type_never_echoes_a_secret(
+    extra: dict[str, str], secret: str
+) -> None:
+    """review: a type error from an environment key quoted the value, which the
+    loader's last line of defence never scrubbed: a key that landed in RPM was
+    printed back."""
+    with pytest.raises(ConfigError) as info:
+        settings_from_env({**_ENV_BASE, **extra})
+    assert secret not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("token", [
+    "hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345",  # a Hugging Face token
+    "gsk_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789abcdefghijkl",  # a Groq key
+    "Xq7Lm2Pz9Rt4Vb8Nc3Kd6Wf1Hs5Jg0Ay",  # 32 letters and digits (Mistral's shape)
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567",  # upper case, no underscore, long
+])
+def test_a_key_that_could_be_a_variable_name_is_not_echoed_either(
+    tmp_path: Path, token: str
+) -> None:
+    """review: a key of letters, digits and ``_`` only passed for a variable's name
+    and was quoted in full ("environment variable hf_… is not set")."""
+    text = f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\napi_key_env = '{token}'\n"
+    with pytest.raises(ConfigError, match="api_key_env: ") as info:
+        settings_from_toml(write(tmp_path, text), env={})
+    assert token not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", ["OPENAI_API_KEY", "GROQ", "MY_KEY_2", "openai_key"])
+def test_a_variable_name_that_is_unset_is_named(tmp_path: Path, name: str) -> None:
+    text = f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\napi_key_env = '{name}'\n"
+    with pytest.raises(ConfigError, match=f"environment variable {name} is not set"):
+        settings_from_toml(write(tmp_path, text), env={})
+
+
+@pytest.mark.parametrize(("path", "problem"), [
+    (None, "must be a str or a path, not NoneType"),
+    (5, "must be a str or a path, not int"),
+    ("polygate\0.toml", "a path cannot hold a NUL character"),
+])
+def test_a_path_that_is_no_path_is_a_config_error(path: Any, problem: str) -> None:
+    """review: None or 5 raised a bare TypeError, and a NUL in the path was called
+    "invalid TOML (a number too large: embedded null byte)"."""
+    with pytest.raises(ConfigError, match=problem):
+        settings_from_toml(path)
