@@ -933,19 +933,21 @@ def locate_config(env: Mapping[str, str] | None = None) -> str | None:
     return DEFAULT_CONFIG_FILE if Path(DEFAULT_CONFIG_FILE).is_file() else None
 
 
-def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = None) -> Settings:
     """What ``polygate.session()`` uses without settings.
 
-    ``POLYGATE_CONFIG`` (a TOML path) when set, else ``./polygate.toml`` when present,
-    else the ``POLYGATE__…`` keys.  Keys left unused beside a file are warned about,
-    since a user setting both probably expects the keys to count.
+    ``path`` (a command's ``--config``) when given, else ``POLYGATE_CONFIG`` (a TOML
+    path) when set, else ``./polygate.toml`` when present, else the ``POLYGATE__…``
+    keys.  Keys left unused beside a file are warned about, since a user setting both
+    probably expects the keys to count.
     """
     source = os.environ if env is None else _checked_env(env)
-    path = locate_config(source)
     if path is None:
-        return settings_from_env(source)
-    if source.get(CONFIG_ENV, "").strip() and not Path(path).is_file():
-        raise ConfigError(f"{CONFIG_ENV} names {path}, which is not a file")
+        path = locate_config(source)
+        if path is None:
+            return settings_from_env(source)
+        if source.get(CONFIG_ENV, "").strip() and not Path(path).is_file():
+            raise ConfigError(f"{CONFIG_ENV} names {path}, which is not a file")
     settings = settings_from_toml(path, env=source)
     ignored = sorted(k for k, v in source.items() if k.startswith(ENV_PREFIX) and v.strip())
     if ignored:

@@ -288,3 +288,29 @@ def test_a_path_that_is_not_utf8_is_shown_escaped(
     assert main(["check-config"]) == 0
     out.flush()
     assert b"t\\udce9l\\udce9.db" in out.buffer.getvalue()  # type: ignore[attr-defined]
+
+
+def test_a_config_flag_warns_about_the_environment_keys_it_leaves_unused(
+    clean: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """review: with ``--config``, POLYGATE__ keys were dropped without a word (with
+    POLYGATE_CONFIG, a ConfigWarning names them): a gateway key set that way was
+    silently not in force.  check-config, chat and serve read --config as the session
+    reads POLYGATE_CONFIG."""
+    import logging
+
+    from polygate.cli import _serve
+
+    path = write(clean, VALID, "valid.toml")
+    monkeypatch.setenv("POLYGATE__SERVE__API_KEYS", "sk-gw-123456789")
+    assert main(["check-config", "--config", path]) == 0
+    _, err = capsys.readouterr()
+    assert "warning: " in err and "POLYGATE__SERVE__API_KEYS are ignored" in err
+    assert "sk-gw-123456789" not in err
+    with caplog.at_level(logging.WARNING, logger="polygate.serve"):
+        settings = _serve._load(path)
+    assert settings.serve.api_keys == ()
+    [record] = [r for r in caplog.records if r.name == "polygate.serve"]
+    assert record.getMessage().startswith("warning: configuration read from ")
+    assert "POLYGATE__SERVE__API_KEYS are ignored" in record.getMessage()

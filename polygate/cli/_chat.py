@@ -41,7 +41,7 @@ def add_parser(
 def run(args: argparse.Namespace) -> int:
     import trio
 
-    from .._config_load import load_settings, settings_from_toml
+    from .._config_load import load_settings
     from .._errors import ConfigError, PolygateError
 
     prompt = _read_stdin() if args.prompt == "-" else args.prompt
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         print("polygate chat: the prompt is empty", file=sys.stderr)
         return 2
     try:
-        settings = settings_from_toml(args.config) if args.config else load_settings()
+        settings = load_settings(path=args.config)
         settings.scope(args.scope)
     except ConfigError as exc:
         print(f"polygate chat: invalid configuration: {exc}", file=sys.stderr)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .._config import ConfigWarning, Settings
-from .._config_load import describe, load_settings, locate_config, settings_from_toml
+from .._config_load import describe, load_settings, locate_config
 from .._config_preflight import preflight
 from .._errors import ConfigError
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(path: str | None) -> Settings:
-    settings = settings_from_toml(path) if path else load_settings()
+    settings = load_settings(path=path)
     preflight(settings)  # what session() refuses before connecting, refused here too
     return settings
 

@@ -53,9 +53,24 @@ def add_parser(
 
 
 def _load(config: str | None) -> Any:
-    from .._config_load import load_settings, settings_from_toml
+    import warnings
 
-    return settings_from_toml(config) if config else load_settings()
+    from .._config import ConfigWarning
+    from .._config_load import load_settings
+
+    # A warning (environment keys a file leaves unused, a hedge that can never fire)
+    # is one line of the server's log, as check-config prints it: not Python's
+    # two-line warning with a file name and source line.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigWarning)
+        settings = load_settings(path=config)
+    for warning in caught:
+        if issubclass(warning.category, ConfigWarning):
+            log.warning("warning: %s", warning.message)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                   warning.lineno)
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:
