@@ -598,7 +598,7 @@ def _env_models(key: str, text: str) -> dict[str, str]:
 
 
 def _serve_keys(upper: bool = False) -> list[str]:
-    names = [*_schema(Serve).scalars, *_SERVE_LISTS]
+    names = list(dict.fromkeys([*_schema(Serve).scalars, *_SERVE_LISTS]))  # (api_keys: both)
     return [n.upper() for n in names] if upper else names
 
 

@@ -1112,3 +1112,10 @@ def test_a_path_that_is_no_path_is_a_config_error(path: Any, problem: str) -> No
     "invalid TOML (a number too large: embedded null byte)"."""
     with pytest.raises(ConfigError, match=problem):
         settings_from_toml(path)
+
+
+def test_an_unknown_serve_key_lists_each_known_key_once() -> None:
+    with pytest.raises(ConfigError, match="serve keys are") as info:
+        settings_from_env({**_ENV_BASE, "POLYGATE__SERVE__COLOUR": "blue"})
+    listed = str(info.value).split("serve keys are ", 1)[1].split(", ")
+    assert "API_KEYS" in listed and len(listed) == len(set(listed)), listed
