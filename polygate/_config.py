@@ -624,6 +624,10 @@ def check_hedge_assembly(scope: Scope) -> None:
     after = hedge.first_threshold_s
     if after is not None:
         _check_hedge_threshold(scope, after, "after_s" if hedge.after_s is not None else "max_after_s")
+    if hedge.after_quantile is not None and hedge.min_after_s is not None:
+        # Once learnt, the trigger is never below min_after_s: past every timeout, the
+        # adaptive hedge could never fire, whatever fires before the sketch is warm.
+        _check_hedge_threshold(scope, hedge.min_after_s, "min_after_s", warn=False)
     if hedge.stall_after_s is not None and not hedge.enabled:
         # (b), the mid-stream trigger, runs inside a hedging round; without (a) no round
         # hedges, so the setting alone would silently do nothing.
@@ -642,7 +646,7 @@ def check_hedge_assembly(scope: Scope) -> None:
         )
 
 
-def _check_hedge_threshold(scope: Scope, after: float, label: str) -> None:
+def _check_hedge_threshold(scope: Scope, after: float, label: str, *, warn: bool = True) -> None:
     min_timeout = min(s.timeout_s for s in scope.sources)
     if after >= min_timeout:
         raise FieldError(
@@ -657,7 +661,7 @@ def _check_hedge_threshold(scope: Scope, after: float, label: str) -> None:
             "the call would end before the hedge could fire",
         )
     ttfts = [s.ttft_timeout_s for s in scope.sources if s.ttft_timeout_s is not None]
-    if ttfts and after >= min(ttfts):
+    if warn and ttfts and after >= min(ttfts):
         warnings.warn(
             f"hedge.{label} ({after}) >= the smallest ttft_timeout_s ({min(ttfts)}): "
             "that source times out before a hedge fires",

@@ -188,6 +188,14 @@ def test_good_telemetry(url: str) -> None:
         ({"sources": pair(), "hedge": Hedge(after_s=8), "call_deadline_s": 8}, "hedge.after_s"),
         ({"sources": pair(), "hedge": Hedge(after_quantile=0.9, max_after_s=300)},
          "hedge.max_after_s"),
+        # review: the learnt trigger is never below min_after_s, so these never hedge
+        # once learnt (the first: never at all)
+        ({"sources": pair(), "hedge": Hedge(after_quantile=0.9, min_after_s=500)},
+         "hedge.min_after_s"),
+        ({"sources": pair(), "hedge": Hedge(after_s=5, after_quantile=0.9, min_after_s=300)},
+         "hedge.min_after_s"),
+        ({"sources": pair(), "hedge": Hedge(after_quantile=0.9, min_after_s=60), "call_deadline_s": 60},
+         "hedge.min_after_s"),
     ],
 )
 def test_assembly_errors(kw: dict[str, Any], field: str) -> None:
