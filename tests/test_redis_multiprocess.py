@@ -837,3 +837,56 @@ def test_state_lives_as_long_as_its_open_breaker_and_any_cooldown(
                           else RefusalReason.BREAKER_OPEN)
 
     trio.run(body)
+
+
+@pytest.mark.parametrize("op", ["budget_take", "budget_refill", "admit"])
+def test_a_connection_lost_after_a_script_was_sent_retries_only_what_is_idempotent(
+    server: RedisServer, op: str
+) -> None:
+    """review: any script was sent again after a ConnectionError, even one the dead
+    connection had already delivered: a hedge-budget token could be taken (or added)
+    twice.  The budget's take and refill are not retried once sent; an admission
+    (idempotent per member) still is."""
+    prefix = f"idem-{secrets.token_hex(4)}"
+
+    async def body() -> None:
+        async with _started(_redis(server.url, prefix)) as b:
+            errors = b._errors
+            real = b._evalsha
+            calls: list[str] = []
+
+            async def flaky(script: Any, keys: Any, args: Any, sent: Any = None) -> Any:
+                calls.append(script.name)
+                if len(calls) == 1:
+                    await real(script, keys, args, sent)  # it runs in Redis ...
+                    raise errors.ConnectionError("connection lost")  # ... the reply is lost
+                return await real(script, keys, args, sent)
+
+            await b.budget_take("chat", 5.0)  # 4 left: room for a refill to show twice
+            level = await b.budget_level("chat", 5.0)
+            b._evalsha = flaky
+            if op == "admit":
+                await granted(b, ask())
+                assert calls == ["admit", "admit"]
+                return
+            from polygate import GovernanceBackendError
+
+            with pytest.raises(GovernanceBackendError, match="connection lost"):
+                if op == "budget_take":
+                    await b.budget_take("chat", 5.0)
+                else:
+                    b._healthy = True
+                    await b._script(b_module()._REFILL, [b._budget_key("chat")],
+                                    [repr(5.0), b._ttl_ms, repr(0.5)], "budget_refill")
+            b._evalsha = real
+            assert calls == [op]
+            expected = level - 1 if op == "budget_take" else min(5.0, level + 0.5)
+            assert await b.budget_level("chat", 5.0) == pytest.approx(expected)
+
+    trio.run(body)
+
+
+def b_module() -> Any:
+    from polygate.governance import _redis
+
+    return _redis

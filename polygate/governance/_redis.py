@@ -191,7 +191,10 @@ class RedisBackendStatistics:
 class _Script:
     name: str
     source: str
-    sha: str = attrs.field()
+    #: Whether running it twice does what running it once does (ADMIT per member,
+    #: SETTLE per reservation); the hedge budget's take and refill do not.
+    idempotent: bool = True
+    sha: str = attrs.field(kw_only=True)
 
     @sha.default
     def _sha(self) -> str:
@@ -202,8 +205,8 @@ _ADMIT = _Script("admit", lua.ADMIT)
 _SETTLE = _Script("settle", lua.SETTLE)
 _SNAPSHOT = _Script("snapshot", lua.SNAPSHOT)
 _RENEW = _Script("renew", lua.RENEW)
-_TAKE = _Script("budget_take", lua.BUDGET_TAKE)
-_REFILL = _Script("budget_refill", lua.BUDGET_REFILL)
+_TAKE = _Script("budget_take", lua.BUDGET_TAKE, idempotent=False)
+_REFILL = _Script("budget_refill", lua.BUDGET_REFILL, idempotent=False)
 _LEVEL = _Script("budget_level", lua.BUDGET_LEVEL)
 _PROBE = _Script("probe", lua.PROBE)
 _SCRIPTS = (_ADMIT, _SETTLE, _SNAPSHOT, _RENEW, _TAKE, _REFILL, _LEVEL, _PROBE)
@@ -699,14 +702,20 @@ class RedisBackend:
         connection (after that, Redis may run it whatever happens to the reply)."""
         async def call() -> Any:
             errors = self._errors
+            handed: list[bool] = []
             try:
-                return await self._evalsha(script, keys, args, sent)
+                return await self._evalsha(script, keys, args, handed)
             except errors.NoScriptError:
                 pass  # Redis restarted or SCRIPT FLUSH: load it again, once
             except errors.ConnectionError:
-                # A connection that died before this command: one retry on a fresh one
-                # (ADMIT is idempotent per member, SETTLE per reservation).
-                pass
+                # A connection that died: one retry on a fresh one (ADMIT is idempotent
+                # per member, SETTLE per reservation).  Not for a script that may have
+                # run already (handed to the connection) and would count twice.
+                if handed and not script.idempotent:
+                    raise
+            finally:
+                if handed and sent is not None:
+                    sent.append(True)
             await self._client.script_load(script.source)
             return await self._evalsha(script, keys, args, sent)
 
