@@ -46,8 +46,8 @@ class AttemptControl:
     """
 
     __slots__ = (
-        "_watch", "_whole", "cancel_reason", "cancelled", "on_content", "on_extra", "record",
-        "scope",
+        "_watch", "_whole", "cancel_reason", "cancelled", "claim", "on_content", "on_extra",
+        "record", "scope",
     )
 
     def __init__(self, record: AttemptRecord, on_content: OnContent | None = None) -> None:
@@ -60,6 +60,11 @@ class AttemptControl:
         self.on_content = on_content
         #: A stream's relay of chunks that carry data but no content token.
         self.on_extra: OnExtra | None = None
+        #: The round's verdict on a complete answer, asked *before* it settles: True,
+        #: it won (the others are cancelled); False, it lost (and is cancelled).  A
+        #: settle may yield (Redis): decided after it, a path that completed meanwhile
+        #: would settle as ``ok`` too, feeding the breaker though it lost.
+        self.claim: Callable[[], bool] | None = None
         self._whole = math.inf
         self._watch = math.inf
 
@@ -280,7 +285,8 @@ async def _guarded(
         with scope:
             result = await work(timeline)
             record.usage = usage_of(result)
-            if not control.cancelled:
+            claim = control.claim
+            if not control.cancelled and (claim is None or claim()):
                 outcome = Outcome.OK
                 return result
         # ``cancel()`` is delivered at the next checkpoint: an attempt runnable in the

@@ -198,6 +198,7 @@ class Round:
         record = self._ctx.new_attempt(admission, role, trio.current_time())
         control = AttemptControl(record)
         path = _Path(admission, control)
+        control.claim = self._claimer(path)
         if self._forward is not None:
             control.on_content = self._committer(path)
             control.on_extra = self._relayer(path)
@@ -221,21 +222,17 @@ class Round:
                 # this error.
                 self._cancel_others(path)
         else:
-            # A race decides once.  The attempt layer already refuses a result that
-            # finished after its cancel was called (it was runnable in the winner's
-            # scheduler batch and never reached a checkpoint); the round asks again
-            # here, so that no path wins over a winner or over a commit.
-            if self._may_win(path):
-                self._winner = path
-                if self._committed is None:
-                    self._committed = path
-                self._cancel_others(path)
+            # The attempt claimed the win before it settled (see _claimer); a runner
+            # that returned without asking is asked now.
+            if self._winner is not path:
+                self._claim(path)
         finally:
             path.done = True
-            # The path's callback closes over this round, which holds the path: drop
-            # it, so that a finished round is freed by reference counting, not left as
-            # a cycle (with its nursery, tasks and records) for the cyclic collector.
-            path.control.on_content = path.control.on_extra = None
+            # The path's callbacks close over this round, which holds the path: drop
+            # them, so that a finished round is freed by reference counting, not left
+            # as a cycle (with its nursery, tasks and records) for the cyclic collector.
+            control = path.control
+            control.on_content = control.on_extra = control.claim = None
             self._observe(path)
             self._wake()
             if path.record.role == "hedge" and path.record.timeline.sent_at is None:
@@ -246,6 +243,29 @@ class Round:
                 # reach an upstream.  (Also on the way out of a cancelled call: the
                 # memory backend's refill has no checkpoint, Redis's is shielded.)
                 await self._refund(self._ctx.runtime.governor)
+
+    def _claimer(self, path: _Path) -> Callable[[], bool]:
+        def claim() -> bool:
+            if self._claim(path):
+                return True
+            # (A path that cannot win was cancelled when the race was decided; this
+            # only makes sure it settles as what it is.)
+            path.control.cancel(Outcome.HEDGE_CANCELLED)
+            return False
+
+        return claim
+
+    def _claim(self, path: _Path) -> bool:
+        """A race decides once: the first complete answer wins, unless a winner or
+        another path's commit came first (the attempt layer refuses a result that
+        finished after its cancel was called, in the winner's scheduler batch)."""
+        if not self._may_win(path):
+            return False
+        self._winner = path
+        if self._committed is None:
+            self._committed = path
+        self._cancel_others(path)
+        return True
 
     def _may_win(self, path: _Path) -> bool:
         return (

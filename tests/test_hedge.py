@@ -676,3 +676,53 @@ async def test_an_exhausted_call_says_how_many_attempts_failed(
             await s.chat(MESSAGES)
     assert info.value.call_stats.attempts == 2 and len(info.value.errors) == 2
     assert "all 2 attempt(s) failed in scope 'chat'" in str(info.value), str(info.value)
+
+
+class _RoundTripBackend(MemoryBackend):
+    """The memory backend, with a settle that yields as a shared backend's network
+    round trip does (Redis)."""
+
+    async def settle(self, request: Any) -> None:
+        await trio.sleep(0.010)
+        await super().settle(request)
+
+
+class _Rows:
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str]] = []
+
+    def attempt(self, ctx: Any, record: Any) -> None:
+        self.rows.append((record.source, record.role, record.outcome.value))
+
+    def call(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+async def test_a_loser_that_finishes_while_the_winner_settles_is_still_a_loser(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """review: the win was decided after the winner's settle, so with a settle that
+    yields (Redis's) a path whose answer completed meanwhile also settled as ``ok``:
+    reported ok, and fed to the breaker and the source's health as a success, though
+    it lost.  The first complete answer claims the win before it settles."""
+    import polygate._session
+
+    monkeypatch.setattr(polygate._session, "_backend_for", lambda settings: _RoundTripBackend())
+    # a (primary) answers whole at 9.000 s; b (hedge, sent at 8 s) at 9.005 s, while a
+    # is settling; b has two consecutive failures behind it, which its loss keeps.
+    a = FakeUpstream([Reply(status=500), Reply(status=500), Reply(first_token_s=9, tokens=1)])
+    b = FakeUpstream([Reply(status=500), Reply(status=500), Reply(first_token_s=1.005, tokens=1)])
+    settings = _settings(hedge=polygate.Hedge(after_s=8),
+                         retry=polygate.Retry(max_attempts=2, backoff_base_s=0))
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        for _ in range(2):
+            with pytest.raises(polygate.AllSourcesExhausted):
+                await s.chat(MESSAGES)
+        rows = _Rows()
+        s._runtime.recorder = rows  # type: ignore[assignment]
+        r = await s.chat(MESSAGES)
+        stats = await s.statistics()
+    assert r.source == "a" and r.call_stats.hedges == 1 and not r.call_stats.hedge_won
+    assert sorted(rows.rows) == [("a", "primary", "ok"), ("b", "hedge", "hedge_cancelled")]
+    assert _source(stats, "a").consecutive_failures == 0
+    assert _source(stats, "b").consecutive_failures == 2  # a loser feeds no breaker
