@@ -565,6 +565,21 @@ def test_hedge_budget_is_a_token_bucket(h: Harness) -> None:
     h.run(body)
 
 
+def test_a_lower_burst_caps_the_level_a_higher_one_left(h: Harness) -> None:
+    """review: a reload that lowers budget_burst keeps its backend (the server's, or a
+    shared Redis): the bucket still held the old, higher level, and hedges went out
+    above the new burst until a refill clamped it."""
+    async def body() -> None:
+        async with h.backend() as b:
+            assert await b.budget_take("chat", 10.0)  # 9 left, at the old burst
+            assert await b.budget_level("chat", 2.0) == 2.0
+            assert await b.budget_take("chat", 2.0)
+            assert await b.budget_take("chat", 2.0)
+            assert not await b.budget_take("chat", 2.0)
+
+    h.run(body)
+
+
 # ------------------------------------------------------------------ waiting
 
 

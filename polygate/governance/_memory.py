@@ -240,7 +240,8 @@ class MemoryBackend:
         )
 
     async def budget_take(self, scope: str, burst: float) -> bool:
-        level = self._budgets.get(scope, burst)
+        # Never above this burst: one a reload lowered, say, from the level it left.
+        level = min(self._budgets.get(scope, burst), burst)
         if level < WHOLE_TOKEN:
             self._budgets[scope] = level
             return False
@@ -251,7 +252,7 @@ class MemoryBackend:
         self._budgets[scope] = min(burst, self._budgets.get(scope, burst) + amount)
 
     async def budget_level(self, scope: str, burst: float) -> float:
-        return self._budgets.get(scope, burst)
+        return min(self._budgets.get(scope, burst), burst)
 
     def change_mark(self) -> trio.Event:
         return self._changed

@@ -364,7 +364,8 @@ return lost
 _BUDGET = r"""
 local function fmt(x) return string.format('%.17g', x) end
 local burst, ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
-local level = tonumber(redis.call('GET', KEYS[1])) or burst
+-- Never above this burst: one a reload lowered, say, from the level it left.
+local level = math.min(burst, tonumber(redis.call('GET', KEYS[1])) or burst)
 """
 
 # ARGV: burst, key_ttl_ms.  Returns {taken (1/0), level}.
