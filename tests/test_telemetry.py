@@ -757,3 +757,46 @@ async def test_a_committed_stream_cut_by_its_deadline_is_stored_with_its_source(
     [call] = _rows(db, "calls")
     assert call["error_class"] == "DeadlineExceeded"
     assert call["source"] == info.value.call_stats.source == "a"
+
+
+async def test_cut_echoes_joined_in_an_exhausted_calls_message_are_not_stored(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """review: an exhausted call's message joins its attempts' errors ("…; [b] HTTP
+    500: …"), so a cut echo no longer ended the text, and the calls row stored the
+    first one's ~250 characters of prompt."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(retry=polygate.Retry(max_attempts=2)), db,
+                               log_content=False)
+    body = {"error": {"message": f"Invalid content in messages[0]: '{LONG_PROMPT}'",
+                      "type": "server_error"}}
+    router = Router({n: FakeUpstream(Reply(status=500, error_body=body)) for n in ("a", "b")})
+    async with polygate.session(settings, transport=router) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat([{"role": "user", "content": LONG_PROMPT}])
+    [call] = _rows(db, "calls")
+    assert call["error_message"].count("[prompt text]") == 2, call["error_message"]
+    assert b"ZQXMARKER4242" not in db.read_bytes()
+
+
+_AMPERSAND = "Compare A & B: " + LONG_PROMPT
+_SLASH = "Compare A/B: " + LONG_PROMPT
+
+
+@pytest.mark.parametrize(("text", "prompt"), [
+    # pydantic's validation error (FastAPI, vLLM) writes a long input cut in its middle
+    ("1 validation error for ChatRequest\nmessages.0.content\n  String should have at most "
+     f"100 characters [type=string_too_long, input_value='{LONG_PROMPT[:25]}..."
+     f"{LONG_PROMPT[-24:]}', input_type=str]", LONG_PROMPT),
+    # Go's encoding/json (Ollama, Go gateways) escapes & < > as \\u0026 \\u003c \\u003e
+    ('{"error":{"message":"Invalid content in messages[0]: '
+     + _AMPERSAND.replace("&", "\\u0026")[:120] + "…", _AMPERSAND),
+    # PHP's json_encode escapes /
+    ('{"error":{"message":"Invalid content: ' + _SLASH.replace("/", "\\/")[:120] + "…", _SLASH),
+], ids=["pydantic-middle-cut", "go-escapes", "php-escapes"])
+def test_other_cut_and_escaped_echoes_of_a_prompt_are_replaced(text: str, prompt: str) -> None:
+    from polygate.telemetry._recorder import _without_prompt
+
+    out = _without_prompt(text, [prompt])
+    assert "confidential" not in out and "Please summarise" not in out, out
+    assert "Globex for the board" not in out and "[prompt text]" in out, out

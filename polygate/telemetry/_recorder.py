@@ -112,55 +112,92 @@ def error_text(
     return text if len(text) <= _MESSAGE_LIMIT else text[:_MESSAGE_LIMIT] + "…"
 
 
-_PROMPT_SHOWN = "[prompt text]"
-_QUOTES = re.compile(r"""['"`]""")
-#: The most quoted runs searched for in the prompt, each a search through all of it:
-#: an error text full of quote marks (a body of JSON, say) stays cheap to store.
-_MAX_QUOTE_SEARCHES = 64
-
-
 def _without_prompt(text: str, prompt: Sequence[str]) -> str:
     """``text`` without the call's prompt in it: upstreams quote the offending input in
     a 400's message ("Invalid content in messages[0]: '…'"), which would store the
     prompt where ``log_content=False`` stores none.  A message text that appears whole
-    is replaced (as it is, or as JSON writes it), and so is any quoted run ('…', "…",
-    `…`) of 8 or more characters found in one, a quote cut short by the upstream ("…" /
-    "...") and one over several lines included.  Each quote mark is tried as an
-    opening one, so an apostrophe before a quote ("can't") does not hide it.  Cheap on
-    purpose: C-speed substring searches, on an error path."""
+    is replaced (as it is, or as a JSON encoder writes it), and so is any quoted run
+    ('…', "…", `…`) of 8 or more characters found in one, over several lines too.  Each
+    quote mark is tried as an opening one, so an apostrophe before a quote ("can't")
+    does not hide it.
+
+    Echoes are often cut: an upstream's message to 300 characters when its error is
+    made, by the upstream ("…", "..."), or in its middle (pydantic's 'first...last'),
+    and an exhausted call's message joins several.  So the text is read in pieces,
+    each ending at a cut: within a piece a quote whose closing mark was cut off runs to
+    the cut, a run before the first quote mark of a piece that follows a cut is read as
+    quoted (its opening was cut off), and a tail that is how a message text begins is
+    replaced, quoted or not.  Cheap on purpose: C-speed substring searches, at most
+    64 of them through the prompt, on an error path."""
     forms = [form for piece in prompt if len(piece) >= 8 for form in _json_forms(piece)]
+    if not forms:
+        return text
     for form in forms:
         if form in text:
             text = text.replace(form, _PROMPT_SHOWN)
-    text = _without_cut_prompt(text, forms)
+    budget = _Budget(_MAX_QUOTE_SEARCHES, max(map(len, forms)) + 4)
+    pieces = _AFTER_CUT.split(text)
+    return "".join(
+        _piece_without_prompt(piece, forms, budget, after_cut=i > 0)
+        for i, piece in enumerate(pieces)
+    )
+
+
+_PROMPT_SHOWN = "[prompt text]"
+_QUOTES = re.compile(r"""['"`]""")
+#: Where a cut ended a piece of text: after an ellipsis ("…", or three dots).
+_AFTER_CUT = re.compile(r"(?<=…)|(?<=\.\.\.)(?!\.)")
+#: The most quoted runs (and cut tails) searched for in the prompt, each a search
+#: through all of it: an error text full of quote marks (a body of JSON, say) stays
+#: cheap to store.
+_MAX_QUOTE_SEARCHES = 64
+
+
+class _Budget:
+    __slots__ = ("left", "longest")
+
+    def __init__(self, left: int, longest: int) -> None:
+        self.left = left
+        self.longest = longest  # no quoted run longer than this is prompt text
+
+    def prompt_text(self, run: str, forms: list[str]) -> bool:
+        """Whether ``run`` (a quoted run, its cut's ellipsis aside) is prompt text."""
+        core = run.removesuffix("...").removesuffix("…").strip()
+        if len(core) < 8 or len(run) > self.longest or self.left <= 0:
+            return False
+        self.left -= 1
+        return any(core in form for form in forms)
+
+
+def _piece_without_prompt(piece: str, forms: list[str], budget: _Budget, *, after_cut: bool) -> str:
+    cut = len(piece) - len(_cut_mark(piece))
+    if after_cut:
+        # What follows a cut up to the first quote mark was inside a quote the cut
+        # opened ('first...last': this is "last").
+        first = _QUOTES.search(piece)
+        end = first.start() if first is not None else cut
+        if budget.prompt_text(piece[:end], forms):
+            piece = _PROMPT_SHOWN + piece[end:]
+            cut += len(_PROMPT_SHOWN) - end
+    piece = _without_cut_prompt(piece, forms, budget)
+    cut = len(piece) - len(_cut_mark(piece))
     spans: list[tuple[int, int]] = []
     reached = 0
-    longest = max(map(len, forms), default=0)
-    searches = _MAX_QUOTE_SEARCHES
-    # The text may end inside a quote: cut short (to 300 characters when its error was
-    # made, say), its closing mark gone.  Such a quote runs to the cut.
-    cut = len(text) - len(_cut_mark(text))
-    for mark in _QUOTES.finditer(text):
+    for mark in _QUOTES.finditer(piece):
         start = mark.end()
         if start <= reached:
             continue  # inside a quote already taken
-        end = text.find(mark.group(), start)
+        end = piece.find(mark.group(), start, cut)
         if end < 0:
-            end = cut
-        if end - start > longest + 4:  # (longer than any prompt text, "...")
-            continue
-        core = text[start:end].removesuffix("...").removesuffix("…").strip()
-        if len(core) < 8:
-            continue
-        if any(core in form for form in forms):
+            end = cut  # its closing mark cut off: the quote runs to the cut
+        if budget.prompt_text(piece[start:end], forms):
             spans.append((start, end))
             reached = end
-        searches -= 1
-        if not searches:
+        if budget.left <= 0:
             break
     for start, end in reversed(spans):
-        text = text[:start] + _PROMPT_SHOWN + text[end:]
-    return text
+        piece = piece[:start] + _PROMPT_SHOWN + piece[end:]
+    return piece
 
 
 def _cut_mark(text: str) -> str:
@@ -171,32 +208,43 @@ def _cut_mark(text: str) -> str:
     return ""
 
 
-def _without_cut_prompt(text: str, forms: list[str]) -> str:
+def _without_cut_prompt(text: str, forms: list[str], budget: _Budget) -> str:
     """``text`` without a tail (of 8 or more characters) that is how a prompt text
     begins: an echo cut short, quoted or not, by the upstream or by a limit on the
     text's length.  A cut's ellipsis stays."""
     mark = _cut_mark(text)
     body = text[: len(text) - len(mark)]
-    searches = _MAX_QUOTE_SEARCHES
     for form in forms:
-        probe = form[:8]
-        at = body.find(probe)
-        while at >= 0 and searches:
-            searches -= 1
-            if form.startswith(body[at:]):
-                return body[:at] + _PROMPT_SHOWN + mark
-            at = body.find(probe, at + 1)
+        # A tail of 16 characters or more is found by its first 16 (a common run of
+        # 8, "########", could match all over the text); a shorter one directly.
+        probe = form[:16]
+        if len(probe) == 16:
+            at = body.find(probe)
+            while at >= 0 and budget.left > 0:
+                budget.left -= 1
+                if form.startswith(body[at:]):
+                    return body[:at] + _PROMPT_SHOWN + mark
+                at = body.find(probe, at + 1)
+        for size in range(min(15, len(body), len(form)), 7, -1):
+            if form.startswith(body[-size:]):
+                return body[:-size] + _PROMPT_SHOWN + mark
     return text
 
 
 def _json_forms(piece: str) -> list[str]:
-    """``piece``, and how JSON writes it inside a string (escaped, and with non-ASCII
-    escaped too), each once."""
+    """``piece``, and how JSON encoders write it inside a string: escaped as Python
+    does (with non-ASCII escaped or not), as Go does (``&``, ``<``, ``>`` escaped too)
+    and as PHP does (``/`` escaped too); each once."""
     forms = [piece]
     for escaped in (json.dumps(piece, ensure_ascii=False)[1:-1], json.dumps(piece)[1:-1]):
-        if escaped not in forms:
-            forms.append(escaped)
+        for form in (escaped, _go_escaped(escaped), escaped.replace("/", "\\/")):
+            if form not in forms:
+                forms.append(form)
     return forms
+
+
+def _go_escaped(text: str) -> str:
+    return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
 
 
 def prompt_texts(ctx: CallContext) -> list[str]:
