@@ -942,7 +942,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = No
     probably expects the keys to count.
     """
     source = os.environ if env is None else _checked_env(env)
-    if path is None:
+    if not path:  # (--config "", a variable expanded empty: no file named)
         path = locate_config(source)
         if path is None:
             return settings_from_env(source)

@@ -153,13 +153,16 @@ def test_default_reads_polygate_config(
     assert json.loads(capsys.readouterr().out)["source"] == path
 
 
+@pytest.mark.parametrize("flags", [[], ["--config", ""]], ids=["no-flag", "empty-flag"])
 def test_default_reads_environment(
-    clean: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    clean: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    flags: list[str],
 ) -> None:
+    """(An empty --config, a deploy script's variable expanded empty, names no file.)"""
     monkeypatch.setenv("POLYGATE__CHAT__A__BASE_URL", "http://127.0.0.1:8001/v1")
     monkeypatch.setenv("POLYGATE__CHAT__A__API_KEY", KEY)
     monkeypatch.setenv("POLYGATE__BACKEND", f"redis://:{REDIS_PW}@localhost:6379/0")
-    assert main(["check-config"]) == 0
+    assert main(["check-config", *flags]) == 0
     out, err = capsys.readouterr()
     assert "environment" in out
     assert "scopes.chat.sources.a.api_key" in out
