@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 import signal
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,39 @@ async def test_the_cli_reports_a_reload_while_waiting_for_redis_as_applied(
     text = caplog.text
     assert "reload refused" not in text, text
     assert "configuration reloaded: 2 scope(s), served once the governance backend answers" in text
+
+
+async def test_a_reload_that_fails_after_recovery_opened_the_session_leaves_it_serving(
+    own_redis: RedisServer,  # noqa: F811
+) -> None:
+    """review: the reload kept the gateway it started from (the stand-in) across its
+    own await; when the recovery opened the real session meanwhile and the reload's
+    session then failed to open, the reload replaced the live gateway with a stand-in
+    (and the recovery, done, never came back): 503s for good."""
+    import attrs
+
+    from polygate.serve import open_server
+    from polygate.serve._app import Gateway
+
+    from ._serve_kit import settings_for
+
+    own_redis.kill()
+    backend = f"{own_redis.url}?prefix=race-{secrets.token_hex(4)}&timeout_s=0.3"
+    first = settings_for("http://127.0.0.1:9/v1", backend=backend)
+    second = attrs.evolve(first, serve=attrs.evolve(first.serve, models={"renamed": "chat"}))
+    async with open_server(first, port=0) as server:
+        standin = server._current
+        live = Gateway(first, standin.session)  # stands for the session recovery opened
+        live.session = object()  # (anything but an UnavailableSession)
+
+        async def start(generation: Any, settings: Any) -> Any:
+            server._current = live  # the recovery won the race during this await ...
+            raise GovernanceBackendError("redis went away again")  # ... then this failed
+
+        server._sessions.start = start  # type: ignore[assignment]
+        with pytest.raises(GovernanceBackendError):
+            await server.reload(second)
+        assert server._current is live  # still serving
+        assert (server.metrics.reloads, server.settings) == (0, first)
+        server._current = standin  # (the stand-in closes with the server)
+        await server.shutdown(grace_s=1)

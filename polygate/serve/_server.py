@@ -187,6 +187,9 @@ class Server:
         try:
             new: Gateway = await self._sessions.start(self._generation, settings)
         except GovernanceBackendError as exc:
+            # Re-read: a recovery may have opened the real session meanwhile, which
+            # this failure must not replace with a stand-in.
+            old = self._current
             if isinstance(old.session, UnavailableSession):
                 # In force all the same: the settings the server keeps trying.
                 self._current = Gateway(settings, UnavailableSession(settings, str(exc)))
