@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import secrets
 import signal
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
