@@ -1119,3 +1119,15 @@ def test_an_unknown_serve_key_lists_each_known_key_once() -> None:
         settings_from_env({**_ENV_BASE, "POLYGATE__SERVE__COLOUR": "blue"})
     listed = str(info.value).split("serve keys are ", 1)[1].split(", ")
     assert "API_KEYS" in listed and len(listed) == len(set(listed)), listed
+
+
+def test_a_long_environment_value_of_the_wrong_type_is_not_quoted() -> None:
+    """review: a key typed only into a number's variable (set under no secret key, so
+    nothing to scrub it by) was quoted in full; and a 5,000-digit value made a 5 KB
+    message.  Short values, the usual slips, are still quoted."""
+    pasted = "sk-proj-0123456789abcdefghij"
+    with pytest.raises(ConfigError, match="a value of 28 characters") as info:
+        settings_from_env({"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CHAT__A__RPM": pasted})
+    assert pasted not in str(info.value)
+    with pytest.raises(ConfigError, match="got 'fast'"):
+        settings_from_env({"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CHAT__A__RPM": "fast"})
