@@ -239,6 +239,11 @@ def _url_problem(value: str) -> str | None:
     userinfo = value.rpartition("@")[0].partition("://")[2]
     if ":" in userinfo and any(c in userinfo for c in "/?#"):
         return _BAD_URL
+    # "user:pa@ss@host": polygate reads the credentials up to the last "@", libpq up to
+    # the first, and then sends "pa" as the password and quotes "ss@host" as the host
+    # it cannot resolve, in errors that reach the logs.
+    if re.split(r"[/?#]", value.partition("://")[2], maxsplit=1)[0].count("@") > 1:
+        return _BAD_URL
     return None
 
 

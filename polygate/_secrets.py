@@ -178,6 +178,11 @@ def url_secrets(url: str) -> tuple[str, ...]:
     if sep and at and ":" in userinfo:
         password = userinfo.split(":", 1)[1]
         found += [userinfo, password, unquote(password)]
+        # An unencoded "@" in the password (refused as a setting; polygate stats --db
+        # takes any URL): a parser that splits at the first "@" reads the rest as the
+        # host and quotes it in its errors.
+        found += userinfo.split("@")
+        found += password.split("@")
     return tuple(dict.fromkeys(s for s in found if len(s) >= MIN_SECRET_LEN))
 
 

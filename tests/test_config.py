@@ -416,3 +416,25 @@ def test_a_fallback_reason_that_ends_in_a_line_break_is_refused() -> None:
     with pytest.raises(ConfigError, match="fallback_on"):
         polygate.Scope(sources=[source], fallback="b", fallback_on=("status:413\n",))
     assert polygate.Scope(sources=[source], fallback="b", fallback_on=("status:413",)).fallback_on
+
+
+@pytest.mark.parametrize("field", ["telemetry", "backend", "cache"])
+def test_an_unencoded_at_in_a_urls_credentials_is_refused(field: str) -> None:
+    """review: polygate reads credentials up to the last "@", libpq (and others) up to
+    the first: 'app:hunter2@supersecretword@db' sent "hunter2" as the password and
+    quoted "supersecretword@db" as a host it could not resolve, in logs and
+    statistics."""
+    scheme = {"telemetry": "postgresql", "backend": "redis", "cache": "redis"}[field]
+    url = f"{scheme}://app:hunter2@supersecretword@127.0.0.1:1/{'db' if field == 'telemetry' else '0'}"
+    with pytest.raises(ConfigError, match="percent-encode it") as info:
+        Settings(scopes={"c": Scope(sources=[src()])}, **{field: url})
+    assert "hunter2" not in str(info.value) and "supersecretword" not in str(info.value)
+    Settings(scopes={"c": Scope(sources=[src()])},  # percent-encoded, it is fine
+             **{field: url.replace("hunter2@supersecretword", "hunter2%40supersecretword")})
+
+
+def test_every_piece_of_credentials_with_an_unencoded_at_is_a_secret() -> None:
+    from polygate._secrets import url_secrets
+
+    found = url_secrets("postgresql://app:hunter2@supersecretword@127.0.0.1:1/db")
+    assert {"hunter2", "supersecretword"} <= set(found)
