@@ -382,3 +382,25 @@ def test_stats_reads_one_snapshot(
     finally:
         sink.close()
     assert (r["calls"], r["attempts"]) == (5, 5)
+
+
+async def test_polygate_stats_on_a_locked_table_gives_up(
+    autojump_clock: trio.testing.MockClock, pg_url: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """review: with a table locked (VACUUM FULL, CLUSTER, a retention TRUNCATE), the
+    stats reader waited for as long as the lock was held, printing nothing."""
+    import psycopg
+
+    from polygate.telemetry import _postgres
+
+    async with polygate.session(_settings(pg_url), transport=Router({"a": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)
+    monkeypatch.setattr(_postgres, "READER_LOCK_TIMEOUT_MS", 300)
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("LOCK TABLE calls IN ACCESS EXCLUSIVE MODE")
+        code = await trio.to_thread.run_sync(cli_main, ["stats", "--db", pg_url])
+    out, err = capsys.readouterr()
+    assert code == 1, (out, err)
+    assert "lock timeout" in err and PG_PASSWORD not in out + err, err
+    assert err.startswith("polygate stats: cannot read "), err

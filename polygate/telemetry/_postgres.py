@@ -279,6 +279,12 @@ class PostgresSink:
             self._discard()
 
 
+#: How long ``polygate stats`` waits for a lock on a table (VACUUM FULL, CLUSTER, a
+#: retention TRUNCATE hold one), and for any one statement: bounded, never a hang.
+READER_LOCK_TIMEOUT_MS = 10_000
+READER_STATEMENT_TIMEOUT_MS = 600_000
+
+
 class PostgresReader:
     """Read-only access for ``polygate stats``."""
 
@@ -288,7 +294,11 @@ class PostgresReader:
         psycopg = _psycopg()
         self.where = mask_url(url)
         try:
-            self._conn = _connect(url, "SET default_transaction_read_only = on")
+            self._conn = _connect(
+                url, "SET default_transaction_read_only = on",
+                f"SET lock_timeout = {int(READER_LOCK_TIMEOUT_MS)}",
+                f"SET statement_timeout = {int(READER_STATEMENT_TIMEOUT_MS)}",
+            )
         except psycopg.Error as exc:
             raise ConfigError(f"cannot connect to {self.where}: {_explain(url, exc)}") from None
 
