@@ -129,7 +129,7 @@ def _without_prompt(text: str, prompt: Sequence[str]) -> str:
     quoted (its opening was cut off), and a tail that is how a message text begins is
     replaced, quoted or not.  Cheap on purpose: C-speed substring searches, at most
     64 of them through the prompt, on an error path."""
-    forms = [form for piece in prompt if len(piece) >= 8 for form in _json_forms(piece)]
+    forms = [form for piece in prompt if len(piece) >= 8 for form in _json_forms(piece, text)]
     if not forms:
         return text
     for form in forms:
@@ -231,13 +231,24 @@ def _without_cut_prompt(text: str, forms: list[str], budget: _Budget) -> str:
     return text
 
 
-def _json_forms(piece: str) -> list[str]:
-    """``piece``, and how JSON encoders write it inside a string: escaped as Python
-    does (with non-ASCII escaped or not), as Go does (``&``, ``<``, ``>`` escaped too)
-    and as PHP does (``/`` escaped too); each once."""
+def _json_forms(piece: str, text: str) -> list[str]:
+    """``piece``, and how JSON encoders write it inside a string, each once: escaped as
+    Python does (with non-ASCII escaped or not), as Go does (``&``, ``<``, ``>``
+    escaped too) and as PHP does (``/`` escaped too).  Only the spellings ``text`` can
+    hold: an escaped form differs from the piece only in its escapes, so in a text
+    without them it matches nothing the piece does not (and a prompt of megabytes is
+    not copied seven times for every error row)."""
     forms = [piece]
-    for escaped in (json.dumps(piece, ensure_ascii=False)[1:-1], json.dumps(piece)[1:-1]):
-        for form in (escaped, _go_escaped(escaped), escaped.replace("/", "\\/")):
+    if "\\" not in text:
+        return forms
+    spellings = [json.dumps(piece, ensure_ascii=False)[1:-1]]
+    if "\\u" in text:
+        spellings.append(json.dumps(piece)[1:-1])
+    go = any(escape in text for escape in ("\\u0026", "\\u003c", "\\u003e"))
+    php = "\\/" in text
+    for escaped in spellings:
+        for form in (escaped, _go_escaped(escaped) if go else escaped,
+                     escaped.replace("/", "\\/") if php else escaped):
             if form not in forms:
                 forms.append(form)
     return forms
