@@ -718,6 +718,21 @@ def test_settling_after_redis_died_returns_the_answer(own_redis: RedisServer) ->
     trio.run(body)
 
 
+async def _abandoned_admissions_voided(s: Any, n: int) -> list[Any]:
+    """Waits until the backend has voided ``n`` abandoned admissions (late replies
+    drained after Redis came back), checks nothing is left in flight or reserved, and
+    returns the sources' states."""
+    backend = s._runtime.governor.backend
+    with trio.fail_after(5):
+        while backend.statistics().abandoned_voided < n:  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    assert backend.statistics().abandoned == n
+    states = [source.state for source in (await s.statistics()).governance.sources]
+    for state in states:
+        assert (state.in_flight, state.tokens_reserved) == (0, 0)
+    return states
+
+
 def test_a_hung_redis_fails_calls_within_the_bound(own_redis: RedisServer) -> None:
     """SIGSTOP: the server accepts bytes and answers nothing.  Calls fail closed after
     ``timeout_s``; once it runs again, the late replies are drained and calls succeed."""
@@ -750,24 +765,14 @@ def test_a_hung_redis_fails_calls_within_the_bound(own_redis: RedisServer) -> No
             assert (await s.chat(MESSAGES)).text
             # The two admissions ran when Redis woke up, their answers long given up on:
             # voided after the next success, not left to their 15-second leases.
-            backend = s._runtime.governor.backend
-            with trio.fail_after(5):
-                while backend.statistics().abandoned_voided < 2:  # noqa: ASYNC110
-                    await trio.sleep(0.01)
-            assert backend.statistics().abandoned == 2
-            for source in (await s.statistics()).governance.sources:
-                state = source.state
-                assert (state.in_flight, state.tokens_reserved) == (0, 0)
+            sources = await _abandoned_admissions_voided(s, 2)
+            for state in sources:
                 if state.source == "a":  # two calls sent, two voided
                     assert (state.admissions, state.requests_in_window) == (4, 2)
                     assert state.released_total == state.settled_total == state.reserved_total // 2
         assert up.statistics().requests == 2
 
     trio.run(body)
-
-
-if __name__ == "__main__":
-    worker_main()
 
 
 def test_a_hung_redis_holds_a_call_no_longer_than_its_deadline(own_redis: RedisServer) -> None:
@@ -798,12 +803,7 @@ def test_a_hung_redis_holds_a_call_no_longer_than_its_deadline(own_redis: RedisS
             finally:
                 own_redis.proc.send_signal(signal.SIGCONT)
             assert (await s.chat(MESSAGES)).text
-            backend = s._runtime.governor.backend
-            with trio.fail_after(5):
-                while backend.statistics().abandoned_voided < 1:  # noqa: ASYNC110
-                    await trio.sleep(0.01)
-            for source in (await s.statistics()).governance.sources:
-                assert (source.state.in_flight, source.state.tokens_reserved) == (0, 0)
+            await _abandoned_admissions_voided(s, 1)
         assert up.statistics().requests == 2
 
     trio.run(body)
@@ -890,3 +890,7 @@ def b_module() -> Any:
     from polygate.governance import _redis
 
     return _redis
+
+
+if __name__ == "__main__":
+    worker_main()
