@@ -446,15 +446,16 @@ class Breaker:
     of failures over ``failure_rate``.  It stays open ``open_s``, then half-opens: one
     probe at a time, and ``probes`` successes in a row close it.  A failed probe opens it
     again for twice as long as the time before, jittered (× 0.5–1), up to
-    ``max_open_s`` — short for a blip, patient with a real outage, and never so long
-    that a recovered source waits minutes for traffic."""
+    ``max_open_s`` (``None``: ``open_s``, so no re-opening outlasts the first).  The
+    defaults, 5 failures and 30 s, then one probe, give an outage a probe every 15–30 s
+    and a recovered source traffic within 30 s of its next request."""
 
     failures: int = attrs.field(default=5, validator=_pos_int)
     failure_rate: float = attrs.field(default=0.5)
     rate_window: int = attrs.field(default=20, validator=_pos_int)
     rate_min_calls: int = attrs.field(default=10, validator=_pos_int)
-    open_s: float = attrs.field(default=5.0, validator=_positive)
-    max_open_s: float = attrs.field(default=20.0, validator=_positive)
+    open_s: float = attrs.field(default=30.0, validator=_positive)
+    max_open_s: float | None = attrs.field(default=None, validator=_opt_positive)
     probes: int = attrs.field(default=1, validator=_pos_int)
 
     @failure_rate.validator
@@ -463,7 +464,7 @@ class Breaker:
             raise _bad(self, "failure_rate", f"must be a number in (0, 1], got {value!r}")
 
     def __attrs_post_init__(self) -> None:
-        if self.max_open_s < self.open_s:
+        if self.max_open_s is not None and self.max_open_s < self.open_s:
             raise _bad(
                 self, "max_open_s", f"({self.max_open_s}) must be >= open_s ({self.open_s})"
             )

@@ -459,7 +459,7 @@ def test_breaker_never_skips_a_state(h: Harness) -> None:
 def test_a_failed_probe_doubles_the_open_period_up_to_the_cap(h: Harness) -> None:
     """A breaker that recovers: each failed probe in a row doubles the open period
     (times the settle's jitter), up to ``max_open_s``; a successful probe closes it and
-    the next opening starts from ``open_s`` again."""
+    the next opening starts from ``open_s`` again, unjittered."""
     base = h.window / 8
     policy = BreakerPolicy(failures=1, open_s=base, max_open_s=base * 3, rate_min_calls=100)
 
@@ -485,13 +485,32 @@ def test_a_failed_probe_doubles_the_open_period_up_to_the_cap(h: Harness) -> Non
             await b.settle(settle(probe, 1, Feedback.SUCCESS, breaker=policy))
             assert (await snap(b)).breaker is BreakerState.CLOSED
             a = await granted(b, ask(breaker=policy))
-            await b.settle(settle(a, None, Feedback.FAILURE, breaker=policy, jitter=1.0))
+            await b.settle(settle(a, None, Feedback.FAILURE, breaker=policy, jitter=0.5))
             periods.append(await opened_for(b))
         # base, 2 × base, min(4 × base, cap) × 0.5, cap; then base again after closing
+        # (a first opening is never jittered: exactly open_s)
         expected = [base, 2 * base, 1.5 * base, 3 * base, base]
         tolerance = EPS + (0.05 * h.window if h.kind == "redis" else 0)
         for got, want in zip(periods, expected, strict=True):
             assert want - tolerance <= got <= want + EPS, (periods, expected)
+
+    h.run(body)
+
+
+def test_a_first_opening_lasts_exactly_open_s_whatever_the_jitter(h: Harness) -> None:
+    """The settle's jitter spreads re-openings only: a breaker that opens for the first
+    time stays open ``open_s`` (review: it was ``open_s`` × jitter, down to half)."""
+    policy = BreakerPolicy(failures=1, open_s=h.window / 2, max_open_s=h.window, rate_min_calls=100)
+
+    async def body() -> None:
+        async with h.backend() as b:
+            a = await granted(b, ask(breaker=policy))
+            await b.settle(settle(a, None, Feedback.FAILURE, breaker=policy, jitter=0.5))
+            start = b.now()
+            refusal = await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
+            assert refusal.retry_at is not None
+            tolerance = EPS + (0.05 * h.window if h.kind == "redis" else 0)
+            assert policy.open_s - tolerance <= refusal.retry_at - start <= policy.open_s + EPS
 
     h.run(body)
 

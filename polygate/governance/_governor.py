@@ -102,7 +102,8 @@ def _policy(breaker: Breaker) -> BreakerPolicy:
     return BreakerPolicy(
         failures=breaker.failures, open_s=breaker.open_s, failure_rate=breaker.failure_rate,
         rate_window=breaker.rate_window, rate_min_calls=breaker.rate_min_calls,
-        max_open_s=breaker.max_open_s, probes=breaker.probes,
+        max_open_s=breaker.open_s if breaker.max_open_s is None else breaker.max_open_s,
+        probes=breaker.probes,
     )
 
 
@@ -279,8 +280,9 @@ class Governor:
             dead = True
         await self.backend.settle(SettleRequest(
             admission, tokens, feedback, self._breakers[admission.scope], sent, cooldown, dead,
-            # Equal jitter on any open period this settle starts: processes sharing a
-            # backend, and sources that failed together, do not re-probe in step.
+            # Equal jitter on a re-opening this settle starts (a failed probe's): sources
+            # that failed together, and processes each holding a memory breaker, do not
+            # re-probe in step.  The first opening stays exactly open_s.
             jitter=0.5 + 0.5 * self._rng.random() if feedback is Feedback.FAILURE else 1.0,
         ))
         health = self._health.get((admission.scope, admission.source))

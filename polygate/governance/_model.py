@@ -53,22 +53,25 @@ class RefusalReason(str, enum.Enum):
 class BreakerPolicy:
     """Opens after ``failures`` consecutive failures, or when at least ``rate_min_calls``
     of the last ``rate_window`` outcomes include a share over ``failure_rate``; stays
-    open ``open_s`` (× the settle's jitter), then half-opens: one probe at a time, and
-    ``probes`` successes in a row close it.  A failed probe re-opens it for
-    ``open_s × 2^n`` (n failed probes in a row), capped at ``max_open_s``, × jitter."""
+    open ``open_s``, then half-opens: one probe at a time, and ``probes`` successes in a
+    row close it.  A failed probe re-opens it for ``open_s × 2^n`` (n failed probes in a
+    row), capped at ``max_open_s``, × the settle's jitter."""
 
     failures: int = 5
-    open_s: float = 5.0
+    open_s: float = 30.0
     failure_rate: float = 0.5
     rate_window: int = 20
     rate_min_calls: int = 10
-    max_open_s: float = 20.0
+    max_open_s: float = 30.0
     probes: int = 1
 
     def open_for(self, reopens: int, jitter: float) -> float:
         """How long to stay open after ``reopens`` failed probes in a row."""
         nominal = min(self.max_open_s, self.open_s * 2.0 ** min(reopens, 30))
-        return nominal * jitter
+        # The first opening is exactly open_s, the period the settings promise; only
+        # re-openings are jittered, so that sources whose probes failed together, or
+        # processes each holding a memory breaker, spread their next probes.
+        return nominal if reopens == 0 else nominal * jitter
 
 
 @attrs.frozen

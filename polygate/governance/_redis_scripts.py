@@ -286,11 +286,14 @@ end
 
 -- The breaker: closed -> open -> half_open -> (closed | open); never skips a state.
 -- Opening sets 'op', this opening's period: open_us * 2^rn (rn: failed probes in a
--- row), capped at max_open_us, times the caller's jitter (the memory backend's rule).
+-- row), capped at max_open_us, times the caller's jitter from the first re-opening on
+-- (the memory backend's rule: the first opening is exactly open_us).
 local function open_breaker(reopens)
   local nominal = math.min(max_open_us, open_us * (2 ^ math.min(reopens, 30)))
+  local j = jitter
+  if reopens == 0 then j = 1 end
   redis.call('HSET', K_STATE, 'br', 'o', 'oa', now, 'rn', reopens,
-             'op', math.floor(nominal * jitter), 'pk', 0)
+             'op', math.floor(nominal * j), 'pk', 0)
 end
 if probe then redis.call('HSET', K_STATE, 'pr', '') end
 if fb ~= 'n' then
