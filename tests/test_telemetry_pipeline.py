@@ -368,6 +368,43 @@ async def test_stalled_sink_in_real_time(
     assert (await s.statistics()).telemetry.dropped == 400
 
 
+async def test_queued_content_is_bounded_in_characters(
+    monkeypatch: pytest.MonkeyPatch, stalled: StalledSink
+) -> None:
+    """review: the channel was bounded in rows only, so with ``log_content=True`` a
+    stalled sink held 10,000 rows of whatever size (1 MB prompts: 10 GB).  Content is
+    bounded too: a row whose content would go over is dropped and counted as the
+    channel being full; rows without content still queue; once the sink writes again,
+    content queues again and every row is written or dropped."""
+    _use(monkeypatch, stalled, capacity=1000, linger_s=0, shutdown_timeout_s=5,
+         max_queued_content=3_500_000)
+    settings = attrs.evolve(two_source_settings(names=("a",)), log_content=True)
+    big = [{"role": "user", "content": "x" * 1_000_000}]
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        pipeline = s._telemetry.pipeline
+        for _ in range(10):
+            await s.chat(big)
+            assert pipeline.counters.queued_content <= 3_500_000
+        stats = (await s.statistics()).telemetry
+        # at most three contents queued beside the stalled write's rows; every attempt
+        # row (no content) queued
+        assert stats.dropped_queue_full + stats.queued + stats.in_flight == 20
+        assert stats.dropped_queue_full >= 10 - 3 - stats.in_flight
+        await trio.to_thread.run_sync(stalled.entered.wait, 5)
+        stalled.release.set()
+        with trio.fail_after(10):  # the sink's thread works in real time: wait for it
+            while stats.queued or stats.in_flight:
+                await trio.sleep(0.01)
+                stats = (await s.statistics()).telemetry
+        assert pipeline.counters.queued_content == 0
+        await s.chat(big)
+    stats = (await s.statistics()).telemetry
+    assert stats.written + stats.dropped == 2 * 11
+    assert stats.dropped == stats.dropped_queue_full
+    assert stalled.calls[-1].content is not None and len(stalled.calls[-1].content) > 1_000_000
+    assert pipeline.counters.queued_content == 0
+
+
 async def test_a_sink_that_recovers_writes_again(
     monkeypatch: pytest.MonkeyPatch, stalled: StalledSink
 ) -> None:

@@ -71,22 +71,31 @@ class TelemetryRecorder:
         output: Mapping[str, Any] | None = None,
     ) -> None:
         try:
-            event: Event = call_event(
+            event = call_event(
                 ctx, stats, usage, error, _wall_offset(), session_id=self.session_id,
                 log_content=self._log_content, secrets=self._secrets, output=output,
             )
         except Exception:
             self._counters.recorder_errors += 1
             return
-        self._put(event)
+        size = len(event.content) if event.content else 0
+        counters = self._counters
+        if size and counters.queued_content + size > counters.max_queued_content:
+            counters.drop_full()  # full in characters of content, not in rows
+            return
+        if self._put(event):
+            counters.queued_content += size
 
-    def _put(self, event: Event) -> None:
+    def _put(self, event: Event) -> bool:
         try:
             self._send.send_nowait(event)
         except trio.WouldBlock:
             self._counters.drop_full()
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             self._counters.drop_closed()
+        else:
+            return True
+        return False
 
 
 def _wall_offset() -> float:

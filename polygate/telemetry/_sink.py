@@ -47,9 +47,16 @@ from .._errors import redact
 from .._threads import run_sync
 from ._events import AttemptEvent, CallEvent, Event, SessionEvent
 
-__all__ = ["Batch", "Pipeline", "Sink", "TelemetryStatistics", "real_time_bound"]
+__all__ = [
+    "MAX_QUEUED_CONTENT", "Batch", "Pipeline", "Sink", "TelemetryStatistics", "real_time_bound",
+]
 
 logger = logging.getLogger("polygate.telemetry")
+
+#: The most characters of ``log_content`` text queued at once.  The channel is bounded
+#: in rows; with prompts of megabytes a stalled sink would hold gigabytes in 10,000
+#: rows.  A row whose content would go over is dropped as if the channel were full.
+MAX_QUEUED_CONTENT = 64 * 2**20
 
 
 @attrs.frozen
@@ -128,6 +135,8 @@ class Counters:
         "dropped_sink_error",
         "last_error",
         "log_interval_s",
+        "max_queued_content",
+        "queued_content",
         "recorder_errors",
         "secrets",
         "write_errors",
@@ -135,6 +144,10 @@ class Counters:
     )
 
     def __init__(self, log_interval_s: float = 60.0, secrets: tuple[str, ...] = ()) -> None:
+        # Characters of content in rows queued in the channel (MAX_QUEUED_CONTENT):
+        # added by the recorder as it queues a row, taken off as the flusher takes it.
+        self.queued_content = 0
+        self.max_queued_content = MAX_QUEUED_CONTENT
         self.written = 0
         self.dropped_queue_full = 0
         self.dropped_sink_error = 0
@@ -244,6 +257,7 @@ class Pipeline:
         summary_interval_s: float = 10.0,
         log_interval_s: float = 60.0,
         secrets: tuple[str, ...] = (),
+        max_queued_content: int = MAX_QUEUED_CONTENT,
     ) -> None:
         self.sink = sink
         self.session_id = session_id
@@ -255,6 +269,7 @@ class Pipeline:
         self.shutdown_timeout_s = shutdown_timeout_s
         self.summary_interval_s = summary_interval_s
         self.counters = Counters(log_interval_s, secrets)
+        self.counters.max_queued_content = max_queued_content
         self.send, self._receive = trio.open_memory_channel[Event](capacity)
         self._limiter = trio.CapacityLimiter(1)
         self._started_at = time.time()
@@ -329,7 +344,16 @@ class Pipeline:
                 events.append(receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
+        self._dequeued(events)
         return events
+
+    def _dequeued(self, events: Sequence[Event]) -> None:
+        """Events have left the channel: their content no longer counts as queued."""
+        counters = self.counters
+        if counters.queued_content:
+            counters.queued_content -= sum(
+                len(e.content) for e in events if type(e) is CallEvent and e.content
+            )
 
     async def _write(self, events: Sequence[Event], summary: SessionEvent | None) -> bool:
         """Write a batch; whether it landed (nothing to write lands too)."""
@@ -471,6 +495,7 @@ class Pipeline:
             try:
                 out.append(self._receive.receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                self._dequeued(out)
                 return out
 
     def statistics(self) -> TelemetryStatistics:
