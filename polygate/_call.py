@@ -395,6 +395,11 @@ async def _same_source(
         await trio.sleep_until(refusal.retry_at)
 
 
+def _texts(inputs: Sequence[Any]) -> list[str]:
+    """An embed's text inputs (others are token ids)."""
+    return [text for text in inputs if isinstance(text, str)]
+
+
 def _deadline_at(ctx: CallContext, deadline_s: float | None) -> float | None:
     return ctx.started_at + deadline_s if deadline_s is not None else None
 
@@ -716,7 +721,8 @@ async def run_embed(
     numbering of attempts, shared by all of its runs."""
     scope = runtime.settings.scopes[scope_name]
     began = trio.current_time() if started_at is None else started_at
-    ctx = CallContext(runtime, scope_name, scope, "embed", began, params=params)
+    ctx = CallContext(runtime, scope_name, scope, "embed", began, params=params,
+                      input_texts=_texts(inputs))
     if live is not None:
         live.append(ctx)
     if part_of is not None:

@@ -186,6 +186,9 @@ class CallContext:
     messages: Sequence[Mapping[str, Any]] = ()
     messages_json: str = "[]"  # encoded once per call, spliced into every attempt's body
     params: Mapping[str, Any] = attrs.field(factory=dict)
+    # The caller's texts that are not messages (an embed's inputs, an OCR prompt):
+    # like the messages, telemetry never stores them unless asked (log_content).
+    input_texts: Sequence[str] = ()
     prompt_estimate: int = 0
     completion_estimate: int = 0
     logical_call_id: str = attrs.field(factory=new_call_id)

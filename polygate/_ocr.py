@@ -118,7 +118,13 @@ async def run_ocr(
     # The logical call starts here: opening the document (reading it, a renderer
     # parsing a PDF — maybe starting first) is inside its one deadline and hears its
     # cancellation.
-    ctx = CallContext(runtime, scope_name, scope, "ocr", trio.current_time(), params=params)
+    # The caller's own prompt and a URL document (a signed URL holds a credential) are
+    # kept out of telemetry as messages are; the default prompt is nobody's secret.
+    own = [text_prompt] if text_prompt != DEFAULT_PROMPT else []
+    if isinstance(document, str):
+        own.append(document)
+    ctx = CallContext(runtime, scope_name, scope, "ocr", trio.current_time(), params=params,
+                      input_texts=own)
 
     async def body() -> OcrResponse:
         opened = await open_document(document, settings, runtime.renderers)

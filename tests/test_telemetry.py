@@ -281,6 +281,46 @@ async def test_an_error_that_quotes_the_prompt_stores_no_prompt(
             assert b"ZQXMARKER4242" not in db.read_bytes()
 
 
+@pytest.mark.parametrize("kind", ["embed", "embed-cached", "ocr-prompt", "ocr-url"])
+async def test_an_error_that_quotes_an_input_that_is_not_a_message_stores_no_input(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, kind: str
+) -> None:
+    """Outside review (2026-12-03): the quoted-prompt rule looked at chat messages only,
+    so with ``log_content=False`` an embedding input an upstream's 400 quoted (and an
+    OCR call's own prompt, or its document's signed URL) was stored in both rows."""
+    from .test_ocr import image_bytes, ocr_settings
+
+    secret = "https://files.example/scan.png?sig=ZQXMARKER4242" if kind == "ocr-url" \
+        else "patient ZQXMARKER4242 diagnosis notes"
+    body = {"error": {"message": f"Invalid input[0]: '{secret}' is not allowed"}}
+    for log_content in (False, True):
+        db = tmp_path / f"{log_content}.db"
+        up = FakeUpstream(Reply(status=400, error_body=body))
+        if kind.startswith("embed"):
+            settings = polygate.Settings(scopes={"embed": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+                cache_ttl_s=60 if kind == "embed-cached" else None,
+            )}, cache="memory" if kind == "embed-cached" else "off")
+        else:
+            settings = ocr_settings()
+        settings = _with_telemetry(settings, db, log_content=log_content)
+        async with polygate.session(settings, transport=Router({"a": up})) as s:
+            with pytest.raises(polygate.FatalUpstreamError):
+                if kind.startswith("embed"):
+                    await s.embed([secret, "another input"])
+                elif kind == "ocr-prompt":
+                    await s.ocr(image_bytes("PNG", (64, 64)), prompt=secret)
+                else:
+                    await s.ocr(secret)
+        rows = _rows(db, "calls") + _rows(db, "attempts")
+        assert len(rows) >= 2
+        for row in rows:
+            assert "HTTP 400" in row["error_message"]
+            assert ("ZQXMARKER4242" in row["error_message"]) is log_content, row
+        if not log_content:
+            assert b"ZQXMARKER4242" not in db.read_bytes()
+
+
 MULTILINE_PROMPT = "Summarise my notes ZQXMARKER4242 below.\nLine two of the private notes. é"
 
 

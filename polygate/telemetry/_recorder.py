@@ -268,8 +268,9 @@ def _go_escaped(text: str) -> str:
 
 
 def prompt_texts(ctx: CallContext) -> list[str]:
-    """The text of the call's messages (string contents and text parts)."""
-    texts: list[str] = []
+    """The text of the call's messages (string contents and text parts), and its other
+    input texts (an embed's inputs, an OCR call's own prompt)."""
+    texts: list[str] = list(ctx.input_texts)
     for message in ctx.messages:
         content = message.get("content") if isinstance(message, Mapping) else None
         if isinstance(content, str):
