@@ -441,9 +441,10 @@ class StreamWatch:
 
 @attrs.frozen
 class Breaker:
-    """Each source's circuit breaker.  Opens after ``failures`` consecutive failures, or
-    when at least ``rate_min_calls`` of the last ``rate_window`` outcomes include a share
-    of failures over ``failure_rate``.  It stays open ``open_s``, then half-opens: one
+    """Each source's circuit breaker.  Opens after ``failures`` consecutive failures, or,
+    with a ``failure_rate`` (``None``, the default: no such rule), when at least
+    ``rate_min_calls`` of the last ``rate_window`` outcomes include a share of failures
+    over it.  It stays open ``open_s``, then half-opens: one
     probe at a time, and ``probes`` successes in a row close it.  A failed probe opens it
     again for twice as long as the time before, jittered (× 0.5–1), up to
     ``max_open_s`` (``None``: ``open_s``, so no re-opening outlasts the first).  The
@@ -451,7 +452,7 @@ class Breaker:
     and a recovered source traffic within 30 s of its next request."""
 
     failures: int = attrs.field(default=5, validator=_pos_int)
-    failure_rate: float = attrs.field(default=0.5)
+    failure_rate: float | None = attrs.field(default=None)
     rate_window: int = attrs.field(default=20, validator=_pos_int)
     rate_min_calls: int = attrs.field(default=10, validator=_pos_int)
     open_s: float = attrs.field(default=30.0, validator=_positive)
@@ -459,9 +460,11 @@ class Breaker:
     probes: int = attrs.field(default=1, validator=_pos_int)
 
     @failure_rate.validator
-    def _check_rate(self, attr: attrs.Attribute[float], value: Any) -> None:
+    def _check_rate(self, attr: attrs.Attribute[float | None], value: Any) -> None:
+        if value is None:
+            return
         if not _is_number(value) or not _finite(value) or not 0 < value <= 1:
-            raise _bad(self, "failure_rate", f"must be a number in (0, 1], got {value!r}")
+            raise _bad(self, "failure_rate", f"must be a number in (0, 1] or None, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
         if self.max_open_s is not None and self.max_open_s < self.open_s:

@@ -3,6 +3,7 @@ picking, quotas with reserve/settle, the breaker, permits, cooldowns, waiting.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from collections import Counter
@@ -432,6 +433,26 @@ async def test_the_default_breaker_opens_after_5_failures_for_30_s_then_probes_o
                     await s.chat(MESSAGES, call_deadline_s=5)  # (its end is unknown: waits)
                 assert len(a.requests) == 6
             assert _state(await s.statistics(), "a").breaker is BreakerState.CLOSED
+
+
+async def test_the_default_breaker_opens_on_consecutive_failures_only(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Outside review: the default breaker also opened on a failure rate (over half of
+    the last 20 outcomes, at least 10), so a source failing two calls in three opened
+    with never more than two failures in a row.  The documented default opens after 5
+    consecutive failures only; the rate rule is there when ``failure_rate`` is set."""
+    pattern = [Reply(status=500), Reply(status=500), Reply()] * 10
+    for breaker, opens in ((polygate.Breaker(), False), (polygate.Breaker(failure_rate=0.5), True)):
+        a = FakeUpstream(pattern)
+        settings = _settings(names=("a",), retry=polygate.Retry(max_attempts=1), breaker=breaker)
+        states = []
+        async with polygate.session(settings, transport=Router({"a": a})) as s:
+            for _ in range(30):
+                with contextlib.suppress(polygate.AllSourcesExhausted):
+                    await s.chat(MESSAGES, call_deadline_s=1)
+                states.append(_state(await s.statistics(), "a").breaker)
+        assert (BreakerState.OPEN in states) is opens, states
 
 
 async def test_re_openings_are_jittered(autojump_clock: trio.testing.MockClock) -> None:

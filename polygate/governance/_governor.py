@@ -100,7 +100,9 @@ class GovernanceStatistics:
 
 def _policy(breaker: Breaker) -> BreakerPolicy:
     return BreakerPolicy(
-        failures=breaker.failures, open_s=breaker.open_s, failure_rate=breaker.failure_rate,
+        failures=breaker.failures, open_s=breaker.open_s,
+        # No rate rule: a share of failures can never be over 1.
+        failure_rate=1.0 if breaker.failure_rate is None else breaker.failure_rate,
         rate_window=breaker.rate_window, rate_min_calls=breaker.rate_min_calls,
         max_open_s=breaker.open_s if breaker.max_open_s is None else breaker.max_open_s,
         probes=breaker.probes,

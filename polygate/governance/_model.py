@@ -52,14 +52,15 @@ class RefusalReason(str, enum.Enum):
 @attrs.frozen
 class BreakerPolicy:
     """Opens after ``failures`` consecutive failures, or when at least ``rate_min_calls``
-    of the last ``rate_window`` outcomes include a share over ``failure_rate``; stays
+    of the last ``rate_window`` outcomes include a share over ``failure_rate`` (1.0:
+    never); stays
     open ``open_s``, then half-opens: one probe at a time, and ``probes`` successes in a
     row close it.  A failed probe re-opens it for ``open_s × 2^n`` (n failed probes in a
     row), capped at ``max_open_s``, × the settle's jitter."""
 
     failures: int = 5
     open_s: float = 30.0
-    failure_rate: float = 0.5
+    failure_rate: float = 1.0
     rate_window: int = 20
     rate_min_calls: int = 10
     max_open_s: float = 30.0
