@@ -61,10 +61,11 @@ _TOO_DEEP_ANSWER = (
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 # One Markdown code fence around the whole answer: three or more backticks or tildes,
 # an optional info string (```json, ``` json), closed by the same fence (CommonMark).
-_FENCE = re.compile(
-    r"\A\s*(?P<fence>`{3,}|~{3,})[ \t]*[A-Za-z0-9_+.-]*[ \t]*\r?\n(?P<body>.*?)\r?\n?[ \t]*(?P=fence)\s*\Z",
-    re.S,
-)
+# Only the opening line is a regular expression, and one that cannot backtrack (its
+# classes do not overlap, its trailing blanks are stripped first): a single pattern
+# for the whole answer took quadratic time on a long run of blanks (a 16 KB answer,
+# half a second holding the GIL).
+_FENCE_OPENING = re.compile(r"(`{3,}|~{3,})[ \t]*[A-Za-z0-9_+.-]*\Z")
 
 INSTRUCTION = (
     "Answer with a single JSON value that matches this JSON Schema, and nothing else "
@@ -609,8 +610,23 @@ def _unfenced(text: str) -> str:
     prompt modes); anything else unchanged."""
     if "```" not in text and "~~~" not in text:
         return text
-    match = _FENCE.match(text)
-    return match.group("body") if match else text
+    stripped = text.strip()
+    newline = stripped.find("\n")
+    if newline < 0:
+        return text
+    line = stripped[:newline]
+    opening = _FENCE_OPENING.match((line[:-1] if line.endswith("\r") else line).rstrip(" \t"))
+    if opening is None:
+        return text
+    fence = opening.group(1)
+    if not stripped.endswith(fence):
+        return text
+    # Between the opening line and the closing fence: the blanks before the fence and
+    # one line break (CR LF, LF or CR) are not the body's.
+    body = stripped[newline + 1 : len(stripped) - len(fence)].rstrip(" \t")
+    if body.endswith("\n"):
+        body = body[:-1]
+    return body[:-1] if body.endswith("\r") else body
 
 
 def schema_of(schema: Any) -> Schema:

@@ -105,6 +105,56 @@ async def test_fenced_answer_is_accepted(autojump_clock: trio.testing.MockClock,
     assert r.call_stats.reasks == 0
 
 
+_FENCE_AS_A_REGEX = (
+    # The fence rule as one regular expression (as it was written before): the oracle.
+    r"\A\s*(?P<fence>`{3,}|~{3,})[ \t]*[A-Za-z0-9_+.-]*[ \t]*\r?\n(?P<body>.*?)\r?\n?[ \t]*"
+    r"(?P=fence)\s*\Z"
+)
+
+
+@hsettings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(
+    ["`", "```", "````", "~~~", " ", "\t", "\n", "\r\n", "\r", "json", "{", "}", "x y", "é"]
+), max_size=20).map("".join))
+def test_the_fence_is_read_as_commonmark_writes_it(text: str) -> None:
+    import re
+
+    from polygate._structured import _unfenced
+
+    match = re.match(_FENCE_AS_A_REGEX, text, re.S)
+    assert _unfenced(text) == (match.group("body") if match else text)
+
+
+@pytest.mark.parametrize("text", [
+    '```json\n{"city": "Paris",' + " " * 60_000 + "x",  # blanks, then no closing fence
+    "```" + " " * 60_000 + "json x\n{}\n```",  # blanks in the opening line
+])
+def test_a_fenced_answer_is_read_in_linear_time(text: str) -> None:
+    """Outside review: one regular expression for the whole fenced answer backtracked
+    over a run of blanks, quadratic (a 30 KB answer held the event loop 4 s, a 50 KB
+    one overran its deadline by 4 s from a worker thread that held the GIL)."""
+    from polygate._structured import _unfenced
+
+    started = time.perf_counter()
+    _unfenced(text)
+    assert time.perf_counter() - started < 0.5
+
+
+def test_an_unterminated_string_of_escapes_is_scanned_in_linear_time() -> None:
+    """Outside review: the nesting check's string pattern failed at the end of an
+    unterminated string and started again at every later quote mark: quadratic, run on
+    every answer to a dict schema, every upstream body and every request to the
+    gateway (40 KB: 3.6 s)."""
+    from polygate._json import nested_deeper
+
+    for tail in (b'\\"', b"\\\n"):
+        data = b"[" * 300 + b'"' + tail * 30_000
+        started = time.perf_counter()
+        assert nested_deeper(data, 256)  # the 300 brackets before it still count
+        assert not nested_deeper(data, 300)
+        assert time.perf_counter() - started < 0.5
+
+
 def test_a_fence_closed_by_another_fence_is_no_fence() -> None:
     from polygate._structured import _unfenced
 
