@@ -34,6 +34,12 @@ def parts_text(parts: list[Any]) -> str:
     return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
 
 
+#: The most choices one answer may hold (OpenAI's own bound on ``n``): an upstream
+#: answer with more, or with a choice whose index is at or over it and that carries
+#: something, is malformed (``transport.Limits.max_choices``).
+MAX_CHOICES = 128
+
+
 def choice_index(choice: Mapping[str, Any]) -> int | None:
     """A choice's ``index`` as the wire gives it, or ``None`` when it is malformed.
 
@@ -43,8 +49,8 @@ def choice_index(choice: Mapping[str, Any]) -> int | None:
     not a natural number -- a bool (an ``int`` to Python, not to JSON), a float, a
     string, null, a negative -- is malformed.  Reading ``1.0`` or ``"1"`` as 0
     spliced a second choice's text into the answer, and a negative one sorted
-    before choice 0 and replaced it.  A large index is harmless: it sorts after 0,
-    and how many choices an answer holds is capped."""
+    before choice 0 and replaced it.  An index at or over ``MAX_CHOICES`` is a natural
+    number here; the readers refuse a choice that carries something at one."""
     index = choice.get("index", 0)
     if type(index) is int and index >= 0:  # type, not isinstance: a bool is no index
         return index

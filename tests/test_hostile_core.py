@@ -341,7 +341,8 @@ def test_choice_indexes_in_range_still_assemble_in_order() -> None:
 
     assembler = ChatAssembler()
     assembler.add({"choices": [{"index": 1, "delta": {"content": "one"}}]})
-    assembler.add({"choices": [{"index": 0, "delta": {"content": "zero"}}, {"index": 10**30, "delta": {"content": "x"}}]})
+    assembler.add({"choices": [{"index": 0, "delta": {"content": "zero"}}, {"index": 127, "delta": {"content": "x"}}]})
+    assembler.add({"choices": [{"index": 10**30}]})  # carries nothing: ignored, whatever its index
     assembler.add({"choices": [{"delta": {"content": "!"}}]})  # no index: the first choice
     choices = assembler.build()["choices"]
     assert [c["message"]["content"] for c in choices] == ["zero!", "one", "x"]
@@ -377,6 +378,42 @@ async def test_a_choice_index_that_is_no_natural_number_in_a_json_body_is_malfor
         await stream.send_all(_sized(body))
 
     await _refused_as_bad_index(reply, index, streaming=False)
+
+
+@pytest.mark.parametrize("shape", ["stream", "stream-extras", "json"])
+@pytest.mark.parametrize("index", [128, 60_000])
+async def test_a_choice_index_over_the_cap_on_choices_is_malformed(shape: str, index: int) -> None:
+    """Outside review: the cap on choices counted distinct choices only, so one chunk of
+    choice 60000 was an answer, and the gateway's relay gave it a role chunk for every
+    index below (seconds of its event loop, megabytes to the client).  Indexes run from
+    0 to n - 1: one at or over the cap says more choices than an answer may hold."""
+    if shape == "json":
+        body = json.dumps({"choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "GOOD"}, "finish_reason": "stop"},
+            {"index": index, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop"},
+        ]}).encode()
+
+        async def reply(stream: trio.SocketStream, head: bytes) -> None:
+            await stream.send_all(_sized(body))
+    else:
+        events = [
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "GOOD"}}]},
+            {"choices": [{"index": index, "delta": {"content": "EVIL"} if shape == "stream" else {},
+                          "content_filter_results": {"hate": {"filtered": False}}}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        ]
+        reply = _answers_sse(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                             + b"data: [DONE]\n\n")
+    async with raw_server(reply) as server:
+        source = polygate.Source(name="a", base_url=server.url, api_key="sk-x",
+                                 streaming=shape != "json")
+        scope = polygate.Scope(sources=[source], retry=polygate.Retry(max_attempts=1))
+        async with polygate.session(polygate.Settings(scopes={"chat": scope})) as s:
+            with pytest.raises(polygate.AllSourcesExhausted) as info:
+                await s.chat(MESSAGES)
+    (error,) = info.value.errors
+    assert isinstance(error, polygate.TransientUpstreamError), error
+    assert f"choice index {index}, over the 128 choices one answer may hold" in str(error)
 
 
 async def test_a_json_body_listing_choice_1_first_answers_with_choice_0() -> None:

@@ -452,3 +452,72 @@ def test_the_relay_reshapes_a_chunk_with_an_index_that_is_no_natural_number() ->
         (event,) = [e for e in _events(out) if e["choices"][0]["delta"].get("content")]
         assert event["choices"] == [{"index": 0, "delta": {"content": "GOOD"}, "finish_reason": None}]
     assert shape._finished == set()
+
+
+async def test_a_huge_choice_index_costs_the_gateway_nothing() -> None:
+    """Outside review: one upstream chunk of choice 60000 held the gateway's event loop
+    2.7 s (a role chunk for every index below it, in a list copied at each step) and
+    sent the client 4.8 MB of empty choices.  The library refuses the index (over the
+    cap on choices); the client gets a small error, at once."""
+    import time
+
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 60_000, "delta": {"role": "assistant", "content": "hi"},
+                          "finish_reason": None}]}
+    done = {**chunk, "choices": [{"index": 60_000, "delta": {}, "finish_reason": "stop"}]}
+    data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in (chunk, done))
+    data += b"data: [DONE]\n\n"
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                              b"content-length: %d\r\n\r\n" % len(data) + data)
+
+    async with raw_server(reply) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=up.url)],
+                                           retry=polygate.Retry(max_attempts=1))},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+        async with open_server(settings, port=0) as server:
+            for stream in (False, True):
+                started = time.monotonic()
+                answer = await http(server, "POST", "/v1/chat/completions",
+                                    {"model": "chat", "messages": [{"role": "user", "content": "hi"}],
+                                     "stream": stream}, AUTH)
+                assert time.monotonic() - started < 2
+                assert answer.status == 502 and len(answer.body) < 2_000, (answer.status, answer.body[:200])
+                assert b"over the 128 choices" in answer.body
+
+
+async def test_a_choice_carrying_nothing_at_a_huge_index_is_not_relayed() -> None:
+    """A choice that carries nothing is ignored by the library whatever its index; one
+    riding along a content chunk is not relayed (a client looks choices up by index),
+    and costs the relay nothing (before: a role chunk for each of 60,000 indexes)."""
+    import time
+
+    events = [
+        {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+         "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}}, {"index": 60_000}]},
+        {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+         "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    ]
+    data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                              b"content-length: %d\r\n\r\n" % len(data) + data)
+
+    async with raw_server(reply) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=up.url)])},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+        async with open_server(settings, port=0) as server:
+            started = time.monotonic()
+            answer = await http(server, "POST", "/v1/chat/completions",
+                                {"model": "chat", "messages": [{"role": "user", "content": "hi"}],
+                                 "stream": True}, AUTH)
+            assert time.monotonic() - started < 2
+    assert answer.status == 200 and len(answer.body) < 2_000, len(answer.body)
+    relayed = [json.loads(line[6:]) for line in answer.body.decode().splitlines()
+               if line.startswith("data: {")]
+    assert {c["index"] for e in relayed for c in e["choices"]} == {0}
+    assert "".join(c["delta"].get("content") or "" for e in relayed for c in e["choices"]) == "hi"

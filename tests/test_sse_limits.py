@@ -86,7 +86,8 @@ def test_choices_are_capped() -> None:
     assembler = ChatAssembler(max_choices=4, source="s")
     for i in range(4):
         assembler.add({"choices": [{"index": i, "delta": {"content": "x"}}]})
-    with pytest.raises(polygate.TransientUpstreamError, match="more than 4 choices") as info:
+    with pytest.raises(polygate.TransientUpstreamError,
+                       match="choice index 4, over the 4 choices one answer may hold") as info:
         assembler.add({"choices": [{"index": 4, "delta": {"content": "x"}}]})
     assert info.value.source == "s"
     assembler.add({"choices": [{"index": 3, "delta": {"content": "y"}}]})  # known ones still fold

@@ -25,7 +25,15 @@ from collections.abc import Mapping
 from operator import itemgetter
 from typing import Any, Final
 
-from .._types import ChatResponse, StreamChunk, Usage, choice_index, message_delta, parts_text
+from .._types import (
+    MAX_CHOICES,
+    ChatResponse,
+    StreamChunk,
+    Usage,
+    choice_index,
+    message_delta,
+    parts_text,
+)
 from ._json import dump
 
 __all__ = ["DONE", "KEEPALIVE", "StreamShape", "error_event", "reported_usage", "string_content"]
@@ -96,19 +104,29 @@ class StreamShape:
         # chunks, and a client assembling choices by index reads the role from there.
         unroled: list[tuple[int, str | None]] | None = None
         unrole: set[int] | None = None  # choices whose first delta's role goes on its own
+        beyond = False
         for choice in choices:
             index = choice_index(choice)
             if index is None:  # (never, after the check above)
+                continue
+            if index >= MAX_CHOICES:
+                # It carries nothing: the library refuses a stream whose choice over
+                # its cap does.  Not relayed: a client would look it up by index.
+                beyond = True
                 continue
             if index not in self._roled:
                 # The choices below it first, whatever they begin with (null: a client's
                 # accumulator takes text over it): the OpenAI SDK's stream helper puts a
                 # new choice at the end of its list and then looks it up by index
                 # (choice 1 before choice 0 raised an IndexError there).
+                # (An index is below the library's cap on choices, 128: it refuses a
+                # stream or body with a larger one.)
                 for lower in range(index):
                     if lower not in self._roled:
                         self._roled.add(lower)
-                        unroled = [(lower, None)] if unroled is None else [*unroled, (lower, None)]
+                        if unroled is None:
+                            unroled = []
+                        unroled.append((lower, None))
                 self._roled.add(index)
                 delta = choice.get("delta")
                 roled = isinstance(delta, Mapping) and delta.get("role")
@@ -118,11 +136,16 @@ class StreamShape:
                     # helper builds a choice from its first chunk, logprobs included,
                     # and then adds that chunk's logprobs again.
                     role = (index, _role_content(delta))
-                    unroled = [role] if unroled is None else [*unroled, role]
+                    if unroled is None:
+                        unroled = []
+                    unroled.append(role)
                     if roled:
                         unrole = {index} if unrole is None else {*unrole, index}
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
+        if beyond:
+            choices = [c for c in choices if (choice_index(c) or 0) < MAX_CHOICES]
+            raw = {**raw, "choices": choices}
         if unroled is None:
             return _event(raw)
         unroled.sort(key=itemgetter(0))

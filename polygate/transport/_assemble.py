@@ -107,6 +107,15 @@ def malformed_index(choice: dict[str, Any], what: str) -> str:
     return f"{what}: choice index {shown} (not a natural number)"
 
 
+def index_over(index: int, max_choices: int, what: str) -> str:
+    """Why a choice ``index`` at or over the cap on choices makes ``what`` malformed,
+    when the choice carries something (one that carries nothing is ignored, whatever
+    its index): indexes run from 0 to n - 1, so it says the answer holds more choices
+    than that.  (Taken as a choice, it cost the gateway's relay a role for every index
+    below it: seconds of the event loop for one chunk.)"""
+    return f"{what}: choice index {index}, over the {max_choices} choices one answer may hold"
+
+
 class TextParts(list[str]):
     """A list of text pieces that joins them as a 16-ary tree while they arrive.
 
@@ -517,10 +526,10 @@ class ChatAssembler:
         return content
 
     def _new_choice(self, index: int) -> _Choice:
-        if len(self._choices) >= self._max_choices:
+        # Indexes under the cap: so are the choices held, however many indexes come.
+        if index >= self._max_choices:
             raise TransientUpstreamError(
-                f"malformed stream: more than {self._max_choices} choices in one answer",
-                source=self._source,
+                index_over(index, self._max_choices, "malformed stream"), source=self._source
             )
         state = self._choices[index] = _Choice(index, self._max_tool_calls, self._source)
         return state

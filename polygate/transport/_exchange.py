@@ -39,7 +39,7 @@ from .._errors import (
 from .._json import loads
 from .._secrets import clip, redact
 from .._types import choice_index
-from ._assemble import ChatAssembler, carries_extras, malformed_index
+from ._assemble import ChatAssembler, carries_extras, index_over, malformed_index
 from ._head import header_of
 from ._pool import SENT_EXTENSION, LeanTransport, body_of, close_now, drains_on_close, reports_sent
 from ._sse import Event, SSEDecoder, without_bom
@@ -610,6 +610,11 @@ async def _read_chat_json(
         if index is None:
             raise TransientUpstreamError(
                 malformed_index(choice, "malformed upstream body"), source=endpoint.name
+            )
+        if index >= limits.max_choices:
+            raise TransientUpstreamError(
+                index_over(index, limits.max_choices, "malformed upstream body"),
+                source=endpoint.name,
             )
         indexes.append(index)
     assert isinstance(payload, dict)

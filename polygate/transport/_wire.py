@@ -23,7 +23,7 @@ from .._errors import (
 )
 from .._json import dumps, nested_deeper, plain_keys
 from .._secrets import clip, is_header_safe
-from .._types import json_default
+from .._types import MAX_CHOICES, json_default
 from ._head import header_of
 
 __all__ = [
@@ -118,14 +118,15 @@ class Limits:
     ``max_body_bytes``: a whole body, streamed or not (bytes on the wire: polygate
     accepts no content coding, so they are also the decoded bytes);
     ``max_line_bytes``: one SSE line, and one SSE event (all its lines together);
-    ``max_choices``: distinct ``choices[].index`` values in one answer;
+    ``max_choices``: distinct ``choices[].index`` values in one answer, and the bound on
+    an index that carries something;
     ``max_tool_calls``: distinct ``tool_calls[].index`` values in one choice;
     ``max_json_depth``: nesting of arrays and objects in one JSON document.
     """
 
     max_body_bytes: int = 32 * 1024 * 1024
     max_line_bytes: int = 4 * 1024 * 1024
-    max_choices: int = 128
+    max_choices: int = MAX_CHOICES
     max_tool_calls: int = 128
     max_json_depth: int = MAX_JSON_DEPTH
 
