@@ -193,7 +193,10 @@ class Context:
 
     @property
     def draining(self) -> bool:
-        return self.state.draining
+        """Whether this answer is the connection's last: the server drains and no
+        pipelined request waits behind it (one that does is answered too, see
+        ``Server._answer``)."""
+        return self.state.draining and not self.conn.pending()
 
     def start_call(self, scope: str, call_id: str) -> contextvars.Token[CallMeter | None]:
         self.meter = CallMeter(scope, call_id)
@@ -847,7 +850,7 @@ def _b64(vector: list[float]) -> str:
 
 
 async def _readyz(ctx: Context) -> int:
-    if ctx.draining:
+    if ctx.state.draining:
         return await _send_json(ctx, 503, b'{"status":"draining"}')
     with trio.move_on_after(_READY_TIMEOUT_S):
         try:

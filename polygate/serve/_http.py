@@ -168,8 +168,9 @@ def _head_problem(status: int) -> str:
 class Connection:
     """One client connection: read a request, answer it, repeat."""
 
-    __slots__ = ("chunked", "client_gone", "finishing", "h11", "head_only", "keep_alive",
-                 "limits", "pipelined", "requests", "responding", "stream", "writing")
+    __slots__ = ("carried", "chunked", "client_gone", "finishing", "h11", "head_only",
+                 "keep_alive", "limits", "pipelined", "requests", "responding", "stream",
+                 "writing")
 
     def __init__(
         self, stream: trio.SocketStream, limits: Serve,
@@ -188,6 +189,9 @@ class Connection:
         self.responding = False  # a response head has been sent for the current request
         self.head_only = False  # the current request is a HEAD: its answer has no body
         self.pipelined = 0  # bytes read while the current request is answered
+        #: The server counted the next request in flight as the last answer ended (its
+        #: bytes were already here, pipelined): a drain reads and answers it too.
+        self.carried = False
         #: The scope of a write that waits for the client to read (see :meth:`left`).
         self.writing: trio.CancelScope | None = None
 
@@ -547,6 +551,10 @@ class Connection:
             return
         self.client_gone = True  # a client that does not read is a client that left
         raise ClientGone
+
+    def pending(self) -> bool:
+        """Whether bytes of a next request are already here (pipelined)."""
+        return bool(self.h11.trailing_data[0])
 
     def reusable(self) -> bool:
         """Whether another request may follow; if so, a fresh parser takes over with

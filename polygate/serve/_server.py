@@ -351,7 +351,9 @@ class Server:
             return False
 
         try:
-            while not self.draining:
+            # A drain ends the loop, except for a request whose bytes came before the
+            # last answer ended (carried): in flight from its first byte, answered too.
+            while not self.draining or conn.carried:
                 checked = None
                 # The wait for the next request, and its head, are under the limits in
                 # force now (a reload's too, on a connection kept alive across it).
@@ -366,7 +368,10 @@ class Server:
                     nonlocal begun
                     begun = True
                     self._idle.discard(idle)
-                    self._in_flight += 1
+                    if conn.carried:
+                        conn.carried = False  # (counted as the last answer ended)
+                    else:
+                        self._in_flight += 1
                     # (The head's deadline, set right after: a reload during the wait.)
                     assert self._current is not None
                     conn.limits = self._current.settings.serve
@@ -396,6 +401,9 @@ class Server:
                 if not conn.reusable():
                     return
         finally:
+            if conn.carried:  # counted, never read (the client left first, say)
+                conn.carried = False
+                self._landed()
             metrics.connections -= 1
             await conn.aclose()
 
@@ -432,6 +440,11 @@ class Server:
             self._stops.discard(context.stop)
             gateway.leave()
             self.metrics.in_flight -= 1
+            if conn.pending() and conn.reusable():
+                # The next request is already here: in flight from now, before this one
+                # lands, so that a drain waiting for quiet waits for it as well.
+                self._in_flight += 1
+                conn.carried = True
             self._landed()
 
     def _landed(self) -> None:
