@@ -214,9 +214,8 @@ class ResumedForward:
                     # The answer's finish (or what follows it): no more text comes to
                     # decide with, and no text may follow it.  The held text goes
                     # first, then this chunk.
-                    out = stitcher.flush()
-                    if out and self._last is not None and not self._pass(
-                            _with_content(self._last, out)):
+                    held = self._held(stitcher.flush())
+                    if held is not None and not self._pass(held):
                         self._queued = chunk  # the caller is behind: after that one
                         return False
                 # Nothing to stitch (an annotation, a data-only chunk): it goes on as
@@ -252,9 +251,18 @@ class ResumedForward:
     async def finish(self) -> None:
         """The continuation ended: show what the stitcher still holds."""
         if self._stitcher.deciding:
-            out = self._stitcher.flush()
-            if out and self._last is not None and not self._pass(_with_content(self._last, out)):
+            held = self._held(self._stitcher.flush())
+            if held is not None and not self._pass(held):
                 await self._inner.deliver_held()
+
+    def _held(self, out: str) -> dict[str, Any] | None:
+        """The last held chunk with the stitched text ``out``, or None when there is
+        nothing to show: no text, and no finish_reason or vendor field on it (the
+        finish on a chunk whose text was all restatement still reaches the caller)."""
+        last = self._last
+        if last is None or not (out or _worth_showing(last)):
+            return None
+        return _with_content(last, out)
 
     def _pass(self, chunk: dict[str, Any]) -> bool:
         if self._first:
@@ -273,6 +281,26 @@ def _ends_text(chunk: Mapping[str, Any]) -> bool:
         if isinstance(choice, dict) and choice_index(choice) == 0:
             return choice.get("finish_reason") is not None
     return True
+
+
+_PLAIN_CHOICE_KEYS = frozenset({"index", "delta", "finish_reason", "logprobs"})
+
+
+def _worth_showing(chunk: Mapping[str, Any]) -> bool:
+    """Whether a chunk carries more than its text: a choice's ``finish_reason``, or a
+    choice field beyond the usual (Azure's ``content_filter_results``)."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("finish_reason") is not None:
+            return True
+        if any(v is not None and v != "" and v != [] and v != {}
+               for k, v in choice.items() if k not in _PLAIN_CHOICE_KEYS):
+            return True
+    return False
 
 
 def _with_content(chunk: dict[str, Any], text: str) -> dict[str, Any]:

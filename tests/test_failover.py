@@ -314,6 +314,50 @@ async def test_a_stream_cut_mid_way_is_finished_by_another_source(
     assert response.usage.completion_tokens > b.requests[0].reply.tokens  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("usage", [False, True])
+async def test_a_finish_on_a_chunk_of_pure_restatement_reaches_the_caller(
+    autojump_clock: trio.testing.MockClock, usage: bool
+) -> None:
+    """Outside review: a continuation whose only text restates what was shown, in the
+    chunk that also carries the finish (as many providers send the last token), lost
+    that chunk whole -- its finish_reason and Azure's content_filter_results never
+    reached the caller, where the same chunk unresumed does."""
+    import httpx
+
+    verdict = {"hate": {"filtered": False, "severity": "safe"}}
+
+    def event(choice: dict[str, Any] | None, **top: Any) -> bytes:
+        body = {"id": "x", "object": "chat.completion.chunk", "model": "m",
+                "choices": [] if choice is None else [{"index": 0, **choice}], **top}
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    class Continuation(httpx.AsyncBaseTransport):
+        def __init__(self) -> None:
+            self.a = FakeUpstream(Reply(text=ANSWER, fault="truncated", fault_after=len(WORDS))).transport()
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.host == "a":
+                return await self.a.handle_async_request(request)
+            await request.aread()
+            body = event({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            body += event({"delta": {"content": " " + " ".join(WORDS[-3:])}, "finish_reason": "stop",
+                           "content_filter_results": verdict})
+            if usage:
+                body += event(None, usage={"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8})
+            body += b"data: [DONE]\n\n"
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    async with polygate.session(_resume_settings(), transport=Continuation()) as s:
+        stream, chunks = await _read(s)
+    assert stream.response is not None and stream.response.call_stats.resumes == 1
+    assert stream.text == stream.response.text == ANSWER
+    last = [c for c in chunks if c.raw.get("choices")][-1]
+    assert last.resumed and last.text == ""
+    assert last.raw["choices"][0]["finish_reason"] == "stop"
+    assert last.raw["choices"][0]["content_filter_results"] == verdict
+    assert stream.response.finish_reason == "stop"
+
+
 async def test_a_resume_of_mapping_messages_is_sent_as_their_items(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
