@@ -59,6 +59,8 @@ _TOO_DEEP_ANSWER = (
     f"$: nested too deeply to be read as JSON (deeper than {MAX_DEPTH} levels of arrays and objects)"
 )
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_LONE_SURROGATE = "$: not valid JSON (an escape of a lone surrogate, which is no Unicode character)"
 # One Markdown code fence around the whole answer: three or more backticks or tildes,
 # an optional info string (```json, ``` json), closed by the same fence (CommonMark).
 # Only the opening line is a regular expression, and one that cannot backtrack (its
@@ -111,26 +113,13 @@ class Schema:
 
 
 class _ModelSchema(Schema):
+    """A pydantic model, for one call (it holds the model)."""
+
     off_loop_chars = 32 * 1024  # pydantic-core: about 6 µs a kilobyte
 
-    def __init__(self, model: type[Any]) -> None:
-        self.model = model
-        self.name = _safe_name(model.__name__)
-        try:
-            self.json_schema = model.model_json_schema()
-        except Exception as exc:  # pydantic's PydanticUserError and friends
-            raise ConfigError(
-                f"schema: cannot build a JSON Schema for {model.__name__}: {_first_line(exc)}"
-            ) from None
-        # Sent upstream as the dict schema is, so checked as one: JSON (an infinite
-        # default, an object from json_schema_extra are not) without a lone surrogate.
-        try:
-            text = json.dumps(self.json_schema, ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"schema: the JSON Schema of {model.__name__} is not JSON ({_first_line(exc)})"
-            ) from None
-        _check_text(text)
+    def __init__(self, model: type[Any], name: str, json_schema: dict[str, Any]) -> None:
+        self.name = name
+        self.json_schema = json_schema
         self._validate_json = model.model_validate_json
         self._error_type: type[Exception] = sys.modules["pydantic"].ValidationError
 
@@ -144,14 +133,49 @@ class _ModelSchema(Schema):
             raise Invalid(_bounded(f"{_json_path(e['loc'])}: {e['msg']}" for e in errors)) from None
 
 
-_models: weakref.WeakKeyDictionary[type[Any], _ModelSchema] = weakref.WeakKeyDictionary()
+#: Each model's name and JSON Schema (building one takes milliseconds), for as long as
+#: the model lives: nothing in a value refers to its model (a value that did kept
+#: every model ever passed alive, a class made per request among them).
+_models: weakref.WeakKeyDictionary[type[Any], tuple[str, dict[str, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _model_schema(model: type[Any]) -> _ModelSchema:
     prepared = _models.get(model)
     if prepared is None:
-        prepared = _models[model] = _ModelSchema(model)
-    return prepared
+        prepared = _models[model] = _prepare(model)
+    return _ModelSchema(model, *prepared)
+
+
+def _prepare(model: type[Any]) -> tuple[str, dict[str, Any]]:
+    """The model's name as sent and its JSON Schema, or :class:`ConfigError`."""
+    try:
+        json_schema = model.model_json_schema()
+    except Exception as exc:  # pydantic's PydanticUserError and friends
+        raise ConfigError(
+            f"schema: cannot build a JSON Schema for {model.__name__}: {_first_line(exc)}"
+        ) from None
+    # Sent upstream as the dict schema is, so checked as one: JSON (an infinite
+    # default, an object from json_schema_extra are not) without a lone surrogate.
+    try:
+        text = json.dumps(json_schema, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"schema: the JSON Schema of {model.__name__} is not JSON ({_first_line(exc)})"
+        ) from None
+    _check_text(text)
+    return _safe_name(model.__name__), json_schema
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a decoded JSON value holds a string with a lone surrogate (a pair
+    decodes to one character; one alone is not text)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _is_pydantic_model(obj: Any) -> bool:
@@ -205,6 +229,10 @@ class _DictSchema(Schema):
             raise Invalid([f"$: not valid JSON ({exc})"]) from None
         except RecursionError:  # Python's decoder recurses a level per bracket
             raise Invalid(["$: nested too deeply to be read as JSON"]) from None
+        if "\\u" in text and _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+            # As a model's answer is judged (pydantic's reader refuses it): the value
+            # could be neither encoded nor sent back in the next turn.
+            raise Invalid([_LONE_SURROGATE])
         validator = self._validator
         assert validator is not None, "validated before it was ready()"
         try:

@@ -155,6 +155,49 @@ def test_an_unterminated_string_of_escapes_is_scanned_in_linear_time() -> None:
         assert time.perf_counter() - started < 0.5
 
 
+def test_a_model_given_as_schema_is_not_kept_alive() -> None:
+    """Outside review: the cache of models' JSON Schemas was weak in its keys, but its
+    values held the model (and its bound validator): every model ever passed stayed,
+    a class made per request among them."""
+    import gc
+    import weakref
+
+    from polygate._structured import schema_of
+
+    model: Any = pydantic.create_model("Made", x=(int, ...))
+    assert schema_of(model).validate('{"x": 1}').x == 1
+    assert schema_of(model).json_schema is schema_of(model).json_schema  # built once
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.parametrize("kind", ["model", "dict"])
+async def test_a_lone_surrogate_escape_is_refused_by_both_kinds_of_schema(
+    autojump_clock: trio.testing.MockClock, kind: str
+) -> None:
+    """Outside review: an answer escaping a lone surrogate ("P\\ud800") was re-asked
+    under a model (pydantic's reader refuses it) and handed over in ``parsed`` under a
+    JSON Schema dict, where it could be neither encoded nor sent back."""
+
+    class City(pydantic.BaseModel):
+        city: str
+        population: int
+
+    schema: Any = City if kind == "model" else {"type": "object"}
+    up = FakeUpstream([Reply(text='{"city": "P\\ud800", "population": 1}'),
+                       Reply(text='{"city": "P\\ud83d\\ude00", "population": 1}')])  # a pair: text
+    async with polygate.session(one_source_settings(), transport=up.transport()) as s:
+        r = await s.chat(MESSAGES, schema=schema)
+    assert r.call_stats.reasks == 1
+    city = r.parsed.city if kind == "model" else r.parsed["city"]
+    assert city == "P\U0001f600"
+    if kind == "dict":
+        reask = up.requests[1].body["messages"][-1]["content"]
+        assert "lone surrogate" in reask
+
+
 def test_a_fence_closed_by_another_fence_is_no_fence() -> None:
     from polygate._structured import _unfenced
 
