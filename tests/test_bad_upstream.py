@@ -218,6 +218,7 @@ async def test_choices_with_no_content_are_still_an_empty_answer(
 @pytest.mark.parametrize(("code", "fatal"), [
     ("content_filter", True), ("context_length_exceeded", True),
     ("server_error", False), ("rate_limit_exceeded", False), ("invalid_api_key", False),
+    ("rate_limit_error", False), ("authentication_error", False), ("permission_error", False),
 ])
 async def test_an_error_event_whose_code_names_the_request_is_fatal(
     code: str, fatal: bool, autojump_clock: trio.testing.MockClock
@@ -250,4 +251,8 @@ async def test_an_error_event_whose_code_names_the_request_is_fatal(
                 await s.chat(MESSAGES)
         assert type(exhausted.value.errors[0]) is {"server_error": polygate.TransientUpstreamError,
                                "rate_limit_exceeded": polygate.RateLimitedError,
-                               "invalid_api_key": polygate.SourceDeadError}[code]
+                               "invalid_api_key": polygate.SourceDeadError,
+                               # Anthropic's types: review, they were all transient
+                               "rate_limit_error": polygate.RateLimitedError,
+                               "authentication_error": polygate.SourceDeadError,
+                               "permission_error": polygate.SourceDeadError}[code]

@@ -530,6 +530,10 @@ _STATUS_OF_CODE: dict[str | None, int] = {
     **dict.fromkeys(CONTEXT_CODES | POLICY_CODES, 400),
     "rate_limit_exceeded": 429,
     "invalid_api_key": 401,
+    # Anthropic's error types (an event's error.type, when it has no code)
+    "rate_limit_error": 429,
+    "authentication_error": 401,
+    "permission_error": 403,
 }
 
 
