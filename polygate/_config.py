@@ -447,9 +447,9 @@ class Breaker:
     over it.  It stays open ``open_s``, then half-opens: one
     probe at a time, and ``probes`` successes in a row close it.  A failed probe opens it
     again for twice as long as the time before, jittered (× 0.5–1), up to
-    ``max_open_s`` (``None``: ``open_s``, so no re-opening outlasts the first).  The
-    defaults, 5 failures and 30 s, then one probe, give an outage a probe every 15–30 s
-    and a recovered source traffic within 30 s of its next request."""
+    ``max_open_s`` (``None``: ``open_s``: no backoff, and no jitter, every opening lasts
+    ``open_s``).  The defaults, 5 failures and 30 s, then one probe, give an outage a
+    probe every 30 s and a recovered source traffic within 30 s of its next request."""
 
     failures: int = attrs.field(default=5, validator=_pos_int)
     failure_rate: float | None = attrs.field(default=None)

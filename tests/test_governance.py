@@ -455,6 +455,25 @@ async def test_the_default_breaker_opens_on_consecutive_failures_only(
         assert (BreakerState.OPEN in states) is opens, states
 
 
+async def test_without_a_backoff_every_opening_lasts_open_s(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The default (``max_open_s`` unset): a failed probe opens the breaker for exactly
+    ``open_s`` again, whatever the jitter draws: the documented 30 s, then one probe."""
+    for seed in range(6):
+        a = FakeUpstream([Reply(status=500)] * 6, then=Reply())
+        settings = _settings(names=("a",), retry=polygate.Retry(max_attempts=1))
+        async with polygate.session(settings, transport=Router({"a": a}),
+                                    rng=random.Random(seed)) as s:
+            t0 = trio.current_time()
+            for _ in range(6):  # five open it, the sixth is the probe at 30 s: it fails
+                with pytest.raises(polygate.AllSourcesExhausted):
+                    await s.chat(MESSAGES)
+            assert trio.current_time() - t0 == pytest.approx(30)
+            await s.chat(MESSAGES)  # the next probe, 30 s after the failed one
+            assert trio.current_time() - t0 == pytest.approx(60)
+
+
 async def test_re_openings_are_jittered(autojump_clock: trio.testing.MockClock) -> None:
     """Equal jitter from the first failed probe on: a re-opening lasts between half and
     all of its nominal period, drawn per settle, so breakers whose probes failed
@@ -484,7 +503,7 @@ async def test_a_flapping_source_gets_traffic_again_within_34_s(
 ) -> None:
     """The breaker timeline under sparse traffic: one source answers 503 for 60 s, then
     recovers; one request every 4 s; the other source is healthy.  With the default
-    breaker (30 s, re-openings jittered to 15–30 s), a probe due first in the picking
+    breaker (30 s each opening, no backoff), a probe due first in the picking
     order and failures that fade with time, it is back in use within 34 s of
     recovering, whatever the jitter and the picking draws."""
     down_until = 60.0
