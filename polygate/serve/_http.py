@@ -282,7 +282,9 @@ class Connection:
             # the last would disagree on who calls.
             raise HTTPProblem(400, "more than one Authorization header", "invalid_request", path)
         # Every Connection header's tokens (a repeated one is one list, RFC 9110 §5.3).
-        tokens = b",".join(v for k, v in event.headers if k == b"connection").decode("latin-1").lower()
+        # Whole tokens: "x-closed" is not "close".
+        tokens = {t.strip() for t in b",".join(
+            v for k, v in event.headers if k == b"connection").decode("latin-1").lower().split(",")}
         if event.http_version == b"1.0":
             self.chunked = False
             self.keep_alive = "keep-alive" in tokens
