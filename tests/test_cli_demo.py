@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -27,3 +29,26 @@ def test_demo_table(capsys: pytest.CaptureFixture[str]) -> None:
 def test_demo_rejects_bad_counts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--calls", "0"]) == 2
     assert "polygate demo: --calls and --concurrency must be > 0" in capsys.readouterr().err
+
+
+def test_demo_writes_its_telemetry_for_stats(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--db``: the replay's calls go to a SQLite telemetry file (the embedded store),
+    one scope per configuration, and ``polygate stats`` answers from it."""
+    db = tmp_path / "demo.db"
+    assert main(["demo", "--calls", "20", "--concurrency", "10", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert f"polygate stats {db} --scope hedge_after_8s" in out
+    with sqlite3.connect(db) as conn:
+        counts = dict(conn.execute("SELECT scope, count(*) FROM calls GROUP BY scope").fetchall())
+    assert counts == {"no_hedging": 20, "deadline_30s": 20, "hedge_after_8s": 20}
+    assert main(["stats", str(db), "--scope", "hedge_after_8s"]) == 0
+    assert "20 calls" in capsys.readouterr().out
+
+
+def test_demo_refuses_a_db_it_cannot_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--calls", "5", "--db", "postgresql://db/x"]) == 2
+    assert "--db takes a SQLite file's path" in capsys.readouterr().err
+    assert main(["demo", "--calls", "5", "--db", str(tmp_path)]) == 1  # a folder
+    assert capsys.readouterr().err.startswith("polygate demo: ")

@@ -33,7 +33,17 @@ def add_parser(
     parser.add_argument("--real-time", action="store_true",
                         help="run a ÷10 scaled replay on real loopback servers")
     parser.add_argument("--plot", metavar="PNG", help="write latency CDFs (needs polygate[plot])")
+    parser.add_argument(
+        "--db", metavar="PATH",
+        help="also write the replay's telemetry to this SQLite file (or sqlite:///… URL), "
+             "one scope per configuration, for polygate stats",
+    )
     return parser
+
+
+def _scope_name(label: str) -> str:
+    """A configuration's scope in the telemetry: ``hedge after 8 s`` → ``hedge_after_8s``."""
+    return "_".join(label.replace(" s", "s").split())
 
 
 def configurations(scale: float = 1.0) -> list[tuple[str, Any]]:
@@ -58,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from ._replay import Summary, incident_upstreams, run_virtual, summarize
 
+    telemetry = None
+    if args.db is not None:
+        telemetry = _telemetry_url(args.db)
+        if telemetry is None:
+            return 2
+
     scale = 0.1 if args.real_time else 1.0
     print(
         f"queue-hang incident replay (docs/incident.md): {args.calls} calls per configuration, "
@@ -70,15 +86,34 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("virtual time (trio MockClock): the hangs cost no wall time\n")
     results: dict[str, list[Any]] = {}
-    for label, settings in configurations(scale):
-        upstreams = incident_upstreams(seed=args.seed, time_scale=scale)
-        if args.real_time:
-            outcomes = _run_real_time(settings, upstreams, args.calls, args.concurrency, label)
-        else:
-            outcomes = run_virtual(settings, upstreams, calls=args.calls, concurrency=args.concurrency)
-        results[label] = outcomes
+    scopes: list[str] = []
+    try:
+        for label, settings in configurations(scale):
+            scope = "chat"
+            if telemetry is not None:
+                # One scope per configuration: polygate stats --scope tells them apart.
+                import attrs
+
+                scope = _scope_name(label)
+                scopes.append(scope)
+                settings = attrs.evolve(
+                    settings, telemetry=telemetry, scopes={scope: settings.scopes["chat"]})
+            upstreams = incident_upstreams(seed=args.seed, time_scale=scale)
+            if args.real_time:
+                outcomes = _run_real_time(
+                    settings, upstreams, args.calls, args.concurrency, label, scope)
+            else:
+                outcomes = run_virtual(settings, upstreams, calls=args.calls,
+                                       concurrency=args.concurrency, scope=scope)
+            results[label] = outcomes
+    except polygate_config_error() as exc:  # the telemetry file cannot be opened
+        print(f"polygate demo: {exc}", file=sys.stderr)
+        return 1
     summaries = {label: summarize(o) for label, o in results.items()}
     _print_table(summaries, Summary, scale)
+    if telemetry is not None:
+        print(f"\ntelemetry written to {args.db} (scopes {', '.join(scopes)}): "
+              f"polygate stats {args.db} --scope {scopes[-1]}")
     if args.plot:
         return _plot(results, args.plot, scale)
     return 0
@@ -121,7 +156,28 @@ def _print_table(summaries: dict[str, Any], summary_cls: Any, scale: float) -> N
     )
 
 
-def _run_real_time(settings: Any, upstreams: Any, calls: int, concurrency: int, label: str) -> list[Any]:
+def polygate_config_error() -> type[Exception]:
+    import polygate
+
+    return polygate.ConfigError
+
+
+def _telemetry_url(db: str) -> str | None:
+    """``--db`` as a ``sqlite://`` URL (a path or such a URL), or None after saying why."""
+    from pathlib import Path
+
+    if db.startswith("sqlite://"):
+        return db
+    if "://" in db or not db.strip():
+        print("polygate demo: --db takes a SQLite file's path or a sqlite:/// URL",
+              file=sys.stderr)
+        return None
+    return f"sqlite://{Path(db).absolute()}"
+
+
+def _run_real_time(
+    settings: Any, upstreams: Any, calls: int, concurrency: int, label: str, scope_name: str,
+) -> list[Any]:
     import attrs
     import trio
 
@@ -131,10 +187,13 @@ def _run_real_time(settings: Any, upstreams: Any, calls: int, concurrency: int, 
 
     async def main() -> list[Any]:
         async with upstreams["a"].serve() as url_a, upstreams["b"].serve() as url_b:
-            scope = settings.scopes["chat"]
+            scope = settings.scopes[scope_name]
             urls = {"a": url_a, "b": url_b}
             sources = [attrs.evolve(s, base_url=urls[s.name]) for s in scope.sources]
-            real = polygate.Settings(scopes={"chat": attrs.evolve(scope, sources=sources)})
+            real = polygate.Settings(
+                scopes={scope_name: attrs.evolve(scope, sources=sources)},
+                telemetry=settings.telemetry,
+            )
 
             def progress(done: int) -> None:
                 bar = "#" * (30 * done // calls)
@@ -143,7 +202,7 @@ def _run_real_time(settings: Any, upstreams: Any, calls: int, concurrency: int, 
             # A progress bar is for a terminal; redirected output gets the results only.
             tty = sys.stdout.isatty()
             outcomes = await replay(real, None, calls=calls, concurrency=concurrency,
-                                    on_done=progress if tty else None)
+                                    on_done=progress if tty else None, scope=scope_name)
             if tty:
                 print()
             return outcomes

@@ -98,6 +98,7 @@ async def replay(
     calls: int,
     concurrency: int,
     on_done: Callable[[int], None] | None = None,
+    scope: str = "chat",
 ) -> list[Outcome]:
     """``calls`` chat calls, ``concurrency`` at a time, each timed by its CallStats."""
     outcomes: list[Outcome] = []
@@ -108,7 +109,7 @@ async def replay(
 
         async def one() -> None:
             try:
-                r = await s.chat(messages)
+                r = await s.chat(messages, scope=scope)
             except polygate.PolygateError as exc:
                 stats = getattr(exc, "call_stats", None)
                 outcomes.append(Outcome(
@@ -146,11 +147,13 @@ def run_virtual(
     calls: int,
     concurrency: int,
     seed: int = 0,
+    scope: str = "chat",
 ) -> list[Outcome]:
     """The replay in virtual time: 90-second hangs cost milliseconds of wall time."""
 
     async def main() -> list[Outcome]:
-        return await replay(settings, Router(dict(upstreams)), calls=calls, concurrency=concurrency)
+        return await replay(settings, Router(dict(upstreams)), calls=calls,
+                            concurrency=concurrency, scope=scope)
 
     # trio shuffles its run queue with a module-level Random; seeding it (when the
     # attribute exists) makes a virtual replay repeatable run after run.
