@@ -218,10 +218,17 @@ async def _retry_loop(
         if admission is None and again is not None:
             admission = await _same_source(ctx, again, tokens, cooldown_give_up_at)
         if admission is None:
+            limit, cooldown_limit = give_up_at, cooldown_give_up_at
+            stall = ctx.scope.stream.stall_timeout_s
+            if ctx.continuation is not None and stall is not None:
+                # A continuation's wait for admission is silence on the caller's stream,
+                # as its wait for a first token is: at most stall_timeout_s an attempt.
+                bound = trio.current_time() + stall
+                limit, cooldown_limit = min(limit, bound), min(cooldown_limit, bound)
             try:
                 admission = await governor.acquire(
-                    ctx.scope_name, tokens, demote=failed, give_up_at=give_up_at,
-                    cooldown_give_up_at=cooldown_give_up_at, wait_for_breakers=wait_for_breakers,
+                    ctx.scope_name, tokens, demote=failed, give_up_at=limit,
+                    cooldown_give_up_at=cooldown_limit, wait_for_breakers=wait_for_breakers,
                 )
             except NoAdmission as exc:
                 # Gave up at the deadline: the deadline's own cancellation is due at this

@@ -358,6 +358,32 @@ async def test_a_finish_on_a_chunk_of_pure_restatement_reaches_the_caller(
     assert stream.response.finish_reason == "stop"
 
 
+async def test_a_continuation_waits_for_admission_no_longer_than_the_stall_watch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Outside review: a continuation waited for admission as long as the call allowed
+    (here the 60 s RPM window; without a deadline, for ever) while the caller's stream,
+    watched for 3 s of silence, said nothing.  Its wait is silence like its wait for a
+    first token: past stall_timeout_s the stream fails with its own error and text."""
+    a = FakeUpstream([Reply(status=500), Reply(text=ANSWER, fault="truncated", fault_after=10)])
+    b = FakeUpstream(Reply(text="from b"))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0, "rpm": 2}, "b": {"weight": 1e-9, "rpm": 1}},
+        "stream": polygate.StreamWatch(resume=True, stall_timeout_s=3),
+    })
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        assert (await s.chat(MESSAGES)).text == "from b"  # a answered 500: each RPM now used up
+        shown: list[str] = []
+        with pytest.raises(polygate.TransientUpstreamError) as info:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for chunk in stream:
+                    shown.append(chunk.text)
+                    cut_at = trio.current_time()
+        assert trio.current_time() - cut_at <= 3 + 1e-6
+    assert "".join(shown) == " ".join(WORDS[:10]) and info.value.text == "".join(shown)
+    assert len(b.requests) == 1
+
+
 async def test_a_resume_of_mapping_messages_is_sent_as_their_items(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
