@@ -52,6 +52,28 @@ async def test_chat_json_carries_the_call_headers() -> None:
     assert upstream.requests[0].headers["x-polygate-call-id"] == h["x-polygate-call-id"]
 
 
+@pytest.mark.parametrize("case", ["malformed", "no-key", "unknown-model", "exhausted", "bad-http"])
+async def test_every_json_answer_carries_the_statistics_headers(case: str) -> None:
+    """Every JSON answer carries the four statistics headers, an error too: the call's
+    figures, or none (0, empty, false) when no call ran (they were missing then, so a
+    client reading ``x-polygate-attempts`` met a KeyError on some errors only)."""
+    async with gateway(Reply(status=500)) as (server, _):
+        if case == "bad-http":
+            data = await _raw(server, b"GET /healthz HTTP/1.1\r\nhost: g\r\nbad header\r\n\r\n")
+            head = data.split(b"\r\n\r\n")[0].lower()
+            assert head.startswith(b"http/1.1 400") and b"x-polygate-attempts: 0" in head
+            return
+        body: Any = {"malformed": b"{nope", "unknown-model": {**CHAT, "model": "nope"}}.get(case, CHAT)
+        answer = await http(server, "POST", "/v1/chat/completions", body,
+                            {} if case == "no-key" else AUTH)
+    assert answer.status == {"malformed": 400, "no-key": 401, "unknown-model": 404, "exhausted": 502}[case]
+    h = answer.headers
+    ran = case == "exhausted"
+    assert (h["x-polygate-attempts"] != "0") is ran and h["x-polygate-hedges"] == "0"
+    assert h["x-polygate-cached"] == "false" and "x-polygate-source" in h
+    assert h["x-polygate-call-id"]
+
+
 async def test_parameters_pass_through_and_the_alias_routes() -> None:
     async with gateway(Reply(tokens=3)) as (server, upstream):
         body = {**CHAT, "model": "gpt-4o", "temperature": 0.25, "max_tokens": 7,

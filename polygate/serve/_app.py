@@ -47,7 +47,7 @@ from ._metrics import Metrics, render
 from ._sse import KEEPALIVE, StreamShape, error_event, reported_usage, string_content
 from ._unavailable import UnavailableSession
 
-__all__ = ["Gateway", "answer", "endpoint_label"]
+__all__ = ["NO_CALL", "Gateway", "answer", "endpoint_label"]
 
 log = logging.getLogger("polygate.serve")
 
@@ -510,17 +510,26 @@ def _unknown_model(model: Any) -> ErrorReply:
 # --------------------------------------------------------------------------- answers
 
 
+#: The statistics headers of an answer no call stands behind (a malformed request, a
+#: wrong key, an unknown model): a client reads every JSON answer's the same way.
+NO_CALL = [
+    (b"x-polygate-source", b""), (b"x-polygate-attempts", b"0"),
+    (b"x-polygate-hedges", b"0"), (b"x-polygate-cached", b"false"),
+]
+
+
 def _stats_headers(call_id: str, stats: CallStats | None) -> list[tuple[bytes, bytes]]:
     cid = (stats.logical_call_id if stats is not None else call_id).encode()
     headers = [(b"x-polygate-call-id", cid), (b"x-request-id", cid)]
-    if stats is not None:
-        headers += [
-            (b"x-polygate-source", (stats.source or "").encode()),
-            (b"x-polygate-attempts", b"%d" % stats.attempts),
-            (b"x-polygate-hedges", b"%d" % stats.hedges),
-            (b"x-polygate-cached", b"true" if stats.cached else b"false"),
-        ]
-    return headers
+    if stats is None:
+        return [*headers, *NO_CALL]
+    return [
+        *headers,
+        (b"x-polygate-source", (stats.source or "").encode()),
+        (b"x-polygate-attempts", b"%d" % stats.attempts),
+        (b"x-polygate-hedges", b"%d" % stats.hedges),
+        (b"x-polygate-cached", b"true" if stats.cached else b"false"),
+    ]
 
 
 async def _send_json(

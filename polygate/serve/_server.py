@@ -38,7 +38,7 @@ from .._config import FieldError, Settings
 from .._context import fresh_call_id
 from .._errors import ConfigError, GovernanceBackendError
 from .._session import Session, SharedBackends, session_on
-from ._app import Context, Gateway, answer, endpoint_label
+from ._app import NO_CALL, Context, Gateway, answer, endpoint_label
 from ._errors import error_body
 from ._hangups import Hangups
 from ._http import ClientGone, Connection, HTTPProblem
@@ -461,7 +461,7 @@ class Server:
             await conn.send_response(
                 problem.status,
                 [(b"content-type", b"application/json"), (b"x-polygate-call-id", cid),
-                 (b"x-request-id", cid)],
+                 (b"x-request-id", cid), *NO_CALL],
                 error_body(problem.message, "invalid_request_error", problem.code), close=True,
             )
         except ClientGone:
