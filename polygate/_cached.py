@@ -382,16 +382,15 @@ def _verdict(error: BaseException) -> BaseException | None:
 
 
 def _about_inputs(error: BaseException) -> bool:
-    """Whether an embed run's error may be about some of its inputs, not all: a
-    refusal of the request (one input the upstream rejects fails its whole batch), or
-    no source admitting it at all (a batch too large for a quota is the batch's).  Of
-    a run of several inputs, such an error is a verdict only for a waiter that would
-    send every one of them itself (an identical call); any other waiter asks for its
-    own inputs.  An outage (every attempt failed: 5xx, resets, 429s) or a backend
-    down is the same for any inputs, and shared with all."""
-    if isinstance(error, FatalUpstreamError):
-        return True
-    return isinstance(error, AllSourcesExhausted) and not error.errors
+    """Whether an embed run's error may be about, or quote, some of its inputs: a
+    refusal of the request (one input the upstream rejects fails its whole batch), no
+    source admitting it at all (a batch too large for a quota is the batch's), and an
+    outage too (every attempt failed: an upstream's 500 may quote an input).  Of a run
+    of several inputs, such an error is a verdict only for a waiter that would send
+    every one of them itself (an identical call): any other waiter asks for its own
+    inputs, and never reads another caller's in its error or its telemetry row.  A
+    governance backend down says nothing of any input, and is shared with all."""
+    return isinstance(error, (FatalUpstreamError, AllSourcesExhausted))
 
 
 def _binds(error: BaseException, rounds: Rounds | None) -> bool:

@@ -662,6 +662,42 @@ async def test_identical_embed_calls_of_several_inputs_share_one_request_and_its
     assert max(ended.values()) == pytest.approx(1.0)
 
 
+async def test_an_embed_waiter_never_reads_another_callers_input_in_a_shared_outage(
+    autojump_clock: trio.testing.MockClock, tmp_path: Any
+) -> None:
+    """Outside review: call A embeds [shared, private], call B embeds [shared] and
+    waits on A's flight.  Every attempt of A's run fails with a 500 quoting an input
+    of its request: that outage was B's error too, quote and all -- A's private input
+    in B's exception and in B's telemetry row (log_content=False).  An outage of a run
+    of several inputs binds only a waiter that would send them all; B asks for its
+    own."""
+    import sqlite3
+
+    private, shared = "patient ZQXMARKER4242 notes", "an ordinary shared sentence"
+
+    def behaviour(request: Any, _rng: Any) -> Reply:
+        quoted = request.body["input"][-1]
+        return Reply(status=500, headers_delay_s=1,
+                     error_body={"error": {"message": f"internal error embedding '{quoted}'"}})
+
+    up = FakeUpstream(behaviour)
+    out: dict[str, Any] = {}
+    db = tmp_path / "t.db"
+    settings = attrs.evolve(_embed_cache_settings(retry=polygate.Retry(max_attempts=1)),
+                            telemetry=f"sqlite://{db}")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_outcome_at, out, "a", 0.0, partial(s.embed, [shared, private]))
+            nursery.start_soon(_outcome_at, out, "b", 0.1, partial(s.embed, [shared]))
+    assert isinstance(out["b"], polygate.AllSourcesExhausted)
+    assert "ZQXMARKER4242" not in str(out["b"]) and shared in str(out["b"])  # its own request's
+    assert len(up.requests) == 2
+    with sqlite3.connect(db) as conn:
+        messages = [m for (m,) in conn.execute(
+            "SELECT error_message FROM calls UNION ALL SELECT error_message FROM attempts")]
+    assert messages and not any("ZQXMARKER4242" in (m or "") for m in messages), messages
+
+
 async def test_an_embed_waiter_shares_a_refusal_of_its_input_alone(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
