@@ -335,6 +335,7 @@ class Pipeline:
         # while it lingers (the session left by cancellation) leaves it for aclose(),
         # which writes it or counts it — a row is never lost uncounted.
         events = self._gathered = [first]
+        self._dequeued(events)  # (now: a flusher cancelled while it lingers counts it too)
         buffered = self._receive.statistics().current_buffer_used
         if self.linger_s > 0 and buffered < self.max_batch // 2 and not self._closing:
             await trio.sleep(self.linger_s)  # let a quiet session's rows gather
@@ -344,7 +345,7 @@ class Pipeline:
                 events.append(receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
-        self._dequeued(events)
+        self._dequeued(events[1:])
         return events
 
     def _dequeued(self, events: Sequence[Event]) -> None:
