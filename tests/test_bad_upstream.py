@@ -219,6 +219,7 @@ async def test_choices_with_no_content_are_still_an_empty_answer(
     ("content_filter", True), ("context_length_exceeded", True),
     ("server_error", False), ("rate_limit_exceeded", False), ("invalid_api_key", False),
     ("rate_limit_error", False), ("authentication_error", False), ("permission_error", False),
+    ("not_found_error", False), ("invalid_request_error", True), ("request_too_large", True),
 ])
 async def test_an_error_event_whose_code_names_the_request_is_fatal(
     code: str, fatal: bool, autojump_clock: trio.testing.MockClock
@@ -237,7 +238,8 @@ async def test_an_error_event_whose_code_names_the_request_is_fatal(
         if fatal:
             with pytest.raises(polygate.FatalUpstreamError) as info:
                 await s.chat(MESSAGES)
-            assert info.value.status_code == 400 and info.value.code == code
+            assert info.value.status_code == (413 if code == "request_too_large" else 400)
+            assert info.value.code == code
             assert b.requests == []
         else:
             assert (await s.chat(MESSAGES)).text == "from b"
@@ -255,4 +257,5 @@ async def test_an_error_event_whose_code_names_the_request_is_fatal(
                                # Anthropic's types: review, they were all transient
                                "rate_limit_error": polygate.RateLimitedError,
                                "authentication_error": polygate.SourceDeadError,
-                               "permission_error": polygate.SourceDeadError}[code]
+                               "permission_error": polygate.SourceDeadError,
+                               "not_found_error": polygate.SourceDeadError}[code]

@@ -534,6 +534,9 @@ _STATUS_OF_CODE: dict[str | None, int] = {
     "rate_limit_error": 429,
     "authentication_error": 401,
     "permission_error": 403,
+    "not_found_error": 404,
+    "invalid_request_error": 400,
+    "request_too_large": 413,
 }
 
 
