@@ -69,7 +69,11 @@ def parse_since(text: str, now: float | None = None) -> float:
     now = time.time() if now is None else now
     match = _AGO.match(text)
     if match:
-        return now - float(match.group(1)) * _UNIT_S[match.group(2)]
+        since = now - float(match.group(1)) * _UNIT_S[match.group(2)]
+        if not math.isfinite(since):
+            shown = text if len(text) <= 40 else text[:40] + "…"
+            raise ValueError(f"--since {shown!r}: an age too large to be a time")
+        return since
     try:
         return datetime.fromisoformat(text.strip()).timestamp()
     except ValueError:
@@ -133,8 +137,14 @@ def run(args: argparse.Namespace) -> int:
     from .._errors import ConfigError
     from ..telemetry._report import NoData, build_report, open_reader, read_rows
 
+    for name, value in (("--since", args.since), ("--db", args.db), ("DB", args.database),
+                        ("--scope", args.scope)):
+        if value is not None and not value.strip():
+            # (--since "$SINCE" with SINCE unset: not "every call ever recorded")
+            print(f"polygate stats: {name} is empty", file=sys.stderr)
+            return 2
     try:
-        since = parse_since(args.since) if args.since else None
+        since = parse_since(args.since) if args.since is not None else None
         tails = _tails(args.tail)
     except ValueError as exc:
         print(f"polygate stats: {exc}", file=sys.stderr)

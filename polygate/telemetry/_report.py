@@ -147,8 +147,10 @@ def _read_rows(
     calls = [CallRow(*r) for r in reader.query(
         f"SELECT {', '.join(CallRow._fields)} FROM calls{clause}", tuple(params))]
     # The attempts of those calls, whatever scope each ran in (a fallback's) and
-    # whenever it was admitted (after a wait past --since): one report, one set of calls.
-    selected = f" WHERE logical_call_id IN (SELECT logical_call_id FROM calls{clause})" if where else ""
+    # whenever it was admitted (after a wait past --since): one report, one set of calls
+    # -- with no filter too (the attempts of a call still running, or of one whose
+    # row was never written, belong to no call reported).
+    selected = f" WHERE logical_call_id IN (SELECT logical_call_id FROM calls{clause})"
     attempts = [AttemptRow(*r) for r in reader.query(
         f"SELECT {', '.join(AttemptRow._fields)} FROM attempts{selected}", tuple(params))]
     session_clause = " WHERE updated_at >= ?" if since is not None else ""
