@@ -440,9 +440,11 @@ class Server:
             self._stops.discard(context.stop)
             gateway.leave()
             self.metrics.in_flight -= 1
-            if conn.pending() and conn.reusable():
+            if self.draining and conn.pending() and conn.reusable():
                 # The next request is already here: in flight from now, before this one
-                # lands, so that a drain waiting for quiet waits for it as well.
+                # lands, so that a drain waiting for quiet waits for it as well.  (Not
+                # draining, the loop counts it at its first byte: no await comes
+                # between here and there, so a drain cannot begin in between.)
                 self._in_flight += 1
                 conn.carried = True
             self._landed()
