@@ -6,13 +6,14 @@ import asyncio
 from typing import Any
 
 import pytest
+import trio
 
 import polygate
 import polygate.aio
 from polygate.aio import _guest_io
 from polygate.testing import FakeUpstream, Reply
 
-from ._aio_support import BACKENDS, messages, settings_for
+from ._aio_support import BACKENDS, messages, settings_for, wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60, method="thread")]
 
@@ -58,3 +59,57 @@ async def test_buffered_chunks_after_the_session_was_left_are_not_skipped() -> N
                 errors.append(str(exc))
     assert errors[:1] == ["the session was closed while this call was in flight"], errors
     assert len(texts) == 32  # every chunk that had come, none skipped
+
+
+async def _start_app_guest_run() -> tuple[Any, Any, asyncio.Future[Any]]:
+    """The application runs trio as a guest on its asyncio loop (docs/asyncio.md: then
+    polygate.aio's sessions live in that run, "the application's own guest run")."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+    ready: asyncio.Future[Any] = loop.create_future()
+
+    async def app_trio() -> None:
+        stop = trio.Event()
+        ready.set_result((trio.lowlevel.current_trio_token(), stop))
+        await stop.wait()
+
+    trio.lowlevel.start_guest_run(
+        app_trio, run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+        done_callback=done.set_result, host_uses_signal_set_wakeup_fd=True)
+    token, stop = await ready
+    return token, stop, done
+
+
+@pytest.mark.parametrize("body_error", [False, True])
+def test_leaving_a_session_whose_trio_run_ended_is_quiet(body_error: bool) -> None:
+    """Outside review: the application's trio guest run ends while a polygate.aio
+    session is still open.  The session's calls are cancelled and settled; leaving the
+    block then raised PolygateError("polygate's trio run has ended (its loop is
+    shutting down)"), which replaced an error of the body's own.  Leaving a session
+    its run already closed is quiet."""
+
+    class AppError(Exception):
+        pass
+
+    async def main() -> BaseException | None:
+        token, stop, done = await _start_app_guest_run()
+        hang = FakeUpstream(Reply(headers_delay_s=3600))
+        try:
+            async with polygate.aio.session(settings_for("http://a/v1"), transport=hang.transport()) as s:
+                call = asyncio.ensure_future(s.chat(messages("h")))
+                await wait_until(lambda: hang.in_flight == 1)
+                token.run_sync_soon(stop.set)  # the application's trio run ends
+                await asyncio.wait_for(asyncio.shield(done), 10)
+                with pytest.raises(polygate.PolygateError, match="in flight"):
+                    await asyncio.wait_for(call, 10)  # cancelled and settled: fine
+                assert hang.in_flight == 0
+                if body_error:
+                    raise AppError("the application's own error")
+        except AppError:
+            return None
+        except BaseException as exc:  # what leaving the block raised instead
+            return exc
+        return None
+
+    left_with = asyncio.run(main())
+    assert left_with is None, f"leaving the session raised {left_with!r}"

@@ -662,7 +662,11 @@ async def _open(
             yield handle
         finally:
             owner.closing = True
-            host.submit(owner.request_close)
+            if not owner.closed.done():
+                # (Done already: the trio run it lived in ended -- the application's own
+                # guest run, say -- and closed it; nothing is left to ask, and a
+                # submission to a finished run would fail.)
+                host.submit(owner.request_close)
             await settle(owner.closed)
             owner.closed.result()  # an error closing the trio session, as itself
     finally:
