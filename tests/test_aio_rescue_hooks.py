@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import sys
+import warnings
+from typing import Any
 
 import pytest
 
 import polygate.aio
-from polygate.testing import FakeUpstream
+from polygate.aio import _guest_io
+from polygate.testing import FakeUpstream, Reply
 
-from ._aio_support import _run, messages, settings_for
+from ._aio_support import _new_loop, _run, messages, settings_for, wait_until
 
 
 @pytest.mark.timeout(60, method="thread")
@@ -61,3 +64,50 @@ def test_the_rescue_leaves_the_new_loop_its_own_async_generator_hooks(kind: str)
         hooks_are_this_loops = _run(main(), kind)  # (asyncio.run() on a loop of this kind)
     assert hooks_are_this_loops
     assert cleaned == ["cleaned"]
+
+
+@pytest.mark.timeout(60, method="thread")
+@pytest.mark.parametrize("io_mode", ["loop-io", "thread-io"])
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_trio_side_async_generators_stay_trios_after_the_loop_ran_again(
+        kind: str, io_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside review: a loop "stopped and run again" (supported) dropped the
+    async-generator hooks trio's guest run installed (asyncio's run_forever restores
+    the hooks it found when it returns), so polygate's trio-side async generators
+    (ChatStream._run, httpx's aiter_raw ...) were registered with the loop on the next
+    run, and its shutdown_asyncgens() closed them from an asyncio task: "Task got bad
+    yield", "asynchronous generator is already running", OSError(EBADF), a hang.  The
+    run's hooks are put back before each of trio's steps."""
+    if io_mode == "thread-io":
+        monkeypatch.setattr(_guest_io, "_guest_tick", lambda: None)
+    up = FakeUpstream(Reply(tokens=1000, inter_token_s=0.01))
+    loop = _new_loop(kind)
+    reported: list[Any] = []
+    loop.set_exception_handler(lambda _l, c: reported.append((c.get("message"), c.get("exception"))))
+    block = polygate.aio.session(settings_for("http://a/v1"), transport=up.transport())
+    got: list[Any] = []
+
+    async def consume(s: Any) -> None:
+        async with s.stream_chat(messages("st")) as stream:
+            async for chunk in stream:
+                got.append(chunk)
+
+    s = loop.run_until_complete(block.__aenter__())  # run 1: the session opens
+    task = loop.create_task(consume(s))  # run 2: a stream in flight
+    loop.run_until_complete(wait_until(lambda: len(got) > 3))
+    try:
+        loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), 10))
+    except TimeoutError:
+        reported.append(("loop.shutdown_asyncgens() hung", None))
+    trio_side = [(m, repr(e)[:80]) for m, e in reported]
+    task.cancel()
+    loop.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+
+        async def again() -> None:  # (finishes the abandoned run)
+            async with polygate.aio.session(settings_for("http://a/v1"), transport=FakeUpstream(Reply()).transport()):
+                pass
+
+        _run(again(), kind)
+    assert trio_side == [], trio_side

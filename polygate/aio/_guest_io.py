@@ -163,6 +163,9 @@ class LoopDriver:
         self._idle = False
         self._ticking = False
         self.ended = False  # also: the descriptor is no longer registered
+        #: The run's async-generator hooks, put back before a step when the loop has
+        #: dropped them (see Host.hooks); None: nothing to watch.
+        self.hooks: Any = None
 
     def start(self) -> Callable[[], None]:
         """Register trio's descriptor; the returned callback is the run's first tick."""
@@ -206,6 +209,9 @@ class LoopDriver:
 
     def _tick(self, events: Any) -> None:
         state, runner, gen = self._state, self._runner, self._state.unrolled_run_gen
+        hooks = self.hooks
+        if hooks is not None and sys.get_asyncgen_hooks() != hooks:
+            sys.set_asyncgen_hooks(*hooks)  # (see Host.hooks)
         self._ticking = True
         # While trio runs its own steps it is not a guest: its "is_guest" branches
         # exist to wake a run that is waiting while the host changes a deadline or

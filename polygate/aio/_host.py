@@ -111,6 +111,13 @@ class Host:
         self._rescuing = False
         self._give_up = 0.0  # (monotonic) when the rescue stops trying
         self._lock = threading.Lock()
+        #: The guest run's async-generator hooks (trio's, chained to the loop's), as
+        #: its start installed them.  A loop that stops and runs again drops them (its
+        #: run_forever restores the hooks it found), and async generators that trio
+        #: tasks start would then belong to asyncio: its shutdown_asyncgens, or its
+        #: finalizer, would close them from an asyncio task, in the middle of trio's
+        #: work.  So they are put back before each of trio's steps while the run lasts.
+        self.hooks: Any = None
 
     # ------------------------------------------------------------ asyncio side
 
@@ -206,6 +213,9 @@ class Host:
             host_uses_signal_set_wakeup_fd=True,
         )
         self.token = trio.lowlevel.current_trio_token()
+        self.hooks = sys.get_asyncgen_hooks()  # (installed by start_guest_run, just now)
+        if self.driver is not None:  # (made by the first tick's hand-over, inside it)
+            self.driver.hooks = self.hooks
 
     async def _main(self) -> None:
         self._stop = trio.Event()
@@ -235,6 +245,9 @@ class Host:
 
     def _finished(self, run_outcome: outcome.Outcome[None]) -> None:
         self._done = True
+        self.hooks = None  # trio put back the hooks it found: nothing of its to restore
+        if self.driver is not None:
+            self.driver.hooks = None
         self._run_outcome = run_outcome
         if not self.ready.done():
             resolve(self.ready, outcome.Error(PolygateError("polygate's trio run ended early")))
@@ -268,7 +281,7 @@ class Host:
             if self._rescuing:
                 self._orphans.put(fn)
                 return
-            item = _Queued(fn, self._queued)
+            item = _Queued(fn, self._queued, self)
             self._queued.add(item)
         if not threadsafe:
             self.loop.call_soon(item)
@@ -320,17 +333,22 @@ class Host:
 
 
 class _Queued:
-    """A callback on the loop's queue that removes itself from ``pending`` when run."""
+    """A callback on the loop's queue that removes itself from ``pending`` when run,
+    with the run's async-generator hooks in place (see :attr:`Host.hooks`)."""
 
-    __slots__ = ("fn", "pending")
+    __slots__ = ("fn", "host", "pending")
 
-    def __init__(self, fn: Callable[[], object], pending: set[_Queued]) -> None:
+    def __init__(self, fn: Callable[[], object], pending: set[_Queued], host: Host) -> None:
         self.fn = fn
         self.pending = pending
+        self.host = host
 
     def __call__(self) -> None:
         if self in self.pending:
             self.pending.discard(self)
+            hooks = self.host.hooks
+            if hooks is not None and sys.get_asyncgen_hooks() != hooks:
+                sys.set_asyncgen_hooks(*hooks)
             self.fn()
 
 
