@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from ._hedge import Forward
 from ._types import choice_index
+from .transport import carries_extras
 
 __all__ = [
     "CONTINUE_PROMPT",
@@ -283,24 +284,16 @@ def _ends_text(chunk: Mapping[str, Any]) -> bool:
     return True
 
 
-_PLAIN_CHOICE_KEYS = frozenset({"index", "delta", "finish_reason", "logprobs"})
-
-
-def _worth_showing(chunk: Mapping[str, Any]) -> bool:
-    """Whether a chunk carries more than its text: a choice's ``finish_reason``, or a
-    choice field beyond the usual (Azure's ``content_filter_results``)."""
+def _worth_showing(chunk: dict[str, Any]) -> bool:
+    """Whether a chunk carries more than its text: a choice's ``finish_reason``, or
+    what a chunk without a content token is passed on for (a vendor field such as
+    Azure's ``content_filter_results``: :func:`carries_extras`)."""
     choices = chunk.get("choices")
-    if not isinstance(choices, list):
-        return False
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        if choice.get("finish_reason") is not None:
-            return True
-        if any(v is not None and v != "" and v != [] and v != {}
-               for k, v in choice.items() if k not in _PLAIN_CHOICE_KEYS):
-            return True
-    return False
+    if isinstance(choices, list) and any(
+        isinstance(c, dict) and c.get("finish_reason") is not None for c in choices
+    ):
+        return True
+    return carries_extras(chunk)
 
 
 def _with_content(chunk: dict[str, Any], text: str) -> dict[str, Any]:

@@ -987,11 +987,8 @@ async def test_connection_tokens_are_read_whole() -> None:
     """Outside review: ``close`` was looked for as a substring of the Connection
     header, so a token that only contains it (``x-closed``) closed the connection."""
     async with gateway() as (server, _):
-        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
-        async with stream:
-            await stream.send_all(b"GET /healthz HTTP/1.1\r\nhost: g\r\nconnection: x-closed\r\n\r\n"
+        data = await _raw(server, b"GET /healthz HTTP/1.1\r\nhost: g\r\nconnection: x-closed\r\n\r\n"
                                   b"GET /healthz HTTP/1.1\r\nhost: g\r\nconnection: Close\r\n\r\n")
-            data = await read_until_closed(stream)
     assert data.count(b"HTTP/1.1 200") == 2, data
     first, _, second = data.partition(b'{"status":"ok"}')
     assert b"connection: close" not in first.lower() and b"connection: close" in second.lower()

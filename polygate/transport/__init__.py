@@ -3,7 +3,14 @@
 Knows nothing of admission, hedging or retries (an import-linter contract keeps it so).
 """
 
-from ._assemble import ChatAssembler, TextParts, drop_last, has_content, message_text
+from ._assemble import (
+    ChatAssembler,
+    TextParts,
+    carries_extras,
+    drop_last,
+    has_content,
+    message_text,
+)
 from ._exchange import OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
 from ._pool import REPORTS_SENT, SENT_EXTENSION, LeanTransport
 from ._wire import Endpoint, Limits, parse_retry_after
@@ -20,6 +27,7 @@ __all__ = [
     "TextParts",
     "drop_last",
     "Timeline",
+    "carries_extras",
     "chat_exchange",
     "embeddings_exchange",
     "has_content",
