@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import polygate
 from polygate.testing import Reply
 
-from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, http
+from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, http, read_until_closed
 
 pytestmark = pytest.mark.integration
 
@@ -63,3 +64,23 @@ async def test_no_key_leaks_into_metrics() -> None:
     assert "sk-upstream-key" not in text
     found = samples(text)
     assert value(found, "polygate_source_dead", scope="chat", source="s0") == 1
+
+
+async def test_a_slow_bodys_408_is_its_endpoints_and_takes_its_time() -> None:
+    """Outside review: a 408 for a body too slow to arrive was counted under
+    ``endpoint="other"`` (its head, and so its path, had arrived: a 413 of the same
+    request is its endpoint's) and observed as 0 s in the duration histogram, as every
+    answer to a request that could not be read was: slow clients dragged the
+    percentiles down.  Its time counts from its first byte."""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], body_timeout_s=0.5)
+    async with gateway(serve=serve) as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(
+                f"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\nauthorization: "
+                f"{AUTH['authorization']}\r\ncontent-length: 100\r\n\r\n{{".encode())
+            assert (await read_until_closed(stream)).startswith(b"HTTP/1.1 408")
+        requests = dict(server.metrics.requests)
+        durations = {k: v.sum for k, v in server.metrics.durations.items()}
+    assert requests == {("/v1/chat/completions", 408): 1}, requests
+    assert sum(durations.values()) >= 0.45, durations

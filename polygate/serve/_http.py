@@ -379,7 +379,7 @@ class Connection:
                     deadline = trio.current_time() + limits.body_timeout_s
                 elif trio.current_time() >= deadline:
                     raise HTTPProblem(408, "the request body was not received in time",
-                                      "request_timeout")
+                                      "request_timeout", path)
             try:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError:
@@ -396,7 +396,7 @@ class Connection:
                     self.h11.receive_data(data)
                     continue
                 raise HTTPProblem(408, "the request body was not received in time",
-                                  "request_timeout")
+                                  "request_timeout", path)
             if isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > limits.max_request_bytes:  # chunked bodies

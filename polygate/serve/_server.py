@@ -26,6 +26,7 @@ import errno
 import importlib.util
 import ipaddress
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -361,12 +362,14 @@ class Server:
                 idle = trio.CancelScope()
                 self._idle.add(idle)
                 begun = False
+                begun_at = 0.0  # (monotonic) its first byte: a problem's time counts from it
 
                 def started(idle: trio.CancelScope = idle) -> None:
                     # Idle until its first byte: a drain closes an idle connection, but a
                     # request it has begun to receive is in flight: read and answered.
-                    nonlocal begun
+                    nonlocal begun, begun_at
                     begun = True
+                    begun_at = time.monotonic()
                     self._idle.discard(idle)
                     if conn.carried:
                         conn.carried = False  # (counted as the last answer ended)
@@ -381,13 +384,14 @@ class Server:
                     # (read_request enters idle, with the head's deadline: one scope.)
                     request = await conn.read_request(admit, started=started, scope=idle)
                 except HTTPProblem as problem:
-                    await self._problem(conn, problem)
+                    await self._problem(conn, problem, begun_at if begun else None)
                     return
                 except ClientGone as gone:
                     if begun:  # left in the middle of its request: as after it, a 499
                         metrics.disconnects += 1
                         metrics.request(
-                            "other" if gone.path is None else endpoint_label(gone.path), 499, 0.0)
+                            "other" if gone.path is None else endpoint_label(gone.path), 499,
+                            time.monotonic() - begun_at)
                     return
                 finally:
                     self._idle.discard(idle)
@@ -455,9 +459,11 @@ class Server:
         if self._in_flight == 0 and self.draining:
             self._quiet.set()
 
-    async def _problem(self, conn: Connection, problem: HTTPProblem) -> None:
-        self.metrics.request(
-            "other" if problem.path is None else endpoint_label(problem.path), problem.status, 0.0)
+    async def _problem(
+        self, conn: Connection, problem: HTTPProblem, begun_at: float | None = None
+    ) -> None:
+        """Answer a request that could not be read; ``begun_at``: its first byte (the
+        metrics' duration counts from there, as a slow client's 408 took that long)."""
         try:
             cid = fresh_call_id().encode()
             await conn.send_response(
@@ -470,6 +476,9 @@ class Server:
             pass
         except Exception:  # h11 could not even frame an answer: just close
             pass
+        self.metrics.request(
+            "other" if problem.path is None else endpoint_label(problem.path), problem.status,
+            0.0 if begun_at is None else time.monotonic() - begun_at)
 
 
 async def _close(stream: trio.SocketStream) -> None:
