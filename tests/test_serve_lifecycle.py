@@ -40,9 +40,11 @@ from ._serve_kit import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def write_config(path: Path, upstream: str, *, grace_s: float = 30, alias: str = "gpt-4o") -> Path:
+def write_config(
+    path: Path, upstream: str, *, grace_s: float = 30, alias: str = "gpt-4o", extra: str = ""
+) -> Path:
     path.write_text(
-        f'[serve]\napi_keys = ["{GATEWAY_KEY}"]\ngrace_s = {grace_s}\n'
+        f'{extra}[serve]\napi_keys = ["{GATEWAY_KEY}"]\ngrace_s = {grace_s}\n'
         f'[serve.models]\n"{alias}" = "chat"\n\n'
         f'[scopes.chat.sources.a]\nbase_url = "{upstream}"\nmodel = "m1"\n'
     )
@@ -617,3 +619,43 @@ async def test_a_request_pipelined_before_the_drain_is_answered_too(first: str) 
     assert b"connection: close" not in answers[0].split(b"\r\n\r\n")[0].lower()
     assert b"connection: close" in answers[1].split(b"\r\n\r\n")[0].lower()
     assert b'"object":"list"' in answers[1].replace(b" ", b"")
+
+
+async def test_a_stop_signal_during_a_slow_reload_drains_at_once(tmp_path: Path) -> None:
+    """Outside review: a reload whose new session was slow to open (its telemetry
+    database accepts connections and never answers: 5 s of connect timeout) held off
+    SIGTERM: the listener kept accepting for ~4 s, the drain began only once the reload
+    had given up.  The reload runs in a task of its own, and a stop abandons it."""
+    import socket
+    import time
+
+    silent = socket.socket()  # accepts (the kernel does) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    upstream = FakeUpstream(Reply())
+    try:
+        async with upstream.serve() as url:
+            config = write_config(tmp_path / "c.toml", url)
+            async with serve_process(config) as srv:
+                assert (await http(_Port(srv.port), "POST", "/v1/chat/completions", CHAT, AUTH)).status == 200
+                port = silent.getsockname()[1]
+                write_config(config, url, extra=f'telemetry = "postgresql://app:pw@127.0.0.1:{port}/t"\n')
+                srv.proc.send_signal(signal.SIGHUP)
+                await trio.sleep(1.0)  # (the reload is waiting on the silent database)
+                sent = time.monotonic()
+                srv.proc.send_signal(signal.SIGTERM)
+                with trio.fail_after(10):
+                    while True:  # the listener closes: new connections are refused
+                        try:
+                            probe = await trio.open_tcp_stream("127.0.0.1", srv.port)
+                        except OSError:
+                            break
+                        await probe.aclose()
+                        await trio.sleep(0.05)
+                assert time.monotonic() - sent < 2
+                with trio.fail_after(30):
+                    assert await srv.proc.wait() == 0
+                err = (await srv.proc.stderr.receive_some(65536)).decode()
+        assert "reload abandoned: shutting down" in err, err[-1500:]
+    finally:
+        silent.close()

@@ -23,6 +23,7 @@ other failure to start (a message, never a traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import signal
@@ -142,24 +143,47 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
                 print(f"polygate serve: listening on {server.url}", flush=True)
                 log.info("%d scope(s), %s", len(settings.scopes),
                          f"{keys} gateway key(s)" if keys else "no gateway keys (loopback only)")
-                async for signum in received:
-                    if signum == signal.SIGHUP:
-                        await _reload(server, args)
-                        continue
-                    log.info("draining: no new connections; calls in flight have %.0f s",
-                             server.settings.serve.grace_s)
-                    async with trio.open_nursery() as draining:
+                # Reloads run in a task of their own, one after the other: a stop signal
+                # is heard while one opens its session (a telemetry database that does
+                # not answer holds it up to its connect timeout), and abandons it.  A
+                # SIGHUP while one is pending is the same reload (it reads the file
+                # when it runs).
+                ask, asked = trio.open_memory_channel[None](1)
+                reloading = False
 
-                        async def drain() -> None:
-                            await server.shutdown()
+                async def reloader() -> None:
+                    nonlocal reloading
+                    async for _ in asked:
+                        reloading = True
+                        try:
+                            await _reload(server, args)
+                        finally:
+                            reloading = False
+
+                async with trio.open_nursery() as reloads:
+                    reloads.start_soon(reloader)
+                    async for signum in received:
+                        if signum == signal.SIGHUP:
+                            with contextlib.suppress(trio.WouldBlock):
+                                ask.send_nowait(None)
+                            continue
+                        if reloading:
+                            log.warning("reload abandoned: shutting down")
+                        reloads.cancel_scope.cancel()
+                        break
+                log.info("draining: no new connections; calls in flight have %.0f s",
+                         server.settings.serve.grace_s)
+                async with trio.open_nursery() as draining:
+
+                    async def drain() -> None:
+                        await server.shutdown()
+                        draining.cancel_scope.cancel()
+
+                    draining.start_soon(drain)
+                    async for again in received:
+                        if again != signal.SIGHUP:
+                            log.info("second signal: cancelling the calls in flight now")
                             draining.cancel_scope.cancel()
-
-                        draining.start_soon(drain)
-                        async for again in received:
-                            if again != signal.SIGHUP:
-                                log.info("second signal: cancelling the calls in flight now")
-                                draining.cancel_scope.cancel()
-                    break
             nursery.cancel_scope.cancel()  # (the relay)
     log.info("stopped before it started listening" if start.cancelled_caught else "stopped")
     return 0
