@@ -332,3 +332,49 @@ async def test_a_whole_answer_shown_as_a_stream_chunk_indexes_its_tool_calls() -
         chunks = [c async for c in stream]
     [chunk] = chunks
     assert [c["index"] for c in chunk.delta["tool_calls"]] == [0, 1]
+
+
+@pytest.mark.parametrize("upstream", ["later-choice-first", "openrouter-transcript"])
+async def test_a_choice_role_reaches_the_sdk_once(upstream: str) -> None:
+    """Outside review: a choice's role went to the client twice -- after a role chunk
+    the gateway made for choice 0 when choice 1 came first (n = 2), and on every delta
+    of OpenRouter, which repeats it -- and the SDK's accumulator, which joins strings,
+    built role "assistantassistant"."""
+    import json
+
+    import httpx
+
+    from polygate.serve import open_server
+
+    from .conftest import TRANSCRIPTS
+
+    if upstream == "later-choice-first":
+        def ch(index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {"index": index, "delta": delta, "finish_reason": finish}
+
+        events = [{"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                   "choices": [c]} for c in (
+            ch(1, {"role": "assistant", "content": "X"}), ch(0, {"role": "assistant", "content": "Y"}),
+            ch(0, {}, "stop"), ch(1, {}, "stop"))]
+        data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        n = 2
+    else:
+        data = (TRANSCRIPTS / "15-openrouter-stream-reasoning-details-usage.sse").read_bytes()
+        n = 1
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=data))
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")],
+                                       retry=polygate.Retry(max_attempts=1))},
+        serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+    async with open_server(settings, port=0, transport=transport) as server:
+
+        def final() -> Any:
+            with sync_client(server.base_url) as client, client.chat.completions.stream(
+                    model="chat", messages=MESSAGES, n=n) as stream:
+                return stream.get_final_completion()
+
+        completion = await trio.to_thread.run_sync(final)
+    assert [c.message.role for c in completion.choices] == ["assistant"] * n
+    if upstream == "later-choice-first":
+        assert [c.message.content for c in completion.choices] == ["Y", "X"]

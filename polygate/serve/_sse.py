@@ -141,18 +141,26 @@ class StreamShape:
                     unroled.append(role)
                     if roled:
                         unrole = {index} if unrole is None else {*unrole, index}
+            else:
+                delta = choice.get("delta")
+                if isinstance(delta, Mapping) and "role" in delta:
+                    # The client has this choice's role already (a role chunk made for
+                    # it when a later choice came first; OpenRouter repeats the role
+                    # in every delta): again, the SDK's accumulator joins the strings,
+                    # "assistantassistant".
+                    unrole = {index} if unrole is None else {*unrole, index}
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
         if beyond:
             choices = [c for c in choices if (choice_index(c) or 0) < MAX_CHOICES]
             raw = {**raw, "choices": choices}
-        if unroled is None:
-            return _event(raw)
-        unroled.sort(key=itemgetter(0))
         if unrole is not None:
             raw = {**raw, "choices": [
                 {**c, "delta": {k: v for k, v in c["delta"].items() if k != "role"}}
                 if choice_index(c) in unrole else c for c in choices]}
+        if unroled is None:
+            return _event(raw)
+        unroled.sort(key=itemgetter(0))
         return self._roles(unroled, self._meta) + _event(raw)
 
     def _roles(self, roles: list[tuple[int, str | None]], meta: dict[str, Any] | None) -> bytes:
