@@ -184,6 +184,10 @@ class Session:
             raise ConfigError("inputs must be a non-empty list of strings")
         for index, text in enumerate(inputs):
             _check_utf8(text, f"inputs[{index}]")
+            if not text:
+                # OpenAI refuses it (400), after a paid round trip; others embed
+                # nothing into a vector that means nothing.
+                raise ConfigError(f"inputs[{index}] is an empty string: there is nothing to embed")
         _check_params(params, reserved=("input",))
         if "schema" in params:
             # (A chat keyword here is a mistake, not a vendor field to send upstream.)

@@ -518,6 +518,19 @@ async def test_stream_request_answered_with_json(autojump_clock: trio.testing.Mo
     assert r.text and r.call_stats.ttft_ms is None
 
 
+async def test_an_empty_string_to_embed_is_a_config_error_before_any_io() -> None:
+    """Outside review: an empty input was sent upstream (OpenAI refuses it with a 400
+    after the round trip)."""
+    up = FakeUpstream(Reply())
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    async with polygate.session(settings, transport=up.transport()) as s:
+        for inputs in ([""], ["ok", ""]):
+            with pytest.raises(polygate.ConfigError, match=r"inputs\[\d\] is an empty string"):
+                await s.embed(inputs)
+    assert not up.requests
+
+
 async def test_embed_batches_in_order(autojump_clock: trio.testing.MockClock) -> None:
     up = FakeUpstream(Reply(first_token_s=1))
     settings = polygate.Settings(scopes={"embed": polygate.Scope(

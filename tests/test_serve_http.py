@@ -301,6 +301,30 @@ async def test_unknown_embeddings_encoding_format_is_400(encoding: object) -> No
     assert not upstream.requests
 
 
+@pytest.mark.parametrize("inputs", ["", ["a", ""]])
+async def test_an_empty_embeddings_input_is_400_before_the_upstream(inputs: object) -> None:
+    """Outside review: an empty string was sent upstream (OpenAI answers 400 after the
+    round trip; others embed nothing)."""
+    async with gateway() as (server, upstream):
+        answer = await http(server, "POST", "/v1/embeddings", {"model": "embed", "input": inputs}, AUTH)
+    assert answer.status == 400
+    assert answer.json()["error"]["param"] == "input"
+    assert not upstream.requests
+
+
+async def test_null_embeddings_options_are_not_sent_upstream_as_null() -> None:
+    """Outside review: ``encoding_format: null`` and ``dimensions: null`` passed the
+    gateway's check (the default) and went upstream as null, which a server that types
+    the fields (vLLM) refuses."""
+    body = {"model": "embed", "input": "x", "encoding_format": None, "dimensions": None}
+    async with gateway() as (server, upstream):
+        answer = await http(server, "POST", "/v1/embeddings", body, AUTH)
+    assert answer.status == 200
+    sent = upstream.requests[0].body
+    assert sent.get("dimensions", "absent") is not None, sent
+    assert sent.get("encoding_format", "absent") is not None, sent
+
+
 @pytest.mark.parametrize(("messages", "param"), [
     (None, "messages"), ([], "messages"), ({}, "messages"), ("hi", "messages"),
     ([{"content": "x"}], "messages[0]"),

@@ -803,10 +803,18 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
         return await _fail(ctx, _bad_param(
             "input must be a string or a non-empty array of strings "
             "(token arrays are not supported by this gateway)", "input"))
+    if not all(inputs):
+        return await _fail(ctx, _bad_param(
+            "input must not hold an empty string: there is nothing to embed", "input"))
     encoding = body.get("encoding_format")
     if encoding not in (None, "float", "base64"):
         return await _fail(ctx, _bad_param(
             "encoding_format must be 'float' or 'base64'", "encoding_format"))
+    for name in ("encoding_format", "dimensions"):
+        if name in body and body[name] is None:
+            # null is the default here, as OpenAI reads it; not sent upstream as null,
+            # which a server that types the field (vLLM) refuses.
+            del body[name]
     base64_out = encoding == "base64"
     call_id = fresh_call_id()
     token = PRESET_CALL_ID.set(call_id)
