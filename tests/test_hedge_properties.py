@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 import polygate
 from polygate.testing import FakeUpstream, Reply, Router
 
+from .test_properties import _Attempts
+
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
@@ -53,19 +55,6 @@ scenarios = st.fixed_dictionaries({
     "mif": st.sampled_from([None, 1]),
     "rpm": st.sampled_from([None, 3]),
 })
-
-
-class _Attempts:
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.records: list[Any] = []
-
-    def attempt(self, ctx: Any, record: Any) -> None:
-        self.records.append(record)
-        self.inner.attempt(ctx, record)
-
-    def call(self, *args: Any) -> None:
-        self.inner.call(*args)
 
 
 def _settings(sc: dict[str, Any]) -> polygate.Settings:
