@@ -449,7 +449,8 @@ class Breaker:
     again for twice as long as the time before, jittered (× 0.5–1), up to
     ``max_open_s`` (``None``: ``open_s``: no backoff, and no jitter, every opening lasts
     ``open_s``).  The defaults, 5 failures and 30 s, then one probe, give an outage a
-    probe every 30 s and a recovered source traffic within 30 s of its next request."""
+    probe every 30 s and a recovered source traffic within ``open_s`` plus the time until
+    its next request."""
 
     failures: int = attrs.field(default=5, validator=_pos_int)
     failure_rate: float | None = attrs.field(default=None)

@@ -638,6 +638,8 @@ async def test_connection_cap_answers_503() -> None:
     assert b"too_many_connections" in data
     assert b"x-polygate-call-id: " in data
     assert _call_id_headers(data)  # x-request-id too, the same id
+    # an API error answer: the statistics headers too (review: they were missing here)
+    assert b"x-polygate-attempts: 0\r\n" in data and b"x-polygate-cached: false\r\n" in data
     assert after.status == 200
 
 

@@ -316,8 +316,8 @@ class Server:
             head = (
                 b"HTTP/1.1 503 Service Unavailable\r\nserver: polygate\r\n"
                 b"content-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
-                b"x-polygate-call-id: %s\r\nx-request-id: %s\r\ncontent-length: %d\r\n\r\n"
-                % (cid, cid, len(body))
+                b"x-polygate-call-id: %s\r\nx-request-id: %s\r\n%scontent-length: %d\r\n\r\n"
+                % (cid, cid, b"".join(b"%s: %s\r\n" % pair for pair in NO_CALL), len(body))
             )
             with trio.move_on_after(1):
                 try:

@@ -109,9 +109,11 @@ class StreamShape:
             index = choice_index(choice)
             if index is None:  # (never, after the check above)
                 continue
-            if index >= MAX_CHOICES:
-                # It carries nothing: the library refuses a stream whose choice over
-                # its cap does.  Not relayed: a client would look it up by index.
+            if index >= MAX_CHOICES or _empty(choice):
+                # It carries nothing (the library refuses a stream whose choice over
+                # its cap carries something): not relayed, and no roles are made up
+                # for the indexes below it -- a client would count choices that never
+                # come, and never finish.
                 beyond = True
                 continue
             if index not in self._roled:
@@ -152,7 +154,8 @@ class StreamShape:
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
         if beyond:
-            choices = [c for c in choices if (choice_index(c) or 0) < MAX_CHOICES]
+            choices = [c for c in choices
+                       if (choice_index(c) or 0) < MAX_CHOICES and not _empty(c)]
             raw = {**raw, "choices": choices}
         if unrole is not None:
             raw = {**raw, "choices": [
@@ -229,6 +232,20 @@ def _role_content(delta: Any) -> str | None:
 
 #: The fields a reasoning delta comes in (as the assembler reads them).
 _REASONING: Final = frozenset({"reasoning_content", "reasoning"})
+
+
+def _empty(choice: Mapping[str, Any]) -> bool:
+    """Whether a stream choice carries nothing: no delta field, finish_reason,
+    logprobs or vendor field with a value (``{"index": 7}``, ``{"delta": {}}``)."""
+    for key, value in choice.items():
+        if key == "index" or value is None:
+            continue
+        if key == "delta":
+            if isinstance(value, Mapping) and any(v is not None for v in value.values()):
+                return False
+            continue
+        return False
+    return True
 
 
 def _with_deltas(choices: Any) -> list[dict[str, Any]] | None:
