@@ -515,6 +515,31 @@ def test_a_first_opening_lasts_exactly_open_s_whatever_the_jitter(h: Harness) ->
     h.run(body)
 
 
+def test_without_a_backoff_a_failed_probe_reopens_for_exactly_open_s(h: Harness) -> None:
+    """``max_open_s`` equal to ``open_s`` (the default, no backoff): the settle's jitter
+    moves no opening, a failed probe's included -- the rule lives in the backends."""
+    policy = BreakerPolicy(failures=1, open_s=h.window / 4, max_open_s=h.window / 4,
+                           rate_min_calls=100)
+
+    async def body() -> None:
+        async with h.backend() as b:
+            a = await granted(b, ask(breaker=policy))
+            await b.settle(settle(a, None, Feedback.FAILURE, breaker=policy, jitter=0.5))
+            refusal = await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
+            assert refusal.retry_at is not None
+            await trio.sleep_until(refusal.retry_at + EPS)
+            probe = await granted(b, ask(breaker=policy))
+            assert probe.probe
+            await b.settle(settle(probe, None, Feedback.FAILURE, breaker=policy, jitter=0.5))
+            start = b.now()
+            refusal = await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
+            assert refusal.retry_at is not None
+            tolerance = EPS + (0.05 * h.window if h.kind == "redis" else 0)
+            assert policy.open_s - tolerance <= refusal.retry_at - start <= policy.open_s + EPS
+
+    h.run(body)
+
+
 def test_probes_in_a_row_close_the_breaker(h: Harness) -> None:
     """``probes=2``: one probe at a time, and two successes in a row close it."""
     policy = BreakerPolicy(failures=1, open_s=h.window / 8, rate_min_calls=100, probes=2)

@@ -280,15 +280,11 @@ class Governor:
         elif outcome is Outcome.DEAD:
             cooldown = self._settings.dead_cooldown_s
             dead = True
-        breaker = self._breakers[admission.scope]
         await self.backend.settle(SettleRequest(
-            admission, tokens, feedback, breaker, sent, cooldown, dead,
-            # With a backoff (max_open_s over open_s), equal jitter on a re-opening this
-            # settle starts (a failed probe's): sources that failed together, and
-            # processes each holding a memory breaker, do not re-probe in step.  The
-            # first opening, and every one without a backoff, lasts exactly open_s.
-            jitter=0.5 + 0.5 * self._rng.random()
-            if feedback is Feedback.FAILURE and breaker.max_open_s > breaker.open_s else 1.0,
+            admission, tokens, feedback, self._breakers[admission.scope], sent, cooldown, dead,
+            # Equal jitter for a re-opening this settle may start (the backend applies it
+            # only there: see BreakerPolicy.open_for).
+            jitter=0.5 + 0.5 * self._rng.random() if feedback is Feedback.FAILURE else 1.0,
         ))
         health = self._health.get((admission.scope, admission.source))
         if health is not None:

@@ -56,7 +56,8 @@ class BreakerPolicy:
     never); stays
     open ``open_s``, then half-opens: one probe at a time, and ``probes`` successes in a
     row close it.  A failed probe re-opens it for ``open_s × 2^n`` (n failed probes in a
-    row), capped at ``max_open_s``, × the settle's jitter."""
+    row), capped at ``max_open_s``, × the settle's jitter when there is such a backoff
+    (``max_open_s`` over ``open_s``)."""
 
     failures: int = 5
     open_s: float = 30.0
@@ -69,10 +70,13 @@ class BreakerPolicy:
     def open_for(self, reopens: int, jitter: float) -> float:
         """How long to stay open after ``reopens`` failed probes in a row."""
         nominal = min(self.max_open_s, self.open_s * 2.0 ** min(reopens, 30))
-        # The first opening is exactly open_s, the period the settings promise; only
-        # re-openings are jittered, so that sources whose probes failed together, or
-        # processes each holding a memory breaker, spread their next probes.
-        return nominal if reopens == 0 else nominal * jitter
+        # The first opening, and every one without a backoff, is exactly open_s, the
+        # period the settings promise; re-openings of a backoff are jittered, so that
+        # sources whose probes failed together, or processes each holding a memory
+        # breaker, spread their next probes.
+        if reopens == 0 or self.max_open_s <= self.open_s:
+            return nominal
+        return nominal * jitter
 
 
 @attrs.frozen

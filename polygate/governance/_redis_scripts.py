@@ -286,12 +286,13 @@ end
 
 -- The breaker: closed -> open -> half_open -> (closed | open); never skips a state.
 -- Opening sets 'op', this opening's period: open_us * 2^rn (rn: failed probes in a
--- row), capped at max_open_us, times the caller's jitter from the first re-opening on
--- (the memory backend's rule: the first opening is exactly open_us).
+-- row), capped at max_open_us, times the caller's jitter on a re-opening of a backoff
+-- (the memory backend's rule: the first opening, and every one without a backoff,
+-- is exactly open_us).
 local function open_breaker(reopens)
   local nominal = math.min(max_open_us, open_us * (2 ^ math.min(reopens, 30)))
   local j = jitter
-  if reopens == 0 then j = 1 end
+  if reopens == 0 or max_open_us <= open_us then j = 1 end
   redis.call('HSET', K_STATE, 'br', 'o', 'oa', now, 'rn', reopens,
              'op', math.floor(nominal * j), 'pk', 0)
 end
