@@ -40,6 +40,27 @@ def parts_text(parts: list[Any]) -> str:
 MAX_CHOICES = 128
 
 
+def carries_something(choice: Mapping[str, Any]) -> bool:
+    """Whether a stream choice carries anything: folding it into an answer would change
+    it (``transport.ChatAssembler``), and the gateway relays it.  One that carries
+    nothing (``{"index": 7}``, an empty delta) needs no state, whatever its index."""
+    for key, value in choice.items():
+        if value is None or key == "index" or key == "message":
+            continue
+        if key == "delta":
+            if isinstance(value, dict) and any(v is not None for v in value.values()):
+                return True
+        elif key == "finish_reason":
+            if isinstance(value, str):
+                return True
+        elif key == "logprobs":
+            if isinstance(value, dict):
+                return True
+        else:
+            return True
+    return False
+
+
 def choice_index(choice: Mapping[str, Any]) -> int | None:
     """A choice's ``index`` as the wire gives it, or ``None`` when it is malformed.
 

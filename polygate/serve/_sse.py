@@ -30,6 +30,7 @@ from .._types import (
     ChatResponse,
     StreamChunk,
     Usage,
+    carries_something,
     choice_index,
     message_delta,
     parts_text,
@@ -104,17 +105,13 @@ class StreamShape:
         # chunks, and a client assembling choices by index reads the role from there.
         unroled: list[tuple[int, str | None]] | None = None
         unrole: set[int] | None = None  # choices whose first delta's role goes on its own
-        beyond = False
+        dropping = False
         for choice in choices:
             index = choice_index(choice)
             if index is None:  # (never, after the check above)
                 continue
-            if index >= MAX_CHOICES or _empty(choice):
-                # It carries nothing (the library refuses a stream whose choice over
-                # its cap carries something): not relayed, and no roles are made up
-                # for the indexes below it -- a client would count choices that never
-                # come, and never finish.
-                beyond = True
+            if not _relayed(choice, index):
+                dropping = True
                 continue
             if index not in self._roled:
                 # The choices below it first, whatever they begin with (null: a client's
@@ -153,9 +150,8 @@ class StreamShape:
                     unrole = {index} if unrole is None else {*unrole, index}
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
-        if beyond:
-            choices = [c for c in choices
-                       if (choice_index(c) or 0) < MAX_CHOICES and not _empty(c)]
+        if dropping:
+            choices = [c for c in choices if _relayed(c, choice_index(c) or 0)]
             raw = {**raw, "choices": choices}
         if unrole is not None:
             raw = {**raw, "choices": [
@@ -234,18 +230,12 @@ def _role_content(delta: Any) -> str | None:
 _REASONING: Final = frozenset({"reasoning_content", "reasoning"})
 
 
-def _empty(choice: Mapping[str, Any]) -> bool:
-    """Whether a stream choice carries nothing: no delta field, finish_reason,
-    logprobs or vendor field with a value (``{"index": 7}``, ``{"delta": {}}``)."""
-    for key, value in choice.items():
-        if key == "index" or value is None:
-            continue
-        if key == "delta":
-            if isinstance(value, Mapping) and any(v is not None for v in value.values()):
-                return False
-            continue
-        return False
-    return True
+def _relayed(choice: Mapping[str, Any], index: int) -> bool:
+    """Whether a stream choice goes to the client: one that carries nothing (the
+    library's rule; it refuses a stream whose choice over its cap carries something)
+    is left out, and no roles are made up for the indexes below it -- a client would
+    count choices that never come, and never finish."""
+    return index < MAX_CHOICES and carries_something(choice)
 
 
 def _with_deltas(choices: Any) -> list[dict[str, Any]] | None:

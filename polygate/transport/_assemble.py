@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import TransientUpstreamError
-from .._types import choice_index, parts_text
+from .._types import carries_something, choice_index, parts_text
 
 __all__ = [
     "ChatAssembler", "TextParts", "drop_last", "has_content", "message_text", "malformed_index",
@@ -319,26 +319,6 @@ class _Choice:
         return choice
 
 
-def _carries(choice: dict[str, Any]) -> bool:
-    """Whether folding ``choice`` in would change anything (see ``_Choice.add``):
-    a choice that carries nothing needs no state, whatever its index."""
-    for key, value in choice.items():
-        if value is None or key == "index" or key == "message":
-            continue
-        if key == "delta":
-            if isinstance(value, dict) and any(v is not None for v in value.values()):
-                return True
-        elif key == "finish_reason":
-            if isinstance(value, str):
-                return True
-        elif key == "logprobs":
-            if isinstance(value, dict):
-                return True
-        else:
-            return True
-    return False
-
-
 def _carries_call(call: dict[str, Any]) -> bool:
     """Whether a tool-call delta sets anything (see ``_Choice._add_tool_call``)."""
     if isinstance(call.get("id"), str) and call["id"]:
@@ -513,7 +493,7 @@ class ChatAssembler:
                         self.saw_choice = True
                         state = self._choices.get(index)
                         if state is None:
-                            if not _carries(choice):
+                            if not carries_something(choice):
                                 continue
                             state = self._new_choice(index)
                         if state.add(choice):
