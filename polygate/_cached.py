@@ -566,7 +566,7 @@ async def cached_embed(
     if cache is None or ttl is None:
         return await run_embed(runtime, scope, inputs, params, deadline_s)
     call = _Call(runtime, scope, "embed", deadline_s, params=params)
-    call.ctx.input_texts = [text for text in inputs if isinstance(text, str)]
+    call.ctx.input_texts = inputs
     keys = embed_keys(scope, cache.models(scope, runtime.settings.scopes, chain=False), inputs, params)
     texts: dict[str, str] = dict(zip(keys, inputs, strict=True))  # distinct, in order
     own = texts.keys()  # (what this call would send: see Flight.batch)

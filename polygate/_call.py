@@ -402,11 +402,6 @@ async def _same_source(
         await trio.sleep_until(refusal.retry_at)
 
 
-def _texts(inputs: Sequence[Any]) -> list[str]:
-    """An embed's text inputs (others are token ids)."""
-    return [text for text in inputs if isinstance(text, str)]
-
-
 def _deadline_at(ctx: CallContext, deadline_s: float | None) -> float | None:
     return ctx.started_at + deadline_s if deadline_s is not None else None
 
@@ -729,7 +724,7 @@ async def run_embed(
     scope = runtime.settings.scopes[scope_name]
     began = trio.current_time() if started_at is None else started_at
     ctx = CallContext(runtime, scope_name, scope, "embed", began, params=params,
-                      input_texts=_texts(inputs))
+                      input_texts=inputs)
     if live is not None:
         live.append(ctx)
     if part_of is not None:

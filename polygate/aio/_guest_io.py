@@ -65,7 +65,7 @@ import outcome
 import sniffio
 import trio
 
-__all__ = ["LoopDriver", "driver_for"]
+__all__ = ["LoopDriver", "driver_for", "put_back_hooks"]
 
 try:  # trio internals: checked one by one in driver_for()
     from trio._core import _run as _trio_run
@@ -135,6 +135,13 @@ def driver_for(
     if fd is None or not hasattr(loop, "add_reader"):
         return None
     return LoopDriver(loop, state, fd, post, rescue_left)
+
+
+def put_back_hooks(hooks: Any) -> None:
+    """Install a guest run's async-generator hooks again if the loop dropped them (see
+    ``Host.hooks``); ``None``: nothing to restore."""
+    if hooks is not None and sys.get_asyncgen_hooks() != hooks:
+        sys.set_asyncgen_hooks(*hooks)
 
 
 class LoopDriver:
@@ -209,9 +216,7 @@ class LoopDriver:
 
     def _tick(self, events: Any) -> None:
         state, runner, gen = self._state, self._runner, self._state.unrolled_run_gen
-        hooks = self.hooks
-        if hooks is not None and sys.get_asyncgen_hooks() != hooks:
-            sys.set_asyncgen_hooks(*hooks)  # (see Host.hooks)
+        put_back_hooks(self.hooks)
         self._ticking = True
         # While trio runs its own steps it is not a guest: its "is_guest" branches
         # exist to wake a run that is waiting while the host changes a deadline or

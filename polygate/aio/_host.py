@@ -41,7 +41,7 @@ import outcome
 import trio
 
 from .. import PolygateError
-from ._guest_io import LoopDriver, driver_for
+from ._guest_io import LoopDriver, driver_for, put_back_hooks
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -346,9 +346,7 @@ class _Queued:
     def __call__(self) -> None:
         if self in self.pending:
             self.pending.discard(self)
-            hooks = self.host.hooks
-            if hooks is not None and sys.get_asyncgen_hooks() != hooks:
-                sys.set_asyncgen_hooks(*hooks)
+            put_back_hooks(self.host.hooks)
             self.fn()
 
 

@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if args.calls <= 0 or args.concurrency <= 0:
         print("polygate demo: --calls and --concurrency must be > 0", file=sys.stderr)
         return 2
+    import attrs
+
+    from .._errors import ConfigError
     from ._replay import Summary, incident_upstreams, run_virtual, summarize
 
     telemetry = None
@@ -92,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
             scope = "chat"
             if telemetry is not None:
                 # One scope per configuration: polygate stats --scope tells them apart.
-                import attrs
-
                 scope = _scope_name(label)
                 scopes.append(scope)
                 settings = attrs.evolve(
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                 outcomes = run_virtual(settings, upstreams, calls=args.calls,
                                        concurrency=args.concurrency, scope=scope)
             results[label] = outcomes
-    except polygate_config_error() as exc:  # the telemetry file cannot be opened
+    except ConfigError as exc:  # the telemetry file cannot be opened
         print(f"polygate demo: {exc}", file=sys.stderr)
         return 1
     summaries = {label: summarize(o) for label, o in results.items()}
@@ -154,12 +155,6 @@ def _print_table(summaries: dict[str, Any], summary_cls: Any, scale: float) -> N
         "\nwaiting = a call's total time minus the winner's decoding time "
         "(total_latency_ms - (generation_ms - ttft_ms)); see docs/statistics.md"
     )
-
-
-def polygate_config_error() -> type[Exception]:
-    import polygate
-
-    return polygate.ConfigError
 
 
 def _telemetry_url(db: str) -> str | None:

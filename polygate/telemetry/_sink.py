@@ -143,11 +143,14 @@ class Counters:
         "written",
     )
 
-    def __init__(self, log_interval_s: float = 60.0, secrets: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, log_interval_s: float = 60.0, secrets: tuple[str, ...] = (),
+        max_queued_content: int = MAX_QUEUED_CONTENT,
+    ) -> None:
         # Characters of content in rows queued in the channel (MAX_QUEUED_CONTENT):
         # added by the recorder as it queues a row, taken off as the flusher takes it.
         self.queued_content = 0
-        self.max_queued_content = MAX_QUEUED_CONTENT
+        self.max_queued_content = max_queued_content
         self.written = 0
         self.dropped_queue_full = 0
         self.dropped_sink_error = 0
@@ -268,8 +271,7 @@ class Pipeline:
         self.write_timeout_s = write_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
         self.summary_interval_s = summary_interval_s
-        self.counters = Counters(log_interval_s, secrets)
-        self.counters.max_queued_content = max_queued_content
+        self.counters = Counters(log_interval_s, secrets, max_queued_content)
         self.send, self._receive = trio.open_memory_channel[Event](capacity)
         self._limiter = trio.CapacityLimiter(1)
         self._started_at = time.time()
