@@ -497,6 +497,15 @@ def test_a_failed_probe_doubles_the_open_period_up_to_the_cap(h: Harness) -> Non
     h.run(body)
 
 
+async def _open_for_exactly_open_s(h: Harness, b: GovernanceBackend, policy: BreakerPolicy) -> None:
+    """The breaker just opened: its refusal says it stays open ``open_s``, no less."""
+    start = b.now()
+    refusal = await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
+    assert refusal.retry_at is not None
+    tolerance = EPS + (0.05 * h.window if h.kind == "redis" else 0)
+    assert policy.open_s - tolerance <= refusal.retry_at - start <= policy.open_s + EPS
+
+
 def test_a_first_opening_lasts_exactly_open_s_whatever_the_jitter(h: Harness) -> None:
     """The settle's jitter spreads re-openings only: a breaker that opens for the first
     time stays open ``open_s`` (review: it was ``open_s`` × jitter, down to half)."""
@@ -506,11 +515,7 @@ def test_a_first_opening_lasts_exactly_open_s_whatever_the_jitter(h: Harness) ->
         async with h.backend() as b:
             a = await granted(b, ask(breaker=policy))
             await b.settle(settle(a, None, Feedback.FAILURE, breaker=policy, jitter=0.5))
-            start = b.now()
-            refusal = await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
-            assert refusal.retry_at is not None
-            tolerance = EPS + (0.05 * h.window if h.kind == "redis" else 0)
-            assert policy.open_s - tolerance <= refusal.retry_at - start <= policy.open_s + EPS
+            await _open_for_exactly_open_s(h, b, policy)
 
     h.run(body)
 
@@ -531,11 +536,7 @@ def test_without_a_backoff_a_failed_probe_reopens_for_exactly_open_s(h: Harness)
             probe = await granted(b, ask(breaker=policy))
             assert probe.probe
             await b.settle(settle(probe, None, Feedback.FAILURE, breaker=policy, jitter=0.5))
-            start = b.now()
-            refusal = await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
-            assert refusal.retry_at is not None
-            tolerance = EPS + (0.05 * h.window if h.kind == "redis" else 0)
-            assert policy.open_s - tolerance <= refusal.retry_at - start <= policy.open_s + EPS
+            await _open_for_exactly_open_s(h, b, policy)
 
     h.run(body)
 
