@@ -14,9 +14,9 @@ import math
 import random
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import httpx
@@ -51,6 +51,8 @@ if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["ChatStream", "Session", "SessionStatistics", "session"]
+
+T = TypeVar("T")
 
 # What a context manager's body may raise that must not be held back until its
 # nursery closes: trio's cancel scopes handle Cancelled (a group of only Cancelled
@@ -756,17 +758,52 @@ class SharedBackends:
         return self._memory if settings.backend == "memory" else _backend_for(settings)
 
 
-@asynccontextmanager
-async def session(
+def session(
     settings: Settings | None = None,
     *,
     env: Mapping[str, str] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     rng: random.Random | None = None,
-) -> AsyncIterator[Session]:
+) -> AbstractAsyncContextManager[Session]:
     """Open a session.  Without ``settings``: ``POLYGATE_CONFIG`` / ``./polygate.toml``
     when present, else the ``POLYGATE__…`` environment (``env`` replaces ``os.environ``).
-    ``transport`` replaces the network for every source (tests, the demo)."""
+    ``transport`` replaces the network for every source (tests, the demo).  What it
+    returns opens one session, once: entering it again is a PolygateError."""
+    return OneUse(_session(settings, env, transport, rng), "polygate.session()")
+
+
+class OneUse(AbstractAsyncContextManager[T]):
+    """An ``async with`` block that can be entered once (a generator's context
+    manager entered twice fails inside contextlib with a bare AttributeError)."""
+
+    def __init__(self, block: AbstractAsyncContextManager[T], what: str) -> None:
+        self._block = block
+        self._what = what
+        self._entered = False
+
+    async def __aenter__(self) -> T:
+        if self._entered:
+            raise PolygateError(
+                f"this {self._what} block was already entered; call {self._what} again "
+                "for another session"
+            )
+        self._entered = True
+        return await self._block.__aenter__()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._block.__aexit__(exc_type, exc, tb)
+
+
+@asynccontextmanager
+async def _session(
+    settings: Settings | None,
+    env: Mapping[str, str] | None,
+    transport: httpx.AsyncBaseTransport | None,
+    rng: random.Random | None,
+) -> AsyncIterator[Session]:
     if settings is None:
         from ._config_load import load_settings
 

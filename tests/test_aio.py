@@ -113,6 +113,19 @@ async def test_a_seeded_rng_reaches_the_session() -> None:
         assert s._session._runtime.rng is rng  # what picks sources and jitters backoff
 
 
+async def test_entering_one_session_block_twice_is_a_polygate_error() -> None:
+    """As from trio: a typed error, not contextlib's bare AttributeError."""
+    block = polygate.aio.session(settings_for("http://a/v1"), transport=fake(Reply()).transport())
+    async with block as s:
+        with pytest.raises(polygate.PolygateError, match=r"already entered.*again"):
+            async with block:
+                pass
+        assert (await s.chat(messages("hi"))).text
+    with pytest.raises(polygate.PolygateError, match=r"already entered.*again"):
+        async with block:
+            pass
+
+
 async def test_a_new_session_method_needs_no_line(monkeypatch: pytest.MonkeyPatch) -> None:
     async def echo(self: polygate.Session, value: int, *, twice: bool = False) -> int:
         await trio.lowlevel.checkpoint()  # trio code, run in polygate's trio run

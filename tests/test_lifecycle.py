@@ -440,3 +440,22 @@ def test_each_reader_of_a_failed_stream_gets_its_own_error() -> None:
     assert error.__notes__ == ["first reader"]
     assert twin.__notes__ == ["first reader", "second reader"]
     assert isinstance(twin.__cause__, KeyError) and twin.__traceback__ is None
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["after-exit", "nested"])
+async def test_entering_one_session_block_twice_is_a_polygate_error(nested: bool) -> None:
+    """A reviewer found a second ``async with`` of one ``polygate.session()`` failing
+    inside contextlib with a bare AttributeError; it is a typed, clear error, and the
+    session already open is untouched by it."""
+    up = FakeUpstream(Reply(text="hi"))
+    block = polygate.session(one_source_settings(), transport=up.transport())
+    async with block as s:
+        if nested:
+            with pytest.raises(polygate.PolygateError, match=r"already entered.*again"):
+                async with block:
+                    pass
+            assert (await s.chat(MESSAGES)).text == "hi"
+    if not nested:
+        with pytest.raises(polygate.PolygateError, match=r"already entered.*again"):
+            async with block:
+                pass

@@ -49,7 +49,7 @@ import trio
 
 import polygate
 from polygate import PolygateError
-from polygate._session import twin_error
+from polygate._session import OneUse, twin_error
 
 from ._host import Host, acquire, release, resolve, settle, settleable
 
@@ -606,7 +606,7 @@ def session(
     arguments and behaviour as :func:`polygate.session`: leaving it flushes and closes
     everything, and cancels calls still in flight.  A ``transport`` passed in is closed
     with it: its connections are trio's, which asyncio code cannot close."""
-    return SessionBlock(_open(settings, env, transport, rng))
+    return SessionBlock(OneUse(_open(settings, env, transport, rng), "polygate.aio.session()"))
 
 
 class SessionBlock:
