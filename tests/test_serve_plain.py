@@ -145,3 +145,22 @@ async def test_plain_requests_keep_alive_and_pipeline_through_the_server() -> No
                     conn.start_next_cycle()
     assert statuses == [200, 200, 200, 200]
     assert len(upstream.requests) == 4
+
+
+@pytest.mark.parametrize("connection", [b"", b"connection: keep-alive\r\n"], ids=["plain", "keep-alive"])
+async def test_an_http10_answer_says_it_closes_and_does(connection: bytes) -> None:
+    # h11 keeps no HTTP/1.0 connection alive; an answer without "connection: close"
+    # to a client that asked for keep-alive read as persistent, and its next request
+    # met a closed socket.
+    async with gateway(Reply(tokens=2)) as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(b"GET /healthz HTTP/1.0\r\nhost: gw\r\n" + connection + b"\r\n")
+            data = b""
+            with trio.fail_after(5):
+                while got := await stream.receive_some():
+                    data += got
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert b"\r\nconnection: close" in head.lower()
+    assert body == b'{"status":"ok"}'

@@ -25,9 +25,9 @@ framing), because h11's writer validated every header of every answer -- a tenth
 the gateway's own CPU per request in ``benchmarks/serve.py``'s profile -- and every
 header here is ours.  After a request h11 read, the parser is replaced by a fresh
 one, fed whatever the client has already pipelined (after a plain one, h11 is still
-fresh and holds it already); keep-alive follows the request (HTTP/1.0 without
-``Connection: keep-alive``, or ``Connection: close``, closes after the answer; an
-HTTP/1.0 stream is delimited by the close, not chunked).  Each response leaves in
+fresh and holds it already); keep-alive follows the request (``Connection: close`` closes after the answer, and
+so does any HTTP/1.0 request, ``Connection: keep-alive`` or not; an HTTP/1.0 stream is
+delimited by the close, not chunked).  Each response leaves in
 one ``send_all`` where it can (head and body together; a stream's head with its
 first chunk), so a zero-delay answer is one write.
 """
@@ -286,8 +286,11 @@ class Connection:
         tokens = {t.strip() for t in b",".join(
             v for k, v in event.headers if k == b"connection").decode("latin-1").lower().split(",")}
         if event.http_version == b"1.0":
+            # HTTP/1.0 closes after the answer, and the answer says so: h11 keeps no
+            # HTTP/1.0 connection alive (keep-alive is an extension it does not take),
+            # and an answer without "connection: close" would read as persistent.
             self.chunked = False
-            self.keep_alive = "keep-alive" in tokens
+            self.keep_alive = False
         else:
             self.chunked = True
             self.keep_alive = "close" not in tokens
