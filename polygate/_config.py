@@ -204,6 +204,14 @@ def mask_url(url: str) -> str:
 
 
 def _mask_userinfo(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if sep and authority.count("@") == 1:
+        # The credentials end in the authority; an "@" after it is the path's.
+        userinfo, _, tail = rest.partition("@")
+        if ":" not in userinfo:
+            return url
+        return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{tail}"
     head, at, tail = url.rpartition("@")
     if not at:
         try:
@@ -234,15 +242,18 @@ def _url_problem(value: str) -> str | None:
         return "must not contain blanks or control characters"
     if not is_utf8(value):  # a non-UTF-8 byte of an environment value: no client sends it
         return "must be UTF-8 text (it holds a byte that is not)"
+    authority = re.split(r"[/?#]", value.partition("://")[2], maxsplit=1)[0]
+    if "@" in authority:
+        # The credentials end in the authority: an "@" after it (a query's value) is
+        # the path's.  But "user:pa@ss@host": polygate reads the credentials up to
+        # the last "@", libpq up to the first, and then sends "pa" as the password and
+        # quotes "ss@host" as the host it cannot resolve, in errors that reach the logs.
+        return _BAD_URL if authority.count("@") > 1 else None
     # "user:pa/ss@host": a parser ends the authority at the "/" and reads "pa" as
-    # the port of host "user" -- the key would go there.
+    # the port of host "user" -- the key would go there.  ("host:8080/v1?x=a@b" reads
+    # the same way, and is refused with it: which one was meant cannot be told.)
     userinfo = value.rpartition("@")[0].partition("://")[2]
     if ":" in userinfo and any(c in userinfo for c in "/?#"):
-        return _BAD_URL
-    # "user:pa@ss@host": polygate reads the credentials up to the last "@", libpq up to
-    # the first, and then sends "pa" as the password and quotes "ss@host" as the host
-    # it cannot resolve, in errors that reach the logs.
-    if re.split(r"[/?#]", value.partition("://")[2], maxsplit=1)[0].count("@") > 1:
         return _BAD_URL
     return None
 

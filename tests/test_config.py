@@ -438,3 +438,19 @@ def test_every_piece_of_credentials_with_an_unencoded_at_is_a_secret() -> None:
 
     found = url_secrets("postgresql://app:hunter2@supersecretword@127.0.0.1:1/db")
     assert {"hunter2", "supersecretword"} <= set(found)
+
+
+@pytest.mark.parametrize("field", ["telemetry", "backend", "cache"])
+def test_an_at_after_the_credentials_is_the_paths_own(field: str) -> None:
+    """An "@" in the query of a URL whose credentials end in its authority was
+    refused as if the password held an unencoded "/"; the credentials are unambiguous
+    there.  Without an "@" in the authority, an "@" after a "host:port" still is
+    refused: it reads as a password holding "/" too."""
+    scheme = {"telemetry": "postgresql", "backend": "redis", "cache": "redis"}[field]
+    query = {"telemetry": "/db?application_name"}.get(field, "/0?prefix")
+    url = f"{scheme}://app:hunter2word@127.0.0.1:1{query}=a@b"
+    Settings(scopes={"c": Scope(sources=[src()])}, **{field: url})
+    # Messages show it whole but the password (they showed "app:***@b": no host).
+    assert mask_url(url) == url.replace("hunter2word", "***")
+    with pytest.raises(ConfigError, match="percent-encode it"):
+        Settings(scopes={"c": Scope(sources=[src()])}, **{field: url.replace("app:hunter2word@", "")})
