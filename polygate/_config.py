@@ -718,7 +718,9 @@ def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
         raise _bad(inst, attr.name, url=value, problem="must be a string")
     if value == "off":
         return
-    parts = _split_url(inst, attr.name, value)
+    # (No port check for PostgreSQL: libpq's multi-host form, postgresql://h1:1,h2:2/db,
+    # is no port urlsplit can read.)
+    parts = _split_url(inst, attr.name, value, port=not value.startswith(("postgresql:", "postgres:")))
     if parts.scheme == "sqlite":
         if not value.startswith("sqlite:///") and value != "sqlite://":
             raise _bad(inst, attr.name, url=value, problem="a SQLite URL is sqlite:///path/to/file.db")
@@ -728,10 +730,44 @@ def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
         # socket), and a host may come as a parameter (postgresql:///db?host=/run/pg).
         if parts.fragment:
             raise _bad(inst, attr.name, url=value, problem=_BAD_URL)
+        problem = _libpq_problem(value)
+        if problem is None and not all(_port_ok(host) for host in parts.netloc.rpartition("@")[2].split(",")):
+            problem = _BAD_URL
+        if problem is not None:
+            raise _bad(inst, attr.name, url=value, problem=problem)
         return
     raise _bad(inst, attr.name, url=value, problem=
         f"must be 'off', sqlite:///path or postgresql://…, got {mask_url(value)!r}",
     )
+
+
+def _port_ok(host: str) -> bool:
+    """Whether ``host`` (``name``, ``name:port``, ``[v6]:port``) has no port or a number."""
+    port = host.rpartition("]")[2] if host.startswith("[") else host
+    _, colon, number = port.rpartition(":")
+    return not colon or (number.isascii() and number.isdigit() and int(number) <= 65535)
+
+
+def _libpq_problem(value: str) -> str | None:
+    """What libpq cannot read in a PostgreSQL URL (a misspelt parameter, a bad
+    percent-escape), read as libpq reads it, in words that never quote the URL.
+    Without psycopg (the postgres extra) nothing is checked here: the session says
+    it is missing when it starts."""
+    try:
+        import psycopg
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        return None
+    try:
+        conninfo_to_dict(value)
+    except psycopg.ProgrammingError as exc:
+        unknown = re.search(r'invalid URI query parameter: "([A-Za-z_]{1,40})"', str(exc))
+        if unknown:
+            return f"holds a parameter libpq does not know: {unknown[1]!r}"
+        # (libpq's text can quote a part of the password: "invalid percent-encoded
+        # token: …".)
+        return "cannot be read by libpq (a malformed part, or a bad percent-escape)"
+    return None
 
 
 def _check_cache(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
@@ -743,7 +779,7 @@ def _check_cache(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
         raise _bad(inst, attr.name, url=value, problem=str(exc)) from None
 
 
-def _split_url(inst: Any, field: str, value: str) -> Any:
+def _split_url(inst: Any, field: str, value: str, *, port: bool = True) -> Any:
     """urlsplit, with messages that never quote the URL (a parser's error text can
     hold part of a password)."""
     if not value.startswith("sqlite:"):
@@ -752,7 +788,8 @@ def _split_url(inst: Any, field: str, value: str) -> Any:
             raise _bad(inst, field, url=value, problem=problem)
     try:
         parts = urlsplit(value)
-        parts.port  # noqa: B018 - raises ValueError on a bad port
+        if port:
+            parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
         raise _bad(inst, field, url=value, problem=_BAD_URL) from None
     return parts

@@ -203,6 +203,117 @@ async def test_a_server_that_refuses_us_at_start_is_a_config_error(pg: PgServer,
     assert PG_PASSWORD not in message and "wrong-" not in message
 
 
+def _exec(url: str, sql: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql)
+
+
+@pytest.mark.parametrize("said", [
+    "the database system is shutting down", "the database system is starting up",
+    "the database system is in recovery mode", "sorry, too many clients already",
+    "too many connections for role \"app\"",
+])
+def test_a_server_that_cannot_take_us_now_is_not_a_wrong_setting(said: str) -> None:
+    """Review: every FATAL was a ConfigError, so a session could not start during a
+    database's rolling restart.  Passing states are a server not answering; a refusal
+    among several hosts' failures still is a refusal."""
+    from polygate.telemetry._postgres import _refused_by_server
+
+    passing = f'connection failed: connection to server at "127.0.0.1", port 1 failed: FATAL:  {said}'
+    assert not _refused_by_server(Exception(passing))
+    assert _refused_by_server(Exception(
+        passing + '\nconnection to server at "127.0.0.2", port 1 failed: FATAL:  '
+        'password authentication failed for user "app"'))
+    assert _refused_by_server(Exception('connection is bad: invalid sslmode value: "bogus"'))
+
+
+async def test_a_role_out_of_connection_slots_stops_no_call(pg: PgServer, pg_url: str) -> None:
+    """A real server saying "too many connections for role": the session starts, its
+    rows are dropped and counted."""
+    import psycopg
+
+    database = pg_url.rsplit("/", 1)[1]
+    _exec(pg_url, "DROP ROLE IF EXISTS busy_app")
+    _exec(pg_url, "CREATE ROLE busy_app LOGIN PASSWORD 'busy-app-pass-123' CONNECTION LIMIT 1")
+    url = f"postgresql://busy_app:busy-app-pass-123@{pg.host}:{pg.port}/{database}"
+    with psycopg.connect(url):  # another client holds the only slot
+        async with polygate.session(_settings(url), transport=Router({"a": FakeUpstream(Reply())})) as s:
+            assert (await s.chat(MESSAGES)).text
+            stats = (await s.statistics()).telemetry
+    assert stats.written == 0
+
+
+@pytest.mark.parametrize("query", ["sslmod=disable", "sslmode=bogus"])
+async def test_a_url_libpq_refuses_is_a_config_error(pg_url: str, query: str) -> None:
+    """Review: a misspelt parameter against a live server was "unreachable": a
+    warning, and every row of the session dropped.  One libpq cannot read is refused
+    by the settings; one whose value it refuses, when the session starts."""
+    url = f"{pg_url}?{query}"
+    with pytest.raises(polygate.ConfigError) as info:
+        async with polygate.session(_settings(url), transport=Router({})):
+            pass  # pragma: no cover
+    assert PG_PASSWORD not in str(info.value)
+    if query.startswith("sslmod="):
+        assert "'sslmod'" in str(info.value) and "Settings.telemetry" in str(info.value)
+
+
+async def test_a_multi_host_url_is_taken(pg: PgServer, pg_url: str) -> None:
+    """libpq's multi-host form (a primary and a standby) was refused as a bad port.
+    The first host refuses connections; libpq goes on to the second."""
+    database = pg_url.rsplit("/", 1)[1]
+    dead_port = _dead_url().rsplit(":", 1)[1].split("/")[0]
+    url = f"postgresql://{pg.user}:{PG_PASSWORD}@127.0.0.1:{dead_port},{pg.host}:{pg.port}/{database}"
+    async with polygate.session(_settings(url), transport=Router({"a": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)
+    assert len(_dicts(pg_url, "calls")) == 1
+    with pytest.raises(polygate.ConfigError, match="not a valid URL"):
+        _settings(url.replace(f":{pg.port}/", ":x/"))
+
+
+async def test_servers_that_never_answer_stop_no_call(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Review: libpq gives each host its own connect timeout, so silent hosts ran past
+    the opening's bound, which was a ConfigError; a server that does not answer is a
+    warning, and the session starts when the bound falls."""
+    import socket
+
+    from polygate.telemetry import _open
+
+    monkeypatch.setattr(_open, "OPEN_TIMEOUT_S", 1.0)
+    with socket.socket() as one, socket.socket() as two:
+        for sock in (one, two):  # they accept (the backlog) and never say a word
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(8)
+        ports = [sock.getsockname()[1] for sock in (one, two)]
+        url = f"postgresql://polygate:{PG_PASSWORD}@127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}/postgres"
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="polygate.telemetry"):
+            async with polygate.session(_settings(url), transport=Router({"a": FakeUpstream(Reply())})) as s:
+                assert time.monotonic() - t0 < 5
+                assert (await s.chat(MESSAGES)).text
+    assert "did not answer within" in caplog.text and PG_PASSWORD not in caplog.text
+
+
+async def test_a_writer_without_ddl_rights_uses_a_provisioned_schema(pg: PgServer, pg_url: str) -> None:
+    """Review: the schema check ran CREATE TABLE IF NOT EXISTS, which PostgreSQL
+    refuses without the CREATE privilege even when the table is there: an
+    application role on a schema its administrator created could not start."""
+    async with polygate.session(_settings(pg_url), transport=Router({})):
+        pass  # the administrator's session creates the schema
+    _exec(pg_url, "DROP ROLE IF EXISTS writer")
+    _exec(pg_url, "CREATE ROLE writer LOGIN PASSWORD 'writer-pass-123456'")
+    _exec(pg_url, "REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+    _exec(pg_url, "GRANT SELECT, INSERT, UPDATE ON calls, attempts, sessions, polygate_schema TO writer")
+    database = pg_url.rsplit("/", 1)[1]
+    url = f"postgresql://writer:writer-pass-123456@{pg.host}:{pg.port}/{database}"
+    async with polygate.session(_settings(url), transport=Router({"a": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)
+    assert len(_dicts(pg_url, "calls")) == 1
+
+
 async def test_a_server_down_at_start_stops_no_call(
     pg: PgServer, pg_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -133,13 +133,32 @@ async def open_sink(url: str) -> Sink | None:
         return await _bounded_open(url, lambda: SQLiteSink.open(path))
     from ._postgres import PostgresSink
 
-    return await _bounded_open(url, lambda: PostgresSink.open(url))
+    connected = threading.Event()
+
+    def still_connecting() -> Sink | None:
+        # A server that has not answered within the bound (libpq gives each host of a
+        # multi-host URL, and each address of a name, its own connect_timeout) is a
+        # server that does not answer: the session starts, as when the connect fails.
+        # A slow schema migration on a server that answered stays an error.
+        if connected.is_set():
+            return None
+        logger.warning(
+            "telemetry database %s did not answer within %s s: calls go on, rows are "
+            "dropped and counted until it answers", mask_url(url), OPEN_TIMEOUT_S,
+        )
+        return PostgresSink.unconnected(url)
+
+    return await _bounded_open(url, lambda: PostgresSink.open(url, connected=connected),
+                               on_timeout=still_connecting)
 
 
-async def _bounded_open(url: str, opener: Any) -> Sink:
+async def _bounded_open(
+    url: str, opener: Any, *, on_timeout: Callable[[], Sink | None] | None = None,
+) -> Sink:
     """``opener()`` in a worker thread, bounded.  A thread that opens its sink after
     the bound gave up on it closes that sink itself: abandoned, it would hold a
-    database connection (and a PostgreSQL session) for the process's life."""
+    database connection (and a PostgreSQL session) for the process's life.  When
+    the bound falls, ``on_timeout`` may give the sink to use instead."""
     lock = threading.Lock()
     given_up = False
     opened: list[Sink] = []  # the thread's sink, for the bound to find (see below)
@@ -168,6 +187,8 @@ async def _bounded_open(url: str, opener: Any) -> Sink:
             if sink is not None and sys.exc_info()[1] is not None:
                 sink.close()
                 sink = None
+    if sink is None and on_timeout is not None:
+        sink = on_timeout()
     if sink is None:
         raise ConfigError(
             f"telemetry: opening {mask_url(url)} took longer than {OPEN_TIMEOUT_S} s"

@@ -31,6 +31,7 @@ through :func:`polygate._config.mask_url` and error texts are redacted of it.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -101,12 +102,38 @@ def _connect(url: str, *setup: str) -> psycopg.Connection[Any]:
     return conn
 
 
+#: What a server says while it cannot take a connection *now*: a restart, a
+#: recovery, its connection slots full.  It passes, as a server that does not answer
+#: does; it is no wrong setting.
+_PASSING = (
+    "the database system is shutting down",
+    "the database system is starting up",
+    "the database system is in recovery mode",
+    "the database system is not yet accepting connections",
+    "the database system is not accepting connections",
+    "too many connections",
+    "too many clients already",
+    "remaining connection slots are reserved",
+)
+
+#: libpq refusing a setting's value before it contacts anyone (``sslmode=bogus``,
+#: ``port=x``, ``connect_timeout=x``): the URL is wrong, whatever the server's state.
+_BAD_VALUE = re.compile(r"\binvalid (?:\w+ value|integer value|port number)")
+
+
 def _refused_by_server(exc: BaseException) -> bool:
-    """Whether a failed connect reached a server that said no (credentials, no such
-    database, pg_hba): libpq then quotes the server's ``FATAL:`` message.  Anything
-    else -- refused, timed out, no route, no such host -- is a server not answering.
-    (psycopg gives no SQLSTATE for errors while connecting.)"""
-    return "FATAL:" in str(exc)
+    """Whether a failed connect is a wrong setting: a server that said no
+    (credentials, no such database, pg_hba: libpq quotes its ``FATAL:`` message), or a
+    value libpq refused before connecting.  A server that does not answer (refused,
+    timed out, no route, no such host) or says it cannot take a connection now
+    (:data:`_PASSING`) is not.  With several hosts, libpq quotes each one's failure:
+    one that said no is enough.  (psycopg gives no SQLSTATE for errors while
+    connecting.)"""
+    text = str(exc)
+    said = text.split("FATAL:")[1:]
+    if any(not any(p in part.split("\n", 1)[0] for p in _PASSING) for part in said):
+        return True
+    return not said and _BAD_VALUE.search(text) is not None
 
 
 def _explain(url: str, exc: BaseException) -> str:
@@ -121,7 +148,15 @@ def _migrate(conn: psycopg.Connection[Any], where: str) -> int:
 
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
-        conn.execute(version_table("postgresql"))
+        # Created only when it is missing: PostgreSQL checks the CREATE privilege
+        # even for CREATE TABLE IF NOT EXISTS of a table that is there, and an
+        # application's role on a schema its administrator provisioned has none.
+        (exists,) = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables "
+            "WHERE schemaname = current_schema() AND tablename = 'polygate_schema')"
+        ).fetchone() or (False,)
+        if not exists:
+            conn.execute(version_table("postgresql"))
         row = conn.execute("SELECT max(version) FROM polygate_schema").fetchone()
         found = int(row[0] or 0) if row else 0
         check_version(found, where)
@@ -175,27 +210,33 @@ class PostgresSink:
         return f"<PostgresSink {mask_url(self._url)}>"
 
     @classmethod
-    def open(cls, url: str, *, statement_timeout_ms: int = 30_000) -> PostgresSink:
+    def open(
+        cls, url: str, *, statement_timeout_ms: int = 30_000, connected: threading.Event | None = None,
+    ) -> PostgresSink:
         """Connect and create or migrate the schema; blocking.  Raises
         :class:`ConfigError` when the server refuses us (credentials, no such
         database, a newer schema).  A server that does not answer at all is not an
         error: a dead sink never stops calls, so the sink opens without a connection,
         its rows are dropped and counted until the server answers, and the first
-        connection creates the schema."""
+        connection creates the schema.  ``connected`` is set once the connection is
+        made (what is left is the schema's work): until then, whoever waits on this
+        may give up and take :meth:`unconnected` instead."""
         psycopg = _psycopg()
         where = mask_url(url)
         try:
             conn = _connect(url, f"SET statement_timeout = {int(statement_timeout_ms)}")
         except psycopg.Error as exc:
-            if not _refused_by_server(exc):
+            if not isinstance(exc, psycopg.ProgrammingError) and not _refused_by_server(exc):
                 logger.warning(
                     "telemetry database %s is unreachable (%s): calls go on, rows are "
                     "dropped and counted until it answers", where, _explain(url, exc),
                 )
-                return cls(url, None, statement_timeout_ms=statement_timeout_ms, migrated=False)
+                return cls.unconnected(url, statement_timeout_ms=statement_timeout_ms)
             raise ConfigError(
                 f"cannot connect to the telemetry database {where}: {_explain(url, exc)}"
             ) from None
+        if connected is not None:
+            connected.set()
         try:
             _migrate(conn, where)
         except ConfigError:
@@ -207,6 +248,12 @@ class PostgresSink:
                 f"cannot use {where} as a telemetry database: {_explain(url, exc)}"
             ) from None
         return cls(url, conn, statement_timeout_ms=statement_timeout_ms)
+
+    @classmethod
+    def unconnected(cls, url: str, *, statement_timeout_ms: int = 30_000) -> PostgresSink:
+        """A sink for a server that did not answer: it connects, and creates the
+        schema, with its first batch."""
+        return cls(url, None, statement_timeout_ms=statement_timeout_ms, migrated=False)
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is not None and not self._conn.closed:
