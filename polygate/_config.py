@@ -410,10 +410,11 @@ class Hedge:
 
     @property
     def first_threshold_s(self) -> float | None:
-        """The static part of the trigger: ``after_s``, else the clamp's upper bound."""
+        """The static part of the trigger: ``after_s``, else the adaptive trigger's
+        upper bound (the clamps bound only a learnt trigger)."""
         if self.after_s is not None:
             return self.after_s
-        return self.max_after_s
+        return self.max_after_s if self.after_quantile is not None else None
 
 
 @attrs.frozen
@@ -648,7 +649,18 @@ def check_hedge_assembly(scope: Scope) -> None:
     if hedge.after_quantile is not None and hedge.min_after_s is not None:
         # Once learnt, the trigger is never below min_after_s: past every timeout, the
         # adaptive hedge could never fire, whatever fires before the sketch is warm.
-        _check_hedge_threshold(scope, hedge.min_after_s, "min_after_s", warn=False)
+        _check_hedge_threshold(scope, hedge.min_after_s, "min_after_s")
+    if hedge.after_quantile is None and (hedge.min_after_s, hedge.max_after_s) != (None, None):
+        # They clamp the learnt trigger, and nothing is learnt without a quantile:
+        # "hedge between 2 and 10 s" would silently be "never hedge".
+        names = [f"hedge.{n}" for n in ("min_after_s", "max_after_s") if getattr(hedge, n) is not None]
+        effect = "the trigger is after_s" if hedge.enabled else "hedging is off"
+        warnings.warn(
+            f"{' and '.join(names)} bound only a learnt trigger, and nothing is learnt "
+            f"without after_quantile: {effect}",
+            ConfigWarning,
+            stacklevel=4,
+        )
     if hedge.stall_after_s is not None and not hedge.enabled:
         # (b), the mid-stream trigger, runs inside a hedging round; without (a) no round
         # hedges, so the setting alone would silently do nothing.

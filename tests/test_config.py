@@ -229,6 +229,25 @@ def test_stall_after_s_with_a_trigger_is_silent(hedge: Hedge) -> None:
     assert Scope(sources=pair(), hedge=hedge).hedge.enabled
 
 
+@pytest.mark.parametrize(("hedge", "says"), [
+    (Hedge(min_after_s=2, max_after_s=10), r"^hedge.min_after_s and hedge.max_after_s .*hedging is off"),
+    (Hedge(max_after_s=300), r"^hedge.max_after_s .*hedging is off"),
+    (Hedge(after_s=5, max_after_s=3), r"^hedge.max_after_s .*the trigger is after_s"),
+])
+def test_clamps_without_a_quantile_warn(hedge: Hedge, says: str) -> None:
+    """Review: "hedge between 2 and 10 s" built silently and never hedged (and
+    max_after_s past every timeout was an error about a hedge that could not fire)."""
+    with pytest.warns(ConfigWarning, match=says):
+        Scope(sources=pair(), hedge=hedge)
+
+
+def test_a_learnt_trigger_bound_past_the_ttft_timeouts_warns() -> None:
+    """Review: min_after_s at or past every ttft_timeout_s, with nothing to hedge on
+    before the sketch is warm, built silently: this scope never hedges."""
+    with pytest.warns(ConfigWarning, match=r"^hedge.min_after_s \(5\) >= the smallest ttft_timeout_s"):
+        Scope(sources=pair(ttft_timeout_s=4), hedge=Hedge(after_quantile=0.9, min_after_s=5))
+
+
 def test_sane_hedging_is_silent() -> None:
     # filterwarnings = error: any warning here fails the test.
     scope = Scope(sources=pair(ttft_timeout_s=20), hedge=Hedge(after_s=8), call_deadline_s=120)
