@@ -54,7 +54,7 @@ _SOURCE_ONLY_RESERVED = frozenset({"STRUCTURED", "OCR"})
 FALLBACK_REASONS = frozenset({
     "exhausted", "rate_limited", "context_length", "content_policy", "fatal",
 })
-_STATUS_REASON = re.compile(r"status:(4\d\d)")  # (fullmatch: "$" takes a final line break)
+_STATUS_REASON = re.compile(r"status:(4[0-9][0-9])")  # (fullmatch: "$" takes a final line break)
 # (Matched with fullmatch: "$" would also take a name that ends in a line break.)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 

@@ -437,6 +437,17 @@ def test_a_fallback_reason_that_ends_in_a_line_break_is_refused() -> None:
     assert polygate.Scope(sources=[source], fallback="b", fallback_on=("status:413",)).fallback_on
 
 
+@pytest.mark.parametrize("reason", ["status:4\u0660\u0660", "status:4\uff10\uff10"])
+def test_a_fallback_status_in_other_digits_is_refused(reason: str) -> None:
+    """Review: a status written in Arabic-Indic or fullwidth digits was taken (``\\d``
+    is any Unicode digit) and never fired: the status it is matched against is ASCII."""
+    import polygate
+
+    source = polygate.Source(name="a", base_url="http://a/v1")
+    with pytest.raises(ConfigError, match="fallback_on"):
+        polygate.Scope(sources=[source], fallback="b", fallback_on=(reason,))
+
+
 @pytest.mark.parametrize("field", ["telemetry", "backend", "cache"])
 def test_an_unencoded_at_in_a_urls_credentials_is_refused(field: str) -> None:
     """review: polygate reads credentials up to the last "@", libpq (and others) up to
