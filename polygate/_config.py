@@ -814,6 +814,14 @@ def _to_scopes(value: Any) -> Any:
     return value
 
 
+def field_segments(field: str) -> list[str]:
+    """A FieldError's ``field`` as its keys.  A scope's name may hold a "." (``qwen2.5``):
+    in ``scopes.NAME.fallback`` the name is everything between the first and the last."""
+    if field.startswith("scopes.") and field.endswith(".fallback"):
+        return ["scopes", field[len("scopes."):-len(".fallback")], "fallback"]
+    return field.split(".")
+
+
 def _check_fallback_chains(inst: Any, scopes: Mapping[str, Scope]) -> None:
     """Every fallback names a configured scope, and no chain comes back on itself."""
     for name, scope in scopes.items():

@@ -51,6 +51,7 @@ from ._config import (
     Serve,
     Settings,
     Source,
+    field_segments,
     mask_url,
 )
 from ._errors import ConfigError
@@ -435,7 +436,7 @@ def _env_settings_where(field: str) -> str:
     if field == "scopes":
         return f"{ENV_PREFIX}{{SCOPE}}__{{SOURCE}}__BASE_URL"
     if field.startswith("scopes."):  # a scope's key (its fallback), or its name
-        parts = field.split(".")[1:]
+        parts = field_segments(field)[1:]
         return ENV_PREFIX + "__".join(p.upper() for p in parts) + ("" if len(parts) > 1 else "__…")
     return ENV_PREFIX + field.upper().replace(".", "__")
 
@@ -907,7 +908,7 @@ def _toml_where(file: str, path: str) -> _Where:
 
 
 def _join_dotted(path: str, field: str) -> str:
-    for key in field.split("."):
+    for key in field_segments(field):
         path = _join(path, key)
     return path
 

@@ -1131,3 +1131,18 @@ def test_a_long_environment_value_of_the_wrong_type_is_not_quoted() -> None:
     assert pasted not in str(info.value)
     with pytest.raises(ConfigError, match="got 'fast'"):
         settings_from_env({"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CHAT__A__RPM": "fast"})
+
+
+def test_a_dotted_scopes_fallback_error_names_its_own_key(tmp_path: Path) -> None:
+    """Review: a scope named with a "." (``gpt.4``) whose fallback names no scope was
+    reported at POLYGATE__GPT__4__FALLBACK and scopes.gpt.4.fallback: keys that do
+    not exist."""
+    env = {"POLYGATE__GPT.4__A__BASE_URL": "http://127.0.0.1:1/v1", "POLYGATE__GPT.4__FALLBACK": "nope"}
+    with pytest.raises(ConfigError) as info:
+        settings_from_env(env)
+    assert str(info.value).startswith("POLYGATE__GPT.4__FALLBACK: scope 'gpt.4' falls back to 'nope'")
+    path = write(tmp_path, '[scopes."gpt.4"]\nfallback = "nope"\n'
+                           '[scopes."gpt.4".sources.a]\nbase_url = "http://127.0.0.1:1/v1"\n')
+    with pytest.raises(ConfigError) as info:
+        settings_from_toml(path, env={})
+    assert str(info.value).startswith(f'{path}: scopes."gpt.4".fallback: ')
