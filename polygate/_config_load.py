@@ -553,12 +553,7 @@ def _env_serve(settings: _SettingsPart, key: str, text: str) -> None:
     if segment != segment.upper() or "__" in segment:
         raise _unknown(key, "serve keys", _serve_keys(upper=True), segment)
     if field == "api_keys":
-        keys = [k.strip() for k in text.split(",")]
-        if not all(keys):
-            # "," or "a,,b" (a variable expanded empty in a deploy script): refused, as
-            # api_keys_env holding no key is -- read as no keys it would turn
-            # authentication off.  (The message quotes nothing: the rest are keys.)
-            raise ConfigError(f"{key}: an empty key in the comma-separated list")
+        keys = _key_list(text, key)
         settings.secrets.update(keys)
         part.values[field] = keys
     elif field == "models":
@@ -616,6 +611,17 @@ def _serve_part(settings: _SettingsPart, where: _Where) -> _Part:
     return settings.serve
 
 
+def _key_list(text: str, where: str) -> list[str]:
+    """Comma-separated gateway keys, from ``POLYGATE__SERVE__API_KEYS`` or the variable
+    ``api_keys_env`` names: "," or "a,,b" (a variable expanded empty in a deploy
+    script) is refused -- read as fewer keys, the clients of the missing one would
+    meet 401s.  (The message quotes nothing: the rest are keys.)"""
+    keys = [k.strip() for k in text.split(",")]
+    if not all(keys):
+        raise ConfigError(f"{where}: an empty key in the comma-separated list")
+    return keys
+
+
 def _toml_serve(settings: _SettingsPart, value: Any, file: str, env: Mapping[str, str]) -> None:
     """The ``[serve]`` table: scalars, ``api_keys`` (a list, or ``api_keys_env`` naming
     an environment variable with comma-separated keys) and ``[serve.models]``."""
@@ -626,9 +632,9 @@ def _toml_serve(settings: _SettingsPart, value: Any, file: str, env: Mapping[str
         if "api_keys" in table:
             raise ConfigError(f"{at('api_keys_env')}: set api_keys or api_keys_env, not both")
         var = _value_from_toml(str, table.pop("api_keys_env"), at("api_keys_env"), secret=True)
-        keys = [k.strip() for k in env.get(var, "").split(",") if k.strip()]
-        if not keys:
+        if not env.get(var, "").strip():
             raise ConfigError(f"{at('api_keys_env')}: {_unset(var)}")
+        keys = _key_list(env[var], at("api_keys_env"))
         settings.secrets.update(keys)
         part.values["api_keys"] = keys
         part.keys.append(at("api_keys_env"))

@@ -1036,6 +1036,16 @@ def test_an_empty_gateway_key_in_the_environment_is_refused(value: str) -> None:
     assert value not in str(caught.value)
 
 
+@pytest.mark.parametrize("value", [",", "key-one-1234,,key-two-5678", "key-one-1234,"])
+def test_an_empty_gateway_key_in_api_keys_env_is_refused(tmp_path: Path, value: str) -> None:
+    """Review: the same list through TOML's api_keys_env dropped the empty entry
+    silently ("${KEY_A},${KEY_B}" with KEY_A unset: its clients met 401s)."""
+    path = write(tmp_path, f'[serve]\napi_keys_env = "GW_KEYS"\n[scopes.chat.sources.a]\nbase_url = "{URL_A}"\n')
+    with pytest.raises(ConfigError, match=r"serve\.api_keys_env: an empty key") as caught:
+        settings_from_toml(path, env={"GW_KEYS": value})
+    assert "key-one" not in str(caught.value)
+
+
 def test_a_file_nested_past_pythons_limit_is_a_config_error(tmp_path: Path) -> None:
     """tomllib reads nested tables by recursion: a file nesting ~1,000 inline tables
     raised a bare RecursionError from session(), check-config, chat and serve."""
