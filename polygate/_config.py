@@ -236,6 +236,20 @@ _BAD_URL = (
 )
 
 
+#: A value a message may quote whole when it is no URL: longer, it is more likely a
+#: key pasted in the wrong place than a typo (the loaders' rule for a value of the
+#: wrong type).
+QUOTE_MAX = 24
+
+
+def shown(value: str) -> str:
+    """``value`` for a message about a field that wants a URL or a name: a URL masked,
+    anything else quoted only when it is short."""
+    if "://" in value or len(value) <= QUOTE_MAX:
+        return repr(mask_url(value))
+    return f"a value of {len(value)} characters (not shown: a key pasted here?)"
+
+
 def _url_problem(value: str) -> str | None:
     """What makes ``value`` unusable as written, in words that never quote it."""
     if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in value):
@@ -326,10 +340,11 @@ class Source:
             )
         if parts.scheme not in ("http", "https") or not parts.hostname:
             # Quoted up to its query at most: a key may ride there (refused below anyway).
-            shown = mask_url(re.split(r"[?#]", value, maxsplit=1)[0])
+            head = re.split(r"[?#]", value, maxsplit=1)[0]
             more = "…" if "?" in value or "#" in value else ""
+            got = repr(mask_url(head) + more) if "://" in head else shown(head + more)
             raise _bad(self, "base_url", url=value, problem=
-                f"must be an absolute http:// or https:// URL, got {shown + more!r}",
+                f"must be an absolute http:// or https:// URL, got {got}",
             )
         if "?" in value or "#" in value:
             raise _bad(self, "base_url", url=value, problem=
@@ -583,7 +598,8 @@ class Scope:
     @fallback.validator
     def _check_fallback(self, attr: attrs.Attribute[str | None], value: Any) -> None:
         if value is not None and (not isinstance(value, str) or not _NAME_RE.fullmatch(value)):
-            raise _bad(self, "fallback", f"must be a scope name, got {value!r}")
+            got = shown(value) if isinstance(value, str) else type(value).__name__
+            raise _bad(self, "fallback", f"must be a scope name, got {got}")
 
     @fallback_on.validator
     def _check_fallback_on(self, attr: attrs.Attribute[tuple[str, ...]], value: Any) -> None:
@@ -713,7 +729,7 @@ def _check_backend(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
         raise _bad(inst, attr.name, url=value, problem=_BAD_URL)
     if parts.scheme not in ("redis", "rediss") or not parts.hostname:
         raise _bad(inst, attr.name, url=value, problem=
-            f"must be 'memory' or a redis://host:port/db URL, got {mask_url(value)!r}",
+            f"must be 'memory' or a redis://host:port/db URL, got {shown(value)}",
         )
     # Its options too, here rather than at session start: the loaders then name the
     # key or TOML path that set it (SPEC §2), as they do for the cache's URL.
@@ -749,7 +765,7 @@ def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
             raise _bad(inst, attr.name, url=value, problem=problem)
         return
     raise _bad(inst, attr.name, url=value, problem=
-        f"must be 'off', sqlite:///path or postgresql://…, got {mask_url(value)!r}",
+        f"must be 'off', sqlite:///path or postgresql://…, got {shown(value)}",
     )
 
 
@@ -832,7 +848,7 @@ def _check_fallback_chains(inst: Any, scopes: Mapping[str, Scope]) -> None:
                 known = ", ".join(sorted(scopes))
                 raise _bad(
                     inst, f"scopes.{seen[-1]}.fallback",
-                    f"scope {seen[-1]!r} falls back to {target!r}, which is not a scope "
+                    f"scope {seen[-1]!r} falls back to {shown(target)}, which is not a scope "
                     f"(configured: {known})",
                 )
             if target in seen:

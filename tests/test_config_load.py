@@ -1156,3 +1156,29 @@ def test_a_dotted_scopes_fallback_error_names_its_own_key(tmp_path: Path) -> Non
     with pytest.raises(ConfigError) as info:
         settings_from_toml(path, env={})
     assert str(info.value).startswith(f'{path}: scopes."gpt.4".fallback: ')
+
+
+_PASTED = "sk-proj-Pasted0123456789abcdefghijKLMNOP"
+
+
+@pytest.mark.parametrize("key", [
+    "POLYGATE__CHAT__A__BASE_URL", "POLYGATE__BACKEND", "POLYGATE__TELEMETRY", "POLYGATE__CACHE",
+    "POLYGATE__CHAT__FALLBACK",
+])
+def test_a_key_pasted_where_a_url_or_a_name_goes_is_not_quoted(key: str) -> None:
+    """Review: a key that slipped into a URL's (or a fallback's) variable was quoted
+    whole in the refusal; a value of the wrong type was already described by its
+    length past 24 characters, and so is this one now."""
+    env = {"POLYGATE__CHAT__A__BASE_URL": URL_A, key: _PASTED}
+    with pytest.raises(ConfigError) as caught:
+        settings_from_env(env)
+    assert caught.value.args[0].startswith(key)
+    assert "Pasted0123" not in str(caught.value).replace("pasted0123", "Pasted0123")
+    assert f"a value of {len(_PASTED)} characters" in str(caught.value)
+
+
+def test_a_short_wrong_value_is_still_quoted() -> None:
+    with pytest.raises(ConfigError, match=r"got 'localhost:8000/v1'"):
+        settings_from_env({"POLYGATE__CHAT__A__BASE_URL": "localhost:8000/v1"})
+    with pytest.raises(ConfigError, match=r"unknown cache 'memry'"):
+        settings_from_env({"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CACHE": "memry"})

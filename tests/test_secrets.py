@@ -283,11 +283,14 @@ def test_a_postgres_password_in_the_query_is_in_no_log_line(caplog: pytest.LogCa
     import trio
 
     pytest.importorskip("psycopg")
-    secret = "Zq7SECRETpw%zz"  # a bad percent escape: libpq quotes the token it refused
-    settings = polygate.Settings(
-        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://127.0.0.1:9/v1")])},
-        telemetry=f"postgresql://u@127.0.0.1:1/db?password={secret}",
-    )
+    scopes = {"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://127.0.0.1:9/v1")])}
+    # A bad percent escape: libpq quotes the token it refused.  Refused with the
+    # settings now, in words of its own.
+    with pytest.raises(polygate.ConfigError, match="cannot be read by libpq") as info:
+        polygate.Settings(scopes=scopes, telemetry="postgresql://u@127.0.0.1:1/db?password=Zq7SECRETpw%zz")
+    assert "Zq7SECRET" not in str(info.value)
+    secret = "Zq7SECRETpw"
+    settings = polygate.Settings(scopes=scopes, telemetry=f"postgresql://u@127.0.0.1:1/db?password={secret}")
 
     async def main() -> str:
         try:

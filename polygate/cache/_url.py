@@ -106,8 +106,10 @@ def parse_cache_url(url: Any) -> CacheOptions:
         return _sqlite(url, parts, query)
     if parts.scheme in ("redis", "rediss"):
         return _redis(shown, parts, port, query)
+    from .._config import shown as quoted  # lazy: _config imports this module
+
     raise ConfigError(
-        f"unknown cache {shown!r}: expected 'off', 'memory', sqlite:///path or redis://host:port/db"
+        f"unknown cache {quoted(url)}: expected 'off', 'memory', sqlite:///path or redis://host:port/db"
     )
 
 
