@@ -894,3 +894,104 @@ def b_module() -> Any:
 
 if __name__ == "__main__":
     worker_main()
+
+
+def test_a_held_lease_keeps_its_sources_keys_past_key_ttl(server: RedisServer) -> None:
+    """review: with lease_s=600 and key_ttl_s=60 (both valid), the permits and the
+    state expired a minute after the admission while its lease ran for ten: another
+    process was then granted past max_in_flight, and the holder's settle found
+    nothing.  The keys live as long as the longest lease."""
+    import coredis
+
+    prefix = f"lease-{secrets.token_hex(4)}"
+
+    async def body() -> None:
+        async with _started(_redis(server.url, prefix, lease_s=600, key_ttl_s=60)) as b:
+            await granted(b, ask(mif=1))
+            async with coredis.Redis(port=server.port) as raw:
+                for key in ("state", "permits"):
+                    ttl = await raw.pttl(f"{prefix}:chat:a:{key}")
+                    assert 590_000 <= ttl <= 602_000, (key, ttl)
+
+    trio.run(body)
+
+
+@pytest.mark.parametrize("period", [1e13, 1e303])
+def test_a_huge_period_is_an_open_breaker_and_a_cooldown_as_in_memory(
+    server: RedisServer, period: float
+) -> None:
+    """review: an instant past ~9.2e18 us came back from Lua as a negative integer,
+    read as "unknown" (a refusal without retry_at, a dead source shown alive); and
+    1e303 s overflowed the conversion to microseconds: every admission and settle
+    raised a bare OverflowError.  Both are valid settings, handled by memory."""
+    policy = attrs.evolve(POLICY, failures=1, open_s=period, max_open_s=period)
+
+    async def body() -> None:
+        async with _started(_redis(server.url, f"huge-{secrets.token_hex(4)}")) as b:
+            a = await granted(b, ask(breaker=policy))
+            await b.settle(settle(a, None, Feedback.FAILURE, breaker=policy))
+            refusal = await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
+            assert refusal.retry_at is not None and refusal.retry_at > trio.current_time() + 1e9
+            d = await granted(b, ask(source="d"))
+            await b.settle(settle(d, None, Feedback.FAILURE, cooldown_s=period, dead=True))
+            shown = await snap(b, "d")
+            assert shown.dead and shown.cooldown_until is not None
+            assert b.statistics().settle_failures == 0
+
+    trio.run(body)
+
+
+@pytest.mark.parametrize("settle_s", [0, 0.0001])
+def test_settle_s_zero_still_settles(server: RedisServer, settle_s: float) -> None:
+    """review: settle_s (how long a settle is retried, [0, 60]) bounded the first try
+    too: at 0 every settle was cut before its answer, counted as failed, and marked
+    the backend unhealthy (so the hedge budget was never refilled)."""
+
+    async def body() -> None:
+        async with _started(_redis(server.url, f"st-{secrets.token_hex(4)}", settle_s=settle_s)) as b:
+            for _ in range(3):
+                a = await granted(b, ask(mif=1))
+                await b.settle(settle(a, 3))
+            shown = await snap(b)
+            stats = b.statistics()
+            assert (shown.in_flight, stats.settle_failures, stats.open_leases) == (0, 0, 0), stats
+            assert b._healthy
+
+    trio.run(body)
+
+
+def test_a_call_deadline_inside_an_admission_says_nothing_of_redis(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """review: a call whose deadline fell during its admission's round trip marked
+    the backend unhealthy, and its hedge-budget refill (and every other, until some
+    exchange answered) was skipped as if Redis were down."""
+    import polygate
+    from polygate.governance._redis import RedisBackend
+    from polygate.testing import FakeUpstream, Reply
+
+    real = RedisBackend._evalsha
+
+    async def remote(self: Any, script: Any, keys: Any, args: Any, sent: Any = None) -> Any:
+        await trio.sleep(0.015)  # a Redis 30 ms away, answering every exchange
+        result = await real(self, script, keys, args, sent)
+        await trio.sleep(0.015)
+        return result
+
+    monkeypatch.setattr(RedisBackend, "_evalsha", remote)
+    settings = polygate.Settings(backend=f"{server.url}?prefix=du-{secrets.token_hex(4)}", scopes={
+        "chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1"),
+                                        polygate.Source(name="b", base_url="http://b/v1")],
+                               hedge=polygate.Hedge(after_s=0.01, budget_burst=2, budget_ratio=0.5))})
+
+    async def body() -> None:
+        upstream = FakeUpstream(Reply(tokens=2, first_token_s=0.3))  # late: it hedges
+        async with polygate.session(settings, transport=upstream.transport()) as s:
+            backend = s._runtime.governor.backend
+            assert (await s.chat(MESSAGES)).call_stats.hedges == 1  # the bucket 2 -> 1 -> 1.5
+            with pytest.raises(polygate.DeadlineExceeded):
+                await s.chat(MESSAGES, call_deadline_s=0.02)  # cut inside its admission
+            assert backend.statistics().refill_failures == 0
+            assert await backend.budget_level("chat", 2.0) == 2.0  # as memory: 1.5 + 0.5
+
+    trio.run(body)

@@ -216,6 +216,13 @@ def _coredis() -> Any:
     return import_coredis("the redis backend")
 
 
+def _us(seconds: float) -> int:
+    """A period for a script, in microseconds.  Capped at 1e15 s (~31.7 million years,
+    the cap the scripts' TTLs use): ``int(1e303 * 1e6)`` is an OverflowError, and a
+    valid setting must not fail every admission."""
+    return int(min(seconds, 1e15) * 1e6)
+
+
 class RedisBackend:
     """Governance state shared by every process that uses the same Redis and prefix.
 
@@ -421,7 +428,7 @@ class RedisBackend:
         limits = request.limits
         args = [
             member, request.tokens, _opt(limits.rpm), _opt(limits.tpm), _opt(limits.max_in_flight),
-            int(request.breaker.open_s * 1e6), self._lease_us, self._window_us, self._ttl_ms,
+            _us(request.breaker.open_s), self._lease_us, self._window_us, self._ttl_ms,
         ]
         key = (request.scope, request.source)
         sent: list[bool] = []
@@ -468,14 +475,20 @@ class RedisBackend:
             held.discard(member)  # before sending: a renewal must not race the settle
         args = self._settle_args(member, request)
         keys = self._source_keys(key)
-        deadline = trio.current_time() + self._settle_s
+        # The first try has any exchange's bound (timeout_s); settle_s is how long it
+        # is retried after that -- were it the first try's bound too, settle_s=0 would
+        # cut every settle before its answer, counted as failed although Redis ran it.
+        started = trio.current_time()
+        retry_until = started + self._settle_s
         done = False
         error: GovernanceBackendError | None = None
-        with trio.CancelScope(shield=True, deadline=deadline):
+        with trio.CancelScope(shield=True, deadline=max(retry_until, started + self._timeout)):
             delay = 0.02
+            first = True
             while True:
                 try:
-                    reply = await self._script(_SETTLE, keys, args, "settle", deadline=deadline)
+                    reply = await self._script(
+                        _SETTLE, keys, args, "settle", deadline=None if first else retry_until)
                     self._observe(reply[2])
                     done = True
                     break
@@ -483,10 +496,13 @@ class RedisBackend:
                     error = exc
                 except (TypeError, IndexError):
                     error = self._garbage("settle")
+                first = False
                 if self._closed:
                     # Closed meanwhile: settled by the close (settle_left) if it still
                     # held it, else left to its lease; no retry can reach Redis now.
                     return
+                if trio.current_time() + delay >= retry_until:
+                    break
                 self._settle_retries += 1
                 await trio.sleep(delay)
                 delay = min(delay * 2, 0.25)
@@ -505,10 +521,10 @@ class RedisBackend:
         cooldown = request.cooldown_s if request.cooldown_s is not None and request.cooldown_s > 0 else 0.0
         return [
             member, 1 if request.sent else 0, -1 if request.tokens is None else request.tokens,
-            _FEEDBACK[request.feedback], int(cooldown * 1e6), 1 if request.dead else 0,
+            _FEEDBACK[request.feedback], _us(cooldown), 1 if request.dead else 0,
             policy.failures, repr(float(policy.failure_rate)), policy.rate_window,
             policy.rate_min_calls, self._window_us, self._ttl_ms,
-            int(policy.open_s * 1e6), int(policy.max_open_s * 1e6), policy.probes,
+            _us(policy.open_s), _us(policy.max_open_s), policy.probes,
             repr(float(request.jitter)),
         ]
 
@@ -760,7 +776,11 @@ class RedisBackend:
             if self._abandoned and not self._cleanup.is_set():
                 self._cleanup.set()
             return result
-        self._healthy = False
+        if deadline is None or deadline > bound or bound >= started + self._timeout:
+            # Our own bound fell.  (A caller's deadline that came first says nothing of
+            # Redis: marked unhealthy by it, the backend would skip the hedge budget's
+            # refills until some other exchange answered.)
+            self._healthy = False
         raise GovernanceBackendError(
             f"redis at {self._where} did not answer {what} within "
             f"{trio.current_time() - started:.2g} s"

@@ -66,6 +66,13 @@ local function version()
   return redis.call('GET', K_CHANGES) or '0'
 end
 
+-- An instant in a reply: Redis casts a script's numbers to 64-bit integers, so one
+-- past ~9.2e18 us (an open_s or a cooldown of 1e13 s) would come back negative, read
+-- as "unknown".  4e18 us (~126,000 years from 1970) is "never" for every purpose.
+local function inst(x)
+  return math.min(x, 4e18)
+end
+
 local function bump(ttl_ms)
   redis.call('INCR', K_CHANGES)
   redis.call('PEXPIRE', K_CHANGES, ttl_ms)
@@ -115,16 +122,19 @@ local function expire(now, window_us)
   redis.call('ZREMRANGEBYSCORE', K_WINDOW, '-inf', horizon)
 end
 
--- Keep the long-lived keys at least key_ttl, and the state as long as its cooldown
--- and its open breaker (forgetting either would let calls through early).  At most
--- 1e15 ms (~31,700 years): a longer TTL is written in exponent form, which PEXPIRE
--- refuses, failing the script halfway.
+-- Keep the long-lived keys at least key_ttl, and the state as long as its cooldown,
+-- its open breaker and its longest lease (forgetting any would let calls through
+-- early, and lose a held admission's settlement).  At most 1e15 ms (~31,700 years): a
+-- longer TTL is written in exponent form, which PEXPIRE refuses, failing the script
+-- halfway.
 local function touch(now, ttl_ms)
   local s = redis.call('HMGET', K_STATE, 'cu', 'br', 'oa', 'op')
   local until_us = tonumber(s[1]) or 0
   if s[2] == 'o' then
     until_us = math.max(until_us, (tonumber(s[3]) or 0) + (tonumber(s[4]) or 0))
   end
+  local last = redis.call('ZRANGE', K_PERMITS, -1, -1, 'WITHSCORES')
+  if last[2] then until_us = math.max(until_us, tonumber(last[2])) end
   local keep = math.min(1e15, math.max(ttl_ms, math.ceil((until_us - now) / 1000) + 1000))
   redis.call('PEXPIRE', K_STATE, keep)
   redis.call('PEXPIRE', K_OPEN, keep)
@@ -158,7 +168,7 @@ local cu = tonumber(s[1]) or 0
 if cu > now then
   local reason = 'cooling_down'
   if s[2] == '1' then reason = 'dead' end
-  return {0, reason, cu, now, version()}
+  return {0, reason, inst(cu), now, version()}
 end
 if s[2] == '1' then redis.call('HSET', K_STATE, 'dd', '0') end
 
@@ -166,7 +176,7 @@ local br = s[3] or 'c'
 local probe = 0
 if br == 'o' then
   local reopen = (tonumber(s[4]) or 0) + (tonumber(s[6]) or open_us)
-  if now < reopen then return {0, 'breaker_open', reopen, now, version()} end
+  if now < reopen then return {0, 'breaker_open', inst(reopen), now, version()} end
   br = 'h'
   redis.call('HSET', K_STATE, 'br', 'h', 'pr', '')
   s[5] = ''
@@ -340,7 +350,7 @@ expire(now, window_us)
 local s = redis.call('HMGET', K_STATE, 'br', 'cf', 'ot', 'cu', 'dd', 'rt', 'st', 'rl', 'ct', 'ad', 'lx')
 local function n(v) return tonumber(v) or 0 end
 return {now, s[1] or 'c', n(s[2]), redis.call('ZCARD', K_PERMITS), redis.call('ZCARD', K_WINDOW),
-        n(redis.call('HGET', K_WTOK, '=sum')), n(s[3]), n(s[4]), n(s[5]),
+        n(redis.call('HGET', K_WTOK, '=sum')), n(s[3]), inst(n(s[4])), n(s[5]),
         n(s[6]), n(s[7]), n(s[8]), n(s[9]), n(s[10]), n(s[11])}
 """
 
