@@ -53,7 +53,76 @@ __all__ = [
     "BadDocument", "Renderer", "answer", "image_page", "page_messages", "serve", "tokens", "unaltered",
 ]
 
-_PDFIUM = threading.Lock()
+_LOCK = threading.Lock()
+#: Documents to close once no PDFium call runs (see :func:`close_soon`): (renderer,
+#: the key it held when the close was asked for).
+_PENDING: list[tuple[Renderer, int | None]] = []
+_exit_guarded = False
+
+
+class _PdfiumLock:
+    """The one lock around every PDFium call of the process.  Whoever leaves it closes
+    the documents whose close was asked for while it was held."""
+
+    def __enter__(self) -> None:
+        _LOCK.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            _close_pending()
+        finally:
+            _LOCK.release()
+        close_soon()  # one asked for between the drain and the release
+
+
+_PDFIUM = _PdfiumLock()
+
+
+def close_soon(renderer: Renderer | None = None, key: int | None = None) -> None:
+    """Close ``renderer``'s document (if it still holds ``key``'s) now when no PDFium
+    call runs, else as soon as the running one ends; never waits.  For the event
+    loop's thread: a render cut short by a deadline goes on in its abandoned thread,
+    holding the lock for as long as PDFium takes (seconds, on a hostile page), and a
+    call's end or a session's close must not wait for it."""
+    if renderer is not None:
+        _PENDING.append((renderer, key))
+    # Either the lock is free (taken here) or its holder drains after us: every leaver
+    # drains, then looks again once it has let go.
+    while _PENDING and _LOCK.acquire(blocking=False):
+        try:
+            _close_pending()
+        finally:
+            _LOCK.release()
+
+
+def _close_pending() -> None:
+    while _PENDING:  # (the lock held)
+        renderer, key = _PENDING.pop()
+        if renderer.key == key:
+            renderer.close_held()
+
+
+class _Anchor:
+    pass
+
+
+def _guard_exit() -> None:
+    """At exit, wait for a page still rendering in an abandoned thread and let no
+    other begin, before pypdfium2's objects are closed under it (by
+    ``weakref.finalize``'s exit hook) and the library destroyed (by pypdfium2's): a
+    segfault in the rendering thread otherwise.  Exit hooks run last registered
+    first, so this one is registered after pypdfium2 is imported, and after
+    ``weakref.finalize`` registered its own (a finalizer made here makes sure)."""
+    global _exit_guarded
+    if not _exit_guarded:
+        import atexit
+        import weakref
+
+        _exit_guarded = True
+        weakref.finalize(_Anchor(), int)  # (gone at once: it only registers the hook)
+        # Taken for good (daemon threads waiting on it end with the process); bounded:
+        # a page PDFium will not finish does not hold the exit forever.
+        atexit.register(_LOCK.acquire, timeout=60)
 _JPEG_QUALITY = 90
 # Admission estimate of an image's prompt tokens: one per 28×28-pixel patch (the rule
 # of Qwen2-VL-style models; OpenAI's tiles come out lower).  Settled with real usage.
@@ -228,7 +297,14 @@ class Renderer:
                     self.open(header[1], blob)
                 elif self.key != header[1]:
                     raise BadDocument("the PDF was closed")
-                messages, width, height = self.page(*header[2:])
+                try:
+                    messages, width, height = self.page(*header[2:])
+                except BadDocument:
+                    if blob:
+                        # Opened by this request: a failed reply says the renderer holds
+                        # nothing (what polygate records), so it must not.
+                        self.close()
+                    raise
                 return ("ok", width, height), messages.encode()
             if op == "image":  # ("image", format, size, prompt, max_side_px, image_format)
                 messages, width, height = image_page(blob, *header[1:])
@@ -247,6 +323,7 @@ class Renderer:
         self.close()
         import pypdfium2 as pdfium
 
+        _guard_exit()
         with _PDFIUM:
             try:
                 pdf = pdfium.PdfDocument(data)
@@ -298,9 +375,13 @@ class Renderer:
 
     def close(self) -> None:
         with _PDFIUM:
-            if self._pdf is not None:
-                self._pdf.close()
-            self._pdf = self.key = None
+            self.close_held()
+
+    def close_held(self) -> None:
+        """:meth:`close`, with the PDFium lock already held."""
+        if self._pdf is not None:
+            self._pdf.close()
+        self._pdf = self.key = None
 
 
 def answer(renderer: Renderer, header: tuple[Any, ...], blob: bytes) -> tuple[tuple[Any, ...], bytes]:

@@ -152,6 +152,10 @@ class _Worker:
         """Release what it holds (a process: killed and reaped); bounded."""
         raise NotImplementedError
 
+    async def drop(self, key: int) -> None:
+        """Close ``key``'s document if it holds it (an idle renderer); bounded."""
+        await self.request(("drop", key), b"")
+
     def alive(self) -> bool:
         """A renderer process that has not exited (a thread renderer: False)."""
         return False
@@ -199,8 +203,16 @@ class _ThreadWorker(_Worker):
             self._abandoned = True
             busy = self._busy
         if not busy:  # else its thread closes it when done
-            with trio.CancelScope(shield=True):  # bounded: waits for the PDFium lock
-                await run_sync(self._renderer.close)
+            # Never waiting for the PDFium lock: another call's cut render may hold it
+            # for seconds, and neither this call's end nor the session's close waits
+            # for that (the lock's next leaver closes it).
+            _ocr_render.close_soon(self._renderer, self._renderer.key)
+        await trio.lowlevel.checkpoint()
+
+    async def drop(self, key: int) -> None:
+        if self._renderer.key == key:  # idle: no thread of its own runs
+            _ocr_render.close_soon(self._renderer, key)
+        await trio.lowlevel.checkpoint()
 
 
 class _ProcessWorker(_Worker):
@@ -370,7 +382,7 @@ class _Pool:
                 self.idle.remove(worker)
                 try:
                     with trio.CancelScope(shield=True):
-                        await worker.request(("drop", key), b"")
+                        await worker.drop(key)
                         worker.key = None
                 except PolygateError:
                     pass  # it died: discarded below, and what it held went with it

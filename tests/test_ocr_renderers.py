@@ -25,7 +25,7 @@ import polygate
 from polygate import _ocr_render, _ocr_renderers
 from polygate.testing import FakeUpstream, Reply, Router
 
-from .test_ocr import image_bytes, make_pdf, ocr_settings
+from .test_ocr import SIZES, image_bytes, make_pdf, ocr_settings
 
 STAND_IN = """
 import importlib.util, os, sys, time
@@ -302,13 +302,13 @@ async def test_a_thread_renderer_cut_short_before_its_thread_started_is_closed()
     collector's finaliser, outside the lock every PDFium call takes."""
     worker = _ocr_renderers._ThreadWorker()
     closed: list[bool] = []
-    real_close = worker._renderer.close
+    real_close = worker._renderer.close_held
 
     def close() -> None:
         closed.append(True)
         real_close()
 
-    worker._renderer.close = close  # type: ignore[method-assign]
+    worker._renderer.close_held = close  # type: ignore[method-assign]
     with trio.CancelScope() as scope:
         scope.cancel()
         await worker._exchange(("drop", 1), b"")
@@ -323,9 +323,123 @@ async def test_a_thread_that_starts_after_its_renderer_was_discarded_leaves_it_a
     worker = _ocr_renderers._ThreadWorker()
     calls: list[str] = []
     worker._renderer.handle = lambda *args: calls.append("handle") or (("ok",), b"")  # type: ignore[method-assign]
-    worker._renderer.close = lambda: calls.append("close")  # type: ignore[method-assign]
+    worker._renderer.close_held = lambda: calls.append("close")  # type: ignore[method-assign]
     await worker.discard()
     assert calls == ["close"]
     await trio.to_thread.run_sync(worker._handle, ("drop", 1), b"")
     assert calls == ["close"]
     assert not worker._busy
+
+
+def _slow_page(monkeypatch: pytest.MonkeyPatch, index: int, seconds: float) -> None:
+    """Page ``index`` renders for ``seconds``, holding the PDFium lock as a hostile page
+    does (PDFium cannot be interrupted)."""
+    real = _ocr_render.Renderer.page
+
+    def page(self: _ocr_render.Renderer, at: int, *args: object) -> tuple[str, int, int]:
+        if at == index:
+            with _ocr_render._PDFIUM:
+                time.sleep(seconds)
+        return real(self, at, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_ocr_render.Renderer, "page", page)
+
+
+async def test_a_call_cut_while_a_thread_renders_ends_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """review: in thread mode, a call cut by its deadline while one of its pages held
+    the PDFium lock (2.5 s on a hostile page) returned seconds late: the renderers
+    that had finished its other pages were told to close the document, shielded,
+    and that close waited for the lock.  Closing never waits for it now; the lock's
+    next leaver closes what was asked for."""
+    _slow_page(monkeypatch, 2, 2.0)
+    async with polygate.session(ocr_settings(render_in="thread", max_concurrent_pages=2),
+                                transport=Router({"a": FakeUpstream(Reply(text="x"))})) as s:
+        start = time.monotonic()
+        with pytest.raises(polygate.DeadlineExceeded):
+            await s.ocr(make_pdf(SIZES[:3]), call_deadline_s=0.5)
+        assert time.monotonic() - start < 1.3
+        pool = renderers(s)._pools["thread"]
+        held = [w for w in pool.everyone if isinstance(w, _ocr_renderers._ThreadWorker)]
+        await trio.sleep(2.5)  # the slow page ends; whoever leaves the lock closes the rest
+        assert all(w._renderer.key is None for w in held)
+        assert not _ocr_render._PENDING
+
+
+@pytest.mark.parametrize("render_in", ["process", "thread"])
+async def test_a_page_that_fails_after_its_document_opened_leaves_it_closed(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, render_in: str
+) -> None:
+    """review: a page request that carried the document opened it, then failed on its
+    page; polygate recorded the renderer as holding nothing, so the call's end never
+    told it to close the document (and statistics().holding said 0)."""
+    from polygate import _ocr_document
+
+    from .test_ocr import _pdf_with_a_broken_second_page
+
+    keys: list[int] = []
+
+    def new_key() -> int:
+        keys.append(_ocr_renderers.new_key())
+        return keys[-1]
+
+    monkeypatch.setattr(_ocr_document, "new_key", new_key)
+    async with polygate.session(ocr_settings(render_in=render_in, max_concurrent_pages=2),
+                                transport=Router({"a": FakeUpstream(Reply(text="x"))})) as s:
+        for _ in range(5):  # which renderer gets the bad page is the scheduler's choice
+            with pytest.raises(polygate.ConfigError, match="page 1"):
+                await s.ocr(_pdf_with_a_broken_second_page())
+            assert renderers(s).statistics(render_in).holding == 0
+            for worker in list(renderers(s)._pools[render_in].idle):
+                # None still holds the document: a page of it without its bytes fails.
+                reply, _ = await worker.request(("page", keys[-1], 0, "p", 72.0, 100, "jpeg"), b"")
+                assert reply[0] == "bad", reply
+
+
+def _slow_pdf(rectangles: int) -> bytes:
+    """One page of ``rectangles`` filled squares: PDFium takes ~1 s a million to render it
+    here, and cannot be interrupted."""
+    import zlib
+
+    from .test_ocr import _pdf_of
+
+    ops = zlib.compress(b"".join(b"%d %d 5 5 re f\n" % (i % 190, i * 7 % 190) for i in range(rectangles)), 9)
+    return _pdf_of([
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 200] /Contents 4 0 R >>",
+        b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(ops) + ops + b"\nendstream",
+    ])
+
+
+_ENDS_WHILE_RENDERING = textwrap.dedent('''
+    import sys, trio, polygate
+    from polygate.testing import FakeUpstream, Reply, Router
+
+    async def main():
+        scope = polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")],
+                               ocr=polygate.Ocr(render_in="thread"))
+        async with polygate.session(polygate.Settings(scopes={"ocr": scope}),
+                                    transport=Router({"a": FakeUpstream(Reply(text="x"))})) as s:
+            try:
+                await s.ocr(open(sys.argv[1], "rb").read(), call_deadline_s=0.3)
+            except polygate.DeadlineExceeded:
+                print("cut", flush=True)
+
+    trio.run(main)
+    print("bye", flush=True)
+''')
+
+
+def test_a_program_that_ends_while_a_cut_page_renders_exits_cleanly(tmp_path: Path) -> None:
+    """review: in thread mode, a program whose call was cut while PDFium rendered a
+    page (its thread abandoned, as documented) ended with SIGSEGV, three times in
+    three: pypdfium2's exit hook destroyed the library under the rendering thread.
+    polygate's own exit hook, run first, waits for the page."""
+    document = tmp_path / "slow.pdf"
+    document.write_bytes(_slow_pdf(1_500_000))
+    script = tmp_path / "ends.py"
+    script.write_text(_ENDS_WHILE_RENDERING)
+    done = subprocess.run([sys.executable, str(script), str(document)], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.stdout.split() == ["cut", "bye"], done.stderr[-2000:]
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
