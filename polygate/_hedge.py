@@ -338,7 +338,9 @@ class Round:
     def _observe(self, path: _Path) -> None:
         """Feed the adaptive threshold: first-token time, or whole-call time when the
         source does not stream."""
-        if self._ctx.scope.hedge.after_quantile is None:
+        if self._ctx.scope.hedge.after_quantile is None or self._ctx.kind != "chat":
+            # Only chat calls hedge, so only theirs teach the trigger: an OCR page's
+            # first token (an image to read first) would lift a chat scope's threshold.
             return
         timeline = path.record.timeline
         if timeline.sent_at is None:

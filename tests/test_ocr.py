@@ -742,3 +742,19 @@ async def test_pages_given_as_a_range_are_checked_by_their_ends(
             await s.ocr(pdf, pages=range(-1, 2))
         assert [p.index for p in (await s.ocr(pdf, pages=range(2, -1, -2))).pages] == [0, 2]
         assert [p.index for p in (await s.ocr(pdf, pages=range(1, 3))).pages] == [1, 2]
+
+
+async def test_pages_do_not_teach_the_chat_hedge_trigger(autojump_clock: trio.testing.MockClock) -> None:
+    """review: on a scope with an adaptive hedge, OCR pages (never hedged) fed the
+    scope's latency sketch: slow first tokens of images lifted the trigger of the
+    chat calls that share the scope.  Only the calls that hedge teach it."""
+    scope = polygate.Scope(
+        sources=[polygate.Source(name=n, base_url=f"http://{n}/v1") for n in ("a", "b")],
+        hedge=polygate.Hedge(after_quantile=0.9), ocr=polygate.Ocr())
+    up = FakeUpstream(Reply(text="page", first_token_s=5))
+    async with polygate.session(polygate.Settings(scopes={"chat": scope}),
+                                transport=Router({"a": up, "b": up})) as s:
+        await s.ocr(make_pdf(SIZES), scope="chat")
+        assert all(sketch.count == 0 for sketch in s._runtime.sketches.values())
+        await s.chat([{"role": "user", "content": "hi"}])
+        assert sum(sketch.count for sketch in s._runtime.sketches.values()) == 1
