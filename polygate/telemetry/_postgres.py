@@ -147,6 +147,10 @@ def _migrate(conn: psycopg.Connection[Any], where: str) -> int:
     import psycopg  # (the postgres extra: imported where it is used)
 
     with conn.transaction():
+        # A table locked by maintenance (VACUUM FULL, a retention TRUNCATE) or another
+        # process's migration: given up on after this, well inside the opening's bound,
+        # and the session starts without the sink connected (see open()).
+        conn.execute(f"SET LOCAL lock_timeout = {MIGRATE_LOCK_TIMEOUT_MS}")
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
         # Created only when it is missing: PostgreSQL checks the CREATE privilege
         # even for CREATE TABLE IF NOT EXISTS of a table that is there, and an
@@ -176,6 +180,8 @@ def _migrate(conn: psycopg.Connection[Any], where: str) -> int:
         for table, query in shape_checks():
             try:
                 conn.execute(query)
+            except psycopg.errors.LockNotAvailable:
+                raise  # locked, not foreign
             except psycopg.Error as exc:
                 raise foreign_table(table, where, exc) from None
     return found
@@ -242,6 +248,13 @@ class PostgresSink:
         except ConfigError:
             conn.close()
             raise
+        except psycopg.errors.LockNotAvailable:
+            conn.close()
+            logger.warning(
+                "telemetry database %s has its tables locked (maintenance?): calls go "
+                "on, rows are dropped and counted until they can be written", where,
+            )
+            return cls.unconnected(url, statement_timeout_ms=statement_timeout_ms)
         except psycopg.Error as exc:
             conn.close()
             raise ConfigError(
@@ -325,6 +338,9 @@ class PostgresSink:
             self._closed = True
             self._discard()
 
+
+#: How long opening the sink waits for a lock on its tables (a migration, a shape check).
+MIGRATE_LOCK_TIMEOUT_MS = 5_000
 
 #: How long ``polygate stats`` waits for a lock on a table (VACUUM FULL, CLUSTER, a
 #: retention TRUNCATE hold one), and for any one statement: bounded, never a hang.
