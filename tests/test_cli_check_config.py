@@ -136,6 +136,19 @@ def test_warnings_are_printed(clean: Path, capsys: pytest.CaptureFixture[str]) -
     assert "single source" in report["warnings"][0]
 
 
+def test_an_invalid_configurations_warnings_are_printed_before_its_error(
+    clean: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """review: the warnings found before the error were dropped, so a fix for the
+    error met them only on the next run."""
+    path = write(clean, SINGLE + "\n[scopes.other]\nfallback = \"nope\"\n"
+                 "[scopes.other.sources.b]\nbase_url = \"http://127.0.0.1:8002/v1\"\n", "both.toml")
+    assert main(["check-config", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert "warning: " in err and "single source" in err
+    assert err.index("warning: ") < err.index("invalid configuration")
+
+
 def test_default_reads_local_file(clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write(clean, VALID)
     assert main(["check-config"]) == 0

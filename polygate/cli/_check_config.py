@@ -44,16 +44,22 @@ def add_parser(
 
 def run(args: argparse.Namespace) -> int:
     origin = args.config or locate_config() or "environment (POLYGATE__* keys)"
+    error: ConfigError | None = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         try:
             settings = _load(args.config)
         except ConfigError as exc:
-            print(f"polygate check-config: invalid configuration: {exc}", file=sys.stderr)
-            return 2
-    notes = [str(w.message) for w in caught]
-    for note in notes:
+            error = exc
+    for other in (w for w in caught if not issubclass(w.category, ConfigWarning)):
+        # Not ours to report: back to the filters they were raised under.
+        warnings.warn_explicit(other.message, other.category, other.filename, other.lineno)
+    notes = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    for note in notes:  # an invalid configuration's warnings too: found before its error
         print(f"warning: {note}", file=sys.stderr)
+    if error is not None:
+        print(f"polygate check-config: invalid configuration: {error}", file=sys.stderr)
+        return 2
     if args.json:
         report = {"source": origin, "settings": describe(settings), "warnings": notes}
         print(json.dumps(report, indent=2))
