@@ -7,6 +7,7 @@ the ``autojump_clock`` fixture jumps straight to the next deadline.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import random
 import struct
@@ -883,3 +884,48 @@ async def test_a_fault_the_client_stops_at_is_recorded_as_delivered(
                 break
     assert up.requests[0].outcome == "fault"
     assert up.statistics().faults == 1
+
+
+def _face(up: FakeUpstream, face: str) -> httpx.AsyncClient:
+    transport = up.transport() if face == "transport" else polygate.testing.EventTransport(up)
+    return httpx.AsyncClient(transport=transport, base_url="http://x/v1")
+
+
+@pytest.mark.parametrize("face", ["transport", "event", "server"])
+async def test_an_answer_read_to_done_then_closed_is_complete_in_every_face(face: str) -> None:
+    """review: a client that read a stream through [DONE] and closed (as httpx-sse
+    loops do), or closed a 503 after reading its status, was recorded client_closed
+    by the two in-process faces and complete by the loopback server: the last bytes
+    handed over are delivered."""
+    for reply, stream in ((Reply(tokens=3, inter_token_s=0.01), True), (Reply(status=503), False)):
+        up = FakeUpstream(reply)
+        async with contextlib.AsyncExitStack() as stack:
+            if face == "server":
+                c = await stack.enter_async_context(httpx.AsyncClient(base_url=await stack.enter_async_context(up.serve())))
+            else:
+                c = await stack.enter_async_context(_face(up, face))
+            async with c.stream("POST", CHAT, json=chat_body(stream=stream)) as r:
+                if stream:
+                    async for line in r.aiter_lines():
+                        if line == "data: [DONE]":
+                            break
+                else:
+                    assert r.status_code == 503
+            if face == "server":
+                with trio.fail_after(5):
+                    while up.requests[0].outcome is None:
+                        await trio.sleep(0.01)
+        assert up.requests[0].outcome == "complete", (face, reply)
+        assert up.statistics().completed == 1
+
+
+@pytest.mark.parametrize("face", ["transport", "event"])
+async def test_a_stream_closed_before_its_last_bytes_is_client_closed(
+    autojump_clock: trio.testing.MockClock, face: str
+) -> None:
+    up = FakeUpstream(Reply(tokens=5, inter_token_s=1))
+    async with _face(up, face) as c, c.stream("POST", CHAT, json=chat_body()) as r:
+        async for line in r.aiter_lines():
+            if '"content":"' in line and '""' not in line:
+                break  # the first token: four more to come
+    assert up.requests[0].outcome == "client_closed"

@@ -50,7 +50,7 @@ import httpx
 import trio
 
 from ._render import Due, FaultBytes, Pause, Plan
-from ._transport import body_ending, report_sent
+from ._transport import body_ending, closed_unread, report_sent
 from ._upstream import FakeUpstream, Outcome, RecordedRequest
 
 __all__ = ["EventStatistics", "EventTransport"]
@@ -245,7 +245,14 @@ class _Body(httpx.AsyncByteStream):
         size = 0
         try:
             schedule = Due(self._start)
-            for step in plan.steps:
+            steps = iter(plan.steps)  # (lazy: a long stream is never all in memory)
+            following = next(steps, None)
+            while following is not None:
+                step, following = following, next(steps, None)
+                if following is None and plan.ending != "hang":
+                    # The last bytes go with the next piece: delivered, as the server
+                    # face records them, even to a client that stops asking there.
+                    outcome = body_ending(plan, self._request)[0]
                 if isinstance(step, Pause):
                     due = schedule.after(step)
                     if transport.arrival(due) <= trio.current_time():
@@ -283,4 +290,4 @@ class _Body(httpx.AsyncByteStream):
     async def aclose(self) -> None:
         if self._iterator is not None:
             await self._iterator.aclose()
-        self._upstream._finish(self._rec, "client_closed")
+        self._upstream._finish(self._rec, closed_unread(self._plan, self._request))

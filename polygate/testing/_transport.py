@@ -96,10 +96,11 @@ class _FakeStream(httpx.AsyncByteStream):
                     step = next(steps, None)
                     continue
                 following = next(steps, None)
-                if following is None and (plan.fault or plan.ending in ("reset", "truncate")):
-                    # The fault's bytes go now: delivered, as the server face records
-                    # it, even when the client closes once it has read them.
-                    outcome = "fault"
+                if following is None and plan.ending != "hang":
+                    # The last bytes go now: the answer (or its fault) is delivered, as
+                    # the server face records it once it has written them, even when
+                    # the client closes without asking for the end of the body.
+                    outcome = body_ending(plan, self._request)[0]
                 elif type(step) is FaultBytes:
                     outcome = "fault"  # delivered, whether or not the client reads on
                 yield step
@@ -115,7 +116,16 @@ class _FakeStream(httpx.AsyncByteStream):
     async def aclose(self) -> None:
         if self._iterator is not None:
             await self._iterator.aclose()
-        self._upstream._finish(self._rec, "client_closed")
+        self._upstream._finish(self._rec, closed_unread(self._plan, self._request))
+
+
+def closed_unread(plan: Plan, request: httpx.Request) -> Outcome:
+    """What a body closed before it was read records: an answer with no pause in it
+    went out with its head (the server face writes it at once, and records it
+    delivered), anything else was cut short by the client."""
+    if plan.ending == "hang" or any(isinstance(step, Pause) for step in plan.steps):
+        return "client_closed"
+    return body_ending(plan, request)[0]
 
 
 def body_ending(plan: Plan, request: httpx.Request) -> tuple[Outcome, httpx.TransportError | None]:
