@@ -350,3 +350,29 @@ async def test_a_fault_the_client_stops_at_is_recorded_as_delivered(fault: Any) 
                     break
         await wait_until(lambda: up.in_flight == 0)
     assert up.requests[0].outcome == "fault"
+
+
+async def test_a_head_request_gets_a_head() -> None:
+    """review: a HEAD (a health check) got no answer: the server wrote a body h11
+    refuses for it, and dropped the connection."""
+    up = FakeUpstream(Reply())
+    async with up.serve() as url, httpx.AsyncClient(base_url=url) as c:
+        r = await c.head("/models")
+        assert r.status_code == 404 and r.content == b""
+        assert (await c.post("/chat/completions", json={"model": "m", "messages": []})).status_code == 200
+
+
+async def test_a_failing_script_is_recorded_as_the_500_it_was_answered_with(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """review: the server answered a script that raised with a 500, and recorded the
+    request with no status, as a scripted fault."""
+
+    def boom(rec: Any, rng: Any) -> Reply:
+        raise RuntimeError("nope")
+
+    up = FakeUpstream(boom)
+    async with up.serve() as url, httpx.AsyncClient(base_url=url) as c:
+        assert (await c.post("/chat/completions", json={"model": "m", "messages": []})).status_code == 500
+    assert (up.requests[0].status, up.requests[0].outcome) == (500, "complete")
+    assert up.statistics().faults == 0

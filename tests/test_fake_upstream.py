@@ -806,7 +806,23 @@ async def test_keep_alive_comments_do_not_move_the_tokens(
     token came at 0.9999999999999999 instead of 1.0 (each test: a clock from 0)."""
     up = FakeUpstream(Reply(first_token_s=1.0, inter_token_s=0.1, tokens=3, keepalive_s=keepalive))
     times = [t for t, piece in await _timed_chunks(up.transport()) if b'"content":"' in piece]
-    assert times[1:4] == [1.0, 1.0 + 0.1, 1.0 + 0.1 + 0.1]  # (after the role chunk)
+    assert times[1:4] == [1.0, 1.0 + 1 * 0.1, 1.0 + 2 * 0.1]  # (after the role chunk)
+
+
+@pytest.mark.parametrize("face", ["transport", "event"])
+async def test_token_k_comes_at_first_plus_k_gaps_exactly(
+    autojump_clock: trio.testing.MockClock, face: str
+) -> None:
+    """review: the gaps were added up one by one, and token times drifted off the
+    documented exact times (0.7999999999999999 for 0.3 + 5 x 0.1), unlike the
+    non-streamed answer's delay, computed at once."""
+    up = FakeUpstream(Reply(tokens=10, first_token_s=0.3, inter_token_s=0.1, stall_at=4, stall_s=2.5))
+    times = []
+    async with _face(up, face) as c, c.stream("POST", CHAT, json=chat_body()) as r:
+        async for line in r.aiter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                times.append(trio.current_time())
+    assert times == [0.3 + k * 0.1 + (2.5 if k >= 4 else 0.0) for k in range(10)]
 
 
 async def test_a_late_reader_finds_the_body_already_sent(autojump_clock: trio.testing.MockClock) -> None:
@@ -926,3 +942,48 @@ async def test_a_stream_closed_before_its_last_bytes_is_client_closed(
             if '"content":"' in line and '""' not in line:
                 break  # the first token: four more to come
     assert up.requests[0].outcome == "client_closed"
+
+
+@pytest.mark.parametrize("name", ["fäke", 'my "fake"', "back\\slash", "", "a\nb"])
+def test_a_name_that_cannot_go_into_ids_and_headers_is_refused(name: str) -> None:
+    """review: a name was pasted raw into the x-request-id header (non-ASCII: every
+    request failed) and into hand-built JSON ids ('"', '\\': every chunk invalid)."""
+    with pytest.raises(ValueError, match="name must be printable ASCII"):
+        FakeUpstream(name=name)
+
+
+async def test_a_name_with_blanks_and_punctuation_answers(autojump_clock: trio.testing.MockClock) -> None:
+    up = FakeUpstream(Reply(tokens=2), name="up a:8001/x")
+    async with client(up) as c, c.stream("POST", CHAT, json=chat_body()) as r:
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+        assert r.headers["x-request-id"] == "req-up a:8001/x-0"
+    assert all(json.loads(line[6:])["id"] == "chatcmpl-up a:8001/x-0" for line in lines)
+
+
+@pytest.mark.parametrize("router", [Router, polygate.testing.EventTransport])
+async def test_routes_match_hosts_in_any_case(autojump_clock: trio.testing.MockClock, router: Any) -> None:
+    """review: Router({"API.local": up}) missed http://API.local/v1: httpx lower-cases
+    the host."""
+    up = FakeUpstream(Reply())
+    async with httpx.AsyncClient(transport=router({"API.local": up}), base_url="http://API.local/v1") as c:
+        assert (await c.post(CHAT, json=chat_body(stream=False))).status_code == 200
+
+
+def test_a_route_that_is_no_upstream_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="'a' maps to str"):
+        Router({"a": "http://a/v1"})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"embedding_dim": True}, "embedding_dim"),
+    ({"headers": {"x-note": "a\nb"}}, "x-note"),
+    ({"headers": {"bad name": "x"}}, "bad name"),
+    ({"error_event_code": 1.5}, "error_event_code"),
+    ({"finish_reason": 3}, "finish_reason"),
+    ({"model": b"m"}, "model"),
+])
+def test_script_mistakes_are_refused_when_written(kwargs: dict[str, Any], words: str) -> None:
+    """review: these were taken, then failed every request they answered (a
+    struct.error; a server that dropped every connection)."""
+    with pytest.raises(ValueError, match=words):
+        Reply(**kwargs)

@@ -131,7 +131,8 @@ class EventTransport(httpx.AsyncBaseTransport):
             self._routes: dict[str, FakeUpstream] = {}
         else:
             self._default = None
-            self._routes = dict(routes)
+            # Hosts are matched as httpx gives them: lower case.
+            self._routes = {str(host).lower(): u for host, u in routes.items()}
             if not all(isinstance(u, FakeUpstream) for u in self._routes.values()):
                 raise TypeError("EventTransport routes must map hosts to FakeUpstreams")
         if isinstance(tick_s, bool) or not (math.isfinite(tick_s) and tick_s >= 0):

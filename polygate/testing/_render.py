@@ -60,6 +60,10 @@ class Pause:
     seconds: float
     beat: bool = False
     whole: float | None = None
+    #: When set, the step after it is due this long after the schedule's start: a
+    #: token's time computed at once (first + k x inter), where adding the gaps up
+    #: in floating point drifts (0.7999999999999999 for 0.8).
+    until: float | None = None
 
 
 class Due:
@@ -68,15 +72,18 @@ class Due:
     keep-alive beats do not move what follows them (adding the pieces of a split
     wait up in floating point lands a hair off the unsplit time)."""
 
-    __slots__ = ("_wait_start", "at")
+    __slots__ = ("_start", "_wait_start", "at")
 
     def __init__(self, start: float) -> None:
-        self.at = start
+        self.at = self._start = start
         self._wait_start: float | None = None
 
     def after(self, pause: Pause) -> float:
         """When the step after ``pause`` is due."""
-        if pause.beat:
+        if pause.until is not None:
+            self.at = self._start + pause.until
+            self._wait_start = None
+        elif pause.beat:
             if self._wait_start is None:
                 self._wait_start = self.at
             self.at += pause.seconds
@@ -295,8 +302,9 @@ def _prompt_tokens(body: Any) -> int:
     return chars // 4 + 1
 
 
-def _wait(seconds: float, keepalive: float | None) -> Iterator[Step]:
-    """``seconds`` of silence, broken by keep-alive comments every ``keepalive``."""
+def _wait(seconds: float, keepalive: float | None, until: float | None = None) -> Iterator[Step]:
+    """``seconds`` of silence, broken by keep-alive comments every ``keepalive``;
+    ``until``: when it ends, from the schedule's start (see :attr:`Pause.until`)."""
     if seconds <= 0:
         return
     if keepalive is not None:
@@ -306,9 +314,9 @@ def _wait(seconds: float, keepalive: float | None) -> Iterator[Step]:
             yield _KEEPALIVE
             beats += 1
         if beats:
-            yield Pause(seconds - beats * keepalive, whole=seconds)
+            yield Pause(seconds - beats * keepalive, whole=seconds, until=until)
             return
-    yield Pause(seconds)
+    yield Pause(seconds, until=until)
 
 
 def _timed(reply: Reply) -> bool:
@@ -453,7 +461,11 @@ class _Chat:
             if i == stall_at:
                 gap += r.stall_s
             if gap > 0:
-                yield from _wait(gap, r.keepalive_s)
+                # Token i is due at first + i x inter (+ the stall once past it), from the
+                # body's start, exactly (the non-streamed answer's delay is that sum too).
+                stalled = r.stall_s if stall_at is not None and i >= stall_at else 0.0
+                until = r.first_token_s + min(i, max(n - 1, 0)) * r.inter_token_s + stalled
+                yield from _wait(gap, r.keepalive_s, until)
             if i < n:
                 yield head + choices[i]
                 for index in others:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeAlias
 
@@ -85,10 +86,38 @@ def _to_distribution(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_VALUE = re.compile(r"(?:[\x21-\x7e](?:[\t\x20-\x7e]*[\x21-\x7e])?)?")
+
+
 def _headers(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
-    """Headers are stored as a tuple of pairs so a Reply stays hashable."""
+    """Headers are stored as a tuple of pairs so a Reply stays hashable.  Each must be
+    one a server can send (an HTTP token, a value of printable ASCII without line
+    breaks): checked here, not on every request the script answers."""
     items = value.items() if isinstance(value, Mapping) else value
-    return tuple((str(k), str(v)) for k, v in items)
+    pairs = tuple((str(k), str(v)) for k, v in items)
+    for name, text in pairs:
+        if not _HEADER_NAME.fullmatch(name):
+            raise ValueError(f"header name {name!r} is not an HTTP token")
+        if not _HEADER_VALUE.fullmatch(text):
+            raise ValueError(
+                f"header {name!r}: its value must be printable ASCII without line breaks "
+                f"or blanks at either end, got {text!r}")
+    return pairs
+
+
+def _instance(*kinds: type, optional: bool = False) -> Any:
+    """A validator: one of ``kinds`` (or None, when ``optional``), and not a bool (an
+    int to Python)."""
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise ValueError(f"{attribute.name} must be {names}, got {value!r}")
+
+    return check
 
 
 def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -195,18 +224,18 @@ class Reply:
     )
     fault: Fault | None = attrs.field(default=None, validator=_check_fault)
     fault_after: int = attrs.field(default=0, validator=_count)
-    error_event_code: int | str = 500
+    error_event_code: int | str = attrs.field(default=500, validator=_instance(int, str))
     oversized_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_count)
     stream: bool | None = None
     usage: bool = True
     # False: the stream ends after its finish (and usage) chunk without ``[DONE]``
     # (complete all the same: the finish_reason says so).
     done: bool = True
-    finish_reason: str = "stop"
-    model: str | None = None
+    # None: a finish chunk (and a choice) whose finish_reason is null, as some servers send.
+    finish_reason: str | None = attrs.field(default="stop", validator=_instance(str, optional=True))
+    model: str | None = attrs.field(default=None, validator=_instance(str, optional=True))
     embedding_dim: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(
-            [attrs.validators.instance_of(int), attrs.validators.gt(0)])
+        default=None, validator=attrs.validators.optional([_instance(int), attrs.validators.gt(0)])
     )
 
 

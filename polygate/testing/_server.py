@@ -146,7 +146,8 @@ class _Connection:
         path = target.split("?", 1)[0]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
         try:
-            plan, rec = self.upstream._open(request.method.decode("latin-1"), path, headers, body)
+            plan, rec = self.upstream._open(
+                request.method.decode("latin-1"), path, headers, body, failure_status=500)
         except Exception as exc:
             # The script itself failed (a behaviour callable raised): a 500 that says
             # so, and the connection closes.
@@ -161,14 +162,14 @@ class _Connection:
         outcome: Outcome = "client_closed"
         self.fault_sent = False
         try:
-            outcome = await self._send_plan(plan)
+            outcome = await self._send_plan(plan, head_only=request.method == b"HEAD")
             return plan.ending == "complete"
         except (_ClientGone, trio.BrokenResourceError, trio.ClosedResourceError):
             return False
         finally:
             self.upstream._finish(rec, "fault" if self.fault_sent else outcome)
 
-    async def _send_plan(self, plan: Plan) -> Outcome:
+    async def _send_plan(self, plan: Plan, *, head_only: bool = False) -> Outcome:
         await self._pause(plan.head_delay)
         headers = [_SERVER, *plan.headers]
         if plan.chunked:
@@ -176,6 +177,10 @@ class _Connection:
         else:
             headers.append(("content-length", str(plan.content_length)))
         out = [self._send(h11.Response(status_code=plan.status, headers=headers))]
+        if head_only:  # a HEAD: the head a GET would have, and no body (h11 refuses one)
+            out.append(self._send(h11.EndOfMessage()))
+            await self._flush(out, [])
+            return "complete"
         pending: list[bytes] = []
         if plan.joinable:
             pending.append(b"".join(cast("Iterable[bytes]", plan.steps)))

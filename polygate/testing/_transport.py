@@ -157,10 +157,17 @@ class Router(httpx.AsyncBaseTransport):
     ``httpx.ConnectError``, as an unreachable server would."""
 
     def __init__(self, routes: Mapping[str, FakeUpstream | httpx.AsyncBaseTransport]) -> None:
-        self._routes: dict[str, httpx.AsyncBaseTransport] = {
-            host: route if isinstance(route, httpx.AsyncBaseTransport) else route.transport()
-            for host, route in routes.items()
-        }
+        from ._upstream import FakeUpstream  # (it imports this module)
+
+        self._routes: dict[str, httpx.AsyncBaseTransport] = {}
+        for host, route in routes.items():
+            if isinstance(route, FakeUpstream):
+                route = route.transport()
+            elif not isinstance(route, httpx.AsyncBaseTransport):
+                raise TypeError(
+                    f"Router routes map hosts to FakeUpstreams or httpx transports; "
+                    f"{host!r} maps to {type(route).__name__}")
+            self._routes[str(host).lower()] = route  # hosts as httpx gives them: lower case
 
     @property
     def polygate_reports_sent(self) -> bool:

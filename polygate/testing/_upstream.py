@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 __all__ = ["Behaviour", "FakeUpstream", "Outcome", "RecordedRequest", "UpstreamStatistics"]
 
 Outcome: TypeAlias = Literal["complete", "client_closed", "fault"]
+#: What a name may hold: printable ASCII but '"' and '\\' (it goes into every answer's
+#: id, in hand-built JSON, and into a header).
+_NAME = re.compile(r'[ !#-\[\]-~]{1,200}')
 
 _SECRET_HEADERS = frozenset({"authorization", "api-key", "x-api-key", "proxy-authorization"})
 
@@ -128,6 +132,11 @@ class FakeUpstream:
         if history is not None and (isinstance(history, bool) or not isinstance(history, int)
                                     or history < 1):
             raise ValueError(f"history must be None or a whole number > 0, got {history!r}")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            # It goes into every answer's id (hand-built JSON) and x-request-id header.
+            raise ValueError(
+                f"name must be printable ASCII without '\"' or '\\\\' (it goes into ids and a "
+                f"header), got {name!r}")
         self.name = name
         self.seed = seed
         self.embedding_dim = embedding_dim
@@ -181,9 +190,12 @@ class FakeUpstream:
     # ------------------------------------------------------------ used by the faces
 
     def _open(
-        self, method: str, path: str, headers: dict[str, str], raw: bytes
+        self, method: str, path: str, headers: dict[str, str], raw: bytes,
+        *, failure_status: int | None = None,
     ) -> tuple[Plan, RecordedRequest | None]:
-        """Record a request and decide its answer; ``None`` for ``/_stats``."""
+        """Record a request and decide its answer; ``None`` for ``/_stats``.  A script
+        that fails raises; ``failure_status``: the status the face answers it with
+        instead (the server's 500), recorded as that answer, delivered."""
         if path.endswith("/_stats"):
             return json_plan(200, self._stats_payload(), Exchange(0, self.name, path, None)), None
         try:
@@ -226,7 +238,12 @@ class FakeUpstream:
                 reply, Exchange(rec.index, self.name, path, body, self.embedding_dim)
             ), rec
         except BaseException:
-            self._finish(rec, "fault")  # a broken script must not leave a request in flight
+            # A broken script must not leave a request in flight.
+            if failure_status is None:
+                self._finish(rec, "fault")
+            else:
+                rec.status = failure_status
+                self._finish(rec, "complete")
             raise
 
     def _finish(self, rec: RecordedRequest | None, outcome: Outcome) -> None:
