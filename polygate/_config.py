@@ -203,11 +203,21 @@ def mask_url(url: str) -> str:
     return masked
 
 
+_AUTHORITY_AND_PATH = re.compile(r"([^/?#]*)([^?#]*)")  # (it matches any text)
+
+
+def _credentials_end_in_authority(rest: str) -> bool:
+    """Whether the URL's part after ``://`` has its one "@" in the authority and none in
+    its path: an "@" after it is then the query's, as written.  (One in the path
+    too, "app:p@ss/x@host", reads as a password holding "@" and "/".)"""
+    authority, path = _AUTHORITY_AND_PATH.match(rest).groups()  # type: ignore[union-attr]
+    return authority.count("@") == 1 and "@" not in path
+
+
 def _mask_userinfo(url: str) -> str:
     scheme, sep, rest = url.partition("://")
-    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
-    if sep and authority.count("@") == 1:
-        # The credentials end in the authority; an "@" after it is the path's.
+    if sep and _credentials_end_in_authority(rest):
+        # The credentials end in the authority; an "@" after it is the query's.
         userinfo, _, tail = rest.partition("@")
         if ":" not in userinfo:
             return url
@@ -256,13 +266,15 @@ def _url_problem(value: str) -> str | None:
         return "must not contain blanks or control characters"
     if not is_utf8(value):  # a non-UTF-8 byte of an environment value: no client sends it
         return "must be UTF-8 text (it holds a byte that is not)"
-    authority = re.split(r"[/?#]", value.partition("://")[2], maxsplit=1)[0]
-    if "@" in authority:
-        # The credentials end in the authority: an "@" after it (a query's value) is
-        # the path's.  But "user:pa@ss@host": polygate reads the credentials up to
-        # the last "@", libpq up to the first, and then sends "pa" as the password and
-        # quotes "ss@host" as the host it cannot resolve, in errors that reach the logs.
-        return _BAD_URL if authority.count("@") > 1 else None
+    rest = value.partition("://")[2]
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if authority.count("@") > 1:
+        # "user:pa@ss@host": polygate reads the credentials up to the last "@", libpq up
+        # to the first, and then sends "pa" as the password and quotes "ss@host" as the
+        # host it cannot resolve, in errors that reach the logs.
+        return _BAD_URL
+    if _credentials_end_in_authority(rest):
+        return None  # an "@" after them is the query's
     # "user:pa/ss@host": a parser ends the authority at the "/" and reads "pa" as
     # the port of host "user" -- the key would go there.  ("host:8080/v1?x=a@b" reads
     # the same way, and is refused with it: which one was meant cannot be told.)

@@ -299,10 +299,11 @@ class Renderer:
                     raise BadDocument("the PDF was closed")
                 try:
                     messages, width, height = self.page(*header[2:])
-                except BadDocument:
+                except BaseException:
                     if blob:
-                        # Opened by this request: a failed reply says the renderer holds
-                        # nothing (what polygate records), so it must not.
+                        # Opened by this request: a failed reply ("bad", or "fail" for an
+                        # error of ours) says the renderer holds nothing (what polygate
+                        # records), so it must not.
                         self.close()
                     raise
                 return ("ok", width, height), messages.encode()

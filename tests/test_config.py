@@ -471,6 +471,20 @@ def test_every_piece_of_credentials_with_an_unencoded_at_is_a_secret() -> None:
 
 
 @pytest.mark.parametrize("field", ["telemetry", "backend", "cache"])
+def test_a_password_holding_an_at_and_then_a_slash_is_still_refused(field: str) -> None:
+    """review of the fix below: 'app:p@ssWordTail9/x1@host' has one "@" in its
+    authority, and was read as credentials ending there: taken, masked as
+    'app:***@ssWordTail9/x1@host', and libpq quoted 'ssWordTail9' as a host it could
+    not resolve.  An "@" in the path too reads as a password holding "@" and "/"."""
+    scheme = {"telemetry": "postgresql", "backend": "redis", "cache": "redis"}[field]
+    url = f"{scheme}://app:p@ssWordTail9/x1@127.0.0.1:1/{'db' if field == 'telemetry' else '0'}"
+    with pytest.raises(ConfigError, match="percent-encode it") as info:
+        Settings(scopes={"c": Scope(sources=[src()])}, **{field: url})
+    assert "ssWordTail9" not in str(info.value)
+    assert "ssWordTail9" not in mask_url(url) and "127.0.0.1:1" in mask_url(url)
+
+
+@pytest.mark.parametrize("field", ["telemetry", "backend", "cache"])
 def test_an_at_after_the_credentials_is_the_paths_own(field: str) -> None:
     """An "@" in the query of a URL whose credentials end in its authority was
     refused as if the password held an unencoded "/"; the credentials are unambiguous

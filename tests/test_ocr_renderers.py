@@ -443,3 +443,20 @@ def test_a_program_that_ends_while_a_cut_page_renders_exits_cleanly(tmp_path: Pa
                           text=True, timeout=120, cwd=tmp_path)
     assert done.stdout.split() == ["cut", "bye"], done.stderr[-2000:]
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_page_that_fails_for_any_reason_closes_what_its_request_opened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """review of the fix above: an error of ours after the open (the encoder's
+    OSError: out of file descriptors) is a "fail" reply, recorded as holding nothing
+    too, and left the document open."""
+
+    def encoded(image: object, fmt: str) -> str:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(_ocr_render, "encoded", encoded)
+    renderer = _ocr_render.Renderer()
+    reply, _ = _ocr_render.answer(renderer, ("page", 7, 0, "p", 72.0, 100, "jpeg"), make_pdf(SIZES[:2]))
+    assert reply[0] == "fail"
+    assert renderer.key is None
