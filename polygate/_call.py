@@ -34,7 +34,14 @@ from ._attempt import AttemptControl, run_chat_attempt, run_embed_attempt
 from ._backoff import full_jitter
 from ._callstats import call_stats, chat_response
 from ._config import Source
-from ._context import AttemptRecord, CallContext, ChatRequest, Continuation, Runtime
+from ._context import (
+    AttemptRecord,
+    CallContext,
+    ChatRequest,
+    Continuation,
+    Runtime,
+    refused_context,
+)
 from ._errors import (
     AllSourcesExhausted,
     ConfigError,
@@ -227,8 +234,9 @@ async def _retry_loop(
                 limit, cooldown_limit = min(limit, bound), min(cooldown_limit, bound)
             try:
                 admission = await governor.acquire(
-                    ctx.scope_name, tokens, demote=failed, give_up_at=limit,
-                    cooldown_give_up_at=cooldown_limit, wait_for_breakers=wait_for_breakers,
+                    ctx.scope_name, tokens, exclude=refused_context(ctx), demote=failed,
+                    give_up_at=limit, cooldown_give_up_at=cooldown_limit,
+                    wait_for_breakers=wait_for_breakers,
                 )
             except NoAdmission as exc:
                 # Gave up at the deadline: the deadline's own cancellation is due at this
@@ -300,7 +308,7 @@ async def _retry_loop(
                 limited = {e.source for e in errors if isinstance(e, RateLimitedError) and e.source}
                 # (At a deadline nothing more starts: its cancellation is due now.)
                 result = [] if deadline_at is not None else await governor.try_admit(
-                    ctx.scope_name, tokens, exclude=limited, demote=failed
+                    ctx.scope_name, tokens, exclude=limited | refused_context(ctx), demote=failed
                 )
                 if not isinstance(result, Admission):
                     waited = "at the deadline" if deadline_at is not None else (
@@ -387,6 +395,8 @@ async def _same_source(
     it is dead, its cooldown ends later): then the loop fails over as usual."""
     governor = ctx.runtime.governor
     others = [s.name for s in ctx.scope.sources if s.name != source]
+    if source in refused_context(ctx):
+        return None
     while True:
         result = await governor.try_admit(ctx.scope_name, tokens, exclude=others)
         if isinstance(result, Admission):

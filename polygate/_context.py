@@ -20,7 +20,7 @@ from ._types import CallStats, Usage
 from .governance import Admission, Governor
 from .transport import Endpoint, Limits, Timeline
 
-__all__ = ["AttemptRecord", "CallContext", "ChatRequest", "Continuation", "Recorder", "Runtime"]
+__all__ = ["AttemptRecord", "CallContext", "ChatRequest", "Continuation", "Recorder", "Runtime", "refused_context"]
 
 
 class Recorder(Protocol):
@@ -238,3 +238,15 @@ class CallContext:
         )
         self.attempts.append(record)
         return record
+
+
+def refused_context(ctx: CallContext) -> frozenset[str]:
+    """The sources of the call's scope that serve a model which refused this call's
+    context length (in any scope it went through): a context-length error is never
+    resent to the same model, in a scope that mixes models too.  None when every
+    source does (the asked scope, when the whole chain refused): its error is the
+    call's again."""
+    if not ctx.context_refused:
+        return frozenset()
+    refused = frozenset(s.name for s in ctx.scope.sources if s.model in ctx.context_refused)
+    return frozenset() if len(refused) == len(ctx.scope.sources) else refused

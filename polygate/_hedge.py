@@ -70,7 +70,7 @@ from typing import Any, Protocol
 import trio
 
 from ._attempt import AttemptCancelled, AttemptControl
-from ._context import AttemptRecord, CallContext
+from ._context import AttemptRecord, CallContext, refused_context
 from ._errors import FatalUpstreamError, GovernanceBackendError, Outcome, UpstreamError
 from .governance import Admission, Governor
 from .transport import OnContent, OnExtra
@@ -446,7 +446,8 @@ class Round:
             demote = [*(s for s in self._demote if s not in now_failed), *now_failed]
             try:
                 result = await governor.try_admit(
-                    ctx.scope_name, ctx.estimate, exclude=in_flight, demote=demote
+                    ctx.scope_name, ctx.estimate, exclude=in_flight | refused_context(ctx),
+                    demote=demote
                 )
             except GovernanceBackendError:
                 result = []

@@ -171,6 +171,30 @@ async def test_a_context_length_error_is_never_resent_to_the_same_model(
             await s.chat(MESSAGES)
 
 
+@pytest.mark.parametrize("hedged", [False, True])
+async def test_a_context_refusal_is_not_resent_to_its_model_inside_a_mixed_fallback_scope(
+    autojump_clock: trio.testing.MockClock, hedged: bool,
+) -> None:
+    """review: a fallback scope serving the refusing model beside a larger one was
+    entered (right), and then its source of the refusing model was picked (weights
+    made it certain here; even weights, half the calls): the same 400 reached the
+    caller, and the larger model was never asked.  Its sources are excluded from
+    the pick, the hedge's too."""
+    small, x = FakeUpstream(CONTEXT), FakeUpstream(CONTEXT)
+    y = FakeUpstream(Reply(text="long answer", first_token_s=5 if hedged else 0))
+    z = FakeUpstream(Reply(text="long answer"))
+    large: dict[str, Any] = {"sources": {"x": {"model": "m-8k", "weight": 1.0},
+                                         "y": {"model": "m-128k", "weight": 1e-6},
+                                         "z": {"model": "m-128k", "weight": 1e-9}}}
+    if hedged:
+        large["hedge"] = polygate.Hedge(after_s=1)
+    settings = _scopes(chat={"sources": {"small": {"model": "m-8k"}}, "fallback": "large"}, large=large)
+    async with polygate.session(settings, transport=Router({"small": small, "x": x, "y": y, "z": z})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.text == "long answer" and r.source == ("z" if hedged else "y")
+    assert x.requests == []
+
+
 async def test_a_content_policy_refusal_is_not_routed_around_unless_asked(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
