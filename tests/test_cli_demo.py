@@ -52,3 +52,15 @@ def test_demo_refuses_a_db_it_cannot_write(tmp_path: Path, capsys: pytest.Captur
     assert "--db takes a SQLite file's path" in capsys.readouterr().err
     assert main(["demo", "--calls", "5", "--db", str(tmp_path)]) == 1  # a folder
     assert capsys.readouterr().err.startswith("polygate demo: ")
+
+
+@pytest.mark.parametrize("db", ["sqlite://relative.db", "sqlite://host/x.db", "sqlite://"])
+def test_demo_refuses_a_sqlite_url_that_names_no_file_of_its_own(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """review: a malformed sqlite:// URL passed unchecked, failed in the run (status 1,
+    "cannot open", after the header); bare sqlite:// named the default telemetry
+    database, mixing the demo's made-up calls with real ones."""
+    assert main(["demo", "--calls", "5", "--db", db]) == 2
+    captured = capsys.readouterr()
+    assert "--db takes a SQLite file's path" in captured.err and captured.out == ""

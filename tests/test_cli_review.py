@@ -5,6 +5,7 @@ and the name of a plot written without an extension."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -127,3 +128,63 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"polygate {polygate.__version__}"
+
+
+def test_ctrl_c_while_the_commands_load_is_one_line_and_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """review: building the parser imports every subcommand, outside the handler
+    that turns Ctrl-C into one line and 130: a traceback."""
+    import importlib
+    import types
+
+    import polygate.cli
+
+    def import_module(name: str, package: str | None = None) -> types.ModuleType:
+        if name.endswith("._stats"):
+            raise KeyboardInterrupt
+        return importlib.import_module(name, package)
+
+    monkeypatch.setattr(polygate.cli, "importlib", types.SimpleNamespace(import_module=import_module))
+    try:
+        code = polygate.cli.main(["stats"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped main(): a traceback for the user")
+    assert code == 130
+    assert capsys.readouterr().err == "polygate: interrupted\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """review: `polygate … > report.txt` on a full disk died with an OSError traceback;
+    only a closed pipe was handled."""
+    env = {**os.environ, "POLYGATE__CHAT__A__BASE_URL": "http://127.0.0.1:9/v1"}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "polygate", "check-config"], env=env,
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "polygate check-config: cannot write the output: No space left on device"]
+
+
+def test_chat_with_its_output_closed_is_no_traceback(tmp_path: Path) -> None:
+    """review: `polygate chat "…" >&-` (a service with fd 1 closed) failed with an
+    AttributeError traceback: sys.stdout is None there."""
+    script = (
+        "import subprocess, sys, json\n"
+        "srv = subprocess.Popen([sys.executable, '-m', 'polygate.testing.serve', '--port', '0',"
+        " '--reply', json.dumps({'text': 'pong'})], stdout=subprocess.PIPE, text=True)\n"
+        "url = srv.stdout.readline().split()[-1]\n"
+        "import os\n"
+        "env = dict(os.environ, POLYGATE__CHAT__A__BASE_URL=url)\n"
+        "done = subprocess.run([sys.executable, '-m', 'polygate', 'chat', 'hi'], env=env,"
+        " stderr=subprocess.PIPE, text=True,"
+        " pass_fds=(), close_fds=True, preexec_fn=lambda: os.close(1))\n"
+        "srv.terminate(); srv.wait(10)\n"
+        "print(done.returncode); print(done.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    code, _, stderr = done.stdout.partition("\n")
+    assert code == "0", done.stdout + done.stderr
+    assert "Traceback" not in stderr

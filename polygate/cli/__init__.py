@@ -10,6 +10,7 @@ one line here.  Modules keep heavy or optional imports inside ``run`` so that
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -48,13 +49,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Errors of a write that could not be done (the output's disk is full, its device
+#: failed): the output's fault, not the command's, said in one line.
+_WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand and return its exit status (2 for usage errors)."""
-    parser = build_parser()
     try:
+        parser = build_parser()  # (it imports every subcommand: Ctrl-C may land here)
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed by argparse
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    except KeyboardInterrupt:
+        print("polygate: interrupted", file=sys.stderr)
+        return 130
+    if sys.stdout is None:
+        # Started with its output closed (``>&-``): what it prints goes nowhere, as
+        # print() does then, rather than failing where a command writes directly.
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - the process's
     run = cast("Callable[[argparse.Namespace], int] | None", getattr(args, "run", None))
     if run is None:
         parser.print_help()
@@ -76,10 +89,26 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader left (``polygate stats | head``): not an error of ours.  Point
         # stdout at /dev/null so the interpreter's final flush cannot fail again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        _drop_output()
         return 141  # 128 + SIGPIPE, what a shell reports for a process killed by it
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRORS:
+            raise
+        print(f"polygate {args.command}: cannot write the output: {exc.strerror or exc}",
+              file=sys.stderr)
+        _drop_output()
+        return 1
+
+
+def _drop_output() -> None:
+    """stdout to /dev/null: the interpreter's final flush must not fail again."""
+    try:
+        fileno = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fileno)
+    os.close(devnull)
 
 
 def _interrupted(exc: BaseException) -> bool:

@@ -161,10 +161,12 @@ def _telemetry_url(db: str) -> str | None:
     """``--db`` as a ``sqlite://`` URL (a path or such a URL), or None after saying why."""
     from pathlib import Path
 
-    if db.startswith("sqlite://"):
+    if db.startswith("sqlite:///") and len(db) > len("sqlite:///"):
         return db
     if "://" in db or not db.strip():
-        print("polygate demo: --db takes a SQLite file's path or a sqlite:/// URL",
+        # (Bare sqlite:// too: it names the default telemetry database, where the
+        # demo's made-up calls would mix with real ones.)
+        print("polygate demo: --db takes a SQLite file's path or a sqlite:///path URL",
               file=sys.stderr)
         return None
     return f"sqlite://{Path(db).absolute()}"
