@@ -327,7 +327,9 @@ async def _retry_loop(
                 + "; ".join(str(e) for e in errors[-3:]),
                 errors=errors,
             )
-        if len(set(failed)) >= len(ctx.scope.sources):
+        if set(failed) >= {s.name for s in ctx.scope.sources} - refused_context(ctx):
+            # Every source it may ask failed (those of a model that refused the call's
+            # context are never asked): the next try waits.
             await trio.sleep(
                 full_jitter(consumed, retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng)
             )
@@ -514,7 +516,8 @@ async def run_chat(
                 failed = failure.error.source
                 onward = continuation_scope(
                     runtime.settings, ctx.scope_name, ctx.context_refused
-                ) if all(s.name == failed for s in ctx.scope.sources) else None
+                ) if all(s.name == failed or s.name in refused_context(ctx)
+                         for s in ctx.scope.sources) else None
                 if onward is not None:
                     # The scope's only source just failed: continue in its fallback
                     # (never in one whose models refused this call's context).

@@ -195,6 +195,49 @@ async def test_a_context_refusal_is_not_resent_to_its_model_inside_a_mixed_fallb
     assert x.requests == []
 
 
+async def test_the_only_source_left_after_a_context_refusal_is_retried_after_a_backoff(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review of the exclusion above: the backoff waits once every source failed, and
+    counted the excluded one too: the only source the call could use was asked again
+    three times at t=0."""
+    small, x = FakeUpstream(CONTEXT), FakeUpstream(CONTEXT)
+    y = FakeUpstream([Reply(status=503), Reply(status=503)], then=Reply(text="ok"))
+    settings = _scopes(
+        chat={"sources": {"small": {"model": "m-8k"}}, "fallback": "large"},
+        large={"sources": {"x": {"model": "m-8k"}, "y": {"model": "m-128k"}},
+               "retry": polygate.Retry(max_attempts=3, backoff_base_s=1.0)})
+    async with polygate.session(settings, transport=Router({"small": small, "x": x, "y": y})) as s:
+        assert (await s.chat(MESSAGES)).text == "ok"
+    assert x.requests == [] and len(y.requests) == 3
+    for before, after in zip(y.requests, y.requests[1:]):
+        assert before.ended_at is not None and after.started_at > before.ended_at
+
+
+async def test_a_stream_continues_in_the_fallback_when_its_source_was_the_only_one_left(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review of the exclusion above: a committed stream whose source was the only one
+    of its scope the call could use went back to that source (three cuts, then the
+    error), instead of on to the fallback."""
+    answer = "one two three four five six seven eight nine ten"
+    small, x = FakeUpstream(CONTEXT), FakeUpstream(CONTEXT)
+    y = FakeUpstream(Reply(text=answer, fault="truncated", fault_after=4))
+    z = FakeUpstream(Reply(text=" five six seven eight nine ten"))
+    settings = _scopes(
+        chat={"sources": {"small": {"model": "m-8k"}}, "fallback": "large",
+              "stream": polygate.StreamWatch(resume=True)},
+        large={"sources": {"x": {"model": "m-8k"}, "y": {"model": "m-128k"}}, "fallback": "huge"},
+        huge={"sources": {"z": {"model": "m-128k"}}},
+    )
+    async with polygate.session(settings, transport=Router({"small": small, "x": x, "y": y, "z": z})) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                pass
+    assert stream.response.text == answer
+    assert (len(x.requests), len(y.requests), len(z.requests)) == (0, 1, 1)
+
+
 async def test_a_content_policy_refusal_is_not_routed_around_unless_asked(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

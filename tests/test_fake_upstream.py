@@ -981,9 +981,39 @@ def test_a_route_that_is_no_upstream_is_a_type_error() -> None:
     ({"error_event_code": 1.5}, "error_event_code"),
     ({"finish_reason": 3}, "finish_reason"),
     ({"model": b"m"}, "model"),
+    ({"keepalive_s": 1e-300}, "keepalive_s"),
 ])
 def test_script_mistakes_are_refused_when_written(kwargs: dict[str, Any], words: str) -> None:
     """review: these were taken, then failed every request they answered (a
     struct.error; a server that dropped every connection)."""
     with pytest.raises(ValueError, match=words):
         Reply(**kwargs)
+
+
+@pytest.mark.parametrize("seed", [None, True, 1.5])
+def test_a_seed_is_an_int(seed: Any) -> None:
+    """None seeded from the OS: a fake that is not the same twice."""
+    with pytest.raises(TypeError, match="seed"):
+        FakeUpstream(seed=seed)
+
+
+@pytest.mark.parametrize("face", ["transport", "event", "server"])
+@pytest.mark.parametrize("read", [0, 1, 3])
+async def test_a_zero_delay_stream_read_in_part_is_delivered_in_every_face(face: str, read: int) -> None:
+    """review: a stream with no pause, of which the client read one chunk and closed,
+    was client_closed in the transport face, complete in the others (the server
+    writes a run of bytes with no pause at once): reading less gave complete, more
+    client_closed."""
+    up = FakeUpstream(Reply(text="a b c d e f"))
+    async with contextlib.AsyncExitStack() as stack:
+        if face == "server":
+            c = await stack.enter_async_context(httpx.AsyncClient(base_url=await stack.enter_async_context(up.serve())))
+        else:
+            c = await stack.enter_async_context(_face(up, face))
+        async with c.stream("POST", CHAT, json=chat_body()) as r:
+            pieces = 0
+            async for _ in r.aiter_raw():
+                pieces += 1
+                if pieces >= read:
+                    break
+    assert up.requests[0].outcome == "complete"

@@ -219,8 +219,10 @@ class Reply:
     reasoning_tokens: int = attrs.field(default=0, validator=_count)
     stall_at: int | None = attrs.field(default=None, validator=_count)
     stall_s: float = attrs.field(default=0.0, validator=_non_negative)
+    # At least a millisecond: a wait is cut into keepalive_s pieces, and a tinier one
+    # would be an endless run of comments at a standstill of virtual time.
     keepalive_s: float | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(0.001))
     )
     fault: Fault | None = attrs.field(default=None, validator=_check_fault)
     fault_after: int = attrs.field(default=0, validator=_count)

@@ -95,16 +95,20 @@ class _FakeStream(httpx.AsyncByteStream):
                     await trio.sleep_until(due.after(step))
                     step = next(steps, None)
                     continue
-                following = next(steps, None)
-                if following is None and plan.ending != "hang":
-                    # The last bytes go now: the answer (or its fault) is delivered, as
-                    # the server face records it once it has written them, even when
-                    # the client closes without asking for the end of the body.
-                    outcome = body_ending(plan, self._request)[0]
-                elif type(step) is FaultBytes:
+                # A run of bytes with no pause in it goes out at once, as the server
+                # face writes it: delivered as a whole, however much of it the client
+                # reads (the pieces still come one by one).
+                run = [step]
+                step = next(steps, None)
+                while step is not None and not isinstance(step, Pause):
+                    run.append(step)
+                    step = next(steps, None)
+                if step is None and plan.ending != "hang":
+                    outcome = body_ending(plan, self._request)[0]  # the answer's end
+                elif any(type(piece) is FaultBytes for piece in run):
                     outcome = "fault"  # delivered, whether or not the client reads on
-                yield step
-                step = following
+                for piece in run:
+                    yield piece
             if plan.ending == "hang":
                 await trio.sleep_forever()
             outcome, error = body_ending(plan, self._request)

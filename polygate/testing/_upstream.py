@@ -132,6 +132,9 @@ class FakeUpstream:
         if history is not None and (isinstance(history, bool) or not isinstance(history, int)
                                     or history < 1):
             raise ValueError(f"history must be None or a whole number > 0, got {history!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            # (None would seed from the OS: a fake that is not the same twice.)
+            raise TypeError(f"seed must be an int, got {seed!r}")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             # It goes into every answer's id (hand-built JSON) and x-request-id header.
             raise ValueError(
