@@ -184,7 +184,8 @@ def test_text_parts_copies_each_character_a_logarithmic_number_of_times(
     assert len(parts) <= 15 * 4 + 1  # still a few pieces, not one per token
 
 
-@pytest.mark.parametrize("shape", ["tool_call", "function_call", "indexed_extra"])
+@pytest.mark.parametrize("shape", ["tool_call", "function_call", "indexed_extra", "tool_call_name",
+                                   "function_call_name"])
 def test_fragmented_arguments_and_extras_are_joined_in_linear_work(
     monkeypatch: pytest.MonkeyPatch, shape: str,
 ) -> None:
@@ -200,18 +201,26 @@ def test_fragmented_arguments_and_extras_are_joined_in_linear_work(
         "tool_call": {"tool_calls": [{"index": 0, "function": {"arguments": "x"}}]},
         "function_call": {"function_call": {"arguments": "x"}},
         "indexed_extra": {"reasoning_details": [{"index": 0, "type": "reasoning.text", "text": "x"}]},
+        # (review: the name still grew by +=: a 32 MiB body of one-character name
+        # fragments held the loop for 3.2 s)
+        # (the same fragment twice would read as the name repeated whole)
+        "tool_call_name": {"tool_calls": [{"index": 0, "function": {"name": "{}"}}]},
+        "function_call_name": {"function_call": {"name": "{}"}},
     }[shape]
     assembler = _assemble.ChatAssembler()
     n = 50_000
-    for _ in range(n):
-        assembler.add({"choices": [{"index": 0, "delta": delta}]})
+    for i in range(n):
+        piece = json.loads(json.dumps(delta).replace("{}", "xy"[i % 2])) if "name" in shape else delta
+        assembler.add({"choices": [{"index": 0, "delta": piece}]})
     message = assembler.build()["choices"][0]["message"]
     text = {
         "tool_call": lambda: message["tool_calls"][0]["function"]["arguments"],
         "function_call": lambda: message["function_call"]["arguments"],
         "indexed_extra": lambda: message["reasoning_details"][0]["text"],
+        "tool_call_name": lambda: message["tool_calls"][0]["function"]["name"],
+        "function_call_name": lambda: message["function_call"]["name"],
     }[shape]()
-    assert text == "x" * n
+    assert text == ("xy" * (n // 2) if "name" in shape else "x" * n)
     assert n <= copies.copied <= 5 * n  # through the joiner, each character ~log16(n) times
     assert assembler.build()["choices"][0]["message"] == message  # a second build: the same
 

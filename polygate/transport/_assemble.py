@@ -241,7 +241,7 @@ class _Choice:
                 if isinstance(value, dict):
                     content = True
                     if self.function_call is None:
-                        self.function_call = {"name": "", "arguments": TextParts()}
+                        self.function_call = {"name": TextParts(), "arguments": TextParts()}
                     _join_function(self.function_call, value)
             else:
                 _merge_extra(self.message_extras, key, value)
@@ -261,7 +261,7 @@ class _Choice:
                     source=self._source,
                 )
             slot = {"id": None, "type": "function",
-                    "function": {"name": "", "arguments": TextParts()}}
+                    "function": {"name": TextParts(), "arguments": TextParts()}}
             self.tool_calls[index] = slot
         if isinstance(call.get("id"), str) and call["id"]:
             slot["id"] = call["id"]
@@ -331,11 +331,15 @@ def _carries_call(call: dict[str, Any]) -> bool:
 def _join_function(target: dict[str, Any], part: dict[str, Any]) -> None:
     name = part.get("name")
     if isinstance(name, str) and name:
-        # Most servers send the name once; a few repeat it whole on later deltas.
-        if not target["name"] or not name.startswith(target["name"]):
-            target["name"] += name
-        else:
-            target["name"] = name
+        # Most servers send the name once; a few repeat it whole on later deltas.  Held
+        # as pieces, as the arguments are (below); the held name is joined only to be
+        # compared with one at least as long, so that work is paid by the bytes
+        # received and the whole stays linear.
+        held: TextParts = target["name"]
+        size = sum(map(len, held))  # (a few pieces: they are joined as they come)
+        if size and len(name) >= size and name.startswith("".join(held)):
+            target["name"] = held = TextParts()
+        held.append(name)
     arguments = part.get("arguments")
     if isinstance(arguments, str):
         # Held as pieces, joined at the end: ``+=`` on a string that a dict also holds
