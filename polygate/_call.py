@@ -662,7 +662,7 @@ def _prepare_continuation(
         if isinstance(limit := ctx.params.get(name), int) and not isinstance(limit, bool)
         and limit > 0
     }
-    ctx.continuation = Continuation(prefill, prompt, PREFILL_PARAMS, refused, limits)
+    ctx.continuation = Continuation(prefill, prompt, PREFILL_PARAMS, refused, limits, shown)
     ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(
         continuation_messages(messages, shown, prefill=False)
     )

@@ -154,6 +154,8 @@ class Continuation:
     #: The caller's token limits less what was already shown (``max_tokens`` bounds
     #: the whole answer, not each segment of it).
     limits: Mapping[str, Any] = attrs.field(factory=dict)
+    #: The answer shown so far, which the rounds send back (content, for telemetry).
+    shown: str = ""
 
     def prefilled(self, source: Source) -> bool:
         return source.prefill and source.name not in self.refused_prefill

@@ -267,19 +267,33 @@ def _go_escaped(text: str) -> str:
     return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
 
 
+#: Keys whose values say what a message or a part is, not what it holds.
+_STRUCTURE = frozenset({"role", "type", "index"})
+
+
 def prompt_texts(ctx: CallContext) -> list[str]:
-    """The text of the call's messages (string contents and text parts), and its other
-    input texts (an embed's inputs, an OCR call's own prompt)."""
+    """Every text the caller sent: each string in the call's messages (contents and
+    their parts: text, an image's URL, which may be signed; assistant tool calls'
+    arguments, …), its other input texts (an embed's inputs, an OCR call's own
+    prompt), and the answer a resumed stream had shown, which its continuation
+    sends back."""
     texts: list[str] = list(ctx.input_texts)
-    for message in ctx.messages:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                    texts.append(part["text"])
+    _strings(ctx.messages, texts)
+    if ctx.continuation is not None and ctx.continuation.shown:
+        texts.append(ctx.continuation.shown)
     return texts
+
+
+def _strings(value: Any, into: list[str]) -> None:
+    if isinstance(value, str):
+        into.append(value)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            if key not in _STRUCTURE:
+                _strings(item, into)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _strings(item, into)
 
 
 def attempt_event(
