@@ -67,52 +67,34 @@ async def test_resume_continuation_400_quoting_the_shown_answer_is_not_stored(
     assert not leaked, leaked
 
 
-async def test_image_url_in_a_chat_message_quoted_by_a_400_is_not_stored(
-    autojump_clock: Any, tmp_path: Path,
+_IMAGE_URL = f"https://bucket.example/img.png?{SIG}"
+
+
+@pytest.mark.parametrize(("messages", "quoted", "mark"), [
+    ([{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                   {"type": "image_url", "image_url": {"url": _IMAGE_URL}}]}],
+     f"Invalid image URL: '{_IMAGE_URL}'", "CANARYSIG"),
+    ([{"role": "user", "content": "log me in"},
+      {"role": "assistant", "content": None, "tool_calls": [
+          {"id": "c1", "type": "function", "function": {"name": "login", "arguments": ARGS}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+     f"Invalid 'messages[1].tool_calls[0].function.arguments': '{ARGS}'", "CANARYTOOLARG"),
+], ids=["signed-image-url", "tool-call-arguments"])
+async def test_a_400_quoting_a_message_string_that_is_not_its_text_is_not_stored(
+    autojump_clock: Any, tmp_path: Path, messages: Any, quoted: str, mark: str,
 ) -> None:
-    url = f"https://bucket.example/img.png?{SIG}"
     up = FakeUpstream(Reply(status=400, error_body={"error": {
-        "message": f"Invalid image URL: '{url}'", "type": "invalid_request_error"}}))
+        "message": quoted, "type": "invalid_request_error"}}))
     db = tmp_path / "t.db"
     settings = polygate.Settings(
         scopes={"chat": polygate.Scope(sources=[
             polygate.Source(name="a", base_url="http://a/v1", api_key=KEY)])},
         telemetry=f"sqlite://{db}",
     )
-    msg = [{"role": "user", "content": [
-        {"type": "text", "text": "what is this"},
-        {"type": "image_url", "image_url": {"url": url}}]}]
     async with polygate.session(settings, transport=up.transport()) as s:
         with pytest.raises(polygate.FatalUpstreamError):
-            await s.chat(msg)
-    cells = _rows(db)
-    leaked = [c for c in cells if "CANARYSIG" in c]
-    assert not leaked, leaked
-
-
-async def test_tool_call_arguments_quoted_by_a_400_are_not_stored(
-    autojump_clock: Any, tmp_path: Path,
-) -> None:
-    up = FakeUpstream(Reply(status=400, error_body={"error": {
-        "message": f"Invalid 'messages[1].tool_calls[0].function.arguments': '{ARGS}'",
-        "type": "invalid_request_error"}}))
-    db = tmp_path / "t.db"
-    settings = polygate.Settings(
-        scopes={"chat": polygate.Scope(sources=[
-            polygate.Source(name="a", base_url="http://a/v1", api_key=KEY)])},
-        telemetry=f"sqlite://{db}",
-    )
-    msg = [
-        {"role": "user", "content": "log me in"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "login", "arguments": ARGS}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
-    ]
-    async with polygate.session(settings, transport=up.transport()) as s:
-        with pytest.raises(polygate.FatalUpstreamError):
-            await s.chat(msg)
-    cells = _rows(db)
-    leaked = [c for c in cells if "CANARYTOOLARG" in c]
+            await s.chat(messages)
+    leaked = [c for c in _rows(db) if mark in c]
     assert not leaked, leaked
 
 
@@ -134,7 +116,7 @@ async def test_otel_span_status_shows_a_signed_image_url_without_log_content(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(polygate._session, "open_telemetry",
                         functools.partial(open_telemetry, tracer_provider=provider))
-    url = f"https://bucket.example/img.png?{SIG}"
+    url = _IMAGE_URL
     up = FakeUpstream(Reply(status=400, error_body={"error": {
         "message": f"Invalid image URL: '{url}'", "type": "invalid_request_error"}}))
     settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
