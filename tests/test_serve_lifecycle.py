@@ -659,3 +659,68 @@ async def test_a_stop_signal_during_a_slow_reload_drains_at_once(tmp_path: Path)
         assert "reload abandoned: shutting down" in err, err[-1500:]
     finally:
         silent.close()
+
+
+def _drained_settings() -> Any:
+    import polygate
+
+    return polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1", model="m1")])},
+        serve=polygate.Serve(api_keys=[GATEWAY_KEY]),
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_request_still_arriving_when_the_grace_ends_is_told_503(seed: int, stream: bool) -> None:
+    """review (scheduling-aware): a request whose body was still arriving when the
+    grace ended had no call to cancel yet; its call then started after the grace,
+    reached the upstream, and was cut at the hard stop with no answer, counted as a
+    client that left.  A call that starts past the grace is cut at once: 503
+    shutting_down, nothing sent upstream."""
+    from polygate.serve import open_server
+    from polygate.testing import EventTransport, Schedule
+
+    async def scenario() -> tuple[Answer, Any, int, int]:
+        up = FakeUpstream(Reply(tokens=3, first_token_s=1.0), name="a")
+        async with open_server(_drained_settings(), port=0, transport=EventTransport({"a": up})) as server:
+            client = await trio.open_tcp_stream("127.0.0.1", server.port)
+            data = request_bytes("POST", "/v1/chat/completions", {**CHAT, "stream": stream}, AUTH)
+            await client.send_all(data[:-10])  # its head and most of its body
+            await wait_for(lambda: server.statistics().in_flight == 1)  # from its first byte
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.shutdown, 0.1)
+                await trio.sleep(0.2)  # (virtual time) the rest, once the grace is over
+                await client.send_all(data[-10:])
+                answer = await read_answer(client)
+            await client.aclose()
+            return answer, up.requests, server.metrics.disconnects, sum(server.metrics.requests.values())
+
+    answer, sent, disconnects, counted = Schedule(seed).run(scenario)
+    assert answer.status == 503 and answer.json()["error"]["code"] == "shutting_down"
+    assert sent == [] and disconnects == 0 and counted == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_hard_stop_is_no_client_that_left(seed: int) -> None:
+    """review: a hard stop (a second SIGTERM, or the end of a drain's last words) with
+    the client still there was counted as a client that left: client_closed, a 499,
+    a disconnect."""
+    from polygate.serve import open_server
+    from polygate.testing import EventTransport, Schedule
+
+    async def scenario() -> tuple[dict[Any, int], int, dict[Any, int]]:
+        up = FakeUpstream(Reply(tokens=3, first_token_s=5.0), name="a")
+        async with open_server(_drained_settings(), port=0, transport=EventTransport({"a": up})) as server:
+            client = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await client.send_all(request_bytes("POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH))
+            await wait_for(lambda: len(up.requests) == 1)
+            server.hard_stop()
+            await wait_for(lambda: server.statistics().in_flight == 0)
+            await client.aclose()
+            return dict(server.metrics.calls), server.metrics.disconnects, dict(server.metrics.requests)
+
+    calls, disconnects, requests = Schedule(seed).run(scenario)
+    assert disconnects == 0
+    assert {key[2] for key in calls} == {"shutting_down"}
+    assert [key[1] for key in requests] == [503]

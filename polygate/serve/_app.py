@@ -236,9 +236,13 @@ async def answer(ctx: Context, request: Request) -> None:
                   exc_info=exc)
         await _internal_error(ctx)
     except BaseException:  # cancelled, perhaps inside a group from the call's nursery
-        ctx.metrics.disconnects += 1
-        ctx.count_leftover(499)
-        ctx.metrics.request(endpoint_label(endpoint), 499, trio.current_time() - started)
+        # Its client left, or the server stopped hard (a second SIGTERM, the end of a
+        # drain's last words) with the client still there: not a client that left.
+        status = 499 if ctx.conn.client_gone else 503
+        if status == 499:
+            ctx.metrics.disconnects += 1
+        ctx.count_leftover(status)
+        ctx.metrics.request(endpoint_label(endpoint), status, trio.current_time() - started)
         raise
     if status == 499:
         ctx.metrics.disconnects += 1

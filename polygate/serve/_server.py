@@ -116,6 +116,8 @@ class Server:
         self._finishing: set[trio.CancelScope] = set()
         self._idle: set[trio.CancelScope] = set()
         self._stops: set[trio.CancelScope] = set()
+        #: The drain's grace is over: a call that starts now is cut at once.
+        self._cutting = False
         self._in_flight = 0
         self._quiet = trio.Event()
         self._refusing = 0
@@ -244,6 +246,7 @@ class Server:
                 await self._quiet.wait()
         if self._in_flight:
             log.warning("grace period over: cancelling %d call(s) in flight", self._in_flight)
+            self._cutting = True  # and any that reaches its answer from now (see _answer)
             for stop in list(self._stops):
                 stop.cancel()  # each call stops, settles, and its client is told why
             with trio.move_on_after(_LAST_WORDS_S):
@@ -420,6 +423,10 @@ class Server:
         self.metrics.in_flight += 1
         context = Context(conn, gateway, self.metrics, self, key_checked=checked is gateway)
         self._stops.add(context.stop)
+        if self._cutting:
+            # Past the grace: a request that was still arriving (its body, or pipelined
+            # behind another) starts no call; it is told 503 shutting_down at once.
+            context.stop.cancel()
         hangups = self._hangups
         fd = None if hangups is None else conn.fileno()
         try:
