@@ -460,6 +460,14 @@ class Retry:
 
     def __attrs_post_init__(self) -> None:
         if self.backoff_max_s < self.backoff_base_s:
+            default_max = attrs.fields(Retry).backoff_max_s.default
+            if self.backoff_max_s == default_max:
+                # Only the base was set (past the default cap): name the key written.
+                raise _bad(
+                    self, "backoff_base_s",
+                    f"({self.backoff_base_s}) must be <= backoff_max_s ({self.backoff_max_s}, "
+                    "the default: set it too)",
+                )
             raise _bad(
                 self, "backoff_max_s",
                 f"({self.backoff_max_s}) must be >= backoff_base_s ({self.backoff_base_s})",

@@ -350,6 +350,8 @@ BAD: list[tuple[str, Any]] = [
     *[("scopes.chat.retry.max_attempts", v) for v in (0, 2.5, False)],
     *[("scopes.chat.retry.backoff_base_s", v) for v in (-1, math.nan)],
     ("scopes.chat.retry.backoff_max_s", 0.1),  # below the default backoff_base_s
+    ("scopes.chat.retry.backoff_base_s", 10),  # past the default backoff_max_s (review: the
+                                               # error named backoff_max_s, never written)
     ("scopes.chat.retry.rate_limit_wait_s", -5),
     ("scopes.chat.stream.stall_timeout_s", 0),
     *[("scopes.chat.structured.max_reasks", v) for v in (-1, 11, 1.5, True, "two")],
