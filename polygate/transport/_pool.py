@@ -149,7 +149,7 @@ class _Disconnected(Exception):
 class _Connection:
     """One socket, its (optional) TLS layer and its h11 state machine."""
 
-    __slots__ = ("drained", "h11", "idle_since", "key", "read_size", "socket", "stream")
+    __slots__ = ("broken", "drained", "h11", "idle_since", "key", "read_size", "socket", "stream")
 
     def __init__(self, key: _Key, stream: trio.abc.Stream, socket: trio.socket.SocketType) -> None:
         self.key = key
@@ -159,6 +159,9 @@ class _Connection:
         self.idle_since = 0.0
         self.read_size = _BODY_READ  # per response: see _STREAM_READ
         self.drained = False  # the last read emptied the socket (see receive)
+        #: Why the request could not all be written (the server may have answered early
+        #: and closed): its answer is read all the same, the connection never reused.
+        self.broken: BaseException | None = None
 
     def close(self) -> None:
         """Close the socket now, without I/O (no TLS close_notify): the server sees
@@ -375,7 +378,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
         """Send the request (``wire``, or h11's ``head`` and ``body``) and read the
         response's head; its body is the response's stream."""
         for attempt in (1, 2):
-            conn, reused = await self._acquire(key, request, timeouts)
+            # The one resend after a kept-alive connection that turned out closed goes on
+            # a new connection: the other idle ones may well be closed too.
+            conn, reused = await self._acquire(key, request, timeouts, fresh=attempt == 2)
             h = conn.h11
             got_bytes = False
             error_class: type[httpx.TransportError] = httpx.WriteError
@@ -390,13 +395,23 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     data += h.send(_END) or b""
                 if on_sent is not None:
                     on_sent()
-                await conn.send(data, timeouts[3])
-                error_class = httpx.ReadError
+                try:
+                    await conn.send(data, timeouts[3])
+                except (trio.BrokenResourceError, OSError) as exc:
+                    if type(conn.stream) is not trio.SocketStream:
+                        raise  # (TLS: a stream broken by a failed send reads nothing more)
+                    # A server may answer before it has read the whole request, then
+                    # close (a 413 for a large body, a 401): its answer is what it said,
+                    # read as httpx's transport reads it.  Nothing there: the error is
+                    # the write's (see _answer_after; on a reused connection, the
+                    # stale retry below).
+                    conn.broken = exc
+                error_class = httpx.ReadError if conn.broken is None else httpx.WriteError
                 rest = b""  # received past the head h11 was given
                 if wire is not None:
                     # The common answer, whole head in the first read, is read without
                     # h11 (see _head); h11 then sees nothing of this exchange.
-                    data = await conn.receive_answer(timeouts[2])
+                    data = await _answer_after(conn, timeouts[2])
                     if not data:
                         raise _Disconnected("server disconnected without sending a response")
                     got_bytes = True
@@ -429,7 +444,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                         if rest:
                             data, rest = rest, b""
                         else:
-                            data = await conn.receive(timeouts[2])
+                            data = await _answer_after(conn, timeouts[2], first=not got_bytes)
                             if not data:
                                 if not got_bytes:
                                     raise _Disconnected(
@@ -493,11 +508,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
     # ------------------------------------------------------------------ the pool
 
     async def _acquire(
-        self, key: _Key, request: httpx.Request | None, timeouts: tuple[float | None, ...]
+        self, key: _Key, request: httpx.Request | None, timeouts: tuple[float | None, ...],
+        *, fresh: bool = False,
     ) -> tuple[_Connection, bool]:
-        """A connection for ``key`` and whether it was kept alive (reused)."""
+        """A connection for ``key`` and whether it was kept alive (reused); ``fresh``:
+        not an idle one (when no other caller waits for one)."""
         if not self._waiters:  # nobody queued ahead of us: no need to wait our turn
-            conn = self._pop_idle(key)
+            conn = None if fresh else self._pop_idle(key)
             if conn is not None:
                 self._reused += 1
                 return conn, True
@@ -614,11 +631,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
         """A response read to its end, and h11's state already the fresh one the next
         exchange needs (a fast body never touched it; :meth:`_release` resets it):
         kept alive if both sides allow it.  Bytes past the end of the response (a 204
-        with a body, more than its Content-Length, a stray response) would answer the
-        next request: they were dropped, and if more are still arriving the connection
-        is closed (one that receives any later, while idle, is dropped when next
-        picked: _pop_idle's probe)."""
-        if not keep_alive or (stray and conn.socket.is_readable()):
+        with a body, more than its Content-Length, a stray response) close the
+        connection: the rest of them could still be on their way, and would be read as
+        the next request's answer."""
+        if not keep_alive or stray or conn.broken:
             self._discard(conn)
             return
         self._put_back(conn)  # (which closes it instead if the pool has closed)
@@ -627,7 +643,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         """The response was read to its end by h11: keep the connection alive if both
         sides allow it (no ``Connection: close``, no HTTP/1.0 close-delimited body)."""
         h = conn.h11
-        if self._closed or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
+        if self._closed or conn.broken or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
             self._discard(conn)
             return
         stray, eof = h.trailing_data
@@ -1136,6 +1152,22 @@ def _timeouts(extensions: Mapping[str, Any]) -> tuple[float | None, ...]:
 
 
 _NO_TIMEOUTS: Final[tuple[float | None, ...]] = (None, None, None, None)
+
+
+async def _answer_after(conn: _Connection, limit_s: float | None, *, first: bool = True) -> bytes:
+    """The next bytes of the answer to a request just sent (``first``: its first read,
+    which waits before it reads: see :meth:`_Connection.receive_answer`).  After a write
+    that failed, whatever the server said before it closed; if it said nothing, the
+    write's own error."""
+    if conn.broken is None:
+        return await (conn.receive_answer(limit_s) if first else conn.receive(limit_s))
+    try:
+        data = await conn.receive(limit_s)
+    except (trio.BrokenResourceError, OSError):
+        data = b""
+    if not data and first:
+        raise conn.broken
+    return data
 
 
 def _mapped(
