@@ -112,6 +112,10 @@ def test_estimates() -> None:
     assert completion_budget({"max_completion_tokens": 70, "max_tokens": 50}, 256) == 70
     assert completion_budget({"max_tokens": 50, "n": 3}, 256) == 150
     assert completion_budget({"max_tokens": True}, 256) == 256
+    # review: a max_completion_tokens that is no limit (null, 0) hid max_tokens: a call
+    # that fitted a TPM quota was refused as too large
+    assert completion_budget({"max_completion_tokens": None, "max_tokens": 50}, 256) == 50
+    assert completion_budget({"max_completion_tokens": 0, "max_tokens": 50}, 256) == 50
 
 
 @pytest.mark.parametrize(
