@@ -3,6 +3,8 @@ over random event streams cut into random pieces, with every kind of line end.""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from httpx_sse._decoders import SSEDecoder as ReferenceDecoder
 from httpx_sse._decoders import SSELineDecoder
@@ -196,3 +198,25 @@ def test_reasoning_sent_under_both_names_is_assembled_once() -> None:
     # an empty reasoning_content beside a reasoning: the reasoning counts
     lone = ChatAssembler()
     assert lone.add({"choices": [{"index": 0, "delta": {"reasoning_content": "", "reasoning": "x"}}]})
+
+
+@pytest.mark.parametrize(("fragments", "name"), [
+    (["get_", "weather", "get_weather"], "get_weather"),  # fragments, then the whole again
+    (["get_weather", "get_weather", "get_weather"], "get_weather"),  # repeated whole
+    (list("get_weather"), "get_weather"),
+    (list("llm_lookup"), "llm_lookup"),  # review: "lm_lookup"
+    (list("aardvark"), "aardvark"),  # review: "ardvark"
+])
+def test_a_tool_calls_name_is_assembled_from_fragments_or_repeats(fragments: list[str], name: str) -> None:
+    """A one-character fragment equal to the name so far read as the whole name
+    repeated, and a doubled first letter was lost."""
+    from polygate.transport import ChatAssembler
+
+    assembler = ChatAssembler()
+    for i, piece in enumerate(fragments):
+        call: dict[str, Any] = {"index": 0, "function": {"name": piece}}
+        if i == 0:
+            call.update(id="c1", type="function")
+        assembler.add({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+    assembler.add({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    assert assembler.build()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == name
