@@ -1017,3 +1017,20 @@ async def test_a_zero_delay_stream_read_in_part_is_delivered_in_every_face(face:
                 if pieces >= read:
                     break
     assert up.requests[0].outcome == "complete"
+
+
+@pytest.mark.parametrize("routes", [[], None, "a"])
+def test_event_transport_routes_of_the_wrong_kind_are_a_type_error(routes: Any) -> None:
+    """review: an AttributeError ('list' object has no attribute 'items')."""
+    with pytest.raises(TypeError, match="FakeUpstream or a mapping"):
+        polygate.testing.EventTransport(routes)
+
+
+@pytest.mark.parametrize(("most", "per_second"), [(0.29, 100), (0.57, 100), (2.01, 100), (1.001, 1000)])
+def test_instants_reach_their_upper_bound(most: float, per_second: int) -> None:
+    """review: 0.57 * 100 is 56.99999999999999: the bound, on the grid, was never drawn."""
+    from hypothesis import find
+
+    from polygate.testing import strategies as pst
+
+    assert find(pst.instants(most=most, per_second=per_second), lambda t: t == most) == most

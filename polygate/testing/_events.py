@@ -130,6 +130,10 @@ class EventTransport(httpx.AsyncBaseTransport):
             self._default: FakeUpstream | None = routes
             self._routes: dict[str, FakeUpstream] = {}
         else:
+            if not isinstance(routes, Mapping):
+                raise TypeError(
+                    "EventTransport takes a FakeUpstream or a mapping of hosts to FakeUpstreams, "
+                    f"got {type(routes).__name__}")
             self._default = None
             # Hosts are matched as httpx gives them: lower case.
             self._routes = {str(host).lower(): u for host, u in routes.items()}

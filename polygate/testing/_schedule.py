@@ -10,7 +10,8 @@ every example explores the same interleaving.
 :class:`Schedule` makes the interleaving a value: ``Schedule(seed).run(main)`` runs
 ``main`` under ``MockClock(autojump_threshold=0)`` with every batch shuffled by
 ``random.Random(seed)``, and restores trio's state afterwards.  The same seed gives
-the same run; a hypothesis strategy of seeds (``polygate.testing.strategies.
+the same run (but for waits on worker threads: a finished thread's task comes back
+at a moment of real time, into whichever batch is then being run); a hypothesis strategy of seeds (``polygate.testing.strategies.
 schedules()``) explores a different interleaving per example, and a failure prints
 the seed that reproduces it.
 

@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from hypothesis import strategies as st
@@ -55,7 +56,8 @@ def instants(
     decimal, as a human-written ``0.3`` is."""
     if per_second < 1 or most < 0:
         raise ValueError("instants: need per_second >= 1 and most >= 0")
-    grid = st.integers(0, int(most * per_second)).map(lambda k: k / per_second)
+    # (Rounded before the floor: 0.57 * 100 is 56.99999999999999, and 0.57 is on the grid.)
+    grid = st.integers(0, math.floor(round(most * per_second, 9))).map(lambda k: k / per_second)
     return st.one_of(grid, st.sampled_from(tuple(extra))) if extra else grid
 
 
