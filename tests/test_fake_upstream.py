@@ -1026,6 +1026,25 @@ def test_event_transport_routes_of_the_wrong_kind_are_a_type_error(routes: Any) 
         polygate.testing.EventTransport(routes)
 
 
+@pytest.mark.parametrize("routes", [[], "a", 3, FakeUpstream()])
+def test_router_routes_of_the_wrong_kind_are_a_type_error(routes: Any) -> None:
+    with pytest.raises(TypeError, match="mapping of hosts"):
+        Router(routes)
+
+
+@pytest.mark.parametrize("limits", [{"max_completion_tokens": None, "max_tokens": 2},
+                                    {"max_completion_tokens": 0, "max_tokens": 2}])
+async def test_a_null_max_completion_tokens_leaves_max_tokens_the_cap(
+    autojump_clock: trio.testing.MockClock, limits: dict[str, Any],
+) -> None:
+    """review: the fake ignored max_tokens beside a null max_completion_tokens (and
+    polygate's estimate, reading them as an upstream does, did not agree with it)."""
+    async with client(FakeUpstream(Reply(tokens=8))) as c:
+        r = await c.post(CHAT, json=chat_body(stream=False, **limits))
+    answer = r.json()
+    assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 2
+
+
 @pytest.mark.parametrize(("most", "per_second"), [(0.29, 100), (0.57, 100), (2.01, 100), (1.001, 1000)])
 def test_instants_reach_their_upper_bound(most: float, per_second: int) -> None:
     """review: 0.57 * 100 is 56.99999999999999: the bound, on the grid, was never drawn."""
@@ -1034,3 +1053,14 @@ def test_instants_reach_their_upper_bound(most: float, per_second: int) -> None:
     from polygate.testing import strategies as pst
 
     assert find(pst.instants(most=most, per_second=per_second), lambda t: t == most) == most
+
+
+def test_instants_never_pass_their_bound() -> None:
+    from hypothesis import find
+    from hypothesis.errors import NoSuchExample
+
+    from polygate.testing import strategies as pst
+
+    most = 0.569999999999  # rounded to 57 steps of 0.01: one past it
+    with pytest.raises(NoSuchExample):
+        find(pst.instants(most=most, per_second=100), lambda t: t > most)

@@ -206,6 +206,8 @@ def test_reasoning_sent_under_both_names_is_assembled_once() -> None:
     (list("get_weather"), "get_weather"),
     (list("llm_lookup"), "llm_lookup"),  # review: "lm_lookup"
     (list("aardvark"), "aardvark"),  # review: "ardvark"
+    (["l", "lm_lookup"], "llm_lookup"),  # review: "lm_lookup" (a longer piece after one letter)
+    (["s", "sh_exec"], "ssh_exec"),
 ])
 def test_a_tool_calls_name_is_assembled_from_fragments_or_repeats(fragments: list[str], name: str) -> None:
     """A one-character fragment equal to the name so far read as the whole name

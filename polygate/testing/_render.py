@@ -398,9 +398,10 @@ class _Chat:
         )
         self.id = f"chatcmpl-{ex.name}-{ex.index}"
         self.model = _model(reply, ex)
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        if not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0):
-            limit = None
+        # The first of the two that is a limit, as polygate's estimate reads them (a null
+        # max_completion_tokens is none: the answer is capped by max_tokens).
+        limit = next((cap for cap in (body.get("max_completion_tokens"), body.get("max_tokens"))
+                      if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0), None)
         self.tokens = _tokens(reply.text, reply.tokens, reply.reasoning_tokens, limit)
         self.thoughts = self.tokens.thoughts
         self.content = self.tokens.content

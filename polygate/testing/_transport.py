@@ -163,6 +163,10 @@ class Router(httpx.AsyncBaseTransport):
     def __init__(self, routes: Mapping[str, FakeUpstream | httpx.AsyncBaseTransport]) -> None:
         from ._upstream import FakeUpstream  # (it imports this module)
 
+        if not isinstance(routes, Mapping):
+            raise TypeError(
+                f"Router takes a mapping of hosts to FakeUpstreams or httpx transports, "
+                f"got {type(routes).__name__}")
         self._routes: dict[str, httpx.AsyncBaseTransport] = {}
         for host, route in routes.items():
             if isinstance(route, FakeUpstream):

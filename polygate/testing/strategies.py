@@ -56,8 +56,12 @@ def instants(
     decimal, as a human-written ``0.3`` is."""
     if per_second < 1 or most < 0:
         raise ValueError("instants: need per_second >= 1 and most >= 0")
-    # (Rounded before the floor: 0.57 * 100 is 56.99999999999999, and 0.57 is on the grid.)
-    grid = st.integers(0, math.floor(round(most * per_second, 9))).map(lambda k: k / per_second)
+    # (Rounded before the floor: 0.57 * 100 is 56.99999999999999, and 0.57 is on the
+    # grid; then back one step if the rounding went past ``most``.)
+    last = math.floor(round(most * per_second, 9))
+    if last / per_second > most:
+        last -= 1
+    grid = st.integers(0, last).map(lambda k: k / per_second)
     return st.one_of(grid, st.sampled_from(tuple(extra))) if extra else grid
 
 

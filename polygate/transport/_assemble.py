@@ -335,10 +335,12 @@ def _join_function(target: dict[str, Any], part: dict[str, Any]) -> None:
         # as pieces, as the arguments are (below); the held name is joined only to be
         # compared with one at least as long, so that work is paid by the bytes
         # received and the whole stays linear.
-        # One character is always a fragment: "l", "l", "m" is "llm", not a repeat.
+        # A one-character name so far is always a first fragment: "l", "l", "m" and
+        # "l", "lm_lookup" are "llm…", not the name repeated (a one-letter function
+        # name repeated whole would read as "ff": none was seen).
         held: TextParts = target["name"]
         size = sum(map(len, held))  # (a few pieces: they are joined as they come)
-        if size and len(name) >= max(size, 2) and name.startswith("".join(held)):
+        if size >= 2 and len(name) >= size and name.startswith("".join(held)):
             target["name"] = held = TextParts()
         held.append(name)
     arguments = part.get("arguments")
