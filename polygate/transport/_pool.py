@@ -411,7 +411,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 if wire is not None:
                     # The common answer, whole head in the first read, is read without
                     # h11 (see _head); h11 then sees nothing of this exchange.
-                    data = await _answer_after(conn, timeouts[2])
+                    data = await (conn.receive_answer(timeouts[2]) if conn.broken is None
+                                  else _answer_after(conn, timeouts[2]))
                     if not data:
                         raise _Disconnected("server disconnected without sending a response")
                     got_bytes = True
@@ -444,7 +445,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
                         if rest:
                             data, rest = rest, b""
                         else:
-                            data = await _answer_after(conn, timeouts[2], first=not got_bytes)
+                            data = await (conn.receive(timeouts[2]) if conn.broken is None
+                                          else _answer_after(conn, timeouts[2], first=not got_bytes))
                             if not data:
                                 if not got_bytes:
                                     raise _Disconnected(
@@ -1155,12 +1157,10 @@ _NO_TIMEOUTS: Final[tuple[float | None, ...]] = (None, None, None, None)
 
 
 async def _answer_after(conn: _Connection, limit_s: float | None, *, first: bool = True) -> bytes:
-    """The next bytes of the answer to a request just sent (``first``: its first read,
-    which waits before it reads: see :meth:`_Connection.receive_answer`).  After a write
-    that failed, whatever the server said before it closed; if it said nothing, the
-    write's own error."""
-    if conn.broken is None:
-        return await (conn.receive_answer(limit_s) if first else conn.receive(limit_s))
+    """The next bytes of the answer to a request whose write failed (``conn.broken``):
+    whatever the server said before it closed; if it said nothing (``first``: before
+    any byte of it), the write's own error."""
+    assert conn.broken is not None
     try:
         data = await conn.receive(limit_s)
     except (trio.BrokenResourceError, OSError):
