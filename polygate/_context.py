@@ -249,6 +249,9 @@ def refused_context(ctx: CallContext) -> frozenset[str]:
     source does (the asked scope, when the whole chain refused): its error is the
     call's again."""
     if not ctx.context_refused:
-        return frozenset()
+        return _NONE
     refused = frozenset(s.name for s in ctx.scope.sources if s.model in ctx.context_refused)
-    return frozenset() if len(refused) == len(ctx.scope.sources) else refused
+    return _NONE if len(refused) == len(ctx.scope.sources) else refused
+
+
+_NONE: frozenset[str] = frozenset()

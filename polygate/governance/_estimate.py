@@ -116,9 +116,12 @@ def completion_budget(params: Mapping[str, Any], default: int) -> int:
     """``max_completion_tokens`` or ``max_tokens`` when the caller set one, times ``n``,
     at most :data:`MAX_COMPLETION_ESTIMATE`."""
     # The first of the two that is a limit (a positive int): a null max_completion_tokens
-    # is no limit, and the upstream then goes by max_tokens.
-    tokens = next((limit for limit in (params.get("max_completion_tokens"), params.get("max_tokens"))
-                   if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0), default)
+    # is no limit, and the upstream then goes by max_tokens.  (Plain tests, on every call.)
+    tokens = params.get("max_completion_tokens")
+    if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0):
+        tokens = params.get("max_tokens")
+        if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0):
+            tokens = default
     n = params.get("n", 1)
     if isinstance(n, int) and not isinstance(n, bool) and n > 1:
         tokens *= n
