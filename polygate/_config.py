@@ -808,7 +808,8 @@ def _libpq_problem(value: str) -> str | None:
         return None
     try:
         conninfo_to_dict(value)
-    except psycopg.ProgrammingError as exc:
+    except (psycopg.ProgrammingError, ValueError) as exc:
+        # (ValueError: a percent-escape that decodes to no UTF-8, a UnicodeDecodeError.)
         unknown = re.search(r'invalid URI query parameter: "([A-Za-z_]{1,40})"', str(exc))
         if unknown:
             return f"holds a parameter libpq does not know: {unknown[1]!r}"

@@ -245,6 +245,14 @@ async def test_a_role_out_of_connection_slots_stops_no_call(pg: PgServer, pg_url
     assert stats.written == 0
 
 
+def test_a_postgresql_password_that_is_no_utf8_once_decoded_is_a_config_error() -> None:
+    """The settings' libpq check raised a bare UnicodeDecodeError for a password
+    percent-escaped to a byte that is no UTF-8 ('%80'), found by the security fuzz."""
+    with pytest.raises(polygate.ConfigError) as info:
+        _settings("postgresql://user:00000%80secret@127.0.0.1:5000/db")
+    assert "00000" not in str(info.value)
+
+
 @pytest.mark.parametrize("query", ["sslmod=disable", "sslmode=bogus"])
 async def test_a_url_libpq_refuses_is_a_config_error(pg_url: str, query: str) -> None:
     """Review: a misspelt parameter against a live server was "unreachable": a

@@ -633,10 +633,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
         """A response read to its end, and h11's state already the fresh one the next
         exchange needs (a fast body never touched it; :meth:`_release` resets it):
         kept alive if both sides allow it.  Bytes past the end of the response (a 204
-        with a body, more than its Content-Length, a stray response) close the
-        connection: the rest of them could still be on their way, and would be read as
-        the next request's answer."""
-        if not keep_alive or stray or conn.broken:
+        with a body, more than its Content-Length, a stray response) would answer the
+        next request: they were dropped, and if more are still arriving the connection
+        is closed (one that receives any later, while idle, is dropped when next
+        picked: _pop_idle's probe)."""
+        if not keep_alive or conn.broken or (stray and conn.socket.is_readable()):
             self._discard(conn)
             return
         self._put_back(conn)  # (which closes it instead if the pool has closed)
