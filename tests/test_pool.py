@@ -864,23 +864,13 @@ async def test_the_resend_after_a_stale_connection_goes_on_a_new_one() -> None:
 async def test_bytes_past_the_end_of_an_answer_never_answer_the_next_request(first: bytes) -> None:
     """docs/security.md, "No desync": whether the connection is kept (the stray bytes
     all arrived with the answer) or not, the next request gets its own answer."""
-    async def handler(stream: trio.SocketStream, _n: int) -> None:
-        data, answered = b"", 0
-        while True:  # requests read raw: the first answer is no h11 could send
-            while b"\r\n\r\n" not in data:
-                more = await stream.receive_some(65536)
-                if not more:
-                    return
-                data += more
-            head, _, data = data.partition(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            while len(data) < length:
-                data += await stream.receive_some(65536)
-            data = data[length:]
-            answered += 1  # the connection stays open, ready for more
-            await stream.send_all(first if answered == 1 else b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    from ._raw_server import raw_server as raw_answers
 
-    async with raw_server(handler) as url, LeanTransport() as transport:
-        await fetch(transport, post(url))
-        assert (await fetch(transport, post(url))).content == b"ok"
+    async def reply(stream: trio.SocketStream, _head: bytes) -> None:
+        # (raw: the first answer is none h11 could send; the connection stays open)
+        answered = len(server.requests)
+        await stream.send_all(first if answered == 1 else b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    async with raw_answers(reply) as server, LeanTransport() as transport:
+        await fetch(transport, post(server.url))
+        assert (await fetch(transport, post(server.url))).content == b"ok"

@@ -40,6 +40,19 @@ from ._serve_kit import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
+async def _until_refused(port: int, *, limit_s: float) -> None:
+    """Until a new connection to ``port`` is refused (a server process's listener closing:
+    polled, another process's state)."""
+    with trio.fail_after(limit_s):
+        while True:
+            try:
+                probe = await trio.open_tcp_stream("127.0.0.1", port)
+            except OSError:
+                return
+            await probe.aclose()
+            await trio.sleep(0.02)
+
+
 def write_config(
     path: Path, upstream: str, *, grace_s: float = 30, alias: str = "gpt-4o", extra: str = ""
 ) -> Path:
@@ -66,14 +79,7 @@ async def test_sigterm_drains_calls_in_flight(tmp_path: Path) -> None:
             await wait_for(lambda: upstream.in_flight == 2, limit_s=10)
             srv.proc.send_signal(signal.SIGTERM)
             # The listener closes at once: a new connection is refused.
-            with trio.fail_after(5):
-                while True:
-                    try:
-                        probe = await trio.open_tcp_stream("127.0.0.1", srv.port)
-                    except OSError:
-                        break
-                    await probe.aclose()
-                    await trio.sleep(0.02)
+            await _until_refused(srv.port, limit_s=5)
         with trio.fail_after(10):
             code = await srv.proc.wait()
     assert code == 0
@@ -644,14 +650,7 @@ async def test_a_stop_signal_during_a_slow_reload_drains_at_once(tmp_path: Path)
                 await trio.sleep(1.0)  # (the reload is waiting on the silent database)
                 sent = time.monotonic()
                 srv.proc.send_signal(signal.SIGTERM)
-                with trio.fail_after(10):
-                    while True:  # the listener closes: new connections are refused
-                        try:
-                            probe = await trio.open_tcp_stream("127.0.0.1", srv.port)
-                        except OSError:
-                            break
-                        await probe.aclose()
-                        await trio.sleep(0.05)
+                await _until_refused(srv.port, limit_s=10)  # the listener closes
                 assert time.monotonic() - sent < 2
                 with trio.fail_after(30):
                     assert await srv.proc.wait() == 0
