@@ -267,7 +267,7 @@ def _url_problem(value: str) -> str | None:
     if not is_utf8(value):  # a non-UTF-8 byte of an environment value: no client sends it
         return "must be UTF-8 text (it holds a byte that is not)"
     rest = value.partition("://")[2]
-    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    authority = _AUTHORITY_AND_PATH.match(rest)[1]  # type: ignore[index]  # (matches any text)
     if authority.count("@") > 1:
         # "user:pa@ss@host": polygate reads the credentials up to the last "@", libpq up
         # to the first, and then sends "pa" as the password and quotes "ss@host" as the

@@ -398,8 +398,9 @@ class _Chat:
         )
         self.id = f"chatcmpl-{ex.name}-{ex.index}"
         self.model = _model(reply, ex)
-        # The first of the two that is a limit, as polygate's estimate reads them (a null
-        # max_completion_tokens is none: the answer is capped by max_tokens).
+        # The first of the two that is a limit, as an upstream reads them (a null
+        # max_completion_tokens is none: the answer is capped by max_tokens).  (Not
+        # polygate's own reading, imported: the fake is the oracle its tests check.)
         limit = next((cap for cap in (body.get("max_completion_tokens"), body.get("max_tokens"))
                       if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0), None)
         self.tokens = _tokens(reply.text, reply.tokens, reply.reasoning_tokens, limit)
