@@ -64,6 +64,7 @@ _PASS_THROUGH = (trio.Cancelled,)
 _FREEZE_S = 1.0
 _POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=1024, keepalive_expiry=30)
 _UNSET: Any = object()
+_BLOCK_EXITED = "this stream was closed before it finished (its block exited)"
 
 
 @attrs.frozen
@@ -557,7 +558,7 @@ class ChatStream:
                 raise twin_error(self._failure)
             raise StopAsyncIteration
         if self._exited:
-            raise PolygateError("this stream was closed before it finished (its block exited)")
+            raise PolygateError(_BLOCK_EXITED)
         await trio.lowlevel.checkpoint_if_cancelled()
         item: StreamChunk | _Done | _Failed
         failed_elsewhere: BaseException | None = None
@@ -572,7 +573,11 @@ class ChatStream:
             except trio.EndOfChannel:
                 self._finished = True
                 if not self._end_sent:
-                    raise PolygateError("the stream ended without an answer") from None
+                    # Cut off: the producer was cancelled with no end sent, which only
+                    # the block's leaving does (this task read as another left it).  A
+                    # failure, which every later read hears too -- never a clean end.
+                    self._failure = PolygateError(_BLOCK_EXITED)
+                    raise self._failure from None
                 if self._failure is None:  # another task reading this stream took its end
                     raise StopAsyncIteration from None
                 failed_elsewhere = self._failure  # ... and it was a failure: raised below
@@ -794,6 +799,10 @@ class OneUse(AbstractAsyncContextManager[T]):
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        if not self._entered:
+            # Passed on, it would run the generator to its yield: a session opened
+            # (files, connections) by a call meant to close one, then a bare RuntimeError.
+            raise PolygateError(f"this {self._what} block was never entered ('async with' enters it)")
         return await self._block.__aexit__(exc_type, exc, tb)
 
 

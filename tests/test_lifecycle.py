@@ -459,3 +459,71 @@ async def test_entering_one_session_block_twice_is_a_polygate_error(nested: bool
         with pytest.raises(polygate.PolygateError, match=r"already entered.*again"):
             async with block:
                 pass
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_stream_cut_off_by_its_block_fails_every_later_read_of_another_task(seed: int) -> None:
+    """Review: a task still reading a stream whose block another task leaves got "the
+    stream ended without an answer" once, then StopAsyncIteration on every later read:
+    a stream cut off read as cleanly finished.  Every read fails, with the message
+    polygate.aio gives for the same misuse."""
+    from polygate.testing import Schedule
+
+    async def main() -> list[str]:
+        seen: list[str] = []
+
+        async def read(stream: polygate.ChatStream) -> None:
+            for _ in range(3):  # the loop, then two more reads
+                try:
+                    async for _ in stream:
+                        pass
+                except polygate.PolygateError as exc:
+                    seen.append(str(exc))
+                else:
+                    seen.append("clean end")
+
+        up = FakeUpstream(Reply(tokens=50, inter_token_s=0.05))
+        async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+            stream = s.stream_chat(MESSAGES)
+            async with trio.open_nursery() as nursery:
+                async with stream:
+                    nursery.start_soon(read, stream)
+                    await trio.sleep(0.2)
+        return seen
+
+    cut = "this stream was closed before it finished (its block exited)"
+    assert Schedule(seed).run(main) == [cut] * 3
+
+
+@pytest.mark.parametrize("door", ["trio", "aio"])
+def test_leaving_a_session_block_never_entered_is_refused_without_opening_it(
+    door: str, tmp_path: Path
+) -> None:
+    """Review: ``__aexit__`` on a session block never entered ran the session's
+    generator to its yield (the telemetry file created, the aio door's trio run
+    started), then raised a bare RuntimeError and left that session open."""
+    import asyncio
+
+    import attrs
+
+    import polygate.aio
+
+    db = tmp_path / "t.db"
+    settings = attrs.evolve(one_source_settings(), telemetry=f"sqlite:///{db}")
+    seen: list[BaseException] = []
+
+    async def body() -> None:
+        opener = polygate.session if door == "trio" else polygate.aio.session
+        block = opener(settings, transport=FakeUpstream(Reply()).transport())
+        try:
+            await block.__aexit__(None, None, None)
+        except Exception as exc:
+            seen.append(exc)
+
+    if door == "trio":
+        trio.run(body)
+    else:
+        asyncio.run(body())
+    assert not db.exists()
+    assert len(seen) == 1 and type(seen[0]) is polygate.PolygateError, seen
+    assert "never entered" in str(seen[0])
