@@ -40,6 +40,26 @@ def parts_text(parts: list[Any]) -> str:
 MAX_CHOICES = 128
 
 
+def indexless_call(call: Mapping[str, Any], calls: dict[int, dict[str, Any]]) -> int:
+    """The index of a tool-call delta that has none (Gemini's OpenAI-compatible
+    endpoint sends none): the last call's when it continues that call -- it names
+    no call (no id, no name: an arguments fragment), or repeats the last call's id --
+    else a new call's.  ``calls``: the choice's calls so far, by index, each with the
+    ``id`` it has (``None`` when none came), the most recent last."""
+    if calls:
+        last: int = next(reversed(calls))
+        cid = call.get("id")
+        if isinstance(cid, str) and cid:
+            if cid == calls[last]["id"]:
+                return last
+        else:
+            function = call.get("function")
+            name = function.get("name") if isinstance(function, Mapping) else None
+            if not (isinstance(name, str) and name):
+                return last
+    return len(calls)
+
+
 def carries_something(choice: Mapping[str, Any]) -> bool:
     """Whether a stream choice carries anything: folding it into an answer would change
     it (``transport.ChatAssembler``), and the gateway relays it.  One that carries

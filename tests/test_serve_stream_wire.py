@@ -255,3 +255,104 @@ async def test_a_relayed_finish_chunk_has_no_usage_the_client_did_not_ask_for() 
     answer = await _through(_reply_with(data), {**CHAT, "stream": True})
     events = [e for e in _events(answer.body) if isinstance(e, dict)]
     assert not [e for e in events if e.get("usage")], events
+
+
+async def _json_and_assembled(reply: Any, **params: Any) -> tuple[Any, Any]:
+    """The gateway's JSON answer, and its stream as the OpenAI SDK's stream helper
+    assembles it, for the same upstream ``reply``."""
+    import openai
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    async with raw_server(reply) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=up.url)])},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+        async with open_server(settings, port=0) as server:
+            def both() -> tuple[Any, Any]:
+                with openai.OpenAI(base_url=server.base_url, api_key=GATEWAY_KEY, max_retries=0) as client:
+                    whole = client.chat.completions.create(
+                        model="chat", messages=CHAT["messages"], **params)
+                    state = ChatCompletionStreamState()
+                    for chunk in client.chat.completions.create(
+                            model="chat", messages=CHAT["messages"], stream=True, **params):
+                        state.handle_chunk(chunk)
+                    return whole, state.current_completion_snapshot
+            return await trio.to_thread.run_sync(both)
+
+
+def _calls(completion: Any) -> list[tuple[Any, ...]]:
+    return [(c.index, [(t.id, t.function.name, t.function.arguments)
+                       for t in c.message.tool_calls or []]) for c in completion.choices]
+
+
+async def test_tool_calls_streamed_without_an_index_reach_an_sdk_client() -> None:
+    """Review: Gemini's OpenAI-compatible endpoint streams tool calls without
+    ``index``.  Relayed as they came, the OpenAI SDK's stream helper raised a
+    TypeError, while the gateway's JSON answer had both calls.  An arguments fragment
+    without index, id or name continues the call before it (it was a second call
+    with no id and no name)."""
+    reply = _synthetic("ix", [
+        ({"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}},
+        ]}, None),
+        ({"tool_calls": [{"function": {"arguments": '{"q":1}'}}]}, None),
+        ({"tool_calls": [{"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+         None),
+        ({}, "tool_calls"),
+    ])
+    whole, assembled = await _json_and_assembled(reply)
+    assert _calls(whole) == [(0, [("c1", "f", '{"q":1}'), ("c2", "g", "{}")])]
+    assert _calls(assembled) == _calls(whole)
+
+
+async def test_a_tool_call_id_and_name_repeated_on_every_delta_are_sent_once() -> None:
+    """Review: a server that repeats a call's id and name on every delta (the
+    library keeps one of each) reached an SDK client as "c1c1" and "lookuplookup"."""
+    def call(arguments: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                "function": {"name": "lookup", "arguments": arguments}}]}
+
+    reply = _synthetic("rp", [
+        ({"role": "assistant", "content": None}, None), (call('{"q"'), None), (call(":1}"), None),
+        ({}, "tool_calls"),
+    ])
+    whole, assembled = await _json_and_assembled(reply)
+    assert _calls(whole) == [(0, [("c1", "lookup", '{"q":1}')])]
+    assert _calls(assembled) == _calls(whole)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_source_that_cannot_stream_keeps_its_logprobs_in_a_stream(n: int) -> None:
+    """Review: with ``Source(streaming=False)`` the whole answer becomes one chunk
+    made from each choice's message, and its logprobs were left out: the JSON answer
+    had them, the SDK's assembled stream had none."""
+    import openai
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    def logprobs(token: str) -> dict[str, Any]:
+        return {"content": [{"token": token, "bytes": list(token.encode()), "logprob": -0.1,
+                             "top_logprobs": []}], "refusal": None}
+
+    body = json.dumps({
+        "id": "chatcmpl-x", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": i, "message": {"role": "assistant", "content": f"Hi{i}"},
+                     "logprobs": logprobs(f"Hi{i}"), "finish_reason": "stop"} for i in range(n)],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }).encode()
+    async with raw_server(_reply_with(body, b"application/json")) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url=up.url, streaming=False)])},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+        async with open_server(settings, port=0) as server:
+            def streamed() -> Any:
+                with openai.OpenAI(base_url=server.base_url, api_key=GATEWAY_KEY, max_retries=0) as client:
+                    state = ChatCompletionStreamState()
+                    for chunk in client.chat.completions.create(
+                            model="chat", messages=CHAT["messages"], stream=True, n=n, logprobs=True):
+                        state.handle_chunk(chunk)
+                    return state.current_completion_snapshot
+            assembled = await trio.to_thread.run_sync(streamed)
+    got = sorted((c.index, c.message.content, c.logprobs.content[0].token if c.logprobs else None)
+                 for c in assembled.choices)
+    assert got == [(i, f"Hi{i}", f"Hi{i}") for i in range(n)]

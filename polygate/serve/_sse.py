@@ -32,6 +32,7 @@ from .._types import (
     Usage,
     carries_something,
     choice_index,
+    indexless_call,
     message_delta,
     parts_text,
 )
@@ -56,13 +57,15 @@ def error_event(message: str, type_: str, code: str) -> bytes:
 class StreamShape:
     """Turns one call's forwarded chunks into the client's events."""
 
-    __slots__ = ("_finished", "_meta", "_roled", "_started")
+    __slots__ = ("_calls", "_finished", "_meta", "_roled", "_started")
 
     def __init__(self) -> None:
         self._meta: dict[str, Any] | None = None
         self._finished: set[int] = set()
         self._roled: set[int] = set()  # the choices whose role the client has
         self._started = False
+        #: Per choice, the tool calls the client has, by index (see _tool_calls).
+        self._calls: dict[int, dict[int, dict[str, Any]]] | None = None
 
     def chunk(self, chunk: StreamChunk) -> bytes:
         raw = chunk.raw
@@ -105,6 +108,7 @@ class StreamShape:
         # chunks, and a client assembling choices by index reads the role from there.
         unroled: list[tuple[int, str | None]] | None = None
         unrole: set[int] | None = None  # choices whose first delta's role goes on its own
+        retooled: dict[int, list[dict[str, Any]]] | None = None  # choices' tool calls, shaped
         dropping = False
         for choice in choices:
             index = choice_index(choice)
@@ -113,6 +117,13 @@ class StreamShape:
             if not _relayed(choice, index):
                 dropping = True
                 continue
+            delta = choice.get("delta")
+            if isinstance(delta, Mapping) and delta.get("tool_calls"):
+                shaped = self._tool_calls(index, delta["tool_calls"])
+                if shaped is not None:
+                    if retooled is None:
+                        retooled = {}
+                    retooled[index] = shaped
             if index not in self._roled:
                 # The choices below it first, whatever they begin with (null: a client's
                 # accumulator takes text over it): the OpenAI SDK's stream helper puts a
@@ -153,14 +164,66 @@ class StreamShape:
         if dropping:
             choices = [c for c in choices if _relayed(c, choice_index(c) or 0)]
             raw = {**raw, "choices": choices}
-        if unrole is not None:
-            raw = {**raw, "choices": [
-                {**c, "delta": {k: v for k, v in c["delta"].items() if k != "role"}}
-                if choice_index(c) in unrole else c for c in choices]}
+        if unrole is not None or retooled is not None:
+            raw = {**raw, "choices": [_reshaped(c, unrole, retooled) for c in choices]}
         if unroled is None:
             return _event(raw)
         unroled.sort(key=itemgetter(0))
         return self._roles(unroled, self._meta) + _event(raw)
+
+    def _tool_calls(self, choice: int, calls: Any) -> list[dict[str, Any]] | None:
+        """A delta's tool calls as the OpenAI SDK's stream helper must get them to
+        assemble what the library assembles (the JSON answer): each with its index (a
+        server that sends none, Gemini's, broke the helper), and an ``id`` or a
+        ``name`` a server repeats on every delta sent once (the helper joins strings:
+        "c1c1", "lookuplookup").  The indexes, and which names are repeats, follow
+        the library's assembler.  ``None`` when the calls go as they came."""
+        if self._calls is None:
+            self._calls = {}
+        held = self._calls.setdefault(choice, {})
+        if not isinstance(calls, list):
+            return None  # (the library ignores it; nothing for a client to build)
+        out: list[dict[str, Any]] = []
+        changed = False
+        for call in calls:
+            if not isinstance(call, dict):
+                changed = True  # the library ignores it; the helper would raise
+                continue
+            index = call.get("index")
+            if not isinstance(index, int):
+                index = indexless_call(call, held)
+                shaped = {**call, "index": index}
+                changed = True
+            else:
+                shaped = call
+            slot = held.get(index)
+            cid = call.get("id")
+            function = call.get("function")
+            if slot is None:
+                if not (isinstance(cid, str) and cid) and not (
+                        isinstance(call.get("type"), str) and call["type"]) \
+                        and not isinstance(function, dict):
+                    changed = True  # carries no call (the library keeps none)
+                    continue
+                slot = held[index] = {"id": None, "name": _Name()}
+            if isinstance(cid, str) and cid:
+                if cid == slot["id"]:
+                    shaped = {k: v for k, v in shaped.items() if k != "id"}
+                    changed = True
+                else:
+                    slot["id"] = cid
+            name = function.get("name") if isinstance(function, dict) else None
+            if isinstance(name, str) and name:
+                repeat = slot["name"].repeat(name)
+                if repeat is not None:
+                    assert isinstance(function, dict)
+                    trimmed = {k: v for k, v in function.items() if k != "name"}
+                    if repeat:
+                        trimmed["name"] = repeat
+                    shaped = {**shaped, "function": trimmed}
+                    changed = True
+            out.append(shaped)
+        return out if changed else None
 
     def _roles(self, roles: list[tuple[int, str | None]], meta: dict[str, Any] | None) -> bytes:
         return _event({**(meta or {}), "choices": [
@@ -212,6 +275,45 @@ class StreamShape:
         return header
 
 
+class _Name:
+    """A tool call's name as the client has it so far (as pieces)."""
+
+    __slots__ = ("name", "size")
+
+    def __init__(self) -> None:
+        self.name: list[str] = []
+        self.size = 0
+
+    def repeat(self, name: str) -> str | None:
+        """Take a ``name`` delta.  ``None``: a fragment, relayed as it is; else what
+        to relay of a name that repeats (or extends) the one so far: the part the
+        client lacks, ``""`` for nothing.  The assembler's rule: a name of at least two
+        characters so far, and one that starts with it, is the name again (joined
+        only then, so the work is paid by the bytes received)."""
+        size = self.size
+        if size >= 2 and len(name) >= size and name.startswith("".join(self.name)):
+            self.name, self.size = [name], len(name)
+            return name[size:]
+        self.name.append(name)
+        self.size = size + len(name)
+        return None
+
+
+def _reshaped(choice: dict[str, Any], unrole: set[int] | None,
+              retooled: dict[int, list[dict[str, Any]]] | None) -> dict[str, Any]:
+    """``choice`` with its delta's role left out (``unrole``) and its tool calls
+    replaced (``retooled``), as :meth:`StreamShape.chunk` decided."""
+    index = choice_index(choice)
+    drop = unrole is not None and index in unrole
+    tools = retooled.get(index) if retooled is not None and index is not None else None
+    if not drop and tools is None:
+        return choice
+    delta = {k: v for k, v in choice["delta"].items() if not (drop and k == "role")}
+    if tools is not None:
+        delta["tool_calls"] = tools
+    return {**choice, "delta": delta}
+
+
 def _role_content(delta: Any) -> str | None:
     """The content of a choice's role chunk, as OpenAI sends it: ``""`` before text,
     null before tool calls or a refusal (whose message content is null, so that a
@@ -252,11 +354,11 @@ def _with_deltas(choices: Any) -> list[dict[str, Any]] | None:
 
 
 def _whole_answer(choices: Any, first: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """A non-streamed body's choices as deltas, every choice kept: a source that cannot
-    stream shows its whole answer as one chunk, whose delta is only the first choice's
-    message (``first``, as the library read it).  ``None`` unless every choice is a
-    message with a natural-number index."""
-    if not (isinstance(choices, list) and len(choices) > 1):
+    """A non-streamed body's choices as deltas, every choice kept, each with its
+    logprobs: a source that cannot stream shows its whole answer as one chunk, whose
+    delta is only the first choice's message (``first``, as the library read it).
+    ``None`` unless every choice is a message with a natural-number index."""
+    if not (isinstance(choices, list) and choices):
         return None
     out = []
     for choice in choices:
@@ -267,7 +369,11 @@ def _whole_answer(choices: Any, first: dict[str, Any]) -> list[dict[str, Any]] |
         if index is None:
             return None
         delta = first if index == 0 else message_delta(message)
-        out.append({"index": index, "delta": delta, "finish_reason": None})
+        shaped = {"index": index, "delta": delta, "finish_reason": None}
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, Mapping):  # (the JSON answer has them: so does the stream)
+            shaped["logprobs"] = logprobs
+        out.append(shaped)
     return out
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import TransientUpstreamError
-from .._types import carries_something, choice_index, parts_text
+from .._types import carries_something, choice_index, indexless_call, parts_text
 
 __all__ = [
     "ChatAssembler", "TextParts", "drop_last", "has_content", "message_text", "malformed_index",
@@ -250,7 +250,7 @@ class _Choice:
     def _add_tool_call(self, call: dict[str, Any]) -> None:
         index = call.get("index")
         if not isinstance(index, int):
-            index = len(self.tool_calls)
+            index = indexless_call(call, self.tool_calls)
         slot = self.tool_calls.get(index)
         if slot is None:
             if not _carries_call(call):
