@@ -723,3 +723,64 @@ def test_a_hard_stop_is_no_client_that_left(seed: int) -> None:
     assert disconnects == 0
     assert {key[2] for key in calls} == {"shutting_down"}
     assert [key[1] for key in requests] == [503]
+
+
+async def _metric(port: int, name: str) -> float:
+    import re
+
+    body = (await http(_Port(port), "GET", "/metrics", headers=AUTH)).body.decode()
+    found = re.search(rf"^{name} (\S+)$", body, re.M)
+    assert found is not None, name
+    return float(found[1])
+
+
+@pytest.mark.parametrize("how", ["file removed", "file appears"])
+async def test_a_reload_reads_where_the_start_read_the_configuration(tmp_path: Path, how: str) -> None:
+    """Review: with no ``--config``, a SIGHUP looked for the configuration afresh.  A
+    server started from ./polygate.toml whose file was then removed went on from the
+    environment's configuration, with no gateway keys (a keyless request answered); a
+    server started from the environment adopted a polygate.toml that appeared in its
+    working directory (its own key then refused)."""
+    import os
+
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("POLYGATE")}
+        env["POLYGATE__CHAT__A__BASE_URL"] = url
+        toml = tmp_path / "polygate.toml"
+        if how == "file removed":
+            toml.write_text(f'[serve]\napi_keys = ["{GATEWAY_KEY}"]\n'
+                            f'[scopes.chat.sources.a]\nbase_url = "{url}"\n')
+        else:
+            env["POLYGATE__SERVE__API_KEYS"] = GATEWAY_KEY
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "polygate", "serve", "--port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp_path), env=env)
+        try:
+            assert proc.stdout is not None
+            line = b""
+            with trio.fail_after(30):
+                while not line.endswith(b"\n"):
+                    piece = await proc.stdout.receive_some(1)
+                    assert piece, "the server ended before it listened"
+                    line += piece
+            port = int(line.rsplit(b":", 1)[1])
+            if how == "file removed":
+                toml.unlink()
+            else:
+                toml.write_text('[serve]\napi_keys = ["sk-gw-someone-else-0123456789"]\n'
+                                f'[scopes.chat.sources.a]\nbase_url = "{url}"\n')
+            proc.send_signal(signal.SIGHUP)
+            # The file gone: a reload refused; the environment read again: a reload.
+            counter = "polygate_serve_reload_failures_total" if how == "file removed" \
+                else "polygate_serve_reloads_total"
+            with trio.fail_after(20):
+                while await _metric(port, counter) < 1:  # noqa: ASYNC110 - another process
+                    await trio.sleep(0.05)
+            keyed = await http(_Port(port), "POST", "/v1/chat/completions", CHAT, AUTH)
+            keyless = await http(_Port(port), "POST", "/v1/chat/completions", CHAT)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(20):
+                await proc.wait()
+    assert (keyed.status, keyless.status) == (200, 401)

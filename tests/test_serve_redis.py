@@ -235,3 +235,56 @@ async def test_a_reload_that_fails_after_recovery_opened_the_session_leaves_it_s
         assert (server.metrics.reloads, server.settings) == (0, first)
         server._current = standin  # (the stand-in closes with the server)
         await server.shutdown(grace_s=1)
+
+
+async def test_a_recovery_opening_older_settings_does_not_undo_a_reload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: a reload while the server waits for its governance backend is in force
+    (the backend refused its session too); the background recovery, which had begun
+    opening the older settings, then installed them when the backend answered: the
+    reload undone (a key it revoked accepted again)."""
+    import attrs
+
+    from polygate.serve import _server, open_server
+    from polygate.serve._server import Server
+
+    from ._serve_kit import settings_for, wait_for
+
+    async with FakeUpstream(Reply(tokens=2)).serve() as url:
+        first = settings_for(url)
+        second = attrs.evolve(first, serve=attrs.evolve(first.serve, models={"renamed": "chat"}))
+        original = Server._generation
+        opened: list[Any] = []
+        recovering, answer = trio.Event(), trio.Event()
+
+        async def generation(self: Server, settings: Any, *,
+                             task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            opened.append(settings)
+            if len(opened) == 1:
+                raise GovernanceBackendError("down at the start")
+            if settings is first:  # the recovery: slow, then the backend answers
+                recovering.set()
+                await answer.wait()
+            elif len(opened) == 3:
+                raise GovernanceBackendError("down for the reload")
+            await original(self, settings, task_status=task_status)
+
+        monkeypatch.setattr(Server, "_generation", generation)
+        monkeypatch.setattr(_server, "_RECOVER_FIRST_S", 0.01)
+        async with open_server(first, port=0) as server:
+            await recovering.wait()
+            with pytest.raises(GovernanceBackendError):
+                await server.reload(second)
+            assert server.settings is second  # in force all the same
+            answer.set()
+            # The recovery's older session opens, and is set aside for the reload's.
+            await wait_for(lambda: len(opened) == 4 or server.settings is not second)
+            await wait_for(lambda: not isinstance(server._current.session, _server.UnavailableSession)
+                           or server.settings is not second)
+            assert server.settings is second
+            renamed = await http(server, "POST", "/v1/chat/completions",
+                                 {**CHAT, "model": "renamed"}, AUTH)
+            server.hard_stop()
+    assert opened[3] is second
+    assert renamed.status == 200

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -53,18 +54,27 @@ def add_parser(
     return parser
 
 
+#: Where a reload reads the configuration from when the start read the environment.
+_ENVIRONMENT = ""
+
+
 def _load(config: str | None) -> Any:
+    """``config``: a file; ``None``: where a session without settings looks (``--config``
+    absent); :data:`_ENVIRONMENT`: the ``POLYGATE__…`` keys alone, never a file."""
     import warnings
 
     from .._config import ConfigWarning
-    from .._config_load import load_settings
+    from .._config_load import load_settings, settings_from_env
 
     # A warning (environment keys a file leaves unused, a hedge that can never fire)
     # is one line of the server's log, as check-config prints it: not Python's
     # two-line warning with a file name and source line.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
-        settings = load_settings(path=config)
+        if config == _ENVIRONMENT:
+            settings = settings_from_env(os.environ)
+        else:
+            settings = load_settings(path=config)
     for warning in caught:
         if issubclass(warning.category, ConfigWarning):
             log.warning("warning: %s", warning.message)
@@ -77,6 +87,7 @@ def _load(config: str | None) -> Any:
 def run(args: argparse.Namespace) -> int:
     import trio
 
+    from .._config_load import locate_config
     from .._errors import ConfigError, PolygateError
 
     logging.basicConfig(level=logging.INFO, format="polygate serve: %(message)s", stream=sys.stderr)
@@ -85,9 +96,14 @@ def run(args: argparse.Namespace) -> int:
     # backends already report, once, in their own words.
     logging.getLogger("coredis").setLevel(logging.WARNING)
     try:
-        settings = _load(args.config)
+        # A reload reads the configuration from where the start read it: the file
+        # found now, or the environment -- never a polygate.toml that appears (or
+        # disappears) in the working directory meanwhile, nor a POLYGATE_CONFIG set
+        # since (a server's environment does not change).
+        where = args.config or locate_config() or _ENVIRONMENT
+        settings = _load(args.config or None)
         try:
-            return trio.run(_serve, settings, args)
+            return trio.run(_serve, settings, args, where)
         except BaseExceptionGroup as group:  # (the start's nursery: one error in it)
             leaf = _leaf(group)
             if leaf is group:
@@ -111,7 +127,7 @@ def _leaf(group: BaseExceptionGroup[Any]) -> BaseException:
     return error
 
 
-async def _serve(settings: Any, args: argparse.Namespace) -> int:
+async def _serve(settings: Any, args: argparse.Namespace, where: str) -> int:
     import trio
 
     from ..serve import open_server
@@ -156,7 +172,7 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
                     async for _ in asked:
                         reloading = True
                         try:
-                            await _reload(server, args)
+                            await _reload(server, where)
                         finally:
                             reloading = False
 
@@ -189,12 +205,13 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _reload(server: Any, args: argparse.Namespace) -> None:
+async def _reload(server: Any, where: str) -> None:
+    """Read the configuration again from ``where`` (a file, or :data:`_ENVIRONMENT`)."""
     from .._errors import PolygateError
 
     settings = None
     try:
-        settings = _load(args.config)
+        settings = _load(where)
         await server.reload(settings)
     except PolygateError as exc:
         if settings is not None and server.settings is settings:

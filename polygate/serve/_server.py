@@ -210,21 +210,29 @@ class Server:
         period; the generation it opens replaces the stand-in."""
         assert self._sessions is not None
         with self._recovering:
-            delay = _RECOVER_FIRST_S
+            delay = wait = _RECOVER_FIRST_S
             while True:
-                await trio.sleep(delay)
+                await trio.sleep(wait)
                 assert self._current is not None
                 settings = self._current.settings  # a reload may have changed them
                 try:
                     new: Gateway = await self._sessions.start(self._generation, settings)
                 except GovernanceBackendError as exc:
-                    delay = min(delay * 2, _RECOVER_MAX_S)
+                    delay = wait = min(delay * 2, _RECOVER_MAX_S)
                     log.warning("governance backend still unreachable (%s); retrying in %.1f s",
                                 exc, delay)
                     continue
                 if self._recovering.cancel_called:  # a reload got there first
                     new.retire()
                     return
+                if self._current.settings is not settings:
+                    # A reload while this opened, refused by the backend and so in force
+                    # as the stand-in's: these settings are no longer the ones to serve
+                    # (installed, they would undo it: a key it revoked accepted again).
+                    # The backend answers now: open the reload's at once.
+                    new.retire()
+                    wait = 0
+                    continue
                 old, self._current = self._current, new
                 old.retire()
                 log.info("governance backend reachable: serving calls")
