@@ -574,12 +574,17 @@ async def cached_embed(
     fetched: set[str] = set()  # the inputs this call's own upstream runs answered
     came: dict[str, str] = {}  # how the others came: "hit" or "coalesced"
 
+    # An entry that did not decode, by key: met again (the memory backend's local look
+    # before a claim, a flight's value) it is the same miss, counted once (as chat's).
+    rejected: dict[str, bytes] = {}
+
     def take(key: str, data: bytes | None) -> bool:
-        if data is None:
+        if data is None or rejected.get(key) == data:
             return False
         try:
             found[key] = decode_vector(data)
         except ValueError as exc:
+            rejected[key] = data
             cache.failed(f"a cached embedding did not decode ({exc})", pause=False)
             return False
         return True

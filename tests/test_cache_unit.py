@@ -358,6 +358,25 @@ async def test_a_slow_lookup_never_uses_up_the_deadline(
         assert stats.hits == 0
 
 
+async def test_an_undecodable_embedding_is_one_miss_and_one_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: embed looked at a damaged entry twice (the lookup, then the memory
+    backend's local look before its claim) and counted two errors for it."""
+    up = FakeUpstream(Reply())
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)}, cache="memory")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        first = await s.embed(["q"], scope="embed")
+        memory: MemoryBackend = s._cache.backend  # type: ignore[union-attr]
+        key = next(iter(memory._data))
+        memory.put_now([(key, b"garbage", 60)])
+        again = await s.embed(["q"], scope="embed")
+        stats = (await s.statistics()).cache
+    assert again.vectors == first.vectors and not again.call_stats.cached
+    assert (stats.misses, stats.errors) == (2, 1), stats
+
+
 async def test_an_undecodable_entry_is_a_miss(autojump_clock: trio.testing.MockClock) -> None:
     up = FakeUpstream(Reply(text="fresh"))
     settings = polygate.Settings(scopes={"chat": polygate.Scope(
