@@ -995,3 +995,37 @@ def test_a_call_deadline_inside_an_admission_says_nothing_of_redis(
             assert await backend.budget_level("chat", 2.0) == 2.0  # as memory: 1.5 + 0.5
 
     trio.run(body)
+
+
+@pytest.mark.parametrize("mode", ["oom", "readonly"])
+async def test_an_admission_refused_with_an_error_reply_is_not_abandoned(
+    own_redis: RedisServer, mode: str
+) -> None:
+    """Review: an admission Redis answered with an error (OOM, a READONLY replica)
+    was counted as abandoned, one entry a call, re-voided every lease_s/3 while the
+    outage lasted (each void refused too): an error reply is an answer, and the
+    script was refused at its first write."""
+    import polygate
+    from polygate.testing import FakeUpstream, Reply
+
+    url = f"{own_redis.url}?timeout_s=0.5&prefix=ab{secrets.token_hex(3)}"
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])}, backend=url)
+    messages = [{"role": "user", "content": "hi"}]
+    async with polygate.session(settings, transport=FakeUpstream(Reply(tokens=2)).transport()) as s:
+        backend: Any = s._runtime.governor.backend
+        assert (await s.chat(messages)).text
+        if mode == "oom":
+            _redis_server.command(own_redis.port, "CONFIG", "SET", "maxmemory", "1")
+        else:
+            _redis_server.command(own_redis.port, "REPLICAOF", "127.0.0.1", "1")
+        try:
+            for _ in range(5):
+                with pytest.raises(polygate.GovernanceBackendError):
+                    await s.chat(messages)
+        finally:
+            _redis_server.command(own_redis.port, "CONFIG", "SET", "maxmemory", "0")
+            _redis_server.command(own_redis.port, "REPLICAOF", "NO", "ONE")
+        assert (await s.chat(messages)).text
+        assert backend.statistics().abandoned == 0
+        assert not backend._abandoned

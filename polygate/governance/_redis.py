@@ -439,10 +439,12 @@ class RedisBackend:
         try:
             reply = await self._script(
                 _ADMIT, self._source_keys(key), args, "admit", deadline=deadline, sent=sent)
-        except GovernanceBackendError:
-            if sent:
-                # It may be granted all the same (a hung Redis runs it later): void it
-                # once Redis answers again, rather than leave its permit to the lease.
+        except GovernanceBackendError as exc:
+            # An error reply (OOM, READONLY, a wrong password) is an answer: the script
+            # was refused at its first write, or did not run.  Only an admission whose
+            # answer never came may be granted all the same (a hung Redis runs it later):
+            # void it once Redis answers again, rather than leave its permit to the lease.
+            if sent and not isinstance(exc.__cause__, self._errors.ResponseError):
                 self._abandoned[(request.scope, request.source, member)] = trio.current_time()
                 self._abandoned_total += 1
             # Cut at the caller's deadline: its cancellation, due now, says so.
