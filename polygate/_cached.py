@@ -523,8 +523,8 @@ def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
                 deltas.append({name: value})
         calls = message.get("tool_calls")
         if isinstance(calls, list) and calls:
-            deltas.append({"tool_calls": [
-                {"index": i, **c} if isinstance(c, dict) else c for i, c in enumerate(calls)
+            deltas.append({"tool_calls": [  # (by position: see message_delta)
+                {**c, "index": i} if isinstance(c, dict) else c for i, c in enumerate(calls)
             ]})
         logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else None
         for n, delta in enumerate(deltas):

@@ -544,8 +544,10 @@ class ChatStream:
                     send.send_nowait(StreamChunk(text=response.text, delta=delta, raw=response.raw))
                     if response.text:
                         self.text_parts.append(response.text)
-                self._end_sent = True
                 await send.send(_Done(response))
+                # Only once it is in the channel: a send cancelled as the block exits
+                # (the channel full) sent no end, and a reader must hear the cut.
+                self._end_sent = True
 
     def __aiter__(self) -> ChatStream:
         return self

@@ -153,7 +153,7 @@ class _Copies:
     """Characters the assembler's joins copy (its ``_join`` seam), counted."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from polygate.transport import _assemble
+        from polygate import _types
 
         self.copied = 0
         real_join = "".join
@@ -163,7 +163,7 @@ class _Copies:
             self.copied += len(joined)
             return joined
 
-        monkeypatch.setattr(_assemble, "_join", counting_join)
+        monkeypatch.setattr(_types, "_join", counting_join)
 
 
 def test_text_parts_copies_each_character_a_logarithmic_number_of_times(

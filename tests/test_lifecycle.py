@@ -527,3 +527,38 @@ def test_leaving_a_session_block_never_entered_is_refused_without_opening_it(
     assert not db.exists()
     assert len(seen) == 1 and type(seen[0]) is polygate.PolygateError, seen
     assert "never entered" in str(seen[0])
+
+
+@pytest.mark.parametrize("tokens", [31, 32, 33])
+def test_a_reader_as_the_block_exits_with_the_end_unsent_hears_the_cut(tokens: int) -> None:
+    """Review: with the channel full, the producer waits to send the end as the block
+    exits; it counted the end as sent before the send, so another task reading then
+    got every chunk and a clean end, with no response."""
+
+    async def main() -> list[str]:
+        seen: list[str] = []
+        go = trio.Event()
+
+        async def read(stream: polygate.ChatStream) -> None:
+            await go.wait()
+            try:
+                async for _ in stream:
+                    pass
+            except polygate.PolygateError as exc:
+                seen.append(f"error: {exc}")
+            else:
+                seen.append(f"clean end, response={stream.response is not None}")
+
+        up = FakeUpstream(Reply(tokens=tokens))
+        async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+            stream = s.stream_chat(MESSAGES)
+            async with trio.open_nursery() as nursery:
+                async with stream:
+                    nursery.start_soon(read, stream)
+                    await trio.sleep(1)  # (the answer is in: MockClock)
+                    await trio.testing.wait_all_tasks_blocked()
+                    go.set()  # the reader wakes as this block exits
+        return seen
+
+    seen = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert len(seen) == 1 and seen[0] != "clean end, response=False", seen

@@ -288,3 +288,45 @@ async def test_a_recovery_opening_older_settings_does_not_undo_a_reload(
             server.hard_stop()
     assert opened[3] is second
     assert renamed.status == 200
+
+
+async def test_settings_in_force_that_cannot_open_once_the_backend_answers_do_not_end_the_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Review: a reload the backend refused is in force while the server waits for
+    it; when the backend answered and those settings failed to open otherwise (their
+    telemetry database), the error left the server's nursery: the server ended,
+    where the same reload with the backend up is only refused."""
+    from polygate.serve import _server, open_server
+    from polygate.serve._server import Server
+
+    from ._serve_kit import settings_for, wait_for
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    async with FakeUpstream(Reply(tokens=2)).serve() as url:
+        first = settings_for(url)
+        bad = settings_for(url, telemetry=f"sqlite:///{blocker}/under/t.db")
+        original = Server._generation
+        opened: list[Any] = []
+        down = [True]
+
+        async def generation(self: Server, settings: Any, *,
+                             task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            opened.append(settings)
+            if down[0]:
+                raise GovernanceBackendError("down")
+            await original(self, settings, task_status=task_status)
+
+        monkeypatch.setattr(Server, "_generation", generation)
+        monkeypatch.setattr(_server, "_RECOVER_FIRST_S", 0.01)
+        async with open_server(first, port=0) as server:
+            with pytest.raises(GovernanceBackendError):
+                await server.reload(bad)
+            down[0] = False  # the backend answers: `bad` cannot open all the same
+            tried = len(opened)
+            await wait_for(lambda: len(opened) >= tried + 2)  # tried, and tried again
+            answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+            server.hard_stop()
+    assert answer.status == 503
+    assert "the configuration in force cannot open its session" in caplog.text

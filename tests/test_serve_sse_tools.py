@@ -6,12 +6,16 @@ names, and name fragments."""
 from __future__ import annotations
 
 import json
+import tracemalloc
 from typing import Any
 
+import httpx
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.lib.streaming._deltas import accumulate_delta
 
+import polygate
 from polygate._types import StreamChunk
 from polygate.serve._sse import StreamShape
 from polygate.transport import ChatAssembler
@@ -96,3 +100,107 @@ def test_the_sdk_assembles_the_relayed_tool_calls_as_the_library_does(deltas: An
     for index, ((sdk_id, _, _), (lib_id, _, _)) in enumerate(zip(sdk, library, strict=True)):
         if len(ids.get(index, ())) <= 1:
             assert sdk_id == lib_id
+
+
+def _relay_chunks(chunks: list[StreamChunk]) -> list[dict[str, Any]]:
+    shape = StreamShape()
+    out = b"".join(shape.chunk(chunk) for chunk in chunks)
+    return [json.loads(line[6:]) for line in out.split(b"\n\n") if line.startswith(b"data: {")]
+
+
+def test_an_indexless_call_that_names_a_new_call_is_a_new_call_next_to_explicit_indexes() -> None:
+    """Review: docs/reference.md: a call delta without an index that names a call (an id not
+    the last call's, a name) 'starts a new call'.  indexless_call gives it
+    len(calls) as its index, which an explicit index already holds when the
+    explicit indexes are not 0..n-1 (here an upstream that counts from 1): the two
+    calls are merged into one, id overwritten, names joined ("f1f2")."""
+    chunks = [
+        {**BASE, "choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 1, "id": "a", "type": "function", "function": {"name": "f1", "arguments": "{}"}}]}}]},
+        {**BASE, "choices": [{"index": 0, "delta": {"tool_calls": [
+            {"id": "b", "type": "function", "function": {"name": "f2", "arguments": "{}"}}]}}]},
+    ]
+    assembler = ChatAssembler()
+    for chunk in chunks:
+        assembler.add(chunk)
+    calls = assembler.build()["choices"][0]["message"]["tool_calls"]
+    assert [(c["id"], c["function"]["name"]) for c in calls] == [("a", "f1"), ("b", "f2")], calls
+
+
+def test_the_relay_keeps_tool_call_names_compact_like_the_assembler() -> None:
+    """Review: a hostile upstream sends a tool name in many small fragments.  The library's
+    assembler holds them joined as it goes (TextParts: ~1 byte a character, the
+    documented reason streams stay affordable); StreamShape's _Name keeps every
+    fragment as its own str in a plain list for the whole stream (~45 bytes a
+    character): a 32 MiB body holds ~60 MiB in the gateway, per stream."""
+    fragments = 40_000
+    first = {**BASE, "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "c1", "type": "function", "function": {"name": "ab", "arguments": ""}}]}}]}
+    body = json.dumps({**BASE, "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"name": "字x"}}] * 50}}]})
+
+    def held(make: Any, feed: Any) -> int:
+        tracemalloc.start()
+        obj = make()
+        feed(obj, first)
+        for _ in range(fragments // 50):
+            feed(obj, json.loads(body))
+        size = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        del obj
+        return size
+
+    library = held(ChatAssembler, lambda a, c: a.add(c))
+    relay = held(StreamShape, lambda s, c: s.chunk(StreamChunk(text="", delta={}, raw=c)))
+    characters = 2 * fragments
+    assert relay < 4 * characters + library, (relay, library, characters)
+
+
+def _non_streamed_source_stream(body: dict[str, Any]) -> tuple[list[StreamChunk], Any]:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=body)
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", api_key="sk-x", streaming=False)])})
+
+    async def main() -> tuple[list[StreamChunk], Any]:
+        async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+            async with s.stream_chat([{"role": "user", "content": "hi"}]) as stream:
+                got = [c async for c in stream]
+            return got, stream.response
+
+    return trio.run(main)
+
+
+def test_a_whole_answer_whose_calls_carry_one_index_reaches_the_client_as_the_json_answer() -> None:
+    """Review: a source that cannot stream answers with two tool calls that both say
+    "index": 0 (message_delta keeps an index that is there): the JSON answer has two
+    calls; the relayed whole-answer chunk makes the SDK merge them into one."""
+    body = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": None, "tool_calls": [
+                    {"index": 0, "id": "a", "type": "function", "function": {"name": "f1", "arguments": "{}"}},
+                    {"index": 0, "id": "b", "type": "function", "function": {"name": "f2", "arguments": "{}"}},
+                ]}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    chunks, response = _non_streamed_source_stream(body)
+    library = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+               for c in response.message["tool_calls"]]
+    assert _sdk_calls(_relay_chunks(chunks)) == library
+
+
+def test_two_entries_of_one_choice_in_a_chunk_keep_their_own_tool_calls() -> None:
+    """Review: a chunk listing choice 0 twice (the library folds both entries in, in order).
+    retooled is keyed by choice index, so _reshaped gives the second entry's
+    shaped calls to both entries: the SDK gets call b twice and never call a."""
+    chunks = [StreamChunk(text="", delta={}, raw={**BASE, "choices": [
+        {"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "a", "type": "function", "function": {"name": "f1", "arguments": "{}"}}]}},
+        {"index": 0, "delta": {"tool_calls": [
+            {"id": "b", "type": "function", "function": {"name": "f2", "arguments": "{}"}}]}},
+    ]})]
+    assembler = ChatAssembler()
+    assembler.add(chunks[0].raw)
+    library = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+               for c in assembler.build()["choices"][0]["message"]["tool_calls"]]
+    assert _sdk_calls(_relay_chunks(chunks)) == library

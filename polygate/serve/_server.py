@@ -37,7 +37,7 @@ import trio
 
 from .._config import FieldError, Settings
 from .._context import fresh_call_id
-from .._errors import ConfigError, GovernanceBackendError
+from .._errors import ConfigError, GovernanceBackendError, PolygateError
 from .._session import Session, SharedBackends, session_on
 from ._app import NO_CALL, Context, Gateway, answer, endpoint_label
 from ._errors import error_body
@@ -221,6 +221,15 @@ class Server:
                     delay = wait = min(delay * 2, _RECOVER_MAX_S)
                     log.warning("governance backend still unreachable (%s); retrying in %.1f s",
                                 exc, delay)
+                    continue
+                except PolygateError as exc:
+                    # The backend answers, but the configuration in force cannot open
+                    # otherwise (a reload the backend refused first, whose telemetry
+                    # database cannot open, say).  The server goes on answering 503s
+                    # and trying: a reload of a fixed file takes over, as any does.
+                    delay = wait = min(delay * 2, _RECOVER_MAX_S)
+                    log.error("the configuration in force cannot open its session (%s); "
+                              "retrying in %.1f s", exc, delay)
                     continue
                 if self._recovering.cancel_called:  # a reload got there first
                     new.retire()

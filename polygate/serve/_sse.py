@@ -29,6 +29,7 @@ from .._types import (
     MAX_CHOICES,
     ChatResponse,
     StreamChunk,
+    TextParts,
     Usage,
     carries_something,
     choice_index,
@@ -108,9 +109,11 @@ class StreamShape:
         # chunks, and a client assembling choices by index reads the role from there.
         unroled: list[tuple[int, str | None]] | None = None
         unrole: set[int] | None = None  # choices whose first delta's role goes on its own
-        retooled: dict[int, list[dict[str, Any]]] | None = None  # choices' tool calls, shaped
+        # Tool calls shaped (see _tool_calls), by the entry's place in ``choices``: one
+        # chunk may hold two entries of one choice.
+        retooled: dict[int, list[dict[str, Any]]] | None = None
         dropping = False
-        for choice in choices:
+        for position, choice in enumerate(choices):
             index = choice_index(choice)
             if index is None:  # (never, after the check above)
                 continue
@@ -118,12 +121,12 @@ class StreamShape:
                 dropping = True
                 continue
             delta = choice.get("delta")
-            if isinstance(delta, Mapping) and delta.get("tool_calls"):
+            if type(delta) is dict and delta.get("tool_calls"):  # (per chunk: no isinstance)
                 shaped = self._tool_calls(index, delta["tool_calls"])
                 if shaped is not None:
                     if retooled is None:
                         retooled = {}
-                    retooled[index] = shaped
+                    retooled[position] = shaped
             if index not in self._roled:
                 # The choices below it first, whatever they begin with (null: a client's
                 # accumulator takes text over it): the OpenAI SDK's stream helper puts a
@@ -161,11 +164,12 @@ class StreamShape:
                     unrole = {index} if unrole is None else {*unrole, index}
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
+        if unrole is not None or retooled is not None:
+            choices = [_reshaped(c, position, unrole, retooled) for position, c in enumerate(choices)]
+            raw = {**raw, "choices": choices}
         if dropping:
             choices = [c for c in choices if _relayed(c, choice_index(c) or 0)]
             raw = {**raw, "choices": choices}
-        if unrole is not None or retooled is not None:
-            raw = {**raw, "choices": [_reshaped(c, unrole, retooled) for c in choices]}
         if unroled is None:
             return _event(raw)
         unroled.sort(key=itemgetter(0))
@@ -276,12 +280,13 @@ class StreamShape:
 
 
 class _Name:
-    """A tool call's name as the client has it so far (as pieces)."""
+    """A tool call's name as the client has it so far (as pieces joined as they come,
+    as the assembler holds them: a name in one-character fragments stays compact)."""
 
     __slots__ = ("name", "size")
 
     def __init__(self) -> None:
-        self.name: list[str] = []
+        self.name: list[str] = TextParts()
         self.size = 0
 
     def repeat(self, name: str) -> str | None:
@@ -292,20 +297,22 @@ class _Name:
         only then, so the work is paid by the bytes received)."""
         size = self.size
         if size >= 2 and len(name) >= size and name.startswith("".join(self.name)):
-            self.name, self.size = [name], len(name)
+            self.name = TextParts()
+            self.name.append(name)
+            self.size = len(name)
             return name[size:]
         self.name.append(name)
         self.size = size + len(name)
         return None
 
 
-def _reshaped(choice: dict[str, Any], unrole: set[int] | None,
+def _reshaped(choice: dict[str, Any], position: int, unrole: set[int] | None,
               retooled: dict[int, list[dict[str, Any]]] | None) -> dict[str, Any]:
-    """``choice`` with its delta's role left out (``unrole``) and its tool calls
-    replaced (``retooled``), as :meth:`StreamShape.chunk` decided."""
-    index = choice_index(choice)
-    drop = unrole is not None and index in unrole
-    tools = retooled.get(index) if retooled is not None and index is not None else None
+    """``choice``, at ``position`` in its chunk, with its delta's role left out
+    (``unrole``, by choice index) and its tool calls replaced (``retooled``, by
+    position), as :meth:`StreamShape.chunk` decided."""
+    drop = unrole is not None and choice_index(choice) in unrole
+    tools = retooled.get(position) if retooled is not None else None
     if not drop and tools is None:
         return choice
     delta = {k: v for k, v in choice["delta"].items() if not (drop and k == "role")}

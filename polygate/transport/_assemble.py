@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import TransientUpstreamError
-from .._types import carries_something, choice_index, indexless_call, parts_text
+from .._types import TextParts, carries_something, choice_index, indexless_call, parts_text
 
 __all__ = [
     "ChatAssembler", "TextParts", "drop_last", "has_content", "message_text", "malformed_index",
@@ -95,8 +95,6 @@ def message_text(message: dict[str, Any]) -> str:
     return ""
 
 
-_join = "".join  # a seam: tests count the characters joins copy
-_append = list.append
 
 
 def malformed_index(choice: dict[str, Any], what: str) -> str:
@@ -114,40 +112,6 @@ def index_over(index: int, max_choices: int, what: str) -> str:
     than that.  (Taken as a choice, it cost the gateway's relay a role for every index
     below it: seconds of the event loop for one chunk.)"""
     return f"{what}: choice index {index}, over the {max_choices} choices one answer may hold"
-
-
-class TextParts(list[str]):
-    """A list of text pieces that joins them as a 16-ary tree while they arrive.
-
-    A streamed answer arrives a token at a time; each piece is a small ``str`` with
-    ~50 bytes of object overhead, kept until the answer is assembled.  Joining as it
-    goes keeps a long answer near one byte per character instead of ~60 per token —
-    what makes thousands of concurrent streams affordable.
-
-    Every 16th piece joins the last 16 (level 0); every 256th then joins the last 16
-    of those (level 1); and so on, like a base-16 counter's carries.  Each character
-    is thus copied once per level — ``log16`` of the piece count, 5 for a million
-    pieces — so the work stays linear in the bytes received (docs/security.md),
-    where rejoining the whole text every 16 pieces was quadratic.  At most 15 pieces
-    wait at each level.  Only ``append`` compacts; reading is as for any list.
-    """
-
-    __slots__ = ("_appended",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._appended = 0
-
-    def append(self, piece: str) -> None:
-        _append(self, piece)
-        carries = self._appended = self._appended + 1
-        if carries & 15:  # 15 appends in 16 end here (the hot path: one token)
-            return
-        while not carries & 15:
-            carries >>= 4
-            joined = _join(self[-16:])
-            del self[-16:]
-            _append(self, joined)
 
 
 def drop_last(parts: list[str], text: str) -> None:
