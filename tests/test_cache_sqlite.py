@@ -183,6 +183,41 @@ async def test_a_file_locked_when_the_session_opens_does_not_hold_it(tmp_path: P
     assert opened_in < 1.0 and r.text == "answer"
 
 
+async def test_a_file_locked_exclusively_when_the_session_opens_fails_open(tmp_path: Path) -> None:
+    """Review: another process holding the file exclusively (``locking_mode =
+    EXCLUSIVE``) made the session wait 5 s and refuse to open (a ConfigError): every
+    call failed, where SPEC §8.3 has a file locked past its timeout be a miss.  The
+    session opens within the timeout, its calls go upstream, and once the lock is
+    gone the first write opens the file and stores."""
+    path = tmp_path / "c.db"
+    url = f"sqlite://{path}?timeout_s=0.05"
+    up = FakeUpstream(Reply(text="answer"))
+    async with polygate.session(_settings(url), transport=Router({"a": up})):
+        pass  # the file and its schema
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
+    blocker.execute("BEGIN EXCLUSIVE")
+    started = time.monotonic()
+    try:
+        with trio.fail_after(5):
+            async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+                opened_in = time.monotonic() - started
+                r = await s.chat(MESSAGES)
+                blocker.execute("ROLLBACK")
+                blocker.close()
+                blocker = None
+                await trio.sleep(0.5)  # real time: past the pause the lock's failure began
+                stored = await s.chat([{"role": "user", "content": "after the lock"}])
+        async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+            hit = await s.chat([{"role": "user", "content": "after the lock"}])
+    finally:
+        if blocker is not None:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+    assert opened_in < 1.0 and r.text == "answer" and not r.call_stats.cached
+    assert stored.text == "answer" and hit.call_stats.cached
+
+
 async def test_a_file_that_cannot_be_read_fails_open(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
     up = FakeUpstream(Reply(text="answer"))

@@ -38,6 +38,7 @@ mode of the database), whatever the umask.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
@@ -53,6 +54,8 @@ from .._threads import run_sync
 from ._backend import CacheBackendError, Entry
 
 __all__ = ["SQLiteBackend"]
+
+log = logging.getLogger("polygate.cache")
 
 T = TypeVar("T")
 
@@ -108,6 +111,7 @@ class SQLiteBackend:
         self._where = f"sqlite://{path}"
         self._readers: list[sqlite3.Connection] = []  # idle read connections
         self._writer: sqlite3.Connection | None = None
+        self._unopened = False  # locked at the start: the first write opens it
         self._write_lock = threading.Lock()
         self._pool_lock = threading.Lock()
         self._closed = False
@@ -122,41 +126,54 @@ class SQLiteBackend:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Create the folder, the file and the table (ConfigError when it cannot)."""
+        """Create the folder, the file and the table (ConfigError when it cannot).  A
+        file locked past ``timeout_s`` (another process holds it exclusively) is no
+        reason to refuse the session: the cache fails open, as for a Redis that does
+        not answer, and the first write opens it again."""
         await run_sync(self._open)
 
     def _open(self) -> None:
         try:
             _make_private(self.path)
-            conn = self._connect(busy_s=max(self.timeout_s, 5.0))
+            conn = self._connect(busy_s=self.timeout_s)
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(f"cannot open the cache database {self._where}: {exc}") from None
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            found = conn.execute("PRAGMA user_version").fetchone()[0]
-            if found > _SCHEMA_VERSION:
-                raise ConfigError(
-                    f"the cache database {self._where} was written by a newer polygate "
-                    f"(format {found}); point the cache elsewhere or upgrade"
-                )
-            if found != _SCHEMA_VERSION:
-                # Only a file without the schema is written here: one that has it opens
-                # without the write lock, so that another process writing to it does not
-                # hold this session's start (it waited 5 s, then refused the file).
-                conn.execute("BEGIN IMMEDIATE")
-                for statement in _SCHEMA:
-                    conn.execute(statement)
-                conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
-                conn.execute("COMMIT")
-            conn.execute(f"PRAGMA busy_timeout = {int(self.timeout_s * 1000)}")
+            self._prepare(conn, ConfigError)
         except ConfigError:
             conn.close()
             raise
         except sqlite3.Error as exc:
             conn.close()
+            if isinstance(exc, sqlite3.OperationalError) and _busy(exc):
+                self._unopened = True
+                log.warning("cache %s: the file is locked (%s); the cache fails open until "
+                            "it can be written", self._where, exc)
+                return
             raise ConfigError(f"cannot use {self._where} as a cache database: {exc}") from None
         self._writer = conn
+
+    def _prepare(self, conn: sqlite3.Connection, newer: type[Exception]) -> None:
+        """WAL, the schema when the file has none, and the busy timeout; ``newer``: the
+        error for a file a newer polygate wrote."""
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        found = conn.execute("PRAGMA user_version").fetchone()[0]
+        if found > _SCHEMA_VERSION:
+            raise newer(
+                f"the cache database {self._where} was written by a newer polygate "
+                f"(format {found}); point the cache elsewhere or upgrade"
+            )
+        if found != _SCHEMA_VERSION:
+            # Only a file without the schema is written here: one that has it opens
+            # without the write lock, so that another process writing to it does not
+            # hold this session's start (it waited 5 s, then refused the file).
+            conn.execute("BEGIN IMMEDIATE")
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        conn.execute(f"PRAGMA busy_timeout = {int(self.timeout_s * 1000)}")
 
     def _connect(self, busy_s: float) -> sqlite3.Connection:
         return sqlite3.connect(
@@ -318,7 +335,9 @@ class SQLiteBackend:
         with self._write_lock:
             conn = self._writer
             if conn is None:
-                raise CacheBackendError(f"cache {self._where} is closed")
+                if self._closed or not self._unopened:
+                    raise CacheBackendError(f"cache {self._where} is closed")
+                conn = self._writer = self._late_open()
             now = self._clock()
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -332,6 +351,18 @@ class SQLiteBackend:
                     with contextlib.suppress(sqlite3.Error):
                         conn.execute("ROLLBACK")
                 raise
+
+
+    def _late_open(self) -> sqlite3.Connection:
+        """The writer of a file that was locked at the start (under the write lock)."""
+        conn = self._connect(busy_s=self.timeout_s)
+        try:
+            self._prepare(conn, CacheBackendError)
+        except BaseException:
+            conn.close()
+            raise
+        self._unopened = False
+        return conn
 
 
 def _make_private(path: Path) -> None:
