@@ -38,7 +38,8 @@ it is cleanup that must not be lost, so it is shielded too, and retried (backing
 from 20 ms) for up to ``settle_s`` (default ``timeout_s``).  If it still fails the
 response is returned anyway; the failure is counted in :meth:`statistics` and logged,
 and the lease (below) returns the permit.  So a call deadline can be overrun by at most
-``settle_s`` while a broken Redis is being given up on.
+the longer of ``timeout_s`` (the first try's bound) and ``settle_s`` while a broken Redis
+is being given up on.
 
 **Leases.**  A permit is a lease that expires ``lease_s`` (default 15 s) after it was
 last renewed.  The backend remembers its open admissions and a background task renews
