@@ -218,6 +218,72 @@ async def test_a_file_locked_exclusively_when_the_session_opens_fails_open(tmp_p
     assert stored.text == "answer" and hit.call_stats.cached
 
 
+async def test_an_empty_file_locked_at_the_start_is_opened_by_the_first_look_after_the_lock(
+    tmp_path: Path,
+) -> None:
+    """Review: a file with no schema yet, locked exclusively as the session opened:
+    every lookup then failed ("no such table"), pausing the cache, and a write during
+    a pause is dropped: it was never written.  The first lookup after the lock opens
+    the file (its schema made), and the answer is stored."""
+    path = tmp_path / "c.db"
+    url = f"sqlite://{path}?timeout_s=0.05"
+    up = FakeUpstream(Reply(text="answer"))
+    blocker: sqlite3.Connection | None = sqlite3.connect(path, isolation_level=None)
+    assert blocker is not None
+    blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        with trio.fail_after(10):
+            async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+                await s.chat(MESSAGES)  # a miss: the file is locked
+                blocker.execute("ROLLBACK")
+                blocker.close()
+                blocker = None
+                await trio.sleep(0.5)  # real time: past the pause the failure began
+                await s.chat([{"role": "user", "content": "after the lock"}])
+            async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+                hit = await s.chat([{"role": "user", "content": "after the lock"}])
+    finally:
+        if blocker is not None:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+    assert hit.call_stats.cached
+
+
+async def test_a_newer_file_locked_at_the_start_is_never_read(tmp_path: Path) -> None:
+    """Review: a file a newer polygate wrote is refused when the session opens; locked
+    then, it failed open, and once the lock was gone lookups read it (a hit served
+    from another format's rows): its format was checked by a write only."""
+    path = tmp_path / "c.db"
+    url = f"sqlite://{path}?timeout_s=0.05"
+    up = FakeUpstream(Reply(text="answer"))
+    async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA user_version = 2")
+    conn.close()
+    blocker: sqlite3.Connection | None = sqlite3.connect(path, isolation_level=None)
+    assert blocker is not None
+    blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        with trio.fail_after(10):
+            async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+                blocker.execute("ROLLBACK")
+                blocker.close()
+                blocker = None
+                first = await s.chat(MESSAGES)
+                await trio.sleep(0.5)  # real time: past the pause
+                again = await s.chat(MESSAGES)
+                stats = (await s.statistics()).cache
+    finally:
+        if blocker is not None:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+    assert not first.call_stats.cached and not again.call_stats.cached
+    assert stats.hits == 0 and stats.errors >= 1
+
+
 async def test_a_file_that_cannot_be_read_fails_open(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
     up = FakeUpstream(Reply(text="answer"))

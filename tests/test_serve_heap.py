@@ -82,7 +82,7 @@ async def test_the_server_settles_its_heap_when_it_listens_and_after_a_reload(
     config = _config(tmp_path / "c.toml")
     args = argparse.Namespace(config=str(config), host="127.0.0.1", port=0)
     with trio.fail_after(15):
-        status = await serve_cli._serve(serve_cli._load(str(config)), args)
+        status = await serve_cli._serve(serve_cli._load(str(config)), args, str(config))
     assert status == 0
     assert settled == [0, 1]  # once listening, once after the reload
 
@@ -98,8 +98,8 @@ async def test_a_refused_reload_settles_nothing(
         config.write_text("[scopes.chat.sources.a]\nbase_url = 42\n")  # the reload is refused
         os.kill(os.getpid(), signal.SIGHUP)
 
-    async def reload_then_stop(server: object, args: argparse.Namespace) -> None:
-        await real_reload(server, args)
+    async def reload_then_stop(server: object, where: str) -> None:
+        await real_reload(server, where)
         os.kill(os.getpid(), signal.SIGTERM)
 
     real_reload = serve_cli._reload
@@ -107,7 +107,7 @@ async def test_a_refused_reload_settles_nothing(
     monkeypatch.setattr(serve_cli, "_reload", reload_then_stop)
     args = argparse.Namespace(config=str(config), host="127.0.0.1", port=0)
     with trio.fail_after(15):
-        status = await serve_cli._serve(serve_cli._load(str(config)), args)
+        status = await serve_cli._serve(serve_cli._load(str(config)), args, str(config))
     assert status == 0
     assert settled == [0]
 
@@ -126,8 +126,8 @@ async def test_a_reload_that_fails_unexpectedly_is_refused_and_the_server_goes_o
     def broken_load(path: str) -> object:
         raise RuntimeError("a bug in reading the file")
 
-    async def reload_then_stop(server: object, args: argparse.Namespace) -> None:
-        await real_reload(server, args)  # (raising, it ends the server: the test fails)
+    async def reload_then_stop(server: object, where: str) -> None:
+        await real_reload(server, where)  # (raising, it ends the server: the test fails)
         os.kill(os.getpid(), signal.SIGTERM)
 
     real_reload = serve_cli._reload
@@ -137,6 +137,6 @@ async def test_a_reload_that_fails_unexpectedly_is_refused_and_the_server_goes_o
     monkeypatch.setattr(serve_cli, "_reload", reload_then_stop)
     args = argparse.Namespace(config=str(config), host="127.0.0.1", port=0)
     with trio.fail_after(15):
-        status = await serve_cli._serve(settings, args)
+        status = await serve_cli._serve(settings, args, str(config))
     assert status == 0
     assert any("reload refused" in r.getMessage() for r in caplog.records)

@@ -204,3 +204,16 @@ def test_two_entries_of_one_choice_in_a_chunk_keep_their_own_tool_calls() -> Non
     library = [(c["id"], c["function"]["name"], c["function"]["arguments"])
                for c in assembler.build()["choices"][0]["message"]["tool_calls"]]
     assert _sdk_calls(_relay_chunks(chunks)) == library
+
+
+def test_a_null_delta_entry_of_a_choice_whose_role_is_dropped_does_not_break_the_relay() -> None:
+    """Review: OpenRouter repeats the role on every delta; a chunk that also listed
+    choice 0 a second time with a null delta made the relay raise AttributeError
+    mid-stream (the client's connection closed with no error event, no [DONE])."""
+    chunks = [
+        {**BASE, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]},
+        {**BASE, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "b"}},
+                             {"index": 0, "delta": None}]},
+    ]
+    texts = [c["delta"].get("content") for event in _relay(chunks) for c in event["choices"]]
+    assert [t for t in texts if t] == ["a", "b"]

@@ -111,7 +111,8 @@ class SQLiteBackend:
         self._where = f"sqlite://{path}"
         self._readers: list[sqlite3.Connection] = []  # idle read connections
         self._writer: sqlite3.Connection | None = None
-        self._unopened = False  # locked at the start: the first write opens it
+        self._unopened = False  # locked at the start: the first read or write opens it
+        self._refused: str | None = None  # why the file is never used (a newer format)
         self._write_lock = threading.Lock()
         self._pool_lock = threading.Lock()
         self._closed = False
@@ -252,6 +253,15 @@ class SQLiteBackend:
             if op.state != "new":
                 raise CacheBackendError("abandoned before it started")
             op.state = "running"
+        if self._unopened or self._refused is not None:
+            try:
+                self._open_late()  # a file locked at the start: read it only once opened
+            except BaseException:
+                with self._pool_lock:
+                    op.state = "done"
+                if op.conn is not None:
+                    self._give_back(op.conn)
+                raise
         if op.conn is None:
             op.conn = self._connect(busy_s=self.timeout_s)
         conn = op.conn
@@ -335,9 +345,7 @@ class SQLiteBackend:
         with self._write_lock:
             conn = self._writer
             if conn is None:
-                if self._closed or not self._unopened:
-                    raise CacheBackendError(f"cache {self._where} is closed")
-                conn = self._writer = self._late_open()
+                conn = self._late_writer()
             now = self._clock()
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -353,11 +361,29 @@ class SQLiteBackend:
                 raise
 
 
-    def _late_open(self) -> sqlite3.Connection:
-        """The writer of a file that was locked at the start (under the write lock)."""
+    def _open_late(self) -> None:
+        """Open a file that was locked at the start, before a read uses it: its schema
+        may not be there yet, and its format is checked first (a newer polygate's)."""
+        with self._write_lock:
+            if self._writer is None:
+                self._writer = self._late_writer()
+
+    def _late_writer(self) -> sqlite3.Connection:
+        """(Under the write lock.)  The writer of a file that was locked at the start;
+        raises while it cannot be opened (still locked: ``sqlite3.Error``), and for
+        good once the file proves to be a newer polygate's."""
+        if self._refused is not None:
+            raise CacheBackendError(self._refused)
+        if self._closed or not self._unopened:
+            raise CacheBackendError(f"cache {self._where} is closed")
         conn = self._connect(busy_s=self.timeout_s)
         try:
             self._prepare(conn, CacheBackendError)
+        except CacheBackendError as exc:  # a newer format: never used, read or written
+            conn.close()
+            self._refused, self._unopened = str(exc), False
+            log.warning("cache %s: %s; the cache stays off for this session", self._where, exc)
+            raise
         except BaseException:
             conn.close()
             raise

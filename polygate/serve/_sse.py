@@ -313,8 +313,8 @@ def _reshaped(choice: dict[str, Any], position: int, unrole: set[int] | None,
     position), as :meth:`StreamShape.chunk` decided."""
     drop = unrole is not None and choice_index(choice) in unrole
     tools = retooled.get(position) if retooled is not None else None
-    if not drop and tools is None:
-        return choice
+    if (not drop and tools is None) or type(choice.get("delta")) is not dict:
+        return choice  # (an entry with no delta object has no role or calls to change)
     delta = {k: v for k, v in choice["delta"].items() if not (drop and k == "role")}
     if tools is not None:
         delta["tool_calls"] = tools
