@@ -1064,3 +1064,15 @@ def test_instants_never_pass_their_bound() -> None:
     most = 0.569999999999  # rounded to 57 steps of 0.01: one past it
     with pytest.raises(NoSuchExample):
         find(pst.instants(most=most, per_second=100), lambda t: t > most)
+
+
+async def test_a_content_part_whose_text_is_no_string_is_answered(autojump_clock: Any) -> None:
+    """Review: a part ``{"type": "text", "text": 5}`` made the fake raise a TypeError
+    (a 500 with a traceback in the log) while counting the prompt's tokens."""
+    up = FakeUpstream(Reply(text="ok"))
+    body = chat_body(stream=False, messages=[
+        {"role": "user", "content": [{"type": "text", "text": 5}, {"type": "text", "text": "hi"}]}])
+    async with client(up) as c:
+        r = await c.post("/chat/completions", json=body)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["message"]["content"] == "ok"

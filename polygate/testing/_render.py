@@ -290,7 +290,9 @@ def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        # (A part's "text" that is no string -- a client's bug -- counts as none: the
+        # fake answers it, where a TypeError made it a 500 with a traceback.)
+        return "".join(t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str))
     return ""
 
 
