@@ -887,7 +887,7 @@ def _toml_fields(
     allowed = [f for f in schema.scalars if f != skip]
     for key, value in table.items():
         if key not in allowed:
-            raise _unknown(part.where(key), what, [*allowed, *extra], key)
+            raise _unknown(part.where(key), what, list(dict.fromkeys([*allowed, *extra])), key)
         part.values[key] = _value_from_toml(
             schema.scalars[key], value, part.where(key), secret=key in schema.secrets
         )

@@ -1133,6 +1133,17 @@ def test_an_unknown_serve_key_lists_each_known_key_once() -> None:
     assert "API_KEYS" in listed and len(listed) == len(set(listed)), listed
 
 
+def test_an_unknown_serve_key_in_a_file_lists_each_known_key_once(tmp_path: Path) -> None:
+    """Review: the TOML loader's list named api_keys twice (the environment's, above,
+    was fixed before)."""
+    path = tmp_path / "c.toml"
+    path.write_text('[serve]\nbogus = 1\n[scopes.chat.sources.a]\nbase_url = "http://127.0.0.1:9/v1"\n')
+    with pytest.raises(ConfigError, match="serve keys are") as info:
+        settings_from_toml(path)
+    listed = str(info.value).split("serve keys are ", 1)[1].split(", ")
+    assert "api_keys" in listed and len(listed) == len(set(listed)), listed
+
+
 def test_a_long_environment_value_of_the_wrong_type_is_not_quoted() -> None:
     """review: a key typed only into a number's variable (set under no secret key, so
     nothing to scrub it by) was quoted in full; and a 5,000-digit value made a 5 KB
