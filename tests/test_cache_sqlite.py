@@ -284,6 +284,74 @@ async def test_a_newer_file_locked_at_the_start_is_never_read(tmp_path: Path) ->
     assert stats.hits == 0 and stats.errors >= 1
 
 
+async def test_lookups_on_a_file_locked_at_the_start_each_wait_at_most_timeout_s(tmp_path: Path) -> None:
+    """Review: every lookup on a file locked at the start took the write lock to open
+    it, so lookups in flight together waited one after another (the k-th, k times
+    timeout_s).  One opens; the others are misses at once."""
+    path = tmp_path / "c.db"
+    backend = SQLiteBackend(path, timeout_s=0.25)
+    await backend.start()
+    await backend.aclose()
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
+    blocker.execute("BEGIN EXCLUSIVE")
+    took: list[float] = []
+    backend = SQLiteBackend(path, timeout_s=0.25)
+    try:
+        await backend.start()
+
+        async def one(i: int) -> None:
+            started = time.monotonic()
+            with contextlib.suppress(CacheBackendError):
+                await backend.get_many([f"k{i}"])
+            took.append(time.monotonic() - started)
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for i in range(6):
+                    nursery.start_soon(one, i)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+        await backend.aclose()
+    assert max(took) < 0.9, sorted(round(t, 2) for t in took)  # (six one after another: 1.5 s)
+
+
+async def test_a_file_deleted_while_locked_at_the_start_is_made_again_private(tmp_path: Path) -> None:
+    """Review: the late opening of a file locked at the start, deleted meanwhile,
+    made it again with the umask's mode (0644), where a cache file is 0600."""
+    path = tmp_path / "c.db"
+    url = f"sqlite://{path}?timeout_s=0.05"
+    up = FakeUpstream(Reply(text="answer"))
+    old = os.umask(0o022)
+    try:
+        async with polygate.session(_settings(url), transport=Router({"a": up})):
+            pass
+        blocker: sqlite3.Connection | None = sqlite3.connect(path, isolation_level=None)
+        assert blocker is not None
+        blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
+        blocker.execute("BEGIN EXCLUSIVE")
+        try:
+            with trio.fail_after(10):
+                async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+                    for suffix in ("", "-wal", "-shm"):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(f"{path}{suffix}")
+                    blocker.execute("ROLLBACK")
+                    blocker.close()
+                    blocker = None
+                    await s.chat([{"role": "user", "content": "after the lock"}])
+        finally:
+            if blocker is not None:
+                blocker.execute("ROLLBACK")
+                blocker.close()
+    finally:
+        os.umask(old)
+    assert path.exists()
+    modes = {p.name: oct(_mode(p)) for p in path.parent.iterdir()}
+    assert all(m == oct(0o600) for m in modes.values()), modes
+
+
 async def test_a_file_that_cannot_be_read_fails_open(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
     up = FakeUpstream(Reply(text="answer"))

@@ -217,3 +217,18 @@ def test_a_null_delta_entry_of_a_choice_whose_role_is_dropped_does_not_break_the
     ]
     texts = [c["delta"].get("content") for event in _relay(chunks) for c in event["choices"]]
     assert [t for t in texts if t] == ["a", "b"]
+
+
+def test_a_null_delta_beside_a_finish_reason_reaches_a_client_as_an_empty_delta() -> None:
+    """Review: an entry ``{"delta": null, "finish_reason": "stop"}`` (relayed: it
+    finishes the choice) went out with its null delta; the OpenAI SDK's stream helper
+    reads every entry's delta as an object (AttributeError)."""
+    chunks = [
+        {**BASE, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]},
+        {**BASE, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "b"}},
+                             {"index": 0, "delta": None, "finish_reason": "stop"}]},
+    ]
+    events = _relay(chunks)
+    entries = [c for event in events for c in event["choices"]]
+    assert all(type(c.get("delta")) is dict for c in entries), events
+    assert [c["finish_reason"] for c in entries if c.get("finish_reason")] == ["stop"]

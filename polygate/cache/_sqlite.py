@@ -130,7 +130,7 @@ class SQLiteBackend:
         """Create the folder, the file and the table (ConfigError when it cannot).  A
         file locked past ``timeout_s`` (another process holds it exclusively) is no
         reason to refuse the session: the cache fails open, as for a Redis that does
-        not answer, and the first write opens it again."""
+        not answer, and the first lookup or write after the lock opens it."""
         await run_sync(self._open)
 
     def _open(self) -> None:
@@ -363,10 +363,16 @@ class SQLiteBackend:
 
     def _open_late(self) -> None:
         """Open a file that was locked at the start, before a read uses it: its schema
-        may not be there yet, and its format is checked first (a newer polygate's)."""
-        with self._write_lock:
+        may not be there yet, and its format is checked first (a newer polygate's).
+        One opening at a time, which a read never queues behind: each of the reads
+        would wait its own timeout_s after the others' (the k-th, k times it)."""
+        if not self._write_lock.acquire(blocking=False):
+            raise CacheBackendError(f"cache {self._where}: the file is being opened (it was locked)")
+        try:
             if self._writer is None:
                 self._writer = self._late_writer()
+        finally:
+            self._write_lock.release()
 
     def _late_writer(self) -> sqlite3.Connection:
         """(Under the write lock.)  The writer of a file that was locked at the start;
@@ -376,6 +382,10 @@ class SQLiteBackend:
             raise CacheBackendError(self._refused)
         if self._closed or not self._unopened:
             raise CacheBackendError(f"cache {self._where} is closed")
+        try:
+            _make_private(self.path)  # (deleted meanwhile: made again 0600, not the umask's)
+        except OSError as exc:
+            raise CacheBackendError(f"cache {self._where}: cannot open the file ({exc})") from None
         conn = self._connect(busy_s=self.timeout_s)
         try:
             self._prepare(conn, CacheBackendError)

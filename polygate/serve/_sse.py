@@ -112,7 +112,7 @@ class StreamShape:
         # Tool calls shaped (see _tool_calls), by the entry's place in ``choices``: one
         # chunk may hold two entries of one choice.
         retooled: dict[int, list[dict[str, Any]]] | None = None
-        dropping = False
+        dropping = undelta = False
         for position, choice in enumerate(choices):
             index = choice_index(choice)
             if index is None:  # (never, after the check above)
@@ -121,7 +121,11 @@ class StreamShape:
                 dropping = True
                 continue
             delta = choice.get("delta")
-            if type(delta) is dict and delta.get("tool_calls"):  # (per chunk: no isinstance)
+            if type(delta) is not dict:  # (per chunk: no isinstance)
+                # ``"delta": null`` beside a finish_reason: an empty delta for the client
+                # (the OpenAI SDK's stream helper reads every entry's delta as an object).
+                undelta = True
+            elif delta.get("tool_calls"):
                 shaped = self._tool_calls(index, delta["tool_calls"])
                 if shaped is not None:
                     if retooled is None:
@@ -164,7 +168,7 @@ class StreamShape:
                     unrole = {index} if unrole is None else {*unrole, index}
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
-        if unrole is not None or retooled is not None:
+        if unrole is not None or retooled is not None or undelta:
             choices = [_reshaped(c, position, unrole, retooled) for position, c in enumerate(choices)]
             raw = {**raw, "choices": choices}
         if dropping:
@@ -311,10 +315,12 @@ def _reshaped(choice: dict[str, Any], position: int, unrole: set[int] | None,
     """``choice``, at ``position`` in its chunk, with its delta's role left out
     (``unrole``, by choice index) and its tool calls replaced (``retooled``, by
     position), as :meth:`StreamShape.chunk` decided."""
+    if type(choice.get("delta")) is not dict:
+        return {**choice, "delta": {}}  # (no role or calls to change in it)
     drop = unrole is not None and choice_index(choice) in unrole
     tools = retooled.get(position) if retooled is not None else None
-    if (not drop and tools is None) or type(choice.get("delta")) is not dict:
-        return choice  # (an entry with no delta object has no role or calls to change)
+    if not drop and tools is None:
+        return choice
     delta = {k: v for k, v in choice["delta"].items() if not (drop and k == "role")}
     if tools is not None:
         delta["tool_calls"] = tools
