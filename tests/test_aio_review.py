@@ -113,3 +113,37 @@ def test_leaving_a_session_whose_trio_run_ended_is_quiet(body_error: bool) -> No
 
     left_with = asyncio.run(main())
     assert left_with is None, f"leaving the session raised {left_with!r}"
+
+
+def test_a_stream_whose_entry_was_cancelled_hands_out_nothing() -> None:
+    """Review: a task cancelled while its ``async with stream`` was entering (the
+    block never ran, and ``async with`` calls no __aexit__) left the stream readable:
+    reads handed out the cancelled call's buffered chunks, even its whole answer.
+    Every read is the PolygateError of a stream whose block was left.  (In both
+    guest-I/O modes: the module's guest_io fixture.)"""
+
+    async def main() -> list[str]:
+        up = FakeUpstream(Reply(tokens=200, inter_token_s=0.0))
+        async with polygate.aio.session(
+                settings_for("http://a/v1", embed=False), transport=up.transport()) as s:
+            stream = s.stream_chat(messages("x"))
+
+            async def body() -> None:
+                async with stream:
+                    raise AssertionError("the block ran")
+
+            task = asyncio.ensure_future(body())
+            await asyncio.sleep(0)  # the task waits in the stream's __aenter__
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            seen = []
+            for _ in range(2):
+                try:
+                    seen.append(f"chunk {(await stream.__anext__()).text!r}")
+                except polygate.PolygateError as exc:
+                    seen.append(str(exc))
+            return seen
+
+    seen = asyncio.run(main())
+    assert seen == ["this stream was closed before it finished (its block exited)"] * 2, seen

@@ -473,6 +473,10 @@ class ChatStream:
                 await asyncio.sleep(0)  # a yield point, as for a call (see _forward)
             await job.fut
         except BaseException:
+            # The block never ran (``async with`` calls no __aexit__ after a failed
+            # __aenter__): the stream is left as a block is, and a read of it refused,
+            # whatever the trio side had buffered.
+            self._exited = True
             await self._settle()
             _retrieved(job.fut)
             raise
