@@ -187,7 +187,7 @@ async def _serve(settings: Any, args: argparse.Namespace, where: str) -> int:
                             log.warning("reload abandoned: shutting down")
                         reloads.cancel_scope.cancel()
                         break
-                log.info("draining: no new connections; calls in flight have %.0f s",
+                log.info("draining: no new connections; calls in flight have %g s",
                          server.settings.serve.grace_s)
                 async with trio.open_nursery() as draining:
 
