@@ -352,6 +352,27 @@ async def test_a_file_deleted_while_locked_at_the_start_is_made_again_private(tm
     assert all(m == oct(0o600) for m in modes.values()), modes
 
 
+async def test_every_write_after_a_write_opened_a_file_locked_at_the_start_is_stored(
+    tmp_path: Path,
+) -> None:
+    """Review: a write that opened a file locked at the start did not keep its
+    connection: every later write of the session failed ("closed"), and that
+    connection was never closed."""
+    path = tmp_path / "c.db"
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
+    blocker.execute("BEGIN EXCLUSIVE")
+    backend = SQLiteBackend(path, timeout_s=0.05)
+    with trio.fail_after(10):
+        await backend.start()  # fails open: the file is locked
+        blocker.execute("ROLLBACK")
+        blocker.close()
+        await backend.set_many([("k1", b"v1", 60.0)])  # opens it
+        await backend.set_many([("k2", b"v2", 60.0)])
+        assert await backend.get_many(["k1", "k2"]) == [b"v1", b"v2"]
+        await backend.aclose()
+
+
 async def test_a_file_that_cannot_be_read_fails_open(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
     up = FakeUpstream(Reply(text="answer"))

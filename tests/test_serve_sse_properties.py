@@ -26,10 +26,12 @@ _text = st.sampled_from(["", "a", " b", "ü", "\n", "x y"])
 
 
 @st.composite
-def _calls(draw: Any, started: list[int], gemini: bool) -> list[dict[str, Any]]:
+def _calls(draw: Any, started: list[int], gemini: bool, base: int, step: int) -> list[dict[str, Any]]:
     """A delta's tool calls as servers send them: a call begins with its id, type and
-    name (OpenAI, vLLM), the same again on later deltas (some servers), or whole
-    without an index (Gemini); it goes on with argument fragments by index."""
+    name (OpenAI, vLLM; indexes from ``base``, ``step`` apart: a bridge passing on
+    Anthropic's content-block index counts from 1), the same again on later deltas
+    (some servers; the id renumbered, by others), or whole without an index (Gemini);
+    it goes on with argument fragments by index."""
     out: list[dict[str, Any]] = []
     for _ in range(draw(st.integers(1, 2))):
         # (A server indexes its calls, or never does: Gemini.)
@@ -38,13 +40,14 @@ def _calls(draw: Any, started: list[int], gemini: bool) -> list[dict[str, Any]]:
             out.append({"index": draw(st.sampled_from(started)), "function": {"arguments": draw(_text)}})
         elif kind == "repeat" and started:
             index = draw(st.sampled_from(started))
-            out.append({"index": index, "id": f"c{index}", "type": "function",
+            out.append({"index": index, "id": draw(st.sampled_from([f"c{index}", f"r{index}"])),
+                        "type": "function",
                         "function": {"name": f"f{index}", "arguments": draw(_text)}})
         elif kind == "indexless":
             out.append({"id": draw(st.sampled_from(["g1", "g2"])), "type": "function",
                         "function": {"name": "g", "arguments": "{}"}})
         else:
-            index = len(started)
+            index = base + step * len(started)
             started.append(index)
             out.append({"index": index, "id": f"c{index}", "type": "function",
                         "function": {"name": f"f{index}", "arguments": draw(_text)}})
@@ -59,6 +62,7 @@ def _stream(draw: Any) -> list[dict[str, Any]]:
     choice in one chunk."""
     started: list[int] = []
     gemini = draw(st.booleans())
+    base, step = draw(st.sampled_from([0, 1])), draw(st.sampled_from([1, 2]))
     every_role = draw(st.booleans())
     chunks = []
     for n in range(draw(st.integers(1, 5))):
@@ -73,7 +77,7 @@ def _stream(draw: Any) -> list[dict[str, Any]]:
         elif kind == "refusal":
             delta["refusal"] = draw(_text)
         elif kind == "tools":
-            delta["tool_calls"] = draw(_calls(started, gemini))
+            delta["tool_calls"] = draw(_calls(started, gemini, base, step))
         entries: list[dict[str, Any]] = [{"index": 0, "delta": delta, "finish_reason": None}]
         if draw(st.integers(0, 5)) == 0:
             entries.append({"index": 0, "delta": None})

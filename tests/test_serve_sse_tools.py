@@ -232,3 +232,29 @@ def test_a_null_delta_beside_a_finish_reason_reaches_a_client_as_an_empty_delta(
     entries = [c for event in events for c in event["choices"]]
     assert all(type(c.get("delta")) is dict for c in entries), events
     assert [c["finish_reason"] for c in entries if c.get("finish_reason")] == ["stop"]
+
+
+def test_tool_calls_counted_from_1_or_with_gaps_reach_a_client_at_their_places() -> None:
+    """Review: the OpenAI SDK's stream helper takes a tool call's index as its place
+    in a list: calls counted from 1 (a bridge passing on Anthropic's content-block
+    index) or with gaps raised an IndexError there.  The client gets each call's
+    place, in the order the calls began; a renumbered id is not sent again."""
+    def chunk(calls: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**BASE, "choices": [{"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}]}
+
+    chunks = [
+        chunk([{"index": 1, "id": "a", "type": "function", "function": {"name": "f", "arguments": ""}}]),
+        chunk([{"index": 1, "id": "a2", "function": {"arguments": "{}"}}]),
+        chunk([{"index": 3, "id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]),
+    ]
+    assembler = ChatAssembler()
+    for c in chunks:
+        assembler.add(c)
+    library = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+               for c in assembler.build()["choices"][0]["message"]["tool_calls"]]
+    events = _relay(chunks)
+    indexes = [call["index"] for e in events for c in e["choices"]
+               for call in (c.get("delta") or {}).get("tool_calls") or []]
+    assert indexes == [0, 0, 1]
+    assert library == [("a", "f", "{}"), ("b", "g", "{}")]
+    assert _sdk_calls(events) == library

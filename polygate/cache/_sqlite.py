@@ -345,7 +345,7 @@ class SQLiteBackend:
         with self._write_lock:
             conn = self._writer
             if conn is None:
-                conn = self._late_writer()
+                conn = self._writer = self._late_writer()
             now = self._clock()
             conn.execute("BEGIN IMMEDIATE")
             try:

@@ -182,10 +182,12 @@ class StreamShape:
     def _tool_calls(self, choice: int, calls: Any) -> list[dict[str, Any]] | None:
         """A delta's tool calls as the OpenAI SDK's stream helper must get them to
         assemble what the library assembles (the JSON answer): each with its index (a
-        server that sends none, Gemini's, broke the helper), and an ``id`` or a
+        server that sends none, Gemini's, broke the helper; calls counted from 1 or
+        with gaps too: a client's index is the call's place), and an ``id`` or a
         ``name`` a server repeats on every delta sent once (the helper joins strings:
-        "c1c1", "lookuplookup").  The indexes, and which names are repeats, follow
-        the library's assembler.  ``None`` when the calls go as they came."""
+        "c1c1", "lookuplookup").  Which delta is which call, and which names are
+        repeats, follow the library's assembler.  ``None`` when the calls go as they
+        came."""
         if self._calls is None:
             self._calls = {}
         held = self._calls.setdefault(choice, {})
@@ -200,10 +202,6 @@ class StreamShape:
             index = call.get("index")
             if not isinstance(index, int):
                 index = indexless_call(call, held)
-                shaped = {**call, "index": index}
-                changed = True
-            else:
-                shaped = call
             slot = held.get(index)
             cid = call.get("id")
             function = call.get("function")
@@ -213,9 +211,19 @@ class StreamShape:
                         and not isinstance(function, dict):
                     changed = True  # carries no call (the library keeps none)
                     continue
-                slot = held[index] = {"id": None, "name": _Name()}
+                # The client's index is the call's place among the choice's calls, in
+                # the order they began: the helper takes an index as a place in its
+                # list (calls counted from 1, or with a gap, raised an IndexError).
+                slot = held[index] = {"id": None, "name": _Name(), "at": len(held)}
+            if call.get("index") != slot["at"]:
+                shaped = {**call, "index": slot["at"]}
+                changed = True
+            else:
+                shaped = call
             if isinstance(cid, str) and cid:
-                if cid == slot["id"]:
+                if slot["id"] is not None:
+                    # Sent again (the same, or changed: the first stays, as in the
+                    # library's answer; the helper would join them, "c1c1").
                     shaped = {k: v for k, v in shaped.items() if k != "id"}
                     changed = True
                 else:

@@ -227,7 +227,9 @@ class _Choice:
             slot = {"id": None, "type": "function",
                     "function": {"name": TextParts(), "arguments": TextParts()}}
             self.tool_calls[index] = slot
-        if isinstance(call.get("id"), str) and call["id"]:
+        if isinstance(call.get("id"), str) and call["id"] and slot["id"] is None:
+            # The first id stays: one sent again changed (a server that renumbers on
+            # every delta) is the same call (and the gateway's clients see the first).
             slot["id"] = call["id"]
         if isinstance(call.get("type"), str) and call["type"]:
             slot["type"] = call["type"]
