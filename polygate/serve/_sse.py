@@ -157,7 +157,9 @@ class StreamShape:
                         unroled = []
                     unroled.append(role)
                     if roled:
-                        unrole = {index} if unrole is None else {*unrole, index}
+                        if unrole is None:
+                            unrole = set()
+                        unrole.add(index)
             else:
                 delta = choice.get("delta")
                 if isinstance(delta, Mapping) and "role" in delta:
@@ -165,7 +167,9 @@ class StreamShape:
                     # it when a later choice came first; OpenRouter repeats the role
                     # in every delta): again, the SDK's accumulator joins the strings,
                     # "assistantassistant".
-                    unrole = {index} if unrole is None else {*unrole, index}
+                    if unrole is None:
+                        unrole = set()
+                    unrole.add(index)  # (in place: a chunk may hold thousands of entries)
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
         if unrole is not None or retooled is not None or undelta:
