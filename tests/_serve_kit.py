@@ -151,10 +151,15 @@ class Running:
 
 
 @asynccontextmanager
-async def serve_process(config: Path) -> AsyncIterator[Running]:
+async def serve_process(
+    config: Path | None, *, cwd: Path | None = None, env: dict[str, str] | None = None,
+) -> AsyncIterator[Running]:
+    """``polygate serve`` on a free port (``config`` None: no ``--config``, the
+    configuration found from ``cwd`` and ``env``), once it listens."""
+    where = [] if config is None else ["--config", str(config)]
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "polygate", "serve", "--config", str(config), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-m", "polygate", "serve", *where, "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
     )
     try:
         assert proc.stdout is not None

@@ -183,6 +183,28 @@ async def test_a_file_locked_when_the_session_opens_does_not_hold_it(tmp_path: P
     assert opened_in < 1.0 and r.text == "answer"
 
 
+class _Held:
+    """Another process's exclusive hold on a cache file (``locking_mode = EXCLUSIVE``,
+    in a transaction) until :meth:`release` or the end of the ``with`` block."""
+
+    def __init__(self, path: Path) -> None:
+        self._conn: sqlite3.Connection | None = sqlite3.connect(path, isolation_level=None)
+        self._conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+        self._conn.execute("BEGIN EXCLUSIVE")
+
+    def release(self) -> None:
+        if self._conn is not None:
+            self._conn.execute("ROLLBACK")
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> _Held:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 async def test_a_file_locked_exclusively_when_the_session_opens_fails_open(tmp_path: Path) -> None:
     """Review: another process holding the file exclusively (``locking_mode =
     EXCLUSIVE``) made the session wait 5 s and refuse to open (a ConfigError): every
@@ -194,26 +216,16 @@ async def test_a_file_locked_exclusively_when_the_session_opens_fails_open(tmp_p
     up = FakeUpstream(Reply(text="answer"))
     async with polygate.session(_settings(url), transport=Router({"a": up})):
         pass  # the file and its schema
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
-    blocker.execute("BEGIN EXCLUSIVE")
     started = time.monotonic()
-    try:
-        with trio.fail_after(5):
-            async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
-                opened_in = time.monotonic() - started
-                r = await s.chat(MESSAGES)
-                blocker.execute("ROLLBACK")
-                blocker.close()
-                blocker = None
-                await trio.sleep(0.5)  # real time: past the pause the lock's failure began
-                stored = await s.chat([{"role": "user", "content": "after the lock"}])
+    with _Held(path) as held, trio.fail_after(5):
+        async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+            opened_in = time.monotonic() - started
+            r = await s.chat(MESSAGES)
+            held.release()
+            await trio.sleep(0.5)  # real time: past the pause the lock's failure began
+            stored = await s.chat([{"role": "user", "content": "after the lock"}])
         async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
             hit = await s.chat([{"role": "user", "content": "after the lock"}])
-    finally:
-        if blocker is not None:
-            blocker.execute("ROLLBACK")
-            blocker.close()
     assert opened_in < 1.0 and r.text == "answer" and not r.call_stats.cached
     assert stored.text == "answer" and hit.call_stats.cached
 
@@ -228,25 +240,14 @@ async def test_an_empty_file_locked_at_the_start_is_opened_by_the_first_look_aft
     path = tmp_path / "c.db"
     url = f"sqlite://{path}?timeout_s=0.05"
     up = FakeUpstream(Reply(text="answer"))
-    blocker: sqlite3.Connection | None = sqlite3.connect(path, isolation_level=None)
-    assert blocker is not None
-    blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
-    blocker.execute("BEGIN EXCLUSIVE")
-    try:
-        with trio.fail_after(10):
-            async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
-                await s.chat(MESSAGES)  # a miss: the file is locked
-                blocker.execute("ROLLBACK")
-                blocker.close()
-                blocker = None
-                await trio.sleep(0.5)  # real time: past the pause the failure began
-                await s.chat([{"role": "user", "content": "after the lock"}])
-            async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
-                hit = await s.chat([{"role": "user", "content": "after the lock"}])
-    finally:
-        if blocker is not None:
-            blocker.execute("ROLLBACK")
-            blocker.close()
+    with _Held(path) as held, trio.fail_after(10):
+        async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+            await s.chat(MESSAGES)  # a miss: the file is locked
+            held.release()
+            await trio.sleep(0.5)  # real time: past the pause the failure began
+            await s.chat([{"role": "user", "content": "after the lock"}])
+        async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+            hit = await s.chat([{"role": "user", "content": "after the lock"}])
     assert hit.call_stats.cached
 
 
@@ -262,24 +263,13 @@ async def test_a_newer_file_locked_at_the_start_is_never_read(tmp_path: Path) ->
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA user_version = 2")
     conn.close()
-    blocker: sqlite3.Connection | None = sqlite3.connect(path, isolation_level=None)
-    assert blocker is not None
-    blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
-    blocker.execute("BEGIN EXCLUSIVE")
-    try:
-        with trio.fail_after(10):
-            async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
-                blocker.execute("ROLLBACK")
-                blocker.close()
-                blocker = None
-                first = await s.chat(MESSAGES)
-                await trio.sleep(0.5)  # real time: past the pause
-                again = await s.chat(MESSAGES)
-                stats = (await s.statistics()).cache
-    finally:
-        if blocker is not None:
-            blocker.execute("ROLLBACK")
-            blocker.close()
+    with _Held(path) as held, trio.fail_after(10):
+        async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+            held.release()
+            first = await s.chat(MESSAGES)
+            await trio.sleep(0.5)  # real time: past the pause
+            again = await s.chat(MESSAGES)
+            stats = (await s.statistics()).cache
     assert not first.call_stats.cached and not again.call_stats.cached
     assert stats.hits == 0 and stats.errors >= 1
 
@@ -292,12 +282,9 @@ async def test_lookups_on_a_file_locked_at_the_start_each_wait_at_most_timeout_s
     backend = SQLiteBackend(path, timeout_s=0.25)
     await backend.start()
     await backend.aclose()
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
-    blocker.execute("BEGIN EXCLUSIVE")
     took: list[float] = []
     backend = SQLiteBackend(path, timeout_s=0.25)
-    try:
+    with _Held(path):
         await backend.start()
 
         async def one(i: int) -> None:
@@ -310,10 +297,7 @@ async def test_lookups_on_a_file_locked_at_the_start_each_wait_at_most_timeout_s
             async with trio.open_nursery() as nursery:
                 for i in range(6):
                     nursery.start_soon(one, i)
-    finally:
-        blocker.execute("ROLLBACK")
-        blocker.close()
-        await backend.aclose()
+    await backend.aclose()
     assert max(took) < 0.9, sorted(round(t, 2) for t in took)  # (six one after another: 1.5 s)
 
 
@@ -327,24 +311,13 @@ async def test_a_file_deleted_while_locked_at_the_start_is_made_again_private(tm
     try:
         async with polygate.session(_settings(url), transport=Router({"a": up})):
             pass
-        blocker: sqlite3.Connection | None = sqlite3.connect(path, isolation_level=None)
-        assert blocker is not None
-        blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
-        blocker.execute("BEGIN EXCLUSIVE")
-        try:
-            with trio.fail_after(10):
-                async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
-                    for suffix in ("", "-wal", "-shm"):
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(f"{path}{suffix}")
-                    blocker.execute("ROLLBACK")
-                    blocker.close()
-                    blocker = None
-                    await s.chat([{"role": "user", "content": "after the lock"}])
-        finally:
-            if blocker is not None:
-                blocker.execute("ROLLBACK")
-                blocker.close()
+        with _Held(path) as held, trio.fail_after(10):
+            async with polygate.session(_settings(url), transport=Router({"a": up})) as s:
+                for suffix in ("", "-wal", "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f"{path}{suffix}")
+                held.release()
+                await s.chat([{"role": "user", "content": "after the lock"}])
     finally:
         os.umask(old)
     assert path.exists()
@@ -359,14 +332,10 @@ async def test_every_write_after_a_write_opened_a_file_locked_at_the_start_is_st
     connection: every later write of the session failed ("closed"), and that
     connection was never closed."""
     path = tmp_path / "c.db"
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
-    blocker.execute("BEGIN EXCLUSIVE")
     backend = SQLiteBackend(path, timeout_s=0.05)
-    with trio.fail_after(10):
+    with _Held(path) as held, trio.fail_after(10):
         await backend.start()  # fails open: the file is locked
-        blocker.execute("ROLLBACK")
-        blocker.close()
+        held.release()
         await backend.set_many([("k1", b"v1", 60.0)])  # opens it
         await backend.set_many([("k2", b"v2", 60.0)])
         assert await backend.get_many(["k1", "k2"]) == [b"v1", b"v2"]

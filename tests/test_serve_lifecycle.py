@@ -753,24 +753,14 @@ async def test_a_reload_reads_where_the_start_read_the_configuration(tmp_path: P
                             f'[scopes.chat.sources.a]\nbase_url = "{url}"\n')
         else:
             env["POLYGATE__SERVE__API_KEYS"] = GATEWAY_KEY
-        proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "polygate", "serve", "--port", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp_path), env=env)
-        try:
-            assert proc.stdout is not None
-            line = b""
-            with trio.fail_after(30):
-                while not line.endswith(b"\n"):
-                    piece = await proc.stdout.receive_some(1)
-                    assert piece, "the server ended before it listened"
-                    line += piece
-            port = int(line.rsplit(b":", 1)[1])
+        async with serve_process(None, cwd=tmp_path, env=env) as srv:
+            port = srv.port
             if how == "file removed":
                 toml.unlink()
             else:
                 toml.write_text('[serve]\napi_keys = ["sk-gw-someone-else-0123456789"]\n'
                                 f'[scopes.chat.sources.a]\nbase_url = "{url}"\n')
-            proc.send_signal(signal.SIGHUP)
+            srv.proc.send_signal(signal.SIGHUP)
             # The file gone: a reload refused; the environment read again: a reload.
             counter = "polygate_serve_reload_failures_total" if how == "file removed" \
                 else "polygate_serve_reloads_total"
@@ -779,8 +769,7 @@ async def test_a_reload_reads_where_the_start_read_the_configuration(tmp_path: P
                     await trio.sleep(0.05)
             keyed = await http(_Port(port), "POST", "/v1/chat/completions", CHAT, AUTH)
             keyless = await http(_Port(port), "POST", "/v1/chat/completions", CHAT)
-        finally:
-            proc.send_signal(signal.SIGTERM)
+            srv.proc.send_signal(signal.SIGTERM)
             with trio.fail_after(20):
-                await proc.wait()
+                await srv.proc.wait()
     assert (keyed.status, keyless.status) == (200, 401)

@@ -155,6 +155,29 @@ def _synthetic(tmp_name: str, events: list[tuple[dict[str, Any], str | None]]) -
     return reply
 
 
+async def _json_and_assembled(reply: Any, **params: Any) -> tuple[Any, Any]:
+    """The gateway's JSON answer, and its stream as the OpenAI SDK's stream helper
+    assembles it, for the same upstream ``reply``."""
+    import openai
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    async with raw_server(reply) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=up.url)])},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+        async with open_server(settings, port=0) as server:
+            def both() -> tuple[Any, Any]:
+                with openai.OpenAI(base_url=server.base_url, api_key=GATEWAY_KEY, max_retries=0) as client:
+                    whole = client.chat.completions.create(
+                        model="chat", messages=CHAT["messages"], **params)
+                    state = ChatCompletionStreamState()
+                    for chunk in client.chat.completions.create(
+                            model="chat", messages=CHAT["messages"], stream=True, **params):
+                        state.handle_chunk(chunk)
+                    return whole, state.current_completion_snapshot
+            return await trio.to_thread.run_sync(both)
+
+
 async def test_reasoning_then_tool_calls_assembles_to_content_null() -> None:
     """docs/serve.md: the role chunk's content "is null when the choice begins with tool
     calls or a refusal ... so that a client assembling the stream gets the JSON
@@ -163,9 +186,6 @@ async def test_reasoning_then_tool_calls_assembles_to_content_null() -> None:
     ``content: null`` and the gateway's JSON answer says null, but the gateway's role
     chunk says ``""`` (decided from the first forwarded delta: reasoning), so the
     OpenAI SDK assembled ``content == ""``."""
-    import openai
-    from openai.lib.streaming.chat import ChatCompletionStreamState
-
     reply = _synthetic("rt", [
         ({"role": "assistant", "content": None, "reasoning_content": ""}, None),
         ({"content": None, "reasoning_content": "Think"}, None),
@@ -174,20 +194,8 @@ async def test_reasoning_then_tool_calls_assembles_to_content_null() -> None:
         ({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}, None),
         ({}, "tool_calls"),
     ])
-    async with raw_server(reply) as up:
-        settings = polygate.Settings(
-            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=up.url)])},
-            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
-        async with open_server(settings, port=0) as server:
-            def both() -> tuple[Any, Any]:
-                with openai.OpenAI(base_url=server.base_url, api_key=GATEWAY_KEY, max_retries=0) as client:
-                    whole = client.chat.completions.create(model="chat", messages=CHAT["messages"])
-                    state = ChatCompletionStreamState()
-                    for chunk in client.chat.completions.create(
-                            model="chat", messages=CHAT["messages"], stream=True):
-                        state.handle_chunk(chunk)
-                    return whole.choices[0].message, state.current_completion_snapshot.choices[0].message
-            whole, assembled = await trio.to_thread.run_sync(both)
+    json_answer, stream_answer = await _json_and_assembled(reply)
+    whole, assembled = json_answer.choices[0].message, stream_answer.choices[0].message
     assert whole.content is None
     assert assembled.tool_calls and assembled.tool_calls[0].function.arguments == "{}"
     assert assembled.content == whole.content  # (it was "" against None)
@@ -255,29 +263,6 @@ async def test_a_relayed_finish_chunk_has_no_usage_the_client_did_not_ask_for() 
     answer = await _through(_reply_with(data), {**CHAT, "stream": True})
     events = [e for e in _events(answer.body) if isinstance(e, dict)]
     assert not [e for e in events if e.get("usage")], events
-
-
-async def _json_and_assembled(reply: Any, **params: Any) -> tuple[Any, Any]:
-    """The gateway's JSON answer, and its stream as the OpenAI SDK's stream helper
-    assembles it, for the same upstream ``reply``."""
-    import openai
-    from openai.lib.streaming.chat import ChatCompletionStreamState
-
-    async with raw_server(reply) as up:
-        settings = polygate.Settings(
-            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=up.url)])},
-            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
-        async with open_server(settings, port=0) as server:
-            def both() -> tuple[Any, Any]:
-                with openai.OpenAI(base_url=server.base_url, api_key=GATEWAY_KEY, max_retries=0) as client:
-                    whole = client.chat.completions.create(
-                        model="chat", messages=CHAT["messages"], **params)
-                    state = ChatCompletionStreamState()
-                    for chunk in client.chat.completions.create(
-                            model="chat", messages=CHAT["messages"], stream=True, **params):
-                        state.handle_chunk(chunk)
-                    return whole, state.current_completion_snapshot
-            return await trio.to_thread.run_sync(both)
 
 
 def _calls(completion: Any) -> list[tuple[Any, ...]]:
