@@ -100,6 +100,25 @@ def indexless_call(call: Mapping[str, Any], calls: dict[int, dict[str, Any]]) ->
     return max(calls) + 1
 
 
+def call_slot(call: Mapping[str, Any], calls: dict[int, dict[str, Any]], aliases: dict[int, int]) -> int:
+    """The key, in ``calls`` (a choice's tool calls so far, each with the ``id`` it
+    has), of the call a tool-call delta belongs to: by its ``index`` -- unless that
+    index's call has another id already: a new call then, after every key so far,
+    which that index means from then on (Ollama's OpenAI endpoint sends each of
+    parallel calls whole, every one at index 0, each with its own id).  Without an
+    index: :func:`indexless_call`.  ``aliases``: the choice's indexes so remapped."""
+    index = call.get("index")
+    if not isinstance(index, int):
+        return indexless_call(call, calls)
+    key = aliases.get(index, index)
+    slot = calls.get(key)
+    cid = call.get("id")
+    if slot is not None and isinstance(cid, str) and cid and slot["id"] is not None \
+            and cid != slot["id"]:
+        key = aliases[index] = max(calls) + 1
+    return key
+
+
 def carries_something(choice: Mapping[str, Any]) -> bool:
     """Whether a stream choice carries anything: folding it into an answer would change
     it (``transport.ChatAssembler``), and the gateway relays it.  One that carries

@@ -238,13 +238,13 @@ def test_tool_calls_counted_from_1_or_with_gaps_reach_a_client_at_their_places()
     """Review: the OpenAI SDK's stream helper takes a tool call's index as its place
     in a list: calls counted from 1 (a bridge passing on Anthropic's content-block
     index) or with gaps raised an IndexError there.  The client gets each call's
-    place, in the order the calls began; a renumbered id is not sent again."""
+    place, in the order the calls began; an id sent again is not."""
     def chunk(calls: list[dict[str, Any]]) -> dict[str, Any]:
         return {**BASE, "choices": [{"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}]}
 
     chunks = [
         chunk([{"index": 1, "id": "a", "type": "function", "function": {"name": "f", "arguments": ""}}]),
-        chunk([{"index": 1, "id": "a2", "function": {"arguments": "{}"}}]),
+        chunk([{"index": 1, "id": "a", "function": {"arguments": "{}"}}]),
         chunk([{"index": 3, "id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]),
     ]
     assembler = ChatAssembler()
@@ -258,3 +258,47 @@ def test_tool_calls_counted_from_1_or_with_gaps_reach_a_client_at_their_places()
     assert indexes == [0, 0, 1]
     assert library == [("a", "f", "{}"), ("b", "g", "{}")]
     assert _sdk_calls(events) == library
+
+
+def test_parallel_calls_each_whole_at_index_0_with_their_own_ids_stay_apart() -> None:
+    """Review: Ollama's OpenAI endpoint sends each of parallel calls whole, every one
+    at index 0, each with its own id: the library (and the relay) merged them into one
+    call, its arguments two JSON objects run together, the second id lost.  A delta at
+    an index whose call has another id begins a new call, which the index then means."""
+    def chunk(calls: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**BASE, "choices": [{"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}]}
+
+    chunks = [
+        chunk([{"index": 0, "id": "call_a", "type": "function",
+                "function": {"name": "file_write", "arguments": '{"path":'}}]),
+        chunk([{"index": 0, "function": {"arguments": ' "a.py"}'}}]),
+        chunk([{"index": 0, "id": "call_b", "type": "function",
+                "function": {"name": "file_write", "arguments": '{"path": "b.py"}'}}]),
+    ]
+    assembler = ChatAssembler()
+    for c in chunks:
+        assembler.add(c)
+    library = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+               for c in assembler.build()["choices"][0]["message"]["tool_calls"]]
+    assert library == [("call_a", "file_write", '{"path": "a.py"}'),
+                       ("call_b", "file_write", '{"path": "b.py"}')]
+    assert _sdk_calls(_relay(chunks)) == library
+
+
+def test_calls_first_seen_out_of_index_order_are_listed_as_they_began() -> None:
+    """Review: the relay gives calls their places in the order they began, and the
+    library listed them by index: a client of the gateway's stream and the JSON
+    answer (and a later cache hit, replayed by position) disagreed on the order."""
+    def chunk(index: int, cid: str) -> dict[str, Any]:
+        return {**BASE, "choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": index, "id": cid, "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            "finish_reason": None}]}
+
+    chunks = [chunk(1, "b"), chunk(0, "a")]
+    assembler = ChatAssembler()
+    for c in chunks:
+        assembler.add(c)
+    library = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+               for c in assembler.build()["choices"][0]["message"]["tool_calls"]]
+    assert [cid for cid, _, _ in library] == ["b", "a"]
+    assert _sdk_calls(_relay(chunks)) == library

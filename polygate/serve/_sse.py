@@ -31,9 +31,9 @@ from .._types import (
     StreamChunk,
     TextParts,
     Usage,
+    call_slot,
     carries_something,
     choice_index,
-    indexless_call,
     message_delta,
     parts_text,
 )
@@ -58,7 +58,7 @@ def error_event(message: str, type_: str, code: str) -> bytes:
 class StreamShape:
     """Turns one call's forwarded chunks into the client's events."""
 
-    __slots__ = ("_calls", "_finished", "_meta", "_roled", "_started")
+    __slots__ = ("_aliases", "_calls", "_finished", "_meta", "_roled", "_started")
 
     def __init__(self) -> None:
         self._meta: dict[str, Any] | None = None
@@ -67,6 +67,7 @@ class StreamShape:
         self._started = False
         #: Per choice, the tool calls the client has, by index (see _tool_calls).
         self._calls: dict[int, dict[int, dict[str, Any]]] | None = None
+        self._aliases: dict[int, dict[int, int]] | None = None  # per choice (see call_slot)
 
     def chunk(self, chunk: StreamChunk) -> bytes:
         raw = chunk.raw
@@ -194,7 +195,10 @@ class StreamShape:
         came."""
         if self._calls is None:
             self._calls = {}
+            self._aliases = {}
+        assert self._aliases is not None
         held = self._calls.setdefault(choice, {})
+        aliases = self._aliases.setdefault(choice, {})
         if not isinstance(calls, list):
             return None  # (the library ignores it; nothing for a client to build)
         out: list[dict[str, Any]] = []
@@ -203,9 +207,7 @@ class StreamShape:
             if not isinstance(call, dict):
                 changed = True  # the library ignores it; the helper would raise
                 continue
-            index = call.get("index")
-            if not isinstance(index, int):
-                index = indexless_call(call, held)
+            index = call_slot(call, held, aliases)
             slot = held.get(index)
             cid = call.get("id")
             function = call.get("function")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import TransientUpstreamError
-from .._types import TextParts, carries_something, choice_index, indexless_call, parts_text
+from .._types import TextParts, call_slot, carries_something, choice_index, parts_text
 
 __all__ = [
     "ChatAssembler", "TextParts", "drop_last", "has_content", "message_text", "malformed_index",
@@ -126,7 +126,7 @@ def drop_last(parts: list[str], text: str) -> None:
 
 class _Choice:
     __slots__ = (
-        "_max_tool_calls", "_source",
+        "_aliases", "_max_tool_calls", "_source",
         "content", "extras", "finish_reason", "function_call", "index", "logprobs",
         "message_extras", "reasoning", "reasoning_name", "refusal", "role", "saw_content",
         "tool_calls",
@@ -143,6 +143,7 @@ class _Choice:
         self.reasoning_name: str | None = None
         self.refusal: list[str] = TextParts()
         self.tool_calls: dict[int, dict[str, Any]] = {}
+        self._aliases: dict[int, int] = {}  # tool-call indexes that mean a later call (call_slot)
         self.function_call: dict[str, Any] | None = None
         self.finish_reason: str | None = None
         self.logprobs: dict[str, Any] | None = None
@@ -212,9 +213,7 @@ class _Choice:
         return content
 
     def _add_tool_call(self, call: dict[str, Any]) -> None:
-        index = call.get("index")
-        if not isinstance(index, int):
-            index = indexless_call(call, self.tool_calls)
+        index = call_slot(call, self.tool_calls, self._aliases)
         slot = self.tool_calls.get(index)
         if slot is None:
             if not _carries_call(call):
@@ -266,7 +265,10 @@ class _Choice:
             if self.reasoning_name == "reasoning":
                 message["reasoning"] = text
         if self.tool_calls:
-            message["tool_calls"] = [_finished(self.tool_calls[i]) for i in sorted(self.tool_calls)]
+            # In the order the calls began (as a client of the gateway's stream, and a
+            # cached answer's replay, list them), which is the indexes' order whenever
+            # a server numbers its calls as it starts them.
+            message["tool_calls"] = [_finished(call) for call in self.tool_calls.values()]
         if self.function_call is not None:
             message["function_call"] = _finished(self.function_call)
         for key, value in self.message_extras.items():
