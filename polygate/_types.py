@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import attrs
@@ -100,23 +100,44 @@ def indexless_call(call: Mapping[str, Any], calls: dict[int, dict[str, Any]]) ->
     return max(calls) + 1
 
 
-def call_slot(call: Mapping[str, Any], calls: dict[int, dict[str, Any]], aliases: dict[int, int]) -> int:
+def call_slot(
+    call: Mapping[str, Any], calls: dict[int, dict[str, Any]], aliases: dict[int, int],
+    closed: Container[int],
+) -> int:
     """The key, in ``calls`` (a choice's tool calls so far, each with the ``id`` it
-    has), of the call a tool-call delta belongs to: by its ``index`` -- unless that
-    index's call has another id already: a new call then, after every key so far,
-    which that index means from then on (Ollama's OpenAI endpoint sends each of
-    parallel calls whole, every one at index 0, each with its own id).  Without an
-    index: :func:`indexless_call`.  ``aliases``: the choice's indexes so remapped."""
+    has), of the call a tool-call delta belongs to: by its ``index`` -- unless it
+    begins another call there: a name, an id that is not the held call's, and the held
+    call's arguments complete so far (``closed``: the keys whose arguments end in a
+    ``}`` or ``]``).  Ollama's OpenAI endpoint sends parallel calls each whole, every
+    one at index 0 with its own id.  The new call's key comes after every key so far,
+    and the index means it from then on (``aliases``).  A changed id alone, on the
+    argument deltas of one call (Poolside's API, mlx-openai-server: a fresh id on every
+    delta), or with the name again before the arguments are complete, stays the same
+    call.  Without an index: :func:`indexless_call`."""
     index = call.get("index")
     if not isinstance(index, int):
         return indexless_call(call, calls)
     key = aliases.get(index, index)
     slot = calls.get(key)
+    if slot is None or key not in closed:
+        return key
     cid = call.get("id")
-    if slot is not None and isinstance(cid, str) and cid and slot["id"] is not None \
-            and cid != slot["id"]:
+    function = call.get("function")
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if isinstance(cid, str) and cid and slot["id"] is not None and cid != slot["id"] \
+            and isinstance(name, str) and name:
         key = aliases[index] = max(calls) + 1
     return key
+
+
+def closes(arguments: Any) -> bool | None:
+    """Whether an arguments fragment leaves the call's arguments looking complete (its
+    last character, blanks aside, a ``}`` or ``]``); None when it says nothing (not a
+    string, or only blanks)."""
+    if not isinstance(arguments, str):
+        return None
+    end = arguments.rstrip()
+    return end.endswith(("}", "]")) if end else None
 
 
 def carries_something(choice: Mapping[str, Any]) -> bool:

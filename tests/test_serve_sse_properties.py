@@ -30,7 +30,8 @@ def _calls(draw: Any, started: list[int], gemini: bool, base: int, step: int) ->
     """A delta's tool calls as servers send them: a call begins with its id, type and
     name (OpenAI, vLLM; indexes from ``base``, ``step`` apart: a bridge passing on
     Anthropic's content-block index counts from 1), the same again on later deltas
-    (some servers; the id renumbered, by others), or whole without an index (Gemini);
+    (some servers; with another id, a new call once the call's arguments are
+    complete, as Ollama's are), or whole without an index (Gemini);
     it goes on with argument fragments by index."""
     out: list[dict[str, Any]] = []
     for _ in range(draw(st.integers(1, 2))):

@@ -302,3 +302,26 @@ def test_calls_first_seen_out_of_index_order_are_listed_as_they_began() -> None:
                for c in assembler.build()["choices"][0]["message"]["tool_calls"]]
     assert [cid for cid, _, _ in library] == ["b", "a"]
     assert _sdk_calls(_relay(chunks)) == library
+
+
+def test_a_call_whose_argument_deltas_carry_a_fresh_id_stays_one_call() -> None:
+    """Review: Poolside's API sends a call's first delta with its id and name, then
+    each argument fragment with another id (mlx-openai-server a fresh one on every
+    delta): the rule for Ollama's parallel calls split it into a call per fragment,
+    and a long call was refused as over 128 calls.  A changed id begins a call only
+    with a name, after arguments that look complete."""
+    def chunk(call: dict[str, Any]) -> dict[str, Any]:
+        return {**BASE, "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]}
+
+    fragments = ['{"path":', ' "a', '.py"', "}"] + [" "] * 200
+    chunks = [chunk({"index": 0, "id": "call_A", "type": "function",
+                     "function": {"name": "read_file", "arguments": ""}})]
+    chunks += [chunk({"index": 0, "id": f"call_{n}", "function": {"arguments": piece}})
+               for n, piece in enumerate(fragments)]
+    assembler = ChatAssembler()
+    for c in chunks:
+        assembler.add(c)
+    library = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+               for c in assembler.build()["choices"][0]["message"]["tool_calls"]]
+    assert library == [("call_A", "read_file", "".join(fragments))]
+    assert _sdk_calls(_relay(chunks)) == library

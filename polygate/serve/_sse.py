@@ -34,6 +34,7 @@ from .._types import (
     call_slot,
     carries_something,
     choice_index,
+    closes,
     message_delta,
     parts_text,
 )
@@ -58,7 +59,7 @@ def error_event(message: str, type_: str, code: str) -> bytes:
 class StreamShape:
     """Turns one call's forwarded chunks into the client's events."""
 
-    __slots__ = ("_aliases", "_calls", "_finished", "_meta", "_roled", "_started")
+    __slots__ = ("_aliases", "_calls", "_closed", "_finished", "_meta", "_roled", "_started")
 
     def __init__(self) -> None:
         self._meta: dict[str, Any] | None = None
@@ -68,6 +69,7 @@ class StreamShape:
         #: Per choice, the tool calls the client has, by index (see _tool_calls).
         self._calls: dict[int, dict[int, dict[str, Any]]] | None = None
         self._aliases: dict[int, dict[int, int]] | None = None  # per choice (see call_slot)
+        self._closed: dict[int, set[int]] | None = None  # per choice (see call_slot)
 
     def chunk(self, chunk: StreamChunk) -> bytes:
         raw = chunk.raw
@@ -196,9 +198,11 @@ class StreamShape:
         if self._calls is None:
             self._calls = {}
             self._aliases = {}
-        assert self._aliases is not None
+            self._closed = {}
+        assert self._aliases is not None and self._closed is not None
         held = self._calls.setdefault(choice, {})
         aliases = self._aliases.setdefault(choice, {})
+        closed: set[int] = self._closed.setdefault(choice, set())
         if not isinstance(calls, list):
             return None  # (the library ignores it; nothing for a client to build)
         out: list[dict[str, Any]] = []
@@ -207,7 +211,7 @@ class StreamShape:
             if not isinstance(call, dict):
                 changed = True  # the library ignores it; the helper would raise
                 continue
-            index = call_slot(call, held, aliases)
+            index = call_slot(call, held, aliases, closed)
             slot = held.get(index)
             cid = call.get("id")
             function = call.get("function")
@@ -234,6 +238,13 @@ class StreamShape:
                     changed = True
                 else:
                     slot["id"] = cid
+            if isinstance(function, dict):
+                done = closes(function.get("arguments"))  # (as the assembler notes it)
+                if done is not None:
+                    if done:
+                        closed.add(index)
+                    else:
+                        closed.discard(index)
             name = function.get("name") if isinstance(function, dict) else None
             if isinstance(name, str) and name:
                 repeat = slot["name"].repeat(name)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import TransientUpstreamError
-from .._types import TextParts, call_slot, carries_something, choice_index, parts_text
+from .._types import TextParts, call_slot, carries_something, choice_index, closes, parts_text
 
 __all__ = [
     "ChatAssembler", "TextParts", "drop_last", "has_content", "message_text", "malformed_index",
@@ -126,7 +126,7 @@ def drop_last(parts: list[str], text: str) -> None:
 
 class _Choice:
     __slots__ = (
-        "_aliases", "_max_tool_calls", "_source",
+        "_aliases", "_closed", "_max_tool_calls", "_source",
         "content", "extras", "finish_reason", "function_call", "index", "logprobs",
         "message_extras", "reasoning", "reasoning_name", "refusal", "role", "saw_content",
         "tool_calls",
@@ -144,6 +144,7 @@ class _Choice:
         self.refusal: list[str] = TextParts()
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self._aliases: dict[int, int] = {}  # tool-call indexes that mean a later call (call_slot)
+        self._closed: set[int] = set()  # calls whose arguments look complete so far (call_slot)
         self.function_call: dict[str, Any] | None = None
         self.finish_reason: str | None = None
         self.logprobs: dict[str, Any] | None = None
@@ -213,7 +214,7 @@ class _Choice:
         return content
 
     def _add_tool_call(self, call: dict[str, Any]) -> None:
-        index = call_slot(call, self.tool_calls, self._aliases)
+        index = call_slot(call, self.tool_calls, self._aliases, self._closed)
         slot = self.tool_calls.get(index)
         if slot is None:
             if not _carries_call(call):
@@ -227,14 +228,21 @@ class _Choice:
                     "function": {"name": TextParts(), "arguments": TextParts()}}
             self.tool_calls[index] = slot
         if isinstance(call.get("id"), str) and call["id"] and slot["id"] is None:
-            # The first id stays: one sent again changed (a server that renumbers on
-            # every delta) is the same call (and the gateway's clients see the first).
+            # The first id stays: one sent again changed on the deltas of one call (a
+            # server that renumbers them) is the same call (see call_slot; the
+            # gateway's clients see the first).
             slot["id"] = call["id"]
         if isinstance(call.get("type"), str) and call["type"]:
             slot["type"] = call["type"]
         function = call.get("function")
         if isinstance(function, dict):
             _join_function(slot["function"], function)
+            done = closes(function.get("arguments"))
+            if done is not None:
+                if done:
+                    self._closed.add(index)
+                else:
+                    self._closed.discard(index)
 
     def _add_logprobs(self, logprobs: dict[str, Any]) -> None:
         if self.logprobs is None:
