@@ -132,12 +132,13 @@ def call_slot(
 
 def closes(arguments: Any) -> bool | None:
     """Whether an arguments fragment leaves the call's arguments looking complete (its
-    last character, blanks aside, a ``}`` or ``]``); None when it says nothing (not a
-    string, or only blanks)."""
+    last character, blanks aside, a ``}`` or ``]``; or the whole of it ``null``, what
+    some Ollama versions send for a call without parameters); None when it says
+    nothing (not a string, or only blanks)."""
     if not isinstance(arguments, str):
         return None
     end = arguments.rstrip()
-    return end.endswith(("}", "]")) if end else None
+    return (end.endswith(("}", "]")) or end == "null") if end else None
 
 
 def carries_something(choice: Mapping[str, Any]) -> bool:

@@ -325,3 +325,22 @@ def test_a_call_whose_argument_deltas_carry_a_fresh_id_stays_one_call() -> None:
                for c in assembler.build()["choices"][0]["message"]["tool_calls"]]
     assert library == [("call_A", "read_file", "".join(fragments))]
     assert _sdk_calls(_relay(chunks)) == library
+
+
+def test_ollama_parallel_calls_after_a_call_without_parameters_stay_apart() -> None:
+    """Review: a call without parameters whose arguments are ``null`` (some Ollama
+    versions) never looked complete, so the next parallel call at index 0 was merged
+    into it (``null{"c":"x"}``)."""
+    def chunk(cid: str, name: str, arguments: str) -> dict[str, Any]:
+        return {**BASE, "choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+            "finish_reason": None}]}
+
+    chunks = [chunk("call_1", "now", "null"), chunk("call_2", "weather", '{"c":"x"}')]
+    assembler = ChatAssembler()
+    for c in chunks:
+        assembler.add(c)
+    library = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+               for c in assembler.build()["choices"][0]["message"]["tool_calls"]]
+    assert library == [("call_1", "now", "null"), ("call_2", "weather", '{"c":"x"}')]
+    assert _sdk_calls(_relay(chunks)) == library
