@@ -519,6 +519,13 @@ class Breaker:
             raise _bad(
                 self, "max_open_s", f"({self.max_open_s}) must be >= open_s ({self.open_s})"
             )
+        if self.failure_rate is not None and self.rate_min_calls > self.rate_window:
+            # Only the last rate_window outcomes are kept: the rule could never trip.
+            raise _bad(
+                self, "rate_min_calls",
+                f"({self.rate_min_calls}) must be <= rate_window ({self.rate_window}) "
+                "when failure_rate is set: only the last rate_window outcomes are kept",
+            )
 
 
 def _to_tuple(value: Any) -> Any:

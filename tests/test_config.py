@@ -498,3 +498,15 @@ def test_an_at_after_the_credentials_is_the_paths_own(field: str) -> None:
     assert mask_url(url) == url.replace("hunter2word", "***")
     with pytest.raises(ConfigError, match="percent-encode it"):
         Settings(scopes={"c": Scope(sources=[src()])}, **{field: url.replace("app:hunter2word@", "")})
+
+
+def test_a_failure_rate_rule_that_can_never_trip_is_refused() -> None:
+    """Review: ``rate_min_calls`` over ``rate_window`` (only the last ``rate_window``
+    outcomes are kept) was accepted: the failure-rate rule could never open the
+    breaker, and nothing said so."""
+    import polygate
+
+    with pytest.raises(ConfigError, match=r"rate_min_calls: .* must be <= rate_window"):
+        polygate.Breaker(failure_rate=0.5, rate_window=5, rate_min_calls=10)
+    polygate.Breaker(failure_rate=0.5, rate_window=10, rate_min_calls=10)
+    polygate.Breaker(rate_window=5, rate_min_calls=10)  # (no rate rule: nothing to trip)
