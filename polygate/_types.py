@@ -130,15 +130,42 @@ def call_slot(
     return key
 
 
-def closes(arguments: Any) -> bool | None:
-    """Whether an arguments fragment leaves the call's arguments looking complete (its
-    last character, blanks aside, a ``}`` or ``]``; or the whole of it ``null``, what
-    some Ollama versions send for a call without parameters); None when it says
-    nothing (not a string, or only blanks)."""
+def note_closing(closed: set[int], key: int, arguments: Any) -> None:
+    """Note in ``closed`` (see :func:`call_slot`) whether an arguments fragment leaves
+    call ``key``'s arguments looking complete: its last character, blanks aside, a
+    ``}`` or ``]``, or the whole of it ``null`` (what some Ollama versions send for a
+    call without parameters).  A fragment that is not a string, or only blanks, says
+    nothing."""
     if not isinstance(arguments, str):
-        return None
+        return
     end = arguments.rstrip()
-    return (end.endswith(("}", "]")) or end == "null") if end else None
+    if not end:
+        return
+    if end.endswith(("}", "]")) or end == "null":
+        closed.add(key)
+    else:
+        closed.discard(key)
+
+
+def carries_call(call: Mapping[str, Any]) -> bool:
+    """Whether a tool-call delta sets anything (an id, a type, a function): one that
+    does not gets no call, in the library's answer or the gateway's relay."""
+    if isinstance(call.get("id"), str) and call["id"]:
+        return True
+    if isinstance(call.get("type"), str) and call["type"]:
+        return True
+    return isinstance(call.get("function"), dict)
+
+
+def name_again(held: list[str], size: int, name: str) -> bool:
+    """Whether a tool call's ``name`` delta is the name again (some servers repeat it
+    whole on later deltas), or extends it, rather than a fragment of it: ``held``, the
+    name so far in pieces, ``size`` characters.  A one-character name so far is always
+    a first fragment: "l", "l", "m" and "l", "lm_lookup" are "llm…", not the name
+    repeated (a one-letter function name repeated whole would read as "ff": none was
+    seen).  ``held`` is joined only to be compared with a name at least as long, so
+    that work is paid by the bytes received."""
+    return size >= 2 and len(name) >= size and name.startswith("".join(held))
 
 
 def carries_something(choice: Mapping[str, Any]) -> bool:

@@ -255,7 +255,7 @@ class SQLiteBackend:
             op.state = "running"
         if self._unopened or self._refused is not None:
             try:
-                self._open_late()  # a file locked at the start: read it only once opened
+                self._open_before_read()  # a file locked at the start: read it only once opened
             except BaseException:
                 with self._pool_lock:
                     op.state = "done"
@@ -361,7 +361,7 @@ class SQLiteBackend:
                 raise
 
 
-    def _open_late(self) -> None:
+    def _open_before_read(self) -> None:
         """Open a file that was locked at the start, before a read uses it: its schema
         may not be there yet, and its format is checked first (a newer polygate's).
         One opening at a time, which a read never queues behind: each of the reads

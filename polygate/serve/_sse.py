@@ -32,10 +32,12 @@ from .._types import (
     TextParts,
     Usage,
     call_slot,
+    carries_call,
     carries_something,
     choice_index,
-    closes,
     message_delta,
+    name_again,
+    note_closing,
     parts_text,
 )
 from ._json import dump
@@ -59,17 +61,15 @@ def error_event(message: str, type_: str, code: str) -> bytes:
 class StreamShape:
     """Turns one call's forwarded chunks into the client's events."""
 
-    __slots__ = ("_aliases", "_calls", "_closed", "_finished", "_meta", "_roled", "_started")
+    __slots__ = ("_calls", "_finished", "_meta", "_roled", "_started")
 
     def __init__(self) -> None:
         self._meta: dict[str, Any] | None = None
         self._finished: set[int] = set()
         self._roled: set[int] = set()  # the choices whose role the client has
         self._started = False
-        #: Per choice, the tool calls the client has, by index (see _tool_calls).
-        self._calls: dict[int, dict[int, dict[str, Any]]] | None = None
-        self._aliases: dict[int, dict[int, int]] | None = None  # per choice (see call_slot)
-        self._closed: dict[int, set[int]] | None = None  # per choice (see call_slot)
+        #: Per choice, the tool calls the client has (see _tool_calls).
+        self._calls: dict[int, _Calls] | None = None
 
     def chunk(self, chunk: StreamChunk) -> bytes:
         raw = chunk.raw
@@ -197,12 +197,10 @@ class StreamShape:
         came."""
         if self._calls is None:
             self._calls = {}
-            self._aliases = {}
-            self._closed = {}
-        assert self._aliases is not None and self._closed is not None
-        held = self._calls.setdefault(choice, {})
-        aliases = self._aliases.setdefault(choice, {})
-        closed: set[int] = self._closed.setdefault(choice, set())
+        state = self._calls.get(choice)
+        if state is None:
+            state = self._calls[choice] = _Calls()
+        held, aliases, closed = state.held, state.aliases, state.closed
         if not isinstance(calls, list):
             return None  # (the library ignores it; nothing for a client to build)
         out: list[dict[str, Any]] = []
@@ -216,9 +214,7 @@ class StreamShape:
             cid = call.get("id")
             function = call.get("function")
             if slot is None:
-                if not (isinstance(cid, str) and cid) and not (
-                        isinstance(call.get("type"), str) and call["type"]) \
-                        and not isinstance(function, dict):
+                if not carries_call(call):
                     changed = True  # carries no call (the library keeps none)
                     continue
                 # The client's index is the call's place among the choice's calls, in
@@ -239,12 +235,7 @@ class StreamShape:
                 else:
                     slot["id"] = cid
             if isinstance(function, dict):
-                done = closes(function.get("arguments"))  # (as the assembler notes it)
-                if done is not None:
-                    if done:
-                        closed.add(index)
-                    else:
-                        closed.discard(index)
+                note_closing(closed, index, function.get("arguments"))  # (as the assembler)
             name = function.get("name") if isinstance(function, dict) else None
             if isinstance(name, str) and name:
                 repeat = slot["name"].repeat(name)
@@ -308,6 +299,19 @@ class StreamShape:
         return header
 
 
+class _Calls:
+    """One choice's tool calls as the client has them: by key (:func:`call_slot`),
+    each with its first id, its name so far and its place; the indexes that mean a
+    later call; the calls whose arguments look complete."""
+
+    __slots__ = ("aliases", "closed", "held")
+
+    def __init__(self) -> None:
+        self.held: dict[int, dict[str, Any]] = {}
+        self.aliases: dict[int, int] = {}
+        self.closed: set[int] = set()
+
+
 class _Name:
     """A tool call's name as the client has it so far (as pieces joined as they come,
     as the assembler holds them: a name in one-character fragments stays compact)."""
@@ -320,12 +324,10 @@ class _Name:
 
     def repeat(self, name: str) -> str | None:
         """Take a ``name`` delta.  ``None``: a fragment, relayed as it is; else what
-        to relay of a name that repeats (or extends) the one so far: the part the
-        client lacks, ``""`` for nothing.  The assembler's rule: a name of at least two
-        characters so far, and one that starts with it, is the name again (joined
-        only then, so the work is paid by the bytes received)."""
+        to relay of a name that repeats (or extends) the one so far (the assembler's
+        rule, :func:`name_again`): the part the client lacks, ``""`` for nothing."""
         size = self.size
-        if size >= 2 and len(name) >= size and name.startswith("".join(self.name)):
+        if name_again(self.name, size, name):
             self.name = TextParts()
             self.name.append(name)
             self.size = len(name)

@@ -14,7 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import TransientUpstreamError
-from .._types import TextParts, call_slot, carries_something, choice_index, closes, parts_text
+from .._types import (
+    TextParts,
+    call_slot,
+    carries_call,
+    carries_something,
+    choice_index,
+    name_again,
+    note_closing,
+    parts_text,
+)
 
 __all__ = [
     "ChatAssembler", "TextParts", "drop_last", "has_content", "message_text", "malformed_index",
@@ -93,8 +102,6 @@ def message_text(message: dict[str, Any]) -> str:
     if isinstance(content, list):  # content parts: keep the text ones
         return parts_text(content)
     return ""
-
-
 
 
 def malformed_index(choice: dict[str, Any], what: str) -> str:
@@ -217,7 +224,7 @@ class _Choice:
         index = call_slot(call, self.tool_calls, self._aliases, self._closed)
         slot = self.tool_calls.get(index)
         if slot is None:
-            if not _carries_call(call):
+            if not carries_call(call):
                 return  # nothing to keep: no slot (an index flood costs nothing)
             if len(self.tool_calls) >= self._max_tool_calls:
                 raise TransientUpstreamError(
@@ -237,12 +244,7 @@ class _Choice:
         function = call.get("function")
         if isinstance(function, dict):
             _join_function(slot["function"], function)
-            done = closes(function.get("arguments"))
-            if done is not None:
-                if done:
-                    self._closed.add(index)
-                else:
-                    self._closed.discard(index)
+            note_closing(self._closed, index, function.get("arguments"))
 
     def _add_logprobs(self, logprobs: dict[str, Any]) -> None:
         if self.logprobs is None:
@@ -295,28 +297,14 @@ class _Choice:
         return choice
 
 
-def _carries_call(call: dict[str, Any]) -> bool:
-    """Whether a tool-call delta sets anything (see ``_Choice._add_tool_call``)."""
-    if isinstance(call.get("id"), str) and call["id"]:
-        return True
-    if isinstance(call.get("type"), str) and call["type"]:
-        return True
-    return isinstance(call.get("function"), dict)
-
-
 def _join_function(target: dict[str, Any], part: dict[str, Any]) -> None:
     name = part.get("name")
     if isinstance(name, str) and name:
         # Most servers send the name once; a few repeat it whole on later deltas.  Held
-        # as pieces, as the arguments are (below); the held name is joined only to be
-        # compared with one at least as long, so that work is paid by the bytes
-        # received and the whole stays linear.
-        # A one-character name so far is always a first fragment: "l", "l", "m" and
-        # "l", "lm_lookup" are "llm…", not the name repeated (a one-letter function
-        # name repeated whole would read as "ff": none was seen).
+        # as pieces, as the arguments are (below), so the whole stays linear.
         held: TextParts = target["name"]
         size = sum(map(len, held))  # (a few pieces: they are joined as they come)
-        if size >= 2 and len(name) >= size and name.startswith("".join(held)):
+        if name_again(held, size, name):
             target["name"] = held = TextParts()
         held.append(name)
     arguments = part.get("arguments")
