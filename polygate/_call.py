@@ -512,7 +512,7 @@ async def run_chat(
                 # Continue the answer elsewhere: the failed source goes to the back.
                 if failure.record is not None:
                     segments.append(failure.record)
-                    segment_chars.append(sum(map(len, shown)) - sum(segment_chars))
+                    segment_chars.append(_shown_chars(shown, forward) - sum(segment_chars))
                 failed = failure.error.source
                 onward = continuation_scope(
                     runtime.settings, ctx.scope_name, ctx.context_refused
@@ -528,7 +528,7 @@ async def run_chat(
                     # least recently failed first (as within a round).
                     demoted = [*(d for d in demoted if d != failed), failed]
                 ctx.resumes = len(segments)
-                _prepare_continuation(ctx, ctx.messages, "".join(shown))
+                _prepare_continuation(ctx, ctx.messages, "".join(shown), _shown_chars(shown, forward))
                 active = ResumedForward(forward, Stitcher("".join(shown)))
             except (AllSourcesExhausted, FatalUpstreamError) as exc:
                 refused = _refused_model(ctx, exc)
@@ -556,7 +556,7 @@ async def run_chat(
             assert forward is not None  # (only a stream is resumed)
             return chat_response(
                 ctx, record, result, segments, "".join(shown),
-                [*segment_chars, sum(map(len, shown)) - sum(segment_chars)],
+                [*segment_chars, _shown_chars(shown, forward) - sum(segment_chars)],
                 ("".join(forward.shown_reasoning), forward.reasoning_field),
             )
         return chat_response(ctx, record, result)
@@ -646,16 +646,24 @@ _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 _NOT_PREFILL = frozenset({"context_length", "content_policy"})
 
 
+def _shown_chars(shown: Sequence[str], forward: StreamSink) -> int:
+    """The characters a stream has shown so far, its reasoning too: a model's limit
+    (``max_completion_tokens``) and its bill count reasoning tokens, although a
+    continuation does not carry the reasoning over."""
+    return sum(map(len, shown)) + sum(map(len, forward.shown_reasoning))
+
+
 def _prepare_continuation(
-    ctx: CallContext, messages: Sequence[Mapping[str, Any]], shown: str
+    ctx: CallContext, messages: Sequence[Mapping[str, Any]], shown: str, shown_chars: int
 ) -> None:
-    """The next rounds ask for the rest of the answer; their prompt estimate grows by
-    it, and the caller's token limit shrinks by what was shown (estimated as a cut
-    segment's usage is: about four characters a token), at least 1."""
+    """The next rounds ask for the rest of the answer (``shown``); their prompt
+    estimate grows by it, and the caller's token limit shrinks by what was shown,
+    reasoning included (``shown_chars``, estimated as a cut segment's usage is: about
+    four characters a token), at least 1."""
     prefill = encode_compact(continuation_messages(messages, shown, prefill=True))
     prompt = encode_compact(continuation_messages(messages, shown, prefill=False))
     refused = ctx.continuation.refused_prefill if ctx.continuation is not None else set()
-    spent = (len(shown) + 3) // 4
+    spent = (shown_chars + 3) // 4
     limits = {
         name: max(1, limit - spent)
         for name in _TOKEN_LIMITS

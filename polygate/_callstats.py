@@ -168,13 +168,18 @@ def chat_response(
 
 
 def _summed_usage(parts: Sequence[AttemptRecord], shown_chars: Sequence[int]) -> Usage:
-    """What every segment cost: its reported usage, else an estimate (its prompt, and
-    what it showed at about four characters a token)."""
+    """What every segment cost: its reported usage (a cut one's, the last it reported
+    before the cut), else an estimate (its prompt, and what it showed at about four
+    characters a token)."""
     prompt = completion = 0
     estimated = False
     chars = [*shown_chars, *([0] * len(parts))]
     for record, shown in zip(parts, chars, strict=False):
         usage = record.usage
+        if (usage is None or usage.source != "upstream") and (
+            cut := record.timeline.cut_usage
+        ) is not None:
+            usage = Usage.from_wire(cut())
         if usage is not None and usage.source == "upstream":
             prompt += usage.prompt_tokens
             completion += usage.completion_tokens

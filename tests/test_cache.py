@@ -692,7 +692,7 @@ async def test_an_embed_waiter_never_reads_another_callers_input_in_a_shared_out
     assert isinstance(out["b"], polygate.AllSourcesExhausted)
     assert "ZQXMARKER4242" not in str(out["b"]) and shared in str(out["b"])  # its own request's
     assert len(up.requests) == 2
-    with sqlite3.connect(db) as conn:
+    with contextlib.closing(sqlite3.connect(db)) as conn:  # (a bare `with` only commits)
         messages = [m for (m,) in conn.execute(
             "SELECT error_message FROM calls UNION ALL SELECT error_message FROM attempts")]
     assert messages and not any("ZQXMARKER4242" in (m or "") for m in messages), messages

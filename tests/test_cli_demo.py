@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sqlite3
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_demo_writes_its_telemetry_for_stats(
     assert main(["demo", "--calls", "20", "--concurrency", "10", "--db", str(db)]) == 0
     out = capsys.readouterr().out
     assert f"polygate stats {db} --scope hedge_after_8s" in out
-    with sqlite3.connect(db) as conn:
+    with contextlib.closing(sqlite3.connect(db)) as conn:  # (a bare `with` only commits)
         counts = dict(conn.execute("SELECT scope, count(*) FROM calls GROUP BY scope").fetchall())
     assert counts == {"no_hedging": 20, "deadline_30s": 20, "hedge_after_8s": 20}
     assert main(["stats", str(db), "--scope", "hedge_after_8s"]) == 0

@@ -1262,3 +1262,70 @@ async def test_same_source_retries_retry_the_preferred_source_after_a_hedged_rou
     async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
         r = await s.chat(MESSAGES)
     assert (r.source, r.text, len(a.requests), len(b.requests)) == ("a", "preferred", 2, 1)
+
+
+async def test_reasoning_a_cut_segment_showed_counts_in_usage_and_the_token_limit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Outside review (transcripts, 2026-12-03): a segment cut inside its reasoning had
+    shown the caller its thoughts, yet counted 0 completion tokens in the summed usage,
+    and the continuation was asked for the caller's whole ``max_tokens`` again.  A
+    model's limit and its bill count reasoning tokens: what was shown, reasoning
+    included, is estimated at four characters a token in both."""
+    a = FakeUpstream(Reply(text=ANSWER, reasoning_tokens=30, fault="truncated", fault_after=20))
+    b = FakeUpstream(_continuing(ANSWER))
+    async with polygate.session(_resume_settings(), transport=Router({"a": a, "b": b})) as s:
+        async with s.stream_chat(MESSAGES, max_tokens=500) as stream:
+            chunks = [c async for c in stream]
+    response = stream.response
+    assert response is not None and response.call_stats.resumes == 1
+    first = next(i for i, c in enumerate(chunks) if c.resumed)
+    thoughts = sum(len(c.delta.get("reasoning_content") or "") for c in chunks[:first])
+    assert thoughts > 40 and not any(c.text for c in chunks[:first])  # cut while reasoning
+    spent = (thoughts + 3) // 4
+    assert b.requests[0].body["max_tokens"] == 500 - spent
+    from polygate.testing._render import _prompt_tokens
+
+    usage = response.usage
+    assert usage is not None and usage.source == "estimated"
+    continuation = len(ANSWER.split())  # the fake counts a word a token
+    assert usage.completion_tokens == continuation + spent, (usage, spent)
+    assert usage.prompt_tokens > _prompt_tokens(b.requests[0].body)
+
+
+async def test_a_cut_segment_that_reported_usage_counts_what_it_reported(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Outside review (transcripts, 2026-12-03): vLLM's continuous usage reports the
+    usage on every chunk; a segment cut after reporting some was estimated all the
+    same (its prompt from the caller's message, not the 46 tokens it reported), where
+    docs/failover.md says each segment counts "its reported usage, or, for a segment
+    cut before it reported any, an estimate"."""
+    import httpx
+
+    def event(delta: dict[str, Any], usage: dict[str, int], finish: str | None = None) -> bytes:
+        return b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk", "model": "m",
+                                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                                       "usage": usage}).encode() + b"\n\n"
+
+    words = ["alpha ", "beta ", "gamma ", "delta "]
+    cut = b"".join(event({"content": w}, {"prompt_tokens": 46, "completion_tokens": i + 1,
+                                          "total_tokens": 47 + i}) for i, w in enumerate(words[:2]))
+    rest = b"".join(event({"content": w}, {"prompt_tokens": 60, "completion_tokens": i + 1,
+                                           "total_tokens": 61 + i}) for i, w in enumerate(words[2:]))
+    rest += event({}, {"prompt_tokens": 60, "completion_tokens": 2, "total_tokens": 62}, "stop")
+    rest += b"data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "text/event-stream"},
+        content=cut if request.url.host == "a" else rest))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
+        stream=polygate.StreamWatch(resume=True))})
+    async with polygate.session(settings, transport=transport) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                pass
+    response = stream.response
+    assert response is not None and response.call_stats.resumes == 1
+    assert response.usage == polygate.Usage(46 + 60, 2 + 2, 110, "upstream")

@@ -4,6 +4,7 @@ for each error the gateway maps (SPEC §8.5)."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -378,3 +379,32 @@ async def test_a_choice_role_reaches_the_sdk_once(upstream: str) -> None:
     assert [c.message.role for c in completion.choices] == ["assistant"] * n
     if upstream == "later-choice-first":
         assert [c.message.content for c in completion.choices] == ["Y", "X"]
+
+
+async def test_every_relayed_event_is_a_chunk_of_one_stream() -> None:
+    """Outside review (transcripts, 2026-12-03): Azure's annotation chunks arrive with
+    a blank header (id "", created 0, model "", object ""); the gateway stamped the
+    stream's id, time and model on them but relayed ``object: ""``, which the SDK's
+    ``ChatCompletionChunk`` model refuses."""
+    import httpx
+    from openai.types.chat import ChatCompletionChunk
+
+    from polygate.serve import open_server
+
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")],
+                                       retry=polygate.Retry(max_attempts=1))},
+        serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+    transport = _replaying("10-azure-stream-async-filter-annotations.sse")
+    body = {"model": "chat", "messages": MESSAGES, "stream": True}
+    async with open_server(settings, port=0, transport=transport) as server:
+        async with httpx.AsyncClient() as client:
+            reply = await client.post(f"{server.base_url}/chat/completions", json=body,
+                                      headers={"authorization": f"Bearer {GATEWAY_KEY}"})
+    events = [json.loads(line[6:]) for line in reply.text.splitlines()
+              if line.startswith("data: {")]
+    assert len(events) > 3
+    assert {(e["id"], e["object"], e["created"], e["model"]) for e in events} == {
+        (events[0]["id"], "chat.completion.chunk", events[0]["created"], events[0]["model"])}
+    for event in events:
+        ChatCompletionChunk.model_validate(event)

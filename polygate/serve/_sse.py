@@ -46,6 +46,7 @@ __all__ = ["DONE", "KEEPALIVE", "StreamShape", "error_event", "reported_usage", 
 
 DONE: Final = b"data: [DONE]\n\n"
 KEEPALIVE: Final = b": keep-alive\n\n"
+_CHUNK: Final = "chat.completion.chunk"
 
 
 def _event(payload: Any) -> bytes:
@@ -100,13 +101,16 @@ class StreamShape:
         if not self._started:
             self._started = True
             self._meta = self._header(raw)
-        elif (meta := self._meta) is not None and (
+        if (meta := self._meta) is not None and (
             raw.get("id") != meta["id"] or raw.get("model") != meta["model"]
-            or raw.get("created") != meta["created"]
+            or raw.get("created") != meta["created"] or raw.get("object") != _CHUNK
         ):
-            # A resumed stream's continuation (another source, another completion):
-            # one stream keeps one id, time and model, as the finish chunk does.
-            raw = {**raw, "id": meta["id"], "created": meta["created"], "model": meta["model"]}
+            # A resumed stream's continuation (another source, another completion), or
+            # a chunk with its header blank (Azure's annotations: id "", object ""):
+            # one stream keeps one id, time and model, as the finish chunk does, and
+            # every event is a chunk (the SDK's chunk model accepts no other object).
+            raw = {**raw, "id": meta["id"], "object": _CHUNK, "created": meta["created"],
+                   "model": meta["model"]}
         # Every choice gets its role before its first delta, as in an OpenAI stream
         # (with n > 1 too): the library forwards content, not the upstream's role-only
         # chunks, and a client assembling choices by index reads the role from there.
@@ -286,7 +290,7 @@ class StreamShape:
         created = raw.get("created")
         header = {
             "id": raw.get("id") or "chatcmpl-polygate",
-            "object": "chat.completion.chunk",
+            "object": _CHUNK,
             "created": created if isinstance(created, int) else int(time.time()),
             "model": raw.get("model") or "",
         }

@@ -476,6 +476,10 @@ class ChatAssembler:
                 _merge_extra(self._extras, key, value)
         return content
 
+    def last_usage(self) -> dict[str, Any] | None:
+        """The last usage the stream reported (``None``: none yet)."""
+        return self.usage
+
     def _new_choice(self, index: int) -> _Choice:
         # Indexes under the cap: so are the choices held, however many indexes come.
         if index >= self._max_choices:

@@ -91,6 +91,9 @@ class Timeline:
     # the caller's, not the upstream's.  Chunk times are stamped net of it, so gaps
     # between them are the upstream's own; durations subtract it.
     paused_s: float = 0.0
+    #: The usage a stream reported before it was cut (vLLM's continuous usage: on
+    #: every chunk), read only if it fails: a resumed answer's usage counts it.
+    cut_usage: Callable[[], dict[str, Any] | None] | None = None
 
     @property
     def last_token_at(self) -> float | None:
@@ -338,6 +341,7 @@ async def _read_sse(
         source=endpoint.name,
     )
     chunk_times = timeline.chunk_times
+    timeline.cut_usage = assembler.last_usage
     depth = limits.max_json_depth
     if pieces is None:
         pieces = body_of(response) or body_pieces(response)
