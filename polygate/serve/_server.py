@@ -41,6 +41,7 @@ from .._errors import ConfigError, GovernanceBackendError, PolygateError
 from .._session import Session, SharedBackends, session_on
 from ._app import NO_CALL, Context, Gateway, answer, endpoint_label
 from ._errors import error_body
+from ._fds import connection_room
 from ._hangups import Hangups
 from ._http import ClientGone, Connection, HTTPProblem
 from ._metrics import Metrics
@@ -128,6 +129,8 @@ class Server:
         self._reloading = trio.Lock()
         #: Made with the connections' nursery (see _serve_connections).
         self._hangups: Hangups | None = None
+        #: The client connections the open-file limit leaves room for (see _fds).
+        self._room = 0
 
     def __repr__(self) -> str:
         return f"<polygate.serve.Server {self.url}{' draining' if self.draining else ''}>"
@@ -199,6 +202,8 @@ class Server:
                 old.retire()
                 self.metrics.reloads += 1
             raise
+        if settings.serve.max_connections != old.settings.serve.max_connections:
+            self._room = connection_room(settings.serve.max_connections, self.metrics.connections)
         # Re-read: a recovery (below) may have replaced the stand-in meanwhile.
         old, self._current = self._current, new
         old.retire()
@@ -301,6 +306,7 @@ class Server:
 
     async def _accept(self, listener: trio.SocketListener) -> None:
         assert self._connections is not None
+        starved = False  # logged once a spell, not ten times a second
         while True:
             try:
                 stream = await listener.accept()
@@ -309,10 +315,16 @@ class Server:
             except OSError as exc:
                 if exc.errno not in _FD_ERRORS:
                     raise
-                log.error("accept failed (%s): pausing %.1f s", errno.errorcode.get(exc.errno or 0), _ACCEPT_PAUSE_S)
+                if not starved:
+                    starved = True
+                    log.error("accept failed (%s): retrying every %.1f s",
+                              errno.errorcode.get(exc.errno or 0), _ACCEPT_PAUSE_S)
                 await trio.sleep(_ACCEPT_PAUSE_S)
                 continue
-            if self.metrics.connections >= self.settings.serve.max_connections:
+            if starved:
+                starved = False
+                log.warning("accepting connections again")
+            if self.metrics.connections >= min(self.settings.serve.max_connections, self._room):
                 self.metrics.connections_refused += 1
                 if self._refusing < _REFUSING:
                     self._connections.start_soon(self._refuse, stream)
@@ -543,6 +555,7 @@ async def open_server(
     except OSError as exc:
         raise ConfigError(f"serve: cannot listen on {host}:{port} ({exc.strerror})") from None
     server = Server(listeners, host, transport)
+    server._room = connection_room(settings.serve.max_connections)
     failure: BaseException | None = None
     async with trio.open_nursery() as sessions:
         server._sessions = sessions

@@ -1,0 +1,118 @@
+"""The connection cap against the process's open-file limit (polygate/serve/_fds.py)."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from polygate.testing import FakeUpstream, Reply
+
+from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, read_until_closed, request_bytes
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX open-file limits")
+
+_ROOM = (
+    "import logging, resource, sys; logging.basicConfig(level=logging.INFO);"
+    "from polygate.serve._fds import connection_room;"
+    "room = connection_room(int(sys.argv[1]));"
+    "print(room, resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+)
+
+
+def _room(wanted: int, soft: int, hard: int) -> tuple[int, int, str]:
+    """``connection_room(wanted)`` in a process whose open-file limit is (soft, hard):
+    the room, the soft limit after, and what it logged."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _ROOM, str(wanted)], capture_output=True, text=True, check=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+    room, after = map(int, proc.stdout.split())
+    return room, after, proc.stderr
+
+
+def test_a_soft_limit_below_the_connections_is_raised_toward_the_hard_one() -> None:
+    room, after, log = _room(1024, 256, 8192)
+    assert room == 1024
+    assert 2 * 1024 < after <= 8192
+    assert "raised the open-file limit from 256" in log
+
+
+def test_a_hard_limit_below_the_connections_caps_them_and_says_so() -> None:
+    room, after, log = _room(1024, 600, 600)
+    assert after == 600
+    assert 100 < room < 300  # each connection: its socket and its call's upstream socket
+    assert f"leaves room for {room} client connections, not max_connections=1024" in log
+    assert "LimitNOFILE" in log
+
+
+def test_a_limit_with_room_to_spare_changes_nothing() -> None:
+    room, after, log = _room(10, 4096, 4096)
+    assert (room, after) == (10, 4096)
+    assert "open-file limit" not in log
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_clients_beyond_the_open_file_limit_get_503_and_open_ones_keep_working(
+    tmp_path: Path,
+) -> None:
+    """Outside review (HTTP, 2026-12-03): with the open-file limit below what
+    ``max_connections`` (default 1024) needs -- the default soft limit of a shell or a
+    systemd service is 1024 -- idle clients used up the descriptors: the next client
+    waited unaccepted while the accept loop logged EMFILE ten times a second, and a
+    call on a connection opened before could not open its upstream socket (502, the
+    failure charged to the source).  Scaled down: a limit of 128."""
+    limit = 128
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        config = tmp_path / "polygate.toml"
+        config.write_text(
+            f'[serve]\napi_keys = ["{GATEWAY_KEY}"]\nheader_timeout_s = 30\n'
+            f'[scopes.chat.sources.a]\nbase_url = "{url}"\nmodel = "m1"\n')
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "polygate", "serve", "--config", str(config), "--port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=low_limit)
+        streams: list[trio.SocketStream] = []
+        late = first = b""
+        try:
+            assert proc.stdout is not None
+            line = b""
+            with trio.fail_after(30):
+                while not line.endswith(b"\n"):
+                    line += await proc.stdout.receive_some(1)
+            port = int(line.rsplit(b":", 1)[1])
+            opened_first = await trio.open_tcp_stream("127.0.0.1", port)
+            streams.append(opened_first)
+            for _ in range(limit + 20):  # idle clients, far fewer than max_connections
+                streams.append(await trio.open_tcp_stream("127.0.0.1", port))
+            opened_late = await trio.open_tcp_stream("127.0.0.1", port)
+            streams.append(opened_late)
+            with trio.move_on_after(10):
+                late = await read_until_closed(opened_late, 10)
+            await opened_first.send_all(request_bytes(
+                "POST", "/v1/chat/completions", CHAT, {**AUTH, "connection": "close"}))
+            with trio.move_on_after(10):
+                first = await read_until_closed(opened_first, 10)
+        finally:
+            for stream in streams:
+                await stream.aclose()
+            proc.kill()
+            await proc.wait()
+        assert proc.stderr is not None
+        err = b""
+        with trio.move_on_after(5):
+            while chunk := await proc.stderr.receive_some(1 << 20):
+                err += chunk
+    assert late.startswith(b"HTTP/1.1 503"), (late[:200], err[-2000:])
+    assert b"too_many_connections" in late
+    assert first.startswith(b"HTTP/1.1 200"), first[:400]
+    assert b"EMFILE" not in err
+    assert b"leaves room for" in err
