@@ -74,6 +74,7 @@ from .governance import (
     RefusalReason,
     completion_budget,
     only_breakers,
+    positive_count,
 )
 
 __all__ = ["Rounds", "call_stats", "every_error", "one_error", "run_chat", "run_embed"]
@@ -667,8 +668,7 @@ def _prepare_continuation(
     limits = {
         name: max(1, limit - spent)
         for name in _TOKEN_LIMITS
-        if isinstance(limit := ctx.params.get(name), int) and not isinstance(limit, bool)
-        and limit > 0
+        if (limit := positive_count(ctx.params.get(name))) is not None
     }
     ctx.continuation = Continuation(prefill, prompt, PREFILL_PARAMS, refused, limits, shown)
     ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(

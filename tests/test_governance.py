@@ -116,6 +116,14 @@ def test_estimates() -> None:
     # that fitted a TPM quota was refused as too large
     assert completion_budget({"max_completion_tokens": None, "max_tokens": 50}, 256) == 50
     assert completion_budget({"max_completion_tokens": 0, "max_tokens": 50}, 256) == 50
+    # review (2026-12-03): a whole float is the same JSON number to a pydantic-based
+    # upstream (vLLM, SGLang take 5000.0 as 5000), so it reserves what the int does
+    assert completion_budget({"max_tokens": 5000.0}, 256) == 5000
+    assert completion_budget({"max_completion_tokens": 70.0, "max_tokens": 50}, 256) == 70
+    assert completion_budget({"max_tokens": 100, "n": 50.0}, 256) == 5000
+    assert completion_budget({"max_tokens": 1e300}, 256) == 10**12  # capped, exact
+    for no_limit in (50.5, -50.0, float("inf"), float("nan"), "50", False):
+        assert completion_budget({"max_tokens": no_limit}, 256) == 256
 
 
 @pytest.mark.parametrize(

@@ -523,3 +523,21 @@ async def test_a_choice_carrying_nothing_at_a_huge_index_is_not_relayed(index: i
                if line.startswith("data: {")]
     assert {c["index"] for e in relayed for c in e["choices"]} == {0}
     assert "".join(c["delta"].get("content") or "" for e in relayed for c in e["choices"]) == "hi"
+
+
+@pytest.mark.parametrize(("body", "said"), [
+    (b'{"model":"chat","messages":[{"role":"user","content":"x"}],"temperature":1%s}' % (b"0" * 5000),
+     "integer too long"),
+    (b'{"model":"chat","messages":[{"role":"user","content":"x"}],}', "not valid JSON"),
+    (b'{"model":"chat","messages":[{"role":"user","content":"\xff"}]}', "not valid JSON"),
+])
+async def test_a_body_python_cannot_read_says_why(
+    body: bytes, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Outside review (HTTP, 2026-12-03): a 5,000-digit integer is valid JSON, over
+    Python's limit on int() (4,300 digits); the 400 called the body "not valid JSON"."""
+    (status, answer), = await _against(GOOD, GOOD_SSE, ("/v1/chat/completions", body))
+    assert status == 400, answer
+    error = _strict(answer)["error"]
+    assert error["code"] == "invalid_json" and said in error["message"], error
+    _no_traceback(caplog)

@@ -449,6 +449,14 @@ async def test_http_edges_found_by_a_probe() -> None:
         data = await _raw(server, b"GET http://gateway/healthz HTTP/1.1\r\nhost: gateway\r\n"
                           b"connection: close\r\n\r\n")
         assert data.startswith(b"HTTP/1.1 200")
+        # Its authority ends at a "?" too: a "/" in the query is not the path (outside
+        # review, 2026-12-03: this was routed to /healthz).
+        data = await _raw(server, b"GET http://gateway?x=/healthz HTTP/1.1\r\nhost: gateway\r\n"
+                          b"connection: close\r\n\r\n")
+        assert data.startswith(b"HTTP/1.1 401")  # "/", which takes a key; not /healthz
+        data = await _raw(server, b"GET HTTP://gateway/healthz?x=/v1/models HTTP/1.1\r\n"
+                          b"host: gateway\r\nconnection: close\r\n\r\n")
+        assert data.startswith(b"HTTP/1.1 200")
         # 405 says which methods the URL takes (RFC 9110 §15.5.6).
         answer = await http(server, "DELETE", "/v1/chat/completions", None, AUTH)
         assert answer.status == 405 and answer.headers["allow"] == "POST"

@@ -4,7 +4,13 @@ Knows nothing of httpx or the transport (an import-linter contract keeps it so).
 """
 
 from ._backend import GovernanceBackend
-from ._estimate import CharEstimator, TokenEstimator, completion_budget, default_estimator
+from ._estimate import (
+    CharEstimator,
+    TokenEstimator,
+    completion_budget,
+    default_estimator,
+    positive_count,
+)
 from ._governor import (
     SETTLE_RULES,
     GovernanceStatistics,
@@ -52,6 +58,7 @@ __all__ = [
     "SourceStatistics",
     "TokenEstimator",
     "completion_budget",
+    "positive_count",
     "default_estimator",
     "only_breakers",
     "pick_order",

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-__all__ = ["CharEstimator", "TokenEstimator", "default_estimator", "completion_budget"]
+__all__ = ["CharEstimator", "TokenEstimator", "completion_budget", "default_estimator", "positive_count"]
 
 _PER_MESSAGE = 4
 
@@ -112,17 +112,30 @@ def default_estimator() -> TokenEstimator:
 MAX_COMPLETION_ESTIMATE = 10**12
 
 
+def positive_count(value: Any) -> int | None:
+    """``value`` as a count the upstream will read: a positive int, or a positive
+    whole float (``5000.0``: pydantic-based servers, vLLM's and SGLang's, take it as
+    5000, so it must reserve what 5000 does); ``None`` for anything else."""
+    if type(value) is int:  # (the common case first: no isinstance)
+        return value if value > 0 else None
+    if isinstance(value, float) and value.is_integer() and value > 0:  # (finite too)
+        return int(min(value, MAX_COMPLETION_ESTIMATE))
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    return None
+
+
 def completion_budget(params: Mapping[str, Any], default: int) -> int:
     """``max_completion_tokens`` or ``max_tokens`` when the caller set one, times ``n``,
     at most :data:`MAX_COMPLETION_ESTIMATE`."""
-    # The first of the two that is a limit (a positive int): a null max_completion_tokens
-    # is no limit, and the upstream then goes by max_tokens.  (Plain tests, on every call.)
-    tokens = params.get("max_completion_tokens")
-    if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0):
-        tokens = params.get("max_tokens")
-        if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0):
+    # The first of the two that is a limit (a positive count): a null
+    # max_completion_tokens is no limit, and the upstream then goes by max_tokens.
+    tokens = positive_count(params.get("max_completion_tokens"))
+    if tokens is None:
+        tokens = positive_count(params.get("max_tokens"))
+        if tokens is None:
             tokens = default
-    n = params.get("n", 1)
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+    n = positive_count(params.get("n", 1))
+    if n is not None and n > 1:
         tokens *= n
     return min(tokens, MAX_COMPLETION_ESTIMATE)

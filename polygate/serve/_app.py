@@ -441,9 +441,17 @@ def _parse_body(raw: bytes) -> dict[str, Any] | ErrorReply:
         )
     try:
         body = loads(raw)
-    except (ValueError, RecursionError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return ErrorReply(
             400, "We could not parse the JSON body of your request: it is not valid JSON.",
+            "invalid_request_error", "invalid_json",
+        )
+    except ValueError:
+        # Valid JSON, but an integer longer than Python reads (its 4,300-digit limit
+        # on int(), a guard against quadratic-time conversion).
+        return ErrorReply(
+            400, "The JSON body of your request holds an integer too long to read "
+            f"(more than {sys.get_int_max_str_digits()} digits).",
             "invalid_request_error", "invalid_json",
         )
     if not isinstance(body, dict):

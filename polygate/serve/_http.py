@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -273,8 +274,10 @@ class Connection:
         if target[:8].lower().startswith(("http://", "https://")):
             # The absolute form (RFC 9112 §3.2.2: a server MUST accept it), which a
             # client configured with the gateway as its proxy sends: its path.
-            rest = target.split("://", 1)[1]
-            target = "/" + rest.split("/", 1)[1] if "/" in rest else "/"
+            # The authority ends at the first "/", "?" or "#" (RFC 3986 §3.2): a query's
+            # "/" is not the path's.
+            parts = urllib.parse.urlsplit(target)
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         path = target.split("?", 1)[0]
         if len(headers) < len(event.headers) and sum(
                 k == b"authorization" for k, _ in event.headers) > 1:
