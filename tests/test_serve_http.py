@@ -1026,3 +1026,31 @@ async def test_connection_tokens_are_read_whole() -> None:
     assert data.count(b"HTTP/1.1 200") == 2, data
     first, _, second = data.partition(b'{"status":"ok"}')
     assert b"connection: close" not in first.lower() and b"connection: close" in second.lower()
+
+
+@pytest.mark.parametrize("refusal", ["413", "401"])
+async def test_a_refusal_before_the_body_closes_without_a_reset(refusal: str) -> None:
+    """Outside review (HTTP, 2026-12-03): a request refused from its head (413 over
+    the cap, 401 a wrong key) was closed at once with the client's body still
+    arriving, and a close with unread bytes sends a reset (RST), which can destroy the
+    answer before the client reads it (RFC 9112 §9.6).  The server half-closes, reads
+    what is still coming for a moment, then closes: the client reads the answer and
+    then a clean end."""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_request_bytes=1_000)
+    async with gateway(serve=serve) as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            key = GATEWAY_KEY if refusal == "413" else "sk-wrong-key-0123456789"
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
+                b"authorization: Bearer %s\r\ncontent-length: 400000\r\n\r\n" % key.encode())
+            for _ in range(20):  # the body keeps coming while the refusal is written
+                await stream.send_all(b"x" * 10_000)
+            answer = b""
+            with trio.fail_after(10):
+                while True:
+                    data = await stream.receive_some(65536)  # a reset raises here
+                    if not data:
+                        break
+                    answer += data
+    assert answer.startswith(f"HTTP/1.1 {refusal}".encode()), answer[:200]

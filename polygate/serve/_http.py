@@ -104,6 +104,10 @@ class Request:
 _REQUEST_LINE: Final = re.compile(rb"(" + TOKEN + rb") ([\x21-\x7e]+) HTTP/1\.1")
 #: Request headers whose meaning h11 must judge: framing, expectations, upgrades.
 _H11_ONLY: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+#: How long a connection closed with its request's body unread reads what still
+#: comes (see Connection.aclose), and in what pieces.
+LINGER_S: Final = 2.0
+_LINGER_READ: Final = 65536
 
 
 class _PlainRequest:
@@ -583,7 +587,21 @@ class Connection:
             self.h11.receive_data(pending)
         return True
 
-    async def aclose(self) -> None:
+    async def aclose(self, linger: bool = False) -> None:
+        """Close.  ``linger``: the last request was refused before its body was read,
+        so the client may still be sending it; a close with unread bytes sends a reset
+        (RST), which can destroy the answer before the client reads it (RFC 9112 §9.6).
+        Then the server half-closes, and reads and drops what still comes -- until the
+        client closes, for :data:`LINGER_S` at most -- before it closes (nginx's
+        ``lingering_close``)."""
+        if linger:
+            with trio.move_on_after(LINGER_S):
+                try:
+                    await self.stream.send_eof()
+                    while await self.stream.receive_some(_LINGER_READ):
+                        pass
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
         with trio.move_on_after(1):
             await self.stream.aclose()
 

@@ -383,6 +383,7 @@ class Server:
                 return True
             return False
 
+        linger = False  # the last request was refused with its body unread
         try:
             # A drain ends the loop, except for a request whose bytes came before the
             # last answer ended (carried): in flight from its first byte, answered too.
@@ -417,6 +418,7 @@ class Server:
                     request = await conn.read_request(admit, started=started, scope=idle)
                 except HTTPProblem as problem:
                     await self._problem(conn, problem, begun_at if begun else None)
+                    linger = True
                     return
                 except ClientGone as gone:
                     if begun:  # left in the middle of its request: as after it, a 499
@@ -440,8 +442,10 @@ class Server:
             if conn.carried:  # counted, never read (the client left first, say)
                 conn.carried = False
                 self._landed()
-            metrics.connections -= 1
-            await conn.aclose()
+            try:
+                await conn.aclose(linger)
+            finally:
+                metrics.connections -= 1  # (after a linger: its descriptor was held)
 
     async def _answer(self, conn: Connection, request: Any, checked: Gateway | None = None) -> None:
         """``checked``: the generation whose keys admitted the request at its head."""
