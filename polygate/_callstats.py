@@ -168,23 +168,29 @@ def chat_response(
 
 
 def _summed_usage(parts: Sequence[AttemptRecord], shown_chars: Sequence[int]) -> Usage:
-    """What every segment cost: its reported usage (a cut one's, the last it reported
-    before the cut), else an estimate (its prompt, and what it showed at about four
-    characters a token)."""
+    """What every segment cost: its reported usage, else an estimate (its prompt, and
+    what it showed at about four characters a token).  A cut segment's cost is never
+    known whole: the last usage it reported before the cut (vLLM's continuous usage)
+    gives its prompt, and its completion when that is above what it showed."""
     prompt = completion = 0
     estimated = False
     chars = [*shown_chars, *([0] * len(parts))]
     for record, shown in zip(parts, chars, strict=False):
         usage = record.usage
-        if (usage is None or usage.source != "upstream") and (
-            cut := record.timeline.cut_usage
-        ) is not None:
-            usage = Usage.from_wire(cut())
         if usage is not None and usage.source == "upstream":
             prompt += usage.prompt_tokens
             completion += usage.completion_tokens
-        else:
-            estimated = True
+            continue
+        estimated = True
+        cut = record.timeline.cut_usage
+        reported = Usage.from_wire(cut()) if cut is not None else None
+        shown_tokens = (shown + 3) // 4
+        if reported is None:
             prompt += record.prompt_estimate  # what this segment sent, not the next one
-            completion += (shown + 3) // 4
+            completion += shown_tokens
+            continue
+        # Reported before the cut, perhaps long before (a first chunk's usage, of no
+        # text yet), perhaps in part (no prompt): a lower bound each.
+        prompt += reported.prompt_tokens or record.prompt_estimate
+        completion += max(reported.completion_tokens, shown_tokens)
     return Usage(prompt, completion, prompt + completion, "estimated" if estimated else "upstream")

@@ -1328,4 +1328,54 @@ async def test_a_cut_segment_that_reported_usage_counts_what_it_reported(
                 pass
     response = stream.response
     assert response is not None and response.call_stats.resumes == 1
-    assert response.usage == polygate.Usage(46 + 60, 2 + 2, 110, "upstream")
+    # Its prompt as reported; its completion the larger of what it reported and what it
+    # showed ("alpha beta ": 3 tokens at four characters a token); estimated, as any
+    # cut segment's cost (diff review: a stale first-chunk usage of 0 tokens, or one
+    # without a prompt, was taken whole and called "upstream").
+    assert response.usage == polygate.Usage(46 + 60, 3 + 2, 111, "estimated")
+
+
+@pytest.mark.parametrize(("reported", "prompt_from_estimate"), [
+    ({"prompt_tokens": 40, "completion_tokens": 0, "total_tokens": 40}, False),  # stale
+    ({"completion_tokens": 1}, True),  # in part: no prompt
+])
+async def test_a_cut_segments_partial_usage_is_a_lower_bound(
+    autojump_clock: trio.testing.MockClock, reported: dict[str, int], prompt_from_estimate: bool,
+) -> None:
+    """Diff review (2026-12-03): a cut segment whose only usage came with its first
+    chunk (no text yet), or reported no prompt, counted its 400 characters shown as 0
+    tokens, or its prompt as 0, and the sum still said "upstream" (which lets a gateway
+    key's tpm settle below what was streamed)."""
+    import httpx
+
+    def event(delta: dict[str, Any], usage: dict[str, int] | None = None,
+              finish: str | None = None) -> bytes:
+        body: dict[str, Any] = {"id": "c", "object": "chat.completion.chunk", "model": "m",
+                                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    cut = event({"role": "assistant"}, reported) + b"".join(
+        event({"content": "word " * 20}) for _ in range(4))  # 400 characters
+    rest = event({"content": " end"}) + event(
+        {}, {"prompt_tokens": 300, "completion_tokens": 2, "total_tokens": 302}, "stop")
+    rest += b"data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "text/event-stream"},
+        content=cut if request.url.host == "a" else rest))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
+        stream=polygate.StreamWatch(resume=True))})
+    async with polygate.session(settings, transport=transport) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                pass
+    usage = stream.response.usage if stream.response is not None else None
+    assert usage is not None and usage.source == "estimated"
+    assert usage.completion_tokens == 100 + 2  # 400 characters shown, then the rest's 2
+    if prompt_from_estimate:
+        assert usage.prompt_tokens > 300
+    else:
+        assert usage.prompt_tokens == 40 + 300

@@ -116,3 +116,36 @@ async def test_clients_beyond_the_open_file_limit_get_503_and_open_ones_keep_wor
     assert first.startswith(b"HTTP/1.1 200"), first[:400]
     assert b"EMFILE" not in err
     assert b"leaves room for" in err
+
+
+@pytest.mark.timeout(30)
+async def test_max_connections_from_a_reload_in_force_while_the_backend_is_down() -> None:
+    """Diff review (2026-12-03): a reload whose session could not open (the governance
+    backend down) still puts its settings in force, but its max_connections never
+    reached the cap the accept loop uses: a third idle connection under a reloaded
+    max_connections=6 got 503."""
+    import attrs
+
+    import polygate
+    from polygate import GovernanceBackendError
+    from polygate.serve import open_server
+
+    from ._serve_kit import settings_for
+
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        first = settings_for(url, backend="redis://127.0.0.1:9/0?timeout_s=0.3",
+                             serve=polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=2))
+        second = attrs.evolve(first, serve=attrs.evolve(first.serve, max_connections=6))
+        async with open_server(first, port=0) as server:
+            with pytest.raises(GovernanceBackendError):
+                await server.reload(second)
+            assert server.settings.serve.max_connections == 6
+            streams = [await trio.open_tcp_stream("127.0.0.1", server.port) for _ in range(3)]
+            answer = b""
+            with trio.move_on_after(1):  # (an idle connection is answered nothing)
+                answer = await read_until_closed(streams[-1], 2)
+            for stream in streams:
+                await stream.aclose()
+            server.hard_stop()
+    assert b"too_many_connections" not in answer, answer[-300:]

@@ -1054,3 +1054,40 @@ async def test_a_refusal_before_the_body_closes_without_a_reset(refusal: str) ->
                         break
                     answer += data
     assert answer.startswith(f"HTTP/1.1 {refusal}".encode()), answer[:200]
+
+
+@pytest.mark.parametrize("target", [b"http://[/v1/models", b"http://[x]/healthz", b"http://a]/healthz"])
+async def test_an_absolute_target_with_a_bad_authority_is_no_crash(target: bytes) -> None:
+    """Diff review (2026-12-03): an absolute-form target whose authority urlsplit
+    refuses ("[") raised a ValueError out of the connection, and the server with it,
+    before any key was checked."""
+    async with gateway() as (server, _):
+        data = await _raw(server, b"GET %s HTTP/1.1\r\nhost: g\r\nconnection: close\r\n\r\n" % target)
+        assert data.startswith(b"HTTP/1.1 "), data[:200]
+        assert (await http(server, "GET", "/healthz")).status == 200  # still serving
+
+
+async def test_a_connection_lingering_at_shutdown_has_its_socket_closed() -> None:
+    """Diff review (2026-12-03): a hard stop cancelled a lingering connection before
+    its close, leaving the socket to the garbage collector (a ResourceWarning)."""
+    import gc
+    import warnings
+
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_request_bytes=1_000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with gateway(serve=serve) as (server, _):
+            port = server.port
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            async with stream:
+                await stream.send_all(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\n"
+                    b"authorization: Bearer %s\r\ncontent-length: 400000\r\n\r\n"
+                    % GATEWAY_KEY.encode())
+                with trio.fail_after(5):
+                    assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 413")
+                await server.shutdown(grace_s=10)  # the connection lingers: cancelled
+        gc.collect()
+    leaked = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)
+              and f"'127.0.0.1', {port})" in str(w.message)]
+    assert not leaked, leaked

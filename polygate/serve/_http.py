@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import math
 import re
-import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -279,9 +278,13 @@ class Connection:
             # The absolute form (RFC 9112 §3.2.2: a server MUST accept it), which a
             # client configured with the gateway as its proxy sends: its path.
             # The authority ends at the first "/", "?" or "#" (RFC 3986 §3.2): a query's
-            # "/" is not the path's.
-            parts = urllib.parse.urlsplit(target)
-            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            # "/" is not the path's.  (Read by hand: urlsplit raises on an authority
+            # such as "[", and this runs before the key is checked.)
+            rest = target.split("://", 1)[1]
+            ends = [at for at in (rest.find("/"), rest.find("?"), rest.find("#")) if at >= 0]
+            target = rest[min(ends):] if ends else "/"
+            if not target.startswith("/"):
+                target = "/" + target
         path = target.split("?", 1)[0]
         if len(headers) < len(event.headers) and sum(
                 k == b"authorization" for k, _ in event.headers) > 1:
@@ -594,16 +597,18 @@ class Connection:
         Then the server half-closes, and reads and drops what still comes -- until the
         client closes, for :data:`LINGER_S` at most -- before it closes (nginx's
         ``lingering_close``)."""
-        if linger:
-            with trio.move_on_after(LINGER_S):
-                try:
-                    await self.stream.send_eof()
-                    while await self.stream.receive_some(_LINGER_READ):
+        try:
+            if linger:
+                with trio.move_on_after(LINGER_S):
+                    try:
+                        await self.stream.send_eof()
+                        while await self.stream.receive_some(_LINGER_READ):
+                            pass
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         pass
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    pass
-        with trio.move_on_after(1):
-            await self.stream.aclose()
+        finally:  # a hard stop cancels a linger: the socket is closed all the same
+            with trio.move_on_after(1):
+                await self.stream.aclose()
 
 
 _UNSAFE_IN_VALUES = bytes.maketrans(b"\r\n\x00", b"   ")

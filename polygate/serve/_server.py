@@ -129,8 +129,10 @@ class Server:
         self._reloading = trio.Lock()
         #: Made with the connections' nursery (see _serve_connections).
         self._hangups: Hangups | None = None
-        #: The client connections the open-file limit leaves room for (see _fds).
+        #: The client connections the open-file limit leaves room for (see _fds), and
+        #: the max_connections that was computed for.
         self._room = 0
+        self._room_for = 0
 
     def __repr__(self) -> str:
         return f"<polygate.serve.Server {self.url}{' draining' if self.draining else ''}>"
@@ -199,16 +201,24 @@ class Server:
             if isinstance(old.session, UnavailableSession):
                 # In force all the same: the settings the server keeps trying.
                 self._current = Gateway(settings, UnavailableSession(settings, str(exc)))
+                self._fit_connections(settings)
                 old.retire()
                 self.metrics.reloads += 1
             raise
-        if settings.serve.max_connections != old.settings.serve.max_connections:
-            self._room = connection_room(settings.serve.max_connections, self.metrics.connections)
+        self._fit_connections(settings)
         # Re-read: a recovery (below) may have replaced the stand-in meanwhile.
         old, self._current = self._current, new
         old.retire()
         self._recovering.cancel()  # a reload that opened its session ends the waiting
         self.metrics.reloads += 1
+
+    def _fit_connections(self, settings: Settings) -> None:
+        """Fit the connections the open-file limit leaves room for to the settings
+        coming into force (see _fds): once for each ``max_connections`` asked."""
+        wanted = settings.serve.max_connections
+        if wanted != self._room_for:
+            self._room_for = wanted
+            self._room = connection_room(wanted, self.metrics.connections)
 
     async def _recover(self) -> None:
         """Open the session the backend refused at start, retrying with a growing
@@ -559,7 +569,7 @@ async def open_server(
     except OSError as exc:
         raise ConfigError(f"serve: cannot listen on {host}:{port} ({exc.strerror})") from None
     server = Server(listeners, host, transport)
-    server._room = connection_room(settings.serve.max_connections)
+    server._fit_connections(settings)
     failure: BaseException | None = None
     async with trio.open_nursery() as sessions:
         server._sessions = sessions
