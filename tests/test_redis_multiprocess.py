@@ -1029,3 +1029,41 @@ async def test_an_admission_refused_with_an_error_reply_is_not_abandoned(
         assert (await s.chat(messages)).text
         assert backend.statistics().abandoned == 0
         assert not backend._abandoned
+
+
+def test_an_idle_session_voids_its_abandoned_admission_on_its_own(own_redis: RedisServer) -> None:
+    """Outside review (multi-process Redis, 2026-12-03): an admission abandoned while
+    Redis hung was voided only after this session's next successful exchange.  A
+    session with nothing else to do (a process gone idle, a gateway replica the load
+    balancer stopped sending to) left the phantom's permit to its lease, and another
+    session's call, under max_in_flight=1, waited for it until its deadline."""
+    import signal
+
+    import polygate
+    from polygate.testing import FakeUpstream, Reply
+
+    async def body() -> None:
+        up = FakeUpstream(Reply(tokens=2))
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)],
+                call_deadline_s=4.0)},
+            backend=f"{own_redis.url}?timeout_s=0.5",  # (lease_s: 15 s, the default)
+        )
+        async with polygate.session(settings, transport=up.transport()) as idle, \
+                polygate.session(settings, transport=up.transport()) as other:
+            assert (await idle.chat(MESSAGES)).text
+            assert own_redis.proc is not None
+            own_redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(polygate.GovernanceBackendError):
+                    await idle.chat(MESSAGES)
+            finally:
+                own_redis.proc.send_signal(signal.SIGCONT)
+            # ``idle`` makes no other call: its phantom permit must go all the same.
+            start = trio.current_time()
+            assert (await other.chat(MESSAGES)).text
+            assert trio.current_time() - start < 2.0
+        assert up.statistics().requests == 2
+
+    trio.run(body)

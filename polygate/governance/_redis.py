@@ -448,6 +448,7 @@ class RedisBackend:
             if sent and not isinstance(exc.__cause__, self._errors.ResponseError):
                 self._abandoned[(request.scope, request.source, member)] = trio.current_time()
                 self._abandoned_total += 1
+                self._cleanup.set()  # the void loop's timer starts (see _void_loop)
             # Cut at the caller's deadline: its cancellation, due now, says so.
             await trio.lowlevel.checkpoint_if_cancelled()
             raise
@@ -631,19 +632,38 @@ class RedisBackend:
         An admission whose answer timed out may still run on a Redis that was only
         slow: its permit and window entry would then be held by nobody until the
         lease ran out.  Voiding (settle, never sent) is idempotent, so it is sent after
-        the next successful operation and again every ``lease_s / 3`` while it finds
-        nothing — the late admission may not have run yet — until the lease would
-        have expired it anyway."""
+        the next successful operation, and, while any is left, on this loop's own
+        timer too -- from ``poll_s``, doubling up to a second -- with a PING first
+        while the last exchange failed (a void sent into a hung Redis would run
+        unseen), and again while it finds nothing (the late admission may not have run
+        yet), until the lease would have expired it anyway.  (Waiting for another
+        exchange to succeed left the permit to its lease in a process with nothing
+        else to do: an idle one, a gateway replica no longer sent traffic.)"""
+        first = self.options.poll_s
+        cap = max(first, min(1.0, self.options.lease_s / 3))
+        wait = first
         while True:
-            await self._cleanup.wait()
+            if self._abandoned:
+                with trio.move_on_after(wait):
+                    await self._cleanup.wait()
+            else:
+                wait = first
+                await self._cleanup.wait()
             self._cleanup = trio.Event()
+            if not self._abandoned:
+                continue
+            wait = min(wait * 2, cap)
+            if not self._healthy:
+                try:
+                    await self._run(lambda: self._client.ping(), "ping")
+                except GovernanceBackendError:
+                    continue
             try:
                 await self._void_abandoned()
             except Exception:
                 log.exception("voiding abandoned redis admissions failed")
-            if self._abandoned:
-                await trio.sleep(self.options.lease_s / 3)
-                self._cleanup.set()
+            # The round's own exchanges set it: they are no news.
+            self._cleanup = trio.Event()
 
     async def _void_abandoned(self) -> None:
         lease_s = self._lease_us / 1e6
