@@ -177,14 +177,25 @@ def _summed_usage(parts: Sequence[AttemptRecord], shown_chars: Sequence[int]) ->
     chars = [*shown_chars, *([0] * len(parts))]
     for record, shown in zip(parts, chars, strict=False):
         usage = record.usage
+        shown_tokens = (shown + 3) // 4
         if usage is not None and usage.source == "upstream":
-            prompt += usage.prompt_tokens
-            completion += usage.completion_tokens
+            # A usage without a prompt, or without a completion for text it showed
+            # (one that reported only some fields, or only a total), counts that part
+            # as estimated: never as 0.
+            if usage.prompt_tokens and (usage.completion_tokens or not shown_tokens):
+                prompt += usage.prompt_tokens
+                completion += usage.completion_tokens
+            else:
+                estimated = True
+                part_prompt = usage.prompt_tokens or record.prompt_estimate
+                part_completion = usage.completion_tokens or shown_tokens
+                # A reported total (alone) is a floor too: the rest goes to the prompt.
+                prompt += max(part_prompt, usage.total_tokens - part_completion)
+                completion += part_completion
             continue
         estimated = True
         cut = record.timeline.cut_usage
         reported = Usage.from_wire(cut()) if cut is not None else None
-        shown_tokens = (shown + 3) // 4
         if reported is None:
             prompt += record.prompt_estimate  # what this segment sent, not the next one
             completion += shown_tokens

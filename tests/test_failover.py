@@ -1379,3 +1379,46 @@ async def test_a_cut_segments_partial_usage_is_a_lower_bound(
         assert usage.prompt_tokens > 300
     else:
         assert usage.prompt_tokens == 40 + 300
+
+
+@pytest.mark.parametrize("final", [{"completion_tokens": 2}, {"total_tokens": 500}])
+async def test_a_continuations_partial_usage_never_counts_a_part_as_nothing(
+    autojump_clock: trio.testing.MockClock, final: dict[str, int],
+) -> None:
+    """Second diff review (2026-12-03): a continuation that reported its usage in part
+    (no prompt; or only a total) counted the missing parts as 0 in the resumed call's
+    sum.  A missing part is estimated, and a reported total is a floor."""
+    import httpx
+
+    def event(delta: dict[str, Any], usage: dict[str, int] | None = None,
+              finish: str | None = None) -> bytes:
+        body: dict[str, Any] = {"id": "c", "object": "chat.completion.chunk", "model": "m",
+                                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    cut = b"".join(event({"content": "word "}) for _ in range(40))  # 200 characters
+    rest = event({"content": " end"}) + event({}, final, "stop") + b"data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "text/event-stream"},
+        content=cut if request.url.host == "a" else rest))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
+        stream=polygate.StreamWatch(resume=True))})
+    async with polygate.session(settings, transport=transport) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                pass
+    response = stream.response
+    assert response is not None and response.call_stats.resumes == 1
+    usage = response.usage
+    assert usage is not None and usage.source == "estimated"
+    # the continuation's prompt carries the 200 characters shown: ~50 tokens and more
+    cut_share = 50
+    if "total_tokens" in final:
+        assert usage.total_tokens >= cut_share + 500, usage
+    else:
+        assert usage.prompt_tokens > 2 * cut_share, usage  # the cut's and the continuation's
+        assert usage.completion_tokens == cut_share + 2

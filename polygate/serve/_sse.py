@@ -487,7 +487,8 @@ def reported_usage(response: ChatResponse) -> dict[str, Any] | None:
         return {**wire, **counts}
     if response.call_stats.resumes or Usage.from_wire(wire) is not None:
         # A resumed stream's raw body is its last segment's; its usage covers them
-        # all (a cut segment, which never reports, counted from the text it showed).
+        # all (a cut segment's share: what it reported before the cut, never less
+        # than the text it showed).
         # Believable numbers on the wire beside an estimate mean just that, also for
         # the stream's cache hits, whose statistics say no resume (this call made none).
         return counts
