@@ -53,6 +53,25 @@ async def test_exposition_parses_and_counts() -> None:
     assert value(found, "polygate_serve_requests_in_flight") == 1  # the scrape itself
 
 
+@pytest.mark.parametrize("body", [
+    {"model": "chat", "messages": "hi"},  # refused by the session's checks of its arguments
+    {"model": "chat", "messages": "hi", "stream": True},
+    {"model": "embed", "input": ["x"], "dimensions": "many"},
+    {"model": "chat"},  # refused by the server's own
+])
+async def test_a_body_refused_before_any_call_is_no_call(body: dict[str, Any]) -> None:
+    """Outside review (metrics, 2026-12-03): a 400 from the session's checks of its
+    arguments (``messages`` not a list) was counted in ``polygate_serve_calls_total``,
+    although no call started (no telemetry row, nothing charged to a key), while the
+    server's own 400 for the same kind of body was not."""
+    async with gateway(Reply(tokens=2)) as (server, _):
+        assert (await http(server, "POST", "/v1/chat/completions", body, AUTH)).status == 400
+        assert (await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status == 200
+        answer = await http(server, "GET", "/metrics", headers=AUTH)
+    found = samples(answer.body.decode())
+    assert [s.labels["result"] for s in found["polygate_serve_calls_total"]] == ["ok"]
+
+
 async def test_no_key_leaks_into_metrics() -> None:
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], models={"gpt-4o": "chat"})
     async with gateway(Reply(status=401), serve=serve) as (server, _):

@@ -34,7 +34,7 @@ import trio
 
 from .._config import Settings
 from .._context import PRESET_CALL_ID, fresh_call_id
-from .._errors import PolygateError
+from .._errors import ConfigError, PolygateError
 from .._json import MAX_DEPTH, loads, nested_deeper
 from .._key_quota import KeyQuotas, KeyRefusal
 from .._session import Session
@@ -580,7 +580,14 @@ async def _call_failed(
     if reply.status == 500:
         log.error("unexpected error answering a call: %s", type(exc).__name__, exc_info=exc)
     stats: CallStats | None = getattr(exc, "call_stats", None)
-    ctx.count_call(scope, stats, reply.code)
+    meter = ctx.meter
+    if stats is None and isinstance(exc, ConfigError) and (meter is None or meter.stats is None):
+        # Refused by the session's checks of its arguments before any call started:
+        # no call (no telemetry row, nothing charged), as the server's own 400s.
+        if meter is not None:
+            meter.counted = True
+    else:
+        ctx.count_call(scope, stats, reply.code)
     return await _fail(ctx, reply, call_id, stats)
 
 
