@@ -202,6 +202,8 @@ def _summed_usage(parts: Sequence[AttemptRecord], shown_chars: Sequence[int]) ->
             continue
         # Reported before the cut, perhaps long before (a first chunk's usage, of no
         # text yet), perhaps in part (no prompt): a lower bound each.
-        prompt += reported.prompt_tokens or record.prompt_estimate
-        completion += max(reported.completion_tokens, shown_tokens)
+        part_completion = max(reported.completion_tokens, shown_tokens)
+        prompt += max(reported.prompt_tokens or record.prompt_estimate,
+                      reported.total_tokens - part_completion)  # (a total: a floor too)
+        completion += part_completion
     return Usage(prompt, completion, prompt + completion, "estimated" if estimated else "upstream")

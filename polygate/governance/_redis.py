@@ -631,14 +631,15 @@ class RedisBackend:
 
         An admission whose answer timed out may still run on a Redis that was only
         slow: its permit and window entry would then be held by nobody until the
-        lease ran out.  Voiding (settle, never sent) is idempotent, so it is sent after
-        the next successful operation, and, while any is left, on this loop's own
-        timer too -- from ``poll_s``, doubling up to a second -- with a PING first
-        while the last exchange failed (a void sent into a hung Redis would run
-        unseen), and again while it finds nothing (the late admission may not have run
-        yet), until the lease would have expired it anyway.  (Waiting for another
-        exchange to succeed left the permit to its lease in a process with nothing
-        else to do: an idle one, a gateway replica no longer sent traffic.)"""
+        lease ran out.  Voiding (settle, never sent) is idempotent.  While any is
+        left, this loop tries on its own timer -- from ``poll_s``, doubling up to a
+        second -- and at once when an exchange succeeds after failures: each round
+        first checks that Redis answers (the probe script, which needs no command
+        beyond the others'), since a void sent into a hung Redis would run unseen,
+        then voids; again while a void finds nothing (the late admission may not
+        have run yet), until the lease would have expired it anyway.  (Waiting for
+        another exchange to succeed left the permit to its lease in a process with
+        nothing else to do: an idle one, a gateway replica no longer sent traffic.)"""
         first = self.options.poll_s
         cap = max(first, min(1.0, self.options.lease_s / 3))
         wait = first
@@ -650,20 +651,22 @@ class RedisBackend:
                 wait = first
                 await self._cleanup.wait()
             self._cleanup = trio.Event()
+            lease_s, now = self._lease_us / 1e6, trio.current_time()
+            for abandoned, given_up in list(self._abandoned.items()):
+                if now - given_up > lease_s:  # its lease has run out, wherever it ran
+                    del self._abandoned[abandoned]
             if not self._abandoned:
                 continue
             wait = min(wait * 2, cap)
-            if not self._healthy:
-                try:
-                    await self._run(lambda: self._client.ping(), "ping")
-                except GovernanceBackendError:
-                    continue
+            try:
+                await self._script(_PROBE, [], [], "probe")
+            except GovernanceBackendError:
+                continue  # not answering yet: the timer tries again
             try:
                 await self._void_abandoned()
             except Exception:
                 log.exception("voiding abandoned redis admissions failed")
-            # The round's own exchanges set it: they are no news.
-            self._cleanup = trio.Event()
+            self._cleanup = trio.Event()  # (set by this round's own exchanges: no news)
 
     async def _void_abandoned(self) -> None:
         lease_s = self._lease_us / 1e6
@@ -795,9 +798,9 @@ class RedisBackend:
             except Exception as exc:  # coredis, OS and protocol errors, their groups
                 self._healthy = False
                 raise self._failure(what, exc, trio.current_time() - started) from exc
+            if not self._healthy and self._abandoned:
+                self._cleanup.set()  # answering again after failures: void at once
             self._healthy = True
-            if self._abandoned and not self._cleanup.is_set():
-                self._cleanup.set()
             return result
         if deadline is None or deadline > bound or bound >= started + self._timeout:
             # Our own bound fell.  (A caller's deadline that came first says nothing of

@@ -1,0 +1,181 @@
+"""Abandoned admissions voided by the Redis backend's own loop (``_void_loop``): on a
+timer, after a probe, never once per exchange.  A real redis-server, hung (SIGSTOP) or
+lost (killed and restarted empty).  Outside review of the loop, 2026-12-03."""
+
+from __future__ import annotations
+
+import secrets
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import trio
+
+import polygate
+from polygate.testing import FakeUpstream, Reply
+
+from ._redis_server import RedisServer, command, need_redis, running_redis
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    with running_redis(need_redis()) as server:
+        yield server
+
+
+def evalsha_calls(port: int) -> int:
+    """``cmdstat_evalsha:calls=N`` from INFO commandstats (a bulk reply: read whole)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"*2\r\n$4\r\nINFO\r\n$12\r\ncommandstats\r\n")
+        data = b""
+        while b"\r\n" not in data:
+            data += sock.recv(65536)
+        size = int(data[1:data.index(b"\r\n")])
+        start = data.index(b"\r\n") + 2
+        while len(data) < start + size:
+            data += sock.recv(65536)
+    text = data[start:start + size].decode()
+    assert text.startswith("# Commandstats"), text[:100]
+    for line in text.splitlines():
+        if line.startswith("cmdstat_evalsha:"):
+            return int(line.split("calls=")[1].split(",")[0])
+    return 0
+
+
+def settings_for(redis: RedisServer, **options: Any) -> polygate.Settings:
+    query = "&".join(f"{k}={v}" for k, v in {"timeout_s": 0.5, "prefix": f"v{secrets.token_hex(3)}", **options}.items())
+    return polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
+        backend=f"{redis.url}?{query}",
+    )
+
+
+async def abandon_many(s: Any, redis: RedisServer, n: int) -> None:
+    """n admissions sent into a hung Redis, then Redis is killed and restarted empty:
+    those admissions never ran, so no void can ever find them."""
+    assert redis.proc is not None
+    redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        async def one() -> None:
+            with pytest.raises(polygate.GovernanceBackendError):
+                await s.chat(MESSAGES)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(one)
+    finally:
+        redis.kill()
+    redis.proc = None
+    redis.start()
+
+
+async def reconnect(s: Any) -> None:
+    for _ in range(20):
+        try:
+            await s.chat(MESSAGES)
+            return
+        except polygate.GovernanceBackendError:
+            await trio.sleep(0.1)
+    raise AssertionError("never reconnected")
+
+
+def test_voids_for_never_found_admissions_are_not_sent_once_per_exchange(redis: RedisServer) -> None:
+    """While an abandoned admission can never be voided (its Redis lost it), the void
+    loop is documented to retry on a timer 'from poll_s, doubling up to every second'.
+    Busy, it must not resend every void after every successful exchange of the process."""
+
+    async def body() -> None:
+        up = FakeUpstream(Reply(tokens=2))
+        async with polygate.session(settings_for(redis), transport=up.transport()) as s:
+            backend: Any = s._runtime.governor.backend
+            assert (await s.chat(MESSAGES)).text
+            await abandon_many(s, redis, 20)
+            await reconnect(s)
+            await trio.sleep(1.0)  # past the doubling: the timer is at its 1 s cap
+            assert len(backend._abandoned) == 20
+            command(redis.port, "CONFIG", "RESETSTAT")
+            start = trio.current_time()
+            calls = 0
+            while trio.current_time() - start < 1.0:
+                await s.chat(MESSAGES)
+                calls += 1
+            total = evalsha_calls(redis.port)
+            voids = total - 2 * calls  # each call: one ADMIT, one SETTLE
+            # On a 1 s timer: at most about 2 rounds of 20 voids in this second.
+            assert voids <= 3 * 20, (calls, total, voids)
+
+    trio.run(body)
+
+
+def test_an_admission_cut_by_its_deadline_in_a_hung_redis_is_counted_as_voided(redis: RedisServer) -> None:
+    """Docstring of _void_loop: 'a PING first while the last exchange failed (a void
+    sent into a hung Redis would run unseen)'.  An admission cut by the *call's*
+    deadline leaves the backend 'healthy', so the void goes straight into the hung
+    Redis.  Once Redis runs again, the permit must be gone and the statistics must say
+    the admission was granted and voided (abandoned_voided == 1)."""
+
+    async def body() -> None:
+        up = FakeUpstream(Reply(tokens=2))
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)])},
+            backend=f"{redis.url}?timeout_s=0.5&prefix=d{secrets.token_hex(3)}",
+        )
+        async with polygate.session(settings, transport=up.transport()) as s:
+            backend: Any = s._runtime.governor.backend
+            assert (await s.chat(MESSAGES)).text
+            assert redis.proc is not None
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(polygate.DeadlineExceeded):
+                    await s.chat(MESSAGES, call_deadline_s=0.1)
+                await trio.sleep(1.5)  # longer than timeout_s: the first void is given up
+            finally:
+                redis.proc.send_signal(signal.SIGCONT)
+            await trio.sleep(1.5)
+            stats = backend.statistics()
+            snap = await s.statistics()
+            in_flight = [src.state.in_flight for src in snap.governance.sources]
+            assert in_flight == [0], in_flight
+            assert stats.abandoned == 1
+            assert stats.abandoned_voided == 1, stats
+            assert not backend._abandoned, "still re-voiding an admission already voided"
+
+    trio.run(body)
+
+
+def test_idle_void_with_an_acl_user_that_may_not_ping(redis: RedisServer) -> None:
+    """A least-privilege ACL user that has every command polygate used before this
+    change but not PING: the idle void never happens (each PING is refused, and marks
+    the backend unhealthy), so the phantom permit waits for its lease again."""
+
+    async def body() -> None:
+        reply = command(redis.port, "ACL", "SETUSER", "pg", "on", ">pg-pw", "~*", "&*", "+@all", "-ping")
+        assert reply == b"+OK"
+        up = FakeUpstream(Reply(tokens=2))
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)])},
+            backend=f"redis://pg:pg-pw@127.0.0.1:{redis.port}/0?timeout_s=0.5&prefix=p{secrets.token_hex(3)}",
+        )
+        async with polygate.session(settings, transport=up.transport()) as idle:
+            backend: Any = idle._runtime.governor.backend
+            assert (await idle.chat(MESSAGES)).text
+            assert redis.proc is not None
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(polygate.GovernanceBackendError):
+                    await idle.chat(MESSAGES)
+            finally:
+                redis.proc.send_signal(signal.SIGCONT)
+            await trio.sleep(2.5)
+            assert backend.statistics().abandoned_voided == 1
+
+    trio.run(body)
