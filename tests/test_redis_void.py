@@ -179,3 +179,142 @@ def test_idle_void_with_an_acl_user_that_may_not_ping(redis: RedisServer) -> Non
             assert backend.statistics().abandoned_voided == 1
 
     trio.run(body)
+
+
+def one_source(redis: RedisServer, **options: Any) -> polygate.Settings:
+    query = "&".join(f"{k}={v}" for k, v in
+                     {"timeout_s": 0.3, "prefix": f"r{secrets.token_hex(3)}", **options}.items())
+    return polygate.Settings(
+        scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)])},
+        backend=f"{redis.url}?{query}",
+    )
+
+
+async def in_flight(s: Any) -> list[int]:
+    snap = await s.statistics()
+    return [src.state.in_flight for src in snap.governance.sources]
+
+
+def test_a_redis_stalled_longer_than_the_lease_leaves_no_phantom_permit(redis: RedisServer) -> None:
+    """Fourth diff review (2026-12-03): an admission sent into a Redis that hangs for longer than lease_s runs when
+    Redis resumes, with a lease counted from then (Redis TIME).  The entry was dropped
+    while Redis was still down ('past its lease'), so nobody voids it: the only permit
+    of the source is held by nobody for a whole lease after Redis's return, although
+    the docs promise it is freed 'within about a second of Redis's return'."""
+
+    async def body() -> None:
+        up = FakeUpstream(Reply(tokens=2))
+        async with polygate.session(one_source(redis, lease_s=1.5), transport=up.transport()) as s:
+            backend: Any = s._runtime.governor.backend
+            assert (await s.chat(MESSAGES)).text
+            assert redis.proc is not None
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(polygate.GovernanceBackendError):
+                    await s.chat(MESSAGES)
+                assert len(backend._abandoned) == 1
+                await trio.sleep(2.5)  # longer than lease_s: still hung
+            finally:
+                redis.proc.send_signal(signal.SIGCONT)
+            await trio.sleep(1.2)  # 'within about a second of Redis's return'
+            held = await in_flight(s)
+            assert held == [0], "the late-run admission holds the only permit, voided by nobody"
+
+    trio.run(body)
+
+
+def test_flapping_health_makes_a_busy_process_void_per_call(redis: RedisServer) -> None:
+    """Fourth diff review (2026-12-03): one scope's keys are broken (a WRONGTYPE error, fast: unhealthy), another's
+    work (healthy again): a process alternating between them flips _healthy on every
+    call, and every flip wakes a void round at once.  The docs: 'a busy one sends no
+    more voids than an idle one'."""
+
+    async def body() -> None:
+        up = FakeUpstream(Reply(tokens=2))
+        prefix = f"f{secrets.token_hex(3)}"
+        settings = polygate.Settings(
+            scopes={
+                "chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")]),
+                "other": polygate.Scope(sources=[polygate.Source(name="b", base_url="http://b/v1")]),
+            },
+            backend=f"{redis.url}?timeout_s=0.5&lease_s=30&prefix={prefix}",
+        )
+        async with polygate.session(settings, transport=up.transport()) as s:
+            backend: Any = s._runtime.governor.backend
+            assert (await s.chat(MESSAGES)).text
+            assert redis.proc is not None
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                async def one() -> None:
+                    with pytest.raises(polygate.GovernanceBackendError):
+                        await s.chat(MESSAGES)
+                async with trio.open_nursery() as n:
+                    for _ in range(20):
+                        n.start_soon(one)
+            finally:
+                redis.kill()
+            redis.proc = None
+            redis.start()
+            for _ in range(30):
+                try:
+                    await s.chat(MESSAGES)
+                    break
+                except polygate.GovernanceBackendError:
+                    await trio.sleep(0.1)
+            # break scope "other"'s keys: a key of the wrong type
+            for suffix in ("state", "window", "wtok", "open", "permits"):
+                command(redis.port, "SET", f"{prefix}:other:b:{suffix}", "x")
+            with pytest.raises(polygate.GovernanceBackendError):
+                await s.chat(MESSAGES, scope="other")
+            await trio.sleep(2.0)
+            assert len(backend._abandoned) == 20
+            command(redis.port, "CONFIG", "RESETSTAT")
+            start, good, bad = trio.current_time(), 0, 0
+            while trio.current_time() - start < 2.0:
+                await s.chat(MESSAGES)
+                good += 1
+                try:
+                    await s.chat(MESSAGES, scope="other")
+                except polygate.GovernanceBackendError:
+                    bad += 1
+            took = trio.current_time() - start
+            total = evalsha_calls(redis.port)
+            extra = total - 2 * good - bad
+            assert extra / took <= 2 * 21 + 5
+
+    trio.run(body)
+
+
+@pytest.mark.parametrize("stall", [0.4, 1.0, 1.6, 2.2])
+def test_close_right_after_redis_resumes_leaves_no_phantom_permit(redis: RedisServer, stall: float) -> None:
+    """Fourth diff review (2026-12-03): Redis comes back and the session closes at once (a void round racing close):
+    the admission that ran late is either voided by close or by the round, never left
+    to its lease (settle_left settles open admissions the same way)."""
+
+    async def body() -> None:
+        up = FakeUpstream(Reply(tokens=2))
+        settings = one_source(redis, lease_s=15)
+        s_cm = polygate.session(settings, transport=up.transport())
+        s = await s_cm.__aenter__()
+        try:
+            assert (await s.chat(MESSAGES)).text
+            assert redis.proc is not None
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(polygate.GovernanceBackendError):
+                    await s.chat(MESSAGES)
+                await trio.sleep(stall)
+            finally:
+                redis.proc.send_signal(signal.SIGCONT)
+        finally:
+            start = trio.current_time()
+            await s_cm.__aexit__(None, None, None)
+            took = trio.current_time() - start
+        assert took < 1.5
+        # another process, same prefix: is the only permit free?
+        async with polygate.session(settings, transport=up.transport()) as other:
+            held = await in_flight(other)
+        assert held == [0]
+
+    trio.run(body)

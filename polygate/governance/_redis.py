@@ -261,7 +261,13 @@ class RedisBackend:
         self._renew_failures = 0
         self._refill_failures = 0
         # admissions sent whose answer never came: (scope, source, member) -> given up at
-        self._abandoned: dict[tuple[str, str, str], float] = {}
+        #: Admissions sent but not answered: when an answering Redis was first seen
+        #: after each (``None``: not yet), from which its lease is counted -- one that
+        #: runs late, on a Redis that was hung, runs with a lease from then.
+        self._abandoned: dict[tuple[str, str, str], float | None] = {}
+        #: The last exchange found no Redis (no answer, no connection; an error reply
+        #: is an answer): its next success wakes the void loop at once.
+        self._unreachable = False
         self._abandoned_total = 0
         self._abandoned_voided = 0
         self._cleanup = trio.Event()
@@ -365,6 +371,7 @@ class RedisBackend:
             self._nursery.cancel_scope.cancel()
             self._nursery = None
         await self.settle_left()
+        await self._void_left()
         self._closed = True
         await stack.aclose()  # exits the scopes start() entered, in reverse order
 
@@ -404,6 +411,19 @@ class RedisBackend:
         if settled < len(left):
             log.warning("closing with %d unsettled admission(s); their leases expire in %.0f s",
                         len(left) - settled, self._lease_us / 1e6)
+
+    async def _void_left(self) -> None:
+        """The abandoned admissions still unvoided as the session closes (its void
+        loop has stopped): one round, within one ``timeout_s``, or a late one runs on
+        with its permit until its lease ends."""
+        if not self._abandoned:
+            return
+        deadline = trio.current_time() + self._timeout
+        with trio.CancelScope(shield=True, deadline=deadline), self.bounded(deadline):
+            try:
+                await self._void_abandoned()
+            except Exception:
+                log.exception("voiding abandoned redis admissions failed")
 
     def now(self) -> float:
         return trio.current_time()
@@ -446,7 +466,7 @@ class RedisBackend:
             # answer never came may be granted all the same (a hung Redis runs it later):
             # void it once Redis answers again, rather than leave its permit to the lease.
             if sent and not isinstance(exc.__cause__, self._errors.ResponseError):
-                self._abandoned[(request.scope, request.source, member)] = trio.current_time()
+                self._abandoned[(request.scope, request.source, member)] = None
                 self._abandoned_total += 1
                 self._cleanup.set()  # the void loop's timer starts (see _void_loop)
             # Cut at the caller's deadline: its cancellation, due now, says so.
@@ -651,10 +671,6 @@ class RedisBackend:
                 wait = first
                 await self._cleanup.wait()
             self._cleanup = trio.Event()
-            lease_s, now = self._lease_us / 1e6, trio.current_time()
-            for abandoned, given_up in list(self._abandoned.items()):
-                if now - given_up > lease_s:  # its lease has run out, wherever it ran
-                    del self._abandoned[abandoned]
             if not self._abandoned:
                 continue
             wait = min(wait * 2, cap)
@@ -666,11 +682,21 @@ class RedisBackend:
                 await self._void_abandoned()
             except Exception:
                 log.exception("voiding abandoned redis admissions failed")
+            # A round at most every poll_s, however often the health flaps.
+            await trio.sleep(first)
             self._cleanup = trio.Event()  # (set by this round's own exchanges: no news)
 
     async def _void_abandoned(self) -> None:
+        """One void for each abandoned admission; one whose lease has run out since
+        Redis first answered after it is dropped (found or not, it is gone)."""
         lease_s = self._lease_us / 1e6
-        for (scope, source, member), given_up in list(self._abandoned.items()):
+        now = trio.current_time()
+        for key, seen in list(self._abandoned.items()):
+            if seen is None:
+                self._abandoned[key] = now  # the probe, or this round, got an answer
+            elif now - seen > lease_s:
+                del self._abandoned[key]  # its lease has run out, wherever it ran
+        for scope, source, member in list(self._abandoned):
             void = SettleRequest(Admission(scope, source, 0, 0), None, Feedback.NEUTRAL, sent=False)
             try:
                 reply = await self._script(
@@ -682,8 +708,6 @@ class RedisBackend:
                 self._abandoned_voided += 1
                 del self._abandoned[(scope, source, member)]
                 self._notify()
-            elif trio.current_time() - given_up > lease_s:
-                del self._abandoned[(scope, source, member)]  # its lease has run out
 
     async def _renew_all(self) -> None:
         for key, members in list(self._open.items()):
@@ -797,9 +821,14 @@ class RedisBackend:
                 raise
             except Exception as exc:  # coredis, OS and protocol errors, their groups
                 self._healthy = False
+                errors = self._errors
+                if errors is None or not isinstance(exc, errors.ResponseError):
+                    self._unreachable = True  # (an error reply is an answer)
                 raise self._failure(what, exc, trio.current_time() - started) from exc
-            if not self._healthy and self._abandoned:
-                self._cleanup.set()  # answering again after failures: void at once
+            if self._unreachable:
+                self._unreachable = False
+                if self._abandoned:
+                    self._cleanup.set()  # Redis is back: void at once
             self._healthy = True
             return result
         if deadline is None or deadline > bound or bound >= started + self._timeout:
@@ -807,6 +836,7 @@ class RedisBackend:
             # Redis: marked unhealthy by it, the backend would skip the hedge budget's
             # refills until some other exchange answered.)
             self._healthy = False
+            self._unreachable = True
         raise GovernanceBackendError(
             f"redis at {self._where} did not answer {what} within "
             f"{trio.current_time() - started:.2g} s"
