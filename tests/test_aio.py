@@ -16,6 +16,7 @@ import inspect
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import attrs
@@ -1067,3 +1068,77 @@ def test_leaving_a_stream_never_entered_is_the_trio_error() -> None:
     expected = trio.run(on_trio)
     assert "never entered" in expected
     assert _run(on_asyncio()) == expected
+
+
+_REQUEST: contextvars.ContextVar[Any] = contextvars.ContextVar("polygate_test_request", default="-")
+
+
+class _ClosingRecorder(httpx.AsyncBaseTransport):
+    """A caller's transport, which the session closes: in whose context?"""
+
+    def __init__(self) -> None:
+        self.inner = FakeUpstream(Reply()).transport()
+        self.closed_in: list[Any] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        self.closed_in.append(_REQUEST.get())
+        await self.inner.aclose()
+
+
+def test_a_sessions_own_work_runs_in_its_openers_context_and_holds_no_other() -> None:
+    """Outside review (asyncio configurations, 2026-12-03): a session's own work (its
+    opening, background tasks, closing) ran in the context of the task that first
+    started the loop's shared trio run -- request A's, for a session request B opened --
+    and kept A's context (its request object, span...) alive while any session on the
+    loop was open.  As with ``polygate.session()``, it is its own opener's."""
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+
+    class RequestState:
+        pass
+
+    async def main() -> tuple[list[Any], bool]:
+        a_open, b_done, a_may_leave = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        held = [RequestState()]  # (in a list: the test lets go of it below)
+        ref = weakref.ref(held[0])
+        recorder = _ClosingRecorder()
+
+        async def request_a() -> None:
+            _REQUEST.set(held[0])
+            async with polygate.aio.session(settings, transport=FakeUpstream(Reply()).transport()) as s:
+                await s.chat(messages("a"))
+                a_open.set()
+                await a_may_leave.wait()
+
+        async def request_b() -> None:
+            _REQUEST.set("B")
+            async with polygate.aio.session(settings, transport=recorder) as s:
+                await s.chat(messages("b"))
+
+        async def lifespan() -> None:  # a long-lived session, opened while A's is open
+            _REQUEST.set("lifespan")
+            async with polygate.aio.session(settings, transport=FakeUpstream(Reply()).transport()):
+                await b_done.wait()
+
+        task_a = asyncio.ensure_future(request_a())
+        await a_open.wait()
+        task_l = asyncio.ensure_future(lifespan())
+        await asyncio.ensure_future(request_b())
+        a_may_leave.set()
+        await task_a
+        del task_a
+        held.clear()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gc.collect()
+        alive = ref() is not None  # request A is over, its session closed
+        b_done.set()
+        await task_l
+        return recorder.closed_in, alive
+
+    closed_in, alive = asyncio.run(main())
+    assert closed_in == ["B"]
+    assert not alive

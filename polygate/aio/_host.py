@@ -193,18 +193,30 @@ class Host:
         finally:
             self._lingering = False
 
-    def start_task(self, fn: Callable[[], Awaitable[None]]) -> None:
-        """In trio context: run ``fn()`` as a task of this run (it must not raise)."""
+    def start_task(
+        self, fn: Callable[[], Awaitable[None]], context: contextvars.Context | None = None
+    ) -> None:
+        """In trio context: run ``fn()`` as a task of this run (it must not raise), in
+        a copy of ``context`` (a session's: its opener's, as a trio-native session's
+        tasks run in their opener's), else in trio's system context."""
         if self._nursery is not None:
-            self._nursery.start_soon(fn)
+            if context is None:
+                self._nursery.start_soon(fn)
+            else:
+                context.run(self._nursery.start_soon, fn)  # (it copies the current one)
         else:  # under trio-asyncio: the run belongs to someone else
-            trio.lowlevel.spawn_system_task(fn)
+            trio.lowlevel.spawn_system_task(fn, context=context)
 
     # ------------------------------------------------------------ guest run
 
     def start(self) -> None:
         """Start the guest run; ``ready`` resolves once it accepts tasks."""
-        trio.lowlevel.start_guest_run(
+        # In a context of its own: trio's system context is a copy of the one it starts
+        # in, and the first session's opener (a request's task) would otherwise lend
+        # its context variables to every later session's work, and keep them alive as
+        # long as the run lives.
+        contextvars.Context().run(
+            trio.lowlevel.start_guest_run,
             self._main,
             run_sync_soon_threadsafe=self._post_threadsafe,
             run_sync_soon_not_threadsafe=self._post,

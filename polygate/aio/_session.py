@@ -647,7 +647,7 @@ async def _open(
         owner = _Owner(
             host, lambda: polygate.session(settings, env=env, transport=transport, rng=rng),
             transport=transport)
-        host.submit(host.start_task, owner.run)
+        host.submit(host.start_task, owner.run, contextvars.copy_context())
         try:
             trio_session = await asyncio.shield(owner.opened)
         except asyncio.CancelledError:
