@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -153,13 +153,14 @@ class Running:
 @asynccontextmanager
 async def serve_process(
     config: Path | None, *, cwd: Path | None = None, env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> AsyncIterator[Running]:
     """``polygate serve`` on a free port (``config`` None: no ``--config``, the
     configuration found from ``cwd`` and ``env``), once it listens."""
     where = [] if config is None else ["--config", str(config)]
     proc = await trio.lowlevel.open_process(
         [sys.executable, "-m", "polygate", "serve", *where, "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env, preexec_fn=preexec_fn,
     )
     try:
         assert proc.stdout is not None

@@ -1293,28 +1293,20 @@ async def test_reasoning_a_cut_segment_showed_counts_in_usage_and_the_token_limi
     assert usage.prompt_tokens > _prompt_tokens(b.requests[0].body)
 
 
-async def test_a_cut_segment_that_reported_usage_counts_what_it_reported(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """Outside review (transcripts, 2026-12-03): vLLM's continuous usage reports the
-    usage on every chunk; a segment cut after reporting some was estimated all the
-    same (its prompt from the caller's message, not the 46 tokens it reported), where
-    docs/failover.md says each segment counts "its reported usage, or, for a segment
-    cut before it reported any, an estimate"."""
+def _event(delta: dict[str, Any], usage: dict[str, int] | None = None,
+           finish: str | None = None) -> bytes:
+    """One SSE event of a chunk of choice 0, with ``usage`` when given."""
+    body: dict[str, Any] = {"id": "c", "object": "chat.completion.chunk", "model": "m",
+                            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+async def _resumed(cut: bytes, rest: bytes) -> polygate.ChatResponse:
+    """A stream that source a cuts after ``cut`` and source b finishes with ``rest``."""
     import httpx
 
-    def event(delta: dict[str, Any], usage: dict[str, int], finish: str | None = None) -> bytes:
-        return b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk", "model": "m",
-                                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-                                       "usage": usage}).encode() + b"\n\n"
-
-    words = ["alpha ", "beta ", "gamma ", "delta "]
-    cut = b"".join(event({"content": w}, {"prompt_tokens": 46, "completion_tokens": i + 1,
-                                          "total_tokens": 47 + i}) for i, w in enumerate(words[:2]))
-    rest = b"".join(event({"content": w}, {"prompt_tokens": 60, "completion_tokens": i + 1,
-                                           "total_tokens": 61 + i}) for i, w in enumerate(words[2:]))
-    rest += event({}, {"prompt_tokens": 60, "completion_tokens": 2, "total_tokens": 62}, "stop")
-    rest += b"data: [DONE]\n\n"
     transport = httpx.MockTransport(lambda request: httpx.Response(
         200, headers={"content-type": "text/event-stream"},
         content=cut if request.url.host == "a" else rest))
@@ -1328,6 +1320,25 @@ async def test_a_cut_segment_that_reported_usage_counts_what_it_reported(
                 pass
     response = stream.response
     assert response is not None and response.call_stats.resumes == 1
+    return response
+
+
+async def test_a_cut_segment_that_reported_usage_counts_what_it_reported(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Outside review (transcripts, 2026-12-03): vLLM's continuous usage reports the
+    usage on every chunk; a segment cut after reporting some was estimated all the
+    same (its prompt from the caller's message, not the 46 tokens it reported), where
+    docs/failover.md says each segment counts "its reported usage, or, for a segment
+    cut before it reported any, an estimate"."""
+    words = ["alpha ", "beta ", "gamma ", "delta "]
+    cut = b"".join(_event({"content": w}, {"prompt_tokens": 46, "completion_tokens": i + 1,
+                                          "total_tokens": 47 + i}) for i, w in enumerate(words[:2]))
+    rest = b"".join(_event({"content": w}, {"prompt_tokens": 60, "completion_tokens": i + 1,
+                                           "total_tokens": 61 + i}) for i, w in enumerate(words[2:]))
+    rest += _event({}, {"prompt_tokens": 60, "completion_tokens": 2, "total_tokens": 62}, "stop")
+    rest += b"data: [DONE]\n\n"
+    response = await _resumed(cut, rest)
     # Its prompt as reported; its completion the larger of what it reported and what it
     # showed ("alpha beta ": 3 tokens at four characters a token); estimated, as any
     # cut segment's cost (diff review: a stale first-chunk usage of 0 tokens, or one
@@ -1347,33 +1358,13 @@ async def test_a_cut_segments_partial_usage_is_a_lower_bound(
     chunk (no text yet), or reported no prompt, counted its 400 characters shown as 0
     tokens, or its prompt as 0, and the sum still said "upstream" (which lets a gateway
     key's tpm settle below what was streamed)."""
-    import httpx
-
-    def event(delta: dict[str, Any], usage: dict[str, int] | None = None,
-              finish: str | None = None) -> bytes:
-        body: dict[str, Any] = {"id": "c", "object": "chat.completion.chunk", "model": "m",
-                                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        if usage is not None:
-            body["usage"] = usage
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-    cut = event({"role": "assistant"}, reported) + b"".join(
-        event({"content": "word " * 20}) for _ in range(4))  # 400 characters
-    rest = event({"content": " end"}) + event(
+    cut = _event({"role": "assistant"}, reported) + b"".join(
+        _event({"content": "word " * 20}) for _ in range(4))  # 400 characters
+    rest = _event({"content": " end"}) + _event(
         {}, {"prompt_tokens": 300, "completion_tokens": 2, "total_tokens": 302}, "stop")
     rest += b"data: [DONE]\n\n"
-    transport = httpx.MockTransport(lambda request: httpx.Response(
-        200, headers={"content-type": "text/event-stream"},
-        content=cut if request.url.host == "a" else rest))
-    settings = polygate.Settings(scopes={"chat": polygate.Scope(
-        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
-                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
-        stream=polygate.StreamWatch(resume=True))})
-    async with polygate.session(settings, transport=transport) as s:
-        async with s.stream_chat(MESSAGES) as stream:
-            async for _ in stream:
-                pass
-    usage = stream.response.usage if stream.response is not None else None
+    response = await _resumed(cut, rest)
+    usage = response.usage
     assert usage is not None and usage.source == "estimated"
     assert usage.completion_tokens == 100 + 2  # 400 characters shown, then the rest's 2
     if prompt_from_estimate:
@@ -1391,31 +1382,9 @@ async def test_a_continuations_partial_usage_never_counts_a_part_as_nothing(
     """Second diff review (2026-12-03): a continuation that reported its usage in part
     (no prompt; or only a total) counted the missing parts as 0 in the resumed call's
     sum.  A missing part is estimated, and a reported total is a floor."""
-    import httpx
-
-    def event(delta: dict[str, Any], usage: dict[str, int] | None = None,
-              finish: str | None = None) -> bytes:
-        body: dict[str, Any] = {"id": "c", "object": "chat.completion.chunk", "model": "m",
-                                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        if usage is not None:
-            body["usage"] = usage
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-    cut = b"".join(event({"content": "word "}) for _ in range(40))  # 200 characters
-    rest = event({"content": " end"}) + event({}, final, "stop") + b"data: [DONE]\n\n"
-    transport = httpx.MockTransport(lambda request: httpx.Response(
-        200, headers={"content-type": "text/event-stream"},
-        content=cut if request.url.host == "a" else rest))
-    settings = polygate.Settings(scopes={"chat": polygate.Scope(
-        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
-                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
-        stream=polygate.StreamWatch(resume=True))})
-    async with polygate.session(settings, transport=transport) as s:
-        async with s.stream_chat(MESSAGES) as stream:
-            async for _ in stream:
-                pass
-    response = stream.response
-    assert response is not None and response.call_stats.resumes == 1
+    cut = b"".join(_event({"content": "word "}) for _ in range(40))  # 200 characters
+    rest = _event({"content": " end"}) + _event({}, final, "stop") + b"data: [DONE]\n\n"
+    response = await _resumed(cut, rest)
     usage = response.usage
     assert usage is not None and usage.source == "estimated"
     # the continuation's prompt carries the 200 characters shown: ~50 tokens and more

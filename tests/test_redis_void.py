@@ -57,6 +57,36 @@ def settings_for(redis: RedisServer, **options: Any) -> polygate.Settings:
     )
 
 
+def one_source(redis: RedisServer, url: str | None = None, **options: Any) -> polygate.Settings:
+    """One source with one permit (``max_in_flight=1``): a phantom admission holds it."""
+    query = "&".join(f"{k}={v}" for k, v in
+                     {"timeout_s": 0.3, "prefix": f"r{secrets.token_hex(3)}", **options}.items())
+    return polygate.Settings(
+        scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)])},
+        backend=f"{url or redis.url}?{query}",
+    )
+
+
+async def in_flight(s: Any) -> list[int]:
+    snap = await s.statistics()
+    return [src.state.in_flight for src in snap.governance.sources]
+
+
+async def abandon_one(s: Any, redis: RedisServer, error: type[Exception], hang_s: float = 0.0,
+                      **chat: Any) -> None:
+    """One call whose admission is sent into a hung Redis (SIGSTOP) and given up
+    (``error``); Redis runs again ``hang_s`` later."""
+    assert redis.proc is not None
+    redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(error):
+            await s.chat(MESSAGES, **chat)
+        await trio.sleep(hang_s)
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+
+
 async def abandon_many(s: Any, redis: RedisServer, n: int) -> None:
     """n admissions sent into a hung Redis, then Redis is killed and restarted empty:
     those admissions never ran, so no void can ever find them."""
@@ -115,35 +145,21 @@ def test_voids_for_never_found_admissions_are_not_sent_once_per_exchange(redis: 
 
 
 def test_an_admission_cut_by_its_deadline_in_a_hung_redis_is_counted_as_voided(redis: RedisServer) -> None:
-    """Docstring of _void_loop: 'a PING first while the last exchange failed (a void
-    sent into a hung Redis would run unseen)'.  An admission cut by the *call's*
-    deadline leaves the backend 'healthy', so the void goes straight into the hung
-    Redis.  Once Redis runs again, the permit must be gone and the statistics must say
+    """Third diff review (2026-12-03): a void sent into a hung Redis runs unseen.  An
+    admission cut by the *call's* deadline left the backend 'healthy', so the void went
+    straight into the hung Redis (no probe first).  Once Redis runs again, the permit must be gone and the statistics must say
     the admission was granted and voided (abandoned_voided == 1)."""
 
     async def body() -> None:
         up = FakeUpstream(Reply(tokens=2))
-        settings = polygate.Settings(
-            scopes={"chat": polygate.Scope(
-                sources=[polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)])},
-            backend=f"{redis.url}?timeout_s=0.5&prefix=d{secrets.token_hex(3)}",
-        )
-        async with polygate.session(settings, transport=up.transport()) as s:
+        async with polygate.session(one_source(redis, timeout_s=0.5), transport=up.transport()) as s:
             backend: Any = s._runtime.governor.backend
             assert (await s.chat(MESSAGES)).text
-            assert redis.proc is not None
-            redis.proc.send_signal(signal.SIGSTOP)
-            try:
-                with pytest.raises(polygate.DeadlineExceeded):
-                    await s.chat(MESSAGES, call_deadline_s=0.1)
-                await trio.sleep(1.5)  # longer than timeout_s: the first void is given up
-            finally:
-                redis.proc.send_signal(signal.SIGCONT)
+            # hung longer than timeout_s: a void sent into it would be given up
+            await abandon_one(s, redis, polygate.DeadlineExceeded, 1.5, call_deadline_s=0.1)
             await trio.sleep(1.5)
             stats = backend.statistics()
-            snap = await s.statistics()
-            in_flight = [src.state.in_flight for src in snap.governance.sources]
-            assert in_flight == [0], in_flight
+            assert await in_flight(s) == [0]
             assert stats.abandoned == 1
             assert stats.abandoned_voided == 1, stats
             assert not backend._abandoned, "still re-voiding an admission already voided"
@@ -152,48 +168,24 @@ def test_an_admission_cut_by_its_deadline_in_a_hung_redis_is_counted_as_voided(r
 
 
 def test_idle_void_with_an_acl_user_that_may_not_ping(redis: RedisServer) -> None:
-    """A least-privilege ACL user that has every command polygate used before this
-    change but not PING: the idle void never happens (each PING is refused, and marks
-    the backend unhealthy), so the phantom permit waits for its lease again."""
+    """Third diff review (2026-12-03): a least-privilege ACL user with every command
+    polygate used before the void loop's own timer, but not PING: the idle void never
+    happened (each PING refused), and the phantom permit waited for its lease again.
+    The loop's probe is one of polygate's own scripts."""
 
     async def body() -> None:
         reply = command(redis.port, "ACL", "SETUSER", "pg", "on", ">pg-pw", "~*", "&*", "+@all", "-ping")
         assert reply == b"+OK"
         up = FakeUpstream(Reply(tokens=2))
-        settings = polygate.Settings(
-            scopes={"chat": polygate.Scope(
-                sources=[polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)])},
-            backend=f"redis://pg:pg-pw@127.0.0.1:{redis.port}/0?timeout_s=0.5&prefix=p{secrets.token_hex(3)}",
-        )
+        settings = one_source(redis, f"redis://pg:pg-pw@127.0.0.1:{redis.port}/0", timeout_s=0.5)
         async with polygate.session(settings, transport=up.transport()) as idle:
             backend: Any = idle._runtime.governor.backend
             assert (await idle.chat(MESSAGES)).text
-            assert redis.proc is not None
-            redis.proc.send_signal(signal.SIGSTOP)
-            try:
-                with pytest.raises(polygate.GovernanceBackendError):
-                    await idle.chat(MESSAGES)
-            finally:
-                redis.proc.send_signal(signal.SIGCONT)
+            await abandon_one(idle, redis, polygate.GovernanceBackendError)
             await trio.sleep(2.5)
             assert backend.statistics().abandoned_voided == 1
 
     trio.run(body)
-
-
-def one_source(redis: RedisServer, **options: Any) -> polygate.Settings:
-    query = "&".join(f"{k}={v}" for k, v in
-                     {"timeout_s": 0.3, "prefix": f"r{secrets.token_hex(3)}", **options}.items())
-    return polygate.Settings(
-        scopes={"chat": polygate.Scope(
-            sources=[polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)])},
-        backend=f"{redis.url}?{query}",
-    )
-
-
-async def in_flight(s: Any) -> list[int]:
-    snap = await s.statistics()
-    return [src.state.in_flight for src in snap.governance.sources]
 
 
 def test_a_redis_stalled_longer_than_the_lease_leaves_no_phantom_permit(redis: RedisServer) -> None:
@@ -208,15 +200,8 @@ def test_a_redis_stalled_longer_than_the_lease_leaves_no_phantom_permit(redis: R
         async with polygate.session(one_source(redis, lease_s=1.5), transport=up.transport()) as s:
             backend: Any = s._runtime.governor.backend
             assert (await s.chat(MESSAGES)).text
-            assert redis.proc is not None
-            redis.proc.send_signal(signal.SIGSTOP)
-            try:
-                with pytest.raises(polygate.GovernanceBackendError):
-                    await s.chat(MESSAGES)
-                assert len(backend._abandoned) == 1
-                await trio.sleep(2.5)  # longer than lease_s: still hung
-            finally:
-                redis.proc.send_signal(signal.SIGCONT)
+            await abandon_one(s, redis, polygate.GovernanceBackendError, 2.5)  # > lease_s
+            assert len(backend._abandoned) == 1
             await trio.sleep(1.2)  # 'within about a second of Redis's return'
             held = await in_flight(s)
             assert held == [0], "the late-run admission holds the only permit, voided by nobody"
@@ -243,25 +228,8 @@ def test_flapping_health_makes_a_busy_process_void_per_call(redis: RedisServer) 
         async with polygate.session(settings, transport=up.transport()) as s:
             backend: Any = s._runtime.governor.backend
             assert (await s.chat(MESSAGES)).text
-            assert redis.proc is not None
-            redis.proc.send_signal(signal.SIGSTOP)
-            try:
-                async def one() -> None:
-                    with pytest.raises(polygate.GovernanceBackendError):
-                        await s.chat(MESSAGES)
-                async with trio.open_nursery() as n:
-                    for _ in range(20):
-                        n.start_soon(one)
-            finally:
-                redis.kill()
-            redis.proc = None
-            redis.start()
-            for _ in range(30):
-                try:
-                    await s.chat(MESSAGES)
-                    break
-                except polygate.GovernanceBackendError:
-                    await trio.sleep(0.1)
+            await abandon_many(s, redis, 20)
+            await reconnect(s)
             # break scope "other"'s keys: a key of the wrong type
             for suffix in ("state", "window", "wtok", "open", "permits"):
                 command(redis.port, "SET", f"{prefix}:other:b:{suffix}", "x")
@@ -299,14 +267,7 @@ def test_close_right_after_redis_resumes_leaves_no_phantom_permit(redis: RedisSe
         s = await s_cm.__aenter__()
         try:
             assert (await s.chat(MESSAGES)).text
-            assert redis.proc is not None
-            redis.proc.send_signal(signal.SIGSTOP)
-            try:
-                with pytest.raises(polygate.GovernanceBackendError):
-                    await s.chat(MESSAGES)
-                await trio.sleep(stall)
-            finally:
-                redis.proc.send_signal(signal.SIGCONT)
+            await abandon_one(s, redis, polygate.GovernanceBackendError, stall)
         finally:
             start = trio.current_time()
             await s_cm.__aexit__(None, None, None)

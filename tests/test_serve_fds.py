@@ -12,7 +12,7 @@ import trio
 
 from polygate.testing import FakeUpstream, Reply
 
-from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, read_until_closed, request_bytes
+from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, read_until_closed, request_bytes, serve_process
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX open-file limits")
 
@@ -77,40 +77,30 @@ async def test_clients_beyond_the_open_file_limit_get_503_and_open_ones_keep_wor
         config.write_text(
             f'[serve]\napi_keys = ["{GATEWAY_KEY}"]\nheader_timeout_s = 30\n'
             f'[scopes.chat.sources.a]\nbase_url = "{url}"\nmodel = "m1"\n')
-        proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "polygate", "serve", "--config", str(config), "--port", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=low_limit)
         streams: list[trio.SocketStream] = []
-        late = first = b""
-        try:
-            assert proc.stdout is not None
-            line = b""
-            with trio.fail_after(30):
-                while not line.endswith(b"\n"):
-                    line += await proc.stdout.receive_some(1)
-            port = int(line.rsplit(b":", 1)[1])
-            opened_first = await trio.open_tcp_stream("127.0.0.1", port)
+        async with serve_process(config, preexec_fn=low_limit) as running:
+            opened_first = await trio.open_tcp_stream("127.0.0.1", running.port)
             streams.append(opened_first)
             for _ in range(limit + 20):  # idle clients, far fewer than max_connections
-                streams.append(await trio.open_tcp_stream("127.0.0.1", port))
-            opened_late = await trio.open_tcp_stream("127.0.0.1", port)
+                streams.append(await trio.open_tcp_stream("127.0.0.1", running.port))
+            opened_late = await trio.open_tcp_stream("127.0.0.1", running.port)
             streams.append(opened_late)
+            late = first = b""
             with trio.move_on_after(10):
                 late = await read_until_closed(opened_late, 10)
             await opened_first.send_all(request_bytes(
                 "POST", "/v1/chat/completions", CHAT, {**AUTH, "connection": "close"}))
             with trio.move_on_after(10):
                 first = await read_until_closed(opened_first, 10)
-        finally:
             for stream in streams:
                 await stream.aclose()
-            proc.kill()
-            await proc.wait()
-        assert proc.stderr is not None
-        err = b""
-        with trio.move_on_after(5):
-            while chunk := await proc.stderr.receive_some(1 << 20):
-                err += chunk
+            running.proc.kill()
+            await running.proc.wait()
+            assert running.proc.stderr is not None
+            err = b""
+            with trio.move_on_after(5):
+                while chunk := await running.proc.stderr.receive_some(1 << 20):
+                    err += chunk
     assert late.startswith(b"HTTP/1.1 503"), (late[:200], err[-2000:])
     assert b"too_many_connections" in late
     assert first.startswith(b"HTTP/1.1 200"), first[:400]
