@@ -1088,12 +1088,17 @@ class _ClosingRecorder(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
-def test_a_sessions_own_work_runs_in_its_openers_context_and_holds_no_other() -> None:
+@pytest.mark.parametrize("upstream_s", [0.0, 0.05])
+def test_a_sessions_own_work_runs_in_its_openers_context_and_holds_no_other(
+    upstream_s: float,
+) -> None:
     """Outside review (asyncio configurations, 2026-12-03): a session's own work (its
     opening, background tasks, closing) ran in the context of the task that first
     started the loop's shared trio run -- request A's, for a session request B opened --
     and kept A's context (its request object, span...) alive while any session on the
-    loop was open.  As with ``polygate.session()``, it is its own opener's."""
+    loop was open.  As with ``polygate.session()``, it is its own opener's.  And a call
+    that waited on its upstream (fifth diff review) left its caller's context in the
+    loop's timer for trio's next wake-up, armed a day ahead."""
     settings = polygate.Settings(scopes={"chat": polygate.Scope(
         sources=[polygate.Source(name="a", base_url="http://a/v1")])})
 
@@ -1108,7 +1113,8 @@ def test_a_sessions_own_work_runs_in_its_openers_context_and_holds_no_other() ->
 
         async def request_a() -> None:
             _REQUEST.set(held[0])
-            async with polygate.aio.session(settings, transport=FakeUpstream(Reply()).transport()) as s:
+            slow = FakeUpstream(Reply(first_token_s=upstream_s)).transport()
+            async with polygate.aio.session(settings, transport=slow) as s:
                 await s.chat(messages("a"))
                 a_open.set()
                 await a_may_leave.wait()

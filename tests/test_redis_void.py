@@ -279,3 +279,100 @@ def test_close_right_after_redis_resumes_leaves_no_phantom_permit(redis: RedisSe
         assert held == [0]
 
     trio.run(body)
+
+
+def two_scopes(redis: RedisServer, max_in_flight: int = 1, **options: Any) -> polygate.Settings:
+    query = "&".join(f"{k}={v}" for k, v in
+                     {"timeout_s": 0.3, "prefix": f"r{secrets.token_hex(3)}", **options}.items())
+    return polygate.Settings(
+        scopes={
+            "chat": polygate.Scope(sources=[
+                polygate.Source(name="a", base_url="http://a/v1", max_in_flight=max_in_flight)]),
+            "other": polygate.Scope(sources=[polygate.Source(name="b", base_url="http://b/v1")]),
+        },
+        backend=f"{redis.url}?{query}",
+    )
+
+
+async def abandon(s: Any, n: int, **chat: Any) -> None:
+    async def one() -> None:
+        with pytest.raises((polygate.GovernanceBackendError, polygate.DeadlineExceeded)):
+            await s.chat(MESSAGES, **chat)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(n):
+            nursery.start_soon(one)
+
+
+async def held_in_redis(url: str) -> int:
+    """in_flight of chat/a as another process sees it."""
+    from polygate.governance._redis import RedisBackend, parse_redis_url
+
+    backend = RedisBackend(parse_redis_url(url))
+    await backend.start()
+    try:
+        return (await backend.snapshot("chat", "a")).in_flight
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("n", [0, 1, 50])
+def test_close_while_redis_hangs_with_abandoned_admissions(redis: RedisServer, n: int) -> None:
+    """Fifth diff review (2026-12-03): Redis hangs; calls cut by their deadline leave
+    abandoned admissions; the application shuts down (still hung).  The close's last
+    void round, and the void loop's probe, each waited a whole timeout_s (4 s) into
+    the hung Redis; a close is bounded by its freeze (1 s) and short probes."""
+
+    async def body() -> float:
+        up = FakeUpstream(Reply(tokens=2))
+        async with polygate.session(two_scopes(redis, max_in_flight=100, timeout_s=4),
+                                    transport=up.transport()) as s:
+            backend: Any = s._runtime.governor.backend
+            assert (await s.chat(MESSAGES)).text
+            assert redis.proc is not None
+            redis.proc.send_signal(signal.SIGSTOP)
+            await abandon(s, n, call_deadline_s=0.2)
+            assert len(backend._abandoned) == n
+            start = trio.current_time()
+        return trio.current_time() - start
+
+    try:
+        took = trio.run(body)
+    finally:
+        assert redis.proc is not None
+        redis.proc.send_signal(signal.SIGCONT)
+    assert took < 2.0, f"close took {took:.2f} s with Redis hung (freeze bound 1 s; timeout_s=4)"
+
+
+@pytest.mark.parametrize("stall", [0.5, 1.0])
+def test_statistics_after_close_agree_with_the_permits_the_close_voided(redis: RedisServer, stall: float) -> None:
+    """Fifth diff review (2026-12-03): an abandoned admission that ran late (Redis was
+    hung) was voided by the close after the session froze its figures, so
+    ``statistics()`` after the close still counted its permit.  The void runs before
+    the freeze, as settle_left does."""
+
+    async def body() -> tuple[int, int, Any]:
+        up = FakeUpstream(Reply(tokens=2))
+        settings = two_scopes(redis, lease_s=15)
+        assert settings.backend is not None
+        url = settings.backend
+        async with polygate.session(settings, transport=up.transport()) as s:
+            backend: Any = s._runtime.governor.backend
+            assert (await s.chat(MESSAGES)).text
+            assert redis.proc is not None
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                await abandon(s, 1)
+                await trio.sleep(stall)
+            finally:
+                redis.proc.send_signal(signal.SIGCONT)
+            # the block ends at once: the close races the void loop's next round
+        after = await s.statistics()
+        reported = sum(src.state.in_flight for src in after.governance.sources if src.state.source == "a")
+        return reported, await held_in_redis(url), backend.statistics()
+
+    reported, held, stats = trio.run(body)
+    assert held == 0, ("the late admission's permit is still held", stats)
+    assert reported == held, (
+        f"statistics() after the close says in_flight={reported}, Redis holds {held} "
+        f"(voided by the close after the figures were frozen; {stats})")

@@ -57,6 +57,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -308,7 +309,10 @@ class LoopDriver:
         if self._timer is not None:
             self._timer.cancel()
         self._timer_at = until
-        self._timer = self._loop.call_at(until, self._deadline)
+        # In a context of its own: the loop copies the current one into the handle --
+        # a caller's, when this runs in its callback chain -- and a timer armed a day
+        # ahead (trio idle) would keep that caller's variables alive as long.
+        self._timer = self._loop.call_at(until, self._deadline, context=contextvars.Context())
 
     def prod(self) -> None:
         """The loop's thread is about to hand trio work directly (start a task, cancel

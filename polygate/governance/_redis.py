@@ -210,6 +210,13 @@ _TAKE = _Script("budget_take", lua.BUDGET_TAKE, idempotent=False)
 _REFILL = _Script("budget_refill", lua.BUDGET_REFILL, idempotent=False)
 _LEVEL = _Script("budget_level", lua.BUDGET_LEVEL)
 _PROBE = _Script("probe", lua.PROBE)
+#: Abandoned admissions remembered at most (a long hang behind a proxy that accepts
+#: and never answers adds one per call): past it, the oldest is left to its lease.
+_MAX_ABANDONED = 10_000
+#: How long the void loop's probe waits (a Redis that answers does so in a
+#: millisecond), and what a closing session gives its last void round.
+_PROBE_S = 0.25
+_CLOSE_VOID_S = 0.25
 _SCRIPTS = (_ADMIT, _SETTLE, _SNAPSHOT, _RENEW, _TAKE, _REFILL, _LEVEL, _PROBE)
 
 
@@ -370,8 +377,7 @@ class RedisBackend:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
             self._nursery = None
-        await self.settle_left()
-        await self._void_left()
+        await self.settle_left()  # (and what is left abandoned: once, see _void_left)
         self._closed = True
         await stack.aclose()  # exits the scopes start() entered, in reverse order
 
@@ -394,6 +400,7 @@ class RedisBackend:
         ``timeout_s`` in all; their own settles later are no-ops."""
         left = [(key, member) for key, members in self._open.items() for member in members]
         if not left:
+            await self._void_left()  # (before the session freezes its figures)
             return
         self._open.clear()
         settled = 0
@@ -411,19 +418,25 @@ class RedisBackend:
         if settled < len(left):
             log.warning("closing with %d unsettled admission(s); their leases expire in %.0f s",
                         len(left) - settled, self._lease_us / 1e6)
+        await self._void_left()
 
     async def _void_left(self) -> None:
-        """The abandoned admissions still unvoided as the session closes (its void
-        loop has stopped): one round, within one ``timeout_s``, or a late one runs on
-        with its permit until its lease ends."""
+        """The abandoned admissions still unvoided as the session closes: one round
+        (a probe first), within :data:`_CLOSE_VOID_S`, or a late one runs on with its
+        permit until its lease ends.  Run before the session freezes its figures, so
+        that they say what the close left in Redis."""
         if not self._abandoned:
             return
-        deadline = trio.current_time() + self._timeout
+        deadline = trio.current_time() + min(self._timeout, _CLOSE_VOID_S)
         with trio.CancelScope(shield=True, deadline=deadline), self.bounded(deadline):
             try:
+                await self._script(_PROBE, [], [], "probe")
                 await self._void_abandoned()
+            except GovernanceBackendError:
+                pass  # not answering: a close does not wait longer for it
             except Exception:
                 log.exception("voiding abandoned redis admissions failed")
+        self._abandoned.clear()  # once: what is left now is left to its lease
 
     def now(self) -> float:
         return trio.current_time()
@@ -466,6 +479,8 @@ class RedisBackend:
             # answer never came may be granted all the same (a hung Redis runs it later):
             # void it once Redis answers again, rather than leave its permit to the lease.
             if sent and not isinstance(exc.__cause__, self._errors.ResponseError):
+                if len(self._abandoned) >= _MAX_ABANDONED:  # a long hang: the oldest go
+                    del self._abandoned[next(iter(self._abandoned))]
                 self._abandoned[(request.scope, request.source, member)] = None
                 self._abandoned_total += 1
                 self._cleanup.set()  # the void loop's timer starts (see _void_loop)
@@ -675,7 +690,9 @@ class RedisBackend:
                 continue
             wait = min(wait * 2, cap)
             try:
-                await self._script(_PROBE, [], [], "probe")
+                # Briefly: shielded, a probe into a hung Redis would hold a close.
+                await self._script(_PROBE, [], [], "probe",
+                                   deadline=trio.current_time() + min(self._timeout, _PROBE_S))
             except GovernanceBackendError:
                 continue  # not answering yet: the timer tries again
             try:
@@ -695,7 +712,7 @@ class RedisBackend:
             if seen is None:
                 self._abandoned[key] = now  # the probe, or this round, got an answer
             elif now - seen > lease_s:
-                del self._abandoned[key]  # its lease has run out, wherever it ran
+                self._abandoned.pop(key, None)  # its lease has run out, wherever it ran
         for scope, source, member in list(self._abandoned):
             void = SettleRequest(Admission(scope, source, 0, 0), None, Feedback.NEUTRAL, sent=False)
             try:
@@ -706,7 +723,7 @@ class RedisBackend:
                 return  # still unreachable: the next success triggers another round
             if reply[0] == 1:
                 self._abandoned_voided += 1
-                del self._abandoned[(scope, source, member)]
+                self._abandoned.pop((scope, source, member), None)
                 self._notify()
 
     async def _renew_all(self) -> None:
