@@ -376,3 +376,89 @@ def test_statistics_after_close_agree_with_the_permits_the_close_voided(redis: R
     assert reported == held, (
         f"statistics() after the close says in_flight={reported}, Redis holds {held} "
         f"(voided by the close after the figures were frozen; {stats})")
+
+
+class _DelayProxy:
+    """A TCP proxy to Redis that delays every reply by ``delay`` seconds."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.delay = 0.0
+        self.listen_port = 0
+
+    async def serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.listen_port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        await trio.serve_listeners(self.handle, listeners)
+
+    async def handle(self, client: trio.SocketStream) -> None:
+        server = await trio.open_tcp_stream("127.0.0.1", self.port)
+        send, recv = trio.open_memory_channel[tuple[float, bytes]](10_000)
+        gone = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+        async with trio.open_nursery() as nursery:
+            async def up() -> None:
+                try:
+                    while data := await client.receive_some(65536):
+                        await server.send_all(data)
+                except gone:
+                    pass
+                nursery.cancel_scope.cancel()
+
+            async def down_read() -> None:
+                try:
+                    while data := await server.receive_some(65536):
+                        await send.send((trio.current_time() + self.delay, data))
+                except gone:
+                    pass
+                nursery.cancel_scope.cancel()
+
+            async def down_write() -> None:
+                try:
+                    async for at, data in recv:
+                        await trio.sleep_until(at)
+                        await client.send_all(data)
+                except gone:
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(up)
+            nursery.start_soon(down_read)
+            nursery.start_soon(down_write)
+        await server.aclose()
+        await client.aclose()
+
+
+def test_a_slow_but_alive_redis_still_gets_its_abandoned_admission_voided(
+    redis: RedisServer,
+) -> None:
+    """Sixth diff review (2026-12-03): with Redis answering in 0.3 s (timeout_s=1:
+    every exchange succeeds), a call cut by its own deadline (0.15 s) left an
+    admission that ran; the void loop's probe, bounded at 0.25 s, never succeeded, so
+    the permit was held by nobody for its lease.  The probe has the whole timeout_s
+    (unshielded: it would not hold a close)."""
+
+    async def body() -> int:
+        proxy = _DelayProxy(redis.port)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(proxy.serve)
+            prefix = f"s{secrets.token_hex(3)}"
+            settings = polygate.Settings(
+                scopes={"chat": polygate.Scope(sources=[
+                    polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)])},
+                backend=f"redis://127.0.0.1:{proxy.listen_port}/0?timeout_s=1&prefix={prefix}",
+            )
+            up = FakeUpstream(Reply(tokens=2))
+            async with polygate.session(settings, transport=up.transport()) as s:
+                backend: Any = s._runtime.governor.backend
+                assert (await s.chat(MESSAGES)).text
+                proxy.delay = 0.3
+                with pytest.raises((polygate.GovernanceBackendError, polygate.DeadlineExceeded)):
+                    await s.chat(MESSAGES, call_deadline_s=0.15)
+                assert len(backend._abandoned) == 1
+                await trio.sleep(3.0)  # the void loop: poll_s, doubling to 1 s
+                held = await held_in_redis(f"redis://127.0.0.1:{redis.port}/0?prefix={prefix}")
+            nursery.cancel_scope.cancel()
+        return held
+
+    assert trio.run(body) == 0

@@ -213,9 +213,8 @@ _PROBE = _Script("probe", lua.PROBE)
 #: Abandoned admissions remembered at most (a long hang behind a proxy that accepts
 #: and never answers adds one per call): past it, the oldest is left to its lease.
 _MAX_ABANDONED = 10_000
-#: How long the void loop's probe waits (a Redis that answers does so in a
-#: millisecond), and what a closing session gives its last void round.
-_PROBE_S = 0.25
+#: What a closing session gives its last void round (a Redis that answers does so
+#: in a millisecond; a hung one is not waited for longer).
 _CLOSE_VOID_S = 0.25
 _SCRIPTS = (_ADMIT, _SETTLE, _SNAPSHOT, _RENEW, _TAKE, _REFILL, _LEVEL, _PROBE)
 
@@ -690,9 +689,9 @@ class RedisBackend:
                 continue
             wait = min(wait * 2, cap)
             try:
-                # Briefly: shielded, a probe into a hung Redis would hold a close.
-                await self._script(_PROBE, [], [], "probe",
-                                   deadline=trio.current_time() + min(self._timeout, _PROBE_S))
+                # Unshielded (it changes nothing): a probe into a hung Redis must not
+                # hold a close for its timeout_s; a slow one still has all of it.
+                await self._script(_PROBE, [], [], "probe", shield=False)
             except GovernanceBackendError:
                 continue  # not answering yet: the timer tries again
             try:
@@ -779,10 +778,11 @@ class RedisBackend:
 
     async def _script(
         self, script: _Script, keys: Sequence[str], args: Sequence[Any], what: str,
-        *, deadline: float | None = None, sent: list[bool] | None = None,
+        *, deadline: float | None = None, sent: list[bool] | None = None, shield: bool = True,
     ) -> Any:
         """Run a script; ``sent`` gets an entry once the command was handed to a
-        connection (after that, Redis may run it whatever happens to the reply)."""
+        connection (after that, Redis may run it whatever happens to the reply).
+        ``shield=False`` only for one that changes nothing (the void loop's probe)."""
         async def call() -> Any:
             errors = self._errors
             handed: list[bool] = []
@@ -802,7 +802,7 @@ class RedisBackend:
             await self._client.script_load(script.source)
             return await self._evalsha(script, keys, args, sent)
 
-        return await self._run(call, what, deadline=deadline)
+        return await self._run(call, what, deadline=deadline, shield=shield)
 
     async def _evalsha(
         self, script: _Script, keys: Sequence[str], args: Sequence[Any], sent: list[bool] | None = None
@@ -820,8 +820,12 @@ class RedisBackend:
             pool.release(connection)
         return await request
 
-    async def _run(self, op: Callable[[], Awaitable[T]], what: str, *, deadline: float | None = None) -> T:
-        """One bounded, shielded exchange; every failure becomes GovernanceBackendError."""
+    async def _run(
+        self, op: Callable[[], Awaitable[T]], what: str, *, deadline: float | None = None,
+        shield: bool = True,
+    ) -> T:
+        """One bounded exchange, shielded unless told otherwise; every failure becomes
+        GovernanceBackendError."""
         if self._closed:
             raise GovernanceBackendError(f"the session's redis backend ({self._where}) is closed")
         started = trio.current_time()
@@ -830,7 +834,7 @@ class RedisBackend:
             bound = min(bound, deadline)
         if self._cap is not None:
             bound = min(bound, self._cap)
-        with trio.CancelScope(shield=True, deadline=bound):
+        with trio.CancelScope(shield=shield, deadline=bound):
             try:
                 result = await op()
             except GovernanceBackendError:
