@@ -394,6 +394,14 @@ class _DelayProxy:
 
     async def handle(self, client: trio.SocketStream) -> None:
         server = await trio.open_tcp_stream("127.0.0.1", self.port)
+        try:
+            await self._relay(client, server)
+        finally:
+            with trio.CancelScope(shield=True):  # (closing a socket does not wait)
+                await server.aclose()
+                await client.aclose()
+
+    async def _relay(self, client: trio.SocketStream, server: trio.SocketStream) -> None:
         send, recv = trio.open_memory_channel[tuple[float, bytes]](10_000)
         gone = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
@@ -425,8 +433,6 @@ class _DelayProxy:
             nursery.start_soon(up)
             nursery.start_soon(down_read)
             nursery.start_soon(down_write)
-        await server.aclose()
-        await client.aclose()
 
 
 def test_a_slow_but_alive_redis_still_gets_its_abandoned_admission_voided(
