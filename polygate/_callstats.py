@@ -187,10 +187,8 @@ def _summed_usage(parts: Sequence[AttemptRecord], shown_chars: Sequence[int]) ->
                 completion += usage.completion_tokens
             else:
                 estimated = True
-                part_prompt = usage.prompt_tokens or record.prompt_estimate
                 part_completion = usage.completion_tokens or shown_tokens
-                # A reported total (alone) is a floor too: the rest goes to the prompt.
-                prompt += max(part_prompt, usage.total_tokens - part_completion)
+                prompt += _prompt_share(usage, record.prompt_estimate, part_completion)
                 completion += part_completion
             continue
         estimated = True
@@ -203,7 +201,13 @@ def _summed_usage(parts: Sequence[AttemptRecord], shown_chars: Sequence[int]) ->
         # Reported before the cut, perhaps long before (a first chunk's usage, of no
         # text yet), perhaps in part (no prompt): a lower bound each.
         part_completion = max(reported.completion_tokens, shown_tokens)
-        prompt += max(reported.prompt_tokens or record.prompt_estimate,
-                      reported.total_tokens - part_completion)  # (a total: a floor too)
+        prompt += _prompt_share(reported, record.prompt_estimate, part_completion)
         completion += part_completion
     return Usage(prompt, completion, prompt + completion, "estimated" if estimated else "upstream")
+
+
+def _prompt_share(usage: Usage, estimate: int, completion: int) -> int:
+    """The prompt of a segment whose usage is known in part, beside its ``completion``:
+    the prompt it reported, else ``estimate``; a reported total is a floor too (what
+    it holds beyond the completion goes to the prompt)."""
+    return max(usage.prompt_tokens or estimate, usage.total_tokens - completion)

@@ -58,8 +58,8 @@ __all__ = [
     "SourceStatistics",
     "TokenEstimator",
     "completion_budget",
-    "positive_count",
     "default_estimator",
     "only_breakers",
     "pick_order",
+    "positive_count",
 ]

@@ -266,7 +266,6 @@ class RedisBackend:
         self._leases_lost = 0
         self._renew_failures = 0
         self._refill_failures = 0
-        # admissions sent whose answer never came: (scope, source, member) -> given up at
         #: Admissions sent but not answered: when an answering Redis was first seen
         #: after each (``None``: not yet), from which its lease is counted -- one that
         #: runs late, on a Redis that was hung, runs with a lease from then.
@@ -376,7 +375,7 @@ class RedisBackend:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
             self._nursery = None
-        await self.settle_left()  # (and what is left abandoned: once, see _void_left)
+        await self.settle_left()
         self._closed = True
         await stack.aclose()  # exits the scopes start() entered, in reverse order
 
@@ -396,10 +395,15 @@ class RedisBackend:
         their leases ran out, and retry their settles against a closed client past
         their deadlines.  Each is settled here, as a cancelled attempt is (its
         estimate kept, its permit returned, nothing fed to the breaker), within one
-        ``timeout_s`` in all; their own settles later are no-ops."""
+        ``timeout_s`` in all; their own settles later are no-ops.  Then the abandoned
+        admissions left (:meth:`_void_left`): both before the session freezes its
+        figures."""
+        await self._settle_open()
+        await self._void_left()
+
+    async def _settle_open(self) -> None:
         left = [(key, member) for key, members in self._open.items() for member in members]
         if not left:
-            await self._void_left()  # (before the session freezes its figures)
             return
         self._open.clear()
         settled = 0
@@ -417,7 +421,6 @@ class RedisBackend:
         if settled < len(left):
             log.warning("closing with %d unsettled admission(s); their leases expire in %.0f s",
                         len(left) - settled, self._lease_us / 1e6)
-        await self._void_left()
 
     async def _void_left(self) -> None:
         """The abandoned admissions still unvoided as the session closes: one round

@@ -129,8 +129,9 @@ class Server:
         self._reloading = trio.Lock()
         #: Made with the connections' nursery (see _serve_connections).
         self._hangups: Hangups | None = None
-        #: The client connections the open-file limit leaves room for (see _fds), and
-        #: the max_connections that was computed for.
+        #: The client connections served at once: the settings' max_connections, or
+        #: fewer where the open-file limit has no room for them (see _fds); and the
+        #: max_connections that was computed for (every generation installed is fitted).
         self._room = 0
         self._room_for = 0
 
@@ -334,7 +335,7 @@ class Server:
             if starved:
                 starved = False
                 log.warning("accepting connections again")
-            if self.metrics.connections >= min(self.settings.serve.max_connections, self._room):
+            if self.metrics.connections >= self._room:
                 self.metrics.connections_refused += 1
                 if self._refusing < _REFUSING:
                     self._connections.start_soon(self._refuse, stream)
