@@ -22,7 +22,15 @@ import httpx
 
 from ._config_serve import Serve, ServeKey, check_serve_models
 from ._errors import ConfigError, FatalUpstreamError, RateLimitedError, classify_status
-from ._secrets import DSN_SECRET_PARAM, SECRET_PARAM, is_header_safe, mask_prefixes, url_secrets
+from ._secrets import (
+    DSN_SECRET_PARAM,
+    QUOTE_MAX,
+    SECRET_PARAM,
+    given,
+    is_header_safe,
+    mask_prefixes,
+    url_secrets,
+)
 
 __all__ = [
     "ConfigWarning",
@@ -114,7 +122,7 @@ def _positive(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if not _is_number(value):
         raise _bad(inst, attr.name, f"expected a number of seconds, got {type(value).__name__}")
     if not _finite(value) or value <= 0:
-        raise _bad(inst, attr.name, f"must be a finite number > 0, got {value!r}")
+        raise _bad(inst, attr.name, f"must be a finite number > 0, got {given(value)}")
 
 
 def _opt_positive(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -124,19 +132,19 @@ def _opt_positive(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 
 def _non_negative(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if not _is_number(value) or not _finite(value) or value < 0:
-        raise _bad(inst, attr.name, f"must be a finite number >= 0, got {value!r}")
+        raise _bad(inst, attr.name, f"must be a finite number >= 0, got {given(value)}")
 
 
 def _pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(inst, attr.name, f"must be a whole number > 0, got {value!r}")
+        raise _bad(inst, attr.name, f"must be a whole number > 0, got {given(value)}")
     if value <= 0:
-        raise _bad(inst, attr.name, f"must be > 0, got {value!r}")
+        raise _bad(inst, attr.name, f"must be > 0, got {given(value)}")
 
 
 def _non_negative_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _bad(inst, attr.name, f"must be a whole number >= 0, got {value!r}")
+        raise _bad(inst, attr.name, f"must be a whole number >= 0, got {given(value)}")
 
 
 def _opt_pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -146,12 +154,12 @@ def _opt_pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 
 def _fraction(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if not _is_number(value) or not _finite(value) or not 0 <= value <= 1:
-        raise _bad(inst, attr.name, f"must be a number in [0, 1], got {value!r}")
+        raise _bad(inst, attr.name, f"must be a number in [0, 1], got {given(value)}")
 
 
 def _bool(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, bool):
-        raise _bad(inst, attr.name, f"must be true or false, got {value!r}")
+        raise _bad(inst, attr.name, f"must be true or false, got {given(value)}")
 
 
 def _opt_str(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -246,12 +254,6 @@ _BAD_URL = (
 )
 
 
-#: A value a message may quote whole when it is no URL: longer, it is more likely a
-#: key pasted in the wrong place than a typo (the loaders' rule for a value of the
-#: wrong type).
-QUOTE_MAX = 24
-
-
 def shown(value: str) -> str:
     """``value`` for a message about a field that wants a URL or a name: a URL masked,
     anything else quoted only when it is short."""
@@ -320,7 +322,7 @@ class Source:
     @name.validator
     def _check_name(self, attr: attrs.Attribute[str], value: Any) -> None:
         if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or "__" in value:
-            raise _bad(self, "name", f"must be letters, digits, '_', '-' or '.' without '__', got {value!r}")
+            raise _bad(self, "name", f"must be letters, digits, '_', '-' or '.' without '__', got {given(value)}")
         if value.upper() in RESERVED_SEGMENTS:
             raise _bad(self, "name", f"{value!r} is a reserved configuration segment")
 
@@ -391,7 +393,7 @@ class Source:
     def _check_structured(self, attr: attrs.Attribute[str], value: Any) -> None:
         if value not in STRUCTURED_OUTPUT_MODES:
             modes = ", ".join(repr(m) for m in STRUCTURED_OUTPUT_MODES)
-            raise _bad(self, "structured_output", f"must be one of {modes}, got {value!r}")
+            raise _bad(self, "structured_output", f"must be one of {modes}, got {given(value)}")
 
     @property
     def url(self) -> str:
@@ -417,14 +419,14 @@ class Hedge:
     @max_extra.validator
     def _check_extra(self, attr: attrs.Attribute[int], value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 3:
-            raise _bad(self, "max_extra", f"must be a whole number in [1, 3], got {value!r}")
+            raise _bad(self, "max_extra", f"must be a whole number in [1, 3], got {given(value)}")
 
     @after_quantile.validator
     def _check_q(self, attr: attrs.Attribute[float | None], value: Any) -> None:
         if value is None:
             return
         if not _is_number(value) or not _finite(value) or not 0 < value < 1:
-            raise _bad(self, "after_quantile", f"must be a number in (0, 1), got {value!r}")
+            raise _bad(self, "after_quantile", f"must be a number in (0, 1), got {given(value)}")
 
     def __attrs_post_init__(self) -> None:
         lo, hi = self.min_after_s, self.max_after_s
@@ -512,7 +514,7 @@ class Breaker:
         if value is None:
             return
         if not _is_number(value) or not _finite(value) or not 0 < value <= 1:
-            raise _bad(self, "failure_rate", f"must be a number in (0, 1] or None, got {value!r}")
+            raise _bad(self, "failure_rate", f"must be a number in (0, 1] or None, got {given(value)}")
 
     def __attrs_post_init__(self) -> None:
         if self.max_open_s is not None and self.max_open_s < self.open_s:
@@ -536,7 +538,7 @@ def _to_tuple(value: Any) -> Any:
 
 def _reasks(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10:
-        raise _bad(inst, attr.name, f"must be a whole number in [0, 10], got {value!r}")
+        raise _bad(inst, attr.name, f"must be a whole number in [0, 10], got {given(value)}")
 
 
 @attrs.frozen
@@ -552,7 +554,7 @@ def _in_range(lo: float, hi: float, whole: bool) -> Any:
         kind = "whole number" if whole else "number"
         ok = (isinstance(value, int) if whole else _is_number(value)) and not isinstance(value, bool)
         if not ok or not _finite(value) or not lo <= value <= hi:
-            raise _bad(inst, attr.name, f"must be a {kind} in [{lo:g}, {hi:g}], got {value!r}")
+            raise _bad(inst, attr.name, f"must be a {kind} in [{lo:g}, {hi:g}], got {given(value)}")
 
     return check
 
@@ -585,12 +587,12 @@ class Ocr:
     @image_format.validator
     def _check_format(self, attr: attrs.Attribute[str], value: Any) -> None:
         if value not in ("jpeg", "png"):
-            raise _bad(self, "image_format", f"must be 'jpeg' or 'png', got {value!r}")
+            raise _bad(self, "image_format", f"must be 'jpeg' or 'png', got {given(value)}")
 
     @render_in.validator
     def _check_render_in(self, attr: attrs.Attribute[str], value: Any) -> None:
         if value not in ("process", "thread"):
-            raise _bad(self, "render_in", f"must be 'process' or 'thread', got {value!r}")
+            raise _bad(self, "render_in", f"must be 'process' or 'thread', got {given(value)}")
 
 
 def _to_sources(value: Any) -> Any:
@@ -637,7 +639,7 @@ class Scope:
                 known = ", ".join(sorted(FALLBACK_REASONS))
                 raise _bad(
                     self, "fallback_on",
-                    f"unknown reason {reason!r} (known: {known}, or status:4NN)",
+                    f"unknown reason {given(reason)} (known: {known}, or status:4NN)",
                 )
             status = _STATUS_REASON.fullmatch(reason)
             if status is None:
@@ -922,7 +924,7 @@ class Settings:
         for name, scope in value.items():
             if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or "__" in name:
                 field = f"scopes.{name}" if isinstance(name, str) and "." not in name else "scopes"
-                raise _bad(self, field, f"scope name {name!r} must be letters, digits, '_', '-'")
+                raise _bad(self, field, f"scope name {given(name)} must be letters, digits, '_', '-'")
             reserved = (RESERVED_SEGMENTS - _SOURCE_ONLY_RESERVED) | {"BACKEND", "TELEMETRY", "CACHE", "SERVE"}
             if name.upper() in reserved:
                 raise _bad(self, f"scopes.{name}", f"scope name {name!r} is reserved")

@@ -55,7 +55,7 @@ from ._config import (
     mask_url,
 )
 from ._errors import ConfigError
-from ._secrets import is_header_safe, redact, url_secrets
+from ._secrets import given, is_header_safe, redact, url_secrets
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -199,13 +199,6 @@ class _SettingsPart:
 _PLAIN_NUMBER = re.compile(r"\A\s*[-+]?[0-9A-Za-z.+-]*\s*\Z", re.ASCII)
 
 
-def _shown(text: str) -> str:
-    """An environment value quoted in a type error: a number or a flag is short, and
-    a long value is more likely something else, a key perhaps, pasted in the wrong
-    variable (a secret set under its own key is scrubbed anyway)."""
-    return repr(text) if len(text) <= 24 else f"a value of {len(text)} characters (not shown)"
-
-
 def _value_from_text(kind: type, text: str, where: str) -> Any:
     """An environment string → the field's type; the key is named on failure."""
     if kind is str:
@@ -213,14 +206,14 @@ def _value_from_text(kind: type, text: str, where: str) -> Any:
     if kind is tuple:
         items = tuple(item.strip() for item in text.split(","))
         if text.strip() and not all(items):
-            raise ConfigError(f"{where}: a comma-separated list with an empty entry, got {_shown(text)}")
+            raise ConfigError(f"{where}: a comma-separated list with an empty entry, got {given(text)}")
         return tuple(item for item in items if item)
     if kind is bool:
         if text.lower() in _TRUE:
             return True
         if text.lower() in _FALSE:
             return False
-        raise ConfigError(f"{where}: expected true/false/1/0/yes/no, got {_shown(text)}")
+        raise ConfigError(f"{where}: expected true/false/1/0/yes/no, got {given(text)}")
     try:
         # Python's int() and float() also read '1_000' and other scripts' digits; a
         # configuration value is plain ASCII.
@@ -229,7 +222,7 @@ def _value_from_text(kind: type, text: str, where: str) -> Any:
         return int(text) if kind is int else float(text)
     except ValueError:
         wanted = "a whole number" if kind is int else "a number"
-        raise ConfigError(f"{where}: expected {wanted}, got {_shown(text)}") from None
+        raise ConfigError(f"{where}: expected {wanted}, got {given(text)}") from None
 
 
 def _value_from_toml(kind: type, value: Any, where: str, *, secret: bool = False) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from ._errors import ConfigError
+from ._secrets import given
 
 __all__ = ["Serve", "ServeKey", "check_serve_models"]
 
@@ -172,12 +173,12 @@ class Serve:
     @host.validator
     def _check_host(self, attr: attrs.Attribute[str], value: Any) -> None:
         if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-            raise _bad("Serve", "host", f"must be a host name or address, got {value!r}")
+            raise _bad("Serve", "host", f"must be a host name or address, got {given(value)}")
 
     @port.validator
     def _check_port(self, attr: attrs.Attribute[int], value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-            raise _bad("Serve", "port", f"must be a whole number in [0, 65535], got {value!r}")
+            raise _bad("Serve", "port", f"must be a whole number in [0, 65535], got {given(value)}")
 
     @api_keys.validator
     def _check_keys(self, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -194,9 +195,9 @@ class Serve:
             raise _bad("Serve", "keys", "must be a mapping of key name to ServeKey")
         for name, key in value.items():
             if not isinstance(name, str) or not _LABEL_RE.fullmatch(name) or "__" in name:
-                raise _bad("Serve", "keys", f"key name {name!r} must be letters, digits, '_', '-', '.'")
+                raise _bad("Serve", "keys", f"key name {given(name)} must be letters, digits, '_', '-', '.'")
             if not isinstance(key, ServeKey):
-                raise _bad("Serve", "keys", f"key {name!r} must be a ServeKey or a table")
+                raise _bad("Serve", "keys", f"key {given(name)} must be a ServeKey or a table")
         secrets = [k.key for k in value.values()]
         if len(set(secrets)) != len(secrets) or set(secrets) & set(self.api_keys):
             raise _bad("Serve", "keys", "a key appears twice (in keys, or in keys and api_keys)")
@@ -207,9 +208,9 @@ class Serve:
             raise _bad("Serve", "models", "must be a mapping of alias to scope name")
         for alias, scope in value.items():
             if not isinstance(alias, str) or not _ALIAS_RE.fullmatch(alias):
-                raise _bad("Serve", "models", f"alias {alias!r} must be a model name")
+                raise _bad("Serve", "models", f"alias {given(alias)} must be a model name")
             if not isinstance(scope, str) or not scope:
-                raise _bad("Serve", "models", f"alias {alias!r} must name a scope")
+                raise _bad("Serve", "models", f"alias {given(alias)} must name a scope")
 
     def __attrs_post_init__(self) -> None:
         if self.sse_keepalive_s < 0.05:
@@ -234,7 +235,7 @@ def check_serve_models(serve: Serve, scopes: Mapping[str, Any]) -> None:
             known = ", ".join(sorted(scopes))
             raise _bad(
                 "Settings", "serve.models",
-                f"alias {alias!r} names scope {scope!r}, which is not configured (scopes: {known})",
+                f"alias {alias!r} names scope {given(scope)}, which is not configured (scopes: {known})",
             )
         if alias in scopes and alias != scope:
             raise _bad("Settings", "serve.models", f"alias {alias!r} is also a scope name")

@@ -23,7 +23,16 @@ import re
 from collections.abc import Iterable
 from urllib.parse import quote, unquote
 
-__all__ = ["MIN_SECRET_LEN", "clip", "is_header_safe", "mask_prefixes", "redact", "url_secrets"]
+__all__ = [
+    "MIN_SECRET_LEN",
+    "QUOTE_MAX",
+    "clip",
+    "given",
+    "is_header_safe",
+    "mask_prefixes",
+    "redact",
+    "url_secrets",
+]
 
 MIN_SECRET_LEN = 4
 MASK = "***"
@@ -35,6 +44,34 @@ _HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
 
 def is_header_safe(key: str) -> bool:
     return _HEADER_SAFE.fullmatch(key) is not None
+
+
+#: Characters of a refused string a message may quote: a number, a flag or a name is
+#: short, and a longer value is more likely a key pasted in the wrong place.
+QUOTE_MAX = 24
+#: A refused integer is quoted up to this many bits (~30 digits); past it, ``repr``
+#: grows with the value, and past 4,300 digits it raises ValueError itself.
+_INT_BITS_MAX = 100
+#: A refused value of another type (a list, a mapping) is quoted up to this length.
+_REPR_MAX = 60
+
+
+def given(value: object) -> str:
+    """A refused value for a message ("got …"): quoted when it is short, described by
+    its size when it is not (a long string by its length: it may be a key; a huge
+    integer by its digits: its ``repr`` would fill the message, or fail)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        bits = abs(value).bit_length()
+        if bits > _INT_BITS_MAX:
+            return f"a whole number of about {int(bits * 0.30103) + 1} digits"
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value) if len(value) <= QUOTE_MAX else f"a value of {len(value)} characters (not shown)"
+    try:
+        text = repr(value)
+    except Exception:  # a caller's object whose repr fails is still refused, clearly
+        return f"a {type(value).__name__}"
+    return text if len(text) <= _REPR_MAX else f"a {type(value).__name__} (not shown: {len(text)} characters)"
 
 
 @functools.lru_cache(maxsize=128)

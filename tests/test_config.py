@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import polygate
 from polygate._config import (
     RESERVED_SEGMENTS,
     ConfigWarning,
@@ -510,3 +511,63 @@ def test_a_failure_rate_rule_that_can_never_trip_is_refused() -> None:
         polygate.Breaker(failure_rate=0.5, rate_window=5, rate_min_calls=10)
     polygate.Breaker(failure_rate=0.5, rate_window=10, rate_min_calls=10)
     polygate.Breaker(rate_window=5, rate_min_calls=10)  # (no rate rule: nothing to trip)
+
+
+# --------------------------------------------------------------------------- refused values in messages
+
+_SETTINGS_CLASSES = ("Source", "Hedge", "Retry", "StreamWatch", "Breaker", "Structured", "Ocr",
+                     "Scope", "Settings", "Serve", "ServeKey")
+_BUILDERS: dict[str, Any] = {
+    "Source": lambda **kw: Source(**{"name": "a", "base_url": "http://h/v1", **kw}),
+    "Scope": lambda **kw: Scope(**{"sources": [src()], **kw}),
+    "Settings": lambda **kw: Settings(**{"scopes": {"chat": Scope(sources=[src()])}, **kw}),
+    "ServeKey": lambda **kw: polygate.ServeKey(**{"key": "sk-gw-k-12345678", **kw}),
+}
+_EVERY_FIELD = [
+    (name, field.name)
+    for name in _SETTINGS_CLASSES
+    for field in attrs.fields(getattr(polygate, name))
+]
+
+
+def _build(cls_name: str, field: str, value: Any) -> Any:
+    builder = _BUILDERS.get(cls_name) or getattr(polygate, cls_name)
+    return builder(**{field: value})
+
+
+@pytest.mark.parametrize(("cls_name", "field"), _EVERY_FIELD)
+@pytest.mark.parametrize(
+    "value",
+    [10**5000, -(10**5000), "sk-proj-" + "AbCdEfGh" * 6],
+    ids=["huge-int", "huge-negative-int", "long-string"],
+)
+def test_a_refused_value_is_described_not_quoted_whole(cls_name: str, field: str, value: Any) -> None:
+    # A 5,000-digit integer once made the validator's own message fail (Python refuses
+    # to format an int past 4,300 digits): a bare ValueError naming no field escaped.
+    # A long string, perhaps a key pasted into the wrong field, is described by its
+    # length.  Every field of every settings class either takes the value or refuses
+    # it with a short ConfigError that names the field.
+    try:
+        _build(cls_name, field, value)
+    except ConfigError as error:
+        message = str(error)
+        assert field.split(".")[0] in message or cls_name in message
+        assert len(message) < 400, message
+        assert "AbCdEfGh" not in message
+    except Exception as error:
+        pytest.fail(f"{cls_name}.{field}={type(value).__name__}: {type(error).__name__}: {error}")
+
+
+def test_a_huge_int_is_named_by_its_size() -> None:
+    with pytest.raises(ConfigError) as info:
+        src(timeout_s=-(10**5000))
+    assert "timeout_s" in str(info.value)
+    assert "a whole number of about 5001 digits" in str(info.value)
+
+
+def test_a_serve_alias_naming_a_long_unknown_scope_does_not_quote_it() -> None:
+    pasted = "sk-proj-" + "AbCdEfGh" * 6
+    with pytest.raises(ConfigError) as info:
+        Settings(scopes={"chat": Scope(sources=[src()])}, serve=polygate.Serve(models={"gpt": pasted}))
+    assert "AbCdEfGh" not in str(info.value)
+    assert f"a value of {len(pasted)} characters" in str(info.value)
