@@ -371,6 +371,11 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
     the same as an unset key.
     """
     source = os.environ if env is None else _checked_env(env)
+    for key, value in source.items():
+        if not key.startswith(ENV_PREFIX) and key.upper().startswith(ENV_PREFIX) and value.strip():
+            # Silently skipped, a polygate__chat__… key would leave its setting at the
+            # default with no word said (the keys after the prefix are checked alike).
+            raise ConfigError(f"{key}: configuration keys are upper case ({ENV_PREFIX}…)")
     entries = {
         key: value.strip()
         for key, value in source.items()
@@ -407,6 +412,10 @@ def _env_secrets(entries: Mapping[str, str]) -> set[str]:
 
 def _parse_env_keys(settings: _SettingsPart, entries: Mapping[str, str]) -> None:
     for key in sorted(entries):
+        if "" in key[len(ENV_PREFIX):].split("__"):
+            # (POLYGATE__CHAT____TIMEOUT_S, a source name left out, was reported as a
+            # source "" whose BASE_URL is missing.)
+            raise ConfigError(f"{key}: an empty segment (nothing between two '__', or at the end)")
         if key.startswith(_SERVE_ENV):
             _env_serve(settings, key, entries[key])
             continue
@@ -711,12 +720,26 @@ def _checked_env(env: Any) -> Mapping[str, str]:
     return env
 
 
+#: Far past any configuration; a path to a device (``/dev/zero``) is not read for ever.
+_MAX_TOML_BYTES = 16 << 20
+
+
 def read_toml(label: str) -> dict[str, Any]:
     if "\x00" in label:  # (open() raises ValueError for it, as tomllib does for a number)
         raise ConfigError(f"{label!r}: a path cannot hold a NUL character")
     try:
         with open(label, "rb") as f:
-            return tomllib.load(f)
+            data = f.read(_MAX_TOML_BYTES + 1)
+        if len(data) > _MAX_TOML_BYTES:
+            raise ConfigError(
+                f"{label}: the configuration file is larger than {_MAX_TOML_BYTES >> 20} MiB"
+            )
+        text = data.decode("utf-8")
+        # Windows editors (Notepad) start a UTF-8 file with a byte-order mark, which
+        # TOML does not allow and tomllib reports as "invalid statement" at 1:1.
+        return tomllib.loads(text[1:] if text.startswith("\ufeff") else text)
+    except ConfigError:  # (a ValueError: not the number-too-large case below)
+        raise
     except FileNotFoundError:
         raise ConfigError(f"{label}: configuration file not found") from None
     except OSError as exc:

@@ -571,6 +571,13 @@ UNKNOWN_KEYS = {
     "POLYGATE__CHAT__STRUCTURED__MAX_REASK": "did you mean MAX_REASKS?",
     "POLYGATE__CHAT__CALL_DEADLINE_S__BASE_URL": "CALL_DEADLINE_S is a scope setting",
     "POLYGATE__Chat__A__BASE_URL": "upper case",
+    # A lower-case prefix was skipped without a word: the setting stayed at its default.
+    "polygate__CHAT__A__TIMEOUT_S": "upper case",
+    "Polygate__CHAT__A__TIMEOUT_S": "upper case",
+    # An empty segment was read as a source named "" whose BASE_URL was missing.
+    "POLYGATE__CHAT____TIMEOUT_S": "an empty segment",
+    "POLYGATE__CHAT__A__": "an empty segment",
+    "POLYGATE__SERVE__": "an empty segment",
 }
 
 
@@ -714,6 +721,18 @@ def test_toml_file_errors_name_the_file(tmp_path: Path) -> None:
     binary.write_bytes(b"backend = '\xe9'\n")
     with pytest.raises(ConfigError, match=r"latin1\.toml: (invalid TOML|.*not UTF-8)"):
         settings_from_toml(binary)
+
+
+def test_a_toml_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    # Windows editors write one; tomllib alone reports "invalid statement" at 1:1.
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\n".encode())
+    assert settings_from_toml(path).scopes["chat"].sources[0].base_url == URL_A
+
+
+def test_a_toml_path_to_an_endless_device_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"/dev/zero: the configuration file is larger than 16 MiB"):
+        settings_from_toml(Path("/dev/zero"))
 
 
 def test_api_key_env(tmp_path: Path) -> None:
