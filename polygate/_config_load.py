@@ -255,7 +255,7 @@ def _what(value: Any) -> str:
     if isinstance(value, bool):
         return f"a boolean ({str(value).lower()})"
     if isinstance(value, int):
-        return f"an integer ({value})"
+        return f"an integer ({given(value)})"
     if isinstance(value, float):
         return f"a float ({value})"
     names: dict[type, str] = {str: "a string", dict: "a table", list: "an array"}
@@ -592,9 +592,9 @@ def _env_models(key: str, text: str) -> dict[str, str]:
             continue
         alias, eq, scope = (p.strip() for p in item.partition("="))
         if not eq or not alias or not scope:
-            raise ConfigError(f"{key}: expected alias=scope pairs separated by commas, got {item!r}")
+            raise ConfigError(f"{key}: expected alias=scope pairs separated by commas, got {given(item)}")
         if alias in models:
-            raise ConfigError(f"{key}: alias {alias!r} appears twice")
+            raise ConfigError(f"{key}: alias {given(alias)} appears twice")
         # A scope's name in any case, as the environment's keys give it (the loader
         # lowers them): gpt-4o=LARGE names POLYGATE__LARGE__*.  The alias is the
         # clients' model name: as written.
@@ -979,7 +979,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = No
         if source.get(CONFIG_ENV, "").strip() and not Path(path).is_file():
             raise ConfigError(f"{CONFIG_ENV} names {path}, which is not a file")
     settings = settings_from_toml(path, env=source)
-    ignored = sorted(k for k, v in source.items() if k.startswith(ENV_PREFIX) and v.strip())
+    ignored = sorted(k for k, v in source.items() if k.upper().startswith(ENV_PREFIX) and v.strip())
     if ignored:
         warnings.warn(
             f"configuration read from {path}; environment keys {', '.join(ignored)} are ignored",

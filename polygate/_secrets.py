@@ -52,26 +52,32 @@ QUOTE_MAX = 24
 #: A refused integer is quoted up to this many bits (~30 digits); past it, ``repr``
 #: grows with the value, and past 4,300 digits it raises ValueError itself.
 _INT_BITS_MAX = 100
-#: A refused value of another type (a list, a mapping) is quoted up to this length.
-_REPR_MAX = 60
 
 
 def given(value: object) -> str:
     """A refused value for a message ("got …"): quoted when it is short, described by
     its size when it is not (a long string by its length: it may be a key; a huge
-    integer by its digits: its ``repr`` would fill the message, or fail)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        bits = abs(value).bit_length()
-        if bits > _INT_BITS_MAX:
-            return f"a whole number of about {int(bits * 0.30103) + 1} digits"
-        return repr(value)
-    if isinstance(value, str):
-        return repr(value) if len(value) <= QUOTE_MAX else f"a value of {len(value)} characters (not shown)"
+    integer by its digits: its ``repr`` would fill the message, or fail).  A value of
+    any other type (bytes, a list that may hold a key) is quoted under the same
+    length as a string.  The built-in methods are called, never a subclass's own."""
     try:
+        if isinstance(value, bool) or value is None:
+            return repr(value)
+        if isinstance(value, int):
+            if int.bit_length(value) > _INT_BITS_MAX:
+                return f"a whole number of about {int(int.bit_length(value) * 0.30103) + 1} digits"
+            return int.__repr__(value)
+        if isinstance(value, float):
+            return float.__repr__(value)
+        if isinstance(value, str):
+            size = str.__len__(value)
+            return str.__repr__(value) if size <= QUOTE_MAX else f"a value of {size} characters (not shown)"
         text = repr(value)
-    except Exception:  # a caller's object whose repr fails is still refused, clearly
-        return f"a {type(value).__name__}"
-    return text if len(text) <= _REPR_MAX else f"a {type(value).__name__} (not shown: {len(text)} characters)"
+        if isinstance(text, str) and str.__len__(text) <= QUOTE_MAX + 2:  # (+ its quotes or brackets)
+            return str.__str__(text)
+    except Exception:  # a caller's object whose repr or len fails is still refused, clearly
+        pass
+    return f"a {type(value).__name__} (not shown)"
 
 
 @functools.lru_cache(maxsize=128)

@@ -571,3 +571,40 @@ def test_a_serve_alias_naming_a_long_unknown_scope_does_not_quote_it() -> None:
         Settings(scopes={"chat": Scope(sources=[src()])}, serve=polygate.Serve(models={"gpt": pasted}))
     assert "AbCdEfGh" not in str(info.value)
     assert f"a value of {len(pasted)} characters" in str(info.value)
+
+
+class _HostileInt(int):
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+class _SecretInt(int):
+    def __repr__(self) -> str:
+        return "sk-proj-" + "AbCdEfGh" * 4
+
+
+class _HostileStr(str):
+    def __len__(self) -> int:
+        raise RuntimeError("no len")
+
+
+_PASTED = "sk-proj-" + "AbCdEfGh" * 4
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("structured_output", [_PASTED]),  # a key inside a list: its repr is short enough
+        ("structured_output", _PASTED.encode()),
+        ("structured_output", _HostileStr("x" * 30)),
+        ("rpm", _SecretInt(-5)),  # (a subclass's own repr is never asked)
+        ("rpm", _HostileInt(-5)),
+    ],
+    ids=["key-in-list", "key-as-bytes", "str-whose-len-raises", "int-whose-repr-is-a-key",
+         "int-whose-repr-raises"],
+)
+def test_an_odd_refused_value_still_gives_a_config_error_without_it(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        src(**{field: value})
+    assert field in str(info.value)
+    assert "AbCdEfGh" not in str(info.value)

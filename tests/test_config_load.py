@@ -1214,3 +1214,24 @@ def test_a_short_wrong_value_is_still_quoted() -> None:
         settings_from_env({"POLYGATE__CHAT__A__BASE_URL": "localhost:8000/v1"})
     with pytest.raises(ConfigError, match=r"unknown cache 'memry'"):
         settings_from_env({"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CACHE": "memry"})
+
+
+def test_an_env_models_item_that_is_a_pasted_key_is_not_quoted() -> None:
+    pasted = "sk-proj-" + "AbCdEfGh" * 5
+    env = {"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__SERVE__MODELS": f"gpt=chat,{pasted}"}
+    with pytest.raises(ConfigError, match="POLYGATE__SERVE__MODELS") as info:
+        settings_from_env(env)
+    assert "AbCdEf" not in str(info.value)
+
+
+def test_a_huge_toml_integer_where_a_string_goes_is_not_quoted(tmp_path: Path) -> None:
+    path = write(tmp_path, f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\nmodel = {'7' * 4000}\n")
+    with pytest.raises(ConfigError, match=r"about 400[01] digits") as info:
+        settings_from_toml(path)
+    assert len(str(info.value)) < 300
+
+
+def test_lower_case_keys_beside_a_file_are_named_as_ignored(tmp_path: Path) -> None:
+    path = write(tmp_path, f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\n")
+    with pytest.warns(ConfigWarning, match="polygate__CHAT__A__RPM are ignored"):
+        load_settings(env={"POLYGATE_CONFIG": str(path), "polygate__CHAT__A__RPM": "5"})
