@@ -661,3 +661,41 @@ def test_a_libpq_string_given_as_the_database_is_never_printed_whole(
     code, err = _stats_error(capsys, *argv)
     assert code == 1 and "no telemetry database at" in err
     assert "hunter2-secret" not in err and "password=***" in err
+
+
+def test_ties_in_the_report_are_ordered_by_name() -> None:
+    # The counts came out in the order the database returned the rows: the same data
+    # with and without --since listed two equal error classes in opposite orders.
+    from collections import Counter
+
+    from polygate.telemetry._report import _by_count
+
+    assert list(_by_count(Counter(["b", "a", "c", "c"]))) == ["c", "a", "b"]
+    assert list(_by_count(Counter(["a", "b", "c", "c"]))) == ["c", "a", "b"]
+
+
+def test_the_plot_draws_a_source_of_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A group of one call was one vertex (a step with nothing to step to): named in
+    # the legend, drawn nowhere.  A 0 ms call (virtual time) fell off the log axis.
+    pytest.importorskip("matplotlib")
+    from polygate.cli import _replay, _stats
+    from polygate.telemetry._report import CallRow
+
+    figures: list[Any] = []
+    monkeypatch.setattr(_replay, "save_plot", lambda fig, path, prog: figures.append(fig) or True)
+
+    def row(source: str, ms: float) -> CallRow:
+        return CallRow(scope="chat", kind="chat", source=source, outcome="ok", error_class=None,
+                       started_at=NOW, total_latency_ms=ms, generation_ms=ms, ttft_ms=None,
+                       stall_ms=None, stall_count=None, active_generation_ms=None, attempts=1,
+                       hedges=0, hedge_won=0, cached=0)
+
+    assert _stats._plot([row("a", 1000), row("a", 2000), row("b", 3000), row("c", 0)],
+                        str(tmp_path / "x.png")) == 0
+    [figure] = figures
+    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    assert set(lines) == {"chat/a (2)", "chat/b (1)", "chat/c (1)"}
+    for line in lines.values():
+        xs, ys = list(line.get_xdata()), list(line.get_ydata())
+        assert len(xs) >= 2 and ys[0] == 0.0 and ys[-1] == 1.0
+        assert min(xs) > 0  # on the log axis

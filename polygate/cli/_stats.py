@@ -301,6 +301,10 @@ def render(report: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- plots
 
 
+#: The plot's shortest latency (log axis): 0.1 ms.
+_PLOT_MIN_S = 1e-4
+
+
 def _plot(calls: Sequence[Any], path: str) -> int:
     from ._replay import plot_path, save_plot
 
@@ -320,9 +324,11 @@ def _plot(calls: Sequence[Any], path: str) -> int:
         groups.setdefault(f"{c.scope}/{label}", []).append(c.total_latency_ms / 1000.0)
     fig, (cdf, bars) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     for label, values in sorted(groups.items()):
-        values.sort()
-        cdf.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
-                 label=f"{label} ({len(values)})")
+        # From 0 at the fastest call: a group of one call is then a step, not a lone
+        # point that draws nothing; and a 0 ms call (virtual time) stays on the log axis.
+        values = sorted(max(v, _PLOT_MIN_S) for v in values)
+        cdf.step([values[0], *values], [0.0, *((i + 1) / len(values) for i in range(len(values)))],
+                 where="post", label=f"{label} ({len(values)})")
     cdf.set_xscale("log")
     cdf.set_xlabel("call latency, s")
     cdf.set_ylabel("fraction of calls")

@@ -196,6 +196,12 @@ def _latency(values: Iterable[float]) -> dict[str, float | None]:
     }
 
 
+def _by_count(counts: Counter[str]) -> dict[str, int]:
+    """Most frequent first, ties by name: the same rows give the same report, whatever
+    order the database returned them in."""
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
 def build_report(
     calls: Sequence[CallRow],
     attempts: Sequence[AttemptRow],
@@ -210,10 +216,8 @@ def build_report(
     report: dict[str, Any] = {"calls": len(calls), "attempts": len(attempts)}
     report["first_call_at"] = min(c.started_at for c in calls)
     report["last_call_at"] = max(c.started_at for c in calls)
-    report["outcomes"] = dict(Counter(c.outcome for c in calls).most_common())
-    report["error_classes"] = dict(
-        Counter(c.error_class for c in calls if c.error_class).most_common()
-    )
+    report["outcomes"] = _by_count(Counter(c.outcome for c in calls))
+    report["error_classes"] = _by_count(Counter(c.error_class for c in calls if c.error_class))
     report["latency"] = _latency_table(calls)
     report["tail_share"] = [
         {"slowest_pct": pct, "calls": k, "share_pct": share}
@@ -377,6 +381,6 @@ def _sources(attempts: Sequence[AttemptRow]) -> list[dict[str, Any]]:
             "failure_pct": _pct(failures, len(rows_)),
             "ok_latency": _latency(done),
             "ttft_p50_ms": quantile(ttfts, 0.5),
-            "outcomes": dict(errors.most_common()),
+            "outcomes": _by_count(errors),
         })
     return rows
