@@ -15,7 +15,7 @@ fallback scope) for the *rest of the same answer*, and the caller sees one strea
 
 Models asked to continue often restate the last words.  :class:`Stitcher` holds the
 start of the continuation until it can tell (at most ``window`` characters), drops the
-longest overlap with the end of what was shown — whole words, at least
+longest overlap with the end of what was shown — starting on a word's edge, at least
 ``min_overlap`` (12) characters, so that a genuine continuation that merely begins like
 the tail ("the" after "in the") is left alone — and lets the rest through.  Shorter
 restatements are kept: a repeated word is a smaller harm than a lost one.  The first
@@ -109,13 +109,14 @@ class Stitcher:
         return "" if self._passing else self._decide()
 
     def _whole_words(self, k: int) -> bool:
-        """The overlap starts and ends at word boundaries on both sides: " the" is not
-        an overlap of " theory".  In scripts written without spaces (Chinese,
-        Japanese, Thai…) every character's edge is one."""
+        """The overlap starts at a word boundary on both sides: "nother day" is not a
+        restatement of "another day".  In scripts written without spaces (Chinese,
+        Japanese, Thai…) every character's edge is one.  Its end may fall inside a
+        word: a stream is cut between tokens, often mid-word ("over the la"), and a
+        continuation that restates "jumps over the lazy dog" ends its restatement
+        there; at 12 characters or more a match is no coincidence."""
         tail, held = self._tail, self._held
-        starts = k == len(tail) or not _one_word(tail[-k - 1], held[0])
-        ends = k == len(held) or not _one_word(held[k - 1], held[k])
-        return starts and ends
+        return k == len(tail) or not _one_word(tail[-k - 1], held[0])
 
     def _could_overlap(self) -> bool:
         """The held text may still be the start of a suffix of the tail."""
@@ -194,12 +195,14 @@ class ResumedForward:
     """The caller's end of a stream, for a continuation: stitched, first chunk marked.
 
     Chunks whose content is held while the stitcher decides are not passed on; the
-    decision goes out as one chunk — the last held chunk, with the stitched text."""
+    decision goes out as one chunk — the last held chunk, with the stitched text and
+    the logprobs of every token of it (each held chunk carried its own)."""
 
     def __init__(self, inner: StreamSink, stitcher: Stitcher) -> None:
         self._inner = inner
         self._stitcher = stitcher
         self._last: dict[str, Any] | None = None
+        self._held_chunks: list[dict[str, Any]] = []
         self._first = True
         self._queued: dict[str, Any] | None = None  # offered after the held chunk goes
 
@@ -237,8 +240,10 @@ class ResumedForward:
                 out = stitcher.feed(text)
             if stitcher.deciding:
                 self._last = chunk
+                self._held_chunks.append(chunk)
                 return True
-            chunk = _with_content(chunk, out)
+            chunk = _with_content(chunk, out, [*self._held_chunks, chunk])
+            self._held_chunks = []
         elif text:
             stitcher.emitted.append(text)
         return self._pass(chunk)
@@ -260,10 +265,11 @@ class ResumedForward:
         """The last held chunk with the stitched text ``out``, or None when there is
         nothing to show: no text, and no finish_reason or vendor field on it (the
         finish on a chunk whose text was all restatement still reaches the caller)."""
-        last = self._last
+        last, pieces = self._last, self._held_chunks
+        self._held_chunks = []
         if last is None or not (out or _worth_showing(last)):
             return None
-        return _with_content(last, out)
+        return _with_content(last, out, pieces)
 
     def _pass(self, chunk: dict[str, Any]) -> bool:
         if self._first:
@@ -296,9 +302,63 @@ def _worth_showing(chunk: dict[str, Any]) -> bool:
     return carries_extras(chunk)
 
 
-def _with_content(chunk: dict[str, Any], text: str) -> dict[str, Any]:
+def _with_content(chunk: dict[str, Any], text: str, pieces: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``chunk`` showing ``text``, the end of what ``pieces`` (the chunks held for the
+    decision, ``chunk``'s own text among them) held together: the restatement the
+    stitcher dropped is their start.  The first choice's ``logprobs.content`` is
+    theirs, for the tokens of ``text``."""
     out = copy.deepcopy(chunk)
     delta, _ = _content(out)
     if delta is not None:
         delta["content"] = text
+    merged = _kept_logprobs(pieces, text)
+    if merged is not None:
+        choice = _first_choice(out)
+        if choice is not None:
+            given = choice.get("logprobs")
+            choice["logprobs"] = {**(given if isinstance(given, dict) else {}), "content": merged}
     return out
+
+
+def _first_choice(chunk: Mapping[str, Any]) -> dict[str, Any] | None:
+    choices = chunk.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and choice_index(choice) == 0:
+                return choice
+    return None
+
+
+def _kept_logprobs(pieces: Sequence[dict[str, Any]], text: str) -> list[Any] | None:
+    """The logprob entries of the tokens of ``text``, the kept end of the pieces' text:
+    a piece wholly inside the dropped restatement gives none, one that straddles its
+    end gives its tokens past it (all of them when its tokens do not spell its text,
+    whose split then cannot be told).  None when no piece carries logprobs."""
+    spans: list[tuple[str, list[Any] | None]] = []
+    for piece in pieces:
+        _, piece_text = _content(piece)
+        choice = _first_choice(piece)
+        logprobs = choice.get("logprobs") if choice is not None else None
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        spans.append((piece_text, entries if isinstance(entries, list) else None))
+    if all(entries is None for _, entries in spans):
+        return None
+    dropped = sum(len(t) for t, _ in spans) - len(text)  # the restatement's length
+    kept: list[Any] = []
+    at = 0
+    for piece_text, entries in spans:
+        start, at = at, at + len(piece_text)
+        if entries is None or at <= dropped:
+            continue
+        tokens = [e.get("token") if isinstance(e, dict) else None for e in entries]
+        if start >= dropped or not all(isinstance(t, str) for t in tokens) or (
+            "".join(tokens) != piece_text  # type: ignore[arg-type]
+        ):
+            kept.extend(entries)
+            continue
+        end = start
+        for entry, token in zip(entries, tokens, strict=True):
+            end += len(token)  # type: ignore[arg-type]
+            if end > dropped:
+                kept.append(entry)
+    return kept

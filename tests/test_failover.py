@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import polygate
-from polygate._resume import CONTINUE_PROMPT, Stitcher
+from polygate._resume import CONTINUE_PROMPT, ResumedForward, Stitcher
 from polygate.testing import FakeUpstream, Reply, Router
 
 from .conftest import MESSAGES, SECRET, ask
@@ -1065,11 +1065,27 @@ def test_a_restated_tail_in_a_script_without_spaces_is_removed(
         assert _fed(Stitcher(shown), continuation, pieces) == rest
 
 
-def test_latin_words_still_need_whole_word_edges() -> None:
-    """The other side: in a spaced script, " the" is still no overlap of " theory"."""
-    shown = "we wrote something about the"
-    continuation = "something about theory and practice"  # ends inside "theory": no overlap
+def test_a_restatement_must_start_on_a_word_edge() -> None:
+    """In a spaced script an overlap starts where a word does: "nother day at the
+    office" is no restatement of "another day at the office"."""
+    shown = "it was another day at the office"
+    continuation = "nother day at the office, again"
     assert _fed(Stitcher(shown), continuation, [4]) == continuation
+
+
+@pytest.mark.parametrize("pieces", [[1], [4], [6, 3], [200]])
+def test_a_restatement_may_end_inside_a_word(pieces: list[int]) -> None:
+    """A stream is cut between tokens, often mid-word: shown "...over the la", the
+    continuation that restates "jumps over the lazy dog" ends its restatement inside
+    "lazy".  A review found "over the lajumps over the lazy dog" shown: the overlap
+    had to end on a word's edge too."""
+    shown = "The quick brown fox jumps over the la"
+    assert _fed(Stitcher(shown), "jumps over the lazy dog and runs away.", pieces) == (
+        "zy dog and runs away."
+    )
+    # Under 12 characters it is still no restatement (a genuine continuation may
+    # begin like the text before it), even where that garbles the cut word.
+    assert _fed(Stitcher(shown), "lazy dog.", pieces) == "lazy dog."
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -1394,3 +1410,62 @@ async def test_a_continuations_partial_usage_never_counts_a_part_as_nothing(
     else:
         assert usage.prompt_tokens > 2 * cut_share, usage  # the cut's and the continuation's
         assert usage.completion_tokens == cut_share + 2
+
+
+class _Sink:
+    """The caller's end of a stream, recording what a ResumedForward passes on."""
+
+    shown_tool_calls = False
+    reasoning_field = "reasoning_content"
+
+    def __init__(self) -> None:
+        self.chunks: list[dict[str, Any]] = []
+        self.shown_reasoning: list[str] = []
+
+    def offer(self, chunk: dict[str, Any]) -> bool:
+        self.chunks.append(chunk)
+        return True
+
+    async def deliver_held(self) -> None:
+        pass
+
+    def mark_resumed(self) -> None:
+        pass
+
+
+def _lp_chunk(text: str, tokens: list[str] | None = None) -> dict[str, Any]:
+    tokens = [text] if tokens is None else tokens
+    entries = [{"token": t, "logprob": -0.5, "bytes": list(t.encode()), "top_logprobs": []}
+               for t in tokens]
+    return {"choices": [{"index": 0, "delta": {"content": text},
+                         "logprobs": {"content": entries, "refusal": None}, "finish_reason": None}]}
+
+
+@pytest.mark.parametrize(
+    ("shown", "pieces", "expected"),
+    [
+        # " w9" restated: under 12 characters, kept; both held chunks' tokens go with it
+        (" w8 w9", [(" w9", None), (" x1", None), (" x2", None)], " w9 x1 x2"),
+        # a restatement of 16 characters over two chunks, the second straddling its end
+        (" one two three four", [(" two three", [" two", " three"]),
+                                 (" four five", [" four", " five"]), (" six", None)], " five six"),
+        # a chunk straddling the restatement's end whose tokens do not spell its text
+        # keeps all its entries (where they split cannot be told)
+        (" one two three four", [(" two three four five", ["bogus"])], " five"),
+    ],
+)
+def test_held_chunks_keep_their_logprobs(
+    shown: str, pieces: list[tuple[str, list[str] | None]], expected: str
+) -> None:
+    """A review found the stitched chunk carrying the logprobs of the last held chunk
+    only: " w9 x1" shown with the tokens of " x1".  Every token shown keeps its entry,
+    and a dropped restatement's tokens go with it."""
+    sink = _Sink()
+    forward = ResumedForward(sink, Stitcher(shown))  # type: ignore[arg-type]
+    for text, tokens in pieces:
+        assert forward.offer(_lp_chunk(text, tokens))
+    trio.run(forward.finish)
+    text = "".join(c["choices"][0]["delta"]["content"] for c in sink.chunks)
+    assert text == expected
+    tokens = [e["token"] for c in sink.chunks for e in c["choices"][0]["logprobs"]["content"]]
+    assert tokens == ["bogus"] if "bogus" in str(pieces) else "".join(tokens) == expected
