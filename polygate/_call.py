@@ -670,7 +670,9 @@ def _prepare_continuation(
         for name in _TOKEN_LIMITS
         if (limit := positive_count(ctx.params.get(name))) is not None
     }
-    ctx.continuation = Continuation(prefill, prompt, PREFILL_PARAMS, refused, limits, shown)
+    # (Nothing shown: no assistant message to continue, so no prefill parameters.)
+    params = PREFILL_PARAMS if shown else {}
+    ctx.continuation = Continuation(prefill, prompt, params, refused, limits, shown)
     ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(
         continuation_messages(messages, shown, prefill=False)
     )

@@ -57,7 +57,12 @@ PREFILL_PARAMS: Mapping[str, Any] = {"continue_final_message": True, "add_genera
 def continuation_messages(
     messages: Sequence[Mapping[str, Any]], shown: str, *, prefill: bool
 ) -> list[Mapping[str, Any]]:
-    """The conversation that asks for the rest of an answer of which ``shown`` was seen."""
+    """The conversation that asks for the rest of an answer of which ``shown`` was seen.
+    With nothing shown (a stream cut in its reasoning) it is the conversation as it
+    was: an empty assistant message, which some providers refuse with a 400, would
+    ask for the rest of nothing."""
+    if not shown:
+        return list(messages)
     assistant = {"role": "assistant", "content": shown}
     if prefill:
         return [*messages, assistant]

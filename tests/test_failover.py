@@ -1469,3 +1469,43 @@ def test_held_chunks_keep_their_logprobs(
     assert text == expected
     tokens = [e["token"] for c in sink.chunks for e in c["choices"][0]["logprobs"]["content"]]
     assert tokens == ["bogus"] if "bogus" in str(pieces) else "".join(tokens) == expected
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+async def test_a_stream_cut_in_its_reasoning_is_asked_again_as_it_was(
+    autojump_clock: trio.testing.MockClock, prefill: bool
+) -> None:
+    """Review: a stream cut after showing reasoning only was continued with an empty
+    assistant message (and the continue prompt, or vLLM's prefill parameters), which
+    some providers refuse with a 400 -- fatal once the stream is committed.  With
+    nothing shown the conversation is sent as it was."""
+    import httpx
+
+    def sse(*deltas: dict[str, Any], end: bool) -> bytes:
+        events = [json.dumps({"choices": [{"index": 0, "delta": d}]}) for d in deltas]
+        if end:
+            events += [json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+                       "[DONE]"]
+        return "".join(f"data: {e}\n\n" for e in events).encode()
+
+    bodies: dict[str, dict[str, Any]] = {}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        bodies[request.url.host] = json.loads(request.content)
+        if request.url.host == "a":
+            body = sse({"role": "assistant", "reasoning_content": "Let me think. "}, end=False)
+        else:
+            body = sse({"role": "assistant", "content": "w0 w1"}, end=True)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    transport = httpx.MockTransport(answer)
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9, "prefill": prefill}},
+        "stream": polygate.StreamWatch(resume=True),
+    })
+    async with polygate.session(settings, transport=Router({"a": transport, "b": transport})) as s:
+        stream, _ = await _read(s)
+    assert stream.response is not None and stream.response.text == "w0 w1"
+    assert stream.response.call_stats.resumes == 1
+    assert bodies["b"]["messages"] == bodies["a"]["messages"] == MESSAGES
+    assert "continue_final_message" not in bodies["b"]
