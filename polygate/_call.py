@@ -453,10 +453,17 @@ async def run_chat(
         source = ctx.source(admission.source)
         request = None
         cont = ctx.continuation
-        if cont is not None:
+        if cont is not None and cont.shown:
             request = cont.request(source, ctx.params)
         elif rounds is not None:
             request = rounds.request(source, ctx.messages, ctx.messages_json)
+        if cont is not None and not cont.shown and cont.limits:
+            # Cut in its reasoning: asked again as it was, within what is left of its
+            # token limit (the reasoning shown counts, as a continuation's does).
+            request = (
+                ChatRequest(ctx.messages_json, {**ctx.params, **cont.limits}) if request is None
+                else attrs.evolve(request, params={**request.params, **cont.limits})
+            )
         try:
             return await run_chat_attempt(ctx, admission, control, request)
         except FatalUpstreamError as exc:
@@ -559,6 +566,7 @@ async def run_chat(
                 ctx, record, result, segments, "".join(shown),
                 [*segment_chars, _shown_chars(shown, forward) - sum(segment_chars)],
                 ("".join(forward.shown_reasoning), forward.reasoning_field),
+                forward.shown_logprobs,
             )
         return chat_response(ctx, record, result)
 
@@ -661,8 +669,6 @@ def _prepare_continuation(
     estimate grows by it, and the caller's token limit shrinks by what was shown,
     reasoning included (``shown_chars``, estimated as a cut segment's usage is: about
     four characters a token), at least 1."""
-    prefill = encode_compact(continuation_messages(messages, shown, prefill=True))
-    prompt = encode_compact(continuation_messages(messages, shown, prefill=False))
     refused = ctx.continuation.refused_prefill if ctx.continuation is not None else set()
     spent = (shown_chars + 3) // 4
     limits = {
@@ -670,9 +676,16 @@ def _prepare_continuation(
         for name in _TOKEN_LIMITS
         if (limit := positive_count(ctx.params.get(name))) is not None
     }
-    # (Nothing shown: no assistant message to continue, so no prefill parameters.)
-    params = PREFILL_PARAMS if shown else {}
-    ctx.continuation = Continuation(prefill, prompt, params, refused, limits, shown)
+    if not shown:
+        # Cut before any content (in its reasoning): nothing to continue, so the call
+        # is asked again as it was -- its messages, its structured output's format --
+        # within what is left of its limit (the runner adds ``limits``).  Still a
+        # continuation: its wait for admission is silence on the caller's stream.
+        ctx.continuation = Continuation("", "", {}, refused, limits)
+    else:
+        prefill = encode_compact(continuation_messages(messages, shown, prefill=True))
+        prompt = encode_compact(continuation_messages(messages, shown, prefill=False))
+        ctx.continuation = Continuation(prefill, prompt, PREFILL_PARAMS, refused, limits, shown)
     ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(
         continuation_messages(messages, shown, prefill=False)
     )

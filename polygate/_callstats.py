@@ -125,10 +125,12 @@ def chat_response(
     shown: str | None = None,
     shown_chars: Sequence[int] = (),
     shown_reasoning: tuple[str, str] = ("", "reasoning_content"),
+    shown_logprobs: Sequence[Any] = (),
 ) -> ChatResponse:
     """The call's answer.  For a resumed stream, the first choice's content is
     ``shown`` (everything the caller received, stitched), its reasoning every
-    segment's as shown (``shown_reasoning``: the text and the field it came in), and
+    segment's as shown (``shown_reasoning``: the text and the field it came in), its
+    ``logprobs.content`` the entries shown (``shown_logprobs``), and
     the usage sums the segments (``shown_chars``: the characters each segment showed,
     for an estimate where one reported no usage); the rest (finish reason, tool calls
     of the last segment…) is the last segment's."""
@@ -148,6 +150,12 @@ def chat_response(
                 if field == "reasoning" or "reasoning" in message:
                     message["reasoning"] = reasoning
             choices[0]["message"] = message
+            given = choices[0].get("logprobs")
+            if shown_logprobs or isinstance(given, dict):
+                # Not the last segment's: those start with the restatement the caller
+                # was not shown, and miss the earlier segments' tokens.
+                choices[0]["logprobs"] = {**(given if isinstance(given, dict) else {}),
+                                          "content": list(shown_logprobs)}
         body = {**body, "choices": choices}
         usage = _summed_usage([*segments, record], shown_chars)
     first = choices[0] if choices else {}

@@ -158,7 +158,8 @@ class Continuation:
     shown: str = ""
 
     def prefilled(self, source: Source) -> bool:
-        return source.prefill and source.name not in self.refused_prefill
+        # (Nothing shown: the call is asked again as it was, with no prefill to refuse.)
+        return bool(self.shown) and source.prefill and source.name not in self.refused_prefill
 
     def request(self, source: Source, params: Mapping[str, Any]) -> ChatRequest:
         if self.prefilled(source):

@@ -15,7 +15,7 @@ fallback scope) for the *rest of the same answer*, and the caller sees one strea
 
 Models asked to continue often restate the last words.  :class:`Stitcher` holds the
 start of the continuation until it can tell (at most ``window`` characters), drops the
-longest overlap with the end of what was shown — starting on a word's edge, at least
+longest overlap with the end of what was shown — whole words, at least
 ``min_overlap`` (12) characters, so that a genuine continuation that merely begins like
 the tail ("the" after "in the") is left alone — and lets the rest through.  Shorter
 restatements are kept: a repeated word is a smaller harm than a lost one.  The first
@@ -114,14 +114,13 @@ class Stitcher:
         return "" if self._passing else self._decide()
 
     def _whole_words(self, k: int) -> bool:
-        """The overlap starts at a word boundary on both sides: "nother day" is not a
-        restatement of "another day".  In scripts written without spaces (Chinese,
-        Japanese, Thai…) every character's edge is one.  Its end may fall inside a
-        word: a stream is cut between tokens, often mid-word ("over the la"), and a
-        continuation that restates "jumps over the lazy dog" ends its restatement
-        there; at 12 characters or more a match is no coincidence."""
+        """The overlap starts and ends at word boundaries on both sides: " the" is not
+        an overlap of " theory".  In scripts written without spaces (Chinese,
+        Japanese, Thai…) every character's edge is one."""
         tail, held = self._tail, self._held
-        return k == len(tail) or not _one_word(tail[-k - 1], held[0])
+        starts = k == len(tail) or not _one_word(tail[-k - 1], held[0])
+        ends = k == len(held) or not _one_word(held[k - 1], held[k])
+        return starts and ends
 
     def _could_overlap(self) -> bool:
         """The held text may still be the start of a suffix of the tail."""
@@ -190,6 +189,8 @@ class StreamSink(Forward, Protocol):
     #: resumed stream's answer keeps every segment's, as the caller saw it.
     shown_reasoning: list[str]
     reasoning_field: str
+    #: The first choice's ``logprobs.content`` entries shown so far.
+    shown_logprobs: list[Any]
 
     def mark_resumed(self) -> None:
         """The next chunk offered is the first of a continuation."""

@@ -645,8 +645,8 @@ class _Sink:
     """The committed path's chunks, on their way to the iterator (see ``Forward``)."""
 
     __slots__ = (
-        "_delivered", "_held", "_resumed", "_send", "reasoning_field", "sent", "shown_reasoning",
-        "shown_tool_calls",
+        "_delivered", "_held", "_resumed", "_send", "reasoning_field", "sent", "shown_logprobs",
+        "shown_reasoning", "shown_tool_calls",
     )
 
     def __init__(
@@ -659,6 +659,9 @@ class _Sink:
         self.sent = 0
         self.shown_tool_calls = False  # a stream that showed tool calls (or a refusal) cannot be resumed
         self.shown_reasoning: list[str] = []
+        #: The first choice's ``logprobs.content`` entries shown (a resumed stream's
+        #: answer carries these, not its last segment's).
+        self.shown_logprobs: list[Any] = []
         self.reasoning_field = "reasoning_content"
 
     def mark_resumed(self) -> None:
@@ -698,7 +701,8 @@ class _Sink:
         # Shown before the send: the iterator may yield it before this task runs
         # again (it takes what waits in the channel without a scheduler pass).  A send
         # that raised sent nothing (trio's guarantee): then it was not shown.
-        before = (len(self.shown_reasoning), self.shown_tool_calls, self.reasoning_field)
+        before = (len(self.shown_reasoning), self.shown_tool_calls, self.reasoning_field,
+                  len(self.shown_logprobs))
         self._shown(item)
         try:
             await self._send.send(item)
@@ -706,6 +710,7 @@ class _Sink:
             if item.text:
                 drop_last(self._delivered, item.text)
             del self.shown_reasoning[before[0]:]
+            del self.shown_logprobs[before[3]:]
             self.shown_tool_calls, self.reasoning_field = before[1], before[2]
             raise
 
@@ -724,6 +729,24 @@ class _Sink:
                 self.reasoning_field = "reasoning"
         if isinstance(reasoning, str) and reasoning:
             self.shown_reasoning.append(reasoning)
+        entries = _first_logprobs(item.raw)
+        if entries:
+            self.shown_logprobs.extend(entries)
+
+
+def _first_logprobs(chunk: Mapping[str, Any]) -> list[Any] | None:
+    """The first choice's ``logprobs.content`` entries in ``chunk``, if any."""
+    choices = chunk.get("choices")
+    if not choices or not isinstance(choices, list):
+        return None
+    for choice in choices:
+        if isinstance(choice, dict) and choice_index(choice) == 0:
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict):
+                entries = logprobs.get("content")
+                return entries if isinstance(entries, list) else None
+            return None
+    return None
 
 
 async def _deliver(
