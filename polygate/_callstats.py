@@ -151,7 +151,7 @@ def chat_response(
                     message["reasoning"] = reasoning
             choices[0]["message"] = message
             given = choices[0].get("logprobs")
-            if shown_logprobs or isinstance(given, dict):
+            if shown_logprobs or (isinstance(given, dict) and isinstance(given.get("content"), list)):
                 # Not the last segment's: those start with the restatement the caller
                 # was not shown, and miss the earlier segments' tokens.
                 choices[0]["logprobs"] = {**(given if isinstance(given, dict) else {}),
