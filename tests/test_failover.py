@@ -1602,3 +1602,33 @@ async def test_a_resumed_streams_answer_carries_the_logprobs_shown(
     assert "".join(tokens_of(chunks)) == response.text
     shown = [e["token"] for e in response.choices[0]["logprobs"]["content"]]
     assert shown == ["one", " two", " three", " four", " five", " six", " seven"]
+
+
+async def test_a_resumed_answer_without_logprob_entries_keeps_them_null(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A provider that sends ``"logprobs": {"content": null}`` on every chunk: with no
+    entries shown, the resumed answer's stay null, not an empty list."""
+    import httpx
+
+    def sse(tokens: list[str], *, end: bool) -> bytes:
+        events = [json.dumps({"choices": [{"index": 0, "delta": {"content": t},
+                                           "logprobs": {"content": None, "refusal": None}}]})
+                  for t in tokens]
+        if end:
+            events += [json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop",
+                                                "logprobs": {"content": None, "refusal": None}}]}),
+                       "[DONE]"]
+        return "".join(f"data: {e}\n\n" for e in events).encode()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = sse(["one", " two"], end=False) if request.url.host == "a" else sse([" three"], end=True)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    transport = httpx.MockTransport(answer)
+    async with polygate.session(_resume_settings(), transport=Router({"a": transport, "b": transport})) as s:
+        stream, _ = await _read(s)
+    response = stream.response
+    assert response is not None and response.call_stats.resumes == 1
+    assert response.text == "one two three"
+    assert response.choices[0]["logprobs"]["content"] is None
