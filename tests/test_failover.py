@@ -347,6 +347,31 @@ def _resume_settings(**stream: Any) -> polygate.Settings:
     })
 
 
+def _sse_choices(choices: list[dict[str, Any]], *, end: bool) -> bytes:
+    """An SSE body: a chunk per first-choice dict (``{"delta": …}``, with ``logprobs``
+    or not), then, with ``end``, a stop and ``[DONE]`` (without: a cut stream)."""
+    events = [json.dumps({"choices": [{"index": 0, **choice}]}) for choice in choices]
+    if end:
+        events += [json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+                   "[DONE]"]
+    return "".join(f"data: {e}\n\n" for e in events).encode()
+
+
+def _two_upstreams(answers: dict[str, bytes], seen: dict[str, Any] | None = None) -> Router:
+    """Sources ``a`` and ``b`` answering their SSE body; ``seen``: each one's last
+    request body."""
+    import httpx
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if seen is not None:
+            seen[request.url.host] = json.loads(request.content)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=answers[request.url.host])
+
+    transport = httpx.MockTransport(answer)
+    return Router({"a": transport, "b": transport})
+
+
 async def _read(s: polygate.Session) -> tuple[polygate.ChatStream, list[polygate.StreamChunk]]:
     chunks = []
     async with s.stream_chat(MESSAGES) as stream:
@@ -1171,25 +1196,12 @@ async def test_a_resumed_streams_answer_keeps_every_segments_reasoning(
     reasoning (none here): the reasoning the caller was shown from the first segment
     was gone from the answer.  It is every segment's, as shown, in the field the
     upstream used (Ollama's and OpenRouter's ``reasoning`` too)."""
-    import httpx
-
-    def sse(*deltas: dict[str, Any], end: bool) -> bytes:
-        events = [json.dumps({"choices": [{"index": 0, "delta": d}]}) for d in deltas]
-        if end:
-            events += [json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
-                       "[DONE]"]
-        return "".join(f"data: {e}\n\n" for e in events).encode()
-
-    first = sse({"role": "assistant", field: "Let me think. "}, {"content": "w0 w1 w2 w3 w4"},
-                end=False)  # cut: no finish_reason, no [DONE]
-    rest = sse({"role": "assistant", field: "Picking up."}, {"content": " w5"}, end=True)
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        body = first if request.url.host == "a" else rest
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
-
-    transport = httpx.MockTransport(answer)
-    async with polygate.session(_resume_settings(), transport=Router({"a": transport, "b": transport})) as s:
+    first = _sse_choices([{"delta": {"role": "assistant", field: "Let me think. "}},
+                          {"delta": {"content": "w0 w1 w2 w3 w4"}}],
+                         end=False)  # cut: no finish_reason, no [DONE]
+    rest = _sse_choices([{"delta": {"role": "assistant", field: "Picking up."}},
+                         {"delta": {"content": " w5"}}], end=True)
+    async with polygate.session(_resume_settings(), transport=_two_upstreams({"a": first, "b": rest})) as s:
         stream, chunks = await _read(s)
     response = stream.response
     assert response is not None and response.call_stats.resumes == 1
@@ -1478,32 +1490,18 @@ async def test_a_stream_cut_in_its_reasoning_is_asked_again_as_it_was(
     assistant message (and the continue prompt, or vLLM's prefill parameters), which
     some providers refuse with a 400 -- fatal once the stream is committed.  With
     nothing shown the conversation is sent as it was."""
-    import httpx
-
-    def sse(*deltas: dict[str, Any], end: bool) -> bytes:
-        events = [json.dumps({"choices": [{"index": 0, "delta": d}]}) for d in deltas]
-        if end:
-            events += [json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
-                       "[DONE]"]
-        return "".join(f"data: {e}\n\n" for e in events).encode()
-
-    bodies: dict[str, dict[str, Any]] = {}
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        bodies[request.url.host] = json.loads(request.content)
-        if request.url.host == "a":
-            body = sse({"role": "assistant", "reasoning_content": "Let me think. "}, end=False)
-        else:
-            body = sse({"role": "assistant", "content": "w0 w1"}, end=True)
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
-
-    transport = httpx.MockTransport(answer)
+    bodies: dict[str, Any] = {}
+    upstreams = _two_upstreams({
+        "a": _sse_choices([{"delta": {"role": "assistant", "reasoning_content": "Let me think. "}}],
+                          end=False),
+        "b": _sse_choices([{"delta": {"role": "assistant", "content": "w0 w1"}}], end=True),
+    }, bodies)
     settings = _scopes(chat={
         "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9, "prefill": prefill}},
         "stream": polygate.StreamWatch(resume=True),
     })
     schema = {"type": "string"}
-    async with polygate.session(settings, transport=Router({"a": transport, "b": transport})) as s:
+    async with polygate.session(settings, transport=upstreams) as s:
         # (A bare JSON string is a valid answer for the schema: "w0 w1" is not, so
         # the structured stream ends in an error, after the requests were seen.)
         with pytest.raises(polygate.StructuredOutputError):
@@ -1517,7 +1515,7 @@ async def test_a_stream_cut_in_its_reasoning_is_asked_again_as_it_was(
     assert bodies["b"]["max_completion_tokens"] == 100 - 4
     assert bodies["b"]["messages"] == MESSAGES
     assert "continue_final_message" not in bodies["b"]
-    async with polygate.session(settings, transport=Router({"a": transport, "b": transport})) as s:
+    async with polygate.session(settings, transport=upstreams) as s:
         stream, _ = await _read(s)
     assert stream.response is not None and stream.response.text == "w0 w1"
     assert stream.response.call_stats.resumes == 1
@@ -1563,34 +1561,26 @@ async def test_a_resumed_streams_answer_carries_the_logprobs_shown(
     began with the restatement the caller was not shown and missed the first
     segment's tokens), and a cache hit of the answer replayed those.  They are the
     entries the caller was shown."""
-    import httpx
 
     def sse(tokens: list[str], *, end: bool) -> bytes:
-        events = [json.dumps({"choices": [{"index": 0, "delta": {"content": t}, "logprobs": {
-            "content": [{"token": t, "logprob": -0.25, "bytes": list(t.encode()), "top_logprobs": []}],
-            "refusal": None}}]}) for t in tokens]
-        if end:
-            events += [json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
-                       "[DONE]"]
-        return "".join(f"data: {e}\n\n" for e in events).encode()
+        return _sse_choices([{"delta": {"content": t}, "logprobs": {"content": [
+            {"token": t, "logprob": -0.25, "bytes": list(t.encode()), "top_logprobs": []}],
+            "refusal": None}} for t in tokens], end=end)
 
-    first = sse(["one", " two", " three", " four", " five"], end=False)  # cut
-    rest = sse([" three", " four", " five", " six", " seven"], end=True)  # restates 16 chars
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        body = first if request.url.host == "a" else rest
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+    upstreams = _two_upstreams({
+        "a": sse(["one", " two", " three", " four", " five"], end=False),  # cut
+        "b": sse([" three", " four", " five", " six", " seven"], end=True),  # restates 16 chars
+    })
 
     def tokens_of(chunks: list[polygate.StreamChunk]) -> list[str]:
         return [e["token"] for c in chunks for ch in c.raw.get("choices") or []
                 if isinstance(ch.get("logprobs"), dict) for e in ch["logprobs"]["content"]]
 
-    transport = httpx.MockTransport(answer)
     settings = attrs.evolve(_resume_settings(), cache="memory" if cache else "off")
     if cache:
         settings = attrs.evolve(settings, scopes={
             "chat": attrs.evolve(settings.scopes["chat"], cache_ttl_s=60)})
-    async with polygate.session(settings, transport=Router({"a": transport, "b": transport})) as s:
+    async with polygate.session(settings, transport=upstreams) as s:
         async with s.stream_chat(MESSAGES, logprobs=True) as stream:
             chunks = [c async for c in stream]
         if cache:  # the replay of the stored answer
@@ -1609,24 +1599,13 @@ async def test_a_resumed_answer_without_logprob_entries_keeps_them_null(
 ) -> None:
     """A provider that sends ``"logprobs": {"content": null}`` on every chunk: with no
     entries shown, the resumed answer's stay null, not an empty list."""
-    import httpx
-
-    def sse(tokens: list[str], *, end: bool) -> bytes:
-        events = [json.dumps({"choices": [{"index": 0, "delta": {"content": t},
-                                           "logprobs": {"content": None, "refusal": None}}]})
-                  for t in tokens]
-        if end:
-            events += [json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop",
-                                                "logprobs": {"content": None, "refusal": None}}]}),
-                       "[DONE]"]
-        return "".join(f"data: {e}\n\n" for e in events).encode()
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        body = sse(["one", " two"], end=False) if request.url.host == "a" else sse([" three"], end=True)
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
-
-    transport = httpx.MockTransport(answer)
-    async with polygate.session(_resume_settings(), transport=Router({"a": transport, "b": transport})) as s:
+    null = {"content": None, "refusal": None}
+    upstreams = _two_upstreams({
+        "a": _sse_choices([{"delta": {"content": t}, "logprobs": null} for t in ("one", " two")],
+                          end=False),
+        "b": _sse_choices([{"delta": {"content": " three"}, "logprobs": null}], end=True),
+    })
+    async with polygate.session(_resume_settings(), transport=upstreams) as s:
         stream, _ = await _read(s)
     response = stream.response
     assert response is not None and response.call_stats.resumes == 1
