@@ -222,3 +222,21 @@ def test_a_tool_calls_name_is_assembled_from_fragments_or_repeats(fragments: lis
         assembler.add({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
     assembler.add({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
     assert assembler.build()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == name
+
+
+@pytest.mark.parametrize(
+    ("function_call", "content"),
+    [({}, False), ({"arguments": ""}, False), ({"name": None}, False),
+     ({"name": "get_weather"}, True), ({"arguments": "{\""}, True)],
+)
+def test_an_empty_legacy_function_call_is_no_content(
+    function_call: dict[str, object], content: bool
+) -> None:
+    # Empty deltas are no content tokens: they move no hedging timer and commit no
+    # stream.  An empty function_call dict counted, and put a function_call with no
+    # name into the answer.
+    chunk = {"choices": [{"index": 0, "delta": {"function_call": function_call}}]}
+    assembler = ChatAssembler()
+    assert has_content(chunk) is content
+    assert assembler.add(chunk) is content
+    assert ("function_call" in assembler.build()["choices"][0]["message"]) is content

@@ -57,7 +57,15 @@ def _choice_has_content(choice: dict[str, Any]) -> bool:
     tool_calls = delta.get("tool_calls")
     if isinstance(tool_calls, list) and tool_calls:
         return True
-    return isinstance(delta.get("function_call"), dict)
+    # The legacy function_call: its name or a piece of its arguments (an empty one,
+    # {} or {"arguments": ""}, is an empty delta, as the SPEC says: no content).
+    function_call = delta.get("function_call")
+    return isinstance(function_call, dict) and _carries_function(function_call)
+
+
+def _carries_function(function_call: dict[str, Any]) -> bool:
+    """A legacy ``function_call`` delta with its name or a piece of its arguments."""
+    return any(isinstance(v, str) and v for v in function_call.values())
 
 
 #: A delta's and a choice's keys that content tokens, the assembly or the gateway's own
@@ -211,7 +219,7 @@ class _Choice:
                         if isinstance(call, dict):
                             self._add_tool_call(call)
             elif key == "function_call":
-                if isinstance(value, dict):
+                if isinstance(value, dict) and _carries_function(value):
                     content = True
                     if self.function_call is None:
                         self.function_call = {"name": TextParts(), "arguments": TextParts()}
