@@ -254,10 +254,15 @@ _BAD_URL = (
 )
 
 
+#: What a URL starts with: a scheme (at most 20 characters) and "://" (a key that
+#: merely holds "://" is none).
+_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,19}://")
+
+
 def shown(value: str) -> str:
     """``value`` for a message about a field that wants a URL or a name: a URL masked,
     anything else quoted only when it is short."""
-    if "://" in value or len(value) <= QUOTE_MAX:
+    if _URL_START.match(value) or len(value) <= QUOTE_MAX:
         return repr(mask_url(value))
     return f"a value of {len(value)} characters (not shown: a key pasted here?)"
 

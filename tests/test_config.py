@@ -608,3 +608,14 @@ def test_an_odd_refused_value_still_gives_a_config_error_without_it(field: str, 
         src(**{field: value})
     assert field in str(info.value)
     assert "AbCdEfGh" not in str(info.value)
+
+
+def test_a_long_fallback_that_merely_holds_a_scheme_separator_is_not_quoted() -> None:
+    # Quoted whole because it held "://" somewhere: only a value that starts like a
+    # URL is shown (its password masked); a key that ends in "://x" is described.
+    pasted = "sk-proj-" + "AbCdEfGh" * 5 + "://x"
+    with pytest.raises(ConfigError) as info:
+        Scope(sources=[src()], fallback=pasted)
+    assert "AbCdEfGh" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"got 'http://user:\*\*\*@h/v1'"):
+        Scope(sources=[src()], fallback=f"http://user:{URL_PW}@h/v1")
