@@ -103,3 +103,50 @@ async def test_a_slow_bodys_408_is_its_endpoints_and_takes_its_time() -> None:
         durations = {k: v.sum for k, v in server.metrics.durations.items()}
     assert requests == {("/v1/chat/completions", 408): 1}, requests
     assert sum(durations.values()) >= 0.45, durations
+
+
+async def _scrape(server: Any) -> dict[str, list[Any]]:
+    return samples((await http(server, "GET", "/metrics", headers=AUTH)).body.decode())
+
+
+def _total(found: dict[str, list[Any]], name: str) -> float:
+    return sum(float(s.value) for s in found.get(name, []))
+
+
+async def test_session_counters_carry_across_a_reload(tmp_path: Any) -> None:
+    """Review: the telemetry row counters and the suppressed hedges came from the
+    current session alone, so a reload put them back to 0, and the rows a call in
+    flight across it wrote in the old session were never counted."""
+    from polygate.serve import open_server
+    from polygate.testing import FakeUpstream
+
+    from ._serve_kit import settings_for, wait_for
+
+    db = f"sqlite:///{tmp_path / 't.db'}"
+    hedge = polygate.Hedge(after_s=0.05, budget_ratio=0.0, budget_burst=1)
+    upstream = FakeUpstream(Reply(tokens=2, first_token_s=0.3))
+    async with upstream.serve() as url:
+        def settings() -> polygate.Settings:
+            return settings_for(url, telemetry=db, sources=2, hedge=hedge)
+
+        async with open_server(settings(), port=0) as server:
+            for _ in range(3):  # the first hedges, the next two find the budget empty
+                assert (await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status == 200
+            before = await _scrape(server)
+            assert _total(before, "polygate_hedges_suppressed_total") == 2
+            async with trio.open_nursery() as nursery:
+                # A call in flight across the reload: its rows go to the old session.
+                nursery.start_soon(http, server, "POST", "/v1/chat/completions", CHAT, AUTH)
+                await wait_for(lambda: upstream.in_flight >= 1)
+                await server.reload(settings())
+                during = await _scrape(server)
+            await wait_for(lambda: server.statistics().generations == 1, limit_s=10)
+            after = await _scrape(server)
+    for name in ("polygate_telemetry_rows_written_total", "polygate_hedges_suppressed_total"):
+        assert _total(before, name) <= _total(during, name) <= _total(after, name), name
+    # Every row of the old session is counted once it has closed: 3 calls and their 4
+    # attempts (one hedge), and the call in flight across the reload with its attempt.
+    rows = _total(after, "polygate_telemetry_rows_written_total") + _total(
+        after, "polygate_telemetry_rows_dropped_total")
+    assert rows == 9
+    assert _total(after, "polygate_hedges_suppressed_total") == 3  # (the last call's too)

@@ -15,15 +15,16 @@ holds no governance state of its own.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from .._errors import PolygateError
 from .._types import CallStats
 
 if TYPE_CHECKING:
-    from .._session import SessionStatistics
+    from .._session import Session, SessionStatistics
 
 __all__ = ["Metrics", "render"]
 
@@ -52,6 +53,31 @@ class _Histogram:
         return out
 
 
+class _Carried:
+    """Session counters summed over sessions: telemetry rows, suppressed hedges."""
+
+    __slots__ = ("dropped", "suppressed", "written")
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.dropped = 0
+        self.suppressed: dict[str, int] = {}
+
+    def add(self, stats: SessionStatistics) -> None:
+        self.written += stats.telemetry.written
+        self.dropped += stats.telemetry.dropped
+        self._add_suppressed(stats.governance.hedges_suppressed_by_budget)
+
+    def merge(self, other: _Carried) -> None:
+        self.written += other.written
+        self.dropped += other.dropped
+        self._add_suppressed(other.suppressed)
+
+    def _add_suppressed(self, counts: Mapping[str, int]) -> None:
+        for scope, count in counts.items():
+            self.suppressed[scope] = self.suppressed.get(scope, 0) + count
+
+
 class Metrics:
     """The gateway's own counters (the request path updates these, nothing else)."""
 
@@ -71,6 +97,35 @@ class Metrics:
         self.reload_failures = 0
         self.key_requests: dict[str, int] = {}  # admitted under a key's quota
         self.key_refusals: dict[tuple[str, str], int] = {}  # (key name, reason)
+        #: Every generation's open session (a reload's old one until its last request
+        #: has left), and what the closed ones counted: a session counts its telemetry
+        #: rows and its suppressed hedges from 0, and these counters must not go back
+        #: at a reload, nor lose the rows an old session writes after it.
+        self.sessions: set[Session] = set()
+        self.closed = _Carried()
+
+    async def session_closed(self, session: Session) -> None:
+        """Fold a closed session's final counts into :attr:`closed`."""
+        self.sessions.discard(session)
+        try:
+            # (After its close a session's statistics need no backend: no checkpoint,
+            # so a scrape never sees its counts twice, or not at all.)
+            stats = await session.statistics()
+        except PolygateError:
+            return  # (its close failed: what it counted is lost with it)
+        self.closed.add(stats)
+
+    async def others(self, current: object) -> _Carried:
+        """What the closed sessions and the open ones other than ``current`` counted."""
+        carried = _Carried()
+        carried.merge(self.closed)
+        for session in list(self.sessions):
+            if session is not current:
+                try:
+                    carried.add(await session.statistics())
+                except PolygateError:
+                    pass
+        return carried
 
     def key_admitted(self, name: str) -> None:
         self.key_requests[name] = self.key_requests.get(name, 0) + 1
@@ -98,19 +153,23 @@ class Metrics:
                 self.cached[scope] = self.cached.get(scope, 0) + 1
 
 
-def render(metrics: Metrics, stats: SessionStatistics | None) -> bytes:
-    """The exposition text of ``metrics`` and the session's ``stats``."""
+def render(
+    metrics: Metrics, stats: SessionStatistics | None, others: _Carried | None = None
+) -> bytes:
+    """The exposition text of ``metrics`` and the session's ``stats``; ``others``:
+    what the other sessions (earlier generations) counted, added to its counters."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(metrics, stats))
+    registry.register(_Collector(metrics, stats, others or _Carried()))
     return bytes(generate_latest(registry))
 
 
 class _Collector:
-    def __init__(self, metrics: Metrics, stats: SessionStatistics | None) -> None:
+    def __init__(self, metrics: Metrics, stats: SessionStatistics | None, others: _Carried) -> None:
         self.metrics = metrics
         self.stats = stats
+        self.others = others
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -183,10 +242,10 @@ class _Collector:
         ):
             yield CounterMetricFamily(name, text, value=value)
         if self.stats is not None:
-            yield from _session_families(self.stats)
+            yield from _session_families(self.stats, self.others)
 
 
-def _session_families(stats: SessionStatistics) -> Iterator[Any]:
+def _session_families(stats: SessionStatistics, others: _Carried) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     labels = ["scope", "source"]
@@ -242,14 +301,16 @@ def _session_families(stats: SessionStatistics) -> Iterator[Any]:
         "polygate_hedges_suppressed", "Hedges not sent because the budget was empty",
         labels=["scope"],
     )
-    for scope, count in sorted(stats.governance.hedges_suppressed_by_budget.items()):
+    counted = _Carried()
+    counted.add(stats)
+    counted.merge(others)
+    for scope, count in sorted(counted.suppressed.items()):
         suppressed.add_metric([scope], count)
     yield suppressed
-    telemetry = stats.telemetry
     yield CounterMetricFamily(
-        "polygate_telemetry_rows_written", "Telemetry rows written", value=telemetry.written
+        "polygate_telemetry_rows_written", "Telemetry rows written", value=counted.written
     )
     yield CounterMetricFamily(
         "polygate_telemetry_rows_dropped", "Telemetry rows lost (queue full, sink error, close)",
-        value=telemetry.dropped,
+        value=counted.dropped,
     )

@@ -168,14 +168,23 @@ class Server:
         # permits of the calls still running on the old one (a source's and a key's
         # max_in_flight would otherwise hold twice over), its quota windows and breakers.
         backend = self._backends.for_settings(settings)
-        async with session_on(settings, backend, transport=self._transport) as opened:
-            gateway = Gateway(settings, opened)
-            self._generations.add(gateway)
-            try:
+        gateway: Gateway | None = None
+        session: Session | None = None
+        try:
+            async with session_on(settings, backend, transport=self._transport) as opened:
+                session = opened
+                self.metrics.sessions.add(opened)
+                gateway = Gateway(settings, opened)
+                self._generations.add(gateway)
                 task_status.started(gateway)
                 await gateway.idle.wait()
-            finally:
+        finally:
+            if gateway is not None:
                 self._generations.discard(gateway)
+            if session is not None:
+                # Closed (its last rows flushed): what it counted joins the totals
+                # /metrics carries across reloads, and it is no generation any more.
+                await self.metrics.session_closed(session)
 
     async def reload(self, settings: Settings) -> None:
         """Serve new requests with ``settings``; calls in flight finish on the old
