@@ -252,7 +252,8 @@ async def _retry_loop(
                     wait_for_breakers = True
                     continue
                 raise AllSourcesExhausted(
-                    f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}",
+                    f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}"
+                    + _last_errors(errors),
                     errors=errors, retry_after_s=_rate_limited_for(exc.refusals), timed=exc.timed,
                 ) from None
         try:
@@ -316,7 +317,8 @@ async def _retry_loop(
                         f"after rate_limit_wait_s={retry.rate_limit_wait_s}"
                     )
                     raise AllSourcesExhausted(
-                        f"every source still rate limited {waited} in scope {ctx.scope_name!r}",
+                        f"every source still rate limited {waited} in scope {ctx.scope_name!r}"
+                        + _last_errors(errors),
                         errors=errors, retry_after_s=_rate_limited_for(result), timed=True,
                     )
                 admitted = result
@@ -324,8 +326,8 @@ async def _retry_loop(
         consumed += 1
         if consumed >= retry.max_attempts:
             raise AllSourcesExhausted(
-                f"all {len(errors)} attempt(s) failed in scope {ctx.scope_name!r}: "
-                + "; ".join(str(e) for e in errors[-3:]),
+                f"all {len(errors)} attempt(s) failed in scope {ctx.scope_name!r}"
+                + _last_errors(errors),
                 errors=errors,
             )
         if set(failed) >= {s.name for s in ctx.scope.sources} - refused_context(ctx):
@@ -720,6 +722,12 @@ def _refused_model(ctx: CallContext, error: PolygateError) -> str | None:
         except KeyError:
             return None
     return None
+
+
+def _last_errors(errors: Sequence[UpstreamError]) -> str:
+    """The last three attempts' errors, for an AllSourcesExhausted message: what the
+    upstreams said (a 401's "Incorrect API key provided") is what a reader needs."""
+    return ": " + "; ".join(str(e) for e in errors[-3:]) if errors else ""
 
 
 def _move_to(ctx: CallContext, scope_name: str, params: Mapping[str, Any]) -> None:

@@ -840,3 +840,23 @@ async def test_a_source_out_of_credit_fails_over_and_is_taken_out(
         texts = [(await s.chat(MESSAGES)).text for _ in range(20)]
     assert texts == ["from b"] * 20
     assert len(a.requests) <= 1
+
+
+async def test_an_exhausted_call_says_what_the_upstreams_said(autojump_clock: trio.testing.MockClock) -> None:
+    """Review: a call refused at admission after a 401 said "no source admitted the call
+    (a: dead) after 1 failed attempt(s)", without the 401 nor the upstream's words ("the
+    status and the upstream's own message", as docs/troubleshooting.md promises for
+    `polygate chat`).  Every AllSourcesExhausted message ends with the last errors,
+    the source's key redacted from them."""
+    key = "sk-live-WRONGKEY-1234567890"
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", api_key=key)])})
+    upstream = FakeUpstream(Reply(status=401, error_body={"error": {
+        "message": f"Incorrect API key provided: {key}", "type": "invalid_request_error"}}))
+    async with polygate.session(settings, transport=Router({"a": upstream})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+    message = str(info.value)
+    assert message.startswith("no source admitted the call (a: dead) after 1 failed attempt(s)")
+    assert "[a] HTTP 401: Incorrect API key provided" in message
+    assert key not in message

@@ -227,3 +227,37 @@ def test_a_prompt_from_stdin_is_read_as_the_stream_decodes_it(
     monkeypatch.setattr(sys, "stdin", closed)
     assert main(["chat", "-"]) == 2
     assert "standard input is closed" in capsys.readouterr().err
+
+
+async def test_ctrl_c_mid_stream_ends_the_answers_line(autojump_clock: trio.testing.MockClock) -> None:
+    """Review: Ctrl-C mid-stream printed "\\npolygate chat: interrupted" on stderr (a
+    blank line there, and the answer's line left open on stdout, when it went to a
+    file).  The answer's line is ended on stdout; the message is one line."""
+
+    class Interrupting(io.StringIO):
+        def write(self, text: str) -> int:
+            if self.getvalue() and text != "\n":
+                raise KeyboardInterrupt  # Ctrl-C, as trio delivers it: in the main task
+            return super().write(text)
+
+    up = FakeUpstream(Reply(text="one two three", inter_token_s=0.1))
+    out = Interrupting()
+    with pytest.raises(KeyboardInterrupt):
+        await chat_once(
+            two_source_settings(names=("a",)), [{"role": "user", "content": "hi"}], "chat",
+            True, out, transport=Router({"a": up}),
+        )
+    assert out.getvalue() == "one\n"
+
+
+def test_the_interrupt_message_is_one_line(
+    env: pytest.MonkeyPatch, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    env.setenv("POLYGATE__CHAT__A__BASE_URL", "http://a/v1")
+
+    def interrupted(*args: object) -> object:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("trio.run", interrupted)
+    assert main(["chat", "hi"]) == 130
+    assert capsys.readouterr().err == "polygate chat: interrupted\n"

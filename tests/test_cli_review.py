@@ -188,3 +188,20 @@ def test_chat_with_its_output_closed_is_no_traceback(tmp_path: Path) -> None:
     code, _, stderr = done.stdout.partition("\n")
     assert code == "0", done.stdout + done.stderr
     assert "Traceback" not in stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize("args", [["--version"], ["chat", "--help"]])
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_help_and_version_that_cannot_be_written_are_one_line(
+    tmp_path: Path, args: list[str], unbuffered: str
+) -> None:
+    """Review: argparse ignores an error writing its own text, and the interpreter's
+    final flush fails in silence: `polygate --version > /dev/full` exited 0."""
+    env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "polygate", *args], env=env, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "polygate: cannot write the output: No space left on device"]

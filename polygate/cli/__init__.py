@@ -15,10 +15,12 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
@@ -34,15 +36,28 @@ class _Subcommand(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but an error writing its own text (``--help``, ``--version``
+    into a full disk) is raised, as every command's output error is, not ignored."""
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        if message:
+            (file or sys.stderr).write(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser; each subcommand's parser records its ``run`` as ``args.run``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="polygate", description="polygate: a trio-native LLM gateway library."
     )
     from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"polygate {__version__}")
-    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
+    # (Its parsers are _Parser too: argparse makes them of the parent's class.)
+    subparsers = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        parser.add_subparsers(title="commands", metavar="COMMAND", dest="command"),
+    )
     for name in SUBCOMMANDS:
         module = cast(_Subcommand, importlib.import_module(f"{__name__}._{name}"))
         module.add_parser(subparsers).set_defaults(run=module.run)
@@ -60,7 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()  # (it imports every subcommand: Ctrl-C may land here)
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed by argparse
-        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+        # A buffered stdout fails at its flush: here, not at the interpreter's exit,
+        # where the error would pass in silence.
+        unwritten = _unflushed()
+        return code if unwritten is None else unwritten
+    except OSError as exc:  # its text could not be written (see _Parser)
+        unwritten = _write_failed(exc)
+        if unwritten is None:
+            raise
+        return unwritten
     except KeyboardInterrupt:
         print("polygate: interrupted", file=sys.stderr)
         return 130
@@ -98,6 +122,32 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         _drop_output()
         return 1
+
+
+def _unflushed() -> int | None:
+    """Flush stdout; the exit status when that fails (said in one line), else None."""
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except OSError as exc:
+        unwritten = _write_failed(exc)
+        if unwritten is None:
+            raise
+        return unwritten
+    return None
+
+
+def _write_failed(exc: OSError) -> int | None:
+    """The exit status for output that could not be written (141: the reader left; 1:
+    said in one line), or None for an error of another kind."""
+    if isinstance(exc, BrokenPipeError):
+        _drop_output()
+        return 141
+    if exc.errno not in _WRITE_ERRORS:
+        return None
+    print(f"polygate: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+    _drop_output()
+    return 1
 
 
 def _drop_output() -> None:

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         response = trio.run(chat_once, settings, messages, args.scope, args.stream, sys.stdout)
     except KeyboardInterrupt:
-        print("\npolygate chat: interrupted", file=sys.stderr)
+        print("polygate chat: interrupted", file=sys.stderr)
         return 130
     except ConfigError as exc:  # e.g. a telemetry database that cannot be opened
         print(f"polygate chat: invalid configuration: {exc}", file=sys.stderr)
@@ -136,8 +136,8 @@ async def chat_once(
                         out.write(chunk.text)
                         out.flush()
                         shown = True
-        except Exception:
-            if shown:  # the error's line starts on a line of its own
+        except BaseException:
+            if shown:  # the answer's line ends; an error's, or Ctrl-C's, starts its own
                 out.write("\n")
                 out.flush()
             raise
