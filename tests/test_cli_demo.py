@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shlex
 import sqlite3
 from pathlib import Path
 
@@ -65,3 +66,22 @@ def test_demo_refuses_a_sqlite_url_that_names_no_file_of_its_own(
     assert main(["demo", "--calls", "5", "--db", db]) == 2
     captured = capsys.readouterr()
     assert "--db takes a SQLite file's path" in captured.err and captured.out == ""
+
+
+def test_the_suggested_stats_command_quotes_its_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: a path with a space was printed as it is, so the command that follows
+    it ("polygate stats my dir/x y.db …") could not be pasted."""
+    db = tmp_path / "my dir" / "x y.db"
+    db.parent.mkdir()
+    assert main(["demo", "--calls", "5", "--concurrency", "5", "--db", str(db)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    command = line.split(": ", 1)[1]
+    assert shlex.split(command)[:3] == ["polygate", "stats", str(db)]
+
+
+def test_an_empty_plot_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    # (--plot "$OUT" with the variable unset ran the whole replay and drew nothing.)
+    assert main(["demo", "--calls", "5", "--plot", ""]) == 2
+    assert capsys.readouterr().err == "polygate demo: --plot is empty\n"

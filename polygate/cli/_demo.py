@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -66,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
     if args.calls <= 0 or args.concurrency <= 0:
         print("polygate demo: --calls and --concurrency must be > 0", file=sys.stderr)
         return 2
+    if args.plot is not None and not args.plot.strip():
+        # (--plot "$OUT" with the variable unset: an empty name, not "no plot".)
+        print("polygate demo: --plot is empty", file=sys.stderr)
+        return 2
     import attrs
 
     from .._errors import ConfigError
@@ -114,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     _print_table(summaries, Summary, scale)
     if telemetry is not None:
         print(f"\ntelemetry written to {args.db} (scopes {', '.join(scopes)}): "
-              f"polygate stats {args.db} --scope {scopes[-1]}")
+              f"polygate stats {shlex.quote(args.db)} --scope {scopes[-1]}")
     if args.plot:
         return _plot(results, args.plot, scale)
     return 0
