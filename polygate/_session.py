@@ -231,6 +231,14 @@ class Session:
             deadline_s=deadline,
         )
 
+    def _local_counts(self) -> tuple[int, int, dict[str, int]]:
+        """Telemetry rows written and dropped, and the hedges suppressed by the budget:
+        this process's own counts, read without the governance backend (``polygate
+        serve`` sums them over the sessions of its reloads, whatever state their
+        backend is in)."""
+        telemetry = self._telemetry.statistics() if self._telemetry else TelemetryStatistics()
+        return telemetry.written, telemetry.dropped, self._runtime.governor.suppressed()
+
     async def statistics(self) -> SessionStatistics:
         telemetry = self._telemetry.statistics() if self._telemetry else TelemetryStatistics()
         cache = self._cache.statistics() if self._cache else CacheStatistics()

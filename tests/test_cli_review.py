@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -205,3 +206,22 @@ def test_help_and_version_that_cannot_be_written_are_one_line(
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
         "polygate: cannot write the output: No space left on device"]
+
+
+@pytest.mark.parametrize(("args", "redirect", "status"), [
+    (["--bogus"], "2>&- >/dev/null", 2),  # a usage error with stderr closed: still 2
+    (["--version"], ">&-", 0),  # stdout closed: prints nothing, not to stderr instead
+    (["chat", "--help"], ">&-", 0),
+])
+def test_help_version_and_usage_with_a_stream_closed(
+    tmp_path: Path, args: list[str], redirect: str, status: int
+) -> None:
+    """Review: the parser's own writer failed on a stream the process was started with
+    closed (an AttributeError: status 1, not argparse's 2); and --version with stdout
+    closed printed to stderr."""
+    command = " ".join([shlex.quote(sys.executable), "-m", "polygate", *args, redirect])
+    done = subprocess.run(["bash", "-c", command], stderr=subprocess.PIPE, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == status
+    if "2>&-" not in redirect:
+        assert done.stderr == ""

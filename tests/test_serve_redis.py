@@ -330,3 +330,34 @@ async def test_settings_in_force_that_cannot_open_once_the_backend_answers_do_no
             server.hard_stop()
     assert answer.status == 503
     assert "the configuration in force cannot open its session" in caplog.text
+
+
+async def test_metrics_keep_an_old_sessions_rows_when_its_redis_is_gone_at_close(
+    own_redis: RedisServer, redis_server: RedisServer, tmp_path: Path,  # noqa: F811
+) -> None:
+    """Review: the counters carried across a reload read a closed session's figures
+    through Session.statistics(), which asks its backend when the close could not: an
+    old session whose Redis was gone lost its telemetry rows from /metrics (6 -> 0),
+    though they were written to SQLite.  They are the session's own counts."""
+    from polygate.serve import open_server
+    from polygate.testing import FakeUpstream
+
+    from ._serve_kit import settings_for, wait_for
+
+    db = f"sqlite:///{tmp_path / 't.db'}"
+    prefix = f"gone-{secrets.token_hex(4)}"
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        settings = settings_for(url, telemetry=db, backend=f"{own_redis.url}?prefix={prefix}")
+        async with open_server(settings, port=0) as server:
+            for _ in range(3):
+                assert (await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status == 200
+            own_redis.kill()
+            await server.reload(settings_for(url, telemetry=db,
+                                             backend=f"{redis_server.url}?prefix={prefix}"))
+            await wait_for(lambda: server.statistics().generations == 1, limit_s=15)
+            text = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
+    rows = {name: float(value) for name, value in
+            (line.split() for line in text.splitlines() if line.startswith("polygate_telemetry_rows_"))}
+    # 3 calls, a call row and an attempt row each: every one written or dropped.
+    assert rows["polygate_telemetry_rows_written_total"] + rows["polygate_telemetry_rows_dropped_total"] == 6

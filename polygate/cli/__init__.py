@@ -41,8 +41,10 @@ class _Parser(argparse.ArgumentParser):
     into a full disk) is raised, as every command's output error is, not ignored."""
 
     def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
-        if message:
-            (file or sys.stderr).write(message)
+        # argparse always names the stream (sys.stdout or sys.stderr): None is one the
+        # process was started with closed (`>&-`, `2>&-`), where nothing is printed.
+        if message and file is not None:
+            file.write(message)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -324,6 +324,10 @@ class Governor:
 
     # ------------------------------------------------------------------ statistics
 
+    def suppressed(self) -> dict[str, int]:
+        """``hedges_suppressed_by_budget`` alone: this process's count, no backend."""
+        return dict(self._suppressed)
+
     async def statistics(self) -> GovernanceStatistics:
         records: list[SourceStatistics] = []
         budgets: dict[str, float] = {}

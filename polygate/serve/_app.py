@@ -899,15 +899,15 @@ async def _readyz(ctx: Context) -> int:
 
 
 async def _metrics(ctx: Context) -> int:
-    stats = others = None
+    stats = None
     with trio.move_on_after(_READY_TIMEOUT_S):
         try:
             stats = await ctx.gateway.session.statistics()
-            # A reload's earlier sessions: their counts join the counters.
-            others = await ctx.metrics.others(ctx.gateway.session)
         except PolygateError:
             stats = None  # the gateway's own counters still go out
-    body = render(ctx.metrics, stats, others)
+    # A reload's other sessions: their counts join the counters (read as they are now,
+    # with no checkpoint in between: a session that closes meanwhile is in one place).
+    body = render(ctx.metrics, stats, ctx.metrics.others(ctx.gateway.session))
     cid = fresh_call_id().encode()
     await ctx.conn.send_response(
         200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),

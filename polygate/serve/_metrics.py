@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .._errors import PolygateError
 from .._types import CallStats
 
 if TYPE_CHECKING:
@@ -63,10 +62,10 @@ class _Carried:
         self.dropped = 0
         self.suppressed: dict[str, int] = {}
 
-    def add(self, stats: SessionStatistics) -> None:
-        self.written += stats.telemetry.written
-        self.dropped += stats.telemetry.dropped
-        self._add_suppressed(stats.governance.hedges_suppressed_by_budget)
+    def add(self, written: int, dropped: int, suppressed: Mapping[str, int]) -> None:
+        self.written += written
+        self.dropped += dropped
+        self._add_suppressed(suppressed)
 
     def merge(self, other: _Carried) -> None:
         self.written += other.written
@@ -104,27 +103,20 @@ class Metrics:
         self.sessions: set[Session] = set()
         self.closed = _Carried()
 
-    async def session_closed(self, session: Session) -> None:
-        """Fold a closed session's final counts into :attr:`closed`."""
+    def session_closed(self, session: Session) -> None:
+        """Fold a closed session's final counts into :attr:`closed`.  (Its own counts,
+        read with no backend and no checkpoint: a scrape never sees them twice, nor
+        misses them, nor loses them to a backend that did not answer at the close.)"""
         self.sessions.discard(session)
-        try:
-            # (After its close a session's statistics need no backend: no checkpoint,
-            # so a scrape never sees its counts twice, or not at all.)
-            stats = await session.statistics()
-        except PolygateError:
-            return  # (its close failed: what it counted is lost with it)
-        self.closed.add(stats)
+        self.closed.add(*session._local_counts())
 
-    async def others(self, current: object) -> _Carried:
+    def others(self, current: object) -> _Carried:
         """What the closed sessions and the open ones other than ``current`` counted."""
         carried = _Carried()
         carried.merge(self.closed)
-        for session in list(self.sessions):
+        for session in self.sessions:
             if session is not current:
-                try:
-                    carried.add(await session.statistics())
-                except PolygateError:
-                    pass
+                carried.add(*session._local_counts())
         return carried
 
     def key_admitted(self, name: str) -> None:
@@ -302,7 +294,8 @@ def _session_families(stats: SessionStatistics, others: _Carried) -> Iterator[An
         labels=["scope"],
     )
     counted = _Carried()
-    counted.add(stats)
+    telemetry = stats.telemetry
+    counted.add(telemetry.written, telemetry.dropped, stats.governance.hedges_suppressed_by_budget)
     counted.merge(others)
     for scope, count in sorted(counted.suppressed.items()):
         suppressed.add_metric([scope], count)

@@ -184,7 +184,7 @@ class Server:
             if session is not None:
                 # Closed (its last rows flushed): what it counted joins the totals
                 # /metrics carries across reloads, and it is no generation any more.
-                await self.metrics.session_closed(session)
+                self.metrics.session_closed(session)
 
     async def reload(self, settings: Settings) -> None:
         """Serve new requests with ``settings``; calls in flight finish on the old
