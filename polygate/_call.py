@@ -708,9 +708,10 @@ async def _finish_continuation(
         choices = result.get("choices") or [{}]
         message = choices[0].get("message") or {}
         text = message.get("content")
-        if isinstance(text, str) and text and not active.offer(
-            {"choices": [{"index": 0, "delta": {"content": text}}]}
-        ):
+        chunk: dict[str, Any] = {"index": 0, "delta": {"content": text}}
+        if isinstance(choices[0].get("logprobs"), dict):
+            chunk["logprobs"] = choices[0]["logprobs"]  # (the answer's logprobs: shown too)
+        if isinstance(text, str) and text and not active.offer({"choices": [chunk]}):
             await active.deliver_held()
     await active.finish()
 

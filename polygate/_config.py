@@ -928,7 +928,9 @@ class Settings:
             raise _bad(self, "scopes", "must be a non-empty mapping of scope name to Scope")
         for name, scope in value.items():
             if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or "__" in name:
-                field = f"scopes.{name}" if isinstance(name, str) and "." not in name else "scopes"
+                # (Its path names it only where a message may quote it: see given.)
+                named = isinstance(name, str) and "." not in name and len(name) <= QUOTE_MAX
+                field = f"scopes.{name}" if named else "scopes"
                 raise _bad(self, field, f"scope name {given(name)} must be letters, digits, '_', '-'")
             reserved = (RESERVED_SEGMENTS - _SOURCE_ONLY_RESERVED) | {"BACKEND", "TELEMETRY", "CACHE", "SERVE"}
             if name.upper() in reserved:

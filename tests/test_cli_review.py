@@ -225,3 +225,26 @@ def test_help_version_and_usage_with_a_stream_closed(
     assert done.returncode == status
     if "2>&-" not in redirect:
         assert done.stderr == ""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize(("reader_gone", "status", "said"), [
+    (False, 1, "polygate: cannot write the output: No space left on device\n"),
+    (True, 141, ""),
+])
+def test_no_command_whose_help_cannot_be_written(
+    tmp_path: Path, reader_gone: bool, status: int, said: str
+) -> None:
+    """Review: `polygate` alone printed its help outside the handling of output errors:
+    a traceback into a full disk, or to a reader that left."""
+    if reader_gone:
+        read, out = os.pipe()
+        os.close(read)  # the reader left before anything was written: EPIPE, always
+    else:
+        out = os.open("/dev/full", os.O_WRONLY)
+    try:
+        done = subprocess.run([sys.executable, "-m", "polygate"], stdout=out, stderr=subprocess.PIPE,
+                              text=True, timeout=120, cwd=tmp_path)
+    finally:
+        os.close(out)
+    assert (done.returncode, done.stderr) == (status, said)

@@ -619,3 +619,12 @@ def test_a_long_fallback_that_merely_holds_a_scheme_separator_is_not_quoted() ->
     assert "AbCdEfGh" not in str(info.value)
     with pytest.raises(ConfigError, match=r"got 'http://user:\*\*\*@h/v1'"):
         Scope(sources=[src()], fallback=f"http://user:{URL_PW}@h/v1")
+
+
+def test_a_long_refused_scope_name_is_not_in_the_field_path_either() -> None:
+    # Review: the message said "a value of 45 characters (not shown)" after a field
+    # path that showed it: "Settings.scopes.sk-proj-…".
+    pasted = "sk-proj-" + "AbCdEfGh" * 5 + " "
+    with pytest.raises(ConfigError) as info:
+        Settings(scopes={pasted: Scope(sources=[src()])})
+    assert "AbCdEfGh" not in str(info.value)

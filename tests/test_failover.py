@@ -1611,3 +1611,40 @@ async def test_a_resumed_answer_without_logprob_entries_keeps_them_null(
     assert response is not None and response.call_stats.resumes == 1
     assert response.text == "one two three"
     assert response.choices[0]["logprobs"]["content"] is None
+
+
+async def test_a_continuation_from_a_source_that_cannot_stream_keeps_its_logprobs(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: a continuation answered as one JSON body is shown as one chunk, which
+    was made without the answer's logprobs: the resumed answer's spelled only the
+    first segment."""
+    import httpx
+
+    def entry(token: str) -> dict[str, Any]:
+        return {"token": token, "logprob": -0.25, "bytes": list(token.encode()), "top_logprobs": []}
+
+    first = _sse_choices([{"delta": {"content": t}, "logprobs": {"content": [entry(t)]}}
+                          for t in ("one", " two", " three")], end=False)  # cut
+    rest = {"id": "x", "object": "chat.completion", "model": "m", "choices": [{
+        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": " four five"},
+        "logprobs": {"content": [entry(" four"), entry(" five")]}}]}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "a":
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=first)
+        return httpx.Response(200, json=rest)
+
+    transport = httpx.MockTransport(answer)
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9, "streaming": False}},
+        "stream": polygate.StreamWatch(resume=True),
+    })
+    async with polygate.session(settings, transport=Router({"a": transport, "b": transport})) as s:
+        async with s.stream_chat(MESSAGES, logprobs=True) as stream:
+            chunks = [c async for c in stream]
+    response = stream.response
+    assert response is not None and response.text == "one two three four five"
+    tokens = [e["token"] for e in response.choices[0]["logprobs"]["content"]]
+    assert tokens == ["one", " two", " three", " four", " five"]
+    assert chunks[-1].raw["choices"][0]["logprobs"]["content"][-1]["token"] == " five"

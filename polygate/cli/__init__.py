@@ -96,8 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - the process's
     run = cast("Callable[[argparse.Namespace], int] | None", getattr(args, "run", None))
     if run is None:
-        parser.print_help()
-        return 2
+        try:
+            parser.print_help()
+        except OSError as exc:  # (see _Parser)
+            unwritten = _write_failed(exc)
+            if unwritten is None:
+                raise
+            return unwritten
+        return _unflushed() or 2
     # A path (a database's, a configuration's) may hold bytes that are not UTF-8: they
     # arrive as surrogate escapes, which a strict UTF-8 stdout refuses to print (a
     # bare UnicodeEncodeError, after the work was done).  Shown escaped instead.
