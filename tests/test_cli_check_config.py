@@ -330,3 +330,24 @@ def test_a_config_flag_warns_about_the_environment_keys_it_leaves_unused(
     [record] = [r for r in caplog.records if r.name == "polygate.serve"]
     assert record.getMessage().startswith("warning: configuration read from ")
     assert "POLYGATE__SERVE__API_KEYS are ignored" in record.getMessage()
+
+
+def test_the_table_names_every_field_the_json_has(clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Review: the text table left out empty tables (serve.keys, serve.models), which
+    --json shows as {}: "every resolved field" said both."""
+    path = write(clean, VALID, "conf.toml")
+    assert main(["check-config", "--config", path, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["settings"]
+
+    def paths(node: object, path: str) -> set[str]:
+        if isinstance(node, dict) and node:
+            return set().union(*(paths(v, f"{path}.{k}" if path else k) for k, v in node.items()))
+        if isinstance(node, list) and node and all(isinstance(i, dict) for i in node):
+            return set().union(*(paths({k: v for k, v in i.items() if k != "name"},
+                                       f"{path}.{i['name']}") for i in node))
+        return {path}
+
+    assert main(["check-config", "--config", path]) == 0
+    table = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert {"serve.keys", "serve.models"} <= paths(report, "")
+    assert paths(report, "") <= table

@@ -83,7 +83,9 @@ def _table(described: dict[str, Any]) -> str:
 
 
 def _rows(node: Any, path: str) -> Iterator[tuple[str, str]]:
-    if isinstance(node, dict):
+    if isinstance(node, dict) and not node and path:
+        yield path, "-"  # an empty table (serve.keys, serve.models) is a field too
+    elif isinstance(node, dict):
         for key, value in node.items():
             yield from _rows(value, f"{path}.{key}" if path else key)
     elif isinstance(node, list) and all(isinstance(item, str) for item in node):
