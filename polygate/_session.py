@@ -83,6 +83,13 @@ class Session:
         self._runtime = runtime
         self._telemetry = telemetry
         self._cache = cache
+        # The trio run the session lives in: its events, locks and nursery are that
+        # run's, and a call from another (a thread's own trio.run) would set them from
+        # the wrong run -- trio's assertion, raised in an innocent task of this one.
+        try:
+            self._run: trio.lowlevel.TrioToken | None = trio.lowlevel.current_trio_token()
+        except RuntimeError:  # (made outside a run: by hand, in a test)
+            self._run = None
         # The governance figures as the session closed, where its backend cannot be
         # read once closed (Redis): what statistics() reports from then on.
         self._governance_at_close: GovernanceStatistics | None = None
@@ -258,6 +265,12 @@ class Session:
     def _prepare(self, scope: str, call_deadline_s: float | None) -> float | None:
         if self._closed:
             raise PolygateError("this session is closed")
+        if self._run is not None and trio.lowlevel.current_trio_token() is not self._run:
+            raise PolygateError(
+                "this session belongs to another trio run (another thread's trio.run): "
+                "open one session per run, or hand the call to its run "
+                "(trio.from_thread.run)"
+            )
         if not isinstance(scope, str):
             raise ConfigError(f"scope must be a scope name, got {type(scope).__name__}")
         config = self._runtime.settings.scope(scope)

@@ -562,3 +562,33 @@ def test_a_reader_as_the_block_exits_with_the_end_unsent_hears_the_cut(tokens: i
 
     seen = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert len(seen) == 1 and seen[0] != "clean end, response=False", seen
+
+
+async def test_a_call_from_another_trio_run_is_refused_at_once() -> None:
+    """Review: a call made on a session from another thread's trio.run used this run's
+    events and locks; under contention (a permit this run held) the release set an
+    event of the other run, and trio's assertion came out of an innocent call here.
+    The other run's call is refused, typed; this run's carries on."""
+    upstream = FakeUpstream(Reply(tokens=2, first_token_s=0.2))
+    async with upstream.serve() as url:
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+            polygate.Source(name="a", base_url=url, model="m1", max_in_flight=1)])})
+        async with polygate.session(settings) as s:
+            errors: list[BaseException] = []
+
+            def other_thread() -> None:
+                async def call() -> None:
+                    await s.chat(MESSAGES)
+
+                try:
+                    trio.run(call)
+                except BaseException as exc:  # (recorded: asserted below)
+                    errors.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(s.chat, MESSAGES)  # holds the only permit
+                await trio.to_thread.run_sync(other_thread)
+            answer = await s.chat(MESSAGES)
+    assert [type(e) for e in errors] == [polygate.PolygateError]
+    assert "belongs to another trio run" in str(errors[0])
+    assert answer.text
