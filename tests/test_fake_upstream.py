@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import math
 import random
 import struct
 from collections import Counter
@@ -1076,3 +1077,51 @@ async def test_a_content_part_whose_text_is_no_string_is_answered(autojump_clock
         r = await c.post("/chat/completions", json=body)
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"] == "ok"
+
+
+async def test_an_endless_inter_token_wait_hangs_after_the_first_token(autojump_clock: Any) -> None:
+    """Review: inter_token_s=inf ("infinity waits for ever") made a NaN deadline
+    (inf x 0 at the first token) and every request failed with trio's ValueError."""
+    upstream = FakeUpstream(Reply(first_token_s=1.0, inter_token_s=math.inf, tokens=3))
+    async with client(upstream) as http:
+        seen: list[tuple[float, str]] = []
+        with trio.move_on_after(100):
+            async with http.stream("POST", "/chat/completions", json=chat_body()) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data:"):
+                        seen.append((trio.current_time(), line))
+        # A one-token JSON answer comes at its first token's time.
+        one = FakeUpstream(Reply(first_token_s=1.0, inter_token_s=math.inf, tokens=1))
+        async with client(one) as once:
+            started = trio.current_time()
+            answer = await once.post("/chat/completions", json=chat_body(stream=False))
+            assert answer.status_code == 200 and trio.current_time() - started == 1.0
+    assert [at for at, _ in seen[1:2]] == [1.0]  # the role chunk at 0, the first token at 1 s
+    assert len(seen) == 2  # and then nothing: the hang
+    assert upstream.requests[0].outcome == "client_closed"
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: Profile(keepalive_s=1e-5), "keepalive_s"),
+    (lambda: Reply(text="caf\ud800"), "text is not UTF-8"),
+    (lambda: Reply(model="m\ud800"), "model is not UTF-8"),
+    (lambda: Reply(finish_reason="\ud800"), "finish_reason is not UTF-8"),
+    (lambda: Reply(status=400, error_body={"e": "\ud800"}), "error_body"),
+    (lambda: Reply(status=400, error_body={"e": math.nan}), "error_body"),
+    (lambda: Reply(headers={"content-length": "3"}), "frames the message"),
+    (lambda: Reply(headers={"Transfer-Encoding": "chunked"}), "frames the message"),
+    (lambda: Reply(status=429, retry_after_s=math.inf), "finite"),
+])
+def test_a_script_the_fake_cannot_send_fails_at_construction(make: Any, match: str) -> None:
+    """Review: each of these was accepted, then failed every request the script
+    answered (a 500 "script failed" over loopback, an error from the transport), or
+    made the two faces send different bytes."""
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+async def test_a_small_retry_after_is_written_without_an_exponent(autojump_clock: Any) -> None:
+    upstream = FakeUpstream(Reply(status=429, retry_after_s=0.00001))
+    async with client(upstream) as http:
+        answer = await http.post("/chat/completions", json=chat_body())
+    assert answer.headers["retry-after"] == "0.00001"

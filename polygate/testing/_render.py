@@ -168,6 +168,12 @@ def render(reply: Reply, ex: Exchange) -> Plan:
     return chat.json_plan(headers)
 
 
+def _times(count: int, seconds: float) -> float:
+    """``count`` waits of ``seconds``: none is 0 even for an endless wait (inf x 0 is
+    NaN, which no deadline takes)."""
+    return count * seconds if count else 0.0
+
+
 def json_plan(status: int, payload: Any, ex: Exchange) -> Plan:
     """A plain JSON answer with no delay (``/_stats``, 404s, unparseable bodies)."""
     return _fixed(status, _base_headers(Reply(), ex), 0.0, _dumps(payload).encode())
@@ -192,7 +198,11 @@ def _base_headers(reply: Reply, ex: Exchange) -> tuple[tuple[str, str], ...]:
 
 
 def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+    """A header's number: whole, or decimal without an exponent ("0.00001", not
+    "1e-05", which a parser of delay-seconds does not read)."""
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{float(value):.6f}".rstrip("0").rstrip(".") or "0"
 
 
 def _fixed(
@@ -468,7 +478,7 @@ class _Chat:
                 # Token i is due at first + i x inter (+ the stall once past it), from the
                 # body's start, exactly (the non-streamed answer's delay is that sum too).
                 stalled = r.stall_s if stall_at is not None and i >= stall_at else 0.0
-                until = r.first_token_s + min(i, max(n - 1, 0)) * r.inter_token_s + stalled
+                until = r.first_token_s + _times(min(i, max(n - 1, 0)), r.inter_token_s) + stalled
                 yield from _wait(gap, r.keepalive_s, until)
             if i < n:
                 yield head + choices[i]
@@ -529,7 +539,7 @@ class _Chat:
     def json_plan(self, headers: tuple[tuple[str, str], ...]) -> Plan:
         r = self.reply
         n = len(self.thoughts) + len(self.content)
-        delay = r.headers_delay_s + r.first_token_s + r.inter_token_s * max(0, n - 1)
+        delay = r.headers_delay_s + r.first_token_s + _times(max(0, n - 1), r.inter_token_s)
         if r.stall_at is not None:
             delay += r.stall_s
         if r.fault == "error_event":

@@ -90,6 +90,11 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE = re.compile(r"(?:[\x21-\x7e](?:[\t\x20-\x7e]*[\x21-\x7e])?)?")
 
 
+#: Headers that frame the message or the connection: the fake's own to write.
+_FRAMING = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
+                      "te", "trailer"})
+
+
 def _headers(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
     """Headers are stored as a tuple of pairs so a Reply stays hashable.  Each must be
     one a server can send (an HTTP token, a value of printable ASCII without line
@@ -99,6 +104,10 @@ def _headers(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tupl
     for name, text in pairs:
         if not _HEADER_NAME.fullmatch(name):
             raise ValueError(f"header name {name!r} is not an HTTP token")
+        if name.lower() in _FRAMING:
+            raise ValueError(
+                f"header {name!r} frames the message: the fake writes it itself (a script's "
+                "own made the two faces send different bytes, and the server's answer fail)")
         if not _HEADER_VALUE.fullmatch(text):
             raise ValueError(
                 f"header {name!r}: its value must be printable ASCII without line breaks "
@@ -128,7 +137,11 @@ def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: Any) ->
         raise ValueError(f"{attribute.name} must be a number >= 0, got {value!r}")
 
 
-_optional_non_negative = _non_negative
+def _optional_header_number(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A number a header carries: >= 0 and finite (``Retry-After: inf`` is no header)."""
+    _non_negative(_inst, attribute, value)
+    if value is not None and math.isinf(value):
+        raise ValueError(f"{attribute.name} must be finite, got {value!r}")
 
 
 def _count(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -150,8 +163,10 @@ def _check_error_body(_inst: object, _attr: attrs.Attribute[Any], value: Any) ->
     if value is None or isinstance(value, bytes):
         return
     try:
-        json.dumps(value)
-    except (TypeError, ValueError) as exc:
+        # As the fake writes it (UTF-8, no NaN: JSON has none), so that every request
+        # the script answers can be written.
+        json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as exc:  # (UnicodeEncodeError is a ValueError)
         raise TypeError(f"error_body must be bytes or a JSON value, got {value!r} ({exc})") from None
 
 
@@ -167,6 +182,23 @@ def _check_status(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> Non
 def _optional_text(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{attribute.name} must be a string or None, got {type(value).__name__}")
+    _encodable(attribute.name, value)
+
+
+def _encodable(name: str, value: Any) -> None:
+    """A string the fake will send must be UTF-8: a lone surrogate ("\\ud800") passed
+    construction and then failed every request the script answered."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{name} is not UTF-8 text (a lone surrogate?)") from None
+
+
+def _optional_str(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, str)):
+        raise ValueError(f"{attribute.name} must be str, got {value!r}")
+    _encodable(attribute.name, value)
 
 
 _probability = [attrs.validators.ge(0.0), attrs.validators.le(1.0)]
@@ -208,8 +240,8 @@ class Reply:
 
     status: int = attrs.field(default=200, validator=_check_status)
     headers: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_headers)
-    retry_after_s: float | None = attrs.field(default=None, validator=_optional_non_negative)
-    retry_after_ms: float | None = attrs.field(default=None, validator=_optional_non_negative)
+    retry_after_s: float | None = attrs.field(default=None, validator=_optional_header_number)
+    retry_after_ms: float | None = attrs.field(default=None, validator=_optional_header_number)
     error_body: Any = attrs.field(default=None, hash=False, validator=_check_error_body)
     headers_delay_s: float = attrs.field(default=0.0, validator=_non_negative)
     first_token_s: float = attrs.field(default=0.0, validator=_non_negative)
@@ -234,8 +266,8 @@ class Reply:
     # (complete all the same: the finish_reason says so).
     done: bool = True
     # None: a finish chunk (and a choice) whose finish_reason is null, as some servers send.
-    finish_reason: str | None = attrs.field(default="stop", validator=_instance(str, optional=True))
-    model: str | None = attrs.field(default=None, validator=_instance(str, optional=True))
+    finish_reason: str | None = attrs.field(default="stop", validator=_optional_str)
+    model: str | None = attrs.field(default=None, validator=_optional_str)
     embedding_dim: int | None = attrs.field(
         default=None, validator=attrs.validators.optional([_instance(int), attrs.validators.gt(0)])
     )
@@ -289,8 +321,9 @@ class Profile:
     stall_s: Distribution = attrs.field(
         default=0.0, converter=_to_distribution, validator=_check_distribution
     )
+    # (At least a millisecond, as a Reply's: the Reply it draws checks it again.)
     keepalive_s: float | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(0.001))
     )
     p_429: float = attrs.field(default=0.0, validator=_probability)
     retry_after_s: Distribution = attrs.field(
