@@ -90,9 +90,9 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE = re.compile(r"(?:[\x21-\x7e](?:[\t\x20-\x7e]*[\x21-\x7e])?)?")
 
 
-#: Headers that frame the message or the connection: the fake's own to write.
-_FRAMING = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
-                      "te", "trailer"})
+#: Headers that frame the message: the fake's own to write.  (``connection: close``
+#: is a script's to send: the server then closes after the answer, as scripted.)
+_FRAMING = frozenset({"content-length", "transfer-encoding"})
 
 
 def _headers(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
