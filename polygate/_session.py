@@ -174,7 +174,7 @@ class Session:
         mode = cache_mode(cache)
         return ChatStream(
             self._runtime, scope, list(messages), encoded, params, deadline, rounds=rounds,
-            cache=self._cache, cache_mode=mode,
+            cache=self._cache, cache_mode=mode, run=self._run,
         )
 
     async def embed(
@@ -265,12 +265,7 @@ class Session:
     def _prepare(self, scope: str, call_deadline_s: float | None) -> float | None:
         if self._closed:
             raise PolygateError("this session is closed")
-        if self._run is not None and trio.lowlevel.current_trio_token() is not self._run:
-            raise PolygateError(
-                "this session belongs to another trio run (another thread's trio.run): "
-                "open one session per run, or hand the call to its run "
-                "(trio.from_thread.run)"
-            )
+        _check_run(self._run)
         if not isinstance(scope, str):
             raise ConfigError(f"scope must be a scope name, got {type(scope).__name__}")
         config = self._runtime.settings.scope(scope)
@@ -466,8 +461,10 @@ class ChatStream:
         rounds: Rounds | None = None,
         cache: Cache | None = None,
         cache_mode: bool | str = True,
+        run: trio.lowlevel.TrioToken | None = None,
     ) -> None:
         self._runtime = runtime
+        self._owner_run = run  # (the session's run: where the stream must run)
         self._rounds = rounds
         self._cache = cache
         self._cache_mode = cache_mode
@@ -489,6 +486,7 @@ class ChatStream:
     async def __aenter__(self) -> ChatStream:
         if self._cm is not None:
             raise PolygateError("a ChatStream can be entered only once")
+        _check_run(self._owner_run)
         self._cm = self._run()
         await self._cm.__aenter__()
         return self
@@ -660,6 +658,23 @@ def twin_error(error: BaseException) -> BaseException:
     twin.__cause__, twin.__context__ = error.__cause__, error.__context__
     twin.__suppress_context__ = error.__suppress_context__
     return twin
+
+
+def _check_run(run: trio.lowlevel.TrioToken | None) -> None:
+    """Refuse a call made in another trio run than its session's (``run``).  Outside
+    any run (``stream_chat`` builds its stream in a worker thread, to be entered in
+    the session's run) there is nothing to refuse yet."""
+    if run is None:
+        return
+    try:
+        current = trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return
+    if current is not run:
+        raise PolygateError(
+            "this session belongs to another trio run (another thread's trio.run): "
+            "open one session per run, or hand the call to its run (trio.from_thread.run)"
+        )
 
 
 class _Sink:

@@ -592,3 +592,31 @@ async def test_a_call_from_another_trio_run_is_refused_at_once() -> None:
     assert [type(e) for e in errors] == [polygate.PolygateError]
     assert "belongs to another trio run" in str(errors[0])
     assert answer.text
+
+
+async def test_a_stream_built_outside_any_run_runs_in_the_sessions_own(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: the run check raised trio's bare RuntimeError for stream_chat() called
+    in a worker thread (a plain method: it only builds the stream), which had worked.
+    Built there, the stream is entered here; entered from another run, it is refused."""
+    async with polygate.session(one_source_settings(), transport=Router({"a": FakeUpstream(Reply(tokens=2))})) as s:
+        stream = await trio.to_thread.run_sync(lambda: s.stream_chat(MESSAGES))
+        async with stream:
+            assert [c.text async for c in stream]
+        other = s.stream_chat(MESSAGES)
+        errors: list[BaseException] = []
+
+        def enter_elsewhere() -> None:
+            async def enter() -> None:
+                async with other:
+                    pass
+
+            try:
+                trio.run(enter)
+            except BaseException as exc:  # (recorded: asserted below)
+                errors.append(exc)
+
+        await trio.to_thread.run_sync(enter_elsewhere)
+    assert [type(e) for e in errors] == [polygate.PolygateError]
+    assert "belongs to another trio run" in str(errors[0])
