@@ -77,16 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()  # (it imports every subcommand: Ctrl-C may land here)
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed by argparse
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
-        # A buffered stdout fails at its flush: here, not at the interpreter's exit,
-        # where the error would pass in silence.
-        unwritten = _unflushed()
-        return code if unwritten is None else unwritten
+        return _flushed(exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2)
     except OSError as exc:  # its text could not be written (see _Parser)
-        unwritten = _write_failed(exc)
-        if unwritten is None:
-            raise
-        return unwritten
+        return _unwritten(exc, "polygate")
     except KeyboardInterrupt:
         print("polygate: interrupted", file=sys.stderr)
         return 130
@@ -99,11 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             parser.print_help()
         except OSError as exc:  # (see _Parser)
-            unwritten = _write_failed(exc)
-            if unwritten is None:
-                raise
-            return unwritten
-        return _unflushed() or 2
+            return _unwritten(exc, "polygate")
+        return _flushed(2)
     # A path (a database's, a configuration's) may hold bytes that are not UTF-8: they
     # arrive as surrogate escapes, which a strict UTF-8 stdout refuses to print (a
     # bare UnicodeEncodeError, after the work was done).  Shown escaped instead.
@@ -118,42 +108,32 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C, as itself or inside trio's group: one line, the shell's status.
         print(f"polygate {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        # The reader left (``polygate stats | head``): not an error of ours.  Point
-        # stdout at /dev/null so the interpreter's final flush cannot fail again.
-        _drop_output()
-        return 141  # 128 + SIGPIPE, what a shell reports for a process killed by it
     except OSError as exc:
-        if exc.errno not in _WRITE_ERRORS:
-            raise
-        print(f"polygate {args.command}: cannot write the output: {exc.strerror or exc}",
-              file=sys.stderr)
-        _drop_output()
-        return 1
+        return _unwritten(exc, f"polygate {args.command}")
 
 
-def _unflushed() -> int | None:
-    """Flush stdout; the exit status when that fails (said in one line), else None."""
+def _flushed(code: int) -> int:
+    """``code`` once stdout is flushed.  A buffered stdout fails at its flush: here,
+    not at the interpreter's exit, where the error would pass in silence."""
     try:
         if sys.stdout is not None:
             sys.stdout.flush()
     except OSError as exc:
-        unwritten = _write_failed(exc)
-        if unwritten is None:
-            raise
-        return unwritten
-    return None
+        return _unwritten(exc, "polygate")
+    return code
 
 
-def _write_failed(exc: OSError) -> int | None:
-    """The exit status for output that could not be written (141: the reader left; 1:
-    said in one line), or None for an error of another kind."""
+def _unwritten(exc: OSError, prog: str) -> int:
+    """The exit status for output that could not be written; an error of another kind
+    is raised again."""
     if isinstance(exc, BrokenPipeError):
+        # The reader left (``polygate stats | head``): not an error of ours.  Point
+        # stdout at /dev/null so the interpreter's final flush cannot fail again.
         _drop_output()
-        return 141
+        return 141  # 128 + SIGPIPE, what a shell reports for a process killed by it
     if exc.errno not in _WRITE_ERRORS:
-        return None
-    print(f"polygate: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+        raise exc
+    print(f"{prog}: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
     _drop_output()
     return 1
 
