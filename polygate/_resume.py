@@ -43,6 +43,7 @@ __all__ = [
     "Stitcher",
     "StreamSink",
     "continuation_messages",
+    "first_logprobs",
     "resumable_delta",
 ]
 
@@ -287,13 +288,8 @@ class ResumedForward:
 def _ends_text(chunk: Mapping[str, Any]) -> bool:
     """Whether no text of the first choice can follow ``chunk``: it carries that
     choice's ``finish_reason``, or no such choice (the usage chunk after the finish)."""
-    choices = chunk.get("choices")
-    if not isinstance(choices, list):
-        return True
-    for choice in choices:
-        if isinstance(choice, dict) and choice_index(choice) == 0:
-            return choice.get("finish_reason") is not None
-    return True
+    choice = _first_choice(chunk)
+    return choice is None or choice.get("finish_reason") is not None
 
 
 def _worth_showing(chunk: dict[str, Any]) -> bool:
@@ -335,18 +331,20 @@ def _first_choice(chunk: Mapping[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def first_logprobs(chunk: Mapping[str, Any]) -> list[Any] | None:
+    """The first choice's ``logprobs.content`` entries in ``chunk``, if any."""
+    choice = _first_choice(chunk)
+    logprobs = choice.get("logprobs") if choice is not None else None
+    entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+    return entries if isinstance(entries, list) else None
+
+
 def _kept_logprobs(pieces: Sequence[dict[str, Any]], text: str) -> list[Any] | None:
     """The logprob entries of the tokens of ``text``, the kept end of the pieces' text:
     a piece wholly inside the dropped restatement gives none, one that straddles its
     end gives its tokens past it (all of them when its tokens do not spell its text,
     whose split then cannot be told).  None when no piece carries logprobs."""
-    spans: list[tuple[str, list[Any] | None]] = []
-    for piece in pieces:
-        _, piece_text = _content(piece)
-        choice = _first_choice(piece)
-        logprobs = choice.get("logprobs") if choice is not None else None
-        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
-        spans.append((piece_text, entries if isinstance(entries, list) else None))
+    spans = [(_content(piece)[1], first_logprobs(piece)) for piece in pieces]
     if all(entries is None for _, entries in spans):
         return None
     dropped = sum(len(t) for t, _ in spans) - len(text)  # the restatement's length

@@ -30,7 +30,7 @@ from ._errors import ConfigError, PolygateError
 from ._json import MAX_DEPTH, dumps, nested_deeper, plain_messages
 from ._key_quota import KeyQuotas
 from ._ocr import run_ocr
-from ._resume import resumable_delta
+from ._resume import first_logprobs, resumable_delta
 from ._structured import prepare
 from ._types import (
     ChatResponse,
@@ -765,24 +765,9 @@ class _Sink:
                 self.reasoning_field = "reasoning"
         if isinstance(reasoning, str) and reasoning:
             self.shown_reasoning.append(reasoning)
-        entries = _first_logprobs(item.raw)
+        entries = first_logprobs(item.raw)
         if entries:
             self.shown_logprobs.extend(entries)
-
-
-def _first_logprobs(chunk: Mapping[str, Any]) -> list[Any] | None:
-    """The first choice's ``logprobs.content`` entries in ``chunk``, if any."""
-    choices = chunk.get("choices")
-    if not choices or not isinstance(choices, list):
-        return None
-    for choice in choices:
-        if isinstance(choice, dict) and choice_index(choice) == 0:
-            logprobs = choice.get("logprobs")
-            if isinstance(logprobs, dict):
-                entries = logprobs.get("content")
-                return entries if isinstance(entries, list) else None
-            return None
-    return None
 
 
 async def _deliver(
