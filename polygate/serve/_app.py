@@ -905,9 +905,7 @@ async def _metrics(ctx: Context) -> int:
             stats = await ctx.gateway.session.statistics()
         except PolygateError:
             stats = None  # the gateway's own counters still go out
-    # A reload's other sessions: their counts join the counters (read as they are now,
-    # with no checkpoint in between: a session that closes meanwhile is in one place).
-    body = render(ctx.metrics, stats, ctx.metrics.others(ctx.gateway.session))
+    body = render(ctx.metrics, stats)
     cid = fresh_call_id().encode()
     await ctx.conn.send_response(
         200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),

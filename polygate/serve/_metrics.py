@@ -65,15 +65,7 @@ class _Carried:
     def add(self, written: int, dropped: int, suppressed: Mapping[str, int]) -> None:
         self.written += written
         self.dropped += dropped
-        self._add_suppressed(suppressed)
-
-    def merge(self, other: _Carried) -> None:
-        self.written += other.written
-        self.dropped += other.dropped
-        self._add_suppressed(other.suppressed)
-
-    def _add_suppressed(self, counts: Mapping[str, int]) -> None:
-        for scope, count in counts.items():
+        for scope, count in suppressed.items():
             self.suppressed[scope] = self.suppressed.get(scope, 0) + count
 
 
@@ -110,13 +102,13 @@ class Metrics:
         self.sessions.discard(session)
         self.closed.add(*session._local_counts())
 
-    def others(self, current: object) -> _Carried:
-        """What the closed sessions and the open ones other than ``current`` counted."""
+    def counted(self) -> _Carried:
+        """What every session counted, the closed ones and the open ones (read as they
+        are now, with no checkpoint: a session that closes meanwhile is in one place)."""
         carried = _Carried()
-        carried.merge(self.closed)
+        carried.add(self.closed.written, self.closed.dropped, self.closed.suppressed)
         for session in self.sessions:
-            if session is not current:
-                carried.add(*session._local_counts())
+            carried.add(*session._local_counts())
         return carried
 
     def key_admitted(self, name: str) -> None:
@@ -145,23 +137,19 @@ class Metrics:
                 self.cached[scope] = self.cached.get(scope, 0) + 1
 
 
-def render(
-    metrics: Metrics, stats: SessionStatistics | None, others: _Carried | None = None
-) -> bytes:
-    """The exposition text of ``metrics`` and the session's ``stats``; ``others``:
-    what the other sessions (earlier generations) counted, added to its counters."""
+def render(metrics: Metrics, stats: SessionStatistics | None) -> bytes:
+    """The exposition text of ``metrics`` and the session's ``stats``."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(metrics, stats, others or _Carried()))
+    registry.register(_Collector(metrics, stats))
     return bytes(generate_latest(registry))
 
 
 class _Collector:
-    def __init__(self, metrics: Metrics, stats: SessionStatistics | None, others: _Carried) -> None:
+    def __init__(self, metrics: Metrics, stats: SessionStatistics | None) -> None:
         self.metrics = metrics
         self.stats = stats
-        self.others = others
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -234,10 +222,11 @@ class _Collector:
         ):
             yield CounterMetricFamily(name, text, value=value)
         if self.stats is not None:
-            yield from _session_families(self.stats, self.others)
+            # The session's counters are every session's: a reload's new one counts from 0.
+            yield from _session_families(self.stats, m.counted())
 
 
-def _session_families(stats: SessionStatistics, others: _Carried) -> Iterator[Any]:
+def _session_families(stats: SessionStatistics, counted: _Carried) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     labels = ["scope", "source"]
@@ -293,10 +282,6 @@ def _session_families(stats: SessionStatistics, others: _Carried) -> Iterator[An
         "polygate_hedges_suppressed", "Hedges not sent because the budget was empty",
         labels=["scope"],
     )
-    counted = _Carried()
-    telemetry = stats.telemetry
-    counted.add(telemetry.written, telemetry.dropped, stats.governance.hedges_suppressed_by_budget)
-    counted.merge(others)
     for scope, count in sorted(counted.suppressed.items()):
         suppressed.add_metric([scope], count)
     yield suppressed
