@@ -182,23 +182,22 @@ def _check_status(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> Non
 def _optional_text(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{attribute.name} must be a string or None, got {type(value).__name__}")
-    _encodable(attribute.name, value)
+    _utf8(_inst, attribute, value)
 
 
-def _encodable(name: str, value: Any) -> None:
+def _utf8(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     """A string the fake will send must be UTF-8: a lone surrogate ("\\ud800") passed
     construction and then failed every request the script answered."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"{name} is not UTF-8 text (a lone surrogate?)") from None
+            raise ValueError(f"{attribute.name} is not UTF-8 text (a lone surrogate?)") from None
 
 
-def _optional_str(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, str)):
-        raise ValueError(f"{attribute.name} must be str, got {value!r}")
-    _encodable(attribute.name, value)
+#: A wait cut into keep-alive pieces: at least a millisecond, or a tinier one would be
+#: an endless run of comments at a standstill of virtual time.
+_keepalive = attrs.validators.optional(attrs.validators.ge(0.001))
 
 
 _probability = [attrs.validators.ge(0.0), attrs.validators.le(1.0)]
@@ -251,11 +250,7 @@ class Reply:
     reasoning_tokens: int = attrs.field(default=0, validator=_count)
     stall_at: int | None = attrs.field(default=None, validator=_count)
     stall_s: float = attrs.field(default=0.0, validator=_non_negative)
-    # At least a millisecond: a wait is cut into keepalive_s pieces, and a tinier one
-    # would be an endless run of comments at a standstill of virtual time.
-    keepalive_s: float | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.ge(0.001))
-    )
+    keepalive_s: float | None = attrs.field(default=None, validator=_keepalive)
     fault: Fault | None = attrs.field(default=None, validator=_check_fault)
     fault_after: int = attrs.field(default=0, validator=_count)
     error_event_code: int | str = attrs.field(default=500, validator=_instance(int, str))
@@ -266,8 +261,8 @@ class Reply:
     # (complete all the same: the finish_reason says so).
     done: bool = True
     # None: a finish chunk (and a choice) whose finish_reason is null, as some servers send.
-    finish_reason: str | None = attrs.field(default="stop", validator=_optional_str)
-    model: str | None = attrs.field(default=None, validator=_optional_str)
+    finish_reason: str | None = attrs.field(default="stop", validator=[_instance(str, optional=True), _utf8])
+    model: str | None = attrs.field(default=None, validator=[_instance(str, optional=True), _utf8])
     embedding_dim: int | None = attrs.field(
         default=None, validator=attrs.validators.optional([_instance(int), attrs.validators.gt(0)])
     )
@@ -321,10 +316,7 @@ class Profile:
     stall_s: Distribution = attrs.field(
         default=0.0, converter=_to_distribution, validator=_check_distribution
     )
-    # (At least a millisecond, as a Reply's: the Reply it draws checks it again.)
-    keepalive_s: float | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.ge(0.001))
-    )
+    keepalive_s: float | None = attrs.field(default=None, validator=_keepalive)
     p_429: float = attrs.field(default=0.0, validator=_probability)
     retry_after_s: Distribution = attrs.field(
         default=1.0, converter=_to_distribution, validator=_check_distribution
