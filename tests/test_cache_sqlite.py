@@ -451,6 +451,28 @@ async def test_sqlite_under_mockclock(tmp_path: Path, autojump_clock: Any) -> No
     assert hit.call_stats.cached and stats.errors == 0
 
 
+async def test_entries_expire_in_virtual_time(tmp_path: Path, autojump_clock: Any) -> None:
+    """A review found a SQLite entry still a hit long after its ``cache_ttl_s`` under
+    ``MockClock``: expiry was read off the wall clock, so virtual time could not drive
+    it, as it drives the memory cache's.  Expiry is epoch seconds that move with trio's
+    clock, so a virtual-time test sees the entry live, then gone."""
+    up = FakeUpstream(Reply(text="kept"))
+    source = polygate.Source(name="a", base_url="http://a/v1")
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[source], cache_ttl_s=10)},
+        cache=f"sqlite://{tmp_path}/c.db",
+    )
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        await s.chat(MESSAGES)
+        await trio.sleep(1)  # the writer's batch
+        assert (await s.chat(MESSAGES)).call_stats.cached
+        await trio.sleep(5)
+        assert (await s.chat(MESSAGES)).call_stats.cached  # 6 s of 10: live
+        await trio.sleep(5)
+        assert not (await s.chat(MESSAGES)).call_stats.cached  # 11 s: expired
+    assert len(up.requests) == 2
+
+
 async def test_every_queued_answer_is_written_at_close_under_mockclock(
     tmp_path: Path, autojump_clock: Any
 ) -> None:

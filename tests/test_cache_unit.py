@@ -150,6 +150,37 @@ async def test_failed_lookups_are_misses_and_pause_the_backend(
     assert cache.errors == 1 and backend.reads == 2
 
 
+async def test_a_paused_backend_serves_nothing_written_behind(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A review found a cache on a dead Redis answering a call as a hit: the answer of
+    the call before was still waiting to be written behind, and was served from there
+    -- or not, by the writer's timing.  A cache that fails is a miss, every time: while
+    the backend is paused nothing is served from, or put into, the write-behind."""
+    backend = Flaky()
+    cache = Cache(backend)
+    backend.down = True
+    async with trio.open_nursery() as nursery:
+        cache.start(nursery)
+        assert await cache.get("k") is None  # the lookup fails: paused
+        cache.put("k", b"v", 60)  # the call's answer, during the pause
+        assert cache.get_local("k") is None
+        assert await cache.get("k") is None
+        assert await cache.get_many(["k", "j"]) == [None, None]
+        assert cache.writes_dropped == 1 and cache._pending == {}
+        # Written behind while the backend was up, then it failed: not served either.
+        await trio.sleep(0.25)
+        backend.down = False
+        cache.put("j", b"w", 60)
+        backend.down = True
+        assert await cache.get("x") is None  # fails: paused again
+        assert cache.get_local("j") is None
+        assert await cache.get_many(["j"]) == [None]
+        await cache.aclose()
+        nursery.cancel_scope.cancel()
+    assert backend.batches == []
+
+
 async def test_pauses_grow_and_reset(autojump_clock: trio.testing.MockClock) -> None:
     backend = Flaky()
     cache = Cache(backend)

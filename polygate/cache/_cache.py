@@ -153,7 +153,7 @@ class Cache:
             # the other tasks, and a cancelled caller must not be served.
             await trio.lowlevel.checkpoint()
             return self._memory.get_now(key)
-        if key in self._pending:
+        if key in self._pending and trio.current_time() >= self._down_until:
             # Served from here without I/O, so with the same schedule point (and looked
             # at after it: the writer may have written the entry meanwhile).
             await trio.lowlevel.checkpoint()
@@ -166,12 +166,17 @@ class Cache:
         """What this process holds for ``key`` without asking the backend: the memory
         store, or an answer still waiting to be written behind.  A caller that found a
         miss after an await asks again here before it leads: an identical call may
-        have finished (and left) meanwhile."""
+        have finished (and left) meanwhile.
+
+        Nothing is served from the write-behind while the backend is paused: a cache
+        that fails is a miss, every time, not a hit or a miss by the writer's timing."""
         if self._memory is not None:
             return self._memory.get_now(key)
         pending = self._pending.get(key)
-        if pending is not None and trio.current_time() < pending[1]:
-            return pending[0]
+        if pending is not None:
+            now = trio.current_time()
+            if self._down_until <= now < pending[1]:
+                return pending[0]
         return None
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -181,9 +186,10 @@ class Cache:
         now = trio.current_time()
         found: list[bytes | None] = [None] * len(keys)
         ask: list[int] = []
+        up = now >= self._down_until  # (paused: nothing from the write-behind, see get_local)
         for i, key in enumerate(keys):
             pending = self._pending.get(key)
-            if pending is not None and now < pending[1]:
+            if up and pending is not None and now < pending[1]:
                 found[i] = pending[0]
             else:
                 ask.append(i)
@@ -239,7 +245,12 @@ class Cache:
             else:  # bigger than the whole store: not kept
                 self.writes_dropped += 1
             return
-        entry = (value, trio.current_time() + ttl_s)
+        now = trio.current_time()
+        if now < self._down_until:
+            # Paused: the writer would drop it; held meanwhile, it would be served.
+            self.writes_dropped += 1
+            return
+        entry = (value, now + ttl_s)
         try:
             self._send.send_nowait((key, entry, ttl_s))
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):

@@ -26,9 +26,12 @@ that took longer than :data:`_LOOP_SLOW_S` (a cold disk) sends the reads of the 
 :data:`_THREADS_FOR_S` seconds to threads, so a slow disk never stalls the loop for
 long.  The first read of a session always goes through a thread.
 
-**Time to live.**  A row holds its expiry as epoch seconds (wall clock: the file
-outlives processes and is shared by them).  An expired row is never returned; the
-writer deletes expired rows at most once a minute, in the transaction of a batch.
+**Time to live.**  A row holds its expiry as epoch seconds (the file outlives
+processes and is shared by them), read as the wall clock at the backend's start plus
+the time trio's clock has moved since: the same as the wall clock in a real run, and
+virtual time under ``MockClock``, which then drives expiry as it does the memory
+cache's.  An expired row is never returned; the writer deletes expired rows at most
+once a minute, in the transaction of a batch.
 
 **Privacy.**  Cached answers are as sensitive as the prompts: a new folder is created
 ``0700`` and a new file ``0600`` (SQLite gives its ``-wal`` and ``-shm`` files the
@@ -70,6 +73,13 @@ _PUT = "INSERT OR REPLACE INTO polygate_cache (key, value, expires_at) VALUES (?
 _EXPIRE = "DELETE FROM polygate_cache WHERE expires_at <= ?"
 
 
+def _epoch_on(clock: trio.abc.Clock) -> Callable[[], float]:
+    """Epoch seconds that move with ``clock`` (trio's, read from any thread: a clock's
+    ``current_time`` only reads its state)."""
+    offset = time.time() - clock.current_time()
+    return lambda: offset + clock.current_time()
+
+
 def _live(expires_at: Any, now: float) -> bool:
     """Whether a row has not expired.  A row another program wrote with a time that is
     no number is treated as expired: a miss (its key is then written over), never a
@@ -103,11 +113,14 @@ class SQLiteBackend:
     write_behind = True
 
     def __init__(
-        self, path: Path, *, timeout_s: float = 1.0, clock: Callable[[], float] = time.time
+        self, path: Path, *, timeout_s: float = 1.0, clock: Callable[[], float] | None = None
     ) -> None:
         self.path = path
         self.timeout_s = timeout_s
-        self._clock = clock
+        #: Epoch seconds, called in worker threads too; None: anchored to trio's clock
+        #: at start().
+        self._given_clock = clock
+        self._clock: Callable[[], float] = clock if clock is not None else time.time
         self._where = f"sqlite://{path}"
         self._readers: list[sqlite3.Connection] = []  # idle read connections
         self._writer: sqlite3.Connection | None = None
@@ -131,6 +144,8 @@ class SQLiteBackend:
         file locked past ``timeout_s`` (another process holds it exclusively) is no
         reason to refuse the session: the cache fails open, as for a Redis that does
         not answer, and the first lookup or write after the lock opens it."""
+        if self._given_clock is None:
+            self._clock = _epoch_on(trio.lowlevel.current_clock())
         await run_sync(self._open)
 
     def _open(self) -> None:
