@@ -106,6 +106,10 @@ def _bad(instance: Any, field: str, problem: str, *, url: Any = None) -> FieldEr
 # --------------------------------------------------------------------------- validators
 
 
+#: A field's unit, told by its name's ending.
+_UNITS = (("_ms", " of milliseconds"), ("_s", " of seconds"))
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -120,7 +124,8 @@ def _finite(value: Any) -> bool:
 
 def _positive(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if not _is_number(value):
-        raise _bad(inst, attr.name, f"expected a number of seconds, got {type(value).__name__}")
+        unit = next((u for end, u in _UNITS if attr.name.endswith(end)), "")
+        raise _bad(inst, attr.name, f"expected a number{unit}, got {type(value).__name__}")
     if not _finite(value) or value <= 0:
         raise _bad(inst, attr.name, f"must be a finite number > 0, got {given(value)}")
 

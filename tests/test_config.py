@@ -98,6 +98,18 @@ BAD_VALUES: list[tuple[type, str, Any]] = [
 ]
 
 
+@pytest.mark.parametrize(
+    ("cls", "field", "unit"),
+    [(Source, "timeout_s", "a number of seconds"), (Source, "weight", "a number"),
+     (Hedge, "budget_burst", "a number"), (StreamWatch, "stall_threshold_ms", "a number of milliseconds")],
+)
+def test_a_value_that_is_no_number_is_told_in_the_fields_unit(cls: type, field: str, unit: str) -> None:
+    """A review found ``stall_threshold_ms="x"`` (and ``weight``, ``budget_burst``)
+    told "expected a number of seconds": the unit is the field's own, or none."""
+    with pytest.raises(ConfigError, match=f"expected {unit}, got str"):
+        build_with(cls, field, "x")
+
+
 def build_with(cls: type, field: str, value: Any) -> Any:
     if cls is Source:
         kw: dict[str, Any] = {"name": "a", "base_url": "http://h/v1", field: value}
