@@ -341,3 +341,71 @@ async def test_a_source_that_cannot_stream_keeps_its_logprobs_in_a_stream(n: int
     got = sorted((c.index, c.message.content, c.logprobs.content[0].token if c.logprobs else None)
                  for c in assembled.choices)
     assert got == [(i, f"Hi{i}", f"Hi{i}") for i in range(n)]
+
+
+def _top_level(events: list[Any], key: str) -> list[Any]:
+    return [e[key] for e in events if isinstance(e, dict) and key in e]
+
+
+@pytest.mark.parametrize(("name", "key"), [
+    ("09-azure-stream-content-filter.sse", "prompt_filter_results"),
+    ("27-llamacpp-stream-timings-usage-crlf-as-documented.sse", "timings"),
+    ("29-llamacpp-stream-tool-call-timings-crlf-as-documented.sse", "timings"),
+])
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_a_streams_top_level_provider_fields_reach_a_serve_client(
+    name: str, key: str, include_usage: bool
+) -> None:
+    """Outside review (transcripts through the gateway, 2026-12-03): Azure's
+    ``prompt_filter_results`` (a leading chunk with no choices) and llama.cpp's
+    ``timings`` (on its finish chunk) were in the JSON answer and never in the stream:
+    chunks without a content token are not relayed, and the stream's own finish chunk
+    carried only the header.  They now go out once, on the stream's last chunk (the
+    usage chunk, or the last finish chunk), as the JSON answer assembles them."""
+    whole = (await _through_gateway(name, {**CHAT})).json()
+    assert key in whole  # the JSON answer keeps it
+    request: dict[str, Any] = {**CHAT, "stream": True}
+    if include_usage:
+        request["stream_options"] = {"include_usage": True}
+    streamed = _events((await _through_gateway(name, request)).body)
+    assert _top_level(streamed, key) == [whole[key]]
+    last = [e for e in streamed if isinstance(e, dict)][-1]
+    assert last[key] == whole[key]
+    assert ("usage" in last) == include_usage
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_a_source_that_cannot_stream_keeps_its_provider_fields_in_a_stream(include_usage: bool) -> None:
+    """Outside review (transcripts through the gateway, 2026-12-03): a whole answer
+    shown as one chunk kept only each choice's message and logprobs, dropping the
+    body's provider fields (llama.cpp's ``timings``, Azure's ``prompt_filter_results``)
+    and the choice's (Azure's ``content_filter_results``, vLLM's ``stop_reason``),
+    which the JSON answer of the same body keeps."""
+    filters = {"hate": {"filtered": False, "severity": "safe"}}
+    body = json.dumps({
+        "id": "chatcmpl-x", "object": "chat.completion", "created": 1, "model": "m",
+        "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": filters}],
+        "timings": {"predicted_n": 1},
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                     "content_filter_results": filters, "stop_reason": 7,
+                     "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }).encode()
+    async with raw_server(_reply_with(body, b"application/json")) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url=up.url, streaming=False)])},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+        async with open_server(settings, port=0) as server:
+            request = {**CHAT, "stream": True}
+            if include_usage:
+                request["stream_options"] = {"include_usage": True}
+            answer = await http(server, "POST", "/v1/chat/completions", request, AUTH)
+    events = _events(answer.body)
+    assert _top_level(events, "timings") == [{"predicted_n": 1}]
+    assert _top_level(events, "prompt_filter_results") == [
+        [{"prompt_index": 0, "content_filter_results": filters}]]
+    choices = [c for e in events if isinstance(e, dict) for c in e.get("choices") or []]
+    assert [c["content_filter_results"] for c in choices if "content_filter_results" in c] == [filters]
+    assert [c["stop_reason"] for c in choices if "stop_reason" in c] == [7]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == "Hi"

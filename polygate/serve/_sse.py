@@ -62,10 +62,12 @@ def error_event(message: str, type_: str, code: str) -> bytes:
 class StreamShape:
     """Turns one call's forwarded chunks into the client's events."""
 
-    __slots__ = ("_calls", "_finished", "_meta", "_roled", "_started")
+    __slots__ = ("_calls", "_finished", "_meta", "_roled", "_seen", "_started")
 
     def __init__(self) -> None:
         self._meta: dict[str, Any] | None = None
+        #: The provider's top-level fields some relayed chunk carried (see ending).
+        self._seen: set[str] | None = None
         self._finished: set[int] = set()
         self._roled: set[int] = set()  # the choices whose role the client has
         self._started = False
@@ -87,9 +89,14 @@ class StreamShape:
                 # of what came before): relayed with an empty one, its data kept.
                 raw = {**raw, "choices": annotated}
             else:
-                raw = {**self._header(raw), "choices": _whole_answer(choices, chunk.delta) or [
-                    {"index": 0, "delta": chunk.delta, "finish_reason": None}]}
+                raw = {**self._header(raw), **_provider_fields(raw),
+                       "choices": _whole_answer(choices, chunk.delta) or [
+                           {"index": 0, "delta": chunk.delta, "finish_reason": None}]}
             choices = raw["choices"]
+        if not _CHUNK_KEYS.issuperset(raw):  # (no set made for the common chunk)
+            if self._seen is None:
+                self._seen = set()
+            self._seen.update(raw.keys() - _CHUNK_KEYS)
         if "usage" in raw:
             # The usage goes out once, in the ending's usage chunk, when the client asked
             # for it (a finish chunk the session relayed may carry the upstream's).
@@ -280,10 +287,22 @@ class StreamShape:
                               "finish_reason": reason if isinstance(reason, str) and reason else "stop"})
         if unroled:
             out += self._roles(unroled, meta)
-        for finish in finishing:  # one choice an event, as OpenAI sends them (n > 1)
-            out += _event({**meta, "choices": [finish]})
+        events = [{**meta, "choices": [finish]} for finish in finishing]  # one choice an
+        # event, as OpenAI sends them (n > 1)
         if include_usage:
-            out += _event({**meta, "choices": [], "usage": reported_usage(response)})
+            events.append({**meta, "choices": [], "usage": reported_usage(response)})
+        # The provider's own fields of the answer (Azure's prompt_filter_results, which
+        # came in a chunk with no choices; llama.cpp's timings, on its finish chunk)
+        # that no relayed chunk carried: once, on the last chunk, as the JSON answer
+        # has them assembled.
+        raw = response.raw
+        extras = _provider_fields(raw, self._seen) if isinstance(raw, Mapping) else {}
+        if extras:
+            if not events:
+                events.append({**meta, "choices": []})
+            events[-1].update(extras)
+        for event in events:
+            out += _event(event)
         return out + DONE
 
     def _header(self, raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -414,11 +433,35 @@ def _whole_answer(choices: Any, first: dict[str, Any]) -> list[dict[str, Any]] |
             return None
         delta = first if index == 0 else message_delta(message)
         shaped = {"index": index, "delta": delta, "finish_reason": None}
-        logprobs = choice.get("logprobs")
-        if isinstance(logprobs, Mapping):  # (the JSON answer has them: so does the stream)
-            shaped["logprobs"] = logprobs
+        # The choice's other fields (its logprobs, Azure's content_filter_results,
+        # vLLM's stop_reason): the JSON answer has them, so does the stream.
+        for key, value in choice.items():
+            if key not in _WHOLE_CHOICE_KEYS and _carries(value) and (
+                    key != "logprobs" or isinstance(value, Mapping)):
+                shaped[key] = value
         out.append(shaped)
     return out
+
+
+#: A whole answer's choice keys that its chunk makes anew (see _whole_answer).
+_WHOLE_CHOICE_KEYS: Final = frozenset({"index", "message", "delta", "finish_reason"})
+
+#: A chunk's own top-level keys: its header, choices and usage, and OpenAI's padding
+#: (``obfuscation``, per chunk).  Any other is a provider's field.
+_CHUNK_KEYS: Final = frozenset({
+    "id", "object", "created", "model", "system_fingerprint", "service_tier", "choices",
+    "usage", "obfuscation", "error",
+})
+
+
+def _carries(value: Any) -> bool:
+    return value is not None and value != "" and value != [] and value != {}
+
+
+def _provider_fields(raw: Mapping[str, Any], seen: set[str] | None = None) -> dict[str, Any]:
+    """``raw``'s provider fields that carry a value, but those in ``seen``."""
+    return {k: v for k, v in raw.items()
+            if k not in _CHUNK_KEYS and (seen is None or k not in seen) and _carries(v)}
 
 
 def string_content(choices: list[Any], key: str) -> list[Any] | None:
