@@ -240,3 +240,23 @@ def test_an_empty_legacy_function_call_is_no_content(
     assert has_content(chunk) is content
     assert assembler.add(chunk) is content
     assert ("function_call" in assembler.build()["choices"][0]["message"]) is content
+
+
+def test_a_delta_objects_streamed_text_is_joined_and_a_choices_is_not() -> None:
+    """An outside review (the OpenAI SDK through the gateway, 2026-12-03) found a
+    streamed audio answer assembled as its last pieces: ``audio.data`` "BBBB" for
+    "AAAABBBB", ``transcript`` "lo" for "Hello".  A delta's object comes in pieces, as
+    its content does: strings join (its id does not).  A choice's object is a report
+    sent again (Azure's ``content_filter_results``): its strings stay the last sent."""
+    assembler = ChatAssembler()
+    for delta, filters in [
+        ({"role": "assistant", "audio": {"id": "au_1", "data": "AAAA", "transcript": "Hel"}},
+         {"hate": {"severity": "safe"}}),
+        ({"audio": {"id": "au_1", "data": "BBBB", "transcript": "lo"}}, {"hate": {"severity": "low"}}),
+        ({"audio": {"expires_at": 1}}, {}),
+    ]:
+        assembler.add({"choices": [{"index": 0, "delta": delta, "content_filter_results": filters}]})
+    [choice] = assembler.build()["choices"]
+    assert choice["message"]["audio"] == {"id": "au_1", "data": "AAAABBBB", "transcript": "Hello",
+                                          "expires_at": 1}
+    assert choice["content_filter_results"] == {"hate": {"severity": "low"}}

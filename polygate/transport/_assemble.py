@@ -225,7 +225,9 @@ class _Choice:
                         self.function_call = {"name": TextParts(), "arguments": TextParts()}
                     _join_function(self.function_call, value)
             else:
-                _merge_extra(self.message_extras, key, value)
+                # A delta's object comes in pieces, as its content does (OpenAI's
+                # ``audio``: ``data`` and ``transcript`` streamed): its strings join.
+                _merge_extra(self.message_extras, key, value, join=True)
         return content
 
     def _add_tool_call(self, call: dict[str, Any]) -> None:
@@ -323,19 +325,22 @@ def _join_function(target: dict[str, Any], part: dict[str, Any]) -> None:
         target["arguments"].append(arguments)
 
 
-def _merge_extra(target: dict[str, Any], key: str, value: Any) -> None:
+def _merge_extra(target: dict[str, Any], key: str, value: Any, *, join: bool = False) -> None:
     """A provider extra of a delta or a choice, assembled as a non-streamed answer
     would hold it: objects merge field by field (Azure's ``content_filter_results``:
     an empty ``{}`` on the finish chunk, or a later annotation of other categories,
-    keeps what came before); list items that carry an ``index`` merge into the item of
-    that index, their strings joined (OpenRouter's ``reasoning_details``: one entry per
-    index, its text whole), other items accumulate; scalars: last wins.  What is held
-    is a copy: the chunks (handed to a stream's caller) are never changed."""
+    keeps what came before), their strings joined with ``join`` (a delta's: OpenAI's
+    ``audio``, its ``data`` and ``transcript`` in pieces; never its tags, ``id`` ...)
+    and otherwise the last sent (a choice's: a report sent again); list items that
+    carry an ``index`` merge into the item of that index, their strings joined
+    (OpenRouter's ``reasoning_details``: one entry per index, its text whole), other
+    items accumulate; scalars: last wins.  What is held is a copy: the chunks (handed
+    to a stream's caller) are never changed."""
     existing = target.get(key)
     if isinstance(value, list) and isinstance(existing, list):
         _merge_items(existing, value)
     elif isinstance(value, dict) and isinstance(existing, dict):
-        _merge_fields(existing, value, join=False)
+        _merge_fields(existing, value, join=join)
     else:
         target[key] = _own(value)
 
