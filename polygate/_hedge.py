@@ -63,6 +63,7 @@ a commit (a granted admission found too late is released unsent, its token refun
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -116,7 +117,7 @@ class RoundFailed(Exception):
 
 
 class _Path:
-    __slots__ = ("admission", "control", "done", "error", "result")
+    __slots__ = ("admission", "control", "done", "early", "error", "result")
 
     def __init__(self, admission: Admission, control: AttemptControl) -> None:
         self.admission = admission
@@ -124,6 +125,10 @@ class _Path:
         self.done = False
         self.error: UpstreamError | None = None
         self.result: Any = None
+        #: A stream's data-only chunks that came before the race was decided: the
+        #: caller's when this path commits or wins (see Round._relayer).  Bounded by
+        #: the body cap, as the answer they are part of.
+        self.early: list[dict[str, Any]] | None = None
 
     @property
     def record(self) -> AttemptRecord:
@@ -180,8 +185,14 @@ class Round:
         else:
             # Nothing to race: the primary runs in the caller's task, no nursery needed.
             await self._run_path(self._new_path(primary, "primary"))
-        if self._winner is not None:
-            return self._winner.record, self._winner.result
+        winner = self._winner
+        if winner is not None:
+            if winner.early is not None:
+                # It won without a content token (an audio-only answer, data and no
+                # text): what it sent is the caller's now, before the stream ends.
+                early, winner.early = winner.early, None
+                await self._deliver(early)
+            return winner.record, winner.result
         errors = [p.error for p in self._failed if p.error is not None]
         primary_error = self._paths[0].error if self._paths else None
         if self._committed is not None:
@@ -290,9 +301,15 @@ class Round:
                 self._ctx.committed = path.record
                 self._cancel_others(path)
                 self._wake()
-            if self._committed is path and not forward.offer(chunk):
-                # The caller is behind: that wait is the caller's, not the upstream's.
-                return path.control.hold_while(forward.deliver_held)
+            if self._committed is path:
+                if path.early is not None:
+                    # What it sent before its first token goes first.
+                    early, path.early = path.early, None
+                    early.append(chunk)
+                    return path.control.hold_while(functools.partial(self._deliver, early))
+                if not forward.offer(chunk):
+                    # The caller is behind: that wait is the caller's, not the upstream's.
+                    return path.control.hold_while(forward.deliver_held)
             return None
 
         return on_content
@@ -302,13 +319,30 @@ class Round:
         assert forward is not None
 
         def on_extra(chunk: dict[str, Any]) -> Awaitable[None] | None:
-            # Data without a content token (a reasoning block's signature, a finish
-            # chunk's annotations): the caller's only from the committed path.
-            if self._committed is path and not path.control.cancelled and not forward.offer(chunk):
-                return path.control.hold_while(forward.deliver_held)
+            # Data without a content token (a reasoning block's signature, citations,
+            # a finish chunk's annotations, audio): the caller's only from the path
+            # that commits or wins.  Before the race is decided it is held with its
+            # path (it commits nothing: SPEC §4 counts no such token).
+            if path.control.cancelled:
+                return None
+            if self._committed is path:
+                if not forward.offer(chunk):
+                    return path.control.hold_while(forward.deliver_held)
+            elif self._committed is None and self._winner is None:
+                if path.early is None:
+                    path.early = []
+                path.early.append(chunk)
             return None
 
         return on_extra
+
+    async def _deliver(self, chunks: list[dict[str, Any]]) -> None:
+        """Hand ``chunks`` to the caller in order, waiting for it when it is behind."""
+        forward = self._forward
+        assert forward is not None
+        for chunk in chunks:
+            if not forward.offer(chunk):
+                await forward.deliver_held()
 
     def _first_token_waker(self) -> OnContent:
         woken = False
