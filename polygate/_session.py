@@ -63,6 +63,9 @@ _PASS_THROUGH = (trio.Cancelled,)
 #: The most a session's close waits for its governance figures (see _freeze_governance).
 _FREEZE_S = 1.0
 _POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=1024, keepalive_expiry=30)
+#: How often a session closes its own pool's idle connections that expired or that
+#: their server closed (LeanTransport.close_idle): within this, after traffic stops.
+TIDY_EVERY_S = 5.0
 _UNSET: Any = object()
 _BLOCK_EXITED = "this stream was closed before it finished (its block exited)"
 
@@ -877,6 +880,14 @@ async def _session(
         yield opened
 
 
+async def _tidy(transport: LeanTransport) -> None:
+    """Close the pool's idle connections that expired or that their server closed,
+    every ``TIDY_EVERY_S``, for the session's life (cancelled with its nursery)."""
+    while True:
+        await trio.sleep(TIDY_EVERY_S)
+        transport.close_idle()
+
+
 @asynccontextmanager
 async def session_on(
     settings: Settings,
@@ -911,6 +922,9 @@ async def session_on(
                 telemetry.start(nursery, governor)
                 if cache is not None:
                     cache.start(nursery)  # the writer of write-behind backends
+                if owned:
+                    assert isinstance(transport, LeanTransport)
+                    nursery.start_soon(_tidy, transport, name="polygate pool tidier")
                 handle = Session(runtime, telemetry, cache)
                 try:
                     yield handle

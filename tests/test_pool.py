@@ -360,6 +360,85 @@ async def test_idle_connection_closed_by_the_server_is_dropped_before_use() -> N
         assert (stats.opened, stats.reused, stats.retried) == (2, 0, 0)
 
 
+async def test_close_idle_closes_what_expired_or_the_server_closed() -> None:
+    """An outside soak found idle upstream connections never closed between requests:
+    only the one a request picked was looked at, so after a burst the others stayed,
+    in CLOSE_WAIT when the server had hung up, past their expiry when traffic stopped.
+    ``close_idle`` closes every idle connection that expired or that the server
+    closed, and nothing else."""
+    hang_up = trio.Event()
+
+    async def handler(stream: trio.SocketStream, n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        if await read_request(stream, conn):
+            await answer(stream, conn)
+        if n <= 3:  # the first three connections: the server hangs up when told
+            await hang_up.wait()
+        else:
+            await trio.sleep_forever()
+
+    async with raw_server(handler) as url, LeanTransport(keepalive_expiry=30) as transport:
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(fetch, transport, post(url))
+        assert transport.statistics().idle == 5
+        assert transport.close_idle() == 0  # none expired, none closed
+        hang_up.set()
+        closed = 0
+
+        def tidied() -> bool:
+            nonlocal closed
+            closed += transport.close_idle()
+            return closed == 3
+
+        await wait_until(tidied)
+        assert (transport.statistics().idle, transport.statistics().open) == (2, 2)
+    async with raw_server(handler) as url, LeanTransport(keepalive_expiry=0.05) as transport:
+        await fetch(transport, post(url))
+        await trio.sleep(0.1)
+        assert transport.close_idle() == 1
+        assert (transport.statistics().idle, transport.statistics().open) == (0, 0)
+
+
+async def test_a_sessions_idle_upstream_connections_close_without_traffic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session tidies its own transport's idle connections on a timer: with no
+    further request, the ones the server closed go (no CLOSE_WAIT left behind)."""
+    from polygate import _session
+
+    monkeypatch.setattr(_session, "TIDY_EVERY_S", 0.05)
+    hang_up = trio.Event()
+    body = json.dumps({"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop"}]}).encode()
+    both = trio.Event()
+    started = 0
+
+    async def handler(stream: trio.SocketStream, n: int) -> None:
+        nonlocal started
+        conn = h11.Connection(h11.SERVER)
+        if await read_request(stream, conn):
+            started += 1
+            if started == 2:
+                both.set()
+            await both.wait()  # two requests at once: two connections
+            await answer(stream, conn, body)
+        await hang_up.wait()
+
+    async with raw_server(handler) as url:
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url=url, streaming=False)])})
+        async with polygate.session(settings) as s:
+            async with trio.open_nursery() as nursery:
+                for _ in range(2):
+                    nursery.start_soon(partial(s.chat, [{"role": "user", "content": "hi"}]))
+            transport = s._runtime.transport
+            assert isinstance(transport, LeanTransport)
+            assert (transport.statistics().idle, transport.statistics().open) == (2, 2)
+            hang_up.set()
+            await wait_until(lambda: transport.statistics().open == 0)
+
+
 @pytest.mark.parametrize("hang_up", ["eof", "reset"])
 async def test_reused_connection_closed_as_we_send_is_retried_once(hang_up: str) -> None:
     """The race a readability check cannot see: the server reads the next request

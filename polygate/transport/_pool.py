@@ -44,7 +44,8 @@ What it does (and does not)
   (polygate relies on that to stop hedge losers).  Closing a response never waits
   for the rest of its body: the connection is kept only if its end already arrived.
 * Idle connections expire after ``keepalive_expiry`` seconds; one the server has
-  closed (readable while idle) is dropped when it is next picked.  If a reused
+  closed (readable while idle) is dropped when it is next picked, and by
+  :meth:`LeanTransport.close_idle`, which a session calls every few seconds.  If a reused
   connection fails before a single byte of the response arrived (the server
   closed it just as we sent), the request is sent once more on another
   connection: the body is bytes, so it can be replayed.  (A server that read the
@@ -573,6 +574,30 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 return conn
             self._drop(conn)
         return None
+
+    def close_idle(self) -> int:
+        """Close every idle connection that expired or that its server closed (readable
+        while idle: EOF, a reset, junk); how many.  A request looks only at the
+        connection it picks, the warmest: the others, after a burst, would otherwise
+        stay open until traffic or the close came (in ``CLOSE_WAIT`` when the server
+        had hung up).  ``polygate.session()`` calls it on a timer for its own pool."""
+        now = trio.current_time()
+        closed = 0
+        for key in list(self._idle):
+            stack = self._idle[key]
+            kept = []
+            for conn in stack:
+                if now - conn.idle_since >= self._expiry or conn.socket.is_readable():
+                    self._idle_count -= 1
+                    self._drop(conn)
+                    closed += 1
+                else:
+                    kept.append(conn)
+            if kept:
+                stack[:] = kept
+            else:
+                del self._idle[key]
+        return closed
 
     def _evict_idle(self) -> None:
         """Close the oldest idle connection of some origin (we are at the cap)."""
