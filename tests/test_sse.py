@@ -260,3 +260,17 @@ def test_a_delta_objects_streamed_text_is_joined_and_a_choices_is_not() -> None:
     assert choice["message"]["audio"] == {"id": "au_1", "data": "AAAABBBB", "transcript": "Hello",
                                           "expires_at": 1}
     assert choice["content_filter_results"] == {"hate": {"severity": "low"}}
+
+
+def test_a_delta_object_other_than_audio_keeps_the_last_string_sent() -> None:
+    """Review of the audio fix: joining every delta object's strings doubled a value
+    sent again whole -- Gemini's ``extra_content.google.thought_signature`` on two
+    deltas became one corrupt signature, an ``intent`` '["w"]["w"]'."""
+    assembler = ChatAssembler()
+    for _ in range(2):
+        assembler.add({"choices": [{"index": 0, "delta": {
+            "extra_content": {"google": {"thought_signature": "c2ln"}},
+            "context": {"intent": '["w"]'}}}]})
+    message = assembler.build()["choices"][0]["message"]
+    assert message["extra_content"] == {"google": {"thought_signature": "c2ln"}}
+    assert message["context"] == {"intent": '["w"]'}

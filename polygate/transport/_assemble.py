@@ -72,6 +72,8 @@ def _carries_function(function_call: dict[str, Any]) -> bool:
 #: chunks already carry (see carries_extras).
 _PLAIN_DELTA_KEYS = frozenset({"role", *_CONTENT_KEYS, "tool_calls", "function_call"})
 _PLAIN_CHOICE_KEYS = frozenset({"index", "delta", "finish_reason", "logprobs", "message"})
+#: A delta's objects whose strings are streamed in pieces, to be joined (see _add_delta).
+_JOINED_DELTA_OBJECTS = frozenset({"audio"})
 
 
 def carries_extras(chunk: dict[str, Any]) -> bool:
@@ -225,9 +227,11 @@ class _Choice:
                         self.function_call = {"name": TextParts(), "arguments": TextParts()}
                     _join_function(self.function_call, value)
             else:
-                # A delta's object comes in pieces, as its content does (OpenAI's
-                # ``audio``: ``data`` and ``transcript`` streamed): its strings join.
-                _merge_extra(self.message_extras, key, value, join=True)
+                # OpenAI's ``audio`` comes in pieces, as content does (``data`` and
+                # ``transcript`` streamed): its strings join.  Any other object keeps
+                # the last string sent: a signature or a label sent again whole
+                # (Gemini's ``extra_content``) must not double.
+                _merge_extra(self.message_extras, key, value, join=key in _JOINED_DELTA_OBJECTS)
         return content
 
     def _add_tool_call(self, call: dict[str, Any]) -> None:
@@ -329,9 +333,9 @@ def _merge_extra(target: dict[str, Any], key: str, value: Any, *, join: bool = F
     """A provider extra of a delta or a choice, assembled as a non-streamed answer
     would hold it: objects merge field by field (Azure's ``content_filter_results``:
     an empty ``{}`` on the finish chunk, or a later annotation of other categories,
-    keeps what came before), their strings joined with ``join`` (a delta's: OpenAI's
+    keeps what came before), their strings joined with ``join`` (OpenAI's streamed
     ``audio``, its ``data`` and ``transcript`` in pieces; never its tags, ``id`` ...)
-    and otherwise the last sent (a choice's: a report sent again); list items that
+    and otherwise the last sent (a report, a signature sent again); list items that
     carry an ``index`` merge into the item of that index, their strings joined
     (OpenRouter's ``reasoning_details``: one entry per index, its text whole), other
     items accumulate; scalars: last wins.  What is held is a copy: the chunks (handed
