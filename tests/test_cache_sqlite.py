@@ -638,3 +638,23 @@ async def test_a_write_waits_for_the_files_lock_up_to_its_timeout_s(tmp_path: Pa
         stats = (await s.statistics()).cache
     assert s._cache.statistics().writes_dropped == 0  # type: ignore[attr-defined]
     assert stats.errors == 0
+
+
+async def test_expiry_follows_the_wall_clock_on_the_real_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of the MockClock fix: anchoring the real clock once made a session's time
+    a monotonic clock's, which falls behind the wall clock after a suspend or a step:
+    it then served another process's rows past their TTL.  On trio's real clock the
+    expiry is the wall clock's, read at each use."""
+    wall = [time.time()]
+    monkeypatch.setattr(time, "time", lambda: wall[0])
+    backend = SQLiteBackend(tmp_path / "c.db", timeout_s=1.0)
+    await backend.start()
+    try:
+        await backend.set_many([("k", b"v", 60.0)])
+        assert await backend.get_many(["k"]) == [b"v"]
+        wall[0] += 3600.0  # the wall clock steps (a suspend, an NTP step); trio's does not
+        assert await backend.get_many(["k"]) == [None]
+    finally:
+        await backend.aclose()

@@ -12,7 +12,9 @@ does not add its timeout to every call; lookups meanwhile are plain misses.
 into a bounded channel; a writer task in the session's nursery writes batches (one
 SQLite transaction, or one pipelined round trip to Redis).  Until its batch has been
 written, an entry is served from ``pending``, so a call that follows its twin at once
-still hits.  A full channel drops the write (``writes_dropped``), never blocks a
+still hits -- while the backend is up: while it is paused after a failure nothing is
+served from, or put in, ``pending`` (a cache that fails is a miss, every time, not a
+hit by the writer's timing).  A full channel drops the write (``writes_dropped``), never blocks a
 call.  When the session ends the writer drains what is queued, each batch bounded by
 the backend's own timeout, and gives up on the rest at the first failure or after
 ``_FLUSH_S``; every entry given up is counted in ``writes_dropped`` (queued ones too),

@@ -27,10 +27,11 @@ that took longer than :data:`_LOOP_SLOW_S` (a cold disk) sends the reads of the 
 long.  The first read of a session always goes through a thread.
 
 **Time to live.**  A row holds its expiry as epoch seconds (the file outlives
-processes and is shared by them), read as the wall clock at the backend's start plus
-the time trio's clock has moved since: the same as the wall clock in a real run, and
-virtual time under ``MockClock``, which then drives expiry as it does the memory
-cache's.  An expired row is never returned; the writer deletes expired rows at most
+processes and is shared by them): the wall clock, read at each use (never a
+monotonic clock anchored once: one that stops while the machine sleeps would fall
+behind the other processes').  Under ``MockClock`` it is the wall clock at the
+backend's start plus the virtual time since, so that virtual time drives expiry as it
+does the memory cache's.  An expired row is never returned; the writer deletes expired rows at most
 once a minute, in the transaction of a batch.
 
 **Privacy.**  Cached answers are as sensitive as the prompts: a new folder is created
@@ -117,8 +118,8 @@ class SQLiteBackend:
     ) -> None:
         self.path = path
         self.timeout_s = timeout_s
-        #: Epoch seconds, called in worker threads too; None: anchored to trio's clock
-        #: at start().
+        #: Epoch seconds, called in worker threads too; None: the wall clock, or under
+        #: MockClock, virtual time anchored at start().
         self._given_clock = clock
         self._clock: Callable[[], float] = clock if clock is not None else time.time
         self._where = f"sqlite://{path}"
@@ -145,7 +146,11 @@ class SQLiteBackend:
         reason to refuse the session: the cache fails open, as for a Redis that does
         not answer, and the first lookup or write after the lock opens it."""
         if self._given_clock is None:
-            self._clock = _epoch_on(trio.lowlevel.current_clock())
+            from trio.testing import MockClock  # (lazily: tests only)
+
+            clock = trio.lowlevel.current_clock()
+            if isinstance(clock, MockClock):
+                self._clock = _epoch_on(clock)
         await run_sync(self._open)
 
     def _open(self) -> None:
