@@ -81,6 +81,10 @@ __all__ = ["Round", "RoundFailed"]
 # After a refused hedge the monitor looks again one threshold later, never sooner.
 _RECHECK_FLOOR_S = 0.05
 
+# The data-only chunks a path holds before its first content token (see
+# Round._relayer); at this many it commits on them.
+_EARLY_CAP = 64
+
 Runner = Callable[[Admission, AttemptControl], Awaitable[Any]]
 
 
@@ -126,8 +130,8 @@ class _Path:
         self.error: UpstreamError | None = None
         self.result: Any = None
         #: A stream's data-only chunks that came before the race was decided: the
-        #: caller's when this path commits or wins (see Round._relayer).  Bounded by
-        #: the body cap, as the answer they are part of.
+        #: caller's when this path commits or wins (see Round._relayer); at most
+        #: _EARLY_CAP.
         self.early: list[dict[str, Any]] | None = None
 
     @property
@@ -297,10 +301,7 @@ class Round:
             # A path cancelled by another's commit can still be running in the same
             # scheduler batch: it must neither commit nor reach the caller.
             if self._committed is None and self._winner is None and not path.control.cancelled:
-                self._committed = path
-                self._ctx.committed = path.record
-                self._cancel_others(path)
-                self._wake()
+                self._commit(path)
             if self._committed is path:
                 if path.early is not None:
                     # What it sent before its first token goes first.
@@ -329,12 +330,26 @@ class Round:
                 if not forward.offer(chunk):
                     return path.control.hold_while(forward.deliver_held)
             elif self._committed is None and self._winner is None:
-                if path.early is None:
-                    path.early = []
-                path.early.append(chunk)
+                early = path.early
+                if early is None:
+                    early = path.early = []
+                early.append(chunk)
+                if len(early) >= _EARLY_CAP:
+                    # So many and still no token (a long audio-only answer, or an
+                    # upstream that sends nothing else): held on, parsed chunks would
+                    # cost many times their bytes.  The path commits on them.
+                    self._commit(path)
+                    path.early = None
+                    return path.control.hold_while(functools.partial(self._deliver, early))
             return None
 
         return on_extra
+
+    def _commit(self, path: _Path) -> None:
+        self._committed = path
+        self._ctx.committed = path.record
+        self._cancel_others(path)
+        self._wake()
 
     async def _deliver(self, chunks: list[dict[str, Any]]) -> None:
         """Hand ``chunks`` to the caller in order, waiting for it when it is behind."""

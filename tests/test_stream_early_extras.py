@@ -118,3 +118,26 @@ async def test_a_losing_paths_early_data_never_reaches_the_caller(
     stream, chunks = await _stream(settings, Router({"a": a, "b": b}))
     assert [c.delta for c in chunks] == [theirs, {"content": "from b"}]
     assert stream.response is not None and stream.response.call_stats.hedge_won
+
+
+async def test_a_long_run_of_data_before_any_token_commits_instead_of_piling_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review of the fix: held as parsed chunks, thousands of data-only chunks before a
+    token cost 5-11 times their bytes (350 MB for one stream at the body cap).  At 64
+    the path commits on them: they reach the caller in order, and the hedge that would
+    have raced it never launches."""
+    from polygate import _hedge
+
+    data = [{"audio": {"data": f"{i:04d}"}} for i in range(3 * _hedge._EARLY_CAP)]
+    a = _Paced([_chunk(d) for d in data] + [_chunk({"content": "end"}, "stop")],
+               pause_after=_hedge._EARLY_CAP + 5, pause_s=5.0)
+    b = _Paced([_chunk({"content": "from b"}, "stop")])
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
+        hedge=polygate.Hedge(after_s=2.0))})
+    stream, chunks = await _stream(settings, Router({"a": a, "b": b}))
+    assert [c.delta for c in chunks] == [*data, {"content": "end"}]
+    assert stream.response is not None
+    assert (stream.response.source, stream.response.call_stats.hedges) == ("a", 0)

@@ -38,7 +38,7 @@ Invariants:
 * While trio has work ready, up to ``_CHAINED_STEPS`` steps run in one callback;
   then the next goes to the back of the loop's queue.
 * One deadline timer at a time, kept across waits while it fires no later than the
-  current wait ends; when it fires early it is re-armed, and trio is not woken.
+  current wait ends (within ``_SLACK_S``); when it fires early it is re-armed, and trio is not woken.
 * When the run ends, the descriptor and the timer are released before trio's done
   callback runs.
 * An error raised between two of trio's steps (a KeyboardInterrupt that lands in
@@ -79,6 +79,12 @@ _CHAINED_STEPS = 8
 
 #: trio caps a wait at 24 hours (a farther deadline, or none, arrives as exactly that).
 _MAX_WAIT_S = 24 * 60 * 60
+
+#: How much later than trio's next deadline the kept timer may fire.  One deadline
+#: (a session's 5 s tidier) seen from successive waits converts to loop times a few
+#: microseconds apart, each a hair earlier: re-armed for each, the timer would be a
+#: handle, a heap push and a cancellation a wait again.
+_SLACK_S = 0.001
 
 
 class _Woken(list[Any]):
@@ -278,7 +284,7 @@ class LoopDriver:
         # that), so a timer is always armed: an empty wake after 24 hours is what
         # trio's own loop would see, and it then recomputes.
         until = self._wait_until = self._loop.time() + min(timeout, _MAX_WAIT_S)
-        if self._timer is None or self._timer_at > until:
+        if self._timer is None or self._timer_at > until + _SLACK_S:
             self._arm(until)
         # else the armed timer fires first (trio's next deadline moved later, as it
         # does after every call): it then finds the wait not over and re-arms.  A
