@@ -82,7 +82,7 @@ __all__ = ["Round", "RoundFailed"]
 _RECHECK_FLOOR_S = 0.05
 
 # The data-only chunks a path holds before its first content token (see
-# Round._relayer); at this many it commits on them.
+# Round._relayer); past this many, more are left out of the stream.
 _EARLY_CAP = 64
 
 Runner = Callable[[Admission, AttemptControl], Awaitable[Any]]
@@ -301,7 +301,10 @@ class Round:
             # A path cancelled by another's commit can still be running in the same
             # scheduler batch: it must neither commit nor reach the caller.
             if self._committed is None and self._winner is None and not path.control.cancelled:
-                self._commit(path)
+                self._committed = path
+                self._ctx.committed = path.record
+                self._cancel_others(path)
+                self._wake()
             if self._committed is path:
                 if path.early is not None:
                     # What it sent before its first token goes first.
@@ -333,23 +336,14 @@ class Round:
                 early = path.early
                 if early is None:
                     early = path.early = []
-                early.append(chunk)
-                if len(early) >= _EARLY_CAP:
-                    # So many and still no token (a long audio-only answer, or an
-                    # upstream that sends nothing else): held on, parsed chunks would
-                    # cost many times their bytes.  The path commits on them.
-                    self._commit(path)
-                    path.early = None
-                    return path.control.hold_while(functools.partial(self._deliver, early))
+                if len(early) < _EARLY_CAP:
+                    early.append(chunk)
+                # else: so many and still no token (an upstream that sends nothing
+                # else): held on, parsed chunks would cost many times their bytes.
+                # They are left out of the stream; the answer has them assembled.
             return None
 
         return on_extra
-
-    def _commit(self, path: _Path) -> None:
-        self._committed = path
-        self._ctx.committed = path.record
-        self._cancel_others(path)
-        self._wake()
 
     async def _deliver(self, chunks: list[dict[str, Any]]) -> None:
         """Hand ``chunks`` to the caller in order, waiting for it when it is behind."""

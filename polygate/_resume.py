@@ -74,8 +74,10 @@ def resumable_delta(delta: Mapping[str, Any]) -> bool:
     """A delta a continuation can extend: no tool calls, nor the legacy
     ``function_call`` (half-sent arguments cannot be continued by another model), nor a
     ``refusal`` (a refusal cut halfway, "continued" by another model, would be the
-    refused request answered: a refusal is never routed around)."""
-    return not (delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal"))
+    refused request answered: a refusal is never routed around), nor ``audio`` (half an
+    utterance cannot be continued in another voice)."""
+    return not (delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal")
+                or delta.get("audio"))
 
 
 class Stitcher:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
 import trio
 import trio.testing
 
@@ -38,8 +39,9 @@ class _Paced(httpx.AsyncBaseTransport):
     """Answers with ``events``, waiting ``pause_s`` (trio's clock) after the first
     ``pause_after`` of them."""
 
-    def __init__(self, events: list[dict[str, Any]], pause_after: int = 0, pause_s: float = 0.0) -> None:
-        self.events, self.pause_after, self.pause_s = events, pause_after, pause_s
+    def __init__(self, events: list[dict[str, Any]], pause_after: int = 0, pause_s: float = 0.0,
+                 done: bool = True) -> None:
+        self.events, self.pause_after, self.pause_s, self.done = events, pause_after, pause_s, done
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         async def body() -> AsyncIterator[bytes]:
@@ -47,7 +49,8 @@ class _Paced(httpx.AsyncBaseTransport):
                 if i == self.pause_after and self.pause_s:
                     await trio.sleep(self.pause_s)
                 yield ("data: " + json.dumps(event) + "\n\n").encode()
-            yield b"data: [DONE]\n\n"
+            if self.done:
+                yield b"data: [DONE]\n\n"
 
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
 
@@ -87,8 +90,10 @@ async def test_data_before_the_first_token_reaches_the_caller_in_order(
 
 
 async def test_an_audio_only_answer_reaches_the_caller(autojump_clock: trio.testing.MockClock) -> None:
-    """Audio deltas are no content tokens (SPEC §4's list): such an answer never
-    commits, and its stream showed the caller nothing of it."""
+    """An audio-only answer's stream showed the caller nothing of it: its deltas were
+    no content tokens, so it never committed.  A piece of audio (its data or its
+    transcript) is model output, a content token as text is; its id or expiry alone
+    is data."""
     audio = [{"id": "au_1", "data": "AAAA", "transcript": "Hel"}, {"data": "BBBB", "transcript": "lo"},
              {"expires_at": 9}]
     events = [_chunk({"role": "assistant", "content": None})] + [
@@ -120,24 +125,62 @@ async def test_a_losing_paths_early_data_never_reaches_the_caller(
     assert stream.response is not None and stream.response.call_stats.hedge_won
 
 
-async def test_a_long_run_of_data_before_any_token_commits_instead_of_piling_up(
+async def test_a_long_run_of_data_before_any_token_is_not_held_past_the_cap(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Review of the fix: held as parsed chunks, thousands of data-only chunks before a
-    token cost 5-11 times their bytes (350 MB for one stream at the body cap).  At 64
-    the path commits on them: they reach the caller in order, and the hedge that would
-    have raced it never launches."""
+    token cost 5-11 times their bytes (350 MB for one stream at the body cap).  At most
+    64 are held; the rest are left out of the stream, and the answer has them all."""
     from polygate import _hedge
 
-    data = [{"audio": {"data": f"{i:04d}"}} for i in range(3 * _hedge._EARLY_CAP)]
-    a = _Paced([_chunk(d) for d in data] + [_chunk({"content": "end"}, "stop")],
-               pause_after=_hedge._EARLY_CAP + 5, pause_s=5.0)
-    b = _Paced([_chunk({"content": "from b"}, "stop")])
+    cap = _hedge._EARLY_CAP
+    data = [{"x_part": [i]} for i in range(3 * cap)]
+    events = [_chunk(d) for d in data] + [_chunk({"content": "end"}, "stop")]
+    transport = httpx.MockTransport(lambda r: httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=_sse(events)))
+    stream, chunks = await _stream(_one_source(), Router({"a": transport}))
+    assert [c.delta for c in chunks] == [*data[:cap], {"content": "end"}]
+    assert stream.response is not None
+    assert stream.response.message["x_part"] == list(range(3 * cap))
+
+
+async def test_audio_is_watched_as_content_and_never_resumed(autojump_clock: trio.testing.MockClock) -> None:
+    """Review of the fix: an audio stream is a committed stream like a text one: its
+    first piece is the first token (ttft_ms), a silence after it is a stall
+    (StreamStalled), and a cut is never continued on another source (half an
+    utterance in another voice): with resume on, it fails as cut."""
+    audio = [_chunk({"audio": {"data": f"A{i:03d}"}}) for i in range(5)]
+    silent = _Paced([*audio, _chunk({}, "stop")], pause_after=5, pause_s=100)
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", ttft_timeout_s=10)],
+        stream=polygate.StreamWatch(stall_timeout_s=5))})
+    shown = []
+    with pytest.raises(polygate.StreamStalled):
+        async with polygate.session(settings, transport=Router({"a": silent})) as s:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for chunk in stream:
+                    shown.append(chunk.delta["audio"]["data"])
+    assert shown == [f"A{i:03d}" for i in range(5)]
+
+    cut = _Paced(audio, done=False)
+    other = _Paced([_chunk({"audio": {"data": "B000"}}), _chunk({}, "stop")])
     settings = polygate.Settings(scopes={"chat": polygate.Scope(
         sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
                  polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
-        hedge=polygate.Hedge(after_s=2.0))})
-    stream, chunks = await _stream(settings, Router({"a": a, "b": b}))
-    assert [c.delta for c in chunks] == [*data, {"content": "end"}]
-    assert stream.response is not None
-    assert (stream.response.source, stream.response.call_stats.hedges) == ("a", 0)
+        stream=polygate.StreamWatch(resume=True))})
+    shown = []
+    with pytest.raises(polygate.TransientUpstreamError):
+        async with polygate.session(settings, transport=Router({"a": cut, "b": other})) as s:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for chunk in stream:
+                    shown.append(chunk.delta["audio"]["data"])
+    assert shown == [f"A{i:03d}" for i in range(5)]
+
+
+async def test_an_audio_answers_first_piece_is_its_first_token(autojump_clock: trio.testing.MockClock) -> None:
+    a = _Paced([_chunk({"role": "assistant"}), _chunk({"audio": {"id": "au"}}),
+                _chunk({"audio": {"data": "AAAA"}}), _chunk({}, "stop")], pause_after=2, pause_s=3.0)
+    async with polygate.session(_one_source(), transport=Router({"a": a})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.call_stats.ttft_ms == 3000.0
+    assert r.message["audio"] == {"id": "au", "data": "AAAA"}

@@ -60,7 +60,16 @@ def _choice_has_content(choice: dict[str, Any]) -> bool:
     # The legacy function_call: its name or a piece of its arguments (an empty one,
     # {} or {"arguments": ""}, is an empty delta, as the SPEC says: no content).
     function_call = delta.get("function_call")
-    return isinstance(function_call, dict) and _carries_function(function_call)
+    if isinstance(function_call, dict) and _carries_function(function_call):
+        return True
+    audio = delta.get("audio")
+    return isinstance(audio, dict) and _carries_audio(audio)
+
+
+def _carries_audio(audio: dict[str, Any]) -> bool:
+    """OpenAI's streamed ``audio`` with a piece of its data or transcript: model output,
+    a content token as text is (its ``id`` or ``expires_at`` alone is not)."""
+    return _nonempty(audio.get("data")) or _nonempty(audio.get("transcript"))
 
 
 def _carries_function(function_call: dict[str, Any]) -> bool:
@@ -228,9 +237,11 @@ class _Choice:
                     _join_function(self.function_call, value)
             else:
                 # OpenAI's ``audio`` comes in pieces, as content does (``data`` and
-                # ``transcript`` streamed): its strings join.  Any other object keeps
-                # the last string sent: a signature or a label sent again whole
-                # (Gemini's ``extra_content``) must not double.
+                # ``transcript`` streamed): its strings join, and a piece is a content
+                # token.  Any other object keeps the last string sent: a signature or a
+                # label sent again whole (Gemini's ``extra_content``) must not double.
+                if key == "audio" and isinstance(value, dict) and _carries_audio(value):
+                    content = True
                 _merge_extra(self.message_extras, key, value, join=key in _JOINED_DELTA_OBJECTS)
         return content
 
