@@ -4,6 +4,8 @@ assemble (outside review, 2026-12-02: each test failed before its fix)."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -306,6 +308,18 @@ async def test_a_tool_call_id_and_name_repeated_on_every_delta_are_sent_once() -
     assert _calls(assembled) == _calls(whole)
 
 
+@asynccontextmanager
+async def _over_a_plain_source(body: bytes) -> AsyncIterator[Any]:
+    """A gateway in front of a source that cannot stream, which answers ``body``."""
+    async with raw_server(_reply_with(body, b"application/json")) as up:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url=up.url, streaming=False)])},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+        async with open_server(settings, port=0) as server:
+            yield server
+
+
 @pytest.mark.parametrize("n", [1, 2])
 async def test_a_source_that_cannot_stream_keeps_its_logprobs_in_a_stream(n: int) -> None:
     """Review: with ``Source(streaming=False)`` the whole answer becomes one chunk
@@ -324,20 +338,15 @@ async def test_a_source_that_cannot_stream_keeps_its_logprobs_in_a_stream(n: int
                      "logprobs": logprobs(f"Hi{i}"), "finish_reason": "stop"} for i in range(n)],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
     }).encode()
-    async with raw_server(_reply_with(body, b"application/json")) as up:
-        settings = polygate.Settings(
-            scopes={"chat": polygate.Scope(
-                sources=[polygate.Source(name="a", base_url=up.url, streaming=False)])},
-            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
-        async with open_server(settings, port=0) as server:
-            def streamed() -> Any:
-                with openai.OpenAI(base_url=server.base_url, api_key=GATEWAY_KEY, max_retries=0) as client:
-                    state = ChatCompletionStreamState()
-                    for chunk in client.chat.completions.create(
-                            model="chat", messages=CHAT["messages"], stream=True, n=n, logprobs=True):
-                        state.handle_chunk(chunk)
-                    return state.current_completion_snapshot
-            assembled = await trio.to_thread.run_sync(streamed)
+    async with _over_a_plain_source(body) as server:
+        def streamed() -> Any:
+            with openai.OpenAI(base_url=server.base_url, api_key=GATEWAY_KEY, max_retries=0) as client:
+                state = ChatCompletionStreamState()
+                for chunk in client.chat.completions.create(
+                        model="chat", messages=CHAT["messages"], stream=True, n=n, logprobs=True):
+                    state.handle_chunk(chunk)
+                return state.current_completion_snapshot
+        assembled = await trio.to_thread.run_sync(streamed)
     got = sorted((c.index, c.message.content, c.logprobs.content[0].token if c.logprobs else None)
                  for c in assembled.choices)
     assert got == [(i, f"Hi{i}", f"Hi{i}") for i in range(n)]
@@ -391,16 +400,11 @@ async def test_a_source_that_cannot_stream_keeps_its_provider_fields_in_a_stream
                      "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
     }).encode()
-    async with raw_server(_reply_with(body, b"application/json")) as up:
-        settings = polygate.Settings(
-            scopes={"chat": polygate.Scope(
-                sources=[polygate.Source(name="a", base_url=up.url, streaming=False)])},
-            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
-        async with open_server(settings, port=0) as server:
-            request = {**CHAT, "stream": True}
-            if include_usage:
-                request["stream_options"] = {"include_usage": True}
-            answer = await http(server, "POST", "/v1/chat/completions", request, AUTH)
+    async with _over_a_plain_source(body) as server:
+        request = {**CHAT, "stream": True}
+        if include_usage:
+            request["stream_options"] = {"include_usage": True}
+        answer = await http(server, "POST", "/v1/chat/completions", request, AUTH)
     events = _events(answer.body)
     assert _top_level(events, "timings") == [{"predicted_n": 1}]
     assert _top_level(events, "prompt_filter_results") == [
