@@ -192,8 +192,8 @@ class Round:
         winner = self._winner
         if winner is not None:
             if winner.early is not None:
-                # It won without a content token (an audio-only answer, data and no
-                # text): what it sent is the caller's now, before the stream ends.
+                # It won without a content token (data and no output): what it sent
+                # is the caller's now, before the stream ends.
                 early, winner.early = winner.early, None
                 await self._deliver(early)
             return winner.record, winner.result
@@ -324,7 +324,7 @@ class Round:
 
         def on_extra(chunk: dict[str, Any]) -> Awaitable[None] | None:
             # Data without a content token (a reasoning block's signature, citations,
-            # a finish chunk's annotations, audio): the caller's only from the path
+            # a finish chunk's annotations, an audio id): the caller's only from the path
             # that commits or wins.  Before the race is decided it is held with its
             # path (it commits nothing: SPEC §4 counts no such token).
             if path.control.cancelled:

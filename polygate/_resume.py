@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from ._hedge import Forward
 from ._types import choice_index
-from .transport import carries_extras
+from .transport import carries_audio, carries_extras
 
 __all__ = [
     "CONTINUE_PROMPT",
@@ -76,8 +76,9 @@ def resumable_delta(delta: Mapping[str, Any]) -> bool:
     ``refusal`` (a refusal cut halfway, "continued" by another model, would be the
     refused request answered: a refusal is never routed around), nor ``audio`` (half an
     utterance cannot be continued in another voice)."""
+    audio = delta.get("audio")
     return not (delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal")
-                or delta.get("audio"))
+                or (type(audio) is dict and carries_audio(audio)))
 
 
 class Stitcher:

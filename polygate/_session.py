@@ -45,7 +45,7 @@ from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
-from .transport import LeanTransport, TextParts, drop_last
+from .transport import LeanTransport, TextParts, carries_audio, drop_last
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -784,9 +784,11 @@ async def _deliver(
 
 def _has_output(message: Mapping[str, Any]) -> bool:
     """Whether a whole (JSON) answer holds a content token (docs/concepts.md): the
-    legacy ``function_call`` and Ollama's ``reasoning`` count too."""
+    legacy ``function_call``, Ollama's ``reasoning`` and OpenAI's ``audio`` count too."""
+    audio = message.get("audio")
     return any(message.get(k) for k in (
-        "content", "reasoning_content", "reasoning", "refusal", "tool_calls", "function_call"))
+        "content", "reasoning_content", "reasoning", "refusal", "tool_calls", "function_call",
+    )) or (type(audio) is dict and carries_audio(audio))
 
 
 # --------------------------------------------------------------------------- session()

@@ -1,8 +1,8 @@
 """Data a stream sends before its first content token (outside review, the OpenAI SDK
 through the gateway, 2026-12-03: each test failed before its fix).
 
-Such a chunk (OpenRouter's encrypted reasoning block, Azure On Your Data's citations,
-every chunk of an audio-only answer) carries no content token, so it commits nothing:
+Such a chunk (OpenRouter's encrypted reasoning block, Azure On Your Data's citations;
+before this session an audio-only answer's every chunk too) carries no content token, so it commits nothing:
 it was relayed only from a committed path, and before the commit there is none, so
 it was dropped.  It is now held by its path and reaches the caller, in order, when
 that path commits or wins; a path that loses takes its chunks with it."""
@@ -184,3 +184,19 @@ async def test_an_audio_answers_first_piece_is_its_first_token(autojump_clock: t
         r = await s.chat(MESSAGES)
     assert r.call_stats.ttft_ms == 3000.0
     assert r.message["audio"] == {"id": "au", "data": "AAAA"}
+
+
+async def test_an_audio_only_whole_answer_reaches_a_stream_caller(autojump_clock: trio.testing.MockClock) -> None:
+    """Review of the audio fix: a whole JSON answer to a stream call becomes one chunk
+    when it holds a content token, and audio was not among the fields looked at: an
+    audio-only answer from a source that cannot stream showed the caller nothing."""
+    audio = {"id": "au", "data": "AAAA", "transcript": "Hi", "expires_at": 9}
+    body = {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": None, "audio": audio},
+         "finish_reason": "stop"}]}
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, json=body))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    stream, chunks = await _stream(settings, Router({"a": transport}))
+    assert [c.delta.get("audio") for c in chunks] == [audio]
+    assert stream.response is not None and stream.response.message["audio"] == audio

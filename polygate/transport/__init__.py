@@ -6,6 +6,7 @@ Knows nothing of admission, hedging or retries (an import-linter contract keeps 
 from ._assemble import (
     ChatAssembler,
     TextParts,
+    carries_audio,
     carries_extras,
     drop_last,
     has_content,
@@ -27,6 +28,7 @@ __all__ = [
     "TextParts",
     "drop_last",
     "Timeline",
+    "carries_audio",
     "carries_extras",
     "chat_exchange",
     "embeddings_exchange",

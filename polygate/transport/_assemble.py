@@ -4,8 +4,8 @@ Pure and synchronous: it is fed parsed chunk dicts and knows nothing of sockets 
 time, so it is tested directly against the recorded provider transcripts.
 
 What counts as a *content token* (``docs/concepts.md``) is decided here, in :func:`has_content`:
-non-empty ``content``, ``reasoning_content``/``reasoning``, ``refusal`` or
-``tool_calls`` in any choice's delta.  Role-only and empty deltas, usage-only chunks
+non-empty ``content``, ``reasoning_content``/``reasoning``, ``refusal``, ``tool_calls``,
+the legacy ``function_call``, or a piece of ``audio`` in any choice's delta.  Role-only and empty deltas, usage-only chunks
 and provider annotations are not content and reset no timer.
 """
 
@@ -63,10 +63,10 @@ def _choice_has_content(choice: dict[str, Any]) -> bool:
     if isinstance(function_call, dict) and _carries_function(function_call):
         return True
     audio = delta.get("audio")
-    return isinstance(audio, dict) and _carries_audio(audio)
+    return isinstance(audio, dict) and carries_audio(audio)
 
 
-def _carries_audio(audio: dict[str, Any]) -> bool:
+def carries_audio(audio: dict[str, Any]) -> bool:
     """OpenAI's streamed ``audio`` with a piece of its data or transcript: model output,
     a content token as text is (its ``id`` or ``expires_at`` alone is not)."""
     return _nonempty(audio.get("data")) or _nonempty(audio.get("transcript"))
@@ -240,7 +240,7 @@ class _Choice:
                 # ``transcript`` streamed): its strings join, and a piece is a content
                 # token.  Any other object keeps the last string sent: a signature or a
                 # label sent again whole (Gemini's ``extra_content``) must not double.
-                if key == "audio" and isinstance(value, dict) and _carries_audio(value):
+                if key == "audio" and isinstance(value, dict) and carries_audio(value):
                     content = True
                 _merge_extra(self.message_extras, key, value, join=key in _JOINED_DELTA_OBJECTS)
         return content
