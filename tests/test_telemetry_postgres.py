@@ -460,6 +460,38 @@ async def test_a_stuck_write_is_cancelled_server_side(
     assert not sink._lock.locked()
 
 
+def test_a_connection_sent_a_cancel_is_never_written_on_again(
+    monkeypatch: pytest.MonkeyPatch, pg_url: str
+) -> None:
+    """The full suite under load failed the test above: the cancel of an abandoned
+    write runs in a thread, and one that ran late reached the server during the next
+    write on the same connection, which it cancelled (its rows dropped:
+    "InFailedSqlTransaction").  A connection a cancel was sent to is closed before the
+    next write, which opens a fresh one: a late cancel ends nothing."""
+    import threading
+
+    import psycopg
+
+    from polygate.telemetry._postgres import PostgresSink
+    from polygate.telemetry._sink import Batch
+
+    sent = threading.Event()
+    monkeypatch.setattr(psycopg.Connection, "cancel_safe", lambda self, timeout=None: sent.set())
+    sink = PostgresSink.open(pg_url)
+    try:
+        first = sink._conn
+        assert first is not None
+        sink.interrupt()
+        assert sent.wait(5)
+        sink.write(Batch())
+        assert first.closed and sink._conn is not None and sink._conn is not first
+        second = sink._conn
+        sink.write(Batch())  # no cancel since: the same connection goes on
+        assert sink._conn is second
+    finally:
+        sink.close()
+
+
 async def test_password_is_nowhere(
     autojump_clock: trio.testing.MockClock,
     pg_url: str,

@@ -211,6 +211,8 @@ class PostgresSink:
         self._reconnect_s = reconnect_s
         self._next_connect = 0.0
         self._closed = False
+        #: The connection :meth:`interrupt` sent a cancel to: never written on again.
+        self._cancelled: psycopg.Connection[Any] | None = None
 
     def __repr__(self) -> str:
         return f"<PostgresSink {mask_url(self._url)}>"
@@ -293,6 +295,12 @@ class PostgresSink:
 
     def write(self, batch: Batch) -> None:
         with self._lock:
+            if self._cancelled is not None:
+                # A cancel sent for an earlier write (see interrupt) may still be on
+                # its way: on this connection it would end this write's query.
+                if self._cancelled is self._conn:
+                    self._discard()
+                self._cancelled = None
             conn = self._connection()
             try:
                 with conn.transaction(), conn.cursor() as cur:
@@ -324,6 +332,7 @@ class PostgresSink:
         conn = self._conn
         if conn is None or conn.closed:
             return
+        self._cancelled = conn  # (the next write takes a fresh connection)
 
         def cancel() -> None:
             try:
