@@ -488,6 +488,13 @@ def test_a_connection_sent_a_cancel_is_never_written_on_again(
         second = sink._conn
         sink.write(Batch())  # no cancel since: the same connection goes on
         assert sink._conn is second
+        # Another cancel within the reconnect back-off (5 s): the connection the sink
+        # closed on purpose is no unreachable server (review: the batch was dropped).
+        sent.clear()
+        sink.interrupt()
+        assert sent.wait(5)
+        sink.write(Batch())
+        assert second.closed and sink._conn is not None and sink._conn is not second
     finally:
         sink.close()
 

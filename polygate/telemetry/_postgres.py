@@ -300,6 +300,7 @@ class PostgresSink:
                 # its way: on this connection it would end this write's query.
                 if self._cancelled is self._conn:
                     self._discard()
+                    self._next_connect = 0.0  # (closed on purpose: no server to wait for)
                 self._cancelled = None
             conn = self._connection()
             try:
