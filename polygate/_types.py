@@ -147,6 +147,12 @@ def note_closing(closed: set[int], key: int, arguments: Any) -> None:
         closed.discard(key)
 
 
+def carries_value(value: Any) -> bool:
+    """Whether a provider field holds data: not null, nor an empty string, list or
+    object (the library's assembly and the gateway's relay read it alike)."""
+    return value is not None and value != "" and value != [] and value != {}
+
+
 def carries_call(call: Mapping[str, Any]) -> bool:
     """Whether a tool-call delta sets anything (an id, a type, a function): one that
     does not gets no call, in the library's answer or the gateway's relay."""

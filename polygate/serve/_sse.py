@@ -34,6 +34,7 @@ from .._types import (
     call_slot,
     carries_call,
     carries_something,
+    carries_value,
     choice_index,
     message_delta,
     name_again,
@@ -436,7 +437,7 @@ def _whole_answer(choices: Any, first: dict[str, Any]) -> list[dict[str, Any]] |
         # The choice's other fields (its logprobs, Azure's content_filter_results,
         # vLLM's stop_reason): the JSON answer has them, so does the stream.
         for key, value in choice.items():
-            if key not in _WHOLE_CHOICE_KEYS and _carries(value) and (
+            if key not in _WHOLE_CHOICE_KEYS and carries_value(value) and (
                     key != "logprobs" or isinstance(value, Mapping)):
                 shaped[key] = value
         out.append(shaped)
@@ -454,14 +455,10 @@ _CHUNK_KEYS: Final = frozenset({
 })
 
 
-def _carries(value: Any) -> bool:
-    return value is not None and value != "" and value != [] and value != {}
-
-
 def _provider_fields(raw: Mapping[str, Any], seen: set[str] | None = None) -> dict[str, Any]:
     """``raw``'s provider fields that carry a value, but those in ``seen``."""
     return {k: v for k, v in raw.items()
-            if k not in _CHUNK_KEYS and (seen is None or k not in seen) and _carries(v)}
+            if k not in _CHUNK_KEYS and (seen is None or k not in seen) and carries_value(v)}
 
 
 def string_content(choices: list[Any], key: str) -> list[Any] | None:

@@ -19,6 +19,7 @@ from .._types import (
     call_slot,
     carries_call,
     carries_something,
+    carries_value,
     choice_index,
     name_again,
     note_closing,
@@ -98,16 +99,12 @@ def carries_extras(chunk: dict[str, Any]) -> bool:
             continue
         delta = choice.get("delta")
         if isinstance(delta, dict) and any(
-            _carries_value(v) for k, v in delta.items() if k not in _PLAIN_DELTA_KEYS
+            carries_value(v) for k, v in delta.items() if k not in _PLAIN_DELTA_KEYS
         ):
             return True
-        if any(_carries_value(v) for k, v in choice.items() if k not in _PLAIN_CHOICE_KEYS):
+        if any(carries_value(v) for k, v in choice.items() if k not in _PLAIN_CHOICE_KEYS):
             return True
     return False
-
-
-def _carries_value(value: Any) -> bool:
-    return value is not None and value != "" and value != [] and value != {}
 
 
 def _nonempty(value: Any) -> bool:

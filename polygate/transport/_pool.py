@@ -569,11 +569,15 @@ class LeanTransport(httpx.AsyncBaseTransport):
         while stack:
             conn = stack.pop()
             self._idle_count -= 1
-            # Readable while idle: EOF, a reset or junk -- the server is done with it.
-            if now - conn.idle_since < self._expiry and not conn.socket.is_readable():
+            if self._usable(conn, now):
                 return conn
             self._drop(conn)
         return None
+
+    def _usable(self, conn: _Connection, now: float) -> bool:
+        """An idle connection not expired and not readable (readable while idle: EOF,
+        a reset or junk -- the server is done with it)."""
+        return now - conn.idle_since < self._expiry and not conn.socket.is_readable()
 
     def close_idle(self) -> int:
         """Close every idle connection that expired or that its server closed (readable
@@ -587,12 +591,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
             stack = self._idle[key]
             kept = []
             for conn in stack:
-                if now - conn.idle_since >= self._expiry or conn.socket.is_readable():
+                if self._usable(conn, now):
+                    kept.append(conn)
+                else:
                     self._idle_count -= 1
                     self._drop(conn)
                     closed += 1
-                else:
-                    kept.append(conn)
             if kept:
                 stack[:] = kept
             else:
