@@ -10,6 +10,7 @@ import tracemalloc
 from typing import Any
 
 import httpx
+import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -344,3 +345,66 @@ def test_ollama_parallel_calls_after_a_call_without_parameters_stay_apart() -> N
                for c in assembler.build()["choices"][0]["message"]["tool_calls"]]
     assert library == [("call_1", "now", "null"), ("call_2", "weather", '{"c":"x"}')]
     assert _sdk_calls(_relay(chunks)) == library
+
+
+def _sse(chunks: list[dict[str, Any]]) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def _streamed_through_the_library(chunks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Any]:
+    """What a client of the gateway's stream gets (the relay of what ``stream_chat``
+    yields, and its ending), and the library's answer (the gateway's JSON body)."""
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", api_key="sk-x")])})
+
+    async def main() -> tuple[list[dict[str, Any]], Any]:
+        async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+            shape = StreamShape()
+            out = b""
+            async with s.stream_chat([{"role": "user", "content": "hi"}]) as stream:
+                async for chunk in stream:
+                    out += shape.chunk(chunk)
+            out += shape.ending(stream.response, include_usage=True)
+            answer = await s.chat([{"role": "user", "content": "hi"}])
+            return ([json.loads(line[6:]) for line in out.split(b"\n\n") if line.startswith(b"data: {")],
+                    answer)
+
+    return trio.run(main)
+
+
+_CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(("role_content", "deltas"), [
+    ("", [{"tool_calls": [_CALL]}]),  # vLLM's tool-call stream
+    ("", [{"refusal": "no"}]),
+    ("", [{"reasoning_content": "hm"}]),
+    (None, [{"reasoning_content": "hm"}]),  # a reasoning model cut before its answer
+    ("", [{"reasoning_content": "hm"}, {"tool_calls": [_CALL]}]),
+    (None, [{"tool_calls": [_CALL]}]),  # OpenAI's: null stays null
+    ("", [{"content": "a"}, {"tool_calls": [_CALL]}]),
+    (None, [{"function_call": {"name": "f", "arguments": "{}"}}]),  # the legacy call: null
+])
+def test_a_client_assembling_the_stream_gets_the_json_answers_content(
+    role_content: str | None, deltas: list[dict[str, Any]]
+) -> None:
+    """Review: a stream whose role chunk said ``"content": ""`` and then only tool
+    calls (vLLM's), a refusal or reasoning: the gateway's JSON answer has "" (as the
+    upstream said, and as the OpenAI SDK assembles it), but the relay's role chunk said
+    null and nothing after it made it a string, so a client assembling the stream got
+    None.  (Only the role-only chunk said "", and the library forwards none.)"""
+    finish = "tool_calls" if any("tool_calls" in d for d in deltas) else "stop"
+    chunks = [{**BASE, "choices": [{"index": 0, "delta": {"role": "assistant", "content": role_content},
+                                    "finish_reason": None}]}]
+    chunks += [{**BASE, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks.append({**BASE, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    events, answer = _streamed_through_the_library(chunks)
+    acc: dict[Any, Any] = {}
+    for event in events:
+        for choice in event["choices"]:
+            acc = accumulate_delta(acc, choice["delta"])
+    assert acc["content"] == answer.message["content"], events
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")] == [finish]

@@ -63,7 +63,7 @@ def error_event(message: str, type_: str, code: str) -> bytes:
 class StreamShape:
     """Turns one call's forwarded chunks into the client's events."""
 
-    __slots__ = ("_calls", "_finished", "_meta", "_roled", "_seen", "_started")
+    __slots__ = ("_calls", "_finished", "_meta", "_nulled", "_roled", "_seen", "_started")
 
     def __init__(self) -> None:
         self._meta: dict[str, Any] | None = None
@@ -71,6 +71,9 @@ class StreamShape:
         self._seen: set[str] | None = None
         self._finished: set[int] = set()
         self._roled: set[int] = set()  # the choices whose role the client has
+        #: The choices whose role chunk said content null, and no text came after it:
+        #: the client has None there, where the answer may have "" (see ending).
+        self._nulled: set[int] | None = None
         self._started = False
         #: Per choice, the tool calls the client has (see _tool_calls).
         self._calls: dict[int, _Calls] | None = None
@@ -159,6 +162,7 @@ class StreamShape:
                         if unroled is None:
                             unroled = []
                         unroled.append((lower, None))
+                        self._null(lower)
                 self._roled.add(index)
                 delta = choice.get("delta")
                 roled = isinstance(delta, Mapping) and delta.get("role")
@@ -171,6 +175,8 @@ class StreamShape:
                     if unroled is None:
                         unroled = []
                     unroled.append(role)
+                    if role[1] is None:
+                        self._null(index)
                     if roled:
                         if unrole is None:
                             unrole = set()
@@ -185,6 +191,9 @@ class StreamShape:
                     if unrole is None:
                         unrole = set()
                     unrole.add(index)  # (in place: a chunk may hold thousands of entries)
+            if (self._nulled is not None and index in self._nulled and type(delta) is dict
+                    and isinstance(delta.get("content"), str)):
+                self._nulled.discard(index)  # (the client's None is text now)
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
         if unrole is not None or retooled is not None or undelta:
@@ -197,6 +206,11 @@ class StreamShape:
             return _event(raw)
         unroled.sort(key=itemgetter(0))
         return self._roles(unroled, self._meta) + _event(raw)
+
+    def _null(self, index: int) -> None:
+        if self._nulled is None:
+            self._nulled = set()
+        self._nulled.add(index)
 
     def _tool_calls(self, choice: int, calls: Any) -> list[dict[str, Any]] | None:
         """A delta's tool calls as the OpenAI SDK's stream helper must get them to
@@ -275,12 +289,20 @@ class StreamShape:
         meta = self._meta or self._header(response.raw)
         finishing = []
         unroled: list[tuple[int, str | None]] = []
+        texts = []  # the choices the client has content None for, the answer ""
         for position, choice in enumerate(response.choices or [{}]):
             index = choice.get("index", position) if isinstance(choice, Mapping) else position
+            message = choice.get("message") if isinstance(choice, Mapping) else None
             if index not in self._roled:  # a choice nothing was forwarded for
                 self._roled.add(index)
-                message = choice.get("message") if isinstance(choice, Mapping) else None
                 unroled.append((index, _role_content(message)))
+            elif (self._nulled is not None and index in self._nulled
+                    and isinstance(message, Mapping) and isinstance(message.get("content"), str)):
+                # Its role chunk said null (tool calls, a refusal or reasoning came
+                # first), but the upstream's own role chunk, which the library does not
+                # forward, said "" and no text followed: the answer has "".  A client
+                # assembling the stream takes "" over its None.
+                texts.append({"index": index, "delta": {"content": ""}, "finish_reason": None})
             if index in self._finished:
                 continue
             reason = choice.get("finish_reason") if isinstance(choice, Mapping) else None
@@ -288,6 +310,8 @@ class StreamShape:
                               "finish_reason": reason if isinstance(reason, str) and reason else "stop"})
         if unroled:
             out += self._roles(unroled, meta)
+        if texts:
+            out += _event({**meta, "choices": texts})
         events = [{**meta, "choices": [finish]} for finish in finishing]  # one choice an
         # event, as OpenAI sends them (n > 1)
         if include_usage:
@@ -387,7 +411,7 @@ def _role_content(delta: Any) -> str | None:
     over a null as over "")."""
     if not isinstance(delta, Mapping) or isinstance(delta.get("content"), str):
         return ""
-    if delta.get("tool_calls") or delta.get("refusal") is not None:
+    if delta.get("tool_calls") or delta.get("refusal") is not None or delta.get("function_call"):
         return None
     return None if _REASONING.intersection(delta) else ""
 
