@@ -840,3 +840,24 @@ def test_other_cut_and_escaped_echoes_of_a_prompt_are_replaced(text: str, prompt
     out = _without_prompt(text, [prompt])
     assert "confidential" not in out and "Please summarise" not in out, out
     assert "Globex for the board" not in out and "[prompt text]" in out, out
+
+
+@pytest.mark.parametrize(("inter_token_s", "outcome"), [(0.0, "ok"), (1.0, "cancelled")])
+async def test_a_stream_left_unread_is_cancelled_only_while_its_answer_is_still_coming(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, inter_token_s: float, outcome: str
+) -> None:
+    """A stream's call ends when its answer is complete, not when its reader is done:
+    a caller that leaves after that, with chunks still unread, leaves an ``ok`` row (the
+    upstream did the work; its cost stands, as for a polygate.aio call cancelled after
+    its answer came).  One that leaves while the answer is still coming cancels the call
+    (docs/telemetry.md)."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",)), db)
+    upstream = FakeUpstream(Reply(first_token_s=0.1, inter_token_s=inter_token_s, tokens=3))
+    async with polygate.session(settings, transport=Router({"a": upstream})) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            await trio.sleep(0.5)  # (virtual time: all three tokens came, or one)
+        assert stream.response is None
+    [call] = _rows(db, "calls")
+    [attempt] = _rows(db, "attempts")
+    assert (call["outcome"], attempt["error"]) == (outcome, outcome)
