@@ -1648,3 +1648,32 @@ async def test_a_continuation_from_a_source_that_cannot_stream_keeps_its_logprob
     tokens = [e["token"] for e in response.choices[0]["logprobs"]["content"]]
     assert tokens == ["one", " two", " three", " four", " five"]
     assert chunks[-1].raw["choices"][0]["logprobs"]["content"][-1]["token"] == " five"
+
+
+async def test_a_hedge_that_won_and_was_cut_is_finished_by_a_continuation_that_is_no_hedge(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The hedge (b) wins the first segment's race and is cut mid-way; another source
+    finishes the answer: ``source`` is the one that finished it, and ``hedge_won`` is
+    False (the winner, a continuation, is no hedge) (docs/failover.md)."""
+    shown = " ".join(WORDS[:40])
+    rest = " " + " ".join(WORDS[37:])
+
+    def slow_first(request: Any, rng: Any) -> Reply:
+        if request.body["messages"][-1]["content"] == CONTINUE_PROMPT:
+            return Reply(text=rest, inter_token_s=0.01)
+        return Reply(text=ANSWER, first_token_s=30, inter_token_s=0.01)
+
+    a = FakeUpstream(slow_first)
+    b = FakeUpstream(Reply(text=ANSWER, inter_token_s=0.01, fault="truncated", fault_after=40))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}},
+        "stream": polygate.StreamWatch(resume=True),
+        "hedge": polygate.Hedge(after_s=0.5),
+    })
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        stream, chunks = await _read(s)
+    assert stream.response is not None and stream.text == ANSWER
+    assert "".join(c.text for c in chunks if not c.resumed).startswith(shown)
+    cs = stream.response.call_stats
+    assert (cs.hedges, cs.resumes, cs.source, cs.hedge_won) == (1, 1, "a", False)
