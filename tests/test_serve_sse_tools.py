@@ -351,33 +351,58 @@ def _sse(chunks: list[dict[str, Any]]) -> bytes:
     return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
-def _streamed_through_the_library(chunks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Any]:
+def _streamed_through_the_library(
+    upstream: list[dict[str, Any]] | dict[str, Any], *, cache: bool = False
+) -> tuple[list[dict[str, Any]], Any]:
     """What a client of the gateway's stream gets (the relay of what ``stream_chat``
-    yields, and its ending), and the library's answer (the gateway's JSON body)."""
+    yields, and its ending), and the library's answer (the gateway's JSON body), for
+    an upstream that streams ``upstream`` (chunks) or answers it whole (a body).  With
+    ``cache``, the stream is a replayed hit of the answer."""
+    whole = isinstance(upstream, dict)
+
     async def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+        if whole:
+            return httpx.Response(200, json=upstream)
+        assert isinstance(upstream, list)
+        return httpx.Response(200, content=_sse(upstream), headers={"content-type": "text/event-stream"})
 
     settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
-        polygate.Source(name="a", base_url="http://a/v1", api_key="sk-x")])})
+        polygate.Source(name="a", base_url="http://a/v1", api_key="sk-x", streaming=not whole)],
+        cache_ttl_s=60 if cache else None)}, cache="memory" if cache else "off")
 
     async def main() -> tuple[list[dict[str, Any]], Any]:
         async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+            answer = await s.chat([{"role": "user", "content": "hi"}])
             shape = StreamShape()
             out = b""
             async with s.stream_chat([{"role": "user", "content": "hi"}]) as stream:
                 async for chunk in stream:
                     out += shape.chunk(chunk)
+            assert stream.response is not None and stream.response.call_stats.cached is cache
             out += shape.ending(stream.response, include_usage=True)
-            answer = await s.chat([{"role": "user", "content": "hi"}])
             return ([json.loads(line[6:]) for line in out.split(b"\n\n") if line.startswith(b"data: {")],
                     answer)
 
     return trio.run(main)
 
 
+def _contents(events: list[dict[str, Any]]) -> dict[int, Any]:
+    """Each choice's content as a client assembling the stream has it."""
+    acc: dict[int, dict[Any, Any]] = {}
+    for event in events:
+        for choice in event["choices"]:
+            acc[choice["index"]] = accumulate_delta(acc.get(choice["index"], {}), choice["delta"])
+    return {index: message.get("content") for index, message in acc.items()}
+
+
 _CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
+_REASONED = {"role": "assistant", "content": None, "reasoning_content": "hm"}
+_DETAILS = {"reasoning_details": [{"type": "reasoning.encrypted", "data": "x"}]}
+
+
+@pytest.mark.parametrize("cache", [False, True])
 @pytest.mark.parametrize(("role_content", "deltas"), [
     ("", [{"tool_calls": [_CALL]}]),  # vLLM's tool-call stream
     ("", [{"refusal": "no"}]),
@@ -387,24 +412,47 @@ _CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f
     (None, [{"tool_calls": [_CALL]}]),  # OpenAI's: null stays null
     ("", [{"content": "a"}, {"tool_calls": [_CALL]}]),
     (None, [{"function_call": {"name": "f", "arguments": "{}"}}]),  # the legacy call: null
+    ("", [{"role": "assistant", "tool_calls": [_CALL]}]),  # the role again (OpenRouter's)
+    (None, [_REASONED]),  # the role with the reasoning, cut before the answer
+    (None, [_DETAILS, {"tool_calls": [_CALL]}]),  # data before the first token, then calls
+    (None, [_DETAILS]),
 ])
 def test_a_client_assembling_the_stream_gets_the_json_answers_content(
-    role_content: str | None, deltas: list[dict[str, Any]]
+    role_content: str | None, deltas: list[dict[str, Any]], cache: bool
 ) -> None:
     """Review: a stream whose role chunk said ``"content": ""`` and then only tool
     calls (vLLM's), a refusal or reasoning: the gateway's JSON answer has "" (as the
     upstream said, and as the OpenAI SDK assembles it), but the relay's role chunk said
     null and nothing after it made it a string, so a client assembling the stream got
-    None.  (Only the role-only chunk said "", and the library forwards none.)"""
+    None.  (Only the role-only chunk said "", and the library forwards none.)  And the
+    other way: a role chunk said "" before data that was not text, then tool calls,
+    where the answer has null.  So for a cache hit replayed as a stream, whose first
+    chunk carries the role."""
     finish = "tool_calls" if any("tool_calls" in d for d in deltas) else "stop"
     chunks = [{**BASE, "choices": [{"index": 0, "delta": {"role": "assistant", "content": role_content},
                                     "finish_reason": None}]}]
     chunks += [{**BASE, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
     chunks.append({**BASE, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
-    events, answer = _streamed_through_the_library(chunks)
-    acc: dict[Any, Any] = {}
-    for event in events:
-        for choice in event["choices"]:
-            acc = accumulate_delta(acc, choice["delta"])
-    assert acc["content"] == answer.message["content"], events
+    events, answer = _streamed_through_the_library(chunks, cache=cache)
+    assert _contents(events) == {0: answer.message["content"]}, events
     assert [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")] == [finish]
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+    {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+    {"role": "assistant", "content": "", "reasoning_content": "hm"},
+    {"role": "assistant", "content": None},
+    {"role": "assistant", "content": ""},
+])
+def test_a_source_that_cannot_stream_reaches_a_streaming_client_with_the_json_answers_content(
+    message: dict[str, Any],
+) -> None:
+    """Review: a whole answer whose content is null and that carries nothing else (no
+    chunk is forwarded for it) got a role chunk that said ""."""
+    body = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": i, "message": message, "finish_reason": "stop"} for i in (0, 1)],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    events, answer = _streamed_through_the_library(body)
+    want = {c["index"]: c["message"]["content"] for c in answer.choices}
+    assert _contents(events) == want, events

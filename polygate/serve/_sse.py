@@ -166,17 +166,22 @@ class StreamShape:
                 self._roled.add(index)
                 delta = choice.get("delta")
                 roled = isinstance(delta, Mapping) and delta.get("role")
+                # The role chunk says "" before text, as OpenAI's streams do, and null
+                # before anything else (tool calls, a refusal, reasoning), as theirs do
+                # too: the client's content is then None, as is the JSON answer's when
+                # no text follows -- or "" when the answer has "" (see ending).  So is
+                # it after a first delta that names the role itself with no text.
+                texted = isinstance(delta, Mapping) and isinstance(delta.get("content"), str)
+                if not texted:
+                    self._null(index)
                 if not roled or choice.get("logprobs"):
                     # A role chunk of its own before a first delta that carries
                     # logprobs too (a replayed cache hit does): the OpenAI SDK's stream
                     # helper builds a choice from its first chunk, logprobs included,
                     # and then adds that chunk's logprobs again.
-                    role = (index, _role_content(delta))
                     if unroled is None:
                         unroled = []
-                    unroled.append(role)
-                    if role[1] is None:
-                        self._null(index)
+                    unroled.append((index, "" if texted else None))
                     if roled:
                         if unrole is None:
                             unrole = set()
@@ -289,24 +294,26 @@ class StreamShape:
         meta = self._meta or self._header(response.raw)
         finishing = []
         unroled: list[tuple[int, str | None]] = []
-        texts = []  # the choices the client has content None for, the answer ""
+        texts = []  # finished choices the client has content None for, the answer ""
         for position, choice in enumerate(response.choices or [{}]):
             index = choice.get("index", position) if isinstance(choice, Mapping) else position
             message = choice.get("message") if isinstance(choice, Mapping) else None
+            content = message.get("content") if isinstance(message, Mapping) else None
             if index not in self._roled:  # a choice nothing was forwarded for
                 self._roled.add(index)
-                unroled.append((index, _role_content(message)))
-            elif (self._nulled is not None and index in self._nulled
-                    and isinstance(message, Mapping) and isinstance(message.get("content"), str)):
-                # Its role chunk said null (tool calls, a refusal or reasoning came
-                # first), but the upstream's own role chunk, which the library does not
-                # forward, said "" and no text followed: the answer has "".  A client
-                # assembling the stream takes "" over its None.
-                texts.append({"index": index, "delta": {"content": ""}, "finish_reason": None})
+                unroled.append((index, None if content is None else ""))
+            # The client has None where the answer has "" (text that never came, or ""
+            # only in the upstream's own role chunk, which the library does not forward:
+            # vLLM's before tool calls; a reasoning model stopped before its answer): a
+            # client assembling the stream takes the "" over its None.
+            text = (content is not None and self._nulled is not None
+                    and index in self._nulled)
             if index in self._finished:
+                if text:  # (after its finish: only where the upstream's came first)
+                    texts.append({"index": index, "delta": {"content": ""}, "finish_reason": None})
                 continue
             reason = choice.get("finish_reason") if isinstance(choice, Mapping) else None
-            finishing.append({"index": index, "delta": {},
+            finishing.append({"index": index, "delta": {"content": ""} if text else {},
                               "finish_reason": reason if isinstance(reason, str) and reason else "stop"})
         if unroled:
             out += self._roles(unroled, meta)
@@ -400,24 +407,6 @@ def _reshaped(choice: dict[str, Any], position: int, unrole: set[int] | None,
     if tools is not None:
         delta["tool_calls"] = tools
     return {**choice, "delta": delta}
-
-
-def _role_content(delta: Any) -> str | None:
-    """The content of a choice's role chunk, as OpenAI sends it: ``""`` before text,
-    null before tool calls or a refusal (whose message content is null, so that a
-    client assembling the stream gets the same message as the JSON answer) -- and
-    before reasoning, which tool calls may follow (DeepSeek's and vLLM's reasoning
-    models send null there; a client's accumulator takes the text that may follow
-    over a null as over "")."""
-    if not isinstance(delta, Mapping) or isinstance(delta.get("content"), str):
-        return ""
-    if delta.get("tool_calls") or delta.get("refusal") is not None or delta.get("function_call"):
-        return None
-    return None if _REASONING.intersection(delta) else ""
-
-
-#: The fields a reasoning delta comes in (as the assembler reads them).
-_REASONING: Final = frozenset({"reasoning_content", "reasoning"})
 
 
 def _relayed(choice: Mapping[str, Any], index: int) -> bool:
