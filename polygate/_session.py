@@ -557,9 +557,13 @@ class ChatStream:
                 self._failure = exc  # (a reader woken by the channel's close hears it too)
                 await _deliver(send, _Failed(exc))
             else:
-                if not sink.sent and _has_output(response.message):
+                if not sink.sent and any(
+                    type(c) is dict and type(c.get("message")) is dict and _has_output(c["message"])
+                    for c in response.choices
+                ):
                     # The upstream answered with a plain JSON body (it cannot stream):
-                    # the whole answer is one chunk, so iterating still shows it.
+                    # the whole answer is one chunk, so iterating still shows it (when
+                    # any choice holds something: n > 1, the first may be empty).
                     delta = message_delta(response.message)
                     # (The first item: the channel has room.  Sent and shown with no
                     # scheduler pass between: the iterator never sees one without the other.)

@@ -456,3 +456,23 @@ def test_a_source_that_cannot_stream_reaches_a_streaming_client_with_the_json_an
     events, answer = _streamed_through_the_library(body)
     want = {c["index"]: c["message"]["content"] for c in answer.choices}
     assert _contents(events) == want, events
+
+
+@pytest.mark.parametrize("first", [
+    {"role": "assistant", "content": None},
+    {"role": "assistant", "content": ""},  # (a content filter's blank)
+])
+def test_a_whole_answer_whose_first_choice_is_empty_still_shows_the_other_choices(
+    first: dict[str, Any],
+) -> None:
+    """Review: a source that cannot stream answered n = 2 with nothing in choice 0 and
+    text in choice 1: the stream showed no chunk (only choice 0 was looked at), so a
+    client of the gateway's stream never got choice 1's text."""
+    body = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": first, "finish_reason": "content_filter"},
+                        {"index": 1, "message": {"role": "assistant", "content": "t"},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    events, answer = _streamed_through_the_library(body)
+    assert _contents(events) == {0: first["content"], 1: "t"}, events
+    assert {c["index"]: c["message"]["content"] for c in answer.choices} == {0: first["content"], 1: "t"}
