@@ -1091,3 +1091,21 @@ async def test_a_connection_lingering_at_shutdown_has_its_socket_closed() -> Non
     leaked = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)
               and f"'127.0.0.1', {port})" in str(w.message)]
     assert not leaked, leaked
+
+
+@pytest.mark.parametrize("close", [False, True])
+@pytest.mark.parametrize("source", ["a", "", "bad\r\nname"])
+def test_a_prepared_answer_head_is_the_one_response_head_writes(close: bool, source: str) -> None:
+    """_send_answer writes a call's JSON answer head in one formatting: the same bytes
+    as response_head with _stats_headers (and a value check on the call id and the
+    source, which response_head gives every value)."""
+    from polygate._types import CallStats
+    from polygate.serve._app import _JSON, _answer_fields, _stats_headers
+
+    stats = CallStats(logical_call_id="gw-1234abcd", attempts=2, hedges=1, source=source or None,
+                      cached=close)
+    _, one = _connection(polygate.Serve())
+    _, two = _connection(polygate.Serve())
+    expected = one.response_head(200, [_JSON, *_stats_headers("ignored", stats)], length=17, close=close)
+    assert two.prepared_head(200, _answer_fields(stats), 17, close=close) == expected
+    assert (one.keep_alive, one.responding) == (two.keep_alive, two.responding)

@@ -502,6 +502,22 @@ class Connection:
         head = self.response_head(status, headers, length=len(body), close=close)
         await self._send(head if self.head_only else head + body)
 
+    async def send_prepared(self, status: int, fields: bytes, body: bytes, *, close: bool = False) -> None:
+        """:meth:`send_response` with the header lines already written (``fields``,
+        each line ending in CRLF, every value as :func:`_field_value` leaves it): the
+        same bytes, without a list and a join for each header."""
+        head = self.prepared_head(status, fields, len(body), close=close)
+        await self._send(head if self.head_only else head + body)
+
+    def prepared_head(self, status: int, fields: bytes, length: int, *, close: bool = False) -> bytes:
+        """:meth:`response_head` with a Content-Length, of header lines already written."""
+        self.responding = True
+        if close:
+            self.keep_alive = False
+        return b"HTTP/1.1 %d %s\r\n%s%scontent-length: %d\r\n%s\r\n" % (
+            status, _REASONS.get(status, b""), _SERVER_LINE, fields, length,
+            b"" if self.keep_alive else b"connection: close\r\n")
+
     def frame(self, payload: bytes) -> bytes:
         """A piece of a streamed body, ready to send."""
         if not self.chunked:
