@@ -259,3 +259,29 @@ async def test_an_error_event_whose_code_names_the_request_is_fatal(
                                "authentication_error": polygate.SourceDeadError,
                                "permission_error": polygate.SourceDeadError,
                                "not_found_error": polygate.SourceDeadError}[code]
+
+
+@pytest.mark.parametrize("after_content", [False, True])
+async def test_an_error_chunk_in_vllms_bare_shape_is_an_error_event(
+    after_content: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Review: a chunk ``{"object": "error", "message": ..., "code": 400}`` (vLLM's
+    error body, unwrapped) inside a 200 stream was read as a chunk without choices:
+    after content, then ``[DONE]``, ``chat()`` answered with the text so far as if it
+    were whole; before any, the call was retried as a malformed stream.  It is an
+    error event, classified by its code (a 400: fatal)."""
+    events = [b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"hel"}}]}\n\n'] \
+        if after_content else []
+    events += [b'data: {"object":"error","message":"bad input","type":"BadRequestError",'
+               b'"param":null,"code":400}\n\n', b"data: [DONE]\n\n"]
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"".join(events), headers={"content-type": "text/event-stream"})
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)])})
+    async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+        with pytest.raises(polygate.FatalUpstreamError) as info:
+            await s.chat(MESSAGES)
+    assert info.value.status_code == 400 and "bad input" in str(info.value)
+    assert info.value.call_stats is not None and info.value.call_stats.attempts == 1

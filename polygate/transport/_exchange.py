@@ -493,7 +493,9 @@ def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any
             f"malformed stream chunk: expected an object, got {type(chunk).__name__}",
             source=endpoint.name,
         )
-    if chunk.get("error") is not None:
+    if chunk.get("error") is not None or chunk.get("object") == "error":
+        # (The second: vLLM's error body unwrapped, {"object": "error", "code": 400, ...},
+        # which is never a chunk: read as one without choices, it ended an answer early.)
         raise _error_event(chunk, endpoint)
     choices = chunk.get("choices")
     if type(choices) is list:
