@@ -1109,3 +1109,31 @@ def test_a_prepared_answer_head_is_the_one_response_head_writes(close: bool, sou
     expected = one.response_head(200, [_JSON, *_stats_headers("ignored", stats)], length=17, close=close)
     assert two.prepared_head(200, _answer_fields(stats), 17, close=close) == expected
     assert (one.keep_alive, one.responding) == (two.keep_alive, two.responding)
+
+
+@pytest.mark.parametrize("eol", [b"\r\n", b"\n"])  # (the fast path; h11's, bare LF)
+async def test_a_connect_is_answered_and_the_close_is_said(eol: bytes) -> None:
+    """Review: a CONNECT read by h11 (bare-LF lines) left h11 waiting to switch
+    protocols, so the server closed after its 404 without saying so, and dropped the
+    requests pipelined behind it; the fast path kept the connection open.  Now both
+    answer it, say ``connection: close``, and close (as for an Upgrade not taken)."""
+    connect = eol.join([b"CONNECT gw:443 HTTP/1.1", b"host: gw", _KEY_LINE.rstrip(b"\r\n"), b"", b""])
+    async with gateway() as (server, _):
+        data = await _raw(server, connect + request_bytes("GET", "/healthz"))
+    assert data.count(b"HTTP/1.1 ") == 1, data
+    assert data.startswith(b"HTTP/1.1 4") and b"\r\nconnection: close\r\n" in data.lower(), data
+
+
+async def test_a_request_below_http_1_0_is_answered_as_http_1_0() -> None:
+    """Review: a request line saying ``HTTP/0.9`` was answered as HTTP/1.1: a stream
+    chunked (RFC 9112 §6.1: only to HTTP/1.1 or later) and no ``connection: close``,
+    though h11 keeps no such connection alive and the server closed it."""
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    data = (b"POST /v1/chat/completions HTTP/0.9\r\nhost: g\r\n" + _KEY_LINE
+            + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    async with gateway(Reply(tokens=3)) as (server, _):
+        answer = await _raw(server, data)
+    head = answer.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 200"), head
+    assert b"transfer-encoding: chunked" not in head and b"\r\nconnection: close" in head, head
+    assert b"data: [DONE]" in answer

@@ -126,7 +126,7 @@ class _PlainRequest:
 
 def _plain_request(data: bytes) -> tuple[_PlainRequest, bytes] | None:
     """The request at the start of ``data``, and what follows it, if the request is
-    plain and whole: an HTTP/1.1 request line, CRLF field lines (a subset of what
+    plain and whole: an HTTP/1.1 request line (not a CONNECT), CRLF field lines (a subset of what
     h11 accepts: ``polygate._http11``) with exactly one Host, at most one
     Content-Length and no Transfer-Encoding, Expect or Upgrade, and all of its body.
     ``None`` otherwise: h11 reads it, and judges it."""
@@ -135,8 +135,8 @@ def _plain_request(data: bytes) -> tuple[_PlainRequest, bytes] | None:
         return None
     lines = data[:end].split(b"\r\n")
     line = _REQUEST_LINE.fullmatch(lines[0])
-    if line is None:
-        return None
+    if line is None or line[1] == b"CONNECT":
+        return None  # (a CONNECT: h11 judges it, and the answer says close)
     headers: list[tuple[bytes, bytes]] = []
     hosts = 0
     length = -1
@@ -295,18 +295,20 @@ class Connection:
         # Whole tokens: "x-closed" is not "close".
         tokens = {t.strip() for t in b",".join(
             v for k, v in event.headers if k == b"connection").decode("latin-1").lower().split(",")}
-        if event.http_version == b"1.0":
+        if event.http_version < b"1.1":
             # HTTP/1.0 closes after the answer, and the answer says so: h11 keeps no
             # HTTP/1.0 connection alive (keep-alive is an extension it does not take),
             # and an answer without "connection: close" would read as persistent.
+            # (Nor one that says 0.9, which gets no chunked answer either.)
             self.chunked = False
             self.keep_alive = False
         else:
             self.chunked = True
             self.keep_alive = "close" not in tokens
-        if "upgrade" in headers or ("content-length" in headers and "transfer-encoding" in headers):
-            # An Upgrade (h2c, websocket) is not taken: h11 will not read past it, so
-            # the answer says close.  Content-Length beside Transfer-Encoding is a
+        if ("upgrade" in headers or event.method == b"CONNECT"
+                or ("content-length" in headers and "transfer-encoding" in headers)):
+            # An Upgrade (h2c, websocket) or a CONNECT is not taken: h11 will not read
+            # past it, so the answer says close.  Content-Length beside Transfer-Encoding is a
             # request smuggling shape: RFC 9112 §6.1 has the server close after it.
             self.keep_alive = False
         if admit is not None and not admit(path, headers):
