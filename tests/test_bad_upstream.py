@@ -285,3 +285,24 @@ async def test_an_error_chunk_in_vllms_bare_shape_is_an_error_event(
             await s.chat(MESSAGES)
     assert info.value.status_code == 400 and "bad input" in str(info.value)
     assert info.value.call_stats is not None and info.value.call_stats.attempts == 1
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+async def test_a_200_json_body_in_vllms_bare_error_shape_is_an_error(
+    streaming: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Review: the same body as a whole 200 JSON answer (a source that cannot stream,
+    or one that answered a stream request with JSON) was retried on every source as a
+    malformed body, the upstream's message lost."""
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"object": "error", "message": "bad input",
+                                         "type": "BadRequestError", "param": None, "code": 400})
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name=n, base_url=f"http://{n}/v1", api_key=SECRET, streaming=streaming)
+        for n in ("a", "b")])})
+    async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+        with pytest.raises(polygate.FatalUpstreamError) as info:
+            await s.chat(MESSAGES)
+    assert info.value.status_code == 400 and "bad input" in str(info.value)
+    assert info.value.call_stats is not None and info.value.call_stats.attempts == 1

@@ -493,9 +493,7 @@ def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any
             f"malformed stream chunk: expected an object, got {type(chunk).__name__}",
             source=endpoint.name,
         )
-    if chunk.get("error") is not None or chunk.get("object") == "error":
-        # (The second: vLLM's error body unwrapped, {"object": "error", "code": 400, ...},
-        # which is never a chunk: read as one without choices, it ended an answer early.)
+    if _is_error(chunk):
         raise _error_event(chunk, endpoint)
     choices = chunk.get("choices")
     if type(choices) is list:
@@ -594,9 +592,17 @@ async def _read_json(
             f"malformed upstream body: not JSON (content-type {shown}, {len(raw)} bytes)",
             source=endpoint.name,
         ) from None
-    if isinstance(payload, dict) and payload.get("error") is not None:
+    if isinstance(payload, dict) and _is_error(payload):
         raise _error_event(payload, endpoint)
     return payload
+
+
+def _is_error(payload: dict[str, Any]) -> bool:
+    """Whether a 200 body or a stream's chunk is an error: one with an ``error``, or
+    vLLM's error body unwrapped (``{"object": "error", "code": 400, ...}``), which is
+    never an answer or a chunk (read as one without choices, it was retried as
+    malformed, its message lost, or it ended a stream's answer early)."""
+    return payload.get("error") is not None or payload.get("object") == "error"
 
 
 async def _read_chat_json(
