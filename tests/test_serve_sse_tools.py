@@ -476,3 +476,39 @@ def test_a_whole_answer_whose_first_choice_is_empty_still_shows_the_other_choice
     events, answer = _streamed_through_the_library(body)
     assert _contents(events) == {0: first["content"], 1: "t"}, events
     assert {c["index"]: c["message"]["content"] for c in answer.choices} == {0: first["content"], 1: "t"}
+
+
+_LOGPROBS = {"content": [{"token": "t", "logprob": -0.5, "bytes": [116], "top_logprobs": []}], "refusal": None}
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_choices_reach_the_sdk_helper_in_index_order_when_a_later_one_has_logprobs(whole: bool) -> None:
+    """Review: choice 0 named its role in its own delta (no role chunk made), choice 1
+    had logprobs (a role chunk of its own, sent before the chunk): the client met
+    choice 1 before choice 0, and the OpenAI SDK's stream helper raised IndexError."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    upstream: list[dict[str, Any]] | dict[str, Any]
+    if whole:  # a source that cannot stream: its answer, one chunk
+        upstream = {"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "a"}, "finish_reason": "stop"},
+            {"index": 1, "message": {"role": "assistant", "content": "t"}, "finish_reason": "stop",
+             "logprobs": _LOGPROBS}]}
+    else:
+        upstream = [
+            {**BASE, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": "a"}, "finish_reason": None},
+                {"index": 1, "delta": {"role": "assistant", "content": "t"}, "finish_reason": None,
+                 "logprobs": _LOGPROBS}]},
+            {**BASE, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"},
+                                 {"index": 1, "delta": {}, "finish_reason": "stop"}]},
+        ]
+    events, answer = _streamed_through_the_library(upstream)
+    state = ChatCompletionStreamState()
+    for event in events:
+        state.handle_chunk(ChatCompletionChunk.model_validate(event))
+    snapshot = state.current_completion_snapshot
+    assert [c.message.content for c in snapshot.choices] == ["a", "t"]
+    assert [c["message"]["content"] for c in answer.choices] == ["a", "t"]
+    assert snapshot.choices[1].logprobs is not None and len(snapshot.choices[1].logprobs.content or []) == 1

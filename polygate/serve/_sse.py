@@ -130,6 +130,8 @@ class StreamShape:
         # Tool calls shaped (see _tool_calls), by the entry's place in ``choices``: one
         # chunk may hold two entries of one choice.
         retooled: dict[int, list[dict[str, Any]]] | None = None
+        # Choices this chunk begins that name their role themselves: (index, texted).
+        introduced: list[tuple[int, bool]] | None = None
         dropping = undelta = False
         for position, choice in enumerate(choices):
             index = choice_index(choice)
@@ -186,6 +188,10 @@ class StreamShape:
                         if unrole is None:
                             unrole = set()
                         unrole.add(index)
+                else:
+                    if introduced is None:
+                        introduced = []
+                    introduced.append((index, texted))
             else:
                 delta = choice.get("delta")
                 if isinstance(delta, Mapping) and "role" in delta:
@@ -201,6 +207,15 @@ class StreamShape:
                 self._nulled.discard(index)  # (the client's None is text now)
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
+        if unroled is not None and introduced is not None:
+            # Role chunks go before this chunk: a choice it begins with its own role
+            # would come after a higher one's role chunk (the SDK's stream helper
+            # raised IndexError), so its role goes in them too, in index order.
+            if unrole is None:
+                unrole = set()
+            for index, texted in introduced:
+                unroled.append((index, "" if texted else None))
+                unrole.add(index)
         if unrole is not None or retooled is not None or undelta:
             choices = [_reshaped(c, position, unrole, retooled) for position, c in enumerate(choices)]
             raw = {**raw, "choices": choices}
