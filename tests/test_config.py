@@ -433,11 +433,11 @@ def test_a_name_that_ends_in_a_line_break_is_refused(name: str, tmp_path: Any) -
 def test_a_header_value_cannot_end_the_head_early() -> None:
     """Defence in depth: a value with a line break or a NUL (never one of ours) is
     written with spaces in their place, never as the end of the head."""
-    from polygate.serve._http import _field_value
+    from polygate.serve._http import field_value
 
-    assert _field_value(b"a\n") == b"a "
-    assert _field_value(b"a\r\nb: c\x00") == b"a  b: c "
-    assert _field_value(b"plain-1") == b"plain-1"
+    assert field_value(b"a\n") == b"a "
+    assert field_value(b"a\r\nb: c\x00") == b"a  b: c "
+    assert field_value(b"plain-1") == b"plain-1"
 
 
 def test_a_fallback_reason_that_ends_in_a_line_break_is_refused() -> None:

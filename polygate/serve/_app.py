@@ -40,7 +40,7 @@ from .._key_quota import KeyQuotas, KeyRefusal
 from .._session import Session
 from .._types import CallStats, ChatResponse, StreamChunk
 from ._errors import ErrorReply, reply_for
-from ._http import ClientGone, Connection, Request, _field_value
+from ._http import ClientGone, Connection, Request, field_value
 from ._json import Unencodable, dump, has_lone_surrogate
 from ._meter import CURRENT, CallMeter, tap
 from ._metrics import Metrics, render
@@ -562,9 +562,9 @@ async def _send_answer(ctx: Context, body: bytes, stats: CallStats) -> int:
 
 
 def _answer_fields(stats: CallStats) -> bytes:
-    cid = _field_value(stats.logical_call_id.encode())
+    cid = field_value(stats.logical_call_id.encode())
     return _ANSWER_FIELDS % (
-        cid, cid, _field_value((stats.source or "").encode()), stats.attempts, stats.hedges,
+        cid, cid, field_value((stats.source or "").encode()), stats.attempts, stats.hedges,
         b"true" if stats.cached else b"false")
 
 

@@ -47,7 +47,7 @@ from .._config import Serve
 from .._http11 import FIELD_LINE, LENGTH_DIGITS, TOKEN
 from .._sockets import receive_when_readable, write_first
 
-__all__ = ["ClientGone", "Connection", "HTTPProblem", "Request", "reason"]
+__all__ = ["ClientGone", "Connection", "HTTPProblem", "Request", "field_value", "reason"]
 
 _RECEIVE: Final = 65536
 _MAX_HEAD: Final = 64 * 1024  # request line and headers
@@ -126,9 +126,9 @@ class _PlainRequest:
 
 def _plain_request(data: bytes) -> tuple[_PlainRequest, bytes] | None:
     """The request at the start of ``data``, and what follows it, if the request is
-    plain and whole: an HTTP/1.1 request line (not a CONNECT), CRLF field lines (a subset of what
-    h11 accepts: ``polygate._http11``) with exactly one Host, at most one
-    Content-Length and no Transfer-Encoding, Expect or Upgrade, and all of its body.
+    plain and whole: an HTTP/1.1 request line (not a CONNECT), CRLF field lines (a
+    subset of what h11 accepts: ``polygate._http11``) with exactly one Host, at most
+    one Content-Length and no Transfer-Encoding, Expect or Upgrade, and all of its body.
     ``None`` otherwise: h11 reads it, and judges it."""
     end = data.find(b"\r\n\r\n")
     if end < 0 or end + 4 > _MAX_HEAD:
@@ -308,8 +308,9 @@ class Connection:
         if ("upgrade" in headers or event.method == b"CONNECT"
                 or ("content-length" in headers and "transfer-encoding" in headers)):
             # An Upgrade (h2c, websocket) or a CONNECT is not taken: h11 will not read
-            # past it, so the answer says close.  Content-Length beside Transfer-Encoding is a
-            # request smuggling shape: RFC 9112 §6.1 has the server close after it.
+            # past it, so the answer says close.  Content-Length beside
+            # Transfer-Encoding is a request smuggling shape: RFC 9112 §6.1 has the
+            # server close after it.
             self.keep_alive = False
         if admit is not None and not admit(path, headers):
             raise HTTPProblem(
@@ -487,7 +488,7 @@ class Connection:
         if close or (length is None and not self.chunked):
             self.keep_alive = False
         out = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"")), _SERVER_LINE]
-        out += [name + b": " + _field_value(value) + b"\r\n" for name, value in headers]
+        out += [name + b": " + field_value(value) + b"\r\n" for name, value in headers]
         if length is not None:
             out.append(b"content-length: %d\r\n" % length)
         elif self.chunked:
@@ -506,7 +507,7 @@ class Connection:
 
     async def send_prepared(self, status: int, fields: bytes, body: bytes, *, close: bool = False) -> None:
         """:meth:`send_response` with the header lines already written (``fields``,
-        each line ending in CRLF, every value as :func:`_field_value` leaves it): the
+        each line ending in CRLF, every value as :func:`field_value` leaves it): the
         same bytes, without a list and a join for each header."""
         head = self.prepared_head(status, fields, len(body), close=close)
         await self._send(head if self.head_only else head + body)
@@ -632,7 +633,7 @@ class Connection:
 _UNSAFE_IN_VALUES = bytes.maketrans(b"\r\n\x00", b"   ")
 
 
-def _field_value(value: bytes) -> bytes:
+def field_value(value: bytes) -> bytes:
     """``value`` as a header value can hold it: a line break or NUL (never in a value
     of ours: names are validated, but one would end the head early and split the
     answer) becomes a space."""
