@@ -484,31 +484,26 @@ class Connection:
         """A response head: ``length`` gives a Content-Length, ``None`` a stream
         (chunked on HTTP/1.1, close-delimited on HTTP/1.0).  Every header is ours:
         names are constants, values numbers, ids and names the settings validated."""
-        self.responding = True
-        if close or (length is None and not self.chunked):
-            self.keep_alive = False
-        out = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"")), _SERVER_LINE]
-        out += [name + b": " + field_value(value) + b"\r\n" for name, value in headers]
+        fields = _fields(headers)
         if length is not None:
-            out.append(b"content-length: %d\r\n" % length)
-        elif self.chunked:
-            out.append(b"transfer-encoding: chunked\r\n")
-        if not self.keep_alive:
-            out.append(b"connection: close\r\n")
-        out.append(b"\r\n")
-        return b"".join(out)
+            return self.prepared_head(status, fields, length, close=close)
+        self.responding = True
+        if close or not self.chunked:
+            self.keep_alive = False
+        return b"HTTP/1.1 %d %s\r\n%s%s%s%s\r\n" % (
+            status, _REASONS.get(status, b""), _SERVER_LINE, fields,
+            b"transfer-encoding: chunked\r\n" if self.chunked else b"",
+            b"" if self.keep_alive else b"connection: close\r\n")
 
     async def send_response(
         self, status: int, headers: Headers, body: bytes, *, close: bool = False
     ) -> None:
         """A whole response (head and body) in one write; a HEAD's without the body."""
-        head = self.response_head(status, headers, length=len(body), close=close)
-        await self._send(head if self.head_only else head + body)
+        await self.send_prepared(status, _fields(headers), body, close=close)
 
     async def send_prepared(self, status: int, fields: bytes, body: bytes, *, close: bool = False) -> None:
         """:meth:`send_response` with the header lines already written (``fields``,
-        each line ending in CRLF, every value as :func:`field_value` leaves it): the
-        same bytes, without a list and a join for each header."""
+        each line ending in CRLF, every value as :func:`field_value` leaves it)."""
         head = self.prepared_head(status, fields, len(body), close=close)
         await self._send(head if self.head_only else head + body)
 
@@ -631,6 +626,11 @@ class Connection:
 
 
 _UNSAFE_IN_VALUES = bytes.maketrans(b"\r\n\x00", b"   ")
+
+
+def _fields(headers: Headers) -> bytes:
+    """``headers`` as a head's field lines, each value as :func:`field_value` leaves it."""
+    return b"".join([name + b": " + field_value(value) + b"\r\n" for name, value in headers])
 
 
 def field_value(value: bytes) -> bytes:
