@@ -6,6 +6,7 @@ It turns an attempt's end into the accounting rules (``docs/admission.md``), in 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Collection, Mapping, Sequence
@@ -17,6 +18,7 @@ from .._config import Breaker, Settings
 from .._errors import Outcome
 from ._backend import GovernanceBackend
 from ._estimate import TokenEstimator, default_estimator
+from ._line import Line, Waiter
 from ._model import (
     Admission,
     AdmitRequest,
@@ -71,6 +73,56 @@ def only_breakers(refusals: Sequence[Refusal]) -> bool:
     too large aside): what a call with a fallback does not wait for."""
     waitable = _waitable(refusals)
     return bool(waitable) and all(r.reason is RefusalReason.BREAKER_OPEN for r in waitable)
+
+
+@attrs.frozen
+class _Refused:
+    """What a pass of admission that every candidate refused means for a waiter."""
+
+    refusals: Sequence[Refusal]
+    never: bool  # nothing a wait cures (dead sources, estimates too large)
+    breakers: bool  # open breakers are all a wait cures
+    cooldowns: bool  # rate-limit cooldowns are all a wait cures
+    unknown: bool  # some refusal has no time it ends by
+    next_at: float  # the earliest known time one may end
+
+    @classmethod
+    def of(cls, refusals: Sequence[Refusal]) -> _Refused:
+        waitable = _waitable(refusals)
+        known = [r.retry_at for r in waitable if r.retry_at is not None]
+        # A dead source is never waited for alone; but a call that waits anyway is
+        # woken when its cooldown ends (and is not given up on before then).
+        dead = [r.retry_at for r in refusals if r.reason is RefusalReason.DEAD and r.retry_at is not None]
+        return cls(
+            refusals, never=not waitable, breakers=only_breakers(refusals),
+            cooldowns=all(r.reason is RefusalReason.COOLING_DOWN for r in waitable),
+            # A time that is only the latest (``sooner``) wakes the wait but does not
+            # let it give up early: the source may accept before it.
+            unknown=len(known) < len(waitable) or any(r.sooner for r in waitable),
+            next_at=min(known + dead, default=math.inf),
+        )
+
+    def bound(self, give_up_at: float, cooldown_give_up_at: float) -> float:
+        """The waiter's limit: a wait for cooldowns alone has its own."""
+        return min(give_up_at, cooldown_give_up_at) if self.cooldowns else give_up_at
+
+    def gives_up(
+        self, now: float, give_up_at: float, cooldown_give_up_at: float, wait_for_breakers: bool
+    ) -> bool:
+        return self.never or (not wait_for_breakers and self.breakers) or self.timed_out(
+            now, give_up_at, cooldown_give_up_at
+        )
+
+    def timed_out(self, now: float, give_up_at: float, cooldown_give_up_at: float) -> bool:
+        """Nothing will admit before the waiter's limit, or the limit is here."""
+        bound = self.bound(give_up_at, cooldown_give_up_at)
+        return (not self.unknown and self.next_at > bound) or now >= bound
+
+    @property
+    def telling(self) -> bool:
+        """Whether it may make a waiter with other limits give up: the refusals have
+        a known end, or are open breakers (which a call with a fallback leaves)."""
+        return not self.unknown or self.breakers
 
 
 class NoAdmission(Exception):
@@ -132,6 +184,8 @@ class Governor:
         self._suppressed: dict[str, int] = {}
         # (scope, source) -> when its open breaker half-opens, as a refusal reported it
         self._probe_due: dict[tuple[str, str], float] = {}
+        # (scope, excluded sources) -> the primary attempts waiting there, in order
+        self._lines: dict[tuple[str, frozenset[str]], Line] = {}
         for scope_name, scope in settings.scopes.items():
             for source in scope.sources:
                 key = (scope_name, source.name)
@@ -206,35 +260,44 @@ class Governor:
         breakers."""
         if cooldown_give_up_at is None:
             cooldown_give_up_at = give_up_at
-        while True:
-            # Taken before the check: a permit returned while the check's round trip
-            # is in flight (a shared backend) still wakes the wait below.
-            mark = self.backend.change_mark()
-            result = await self.try_admit(scope_name, tokens, exclude=exclude, demote=demote)
-            if isinstance(result, Admission):
-                return result
-            refusals = result
-            waitable = _waitable(refusals)
-            if not waitable or (not wait_for_breakers and only_breakers(refusals)):
-                raise NoAdmission(refusals)
-            known = [r.retry_at for r in waitable if r.retry_at is not None]
-            # A time that is only the latest (``sooner``) wakes the wait but does not
-            # let it give up early: the source may accept before it.
-            unknown = len(known) < len(waitable) or any(r.sooner for r in waitable)
-            # A dead source is never waited for alone; but a call that waits anyway is
-            # woken when its cooldown ends (and is not given up on before then).
-            known += [r.retry_at for r in refusals
-                      if r.reason is RefusalReason.DEAD and r.retry_at is not None]
-            next_at = min(known) if known else math.inf
-            only_cooldowns = all(r.reason is RefusalReason.COOLING_DOWN for r in waitable)
-            bound = min(give_up_at, cooldown_give_up_at) if only_cooldowns else give_up_at
-            now = self.backend.now()
-            if (not unknown and next_at > bound) or now >= bound:
-                raise NoAdmission(refusals, timed=True)
-            # A retry time that is already due (clock arithmetic, or a shared backend's
-            # time converted to ours) must not turn the wait into a spin.
-            next_at = max(next_at, now + _MIN_WAIT_S)
-            await self.backend.wait_changed(min(next_at, bound), mark)
+        key = (scope_name, frozenset(exclude))
+        line: Line | None = None
+        waiter: Waiter | None = None
+        try:
+            while True:
+                # Taken before the check: a permit returned while the check's round trip
+                # is in flight (a shared backend) still wakes the wait below.
+                mark = self.backend.change_mark()
+                result = await self.try_admit(scope_name, tokens, exclude=exclude, demote=demote)
+                if isinstance(result, Admission):
+                    return result
+                refused = _Refused.of(result)
+                now = self.backend.now()
+                if refused.never or (not wait_for_breakers and refused.breakers):
+                    raise NoAdmission(result)
+                if refused.timed_out(now, give_up_at, cooldown_give_up_at):
+                    raise NoAdmission(result, timed=True)
+                bound = refused.bound(give_up_at, cooldown_give_up_at)
+                if line is None or waiter is None:
+                    line = self._lines.get(key)
+                    if line is None:
+                        line = self._lines[key] = Line()
+                    waiter = Waiter(give_up_at, cooldown_give_up_at, wait_for_breakers)
+                    line.join(waiter)
+                if line.first() is waiter:
+                    if refused.telling:
+                        line.wake_if(result, functools.partial(refused.gives_up, now))
+                    # A retry time that is already due (clock arithmetic, or a shared
+                    # backend's time converted to ours) must not turn the wait into a spin.
+                    wake_at = max(refused.next_at, now + _MIN_WAIT_S)
+                    await self.backend.wait_changed(min(wake_at, bound), mark)
+                else:
+                    await waiter.sleep_until(bound)
+        finally:
+            if line is not None and waiter is not None:
+                line.leave(waiter)
+                if not line and self._lines.get(key) is line:
+                    del self._lines[key]
 
     async def release(
         self,
