@@ -5,6 +5,7 @@ or streaming.  Raw sockets against a loopback FakeUpstream, real clock."""
 
 from __future__ import annotations
 
+import json
 import socket
 import sqlite3
 from pathlib import Path
@@ -164,6 +165,65 @@ async def test_client_that_stops_reading_is_dropped() -> None:
         await wait_for(lambda: upstream.in_flight == 0)
         assert upstream.requests[0].outcome == "client_closed"  # cut, not finished
         await client.aclose()
+
+
+def _whole(received: bytes) -> bool:
+    """A response with a Content-Length, all here."""
+    head, sep, body = received.partition(b"\r\n\r\n")
+    lengths = [int(line.split(b":")[1]) for line in head.split(b"\r\n")
+               if line.lower().startswith(b"content-length:")]
+    return bool(sep) and bool(lengths) and len(body) >= lengths[0]
+
+
+async def _read_slowly(client: trio.SocketStream, *, pause_s: float, limit_s: float) -> bytes:
+    """Everything until the server closes or ends the body: 16 KB a read, one
+    read every ``pause_s`` (a slow, steady reader, never silent for long)."""
+    received = bytearray()
+    with trio.fail_after(limit_s):
+        while not received.endswith(b"\r\n0\r\n\r\n") and not _whole(received):
+            try:
+                data = await client.receive_some(16384)
+            except trio.BrokenResourceError:
+                break
+            if not data:
+                break
+            received += data
+            await trio.sleep(pause_s)  # pacing the reader, not a race
+    return bytes(received)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_slow_steady_reader_gets_the_whole_answer(stream: bool) -> None:
+    """``send_timeout_s`` is for a client that stops reading: one that reads a large
+    answer slowly but steadily (a read every 10 ms, its receive buffer small) gets it
+    whole, however much longer than the timeout the answer takes.  (The timeout used
+    to bound each write whole: the answer was cut after ~0.5 s, counted a
+    disconnect.)"""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], send_timeout_s=0.5)
+    # 10 tokens of 60,000 characters: 600 KB, streamed in bursts larger than a frame
+    # the kernel takes at once.
+    text = " ".join(["y" * 60_000] * 10)
+    upstream = FakeUpstream(Reply(tokens=10, text=text))
+    async with gateway(upstream, serve=serve) as (server, _):
+        client = trio.SocketStream(trio.socket.socket())
+        client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await client.socket.connect(("127.0.0.1", server.port))
+        await client.send_all(request_bytes("POST", "/v1/chat/completions", {**CHAT, "stream": stream}, AUTH))
+        started = trio.current_time()
+        received = await _read_slowly(client, pause_s=0.01, limit_s=30)
+        took = trio.current_time() - started
+        await client.aclose()
+        assert server.metrics.disconnects == 0
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    if stream:
+        assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    else:
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        assert len(body) == length
+        assert json.loads(body)["choices"][0]["message"]["content"] == text
+    assert took > 2 * serve.send_timeout_s  # the test means something: slower than the timeout
 
 
 async def test_grace_end_tells_a_started_stream_why() -> None:

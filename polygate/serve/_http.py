@@ -107,6 +107,9 @@ _H11_ONLY: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 #: comes (see Connection.aclose), and in what pieces.
 LINGER_S: Final = 2.0
 _LINGER_READ: Final = 65536
+#: What one send may take before the send timeout starts again: a client that reads
+#: less than this in ``send_timeout_s`` is one that stopped reading.
+_SEND_PIECE: Final = 16 * 1024
 
 
 class _PlainRequest:
@@ -550,7 +553,7 @@ class Connection:
             self.finishing.add(scope)
             self.writing = scope
             try:
-                await self.stream.send_all(data)
+                await self._send_all(scope, data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.client_gone = True
                 raise ClientGone from None
@@ -569,9 +572,10 @@ class Connection:
         rest = await write_first(self.stream, data)
         if not rest:
             return
-        with trio.move_on_after(self.limits.send_timeout_s) as self.writing:
+        with trio.CancelScope(deadline=trio.current_time() + self.limits.send_timeout_s) as scope:
+            self.writing = scope
             try:
-                await self.stream.send_all(rest)
+                await self._send_all(scope, rest)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.client_gone = True
                 raise ClientGone from None
@@ -580,6 +584,18 @@ class Connection:
             return
         self.client_gone = True  # a client that does not read is a client that left
         raise ClientGone
+
+    async def _send_all(self, scope: trio.CancelScope, data: bytes | memoryview) -> None:
+        """``send_all`` in pieces, each the kernel takes moving ``scope``'s deadline
+        (the send timeout) on: the timeout is for a client that stops reading, not for
+        the whole of a large answer to one that reads slowly and steadily."""
+        view = memoryview(data)
+        while view:
+            piece = view[:_SEND_PIECE]
+            await self.stream.send_all(piece)
+            view = view[len(piece):]
+            if view:
+                scope.deadline = trio.current_time() + self.limits.send_timeout_s
 
     def pending(self) -> bool:
         """Whether bytes of a next request are already here (pipelined)."""
