@@ -253,12 +253,16 @@ async def test_grace_end_tells_a_started_stream_why() -> None:
     assert server.metrics.attempts == {"chat": 1}
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/embeddings"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/embeddings", "stream"])
 async def test_a_json_call_cut_by_the_drain_is_counted(path: str) -> None:
-    """A JSON call (chat or embeddings) that the drain's grace period cuts is answered
-    503 ``shutting_down`` and counted so in /metrics, with the attempt it made."""
+    """A JSON call (chat or embeddings, or a stream before its head) that the drain's
+    grace period cuts is answered 503 ``shutting_down`` and counted so in /metrics,
+    with the attempt it made; the answer's headers say so too (review: they said no
+    attempt)."""
     upstream = FakeUpstream(Reply(first_token_s=30, headers_delay_s=30))
-    body = CHAT if path.endswith("completions") else {"model": "chat", "input": ["x"]}
+    body: object = {"model": "chat", "input": ["x"]} if path == "/v1/embeddings" else CHAT
+    if path == "stream":
+        path, body = "/v1/chat/completions", {**CHAT, "stream": True}
     async with gateway(upstream) as (server, _):
         client = await trio.open_tcp_stream("127.0.0.1", server.port)
         await client.send_all(request_bytes("POST", path, body, AUTH))
@@ -271,6 +275,8 @@ async def test_a_json_call_cut_by_the_drain_is_counted(path: str) -> None:
                 received += data
         await client.aclose()
     assert received.startswith(b"HTTP/1.1 503")
+    head = received.partition(b"\r\n\r\n")[0].lower()
+    assert b"\r\nx-polygate-attempts: 1\r\n" in head  # (no source: nothing won)
     assert _results(server) == {"shutting_down": 1}
     assert server.metrics.attempts == {"chat": 1}
 

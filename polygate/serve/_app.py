@@ -593,7 +593,10 @@ async def _stopped(ctx: Context, call_id: str) -> int:
     send: a 499), or a drain's grace period ended (the client is told why)."""
     if ctx.conn.client_gone:
         raise ClientGone
-    return await _fail(ctx, _SHUTDOWN, call_id)
+    # The call ran (its row is written as its cancellation unwound): its figures, as
+    # any failed call's answer has them and /metrics counts them.
+    meter = ctx.meter
+    return await _fail(ctx, _SHUTDOWN, call_id, meter.stats if meter is not None else None)
 
 
 async def _call_failed(
