@@ -311,7 +311,10 @@ async def _guarded(
             outcome = control.cancel_reason
             raise AttemptCancelled(outcome) from None
         error = exc
-        outcome = exc.outcome
+        # The session closed under it (a call from a task outside the session block,
+        # its connection cut by the pool's close): the caller's doing, not the
+        # upstream's -- settled as a cancellation, no breaker, no health.
+        outcome = Outcome.CANCELLED if ctx.runtime.closed else exc.outcome
         raise
     finally:
         if outcome is Outcome.CANCELLED:

@@ -18,6 +18,7 @@ import trio.testing
 import polygate
 from polygate.testing import FakeUpstream, Reply, Router
 
+from ._serve_kit import wait_for
 from .conftest import MESSAGES, ask, one_source_settings
 
 _CTRL_C = textwrap.dedent('''
@@ -124,6 +125,48 @@ async def test_a_call_outliving_its_session_sends_nothing_more(
     assert len(up.requests) == 1
     assert [type(e) for e in outcome] == [polygate.PolygateError]
     assert "session is closed" in str(outcome[0])
+
+@pytest.mark.integration
+async def test_a_call_cut_by_its_session_closing_does_not_feed_the_breaker() -> None:
+    """Review (stateful): calls from tasks outside the session block, in flight on the
+    session's own connections when it closed, were cut by the pool's close and settled
+    as transient failures of the upstream: two of them opened a breaker of
+    ``failures=2`` on a healthy source (a shared backend keeps that for every replica).
+    The session's own closing is a cancellation, as the caller's would be."""
+    upstream = FakeUpstream(Reply(first_token_s=1.0, tokens=2))
+    outcomes: list[BaseException] = []
+    async with upstream.serve() as base_url:
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url=base_url, timeout_s=5)],
+            retry=polygate.Retry(max_attempts=2, backoff_base_s=0.01),
+            breaker=polygate.Breaker(failures=2))})
+
+        async def chat(s: polygate.Session) -> None:
+            try:
+                await s.chat(MESSAGES)
+            except polygate.PolygateError as exc:
+                outcomes.append(exc)
+
+        async def stream(s: polygate.Session) -> None:
+            try:
+                async with s.stream_chat(MESSAGES) as chunks:
+                    async for _ in chunks:
+                        pass
+            except polygate.PolygateError as exc:
+                outcomes.append(exc)
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                async with polygate.session(settings) as s:
+                    nursery.start_soon(chat, s)
+                    nursery.start_soon(stream, s)
+                    await wait_for(lambda: upstream.in_flight == 2)  # both in flight
+    assert [str(e) for e in outcomes] == ["this session is closed"] * 2
+    state = (await s.statistics()).governance.sources[0].state
+    assert (state.in_flight, state.tokens_reserved) == (0, 0)
+    assert state.consecutive_failures == 0
+    assert state.breaker is polygate.governance.BreakerState.CLOSED
+
 
 async def test_a_call_outliving_its_session_launches_no_hedge(
     autojump_clock: trio.testing.MockClock,
