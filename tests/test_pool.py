@@ -440,9 +440,11 @@ async def test_a_sessions_idle_upstream_connections_close_without_traffic(
 
 
 @pytest.mark.parametrize("hang_up", ["eof", "reset"])
-async def test_reused_connection_closed_as_we_send_is_retried_once(hang_up: str) -> None:
-    """The race a readability check cannot see: the server reads the next request
-    and hangs up without a byte of answer.  Sent again on a fresh connection."""
+async def test_a_request_a_server_read_and_hung_up_on_is_not_sent_again(hang_up: str) -> None:
+    """The server reads the next request on a kept-alive connection and hangs up without
+    a byte of answer.  It may have acted on it (a generation, a bill): the request is
+    not sent again behind the caller's back (review: it was, once, on a fresh
+    connection, uncounted as an attempt), the failure is the caller's, as httpx's."""
     seen: list[int] = []
 
     async def handler(stream: trio.SocketStream, n: int) -> None:
@@ -458,8 +460,77 @@ async def test_reused_connection_closed_as_we_send_is_retried_once(hang_up: str)
 
     async with raw_server(handler) as url, LeanTransport() as transport:
         assert (await fetch(transport, post(url))).content == b"ok"
-        assert (await fetch(transport, post(url))).content == b"ok"
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+            await fetch(transport, post(url))
+        assert seen == [1, 1]
+        assert transport.statistics().retried == 0
+        assert (await fetch(transport, post(url))).content == b"ok"  # on a new connection
         assert seen == [1, 1, 2]
+
+
+@pytest.mark.parametrize("max_attempts", [1, 3])
+async def test_a_call_whose_request_was_read_and_hung_up_on_counts_the_attempt(max_attempts: int) -> None:
+    """Through a session: the retry that follows such a hang-up is polygate's own, an
+    attempt counted (and bounded by max_attempts), never a silent second request."""
+    body = json.dumps({"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop"}]}).encode()
+    seen: list[int] = []
+
+    async def handler(stream: trio.SocketStream, n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        while await read_request(stream, conn):
+            seen.append(n)
+            if len(seen) == 2:
+                return  # read, then gone without a byte
+            await answer(stream, conn, body)
+            conn.start_next_cycle()
+
+    async with raw_server(handler) as url:
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url=url, streaming=False)],
+            retry=polygate.Retry(max_attempts=max_attempts, backoff_base_s=0.001))})
+        async with polygate.session(settings) as s:
+            await s.chat([{"role": "user", "content": "hi"}])
+            if max_attempts == 1:
+                with pytest.raises(polygate.AllSourcesExhausted) as info:
+                    await s.chat([{"role": "user", "content": "hi"}])
+                assert info.value.call_stats.attempts == 1
+                assert seen == [1, 1]
+            else:
+                response = await s.chat([{"role": "user", "content": "hi"}])
+                assert response.call_stats.attempts == 2
+                assert seen == [1, 1, 2]
+
+
+async def test_a_request_a_closed_connection_refused_to_take_is_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race the readability check cannot see, where nothing reached the server: it
+    reset the idle connection just before the write, which fails.  Sent once more on
+    a fresh connection: the server never read it."""
+    closed = trio.Event()
+
+    async def handler(stream: trio.SocketStream, n: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        if await read_request(stream, conn):
+            await answer(stream, conn)
+            if n == 1:
+                reset_on_close(stream)
+                await stream.aclose()
+                closed.set()
+                return
+            conn.start_next_cycle()
+            while await read_request(stream, conn):
+                await answer(stream, conn)
+                conn.start_next_cycle()
+
+    async with raw_server(handler) as url, LeanTransport() as transport:
+        assert (await fetch(transport, post(url))).content == b"ok"
+        await closed.wait()
+        (idle,) = [c for stack in transport._idle.values() for c in stack]
+        await trio.lowlevel.wait_readable(idle.socket)  # the reset is here
+        monkeypatch.setattr(LeanTransport, "_usable", lambda self, conn, now: True)  # unseen
+        assert (await fetch(transport, post(url))).content == b"ok"
         assert transport.statistics().retried == 1
 
 
@@ -910,20 +981,26 @@ async def test_an_answer_sent_before_the_body_was_read_is_the_answer() -> None:
     assert info.value.call_stats is not None and info.value.call_stats.attempts == 1
 
 
-async def test_the_resend_after_a_stale_connection_goes_on_a_new_one() -> None:
+async def test_the_resend_after_a_stale_connection_goes_on_a_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """review: two kept-alive connections the server dropped without a FIN: the first
     try took one, the one resend took the other, and the request failed."""
     release = trio.Event()
+    gone = [trio.Event(), trio.Event()]
 
-    async def handler(stream: trio.SocketStream, _n: int) -> None:
+    async def handler(stream: trio.SocketStream, n: int) -> None:
         conn = h11.Connection(h11.SERVER)
         if not await read_request(stream, conn):
             return
         await release.wait()  # both first requests in flight: two connections
         await answer(stream, conn)
-        conn.start_next_cycle()
-        if await read_request(stream, conn):
+        if n <= 2:
             reset_on_close(stream)  # gone, without a word
+            await stream.aclose()
+            gone[n - 1].set()
+            return
+        conn.start_next_cycle()
 
     async with raw_server(handler) as url, LeanTransport() as transport:
         async with trio.open_nursery() as nursery:
@@ -932,6 +1009,12 @@ async def test_the_resend_after_a_stale_connection_goes_on_a_new_one() -> None:
             await wait_until(lambda: transport.statistics().opened == 2)
             release.set()
         assert transport.statistics().idle == 2
+        for event in gone:
+            await event.wait()
+        for stack in transport._idle.values():
+            for conn in stack:
+                await trio.lowlevel.wait_readable(conn.socket)  # the resets are here
+        monkeypatch.setattr(LeanTransport, "_usable", lambda self, conn, now: True)  # unseen
         assert (await fetch(transport, post(url))).content == b"ok"
         assert transport.statistics().retried == 1
 

@@ -46,11 +46,13 @@ What it does (and does not)
 * Idle connections expire after ``keepalive_expiry`` seconds; one the server has
   closed (readable while idle) is dropped when it is next picked, and by
   :meth:`LeanTransport.close_idle`, which a session calls every few seconds.  If a reused
-  connection fails before a single byte of the response arrived (the server
-  closed it just as we sent), the request is sent once more on another
-  connection: the body is bytes, so it can be replayed.  (A server that read the
-  request, acted on it and died without a byte of answer would see it twice; a
-  fresh connection is never retried.)
+  connection fails while the request is being written (the server had closed it:
+  a reset before the write was done) and no byte of an answer came, the request is
+  sent once more on another connection.  Once the whole request was written, it is
+  never sent again: a server that read it and hung up without a byte of answer may
+  have acted on it (a generation, a bill), so the failure is the caller's to retry
+  or not (polygate's retry policy counts it as an attempt), as httpx, Go's
+  ``net/http`` and urllib3 do for a POST.  A fresh connection is never retried.
 * The common exchange never touches h11: a plain request is written here, byte for
   byte as h11 would write it (see "the request" below), and an answer whose whole
   head is in the first read and has the plain shape (``HTTP/1.1``, a final status,
@@ -384,6 +386,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn, reused = await self._acquire(key, request, timeouts, fresh=attempt == 2)
             h = conn.h11
             got_bytes = False
+            written = False  # the whole request went out: the server may have acted on it
             error_class: type[httpx.TransportError] = httpx.WriteError
             try:
                 if wire is not None:
@@ -398,6 +401,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     on_sent()
                 try:
                     await conn.send(data, timeouts[3])
+                    written = True
                 except (trio.BrokenResourceError, OSError) as exc:
                     if type(conn.stream) is not trio.SocketStream:
                         raise  # (TLS: a stream broken by a failed send reads nothing more)
@@ -488,6 +492,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 if (
                     attempt == 1
                     and reused
+                    and not written
                     and not got_bytes
                     and isinstance(exc, (_Disconnected, *_STALE_ERRORS))
                 ):
