@@ -5,6 +5,7 @@ once; a waiter that leaves passes its turn on."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -216,3 +217,139 @@ def test_admission_is_first_come_first_served_and_leaves_no_permit_idle(
         assert state.in_flight == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# review: where the first waiter's refusals do not hold for the others --------------------
+
+
+def _two(a: dict[str, Any], b: dict[str, Any]) -> polygate.Settings:
+    return polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET, weight=1.0, **a),
+        polygate.Source(name="b", base_url="http://b/v1", api_key=SECRET, weight=1e-9, **b),
+    ])})
+
+
+def _sent(tag: int, *upstreams: FakeUpstream) -> float:
+    return next(r.started_at for u in upstreams for r in u.requests if _tag(r) == tag)
+
+
+async def test_a_smaller_call_is_not_kept_behind_a_first_too_large_for_the_free_source(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Source a's tpm is too small for the first waiter's estimate, ever; both sources
+    busy.  When a's permit comes back, the smaller call behind it takes it at once (it
+    waited for b, 90 s longer, behind the first)."""
+    a = FakeUpstream(Reply(first_token_s=10, tokens=5))
+    b = FakeUpstream(Reply(first_token_s=100, tokens=5))
+    async with polygate.session(_two({"tpm": 1000, "max_in_flight": 1},
+                                     {"tpm": 100_000, "max_in_flight": 1}),
+                                transport=Router({"a": a, "b": b})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.chat, _asking(0))  # a
+            await trio.sleep(0.1)
+            nursery.start_soon(s.chat, _asking(1))  # b (a is full)
+            await trio.sleep(0.1)
+            nursery.start_soon(functools.partial(s.chat, _asking(2), max_tokens=5000))  # never a
+            await trio.sleep(0.1)
+            nursery.start_soon(functools.partial(s.chat, _asking(3), max_tokens=10))
+    assert _sent(3, a, b) == pytest.approx(10)
+
+
+async def test_a_cooldown_the_first_cannot_see_the_end_of_is_watched_by_the_others(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Source a cools down (a 429) until t=10 and is too small for the first waiter
+    anyway; b is busy until t=100.  The smaller call behind it is sent on a at 10."""
+    a = FakeUpstream([Reply(status=429, retry_after_s=10), Reply(tokens=2)])
+    b = FakeUpstream(Reply(first_token_s=100, tokens=5))
+    async with polygate.session(_two({"tpm": 1000}, {"tpm": 100_000, "max_in_flight": 1}),
+                                transport=Router({"a": a, "b": b})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.chat, _asking(0))  # a: 429, then b for 100 s
+            await trio.sleep(0.1)
+            nursery.start_soon(functools.partial(s.chat, _asking(1), max_tokens=5000))
+            await trio.sleep(0.1)
+            nursery.start_soon(functools.partial(s.chat, _asking(2), max_tokens=10))
+    assert _sent(2, a, b) == pytest.approx(10)
+
+
+async def test_a_waiter_whose_own_estimate_cannot_fit_in_time_gives_up_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The first waiter (a small estimate) would fit the tpm window at 60 when the
+    permit comes back at 25; the one behind it (a larger estimate, a deadline at 70)
+    only at 80: it fails at 25, as a waiter that learns it cannot make its deadline
+    does, not when its turn or its deadline comes."""
+    a = FakeUpstream([
+        Reply(first_token_s=1, tokens=400),  # 401 tokens at 0..1
+        Reply(first_token_s=5, tokens=550),  # 551 tokens at 20..25
+        Reply(first_token_s=1, tokens=5),
+    ])
+    ended: dict[int, float] = {}
+    errors: dict[int, BaseException] = {}
+
+    async def call(i: int, deadline: float, max_tokens: int) -> None:
+        try:
+            await s.chat(_asking(i), call_deadline_s=deadline, max_tokens=max_tokens)
+        except polygate.PolygateError as exc:
+            errors[i] = exc
+        ended[i] = trio.current_time()
+
+    async with polygate.session(_settings(tpm=1000, max_in_flight=1), transport=Router({"a": a})) as s:
+        async with trio.open_nursery() as nursery:
+            await call(0, 100, 400)
+            await trio.sleep_until(20)
+            nursery.start_soon(call, 1, 100, 560)
+            await trio.sleep(0.1)
+            nursery.start_soon(call, 2, 1000, 90)
+            await trio.sleep(0.1)
+            nursery.start_soon(call, 3, 70 - trio.current_time(), 490)
+    assert isinstance(errors[3], polygate.AllSourcesExhausted), errors
+    assert ended[3] == pytest.approx(25)
+    assert 2 not in errors
+
+
+@pytest.mark.integration
+async def test_a_hung_redis_fails_every_waiter_at_once() -> None:
+    """Redis stops answering while a dozen calls wait in line: each fails typed within
+    about the backend's timeout, not one after another as turns pass (review: the last
+    after 2.4 s)."""
+    import os
+    import secrets
+    import signal
+
+    from ._redis_server import need_redis, running_redis
+    from ._serve_kit import wait_for
+
+    waiters = 12
+    with running_redis(need_redis()) as server:
+        assert server.proc is not None
+        url = f"{server.url}?prefix=line{secrets.token_hex(4)}&timeout_s=0.3"
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+            polygate.Source(name="a", base_url="http://a/v1", max_in_flight=1)])}, backend=url)
+        upstream = FakeUpstream(Reply(first_token_s=30, tokens=2))
+        ended: dict[int, float] = {}
+        errors: dict[int, BaseException] = {}
+        try:
+            async with polygate.session(settings, transport=upstream.transport()) as s:
+                async def call(i: int) -> None:
+                    try:
+                        await s.chat(_asking(i), call_deadline_s=25)
+                    except polygate.PolygateError as exc:
+                        errors[i] = exc
+                    ended[i] = trio.current_time()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(call, 0)  # holds the only permit for 30 s
+                    await wait_for(lambda: upstream.in_flight == 1)
+                    for i in range(1, waiters + 1):
+                        nursery.start_soon(call, i)
+                    await wait_for(lambda: len(s._runtime.governor._lines.get(("chat", frozenset()), ())) == waiters)
+                    os.kill(server.proc.pid, signal.SIGSTOP)
+                    stopped = trio.current_time()
+                    await wait_for(lambda: len(ended) == waiters, limit_s=15)
+                    nursery.cancel_scope.cancel()
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+    assert {type(errors[i]) for i in range(1, waiters + 1)} == {polygate.GovernanceBackendError}
+    assert max(ended[i] for i in range(1, waiters + 1)) - stopped < 1.2

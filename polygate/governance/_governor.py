@@ -13,9 +13,10 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
+import trio
 
 from .._config import Breaker, Settings
-from .._errors import Outcome
+from .._errors import GovernanceBackendError, Outcome
 from ._backend import GovernanceBackend
 from ._estimate import TokenEstimator, default_estimator
 from ._line import Line, Waiter
@@ -61,6 +62,8 @@ DEFAULT_RATE_LIMIT_COOLDOWN_S = 1.0
 MIN_RATE_LIMIT_COOLDOWN_S = 0.1
 _MIN_WAIT_S = 0.001
 _NEVER = frozenset({RefusalReason.TOO_LARGE})
+#: Refusals that depend on the call's estimate: a smaller one may be admitted.
+_ESTIMATED = frozenset({RefusalReason.TPM, RefusalReason.TOO_LARGE})
 
 
 def _waitable(refusals: Sequence[Refusal]) -> list[Refusal]:
@@ -119,10 +122,28 @@ class _Refused:
         return (not self.unknown and self.next_at > bound) or now >= bound
 
     @property
+    def uniform(self) -> bool:
+        """Whether the refusals hold for any call alike: none depends on the estimate
+        (a tpm window, an estimate too large for a source)."""
+        return not any(r.reason in _ESTIMATED for r in self.refusals)
+
+    @property
     def telling(self) -> bool:
         """Whether it may make a waiter with other limits give up: the refusals have
         a known end, or are open breakers (which a call with a fallback leaves)."""
         return not self.unknown or self.breakers
+
+
+def _gives_up(refused: _Refused, now: float, waiter: Waiter) -> bool:
+    """Whether ``waiter`` gives up on refusals that hold for every call alike."""
+    return refused.gives_up(now, waiter.give_up_at, waiter.cooldown_give_up_at, waiter.wait_for_breakers)
+
+
+def _may_give_up(tokens: int, waiter: Waiter) -> bool:
+    """Whether ``waiter`` may give up on the first's refusals that depend on its
+    estimate (``tokens``): a larger estimate's end times are later (they are its own
+    to learn), and only a waiter with a limit gives up before it."""
+    return waiter.tokens >= tokens and min(waiter.give_up_at, waiter.cooldown_give_up_at) < math.inf
 
 
 class NoAdmission(Exception):
@@ -265,34 +286,56 @@ class Governor:
         waiter: Waiter | None = None
         try:
             while True:
-                # Taken before the check: a permit returned while the check's round trip
-                # is in flight (a shared backend) still wakes the wait below.
+                # Taken before the check: a permit returned (or a wake-up from the line)
+                # while the check's round trip is in flight still ends the wait below.
                 mark = self.backend.change_mark()
+                alarm = waiter.arm() if waiter is not None else None
                 result = await self.try_admit(scope_name, tokens, exclude=exclude, demote=demote)
                 if isinstance(result, Admission):
+                    if line is not None and waiter is not None:
+                        line.pass_on(waiter)  # the change may have room for the next too
                     return result
                 refused = _Refused.of(result)
                 now = self.backend.now()
+                error: NoAdmission | None = None
                 if refused.never or (not wait_for_breakers and refused.breakers):
-                    raise NoAdmission(result)
-                if refused.timed_out(now, give_up_at, cooldown_give_up_at):
-                    raise NoAdmission(result, timed=True)
+                    error = NoAdmission(result)
+                elif refused.timed_out(now, give_up_at, cooldown_give_up_at):
+                    error = NoAdmission(result, timed=True)
+                if error is not None:
+                    if line is not None and waiter is not None:
+                        line.pass_on(waiter, below=tokens)  # one that needs less may fit
+                    raise error
                 bound = refused.bound(give_up_at, cooldown_give_up_at)
                 if line is None or waiter is None:
                     line = self._lines.get(key)
                     if line is None:
                         line = self._lines[key] = Line()
-                    waiter = Waiter(give_up_at, cooldown_give_up_at, wait_for_breakers)
+                    waiter = Waiter(tokens, give_up_at, cooldown_give_up_at, wait_for_breakers)
                     line.join(waiter)
+                    alarm = waiter.arm()
+                if not refused.uniform:
+                    line.pass_on(waiter, below=tokens)  # one that needs less may fit
+                # A retry time that is already due (clock arithmetic, or a shared backend's
+                # time converted to ours) must not turn the wait into a spin.
+                wake_at = max(refused.next_at, now + _MIN_WAIT_S)
                 if line.first() is waiter:
-                    if refused.telling:
-                        line.wake_if(result, functools.partial(refused.gives_up, now))
-                    # A retry time that is already due (clock arithmetic, or a shared
-                    # backend's time converted to ours) must not turn the wait into a spin.
-                    wake_at = max(refused.next_at, now + _MIN_WAIT_S)
+                    line.uniform = refused.uniform
+                    if not refused.uniform:
+                        line.wake_if(result, functools.partial(_may_give_up, tokens))
+                    elif refused.telling:
+                        line.wake_if(result, functools.partial(_gives_up, refused, now))
                     await self.backend.wait_changed(min(wake_at, bound), mark)
                 else:
-                    await waiter.sleep_until(bound)
+                    assert alarm is not None
+                    # The first's refusals hold for everyone: its wake-ups are ours.
+                    # Otherwise ours may come sooner: our own end times.
+                    with trio.move_on_at(bound if line.uniform else min(wake_at, bound)):
+                        await alarm.wait()
+        except GovernanceBackendError:
+            if line is not None:
+                line.wake_all()  # each finds out at once, not one turn after another
+            raise
         finally:
             if line is not None and waiter is not None:
                 line.leave(waiter)
