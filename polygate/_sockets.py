@@ -25,6 +25,13 @@ wait it was always going to come to.  Waiting first goes straight to the wait an
 reads once.  When the bytes were there after all, the wait returns at trio's next
 I/O poll: a scheduler pass later, never wrong.
 
+:func:`send_all_progressing` is ``send_all`` for a peer that may stop reading: it gives
+up once the peer has taken nothing for a while, however long the whole takes while it
+keeps taking.  Progress is what the peer's kernel acknowledged (Linux's ``SIOCOUTQ``,
+the bytes sent and not yet acknowledged), not only the writes the socket took: the
+socket turns writable again only once a good share of its buffer is free (~128 KiB on
+loopback), which a slow reader may take longer than the timeout to make room for.
+
 Only for a stream that one task writes at a time (trio's conflict detector is
 bypassed for the synchronous write, which cannot interleave with anything, but a
 ``send_all`` of another task parked on a full buffer could be overtaken).
@@ -34,13 +41,33 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
+import sys
 from typing import cast
 
 import trio
 
-__all__ = ["receive_when_readable", "write_first", "write_now"]
+__all__ = ["receive_when_readable", "send_all_progressing", "write_first", "write_now"]
 
 _POSIX = os.name == "posix"
+#: How often a blocked send looks at what the peer acknowledged, at most.
+_PROGRESS_CHECK_S = 1.0
+
+if sys.platform.startswith("linux"):
+    import fcntl
+    import termios
+
+    def _unacknowledged(fd: int) -> int | None:
+        """Bytes of the socket's stream not yet acknowledged by the peer (SIOCOUTQ,
+        which is TIOCOUTQ on Linux)."""
+        try:
+            return int(struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0])
+        except OSError:
+            return None
+else:  # pragma: no cover - polygate's CI runs on Linux
+
+    def _unacknowledged(fd: int) -> int | None:
+        return None
 
 
 async def write_first(stream: trio.abc.SendStream, data: bytes) -> memoryview:
@@ -62,6 +89,43 @@ def write_now(stream: trio.abc.SendStream, data: bytes | memoryview) -> int:
         return os.write(stream.socket.fileno(), data)
     except OSError:  # EAGAIN, EPIPE, ECONNRESET, EBADF (closed): send_all's to raise
         return 0
+
+
+async def send_all_progressing(stream: trio.SocketStream, data: bytes | memoryview, timeout_s: float) -> bool:
+    """Send all of ``data`` on a plain socket stream; ``False`` (the rest unsent) once
+    the peer has taken nothing for ``timeout_s``: neither a write the socket took nor a
+    byte it acknowledged.  trio's errors as ``send_all`` raises them; cancellable
+    between writes only (nothing is half-written by a cancellation)."""
+    sock = stream.socket
+    view = memoryview(data)
+    await trio.lowlevel.checkpoint_if_cancelled()
+    deadline = trio.current_time() + timeout_s
+    fd = sock.fileno()
+    unacknowledged = _unacknowledged(fd)
+    while view:
+        try:
+            written = os.write(sock.fileno(), view)
+        except BlockingIOError:
+            written = 0
+        except OSError as exc:  # as trio's _translate_socket_errors_to_stream_errors
+            if exc.errno == errno.EBADF:
+                raise trio.ClosedResourceError("this socket was already closed") from None
+            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+        if written:
+            view = view[written:]
+            deadline = trio.current_time() + timeout_s
+            unacknowledged = _unacknowledged(fd)
+            continue
+        with trio.move_on_at(min(deadline, trio.current_time() + _PROGRESS_CHECK_S)):
+            await trio.lowlevel.wait_writable(sock)
+        now = trio.current_time()
+        left = _unacknowledged(fd)
+        if left is not None and unacknowledged is not None and left < unacknowledged:
+            deadline = now + timeout_s  # the peer took some: it is reading
+        unacknowledged = left
+        if now >= deadline:
+            return False
+    return True
 
 
 async def receive_when_readable(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes:

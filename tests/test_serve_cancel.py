@@ -175,14 +175,14 @@ def _whole(received: bytes) -> bool:
     return bool(sep) and bool(lengths) and len(body) >= lengths[0]
 
 
-async def _read_slowly(client: trio.SocketStream, *, pause_s: float, limit_s: float) -> bytes:
-    """Everything until the server closes or ends the body: 16 KB a read, one
+async def _read_slowly(client: trio.SocketStream, *, size: int, pause_s: float, limit_s: float) -> bytes:
+    """Everything until the server closes or ends the body: ``size`` bytes a read, one
     read every ``pause_s`` (a slow, steady reader, never silent for long)."""
     received = bytearray()
     with trio.fail_after(limit_s):
         while not received.endswith(b"\r\n0\r\n\r\n") and not _whole(received):
             try:
-                data = await client.receive_some(16384)
+                data = await client.receive_some(size)
             except trio.BrokenResourceError:
                 break
             if not data:
@@ -193,12 +193,17 @@ async def _read_slowly(client: trio.SocketStream, *, pause_s: float, limit_s: fl
 
 
 @pytest.mark.parametrize("stream", [True, False])
-async def test_a_slow_steady_reader_gets_the_whole_answer(stream: bool) -> None:
+@pytest.mark.parametrize(("buffer", "size", "pause_s"), [(4096, 16384, 0.01), (None, 4096, 0.02)])
+async def test_a_slow_steady_reader_gets_the_whole_answer(
+    stream: bool, buffer: int | None, size: int, pause_s: float
+) -> None:
     """``send_timeout_s`` is for a client that stops reading: one that reads a large
-    answer slowly but steadily (a read every 10 ms, its receive buffer small) gets it
-    whole, however much longer than the timeout the answer takes.  (The timeout used
-    to bound each write whole: the answer was cut after ~0.5 s, counted a
-    disconnect.)"""
+    answer slowly but steadily (a small read every 10 or 20 ms, with a small receive
+    buffer or the system's) gets it whole, however much longer than the timeout the
+    answer takes.  (The timeout used to bound each write whole: the answer was cut
+    after ~0.5 s, counted a disconnect.  Then, review: progress counted only as the
+    socket turned writable, after ~128 KiB read on loopback, which a reader of
+    ~100 KiB per timeout never made.)"""
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], send_timeout_s=0.5)
     # 10 tokens of 60,000 characters: 600 KB, streamed in bursts larger than a frame
     # the kernel takes at once.
@@ -206,11 +211,12 @@ async def test_a_slow_steady_reader_gets_the_whole_answer(stream: bool) -> None:
     upstream = FakeUpstream(Reply(tokens=10, text=text))
     async with gateway(upstream, serve=serve) as (server, _):
         client = trio.SocketStream(trio.socket.socket())
-        client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        if buffer is not None:
+            client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
         await client.socket.connect(("127.0.0.1", server.port))
         await client.send_all(request_bytes("POST", "/v1/chat/completions", {**CHAT, "stream": stream}, AUTH))
         started = trio.current_time()
-        received = await _read_slowly(client, pause_s=0.01, limit_s=30)
+        received = await _read_slowly(client, size=size, pause_s=pause_s, limit_s=30)
         took = trio.current_time() - started
         await client.aclose()
         assert server.metrics.disconnects == 0
@@ -224,6 +230,32 @@ async def test_a_slow_steady_reader_gets_the_whole_answer(stream: bool) -> None:
         assert len(body) == length
         assert json.loads(body)["choices"][0]["message"]["content"] == text
     assert took > 2 * serve.send_timeout_s  # the test means something: slower than the timeout
+
+
+async def test_a_reader_of_a_byte_now_and_then_is_a_client_that_stopped_reading() -> None:
+    """The other side of a slow reader: one that takes a byte every 0.1 s never lets the
+    server write more (its side acknowledges nothing new): dropped after
+    ``send_timeout_s``, counted a disconnect, its call cancelled."""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], send_timeout_s=0.5)
+    text = " ".join(["y" * 60_000] * 10)
+    upstream = FakeUpstream(Reply(tokens=10, text=text))
+    async with gateway(upstream, serve=serve) as (server, _):
+        client = trio.SocketStream(trio.socket.socket())
+        client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await client.socket.connect(("127.0.0.1", server.port))
+        await client.send_all(request_bytes("POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH))
+        with trio.move_on_after(10):
+            while True:
+                try:
+                    if not await client.receive_some(1):
+                        break
+                except trio.BrokenResourceError:
+                    break
+                await trio.sleep(0.1)  # pacing the reader, not a race
+        await client.aclose()
+        await wait_for(lambda: server.statistics().in_flight == 0)
+        assert server.metrics.disconnects == 1
+        await _settled(server)
 
 
 async def test_grace_end_tells_a_started_stream_why() -> None:

@@ -35,6 +35,7 @@ first chunk), so a zero-delay answer is one write.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -45,7 +46,7 @@ import trio
 
 from .._config import Serve
 from .._http11 import FIELD_LINE, LENGTH_DIGITS, TOKEN
-from .._sockets import receive_when_readable, write_first
+from .._sockets import receive_when_readable, send_all_progressing, write_first
 
 __all__ = ["ClientGone", "Connection", "HTTPProblem", "Request", "field_value", "reason"]
 
@@ -107,8 +108,9 @@ _H11_ONLY: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 #: comes (see Connection.aclose), and in what pieces.
 LINGER_S: Final = 2.0
 _LINGER_READ: Final = 65536
-#: What one send may take before the send timeout starts again: a client that reads
-#: less than this in ``send_timeout_s`` is one that stopped reading.
+_POSIX: Final = os.name == "posix"  # (a socket is a file descriptor: see polygate._sockets)
+#: Off a plain socket (a test's stream): what one send may take before the send
+#: timeout starts again.
 _SEND_PIECE: Final = 16 * 1024
 
 
@@ -553,14 +555,14 @@ class Connection:
             self.finishing.add(scope)
             self.writing = scope
             try:
-                await self._send_all(scope, data)
+                took = await self._send_all(scope, data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.client_gone = True
                 raise ClientGone from None
             finally:
                 self.finishing.discard(scope)
                 self.writing = None
-        if scope.cancelled_caught:
+        if scope.cancelled_caught or not took:
             self.client_gone = True  # a client that does not read is a client that left
             raise ClientGone
 
@@ -572,30 +574,39 @@ class Connection:
         rest = await write_first(self.stream, data)
         if not rest:
             return
+        took = False
         with trio.CancelScope(deadline=trio.current_time() + self.limits.send_timeout_s) as scope:
             self.writing = scope
             try:
-                await self._send_all(scope, rest)
+                took = await self._send_all(scope, rest)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.client_gone = True
                 raise ClientGone from None
             finally:
                 self.writing = None
-            return
-        self.client_gone = True  # a client that does not read is a client that left
-        raise ClientGone
+        if not took:
+            self.client_gone = True  # a client that does not read is a client that left
+            raise ClientGone
 
-    async def _send_all(self, scope: trio.CancelScope, data: bytes | memoryview) -> None:
-        """``send_all`` in pieces, each the kernel takes moving ``scope``'s deadline
-        (the send timeout) on: the timeout is for a client that stops reading, not for
-        the whole of a large answer to one that reads slowly and steadily."""
+    async def _send_all(self, scope: trio.CancelScope, data: bytes | memoryview) -> bool:
+        """Send ``data`` under ``scope`` (the write's, whose deadline is the send
+        timeout); ``False`` when the client took nothing of it for ``send_timeout_s``.
+        The timeout is for a client that stops reading, not for the whole of a large
+        answer to one that reads slowly and steadily: on a socket, any byte the
+        client's side acknowledged starts it again (see polygate._sockets); on another
+        stream, each 16 KiB it takes."""
+        timeout = self.limits.send_timeout_s
+        if type(self.stream) is trio.SocketStream and _POSIX:
+            scope.deadline = math.inf  # what is progress, send_all_progressing judges
+            return await send_all_progressing(self.stream, data, timeout)
         view = memoryview(data)
         while view:
             piece = view[:_SEND_PIECE]
             await self.stream.send_all(piece)
             view = view[len(piece):]
             if view:
-                scope.deadline = trio.current_time() + self.limits.send_timeout_s
+                scope.deadline = trio.current_time() + timeout
+        return True
 
     def pending(self) -> bool:
         """Whether bytes of a next request are already here (pipelined)."""
