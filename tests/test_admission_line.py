@@ -353,3 +353,71 @@ async def test_a_hung_redis_fails_every_waiter_at_once() -> None:
             os.kill(server.proc.pid, signal.SIGCONT)
     assert {type(errors[i]) for i in range(1, waiters + 1)} == {polygate.GovernanceBackendError}
     assert max(ended[i] for i in range(1, waiters + 1)) - stopped < 1.2
+
+
+async def test_equal_waiters_behind_a_first_too_large_for_a_source_all_fail_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review (second): sources a (too small for the first waiter's estimate) and b
+    each hold a call that ends in a 429 with Retry-After 60 at 9.5 and 10 s: every
+    source the small waiters could use cools down past their deadline (40).  Each fails
+    at once (AllSourcesExhausted at 10), not with DeadlineExceeded at 40."""
+    a = FakeUpstream([Reply(headers_delay_s=10, status=429, retry_after_s=60), Reply(tokens=2)])
+    b = FakeUpstream([Reply(headers_delay_s=9.5, status=429, retry_after_s=60), Reply(tokens=2)])
+    ended: dict[int, tuple[str, float]] = {}
+
+    async def call(i: int, deadline: float, max_tokens: int) -> None:
+        try:
+            await s.chat(_asking(i), call_deadline_s=deadline, max_tokens=max_tokens)
+            ended[i] = ("ok", trio.current_time())
+        except polygate.PolygateError as exc:
+            ended[i] = (type(exc).__name__, trio.current_time())
+
+    async with polygate.session(_two({"tpm": 1000, "max_in_flight": 1},
+                                     {"tpm": 100_000, "max_in_flight": 1}),
+                                transport=Router({"a": a, "b": b})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, 0, 15, 10)  # a
+            await trio.sleep(0.1)
+            nursery.start_soon(call, 1, 15, 10)  # b
+            await trio.sleep(0.1)
+            nursery.start_soon(call, 2, 1000, 5000)  # never a: waits for b
+            await trio.sleep(0.1)
+            for i in (3, 4, 5):
+                nursery.start_soon(call, i, 40 - trio.current_time(), 10)
+                await trio.sleep(0.1)
+            await trio.sleep(50)
+            nursery.cancel_scope.cancel()
+    for i in (3, 4, 5):
+        assert ended[i] == ("AllSourcesExhausted", pytest.approx(10)), ended
+
+
+async def test_a_woken_waiter_cancelled_before_it_asks_leaves_nobody_stuck(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review (second): the waiter that a permit's return woke is cancelled before it
+    asks; the one behind it still gets the permit at once."""
+    a = FakeUpstream(Reply(first_token_s=10, tokens=5))
+    b = FakeUpstream(Reply(first_token_s=100, tokens=5))
+    first_small = trio.CancelScope()
+
+    async def cancellable() -> None:
+        with first_small:
+            await s.chat(_asking(3), max_tokens=10)
+
+    async with polygate.session(_two({"tpm": 1000, "max_in_flight": 1},
+                                     {"tpm": 100_000, "max_in_flight": 1}),
+                                transport=Router({"a": a, "b": b})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.chat, _asking(0))  # a until 10
+            await trio.sleep(0.1)
+            nursery.start_soon(s.chat, _asking(1))  # b until 100
+            await trio.sleep(0.1)
+            nursery.start_soon(functools.partial(s.chat, _asking(2), max_tokens=5000))  # never a
+            await trio.sleep(0.1)
+            nursery.start_soon(cancellable)
+            await trio.sleep(0.1)
+            nursery.start_soon(functools.partial(s.chat, _asking(4), max_tokens=10))
+            await trio.sleep_until(10)
+            first_small.cancel()  # in the instant the permit comes back
+    assert _sent(4, a, b) == pytest.approx(10)

@@ -139,13 +139,6 @@ def _gives_up(refused: _Refused, now: float, waiter: Waiter) -> bool:
     return refused.gives_up(now, waiter.give_up_at, waiter.cooldown_give_up_at, waiter.wait_for_breakers)
 
 
-def _may_give_up(tokens: int, waiter: Waiter) -> bool:
-    """Whether ``waiter`` may give up on the first's refusals that depend on its
-    estimate (``tokens``): a larger estimate's end times are later (they are its own
-    to learn), and only a waiter with a limit gives up before it."""
-    return waiter.tokens >= tokens and min(waiter.give_up_at, waiter.cooldown_give_up_at) < math.inf
-
-
 class NoAdmission(Exception):
     """No source admitted the attempt (and waiting was not allowed or gave up)."""
 
@@ -292,45 +285,39 @@ class Governor:
                 alarm = waiter.arm() if waiter is not None else None
                 result = await self.try_admit(scope_name, tokens, exclude=exclude, demote=demote)
                 if isinstance(result, Admission):
-                    if line is not None and waiter is not None:
-                        line.pass_on(waiter)  # the change may have room for the next too
                     return result
                 refused = _Refused.of(result)
                 now = self.backend.now()
-                error: NoAdmission | None = None
                 if refused.never or (not wait_for_breakers and refused.breakers):
-                    error = NoAdmission(result)
-                elif refused.timed_out(now, give_up_at, cooldown_give_up_at):
-                    error = NoAdmission(result, timed=True)
-                if error is not None:
-                    if line is not None and waiter is not None:
-                        line.pass_on(waiter, below=tokens)  # one that needs less may fit
-                    raise error
+                    raise NoAdmission(result)
+                if refused.timed_out(now, give_up_at, cooldown_give_up_at):
+                    raise NoAdmission(result, timed=True)
                 bound = refused.bound(give_up_at, cooldown_give_up_at)
+                # A retry time that is already due (clock arithmetic, or a shared
+                # backend's time converted to ours) must not turn the wait into a spin.
+                wake_at = min(max(refused.next_at, now + _MIN_WAIT_S), bound)
+                if not refused.uniform:
+                    # Refused because of its own estimate: out of the line (another's
+                    # may fit where its does not), woken by every change.
+                    if line is not None and waiter is not None:
+                        self._leave(key, line, waiter)
+                        line = waiter = None
+                    await self.backend.wait_changed(wake_at, mark)
+                    continue
                 if line is None or waiter is None:
                     line = self._lines.get(key)
                     if line is None:
                         line = self._lines[key] = Line()
-                    waiter = Waiter(tokens, give_up_at, cooldown_give_up_at, wait_for_breakers)
+                    waiter = Waiter(give_up_at, cooldown_give_up_at, wait_for_breakers)
                     line.join(waiter)
                     alarm = waiter.arm()
-                if not refused.uniform:
-                    line.pass_on(waiter, below=tokens)  # one that needs less may fit
-                # A retry time that is already due (clock arithmetic, or a shared backend's
-                # time converted to ours) must not turn the wait into a spin.
-                wake_at = max(refused.next_at, now + _MIN_WAIT_S)
                 if line.first() is waiter:
-                    line.uniform = refused.uniform
-                    if not refused.uniform:
-                        line.wake_if(result, functools.partial(_may_give_up, tokens))
-                    elif refused.telling:
+                    if refused.telling:
                         line.wake_if(result, functools.partial(_gives_up, refused, now))
-                    await self.backend.wait_changed(min(wake_at, bound), mark)
+                    await self.backend.wait_changed(wake_at, mark)
                 else:
                     assert alarm is not None
-                    # The first's refusals hold for everyone: its wake-ups are ours.
-                    # Otherwise ours may come sooner: our own end times.
-                    with trio.move_on_at(bound if line.uniform else min(wake_at, bound)):
+                    with trio.move_on_at(bound):  # the first's wake-ups are ours
                         await alarm.wait()
         except GovernanceBackendError:
             if line is not None:
@@ -338,9 +325,12 @@ class Governor:
             raise
         finally:
             if line is not None and waiter is not None:
-                line.leave(waiter)
-                if not line and self._lines.get(key) is line:
-                    del self._lines[key]
+                self._leave(key, line, waiter)
+
+    def _leave(self, key: tuple[str, frozenset[str]], line: Line, waiter: Waiter) -> None:
+        line.leave(waiter)
+        if not line and self._lines.get(key) is line:
+            del self._lines[key]
 
     async def release(
         self,
