@@ -59,7 +59,7 @@ if sys.platform.startswith("linux"):
 
     def _unacknowledged(fd: int) -> int | None:
         """Bytes of the socket's stream not yet acknowledged by the peer (SIOCOUTQ,
-        which is TIOCOUTQ on Linux)."""
+        which is TIOCOUTQ on Linux); None for a closed socket (-1)."""
         try:
             return int(struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0])
         except OSError:
@@ -100,8 +100,7 @@ async def send_all_progressing(stream: trio.SocketStream, data: bytes | memoryvi
     view = memoryview(data)
     await trio.lowlevel.checkpoint_if_cancelled()
     deadline = trio.current_time() + timeout_s
-    fd = sock.fileno()
-    unacknowledged = _unacknowledged(fd)
+    unacknowledged = _unacknowledged(sock.fileno())
     while view:
         try:
             written = os.write(sock.fileno(), view)
@@ -114,12 +113,12 @@ async def send_all_progressing(stream: trio.SocketStream, data: bytes | memoryvi
         if written:
             view = view[written:]
             deadline = trio.current_time() + timeout_s
-            unacknowledged = _unacknowledged(fd)
+            unacknowledged = _unacknowledged(sock.fileno())
             continue
         with trio.move_on_at(min(deadline, trio.current_time() + _PROGRESS_CHECK_S)):
             await trio.lowlevel.wait_writable(sock)
         now = trio.current_time()
-        left = _unacknowledged(fd)
+        left = _unacknowledged(sock.fileno())
         if left is not None and unacknowledged is not None and left < unacknowledged:
             deadline = now + timeout_s  # the peer took some: it is reading
         unacknowledged = left
