@@ -421,3 +421,27 @@ async def test_a_woken_waiter_cancelled_before_it_asks_leaves_nobody_stuck(
             await trio.sleep_until(10)
             first_small.cancel()  # in the instant the permit comes back
     assert _sent(4, a, b) == pytest.approx(10)
+
+
+def test_the_same_news_in_another_order_is_told_once() -> None:
+    """Review (third): the first's refusals come in picking order, which is random; the
+    same state read in another order is not news (each telling scans the whole line)."""
+    from polygate.governance import Refusal, RefusalReason
+    from polygate.governance._line import Line, Waiter
+
+    line = Line()
+    for _ in range(3):
+        line.join(Waiter(math.inf, math.inf, True))
+    a = Refusal("a", RefusalReason.COOLING_DOWN, 10.0)
+    b = Refusal("b", RefusalReason.RPM, 20.0)
+    asked: list[Waiter] = []
+
+    def gives_up(waiter: Waiter) -> bool:
+        asked.append(waiter)
+        return False
+
+    line.wake_if([a, b], gives_up)
+    line.wake_if([b, a], gives_up)
+    assert len(asked) == 2  # the two behind the first, once
+    line.wake_if([a], gives_up)
+    assert len(asked) == 4

@@ -28,7 +28,7 @@ on its own, as before.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable
 
 import trio
 
@@ -65,7 +65,7 @@ class Line:
     def __init__(self) -> None:
         self._waiters: OrderedDict[Waiter, None] = OrderedDict()
         # What the first waiter last told the others (see wake_if): told once each.
-        self._told: tuple[object, ...] = ()
+        self._told: frozenset[object] = frozenset()
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -87,13 +87,13 @@ class Line:
             if following is not None:
                 following.wake()
 
-    def wake_if(self, news: Sequence[object], gives_up: Callable[[Waiter], bool]) -> None:
+    def wake_if(self, news: Iterable[Hashable], gives_up: Callable[[Waiter], bool]) -> None:
         """Wake the waiters behind the first for whom ``gives_up`` holds, once for
         each piece of ``news`` (what the first was refused with, which holds for
         them too): they ask once more for themselves and leave if they find what it
         found.  (One that joined since heard the same news when it asked on
         arrival.)"""
-        told = tuple(news)
+        told = frozenset(news)  # (the refusals come in picking order: random)
         if told == self._told:
             return
         self._told = told
