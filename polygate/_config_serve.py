@@ -143,7 +143,8 @@ class Serve:
     bound what one client can hold: ``max_request_bytes`` a request body,
     ``header_timeout_s`` / ``body_timeout_s`` the time to send the request head / body,
     ``idle_timeout_s`` an idle keep-alive connection, ``send_timeout_s`` a write to a
-    client that takes nothing of it meanwhile (any byte it takes starts the time again),
+    client that takes nothing of it meanwhile (any byte its side acknowledges starts
+    the time again),
     ``max_connections`` open connections.
     ``sse_keepalive_s`` is the interval of ``: keep-alive`` comments on a stream that is
     waiting (admission, a hedge, a slow first token); ``grace_s`` how long SIGTERM lets
