@@ -274,7 +274,7 @@ class Governor:
         breakers."""
         if cooldown_give_up_at is None:
             cooldown_give_up_at = give_up_at
-        key = (scope_name, frozenset(exclude))
+        key: tuple[str, frozenset[str]] = (scope_name, frozenset())  # (set once it waits)
         line: Line | None = None
         waiter: Waiter | None = None
         try:
@@ -305,6 +305,7 @@ class Governor:
                     await self.backend.wait_changed(wake_at, mark)
                     continue
                 if line is None or waiter is None:
+                    key = (scope_name, frozenset(exclude))
                     line = self._lines.get(key)
                     if line is None:
                         line = self._lines[key] = Line()
