@@ -6,6 +6,7 @@ from typing import Any
 import pytest
 
 import polygate
+from polygate.governance import MemoryBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 # A byte-exact copy of ../shared/transcripts (provenance in its INDEX.md).
@@ -47,6 +48,18 @@ def two_source_settings(
 
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+class CountingBackend(MemoryBackend):
+    """The memory backend, counting its admission passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.admits = 0
+
+    async def admit(self, request: Any) -> Any:
+        self.admits += 1
+        return await super().admit(request)
 
 
 async def ask(s: polygate.Session, streaming: bool, messages: Any = MESSAGES) -> None:

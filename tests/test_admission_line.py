@@ -16,10 +16,9 @@ import trio
 import trio.testing
 
 import polygate
-from polygate.governance import MemoryBackend
 from polygate.testing import FakeUpstream, Reply, Router
 
-from .conftest import SECRET
+from .conftest import SECRET, CountingBackend
 
 
 def _settings(**source: Any) -> polygate.Settings:
@@ -34,16 +33,6 @@ def _asking(tag: int) -> list[dict[str, str]]:
 
 def _tag(request: Any) -> int:
     return int(request.body["messages"][-1]["content"].split()[1])
-
-
-class CountingBackend(MemoryBackend):
-    def __init__(self) -> None:
-        super().__init__()
-        self.admits = 0
-
-    async def admit(self, request: Any) -> Any:
-        self.admits += 1
-        return await super().admit(request)
 
 
 async def test_a_permit_back_wakes_one_waiter_not_every_one(
@@ -229,6 +218,13 @@ def _two(a: dict[str, Any], b: dict[str, Any]) -> polygate.Settings:
     ])})
 
 
+async def _one_by_one(nursery: trio.Nursery, *calls: Any) -> None:
+    """Start each call 0.1 s after the one before: each finds the others waiting."""
+    for call in calls:
+        nursery.start_soon(call)
+        await trio.sleep(0.1)
+
+
 def _sent(tag: int, *upstreams: FakeUpstream) -> float:
     return next(r.started_at for u in upstreams for r in u.requests if _tag(r) == tag)
 
@@ -245,13 +241,13 @@ async def test_a_smaller_call_is_not_kept_behind_a_first_too_large_for_the_free_
                                      {"tpm": 100_000, "max_in_flight": 1}),
                                 transport=Router({"a": a, "b": b})) as s:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(s.chat, _asking(0))  # a
-            await trio.sleep(0.1)
-            nursery.start_soon(s.chat, _asking(1))  # b (a is full)
-            await trio.sleep(0.1)
-            nursery.start_soon(functools.partial(s.chat, _asking(2), max_tokens=5000))  # never a
-            await trio.sleep(0.1)
-            nursery.start_soon(functools.partial(s.chat, _asking(3), max_tokens=10))
+            await _one_by_one(
+                nursery,
+                functools.partial(s.chat, _asking(0)),  # a
+                functools.partial(s.chat, _asking(1)),  # b (a is full)
+                functools.partial(s.chat, _asking(2), max_tokens=5000),  # never a
+                functools.partial(s.chat, _asking(3), max_tokens=10),
+            )
     assert _sent(3, a, b) == pytest.approx(10)
 
 
@@ -265,11 +261,12 @@ async def test_a_cooldown_the_first_cannot_see_the_end_of_is_watched_by_the_othe
     async with polygate.session(_two({"tpm": 1000}, {"tpm": 100_000, "max_in_flight": 1}),
                                 transport=Router({"a": a, "b": b})) as s:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(s.chat, _asking(0))  # a: 429, then b for 100 s
-            await trio.sleep(0.1)
-            nursery.start_soon(functools.partial(s.chat, _asking(1), max_tokens=5000))
-            await trio.sleep(0.1)
-            nursery.start_soon(functools.partial(s.chat, _asking(2), max_tokens=10))
+            await _one_by_one(
+                nursery,
+                functools.partial(s.chat, _asking(0)),  # a: 429, then b for 100 s
+                functools.partial(s.chat, _asking(1), max_tokens=5000),
+                functools.partial(s.chat, _asking(2), max_tokens=10),
+            )
     assert _sent(2, a, b) == pytest.approx(10)
 
 

@@ -19,13 +19,12 @@ from polygate.governance import (
     BreakerState,
     CharEstimator,
     Health,
-    MemoryBackend,
     completion_budget,
     pick_order,
 )
 from polygate.testing import FakeUpstream, Reply, Router
 
-from .conftest import FIRST_A, MESSAGES, SECRET
+from .conftest import FIRST_A, MESSAGES, SECRET, CountingBackend
 
 
 def _settings(*, names: tuple[str, ...] = ("a", "b"), weights: dict[str, float] | None = None,
@@ -348,16 +347,6 @@ async def test_max_in_flight(autojump_clock: trio.testing.MockClock) -> None:
     assert a.peak_in_flight == 2
     assert trio.current_time() == pytest.approx(20)
     assert _state(stats, "a").in_flight == 0
-
-
-class CountingBackend(MemoryBackend):
-    def __init__(self) -> None:
-        super().__init__()
-        self.admits = 0
-
-    async def admit(self, request: Any) -> Any:
-        self.admits += 1
-        return await super().admit(request)
 
 
 async def test_waiting_does_not_poll(autojump_clock: trio.testing.MockClock,
