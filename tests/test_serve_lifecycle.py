@@ -5,6 +5,7 @@ margins: the server runs in its own process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -698,6 +699,61 @@ def test_a_request_still_arriving_when_the_grace_ends_is_told_503(seed: int, str
     answer, sent, disconnects, counted = Schedule(seed).run(scenario)
     assert answer.status == 503 and answer.json()["error"]["code"] == "shutting_down"
     assert sent == [] and disconnects == 0 and counted == 1
+
+
+_HALF_HEAD = b"GET /metrics HTTP/1.1\r\nhost: g\r\n"  # (no blank line: the head goes on)
+
+
+@pytest.mark.parametrize("more", [False, True])
+@pytest.mark.parametrize("cut", ["head", "body"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_request_cut_mid_arrival_by_the_grace_end_is_told_at_once(
+    seed: int, cut: str, more: bool
+) -> None:
+    """review (scheduling-aware): a request whose head or body was still arriving when
+    the grace ended, and whose client sent nothing more, had no call for the drain to
+    cancel: it was cut silently at the hard stop a second later (a clean EOF, no
+    answer) and /metrics never counted it.  It is told 503 shutting_down when the
+    grace ends, counted once under its endpoint, and the answer survives the client
+    still sending (``more``: the server reads and drops the rest before it closes).
+    Once shutdown() returns, nothing is in flight and no connection is open."""
+    from polygate.serve import open_server
+    from polygate.testing import EventTransport, Schedule
+
+    async def scenario() -> tuple[Answer, float, Any, dict[Any, int], int, list[Any]]:
+        up = FakeUpstream(Reply(), name="a")
+        async with open_server(_drained_settings(), port=0, transport=EventTransport({"a": up})) as server:
+            client = await trio.open_tcp_stream("127.0.0.1", server.port)
+            if cut == "head":
+                await client.send_all(_HALF_HEAD)
+            else:
+                data = request_bytes("POST", "/v1/chat/completions", CHAT, AUTH)
+                await client.send_all(data[:-10])
+            await wait_for(lambda: server.statistics().in_flight == 1)  # from its first byte
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.shutdown, 0.1)
+                began = trio.current_time()
+                answer = await read_answer(client)
+                told_after = trio.current_time() - began
+                if more:
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        await client.send_all(b"x" * 10)
+                await read_until_closed(client)
+            stats = server.statistics()
+            await client.aclose()
+            return (answer, told_after, stats, dict(server.metrics.requests),
+                    server.metrics.disconnects, up.requests)
+
+    answer, told_after, stats, requests, disconnects, sent = Schedule(seed).run(scenario)
+    assert answer.status == 503 and answer.json()["error"]["code"] == "shutting_down"
+    assert answer.headers["connection"] == "close" and answer.headers["retry-after"] == "1"
+    assert answer.headers["x-polygate-attempts"] == "0"
+    assert told_after < 0.5  # at the grace's end, not at the hard stop a second later
+    assert (stats.in_flight, stats.connections) == (0, 0)
+    # (A head not all here names no endpoint yet.)
+    endpoint = "other" if cut == "head" else "/v1/chat/completions"
+    assert [(key[0], key[1]) for key in requests] == [(endpoint, 503)]
+    assert sum(requests.values()) == 1 and disconnects == 0 and sent == []
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -178,8 +178,8 @@ class Connection:
     """One client connection: read a request, answer it, repeat."""
 
     __slots__ = ("carried", "chunked", "client_gone", "finishing", "h11", "head_only",
-                 "keep_alive", "limits", "pipelined", "requests", "responding", "stream",
-                 "writing")
+                 "keep_alive", "limits", "path", "pipelined", "requests", "responding",
+                 "stream", "writing")
 
     def __init__(
         self, stream: trio.SocketStream, limits: Serve,
@@ -203,6 +203,9 @@ class Connection:
         self.carried = False
         #: The scope of a write that waits for the client to read (see :meth:`left`).
         self.writing: trio.CancelScope | None = None
+        #: The path of the request being read, once its head is (a request cut while its
+        #: body arrives is counted under its endpoint).
+        self.path: str | None = None
 
     # ------------------------------------------------------------------ reading
 
@@ -231,6 +234,7 @@ class Connection:
         # head, a head timeout) is answered whole: the last request's HEAD-ness (no
         # body) is not this one's.
         self.head_only = self.responding = False
+        self.path = None
         pending = len(self.h11.trailing_data[0])  # pipelined: already here
         # A kept-alive connection waits idle_timeout_s for a request, and its head has
         # header_timeout_s from its first byte; a new one has header_timeout_s for the
@@ -290,7 +294,7 @@ class Connection:
             target = rest[min(ends):] if ends else "/"
             if not target.startswith("/"):
                 target = "/" + target
-        path = target.split("?", 1)[0]
+        path = self.path = target.split("?", 1)[0]
         if len(headers) < len(event.headers) and sum(
                 k == b"authorization" for k, _ in event.headers) > 1:
             # It cannot repeat (RFC 9110): a proxy reading the first and this server

@@ -39,7 +39,7 @@ from .._config import FieldError, Settings
 from .._context import fresh_call_id
 from .._errors import ConfigError, GovernanceBackendError, PolygateError
 from .._session import Session, SharedBackends, session_on
-from ._app import NO_CALL, Context, Gateway, answer, endpoint_label
+from ._app import NO_CALL, Context, Gateway, answer, answer_cut, endpoint_label
 from ._errors import error_body
 from ._fds import connection_room
 from ._hangups import Hangups
@@ -129,6 +129,8 @@ class Server:
         self._reloading = trio.Lock()
         #: Made with the connections' nursery (see _serve_connections).
         self._hangups: Hangups | None = None
+        #: Every connection task has ended (see shutdown).
+        self._closed = trio.Event()
         #: The client connections served at once: the settings' max_connections, or
         #: fewer where the open-file limit has no room for them (see _fds); and the
         #: max_connections that was computed for (every generation installed is fitted).
@@ -274,7 +276,9 @@ class Server:
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Stop accepting; let requests in flight finish within ``grace_s`` (default
-        ``serve.grace_s``), then cancel what is left."""
+        ``serve.grace_s``), then cancel what is left (each is told why, within a second).
+        Returns once every connection is closed: :meth:`statistics` then shows nothing
+        in flight."""
         if grace_s is None:
             grace_s = self.settings.serve.grace_s
         self.draining = True
@@ -294,6 +298,9 @@ class Server:
             with trio.move_on_after(_LAST_WORDS_S):
                 await self._quiet.wait()
         self.hard_stop()
+        # Returns once every connection has closed and counted itself out: cancelled,
+        # each ends at its next checkpoint (its close is bounded on its own).
+        await self._closed.wait()
 
     def hard_stop(self) -> None:
         """Cancel every connection now, a frame being finished too."""
@@ -323,6 +330,7 @@ class Server:
         finally:
             if hangups is not None:
                 hangups.close()  # every connection task has ended, and its run
+            self._closed.set()
 
     async def _accept(self, listener: trio.SocketListener) -> None:
         assert self._connections is not None
@@ -404,6 +412,7 @@ class Server:
             return False
 
         linger = False  # the last request was refused with its body unread
+        cut = False  # a drain's grace ended while its request arrived (in flight still)
         try:
             # A drain ends the loop, except for a request whose bytes came before the
             # last answer ended (carried): in flight from its first byte, answered too.
@@ -414,10 +423,11 @@ class Server:
                 conn.limits = self._current.settings.serve
                 idle = trio.CancelScope()
                 self._idle.add(idle)
+                arriving = trio.CancelScope()  # the request, once its first byte is here
                 begun = False
                 begun_at = 0.0  # (monotonic) its first byte: a problem's time counts from it
 
-                def started(idle: trio.CancelScope = idle) -> None:
+                def started(idle: trio.CancelScope = idle, arriving: trio.CancelScope = arriving) -> None:
                     # Idle until its first byte: a drain closes an idle connection, but a
                     # request it has begun to receive is in flight: read and answered.
                     nonlocal begun, begun_at
@@ -428,6 +438,10 @@ class Server:
                         conn.carried = False  # (counted as the last answer ended)
                     else:
                         self._in_flight += 1
+                    # From here the end of a drain's grace cuts it as it does a call.
+                    self._stops.add(arriving)
+                    if self._cutting:
+                        arriving.cancel()
                     # (The head's deadline, set right after: a reload during the wait.)
                     assert self._current is not None
                     conn.limits = self._current.settings.serve
@@ -435,7 +449,8 @@ class Server:
                 request = None
                 try:
                     # (read_request enters idle, with the head's deadline: one scope.)
-                    request = await conn.read_request(admit, started=started, scope=idle)
+                    with arriving:
+                        request = await conn.read_request(admit, started=started, scope=idle)
                 except HTTPProblem as problem:
                     await self._problem(conn, problem, begun_at if begun else None)
                     linger = True
@@ -449,8 +464,26 @@ class Server:
                     return
                 finally:
                     self._idle.discard(idle)
-                    if begun and request is None:
+                    self._stops.discard(arriving)
+                    if begun and request is None and not arriving.cancelled_caught:
                         self._landed()  # nothing to answer: (the answer lands its own)
+                if arriving.cancelled_caught:
+                    # Still arriving when the grace ended: told 503 shutting_down, and
+                    # in flight until the answer is out and the connection closed (a
+                    # close with its body's rest unread would reset the answer away).
+                    cut = True
+                    status = 499
+                    try:
+                        status = await answer_cut(conn)
+                        linger = True
+                    except ClientGone:
+                        metrics.disconnects += 1
+                    except Exception:  # h11 could not even frame an answer: just close
+                        pass
+                    metrics.request(
+                        "other" if conn.path is None else endpoint_label(conn.path), status,
+                        time.monotonic() - begun_at)
+                    return
                 # The scope first: a drain cancels it before a request was read at all
                 # (then request is None: a cancellation leaves nothing read).
                 if idle.cancelled_caught or request is None:
@@ -466,6 +499,8 @@ class Server:
                 await conn.aclose(linger)
             finally:
                 metrics.connections -= 1  # (after a linger: its descriptor was held)
+                if cut:
+                    self._landed()
 
     async def _answer(self, conn: Connection, request: Any, checked: Gateway | None = None) -> None:
         """``checked``: the generation whose keys admitted the request at its head."""
