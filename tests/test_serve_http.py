@@ -14,7 +14,7 @@ import trio.testing
 
 import polygate
 from polygate.serve import open_server
-from polygate.serve._http import Connection, HTTPProblem
+from polygate.serve._http import Connection, Cut, HTTPProblem
 from polygate.testing import FakeUpstream, Reply
 
 from ._serve_kit import (
@@ -894,25 +894,48 @@ async def test_a_flowing_stream_gets_no_keep_alive_and_a_quiet_one_does() -> Non
     assert quiet.body.endswith(b"data: [DONE]\n\n")
 
 
+@pytest.mark.parametrize("cut", [True, False])
 async def test_a_head_whose_wait_is_cancelled_is_no_timeout(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, cut: bool
 ) -> None:
-    """The scope a head is read in is the server's idle scope, which a drain cancels.
-    A drain that cancels it in the instant a request's first bytes came (the server
-    no longer cancels it after them) closes the connection quietly: the head was not
-    late, so no 408 saying it was."""
+    """The scope a head is read in is the server's idle scope, which a drain cancels:
+    at its start (to close the connection while idle) and, once the request's first
+    bytes are here, at the end of its grace.  Cancelled with the head's first bytes
+    here, the head was not late: no 408 saying it was.  At the grace's end the
+    request is cut (:class:`Cut`: the server tells the client 503 shutting_down); at
+    the drain's start, in the instant the first bytes came, the request is in flight
+    and read on."""
+    from polygate.serve._http import Cuts
+
+    cuts = Cuts()
     client, conn = _connection(polygate.Serve(header_timeout_s=10.0))
+    conn.cuts = cuts
     scope = trio.CancelScope()
 
     async def first_bytes_then_drain() -> None:
         await client.send_all(b"GET /healthz HT")
         await trio.sleep(1)
-        scope.cancel()
+        if cut:
+            cuts.cut()
+            cuts.add(scope)  # (what the server's started() did at the first byte)
+        else:
+            scope.cancel()
+            await trio.sleep(1)
+            await client.send_all(b"TP/1.1\r\nhost: g\r\n\r\n")
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(first_bytes_then_drain)
-        assert await conn.read_request(scope=scope) is None
-    assert scope.cancelled_caught and trio.current_time() == pytest.approx(1.0)
+        if cut:
+            with pytest.raises(Cut) as caught_cut:
+                await conn.read_request(scope=scope)
+            assert caught_cut.value.path is None  # (its head had not named one)
+            assert trio.current_time() == pytest.approx(1.0)
+        else:
+            request = await conn.read_request(scope=scope)
+            assert request is not None and request.path == "/healthz"
+            assert trio.current_time() == pytest.approx(2.0)
+            assert not cuts.scopes  # (the scope it read on in has left the cuts)
+    assert scope.cancelled_caught
     # Its deadline is still a 408.
     client, conn = _connection(polygate.Serve(header_timeout_s=10.0))
     await client.send_all(b"GET /healthz HT")

@@ -80,6 +80,37 @@ class ClientGone(Exception):
         self.path = path
 
 
+class Cut(Exception):
+    """A drain's grace period ended while the request was still arriving (its head or
+    its body not all here): it is told 503 ``shutting_down``, and the connection closes."""
+
+    def __init__(self, path: str | None = None) -> None:
+        super().__init__()
+        #: The request's path, when its head was read (for the metrics' label).
+        self.path = path
+
+
+@attrs.define(eq=False)
+class Cuts:
+    """What the end of a drain's grace period cancels (the server's, shared by its
+    connections): the scope of each call being answered, of each request head being
+    read once its first byte is here, and of each wait for the rest of a request's
+    body.  ``on`` once it has ended: a scope added then is cancelled at once."""
+
+    scopes: set[trio.CancelScope] = attrs.Factory(set)
+    on: bool = False
+
+    def add(self, scope: trio.CancelScope) -> None:
+        self.scopes.add(scope)
+        if self.on:
+            scope.cancel()
+
+    def cut(self) -> None:
+        self.on = True
+        for scope in list(self.scopes):
+            scope.cancel()
+
+
 class HTTPProblem(Exception):
     """The request cannot be read: answer ``status`` and close the connection."""
 
@@ -177,19 +208,21 @@ def _head_problem(status: int) -> str:
 class Connection:
     """One client connection: read a request, answer it, repeat."""
 
-    __slots__ = ("carried", "chunked", "client_gone", "finishing", "h11", "head_only",
-                 "keep_alive", "limits", "path", "pipelined", "requests", "responding",
-                 "stream", "writing")
+    __slots__ = ("carried", "chunked", "client_gone", "cuts", "finishing", "h11", "head_only",
+                 "keep_alive", "limits", "pipelined", "requests", "responding", "stream",
+                 "writing")
 
     def __init__(
         self, stream: trio.SocketStream, limits: Serve,
-        finishing: set[trio.CancelScope] | None = None,
+        finishing: set[trio.CancelScope] | None = None, cuts: Cuts | None = None,
     ) -> None:
         self.stream = stream
         self.limits = limits
         #: The server's frame writes in progress (see finish_frame): a hard stop cancels
         #: them, a drain does not.
         self.finishing = finishing if finishing is not None else set()
+        #: The server's: a wait for a request body's rest joins them (see _read_body).
+        self.cuts = cuts if cuts is not None else Cuts()
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
         self.requests = 0
         self.client_gone = False
@@ -203,9 +236,6 @@ class Connection:
         self.carried = False
         #: The scope of a write that waits for the client to read (see :meth:`left`).
         self.writing: trio.CancelScope | None = None
-        #: The path of the request being read, once its head is (a request cut while its
-        #: body arrives is counted under its endpoint).
-        self.path: str | None = None
 
     # ------------------------------------------------------------------ reading
 
@@ -222,7 +252,7 @@ class Connection:
         body); the caller answers it and closes.  ``admit`` may set ``limits`` (a
         reload's, for the rest of the request).  ``started()`` is called once the
         request's first byte is here.  A client that leaves mid-request raises
-        :class:`ClientGone`.
+        :class:`ClientGone`; one still arriving when a drain's grace ends, :class:`Cut`.
 
         The head is read in ``scope`` (a new one if none is given), with its deadline
         set here: the server's scope for a connection that a drain may close while it
@@ -234,7 +264,6 @@ class Connection:
         # head, a head timeout) is answered whole: the last request's HEAD-ness (no
         # body) is not this one's.
         self.head_only = self.responding = False
-        self.path = None
         pending = len(self.h11.trailing_data[0])  # pipelined: already here
         # A kept-alive connection waits idle_timeout_s for a request, and its head has
         # header_timeout_s from its first byte; a new one has header_timeout_s for the
@@ -263,12 +292,30 @@ class Connection:
         if scope.cancelled_caught:
             if self.h11.their_state is h11.IDLE and not self.h11.trailing_data[0]:
                 return None  # idle keep-alive connection: close quietly
-            if trio.current_time() < scope.deadline:
-                # Cancelled, not timed out: a drain, in the instant the request's
-                # first bytes came (after them, the server no longer cancels it).
-                # The connection closes quietly; a 408 would say the client was slow.
-                return None
-            raise HTTPProblem(408, "the request head was not received in time", "request_timeout")
+            if trio.current_time() >= scope.deadline:
+                raise HTTPProblem(408, "the request head was not received in time", "request_timeout")
+            # Cancelled, not timed out, with its first bytes here (a 408 would say
+            # the client was slow): the end of a drain's grace (the server's started()
+            # made the scope one of its cuts) ...
+            if self.cuts.on:
+                raise Cut
+            # ... or a drain's start, which closes idle connections, in the instant
+            # those bytes came: in flight from them, the request is read on, in a
+            # scope of its own that only the grace's end cuts.  (Its bytes so far
+            # are all in h11's buffer: an incomplete head is not consumed.)
+            again = trio.CancelScope(deadline=scope.deadline)
+            self.cuts.add(again)
+            try:
+                with again:
+                    event, fed = await self._next_head_event(
+                        again, False, None, fed=len(self.h11.trailing_data[0]) - pending)
+            finally:
+                self.cuts.scopes.discard(again)
+            if again.cancelled_caught:
+                if trio.current_time() >= again.deadline:
+                    raise HTTPProblem(
+                        408, "the request head was not received in time", "request_timeout")
+                raise Cut
         if not isinstance(event, _PlainRequest):
             if not isinstance(event, h11.Request):
                 return None  # ConnectionClosed
@@ -294,7 +341,7 @@ class Connection:
             target = rest[min(ends):] if ends else "/"
             if not target.startswith("/"):
                 target = "/" + target
-        path = self.path = target.split("?", 1)[0]
+        path = target.split("?", 1)[0]
         if len(headers) < len(event.headers) and sum(
                 k == b"authorization" for k, _ in event.headers) > 1:
             # It cannot repeat (RFC 9110): a proxy reading the first and this server
@@ -343,12 +390,12 @@ class Connection:
 
     async def _next_head_event(
         self, scope: trio.CancelScope, idle: bool, started: Callable[[], object] | None,
-        plain: bool = False,
+        plain: bool = False, fed: int = 0,
     ) -> tuple[h11.Event | _PlainRequest, int]:
-        """The next event, and how many bytes were received for it.  With ``plain``
-        (h11 fresh, nothing pending), a plain request whole in the first read comes
-        back as a :class:`_PlainRequest`, and what followed it goes to h11."""
-        fed = 0
+        """The next event, and how many bytes were received for it (``fed`` of them
+        before this call).  With ``plain`` (h11 fresh, nothing pending), a plain
+        request whole in the first read comes back as a :class:`_PlainRequest`, and
+        what followed it goes to h11."""
         while True:
             if not plain:
                 try:
@@ -414,12 +461,19 @@ class Connection:
             if event is h11.NEED_DATA:
                 if deadline is None:
                     deadline = trio.current_time() + limits.body_timeout_s
-                with trio.move_on_at(deadline):
-                    data = await self._receive()
+                # (A scope only for a wait: the end of a drain's grace cuts it.)
+                with trio.move_on_at(deadline) as waiting:
+                    self.cuts.add(waiting)
+                    try:
+                        data = await self._receive()
+                    finally:
+                        self.cuts.scopes.discard(waiting)
                     if not data:  # left mid-body: gone, not a malformed body
                         raise ClientGone(path)
                     self.h11.receive_data(data)
                     continue
+                if self.cuts.on:
+                    raise Cut(path)
                 raise HTTPProblem(408, "the request body was not received in time",
                                   "request_timeout", path)
             if isinstance(event, h11.Data):

@@ -43,7 +43,7 @@ from ._app import NO_CALL, Context, Gateway, answer, answer_cut, endpoint_label
 from ._errors import error_body
 from ._fds import connection_room
 from ._hangups import Hangups
-from ._http import ClientGone, Connection, HTTPProblem
+from ._http import ClientGone, Connection, Cut, Cuts, HTTPProblem
 from ._metrics import Metrics
 from ._unavailable import UnavailableSession
 
@@ -116,9 +116,9 @@ class Server:
         #: Stream frames being finished past a drain (Connection.finish_frame).
         self._finishing: set[trio.CancelScope] = set()
         self._idle: set[trio.CancelScope] = set()
-        self._stops: set[trio.CancelScope] = set()
-        #: The drain's grace is over: a call that starts now is cut at once.
-        self._cutting = False
+        #: What the end of a drain's grace cancels: calls being answered, requests still
+        #: arriving (once on, a call that starts is cut at once).
+        self._cuts = Cuts()
         self._in_flight = 0
         self._quiet = trio.Event()
         self._refusing = 0
@@ -287,14 +287,20 @@ class Server:
             await listener.aclose()
         for scope in list(self._idle):
             scope.cancel()  # idle keep-alive connections: nothing in flight, close now
+        # A connection woken with its request's first bytes before the drain began has
+        # not yet run to count itself in flight: let it (it runs in this batch of trio's
+        # scheduler; this task, in the next), or the drain would find nothing in flight
+        # and hard-stop it unanswered.  (Its idle scope is cancelled all the same: the
+        # request reads on without it, see Connection.read_request.)
+        await trio.lowlevel.checkpoint()
         with trio.move_on_after(grace_s):
             if self._in_flight:
                 await self._quiet.wait()
         if self._in_flight:
             log.warning("grace period over: cancelling %d call(s) in flight", self._in_flight)
-            self._cutting = True  # and any that reaches its answer from now (see _answer)
-            for stop in list(self._stops):
-                stop.cancel()  # each call stops, settles, and its client is told why
+            # Each call stops, settles, and its client is told why; so is each request
+            # still arriving, and any that reaches its answer from now (see _answer).
+            self._cuts.cut()
             with trio.move_on_after(_LAST_WORDS_S):
                 await self._quiet.wait()
         self.hard_stop()
@@ -392,7 +398,7 @@ class Server:
         """One connection, counted in ``metrics.connections`` by the accept loop."""
         metrics = self.metrics
         assert self._current is not None
-        conn = Connection(stream, self._current.settings.serve, self._finishing)
+        conn = Connection(stream, self._current.settings.serve, self._finishing, self._cuts)
         # The generation whose keys admitted the request being read (admit, below): its
         # answer needs no second check, unless a reload came in between.
         checked: Gateway | None = None
@@ -412,7 +418,7 @@ class Server:
             return False
 
         linger = False  # the last request was refused with its body unread
-        cut = False  # a drain's grace ended while its request arrived (in flight still)
+        cut = False  # a drain's grace ended as its request arrived: in flight until closed
         try:
             # A drain ends the loop, except for a request whose bytes came before the
             # last answer ended (carried): in flight from its first byte, answered too.
@@ -423,11 +429,10 @@ class Server:
                 conn.limits = self._current.settings.serve
                 idle = trio.CancelScope()
                 self._idle.add(idle)
-                arriving = trio.CancelScope()  # the request, once its first byte is here
                 begun = False
                 begun_at = 0.0  # (monotonic) its first byte: a problem's time counts from it
 
-                def started(idle: trio.CancelScope = idle, arriving: trio.CancelScope = arriving) -> None:
+                def started(idle: trio.CancelScope = idle) -> None:
                     # Idle until its first byte: a drain closes an idle connection, but a
                     # request it has begun to receive is in flight: read and answered.
                     nonlocal begun, begun_at
@@ -438,10 +443,8 @@ class Server:
                         conn.carried = False  # (counted as the last answer ended)
                     else:
                         self._in_flight += 1
-                    # From here the end of a drain's grace cuts it as it does a call.
-                    self._stops.add(arriving)
-                    if self._cutting:
-                        arriving.cancel()
+                    # From here the end of a drain's grace cuts the head's read.
+                    self._cuts.add(idle)
                     # (The head's deadline, set right after: a reload during the wait.)
                     assert self._current is not None
                     conn.limits = self._current.settings.serve
@@ -449,8 +452,7 @@ class Server:
                 request = None
                 try:
                     # (read_request enters idle, with the head's deadline: one scope.)
-                    with arriving:
-                        request = await conn.read_request(admit, started=started, scope=idle)
+                    request = await conn.read_request(admit, started=started, scope=idle)
                 except HTTPProblem as problem:
                     await self._problem(conn, problem, begun_at if begun else None)
                     linger = True
@@ -462,31 +464,21 @@ class Server:
                             "other" if gone.path is None else endpoint_label(gone.path), 499,
                             time.monotonic() - begun_at)
                     return
+                except Cut as stopped:
+                    # In flight until the connection has closed (below): a close with
+                    # the body's rest unread would reset the answer away, so the
+                    # server lingers, within the drain's last words.
+                    cut = linger = True
+                    await self._told_cut(conn, stopped.path, begun_at)
+                    return
                 finally:
                     self._idle.discard(idle)
-                    self._stops.discard(arriving)
-                    if begun and request is None and not arriving.cancelled_caught:
+                    self._cuts.scopes.discard(idle)
+                    if begun and request is None and not cut:
                         self._landed()  # nothing to answer: (the answer lands its own)
-                if arriving.cancelled_caught:
-                    # Still arriving when the grace ended: told 503 shutting_down, and
-                    # in flight until the answer is out and the connection closed (a
-                    # close with its body's rest unread would reset the answer away).
-                    cut = True
-                    status = 499
-                    try:
-                        status = await answer_cut(conn)
-                        linger = True
-                    except ClientGone:
-                        metrics.disconnects += 1
-                    except Exception:  # h11 could not even frame an answer: just close
-                        pass
-                    metrics.request(
-                        "other" if conn.path is None else endpoint_label(conn.path), status,
-                        time.monotonic() - begun_at)
-                    return
-                # The scope first: a drain cancels it before a request was read at all
-                # (then request is None: a cancellation leaves nothing read).
-                if idle.cancelled_caught or request is None:
+                # (None: the client closed, or a drain closed the idle connection. A
+                # request read despite idle's cancellation read on without it.)
+                if request is None:
                     return
                 await self._answer(conn, request, checked)
                 if not conn.reusable():
@@ -510,11 +502,9 @@ class Server:
         # (in self._in_flight since its first byte: see _connection)
         self.metrics.in_flight += 1
         context = Context(conn, gateway, self.metrics, self, key_checked=checked is gateway)
-        self._stops.add(context.stop)
-        if self._cutting:
-            # Past the grace: a request that was still arriving (its body, or pipelined
-            # behind another) starts no call; it is told 503 shutting_down at once.
-            context.stop.cancel()
+        # Past the grace (the cuts on), a request that was pipelined behind another, or
+        # whose last bytes came after, starts no call: it is told 503 shutting_down.
+        self._cuts.add(context.stop)
         hangups = self._hangups
         fd = None if hangups is None else conn.fileno()
         try:
@@ -536,7 +526,7 @@ class Server:
                     await answer(context, request)
                     nursery.cancel_scope.cancel()
         finally:
-            self._stops.discard(context.stop)
+            self._cuts.scopes.discard(context.stop)
             gateway.leave()
             self.metrics.in_flight -= 1
             if self.draining and conn.pending() and conn.reusable():
@@ -547,6 +537,19 @@ class Server:
                 self._in_flight += 1
                 conn.carried = True
             self._landed()
+
+    async def _told_cut(self, conn: Connection, path: str | None, begun_at: float) -> None:
+        """Tell a request still arriving when the grace ended why it is not answered."""
+        status = 503  # (the hard stop cutting the write, too: as a call it cuts)
+        try:
+            await answer_cut(conn)
+        except ClientGone:
+            status = 499
+            self.metrics.disconnects += 1
+        finally:
+            self.metrics.request(
+                "other" if path is None else endpoint_label(path), status,
+                time.monotonic() - begun_at)
 
     def _landed(self) -> None:
         """A request in flight (being read, or answered) is done."""
