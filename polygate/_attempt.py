@@ -369,5 +369,6 @@ async def _settle(
         retry_after_s=error.retry_after_s if error is not None else None,
         latency_s=latency,
         at_least=record.prompt_estimate + streamed if streamed else 0,
+        neutral=error is not None and error.exhausted is not None,
     )
     ctx.runtime.recorder.attempt(ctx, record)

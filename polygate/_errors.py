@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ._secrets import clip, redact
+from ._sockets import out_of
 
 if TYPE_CHECKING:
     from ._types import CallStats
@@ -117,6 +118,10 @@ class UpstreamError(PolygateError):
         self.call_stats: CallStats | None = None
         # Set when this error ends a committed stream: the text the caller was shown.
         self.text = ""
+        # What this process ran out of (descriptors, socket buffers, memory) when
+        # that, not the upstream, failed the attempt: it feeds neither the source's
+        # breaker nor its health.
+        self.exhausted: str | None = None
         if outcome is not None:
             self.outcome = outcome
 
@@ -283,6 +288,17 @@ def classify_exception(exc: BaseException, *, source: str | None = None) -> Upst
     """
     if isinstance(exc, UpstreamError):
         return exc
+    found = out_of(exc)
+    if found is not None:
+        # Not the upstream's failure (the breaker is fed only by real ones), and
+        # not its message: a connect's says "all attempts ... failed", or names
+        # whatever file the process could not open.
+        what, code = found
+        error = TransientUpstreamError(
+            f"this process ran out of {what} ({code}): the attempt failed before the "
+            "upstream had any part in it", source=source)
+        error.exhausted = what
+        return error
     name = type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
         return TransientUpstreamError(

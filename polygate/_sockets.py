@@ -32,6 +32,9 @@ the bytes sent and not yet acknowledged), not only the writes the socket took: t
 socket turns writable again only once a good share of its buffer is free (~128 KiB on
 loopback), which a slow reader may take longer than the timeout to make room for.
 
+(:func:`out_of` says whether a failure was this process running out of descriptors,
+socket buffers or memory: no fault of the peer's.)
+
 Only for a stream that one task writes at a time (trio's conflict detector is
 bypassed for the synchronous write, which cannot interleave with anything, but a
 ``send_all`` of another task parked on a full buffer could be overtaken).
@@ -47,7 +50,33 @@ from typing import cast
 
 import trio
 
-__all__ = ["receive_when_readable", "send_all_progressing", "write_first", "write_now"]
+__all__ = ["out_of", "receive_when_readable", "send_all_progressing", "write_first", "write_now"]
+
+#: What this process (or the machine) ran out of, by the errno that says so.
+_EXHAUSTED: dict[int, str] = {
+    errno.EMFILE: "file descriptors",
+    errno.ENFILE: "file descriptors (the system's)",
+    errno.ENOBUFS: "socket buffers",
+    errno.ENOMEM: "memory",
+}
+
+
+def out_of(exc: BaseException) -> tuple[str, str] | None:
+    """What ``exc`` says this process ran out of, and the errno's name -- looked for in
+    it, its causes and contexts, and the groups among them (trio's ``open_tcp_stream``
+    raises ``OSError("all attempts to connect ... failed")`` from a group of each
+    attempt's error; httpx wraps that in turn) -- or ``None``."""
+    todo: list[BaseException | None] = [exc]
+    seen: set[int] = set()
+    while todo and len(seen) < 64:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _EXHAUSTED:
+            return _EXHAUSTED[e.errno], errno.errorcode[e.errno]
+        todo += (e.__cause__, e.__context__, *getattr(e, "exceptions", ()))
+    return None
 
 _POSIX = os.name == "posix"
 #: How often a blocked send looks at what the peer acknowledged, at most.

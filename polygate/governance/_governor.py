@@ -343,12 +343,17 @@ class Governor:
         retry_after_s: float | None = None,
         latency_s: float | None = None,
         at_least: int = 0,
+        neutral: bool = False,
     ) -> int:
         """Settle an admission by the rules of :data:`SETTLE_RULES`; returns the tokens
         recorded against the quota (0 when the request never left).  ``at_least``: what
         the attempt is known to have cost whatever it reported (its prompt and the
-        tokens it streamed), which an estimate that stands never undercuts."""
+        tokens it streamed), which an estimate that stands never undercuts.
+        ``neutral``: the failure was this process's, not the source's (out of
+        descriptors, say): no breaker feedback, no health."""
         kind, feedback = SETTLE_RULES[outcome]
+        if neutral:
+            feedback = Feedback.NEUTRAL
         tokens: int | None
         if kind == "zero":
             # The request was refused (a 429, a 4xx): nothing was generated -- unless it

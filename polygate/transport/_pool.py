@@ -78,6 +78,8 @@ What it does (and does not)
 from __future__ import annotations
 
 import collections
+import encodings.idna  # noqa: F401 - now: see _open_shedding
+import logging
 import math
 import re
 import ssl
@@ -90,7 +92,7 @@ import h11
 import httpx
 import trio
 
-from .._sockets import receive_when_readable, write_first
+from .._sockets import out_of, receive_when_readable, write_first
 from ._chunked import ChunkedDecoder
 from ._head import HEAD_EXTENSION, Head, parse_head
 from ._wire import CALL_ID_HEADER
@@ -99,6 +101,10 @@ __all__ = [
     "REPORTS_SENT", "SENT_EXTENSION", "LeanTransport", "PoolStatistics", "body_of", "close_now",
     "drains_on_close", "reports_sent",
 ]
+
+log = logging.getLogger("polygate.transport")
+#: Out of descriptors, a warning at most this often (each connect fails alike).
+_WARN_EVERY_S: Final = 10.0
 
 #: A request extension: a callable, called with no argument when the request starts
 #: going out on a connection (after any wait for one and the connect; again if a
@@ -280,6 +286,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._reused = 0
         self._retried = 0
         self._lines = _Lines()
+        self._warned_at = -math.inf  # (running out of descriptors: see _open_shedding)
 
     @classmethod
     def from_limits(cls, limits: httpx.Limits, **kwargs: Any) -> LeanTransport:
@@ -700,10 +707,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
         conn: _Connection | None = None
         try:
             if limit_s is None:
-                conn = await self._open_connection(key)
+                conn = await self._open_shedding(key)
             else:
                 with trio.move_on_after(limit_s):
-                    conn = await self._open_connection(key)
+                    conn = await self._open_shedding(key)
                 if conn is None:
                     raise httpx.ConnectTimeout("timed out connecting", request=request)
         except BaseException as exc:
@@ -718,6 +725,35 @@ class LeanTransport(httpx.AsyncBaseTransport):
             raise RuntimeError("this LeanTransport was closed while a request connected")
         self._conns.add(conn)
         return conn
+
+    async def _open_shedding(self, key: _Key) -> _Connection:
+        """:meth:`_open_connection`; when the process is out of descriptors (or socket
+        buffers) and this pool holds idle connections, they are what it can give
+        back: it closes them and tries once more.  (Kept 30 s after a burst to other
+        origins, they would otherwise make every new connection fail while they
+        last.)  (``encodings.idna`` is imported with this module: a connect's host
+        encoding imports it on first use, and out of descriptors that import failed,
+        naming a file of the standard library.)"""
+        try:
+            return await self._open_connection(key)
+        except OSError as exc:
+            found = out_of(exc)
+            if found is None:
+                raise
+            now = trio.current_time()
+            if now - self._warned_at >= _WARN_EVERY_S:  # (not once a connect, at a flood)
+                self._warned_at = now
+                log.warning("out of %s (%s) opening a connection to %s:%s%s", *found, *key[1:],
+                            f"; closing {self._idle_count} idle connection(s) and trying again"
+                            if self._idle_count else "")
+            if not self._idle_count:
+                raise
+        for stack in self._idle.values():
+            for conn in stack:
+                self._drop(conn)
+        self._idle.clear()
+        self._idle_count = 0
+        return await self._open_connection(key)
 
     async def _open_connection(self, key: _Key) -> _Connection:
         scheme, host, port = key

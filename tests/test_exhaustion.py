@@ -1,0 +1,215 @@
+"""A process that runs out of descriptors (or socket buffers, or memory): its failures
+are named for what they are, never charged to a source (the breaker is fed only by
+real failures), and the connection pool gives back its idle connections to connect.
+
+review: at the open-file limit, every connect failed as ``ConnectError: all attempts
+to connect ... failed`` (or named ``encodings/idna.py``, the file the host's encoding
+failed to import), each charged to its source as a transient failure: five of them
+opened every source's breaker, and calls kept failing for 30 s after descriptors were
+back.  The pool's idle connections to other origins (kept 30 s after a burst) held
+the very descriptors a new connection needed."""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import sys
+import textwrap
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate._errors import classify_exception
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import MESSAGES, two_source_settings
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import ExceptionGroup
+
+
+def _connect_failure(code: int) -> httpx.ConnectError:
+    """What the pool raises when trio's ``open_tcp_stream`` fails: httpx's error, from
+    trio's OSError, from a group of each attempt's error."""
+    attempt = OSError(code, "x")
+    try:
+        try:
+            raise OSError("all attempts to connect to 127.0.0.1:1 failed") from ExceptionGroup(
+                "all attempts", [attempt])
+        except OSError as exc:
+            raise httpx.ConnectError("all attempts to connect to 127.0.0.1:1 failed") from exc
+    except httpx.ConnectError as exc:
+        return exc
+
+
+@pytest.mark.parametrize(("code", "what"), [
+    (errno.EMFILE, "file descriptors"),
+    (errno.ENFILE, "file descriptors (the system's)"),
+    (errno.ENOBUFS, "socket buffers"),
+    (errno.ENOMEM, "memory"),
+])
+def test_running_out_is_named_and_marked_as_this_process_s(code: int, what: str) -> None:
+    error = classify_exception(_connect_failure(code), source="a")
+    assert type(error) is polygate.TransientUpstreamError
+    assert error.exhausted == what
+    assert errno.errorcode[code] in str(error) and what in str(error)
+    # Raised straight (the import of a codec, a socket() call), and inside a read.
+    direct = classify_exception(OSError(code, "Too many open files: '/usr/lib/x.py'"))
+    assert direct.exhausted == what and "/usr/lib" not in str(direct)
+    wrapped = httpx.ReadError("read failed")
+    wrapped.__context__ = OSError(code, "x")
+    assert classify_exception(wrapped).exhausted == what
+
+
+def test_the_upstream_s_own_failures_are_not_marked() -> None:
+    for exc in (_connect_failure(errno.ECONNREFUSED), httpx.ReadError("reset"),
+                httpx.ConnectTimeout("slow"), ValueError("bad json")):
+        assert classify_exception(exc).exhausted is None
+
+
+class _OutOfDescriptors(httpx.AsyncBaseTransport):
+    """The fake upstreams, behind a connect that fails with EMFILE while ``out``."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.out = True
+        self.polygate_reports_sent = getattr(inner, "polygate_reports_sent", False)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await trio.lowlevel.checkpoint()
+        if self.out:
+            raise _connect_failure(errno.EMFILE)
+        return await self.inner.handle_async_request(request)
+
+
+async def test_running_out_feeds_no_breaker_and_calls_work_once_it_is_over(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    transport = _OutOfDescriptors(Router({"a": FakeUpstream(Reply()), "b": FakeUpstream(Reply())}))
+    async with polygate.session(two_source_settings(), transport=transport) as s:
+        for _ in range(12):  # past the breaker's 5 consecutive failures, on each source
+            with pytest.raises(polygate.AllSourcesExhausted) as failed:
+                await s.chat(MESSAGES)
+            assert failed.value.errors and all(
+                getattr(e, "exhausted", None) == "file descriptors" for e in failed.value.errors)
+        stats = await s.statistics()
+        for source in stats.governance.sources:
+            assert source.state.breaker.value == "closed", source
+            assert source.state.consecutive_failures == 0, source
+        transport.out = False
+        began = trio.current_time()
+        answer = await s.chat(MESSAGES)
+        assert answer.call_stats.attempts == 1
+        assert trio.current_time() - began < 1  # no breaker's 30 s, no cooldown
+
+
+# A process at its open-file limit: its pool holds idle connections to one origin (a
+# burst's), and a call to another cannot open its socket.
+_SCRIPT = textwrap.dedent('''
+    import json, os, resource, sys
+    import trio, polygate
+
+    a, b = sys.argv[1:3]
+    settings = polygate.Settings(scopes={
+        "a": polygate.Scope(sources=[polygate.Source(name="a", base_url=a, model="m")]),
+        "b": polygate.Scope(sources=[polygate.Source(name="b", base_url=b, model="m")]),
+    })
+    msgs = [{"role": "user", "content": "hi"}]
+
+    async def main():
+        async with polygate.session(settings) as s:
+            async with trio.open_nursery() as burst:
+                for _ in range(20):
+                    burst.start_soon(lambda: s.chat(msgs, scope="a"))
+            held = []
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+            while True:  # every descriptor left, taken
+                try:
+                    held.append(os.open("/dev/null", os.O_RDONLY))
+                except OSError:
+                    break
+            try:
+                with trio.fail_after(10):
+                    answer = await s.chat(msgs, scope="b")
+                result = ["ok", answer.source]
+            except polygate.PolygateError as exc:
+                result = [type(exc).__name__, str(exc)[:300]]
+            finally:
+                for fd in held:
+                    os.close(fd)
+        print(json.dumps(result))
+
+    trio.run(main)
+''')
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_out_of_descriptors_the_pool_gives_back_its_idle_connections() -> None:
+    async with FakeUpstream(Reply(tokens=2)).serve() as a, FakeUpstream(Reply(tokens=2)).serve() as b:
+        done = await trio.run_process(
+            [sys.executable, "-c", _SCRIPT, a, b], capture_stdout=True, capture_stderr=True,
+            check=False)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    result: Any = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert result == ["ok", "b"], result
+    log = done.stderr.decode()
+    assert "out of file descriptors (EMFILE)" in log and "closing" in log, log[-2000:]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+async def test_a_gateway_at_its_open_file_limit_blames_no_source(tmp_path: Any) -> None:
+    """``polygate serve`` at a low open-file limit, every call hedged up to three times
+    (each a socket more than the server's count of room allows for): what cannot
+    connect fails cleanly, no breaker opens, and the next call is answered."""
+    import resource
+
+    from ._serve_kit import (
+        AUTH,
+        CHAT,
+        GATEWAY_KEY,
+        _Port,
+        http,
+        read_until_closed,
+        request_bytes,
+        serve_process,
+    )
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    async def one(port: int, out: list[tuple[bytes, bytes]]) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(request_bytes(
+                "POST", "/v1/chat/completions", CHAT, {**AUTH, "connection": "close"}))
+            data = await read_until_closed(stream, 20)
+        out.append((data[:12], data[-400:]))
+
+    up = FakeUpstream(Reply(tokens=2, first_token_s=0.8))
+    async with up.serve() as url:
+        sources = "".join(f'[scopes.chat.sources.s{i}]\nbase_url = "{url}"\nmodel = "m1"\n' for i in range(4))
+        config = tmp_path / "polygate.toml"
+        config.write_text(
+            f'[serve]\napi_keys = ["{GATEWAY_KEY}"]\n[scopes.chat]\ncall_deadline_s = 10\n'
+            "[scopes.chat.hedge]\nafter_s = 0.05\nmax_extra = 3\nbudget_ratio = 1.0\n"
+            "budget_burst = 1000\n" + sources)
+        async with serve_process(config, preexec_fn=low_limit) as running:
+            out: list[tuple[bytes, bytes]] = []
+            async with trio.open_nursery() as nursery:
+                for _ in range(80):
+                    nursery.start_soon(one, running.port, out)
+            after = await http(_Port(running.port), "POST", "/v1/chat/completions", CHAT, AUTH)
+            metrics = (await http(_Port(running.port), "GET", "/metrics", None, AUTH)).body.decode()
+    unclean = [o for o in out if not (o[0].startswith(b"HTTP/1.1 200") or b"too_many_connections" in o[1])]
+    assert not unclean, unclean[:3]
+    assert after.status == 200, after.body[:300]
+    assert re.search(r'polygate_source_breaker_state\{[^}]*state="closed"\} 1\.0', metrics)
+    assert not re.search(r'polygate_source_breaker_state\{[^}]*state="open"\} 1\.0', metrics)
