@@ -63,9 +63,11 @@ _EXHAUSTED: dict[int, str] = {
 
 def out_of(exc: BaseException) -> tuple[str, str] | None:
     """What ``exc`` says this process ran out of, and the errno's name -- looked for in
-    it, its causes and contexts, and the groups among them (trio's ``open_tcp_stream``
-    raises ``OSError("all attempts to connect ... failed")`` from a group of each
-    attempt's error; httpx wraps that in turn) -- or ``None``."""
+    it, its causes, and the groups among them (trio's ``open_tcp_stream`` raises
+    ``OSError("all attempts to connect ... failed")`` from a group of each attempt's
+    error; httpx and the pool map that ``from`` it in turn) -- or ``None``.  Not in
+    contexts: an error raised while another was handled may have nothing to do with
+    it, and a real upstream failure must never pass for this process's."""
     todo: list[BaseException | None] = [exc]
     seen: set[int] = set()
     while todo and len(seen) < 64:
@@ -75,7 +77,7 @@ def out_of(exc: BaseException) -> tuple[str, str] | None:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in _EXHAUSTED:
             return _EXHAUSTED[e.errno], errno.errorcode[e.errno]
-        todo += (e.__cause__, e.__context__, *getattr(e, "exceptions", ()))
+        todo += (e.__cause__, *getattr(e, "exceptions", ()))
     return None
 
 _POSIX = os.name == "posix"

@@ -62,14 +62,19 @@ def test_running_out_is_named_and_marked_as_this_process_s(code: int, what: str)
     direct = classify_exception(OSError(code, "Too many open files: '/usr/lib/x.py'"))
     assert direct.exhausted == what and "/usr/lib" not in str(direct)
     wrapped = httpx.ReadError("read failed")
-    wrapped.__context__ = OSError(code, "x")
+    wrapped.__cause__ = OSError(code, "x")
     assert classify_exception(wrapped).exhausted == what
 
 
 def test_the_upstream_s_own_failures_are_not_marked() -> None:
     for exc in (_connect_failure(errno.ECONNREFUSED), httpx.ReadError("reset"),
-                httpx.ConnectTimeout("slow"), ValueError("bad json")):
+                httpx.ConnectTimeout("slow"), ValueError("bad json"),
+                httpx.ReadError("[Errno 24] Too many open files")):  # (words are not errnos)
         assert classify_exception(exc).exhausted is None
+    # An error raised while an earlier exhaustion was being handled is its own.
+    later = httpx.ConnectError("refused")
+    later.__context__ = OSError(errno.EMFILE, "x")
+    assert classify_exception(later).exhausted is None
 
 
 class _OutOfDescriptors(httpx.AsyncBaseTransport):
