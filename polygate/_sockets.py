@@ -50,7 +50,10 @@ from typing import cast
 
 import trio
 
-__all__ = ["out_of", "receive_when_readable", "send_all_progressing", "write_first", "write_now"]
+__all__ = [
+    "out_of", "out_of_now", "receive_when_readable", "send_all_progressing", "write_first",
+    "write_now",
+]
 
 #: What this process (or the machine) ran out of, by the errno that says so.
 _EXHAUSTED: dict[int, str] = {
@@ -59,6 +62,19 @@ _EXHAUSTED: dict[int, str] = {
     errno.ENOBUFS: "socket buffers",
     errno.ENOMEM: "memory",
 }
+
+
+def out_of_now() -> OSError | None:
+    """The error a new descriptor meets now, when this process (or the machine) is out
+    of them; ``None`` when one opens.  For failures that hide it: glibc's resolver,
+    unable to open ``/etc/hosts`` or a DNS socket, says "Name or service not known";
+    an SSL context that could not read its CA file is built empty, without a word."""
+    try:
+        fd = os.open(os.devnull, os.O_RDONLY)
+    except OSError as exc:
+        return exc if exc.errno in _EXHAUSTED else None
+    os.close(fd)
+    return None
 
 
 def out_of(exc: BaseException) -> tuple[str, str] | None:

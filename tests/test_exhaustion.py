@@ -11,8 +11,10 @@ the very descriptors a new connection needed."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import os
 import re
 import sys
 import textwrap
@@ -156,8 +158,13 @@ _SCRIPT = textwrap.dedent('''
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-async def test_out_of_descriptors_the_pool_gives_back_its_idle_connections() -> None:
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+async def test_out_of_descriptors_the_pool_gives_back_its_idle_connections(host: str) -> None:
+    """review: with a host name (every real upstream has one), glibc's resolver, out of
+    descriptors, says "Name or service not known": the exhaustion hid behind it, the
+    source was blamed, and the pool kept its idle connections."""
     async with FakeUpstream(Reply(tokens=2)).serve() as a, FakeUpstream(Reply(tokens=2)).serve() as b:
+        b = b.replace("127.0.0.1", host)
         done = await trio.run_process(
             [sys.executable, "-c", _SCRIPT, a, b], capture_stdout=True, capture_stderr=True,
             check=False)
@@ -218,3 +225,74 @@ async def test_a_gateway_at_its_open_file_limit_blames_no_source(tmp_path: Any) 
     assert after.status == 200, after.body[:300]
     assert re.search(r'polygate_source_breaker_state\{[^}]*state="closed"\} 1\.0', metrics)
     assert not re.search(r'polygate_source_breaker_state\{[^}]*state="open"\} 1\.0', metrics)
+
+
+_TLS_CLIENT = textwrap.dedent('''
+    import json, os, resource, sys
+    import httpx, trio
+    from polygate.transport import LeanTransport
+    from polygate._errors import classify_exception
+
+    async def one(client):
+        try:
+            return ["ok", (await client.get(sys.argv[1])).status_code]
+        except Exception as exc:
+            return [type(exc).__name__, classify_exception(exc).exhausted]
+
+    async def main():
+        async with httpx.AsyncClient(transport=LeanTransport()) as client:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+            held = []
+            while True:
+                try:
+                    held.append(os.open("/dev/null", os.O_RDONLY))
+                except OSError:
+                    break
+            os.close(held.pop())  # one descriptor left: the socket's
+            at_limit = await one(client)
+            for fd in held:
+                os.close(fd)
+            print(json.dumps([at_limit, await one(client), await one(client)]))
+
+    trio.run(main)
+''')
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_tls_context_built_out_of_descriptors_is_not_kept(tmp_path: Any) -> None:
+    """review: the first connect to an HTTPS origin built the default SSL context; at
+    the open-file limit it could not read its CA file and was built empty, without a
+    word: the handshake failed verification (charged to the source), and the empty
+    context was kept, so every HTTPS connect failed for the transport's life where
+    CAs come from a file only (``SSL_CERT_FILE``, a certifi-style bundle)."""
+    import ssl
+
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    no_dir = tmp_path / "none"
+    no_dir.mkdir()
+
+    async def handler(stream: trio.SSLStream[trio.SocketStream]) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.receive_some(65536)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+            await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_ssl_over_tcp, handler, 0, server_context)
+        port = listeners[0].transport_listener.socket.getsockname()[1]
+        env = {**os.environ, "SSL_CERT_FILE": str(ca_file), "SSL_CERT_DIR": str(no_dir)}
+        done = await trio.run_process(
+            [sys.executable, "-c", _TLS_CLIENT, f"https://127.0.0.1:{port}/"],
+            capture_stdout=True, capture_stderr=True, check=False, env=env)
+        nursery.cancel_scope.cancel()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    at_limit, after, again = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert at_limit == ["ok", 200] or at_limit[1] == "file descriptors", at_limit
+    assert after == again == ["ok", 200]

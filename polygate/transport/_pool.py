@@ -92,7 +92,7 @@ import h11
 import httpx
 import trio
 
-from .._sockets import out_of, receive_when_readable, write_first
+from .._sockets import out_of, out_of_now, receive_when_readable, write_first
 from ._chunked import ChunkedDecoder
 from ._head import HEAD_EXTENSION, Head, parse_head
 from ._wire import CALL_ID_HEADER
@@ -733,13 +733,21 @@ class LeanTransport(httpx.AsyncBaseTransport):
         origins, they would otherwise make every new connection fail while they
         last.)  (``encodings.idna`` is imported with this module: a connect's host
         encoding imports it on first use, and out of descriptors that import failed,
-        naming a file of the standard library.)"""
+        naming a file of the standard library.)  A failure that does not say so
+        (the resolver's "Name or service not known", a TLS verification that failed)
+        is checked against the process itself (:func:`out_of_now`), and raised from
+        what that finds."""
         try:
             return await self._open_connection(key)
-        except OSError as exc:
+        except (OSError, trio.BrokenResourceError) as exc:
             found = out_of(exc)
+            hidden = None
             if found is None:
-                raise
+                hidden = out_of_now()
+                if hidden is None:
+                    raise
+                found = out_of(hidden)
+                assert found is not None  # (out_of_now returns only an exhaustion)
             now = trio.current_time()
             if now - self._warned_at >= _WARN_EVERY_S:  # (not once a connect, at a flood)
                 self._warned_at = now
@@ -747,21 +755,29 @@ class LeanTransport(httpx.AsyncBaseTransport):
                             f"; closing {self._idle_count} idle connection(s) and trying again"
                             if self._idle_count else "")
             if not self._idle_count:
+                if hidden is not None:
+                    raise hidden from exc
                 raise
         for stack in self._idle.values():
             for conn in stack:
                 self._drop(conn)
         self._idle.clear()
         self._idle_count = 0
-        return await self._open_connection(key)
+        try:
+            return await self._open_connection(key)
+        except (OSError, trio.BrokenResourceError) as exc:
+            hidden = None if out_of(exc) is not None else out_of_now()
+            if hidden is not None:
+                raise hidden from exc
+            raise
 
     async def _open_connection(self, key: _Key) -> _Connection:
         scheme, host, port = key
         tcp = await trio.open_tcp_stream(host, port)  # sets TCP_NODELAY
         if scheme != "https":
             return _Connection(key, tcp, tcp.socket)
-        tls = trio.SSLStream(tcp, self._tls(), server_hostname=host, https_compatible=True)
         try:
+            tls = trio.SSLStream(tcp, self._tls(), server_hostname=host, https_compatible=True)
             await tls.do_handshake()
         except BaseException:
             tcp.socket.close()
@@ -771,6 +787,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
     def _tls(self) -> ssl.SSLContext:
         if self._ssl_context is None:
             context = ssl.create_default_context()
+            # Out of descriptors, the CA file could not be read, and the context is
+            # built without its CAs all the same: kept, it would fail every
+            # verification for the transport's life.  Not kept, and said.
+            exhausted = out_of_now()
+            if exhausted is not None:
+                raise exhausted
             context.set_alpn_protocols(["http/1.1"])
             self._ssl_context = context
         return self._ssl_context
