@@ -944,6 +944,27 @@ async def test_a_head_whose_wait_is_cancelled_is_no_timeout(
     assert caught.value.status == 408
 
 
+async def test_past_a_drain_s_grace_no_body_is_asked_for_to_be_refused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review: a request pipelined behind a call the grace's end cut, with ``Expect:
+    100-continue``, was sent ``100 Continue`` and then, at once, the 503: it invited a
+    body the server had already decided to refuse."""
+    from polygate.serve._http import Cuts
+
+    client, conn = _connection(polygate.Serve())
+    conn.cuts = Cuts()
+    conn.cuts.cut()
+    await client.send_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\nexpect: 100-continue\r\n"
+        b"content-length: 10\r\n\r\n")
+    with pytest.raises(Cut) as cut:
+        await conn.read_request()
+    assert cut.value.path == "/v1/chat/completions"
+    with trio.move_on_after(1):
+        assert await client.receive_some(100) == b""  # (nothing was written)
+
+
 @pytest.mark.parametrize("second", [
     b"GET /healthz HTTP/1.1\r\nhost: g\r\nbad header line\r\n\r\n",  # 400
     b"GET /healthz HTTP/1.1\r\nhost: g\r\nx: " + b"a" * 70000 + b"\r\n\r\n",  # 431

@@ -809,6 +809,56 @@ def test_a_request_whose_first_bytes_come_as_the_drain_begins_is_answered() -> N
     assert raced
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_a_drain_does_not_cut_short_the_linger_of_a_refused_upload(seed: int) -> None:
+    """review (scheduling-aware): a request refused at its head (a 401: no key) while
+    its client still uploaded, during a drain, was the last in flight: the drain went
+    quiet, hard-stopped at once, and closed the connection with the upload's bytes
+    unread -- a reset, which can destroy the 401 before the client reads it.  The
+    request is in flight until its linger is over, so the drain waits for it (within
+    the linger's 2 s), and the client, still sending, then reads its 401 whole."""
+    from polygate.serve import open_server
+    from polygate.testing import EventTransport, Schedule
+
+    async def scenario() -> tuple[bytes, bool, float, Any]:
+        up = FakeUpstream(Reply(), name="a")
+        async with open_server(_drained_settings(), port=0, transport=EventTransport({"a": up})) as server:
+            client = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await client.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 100000\r\n\r\n")
+            got = bytearray(await client.receive_some(65536))  # its 401, at once
+            reset = False
+            async with trio.open_nursery() as nursery:
+                began = trio.current_time()
+                ended: list[float] = []
+
+                async def drain() -> None:
+                    await server.shutdown(5)
+                    ended.append(trio.current_time() - began)
+
+                nursery.start_soon(drain)
+                try:
+                    for _ in range(4):  # the upload goes on
+                        await trio.sleep(0.2)
+                        await client.send_all(b"x" * 1000)
+                    await client.send_eof()
+                except trio.BrokenResourceError:
+                    reset = True
+                try:
+                    while data := await client.receive_some(65536):
+                        got += data
+                except trio.BrokenResourceError:
+                    reset = True
+            stats = server.statistics()
+            await client.aclose()
+            return bytes(got), reset, ended[0], stats
+
+    got, reset, took, stats = Schedule(seed).run(scenario)
+    assert got.startswith(b"HTTP/1.1 401") and not reset
+    assert 0.75 <= took < 2.5  # it waited for the upload's end, within the linger
+    assert (stats.in_flight, stats.connections) == (0, 0)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_hard_stop_is_no_client_that_left(seed: int) -> None:
     """review: a hard stop (a second SIGTERM, or the end of a drain's last words) with

@@ -384,6 +384,8 @@ class Connection:
             body = event.body
         else:
             if self.h11.they_are_waiting_for_100_continue:
+                if self.cuts.on:  # past a drain's grace: no body is asked for to be refused
+                    raise Cut(path)
                 await self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
             body = await self._read_body(path)
         return Request(event.method.decode("latin-1"), path, headers, body)

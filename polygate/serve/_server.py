@@ -65,7 +65,8 @@ _FD_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
 @attrs.frozen
 class ServerStatistics:
-    """Where the server stands: ``in_flight`` requests being answered, ``connections``
+    """Where the server stands: ``in_flight`` requests being read or answered (one
+    answered with its body unread, until its connection has closed), ``connections``
     open, ``draining`` after :meth:`Server.shutdown` began, ``generations`` sessions
     open (more than one while a reload lets old calls finish)."""
 
@@ -418,7 +419,11 @@ class Server:
             return False
 
         linger = False  # the last request was refused with its body unread
-        cut = False  # a drain's grace ended as its request arrived: in flight until closed
+        #: Its request was answered with its body's rest unread (refused, or cut by the
+        #: drain): in flight until the connection has closed after its linger, so that
+        #: a drain does not cut the linger short (a close with unread bytes resets, and
+        #: a reset can destroy the answer before the client reads it).
+        landing_late = False
         try:
             # A drain ends the loop, except for a request whose bytes came before the
             # last answer ended (carried): in flight from its first byte, answered too.
@@ -454,8 +459,8 @@ class Server:
                     # (read_request enters idle, with the head's deadline: one scope.)
                     request = await conn.read_request(admit, started=started, scope=idle)
                 except HTTPProblem as problem:
+                    landing_late, linger = begun, True
                     await self._problem(conn, problem, begun_at if begun else None)
-                    linger = True
                     return
                 except ClientGone as gone:
                     if begun:  # left in the middle of its request: as after it, a 499
@@ -465,16 +470,14 @@ class Server:
                             time.monotonic() - begun_at)
                     return
                 except Cut as stopped:
-                    # In flight until the connection has closed (below): a close with
-                    # the body's rest unread would reset the answer away, so the
-                    # server lingers, within the drain's last words.
-                    cut = linger = True
+                    # (Its linger within the drain's last words.)
+                    landing_late = linger = True
                     await self._told_cut(conn, stopped.path, begun_at)
                     return
                 finally:
                     self._idle.discard(idle)
                     self._cuts.scopes.discard(idle)
-                    if begun and request is None and not cut:
+                    if begun and request is None and not landing_late:
                         self._landed()  # nothing to answer: (the answer lands its own)
                 # (None: the client closed, or a drain closed the idle connection. A
                 # request read despite idle's cancellation read on without it.)
@@ -491,7 +494,7 @@ class Server:
                 await conn.aclose(linger)
             finally:
                 metrics.connections -= 1  # (after a linger: its descriptor was held)
-                if cut:
+                if landing_late:
                     self._landed()
 
     async def _answer(self, conn: Connection, request: Any, checked: Gateway | None = None) -> None:
