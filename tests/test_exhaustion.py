@@ -296,3 +296,23 @@ async def test_a_tls_context_built_out_of_descriptors_is_not_kept(tmp_path: Any)
     at_limit, after, again = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert at_limit == ["ok", 200] or at_limit[1] == "file descriptors", at_limit
     assert after == again == ["ok", 200]
+
+
+async def test_a_refused_connect_is_never_taken_for_this_process_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """review: the pool asked the process whether it was out of descriptors after any
+    failed connect; had a descriptor been taken by another thread at that instant, a
+    refused connect (the upstream's failure) would have passed for an exhaustion and
+    escaped the breaker.  Only a resolver's failure, which hides one, is checked."""
+    import polygate.transport._pool as pool
+
+    monkeypatch.setattr(pool, "out_of_now", lambda: OSError(errno.EMFILE, "x"))
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nothing listens there: refused
+    async with httpx.AsyncClient(transport=pool.LeanTransport()) as client:
+        with pytest.raises(httpx.ConnectError) as refused:
+            await client.get(f"http://127.0.0.1:{port}/")
+    assert classify_exception(refused.value).exhausted is None

@@ -859,6 +859,40 @@ def test_a_drain_does_not_cut_short_the_linger_of_a_refused_upload(seed: int) ->
     assert (stats.in_flight, stats.connections) == (0, 0)
 
 
+@pytest.mark.parametrize("request_head", [
+    b"GET /v1/models HTTP/1.1\r\nhost: g\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 2\r\n\r\n{}",
+])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_refusal_with_nothing_unread_does_not_hold_a_drain(seed: int, request_head: bytes) -> None:
+    """review: once a refused request counted in flight until its linger ended, a 401
+    to a request with nothing left to send (no body, or its body read whole) held
+    ``statistics().in_flight`` at 1, and a drain waited out the linger's 2 s for a
+    client that closes lazily, its answer long sent."""
+    from polygate.serve import open_server
+    from polygate.testing import EventTransport, Schedule
+
+    async def scenario() -> tuple[bytes, int, float, Any]:
+        up = FakeUpstream(Reply(), name="a")
+        async with open_server(_drained_settings(), port=0, transport=EventTransport({"a": up})) as server:
+            client = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await client.send_all(request_head)
+            got = await client.receive_some(65536)
+            await trio.testing.wait_all_tasks_blocked()
+            in_flight = server.statistics().in_flight
+            began = trio.current_time()
+            await server.shutdown(30)
+            took = trio.current_time() - began
+            stats = server.statistics()
+            await client.aclose()
+            return got, in_flight, took, stats
+
+    got, in_flight, took, stats = Schedule(seed).run(scenario)
+    assert got.startswith(b"HTTP/1.1 401")
+    assert in_flight == 0 and took < 0.5
+    assert (stats.in_flight, stats.connections) == (0, 0)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_hard_stop_is_no_client_that_left(seed: int) -> None:
     """review: a hard stop (a second SIGTERM, or the end of a drain's last words) with

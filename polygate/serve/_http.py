@@ -210,7 +210,7 @@ class Connection:
 
     __slots__ = ("carried", "chunked", "client_gone", "cuts", "finishing", "h11", "head_only",
                  "keep_alive", "limits", "pipelined", "requests", "responding", "stream",
-                 "writing")
+                 "unread", "writing")
 
     def __init__(
         self, stream: trio.SocketStream, limits: Serve,
@@ -223,6 +223,9 @@ class Connection:
         self.finishing = finishing if finishing is not None else set()
         #: The server's: a wait for a request body's rest joins them (see _read_body).
         self.cuts = cuts if cuts is not None else Cuts()
+        #: The client may still be sending the request being read: its head is not
+        #: all here, or it has a body not read whole (a refusal's linger, see aclose).
+        self.unread = True
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
         self.requests = 0
         self.client_gone = False
@@ -264,6 +267,7 @@ class Connection:
         # head, a head timeout) is answered whole: the last request's HEAD-ness (no
         # body) is not this one's.
         self.head_only = self.responding = False
+        self.unread = True
         pending = len(self.h11.trailing_data[0])  # pipelined: already here
         # A kept-alive connection waits idle_timeout_s for a request, and its head has
         # header_timeout_s from its first byte; a new one has header_timeout_s for the
@@ -329,6 +333,9 @@ class Connection:
         self.pipelined = 0
         self.head_only = event.method == b"HEAD"
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
+        # A plain request came whole; another has a body to read if its head frames one.
+        self.unread = not isinstance(event, _PlainRequest) and (
+            "transfer-encoding" in headers or headers.get("content-length", "0") != "0")
         target = event.target.decode("latin-1")
         if target[:8].lower().startswith(("http://", "https://")):
             # The absolute form (RFC 9112 §3.2.2: a server MUST accept it), which a

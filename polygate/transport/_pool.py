@@ -82,6 +82,7 @@ import encodings.idna  # noqa: F401 - now: see _open_shedding
 import logging
 import math
 import re
+import socket
 import ssl
 import sys
 from collections.abc import Awaitable, Callable, Mapping
@@ -733,17 +734,18 @@ class LeanTransport(httpx.AsyncBaseTransport):
         origins, they would otherwise make every new connection fail while they
         last.)  (``encodings.idna`` is imported with this module: a connect's host
         encoding imports it on first use, and out of descriptors that import failed,
-        naming a file of the standard library.)  A failure that does not say so
-        (the resolver's "Name or service not known", a TLS verification that failed)
-        is checked against the process itself (:func:`out_of_now`), and raised from
-        what that finds."""
+        naming a file of the standard library.)  A resolver's failure, which does not
+        say so (glibc's, unable to open ``/etc/hosts`` or a DNS socket, answers "Name
+        or service not known"), is checked against the process itself
+        (:func:`out_of_now`) and raised from what that finds; no other failure is, so
+        a refused or reset connect is never taken for this process's."""
         try:
             return await self._open_connection(key)
-        except (OSError, trio.BrokenResourceError) as exc:
+        except OSError as exc:
             found = out_of(exc)
             hidden = None
             if found is None:
-                hidden = out_of_now()
+                hidden = out_of_now() if isinstance(exc, socket.gaierror) else None
                 if hidden is None:
                     raise
                 found = out_of(hidden)
@@ -765,8 +767,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._idle_count = 0
         try:
             return await self._open_connection(key)
-        except (OSError, trio.BrokenResourceError) as exc:
-            hidden = None if out_of(exc) is not None else out_of_now()
+        except socket.gaierror as exc:
+            hidden = out_of_now()
             if hidden is not None:
                 raise hidden from exc
             raise
@@ -787,13 +789,17 @@ class LeanTransport(httpx.AsyncBaseTransport):
     def _tls(self) -> ssl.SSLContext:
         if self._ssl_context is None:
             context = ssl.create_default_context()
-            # Out of descriptors, the CA file could not be read, and the context is
-            # built without its CAs all the same: kept, it would fail every
-            # verification for the transport's life.  Not kept, and said.
-            exhausted = out_of_now()
-            if exhausted is not None:
-                raise exhausted
             context.set_alpn_protocols(["http/1.1"])
+            if ssl.get_default_verify_paths().cafile and not context.cert_store_stats()["x509_ca"]:
+                # A CA file, and nothing read from it: out of descriptors as the context
+                # was built, which says nothing.  Kept, it would fail every verification
+                # for the transport's life: not kept, and the exhaustion said when it
+                # still holds.  (A system with CAs in a hashed directory only reads them
+                # at each handshake: nothing is loaded, and there is no file.)
+                exhausted = out_of_now()
+                if exhausted is not None:
+                    raise exhausted
+                return context
             self._ssl_context = context
         return self._ssl_context
 
