@@ -509,6 +509,38 @@ async def test_keep_alive_and_pipelining() -> None:
     assert statuses == [200, 200]
 
 
+async def test_a_pipelining_client_does_not_hold_the_others() -> None:
+    """review: requests already pipelined were taken from the buffer, answered and
+    written (a write the kernel takes at once yields nothing) without a pass of the
+    scheduler: one client pipelining small requests held every other client and
+    stream for a read's worth of them at a time (~2,000 ``/healthz``, 0.2-0.5 s; a
+    50 tok/s stream's chunks 0.9 s apart).  Each pipelined request now yields first:
+    another task, always runnable, gets a step for each of them."""
+    async with gateway(Reply(tokens=2)) as (server, _):
+        count = 500
+        steps = 0
+        done = False
+
+        async def other() -> None:
+            nonlocal steps
+            while not done:
+                steps += 1
+                await trio.lowlevel.checkpoint()
+
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream, trio.open_nursery() as nursery:
+            await stream.send_all(b"GET /healthz HTTP/1.1\r\nhost: g\r\n\r\n" * count)
+            nursery.start_soon(other)
+            conn = h11.Connection(h11.CLIENT)
+            for _ in range(count):
+                conn.send(h11.Request(method="GET", target="/", headers=[("host", "g")]))
+                conn.send(h11.EndOfMessage())
+                assert (await read_answer(stream, conn)).status == 200
+                conn.start_next_cycle()
+            done = True
+    assert steps >= count // 2, steps
+
+
 # --------------------------------------------------------------------------- slow clients
 
 
