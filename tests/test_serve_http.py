@@ -541,6 +541,31 @@ async def test_a_pipelining_client_does_not_hold_the_others() -> None:
     assert steps >= count // 2, steps
 
 
+async def test_empty_lines_before_a_request_are_ignored() -> None:
+    """review: a CRLF after a request (some clients send one after a POST body) got an
+    unprompted 400 and a closed connection (h11 takes an empty line for a head without
+    a request line).  RFC 9112 section 2.2: a server SHOULD ignore at least one empty
+    line before a request line; pipelined, or in a read of its own."""
+    async with gateway(Reply(tokens=2)) as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            conn = h11.Connection(h11.CLIENT)
+            statuses = []
+            for data in (b"\r\nGET /healthz HTTP/1.1\r\nhost: g\r\n\r\n\r\n",  # before and after
+                         b"\r\n",  # alone: the connection waits for a request
+                         b"\n\r\nGET /healthz HTTP/1.1\r\nhost: g\r\n\r\n"):
+                await stream.send_all(data)
+                if data.strip():
+                    conn.send(h11.Request(method="GET", target="/", headers=[("host", "g")]))
+                    conn.send(h11.EndOfMessage())
+                    answer = await read_answer(stream, conn)
+                    statuses.append(answer.status)
+                    conn.start_next_cycle()
+            await trio.testing.wait_all_tasks_blocked()
+            assert server.statistics().in_flight == 0  # (an empty line is no request begun)
+    assert statuses == [200, 200]
+
+
 # --------------------------------------------------------------------------- slow clients
 
 

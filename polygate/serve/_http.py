@@ -208,9 +208,9 @@ def _head_problem(status: int) -> str:
 class Connection:
     """One client connection: read a request, answer it, repeat."""
 
-    __slots__ = ("carried", "chunked", "client_gone", "cuts", "finishing", "h11", "head_only",
-                 "keep_alive", "limits", "pipelined", "requests", "responding", "stream",
-                 "unread", "writing")
+    __slots__ = ("body_left", "carried", "chunked", "client_gone", "cuts", "finishing", "h11",
+                 "head_only", "keep_alive", "limits", "pipelined", "requests", "responding",
+                 "stream", "writing")
 
     def __init__(
         self, stream: trio.SocketStream, limits: Serve,
@@ -223,9 +223,10 @@ class Connection:
         self.finishing = finishing if finishing is not None else set()
         #: The server's: a wait for a request body's rest joins them (see _read_body).
         self.cuts = cuts if cuts is not None else Cuts()
-        #: The client may still be sending the request being read: its head is not
-        #: all here, or it has a body not read whole (a refusal's linger, see aclose).
-        self.unread = True
+        #: The body bytes the request being read frames, once its head is read (0 for
+        #: a request read whole with its head); -1 before, or when not known (chunked):
+        #: see still_sending.
+        self.body_left = -1
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
         self.requests = 0
         self.client_gone = False
@@ -267,8 +268,18 @@ class Connection:
         # head, a head timeout) is answered whole: the last request's HEAD-ness (no
         # body) is not this one's.
         self.head_only = self.responding = False
-        self.unread = True
-        pending = len(self.h11.trailing_data[0])  # pipelined: already here
+        self.body_left = -1
+        buffered = self.h11.trailing_data[0]
+        if buffered[:1] in (b"\r", b"\n") and self.h11.their_state is h11.IDLE:
+            # Empty lines before a request line (RFC 9112 section 2.2: a server SHOULD
+            # ignore at least one; some clients send a CRLF after a POST body), which
+            # h11 takes for a head without a request line: dropped, with a fresh parser
+            # (h11 has no other way to drop bytes it holds).
+            buffered = buffered.lstrip(b"\r\n")
+            self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
+            if buffered:
+                self.h11.receive_data(buffered)
+        pending = len(buffered)  # pipelined: already here
         # A kept-alive connection waits idle_timeout_s for a request, and its head has
         # header_timeout_s from its first byte; a new one has header_timeout_s for the
         # whole head, from its start (a first byte does not buy a second period).
@@ -298,7 +309,7 @@ class Connection:
                 # scheduler; one client's pipeline of small requests held every other
                 # client and stream for a read's worth of them (~2,000) at a time.
                 await trio.lowlevel.checkpoint()
-            event, fed = await self._next_head_event(scope, idle, started, plain)
+            event, fed = await self._next_head_event(scope, idle, started, plain, fresh=not pending)
         if scope.cancelled_caught:
             if self.h11.their_state is h11.IDLE and not self.h11.trailing_data[0]:
                 return None  # idle keep-alive connection: close quietly
@@ -339,9 +350,11 @@ class Connection:
         self.pipelined = 0
         self.head_only = event.method == b"HEAD"
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
-        # A plain request came whole; another has a body to read if its head frames one.
-        self.unread = not isinstance(event, _PlainRequest) and (
-            "transfer-encoding" in headers or headers.get("content-length", "0") != "0")
+        if isinstance(event, _PlainRequest):
+            self.body_left = 0  # (its body came with it)
+        elif "transfer-encoding" not in headers:
+            framed = headers.get("content-length", "0")
+            self.body_left = int(framed) if framed.isdigit() else -1
         target = event.target.decode("latin-1")
         if target[:8].lower().startswith(("http://", "https://")):
             # The absolute form (RFC 9112 §3.2.2: a server MUST accept it), which a
@@ -405,12 +418,13 @@ class Connection:
 
     async def _next_head_event(
         self, scope: trio.CancelScope, idle: bool, started: Callable[[], object] | None,
-        plain: bool = False, fed: int = 0,
+        plain: bool = False, fed: int = 0, fresh: bool = False,
     ) -> tuple[h11.Event | _PlainRequest, int]:
         """The next event, and how many bytes were received for it (``fed`` of them
         before this call).  With ``plain`` (h11 fresh, nothing pending), a plain
         request whole in the first read comes back as a :class:`_PlainRequest`, and
-        what followed it goes to h11."""
+        what followed it goes to h11.  With ``fresh`` (nothing of the request here
+        yet), empty lines before its first byte are dropped, as in read_request."""
         while True:
             if not plain:
                 try:
@@ -428,6 +442,10 @@ class Connection:
                 # The client left in the middle of a head: gone (499), not a
                 # malformed request (h11 would call the cut head a 400).
                 raise ClientGone
+            if fresh and not fed and data[:1] in (b"\r", b"\n"):
+                data = data.lstrip(b"\r\n")
+                if not data:
+                    continue  # (not the request's first byte: still waiting for it)
             if data and started is not None:
                 started()
                 started = None
@@ -680,6 +698,13 @@ class Connection:
             if view:
                 scope.deadline = trio.current_time() + timeout
         return True
+
+    def still_sending(self) -> bool:
+        """Whether the client may still be sending, for a request refused before its
+        body was read: its head or body not all here (or framed by chunks, whose end
+        is not known), or bytes already here past it (pipelined).  Its connection
+        then lingers (see aclose)."""
+        return self.body_left < 0 or len(self.h11.trailing_data[0]) != self.body_left
 
     def pending(self) -> bool:
         """Whether bytes of a next request are already here (pipelined)."""

@@ -459,7 +459,7 @@ class Server:
                     # (read_request enters idle, with the head's deadline: one scope.)
                     request = await conn.read_request(admit, started=started, scope=idle)
                 except HTTPProblem as problem:
-                    landing_late, linger = begun and conn.unread, True
+                    landing_late, linger = begun and conn.still_sending(), True
                     await self._problem(conn, problem, begun_at if begun else None)
                     return
                 except ClientGone as gone:

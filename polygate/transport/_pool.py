@@ -734,11 +734,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
         origins, they would otherwise make every new connection fail while they
         last.)  (``encodings.idna`` is imported with this module: a connect's host
         encoding imports it on first use, and out of descriptors that import failed,
-        naming a file of the standard library.)  A resolver's failure, which does not
-        say so (glibc's, unable to open ``/etc/hosts`` or a DNS socket, answers "Name
-        or service not known"), is checked against the process itself
-        (:func:`out_of_now`) and raised from what that finds; no other failure is, so
-        a refused or reset connect is never taken for this process's."""
+        naming a file of the standard library.)  A resolver's failure does not say so
+        (glibc's, unable to open ``/etc/hosts`` or a DNS socket, answers "Name or
+        service not known"): it is checked against the process itself
+        (:func:`out_of_now`), and raised from what that finds; so is a TLS certificate
+        verification, in :meth:`_open_connection`.  No other failure is, so a refused
+        or reset connect is never taken for this process's."""
         try:
             return await self._open_connection(key)
         except OSError as exc:
@@ -781,8 +782,18 @@ class LeanTransport(httpx.AsyncBaseTransport):
         try:
             tls = trio.SSLStream(tcp, self._tls(), server_hostname=host, https_compatible=True)
             await tls.do_handshake()
-        except BaseException:
+        except BaseException as exc:
+            # A verification that failed may be a process out of descriptors: CAs in a
+            # hashed directory are read at each handshake, and a failed read says
+            # nothing.  Asked before the socket is closed, which frees one.
+            cause = exc.__cause__
+            verify = isinstance(cause, ssl.SSLError) and (  # (3.10: a plain SSLError says it)
+                isinstance(cause, ssl.SSLCertVerificationError)
+                or cause.reason == "CERTIFICATE_VERIFY_FAILED")
+            hidden = out_of_now() if verify else None
             tcp.socket.close()
+            if hidden is not None:
+                raise hidden from exc
             raise
         return _Connection(key, tls, tcp.socket)
 
