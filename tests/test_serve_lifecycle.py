@@ -899,6 +899,37 @@ def test_a_refusal_with_nothing_unread_does_not_hold_a_drain(seed: int, request_
     assert (stats.in_flight, stats.connections) == (0, 0)
 
 
+@pytest.mark.parametrize("trailer", [b"", b"\r\n"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_an_empty_line_after_a_request_holds_no_drain(seed: int, trailer: bytes) -> None:
+    """review: once empty lines before a request were ignored (RFC 9112 section 2.2), a
+    CRLF after a POST whose answer a drain waited for still counted as a request
+    pipelined behind it (carried, in flight): the drain waited out its whole grace for
+    a request that never was, and cut it at the end."""
+    from polygate.serve import open_server
+    from polygate.testing import EventTransport, Schedule
+
+    async def scenario() -> tuple[float, bytes, Any]:
+        up = FakeUpstream(Reply(tokens=3, first_token_s=1.0), name="a")
+        async with open_server(_drained_settings(), port=0, transport=EventTransport({"a": up})) as server:
+            client = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await client.send_all(request_bytes("POST", "/v1/chat/completions", CHAT, AUTH) + trailer)
+            await wait_for(lambda: len(up.requests) == 1)  # its answer is under way
+            began = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.shutdown, 20)
+                got = await read_until_closed(client, limit_s=30)
+            took = trio.current_time() - began
+            stats = server.statistics()
+            await client.aclose()
+            return took, got, stats
+
+    took, got, stats = Schedule(seed).run(scenario)
+    assert got.startswith(b"HTTP/1.1 200") and got.count(b"HTTP/1.1") == 1
+    assert took < 2.0  # with the answer, not at the grace's end (20 s)
+    assert (stats.in_flight, stats.connections) == (0, 0)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_hard_stop_is_no_client_that_left(seed: int) -> None:
     """review: a hard stop (a second SIGTERM, or the end of a drain's last words) with

@@ -707,8 +707,10 @@ class Connection:
         return self.body_left < 0 or len(self.h11.trailing_data[0]) != self.body_left
 
     def pending(self) -> bool:
-        """Whether bytes of a next request are already here (pipelined)."""
-        return bool(self.h11.trailing_data[0])
+        """Whether bytes of a next request are already here (pipelined); empty lines
+        are not one (read_request drops them)."""
+        data = self.h11.trailing_data[0]
+        return bool(data) and bool(data.lstrip(b"\r\n"))
 
     def reusable(self) -> bool:
         """Whether another request may follow; if so, a fresh parser takes over with
