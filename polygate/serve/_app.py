@@ -599,7 +599,7 @@ async def _stopped(ctx: Context, call_id: str) -> int:
     return await _fail(ctx, _SHUTDOWN, call_id, meter.stats if meter is not None else None)
 
 
-async def answer_cut(conn: Connection) -> int:
+async def answer_cut(conn: Connection) -> None:
     """Tell a request still arriving when a drain's grace period ended (its head or
     body not all here) what a call the drain cut is told: no call ran, and the
     connection closes (the rest of its body is never read)."""
@@ -607,7 +607,6 @@ async def answer_cut(conn: Connection) -> int:
         _SHUTDOWN.status, [*_SHUTDOWN.headers(), *_stats_headers(fresh_call_id(), None)],
         _SHUTDOWN.body(), close=True,
     )
-    return _SHUTDOWN.status
 
 
 async def _call_failed(

@@ -198,6 +198,16 @@ def _plain_request(data: bytes) -> tuple[_PlainRequest, bytes] | None:
     return _PlainRequest(line[1], line[2], headers, data[start:stop]), data[stop:]
 
 
+def _late_or_cut(scope: trio.CancelScope, cuts: Cuts) -> None:
+    """A head's scope cancelled with its first bytes here: its deadline passed (408),
+    or the end of a drain's grace cut it (:class:`Cut`: a 408 would say the client
+    was slow) -- or else, returning, a drain's start (see read_request)."""
+    if trio.current_time() >= scope.deadline:
+        raise HTTPProblem(408, "the request head was not received in time", "request_timeout")
+    if cuts.on:
+        raise Cut
+
+
 def _head_problem(status: int) -> str:
     if status == 431:
         return "malformed request: the request head is too large"
@@ -313,15 +323,9 @@ class Connection:
         if scope.cancelled_caught:
             if self.h11.their_state is h11.IDLE and not self.h11.trailing_data[0]:
                 return None  # idle keep-alive connection: close quietly
-            if trio.current_time() >= scope.deadline:
-                raise HTTPProblem(408, "the request head was not received in time", "request_timeout")
-            # Cancelled, not timed out, with its first bytes here (a 408 would say
-            # the client was slow): the end of a drain's grace (the server's started()
-            # made the scope one of its cuts) ...
-            if self.cuts.on:
-                raise Cut
-            # ... or a drain's start, which closes idle connections, in the instant
-            # those bytes came: in flight from them, the request is read on, in a
+            _late_or_cut(scope, self.cuts)
+            # Neither: a drain's start, which closes idle connections, in the instant
+            # those bytes came.  In flight from them, the request is read on, in a
             # scope of its own that only the grace's end cuts.  (Its bytes so far
             # are all in h11's buffer: an incomplete head is not consumed.)
             again = trio.CancelScope(deadline=scope.deadline)
@@ -333,10 +337,8 @@ class Connection:
             finally:
                 self.cuts.scopes.discard(again)
             if again.cancelled_caught:
-                if trio.current_time() >= again.deadline:
-                    raise HTTPProblem(
-                        408, "the request head was not received in time", "request_timeout")
-                raise Cut
+                _late_or_cut(again, self.cuts)
+                raise Cut  # (only the cuts cancel it)
         if not isinstance(event, _PlainRequest):
             if not isinstance(event, h11.Request):
                 return None  # ConnectionClosed

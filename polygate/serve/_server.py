@@ -39,6 +39,7 @@ from .._config import FieldError, Settings
 from .._context import fresh_call_id
 from .._errors import ConfigError, GovernanceBackendError, PolygateError
 from .._session import Session, SharedBackends, session_on
+from .._sockets import out_of
 from ._app import NO_CALL, Context, Gateway, answer, answer_cut, endpoint_label
 from ._errors import error_body
 from ._fds import connection_room
@@ -60,7 +61,6 @@ _LAST_WORDS_S = 1.0  # after the grace period: time to tell cancelled clients wh
 #: seconds; one that stays down is not hammered).
 _RECOVER_FIRST_S = 0.5
 _RECOVER_MAX_S = 10.0
-_FD_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 @attrs.frozen
@@ -348,7 +348,7 @@ class Server:
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 return
             except OSError as exc:
-                if exc.errno not in _FD_ERRORS:
+                if out_of(exc) is None:  # (not out of descriptors, buffers or memory)
                     raise
                 if not starved:
                     starved = True

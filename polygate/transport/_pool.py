@@ -734,23 +734,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
         origins, they would otherwise make every new connection fail while they
         last.)  (``encodings.idna`` is imported with this module: a connect's host
         encoding imports it on first use, and out of descriptors that import failed,
-        naming a file of the standard library.)  A resolver's failure does not say so
-        (glibc's, unable to open ``/etc/hosts`` or a DNS socket, answers "Name or
-        service not known"): it is checked against the process itself
-        (:func:`out_of_now`), and raised from what that finds; so is a TLS certificate
-        verification, in :meth:`_open_connection`.  No other failure is, so a refused
-        or reset connect is never taken for this process's."""
+        naming a file of the standard library.)"""
         try:
             return await self._open_connection(key)
         except OSError as exc:
             found = out_of(exc)
-            hidden = None
             if found is None:
-                hidden = out_of_now() if isinstance(exc, socket.gaierror) else None
-                if hidden is None:
-                    raise
-                found = out_of(hidden)
-                assert found is not None  # (out_of_now returns only an exhaustion)
+                raise
             now = trio.current_time()
             if now - self._warned_at >= _WARN_EVERY_S:  # (not once a connect, at a flood)
                 self._warned_at = now
@@ -758,25 +748,29 @@ class LeanTransport(httpx.AsyncBaseTransport):
                             f"; closing {self._idle_count} idle connection(s) and trying again"
                             if self._idle_count else "")
             if not self._idle_count:
-                if hidden is not None:
-                    raise hidden from exc
                 raise
         for stack in self._idle.values():
             for conn in stack:
                 self._drop(conn)
         self._idle.clear()
         self._idle_count = 0
+        return await self._open_connection(key)
+
+    async def _open_connection(self, key: _Key) -> _Connection:
+        """A connection to ``key``.  Two failures that a process out of descriptors
+        meets without saying so are checked against the process itself
+        (:func:`out_of_now`), and raised from what that finds: the resolver's
+        (glibc's, unable to open ``/etc/hosts`` or a DNS socket, answers "Name or
+        service not known") and a TLS certificate verification.  No other is, so a
+        refused or reset connect is never taken for this process's."""
+        scheme, host, port = key
         try:
-            return await self._open_connection(key)
+            tcp = await trio.open_tcp_stream(host, port)  # sets TCP_NODELAY
         except socket.gaierror as exc:
             hidden = out_of_now()
             if hidden is not None:
                 raise hidden from exc
             raise
-
-    async def _open_connection(self, key: _Key) -> _Connection:
-        scheme, host, port = key
-        tcp = await trio.open_tcp_stream(host, port)  # sets TCP_NODELAY
         if scheme != "https":
             return _Connection(key, tcp, tcp.socket)
         try:
