@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -148,12 +147,8 @@ def _has_non_finite(value: Any) -> bool:
     return False
 
 
-# A JSON string, escapes included (brackets inside one are not nesting).  One left
-# open runs to the end (a lone backslash last, too): failing there instead, the search
-# started again at each later quote mark, quadratic in an unterminated string of
-# escaped quotes (seconds for 40 KB).  DOTALL: an escaped line break is one escape.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.S)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+# Everything but quotes and brackets: what is left once escapes are gone.
+_NOT_QUOTES_OR_BRACKETS = bytes(b for b in range(256) if b not in b'"[]{}')
 _ONE_KIND = bytes.maketrans(b"{}", b"[]")  # nesting is nesting, whatever the kind
 _STEP = [0] * 256
 _STEP[ord("[")] = _STEP[ord("{")] = 1
@@ -176,7 +171,7 @@ def nested_deeper(data: bytes | str, limit: int) -> bool:
         data = data.encode("utf-8", "surrogatepass")
     elif data.count(b"[") + data.count(b"{") <= limit:
         return False
-    brackets = _STRING.sub(b"", data).translate(_ONE_KIND, _NOT_BRACKETS)
+    brackets = _outside_strings(data).translate(_ONE_KIND)
     # Each pass drops every innermost pair, so the depth by exactly one: wide JSON
     # ([[],[],...]) shrinks to almost nothing before anything is summed.
     peeled = 0
@@ -190,3 +185,23 @@ def nested_deeper(data: bytes | str, limit: int) -> bool:
     return peeled > limit or bool(
         brackets and peeled + max(itertools.accumulate(map(_STEP.__getitem__, brackets))) > limit
     )
+
+
+def _outside_strings(data: bytes) -> bytes:
+    """The brackets of the JSON text ``data`` that are not inside a string, in order.
+
+    Every step is one pass of a C loop over bytes (a regular expression that skipped
+    the strings took 0.18 s over an 8 MiB request, this ~0.04 s).  Escaped
+    backslashes go first, then escaped quotes: a run of backslashes loses its pairs
+    from the left, so an odd one left escapes what follows it, as in JSON.  What is
+    left of a string is then its quotes and any brackets in it.  Two quotes side by
+    side have nothing between them, so dropping them changes nothing outside a
+    string: an empty string goes, or the end of one and the start of the next, which
+    only joins them.  The few strings left that hold a bracket are split away.  A
+    string left open runs to the end.  (In JSON a backslash is only ever in a string;
+    text that is not JSON gets some answer here and is refused by the decoder.)"""
+    kept = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_QUOTES_OR_BRACKETS)
+    kept = kept.replace(b'""', b"")
+    if kept.find(b'"') < 0:
+        return kept
+    return b"".join(kept.split(b'"')[::2])
