@@ -29,6 +29,9 @@ class TokenEstimator(Protocol):
 # 765 tokens for a 1024×1024 image in high detail on OpenAI's models.
 _PER_IMAGE = 765
 _MEDIA_PARTS = frozenset({"image_url", "input_image", "input_audio", "file"})
+# ``json.dumps(value, ensure_ascii=False, default=str)`` without making its encoder
+# anew each time (a third of what counting a tool call cost).
+_encode = json.JSONEncoder(ensure_ascii=False, default=str).encode
 
 
 def _message_parts(message: Mapping[str, Any]) -> tuple[str, int]:
@@ -50,9 +53,9 @@ def _message_parts(message: Mapping[str, Any]) -> tuple[str, int]:
                 elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
                     parts.append(part["text"])
                 elif part is not None:
-                    parts.append(json.dumps(part, ensure_ascii=False, default=str))
+                    parts.append(_encode(part))
         elif value is not None:
-            parts.append(json.dumps(value, ensure_ascii=False, default=str))
+            parts.append(_encode(value))
     return " ".join(parts), media
 
 
