@@ -60,5 +60,6 @@ def bench(session: nox.Session) -> None:
     The ``bench`` extra brings the peers that ``peers.py`` measures (openai, litellm)."""
     session.install("-e", ".[bench,serve]")
     for script in ("overhead.py", "tail_replay.py", "peers.py", "scale.py", "structured.py", "ocr.py",
-                   "cache.py", "sse_hostile.py", "serve.py", "aio.py", "instructions.py"):
+                   "cache.py", "sse_hostile.py", "serve.py", "aio.py", "instructions.py",
+                   "large_request.py"):
         session.run("python", f"benchmarks/{script}", "--quick", *session.posargs)
