@@ -942,7 +942,7 @@ async def _metrics(ctx: Context) -> int:
             stats = await ctx.gateway.session.statistics()
         except PolygateError:
             stats = None  # the gateway's own counters still go out
-    body = render(ctx.metrics, stats)
+    body = await render(ctx.metrics, stats)
     cid = fresh_call_id().encode()
     await ctx.conn.send_response(
         200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
