@@ -175,7 +175,9 @@ async def render(metrics: Metrics, stats: SessionStatistics | None) -> bytes:
     which on the loop held every request and stream that long at each scrape; from a
     thread the loop takes the interpreter back at each switch interval (5 ms)."""
     collector = _Collector(metrics.snapshot(), stats, trio.current_time())
-    return await run_sync(collector.render, abandon_on_cancel=True)
+    # Not abandoned on cancellation: the thread is bounded (pure CPU, tens of ms at
+    # most), and waiting for it keeps no work running past the server that started it.
+    return await run_sync(collector.render)
 
 
 class _Collector:
