@@ -5,6 +5,7 @@ call's time; closing flushes, bounded."""
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -373,9 +374,9 @@ async def test_queued_content_is_bounded_in_characters(
 ) -> None:
     """review: the channel was bounded in rows only, so with ``log_content=True`` a
     stalled sink held 10,000 rows of whatever size (1 MB prompts: 10 GB).  Content is
-    bounded too: a row whose content would go over is dropped and counted as the
-    channel being full; rows without content still queue; once the sink writes again,
-    content queues again and every row is written or dropped."""
+    bounded too: a row whose content would go over is queued without it, saying so
+    (it was once dropped whole, the call's figures with it); once the sink writes
+    again, content queues again and every row is written."""
     _use(monkeypatch, stalled, capacity=1000, linger_s=0, shutdown_timeout_s=5,
          max_queued_content=3_500_000)
     settings = attrs.evolve(two_source_settings(names=("a",)), log_content=True)
@@ -386,10 +387,10 @@ async def test_queued_content_is_bounded_in_characters(
             await s.chat(big)
             assert pipeline.counters.queued_content <= 3_500_000
         stats = (await s.statistics()).telemetry
-        # at most three contents queued beside the stalled write's rows; every attempt
-        # row (no content) queued
-        assert stats.dropped_queue_full + stats.queued + stats.in_flight == 20
-        assert stats.dropped_queue_full >= 10 - 3 - stats.in_flight
+        # at most three contents queued beside the stalled write's rows; every row queued
+        assert stats.queued + stats.in_flight == 20
+        assert stats.dropped == 0
+        assert stats.content_omitted >= 10 - 3 - stats.in_flight
         await trio.to_thread.run_sync(stalled.entered.wait, 5)
         stalled.release.set()
         with trio.fail_after(10):  # the sink's thread works in real time: wait for it
@@ -399,10 +400,33 @@ async def test_queued_content_is_bounded_in_characters(
         assert pipeline.counters.queued_content == 0
         await s.chat(big)
     stats = (await s.statistics()).telemetry
-    assert stats.written + stats.dropped == 2 * 11
-    assert stats.dropped == stats.dropped_queue_full
+    assert (stats.written, stats.dropped) == (2 * 11, 0)
+    omitted = [c for c in stalled.calls if c.content and c.content.startswith('{"omitted')]
+    assert len(omitted) == stats.content_omitted
+    for row in omitted:
+        assert json.loads(row.content or "")["omitted_characters"] > 1_000_000
+        assert (row.outcome, row.source) == ("ok", "a")  # the call's figures are kept
     assert stalled.calls[-1].content is not None and len(stalled.calls[-1].content) > 1_000_000
     assert pipeline.counters.queued_content == 0
+
+
+async def test_a_call_whose_content_alone_is_over_the_bound_keeps_its_row(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Outside review: one call whose content alone was over the bound (a conversation
+    of many images as data URIs passes 64 Mi characters) lost its whole row, counted as
+    "queue full" with nothing else queued, while its attempt's row was written."""
+    captured = ListSink()
+    _use(monkeypatch, captured, linger_s=0, max_queued_content=100_000)
+    settings = attrs.evolve(two_source_settings(names=("a",)), log_content=True)
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        response = await s.chat([{"role": "user", "content": "x" * 200_000}])
+    stats = (await s.statistics()).telemetry
+    assert (stats.written, stats.dropped, stats.content_omitted) == (2, 0, 1)
+    [row] = captured.calls
+    assert (row.logical_call_id, row.outcome) == (response.call_stats.logical_call_id, "ok")
+    assert json.loads(row.content or "")["omitted_characters"] > 200_000
+    assert "without its content" in caplog.text
 
 
 async def test_a_sink_that_recovers_writes_again(

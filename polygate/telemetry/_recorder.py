@@ -81,8 +81,12 @@ class TelemetryRecorder:
         size = len(event.content) if event.content else 0
         counters = self._counters
         if size and counters.queued_content + size > counters.max_queued_content:
-            counters.drop_full()  # full in characters of content, not in rows
-            return
+            # Full in characters of content (one call's own may be over the bound): the
+            # row goes without its text, saying so, rather than the call's figures
+            # being lost with it.
+            counters.omit_content(size)
+            event = event._replace(content=f'{{"omitted_characters":{size}}}')
+            size = len(event.content or "")
         if self._put(event):
             counters.queued_content += size
 

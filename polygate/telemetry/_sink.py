@@ -55,7 +55,8 @@ logger = logging.getLogger("polygate.telemetry")
 
 #: The most characters of ``log_content`` text queued at once.  The channel is bounded
 #: in rows; with prompts of megabytes a stalled sink would hold gigabytes in 10,000
-#: rows.  A row whose content would go over is dropped as if the channel were full.
+#: rows.  A row whose content would go over is queued without it (see
+#: ``TelemetryRecorder.call``): the call's figures are kept, its text is not.
 MAX_QUEUED_CONTENT = 64 * 2**20
 
 
@@ -98,7 +99,8 @@ class TelemetryStatistics:
     (``dropped_queue_full``: the sink could not keep up), the sink failed or timed out
     writing it (``dropped_sink_error``), or it was still queued when the session's
     shutdown timeout ran out, or recorded after the session closed
-    (``dropped_at_close``).
+    (``dropped_at_close``).  ``content_omitted``: call rows written without their
+    ``log_content`` text, which did not fit in what may be queued at once.
     """
 
     sink: str = "off"
@@ -112,6 +114,7 @@ class TelemetryStatistics:
     write_errors: int = 0
     recorder_errors: int = 0
     last_error: str | None = None
+    content_omitted: int = 0
 
     @property
     def dropped(self) -> int:
@@ -130,6 +133,8 @@ class Counters:
     __slots__ = (
         "_logged_dropped",
         "_next_log",
+        "_next_omitted_log",
+        "content_omitted",
         "dropped_at_close",
         "dropped_queue_full",
         "dropped_sink_error",
@@ -162,6 +167,8 @@ class Counters:
         self.secrets = secrets
         self._next_log = -math.inf
         self._logged_dropped = 0
+        self.content_omitted = 0
+        self._next_omitted_log = -math.inf
 
     @property
     def dropped(self) -> int:
@@ -170,6 +177,17 @@ class Counters:
     def drop_full(self) -> None:
         self.dropped_queue_full += 1
         self.maybe_log()
+
+    def omit_content(self, size: int) -> None:
+        self.content_omitted += 1
+        now = time.monotonic()
+        if now >= self._next_omitted_log:
+            self._next_omitted_log = now + self.log_interval_s
+            logger.warning(
+                "polygate telemetry wrote a call row without its content (%d characters; "
+                "%d rows so far): at most %d characters of content are queued at once",
+                size, self.content_omitted, self.max_queued_content,
+            )
 
     def drop_closed(self, n: int = 1) -> None:
         self.dropped_at_close += n
@@ -516,6 +534,7 @@ class Pipeline:
             write_errors=c.write_errors,
             recorder_errors=c.recorder_errors,
             last_error=c.last_error,
+            content_omitted=c.content_omitted,
         )
 
 
