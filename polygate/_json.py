@@ -95,10 +95,11 @@ def loads(data: bytes | bytearray | str, fallback: Callable[[Any], Any] = json.l
             return _decode(data)
         except (msgspec.DecodeError, ValueError, RecursionError):  # (a ValueError since 0.21)
             return fallback(data)
-    # (The collector is the process's: a thread decoding at the same time may turn it
-    # back on early, which only costs speed.  One that was off is left off.)
-    gc.disable()
+    # (The collector is the process's: a thread decoding at the same time, or turning
+    # it off meanwhile, finds it on again afterwards; one off when the decode starts
+    # is left off.)
     try:
+        gc.disable()
         return loads(data, fallback)
     finally:
         gc.enable()

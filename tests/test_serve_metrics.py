@@ -11,9 +11,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import polygate
-from polygate.testing import Reply
-
 from polygate.serve import _metrics
+from polygate.testing import Reply
 
 from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, http, read_until_closed, wait_for
 
@@ -204,7 +203,7 @@ def test_a_scrapes_copy_holds_every_counter() -> None:
     metrics.calls[("chat", "s0", "ok")] += 1
     metrics.in_flight += 1
     for name, value in vars(copied).items():
-        if name in ("durations", "sessions", "closed"):
+        if name in ("durations", "sessions", "closed", "renders"):
             continue
         original = vars(metrics)[name]
         if name == "requests":
@@ -218,3 +217,22 @@ def test_a_scrapes_copy_holds_every_counter() -> None:
         "/v1/chat/completions"].counts
     counted = copied.counted()
     assert (counted.written, counted.dropped, counted.suppressed) == (3, 4, {"chat": 5})
+
+
+async def test_a_scrape_needs_none_of_trios_shared_threads() -> None:
+    """Outside review: the scrape's worker thread came from trio's shared pool (40),
+    which blocking work also takes (a cache read waiting on a locked SQLite file):
+    with it all taken a scrape waited for it, when an operator needs it most."""
+    shared = trio.to_thread.current_default_thread_limiter()
+    holders = [object() for _ in range(int(shared.total_tokens))]
+    async with gateway(Reply(tokens=2)) as (server, _):
+        for holder in holders:
+            shared.acquire_on_behalf_of_nowait(holder)
+        try:
+            with trio.fail_after(5):
+                answer = await http(server, "GET", "/metrics", headers=AUTH)
+        finally:
+            for holder in holders:
+                shared.release_on_behalf_of(holder)
+    assert answer.status == 200
+    assert "polygate_serve_requests_in_flight 1.0" in answer.body.decode()

@@ -102,6 +102,10 @@ class Metrics:
         #: at a reload, nor lose the rows an old session writes after it.
         self.sessions: set[Session] = set()
         self.closed = _Carried()
+        #: Scrapes written one at a time, on a thread of their own: trio's shared
+        #: threads may all be taken by blocking work (a cache read waiting on a locked
+        #: SQLite file), when a scrape is most wanted.
+        self.renders = trio.CapacityLimiter(1)
 
     def session_closed(self, session: Session) -> None:
         """Fold a closed session's final counts into :attr:`closed`.  (Its own counts,
@@ -177,7 +181,7 @@ async def render(metrics: Metrics, stats: SessionStatistics | None) -> bytes:
     collector = _Collector(metrics.snapshot(), stats, trio.current_time())
     # Not abandoned on cancellation: the thread is bounded (pure CPU, tens of ms at
     # most), and waiting for it keeps no work running past the server that started it.
-    return await run_sync(collector.render)
+    return await run_sync(collector.render, limiter=metrics.renders)
 
 
 class _Collector:
