@@ -255,6 +255,8 @@ async def _retry_loop(
                     f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}"
                     + _last_errors(errors),
                     errors=errors, retry_after_s=_rate_limited_for(exc.refusals), timed=exc.timed,
+                    too_large=bool(exc.refusals) and all(
+                        r.reason is RefusalReason.TOO_LARGE for r in exc.refusals),
                 ) from None
         try:
             return await Round(ctx, runner, forward=forward, demote=failed).run(admission)

@@ -195,7 +195,11 @@ class AllSourcesExhausted(PolygateError):
     its RPM/TPM quota or cooling down (after a 429, or a 5xx that sent Retry-After)
     until past the call's deadline, the
     seconds until the first of them may admit it; ``None`` otherwise (then ``errors``
-    says what happened: a 429's own ``retry_after_s`` is on its ``RateLimitedError``)."""
+    says what happened: a 429's own ``retry_after_s`` is on its ``RateLimitedError``).
+
+    ``too_large``: admission refused the call because its token estimate alone is over
+    every candidate source's ``tpm``; the same request is never admitted (send fewer
+    tokens, or a smaller ``max_tokens``)."""
 
     def __init__(
         self,
@@ -205,8 +209,10 @@ class AllSourcesExhausted(PolygateError):
         call_stats: CallStats | None = None,
         retry_after_s: float | None = None,
         timed: bool = False,
+        too_large: bool = False,
     ) -> None:
         super().__init__(message)
+        self.too_large = too_large
         self.errors: list[UpstreamError] = list(errors or [])
         self.call_stats = call_stats
         self.retry_after_s = retry_after_s

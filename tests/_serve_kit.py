@@ -32,11 +32,13 @@ def settings_for(
     telemetry: str = "off",
     backend: str = "memory",
     cache: str = "off",
+    source_tpm: int | None = None,
     **scope: Any,
 ) -> polygate.Settings:
     chat = polygate.Scope(
         sources=[
-            polygate.Source(name=f"s{i}", base_url=url, model="m1", api_key="sk-upstream-key")
+            polygate.Source(name=f"s{i}", base_url=url, model="m1", api_key="sk-upstream-key",
+                            tpm=source_tpm)
             for i in range(sources)
         ],
         **scope,

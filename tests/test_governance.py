@@ -330,9 +330,10 @@ async def test_estimate_larger_than_tpm_fails_at_once(autojump_clock: trio.testi
     a = FakeUpstream(Reply())
     settings = _settings(names=("a",), source={"a": {"tpm": 100}})
     async with polygate.session(settings, transport=Router({"a": a})) as s:
-        with pytest.raises(polygate.AllSourcesExhausted, match="too_large"):
+        with pytest.raises(polygate.AllSourcesExhausted, match="too_large") as info:
             await s.chat(MESSAGES, max_tokens=1000)
         assert trio.current_time() == 0
+        assert info.value.too_large  # no retry of it is ever admitted
     assert a.requests == []
 
 

@@ -276,6 +276,20 @@ async def test_a_request_over_the_keys_whole_tpm_is_refused_without_retry_after(
     assert upstream.requests == []
 
 
+async def test_a_request_over_every_sources_tpm_is_not_to_be_retried() -> None:
+    """Outside review: a request whose estimate alone is over every source's ``tpm``
+    got a plain 502, which the OpenAI SDKs retry twice for nothing (the same request
+    over a gateway key's ``tpm`` says ``x-should-retry: false``)."""
+    async with gateway(Reply(tokens=2), source_tpm=100, sources=2) as (server, upstream):
+        answer = await http(server, "POST", CALL, {**CHAT, "max_tokens": 500}, AUTH)
+        fits = await http(server, "POST", CALL, {**CHAT, "max_tokens": 8}, AUTH)
+    assert (answer.status, answer.json()["error"]["code"]) == (502, "sources_exhausted")
+    assert answer.headers["x-should-retry"] == "false"
+    assert "too_large" in answer.json()["error"]["message"]
+    assert fits.status == 200 and len(upstream.requests) == 1
+    assert "x-should-retry" not in fits.headers
+
+
 @pytest.mark.parametrize("full", ["rpm", "max_in_flight"])
 async def test_a_request_over_the_whole_tpm_says_so_when_another_limit_is_full(full: str) -> None:
     """Review finding: with the key's rpm window or in-flight cap full as well, the

@@ -116,7 +116,8 @@ def reply_for(exc: BaseException) -> ErrorReply:
             return ErrorReply(
                 429, str(exc), "rate_limit_error", "rate_limit_exceeded", retry_after_s=wait
             )
-        return ErrorReply(502, str(exc), "api_error", "sources_exhausted")
+        # (Too large for every source's quota: no retry of it can be admitted.)
+        return ErrorReply(502, str(exc), "api_error", "sources_exhausted", final=exc.too_large)
     if isinstance(exc, errors.StreamStalled):
         return ErrorReply(504, str(exc), "timeout_error", "stream_stalled")
     if isinstance(exc, errors.UpstreamError):
