@@ -255,8 +255,7 @@ async def _retry_loop(
                     f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}"
                     + _last_errors(errors),
                     errors=errors, retry_after_s=_rate_limited_for(exc.refusals), timed=exc.timed,
-                    too_large=bool(exc.refusals) and all(
-                        r.reason is RefusalReason.TOO_LARGE for r in exc.refusals),
+                    too_large=_never_admitted(ctx, errors, exc.refusals),
                 ) from None
         try:
             return await Round(ctx, runner, forward=forward, demote=failed).run(admission)
@@ -341,6 +340,17 @@ async def _retry_loop(
 
 
 #: Admission refusals a wait cures: every source was rate limited.
+def _never_admitted(ctx: CallContext, errors: Sequence[Any], refusals: Sequence[Any]) -> bool:
+    """Whether the caller's request as sent can never be admitted: every candidate
+    refused its estimate alone as over ``tpm``, before any attempt of the call, and
+    the estimate is the request's own (not a re-ask's or a continuation's, which carry
+    an answer too)."""
+    return (
+        bool(refusals) and not errors and not ctx.reasks and ctx.continuation is None
+        and all(r.reason is RefusalReason.TOO_LARGE for r in refusals)
+    )
+
+
 _RATE_REASONS = frozenset({RefusalReason.COOLING_DOWN, RefusalReason.RPM, RefusalReason.TPM})
 
 
@@ -550,6 +560,7 @@ async def run_chat(
                 if target is None:
                     if earlier and isinstance(exc, AllSourcesExhausted):
                         exc.errors = [*earlier, *exc.errors]
+                        exc.too_large = False  # an earlier scope took it (and failed)
                     if committed_error is not None:
                         # No source could continue the stream: the caller's error is
                         # the stream's own failure, with the whole stream's statistics.

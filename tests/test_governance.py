@@ -337,6 +337,34 @@ async def test_estimate_larger_than_tpm_fails_at_once(autojump_clock: trio.testi
     assert a.requests == []
 
 
+async def test_too_large_only_for_the_request_as_sent(autojump_clock: trio.testing.MockClock) -> None:
+    """Review of ``too_large``: it said "never admitted" when only a fallback scope was
+    too small (the asked scope's source had admitted the call and failed with a 500),
+    and when only a structured re-ask was (its estimate carries the bad answer): in
+    both, the same request asked again is answered."""
+    settings = polygate.Settings(scopes={
+        "chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")],
+                               retry=polygate.Retry(max_attempts=1), fallback="small"),
+        "small": polygate.Scope(sources=[polygate.Source(name="b", base_url="http://b/v1", tpm=100)]),
+    })
+    a = FakeUpstream([Reply(status=500), Reply(text="ok")])
+    async with polygate.session(settings, transport=Router({"a": a, "b": FakeUpstream(Reply())})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES, max_tokens=500)
+        assert not info.value.too_large
+        assert (await s.chat(MESSAGES, max_tokens=500)).text == "ok"
+
+    answers = iter([Reply(text="x" * 4000), Reply(text='{"n": 1}')])
+    up = FakeUpstream(lambda request, rng: next(answers))
+    settings = _settings(names=("a",), source={"a": {"tpm": 600}})
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted, match="too_large") as info:
+            await s.chat(MESSAGES, schema=schema, max_tokens=100)  # the re-ask is too large
+        assert not info.value.too_large
+        assert (await s.chat(MESSAGES, schema=schema, max_tokens=100)).parsed == {"n": 1}
+
+
 async def test_max_in_flight(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream(Reply(first_token_s=5))
     settings = _settings(names=("a",), source={"a": {"max_in_flight": 2}})

@@ -429,6 +429,26 @@ async def test_a_call_whose_content_alone_is_over_the_bound_keeps_its_row(
     assert "without its content" in caplog.text
 
 
+async def test_a_row_without_its_content_is_counted_once_written(
+    monkeypatch: pytest.MonkeyPatch, stalled: StalledSink
+) -> None:
+    """Review: with the channel full in rows as well, a row queued without its content
+    was counted in ``content_omitted`` and then dropped as queue full: twice, and
+    never written."""
+    _use(monkeypatch, stalled, capacity=2, linger_s=0, shutdown_timeout_s=5,
+         max_queued_content=1_000)
+    settings = attrs.evolve(two_source_settings(names=("a",)), log_content=True)
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        for _ in range(6):
+            await s.chat([{"role": "user", "content": "x" * 2_000}])
+        stalled.release.set()
+    stats = (await s.statistics()).telemetry
+    markers = [c for c in stalled.calls if c.content and c.content.startswith('{"omitted')]
+    assert stats.written + stats.dropped == 12
+    assert stats.dropped_queue_full > 0
+    assert stats.content_omitted == len(markers) > 0
+
+
 async def test_a_sink_that_recovers_writes_again(
     monkeypatch: pytest.MonkeyPatch, stalled: StalledSink
 ) -> None:

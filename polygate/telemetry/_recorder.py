@@ -80,15 +80,18 @@ class TelemetryRecorder:
             return
         size = len(event.content) if event.content else 0
         counters = self._counters
+        omitted = 0
         if size and counters.queued_content + size > counters.max_queued_content:
             # Full in characters of content (one call's own may be over the bound): the
             # row goes without its text, saying so, rather than the call's figures
             # being lost with it.
-            counters.omit_content(size)
+            omitted = size
             event = event._replace(content=f'{{"omitted_characters":{size}}}')
             size = len(event.content or "")
         if self._put(event):
             counters.queued_content += size
+            if omitted:
+                counters.omit_content(omitted)
 
     def _put(self, event: Event) -> bool:
         try:
