@@ -197,9 +197,10 @@ class AllSourcesExhausted(PolygateError):
     seconds until the first of them may admit it; ``None`` otherwise (then ``errors``
     says what happened: a 429's own ``retry_after_s`` is on its ``RateLimitedError``).
 
-    ``too_large``: admission refused the call because its token estimate alone is over
-    every candidate source's ``tpm``; the same request is never admitted (send fewer
-    tokens, or a smaller ``max_tokens``)."""
+    ``too_large``: admission refused the call, before any attempt of it, because its
+    token estimate alone is over every candidate source's ``tpm``; the same request is
+    never admitted (send fewer tokens, or a smaller ``max_tokens``).  Not set when only
+    a fallback scope, a structured re-ask or a continuation was too large."""
 
     def __init__(
         self,
