@@ -170,7 +170,7 @@ class Session:
         With ``schema`` the answer is validated once the stream ends; an invalid one
         raises ``StructuredOutputError`` from the iteration (never re-asked: the
         caller has seen the text)."""
-        deadline = self._prepare(scope, call_deadline_s)
+        deadline = self._prepare(scope, call_deadline_s, awaited=False)
         encoded = _check_messages(messages)
         _check_params(params)
         rounds = self._rounds(scope, schema, params, reask=False)
@@ -250,6 +250,8 @@ class Session:
         return telemetry.written, telemetry.dropped, self._runtime.governor.suppressed()
 
     async def statistics(self) -> SessionStatistics:
+        if not self._closed:  # (once closed, the figures are frozen: read from anywhere)
+            _check_run(self._run)
         telemetry = self._telemetry.statistics() if self._telemetry else TelemetryStatistics()
         cache = self._cache.statistics() if self._cache else CacheStatistics()
         governance = self._governance_at_close
@@ -265,10 +267,12 @@ class Session:
         reasks = self._runtime.settings.scopes[scope].structured.max_reasks if reask else 0
         return prepare(schema, params, reasks)
 
-    def _prepare(self, scope: str, call_deadline_s: float | None) -> float | None:
+    def _prepare(
+        self, scope: str, call_deadline_s: float | None, *, awaited: bool = True
+    ) -> float | None:
         if self._closed:
             raise PolygateError("this session is closed")
-        _check_run(self._run)
+        _check_run(self._run, awaited=awaited)
         if not isinstance(scope, str):
             raise ConfigError(f"scope must be a scope name, got {type(scope).__name__}")
         config = self._runtime.settings.scope(scope)
@@ -667,16 +671,24 @@ def twin_error(error: BaseException) -> BaseException:
     return twin
 
 
-def _check_run(run: trio.lowlevel.TrioToken | None) -> None:
-    """Refuse a call made in another trio run than its session's (``run``).  Outside
-    any run (``stream_chat`` builds its stream in a worker thread, to be entered in
-    the session's run) there is nothing to refuse yet."""
+def _check_run(run: trio.lowlevel.TrioToken | None, *, awaited: bool = True) -> None:
+    """Refuse a call made outside its session's trio run (``run``): in another trio
+    run, or awaited where no trio run is (an asyncio loop, say, in another thread:
+    trio's own error there is a bare RuntimeError or AttributeError from deep
+    inside).  ``awaited=False``: only built here (``stream_chat`` builds its stream
+    in a worker thread, to be entered in the session's run)."""
     if run is None:
         return
     try:
         current = trio.lowlevel.current_trio_token()
     except RuntimeError:
-        return
+        if not awaited:
+            return
+        raise PolygateError(
+            "this session belongs to a trio run, and this call was awaited outside any "
+            "(an asyncio loop?): from asyncio use polygate.aio.session(), or hand the "
+            "call to the session's run (trio.from_thread.run)"
+        ) from None
     if current is not run:
         raise PolygateError(
             "this session belongs to another trio run (another thread's trio.run): "

@@ -663,3 +663,50 @@ async def test_a_stream_built_outside_any_run_runs_in_the_sessions_own(
         await trio.to_thread.run_sync(enter_elsewhere)
     assert [type(e) for e in errors] == [polygate.PolygateError]
     assert "belongs to another trio run" in str(errors[0])
+
+
+async def test_a_call_awaited_on_an_asyncio_loop_is_refused_typed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: a trio session awaited from an asyncio loop (another thread: the app
+    forgot polygate.aio) raised trio's bare RuntimeError ('must be called from async
+    context') from chat, embed and statistics, and an AttributeError from deep inside
+    trio from entering a stream.  Each is refused, typed, pointing to polygate.aio;
+    nothing is admitted, and the session goes on."""
+    settings = polygate.Settings(scopes={
+        "chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")]),
+        "embed": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")]),
+    })
+    transport = Router({"a": FakeUpstream(Reply(tokens=2))})
+    async with polygate.session(settings, transport=transport) as s:
+
+        async def stream() -> None:
+            async with s.stream_chat(MESSAGES) as chunks:
+                [c async for c in chunks]
+
+        calls: dict[str, Any] = {
+            "chat": lambda: s.chat(MESSAGES),
+            "embed": lambda: s.embed(["x"]),
+            "statistics": s.statistics,
+            "stream": stream,
+        }
+
+        def on_asyncio() -> dict[str, BaseException | None]:
+            import asyncio
+
+            seen: dict[str, BaseException | None] = {}
+            for name, call in calls.items():
+                try:
+                    asyncio.run(call())
+                    seen[name] = None
+                except BaseException as exc:  # (recorded: asserted below)
+                    seen[name] = exc
+            return seen
+
+        seen = await trio.to_thread.run_sync(on_asyncio)
+        assert (await s.chat(MESSAGES)).text
+        statistics = await s.statistics()
+    assert {name: type(exc) for name, exc in seen.items()} == dict.fromkeys(
+        calls, polygate.PolygateError)
+    assert all("polygate.aio" in str(exc) for exc in seen.values())
+    assert sum(source.state.admissions for source in statistics.governance.sources) == 1
