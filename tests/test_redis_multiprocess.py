@@ -266,6 +266,9 @@ def test_session_start_fails_clearly_without_secrets(server: RedisServer) -> Non
             f"redis://alice:wrong-{ALICE_PASSWORD}@127.0.0.1:{server.port}/0": (GovernanceBackendError, "credentials"),
             f"redis://nolua:{NOLUA_PASSWORD}@127.0.0.1:{server.port}/0": (GovernanceBackendError, "Lua"),
             f"redis://127.0.0.1:{free_port()}/0?timeout_s=0.5": (GovernanceBackendError, "cannot reach"),
+            # (review: it was read as SCRIPT LOAD's refusal: "does not run Lua scripts")
+            f"redis://alice:{ALICE_PASSWORD}@127.0.0.1:{server.port}/99": (
+                GovernanceBackendError, "SELECT of the db): ResponseError: DB index is out of range"),
             f"redis://alice:{ALICE_PASSWORD}@127.0.0.1:{server.port}/0?bogus=1": (ConfigError, "bogus"),
         }
         for url, (kind, words) in cases.items():

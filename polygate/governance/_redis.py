@@ -341,6 +341,14 @@ class RedisBackend:
 
     async def _load_scripts(self) -> None:
         errors = self._errors
+
+        # The connection's set-up (AUTH, SELECT) answers with the first command: a
+        # PING first, so that its refusal (a db index out of range) is not read as
+        # SCRIPT LOAD's (which would say Lua is off).
+        async def ping() -> Any:
+            return await self._client.ping()
+
+        await self._run(ping, "PING (the connection's set-up: AUTH, SELECT of the db)")
         for script in _SCRIPTS:
             source = script.source
 
