@@ -268,7 +268,7 @@ def test_session_start_fails_clearly_without_secrets(server: RedisServer) -> Non
             f"redis://127.0.0.1:{free_port()}/0?timeout_s=0.5": (GovernanceBackendError, "cannot reach"),
             # (review: it was read as SCRIPT LOAD's refusal: "does not run Lua scripts")
             f"redis://alice:{ALICE_PASSWORD}@127.0.0.1:{server.port}/99": (
-                GovernanceBackendError, "SELECT of the db): ResponseError: DB index is out of range"),
+                GovernanceBackendError, "set-up or SCRIPT LOAD: ResponseError: DB index is out of range"),
             f"redis://alice:{ALICE_PASSWORD}@127.0.0.1:{server.port}/0?bogus=1": (ConfigError, "bogus"),
         }
         for url, (kind, words) in cases.items():

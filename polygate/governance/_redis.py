@@ -341,14 +341,6 @@ class RedisBackend:
 
     async def _load_scripts(self) -> None:
         errors = self._errors
-
-        # The connection's set-up (AUTH, SELECT) answers with the first command: a
-        # PING first, so that its refusal (a db index out of range) is not read as
-        # SCRIPT LOAD's (which would say Lua is off).
-        async def ping() -> Any:
-            return await self._client.ping()
-
-        await self._run(ping, "PING (the connection's set-up: AUTH, SELECT of the db)")
         for script in _SCRIPTS:
             source = script.source
 
@@ -362,10 +354,21 @@ class RedisBackend:
                 if isinstance(cause, (errors.UnknownCommandError, errors.AuthorizationError)) or (
                     isinstance(cause, errors.ResponseError)
                     and not isinstance(cause, errors.AuthenticationError)
+                    and any(word in str(cause).lower() for word in ("script", "lua"))
                 ):
                     raise GovernanceBackendError(
                         f"redis at {self._where} does not run Lua scripts, which the redis "
                         f"backend needs (SCRIPT LOAD refused: {self._clean(cause)})"
+                    ) from None
+                if isinstance(cause, errors.ResponseError) and not isinstance(
+                    cause, errors.AuthenticationError
+                ):
+                    # The connection's set-up (AUTH, SELECT of the db) answers with the
+                    # first command, and its refusal is not Lua's: a db index out of
+                    # range.  (No PING first: a least-privilege ACL user may lack it.)
+                    raise GovernanceBackendError(
+                        f"redis at {self._where} refused the connection's set-up or SCRIPT "
+                        f"LOAD: {self._clean(cause)}"
                     ) from None
                 raise
             if _text(sha) != script.sha:
