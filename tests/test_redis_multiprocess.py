@@ -259,7 +259,11 @@ async def _session_error(backend_url: str) -> BaseException:
 def test_session_start_fails_clearly_without_secrets(server: RedisServer) -> None:
     from polygate import ConfigError, GovernanceBackendError
 
-    from ._redis_server import ALICE_PASSWORD, NOLUA_PASSWORD, free_port
+    from ._redis_server import ALICE_PASSWORD, NOLUA_PASSWORD, command, free_port
+
+    # (a user who may run anything but SELECT: a database other than 0 is refused)
+    rules = ("~*", "&*", "+@all", "-select")
+    assert command(server.port, "ACL", "SETUSER", "nosel", "on", f">{NOLUA_PASSWORD}", *rules) == b"+OK"
 
     async def body() -> None:
         cases = {
@@ -269,12 +273,15 @@ def test_session_start_fails_clearly_without_secrets(server: RedisServer) -> Non
             # (review: it was read as SCRIPT LOAD's refusal: "does not run Lua scripts")
             f"redis://alice:{ALICE_PASSWORD}@127.0.0.1:{server.port}/99": (
                 GovernanceBackendError, "set-up or SCRIPT LOAD: ResponseError: DB index is out of range"),
+            f"redis://nosel:{NOLUA_PASSWORD}@127.0.0.1:{server.port}/1": (
+                GovernanceBackendError, "no permissions to run the 'select' command"),
             f"redis://alice:{ALICE_PASSWORD}@127.0.0.1:{server.port}/0?bogus=1": (ConfigError, "bogus"),
         }
         for url, (kind, words) in cases.items():
             error = await _session_error(url)
             assert isinstance(error, kind), (url, error)  # (Settings raises a ConfigError subclass)
             assert words in str(error)
+            assert words == "Lua" or "Lua" not in str(error), error
             assert ALICE_PASSWORD not in str(error) and NOLUA_PASSWORD not in str(error)
         import polygate
 

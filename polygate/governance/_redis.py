@@ -351,21 +351,19 @@ class RedisBackend:
                 sha = await self._run(load, "SCRIPT LOAD")
             except GovernanceBackendError as exc:
                 cause = exc.__cause__
-                if isinstance(cause, (errors.UnknownCommandError, errors.AuthorizationError)) or (
-                    isinstance(cause, errors.ResponseError)
-                    and not isinstance(cause, errors.AuthenticationError)
-                    and any(word in str(cause).lower() for word in ("script", "lua"))
-                ):
+                refused = isinstance(cause, errors.ResponseError) and not isinstance(
+                    cause, errors.AuthenticationError  # (named by _run: the credentials)
+                )
+                if refused and any(word in str(cause).lower() for word in ("script", "lua")):
                     raise GovernanceBackendError(
                         f"redis at {self._where} does not run Lua scripts, which the redis "
                         f"backend needs (SCRIPT LOAD refused: {self._clean(cause)})"
                     ) from None
-                if isinstance(cause, errors.ResponseError) and not isinstance(
-                    cause, errors.AuthenticationError
-                ):
+                if refused:
                     # The connection's set-up (AUTH, SELECT of the db) answers with the
                     # first command, and its refusal is not Lua's: a db index out of
-                    # range.  (No PING first: a least-privilege ACL user may lack it.)
+                    # range, SELECT denied by an ACL.  (No PING first: a least-privilege
+                    # ACL user may lack it.)
                     raise GovernanceBackendError(
                         f"redis at {self._where} refused the connection's set-up or SCRIPT "
                         f"LOAD: {self._clean(cause)}"
