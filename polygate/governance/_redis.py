@@ -351,24 +351,23 @@ class RedisBackend:
                 sha = await self._run(load, "SCRIPT LOAD")
             except GovernanceBackendError as exc:
                 cause = exc.__cause__
-                refused = isinstance(cause, errors.ResponseError) and not isinstance(
+                if not isinstance(cause, errors.ResponseError) or isinstance(
                     cause, errors.AuthenticationError  # (named by _run: the credentials)
-                )
-                if refused and any(word in str(cause).lower() for word in ("script", "lua")):
+                ):
+                    raise
+                if any(word in str(cause).lower() for word in ("script", "lua")):
                     raise GovernanceBackendError(
                         f"redis at {self._where} does not run Lua scripts, which the redis "
                         f"backend needs (SCRIPT LOAD refused: {self._clean(cause)})"
                     ) from None
-                if refused:
-                    # The connection's set-up (AUTH, SELECT of the db) answers with the
-                    # first command, and its refusal is not Lua's: a db index out of
-                    # range, SELECT denied by an ACL.  (No PING first: a least-privilege
-                    # ACL user may lack it.)
-                    raise GovernanceBackendError(
-                        f"redis at {self._where} refused the connection's set-up or SCRIPT "
-                        f"LOAD: {self._clean(cause)}"
-                    ) from None
-                raise
+                # The connection's set-up (AUTH, SELECT of the db) answers with the
+                # first command, and its refusal is not Lua's: a db index out of
+                # range, SELECT denied by an ACL.  (No PING first: a least-privilege
+                # ACL user may lack it.)
+                raise GovernanceBackendError(
+                    f"redis at {self._where} refused the connection's set-up or SCRIPT "
+                    f"LOAD: {self._clean(cause)}"
+                ) from None
             if _text(sha) != script.sha:
                 raise GovernanceBackendError(
                     f"redis at {self._where} answered SCRIPT LOAD with an unexpected digest"
