@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import attrs
 import httpx
+import sniffio
 import trio
 
 from ._cached import cache_mode, cached_chat, cached_embed
@@ -94,7 +95,9 @@ class Session:
         except RuntimeError:  # (made outside a run: by hand, in a test)
             self._run = None
         # The governance figures as the session closed, where its backend cannot be
-        # read once closed (Redis): what statistics() reports from then on.
+        # read once closed (Redis): what statistics() reports from then on.  (The
+        # memory backend's are read live, in the session's run: calls from tasks
+        # outside the block settle after the close.)
         self._governance_at_close: GovernanceStatistics | None = None
 
     async def _freeze_governance(self, backend: RedisBackend) -> None:
@@ -250,12 +253,11 @@ class Session:
         return telemetry.written, telemetry.dropped, self._runtime.governor.suppressed()
 
     async def statistics(self) -> SessionStatistics:
-        if not self._closed:  # (once closed, the figures are frozen: read from anywhere)
-            _check_run(self._run)
         telemetry = self._telemetry.statistics() if self._telemetry else TelemetryStatistics()
         cache = self._cache.statistics() if self._cache else CacheStatistics()
         governance = self._governance_at_close
-        if governance is None:
+        if governance is None:  # (Redis's, once closed, are frozen: read from anywhere)
+            _check_run(self._run)
             governance = await self._runtime.governor.statistics()
         return SessionStatistics(governance, telemetry, cache)
 
@@ -506,6 +508,7 @@ class ChatStream:
     ) -> bool | None:
         if self._cm is None:
             raise PolygateError("this ChatStream was never entered ('async with' enters it)")
+        _check_run(self._owner_run)
         result: bool | None = await self._cm.__aexit__(exc_type, exc, tb)
         return result
 
@@ -585,6 +588,7 @@ class ChatStream:
     async def __anext__(self) -> StreamChunk:
         if self._recv is None:
             raise PolygateError("use 'async with session.stream_chat(...) as stream' first")
+        _check_run(self._owner_run)  # (its channel is the run's: read elsewhere, trio's bare errors)
         if self._finished:
             if self._failure is not None:  # it failed: every reader hears so, every time
                 raise twin_error(self._failure)
@@ -693,6 +697,14 @@ def _check_run(run: trio.lowlevel.TrioToken | None, *, awaited: bool = True) -> 
         raise PolygateError(
             "this session belongs to another trio run (another thread's trio.run): "
             "open one session per run, or hand the call to its run (trio.from_thread.run)"
+        )
+    if awaited and sniffio.current_async_library() != "trio":
+        # asyncio code on trio-asyncio's loop, inside the session's own run: the call
+        # would die in trio's first checkpoint ("Task got bad yield") after its
+        # admission, charged to the source as its failure.
+        raise PolygateError(
+            "this session is trio's, and this call was awaited from asyncio code (on "
+            "trio-asyncio's loop): use polygate.aio.session(), or trio_asyncio.trio_as_aio"
         )
 
 

@@ -137,6 +137,27 @@ async def scenario_trio_cancels_asyncio_code_waiting_on_polygate_aio() -> None:
     assert hang.in_flight == 0
 
 
+async def scenario_a_trio_session_awaited_from_asyncio_code_is_refused() -> None:
+    """Diff review: asyncio code on trio-asyncio's loop awaiting a trio session (the
+    app forgot polygate.aio) passed the run check (trio's run is current there), was
+    admitted, died in trio's first checkpoint ("Task got bad yield") and was charged to
+    the source as its failure: three such calls, three consecutive failures."""
+    up = FakeUpstream(Reply(text="hello"))
+    async with polygate.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+
+        async def asyncio_code() -> None:
+            await s.chat(messages("x"))
+
+        async with trio_asyncio.open_loop():
+            for _ in range(3):
+                with pytest.raises(polygate.PolygateError, match=r"polygate\.aio"):
+                    await trio_asyncio.aio_as_trio(asyncio_code)()
+        assert (await s.chat(messages("y"))).text == "hello"
+        state = (await s.statistics()).governance.sources[0].state
+    assert (state.admissions, state.consecutive_failures) == (1, 0)
+    assert len(up.requests) == 1
+
+
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in list(globals().items())
              if name.startswith("scenario_")}
 

@@ -21,6 +21,7 @@ SCENARIOS = [
     "trio_cancellation_reaches_the_asyncio_library",
     "polygate_aio_on_trio_asyncios_loop",
     "trio_cancels_asyncio_code_waiting_on_polygate_aio",
+    "a_trio_session_awaited_from_asyncio_code_is_refused",
 ]
 
 

@@ -710,3 +710,63 @@ async def test_a_call_awaited_on_an_asyncio_loop_is_refused_typed(
         calls, polygate.PolygateError)
     assert all("polygate.aio" in str(exc) for exc in seen.values())
     assert sum(source.state.admissions for source in statistics.governance.sources) == 1
+
+
+async def test_a_stream_read_outside_its_sessions_run_is_refused_typed() -> None:
+    """Diff review: a stream entered in its session's run, then read from an asyncio
+    loop in a thread, gave trio's bare RuntimeError; read from another thread's
+    trio.run, a TrioInternalError ("please file a bug") while its channel was empty,
+    and the chunks themselves once they were buffered.  Each read is refused, typed;
+    the stream then reads on in its own run."""
+    slow = FakeUpstream(Reply(tokens=4, inter_token_s=0.05))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1")])})
+    async with polygate.session(settings, transport=Router({"a": slow})) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+
+            def on_asyncio() -> BaseException | None:
+                import asyncio
+
+                try:
+                    asyncio.run(stream.__anext__())
+                except BaseException as exc:  # (recorded: asserted below)
+                    return exc
+                return None
+
+            def on_another_run() -> BaseException | None:
+                try:
+                    trio.run(stream.__anext__)
+                except BaseException as exc:  # (recorded: asserted below)
+                    return exc
+                return None
+
+            refused = [await trio.to_thread.run_sync(on_asyncio),
+                       await trio.to_thread.run_sync(on_another_run)]
+            await wait_for(lambda: slow.in_flight == 0)  # every chunk buffered
+            refused.append(await trio.to_thread.run_sync(on_another_run))
+            text = "".join([chunk.text async for chunk in stream])
+    assert [type(exc) for exc in refused] == [polygate.PolygateError] * 3, refused
+    assert "polygate.aio" in str(refused[0]) and "another trio run" in str(refused[1])
+    assert text == stream.response.text != ""
+
+
+async def test_statistics_after_close_outside_the_run_is_typed() -> None:
+    """Diff review: with the memory backend, statistics() after the session closed,
+    awaited on an asyncio loop, gave trio's bare RuntimeError (its windows are read on
+    the run's clock).  Refused, typed; in the session's run it reads on."""
+    async with polygate.session(one_source_settings(), transport=Router(
+            {"a": FakeUpstream(Reply(tokens=2))})) as s:
+        await s.chat(MESSAGES)
+
+    def on_asyncio() -> BaseException | None:
+        import asyncio
+
+        try:
+            asyncio.run(s.statistics())
+        except BaseException as exc:  # (recorded: asserted below)
+            return exc
+        return None
+
+    refused = await trio.to_thread.run_sync(on_asyncio)
+    assert type(refused) is polygate.PolygateError and "polygate.aio" in str(refused)
+    assert (await s.statistics()).governance.sources[0].state.admissions == 1

@@ -20,6 +20,7 @@ import json
 import os
 import queue
 import secrets
+import socket
 import subprocess
 import sys
 import tempfile
@@ -264,6 +265,9 @@ def test_session_start_fails_clearly_without_secrets(server: RedisServer) -> Non
     # (a user who may run anything but SELECT: a database other than 0 is refused)
     rules = ("~*", "&*", "+@all", "-select")
     assert command(server.port, "ACL", "SETUSER", "nosel", "on", f">{NOLUA_PASSWORD}", *rules) == b"+OK"
+    # (and one who may load scripts but not run them)
+    rules = ("~*", "&*", "+@all", "-evalsha")
+    assert command(server.port, "ACL", "SETUSER", "noeval", "on", f">{NOLUA_PASSWORD}", *rules) == b"+OK"
 
     async def body() -> None:
         cases = {
@@ -273,6 +277,9 @@ def test_session_start_fails_clearly_without_secrets(server: RedisServer) -> Non
             # (review: it was read as SCRIPT LOAD's refusal: "does not run Lua scripts")
             f"redis://alice:{ALICE_PASSWORD}@127.0.0.1:{server.port}/99": (
                 GovernanceBackendError, "set-up or SCRIPT LOAD: ResponseError: DB index is out of range"),
+            f"redis://noeval:{NOLUA_PASSWORD}@127.0.0.1:{server.port}/0": (
+                GovernanceBackendError, "does not run Lua scripts, which the redis backend needs "
+                "(the probe script (EVALSHA) refused"),
             f"redis://nosel:{NOLUA_PASSWORD}@127.0.0.1:{server.port}/1": (
                 GovernanceBackendError, "no permissions to run the 'select' command"),
             f"redis://alice:{ALICE_PASSWORD}@127.0.0.1:{server.port}/0?bogus=1": (ConfigError, "bogus"),
@@ -281,7 +288,7 @@ def test_session_start_fails_clearly_without_secrets(server: RedisServer) -> Non
             error = await _session_error(url)
             assert isinstance(error, kind), (url, error)  # (Settings raises a ConfigError subclass)
             assert words in str(error)
-            assert words == "Lua" or "Lua" not in str(error), error
+            assert "Lua" in words or "Lua" not in str(error), error
             assert ALICE_PASSWORD not in str(error) and NOLUA_PASSWORD not in str(error)
         import polygate
 
@@ -1077,3 +1084,79 @@ def test_an_idle_session_voids_its_abandoned_admission_on_its_own(own_redis: Red
         assert up.statistics().requests == 2
 
     trio.run(body)
+
+
+async def _serve_resp(
+    replies: dict[bytes, bytes], task_status: Any = trio.TASK_STATUS_IGNORED
+) -> None:
+    """A Redis-like server answering each command by its name (``+OK`` when not
+    listed): enough of RESP for coredis's connection set-up."""
+    async def handler(stream: trio.SocketStream) -> None:
+        buffer = bytearray()
+
+        async def line() -> bytes:
+            while (end := buffer.find(b"\r\n")) < 0:
+                data = await stream.receive_some(4096)
+                if not data:
+                    raise EOFError
+                buffer.extend(data)
+            out = bytes(buffer[:end])
+            del buffer[:end + 2]
+            return out
+
+        async with stream:
+            with contextlib.suppress(EOFError, trio.BrokenResourceError):
+                while True:
+                    head = await line()
+                    args = [await line() for _ in range(2 * int(head[1:]))][1::2]
+                    await stream.send_all(replies.get(args[0].upper(), b"+OK\r\n"))
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(handler, listeners)
+
+
+def test_a_users_name_in_a_refusal_does_not_make_it_luas() -> None:
+    """Diff review: Redis 7.2 names the user in NOPERM ("User evaluator has no
+    permissions to run the 'select' command"), and the refusal was named Lua's for
+    the 'lua' in evaLUAtor.  It is named by the command refused."""
+    from polygate import GovernanceBackendError
+
+    hello = (b"%7\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$5\r\n7.2.4\r\n"
+             b"$5\r\nproto\r\n:3\r\n$2\r\nid\r\n:6\r\n$4\r\nmode\r\n$10\r\nstandalone\r\n"
+             b"$4\r\nrole\r\n$6\r\nmaster\r\n$7\r\nmodules\r\n*0\r\n")
+    select = b"-NOPERM User evaluator has no permissions to run the 'select' command\r\n"
+
+    async def body() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(_serve_resp, {b"HELLO": hello, b"SELECT": select})
+            error = await _session_error(f"redis://evaluator:pw-SECRET@127.0.0.1:{port}/1?timeout_s=1")
+            nursery.cancel_scope.cancel()
+        assert type(error) is GovernanceBackendError, error
+        assert "refused the connection's set-up or SCRIPT LOAD" in str(error), error
+        assert "'select'" in str(error) and "Lua" not in str(error)
+        assert "pw-SECRET" not in str(error)
+
+    trio.run(body)
+
+
+def test_a_redis_busy_with_another_clients_script_is_not_said_to_lack_lua() -> None:
+    """Diff review: BUSY ("Redis is busy running a script") from a server that another
+    client's long script holds was named "does not run Lua scripts"."""
+    from polygate import GovernanceBackendError
+
+    from ._redis_server import _resp, command, need_redis, running_redis
+
+    with running_redis(need_redis()) as server:
+        assert command(server.port, "CONFIG", "SET", "busy-reply-threshold", "20") == b"+OK"
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as hog:
+            hog.sendall(_resp("EVAL", "while true do end", "0"))
+            # (waits until the script holds the server: its answer to PING says so)
+            while not command(server.port, "PING").startswith(b"-BUSY"):
+                pass
+            try:
+                error = trio.run(_session_error, f"redis://127.0.0.1:{server.port}/0?timeout_s=2")
+            finally:
+                command(server.port, "SCRIPT", "KILL")
+    assert type(error) is GovernanceBackendError, error
+    assert "BUSY" in str(error) and "Lua" not in str(error), error

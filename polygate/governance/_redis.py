@@ -70,6 +70,7 @@ import hashlib
 import itertools
 import logging
 import math
+import re
 import secrets
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -209,6 +210,12 @@ _RENEW = _Script("renew", lua.RENEW)
 _TAKE = _Script("budget_take", lua.BUDGET_TAKE, idempotent=False)
 _REFILL = _Script("budget_refill", lua.BUDGET_REFILL, idempotent=False)
 _LEVEL = _Script("budget_level", lua.BUDGET_LEVEL)
+#: Redis refusing a script command: quoted as the command denied ("no permissions to
+#: run the 'script|load' command", "unknown command 'SCRIPT'"), or scripting named as
+#: off.  Not any mention of scripts: BUSY's reply names one, and an ACL user's name is
+#: in Redis 7.2's NOPERM reply.
+_SCRIPT_REFUSED = re.compile(r"'(?:script|eval)[^']*'|\bscripting\b", re.IGNORECASE)
+
 _PROBE = _Script("probe", lua.PROBE)
 #: Abandoned admissions remembered at most (a long hang behind a proxy that accepts
 #: and never answers adds one per call): past it, the oldest is left to its lease.
@@ -340,7 +347,6 @@ class RedisBackend:
         self._stack = stack
 
     async def _load_scripts(self) -> None:
-        errors = self._errors
         for script in _SCRIPTS:
             source = script.source
 
@@ -350,31 +356,48 @@ class RedisBackend:
             try:
                 sha = await self._run(load, "SCRIPT LOAD")
             except GovernanceBackendError as exc:
-                cause = exc.__cause__
-                if not isinstance(cause, errors.ResponseError) or isinstance(
-                    cause, errors.AuthenticationError  # (named by _run: the credentials)
-                ):
+                named = self._refused_at_start(exc, "SCRIPT LOAD")
+                if named is exc:
                     raise
-                if any(word in str(cause).lower() for word in ("script", "lua")):
-                    raise GovernanceBackendError(
-                        f"redis at {self._where} does not run Lua scripts, which the redis "
-                        f"backend needs (SCRIPT LOAD refused: {self._clean(cause)})"
-                    ) from None
-                # The connection's set-up (AUTH, SELECT of the db) answers with the
-                # first command, and its refusal is not Lua's: a db index out of
-                # range, SELECT denied by an ACL.  (No PING first: a least-privilege
-                # ACL user may lack it.)
-                raise GovernanceBackendError(
-                    f"redis at {self._where} refused the connection's set-up or SCRIPT "
-                    f"LOAD: {self._clean(cause)}"
-                ) from None
+                raise named from None
             if _text(sha) != script.sha:
                 raise GovernanceBackendError(
                     f"redis at {self._where} answered SCRIPT LOAD with an unexpected digest"
                 )
-        now = await self._script(_PROBE, [], [], "probe")
+        try:
+            now = await self._script(_PROBE, [], [], "probe")
+        except GovernanceBackendError as exc:
+            named = self._refused_at_start(exc, "the probe script (EVALSHA)")
+            if named is exc:
+                raise
+            raise named from None
         if not isinstance(now, int) or now <= 0:
             raise GovernanceBackendError(f"redis at {self._where} gave no usable TIME to scripts")
+
+    def _refused_at_start(
+        self, exc: GovernanceBackendError, what: str
+    ) -> GovernanceBackendError:
+        """A start-up exchange's refusal, named: Lua's only when Redis refused a
+        script command (a user denied ``@scripting``, ``SCRIPT`` renamed away), not for
+        any words about scripts (``BUSY``: another client's script runs long)."""
+        cause = exc.__cause__
+        errors = self._errors
+        if not isinstance(cause, errors.ResponseError) or isinstance(
+            cause, errors.AuthenticationError  # (named by _run: the credentials)
+        ):
+            return exc
+        if _SCRIPT_REFUSED.search(str(cause)):
+            return GovernanceBackendError(
+                f"redis at {self._where} does not run Lua scripts, which the redis "
+                f"backend needs ({what} refused: {self._clean(cause)})"
+            )
+        # The connection's set-up (AUTH, SELECT of the db) answers with the first
+        # command, and its refusal is not Lua's: a db index out of range, SELECT
+        # denied by an ACL.  (No PING first: a least-privilege ACL user may lack it.)
+        return GovernanceBackendError(
+            f"redis at {self._where} refused the connection's set-up or {what}: "
+            f"{self._clean(cause)}"
+        )
 
     async def aclose(self) -> None:
         stack, self._stack = self._stack, None
