@@ -1116,21 +1116,23 @@ async def _serve_resp(
     await trio.serve_listeners(handler, listeners)
 
 
-def test_a_users_name_in_a_refusal_does_not_make_it_luas() -> None:
+@pytest.mark.parametrize("user", ["evaluator", "ci-scripting"])
+def test_a_users_name_in_a_refusal_does_not_make_it_luas(user: str) -> None:
     """Diff review: Redis 7.2 names the user in NOPERM ("User evaluator has no
     permissions to run the 'select' command"), and the refusal was named Lua's for
-    the 'lua' in evaLUAtor.  It is named by the command refused."""
+    the 'lua' in evaLUAtor (then, for a user named ci-scripting).  It is named by the
+    command refused."""
     from polygate import GovernanceBackendError
 
     hello = (b"%7\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$5\r\n7.2.4\r\n"
              b"$5\r\nproto\r\n:3\r\n$2\r\nid\r\n:6\r\n$4\r\nmode\r\n$10\r\nstandalone\r\n"
              b"$4\r\nrole\r\n$6\r\nmaster\r\n$7\r\nmodules\r\n*0\r\n")
-    select = b"-NOPERM User evaluator has no permissions to run the 'select' command\r\n"
+    select = b"-NOPERM User %s has no permissions to run the 'select' command\r\n" % user.encode()
 
     async def body() -> None:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(_serve_resp, {b"HELLO": hello, b"SELECT": select})
-            error = await _session_error(f"redis://evaluator:pw-SECRET@127.0.0.1:{port}/1?timeout_s=1")
+            error = await _session_error(f"redis://{user}:pw-SECRET@127.0.0.1:{port}/1?timeout_s=1")
             nursery.cancel_scope.cancel()
         assert type(error) is GovernanceBackendError, error
         assert "refused the connection's set-up or SCRIPT LOAD" in str(error), error

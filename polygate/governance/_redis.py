@@ -210,11 +210,12 @@ _RENEW = _Script("renew", lua.RENEW)
 _TAKE = _Script("budget_take", lua.BUDGET_TAKE, idempotent=False)
 _REFILL = _Script("budget_refill", lua.BUDGET_REFILL, idempotent=False)
 _LEVEL = _Script("budget_level", lua.BUDGET_LEVEL)
-#: Redis refusing a script command: quoted as the command denied ("no permissions to
-#: run the 'script|load' command", "unknown command 'SCRIPT'"), or scripting named as
-#: off.  Not any mention of scripts: BUSY's reply names one, and an ACL user's name is
-#: in Redis 7.2's NOPERM reply.
-_SCRIPT_REFUSED = re.compile(r"'(?:script|eval)[^']*'|\bscripting\b", re.IGNORECASE)
+#: Redis refusing a script command, quoted as the command refused ("no permissions to
+#: run the 'script|load' command", "unknown command 'SCRIPT'").  Not any mention of
+#: scripts: BUSY's reply names one, and Redis 7.2's NOPERM names the ACL user.
+_SCRIPT_REFUSED = re.compile(r"'(?:script|eval)[^']*'", re.IGNORECASE)
+#: ... or scripting said to be off, in a reply that is not an ACL's (no user named).
+_SCRIPTING_OFF = re.compile(r"\bscripting\b", re.IGNORECASE)
 
 _PROBE = _Script("probe", lua.PROBE)
 #: Abandoned admissions remembered at most (a long hang behind a proxy that accepts
@@ -367,7 +368,7 @@ class RedisBackend:
         try:
             now = await self._script(_PROBE, [], [], "probe")
         except GovernanceBackendError as exc:
-            named = self._refused_at_start(exc, "the probe script (EVALSHA)")
+            named = self._refused_at_start(exc, "the probe script (EVALSHA)", first=False)
             if named is exc:
                 raise
             raise named from None
@@ -375,7 +376,7 @@ class RedisBackend:
             raise GovernanceBackendError(f"redis at {self._where} gave no usable TIME to scripts")
 
     def _refused_at_start(
-        self, exc: GovernanceBackendError, what: str
+        self, exc: GovernanceBackendError, what: str, *, first: bool = True
     ) -> GovernanceBackendError:
         """A start-up exchange's refusal, named: Lua's only when Redis refused a
         script command (a user denied ``@scripting``, ``SCRIPT`` renamed away), not for
@@ -386,11 +387,16 @@ class RedisBackend:
             cause, errors.AuthenticationError  # (named by _run: the credentials)
         ):
             return exc
-        if _SCRIPT_REFUSED.search(str(cause)):
+        words = str(cause)
+        if _SCRIPT_REFUSED.search(words) or (
+            not isinstance(cause, errors.AuthorizationError) and _SCRIPTING_OFF.search(words)
+        ):
             return GovernanceBackendError(
                 f"redis at {self._where} does not run Lua scripts, which the redis "
                 f"backend needs ({what} refused: {self._clean(cause)})"
             )
+        if not first:
+            return GovernanceBackendError(f"redis at {self._where} refused {what}: {self._clean(cause)}")
         # The connection's set-up (AUTH, SELECT of the db) answers with the first
         # command, and its refusal is not Lua's: a db index out of range, SELECT
         # denied by an ACL.  (No PING first: a least-privilege ACL user may lack it.)
