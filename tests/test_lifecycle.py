@@ -712,6 +712,26 @@ async def test_a_call_awaited_on_an_asyncio_loop_is_refused_typed(
     assert sum(source.state.admissions for source in statistics.governance.sources) == 1
 
 
+def _raised_on_asyncio(call: Any) -> BaseException | None:
+    """What ``call()`` raised, awaited on an asyncio loop of this thread's own."""
+    import asyncio
+
+    try:
+        asyncio.run(call())
+    except BaseException as exc:  # (recorded: the caller asserts it)
+        return exc
+    return None
+
+
+def _raised_on_trio(call: Any) -> BaseException | None:
+    """What ``call()`` raised, awaited in a trio run of this thread's own."""
+    try:
+        trio.run(call)
+    except BaseException as exc:  # (recorded: the caller asserts it)
+        return exc
+    return None
+
+
 async def test_a_stream_read_outside_its_sessions_run_is_refused_typed() -> None:
     """Diff review: a stream entered in its session's run, then read from an asyncio
     loop in a thread, gave trio's bare RuntimeError; read from another thread's
@@ -724,26 +744,10 @@ async def test_a_stream_read_outside_its_sessions_run_is_refused_typed() -> None
     async with polygate.session(settings, transport=Router({"a": slow})) as s:
         async with s.stream_chat(MESSAGES) as stream:
 
-            def on_asyncio() -> BaseException | None:
-                import asyncio
-
-                try:
-                    asyncio.run(stream.__anext__())
-                except BaseException as exc:  # (recorded: asserted below)
-                    return exc
-                return None
-
-            def on_another_run() -> BaseException | None:
-                try:
-                    trio.run(stream.__anext__)
-                except BaseException as exc:  # (recorded: asserted below)
-                    return exc
-                return None
-
-            refused = [await trio.to_thread.run_sync(on_asyncio),
-                       await trio.to_thread.run_sync(on_another_run)]
+            refused = [await trio.to_thread.run_sync(_raised_on_asyncio, stream.__anext__),
+                       await trio.to_thread.run_sync(_raised_on_trio, stream.__anext__)]
             await wait_for(lambda: slow.in_flight == 0)  # every chunk buffered
-            refused.append(await trio.to_thread.run_sync(on_another_run))
+            refused.append(await trio.to_thread.run_sync(_raised_on_trio, stream.__anext__))
             text = "".join([chunk.text async for chunk in stream])
     assert [type(exc) for exc in refused] == [polygate.PolygateError] * 3, refused
     assert "polygate.aio" in str(refused[0]) and "another trio run" in str(refused[1])
@@ -758,15 +762,6 @@ async def test_statistics_after_close_outside_the_run_is_typed() -> None:
             {"a": FakeUpstream(Reply(tokens=2))})) as s:
         await s.chat(MESSAGES)
 
-    def on_asyncio() -> BaseException | None:
-        import asyncio
-
-        try:
-            asyncio.run(s.statistics())
-        except BaseException as exc:  # (recorded: asserted below)
-            return exc
-        return None
-
-    refused = await trio.to_thread.run_sync(on_asyncio)
+    refused = await trio.to_thread.run_sync(_raised_on_asyncio, s.statistics)
     assert type(refused) is polygate.PolygateError and "polygate.aio" in str(refused)
     assert (await s.statistics()).governance.sources[0].state.admissions == 1
