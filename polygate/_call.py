@@ -339,7 +339,6 @@ async def _retry_loop(
             )
 
 
-#: Admission refusals a wait cures: every source was rate limited.
 def _never_admitted(ctx: CallContext, errors: Sequence[Any], refusals: Sequence[Any]) -> bool:
     """Whether the caller's request as sent can never be admitted: every candidate
     refused its estimate alone as over ``tpm``, before any attempt of the call, and
@@ -351,6 +350,7 @@ def _never_admitted(ctx: CallContext, errors: Sequence[Any], refusals: Sequence[
     )
 
 
+#: Admission refusals a wait cures: every source was rate limited.
 _RATE_REASONS = frozenset({RefusalReason.COOLING_DOWN, RefusalReason.RPM, RefusalReason.TPM})
 
 
