@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import attrs
 import httpx
+import trio
 
 from ._config import Scope, Settings, Source
 from ._errors import Outcome, UpstreamError
@@ -77,6 +78,9 @@ class Runtime:
     # Set when the session's block exits: calls still running (started from a task
     # outside the block) send nothing more.
     closed: bool = False
+    # The session's own nursery: where a stream's call runs (see ChatStream), so that
+    # the caller's task holds no nursery of polygate's across its ``async with``.
+    nursery: trio.Nursery | None = None
 
     def __attrs_post_init__(self) -> None:
         others = self.settings.secrets()

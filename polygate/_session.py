@@ -69,6 +69,8 @@ _POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=1024
 TIDY_EVERY_S = 5.0
 _UNSET: Any = object()
 _BLOCK_EXITED = "this stream was closed before it finished (its block exited)"
+#: A stream cut by its session's closing says what a call does (_call.py).
+_SESSION_CLOSED = "this session is closed"
 
 
 @attrs.frozen
@@ -453,9 +455,14 @@ class _Failed:
 class ChatStream:
     """Async context manager and async iterator of :class:`StreamChunk`.
 
-    The call runs in a producer task inside a nursery this context manager owns; chunks
-    of the committed path reach the iterator through a bounded channel.  Leaving the
-    block early cancels the call (every path is settled before ``__aexit__`` returns).
+    The call runs in a producer task in the session's nursery, started as the block is
+    entered (so it copies the caller's context variables) and cancelled as it is left;
+    chunks of the committed path reach the iterator through a bounded channel.  Leaving
+    the block early cancels the call, and every path is settled before ``__aexit__``
+    returns.  The caller's task holds no nursery or cancel scope of polygate's across
+    its block: the block may be left from another task of the run -- trio's finalizer
+    closing an async generator that yields inside it and was dropped unclosed, or an
+    ``AsyncExitStack`` handed over -- and what the body raises leaves as itself.
     """
 
     def __init__(
@@ -484,7 +491,9 @@ class ChatStream:
         self._deadline = deadline
         self._recv: trio.MemoryReceiveChannel[StreamChunk | _Done | _Failed] | None = None
         self._end: _Done | _Failed | None = None  # taken by _ready(), given by __anext__
-        self._cm: Any = None
+        self._entered = False
+        self._producing = trio.CancelScope()  # the producer's: cancelled as the block is left
+        self._produced = trio.Event()  # the producer has ended: every path settled
         self._finished = False
         self._exited = False
         self._end_sent = False  # the answer (or the error) is in the channel
@@ -493,11 +502,19 @@ class ChatStream:
         self.text_parts: list[str] = TextParts()
 
     async def __aenter__(self) -> ChatStream:
-        if self._cm is not None:
+        if self._entered:
             raise PolygateError("a ChatStream can be entered only once")
         _check_run(self._owner_run)
-        self._cm = self._run()
-        await self._cm.__aenter__()
+        if self._runtime.closed:
+            raise PolygateError("this session is closed")
+        # As a call awaited in a cancelled scope: nothing starts, nothing is sent.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        nursery = self._runtime.nursery
+        assert nursery is not None  # (set as the session opens, before any call)
+        send, self._recv = trio.open_memory_channel[StreamChunk | _Done | _Failed](32)
+        self._entered = True
+        # Started from the caller's task: the producer runs in a copy of its context.
+        nursery.start_soon(self._producer, send)
         return self
 
     async def __aexit__(
@@ -505,45 +522,33 @@ class ChatStream:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool | None:
-        if self._cm is None:
+    ) -> None:
+        if not self._entered:
             raise PolygateError("this ChatStream was never entered ('async with' enters it)")
         _check_run(self._owner_run)
-        result: bool | None = await self._cm.__aexit__(exc_type, exc, tb)
-        return result
+        self._exited = True
+        self._producing.cancel()
+        if not self._produced.is_set():
+            # Shielded, and bounded as a nursery's exit is: the producer was cancelled
+            # just now, and settling its paths has bounds of its own.  The block's own
+            # exception (a cancellation from outside too) then leaves as itself.
+            with trio.CancelScope(shield=True):
+                await self._produced.wait()
 
-    @asynccontextmanager
-    async def _run(self) -> AsyncIterator[None]:
-        if self._runtime.closed:
-            raise PolygateError("this session is closed")
-        send, self._recv = trio.open_memory_channel[StreamChunk | _Done | _Failed](32)
-        body_error: BaseException | None = None
+    async def _producer(self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed]) -> None:
+        # A task of the session's nursery: nothing may leave it but the session's own
+        # cancellation (which ends this stream: its reader hears the cut).
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._produce, send)
-                try:
-                    yield
-                except _PASS_THROUGH:
-                    raise
-                except BaseException as exc:  # Ctrl-C too: re-raised below as itself
-                    body_error = exc
-                finally:
-                    nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            # The body's cancellation and the call's, side by side: one Cancelled
-            # leaves, as from an unstreamed call (SPEC §3: never a nursery's group).
-            cancelled = one_cancelled(group)
-            if cancelled is None:
-                raise
-            if body_error is None:
-                raise cancelled from None
-            # The body raised as the scope around it was cancelled: its error is what
-            # leaves (as from a plain nursery), never lost to the Cancelled -- raised
-            # below, outside this handler, so that its own cause and context stay.
+            with self._producing:
+                await self._produce(send)
+        except trio.Cancelled:
+            raise  # the session is closing: the reader hears the cut
+        except BaseException as exc:  # (a bug of ours past _produce's own handler)
+            if not self._end_sent:
+                self._end_sent = True
+                self._failure = exc  # the reader, woken by the channel's close, raises it
         finally:
-            self._exited = True
-        if body_error is not None:
-            raise body_error
+            self._produced.set()
 
     async def _produce(self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed]) -> None:
         async with send:
@@ -610,9 +615,13 @@ class ChatStream:
                 self._finished = True
                 if not self._end_sent:
                     # Cut off: the producer was cancelled with no end sent, which only
-                    # the block's leaving does (this task read as another left it).  A
-                    # failure, which every later read hears too -- never a clean end.
-                    self._failure = PolygateError(_BLOCK_EXITED)
+                    # the block's leaving does (this task read as another left it), or
+                    # the session's closing under the stream.  A failure, which every
+                    # later read hears too -- never a clean end.
+                    self._failure = PolygateError(
+                        _BLOCK_EXITED if self._exited or not self._runtime.closed
+                        else _SESSION_CLOSED
+                    )
                     raise self._failure from None
                 if self._failure is None:  # another task reading this stream took its end
                     raise StopAsyncIteration from None
@@ -948,7 +957,10 @@ async def session_on(
                 trio.open_nursery() as nursery,
             ):
                 governor = Governor(settings, backend, rng=rng)
-                runtime = Runtime(settings, transport, governor, rng=rng, recorder=telemetry.recorder)
+                runtime = Runtime(
+                    settings, transport, governor, rng=rng, recorder=telemetry.recorder,
+                    nursery=nursery,
+                )
                 telemetry.start(nursery, governor)
                 if cache is not None:
                     cache.start(nursery)  # the writer of write-behind backends

@@ -358,6 +358,69 @@ async def test_an_async_generator_closed_around_a_stream_or_a_session_closes_cle
     await gen.aclose()
 
 
+def test_a_stream_in_an_async_generator_dropped_unclosed_ends_its_call_cleanly() -> None:
+    """Review: an async generator that yields from inside ``stream_chat()`` and is
+    dropped without ``aclose()`` is closed by trio's finalizer, in a task of its own.
+    The stream's block then left a nursery entered by another task, and the run died
+    in ``TrioInternalError`` ("please file a bug").  Now the block holds no nursery of
+    the caller's: the finalizer's exit cancels the call, the upstream sees it go, and
+    the session goes on."""
+
+    async def main() -> tuple[int, int, str]:
+        up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=50))
+        async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+
+            async def texts() -> Any:
+                async with s.stream_chat(MESSAGES) as stream:
+                    async for chunk in stream:
+                        yield chunk.text
+
+            gen = texts()
+            assert await gen.__anext__()
+            assert up.in_flight == 1
+            # No aclose(): dropped, trio's finalizer closes it from a task of its own
+            # (and warns).  (No cycle holds it: CPython collects it here and now.)
+            with pytest.warns(ResourceWarning, match="garbage collected"):
+                del gen
+            await trio.testing.wait_all_tasks_blocked()
+            in_flight = up.in_flight
+            stats = await s.statistics()
+            after = (await s.chat(MESSAGES)).text
+        return in_flight, stats.governance.sources[0].state.in_flight, after
+
+    in_flight, permits, after = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert (in_flight, permits) == (0, 0) and after
+
+
+async def test_a_stream_may_be_left_by_another_task_than_the_one_that_entered_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A stream entered in one task and read and left in another (an ``AsyncExitStack``
+    handed over) settles its call; the block's nursery made that corrupt trio's state."""
+    import contextlib
+
+    up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=50))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        stack = contextlib.AsyncExitStack()
+        stream = await stack.enter_async_context(s.stream_chat(MESSAGES))
+        seen: list[str] = []
+
+        async def read_then_leave() -> None:
+            async for chunk in stream:
+                seen.append(chunk.text)
+                if len(seen) == 3:
+                    break
+            await stack.aclose()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_then_leave)
+        stats = await s.statistics()
+        with pytest.raises(polygate.PolygateError, match="block exited"):
+            await stream.__anext__()
+    assert len(seen) == 3 and up.in_flight == 0
+    assert stats.governance.sources[0].state.in_flight == 0
+
+
 async def test_a_session_block_cancelled_from_outside_leaves_as_one_cancelled(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
