@@ -81,6 +81,12 @@ class Runtime:
     # The session's own nursery: where a stream's call runs (see ChatStream), so that
     # the caller's task holds no nursery of polygate's across its ``async with``.
     nursery: trio.Nursery | None = None
+    # The streams whose producers run: each one's cancel scope, and the event it sets
+    # once it has ended.  Those scopes are shielded from the cancellations that reach
+    # the session's nursery (a stream is cancelled through its reader, as a call is
+    # through its caller: a shield around the block holds), so the session's closing
+    # cuts them itself.
+    streams: dict[trio.CancelScope, trio.Event] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         others = self.settings.secrets()

@@ -492,12 +492,16 @@ class ChatStream:
         self._recv: trio.MemoryReceiveChannel[StreamChunk | _Done | _Failed] | None = None
         self._end: _Done | _Failed | None = None  # taken by _ready(), given by __anext__
         self._entered = False
-        self._producing = trio.CancelScope()  # the producer's: cancelled as the block is left
+        # The producer's scope, cancelled as the block is left (or the session closes):
+        # shielded, because the cancellations that reach the session's nursery are not
+        # this call's (a cancellation of the caller's reaches it through the reader).
+        self._producing = trio.CancelScope(shield=True)
         self._produced = trio.Event()  # the producer has ended: every path settled
         self._finished = False
         self._exited = False
         self._end_sent = False  # the answer (or the error) is in the channel
         self._failure: BaseException | None = None  # the end, when the stream failed
+        self._unraised: BaseException | None = None  # ... when no reader has raised it yet
         self.response: ChatResponse | None = None
         self.text_parts: list[str] = TextParts()
 
@@ -513,6 +517,7 @@ class ChatStream:
         assert nursery is not None  # (set as the session opens, before any call)
         send, self._recv = trio.open_memory_channel[StreamChunk | _Done | _Failed](32)
         self._entered = True
+        self._runtime.streams[self._producing] = self._produced
         # Started from the caller's task: the producer runs in a copy of its context.
         nursery.start_soon(self._producer, send)
         return self
@@ -542,50 +547,53 @@ class ChatStream:
             with self._producing:
                 await self._produce(send)
         except trio.Cancelled:
-            raise  # the session is closing: the reader hears the cut
+            raise  # (not this call's: its own scope is shielded, and takes its own)
         except BaseException as exc:  # (a bug of ours past _produce's own handler)
             if not self._end_sent:
                 self._end_sent = True
-                self._failure = exc  # the reader, woken by the channel's close, raises it
+                # The reader, woken by the channel's close below, raises it: the first
+                # one this very exception, with its traceback (nobody raised it yet).
+                self._failure = self._unraised = exc
         finally:
+            send.close()  # (only now: what a reader it wakes must hear is set)
+            self._runtime.streams.pop(self._producing, None)
             self._produced.set()
 
     async def _produce(self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed]) -> None:
-        async with send:
-            sink = _Sink(send, self.text_parts)
-            try:
-                response = await cached_chat(
-                    self._runtime, self._cache, self._cache_mode, self._scope, self._messages,
-                    self._messages_json, self._params, self._deadline,
-                    forward=sink, delivered=self.text_parts, rounds=self._rounds,
-                )
-            except trio.Cancelled:
-                raise
-            except BaseException as exc:
-                # Every way the call ends reaches the iterator as itself — a polygate
-                # error, Ctrl-C, a bug — never as EndOfChannel, never wrapped in this
-                # nursery's group (the consumer raises it from __anext__).
-                self._end_sent = True
-                self._failure = exc  # (a reader woken by the channel's close hears it too)
-                await _deliver(send, _Failed(exc))
-            else:
-                if not sink.sent and any(
-                    type(c) is dict and type(c.get("message")) is dict and _has_output(c["message"])
-                    for c in response.choices
-                ):
-                    # The upstream answered with a plain JSON body (it cannot stream):
-                    # the whole answer is one chunk, so iterating still shows it (when
-                    # any choice holds something: n > 1, the first may be empty).
-                    delta = message_delta(response.message)
-                    # (The first item: the channel has room.  Sent and shown with no
-                    # scheduler pass between: the iterator never sees one without the other.)
-                    send.send_nowait(StreamChunk(text=response.text, delta=delta, raw=response.raw))
-                    if response.text:
-                        self.text_parts.append(response.text)
-                await send.send(_Done(response))
-                # Only once it is in the channel: a send cancelled as the block exits
-                # (the channel full) sent no end, and a reader must hear the cut.
-                self._end_sent = True
+        sink = _Sink(send, self.text_parts)
+        try:
+            response = await cached_chat(
+                self._runtime, self._cache, self._cache_mode, self._scope, self._messages,
+                self._messages_json, self._params, self._deadline,
+                forward=sink, delivered=self.text_parts, rounds=self._rounds,
+            )
+        except trio.Cancelled:
+            raise
+        except BaseException as exc:
+            # Every way the call ends reaches the iterator as itself — a polygate
+            # error, Ctrl-C, a bug — never as EndOfChannel (the consumer raises it
+            # from __anext__).
+            self._end_sent = True
+            self._failure = exc  # (a reader woken by the channel's close hears it too)
+            await _deliver(send, _Failed(exc))
+        else:
+            if not sink.sent and any(
+                type(c) is dict and type(c.get("message")) is dict and _has_output(c["message"])
+                for c in response.choices
+            ):
+                # The upstream answered with a plain JSON body (it cannot stream):
+                # the whole answer is one chunk, so iterating still shows it (when
+                # any choice holds something: n > 1, the first may be empty).
+                delta = message_delta(response.message)
+                # (The first item: the channel has room.  Sent and shown with no
+                # scheduler pass between: the iterator never sees one without the other.)
+                send.send_nowait(StreamChunk(text=response.text, delta=delta, raw=response.raw))
+                if response.text:
+                    self.text_parts.append(response.text)
+            await send.send(_Done(response))
+            # Only once it is in the channel: a send cancelled as the block exits
+            # (the channel full) sent no end, and a reader must hear the cut.
+            self._end_sent = True
 
     def __aiter__(self) -> ChatStream:
         return self
@@ -627,6 +635,9 @@ class ChatStream:
                     raise StopAsyncIteration from None
                 failed_elsewhere = self._failure  # ... and it was a failure: raised below
         if failed_elsewhere is not None:
+            if failed_elsewhere is self._unraised:
+                self._unraised = None
+                raise failed_elsewhere
             # A copy for this reader, raised outside the handler above, so that it keeps
             # the error's cause and context.
             raise twin_error(failed_elsewhere)
@@ -919,6 +930,20 @@ async def _session(
         yield opened
 
 
+async def _cut_streams(runtime: Runtime) -> None:
+    """Cancel the streams still running as their session closes (read from tasks
+    outside its block, or in its block under a shield) and wait until each has
+    settled: shielded, and bounded as a nursery's exit is (each was just cancelled)."""
+    if not runtime.streams:
+        return
+    ended = list(runtime.streams.values())
+    for producing in list(runtime.streams):
+        producing.cancel()
+    with trio.CancelScope(shield=True):
+        for event in ended:
+            await event.wait()
+
+
 async def _tidy(transport: LeanTransport) -> None:
     """Close the pool's idle connections that expired or that their server closed,
     every ``TIDY_EVERY_S``, for the session's life (cancelled with its nursery)."""
@@ -976,6 +1001,7 @@ async def session_on(
                     body_error = exc
                 finally:
                     runtime.closed = True
+                    await _cut_streams(runtime)  # before telemetry closes: their rows count
                     await runtime.renderers.aclose()  # bounded: kills idle renderers
                     if cache is not None:
                         await cache.aclose()  # queued writes, bounded; before the writer stops

@@ -421,6 +421,106 @@ async def test_a_stream_may_be_left_by_another_task_than_the_one_that_entered_it
     assert stats.governance.sources[0].state.in_flight == 0
 
 
+async def test_a_shielded_stream_block_finishes_when_the_session_block_is_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review of the producer's move into the session's nursery: a shielded ``finally``
+    streaming a last answer while the session's block is cancelled from outside had
+    its stream cut (the cancellation reached the producer around the caller's shield,
+    through the session's nursery), where ``chat()`` there answers."""
+    up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=5))
+    got: dict[str, Any] = {}
+    with trio.move_on_after(10):
+        async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):
+                    got["chat"] = (await s.chat(MESSAGES)).text
+                    async with s.stream_chat(MESSAGES) as stream:
+                        async for _ in stream:
+                            pass
+                    got["stream"] = stream.response.text if stream.response else None
+    assert got["chat"] and got["stream"] == got["chat"]
+
+
+async def test_a_shielded_stream_block_finishes_when_a_scope_around_the_session_is_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The same, the scope around the session cancelled mid-stream (a shutdown)."""
+    up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=10))
+    got: list[str] = []
+    with trio.CancelScope() as outer:
+        async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+            with trio.CancelScope(shield=True):
+                async with s.stream_chat(MESSAGES) as stream:
+                    async for chunk in stream:
+                        got.append(chunk.text)
+                        if len(got) == 3:
+                            outer.cancel()
+    assert len(got) == 10 and stream.response is not None
+
+
+async def test_the_rows_of_a_stream_its_session_cut_reach_telemetry(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path,
+) -> None:
+    """Review: a stream read outside the session's block, cut as the session closed,
+    recorded its rows after the telemetry sink had closed (dropped at close).  The
+    session cuts its streams before it closes telemetry."""
+    import attrs
+
+    db = tmp_path / "t.db"
+    settings = attrs.evolve(one_source_settings(), telemetry=f"sqlite://{db}")
+    up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=50))
+    got: list[BaseException] = []
+
+    async def reader(s: polygate.Session) -> None:
+        try:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for _ in stream:
+                    pass
+        except polygate.PolygateError as exc:
+            got.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        async with polygate.session(settings, transport=Router({"a": up})) as s:
+            nursery.start_soon(reader, s)
+            await trio.sleep(3.5)
+    assert [str(e) for e in got] == ["this session is closed"] and up.in_flight == 0
+    con = sqlite3.connect(db)
+    try:
+        outcomes = [row[0] for row in con.execute("select outcome from calls")]
+    finally:
+        con.close()
+    assert outcomes == ["cancelled"]
+
+
+async def test_a_bug_past_the_producers_handler_reaches_the_reader_as_itself(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: an exception of ours past the producer's own handler reached the reader
+    as a copy without its traceback (where the bug is)."""
+    import polygate._session as session_module
+
+    class Boom(Exception):
+        pass
+
+    def broken(message: Any) -> Any:
+        raise Boom("a bug")
+
+    monkeypatch.setattr(session_module, "message_delta", broken)
+    up = FakeUpstream(Reply(stream=False, tokens=3))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        with pytest.raises(Boom) as raised:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for _ in stream:
+                    pass
+        stats = await s.statistics()
+    assert raised.value.__traceback__ is not None
+    assert any(frame.name == "broken" for frame in __import__("traceback").extract_tb(raised.value.__traceback__))
+    assert stats.governance.sources[0].state.in_flight == 0
+
+
 async def test_a_session_block_cancelled_from_outside_leaves_as_one_cancelled(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
