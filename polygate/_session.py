@@ -574,7 +574,10 @@ class ChatStream:
             # error, Ctrl-C, a bug — never as EndOfChannel (the consumer raises it
             # from __anext__).
             self._end_sent = True
-            self._failure = exc  # (a reader woken by the channel's close hears it too)
+            # (A reader woken by the channel's close hears it too: a delivery cut by
+            # the session's closing, with the channel full, then never arrives, and
+            # the first reader is the one to raise this very exception.)
+            self._failure = self._unraised = exc
             await _deliver(send, _Failed(exc))
         else:
             if not sink.sent and any(
@@ -647,6 +650,8 @@ class ChatStream:
         if isinstance(item, _Done):
             self.response = item.response
             raise StopAsyncIteration
+        if item.error is self._unraised:
+            self._unraised = None  # (raised here: a later reader gets a copy)
         raise item.error
 
     def _ready(self, limit: int) -> list[StreamChunk]:

@@ -521,6 +521,40 @@ async def test_a_bug_past_the_producers_handler_reaches_the_reader_as_itself(
     assert stats.governance.sources[0].state.in_flight == 0
 
 
+async def test_a_failure_its_session_cut_in_delivery_reaches_the_reader_as_itself(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: a stream failed behind a full channel (its failure waiting to be
+    delivered) as its session closed; the cut ended the delivery, and the reader got a
+    copy of an error nobody had raised, with none of its traceback."""
+    import traceback
+
+    up = FakeUpstream(Reply(first_token_s=0.1, inter_token_s=0.01, tokens=80,
+                            fault="truncated", fault_after=32))
+    settings = one_source_settings(retry=polygate.Retry(max_attempts=1))
+    got: list[BaseException] = []
+
+    async def reader(stream: polygate.ChatStream) -> None:
+        await trio.sleep(10)  # the channel is full: the failure waits behind it
+        try:
+            async for _ in stream:
+                pass
+        except polygate.PolygateError as exc:
+            got.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        async with polygate.session(settings, transport=Router({"a": up})) as s:
+            stream = s.stream_chat(MESSAGES)
+            await stream.__aenter__()
+            nursery.start_soon(reader, stream)
+            await trio.sleep(5)
+    await stream.__aexit__(None, None, None)
+    (error,) = got
+    assert isinstance(error, polygate.TransientUpstreamError)
+    frames = [frame.filename for frame in traceback.extract_tb(error.__traceback__)]
+    assert any(name.endswith("_exchange.py") for name in frames), frames
+
+
 async def test_a_session_block_cancelled_from_outside_leaves_as_one_cancelled(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
