@@ -1,4 +1,4 @@
-"""Sessions: ``tests-3.10`` … ``tests-3.13``, ``lint``, ``typecheck``, ``bench``.
+"""Sessions: ``tests-3.10`` … ``tests-3.13``, ``floors``, ``lint``, ``typecheck``, ``bench``.
 
 pyenv's shims fail for the non-default Pythons here, so their ``bin`` folders are put
 on PATH directly, and uv (when nox uses it) is told never to download a Python.
@@ -31,12 +31,19 @@ def _put_pyenv_pythons_on_path() -> None:
 
 _put_pyenv_pythons_on_path()
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests", "floors"]
 
 
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
     session.install("-e", ".[test,redis,postgres]")
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session(python="3.11")
+def floors(session: nox.Session) -> None:
+    """The tests at the lowest core dependencies pyproject.toml allows (.ci/floors.txt)."""
+    session.install("-c", ".ci/floors.txt", "-e", ".[test]")
     session.run("python", "-m", "pytest", *session.posargs)
 
 

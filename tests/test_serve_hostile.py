@@ -541,3 +541,25 @@ async def test_a_body_python_cannot_read_says_why(
     error = _strict(answer)["error"]
     assert error["code"] == "invalid_json" and said in error["message"], error
     _no_traceback(caplog)
+
+
+async def test_a_request_chunk_not_ended_by_crlf_is_refused() -> None:
+    """Review (dependency floors): the server leaves request smuggling to h11, and h11
+    before 0.16 took chunk data not followed by CRLF (CVE-2025-43859): at the old
+    floor, 0.14, the gateway answered 200 and called the upstream.  The floor is 0.16;
+    CI runs the tests at it (.ci/floors.txt)."""
+    from polygate.testing import Reply
+
+    from ._serve_kit import CHAT, gateway, read_until_closed
+
+    body = json.dumps(CHAT).encode()
+    raw = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\n"
+           b"authorization: Bearer " + GATEWAY_KEY.encode() + b"\r\n"
+           b"transfer-encoding: chunked\r\n\r\n%x\r\n" % len(body) + body + b"XY0\r\n\r\n")
+    async with gateway(Reply(tokens=3)) as (server, upstream):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(raw)
+            data = await read_until_closed(stream)
+    assert data.startswith(b"HTTP/1.1 400"), data[:200]
+    assert not upstream.requests
