@@ -126,6 +126,16 @@ async def test_a_call_outliving_its_session_sends_nothing_more(
     assert [type(e) for e in outcome] == [polygate.PolygateError]
     assert "session is closed" in str(outcome[0])
 
+async def _read_stream(s: polygate.Session, errors: list[BaseException]) -> None:
+    """Read a stream to its end; a PolygateError that ends it goes to ``errors``."""
+    try:
+        async with s.stream_chat(MESSAGES) as chunks:
+            async for _ in chunks:
+                pass
+    except polygate.PolygateError as exc:
+        errors.append(exc)
+
+
 @pytest.mark.integration
 async def test_a_call_cut_by_its_session_closing_does_not_feed_the_breaker() -> None:
     """Review (stateful): calls from tasks outside the session block, in flight on the
@@ -147,19 +157,12 @@ async def test_a_call_cut_by_its_session_closing_does_not_feed_the_breaker() -> 
             except polygate.PolygateError as exc:
                 outcomes.append(exc)
 
-        async def stream(s: polygate.Session) -> None:
-            try:
-                async with s.stream_chat(MESSAGES) as chunks:
-                    async for _ in chunks:
-                        pass
-            except polygate.PolygateError as exc:
-                outcomes.append(exc)
 
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 async with polygate.session(settings) as s:
                     nursery.start_soon(chat, s)
-                    nursery.start_soon(stream, s)
+                    nursery.start_soon(_read_stream, s, outcomes)
                     await wait_for(lambda: upstream.in_flight == 2)  # both in flight
     assert [str(e) for e in outcomes] == ["this session is closed"] * 2
     state = (await s.statistics()).governance.sources[0].state
@@ -322,6 +325,17 @@ def test_two_tasks_reading_one_stream_both_end(seed: int) -> None:
     assert Schedule(seed).run(main) == (10, True)
 
 
+def _texts(s: polygate.Session) -> Any:
+    """An async generator that yields from inside a ``stream_chat()`` block."""
+
+    async def texts() -> Any:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for chunk in stream:
+                yield chunk.text
+
+    return texts()
+
+
 async def test_an_async_generator_closed_around_a_stream_or_a_session_closes_cleanly(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -333,16 +347,10 @@ async def test_an_async_generator_closed_around_a_stream_or_a_session_closes_cle
 
     up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=50))
     async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
-
-        async def texts() -> Any:
-            async with s.stream_chat(MESSAGES) as stream:
-                async for chunk in stream:
-                    yield chunk.text
-
-        gen = texts()
+        gen = _texts(s)
         assert await gen.__anext__()
         await gen.aclose()  # returns None
-        async with contextlib.aclosing(texts()) as g:
+        async with contextlib.aclosing(_texts(s)) as g:
             async for _ in g:
                 break
         stats = await s.statistics()
@@ -358,38 +366,28 @@ async def test_an_async_generator_closed_around_a_stream_or_a_session_closes_cle
     await gen.aclose()
 
 
-def test_a_stream_in_an_async_generator_dropped_unclosed_ends_its_call_cleanly() -> None:
+async def test_a_stream_in_an_async_generator_dropped_unclosed_ends_its_call_cleanly(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """Review: an async generator that yields from inside ``stream_chat()`` and is
     dropped without ``aclose()`` is closed by trio's finalizer, in a task of its own.
     The stream's block then left a nursery entered by another task, and the run died
     in ``TrioInternalError`` ("please file a bug").  Now the block holds no nursery of
     the caller's: the finalizer's exit cancels the call, the upstream sees it go, and
     the session goes on."""
-
-    async def main() -> tuple[int, int, str]:
-        up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=50))
-        async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
-
-            async def texts() -> Any:
-                async with s.stream_chat(MESSAGES) as stream:
-                    async for chunk in stream:
-                        yield chunk.text
-
-            gen = texts()
-            assert await gen.__anext__()
-            assert up.in_flight == 1
-            # No aclose(): dropped, trio's finalizer closes it from a task of its own
-            # (and warns).  (No cycle holds it: CPython collects it here and now.)
-            with pytest.warns(ResourceWarning, match="garbage collected"):
-                del gen
-            await trio.testing.wait_all_tasks_blocked()
-            in_flight = up.in_flight
-            stats = await s.statistics()
-            after = (await s.chat(MESSAGES)).text
-        return in_flight, stats.governance.sources[0].state.in_flight, after
-
-    in_flight, permits, after = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert (in_flight, permits) == (0, 0) and after
+    up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=50))
+    async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+        gen = _texts(s)
+        assert await gen.__anext__()
+        assert up.in_flight == 1
+        # No aclose(): dropped, trio's finalizer closes it from a task of its own (and
+        # warns).  (No cycle holds it: CPython collects it here and now.)
+        with pytest.warns(ResourceWarning, match="garbage collected"):
+            del gen
+        await trio.testing.wait_all_tasks_blocked()
+        assert up.in_flight == 0
+        assert (await s.statistics()).governance.sources[0].state.in_flight == 0
+        assert (await s.chat(MESSAGES)).text
 
 
 async def test_a_stream_may_be_left_by_another_task_than_the_one_that_entered_it(
@@ -473,18 +471,9 @@ async def test_the_rows_of_a_stream_its_session_cut_reach_telemetry(
     settings = attrs.evolve(one_source_settings(), telemetry=f"sqlite://{db}")
     up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=50))
     got: list[BaseException] = []
-
-    async def reader(s: polygate.Session) -> None:
-        try:
-            async with s.stream_chat(MESSAGES) as stream:
-                async for _ in stream:
-                    pass
-        except polygate.PolygateError as exc:
-            got.append(exc)
-
     async with trio.open_nursery() as nursery:
         async with polygate.session(settings, transport=Router({"a": up})) as s:
-            nursery.start_soon(reader, s)
+            nursery.start_soon(_read_stream, s, got)
             await trio.sleep(3.5)
     assert [str(e) for e in got] == ["this session is closed"] and up.in_flight == 0
     con = sqlite3.connect(db)
