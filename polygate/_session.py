@@ -69,7 +69,7 @@ _POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=1024
 TIDY_EVERY_S = 5.0
 _UNSET: Any = object()
 _BLOCK_EXITED = "this stream was closed before it finished (its block exited)"
-#: A stream cut by its session's closing says what a call does (_call.py).
+#: What a call on a closed session raises (and a stream its closing cut), as _call.py.
 _SESSION_CLOSED = "this session is closed"
 
 
@@ -275,7 +275,7 @@ class Session:
         self, scope: str, call_deadline_s: float | None, *, awaited: bool = True
     ) -> float | None:
         if self._closed:
-            raise PolygateError("this session is closed")
+            raise PolygateError(_SESSION_CLOSED)
         _check_run(self._run, awaited=awaited)
         if not isinstance(scope, str):
             raise ConfigError(f"scope must be a scope name, got {type(scope).__name__}")
@@ -510,7 +510,7 @@ class ChatStream:
             raise PolygateError("a ChatStream can be entered only once")
         _check_run(self._owner_run)
         if self._runtime.closed:
-            raise PolygateError("this session is closed")
+            raise PolygateError(_SESSION_CLOSED)
         # As a call awaited in a cancelled scope: nothing starts, nothing is sent.
         await trio.lowlevel.checkpoint_if_cancelled()
         nursery = self._runtime.nursery
@@ -941,12 +941,12 @@ async def _cut_streams(runtime: Runtime) -> None:
     settled: shielded, and bounded as a nursery's exit is (each was just cancelled)."""
     if not runtime.streams:
         return
-    ended = list(runtime.streams.values())
-    for producing in list(runtime.streams):
+    running = list(runtime.streams.items())  # (each producer removes itself as it ends)
+    for producing, _ in running:
         producing.cancel()
     with trio.CancelScope(shield=True):
-        for event in ended:
-            await event.wait()
+        for _, ended in running:
+            await ended.wait()
 
 
 async def _tidy(transport: LeanTransport) -> None:
