@@ -533,12 +533,9 @@ class ChatStream:
         _check_run(self._owner_run)
         self._exited = True
         self._producing.cancel()
-        if not self._produced.is_set():
-            # Shielded, and bounded as a nursery's exit is: the producer was cancelled
-            # just now, and settling its paths has bounds of its own.  The block's own
-            # exception (a cancellation from outside too) then leaves as itself.
-            with trio.CancelScope(shield=True):
-                await self._produced.wait()
+        # The block's own exception (a cancellation from outside too) then leaves as
+        # itself, once every path of the call has settled.
+        await _settled(self._produced)
 
     async def _producer(self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed]) -> None:
         # A task of the session's nursery: nothing may leave it but the session's own
@@ -944,9 +941,50 @@ async def _cut_streams(runtime: Runtime) -> None:
     running = list(runtime.streams.items())  # (each producer removes itself as it ends)
     for producing, _ in running:
         producing.cancel()
+    for _, ended in running:
+        await _settled(ended)
+
+
+async def _close(
+    runtime: Runtime, cache: Cache | None, telemetry: Telemetry, closed: trio.Event,
+) -> None:
+    """The session's close, each step bounded: its streams first (their rows count),
+    the renderers, the cache's queued writes (before its writer stops), telemetry.
+    Shielded as a whole, so that a cancellation from outside (the session left by it)
+    cuts no step short and skips none."""
+    try:
+        with trio.CancelScope(shield=True):
+            await _cut_streams(runtime)
+            await runtime.renderers.aclose()  # discards idle renderers (kills processes)
+            if cache is not None:
+                await cache.aclose()
+            await telemetry.aclose()
+    finally:
+        closed.set()
+
+
+async def _settled(ended: trio.Event) -> None:
+    """Wait until a cancelled producer has ended; Ctrl-C, if it came, once it has."""
+    interrupted = await _waited_out(ended)
+    if interrupted is not None:
+        raise interrupted
+
+
+async def _waited_out(ended: trio.Event) -> KeyboardInterrupt | None:
+    """Wait until ``ended`` is set: shielded, and bounded as a nursery's exit is (what
+    it waits for has bounds of its own).  Ctrl-C, which no shield holds back, is held
+    and returned, as a nursery's exit holds it until its children are done: a caller
+    never leaves with a call still running."""
+    if ended.is_set():
+        return None  # (no scope, no checkpoint: as a nursery with no child left)
+    interrupted: KeyboardInterrupt | None = None
     with trio.CancelScope(shield=True):
-        for _, ended in running:
-            await ended.wait()
+        while not ended.is_set():
+            try:
+                await ended.wait()
+            except KeyboardInterrupt as exc:
+                interrupted = interrupted or exc  # (a second Ctrl-C: the first is kept)
+    return interrupted
 
 
 async def _tidy(transport: LeanTransport) -> None:
@@ -975,6 +1013,7 @@ async def session_on(
     if transport is None:
         transport = LeanTransport.from_limits(_POOL_LIMITS)
     body_error: BaseException | None = None
+    interrupted: KeyboardInterrupt | None = None  # Ctrl-C during the close: raised last
     try:
         if isinstance(backend, RedisBackend):
             await backend.start()  # connects, checks Lua, loads scripts; cleans up on failure
@@ -1006,11 +1045,13 @@ async def session_on(
                     body_error = exc
                 finally:
                     runtime.closed = True
-                    await _cut_streams(runtime)  # before telemetry closes: their rows count
-                    await runtime.renderers.aclose()  # bounded: kills idle renderers
-                    if cache is not None:
-                        await cache.aclose()  # queued writes, bounded; before the writer stops
-                    await telemetry.aclose()
+                    # In a task of its own: trio raises Ctrl-C in the run's main task
+                    # only, so every bounded step of the close runs to its end, and
+                    # Ctrl-C leaves once they have, as itself (raised below).
+                    closed = trio.Event()
+                    nursery.start_soon(_close, runtime, cache, telemetry, closed,
+                                       name="polygate session close")
+                    interrupted = await _waited_out(closed)
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # The body's cancellation and the background tasks', side by side: one
@@ -1018,7 +1059,7 @@ async def session_on(
             cancelled = one_cancelled(group)
             if cancelled is None:
                 raise
-            if body_error is None:
+            if body_error is None and interrupted is None:
                 raise cancelled from None
             # The body raised as the scope around it was cancelled: its error is what
             # leaves (as from a plain nursery), never lost to the Cancelled -- raised
@@ -1035,3 +1076,5 @@ async def session_on(
             await transport.aclose()
     if body_error is not None:
         raise body_error
+    if interrupted is not None:
+        raise interrupted

@@ -4,6 +4,7 @@ abandoned stream says so, and no telemetry row vanishes uncounted."""
 
 from __future__ import annotations
 
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -68,6 +69,94 @@ def test_ctrl_c_is_a_keyboard_interrupt(body: str, hedge: bool) -> None:
                          timeout=50, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith(("INNER", "OUTER"))]
     assert lines == ["INNER KeyboardInterrupt", "OUTER KeyboardInterrupt"], out.stderr[-2000:]
+
+
+@trio.lowlevel.enable_ki_protection
+def _ctrl_c_now() -> None:
+    """Ctrl-C as trio takes it while its own code runs: pending, raised in the main
+    task at its next wait, whatever shields it is under."""
+    signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ctrl_c_as_a_stream_block_is_left_waits_until_the_call_has_settled(seed: int) -> None:
+    """Review: Ctrl-C while a stream's block waited for its call to settle left the
+    block at once (no shield holds trio's KeyboardInterrupt back), with the upstream
+    still connected and the permit held -- when the scheduler ran the block's task
+    before the call's.  It now leaves as a nursery's exit would: once every path has
+    settled, as itself, in every order."""
+    from polygate.testing import Schedule
+
+    up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=50))
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+            try:
+                async with s.stream_chat(MESSAGES) as stream:
+                    async for _ in stream:
+                        break
+                    _ctrl_c_now()
+            except KeyboardInterrupt:
+                seen["upstream"] = up.in_flight  # (before any checkpoint)
+                seen["permits"] = (await s.statistics()).governance.sources[0].state.in_flight
+            seen["after"] = (await s.chat(MESSAGES)).text
+
+    Schedule(seed).run(main)
+    assert seen["upstream"] == 0 and seen["permits"] == 0 and seen["after"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ctrl_c_as_a_session_cuts_its_streams_waits_until_they_have_settled(seed: int) -> None:
+    """The same as the session's close cuts a stream still running (entered, never
+    left): Ctrl-C leaves the session as itself (it left as a group), once the stream's
+    call has settled."""
+    from polygate.testing import Schedule
+
+    up = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=50))
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        try:
+            async with polygate.session(one_source_settings(), transport=Router({"a": up})) as s:
+                stream = s.stream_chat(MESSAGES)
+                await stream.__aenter__()
+                async for _ in stream:
+                    break
+                _ctrl_c_now()
+        except KeyboardInterrupt:
+            seen["upstream"] = up.in_flight
+
+    Schedule(seed).run(main)
+    assert seen == {"upstream": 0}
+
+
+def test_ctrl_c_as_a_session_closes_leaves_as_itself_once_its_rows_are_written(
+    tmp_path: Path,
+) -> None:
+    """Review: Ctrl-C during a session's close (its telemetry flushing, say: a second
+    Ctrl-C at a slow database) cut the flush short and left the session as a
+    ``BaseExceptionGroup``, so ``except KeyboardInterrupt`` around it missed it.  The
+    close's steps are each bounded; they now run to their end, and Ctrl-C leaves
+    after them as itself."""
+    db = tmp_path / "t.db"
+    settings = polygate.Settings(scopes=one_source_settings().scopes, telemetry=f"sqlite:///{db}")
+    up = FakeUpstream(Reply())
+    seen: list[str] = []
+
+    async def main() -> None:
+        try:
+            async with polygate.session(settings, transport=up.transport()) as s:
+                await s.chat(MESSAGES)  # an attempt row and a call row
+                _ctrl_c_now()
+        except KeyboardInterrupt:
+            seen.append("KeyboardInterrupt")
+
+    trio.run(main)
+    con = sqlite3.connect(db)
+    rows = sum(con.execute(f"select count(*) from {t}").fetchone()[0] for t in ("calls", "attempts"))
+    con.close()
+    assert seen == ["KeyboardInterrupt"] and rows == 2
 
 
 async def test_iterating_a_closed_stream_is_a_polygate_error() -> None:

@@ -460,3 +460,20 @@ def test_a_page_that_fails_for_any_reason_closes_what_its_request_opened(
     reply, _ = _ocr_render.answer(renderer, ("page", 7, 0, "p", 72.0, 100, "jpeg"), make_pdf(SIZES[:2]))
     assert reply[0] == "fail"
     assert renderer.key is None
+
+
+async def test_a_session_cancelled_from_outside_discards_every_idle_thread_renderer() -> None:
+    """Review: a session left by a cancellation from outside discarded its first idle
+    thread renderer only (the discard's checkpoint raised the cancellation, which cut
+    the close's loop and skipped the cache's and telemetry's close after it); the others
+    kept their document open until collected.  The close is shielded, each step
+    bounded."""
+    with trio.CancelScope() as outer:
+        async with polygate.session(ocr_settings(render_in="thread"),
+                                    transport=Router({"a": FakeUpstream(Reply(text="x"))})) as s:
+            await s.ocr(make_pdf(SIZES[:3]))
+            idle = [w for w in renderers(s)._pools["thread"].idle
+                    if isinstance(w, _ocr_renderers._ThreadWorker)]
+            outer.cancel()
+            await trio.sleep(1)
+    assert len(idle) >= 2 and all(w._abandoned for w in idle)
