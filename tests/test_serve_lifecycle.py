@@ -358,6 +358,39 @@ async def test_a_reload_sets_the_head_timeout_of_a_connection_kept_alive() -> No
             await stream.aclose()
 
 
+@pytest.mark.parametrize(("which", "kept_alive"), [
+    ("idle_timeout_s", True), ("header_timeout_s", False),
+])
+async def test_a_reload_retimes_the_wait_of_a_connection_already_waiting(
+    which: str, kept_alive: bool,
+) -> None:
+    """Review: a reload that lowered ``idle_timeout_s`` did not reach a kept-alive
+    connection already waiting for its next request, nor ``header_timeout_s`` a new one
+    that had sent nothing yet: each kept the wait it began under the old limits (30 s
+    here; 75 s by default), where docs/serve.md promises the new limits on the
+    connections already open too.  The wait is now re-timed from when it began."""
+    from polygate.serve import open_server
+
+    from ._serve_kit import settings_for, wait_for
+
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        serve = polygate.Serve(api_keys=[GATEWAY_KEY], idle_timeout_s=30, header_timeout_s=30)
+        async with open_server(settings_for(url, serve=serve), port=0) as server:
+            async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+                if kept_alive:
+                    await stream.send_all(request_bytes("POST", "/v1/chat/completions", CHAT, AUTH))
+                    assert (await read_answer(stream)).status == 200
+                # (The server waits for this connection's next first byte.)
+                await wait_for(lambda: len(server._idle) == 1)
+                await server.reload(settings_for(url, serve=attrs.evolve(serve, **{which: 0.5})))
+                start = trio.current_time()
+                with trio.fail_after(5):
+                    answer = await read_until_closed(stream)
+                assert trio.current_time() - start < 3
+                assert answer == b""  # (closed quietly: nothing was sent on it)
+
+
 async def test_reloads_asked_at_once_take_effect_in_the_order_asked() -> None:
     """Outside review (2026-12-02): a slow reload (its session slow to open) asked
     before a fast one was installed after it: the server kept the earlier settings."""

@@ -26,6 +26,7 @@ import errno
 import importlib.util
 import ipaddress
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -116,7 +117,9 @@ class Server:
         self._connections: trio.Nursery | None = None
         #: Stream frames being finished past a drain (Connection.finish_frame).
         self._finishing: set[trio.CancelScope] = set()
-        self._idle: set[trio.CancelScope] = set()
+        #: The connections waiting for a request's first byte, by the scope of that wait
+        #: (a drain closes them; a reload re-times their wait).
+        self._idle: dict[trio.CancelScope, Connection] = {}
         #: What the end of a drain's grace cancels: calls being answered, requests still
         #: arriving (once on, a call that starts is cut at once).
         self._cuts = Cuts()
@@ -215,10 +218,12 @@ class Server:
                 # In force all the same: the settings the server keeps trying.
                 self._current = Gateway(settings, UnavailableSession(settings, str(exc)))
                 self._fit_connections(settings)
+                self._retime_waits(settings)
                 old.retire()
                 self.metrics.reloads += 1
             raise
         self._fit_connections(settings)
+        self._retime_waits(settings)
         # Re-read: a recovery (below) may have replaced the stand-in meanwhile.
         old, self._current = self._current, new
         old.retire()
@@ -232,6 +237,22 @@ class Server:
         if wanted != self._room_for:
             self._room_for = wanted
             self._room = connection_room(wanted, self.metrics.connections)
+
+    def _retime_waits(self, settings: Settings) -> None:
+        """Give the connections waiting for a request the new settings' wait, from when
+        their wait began: a reload that lowers ``idle_timeout_s`` (or
+        ``header_timeout_s``) reaches them now, not when the old period ends."""
+        new = settings.serve
+        for scope, conn in self._idle.items():
+            old = conn.limits
+            if old is new or scope.deadline == math.inf:
+                continue
+            # (Idle on a kept-alive connection, or the first request's whole head: as
+            # Connection.read_request chose, the wait's start is its deadline less it.)
+            kept = conn.requests > 0
+            began = scope.deadline - (old.idle_timeout_s if kept else old.header_timeout_s)
+            scope.deadline = began + (new.idle_timeout_s if kept else new.header_timeout_s)
+            conn.limits = new
 
     async def _recover(self) -> None:
         """Open the session the backend refused at start, retrying with a growing
@@ -433,7 +454,7 @@ class Server:
                 # force now (a reload's too, on a connection kept alive across it).
                 conn.limits = self._current.settings.serve
                 idle = trio.CancelScope()
-                self._idle.add(idle)
+                self._idle[idle] = conn
                 begun = False
                 begun_at = 0.0  # (monotonic) its first byte: a problem's time counts from it
 
@@ -443,7 +464,7 @@ class Server:
                     nonlocal begun, begun_at
                     begun = True
                     begun_at = time.monotonic()
-                    self._idle.discard(idle)
+                    self._idle.pop(idle, None)
                     if conn.carried:
                         conn.carried = False  # (counted as the last answer ended)
                     else:
@@ -475,7 +496,7 @@ class Server:
                     await self._told_cut(conn, stopped.path, begun_at)
                     return
                 finally:
-                    self._idle.discard(idle)
+                    self._idle.pop(idle, None)
                     self._cuts.scopes.discard(idle)
                     if begun and request is None and not landing_late:
                         self._landed()  # nothing to answer: (the answer lands its own)
