@@ -694,6 +694,33 @@ async def test_a_stop_signal_during_a_slow_reload_drains_at_once(tmp_path: Path)
         silent.close()
 
 
+async def test_a_sighup_during_the_drain_is_logged_as_ignored(tmp_path: Path) -> None:
+    """Review: a SIGHUP during the drain was dropped without a word; an operator who
+    reloads a server that is stopping is told it was not reloaded.  The drain goes on:
+    the call in flight finishes and the process exits 0."""
+    upstream = FakeUpstream(Reply(first_token_s=1.5))
+    async with upstream.serve() as url:
+        config = write_config(tmp_path / "c.toml", url)
+        async with serve_process(config) as srv:
+            async with trio.open_nursery() as nursery:
+                answers: list[Any] = []
+
+                async def ask() -> None:
+                    answers.append(await http(_Port(srv.port), "POST", "/v1/chat/completions", CHAT, AUTH))
+
+                nursery.start_soon(ask)
+                await wait_for(lambda: upstream.in_flight == 1)
+                srv.proc.send_signal(signal.SIGTERM)
+                await _until_refused(srv.port, limit_s=10)  # draining
+                srv.proc.send_signal(signal.SIGHUP)
+            with trio.fail_after(30):
+                assert await srv.proc.wait() == 0
+            err = (await srv.proc.stderr.receive_some(65536)).decode()
+    assert [a.status for a in answers] == [200]
+    assert "reload ignored: shutting down" in err, err[-1500:]
+    assert "configuration reloaded" not in err
+
+
 def _drained_settings() -> Any:
     import polygate
 

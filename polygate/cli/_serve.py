@@ -197,7 +197,9 @@ async def _serve(settings: Any, args: argparse.Namespace, where: str) -> int:
 
                     draining.start_soon(drain)
                     async for again in received:
-                        if again != signal.SIGHUP:
+                        if again == signal.SIGHUP:
+                            log.warning("reload ignored: shutting down")
+                        else:
                             log.info("second signal: cancelling the calls in flight now")
                             draining.cancel_scope.cancel()
             nursery.cancel_scope.cancel()  # (the relay)
