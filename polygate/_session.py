@@ -945,22 +945,43 @@ async def _cut_streams(runtime: Runtime) -> None:
         await _settled(ended)
 
 
+@trio.lowlevel.enable_ki_protection  # (Ctrl-C goes to the main task, which holds it)
 async def _close(
-    runtime: Runtime, cache: Cache | None, telemetry: Telemetry, closed: trio.Event,
+    handle: Session, cache: Cache | None, telemetry: Telemetry,
+    backend: MemoryBackend | RedisBackend, closed: trio.Event,
 ) -> None:
     """The session's close, each step bounded: its streams first (their rows count),
-    the renderers, the cache's queued writes (before its writer stops), telemetry.
-    Shielded as a whole, so that a cancellation from outside (the session left by it)
-    cuts no step short and skips none."""
+    the renderers, the cache's queued writes (before its writer stops), telemetry; on
+    Redis, then, the admissions of calls still running go back, so that the figures
+    taken next show them settled.  Shielded as a whole, so that a cancellation from
+    outside (the session left by it) cuts no step short and skips none."""
+    runtime = handle._runtime
     try:
         with trio.CancelScope(shield=True):
-            await _cut_streams(runtime)
-            await runtime.renderers.aclose()  # discards idle renderers (kills processes)
-            if cache is not None:
-                await cache.aclose()
-            await telemetry.aclose()
+            try:
+                await _cut_streams(runtime)
+                await runtime.renderers.aclose()  # discards idle renderers (kills processes)
+                if cache is not None:
+                    await cache.aclose()
+                await telemetry.aclose()
+            finally:
+                if isinstance(backend, RedisBackend):
+                    await backend.settle_left()
+                    await handle._freeze_governance(backend)
     finally:
         closed.set()
+
+
+def _interrupt_of(group: BaseExceptionGroup[BaseException]) -> KeyboardInterrupt | None:
+    """The Ctrl-C of a group that holds only it and cancellations (a nursery's exit
+    that Ctrl-C reached as it waited for its cancelled tasks); None for any other."""
+    interrupts, rest = group.split(KeyboardInterrupt)
+    if interrupts is None or (rest is not None and rest.split(trio.Cancelled)[1] is not None):
+        return None
+    first: BaseException = interrupts
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first if isinstance(first, KeyboardInterrupt) else None
 
 
 async def _settled(ended: trio.Event) -> None:
@@ -1045,36 +1066,46 @@ async def session_on(
                     body_error = exc
                 finally:
                     runtime.closed = True
-                    # In a task of its own: trio raises Ctrl-C in the run's main task
-                    # only, so every bounded step of the close runs to its end, and
-                    # Ctrl-C leaves once they have, as itself (raised below).
+                    # In a task of its own, protected from Ctrl-C (trio then raises it
+                    # in the main task, which holds it here): every bounded step of the
+                    # close runs to its end, and Ctrl-C leaves after them, as itself
+                    # (raised below).
                     closed = trio.Event()
-                    nursery.start_soon(_close, runtime, cache, telemetry, closed,
+                    nursery.start_soon(_close, handle, cache, telemetry, backend, closed,
                                        name="polygate session close")
                     interrupted = await _waited_out(closed)
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
-            # The body's cancellation and the background tasks', side by side: one
-            # Cancelled leaves (an `except trio.Cancelled:` around the block runs).
-            cancelled = one_cancelled(group)
-            if cancelled is None:
-                raise
-            if body_error is None and interrupted is None:
-                raise cancelled from None
-            # The body raised as the scope around it was cancelled: its error is what
-            # leaves (as from a plain nursery), never lost to the Cancelled -- raised
-            # below, outside this handler, so that its own cause and context stay.
+            # Ctrl-C as the nursery's exit waited for its cancelled tasks: held, as
+            # one held in the close, and raised below as itself.
+            held = _interrupt_of(group)
+            if held is not None:
+                interrupted = interrupted or held
+            else:
+                # The body's cancellation and the background tasks', side by side: one
+                # Cancelled leaves (an `except trio.Cancelled:` around the block runs).
+                cancelled = one_cancelled(group)
+                if cancelled is None:
+                    raise
+                if body_error is None and interrupted is None:
+                    raise cancelled from None
+                # The body raised as the scope around it was cancelled: its error is
+                # what leaves (as from a plain nursery), never lost to the Cancelled --
+                # raised below, outside this handler, so that its own cause and
+                # context stay.
         finally:
-            if handle is not None and isinstance(backend, RedisBackend):
-                # The admissions of calls still running go back first, so that the
-                # figures taken next show them settled; then the connection closes.
-                await backend.settle_left()
-                await handle._freeze_governance(backend)
-            await backend.aclose()
+            await backend.aclose()  # (in the task that started it: its nursery is this task's)
+    except BaseExceptionGroup as group:  # (Ctrl-C as the backend's nursery closed)
+        held = _interrupt_of(group)
+        if held is None:
+            raise
+        interrupted = interrupted or held
     finally:
         if owned:  # a transport the caller passed in stays theirs to close
             await transport.aclose()
-    if body_error is not None:
+    if body_error is not None and (interrupted is None or isinstance(body_error, KeyboardInterrupt)):
         raise body_error
     if interrupted is not None:
+        # Ctrl-C is never lost to the body's error (that one is its context).
+        interrupted.__context__ = interrupted.__context__ or body_error
         raise interrupted

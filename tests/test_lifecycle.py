@@ -159,6 +159,73 @@ def test_ctrl_c_as_a_session_closes_leaves_as_itself_once_its_rows_are_written(
     assert seen == ["KeyboardInterrupt"] and rows == 2
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_ctrl_c_as_a_session_with_its_own_pool_closes_leaves_as_itself(seed: int) -> None:
+    """Review: a session with its own connection pool (no ``transport=``: the usual
+    one) has a pool tidier in its nursery.  Ctrl-C as the nursery's exit waited for
+    the cancelled tidier left the session as ``BaseExceptionGroup([KeyboardInterrupt])``;
+    it leaves as itself."""
+    from polygate.testing import Schedule
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    seen: list[str] = []
+
+    async def ctrl_c_as_it_closes(s: polygate.Session) -> None:
+        while not s._runtime.closed:  # (the session's own state: no event to wait on)
+            await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint()  # (its close task has run: the nursery's exit next)
+        _ctrl_c_now()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            try:
+                async with polygate.session(settings) as s:
+                    nursery.start_soon(ctrl_c_as_it_closes, s)
+            except BaseException as exc:
+                seen.append(repr(exc))
+
+    Schedule(seed).run(main)
+    assert seen == ["KeyboardInterrupt()"]
+
+
+def test_ctrl_c_as_the_close_runs_its_own_code_skips_no_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: Ctrl-C that lands while the close's task runs plain Python code (not
+    trio's) is raised by trio right there, in that task: the close stopped at that step,
+    skipped the cache's (its queued write never reached SQLite), and left as a group.
+    The close's task is protected: trio hands Ctrl-C to the main task, which holds it."""
+    from polygate import _ocr_renderers
+
+    original = _ocr_renderers.Renderers.aclose
+
+    async def aclose(self: Any) -> None:
+        signal.raise_signal(signal.SIGINT)  # (unprotected here: raised where it lands)
+        await original(self)
+
+    monkeypatch.setattr(_ocr_renderers.Renderers, "aclose", aclose)
+    db = tmp_path / "c.db"
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")],
+                                       cache_ttl_s=3600)},
+        cache=f"sqlite:///{db}")
+    seen: list[str] = []
+
+    async def main() -> None:
+        try:
+            async with polygate.session(settings, transport=FakeUpstream(Reply()).transport()) as s:
+                await s.chat(MESSAGES)  # (its answer queued for the cache's writer)
+        except BaseException as exc:
+            seen.append(repr(exc))
+
+    trio.run(main)
+    con = sqlite3.connect(db)
+    rows = con.execute("select count(*) from polygate_cache").fetchone()[0]
+    con.close()
+    assert (seen, rows) == (["KeyboardInterrupt()"], 1)
+
+
 async def test_iterating_a_closed_stream_is_a_polygate_error() -> None:
     """R10: after an early exit from its block, iterating the stream raises a clear
     PolygateError (not trio.EndOfChannel); a finished stream just stops."""

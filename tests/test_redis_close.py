@@ -177,3 +177,126 @@ async def test_a_settle_sent_while_the_close_settles_is_not_retried_against_the_
     stats = backend.statistics()
     assert (stats.settle_failures, stats.settle_retries) == (0, 0), (stats, result["took"])
     assert result["took"] < 0.8
+
+
+@trio.lowlevel.enable_ki_protection
+def _ctrl_c_now() -> None:
+    """Ctrl-C as trio takes it while its own code runs: raised in the main task at its
+    next wait, whatever shields it is under."""
+    signal.raise_signal(signal.SIGINT)
+
+
+def _ctrl_c_in_a_round_trip(
+    monkeypatch: pytest.MonkeyPatch, script: Any, main_task: list[Any] | None = None,
+) -> None:
+    """Ctrl-C while the next ``script`` exchange (of the main task, when given) waits for
+    Redis's answer (once: it has been sent)."""
+    from polygate.governance import _redis
+
+    original = RedisBackend._evalsha
+    armed = [True]
+
+    class CtrlCOnSend(list[bool]):
+        def __init__(self, sent: list[bool] | None) -> None:
+            super().__init__()
+            self.sent = sent
+
+        def append(self, item: bool) -> None:  # the request is on its way
+            super().append(item)
+            if self.sent is not None:
+                self.sent.append(item)
+            _ctrl_c_now()  # delivered as the main task waits for the answer
+
+    async def evalsha(self: Any, sc: Any, keys: Any, args: Any, sent: Any = None) -> Any:
+        if sc is getattr(_redis, script) and armed[0] and (main_task is None or (
+                main_task and trio.lowlevel.current_task() is main_task[0])):
+            armed[0] = False
+            sent = CtrlCOnSend(sent)
+        return await original(self, sc, keys, args, sent)
+
+    monkeypatch.setattr(RedisBackend, "_evalsha", evalsha)
+
+
+def test_ctrl_c_as_a_redis_session_takes_its_figures_closes_it_cleanly(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: Ctrl-C as a Redis session's close took its governance figures skipped
+    the backend's close: its nursery (lease renewal, polling) was never exited, and the
+    run ended in ``TrioInternalError``.  The close now runs to its end (the figures
+    taken, the backend closed), and Ctrl-C leaves after it, as itself."""
+    url = _url(redis_server)
+    seen: list[Any] = []
+
+    async def main() -> None:
+        up = FakeUpstream(Reply(tokens=2))
+        try:
+            async with polygate.session(_settings(url), transport=up.transport()) as s:
+                await s.chat(MESSAGES)
+                _ctrl_c_in_a_round_trip(monkeypatch, "_SNAPSHOT")
+        except KeyboardInterrupt:
+            seen.append("KeyboardInterrupt")
+        seen.append(s._runtime.governor.backend._closed)
+        seen.append((await s.statistics()).governance.sources[0].state.in_flight)
+
+    trio.run(main)
+    assert seen == ["KeyboardInterrupt", True, 0]
+
+
+def test_ctrl_c_as_a_redis_admission_waits_for_its_answer_leaves_no_permit(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: Ctrl-C while an admission's answer was on its way (granted in Redis, never
+    heard) left its permit held for every process until its lease ran out (15 s): it
+    was neither open nor abandoned, so the session's close did not return it.  It is
+    abandoned now, and the close voids it."""
+    url = _url(redis_server)
+    main_task: list[Any] = []
+    seen: list[Any] = []
+
+    async def main() -> None:
+        up = FakeUpstream(Reply(tokens=2))
+        async with polygate.session(_settings(url), transport=up.transport()) as s:
+            _ctrl_c_in_a_round_trip(monkeypatch, "_ADMIT", main_task)
+            main_task.append(trio.lowlevel.current_task())
+            with pytest.raises(KeyboardInterrupt):
+                await s.chat(MESSAGES)
+        seen.append(await _held(url))  # (granted in Redis, its answer unheard)
+
+    trio.run(main)
+    assert seen == [(0, 0)]
+
+
+def test_ctrl_c_as_the_close_settles_the_calls_left_settles_them(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: Ctrl-C (a second one, say) as a Redis session's close returned the
+    permits of calls still running cut that short: the permit stayed held for every
+    process until its lease ran out.  The close holds Ctrl-C until it is done."""
+    original = RedisBackend.settle_left
+    fired: list[bool] = []
+
+    async def settle_left(self: Any) -> None:
+        if not fired:  # (the session's close only: _held's backend closes too)
+            fired.append(True)
+            _ctrl_c_now()  # pending: raised in the main task at its next wait
+        await original(self)
+
+    monkeypatch.setattr(RedisBackend, "settle_left", settle_left)
+    url = _url(redis_server)
+    up = FakeUpstream(Reply(tokens=2, headers_delay_s=0.5))
+    seen: list[Any] = []
+
+    async def main() -> None:
+        result: dict[str, Any] = {}
+        async with trio.open_nursery() as nursery:
+            try:
+                async with polygate.session(_settings(url), transport=up.transport()) as s:
+                    _start_outliving_call(nursery, s, result)
+                    await _until_sent(up)
+            except KeyboardInterrupt:
+                seen.append("KeyboardInterrupt")
+            seen.append(await _held(url))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert seen == ["KeyboardInterrupt", (0, 0)]

@@ -412,9 +412,14 @@ class RedisBackend:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
             self._nursery = None
-        await self.settle_left()
-        self._closed = True
-        await stack.aclose()  # exits the scopes start() entered, in reverse order
+        try:
+            await self.settle_left()
+        finally:
+            # Whatever cut the settling short (Ctrl-C, which no shield holds back): the
+            # scopes start() entered in this task are exited, in reverse order, or the
+            # run would end with its nursery still open.
+            self._closed = True
+            await stack.aclose()
 
     @contextlib.contextmanager
     def bounded(self, deadline: float) -> Iterator[None]:
@@ -518,13 +523,16 @@ class RedisBackend:
             # answer never came may be granted all the same (a hung Redis runs it later):
             # void it once Redis answers again, rather than leave its permit to the lease.
             if sent and not isinstance(exc.__cause__, self._errors.ResponseError):
-                if len(self._abandoned) >= _MAX_ABANDONED:  # a long hang: the oldest go
-                    del self._abandoned[next(iter(self._abandoned))]
-                self._abandoned[(request.scope, request.source, member)] = None
-                self._abandoned_total += 1
-                self._cleanup.set()  # the void loop's timer starts (see _void_loop)
+                self._abandon(request.scope, request.source, member)
             # Cut at the caller's deadline: its cancellation, due now, says so.
             await trio.lowlevel.checkpoint_if_cancelled()
+            raise
+        except KeyboardInterrupt:
+            # Ctrl-C, which no shield holds back, cut the wait for the answer: one sent
+            # may have been granted.  Voided as the session closes (settle_left), or by
+            # the void loop before, rather than left to its lease.
+            if sent:
+                self._abandon(request.scope, request.source, member)
             raise
         local_now = trio.current_time()
         try:
@@ -540,6 +548,14 @@ class RedisBackend:
         except (TypeError, ValueError, IndexError, KeyError, AttributeError):
             raise self._garbage("admit") from None
         return Refusal(request.source, reason, retry_at, sooner=sooner)
+
+    def _abandon(self, scope: str, source: str, member: str) -> None:
+        """An admission sent whose answer never came: voided by the void loop."""
+        if len(self._abandoned) >= _MAX_ABANDONED:  # a long hang: the oldest go
+            del self._abandoned[next(iter(self._abandoned))]
+        self._abandoned[(scope, source, member)] = None
+        self._abandoned_total += 1
+        self._cleanup.set()  # the void loop's timer starts (see _void_loop)
 
     async def settle(self, request: SettleRequest) -> None:
         """Shielded and retried for up to ``settle_s``; never raises (see the module)."""
