@@ -188,9 +188,10 @@ def _ctrl_c_now() -> None:
 
 def _ctrl_c_in_a_round_trip(
     monkeypatch: pytest.MonkeyPatch, script: Any, main_task: list[Any] | None = None,
+    *, before_sending: bool = False,
 ) -> None:
     """Ctrl-C while the next ``script`` exchange (of the main task, when given) waits for
-    Redis's answer (once: it has been sent)."""
+    Redis's answer (once: it has been sent), or for its connection (``before_sending``)."""
     from polygate.governance import _redis
 
     original = RedisBackend._evalsha
@@ -211,7 +212,10 @@ def _ctrl_c_in_a_round_trip(
         if sc is getattr(_redis, script) and armed[0] and (main_task is None or (
                 main_task and trio.lowlevel.current_task() is main_task[0])):
             armed[0] = False
-            sent = CtrlCOnSend(sent)
+            if before_sending:
+                _ctrl_c_now()  # delivered at its first wait: the pool's, before it is sent
+            else:
+                sent = CtrlCOnSend(sent)
         return await original(self, sc, keys, args, sent)
 
     monkeypatch.setattr(RedisBackend, "_evalsha", evalsha)
@@ -297,6 +301,36 @@ def test_ctrl_c_as_the_close_settles_the_calls_left_settles_them(
                 seen.append("KeyboardInterrupt")
             seen.append(await _held(url))
             nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert seen == ["KeyboardInterrupt", (0, 0)]
+
+
+@pytest.mark.parametrize("fresh_connection", [False, True])
+def test_ctrl_c_as_a_call_settles_on_redis_leaves_no_permit(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, fresh_connection: bool,
+) -> None:
+    """Review: Ctrl-C as a call's settle waited for its connection (the pool's, or a
+    fresh one after Redis dropped them) cut the settle before it was sent; its member
+    had already left the open ones, so neither the close nor the void loop returned
+    its permit, held for every process until its lease ran out.  The cut settle is
+    sent as the session closes."""
+    url = _url(redis_server)
+    main_task: list[Any] = []
+    seen: list[Any] = []
+
+    async def main() -> None:
+        up = FakeUpstream(Reply(tokens=2))
+        try:
+            async with polygate.session(_settings(url), transport=up.transport()) as s:
+                _ctrl_c_in_a_round_trip(monkeypatch, "_SETTLE", main_task, before_sending=True)
+                main_task.append(trio.lowlevel.current_task())
+                if fresh_connection:
+                    s._runtime.governor.backend._client.connection_pool.disconnect()
+                await s.chat(MESSAGES)
+        except KeyboardInterrupt:
+            seen.append("KeyboardInterrupt")
+        seen.append(await _held(url))
 
     trio.run(main)
     assert seen == ["KeyboardInterrupt", (0, 0)]

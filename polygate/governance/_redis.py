@@ -278,6 +278,9 @@ class RedisBackend:
         #: after each (``None``: not yet), from which its lease is counted -- one that
         #: runs late, on a Redis that was hung, runs with a lease from then.
         self._abandoned: dict[tuple[str, str, str], float | None] = {}
+        #: Settles that Ctrl-C cut before their answer, with their arguments: sent as
+        #: the session closes (settle_left), else their leases return their permits.
+        self._unsettled: dict[tuple[tuple[str, str], str], list[Any]] = {}
         #: The last exchange found no Redis (no answer, no connection; an error reply
         #: is an answer): its next success wakes the void loop at once.
         self._unreachable = False
@@ -444,17 +447,21 @@ class RedisBackend:
         await self._void_left()
 
     async def _settle_open(self) -> None:
-        left = [(key, member) for key, members in self._open.items() for member in members]
+        left: list[tuple[tuple[str, str], str, list[Any] | None]] = [
+            (key, member, None) for key, members in self._open.items() for member in members
+        ]
+        left += [(key, member, args) for (key, member), args in self._unsettled.items()]
         if not left:
             return
         self._open.clear()
+        self._unsettled.clear()
         settled = 0
         deadline = trio.current_time() + self._timeout
         with trio.CancelScope(shield=True, deadline=deadline), self.bounded(deadline):
-            for key, member in left:
+            for key, member, given in left:
                 # (sent, the estimate kept: tokens None; neutral: no breaker feedback)
                 cancelled = SettleRequest(Admission(*key, 0, 0), None, Feedback.NEUTRAL)
-                args = self._settle_args(member, cancelled)
+                args = given if given is not None else self._settle_args(member, cancelled)
                 try:
                     await self._script(_SETTLE, self._source_keys(key), args, "settle")
                 except GovernanceBackendError:
@@ -576,30 +583,38 @@ class RedisBackend:
         retry_until = started + self._settle_s
         done = False
         error: GovernanceBackendError | None = None
-        with trio.CancelScope(shield=True, deadline=max(retry_until, started + self._timeout)):
-            delay = 0.02
-            first = True
-            while True:
-                try:
-                    reply = await self._script(
-                        _SETTLE, keys, args, "settle", deadline=None if first else retry_until)
-                    self._observe(reply[2])
-                    done = True
-                    break
-                except GovernanceBackendError as exc:
-                    error = exc
-                except (TypeError, IndexError):
-                    error = self._garbage("settle")
-                first = False
-                if self._closed:
-                    # Closed meanwhile: settled by the close (settle_left) if it still
-                    # held it, else left to its lease; no retry can reach Redis now.
-                    return
-                if trio.current_time() + delay >= retry_until:
-                    break
-                self._settle_retries += 1
-                await trio.sleep(delay)
-                delay = min(delay * 2, 0.25)
+        try:
+            with trio.CancelScope(shield=True, deadline=max(retry_until, started + self._timeout)):
+                delay = 0.02
+                first = True
+                while True:
+                    try:
+                        reply = await self._script(
+                            _SETTLE, keys, args, "settle", deadline=None if first else retry_until)
+                        self._observe(reply[2])
+                        done = True
+                        break
+                    except GovernanceBackendError as exc:
+                        error = exc
+                    except (TypeError, IndexError):
+                        error = self._garbage("settle")
+                    first = False
+                    if self._closed:
+                        # Closed meanwhile: settled by the close (settle_left) if it
+                        # still held it, else left to its lease; no retry can reach
+                        # Redis now.
+                        return
+                    if trio.current_time() + delay >= retry_until:
+                        break
+                    self._settle_retries += 1
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 0.25)
+        except KeyboardInterrupt:
+            # Ctrl-C, which no shield holds back, cut it before its answer: sent again
+            # as the session closes (a settle is idempotent), or its lease returns it.
+            if not done and not self._closed:
+                self._unsettled[(key, member)] = args
+            raise
         if not done:
             self._settle_failures += 1
             self._warn(
