@@ -361,14 +361,18 @@ async def _settle(
     usage_tokens = usage.total_tokens if usage is not None and usage.source == "upstream" else None
     latency = (now - timeline.sent_at - timeline.paused_s) if timeline.sent_at is not None else None
     streamed = len(timeline.chunk_times)  # content chunks: a token each, at least
-    record.tokens_settled = await ctx.runtime.governor.release(
-        admission,
-        outcome,
-        usage_tokens=usage_tokens,
-        sent=timeline.sent_at is not None,
-        retry_after_s=error.retry_after_s if error is not None else None,
-        latency_s=latency,
-        at_least=record.prompt_estimate + streamed if streamed else 0,
-        neutral=error is not None and error.exhausted is not None,
-    )
-    ctx.runtime.recorder.attempt(ctx, record)
+    try:
+        record.tokens_settled = await ctx.runtime.governor.release(
+            admission,
+            outcome,
+            usage_tokens=usage_tokens,
+            sent=timeline.sent_at is not None,
+            retry_after_s=error.retry_after_s if error is not None else None,
+            latency_s=latency,
+            at_least=record.prompt_estimate + streamed if streamed else 0,
+            neutral=error is not None and error.exhausted is not None,
+        )
+    finally:
+        # Reported whatever cut the release (Ctrl-C, which no shield holds back, in a
+        # Redis settle): the row is queued without blocking, and never raises.
+        ctx.runtime.recorder.attempt(ctx, record)

@@ -11,8 +11,10 @@ import gc
 import os
 import secrets
 import signal
+from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
@@ -309,20 +311,25 @@ def test_ctrl_c_as_the_close_settles_the_calls_left_settles_them(
 @pytest.mark.parametrize("fresh_connection", [False, True])
 def test_ctrl_c_as_a_call_settles_on_redis_leaves_no_permit(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, fresh_connection: bool,
+    tmp_path: Path,
 ) -> None:
     """Review: Ctrl-C as a call's settle waited for its connection (the pool's, or a
     fresh one after Redis dropped them) cut the settle before it was sent; its member
     had already left the open ones, so neither the close nor the void loop returned
     its permit, held for every process until its lease ran out.  The cut settle is
-    sent as the session closes."""
+    sent as the session closes.  (Its attempt's telemetry row was lost too.)"""
+    import sqlite3
+
     url = _url(redis_server)
+    db = tmp_path / "t.db"
+    settings = attrs.evolve(_settings(url), telemetry=f"sqlite:///{db}")
     main_task: list[Any] = []
     seen: list[Any] = []
 
     async def main() -> None:
         up = FakeUpstream(Reply(tokens=2))
         try:
-            async with polygate.session(_settings(url), transport=up.transport()) as s:
+            async with polygate.session(settings, transport=up.transport()) as s:
                 _ctrl_c_in_a_round_trip(monkeypatch, "_SETTLE", main_task, before_sending=True)
                 main_task.append(trio.lowlevel.current_task())
                 if fresh_connection:
@@ -333,4 +340,7 @@ def test_ctrl_c_as_a_call_settles_on_redis_leaves_no_permit(
         seen.append(await _held(url))
 
     trio.run(main)
-    assert seen == ["KeyboardInterrupt", (0, 0)]
+    con = sqlite3.connect(db)
+    attempts = con.execute("select count(*) from attempts").fetchone()[0]
+    con.close()
+    assert seen == ["KeyboardInterrupt", (0, 0)] and attempts == 1
