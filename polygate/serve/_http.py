@@ -215,6 +215,12 @@ def _head_problem(status: int) -> str:
             "(or a header is repeated that may not be)")
 
 
+def _first_byte_wait(limits: Serve, idle: bool) -> float:
+    """How long a connection waits for a request: ``idle_timeout_s`` for the next one on
+    a kept-alive connection, else ``header_timeout_s`` for the whole head."""
+    return limits.idle_timeout_s if idle else limits.header_timeout_s
+
+
 class Connection:
     """One client connection: read a request, answer it, repeat."""
 
@@ -252,6 +258,18 @@ class Connection:
         self.writing: trio.CancelScope | None = None
 
     # ------------------------------------------------------------------ reading
+
+    def retime(self, scope: trio.CancelScope, limits: Serve) -> None:
+        """A reload's ``limits`` for this connection, waiting for a request's first byte
+        in ``scope`` (as read_request set it): the new period, from when the wait
+        began, so that a lowered timeout reaches it now."""
+        old, self.limits = self.limits, limits
+        if old is limits or scope.deadline == math.inf:
+            return
+        # (Called only for a wait with nothing pending: a pending request starts at once.)
+        idle = bool(self.requests)
+        began = scope.deadline - _first_byte_wait(old, idle)
+        scope.deadline = began + _first_byte_wait(limits, idle)
 
     async def read_request(
         self, admit: Callable[[str, dict[str, str]], bool] | None = None,
@@ -294,7 +312,7 @@ class Connection:
         # header_timeout_s from its first byte; a new one has header_timeout_s for the
         # whole head, from its start (a first byte does not buy a second period).
         idle = bool(self.requests) and not pending
-        wait = limits.idle_timeout_s if idle else limits.header_timeout_s
+        wait = _first_byte_wait(limits, idle)
         if pending and started is not None:
             started()
             started = None

@@ -26,7 +26,6 @@ import errno
 import importlib.util
 import ipaddress
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -242,17 +241,8 @@ class Server:
         """Give the connections waiting for a request the new settings' wait, from when
         their wait began: a reload that lowers ``idle_timeout_s`` (or
         ``header_timeout_s``) reaches them now, not when the old period ends."""
-        new = settings.serve
         for scope, conn in self._idle.items():
-            old = conn.limits
-            if old is new or scope.deadline == math.inf:
-                continue
-            # (Idle on a kept-alive connection, or the first request's whole head: as
-            # Connection.read_request chose, the wait's start is its deadline less it.)
-            kept = conn.requests > 0
-            began = scope.deadline - (old.idle_timeout_s if kept else old.header_timeout_s)
-            scope.deadline = began + (new.idle_timeout_s if kept else new.header_timeout_s)
-            conn.limits = new
+            conn.retime(scope, settings.serve)
 
     async def _recover(self) -> None:
         """Open the session the backend refused at start, retrying with a growing
