@@ -872,6 +872,16 @@ def one_cancelled(group: BaseExceptionGroup[Any]) -> trio.Cancelled | None:
     return None
 
 
+def one_interrupt(group: BaseExceptionGroup[Any]) -> KeyboardInterrupt | None:
+    """The first ``KeyboardInterrupt`` of a group made of nothing else but
+    cancellations (a nursery's exit that Ctrl-C reached as it waited for its cancelled
+    tasks)."""
+    leaves = _leaves(group)
+    if not all(isinstance(exc, (KeyboardInterrupt, trio.Cancelled)) for exc in leaves):
+        return None
+    return next((exc for exc in leaves if isinstance(exc, KeyboardInterrupt)), None)
+
+
 def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
     out: list[BaseException] = []
     for exc in group.exceptions:

@@ -24,7 +24,7 @@ import sniffio
 import trio
 
 from ._cached import cache_mode, cached_chat, cached_embed
-from ._call import Rounds, one_cancelled
+from ._call import Rounds, one_cancelled, one_interrupt
 from ._config import Settings, is_utf8
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
@@ -972,18 +972,6 @@ async def _close(
         closed.set()
 
 
-def _interrupt_of(group: BaseExceptionGroup[BaseException]) -> KeyboardInterrupt | None:
-    """The Ctrl-C of a group that holds only it and cancellations (a nursery's exit
-    that Ctrl-C reached as it waited for its cancelled tasks); None for any other."""
-    interrupts, rest = group.split(KeyboardInterrupt)
-    if interrupts is None or (rest is not None and rest.split(trio.Cancelled)[1] is not None):
-        return None
-    first: BaseException = interrupts
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return first if isinstance(first, KeyboardInterrupt) else None
-
-
 async def _settled(ended: trio.Event) -> None:
     """Wait until a cancelled producer has ended; Ctrl-C, if it came, once it has."""
     interrupted = await _waited_out(ended)
@@ -1078,7 +1066,7 @@ async def session_on(
         except BaseExceptionGroup as group:
             # Ctrl-C as the nursery's exit waited for its cancelled tasks: held, as
             # one held in the close, and raised below as itself.
-            held = _interrupt_of(group)
+            held = one_interrupt(group)
             if held is not None:
                 interrupted = interrupted or held
             else:
@@ -1096,7 +1084,7 @@ async def session_on(
         finally:
             await backend.aclose()  # (in the task that started it: its nursery is this task's)
     except BaseExceptionGroup as group:  # (Ctrl-C as the backend's nursery closed)
-        held = _interrupt_of(group)
+        held = one_interrupt(group)
         if held is None:
             raise
         interrupted = interrupted or held

@@ -25,6 +25,7 @@ from polygate.testing import FakeUpstream, Reply
 
 from . import _redis_server
 from ._redis_server import RedisServer, need_redis, running_redis
+from .test_lifecycle import _ctrl_c_now
 
 pytestmark = pytest.mark.integration
 redis_server = _redis_server.redis_server  # the fixture
@@ -179,13 +180,6 @@ async def test_a_settle_sent_while_the_close_settles_is_not_retried_against_the_
     stats = backend.statistics()
     assert (stats.settle_failures, stats.settle_retries) == (0, 0), (stats, result["took"])
     assert result["took"] < 0.8
-
-
-@trio.lowlevel.enable_ki_protection
-def _ctrl_c_now() -> None:
-    """Ctrl-C as trio takes it while its own code runs: raised in the main task at its
-    next wait, whatever shields it is under."""
-    signal.raise_signal(signal.SIGINT)
 
 
 def _ctrl_c_in_a_round_trip(
