@@ -1,0 +1,380 @@
+"""Behaviours of the gateway server and the response cache that no other test pinned.
+
+Found by mutating the code: each test fails on one plausible bug (named in its
+docstring) that the rest of the suite let through."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+import polygate
+from polygate import _errors as errors
+from polygate.serve._errors import reply_for
+from tests._serve_kit import AUTH, CHAT, gateway, http
+
+# --------------------------------------------------------------------------- status mapping (SPEC §8.5)
+
+
+def _exhausted(*errs: errors.UpstreamError, **kw: Any) -> errors.AllSourcesExhausted:
+    return errors.AllSourcesExhausted("every source failed", errors=list(errs), **kw)
+
+
+def test_retry_after_is_whole_seconds_rounded_up() -> None:
+    """Mutant E1 (_errors.py: math.ceil -> round): a wait of 1.2 s must say
+    Retry-After: 2 (docs: "whole seconds, rounded up"); a client that waits 1 s
+    comes back before the source admits it."""
+    reply = reply_for(_exhausted(errors.RateLimitedError("slow down", retry_after_s=1.2)))
+    headers = dict(reply.headers())
+    assert reply.status == 429
+    assert headers[b"retry-after"] == b"2"
+    assert headers[b"retry-after-ms"] == b"1200"
+
+
+def test_retry_after_is_the_earliest_any_source_gave() -> None:
+    """Mutant E3 (rate_limited_for: min -> max): when every attempt was a 429,
+    Retry-After is the earliest a source asked for (docs/serve.md)."""
+    reply = reply_for(_exhausted(
+        errors.RateLimitedError("a", source="a", retry_after_s=30),
+        errors.RateLimitedError("b", source="b", retry_after_s=4),
+    ))
+    assert (reply.status, reply.retry_after_s) == (429, 4)
+
+
+def test_429s_without_retry_after_still_answer_429_with_a_default_wait() -> None:
+    """Mutant E4 (no known Retry-After -> None, i.e. 502): attempts all answered 429
+    without a Retry-After are still "every source rate limited": 429, Retry-After 1."""
+    reply = reply_for(_exhausted(errors.RateLimitedError("a"), errors.RateLimitedError("b")))
+    assert reply.status == 429 and reply.code == "rate_limit_exceeded"
+    assert dict(reply.headers())[b"retry-after"] == b"1"
+
+
+def test_a_429_beside_a_5xx_is_sources_exhausted_not_rate_limited() -> None:
+    """Mutant E7 (all -> any RateLimitedError): one source rate limited and another
+    failing with a 503 is not "every source rate limited": 502 sources_exhausted."""
+    reply = reply_for(_exhausted(
+        errors.RateLimitedError("a", source="a", retry_after_s=5),
+        errors.TransientUpstreamError("b", source="b", status_code=503),
+    ))
+    assert (reply.status, reply.code) == (502, "sources_exhausted")
+    assert reply.retry_after_s is None
+
+
+def test_a_stalled_stream_is_504_stream_stalled() -> None:
+    """Mutant E6 (the StreamStalled branch dropped: it is an UpstreamError, so 502
+    upstream_error): the table of SPEC §8.5 / _errors.py says 504 stream_stalled."""
+    reply = reply_for(errors.StreamStalled("silent for 30 s", source="a"))
+    assert (reply.status, reply.type, reply.code) == (504, "timeout_error", "stream_stalled")
+
+
+# --------------------------------------------------------------------------- answers' x-polygate-* headers (SPEC §8.5)
+
+
+
+@pytest.mark.integration
+async def test_an_embeddings_answer_carries_its_call_statistics_headers() -> None:
+    """Mutant A15 (_embeddings sends _stats_headers(call_id, None), the NO_CALL
+    figures): JSON answers carry the winning source, the attempts and the hedges of
+    the call that made them (SPEC §8.5), embeddings as chat."""
+    async with gateway() as (server, _):
+        answer = await http(server, "POST", "/v1/embeddings", {"model": "embed", "input": "x"}, AUTH)
+    assert answer.status == 200
+    assert answer.headers["x-polygate-source"] == "e"
+    assert answer.headers["x-polygate-attempts"] == "1"
+    assert answer.headers["x-polygate-hedges"] == "0"
+    assert answer.headers["x-polygate-cached"] == "false"
+    assert answer.headers["x-polygate-call-id"] == answer.headers["x-request-id"] != ""
+
+
+# --------------------------------------------------------------------------- per-key quotas
+
+ALICE = "sk-gw-alice-0123456789abcdef"
+CAROL = "sk-gw-carol-0123456789abcdef"
+
+
+@pytest.mark.integration
+async def test_a_named_key_without_a_quota_is_not_charged_beside_one_with_a_quota() -> None:
+    """Mutant A4 (Gateway.limited_key returns the presented key's name whether or not
+    it has a limit): a labelled key with no rpm/tpm/max_in_flight has no quota
+    (docs/serve.md), and must be served as an unlabelled key, not answered 500."""
+    serve = polygate.Serve(keys={
+        "alice": polygate.ServeKey(key=ALICE, rpm=5),
+        "carol": polygate.ServeKey(key=CAROL),
+    })
+    async with gateway(serve=serve) as (server, upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT,
+                            {"authorization": f"Bearer {CAROL}"})
+        assert answer.status == 200, answer.body
+        assert server.metrics.key_requests == {}
+        assert len(upstream.requests) == 1
+
+
+@pytest.mark.integration
+async def test_a_stream_no_source_admitted_after_a_keep_alive_costs_the_key_nothing() -> None:
+    """Mutants A25 and A26 (_chat_stream: ``charge.failed(failure)`` dropped on the failure
+    after the head went out): a call no source admitted is voided -- it counts
+    neither as a request nor as tokens (docs/serve.md, "What a call costs its key") --
+    also when a keep-alive had already committed the stream's head."""
+    import attrs
+
+    from polygate.serve import open_server
+    from polygate.testing import FakeUpstream, Reply
+    from tests._serve_kit import GATEWAY_KEY, settings_for, wait_for
+
+    upstream = FakeUpstream(Reply(first_token_s=3))
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], sse_keepalive_s=0.05, keys={
+        "alice": polygate.ServeKey(key=ALICE, rpm=5)})
+    async with upstream.serve() as url:
+        settings = settings_for(url, serve=serve, call_deadline_s=0.6)
+        chat = settings.scopes["chat"]
+        source = attrs.evolve(chat.sources[0], max_in_flight=1)
+        settings = attrs.evolve(settings, scopes={
+            **settings.scopes, "chat": attrs.evolve(chat, sources=[source])})
+        async with open_server(settings, port=0) as server, trio.open_nursery() as nursery:
+            # An unkeyed call holds the source's one permit (its answer is slow).
+            # (A session call of its own, with a deadline longer than the scope's.)
+            nursery.start_soon(lambda: server.session.chat(
+                CHAT["messages"], scope="chat", call_deadline_s=30))
+            await wait_for(lambda: upstream.in_flight == 1)
+            answer = await http(server, "POST", "/v1/chat/completions",
+                                {**CHAT, "stream": True}, {"authorization": f"Bearer {ALICE}"})
+            state = await server.session._runtime.governor.backend.snapshot("@key", "alice")
+            results = {result for (_, _, result) in server.metrics.calls}
+            nursery.cancel_scope.cancel()
+    assert answer.status == 200  # committed by a keep-alive, then an error event
+    assert b": keep-alive" in answer.body and b'"deadline_exceeded"' in answer.body
+    assert len(upstream.requests) == 1  # the keyed call never reached the upstream
+    assert state.requests_in_window == 0  # voided: no source admitted it
+    assert server.metrics.key_requests == {}
+    # Counted in /metrics by what ended it (mutant A26: every committed stream's
+    # failure counted as upstream_error).
+    assert results == {"deadline_exceeded"}
+
+
+# --------------------------------------------------------------------------- /readyz while draining
+
+
+@pytest.mark.integration
+async def test_readyz_pipelined_before_a_drain_answers_503_draining() -> None:
+    """Mutant A30 (_readyz without its draining check): /readyz answers 503 while the
+    server drains (docs/serve.md's endpoint table), so a load balancer takes the
+    replica out.  A /readyz pipelined behind a call in flight is answered during the
+    drain: it must say draining, not ready."""
+    from polygate.testing import Reply
+    from tests._serve_kit import read_until_closed, request_bytes, wait_for
+
+    async with gateway(Reply(first_token_s=1.0)) as (server, upstream):
+        client = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with client:
+            await client.send_all(
+                request_bytes("POST", "/v1/chat/completions", CHAT, AUTH)
+                + request_bytes("GET", "/readyz"))
+            async with trio.open_nursery() as nursery:
+                await wait_for(lambda: upstream.requests)  # the call waits for its upstream
+                nursery.start_soon(server.shutdown, 5)
+                rest = await read_until_closed(client, 10)
+    answers = rest.split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"200", b"503"], rest[-600:]
+    assert answers[1].endswith(b'{"status":"draining"}')
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_a_duration_on_a_bucket_bound_is_counted_in_that_bucket() -> None:
+    """Mutant M1 (_Histogram.observe: bisect_left -> bisect_right): Prometheus buckets
+    are ``le`` (less than or equal): a request of exactly 5 ms is in le="0.005"."""
+    from polygate.serve._metrics import Metrics
+
+    metrics = Metrics()
+    metrics.request("/v1/chat/completions", 200, 0.005)
+    cumulative = dict(metrics.durations["/v1/chat/completions"].cumulative())
+    assert cumulative["0.0025"] == 0
+    assert cumulative["0.005"] == 1
+
+
+@pytest.mark.integration
+async def test_calls_cached_counts_only_the_cache_answers() -> None:
+    """Mutant M2 (Metrics.call counts every call with statistics as cached):
+    polygate_serve_calls_cached_total{scope} counts the calls answered from the
+    cache (docs/serve.md, Metrics), not the misses that went upstream."""
+    import attrs
+
+    from polygate.serve import open_server
+    from polygate.testing import FakeUpstream, Reply
+    from tests._serve_kit import settings_for
+
+    upstream = FakeUpstream(Reply(tokens=3))
+    async with upstream.serve() as url:
+        settings = attrs.evolve(settings_for(url, cache_ttl_s=60), cache="memory")
+        async with open_server(settings, port=0) as server:
+            first = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+            hit = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+            metrics = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
+    assert (first.headers["x-polygate-cached"], hit.headers["x-polygate-cached"]) == ("false", "true")
+    assert len(upstream.requests) == 1
+    assert 'polygate_serve_calls_cached_total{scope="chat"} 1.0' in metrics
+    assert 'polygate_serve_call_attempts_total{scope="chat"} 1.0' in metrics
+
+
+# --------------------------------------------------------------------------- coalescing
+
+
+async def test_an_embed_waiter_served_by_a_flight_counts_as_coalesced(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Mutant C1 (Coalescer.settle: "only the first settlement counts" dropped): the
+    embed leader settles each flight with its vector, then (its ``finally``) abandons
+    whatever was not shared -- which, unguarded, overwrote the answer: the waiter woke
+    to an abandoned flight, led again and was served from the store (a hit, not
+    coalesced; on a backend without a local look, a second upstream call)."""
+    from polygate.testing import FakeUpstream, Reply, Router
+
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", model="emb")],
+        cache_ttl_s=600)}, cache="memory")
+    up = FakeUpstream(Reply(first_token_s=2.0))
+    out: dict[str, polygate.EmbeddingResponse] = {}
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+
+        async def one(name: str, inputs: list[str], delay: float) -> None:
+            await trio.sleep(delay)
+            out[name] = await s.embed(inputs)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "first", ["x", "y"], 0.0)
+            nursery.start_soon(one, "second", ["y"], 0.5)
+        stats = (await s.statistics()).cache
+    assert len(up.requests) == 1
+    assert (stats.misses, stats.coalesced, stats.hits) == (2, 1, 0)
+    assert out["second"].call_stats.cached and out["second"].vectors == out["first"].vectors[1:]
+
+
+async def test_a_replayed_hit_longer_than_the_stream_buffer_loses_no_chunk(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Mutant Q27 (the replay offers each chunk without waiting for a consumer that
+    is behind): a stored answer replays as more chunks than the stream's buffer holds
+    (32) -- here 40 choices; a caller that reads slowly must still get every one."""
+    from polygate.testing import FakeUpstream, Reply, Router
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)},
+        cache="memory")
+    up = FakeUpstream(Reply(tokens=2))
+    messages = [{"role": "user", "content": "hi"}]
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        first = await s.chat(messages, n=40)
+        async with s.stream_chat(messages, n=40) as stream:
+            chunks = []
+            async for chunk in stream:
+                chunks.append(chunk)
+                await trio.sleep(0.01)  # a slow reader (MockClock: no real time)
+    assert len(up.requests) == 1
+    assert stream.response is not None and stream.response.call_stats.cached
+    contents: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.raw["choices"]:
+            contents[choice["index"]] = contents.get(choice["index"], "") + (
+                choice["delta"].get("content") or "")
+    assert len(first.choices) == 40
+    assert contents == {c["index"]: c["message"]["content"] for c in first.choices}
+
+
+# --------------------------------------------------------------------------- the usage a resumed stream reports
+
+
+def test_a_resumed_streams_usage_is_reported_even_when_its_last_segments_is_refused() -> None:
+    """Mutant S8 (reported_usage without ``call_stats.resumes or``): a resumed
+    stream's usage covers every segment, estimated where a cut segment reported none;
+    its raw body is the last segment's, whose own usage the library may have refused.
+    The answer still reports the call's usage (the branch's stated rule), not none."""
+    from polygate.serve._sse import reported_usage
+
+    usage = polygate.Usage(12, 30, 42, "estimated")
+    response = polygate.ChatResponse(
+        text="x", message={"role": "assistant", "content": "x"},
+        choices=[{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop"}],
+        usage=usage, source="b", model="m", finish_reason="stop",
+        call_stats=polygate.CallStats(logical_call_id="c", resumes=1),
+        raw={"id": "two", "choices": [], "usage": {"prompt_tokens": -1, "completion_tokens": 5}},
+    )
+    assert reported_usage(response) == {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}
+
+
+@pytest.mark.integration
+async def test_a_resumed_stream_without_usage_costs_its_key_at_least_a_token_a_chunk() -> None:
+    """Mutant A17 (_Charge.answered without its floor: an estimated usage stands as
+    it is): a stream pays "an estimate when the upstream reported none: never below
+    the prompt's estimate plus one token per text chunk forwarded" (docs/serve.md).
+    A resumed stream's estimate counts what each segment showed at ~4 characters a
+    token, well under one a chunk when chunks are short words."""
+    import random
+
+    from polygate._resume import CONTINUE_PROMPT
+    from polygate.testing import FakeUpstream, Reply
+
+    pick = random.Random(7)
+    first = " ".join(pick.choice("abcdefghijklm") for _ in range(100))
+    rest = " " + " ".join(pick.choice("nopqrstuvwxyz") for _ in range(400))
+
+    def cut_then_continued(request: Any, rng: Any) -> Reply:
+        if request.body["messages"][-1]["content"] == CONTINUE_PROMPT:
+            return Reply(text=rest, usage=False)
+        return Reply(text=first, fault="truncated", fault_after=50, usage=False)
+
+    serve = polygate.Serve(keys={"alice": polygate.ServeKey(key=ALICE, tpm=100_000)})
+    async with gateway(FakeUpstream(cut_then_continued), sources=2, serve=serve,
+                       stream=polygate.StreamWatch(resume=True)) as (server, upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True},
+                            {"authorization": f"Bearer {ALICE}"})
+        state = await server.session._runtime.governor.backend.snapshot("@key", "alice")
+    assert answer.status == 200 and len(upstream.requests) == 2
+    chunks = answer.body.count(b'"content":"')
+    assert chunks >= 400
+    assert state.tokens_in_window >= chunks  # (and the prompt's estimate)
+
+
+@pytest.mark.integration
+async def test_metrics_count_every_attempt_of_a_call() -> None:
+    """Mutant X8 (Metrics.call adds 1 a call to polygate_serve_call_attempts_total,
+    not the call's attempts): a call retried once after a 503 made two attempts."""
+    from polygate.testing import FakeUpstream, Reply
+
+    def flaky(request: Any, rng: Any) -> Reply:
+        return Reply(status=503) if request.index == 0 else Reply(tokens=2)
+
+    async with gateway(FakeUpstream(flaky), sources=2) as (server, upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        metrics = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
+    assert answer.status == 200 and answer.headers["x-polygate-attempts"] == "2"
+    assert len(upstream.requests) == 2
+    assert 'polygate_serve_call_attempts_total{scope="chat"} 2.0' in metrics
+
+
+@pytest.mark.integration
+async def test_an_embeddings_answer_names_the_model_the_upstream_answered_with() -> None:
+    """Mutant X10 (the embeddings answer's ``model`` is always the request's): the
+    request's model names a scope (or an alias); the answer says the model that
+    made the vectors, as the chat answer (the upstream's body) does."""
+    async with gateway() as (server, _):
+        answer = await http(server, "POST", "/v1/embeddings", {"model": "embed", "input": "x"}, AUTH)
+        chat = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    assert answer.status == 200
+    assert answer.json()["model"] == "emb"
+    assert chat.json()["model"] == "m1"
+
+
+@pytest.mark.integration
+async def test_unknown_urls_share_one_endpoint_label() -> None:
+    """Mutant X14 (endpoint_label returns an unknown path as it came): a label per URL
+    a scanner tries would grow /metrics without bound; every unknown URL is counted
+    under endpoint="other"."""
+    async with gateway() as (server, _):
+        for n in range(3):
+            assert (await http(server, "GET", f"/wp-admin/{n}.php", headers=AUTH)).status == 404
+        metrics = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
+    assert 'polygate_serve_requests_total{endpoint="other",status="404"} 3.0' in metrics
+    assert "wp-admin" not in metrics
