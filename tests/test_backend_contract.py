@@ -578,6 +578,27 @@ def test_breaker_trips_on_the_failure_rate(h: Harness) -> None:
     h.run(body)
 
 
+def test_a_lowered_rate_window_rates_only_the_last_outcomes(h: Harness) -> None:
+    """A reload that lowers ``rate_window`` keeps its backend.  The rule rates the
+    last ``rate_window`` outcomes, so the history is cut to the new window at the
+    next outcome.  (The memory backend dropped one old outcome per new one: its
+    history kept the old length for good, and rated 3 failures of 10, not of 4.)"""
+    wide = BreakerPolicy(failures=100, open_s=30.0, failure_rate=0.5, rate_window=10,
+                         rate_min_calls=10)
+    narrow = BreakerPolicy(failures=100, open_s=30.0, failure_rate=0.5, rate_window=4,
+                           rate_min_calls=4)
+
+    async def body() -> None:
+        async with h.backend() as b:
+            for policy, feedback in [(wide, Feedback.SUCCESS)] * 10 + [(narrow, Feedback.FAILURE)] * 3:
+                a = await granted(b, ask(breaker=policy))
+                await b.settle(settle(a, 1, feedback, breaker=policy))
+            s = await snap(b)  # the last 4: one success, three failures (75 % > 50 %)
+            assert (s.breaker, s.consecutive_failures) == (BreakerState.OPEN, 3)
+
+    h.run(body)
+
+
 # ------------------------------------------------------------------ hedge budget
 
 

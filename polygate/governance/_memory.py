@@ -289,7 +289,8 @@ def _feed_breaker(
         return
     failed = feedback is Feedback.FAILURE
     s.outcomes.append(failed)
-    if len(s.outcomes) > policy.rate_window:
+    # ``while``: a reload may have lowered ``rate_window`` since the last outcome.
+    while len(s.outcomes) > policy.rate_window:
         s.outcomes.popleft()
     if not failed:
         s.consecutive = 0
