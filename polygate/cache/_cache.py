@@ -96,7 +96,7 @@ class Cache:
         #: Whether a lookup needs no I/O (the memory backend): ``get_local`` is the lookup.
         self.local = self._memory is not None
         self._pending: dict[str, _Pending] = {}
-        self._send, self._recv = trio.open_memory_channel[tuple[str, _Pending, float]](_QUEUE)
+        self._send, self._recv = trio.open_memory_channel[tuple[str, _Pending]](_QUEUE)
         self._writer_done = trio.Event()
         self._given_up = False  # aclose stopped waiting for the writer: drop, not write
         self._writing: trio.CancelScope | None = None  # the writer's write, shielded
@@ -254,7 +254,7 @@ class Cache:
             return
         entry = (value, now + ttl_s)
         try:
-            self._send.send_nowait((key, entry, ttl_s))
+            self._send.send_nowait((key, entry))
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
             self.writes_dropped += 1
             return
@@ -298,9 +298,9 @@ class Cache:
             self._drop_queued()
             self._writer_done.set()
 
-    def _queued(self, most: int) -> list[tuple[str, _Pending, float]]:
+    def _queued(self, most: int) -> list[tuple[str, _Pending]]:
         """Up to ``most`` entries already queued, without waiting."""
-        batch: list[tuple[str, _Pending, float]] = []
+        batch: list[tuple[str, _Pending]] = []
         while len(batch) < most:
             try:
                 batch.append(self._recv.receive_nowait())
@@ -311,24 +311,33 @@ class Cache:
     def _drop_queued(self) -> None:
         while True:
             try:
-                key, entry, _ = self._recv.receive_nowait()
+                key, entry = self._recv.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 return
             self.writes_dropped += 1
             if self._pending.get(key) is entry:
                 del self._pending[key]
 
-    async def _write(self, batch: list[tuple[str, _Pending, float]]) -> None:
+    async def _write(self, batch: list[tuple[str, _Pending]]) -> None:
         """Write one batch; each of its entries ends up in ``writes`` or in
         ``writes_dropped``, a batch cancelled midway (given up at close) in the latter
         (an abandoned SQLite write is interrupted; should its commit have won the race,
-        the entries are stored yet counted dropped — never counted twice)."""
-        counted = False
+        the entries are stored yet counted dropped — never counted twice).
+
+        An entry is stored for what is left of its time to live, which counts from its
+        answer, not from this write: a write that the store held up (a lock, a slow
+        Redis) must not keep an answer past ``cache_ttl_s``.  One that expired while it
+        waited is not written (counted dropped)."""
+        written = 0
         try:
-            if trio.current_time() < self._down_until:
+            now = trio.current_time()
+            if now < self._down_until:
+                return
+            live = [(key, value, expires - now) for key, (value, expires) in batch if expires > now]
+            if not live:
                 return
             try:
-                await self.backend.set_many([(key, entry[0], ttl) for key, entry, ttl in batch])
+                await self.backend.set_many(live)
             except CacheBackendError as exc:
                 self.failed(str(exc))
             except Exception as exc:
@@ -336,12 +345,11 @@ class Cache:
                 self.failed(f"{type(exc).__name__} in a write")
             else:
                 self._pause = 0.0
-                self.writes += len(batch)
-                counted = True
+                written = len(live)
         finally:
-            if not counted:
-                self.writes_dropped += len(batch)
-            for key, entry, _ in batch:
+            self.writes += written
+            self.writes_dropped += len(batch) - written
+            for key, entry in batch:
                 if self._pending.get(key) is entry:
                     del self._pending[key]
 

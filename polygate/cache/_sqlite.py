@@ -351,8 +351,11 @@ class SQLiteBackend:
     # ------------------------------------------------------------------ writes
 
     async def set_many(self, entries: Sequence[Entry]) -> None:
+        # The clock is read here, not in the thread: a write that waits for the lock
+        # must not store its entries for longer than they were given.
+        now = self._clock()
         try:
-            await run_sync(self._write, entries, abandon_on_cancel=True)
+            await run_sync(self._write, entries, now, abandon_on_cancel=True)
         except sqlite3.Error as exc:
             raise CacheBackendError(f"cache {self._where}: write failed ({exc})") from None
         except BaseException:
@@ -361,12 +364,11 @@ class SQLiteBackend:
                 writer.interrupt()
             raise
 
-    def _write(self, entries: Sequence[Entry]) -> None:
+    def _write(self, entries: Sequence[Entry], now: float) -> None:
         with self._write_lock:
             conn = self._writer
             if conn is None:
                 conn = self._writer = self._late_writer()
-            now = self._clock()
             conn.execute("BEGIN IMMEDIATE")
             try:
                 conn.executemany(_PUT, [(k, v, now + ttl) for k, v, ttl in entries])
