@@ -74,6 +74,10 @@ class SSEDecoder:
     def feed(self, piece: bytes) -> list[Event]:
         """The events this piece completes (a list: one event a piece is the common
         case, and a list is cheaper than a generator for it)."""
+        if not piece:
+            # Nothing: and it must not forget a CR that ended the last piece (its LF
+            # may start the next one).
+            return []
         self._total += len(piece)
         if self._total > self._max_body:
             raise TransientUpstreamError(
