@@ -243,7 +243,9 @@ class Host:
         """Ask the guest run to end (the last session closed); ``finished`` resolves
         when it has."""
         self.accepting = False
-        if self.guest and self.token is not None:
+        if self.guest and self.token is not None and not self._done:
+            # (Not once the run has ended -- early, as a failed start does: its token
+            # refuses with trio's RunFinishedError, which would hide the start's error.)
             self.token.run_sync_soon(self._set_stop)
         else:
             resolve(self.finished, outcome.Value(None))
@@ -332,7 +334,13 @@ class Host:
             self.driver.prod()  # an idle run waited on the closed loop: poll here now
         if self.token is not None and self._nursery is not None:
             nursery = self._nursery
-            self.token.run_sync_soon(nursery.cancel_scope.cancel)
+            try:
+                self.token.run_sync_soon(nursery.cancel_scope.cancel)
+            except trio.RunFinishedError:
+                # The run's main task is done (the last session had asked it to stop
+                # when the loop closed): only its last steps are left, and the dropped
+                # callbacks below drive them.
+                pass
         while not self._done:
             remaining = give_up - time.monotonic()
             if remaining <= 0:
