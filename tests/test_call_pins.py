@@ -160,15 +160,7 @@ def test_one_error_prefers_the_polygate_error_over_a_plain_exception() -> None:
     assert isinstance(one_error(BaseExceptionGroup("g", [ValueError("bug")])), ValueError)
 
 
-class _Rows:
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, str, str]] = []
-
-    def attempt(self, ctx: Any, record: Any) -> None:
-        self.rows.append((record.source, record.role, record.outcome.value))
-
-    def call(self, *args: Any, **kwargs: Any) -> None:
-        pass
+from tests.test_hedge import _Rows  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(16))

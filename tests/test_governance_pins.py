@@ -6,8 +6,6 @@ docstring) that the rest of the suite let through."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import trio
 import trio.testing
@@ -21,35 +19,8 @@ from polygate.governance import (
     MemoryBackend,
     Refusal,
     RefusalReason,
-    SettleRequest,
-    SourceLimits,
 )
-
-DEFAULT_POLICY = BreakerPolicy()
-
-
-def ask(tokens: int = 10, source: str = "a", *, rpm: int | None = None, tpm: int | None = None,
-        mif: int | None = None, breaker: BreakerPolicy = DEFAULT_POLICY) -> AdmitRequest:
-    return AdmitRequest("chat", source, SourceLimits(rpm, tpm, mif), tokens, breaker)
-
-
-async def granted(b: MemoryBackend, request: AdmitRequest) -> Admission:
-    result = await b.admit(request)
-    assert isinstance(result, Admission), result
-    return result
-
-
-async def refused(b: MemoryBackend, request: AdmitRequest, reason: RefusalReason) -> Refusal:
-    result = await b.admit(request)
-    assert isinstance(result, Refusal), result
-    assert result.reason is reason, result
-    return result
-
-
-def settle(a: Admission, tokens: int | None = None, feedback: Feedback = Feedback.SUCCESS,
-           **kw: Any) -> SettleRequest:
-    return SettleRequest(a, tokens, feedback, **kw)
-
+from tests.test_backend_contract import ask, granted, refused, settle
 
 # ------------------------------------------------------------------ backend: cooldowns
 
@@ -217,21 +188,8 @@ async def test_probes_must_succeed_in_a_row_across_a_reopening(
 
 import polygate  # noqa: E402
 from polygate.testing import FakeUpstream, Reply, Router  # noqa: E402
-from tests.conftest import FIRST_A, MESSAGES, SECRET  # noqa: E402
-
-
-def _settings(*, names: tuple[str, ...] = ("a", "b"), weights: dict[str, float] | None = None,
-              source: dict[str, dict[str, Any]] | None = None, **scope: Any) -> polygate.Settings:
-    w = weights or {}
-    src = source or {}
-    return polygate.Settings(scopes={"chat": polygate.Scope(sources=[
-        polygate.Source(name=n, base_url=f"http://{n}/v1", api_key=SECRET, weight=w.get(n, 1.0),
-                        **src.get(n, {}))
-        for n in names], **scope)})
-
-
-def _state(stats: polygate.SessionStatistics, name: str) -> Any:
-    return next(s.state for s in stats.governance.sources if s.state.source == name)
+from tests.conftest import FIRST_A, MESSAGES  # noqa: E402
+from tests.test_governance import _settings, _state  # noqa: E402
 
 
 async def test_a_call_cut_by_its_deadline_keeps_its_estimate_in_the_window(
