@@ -281,42 +281,6 @@ async def test_two_readers_waiting_at_the_end_both_end_cleanly() -> None:
     assert stream.response is not None
 
 
-@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
-def test_work_handed_over_inside_an_except_block_is_not_a_timeout(guest_io: str, kind: str) -> None:
-    """As tests/test_aio_guest_io.py's test_work_handed_over_is_not_a_timeout, with the
-    hand-overs made while the caller handles an exception: trio is then woken through
-    a scheduled poll (LoopDriver.prod), whose empty result must not read as trio's
-    wait having timed out.  (Mutant: _poll_and_tick hands trio the empty list.)"""
-    import time
-
-    async def main() -> float:
-        host = await _host.acquire()
-        try:
-            loop = asyncio.get_running_loop()
-            woke: asyncio.Future[float] = loop.create_future()
-            started: asyncio.Future[float] = loop.create_future()
-
-            async def waiter() -> None:
-                started.set_result(time.perf_counter())
-                await trio.testing.wait_all_tasks_blocked(cushion=0.5)
-                woke.set_result(time.perf_counter())
-
-            host.submit(host.start_task, waiter)
-            t0 = await started
-            for _ in range(5):
-                await asyncio.sleep(0.02)
-                try:
-                    raise ValueError("the caller's own")
-                except ValueError:
-                    host.submit(lambda: None)
-            return await asyncio.wait_for(woke, 10) - t0
-        finally:
-            await _host.release(host)
-
-    waited = _run(main(), kind)
-    assert waited >= 0.45
-
-
 # --------------------------------------------------------------------------- the trio session
 
 
