@@ -1,0 +1,220 @@
+"""Behaviours of the Redis governance backend that no other test pinned
+(polygate/governance/_redis.py and its scripts).
+
+Found by mutating the code: each test fails on one plausible bug (named in its
+docstring) that the rest of the suite let through.  A real redis-server on
+loopback, the real clock, short leases."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from polygate.governance import Admission, BreakerState, Feedback, RefusalReason
+from tests import _redis_server
+from tests._redis_server import RedisServer
+from tests.test_backend_contract import POLICY, ask, granted, refused, settle, snap
+
+redis_server = _redis_server.redis_server  # fixtures
+own_redis = _redis_server.own_redis
+
+
+def _redis(url: str, prefix: str, **options: Any) -> Any:
+    from polygate.governance._redis import RedisBackend, parse_redis_url
+
+    query = "&".join(f"{k}={v}" for k, v in {"prefix": prefix, **options}.items())
+    return RedisBackend(parse_redis_url(f"{url}?{query}"), window_s=0.6)
+
+
+@asynccontextmanager
+async def _started(backend: Any) -> AsyncIterator[Any]:
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.aclose()
+
+
+def test_a_crashed_probe_holders_lease_frees_the_half_open_slot(redis_server: RedisServer) -> None:
+    """A half-open breaker admits one probe.  If the process holding it dies, its
+    lease runs out and purge returns the permit; it must also clear the probe slot,
+    or the source stays half-open with a probe nobody will ever settle, refusing every
+    call (BREAKER_OPEN, retry_at None) in every process for as long as the key lives."""
+    prefix = f"pin-probe-{secrets.token_hex(4)}"
+    policy = attrs.evolve(POLICY, failures=1, open_s=0.2)
+
+    async def body() -> None:
+        crashed = _redis(redis_server.url, prefix, lease_s=0.4)
+        async with _started(crashed):
+            a = await granted(crashed, ask(breaker=policy))
+            await crashed.settle(settle(a, None, Feedback.FAILURE, breaker=policy))
+            assert (await snap(crashed)).breaker is BreakerState.OPEN
+            await trio.sleep(0.3)
+            probe = await granted(crashed, ask(breaker=policy))
+            assert probe.probe
+            crashed._open.clear()  # the process dies: no renewal, no settle
+        async with _started(_redis(redis_server.url, prefix)) as other:
+            refusal = await refused(other, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
+            assert refusal.retry_at is None  # until the probe settles (or its lease ends)
+            with trio.fail_after(5):
+                while not isinstance(result := await other.admit(ask(breaker=policy)), Admission):
+                    await other.wait_changed(other.now() + 30.0)
+            assert result.probe  # a new probe, once the dead one's lease ran out
+            await other.settle(settle(result, 1, breaker=policy))
+            assert (await snap(other)).breaker is BreakerState.CLOSED
+
+    trio.run(body)
+
+
+async def test_a_refill_after_redis_recovered_from_an_error_is_applied(own_redis: RedisServer) -> None:
+    """The hedge-budget refill is skipped only *while* the last exchange failed: once
+    Redis answers again, refills count again (else one OOM blip would starve hedging
+    for the rest of the session)."""
+    from polygate import GovernanceBackendError
+
+    async with _started(_redis(own_redis.url, f"pin-refill-{secrets.token_hex(4)}", timeout_s=0.5)) as b:
+        assert await b.budget_take("chat", 2.0)
+        assert await b.budget_level("chat", 2.0) == pytest.approx(1.0)
+        _redis_server.command(own_redis.port, "CONFIG", "SET", "maxmemory", "1")
+        try:
+            with pytest.raises(GovernanceBackendError):
+                for _ in range(3):  # (Redis may let the first command after CONFIG SET through)
+                    result = await b.admit(ask())
+                    assert isinstance(result, Admission)
+                    await b.settle(settle(result, 1))
+        finally:
+            _redis_server.command(own_redis.port, "CONFIG", "SET", "maxmemory", "0")
+        assert await b.budget_level("chat", 2.0) == pytest.approx(1.0)  # Redis answers again
+        await b.budget_refill("chat", 1.0, 2.0)
+        assert await b.budget_level("chat", 2.0) == pytest.approx(2.0)
+        assert b.statistics().refill_failures == 0
+
+
+async def test_an_admission_resent_after_a_lost_reply_is_the_same_admission(redis_server: RedisServer) -> None:
+    """ADMIT is retried once on a dead connection (it may have run): the same member
+    run twice must be one admission, one permit, one window entry -- not two."""
+    from polygate.governance._redis import _ADMIT
+
+    async with _started(_redis(redis_server.url, f"pin-idem-{secrets.token_hex(4)}")) as b:
+        a = await granted(b, ask(10, rpm=5, tpm=100, mif=3))
+        member = f"{b._token}:{a.reservation_id}"
+        args = [member, 10, 5, 100, 3, 30_000_000, b._lease_us, b._window_us, b._ttl_ms]
+        reply = await b._script(_ADMIT, b._source_keys(("chat", "a")), args, "admit")
+        assert reply[0] == 1
+        s = await snap(b)
+        assert (s.in_flight, s.requests_in_window, s.tokens_in_window, s.admissions) == (1, 1, 10, 1)
+        await b.settle(settle(a, 4))
+        s = await snap(b)
+        assert (s.in_flight, s.tokens_in_window, s.reserved_total, s.cost_total) == (0, 4, 10, 4)
+
+
+async def test_a_refill_while_redis_hangs_adds_no_wait(own_redis: RedisServer) -> None:
+    """The refill runs in every hedged call's ``finally``: while the last exchange
+    failed it is skipped (counted), so a hung Redis does not add timeout_s to each call."""
+    import signal
+
+    from polygate import GovernanceBackendError
+
+    async with _started(_redis(own_redis.url, f"pin-hang-{secrets.token_hex(4)}", timeout_s=0.5)) as b:
+        assert own_redis.proc is not None
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(GovernanceBackendError):
+                await b.budget_level("chat", 2.0)
+            started = trio.current_time()
+            await b.budget_refill("chat", 1.0, 2.0)
+            assert trio.current_time() - started < 0.1
+            assert b.statistics().refill_failures == 1
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+
+
+def test_calls_settled_by_the_close_feed_nothing_to_the_breaker(redis_server: RedisServer) -> None:
+    """settle_left settles the calls still running as a cancelled attempt's: the
+    estimate kept, the permit returned, *nothing fed to the breaker*.  A close must not
+    count them as failures (three open calls and failures=3 would open the breaker for
+    every process sharing the source)."""
+    prefix = f"pin-close-{secrets.token_hex(4)}"
+
+    async def body() -> None:
+        async with _started(_redis(redis_server.url, prefix)) as b:
+            for _ in range(3):
+                await granted(b, ask(10, breaker=POLICY))
+        async with _started(_redis(redis_server.url, prefix)) as other:
+            s = await snap(other)
+            assert (s.in_flight, s.settled_total, s.cost_total) == (0, 30, 30)
+            assert (s.breaker, s.consecutive_failures) == (BreakerState.CLOSED, 0)
+
+    trio.run(body)
+
+
+def test_a_snapshot_alone_returns_an_expired_lease(redis_server: RedisServer) -> None:
+    """'Any script touching that source then returns the permit': a snapshot (the
+    /metrics and status view) after a crashed holder's lease ran out shows the permit
+    returned and the reservation settled, not a phantom call in flight."""
+    prefix = f"pin-snap-{secrets.token_hex(4)}"
+
+    async def body() -> None:
+        crashed = _redis(redis_server.url, prefix, lease_s=0.4)
+        async with _started(crashed):
+            await granted(crashed, ask(30, mif=1))
+            crashed._open.clear()  # the process dies
+        await trio.sleep(0.8)
+        async with _started(_redis(redis_server.url, prefix)) as other:
+            s = await snap(other)
+            assert (s.in_flight, s.tokens_reserved, s.settled_total, s.cost_total) == (0, 0, 30, 30)
+
+    trio.run(body)
+
+
+async def test_a_lease_lost_while_redis_hung_is_counted_and_dropped(own_redis: RedisServer) -> None:
+    """'A process that cannot reach Redis for longer than lease_s loses its leases
+    (counted as leases_lost)': RENEW reports the members whose lease had run out, so
+    the holder stops renewing them and counts them."""
+    import signal
+
+    b = _redis(own_redis.url, f"pin-lost-{secrets.token_hex(4)}", lease_s=0.45, timeout_s=0.1)
+    async with _started(b):
+        a = await granted(b, ask(10, mif=1))
+        assert own_redis.proc is not None
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            await trio.sleep(0.9)  # two lease lengths without an answer
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        await trio.sleep(0.5)  # a few renewal rounds on the answering Redis
+        stats = b.statistics()
+        assert (stats.leases_lost, stats.open_leases) == (1, 0), stats
+        await b.settle(settle(a, 4))  # a no-op now: the purge settled it with its estimate
+        s = await snap(b)
+        assert (s.in_flight, s.cost_total) == (0, 10)
+
+
+def test_an_abandoned_admission_never_found_is_given_up_after_its_lease(own_redis: RedisServer) -> None:
+    """The void loop voids 'again while a void finds nothing ... until the lease would
+    have expired it anyway': an admission Redis lost (killed and restarted empty) is
+    dropped a lease after Redis first answered, and an idle process then sends nothing."""
+    import polygate
+    from polygate.testing import FakeUpstream, Reply
+    from tests.test_redis_void import abandon_many, evalsha_calls, reconnect, settings_for
+
+    async def body() -> None:
+        settings = settings_for(own_redis, lease_s=0.6)
+        async with polygate.session(settings, transport=FakeUpstream(Reply(tokens=2)).transport()) as s:
+            backend: Any = s._runtime.governor.backend
+            await abandon_many(s, own_redis, 3)
+            await reconnect(s)
+            await trio.sleep(0.6 + 2.5)  # the lease, plus the loop's 1 s timer, twice
+            assert not backend._abandoned
+            before = evalsha_calls(own_redis.port)
+            await trio.sleep(1.5)
+            assert evalsha_calls(own_redis.port) == before  # idle: no void rounds left
+            assert backend.statistics().abandoned_voided == 0
+
+    trio.run(body)
