@@ -8,8 +8,6 @@ loopback, the real clock, short leases."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -20,25 +18,10 @@ from polygate.governance import Admission, BreakerState, Feedback, RefusalReason
 from tests import _redis_server
 from tests._redis_server import RedisServer
 from tests.test_backend_contract import POLICY, ask, granted, refused, settle, snap
+from tests.test_redis_multiprocess import _redis, _started
 
 redis_server = _redis_server.redis_server  # fixtures
 own_redis = _redis_server.own_redis
-
-
-def _redis(url: str, prefix: str, **options: Any) -> Any:
-    from polygate.governance._redis import RedisBackend, parse_redis_url
-
-    query = "&".join(f"{k}={v}" for k, v in {"prefix": prefix, **options}.items())
-    return RedisBackend(parse_redis_url(f"{url}?{query}"), window_s=0.6)
-
-
-@asynccontextmanager
-async def _started(backend: Any) -> AsyncIterator[Any]:
-    await backend.start()
-    try:
-        yield backend
-    finally:
-        await backend.aclose()
 
 
 def test_a_crashed_probe_holders_lease_frees_the_half_open_slot(redis_server: RedisServer) -> None:
