@@ -10,6 +10,7 @@ three ways of configuring share one validation.
 from __future__ import annotations
 
 import math
+import os
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -957,7 +958,7 @@ class Settings:
         return settings_from_env(env)
 
     @classmethod
-    def from_toml(cls, path: str) -> Settings:
+    def from_toml(cls, path: str | os.PathLike[str]) -> Settings:
         """Build settings from a TOML file (same validation as the other two ways)."""
         from ._config_load import settings_from_toml
 

@@ -159,6 +159,13 @@ class RateLimitedError(UpstreamError):
     outcome = Outcome.RATE_LIMITED
 
 
+# _ALWAYS_SET: the call-level errors below (StreamStalled, DeadlineExceeded,
+# AllSourcesExhausted, StructuredOutputError) are typed with ``call_stats: CallStats``,
+# not optional, so that a caller's ``e.call_stats.attempts`` type-checks: polygate
+# sets the figures on every one it raises (AllSourcesExhausted is built first and
+# given them as the call ends).  Only one constructed by hand without them holds None.
+
+
 class StreamStalled(TransientUpstreamError, TimeoutError):
     """A stream already shown to the caller went silent past ``stall_timeout_s``.
 
@@ -166,6 +173,7 @@ class StreamStalled(TransientUpstreamError, TimeoutError):
     """
 
     outcome = Outcome.STALLED
+    call_stats: CallStats
 
     def __init__(
         self,
@@ -177,15 +185,18 @@ class StreamStalled(TransientUpstreamError, TimeoutError):
     ) -> None:
         super().__init__(message, source=source)
         self.text = text
-        self.call_stats = call_stats
+        self.call_stats = call_stats  # type: ignore[assignment]  # see _ALWAYS_SET
 
 
 class DeadlineExceeded(PolygateError, TimeoutError):
     """The logical call's deadline passed; every path was cancelled and cleaned up."""
 
+    #: The call's frozen statistics (see ``_ALWAYS_SET``).
+    call_stats: CallStats
+
     def __init__(self, message: str, *, call_stats: CallStats | None = None) -> None:
         super().__init__(message)
-        self.call_stats = call_stats
+        self.call_stats = call_stats  # type: ignore[assignment]
 
 
 class AllSourcesExhausted(PolygateError):
@@ -202,6 +213,8 @@ class AllSourcesExhausted(PolygateError):
     never admitted (send fewer tokens, or a smaller ``max_tokens``).  Not set when only
     a fallback scope, a structured re-ask or a continuation was too large."""
 
+    call_stats: CallStats
+
     def __init__(
         self,
         message: str,
@@ -215,7 +228,7 @@ class AllSourcesExhausted(PolygateError):
         super().__init__(message)
         self.too_large = too_large
         self.errors: list[UpstreamError] = list(errors or [])
-        self.call_stats = call_stats
+        self.call_stats = call_stats  # type: ignore[assignment]  # see _ALWAYS_SET
         self.retry_after_s = retry_after_s
         #: Given up at this call's own time limit (its deadline, or its
         #: ``rate_limit_wait_s``) while a source would admit later: no verdict on the
@@ -231,6 +244,8 @@ class StructuredOutputError(PolygateError):
     statistics of the whole call (every round's attempts; ``reasks`` made).
     """
 
+    call_stats: CallStats
+
     def __init__(
         self,
         message: str,
@@ -242,7 +257,7 @@ class StructuredOutputError(PolygateError):
         super().__init__(message)
         self.errors: list[str] = list(errors or [])
         self.text = text
-        self.call_stats = call_stats
+        self.call_stats = call_stats  # type: ignore[assignment]  # see _ALWAYS_SET
 
 
 # --------------------------------------------------------------------------- mapping

@@ -11,12 +11,13 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import random
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import attrs
 import httpx
@@ -67,7 +68,16 @@ _POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=1024
 #: How often a session closes its own pool's idle connections that expired or that
 #: their server closed (LeanTransport.close_idle): within this, after traffic stops.
 TIDY_EVERY_S = 5.0
-_UNSET: Any = object()
+
+
+class _Unset:
+    """The default of ``call_deadline_s``: the scope's own (``None`` means none)."""
+
+    def __repr__(self) -> str:  # what help() and an IDE show as the default
+        return "<the scope's call_deadline_s>"
+
+
+_UNSET: Any = _Unset()
 _BLOCK_EXITED = "this stream was closed before it finished (its block exited)"
 #: What a call on a closed session raises (and a stream its closing cut), as _call.py.
 _SESSION_CLOSED = "this session is closed"
@@ -140,7 +150,7 @@ class Session:
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
         schema: Any = None,
-        cache: bool | str = True,
+        cache: bool | Literal["refresh"] = True,
         **params: Any,
     ) -> ChatResponse:
         """One logical chat call; returns the assembled answer with its statistics.
@@ -166,7 +176,7 @@ class Session:
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
         schema: Any = None,
-        cache: bool | str = True,
+        cache: bool | Literal["refresh"] = True,
         **params: Any,
     ) -> ChatStream:
         """A streamed chat call: ``async with s.stream_chat(...) as stream:`` then
@@ -191,7 +201,7 @@ class Session:
         *,
         scope: str = "embed",
         call_deadline_s: float | None = _UNSET,
-        cache: bool | str = True,
+        cache: bool | Literal["refresh"] = True,
         **params: Any,
     ) -> EmbeddingResponse:
         """Embeddings of ``inputs`` (in order), batched by the scope's ``embed_batch_size``."""
@@ -220,7 +230,7 @@ class Session:
 
     async def ocr(
         self,
-        document: Any,
+        document: bytes | bytearray | str | os.PathLike[str],
         *,
         scope: str = "ocr",
         prompt: str | None = None,

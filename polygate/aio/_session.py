@@ -10,7 +10,8 @@ Forwarding, so that a new ``polygate.Session`` method needs one line or none:
 
 * ``chat = _forward(polygate.Session.chat)``: one line per coroutine method gives it
   its exact signature for type checkers and ``help()``;
-* anything else public on ``polygate.Session`` is found by ``__getattr__``:
+* anything else public on ``polygate.Session`` is found by ``__getattr__`` (at run
+  time only: a type checker sees the lines above, so a misspelt name is its error):
   coroutine methods are bridged the same way, synchronous ones are called directly
   (same thread: the trio run is a guest of this loop), and a result that is an async
   context manager *and* an async iterator (a stream) is wrapped in
@@ -198,26 +199,28 @@ class Session:
     ocr = _forward(polygate.Session.ocr)  # type: ignore[arg-type]
     stream_chat = _forward_stream(polygate.Session.stream_chat)  # type: ignore[arg-type]
 
-    def __getattr__(self, name: str) -> Any:
-        # Public methods of polygate.Session without a line above (new ones).
-        if name.startswith("_"):
-            raise AttributeError(name)
-        target = getattr(self._session, name)
-        method = getattr(type(self._session), name, None)
-        if inspect.iscoroutinefunction(method):
-            return functools.partial(_forward(method), self)
-        if callable(target):
+    if not TYPE_CHECKING:  # to a type checker a misspelt name is an error, not Any
 
-            @functools.wraps(target)
-            def call(*args: Any, **kwargs: Any) -> Any:
-                self._check_open()
-                result = target(*args, **kwargs)
-                if hasattr(result, "__aenter__") and hasattr(result, "__anext__"):
-                    return ChatStream(self, result)
-                return result
+        def __getattr__(self, name: str) -> Any:
+            # Public methods of polygate.Session without a line above (new ones).
+            if name.startswith("_"):
+                raise AttributeError(name)
+            target = getattr(self._session, name)
+            method = getattr(type(self._session), name, None)
+            if inspect.iscoroutinefunction(method):
+                return functools.partial(_forward(method), self)
+            if callable(target):
 
-            return call
-        return target
+                @functools.wraps(target)
+                def call(*args: Any, **kwargs: Any) -> Any:
+                    self._check_open()
+                    result = target(*args, **kwargs)
+                    if hasattr(result, "__aenter__") and hasattr(result, "__anext__"):
+                        return ChatStream(self, result)
+                    return result
+
+                return call
+            return target
 
     # ------------------------------------------------------------------ the bridge
 
@@ -455,11 +458,13 @@ class ChatStream:
     def text_parts(self) -> list[str]:
         return self._stream.text_parts  # type: ignore[no-any-return]
 
-    def __getattr__(self, name: str) -> Any:
-        # Attributes the trio stream may grow (read-only, same thread).
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._stream, name)
+    if not TYPE_CHECKING:  # as above: a misspelt name is an error to a type checker
+
+        def __getattr__(self, name: str) -> Any:
+            # Attributes the trio stream may grow (read-only, same thread).
+            if name.startswith("_"):
+                raise AttributeError(name)
+            return getattr(self._stream, name)
 
     async def __aenter__(self) -> ChatStream:
         if self._job is not None:
