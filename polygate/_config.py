@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import attrs
 import httpx
 
-from ._config_serve import Serve, ServeKey, check_serve_models
+from ._config_serve import NAME_RULE, Serve, ServeKey, check_serve_models
 from ._errors import ConfigError, FatalUpstreamError, RateLimitedError, classify_status
 from ._secrets import (
     DSN_SECRET_PARAM,
@@ -333,7 +333,7 @@ class Source:
     @name.validator
     def _check_name(self, attr: attrs.Attribute[str], value: Any) -> None:
         if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or "__" in value:
-            raise _bad(self, "name", f"must be letters, digits, '_', '-' or '.' without '__', got {given(value)}")
+            raise _bad(self, "name", f"{NAME_RULE}, got {given(value)}")
         if value.upper() in RESERVED_SEGMENTS:
             raise _bad(self, "name", f"{value!r} is a reserved configuration segment")
 
@@ -937,7 +937,7 @@ class Settings:
                 # (Its path names it only where a message may quote it: see given.)
                 named = isinstance(name, str) and "." not in name and len(name) <= QUOTE_MAX
                 field = f"scopes.{name}" if named else "scopes"
-                raise _bad(self, field, f"scope name {given(name)} must be letters, digits, '_', '-'")
+                raise _bad(self, field, f"scope name {given(name)} {NAME_RULE}")
             reserved = (RESERVED_SEGMENTS - _SOURCE_ONLY_RESERVED) | {"BACKEND", "TELEMETRY", "CACHE", "SERVE"}
             if name.upper() in reserved:
                 raise _bad(self, f"scopes.{name}", f"scope name {name!r} is reserved")

@@ -28,6 +28,9 @@ _ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$")
 #: is the operator's word for the key, never derived from the key.  No ``__`` (the
 #: environment's separator) and no ``:`` (the Redis key separator).
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: The rule above as a message says it (the whole rule: a name it refuses must be
+#: told what is wrong with it, not shown a rule it already meets).
+NAME_RULE = "must start with a letter or digit, then letters, digits, '_', '-' or '.', without '__'"
 
 
 def _bad(owner: str, field: str, problem: str) -> ConfigError:
@@ -197,7 +200,7 @@ class Serve:
             raise _bad("Serve", "keys", "must be a mapping of key name to ServeKey")
         for name, key in value.items():
             if not isinstance(name, str) or not _LABEL_RE.fullmatch(name) or "__" in name:
-                raise _bad("Serve", "keys", f"key name {given(name)} must be letters, digits, '_', '-', '.'")
+                raise _bad("Serve", "keys", f"key name {given(name)} {NAME_RULE}, at most 64 characters")
             if not isinstance(key, ServeKey):
                 raise _bad("Serve", "keys", f"key {given(name)} must be a ServeKey or a table")
         secrets = [k.key for k in value.values()]

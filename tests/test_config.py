@@ -640,3 +640,37 @@ def test_a_long_refused_scope_name_is_not_in_the_field_path_either() -> None:
     with pytest.raises(ConfigError) as info:
         Settings(scopes={pasted: Scope(sources=[src()])})
     assert "AbCdEfGh" not in str(info.value)
+
+
+@pytest.mark.parametrize(("what", "name"), [
+    *((what, name) for what in ("source", "scope", "key")
+      for name in ("_ops", "-ops", ".ops", "a__b", "a b")),
+    ("key", "k" * 65),  # (a long source or scope name is allowed: the next test)
+])
+def test_a_refused_name_is_told_the_whole_rule(what: str, name: str) -> None:
+    """A sweep of docs/serve.md: a key name was refused with "must be letters, digits,
+    '_', '-', '.'", a rule ``_ops`` and ``a__b`` meet (the first character, ``__`` and
+    the length were unsaid), and a scope name with a rule that left out the ``.`` it
+    allows.  The message now states the rule the check applies."""
+    import polygate
+
+    source = polygate.Source(name="a", base_url="http://a/v1")
+    with pytest.raises(ConfigError) as caught:
+        if what == "source":
+            polygate.Source(name=name, base_url="http://a/v1")
+        elif what == "scope":
+            polygate.Settings(scopes={name: polygate.Scope(sources=[source])})
+        else:
+            polygate.Serve(keys={name: polygate.ServeKey(key="sk-gw-0123456789abcdef")})
+    message = str(caught.value)
+    assert "start with a letter or digit" in message and "'.'" in message and "'__'" in message
+    assert ("64 characters" in message) is (what == "key")
+
+
+@pytest.mark.parametrize("what", ["source", "scope"])
+def test_a_long_source_or_scope_name_is_allowed(what: str) -> None:
+    import polygate
+
+    name = "k" * 65
+    source = polygate.Source(name=name if what == "source" else "a", base_url="http://a/v1")
+    polygate.Settings(scopes={name if what == "scope" else "chat": polygate.Scope(sources=[source])})

@@ -690,7 +690,7 @@ TOML_ERRORS = {
     "bad scope name": ("[scopes.'a b'.sources.x]\nbase_url = 'http://h'\n", "polygate.toml: scopes",
                        "scope name 'a b'"),
     "bad source name": ('[scopes.chat.sources."a b"]\nbase_url = "http://h"\n',
-                        'scopes.chat.sources."a b"', "must be letters"),
+                        'scopes.chat.sources."a b"', "must start with a letter or digit"),
     "reserved upper case": ("[scopes.chat.sources.HEDGE]\nbase_url = 'http://h'\n",
                             "scopes.chat.sources.HEDGE", "reserved"),
     "number as string": ("[scopes.chat.sources.a]\nbase_url = 'http://h'\nrpm = '60'\n",
