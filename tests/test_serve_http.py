@@ -74,6 +74,20 @@ async def test_every_json_answer_carries_the_statistics_headers(case: str) -> No
     assert h["x-polygate-call-id"]
 
 
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/chat", "/healthz", "/readyz"])
+async def test_a_json_answer_with_no_call_behind_it_carries_them_too(path: str) -> None:
+    """The models list and the health checks are JSON answers too: the figures of no
+    call (they had only the call id, so a client reading ``x-polygate-attempts`` on
+    every JSON answer met a KeyError on ``/v1/models`` but not on its 404)."""
+    async with gateway(Reply()) as (server, _):
+        answer = await http(server, "GET", path, None, AUTH)
+    assert answer.status == 200 and answer.headers["content-type"] == "application/json"
+    h = answer.headers
+    assert (h["x-polygate-source"], h["x-polygate-attempts"], h["x-polygate-hedges"],
+            h["x-polygate-cached"]) == ("", "0", "0", "false")
+    assert h["x-polygate-call-id"] == h["x-request-id"] != ""
+
+
 async def test_parameters_pass_through_and_the_alias_routes() -> None:
     async with gateway(Reply(tokens=3)) as (server, upstream):
         body = {**CHAT, "model": "gpt-4o", "temperature": 0.25, "max_tokens": 7,

@@ -571,9 +571,8 @@ def _answer_fields(stats: CallStats) -> bytes:
 async def _send_json(
     ctx: Context, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
 ) -> int:
-    if headers is None:
-        cid = fresh_call_id().encode()
-        headers = [(b"x-polygate-call-id", cid), (b"x-request-id", cid)]
+    if headers is None:  # no call behind it (/v1/models, the health checks)
+        headers = _stats_headers(fresh_call_id(), None)
     await ctx.conn.send_response(status, [_JSON, *headers], body, close=ctx.draining)
     return status
 
