@@ -351,3 +351,25 @@ def test_the_table_names_every_field_the_json_has(clean: Path, capsys: pytest.Ca
     table = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
     assert {"serve.keys", "serve.models"} <= paths(report, "")
     assert paths(report, "") <= table
+
+
+PUBLIC_NO_KEYS = '[scopes.chat.sources.a]\nbase_url = "http://a/v1"\n\n[serve]\nhost = "0.0.0.0"\n'
+
+
+def test_serve_refuses_what_polygate_serve_refuses_before_listening(
+    clean: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A docs sweep: a start script that ran ``check-config`` before ``polygate serve``
+    passed a public [serve] host without gateway keys, which the server then refused
+    at launch.  ``--serve`` refuses it too; without it the configuration is a library's,
+    whose [serve] table ``polygate.session()`` does not use."""
+    path = write(clean, PUBLIC_NO_KEYS, "public.toml")
+    assert main(["check-config", "--config", path]) == 0
+    capsys.readouterr()
+    assert main(["check-config", "--config", path, "--serve"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "refusing to listen on '0.0.0.0' without gateway keys" in err
+    keyed = write(clean, PUBLIC_NO_KEYS + 'api_keys = ["sk-gw-0123456789abcdef"]\n', "keyed.toml")
+    assert main(["check-config", "--config", keyed, "--serve"]) == 0
+    out, err = capsys.readouterr()
+    assert "valid" in out and "sk-gw-0123456789abcdef" not in out + err

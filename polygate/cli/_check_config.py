@@ -5,7 +5,9 @@ Prints every resolved setting (defaults included) with secrets masked, and any
 connecting anything (:func:`~polygate._config_preflight.preflight`): Redis URL options
 and the coredis package, the telemetry sink's kind and driver.  It connects to nothing.  Exit status 0 when the configuration is valid, 2 with the
 :class:`ConfigError` message on stderr (no traceback) when it is not — so it can run
-in CI or a container's start script before the application does.
+in CI or a container's start script before the application does.  With ``--serve``
+it also refuses what ``polygate serve`` refuses before it listens (the address is
+only known when it listens: a port in use is not found here).
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def add_parser(
     )
     parser.add_argument("--config", metavar="PATH", help="a TOML file to check instead")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--serve", action="store_true",
+        help="also refuse what `polygate serve` refuses before it listens: a [serve] host "
+        "that is not a loopback address without gateway keys, the serve extra missing",
+    )
     return parser
 
 
@@ -48,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         try:
-            settings = _load(args.config)
+            settings = _load(args.config, serve=args.serve)
         except ConfigError as exc:
             error = exc
     for other in (w for w in caught if not issubclass(w.category, ConfigWarning)):
@@ -69,9 +76,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(path: str | None) -> Settings:
+def _load(path: str | None, *, serve: bool) -> Settings:
     settings = load_settings(path=path)
     preflight(settings)  # what session() refuses before connecting, refused here too
+    if serve:  # (only then: a library's configuration may name any [serve] host)
+        from ..serve._server import check_serving
+
+        check_serving(settings, settings.serve.host)
     return settings
 
 

@@ -95,6 +95,15 @@ def check_exposure(settings: Settings, host: str) -> None:
         )
 
 
+def check_serving(settings: Settings, host: str) -> None:
+    """What :func:`open_server` refuses before it listens, beyond the settings' own
+    checks (``polygate check-config --serve`` runs it too): a public address without
+    gateway keys, and the serve extra missing."""
+    check_exposure(settings, host)
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError("polygate serve needs the serve extra: pip install 'polygate[serve]'")
+
+
 class Server:
     """A running gateway; obtain one with ``async with open_server(...)``."""
 
@@ -623,9 +632,7 @@ async def open_server(
         attrs.evolve(settings.serve, host=host, port=port)
     except FieldError as exc:
         raise ConfigError(f"{exc.field}: {exc.problem}") from None
-    check_exposure(settings, host)
-    if importlib.util.find_spec("prometheus_client") is None:
-        raise ConfigError("polygate serve needs the serve extra: pip install 'polygate[serve]'")
+    check_serving(settings, host)
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:
