@@ -175,12 +175,18 @@ class _Part:
     where: _Where
     values: dict[str, Any] = attrs.field(factory=dict)
     keys: list[str] = attrs.field(factory=list)  # what the user wrote, for messages
+    #: What each of ``keys`` begins with in a file (``polygate.toml: scopes.chat.``),
+    #: left out where a message lists them after naming the table; "" for the
+    #: environment, whose keys are the names the user wrote.
+    prefix: str = ""
 
 
 @attrs.define
 class _ScopePart:
     own: _Part
     label: str  # the scope as a whole, for messages not about one field
+    #: How to add a source, in the terms of where the scope was written.
+    add_source: str = ""
     groups: dict[str, _Part] = attrs.field(factory=dict)
     sources: dict[str, _Part] = attrs.field(factory=dict)  # unique label → source
 
@@ -342,23 +348,38 @@ def _build_settings(part: _SettingsPart) -> Settings:
 def _check_complete(part: _SettingsPart) -> None:
     """What the validators cannot word well: no scopes, sourceless scopes, missing URLs."""
     if not part.scopes:
-        found = f" (found only {', '.join(part.own.keys)})" if part.own.keys else ""
+        found = f" (found only {_listed(part.own)})" if part.own.keys else ""
         raise ConfigError(f"{part.own.where('scopes')}: no scope is configured{found}")
     for name, scope in part.scopes.items():
         if not scope.sources:
             keys = [*scope.own.keys, *(k for g in scope.groups.values() for k in g.keys)]
-            given = ", ".join(keys) or "nothing else"
+            given = _listed(attrs.evolve(scope.own, keys=keys)) or "nothing else"
+            if scope.add_source:  # a file: the message begins with where, as the others
+                raise ConfigError(
+                    f"{scope.label}: the scope has no sources (add {scope.add_source}); "
+                    f"it sets {given}"
+                )
             raise ConfigError(
                 f"scope {name!r} has no sources (add {scope.own.where('sources')}); "
                 f"it sets {given}"
             )
         for source in scope.sources.values():
             missing = sorted(_schema(Source).required - source.values.keys())
-            if missing:
-                raise ConfigError(
-                    f"{source.where(missing[0])} is missing: the source is set by "
-                    f"{', '.join(source.keys)} but has no {missing[0]}"
-                )
+            if not missing:
+                continue
+            field = missing[0]
+            if not source.prefix:  # the environment (where a key named the source)
+                told = f"the source is set by {', '.join(source.keys)} but has no {field}"
+            elif source.keys:
+                told = f"the source sets {_listed(source)} but has no {field}"
+            else:  # a file's table with nothing in it but its name
+                told = f"the source has no {field}"
+            raise ConfigError(f"{source.where(field)} is missing: {told}")
+
+
+def _listed(part: _Part) -> str:
+    """``part``'s keys for a message that has named its table already."""
+    return ", ".join(key.removeprefix(part.prefix) for key in part.keys)
 
 
 # --------------------------------------------------------------------------- environment
@@ -769,7 +790,7 @@ def _join(path: str, key: str) -> str:
 
 def _parse_toml(data: dict[str, Any], file: str, env: Mapping[str, str]) -> _SettingsPart:
     at = _toml_where(file, "")
-    settings = _SettingsPart(own=_Part(where=at), secrets=_harvest_secrets(data))
+    settings = _SettingsPart(own=_Part(where=at, prefix=f"{file}: "), secrets=_harvest_secrets(data))
     scopes = data.pop("scopes", {})
     if "serve" in data:
         _toml_serve(settings, data.pop("serve"), file, env)
@@ -786,7 +807,10 @@ def _parse_toml(data: dict[str, Any], file: str, env: Mapping[str, str]) -> _Set
 def _parse_toml_scope(
     table: dict[str, Any], file: str, path: str, env: Mapping[str, str], settings: _SettingsPart
 ) -> _ScopePart:
-    scope = _ScopePart(own=_Part(where=_toml_where(file, path)), label=f"{file}: {path}")
+    scope = _ScopePart(
+        own=_Part(where=_toml_where(file, path), prefix=f"{file}: {path}."),
+        label=f"{file}: {path}", add_source=f"a [{_join(path, 'sources')}.NAME] table with a base_url",
+    )
     schema = _schema(Scope)
     sources = table.pop("sources", {})
     for group in schema.groups.keys() & table.keys():
@@ -829,7 +853,8 @@ def _parse_toml_source(
     env: Mapping[str, str], settings: _SettingsPart,
 ) -> _Part:
     where = _toml_where(file, path)
-    part = _Part(where=lambda f: f"{file}: {path}" if f == "name" and named_by_key else where(f))
+    part = _Part(where=lambda f: f"{file}: {path}" if f == "name" and named_by_key else where(f),
+                 prefix=f"{file}: {path}.")
     part.values["name"] = table.pop("name")
     for field in sorted(_schema(Source).secrets):
         _secret_from_env(part, table, field, env, settings.secrets, where)

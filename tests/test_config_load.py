@@ -1235,3 +1235,29 @@ def test_lower_case_keys_beside_a_file_are_named_as_ignored(tmp_path: Path) -> N
     path = write(tmp_path, f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\n")
     with pytest.warns(ConfigWarning, match="polygate__CHAT__A__RPM are ignored"):
         load_settings(env={"POLYGATE_CONFIG": str(path), "polygate__CHAT__A__RPM": "5"})
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[scopes.chat]\ncall_deadline_s = 5\n[scopes.chat.hedge]\nafter_s = 2\n",
+     "{f}: scopes.chat: the scope has no sources (add a [scopes.chat.sources.NAME] table with "
+     "a base_url); it sets call_deadline_s, hedge.after_s"),
+    ("[scopes.chat.sources.a]\n",
+     "{f}: scopes.chat.sources.a.base_url is missing: the source has no base_url"),
+    ('[[scopes.chat.sources]]\nname = "a"\n',
+     "{f}: scopes.chat.sources[0].base_url is missing: the source has no base_url"),
+    ('[scopes.chat.sources.a]\nmodel = "m"\nrpm = 3\n',
+     "{f}: scopes.chat.sources.a.base_url is missing: the source sets model, rpm but has no "
+     "base_url"),
+    ('backend = "memory"\n', "{f}: scopes: no scope is configured (found only backend)"),
+], ids=["no-sources", "empty-source", "empty-array-source", "source-without-url", "no-scopes"])
+def test_a_file_missing_a_part_is_told_so_from_its_path(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """A docs sweep of configuration.md ("errors are prefixed with the file path"): the
+    environment's wording was reused with the file's locations dropped into it, so
+    the path came mid-sentence, once per key (``add x.toml: scopes.chat.sources``),
+    and a source table with nothing but its name read "is set by  but has no"."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        settings_from_toml(path, env={})
+    assert str(info.value) == message.format(f=path)
