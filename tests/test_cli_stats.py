@@ -128,6 +128,16 @@ def test_parse_since() -> None:
             parse_since(bad)
 
 
+@pytest.mark.parametrize("age", ["100000000w", "1" + "0" * 400 + "s", "3000000000000d"])
+def test_an_age_reaching_before_any_date_is_refused(age: str) -> None:
+    """A docs sweep of cli.md ("an age too large to be a time"): only an age that
+    overflowed a float was refused; 100000000w (before year 1) went on as a negative
+    epoch in the report."""
+    with pytest.raises(ValueError, match="an age too large to be a time"):
+        parse_since(age, now=1.8e9)
+    assert parse_since("100000w", now=1.8e9) == 1.8e9 - 100_000 * 7 * 86400  # (1.9 kyr: a date)
+
+
 # --------------------------------------------------------------------------- the report
 
 

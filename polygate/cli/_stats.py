@@ -22,7 +22,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 __all__ = ["add_parser", "parse_since", "run"]
@@ -63,6 +63,11 @@ def add_parser(
     return parser
 
 
+#: The earliest time a date can name (1 January of year 1): an age reaching before it
+#: names no time at all (a --since of 100000000w went on as a negative epoch).
+_EARLIEST = datetime(1, 1, 1, tzinfo=timezone.utc).timestamp()
+
+
 def parse_since(text: str, now: float | None = None) -> float:
     """``30m``-style ages or ISO 8601 date/times (local time unless an offset is
     given) to epoch seconds; ``ValueError`` otherwise."""
@@ -70,7 +75,7 @@ def parse_since(text: str, now: float | None = None) -> float:
     match = _AGO.match(text)
     if match:
         since = now - float(match.group(1)) * _UNIT_S[match.group(2)]
-        if not math.isfinite(since):
+        if not math.isfinite(since) or since < _EARLIEST:
             shown = text if len(text) <= 40 else text[:40] + "…"
             raise ValueError(f"--since {shown!r}: an age too large to be a time")
         return since
