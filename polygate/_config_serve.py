@@ -177,7 +177,9 @@ class Serve:
 
     @host.validator
     def _check_host(self, attr: attrs.Attribute[str], value: Any) -> None:
-        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        # (Not printable: a NUL or another control character, shown raw in the start
+        # line and the log, is no host a resolver takes either.)
+        if not isinstance(value, str) or not value.isprintable() or not value or " " in value:
             raise _bad("Serve", "host", f"must be a host name or address, got {given(value)}")
 
     @port.validator

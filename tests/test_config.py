@@ -674,3 +674,20 @@ def test_a_long_source_or_scope_name_is_allowed(what: str) -> None:
     name = "k" * 65
     source = polygate.Source(name=name if what == "source" else "a", base_url="http://a/v1")
     polygate.Settings(scopes={name if what == "scope" else "chat": polygate.Scope(sources=[source])})
+
+
+@pytest.mark.parametrize("host", ["h\x00x", "a\tb", "a b", "h\u200bx", "h\nx", ""])
+def test_a_serve_host_that_is_not_printable_is_refused(host: str) -> None:
+    """A docs sweep: ``Serve(host="h\\x00x")`` was taken (only whitespace was refused)
+    and its NUL written raw to stderr when the server could not listen there."""
+    import polygate
+
+    with pytest.raises(ConfigError, match=r"Serve\.host: must be a host name or address"):
+        polygate.Serve(host=host)
+
+
+@pytest.mark.parametrize("host", ["::1", "localhost", "0.0.0.0", "höst.example", "10.0.0.1"])
+def test_a_printable_serve_host_is_taken(host: str) -> None:
+    import polygate
+
+    assert polygate.Serve(host=host).host == host
