@@ -861,3 +861,15 @@ async def test_a_stream_left_unread_is_cancelled_only_while_its_answer_is_still_
     [call] = _rows(db, "calls")
     [attempt] = _rows(db, "attempts")
     assert (call["outcome"], attempt["error"]) == (outcome, outcome)
+
+
+@pytest.mark.parametrize("length", [499, 500, 501, 5000])
+def test_an_error_message_is_at_most_500_characters_with_its_cut_mark(length: int) -> None:
+    """A docs sweep of telemetry.md ("at most 500 characters"): a cut message kept 500
+    and added its "…", 501 in all, over a varchar(500) an administrator's schema may
+    hold the column in."""
+    from polygate.telemetry._recorder import error_text
+
+    text = error_text(RuntimeError("x" * length), ())
+    assert text is not None and len(text) == min(length, 500)
+    assert text.endswith("…") is (length > 500)

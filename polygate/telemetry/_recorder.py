@@ -125,7 +125,9 @@ def error_text(
     text = redact(text, secrets).replace("\x00", "\ufffd")
     if prompt:
         text = _without_prompt(text[: 4 * _MESSAGE_LIMIT], prompt)
-    return text if len(text) <= _MESSAGE_LIMIT else text[:_MESSAGE_LIMIT] + "…"
+    # At most _MESSAGE_LIMIT characters, the "…" of a cut included (a schema an
+    # administrator made may hold the column as varchar(500)).
+    return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 1] + "…"
 
 
 def _without_prompt(text: str, prompt: Sequence[str]) -> str:
