@@ -230,3 +230,22 @@ async def test_an_ocr_call_has_an_ocr_span_and_a_chat_span_per_page(
     assert call.attributes is not None and attempt.attributes is not None
     assert call.attributes["gen_ai.operation.name"] == "chat"
     assert attempt.attributes["gen_ai.operation.name"] == "chat"
+
+
+@pytest.mark.parametrize(("base_url", "port"), [
+    ("http://a/v1", 80), ("https://a/v1", 443), ("http://a:8001/v1", 8001), ("https://a:8443/v1", 8443),
+])
+async def test_an_attempt_span_has_the_port_its_url_implies(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider,
+    exporter: InMemorySpanExporter, base_url: str, port: int,
+) -> None:
+    """A docs sweep of telemetry.md ("server.address, server.port: the source's host
+    and port"): a URL without a port (https://api.openai.com/v1) gave an address and
+    no port, where the conventions want one beside every address."""
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url=base_url, model="m1")])})
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        await s.chat(MESSAGES)
+    _call, [attempt] = _by_name(exporter.get_finished_spans())
+    attributes = dict(attempt.attributes or {})
+    assert (attributes["server.address"], attributes["server.port"]) == ("a", port)

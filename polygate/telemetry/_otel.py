@@ -42,6 +42,7 @@ __all__ = ["OtelRecorder", "tracer_if_configured"]
 #: name (``ocr <scope>``), as the calls row keeps its kind.
 _OPERATION = {"chat": "chat", "embed": "embeddings", "ocr": "chat"}
 _NOT_FAILURES = (Outcome.OK, Outcome.HEDGE_CANCELLED, Outcome.CANCELLED)
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def tracer_if_configured(provider: Any = None) -> trace.Tracer | None:
@@ -166,7 +167,9 @@ class OtelRecorder:
         _put(attributes, "gen_ai.request.model", source.model)
         parts = urlsplit(source.base_url)
         _put(attributes, "server.address", parts.hostname)
-        _put(attributes, "server.port", parts.port)
+        # The port the URL implies when it names none, as the conventions want it
+        # beside every server.address (https://api.openai.com/v1: 443).
+        _put(attributes, "server.port", parts.port or _DEFAULT_PORTS.get(parts.scheme))
         _put(attributes, "http.response.status_code", tl.status_code)
         _put(attributes, "polygate.tokens.settled", record.tokens_settled)
         if tl.first_token_at is not None and tl.sent_at is not None:
