@@ -1677,3 +1677,22 @@ async def test_a_hedge_that_won_and_was_cut_is_finished_by_a_continuation_that_i
     assert "".join(c.text for c in chunks if not c.resumed).startswith(shown)
     cs = stream.response.call_stats
     assert (cs.hedges, cs.resumes, cs.source, cs.hedge_won) == (1, 1, "a", False)
+
+
+async def test_a_failed_calls_statistics_name_the_scope_it_ended_in(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """What statistics.md says of ``CallStats.scope`` on an error (a docs sweep found
+    it unsaid): the scope the call ended in, the fallback it moved to; the telemetry
+    row's ``answered_scope`` stays NULL, since no scope answered."""
+    settings = polygate.Settings(scopes={
+        "chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")],
+                               fallback="backup", retry=polygate.Retry(max_attempts=1)),
+        "backup": polygate.Scope(sources=[polygate.Source(name="b", base_url="http://b/v1")],
+                                 retry=polygate.Retry(max_attempts=1)),
+    })
+    failing = Router({"a": FakeUpstream(Reply(status=500)), "b": FakeUpstream(Reply(status=500))})
+    async with polygate.session(settings, transport=failing) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as caught:
+            await s.chat(MESSAGES)
+    assert (caught.value.call_stats.scope, caught.value.call_stats.attempts) == ("backup", 2)

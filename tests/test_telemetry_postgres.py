@@ -590,3 +590,32 @@ async def test_polygate_stats_on_a_locked_table_gives_up(
     assert code == 1, (out, err)
     assert "lock timeout" in err and PG_PASSWORD not in out + err, err
     assert err.startswith("polygate stats: cannot read "), err
+
+
+@pytest.mark.parametrize(("write_timeout_s", "shown"), [(None, "30s"), (5.0, "30s"), (60.0, "1min"),
+                                                        (1e12, "2147483647ms")])
+async def test_a_longer_write_timeout_raises_the_statement_timeout(
+    pg_url: str, write_timeout_s: float | None, shown: str
+) -> None:
+    """A docs sweep of telemetry.md: ``telemetry_write_timeout_s`` above 30 s did
+    nothing on PostgreSQL, whose ``statement_timeout`` was always 30 s (a write allowed
+    60 s was cancelled by the server at 30).  Never below 30 s: a migration at open
+    runs under it; the pipeline's own bound cuts a shorter write (server-side)."""
+    from polygate.telemetry import open_sink
+    from polygate.telemetry._postgres import PostgresSink
+
+    options = {} if write_timeout_s is None else {"write_timeout_s": write_timeout_s}
+    sink = await open_sink(pg_url, **options)
+    try:
+        assert isinstance(sink, PostgresSink) and sink._conn is not None
+        assert sink._conn.execute("SHOW statement_timeout").fetchone() == (shown,)
+    finally:
+        sink.close()
+    # The setting reaches it (the session's telemetry is opened this way).
+    settings = attrs.evolve(two_source_settings(), telemetry=pg_url,
+                            telemetry_write_timeout_s=write_timeout_s or 30.0)
+    async with open_telemetry(settings) as telemetry:
+        assert telemetry.pipeline is not None
+        sink = telemetry.pipeline.sink
+        assert isinstance(sink, PostgresSink) and sink._conn is not None
+        assert sink._conn.execute("SHOW statement_timeout").fetchone() == (shown,)

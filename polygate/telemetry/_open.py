@@ -42,6 +42,8 @@ logger = logging.getLogger("polygate.telemetry")
 
 #: Real seconds a sink may take to open (connect, create or migrate the schema).
 OPEN_TIMEOUT_S = 15.0
+#: PostgreSQL's largest statement_timeout (an int of milliseconds).
+_PG_MAX_TIMEOUT_MS = 2**31 - 1
 
 
 class Telemetry:
@@ -117,8 +119,10 @@ def check_sink(url: str) -> str:
     )
 
 
-async def open_sink(url: str) -> Sink | None:
+async def open_sink(url: str, *, write_timeout_s: float = 30.0) -> Sink | None:
     """The sink a ``telemetry`` setting names, opened (``None`` for ``"off"``).
+    ``write_timeout_s`` (``telemetry_write_timeout_s``) raises PostgreSQL's
+    ``statement_timeout`` above its 30 s, so that a write allowed longer can take it.
 
     Opening runs in a worker thread, bounded by :data:`OPEN_TIMEOUT_S` of real time;
     every failure is a :class:`ConfigError` whose message shows the URL masked.
@@ -134,6 +138,9 @@ async def open_sink(url: str) -> Sink | None:
     from ._postgres import PostgresSink
 
     connected = threading.Event()
+    # Never below 30 s (a migration at open runs under it too): a shorter write
+    # timeout is the pipeline's own bound, which cancels the query on the server.
+    statement_timeout_ms = int(min(max(30.0, write_timeout_s) * 1000, _PG_MAX_TIMEOUT_MS))
 
     def still_connecting() -> Sink | None:
         # A server that has not answered within the bound (libpq gives each host of a
@@ -146,10 +153,13 @@ async def open_sink(url: str) -> Sink | None:
             "telemetry database %s did not answer within %s s: calls go on, rows are "
             "dropped and counted until it answers", mask_url(url), OPEN_TIMEOUT_S,
         )
-        return PostgresSink.unconnected(url)
+        return PostgresSink.unconnected(url, statement_timeout_ms=statement_timeout_ms)
 
-    return await _bounded_open(url, lambda: PostgresSink.open(url, connected=connected),
-                               on_timeout=still_connecting)
+    return await _bounded_open(
+        url,
+        lambda: PostgresSink.open(url, connected=connected, statement_timeout_ms=statement_timeout_ms),
+        on_timeout=still_connecting,
+    )
 
 
 async def _bounded_open(
@@ -227,7 +237,7 @@ async def open_telemetry(
     it); closes it (flushing, bounded) on exit.  ``pipeline_options`` tune
     :class:`Pipeline` (capacity, batch size, timeouts)."""
     if sink is None:
-        sink = await open_sink(settings.telemetry)
+        sink = await open_sink(settings.telemetry, write_timeout_s=settings.telemetry_write_timeout_s)
     try:
         pipeline = None
         recorders: list[Recorder] = []
