@@ -873,3 +873,32 @@ def test_an_error_message_is_at_most_500_characters_with_its_cut_mark(length: in
     text = error_text(RuntimeError("x" * length), ())
     assert text is not None and len(text) == min(length, 500)
     assert text.endswith("…") is (length > 500)
+
+
+@pytest.mark.timeout(60)
+async def test_a_file_locked_when_the_session_starts_is_opened_by_a_later_batch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A docs sweep of telemetry.md ("the tables are locked when the session starts:
+    a warning, and the session starts"): on SQLite the session did not start, with a
+    ConfigError "database is locked", once another connection had held the file past
+    the 5 s busy timeout.  Real time: the busy timeout is SQLite's own."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",)), db)
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream()})):
+        pass  # the file and its schema, as another process would have made them
+    caplog.set_level(logging.WARNING, logger="polygate.telemetry")
+    locker = sqlite3.connect(db, isolation_level=None)
+    try:
+        locker.execute("BEGIN EXCLUSIVE")
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream()})) as s:
+            assert any("is locked" in r.getMessage() for r in caplog.records)
+            await s.chat(MESSAGES)
+            locker.execute("ROLLBACK")
+            second = await s.chat(MESSAGES)
+        telemetry = (await s.statistics()).telemetry
+    finally:
+        locker.close()
+    assert telemetry.written + telemetry.dropped == 4  # two calls, one attempt each
+    ids = [row["logical_call_id"] for row in _rows(db, "calls")]
+    assert second.call_stats.logical_call_id in ids

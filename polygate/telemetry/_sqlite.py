@@ -14,6 +14,7 @@ user's state directory (:func:`default_path`).
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -44,6 +45,7 @@ _CALLS = insert_sql("calls", "sqlite")
 _ATTEMPTS = insert_sql("attempts", "sqlite")
 _SESSION = upsert_session_sql("sqlite")
 _BUSY_TIMEOUT_S = 5.0
+logger = logging.getLogger("polygate.telemetry")
 
 
 def default_path(env: dict[str, str] | None = None) -> Path:
@@ -141,43 +143,74 @@ def _migrate(conn: sqlite3.Connection, where: str) -> int:
     return int(found)
 
 
+def _locked(exc: sqlite3.Error) -> bool:
+    """SQLITE_BUSY or SQLITE_LOCKED: another connection holds the file, for now."""
+    return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+
+
+def _open_connection(path: Path, where: str) -> sqlite3.Connection:
+    """A connection to ``path`` with the schema in place.  :class:`ConfigError` when the
+    file cannot be a telemetry database; ``sqlite3.OperationalError`` (see
+    :func:`_locked`) when another connection held it past the busy timeout."""
+    try:
+        _create_private(path)
+        conn = _connect(path)
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigError(f"cannot open the telemetry database {where}: {exc}") from None
+    try:
+        _wal(conn)
+        conn.execute("PRAGMA synchronous=NORMAL")
+        _migrate(conn, where)
+    except ConfigError:
+        conn.close()
+        raise
+    except sqlite3.Error as exc:
+        conn.close()
+        if _locked(exc):
+            raise
+        raise ConfigError(f"cannot use {where} as a telemetry database: {exc}") from None
+    return conn
+
+
 class SQLiteSink:
     """A :class:`~polygate.telemetry.Sink` writing to one SQLite file."""
 
     name = "sqlite"
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
-        self._conn: sqlite3.Connection | None = conn
+    def __init__(self, conn: sqlite3.Connection | None, path: Path) -> None:
+        #: None until the file is opened: a sink whose file was locked when the
+        #: session started opens it with a later batch (see open).
+        self._conn = conn
+        self._closed = False
         self.path = path
+        self._where = f"sqlite:///{path}" if path.is_absolute() else str(path)
         self._lock = threading.Lock()
 
     @classmethod
     def open(cls, path: Path) -> SQLiteSink:
         """Open (creating the file, its folder and the schema when missing); blocking.
-        Raises :class:`ConfigError` when the file cannot be a telemetry database."""
-        where = f"sqlite:///{path}" if path.is_absolute() else str(path)
+        Raises :class:`ConfigError` when the file cannot be a telemetry database.  A
+        file another connection holds locked past the busy timeout (a process
+        migrating it, a long write, a ``VACUUM``) is no such error: a dead sink never
+        stops calls, so the sink starts without it, its rows are dropped and counted,
+        and a later batch opens it (a batch while it stays locked fails as a write)."""
+        sink = cls(None, path)
         try:
-            _create_private(path)
-            conn = _connect(path)
-        except (OSError, sqlite3.Error) as exc:
-            raise ConfigError(f"cannot open the telemetry database {where}: {exc}") from None
-        try:
-            _wal(conn)
-            conn.execute("PRAGMA synchronous=NORMAL")
-            _migrate(conn, where)
-        except ConfigError:
-            conn.close()
-            raise
-        except sqlite3.Error as exc:
-            conn.close()
-            raise ConfigError(f"cannot use {where} as a telemetry database: {exc}") from None
-        return cls(conn, path)
+            sink._conn = _open_connection(path, sink._where)
+        except sqlite3.OperationalError as exc:  # locked (see _open_connection)
+            logger.warning(
+                "telemetry database %s is locked (%s): calls go on, rows are dropped and "
+                "counted until it can be written", sink._where, exc,
+            )
+        return sink
 
     def write(self, batch: Batch) -> None:
         with self._lock:
-            conn = self._conn
-            if conn is None:
+            if self._closed:
                 raise RuntimeError("the telemetry database is closed")
+            conn = self._conn
+            if conn is None:  # locked when the session started: try again
+                conn = self._conn = _open_connection(self.path, self._where)
             conn.execute("BEGIN")
             try:
                 if batch.calls:
@@ -199,6 +232,7 @@ class SQLiteSink:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
