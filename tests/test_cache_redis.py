@@ -211,6 +211,25 @@ async def test_redis_down_at_session_start(caplog: pytest.LogCaptureFixture) -> 
     assert all(ALICE_PASSWORD not in rec.getMessage() for rec in caplog.records)
 
 
+async def test_the_ping_at_the_start_is_counted_and_logged_as_the_failures_after_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A docs sweep of cache.md ("every failed operation is counted and logged at
+    most once every 10 s"): the PING at the start logged a warning of its own, not
+    counted, and the first failed lookup logged again at once."""
+    from ._redis_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0?timeout_s=0.2"
+    with caplog.at_level(logging.WARNING, logger="polygate.cache"):
+        async with polygate.session(_settings(url), transport=Router({"a": FakeUpstream()})) as s:
+            assert (await s.statistics()).cache.errors == 1  # the PING
+            r = await s.chat(_question())
+            stats = (await s.statistics()).cache
+    assert not r.call_stats.cached and stats.errors == 2  # and the lookup (not paused)
+    [warning] = [rec for rec in caplog.records if rec.name == "polygate.cache"]
+    assert "fails open (1 error(s) so far)" in warning.getMessage()
+
+
 @pytest.mark.parametrize("kind", ["chat", "embed"])
 async def test_a_redis_that_does_not_answer_never_fails_a_call_with_a_deadline(kind: str) -> None:
     """A black-holed Redis (connections accepted, nothing answered) with a timeout

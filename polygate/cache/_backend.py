@@ -26,13 +26,15 @@ class CacheBackend(Protocol):
     the backend's bound.  ``write_behind`` says whether writes are worth moving off
     the call path (they do I/O); the memory backend's are not, and none of its
     methods ever suspends.  ``start`` runs once in the session's task before any
-    call, ``aclose`` once at the end.
+    call, ``aclose`` once at the end.  ``start`` returns what failed when the store
+    did not answer (the cache then fails open: the failure is counted and logged as
+    any operation's), or None.
     """
 
     name: str
     write_behind: bool
 
-    async def start(self) -> None: ...
+    async def start(self) -> str | None: ...
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...
 

@@ -419,8 +419,14 @@ async def open_cache(url: str) -> AsyncIterator[Cache | None]:
         yield None
         return
     backend = _backend(options)
-    await backend.start()
+    failure = await backend.start()
     try:
-        yield Cache(backend)
+        cache = Cache(backend)
+        if failure is not None:
+            # Counted, and logged at most every 10 s with the failures to come; not a
+            # pause: the first lookup or write tries again (a SQLite file locked at
+            # the start opens then).
+            cache.failed(failure, pause=False)
+        yield cache
     finally:
         await backend.aclose()

@@ -45,7 +45,7 @@ class MemoryBackend:
     def __repr__(self) -> str:
         return f"<MemoryBackend {len(self._data)} entries, {self._bytes} bytes>"
 
-    async def start(self) -> None:
+    async def start(self) -> str | None:
         return None
 
     async def aclose(self) -> None:

@@ -21,7 +21,6 @@ credentials) is logged and then treated like any other failing cache.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -33,7 +32,6 @@ from ._url import CacheOptions
 
 __all__ = ["RedisBackend"]
 
-log = logging.getLogger("polygate.cache")
 T = TypeVar("T")
 
 
@@ -63,7 +61,7 @@ class RedisBackend:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    async def start(self) -> str | None:
         coredis = import_coredis("the redis cache")
         self._errors = coredis.exceptions
         opts = self.options
@@ -85,7 +83,8 @@ class RedisBackend:
         try:
             await self._bounded(lambda: self._client.ping(), "PING")
         except CacheBackendError as exc:
-            log.warning("%s; the cache fails open until it answers", exc)
+            return str(exc)  # counted and logged with the other failures (open_cache)
+        return None
 
     async def aclose(self) -> None:
         stack, self._stack = self._stack, None

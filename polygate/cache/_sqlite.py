@@ -140,7 +140,7 @@ class SQLiteBackend:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    async def start(self) -> str | None:
         """Create the folder, the file and the table (ConfigError when it cannot).  A
         file locked past ``timeout_s`` (another process holds it exclusively) is no
         reason to refuse the session: the cache fails open, as for a Redis that does
@@ -151,9 +151,9 @@ class SQLiteBackend:
             clock = trio.lowlevel.current_clock()
             if isinstance(clock, MockClock):
                 self._clock = _epoch_on(clock)
-        await run_sync(self._open)
+        return await run_sync(self._open)
 
-    def _open(self) -> None:
+    def _open(self) -> str | None:
         try:
             _make_private(self.path)
             conn = self._connect(busy_s=self.timeout_s)
@@ -168,11 +168,11 @@ class SQLiteBackend:
             conn.close()
             if isinstance(exc, sqlite3.OperationalError) and _busy(exc):
                 self._unopened = True
-                log.warning("cache %s: the file is locked (%s); the cache fails open until "
-                            "it can be written", self._where, exc)
-                return
+                # Counted and logged with the other failures (open_cache).
+                return f"cache {self._where}: the file is locked ({exc})"
             raise ConfigError(f"cannot use {self._where} as a cache database: {exc}") from None
         self._writer = conn
+        return None
 
     def _prepare(self, conn: sqlite3.Connection, newer: type[Exception]) -> None:
         """WAL, the schema when the file has none, and the busy timeout; ``newer``: the
