@@ -411,6 +411,17 @@ async def test_session_arguments_of_the_wrong_type_are_config_errors(
             pass
 
 
+
+@pytest.mark.parametrize("env", [["x"], "POLYGATE__CHAT__A__BASE_URL=x", {"K": 5}])
+async def test_a_wrong_env_beside_settings_is_refused_too(env: Any) -> None:
+    """A docs sweep of concepts.md (a wrong ``env`` is a ConfigError before anything
+    opens): beside settings, which leave it unused, it was taken silently, where a
+    wrong transport or rng was refused either way."""
+    with pytest.raises(polygate.ConfigError, match="env"):
+        async with polygate.session(one_source_settings(), env=env):
+            pass
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 async def test_non_finite_numbers_are_refused_before_any_io(
     autojump_clock: trio.testing.MockClock, value: float
