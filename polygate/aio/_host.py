@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import queue
 import sys
 import threading
@@ -88,6 +89,9 @@ class Host:
     def __init__(self, loop: asyncio.AbstractEventLoop, *, guest: bool) -> None:
         self.loop = loop
         self.guest = guest
+        #: The process it runs in (see forks): a forked child inherits this object,
+        #: not the run behind it.
+        self.process = forks.count
         self.users = 0
         self.accepting = True
         self.token: trio.lowlevel.TrioToken | None = None
@@ -376,6 +380,37 @@ def _leaf(error: BaseException) -> BaseException:
     return error
 
 
+# --------------------------------------------------------------------------- fork
+
+
+class _Forks:
+    """How many times this process's line was forked: a Host records it, and a child
+    (which inherits the Host, its trio run's state and its sockets, but not the
+    threads and the run itself) sees its own count differ.  A counter bumped by an
+    ``os.register_at_fork`` hook, not ``os.getpid()`` per call (a system call)."""
+
+    count = 0
+
+
+forks = _Forks()
+
+
+def _forked() -> None:
+    forks.count += 1
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows: no fork there)
+    os.register_at_fork(after_in_child=_forked)
+
+#: What a child forked while a session was open is told (see acquire, check_host).
+FORKED = (
+    "this process was forked while a polygate.aio session of its parent was open; "
+    "what it inherited (the session's trio run, its sockets) is the parent's. Open "
+    "sessions after forking (as gunicorn's --preload allows), or start processes with "
+    "multiprocessing's 'spawn' or 'forkserver' method"
+)
+
+
 # --------------------------------------------------------------------------- registry
 
 
@@ -399,6 +434,10 @@ async def acquire() -> Host:
             "here; from trio, use polygate.session()"
         ) from None
     by_loop = _hosts.by_loop
+    if any(h.process != forks.count and not h._done for h in by_loop.values()):
+        # The parent's run state came with the fork (trio believes a run is on in
+        # this thread): no run can start here, and the parent's is not ours to use.
+        raise PolygateError(f"polygate.aio cannot start: {FORKED}")
     for stale_loop, stale in list(by_loop.items()):
         if stale_loop.is_closed():
             if stale.guest and not stale._done:

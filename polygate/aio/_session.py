@@ -52,7 +52,7 @@ import polygate
 from polygate import PolygateError
 from polygate._session import OneUse, twin_error
 
-from ._host import Host, acquire, release, resolve, settle, settleable
+from ._host import FORKED, Host, acquire, forks, release, resolve, settle, settleable
 
 if TYPE_CHECKING:
     from polygate import ChatResponse, SessionStatistics, Settings, StreamChunk
@@ -190,7 +190,7 @@ class Session:
         its final figures (the last telemetry flush included)."""
         # The loop first: from another thread, waiting for the close would touch this
         # loop's futures (not thread-safe) and fail with asyncio's own error.
-        _check_loop(self._loop, "this session", "open one per loop")
+        _check_loop(self._host, "this session", "open one per loop")
         if self._owner.closing:
             await settle(self._owner.closed)
             if self._owner.final is not None:
@@ -227,7 +227,7 @@ class Session:
     def _check_open(self) -> None:
         if self._owner.closing:
             raise PolygateError(_CLOSED)
-        _check_loop(self._loop, "this session", "open one per loop")
+        _check_loop(self._host, "this session", "open one per loop")
 
     async def _cancel(self, job: _Job) -> None:
         """The caller was cancelled: cancel the trio side and wait until every path of
@@ -239,14 +239,18 @@ class Session:
         _retrieved(job.fut)
 
 
-def _check_loop(loop: asyncio.AbstractEventLoop, what: str, advice: str) -> None:
-    """A PolygateError unless the running loop is ``loop``."""
+def _check_loop(host: Host, what: str, advice: str) -> None:
+    """A PolygateError unless the running loop is ``host``'s, in its process."""
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:
         running = None
-    if running is not loop:
+    if running is not host.loop:
         raise PolygateError(f"{what} belongs to another event loop (or thread); {advice}")
+    if host.process != forks.count:
+        # A forked child driving the loop object it inherited: the calls would go on
+        # the parent's sockets, and leaving would stop the parent's run.
+        raise PolygateError(f"{what} belongs to another process: {FORKED}")
 
 
 def _retrieved(fut: asyncio.Future[Any]) -> None:
@@ -502,7 +506,7 @@ class ChatStream:
     def _check_loop(self) -> None:
         # A stream is its session's loop's: from another thread it would hand trio
         # work from the wrong thread and leave the session stuck.
-        _check_loop(self._loop, "this stream", "read it where its session was opened")
+        _check_loop(self._session._host, "this stream", "read it where its session was opened")
 
     async def _settle(self) -> None:
         """Cancel the trio side unless it has finished, and wait until it has."""
@@ -624,19 +628,19 @@ class SessionBlock:
 
     def __init__(self, opening: contextlib.AbstractAsyncContextManager[Session]) -> None:
         self._opening = opening
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._host: Host | None = None
 
     async def __aenter__(self) -> Session:
         handle = await self._opening.__aenter__()
-        self._loop = handle._loop
+        self._host = handle._host
         return handle
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        if self._loop is not None:
-            _check_loop(self._loop, "this session", "leave it on the loop that opened it")
+        if self._host is not None:
+            _check_loop(self._host, "this session", "leave it on the loop that opened it")
         return await self._opening.__aexit__(exc_type, exc, tb)
 
 
