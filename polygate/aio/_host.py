@@ -57,7 +57,7 @@ _RESCUE_LIMIT_S = 10.0
 _LINGER_TICKS = 2
 
 
-_ENDED = "polygate's trio run has ended (its loop is shutting down)"
+ENDED = "polygate's trio run has ended (its loop is shutting down)"
 
 
 def settleable(fut: asyncio.Future[Any]) -> bool:
@@ -132,8 +132,13 @@ class Host:
         if driver is None or self._rescuing:
             return None
         if driver.ended:
-            raise PolygateError(_ENDED)
+            raise PolygateError(ENDED)
         return driver
+
+    def broken(self, closed: asyncio.Future[None]) -> bool:
+        """Whether the run ended without settling a session (``closed`` unresolved):
+        it broke (a Ctrl-C forced into trio's scheduler, see _finished)."""
+        return self._done and not closed.done()
 
     def submit(self, fn: Callable[..., object], *args: Any) -> None:
         driver = self._live_driver()
@@ -147,7 +152,7 @@ class Host:
                 self.token.run_sync_soon(self._drain)
             except trio.RunFinishedError:
                 self._batch.clear()
-                raise PolygateError(_ENDED) from None
+                raise PolygateError(ENDED) from None
             self._wake_pending = True
 
     def start_job(self, start: Callable[[Any], object], job: Any) -> None:
@@ -276,6 +281,13 @@ class Host:
                 # Ctrl-C reached trio (its handler was installed): every call was
                 # cancelled on the way out; now it ends the host loop as it would have.
                 raise error
+            interrupt = _interrupt_behind(error)
+            if interrupt is not None:
+                # Ctrl-C raised inside trio's scheduler (asyncio.run's second press
+                # raises wherever the thread is; trio's protection is off under a
+                # host's handler) broke the run: TrioInternalError.  The calls it held
+                # will not settle; Ctrl-C ends the host loop, as it meant to.
+                raise interrupt
 
     # The loop's own queues, with a record of what has not run yet (see _queued).
 
@@ -372,6 +384,18 @@ class _Queued:
             self.pending.discard(self)
             put_back_hooks(self.host.hooks)
             self.fn()
+
+
+def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C a ``TrioInternalError`` was raised from, if it was."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _leaf(error: BaseException) -> BaseException:

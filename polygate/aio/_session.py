@@ -38,6 +38,7 @@ import contextvars
 import functools
 import inspect
 import random
+import sys
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
@@ -52,7 +53,7 @@ import polygate
 from polygate import PolygateError
 from polygate._session import OneUse, twin_error
 
-from ._host import FORKED, Host, acquire, forks, release, resolve, settle, settleable
+from ._host import ENDED, FORKED, Host, acquire, forks, release, resolve, settle, settleable
 
 if TYPE_CHECKING:
     from polygate import ChatResponse, SessionStatistics, Settings, StreamChunk
@@ -234,7 +235,14 @@ class Session:
         it has settled."""
         if not job.done:
             job.waiter = self._loop.create_future()
-            self._host.submit(job.cancel)
+            try:
+                self._host.submit(job.cancel)
+            except PolygateError:
+                # The trio run ended under the call without settling it (it broke:
+                # Ctrl-C forced into its scheduler, see Host._finished): nothing is
+                # left to wait for, and the cancellation goes on as itself.
+                _retrieved(job.fut)
+                return
             await settle(job.waiter)
         _retrieved(job.fut)
 
@@ -675,12 +683,18 @@ async def _open(
             yield handle
         finally:
             owner.closing = True
-            if not owner.closed.done():
-                # (Done already: the trio run it lived in ended -- the application's own
-                # guest run, say -- and closed it; nothing is left to ask, and a
-                # submission to a finished run would fail.)
-                host.submit(owner.request_close)
-            await settle(owner.closed)
-            owner.closed.result()  # an error closing the trio session, as itself
+            if host.broken(owner.closed):
+                # What the session held went with its run; raised only when nothing
+                # else is on its way out (a Ctrl-C, a cancellation: kept as they are).
+                if sys.exc_info()[1] is None:
+                    raise PolygateError(ENDED)
+            else:
+                if not owner.closed.done():
+                    # (Done already: the trio run it lived in ended -- the application's
+                    # own guest run, say -- and closed it; nothing is left to ask, and a
+                    # submission to a finished run would fail.)
+                    host.submit(owner.request_close)
+                await settle(owner.closed)
+                owner.closed.result()  # an error closing the trio session, as itself
     finally:
         await release(host)
