@@ -875,7 +875,19 @@ def test_an_error_message_is_at_most_500_characters_with_its_cut_mark(length: in
     assert text.endswith("…") is (length > 500)
 
 
-@pytest.mark.timeout(60)
+async def _until(condition: Any, limit_s: float = 30.0) -> None:
+    """Wait (real time, bounded) until ``await condition()`` holds: a state to reach,
+    not a race to win."""
+    with trio.fail_after(limit_s):
+        while not await condition():  # noqa: ASYNC110 - counters of a worker thread: no event
+            await trio.sleep(0.02)
+
+
+def _call_ids(db: Path) -> list[str]:
+    return [row["logical_call_id"] for row in _rows(db, "calls")]
+
+
+@pytest.mark.timeout(90)
 async def test_a_file_locked_when_the_session_starts_is_opened_by_a_later_batch(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -893,12 +905,62 @@ async def test_a_file_locked_when_the_session_starts_is_opened_by_a_later_batch(
         locker.execute("BEGIN EXCLUSIVE")
         async with polygate.session(settings, transport=Router({"a": FakeUpstream()})) as s:
             assert any("is locked" in r.getMessage() for r in caplog.records)
-            await s.chat(MESSAGES)
+            first = await s.chat(MESSAGES)
+
+            async def dropped() -> bool:  # the batch that met the lock: dropped, counted
+                return (await s.statistics()).telemetry.dropped_sink_error >= 2
+
+            await _until(dropped)
             locker.execute("ROLLBACK")
             second = await s.chat(MESSAGES)
         telemetry = (await s.statistics()).telemetry
     finally:
         locker.close()
-    assert telemetry.written + telemetry.dropped == 4  # two calls, one attempt each
-    ids = [row["logical_call_id"] for row in _rows(db, "calls")]
-    assert second.call_stats.logical_call_id in ids
+    assert (telemetry.dropped_sink_error, telemetry.written) == (2, 2)  # one call each
+    assert _call_ids(db) == [second.call_stats.logical_call_id]  # (first: dropped)
+    assert first.call_stats.logical_call_id != second.call_stats.logical_call_id
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("given_up", ["write", "close"])
+async def test_a_write_given_up_on_while_it_opens_the_file_never_lands(
+    tmp_path: Path, given_up: str
+) -> None:
+    """A review of the change above: a write that opened a file locked at the start
+    waited for it out of ``interrupt()``'s reach, so a write the pipeline had given up
+    on (its write timeout, or the close's bound) landed once the lock went, its rows
+    counted dropped *and* in the file."""
+    db = tmp_path / "t.db"
+    settings = _with_telemetry(two_source_settings(names=("a",)), db)
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream()})):
+        pass
+    bounds = ({"telemetry_write_timeout_s": 1.0} if given_up == "write"
+              else {"telemetry_close_timeout_s": 1.0})
+    settings = attrs.evolve(settings, **bounds)
+    locker = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    try:
+        locker.execute("BEGIN EXCLUSIVE")
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream()})) as s:
+            answer = await s.chat(MESSAGES)
+            if given_up == "write":
+
+                async def dropped() -> bool:
+                    return (await s.statistics()).telemetry.dropped_sink_error >= 2
+
+                await _until(dropped)  # given up after 1 s, within SQLite's 5 s wait
+                locker.execute("ROLLBACK")  # while the abandoned opening still waits
+        telemetry = (await s.statistics()).telemetry
+        if given_up == "close":
+            assert telemetry.dropped_at_close == 2
+            locker.execute("ROLLBACK")
+        # The abandoned opening ends within SQLite's own waits (~10 s): then look.
+        await _until(_no_telemetry_thread_busy)
+    finally:
+        locker.close()
+    assert answer.call_stats.logical_call_id not in _call_ids(db)
+
+
+async def _no_telemetry_thread_busy() -> bool:
+    import threading
+
+    return not any(t.name == "polygate-telemetry-close" for t in threading.enumerate())

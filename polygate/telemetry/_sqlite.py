@@ -19,6 +19,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -148,15 +149,20 @@ def _locked(exc: sqlite3.Error) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
 
 
-def _open_connection(path: Path, where: str) -> sqlite3.Connection:
+def _open_connection(
+    path: Path, where: str, watch: Callable[[sqlite3.Connection | None], None] = lambda _: None,
+) -> sqlite3.Connection:
     """A connection to ``path`` with the schema in place.  :class:`ConfigError` when the
     file cannot be a telemetry database; ``sqlite3.OperationalError`` (see
-    :func:`_locked`) when another connection held it past the busy timeout."""
+    :func:`_locked`) when another connection held it past the busy timeout.  ``watch``
+    is handed the connection while it waits for the file (None once it is done), so
+    that an interrupt can reach it."""
     try:
         _create_private(path)
         conn = _connect(path)
     except (OSError, sqlite3.Error) as exc:
         raise ConfigError(f"cannot open the telemetry database {where}: {exc}") from None
+    watch(conn)
     try:
         _wal(conn)
         conn.execute("PRAGMA synchronous=NORMAL")
@@ -169,6 +175,8 @@ def _open_connection(path: Path, where: str) -> sqlite3.Connection:
         if _locked(exc):
             raise
         raise ConfigError(f"cannot use {where} as a telemetry database: {exc}") from None
+    finally:
+        watch(None)
     return conn
 
 
@@ -182,6 +190,12 @@ class SQLiteSink:
         #: session started opens it with a later batch (see open).
         self._conn = conn
         self._closed = False
+        # A write that opens the file (locked at the start) waits for it, out of
+        # _conn's reach: the connection it waits on, and whether the pipeline gave
+        # up on that write meanwhile (it must not land then: its rows are counted
+        # dropped).
+        self._opening: sqlite3.Connection | None = None
+        self._abandoned = False
         self.path = path
         self._where = f"sqlite:///{path}" if path.is_absolute() else str(path)
         self._lock = threading.Lock()
@@ -210,7 +224,10 @@ class SQLiteSink:
                 raise RuntimeError("the telemetry database is closed")
             conn = self._conn
             if conn is None:  # locked when the session started: try again
-                conn = self._conn = _open_connection(self.path, self._where)
+                self._abandoned = False
+                conn = self._conn = _open_connection(self.path, self._where, self._watch)
+                if self._abandoned:  # (opened: the next batch writes on it)
+                    raise RuntimeError("the write was abandoned while the file was opened")
             conn.execute("BEGIN")
             try:
                 if batch.calls:
@@ -225,8 +242,13 @@ class SQLiteSink:
                     conn.execute("ROLLBACK")
                 raise
 
+    def _watch(self, conn: sqlite3.Connection | None) -> None:
+        self._opening = conn
+
     def interrupt(self) -> None:
-        conn = self._conn
+        # (From the trio thread, while a write runs in the worker.)
+        self._abandoned = True
+        conn = self._conn or self._opening
         if conn is not None:
             conn.interrupt()
 
