@@ -420,6 +420,11 @@ async def test_a_wrong_env_beside_settings_is_refused_too(env: Any) -> None:
     with pytest.raises(polygate.ConfigError, match="env"):
         async with polygate.session(one_source_settings(), env=env):
             pass
+    from polygate.serve import open_server
+
+    with pytest.raises(polygate.ConfigError, match="env"):  # (review: the server's too)
+        async with open_server(one_source_settings(), port=0, env=env):
+            pass
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])

@@ -626,6 +626,10 @@ async def open_server(
         settings = load_settings(env)
     elif not isinstance(settings, Settings):
         raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
+    elif env is not None:  # (unused beside settings, yet checked, as session() does)
+        from .._config_load import checked_env
+
+        checked_env(env)
     host = settings.serve.host if host is None else host
     port = settings.serve.port if port is None else port
     try:  # the overrides are checked like [serve] host and port (70000 is not 4464)
