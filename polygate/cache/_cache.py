@@ -60,7 +60,8 @@ class CacheStatistics:
     ``embed`` input) is exactly one of ``hits`` (found stored), ``coalesced`` (got the
     answer of an identical call in flight) or ``misses`` (went upstream, including
     ``cache="refresh"`` calls and lookups the backend failed).  ``errors`` counts
-    failed backend operations, reads and writes; ``writes`` the entries stored,
+    failed backend operations: the check when the session opened (a Redis ``PING``,
+    the SQLite file's opening), reads and writes; ``writes`` the entries stored,
     ``writes_dropped`` those given up (queue full, backend failing).  ``in_flight``:
     keys being computed right now.  Calls with ``cache=False``, and scopes without
     ``cache_ttl_s``, are not counted.

@@ -94,6 +94,8 @@ async def misuse(s: polygate.Session, a: polygate.aio.Session, r: ChatResponse) 
     await s.chat("hi")  # type: ignore[arg-type]
     await s.chat(MESSAGES, "chat")  # type: ignore[call-arg]
     await s.chat(MESSAGES, cache="refersh")  # type: ignore[arg-type]
+    await s.embed(["a"], cache="yes")  # type: ignore[arg-type]
+    s.stream_chat(MESSAGES, cache="refreshed")  # type: ignore[arg-type]
     await s.ocr(12345)  # type: ignore[arg-type]
     await s.stream_chat(MESSAGES)  # type: ignore[misc]
     with s.stream_chat(MESSAGES):  # type: ignore[attr-defined]
