@@ -7,6 +7,9 @@ own:       the parent forks with a session open (inside asyncio.run, as
            multiprocessing's 'fork' start method does); the child opens its own.
 inherited: the parent forks with a session open on a loop it drives; the child calls
            that session on the loop object it inherited, then leaves its block.
+exit:      the parent forks inside its session's block (in asyncio.run); the child
+           touches nothing of polygate's and ends with sys.exit(0), leaving the
+           inherited block (and asyncio.run's shutdown) on its way out.
 
 Each process prints what it saw, one line each; a child's polygate error is printed
 as ``child error: <message>``.
@@ -59,6 +62,25 @@ if SCENARIO == "preload":
     print("parent", asyncio.run(own_session("before")), flush=True)
     in_child(lambda: asyncio.run(own_session("own")))
     print("parent", asyncio.run(own_session("after")), flush=True)
+elif SCENARIO == "exit":
+
+    async def main_exit() -> None:
+        async with polygate.aio.session(SETTINGS) as s:
+            print("parent", (await s.chat(ask("warm"))).text, flush=True)
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(30)
+                sys.exit(0)  # the child's work is done
+            # Blocking, not in a thread: the child's asyncio.run() shutdown unregisters
+            # this loop's self-pipe from the epoll they share (asyncio's own hazard:
+            # plain asyncio hangs so too), so a thread's result would never wake it.
+            _, status = os.waitpid(pid, 0)  # noqa: ASYNC222
+            print("child status", os.waitstatus_to_exitcode(status), flush=True)
+            print("parent", (await asyncio.wait_for(s.chat(ask("again")), 20)).text, flush=True)
+        print("parent closed", flush=True)
+
+    asyncio.run(main_exit())
 elif SCENARIO == "own":
 
     async def main() -> None:

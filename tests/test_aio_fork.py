@@ -65,3 +65,11 @@ def test_a_child_using_the_session_it_inherited_is_refused_and_the_parent_goes_o
     assert len(errors) == 2, lines  # the call, then leaving the block
     assert all("this session belongs to another process" in e for e in errors), errors
     assert lines[-3:] == ["child status 3", "parent again", "parent closed"], lines
+
+
+def test_a_child_leaving_the_inherited_block_on_its_way_out_leaves_the_parent_alone() -> None:
+    """A review: a child that only called sys.exit(0) ended with status 1 (the block's
+    exit raised over its SystemExit), and its asyncio.run() shutdown closed the
+    session generator it inherited, which asked the parent's trio run to close: the
+    parent's own close then never returned."""
+    assert _run("exit") == ["parent warm", "child status 0", "parent again", "parent closed"]

@@ -141,6 +141,8 @@ class Host:
         return self._done and not closed.done()
 
     def submit(self, fn: Callable[..., object], *args: Any) -> None:
+        if self._done:  # (trio's entry queue of a broken run may fail otherwise: OSError)
+            raise PolygateError(ENDED)
         driver = self._live_driver()
         if driver is not None:
             driver.hand_over(fn, *args)
@@ -387,15 +389,11 @@ class _Queued:
 
 
 def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
-    """The Ctrl-C a ``TrioInternalError`` was raised from, if it was."""
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, KeyboardInterrupt):
-            return cause
-        cause = cause.__cause__ or cause.__context__
-    return None
+    """The Ctrl-C a ``TrioInternalError`` was raised from (trio raises it ``from`` what
+    broke its run), if it was.  Not its ``__context__``: a Ctrl-C the application had
+    handled before a trio bug would make that bug a Ctrl-C."""
+    cause = error.__cause__
+    return cause if isinstance(cause, KeyboardInterrupt) else None
 
 
 def _leaf(error: BaseException) -> BaseException:

@@ -192,6 +192,8 @@ class Session:
         # The loop first: from another thread, waiting for the close would touch this
         # loop's futures (not thread-safe) and fail with asyncio's own error.
         _check_loop(self._host, "this session", "open one per loop")
+        if self._host.broken(self._owner.closed):
+            raise PolygateError(ENDED)  # (its figures went with the run)
         if self._owner.closing:
             await settle(self._owner.closed)
             if self._owner.final is not None:
@@ -249,16 +251,16 @@ class Session:
 
 def _check_loop(host: Host, what: str, advice: str) -> None:
     """A PolygateError unless the running loop is ``host``'s, in its process."""
+    if host.process != forks.count:
+        # A forked child (asyncio says the loop it inherited is not running there):
+        # the calls would go on the parent's sockets, leaving would stop its run.
+        raise PolygateError(f"{what} belongs to another process: {FORKED}")
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:
         running = None
     if running is not host.loop:
         raise PolygateError(f"{what} belongs to another event loop (or thread); {advice}")
-    if host.process != forks.count:
-        # A forked child driving the loop object it inherited: the calls would go on
-        # the parent's sockets, and leaving would stop the parent's run.
-        raise PolygateError(f"{what} belongs to another process: {FORKED}")
 
 
 def _retrieved(fut: asyncio.Future[Any]) -> None:
@@ -523,7 +525,10 @@ class ChatStream:
             return
         self._leaving = True
         job.waiter = self._loop.create_future()
-        self._session._host.submit(job.cancel)
+        try:
+            self._session._host.submit(job.cancel)
+        except PolygateError:
+            return  # the run broke under the stream (see Session._cancel): nothing to wait for
         await settle(job.waiter)
 
     async def _iterate(self) -> None:
@@ -648,6 +653,11 @@ class SessionBlock:
         tb: TracebackType | None,
     ) -> bool | None:
         if self._host is not None:
+            if self._host.process != forks.count and exc is not None:
+                # A forked child leaving the block it inherited on its way out
+                # (sys.exit, an error): that goes on as itself; the parent's session
+                # is left alone (and the opening generator too: see _open).
+                return None
             _check_loop(self._host, "this session", "leave it on the loop that opened it")
         return await self._opening.__aexit__(exc_type, exc, tb)
 
@@ -682,19 +692,29 @@ async def _open(
         try:
             yield handle
         finally:
-            owner.closing = True
-            if host.broken(owner.closed):
-                # What the session held went with its run; raised only when nothing
-                # else is on its way out (a Ctrl-C, a cancellation: kept as they are).
-                if sys.exc_info()[1] is None:
-                    raise PolygateError(ENDED)
-            else:
-                if not owner.closed.done():
-                    # (Done already: the trio run it lived in ended -- the application's
-                    # own guest run, say -- and closed it; nothing is left to ask, and a
-                    # submission to a finished run would fail.)
-                    host.submit(owner.request_close)
-                await settle(owner.closed)
-                owner.closed.result()  # an error closing the trio session, as itself
+            # (In a forked child, asyncio's shutdown_asyncgens closing the generator it
+            # inherited: the session, its run and sockets are the parent's, and
+            # nothing here may touch them.)
+            if host.process == forks.count:
+                await _close(host, owner)
     finally:
-        await release(host)
+        if host.process == forks.count:
+            await release(host)
+
+
+async def _close(host: Host, owner: _Owner) -> None:
+    """Leave a session's block: close the trio session and wait until it has."""
+    owner.closing = True
+    if host.broken(owner.closed):
+        # What the session held went with its run; raised only when nothing else is
+        # on its way out (a Ctrl-C, a cancellation: kept as they are).
+        if sys.exc_info()[1] is None:
+            raise PolygateError(ENDED)
+        return
+    if not owner.closed.done():
+        # (Done already: the trio run it lived in ended -- the application's own guest
+        # run, say -- and closed it; nothing is left to ask, and a submission to a
+        # finished run would fail.)
+        host.submit(owner.request_close)
+    await settle(owner.closed)
+    owner.closed.result()  # an error closing the trio session, as itself
