@@ -10,6 +10,8 @@ inherited: the parent forks with a session open on a loop it drives; the child c
 exit:      the parent forks inside its session's block (in asyncio.run); the child
            touches nothing of polygate's and ends with sys.exit(0), leaving the
            inherited block (and asyncio.run's shutdown) on its way out.
+inflight:  as exit, with another task's call in flight at the fork (the child's
+           shutdown cancels it) and a stream's block open around the sys.exit.
 
 Each process prints what it saw, one line each; a child's polygate error is printed
 as ``child error: <message>``.
@@ -81,6 +83,29 @@ elif SCENARIO == "exit":
         print("parent closed", flush=True)
 
     asyncio.run(main_exit())
+elif SCENARIO == "inflight":
+
+    async def main_inflight() -> None:
+        async with polygate.aio.session(SETTINGS) as s:
+            print("parent", (await s.chat(ask("warm"))).text, flush=True)
+            slow = asyncio.ensure_future(s.chat(ask("slow")))
+            await asyncio.sleep(0.3)  # (the slow call is at the upstream)
+            async with s.stream_chat(ask("streamed")) as stream:
+                first = await stream.__anext__()  # (the stream is under way at the fork)
+                sys.stdout.flush()
+                pid = os.fork()
+                if pid == 0:
+                    signal.alarm(30)
+                    sys.exit(0)
+                _, status = os.waitpid(pid, 0)  # noqa: ASYNC222 - see main_exit
+                print("child status", os.waitstatus_to_exitcode(status), flush=True)
+                rest = "".join([chunk.text async for chunk in stream])
+                print("parent", first.text + rest, flush=True)
+            print("parent", (await asyncio.wait_for(slow, 20)).text, flush=True)
+            print("parent", (await asyncio.wait_for(s.chat(ask("again")), 20)).text, flush=True)
+        print("parent closed", flush=True)
+
+    asyncio.run(main_inflight())
 elif SCENARIO == "own":
 
     async def main() -> None:

@@ -14,6 +14,9 @@ stats: the same, under a loop driven by hand that, on KeyboardInterrupt, cancels
     task and asks the session for its figures, bounded by asyncio.wait_for.
 bug: not a Ctrl-C but a bug (ValueError) breaks the run, while the application
     handles an earlier Ctrl-C of its own: the bug is not a new Ctrl-C.
+left: a bug breaks the run; the call times out and the block is then left normally,
+    inside an ``except`` clause of the application's: the block's exit says the run
+    ended (a handled exception in ``sys.exc_info()`` is not one leaving the block).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class Breaking(httpx.AsyncBaseTransport):
         def abort(_: Any) -> trio.lowlevel.Abort:
             if not raised:
                 raised.append(True)
-                if SCENARIO == "bug":
+                if SCENARIO in ("bug", "left"):
                     raise ValueError("a bug in trio's run loop")
                 raise KeyboardInterrupt  # a forced Ctrl-C, landing in trio's run loop
             return trio.lowlevel.Abort.SUCCEEDED
@@ -102,8 +105,25 @@ def handling_a_ctrl_c() -> None:
         print(f"outcome: {type(exc).__name__}", flush=True)
 
 
+async def left_in_an_except_clause() -> None:
+    try:
+        raise LookupError("a miss the application handles")
+    except LookupError:
+        async with polygate.aio.session(SETTINGS, transport=Breaking()) as s:
+            print("open", flush=True)
+            try:
+                await asyncio.wait_for(s.chat(ASK), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+
 if SCENARIO == "stats":
     by_hand()
+elif SCENARIO == "left":
+    try:
+        asyncio.run(left_in_an_except_clause())
+    except polygate.PolygateError as exc:
+        print(f"left: {exc}", flush=True)
 elif SCENARIO == "bug":
     handling_a_ctrl_c()
 elif LOOP == "uvloop":

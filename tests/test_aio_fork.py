@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _echo(request: Any, _rng: Any) -> Reply:
-    return Reply(text=request.body["messages"][-1]["content"])
+    text = request.body["messages"][-1]["content"]
+    return Reply(text=text, headers_delay_s=1.5 if text == "slow" else 0.0)
 
 
 def _run(scenario: str) -> list[str]:
@@ -73,3 +74,14 @@ def test_a_child_leaving_the_inherited_block_on_its_way_out_leaves_the_parent_al
     session generator it inherited, which asked the parent's trio run to close: the
     parent's own close then never returned."""
     assert _run("exit") == ["parent warm", "child status 0", "parent again", "parent closed"]
+
+
+def test_a_child_leaving_with_a_call_and_a_stream_in_flight_leaves_them_to_the_parent() -> None:
+    """A review: the child's asyncio.run() shutdown cancelled the call it inherited,
+    and the cancellation ran the parent's trio run in the child, on the sockets and
+    the epoll they share: the parent's call never finished.  And leaving the stream's
+    block on the way out raised over the child's SystemExit (status 1).  (With trio's
+    helper thread, not the default, asyncio's own hazard still stalls the parent's
+    next call: the child's shutdown unregisters the parent loop's self-pipe.)"""
+    assert _run("inflight") == ["parent warm", "child status 0", "parent streamed",
+                                "parent slow", "parent again", "parent closed"]

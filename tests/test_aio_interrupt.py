@@ -58,3 +58,14 @@ def test_a_bug_that_breaks_the_run_while_a_ctrl_c_is_handled_is_no_new_ctrl_c() 
     done = _run("asyncio", "loop-io", "bug")
     assert done.stdout.startswith("open\n") and "outcome: KeyboardInterrupt" not in done.stdout, (
         done.stdout, done.stderr[-3000:])
+
+
+@pytest.mark.parametrize("mode", ["loop-io", "thread-io"])
+def test_leaving_a_block_whose_run_broke_says_so_inside_an_except_clause_too(mode: str) -> None:
+    """A review: the block's exit took ``sys.exc_info()`` for what was leaving it, and
+    inside the application's own ``except`` clause that is the handled exception: the
+    broken run went unreported.  (On Python 3.12+ the clause's exception is not seen
+    there; on 3.10 and 3.11 it is.)"""
+    done = _run("asyncio", mode, "left")
+    assert done.stdout == "open\nleft: polygate's trio run has ended (its loop is shutting down)\n", (
+        done.stdout, done.stderr[-3000:])

@@ -140,9 +140,16 @@ class Host:
         it broke (a Ctrl-C forced into trio's scheduler, see _finished)."""
         return self._done and not closed.done()
 
-    def submit(self, fn: Callable[..., object], *args: Any) -> None:
+    def _check_usable(self) -> None:
         if self._done:  # (trio's entry queue of a broken run may fail otherwise: OSError)
             raise PolygateError(ENDED)
+        if self.process != forks.count:
+            # A forked child (its asyncio.run() shutdown cancelling a call it inherited,
+            # say): the run is the parent's, on sockets and an epoll they share.
+            raise PolygateError(f"this session belongs to another process: {FORKED}")
+
+    def submit(self, fn: Callable[..., object], *args: Any) -> None:
+        self._check_usable()
         driver = self._live_driver()
         if driver is not None:
             driver.hand_over(fn, *args)
@@ -164,6 +171,7 @@ class Host:
         own context, so the task it spawns copies the caller's context variables.
         Handed over later, from trio's entry queue, it would run in another context:
         then the job carries a copy of the caller's (``job.context``)."""
+        self._check_usable()
         driver = self._live_driver()
         if driver is not None:
             driver.hand_over(start, job, system_context=False)

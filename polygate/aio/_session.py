@@ -38,7 +38,6 @@ import contextvars
 import functools
 import inspect
 import random
-import sys
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
@@ -507,6 +506,8 @@ class ChatStream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._session._host.process != forks.count and exc is not None:
+            return  # a forked child on its way out: as SessionBlock.__aexit__
         self._check_loop()
         if self._job is None:  # (as polygate.ChatStream)
             raise PolygateError("this ChatStream was never entered ('async with' enters it)")
@@ -689,26 +690,31 @@ async def _open(
             await settle(owner.closed)
             raise
         handle = Session(host, owner, trio_session)
+        # (In a forked child, asyncio's shutdown_asyncgens closing the generator it
+        # inherited: the session, its run and sockets are the parent's, and nothing
+        # here may touch them.)
         try:
             yield handle
-        finally:
-            # (In a forked child, asyncio's shutdown_asyncgens closing the generator it
-            # inherited: the session, its run and sockets are the parent's, and
-            # nothing here may touch them.)
+        except BaseException:
             if host.process == forks.count:
-                await _close(host, owner)
+                await _close(host, owner, leaving=True)
+            raise
+        else:
+            if host.process == forks.count:
+                await _close(host, owner, leaving=False)
     finally:
         if host.process == forks.count:
             await release(host)
 
 
-async def _close(host: Host, owner: _Owner) -> None:
-    """Leave a session's block: close the trio session and wait until it has."""
+async def _close(host: Host, owner: _Owner, *, leaving: bool) -> None:
+    """Leave a session's block (``leaving``: with an exception of the block's own on
+    its way out): close the trio session and wait until it has."""
     owner.closing = True
     if host.broken(owner.closed):
         # What the session held went with its run; raised only when nothing else is
         # on its way out (a Ctrl-C, a cancellation: kept as they are).
-        if sys.exc_info()[1] is None:
+        if not leaving:
             raise PolygateError(ENDED)
         return
     if not owner.closed.done():
