@@ -432,7 +432,8 @@ def _forked() -> None:
 if hasattr(os, "register_at_fork"):  # (not on Windows: no fork there)
     os.register_at_fork(after_in_child=_forked)
 
-#: What a child forked while a session was open is told (see acquire, check_host).
+#: What a child forked while a session was open is told (acquire, Host._check_usable
+#: and the session's _check_loop).
 FORKED = (
     "this process was forked while a polygate.aio session of its parent was open; "
     "what it inherited (the session's trio run, its sockets) is the parent's. Open "
