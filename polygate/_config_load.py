@@ -66,8 +66,8 @@ __all__ = [
     "CONFIG_ENV",
     "DEFAULT_CONFIG_FILE",
     "ENV_PREFIX",
-    "checked_env",
     "describe",
+    "given_settings",
     "load_settings",
     "locate_config",
     "settings_from_env",
@@ -392,7 +392,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
     Sources are ordered by name (an environment has no order).  An empty value is
     the same as an unset key.
     """
-    source = os.environ if env is None else checked_env(env)
+    source = os.environ if env is None else _checked_env(env)
     for key, value in source.items():
         if not key.startswith(ENV_PREFIX) and key.upper().startswith(ENV_PREFIX) and value.strip():
             # Silently skipped, a polygate__chat__… key would leave its setting at the
@@ -724,12 +724,12 @@ def settings_from_toml(
     except TypeError:
         raise ConfigError(f"a configuration file's path must be a str or a path, not "
                           f"{type(path).__name__}") from None
-    source = os.environ if env is None else checked_env(env)
+    source = os.environ if env is None else _checked_env(env)
     data = read_toml(label)
     return _build_settings(_parse_toml(data, label, source))
 
 
-def checked_env(env: Any) -> Mapping[str, str]:
+def _checked_env(env: Any) -> Mapping[str, str]:
     """An ``env`` argument: a mapping of strings to strings, as ``os.environ`` is.  A
     wrong one is named by its key alone (a value may be a key)."""
     if not isinstance(env, Mapping):
@@ -997,7 +997,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = No
     keys.  Keys left unused beside a file are warned about, since a user setting both
     probably expects the keys to count.
     """
-    source = os.environ if env is None else checked_env(env)
+    source = os.environ if env is None else _checked_env(env)
     if not path:  # (--config "", a variable expanded empty: no file named)
         path = locate_config(source)
         if path is None:
@@ -1012,6 +1012,21 @@ def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = No
             ConfigWarning,
             stacklevel=2,
         )
+    return settings
+
+
+def given_settings(settings: Any, env: Mapping[str, str] | None) -> Settings:
+    """The settings ``polygate.session()`` and ``open_server()`` run on: ``settings``,
+    or, when it is None, the configuration :func:`load_settings` finds.  A wrong type
+    of either argument is a :class:`ConfigError`; ``env`` is checked even beside
+    settings, which leave it unused (a wrong argument is refused whatever else was
+    passed)."""
+    if settings is None:
+        return load_settings(env)
+    if not isinstance(settings, Settings):
+        raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
+    if env is not None:
+        _checked_env(env)
     return settings
 
 

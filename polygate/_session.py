@@ -924,18 +924,9 @@ async def _session(
     transport: httpx.AsyncBaseTransport | None,
     rng: random.Random | None,
 ) -> AsyncIterator[Session]:
-    if settings is None:
-        from ._config_load import load_settings
+    from ._config_load import given_settings
 
-        settings = load_settings(env)
-    elif not isinstance(settings, Settings):
-        raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
-    elif env is not None:
-        # Unused beside settings, yet checked: a wrong argument is refused the same
-        # whatever else was passed (as transport and rng are).
-        from ._config_load import checked_env
-
-        checked_env(env)
+    settings = given_settings(settings, env)
     if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
         # (A sync httpx.HTTPTransport is the easy mistake: every attempt would fail
         # with an AttributeError, logged and counted against the sources' breakers.)

@@ -620,16 +620,9 @@ async def open_server(
     load) over HTTP while the block runs.  ``host``/``port`` override
     ``settings.serve``; port 0 picks a free port (``server.port``).  Leaving the block
     cancels whatever is still running; call :meth:`Server.shutdown` first to drain."""
-    if settings is None:
-        from .._config_load import load_settings
+    from .._config_load import given_settings
 
-        settings = load_settings(env)
-    elif not isinstance(settings, Settings):
-        raise ConfigError(f"settings must be a polygate.Settings, got {type(settings).__name__}")
-    elif env is not None:  # (unused beside settings, yet checked, as session() does)
-        from .._config_load import checked_env
-
-        checked_env(env)
+    settings = given_settings(settings, env)
     host = settings.serve.host if host is None else host
     port = settings.serve.port if port is None else port
     try:  # the overrides are checked like [serve] host and port (70000 is not 4464)
