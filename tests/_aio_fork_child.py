@@ -60,6 +60,21 @@ def in_child(body: Callable[[], Any]) -> None:
     print("child status", os.waitstatus_to_exitcode(status), flush=True)
 
 
+def fork_leaving_by_sys_exit() -> None:
+    """Fork; the child ends with sys.exit(0), leaving every block it is in on its way
+    out; the parent prints the child's status.  The parent waits blocking, not in a
+    thread: the child's asyncio.run() shutdown unregisters this loop's self-pipe from
+    the epoll they share (asyncio's own hazard: plain asyncio hangs so too), so a
+    thread's result would never wake it."""
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(30)
+        sys.exit(0)  # the child's work is done
+    _, status = os.waitpid(pid, 0)
+    print("child status", os.waitstatus_to_exitcode(status), flush=True)
+
+
 if SCENARIO == "preload":
     print("parent", asyncio.run(own_session("before")), flush=True)
     in_child(lambda: asyncio.run(own_session("own")))
@@ -69,16 +84,7 @@ elif SCENARIO == "exit":
     async def main_exit() -> None:
         async with polygate.aio.session(SETTINGS) as s:
             print("parent", (await s.chat(ask("warm"))).text, flush=True)
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                signal.alarm(30)
-                sys.exit(0)  # the child's work is done
-            # Blocking, not in a thread: the child's asyncio.run() shutdown unregisters
-            # this loop's self-pipe from the epoll they share (asyncio's own hazard:
-            # plain asyncio hangs so too), so a thread's result would never wake it.
-            _, status = os.waitpid(pid, 0)  # noqa: ASYNC222
-            print("child status", os.waitstatus_to_exitcode(status), flush=True)
+            fork_leaving_by_sys_exit()
             print("parent", (await asyncio.wait_for(s.chat(ask("again")), 20)).text, flush=True)
         print("parent closed", flush=True)
 
@@ -92,13 +98,7 @@ elif SCENARIO == "inflight":
             await asyncio.sleep(0.3)  # (the slow call is at the upstream)
             async with s.stream_chat(ask("streamed")) as stream:
                 first = await stream.__anext__()  # (the stream is under way at the fork)
-                sys.stdout.flush()
-                pid = os.fork()
-                if pid == 0:
-                    signal.alarm(30)
-                    sys.exit(0)
-                _, status = os.waitpid(pid, 0)  # noqa: ASYNC222 - see main_exit
-                print("child status", os.waitstatus_to_exitcode(status), flush=True)
+                fork_leaving_by_sys_exit()
                 rest = "".join([chunk.text async for chunk in stream])
                 print("parent", first.text + rest, flush=True)
             print("parent", (await asyncio.wait_for(slow, 20)).text, flush=True)
