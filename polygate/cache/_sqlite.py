@@ -54,6 +54,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._errors import ConfigError
+from .._sqlite_locks import held_by_another
 from .._threads import run_sync
 from ._backend import CacheBackendError, Entry
 
@@ -93,8 +94,6 @@ _EVICT_EVERY_S = 60.0
 _LOOP_KEYS = 16  # the most keys a read on the event loop looks up
 _LOOP_SLOW_S = 0.005  # a read on the loop that took longer (a cold disk; not a 1–3 ms preemption) …
 _THREADS_FOR_S = 1.0  # … sends the reads of the next second (real time) to threads
-_SQLITE_BUSY = 5
-_SQLITE_LOCKED = 6
 
 
 class _Read:
@@ -166,7 +165,7 @@ class SQLiteBackend:
             raise
         except sqlite3.Error as exc:
             conn.close()
-            if isinstance(exc, sqlite3.OperationalError) and _busy(exc):
+            if held_by_another(exc):
                 self._unopened = True
                 # Counted and logged with the other failures (open_cache).
                 return f"cache {self._where}: the file is locked ({exc})"
@@ -256,7 +255,7 @@ class SQLiteBackend:
         try:
             return self._select(conn, keys)
         except sqlite3.Error as exc:
-            if not (isinstance(exc, sqlite3.OperationalError) and _busy(exc)):
+            if not held_by_another(exc):
                 raise self._read_failed(exc) from None
             self._threads_until = time.monotonic() + _THREADS_FOR_S
             return None
@@ -440,11 +439,3 @@ def _make_private(path: Path) -> None:
         os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
-
-
-def _busy(exc: sqlite3.OperationalError) -> bool:
-    """SQLITE_BUSY or SQLITE_LOCKED (by code from Python 3.11, by message before)."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None:
-        return code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED)
-    return "locked" in str(exc) or "busy" in str(exc)

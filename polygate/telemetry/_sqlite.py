@@ -27,6 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 from .._errors import ConfigError
 from .._paths import state_dir
+from .._sqlite_locks import held_by_another
 from ._schema import (
     TABLES,
     check_version,
@@ -74,7 +75,7 @@ def _wal(conn: sqlite3.Connection) -> None:
             conn.execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() >= deadline:
+            if not held_by_another(exc) or time.monotonic() >= deadline:
                 raise
             time.sleep(0.01)
 
@@ -144,19 +145,14 @@ def _migrate(conn: sqlite3.Connection, where: str) -> int:
     return int(found)
 
 
-def _locked(exc: sqlite3.Error) -> bool:
-    """SQLITE_BUSY or SQLITE_LOCKED: another connection holds the file, for now."""
-    return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
-
-
 def _open_connection(
     path: Path, where: str, watch: Callable[[sqlite3.Connection | None], None] = lambda _: None,
 ) -> sqlite3.Connection:
     """A connection to ``path`` with the schema in place.  :class:`ConfigError` when the
     file cannot be a telemetry database; ``sqlite3.OperationalError`` (see
-    :func:`_locked`) when another connection held it past the busy timeout.  ``watch``
-    is handed the connection while it waits for the file (None once it is done), so
-    that an interrupt can reach it."""
+    :func:`~polygate._sqlite_locks.held_by_another`) when another connection held it
+    past the busy timeout.  ``watch`` is handed the connection while it waits for the
+    file (None once it is done), so that an interrupt can reach it."""
     try:
         _create_private(path)
         conn = _connect(path)
@@ -172,7 +168,7 @@ def _open_connection(
         raise
     except sqlite3.Error as exc:
         conn.close()
-        if _locked(exc):
+        if held_by_another(exc):
             raise
         raise ConfigError(f"cannot use {where} as a telemetry database: {exc}") from None
     finally:
