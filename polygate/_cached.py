@@ -47,7 +47,7 @@ from ._errors import (
 )
 from ._resume import StreamSink
 from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
-from .cache import EXCLUDED_PARAMS, Cache, chat_key, embed_keys
+from .cache import Cache, chat_key, embed_keys
 from .cache._coalesce import Flight
 from .cache._codec import decode_chat, decode_vector, encode_chat, encode_vector
 
@@ -233,8 +233,13 @@ async def cached_chat(
         runtime, scope, "chat", deadline_s, messages=messages, messages_json=messages_json,
         params=params, streaming=forward is not None,
     )
-    # A schema changes the answer (and whether it is acceptable): it is in the key.
-    keyed = params if rounds is None else {**params, "polygate:schema": rounds.cache_key()}
+    keyed = params
+    if rounds is not None:
+        # A schema changes the answer (and whether it is acceptable): it is in the key.
+        # With one, ``response_format=None`` is no format of the caller's (polygate's is
+        # sent): the same request, and the same key, as leaving it out.
+        keyed = {k: v for k, v in params.items() if k != "response_format" or v is not None}
+        keyed["polygate:schema"] = rounds.cache_key()
     key = chat_key(scope, cache.models(scope, runtime.settings.scopes), messages, keyed)
 
     async def upstream() -> ChatResponse:
@@ -248,8 +253,15 @@ async def cached_chat(
             started_at=call.ctx.started_at,
         )
 
-    async def served(data: bytes) -> ChatResponse | None:
-        """A stored or coalesced answer as this call's response (None: it did not decode)."""
+    def count(via: str) -> None:
+        if via == "hit":
+            cache.hits += 1
+        else:
+            cache.coalesced += 1
+
+    async def served(data: bytes, via: str) -> ChatResponse | None:
+        """A stored (``via`` "hit") or coalesced answer as this call's response, counted
+        (None: it did not decode)."""
         fields = _decoded(cache, data)
         if fields is None:
             return None
@@ -270,22 +282,35 @@ async def cached_chat(
                     if not forward.offer(chunk):  # the consumer is behind: wait for it
                         await forward.deliver_held()
 
-            await call.within(replay)
+            try:
+                await call.within(replay)
+            except trio.Cancelled:
+                # The answer was complete before its replay began: a reader that leaves
+                # (or is cancelled) with chunks unread leaves it a hit and ``ok``, as it
+                # leaves a complete upstream answer (docs/telemetry.md, ``outcome``).
+                answer(fields, answered, via)
+                raise
+        return answer(fields, answered, via)
+
+    def answer(fields: dict[str, Any], answered: str, via: str) -> ChatResponse:
         stats = call.stats(cached=True, source=fields["source"], scope=answered)
         response = ChatResponse(**fields, call_stats=stats)
         call.record(stats, response.usage, None, response.message)
+        count(via)
         return response
 
     async def body() -> ChatResponse:
+        if rounds is not None:
+            # A bad schema is refused before the cache is asked: no lookup, no miss.
+            await call.within(rounds.ready)
         rejected: bytes | None = None  # an entry that did not serve: not tried again
         if looked_up:
             rejected = found
         elif mode != "refresh":
             data = await call.lookup(cache, lambda: cache.get(key), None)
             if data is not None:
-                response = await served(data)
+                response = await served(data, "hit")
                 if response is not None:
-                    cache.hits += 1
                     return response
                 rejected = data
         while True:
@@ -301,13 +326,12 @@ async def cached_chat(
                 data = cache.get_local(key)
                 if data is not None and data != rejected:
                     try:
-                        response = await served(data)
+                        response = await served(data, "hit")
                     except BaseException:
                         cache.flights.settle(key, flight)  # handed over to a waiter
                         raise
                     if response is not None:
                         cache.flights.settle(key, flight, value=data)
-                        cache.hits += 1
                         return response
                     # It did not serve: this call leads (never the same entry twice,
                     # so there is no loop without an await).
@@ -315,14 +339,18 @@ async def cached_chat(
                 return await _lead(cache, key, flight, upstream, ttl, (messages, keyed))
             await call.within(flight.done.wait)
             if flight.value is not None:
-                response = await served(flight.value)
+                response = await served(flight.value, "coalesced")
                 if response is not None:
-                    cache.coalesced += 1
                     return response
                 rejected = flight.value  # counted once: not looked at again below
                 continue
-            if flight.error is not None and _binds(flight.error, rounds) and _sent_alike(
-                    flight, (messages, keyed)):
+            if flight.error is not None and _binds(flight.error, rounds):
+                if not _sent_alike(flight, (messages, keyed)):
+                    # A refusal of another request than this call's (a parameter the key
+                    # leaves out, or a number written otherwise): asked for alone, at
+                    # once, beside any other such waiter, not queued behind one another.
+                    cache.misses += 1
+                    return await _lead(cache, key, None, upstream, ttl)
                 error = call.shared(flight.error)
                 call.record(getattr(error, "call_stats", None) or call.stats(cached=False), None, error)
                 raise error
@@ -408,10 +436,14 @@ def _binds(error: BaseException, rounds: Rounds | None) -> bool:
 
 def _sent_alike(flight: Flight, request: Any) -> bool:
     """Whether a refusal the leader got binds a waiter sending ``request``: only when
-    both send the same JSON.  A key counts ``1`` and ``1.0`` as one value; on the wire
-    they differ (``"max_tokens": 100.0`` is refused where ``100`` is taken).  Compared
-    only here, on the rare path of a shared refusal; anything that cannot be compared
-    counts as different (the waiter then asks for itself)."""
+    both send the same JSON, every parameter included.  A key counts ``1`` and ``1.0``
+    as one value; on the wire they differ (``"max_tokens": 100.0`` is refused where
+    ``100`` is taken).  And the parameters the key leaves out do not change an answer,
+    but may decide whether a request is taken (``metadata`` without ``store``, a
+    ``user`` over the provider's length): a refusal may also quote them, and another
+    caller's ``user`` or ``metadata`` is not this one's to read.  Compared only here,
+    on the rare path of a shared refusal; anything that cannot be compared counts as
+    different (the waiter then asks for itself)."""
     if not isinstance(flight.error, FatalUpstreamError) or flight.request is None:
         return True
     try:
@@ -420,12 +452,10 @@ def _sent_alike(flight: Flight, request: Any) -> bool:
         return False
 
 
-def _wire_json(request: tuple[Any, Mapping[str, Any]]) -> str:
-    """The messages and the parameters of the key (not those it leaves out: who asks,
-    how the answer travels) as JSON writes them, numbers as they are sent."""
-    messages, params = request
-    kept = {k: v for k, v in params.items() if k not in EXCLUDED_PARAMS}
-    return json.dumps([_as_sent(messages), _as_sent(kept)], sort_keys=True, ensure_ascii=False)
+def _wire_json(request: Any) -> str:
+    """``request`` (a chat's messages and parameters, an embedding's parameters) as
+    JSON writes it, numbers as they are sent."""
+    return json.dumps(_as_sent(request), sort_keys=True, ensure_ascii=False)
 
 
 def _as_sent(value: Any) -> Any:
@@ -653,6 +683,7 @@ async def cached_embed(
         # joined that is abandoned (its leader cancelled) is led again at once, not
         # after this call's own upstream batch (docs/cache.md, "Coalescing").
         orphans: list[str] = []
+        apart: list[str] = []  # refused as another call's request: led without waiting
 
         def start(nursery: trio.Nursery, todo: list[str], refresh: bool = False) -> None:
             led: list[str] = []
@@ -661,6 +692,7 @@ async def cached_embed(
                 if mode == "refresh" or refresh:
                     flight: Flight | None = cache.flights.lead_if_free(key)
                     if flight is not None:
+                        flight.request = params
                         flights[key] = flight
                     led.append(key)
                     continue
@@ -674,6 +706,7 @@ async def cached_embed(
                     continue
                 flight, leading = cache.flights.claim(key)
                 if leading:
+                    flight.request = params  # (the inputs: see Flight.batch)
                     flights[key] = flight
                     led.append(key)
                 else:
@@ -688,6 +721,13 @@ async def cached_embed(
                 cache.coalesced += 1
                 came[key] = "coalesced"
             elif flight.error is not None and (flight.batch is None or flight.batch <= own):
+                if not _sent_alike(flight, params):
+                    # a refusal of other parameters than this call's (as chat's): its
+                    # inputs asked for at once, beside the leader's other waiters
+                    apart.append(key)
+                    if len(apart) == 1:
+                        nursery.start_soon(relead, nursery, apart)
+                    return
                 error = call.shared(flight.error)
                 if not call.recorded:
                     call.record(getattr(error, "call_stats", None) or call.stats(cached=False), None, error)
@@ -695,14 +735,14 @@ async def cached_embed(
             else:  # abandoned (or undecodable): lead it, with the others woken with it
                 orphans.append(key)
                 if len(orphans) == 1:
-                    nursery.start_soon(relead, nursery)
+                    nursery.start_soon(relead, nursery, orphans)
 
-        async def relead(nursery: trio.Nursery) -> None:
-            # Started by the first orphan: it runs after every waiter woken with it
+        async def relead(nursery: trio.Nursery, pending: list[str]) -> None:
+            # Started by the first of them: it runs after every waiter woken with it
             # (one leader's flights end together) has joined the list: one batch.
-            todo = orphans[:]
-            orphans.clear()
-            start(nursery, todo)
+            todo = pending[:]
+            pending.clear()
+            start(nursery, todo, refresh=pending is apart)
 
         try:
             if todo:

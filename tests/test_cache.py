@@ -251,6 +251,44 @@ async def test_stream_replays_a_hit_as_chunks(autojump_clock: trio.testing.MockC
     assert _sent(up) == 1
 
 
+def _many_choices(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, json={
+        "id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": i, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": f"answer {i}"}} for i in range(60)],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+    })
+
+
+@pytest.mark.parametrize("leave", ["break", "cancelled"])
+async def test_a_replay_left_early_is_still_a_hit_and_ok(
+    autojump_clock: trio.testing.MockClock, leave: str,
+) -> None:
+    """Outside review (feature pairs): a hit replayed in more chunks than the stream
+    holds ahead of its reader (60 choices here), left after one chunk, counted no hit
+    and wrote a ``cancelled`` row with ``cached=False``; with fewer chunks, left at the
+    same point, a hit and ``ok``.  The answer is complete before the replay begins."""
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)],
+        cache_ttl_s=60)}, cache="memory")
+    capture = Capture()
+    async with polygate.session(settings, transport=httpx.MockTransport(_many_choices)) as s:
+        s._runtime.recorder = capture
+        await s.chat(MESSAGES, n=60)
+        with trio.CancelScope() as outer:
+            async with s.stream_chat(MESSAGES, n=60) as stream:
+                async for _ in stream:
+                    if leave == "break":
+                        break
+                    outer.cancel()
+                    await trio.lowlevel.checkpoint()
+        stats = await s.statistics()
+    assert stats.cache is not None and stats.cache.hits == 1, stats.cache
+    (replayed, error, streamed) = capture.calls[1]
+    assert streamed and error is None
+    assert replayed.cached and replayed.source == "a" and replayed.attempts == 0
+
+
 async def test_a_streamed_answer_is_stored(autojump_clock: trio.testing.MockClock) -> None:
     up = FakeUpstream(Reply(tokens=5))
     async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
@@ -1335,12 +1373,15 @@ async def test_a_refusal_binds_only_a_waiter_that_sends_the_same_bytes(
         assert [r.body["max_tokens"] for r in up.requests] == [100.0, 100]
 
 
-async def test_waiters_that_differ_only_in_what_the_key_leaves_out_share_a_refusal(
+async def test_waiters_refused_for_another_request_ask_at_once_not_in_turn(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """review of the fix above: it compared every parameter, so five callers asking the
     same thing for five end users (``user`` is left out of the key) each led in turn
-    after the previous refusal, and the later ones ran out of their deadline."""
+    after the previous refusal, and the later ones ran out of their deadline.  The
+    refusal is not theirs (a left-out parameter may be what was refused, and the
+    refusal may quote it: see the next test), so each asks for itself: all at once
+    when the leader's refusal comes, never one after another."""
     def refuse(request: Any, rng: Any) -> Reply:
         return Reply(status=400, headers_delay_s=1.0, error_body={"error": {
             "message": "Invalid value for 'temperature'", "type": "invalid_request_error"}})
@@ -1361,7 +1402,51 @@ async def test_waiters_that_differ_only_in_what_the_key_leaves_out_share_a_refus
             for n in range(5):
                 nursery.start_soon(one, n)
     assert {kind for kind, _ in ended.values()} == {"FatalUpstreamError"}
-    assert max(t for _, t in ended.values()) < 1.5 and _sent(up) == 1
+    assert max(t for _, t in ended.values()) == pytest.approx(2.0) and _sent(up) == 5
+
+
+def _refuse_metadata_without_store(request: Any, _rng: Any) -> Reply:
+    """OpenAI's own 400 for ``metadata`` without ``store``, quoting nothing else."""
+    if request.body.get("metadata") and not request.body.get("store"):
+        return Reply(status=400, headers_delay_s=1.0, error_body={"error": {
+            "message": f"'metadata' {request.body['metadata']} is only allowed when 'store' is enabled.",
+            "type": "invalid_request_error", "param": "metadata"}})
+    return Reply(text="fine", first_token_s=1.0)
+
+
+@pytest.mark.parametrize("kind", ["chat", "embed"])
+async def test_a_refusal_of_a_left_out_parameter_is_not_a_waiters_with_a_valid_request(
+    autojump_clock: trio.testing.MockClock, kind: str,
+) -> None:
+    """Outside review (feature pairs): the key leaves out ``metadata`` and ``store``
+    (they do not change an answer), but they decide whether a request is taken.
+    Alice's ``metadata`` without ``store`` is refused; Bob, the same prompt with
+    ``store=True``, joined her flight and got her refusal (quoting her ``metadata``),
+    where alone he is answered.  A refusal binds only a waiter that sends the same
+    JSON, every parameter included."""
+    up = FakeUpstream(_refuse_metadata_without_store)
+    out: dict[str, Any] = {}
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        def ask(text: str, **params: Any) -> Awaitable[Any]:
+            if kind == "chat":
+                return s.chat([{"role": "user", "content": text}], **params)
+            return s.embed([text], **params)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_outcome_at, out, "alice", 0.0,
+                               partial(ask, "hi", metadata={"tenant": "alice-private"}))
+            nursery.start_soon(_outcome_at, out, "bob", 0.1,
+                               partial(ask, "hi", metadata={"tenant": "bob"}, store=True))
+            # A waiter that sends the same JSON as its leader still shares its refusal.
+            for who in ("carol", "dave"):
+                nursery.start_soon(_outcome_at, out, who, 0.2,
+                                   partial(ask, "other", metadata={"tenant": "shared"}))
+    assert isinstance(out["alice"], polygate.FatalUpstreamError)
+    assert not isinstance(out["bob"], BaseException), out["bob"]
+    assert "alice-private" not in repr(out["bob"])
+    assert isinstance(out["carol"], polygate.FatalUpstreamError)
+    assert isinstance(out["dave"], polygate.FatalUpstreamError)
+    assert _sent(up) == 3  # alice, bob, and one for carol and dave
 
 
 async def test_embeddings_keep_their_key_when_a_fallback_chat_model_changes(tmp_path: Any) -> None:

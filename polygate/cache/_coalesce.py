@@ -46,8 +46,9 @@ class Flight:
     waiter that would send all of them itself takes it; the others lead anew.
 
     ``request``: what the leader sends, as given (for a chat: its messages and
-    parameters).  Equal keys may be different requests on the wire (``1`` and ``1.0``
-    share a key), and an upstream may refuse one and take the other: a refusal
+    parameters; for an embedding: its parameters).  Equal keys may be different
+    requests on the wire (``1`` and ``1.0`` share a key; the key leaves out who asks),
+    and an upstream may refuse one and take the other: a refusal
     (``FatalUpstreamError``) binds only a waiter that sends the same bytes."""
 
     __slots__ = ("batch", "done", "error", "request", "value")
