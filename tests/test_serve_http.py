@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 from typing import Any
 
 import attrs
 import h11
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -337,6 +340,42 @@ async def test_null_embeddings_options_are_not_sent_upstream_as_null() -> None:
     sent = upstream.requests[0].body
     assert sent.get("dimensions", "absent") is not None, sent
     assert sent.get("encoding_format", "absent") is not None, sent
+
+
+async def test_the_answers_encoding_is_the_gateways_and_never_sent_upstream() -> None:
+    """Outside review (real clients): the client's ``encoding_format`` went upstream.
+    The OpenAI SDKs ask for ``base64`` by default, and an upstream that serves only
+    floats refused every SDK client (a 400: fatal, no failover); and a ``base64`` and
+    a ``float`` request of the same text were two cache entries.  The gateway writes
+    the answer in the client's encoding itself."""
+    sent: list[dict[str, Any]] = []
+
+    def floats_only(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append(body)
+        if "encoding_format" in body:
+            return httpx.Response(400, json={"error": {
+                "message": "encoding_format is not supported", "type": "invalid_request_error"}})
+        return httpx.Response(200, json={
+            "object": "list", "model": "emb",
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.5, -0.25, 1.0]}],
+            "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+
+    settings = polygate.Settings(
+        scopes={"embed": polygate.Scope(
+            sources=[polygate.Source(name="e", base_url="http://e/v1", model="emb")],
+            cache_ttl_s=60)},
+        cache="memory", serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+    async with open_server(settings, port=0, transport=httpx.MockTransport(floats_only)) as server:
+        packed = await http(server, "POST", "/v1/embeddings",
+                            {"model": "embed", "input": "x", "encoding_format": "base64"}, AUTH)
+        plain = await http(server, "POST", "/v1/embeddings",
+                           {"model": "embed", "input": "x", "encoding_format": "float"}, AUTH)
+    assert (packed.status, plain.status) == (200, 200), packed.json()
+    vector = struct.unpack("<3f", base64.b64decode(packed.json()["data"][0]["embedding"]))
+    assert list(vector) == plain.json()["data"][0]["embedding"] == [0.5, -0.25, 1.0]
+    assert plain.headers["x-polygate-cached"] == "true"
+    assert len(sent) == 1 and "encoding_format" not in sent[0]
 
 
 @pytest.mark.parametrize(("messages", "param"), [

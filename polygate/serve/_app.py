@@ -861,15 +861,18 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
     if not all(inputs):
         return await _fail(ctx, _bad_param(
             "input must not hold an empty string: there is nothing to embed", "input"))
-    encoding = body.get("encoding_format")
+    # The answer's encoding is the gateway's own (it reads either from the upstream and
+    # writes the client's): not sent upstream, where a server that serves only floats
+    # refuses base64 -- the OpenAI SDKs' default -- with a 400, and not in the cache
+    # key, so an SDK's base64 and curl's float share the vectors they both ask for.
+    encoding = body.pop("encoding_format", None)
     if encoding not in (None, "float", "base64"):
         return await _fail(ctx, _bad_param(
             "encoding_format must be 'float' or 'base64'", "encoding_format"))
-    for name in ("encoding_format", "dimensions"):
-        if name in body and body[name] is None:
-            # null is the default here, as OpenAI reads it; not sent upstream as null,
-            # which a server that types the field (vLLM) refuses.
-            del body[name]
+    if "dimensions" in body and body["dimensions"] is None:
+        # null is the default here, as OpenAI reads it; not sent upstream as null,
+        # which a server that types the field (vLLM) refuses.
+        del body["dimensions"]
     base64_out = encoding == "base64"
     call_id = fresh_call_id()
     token = PRESET_CALL_ID.set(call_id)
