@@ -517,6 +517,46 @@ async def test_http_edges_found_by_a_probe() -> None:
         assert answer.status == 405 and answer.headers["allow"] == "GET, HEAD"
 
 
+async def test_a_request_body_in_a_content_coding_is_refused_unread() -> None:
+    """Outside review (real clients): ``Content-Encoding`` was ignored.  A gzip body
+    got "not valid JSON" (400), and plain JSON labelled gzip went upstream as it was.
+    RFC 9110 §15.5.16: 415, with ``Accept-Encoding`` saying what is taken."""
+    import gzip
+
+    body = json.dumps(CHAT).encode()
+    async with gateway() as (server, upstream):
+        for coding, data in (("gzip", gzip.compress(body)), ("gzip", body),
+                             ("identity, br", body)):
+            answer = await http(server, "POST", "/v1/chat/completions", data,
+                                {**AUTH, "content-encoding": coding})
+            assert answer.status == 415, (coding, answer.status)
+            assert answer.json()["error"]["code"] == "unsupported_content_encoding"
+            assert answer.headers["accept-encoding"] == "identity"
+            assert answer.headers["connection"] == "close"
+        # So is a chunked one; "identity" is no coding at all.
+        refused = await _raw(server, _chunked_chat(b"content-encoding: deflate\r\n"))
+        assert refused.startswith(b"HTTP/1.1 415")
+        assert not upstream.requests
+        answer = await http(server, "POST", "/v1/chat/completions", body,
+                            {**AUTH, "content-encoding": "identity"})
+        assert answer.status == 200
+
+
+@pytest.mark.parametrize("head", [
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # HTTP/2's connection preface
+    b"GET /healthz HTTP/2.0\r\nhost: g\r\n\r\n",
+    b"GET /healthz HTTP/3.1\r\nhost: g\r\n\r\n",
+])
+async def test_a_request_of_another_major_version_is_505(head: bytes) -> None:
+    """Outside review (real clients): h11 reads a request line of any version, so
+    HTTP/2's preface got an HTTP/1.1 401 (``curl --http2-prior-knowledge``: "Empty
+    reply from server"), and ``GET /healthz HTTP/2.0`` was served.  RFC 9112 §2.3."""
+    async with gateway() as (server, _):
+        data = await _raw(server, head)
+    assert data.startswith(b"HTTP/1.1 505 HTTP Version Not Supported\r\n"), data[:80]
+    assert b"connection: close" in data.lower() and b"http_version_not_supported" in data
+
+
 async def test_a_chunked_body_over_the_cap_is_labelled_by_its_endpoint() -> None:
     """The same 413 was labelled endpoint="other" when the body came chunked."""
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_request_bytes=64)

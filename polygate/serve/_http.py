@@ -59,9 +59,9 @@ _SERVER_LINE: Final = b"server: polygate\r\n"
 _REASONS: Final = {
     100: b"Continue", 200: b"OK", 400: b"Bad Request", 401: b"Unauthorized",
     404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout",
-    413: b"Content Too Large", 429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
-    500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable",
-    504: b"Gateway Timeout",
+    413: b"Content Too Large", 415: b"Unsupported Media Type", 429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 502: b"Bad Gateway",
+    503: b"Service Unavailable", 504: b"Gateway Timeout", 505: b"HTTP Version Not Supported",
 }
 
 
@@ -114,13 +114,18 @@ class Cuts:
 class HTTPProblem(Exception):
     """The request cannot be read: answer ``status`` and close the connection."""
 
-    def __init__(self, status: int, message: str, code: str, path: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str, path: str | None = None,
+        headers: Headers = (),
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         #: The request's path, when its head was read (for the metrics' label).
         self.path = path
+        #: Fields the answer carries besides the usual ones.
+        self.headers = headers
 
 
 @attrs.define(slots=True)
@@ -365,6 +370,13 @@ class Connection:
             # body.  (A plain request's head is within the limit by construction.)
             if pending + fed > _MAX_HEAD and pending + fed - len(self.h11.trailing_data[0]) > _MAX_HEAD:
                 raise HTTPProblem(431, "the request head is over 64 KiB", "bad_request")
+            if not event.http_version.startswith((b"1.", b"0.")):
+                # h11 reads a request line of any version: HTTP/2's connection preface
+                # ("PRI * HTTP/2.0") too, which was then answered as HTTP/1.1 (a 401).
+                # (One below 1.0 is answered as HTTP/1.0 is, below.)
+                raise HTTPProblem(  # (RFC 9112 §2.3: a major version it does not speak)
+                    505, "this gateway speaks HTTP/1.1 (HTTP/2 is not served: use HTTP/1.1)",
+                    "http_version_not_supported")
         self.requests += 1
         self.responding = False
         self.pipelined = 0
@@ -426,6 +438,16 @@ class Connection:
                 413, f"request body of {length} bytes exceeds the limit of "
                 f"{limits.max_request_bytes} bytes", "request_too_large", path,
             )
+        if "content-encoding" in headers and (length not in (None, "0") or "transfer-encoding" in headers):
+            codings = b",".join(v for k, v in event.headers if k == b"content-encoding")
+            if any(c.strip() not in (b"", b"identity") for c in codings.lower().split(b",")):
+                # A compressed body (RFC 9110 §15.5.16) is refused unread, as polygate's
+                # own client refuses an answer in a coding: it was read as JSON, and a
+                # plain body labelled gzip went upstream as it was.
+                raise HTTPProblem(
+                    415, "a request body in a content coding (Content-Encoding) is not "
+                    "accepted: send it uncompressed", "unsupported_content_encoding", path,
+                    headers=((b"accept-encoding", b"identity"),))
         if isinstance(event, _PlainRequest):
             body = event.body
         else:

@@ -590,7 +590,7 @@ class Server:
             await conn.send_response(
                 problem.status,
                 [(b"content-type", b"application/json"), (b"x-polygate-call-id", cid),
-                 (b"x-request-id", cid), *NO_CALL],
+                 (b"x-request-id", cid), *NO_CALL, *problem.headers],
                 error_body(problem.message, "invalid_request_error", problem.code), close=True,
             )
         except ClientGone:
