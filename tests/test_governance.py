@@ -125,6 +125,17 @@ def test_estimates() -> None:
         assert completion_budget({"max_tokens": no_limit}, 256) == 256
 
 
+@pytest.mark.parametrize("kind", [[], {"a": 1}, ["image_url"], 3.5, None])
+def test_a_content_part_of_any_type_is_estimated(kind: Any) -> None:
+    """Outside review (fuzzing the gateway's bodies): a part whose ``type`` was a list
+    or an object raised ``TypeError: unhashable type`` from the estimate (a 500 from
+    ``polygate serve``, a bare TypeError from ``chat()``).  The part is counted by its
+    JSON, and the upstream judges it."""
+    part = {"type": kind, "payload": "x" * 400}
+    tokens = CharEstimator().prompt_tokens([{"role": "user", "content": [part]}])
+    assert tokens > 100
+
+
 @pytest.mark.parametrize(
     "usage",
     [None, {"prompt_tokens": -5, "completion_tokens": 3}, {"prompt_tokens": 10**12, "completion_tokens": 1},

@@ -485,3 +485,19 @@ async def test_a_whole_float_limit_is_reserved_like_the_integer(limit: dict[str,
         answer = await http(server, "POST", CALL, {**CHAT, **limit}, bearer(ALICE))
     assert answer.status == 429, answer.body[:300]
     assert ("alice", "too_large") in dict(server.metrics.key_refusals)
+
+
+@pytest.mark.parametrize("named", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_content_part_typed_as_a_list_or_an_object_is_forwarded_not_a_500(
+    named: bool, stream: bool,
+) -> None:
+    """Outside review (fuzzing the gateway's bodies): ``{"type": []}`` as a content part
+    crashed the token estimate, a 500 with a traceback in the log (for a named key with
+    a quota, before the call).  It is the upstream's to judge: forwarded as sent."""
+    parts = [{"type": []}, {"type": {"a": 1}}, {"type": ["text"], "text": "hi"}]
+    body = {**CHAT, "messages": [{"role": "user", "content": parts}], "stream": stream}
+    async with gateway(serve=keyed(rpm=1000, tpm=100_000)) as (server, upstream):
+        answer = await http(server, "POST", CALL, body, bearer(ALICE) if named else AUTH)
+    assert answer.status == 200, answer.body[:300]
+    assert upstream.requests[-1].body["messages"] == body["messages"]

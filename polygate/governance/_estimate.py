@@ -48,7 +48,9 @@ def _message_parts(message: Mapping[str, Any]) -> tuple[str, int]:
         elif key == "content" and isinstance(value, list):
             for part in value:
                 kind = part.get("type") if isinstance(part, Mapping) else None
-                if kind in _MEDIA_PARTS:
+                # (A caller's part may say anything: a list or an object as its type
+                # cannot be looked up in a set, and is counted by its JSON below.)
+                if type(kind) is str and kind in _MEDIA_PARTS:
                     media += 1
                 elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
                     parts.append(part["text"])
