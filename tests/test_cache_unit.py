@@ -422,3 +422,30 @@ async def test_an_undecodable_entry_is_a_miss(autojump_clock: trio.testing.MockC
         stats = (await s.statistics()).cache
     assert r.text == "fresh" and not r.call_stats.cached
     assert stats.errors == 1 and stats.misses == 2
+
+
+def test_the_keys_digests_are_pinned() -> None:
+    """The keys a cache file or a Redis prefix keeps across upgrades.  Outside review
+    (upgrading over old state): the fallback chain's models joined a scope's keys
+    without a new ``KEY_VERSION``, so an entry written before, under the key a scope
+    without a fallback still had, was served as that scope's own answer after its
+    fallback was removed.  If this test fails, the keys' form changed: bump
+    ``KEY_VERSION`` (and say so in docs/cache.md), then update the digests here."""
+    from polygate.cache import chat_key, embed_keys
+    from polygate.cache._key import KEY_VERSION
+
+    hi = [{"role": "user", "content": "hi"}]
+    assert KEY_VERSION == 4
+    assert chat_key("chat", ["m1"], hi, {"temperature": 0}) == (
+        "8fb0b4a9e4c586aa4bfb36e3456ccaf710e460f7b61fc31e60e45cc4ad30de53")
+    assert chat_key("chat", ["m1", "fallback large: m2"], hi, {"temperature": 0}) == (
+        "d8d131511ad77cdf7b05cebe580a3a7b660c8a5c95eef643fe640cadc80630f8")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    params = {"max_tokens": 100.0, "logit_bias": {1.0: 5}, "user": "u",
+              "polygate:schema": {"name": "City", "schema": {"type": "object"}}}
+    assert chat_key("chat", ["m1"], parts, params) == (
+        "10eeebe0f7f21f73a3c9bb7943bd1259b257c07655894539d1e7391c8d496a5d")
+    assert embed_keys("embed", ["e"], ["a", "b"], {"dimensions": 8}) == [
+        "1883bc62d50c6bb5e3feb08de37cb575d1de18f5cfeac67fdf71eefc939fb5a9",
+        "ab916d9cf170029763827dd5704fe4211d8e35401a8e71420f71586964074479",
+    ]

@@ -41,7 +41,10 @@ __all__ = ["EXCLUDED_PARAMS", "KEY_VERSION", "canonical", "canonical_json", "cha
 #: Bumped whenever the canonical form changes, so old entries are never misread.
 #: 2: written by msgspec (UTF-8) where version 1 used ``json`` (ASCII escapes).
 #: 3: a float object key is its JSON text (``"1.0"``), no longer an int's (``"1"``).
-KEY_VERSION = 3
+#: 4: a scope with a fallback keys its answers with the chain's models too (written
+#: under version 3 before that, a fallback's answer read back as the scope's own once
+#: the fallback was removed).  ``tests/test_cache_unit.py`` pins the keys' digests.
+KEY_VERSION = 4
 
 #: Parameters left out of the key: they identify the caller or shape the transport,
 #: and never change the answer.
