@@ -255,6 +255,25 @@ def test_scope_and_since_select_calls_with_all_their_attempts(
     assert sources[("large", "b")]["outcomes"] == {"ok": 4}
 
 
+def test_a_fallbacks_source_is_named_with_its_scope_in_the_latency_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Outside review (names in the reports): a source's name is its scope's own, and
+    one provider's name in two scopes is the usual case.  A ``chat`` call that fell
+    back to ``large``'s "openai" made a latency row ``chat / openai``, the row of
+    ``chat``'s own "openai" (which failed every attempt it had)."""
+    own = _call(1, total=1000, generation=900, ttft=100, source="openai")
+    fell = _call(2, total=3000, generation=900, ttft=100, source="openai")._replace(
+        answered_scope="large")
+    path = tmp_path / "fallback.db"
+    sink = SQLiteSink.open(path)
+    sink.write(Batch([own._replace(answered_scope="chat"), fell], [], None))
+    sink.close()
+    r = _json(capsys, "--db", str(path))
+    rows = {(row["scope"], row["source"]): row["calls"] for row in r["latency"]}
+    assert rows == {("chat", "(all)"): 2, ("chat", "openai"): 1, ("chat", "large/openai"): 1}
+
+
 def test_all_scopes_with_errors(known_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     r = _json(capsys, "--db", str(known_db))  # a plain path works too
     assert r["calls"] == 103
@@ -698,7 +717,7 @@ def test_the_plot_draws_a_source_of_one_call(tmp_path: Path, monkeypatch: pytest
         return CallRow(scope="chat", kind="chat", source=source, outcome="ok", error_class=None,
                        started_at=NOW, total_latency_ms=ms, generation_ms=ms, ttft_ms=None,
                        stall_ms=None, stall_count=None, active_generation_ms=None, attempts=1,
-                       hedges=0, hedge_won=0, cached=0)
+                       hedges=0, hedge_won=0, cached=0, answered_scope="chat")
 
     assert _stats._plot([row("a", 1000), row("a", 2000), row("b", 3000), row("c", 0)],
                         str(tmp_path / "x.png")) == 0

@@ -56,7 +56,7 @@ async def _left(server: Server, upstream: FakeUpstream, client: trio.SocketStrea
 def _results(server: Server) -> dict[str, int]:
     """``polygate_serve_calls_total`` by result (every call is counted, however it ended)."""
     out: dict[str, int] = {}
-    for (_, _, result), n in server.metrics.calls.items():
+    for (*_, result), n in server.metrics.calls.items():
         out[result] = out.get(result, 0) + n
     return out
 

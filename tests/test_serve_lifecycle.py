@@ -1011,7 +1011,7 @@ def test_a_hard_stop_is_no_client_that_left(seed: int) -> None:
 
     calls, disconnects, requests = Schedule(seed).run(scenario)
     assert disconnects == 0
-    assert {key[2] for key in calls} == {"shutting_down"}
+    assert {key[-1] for key in calls} == {"shutting_down"}
     assert [key[1] for key in requests] == [503]
 
 

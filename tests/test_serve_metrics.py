@@ -11,8 +11,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import polygate
-from polygate.serve import _metrics
-from polygate.testing import Reply
+from polygate.serve import _metrics, open_server
+from polygate.testing import FakeUpstream, Reply
 
 from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, http, read_until_closed, wait_for
 
@@ -196,11 +196,11 @@ def test_a_scrapes_copy_holds_every_counter() -> None:
         elif isinstance(value, dict) and name != "durations":
             value[("x", number) if name in ("requests", "key_refusals") else "x"] = number
     metrics.request("/v1/chat/completions", 200, 0.2)
-    metrics.calls[("chat", "s0", "ok")] = 7
+    metrics.calls[("chat", "chat", "s0", "ok")] = 7
     metrics.closed.add(3, 4, {"chat": 5})
     copied = metrics.snapshot()
     metrics.request("/v1/chat/completions", 200, 0.2)  # after the copy: not in it
-    metrics.calls[("chat", "s0", "ok")] += 1
+    metrics.calls[("chat", "chat", "s0", "ok")] += 1
     metrics.in_flight += 1
     for name, value in vars(copied).items():
         if name in ("durations", "sessions", "closed", "renders"):
@@ -209,7 +209,7 @@ def test_a_scrapes_copy_holds_every_counter() -> None:
         if name == "requests":
             original = {**original, ("/v1/chat/completions", 200): 1}
         elif name == "calls":
-            original = {**original, ("chat", "s0", "ok"): 7}
+            original = {**original, ("chat", "chat", "s0", "ok"): 7}
         elif name == "in_flight":
             original -= 1
         assert value == original, name
@@ -236,3 +236,29 @@ async def test_a_scrape_needs_none_of_trios_shared_threads() -> None:
                 shared.release_on_behalf_of(holder)
     assert answer.status == 200
     assert "polygate_serve_requests_in_flight 1.0" in answer.body.decode()
+
+
+async def test_a_call_answered_by_a_fallback_is_counted_with_the_scope_that_answered() -> None:
+    """Outside review (names in the metrics): source names are a scope's own, and one
+    provider's name in two scopes is the usual case.  A ``chat`` call that fell back to
+    ``large`` was counted as ``{scope="chat",source="openai"}``, the very series of a
+    call ``chat``'s own "openai" answered."""
+    bad, good = FakeUpstream(Reply(status=503)), FakeUpstream(Reply(tokens=2))
+    async with bad.serve() as bad_url, good.serve() as good_url:
+        settings = polygate.Settings(
+            scopes={
+                "chat": polygate.Scope(
+                    sources=[polygate.Source(name="openai", base_url=bad_url, model="small")],
+                    retry=polygate.Retry(max_attempts=1), fallback="large"),
+                "large": polygate.Scope(
+                    sources=[polygate.Source(name="openai", base_url=good_url, model="big")]),
+            },
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+        async with open_server(settings, port=0) as server:
+            assert (await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status == 200
+            await http(server, "POST", "/v1/chat/completions", {**CHAT, "model": "large"}, AUTH)
+            await http(server, "POST", "/v1/chat/completions", {**CHAT, "model": "nope"}, AUTH)
+            found = samples((await http(server, "GET", "/metrics", headers=AUTH)).body.decode())
+    assert sorted((s.labels["scope"], s.labels["answered_scope"], s.labels["source"], s.labels["result"])
+                  for s in found["polygate_serve_calls_total"]) == [
+        ("chat", "large", "openai", "ok"), ("large", "large", "openai", "ok")]

@@ -141,7 +141,7 @@ async def test_a_stream_no_source_admitted_after_a_keep_alive_costs_the_key_noth
             answer = await http(server, "POST", "/v1/chat/completions",
                                 {**CHAT, "stream": True}, {"authorization": f"Bearer {ALICE}"})
             state = await server.session._runtime.governor.backend.snapshot("@key", "alice")
-            results = {result for (_, _, result) in server.metrics.calls}
+            results = {result for (*_, result) in server.metrics.calls}
             nursery.cancel_scope.cancel()
     assert answer.status == 200  # committed by a keep-alive, then an error event
     assert b": keep-alive" in answer.body and b'"deadline_exceeded"' in answer.body

@@ -964,3 +964,27 @@ async def _no_telemetry_thread_busy() -> bool:
     import threading
 
     return not any(t.name == "polygate-telemetry-close" for t in threading.enumerate())
+
+
+def test_stats_reads_a_version_1_file_as_it_is(tmp_path: Path) -> None:
+    """``polygate stats`` only reads: a first-release file (no ``answered_scope``
+    column) is reported, not migrated, its calls' answering scope unknown."""
+    from polygate.telemetry._report import open_reader, read_rows
+
+    path = tmp_path / "t.db"
+    conn = sqlite3.connect(path)
+    conn.execute(_schema.version_table("sqlite"))
+    for version, stmts in _schema.statements("sqlite", 0, 1):
+        for statement in stmts:
+            conn.execute(statement)
+        conn.execute("INSERT INTO polygate_schema VALUES (?, 0)", (version,))
+    conn.execute(f"INSERT INTO calls VALUES ({', '.join('?' * 24)})", _event_fields_v1())
+    conn.commit()
+    conn.close()
+    reader = open_reader(f"sqlite:///{path}")
+    try:
+        calls, _, _ = read_rows(reader)
+    finally:
+        reader.close()
+    assert [(c.scope, c.source, c.answered_scope) for c in calls] == [("chat", "a", None)]
+    assert [v for (v,) in sqlite3.connect(path).execute("SELECT version FROM polygate_schema")] == [1]

@@ -206,6 +206,12 @@ async def test_a_call_that_fell_back_has_its_spans(
     call, attempts = _by_name(exporter.get_finished_spans())
     assert call.name == "chat chat"
     assert [a.name for a in attempts] == ["chat m-8k", "chat m-8k", "chat m-128k"]
+    # Outside review (names in the reports): a source's name is its scope's own, so each
+    # span says which scope its source is of.
+    assert [a.attributes["polygate.scope"] for a in attempts] == ["chat", "chat", "large"]
+    assert call.attributes["polygate.scope"] == "chat"
+    assert (call.attributes["polygate.answered_scope"], call.attributes["polygate.source"]) == (
+        "large", "large")
 
 
 async def test_an_ocr_call_has_an_ocr_span_and_a_chat_span_per_page(

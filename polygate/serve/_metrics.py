@@ -83,7 +83,8 @@ class Metrics:
     def __init__(self) -> None:
         self.requests: dict[tuple[str, int], int] = {}
         self.durations: dict[str, _Histogram] = {}
-        self.calls: dict[tuple[str, str, str], int] = {}  # (scope, source, result)
+        # (scope, answered scope, source, result)
+        self.calls: dict[tuple[str, str, str, str], int] = {}
         self.attempts: dict[str, int] = {}
         self.hedges: dict[str, int] = {}
         self.cached: dict[str, int] = {}
@@ -163,7 +164,10 @@ class Metrics:
 
     def call(self, scope: str, stats: CallStats | None, result: str) -> None:
         source = stats.source if stats is not None and stats.source else ""
-        key = (scope, source, result)
+        # A source's name is its scope's: one that fell back is named with the scope
+        # that answered, which may have a source of the same name ("openai" in both).
+        answered = (stats.scope or scope) if source and stats is not None else ""
+        key = (scope, answered, source, result)
         self.calls[key] = self.calls.get(key, 0) + 1
         if stats is not None:
             self.attempts[scope] = self.attempts.get(scope, 0) + stats.attempts
@@ -220,11 +224,12 @@ class _Collector:
             durations.add_metric([endpoint], histogram.cumulative(), histogram.sum)
         yield durations
         calls = CounterMetricFamily(
-            "polygate_serve_calls", "Logical calls, by scope, winning source and result",
-            labels=["scope", "source", "result"],
+            "polygate_serve_calls",
+            "Logical calls, by scope, the scope that answered, its winning source, and result",
+            labels=["scope", "answered_scope", "source", "result"],
         )
-        for (scope, source, result), count in sorted(m.calls.items()):
-            calls.add_metric([scope, source, result], count)
+        for (scope, answered, source, result), count in sorted(m.calls.items()):
+            calls.add_metric([scope, answered, source, result], count)
         yield calls
         for name, table, text in (
             ("polygate_serve_call_attempts", m.attempts, "Transport attempts of the calls"),

@@ -117,6 +117,8 @@ class OtelRecorder:
             "polygate.waiting_ms": stats.total_latency_ms - stats.generation_ms,
         }
         _put(attributes, "polygate.source", stats.source)
+        if stats.source:  # (a source's name is its scope's: the one that answered)
+            _put(attributes, "polygate.answered_scope", stats.scope)
         _put(attributes, "polygate.ttft_ms", stats.ttft_ms)
         _put(attributes, "polygate.stall_ms", stats.stall_ms)
         _put(attributes, "polygate.stall_count", stats.stall_count)
@@ -158,6 +160,7 @@ class OtelRecorder:
         tl = record.timeline
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
+            "polygate.scope": record.scope or ctx.scope_name,
             "polygate.source": record.source,
             "polygate.attempt.id": record.attempt_id,
             "polygate.attempt.role": record.role,

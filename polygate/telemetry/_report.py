@@ -53,6 +53,7 @@ class CallRow(NamedTuple):
     hedges: int
     hedge_won: int
     cached: int
+    answered_scope: str | None  # the scope that answered (None before schema 2)
 
 
 class AttemptRow(NamedTuple):
@@ -144,8 +145,10 @@ def _read_rows(
         where.append("scope = ?")
         params.append(scope)
     clause = (" WHERE " + " AND ".join(where)) if where else ""
+    # (A file of schema 1, read as it is, has no answered_scope: unknown, as migrated.)
+    columns = [f if f != "answered_scope" or found >= 2 else "NULL" for f in CallRow._fields]
     calls = [CallRow(*r) for r in reader.query(
-        f"SELECT {', '.join(CallRow._fields)} FROM calls{clause}", tuple(params))]
+        f"SELECT {', '.join(columns)} FROM calls{clause}", tuple(params))]
     # The attempts of those calls, whatever scope each ran in (a fallback's) and
     # whenever it was admitted (after a wait past --since): one report, one set of calls
     # -- with no filter too (the attempts of a call still running, or of one whose
@@ -241,8 +244,13 @@ def _latency_table(calls: Sequence[CallRow]) -> list[dict[str, Any]]:
     for c in calls:
         if c.cached:  # answered by the cache, not by the source that once answered it
             source = "(cache)"
+        elif c.outcome == "ok" and c.source:
+            # A source is its scope's: one of the fallback that answered is named with
+            # it ("large/openai"), not taken for the asked scope's source of that name.
+            fell_back = c.answered_scope and c.answered_scope != c.scope
+            source = f"{c.answered_scope}/{c.source}" if fell_back else c.source
         else:
-            source = c.source if c.outcome == "ok" and c.source else f"({c.outcome})"
+            source = f"({c.outcome})"
         groups[(c.scope, source)].append(c.total_latency_ms)
         groups[(c.scope, "(all)")].append(c.total_latency_ms)
     rows = []
