@@ -176,10 +176,13 @@ def _key(secrets: Iterable[str]) -> tuple[str, ...]:
     return secrets if isinstance(secrets, tuple) else tuple(secrets)
 
 
-#: Query parameters whose value is a credential (libpq's ``password`` and
-#: ``sslpassword``, a Redis URL's ``password``, an ``api_key`` or ``token``...).
+#: Query (or fragment) parameters whose value is a credential (libpq's ``password``
+#: and ``sslpassword``, a Redis URL's ``password``, an ``api_key`` or ``token``, a
+#: signed link's ``sig``, ``X-Amz-Signature``, ``X-Goog-Credential``, an OAuth
+#: ``#access_token``...).
 SECRET_PARAM = re.compile(
-    r"(?P<lead>[?&;](?P<name>[^=&#;]*(?:pass|secret|token|key|auth)[^=&#;]*)=)(?P<value>[^&#;]*)",
+    r"(?P<lead>[?&;#](?P<name>[^=&#;]*(?:pass|secret|token|key|auth|sig|credential)[^=&#;]*)=)"
+    r"(?P<value>[^&#;]*)",
     re.IGNORECASE,
 )
 

@@ -352,6 +352,16 @@ def test_api_key_errors_never_echo_the_key() -> None:
          "postgresql://u:***@h/db?sslpassword=***&sslmode=require"),
         ("https://h/v1?api_key=sk-1&x=1", "https://h/v1?api_key=***&x=1"),
         ("redis://h:6379/0?prefix=app&timeout_s=1", "redis://h:6379/0?prefix=app&timeout_s=1"),
+        # Outside review (fuzzing the library's arguments): a signed link's signature
+        # (Azure's SAS, S3's, Google's, CloudFront's) and an OAuth token in a fragment
+        # were shown whole, an OCR document URL refused among them.
+        ("http://a.blob.example/a.png?sp=r&sig=SECRETSIG", "http://a.blob.example/a.png?sp=r&sig=***"),
+        ("https://b.s3.example/x.pdf?X-Amz-Credential=AKIA1&X-Amz-Signature=SECRETSIG",
+         "https://b.s3.example/x.pdf?X-Amz-Credential=***&X-Amz-Signature=***"),
+        ("https://g.example/x?X-Goog-Signature=SECRETSIG", "https://g.example/x?X-Goog-Signature=***"),
+        ("https://c.example/x?Expires=1&Signature=SECRETSIG&Key-Pair-Id=K",
+         "https://c.example/x?Expires=1&Signature=***&Key-Pair-Id=***"),
+        ("https://h/cb#access_token=SECRETTOK&state=1", "https://h/cb#access_token=***&state=1"),
     ],
 )
 def test_mask_url(url: str, masked: str) -> None:

@@ -719,7 +719,11 @@ def test_a_refused_url_document_is_shown_masked() -> None:
     from polygate._ocr_document import check_url
 
     for url, secret in (("http://h/x.png?token=SECRETTOKEN123", "SECRETTOKEN123"),
-                        ("https://u:passw0rd123@h x", "passw0rd123")):
+                        ("https://u:passw0rd123@h x", "passw0rd123"),
+                        # outside review: a signed link's own signature, and a fragment's
+                        ("http://a.blob.example/a.png?sp=r&sig=SECRETSIG123", "SECRETSIG123"),
+                        ("http://b.example/a.png?X-Amz-Signature=SECRETSIG123", "SECRETSIG123"),
+                        ("http://h/a.png#access_token=SECRETTOK123", "SECRETTOK123")):
         with pytest.raises(polygate.ConfigError, match="must be an https:// URL") as info:
             check_url(url)
         assert secret not in str(info.value)
