@@ -746,11 +746,19 @@ def _checked_env(env: Any) -> Mapping[str, str]:
 _MAX_TOML_BYTES = 16 << 20
 
 
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # (POSIX)
+
+
 def read_toml(label: str) -> dict[str, Any]:
     if "\x00" in label:  # (open() raises ValueError for it, as tomllib does for a number)
         raise ConfigError(f"{label!r}: a path cannot hold a NUL character")
     try:
-        with open(label, "rb") as f:
+        # Opened without waiting: a named pipe with no writer (which open() would wait
+        # on for ever) reads as empty; one with a writer (``--config <(...)``) is read.
+        fd = os.open(label, os.O_RDONLY | _NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if _NONBLOCK:
+                os.set_blocking(fd, True)
             data = f.read(_MAX_TOML_BYTES + 1)
         if len(data) > _MAX_TOML_BYTES:
             raise ConfigError(

@@ -735,6 +735,44 @@ def test_a_toml_path_to_an_endless_device_is_refused() -> None:
         settings_from_toml(Path("/dev/zero"))
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_toml_path_to_a_named_pipe_never_hangs(tmp_path: Path) -> None:
+    """Outside review (fuzzing the configuration): ``from_toml`` and ``check-config
+    --config`` on a named pipe nobody writes to waited in open() for ever.  It reads as
+    empty (so: no scope), and a pipe with a writer (``--config <(...)``) is read."""
+    import threading
+
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)
+    outcome: list[object] = []
+
+    def load() -> None:
+        try:
+            outcome.append(settings_from_toml(fifo))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(5.0)
+    if reader.is_alive():  # the bug: free the reader (a writer's open ends its wait)
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5.0)
+        pytest.fail("reading a named pipe with no writer hung")
+    [error] = outcome
+    assert isinstance(error, ConfigError) and "no scope is configured" in str(error), error
+
+    # A shell's ``<(...)``: a pipe whose writer is there (here, has written and left).
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\n".encode())
+        os.close(write_end)
+        piped = settings_from_toml(Path(f"/dev/fd/{read_end}"))
+    finally:
+        os.close(read_end)
+    assert piped.scopes["chat"].sources[0].base_url == URL_A
+
+
 def test_api_key_env(tmp_path: Path) -> None:
     text = f"[scopes.chat.sources.a]\nbase_url = '{URL_A}'\napi_key_env = 'CHAT_KEY'\n"
     path = write(tmp_path, text)
