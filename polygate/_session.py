@@ -339,6 +339,8 @@ def _check_messages(messages: Any) -> str:
     if type(messages) is not list and (
             isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence)):
         raise ConfigError("messages must be a list of message objects")
+    if type(messages) is not list and type(messages) is not tuple:
+        messages = list(messages)  # (any Sequence, a deque: JSON writes a list or a tuple)
     if not messages:
         raise ConfigError("messages must not be empty")
     for index, message in enumerate(messages):

@@ -501,6 +501,23 @@ async def test_messages_may_be_any_mapping(autojump_clock: trio.testing.MockCloc
     assert up.requests[0].body["response_format"] == {"type": "text"}
 
 
+async def test_messages_may_be_any_sequence(autojump_clock: trio.testing.MockClock) -> None:
+    """Outside review (fuzzing the library's arguments): a ``deque`` of messages (the
+    signature takes any Sequence, as ``embed`` takes any Sequence of inputs) was
+    refused as 'not JSON-serialisable'.  It goes out as a list."""
+    import collections
+
+    up = FakeUpstream(Reply(text="ok"))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.chat(collections.deque(MESSAGES))
+        async with s.stream_chat(collections.deque(MESSAGES)) as stream:
+            text = "".join([chunk.text async for chunk in stream])
+    assert r.text == text == "ok"
+    assert [request.body["messages"] for request in up.requests] == [list(MESSAGES)] * 2
+
+
 async def test_params_pass_through(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream(Reply())
     settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
