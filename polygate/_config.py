@@ -141,16 +141,26 @@ def _non_negative(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         raise _bad(inst, attr.name, f"must be a finite number >= 0, got {given(value)}")
 
 
+#: The largest whole number a setting takes (a 64-bit signed integer, as TOML's): no
+#: count needs more, and past 4,300 digits Python cannot even show one (the settings'
+#: repr, a log line, would raise).
+MAX_WHOLE = 2**63 - 1
+
+
 def _pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(inst, attr.name, f"must be a whole number > 0, got {given(value)}")
     if value <= 0:
         raise _bad(inst, attr.name, f"must be > 0, got {given(value)}")
+    if value > MAX_WHOLE:
+        raise _bad(inst, attr.name, "must be at most 2**63 - 1 (a 64-bit integer)")
 
 
 def _non_negative_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise _bad(inst, attr.name, f"must be a whole number >= 0, got {given(value)}")
+    if value > MAX_WHOLE:
+        raise _bad(inst, attr.name, "must be at most 2**63 - 1 (a 64-bit integer)")
 
 
 def _opt_pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:

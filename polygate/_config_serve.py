@@ -71,7 +71,8 @@ def _to_labelled(value: Any) -> Any:
 def _serve_key(name: Any, fields: Mapping[str, Any]) -> ServeKey:
     from ._config import FieldError
 
-    unknown = sorted(set(fields) - {f.name for f in attrs.fields(ServeKey)})
+    # (key=str: a name may be of any type from Python, where TOML gives strings only)
+    unknown = sorted(set(fields) - {f.name for f in attrs.fields(ServeKey)}, key=str)
     if unknown:
         raise _bad("Serve", f"keys.{name}.{unknown[0]}", "unknown field (key, rpm, tpm, max_in_flight)")
     if "key" not in fields:
@@ -181,6 +182,11 @@ class Serve:
         # line and the log, is no host a resolver takes either.)
         if not isinstance(value, str) or not value.isprintable() or not value or " " in value:
             raise _bad("Serve", "host", f"must be a host name or address, got {given(value)}")
+        if "/" in value or "@" in value or value.count(":") == 1:
+            # A URL or "host:port" (an IPv6 address has two colons or more) can never be
+            # listened on; not echoed: a URL may carry a password.
+            raise _bad("Serve", "host", "must be a host name or address alone: no scheme, "
+                       "user or path, and no ':port' (the port is its own setting)")
 
     @port.validator
     def _check_port(self, attr: attrs.Attribute[int], value: Any) -> None:

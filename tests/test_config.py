@@ -696,8 +696,44 @@ def test_a_serve_host_that_is_not_printable_is_refused(host: str) -> None:
         polygate.Serve(host=host)
 
 
-@pytest.mark.parametrize("host", ["::1", "localhost", "0.0.0.0", "höst.example", "10.0.0.1"])
+@pytest.mark.parametrize("host", ["::1", "localhost", "0.0.0.0", "höst.example", "10.0.0.1",
+                                  "fe80::1%eth0", "2001:db8::8:800:200c:417a"])
 def test_a_printable_serve_host_is_taken(host: str) -> None:
     import polygate
 
     assert polygate.Serve(host=host).host == host
+
+
+@pytest.mark.parametrize("host", ["localhost:8080", "http://127.0.0.1:8080", "127.0.0.1/v1",
+                                  "http://u:hunter2pw@127.0.0.1"])
+def test_a_serve_host_with_a_port_or_a_scheme_is_refused(host: str) -> None:
+    """Outside review (fuzzing the configuration): both passed ``check-config
+    --serve``; ``polygate serve`` then failed to listen on "localhost:8080:8080"."""
+    import polygate
+
+    with pytest.raises(ConfigError, match=r"Serve\.host: .*no ':port'") as info:
+        polygate.Serve(host=host)
+    assert "hunter2pw" not in str(info.value)
+
+
+def test_a_labelled_key_table_with_a_field_name_that_is_no_string_is_a_config_error() -> None:
+    """Outside review (fuzzing the configuration): ``keys={"k": {0: 1, "x": 1}}`` raised
+    TypeError (sorting names of mixed types)."""
+    import polygate
+
+    with pytest.raises(ConfigError, match=r"keys\.k\..*unknown field"):
+        polygate.Serve(keys={"k": {0: 1, "x": 1, "key": "abcdefgh"}})
+
+
+@pytest.mark.parametrize("build", [
+    lambda: __import__("polygate").Retry(max_attempts=10**5000),
+    lambda: __import__("polygate").Source(name="a", base_url="http://a/v1", rpm=2**63),
+    lambda: __import__("polygate").ServeKey(key="abcdefgh", tpm=10**5000),
+    lambda: __import__("polygate").Ocr(max_document_bytes=2**64),
+], ids=["Retry", "Source", "ServeKey", "Ocr"])
+def test_a_whole_number_past_64_bits_is_refused(build: Any) -> None:
+    """Outside review (fuzzing the configuration): ``Retry(max_attempts=10**5000)`` was
+    taken, and the settings' repr then raised (Python shows no int of over 4,300
+    digits): a valid configuration that could not be logged."""
+    with pytest.raises(ConfigError, match=r"at most 2\*\*63 - 1"):
+        build()
