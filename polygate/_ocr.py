@@ -79,7 +79,8 @@ def check_arguments(
         raise ConfigError("prompt must be a non-empty string or None")
     if pages is None:
         return prompt, None
-    if isinstance(pages, (str, bytes)) or not isinstance(pages, Sequence) or not pages:
+    if isinstance(pages, (str, bytes, bytearray, memoryview)) or not isinstance(
+            pages, Sequence) or not pages:
         raise ConfigError("pages must be None or a non-empty list of 0-based page numbers")
     if isinstance(pages, range):
         # Checked by its ends, not page by page (range(10**9) is cheap to pass and

@@ -188,6 +188,8 @@ def _read(document: Any, settings: Ocr) -> bytes:
                 raise ConfigError(f"document {str(document)!r} is {size} bytes, over max_document_bytes={cap}")
             with open(document, "rb") as f:
                 data = f.read(cap + 1)
+        except ConfigError:  # (a ValueError too: said once, not wrapped below)
+            raise
         except (OSError, ValueError) as exc:  # ValueError: a name the system refuses
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             raise ConfigError(f"cannot read document {str(document)!r}: {reason}") from None

@@ -733,6 +733,12 @@ def test_validation() -> None:
         Reply(first_token_s=-1)
     with pytest.raises(ValueError):
         FakeUpstream([])
+    # Outside review (fuzzing): numbers no float holds raised OverflowError (the docs
+    # promise a ValueError or a TypeError for a mistake).
+    for build in (lambda: Reply(first_token_s=10**400), lambda: Reply(retry_after_s=10**5000),
+                  lambda: Profile(inter_token_s=10**400), lambda: Profile(tokens=(0, 10**400))):
+        with pytest.raises(ValueError, match="too large"):
+            build()
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -64,7 +64,21 @@ def sample(dist: Distribution, rng: random.Random) -> float:
     return float(dist)
 
 
+def _too_large(attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A ValueError for a number no float holds (an int of over ~308 digits), which
+    ``math.isfinite`` and the like meet with an OverflowError (and ``repr`` of one past
+    4,300 digits with another ValueError)."""
+    for v in value if isinstance(value, tuple) else (value,):
+        if isinstance(v, int) and not isinstance(v, bool):
+            try:
+                float(v)
+            except OverflowError:
+                raise ValueError(f"{attribute.name}: a number too large for a time or a "
+                                 "distribution (one float cannot hold it)") from None
+
+
 def _check_distribution(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _too_large(attribute, value)
     if isinstance(value, tuple):
         if len(value) != 2 or not all(
                 isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
@@ -133,6 +147,7 @@ def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: Any) ->
     """A time: a number >= 0 (infinity waits for ever; NaN is no time)."""
     if value is None:
         return
+    _too_large(attribute, value)
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < 0:
         raise ValueError(f"{attribute.name} must be a number >= 0, got {value!r}")
 
