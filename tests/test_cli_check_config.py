@@ -85,6 +85,22 @@ def test_valid_file_prints_a_masked_table(clean: Path, capsys: pytest.CaptureFix
     assert err == ""
 
 
+def test_the_table_has_one_row_a_field_and_no_control_character(
+    clean: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Outside review (fuzzing the configuration): a valid multi-line OCR prompt split
+    its row in two, and an escape sequence in a model name went raw to the terminal."""
+    text = ('[scopes.c.sources.a]\nbase_url = "http://a/v1"\nmodel = "m\\u001b[2Jx"\n'
+            '[scopes.c.ocr]\nprompt = "Transcribe.\\nKeep tables."\n')
+    path = write(clean, text, "conf.toml")
+    assert main(["check-config", "--config", path]) == 0
+    out, _ = capsys.readouterr()
+    rows = out.splitlines()[1:]
+    assert rows and all(row.startswith("  ") for row in rows), out
+    assert "\x1b" not in out
+    assert "m\\x1b[2Jx" in out and "Transcribe.\\nKeep tables." in out
+
+
 def test_json_output(clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(clean, VALID, "conf.toml")
     assert main(["check-config", "--config", path, "--json"]) == 0
