@@ -250,6 +250,22 @@ async def test_max_tokens_caps_and_reports_length(autojump_clock: Any) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("field", ["tokens", "reasoning_tokens"])
+async def test_a_large_count_under_a_small_max_tokens_builds_only_what_is_sent(
+    autojump_clock: Any, field: str,
+) -> None:
+    """Outside review (fuzzing): ``Reply(tokens=1_000_000)`` answering ``max_tokens=3``
+    built (and cached) every one of the million words first: 1.8 s and 63 MB a call."""
+    import time
+
+    started = time.process_time()
+    async with client(FakeUpstream(Reply(**{field: 10**7}))) as c:
+        body = (await c.post(CHAT, json=chat_body(stream=False, max_tokens=3))).json()
+    assert time.process_time() - started < 1.0
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 3
+
+
 async def test_model_defaults(autojump_clock: Any) -> None:
     async with client(FakeUpstream()) as c:
         body = (await c.post(CHAT, json={"messages": []})).json()

@@ -385,8 +385,12 @@ class _Tokens:
 def _tokens(text: str | None, count: int, reasoning: int, limit: int | None) -> _Tokens:
     """Cached: benchmarks repeat one Reply thousands of times, and encoding each
     token's JSON is most of the cost of rendering a long zero-delay stream."""
+    if text is None and limit is not None:
+        # Only the words that can be sent: a large count under a small max_tokens
+        # built (and cached) every word first.
+        count = min(count, limit + 1)  # (one more: the cut still shows)
     content = _split_text(text) if text is not None else _words(count, _WORDS)
-    thoughts = _words(reasoning, _THOUGHTS)
+    thoughts = _words(reasoning if limit is None else min(reasoning, limit + 1), _THOUGHTS)
     cut = limit is not None and len(thoughts) + len(content) > limit
     if limit is not None:
         thoughts = thoughts[:limit]
