@@ -349,8 +349,11 @@ async def cached_chat(
                     # A refusal of another request than this call's (a parameter the key
                     # leaves out, or a number written otherwise): asked for alone, at
                     # once, beside any other such waiter, not queued behind one another.
+                    # (The first such waiter opens a flight of its own, which later
+                    # identical calls join; the others compute alone.)
                     cache.misses += 1
-                    return await _lead(cache, key, None, upstream, ttl)
+                    return await _lead(cache, key, cache.flights.lead_if_free(key), upstream,
+                                       ttl, (messages, keyed))
                 error = call.shared(flight.error)
                 call.record(getattr(error, "call_stats", None) or call.stats(cached=False), None, error)
                 raise error

@@ -756,7 +756,12 @@ def read_toml(label: str) -> dict[str, Any]:
         # Opened without waiting: a named pipe with no writer (which open() would wait
         # on for ever) reads as empty; one with a writer (``--config <(...)``) is read.
         fd = os.open(label, os.O_RDONLY | _NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
+        try:
+            f = os.fdopen(fd, "rb")
+        except BaseException:  # (a directory opens, and fails here: not left open)
+            os.close(fd)
+            raise
+        with f:
             if _NONBLOCK:
                 os.set_blocking(fd, True)
             data = f.read(_MAX_TOML_BYTES + 1)

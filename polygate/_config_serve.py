@@ -182,9 +182,10 @@ class Serve:
         # line and the log, is no host a resolver takes either.)
         if not isinstance(value, str) or not value.isprintable() or not value or " " in value:
             raise _bad("Serve", "host", f"must be a host name or address, got {given(value)}")
-        if "/" in value or "@" in value or value.count(":") == 1:
-            # A URL or "host:port" (an IPv6 address has two colons or more) can never be
-            # listened on; not echoed: a URL may carry a password.
+        if "/" in value or "@" in value or "[" in value or "]" in value or value.count(":") == 1:
+            # A URL or "host:port" (an IPv6 address has two colons or more, and is given
+            # bare, "::1": "[::1]" and "[::1]:8080" are no address to listen on) can
+            # never be listened on; not echoed: a URL may carry a password.
             raise _bad("Serve", "host", "must be a host name or address alone: no scheme, "
                        "user or path, and no ':port' (the port is its own setting)")
 

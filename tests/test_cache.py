@@ -1449,6 +1449,29 @@ async def test_a_refusal_of_a_left_out_parameter_is_not_a_waiters_with_a_valid_r
     assert _sent(up) == 3  # alice, bob, and one for carol and dave
 
 
+async def test_a_waiter_that_asks_for_itself_leads_a_flight_identical_calls_join(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review of the fix above: a chat waiter that a refusal did not bind asked without
+    a flight, so an identical call that came meanwhile asked upstream again (embed's
+    did join)."""
+    up = FakeUpstream(_refuse_metadata_without_store)
+    out: dict[str, Any] = {}
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_outcome_at, out, "alice", 0.0,
+                               partial(s.chat, MESSAGES, metadata={"t": "a"}))
+            nursery.start_soon(_outcome_at, out, "bob", 0.1,
+                               partial(s.chat, MESSAGES, metadata={"t": "b"}, store=True))
+            nursery.start_soon(_outcome_at, out, "carol", 1.5,  # while bob asks
+                               partial(s.chat, MESSAGES, metadata={"t": "b"}, store=True))
+        stats = (await s.statistics()).cache
+    assert isinstance(out["alice"], polygate.FatalUpstreamError)
+    assert out["bob"].text == out["carol"].text == "fine"
+    assert out["carol"].call_stats.cached and _sent(up) == 2
+    assert stats is not None and (stats.misses, stats.coalesced) == (2, 1)
+
+
 async def test_embeddings_keep_their_key_when_a_fallback_chat_model_changes(tmp_path: Any) -> None:
     """review of the fix above: embeddings never fall back (vectors of another model do
     not compare), so the fallback chain's models are not in their keys."""

@@ -705,7 +705,8 @@ def test_a_printable_serve_host_is_taken(host: str) -> None:
 
 
 @pytest.mark.parametrize("host", ["localhost:8080", "http://127.0.0.1:8080", "127.0.0.1/v1",
-                                  "http://u:hunter2pw@127.0.0.1"])
+                                  "http://u:hunter2pw@127.0.0.1", "[::1]:8080",
+                                  "[fe80::1%eth0]:80", "[::1]"])
 def test_a_serve_host_with_a_port_or_a_scheme_is_refused(host: str) -> None:
     """Outside review (fuzzing the configuration): both passed ``check-config
     --serve``; ``polygate serve`` then failed to listen on "localhost:8080:8080"."""

@@ -1299,3 +1299,14 @@ def test_a_file_missing_a_part_is_told_so_from_its_path(
     with pytest.raises(ConfigError) as info:
         settings_from_toml(path, env={})
     assert str(info.value) == message.format(f=path)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_a_toml_path_to_a_folder_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    """Review of the named pipes' fix: a folder opens (os.open), then fails to read,
+    and each try left its descriptor open (a reload on a bad path, one more each)."""
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(ConfigError, match="cannot read the file"):
+            settings_from_toml(tmp_path)
+    assert len(os.listdir("/proc/self/fd")) <= before

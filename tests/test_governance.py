@@ -136,6 +136,18 @@ def test_a_content_part_of_any_type_is_estimated(kind: Any) -> None:
     assert tokens > 100
 
 
+def test_a_part_typed_by_a_str_subclass_is_still_media() -> None:
+    """Review of the fix above: ``type(kind) is str`` took a string enum's member equal
+    to "image_url" for no media, and counted a 400 kB data URI as text (100,000 tokens)."""
+    import enum
+
+    class Part(str, enum.Enum):
+        IMAGE = "image_url"
+
+    image = {"type": Part.IMAGE, "image_url": {"url": "data:image/png;base64," + "A" * 400_000}}
+    assert CharEstimator().prompt_tokens([{"role": "user", "content": [image]}]) < 1000
+
+
 @pytest.mark.parametrize(
     "usage",
     [None, {"prompt_tokens": -5, "completion_tokens": 3}, {"prompt_tokens": 10**12, "completion_tokens": 1},

@@ -50,7 +50,7 @@ def _message_parts(message: Mapping[str, Any]) -> tuple[str, int]:
                 kind = part.get("type") if isinstance(part, Mapping) else None
                 # (A caller's part may say anything: a list or an object as its type
                 # cannot be looked up in a set, and is counted by its JSON below.)
-                if type(kind) is str and kind in _MEDIA_PARTS:
+                if isinstance(kind, str) and kind in _MEDIA_PARTS:
                     media += 1
                 elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
                     parts.append(part["text"])
