@@ -465,17 +465,7 @@ async def test_a_version_1_database_is_migrated_and_keeps_its_rows(
     """A file written by the first release (schema 1) gains the columns of version 2
     (re-asks, resumes, the answering scope): its old rows read as 'none of those', new
     rows carry them."""
-    path = tmp_path / "t.db"
-    conn = sqlite3.connect(path)
-    conn.execute(_schema.version_table("sqlite"))
-    for version, stmts in _schema.statements("sqlite", 0, 1):
-        for statement in stmts:
-            conn.execute(statement)
-        conn.execute("INSERT INTO polygate_schema VALUES (?, 0)", (version,))
-    old = CallEvent(*_event_fields_v1())
-    conn.execute(f"INSERT INTO calls VALUES ({', '.join('?' * 24)})", old[:24])
-    conn.commit()
-    conn.close()
+    path = _version_1_file(tmp_path)
     up = FakeUpstream(Reply())
     settings = _with_telemetry(two_source_settings(names=("a",)), path)
     async with polygate.session(settings, transport=Router({"a": up})) as s:
@@ -486,6 +476,22 @@ async def test_a_version_1_database_is_migrated_and_keeps_its_rows(
     assert (second["reasks"], second["resumes"], second["answered_scope"]) == (0, 0, "chat")
     versions = [r["version"] for r in _rows(path, "polygate_schema")]
     assert versions == [1, 2] == list(range(1, _schema.SCHEMA_VERSION + 1))
+
+
+def _version_1_file(folder: Path) -> Path:
+    """A telemetry file as the first release wrote it (schema 1), with one call row."""
+    path = folder / "t.db"
+    conn = sqlite3.connect(path)
+    conn.execute(_schema.version_table("sqlite"))
+    for version, stmts in _schema.statements("sqlite", 0, 1):
+        for statement in stmts:
+            conn.execute(statement)
+        conn.execute("INSERT INTO polygate_schema VALUES (?, 0)", (version,))
+    old = CallEvent(*_event_fields_v1())
+    conn.execute(f"INSERT INTO calls VALUES ({', '.join('?' * 24)})", old[:24])
+    conn.commit()
+    conn.close()
+    return path
 
 
 def _event_fields_v1() -> tuple[Any, ...]:
@@ -971,16 +977,7 @@ def test_stats_reads_a_version_1_file_as_it_is(tmp_path: Path) -> None:
     column) is reported, not migrated, its calls' answering scope unknown."""
     from polygate.telemetry._report import open_reader, read_rows
 
-    path = tmp_path / "t.db"
-    conn = sqlite3.connect(path)
-    conn.execute(_schema.version_table("sqlite"))
-    for version, stmts in _schema.statements("sqlite", 0, 1):
-        for statement in stmts:
-            conn.execute(statement)
-        conn.execute("INSERT INTO polygate_schema VALUES (?, 0)", (version,))
-    conn.execute(f"INSERT INTO calls VALUES ({', '.join('?' * 24)})", _event_fields_v1())
-    conn.commit()
-    conn.close()
+    path = _version_1_file(tmp_path)
     reader = open_reader(f"sqlite:///{path}")
     try:
         calls, _, _ = read_rows(reader)
