@@ -222,6 +222,29 @@ if tpm >= 0 then
   end
 end
 
+-- Redis keeps what a script wrote before an error: every key and counter the writes
+-- below touch is checked first, so that foreign data (another tool's, a hand's) fails
+-- the admission before it holds a permit and a window entry that nobody owns.
+local v = version()
+local function foreign(key, kind)
+  local t = redis.call('TYPE', key)['ok']
+  return t ~= 'none' and t ~= kind
+end
+local function not_whole(x)  -- (HINCRBY refuses it, or overflows past 18 digits)
+  return x and (not string.match(x, '^%-?%d+$') or #x > 18)
+end
+if foreign(K_WINDOW, 'zset') or foreign(K_WTOK, 'hash') or foreign(K_OPEN, 'hash')
+    or foreign(K_PERMITS, 'zset') or foreign(K_STATE, 'hash')
+    or not_whole(redis.call('HGET', K_WTOK, '=sum')) then
+  return redis.error_reply('polygate: foreign data in the source keys')
+end
+local counters = redis.call('HMGET', K_STATE, 'rt', 'ot', 'ad')
+for i = 1, 3 do
+  if not_whole(counters[i]) then
+    return redis.error_reply('polygate: foreign data in the source state')
+  end
+end
+
 redis.call('ZADD', K_WINDOW, now, member)
 redis.call('HSET', K_WTOK, member, tokens)
 redis.call('HINCRBY', K_WTOK, '=sum', tokens)
@@ -235,7 +258,7 @@ local window_ms = math.ceil(window_us / 1000) + 1000
 redis.call('PEXPIRE', K_WINDOW, window_ms)
 redis.call('PEXPIRE', K_WTOK, window_ms)
 touch(now, ttl_ms)
-return {1, probe, now, version()}
+return {1, probe, now, v}
 """
 
 # ARGV: member, sent (1/0), tokens (-1: keep the estimate), feedback (s/f/n),
@@ -348,9 +371,20 @@ local now = now_us()
 purge(now, ttl_ms)
 expire(now, window_us)
 local s = redis.call('HMGET', K_STATE, 'br', 'cf', 'ot', 'cu', 'dd', 'rt', 'st', 'rl', 'ct', 'ad', 'lx')
-local function n(v) return tonumber(v) or 0 end
+-- A count that is no whole number a reply can carry (NaN, inf, 1e30: another tool's)
+-- is 0, not the smallest 64-bit integer Redis would cast it to.
+local function n(v)
+  local x = tonumber(v)
+  if x == nil or x ~= x or x > 9007199254740991 or x < -9007199254740991 then return 0 end
+  return x
+end
+local function at(v)  -- an instant: any size, as inst() bounds it; NaN is none
+  local x = tonumber(v)
+  if x == nil or x ~= x then return 0 end
+  return inst(math.max(x, 0))
+end
 return {now, s[1] or 'c', n(s[2]), redis.call('ZCARD', K_PERMITS), redis.call('ZCARD', K_WINDOW),
-        n(redis.call('HGET', K_WTOK, '=sum')), n(s[3]), inst(n(s[4])), n(s[5]),
+        n(redis.call('HGET', K_WTOK, '=sum')), n(s[3]), at(s[4]), n(s[5]),
         n(s[6]), n(s[7]), n(s[8]), n(s[9]), n(s[10]), n(s[11])}
 """
 
@@ -378,8 +412,14 @@ return lost
 _BUDGET = r"""
 local function fmt(x) return string.format('%.17g', x) end
 local burst, ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
--- Never above this burst: one a reload lowered, say, from the level it left.
-local level = math.min(burst, tonumber(redis.call('GET', KEYS[1])) or burst)
+-- Never above this burst: one a reload lowered, say, from the level it left.  Never
+-- below 0 either, and a level that is no finite number (another tool's) is full, as a
+-- missing key: one bad value would otherwise turn hedging off for good.
+local level = tonumber(redis.call('GET', KEYS[1]))
+if level == nil or level ~= level or level == math.huge or level == -math.huge then
+  level = burst
+end
+level = math.max(0, math.min(burst, level))
 """
 
 # ARGV: burst, key_ttl_ms.  Returns {taken (1/0), level}.
