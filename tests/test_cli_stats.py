@@ -728,3 +728,84 @@ def test_the_plot_draws_a_source_of_one_call(tmp_path: Path, monkeypatch: pytest
         xs, ys = list(line.get_xdata()), list(line.get_ydata())
         assert len(xs) >= 2 and ys[0] == 0.0 and ys[-1] == 1.0
         assert min(xs) > 0  # on the log axis
+
+
+# --------------------------------------------------------------------------- hostile files
+
+
+def _edited(known_db: Path, sql: str, params: tuple[Any, ...] = ()) -> Path:
+    conn = sqlite3.connect(known_db)
+    conn.execute(sql, params)
+    conn.commit()
+    conn.close()
+    return known_db
+
+
+def _strict(text: str) -> Any:
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("mode", [[], ["--json"]])
+@pytest.mark.parametrize(("sql", "params", "column"), [
+    ("UPDATE calls SET started_at = ?", (1e20,), "started_at"),
+    ("UPDATE calls SET started_at = ?", (float("inf"),), "started_at"),
+    ("UPDATE calls SET started_at = 'yesterday'", (), "started_at"),
+    ("UPDATE calls SET scope = X'6368'", (), "scope"),
+    ("UPDATE calls SET outcome = X'6f6b'", (), "outcome"),
+    ("UPDATE attempts SET source = X'61'", (), "source"),
+    ("UPDATE attempts SET latency_ms = 'slow'", (), "latency_ms"),
+    ("UPDATE calls SET total_latency_ms = ?", (float("-inf"),), "total_latency_ms"),
+])
+def test_a_row_polygate_never_writes_is_one_line_not_a_traceback(
+    known_db: Path, capsys: pytest.CaptureFixture[str], sql: str, params: tuple[Any, ...],
+    column: str, mode: list[str],
+) -> None:
+    """Outside review (hypothesis over hostile telemetry files): a time past year 9999,
+    a BLOB in a text column or text in a number's were tracebacks (the report's text
+    or its JSON is written after the reading's try), and an infinity made ``--json``
+    print ``Infinity``.  Such a row is named, in one line, exit 1."""
+    path = _edited(known_db, sql, params)
+    assert main(["stats", str(path), *mode]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("polygate stats: ") and f"row whose {column} is" in err
+
+
+def test_json_has_no_infinity_when_sums_overflow(
+    known_db: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Finite figures whose sums overflow (1e308 each) gave NaN and Infinity in
+    ``--json``: not JSON.  They are ``null``."""
+    path = _edited(known_db, "UPDATE calls SET total_latency_ms = 1e308")
+    assert main(["stats", str(path), "--json"]) == 0
+    _strict(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(("stored", "counted"), [
+    ("[1, 2]", 0), ("5", 0), ("null", 0), ('{"chat": true}', 0), ('{"chat": -3}', 0),
+    ('{"chat": 2}', 2),
+])
+def test_a_sessions_suppressed_hedges_of_another_shape_are_skipped(
+    known_db: Path, capsys: pytest.CaptureFixture[str], stored: str, counted: int,
+) -> None:
+    """Valid JSON that is no object ended the whole report (AttributeError), and
+    ``true`` counted as one suppressed hedge."""
+    path = _edited(known_db, "UPDATE sessions SET hedges_suppressed = ?", (stored,))
+    assert _json(capsys, str(path))["hedging"]["suppressed_by_budget"] == counted
+
+
+def test_a_tiny_tail_is_the_slowest_call_at_least(
+    known_db: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--tail 1e-300`` reported "(0 calls)": ⌈x % · calls⌉ is 1 for any x > 0."""
+    assert _json(capsys, str(known_db), "--tail", "1e-300")["tail_share"][0]["calls"] == 1
+
+
+def test_an_unreachable_postgres_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """libpq's hint ("\\tIs the server running on that host...") came on a second line."""
+    pytest.importorskip("psycopg")
+    assert main(["stats", "--db", "postgresql://u:hunter2pw@127.0.0.1:1/x"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "hunter2pw" not in err

@@ -137,6 +137,17 @@ def _checked_telemetry(value: Any) -> None:
     Settings(scopes=stand_in, telemetry=value)
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite as ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     from .._config import mask_url
     from .._errors import ConfigError
@@ -181,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     report = {"database": where, "since": since, "scope": args.scope, **report}
     if args.json:
-        print(json.dumps(report, indent=2))
+        # (Sums of huge finite figures can still overflow to an infinity: null in JSON,
+        # which has no Infinity or NaN.)
+        print(json.dumps(_finite(report), indent=2, allow_nan=False))
     else:
         print(render(report))
     if args.plot:

@@ -140,7 +140,9 @@ def _explain(url: str, exc: BaseException) -> str:
     """An error text without the password (libpq does not echo it; belt and braces)."""
     # Every credential the URL carries, in its user part or its query (password=,
     # sslpassword=), raw and decoded: the driver's message may quote any of them.
-    return redact(f"{type(exc).__name__}: {exc}".strip(), url_secrets(url))
+    # One line: libpq adds hints on lines of their own ("\tIs the server running...").
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return redact(f"{type(exc).__name__}: {text}".strip(), url_secrets(url))
 
 
 def _migrate(conn: psycopg.Connection[Any], where: str) -> int:

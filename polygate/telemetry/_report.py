@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -160,7 +160,44 @@ def _read_rows(
     sessions = [SessionRow(*r) for r in reader.query(
         f"SELECT {', '.join(SessionRow._fields)} FROM sessions{session_clause}",
         (since,) if since is not None else ())]
+    for table, rows in (("calls", calls), ("attempts", attempts), ("sessions", sessions)):
+        for row in rows:
+            _check_row(table, row, reader.where)
     return calls, attempts, sessions
+
+
+#: Each column's kind: text, optional text, a number, an optional number, or a time.
+_KINDS: dict[str, str] = {
+    "scope": "text", "kind": "text", "outcome": "text", "role": "text", "error": "text",
+    "session_id": "text", "hedges_suppressed": "text",
+    "source": "text?", "error_class": "text?", "answered_scope": "text?",
+    "started_at": "time",
+    "ttft_ms": "number?", "stall_ms": "number?", "stall_count": "number?",
+    "active_generation_ms": "number?",
+}
+#: A time ``polygate stats`` can show: 1970 to the end of year 9999.
+_LAST_TIME = 253402300800.0
+
+
+def _check_row(table: str, row: NamedTuple, where: str) -> None:
+    """A row as a session writes it; a ConfigError naming the column otherwise.  The
+    file may be another tool's, or edited by hand: a BLOB in a text column, text or an
+    infinity in a number's, a time past year 9999 were tracebacks or JSON with NaN."""
+    for name, value in zip(row._fields, row, strict=True):
+        kind = _KINDS.get(name, "number")
+        if value is None and kind.endswith("?"):
+            continue
+        if kind.startswith("text"):
+            good = isinstance(value, str)
+        else:
+            good = ((type(value) is int and -(2**63) <= value < 2**63)
+                    or (type(value) is float and math.isfinite(value))) and (
+                        kind != "time" or 0 <= value < _LAST_TIME)
+        if not good:
+            shown = repr(value) if not isinstance(value, bytes | str) or len(value) <= 40 else (
+                f"{type(value).__name__} of {len(value)}")
+            raise ConfigError(f"{where} has a {table} row whose {name} is {shown}: not what "
+                              "polygate writes there (another tool's file, or edited?)")
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -180,6 +217,8 @@ def tail_share(latencies: Sequence[float], pct: float) -> tuple[int, float]:
     # (rounded first: 7 / 100 * 100 is 7.000000000000001 in floating point, and its
     # ceiling one call too many)
     k = math.ceil(round(pct / 100.0 * len(ordered), 9))
+    if ordered and pct > 0:
+        k = max(k, 1)  # (a tiny share rounded to 0 above: the slowest call, at least)
     if not ordered or total <= 0:
         return k, 0.0
     return k, 100.0 * sum(ordered[:k]) / total
@@ -327,11 +366,13 @@ def _hedging(calls: Sequence[CallRow], sessions: Sequence[SessionRow], scope: st
     suppressed = 0
     for s in sessions:
         try:
-            per_scope: Mapping[str, Any] = json.loads(s.hedges_suppressed)
-        except ValueError:
+            per_scope: Any = json.loads(s.hedges_suppressed)
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(per_scope, dict):  # (junk of another shape: skipped as junk)
             continue
         for name, count in per_scope.items():
-            if (scope is None or name == scope) and isinstance(count, int):
+            if (scope is None or name == scope) and type(count) is int and count >= 0:
                 suppressed += count
     return {
         "hedged_calls": len(hedged),
