@@ -138,6 +138,14 @@ def test_an_age_reaching_before_any_date_is_refused(age: str) -> None:
     assert parse_since("100000w", now=1.8e9) == 1.8e9 - 100_000 * 7 * 86400  # (1.9 kyr: a date)
 
 
+def test_a_date_the_local_time_cannot_convert_is_said_so() -> None:
+    """Outside review (hostile arguments): ``--since 0001-01-01`` is an ISO date, yet
+    it was told "expected an age like 30m ... or an ISO date/time"."""
+    with pytest.raises(ValueError, match="a date out of range"):
+        parse_since("0001-01-01")
+    assert parse_since("0001-01-01T00:00+00:00") < 0  # (an offset converts)
+
+
 # --------------------------------------------------------------------------- the report
 
 

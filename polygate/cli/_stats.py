@@ -80,11 +80,17 @@ def parse_since(text: str, now: float | None = None) -> float:
             raise ValueError(f"--since {shown!r}: an age too large to be a time")
         return since
     try:
-        return datetime.fromisoformat(text.strip()).timestamp()
+        when = datetime.fromisoformat(text.strip())
     except ValueError:
         raise ValueError(
             f"--since {text!r}: expected an age like 30m, 6h, 2d or an ISO date/time"
         ) from None
+    try:
+        return when.timestamp()
+    except (ValueError, OverflowError, OSError):
+        # A valid date the local time zone cannot convert (year 1 minus an offset).
+        raise ValueError(f"--since {text!r}: a date out of range; give an offset "
+                         "(2026-01-01T00:00+00:00) or a later one") from None
 
 
 def _tails(text: str) -> list[float]:
