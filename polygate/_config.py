@@ -147,20 +147,23 @@ def _non_negative(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 MAX_WHOLE = 2**63 - 1
 
 
+def _within_64_bits(inst: Any, attr: attrs.Attribute[Any], value: int) -> None:
+    if value > MAX_WHOLE:
+        raise _bad(inst, attr.name, "must be at most 2**63 - 1 (a 64-bit integer)")
+
+
 def _pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(inst, attr.name, f"must be a whole number > 0, got {given(value)}")
     if value <= 0:
         raise _bad(inst, attr.name, f"must be > 0, got {given(value)}")
-    if value > MAX_WHOLE:
-        raise _bad(inst, attr.name, "must be at most 2**63 - 1 (a 64-bit integer)")
+    _within_64_bits(inst, attr, value)
 
 
 def _non_negative_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise _bad(inst, attr.name, f"must be a whole number >= 0, got {given(value)}")
-    if value > MAX_WHOLE:
-        raise _bad(inst, attr.name, "must be at most 2**63 - 1 (a 64-bit integer)")
+    _within_64_bits(inst, attr, value)
 
 
 def _opt_pos_int(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
