@@ -9,11 +9,13 @@ three ways of configuring share one validation.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
@@ -77,6 +79,41 @@ KEY_PROBLEM = (
 
 class ConfigWarning(UserWarning):
     """A configuration that works but probably does not do what was meant."""
+
+
+#: Where the configuration's warnings go while a loader or the CLI gathers them (see
+#: :func:`gathered_warnings`); None: to Python's warnings, as usual.
+_GATHERED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "polygate_config_warnings", default=None
+)
+
+
+def config_warning(text: str, *, stacklevel: int) -> None:
+    """Issue a :class:`ConfigWarning`, or hand it to the :func:`gathered_warnings`
+    around this context.  ``stacklevel`` counts from the caller, as ``warnings.warn``'s."""
+    gathered = _GATHERED.get()
+    if gathered is None:
+        warnings.warn(text, ConfigWarning, stacklevel=stacklevel + 1)
+    else:
+        gathered.append(text)
+
+
+@contextlib.contextmanager
+def gathered_warnings() -> Iterator[list[str]]:
+    """The texts of the ConfigWarnings issued in this context meanwhile, not issued.
+
+    Not ``warnings.catch_warnings(record=True)``: that swaps the process's warning
+    filters and its ``showwarning``, and two threads building settings at once (two
+    sessions opened without settings, each reading the environment) restore each
+    other's: the process was left with an "always" filter in front of the user's own
+    and every later warning appended to a dead list.  A context variable is per
+    thread and per task."""
+    gathered: list[str] = []
+    token = _GATHERED.set(gathered)
+    try:
+        yield gathered
+    finally:
+        _GATHERED.reset(token)
 
 
 class FieldError(ConfigError):
@@ -407,10 +444,10 @@ class Source:
             # check-config refuse it).  Built here, it is a warning at once, and every
             # call to the source fails as SourceDeadError, typed and redacted, while
             # the other sources carry on.
-            warnings.warn(
+            config_warning(
                 f"Source({self.name!r}).api_key: {KEY_PROBLEM}; every call to this "
                 "source fails until it is fixed",
-                ConfigWarning, stacklevel=4,
+                stacklevel=4,
             )
 
     @structured_output.validator
@@ -724,26 +761,23 @@ def check_hedge_assembly(scope: Scope) -> None:
         # "hedge between 2 and 10 s" would silently be "never hedge".
         names = [f"hedge.{n}" for n in ("min_after_s", "max_after_s") if getattr(hedge, n) is not None]
         effect = "the trigger is after_s" if hedge.enabled else "hedging is off"
-        warnings.warn(
+        config_warning(
             f"{' and '.join(names)} bound only a learnt trigger, and nothing is learnt "
             f"without after_quantile: {effect}",
-            ConfigWarning,
             stacklevel=4,
         )
     if hedge.stall_after_s is not None and not hedge.enabled:
         # (b), the mid-stream trigger, runs inside a hedging round; without (a) no round
         # hedges, so the setting alone would silently do nothing.
-        warnings.warn(
+        config_warning(
             "hedge.stall_after_s does nothing without after_s or after_quantile: "
             "hedging is off until one of them is set",
-            ConfigWarning,
             stacklevel=4,
         )
     if hedge.enabled and len(scope.sources) < 2:
         # Checked even for adaptive-only hedging (after_quantile without a static bound).
-        warnings.warn(
+        config_warning(
             "hedging is configured on a scope with a single source: it will never fire",
-            ConfigWarning,
             stacklevel=4,
         )
 
@@ -764,10 +798,9 @@ def _check_hedge_threshold(scope: Scope, after: float, label: str, *, warn: bool
         )
     ttfts = [s.ttft_timeout_s for s in scope.sources if s.ttft_timeout_s is not None]
     if warn and ttfts and after >= min(ttfts):
-        warnings.warn(
+        config_warning(
             f"hedge.{label} ({after}) >= the smallest ttft_timeout_s ({min(ttfts)}): "
             "that source times out before a hedge fires",
-            ConfigWarning,
             stacklevel=5,
         )
 

@@ -34,7 +34,6 @@ import re
 import sys
 import types
 import typing
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, Union
@@ -45,13 +44,14 @@ from . import _config as _config_module
 from . import _config_serve as _config_serve_module
 from ._config import (
     KEY_PROBLEM,
-    ConfigWarning,
     FieldError,
     Scope,
     Serve,
     Settings,
     Source,
+    config_warning,
     field_segments,
+    gathered_warnings,
     mask_url,
 )
 from ._errors import ConfigError
@@ -304,17 +304,12 @@ _WARNED_FIELD = re.compile(r"^(hedge\.\w+) ")
 @contextlib.contextmanager
 def _reworded_warnings(scope: _ScopePart, secrets: Iterable[str]) -> Iterator[None]:
     """Re-issue the assembly's ConfigWarnings naming the user's key instead of a field."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with gathered_warnings() as gathered:
         yield
-    for w in caught:
-        if not issubclass(w.category, ConfigWarning):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            continue
-        text = str(w.message)
+    for text in gathered:
         match = _WARNED_FIELD.match(text)
         label = scope.own.where(match.group(1)) if match else scope.label
-        warnings.warn(_scrub(f"{label}: {text}", secrets), w.category, stacklevel=_outside())
+        config_warning(_scrub(f"{label}: {text}", secrets), stacklevel=_outside())
 
 
 def _outside() -> int:
@@ -1020,9 +1015,8 @@ def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = No
     settings = settings_from_toml(path, env=source)
     ignored = sorted(k for k, v in source.items() if k.upper().startswith(ENV_PREFIX) and v.strip())
     if ignored:
-        warnings.warn(
+        config_warning(
             f"configuration read from {path}; environment keys {', '.join(ignored)} are ignored",
-            ConfigWarning,
             stacklevel=2,
         )
     return settings

@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from .._config import ConfigWarning, Settings
+from .._config import Settings, gathered_warnings
 from .._config_load import describe, load_settings, locate_config
 from .._config_preflight import preflight
 from .._errors import ConfigError
@@ -52,16 +51,11 @@ def add_parser(
 def run(args: argparse.Namespace) -> int:
     origin = args.config or locate_config() or "environment (POLYGATE__* keys)"
     error: ConfigError | None = None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ConfigWarning)
+    with gathered_warnings() as notes:
         try:
             settings = _load(args.config, serve=args.serve)
         except ConfigError as exc:
             error = exc
-    for other in (w for w in caught if not issubclass(w.category, ConfigWarning)):
-        # Not ours to report: back to the filters they were raised under.
-        warnings.warn_explicit(other.message, other.category, other.filename, other.lineno)
-    notes = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
     for note in notes:  # an invalid configuration's warnings too: found before its error
         print(f"warning: {note}", file=sys.stderr)
     if error is not None:

@@ -61,26 +61,19 @@ _ENVIRONMENT = ""
 def _load(config: str | None) -> Any:
     """``config``: a file; ``None``: where a session without settings looks (``--config``
     absent); :data:`_ENVIRONMENT`: the ``POLYGATE__…`` keys alone, never a file."""
-    import warnings
-
-    from .._config import ConfigWarning
+    from .._config import gathered_warnings
     from .._config_load import load_settings, settings_from_env
 
     # A warning (environment keys a file leaves unused, a hedge that can never fire)
     # is one line of the server's log, as check-config prints it: not Python's
     # two-line warning with a file name and source line.
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ConfigWarning)
+    with gathered_warnings() as notes:
         if config == _ENVIRONMENT:
             settings = settings_from_env(os.environ)
         else:
             settings = load_settings(path=config)
-    for warning in caught:
-        if issubclass(warning.category, ConfigWarning):
-            log.warning("warning: %s", warning.message)
-        else:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename,
-                                   warning.lineno)
+    for note in notes:
+        log.warning("warning: %s", note)
     return settings
 
 

@@ -20,7 +20,6 @@ import os
 import re
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -105,16 +104,15 @@ def _tails(text: str) -> list[float]:
 
 def default_db(env: dict[str, str] | None = None) -> str:
     """The configured telemetry URL when there is one, else the default SQLite file."""
-    from .._config import ConfigWarning
+    from .._config import gathered_warnings
     from .._config_load import load_settings, locate_config, read_toml
     from .._errors import ConfigError
     from ..telemetry import default_path
 
     environ = dict(os.environ) if env is None else env
     try:
-        with warnings.catch_warnings():
+        with gathered_warnings():
             # (keys beside a file are the configuration's business, not the report's)
-            warnings.simplefilter("ignore", ConfigWarning)
             configured: Any = load_settings(environ).telemetry
     except ConfigError:
         # Not a whole configuration (a machine that only reads reports may name just
