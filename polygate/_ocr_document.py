@@ -25,6 +25,7 @@ import importlib.util
 import io
 import os
 import stat
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,10 @@ from ._threads import run_sync
 __all__ = ["Document", "PageRequest", "open_document", "read_document", "sniff"]
 
 _URL_IMAGE_TOKENS = 1500  # unknown size: a typical page
+
+#: Held around the only change polygate makes to Python's warning filters (see
+#: _open_image): the threads opening images take turns at it.
+_PILLOW_WARNINGS = threading.Lock()
 
 
 def sniff(data: bytes) -> str | None:
@@ -281,12 +286,16 @@ def _pil() -> Any:
 def _open_image(data: bytes, fmt: str, settings: Ocr) -> ImageDocument:
     image_mod = _pil()
     try:
-        with warnings.catch_warnings():
+        with _PILLOW_WARNINGS, warnings.catch_warnings():
             # Pillow warns above MAX_IMAGE_PIXELS; such an image is refused below.
+            # catch_warnings saves the process's filters and puts them back: two
+            # threads that interleave it (images of concurrent calls, each opened on a
+            # worker thread) put back each other's, and the "ignore" stayed for good.
             warnings.simplefilter("ignore", image_mod.DecompressionBombWarning)
-            with image_mod.open(io.BytesIO(data)) as image:
-                size = image.size
-                image.verify()  # structure and checksums, without decoding every pixel
+            image = image_mod.open(io.BytesIO(data))  # the header only: short
+        with image:
+            size = image.size
+            image.verify()  # structure and checksums, without decoding every pixel
     except image_mod.DecompressionBombError as exc:
         raise ConfigError(f"the {fmt} image is too large to decode safely: {exc}") from None
     except Exception as exc:

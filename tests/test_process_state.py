@@ -38,7 +38,7 @@ def _in_threads(work: Callable[[], object], *, threads: int = 2, rounds: int = 2
         try:
             for _ in range(rounds):
                 work()
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # (reported below)
             errors.append(exc)
 
     started = [threading.Thread(target=body) for _ in range(threads)]
@@ -77,3 +77,39 @@ def test_a_settings_warning_still_reaches_python_and_names_the_key() -> None:
     with pytest.warns(polygate.ConfigWarning, match=r"^POLYGATE__CHAT__\*: hedging .*single source") as seen:
         polygate.Settings.from_env(env)
     assert [w.filename for w in seen] == [__file__]  # the caller's line, not polygate's
+
+
+@pytest.mark.usefixtures("fast_switching")
+async def test_concurrent_ocr_of_images_leaves_the_warnings_filters_alone(
+    autojump_clock: object,
+) -> None:
+    """Each image is opened on a worker thread under ``catch_warnings`` (Pillow's
+    decompression-bomb warning is ignored there, and the image refused by polygate's
+    own check): concurrent calls interleaved the save and restore, and the "ignore"
+    stayed in the process's filters."""
+    image = pytest.importorskip("PIL.Image")
+    import io
+
+    import trio
+
+    from polygate.testing import FakeUpstream, Reply, Router
+
+    png = io.BytesIO()
+    image.new("RGB", (1200, 1200), "white").save(png, "PNG")
+    settings = polygate.Settings(scopes={"ocr": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], ocr=polygate.Ocr())})
+    before = list(warnings.filters)
+    after = before
+    try:
+        for _ in range(3):  # (an interleaving is likely in a round, not certain)
+            async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(text="page"))})) as s:
+                async with trio.open_nursery() as nursery:
+                    for _ in range(150):
+                        nursery.start_soon(s.ocr, png.getvalue())
+            after = list(warnings.filters)
+            if after != before:
+                break
+    finally:
+        warnings.filters[:] = before
+        warnings._filters_mutated()  # type: ignore[attr-defined]
+    assert after == before
