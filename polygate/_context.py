@@ -109,6 +109,19 @@ _ids = itertools.count(1)
 _PROCESS_TAG = os.urandom(4).hex()
 
 
+def _new_process() -> None:
+    """A forked child (a pre-forking server's worker) draws its own tag: inheriting the
+    parent's, with the same counter, every worker named its calls as its siblings did,
+    in the telemetry file they may share and in the upstream's ``x-polygate-call-id``."""
+    global _ids, _PROCESS_TAG
+    _ids = itertools.count(1)
+    _PROCESS_TAG = os.urandom(4).hex()
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows: no fork there)
+    os.register_at_fork(after_in_child=_new_process)
+
+
 #: A front end that must name a call before it starts (the gateway server sends the id
 #: in its response headers before the first chunk) sets this around the call; calls
 #: started in that context take it as their ``logical_call_id``.

@@ -3,6 +3,8 @@ draws, settings handed to another process, trio's scheduling state."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 import warnings
@@ -113,3 +115,42 @@ async def test_concurrent_ocr_of_images_leaves_the_warnings_filters_alone(
         warnings.filters[:] = before
         warnings._filters_mutated()  # type: ignore[attr-defined]
     assert after == before
+
+
+_FORKED_IDS = """
+import os, sys, trio, trio.testing, polygate
+from polygate.testing import FakeUpstream, Reply
+settings = polygate.Settings(scopes={"chat": polygate.Scope(
+    sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+def first_id():
+    async def main():
+        up = FakeUpstream(Reply(text="x"))
+        async with polygate.session(settings, transport=up.transport()) as s:
+            return (await s.chat([{"role": "user", "content": "hi"}])).call_stats.logical_call_id
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+print(first_id(), flush=True)
+for _ in range(2):  # two workers of a pre-forking server, no session open at the fork
+    pid = os.fork()
+    if pid == 0:
+        print(first_id(), flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+print(first_id(), flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_forked_workers_name_their_calls_apart() -> None:
+    """The ids' per-process tag was drawn once, at import: two workers forked after
+    ``import polygate`` named their first calls alike, in the telemetry file they may
+    share and in the upstream's ``x-polygate-call-id``."""
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", _FORKED_IDS],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    parent, child1, child2, parent_again = done.stdout.split()
+    tags = {i.split("-")[0] for i in (parent, child1, child2)}
+    assert len(tags) == 3, done.stdout
+    assert parent_again.split("-")[0] == parent.split("-")[0]  # the parent keeps its own
+    assert parent_again != parent
