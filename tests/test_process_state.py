@@ -112,7 +112,7 @@ async def test_concurrent_ocr_of_images_leaves_the_warnings_filters_alone(
             if after != before:
                 break
     finally:
-        warnings.filters[:] = before
+        warnings.filters[:] = before  # type: ignore[index]
         warnings._filters_mutated()  # type: ignore[attr-defined]
     assert after == before
 
@@ -154,3 +154,36 @@ def test_forked_workers_name_their_calls_apart() -> None:
     assert len(tags) == 3, done.stdout
     assert parent_again.split("-")[0] == parent.split("-")[0]  # the parent keeps its own
     assert parent_again != parent
+
+
+def test_a_seeded_schedule_run_while_another_runs_is_refused_and_trio_is_put_back() -> None:
+    """trio's scheduler state is process-wide: two ``Schedule.run`` at once (two
+    threads) shuffled with one generator and each put back what the other had
+    changed, leaving every later ``trio.run`` of the process shuffled by a seeded
+    generator."""
+    import trio
+    from trio._core import _run
+
+    from polygate.testing import Schedule
+
+    before = (_run._ALLOW_DETERMINISTIC_SCHEDULING, _run._r.getstate())
+    inside, go = threading.Event(), threading.Event()
+
+    async def waits() -> None:
+        inside.set()
+        await trio.to_thread.run_sync(go.wait)
+
+    async def nothing() -> None:
+        pass
+
+    first = threading.Thread(target=Schedule(1).run, args=(waits,))
+    first.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(RuntimeError, match=r"another Schedule\.run is in progress"):
+            Schedule(2).run(nothing)
+    finally:
+        go.set()
+        first.join(30)
+    assert (_run._ALLOW_DETERMINISTIC_SCHEDULING, _run._r.getstate()) == before
+    Schedule(3).run(nothing)  # and one at a time still works

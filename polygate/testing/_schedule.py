@@ -24,6 +24,7 @@ rather than silently running unshuffled.
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -36,6 +37,11 @@ __all__ = ["Schedule"]
 T = TypeVar("T")
 
 _FLAG = "_ALLOW_DETERMINISTIC_SCHEDULING"
+
+#: Held for a whole :meth:`Schedule.run`: trio's scheduler state is process-wide, so
+#: two runs at once (two threads) would shuffle with one generator and each put back
+#: what the other had changed, leaving every later ``trio.run`` shuffled.
+_RUNNING = threading.Lock()
 
 
 def _run_module() -> Any:
@@ -63,8 +69,23 @@ class Schedule:
     ) -> T:
         """``trio.run(async_fn, *args)`` with every batch of runnable tasks shuffled
         by ``random.Random(seed)``; under ``MockClock(autojump_threshold=0)`` unless
-        ``clock`` is given.  Not re-entrant: call it from outside trio."""
+        ``clock`` is given.  One at a time in a process, from outside trio: another
+        already running (another thread's, or the caller's own) is a RuntimeError."""
         run = _run_module()
+        if not _RUNNING.acquire(blocking=False):
+            raise RuntimeError(
+                "another Schedule.run is in progress in this process: trio's scheduler "
+                "state is process-wide, so seeded runs cannot overlap"
+            )
+        try:
+            return self._run(run, async_fn, *args, clock=clock)
+        finally:
+            _RUNNING.release()
+
+    def _run(
+        self, run: Any, async_fn: Callable[..., Awaitable[T]], *args: Any,
+        clock: trio.abc.Clock | None,
+    ) -> T:
         state = run._r.getstate()
         flag = getattr(run, _FLAG)
         run._r.seed(self.seed)
