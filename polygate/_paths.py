@@ -4,22 +4,46 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+
+from ._errors import ConfigError
 
 __all__ = ["state_dir"]
 
 
-def state_dir(env: dict[str, str] | None = None, platform: str = sys.platform) -> Path:
+def state_dir(env: Mapping[str, str] | None = None, platform: str = sys.platform) -> Path:
     """Where per-user state lives: ``$XDG_STATE_HOME`` (``~/.local/state``) on Linux,
     ``~/Library/Application Support`` on macOS, ``%LOCALAPPDATA%`` on Windows; a
     ``polygate`` folder inside it.  (A few lines instead of a dependency.)"""
-    env = dict(os.environ) if env is None else env
-    home = Path(env.get("HOME") or Path.home())
+    env = os.environ if env is None else env
     if platform == "win32":
-        base = Path(env["LOCALAPPDATA"]) if env.get("LOCALAPPDATA") else home / "AppData" / "Local"
+        local = env.get("LOCALAPPDATA")
+        base = Path(local) if local else _home(env) / "AppData" / "Local"
     elif platform == "darwin":
-        base = home / "Library" / "Application Support"
+        base = _home(env) / "Library" / "Application Support"
     else:
         xdg = env.get("XDG_STATE_HOME")
-        base = Path(xdg) if xdg and os.path.isabs(xdg) else home / ".local" / "state"
+        base = Path(xdg) if xdg and os.path.isabs(xdg) else _home(env) / ".local" / "state"
     return base / "polygate"
+
+
+def _home(env: Mapping[str, str]) -> Path:
+    """``$HOME``, else the user's entry in the password database.  Not ``Path.home()``:
+    a HOME set but empty made it the file system's root (``/.local/state``), and a
+    user with no entry (a container run as an unnamed uid) a RuntimeError."""
+    home = env.get("HOME")
+    if not home:
+        try:
+            import pwd
+
+            home = pwd.getpwuid(os.getuid()).pw_dir
+        except (ImportError, KeyError):  # (Windows; a uid with no entry)
+            home = env.get("USERPROFILE")
+    if not home:
+        raise ConfigError(
+            "this user has no home directory for polygate's default state folder "
+            "(the default telemetry and cache files): set HOME or XDG_STATE_HOME, or "
+            "give the file's path"
+        )
+    return Path(home)

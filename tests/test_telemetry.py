@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -550,6 +551,33 @@ def test_sqlite_urls_and_default_path(monkeypatch: pytest.MonkeyPatch, tmp_path:
         "C:/u/AppData/Local/polygate")
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     assert default_path() == tmp_path / "polygate" / "telemetry.db"
+
+
+def test_an_empty_home_falls_back_to_the_users_entry_not_the_root(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``HOME=""`` made ``Path.home()`` the file system's root: the default files went
+    to ``/.local/state/polygate`` (created there when run as root)."""
+    import pwd
+
+    entry = pwd.getpwuid(os.getuid()).pw_dir
+    monkeypatch.setenv("HOME", "")
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    assert state_dir(platform="linux") == Path(entry) / ".local" / "state" / "polygate"
+
+
+def test_a_user_with_no_home_is_told_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No HOME and a uid with no entry in the password database (a container run as
+    ``--user 12345``): a RuntimeError traceback from ``Path.home()`` before."""
+    import pwd
+
+    def no_entry(uid: int) -> Any:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    with pytest.raises(polygate.ConfigError, match="set HOME or XDG_STATE_HOME"):
+        state_dir({}, "linux")
+    assert state_dir({"XDG_STATE_HOME": "/state"}, "linux") == Path("/state/polygate")
 
 
 async def test_default_sqlite_url_creates_the_state_folder(
