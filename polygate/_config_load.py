@@ -994,7 +994,16 @@ def locate_config(env: Mapping[str, str] | None = None) -> str | None:
     named = source.get(CONFIG_ENV, "").strip()
     if named:
         return named
-    return DEFAULT_CONFIG_FILE if Path(DEFAULT_CONFIG_FILE).is_file() else None
+    return DEFAULT_CONFIG_FILE if _is_file(DEFAULT_CONFIG_FILE) else None
+
+
+def _is_file(path: str) -> bool:
+    """``Path.is_file``, but a path the system cannot look at (a name too long, a
+    folder this user may not enter) is a ConfigError saying why, not an OSError."""
+    try:
+        return Path(path).is_file()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot look at the file ({exc.strerror})") from None
 
 
 def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = None) -> Settings:
@@ -1010,7 +1019,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = No
         path = locate_config(source)
         if path is None:
             return settings_from_env(source)
-        if source.get(CONFIG_ENV, "").strip() and not Path(path).is_file():
+        if source.get(CONFIG_ENV, "").strip() and not _is_file(path):
             raise ConfigError(f"{CONFIG_ENV} names {path}, which is not a file")
     settings = settings_from_toml(path, env=source)
     ignored = sorted(k for k, v in source.items() if k.upper().startswith(ENV_PREFIX) and v.strip())

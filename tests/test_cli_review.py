@@ -248,3 +248,44 @@ def test_no_command_whose_help_cannot_be_written(
     finally:
         os.close(out)
     assert (done.returncode, done.stderr) == (status, said)
+
+
+@pytest.mark.parametrize("args", [["chat", "hi"], ["stats", "missing.db"]])
+def test_with_stderr_closed_an_error_does_not_land_in_the_answer(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """Review: `polygate chat "…" > answer.txt 2>&-` wrote its error line to stdout
+    (print(..., file=sys.stderr) with sys.stderr None), into the answer's file."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POLYGATE")}
+    env["POLYGATE__CHAT__A__BASE_URL"] = "http://127.0.0.1:9/v1"
+    command = " ".join([shlex.quote(sys.executable), "-m", "polygate", *args, "2>&-"])
+    done = subprocess.run(["bash", "-c", command], env=env, stdout=subprocess.PIPE, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode in (1, 2)
+    assert done.stdout == ""
+
+
+_TOO_LONG = "/tmp/" + "a" * 300 + ".toml"  # (ENAMETOOLONG; a folder one may not enter: EACCES)
+
+
+@pytest.mark.parametrize("args", [["check-config"], ["chat", "hi"], ["stats"]])
+def test_a_polygate_config_the_system_cannot_look_at_is_one_line(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """Review: Path.is_file() raised OSError for it, a traceback with status 1, where
+    `--config` with the same path already said why in one line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POLYGATE")}
+    env["POLYGATE_CONFIG"] = _TOO_LONG
+    done = subprocess.run([sys.executable, "-m", "polygate", *args], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.endswith("the file (File name too long)"), line
+
+
+def test_load_settings_with_a_polygate_config_the_system_cannot_look_at() -> None:
+    from polygate._config_load import load_settings
+
+    with pytest.raises(polygate.ConfigError, match="cannot look at the file"):
+        load_settings({"POLYGATE_CONFIG": _TOO_LONG})

@@ -73,6 +73,10 @@ _WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand and return its exit status (2 for usage errors)."""
+    if sys.stderr is None:
+        # Started with its errors closed (``2>&-``): print(..., file=None) writes to
+        # stdout, so an error line would land in the answer (``chat … > answer.txt``).
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - the process's
     try:
         parser = build_parser()  # (it imports every subcommand: Ctrl-C may land here)
         args = parser.parse_args(argv)
