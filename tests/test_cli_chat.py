@@ -190,6 +190,44 @@ def test_a_prompt_argument_that_is_not_utf8_is_said_so(
     assert "the prompt is not UTF-8" in err and "configuration" not in err
 
 
+_C_LOCALE = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+
+
+def _without_polygate_keys(**extra: str) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POLYGATE")}
+    return {**env, **_C_LOCALE, **extra}
+
+
+def test_utf8_arguments_and_keys_under_a_locale_that_is_not_utf8(
+    server: str, tmp_path: Path
+) -> None:
+    """Review: under ``LC_ALL=C`` with Python's UTF-8 mode off, arguments and the
+    environment arrive as ASCII with surrogate escapes: ``polygate chat é`` was
+    refused as "not UTF-8", and a key ``…__MODEL=modèle`` as "a byte that is not
+    UTF-8", though their bytes are UTF-8."""
+    env = _without_polygate_keys(POLYGATE__CHAT__A__BASE_URL=server,
+                                 POLYGATE__CHAT__A__MODEL="modèle")
+    done = subprocess.run([sys.executable, "-m", "polygate", "chat", "é", "--system", "ü"],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (0, "pong from the server\n"), done.stderr
+    done = subprocess.run([sys.executable, "-m", "polygate", "check-config"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "mod\\xe8le" in done.stdout  # (an ASCII stdout shows it escaped)
+
+
+def test_an_argument_whose_bytes_are_not_utf8_is_still_refused_under_that_locale(
+    tmp_path: Path,
+) -> None:
+    env = _without_polygate_keys(POLYGATE__CHAT__A__BASE_URL="http://127.0.0.1:9/v1")
+    done = subprocess.run([sys.executable.encode(), b"-m", b"polygate", b"chat", b"caf\xe9"],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "polygate chat: the prompt is not UTF-8 text"
+
+
 async def test_a_stream_that_fails_midway_ends_its_line(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
