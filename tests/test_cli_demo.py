@@ -85,3 +85,18 @@ def test_an_empty_plot_name_is_a_usage_error(capsys: pytest.CaptureFixture[str])
     # (--plot "$OUT" with the variable unset ran the whole replay and drew nothing.)
     assert main(["demo", "--calls", "5", "--plot", ""]) == 2
     assert capsys.readouterr().err == "polygate demo: --plot is empty\n"
+
+
+def test_a_relative_db_in_a_working_directory_since_deleted_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: ``Path(db).absolute()`` asks for the working directory, which was gone:
+    a FileNotFoundError traceback."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert main(["demo", "--calls", "2", "--concurrency", "1", "--db", "rel.db"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        "polygate demo: cannot resolve --db rel.db: the working directory is gone"]

@@ -92,6 +92,24 @@ async def test_sigterm_drains_calls_in_flight(tmp_path: Path) -> None:
     assert [r.outcome for r in upstream.requests] == ["complete", "complete"]
 
 
+def _block_stops() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks here")
+async def test_a_server_started_with_its_signals_blocked_still_stops_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    """Review: a supervisor that passes on a blocked mask (a thread that blocked the
+    signals, then forked): SIGTERM stayed pending for ever, and the server never
+    drained or stopped."""
+    config = write_config(tmp_path / "c.toml", "http://127.0.0.1:9/v1")
+    async with serve_process(config, preexec_fn=_block_stops) as srv:
+        srv.proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            assert await srv.proc.wait() == 0
+
+
 async def test_grace_period_end_cancels_what_is_left(tmp_path: Path) -> None:
     upstream = FakeUpstream(Reply(first_token_s=60))
     async with upstream.serve() as url:

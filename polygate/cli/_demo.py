@@ -174,7 +174,13 @@ def _telemetry_url(db: str) -> str | None:
         print("polygate demo: --db takes a SQLite file's path or a sqlite:///path URL",
               file=sys.stderr)
         return None
-    return f"sqlite://{Path(db).absolute()}"
+    try:
+        return f"sqlite://{Path(db).absolute()}"
+    except OSError as exc:  # (a relative path in a working directory since deleted)
+        gone = isinstance(exc, FileNotFoundError)
+        reason = "the working directory is gone" if gone else exc.strerror
+        print(f"polygate demo: cannot resolve --db {db}: {reason}", file=sys.stderr)
+        return None
 
 
 def _run_real_time(

@@ -125,7 +125,13 @@ async def _serve(settings: Any, args: argparse.Namespace, where: str) -> int:
 
     from ..serve import open_server
 
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals, \
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    if hasattr(signal, "pthread_sigmask"):
+        # A supervisor may start it with them blocked (a mask inherited through a
+        # fork from a thread that blocked them): trio's handlers would never run, and
+        # SIGTERM would stay pending for ever instead of draining.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+    with trio.open_signal_receiver(*stops) as signals, \
             trio.CancelScope() as start:
         # One reader of the signals for the server's whole life, from before its start:
         # while it starts (its session opening: a telemetry database, Redis), a stop
