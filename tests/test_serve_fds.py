@@ -55,6 +55,21 @@ def test_a_limit_with_room_to_spare_changes_nothing() -> None:
     assert "open-file limit" not in log
 
 
+def test_a_limit_with_no_room_for_one_client_refuses_to_start_in_one_line(tmp_path: Path) -> None:
+    """Review: at ``ulimit -n 10`` the server said it had room for 1 client and
+    listened, but every ``accept`` failed with EMFILE: clients waited unanswered, with
+    no 503, until their own timeouts."""
+    env = {"POLYGATE__CHAT__A__BASE_URL": "http://127.0.0.1:9/v1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "polygate", "serve", "--port", "0"], env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (12, 12)))
+    assert done.returncode == 2
+    assert "listening" not in done.stdout + done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert "the open-file limit (12, hard 12) leaves no room for a client connection" in line
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 async def test_clients_beyond_the_open_file_limit_get_503_and_open_ones_keep_working(

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 
+from .._errors import ConfigError
+
 __all__ = ["connection_room"]
 
 log = logging.getLogger("polygate.serve")
@@ -24,6 +26,8 @@ log = logging.getLogger("polygate.serve")
 RESERVE = 128
 #: A client's socket, and its call's upstream socket.
 PER_CONNECTION = 2
+#: At start, below this many descriptors free beyond one connection's, none is served.
+SPARE = 8
 
 
 def _open_now() -> int:
@@ -57,6 +61,15 @@ def connection_room(wanted: int, open_connections: int = 0) -> int:
                 soft = raised
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return wanted
+    if not open_connections and soft - _open_now() < PER_CONNECTION + SPARE:
+        # Room for "1" here was none: accept failed with EMFILE for ever, and every
+        # client waited unanswered, with no 503.
+        raise ConfigError(
+            f"the open-file limit ({soft}, hard "
+            f"{'unlimited' if hard == resource.RLIM_INFINITY else hard}) leaves no room "
+            "for a client connection: raise it (ulimit -n, or LimitNOFILE= in a systemd "
+            "unit)"
+        )
     room = max(1, (soft - base) // PER_CONNECTION)
     log.warning(
         "the open-file limit (%d, hard %s) leaves room for %d client connections, not "
