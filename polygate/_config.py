@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import attrs
 import httpx
 
-from ._config_serve import NAME_RULE, Serve, ServeKey, check_serve_models
+from ._config_serve import NAME_RULE, Serve, ServeKey, check_serve_models, reduce_read_only
 from ._errors import ConfigError, FatalUpstreamError, RateLimitedError, classify_status
 from ._secrets import (
     DSN_SECRET_PARAM,
@@ -973,6 +973,8 @@ class Settings:
     cache: str = attrs.field(default="off", repr=lambda v: repr(mask_url(v)), validator=_check_cache)
     # The gateway server's settings (polygate serve); unused by the library itself.
     serve: Serve = attrs.field(factory=Serve)
+
+    __reduce__ = reduce_read_only  # (pickle and deepcopy: a spawn worker's settings)
 
     @scopes.validator
     def _check_scopes(self, attr: attrs.Attribute[Any], value: Any) -> None:

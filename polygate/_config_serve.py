@@ -18,7 +18,27 @@ import attrs
 from ._errors import ConfigError
 from ._secrets import given
 
-__all__ = ["Serve", "ServeKey", "check_serve_models"]
+__all__ = ["Serve", "ServeKey", "check_serve_models", "reduce_read_only"]
+
+
+def reduce_read_only(inst: Any) -> tuple[Any, ...]:
+    """``__reduce__`` for a frozen settings class that holds read-only mappings
+    (``MappingProxyType``, which pickle and ``copy.deepcopy`` refuse): they travel as
+    dicts and come back read-only, so settings reach a ``spawn`` worker whole."""
+    fields = attrs.fields(type(inst))
+    state = {f.name: getattr(inst, f.name) for f in fields}
+    proxied = tuple(name for name, value in state.items() if isinstance(value, MappingProxyType))
+    for name in proxied:
+        state[name] = dict(state[name])
+    return _rebuilt, (type(inst), state, proxied)
+
+
+def _rebuilt(cls: type[Any], state: dict[str, Any], proxied: tuple[str, ...]) -> Any:
+    # Not through __init__: the values were validated when the original was built.
+    inst = object.__new__(cls)
+    for name, value in state.items():
+        object.__setattr__(inst, name, MappingProxyType(value) if name in proxied else value)
+    return inst
 
 #: What a gateway key may contain: a Bearer token (RFC 6750 b64token), so it can be
 #: sent in an Authorization header unchanged.
@@ -175,6 +195,8 @@ class Serve:
     send_timeout_s: float = attrs.field(default=60.0, validator=_seconds)
     sse_keepalive_s: float = attrs.field(default=15.0, validator=_seconds)
     grace_s: float = attrs.field(default=30.0, validator=_seconds)
+
+    __reduce__ = reduce_read_only
 
     @host.validator
     def _check_host(self, attr: attrs.Attribute[str], value: Any) -> None:

@@ -187,3 +187,41 @@ def test_a_seeded_schedule_run_while_another_runs_is_refused_and_trio_is_put_bac
         first.join(30)
     assert (_run._ALLOW_DETERMINISTIC_SCHEDULING, _run._r.getstate()) == before
     Schedule(3).run(nothing)  # and one at a time still works
+
+
+def _settings_with_every_read_only_mapping() -> polygate.Settings:
+    return polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[
+            polygate.Source(name="a", base_url="http://a/v1", api_key="sk-test-key")])},
+        serve=polygate.Serve(
+            models={"gpt": "chat"}, api_keys=["gw-key"],
+            keys={"team": polygate.ServeKey(key="team-key", rpm=10)}),
+    )
+
+
+def test_settings_pickle_and_deepcopy_and_stay_read_only() -> None:
+    """Review: ``pickle`` and ``copy.deepcopy`` refused Settings (its scopes, and the
+    server's models and keys, are read-only mappings), so settings could not be handed
+    to a ``spawn`` worker, which docs/asyncio.md recommends."""
+    import copy
+    import pickle
+
+    settings = _settings_with_every_read_only_mapping()
+    for again in (pickle.loads(pickle.dumps(settings)), copy.deepcopy(settings)):
+        assert again == settings and again is not settings
+        with pytest.raises(TypeError):
+            again.scopes["other"] = again.scopes["chat"]  # type: ignore[index]
+        with pytest.raises(TypeError):
+            again.serve.models["other"] = "chat"  # type: ignore[index]
+        assert "sk-test-key" not in repr(again)
+
+
+def test_settings_reach_another_process_whole() -> None:
+    import pickle
+
+    reader = ("import pickle, sys; s = pickle.load(sys.stdin.buffer); "
+              "print(s.scopes['chat'].sources[0].api_key, sorted(s.serve.keys), dict(s.serve.models))")
+    done = subprocess.run([sys.executable, "-c", reader], capture_output=True, timeout=60,
+                          input=pickle.dumps(_settings_with_every_read_only_mapping()))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode().split() == ["sk-test-key", "['team']", "{'gpt':", "'chat'}"]
