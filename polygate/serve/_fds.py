@@ -37,10 +37,12 @@ def _open_now() -> int:
         return 0
 
 
-def connection_room(wanted: int, open_connections: int = 0) -> int:
+def connection_room(wanted: int, open_connections: int = 0, *, starting: bool = False) -> int:
     """The client connections the open-file limit leaves room for, at most ``wanted``
     (``wanted`` where there is no such limit to read).  ``open_connections``: client
-    connections open now (a reload), whose descriptors ``wanted`` counts already."""
+    connections open now (a reload), whose descriptors ``wanted`` counts already.
+    ``starting``: a limit with no room for one connection is a ConfigError (a reload
+    keeps serving what fits)."""
     try:
         import resource
     except ImportError:  # (not POSIX)
@@ -61,7 +63,7 @@ def connection_room(wanted: int, open_connections: int = 0) -> int:
                 soft = raised
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return wanted
-    if not open_connections and soft - _open_now() < PER_CONNECTION + SPARE:
+    if starting and soft - _open_now() < PER_CONNECTION + SPARE:
         # Room for "1" here was none: accept failed with EMFILE for ever, and every
         # client waited unanswered, with no 503.
         raise ConfigError(

@@ -238,13 +238,13 @@ class Server:
         self._recovering.cancel()  # a reload that opened its session ends the waiting
         self.metrics.reloads += 1
 
-    def _fit_connections(self, settings: Settings) -> None:
+    def _fit_connections(self, settings: Settings, *, starting: bool = False) -> None:
         """Fit the connections the open-file limit leaves room for to the settings
         coming into force (see _fds): once for each ``max_connections`` asked."""
         wanted = settings.serve.max_connections
         if wanted != self._room_for:
+            self._room = connection_room(wanted, self.metrics.connections, starting=starting)
             self._room_for = wanted
-            self._room = connection_room(wanted, self.metrics.connections)
 
     def _retime_waits(self, settings: Settings) -> None:
         """Give the connections waiting for a request the new settings' wait, from when
@@ -635,7 +635,12 @@ async def open_server(
     except OSError as exc:
         raise ConfigError(f"serve: cannot listen on {host}:{port} ({exc.strerror})") from None
     server = Server(listeners, host, transport)
-    server._fit_connections(settings)
+    try:
+        server._fit_connections(settings, starting=True)
+    except ConfigError:  # (no room for one client: nothing listens)
+        for listener in listeners:
+            await trio.aclose_forcefully(listener)
+        raise
     failure: BaseException | None = None
     async with trio.open_nursery() as sessions:
         server._sessions = sessions
