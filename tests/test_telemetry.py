@@ -1012,4 +1012,8 @@ def test_stats_reads_a_version_1_file_as_it_is(tmp_path: Path) -> None:
     finally:
         reader.close()
     assert [(c.scope, c.source, c.answered_scope) for c in calls] == [("chat", "a", None)]
-    assert [v for (v,) in sqlite3.connect(path).execute("SELECT version FROM polygate_schema")] == [1]
+    conn = sqlite3.connect(path)
+    try:  # (closed: Python 3.13 warns of a connection left to the collector)
+        assert [v for (v,) in conn.execute("SELECT version FROM polygate_schema")] == [1]
+    finally:
+        conn.close()
