@@ -14,6 +14,7 @@ import pytest
 import trio
 
 import polygate
+import polygate.testing
 from polygate.serve import open_server
 
 from ._raw_server import raw_server
@@ -563,3 +564,33 @@ async def test_a_request_chunk_not_ended_by_crlf_is_refused() -> None:
             data = await read_until_closed(stream)
     assert data.startswith(b"HTTP/1.1 400"), data[:200]
     assert not upstream.requests
+
+
+async def test_a_bug_every_request_trips_logs_one_redacted_traceback_a_minute(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: the server's 500 path logged a full traceback for every request, with
+    the exception's text as it was (a key in it, an upstream's escape sequences), where
+    the transport already logged one redacted traceback per type a minute, as
+    docs/security.md promises for both."""
+    import polygate._bugs
+    import polygate.serve._app as app
+
+    from ._serve_kit import CHAT, gateway
+
+    def buggy(response: Any) -> Any:  # (a rendering bug that an answer's text trips)
+        raise KeyError(f"{response.text} with 'authorization': 'Bearer sk-upstream-key'")
+
+    monkeypatch.setattr(app, "_answer_body", buggy)
+    monkeypatch.setattr(polygate._bugs, "_last", {})
+    caplog.set_level(logging.DEBUG, logger="polygate")
+    async with gateway(polygate.testing.Reply(text="chosen \x1b[2J text")) as (server, _):
+        for _ in range(20):
+            assert (await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status == 500
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    [error] = errors
+    assert "Traceback" in error and "KeyError" in error
+    assert "sk-upstream-key" not in caplog.text
+    assert "\x1b" not in caplog.text and "\\x1b[2J" in error
+    assert sum("unexpected KeyError answering" in r.getMessage() for r in caplog.records) == 19

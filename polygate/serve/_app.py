@@ -32,6 +32,7 @@ from typing import Any, Final, Protocol
 import attrs
 import trio
 
+from .._bugs import log_bug
 from .._config import Settings
 from .._context import PRESET_CALL_ID, fresh_call_id
 from .._errors import ConfigError, PolygateError
@@ -232,8 +233,8 @@ async def answer(ctx: Context, request: Request) -> None:
     except ClientGone:
         status = 499  # nginx's "client closed request"
     except Exception as exc:
-        log.error("unexpected error answering %s %s", request.method, endpoint_label(request.path),
-                  exc_info=exc)
+        where = f"answering {request.method} {endpoint_label(request.path)}"
+        log_bug(log, exc, where, ctx.gateway.settings.secrets())
         await _internal_error(ctx)
     except BaseException:  # cancelled, perhaps inside a group from the call's nursery
         # Its client left, or the server stopped hard (a second SIGTERM, the end of a
@@ -614,7 +615,7 @@ async def _call_failed(
     charge.failed(exc)
     reply = reply_for(exc)
     if reply.status == 500:
-        log.error("unexpected error answering a call: %s", type(exc).__name__, exc_info=exc)
+        log_bug(log, exc, "answering a call", ctx.gateway.settings.secrets())
     stats: CallStats | None = getattr(exc, "call_stats", None)
     meter = ctx.meter
     if stats is None and isinstance(exc, ConfigError) and (meter is None or meter.stats is None):

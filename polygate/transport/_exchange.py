@@ -14,7 +14,6 @@ import logging
 import math
 import re
 import sys
-import traceback
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -24,6 +23,7 @@ import httpx
 import msgspec
 import trio
 
+from .._bugs import log_bug
 from .._errors import (
     CONTEXT_CODES,
     POLICY_CODES,
@@ -249,11 +249,6 @@ async def _close(response: httpx.Response) -> None:
 
 #: Failures that bytes from an upstream can cause; anything else is more likely a bug.
 _INPUT_ERRORS = (httpx.HTTPError, ValueError, UnicodeDecodeError, RecursionError)
-#: A bug that an upstream can trigger at will must not fill the logs: one traceback
-#: per exception type in this many seconds, the rest one line at DEBUG.
-_TRACEBACK_EVERY_S = 60.0
-_last_traceback: dict[type[BaseException], float] = {}
-
 
 def _classified(exc: BaseException, endpoint: Endpoint) -> UpstreamError:
     """The one polygate error for whatever the wire or the bytes raised.  Anything
@@ -261,20 +256,7 @@ def _classified(exc: BaseException, endpoint: Endpoint) -> UpstreamError:
     (rate-limited): it is more likely a bug than an upstream fault, but one
     attempt's bug must not become the caller's crash."""
     if not isinstance(exc, _INPUT_ERRORS):
-        now = trio.current_time()
-        kind = type(exc)
-        last = _last_traceback.get(kind)
-        if last is None or now - last >= _TRACEBACK_EVERY_S or now < last:
-            if len(_last_traceback) > 64:
-                _last_traceback.clear()
-            _last_traceback[kind] = now
-            trace = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
-            _log.error(
-                "unexpected error in an exchange with %s\n%s",
-                endpoint.name, redact(trace, endpoint.secrets).rstrip(),
-            )
-        else:
-            _log.debug("unexpected %s in an exchange with %s", kind.__name__, endpoint.name)
+        log_bug(_log, exc, f"in an exchange with {endpoint.name}", endpoint.secrets)
     error = classify_exception(exc, source=endpoint.name)
     error.message = redact(error.message, endpoint.secrets)
     error.args = (error.message,)

@@ -1,0 +1,48 @@
+"""Logging a bug that the outside can trigger at will (an upstream's bytes, a client's
+request): one redacted traceback per exception type a minute, the rest one line at
+DEBUG.  Without the bound, an upstream that trips it on every attempt (or a client on
+every request) would fill the logs; without the redaction, an exception's text could
+carry a key or a URL's password into them; and an upstream's bytes in that text could
+carry a terminal's escape sequences."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Iterable
+
+import trio
+
+from ._secrets import redact
+
+__all__ = ["log_bug"]
+
+#: One traceback per exception type in this many seconds.
+EVERY_S = 60.0
+_last: dict[type[BaseException], float] = {}
+
+
+def log_bug(log: logging.Logger, exc: BaseException, where: str, secrets: Iterable[str]) -> None:
+    """``exc`` (an unexpected error) logged at ERROR with its traceback, ``secrets``
+    redacted and control characters escaped, once per type a minute; ``where`` says
+    what was being done ("in an exchange with a", "answering POST /v1/…")."""
+    now = trio.current_time()
+    kind = type(exc)
+    last = _last.get(kind)
+    if last is not None and 0 <= now - last < EVERY_S:
+        log.debug("unexpected %s %s", kind.__name__, where)
+        return
+    if len(_last) > 64:
+        _last.clear()
+    _last[kind] = now
+    trace = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
+    log.error("unexpected error %s\n%s", where, _escaped(redact(trace, secrets).rstrip()))
+
+
+def _escaped(text: str) -> str:
+    if text.isprintable() or all(c.isprintable() or c == "\n" for c in text):
+        return text
+    return "".join(
+        c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )
