@@ -344,7 +344,9 @@ def test_a_config_flag_warns_about_the_environment_keys_it_leaves_unused(
         settings = _serve._load(path)
     assert settings.serve.api_keys == ()
     [record] = [r for r in caplog.records if r.name == "polygate.serve"]
-    assert record.getMessage().startswith("warning: configuration read from ")
+    # (The server's log line says its level: see cli/_serve.py's _Lines.)
+    assert _serve._Lines().format(record).startswith(
+        "polygate serve: warning: configuration read from ")
     assert "POLYGATE__SERVE__API_KEYS are ignored" in record.getMessage()
 
 

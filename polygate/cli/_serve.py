@@ -73,8 +73,22 @@ def _load(config: str | None) -> Any:
         else:
             settings = load_settings(path=config)
     for note in notes:
-        log.warning("warning: %s", note)
+        log.warning("%s", note)
     return settings
+
+
+class _Lines(logging.Formatter):
+    """``polygate serve: …``, and the level for what needs a look: ``polygate serve:
+    warning: …``, ``polygate serve: error: …`` (a grep, or a log shipper's rule, tells
+    a refused reload from a start line)."""
+
+    def __init__(self) -> None:
+        super().__init__("polygate serve: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        if record.levelno >= logging.WARNING:
+            return f"polygate serve: {record.levelname.lower()}: {record.getMessage()}"
+        return super().formatMessage(record)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     from .._config_load import locate_config
     from .._errors import ConfigError, PolygateError
 
-    logging.basicConfig(level=logging.INFO, format="polygate serve: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Lines())
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     # polygate's own lines at INFO, not a library's: coredis logs every dropped Redis
     # connection at INFO (with an empty traceback), which the cache and governance
     # backends already report, once, in their own words.
