@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import functools
 import json
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -546,3 +548,23 @@ async def test_a_sink_opened_after_its_bound_gave_up_is_closed(monkeypatch: pyte
     release.set()
     assert await trio.to_thread.run_sync(done.wait, 10)
     assert sink.closed
+
+
+async def test_a_drop_warning_names_the_database_it_was_bound_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Review: "polygate telemetry dropped 598 row(s) …" did not say where: a process
+    with several sessions (a server across reloads) could not tell which sink failed."""
+    from polygate.telemetry._sqlite import SQLiteSink
+
+    def full(self: SQLiteSink, batch: Any) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(SQLiteSink, "write", full)
+    path = tmp_path / "t.db"
+    settings = attrs.evolve(two_source_settings(names=("a",)),
+                            telemetry=f"sqlite:///{path}")
+    async with polygate.session(settings, transport=FakeUpstream(Reply()).transport()) as s:
+        await s.chat(MESSAGES)
+    [line] = [r.getMessage() for r in caplog.records if "telemetry dropped" in r.getMessage()]
+    assert f"dropped 2 row(s) for sqlite:///{path} (" in line, line

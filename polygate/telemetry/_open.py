@@ -236,6 +236,7 @@ async def open_telemetry(
     """Open the telemetry ``settings.telemetry`` names (or ``sink``, which replaces
     it); closes it (flushing, bounded) on exit.  ``pipeline_options`` tune
     :class:`Pipeline` (capacity, batch size, timeouts)."""
+    where = type(sink).__name__ if sink is not None else mask_url(settings.telemetry)
     if sink is None:
         sink = await open_sink(settings.telemetry, write_timeout_s=settings.telemetry_write_timeout_s)
     try:
@@ -254,7 +255,8 @@ async def open_telemetry(
                 **pipeline_options,
             }
             pipeline = Pipeline(
-                sink, session_id=session_id, version=__version__, secrets=secrets, **options
+                sink, session_id=session_id, version=__version__, secrets=secrets,
+                where=where, **options,
             )
             recorders.append(TelemetryRecorder(
                 pipeline.send, pipeline.counters, session_id=session_id,

@@ -144,14 +144,17 @@ class Counters:
         "queued_content",
         "recorder_errors",
         "secrets",
+        "where",
         "write_errors",
         "written",
     )
 
     def __init__(
         self, log_interval_s: float = 60.0, secrets: tuple[str, ...] = (),
-        max_queued_content: int = MAX_QUEUED_CONTENT,
+        max_queued_content: int = MAX_QUEUED_CONTENT, where: str = "its sink",
     ) -> None:
+        # What the warnings name: the sink's URL, masked (a process may write to several).
+        self.where = where
         # Characters of content in rows queued in the channel (MAX_QUEUED_CONTENT):
         # added by the recorder as it queues a row, taken off as the flusher takes it.
         self.queued_content = 0
@@ -184,9 +187,9 @@ class Counters:
         if now >= self._next_omitted_log:
             self._next_omitted_log = now + self.log_interval_s
             logger.warning(
-                "polygate telemetry wrote a call row without its content (%d characters; "
-                "%d rows so far): at most %d characters of content are queued at once",
-                size, self.content_omitted, self.max_queued_content,
+                "polygate telemetry wrote a call row to %s without its content (%d "
+                "characters; %d rows so far): at most %d characters of content are queued "
+                "at once", self.where, size, self.content_omitted, self.max_queued_content,
             )
 
     def drop_closed(self, n: int = 1) -> None:
@@ -203,7 +206,7 @@ class Counters:
     def close_failed(self, error: BaseException) -> None:
         self.write_errors += 1
         self.last_error = redact(f"closing the sink: {type(error).__name__}: {error}", self.secrets)[:500]
-        logger.warning("polygate telemetry: %s", self.last_error)
+        logger.warning("polygate telemetry (%s): %s", self.where, self.last_error)
 
     def maybe_log(self, *, force: bool = False) -> None:
         now = time.monotonic()
@@ -215,8 +218,8 @@ class Counters:
         self._next_log = now + self.log_interval_s
         self._logged_dropped = self.dropped
         logger.warning(
-            "polygate telemetry dropped %d row(s) (%d in all: %d queue full, %d sink errors, "
-            "%d at close)%s", new, self.dropped, self.dropped_queue_full,
+            "polygate telemetry dropped %d row(s) for %s (%d in all: %d queue full, %d sink "
+            "errors, %d at close)%s", new, self.where, self.dropped, self.dropped_queue_full,
             self.dropped_sink_error, self.dropped_at_close,
             f"; last sink error: {self.last_error}" if self.last_error else "",
         )
@@ -279,6 +282,7 @@ class Pipeline:
         log_interval_s: float = 60.0,
         secrets: tuple[str, ...] = (),
         max_queued_content: int = MAX_QUEUED_CONTENT,
+        where: str = "its sink",
     ) -> None:
         self.sink = sink
         self.session_id = session_id
@@ -289,7 +293,7 @@ class Pipeline:
         self.write_timeout_s = write_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
         self.summary_interval_s = summary_interval_s
-        self.counters = Counters(log_interval_s, secrets, max_queued_content)
+        self.counters = Counters(log_interval_s, secrets, max_queued_content, where)
         self.send, self._receive = trio.open_memory_channel[Event](capacity)
         self._limiter = trio.CapacityLimiter(1)
         self._started_at = time.time()
