@@ -111,6 +111,7 @@ class Cache:
         self._down_until = -math.inf
         self._pause = 0.0
         self._last_warning = -math.inf
+        self._warned_down = False  # an outage was logged: its end is logged too
         self.hits = 0
         self.misses = 0
         self.coalesced = 0
@@ -218,8 +219,16 @@ class Cache:
                 log.exception("cache lookup failed")  # (its traceback: at most every 10 s)
             self.failed(f"{type(exc).__name__} in a lookup")
             return [None] * len(keys)
-        self._pause = 0.0
+        self._answered()
         return values
+
+    def _answered(self) -> None:
+        """The backend answered: the pause ends, and an outage that was logged is said
+        to be over (without it, the log read as if the cache still failed)."""
+        self._pause = 0.0
+        if self._warned_down:
+            self._warned_down = False
+            log.info("the cache answers again (%d error(s) so far)", self.errors)
 
     def failed(self, message: str, *, pause: bool = True) -> None:
         """Count a failed operation and pause the backend; ``pause=False`` for a bad
@@ -236,6 +245,7 @@ class Cache:
             self._down_until = now + self._pause
         if now - self._last_warning >= _WARN_EVERY_S:
             self._last_warning = now
+            self._warned_down = pause
             log.warning("%s; the cache fails open (%d error(s) so far)", message, self.errors)
 
     # ------------------------------------------------------------------ writes
@@ -345,7 +355,7 @@ class Cache:
                 log.exception("cache write failed")
                 self.failed(f"{type(exc).__name__} in a write")
             else:
-                self._pause = 0.0
+                self._answered()
                 written = len(live)
         finally:
             self.writes += written

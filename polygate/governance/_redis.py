@@ -919,6 +919,7 @@ class RedisBackend:
                 raise self._failure(what, exc, trio.current_time() - started) from exc
             if self._unreachable:
                 self._unreachable = False
+                self._back()
                 if self._abandoned:
                     self._cleanup.set()  # Redis is back: void at once
             self._healthy = True
@@ -967,6 +968,14 @@ class RedisBackend:
         if password:
             text = text.replace(password, "***")
         return text[:400]
+
+    def _back(self) -> None:
+        """Redis answers after it did not: said (at most every 10 s, as the failures
+        are), so that a log that told of an outage also tells of its end."""
+        now = trio.current_time()
+        if now - self._last_warning.get("back", -math.inf) >= 10.0:
+            self._last_warning["back"] = now
+            log.info("redis at %s answers again", self._where)
 
     def _warn(self, kind: str, message: str) -> None:
         """Log at most one warning of each kind every 10 s: an outage is one event."""
