@@ -17,9 +17,10 @@ from ._secrets import redact
 
 __all__ = ["log_bug"]
 
-#: One traceback per exception type in this many seconds.
+#: One traceback per exception type and logger in this many seconds.
 EVERY_S = 60.0
-_last: dict[type[BaseException], float] = {}
+#: Keyed by the logger too: the transport's bug must not silence the server's.
+_last: dict[tuple[str, type[BaseException]], float] = {}
 
 
 def log_bug(log: logging.Logger, exc: BaseException, where: str, secrets: Iterable[str]) -> None:
@@ -28,21 +29,23 @@ def log_bug(log: logging.Logger, exc: BaseException, where: str, secrets: Iterab
     what was being done ("in an exchange with a", "answering POST /v1/…")."""
     now = trio.current_time()
     kind = type(exc)
-    last = _last.get(kind)
+    last = _last.get((log.name, kind))
     if last is not None and 0 <= now - last < EVERY_S:
         log.debug("unexpected %s %s", kind.__name__, where)
         return
     if len(_last) > 64:
         _last.clear()
-    _last[kind] = now
+    _last[log.name, kind] = now
     trace = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
-    log.error("unexpected error %s\n%s", where, _escaped(redact(trace, secrets).rstrip()))
+    log.error("unexpected error %s\n%s", where, _indented(redact(trace, secrets)))
 
 
-def _escaped(text: str) -> str:
-    if text.isprintable() or all(c.isprintable() or c == "\n" for c in text):
-        return text
-    return "".join(
-        c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode("ascii")
-        for c in text
+def _indented(text: str) -> str:
+    """Every line indented, control characters escaped: no line of an exception's
+    text can pass for a log line of its own (``polygate serve: error: …``)."""
+    return "\n".join(
+        "  " + (line if line.isprintable() else "".join(
+            c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in line
+        ))
+        for line in text.rstrip().splitlines()
     )

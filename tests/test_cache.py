@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Awaitable, Callable, Mapping
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -17,6 +18,7 @@ import trio
 import trio.testing
 
 import polygate
+from polygate.cache._backend import CacheBackendError
 from polygate.testing import FakeUpstream, Reply, Router
 
 from .conftest import FIRST_A, MESSAGES, SECRET
@@ -1484,3 +1486,50 @@ async def test_embeddings_keep_their_key_when_a_fallback_chat_model_changes(tmp_
                                     transport=Router({"a": up})) as s:
             r = await s.embed(["a"])
         assert r.call_stats.cached == (model == "large-v2")
+
+
+class _Down:
+    """A cache backend that fails every lookup until ``up``."""
+
+    name = "down"
+    write_behind = False
+
+    def __init__(self) -> None:
+        self.up = False
+
+    async def start(self) -> str | None:
+        return None
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        await trio.lowlevel.checkpoint()
+        if not self.up:
+            raise CacheBackendError("down: connection refused")
+        return [None] * len(keys)
+
+    async def set_many(self, entries: Any) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_the_end_of_a_logged_outage_is_said_once_even_after_a_bad_entrys_warning(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: a bad entry's warning during an outage (an answer that could not be
+    stored: the backend is not at fault) cleared the mark of the outage, and its end
+    went unsaid."""
+    from polygate.cache._cache import Cache
+
+    caplog.set_level(logging.INFO, logger="polygate.cache")
+    backend = _Down()
+    cache = Cache(backend)  # type: ignore[arg-type]
+    assert await cache.get_many(["k"]) == [None]  # the outage: "fails open"
+    await trio.sleep(11)
+    cache.failed("an answer could not be stored (TypeError)", pause=False)
+    await trio.sleep(31)
+    backend.up = True
+    assert await cache.get_many(["k"]) == [None]
+    assert await cache.get_many(["k"]) == [None]
+    said = [r.getMessage() for r in caplog.records if r.name == "polygate.cache"]
+    assert sum(line.startswith("the cache answers again") for line in said) == 1, said

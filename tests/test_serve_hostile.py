@@ -594,3 +594,37 @@ async def test_a_bug_every_request_trips_logs_one_redacted_traceback_a_minute(
     assert "sk-upstream-key" not in caplog.text
     assert "\x1b" not in caplog.text and "\\x1b[2J" in error
     assert sum("unexpected KeyError answering" in r.getMessage() for r in caplog.records) == 19
+
+
+async def test_one_loggers_bug_does_not_silence_anothers_first_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: the limit was keyed by the exception's type alone, so an upstream that
+    tripped a KeyError in the transport hid the server's own KeyError for a minute."""
+    import polygate._bugs
+    from polygate._bugs import log_bug
+
+    monkeypatch.setattr(polygate._bugs, "_last", {})
+    log_bug(logging.getLogger("polygate.transport"), KeyError("choices"), "in an exchange", ())
+    log_bug(logging.getLogger("polygate.serve"), KeyError("model"), "answering POST /x", ())
+    errors = [r.name for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["polygate.transport", "polygate.serve"]
+
+
+async def test_an_exceptions_text_cannot_forge_a_log_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: a line break in an exception's text (a client's or an upstream's bytes)
+    started a line of its own, one that read as the server's ``polygate serve: error:``."""
+    import polygate._bugs
+    from polygate._bugs import log_bug
+    from polygate.cli._serve import _Lines
+
+    monkeypatch.setattr(polygate._bugs, "_last", {})
+    forged = "x\npolygate serve: error: reload refused\r\npolygate serve: bye\x1b[2J"
+    log_bug(logging.getLogger("polygate.serve"), ValueError(forged), "answering POST /x", ())
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = _Lines().format(record).splitlines()
+    assert lines[0] == "polygate serve: error: unexpected error answering POST /x"
+    assert all(line.startswith("  ") for line in lines[1:]), lines
+    assert "\x1b" not in record.getMessage()

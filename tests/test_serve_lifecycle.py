@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -92,22 +93,45 @@ async def test_sigterm_drains_calls_in_flight(tmp_path: Path) -> None:
     assert [r.outcome for r in upstream.requests] == ["complete", "complete"]
 
 
-def _block_stops() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
+def _blocked(pending: int | None = None) -> Any:
+    """A preexec_fn: the stop and reload signals blocked, ``pending`` sent meanwhile
+    (the mask and a pending signal both survive the exec)."""
+
+    def block() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
+        if pending is not None:
+            os.kill(os.getpid(), pending)
+
+    return block
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks here")
+@pytest.mark.parametrize("pending", [None, signal.SIGHUP])
 async def test_a_server_started_with_its_signals_blocked_still_stops_on_sigterm(
-    tmp_path: Path,
+    tmp_path: Path, pending: int | None,
 ) -> None:
     """Review: a supervisor that passes on a blocked mask (a thread that blocked the
     signals, then forked): SIGTERM stayed pending for ever, and the server never
-    drained or stopped."""
+    drained or stopped.  A SIGHUP already pending then is a reload asked for before
+    the start, dropped (it killed the server when the mask was lifted before trio's
+    handlers were in place)."""
     config = write_config(tmp_path / "c.toml", "http://127.0.0.1:9/v1")
-    async with serve_process(config, preexec_fn=_block_stops) as srv:
+    async with serve_process(config, preexec_fn=_blocked(pending)) as srv:
         srv.proc.send_signal(signal.SIGTERM)
         with trio.fail_after(10):
             assert await srv.proc.wait() == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks here")
+@pytest.mark.parametrize("pending", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_pending_under_a_blocked_mask_ends_the_start(tmp_path: Path, pending: int) -> None:
+    config = write_config(tmp_path / "c.toml", "http://127.0.0.1:9/v1")
+    done = subprocess.run(
+        [sys.executable, "-m", "polygate", "serve", "--config", str(config), "--port", "0"],
+        capture_output=True, text=True, timeout=60, preexec_fn=_blocked(pending))
+    assert done.returncode == 0, done.stderr
+    assert "listening" not in done.stdout
+    assert "stopped before it started listening" in done.stderr
 
 
 async def test_grace_period_end_cancels_what_is_left(tmp_path: Path) -> None:

@@ -245,7 +245,8 @@ class Cache:
             self._down_until = now + self._pause
         if now - self._last_warning >= _WARN_EVERY_S:
             self._last_warning = now
-            self._warned_down = pause
+            if pause:  # (a bad entry's warning says nothing of the backend)
+                self._warned_down = True
             log.warning("%s; the cache fails open (%d error(s) so far)", message, self.errors)
 
     # ------------------------------------------------------------------ writes

@@ -142,13 +142,15 @@ async def _serve(settings: Any, args: argparse.Namespace, where: str) -> int:
     from ..serve import open_server
 
     stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    if hasattr(signal, "pthread_sigmask"):
-        # A supervisor may start it with them blocked (a mask inherited through a
-        # fork from a thread that blocked them): trio's handlers would never run, and
-        # SIGTERM would stay pending for ever instead of draining.
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
     with trio.open_signal_receiver(*stops) as signals, \
             trio.CancelScope() as start:
+        if hasattr(signal, "pthread_sigmask"):
+            # A supervisor may start it with them blocked (a mask inherited through a
+            # fork from a thread that blocked them): trio's handlers would never run,
+            # and SIGTERM would stay pending for ever instead of draining.  Unblocked
+            # once the handlers are in place: one already pending is then received
+            # (a stop ends the start), not delivered to the default action (death).
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
         # One reader of the signals for the server's whole life, from before its start:
         # while it starts (its session opening: a telemetry database, Redis), a stop
         # signal ends the start (nothing is listening yet, nothing to drain) and a
@@ -224,6 +226,7 @@ async def _serve(settings: Any, args: argparse.Namespace, where: str) -> int:
 
 async def _reload(server: Any, where: str) -> None:
     """Read the configuration again from ``where`` (a file, or :data:`_ENVIRONMENT`)."""
+    from .._bugs import log_bug
     from .._errors import PolygateError
 
     settings = None
@@ -246,7 +249,8 @@ async def _reload(server: Any, where: str) -> None:
         # it): refused like an invalid file, with the traceback for the report.
         server.metrics.reload_failures += 1
         log.error("reload refused, the old configuration stays: unexpected %s",
-                  type(exc).__name__, exc_info=exc)
+                  type(exc).__name__)
+        log_bug(log, exc, "reading the configuration again", server.settings.secrets())
         return
     _settle_heap()
     log.info("configuration reloaded: %d scope(s)", len(settings.scopes))
