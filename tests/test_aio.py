@@ -533,6 +533,29 @@ async def test_asyncio_timeout_behaves_like_call_deadline() -> None:
         await governance_idle(s)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is 3.11+")
+@pytest.mark.parametrize("kind", ["chat", "stream"])
+async def test_a_call_whose_asyncio_timeout_is_already_due_sends_nothing(kind: str) -> None:
+    """Review: inside ``asyncio.timeout(0)`` (a budget already spent) the call started
+    in the caller's own step, before the loop ran the timeout's callback: it was
+    written to a warm connection and billed, its answer thrown away.  trio's
+    ``move_on_after(0)`` sends nothing, and neither does httpx on asyncio."""
+    up = fake(Reply(text="billed"))
+    with loopback(up) as url:
+        async with polygate.aio.session(settings_for(url)) as s:
+            await s.chat(messages("warm"))  # a kept-alive connection is ready
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0):
+                    if kind == "chat":
+                        await s.chat(messages("late"))
+                    else:
+                        async with s.stream_chat(messages("late")) as stream:
+                            async for _ in stream:
+                                pass
+            await governance_idle(s)
+    assert [r.body["messages"][-1]["content"] for r in up.requests] == ["warm"]
+
+
 async def test_wait_for_timeout_settles_too() -> None:
     up = fake(HANG)
     async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:

@@ -127,15 +127,16 @@ def _forward(
     async def forward(self: Session, /, *args: P.args, **kwargs: P.kwargs) -> T:
         # (Session._call inlined: one coroutine frame fewer a call.)
         self._check_open()
+        # A yield first, as every trio call checkpoints on its way in: a cancellation
+        # already due (an asyncio.timeout() that expired before the call, whose
+        # callback the loop has not run yet) lands here, before anything is sent.
+        # Started in this step instead, the call was written to the wire and billed,
+        # its answer thrown away.  (It also keeps a loop of cache hits from starving
+        # the other tasks.)
+        await asyncio.sleep(0)
         job = _Job(method, (self._session, *args), kwargs, self._loop.create_future())
         self._host.start_job(self._owner.start_job, job)
         try:
-            if job.fut.done():
-                # Answered inside this step (no I/O was needed: a cache hit).  A call
-                # still yields to the loop once, as every trio call checkpoints: a
-                # loop of such calls must not starve other tasks, nor its own
-                # asyncio.timeout().
-                await asyncio.sleep(0)
             return await job.fut  # type: ignore[no-any-return]
         except asyncio.CancelledError:
             await self._cancel(job)
@@ -485,10 +486,16 @@ class ChatStream:
         session = self._session
         session._check_open()
         job = self._job = _Job(self._iterate, (), {}, self._loop.create_future())
+        try:
+            await asyncio.sleep(0)  # a yield point first, as for a call (see _forward)
+        except BaseException:
+            # Cancelled before anything started: nothing to settle on the trio side,
+            # and the stream is left as a block that was cancelled entering is.
+            job.done = True
+            self._exited = True
+            raise
         session._host.start_job(session._owner.start_job, job)
         try:
-            if job.fut.done():
-                await asyncio.sleep(0)  # a yield point, as for a call (see _forward)
             await job.fut
         except BaseException:
             # The block never ran (``async with`` calls no __aexit__ after a failed
