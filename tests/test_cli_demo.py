@@ -100,3 +100,32 @@ def test_a_relative_db_in_a_working_directory_since_deleted_is_one_line(
     captured = capsys.readouterr()
     assert captured.err.strip().splitlines() == [
         "polygate demo: cannot resolve --db rel.db: the working directory is gone"]
+
+
+@pytest.mark.parametrize("name", ["run?x=1.db", "run#1.db", "run%41.db"])
+def test_a_db_path_with_url_characters_is_the_file_named(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: the path went into a sqlite:// URL unquoted, and the file written was
+    another (``run#1.db`` wrote ``run``; ``run%41.db`` wrote ``runA.db``), so the
+    suggested ``polygate stats`` found nothing."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--calls", "1", "--concurrency", "1", "--db", name]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".db" or p.name == "run") == [name]
+    capsys.readouterr()
+    assert main(["stats", name]) == 0
+
+
+@pytest.mark.parametrize("url", ["sqlite:///?", "sqlite:///#demo", "sqlite:///?mode=rwc", "SUFFIX#demo"])
+def test_a_db_url_that_names_another_file_is_refused(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: ``sqlite:///?`` named the default telemetry database (as bare
+    ``sqlite://``, which is refused so that the demo's calls never mix with real ones),
+    and ``sqlite:///real.db#demo`` wrote into ``real.db``."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    real = tmp_path / "real.db"
+    url = url.replace("SUFFIX", f"sqlite:///{real}")
+    assert main(["demo", "--calls", "1", "--concurrency", "1", "--db", url]) == 2
+    assert "no '?' or '#' in a URL" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists() and not real.exists()

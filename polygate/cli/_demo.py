@@ -165,9 +165,17 @@ def _print_table(summaries: dict[str, Any], summary_cls: Any, scale: float) -> N
 def _telemetry_url(db: str) -> str | None:
     """``--db`` as a ``sqlite://`` URL (a path or such a URL), or None after saying why."""
     from pathlib import Path
+    from urllib.parse import unquote, urlsplit
 
-    if db.startswith("sqlite:///") and len(db) > len("sqlite:///"):
-        return db
+    if db.startswith("sqlite:///"):
+        parts = urlsplit(db)
+        if not parts.query and not parts.fragment and unquote(parts.path).strip("/"):
+            return db
+        # (A query or a fragment is dropped from the file's name, and sqlite:///? names
+        # the default database: the demo's calls would land in a file not named.)
+        print("polygate demo: --db takes a SQLite file's path or a sqlite:///path URL "
+              "(no '?' or '#' in a URL: pass such a name as a path)", file=sys.stderr)
+        return None
     if "://" in db or not db.strip():
         # (Bare sqlite:// too: it names the default telemetry database, where the
         # demo's made-up calls would mix with real ones.)
@@ -175,7 +183,10 @@ def _telemetry_url(db: str) -> str | None:
               file=sys.stderr)
         return None
     try:
-        return f"sqlite://{Path(db).absolute()}"
+        # A path is a name: its '%', '?' and '#' are quoted, not read as a URL's
+        # (the rest as it is: a name in bytes that are not UTF-8 stays that name).
+        path = str(Path(db).absolute())
+        return "sqlite://" + path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
     except OSError as exc:  # (a relative path in a working directory since deleted)
         gone = isinstance(exc, FileNotFoundError)
         reason = "the working directory is gone" if gone else exc.strerror
