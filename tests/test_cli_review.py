@@ -289,3 +289,23 @@ def test_load_settings_with_a_polygate_config_the_system_cannot_look_at() -> Non
 
     with pytest.raises(polygate.ConfigError, match="cannot look at the file"):
         load_settings({"POLYGATE_CONFIG": _TOO_LONG})
+
+
+@pytest.mark.parametrize("argv", [
+    ["stats", "--since=--"], ["stats", "--tail=--"], ["demo", "--calls=--"],
+    ["chat", "hi", "--scope=--"], ["check-config", "--config=--"],
+])
+def test_an_option_whose_value_is_two_dashes_is_that_value(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review: before Python 3.13 argparse drops a value of ``--`` (``--config=--``) and
+    hands the option an empty list: a traceback further on, or the default
+    configuration checked in place of the file named ``--``."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("POLYGATE__CHAT__A__BASE_URL", "http://127.0.0.1:9/v1")
+    assert polygate.cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 4, err  # (usage: 2-3)
+    if argv[0] == "check-config":
+        assert "--: configuration file not found" in err

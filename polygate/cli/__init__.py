@@ -15,7 +15,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -45,6 +45,14 @@ class _Parser(argparse.ArgumentParser):
         # process was started with closed (`>&-`, `2>&-`), where nothing is printed.
         if message and file is not None:
             file.write(message)
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        if action.nargs is None and action.option_strings and arg_strings == ["--"]:
+            # ``--config=--``: before Python 3.13 argparse drops a value of "--" and
+            # hands the option an empty list (a traceback further on, or the default
+            # configuration checked instead of the file named "--").
+            return self._get_value(action, "--")
+        return super()._get_values(action, arg_strings)
 
 
 def build_parser() -> argparse.ArgumentParser:
