@@ -23,7 +23,15 @@ from urllib.parse import urlsplit
 import attrs
 import httpx
 
-from ._config_serve import NAME_RULE, Serve, ServeKey, check_serve_models, reduce_read_only
+from ._config_serve import (
+    HOST_NAME_PROBLEM,
+    NAME_RULE,
+    Serve,
+    ServeKey,
+    check_serve_models,
+    host_name_ok,
+    reduce_read_only,
+)
 from ._errors import ConfigError, FatalUpstreamError, RateLimitedError, classify_status
 from ._secrets import (
     DSN_SECRET_PARAM,
@@ -430,6 +438,10 @@ class Source:
             httpx.URL(value + "/chat/completions")
         except (httpx.InvalidURL, ValueError):
             raise _bad(self, "base_url", url=value, problem=_BAD_URL) from None
+        if not host_name_ok(parts.hostname):
+            # Otherwise valid, and every call failed on it as "a malformed upstream
+            # body (UnicodeError)", retried, though no upstream ever answered.
+            raise _bad(self, "base_url", url=value, problem=HOST_NAME_PROBLEM)
 
     @api_key.validator
     def _check_key(self, attr: attrs.Attribute[str | None], value: Any) -> None:

@@ -18,7 +18,27 @@ import attrs
 from ._errors import ConfigError
 from ._secrets import given
 
-__all__ = ["Serve", "ServeKey", "check_serve_models", "reduce_read_only"]
+__all__ = [
+    "HOST_NAME_PROBLEM", "Serve", "ServeKey", "check_serve_models", "host_name_ok",
+    "reduce_read_only",
+]
+
+HOST_NAME_PROBLEM = (
+    "its host is not a name that can be looked up: an empty label ('a..b', '.a') or one "
+    "over 63 characters"
+)
+
+
+def host_name_ok(host: str) -> bool:
+    """Whether ``host`` can be looked up at all: the system's resolver is asked through
+    Python's IDNA codec, which refuses an empty label or one over 63 characters (an
+    address always passes).  Checked in the settings, not met as a UnicodeError from
+    the first connection or the listener."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
 
 
 def reduce_read_only(inst: Any) -> tuple[Any, ...]:
@@ -210,6 +230,8 @@ class Serve:
             # never be listened on; not echoed: a URL may carry a password.
             raise _bad("Serve", "host", "must be a host name or address alone: no scheme, "
                        "user or path, and no ':port' (the port is its own setting)")
+        if not host_name_ok(value):
+            raise _bad("Serve", "host", f"must be a host name or address: {HOST_NAME_PROBLEM}")
 
     @port.validator
     def _check_port(self, attr: attrs.Attribute[int], value: Any) -> None:

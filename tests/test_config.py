@@ -717,6 +717,32 @@ def test_a_serve_host_with_a_port_or_a_scheme_is_refused(host: str) -> None:
     assert "hunter2pw" not in str(info.value)
 
 
+_NO_NAME = ["a..b", ".a", "a" * 64, f"{'b' * 64}.example"]
+
+
+@pytest.mark.parametrize("host", _NO_NAME)
+def test_a_serve_host_no_resolver_can_be_asked_for_is_refused(host: str) -> None:
+    """Outside review (fuzzing the command line): ``polygate serve --host a..b`` was a
+    UnicodeError traceback from the listener (Python's IDNA codec, which the resolver
+    is asked through, refuses an empty label or one over 63 characters)."""
+    import polygate
+
+    with pytest.raises(ConfigError, match=r"Serve\.host: .*empty label"):
+        polygate.Serve(host=host)
+
+
+@pytest.mark.parametrize("host", _NO_NAME)
+def test_a_base_url_whose_host_no_resolver_can_be_asked_for_is_refused(host: str) -> None:
+    """The same host in a source's ``base_url`` passed check-config, then every call
+    failed as "a malformed upstream body (UnicodeError)", retried, though no upstream
+    had answered."""
+    import polygate
+
+    with pytest.raises(ConfigError, match=r"base_url.*empty label"):
+        polygate.Source(name="a", base_url=f"http://{host}/v1")
+    polygate.Source(name="a", base_url="http://xn--bcher-kva.de./v1")  # (a trailing dot: fine)
+
+
 def test_a_labelled_key_table_with_a_field_name_that_is_no_string_is_a_config_error() -> None:
     """Outside review (fuzzing the configuration): ``keys={"k": {0: 1, "x": 1}}`` raised
     TypeError (sorting names of mixed types)."""
