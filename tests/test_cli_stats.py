@@ -817,3 +817,21 @@ def test_an_unreachable_postgres_is_one_line(capsys: pytest.CaptureFixture[str])
     assert main(["stats", "--db", "postgresql://u:hunter2pw@127.0.0.1:1/x"]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "hunter2pw" not in err
+
+
+@pytest.mark.parametrize("name", ["plot.", "sub/", "sub/.png", "plot", "p.svg"])
+def test_the_plot_said_written_is_the_file_written(
+    name: str, known_db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Outside review (fuzzing the command line): matplotlib found the format by its own
+    reading of the name, and "wrote plot." named no file (it wrote plot.png), "sub/"
+    wrote "sub/.png.png"."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    monkeypatch.chdir(out)
+    assert main(["stats", "--db", str(known_db), "--plot", name]) == 0
+    [said] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("wrote ")]
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert written == [said.removeprefix("wrote ")], (said, written)

@@ -219,9 +219,17 @@ def summarize(outcomes: Sequence[Outcome]) -> Summary:
 
 
 def plot_path(path: str) -> str:
-    """The file a plot is written to: matplotlib adds ``.png`` to a name without an
-    extension, so the name said to the user must have it too."""
-    return path if os.path.splitext(path)[1] else path + ".png"
+    """The file a plot is written to: a name without an extension gets ``.png`` (as
+    matplotlib would give it), and :func:`save_plot` writes exactly that name."""
+    return path if len(os.path.splitext(path)[1]) > 1 else path + ".png"
+
+
+def _plot_format(path: str) -> str:
+    # Given to matplotlib, which then writes the name as it is: left to find the
+    # format itself, it reads "plot." or "sub/.png" its own way ("plot.png",
+    # "sub/.png.png") and the file said to the user was not the one written.
+    ext = os.path.splitext(path)[1]
+    return ext[1:] if len(ext) > 1 else "png"
 
 
 def save_plot(fig: Any, path: str, prog: str) -> bool:
@@ -231,7 +239,7 @@ def save_plot(fig: Any, path: str, prog: str) -> bool:
     import matplotlib.pyplot as plt
 
     try:
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=120, format=_plot_format(path))
     except (OSError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         print(f"{prog}: cannot write the plot to {path}: {reason}", file=sys.stderr)
