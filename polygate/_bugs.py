@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import trio
 
-from ._secrets import redact
+from ._secrets import printable, redact
 
 __all__ = ["log_bug"]
 
@@ -43,9 +43,4 @@ def log_bug(log: logging.Logger, exc: BaseException, where: str, secrets: Iterab
 def _indented(text: str) -> str:
     """Every line indented, control characters escaped: no line of an exception's
     text can pass for a log line of its own (``polygate serve: error: …``)."""
-    return "\n".join(
-        "  " + (line if line.isprintable() else "".join(
-            c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in line
-        ))
-        for line in text.rstrip().splitlines()
-    )
+    return "\n".join("  " + printable(line) for line in text.rstrip().splitlines())

@@ -55,7 +55,7 @@ from ._config import (
     mask_url,
 )
 from ._errors import ConfigError
-from ._secrets import given, is_header_safe, redact, url_secrets
+from ._secrets import given, is_header_safe, printable, redact, url_secrets
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -739,7 +739,7 @@ def settings_from_toml(
                           f"{type(path).__name__}") from None
     source = os.environ if env is None else _checked_env(env)
     data = read_toml(label)
-    return _build_settings(_parse_toml(data, label, source))
+    return _build_settings(_parse_toml(data, printable(label), source))
 
 
 def _checked_env(env: Any) -> Mapping[str, str]:
@@ -763,12 +763,13 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # (POSIX)
 
 
 def read_toml(label: str) -> dict[str, Any]:
-    if "\x00" in label:  # (open() raises ValueError for it, as tomllib does for a number)
-        raise ConfigError(f"{label!r}: a path cannot hold a NUL character")
+    path, label = label, printable(label)  # (shown on one line, whatever the name holds)
+    if "\x00" in path:  # (open() raises ValueError for it, as tomllib does for a number)
+        raise ConfigError(f"{path!r}: a path cannot hold a NUL character")
     try:
         # Opened without waiting: a named pipe with no writer (which open() would wait
         # on for ever) reads as empty; one with a writer (``--config <(...)``) is read.
-        fd = os.open(label, os.O_RDONLY | _NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | _NONBLOCK)
         try:
             f = os.fdopen(fd, "rb")
         except BaseException:  # (a directory opens, and fails here: not left open)
@@ -1021,7 +1022,7 @@ def _is_file(path: str) -> bool:
     try:
         return Path(path).is_file()
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot look at the file ({exc.strerror})") from None
+        raise ConfigError(f"{printable(path)}: cannot look at the file ({exc.strerror})") from None
 
 
 def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = None) -> Settings:
@@ -1038,7 +1039,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = No
         if path is None:
             return settings_from_env(source)
         if source.get(CONFIG_ENV, "").strip() and not _is_file(path):
-            raise ConfigError(f"{CONFIG_ENV} names {path}, which is not a file")
+            raise ConfigError(f"{CONFIG_ENV} names {printable(path)}, which is not a file")
     settings = settings_from_toml(path, env=source)
     ignored = sorted(k for k, v in source.items() if k.upper().startswith(ENV_PREFIX) and v.strip())
     if ignored:

@@ -54,6 +54,14 @@ QUOTE_MAX = 24
 _INT_BITS_MAX = 100
 
 
+def printable(text: str) -> str:
+    """``text`` with each character that is not printable escaped (``\\n``, ``\\x1b``):
+    shown on one line, and nothing in it a terminal would act on (a path, a name)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def given(value: object) -> str:
     """A refused value for a message ("got …"): quoted when it is short, described by
     its size when it is not (a long string by its length: it may be a key; a huge

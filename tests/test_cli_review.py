@@ -309,3 +309,20 @@ def test_an_option_whose_value_is_two_dashes_is_that_value(
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 4, err  # (usage: 2-3)
     if argv[0] == "check-config":
         assert "--: configuration file not found" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["check-config", "--config", "x\n\x1b[31mforged: ok"],
+    ["stats", "x\n\x1b[31mforged: ok"],
+])
+def test_a_path_with_a_line_break_is_shown_on_its_line(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Outside review (fuzzing the command line): a path was echoed as it was, and a
+    line break or an escape sequence in it split the error line, or forged another."""
+    monkeypatch.chdir(tmp_path)
+    assert polygate.cli.main(argv) in (1, 2)
+    err = capsys.readouterr().err
+    assert "\x1b" not in err
+    assert "x\\n\\x1b[31mforged: ok" in err.splitlines()[0]

@@ -22,6 +22,7 @@ from .._config import Settings, gathered_warnings
 from .._config_load import describe, load_settings, locate_config
 from .._config_preflight import preflight
 from .._errors import ConfigError
+from .._secrets import printable
 
 __all__ = ["add_parser", "run"]
 
@@ -82,18 +83,9 @@ def _load(path: str | None, *, serve: bool) -> Settings:
 
 def _table(described: dict[str, Any]) -> str:
     """Dotted paths (as in TOML) and values, aligned; sources keyed by their name."""
-    rows = [(_printable(path), _printable(value)) for path, value in _rows(described, "")]
+    rows = [(printable(path), printable(value)) for path, value in _rows(described, "")]
     width = max(len(path) for path, _ in rows)
     return "\n".join(f"  {path:<{width}}  {value}" for path, value in rows)
-
-
-def _printable(text: str) -> str:
-    """``text`` with each character that is not printable escaped (``\\n``, ``\\x1b``):
-    one row a field, and nothing a terminal would act on (a valid multi-line OCR
-    prompt, an escape sequence in a model name)."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _rows(node: Any, path: str) -> Iterator[tuple[str, str]]:

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 from .._config import mask_url
 from .._errors import ConfigError
+from .._secrets import printable
 from ._schema import check_version
 
 __all__ = [
@@ -115,7 +116,7 @@ def open_reader(url: str) -> Reader:
     path = sqlite_path(url) if url.startswith("sqlite:") else Path(url)
     if not path.is_file():
         # (Masked: a libpq "key=value" string given for a file shows no password.)
-        raise NoData(f"no telemetry database at {mask_url(str(path))}")
+        raise NoData(f"no telemetry database at {printable(mask_url(str(path)))}")
     return SQLiteReader(path)
 
 
