@@ -534,18 +534,32 @@ async def test_asyncio_timeout_behaves_like_call_deadline() -> None:
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is 3.11+")
+@pytest.mark.parametrize("due", ["now", "passed"])
 @pytest.mark.parametrize("kind", ["chat", "stream"])
-async def test_a_call_whose_asyncio_timeout_is_already_due_sends_nothing(kind: str) -> None:
+async def test_a_call_whose_asyncio_timeout_is_already_due_sends_nothing(
+    kind: str, due: str, tmp_path: Any,
+) -> None:
     """Review: inside ``asyncio.timeout(0)`` (a budget already spent) the call started
     in the caller's own step, before the loop ran the timeout's callback: it was
     written to a warm connection and billed, its answer thrown away.  trio's
-    ``move_on_after(0)`` sends nothing, and neither does httpx on asyncio."""
+    ``move_on_after(0)`` sends nothing, and neither does httpx on asyncio.  A deadline
+    that passed during blocking work is due as a timer, which asyncio runs behind a
+    task that yielded once (a second review).  A chat() still has its one row,
+    ``cancelled``, as a trio call cancelled at its first checkpoint has."""
+    import sqlite3
+
     up = fake(Reply(text="billed"))
+    db = tmp_path / "t.db"
     with loopback(up) as url:
-        async with polygate.aio.session(settings_for(url)) as s:
+        settings = attrs.evolve(settings_for(url), telemetry=f"sqlite:///{db}")
+        async with polygate.aio.session(settings) as s:
             await s.chat(messages("warm"))  # a kept-alive connection is ready
+            loop = asyncio.get_running_loop()
             with pytest.raises(TimeoutError):
-                async with asyncio.timeout(0):
+                async with asyncio.timeout(0) if due == "now" else \
+                        asyncio.timeout_at(loop.time() + 0.001):
+                    if due == "passed":
+                        time.sleep(0.01)  # noqa: ASYNC251 - blocking work: the deadline passes, no race
                     if kind == "chat":
                         await s.chat(messages("late"))
                     else:
@@ -554,6 +568,14 @@ async def test_a_call_whose_asyncio_timeout_is_already_due_sends_nothing(kind: s
                                 pass
             await governance_idle(s)
     assert [r.body["messages"][-1]["content"] for r in up.requests] == ["warm"]
+    conn = sqlite3.connect(db)
+    try:
+        # As in trio: a chat() cancelled at its first checkpoint has its row, a
+        # stream cancelled entering has none (its call never started).
+        rows = sorted(o for (o,) in conn.execute("SELECT outcome FROM calls"))
+        assert rows == (["cancelled", "ok"] if kind == "chat" else ["ok"])
+    finally:
+        conn.close()
 
 
 async def test_wait_for_timeout_settles_too() -> None:

@@ -127,14 +127,14 @@ def _forward(
     async def forward(self: Session, /, *args: P.args, **kwargs: P.kwargs) -> T:
         # (Session._call inlined: one coroutine frame fewer a call.)
         self._check_open()
-        # A yield first, as every trio call checkpoints on its way in: a cancellation
-        # already due (an asyncio.timeout() that expired before the call, whose
-        # callback the loop has not run yet) lands here, before anything is sent.
-        # Started in this step instead, the call was written to the wire and billed,
-        # its answer thrown away.  (It also keeps a loop of cache hits from starving
-        # the other tasks.)
-        await asyncio.sleep(0)
         job = _Job(method, (self._session, *args), kwargs, self._loop.create_future())
+        try:
+            await _checkpoint()
+        except asyncio.CancelledError:
+            self._start_cancelled(job)
+            await self._cancel(job)
+            raise
+        self._check_open()  # (closed meanwhile: said so, as before the yields)
         self._host.start_job(self._owner.start_job, job)
         try:
             return await job.fut  # type: ignore[no-any-return]
@@ -146,6 +146,19 @@ def _forward(
     forward.__qualname__ = f"Session.{method.__name__}"
     forward.__module__ = "polygate.aio"
     return forward
+
+
+async def _checkpoint() -> None:
+    """What a trio call's first checkpoint is to it: a cancellation already due lands
+    here, before the call starts and anything is sent.  An asyncio.timeout() whose
+    deadline passed before the call (its timer due, or its callback queued, but not yet
+    run by the loop) is one: started at once instead, in the caller's step, the call
+    was written to the wire and billed, its answer thrown away.  Two yields: the
+    first lets the loop run what is queued, and the second what the loop found due
+    (asyncio moves due timers to its queue behind a task that yielded before them).
+    (It also keeps a loop of cache hits from starving the other tasks.)"""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
 
 
 def _forward_stream(
@@ -231,6 +244,17 @@ class Session:
         if self._owner.closing:
             raise PolygateError(_CLOSED)
         _check_loop(self._host, "this session", "open one per loop")
+
+    def _start_cancelled(self, job: _Job) -> None:
+        """A call cancelled at its entry checkpoint starts all the same, cancelled: it
+        sends nothing, and it has its one outcome on the trio side too (its telemetry
+        row says ``cancelled``, as a trio call's cancelled at its first checkpoint).
+        A session closed meanwhile has nothing to start."""
+        job.cancel_requested = True
+        try:
+            self._host.start_job(self._owner.start_job, job)
+        except PolygateError:
+            job.done = True
 
     async def _cancel(self, job: _Job) -> None:
         """The caller was cancelled: cancel the trio side and wait until every path of
@@ -487,10 +511,14 @@ class ChatStream:
         session._check_open()
         job = self._job = _Job(self._iterate, (), {}, self._loop.create_future())
         try:
-            await asyncio.sleep(0)  # a yield point first, as for a call (see _forward)
-        except BaseException:
-            # Cancelled before anything started: nothing to settle on the trio side,
-            # and the stream is left as a block that was cancelled entering is.
+            await _checkpoint()  # (see _forward)
+        except asyncio.CancelledError:
+            session._start_cancelled(job)
+            await self._entry_failed(job)
+            raise
+        try:
+            session._check_open()  # (closed meanwhile: said so, as before the yields)
+        except PolygateError:
             job.done = True
             self._exited = True
             raise
@@ -498,14 +526,17 @@ class ChatStream:
         try:
             await job.fut
         except BaseException:
-            # The block never ran (``async with`` calls no __aexit__ after a failed
-            # __aenter__): the stream is left as a block is, and a read of it refused,
-            # whatever the trio side had buffered.
-            self._exited = True
-            await self._settle()
-            _retrieved(job.fut)
+            await self._entry_failed(job)
             raise
         return self
+
+    async def _entry_failed(self, job: _Job) -> None:
+        # The block never ran (``async with`` calls no __aexit__ after a failed
+        # __aenter__): the stream is left as a block is, and a read of it refused,
+        # whatever the trio side had buffered.
+        self._exited = True
+        await self._settle()
+        _retrieved(job.fut)
 
     async def __aexit__(
         self,
