@@ -24,8 +24,8 @@ __all__ = [
 ]
 
 HOST_NAME_PROBLEM = (
-    "its host is not a name that can be looked up: an empty label ('a..b', '.a') or one "
-    "over 63 characters"
+    "its host is not a name that can be looked up: an empty label ('a..b', '.a'), one "
+    "over 63 characters, or characters IDNA does not allow in a name"
 )
 
 
@@ -36,7 +36,13 @@ def host_name_ok(host: str) -> bool:
     the first connection or the listener."""
     try:
         host.encode("idna")
-    except UnicodeError:
+        if not host.isascii():
+            # trio encodes a name that is not ASCII itself, by IDNA 2008 (UTS 46),
+            # which refuses more than the codec does (an emoji, mixed directions).
+            import idna
+
+            idna.encode(host, uts46=True)
+    except UnicodeError:  # (idna's IDNAError is one)
         return False
     return True
 

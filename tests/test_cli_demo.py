@@ -116,7 +116,8 @@ def test_a_db_path_with_url_characters_is_the_file_named(
     assert main(["stats", name]) == 0
 
 
-@pytest.mark.parametrize("url", ["sqlite:///?", "sqlite:///#demo", "sqlite:///?mode=rwc", "SUFFIX#demo"])
+@pytest.mark.parametrize("url", ["sqlite:///?", "sqlite:///#demo", "sqlite:///?mode=rwc", "SUFFIX#demo",
+                                 "sqlite:real.db"])
 def test_a_db_url_that_names_another_file_is_refused(
     url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -126,6 +127,8 @@ def test_a_db_url_that_names_another_file_is_refused(
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     real = tmp_path / "real.db"
     url = url.replace("SUFFIX", f"sqlite:///{real}")
+    monkeypatch.chdir(tmp_path)
     assert main(["demo", "--calls", "1", "--concurrency", "1", "--db", url]) == 2
-    assert "no '?' or '#' in a URL" in capsys.readouterr().err
+    assert "--db takes a SQLite file's path or a sqlite:///path URL" in capsys.readouterr().err
     assert not (tmp_path / "state").exists() and not real.exists()
+    assert not (tmp_path / "sqlite:real.db").exists()  # (which stats reads as a URL)

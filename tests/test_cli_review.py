@@ -326,3 +326,41 @@ def test_a_path_with_a_line_break_is_shown_on_its_line(
     err = capsys.readouterr().err
     assert "\x1b" not in err
     assert "x\\n\\x1b[31mforged: ok" in err.splitlines()[0]
+
+
+_FORGED = "x\n\x1b[31mforged: ok"
+
+
+@pytest.mark.parametrize("case", ["not-sqlite", "no-calls-table", "plot-dir", "demo-db"])
+def test_every_error_line_that_names_a_path_shows_it_escaped(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A second review: after the loaders' messages, four more error lines still
+    printed a path as it was (stats on a file that is no database or has no calls
+    table, a plot that cannot be written, a --db in a deleted working directory)."""
+    import sqlite3
+
+    monkeypatch.chdir(tmp_path)
+    if case == "not-sqlite":
+        (tmp_path / (_FORGED + ".db")).write_text("not a database " * 100)
+        argv = ["stats", _FORGED + ".db"]
+    elif case == "no-calls-table":
+        conn = sqlite3.connect(tmp_path / (_FORGED + ".db"))
+        conn.execute("CREATE TABLE t(x)")
+        conn.commit()
+        conn.close()
+        argv = ["stats", _FORGED + ".db"]
+    elif case == "plot-dir":
+        pytest.importorskip("matplotlib")
+        argv = ["demo", "--calls", "1", "--concurrency", "1", "--plot", _FORGED + "/p.png"]
+    else:
+        gone = tmp_path / "gone"
+        gone.mkdir()
+        monkeypatch.chdir(gone)
+        gone.rmdir()
+        argv = ["demo", "--calls", "1", "--concurrency", "1", "--db", _FORGED]
+    assert polygate.cli.main(argv) in (1, 2)
+    err = capsys.readouterr().err
+    assert "\x1b" not in err, err
+    assert "x\\n\\x1b[31mforged: ok" in err.splitlines()[0], err

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._secrets import printable
+
 __all__ = ["add_parser", "run"]
 
 
@@ -176,9 +178,10 @@ def _telemetry_url(db: str) -> str | None:
         print("polygate demo: --db takes a SQLite file's path or a sqlite:///path URL "
               "(no '?' or '#' in a URL: pass such a name as a path)", file=sys.stderr)
         return None
-    if "://" in db or not db.strip():
+    if "://" in db or db.startswith("sqlite:") or not db.strip():
         # (Bare sqlite:// too: it names the default telemetry database, where the
-        # demo's made-up calls would mix with real ones.)
+        # demo's made-up calls would mix with real ones.  And sqlite:run.db, which
+        # polygate stats reads as a URL, not as the file ./sqlite:run.db written here.)
         print("polygate demo: --db takes a SQLite file's path or a sqlite:///path URL",
               file=sys.stderr)
         return None
@@ -190,7 +193,7 @@ def _telemetry_url(db: str) -> str | None:
     except OSError as exc:  # (a relative path in a working directory since deleted)
         gone = isinstance(exc, FileNotFoundError)
         reason = "the working directory is gone" if gone else exc.strerror
-        print(f"polygate demo: cannot resolve --db {db}: {reason}", file=sys.stderr)
+        print(f"polygate demo: cannot resolve --db {printable(db)}: {reason}", file=sys.stderr)
         return None
 
 

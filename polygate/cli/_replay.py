@@ -22,6 +22,7 @@ import trio
 import trio.testing
 
 import polygate
+from polygate._secrets import printable
 from polygate.testing import FakeUpstream, Profile, Router
 
 __all__ = [
@@ -242,7 +243,7 @@ def save_plot(fig: Any, path: str, prog: str) -> bool:
         fig.savefig(path, dpi=120, format=_plot_format(path))
     except (OSError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        print(f"{prog}: cannot write the plot to {path}: {reason}", file=sys.stderr)
+        print(f"{prog}: cannot write the plot to {printable(path)}: {reason}", file=sys.stderr)
         return False
     finally:
         plt.close(fig)

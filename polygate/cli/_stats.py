@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from .._secrets import printable
+
 __all__ = ["add_parser", "parse_since", "run"]
 
 _AGO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
@@ -192,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"polygate stats: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # sqlite3 / psycopg errors: say what, not a traceback
-        print(f"polygate stats: cannot read {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"polygate stats: cannot read {printable(where)}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
         return 1
     report = {"database": where, "since": since, "scope": args.scope, **report}
     if args.json:

@@ -27,6 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 from .._errors import ConfigError
 from .._paths import state_dir
+from .._secrets import printable
 from .._sqlite_locks import held_by_another
 from ._schema import (
     TABLES,
@@ -193,7 +194,8 @@ class SQLiteSink:
         self._opening: sqlite3.Connection | None = None
         self._abandoned = False
         self.path = path
-        self._where = f"sqlite:///{path}" if path.is_absolute() else str(path)
+        # (Shown in messages and warnings: on one line, whatever the name holds.)
+        self._where = printable(f"sqlite:///{path}" if path.is_absolute() else str(path))
         self._lock = threading.Lock()
 
     @classmethod
@@ -262,7 +264,7 @@ class SQLiteReader:
     paramstyle = "?"
 
     def __init__(self, path: Path) -> None:
-        self.where = str(path)
+        self.where = printable(str(path))
         self._conn = _connect(path, read_only=True)
         try:
             self._conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
