@@ -14,6 +14,8 @@ import contextvars
 import math
 import os
 import re
+import sys
+import types
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
@@ -96,14 +98,32 @@ _GATHERED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
 )
 
 
-def config_warning(text: str, *, stacklevel: int) -> None:
-    """Issue a :class:`ConfigWarning`, or hand it to the :func:`gathered_warnings`
-    around this context.  ``stacklevel`` counts from the caller, as ``warnings.warn``'s."""
+#: What a ConfigWarning never points at: the settings' own modules and what builds
+#: them (attrs' generated ``__init__`` and ``evolve``), so that it points at the user's
+#: line however the settings were built (``Source(...)``, ``attrs.evolve``, a loader).
+_INSIDE = frozenset({
+    "polygate._config", "polygate._config_serve", "polygate._config_load", "contextlib",
+    "attr._make", "attr._funcs", "attrs",
+})
+
+
+def config_warning(text: str) -> None:
+    """Issue a :class:`ConfigWarning` at the first caller outside the settings' code, or
+    hand it to the :func:`gathered_warnings` around this context.  (A fixed
+    ``stacklevel`` pointed one frame too far for ``Source(...)``, whose validators
+    attrs' ``__init__`` calls directly, and right for ``attrs.evolve``.)"""
     gathered = _GATHERED.get()
-    if gathered is None:
-        warnings.warn(text, ConfigWarning, stacklevel=stacklevel + 1)
-    else:
+    if gathered is not None:
         gathered.append(text)
+        return
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 2  # (warnings.warn's stacklevel for that frame)
+    while frame is not None and (
+        frame.f_globals.get("__name__") in _INSIDE
+        or frame.f_code.co_filename.startswith("<attrs generated")
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(text, ConfigWarning, stacklevel=level)
 
 
 @contextlib.contextmanager
@@ -458,8 +478,7 @@ class Source:
             # the other sources carry on.
             config_warning(
                 f"Source({self.name!r}).api_key: {KEY_PROBLEM}; every call to this "
-                "source fails until it is fixed",
-                stacklevel=4,
+                "source fails until it is fixed"
             )
 
     @structured_output.validator
@@ -775,22 +794,19 @@ def check_hedge_assembly(scope: Scope) -> None:
         effect = "the trigger is after_s" if hedge.enabled else "hedging is off"
         config_warning(
             f"{' and '.join(names)} bound only a learnt trigger, and nothing is learnt "
-            f"without after_quantile: {effect}",
-            stacklevel=4,
+            f"without after_quantile: {effect}"
         )
     if hedge.stall_after_s is not None and not hedge.enabled:
         # (b), the mid-stream trigger, runs inside a hedging round; without (a) no round
         # hedges, so the setting alone would silently do nothing.
         config_warning(
             "hedge.stall_after_s does nothing without after_s or after_quantile: "
-            "hedging is off until one of them is set",
-            stacklevel=4,
+            "hedging is off until one of them is set"
         )
     if hedge.enabled and len(scope.sources) < 2:
         # Checked even for adaptive-only hedging (after_quantile without a static bound).
         config_warning(
-            "hedging is configured on a scope with a single source: it will never fire",
-            stacklevel=4,
+            "hedging is configured on a scope with a single source: it will never fire"
         )
 
 
@@ -812,8 +828,7 @@ def _check_hedge_threshold(scope: Scope, after: float, label: str, *, warn: bool
     if warn and ttfts and after >= min(ttfts):
         config_warning(
             f"hedge.{label} ({after}) >= the smallest ttft_timeout_s ({min(ttfts)}): "
-            "that source times out before a hedge fires",
-            stacklevel=5,
+            "that source times out before a hedge fires"
         )
 
 

@@ -309,17 +309,7 @@ def _reworded_warnings(scope: _ScopePart, secrets: Iterable[str]) -> Iterator[No
     for text in gathered:
         match = _WARNED_FIELD.match(text)
         label = scope.own.where(match.group(1)) if match else scope.label
-        config_warning(_scrub(f"{label}: {text}", secrets), stacklevel=_outside())
-
-
-def _outside() -> int:
-    """The ``stacklevel`` of the first caller outside the config modules (for warnings)."""
-    inside = {__name__, "polygate._config", "contextlib"}
-    frame: types.FrameType | None = sys._getframe(1)  # the caller of warnings.warn
-    level = 1
-    while frame is not None and frame.f_globals.get("__name__") in inside:
-        frame, level = frame.f_back, level + 1
-    return level
+        config_warning(_scrub(f"{label}: {text}", secrets))
 
 
 def _build_scope(part: _ScopePart, secrets: Iterable[str]) -> Scope:
@@ -1044,8 +1034,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = No
     ignored = sorted(k for k, v in source.items() if k.upper().startswith(ENV_PREFIX) and v.strip())
     if ignored:
         config_warning(
-            f"configuration read from {path}; environment keys {', '.join(ignored)} are ignored",
-            stacklevel=2,
+            f"configuration read from {path}; environment keys {', '.join(ignored)} are ignored"
         )
     return settings
 

@@ -225,3 +225,32 @@ def test_settings_reach_another_process_whole() -> None:
                           input=pickle.dumps(_settings_with_every_read_only_mapping()))
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode().split() == ["sk-test-key", "['team']", "{'gpt':", "'chat'}"]
+
+
+def _bad_key_source() -> polygate.Source:
+    return polygate.Source(name="a", base_url="http://a/v1", api_key="sk\u200bx")  # line A
+
+
+def test_a_settings_warning_points_at_the_line_that_built_the_settings() -> None:
+    """``Source(api_key=...)``'s warning pointed one frame too far (at the caller of
+    the function that built it): its fixed stacklevel counted a frame that attrs'
+    ``__init__`` does not have.  Each warning now points at the first line outside
+    the settings' code, however they were built."""
+    import inspect
+
+    import attrs
+
+    good = polygate.Source(name="a", base_url="http://a/v1")
+    line_a = inspect.getsource(_bad_key_source).splitlines()[1]
+    assert line_a.endswith("# line A")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _bad_key_source()
+        here = sys._getframe().f_lineno
+        attrs.evolve(good, api_key="sk\u200by")
+        polygate.Scope(sources=[good], hedge=polygate.Hedge(after_s=1))
+        polygate.Settings.from_env({"POLYGATE__CHAT__A__BASE_URL": "http://a/v1",
+                                    "POLYGATE__CHAT__HEDGE__AFTER_S": "1"})
+    assert all(w.filename == __file__ for w in seen), [w.filename for w in seen]
+    first_line = _bad_key_source.__code__.co_firstlineno + 1
+    assert [w.lineno for w in seen] == [first_line, here + 1, here + 2, here + 3]
