@@ -276,6 +276,20 @@ def is_utf8(text: str) -> bool:
     return True
 
 
+def as_utf8(text: str) -> str:
+    """``text`` as the UTF-8 its bytes are.  Under a locale that is not UTF-8
+    (``LC_ALL=C`` with Python's UTF-8 mode off) Python decodes arguments and the
+    environment as ASCII and keeps each other byte as a surrogate escape: ``modèle``
+    was refused as "not UTF-8".  Bytes that are not UTF-8 stay escaped (and are
+    refused where text must be UTF-8)."""
+    if is_utf8(text):
+        return text
+    try:
+        return os.fsencode(text).decode("utf-8")
+    except UnicodeError:
+        return text
+
+
 def _secret_repr(value: str | None) -> str:
     return "None" if value is None else "'***'"
 

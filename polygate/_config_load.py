@@ -49,6 +49,7 @@ from ._config import (
     Serve,
     Settings,
     Source,
+    as_utf8,
     config_warning,
     field_segments,
     gathered_warnings,
@@ -384,31 +385,13 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
             # default with no word said (the keys after the prefix are checked alike).
             raise ConfigError(f"{key}: configuration keys are upper case ({ENV_PREFIX}…)")
     entries = {
-        key: _as_utf8(value.strip())
+        key: as_utf8(value.strip())
         for key, value in source.items()
         if key.startswith(ENV_PREFIX) and value.strip()
     }
     if not entries:
         raise ConfigError(_NOTHING_FOUND)
     return _build_settings(_parse_env(entries))
-
-
-def _as_utf8(value: str) -> str:
-    """An environment value as the UTF-8 its bytes are.  Under a locale that is not
-    UTF-8 (``LC_ALL=C`` with Python's UTF-8 mode off), Python decodes the environment
-    as ASCII and keeps each other byte as a surrogate escape: ``modèle`` was refused
-    as "not UTF-8".  Bytes that are not UTF-8 stay escaped, and are refused."""
-    if value.isascii():
-        return value
-    try:
-        value.encode()
-        return value
-    except UnicodeEncodeError:
-        pass
-    try:
-        return os.fsencode(value).decode("utf-8")
-    except UnicodeError:
-        return value
 
 
 def _parse_env(entries: Mapping[str, str]) -> _SettingsPart:

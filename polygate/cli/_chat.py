@@ -14,7 +14,6 @@ configuration or the arguments are wrong, 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import IO, Any
 
@@ -42,14 +41,15 @@ def add_parser(
 def run(args: argparse.Namespace) -> int:
     import trio
 
+    from .._config import as_utf8, is_utf8
     from .._config_load import load_settings
     from .._errors import ConfigError, PolygateError
 
-    prompt = _read_stdin() if args.prompt == "-" else _utf8_argument(args.prompt)
+    prompt = _read_stdin() if args.prompt == "-" else as_utf8(args.prompt)
     if prompt is None:
         return 2
-    system = _utf8_argument(args.system) if args.system else args.system
-    if not all(_is_utf8(text) for text in (prompt, system or "")):
+    system = as_utf8(args.system) if args.system else args.system
+    if not all(is_utf8(text) for text in (prompt, system or "")):
         # (An argument in bytes that are not UTF-8 arrives with surrogate escapes.)
         print("polygate chat: the prompt is not UTF-8 text", file=sys.stderr)
         return 2
@@ -103,27 +103,6 @@ def _read_stdin() -> str | None:
               if isinstance(exc, OSError) else "polygate chat: standard input is closed",
               file=sys.stderr)
     return None
-
-
-def _utf8_argument(text: str) -> str:
-    """An argument as the UTF-8 its bytes are: under a locale that is not UTF-8
-    (``LC_ALL=C`` with Python's UTF-8 mode off) each byte past ASCII arrives as a
-    surrogate escape, and ``polygate chat é`` was refused as not UTF-8.  Bytes that
-    are not UTF-8 stay escaped (and are refused)."""
-    if _is_utf8(text):
-        return text
-    try:
-        return os.fsencode(text).decode("utf-8")
-    except UnicodeError:
-        return text
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 async def chat_once(
