@@ -242,6 +242,27 @@ def test_an_empty_legacy_function_call_is_no_content(
     assert ("function_call" in assembler.build()["choices"][0]["message"]) is content
 
 
+@pytest.mark.parametrize(
+    ("call", "content"),
+    [({"index": 0}, False), ({}, False), ({"index": 0, "type": "function"}, False),
+     ({"index": 0, "function": {"arguments": ""}}, False),
+     ({"index": 0, "function": {"name": None, "arguments": ""}}, False),
+     ({"index": 0, "id": "call_1"}, True),
+     ({"index": 0, "function": {"name": "get_weather"}}, True),
+     ({"index": 0, "function": {"arguments": "{\""}}, True),
+     ({"index": 0, "type": "custom", "custom": {"input": "x"}}, True)],
+)
+def test_an_empty_tool_call_fragment_is_no_content(call: dict[str, object], content: bool) -> None:
+    # An outside review (the seeds' acceptance, 2026-12-05): a first delta of
+    # ``tool_calls: [{"index": 0}]`` counted as a content token, so it stopped the
+    # hedge's first-token timer and would commit a stream, with no model output yet.
+    # Empty deltas are no content tokens, as for the legacy function_call above.
+    chunk = {"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]}
+    assembler = ChatAssembler()
+    assert has_content(chunk) is content
+    assert assembler.add(chunk) is content
+
+
 def test_a_delta_objects_streamed_text_is_joined_and_a_choices_is_not() -> None:
     """An outside review (the OpenAI SDK through the gateway, 2026-12-03) found a
     streamed audio answer assembled as its last pieces: ``audio.data`` "BBBB" for

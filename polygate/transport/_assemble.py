@@ -3,9 +3,11 @@
 Pure and synchronous: it is fed parsed chunk dicts and knows nothing of sockets or
 time, so it is tested directly against the recorded provider transcripts.
 
-What counts as a *content token* (``docs/concepts.md``) is decided here, in :func:`has_content`:
-non-empty ``content``, ``reasoning_content``/``reasoning``, ``refusal``, ``tool_calls``,
-the legacy ``function_call``, or a piece of ``audio`` in any choice's delta.  Role-only and empty deltas, usage-only chunks
+What counts as a *content token* (``docs/concepts.md``) is decided here, in
+:func:`has_content`: non-empty ``content``, ``reasoning_content``/``reasoning``,
+``refusal``, a tool call's id or a piece of its name or arguments, the same of the
+legacy ``function_call``, or a piece of ``audio`` in any choice's delta.  Role-only and
+empty deltas, usage-only chunks
 and provider annotations are not content and reset no timer.
 """
 
@@ -56,7 +58,7 @@ def _choice_has_content(choice: dict[str, Any]) -> bool:
         if isinstance(value, str) and value:
             return True
     tool_calls = delta.get("tool_calls")
-    if isinstance(tool_calls, list) and tool_calls:
+    if isinstance(tool_calls, list) and any(_carries_tool_output(call) for call in tool_calls):
         return True
     # The legacy function_call: its name or a piece of its arguments (an empty one,
     # {} or {"arguments": ""}, is an empty delta, as the SPEC says: no content).
@@ -71,6 +73,18 @@ def carries_audio(audio: dict[str, Any]) -> bool:
     """OpenAI's streamed ``audio`` with a piece of its data or transcript: model output,
     a content token as text is (its ``id`` or ``expires_at`` alone is not)."""
     return _nonempty(audio.get("data")) or _nonempty(audio.get("transcript"))
+
+
+def _carries_tool_output(call: object) -> bool:
+    """A tool-call delta with model output in it: its id, or a piece of its function's
+    (or a custom tool's) name or arguments.  ``{"index": 0}``, a bare ``type`` or empty
+    strings are an empty delta, no content token: they move no hedging timer and commit
+    no stream, as an empty legacy ``function_call`` does not."""
+    if type(call) is not dict:
+        return False
+    if _nonempty(call.get("id")):
+        return True
+    return any(type(value) is dict and _carries_function(value) for value in call.values())
 
 
 def _carries_function(function_call: dict[str, Any]) -> bool:
@@ -221,10 +235,10 @@ class _Choice:
                     self.refusal.append(value)
                     content = True
             elif key == "tool_calls":
-                if isinstance(value, list) and value:
-                    content = True
+                if isinstance(value, list):
                     for call in value:
                         if isinstance(call, dict):
+                            content = content or _carries_tool_output(call)
                             self._add_tool_call(call)
             elif key == "function_call":
                 if isinstance(value, dict) and _carries_function(value):
