@@ -41,7 +41,7 @@ from urllib.parse import parse_qsl, urlsplit
 from .._config import mask_url
 from .._errors import ConfigError, redact
 from .._secrets import url_secrets
-from ._events import AttemptEvent, CallEvent
+from ._events import AttemptEvent, CallEvent, SessionEvent
 from ._schema import (
     TABLES,
     check_version,
@@ -120,20 +120,30 @@ _PASSING = (
 #: ``port=x``, ``connect_timeout=x``): the URL is wrong, whatever the server's state.
 _BAD_VALUE = re.compile(r"\binvalid (?:\w+ value|integer value|port number)")
 
+#: libpq's own TLS refusals (no ``FATAL:``: the client said no): SSL required of a
+#: server without it, a certificate that does not verify or match, a certificate or
+#: key file it cannot read.  No retry mends a setting or a certificate.
+_TLS_REFUSED = re.compile(
+    r"does not support SSL, but SSL was required|root certificate file|certificate verify "
+    r"failed|does not match host name|could not (?:load|read|open) (?:\w+ )*"
+    r"(?:certificate|private key)|SSL error: (?:tlsv1 alert|sslv3 alert|certificate)"
+)
+
 
 def _refused_by_server(exc: BaseException) -> bool:
     """Whether a failed connect is a wrong setting: a server that said no
     (credentials, no such database, pg_hba: libpq quotes its ``FATAL:`` message), or a
     value libpq refused before connecting.  A server that does not answer (refused,
     timed out, no route, no such host) or says it cannot take a connection now
-    (:data:`_PASSING`) is not.  With several hosts, libpq quotes each one's failure:
+    (:data:`_PASSING`) is not.  libpq's TLS refusals (:data:`_TLS_REFUSED`) are
+    wrong settings too.  With several hosts, libpq quotes each one's failure:
     one that said no is enough.  (psycopg gives no SQLSTATE for errors while
     connecting.)"""
     text = str(exc)
     said = text.split("FATAL:")[1:]
     if any(not any(p in part.split("\n", 1)[0] for p in _PASSING) for part in said):
         return True
-    return not said and _BAD_VALUE.search(text) is not None
+    return not said and (_BAD_VALUE.search(text) is not None or _TLS_REFUSED.search(text) is not None)
 
 
 def _explain(url: str, exc: BaseException) -> str:
@@ -141,7 +151,12 @@ def _explain(url: str, exc: BaseException) -> str:
     # Every credential the URL carries, in its user part or its query (password=,
     # sslpassword=), raw and decoded: the driver's message may quote any of them.
     # One line: libpq adds hints on lines of their own ("\tIs the server running...").
-    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    # A DETAIL line may quote a whole failing row (a NOT NULL violation's), prompts
+    # and answers included under log_content: never into a message or a log.
+    text = " ".join(
+        line.strip() for line in str(exc).splitlines()
+        if line.strip() and not line.lstrip().startswith("DETAIL:")
+    )
     return redact(f"{type(exc).__name__}: {text}".strip(), url_secrets(url))
 
 
@@ -157,9 +172,10 @@ def _migrate(conn: psycopg.Connection[Any], where: str) -> int:
         # Created only when it is missing: PostgreSQL checks the CREATE privilege
         # even for CREATE TABLE IF NOT EXISTS of a table that is there, and an
         # application's role on a schema its administrator provisioned has none.
+        # Looked up as every later statement finds it, along the search_path (not only
+        # in its first schema, which may be one the role can read but not create in).
         (exists,) = conn.execute(
-            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables "
-            "WHERE schemaname = current_schema() AND tablename = 'polygate_schema')"
+            "SELECT to_regclass('polygate_schema') IS NOT NULL"
         ).fetchone() or (False,)
         if not exists:
             conn.execute(version_table("postgresql"))
@@ -168,8 +184,8 @@ def _migrate(conn: psycopg.Connection[Any], where: str) -> int:
         check_version(found, where)
         if not found:
             for (table,) in conn.execute(
-                "SELECT table_name FROM information_schema.tables "
-                "WHERE table_schema = current_schema() AND table_name = ANY(%s)", (list(TABLES),)
+                "SELECT t FROM unnest(%s::text[]) AS t WHERE to_regclass(t) IS NOT NULL",
+                (list(TABLES),),
             ).fetchall():
                 raise foreign_table(table, where, "it was there before polygate's schema")
         for version, stmts in statements("postgresql", found):
@@ -187,6 +203,30 @@ def _migrate(conn: psycopg.Connection[Any], where: str) -> int:
             except psycopg.Error as exc:
                 raise foreign_table(table, where, exc) from None
     return found
+
+
+def _trial_write(conn: psycopg.Connection[Any]) -> None:
+    """Write one made-up row of each kind, as a batch is written, and roll it back: a
+    database that answers but cannot take a row (a role that may read but not write, a
+    read-only database or standby, a column of the wrong type, an extra NOT NULL column,
+    ``sessions`` without its key for the upsert) is a wrong setting to say at start,
+    not a stream of dropped rows later."""
+    call = CallEvent(
+        "polygate-trial", "polygate-trial", "trial", "chat", 0, 0.0, "ok", None, None,
+        0.0, 0.0, None, None, None, None, 1, 0, 0, "trial", 0, None, None, None, None,
+    )
+    attempt = AttemptEvent(
+        "polygate-trial", "polygate-trial", "trial", "trial", "primary", 0.0, 0.0, None,
+        200, 1, "ok", None, None, 0, None, None, None, None,
+    )
+    session = SessionEvent("polygate-trial", 0.0, 0.0, None, 0, "0", 0, 0, "{}")
+    with conn.transaction(force_rollback=True), conn.cursor() as cur:
+        cur.execute(f"SET LOCAL lock_timeout = {MIGRATE_LOCK_TIMEOUT_MS}")
+        with cur.copy(_COPY_CALLS) as copy:
+            copy.write_row(call)
+        with cur.copy(_COPY_ATTEMPTS) as copy:
+            copy.write_row(attempt)
+        cur.execute(_SESSION, session)
 
 
 class PostgresSink:
@@ -249,6 +289,7 @@ class PostgresSink:
             connected.set()
         try:
             _migrate(conn, where)
+            _trial_write(conn)
         except ConfigError:
             conn.close()
             raise
@@ -280,16 +321,20 @@ class PostgresSink:
         now = time.monotonic()
         if now < self._next_connect:
             raise ConnectionError("telemetry database unreachable; waiting before reconnecting")
-        self._next_connect = now + self._reconnect_s
+        # The wait is for a server that did not take a connection: one that closed a
+        # connection it had taken (an idle timeout, a restart, a proxy) is tried again
+        # at once, or a quiet service behind an idle timeout would lose most batches.
         try:
             conn = _connect(self._url, f"SET statement_timeout = {int(self._statement_timeout_ms)}")
         except Exception as exc:
+            self._next_connect = now + self._reconnect_s
             raise ConnectionError(_explain(self._url, exc)) from None
         if not self._migrated:
             try:
                 _migrate(conn, mask_url(self._url))
             except Exception as exc:  # a newer schema, too: this batch is dropped
                 conn.close()
+                self._next_connect = now + self._reconnect_s
                 raise ConnectionError(_explain(self._url, exc)) from None
             self._migrated = True
         self._conn = conn
@@ -304,23 +349,34 @@ class PostgresSink:
                     self._discard()
                     self._next_connect = 0.0  # (closed on purpose: no server to wait for)
                 self._cancelled = None
-            conn = self._connection()
-            try:
-                with conn.transaction(), conn.cursor() as cur:
-                    if batch.calls:
-                        with cur.copy(_COPY_CALLS) as copy:
-                            for row in batch.calls:
-                                copy.write_row(row)
-                    if batch.attempts:
-                        with cur.copy(_COPY_ATTEMPTS) as copy:
-                            for attempt in batch.attempts:
-                                copy.write_row(attempt)
-                    if batch.session is not None:
-                        cur.execute(_SESSION, batch.session)
-            except Exception as exc:
-                if conn.broken or conn.closed:
-                    self._discard()
-                raise ConnectionError(_explain(self._url, exc)) from None
+            for retry in (False, True):
+                conn = self._connection()
+                committing = False
+                try:
+                    with conn.transaction(), conn.cursor() as cur:
+                        if batch.calls:
+                            with cur.copy(_COPY_CALLS) as copy:
+                                for row in batch.calls:
+                                    copy.write_row(row)
+                        if batch.attempts:
+                            with cur.copy(_COPY_ATTEMPTS) as copy:
+                                for attempt in batch.attempts:
+                                    copy.write_row(attempt)
+                        if batch.session is not None:
+                            cur.execute(_SESSION, batch.session)
+                        committing = True
+                    return
+                except Exception as exc:
+                    lost = conn.broken or conn.closed
+                    if lost:
+                        self._discard()
+                    # A connection the server had closed while we were quiet (an idle
+                    # timeout, a restart, a proxy) is found closed by the next write:
+                    # that batch goes again, once, on a new connection.  Not when the
+                    # COMMIT was on its way (it may have been written: never twice),
+                    # nor for a connection a cancel was sent to.
+                    if retry or not lost or committing or self._cancelled is conn:
+                        raise ConnectionError(_explain(self._url, exc)) from None
 
     def _discard(self) -> None:
         conn, self._conn = self._conn, None
@@ -382,8 +438,10 @@ class PostgresReader:
         return rows
 
     def tables(self) -> set[str]:
+        # The tables the queries will find: along the search_path, as the sink's are.
         rows = self.query(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()"
+            "SELECT c.relname FROM pg_catalog.pg_class c "
+            "WHERE c.relkind IN ('r', 'p', 'v', 'm', 'f') AND pg_catalog.pg_table_is_visible(c.oid)"
         )
         return {r[0] for r in rows}
 
