@@ -115,6 +115,54 @@ async def test_an_answer_with_a_lone_surrogate_reads_as_text() -> None:
     assert json.loads(_body(server, 3))["messages"][1]["content"] == "bad \ufffd x"
 
 
+def _json_answer(content: str, model: str = "m") -> dict[str, Any]:
+    return {"id": "x", "object": "chat.completion", "model": model, "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-16", "utf-32"])
+async def test_a_lone_surrogate_in_a_utf16_or_utf32_body_reads_as_text(
+    encoding: str, tmp_path: Any
+) -> None:
+    """An outside review (2026-12-05): the body reader's fallback (``json.loads``) reads
+    UTF-16 and UTF-32 too, where the search for an escaped surrogate, made on the
+    bytes, found none.  The lone surrogate reached the answer and the telemetry row of
+    an error's text, where SQLite refused it and dropped the whole batch: the other
+    calls' rows with it."""
+    bodies = iter([
+        json.dumps(_json_answer("fine")).encode(),
+        json.dumps(_json_answer("a\ud800b", model="m\udfff")).encode(encoding),
+        json.dumps({"error": {"message": "bad \ud800 thing", "type": "server_error"}}).encode(encoding),
+        json.dumps(_json_answer("fine")).encode(),
+    ])
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "application/json"}, content=next(bodies)))
+    db = tmp_path / "t.db"
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)],
+        retry=polygate.Retry(max_attempts=1),
+    )}, telemetry=f"sqlite:///{db}", log_content=True)
+    async with polygate.session(settings, transport=transport) as s:
+        await s.chat(MESSAGES)
+        odd = await s.chat(MESSAGES)
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES)
+        await s.chat(MESSAGES)
+    assert (odd.text, odd.model) == ("a\ufffdb", "m\ufffd")
+    assert "bad \ufffd thing" in str(info.value)
+    telemetry = (await s.statistics()).telemetry
+    assert (telemetry.dropped, telemetry.written) == (0, 8)
+
+
+def test_a_rows_text_is_text_whatever_reached_it() -> None:
+    """The row's own guard, for any text an error carries: a lone surrogate read as
+    U+FFFD (no sink's encoder takes one: the batch with it)."""
+    from polygate.telemetry._recorder import error_text
+
+    assert error_text(RuntimeError("x \ud800 y"), ()) == "x \ufffd y"
+    assert error_text(RuntimeError("\U0001f600 ok"), ()) == "\U0001f600 ok"
+
+
 @pytest.mark.parametrize("escape", ["\\ud800", "\\udfff", "\\uDBFF", "\\ud83d"])
 async def test_a_streamed_lone_surrogate_reads_as_text(escape: str) -> None:
     """The same in a stream: each delta, the assembled text, and a key, with a proper

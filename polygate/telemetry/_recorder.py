@@ -122,12 +122,25 @@ def error_text(
         return None
     # An upstream's error body can hold a NUL, which PostgreSQL refuses in text (the
     # whole batch, other calls' rows with it): replaced, for every sink alike.
-    text = redact(text, secrets).replace("\x00", "\ufffd")
+    text = valid_text(redact(text, secrets).replace("\x00", "\ufffd"))
     if prompt:
         text = _without_prompt(text[: 4 * _MESSAGE_LIMIT], prompt)
     # At most _MESSAGE_LIMIT characters, the "…" of a cut included (a schema an
     # administrator made may hold the column as varchar(500)).
     return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 1] + "…"
+
+
+def valid_text(text: str) -> str:
+    """``text`` as UTF-8 can hold it: a lone surrogate, which no sink's encoder takes
+    (the whole batch, other calls' rows with it), read as U+FFFD.  The transport reads
+    answers so already; this holds for any text that reaches a row."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
 
 
 def _without_prompt(text: str, prompt: Sequence[str]) -> str:
@@ -372,7 +385,7 @@ def call_event(
     if log_content and ctx.kind == "chat":
         answer = json.dumps(output, ensure_ascii=False, default=str) if output is not None else "null"
         asked = ctx.asked_json if ctx.asked_json is not None else ctx.messages_json
-        content = redact('{"messages":' + asked + ',"output":' + answer + "}", secrets)
+        content = valid_text(redact('{"messages":' + asked + ',"output":' + answer + "}", secrets))
     return CallEvent(
         session_id=session_id,
         logical_call_id=ctx.logical_call_id,

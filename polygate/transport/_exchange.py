@@ -48,6 +48,7 @@ from ._wire import (
     MAX_JSON_DEPTH,
     Endpoint,
     Limits,
+    all_text,
     as_text,
     body_pieces,
     chat_body,
@@ -452,8 +453,13 @@ def _slow_chunk(data: bytes) -> Any:
 
 def _slow_body(raw: bytes) -> Any:
     """A body msgspec did not read, as ``json.loads`` reads bytes, lone surrogates
-    read as U+FFFD."""
-    return as_text(json.loads(raw), raw)
+    read as U+FFFD.  ``json.loads`` also reads UTF-16 and UTF-32 (a NUL in the first
+    bytes, or their byte-order mark), where no byte pattern finds an escaped
+    surrogate: every string is checked then."""
+    payload = json.loads(raw)
+    if b"\x00" in raw[:4] or raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return all_text(payload)
+    return as_text(payload, raw)
 
 
 def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any] | None:

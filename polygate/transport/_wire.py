@@ -224,6 +224,12 @@ def as_text(payload: Any, source: str | bytes) -> Any:
     return _mended(payload) if found else payload
 
 
+def all_text(payload: Any) -> Any:
+    """``payload`` with every lone surrogate in its strings read as U+FFFD, found by
+    walking it: for a document decoded from bytes no pattern can search."""
+    return _mended(payload)
+
+
 def _mended(value: Any) -> Any:
     if type(value) is str:
         if value.isascii():
