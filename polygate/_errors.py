@@ -352,7 +352,9 @@ def error_status(payload: Any) -> int | None:
             return value
         if isinstance(value, float) and math.isfinite(value) and 100 <= value <= 599:
             return int(value)
-        if isinstance(value, str) and value.isdigit() and 100 <= int(value) <= 599:
+        # ASCII digits only: str.isdigit() also takes "²" (which int() refuses: the
+        # well-formed error then read as a malformed body) and other scripts' digits.
+        if isinstance(value, str) and value.isascii() and value.isdigit() and 100 <= int(value) <= 599:
             return int(value)
     return None
 

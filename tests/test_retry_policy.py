@@ -44,10 +44,32 @@ def test_full_jitter_grows() -> None:
         ({"retry-after": "soon"}, None),
         ({"retry-after": "86400"}, RETRY_AFTER_CAP_S),
         ({}, None),
+        # Delta-seconds are ASCII digits (RFC 9110): float() also reads these, and
+        # "1_000" parked a source for the 600 s cap (an outside review, 2026-12-05).
+        ({"retry-after": "1_000"}, None),
+        ({"retry-after": "\u0665"}, None),  # an Arabic-Indic five
+        ({"retry-after": "1e3"}, None),
+        ({"retry-after": "+5"}, None),
+        ({"retry-after": " 2 "}, 2.0),
+        ({"retry-after-ms": "1_000", "retry-after": "9"}, 9.0),
+        ({"retry-after-ms": "-5", "retry-after": "9"}, 9.0),
+        ({"retry-after-ms": "inf", "retry-after": "9"}, 9.0),
     ],
 )
 def test_retry_after(headers: dict[str, str], expected: float | None) -> None:
     assert parse_retry_after(headers) == expected
+
+
+@pytest.mark.parametrize(("code", "status"), [
+    ("429", 429), (429, 429), ("\u00b2", None), ("\u2460", None), ("\u0664\u0662\u0669", None),
+])
+def test_an_error_code_is_a_status_only_in_ascii_digits(code: object, status: int | None) -> None:
+    """``str.isdigit()`` takes "²" and "①", which ``int()`` refuses: the well-formed
+    error body was then read as a malformed one, its message lost; and Arabic-Indic
+    "٤٢٩" was read as a 429 (an outside review, 2026-12-05)."""
+    from polygate._errors import error_status
+
+    assert error_status({"error": {"message": "m", "code": code}}) == status
 
 
 def test_retry_after_http_date() -> None:

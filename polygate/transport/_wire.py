@@ -380,24 +380,26 @@ def _error_detail(
 RETRY_AFTER_CAP_S = 600.0
 
 
+#: Delta-seconds (RFC 9110: ``1*DIGIT``), with the fraction some servers send: ASCII
+#: digits only (``float()`` also reads "1_000", "٥", "1e3", "inf" and "nan").
+_DELTA = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+
+
 def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     """Seconds to wait from ``retry-after-ms`` / ``retry-after``; ``None`` when absent
     or unparseable; clamped to ``[0, RETRY_AFTER_CAP_S]``."""
     ms = headers.get("retry-after-ms")
-    if ms is not None:
-        try:
-            value = float(ms) / 1000.0
-        except ValueError:
-            value = math.nan
-        if math.isfinite(value) and value >= 0:
+    if ms is not None and _DELTA.fullmatch(ms.strip()):
+        value = float(ms) / 1000.0
+        if math.isfinite(value):
             return min(value, RETRY_AFTER_CAP_S)
     raw = headers.get("retry-after")
     if raw is None:
         return None
     raw = raw.strip()
-    try:
+    if _DELTA.fullmatch(raw):
         value = float(raw)
-    except ValueError:
+    else:
         try:
             when = email.utils.parsedate_to_datetime(raw)
         except (TypeError, ValueError, IndexError):
