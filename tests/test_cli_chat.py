@@ -4,6 +4,7 @@ its own process, configured by environment keys."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import sqlite3
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -21,6 +23,7 @@ from polygate.cli import main
 from polygate.cli._chat import chat_once
 from polygate.testing import FakeUpstream, Reply, Router
 
+from ._raw_server import raw_server
 from .conftest import SECRET, two_source_settings
 
 
@@ -299,3 +302,38 @@ def test_the_interrupt_message_is_one_line(
     monkeypatch.setattr("trio.run", interrupted)
     assert main(["chat", "hi"]) == 130
     assert capsys.readouterr().err == "polygate chat: interrupted\n"
+
+
+_EVIL = "\\u001b]0;pwned\\u0007\\u001b[2J\\u001b[31mFAKE\\r\\npolygate chat: all good"
+
+
+def _answers(status: int, body: bytes) -> Any:
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(
+            b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, len(body), body))
+    return reply
+
+
+@pytest.mark.parametrize(("status", "body", "argv"), [
+    (400, '{"error":{"message":"' + _EVIL + '","type":"invalid_request_error"}}', []),
+    (200, '{"id":"x","object":"chat.completion","model":"' + _EVIL + '","choices":[{"index":0,'
+          '"message":{"role":"assistant","content":"fine"},"finish_reason":"stop"}]}', ["--stats"]),
+])
+async def test_an_upstreams_words_reach_the_terminal_escaped(
+    env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], status: int, body: str,
+    argv: list[str],
+) -> None:
+    """An outside review (2026-12-05): the upstream's error message, and with
+    ``--stats`` the model it names, were printed raw: an escape sequence in them set
+    the terminal's title, cleared it, and a line break forged a line of ours."""
+    async with raw_server(_answers(status, body.encode())) as server:
+        env.setenv("POLYGATE__CHAT__A__BASE_URL", server.url)
+        env.setenv("POLYGATE__CHAT__A__STREAMING", "false")
+        env.setenv("POLYGATE__CHAT__RETRY__MAX_ATTEMPTS", "1")
+        code = await trio.to_thread.run_sync(functools.partial(main, ["chat", *argv, "hi"]))
+    err = capsys.readouterr().err
+    assert code == (1 if status == 400 else 0)
+    assert "\x1b" not in err and "\r" not in err and "\x07" not in err
+    assert "pwned" in err and "\\x1b" in err  # shown, escaped
+    assert "\npolygate chat: all good" not in err

@@ -17,6 +17,8 @@ import argparse
 import sys
 from typing import IO, Any
 
+from .._secrets import printable
+
 __all__ = ["add_parser", "chat_once", "format_stats", "run"]
 
 
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(path=args.config)
         settings.scope(args.scope)
     except ConfigError as exc:
-        print(f"polygate chat: invalid configuration: {exc}", file=sys.stderr)
+        print(f"polygate chat: invalid configuration: {printable(str(exc))}", file=sys.stderr)
         return 2
     messages = [{"role": "user", "content": prompt}]
     if system:
@@ -71,10 +73,13 @@ def run(args: argparse.Namespace) -> int:
         print("polygate chat: interrupted", file=sys.stderr)
         return 130
     except ConfigError as exc:  # e.g. a telemetry database that cannot be opened
-        print(f"polygate chat: invalid configuration: {exc}", file=sys.stderr)
+        print(f"polygate chat: invalid configuration: {printable(str(exc))}", file=sys.stderr)
         return 2
     except PolygateError as exc:
-        print(f"polygate chat: the call failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        # The error quotes the upstream's message: escaped, so that no escape sequence
+        # or line break in it acts on the terminal or forges a line of ours.
+        print(f"polygate chat: the call failed: {type(exc).__name__}: {printable(str(exc))}",
+              file=sys.stderr)
         stats = getattr(exc, "call_stats", None)
         if args.stats and stats is not None:
             print(format_stats(stats, None, None), file=sys.stderr)
@@ -151,7 +156,7 @@ def format_stats(stats: Any, usage: Any, model: str | None) -> str:
     waiting = stats.total_latency_ms - stats.generation_ms
     lines = [
         f"call {stats.logical_call_id}: source {stats.source or '-'}"
-        + (f", model {model}" if model else "")
+        + (f", model {printable(model)}" if model else "")  # (the upstream's word)
         + f", {stats.attempts} attempt(s), {stats.hedges} hedge(s)"
         + (" (won by the hedge)" if stats.hedge_won else ""),
         f"  total {ms(stats.total_latency_ms)} = waiting {ms(waiting)} "
