@@ -102,6 +102,16 @@ class AttemptControl:
         if earliest != scope.deadline:
             scope.deadline = earliest
 
+    def answered(self) -> None:
+        """Every choice has its finish_reason: no clock of the attempt's fires after
+        it.  No token can follow, so silence is no stall, and the answer is in hand, so
+        ``timeout_s`` has nothing left to bound: the exchange bounds the rest (a usage
+        chunk, ``[DONE]``) itself, by ``transport.END_GRACE_S``."""
+        self._whole = self._watch = math.inf
+        scope = self.scope
+        assert scope is not None  # (a choice finished: the attempt has started)
+        scope.deadline = math.inf
+
     async def hold_while(self, wait: Callable[[], Awaitable[None]]) -> None:
         """Run ``wait`` (the caller taking a chunk it is behind on) with the attempt's
         own clocks stopped.  The consumer's pace is neither the upstream's silence nor
@@ -183,6 +193,7 @@ async def run_chat_attempt(
             await wait
             seen(trio.current_time())  # the stall clock restarts when the caller is back
 
+
         return await chat_exchange(
             ctx.runtime.transport,
             endpoint,
@@ -196,6 +207,7 @@ async def run_chat_attempt(
             # for a first token; the watchdogs above need no scheduler pass for it.
             hand_on_first_token=forward is not None,
             on_extra=control.on_extra,
+            on_finished=control.answered,
         )
 
     def usage_of(body: dict[str, Any]) -> Usage:

@@ -436,6 +436,8 @@ class Round:
         if timeline.first_token_at is None:
             sent = timeline.sent_at if timeline.sent_at is not None else path.record.started_at
             return sent + self._threshold(path.admission.source)
+        if timeline.finished_at is not None:
+            return math.inf  # every choice finished: silence after the end is no stall
         stall_after = self._ctx.scope.hedge.stall_after_s
         last = timeline.last_token_at
         if stall_after is not None and self._forward is None and last is not None:

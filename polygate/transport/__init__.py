@@ -12,11 +12,12 @@ from ._assemble import (
     has_content,
     message_text,
 )
-from ._exchange import OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
+from ._exchange import END_GRACE_S, OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
 from ._pool import REPORTS_SENT, SENT_EXTENSION, LeanTransport
 from ._wire import Endpoint, Limits, parse_retry_after
 
 __all__ = [
+    "END_GRACE_S",
     "REPORTS_SENT",
     "SENT_EXTENSION",
     "ChatAssembler",

@@ -468,6 +468,8 @@ class ChatAssembler:
         self._extras: dict[str, Any] = {}
         self.usage: dict[str, Any] | None = None
         self.chunks = 0
+        #: Choices that have reported their finish_reason (see all_finished).
+        self.finishes = 0
 
     def add(self, chunk: dict[str, Any]) -> bool:
         """Fold one chunk in; True when it carried at least one content token (the
@@ -506,8 +508,11 @@ class ChatAssembler:
                             if not carries_something(choice):
                                 continue
                             state = self._new_choice(index)
+                        unfinished = state.finish_reason is None
                         if state.add(choice):
                             content = True
+                        if unfinished and state.finish_reason is not None:
+                            self.finishes += 1
             elif key == "usage":
                 if isinstance(value, dict):
                     self.usage = value  # cumulative on vLLM: the last one is the total
@@ -527,6 +532,11 @@ class ChatAssembler:
             )
         state = self._choices[index] = _Choice(index, self._max_tool_calls, self._source)
         return state
+
+    def all_finished(self, n: int) -> bool:
+        """Every choice of an answer of ``n`` has reported its finish_reason: no
+        content can follow (a usage chunk and ``[DONE]`` may)."""
+        return self.finishes >= n and self.finishes == len(self._choices)
 
     @property
     def finished(self) -> bool:

@@ -16,7 +16,7 @@ import re
 import sys
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import attrs
 import httpx
@@ -93,6 +93,9 @@ class Timeline:
     # the caller's, not the upstream's.  Chunk times are stamped net of it, so gaps
     # between them are the upstream's own; durations subtract it.
     paused_s: float = 0.0
+    #: When every choice had its finish_reason (a stream): nothing more can be said,
+    #: so silence after it is no stall (polygate._hedge, polygate._attempt).
+    finished_at: float | None = None
     #: The usage a stream reported before it was cut (vLLM's continuous usage: on
     #: every chunk), read only if it fails: a resumed answer's usage counts it.
     cut_usage: Callable[[], dict[str, Any] | None] | None = None
@@ -114,14 +117,20 @@ async def chat_exchange(
     call_id: str | None = None,
     hand_on_first_token: bool = True,
     on_extra: OnExtra | None = None,
+    on_finished: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run one chat completion and return the (assembled) non-streamed response body.
+
+    ``on_finished``: called once a stream's every choice has its finish_reason (the
+    watchdogs stop: silence after the end is no stall).
 
     ``hand_on_first_token``: someone waits for the first token (a stream's caller), so
     a read that brings more than it is parsed after a pass of the scheduler (see
     :func:`_hand_on_first_token`); False where the whole answer is all anyone waits for
     (a ``chat()`` that no hedge watches), which saves two scheduler passes a call."""
     stream = endpoint.streaming
+    n = params.get("n")
+    choices = n if type(n) is int and n > 1 else 1
 
     async def read(response: httpx.Response) -> dict[str, Any]:
         ctype = header_of(response, "content-type")
@@ -130,7 +139,8 @@ async def chat_exchange(
         if ctype.partition(";")[0].strip().lower() == "text/event-stream":  # any case, any params
             timeline.streamed = True
             return await _read_sse(response, endpoint, limits, timeline, on_content,
-                                   hand_on=hand_on_first_token, on_extra=on_extra)
+                                   hand_on=hand_on_first_token, on_extra=on_extra,
+                                   choices=choices, on_finished=on_finished)
         # Any other label, or none: openai-python reads a stream request's answer as
         # SSE whatever the header says, so an upstream that sends its events unlabelled
         # (or as application/json, application/x-ndjson...) streams.  The body decides:
@@ -143,7 +153,8 @@ async def chat_exchange(
         if _SSE_START.match(head):
             timeline.streamed = True
             return await _read_sse(response, endpoint, limits, timeline, on_content, pieces, head,
-                                   hand_on=hand_on_first_token, on_extra=on_extra)
+                                   hand_on=hand_on_first_token, on_extra=on_extra,
+                                   choices=choices, on_finished=on_finished)
         return await _read_chat_json(response, endpoint, limits, ctype, pieces, head)
 
     body = chat_body(endpoint, messages_json, params, stream)
@@ -310,10 +321,13 @@ async def _read_sse(
     *,
     hand_on: bool = True,
     on_extra: OnExtra | None = None,
+    choices: int = 1,
+    on_finished: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """``pieces``/``head``: the body's iterator after :func:`_sniff` read ``head``;
-    ``hand_on``: as ``hand_on_first_token`` of :func:`chat_exchange`; ``on_extra``:
-    as in :func:`chat_exchange`."""
+    ``hand_on``: as ``hand_on_first_token`` of :func:`chat_exchange`; ``on_extra``,
+    ``on_finished``: as in :func:`chat_exchange`; ``choices``: how many the answer has
+    (the request's ``n``)."""
     refused = check_encoding(response, endpoint.name, endpoint.secrets)
     if refused is not None:
         raise TransientUpstreamError(refused, source=endpoint.name)
@@ -333,6 +347,8 @@ async def _read_sse(
     add = assembler.add
     current_time = trio.current_time
     done = ended = False
+    #: Once every choice has finished: how long the rest (a usage chunk, [DONE]) may take.
+    tail: float | None = None
     # (As ``async with aclosing(pieces)``, without its three calls a response.)
     try:
         iterator = pieces.__aiter__()
@@ -343,7 +359,12 @@ async def _read_sse(
                 events, head = events_of(head), b""
             else:
                 try:
-                    piece = await iterator.__anext__()
+                    if tail is None:
+                        piece = await iterator.__anext__()
+                    else:
+                        piece = None
+                        with trio.move_on_at(tail):
+                            piece = await iterator.__anext__()
                 except StopAsyncIteration:
                     events = decoder.flush()
                     ended = True
@@ -355,7 +376,15 @@ async def _read_sse(
                     events = decoder.flush()
                     ended = True
                 else:
-                    events = events_of(piece)
+                    if piece is None:
+                        # Every choice finished, then nothing for END_GRACE_S: complete
+                        # without [DONE] (SPEC §3), its connection closed (the body has
+                        # not ended).  A proxy that holds the end back, or a server that
+                        # writes [DONE] late, must not turn a delivered answer into a
+                        # stall, a timeout, a hedge, or a retry paid for twice.
+                        events, ended = [], True
+                    else:
+                        events = events_of(piece)
             for event in events:
                 try:
                     chunk = _chunk_of(event, endpoint, depth)
@@ -389,6 +418,11 @@ async def _read_sse(
                         await wait
             if done or ended:
                 break
+            if tail is None and assembler.finishes >= choices and assembler.all_finished(choices):
+                now = current_time()
+                timeline.finished_at, tail = now, now + END_GRACE_S
+                if on_finished is not None:
+                    on_finished()
         if done:
             timeline.ended_at = current_time()
             if not drains_on_close(pieces):  # (the close below drains a lean body)
@@ -413,6 +447,12 @@ async def _read_sse(
         raise TransientUpstreamError("malformed stream: no choices in the answer",
                                      source=endpoint.name)
     return assembler.build()
+
+
+#: How long a stream whose every choice has finished may take to end (its usage
+#: chunk, then [DONE]): those come at once from every server seen, so a wait past this
+#: is an end held back, not an answer still coming.
+END_GRACE_S: Final = 1.0
 
 
 async def _hand_on_first_token() -> None:
