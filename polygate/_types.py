@@ -274,6 +274,9 @@ _MAX_PLAUSIBLE_TOKENS = 100_000_000
 
 
 def _plausible(value: Any) -> bool:
+    if type(value) is float:
+        # 10.0 is the number 10 in JSON: a whole float counts as its integer.
+        return value.is_integer() and 0 <= value <= _MAX_PLAUSIBLE_TOKENS
     return (
         isinstance(value, int)
         and not isinstance(value, bool)

@@ -3,7 +3,9 @@ traceback, lost accounting or a leaked secret."""
 
 from __future__ import annotations
 
+import json
 import logging
+from typing import Any
 
 import httpx
 import pytest
@@ -285,6 +287,37 @@ async def test_an_error_chunk_in_vllms_bare_shape_is_an_error_event(
             await s.chat(MESSAGES)
     assert info.value.status_code == 400 and "bad input" in str(info.value)
     assert info.value.call_stats is not None and info.value.call_stats.attempts == 1
+
+
+@pytest.mark.parametrize(("error", "expected"), [
+    ({"type": "invalid_request_error", "code": "invalid_value"}, polygate.FatalUpstreamError),
+    ({"type": "invalid_request_error", "code": None}, polygate.FatalUpstreamError),
+    ({"type": "rate_limit_error", "code": "slow_down"}, polygate.RateLimitedError),
+    ({"type": "server_error", "code": "overloaded"}, polygate.TransientUpstreamError),
+])
+async def test_an_error_events_type_speaks_when_its_code_is_unknown(
+    error: dict[str, Any], expected: type[Exception], autojump_clock: trio.testing.MockClock
+) -> None:
+    """An outside review (2026-12-05): OpenAI's error events name a type and a code
+    (``{"type": "invalid_request_error", "code": "invalid_value"}``); a code polygate
+    does not know hid the type, so a request error was retried on every source (and
+    the gateway answered 502, not 400), where the same body with HTTP 400 is fatal."""
+    event = {"error": {"message": "bad value", "param": None, **error}}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"data: " + json.dumps(event).encode() + b"\n\n",
+                              headers={"content-type": "text/event-stream"})
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+        retry=polygate.Retry(max_attempts=1, rate_limit_wait_s=0))})
+    async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+        with pytest.raises(polygate.PolygateError) as info:
+            await s.chat(MESSAGES)
+    raised = info.value
+    if isinstance(raised, polygate.AllSourcesExhausted):
+        raised = raised.errors[0]
+    assert type(raised) is expected
 
 
 @pytest.mark.parametrize("streaming", [True, False])

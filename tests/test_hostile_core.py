@@ -579,6 +579,10 @@ async def test_the_streams_first_choice_is_index_0_by_the_one_rule() -> None:
     ({"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}, (5, 5, 10)),
     ({"prompt_tokens": 5, "completion_tokens": 5}, (5, 5, 10)),
     ({"total_tokens": 42}, (0, 0, 42)),  # only a total: nothing to check it against
+    # 10.0 is the number 10 in JSON: an outside review (2026-12-05) found a usage
+    # written with whole floats refused, the call settled at its estimate.
+    ({"prompt_tokens": 10.0, "completion_tokens": 2.0, "total_tokens": 12.0}, (10, 2, 12)),
+    ({"total_tokens": 42.0}, (0, 0, 42)),
 ])
 def test_the_total_is_the_sum_of_the_reported_parts(
     wire: dict[str, int], expected: tuple[int, int, int]
@@ -590,7 +594,9 @@ def test_the_total_is_the_sum_of_the_reported_parts(
 
 @pytest.mark.parametrize("wire", [
     {}, {"total_tokens": "12"}, {"total_tokens": -5}, {"total_tokens": 1e300},
-    {"total_tokens": None}, {"total_tokens": True},
+    {"total_tokens": None}, {"total_tokens": True}, {"total_tokens": 1.5},
+    {"total_tokens": float("nan")}, {"total_tokens": float("inf")}, {"prompt_tokens": 2.5},
+    {"prompt_tokens": -1.0},
 ])
 def test_a_usage_with_no_believable_number_is_no_usage(wire: dict[str, Any]) -> None:
     """Review: an object with no number, or only a total that is no count, read as 0

@@ -573,6 +573,12 @@ _STATUS_OF_CODE: dict[str | None, int] = {
 }
 
 
+def _type_only(payload: Any) -> Any:
+    """An error payload's ``type`` alone (what :func:`error_code` reads without a code)."""
+    inner = payload.get("error", payload) if isinstance(payload, dict) else None
+    return {"type": inner.get("type")} if isinstance(inner, dict) else None
+
+
 def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
     """An error inside a 200 stream: classified by its code like an HTTP status."""
     if isinstance(payload, str):
@@ -590,6 +596,10 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
         # policy: a 400, which retried elsewhere or resumed would be routed around), a
         # rate limit (a 429: the source cools down), a refused key (a 401: dead).
         status = _STATUS_OF_CODE.get(code)
+        if status is None:
+            # OpenAI's events name both: {"type": "invalid_request_error", "code":
+            # "invalid_value"}: a code it does not know leaves the type to say it.
+            status = _STATUS_OF_CODE.get(error_code(_type_only(payload), endpoint.secrets))
     if status is None:
         error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
     else:
