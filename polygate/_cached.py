@@ -560,6 +560,12 @@ def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
                 {**c, "index": i} if isinstance(c, dict) else c for i, c in enumerate(calls)
             ]})
         logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else None
+        # The choice's own other fields (Azure's content_filter_results) on its last
+        # chunk, as the upstream's finish chunk carried them: a hit returns the same
+        # choices.  A choice that said nothing else still sends one chunk for them.
+        extras = {k: v for k, v in choice.items() if k not in _CHOICE_REPLAYED}
+        if extras and not deltas:
+            deltas.append({})
         for n, delta in enumerate(deltas):
             if n == 0:
                 delta = {"role": message.get("role", "assistant"), **delta}
@@ -570,9 +576,14 @@ def _replay(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
             if logprobs is not None and ("content" in delta or "refusal" in delta):
                 # The text's (or the refusal's), with it, as they came; once.
                 out["logprobs"], logprobs = logprobs, None
+            if extras and n == len(deltas) - 1:
+                out = {**extras, **out}
             chunks.append({**base, "choices": [out]})
     return chunks
 
+
+#: Choice fields the replay writes itself (any other rides on the choice's last chunk).
+_CHOICE_REPLAYED = frozenset({"index", "message", "finish_reason", "logprobs", "delta"})
 
 #: Message fields the replay carries in deltas of their own making.
 _REPLAYED = frozenset({

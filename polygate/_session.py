@@ -39,6 +39,7 @@ from ._types import (
     EmbeddingResponse,
     OcrResponse,
     StreamChunk,
+    carries_value,
     choice_index,
     json_default,
     message_delta,
@@ -47,7 +48,7 @@ from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
-from .transport import LeanTransport, TextParts, carries_audio, drop_last
+from .transport import LeanTransport, TextParts, carries_audio, carries_extras, drop_last
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -589,10 +590,10 @@ class ChatStream:
             self._failure = self._unraised = exc
             await _deliver(send, _Failed(exc))
         else:
-            if not sink.sent and any(
+            if not sink.sent and (any(
                 type(c) is dict and type(c.get("message")) is dict and _has_output(c["message"])
                 for c in response.choices
-            ):
+            ) or _carries_more(response.raw)):
                 # The upstream answered with a plain JSON body (it cannot stream):
                 # the whole answer is one chunk, so iterating still shows it (when
                 # any choice holds something: n > 1, the first may be empty).
@@ -851,6 +852,21 @@ def _has_output(message: Mapping[str, Any]) -> bool:
     return any(message.get(k) for k in (
         "content", "reasoning_content", "reasoning", "refusal", "tool_calls", "function_call",
     )) or (type(audio) is dict and carries_audio(audio))
+
+
+#: A whole answer's own top-level keys; any other is a provider's field.
+_BODY_KEYS = frozenset({
+    "id", "object", "created", "model", "system_fingerprint", "service_tier", "choices", "usage",
+})
+
+
+def _carries_more(body: Mapping[str, Any]) -> bool:
+    """Whether a whole (JSON) answer without a content token still holds what the one
+    chunk it becomes must show: a choice's field beyond its message (Azure's
+    ``content_filter_results`` on an answer it filtered to nothing) or the body's
+    (``prompt_filter_results``), as a streamed answer's chunks would carry them."""
+    return carries_extras(body) or any(  # type: ignore[arg-type]
+        carries_value(v) for k, v in body.items() if k not in _BODY_KEYS)
 
 
 # --------------------------------------------------------------------------- session()

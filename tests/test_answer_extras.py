@@ -1,0 +1,118 @@
+"""A provider's fields beside an answer (Azure's ``content_filter_results`` on a
+choice, ``prompt_filter_results`` on the body) reach a stream's reader by every route:
+a streamed cache hit as the miss's stream had them, and a source that cannot stream
+even when the answer it filtered holds no content token.  An outside review (one
+answer through many routes, 2026-12-05) found both lost."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import trio
+import trio.testing
+
+import polygate
+from polygate.serve import open_server
+
+from .conftest import MESSAGES
+
+KEY = "sk-gw-test-0123456789"
+FILTERED = {"hate": {"filtered": True, "severity": "high"}}
+HEADER = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m1"}
+EMPTY = {"id": "c1", "object": "chat.completion", "created": 1, "model": "m1",
+         "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": {}}],
+         "choices": [{"index": 0, "finish_reason": "content_filter", "logprobs": None,
+                      "content_filter_results": FILTERED,
+                      "message": {"role": "assistant", "content": "", "refusal": None}}],
+         "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}}
+
+
+def _sse(events: list[dict[str, Any]]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+EVENTS = [
+    {**HEADER, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+    {**HEADER, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]},
+    {**HEADER, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop",
+                            "content_filter_results": FILTERED}]},
+    {**HEADER, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}},
+]
+
+
+def _filters(raws: list[dict[str, Any]]) -> list[Any]:
+    return [c["content_filter_results"] for raw in raws for c in raw.get("choices", [])
+            if isinstance(c, dict) and "content_filter_results" in c]
+
+
+async def test_a_streamed_cache_hit_keeps_a_choices_fields(autojump_clock: trio.testing.MockClock) -> None:
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)}, cache="memory")
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=_sse(EVENTS)))
+    seen: list[list[dict[str, Any]]] = []
+    async with polygate.session(settings, transport=transport) as s:
+        for _ in range(2):
+            async with s.stream_chat(MESSAGES) as stream:
+                seen.append([chunk.raw async for chunk in stream])
+            assert stream.response is not None
+    assert stream.response.call_stats.cached
+    assert _filters(seen[0]) == _filters(seen[1]) == [FILTERED]
+
+
+async def test_a_filtered_empty_answer_from_a_source_that_cannot_stream_is_one_chunk(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=EMPTY))
+    async with polygate.session(settings, transport=transport) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            chunks = [chunk async for chunk in stream]
+    assert [c.text for c in chunks] == [""]
+    assert _filters([chunks[0].raw]) == [FILTERED] and "prompt_filter_results" in chunks[0].raw
+    assert stream.response is not None and stream.response.finish_reason == "content_filter"
+
+
+def _through_gateway(settings: polygate.Settings, transport: httpx.MockTransport,
+                     streams: tuple[bool, ...]) -> list[str]:
+    async def main() -> list[str]:
+        async with open_server(settings, port=0, transport=transport) as server:
+            def client() -> list[str]:
+                return [httpx.post(server.base_url + "/chat/completions",
+                                   headers={"authorization": f"Bearer {KEY}"},
+                                   json={"model": "chat", "messages": MESSAGES, "stream": stream}).text
+                        for stream in streams]
+            return await trio.to_thread.run_sync(client)
+
+    return trio.run(main)
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_the_gateways_streamed_hit_keeps_a_choices_fields() -> None:
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)},
+        cache="memory", serve=polygate.Serve(api_keys=[KEY]))
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=_sse(EVENTS)))
+    miss, hit, whole = _through_gateway(settings, transport, (True, True, False))
+    assert _filters(_events(miss)) == _filters(_events(hit)) == [FILTERED]
+    assert json.loads(whole)["choices"][0]["content_filter_results"] == FILTERED
+
+
+def test_the_gateways_stream_of_a_filtered_empty_json_answer_keeps_its_fields() -> None:
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", streaming=False)])},
+        serve=polygate.Serve(api_keys=[KEY]))
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=EMPTY))
+    whole, streamed = _through_gateway(settings, transport, (False, True))
+    assert json.loads(whole)["choices"][0]["content_filter_results"] == FILTERED
+    events = _events(streamed)
+    assert [c.get("finish_reason") for e in events for c in e["choices"]][-1] == "content_filter"
+    assert _filters(events) == [FILTERED]
+    assert any("prompt_filter_results" in e for e in events)
