@@ -317,10 +317,18 @@ async def _retry_loop(
                     waited = "at the deadline" if deadline_at is not None else (
                         f"after rate_limit_wait_s={retry.rate_limit_wait_s}"
                     )
+                    after = _rate_limited_for(result)
+                    if deadline_at is None:
+                        # The sources left out above cool down too: when the first of
+                        # them may take the call again (the errors' own Retry-After is
+                        # as old as each 429; the client would come back too early).
+                        cooling = await _cooling_for(ctx, limited)
+                        if cooling is not None:
+                            after = cooling if after is None else min(after, cooling)
                     raise AllSourcesExhausted(
                         f"every source still rate limited {waited} in scope {ctx.scope_name!r}"
                         + _last_errors(errors),
-                        errors=errors, retry_after_s=_rate_limited_for(result), timed=True,
+                        errors=errors, retry_after_s=after, timed=True,
                     )
                 admitted = result
             continue
@@ -374,6 +382,21 @@ async def _fallback_admits(ctx: CallContext) -> bool:
         ):
             return True
     return False
+
+
+async def _cooling_for(ctx: CallContext, sources: set[str]) -> float | None:
+    """Seconds until the first of ``sources`` ends its cooldown (0: one has); None when
+    there are none, or the backend cannot say."""
+    backend = ctx.runtime.governor.backend
+    waits: list[float] = []
+    for name in sorted(sources):
+        try:
+            state = await backend.snapshot(ctx.scope_name, name)
+        except GovernanceBackendError:
+            return None
+        until = state.cooldown_until
+        waits.append(0.0 if until is None else max(0.0, until - backend.now()))
+    return min(waits) if waits else None
 
 
 def _rate_limited_for(refusals: Sequence[Refusal]) -> float | None:

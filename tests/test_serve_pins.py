@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import polygate
 from polygate import _errors as errors
@@ -41,6 +42,41 @@ def test_retry_after_is_the_earliest_any_source_gave() -> None:
         errors.RateLimitedError("b", source="b", retry_after_s=4),
     ))
     assert (reply.status, reply.retry_after_s) == (429, 4)
+
+
+def test_retry_after_is_each_sources_latest_word() -> None:
+    """An outside review (2026-12-05): a source's earlier 429 asked for 0.5 s, its
+    latest for 100 s; the smallest of all said 0.5, so the client came back 99 s too
+    early.  Each source counts by its latest Retry-After, then the earliest of those."""
+    reply = reply_for(_exhausted(
+        errors.RateLimitedError("a", source="a", retry_after_s=0.5),
+        errors.RateLimitedError("b", source="b", retry_after_s=30),
+        errors.RateLimitedError("a", source="a", retry_after_s=100),
+    ))
+    assert (reply.status, reply.retry_after_s) == (429, 30)
+
+
+async def test_giving_up_after_rate_limit_wait_s_says_when_a_source_frees(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The same review: the call gave up after ``rate_limit_wait_s`` with no
+    ``retry_after_s``, so the gateway fell back on the errors' first Retry-After,
+    measured from when that old 429 came."""
+    from polygate.testing import FakeUpstream, Reply, Router
+
+    a = FakeUpstream([
+        Reply(status=429, retry_after_s=0.5),  # t=0: waited out
+        Reply(status=429, retry_after_s=100, headers_delay_s=0.6),  # t=1.1: cools 100 s
+        Reply(),
+    ])
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")],
+        retry=polygate.Retry(max_attempts=1, rate_limit_wait_s=1))})
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat([{"role": "user", "content": "hi"}])
+    assert info.value.retry_after_s == pytest.approx(100.0 - (trio.current_time() - 1.1))
+    assert reply_for(info.value).retry_after_s == info.value.retry_after_s
 
 
 def test_429s_without_retry_after_still_answer_429_with_a_default_wait() -> None:
