@@ -116,3 +116,37 @@ def test_the_gateways_stream_of_a_filtered_empty_json_answer_keeps_its_fields() 
     assert [c.get("finish_reason") for e in events for c in e["choices"]][-1] == "content_filter"
     assert _filters(events) == [FILTERED]
     assert any("prompt_filter_results" in e for e in events)
+
+
+async def test_reasoning_sent_as_reasoning_reads_the_same_by_either_route(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The same review: an answer whose reasoning came as ``reasoning`` (Ollama,
+    OpenRouter) had ``reasoning_content`` in its message when streamed (SPEC §1), and
+    not from a source that cannot stream (a KeyError for the caller who reads it)."""
+    body = {"id": "c1", "object": "chat.completion", "created": 1, "model": "m1",
+            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                         "message": {"role": "assistant", "content": "4", "refusal": None,
+                                     "reasoning": "2+2 is 4"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    events = [
+        {**HEADER, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {**HEADER, "choices": [{"index": 0, "delta": {"reasoning": "2+2 is 4"}, "finish_reason": None}]},
+        {**HEADER, "choices": [{"index": 0, "delta": {"content": "4"}, "finish_reason": None}]},
+        {**HEADER, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        {**HEADER, "choices": [], "usage": body["usage"]},
+    ]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content).get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_sse(events))
+        return httpx.Response(200, json=body)
+
+    messages = {}
+    for streaming in (True, False):
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=streaming)])})
+        async with polygate.session(settings, transport=httpx.MockTransport(answer)) as s:
+            messages[streaming] = (await s.chat(MESSAGES)).message
+    assert messages[False] == messages[True]
+    assert messages[False]["reasoning_content"] == messages[False]["reasoning"] == "2+2 is 4"

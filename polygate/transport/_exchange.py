@@ -681,6 +681,14 @@ async def _read_chat_json(
         # answer (choice 0), wherever the body listed it.
         order = sorted(range(len(choices)), key=indexes.__getitem__)
         payload["choices"] = [choices[i] for i in order]
+    for choice in choices:
+        # Reasoning sent only as ``reasoning`` (Ollama, OpenRouter) is also the
+        # message's ``reasoning_content``, as the assembled stream's message has it
+        # (SPEC §1): the same answer reads the same whether the source streams or not.
+        message = choice["message"]
+        said = message.get("reasoning")
+        if type(said) is str and said and message.get("reasoning_content") is None:
+            message["reasoning_content"] = said
     return payload
 
 
