@@ -25,7 +25,7 @@ import trio
 from ._context import AttemptRecord, CallContext, ChatRequest
 from ._errors import Outcome, TransientUpstreamError, UpstreamError
 from ._types import Usage
-from .governance import Admission
+from .governance import Admission, positive_count
 from .transport import OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
 
 __all__ = ["AttemptCancelled", "AttemptControl", "run_chat_attempt", "run_embed_attempt"]
@@ -110,7 +110,8 @@ class AttemptControl:
         self._whole = self._watch = math.inf
         scope = self.scope
         assert scope is not None  # (a choice finished: the attempt has started)
-        scope.deadline = math.inf
+        if scope.deadline != math.inf:  # (each assignment is a heap update in trio)
+            scope.deadline = math.inf
 
     async def hold_while(self, wait: Callable[[], Awaitable[None]]) -> None:
         """Run ``wait`` (the caller taking a chunk it is behind on) with the attempt's
@@ -173,6 +174,8 @@ async def run_chat_attempt(
             # Moving a deadline costs a heap update: done only when a watchdog needs it.
             nonlocal first
             if stall_timeout is not None:
+                if timeline.finished_at is not None:
+                    return  # content after every choice finished: its clocks stay off
                 watch(now + stall_timeout)
             elif first:
                 first = False
@@ -208,6 +211,7 @@ async def run_chat_attempt(
             hand_on_first_token=forward is not None,
             on_extra=control.on_extra,
             on_finished=control.answered,
+            choices=positive_count(params.get("n")) or 1,
         )
 
     def usage_of(body: dict[str, Any]) -> Usage:

@@ -433,11 +433,13 @@ class Round:
 
     def _late_at(self, path: _Path) -> float:
         timeline = path.record.timeline
+        if timeline.finished_at is not None:
+            # Every choice finished (an empty answer too, with no first token): silence
+            # after the end is neither a hang nor a stall.
+            return math.inf
         if timeline.first_token_at is None:
             sent = timeline.sent_at if timeline.sent_at is not None else path.record.started_at
             return sent + self._threshold(path.admission.source)
-        if timeline.finished_at is not None:
-            return math.inf  # every choice finished: silence after the end is no stall
         stall_after = self._ctx.scope.hedge.stall_after_s
         last = timeline.last_token_at
         if stall_after is not None and self._forward is None and last is not None:

@@ -54,6 +54,9 @@ def test_full_jitter_grows() -> None:
         ({"retry-after-ms": "1_000", "retry-after": "9"}, 9.0),
         ({"retry-after-ms": "-5", "retry-after": "9"}, 9.0),
         ({"retry-after-ms": "inf", "retry-after": "9"}, 9.0),
+        # Too many digits for a float: a wait past the cap, not no wait at all.
+        ({"retry-after": "9" * 400}, RETRY_AFTER_CAP_S),
+        ({"retry-after-ms": "9" * 400}, RETRY_AFTER_CAP_S),
     ],
 )
 def test_retry_after(headers: dict[str, str], expected: float | None) -> None:

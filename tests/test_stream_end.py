@@ -157,3 +157,54 @@ async def test_done_after_the_end_but_within_the_grace_keeps_the_connection() ->
     # The first end came in time (one connection, reused); the second was held back
     # past the grace (its connection closed): the third call needed a new one.
     assert server.connections == 2
+
+
+# A review of the change (2026-12-05) found these holes in its first version.
+
+EMPTY = _delta({"role": "assistant", "content": ""}) + _delta({}, "content_filter")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_empty_finished_answer_triggers_no_hedge(
+    autojump_clock: trio.testing.MockClock, stream: bool
+) -> None:
+    """Every choice finished with no content token (a filter emptied it), then the end
+    held back: the first-token trigger (no token yet) still hedged, during the grace."""
+    log: list[str] = []
+    settings = _settings("a", "b", hedge=polygate.Hedge(after_s=0.5))
+    transport = _transport(log, {"a": [(0.1, EMPTY + USAGE)], "b": [(0.1, ANSWER + USAGE)]})
+    async with polygate.session(settings, transport=transport) as s:
+        if stream:
+            async with s.stream_chat(MESSAGES) as chat_stream:
+                async for _ in chat_stream:
+                    pass
+            response = chat_stream.response
+        else:
+            response = await s.chat(MESSAGES)
+    assert "b" not in log
+    assert response is not None and (response.source, response.call_stats.hedges) == ("a", 0)
+
+
+@pytest.mark.parametrize("n", [2, 2.0])
+async def test_n_is_read_as_the_upstream_reads_it(autojump_clock: trio.testing.MockClock, n: Any) -> None:
+    """``n=2.0`` is 2 to the pydantic-based servers (and to polygate's estimate): read
+    as 1, the second choice, streamed after the first, was cut at the grace."""
+    log: list[str] = []
+    parts = [
+        (0.5, _delta({"role": "assistant", "content": "one"}) + _delta({}, "stop")),
+        (0.5, _delta({"role": "assistant", "content": "two"}, index=1)),
+        (3.0, _delta({"content": " more"}, index=1) + _delta({}, "stop", index=1) + USAGE),
+    ]
+    async with polygate.session(_settings("a"), transport=_transport(log, {"a": parts})) as s:
+        response = await s.chat(MESSAGES, n=n)
+    assert [c["message"]["content"] for c in response.choices] == ["one", "two more"]
+
+
+async def test_content_after_the_finish_restarts_no_watchdog(autojump_clock: trio.testing.MockClock) -> None:
+    log: list[str] = []
+    settings = _settings("a", stream=polygate.StreamWatch(stall_timeout_s=0.3))
+    parts = [(0.25, ANSWER), (0.1, _delta({"content": "!"}))]
+    async with polygate.session(settings, transport=_transport(log, {"a": parts})) as s:
+        response = await s.chat(MESSAGES)
+    assert response.text == "hello world!"
+    assert trio.current_time() == pytest.approx(0.25 + END_GRACE_S)

@@ -93,8 +93,9 @@ class Timeline:
     # the caller's, not the upstream's.  Chunk times are stamped net of it, so gaps
     # between them are the upstream's own; durations subtract it.
     paused_s: float = 0.0
-    #: When every choice had its finish_reason (a stream): nothing more can be said,
-    #: so silence after it is no stall (polygate._hedge, polygate._attempt).
+    #: Set once every choice had its finish_reason (a stream; the time of its last
+    #: token, 0.0 without one): nothing more can be said, so silence after it is no
+    #: stall (polygate._hedge, polygate._attempt).
     finished_at: float | None = None
     #: The usage a stream reported before it was cut (vLLM's continuous usage: on
     #: every chunk), read only if it fails: a resumed answer's usage counts it.
@@ -118,19 +119,22 @@ async def chat_exchange(
     hand_on_first_token: bool = True,
     on_extra: OnExtra | None = None,
     on_finished: Callable[[], None] | None = None,
+    choices: int = 1,
 ) -> dict[str, Any]:
     """Run one chat completion and return the (assembled) non-streamed response body.
 
-    ``on_finished``: called once a stream's every choice has its finish_reason (the
-    watchdogs stop: silence after the end is no stall).
+    ``choices``: how many the answer has (the request's ``n``, read as the upstream
+    reads it).
+
+    ``on_finished``: called once a stream's every choice has its finish_reason and the
+    rest of it must be waited for (the watchdogs stop: silence after the end is no
+    stall).
 
     ``hand_on_first_token``: someone waits for the first token (a stream's caller), so
     a read that brings more than it is parsed after a pass of the scheduler (see
     :func:`_hand_on_first_token`); False where the whole answer is all anyone waits for
     (a ``chat()`` that no hedge watches), which saves two scheduler passes a call."""
     stream = endpoint.streaming
-    n = params.get("n")
-    choices = n if type(n) is int and n > 1 else 1
 
     async def read(response: httpx.Response) -> dict[str, Any]:
         ctype = header_of(response, "content-type")
@@ -347,7 +351,9 @@ async def _read_sse(
     add = assembler.add
     current_time = trio.current_time
     done = ended = False
-    #: Once every choice has finished: how long the rest (a usage chunk, [DONE]) may take.
+    #: Once every choice has finished: until when the rest (a usage chunk, [DONE]) may
+    #: come; 0.0 until a read needs it (usually the same read brought the end: no
+    #: clock is read, no scope made).
     tail: float | None = None
     # (As ``async with aclosing(pieces)``, without its three calls a response.)
     try:
@@ -362,6 +368,10 @@ async def _read_sse(
                     if tail is None:
                         piece = await iterator.__anext__()
                     else:
+                        if not tail:
+                            tail = current_time() + END_GRACE_S
+                            if on_finished is not None:
+                                on_finished()
                         piece = None
                         with trio.move_on_at(tail):
                             piece = await iterator.__anext__()
@@ -419,10 +429,8 @@ async def _read_sse(
             if done or ended:
                 break
             if tail is None and assembler.finishes >= choices and assembler.all_finished(choices):
-                now = current_time()
-                timeline.finished_at, tail = now, now + END_GRACE_S
-                if on_finished is not None:
-                    on_finished()
+                tail = 0.0
+                timeline.finished_at = chunk_times[-1] if chunk_times else 0.0
         if done:
             timeline.ended_at = current_time()
             if not drains_on_close(pieces):  # (the close below drains a lean body)

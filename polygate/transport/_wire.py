@@ -390,28 +390,25 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     or unparseable; clamped to ``[0, RETRY_AFTER_CAP_S]``."""
     ms = headers.get("retry-after-ms")
     if ms is not None and _DELTA.fullmatch(ms.strip()):
-        value = float(ms) / 1000.0
-        if math.isfinite(value):
-            return min(value, RETRY_AFTER_CAP_S)
+        # (Digits too many for a float read as infinity: the cap, as any wait past it.)
+        return min(float(ms) / 1000.0, RETRY_AFTER_CAP_S)
     raw = headers.get("retry-after")
     if raw is None:
         return None
     raw = raw.strip()
     if _DELTA.fullmatch(raw):
-        value = float(raw)
-    else:
-        try:
-            when = email.utils.parsedate_to_datetime(raw)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when is None:
-            return None
-        if when.tzinfo is None:
-            # HTTP dates are GMT (RFC 9110): the asctime form and a "-0000" zone parse
-            # without one, and .timestamp() would read them as the local time.
-            when = when.replace(tzinfo=datetime.timezone.utc)
-        value = when.timestamp() - time.time()
-        value = max(value, 0.0)
-    if not math.isfinite(value) or value < 0:
+        return min(float(raw), RETRY_AFTER_CAP_S)
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    if when.tzinfo is None:
+        # HTTP dates are GMT (RFC 9110): the asctime form and a "-0000" zone parse
+        # without one, and .timestamp() would read them as the local time.
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    value = max(when.timestamp() - time.time(), 0.0)
+    if not math.isfinite(value):
         return None
     return min(value, RETRY_AFTER_CAP_S)
