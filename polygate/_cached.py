@@ -671,14 +671,19 @@ async def cached_embed(
         try:
             shares = _token_shares(response.usage, [texts[k] for k in led])
             usage_source = response.usage.source if response.usage is not None else None
+            stored: list[tuple[str, bytes, float]] = []
             for k, vector, tokens in zip(led, response.vectors, shares, strict=True):
                 found[k] = (vector, response.model, response.source, tokens, usage_source)
                 fetched.add(k)
                 data = _encoded_vector(cache, vector, response, tokens, usage_source)
                 if data is not None:
-                    cache.put(k, data, ttl)
-                    if k in flights:
-                        cache.flights.settle(k, flights[k], value=data)
+                    stored.append((k, data, ttl))
+            # All at once: thousands of new inputs are stored whole, not only as many as
+            # the writer's queue holds (it cannot run while they are put).
+            cache.put_many(stored)
+            for k, data, _ in stored:
+                if k in flights:
+                    cache.flights.settle(k, flights[k], value=data)
         finally:
             for k, f in flights.items():  # whatever was not shared: its waiters ask again
                 cache.flights.settle(k, f)

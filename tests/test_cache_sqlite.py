@@ -658,3 +658,26 @@ async def test_expiry_follows_the_wall_clock_on_the_real_clock(
         assert await backend.get_many(["k"]) == [None]
     finally:
         await backend.aclose()
+
+
+async def test_one_embed_of_thousands_of_new_inputs_is_stored_whole(tmp_path: Path) -> None:
+    """An outside review (embeddings end to end, 2026-12-05): one call of 5,000 new
+    inputs stored only 4,096.  Its answers are put all at once, before the writer can
+    run, and the write queue dropped what it had no room for (``writes_dropped``
+    903), so the next call sent 903 inputs upstream again."""
+    up = FakeUpstream(Reply(), embedding_dim=4)
+    inputs = [f"in {i}" for i in range(5_000)]
+    url = f"sqlite:///{tmp_path}/c.db"
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=600)}, cache=url)
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        first = await s.embed(inputs)
+        during = (await s.statistics()).cache
+    stats = (await s.statistics()).cache
+    assert during.writes_dropped == 0
+    assert (stats.writes, stats.writes_dropped) == (5_000, 0)
+    sent = up.statistics().requests
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        again = await s.embed(inputs)
+    assert again.call_stats.cached and up.statistics().requests == sent
+    assert again.vectors == first.vectors

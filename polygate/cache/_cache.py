@@ -15,7 +15,9 @@ written, an entry is served from ``pending``, so a call that follows its twin at
 still hits -- while the backend is up: while it is paused after a failure nothing is
 served from, or put in, ``pending`` (a cache that fails is a miss, every time, not a
 hit by the writer's timing).  A full channel drops the write (``writes_dropped``), never blocks a
-call.  When the session ends the writer drains what is queued, each batch bounded by
+call -- but for one call's own answers (``put_many``: an ``embed`` of thousands of new
+inputs puts them all before the writer can run), which wait behind the channel, in
+order, up to ``_OVERFLOW`` entries.  When the session ends the writer drains what is queued, each batch bounded by
 the backend's own timeout, and gives up on the rest at the first failure or after
 ``_FLUSH_S``; every entry given up is counted in ``writes_dropped`` (queued ones too),
 so ``writes + writes_dropped`` is every entry put.  The memory backend writes in place.
@@ -23,6 +25,7 @@ so ``writes + writes_dropped`` is every entry put.  The memory backend writes in
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -44,6 +47,7 @@ __all__ = ["Cache", "CacheStatistics", "open_cache"]
 log = logging.getLogger("polygate.cache")
 
 _QUEUE = 4096  # entries waiting for the writer
+_OVERFLOW = 65_536  # more, from one call's put_many, waiting behind the channel
 _BATCH = 256  # entries per write
 _WRITE_EVERY_S = 0.02  # floor on the writer's period
 _PAUSE_MIN_S = 0.25
@@ -98,6 +102,9 @@ class Cache:
         self.local = self._memory is not None
         self._pending: dict[str, _Pending] = {}
         self._send, self._recv = trio.open_memory_channel[tuple[str, _Pending]](_QUEUE)
+        #: put_many's entries the channel had no room for; while any wait, every put
+        #: waits behind them (the writer takes the channel, then these: in order).
+        self._overflow: collections.deque[tuple[str, _Pending]] = collections.deque()
         self._writer_done = trio.Event()
         self._given_up = False  # aclose stopped waiting for the writer: drop, not write
         self._writing: trio.CancelScope | None = None  # the writer's write, shielded
@@ -253,24 +260,41 @@ class Cache:
 
     def put(self, key: str, value: bytes, ttl_s: float) -> None:
         """Store an answer; never blocks, never raises."""
+        self.put_many([(key, value, ttl_s)], spill=False)
+
+    def put_many(self, entries: Sequence[tuple[str, bytes, float]], *, spill: bool = True) -> None:
+        """Store one call's answers; never blocks, never raises.  ``spill``: what the
+        channel has no room for waits behind it (up to ``_OVERFLOW`` entries) rather
+        than being dropped: the writer cannot run while one call puts its answers."""
         if self._memory is not None:
-            if self._memory.put_now([(key, value, ttl_s)]):
-                self.writes += 1
-            else:  # bigger than the whole store: not kept
-                self.writes_dropped += 1
+            stored = self._memory.put_now(entries)
+            self.writes += stored
+            self.writes_dropped += len(entries) - stored  # bigger than the whole store
             return
         now = trio.current_time()
         if now < self._down_until:
-            # Paused: the writer would drop it; held meanwhile, it would be served.
-            self.writes_dropped += 1
+            # Paused: the writer would drop them; held meanwhile, they would be served.
+            self.writes_dropped += len(entries)
             return
-        entry = (value, now + ttl_s)
-        try:
-            self._send.send_nowait((key, entry))
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            self.writes_dropped += 1
-            return
-        self._pending[key] = entry
+        overflow = self._overflow
+        for key, value, ttl_s in entries:
+            entry = (value, now + ttl_s)
+            if not overflow:
+                try:
+                    self._send.send_nowait((key, entry))
+                except trio.WouldBlock:
+                    pass
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    self.writes_dropped += 1
+                    continue
+                else:
+                    self._pending[key] = entry
+                    continue
+            if (spill or overflow) and len(overflow) < _OVERFLOW and not self._closing.is_set():
+                overflow.append((key, entry))
+                self._pending[key] = entry
+            else:
+                self.writes_dropped += 1
 
     async def run_writer(self) -> None:
         """The writer task (in the session's nursery) for write-behind backends.
@@ -282,11 +306,13 @@ class Cache:
         try:
             with self._writer_scope:
                 while True:
-                    try:
-                        first = await self._recv.receive()
-                    except (trio.EndOfChannel, trio.ClosedResourceError):
-                        break
-                    batch = [first, *self._queued(_BATCH - 1)]
+                    batch = self._queued(_BATCH)  # (the overflow waits behind a full channel)
+                    if not batch:
+                        try:
+                            first = await self._recv.receive()
+                        except (trio.EndOfChannel, trio.ClosedResourceError):
+                            break
+                        batch = [first, *self._queued(_BATCH - 1)]
                     # A batch taken is written, even if the session is cancelled
                     # meanwhile (a caller's time budget): shielded, bounded by the
                     # backend's own timeout (with room: the backend enforces it) and by
@@ -311,13 +337,17 @@ class Cache:
             self._writer_done.set()
 
     def _queued(self, most: int) -> list[tuple[str, _Pending]]:
-        """Up to ``most`` entries already queued, without waiting."""
+        """Up to ``most`` entries already queued, without waiting: the channel's, then
+        the overflow's (put after them)."""
         batch: list[tuple[str, _Pending]] = []
         while len(batch) < most:
             try:
                 batch.append(self._recv.receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
+        overflow = self._overflow
+        while overflow and len(batch) < most:
+            batch.append(overflow.popleft())
         return batch
 
     def _drop_queued(self) -> None:
@@ -325,10 +355,15 @@ class Cache:
             try:
                 key, entry = self._recv.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return
-            self.writes_dropped += 1
-            if self._pending.get(key) is entry:
-                del self._pending[key]
+                break
+            self._dropped(key, entry)
+        while self._overflow:
+            self._dropped(*self._overflow.popleft())
+
+    def _dropped(self, key: str, entry: _Pending) -> None:
+        self.writes_dropped += 1
+        if self._pending.get(key) is entry:
+            del self._pending[key]
 
     async def _write(self, batch: list[tuple[str, _Pending]]) -> None:
         """Write one batch; each of its entries ends up in ``writes`` or in
