@@ -630,6 +630,10 @@ async def run_chat(
             if isinstance(judged, ChatResponse):
                 await trio.lowlevel.checkpoint()
                 return attrs.evolve(judged, call_stats=_judged(ctx, judged.call_stats))
+            # A deadline that passed while the answer was judged (a caller's validator,
+            # on the loop, can take any time) ends the call here: a re-ask admitted
+            # after it would take a quota slot for a request no one waits for.
+            await trio.lowlevel.checkpoint()
             _next_round(ctx, judged)
 
     response = await _with_deadline(ctx, deadline_s, body)

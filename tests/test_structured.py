@@ -1379,3 +1379,31 @@ async def test_response_format_none_is_no_format_of_the_callers(
     expected = {"json_schema": "json_schema", "json_object": "json_object", "prompt": None}[mode]
     assert (sent.get("response_format") or {}).get("type") == expected
     assert mode != "prompt" or "response_format" not in sent
+
+
+async def test_a_reask_never_starts_past_the_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    """An outside review (hostile schemas, 2026-12-05): a caller's validator ran past
+    the call's deadline and found the answer wrong; the call ended DeadlineExceeded,
+    but only after the re-ask round was admitted -- its request sent past the
+    deadline, and an RPM slot taken from the next call."""
+
+    class Answer(pydantic.BaseModel):
+        city: str
+        population: int
+
+        @pydantic.field_validator("city")
+        @classmethod
+        def _slow_and_wrong(cls, value: str) -> str:
+            autojump_clock.jump(10.0)  # the validator's CPU time, as the clock sees it
+            raise ValueError("never right")
+
+    up = FakeUpstream(Reply(text='{"city": "Paris", "population": 2100000}'))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", rpm=2)], call_deadline_s=5.0)})
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.DeadlineExceeded):
+            await s.chat([{"role": "user", "content": "hi"}], schema=Answer)
+        assert len(up.requests) == 1
+        start = trio.current_time()
+        await s.chat([{"role": "user", "content": "hi"}], call_deadline_s=1.0)  # rpm's second slot
+        assert trio.current_time() - start < 1.0
