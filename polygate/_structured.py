@@ -48,6 +48,7 @@ from ._config import Source, is_utf8
 from ._context import ChatRequest
 from ._errors import ConfigError, StructuredOutputError
 from ._json import MAX_DEPTH, nested_deeper
+from ._secrets import given
 from ._threads import run_sync
 from ._types import ChatResponse, encode_compact
 
@@ -266,6 +267,8 @@ def _compile(schema: Any) -> Any:
     if isinstance(schema, dict) and "$schema" in schema and not isinstance(schema["$schema"], str):
         raise ConfigError("schema: $schema must be a string (the URI of a draft)")
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    if isinstance(schema, dict) and "$schema" in schema:
+        schema, cls = _dialect(schema, jsonschema.validators.validator_for)
     try:
         cls.check_schema(schema)
         draft = _draft_of(schema, referencing.jsonschema, REGISTRY)
@@ -294,6 +297,25 @@ def _compile(schema: Any) -> Any:
     # The registry of the drafts' metaschemas, which never retrieves: without it,
     # jsonschema fetches an unknown URI over the network while validating an answer.
     return cls(schema, registry=REGISTRY)
+
+
+def _dialect(schema: dict[str, Any], validator_for: Callable[..., Any]) -> tuple[dict[str, Any], Any]:
+    """The validator of the draft a root's ``$schema`` names.  One jsonschema does not
+    know is a ConfigError: read as 2020-12 (jsonschema's default, with a warning it
+    means to turn into an error), a draft-07 schema's ``dependencies`` would check
+    nothing, and wrong answers would pass.  The https spelling of the older drafts'
+    URIs (theirs are http) is taken as them."""
+    dialect = schema["$schema"]
+    cls = validator_for(schema, default=None)
+    if cls is None and dialect.startswith("https://json-schema.org/"):
+        schema = {**schema, "$schema": "http://" + dialect[len("https://"):]}
+        cls = validator_for(schema, default=None)
+    if cls is None:
+        raise ConfigError(
+            f"schema: $schema {given(dialect)} names no JSON Schema draft polygate knows "
+            "(draft-03, -04, -06, -07, 2019-09 or 2020-12, by their URIs)"
+        )
+    return schema, cls
 
 
 # Keywords whose values are data, not subschemas: a "$ref" key in them is not a reference.

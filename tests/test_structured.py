@@ -1407,3 +1407,36 @@ async def test_a_reask_never_starts_past_the_deadline(autojump_clock: trio.testi
         start = trio.current_time()
         await s.chat([{"role": "user", "content": "hi"}], call_deadline_s=1.0)  # rpm's second slot
         assert trio.current_time() - start < 1.0
+
+
+@pytest.mark.parametrize("dialect", [
+    "http://json-schema.org/draft-07/schema#", "https://json-schema.org/draft-07/schema#",
+])
+async def test_the_draft_a_schema_names_is_the_one_that_judges(
+    autojump_clock: trio.testing.MockClock, dialect: str
+) -> None:
+    """The same review: an https draft-07 URI (its own is http), or any URI jsonschema
+    did not know, was read as 2020-12, where draft-07's ``dependencies`` checks
+    nothing: ``{"a": 1}`` passed a schema that requires ``b`` beside ``a``."""
+    up = FakeUpstream(Reply(text='{"a": 1}'))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")],
+        structured=polygate.Structured(max_reasks=0))})
+    schema = {"$schema": dialect, "type": "object", "dependencies": {"a": ["b"]}}
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.StructuredOutputError) as info:
+            await s.chat([{"role": "user", "content": "hi"}], schema=schema)
+    assert "'b' is a dependency of 'a'" in info.value.errors[0]
+
+
+@pytest.mark.parametrize("dialect", ["urn:example:my-draft", "", "https://example.com/schema"])
+async def test_a_schema_naming_an_unknown_draft_is_a_config_error(
+    autojump_clock: trio.testing.MockClock, dialect: str
+) -> None:
+    up = FakeUpstream(Reply(text='{"a": 1}'))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match="names no JSON Schema draft"):
+            await s.chat([{"role": "user", "content": "hi"}], schema={"$schema": dialect})
+    assert up.requests == []
