@@ -48,7 +48,7 @@ from ._config import Source, is_utf8
 from ._context import ChatRequest
 from ._errors import ConfigError, StructuredOutputError
 from ._json import MAX_DEPTH, nested_deeper
-from ._secrets import given
+from ._secrets import printable
 from ._threads import run_sync
 from ._types import ChatResponse, encode_compact
 
@@ -266,9 +266,9 @@ def _compile(schema: Any) -> Any:
         ) from None
     if isinstance(schema, dict) and "$schema" in schema and not isinstance(schema["$schema"], str):
         raise ConfigError("schema: $schema must be a string (the URI of a draft)")
+    if isinstance(schema, dict):
+        _known_dialects(schema, jsonschema.validators.validator_for)
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    if isinstance(schema, dict) and "$schema" in schema:
-        schema, cls = _dialect(schema, jsonschema.validators.validator_for)
     try:
         cls.check_schema(schema)
         draft = _draft_of(schema, referencing.jsonschema, REGISTRY)
@@ -299,23 +299,46 @@ def _compile(schema: Any) -> Any:
     return cls(schema, registry=REGISTRY)
 
 
-def _dialect(schema: dict[str, Any], validator_for: Callable[..., Any]) -> tuple[dict[str, Any], Any]:
-    """The validator of the draft a root's ``$schema`` names.  One jsonschema does not
-    know is a ConfigError: read as 2020-12 (jsonschema's default, with a warning it
-    means to turn into an error), a draft-07 schema's ``dependencies`` would check
-    nothing, and wrong answers would pass.  The https spelling of the older drafts'
-    URIs (theirs are http) is taken as them."""
-    dialect = schema["$schema"]
-    cls = validator_for(schema, default=None)
-    if cls is None and dialect.startswith("https://json-schema.org/"):
-        schema = {**schema, "$schema": "http://" + dialect[len("https://"):]}
-        cls = validator_for(schema, default=None)
-    if cls is None:
-        raise ConfigError(
-            f"schema: $schema {given(dialect)} names no JSON Schema draft polygate knows "
-            "(draft-03, -04, -06, -07, 2019-09 or 2020-12, by their URIs)"
-        )
-    return schema, cls
+def _known_dialects(schema: dict[str, Any], validator_for: Callable[..., Any]) -> None:
+    """Every ``$schema`` of a (private, freshly parsed) schema, the root's and its
+    embedded resources', made the URI jsonschema knows its draft by, in place.  One it
+    does not know is a ConfigError: read as 2020-12 (jsonschema's default, with a
+    warning it means to turn into an error), a draft-07 schema's ``dependencies``
+    would check nothing, and wrong answers would pass.  A json-schema.org URI with the
+    other scheme (http for 2020-12, https for draft-07) is taken as the draft."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        dialect = node.get("$schema")
+        if isinstance(dialect, str):
+            node["$schema"] = _known_dialect(dialect, validator_for)
+        for key, value in node.items():
+            if key in _DATA_KEYWORDS:
+                continue
+            if key in _NAMED_SCHEMAS and isinstance(value, dict):
+                stack.extend(value.values())
+            else:
+                stack.append(value)
+
+
+def _known_dialect(dialect: str, validator_for: Callable[..., Any]) -> str:
+    if validator_for({"$schema": dialect}, default=None) is not None:
+        return dialect
+    scheme, sep, rest = dialect.partition("://")
+    if sep and rest.startswith("json-schema.org/") and scheme in ("http", "https"):
+        other = ("https" if scheme == "http" else "http") + "://" + rest
+        if validator_for({"$schema": other}, default=None) is not None:
+            return other
+    shown = printable(dialect if len(dialect) <= 120 else dialect[:119] + "…")
+    raise ConfigError(
+        f"schema: $schema {shown!r} names no JSON Schema draft polygate knows "
+        "(draft-03, -04, -06, -07, 2019-09 or 2020-12, by their URIs)"
+    )
 
 
 # Keywords whose values are data, not subschemas: a "$ref" key in them is not a reference.

@@ -1409,11 +1409,13 @@ async def test_a_reask_never_starts_past_the_deadline(autojump_clock: trio.testi
         assert trio.current_time() - start < 1.0
 
 
-@pytest.mark.parametrize("dialect", [
-    "http://json-schema.org/draft-07/schema#", "https://json-schema.org/draft-07/schema#",
+@pytest.mark.parametrize(("dialect", "embedded"), [
+    ("http://json-schema.org/draft-07/schema#", False),
+    ("https://json-schema.org/draft-07/schema#", False),
+    ("https://json-schema.org/draft-07/schema#", True),  # an embedded resource's
 ])
 async def test_the_draft_a_schema_names_is_the_one_that_judges(
-    autojump_clock: trio.testing.MockClock, dialect: str
+    autojump_clock: trio.testing.MockClock, dialect: str, embedded: bool
 ) -> None:
     """The same review: an https draft-07 URI (its own is http), or any URI jsonschema
     did not know, was read as 2020-12, where draft-07's ``dependencies`` checks
@@ -1422,11 +1424,34 @@ async def test_the_draft_a_schema_names_is_the_one_that_judges(
     settings = polygate.Settings(scopes={"chat": polygate.Scope(
         sources=[polygate.Source(name="a", base_url="http://a/v1")],
         structured=polygate.Structured(max_reasks=0))})
-    schema = {"$schema": dialect, "type": "object", "dependencies": {"a": ["b"]}}
+    schema: dict[str, Any] = {"$schema": dialect, "type": "object", "dependencies": {"a": ["b"]}}
+    if embedded:
+        up = FakeUpstream(Reply(text='{"x": {"a": 1}}'))
+        schema = {"$defs": {"sub": {"$id": "urn:sub", **schema}},
+                  "type": "object", "properties": {"x": {"$ref": "urn:sub"}}}
     async with polygate.session(settings, transport=Router({"a": up})) as s:
         with pytest.raises(polygate.StructuredOutputError) as info:
             await s.chat([{"role": "user", "content": "hi"}], schema=schema)
     assert "'b' is a dependency of 'a'" in info.value.errors[0]
+
+
+@pytest.mark.parametrize("dialect", [
+    "http://json-schema.org/draft/2020-12/schema", "http://json-schema.org/draft/2019-09/schema#",
+])
+async def test_the_http_spelling_of_a_newer_draft_is_that_draft(
+    autojump_clock: trio.testing.MockClock, dialect: str
+) -> None:
+    """A review of the fix above: it refused the http spelling of 2020-12 (whose own
+    URI is https), which worked before and is common in hand-written schemas."""
+    up = FakeUpstream(Reply(text='{"a": 1}'))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")],
+        structured=polygate.Structured(max_reasks=0))})
+    schema = {"$schema": dialect, "type": "object", "required": ["b"]}
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.StructuredOutputError) as info:
+            await s.chat([{"role": "user", "content": "hi"}], schema=schema)
+    assert "'b' is a required property" in info.value.errors[0]
 
 
 @pytest.mark.parametrize("dialect", ["urn:example:my-draft", "", "https://example.com/schema"])
