@@ -102,15 +102,17 @@ class AttemptControl:
         if earliest != scope.deadline:
             scope.deadline = earliest
 
-    def answered(self) -> None:
+    def answered(self, until: float) -> None:
         """Every choice has its finish_reason: no clock of the attempt's fires after
         it.  No token can follow, so silence is no stall, and the answer is in hand, so
         ``timeout_s`` has nothing left to bound: the exchange bounds the rest (a usage
-        chunk, ``[DONE]``) itself, by ``transport.END_GRACE_S``."""
+        chunk, ``[DONE]``) itself, ``until`` then (``transport.END_GRACE_S``)."""
         self._whole = self._watch = math.inf
         scope = self.scope
         assert scope is not None  # (a choice finished: the attempt has started)
-        if scope.deadline != math.inf:  # (each assignment is a heap update in trio)
+        # A deadline past the rest's bound cannot fire first: left as it is (each
+        # assignment is a heap update in trio).
+        if scope.deadline < until:
             scope.deadline = math.inf
 
     async def hold_while(self, wait: Callable[[], Awaitable[None]]) -> None:

@@ -118,7 +118,7 @@ async def chat_exchange(
     call_id: str | None = None,
     hand_on_first_token: bool = True,
     on_extra: OnExtra | None = None,
-    on_finished: Callable[[], None] | None = None,
+    on_finished: Callable[[float], None] | None = None,
     choices: int = 1,
 ) -> dict[str, Any]:
     """Run one chat completion and return the (assembled) non-streamed response body.
@@ -127,8 +127,8 @@ async def chat_exchange(
     reads it).
 
     ``on_finished``: called once a stream's every choice has its finish_reason and the
-    rest of it must be waited for (the watchdogs stop: silence after the end is no
-    stall).
+    rest of it must be waited for, with the instant that wait ends (the watchdogs
+    stop: silence after the end is no stall).
 
     ``hand_on_first_token``: someone waits for the first token (a stream's caller), so
     a read that brings more than it is parsed after a pass of the scheduler (see
@@ -326,7 +326,7 @@ async def _read_sse(
     hand_on: bool = True,
     on_extra: OnExtra | None = None,
     choices: int = 1,
-    on_finished: Callable[[], None] | None = None,
+    on_finished: Callable[[float], None] | None = None,
 ) -> dict[str, Any]:
     """``pieces``/``head``: the body's iterator after :func:`_sniff` read ``head``;
     ``hand_on``: as ``hand_on_first_token`` of :func:`chat_exchange`; ``on_extra``,
@@ -371,7 +371,7 @@ async def _read_sse(
                         if not tail:
                             tail = current_time() + END_GRACE_S
                             if on_finished is not None:
-                                on_finished()
+                                on_finished(tail)
                         piece = None
                         with trio.move_on_at(tail):
                             piece = await iterator.__anext__()
