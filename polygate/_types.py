@@ -147,6 +147,22 @@ def note_closing(closed: set[int], key: int, arguments: Any) -> None:
         closed.discard(key)
 
 
+def valid_text(text: str) -> str:
+    """``text`` as UTF-8 can hold it: every lone surrogate (JSON's ``"\\ud800"``
+    escape, valid JSON but no Unicode text) read as U+FFFD, as a UTF-8 decoder with
+    ``errors="replace"`` reads a bad byte; surrogate pairs join.  Such text would not
+    print or encode: no sink takes it (a telemetry batch fails whole), and the next
+    call would refuse it from the caller."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        # UTF-16 pairs what can pair and replaces the rest.
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
 def carries_value(value: Any) -> bool:
     """Whether a provider field holds data: not null, nor an empty string, list or
     object (the library's assembly and the gateway's relay read it alike)."""

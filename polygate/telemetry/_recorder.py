@@ -24,7 +24,7 @@ import trio
 
 from .._context import AttemptRecord, CallContext
 from .._errors import redact
-from .._types import CallStats, Usage
+from .._types import CallStats, Usage, valid_text
 from ._events import AttemptEvent, CallEvent, Event
 from ._sink import Counters
 
@@ -128,19 +128,6 @@ def error_text(
     # At most _MESSAGE_LIMIT characters, the "…" of a cut included (a schema an
     # administrator made may hold the column as varchar(500)).
     return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 1] + "…"
-
-
-def valid_text(text: str) -> str:
-    """``text`` as UTF-8 can hold it: a lone surrogate, which no sink's encoder takes
-    (the whole batch, other calls' rows with it), read as U+FFFD.  The transport reads
-    answers so already; this holds for any text that reaches a row."""
-    if text.isascii():
-        return text
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-    return text
 
 
 def _without_prompt(text: str, prompt: Sequence[str]) -> str:

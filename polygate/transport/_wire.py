@@ -23,7 +23,7 @@ from .._errors import (
 )
 from .._json import dumps, nested_deeper, plain_keys
 from .._secrets import clip, is_header_safe
-from .._types import MAX_CHOICES, json_default
+from .._types import MAX_CHOICES, json_default, valid_text
 from ._head import header_of
 
 __all__ = [
@@ -232,14 +232,7 @@ def all_text(payload: Any) -> Any:
 
 def _mended(value: Any) -> Any:
     if type(value) is str:
-        if value.isascii():
-            return value
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            # UTF-16 pairs what can pair and replaces the rest.
-            return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-        return value
+        return valid_text(value)
     if type(value) is dict:
         return {_mended(k): _mended(v) for k, v in value.items()}
     if type(value) is list:
