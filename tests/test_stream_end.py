@@ -23,6 +23,7 @@ import trio.testing
 
 import polygate
 from polygate.transport import END_GRACE_S
+from polygate.transport._exchange import END_MARGIN_S
 
 from ._raw_server import raw_server
 from .conftest import MESSAGES
@@ -208,3 +209,27 @@ async def test_content_after_the_finish_restarts_no_watchdog(autojump_clock: tri
         response = await s.chat(MESSAGES)
     assert response.text == "hello world!"
     assert trio.current_time() == pytest.approx(0.25 + END_GRACE_S)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_deadline_inside_the_grace_keeps_the_answer(
+    autojump_clock: trio.testing.MockClock, stream: bool
+) -> None:
+    """A review of the change through every door (2026-12-05): a call deadline that
+    fell inside the grace threw the answer away (chat: DeadlineExceeded with no
+    winner; a stream: every token shown, then DeadlineExceeded).  The grace ends
+    before the deadline instead, with the usage that came."""
+    log: list[str] = []
+    transport = _transport(log, {"a": [(0.2, ANSWER + USAGE)]})
+    async with polygate.session(_settings("a"), transport=transport) as s:
+        if stream:
+            async with s.stream_chat(MESSAGES, call_deadline_s=0.7) as chat_stream:
+                text = "".join([chunk.text async for chunk in chat_stream])
+            response = chat_stream.response
+        else:
+            response = await s.chat(MESSAGES, call_deadline_s=0.7)
+            text = response.text
+    assert response is not None and text == "hello world"
+    assert (response.finish_reason, response.usage.total_tokens) == ("stop", 5)
+    assert trio.current_time() == pytest.approx(0.7 - END_MARGIN_S)
+    assert log == ["a", "closed"]

@@ -371,7 +371,12 @@ async def _read_sse(
                         if not tail:
                             tail = current_time() + END_GRACE_S
                             if on_finished is not None:
-                                on_finished(tail)
+                                on_finished(tail)  # (the attempt's own clocks stop)
+                            # A deadline around the call that falls inside the grace
+                            # ends the grace, not the call: the answer is in hand, with
+                            # what came of the rest (its usage), and there is time to
+                            # hand it over.
+                            tail = min(tail, trio.current_effective_deadline() - END_MARGIN_S)
                         piece = None
                         with trio.move_on_at(tail):
                             piece = await iterator.__anext__()
@@ -461,6 +466,9 @@ async def _read_sse(
 #: chunk, then [DONE]): those come at once from every server seen, so a wait past this
 #: is an end held back, not an answer still coming.
 END_GRACE_S: Final = 1.0
+#: How long before a deadline around the call the grace ends when the deadline falls
+#: inside it: time to settle and hand the answer over before the deadline cuts the call.
+END_MARGIN_S: Final = 0.05
 
 
 async def _hand_on_first_token() -> None:
