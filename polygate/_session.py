@@ -35,6 +35,7 @@ from ._ocr import run_ocr
 from ._resume import first_logprobs, resumable_delta
 from ._structured import prepare
 from ._types import (
+    ANSWER_KEYS,
     ChatResponse,
     EmbeddingResponse,
     OcrResponse,
@@ -854,19 +855,13 @@ def _has_output(message: Mapping[str, Any]) -> bool:
     )) or (type(audio) is dict and carries_audio(audio))
 
 
-#: A whole answer's own top-level keys; any other is a provider's field.
-_BODY_KEYS = frozenset({
-    "id", "object", "created", "model", "system_fingerprint", "service_tier", "choices", "usage",
-})
-
-
-def _carries_more(body: Mapping[str, Any]) -> bool:
+def _carries_more(body: dict[str, Any]) -> bool:
     """Whether a whole (JSON) answer without a content token still holds what the one
     chunk it becomes must show: a choice's field beyond its message (Azure's
     ``content_filter_results`` on an answer it filtered to nothing) or the body's
     (``prompt_filter_results``), as a streamed answer's chunks would carry them."""
-    return carries_extras(body) or any(  # type: ignore[arg-type]
-        carries_value(v) for k, v in body.items() if k not in _BODY_KEYS)
+    return carries_extras(body) or any(
+        carries_value(v) for k, v in body.items() if k not in ANSWER_KEYS)
 
 
 # --------------------------------------------------------------------------- session()

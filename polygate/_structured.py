@@ -305,7 +305,10 @@ def _known_dialects(schema: dict[str, Any], validator_for: Callable[..., Any]) -
     does not know is a ConfigError: read as 2020-12 (jsonschema's default, with a
     warning it means to turn into an error), a draft-07 schema's ``dependencies``
     would check nothing, and wrong answers would pass.  A json-schema.org URI with the
-    other scheme (http for 2020-12, https for draft-07) is taken as the draft."""
+    other scheme (http for 2020-12, https for draft-07) is taken as the draft.
+
+    (Walked as :func:`_subschemas` walks, without its resolvers: this runs before the
+    root's draft, which they need, is known.)"""
     stack: list[Any] = [schema]
     while stack:
         node = stack.pop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Container, Mapping
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -145,6 +145,15 @@ def note_closing(closed: set[int], key: int, arguments: Any) -> None:
         closed.add(key)
     else:
         closed.discard(key)
+
+
+#: An answer's (or a chunk's) own top-level keys: its header, choices and usage, and
+#: OpenAI's padding (``obfuscation``, per chunk).  Any other is a provider's field
+#: (Azure's ``prompt_filter_results``, llama.cpp's ``timings``).
+ANSWER_KEYS: Final = frozenset({
+    "id", "object", "created", "model", "system_fingerprint", "service_tier", "choices",
+    "usage", "obfuscation", "error",
+})
 
 
 def valid_text(text: str) -> str:

@@ -26,6 +26,7 @@ from operator import itemgetter
 from typing import Any, Final
 
 from .._types import (
+    ANSWER_KEYS,
     MAX_CHOICES,
     ChatResponse,
     StreamChunk,
@@ -475,12 +476,8 @@ def _whole_answer(choices: Any, first: dict[str, Any]) -> list[dict[str, Any]] |
 #: A whole answer's choice keys that its chunk makes anew (see _whole_answer).
 _WHOLE_CHOICE_KEYS: Final = frozenset({"index", "message", "delta", "finish_reason"})
 
-#: A chunk's own top-level keys: its header, choices and usage, and OpenAI's padding
-#: (``obfuscation``, per chunk).  Any other is a provider's field.
-_CHUNK_KEYS: Final = frozenset({
-    "id", "object", "created", "model", "system_fingerprint", "service_tier", "choices",
-    "usage", "obfuscation", "error",
-})
+#: A chunk's own top-level keys (any other is a provider's field).
+_CHUNK_KEYS: Final = ANSWER_KEYS
 
 
 def _provider_fields(raw: Mapping[str, Any], seen: set[str] | None = None) -> dict[str, Any]:

@@ -589,10 +589,11 @@ _STATUS_OF_CODE: dict[str | None, int] = {
 }
 
 
-def _type_only(payload: Any) -> Any:
-    """An error payload's ``type`` alone (what :func:`error_code` reads without a code)."""
+def _error_type(payload: Any) -> str | None:
+    """An error payload's ``type``, when it is a string."""
     inner = payload.get("error", payload) if isinstance(payload, dict) else None
-    return {"type": inner.get("type")} if isinstance(inner, dict) else None
+    kind = inner.get("type") if isinstance(inner, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
@@ -615,7 +616,7 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
         if status is None:
             # OpenAI's events name both: {"type": "invalid_request_error", "code":
             # "invalid_value"}: a code it does not know leaves the type to say it.
-            status = _STATUS_OF_CODE.get(error_code(_type_only(payload), endpoint.secrets))
+            status = _STATUS_OF_CODE.get(_error_type(payload))
     if status is None:
         error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
     else:
