@@ -48,6 +48,7 @@ from ._config import Source, is_utf8
 from ._context import ChatRequest
 from ._errors import ConfigError, StructuredOutputError
 from ._json import MAX_DEPTH, nested_deeper
+from ._schema_patterns import MATCH_TIMEOUT_S, SlowPattern, bounded_keywords
 from ._secrets import printable
 from ._threads import run_sync
 from ._types import ChatResponse, encode_compact
@@ -240,6 +241,11 @@ class _DictSchema(Schema):
             if validator.is_valid(value):
                 return value
             errors = sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.path)))
+        except SlowPattern as exc:
+            raise Invalid(_bounded([
+                f"$: the pattern {exc.pattern!r} took over {MATCH_TIMEOUT_S:g} s on a string "
+                "of the answer (it backtracks), so the answer was not checked further"
+            ])) from None
         except RecursionError:
             if not nested_deeper(text, _SHALLOW):
                 # Not the answer's depth: the schema loops in a way the check before
@@ -258,10 +264,11 @@ def _compile(schema: Any) -> Any:
     try:
         import jsonschema
         import referencing.jsonschema
+        import regex  # noqa: F401 - the patterns' engine (polygate._schema_patterns)
         from jsonschema_specifications import REGISTRY  # type: ignore[import-untyped]
     except ImportError:
         raise ConfigError(
-            "schema: a JSON Schema dict needs the jsonschema package "
+            "schema: a JSON Schema dict needs the jsonschema and regex packages "
             "(pip install 'polygate[structured]')"
         ) from None
     if isinstance(schema, dict) and "$schema" in schema and not isinstance(schema["$schema"], str):
@@ -294,9 +301,13 @@ def _compile(schema: Any) -> Any:
             f"schema: {loop} leads back to a schema it came from without descending "
             "into the answer, so validating any answer would never end"
         )
+    # Its patterns matched in bounded time, not by Python's backtracking re.
+    bounded = jsonschema.validators.extend(
+        cls, bounded_keywords(cls.VALIDATORS, jsonschema.ValidationError)
+    )
     # The registry of the drafts' metaschemas, which never retrieves: without it,
     # jsonschema fetches an unknown URI over the network while validating an answer.
-    return cls(schema, registry=REGISTRY)
+    return bounded(schema, registry=REGISTRY)
 
 
 def _known_dialects(schema: dict[str, Any], validator_for: Callable[..., Any]) -> None:
