@@ -253,9 +253,21 @@ def _value_from_toml(kind: type, value: Any, where: str, *, secret: bool = False
         return tuple(value)
     wanted = {float: "a number", int: "a whole number", bool: "true or false", str: "a string",
               tuple: "an array of strings"}
-    hint = " (write it without quotes)" if kind in (int, float) and isinstance(value, str) else ""
+    hint = " (write it without quotes)" if kind in (int, float) and _a_number(value) else ""
     got = _what(value).split(" (", 1)[0] if secret else _what(value)
     raise ConfigError(f"{where}: expected {wanted[kind]}, got {got}{hint}")
+
+
+def _a_number(value: Any) -> bool:
+    """A string that is a number once unquoted (``"30"``, ``"1.5e3"``): the quotes are
+    the mistake.  ``"fast"`` or ``"30s"`` unquoted would not even be TOML."""
+    if not isinstance(value, str) or not value.isascii() or "_" in value:
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _what(value: Any) -> str:
@@ -1017,7 +1029,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = No
     ignored = sorted(k for k, v in source.items() if k.upper().startswith(ENV_PREFIX) and v.strip())
     if ignored:
         config_warning(
-            f"configuration read from {path}; environment keys {', '.join(ignored)} are ignored"
+            f"configuration read from {printable(path)}; environment keys {printable(', '.join(ignored))} are ignored"
         )
     return settings
 
@@ -1072,6 +1084,12 @@ def _describe_value(field: attrs.Attribute[Any], value: Any) -> Any:
         return [_describe(v) if attrs.has(type(v)) else v for v in value]
     if isinstance(value, Mapping):
         return {k: _describe(v) if attrs.has(type(v)) else v for k, v in value.items()}
-    if isinstance(value, str):
+    if isinstance(value, str) and field.name in _URL_FIELDS:
         return mask_url(value)
     return value
+
+
+#: The fields that hold a URL or a connection string (a password may be in them).
+#: Any other text is shown as the session uses it: masked as if it were a URL, an
+#: OCR prompt's "token=…" and a model named "team:llama@v2" came out altered.
+_URL_FIELDS = frozenset({"base_url", "backend", "telemetry", "cache"})

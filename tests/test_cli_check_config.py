@@ -391,3 +391,42 @@ def test_serve_refuses_what_polygate_serve_refuses_before_listening(
     assert main(["check-config", "--config", keyed, "--serve"]) == 0
     out, err = capsys.readouterr()
     assert "valid" in out and "sk-gw-0123456789abcdef" not in out + err
+
+
+def test_text_that_is_not_a_url_is_shown_as_the_session_uses_it(
+    clean: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review finding (docs, claim by claim): every string field went through the URL
+    masking, so an OCR prompt's ``token=ABC123`` printed as ``token=***`` and a model
+    named ``team:llama@v2`` as ``***@v2``: not what the session runs with."""
+    prompt = "Write form fields as name=value, e.g. token=ABC123 or key=XYZ."
+    model = "team:llama@v2"
+    path = write(clean, f'backend = "redis://:{REDIS_PW}@localhost:6379/0"\n'
+                        f'[scopes.chat.sources.a]\nbase_url = "http://h/v1"\nmodel = "{model}"\n'
+                        f'[scopes.chat.ocr]\nprompt = "{prompt}"\n', "conf.toml")
+    scope = describe(settings_from_toml(path))["scopes"]["chat"]
+    assert scope["ocr"]["prompt"] == prompt and scope["sources"][0]["model"] == model
+    assert main(["check-config", "--config", path]) == 0
+    out, err = capsys.readouterr()
+    assert prompt in out and model in out
+    assert_no_secret(out, err)  # the URL's password is still masked
+    assert "***" in out
+
+
+FORGED = "x\n\x1b[31mforged: ok.toml"
+
+
+def test_a_configuration_path_is_shown_escaped(
+    clean: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review finding: the header line and the warning about environment keys a file
+    leaves unused printed the path raw (a line break splits the line, an escape
+    sequence reaches the terminal)."""
+    write(clean, VALID, FORGED)
+    monkeypatch.setenv("POLYGATE__CHAT__B__BASE_URL", "http://h/v1")
+    assert main(["check-config", "--config", FORGED]) == 0
+    out, err = capsys.readouterr()
+    assert "\x1b" not in out + err
+    assert out.splitlines()[0] == "configuration from x\\n\\x1b[31mforged: ok.toml: valid"
+    [line] = err.strip().splitlines()
+    assert "read from x\\n\\x1b[31mforged: ok.toml; environment keys" in line

@@ -484,6 +484,39 @@ def test_default_database(tmp_path: Path) -> None:
     assert default_db(env) == "sqlite:///x/t.db"
 
 
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_telemetry_key_is_unset_for_stats_too(tmp_path: Path, value: str) -> None:
+    """Review finding (docs, claim by claim): with no scopes, stats read the key raw,
+    so an empty value (a variable that expanded empty) made it exit 2."""
+    env = {"HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state"),
+           "POLYGATE__TELEMETRY": value}
+    assert default_db(env) == f"sqlite://{tmp_path}/state/polygate/telemetry.db"
+
+
+def test_stats_reads_the_telemetry_key_as_a_session_does(tmp_path: Path) -> None:
+    """A padded value: the sessions strip it and write to /x/t.db; stats looked for
+    '/x/t.db ' (another file) and reported no database."""
+    env = {"HOME": str(tmp_path), "POLYGATE__TELEMETRY": " sqlite:///x/t.db \n",
+           "POLYGATE__CHAT__A__BASE_URL": "http://a/v1"}
+    written = polygate.Settings.from_env(env).telemetry
+    del env["POLYGATE__CHAT__A__BASE_URL"]  # the machine that only reads reports
+    assert default_db(env) == written == "sqlite:///x/t.db"
+
+
+def test_a_bad_telemetry_key_is_named_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for key in [k for k in os.environ if k.upper().startswith("POLYGATE")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("POLYGATE__TELEMETRY", "bogus://x")
+    code, err = _stats_error(capsys)
+    assert code == 2 and "POLYGATE__TELEMETRY: " in err and "Settings.telemetry" not in err, err
+    (tmp_path / "polygate.toml").write_text('telemetry = "bogus://x"\n')
+    code, err = _stats_error(capsys)
+    assert code == 2 and "polygate.toml: telemetry: " in err and "Settings." not in err, err
+
+
 def test_default_database_from_a_file_without_scopes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
 ) -> None:

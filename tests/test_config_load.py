@@ -387,7 +387,7 @@ def test_messages_say_what_is_wrong(tmp_path: Path) -> None:
     cases: list[tuple[str, Any, str, str]] = [
         # path, value, the env message says, the TOML message says
         (f"{A}.rpm", 2.5, "expected a whole number, got '2.5'", "got a float (2.5)"),
-        (f"{A}.timeout_s", "abc", "expected a number, got 'abc'", "without quotes"),
+        (f"{A}.timeout_s", "abc", "expected a number, got 'abc'", "expected a number, got a string"),
         (f"{A}.timeout_s", True, "expected a number, got 'true'", "got a boolean"),
         (f"{A}.timeout_s", math.nan, "finite", "finite"),
         ("scopes.chat.hedge.max_extra", 4, "[1, 3]", "[1, 3]"),
@@ -1310,3 +1310,16 @@ def test_a_toml_path_to_a_folder_leaves_no_descriptor_open(tmp_path: Path) -> No
         with pytest.raises(ConfigError, match="cannot read the file"):
             settings_from_toml(tmp_path)
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+@pytest.mark.parametrize(("text", "hinted"), [("30", True), (" 1.5e3 ", True), ("-2", True),
+                                              ("fast", False), ("30s", False), ("1_000", False)])
+def test_only_a_quoted_number_is_told_to_lose_its_quotes(tmp_path: Path, text: str, hinted: bool) -> None:
+    """Review finding (docs, claim by claim): every string in a number field got
+    "write it without quotes", "fast" and "30s" too, which unquoted are not TOML."""
+    path = tmp_path / "p.toml"
+    path.write_text(f'[scopes.chat.sources.a]\nbase_url = "http://h/v1"\ntimeout_s = "{text}"\n')
+    with pytest.raises(ConfigError) as info:
+        settings_from_toml(str(path))
+    assert "expected a number, got a string" in str(info.value)
+    assert ("(write it without quotes)" in str(info.value)) is hinted

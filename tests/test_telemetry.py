@@ -708,9 +708,11 @@ async def test_a_database_with_a_table_of_the_same_name_is_refused(
     conn.close()
     settings = _with_telemetry(two_source_settings(names=("a",)), path)
     # (SQLite's names ignore case: "CALLS" is the table polygate would write.)
-    with pytest.raises(polygate.ConfigError, match=f"has a table '{table}' that is not polygate's"):
+    with pytest.raises(polygate.ConfigError, match=f"has a table '{table}' that is not polygate's") as info:
         async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})):
             pass
+    # Named by the URL as configured (review: "sqlite:////tmp/…", one slash too many).
+    assert str(info.value).startswith(f"the telemetry database sqlite://{path} has"), info.value
     conn = sqlite3.connect(path)
     try:
         assert [r[1] for r in conn.execute(f"PRAGMA table_info({table})")] == ["id", "user_name"]

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         report = {"source": origin, "settings": describe(settings), "warnings": notes}
         print(json.dumps(report, indent=2))
     else:
-        print(f"configuration from {origin}: valid")
+        print(f"configuration from {printable(origin)}: valid")
         print(_table(describe(settings)))
     return 0
 

@@ -106,7 +106,7 @@ def _tails(text: str) -> list[float]:
 
 def default_db(env: dict[str, str] | None = None) -> str:
     """The configured telemetry URL when there is one, else the default SQLite file."""
-    from .._config import gathered_warnings
+    from .._config import FieldError, as_utf8, gathered_warnings
     from .._config_load import load_settings, locate_config, read_toml
     from .._errors import ConfigError
     from ..telemetry import default_path
@@ -121,16 +121,23 @@ def default_db(env: dict[str, str] | None = None) -> str:
         # the database): the telemetry key itself, from the file or the environment.
         path = locate_config(environ)
         if path is None:
-            configured = environ.get("POLYGATE__TELEMETRY", "off")
+            # Read as a session reads it (stripped; empty is unset): a padded value
+            # named another file than the one the sessions write.
+            configured = as_utf8(environ.get("POLYGATE__TELEMETRY", "").strip()) or "off"
+            where = "POLYGATE__TELEMETRY"
         else:
             # A file named that is missing or not TOML is an error, as for every other
             # command: reporting on the default database instead would answer about
             # another database than the one configured.
             configured = read_toml(path).get("telemetry", "off")
+            where = f"{printable(path)}: telemetry"
         # Checked as the settings check it (a ConfigError that never quotes a
         # password): unchecked, a libpq "key=value" string was read as a file's path
-        # and printed whole, its password with it.
-        _checked_telemetry(configured)
+        # and printed whole, its password with it.  Named by what the user wrote.
+        try:
+            _checked_telemetry(configured)
+        except FieldError as exc:
+            raise ConfigError(f"{where}: {exc.problem}") from None
     if isinstance(configured, str) and configured and configured != "off":
         return configured
     return f"sqlite://{default_path(environ)}"

@@ -195,7 +195,7 @@ class SQLiteSink:
         self._abandoned = False
         self.path = path
         # (Shown in messages and warnings: on one line, whatever the name holds.)
-        self._where = printable(f"sqlite:///{path}" if path.is_absolute() else str(path))
+        self._where = printable(f"sqlite://{path}" if path.is_absolute() else str(path))
         self._lock = threading.Lock()
 
     @classmethod
