@@ -24,6 +24,7 @@ from polygate.governance import (
     SettleRequest,
 )
 from tests import _redis_server
+from tests._redis_server import command
 from tests.test_backend_contract import EPS, Harness, ask, granted, refused, settle, snap
 
 redis_server = _redis_server.redis_server  # the fixture
@@ -81,7 +82,7 @@ def test_a_dead_mark_past_its_cooldown_is_not_reported_dead(h: Harness) -> None:
 
 
 def test_a_cooldown_after_a_dead_mark_ran_out_is_an_ordinary_one(h: Harness) -> None:
-    """(Redis: ``dd`` cleared only when ``cu <= now``; memory: ``live_dead``.)"""
+    """(Each backend keeps the dead mark's own end: ``du`` in Redis, ``dead_until``.)"""
     async def body() -> None:
         W = h.window
         async with h.backend() as b:
@@ -111,6 +112,62 @@ def test_a_live_dead_mark_survives_an_ordinary_cooldown(h: Harness) -> None:
             if b.now() < sent + W / 2 - EPS:
                 assert not isinstance(result, Admission) and result.reason is RefusalReason.DEAD
                 assert (await snap(b)).dead
+
+    h.run(body)
+
+
+@pytest.mark.parametrize("dead_first", [True, False])
+def test_a_longer_ordinary_cooldown_does_not_make_a_dead_mark_longer(h: Harness, dead_first: bool) -> None:
+    """Review finding (docs, claim by claim): "a dead mark never outlives its
+    cooldown", yet a 429 whose Retry-After outlasted a live dead mark (or a dead mark
+    settled during a longer 429 cooldown) left the source dead until the longer end:
+    calls failed at once for up to 600 s where they could have waited."""
+    async def body() -> None:
+        W = h.window
+        async with h.backend() as b:
+            a, c = await granted(b, ask()), await granted(b, ask())
+            dead = settle(a, 0, Feedback.FAILURE, cooldown_s=W / 12, dead=True)
+            ordinary = settle(c, 0, Feedback.NEUTRAL, cooldown_s=W / 2)
+            start = b.now()
+            for request in (dead, ordinary) if dead_first else (ordinary, dead):
+                await b.settle(request)
+            await trio.sleep_until(start + W / 12 + 4 * EPS)  # the dead mark is over
+            s = await snap(b)
+            result = await b.admit(ask())
+            if b.now() < start + W / 2 - EPS:
+                assert not s.dead and s.cooldown_until is not None, s
+                assert not isinstance(result, Admission)
+                assert result.reason is RefusalReason.COOLING_DOWN, result  # waitable
+
+    h.run(body)
+
+
+def test_a_dead_mark_an_older_version_wrote_holds_until_its_cooldown(redis_server: Any) -> None:
+    """Redis state written before ``du``: ``dd = 1`` is dead until ``cu``; a longer
+    ordinary cooldown settled over it does not stretch it."""
+    h = Harness("redis", 1.2, redis_server.url)
+    port = redis_server.port
+    prefix = f"old{secrets.token_hex(3)}"
+    state = f"{prefix}:chat:a:state"
+
+    async def body() -> None:
+        W = h.window
+        async with h.backend(prefix) as b:
+            a, c = await granted(b, ask()), await granted(b, ask())
+            start = b.now()
+            await b.settle(settle(a, 0, Feedback.FAILURE, cooldown_s=W / 12, dead=True))
+            # As an older polygate left it: the flag, no instant of its own.
+            assert command(port, "HDEL", state, "du") == b":1"
+            command(port, "HSET", state, "dd", "1")
+            if b.now() < start + W / 12 - EPS:
+                assert (await snap(b)).dead
+            await b.settle(settle(c, 0, Feedback.NEUTRAL, cooldown_s=W / 2))
+            await trio.sleep_until(start + W / 12 + 4 * EPS)
+            s = await snap(b)
+            result = await b.admit(ask())
+            if b.now() < start + W / 2 - EPS:
+                assert not s.dead and s.cooldown_until is not None, s
+                assert not isinstance(result, Admission) and result.reason is RefusalReason.COOLING_DOWN
 
     h.run(body)
 

@@ -349,6 +349,35 @@ async def test_a_waiting_call_takes_a_dead_source_back_when_its_cooldown_ends(
     assert all(_state(stats, n).in_flight == 0 for n in "ab")
 
 
+async def test_a_429_that_outlasts_a_dead_mark_is_waited_for_once_the_mark_is_over(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review finding (docs, claim by claim): "a dead mark never outlives its
+    cooldown".  a answered 401 (dead for 5 s), then, to a call sent before it, 429 with
+    Retry-After: 100: a stayed dead until t=101, and a call at t=11 failed at once
+    where it could wait for a (rate_limit_wait_s=600) and get its answer at t=101."""
+    a = FakeUpstream([Reply(status=429, retry_after_s=100, headers_delay_s=1), Reply(status=401)],
+                     then=Reply(text="ok"))
+    settings = polygate.Settings(dead_cooldown_s=5, scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+        retry=polygate.Retry(max_attempts=1, rate_limit_wait_s=600),
+    )})
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        async def refused() -> None:
+            with pytest.raises(polygate.PolygateError):
+                await s.chat(MESSAGES)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(refused)  # a: 429 at t=1
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(refused)  # a: 401 at t=0, dead until t=5
+        await trio.sleep_until(11)
+        state = _state(await s.statistics(), "a")
+        assert not state.dead and state.cooldown_until == pytest.approx(101, abs=0.01)
+        r = await s.chat(MESSAGES)
+        assert r.text == "ok" and trio.current_time() == pytest.approx(101, abs=0.01)
+
+
 async def test_estimate_larger_than_tpm_fails_at_once(autojump_clock: trio.testing.MockClock) -> None:
     a = FakeUpstream(Reply())
     settings = _settings(names=("a",), source={"a": {"tpm": 100}})

@@ -69,7 +69,7 @@ def _remove_newest_first(window: collections.deque[_Entry], entry: _Entry) -> No
 
 class _Source:
     __slots__ = (
-        "admissions", "breaker", "consecutive", "cooldown_until", "cost_total", "dead",
+        "admissions", "breaker", "consecutive", "cooldown_until", "cost_total", "dead_until",
         "in_flight", "open", "open_for", "opened_at", "outcomes", "probe_out", "probes_ok",
         "released_total", "reopens", "reserved_total", "settled_total", "window", "window_tokens",
     )
@@ -80,7 +80,9 @@ class _Source:
         self.open: dict[int, tuple[_Entry, int]] = {}  # reservation id -> (entry, estimate)
         self.in_flight = 0
         self.cooldown_until = 0.0
-        self.dead = False
+        # Its own instant, not a flag on cooldown_until: a longer cooldown settled while
+        # the source is dead (a 429's Retry-After) must not make the dead mark longer.
+        self.dead_until = 0.0
         self.breaker = BreakerState.CLOSED
         self.consecutive = 0
         self.opened_at = 0.0
@@ -141,10 +143,10 @@ class MemoryBackend:
             # First: it depends on the settings alone, and no wait (a window, a permit,
             # an open breaker) would ever make it admissible.
             return Refusal(name, RefusalReason.TOO_LARGE, None)
+        if s.dead_until > now:
+            return Refusal(name, RefusalReason.DEAD, s.dead_until)
         if s.cooldown_until > now:
-            reason = RefusalReason.DEAD if s.dead else RefusalReason.COOLING_DOWN
-            return Refusal(name, reason, s.cooldown_until)
-        s.dead = False
+            return Refusal(name, RefusalReason.COOLING_DOWN, s.cooldown_until)
         probe = False
         if s.breaker is BreakerState.OPEN:
             reopen_at = s.opened_at + s.open_for
@@ -208,12 +210,11 @@ class MemoryBackend:
                 s.window_tokens += cost - entry.tokens
             entry.tokens = cost
         if request.cooldown_s is not None and request.cooldown_s > 0:
-            # A dead mark only holds for its own cooldown; one that has run out (nothing
-            # was admitted since to clear it) must not make this cooldown a dead one, or
-            # an ordinary wait (a 429's Retry-After) would fail calls at once.
-            live_dead = s.dead and s.cooldown_until > now
+            # A dead mark holds for its own cooldown and no longer: past it, a longer
+            # ordinary cooldown (a 429's Retry-After) is one to wait out, not a failure.
             s.cooldown_until = max(s.cooldown_until, now + request.cooldown_s)
-            s.dead = live_dead or request.dead
+            if request.dead:
+                s.dead_until = max(s.dead_until, now + request.cooldown_s)
         _feed_breaker(s, request.feedback, request.breaker, admission.probe, now, request.jitter)
         self._notify()
 
@@ -231,7 +232,7 @@ class MemoryBackend:
             tokens_in_window=s.window_tokens,
             tokens_reserved=s.tokens_reserved(),
             cooldown_until=s.cooldown_until if s.cooldown_until > now else None,
-            dead=s.dead and s.cooldown_until > now,
+            dead=s.dead_until > now,
             reserved_total=s.reserved_total,
             settled_total=s.settled_total,
             released_total=s.released_total,

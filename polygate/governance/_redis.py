@@ -644,7 +644,7 @@ class RedisBackend:
         )
         local_now = trio.current_time()
         try:
-            now, br, cf, in_flight, requests, tokens, reserved, cu, dd, rt, st, rl, ct, ad, _lx = reply
+            now, br, cf, in_flight, requests, tokens, reserved, cu, du, rt, st, rl, ct, ad, _lx = reply
             cooling = cu > now
             return SourceSnapshot(
                 scope=scope, source=source, breaker=_BREAKER[_text(br)],
@@ -652,7 +652,7 @@ class RedisBackend:
                 requests_in_window=int(requests), tokens_in_window=int(tokens),
                 tokens_reserved=int(reserved),
                 cooldown_until=local_now + (cu - now) / 1e6 if cooling else None,
-                dead=bool(dd) and cooling, reserved_total=int(rt), settled_total=int(st),
+                dead=du > now, reserved_total=int(rt), settled_total=int(st),
                 released_total=int(rl), cost_total=int(ct), admissions=int(ad),
             )
         except (TypeError, ValueError, KeyError, AttributeError):

@@ -24,7 +24,10 @@ A *member* is ``<backend token>:<reservation id>``: unique per backend instance,
 Redis restart (which forgets everything) can never make an old admission settle a new
 one.  State-hash fields: ``br`` breaker (``c``/``o``/``h``), ``cf`` consecutive
 failures, ``oa`` opened at, ``pr`` the half-open probe's member, ``oc`` recent outcomes
-(``1`` = failure, newest last), ``cu`` cooldown until, ``dd`` dead, ``ot`` tokens held
+(``1`` = failure, newest last), ``cu`` cooldown until, ``du`` dead until (at most
+``cu``; its own instant, so that a longer cooldown settled while the source is dead
+does not make the dead mark longer; ``dd`` = ``1``, how older versions marked a dead
+source, is read as dead until ``cu`` where there is no ``du``), ``ot`` tokens held
 by open reservations, ``rt``/``st``/``rl``/``ct``/``ad`` reserved, settled, released,
 cost and admission totals, ``lx`` leases that expired.
 
@@ -71,6 +74,14 @@ end
 -- as "unknown".  4e18 us (~126,000 years from 1970) is "never" for every purpose.
 local function inst(x)
   return math.min(x, 4e18)
+end
+
+-- Until when the source is dead, from the state's cu, dd and du fields.
+local function dead_until(cu, dd, du)
+  local x = tonumber(du)
+  if x ~= nil then return x end
+  if dd == '1' then return tonumber(cu) or 0 end
+  return 0
 end
 
 local function bump(ttl_ms)
@@ -163,14 +174,11 @@ end
 -- First: it depends on the settings alone, and no wait would ever make it admissible.
 if tpm >= 0 and tokens > tpm then return {0, 'too_large', -1, now, version()} end
 
-local s = redis.call('HMGET', K_STATE, 'cu', 'dd', 'br', 'oa', 'pr', 'op')
+local s = redis.call('HMGET', K_STATE, 'cu', 'dd', 'br', 'oa', 'pr', 'op', 'du')
 local cu = tonumber(s[1]) or 0
-if cu > now then
-  local reason = 'cooling_down'
-  if s[2] == '1' then reason = 'dead' end
-  return {0, reason, inst(cu), now, version()}
-end
-if s[2] == '1' then redis.call('HSET', K_STATE, 'dd', '0') end
+local du = dead_until(s[1], s[2], s[7])
+if du > now then return {0, 'dead', inst(du), now, version()} end
+if cu > now then return {0, 'cooling_down', inst(cu), now, version()} end
 
 local br = s[3] or 'c'
 local probe = 0
@@ -306,15 +314,13 @@ else
 end
 
 if cooldown_us > 0 then
-  local c = redis.call('HMGET', K_STATE, 'cu', 'dd')
+  -- A dead mark holds for its own cooldown and no longer: past it, a longer ordinary
+  -- cooldown (a 429's Retry-After) is one to wait out, not a failure.
+  local c = redis.call('HMGET', K_STATE, 'cu', 'dd', 'du')
   local cu = tonumber(c[1]) or 0
-  redis.call('HSET', K_STATE, 'cu', math.max(cu, now + cooldown_us))
-  if dead then
-    redis.call('HSET', K_STATE, 'dd', '1')
-  elseif c[2] == '1' and cu <= now then
-    -- a dead mark whose cooldown ran out: this cooldown is an ordinary one
-    redis.call('HSET', K_STATE, 'dd', '0')
-  end
+  local du = dead_until(c[1], c[2], c[3])
+  if dead then du = math.max(du, now + cooldown_us) end
+  redis.call('HSET', K_STATE, 'cu', math.max(cu, now + cooldown_us), 'du', du)
 end
 
 -- The breaker: closed -> open -> half_open -> (closed | open); never skips a state.
@@ -363,14 +369,14 @@ return {1, now, version()}
 """
 
 # ARGV: window_us, key_ttl_ms.
-# Returns {now, br, cf, in_flight, requests, tokens, reserved_open, cu, dd,
+# Returns {now, br, cf, in_flight, requests, tokens, reserved_open, cu, du,
 #          rt, st, rl, ct, ad, lx}.
 SNAPSHOT = _PRELUDE + r"""
 local window_us, ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_us()
 purge(now, ttl_ms)
 expire(now, window_us)
-local s = redis.call('HMGET', K_STATE, 'br', 'cf', 'ot', 'cu', 'dd', 'rt', 'st', 'rl', 'ct', 'ad', 'lx')
+local s = redis.call('HMGET', K_STATE, 'br', 'cf', 'ot', 'cu', 'dd', 'rt', 'st', 'rl', 'ct', 'ad', 'lx', 'du')
 -- A count that is no whole number a reply can carry (NaN, inf, 1e30: another tool's)
 -- is 0, not the smallest 64-bit integer Redis would cast it to.
 local function n(v)
@@ -384,7 +390,7 @@ local function at(v)  -- an instant: any size, as inst() bounds it; NaN is none
   return inst(math.max(x, 0))
 end
 return {now, s[1] or 'c', n(s[2]), redis.call('ZCARD', K_PERMITS), redis.call('ZCARD', K_WINDOW),
-        n(redis.call('HGET', K_WTOK, '=sum')), n(s[3]), at(s[4]), n(s[5]),
+        n(redis.call('HGET', K_WTOK, '=sum')), n(s[3]), at(s[4]), at(dead_until(s[4], s[5], s[12])),
         n(s[6]), n(s[7]), n(s[8]), n(s[9]), n(s[10]), n(s[11])}
 """
 
