@@ -158,6 +158,14 @@ class FieldError(ConfigError):
         self.problem = mask_prefixes(problem, secrets)
         self.secrets = secrets
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its parts, not from its message alone, which __init__ does not
+        # take: unpicklable, a worker process's ConfigError broke a ProcessPoolExecutor
+        # and hung a multiprocessing.Pool's result.  The parts are masked already; the
+        # secrets they were masked against stay in this process.
+        state = {k: v for k, v in self.__dict__.items() if k != "secrets"}
+        return (type(self), (self.owner, self.field, self.problem), state)
+
 
 def _bad(instance: Any, field: str, problem: str, *, url: Any = None) -> FieldError:
     """``url``: the value of a URL field the message is about; no run of its password

@@ -227,6 +227,33 @@ def test_settings_reach_another_process_whole() -> None:
     assert done.stdout.decode().split() == ["sk-test-key", "['team']", "{'gpt':", "'chat'}"]
 
 
+def test_a_settings_error_crosses_a_process_boundary() -> None:
+    """Review finding (typing angle): a bad setting's ConfigError (a FieldError) could
+    not be unpickled (its __init__ takes the field and the problem, the default pickle
+    passed the message), so a worker that failed on its settings broke a
+    ProcessPoolExecutor and hung a multiprocessing.Pool.  The secrets it masked against
+    do not travel."""
+    import pickle
+
+    secret = "pw-0123456789abcdef"
+    with pytest.raises(polygate.ConfigError) as info:
+        polygate.Settings(scopes={"chat": polygate.Scope(sources=[polygate.Source(
+            name="a", base_url="http://a/v1")])}, telemetry=f"postgresql://u:{secret}@h:70000/db")
+    exc = info.value
+    assert exc.secrets  # type: ignore[attr-defined]  # (what the message was masked against)
+    exc.add_note("from a worker")
+    data = pickle.dumps(exc)
+    assert secret.encode() not in data and secret not in str(exc)
+    again = pickle.loads(data)
+    assert type(again) is type(exc) and str(again) == str(exc)
+    assert again.__notes__ == ["from a worker"]
+    assert (again.field, again.problem) == (exc.field, exc.problem)  # type: ignore[attr-defined]
+    reader = "import pickle, sys; e = pickle.load(sys.stdin.buffer); print(type(e).__name__, e.field)"
+    done = subprocess.run([sys.executable, "-c", reader], capture_output=True, timeout=60, input=data)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode().split() == ["FieldError", "telemetry"]
+
+
 def _bad_key_source() -> polygate.Source:
     return polygate.Source(name="a", base_url="http://a/v1", api_key="sk\u200bx")  # line A
 
