@@ -157,3 +157,35 @@ def test_a_chunk_cut_by_reads_comes_out_as_it_arrives() -> None:
     assert decoder.decode(b"a\r\n01234") == (b"01234", None)
     assert decoder.decode(b"56789\r") == (b"56789", None)
     assert decoder.decode(b"\n3\r\nabc\r\n0\r\n\r\nnext") == (b"abc", b"0\r\n\r\nnext")
+
+
+@given(st.lists(st.sampled_from([bytes([c]) for c in b"0123456789abcdefABCDEFxX; \t\r\n;"]),
+                max_size=24).map(b"".join))
+@settings(max_examples=300)
+def test_a_size_line_is_accepted_exactly_where_h11s_pattern_accepts_it(line: bytes) -> None:
+    """The size line's pattern is not h11's spelling (see _chunked._HEADER), so it is
+    held to h11's own on every line: the same lines, the same size."""
+    from h11._readers import chunk_header_re
+
+    from polygate.transport._chunked import _HEADER
+
+    theirs = chunk_header_re.fullmatch(line + b"\r\n")
+    mine = _HEADER.fullmatch(line)
+    assert (mine is None) == (theirs is None), line
+    if mine is not None and theirs is not None:
+        assert mine[1] == theirs["chunk_size"]
+
+
+@pytest.mark.parametrize("blanks", [16_000, 64_000])
+def test_a_hostile_size_line_is_refused_in_linear_time(blanks: int) -> None:
+    """Review finding (complexity): a size line of blanks after ``;`` ending in a bare
+    LF made the pattern try every split of the blanks between its two parts: 0.6 s
+    for 16,000 blanks, 9 s for 64,000 (one 64 KiB read), the event loop held, no
+    deadline firing.  Now each is refused in well under a millisecond's work a KB."""
+    import time
+
+    line = b"1;" + b" " * blanks + b"\nx\r\n"
+    start = time.perf_counter()
+    with pytest.raises(h11.RemoteProtocolError):
+        ChunkedDecoder().decode(line)
+    assert time.perf_counter() - start < 0.05  # (0.58 s and 9 s before)
