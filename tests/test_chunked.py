@@ -1,4 +1,4 @@
-"""The chunked body decoder (polygate/transport/_chunked.py) against h11's own reader.
+"""The chunked body decoder (polygate/_chunked.py) against h11's own reader.
 
 LeanTransport decodes chunked bodies itself and gives h11 only the head and the
 last chunk; these tests hold it to h11's behaviour: the same data for any body cut
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polygate.transport._chunked import ChunkedDecoder
+from polygate._chunked import ChunkedDecoder
 
 HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -167,7 +167,7 @@ def test_a_size_line_is_accepted_exactly_where_h11s_pattern_accepts_it(line: byt
     held to h11's own on every line: the same lines, the same size."""
     from h11._readers import chunk_header_re
 
-    from polygate.transport._chunked import _HEADER
+    from polygate._chunked import _HEADER
 
     theirs = chunk_header_re.fullmatch(line + b"\r\n")
     mine = _HEADER.fullmatch(line)

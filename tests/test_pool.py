@@ -845,7 +845,7 @@ async def test_a_head_response_has_no_body_and_keeps_its_connection() -> None:
 
 
 # --------------------------------------------------------------------------- chunked bodies
-# LeanTransport decodes chunked bodies itself (transport/_chunked.py); h11 parses the
+# LeanTransport decodes chunked bodies itself (polygate/_chunked.py); h11 parses the
 # head, the last chunk and the trailers.  These hold the seams between the two.
 
 CHUNKED_REPLY = (

@@ -44,6 +44,7 @@ import attrs
 import h11
 import trio
 
+from .._chunked import ChunkedDecoder
 from .._config import Serve
 from .._http11 import FIELD_LINE, LENGTH_DIGITS, TOKEN
 from .._sockets import receive_when_readable, send_all_progressing, write_first
@@ -218,6 +219,23 @@ def _head_problem(status: int) -> str:
         return "malformed request: the request head is too large"
     return ("malformed request: the request line or a header line is not valid HTTP/1.1 "
             "(or a header is repeated that may not be)")
+
+
+def _malformed_body(path: str | None) -> HTTPProblem:
+    return HTTPProblem(
+        400, "malformed request body: its framing (Content-Length or chunked encoding) "
+        "is not valid HTTP/1.1", "bad_request", path)
+
+
+def _framed(framing: ChunkedDecoder, data: bytes, path: str | None) -> ChunkedDecoder | None:
+    """``data`` of a chunked request body through ``framing`` before h11 reads it: the
+    decoder, or ``None`` once its last chunk began (the trailers and what follows are
+    h11's); a framing h11 would refuse is refused here, in time linear in it."""
+    try:
+        _, last = framing.decode(data)
+    except h11.RemoteProtocolError:
+        raise _malformed_body(path) from None
+    return framing if last is None else None
 
 
 def _first_byte_wait(limits: Serve, idle: bool) -> float:
@@ -455,7 +473,7 @@ class Connection:
                 if self.cuts.on:  # past a drain's grace: no body is asked for to be refused
                     raise Cut(path)
                 await self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
-            body = await self._read_body(path)
+            body = await self._read_body(path, chunked="transfer-encoding" in headers)
         return Request(event.method.decode("latin-1"), path, headers, body)
 
     async def _next_head_event(
@@ -507,9 +525,17 @@ class Connection:
                 scope.deadline = trio.current_time() + self.limits.header_timeout_s
             self.h11.receive_data(data)
 
-    async def _read_body(self, path: str | None = None) -> bytes:
+    async def _read_body(self, path: str | None = None, *, chunked: bool = False) -> bytes:
         limits = self.limits
         body = bytearray()
+        # A chunked body's framing is checked by polygate's decoder before h11 reads
+        # it: h11's pattern for a size line is quadratic in a line of blanks that ends
+        # in a bare LF (one 64 KiB read of one held every client's loop for 2 s).  h11
+        # still reads the body; the decoder only refuses, in linear time, what h11
+        # would refuse slowly.
+        framing: ChunkedDecoder | None = ChunkedDecoder() if chunked else None
+        if framing is not None:
+            framing = _framed(framing, self.h11.trailing_data[0], path)
         # body_timeout_s runs from here.  A body that came with its head (most do) is
         # read without a cancel scope; one is opened only for a read that may wait.
         deadline: float | None = None
@@ -530,9 +556,7 @@ class Connection:
             try:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError:
-                raise HTTPProblem(
-                    400, "malformed request body: its framing (Content-Length or chunked "
-                    "encoding) is not valid HTTP/1.1", "bad_request", path) from None
+                raise _malformed_body(path) from None
             if event is h11.NEED_DATA:
                 if deadline is None:
                     deadline = trio.current_time() + limits.body_timeout_s
@@ -545,6 +569,8 @@ class Connection:
                         self.cuts.scopes.discard(waiting)
                     if not data:  # left mid-body: gone, not a malformed body
                         raise ClientGone(path)
+                    if framing is not None:
+                        framing = _framed(framing, data, path)
                     self.h11.receive_data(data)
                     continue
                 if self.cuts.on:

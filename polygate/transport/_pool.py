@@ -93,8 +93,8 @@ import h11
 import httpx
 import trio
 
+from .._chunked import ChunkedDecoder
 from .._sockets import out_of, out_of_now, receive_when_readable, write_first
-from ._chunked import ChunkedDecoder
 from ._head import HEAD_EXTENSION, Head, parse_head
 from ._wire import CALL_ID_HEADER
 

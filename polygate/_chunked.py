@@ -8,6 +8,9 @@ once per token: 23 µs a chunk on the 2-core benchmark machine, against ~1 µs h
 (``benchmarks/streams.py``, docs/benchmarks.md) -- more than any other single step
 of a token's way through polygate.
 
+``polygate serve`` runs it over a chunked request body before h11 reads it (see
+``serve/_http.py``): h11's pattern for the size line is the quadratic one below.
+
 h11 still parses the response head, the last chunk and any trailers, and keeps the
 connection's state (``LeanTransport`` hands it the bytes from the last-chunk line on,
 so its ``EndOfMessage``, its trailing-data check and keep-alive decision are those of
