@@ -501,3 +501,30 @@ async def test_a_content_part_typed_as_a_list_or_an_object_is_forwarded_not_a_50
         answer = await http(server, "POST", CALL, body, bearer(ALICE) if named else AUTH)
     assert answer.status == 200, answer.body[:300]
     assert upstream.requests[-1].body["messages"] == body["messages"]
+
+
+async def test_no_object_a_handler_holds_shows_the_gateway_key_or_the_prompt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review finding (docs, claim by claim): the request every handler holds (a local
+    of answer(), _route(), _chat(): what a crash reporter records) showed the raw
+    gateway key in its repr, and the prompt."""
+    import polygate.serve._server as server_mod
+    from polygate.testing import Reply
+
+    from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, gateway, http
+
+    seen: list[str] = []
+    real = server_mod.answer
+
+    async def spy(ctx: Any, request: Any) -> None:
+        seen.extend([repr(request), repr(ctx), repr(ctx.gateway), repr(ctx.gateway.session)])
+        await real(ctx, request)
+
+    monkeypatch.setattr(server_mod, "answer", spy)
+    async with gateway(Reply(tokens=2)) as (server, _):
+        answered = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        seen.append(repr(server))
+    assert answered.status == 200
+    assert seen and not [r[:200] for r in seen if GATEWAY_KEY in r or '"hi"' in r]
+    assert "authorization" in seen[0] and "bytes>" in seen[0]  # what it holds, not the values

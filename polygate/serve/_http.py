@@ -133,8 +133,11 @@ class HTTPProblem(Exception):
 class Request:
     method: str
     path: str
-    headers: dict[str, str]  # lower-case names; a repeated header keeps its last value
-    body: bytes
+    # Lower-case names; a repeated header keeps its last value.  Its repr (a local of
+    # every handler, which a crash reporter records) names the headers without their
+    # values: the gateway key travels in one, and any header may carry a credential.
+    headers: dict[str, str] = attrs.field(repr=lambda h: f"<{', '.join(h)}>")
+    body: bytes = attrs.field(repr=lambda b: f"<{len(b)} bytes>")  # the prompt: not shown
 
 
 #: A request line of HTTP/1.1 (h11's ``request_line``, narrowed to that version).
