@@ -1360,3 +1360,37 @@ async def test_a_request_below_http_1_0_is_answered_as_http_1_0() -> None:
     assert head.startswith(b"http/1.1 200"), head
     assert b"transfer-encoding: chunked" not in head and b"\r\nconnection: close" in head, head
     assert b"data: [DONE]" in answer
+
+
+async def test_port_0_is_one_port_on_every_address_the_host_names() -> None:
+    """Review finding (docs, claim by claim): with ``--port 0`` and a host that names
+    two addresses (``localhost`` on a dual-stack machine), each listener got a free
+    port of its own, and the URL the server printed named only the first."""
+    import socket
+
+    class TwoAddresses(trio.abc.HostnameResolver):
+        async def getaddrinfo(self, host: Any, port: Any, family: int = 0, type: int = 0,
+                              proto: int = 0, flags: int = 0) -> Any:
+            assert host in (b"dual.test", "dual.test")
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+                    (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", port))]
+
+        async def getnameinfo(self, sockaddr: Any, flags: int) -> Any:
+            raise NotImplementedError
+
+    trio.socket.set_custom_hostname_resolver(TwoAddresses())
+    try:
+        async with FakeUpstream(Reply(tokens=2)).serve() as url:
+            async with open_server(settings_for(url), host="dual.test", port=0) as server:
+                bound = [listener.socket.getsockname() for listener in server._listeners]
+                answers = []
+                for address in ("127.0.0.1", "127.0.0.2"):  # the URL's port, on each
+                    stream = await trio.open_tcp_stream(address, server.port)
+                    async with stream:
+                        await stream.send_all(request_bytes("GET", "/healthz"))
+                        answers.append((await read_answer(stream)).status)
+    finally:
+        trio.socket.set_custom_hostname_resolver(None)
+    assert [host for host, _ in bound] == ["127.0.0.1", "127.0.0.2"]
+    assert {port for _, port in bound} == {server.port}, (bound, server.url)
+    assert answers == [200, 200]

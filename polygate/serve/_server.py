@@ -104,6 +104,26 @@ def check_serving(settings: Settings, host: str) -> None:
         raise ConfigError("polygate serve needs the serve extra: pip install 'polygate[serve]'")
 
 
+async def _listen(port: int, host: str) -> list[trio.SocketListener]:
+    """Listeners on every address ``host`` names, all on one port: with port 0, trio
+    binds each address to a free port of its own (``localhost`` on a dual-stack
+    machine: ::1 and 127.0.0.1 on two ports, where the URL names one).  The first's
+    port is then taken on all of them; should another program take it on one in the
+    meantime, a fresh pick, a few times."""
+    for _ in range(4):
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        ports = [listener.socket.getsockname()[1] for listener in listeners]
+        if port or len(set(ports)) == 1:
+            return listeners
+        for listener in listeners:
+            await trio.aclose_forcefully(listener)
+        try:
+            return await trio.open_tcp_listeners(ports[0], host=host)
+        except OSError:
+            continue
+    return await trio.open_tcp_listeners(port, host=host)  # (ports apart, as before: still listening)
+
+
 class Server:
     """A running gateway; obtain one with ``async with open_server(...)``."""
 
@@ -631,7 +651,7 @@ async def open_server(
         raise ConfigError(f"{exc.field}: {exc.problem}") from None
     check_serving(settings, host)
     try:
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        listeners = await _listen(port, host)
     except OSError as exc:
         raise ConfigError(f"serve: cannot listen on {host}:{port} ({exc.strerror})") from None
     server = Server(listeners, host, transport)
