@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import sys
 import weakref
@@ -43,12 +44,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
+import trio
 
 from ._config import Source, is_utf8
 from ._context import ChatRequest
 from ._errors import ConfigError, StructuredOutputError
 from ._json import MAX_DEPTH, nested_deeper
-from ._schema_patterns import MATCH_TIMEOUT_S, SlowPattern, bounded_keywords
+from ._schema_bounds import MATCH_TIMEOUT_S, OverBudget, SlowPattern, bounded_keywords, budget
 from ._secrets import printable
 from ._threads import run_sync
 from ._types import ChatResponse, encode_compact
@@ -102,8 +104,9 @@ class Schema:
     json_schema: dict[str, Any]
     off_loop_chars: int
 
-    def validate(self, text: str) -> Any:
-        """The validated value of ``text``; raises :class:`Invalid`."""
+    def validate(self, text: str, seconds: float = math.inf) -> Any:
+        """The validated value of ``text``; raises :class:`Invalid`, or
+        :class:`OverBudget` past ``seconds`` of checking where the validator can tell."""
         raise NotImplementedError
 
     async def ready(self) -> None:
@@ -125,7 +128,8 @@ class _ModelSchema(Schema):
         self._validate_json = model.model_validate_json
         self._error_type: type[Exception] = sys.modules["pydantic"].ValidationError
 
-    def validate(self, text: str) -> Any:
+    def validate(self, text: str, seconds: float = math.inf) -> Any:
+        # (pydantic-core checks in Rust, holding the interpreter: no budget reaches it.)
         text = _unfenced(text)
         _refuse_constants(text)
         try:
@@ -221,7 +225,7 @@ class _DictSchema(Schema):
         if self._validator is None:
             await run_sync(self.compile, abandon_on_cancel=True)
 
-    def validate(self, text: str) -> Any:
+    def validate(self, text: str, seconds: float = math.inf) -> Any:
         text = _unfenced(text)
         if nested_deeper(text, MAX_DEPTH):
             raise Invalid([_TOO_DEEP_ANSWER])
@@ -238,9 +242,12 @@ class _DictSchema(Schema):
         validator = self._validator
         assert validator is not None, "validated before it was ready()"
         try:
-            if validator.is_valid(value):
-                return value
-            errors = sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.path)))
+            with budget(seconds):
+                if validator.is_valid(value):
+                    return value
+                errors = sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.path)))
+        except OverBudget:
+            raise
         except SlowPattern as exc:
             raise Invalid(_bounded([
                 f"$: the pattern {exc.pattern!r} took over {MATCH_TIMEOUT_S:g} s on a string "
@@ -264,7 +271,7 @@ def _compile(schema: Any) -> Any:
     try:
         import jsonschema
         import referencing.jsonschema
-        import regex  # noqa: F401 - the patterns' engine (polygate._schema_patterns)
+        import regex  # noqa: F401 - the patterns' engine (polygate._schema_bounds)
         from jsonschema_specifications import REGISTRY  # type: ignore[import-untyped]
     except ImportError:
         raise ConfigError(
@@ -835,14 +842,7 @@ class StructuredRounds:
             return response
         text = response.text
         try:
-            if len(text) > self.schema.off_loop_chars:
-                # Inside the call's deadline: abandoned when it passes (or the caller
-                # cancels), so the call ends on time.  The thread computes on, a pure
-                # function of the answer with nothing to clean up, for at most what
-                # validating that answer takes.
-                parsed = await run_sync(self.schema.validate, text, abandon_on_cancel=True)
-            else:
-                parsed = self.schema.validate(text)
+            parsed = await self._validated(text)
         except Invalid as exc:
             self.errors.append("\n".join(exc.problems))
             if len(self.errors) > self.max_reasks:
@@ -875,13 +875,41 @@ class StructuredRounds:
             return response
         text = response.text
         try:
-            if len(text) > self.schema.off_loop_chars:
-                parsed = await run_sync(self.schema.validate, text, abandon_on_cancel=True)
-            else:
-                parsed = self.schema.validate(text)
+            parsed = await self._validated(text)
         except Invalid:
             return None
         return attrs.evolve(response, parsed=parsed)
+
+    async def _validated(self, text: str) -> Any:
+        """``text`` validated, or :class:`Invalid`.  A short answer is checked on the
+        event loop, for at most ``_ON_LOOP_S``; a long one, or one whose check runs
+        past that (a recursive union's walk is exponential in the answer's nesting),
+        in a worker thread, within the call's time.  Abandoned when the call's deadline
+        passes (or the caller cancels), so the call ends on time; the thread then
+        stops itself at the same instant, or sooner (the budget: every step of a
+        JSON Schema's walk looks at it; a pydantic model's Rust check does not)."""
+        schema = self.schema
+        if len(text) <= schema.off_loop_chars:
+            try:
+                return schema.validate(text, _ON_LOOP_S)
+            except OverBudget:
+                pass  # (the rest in a thread; the loop has waited long enough)
+        seconds = min(trio.current_effective_deadline() - trio.current_time(), _OFF_LOOP_S)
+        try:
+            return await run_sync(schema.validate, text, seconds, abandon_on_cancel=True)
+        except OverBudget:
+            raise Invalid([
+                f"$: checking the answer against the schema took over {seconds:.3g} s (a "
+                "union of shapes that nest is tried shape by shape), so it was not checked"
+            ]) from None
+
+
+#: How long an answer is checked on the event loop before the rest of its check goes
+#: to a worker thread: 2 KiB of JSON takes a JSON Schema a few ms (1 ms per 300
+#: bytes), where a recursive union's walk can take seconds on 300 characters.
+_ON_LOOP_S = 0.03
+#: The most one answer is checked in a worker thread when the call has no deadline.
+_OFF_LOOP_S = 60.0
 
 
 def not_an_answer(response: ChatResponse) -> bool:

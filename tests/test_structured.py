@@ -915,9 +915,9 @@ async def test_large_answers_are_validated_off_the_loop(
     threads: list[int] = []
     original = _structured._DictSchema.validate
 
-    def validate(self: Any, text: str) -> Any:
+    def validate(self: Any, text: str, *budget: float) -> Any:
         threads.append(threading.get_ident())
-        return original(self, text)
+        return original(self, text, *budget)
 
     monkeypatch.setattr(_structured._DictSchema, "validate", validate)
     big = json.dumps({"city": "x" * 5000, "population": 1})
@@ -1000,9 +1000,9 @@ async def test_an_inline_validation_past_the_deadline_is_deadline_exceeded(
 
     original = _structured._DictSchema.validate
 
-    def validate(self: Any, text: str) -> Any:
+    def validate(self: Any, text: str, *budget: float) -> Any:
         time.sleep(0.3)  # the loop is blocked: as a slow inline validation would
-        return original(self, text)
+        return original(self, text, *budget)
 
     monkeypatch.setattr(_structured._DictSchema, "validate", validate)
     up = FakeUpstream(Reply(text=GOOD))

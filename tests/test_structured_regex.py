@@ -21,7 +21,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 import polygate
-from polygate._schema_patterns import MATCH_TIMEOUT_S
+from polygate._schema_bounds import MATCH_TIMEOUT_S, OverBudget
 from polygate._structured import Invalid, schema_of
 from polygate.testing import FakeUpstream, Reply, Router
 
@@ -130,3 +130,80 @@ def test_the_bounded_keywords_judge_as_jsonschema_does(schema: dict[str, Any], a
     with pytest.raises(Invalid) as caught:
         ours.validate(text)
     assert sorted(caught.value.problems) == expected
+
+
+# --------------------------------------------------------------------------- the walk
+
+def _node(op: str) -> dict[str, Any]:
+    return {"type": "object", "required": ["op", "args"], "properties": {
+        "op": {"const": op}, "args": {"type": "array", "items": {"$ref": "#/$defs/expr"}}}}
+
+
+#: An expression tree: each level's "mul" node is tried as an "add" first, to the end
+#: of everything under it (anyOf gathers all of a failing branch's errors), so the
+#: check doubles with each level of nesting: 0.02 s at 8 levels, 5.6 s at 16.
+_UNION = {"$defs": {"expr": {"anyOf": [_node("add"), _node("mul"), {"type": "number"}]}},
+          "$ref": "#/$defs/expr"}
+
+
+def _chain(depth: int) -> str:
+    value: Any = 1
+    for _ in range(depth):
+        value = {"op": "mul", "args": [value]}
+    return json.dumps(value)
+
+
+async def test_a_recursive_unions_walk_leaves_the_loop_and_ends_at_the_deadline() -> None:
+    """Review finding (complexity): a 353-character answer to an expression-tree schema
+    was checked on the event loop for 5.6 s, past a 0.5 s deadline, every other task
+    held.  Now the loop gives it 30 ms, a worker thread the rest of the call's time."""
+    up = FakeUpstream(Reply(text=_chain(18)))
+    settings = one_source_settings(call_deadline_s=0.5)
+    longest = 0.0
+
+    async def ticker() -> None:
+        nonlocal longest
+        last = trio.current_time()
+        while True:
+            await trio.sleep(0.005)
+            now = trio.current_time()
+            longest = max(longest, now - last)
+            last = now
+
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            start = trio.current_time()
+            with pytest.raises(polygate.DeadlineExceeded):
+                await s.chat(MESSAGES, schema=_UNION)
+            took = trio.current_time() - start
+            nursery.cancel_scope.cancel()
+    assert longest < 0.3, f"the event loop stalled {longest:.2f} s"
+    assert took < 1.5, f"a 0.5 s deadline ended the call after {took:.2f} s"
+
+
+def test_the_thread_stops_itself_at_its_budget() -> None:
+    """An abandoned check does not compute on for minutes: it ends at its budget."""
+    import time
+
+    schema = schema_of(_UNION)
+    start = time.perf_counter()
+    with pytest.raises(OverBudget):
+        schema.validate(_chain(24), 0.2)
+    assert time.perf_counter() - start < 1.0
+    assert schema.validate(_chain(6), 0.2) == json.loads(_chain(6))  # a shallow one passes
+
+
+async def test_with_no_deadline_an_endless_check_is_an_invalid_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from polygate import _structured
+
+    monkeypatch.setattr(_structured, "_OFF_LOOP_S", 0.3)
+    up = FakeUpstream(Reply(text=_chain(24)))
+    settings = one_source_settings(structured=polygate.Structured(max_reasks=0))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.StructuredOutputError) as caught:
+            await s.chat(MESSAGES, schema=_UNION)
+    [problems] = caught.value.errors
+    assert "took over 0.3 s" in problems, problems
