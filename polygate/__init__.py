@@ -43,6 +43,8 @@ from ._types import Usage as Usage
 
 __version__ = "0.1.0"
 
+from ._public import publish as _publish  # (last: see the end of this module)
+
 __all__ = [
     "AllSourcesExhausted",
     "Breaker",
@@ -82,16 +84,6 @@ __all__ = [
 ]
 
 
-def _fix_module_names() -> None:
-    # Tracebacks and reprs say polygate.X, not polygate._module.X (as trio does).
-    for name in __all__:
-        obj = globals()[name]
-        if getattr(obj, "__module__", "").startswith("polygate._"):
-            try:
-                obj.__module__ = __name__
-            except (AttributeError, TypeError):
-                pass
-
-
-_fix_module_names()
-del _fix_module_names
+# Tracebacks and reprs say polygate.X, not polygate._module.X (as trio does).
+_publish(globals(), __all__, __name__)
+del _publish

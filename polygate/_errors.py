@@ -30,15 +30,13 @@ import enum
 import json
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from ._secrets import clip, redact
 from ._sockets import out_of
-
-if TYPE_CHECKING:
-    from ._types import CallStats
+from ._types import CallStats  # (at run time: typing.get_type_hints reads the annotations)
 
 __all__ = [
     "AllSourcesExhausted",

@@ -90,3 +90,32 @@ def test_testing_strategies_names() -> None:
     import polygate.testing.strategies as strategies
 
     assert set(strategies.__all__) == {"cancellations", "hedges", "instants", "replies", "schedules"}
+
+
+def test_the_public_classes_type_hints_resolve() -> None:
+    """Review finding (typing angle): with ``__module__`` made public, the classes'
+    string annotations were evaluated in the public package's namespace, which has no
+    ``Any`` or ``Outcome``: ``typing.get_type_hints``, ``attrs.resolve_types`` and the
+    libraries built on them (cattrs) raised NameError on ChatResponse, Settings,
+    Reply, StreamStalled and 18 more."""
+    import typing
+
+    import attrs
+
+    import polygate.aio
+    import polygate.testing
+
+    checked = 0
+    for module in (polygate, polygate.testing, polygate.aio):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if isinstance(obj, type):
+                hints = typing.get_type_hints(obj)
+                assert not any(isinstance(h, str) for h in hints.values()), (name, hints)
+                if attrs.has(obj):
+                    attrs.resolve_types(obj)
+                checked += 1
+    assert checked > 40
+    hints = typing.get_type_hints(polygate.ChatResponse)
+    assert hints["call_stats"] is polygate.CallStats
+    assert typing.get_type_hints(polygate.StreamStalled)["call_stats"] is polygate.CallStats

@@ -11,12 +11,12 @@ call, and ``CancelledError`` arrives only after every path has settled.  See
 docs/asyncio.md.
 """
 
+from .._public import publish as _publish
 from ._session import ChatStream as ChatStream
 from ._session import Session as Session
 from ._session import session as session
 
 __all__ = ["ChatStream", "Session", "session"]
 
-for _name in __all__:
-    globals()[_name].__module__ = __name__  # tracebacks and reprs say polygate.aio.X
-del _name
+_publish(globals(), __all__, __name__)  # tracebacks and reprs say polygate.aio.X
+del _publish

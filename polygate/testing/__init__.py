@@ -15,6 +15,7 @@ interleaving of trio's scheduler.  Hypothesis strategies for both live in
 :mod:`polygate.testing.strategies` (which needs ``hypothesis``).
 """
 
+from .._public import publish as _publish
 from ._events import EventStatistics as EventStatistics
 from ._events import EventTransport as EventTransport
 from ._schedule import Schedule as Schedule
@@ -45,7 +46,7 @@ __all__ = [
     "UpstreamStatistics",
 ]
 
-for _name in (
+_publish(globals(), (
     "EventStatistics",
     "EventTransport",
     "FakeUpstream",
@@ -55,6 +56,5 @@ for _name in (
     "Router",
     "Schedule",
     "UpstreamStatistics",
-):
-    globals()[_name].__module__ = __name__  # tracebacks and reprs say polygate.testing.X
-del _name
+), __name__)  # tracebacks and reprs say polygate.testing.X
+del _publish
