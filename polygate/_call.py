@@ -363,8 +363,8 @@ _RATE_REASONS = frozenset({RefusalReason.COOLING_DOWN, RefusalReason.RPM, Refusa
 
 
 async def _fallback_admits(ctx: CallContext) -> bool:
-    """Whether the call's fallback scope has a source that is up: its breaker not open,
-    neither dead nor cooling down.  Read from the backend's state, not by admitting (an
+    """Whether the call's fallback scope has a source that is up: its breaker not open
+    (or its open period over), neither dead nor cooling down.  Read from the backend's state, not by admitting (an
     admission given back would still count as one, and take a half-open breaker's
     probe); quotas and permits are left out: they free up by themselves, there too."""
     target = ctx.scope.fallback
@@ -377,7 +377,12 @@ async def _fallback_admits(ctx: CallContext) -> bool:
             state = await backend.snapshot(target, source.name)
         except GovernanceBackendError:
             return False
-        if state.breaker is not BreakerState.OPEN and not state.dead and (
+        # An open breaker whose period is over admits its probe now: up (a snapshot
+        # says OPEN until an admission check moves it on, however long ago that was).
+        open_now = state.breaker is BreakerState.OPEN and (
+            state.breaker_open_until is None or state.breaker_open_until > now
+        )
+        if not open_now and not state.dead and (
             state.cooldown_until is None or state.cooldown_until <= now
         ):
             return True

@@ -297,6 +297,30 @@ def test_closing_clears_the_failure_history(h: Harness) -> None:
     h.run(body)
 
 
+def test_a_snapshot_says_when_an_open_breakers_period_ends(h: Harness) -> None:
+    """(For the fallback check: OPEN stays in a snapshot until an admission check
+    moves it to half-open, however long ago its period ended.)"""
+    async def body() -> None:
+        W = h.window
+        policy = BreakerPolicy(failures=1, open_s=W / 12, rate_min_calls=100)
+        async with h.backend() as b:
+            assert (await snap(b)).breaker_open_until is None
+            sent = b.now()
+            await _outcome(b, Feedback.FAILURE, policy)
+            received = b.now()
+            s = await snap(b)
+            assert s.breaker is BreakerState.OPEN and s.breaker_open_until is not None
+            assert sent + W / 12 - EPS <= s.breaker_open_until <= received + W / 12 + EPS
+            await trio.sleep_until(s.breaker_open_until + 4 * EPS)
+            late = await snap(b)  # still OPEN: no admission check since
+            assert late.breaker is BreakerState.OPEN and late.breaker_open_until == pytest.approx(
+                s.breaker_open_until, abs=EPS)
+            probe = await granted(b, ask(breaker=policy))
+            assert probe.probe and (await snap(b)).breaker_open_until is None
+
+    h.run(body)
+
+
 def test_a_stale_failure_while_half_open_does_not_reopen(h: Harness) -> None:
     async def body() -> None:
         policy = BreakerPolicy(failures=1, open_s=h.window / 12, rate_min_calls=100)

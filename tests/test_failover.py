@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import polygate
 from polygate._resume import CONTINUE_PROMPT, ResumedForward, Stitcher
+from polygate.governance import BreakerState
 from polygate.testing import FakeUpstream, Reply, Router
 
 from .conftest import MESSAGES, SECRET, ask
@@ -607,6 +608,38 @@ async def test_open_breakers_send_a_call_to_its_fallback_at_once(
         await trio.sleep(30)  # past any open period: the next call is the probe
         r = await s.chat(MESSAGES)
     assert r.source == "big" and len(a.requests) == 6
+
+
+async def test_a_fallback_whose_breaker_period_ended_long_ago_is_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review finding (a session living for weeks): the fallback check read an OPEN
+    breaker as down, and a snapshot says OPEN until an admission check moves it to
+    half-open.  big failed once an hour ago (open for 30 s) and nothing asked it since:
+    the call, a's breaker open, waited out two of a's open periods (60 s) and probed
+    the dead a twice before moving to big, which was up all along."""
+    settings = polygate.Settings(scopes={
+        "chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+            breaker=polygate.Breaker(failures=1, open_s=30),
+            retry=polygate.Retry(max_attempts=3, backoff_base_s=0.1), fallback="large"),
+        "large": polygate.Scope(
+            sources=[polygate.Source(name="big", base_url="http://big/v1", api_key=SECRET)],
+            breaker=polygate.Breaker(failures=1, open_s=30), retry=polygate.Retry(max_attempts=1)),
+    })
+    a = FakeUpstream(Reply(status=500))
+    big = FakeUpstream([Reply(status=500)], then=Reply(text="big answers"))
+    async with polygate.session(settings, transport=Router({"a": a, "big": big})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat(MESSAGES, scope="large")  # big's breaker opens for 30 s
+        await trio.sleep(3600)
+        [state] = [x.state for x in (await s.statistics()).governance.sources if x.state.source == "big"]
+        assert state.breaker is BreakerState.OPEN  # (as documented: until a check)
+        assert state.breaker_open_until == pytest.approx(30)
+        r = await s.chat(MESSAGES, call_deadline_s=120)
+    assert r.text == "big answers" and r.call_stats.scope == "large"
+    assert r.call_stats.total_latency_ms < 1000, r.call_stats
+    assert len(a.requests) == 1  # not probed again while big was up
 
 
 async def test_a_continuation_in_a_fallback_scope_reserves_what_is_left(

@@ -238,6 +238,9 @@ class MemoryBackend:
             released_total=s.released_total,
             cost_total=s.cost_total,
             admissions=s.admissions,
+            breaker_open_until=(
+                s.opened_at + s.open_for if s.breaker is BreakerState.OPEN else None
+            ),
         )
 
     async def budget_take(self, scope: str, burst: float) -> bool:

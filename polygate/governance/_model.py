@@ -163,3 +163,7 @@ class SourceSnapshot:
     released_total: int = 0
     cost_total: int = 0  # what settled reservations actually cost (real usage)
     admissions: int = 0
+    # While ``breaker`` is OPEN: when its open period ends (a probe is admitted from
+    # then on; ``breaker`` says OPEN until the next admission check moves it to
+    # half-open, however long ago that was).  None when not open, or not known.
+    breaker_open_until: float | None = None

@@ -644,16 +644,20 @@ class RedisBackend:
         )
         local_now = trio.current_time()
         try:
-            now, br, cf, in_flight, requests, tokens, reserved, cu, du, rt, st, rl, ct, ad, _lx = reply
+            now, br, cf, in_flight, requests, tokens, reserved, cu, du, rt, st, rl, ct, ad, _lx, ou = reply
             cooling = cu > now
+            breaker = _BREAKER[_text(br)]
             return SourceSnapshot(
-                scope=scope, source=source, breaker=_BREAKER[_text(br)],
+                scope=scope, source=source, breaker=breaker,
                 consecutive_failures=int(cf), in_flight=int(in_flight),
                 requests_in_window=int(requests), tokens_in_window=int(tokens),
                 tokens_reserved=int(reserved),
                 cooldown_until=local_now + (cu - now) / 1e6 if cooling else None,
                 dead=du > now, reserved_total=int(rt), settled_total=int(st),
                 released_total=int(rl), cost_total=int(ct), admissions=int(ad),
+                breaker_open_until=(
+                    local_now + (ou - now) / 1e6 if breaker is BreakerState.OPEN else None
+                ),
             )
         except (TypeError, ValueError, KeyError, AttributeError):
             raise self._garbage("snapshot") from None

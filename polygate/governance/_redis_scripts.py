@@ -370,13 +370,13 @@ return {1, now, version()}
 
 # ARGV: window_us, key_ttl_ms.
 # Returns {now, br, cf, in_flight, requests, tokens, reserved_open, cu, du,
-#          rt, st, rl, ct, ad, lx}.
+#          rt, st, rl, ct, ad, lx, open_until (0 unless the breaker is open)}.
 SNAPSHOT = _PRELUDE + r"""
 local window_us, ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_us()
 purge(now, ttl_ms)
 expire(now, window_us)
-local s = redis.call('HMGET', K_STATE, 'br', 'cf', 'ot', 'cu', 'dd', 'rt', 'st', 'rl', 'ct', 'ad', 'lx', 'du')
+local s = redis.call('HMGET', K_STATE, 'br', 'cf', 'ot', 'cu', 'dd', 'rt', 'st', 'rl', 'ct', 'ad', 'lx', 'du', 'oa', 'op')
 -- A count that is no whole number a reply can carry (NaN, inf, 1e30: another tool's)
 -- is 0, not the smallest 64-bit integer Redis would cast it to.
 local function n(v)
@@ -389,9 +389,11 @@ local function at(v)  -- an instant: any size, as inst() bounds it; NaN is none
   if x == nil or x ~= x then return 0 end
   return inst(math.max(x, 0))
 end
+local open_until = 0
+if s[1] == 'o' then open_until = at((tonumber(s[13]) or 0) + (tonumber(s[14]) or 0)) end
 return {now, s[1] or 'c', n(s[2]), redis.call('ZCARD', K_PERMITS), redis.call('ZCARD', K_WINDOW),
         n(redis.call('HGET', K_WTOK, '=sum')), n(s[3]), at(s[4]), at(dead_until(s[4], s[5], s[12])),
-        n(s[6]), n(s[7]), n(s[8]), n(s[9]), n(s[10]), n(s[11])}
+        n(s[6]), n(s[7]), n(s[8]), n(s[9]), n(s[10]), n(s[11]), open_until}
 """
 
 # ARGV: lease_us, key_ttl_ms, member...  Extends the leases still held; returns the
