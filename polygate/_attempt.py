@@ -37,6 +37,13 @@ T = TypeVar("T")
 _WATCH_GRACE_S: Final = 1e-6
 
 
+def _past(limit: float) -> float:
+    """``limit`` plus the grace, or plus the next float's distance where that is more:
+    past ~2**34 s of clock (a MockClock jumped that far) 1 µs no longer moves it, and
+    the watchdog fired in the instant of a token exactly at its limit."""
+    return limit + max(_WATCH_GRACE_S, math.ulp(limit))
+
+
 class AttemptControl:
     """The round's handle on one running attempt.
 
@@ -80,8 +87,8 @@ class AttemptControl:
         :meth:`watch` takes it)."""
         # Both a hair past their limits: an answer exactly at ``timeout_s`` is in time,
         # as a token exactly at a watchdog's limit is (see watch()).
-        self._whole = whole + _WATCH_GRACE_S
-        self._watch = watch + _WATCH_GRACE_S
+        self._whole = _past(whole)
+        self._watch = _past(watch)
         scope = self.scope = trio.CancelScope(deadline=self._deadline())
         if self.cancelled:  # by the round, before this attempt's task first ran
             scope.cancel()
@@ -92,7 +99,7 @@ class AttemptControl:
         limit is in time (SPEC §4: silent *longer* than ``stall_timeout_s``; a first
         token *within* ``ttft_timeout_s``): the scope fires a hair after it, or in the
         instant they share trio would cancel the read that brings the token."""
-        self._watch = deadline + _WATCH_GRACE_S
+        self._watch = _past(deadline)
         earliest = self._deadline()
         # trio re-registers an entered scope's deadline on every assignment, even of
         # the same value (a heap update): the first token of an attempt without a

@@ -66,3 +66,29 @@ async def test_a_first_token_exactly_at_ttft_timeout_is_in_time(
         with pytest.raises(polygate.AllSourcesExhausted) as info:
             await s.chat(MESSAGES)
     assert "no first token within ttft_timeout_s=5.0" in str(info.value.errors[0])
+
+
+@pytest.mark.parametrize("offset", [1e9, 1e11, 1e12])
+@pytest.mark.parametrize("limit", ["stall_timeout_s", "ttft_timeout_s", "timeout_s"])
+def test_a_token_exactly_at_its_limit_is_in_time_late_in_a_long_clock(offset: float, limit: str) -> None:
+    """Review finding (a session living for weeks): the microsecond of grace, added to
+    a trio time past ~2**34 s (a MockClock jumped that far), rounded away (the floats
+    there are 15 µs apart at 1e11): the watchdog fired in the very instant of a token
+    exactly at its limit."""
+    reply = {
+        "stall_timeout_s": Reply(text=ANSWER, stall_at=10, stall_s=5.0),
+        "ttft_timeout_s": Reply(text=ANSWER, first_token_s=5.0),
+        "timeout_s": Reply(text=ANSWER, first_token_s=5.0, inter_token_s=0.0),
+    }[limit]
+    stream = polygate.StreamWatch(stall_timeout_s=5.0) if limit == "stall_timeout_s" else polygate.StreamWatch()
+    source: dict[str, Any] = {"ttft_timeout_s": {"ttft_timeout_s": 5.0}, "timeout_s": {"timeout_s": 5.0}}.get(limit, {})
+
+    async def main() -> str:
+        async with polygate.session(_settings(stream, **source),
+                                    transport=Router({"a": FakeUpstream(reply)})) as s:
+            async with s.stream_chat(MESSAGES) as st:
+                return "".join([c.text async for c in st])
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    clock.jump(offset)
+    assert trio.run(main, clock=clock) == ANSWER
