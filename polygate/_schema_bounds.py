@@ -14,7 +14,9 @@ gives up after :data:`MATCH_TIMEOUT_S` on the rest.  A match that gives up is
 :class:`SlowPattern`: the answer is not valid, re-asked like any other, with the reason.
 ``unevaluatedProperties`` (2019-09 and later) still finds the keys a
 ``patternProperties`` evaluated with jsonschema's own ``re``: its walk over the
-applicators is jsonschema's, not a keyword one can replace (docs/structured.md).
+applicators is jsonschema's, not a keyword one can replace; so does an embedded
+resource whose ``$schema`` names another draft than the root's (its walk is
+jsonschema's own class's: docs/structured.md).
 
 **The walk.** Unions are tried branch by branch, each to its end (``anyOf`` gathers
 every error of a failing branch), so a recursive union (an expression tree: ``anyOf``

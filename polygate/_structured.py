@@ -312,6 +312,14 @@ def _compile(schema: Any) -> Any:
     bounded = jsonschema.validators.extend(
         cls, bounded_keywords(cls.VALIDATORS, jsonschema.ValidationError)
     )
+    # Checked: its "$schema"s, where they name the root's draft, have said all they
+    # had to.  Left in, each would hand the walk below it back to jsonschema's own
+    # class (a descent picks its class by the subschema's $schema), its re and its
+    # unbounded walk: a root's "$schema" with a {"$ref": "#"} was enough.  A resource
+    # in another draft keeps its own (and jsonschema's class: docs/structured.md).
+    for node in _declaring(schema):
+        if jsonschema.validators.validator_for(node, default=None) is cls:
+            del node["$schema"]
     # The registry of the drafts' metaschemas, which never retrieves: without it,
     # jsonschema fetches an unknown URI over the network while validating an answer.
     return bounded(schema, registry=REGISTRY)
@@ -327,6 +335,13 @@ def _known_dialects(schema: dict[str, Any], validator_for: Callable[..., Any]) -
 
     (Walked as :func:`_subschemas` walks, without its resolvers: this runs before the
     root's draft, which they need, is known.)"""
+    for node in _declaring(schema):
+        node["$schema"] = _known_dialect(node["$schema"], validator_for)
+
+
+def _declaring(schema: Any) -> Iterator[dict[str, Any]]:
+    """The schemas in ``schema`` (itself included) that declare their draft with a
+    ``$schema`` string; data (``const``, ``enum``, …) is not walked."""
     stack: list[Any] = [schema]
     while stack:
         node = stack.pop()
@@ -335,9 +350,8 @@ def _known_dialects(schema: dict[str, Any], validator_for: Callable[..., Any]) -
             continue
         if not isinstance(node, dict):
             continue
-        dialect = node.get("$schema")
-        if isinstance(dialect, str):
-            node["$schema"] = _known_dialect(dialect, validator_for)
+        if isinstance(node.get("$schema"), str):
+            yield node
         for key, value in node.items():
             if key in _DATA_KEYWORDS:
                 continue
