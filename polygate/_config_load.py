@@ -259,15 +259,16 @@ def _value_from_toml(kind: type, value: Any, where: str, *, secret: bool = False
 
 
 def _a_number(value: Any) -> bool:
-    """A string that is a number once unquoted (``"30"``, ``"1.5e3"``): the quotes are
-    the mistake.  ``"fast"`` or ``"30s"`` unquoted would not even be TOML."""
-    if not isinstance(value, str) or not value.isascii() or "_" in value:
+    """A string that is a TOML number once unquoted (``"30"``, ``"1.5e3"``, ``"0x1F"``,
+    ``"inf"``): the quotes are the mistake.  ``"fast"``, ``"30s"``, ``".5"`` or
+    ``"Infinity"`` unquoted would not even be TOML."""
+    if not isinstance(value, str) or "\n" in value or "#" in value:
         return False
     try:
-        float(value)
-    except ValueError:
+        number = tomllib.loads(f"x = {value.strip()}")["x"]
+    except (tomllib.TOMLDecodeError, ValueError):
         return False
-    return True
+    return isinstance(number, (int, float)) and not isinstance(number, bool)
 
 
 def _what(value: Any) -> str:

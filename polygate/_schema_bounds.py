@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,11 +46,12 @@ MATCH_TIMEOUT_S = 0.1
 
 
 class SlowPattern(Exception):
-    """A pattern gave up on a string of the answer after :data:`MATCH_TIMEOUT_S`."""
+    """A pattern gave up on a string of the answer after ``seconds`` (twice)."""
 
-    def __init__(self, pattern: str) -> None:
-        super().__init__(pattern)
+    def __init__(self, pattern: str, seconds: float) -> None:
+        super().__init__(pattern, seconds)
         self.pattern = pattern
+        self.seconds = seconds
 
 
 class OverBudget(Exception):
@@ -78,20 +80,65 @@ def _over_budget() -> None:
 
 
 @functools.lru_cache(maxsize=512)
-def _compiled(pattern: str) -> Any:
+def _compiled(pattern: str) -> tuple[Any, bool]:
+    """The pattern compiled, and whether by ``regex`` (bounded) rather than by ``re``.
+
+    ``re`` where ``regex``'s syntax reads the pattern otherwise (jsonschema's check of
+    the schema is ``re``'s, so the two must agree on what the pattern says): a brace
+    group that is no quantifier (``/users/{id}``: ``re`` reads it as text, ``regex``
+    as a fuzzy-matching constraint, or fails), ``[:`` (``regex`` reads ``[[:alpha:]]``
+    as a POSIX class, ``re`` as a set), or any pattern ``regex`` cannot compile."""
     import regex  # only schemas with patterns need it
 
-    return regex.compile(pattern)
+    if _read_alike(pattern):
+        try:
+            return regex.compile(pattern), True
+        except regex.error:
+            pass
+    return re.compile(pattern), False
+
+
+#: What ``re`` reads as a quantifier between braces: {m}, {m,}, {m,n}, {,n}.
+_QUANTIFIER = re.compile(r"[0-9]+(?:,[0-9]*)?|,[0-9]+")
+
+
+def _read_alike(pattern: str) -> bool:
+    if "[:" in pattern:
+        return False
+    at = pattern.find("{")
+    while at >= 0:
+        escapes = len(pattern[:at]) - len(pattern[:at].rstrip("\\"))
+        if escapes % 2 == 0:  # (an escaped brace is text to both)
+            end = pattern.find("}", at)
+            if end < 0 or not _QUANTIFIER.fullmatch(pattern, at + 1, end):
+                return False
+        at = pattern.find("{", at + 1)
+    return True
+
+
+#: How long one match may take before it gives up: MATCH_TIMEOUT_S, and 1 µs more a
+#: character of the string (``regex`` takes ~10–100 ns a character on a pattern that
+#: does not backtrack: a 4 MB base64 string took 0.1 s, and is no backtracking), at
+#: most _MOST_S.
+_PER_CHAR_S = 1e-6
+_MOST_S = 0.5
 
 
 def search(pattern: str, text: str) -> bool:
     """``re.search(pattern, text)``'s answer, in bounded time, or :class:`SlowPattern`."""
+    compiled, bounded = _compiled(pattern)
+    if not bounded:
+        return compiled.search(text) is not None
+    timeout = min(MATCH_TIMEOUT_S + len(text) * _PER_CHAR_S, _MOST_S)
     try:
-        # concurrent: the lock is released while it matches (an answer big enough to be
-        # checked in a worker thread leaves the event loop running).
-        return _compiled(pattern).search(text, concurrent=True, timeout=MATCH_TIMEOUT_S) is not None
+        # Holding the interpreter's lock, as re does, for at most the timeout: one
+        # that let it go (concurrent=True) counted the time it then waited to take it
+        # back against the timeout, refusing valid answers in a busy process, and
+        # waited that long on each of an answer's strings.  Between matches (and the
+        # budget bounds how many), the event loop's thread takes its turn.
+        return compiled.search(text, concurrent=False, timeout=timeout) is not None
     except TimeoutError:
-        raise SlowPattern(pattern) from None
+        raise SlowPattern(pattern, timeout) from None
 
 
 def bounded_keywords(validators: dict[str, Any], error: type[Exception]) -> dict[str, Any]:
@@ -139,19 +186,21 @@ def bounded_keywords(validators: dict[str, Any], error: type[Exception]) -> dict
     }
     keywords = {**validators, **{k: v for k, v in replaced.items() if k in validators}}
     return {
-        name: _budgeted(check) if name in _APPLICATORS else check for name, check in keywords.items()
+        name: _budgeted(check) if name in _BUDGETED else check for name, check in keywords.items()
     }
 
 
-#: The keywords that descend into other schemas (every draft's): the walk's every
-#: step passes through one, so a look at the clock in each bounds it.  The rest check
-#: one value each, in time bounded by the answer's size; unwrapped, they cost nothing
-#: more (every keyword wrapped cost ~5 µs more on a 10-field answer of ~90 µs).
-_APPLICATORS = frozenset({
+#: The keywords that descend into other schemas (every draft's), and ``pattern``: the
+#: walk's every step passes through one of them, and a pattern may take up to its
+#: give-up on each string, so a look at the clock in each bounds the whole.  The rest
+#: check one value each, quickly; unwrapped, they cost nothing more (every keyword
+#: wrapped cost ~5 µs more on a 10-field answer of ~90 µs).
+_BUDGETED = frozenset({
     "$ref", "$dynamicRef", "$recursiveRef", "allOf", "anyOf", "oneOf", "not", "if",
     "then", "else", "items", "prefixItems", "additionalItems", "contains", "properties",
     "patternProperties", "additionalProperties", "dependentSchemas", "dependencies",
     "propertyNames", "unevaluatedItems", "unevaluatedProperties", "extends", "type",
+    "pattern",
 })
 
 

@@ -50,7 +50,7 @@ from ._config import Source, is_utf8
 from ._context import ChatRequest
 from ._errors import ConfigError, StructuredOutputError
 from ._json import MAX_DEPTH, nested_deeper
-from ._schema_bounds import MATCH_TIMEOUT_S, OverBudget, SlowPattern, bounded_keywords, budget
+from ._schema_bounds import OverBudget, SlowPattern, bounded_keywords, budget
 from ._secrets import printable
 from ._threads import run_sync
 from ._types import ChatResponse, encode_compact
@@ -250,7 +250,7 @@ class _DictSchema(Schema):
             raise
         except SlowPattern as exc:
             raise Invalid(_bounded([
-                f"$: the pattern {exc.pattern!r} took over {MATCH_TIMEOUT_S:g} s on a string "
+                f"$: the pattern {exc.pattern!r} took over {exc.seconds:.3g} s on a string "
                 "of the answer (it backtracks), so the answer was not checked further"
             ])) from None
         except RecursionError:

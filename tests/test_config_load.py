@@ -1312,11 +1312,15 @@ def test_a_toml_path_to_a_folder_leaves_no_descriptor_open(tmp_path: Path) -> No
     assert len(os.listdir("/proc/self/fd")) <= before
 
 
-@pytest.mark.parametrize(("text", "hinted"), [("30", True), (" 1.5e3 ", True), ("-2", True),
-                                              ("fast", False), ("30s", False), ("1_000", False)])
+@pytest.mark.parametrize(("text", "hinted"), [
+    ("30", True), (" 1.5e3 ", True), ("-2", True), ("0x1F", True), ("inf", True), ("1_000", True),
+    ("fast", False), ("30s", False), (".5", False), ("5.", False), ("Infinity", False),
+    ("NaN", False), ("1 # two", False), ("true", False),
+])
 def test_only_a_quoted_number_is_told_to_lose_its_quotes(tmp_path: Path, text: str, hinted: bool) -> None:
     """Review finding (docs, claim by claim): every string in a number field got
-    "write it without quotes", "fast" and "30s" too, which unquoted are not TOML."""
+    "write it without quotes", "fast" and "30s" too, which unquoted are not TOML (and,
+    read by float(), ".5" and "Infinity"); what TOML reads as a number gets it."""
     path = tmp_path / "p.toml"
     path.write_text(f'[scopes.chat.sources.a]\nbase_url = "http://h/v1"\ntimeout_s = "{text}"\n')
     with pytest.raises(ConfigError) as info:

@@ -135,7 +135,8 @@ async def test_a_backtracking_pattern_neither_stalls_the_loop_nor_passes(name: s
 
 
 _PATTERNS = st.sampled_from(
-    ["^a", "b$", "^[a-c]+$", "x|y", r"\d{2}", "^$", "(ab)*c", "[^a]", "^.{3}$", "é"]
+    ["^a", "b$", "^[a-c]+$", "x|y", r"\d{2}", "^$", "(ab)*c", "[^a]", "^.{3}$", "é",
+     "^{e}$", "x{a}", "[[:alpha:]]", r"\{d\}", "a{,2}b"]
 )
 _KEYS = st.text(alphabet="abcxy0123é", max_size=5)
 
@@ -160,6 +161,7 @@ _VALUES = st.one_of(st.integers(-5, 5), st.text(alphabet="abcxy0123é", max_size
 
 @given(schema=_schemas(), answer=st.dictionaries(_KEYS, _VALUES, max_size=5))
 @hsettings(max_examples=300, deadline=None)
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (re's "possible nested set")
 def test_the_bounded_keywords_judge_as_jsonschema_does(schema: dict[str, Any], answer: dict[str, Any]) -> None:
     """On patterns that do not backtrack, the same verdict and the same problems as
     jsonschema's own keywords (re and regex agree on these patterns)."""
@@ -237,3 +239,89 @@ async def test_with_no_deadline_an_endless_check_is_an_invalid_answer(
             await s.chat(MESSAGES, schema=_UNION)
     [problems] = caught.value.errors
     assert "took over 0.3 s" in problems, problems
+
+
+# --------------------------------------------------------------------------- review of the fix
+
+@pytest.mark.parametrize(("pattern", "answers"), [
+    (r"^/users/{id}$", ["/users/{id}", "/users/7"]),  # regex: a fuzzy constraint, "expected }"
+    (r"^env:{env}$", ["env:{env}", "env:"]),
+    (r"^[A-Z]{2}{e}$", ["AB{e}", "AB"]),  # regex: "nothing for fuzzy constraint"
+    (r"^/v1/{s}/", ["/v1/{s}/", "/v1//"]),  # regex: a fuzzy match, another verdict
+    (r"^{d}$", ["{d}", ""]),
+    (r"^[[:alpha:]]+$", ["abc", "a]", ":]"]),  # regex: a POSIX class; re: a set, then "]"
+    (r"^a{2,}b{,3}c{1}$", ["aab", "aabbbc", "ac"]),  # plain quantifiers: regex, bounded
+])
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (re's "possible nested set")
+def test_a_pattern_the_engines_read_apart_is_judged_as_jsonschema_does(
+    pattern: str, answers: list[str]
+) -> None:
+    """Review of the fix: the regex module reads a brace group that is no quantifier as
+    a fuzzy-matching constraint (or fails: a ConfigError after the call was paid for)
+    and "[[:alpha:]]" as a POSIX class, where re (and jsonschema's check of the
+    schema) reads text and a set.  Such a pattern is matched by re."""
+    schema = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
+    theirs = jsonschema.Draft202012Validator(schema)
+    ours = schema_of(schema)
+    for answer in answers:
+        text = json.dumps({"p": answer})
+        if theirs.is_valid({"p": answer}):
+            assert ours.validate(text) == {"p": answer}, (pattern, answer)
+        else:
+            with pytest.raises(Invalid):
+                ours.validate(text)
+
+
+def test_many_quick_matches_are_no_give_up_in_a_busy_process() -> None:
+    """Review of the fix: matched with the interpreter's lock let go, each match then
+    waited to take it back, and the wait counted against its 0.1 s: valid answers
+    were refused "as backtracking" (and re-asked, paid for) while other threads ran,
+    and 3,000 strings took a minute."""
+    import threading
+
+    schema = schema_of({"type": "array", "items": {"type": "string", "pattern": r"^[a-z]+@[a-z]+\.com$"}})
+    answer = ["someone@example.com"] * 3000
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            pass
+
+    threads = [threading.Thread(target=busy) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        start = time.perf_counter()
+        for _ in range(3):
+            assert schema.validate(json.dumps(answer)) == answer
+        took = time.perf_counter() - start
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert took < 20, took
+
+
+async def test_many_slow_strings_are_bounded_by_the_budget_not_string_by_string() -> None:
+    """Review of the fix: the give-up is one string's; an answer of many strings, each
+    just under it, held the event loop for seconds.  ``pattern`` looks at the budget
+    too: the loop gives the check 30 ms and a match, then a thread takes the rest."""
+    import regex
+
+    compiled = regex.compile(_ALTERNATION)
+    slow = "a" * 20 + "b"
+    for n in range(20, 40):  # a string this machine takes a fair part of the give-up on
+        text = "a" * n + "b"
+        begun = time.perf_counter()
+        try:
+            compiled.search(text, concurrent=False, timeout=MATCH_TIMEOUT_S)
+        except TimeoutError:
+            break
+        slow = text
+        if time.perf_counter() - begun > MATCH_TIMEOUT_S / 3:
+            break
+    answer = json.dumps([slow] * (1900 // (len(slow) + 4)))
+    assert len(answer) <= 2048  # (checked on the event loop)
+    schema = {"type": "array", "items": {"type": "string", "pattern": _ALTERNATION}}
+    _, longest = await _refused(schema, answer, call_deadline_s=60)
+    assert longest < 0.5, f"the event loop was held {longest:.2f} s"
