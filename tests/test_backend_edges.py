@@ -157,7 +157,7 @@ def test_a_dead_mark_an_older_version_wrote_holds_until_its_cooldown(redis_serve
             start = b.now()
             await b.settle(settle(a, 0, Feedback.FAILURE, cooldown_s=W / 12, dead=True))
             # As an older polygate left it: the flag, no instant of its own.
-            assert command(port, "HDEL", state, "du") == b":1"
+            assert command(port, "HDEL", state, "du", "cw") == b":2"
             command(port, "HSET", state, "dd", "1")
             if b.now() < start + W / 12 - EPS:
                 assert (await snap(b)).dead
@@ -168,6 +168,82 @@ def test_a_dead_mark_an_older_version_wrote_holds_until_its_cooldown(redis_serve
             if b.now() < start + W / 2 - EPS:
                 assert not s.dead and s.cooldown_until is not None, s
                 assert not isinstance(result, Admission) and result.reason is RefusalReason.COOLING_DOWN
+
+    h.run(body)
+
+
+# The older version's settle of a cooldown (the version before du, SETTLE), for a dead status.
+_OLD_DEAD_SETTLE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local c = redis.call('HMGET', KEYS[1], 'cu', 'dd')
+local cu = tonumber(c[1]) or 0
+redis.call('HSET', KEYS[1], 'cu', math.max(cu, now + tonumber(ARGV[1])))
+redis.call('HSET', KEYS[1], 'dd', '1')
+return 1
+"""
+
+# The older version's admit (the version before du, ADMIT): refused 'dead' when cu > now and dd = 1.
+_OLD_ADMIT_READS_DEAD = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local s = redis.call('HMGET', KEYS[1], 'cu', 'dd')
+if (tonumber(s[1]) or 0) > now and s[2] == '1' then return 1 end
+return 0
+"""
+
+
+def test_an_older_versions_dead_mark_is_dead_after_a_new_ordinary_cooldown(redis_server: Any) -> None:
+    """Review of the fix (a rolling upgrade on one Redis): once this version had
+    written du, an older version's dead mark (dd = 1, dead until cu) read as an
+    ordinary cooldown: calls waited on a source that rejects us."""
+    h = Harness("redis", 1.2, redis_server.url)
+    port = redis_server.port
+    prefix = f"mixed{secrets.token_hex(3)}"
+    state = f"{prefix}:chat:a:state"
+
+    async def body() -> None:
+        W = h.window
+        async with h.backend(prefix) as b:
+            a = await granted(b, ask())
+            # A new process settles a short ordinary cooldown (a 429): du = 0 written.
+            await b.settle(settle(a, 0, Feedback.NEUTRAL, cooldown_s=W / 60))
+            await trio.sleep(W / 60 + 2 * EPS)
+            # An older process marks the source dead for W/2 (a 401).
+            sent = b.now()
+            command(port, "EVAL", _OLD_DEAD_SETTLE, "1", state, str(int(W / 2 * 1e6)))
+            s = await snap(b)
+            result = await b.admit(ask())
+            if b.now() < sent + W / 2 - EPS:
+                assert s.dead, s
+                assert not isinstance(result, Admission)
+                assert result.reason is RefusalReason.DEAD, result
+
+    h.run(body)
+
+
+def test_an_older_process_does_not_read_a_new_ordinary_cooldown_as_dead(redis_server: Any) -> None:
+    """The other way: an older process reads dd = 1 with cu > now as dead.  The new
+    admit no longer clears a dd whose cooldown ran out (the old one did), and the new
+    settle never writes dd: an older mark that ran out, then a 429 settled by a new
+    process, reads as dead to every older process for the whole Retry-After."""
+    h = Harness("redis", 1.2, redis_server.url)
+    port = redis_server.port
+    prefix = f"mixed{secrets.token_hex(3)}"
+    state = f"{prefix}:chat:a:state"
+
+    async def body() -> None:
+        W = h.window
+        async with h.backend(prefix) as b:
+            command(port, "EVAL", _OLD_DEAD_SETTLE, "1", state, str(int(W / 60 * 1e6)))
+            await trio.sleep(W / 60 + 2 * EPS)  # the older dead mark ran out
+            a = await granted(b, ask())  # a new process admits
+            start = b.now()
+            await b.settle(settle(a, 0, Feedback.NEUTRAL, cooldown_s=W / 2))  # and settles a 429
+            # What the older admit script reads: cu > now and dd == '1' -> 'dead'.
+            old_reads_dead = command(port, "EVAL", _OLD_ADMIT_READS_DEAD, "1", state)
+            if b.now() < start + W / 2 - EPS:
+                assert old_reads_dead == b":0", "an older process refuses the 429 cooldown as dead"
 
     h.run(body)
 

@@ -26,8 +26,11 @@ one.  State-hash fields: ``br`` breaker (``c``/``o``/``h``), ``cf`` consecutive
 failures, ``oa`` opened at, ``pr`` the half-open probe's member, ``oc`` recent outcomes
 (``1`` = failure, newest last), ``cu`` cooldown until, ``du`` dead until (at most
 ``cu``; its own instant, so that a longer cooldown settled while the source is dead
-does not make the dead mark longer; ``dd`` = ``1``, how older versions marked a dead
-source, is read as dead until ``cu`` where there is no ``du``), ``ot`` tokens held
+does not make the dead mark longer), ``dd`` and ``cw`` for older versions on the same
+Redis (a rolling upgrade): they mark a dead source with ``dd = 1``, dead until ``cu``,
+so ``dd`` is kept as they read it (``1`` while ``du`` is ahead), and ``cw`` is the
+``cu`` this version wrote last; a ``cu`` that is not ``cw`` beside ``dd = 1`` was an
+older version's dead mark, dead until ``cu``), ``ot`` tokens held
 by open reservations, ``rt``/``st``/``rl``/``ct``/``ad`` reserved, settled, released,
 cost and admission totals, ``lx`` leases that expired.
 
@@ -76,12 +79,12 @@ local function inst(x)
   return math.min(x, 4e18)
 end
 
--- Until when the source is dead, from the state's cu, dd and du fields.
-local function dead_until(cu, dd, du)
-  local x = tonumber(du)
-  if x ~= nil then return x end
-  if dd == '1' then return tonumber(cu) or 0 end
-  return 0
+-- Until when the source is dead, from the state's cu, dd, du and cw fields: du, or
+-- cu where an older version marked it dead (dd = 1, and cu not the one written here).
+local function dead_until(cu, dd, du, cw)
+  local x = tonumber(du) or 0
+  if dd == '1' and tonumber(cw) ~= tonumber(cu) then x = math.max(x, tonumber(cu) or 0) end
+  return x
 end
 
 local function bump(ttl_ms)
@@ -174,10 +177,12 @@ end
 -- First: it depends on the settings alone, and no wait would ever make it admissible.
 if tpm >= 0 and tokens > tpm then return {0, 'too_large', -1, now, version()} end
 
-local s = redis.call('HMGET', K_STATE, 'cu', 'dd', 'br', 'oa', 'pr', 'op', 'du')
+local s = redis.call('HMGET', K_STATE, 'cu', 'dd', 'br', 'oa', 'pr', 'op', 'du', 'cw')
 local cu = tonumber(s[1]) or 0
-local du = dead_until(s[1], s[2], s[7])
+local du = dead_until(s[1], s[2], s[7], s[8])
 if du > now then return {0, 'dead', inst(du), now, version()} end
+-- The dead mark is over: for older versions too (they read dd = 1 as dead until cu).
+if s[2] == '1' then redis.call('HSET', K_STATE, 'dd', '0') end
 if cu > now then return {0, 'cooling_down', inst(cu), now, version()} end
 
 local br = s[3] or 'c'
@@ -316,11 +321,13 @@ end
 if cooldown_us > 0 then
   -- A dead mark holds for its own cooldown and no longer: past it, a longer ordinary
   -- cooldown (a 429's Retry-After) is one to wait out, not a failure.
-  local c = redis.call('HMGET', K_STATE, 'cu', 'dd', 'du')
-  local cu = tonumber(c[1]) or 0
-  local du = dead_until(c[1], c[2], c[3])
+  local c = redis.call('HMGET', K_STATE, 'cu', 'dd', 'du', 'cw')
+  local cu = math.max(tonumber(c[1]) or 0, now + cooldown_us)
+  local du = dead_until(c[1], c[2], c[3], c[4])
   if dead then du = math.max(du, now + cooldown_us) end
-  redis.call('HSET', K_STATE, 'cu', math.max(cu, now + cooldown_us), 'du', du)
+  local dd = '0'
+  if du > now then dd = '1' end
+  redis.call('HSET', K_STATE, 'cu', cu, 'du', du, 'dd', dd, 'cw', cu)
 end
 
 -- The breaker: closed -> open -> half_open -> (closed | open); never skips a state.
@@ -376,7 +383,7 @@ local window_us, ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_us()
 purge(now, ttl_ms)
 expire(now, window_us)
-local s = redis.call('HMGET', K_STATE, 'br', 'cf', 'ot', 'cu', 'dd', 'rt', 'st', 'rl', 'ct', 'ad', 'lx', 'du', 'oa', 'op')
+local s = redis.call('HMGET', K_STATE, 'br', 'cf', 'ot', 'cu', 'dd', 'rt', 'st', 'rl', 'ct', 'ad', 'lx', 'du', 'oa', 'op', 'cw')
 -- A count that is no whole number a reply can carry (NaN, inf, 1e30: another tool's)
 -- is 0, not the smallest 64-bit integer Redis would cast it to.
 local function n(v)
@@ -392,7 +399,7 @@ end
 local open_until = 0
 if s[1] == 'o' then open_until = at((tonumber(s[13]) or 0) + (tonumber(s[14]) or 0)) end
 return {now, s[1] or 'c', n(s[2]), redis.call('ZCARD', K_PERMITS), redis.call('ZCARD', K_WINDOW),
-        n(redis.call('HGET', K_WTOK, '=sum')), n(s[3]), at(s[4]), at(dead_until(s[4], s[5], s[12])),
+        n(redis.call('HGET', K_WTOK, '=sum')), n(s[3]), at(s[4]), at(dead_until(s[4], s[5], s[12], s[15])),
         n(s[6]), n(s[7]), n(s[8]), n(s[9]), n(s[10]), n(s[11]), open_until}
 """
 
