@@ -18,6 +18,7 @@ import sys
 import types
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
@@ -644,7 +645,9 @@ class Breaker:
             )
 
 
-def _to_tuple(value: Any) -> Any:
+def _to_tuple(value: Sequence[str] | AbstractSet[str]) -> Any:
+    # (Typed for a type checker's sake, as __init__ takes it; anything else is refused
+    # by the validator, with a message.)
     if isinstance(value, (list, frozenset, set)):
         return tuple(value)
     return value
@@ -709,7 +712,7 @@ class Ocr:
             raise _bad(self, "render_in", f"must be 'process' or 'thread', got {given(value)}")
 
 
-def _to_sources(value: Any) -> Any:
+def _to_sources(value: Sequence[Source]) -> Any:
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return tuple(value)
     return value
@@ -959,7 +962,7 @@ def _split_url(inst: Any, field: str, value: str, *, port: bool = True) -> Any:
     return parts
 
 
-def _to_scopes(value: Any) -> Any:
+def _to_scopes(value: Mapping[str, Scope]) -> Any:
     # Read-only: the scopes were validated once and must stay as validated.
     if isinstance(value, Mapping):
         return MappingProxyType(dict(value))

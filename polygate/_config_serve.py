@@ -89,19 +89,19 @@ def _keys_repr(value: Any) -> str:
     return f"<{len(value)} key(s)>" if isinstance(value, tuple) else "'***'"
 
 
-def _to_keys(value: Any) -> Any:
+def _to_keys(value: Sequence[str]) -> Any:
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return tuple(value)
     return value
 
 
-def _to_models(value: Any) -> Any:
+def _to_models(value: Mapping[str, str]) -> Any:
     if isinstance(value, Mapping):
         return MappingProxyType(dict(value))
     return value
 
 
-def _to_labelled(value: Any) -> Any:
+def _to_labelled(value: Mapping[str, ServeKey | Mapping[str, Any]]) -> Any:
     """A mapping of name to :class:`ServeKey` or to its fields (what the loaders build);
     a field's error names its path, ``keys.NAME.FIELD``."""
     if not isinstance(value, Mapping):

@@ -102,6 +102,13 @@ async def misuse(s: polygate.Session, a: polygate.aio.Session, r: ChatResponse) 
         pass
     print(r.call_stats.latency_ms)  # type: ignore[attr-defined]
     polygate.Source(name="a", base_url="http://a/v1", timeout=3)  # type: ignore[call-arg]
+    # (A review of the typing: these took Any, so only a run found them.)
+    source = polygate.Source(name="a", base_url="http://a/v1")
+    polygate.Scope(sources=source)  # type: ignore[arg-type]
+    polygate.Scope(sources=["http://a/v1"])  # type: ignore[list-item]
+    polygate.Settings(scopes=[polygate.Scope(sources=[source])])  # type: ignore[arg-type]
+    polygate.Scope(sources=[source], fallback_on=[1])  # type: ignore[list-item]
+    polygate.Serve(models=["chat"])  # type: ignore[arg-type]
     await a.chatt(MESSAGES)  # type: ignore[attr-defined]
     async with a.stream_chat(MESSAGES) as stream:
         print(stream.respnse)  # type: ignore[attr-defined]
