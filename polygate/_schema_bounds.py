@@ -87,9 +87,13 @@ def _compiled(pattern: str) -> tuple[Any, bool]:
     the schema is ``re``'s, so the two must agree on what the pattern says): a brace
     group that is no quantifier (``/users/{id}``: ``re`` reads it as text, ``regex``
     as a fuzzy-matching constraint, or fails), ``[:`` (``regex`` reads ``[[:alpha:]]``
-    as a POSIX class, ``re`` as a set), or any pattern ``regex`` cannot compile."""
-    import regex  # only schemas with patterns need it
-
+    as a POSIX class, ``re`` as a set), or any pattern ``regex`` cannot compile; and
+    where ``regex`` is not installed (jsonschema installed alone: matched as jsonschema
+    matches them, with no bound)."""
+    try:
+        import regex  # only schemas with patterns need it
+    except ImportError:
+        return re.compile(pattern), False
     if _read_alike(pattern):
         try:
             return regex.compile(pattern), True

@@ -271,11 +271,10 @@ def _compile(schema: Any) -> Any:
     try:
         import jsonschema
         import referencing.jsonschema
-        import regex  # noqa: F401 - the patterns' engine (polygate._schema_bounds)
         from jsonschema_specifications import REGISTRY  # type: ignore[import-untyped]
     except ImportError:
         raise ConfigError(
-            "schema: a JSON Schema dict needs the jsonschema and regex packages "
+            "schema: a JSON Schema dict needs the jsonschema package "
             "(pip install 'polygate[structured]')"
         ) from None
     if isinstance(schema, dict) and "$schema" in schema and not isinstance(schema["$schema"], str):

@@ -325,3 +325,22 @@ async def test_many_slow_strings_are_bounded_by_the_budget_not_string_by_string(
     schema = {"type": "array", "items": {"type": "string", "pattern": _ALTERNATION}}
     _, longest = await _refused(schema, answer, call_deadline_s=60)
     assert longest < 0.5, f"the event loop was held {longest:.2f} s"
+
+
+def test_without_the_regex_module_patterns_are_matched_by_re(monkeypatch: pytest.MonkeyPatch) -> None:
+    """jsonschema installed alone (not the structured extra): a dict schema still
+    works, its patterns matched as jsonschema matches them."""
+    import sys
+
+    from polygate import _schema_bounds
+
+    monkeypatch.setitem(sys.modules, "regex", None)  # import regex: ImportError
+    _schema_bounds._compiled.cache_clear()
+    try:
+        schema = schema_of({"type": "object", "properties": {"p": {"type": "string", "pattern": "^[a-z]+-x$"}}})
+        assert schema.validate('{"p": "ab-x"}') == {"p": "ab-x"}
+        with pytest.raises(Invalid):
+            schema.validate('{"p": "AB-x"}')
+        assert _schema_bounds._compiled("^[a-z]+-x$")[1] is False  # (re's, unbounded)
+    finally:
+        _schema_bounds._compiled.cache_clear()
