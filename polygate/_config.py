@@ -164,8 +164,9 @@ class FieldError(ConfigError):
         # take: unpicklable, a worker process's ConfigError broke a ProcessPoolExecutor
         # and hung a multiprocessing.Pool's result.  The parts are masked already; the
         # secrets they were masked against stay in this process.
-        state = {k: v for k, v in self.__dict__.items() if k != "secrets"}
-        return (type(self), (self.owner, self.field, self.problem), state)
+        owner = mask_prefixes(self.owner, self.secrets)  # (the message masks it too)
+        state = {k: v for k, v in self.__dict__.items() if k != "secrets"} | {"owner": owner}
+        return (type(self), (owner, self.field, self.problem), state)
 
 
 def _bad(instance: Any, field: str, problem: str, *, url: Any = None) -> FieldError:

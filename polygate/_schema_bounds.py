@@ -14,9 +14,8 @@ gives up after :data:`MATCH_TIMEOUT_S` on the rest.  A match that gives up is
 :class:`SlowPattern`: the answer is not valid, re-asked like any other, with the reason.
 ``unevaluatedProperties`` (2019-09 and later) still finds the keys a
 ``patternProperties`` evaluated with jsonschema's own ``re``: its walk over the
-applicators is jsonschema's, not a keyword one can replace; so does an embedded
-resource whose ``$schema`` names another draft than the root's (its walk is
-jsonschema's own class's: docs/structured.md).
+applicators is jsonschema's, not a keyword one can replace; and a schema that mixes
+drafts is checked by jsonschema's own classes throughout (docs/structured.md).
 
 **The walk.** Unions are tried branch by branch, each to its end (``anyOf`` gathers
 every error of a failing branch), so a recursive union (an expression tree: ``anyOf``
@@ -63,20 +62,29 @@ _until = threading.local()
 
 
 @contextlib.contextmanager
-def budget(seconds: float) -> Iterator[None]:
+def budget(seconds: float, *, on_loop: bool = True) -> Iterator[None]:
     """Within the block, the validation in this thread raises :class:`OverBudget` once
-    it has run ``seconds`` (``math.inf``: no bound)."""
-    before = getattr(_until, "at", math.inf)
-    _until.at = time.monotonic() + seconds
+    it has run ``seconds`` (``math.inf``: no bound).  ``on_loop``: it runs in the event
+    loop's thread (which waits for it anyway), not in a worker thread beside it."""
+    before = getattr(_until, "at", math.inf), getattr(_until, "on_loop", True)
+    _until.at, _until.on_loop = time.monotonic() + seconds, on_loop
     try:
         yield
     finally:
-        _until.at = before
+        _until.at, _until.on_loop = before
 
 
 def _over_budget() -> None:
     if time.monotonic() > getattr(_until, "at", math.inf):
         raise OverBudget
+
+
+def _left() -> float:
+    """The budget's seconds left (:class:`OverBudget` when none are)."""
+    left = getattr(_until, "at", math.inf) - time.monotonic()
+    if left <= 0:
+        raise OverBudget
+    return left
 
 
 @functools.lru_cache(maxsize=512)
@@ -129,20 +137,34 @@ _MOST_S = 0.5
 
 
 def search(pattern: str, text: str) -> bool:
-    """``re.search(pattern, text)``'s answer, in bounded time, or :class:`SlowPattern`."""
+    """Whether ``pattern`` is found in ``text``, as ``re.search`` finds it (where the
+    two engines read it alike: not always for ``\\w`` or ``\\s`` on a few characters,
+    docs/structured.md), in bounded time: :class:`SlowPattern` when one match gives
+    up, :class:`OverBudget` when the check's budget ends first."""
+    left = _left()  # (each match looks at the budget: an answer's many keys and strings)
     compiled, bounded = _compiled(pattern)
     if not bounded:
         return compiled.search(text) is not None
-    timeout = min(MATCH_TIMEOUT_S + len(text) * _PER_CHAR_S, _MOST_S)
-    try:
-        # Holding the interpreter's lock, as re does, for at most the timeout: one
-        # that let it go (concurrent=True) counted the time it then waited to take it
-        # back against the timeout, refusing valid answers in a busy process, and
-        # waited that long on each of an answer's strings.  Between matches (and the
-        # budget bounds how many), the event loop's thread takes its turn.
-        return compiled.search(text, concurrent=False, timeout=timeout) is not None
-    except TimeoutError:
-        raise SlowPattern(pattern, timeout) from None
+    give_up = min(MATCH_TIMEOUT_S + len(text) * _PER_CHAR_S, _MOST_S)
+    on_loop = getattr(_until, "on_loop", True)
+    while True:
+        timeout = min(give_up, left)
+        spent = time.thread_time()
+        try:
+            # On the event loop's thread, holding the interpreter's lock, as re does:
+            # the loop waits for this check anyway, and a match that let the lock go
+            # waited to take it back each time (3,000 strings took a minute in a busy
+            # process).  In a worker thread, letting it go, so the loop runs meanwhile.
+            return compiled.search(text, concurrent=not on_loop, timeout=timeout) is not None
+        except TimeoutError:
+            pass
+        if time.thread_time() - spent < timeout / 2:
+            # Its time went to other threads, waiting for the lock: not this pattern's.
+            left = _left()
+            continue
+        if timeout < give_up:
+            raise OverBudget from None
+        raise SlowPattern(pattern, give_up) from None
 
 
 def bounded_keywords(validators: dict[str, Any], error: type[Exception]) -> dict[str, Any]:

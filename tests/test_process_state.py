@@ -254,6 +254,18 @@ def test_a_settings_error_crosses_a_process_boundary() -> None:
     assert done.stdout.decode().split() == ["FieldError", "telemetry"]
 
 
+def test_a_pickled_settings_error_masks_as_the_original_did() -> None:
+    """Review of the fix: the copy was rebuilt from its unmasked owner, so a source
+    named like the URL's password showed in the copy what the original hid."""
+    import pickle
+
+    with pytest.raises(polygate.ConfigError) as caught:
+        polygate.Source(name="hunter2hunter2", base_url="http://u:hunter2hunter2@a/v1")
+    data = pickle.dumps(caught.value)
+    assert "hunter2" not in str(caught.value) and b"hunter2" not in data
+    assert str(pickle.loads(data)) == str(caught.value)
+
+
 def _bad_key_source() -> polygate.Source:
     return polygate.Source(name="a", base_url="http://a/v1", api_key="sk\u200bx")  # line A
 
