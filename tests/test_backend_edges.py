@@ -142,13 +142,17 @@ def test_a_longer_ordinary_cooldown_does_not_make_a_dead_mark_longer(h: Harness,
     h.run(body)
 
 
+def _old_and_new(redis_server: Any, name: str) -> tuple[Harness, int, str, str]:
+    """A harness on the real Redis, its port, a fresh key prefix, and source a's state
+    key (which an older version's scripts are run on directly)."""
+    prefix = f"{name}{secrets.token_hex(3)}"
+    return Harness("redis", 1.2, redis_server.url), redis_server.port, prefix, f"{prefix}:chat:a:state"
+
+
 def test_a_dead_mark_an_older_version_wrote_holds_until_its_cooldown(redis_server: Any) -> None:
     """Redis state written before ``du``: ``dd = 1`` is dead until ``cu``; a longer
     ordinary cooldown settled over it does not stretch it."""
-    h = Harness("redis", 1.2, redis_server.url)
-    port = redis_server.port
-    prefix = f"old{secrets.token_hex(3)}"
-    state = f"{prefix}:chat:a:state"
+    h, port, prefix, state = _old_and_new(redis_server, "old")
 
     async def body() -> None:
         W = h.window
@@ -197,10 +201,7 @@ def test_an_older_versions_dead_mark_is_dead_after_a_new_ordinary_cooldown(redis
     """Review of the fix (a rolling upgrade on one Redis): once this version had
     written du, an older version's dead mark (dd = 1, dead until cu) read as an
     ordinary cooldown: calls waited on a source that rejects us."""
-    h = Harness("redis", 1.2, redis_server.url)
-    port = redis_server.port
-    prefix = f"mixed{secrets.token_hex(3)}"
-    state = f"{prefix}:chat:a:state"
+    h, port, prefix, state = _old_and_new(redis_server, "mixed")
 
     async def body() -> None:
         W = h.window
@@ -227,10 +228,7 @@ def test_an_older_process_does_not_read_a_new_ordinary_cooldown_as_dead(redis_se
     admit no longer clears a dd whose cooldown ran out (the old one did), and the new
     settle never writes dd: an older mark that ran out, then a 429 settled by a new
     process, reads as dead to every older process for the whole Retry-After."""
-    h = Harness("redis", 1.2, redis_server.url)
-    port = redis_server.port
-    prefix = f"mixed{secrets.token_hex(3)}"
-    state = f"{prefix}:chat:a:state"
+    h, port, prefix, state = _old_and_new(redis_server, "mixed")
 
     async def body() -> None:
         W = h.window
