@@ -41,7 +41,13 @@ def _past(limit: float) -> float:
     """``limit`` plus the grace, or plus the next float's distance where that is more:
     past ~2**34 s of clock (a MockClock jumped that far) 1 µs no longer moves it, and
     the watchdog fired in the instant of a token exactly at its limit."""
+    if limit < _GRACE_MOVES_BELOW:  # (nearly always: a token's cost, no call to ulp)
+        return limit + _WATCH_GRACE_S
     return limit + max(_WATCH_GRACE_S, math.ulp(limit))
+
+
+#: Below it, the floats are closer than the grace (ulp(2**30) is 2.4e-7 s).
+_GRACE_MOVES_BELOW: Final = 2.0**30
 
 
 class AttemptControl:
@@ -99,7 +105,7 @@ class AttemptControl:
         limit is in time (SPEC §4: silent *longer* than ``stall_timeout_s``; a first
         token *within* ``ttft_timeout_s``): the scope fires a hair after it, or in the
         instant they share trio would cancel the read that brings the token."""
-        self._watch = _past(deadline)
+        self._watch = deadline + _WATCH_GRACE_S if deadline < _GRACE_MOVES_BELOW else _past(deadline)
         earliest = self._deadline()
         # trio re-registers an entered scope's deadline on every assignment, even of
         # the same value (a heap update): the first token of an attempt without a
