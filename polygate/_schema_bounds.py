@@ -35,9 +35,10 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from typing import Any
 
-__all__ = ["MATCH_TIMEOUT_S", "OverBudget", "SlowPattern", "budget", "bounded_keywords"]
+__all__ = ["MATCH_TIMEOUT_S", "Budget", "OverBudget", "SlowPattern", "budget", "bounded_keywords"]
 
 #: One match of one pattern against one string: a pattern that needs longer than
 #: this on a string of a model's answer (microseconds is usual) backtracks.
@@ -57,32 +58,54 @@ class OverBudget(Exception):
     """The validation ran past the budget :func:`budget` gave it."""
 
 
-#: Until when (``time.monotonic()``) the validation running in this thread may go on.
+#: Until when (``time.monotonic()``) the validation running in this thread may go on,
+#: whether it runs in the event loop's thread, and the event that stops it sooner.
 _until = threading.local()
 
 
+class Budget:
+    """Until when a check may run (``time.monotonic()``; ``math.inf``: no bound), and
+    ``stop()``, which ends it sooner: the call that waited for it was cancelled (a
+    cancellation is no deadline, and a worker thread is not cancelled with its call:
+    it would have computed on for up to its whole budget, holding one of trio's
+    thread tokens)."""
+
+    __slots__ = ("stopped", "until")
+
+    def __init__(self, until: float) -> None:
+        self.until = until
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True  # (a plain attribute: one thread writes it, one reads it)
+
+
 @contextlib.contextmanager
-def budget(seconds: float, *, on_loop: bool = True) -> Iterator[None]:
+def budget(limit: Budget, *, on_loop: bool = True) -> Iterator[None]:
     """Within the block, the validation in this thread raises :class:`OverBudget` once
-    it has run ``seconds`` (``math.inf``: no bound).  ``on_loop``: it runs in the event
-    loop's thread (which waits for it anyway), not in a worker thread beside it."""
-    before = getattr(_until, "at", math.inf), getattr(_until, "on_loop", True)
-    _until.at, _until.on_loop = time.monotonic() + seconds, on_loop
+    ``limit`` ends.  ``on_loop``: it runs in the event loop's thread (which waits for it
+    anyway), not in a worker thread beside it."""
+    before = getattr(_until, "limit", None), getattr(_until, "on_loop", True)
+    _until.limit, _until.on_loop = limit, on_loop
     try:
         yield
     finally:
-        _until.at, _until.on_loop = before
+        _until.limit, _until.on_loop = before
 
 
 def _over_budget() -> None:
-    if time.monotonic() > getattr(_until, "at", math.inf):
+    limit: Budget | None = getattr(_until, "limit", None)
+    if limit is not None and (limit.stopped or time.monotonic() > limit.until):
         raise OverBudget
 
 
 def _left() -> float:
     """The budget's seconds left (:class:`OverBudget` when none are)."""
-    left = getattr(_until, "at", math.inf) - time.monotonic()
-    if left <= 0:
+    limit: Budget | None = getattr(_until, "limit", None)
+    if limit is None:
+        return math.inf
+    left = limit.until - time.monotonic()
+    if left <= 0 or limit.stopped:
         raise OverBudget
     return left
 
@@ -205,15 +228,67 @@ def bounded_keywords(validators: dict[str, Any], error: type[Exception]) -> dict
             listed = ", ".join(repr(p) for p in sorted(patterns))
             yield error(f"{', '.join(map(repr, extras))} {verb} not match any of the regexes: {listed}")
 
+    def unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> Iterator[Exception]:
+        # jsonschema compares the items pair by pair when they do not sort (objects,
+        # mixed types): quadratic, 31 s on 59 KB, past any budget in one keyword call.
+        # Here each item's canonical form goes into a set: linear, the budget looked
+        # at as it goes.
+        if unique and validator.is_type(instance, "array") and not _unique(instance):
+            yield error(f"{instance!r} has non-unique elements")
+
+    original_multiple = validators.get("multipleOf")
+
+    def multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Iterator[Any]:
+        assert original_multiple is not None  # (replaced only where the draft has it)
+        try:
+            # (a list: its errors, or its failure, here)
+            found = list(original_multiple(validator, divisor, instance, schema) or ())
+        except (OverflowError, ValueError):
+            # jsonschema divides a huge integer by a float divisor outside its own
+            # guard (an OverflowError the call took for a broken schema): exactly.
+            if not isinstance(instance, int) or isinstance(instance, bool):
+                raise
+            if (Fraction(instance) / Fraction(divisor)).denominator != 1:
+                yield error(f"{instance!r} is not a multiple of {divisor}")
+            return
+        yield from found
+
     replaced = {
         "pattern": pattern,
         "patternProperties": pattern_properties,
         "additionalProperties": additional_properties,
+        "uniqueItems": unique_items,
+        "multipleOf": multiple_of,
     }
     keywords = {**validators, **{k: v for k, v in replaced.items() if k in validators}}
     return {
         name: _budgeted(check) if name in _BUDGETED else check for name, check in keywords.items()
     }
+
+
+def _unique(items: list[Any]) -> bool:
+    """Whether no two items are equal as JSON Schema has it (``1`` and ``1.0`` are,
+    ``true`` and ``1`` are not; arrays and objects by their contents)."""
+    seen: set[Any] = set()
+    for item in items:
+        _over_budget()
+        key = _canonical(item)
+        if key in seen:
+            return False
+        seen.add(key)
+    return True
+
+
+def _canonical(value: Any) -> Any:
+    """A hashable form of a JSON value, equal where JSON Schema's equality is (an int
+    and a float hash alike where they are equal, as Python's numbers do)."""
+    if value is True or value is False:
+        return ("b", value)
+    if isinstance(value, dict):
+        return ("o", frozenset((k, _canonical(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return ("a", tuple(_canonical(v) for v in value))
+    return ("v", value)
 
 
 #: The keywords that descend into other schemas (every draft's), and ``pattern``: the
@@ -226,7 +301,7 @@ _BUDGETED = frozenset({
     "then", "else", "items", "prefixItems", "additionalItems", "contains", "properties",
     "patternProperties", "additionalProperties", "dependentSchemas", "dependencies",
     "propertyNames", "unevaluatedItems", "unevaluatedProperties", "extends", "type",
-    "pattern",
+    "pattern", "uniqueItems",
 })
 
 

@@ -39,8 +39,9 @@ import json
 import math
 import re
 import sys
+import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -50,7 +51,7 @@ from ._config import Source, is_utf8
 from ._context import ChatRequest
 from ._errors import ConfigError, StructuredOutputError
 from ._json import MAX_DEPTH, nested_deeper
-from ._schema_bounds import OverBudget, SlowPattern, bounded_keywords, budget
+from ._schema_bounds import Budget, OverBudget, SlowPattern, bounded_keywords, budget
 from ._secrets import printable
 from ._threads import run_sync
 from ._types import ChatResponse, encode_compact
@@ -104,9 +105,9 @@ class Schema:
     json_schema: dict[str, Any]
     off_loop_chars: int
 
-    def validate(self, text: str, seconds: float = math.inf, on_loop: bool = True) -> Any:
+    def validate(self, text: str, limit: Budget | None = None, on_loop: bool = True) -> Any:
         """The validated value of ``text``; raises :class:`Invalid`, or
-        :class:`OverBudget` past ``seconds`` of checking where the validator can tell.
+        :class:`OverBudget` once ``limit`` ends, where the validator can tell.
         ``on_loop``: called in the event loop's thread, not a worker thread."""
         raise NotImplementedError
 
@@ -129,7 +130,7 @@ class _ModelSchema(Schema):
         self._validate_json = model.model_validate_json
         self._error_type: type[Exception] = sys.modules["pydantic"].ValidationError
 
-    def validate(self, text: str, seconds: float = math.inf, on_loop: bool = True) -> Any:
+    def validate(self, text: str, limit: Budget | None = None, on_loop: bool = True) -> Any:
         # (pydantic-core checks in Rust, holding the interpreter: no budget reaches it.)
         text = _unfenced(text)
         _refuse_constants(text)
@@ -226,12 +227,14 @@ class _DictSchema(Schema):
         if self._validator is None:
             await run_sync(self.compile, abandon_on_cancel=True)
 
-    def validate(self, text: str, seconds: float = math.inf, on_loop: bool = True) -> Any:
+    def validate(self, text: str, limit: Budget | None = None, on_loop: bool = True) -> Any:
         text = _unfenced(text)
         if nested_deeper(text, MAX_DEPTH):
             raise Invalid([_TOO_DEEP_ANSWER])
         try:
-            value = json.loads(text, parse_constant=_no_constant)
+            # (A float's range is looked at only where a number may pass it: rarely.)
+            finite = _finite_float if _OVERFLOW.search(text) else None
+            value = json.loads(text, parse_constant=_no_constant, parse_float=finite)
         except ValueError as exc:
             raise Invalid([f"$: not valid JSON ({exc})"]) from None
         except RecursionError:  # Python's decoder recurses a level per bracket
@@ -243,7 +246,7 @@ class _DictSchema(Schema):
         validator = self._validator
         assert validator is not None, "validated before it was ready()"
         try:
-            with budget(seconds, on_loop=on_loop):
+            with budget(limit or _UNBOUNDED, on_loop=on_loop):
                 if validator.is_valid(value):
                     return value
                 errors = sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.path)))
@@ -265,7 +268,7 @@ class _DictSchema(Schema):
             raise Invalid(["$: nested too deeply to be validated"]) from None  # too deep to walk
         except Exception as exc:  # a reference below a nested $id that does not resolve
             raise ConfigError(f"schema: cannot be applied ({_first_line(exc)})") from None
-        raise Invalid(_bounded(f"{e.json_path}: {e.message}" for e in errors))
+        raise Invalid(_bounded(f"{_json_path(e.absolute_path)}: {e.message}" for e in errors))
 
 
 def _compile(schema: Any) -> Any:
@@ -673,6 +676,21 @@ def _first_line(exc: Any) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+#: Where a number may pass a float's range (1.8e308): an exponent of three digits or
+#: more, or 300 digits in a row.
+_OVERFLOW = re.compile(r"[eE][+]?[0-9]{3}|[0-9]{300}")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number read as a float; one past a float's range (Python reads 1e400 as
+    infinity, which JSON cannot carry, nor the answer be sent back) is no JSON."""
+    value = float(text)
+    if not math.isfinite(value):
+        shown = text if len(text) <= 24 else text[:23] + "…"
+        raise _NotJson(f"{shown} is out of a number's range")
+    return value
+
+
 def _no_constant(name: str) -> Any:
     """NaN, Infinity and -Infinity are no JSON (Python's decoder reads them): an answer
     holding one is not valid JSON, so it is re-asked."""
@@ -680,13 +698,15 @@ def _no_constant(name: str) -> Any:
 
 
 def _refuse_constants(text: str) -> None:
-    """pydantic-core's JSON reader takes NaN and Infinity, which are no JSON: an answer
-    holding one outside a string is refused as the dict schema's reader refuses it.
-    The standard reader looks only when the words appear at all (rarely)."""
-    if "NaN" not in text and "Infinity" not in text:
+    """pydantic-core's JSON reader takes NaN and Infinity, which are no JSON, and reads
+    a number past a float's range as infinity: an answer holding one outside a string
+    is refused as the dict schema's reader refuses it.  The standard reader looks only
+    when the words, or such a number, may appear at all (rarely)."""
+    overflow = _OVERFLOW.search(text)
+    if "NaN" not in text and "Infinity" not in text and not overflow:
         return
     try:
-        json.loads(text, parse_constant=_no_constant)
+        json.loads(text, parse_constant=_no_constant, parse_float=_finite_float if overflow else None)
     except _NotJson as exc:
         raise Invalid([f"$: not valid JSON ({exc})"]) from None
     except (ValueError, RecursionError):
@@ -697,8 +717,18 @@ class _NotJson(ValueError):
     pass
 
 
-def _json_path(loc: Sequence[Any]) -> str:
-    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+def _json_path(loc: Iterable[Any]) -> str:
+    """``$.a[0].b``; a key that is no plain name as a JSON string (``$["k\\n…"]``): a
+    key of the answer's, holding a line break or an escape sequence, split a problem
+    into two lines, forged one, and reached the next round's prompt as such."""
+    return "$" + "".join(
+        f"[{p}]" if isinstance(p, int) else f".{p}" if _PLAIN_KEY.fullmatch(str(p))
+        else f"[{json.dumps(str(p), ensure_ascii=False)}]"
+        for p in loc
+    )
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _bounded(lines: Any) -> list[str]:
@@ -908,7 +938,7 @@ class StructuredRounds:
         schema = self.schema
         if len(text) <= schema.off_loop_chars:
             try:
-                return schema.validate(text, _ON_LOOP_S)
+                return schema.validate(text, Budget(time.monotonic() + _ON_LOOP_S))
             except OverBudget:
                 pass  # (the rest in a thread; the loop has waited long enough)
         seconds = _OFF_LOOP_S
@@ -916,14 +946,19 @@ class StructuredRounds:
             # (Under a MockClock the time left is virtual, and held still while the
             # thread works: no measure of the real seconds it may take.)
             seconds = min(trio.current_effective_deadline() - trio.current_time(), seconds)
+        # The end is fixed here, not when the thread starts: one that waited for a
+        # thread token (trio's are shared by the process) ran past the deadline.
+        limit = Budget(time.monotonic() + seconds)
         try:
-            return await run_sync(schema.validate, text, seconds, False, abandon_on_cancel=True)
+            return await run_sync(schema.validate, text, limit, False, abandon_on_cancel=True)
         except OverBudget:
             raise Invalid([
                 f"$: checking the answer against the schema took over {seconds:.3g} s (a "
                 "union of shapes that nest is tried shape by shape, and a long answer "
                 "takes long), so it was not checked"
             ]) from None
+        finally:
+            limit.stop()  # (cancelled, the call does not wait for the thread: it stops)
 
 
 def _virtual_time() -> bool:
@@ -933,6 +968,8 @@ def _virtual_time() -> bool:
     return testing is not None and isinstance(trio.lowlevel.current_clock(), testing.MockClock)
 
 
+#: No bound: a check nobody waits on in bounded time (``validate()`` called directly).
+_UNBOUNDED = Budget(math.inf)
 #: How long an answer is checked on the event loop before the rest of its check goes
 #: to a worker thread: 2 KiB of JSON takes a JSON Schema a few ms (1 ms per 300
 #: bytes), where a recursive union's walk can take seconds on 300 characters.

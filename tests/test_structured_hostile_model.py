@@ -1,0 +1,292 @@
+"""A hostile (or merely odd) model's answers against structured output: each test here
+was a reviewer's probe that failed on the code before its fix.
+
+- a huge integer against a float ``multipleOf`` was a ConfigError after the call (the
+  schema blamed), and ``1e400`` (read as infinity) passed as a value;
+- ``uniqueItems`` compared unsortable items pair by pair: quadratic, past any budget;
+- an answer's key holding a line break or an escape sequence forged problem lines;
+- a validation thread that waited for a thread token, or whose call was cancelled,
+  computed on past its call (holding one of trio's shared thread tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pydantic
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate import _structured
+from polygate._structured import Invalid, schema_of
+from polygate.testing import FakeUpstream, RecordedRequest, Reply, Router
+
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+async def _eventually(condition: Callable[[], bool], seconds: float) -> bool:
+    """Whether ``condition`` came true within ``seconds`` (looked at every 10 ms: what
+    it watches happens in a worker thread, which has no trio event to set)."""
+    for _ in range(int(seconds * 100)):
+        if condition():
+            return True
+        await trio.sleep(0.01)
+    return condition()
+
+
+def _settings(**scope: Any) -> polygate.Settings:
+    return polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], **scope)})
+
+
+def _by_round(*texts: str) -> Any:
+    def behaviour(rec: RecordedRequest, rng: Any) -> Reply:
+        done = sum(1 for m in rec.body["messages"] if m.get("role") == "assistant")
+        return Reply(text=texts[min(done, len(texts) - 1)])
+    return behaviour
+
+
+# ---------------------------------------------------------------- 1. multipleOf overflow
+
+HALVES = {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}},
+          "required": ["x"]}
+
+
+async def test_a_huge_integer_against_a_float_multipleof_is_judged_not_a_config_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """jsonschema's multipleOf divides the integer by the float outside its own guard:
+    an OverflowError, which the call took for a broken schema (a ConfigError, the
+    request paid for, nothing re-asked).  Judged exactly: 10**400 is a multiple of 0.5,
+    10**400 + 1 is not a multiple of 2.0."""
+    up = FakeUpstream(Reply(text='{"x": 1' + "0" * 400 + "}"))
+    async with polygate.session(_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=HALVES)
+    assert r.parsed == {"x": 10**400}
+    evens = schema_of({"type": "integer", "multipleOf": 2.0})
+    with pytest.raises(Invalid):  # (its message cut: 400 digits)
+        evens.validate("1" + "0" * 399 + "1")
+
+
+# ---------------------------------------------------------------- 2. uniqueItems is unbudgeted
+
+UNIQUE = {"type": "array", "uniqueItems": True}
+
+
+def _distinct_objects(n: int) -> str:
+    # dicts do not sort: jsonschema's uniq falls back to comparing every pair
+    return json.dumps([{"": i} for i in range(n)], separators=(",", ":"))
+
+
+def test_unique_items_is_checked_in_linear_time() -> None:
+    """jsonschema compares unsortable items (objects, mixed types) pair by pair: 4,000
+    distinct objects took ~15 s, in one keyword call no budget could stop."""
+    schema = schema_of(UNIQUE)
+    start = time.perf_counter()
+    assert len(schema.validate(_distinct_objects(4000))) == 4000
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize(("items", "unique"), [
+    ([1, 1.0], False), ([True, 1], True), ([False, 0], True), ([0, 0.0, False], False),
+    ([{"a": [1, {"b": 2}]}, {"a": [1, {"b": 2.0}]}], False), ([{"a": 1}, {"a": True}], True),
+    ([[1, 2], [2, 1]], True), (["1", 1], True), ([None, None], False), ([{}, []], True),
+    ([{"a": 1, "b": 2}, {"b": 2, "a": 1}], False), ([2**60, float(2**60)], False),
+])
+def test_unique_items_means_what_jsonschema_means(items: list[Any], unique: bool) -> None:
+    import jsonschema
+
+    assert jsonschema.Draft202012Validator(UNIQUE).is_valid(items) is unique
+    text = json.dumps(items)
+    if unique:
+        assert schema_of(UNIQUE).validate(text) == items
+    else:
+        with pytest.raises(Invalid, match="has non-unique elements"):
+            schema_of(UNIQUE).validate(text)
+
+
+# ---------------------------------------------------------------- 3. problem lines forged by keys
+
+FREE_INTS = {"type": "object", "additionalProperties": {"type": "integer"}}
+
+
+class FreeInts(pydantic.BaseModel):
+    values: dict[str, int]
+
+
+_FORGED_KEY = "k\n$.forged: \x1b[2Jpretend problem"
+
+
+@pytest.mark.parametrize("kind", ["dict", "pydantic"])
+async def test_a_key_cannot_add_lines_or_control_characters_to_the_problems(
+    autojump_clock: trio.testing.MockClock, kind: str,
+) -> None:
+    """docs/structured.md: 'Problems are reported one per line as `$.path: message`'.
+    An answer's key goes raw into the path (jsonschema's json_path escapes only \\ and
+    ', polygate's _json_path nothing): a key holding a newline and an escape sequence
+    makes one problem two lines, a forged one among them, and puts ESC [2J into
+    StructuredOutputError.errors and into the next prompt's problem list.
+    Expected: one line, control characters escaped (as the messages' repr does)."""
+    if kind == "dict":
+        schema: Any = FREE_INTS
+        answer = json.dumps({_FORGED_KEY: "not an integer"})
+    else:
+        schema = FreeInts
+        answer = json.dumps({"values": {_FORGED_KEY: "not an integer"}})
+    up = FakeUpstream(Reply(text=answer))
+    settings = _settings(structured=polygate.Structured(max_reasks=1))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.StructuredOutputError) as caught:
+            await s.chat(MESSAGES, schema=schema)
+    first = caught.value.errors[0]
+    reask = up.requests[1].body["messages"][-1]["content"]
+    assert "\x1b" not in first and "\x1b" not in reask
+    assert len(first.splitlines()) == 1, first.splitlines()
+    assert not any(line.startswith("$.forged") for line in reask.splitlines()), reask
+
+
+# ---------------------------------------------------------------- 4. abandoned threads compute on
+
+def _node(op: str) -> dict[str, Any]:
+    return {"type": "object", "required": ["op", "args"], "properties": {
+        "op": {"const": op}, "args": {"type": "array", "items": {"$ref": "#/$defs/expr"}}}}
+
+
+UNION = {"$defs": {"expr": {"anyOf": [_node("add"), _node("mul"), {"type": "number"}]}},
+         "$ref": "#/$defs/expr"}
+
+
+def _chain(depth: int) -> str:
+    value: Any = 1
+    for _ in range(depth):
+        value = {"op": "mul", "args": [value]}
+    return json.dumps(value)
+
+
+def _record_ends(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    ended: list[float] = []
+    original = _structured._DictSchema.validate
+
+    def recording(self: Any, text: str, *args: Any) -> Any:
+        on_loop = threading.current_thread() is threading.main_thread()
+        try:
+            return original(self, text, *args)
+        finally:
+            if not on_loop:
+                ended.append(time.perf_counter())
+
+    monkeypatch.setattr(_structured._DictSchema, "validate", recording)
+    return ended
+
+
+async def test_a_thread_that_waited_for_a_token_stops_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_validated computes the thread's budget as *seconds* (deadline - now) before the
+    thread is started, and budget() starts counting when the thread runs: a thread that
+    first waited for one of trio's thread tokens computes on past the call's deadline by
+    that wait (docs: 'the thread stops itself then, never computing on after the call').
+    Here: one token, held 1 s by other work; deadline 1.5 s; the check ends ~2.5 s."""
+    ended = _record_ends(monkeypatch)
+    schema_of(UNION).compile()
+    limiter = trio.to_thread.current_default_thread_limiter()
+    before = limiter.total_tokens
+    limiter.total_tokens = 1
+    try:
+        up = FakeUpstream(Reply(text=_chain(24)))
+        async with polygate.session(_settings(call_deadline_s=1.5), transport=Router({"a": up})) as s:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.to_thread.run_sync, time.sleep, 1.0)
+                await trio.sleep(0.05)
+                start = time.perf_counter()
+                with pytest.raises(polygate.DeadlineExceeded):
+                    await s.chat(MESSAGES, schema=UNION)
+            await _eventually(lambda: bool(ended), 4)
+    finally:
+        limiter.total_tokens = before
+    assert ended
+    assert ended[0] - start < 1.5 + 0.4, f"the check ended {ended[0] - start:.2f} s after the call began"
+
+
+async def test_a_cancelled_calls_thread_stops_at_the_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call with no deadline whose caller cancels it (a client gone, a cancel
+    scope's cancel()) abandons its check's thread, which computes on to its budget,
+    min(effective deadline, _OFF_LOOP_S) = 60 s: the effective deadline is inf, the
+    cancel is no deadline.  docs/structured.md: 'the thread stops itself then, never
+    computing on after the call'.  (Monkeypatched to 8 s to keep the probe short.)"""
+    monkeypatch.setattr(_structured, "_OFF_LOOP_S", 8.0)
+    ended = _record_ends(monkeypatch)
+    schema_of(UNION).compile()
+    up = FakeUpstream(Reply(text=_chain(24)))
+    limiter = trio.to_thread.current_default_thread_limiter()
+    async with polygate.session(_settings(), transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(s.chat, MESSAGES, schema=UNION))
+            assert await _eventually(lambda: limiter.borrowed_tokens >= 1, 5)
+            await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()  # the caller gives up
+        cancelled_at = time.perf_counter()
+        await _eventually(lambda: bool(ended), 3)
+    assert ended, "the cancelled call's check still computed 3 s after the cancel"
+    assert ended[0] - cancelled_at < 1.0
+
+
+async def test_cancelled_calls_threads_do_not_starve_the_next_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consequence: each abandoned check holds one of trio's 40 default thread
+    tokens (shared by the whole process: telemetry sinks, big schemas' compiles, other
+    validations) until its budget ends.  After 40 cancelled calls, the 41st, whose
+    3 KB answer is checked in a thread in milliseconds, waits for a token.  The
+    re-asks section says an abandoned thread 'holds nothing'.  (_OFF_LOOP_S is
+    monkeypatched to 20 s, from 60.)"""
+    monkeypatch.setattr(_structured, "_OFF_LOOP_S", 20.0)
+    schema_of(UNION).compile()
+    plain = {"type": "array", "items": {"type": "integer"}}
+    big_valid = json.dumps(list(range(800)))
+    assert len(big_valid) > 2048
+
+    def behaviour(rec: RecordedRequest, rng: Any) -> Reply:
+        if rec.body["response_format"]["json_schema"]["schema"] == plain:
+            return Reply(text=big_valid)
+        return Reply(text=_chain(24))
+
+    up = FakeUpstream(behaviour)
+    limiter = trio.to_thread.current_default_thread_limiter()
+    async with polygate.session(_settings(), transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:
+            for _ in range(limiter.total_tokens):
+                nursery.start_soon(functools.partial(s.chat, MESSAGES, schema=UNION))
+            assert await _eventually(lambda: limiter.borrowed_tokens >= limiter.total_tokens, 30)
+            nursery.cancel_scope.cancel()  # the callers give up
+        await trio.sleep(0.5)
+        with trio.fail_after(2):
+            r = await s.chat(MESSAGES, schema=plain)
+        assert r.parsed == list(range(800))
+
+
+# ---------------------------------------------------------------- 5. an overflowing number is Infinity
+
+class Measure(pydantic.BaseModel):
+    x: float
+
+
+@pytest.mark.parametrize("kind", ["dict", "pydantic"])
+async def test_an_overflowing_number_is_refused_as_infinity_is(
+    autojump_clock: trio.testing.MockClock, kind: str,
+) -> None:
+    """docs/structured.md refuses NaN and Infinity in an answer (no JSON value; a
+    parsed value that cannot be written back as JSON).  The literal 1e400 reads as
+    float('inf') in both readers (json.loads, pydantic-core) and passes: parsed holds
+    inf, which json.dumps(..., allow_nan=False) refuses.  Expected: refused and
+    re-asked like Infinity."""
+    schema: Any = Measure if kind == "pydantic" else {
+        "type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    up = FakeUpstream(_by_round('{"x": 1e400}', '{"x": 2.5}'))
+    async with polygate.session(_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=schema)
+    value = r.parsed.x if kind == "pydantic" else r.parsed["x"]
+    assert value == 2.5 and r.call_stats.reasks == 1, value
