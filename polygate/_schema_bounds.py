@@ -244,9 +244,11 @@ def bounded_keywords(validators: dict[str, Any], error: type[Exception]) -> dict
             # (a list: its errors, or its failure, here)
             found = list(original_multiple(validator, divisor, instance, schema) or ())
         except (OverflowError, ValueError):
-            # jsonschema divides a huge integer by a float divisor outside its own
-            # guard (an OverflowError the call took for a broken schema): exactly.
-            if not isinstance(instance, int) or isinstance(instance, bool):
+            # jsonschema divides a huge integer by a float (or a float by a huge
+            # integer) outside its own guard: an OverflowError the call took for a
+            # broken schema.  Judged exactly.
+            if not all(isinstance(n, (int, float)) and not isinstance(n, bool)
+                       for n in (instance, divisor)):
                 raise
             if (Fraction(instance) / Fraction(divisor)).denominator != 1:
                 yield error(f"{instance!r} is not a multiple of {divisor}")
@@ -280,10 +282,15 @@ def _unique(items: list[Any]) -> bool:
 
 
 def _canonical(value: Any) -> Any:
-    """A hashable form of a JSON value, equal where JSON Schema's equality is (an int
-    and a float hash alike where they are equal, as Python's numbers do)."""
+    """A hashable form of a JSON value, equal where JSON Schema's equality is (``1`` and
+    ``1.0`` are).  A number as text: an int's hash is its value modulo 2**61 - 1, the
+    same in every process, so 15,000 multiples of it collided in the set (5 s);
+    text's hash is salted per process."""
     if value is True or value is False:
         return ("b", value)
+    if isinstance(value, (int, float)):
+        whole = isinstance(value, int) or value.is_integer()
+        return ("n", str(int(value)) if whole else repr(value))
     if isinstance(value, dict):
         return ("o", frozenset((k, _canonical(v)) for k, v in value.items()))
     if isinstance(value, list):

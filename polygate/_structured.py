@@ -677,8 +677,10 @@ def _first_line(exc: Any) -> str:
 
 
 #: Where a number may pass a float's range (1.8e308): an exponent of three digits or
-#: more, or 300 digits in a row.
-_OVERFLOW = re.compile(r"[eE][+]?[0-9]{3}|[0-9]{300}")
+#: more, or 210 digits in a row (with an exponent of two, 1e99, enough).  A run is
+#: looked for only where it starts (the look-behind): tried at every digit, 8 MB of
+#: digits held the event loop 1.5 s.
+_OVERFLOW = re.compile(r"[eE][+]?[0-9]{3}|(?<![0-9])[0-9]{210}")
 
 
 def _finite_float(text: str) -> float:
@@ -723,7 +725,9 @@ def _json_path(loc: Iterable[Any]) -> str:
     into two lines, forged one, and reached the next round's prompt as such."""
     return "$" + "".join(
         f"[{p}]" if isinstance(p, int) else f".{p}" if _PLAIN_KEY.fullmatch(str(p))
-        else f"[{json.dumps(str(p), ensure_ascii=False)}]"
+        # (json.dumps escapes what is below U+0020; printable the rest that splits a
+        # line or turns text around: U+2028, U+0085, a bidi override)
+        else f"[{printable(json.dumps(str(p), ensure_ascii=False))}]"
         for p in loc
     )
 

@@ -25,6 +25,7 @@ import trio.testing
 
 import polygate
 from polygate import _structured
+from polygate._errors import ConfigError
 from polygate._structured import Invalid, schema_of
 from polygate.testing import FakeUpstream, RecordedRequest, Reply, Router
 
@@ -290,3 +291,96 @@ async def test_an_overflowing_number_is_refused_as_infinity_is(
         r = await s.chat(MESSAGES, schema=schema)
     value = r.parsed.x if kind == "pydantic" else r.parsed["x"]
     assert value == 2.5 and r.call_stats.reasks == 1, value
+
+
+# --------------------------------------------------------------------------- a third review
+
+# 1. _OVERFLOW misses 210..299 integer digits with a two-digit exponent: 1e350 -> inf
+HUGE = "1" + "0" * 250 + "e99"  # 1e349: float('inf'), yet no 3-digit exponent, no 300-digit run
+
+
+@pytest.mark.parametrize("kind", ["dict", "pydantic"])
+async def test_an_overflow_written_with_a_long_mantissa_is_refused_as_1e400_is(
+    autojump_clock: trio.testing.MockClock, kind: str,
+) -> None:
+    assert float(HUGE) == float("inf")
+    schema: Any = Measure if kind == "pydantic" else {
+        "type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    up = FakeUpstream(_by_round('{"x": ' + HUGE + "}", '{"x": 2.5}'))
+    async with polygate.session(_settings(), transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES, schema=schema)
+    value = r.parsed.x if kind == "pydantic" else r.parsed["x"]
+    assert value == 2.5 and r.call_stats.reasks == 1, value
+
+
+# 2. a key holding U+2028 / U+0085 still splits a problem line (json.dumps leaves them raw)
+FREE_INTS = {"type": "object", "additionalProperties": {"type": "integer"}}
+
+
+@pytest.mark.parametrize("sep", ["\u2028", "\x85", "\u2029"])
+@pytest.mark.parametrize("kind", ["dict", "pydantic"])
+def test_a_key_with_a_unicode_line_break_stays_on_one_line(kind: str, sep: str) -> None:
+    key = f"k{sep}$.forged: pretend problem"
+    if kind == "dict":
+        schema: Any = FREE_INTS
+        answer = json.dumps({key: "not an integer"})
+    else:
+        schema = FreeInts
+        answer = json.dumps({"values": {key: "not an integer"}})
+    with pytest.raises(Invalid) as caught:
+        schema_of(schema).validate(answer)
+    first = caught.value.problems[0]
+    # docs/structured.md: "the answer's keys can neither split a line nor put an
+    # escape sequence in the next prompt"
+    assert len(first.splitlines()) == 1, first.splitlines()
+
+
+# 3. uniqueItems' set of canonical forms: integers hash to n mod (2**61 - 1), so a
+#    model's distinct multiples of that prime all collide: quadratic, where
+#    jsonschema sorts them (15,000 of them: ~6 s here, jsonschema 10 ms)
+def test_unique_items_with_colliding_integer_hashes_stays_fast() -> None:
+    prime = 2**61 - 1
+    items = [k * prime for k in range(1, 15_001)]
+    schema = schema_of({"type": "array", "uniqueItems": True})
+    start = time.perf_counter()
+    assert schema.validate(json.dumps(items)) == items
+    assert time.perf_counter() - start < 1.5, f"{time.perf_counter() - start:.1f} s"
+
+
+# 4. the _OVERFLOW pre-check ([0-9]{300}, tried at every digit) is quadratic on digit
+#    runs just under 300 and holds the interpreter's lock throughout (re): an 8 MB
+#    answer of 299-digit runs starves the loop ~1.5 s, where json.loads takes 30 ms
+async def test_the_overflow_precheck_does_not_hold_the_loop() -> None:
+    answer = json.dumps(" ".join(["1" * 299] * (8 * 1024 * 1024 // 300)))
+    up = FakeUpstream(Reply(text=answer))
+    settings = _settings(structured=polygate.Structured(max_reasks=0))
+    longest = 0.0
+
+    async def ticker() -> None:
+        nonlocal longest
+        while True:
+            before = time.perf_counter()
+            await trio.sleep(0.005)
+            longest = max(longest, time.perf_counter() - before)
+
+    schema = {"type": "string"}
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await trio.sleep(0.05)
+            r = await s.chat(MESSAGES, schema=schema)
+            nursery.cancel_scope.cancel()
+    assert len(r.parsed) > 8_000_000
+    assert longest < 0.5, f"the event loop stood still {longest:.2f} s"
+
+
+# 5. (low) a float answer under a huge-integer multipleOf: OverflowError re-raised by
+#    the wrapper -> ConfigError after the call (the model's answer blamed on the schema)
+def test_a_float_under_a_huge_integer_multipleof_is_judged() -> None:
+    schema = schema_of({"type": "number", "multipleOf": 10**400})
+    try:
+        schema.validate("1.5")
+    except Invalid:
+        pass  # 1.5 is not a multiple of 10**400: re-asked
+    except ConfigError as exc:
+        pytest.fail(f"the answer 1.5 was a ConfigError: {exc}")
