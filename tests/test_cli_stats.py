@@ -128,6 +128,20 @@ def test_parse_since() -> None:
             parse_since(bad)
 
 
+@pytest.mark.parametrize("when", ["2026-01-02T03:04:05Z", "2026-01-02T03:04:05z",
+                                  "2026-01-02T03:04:05.0Z", "2026-01-02T03:04:05.0000000+00:00"])
+def test_since_reads_a_z_and_any_fraction_on_every_python(when: str) -> None:
+    """Review finding (the Python versions): 3.10's fromisoformat reads only what
+    isoformat writes, so --since 2026-01-01T00:00:00Z exited 2 there; the same
+    arguments, read as 3.10 would be given them, on every Python."""
+    from polygate.cli import _stats
+
+    assert parse_since(when) == 1767323045.0
+    normalised = _stats._iso_as_310_reads_it(when)
+    assert not normalised.endswith(("Z", "z")) and parse_since(when) == 1767323045.0
+    assert "." not in normalised or len(normalised.split(".")[1].split("+")[0]) == 6
+
+
 @pytest.mark.parametrize("age", ["100000000w", "1" + "0" * 400 + "s", "3000000000000d"])
 def test_an_age_reaching_before_any_date_is_refused(age: str) -> None:
     """A docs sweep of cli.md ("an age too large to be a time"): only an age that

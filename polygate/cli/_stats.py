@@ -81,7 +81,7 @@ def parse_since(text: str, now: float | None = None) -> float:
             raise ValueError(f"--since {shown!r}: an age too large to be a time")
         return since
     try:
-        when = datetime.fromisoformat(text.strip())
+        when = datetime.fromisoformat(_iso_as_310_reads_it(text.strip()))
     except ValueError:
         raise ValueError(
             f"--since {text!r}: expected an age like 30m, 6h, 2d or an ISO date/time"
@@ -102,6 +102,18 @@ def _tails(text: str) -> list[float]:
     if not values or not all(0 < v <= 100 for v in values):
         raise ValueError(f"--tail {text!r}: expected percentages in (0, 100], comma-separated")
     return values
+
+
+#: A time's fraction of a second (Python 3.10 reads only 3 or 6 digits of it).
+_FRACTION = re.compile(r"(T[0-9:]+)\.([0-9]+)")
+
+
+def _iso_as_310_reads_it(text: str) -> str:
+    """``text`` as Python 3.10's ``fromisoformat`` reads it too (3.11 reads most of
+    ISO 8601): a ``Z`` (or RFC 3339's ``z``) is ``+00:00``, a fraction has six digits."""
+    if text[-1:] in ("Z", "z"):
+        text = text[:-1] + "+00:00"
+    return _FRACTION.sub(lambda m: f"{m.group(1)}.{(m.group(2) + '000000')[:6]}", text, count=1)
 
 
 def default_db(env: dict[str, str] | None = None) -> str:
