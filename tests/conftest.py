@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 import polygate
 from polygate.governance import MemoryBackend
@@ -79,3 +83,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("anyio") is not None:
             item.own_markers[:] = [m for m in item.own_markers if m.name != "trio"]
+
+
+class LoopSteps(trio.abc.Instrument):
+    """The longest run of one task without a checkpoint: how long the event loop was
+    held.  (A ticker task misses the gap when it is cancelled right after it.)"""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._began: float | None = None  # (None: a step begun before this was added)
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._began = time.perf_counter()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self._began is not None:
+            self.longest = max(self.longest, time.perf_counter() - self._began)
+
+
+@contextlib.contextmanager
+def held_loop() -> Iterator[LoopSteps]:
+    steps = LoopSteps()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        yield steps
+    finally:
+        trio.lowlevel.remove_instrument(steps)

@@ -27,8 +27,7 @@ import polygate
 from polygate._structured import Invalid, schema_of
 from polygate.testing import FakeUpstream, Reply, Router
 
-from .conftest import MESSAGES, one_source_settings
-from .test_structured_regex import _held
+from .conftest import MESSAGES, held_loop, one_source_settings
 
 D7 = "http://json-schema.org/draft-07/schema#"
 D20 = "https://json-schema.org/draft/2020-12/schema"
@@ -130,7 +129,7 @@ async def test_many_slow_keys_do_not_hold_the_loop(keyword: str) -> None:
     up = FakeUpstream(Reply(text=json.dumps(answer)))
     settings = one_source_settings(structured=polygate.Structured(max_reasks=0), call_deadline_s=4)
     async with polygate.session(settings, transport=Router({"a": up})) as s:
-        with _held() as steps:
+        with held_loop() as steps:
             try:
                 await s.chat(MESSAGES, schema=schema)
             except (polygate.StructuredOutputError, polygate.DeadlineExceeded):

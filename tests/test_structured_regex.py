@@ -10,10 +10,8 @@ The real clock: a match is real CPU time.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -28,7 +26,7 @@ from polygate._schema_bounds import MATCH_TIMEOUT_S, Budget, OverBudget
 from polygate._structured import Invalid, _json_path, schema_of
 from polygate.testing import FakeUpstream, Reply, Router
 
-from .conftest import MESSAGES, one_source_settings
+from .conftest import MESSAGES, held_loop, one_source_settings
 
 # Python's re backtracks through ~2^26 ways of splitting these a's (seconds); regex
 # sees at once that none can end before the b.
@@ -83,32 +81,6 @@ _CASES: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-class _Steps(trio.abc.Instrument):
-    """The longest run of one task without a checkpoint: how long the event loop was
-    held.  (A ticker task misses the gap when it is cancelled right after it.)"""
-
-    def __init__(self) -> None:
-        self.longest = 0.0
-        self._began: float | None = None  # (None: a step begun before this was added)
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        self._began = time.perf_counter()
-
-    def after_task_step(self, task: trio.lowlevel.Task) -> None:
-        if self._began is not None:
-            self.longest = max(self.longest, time.perf_counter() - self._began)
-
-
-@contextlib.contextmanager
-def _held() -> Iterator[_Steps]:
-    steps = _Steps()
-    trio.lowlevel.add_instrument(steps)
-    try:
-        yield steps
-    finally:
-        trio.lowlevel.remove_instrument(steps)
-
-
 async def _refused(schema: Any, answer: str, **scope: Any) -> tuple[polygate.StructuredOutputError, float]:
     """The call's StructuredOutputError, and how long the loop was held while it ran
     (the schema compiled first: jsonschema's first import is not the answer's check)."""
@@ -116,7 +88,7 @@ async def _refused(schema: Any, answer: str, **scope: Any) -> tuple[polygate.Str
     up = FakeUpstream(Reply(text=answer))
     settings = one_source_settings(structured=polygate.Structured(max_reasks=0), **scope)
     async with polygate.session(settings, transport=Router({"a": up})) as s:
-        with _held() as steps, pytest.raises(polygate.StructuredOutputError) as caught:
+        with held_loop() as steps, pytest.raises(polygate.StructuredOutputError) as caught:
             await s.chat(MESSAGES, schema=schema)
     return caught.value, steps.longest
 
@@ -208,7 +180,7 @@ async def test_a_recursive_unions_walk_leaves_the_loop_and_ends_at_the_deadline(
     async with polygate.session(one_source_settings(call_deadline_s=0.5),
                                 transport=Router({"a": up})) as s:
         start = trio.current_time()
-        with _held() as steps, pytest.raises(polygate.DeadlineExceeded):
+        with held_loop() as steps, pytest.raises(polygate.DeadlineExceeded):
             await s.chat(MESSAGES, schema=_UNION)
         took = trio.current_time() - start
     assert steps.longest < 0.3, f"the event loop was held {steps.longest:.2f} s"
