@@ -105,6 +105,7 @@ class AttemptControl:
         limit is in time (SPEC §4: silent *longer* than ``stall_timeout_s``; a first
         token *within* ``ttft_timeout_s``): the scope fires a hair after it, or in the
         instant they share trio would cancel the read that brings the token."""
+        # (_past's common branch written out: this runs for every content token)
         self._watch = deadline + _WATCH_GRACE_S if deadline < _GRACE_MOVES_BELOW else _past(deadline)
         earliest = self._deadline()
         # trio re-registers an entered scope's deadline on every assignment, even of

@@ -364,9 +364,10 @@ _RATE_REASONS = frozenset({RefusalReason.COOLING_DOWN, RefusalReason.RPM, Refusa
 
 async def _fallback_admits(ctx: CallContext) -> bool:
     """Whether the call's fallback scope has a source that is up: its breaker not open
-    (or its open period over), neither dead nor cooling down.  Read from the backend's state, not by admitting (an
-    admission given back would still count as one, and take a half-open breaker's
-    probe); quotas and permits are left out: they free up by themselves, there too."""
+    (or its open period over), neither dead nor cooling down.  Read from the backend's
+    state, not by admitting (an admission given back would still count as one, and
+    take a half-open breaker's probe); quotas and permits are left out: they free up
+    by themselves, there too."""
     target = ctx.scope.fallback
     if target is None:
         return False

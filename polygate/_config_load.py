@@ -1030,7 +1030,8 @@ def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = No
     ignored = sorted(k for k, v in source.items() if k.upper().startswith(ENV_PREFIX) and v.strip())
     if ignored:
         config_warning(
-            f"configuration read from {printable(path)}; environment keys {printable(', '.join(ignored))} are ignored"
+            f"configuration read from {printable(path)}; "
+            f"environment keys {printable(', '.join(ignored))} are ignored"
         )
     return settings
 

@@ -9,8 +9,8 @@ the process runs meanwhile: not the event loop, not the call's deadline, not ano
 thread.  The model writes the string; the schema's author rarely knows their pattern
 backtracks.  These keywords match with the ``regex`` module instead (the
 ``polygate[structured]`` extra): it avoids most such backtracking outright
-(``^(a+)+$`` takes microseconds there), lets other threads run while it matches, and
-gives up after :data:`MATCH_TIMEOUT_S` on the rest.  A match that gives up is
+(``^(a+)+$`` takes microseconds there), and gives up after :data:`MATCH_TIMEOUT_S`
+(more for a long string) on the rest.  A match that gives up is
 :class:`SlowPattern`: the answer is not valid, re-asked like any other, with the reason.
 ``unevaluatedProperties`` (2019-09 and later) still finds the keys a
 ``patternProperties`` evaluated with jsonschema's own ``re``: its walk over the
@@ -20,8 +20,8 @@ drafts is checked by jsonschema's own classes throughout (docs/structured.md).
 **The walk.** Unions are tried branch by branch, each to its end (``anyOf`` gathers
 every error of a failing branch), so a recursive union (an expression tree: ``anyOf``
 of an ``add`` and a ``mul`` node, each holding expressions) takes time exponential in
-the answer's nesting: 350 characters, 5 s.  Every keyword is wrapped to check a budget
-first (:func:`budget`): past it, :class:`OverBudget`.  The caller validates a short
+the answer's nesting: 350 characters, 5 s.  The keywords that descend, and every
+match, look at a budget first (:func:`budget`): past it, :class:`OverBudget`.  The caller validates a short
 answer on the event loop with a small budget, and finishes one that overruns it in a
 worker thread, within the call's time (``polygate._structured``).
 """
@@ -46,7 +46,7 @@ MATCH_TIMEOUT_S = 0.1
 
 
 class SlowPattern(Exception):
-    """A pattern gave up on a string of the answer after ``seconds`` (twice)."""
+    """A pattern gave up on a string of the answer after ``seconds``."""
 
     def __init__(self, pattern: str, seconds: float) -> None:
         super().__init__(pattern, seconds)
@@ -58,8 +58,8 @@ class OverBudget(Exception):
     """The validation ran past the budget :func:`budget` gave it."""
 
 
-#: Until when (``time.monotonic()``) the validation running in this thread may go on,
-#: whether it runs in the event loop's thread, and the event that stops it sooner.
+#: The :class:`Budget` of the validation running in this thread, and whether it runs
+#: in the event loop's thread.
 _until = threading.local()
 
 
@@ -91,12 +91,6 @@ def budget(limit: Budget, *, on_loop: bool = True) -> Iterator[None]:
         yield
     finally:
         _until.limit, _until.on_loop = before
-
-
-def _over_budget() -> None:
-    limit: Budget | None = getattr(_until, "limit", None)
-    if limit is not None and (limit.stopped or time.monotonic() > limit.until):
-        raise OverBudget
 
 
 def _left() -> float:
@@ -193,7 +187,8 @@ def search(pattern: str, text: str) -> bool:
 def bounded_keywords(validators: dict[str, Any], error: type[Exception]) -> dict[str, Any]:
     """A jsonschema validator class's keywords in bounded time, for
     ``jsonschema.validators.extend``, given its keywords and ValidationError: the regex
-    ones replaced, and every one checking the budget."""
+    ones, ``uniqueItems`` and ``multipleOf`` replaced, and the walk's steps checking
+    the budget (``_BUDGETED``)."""
 
     def pattern(validator: Any, patrn: str, instance: Any, schema: Any) -> Iterator[Exception]:
         if validator.is_type(instance, "string") and not search(patrn, instance):
@@ -273,7 +268,7 @@ def _unique(items: list[Any]) -> bool:
     ``true`` and ``1`` are not; arrays and objects by their contents)."""
     seen: set[Any] = set()
     for item in items:
-        _over_budget()
+        _left()
         key = _canonical(item)
         if key in seen:
             return False
@@ -316,7 +311,7 @@ def _budgeted(check: Callable[..., Any]) -> Callable[..., Any]:
     """``check``, which first looks at the clock: every step of the walk does."""
 
     def keyword(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
-        _over_budget()
+        _left()
         return check(validator, value, instance, schema)
 
     return keyword

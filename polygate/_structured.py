@@ -53,7 +53,7 @@ from ._errors import ConfigError, StructuredOutputError
 from ._json import MAX_DEPTH, nested_deeper
 from ._schema_bounds import Budget, OverBudget, SlowPattern, bounded_keywords, budget
 from ._secrets import printable
-from ._threads import run_sync
+from ._threads import mock_clock, run_sync
 from ._types import ChatResponse, encode_compact
 
 __all__ = ["Schema", "StructuredRounds", "prepare", "schema_of"]
@@ -946,7 +946,7 @@ class StructuredRounds:
             except OverBudget:
                 pass  # (the rest in a thread; the loop has waited long enough)
         seconds = _OFF_LOOP_S
-        if not _virtual_time():
+        if mock_clock() is None:
             # (Under a MockClock the time left is virtual, and held still while the
             # thread works: no measure of the real seconds it may take.)
             seconds = min(trio.current_effective_deadline() - trio.current_time(), seconds)
@@ -963,13 +963,6 @@ class StructuredRounds:
             ]) from None
         finally:
             limit.stop()  # (cancelled, the call does not wait for the thread: it stops)
-
-
-def _virtual_time() -> bool:
-    """Whether the run's clock is trio's MockClock (trio.testing is imported only by
-    a program that made one: importing it here would cost every program ~0.2 s)."""
-    testing = sys.modules.get("trio.testing")
-    return testing is not None and isinstance(trio.lowlevel.current_clock(), testing.MockClock)
 
 
 #: No bound: a check nobody waits on in bounded time (``validate()`` called directly).

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import trio
 
-__all__ = ["patient_clock", "run_sync"]
+__all__ = ["mock_clock", "patient_clock", "run_sync"]
 
 T = TypeVar("T")
 
@@ -50,15 +50,21 @@ _BACKGROUND_S = 0.001  # jump after 1 ms of real idleness: a stuck thread holds 
 _lent: weakref.WeakKeyDictionary[Any, tuple[list[float], float]] = weakref.WeakKeyDictionary()
 
 
-@contextmanager
-def patient_clock(threshold: float = _HOLD_S) -> Iterator[None]:
-    """While inside, a ``MockClock`` whose autojump threshold is 0 has ``threshold``
-    instead (the largest of the loans in force); any other clock is left alone."""
+def mock_clock() -> Any:
+    """The run's clock when it is trio's ``MockClock``, else ``None``."""
     # A MockClock exists only if trio.testing was imported; importing it here would
     # cost every program ~0.2 s (it imports pytest when pytest is installed).
     testing = sys.modules.get("trio.testing")
     clock = trio.lowlevel.current_clock()
-    if testing is None or not isinstance(clock, testing.MockClock):
+    return clock if testing is not None and isinstance(clock, testing.MockClock) else None
+
+
+@contextmanager
+def patient_clock(threshold: float = _HOLD_S) -> Iterator[None]:
+    """While inside, a ``MockClock`` whose autojump threshold is 0 has ``threshold``
+    instead (the largest of the loans in force); any other clock is left alone."""
+    clock = mock_clock()
+    if clock is None:
         yield
         return
     entry = _lent.get(clock)
