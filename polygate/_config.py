@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import attrs
 import httpx
@@ -36,6 +36,7 @@ from ._config_serve import (
     reduce_read_only,
 )
 from ._errors import ConfigError, FatalUpstreamError, RateLimitedError, classify_status
+from ._paths import file_path_problem
 from ._secrets import (
     DSN_SECRET_PARAM,
     QUOTE_MAX,
@@ -891,6 +892,9 @@ def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
     if parts.scheme == "sqlite":
         if not value.startswith("sqlite:///") and value != "sqlite://":
             raise _bad(inst, attr.name, url=value, problem="a SQLite URL is sqlite:///path/to/file.db")
+        problem = file_path_problem(unquote(parts.path))
+        if problem is not None:
+            raise _bad(inst, attr.name, url=value, problem=problem)
         return
     if parts.scheme in ("postgresql", "postgres"):
         # Handed to libpq as it is: no host in the authority is its default (the local

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ._errors import ConfigError
 
-__all__ = ["state_dir"]
+__all__ = ["file_path_problem", "state_dir"]
 
 
 def state_dir(env: Mapping[str, str] | None = None, platform: str = sys.platform) -> Path:
@@ -47,3 +47,17 @@ def _home(env: Mapping[str, str]) -> Path:
             "give the file's path"
         )
     return Path(home)
+
+
+def file_path_problem(path: str) -> str | None:
+    """Why ``path`` (a ``sqlite:`` URL's, percent-decoded) can name no file, or None.
+    Checked with the settings: the operating system refuses it only when the file is
+    opened, and then with a bare ``ValueError`` ("embedded null byte") or a
+    ``UnicodeEncodeError`` instead of a ``ConfigError``."""
+    if "\0" in path:
+        return "a file's path cannot hold a NUL character (%00)"
+    try:
+        os.fsencode(path)
+    except UnicodeError:
+        return "the file's path holds a character this file system cannot name (a lone surrogate)"
+    return None

@@ -1,14 +1,34 @@
 """What polygate's two SQLite stores (the telemetry sink, the response cache) share:
-telling a file another connection holds, for now, from one that cannot be used."""
+telling a file that cannot be used *for now* (another connection holds it, its disk
+is full or failing) from one that cannot be used at all (a configuration error)."""
 
 from __future__ import annotations
 
+import errno
+import os
 import sqlite3
+from pathlib import Path
 
-__all__ = ["held_by_another"]
+__all__ = ["DatabaseUnavailable", "held_by_another", "unusable_for_now"]
 
 _SQLITE_BUSY = 5
 _SQLITE_LOCKED = 6
+_SQLITE_IOERR = 10
+_SQLITE_FULL = 13
+
+#: An operating-system error opening the file that says as much about the disk as
+#: SQLITE_FULL and SQLITE_IOERR do (the file could not be created on a full disk).
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
+
+
+class DatabaseUnavailable(Exception):
+    """The database cannot be used for now; the message says why (see
+    :func:`unusable_for_now`)."""
+
+
+def _code(exc: BaseException) -> int | None:
+    code = getattr(exc, "sqlite_errorcode", None)  # (Python 3.11 and later)
+    return code & 0xFF if isinstance(code, int) else None
 
 
 def held_by_another(exc: BaseException) -> bool:
@@ -16,7 +36,51 @@ def held_by_another(exc: BaseException) -> bool:
     the error's code from Python 3.11, by its message before)."""
     if not isinstance(exc, sqlite3.OperationalError):
         return False
-    code = getattr(exc, "sqlite_errorcode", None)
+    code = _code(exc)
     if code is not None:
-        return code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED)
+        return code in (_SQLITE_BUSY, _SQLITE_LOCKED)
     return "locked" in str(exc) or "busy" in str(exc)
+
+
+def _disk_failed(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno in _DISK_ERRNOS
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = _code(exc)
+    if code is not None:
+        return code in (_SQLITE_IOERR, _SQLITE_FULL)
+    return "disk I/O error" in str(exc) or "disk is full" in str(exc)
+
+
+def unusable_for_now(exc: BaseException, path: Path) -> str | None:
+    """Why the database at ``path`` cannot be used for now, when that is what ``exc``
+    says; None when it cannot be used at all.
+
+    For now: another connection holds it, or its disk failed it.  A full disk is the
+    common case of the second: a WAL database opened where its ``-shm`` file cannot be
+    created answers "disk I/O error" (SQLITE_IOERR_SHMSIZE) to its first statement,
+    which would otherwise read as a file that can never work.  A database that worked
+    yesterday on a disk that filled overnight is no configuration error: the store
+    starts without it (rows dropped and counted, the cache failing open) and opens it
+    once it can."""
+    if held_by_another(exc):
+        return f"the file is locked ({exc})"
+    if not _disk_failed(exc):
+        return None
+    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    if _no_space(path):
+        return f"no space left on its disk ({detail})"
+    return f"its disk failed it ({detail})"
+
+
+def _no_space(path: Path) -> bool:
+    """Whether the file system holding ``path`` (or its nearest existing folder) has no
+    block left for this process."""
+    for where in (path, *path.parents):
+        try:
+            found = os.statvfs(where)
+        except OSError:
+            continue
+        return found.f_bavail == 0
+    return False

@@ -80,6 +80,11 @@ def test_parsed_options() -> None:
         ("sqlite:///x.db?timeout_s=0", "timeout_s must be a number of seconds"),
         ("sqlite:///x.db?timeout_s=nan", "timeout_s must be a number of seconds"),
         ("sqlite:///x.db?journal=off", "unknown option 'journal' for a sqlite cache"),
+        # A path no file can have: a bare ValueError ("embedded null byte") or a
+        # UnicodeEncodeError when the session opened it, before.
+        ("sqlite:///tmp/x%00y.db", "cannot hold a NUL character"),
+        ("sqlite:///tmp/x\x00y.db", "cannot hold a NUL character"),
+        ("sqlite:///tmp/x\ud83dy.db", "cannot name"),
         ("redis://", "has no host"),
         ("redis://h:99999/0", "is not a valid URL"),
         ("redis://h/zero", "must be a number"),

@@ -553,6 +553,22 @@ def test_sqlite_urls_and_default_path(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert default_path() == tmp_path / "polygate" / "telemetry.db"
 
 
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("sqlite:///tmp/x%00y.db", "cannot hold a NUL character"),
+        ("sqlite:///tmp/x\x00y.db", "cannot hold a NUL character"),
+        ("sqlite:///tmp/x\ud83dy.db", "cannot name"),
+    ],
+)
+def test_a_sqlite_path_no_file_can_have_is_a_config_error(url: str, problem: str) -> None:
+    """The settings took it (``check-config``: valid), then opening the session raised
+    a bare ValueError ("embedded null byte") or UnicodeEncodeError: a traceback from
+    ``polygate serve`` and ``polygate chat``."""
+    with pytest.raises(polygate.ConfigError, match=r"Settings\.telemetry: .*" + problem):
+        attrs.evolve(two_source_settings(names=("a",)), telemetry=url)
+
+
 def test_an_empty_home_falls_back_to_the_users_entry_not_the_root(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

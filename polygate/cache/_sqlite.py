@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._errors import ConfigError
-from .._sqlite_locks import held_by_another
+from .._sqlite_locks import held_by_another, unusable_for_now
 from .._threads import run_sync
 from ._backend import CacheBackendError, Entry
 
@@ -157,6 +157,9 @@ class SQLiteBackend:
             _make_private(self.path)
             conn = self._connect(busy_s=self.timeout_s)
         except (OSError, sqlite3.Error) as exc:
+            why = unusable_for_now(exc, self.path)
+            if why is not None:
+                return self._not_now(why)
             raise ConfigError(f"cannot open the cache database {self._where}: {exc}") from None
         try:
             self._prepare(conn, ConfigError)
@@ -165,13 +168,19 @@ class SQLiteBackend:
             raise
         except sqlite3.Error as exc:
             conn.close()
-            if held_by_another(exc):
-                self._unopened = True
-                # Counted and logged with the other failures (open_cache).
-                return f"cache {self._where}: the file is locked ({exc})"
+            why = unusable_for_now(exc, self.path)
+            if why is not None:
+                return self._not_now(why)
             raise ConfigError(f"cannot use {self._where} as a cache database: {exc}") from None
         self._writer = conn
         return None
+
+    def _not_now(self, why: str) -> str:
+        """A file locked, or on a full disk, at the start: the cache fails open and the
+        first lookup or write after opens it.  (Counted and logged with the other
+        failures: open_cache.)"""
+        self._unopened = True
+        return f"cache {self._where}: {why}"
 
     def _prepare(self, conn: sqlite3.Connection, newer: type[Exception]) -> None:
         """WAL, the schema when the file has none, and the busy timeout; ``newer``: the

@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlsplit
 from .._errors import ConfigError
 from .._paths import state_dir
 from .._secrets import printable
-from .._sqlite_locks import held_by_another
+from .._sqlite_locks import DatabaseUnavailable, held_by_another, unusable_for_now
 from ._schema import (
     TABLES,
     check_version,
@@ -150,14 +150,18 @@ def _open_connection(
     path: Path, where: str, watch: Callable[[sqlite3.Connection | None], None] = lambda _: None,
 ) -> sqlite3.Connection:
     """A connection to ``path`` with the schema in place.  :class:`ConfigError` when the
-    file cannot be a telemetry database; ``sqlite3.OperationalError`` (see
-    :func:`~polygate._sqlite_locks.held_by_another`) when another connection held it
-    past the busy timeout.  ``watch`` is handed the connection while it waits for the
-    file (None once it is done), so that an interrupt can reach it."""
+    file cannot be a telemetry database; :class:`~polygate._sqlite_locks.DatabaseUnavailable` when
+    it cannot be used for now (another connection held it past the busy timeout, its
+    disk is full: see :func:`~polygate._sqlite_locks.unusable_for_now`).  ``watch`` is
+    handed the connection while it waits for the file (None once it is done), so that
+    an interrupt can reach it."""
     try:
         _create_private(path)
         conn = _connect(path)
     except (OSError, sqlite3.Error) as exc:
+        why = unusable_for_now(exc, path)
+        if why is not None:
+            raise DatabaseUnavailable(why) from None
         raise ConfigError(f"cannot open the telemetry database {where}: {exc}") from None
     watch(conn)
     try:
@@ -169,8 +173,9 @@ def _open_connection(
         raise
     except sqlite3.Error as exc:
         conn.close()
-        if held_by_another(exc):
-            raise
+        why = unusable_for_now(exc, path)
+        if why is not None:
+            raise DatabaseUnavailable(why) from None
         raise ConfigError(f"cannot use {where} as a telemetry database: {exc}") from None
     finally:
         watch(None)
@@ -202,17 +207,18 @@ class SQLiteSink:
     def open(cls, path: Path) -> SQLiteSink:
         """Open (creating the file, its folder and the schema when missing); blocking.
         Raises :class:`ConfigError` when the file cannot be a telemetry database.  A
-        file another connection holds locked past the busy timeout (a process
-        migrating it, a long write, a ``VACUUM``) is no such error: a dead sink never
-        stops calls, so the sink starts without it, its rows are dropped and counted,
-        and a later batch opens it (a batch while it stays locked fails as a write)."""
+        file that cannot be used *for now* is no such error: one another connection
+        holds locked past the busy timeout (a process migrating it, a long write, a
+        ``VACUUM``), one on a full disk.  A dead sink never stops calls, so the sink
+        starts without it, its rows are dropped and counted, and a later batch opens
+        it (a batch while it stays unusable fails as a write)."""
         sink = cls(None, path)
         try:
             sink._conn = _open_connection(path, sink._where)
-        except sqlite3.OperationalError as exc:  # locked (see _open_connection)
+        except DatabaseUnavailable as exc:
             logger.warning(
-                "telemetry database %s is locked (%s): calls go on, rows are dropped and "
-                "counted until it can be written", sink._where, exc,
+                "telemetry database %s cannot be used for now: %s; calls go on, rows are "
+                "dropped and counted until it can be written", sink._where, exc,
             )
         return sink
 
