@@ -755,6 +755,20 @@ def test_a_quote_cut_short_is_found_whatever_quote_marks_come_before_it(text: st
     assert out is not None and "confidential merger" not in out and "[prompt text]" in out, out
 
 
+def test_an_echoed_prompt_holding_a_nul_is_replaced() -> None:
+    """A text review: the NUL (which PostgreSQL refuses) was replaced before the prompt
+    was looked for, so an upstream's echo of a prompt holding one no longer matched it,
+    and the prompt was stored where ``log_content=False`` stores none."""
+    from polygate.telemetry._recorder import error_text
+
+    prompt = "Summarise the confidential memo for ACME: \x00 payroll of J. Doe is 250k"
+    out = error_text(RuntimeError(f"HTTP 400: Invalid content in messages[0]: '{prompt}'"),
+                     (), [prompt])
+    assert out == "HTTP 400: Invalid content in messages[0]: '[prompt text]'", out
+    kept = error_text(RuntimeError("a NUL \x00 in an error that quotes nothing"), (), [prompt])
+    assert kept == "a NUL \ufffd in an error that quotes nothing"
+
+
 def test_redacting_a_prompt_stays_cheap_in_an_error_full_of_quote_marks() -> None:
     """review: trying every quote mark made a 2,000-character error text dense with
     them cost ~0.13 s against a 260 KB prompt, on the event loop, for each row; the
@@ -873,6 +887,8 @@ async def test_cut_echoes_joined_in_an_exhausted_calls_message_are_not_stored(
 
 _AMPERSAND = "Compare A & B: " + LONG_PROMPT
 _SLASH = "Compare A/B: " + LONG_PROMPT
+_LINES = "Résumé:\u2028" + LONG_PROMPT
+_NBSP = "Le résumé\xa0: " + LONG_PROMPT
 
 
 @pytest.mark.parametrize(("text", "prompt"), [
@@ -885,7 +901,13 @@ _SLASH = "Compare A/B: " + LONG_PROMPT
      + _AMPERSAND.replace("&", "\\u0026")[:120] + "…", _AMPERSAND),
     # PHP's json_encode escapes /
     ('{"error":{"message":"Invalid content: ' + _SLASH.replace("/", "\\/")[:120] + "…", _SLASH),
-], ids=["pydantic-middle-cut", "go-escapes", "php-escapes"])
+    # Go also always escapes U+2028 and U+2029, leaving other non-ASCII as it is
+    ('json: cannot unmarshal request body {"content":"'
+     + _LINES.replace("\u2028", "\\u2028")[:120] + "…", _LINES),
+    # pydantic's input_value is Python's repr: a no-break space is \xa0 there
+    (f"1 validation error\n  input_value={_NBSP!r}"[:140] + "...", _NBSP),
+], ids=["pydantic-middle-cut", "go-escapes", "php-escapes", "go-line-separator",
+        "python-repr"])
 def test_other_cut_and_escaped_echoes_of_a_prompt_are_replaced(text: str, prompt: str) -> None:
     from polygate.telemetry._recorder import _without_prompt
 

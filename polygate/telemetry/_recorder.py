@@ -120,11 +120,13 @@ def error_text(
     text = str(error)
     if not text:
         return None
+    text = redact(text, secrets)
+    if prompt:
+        # Before the NUL goes: a prompt that holds one, echoed, is only found as it is.
+        text = _without_prompt(text[: 4 * _MESSAGE_LIMIT], prompt)
     # An upstream's error body can hold a NUL, which PostgreSQL refuses in text (the
     # whole batch, other calls' rows with it): replaced, for every sink alike.
-    text = valid_text(redact(text, secrets).replace("\x00", "\ufffd"))
-    if prompt:
-        text = _without_prompt(text[: 4 * _MESSAGE_LIMIT], prompt)
+    text = valid_text(text.replace("\x00", "\ufffd"))
     # At most _MESSAGE_LIMIT characters, the "…" of a cut included (a schema an
     # administrator made may hold the column as varchar(500)).
     return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 1] + "…"
@@ -251,29 +253,40 @@ def _without_cut_prompt(text: str, forms: list[str], budget: _Budget) -> str:
 
 def _json_forms(piece: str, text: str) -> list[str]:
     """``piece``, and how JSON encoders write it inside a string, each once: escaped as
-    Python does (with non-ASCII escaped or not), as Go does (``&``, ``<``, ``>``
-    escaped too) and as PHP does (``/`` escaped too).  Only the spellings ``text`` can
-    hold: an escaped form differs from the piece only in its escapes, so in a text
-    without them it matches nothing the piece does not (and a prompt of megabytes is
-    not copied seven times for every error row)."""
+    Python does (with non-ASCII escaped or not), as Go does (``&``, ``<``, ``>``, U+2028
+    and U+2029 escaped too, other non-ASCII as it is) and as PHP does (``/`` escaped
+    too); and as Python's ``repr`` writes it (pydantic's validation errors, FastAPI's
+    and vLLM's, quote the input so: ``\\xa0`` for a no-break space, which no JSON
+    encoder writes).  Only the spellings ``text`` can hold: an escaped form differs
+    from the piece only in its escapes, so in a text without them it matches nothing
+    the piece does not (and a prompt of megabytes is not copied eight times for every
+    error row)."""
     forms = [piece]
     if "\\" not in text:
         return forms
     spellings = [json.dumps(piece, ensure_ascii=False)[1:-1]]
     if "\\u" in text:
         spellings.append(json.dumps(piece)[1:-1])
-    go = any(escape in text for escape in ("\\u0026", "\\u003c", "\\u003e"))
+    go = any(escape in text for escape in _GO_ESCAPES)
     php = "\\/" in text
     for escaped in spellings:
         for form in (escaped, _go_escaped(escaped) if go else escaped,
                      escaped.replace("/", "\\/") if php else escaped):
             if form not in forms:
                 forms.append(form)
+    shown = repr(piece)[1:-1]
+    if shown not in forms:
+        forms.append(shown)
     return forms
 
 
+#: The escapes Go's encoding/json writes where other encoders write the character.
+_GO_ESCAPES = ("\\u0026", "\\u003c", "\\u003e", "\\u2028", "\\u2029")
+
+
 def _go_escaped(text: str) -> str:
-    return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+    return (text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
 
 
 #: Keys whose values say what a message or a part is, not what it holds.
