@@ -1384,3 +1384,61 @@ async def test_port_0_is_one_port_on_every_address_the_host_names() -> None:
     assert [host for host, _ in bound] == ["127.0.0.1", "127.0.0.2"]
     assert {port for _, port in bound} == {server.port}, (bound, server.url)
     assert answers == [200, 200]
+
+
+class _Resolver(trio.abc.HostnameResolver):
+    """A host name that names ``addresses`` (IPv4 here: 198.51.100.7 and 203.0.113.7,
+    in documentation-only networks, are no address of this machine, so binding them
+    fails with EADDRNOTAVAIL, as ::1 does where the kernel has IPv6 off)."""
+
+    def __init__(self, name: str, addresses: list[str]) -> None:
+        self.name = name
+        self.addresses = addresses
+
+    async def getaddrinfo(self, host: Any, port: Any, family: int = 0, type: int = 0,
+                          proto: int = 0, flags: int = 0) -> Any:
+        import socket
+
+        if host not in (self.name, self.name.encode()):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))
+                for address in self.addresses]
+
+    async def getnameinfo(self, sockaddr: Any, flags: int) -> Any:
+        raise NotImplementedError
+
+
+async def test_a_host_name_listens_on_the_addresses_it_names_that_can_be_listened_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An exhaustion review: ``--host localhost`` where /etc/hosts names ::1 too (Debian's
+    and Docker's default file) and the kernel has IPv6 off by sysctl: binding ::1 fails
+    with EADDRNOTAVAIL, and the server refused to start ("cannot listen on
+    localhost:0 (Cannot assign requested address)") though 127.0.0.1 was there."""
+    trio.socket.set_custom_hostname_resolver(_Resolver("partly.test", ["198.51.100.7", "127.0.0.1"]))
+    try:
+        async with FakeUpstream(Reply(tokens=2)).serve() as url:
+            async with open_server(settings_for(url), host="partly.test", port=0) as server:
+                bound = [listener.socket.getsockname()[0] for listener in server._listeners]
+                stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+                async with stream:
+                    await stream.send_all(request_bytes("GET", "/healthz"))
+                    status = (await read_answer(stream)).status
+    finally:
+        trio.socket.set_custom_hostname_resolver(None)
+    assert bound == ["127.0.0.1"] and status == 200
+    assert any("198.51.100.7 (Cannot assign requested address)" in r.getMessage()
+               for r in caplog.records), caplog.records
+
+
+@pytest.mark.parametrize("host", ["198.51.100.7", "nowhere.test"])
+async def test_a_host_that_can_be_listened_on_nowhere_is_still_refused(host: str) -> None:
+    """The other side of the above: an address given as such, or a name none of whose
+    addresses can be listened on, is a ConfigError as before."""
+    trio.socket.set_custom_hostname_resolver(_Resolver("nowhere.test", ["198.51.100.7", "203.0.113.7"]))
+    try:
+        with pytest.raises(polygate.ConfigError, match="Cannot assign requested address"):
+            async with open_server(settings_for("http://127.0.0.1:9/v1"), host=host, port=0):
+                pass  # pragma: no cover
+    finally:
+        trio.socket.set_custom_hostname_resolver(None)
