@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from ._secrets import clip, redact
-from ._sockets import out_of
+from ._sockets import os_reasons, out_of
 from ._types import CallStats  # (at run time: typing.get_type_hints reads the annotations)
 
 __all__ = [
@@ -325,8 +325,13 @@ def classify_exception(exc: BaseException, *, source: str | None = None) -> Upst
             f"timed out ({name})", source=source, outcome=Outcome.TIMEOUT
         )
     if isinstance(exc, httpx.TransportError):
-        # httpx messages carry host:port at most; never headers.
-        return TransientUpstreamError(f"transport error ({name}): {exc}", source=source)
+        # httpx messages carry host:port at most; never headers.  A connect's says
+        # only that every attempt failed: the OS's reasons tell refused from no route.
+        text = str(exc)
+        reasons = [reason for reason in os_reasons(exc) if reason not in text]
+        if reasons:
+            text = f"{text} ({'; '.join(reasons)})" if text else "; ".join(reasons)
+        return TransientUpstreamError(f"transport error ({name}): {text}", source=source)
     if isinstance(exc, RecursionError):  # bytes nested past what a decoder can follow
         return TransientUpstreamError(f"malformed upstream body ({name})", source=source)
     if isinstance(exc, (ValueError, UnicodeDecodeError, KeyError, TypeError)):

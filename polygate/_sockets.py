@@ -46,12 +46,13 @@ import errno
 import os
 import struct
 import sys
+from collections.abc import Iterator
 from typing import cast
 
 import trio
 
 __all__ = [
-    "out_of", "out_of_now", "receive_when_readable", "send_all_progressing", "write_first",
+    "os_reasons", "out_of", "out_of_now", "receive_when_readable", "send_all_progressing", "write_first",
     "write_now",
 ]
 
@@ -84,6 +85,28 @@ def out_of(exc: BaseException) -> tuple[str, str] | None:
     error; httpx and the pool map that ``from`` it in turn) -- or ``None``.  Not in
     contexts: an error raised while another was handled may have nothing to do with
     it, and a real upstream failure must never pass for this process's."""
+    for e in _causes(exc):
+        if isinstance(e, OSError) and e.errno in _EXHAUSTED:
+            return _EXHAUSTED[e.errno], errno.errorcode[e.errno]
+    return None
+
+
+def os_reasons(exc: BaseException) -> list[str]:
+    """The operating system's words for why ``exc`` happened, each once, found where
+    :func:`out_of` looks (a connect's "all attempts to connect to h:p failed" says
+    nothing of them: refused, no route, unreachable, an address this machine cannot
+    use).  OS text only, never a message of a library's (which may quote more)."""
+    reasons: list[str] = []
+    for e in _causes(exc):
+        if isinstance(e, OSError) and e.errno:
+            reason = os.strerror(e.errno)  # (not its strerror: trio's names the address)
+            if reason not in reasons:
+                reasons.append(reason)
+    return reasons[:3]
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, its causes and the groups among them, depth first, each once (64 at most)."""
     todo: list[BaseException | None] = [exc]
     seen: set[int] = set()
     while todo and len(seen) < 64:
@@ -91,10 +114,8 @@ def out_of(exc: BaseException) -> tuple[str, str] | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _EXHAUSTED:
-            return _EXHAUSTED[e.errno], errno.errorcode[e.errno]
+        yield e
         todo += (e.__cause__, *getattr(e, "exceptions", ()))
-    return None
 
 _POSIX = os.name == "posix"
 #: How often a blocked send looks at what the peer acknowledged, at most.

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import sys
+
 import httpx
 import pytest
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 import polygate
 from polygate._errors import (
@@ -79,6 +85,44 @@ def test_exception_table(exc: Exception, outcome: Outcome) -> None:
     error = classify_exception(exc, source="a")
     assert type(error) is polygate.TransientUpstreamError
     assert error.outcome is outcome
+
+
+async def test_a_failed_connect_says_why() -> None:
+    """An exhaustion review: every failed connect read "all attempts to connect to
+    127.0.0.1:PORT failed", so nothing listening could not be told from no route, a
+    firewall or IPv6 off; the operating system's reason (trio keeps each attempt's
+    error as the cause) is named now, once, without the address again."""
+    import socket
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # a port where nothing listens
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url=f"http://127.0.0.1:{port}/v1")],
+        retry=polygate.Retry(max_attempts=1))})
+    async with polygate.session(settings) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as caught:
+            await s.chat([{"role": "user", "content": "hi"}])
+    assert str(caught.value.errors[0]) == (
+        f"[a] transport error (ConnectError): all attempts to connect to 127.0.0.1:{port} "
+        "failed (Connection refused)"
+    )
+
+
+def test_os_reasons_come_from_causes_and_groups_once() -> None:
+    from polygate._sockets import os_reasons
+
+    refused = OSError(errno.ECONNREFUSED, "Error connecting to ('::1', 1): Connection refused")
+    unreachable = OSError(errno.ENETUNREACH, "Error connecting to ('10.0.0.1', 1): x")
+    outer = OSError("all attempts to connect to h:1 failed")
+    outer.__cause__ = BaseExceptionGroup("attempts", [refused, unreachable, OSError(
+        errno.ECONNREFUSED, "again")])
+    error = httpx.ConnectError(str(outer))
+    error.__cause__ = outer
+    assert sorted(os_reasons(error)) == ["Connection refused", "Network is unreachable"]
+    assert "Network is unreachable" in str(classify_exception(error, source="a"))
+    assert os_reasons(httpx.ConnectError("no cause")) == []
 
 
 def test_upstream_errors_pass_through() -> None:
