@@ -262,3 +262,37 @@ async def test_a_call_answered_by_a_fallback_is_counted_with_the_scope_that_answ
     assert sorted((s.labels["scope"], s.labels["answered_scope"], s.labels["source"], s.labels["result"])
                   for s in found["polygate_serve_calls_total"]) == [
         ("chat", "large", "openai", "ok"), ("large", "large", "openai", "ok")]
+
+
+@pytest.mark.parametrize("where", ["_parse_body", "_answer_body"])
+async def test_running_out_of_memory_is_a_503_that_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    """An exhaustion review: a MemoryError (the process's limit, a container's or
+    RLIMIT_AS, met by a large body) was answered 500 ``internal_error`` and logged as
+    an "unexpected error" with a traceback, as if the gateway had a bug.  It is a 503
+    ``out_of_memory`` (another replica, or later, may answer), one warning without a
+    traceback, and a call it cut is counted under that result."""
+    from polygate.serve import _app
+
+    def out_of_memory(*args: Any) -> Any:
+        raise MemoryError
+
+    monkeypatch.setattr(_app, where, out_of_memory)
+    monkeypatch.setattr(_app, "_memory_logged", [])
+    async with gateway(Reply(tokens=2)) as (server, _):
+        refused = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        again = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        answer = await http(server, "GET", "/metrics", headers=AUTH)
+    assert (refused.status, again.status) == (503, 503)
+    assert refused.json()["error"]["code"] == "out_of_memory"
+    found = samples(answer.body.decode())
+    assert value(found, "polygate_serve_requests_total", endpoint="/v1/chat/completions",
+                 status="503") == 2
+    results = [s.labels["result"] for s in found.get("polygate_serve_calls_total", [])]
+    assert results == ([] if where == "_parse_body" else ["out_of_memory"])
+    if where == "_answer_body":
+        assert value(found, "polygate_serve_calls_total", result="out_of_memory") == 2
+    messages = [r.getMessage() for r in caplog.records if r.name == "polygate.serve"]
+    assert len([m for m in messages if "out of memory" in m]) == 1, messages  # once a minute
+    assert not any("unexpected error" in m or "Traceback" in m for m in messages), messages

@@ -209,11 +209,11 @@ class Context:
         else:
             self.metrics.call(scope, stats, result)
 
-    def count_leftover(self, status: int) -> None:
+    def count_leftover(self, status: int, code: str | None = None) -> None:
         """Count the started call that no answer counted: its client left (499), a
-        drain cut it (503), or this module failed (500)."""
+        drain cut it (503), this module failed (500), or ``code`` says why."""
         if self.meter is not None:
-            result = _LEFTOVER.get(status, str(status))
+            result = code or _LEFTOVER.get(status, str(status))
             self.meter.count_leftover(self.metrics, result)
 
 
@@ -228,10 +228,20 @@ async def answer(ctx: Context, request: Request) -> None:
     left, or the server stopped); a bug in this module is logged and answered 500."""
     started = trio.current_time()
     endpoint, status = request.path, 500
+    code: str | None = None  # (the leftover call's result, where the status says less)
     try:
         endpoint, status = await _route(ctx, request)
     except ClientGone:
         status = 499  # nginx's "client closed request"
+    except MemoryError:
+        # No bug: the process's limit (a container's, RLIMIT_AS) met a large request.
+        # A 503 says what a client can do about it (another replica, later), where a
+        # 500 and a traceback read as a defect.
+        status, code = 503, "out_of_memory"
+        _out_of_memory(request)
+        await _unavailable(ctx, ErrorReply(
+            503, "The gateway ran out of memory answering this request; try again later.",
+            "api_error", code))
     except Exception as exc:
         where = f"answering {request.method} {endpoint_label(request.path)}"
         log_bug(log, exc, where, ctx.gateway.settings.secrets())
@@ -247,18 +257,38 @@ async def answer(ctx: Context, request: Request) -> None:
         raise
     if status == 499:
         ctx.metrics.disconnects += 1
-    ctx.count_leftover(status)
+    ctx.count_leftover(status, code)
     ctx.metrics.request(endpoint_label(endpoint), status, trio.current_time() - started)
 
 
 async def _internal_error(ctx: Context) -> None:
     """A 500 when no answer had started; otherwise the connection cannot be trusted."""
+    await _unavailable(
+        ctx, ErrorReply(500, "internal error in the gateway", "api_error", "internal_error")
+    )
+
+
+async def _unavailable(ctx: Context, reply: ErrorReply) -> None:
+    """``reply`` when no answer had started; otherwise the connection cannot be trusted."""
     if ctx.conn.responding:
         ctx.conn.client_gone = True  # close it
         return
-    reply = ErrorReply(500, "internal error in the gateway", "api_error", "internal_error")
     with contextlib.suppress(ClientGone):
         await _fail(ctx, reply)
+
+
+_memory_logged: list[float] = []
+
+
+def _out_of_memory(request: Request) -> None:
+    """One warning a minute, without a traceback (there is no bug to find in it)."""
+    now = trio.current_time()
+    if _memory_logged and 0 <= now - _memory_logged[0] < 60:
+        return
+    _memory_logged[:] = [now]
+    log.warning("out of memory answering %s %s (%d bytes of body): answered 503; raise the "
+                "process's memory limit or lower [serve] max_request_bytes",
+                request.method, endpoint_label(request.path), len(request.body))
 
 
 _ROUTES: Final = {
