@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -1107,3 +1108,140 @@ async def test_a_reload_reads_where_the_start_read_the_configuration(tmp_path: P
             with trio.fail_after(20):
                 await srv.proc.wait()
     assert (keyed.status, keyless.status) == (200, 401)
+
+
+#: A child that runs ``polygate serve`` in-process and sends itself a signal at one
+#: moment of the start, before the server's own receiver is in place.  argv: the
+#: moment, the signal's number, the configuration.
+_SIGNAL_AT = '''
+import os, signal, sys, weakref
+import polygate.cli
+from polygate.cli import _serve
+
+moment, signum, config = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+def now():
+    os.kill(os.getpid(), signum)
+
+def in_a_callback():
+    # Where Python's (or trio's) raising SIGINT handler dropped the KeyboardInterrupt
+    # ("Exception ignored in ..."): a weakref callback, as importlib's module locks run
+    # one after each import.
+    class Thing: pass
+    thing = Thing()
+    ref = weakref.ref(thing, lambda _: now())
+    del thing
+
+def wrap(module, name, act):
+    original = getattr(module, name)
+    def wrapper(*args, **kwargs):
+        act()
+        return original(*args, **kwargs)
+    setattr(module, name, wrapper)
+
+if moment == "parser":
+    wrap(polygate.cli, "build_parser", now)
+elif moment == "callback":
+    wrap(polygate.cli, "build_parser", in_a_callback)
+elif moment == "load":
+    wrap(_serve, "_load", now)
+elif moment == "trio":
+    wrap(_serve, "_serve", now)  # (trio's run has begun: its KI handler would raise)
+raise SystemExit(polygate.cli.main(["serve", "--config", config, "--port", "0"]))
+'''
+
+
+@pytest.mark.parametrize("moment", ["parser", "callback", "load", "trio"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_before_the_receiver_is_in_place(tmp_path: Path, moment: str, signum: int) -> None:
+    """A signals review: until the server's receiver was in place, SIGINT raised
+    KeyboardInterrupt wherever the main thread was -- in a weakref callback or a
+    ``__del__`` Python prints "Exception ignored" and drops it, and the server went on
+    to listen; elsewhere it exited 0 without a word -- and SIGHUP's default action
+    killed the process (the docs: ignored while it starts; a systemd ExecReload landing
+    during a restart).  Now a stop ends the start, said so, and a SIGHUP is ignored."""
+    config = write_config(tmp_path / "c.toml", "http://127.0.0.1:9/v1")
+    child = tmp_path / "child.py"
+    child.write_text(_SIGNAL_AT)
+    with subprocess.Popen(
+        [sys.executable, str(child), moment, str(int(signum)), str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    ) as proc:
+        try:
+            line = ""
+            if signum == signal.SIGHUP:
+                assert proc.stdout is not None
+                line = proc.stdout.readline()  # it starts, the SIGHUP ignored
+                if "listening on" in line:
+                    proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    if signum == signal.SIGHUP:
+        assert "listening on" in line, (line, proc.returncode, err)
+    assert proc.returncode == 0, err
+    assert "Exception ignored" not in err and "Traceback" not in err, err
+    if signum != signal.SIGHUP:
+        assert "listening on" not in out, out
+        assert "stopped before it started listening" in err, err
+
+
+def test_a_stop_at_the_starts_last_checkpoint_never_prints_the_listening_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A signals review: a stop the relay heard while ``open_server`` was at its last
+    checkpoint cancelled the start after the main task had been scheduled to go on: it
+    printed its ``listening on`` line, then logged ``stopped before it started
+    listening``.  The stop here comes as the fake server's start ends, in each order
+    trio's scheduler may run the two tasks in; whatever the order, the two outputs
+    agree."""
+    import argparse
+    from contextlib import asynccontextmanager
+
+    from polygate.cli import _serve
+    from polygate.testing import Schedule
+
+    class Started:
+        url = "http://127.0.0.1:1"
+        settings = attrs.evolve(polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://127.0.0.1:9/v1")])}),
+            serve=polygate.Serve(grace_s=1))
+
+        async def shutdown(self) -> None:
+            await trio.lowlevel.checkpoint()
+
+    async def serving(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(yields):
+            await trio.lowlevel.checkpoint()
+        task_status.started()  # (the start's last step, as open_server's nursery.start)
+        await trio.sleep_forever()
+
+    @asynccontextmanager
+    async def open_server(settings: Any, host: Any, port: Any) -> Any:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serving)
+            try:
+                yield Started()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    from polygate import serve as serve_package
+
+    monkeypatch.setattr(serve_package, "open_server", open_server)
+    monkeypatch.setattr(_serve, "_settle_heap", lambda: None)
+    args = argparse.Namespace(host=None, port=0)
+    caplog.set_level(logging.INFO, logger="polygate.serve")
+    outcomes = set()
+    for yields in (1, 2):
+        for seed in range(12):
+            caplog.clear()
+            assert Schedule(seed).run(_serve._serve, Started.settings, args, "") == 0
+            printed = "listening on" in capsys.readouterr().out
+            early = any("before it started" in r.getMessage() for r in caplog.records)
+            assert printed != early, (yields, seed, printed, early)
+            outcomes.add(printed)
+    assert outcomes == {False, True}, outcomes  # (both orders were met)

@@ -13,6 +13,7 @@ import argparse
 import errno
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -81,6 +82,19 @@ _WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand and return its exit status (2 for usage errors)."""
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] != ["serve"]:
+        return _main(argv)
+    held_signals.clear()  # (an earlier main() in this process)
+    previous = hold_signals()
+    try:
+        return _main(argv)
+    finally:
+        for signum, handler in previous.items():  # (main() called in a process that goes on)
+            signal.signal(signum, handler)
+
+
+def _main(argv: list[str] | None) -> int:
     if sys.stderr is None:
         # Started with its errors closed (``2>&-``): print(..., file=None) writes to
         # stdout, so an error line would land in the answer (``chat … > answer.txt``).
@@ -122,6 +136,30 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except OSError as exc:
         return _unwritten(exc, f"polygate {args.command}")
+
+
+#: Stop signals (and SIGHUPs) that reached ``polygate serve`` before its own signal
+#: receiver was in place; it reads them once it is (see :func:`hold_signals`).
+held_signals: list[int] = []
+
+
+def hold_signals() -> dict[int, Any]:
+    """From here on, SIGINT, SIGTERM and SIGHUP are noted in :data:`held_signals`, until
+    ``polygate serve`` installs its receiver.  A server must hear a stop signal at any
+    moment of its start: Python's SIGINT handler (and trio's, which replaces it only
+    while it is the default) raises KeyboardInterrupt wherever the main thread is, and
+    where that is a weakref callback (importlib's module locks run one after each
+    import) or a ``__del__``, Python prints "Exception ignored" and drops it: the
+    server went on to listen.  SIGHUP's default action killed the process while it
+    started, where the docs say it is ignored then.  Returns the handlers replaced."""
+    def held(signum: int, frame: object) -> None:
+        held_signals.append(signum)
+
+    previous: dict[int, Any] = {}
+    for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is not None:
+            previous[signum] = signal.signal(signum, held)
+    return previous
 
 
 def _flushed(code: int) -> int:

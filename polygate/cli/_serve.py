@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     except PolygateError as exc:  # could not start (a governance backend down is not one)
         print(f"polygate serve: cannot start: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a signal before the receiver was installed
+    except KeyboardInterrupt:  # a signal before the receiver was installed (see hold_signals)
+        log.info("stopped before it started listening")
         return 0
 
 
@@ -140,10 +141,16 @@ async def _serve(settings: Any, args: argparse.Namespace, where: str) -> int:
     import trio
 
     from ..serve import open_server
+    from . import held_signals
 
     stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     with trio.open_signal_receiver(*stops) as signals, \
             trio.CancelScope() as start:
+        # One that came before the receiver, while the command loaded and read its
+        # configuration: a stop ends the start now (a SIGHUP: nothing to reload).
+        if any(signum != signal.SIGHUP for signum in held_signals):
+            start.cancel()
+        held_signals.clear()
         if hasattr(signal, "pthread_sigmask"):
             # A supervisor may start it with them blocked (a mask inherited through a
             # fork from a thread that blocked them): trio's handlers would never run,
@@ -170,6 +177,11 @@ async def _serve(settings: Any, args: argparse.Namespace, where: str) -> int:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(relay)  # (it runs at the start's first checkpoint)
             async with open_server(settings, host=args.host, port=args.port) as server:
+                if start.cancel_called:
+                    # A stop the relay heard at open_server's last checkpoint: this task
+                    # was already scheduled to go on, and would print its listening line
+                    # before the cancellation landed at its next checkpoint.
+                    await trio.lowlevel.checkpoint()
                 started = True
                 keys = len(settings.serve.api_keys) + len(settings.serve.keys)
                 _settle_heap()
