@@ -442,3 +442,68 @@ def test_the_same_news_in_another_order_is_told_once() -> None:
     assert len(asked) == 2  # the two behind the first, once
     line.wake_if([a], gives_up)
     assert len(asked) == 4
+
+
+# review (fairness): a caller that calls again the moment its call ends ----------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_worker_pool_larger_than_the_permits_shares_them_in_turn(seed: int) -> None:
+    """A fairness review: a call that ends returns its permit and wakes the first in
+    the line, but a worker that calls again at once (``for item in items: await
+    s.chat(item)``) arrived in the same step, asked before the woken one ran, and took
+    the permit, every time: of eight workers on four permits, four had nothing until
+    the other four had done all their items (first answers at 1 s and 51 s), and a call
+    without a deadline behind such a loop waited for ever.  Whatever order trio's
+    scheduler runs them in, the line is now served in turn."""
+    from polygate.testing import Schedule
+
+    first_answer: dict[int, float] = {}
+
+    async def main() -> None:
+        a = FakeUpstream(Reply(first_token_s=1))
+        async with polygate.session(_settings(max_in_flight=4), transport=Router({"a": a})) as s:
+            async def worker(w: int) -> None:
+                for i in range(6):
+                    await s.chat(_asking(100 * w + i))
+                    first_answer.setdefault(w, trio.current_time())
+
+            async with trio.open_nursery() as nursery:
+                for w in range(8):
+                    nursery.start_soon(worker, w)
+
+    Schedule(seed).run(main)
+    assert sorted(first_answer.values()) == [1.0] * 4 + [2.0] * 4, first_answer
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_loop_of_calls_does_not_keep_waiters_without_a_deadline_out(seed: int) -> None:
+    """The same review, one loop on one permit and three callers arriving meanwhile
+    (no deadline: they would have waited for ever): each is served in turn, the loop's
+    next call behind them."""
+    from polygate.testing import Schedule
+
+    waited: list[float] = []
+
+    async def main() -> None:
+        a = FakeUpstream(Reply(first_token_s=1))
+        async with polygate.session(_settings(max_in_flight=1), transport=Router({"a": a})) as s:
+            async def loop() -> None:
+                for i in range(100):
+                    await s.chat(_asking(i))
+
+            async def caller(i: int) -> None:
+                await trio.sleep(0.5 + 0.01 * i)  # (in this order, while the loop's call runs)
+                start = trio.current_time()
+                await s.chat(_asking(1000 + i))
+                waited.append(trio.current_time() - start)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(loop)
+                async with trio.open_nursery() as callers:
+                    for i in range(3):
+                        callers.start_soon(caller, i)
+                nursery.cancel_scope.cancel()
+
+    Schedule(seed).run(main)
+    assert waited == pytest.approx([1.5 - 0.0, 2.5 - 0.01, 3.5 - 0.02]), waited

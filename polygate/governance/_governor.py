@@ -61,6 +61,9 @@ DEFAULT_RATE_LIMIT_COOLDOWN_S = 1.0
 # that retries rate-limited rounds (they are free of max_attempts).
 MIN_RATE_LIMIT_COOLDOWN_S = 0.1
 _MIN_WAIT_S = 0.001
+#: The most scheduler passes a call arriving at a line gives woken waiters (see
+#: _after_the_woken): a bound, never reached while each waiter asks in one step.
+_ARRIVAL_PASSES = 64
 _NEVER = frozenset({RefusalReason.TOO_LARGE})
 #: Refusals that depend on the call's estimate: a smaller one may be admitted.
 _ESTIMATED = frozenset({RefusalReason.TPM, RefusalReason.TOO_LARGE})
@@ -274,6 +277,9 @@ class Governor:
         breakers."""
         if cooldown_give_up_at is None:
             cooldown_give_up_at = give_up_at
+        waiting = self._lines.get((scope_name, frozenset(exclude)))
+        if waiting:
+            await _after_the_woken(waiting)
         key: tuple[str, frozenset[str]] = (scope_name, frozenset())  # (set once it waits)
         line: Line | None = None
         waiter: Waiter | None = None
@@ -315,7 +321,11 @@ class Governor:
                 if line.first() is waiter:
                     if refused.telling:
                         line.wake_if(result, functools.partial(_gives_up, refused, now))
-                    await self.backend.wait_changed(wake_at, mark)
+                    waiter.mark = mark  # (a change sets it: its turn, see _after_the_woken)
+                    try:
+                        await self.backend.wait_changed(wake_at, mark)
+                    finally:
+                        waiter.mark = None
                 else:
                     assert alarm is not None
                     with trio.move_on_at(bound):  # the first's wake-ups are ours
@@ -441,3 +451,23 @@ class Governor:
                 records.append(SourceStatistics(state, health.stats(ref, self.backend.now())))
             budgets[scope_name] = await self.backend.budget_level(scope_name, scope.hedge.budget_burst)
         return GovernanceStatistics(tuple(records), budgets, dict(self._suppressed))
+
+
+async def _after_the_woken(line: Line) -> None:
+    """Let the line's woken waiters ask before a call that has just arrived does.
+
+    A permit that comes back wakes the line's first waiter, and its admission wakes the
+    next.  A caller that calls again the moment its call ends (a loop of calls, a
+    worker pool) arrives in the same step as the settle that returned the permit: it
+    asked before the woken one ran and took the permit, every time, so the line never
+    moved (four workers of eight had nothing until the other four had done all their
+    items; a call without a deadline waited for ever).  So while the first in the line
+    has been woken and has not asked yet, the newcomer lets the scheduler run.  On the
+    memory backend a waiter asks in the step it wakes in, so the line is served in
+    order; where asking takes a round trip (Redis), a newcomer may still win the
+    race, as it may between processes."""
+    for _ in range(_ARRIVAL_PASSES):
+        first = line.first()
+        if first is None or not first.pending():
+            return
+        await trio.lowlevel.checkpoint()

@@ -38,13 +38,22 @@ __all__ = ["Line", "Waiter"]
 class Waiter:
     """One call in a line: its limits (read by :meth:`Line.wake_if`) and its alarm."""
 
-    __slots__ = ("_alarm", "cooldown_give_up_at", "give_up_at", "wait_for_breakers")
+    __slots__ = ("_alarm", "cooldown_give_up_at", "give_up_at", "mark", "wait_for_breakers")
 
     def __init__(self, give_up_at: float, cooldown_give_up_at: float, wait_for_breakers: bool) -> None:
         self.give_up_at = give_up_at
         self.cooldown_give_up_at = cooldown_give_up_at
         self.wait_for_breakers = wait_for_breakers
         self._alarm = trio.Event()
+        #: The backend's change mark it sleeps on while first in the line (set by a
+        #: change: a permit back), else None.
+        self.mark: object = None
+
+    def pending(self) -> bool:
+        """Woken (its turn came, or a change it watches as the first), and not yet
+        asking again."""
+        mark = self.mark
+        return self._alarm.is_set() or (isinstance(mark, trio.Event) and mark.is_set())
 
     def arm(self) -> trio.Event:
         """The alarm to sleep on after the pass of admission about to start: taken
