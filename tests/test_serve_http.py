@@ -799,6 +799,48 @@ async def test_idle_keep_alive_connection_is_closed() -> None:
     assert 0.2 < trio.current_time() - started < 3
 
 
+async def test_at_the_cap_a_kept_alive_idle_connection_makes_room() -> None:
+    """A fairness review: one client's pool of keep-alive connections, each idle between
+    requests, filled ``max_connections``: every other client was answered 503
+    ``too_many_connections`` by a gateway with nothing in flight, until
+    ``idle_timeout_s`` (75 s; a request every 74 s kept it so).  The connection idle
+    longest now makes room; one that has sent nothing yet does not (its head's timeout
+    ends it), and with none idle the newcomer is still refused."""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=3)
+    async with gateway(serve=serve) as (server, _):
+        pool = []
+        for _ in range(2):  # a client's pool: one request each, then kept open
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await stream.send_all(request_bytes("GET", "/healthz"))
+            assert (await read_answer(stream)).status == 200
+            pool.append(stream)
+        silent = await trio.open_tcp_stream("127.0.0.1", server.port)  # sends nothing
+        await wait_for(lambda: server.statistics().connections == 3)
+        answers, others = [], []
+        for _ in range(2):  # two others, each in the place of the pool's idle longest
+            other = await trio.open_tcp_stream("127.0.0.1", server.port)
+            others.append(other)
+            await other.send_all(request_bytes("GET", "/healthz"))
+            answers.append((await read_answer(other)).status)
+            await wait_for(lambda: server.statistics().connections == 3)
+        assert [await read_until_closed(stream) for stream in pool] == [b"", b""]  # closed
+        assert answers == [200, 200]
+        for other in others:
+            await other.aclose()
+        # Only fresh connections open now (the silent one and two more): none is idle
+        # after a request, so a newcomer is refused.
+        fresh = [await trio.open_tcp_stream("127.0.0.1", server.port) for _ in range(2)]
+        await wait_for(lambda: server.statistics().connections == 3)
+        extra = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with extra:
+            refused = await read_until_closed(extra)
+        for stream in (*pool, silent, *fresh):
+            await stream.aclose()
+        reclaimed = server.metrics.idle_reclaimed
+    assert refused.startswith(b"HTTP/1.1 503") and b"too_many_connections" in refused
+    assert reclaimed == 2
+
+
 async def test_connection_cap_answers_503() -> None:
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=2)
     async with gateway(serve=serve) as (server, _):

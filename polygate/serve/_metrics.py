@@ -92,6 +92,7 @@ class Metrics:
         self.connections = 0
         self.connections_total = 0
         self.connections_refused = 0
+        self.idle_reclaimed = 0  # idle keep-alive connections closed to make room
         self.disconnects = 0
         self.reloads = 0
         self.reload_failures = 0
@@ -139,6 +140,7 @@ class Metrics:
         copied.connections = self.connections
         copied.connections_total = self.connections_total
         copied.connections_refused = self.connections_refused
+        copied.idle_reclaimed = self.idle_reclaimed
         copied.disconnects = self.disconnects
         copied.reloads = self.reloads
         copied.reload_failures = self.reload_failures
@@ -264,7 +266,9 @@ class _Collector:
         for name, value, text in (
             ("polygate_serve_connections", m.connections_total, "Client connections accepted"),
             ("polygate_serve_connections_refused", m.connections_refused,
-             "Connections answered 503 because max_connections were open"),
+             "Connections answered 503 because max_connections were open, none of them idle"),
+            ("polygate_serve_idle_connections_closed", m.idle_reclaimed,
+             "Idle keep-alive connections closed to make room for a new one at max_connections"),
             ("polygate_serve_client_disconnects", m.disconnects,
              "Requests whose client left before the answer was complete (the call was cancelled)"),
             ("polygate_serve_reloads", m.reloads, "Configuration reloads (SIGHUP)"),

@@ -200,6 +200,10 @@ class Server:
         #: The connections waiting for a request's first byte, by the scope of that wait
         #: (a drain closes them; a reload re-times their wait).
         self._idle: dict[trio.CancelScope, Connection] = {}
+        #: Those of them that have answered a request: a client's pool keeping them
+        #: open between requests, closed to make room at the limit (_reclaim_idle).  A
+        #: connection that has sent nothing yet is not: its head's timeout ends it.
+        self._kept_alive: dict[trio.CancelScope, None] = {}
         #: What the end of a drain's grace cancels: calls being answered, requests still
         #: arriving (once on, a call that starts is cut at once).
         self._cuts = Cuts()
@@ -451,7 +455,7 @@ class Server:
             if starved:
                 starved = False
                 log.warning("accepting connections again")
-            if self.metrics.connections >= self._room:
+            if self.metrics.connections >= self._room and not self._reclaim_idle():
                 self.metrics.connections_refused += 1
                 if self._refusing < _REFUSING:
                     self._connections.start_soon(self._refuse, stream)
@@ -463,6 +467,22 @@ class Server:
             self.metrics.connections += 1
             self.metrics.connections_total += 1
             self._connections.start_soon(self._connection, stream)
+
+    def _reclaim_idle(self) -> bool:
+        """At the connection limit, close the connection that has waited longest for its
+        next request, to make room for this one (nginx reuses keep-alive connections so
+        when it runs out): a client's pool holding its connections open between
+        requests otherwise kept every other client out, 503 ``too_many_connections``
+        from an idle gateway, until ``idle_timeout_s`` (a request every 74 s kept it
+        so).  Its descriptor goes within a pass of the scheduler, the new one's comes
+        now: the reserve for everything else covers the moment between.  False when no
+        connection is idle: then the new one is refused."""
+        for scope in self._kept_alive:  # (the oldest first: each wait is added as it begins)
+            if not scope.cancel_called:
+                scope.cancel()
+                self.metrics.idle_reclaimed += 1
+                return True
+        return False
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         self._refusing += 1
@@ -510,6 +530,7 @@ class Server:
                 return True
             return False
 
+        answered = False  # a request has been answered on it (see _kept_alive)
         linger = False  # the last request was refused with its body unread
         #: Its request was answered with its body's rest unread (refused, or cut by the
         #: drain): in flight until the connection has closed after its linger, so that
@@ -526,6 +547,8 @@ class Server:
                 conn.limits = self._current.settings.serve
                 idle = trio.CancelScope()
                 self._idle[idle] = conn
+                if answered:
+                    self._kept_alive[idle] = None
                 begun = False
                 begun_at = 0.0  # (monotonic) its first byte: a problem's time counts from it
 
@@ -536,6 +559,7 @@ class Server:
                     begun = True
                     begun_at = time.monotonic()
                     self._idle.pop(idle, None)
+                    self._kept_alive.pop(idle, None)
                     if conn.carried:
                         conn.carried = False  # (counted as the last answer ended)
                     else:
@@ -568,6 +592,7 @@ class Server:
                     return
                 finally:
                     self._idle.pop(idle, None)
+                    self._kept_alive.pop(idle, None)
                     self._cuts.scopes.discard(idle)
                     if begun and request is None and not landing_late:
                         self._landed()  # nothing to answer: (the answer lands its own)
@@ -576,6 +601,7 @@ class Server:
                 if request is None:
                     return
                 await self._answer(conn, request, checked)
+                answered = True
                 if not conn.reusable():
                     return
         finally:
