@@ -466,6 +466,44 @@ async def test_reloads_asked_at_once_take_effect_in_the_order_asked() -> None:
             assert server.settings.serve.header_timeout_s == 22
 
 
+@pytest.mark.parametrize("slow", [True, False])
+async def test_leaving_the_server_block_while_a_reload_opens_its_session(
+    tmp_path: Path, slow: bool
+) -> None:
+    """A reloads review: the block's end retired the generations there were then; a
+    reload's session that opened after (a Redis far away, or a SQLite telemetry file
+    opened in a worker thread) was a generation nobody retired, and leaving
+    ``open_server`` waited for it for ever.  A reload asked after the block is refused
+    as such, not with trio's "Nursery is closed to new arrivals"."""
+    from polygate.serve import open_server
+
+    from ._serve_kit import settings_for
+
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                async with open_server(settings_for(url), port=0) as server:
+                    if slow:
+                        opening = server._generation
+
+                        async def slowly(settings: polygate.Settings, **kw: Any) -> None:
+                            await trio.sleep(0.3)  # a session slow to open
+                            await opening(settings, **kw)
+
+                        server._generation = slowly  # type: ignore[method-assign]
+                        nursery.start_soon(server.reload, settings_for(url))
+                        await trio.testing.wait_all_tasks_blocked()  # it is opening
+                        await server.shutdown()
+                    else:
+                        nursery.start_soon(server.reload, settings_for(
+                            url, telemetry=f"sqlite://{tmp_path}/t.db"))
+                        await trio.testing.wait_all_tasks_blocked()  # opening it, in a thread
+        assert server.statistics().generations == 0
+        with pytest.raises(polygate.PolygateError, match="the server is closed"):
+            await server.reload(settings_for(url))
+
+
 _BIG = "x" * 60000
 
 

@@ -190,6 +190,9 @@ class Server:
         self.url = f"http://{shown}:{self.port}"
         self.base_url = self.url + "/v1"
         self.draining = False
+        #: The server's block is being left: a reload's session that opens from now is
+        #: retired at once (see _generation), and no reload starts.
+        self._closing = False
         self._current: Gateway | None = None
         self._backends = SharedBackends()
         self._generations: set[Gateway] = set()
@@ -267,6 +270,11 @@ class Server:
                 gateway = Gateway(settings, opened)
                 self._generations.add(gateway)
                 task_status.started(gateway)
+                if self._closing:
+                    # A reload's, opened as the block was left: the block's end retired
+                    # the generations there were then, not this one, and the sessions'
+                    # nursery waited for it for ever.
+                    gateway.retire()
                 await gateway.idle.wait()
         finally:
             if gateway is not None:
@@ -282,8 +290,13 @@ class Server:
         except while the server is still waiting for its governance backend: then the
         new settings are the ones it keeps trying.  ``host`` and ``port`` are not
         rebound: they need a restart.  Reloads asked at once take effect one after the
-        other, in the order asked: the last one asked is the one in force."""
+        other, in the order asked: the last one asked is the one in force.  Raises
+        :class:`PolygateError` once the server's block has been left."""
+        if self._closing:
+            raise PolygateError("the server is closed: a reload needs a running server")
         async with self._reloading:
+            if self._closing:  # (left while an earlier reload held the turn)
+                raise PolygateError("the server is closed: a reload needs a running server")
             await self._reload(settings)
 
     async def _reload(self, settings: Settings) -> None:
@@ -760,6 +773,7 @@ async def open_server(
         except BaseException as exc:
             failure = failure or exc
         finally:
+            server._closing = True
             server._recovering.cancel()
             server.hard_stop()
             for listener in listeners:
