@@ -1283,3 +1283,29 @@ def test_a_stop_at_the_starts_last_checkpoint_never_prints_the_listening_line(
             assert printed != early, (yields, seed, printed, early)
             outcomes.add(printed)
     assert outcomes == {False, True}, outcomes  # (both orders were met)
+
+
+async def test_a_sighup_while_it_exits_does_not_kill_it(tmp_path: Path) -> None:
+    """A reloads review: a SIGHUP in the milliseconds after the drain, while the process
+    exited (an operator's automation, a logrotate postrotate), took the default action
+    once main() had put the handlers back (and the interpreter's finalization resets
+    them anyway): killed by SIGHUP, exit status -1, after "stopped"."""
+    async with FakeUpstream(Reply()).serve() as url:
+        config = write_config(tmp_path / "c.toml", url)
+        async with serve_process(config) as srv:
+            srv.proc.send_signal(signal.SIGTERM)  # nothing in flight: it stops at once
+
+            async def hups() -> None:
+                while srv.proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        srv.proc.send_signal(signal.SIGHUP)
+                    await trio.sleep(0.002)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hups)
+                with trio.fail_after(30):
+                    code = await srv.proc.wait()
+            assert srv.proc.stderr is not None
+            err = (await srv.proc.stderr.receive_some(1 << 20)).decode()
+    assert "polygate serve: stopped" in err, err[-2000:]
+    assert code == 0, f"exit status {code} (-1: killed by SIGHUP)"

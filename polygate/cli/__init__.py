@@ -90,8 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     finally:
-        for signum, handler in previous.items():  # (main() called in a process that goes on)
-            signal.signal(signum, handler)
+        for signum, handler in previous.items():
+            if argv is None:
+                # The process's own command line: it exits now, and a signal in its last
+                # milliseconds (a SIGHUP from a reload timer, a second SIGTERM) would
+                # take the default action, death, and the exit status with it.  Ignored,
+                # which the interpreter's finalization keeps (it resets handlers).
+                signal.signal(signum, signal.SIG_IGN)
+            else:  # (main() called in a process that goes on)
+                signal.signal(signum, handler)
 
 
 def _main(argv: list[str] | None) -> int:
