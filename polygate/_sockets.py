@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
+import ssl
 import struct
 import sys
 from collections.abc import Iterator
@@ -98,7 +100,11 @@ def os_reasons(exc: BaseException) -> list[str]:
     use).  OS text only, never a message of a library's (which may quote more)."""
     reasons: list[str] = []
     for e in _causes(exc):
-        if isinstance(e, OSError) and e.errno:
+        # Not a resolver's or TLS's error: OSErrors whose numbers are their own (-2 is
+        # "Name or service not known"; an SSL error's 1 would read "Operation not
+        # permitted"), and which say what they mean in their own text already.
+        if isinstance(e, OSError) and not isinstance(e, (socket.gaierror, ssl.SSLError)) \
+                and isinstance(e.errno, int) and e.errno > 0 and e.errno in errno.errorcode:
             reason = os.strerror(e.errno)  # (not its strerror: trio's names the address)
             if reason not in reasons:
                 reasons.append(reason)

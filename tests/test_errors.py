@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import socket
+import ssl
 import sys
 
 import httpx
@@ -123,6 +125,21 @@ def test_os_reasons_come_from_causes_and_groups_once() -> None:
     assert sorted(os_reasons(error)) == ["Connection refused", "Network is unreachable"]
     assert "Network is unreachable" in str(classify_exception(error, source="a"))
     assert os_reasons(httpx.ConnectError("no cause")) == []
+
+
+@pytest.mark.parametrize("cause", [
+    socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+    ssl.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)"),
+    OSError(-3, "a number of no errno"),
+])
+def test_a_resolver_or_tls_failure_adds_no_wrong_reason(cause: OSError) -> None:
+    """A review of the change above: a resolver's and TLS's OSErrors number their own
+    codes, and os.strerror read them as "Unknown error -2" and, for a failed
+    certificate check, "Operation not permitted"."""
+    error = httpx.ConnectError(str(cause))
+    error.__cause__ = cause
+    text = str(classify_exception(error, source="a"))
+    assert text == f"[a] transport error (ConnectError): {cause}", text
 
 
 def test_upstream_errors_pass_through() -> None:
