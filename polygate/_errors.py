@@ -315,8 +315,8 @@ def classify_exception(exc: BaseException, *, source: str | None = None) -> Upst
         # whatever file the process could not open.
         what, code = found
         error = TransientUpstreamError(
-            f"this process ran out of {what} ({code}): the attempt failed before the "
-            "upstream had any part in it", source=source)
+            f"this process ran out of {what} ({code}): the attempt failed for a reason "
+            "of this process's, not the upstream's", source=source)
         error.exhausted = what
         return error
     name = type(exc).__name__

@@ -90,6 +90,8 @@ def out_of(exc: BaseException) -> tuple[str, str] | None:
     for e in _causes(exc):
         if isinstance(e, OSError) and e.errno in _EXHAUSTED:
             return _EXHAUSTED[e.errno], errno.errorcode[e.errno]
+        if isinstance(e, MemoryError):  # (the interpreter's: a body too large to hold)
+            return "memory", "MemoryError"
     return None
 
 

@@ -296,3 +296,34 @@ async def test_running_out_of_memory_is_a_503_that_says_so(
     messages = [r.getMessage() for r in caplog.records if r.name == "polygate.serve"]
     assert len([m for m in messages if "out of memory" in m]) == 1, messages  # once a minute
     assert not any("unexpected error" in m or "Traceback" in m for m in messages), messages
+
+
+async def test_running_out_of_memory_inside_the_call_blames_no_source(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A review of the change above: a MemoryError inside the call (building the
+    upstream request from a large body, reading a large answer) was taken for the
+    upstream's failure: 502 ``sources_exhausted``, a traceback a try ("unexpected error
+    in an exchange"), and each counted against the source's health and breaker.  It is
+    this process's exhaustion, as running out of descriptors is: 503 ``out_of_memory``."""
+    import httpx
+
+    from polygate.serve import _app
+    from polygate.serve import open_server as serving
+
+    from ._serve_kit import settings_for
+
+    class OutOfMemory(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            raise MemoryError
+
+    _app._memory_logged.clear()
+    async with serving(settings_for("http://127.0.0.1:9/v1"), port=0,
+                       transport=OutOfMemory()) as server:
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        stats = await server._current.session.statistics()  # type: ignore[union-attr]
+    assert answer.status == 503 and answer.json()["error"]["code"] == "out_of_memory"
+    assert "ran out of memory" in answer.json()["error"]["message"]
+    state = next(x.state for x in stats.governance.sources if x.state.scope == "chat")
+    assert state.breaker == "closed" and state.consecutive_failures == 0
+    assert not any("unexpected error" in r.getMessage() for r in caplog.records)

@@ -40,7 +40,7 @@ from .._json import MAX_DEPTH, loads, nested_deeper
 from .._key_quota import KeyQuotas, KeyRefusal
 from .._session import Session
 from .._types import CallStats, ChatResponse, StreamChunk
-from ._errors import ErrorReply, reply_for
+from ._errors import OUT_OF_MEMORY, ErrorReply, reply_for
 from ._http import ClientGone, Connection, Request, field_value
 from ._json import Unencodable, dump, has_lone_surrogate
 from ._meter import CURRENT, CallMeter, tap
@@ -239,9 +239,7 @@ async def answer(ctx: Context, request: Request) -> None:
         # 500 and a traceback read as a defect.
         status, code = 503, "out_of_memory"
         _out_of_memory(request)
-        await _unavailable(ctx, ErrorReply(
-            503, "The gateway ran out of memory answering this request; try again later.",
-            "api_error", code))
+        await _unavailable(ctx, ErrorReply(503, OUT_OF_MEMORY, "api_error", code))
     except Exception as exc:
         where = f"answering {request.method} {endpoint_label(request.path)}"
         log_bug(log, exc, where, ctx.gateway.settings.secrets())

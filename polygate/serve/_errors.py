@@ -93,6 +93,9 @@ def error_body(message: str, type_: str, code: str, param: str | None = None) ->
 _PARAM = re.compile(r"([a-z_]+(?:\[\d+\])*(?:\.[a-z_]+)*) (?:must|is) ")
 
 
+OUT_OF_MEMORY = "The gateway ran out of memory answering this request; try again later."
+
+
 def reply_for(exc: BaseException) -> ErrorReply:
     """The HTTP error for an exception a session call raised (or a bug)."""
     if isinstance(exc, errors.ConfigError):
@@ -111,6 +114,9 @@ def reply_for(exc: BaseException) -> ErrorReply:
         return ErrorReply(503, _BACKEND_DOWN, "api_error", "governance_unavailable",
                           retry_after_s=_BACKEND_RETRY_S)
     if isinstance(exc, errors.AllSourcesExhausted):
+        if exc.errors and all(e.exhausted == "memory" for e in exc.errors):
+            # Not the sources': this process could not hold the request or the answer.
+            return ErrorReply(503, OUT_OF_MEMORY, "api_error", "out_of_memory")
         wait = rate_limited_for(exc)
         if wait is not None:
             return ErrorReply(
