@@ -110,18 +110,25 @@ async def _listen(port: int, host: str) -> list[trio.SocketListener]:
     machine: ::1 and 127.0.0.1 on two ports, where the URL names one).  The first's
     port is then taken on all of them; should another program take it on one in the
     meantime, a fresh pick, a few times."""
-    for _ in range(4):
-        listeners = await _open_listeners(port, host)
-        ports = [listener.socket.getsockname()[1] for listener in listeners]
-        if port or len(set(ports)) == 1:
-            return listeners
-        for listener in listeners:
-            await trio.aclose_forcefully(listener)
-        try:
-            return await _open_listeners(ports[0], host)
-        except OSError:
-            continue
-    return await _open_listeners(port, host)  # (ports apart, as before: still listening)
+    skipped: list[str] = []
+    try:
+        for _ in range(4):
+            listeners = await _open_listeners(port, host, skipped)
+            ports = [listener.socket.getsockname()[1] for listener in listeners]
+            if port or len(set(ports)) == 1:
+                return listeners
+            for listener in listeners:
+                await trio.aclose_forcefully(listener)
+            try:
+                return await _open_listeners(ports[0], host, skipped)
+            except OSError:
+                continue
+        # (Ports apart, as before: still listening.)
+        return await _open_listeners(port, host, skipped)
+    finally:
+        if skipped:  # (once, however many tries it took)
+            log.warning("%s names addresses this machine cannot listen on: %s; listening "
+                        "on the others", host, ", ".join(dict.fromkeys(skipped)))
 
 
 #: A bind that fails so says the address is not this machine's to listen on now (::1
@@ -129,14 +136,15 @@ async def _listen(port: int, host: str) -> list[trio.SocketListener]:
 _NOT_HERE = frozenset({errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT})
 
 
-async def _open_listeners(port: int, host: str) -> list[trio.SocketListener]:
+async def _open_listeners(port: int, host: str, skipped: list[str]) -> list[trio.SocketListener]:
     """``trio.open_tcp_listeners``, except that a host *name* listens on the addresses
     it names that can be listened on here.  ``localhost`` names ::1 as well as
     127.0.0.1 in Debian's and Docker's /etc/hosts, and with IPv6 disabled by sysctl
     (a common hardening) binding ::1 fails with EADDRNOTAVAIL: trio skips a family
     only where its socket cannot be made at all, so the server did not start.  Such an
     address is skipped, with a warning, as long as another one listens; an address
-    given as such (``--host ::1``) is never skipped."""
+    given as such (``--host ::1``) is never skipped.  The skipped ones are added to
+    ``skipped``, for one warning (see _listen)."""
     try:
         return await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:
@@ -148,7 +156,7 @@ async def _open_listeners(port: int, host: str) -> list[trio.SocketListener]:
     )
     addresses = list(dict.fromkeys(str(sockaddr[0]) for *_, sockaddr in found))
     listeners: list[trio.SocketListener] = []
-    skipped: list[str] = []
+    passed: list[str] = []
     try:
         for address in addresses:
             try:
@@ -156,15 +164,14 @@ async def _open_listeners(port: int, host: str) -> list[trio.SocketListener]:
             except OSError as exc:
                 if exc.errno not in _NOT_HERE:
                     raise
-                skipped.append(f"{address} ({exc.strerror})")
+                passed.append(f"{address} ({exc.strerror})")
     except BaseException:
         for listener in listeners:
             await trio.aclose_forcefully(listener)
         raise
     if not listeners:
         raise first
-    log.warning("serve: %s names addresses this machine cannot listen on: %s; listening on "
-                "the others", host, ", ".join(skipped))
+    skipped += passed
     return listeners
 
 
