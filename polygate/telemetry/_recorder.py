@@ -155,7 +155,8 @@ def _without_prompt(text: str, prompt: Sequence[str]) -> str:
     for form in forms:
         if form in text:
             text = text.replace(form, _PROMPT_SHOWN)
-    budget = _Budget(_MAX_QUOTE_SEARCHES, max(map(len, forms)) + 4)
+    raw = [piece for piece in prompt if len(piece) >= 8]
+    budget = _Budget(_MAX_QUOTE_SEARCHES, max(map(len, forms)) + 4, raw)
     pieces = _AFTER_CUT.split(text)
     return "".join(
         _piece_without_prompt(piece, forms, budget, after_cut=i > 0)
@@ -174,19 +175,42 @@ _MAX_QUOTE_SEARCHES = 64
 
 
 class _Budget:
-    __slots__ = ("left", "longest")
+    __slots__ = ("found", "left", "longest", "raw")
 
-    def __init__(self, left: int, longest: int) -> None:
+    def __init__(self, left: int, longest: int, raw: list[str]) -> None:
         self.left = left
         self.longest = longest  # no quoted run longer than this is prompt text
+        self.raw = raw  # the prompt's texts as they are (the first of each one's forms)
+        self.found: dict[str, bool] = {}  # runs already looked up (an error repeats them)
 
     def prompt_text(self, run: str, forms: list[str]) -> bool:
         """Whether ``run`` (a quoted run, its cut's ellipsis aside) is prompt text."""
         core = run.removesuffix("...").removesuffix("…").strip()
-        if len(core) < 8 or len(run) > self.longest or self.left <= 0:
+        if len(core) < 8 or len(run) > self.longest:
+            return False
+        known = self.found.get(core)
+        if known is not None:
+            return known
+        if self.left <= 0:
             return False
         self.left -= 1
-        return any(core in form for form in forms)
+        self.found[core] = found = self._search(core, forms)
+        return found
+
+    def _search(self, core: str, forms: list[str]) -> bool:
+        if "\\" in core:
+            return any(core in form for form in forms)
+        # No escape in it: in an escaped spelling it sits between escapes, so it is in
+        # the text as it is -- all but the tail of an escape it may begin with ("u0026"
+        # of "\\u0026", "n" of "\\n"), left out here.  One search through the prompt,
+        # not one through each of its spellings (a prompt of megabytes: 8 of them).
+        tail = _ESCAPE_TAIL.match(core)
+        rest = core[tail.end():] if tail is not None and len(core) - tail.end() >= 8 else None
+        return any(core in text or (rest is not None and rest in text) for text in self.raw)
+
+
+#: What follows the backslash of an escape the forms of _json_forms write.
+_ESCAPE_TAIL = re.compile(r"u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|U[0-9a-fA-F]{8}|[ntrbf\"'\\/]")
 
 
 def _piece_without_prompt(piece: str, forms: list[str], budget: _Budget, *, after_cut: bool) -> str:
