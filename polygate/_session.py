@@ -30,7 +30,7 @@ from ._config import Settings, is_utf8
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
 from ._json import MAX_DEPTH, dumps, nested_deeper, plain_messages
-from ._key_quota import KeyQuotas
+from ._key_quota import KEY_SCOPE, KeyQuotas
 from ._ocr import run_ocr
 from ._resume import first_logprobs, resumable_delta
 from ._structured import prepare
@@ -884,7 +884,14 @@ class SharedBackends:
         self._memory = MemoryBackend()
 
     def for_settings(self, settings: Settings) -> MemoryBackend | RedisBackend:
-        return self._memory if settings.backend == "memory" else _backend_for(settings)
+        if settings.backend != "memory":
+            return _backend_for(settings)
+        # The state of names these settings no longer use goes once it holds nothing.
+        kept = {(name, source.name) for name, scope in settings.scopes.items()
+                for source in scope.sources}
+        kept.update((KEY_SCOPE, key) for key in settings.serve.keys)
+        self._memory.forget_all_but(kept)
+        return self._memory
 
 
 def session(

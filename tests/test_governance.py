@@ -802,3 +802,43 @@ async def test_an_error_event_after_content_keeps_what_streamed_in_the_tpm_windo
             snapshot = await s._runtime.governor.backend.snapshot("chat", "a")  # type: ignore[attr-defined]
             windows.append(snapshot.tokens_in_window)
     assert windows[0] >= 50 and windows[1] == 0
+
+
+async def test_a_reload_drops_the_state_of_names_it_removed_once_it_holds_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reloads review: ``polygate serve``'s generations share one in-process backend,
+    and a reload that renamed a source (a model version in its name) or a named gateway
+    key kept the old name's state, its last minute of admissions with it (~120 bytes
+    each), for the life of the process.  At each reload a name the new settings do not
+    use is dropped once its minute has passed and it holds nothing; one still busy, or
+    with its breaker open, stays."""
+    from polygate._key_quota import KEY_SCOPE
+    from polygate._session import SharedBackends
+    from polygate.governance._memory import MemoryBackend
+    from polygate.governance._model import AdmitRequest, Feedback, SettleRequest, SourceLimits
+
+    def settings(*names: str, key: str = "team") -> polygate.Settings:
+        return polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[
+                polygate.Source(name=n, base_url=f"http://{n}/v1") for n in names])},
+            serve=polygate.Serve(keys={key: polygate.ServeKey(key="sk-gw-" + key * 4, rpm=10)}))
+
+    shared = SharedBackends()
+    backend = shared.for_settings(settings("a-v1", "b"))
+    assert isinstance(backend, MemoryBackend)
+    limits = SourceLimits(rpm=1000)
+    for scope, name in (("chat", "a-v1"), ("chat", "b"), (KEY_SCOPE, "team")):
+        admission = await backend.admit(AdmitRequest(scope, name, limits, 10))
+        await backend.settle(SettleRequest(admission, 10, Feedback.SUCCESS))
+    busy = await backend.admit(AdmitRequest("chat", "b", limits, 10))  # still in flight
+
+    assert shared.for_settings(settings("a-v2", key="other")) is backend
+    assert ("chat", "a-v1") in backend._sources  # its minute is not over
+    await trio.sleep(61)
+    shared.for_settings(settings("a-v3", key="other"))
+    assert set(backend._sources) == {("chat", "b")}  # b holds a call still
+    await backend.settle(SettleRequest(busy, 10, Feedback.SUCCESS))
+    await trio.sleep(61)
+    shared.for_settings(settings("a-v3", key="other"))
+    assert backend._sources == {}

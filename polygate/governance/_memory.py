@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+from collections.abc import Collection
 
 import trio
 
@@ -129,6 +130,24 @@ class MemoryBackend:
         if state is None:
             state = self._sources[key] = _Source()
         return state
+
+    def forget_all_but(self, kept: Collection[tuple[str, str]]) -> None:
+        """Drop the state of each (scope, source) not in ``kept`` once it holds nothing:
+        its minute of admissions past, nothing reserved or in flight, no breaker open,
+        no cooldown or dead mark.  ``polygate serve``'s generations share one backend,
+        and a reload that renamed a source (a model version in its name) or a named
+        gateway key left the old name's state, its last minute of admissions with it
+        (~120 bytes each), for the life of the process: nothing admits under that name
+        again, so nothing expired it.  Called at each reload, with the names the new
+        settings use; a name removed less than a minute before stays until the next."""
+        now = self.now()
+        for key in [key for key in self._sources if key not in kept]:
+            state = self._sources[key]
+            state.expire(now)
+            if not state.window and not state.open and state.in_flight == 0 \
+                    and state.breaker is BreakerState.CLOSED \
+                    and state.cooldown_until <= now and state.dead_until <= now:
+                del self._sources[key]
 
     def _notify(self) -> None:
         self._changed.set()
