@@ -841,6 +841,30 @@ async def test_at_the_cap_a_kept_alive_idle_connection_makes_room() -> None:
     assert reclaimed == 2
 
 
+async def test_a_cap_a_reload_lowered_is_reached_by_closing_idle_connections() -> None:
+    """A review of the change above: after a reload lowered ``max_connections`` below
+    the connections open, each newcomer closed one idle connection and came in, so the
+    count never came down to the new cap (before, newcomers were refused until it
+    did).  A newcomer now closes as many idle ones as it takes."""
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=4)
+    async with gateway(serve=serve) as (server, _):
+        pool = []
+        for _ in range(4):
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await stream.send_all(request_bytes("GET", "/healthz"))
+            assert (await read_answer(stream)).status == 200
+            pool.append(stream)
+        await wait_for(lambda: server.statistics().connections == 4)
+        await server.reload(attrs.evolve(
+            server.settings, serve=attrs.evolve(serve, max_connections=2)))
+        newcomer = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await newcomer.send_all(request_bytes("GET", "/healthz"))
+        assert (await read_answer(newcomer)).status == 200
+        await wait_for(lambda: server.statistics().connections == 2)  # 3 of the pool closed
+        for stream in (*pool, newcomer):
+            await stream.aclose()
+
+
 async def test_connection_cap_answers_503() -> None:
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=2)
     async with gateway(serve=serve) as (server, _):

@@ -475,7 +475,8 @@ class Server:
             if starved:
                 starved = False
                 log.warning("accepting connections again")
-            if self.metrics.connections >= self._room and not self._reclaim_idle():
+            if self.metrics.connections >= self._room \
+                    and not self._reclaim_idle(self.metrics.connections - self._room + 1):
                 self.metrics.connections_refused += 1
                 if self._refusing < _REFUSING:
                     self._connections.start_soon(self._refuse, stream)
@@ -488,21 +489,25 @@ class Server:
             self.metrics.connections_total += 1
             self._connections.start_soon(self._connection, stream)
 
-    def _reclaim_idle(self) -> bool:
-        """At the connection limit, close the connection that has waited longest for its
-        next request, to make room for this one (nginx reuses keep-alive connections so
-        when it runs out): a client's pool holding its connections open between
-        requests otherwise kept every other client out, 503 ``too_many_connections``
-        from an idle gateway, until ``idle_timeout_s`` (a request every 74 s kept it
-        so).  Its descriptor goes within a pass of the scheduler, the new one's comes
-        now: the reserve for everything else covers the moment between.  False when no
-        connection is idle: then the new one is refused."""
+    def _reclaim_idle(self, wanted: int) -> bool:
+        """At the connection limit, close the connections that have waited longest for
+        their next request, to make room for this one (nginx reuses keep-alive
+        connections so when it runs out): a client's pool holding its connections open
+        between requests otherwise kept every other client out, 503
+        ``too_many_connections`` from an idle gateway, until ``idle_timeout_s`` (a
+        request every 74 s kept it so).  ``wanted``: how many to close for one more to
+        fit, more than one over a limit a reload lowered (the count comes down to it, as
+        it did with refusals).  Their descriptors go within a pass of the scheduler, the
+        new one's comes now: the reserve for everything else covers the moment between.
+        False when fewer are idle: then the new one is refused."""
         for scope in self._kept_alive:  # (the oldest first: each wait is added as it begins)
+            if wanted <= 0:
+                break
             if not scope.cancel_called:
                 scope.cancel()
                 self.metrics.idle_reclaimed += 1
-                return True
-        return False
+                wanted -= 1
+        return wanted <= 0
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         self._refusing += 1
