@@ -14,7 +14,7 @@ import math
 import os
 import random
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -884,14 +884,19 @@ class SharedBackends:
         self._memory = MemoryBackend()
 
     def for_settings(self, settings: Settings) -> MemoryBackend | RedisBackend:
-        if settings.backend != "memory":
-            return _backend_for(settings)
-        # The state of names these settings no longer use goes once it holds nothing.
-        kept = {(name, source.name) for name, scope in settings.scopes.items()
-                for source in scope.sources}
-        kept.update((KEY_SCOPE, key) for key in settings.serve.keys)
+        return self._memory if settings.backend == "memory" else _backend_for(settings)
+
+    def forget_unused(self, in_force: Iterable[Settings]) -> None:
+        """Drop the in-memory state of the source and gateway-key names none of
+        ``in_force`` (every generation still open) uses, once it holds nothing (see
+        MemoryBackend.forget_all_but).  Called once a reload is in force: a reload that
+        fails changes nothing."""
+        kept: set[tuple[str, str]] = set()
+        for settings in in_force:
+            kept.update((name, source.name) for name, scope in settings.scopes.items()
+                        for source in scope.sources)
+            kept.update((KEY_SCOPE, key) for key in settings.serve.keys)
         self._memory.forget_all_but(kept)
-        return self._memory
 
 
 def session(

@@ -834,11 +834,15 @@ async def test_a_reload_drops_the_state_of_names_it_removed_once_it_holds_nothin
     busy = await backend.admit(AdmitRequest("chat", "b", limits, 10))  # still in flight
 
     assert shared.for_settings(settings("a-v2", key="other")) is backend
+    shared.forget_unused([settings("a-v2", key="other")])
     assert ("chat", "a-v1") in backend._sources  # its minute is not over
     await trio.sleep(61)
-    shared.for_settings(settings("a-v3", key="other"))
+    # An old generation still open keeps its names: b's, here.
+    shared.forget_unused([settings("a-v3", key="other"), settings("b", key="x")])
+    assert set(backend._sources) == {("chat", "b")}
+    shared.forget_unused([settings("a-v3", key="other")])
     assert set(backend._sources) == {("chat", "b")}  # b holds a call still
     await backend.settle(SettleRequest(busy, 10, Feedback.SUCCESS))
     await trio.sleep(61)
-    shared.for_settings(settings("a-v3", key="other"))
+    shared.forget_unused([settings("a-v3", key="other")])
     assert backend._sources == {}

@@ -1309,3 +1309,33 @@ async def test_a_sighup_while_it_exits_does_not_kill_it(tmp_path: Path) -> None:
             err = (await srv.proc.stderr.receive_some(1 << 20)).decode()
     assert "polygate serve: stopped" in err, err[-2000:]
     assert code == 0, f"exit status {code} (-1: killed by SIGHUP)"
+
+
+async def test_a_failed_reload_keeps_the_governance_state_in_force(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path,
+) -> None:
+    """A review: the state of names a reload's settings drop was forgotten before the
+    new session opened, so a reload that failed (and changes nothing) still reset the
+    sources of the configuration that stayed in force (a failure toward the breaker's
+    threshold, the admissions counter of a live series)."""
+    from polygate.serve import open_server
+    from polygate.testing import Router
+
+    def settings(name: str, telemetry: str = "off") -> polygate.Settings:
+        return polygate.Settings(
+            scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name=name, base_url=f"http://{name}/v1")],
+                retry=polygate.Retry(max_attempts=1, same_source_retries=0))},
+            serve=polygate.Serve(api_keys=[GATEWAY_KEY]), telemetry=telemetry)
+
+    upstream = FakeUpstream(Reply(status=500))
+    async with open_server(settings("s0"), port=0, transport=Router({"s0": upstream})) as server:
+        with pytest.raises(polygate.PolygateError):
+            await server.session.chat([{"role": "user", "content": "hi"}])
+        await trio.sleep(61)  # its minute of admissions over
+        (tmp_path / "file").write_text("not a folder")
+        with pytest.raises(polygate.ConfigError):
+            await server.reload(settings("s1", telemetry=f"sqlite://{tmp_path}/file/t.db"))
+        assert server.settings.scopes["chat"].sources[0].name == "s0"  # still in force
+        [state] = [s.state for s in (await server.session.statistics()).governance.sources]
+    assert (state.consecutive_failures, state.admissions) == (1, 1), state

@@ -333,6 +333,8 @@ class Server:
         old.retire()
         self._recovering.cancel()  # a reload that opened its session ends the waiting
         self.metrics.reloads += 1
+        # In force: the names no open generation uses any more let their state go.
+        self._backends.forget_unused(gateway.settings for gateway in self._generations)
 
     def _fit_connections(self, settings: Settings, *, starting: bool = False) -> None:
         """Fit the connections the open-file limit leaves room for to the settings
