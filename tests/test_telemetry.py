@@ -801,6 +801,26 @@ def test_a_quoted_run_that_begins_with_an_escapes_tail_is_still_found(escaped: s
     assert out is not None and "merger" not in out, out
 
 
+@pytest.mark.parametrize("spelling", ["repr", "json"])
+def test_a_run_a_cut_began_inside_an_escape_is_still_found(spelling: str) -> None:
+    """A review of the change above: a cut inside an escape (pydantic's 'first...last'
+    through "\\x07", an upstream's truncation through "\\u00e9") began a run with part
+    of an escape's tail, "07 were…", found in no spelling of the prompt's whole tails:
+    the rest of the prompt was stored."""
+    import json
+
+    from polygate.telemetry._recorder import error_text
+
+    prompt = ("Ab\x07cd: the quarterly numbers for ACME\u00e9\x07 were confidential and "
+              "large indeed")
+    shown = repr(prompt)[1:-1] if spelling == "repr" else json.dumps(prompt)[1:-1]
+    escape = "\\x07" if spelling == "repr" else "\\u0007"
+    at = shown.rindex(escape)
+    text = f"input_value='{shown[:8]}...{shown[at + 2:]}'"  # (the cut: two into the escape)
+    out = error_text(RuntimeError(text), (), [prompt])
+    assert out is not None and "confidential" not in out, out
+
+
 def test_redacting_a_prompt_stays_cheap_in_an_error_full_of_quote_marks() -> None:
     """review: trying every quote mark made a 2,000-character error text dense with
     them cost ~0.13 s against a 260 KB prompt, on the event loop, for each row; the

@@ -201,16 +201,29 @@ class _Budget:
         if "\\" in core:
             return any(core in form for form in forms)
         # No escape in it: in an escaped spelling it sits between escapes, so it is in
-        # the text as it is -- all but the tail of an escape it may begin with ("u0026"
-        # of "\\u0026", "n" of "\\n"), left out here.  One search through the prompt,
-        # not one through each of its spellings (a prompt of megabytes: 8 of them).
-        tail = _ESCAPE_TAIL.match(core)
-        rest = core[tail.end():] if tail is not None and len(core) - tail.end() >= 8 else None
-        return any(core in text or (rest is not None and rest in text) for text in self.raw)
+        # the text as it is -- but for what it may begin with of an escape's tail
+        # ("u0026" of "\\u0026", "n" of "\\n"; or part of one, "07" of "\\x07", where a
+        # cut fell inside it).  So what follows the longest start that could be such a
+        # tail is looked for too: it is in the text as it is if the run is in a
+        # spelling.  One search or two through the prompt, not one through each of its
+        # spellings (a prompt of megabytes: 8 of them).
+        skip = 0
+        while skip < _LONGEST_TAIL and skip < len(core) and core[skip] in _TAIL_CHARACTERS:
+            skip += 1
+        if any(core in text for text in self.raw):
+            return True
+        if skip == 0:
+            return False
+        if len(core) - skip >= 8:
+            rest = core[skip:]
+            return any(rest in text for text in self.raw)
+        return any(core in form for form in forms)  # (too little left: each spelling)
 
 
-#: What follows the backslash of an escape the forms of _json_forms write.
-_ESCAPE_TAIL = re.compile(r"u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|U[0-9a-fA-F]{8}|[ntrbf\"'\\/]")
+#: What may follow the backslash of an escape _json_forms's spellings write, and how
+#: long that is at most (``U0001f600``).
+_TAIL_CHARACTERS = frozenset("0123456789abcdefABCDEFuxUntr\"'\\/")
+_LONGEST_TAIL = 9
 
 
 def _piece_without_prompt(piece: str, forms: list[str], budget: _Budget, *, after_cut: bool) -> str:
