@@ -507,3 +507,61 @@ def test_a_loop_of_calls_does_not_keep_waiters_without_a_deadline_out(seed: int)
 
     Schedule(seed).run(main)
     assert waited == pytest.approx([1.5 - 0.0, 2.5 - 0.01, 3.5 - 0.02]), waited
+
+
+async def test_a_first_woken_during_its_own_round_trip_holds_no_newcomer_back(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review of the change above: a waiter whose turn came while its own ask was
+    on the wire (a Redis round trip) went on to watch the backend as the first, its
+    alarm still set: it read as woken and not yet asked, and every newcomer meanwhile
+    gave it 64 passes of the scheduler in vain."""
+    from polygate.governance._memory import MemoryBackend
+
+    asked_by: list[trio.lowlevel.Task] = []
+
+    class RoundTrip(MemoryBackend):
+        turn_during_ask = False
+
+        async def admit(self, request: Any) -> Any:
+            asked_by.append(trio.lowlevel.current_task())
+            await trio.lowlevel.checkpoint()  # the round trip
+            if self.turn_during_ask:
+                self.turn_during_ask = False
+                [line] = governor._lines.values()
+                first = line.first()
+                assert first is not None
+                first.wake()  # its turn, come while it asks
+            return await super().admit(request)
+
+    backend = RoundTrip()
+    monkeypatch.setattr("polygate._session._backend_for", lambda settings: backend)
+    steps: dict[trio.lowlevel.Task, int] = {}
+
+    class Steps(trio.abc.Instrument):
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            steps[task] = steps.get(task, 0) + 1
+
+    a = FakeUpstream(Reply(first_token_s=10))
+    async with polygate.session(_settings(max_in_flight=1), transport=Router({"a": a})) as s:
+        governor = s._runtime.governor
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.chat, _asking(0))  # holds the permit until 10 s
+            await trio.sleep(1)
+            nursery.start_soon(s.chat, _asking(1))  # first in the line
+            await trio.sleep(1)
+            backend.turn_during_ask = True
+            backend._notify()  # a change: the first asks again, its turn comes meanwhile
+            await trio.sleep(1)
+            newcomer: list[trio.lowlevel.Task] = []
+
+            async def arrive() -> None:
+                newcomer.append(trio.lowlevel.current_task())
+                await s.chat(_asking(2))
+
+            trio.lowlevel.add_instrument(Steps())
+            nursery.start_soon(arrive)
+            await trio.sleep(0.5)
+            before_asking = steps[newcomer[0]]
+            assert newcomer[0] in asked_by
+    assert before_asking < 10, before_asking  # (64 and more before)

@@ -321,6 +321,11 @@ class Governor:
                 if line.first() is waiter:
                     if refused.telling:
                         line.wake_if(result, functools.partial(_gives_up, refused, now))
+                    # First, it watches the backend's changes since it asked (``mark``),
+                    # not its alarm: a turn that woke it during its ask (a round trip on
+                    # Redis) is spent, and left set it would read as a wake-up still to
+                    # come (see _after_the_woken: newcomers would wait on it in vain).
+                    waiter.arm()
                     waiter.mark = mark  # (a change sets it: its turn, see _after_the_woken)
                     try:
                         await self.backend.wait_changed(wake_at, mark)
