@@ -26,31 +26,26 @@ class DatabaseUnavailable(Exception):
     :func:`unusable_for_now`)."""
 
 
-def _code(exc: BaseException) -> int | None:
-    code = getattr(exc, "sqlite_errorcode", None)  # (Python 3.11 and later)
-    return code & 0xFF if isinstance(code, int) else None
+def _says(exc: BaseException, codes: tuple[int, ...], words: tuple[str, ...]) -> bool:
+    """Whether the SQLite error ``exc`` is one of ``codes`` (its primary code, which
+    Python gives from 3.11) or, before, has one of ``words`` in its message."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in codes
+    return any(word in str(exc) for word in words)
 
 
 def held_by_another(exc: BaseException) -> bool:
-    """SQLITE_BUSY or SQLITE_LOCKED: another connection holds the file, for now (by
-    the error's code from Python 3.11, by its message before)."""
-    if not isinstance(exc, sqlite3.OperationalError):
-        return False
-    code = _code(exc)
-    if code is not None:
-        return code in (_SQLITE_BUSY, _SQLITE_LOCKED)
-    return "locked" in str(exc) or "busy" in str(exc)
+    """SQLITE_BUSY or SQLITE_LOCKED: another connection holds the file, for now."""
+    return _says(exc, (_SQLITE_BUSY, _SQLITE_LOCKED), ("locked", "busy"))
 
 
 def _disk_failed(exc: BaseException) -> bool:
     if isinstance(exc, OSError):
         return exc.errno in _DISK_ERRNOS
-    if not isinstance(exc, sqlite3.OperationalError):
-        return False
-    code = _code(exc)
-    if code is not None:
-        return code in (_SQLITE_IOERR, _SQLITE_FULL)
-    return "disk I/O error" in str(exc) or "disk is full" in str(exc)
+    return _says(exc, (_SQLITE_IOERR, _SQLITE_FULL), ("disk I/O error", "disk is full"))
 
 
 def unusable_for_now(exc: BaseException, path: Path) -> str | None:
