@@ -1533,3 +1533,26 @@ async def test_the_end_of_a_logged_outage_is_said_once_even_after_a_bad_entrys_w
     assert await cache.get_many(["k"]) == [None]
     said = [r.getMessage() for r in caplog.records if r.name == "polygate.cache"]
     assert sum(line.startswith("the cache answers again") for line in said) == 1, said
+
+
+async def test_a_second_outage_soon_after_the_first_ends_is_said(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An incidents review: the outage warning was limited to one every 10 s alone, so
+    a second outage within 10 s of the first's logged end went unsaid, and the log's
+    last word was that the cache answered while every lookup failed open."""
+    from polygate.cache._cache import Cache
+
+    caplog.set_level(logging.INFO, logger="polygate.cache")
+    backend = _Down()
+    cache = Cache(backend)  # type: ignore[arg-type]
+    for _ in range(2):  # down, up, down again within 10 s, up again
+        backend.up = False
+        assert await cache.get_many(["k"]) == [None]
+        await trio.sleep(1)  # (the pause after a failure)
+        backend.up = True
+        assert await cache.get_many(["k"]) == [None]
+        await trio.sleep(1)
+    said = [r.getMessage() for r in caplog.records if r.name == "polygate.cache"]
+    kinds = ["down" if "fails open" in line else "up" for line in said]
+    assert kinds == ["down", "up", "down", "up"], said

@@ -87,6 +87,34 @@ async def test_governance_backend_down_is_503(
                for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
+async def test_each_outage_of_a_flapping_redis_is_logged_with_its_end(
+    own_redis: RedisServer, caplog: pytest.LogCaptureFixture,  # noqa: F811
+) -> None:
+    """An incidents review: the 503 warning and the "answers again" line were each
+    limited to one every 10 s alone, so a second outage within 10 s of the first's end
+    left no line, and the log's last word, "answers again", said Redis was fine while
+    hundreds of calls were answered 503."""
+    backend = f"{own_redis.url}?prefix=flap-{secrets.token_hex(4)}&timeout_s=0.5"
+
+    async def until(server: Any, status: int) -> None:
+        with trio.fail_after(30):
+            while (await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status != status:  # noqa: ASYNC110
+                await trio.sleep(0.05)
+
+    caplog.set_level(logging.INFO, logger="polygate")
+    async with gateway(Reply(tokens=2), backend=backend, call_deadline_s=10) as (server, _):
+        await until(server, 200)
+        for _ in range(2):  # two outages, each within seconds of the other
+            own_redis.kill()
+            await until(server, 503)
+            await trio.to_thread.run_sync(own_redis.start)
+            await until(server, 200)
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("polygate")]
+    kinds = [("down" if "governance_unavailable" in line else "up") for line in said
+             if "governance_unavailable" in line or "answers again" in line]
+    assert kinds == ["down", "up", "down", "up"], said
+
+
 async def test_a_gateway_started_while_redis_is_down_fails_closed_then_serves(
     own_redis: RedisServer,  # noqa: F811
 ) -> None:

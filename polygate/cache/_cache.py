@@ -250,7 +250,10 @@ class Cache:
             # it caused changes nothing.
             self._pause = min(max(self._pause * 2, _PAUSE_MIN_S), _PAUSE_MAX_S)
             self._down_until = now + self._pause
-        if now - self._last_warning >= _WARN_EVERY_S:
+        # At most every 10 s, but always at an outage's start after its last one's end
+        # was said (a second outage within 10 s of "answers again" went unsaid, and the
+        # log's last word was that the cache answered).
+        if now - self._last_warning >= _WARN_EVERY_S or (pause and not self._warned_down):
             self._last_warning = now
             if pause:  # (a bad entry's warning says nothing of the backend)
                 self._warned_down = True

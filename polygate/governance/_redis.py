@@ -82,6 +82,7 @@ import trio
 from .._config import mask_url
 from .._coredis import closing_connection_class, import_coredis
 from .._errors import ConfigError, GovernanceBackendError
+from .._outage import OUTAGE_LOG
 from .._redis_url import SHARED_OPTIONS, check_tls_options, redis_address, shared_option
 from . import _redis_scripts as lua
 from ._memory import WINDOW_S
@@ -974,10 +975,12 @@ class RedisBackend:
         return text[:400]
 
     def _back(self) -> None:
-        """Redis answers after it did not: said (at most every 10 s, as the failures
-        are), so that a log that told of an outage also tells of its end."""
+        """Redis answers after it did not: said, so that a log that told of an outage
+        also tells of its end -- always after an outage the log told of (see
+        :data:`OUTAGE_LOG`), otherwise at most every 10 s."""
         now = trio.current_time()
-        if now - self._last_warning.get("back", -math.inf) >= 10.0:
+        if OUTAGE_LOG.open or now - self._last_warning.get("back", -math.inf) >= 10.0:
+            OUTAGE_LOG.open = False
             self._last_warning["back"] = now
             log.info("redis at %s answers again", self._where)
 

@@ -34,6 +34,7 @@ import time
 import attrs
 
 from .. import _errors as errors
+from .._outage import OUTAGE_LOG
 from ._json import Unencodable, dump
 
 __all__ = ["ErrorReply", "error_body", "reply_for"]
@@ -141,8 +142,11 @@ def reply_for(exc: BaseException) -> ErrorReply:
 def _log_backend_down(exc: errors.GovernanceBackendError) -> None:
     global _backend_logged_at
     now = time.monotonic()  # (a log's rate, not the call's time: no trio clock needed)
-    if now - _backend_logged_at >= _BACKEND_LOG_EVERY_S:
+    # Said at the outage's start whatever the rate (OUTAGE_LOG: its end was the log's
+    # last word), then at most every 10 s.
+    if not OUTAGE_LOG.open or now - _backend_logged_at >= _BACKEND_LOG_EVERY_S:
         _backend_logged_at = now
+        OUTAGE_LOG.open = True
         log.warning("calls answered 503 governance_unavailable: %s", exc)
     else:
         log.debug("call answered 503 governance_unavailable: %s", exc)
