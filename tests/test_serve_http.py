@@ -865,6 +865,34 @@ async def test_a_cap_a_reload_lowered_is_reached_by_closing_idle_connections() -
             await stream.aclose()
 
 
+async def test_a_burst_of_newcomers_at_the_cap_closes_one_idle_connection_each() -> None:
+    """A review of the change above: the count still held the idle connections an
+    earlier newcomer had just closed (their tasks leave a pass or two later), so in a
+    burst of connects each newcomer closed one more than it needed: four newcomers
+    left 4, 5 or 6 of the 8 allowed open."""
+    import socket
+
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=8)
+    async with gateway(serve=serve) as (server, _):
+        pool = []
+        for _ in range(8):
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await stream.send_all(request_bytes("GET", "/healthz"))
+            assert (await read_answer(stream)).status == 200
+            pool.append(stream)
+        await wait_for(lambda: server.statistics().connections == 8)
+        raw = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+        for sock in raw:  # all in the listen queue before the accept loop runs again
+            sock.sendall(request_bytes("GET", "/healthz"))
+        newcomers = [trio.SocketStream(trio.socket.from_stdlib_socket(sock)) for sock in raw]
+        statuses = [(await read_answer(stream)).status for stream in newcomers]
+        await wait_for(lambda: server.statistics().connections == 8)
+        reclaimed = server.metrics.idle_reclaimed
+        for stream in (*pool, *newcomers):
+            await stream.aclose()
+    assert statuses == [200] * 4 and reclaimed == 4
+
+
 async def test_connection_cap_answers_503() -> None:
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=2)
     async with gateway(serve=serve) as (server, _):

@@ -213,7 +213,10 @@ class Server:
         #: Those of them that have answered a request: a client's pool keeping them
         #: open between requests, closed to make room at the limit (_reclaim_idle).  A
         #: connection that has sent nothing yet is not: its head's timeout ends it.
-        self._kept_alive: dict[trio.CancelScope, None] = {}
+        self._kept_alive: dict[trio.CancelScope, Connection] = {}
+        #: Those closed to make room that still count in ``metrics.connections`` (each
+        #: until its task has closed it): room already made for a newcomer.
+        self._reclaimed: set[Connection] = set()
         #: What the end of a drain's grace cancels: calls being answered, requests still
         #: arriving (once on, a call that starts is cut at once).
         self._cuts = Cuts()
@@ -477,8 +480,10 @@ class Server:
             if starved:
                 starved = False
                 log.warning("accepting connections again")
-            if self.metrics.connections >= self._room \
-                    and not self._reclaim_idle(self.metrics.connections - self._room + 1):
+            # (Connections closed for an earlier newcomer still count until they have
+            # gone: room made already, not to be made twice.)
+            open_now = self.metrics.connections - len(self._reclaimed)
+            if open_now >= self._room and not self._reclaim_idle(open_now - self._room + 1):
                 self.metrics.connections_refused += 1
                 if self._refusing < _REFUSING:
                     self._connections.start_soon(self._refuse, stream)
@@ -502,11 +507,12 @@ class Server:
         it did with refusals).  Their descriptors go within a pass of the scheduler, the
         new one's comes now: the reserve for everything else covers the moment between.
         False when fewer are idle: then the new one is refused."""
-        for scope in self._kept_alive:  # (the oldest first: each wait is added as it begins)
+        for scope, conn in self._kept_alive.items():  # (the oldest first: each wait is added as it begins)
             if wanted <= 0:
                 break
             if not scope.cancel_called:
                 scope.cancel()
+                self._reclaimed.add(conn)
                 self.metrics.idle_reclaimed += 1
                 wanted -= 1
         return wanted <= 0
@@ -575,7 +581,7 @@ class Server:
                 idle = trio.CancelScope()
                 self._idle[idle] = conn
                 if answered:
-                    self._kept_alive[idle] = None
+                    self._kept_alive[idle] = conn
                 begun = False
                 begun_at = 0.0  # (monotonic) its first byte: a problem's time counts from it
 
@@ -627,6 +633,9 @@ class Server:
                 # request read despite idle's cancellation read on without it.)
                 if request is None:
                     return
+                # (Closed to make room as its request's bytes came: answered, and open
+                # still, it counts again.)
+                self._reclaimed.discard(conn)
                 await self._answer(conn, request, checked)
                 answered = True
                 if not conn.reusable():
@@ -639,6 +648,7 @@ class Server:
                 await conn.aclose(linger)
             finally:
                 metrics.connections -= 1  # (after a linger: its descriptor was held)
+                self._reclaimed.discard(conn)
                 if landing_late:
                     self._landed()
 
