@@ -787,6 +787,48 @@ def test_a_megabyte_prompt_and_an_error_full_of_escapes_stay_cheap() -> None:
     assert time.process_time() - started < 0.4  # (1.3 s before)
 
 
+@pytest.mark.parametrize("runs", ["hex ids", "short words"])
+def test_an_error_of_short_runs_that_may_begin_an_escape_stays_cheap(runs: str) -> None:
+    """A review: runs of 8 to 16 characters that may begin with an escape's tail (hex
+    ids, dates, "function", "required") were looked for in every spelling of a 2 MB
+    prompt, ~22 ms each, up to 64 a row: about 1 s of the event loop.  They are now
+    looked for in the prompt as it is, and in its spellings only within a bound."""
+    import random
+    import time
+
+    from polygate.telemetry._recorder import error_text
+
+    base = "Résumé A/B & <c> «ü» \x01 line\n"
+    prompt = base * (2_000_000 // len(base))
+    rnd = random.Random(0)
+    if runs == "hex ids":
+        ids = ["".join(rnd.choice("0123456789abcdef") for _ in range(12)) for _ in range(64)]
+        quoted = " ".join(f'"request_id":"{i}"' for i in ids)
+    else:
+        quoted = " ".join(f"'{w}'" for w in (
+            "function", "required", "abstract", "database", "attracted", "redacted",
+            "truncated", "20240105", "1717171717", "external", "tentative", "catering"))
+    started = time.process_time()
+    error_text(RuntimeError(("\\u0026\\/\\x01 " + quoted)[:2000]), (), [prompt])
+    assert time.process_time() - started < 0.4  # (~1 s before)
+
+
+@pytest.mark.parametrize(("prompt", "shown"), [
+    # the cut fell in the prompt's only escape, and a short word follows it
+    ("Tell me\x07deadbeef12", "'Tell me...07deadbeef12'"),
+    # what follows the escape is under 8 long: looked for in each spelling
+    ("ab \u2028u45xc6", '"ab \\u...2028u45xc6"'),
+])
+def test_a_short_run_a_cut_began_inside_an_escape_is_still_found(prompt: str, shown: str) -> None:
+    """The same review: a run whose rest, past what could be an escape's tail, was
+    under 8 characters was looked for in the spellings the error showed signs of, and
+    one whose cut took the error's only backslash in none: stored."""
+    from polygate.telemetry._recorder import error_text
+
+    out = error_text(RuntimeError(f"1 validation error: input_value={shown}"), (), [prompt])
+    assert out is not None and "[prompt text]" in out.split("...")[-1], out
+
+
 @pytest.mark.parametrize("escaped", ["\\n", "\\u0026", "\\x01", "\\/"])
 def test_a_quoted_run_that_begins_with_an_escapes_tail_is_still_found(escaped: str) -> None:
     """The other side of the above: a run with no backslash that begins inside an

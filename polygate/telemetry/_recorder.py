@@ -175,13 +175,16 @@ _MAX_QUOTE_SEARCHES = 64
 
 
 class _Budget:
-    __slots__ = ("found", "left", "longest", "raw")
+    __slots__ = ("found", "left", "longest", "raw", "spelled_left")
 
     def __init__(self, left: int, longest: int, raw: list[str]) -> None:
         self.left = left
         self.longest = longest  # no quoted run longer than this is prompt text
         self.raw = raw  # the prompt's texts as they are (the first of each one's forms)
         self.found: dict[str, bool] = {}  # runs already looked up (an error repeats them)
+        #: Characters the searches through every spelling may still go through (see
+        #: _search): ~10 ms of the event loop a row.
+        self.spelled_left = _SPELLED_SEARCH_CHARS
 
     def prompt_text(self, run: str, forms: list[str]) -> bool:
         """Whether ``run`` (a quoted run, its cut's ellipsis aside) is prompt text."""
@@ -203,23 +206,41 @@ class _Budget:
         # No escape in it: in an escaped spelling it sits between escapes, so it is in
         # the text as it is -- but for what it may begin with of an escape's tail
         # ("u0026" of "\\u0026", "n" of "\\n"; or part of one, "07" of "\\x07", where a
-        # cut fell inside it).  So what follows the longest start that could be such a
-        # tail is looked for too: it is in the text as it is if the run is in a
-        # spelling.  One search or two through the prompt, not one through each of its
-        # spellings (a prompt of megabytes: 8 of them).
+        # cut fell inside it).  That is at most its first ``skip`` characters (the
+        # longest start made of what a tail can hold), and what follows a tail is in
+        # the text as it is; so is every end of that, the shortest kept 8 long (no run
+        # under 8 counts: see prompt_text).  So one more search, for ``core[cut:]``,
+        # answers for every tail the run may begin with.  One search or two through
+        # the prompt, not one through each of its spellings (a prompt of megabytes:
+        # 8 of them).
+        if any(core in text for text in self.raw):
+            return True
         skip = 0
         while skip < _LONGEST_TAIL and skip < len(core) and core[skip] in _TAIL_CHARACTERS:
             skip += 1
-        if any(core in text for text in self.raw):
-            return True
         if skip == 0:
             return False
-        if len(core) - skip >= 8:
-            rest = core[skip:]
-            return any(rest in text for text in self.raw)
-        return any(core in form for form in forms)  # (too little left: each spelling)
+        cut = min(skip, len(core) - 8)
+        if cut > 0:
+            rest = core[cut:]
+            if any(rest in text for text in self.raw):
+                return True
+        if skip <= cut:
+            return False
+        # A tail longer than ``cut`` would leave under 8 characters to look for alone:
+        # in each spelling then, as every run was before (a run of 8 or more that is in
+        # one is replaced, the docs say).  Only short runs that begin with what a tail
+        # can hold come here, each once an error; past a bound on what they search (a
+        # prompt of megabytes, an error of many such words), one is taken for prompt
+        # text unsearched: a word of the error lost, never the prompt stored.
+        cost = sum(map(len, forms))
+        if cost > self.spelled_left:
+            return True
+        self.spelled_left -= cost
+        return any(core in form for form in forms)
 
 
+_SPELLED_SEARCH_CHARS = 8_000_000
 #: What may follow the backslash of an escape _json_forms's spellings write, and how
 #: long that is at most (``U0001f600``).
 _TAIL_CHARACTERS = frozenset("0123456789abcdefABCDEFuxUntr\"'\\/")
