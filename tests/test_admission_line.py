@@ -565,3 +565,69 @@ async def test_a_first_woken_during_its_own_round_trip_holds_no_newcomer_back(
             before_asking = steps[newcomer[0]]
             assert newcomer[0] in asked_by
     assert before_asking < 10, before_asking  # (64 and more before)
+
+
+async def test_a_backend_error_behind_the_first_holds_no_newcomer_back(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review of the change above: a backend error on another waiter's ask woke every
+    waiter (wake_all), the first too, which watches the backend, not its alarm: it read
+    as woken until its next wake-up, and newcomers gave it 64 passes in vain."""
+    from polygate import GovernanceBackendError
+    from polygate.governance._memory import MemoryBackend
+
+    asked_by: list[trio.lowlevel.Task] = []
+
+    class Failing(MemoryBackend):
+        fail_next = False
+
+        async def admit(self, request: Any) -> Any:
+            asked_by.append(trio.lowlevel.current_task())
+            if self.fail_next:
+                self.fail_next = False
+                raise GovernanceBackendError("redis blip")
+            return await super().admit(request)
+
+    backend = Failing()
+    monkeypatch.setattr("polygate._session._backend_for", lambda settings: backend)
+    steps: dict[trio.lowlevel.Task, int] = {}
+
+    class Steps(trio.abc.Instrument):
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            steps[task] = steps.get(task, 0) + 1
+
+    async def quietly(i: int) -> None:
+        try:
+            await s.chat(_asking(i))
+        except polygate.PolygateError:
+            pass  # (the blip's)
+
+    a = FakeUpstream(Reply(first_token_s=10))
+    async with polygate.session(_settings(max_in_flight=1), transport=Router({"a": a})) as s:
+        governor = s._runtime.governor
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.chat, _asking(0))  # holds the permit until 10 s
+            await trio.sleep(1)
+            nursery.start_soon(s.chat, _asking(1))  # first in the line
+            await trio.sleep(1)
+            nursery.start_soon(quietly, 2)  # second in the line
+            await trio.sleep(1)
+            [line] = governor._lines.values()
+            second = list(line._waiters)[1]
+            backend.fail_next = True
+            second.wake()  # it asks again; the backend fails it: wake_all
+            await trio.sleep(1)
+            first = line.first()
+            assert first is not None and first.mark is not None  # still watching the backend
+            newcomer: list[trio.lowlevel.Task] = []
+
+            async def arrive() -> None:
+                newcomer.append(trio.lowlevel.current_task())
+                await s.chat(_asking(3))
+
+            trio.lowlevel.add_instrument(Steps())
+            nursery.start_soon(arrive)
+            await trio.sleep(0.5)
+            before_asking = steps[newcomer[0]]
+            assert newcomer[0] in asked_by
+    assert before_asking < 10, before_asking

@@ -53,7 +53,9 @@ class Waiter:
         """Woken (its turn came, or a change it watches as the first), and not yet
         asking again."""
         mark = self.mark
-        return self._alarm.is_set() or (isinstance(mark, trio.Event) and mark.is_set())
+        if mark is not None:  # the first, watching the backend: its alarm is not read
+            return isinstance(mark, trio.Event) and mark.is_set()
+        return self._alarm.is_set()
 
     def arm(self) -> trio.Event:
         """The alarm to sleep on after the pass of admission about to start: taken
