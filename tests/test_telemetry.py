@@ -829,6 +829,36 @@ def test_a_short_run_a_cut_began_inside_an_escape_is_still_found(prompt: str, sh
     assert out is not None and "[prompt text]" in out.split("...")[-1], out
 
 
+def test_a_run_found_past_a_tail_does_not_hide_the_echo_that_opens_inside_it() -> None:
+    """A review: a quote opened by an apostrophe and closed by the prompt's own, "I
+    have been told it", was taken for prompt text past what may be an escaped quote's
+    tail, and the quotes inside it were skipped: the echo they opened was stored."""
+    from polygate.telemetry._recorder import error_text
+
+    prompt = "Context: I have been told it's fine to share the code 4417 now."
+    text = """input_value='"I have been told it's fine to share the code 4417"'"""
+    out = error_text(RuntimeError(text), (), [prompt])
+    assert out is not None and "fine to share" not in out, out
+
+
+def test_a_pathological_prompt_and_an_error_of_many_runs_stay_bounded() -> None:
+    """The same review: one letter repeated 2 M times, and 64 runs like 'aaaaaaaaab'
+    (the worst case of a substring search: ~7 ms each): 0.85 s for one row.  The
+    searches of one row are bounded (~32 M characters), past which a run is taken for
+    prompt text unsearched."""
+    import random
+    import time
+
+    from polygate.telemetry._recorder import error_text
+
+    rnd = random.Random(0)
+    text = " ".join(f"'{'a' * rnd.randint(7, 14)}{rnd.choice('bcx')}{'a' * rnd.randint(0, 3)}'"
+                    for _ in range(300))[:2000]
+    started = time.process_time()
+    error_text(RuntimeError(text), (), ["a" * 2_000_000])
+    assert time.process_time() - started < 0.3
+
+
 @pytest.mark.parametrize("escaped", ["\\n", "\\u0026", "\\x01", "\\/"])
 def test_a_quoted_run_that_begins_with_an_escapes_tail_is_still_found(escaped: str) -> None:
     """The other side of the above: a run with no backslash that begins inside an

@@ -175,72 +175,79 @@ _MAX_QUOTE_SEARCHES = 64
 
 
 class _Budget:
-    __slots__ = ("found", "left", "longest", "raw", "spelled_left")
+    __slots__ = ("by_tail", "found", "left", "longest", "raw", "searched_left")
 
     def __init__(self, left: int, longest: int, raw: list[str]) -> None:
         self.left = left
         self.longest = longest  # no quoted run longer than this is prompt text
         self.raw = raw  # the prompt's texts as they are (the first of each one's forms)
         self.found: dict[str, bool] = {}  # runs already looked up (an error repeats them)
-        #: Characters the searches through every spelling may still go through (see
-        #: _search): ~10 ms of the event loop a row.
-        self.spelled_left = _SPELLED_SEARCH_CHARS
+        #: Characters the searches may still go through this row (see _search), past
+        #: which a run is taken for prompt text unsearched: a word of the error lost,
+        #: never the prompt stored.  ~0.1 s of the event loop at worst.
+        self.searched_left = _SEARCH_CHARS
+        #: The last run found was found only past what may be an escape's tail.
+        self.by_tail = False
 
     def prompt_text(self, run: str, forms: list[str]) -> bool:
         """Whether ``run`` (a quoted run, its cut's ellipsis aside) is prompt text."""
         core = run.removesuffix("...").removesuffix("…").strip()
         if len(core) < 8 or len(run) > self.longest:
             return False
+        self.by_tail = False
         known = self.found.get(core)
         if known is not None:
             return known
         if self.left <= 0:
             return False
         self.left -= 1
-        self.found[core] = found = self._search(core, forms)
+        found = self._search(core, forms)
+        if not self.by_tail:  # (one found past a tail is tried again where it opens)
+            self.found[core] = found
         return found
+
+    def _within(self, texts: list[str]) -> bool:
+        """Whether searching ``texts`` fits in what is left of this row's bound
+        (counted as spent when it does)."""
+        cost = sum(map(len, texts))
+        if cost > self.searched_left:
+            return False
+        self.searched_left -= cost
+        return True
 
     def _search(self, core: str, forms: list[str]) -> bool:
         if "\\" in core:
-            return any(core in form for form in forms)
+            return not self._within(forms) or any(core in form for form in forms)
         # No escape in it: in an escaped spelling it sits between escapes, so it is in
         # the text as it is -- but for what it may begin with of an escape's tail
         # ("u0026" of "\\u0026", "n" of "\\n"; or part of one, "07" of "\\x07", where a
         # cut fell inside it).  That is at most its first ``skip`` characters (the
         # longest start made of what a tail can hold), and what follows a tail is in
         # the text as it is; so is every end of that, the shortest kept 8 long (no run
-        # under 8 counts: see prompt_text).  So one more search, for ``core[cut:]``,
-        # answers for every tail the run may begin with.  One search or two through
-        # the prompt, not one through each of its spellings (a prompt of megabytes:
-        # 8 of them).
-        if any(core in text for text in self.raw):
-            return True
+        # under 8 counts: see prompt_text).  So one search, for ``core[cut:]``, answers
+        # for the run as it is and for every tail it may begin with.  One search
+        # through the prompt, not one through each of its spellings (a prompt of
+        # megabytes: 8 of them).
         skip = 0
         while skip < _LONGEST_TAIL and skip < len(core) and core[skip] in _TAIL_CHARACTERS:
             skip += 1
-        if skip == 0:
-            return False
-        cut = min(skip, len(core) - 8)
-        if cut > 0:
-            rest = core[cut:]
-            if any(rest in text for text in self.raw):
-                return True
+        cut = max(0, min(skip, len(core) - 8))
+        if not self._within(self.raw):
+            return True
+        rest = core[cut:]
+        if any(rest in text for text in self.raw):
+            self.by_tail = cut > 0 and not any(core in text for text in self.raw)
+            return True
         if skip <= cut:
             return False
         # A tail longer than ``cut`` would leave under 8 characters to look for alone:
         # in each spelling then, as every run was before (a run of 8 or more that is in
         # one is replaced, the docs say).  Only short runs that begin with what a tail
-        # can hold come here, each once an error; past a bound on what they search (a
-        # prompt of megabytes, an error of many such words), one is taken for prompt
-        # text unsearched: a word of the error lost, never the prompt stored.
-        cost = sum(map(len, forms))
-        if cost > self.spelled_left:
-            return True
-        self.spelled_left -= cost
-        return any(core in form for form in forms)
+        # can hold come here, each once an error.
+        return not self._within(forms) or any(core in form for form in forms)
 
 
-_SPELLED_SEARCH_CHARS = 8_000_000
+_SEARCH_CHARS = 32_000_000
 #: What may follow the backslash of an escape _json_forms's spellings write, and how
 #: long that is at most (``U0001f600``).
 _TAIL_CHARACTERS = frozenset("0123456789abcdefABCDEFuxUntr\"'\\/")
@@ -270,12 +277,27 @@ def _piece_without_prompt(piece: str, forms: list[str], budget: _Budget, *, afte
             end = cut  # its closing mark cut off: the quote runs to the cut
         if budget.prompt_text(piece[start:end], forms):
             spans.append((start, end))
-            reached = end
+            if not budget.by_tail:
+                # (A run found only past what may be an escape's tail may be a quote
+                # that opened inside the prompt's own text: the quotes in it are still
+                # tried, so an echo it hides is found too.)
+                reached = end
         if budget.left <= 0:
             break
-    for start, end in reversed(spans):
+    for start, end in reversed(_merged(spans)):
         piece = piece[:start] + _PROMPT_SHOWN + piece[end:]
     return piece
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` (in order of their starts) with those that overlap made one."""
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def _cut_mark(text: str) -> str:
