@@ -82,7 +82,10 @@ class ConfigError(PolygateError, ValueError):
 
 
 class GovernanceBackendError(PolygateError):
-    """The governance backend could not answer; the call was not sent unadmitted."""
+    """The governance backend could not answer; the call was not sent unadmitted.
+    ``backend``: which one (its URL, the password masked), when known."""
+
+    backend: str | None = None
 
 
 class UpstreamError(PolygateError):

@@ -105,6 +105,7 @@ async def test_each_outage_of_a_flapping_redis_is_logged_with_its_end(
     async with gateway(Reply(tokens=2), backend=backend, call_deadline_s=10) as (server, _):
         await until(server, 200)
         for _ in range(2):  # two outages, each within seconds of the other
+            await trio.sleep(1.1)  # (past the floor between two lines about one backend)
             own_redis.kill()
             await until(server, 503)
             await trio.to_thread.run_sync(own_redis.start)
@@ -398,3 +399,97 @@ async def test_metrics_keep_an_old_sessions_rows_when_its_redis_is_gone_at_close
             (line.split() for line in text.splitlines() if line.startswith("polygate_telemetry_rows_"))}
     # 3 calls, a call row and an attempt row each: every one written or dropped.
     assert rows["polygate_telemetry_rows_written_total"] + rows["polygate_telemetry_rows_dropped_total"] == 6
+
+
+class _Moments:
+    """The outage log's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def outage_log(monkeypatch: pytest.MonkeyPatch) -> _Moments:
+    import polygate.serve._errors as serve_errors
+    from polygate._outage import OUTAGE_LOG
+
+    clock = _Moments()
+    monkeypatch.setattr(OUTAGE_LOG, "_clock", clock)
+    monkeypatch.setattr(OUTAGE_LOG, "_open", set())
+    monkeypatch.setattr(OUTAGE_LOG, "_said_at", {})
+    monkeypatch.setattr(serve_errors, "_backend_logged_at", -1e18)
+    return clock
+
+
+async def _exchange(backend: Any, ok: bool) -> GovernanceBackendError | None:
+    """One exchange of ``backend`` that fails (refused) or answers."""
+    async def op() -> int:
+        if not ok:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return 1
+
+    try:
+        await backend._run(op, "admit")
+    except GovernanceBackendError as exc:
+        return exc
+    return None
+
+
+def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    out = []
+    for record in caplog.records:
+        text = record.getMessage()
+        which = "A" if ":6390/" in text else "B"
+        if "governance_unavailable" in text:
+            out.append("down:" + which)
+        elif "answers again" in text:
+            out.append("up:" + which)
+    return out
+
+
+async def test_each_backends_outages_are_told_apart(
+    outage_log: _Moments, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A review of the change above: whether an outage was said was one flag for the
+    process, so one Redis's recovery (two servers in a process, or a reload to
+    another Redis while the old generation drains) hid another's end, and a new
+    backend's outage went unsaid after an old one's that never ended."""
+    from polygate.governance._redis import RedisBackend
+    from polygate.serve._errors import reply_for
+
+    caplog.set_level(logging.INFO, logger="polygate")
+    a = RedisBackend.from_url("redis://127.0.0.1:6390/0")
+    b = RedisBackend.from_url("redis://127.0.0.1:6391/0")
+    down_a = await _exchange(a, ok=False)
+    assert down_a is not None and down_a.backend == "redis://127.0.0.1:6390/0"
+    reply_for(down_a)  # A down, said
+    await _exchange(b, ok=False)  # B: a blip in a background exchange (no 503)
+    await _exchange(b, ok=True)  # its end: the 10 s rule, not A's outage
+    await _exchange(a, ok=True)  # A back: said
+    outage_log.now += 2
+    reply_for(await _exchange(b, ok=False) or GovernanceBackendError())  # B down: said
+    await _exchange(b, ok=True)
+    assert _said(caplog) == ["down:A", "up:B", "up:A", "down:B", "up:B"], _said(caplog)
+
+
+async def test_a_brownout_says_a_line_a_second_not_two_a_flap(
+    outage_log: _Moments, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same review: a Redis failing every other exchange (a brownout) for a second,
+    100 flaps, logged 200 lines; a line about one backend's state changing comes at
+    most once a second, and its last word is still its state."""
+    from polygate.governance._redis import RedisBackend
+    from polygate.serve._errors import reply_for
+
+    caplog.set_level(logging.INFO, logger="polygate")
+    a = RedisBackend.from_url("redis://127.0.0.1:6390/0")
+    for _ in range(100):
+        reply_for(await _exchange(a, ok=False) or GovernanceBackendError())
+        await _exchange(a, ok=True)
+        outage_log.now += 0.01
+    said = _said(caplog)
+    assert said[:2] == ["down:A", "up:A"] and len(said) <= 4, said
+    assert said[-1] == "up:A"

@@ -921,7 +921,9 @@ class RedisBackend:
                 errors = self._errors
                 if errors is None or not isinstance(exc, errors.ResponseError):
                     self._unreachable = True  # (an error reply is an answer)
-                raise self._failure(what, exc, trio.current_time() - started) from exc
+                error = self._failure(what, exc, trio.current_time() - started)
+                error.backend = self._where
+                raise error from exc
             if self._unreachable:
                 self._unreachable = False
                 self._back()
@@ -979,8 +981,7 @@ class RedisBackend:
         also tells of its end -- always after an outage the log told of (see
         :data:`OUTAGE_LOG`), otherwise at most every 10 s."""
         now = trio.current_time()
-        if OUTAGE_LOG.open or now - self._last_warning.get("back", -math.inf) >= 10.0:
-            OUTAGE_LOG.open = False
+        if OUTAGE_LOG.ends(self._where) or now - self._last_warning.get("back", -math.inf) >= 10.0:
             self._last_warning["back"] = now
             log.info("redis at %s answers again", self._where)
 

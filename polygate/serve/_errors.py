@@ -142,11 +142,12 @@ def reply_for(exc: BaseException) -> ErrorReply:
 def _log_backend_down(exc: errors.GovernanceBackendError) -> None:
     global _backend_logged_at
     now = time.monotonic()  # (a log's rate, not the call's time: no trio clock needed)
-    # Said at the outage's start whatever the rate (OUTAGE_LOG: its end was the log's
-    # last word), then at most every 10 s.
-    if not OUTAGE_LOG.open or now - _backend_logged_at >= _BACKEND_LOG_EVERY_S:
+    # Said at the outage's start whatever the rate (OUTAGE_LOG: its end was the
+    # backend's last word), then at most every 10 s.
+    backend = exc.backend
+    if OUTAGE_LOG.starts(backend) or now - _backend_logged_at >= _BACKEND_LOG_EVERY_S:
         _backend_logged_at = now
-        OUTAGE_LOG.open = True
+        OUTAGE_LOG.said(backend)
         log.warning("calls answered 503 governance_unavailable: %s", exc)
     else:
         log.debug("call answered 503 governance_unavailable: %s", exc)
