@@ -31,6 +31,8 @@ class OutageLog:
     def starts(self, backend: str | None) -> bool:
         """Whether an outage of ``backend`` is to be said now (its first line); marked
         said when it is."""
+        if backend is None:  # (unknown: no end will be said of it, so no start either)
+            return False
         now = self._clock()
         if backend in self._open or now - self._said_at.get(backend, -math.inf) < _FLOOR_S:
             return False
@@ -39,6 +41,8 @@ class OutageLog:
 
     def said(self, backend: str | None) -> None:
         """A line told of ``backend``'s outage (the first, or a reminder)."""
+        if backend is None:
+            return
         self._open.add(backend)
         self._said_at[backend] = self._clock()
 

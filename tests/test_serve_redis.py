@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from polygate import GovernanceBackendError
 from polygate.testing import FakeUpstream, Reply
@@ -493,3 +494,33 @@ async def test_a_brownout_says_a_line_a_second_not_two_a_flap(
     said = _said(caplog)
     assert said[:2] == ["down:A", "up:A"] and len(said) <= 4, said
     assert said[-1] == "up:A"
+
+
+async def test_a_redis_that_stops_answering_is_named_and_each_outage_said(
+    autojump_clock: trio.testing.MockClock, outage_log: _Moments,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A review of the change above: only the errors of a failed exchange named their
+    backend, not the timeout of one that did not answer (a partition, a hung server:
+    the ordinary outage), so those outages were kept under no name, their ends never
+    matched, and later ones went unsaid."""
+    from polygate.governance._redis import RedisBackend
+    from polygate.serve._errors import reply_for
+
+    caplog.set_level(logging.INFO, logger="polygate")
+    a = RedisBackend.from_url("redis://127.0.0.1:6390/0?timeout_s=0.05")
+
+    async def hangs() -> int:
+        await trio.sleep_forever()
+        raise AssertionError  # pragma: no cover
+
+    for _ in range(3):
+        with pytest.raises(GovernanceBackendError) as caught:
+            await a._run(hangs, "admit")
+        assert "did not answer" in str(caught.value)
+        assert caught.value.backend == "redis://127.0.0.1:6390/0"
+        reply_for(caught.value)
+        outage_log.now += 2
+        assert await _exchange(a, ok=True) is None
+        outage_log.now += 2
+    assert _said(caplog) == ["down:A", "up:A"] * 3, _said(caplog)

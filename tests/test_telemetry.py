@@ -859,6 +859,23 @@ def test_a_pathological_prompt_and_an_error_of_many_runs_stay_bounded() -> None:
     assert time.process_time() - started < 0.3
 
 
+def test_a_small_prompts_error_keeps_its_words() -> None:
+    """A review of the bound above: a 99 KB prompt's spellings total ~1 M characters,
+    so an error of 40 quoted runs each holding a backslash (a JSON body inside a
+    string) ran out of the bound after ~30, and the rest of its words were stored as
+    "[prompt text]" though nothing of the prompt was in it.  Under 100,000 characters
+    a prompt is never cut short."""
+    from polygate.telemetry._recorder import error_text
+
+    line = "Кратко изложи отчёт & перечисли риски/владельцев: <b>итог</b> 😀\n"
+    prompt = line * (99_000 // len(line.encode()))
+    items = ",".join(f'\\"item_{i:02d}\\"' for i in range(40))
+    text = ('upstream 400: {\\"error\\":\\"caf\\u00e9 \\u0026 \\/\\",\\"items\\":['
+            + items + "]}")
+    out = error_text(RuntimeError(text), (), [prompt])
+    assert out is not None and "[prompt text]" not in out, out
+
+
 @pytest.mark.parametrize("escaped", ["\\n", "\\u0026", "\\x01", "\\/"])
 def test_a_quoted_run_that_begins_with_an_escapes_tail_is_still_found(escaped: str) -> None:
     """The other side of the above: a run with no backslash that begins inside an

@@ -366,7 +366,7 @@ class RedisBackend:
                     raise
                 raise named from None
             if _text(sha) != script.sha:
-                raise GovernanceBackendError(
+                raise self._error(
                     f"redis at {self._where} answered SCRIPT LOAD with an unexpected digest"
                 )
         try:
@@ -377,7 +377,7 @@ class RedisBackend:
                 raise
             raise named from None
         if not isinstance(now, int) or now <= 0:
-            raise GovernanceBackendError(f"redis at {self._where} gave no usable TIME to scripts")
+            raise self._error(f"redis at {self._where} gave no usable TIME to scripts")
 
     def _refused_at_start(
         self, exc: GovernanceBackendError, what: str, *, first: bool = True
@@ -395,16 +395,16 @@ class RedisBackend:
         if _SCRIPT_REFUSED.search(words) or (
             not isinstance(cause, errors.AuthorizationError) and _SCRIPTING_OFF.search(words)
         ):
-            return GovernanceBackendError(
+            return self._error(
                 f"redis at {self._where} does not run Lua scripts, which the redis "
                 f"backend needs ({what} refused: {self._clean(cause)})"
             )
         if not first:
-            return GovernanceBackendError(f"redis at {self._where} refused {what}: {self._clean(cause)}")
+            return self._error(f"redis at {self._where} refused {what}: {self._clean(cause)}")
         # The connection's set-up (AUTH, SELECT of the db) answers with the first
         # command, and its refusal is not Lua's: a db index out of range, SELECT
         # denied by an ACL.  (No PING first: a least-privilege ACL user may lack it.)
-        return GovernanceBackendError(
+        return self._error(
             f"redis at {self._where} refused the connection's set-up or {what}: "
             f"{self._clean(cause)}"
         )
@@ -903,7 +903,7 @@ class RedisBackend:
         """One bounded exchange, shielded unless told otherwise; every failure becomes
         GovernanceBackendError."""
         if self._closed:
-            raise GovernanceBackendError(f"the session's redis backend ({self._where}) is closed")
+            raise self._error(f"the session's redis backend ({self._where}) is closed")
         started = trio.current_time()
         bound = started + self._timeout
         if deadline is not None:
@@ -921,9 +921,7 @@ class RedisBackend:
                 errors = self._errors
                 if errors is None or not isinstance(exc, errors.ResponseError):
                     self._unreachable = True  # (an error reply is an answer)
-                error = self._failure(what, exc, trio.current_time() - started)
-                error.backend = self._where
-                raise error from exc
+                raise self._failure(what, exc, trio.current_time() - started) from exc
             if self._unreachable:
                 self._unreachable = False
                 self._back()
@@ -937,30 +935,37 @@ class RedisBackend:
             # refills until some other exchange answered.)
             self._healthy = False
             self._unreachable = True
-        raise GovernanceBackendError(
+        raise self._error(
             f"redis at {self._where} did not answer {what} within "
             f"{trio.current_time() - started:.2g} s"
         )
 
+    def _error(self, message: str) -> GovernanceBackendError:
+        """A failure of this backend, named on the error (``backend``: see
+        polygate._outage, which tells each backend's outages apart)."""
+        error = GovernanceBackendError(message)
+        error.backend = self._where
+        return error
+
     def _failure(self, what: str, exc: BaseException, waited: float) -> GovernanceBackendError:
         errors = self._errors
         if errors is not None and isinstance(exc, errors.AuthenticationError):
-            return GovernanceBackendError(
+            return self._error(
                 f"redis at {self._where} refused the credentials (wrong username or password?)"
             )
         if isinstance(exc, TimeoutError):  # (coredis's read gives up first: the wait it took)
-            return GovernanceBackendError(
+            return self._error(
                 f"redis at {self._where} did not answer {what} within {waited:.2g} s"
             )
         if errors is not None and isinstance(exc, errors.ConnectionError):
-            return GovernanceBackendError(
+            return self._error(
                 f"cannot reach redis at {self._where} ({what}: {self._clean(exc)})"
             )
-        return GovernanceBackendError(f"redis at {self._where} failed {what}: {self._clean(exc)}")
+        return self._error(f"redis at {self._where} failed {what}: {self._clean(exc)}")
 
     def _garbage(self, what: str) -> GovernanceBackendError:
         self._healthy = False
-        return GovernanceBackendError(f"redis at {self._where} answered {what} with an unexpected reply")
+        return self._error(f"redis at {self._where} answered {what} with an unexpected reply")
 
     def _clean(self, exc: BaseException) -> str:
         """The error and its root cause (a refused connection, a TLS verification

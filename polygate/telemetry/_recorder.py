@@ -15,6 +15,7 @@ longer than an exception.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -184,8 +185,12 @@ class _Budget:
         self.found: dict[str, bool] = {}  # runs already looked up (an error repeats them)
         #: Characters the searches may still go through this row (see _search), past
         #: which a run is taken for prompt text unsearched: a word of the error lost,
-        #: never the prompt stored.  ~0.1 s of the event loop at worst.
-        self.searched_left = _SEARCH_CHARS
+        #: never the prompt stored.  ~0.1 s of the event loop at worst.  A prompt of
+        #: under 100,000 characters is never cut short (64 searches through each of its
+        #: spellings cost what they always did): its error's words are all kept.
+        self.searched_left = (
+            _SEARCH_CHARS if sum(map(len, raw)) > _SMALL_PROMPT_CHARS else math.inf
+        )
         #: The last run found was found only past what may be an escape's tail.
         self.by_tail = False
 
@@ -248,6 +253,7 @@ class _Budget:
 
 
 _SEARCH_CHARS = 32_000_000
+_SMALL_PROMPT_CHARS = 100_000
 #: What may follow the backslash of an escape _json_forms's spellings write, and how
 #: long that is at most (``U0001f600``).
 _TAIL_CHARACTERS = frozenset("0123456789abcdefABCDEFuxUntr\"'\\/")
