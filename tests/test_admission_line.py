@@ -536,34 +536,16 @@ async def test_a_first_woken_during_its_own_round_trip_holds_no_newcomer_back(
 
     backend = RoundTrip()
     monkeypatch.setattr("polygate._session._backend_for", lambda settings: backend)
-    steps: dict[trio.lowlevel.Task, int] = {}
-
-    class Steps(trio.abc.Instrument):
-        def before_task_step(self, task: trio.lowlevel.Task) -> None:
-            steps[task] = steps.get(task, 0) + 1
 
     a = FakeUpstream(Reply(first_token_s=10))
     async with polygate.session(_settings(max_in_flight=1), transport=Router({"a": a})) as s:
         governor = s._runtime.governor
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(s.chat, _asking(0))  # holds the permit until 10 s
-            await trio.sleep(1)
-            nursery.start_soon(s.chat, _asking(1))  # first in the line
-            await trio.sleep(1)
+            await _held_and_first(s, nursery)
             backend.turn_during_ask = True
             backend._notify()  # a change: the first asks again, its turn comes meanwhile
             await trio.sleep(1)
-            newcomer: list[trio.lowlevel.Task] = []
-
-            async def arrive() -> None:
-                newcomer.append(trio.lowlevel.current_task())
-                await s.chat(_asking(2))
-
-            trio.lowlevel.add_instrument(Steps())
-            nursery.start_soon(arrive)
-            await trio.sleep(0.5)
-            before_asking = steps[newcomer[0]]
-            assert newcomer[0] in asked_by
+            before_asking = await _steps_before_asking(s, nursery, 2, asked_by)
     assert before_asking < 10, before_asking  # (64 and more before)
 
 
@@ -590,11 +572,6 @@ async def test_a_backend_error_behind_the_first_holds_no_newcomer_back(
 
     backend = Failing()
     monkeypatch.setattr("polygate._session._backend_for", lambda settings: backend)
-    steps: dict[trio.lowlevel.Task, int] = {}
-
-    class Steps(trio.abc.Instrument):
-        def before_task_step(self, task: trio.lowlevel.Task) -> None:
-            steps[task] = steps.get(task, 0) + 1
 
     async def quietly(i: int) -> None:
         try:
@@ -606,10 +583,7 @@ async def test_a_backend_error_behind_the_first_holds_no_newcomer_back(
     async with polygate.session(_settings(max_in_flight=1), transport=Router({"a": a})) as s:
         governor = s._runtime.governor
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(s.chat, _asking(0))  # holds the permit until 10 s
-            await trio.sleep(1)
-            nursery.start_soon(s.chat, _asking(1))  # first in the line
-            await trio.sleep(1)
+            await _held_and_first(s, nursery)
             nursery.start_soon(quietly, 2)  # second in the line
             await trio.sleep(1)
             [line] = governor._lines.values()
@@ -619,15 +593,41 @@ async def test_a_backend_error_behind_the_first_holds_no_newcomer_back(
             await trio.sleep(1)
             first = line.first()
             assert first is not None and first.mark is not None  # still watching the backend
-            newcomer: list[trio.lowlevel.Task] = []
-
-            async def arrive() -> None:
-                newcomer.append(trio.lowlevel.current_task())
-                await s.chat(_asking(3))
-
-            trio.lowlevel.add_instrument(Steps())
-            nursery.start_soon(arrive)
-            await trio.sleep(0.5)
-            before_asking = steps[newcomer[0]]
-            assert newcomer[0] in asked_by
+            before_asking = await _steps_before_asking(s, nursery, 3, asked_by)
     assert before_asking < 10, before_asking
+
+
+async def _steps_before_asking(
+    s: polygate.Session, nursery: trio.Nursery, tag: int, asked_by: list[trio.lowlevel.Task]
+) -> int:
+    """The scheduler steps a call arriving now takes (within half a second) before it
+    asks the backend."""
+    steps: dict[trio.lowlevel.Task, int] = {}
+    newcomer: list[trio.lowlevel.Task] = []
+
+    class Steps(trio.abc.Instrument):
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            steps[task] = steps.get(task, 0) + 1
+
+    async def arrive() -> None:
+        newcomer.append(trio.lowlevel.current_task())
+        await s.chat(_asking(tag))
+
+    instrument = Steps()
+    trio.lowlevel.add_instrument(instrument)
+    try:
+        nursery.start_soon(arrive)
+        await trio.sleep(0.5)
+    finally:
+        trio.lowlevel.remove_instrument(instrument)
+    assert newcomer[0] in asked_by
+    return steps[newcomer[0]]
+
+
+async def _held_and_first(s: polygate.Session, nursery: trio.Nursery) -> None:
+    """A call holding the only permit (its answer comes at 10 s), and one first in the
+    line behind it."""
+    nursery.start_soon(s.chat, _asking(0))
+    await trio.sleep(1)
+    nursery.start_soon(s.chat, _asking(1))
+    await trio.sleep(1)

@@ -799,6 +799,18 @@ async def test_idle_keep_alive_connection_is_closed() -> None:
     assert 0.2 < trio.current_time() - started < 3
 
 
+async def _kept_alive(server: Any, count: int) -> list[trio.SocketStream]:
+    """A client's pool: ``count`` connections, one request answered on each, then kept
+    open (idle, waiting for their next request)."""
+    pool = []
+    for _ in range(count):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await stream.send_all(request_bytes("GET", "/healthz"))
+        assert (await read_answer(stream)).status == 200
+        pool.append(stream)
+    return pool
+
+
 async def test_at_the_cap_a_kept_alive_idle_connection_makes_room() -> None:
     """A fairness review: one client's pool of keep-alive connections, each idle between
     requests, filled ``max_connections``: every other client was answered 503
@@ -808,12 +820,7 @@ async def test_at_the_cap_a_kept_alive_idle_connection_makes_room() -> None:
     ends it), and with none idle the newcomer is still refused."""
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=3)
     async with gateway(serve=serve) as (server, _):
-        pool = []
-        for _ in range(2):  # a client's pool: one request each, then kept open
-            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
-            await stream.send_all(request_bytes("GET", "/healthz"))
-            assert (await read_answer(stream)).status == 200
-            pool.append(stream)
+        pool = await _kept_alive(server, 2)
         silent = await trio.open_tcp_stream("127.0.0.1", server.port)  # sends nothing
         await wait_for(lambda: server.statistics().connections == 3)
         answers, others = [], []
@@ -848,12 +855,7 @@ async def test_a_cap_a_reload_lowered_is_reached_by_closing_idle_connections() -
     did).  A newcomer now closes as many idle ones as it takes."""
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=4)
     async with gateway(serve=serve) as (server, _):
-        pool = []
-        for _ in range(4):
-            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
-            await stream.send_all(request_bytes("GET", "/healthz"))
-            assert (await read_answer(stream)).status == 200
-            pool.append(stream)
+        pool = await _kept_alive(server, 4)
         await wait_for(lambda: server.statistics().connections == 4)
         await server.reload(attrs.evolve(
             server.settings, serve=attrs.evolve(serve, max_connections=2)))
@@ -874,12 +876,7 @@ async def test_a_burst_of_newcomers_at_the_cap_closes_one_idle_connection_each()
 
     serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=8)
     async with gateway(serve=serve) as (server, _):
-        pool = []
-        for _ in range(8):
-            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
-            await stream.send_all(request_bytes("GET", "/healthz"))
-            assert (await read_answer(stream)).status == 200
-            pool.append(stream)
+        pool = await _kept_alive(server, 8)
         await wait_for(lambda: server.statistics().connections == 8)
         raw = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
         for sock in raw:  # all in the listen queue before the accept loop runs again
