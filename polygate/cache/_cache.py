@@ -237,10 +237,13 @@ class Cache:
             self._warned_down = False
             log.info("the cache answers again (%d error(s) so far)", self.errors)
 
-    def failed(self, message: str, *, pause: bool = True) -> None:
+    def failed(self, message: str, *, pause: bool = True, down: bool | None = None) -> None:
         """Count a failed operation and pause the backend; ``pause=False`` for a bad
         entry (one that does not decode, an answer that cannot be encoded): the
-        backend itself is fine."""
+        backend itself is fine.  ``down``: whether it says the backend is down (by
+        default, when it pauses it; the check at the start says so without a pause)."""
+        if down is None:
+            down = pause
         self.errors += 1
         now = trio.current_time()
         if pause and now >= self._down_until:
@@ -253,9 +256,9 @@ class Cache:
         # At most every 10 s, but always at an outage's start after its last one's end
         # was said (a second outage within 10 s of "answers again" went unsaid, and the
         # log's last word was that the cache answered).
-        if now - self._last_warning >= _WARN_EVERY_S or (pause and not self._warned_down):
+        if now - self._last_warning >= _WARN_EVERY_S or (down and not self._warned_down):
             self._last_warning = now
-            if pause:  # (a bad entry's warning says nothing of the backend)
+            if down:  # (a bad entry's warning says nothing of the backend)
                 self._warned_down = True
             log.warning("%s; the cache fails open (%d error(s) so far)", message, self.errors)
 
@@ -476,7 +479,7 @@ async def open_cache(url: str) -> AsyncIterator[Cache | None]:
             # Counted, and logged at most every 10 s with the failures to come; not a
             # pause: the first lookup or write tries again (a SQLite file locked at
             # the start opens then).
-            cache.failed(failure, pause=False)
+            cache.failed(failure, pause=False, down=True)
         yield cache
     finally:
         await backend.aclose()
