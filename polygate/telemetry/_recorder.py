@@ -252,6 +252,8 @@ class _Budget:
         return not self._within(forms) or any(core in form for form in forms)
 
 
+#: The bound on one row's searches (see _Budget.searched_left), and the prompts under
+#: it: those of at most this many characters are never cut short.
 _SEARCH_CHARS = 32_000_000
 _SMALL_PROMPT_CHARS = 100_000
 #: What may follow the backslash of an escape _json_forms's spellings write, and how
