@@ -1,5 +1,5 @@
-"""Whether an outage of the shared governance backend (Redis) has been logged and its
-end not yet: the one piece of state ``polygate serve``'s 503 warning and the backend's
+"""Which governance backends' outages (Redis's) have been logged and their ends not
+yet: the one piece of state ``polygate serve``'s 503 warning and the backend's
 "answers again" line share, so that the log tells of every outage's start and end."""
 
 from __future__ import annotations
@@ -29,15 +29,12 @@ class OutageLog:
         self._clock = time.monotonic  # (a log's rate: no trio clock needed)
 
     def starts(self, backend: str | None) -> bool:
-        """Whether an outage of ``backend`` is to be said now (its first line); marked
-        said when it is."""
+        """Whether an outage of ``backend`` is to be said now (its first line); the
+        caller tells :meth:`said` when it says it."""
         if backend is None:  # (unknown: no end will be said of it, so no start either)
             return False
-        now = self._clock()
-        if backend in self._open or now - self._said_at.get(backend, -math.inf) < _FLOOR_S:
-            return False
-        self.said(backend)
-        return True
+        return backend not in self._open \
+            and self._clock() - self._said_at.get(backend, -math.inf) >= _FLOOR_S
 
     def said(self, backend: str | None) -> None:
         """A line told of ``backend``'s outage (the first, or a reminder)."""

@@ -138,8 +138,9 @@ class MemoryBackend:
         and a reload that renamed a source (a model version in its name) or a named
         gateway key left the old name's state, its last minute of admissions with it
         (~120 bytes each), for the life of the process: nothing admits under that name
-        again, so nothing expired it.  Called at each reload, with the names the new
-        settings use; a name removed less than a minute before stays until the next."""
+        again, so nothing expired it.  Called once a reload is in force, with the names
+        every open generation uses (SharedBackends.forget_unused); a name removed less
+        than a minute before stays until the next."""
         now = self.now()
         for key in [key for key in self._sources if key not in kept]:
             state = self._sources[key]

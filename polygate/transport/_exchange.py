@@ -39,7 +39,6 @@ from .._errors import (
 )
 from .._json import loads
 from .._secrets import clip, redact
-from .._sockets import out_of
 from .._types import choice_index
 from ._assemble import ChatAssembler, carries_extras, index_over, malformed_index
 from ._head import header_of
@@ -272,9 +271,9 @@ def _classified(exc: BaseException, endpoint: Endpoint) -> UpstreamError:
     that is not a known network or decoding failure is logged with its traceback
     (rate-limited): it is more likely a bug than an upstream fault, but one
     attempt's bug must not become the caller's crash."""
-    if not isinstance(exc, _INPUT_ERRORS) and out_of(exc) is None:
-        log_bug(_log, exc, f"in an exchange with {endpoint.name}", endpoint.secrets)
     error = classify_exception(exc, source=endpoint.name)
+    if not isinstance(exc, _INPUT_ERRORS) and error.exhausted is None:  # (not this process's)
+        log_bug(_log, exc, f"in an exchange with {endpoint.name}", endpoint.secrets)
     error.message = redact(error.message, endpoint.secrets)
     error.args = (error.message,)
     return error
