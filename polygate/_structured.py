@@ -976,12 +976,14 @@ _OFF_LOOP_S = 60.0
 
 
 def not_an_answer(response: ChatResponse) -> bool:
-    """Tool calls (the model chose a tool) or a refusal, and no content: nothing to
-    validate and nothing a re-ask would mend.  The response is returned as it is,
-    ``parsed=None``, as the OpenAI SDK's ``parse()`` returns it; re-asking would drop
-    the calls or the refusal and pay for rounds the model already declined."""
+    """Tool calls (the model chose a tool; a legacy ``function_call`` too) or a refusal,
+    and no content: nothing to validate and nothing a re-ask would mend.  The response
+    is returned as it is, ``parsed=None``, as the OpenAI SDK's ``parse()`` returns it;
+    re-asking would drop the calls or the refusal and pay for rounds the model already
+    declined."""
     message = response.message
-    return not response.text and bool(message.get("tool_calls") or message.get("refusal"))
+    return not response.text and bool(
+        message.get("tool_calls") or message.get("function_call") or message.get("refusal"))
 
 
 def prepare(schema: Any, params: Mapping[str, Any], max_reasks: int) -> StructuredRounds:

@@ -179,13 +179,28 @@ def carries_value(value: Any) -> bool:
 
 
 def carries_call(call: Mapping[str, Any]) -> bool:
-    """Whether a tool-call delta sets anything (an id, a type, a function): one that
-    does not gets no call, in the library's answer or the gateway's relay."""
+    """Whether a tool-call delta sets anything (an id, a type, a payload: a
+    ``function``, a custom tool's ``custom``): one that does not gets no call, in the
+    library's answer or the gateway's relay."""
     if isinstance(call.get("id"), str) and call["id"]:
         return True
     if isinstance(call.get("type"), str) and call["type"]:
         return True
-    return isinstance(call.get("function"), dict)
+    return any(type(value) is dict for value in call.values())
+
+
+def call_type(call: Mapping[str, Any]) -> str:
+    """The type of the tool call a delta begins: its ``type``; without one (Azure AI
+    Foundry's and Mistral's streams leave it out), the name of its payload object
+    (``custom`` for a custom tool's call); else ``function``, as OpenAI's answers
+    have it."""
+    kind = call.get("type")
+    if isinstance(kind, str) and kind:
+        return kind
+    for key, value in call.items():
+        if type(value) is dict:
+            return key
+    return "function"
 
 
 def name_again(held: list[str], size: int, name: str) -> bool:

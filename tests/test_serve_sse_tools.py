@@ -512,3 +512,86 @@ def test_choices_reach_the_sdk_helper_in_index_order_when_a_later_one_has_logpro
     assert [c.message.content for c in snapshot.choices] == ["a", "t"]
     assert [c["message"]["content"] for c in answer.choices] == ["a", "t"]
     assert snapshot.choices[1].logprobs is not None and len(snapshot.choices[1].logprobs.content or []) == 1
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {**BASE, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def test_a_custom_tools_streamed_call_keeps_its_name_and_input() -> None:
+    """Review: OpenAI's custom tools (``{"type": "custom"}``, GPT-5) stream their calls
+    as ``{"type": "custom", "custom": {"name", "input"}}``; the assembler gave every
+    call an empty ``function`` and kept only that, so the answer (and a cached one,
+    and the gateway's JSON answer) lost the tool's name and input."""
+    chunks = [
+        _chunk({"role": "assistant", "content": None}),
+        _chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "custom",
+                                "custom": {"name": "shell", "input": ""}}]}),
+        _chunk({"tool_calls": [{"index": 0, "custom": {"input": "echo"}}]}),
+        _chunk({"tool_calls": [{"index": 0, "custom": {"name": "shell", "input": " hé"}}]}),
+        _chunk({}, "tool_calls"),
+    ]
+    assembler = ChatAssembler()
+    for chunk in chunks:
+        assembler.add(chunk)
+    [call] = assembler.build()["choices"][0]["message"]["tool_calls"]
+    assert call == {"id": "call_1", "type": "custom", "custom": {"name": "shell", "input": "echo hé"}}
+    # The relay: the SDK's accumulator builds the same call (the name sent again, once).
+    acc: dict[str, Any] = {}
+    for event in _relay(chunks):
+        acc = accumulate_delta(acc, event["choices"][0]["delta"])
+    [relayed] = acc["tool_calls"]
+    assert {k: relayed[k] for k in ("id", "type", "custom")} == call
+
+
+def test_a_function_call_keeps_its_empty_function_and_ignores_an_object_for_a_string() -> None:
+    """The payload's text fields are there from the call's first delta, as in a
+    non-streamed answer; ``arguments: {}`` where a string belongs is ignored, as it
+    always was."""
+    chunks = [
+        _chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function"}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": {}}}]}),
+        _chunk({}, "tool_calls"),
+    ]
+    assembler = ChatAssembler()
+    for chunk in chunks:
+        assembler.add(chunk)
+    [call] = assembler.build()["choices"][0]["message"]["tool_calls"]
+    assert call == {"id": "c1", "type": "function", "function": {"name": "", "arguments": ""}}
+
+
+@pytest.mark.parametrize("later_type", ["absent", None, ""])
+@pytest.mark.parametrize("first_type", ["absent", None])
+def test_a_call_streamed_without_a_type_reaches_the_sdks_stream_helper_typed(
+    first_type: Any, later_type: Any,
+) -> None:
+    """Review: Azure AI Foundry and Mistral stream tool calls without a ``type``, and a
+    server that writes every field sends ``"type": null`` on later deltas.  The
+    library's answer says ``"function"``; the relay passed the deltas on as they
+    came, so the SDK's stream helper built a call of type None (agent code checking
+    for "function" skipped it), or, given a later null, failed its own assertion."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    def call(**fields: Any) -> dict[str, Any]:
+        kind = first_type if "id" in fields else later_type
+        return {"index": 0, **({} if kind == "absent" else {"type": kind}), **fields}
+
+    chunks = [
+        _chunk({"role": "assistant", "content": None}),
+        _chunk({"tool_calls": [call(id="c1", function={"name": "f", "arguments": ""})]}),
+        _chunk({"tool_calls": [call(function={"arguments": '{"a": '})]}),
+        _chunk({"tool_calls": [call(function={"arguments": "1}"})]}),
+        _chunk({}, "tool_calls"),
+    ]
+    assembler = ChatAssembler()
+    for chunk in chunks:
+        assembler.add(chunk)
+    [whole] = assembler.build()["choices"][0]["message"]["tool_calls"]
+    assert whole["type"] == "function"
+    state = ChatCompletionStreamState()
+    for event in _relay(chunks):
+        state.handle_chunk(ChatCompletionChunk.model_validate(event))
+    [built] = state.get_final_completion().choices[0].message.tool_calls or []
+    assert (built.type, built.id, built.function.name, built.function.arguments) == (
+        "function", "c1", "f", '{"a": 1}')

@@ -33,6 +33,7 @@ from .._types import (
     TextParts,
     Usage,
     call_slot,
+    call_type,
     carries_call,
     carries_something,
     carries_value,
@@ -259,7 +260,7 @@ class StreamShape:
             index = call_slot(call, held, aliases, closed)
             slot = held.get(index)
             cid = call.get("id")
-            function = call.get("function")
+            kind = call.get("type")
             if slot is None:
                 if not carries_call(call):
                     changed = True  # carries no call (the library keeps none)
@@ -268,6 +269,18 @@ class StreamShape:
                 # the order they began: the helper takes an index as a place in its
                 # list (calls counted from 1, or with a gap, raised an IndexError).
                 slot = held[index] = {"id": None, "name": _Name(), "at": len(held)}
+                if not (isinstance(kind, str) and kind):
+                    # A server that sends no type (Azure AI Foundry, Mistral): the
+                    # call's type, as the JSON answer has it; the helper kept None,
+                    # and agent code that checks for "function" skipped the call.
+                    call = {**call, "type": call_type(call)}
+                    changed = True
+            elif "type" in call and not (isinstance(kind, str) and kind):
+                # A later delta's "type": null (a server that writes every field):
+                # the helper would overwrite the call's type with it, and its stream
+                # helper then fails an assertion.
+                call = {k: v for k, v in call.items() if k != "type"}
+                changed = True
             if call.get("index") != slot["at"]:
                 shaped = {**call, "index": slot["at"]}
                 changed = True
@@ -281,18 +294,21 @@ class StreamShape:
                     changed = True
                 else:
                     slot["id"] = cid
+            function = call.get("function")
             if isinstance(function, dict):
                 note_closing(closed, index, function.get("arguments"))  # (as the assembler)
-            name = function.get("name") if isinstance(function, dict) else None
-            if isinstance(name, str) and name:
-                repeat = slot["name"].repeat(name)
-                if repeat is not None:
-                    assert isinstance(function, dict)
-                    trimmed = {k: v for k, v in function.items() if k != "name"}
-                    if repeat:
-                        trimmed["name"] = repeat
-                    shaped = {**shaped, "function": trimmed}
-                    changed = True
+            for key, payload in call.items():
+                # The payload (``function``, or a custom tool's ``custom``): a name
+                # sent again whole goes once, as the library's answer has it.
+                name = payload.get("name") if type(payload) is dict else None
+                if isinstance(name, str) and name:
+                    repeat = slot["name"].repeat(name)
+                    if repeat is not None:
+                        trimmed = {k: v for k, v in payload.items() if k != "name"}
+                        if repeat:
+                            trimmed["name"] = repeat
+                        shaped = {**shaped, key: trimmed}
+                        changed = True
             out.append(shaped)
         return out if changed else None
 

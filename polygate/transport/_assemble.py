@@ -19,6 +19,7 @@ from .._errors import TransientUpstreamError
 from .._types import (
     TextParts,
     call_slot,
+    call_type,
     carries_call,
     carries_something,
     carries_value,
@@ -267,8 +268,11 @@ class _Choice:
                     f"malformed stream: more than {self._max_tool_calls} tool calls in a choice",
                     source=self._source,
                 )
-            slot = {"id": None, "type": "function",
-                    "function": {"name": TextParts(), "arguments": TextParts()}}
+            kind = call_type(call)
+            slot = {"id": None, "type": kind}
+            fields = _PAYLOAD_FIELDS.get(kind)
+            if fields is not None:  # (as a non-streamed call has them, sent or not)
+                slot[kind] = {field: TextParts() for field in fields}
             self.tool_calls[index] = slot
         if isinstance(call.get("id"), str) and call["id"] and slot["id"] is None:
             # The first id stays: one sent again changed on the deltas of one call (a
@@ -277,10 +281,16 @@ class _Choice:
             slot["id"] = call["id"]
         if isinstance(call.get("type"), str) and call["type"]:
             slot["type"] = call["type"]
-        function = call.get("function")
-        if isinstance(function, dict):
-            _join_function(slot["function"], function)
-            note_closing(self._closed, index, function.get("arguments"))
+        for key, value in call.items():
+            # The call's payload: ``function`` (name and arguments), or a custom
+            # tool's ``custom`` (name and input), streamed in pieces alike.
+            if type(value) is dict:
+                held = slot.get(key)
+                if type(held) is not dict:
+                    held = slot[key] = {}
+                _join_function(held, value)
+                if key == "function":
+                    note_closing(self._closed, index, value.get("arguments"))
 
     def _add_logprobs(self, logprobs: dict[str, Any]) -> None:
         if self.logprobs is None:
@@ -334,21 +344,37 @@ class _Choice:
 
 
 def _join_function(target: dict[str, Any], part: dict[str, Any]) -> None:
-    name = part.get("name")
-    if isinstance(name, str) and name:
-        # Most servers send the name once; a few repeat it whole on later deltas.  Held
-        # as pieces, as the arguments are (below), so the whole stays linear.
-        held: TextParts = target["name"]
-        size = sum(map(len, held))  # (a few pieces: they are joined as they come)
-        if name_again(held, size, name):
-            target["name"] = held = TextParts()
-        held.append(name)
-    arguments = part.get("arguments")
-    if isinstance(arguments, str):
-        # Held as pieces, joined at the end: ``+=`` on a string that a dict also holds
-        # copies all of it each time -- quadratic in a hostile stream of one-character
-        # fragments (seconds of the loop for the body cap's worth).
-        target["arguments"].append(arguments)
+    """A piece of a legacy ``function_call`` or of a tool call's payload joined into
+    what is held: its ``name`` (sent once, in pieces, or again whole) and its other
+    strings (``arguments``, a custom tool's ``input``) in pieces; tags replaced."""
+    for key, value in part.items():
+        if not isinstance(value, str):
+            # (Not over text held in pieces: an object where a string belongs,
+            # ``arguments: {}``, is ignored there, as it always was.)
+            if value is not None and not isinstance(target.get(key), TextParts):
+                target[key] = _own(value)
+        elif key == "name":
+            if value:
+                # Most servers send the name once; a few repeat it whole on later
+                # deltas.  Held as pieces, as the arguments are, so the whole stays
+                # linear.
+                held = target.get(key)
+                if not isinstance(held, TextParts):
+                    held = target[key] = TextParts()
+                size = sum(map(len, held))  # (a few pieces: they are joined as they come)
+                if name_again(held, size, value):
+                    target[key] = held = TextParts()
+                held.append(value)
+        elif key in _TAGS:
+            target[key] = value
+        else:
+            # Held as pieces, joined at the end: ``+=`` on a string that a dict also
+            # holds copies all of it each time -- quadratic in a hostile stream of
+            # one-character fragments (seconds of the loop for the body cap's worth).
+            held = target.get(key)
+            if not isinstance(held, TextParts):
+                held = target[key] = TextParts()
+            held.append(value)
 
 
 def _merge_extra(target: dict[str, Any], key: str, value: Any, *, join: bool = False) -> None:
@@ -369,6 +395,13 @@ def _merge_extra(target: dict[str, Any], key: str, value: Any, *, join: bool = F
         _merge_fields(existing, value, join=join)
     else:
         target[key] = _own(value)
+
+
+#: The text fields of a tool call's payload, by the call's type: held (empty) from the
+#: call's first delta, as a non-streamed answer always has them.
+_PAYLOAD_FIELDS: dict[str, tuple[str, ...]] = {
+    "function": ("name", "arguments"), "custom": ("name", "input"),
+}
 
 
 #: Fields of an indexed list item that name or tag it: replaced, never joined (the
