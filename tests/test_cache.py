@@ -153,6 +153,60 @@ async def test_key_follows_the_answer(autojump_clock: trio.testing.MockClock) ->
 # --------------------------------------------------------------------------- what is stored
 
 
+def _in_schema_order(request: Any, rng: Any) -> Reply:
+    """As guided decoding does: the properties in the order the schema lists them."""
+    rf = request.body.get("response_format") or {}
+    properties = rf.get("json_schema", {}).get("schema", {}).get("properties", {})
+    return Reply(text=json.dumps({k: f"the {k}" for k in properties}))
+
+
+def _two_properties(first: str, second: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {first: {"type": "string"}, second: {"type": "string"}}}
+
+
+@pytest.mark.parametrize("how", ["schema", "response_format"])
+async def test_a_schema_listing_its_properties_in_another_order_is_another_key(
+    autojump_clock: trio.testing.MockClock, how: str,
+) -> None:
+    """Review: the key sorted every object's keys, a schema's ``properties`` too; but a
+    model writes the properties in the schema's order (a schema asking for its
+    ``reasoning`` before its ``answer`` gets it first, and another answer), so the
+    reasoning-first call was served the answer-first call's answer.  The same schema
+    in the same order is still one key."""
+    up = FakeUpstream(_in_schema_order)
+
+    def asked(first: str, second: str) -> dict[str, Any]:
+        schema = _two_properties(first, second)
+        if how == "schema":
+            return {"schema": schema}
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}
+
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        first = await s.chat(MESSAGES, **asked("answer", "reasoning"))
+        second = await s.chat(MESSAGES, **asked("reasoning", "answer"))
+        again = await s.chat(MESSAGES, **asked("reasoning", "answer"))
+    assert list(json.loads(first.text)) == ["answer", "reasoning"]
+    assert list(json.loads(second.text)) == ["reasoning", "answer"]
+    assert not second.call_stats.cached and again.call_stats.cached and _sent(up) == 2
+
+
+class _Text(str):
+    """A str subclass, as numpy's ``str_`` (a pandas column's values) is."""
+
+
+async def test_a_str_subclass_is_the_text_it_equals(autojump_clock: trio.testing.MockClock) -> None:
+    """Review: an embedding input (or a scope name) that is a str subclass with
+    non-ASCII text was written in the key with ASCII escapes (msgspec refuses the
+    subclass; the fallback escaped it), so it never hit what the plain text stored."""
+    up = FakeUpstream(Reply())
+    async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
+        await s.embed(["café"])
+        again = await s.embed([_Text("café")])
+        await s.chat([{"role": "user", "content": "café"}])
+        chat_again = await s.chat([{"role": "user", "content": "café"}], scope=_Text("chat"))
+    assert again.call_stats.cached and chat_again.call_stats.cached and _sent(up) == 2
+
+
 async def test_failures_are_not_stored(autojump_clock: trio.testing.MockClock) -> None:
     up = FakeUpstream([Reply(status=400), Reply(status=500), Reply(status=500), Reply(status=500),
                        Reply(text="finally")])

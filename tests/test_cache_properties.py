@@ -15,13 +15,14 @@ import json
 import random
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import polygate
-from polygate.cache import EXCLUDED_PARAMS, chat_key, embed_keys
+from polygate.cache import EXCLUDED_PARAMS, ORDERED_PARAMS, chat_key, embed_keys
 from polygate.testing import FakeUpstream, RecordedRequest, Reply, Router
 
 # --------------------------------------------------------------------------- values
@@ -89,8 +90,36 @@ def _key(messages: Any, params: Any, scope: str = "chat") -> str:
 @given(json_values, json_values, st.randoms(use_true_random=False))
 def test_equal_requests_share_a_key(content: Any, param: Any, rnd: random.Random) -> None:
     messages = [{"role": "user", "content": content}]
-    params = {"temperature": param, "tools": [content]}
+    params = {"temperature": param, "tool_choice": [content]}
     assert _key(messages, params) == _key(variant(messages, rnd), variant(params, rnd))
+
+
+def equal_in_order(a: Any, b: Any) -> bool:
+    """The oracle where key order counts: canonically equal, every object's keys in
+    the same order."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(equal_in_order(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(equal_in_order(x, y) for x, y in zip(a, b, strict=True))
+    return canonically_equal(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(ORDERED_PARAMS))
+@given(value=json_values, rnd=st.randoms(use_true_random=False), alike=st.booleans())
+def test_inside_schemas_and_tools_key_order_is_part_of_the_key(
+    name: str, value: Any, rnd: random.Random, alike: bool,
+) -> None:
+    """Review: a schema's property order is the order a model writes the properties
+    in (a reasoning-first schema gets its reasoning first, and another answer), and
+    a tool's definition reaches the model as text in its order; sorting every key,
+    two schemas listing their properties in two orders shared a key, and the second
+    was served the first's answer.  Inside these parameters two values share a key
+    exactly when they are equal with every object's keys in the same order."""
+    other = variant(value, rnd) if alike else mutate(value, rnd)
+    same = _key([], {name: value}) == _key([], {name: other})
+    assert same == equal_in_order(value, other)
+    # (An ordered value is never another parameter's value written plainly.)
+    assert _key([], {name: value}) != _key([], {name: {"o": value}})
 
 
 @given(json_values, st.randoms(use_true_random=False), st.booleans())

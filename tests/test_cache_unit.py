@@ -435,17 +435,17 @@ def test_the_keys_digests_are_pinned() -> None:
     from polygate.cache._key import KEY_VERSION
 
     hi = [{"role": "user", "content": "hi"}]
-    assert KEY_VERSION == 4
+    assert KEY_VERSION == 5
     assert chat_key("chat", ["m1"], hi, {"temperature": 0}) == (
-        "8fb0b4a9e4c586aa4bfb36e3456ccaf710e460f7b61fc31e60e45cc4ad30de53")
+        "0b1bf2663abb665712d299c4f005e8ed39d734196653c9b88abc23bb2aadfc15")
     assert chat_key("chat", ["m1", "fallback large: m2"], hi, {"temperature": 0}) == (
-        "d8d131511ad77cdf7b05cebe580a3a7b660c8a5c95eef643fe640cadc80630f8")
+        "f42b57f527033f6cad581a14478084a055a1b8b9bc80e237ec31413de49a7587")
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     params = {"max_tokens": 100.0, "logit_bias": {1.0: 5}, "user": "u",
               "polygate:schema": {"name": "City", "schema": {"type": "object"}}}
     assert chat_key("chat", ["m1"], parts, params) == (
-        "10eeebe0f7f21f73a3c9bb7943bd1259b257c07655894539d1e7391c8d496a5d")
+        "ccdef623be51c6002f8aa43a2bbd033fec42b52a84a8d89ed6a8ad18cc18a93c")
     assert embed_keys("embed", ["e"], ["a", "b"], {"dimensions": 8}) == [
-        "1883bc62d50c6bb5e3feb08de37cb575d1de18f5cfeac67fdf71eefc939fb5a9",
-        "ab916d9cf170029763827dd5704fe4211d8e35401a8e71420f71586964074479",
+        "25920af98b1fe18ea197ea10b54a67d6ef61f17c4a6ce6e3f8ce36332fa25b53",
+        "23708520a6f0178d07b69715433f24df728dec4215cbec50b6ce671a978f59db",
     ]

@@ -11,6 +11,7 @@ from ._cache import Cache as Cache
 from ._cache import CacheStatistics as CacheStatistics
 from ._cache import open_cache as open_cache
 from ._key import EXCLUDED_PARAMS as EXCLUDED_PARAMS
+from ._key import ORDERED_PARAMS as ORDERED_PARAMS
 from ._key import canonical_json as canonical_json
 from ._key import chat_key as chat_key
 from ._key import embed_keys as embed_keys
@@ -20,6 +21,7 @@ from ._url import parse_cache_url as parse_cache_url
 
 __all__ = [
     "EXCLUDED_PARAMS",
+    "ORDERED_PARAMS",
     "Cache",
     "CacheBackend",
     "CacheBackendError",

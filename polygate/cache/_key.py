@@ -10,7 +10,12 @@ by msgspec (``polygate._json.sorted_dumps``); a value msgspec cannot write faith
 Either text parses back to the value it was written from, and which one a value gets
 depends on the value alone, so equal values share a key and different ones do not:
 
-* object keys are sorted, so key order never matters, at any depth;
+* object keys are sorted, so key order never matters, at any depth -- except inside
+  :data:`ORDERED_PARAMS` (tools, functions, response formats, a ``schema=``): a model
+  writes an object's properties in the order its schema lists them (a schema asking
+  for ``reasoning`` before ``answer`` gets it first, and another answer), and a
+  tool's definition reaches the model as text in the order it was written; there the
+  order of every object's keys is part of the key;
 * a number is its value: ``1``, ``1.0`` and ``1e0`` are the same (an integral float
   becomes an int), ``0.5`` and ``0.50`` too; ``True`` is not ``1`` (JSON tells them apart);
   an object key is the text JSON writes for it, so the key ``1.0`` (``"1.0"`` on the
@@ -36,15 +41,18 @@ from typing import Any
 
 from .._json import plain_messages, sorted_dumps
 
-__all__ = ["EXCLUDED_PARAMS", "KEY_VERSION", "canonical", "canonical_json", "chat_key", "embed_keys"]
+__all__ = ["EXCLUDED_PARAMS", "KEY_VERSION", "ORDERED_PARAMS", "canonical", "canonical_json", "chat_key", "embed_keys"]
 
 #: Bumped whenever the canonical form changes, so old entries are never misread.
 #: 2: written by msgspec (UTF-8) where version 1 used ``json`` (ASCII escapes).
 #: 3: a float object key is its JSON text (``"1.0"``), no longer an int's (``"1"``).
 #: 4: a scope with a fallback keys its answers with the chain's models too (written
 #: under version 3 before that, a fallback's answer read back as the scope's own once
-#: the fallback was removed).  ``tests/test_cache_unit.py`` pins the keys' digests.
-KEY_VERSION = 4
+#: the fallback was removed).
+#: 5: key order counts inside ORDERED_PARAMS (a schema's property order was left out:
+#: a reasoning-first schema was served the answer-first schema's answer).
+#: ``tests/test_cache_unit.py`` pins the keys' digests.
+KEY_VERSION = 5
 
 #: Parameters left out of the key: they identify the caller or shape the transport,
 #: and never change the answer.
@@ -56,6 +64,12 @@ EXCLUDED_PARAMS: frozenset[str] = frozenset({
     "stream_options",     # include_usage etc.: how a stream reports, not what it says
     "service_tier",       # latency / price class
     "prompt_cache_key",   # a hint for the provider's own prompt cache
+})
+
+#: Parameters whose objects' key order is part of the key (see the module's docstring);
+#: ``polygate:schema`` is a ``schema=``'s own entry in the key.
+ORDERED_PARAMS: frozenset[str] = frozenset({
+    "tools", "functions", "response_format", "polygate:schema",
 })
 
 _dumps = json.JSONEncoder(
@@ -102,6 +116,25 @@ def _key_text(key: Any) -> str:
     return json.dumps(canonical(key))
 
 
+def _in_order(value: Any) -> Any:
+    """A canonical value with its objects' key order made part of it: every object a
+    ``{"o": [[key, value], ...]}`` in its order, every list a ``{"a": [...]}``, so no
+    value written so is another's (sorting the keys of what comes out loses nothing)."""
+    if type(value) is dict:
+        return {"o": [[k, _in_order(v)] for k, v in value.items()]}
+    if type(value) is list:
+        return {"a": [_in_order(v) for v in value]}
+    return value
+
+
+def _params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters' part of a key: the kept ones, canonical, in order where it counts."""
+    kept = canonical(_kept(params))
+    for name in ORDERED_PARAMS.intersection(kept):
+        kept[name] = _in_order(kept[name])
+    return kept  # type: ignore[no-any-return]
+
+
 def canonical_json(value: Any) -> str:
     """The canonical JSON of ``value`` (what a key hashes), as text."""
     return _document(canonical(value)).decode("utf-8")
@@ -128,10 +161,10 @@ def chat_key(
 ) -> str:
     """The key of one chat call (``chat`` and ``stream_chat`` share it)."""
     return _digest(_document({
-        "v": KEY_VERSION, "kind": "chat", "scope": scope, "models": list(models),
+        "v": KEY_VERSION, "kind": "chat", "scope": canonical(scope), "models": canonical(list(models)),
         # Text-only messages are canonical as they are: sorting the keys is enough.
         "messages": messages if plain_messages(messages) else canonical(messages),
-        "params": canonical(_kept(params)),
+        "params": _params(params),
     }))
 
 
@@ -146,8 +179,10 @@ def embed_keys(
     ``input`` moved last — unambiguous, since a JSON string delimits itself.
     """
     head = _document({
-        "v": KEY_VERSION, "kind": "embed", "scope": scope, "models": list(models),
-        "params": canonical(_kept(params)),
+        "v": KEY_VERSION, "kind": "embed", "scope": canonical(scope), "models": canonical(list(models)),
+        "params": _params(params),
     })
     prefix = head[:-1] + b',"input":'
-    return [_digest(prefix + _document(text) + b"}") for text in inputs]
+    # (canonical: a str subclass, numpy's str_ from a column, is written as the plain
+    # text it equals; msgspec refuses it, and the fallback escaped it as ASCII.)
+    return [_digest(prefix + _document(canonical(text)) + b"}") for text in inputs]
