@@ -65,7 +65,7 @@ from ._resume import (
     StreamSink,
     continuation_messages,
 )
-from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage, encode_compact
+from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage, encode_compact, message_delta
 from .governance import (
     Admission,
     BreakerState,
@@ -753,11 +753,14 @@ async def _finish_continuation(
     if not record.timeline.streamed:
         choices = result.get("choices") or [{}]
         message = choices[0].get("message") or {}
-        text = message.get("content")
-        chunk: dict[str, Any] = {"index": 0, "delta": {"content": text}}
+        # All the message holds, as a JSON answer not resumed is shown (its reasoning,
+        # its tool calls: only the content was, and a client of the gateway saw a
+        # finish_reason "tool_calls" with no calls); the role was shown already.
+        delta = {k: v for k, v in message_delta(message).items() if k != "role" and v}
+        chunk: dict[str, Any] = {"index": 0, "delta": delta}
         if isinstance(choices[0].get("logprobs"), dict):
             chunk["logprobs"] = choices[0]["logprobs"]  # (the answer's logprobs: shown too)
-        if isinstance(text, str) and text and not active.offer({"choices": [chunk]}):
+        if delta and not active.offer({"choices": [chunk]}):
             await active.deliver_held()
     await active.finish()
 

@@ -1712,6 +1712,70 @@ async def test_a_hedge_that_won_and_was_cut_is_finished_by_a_continuation_that_i
     assert (cs.hedges, cs.resumes, cs.source, cs.hedge_won) == (1, 1, "a", False)
 
 
+async def test_a_continuation_whose_own_round_its_hedge_won_says_hedge_won(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The other side (review: the docs said a resumed answer's ``hedge_won`` is
+    always False): the continuation is a new round, which hedges as any round does;
+    when its hedge (c) wins, ``hedge_won`` says so, as for any call's winner."""
+    rest = " " + " ".join(WORDS[40:])
+    a = FakeUpstream(Reply(text=ANSWER, inter_token_s=0.01, fault="truncated", fault_after=40))
+    b = FakeUpstream(Reply(text=rest, first_token_s=30, inter_token_s=0.01))
+    c = FakeUpstream(Reply(text=rest, inter_token_s=0.01))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-6}, "c": {"weight": 1e-12}},
+        "stream": polygate.StreamWatch(resume=True),
+        "hedge": polygate.Hedge(after_s=0.5),
+    })
+    async with polygate.session(settings, transport=Router({"a": a, "b": b, "c": c})) as s:
+        stream, _ = await _read(s)
+    assert stream.response is not None and stream.text == ANSWER
+    cs = stream.response.call_stats
+    assert (cs.hedges, cs.resumes, cs.source, cs.hedge_won) == (1, 1, "c", True)
+
+
+@pytest.mark.parametrize("extra", [
+    {"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+    {"reasoning_content": "the rest, reasoned"},
+])
+async def test_a_continuation_from_a_source_that_cannot_stream_shows_all_it_answered(
+    autojump_clock: trio.testing.MockClock, extra: dict[str, Any],
+) -> None:
+    """Review: a continuation answered in one JSON body (a source that cannot stream)
+    was shown as its content alone: its tool calls were in ``stream.response`` but no
+    chunk showed them (a client of the gateway got ``finish_reason: "tool_calls"``
+    and no calls), and its reasoning was shown nowhere.  It is shown as a JSON answer
+    not resumed is: its whole message in one chunk."""
+    import httpx
+
+    rest = " " + " ".join(WORDS[40:])
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        finish = "tool_calls" if "tool_calls" in extra else "stop"
+        return httpx.Response(200, json={
+            "id": "two", "object": "chat.completion", "created": 9, "model": "m",
+            "choices": [{"index": 0, "finish_reason": finish,
+                         "message": {"role": "assistant", "content": rest, **extra}}],
+            "usage": {"prompt_tokens": 50, "completion_tokens": 20, "total_tokens": 70}})
+
+    a = FakeUpstream(Reply(text=ANSWER, inter_token_s=0.01, fault="truncated", fault_after=40))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9, "streaming": False}},
+        "stream": polygate.StreamWatch(resume=True),
+    })
+    router = Router({"a": a, "b": httpx.MockTransport(answer)})
+    async with polygate.session(settings, transport=router) as s:
+        stream, chunks = await _read(s)
+    assert stream.response is not None and stream.text == ANSWER
+    [(key, value)] = extra.items()
+    shown = [c.delta[key] for c in chunks if key in c.delta]
+    if key == "tool_calls":
+        assert shown == [[{**value[0], "index": 0}]]
+        assert stream.response.message["tool_calls"] == value
+    else:
+        assert shown == [value] and stream.response.message[key] == value
+
+
 async def test_a_failed_calls_statistics_name_the_scope_it_ended_in(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

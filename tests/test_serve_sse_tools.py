@@ -595,3 +595,19 @@ def test_a_call_streamed_without_a_type_reaches_the_sdks_stream_helper_typed(
     [built] = state.get_final_completion().choices[0].message.tool_calls or []
     assert (built.type, built.id, built.function.name, built.function.arguments) == (
         "function", "c1", "f", '{"a": 1}')
+
+
+def test_a_resumed_stream_keeps_one_fingerprint_and_tier() -> None:
+    """Review: a stream resumed on another source went on under the first segment's
+    id, time and model, but the continuation's chunks carried their own
+    ``system_fingerprint`` and ``service_tier`` (and the gateway's finish chunk the
+    first's again): one stream, three headers; the SDK keeps the last chunk's."""
+    def chunk(cid: str, fp: str, tier: str, text: str) -> dict[str, Any]:
+        return {"id": cid, "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "system_fingerprint": fp, "service_tier": tier,
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+    events = _relay([chunk("one", "fp_one", "default", "a"), chunk("two", "fp_two", "flex", "b"),
+                     chunk("one", "fp_two", "default", "c")])
+    assert {(e["id"], e["system_fingerprint"], e["service_tier"]) for e in events} == {
+        ("one", "fp_one", "default")}

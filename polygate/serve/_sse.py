@@ -50,6 +50,9 @@ __all__ = ["DONE", "KEEPALIVE", "StreamShape", "error_event", "reported_usage", 
 DONE: Final = b"data: [DONE]\n\n"
 KEEPALIVE: Final = b": keep-alive\n\n"
 _CHUNK: Final = "chat.completion.chunk"
+#: A chunk's header fields kept the same over one stream besides its id, time and
+#: model, when the upstream sent them (see StreamShape.chunk).
+_KEPT_HEADER: Final = ("system_fingerprint", "service_tier")
 
 
 def _event(payload: Any) -> bytes:
@@ -117,13 +120,14 @@ class StreamShape:
         if (meta := self._meta) is not None and (
             raw.get("id") != meta["id"] or raw.get("model") != meta["model"]
             or raw.get("created") != meta["created"] or raw.get("object") != _CHUNK
+            or any(raw.get(key) != meta[key] for key in _KEPT_HEADER if key in meta)
         ):
             # A resumed stream's continuation (another source, another completion), or
             # a chunk with its header blank (Azure's annotations: id "", object ""):
-            # one stream keeps one id, time and model, as the finish chunk does, and
-            # every event is a chunk (the SDK's chunk model accepts no other object).
-            raw = {**raw, "id": meta["id"], "object": _CHUNK, "created": meta["created"],
-                   "model": meta["model"]}
+            # one stream keeps one id, time, model, fingerprint and tier, as the
+            # finish chunk does, and every event is a chunk (the SDK's chunk model
+            # accepts no other object).
+            raw = {**raw, **meta}
         # Every choice gets its role before its first delta, as in an OpenAI stream
         # (with n > 1 too): the library forwards content, not the upstream's role-only
         # chunks, and a client assembling choices by index reads the role from there.
@@ -377,9 +381,10 @@ class StreamShape:
             "created": created if isinstance(created, int) else int(time.time()),
             "model": raw.get("model") or "",
         }
-        # What every chunk of an OpenAI stream carries when the upstream sent it: the
-        # SDK's stream helper reads the fingerprint from the first (this role chunk).
-        for key in ("system_fingerprint", "service_tier"):
+        # What every chunk of an OpenAI stream carries when the upstream sent it (the
+        # SDK's stream helper takes the fingerprint of each chunk: the last one's
+        # stays).
+        for key in _KEPT_HEADER:
             value = raw.get(key)
             if isinstance(value, str):
                 header[key] = value
