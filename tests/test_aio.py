@@ -587,6 +587,22 @@ async def test_wait_for_timeout_settles_too() -> None:
         await governance_idle(s)
 
 
+async def test_a_slow_reader_pauses_the_reading_at_most_63_chunks_behind() -> None:
+    """docs/asyncio.md: an asyncio stream's reader may fall up to 63 chunks behind (32
+    in the trio stream's channel, 31 more on the asyncio side) before the reading
+    pauses; from there its pace shows in ``total_latency_ms`` (review: it differs from
+    trio's 32 by that much, and the docs now say so).  100 chunks at once, read one
+    per 10 ms: the last ~37 are read at the reader's pace before the answer is
+    complete.  (Real clock: a lower bound, with a margin.)"""
+    up = fake(Reply(first_token_s=0.1, tokens=100))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        async with s.stream_chat(messages("slow reader")) as stream:
+            async for _ in stream:
+                await asyncio.sleep(0.01)
+    assert stream.response is not None
+    assert stream.response.call_stats.total_latency_ms > 100 + 0.6 * (100 - 64) * 10
+
+
 async def test_stream_cancelled_while_iterating() -> None:
     up = fake(Reply(tokens=50, inter_token_s=0.01))
     async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
