@@ -76,6 +76,7 @@ from .governance import (
     only_breakers,
     positive_count,
 )
+from .transport import message_text
 
 __all__ = ["Rounds", "call_stats", "every_error", "one_error", "run_chat", "run_embed"]
 
@@ -757,6 +758,12 @@ async def _finish_continuation(
         # its tool calls: only the content was, and a client of the gateway saw a
         # finish_reason "tool_calls" with no calls); the role was shown already.
         delta = {k: v for k, v in message_delta(message).items() if k != "role" and v}
+        if "content" in delta and not isinstance(delta["content"], str):
+            # Content parts (Mistral's typed chunks): their text, as a JSON answer's
+            # one chunk shows it, so that the stitcher sees it.
+            delta["content"] = message_text(message)
+            if not delta["content"]:
+                del delta["content"]
         chunk: dict[str, Any] = {"index": 0, "delta": delta}
         if isinstance(choices[0].get("logprobs"), dict):
             chunk["logprobs"] = choices[0]["logprobs"]  # (the answer's logprobs: shown too)

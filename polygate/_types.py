@@ -178,28 +178,33 @@ def carries_value(value: Any) -> bool:
     return value is not None and value != "" and value != [] and value != {}
 
 
+#: The objects that carry a tool call, by the call's type: ``function`` (its name and
+#: arguments) and OpenAI's custom tools' ``custom`` (its name and input).  Any other
+#: object on a call's delta is a provider's extra (Gemini's ``extra_content``).
+CALL_PAYLOADS: Final = ("function", "custom")
+
+
 def carries_call(call: Mapping[str, Any]) -> bool:
-    """Whether a tool-call delta sets anything (an id, a type, a payload: a
-    ``function``, a custom tool's ``custom``): one that does not gets no call, in the
-    library's answer or the gateway's relay."""
+    """Whether a tool-call delta sets anything (an id, a type, a payload: see
+    CALL_PAYLOADS): one that does not gets no call, in the library's answer or the
+    gateway's relay."""
     if isinstance(call.get("id"), str) and call["id"]:
         return True
     if isinstance(call.get("type"), str) and call["type"]:
         return True
-    return any(type(value) is dict for value in call.values())
+    return any(type(call.get(key)) is dict for key in CALL_PAYLOADS)
 
 
 def call_type(call: Mapping[str, Any]) -> str:
     """The type of the tool call a delta begins: its ``type``; without one (Azure AI
-    Foundry's and Mistral's streams leave it out), the name of its payload object
-    (``custom`` for a custom tool's call); else ``function``, as OpenAI's answers
+    Foundry's and Mistral's streams leave it out), ``custom`` for a delta that carries
+    a custom tool's payload and no function's; else ``function``, as OpenAI's answers
     have it."""
     kind = call.get("type")
     if isinstance(kind, str) and kind:
         return kind
-    for key, value in call.items():
-        if type(value) is dict:
-            return key
+    if type(call.get("custom")) is dict and type(call.get("function")) is not dict:
+        return "custom"
     return "function"
 
 

@@ -611,3 +611,67 @@ def test_a_resumed_stream_keeps_one_fingerprint_and_tier() -> None:
                      chunk("one", "fp_two", "default", "c")])
     assert {(e["id"], e["system_fingerprint"], e["service_tier"]) for e in events} == {
         ("one", "fp_one", "default")}
+
+
+def test_a_fingerprint_first_sent_after_the_stream_began_is_the_streams_from_there() -> None:
+    """Review: resumed from a source that sends no fingerprint (vLLM) onto one that
+    does, the later chunks carried it and the gateway's finish chunk did not: the
+    SDK's stream helper (which keeps the last chunk's) ended with None where the JSON
+    answer says "fp_b".  From the first chunk that carries it, every chunk does."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    def chunk(text: str, fp: str | None, finish: str | None = None) -> dict[str, Any]:
+        return {**BASE, **({"system_fingerprint": fp} if fp else {}),
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+
+    chunks = [chunk("a", None), chunk("b", "fp_b"), chunk("c", None), chunk("d", "fp_b", "stop")]
+    assembler = ChatAssembler()
+    for c in chunks:
+        assembler.add(c)
+    answer = assembler.build()
+    shape = StreamShape()
+    out = b"".join(shape.chunk(StreamChunk(text="", delta={}, raw=c)) for c in chunks)
+    response = polygate.ChatResponse(
+        text="abcd", message=answer["choices"][0]["message"], choices=answer["choices"],
+        usage=None, source="a", model="m", finish_reason="stop",
+        call_stats=None, raw=answer)  # type: ignore[arg-type]
+    out += shape.ending(response, include_usage=True)
+    events = [json.loads(line[6:]) for line in out.split(b"\n\n") if line.startswith(b"data: {")]
+    fingerprints = [e.get("system_fingerprint") for e in events]
+    first = fingerprints.index("fp_b")
+    assert set(fingerprints[first:]) == {"fp_b"} and set(fingerprints[:first]) == {None}
+    state = ChatCompletionStreamState()
+    for event in events:
+        state.handle_chunk(ChatCompletionChunk.model_validate(event))
+    assert state.get_final_completion().system_fingerprint == answer["system_fingerprint"] == "fp_b"
+
+
+def test_a_vendor_object_on_a_calls_deltas_is_kept_once_and_never_typed_as_the_call() -> None:
+    """Review of the custom tools' change: every object on a call's delta was joined
+    as a payload, so a signature Gemini sends again whole on each delta
+    (``extra_content``) became "SIGSIG", and a typeless call that lists it before its
+    ``function`` (Gemini writes keys in alphabetical order) was typed
+    "extra_content".  A vendor's object is kept as a message's extras are (the last
+    string sent), and only ``function`` or ``custom`` types a typeless call."""
+    sig = {"thought_signature": "SIG"}
+    chunks = [
+        _chunk({"role": "assistant", "content": None}),
+        _chunk({"tool_calls": [{"index": 0, "extra_content": sig, "id": "c1",
+                                "function": {"name": "f", "arguments": ""}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}, "extra_content": sig}]}),
+        # A delta with only a vendor object at a new index opens no call.
+        _chunk({"tool_calls": [{"index": 1, "extra_content": sig}]}),
+        _chunk({}, "tool_calls"),
+    ]
+    assembler = ChatAssembler()
+    for chunk in chunks:
+        assembler.add(chunk)
+    [call] = assembler.build()["choices"][0]["message"]["tool_calls"]
+    assert call == {"id": "c1", "type": "function", "extra_content": sig,
+                    "function": {"name": "f", "arguments": "{}"}}
+    acc: dict[str, Any] = {}
+    for event in _relay(chunks):
+        acc = accumulate_delta(acc, event["choices"][0]["delta"])
+    [relayed] = acc["tool_calls"]
+    assert (relayed["type"], relayed["id"], relayed["function"]) == ("function", "c1", call["function"])

@@ -27,6 +27,7 @@ from typing import Any, Final
 
 from .._types import (
     ANSWER_KEYS,
+    CALL_PAYLOADS,
     MAX_CHOICES,
     ChatResponse,
     StreamChunk,
@@ -53,6 +54,8 @@ _CHUNK: Final = "chat.completion.chunk"
 #: A chunk's header fields kept the same over one stream besides its id, time and
 #: model, when the upstream sent them (see StreamShape.chunk).
 _KEPT_HEADER: Final = ("system_fingerprint", "service_tier")
+#: The size of a header that has every field (see StreamShape._header).
+_FULL_HEADER: Final = 4 + len(_KEPT_HEADER)
 
 
 def _event(payload: Any) -> bytes:
@@ -117,7 +120,14 @@ class StreamShape:
         if not self._started:
             self._started = True
             self._meta = self._header(raw)
-        if (meta := self._meta) is not None and (
+        if (meta := self._meta) is not None and len(meta) < _FULL_HEADER:
+            # A fingerprint (or tier) first seen after the stream began (resumed from a
+            # source that sends none onto one that does): the stream's from here on,
+            # its finish chunk's too, so that a client ends with one.
+            for key in _KEPT_HEADER:
+                if key not in meta and isinstance(raw.get(key), str):
+                    meta[key] = raw[key]
+        if meta is not None and (
             raw.get("id") != meta["id"] or raw.get("model") != meta["model"]
             or raw.get("created") != meta["created"] or raw.get("object") != _CHUNK
             or any(raw.get(key) != meta[key] for key in _KEPT_HEADER if key in meta)
@@ -301,10 +311,13 @@ class StreamShape:
             function = call.get("function")
             if isinstance(function, dict):
                 note_closing(closed, index, function.get("arguments"))  # (as the assembler)
-            for key, payload in call.items():
+            for key in CALL_PAYLOADS:
                 # The payload (``function``, or a custom tool's ``custom``): a name
                 # sent again whole goes once, as the library's answer has it.
-                name = payload.get("name") if type(payload) is dict else None
+                payload = call.get(key)
+                if type(payload) is not dict:
+                    continue
+                name = payload.get("name")
                 if isinstance(name, str) and name:
                     repeat = slot["name"].repeat(name)
                     if repeat is not None:

@@ -282,15 +282,22 @@ class _Choice:
         if isinstance(call.get("type"), str) and call["type"]:
             slot["type"] = call["type"]
         for key, value in call.items():
-            # The call's payload: ``function`` (name and arguments), or a custom
-            # tool's ``custom`` (name and input), streamed in pieces alike.
-            if type(value) is dict:
+            if type(value) is not dict:
+                continue
+            if key in _PAYLOAD_FIELDS:
+                # The call's payload: ``function`` (name and arguments), or a custom
+                # tool's ``custom`` (name and input), streamed in pieces alike.
                 held = slot.get(key)
                 if type(held) is not dict:
                     held = slot[key] = {}
                 _join_function(held, value)
                 if key == "function":
                     note_closing(self._closed, index, value.get("arguments"))
+            else:
+                # A provider's object (Gemini's ``extra_content`` with its thought
+                # signature, sent again whole on later deltas): merged field by field,
+                # the last string sent kept, as a message's extras are.
+                _merge_extra(slot, key, value)
 
     def _add_logprobs(self, logprobs: dict[str, Any]) -> None:
         if self.logprobs is None:
@@ -397,8 +404,8 @@ def _merge_extra(target: dict[str, Any], key: str, value: Any, *, join: bool = F
         target[key] = _own(value)
 
 
-#: The text fields of a tool call's payload, by the call's type: held (empty) from the
-#: call's first delta, as a non-streamed answer always has them.
+#: The text fields of a tool call's payload (CALL_PAYLOADS), by the call's type: held
+#: (empty) from the call's first delta, as a non-streamed answer always has them.
 _PAYLOAD_FIELDS: dict[str, tuple[str, ...]] = {
     "function": ("name", "arguments"), "custom": ("name", "input"),
 }
