@@ -38,8 +38,9 @@ import contextvars
 import functools
 import inspect
 import random
+import types
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Mapping
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
@@ -134,7 +135,10 @@ def _forward(
             self._start_cancelled(job)
             await self._cancel(job)
             raise
-        self._check_open()  # (closed meanwhile: said so, as before the yields)
+        # Closed (or forked) meanwhile: said so, as before the yields.  (Not the
+        # running loop again: this task runs on the loop it ran on before them.)
+        if self._owner.closing or self._host.process != forks.count:
+            self._check_open()
         self._host.start_job(self._owner.start_job, job)
         try:
             return await job.fut  # type: ignore[no-any-return]
@@ -148,7 +152,8 @@ def _forward(
     return forward
 
 
-async def _checkpoint() -> None:
+@types.coroutine
+def _checkpoint() -> Generator[None, None, None]:
     """What a trio call's first checkpoint is to it: a cancellation already due lands
     here, before the call starts and anything is sent.  An asyncio.timeout() whose
     deadline passed before the call (its timer due, or its callback queued, but not yet
@@ -156,9 +161,12 @@ async def _checkpoint() -> None:
     was written to the wire and billed, its answer thrown away.  Two yields: the
     first lets the loop run what is queued, and the second what the loop found due
     (asyncio moves due timers to its queue behind a task that yielded before them).
-    (It also keeps a loop of cache hits from starving the other tasks.)"""
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    (It also keeps a loop of cache hits from starving the other tasks.)  Each bare
+    ``yield`` is what ``asyncio.sleep(0)`` does (its ``__sleep0``): the task goes
+    behind what is queued, and a cancellation lands there; one generator frame for
+    both, not four coroutine frames."""
+    yield
+    yield
 
 
 def _forward_stream(
@@ -446,7 +454,8 @@ class _Owner:
                 resolve(fut, outcome.Error(PolygateError(_CLOSED_IN_FLIGHT)))
             if job.waiter is not None:
                 resolve(job.waiter, outcome.Value(None))
-            self.host.linger()
+            if self.host.driver is None:  # (linger's own first test, without a call)
+                self.host.linger()
 
 
 # --------------------------------------------------------------------------- streams
