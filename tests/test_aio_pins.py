@@ -330,3 +330,44 @@ async def test_a_closed_trio_session_refuses_at_the_call() -> None:
         await s.chat(messages("x"))
     with pytest.raises(polygate.PolygateError, match="this session is closed"):
         await s.embed(["x"])
+
+
+@aio
+async def test_entering_a_stream_twice_is_refused_and_the_first_block_reads_on() -> None:
+    """Mutant (ChatStream.__aenter__: the 'entered only once' check dropped): a
+    second 'async with' of one stream is a PolygateError saying so, and the block
+    already in it reads its whole answer."""
+    upstream = FakeUpstream(Reply(text="hello there"))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=upstream.transport()) as s:
+        async with s.stream_chat(messages("one")) as stream:
+            with pytest.raises(polygate.PolygateError, match="entered only once"):
+                async with stream:
+                    pass
+            text = "".join([chunk.text async for chunk in stream])
+        assert text == "hello there"
+        assert len(upstream.requests) == 1
+
+
+@aio
+async def test_two_readers_waiting_when_a_stream_fails_both_hear_it() -> None:
+    """Mutant (ChatStream.__anext__: a reader woken after another took the failed
+    end ends cleanly): two tasks both *waiting* for the next chunk when the stream
+    fails must both raise; the one that did not take the end stopped as if the
+    answer were complete.  (test_two_tasks_reading_a_failed_stream_both_hear_it
+    reads with a sleep per chunk, so its second reader meets the end at the top.)"""
+    up = FakeUpstream(Reply(tokens=4, inter_token_s=0.05, fault="truncated", fault_after=2))
+    ends: list[str] = []
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        async with s.stream_chat(messages("shared-fail")) as stream:
+
+            async def read() -> None:
+                try:
+                    async for _ in stream:
+                        pass
+                except polygate.TransientUpstreamError:
+                    ends.append("failed")
+                    return
+                ends.append("clean")
+
+            await asyncio.wait_for(asyncio.gather(read(), read()), 10)
+    assert ends == ["failed", "failed"]

@@ -414,3 +414,128 @@ async def test_unknown_urls_share_one_endpoint_label() -> None:
         metrics = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
     assert 'polygate_serve_requests_total{endpoint="other",status="404"} 3.0' in metrics
     assert "wp-admin" not in metrics
+
+
+# --------------------------------------------------------------------------- more, from a second round of mutants
+
+
+def test_retry_after_ms_is_never_zero() -> None:
+    """Mutant (ErrorReply.headers: max(1, round(ms)) -> round(ms)): a source that
+    answered 429 with 'Retry-After: 0' gives the 429 a wait of 0; retry-after-ms
+    must still say at least 1 (as Retry-After says at least 1 s)."""
+    reply = reply_for(_exhausted(errors.RateLimitedError("slow down", retry_after_s=0.0)))
+    headers = dict(reply.headers())
+    assert reply.status == 429
+    assert headers[b"retry-after"] == b"1"
+    assert headers[b"retry-after-ms"] == b"1"
+
+
+def test_deadline_exceeded_is_a_timeout_error() -> None:
+    """Mutant (reply_for: DeadlineExceeded's type timeout_error -> api_error): the
+    table of polygate/serve/_errors.py gives a passed call deadline type
+    'timeout_error' (as a stalled stream), code 'deadline_exceeded', status 504."""
+    reply = reply_for(errors.DeadlineExceeded("the call's deadline passed"))
+    assert (reply.status, reply.type, reply.code) == (504, "timeout_error", "deadline_exceeded")
+
+
+def test_out_of_memory_only_when_every_attempt_ran_out_of_memory() -> None:
+    """Mutant (reply_for: all(... == "memory") -> any(...)): one attempt that this
+    process could not hold in memory beside one the upstream failed (a 500) is the
+    sources' exhaustion, 502 sources_exhausted -- not 503 out_of_memory, which tells
+    the client that the gateway, not the upstream, is at fault."""
+    oom = errors.TransientUpstreamError("out of memory", source="a")
+    oom.exhausted = "memory"
+    upstream = errors.TransientUpstreamError("upstream said 500", source="b", status_code=500)
+    reply = reply_for(_exhausted(oom, upstream))
+    assert (reply.status, reply.code) == (502, "sources_exhausted")
+    only_oom = reply_for(_exhausted(oom))
+    assert (only_oom.status, only_oom.code) == (503, "out_of_memory")
+
+
+def test_a_plain_polygate_error_is_503_unavailable() -> None:
+    """Mutant (reply_for: the PolygateError fallback 503 -> 500): an error of
+    polygate's that is no upstream's nor the request's (a session closed under the
+    call, say) is 'unavailable', not the 500 of a bug in the gateway."""
+    reply = reply_for(polygate.PolygateError("this session is closed"))
+    assert (reply.status, reply.type, reply.code) == (503, "api_error", "unavailable")
+
+
+async def test_embeddings_without_upstream_usage_carry_none() -> None:
+    """Mutant (_embeddings: usage written whatever its source): an upstream that
+    reported no usage gets the library's estimate for its own accounting; the
+    answer must not pass that estimate off as a count (as for chat)."""
+    from polygate.testing import Reply
+
+    async with gateway(Reply(usage=False)) as (server, _):
+        answer = await http(server, "POST", "/v1/embeddings",
+                            {"model": "embed", "input": ["one", "two"]}, AUTH)
+        assert answer.status == 200, answer.body
+        assert "usage" not in answer.json()
+    async with gateway(Reply()) as (server, _):  # (reported: relayed)
+        answer = await http(server, "POST", "/v1/embeddings",
+                            {"model": "embed", "input": ["one", "two"]}, AUTH)
+        assert "usage" in answer.json()
+
+
+async def test_a_missing_model_is_said_so() -> None:
+    """Mutant (_route: the 'model is None' branch dropped): a body without a model
+    must say 'you must provide a model parameter' (OpenAI's words), not 'model must
+    be a string, not an object' -- the client sent no object."""
+    async with gateway() as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}]}, AUTH)
+    error = answer.json()["error"]
+    assert (answer.status, error["code"], error["param"]) == (400, "invalid_request", "model")
+    assert error["message"] == "you must provide a model parameter"
+
+
+async def test_a_null_finish_reason_reads_stop_in_a_json_answer() -> None:
+    """Mutant (_answer_body: 'not c.get("finish_reason")' -> '"finish_reason" not
+    in c'): an upstream's complete answer whose finish_reason is null (some servers
+    send it) is relayed as 'stop', as the stream's finish chunk says (docstring of
+    _answer_body: "a missing or unreadable reason 'stop'")."""
+    from polygate.testing import Reply
+
+    async with gateway(Reply(finish_reason=None, stream=False)) as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    assert answer.status == 200, answer.body
+    assert answer.json()["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_readyz_says_draining_during_a_drain() -> None:
+    """Mutant (_readyz: the draining check dropped): a /readyz that reaches the
+    server while it drains (here: its head begun before the drain, finished during
+    it) must be 503 draining, so that a load balancer stops sending to it."""
+    from tests._serve_kit import read_answer, wait_for
+
+    async with gateway() as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream, trio.open_nursery() as nursery:
+            await stream.send_all(b"GET /readyz HTTP/1.1\r\nhost: gateway\r\n")
+            await wait_for(lambda: server.statistics().in_flight == 1)
+            nursery.start_soon(server.shutdown, 10.0)
+            await wait_for(lambda: server.draining)
+            await stream.send_all(b"\r\n")
+            answer = await read_answer(stream)
+        assert (answer.status, answer.json()) == (503, {"status": "draining"})
+
+
+async def test_metrics_label_a_model_lookup_as_one_endpoint() -> None:
+    """Mutant (endpoint_label: '/v1/models/{model}' -> 'other'): GET
+    /v1/models/NAME counts under endpoint '/v1/models/{model}' (one label for every
+    name: no cardinality blow-up, yet told apart from unknown URLs)."""
+    async with gateway() as (server, _):
+        assert (await http(server, "GET", "/v1/models/gpt-4o", None, AUTH)).status == 200
+        text = (await http(server, "GET", "/metrics", None, AUTH)).body.decode()
+    assert 'polygate_serve_requests_total{endpoint="/v1/models/{model}",status="200"} 1.0' in text
+
+
+async def test_an_unknown_models_name_is_cut_in_the_message() -> None:
+    """Mutant (_unknown_model: shown[:200] -> shown): a long unknown model name is
+    echoed at most 200 characters (a 1 MiB name is not written back)."""
+    async with gateway() as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions",
+                            {"model": "x" * 5000, "messages": [{"role": "user", "content": "hi"}]}, AUTH)
+    assert answer.status == 404
+    assert "x" * 201 not in answer.json()["error"]["message"]
+
