@@ -983,6 +983,49 @@ async def test_fatal_upstream_error_is_400() -> None:
     assert "sk-upstream-key" not in answer.body.decode()
 
 
+@pytest.mark.parametrize(("code", "answered"), [
+    ("context_length_exceeded", "context_length_exceeded"),
+    ("content_filter", "content_filter"),
+    ("invalid_value", "upstream_rejected"),
+    (None, "upstream_rejected"),
+])
+async def test_an_upstream_refusal_keeps_a_context_or_policy_code(code: str | None, answered: str) -> None:
+    """Review (clients through the gateway): an upstream's 400 for a request too long
+    for the model's context was answered ``upstream_rejected``: the OpenAI SDK's
+    ``e.code`` and LangChain's context-overflow handling (which looks for
+    "context_length_exceeded") did not see what it was.  A context-length or
+    content-policy code is kept; any other refusal stays ``upstream_rejected``."""
+    error = {"message": "This model's maximum context length is 8192 tokens.",
+             "type": "invalid_request_error", "param": "messages", "code": code}
+    async with gateway(Reply(status=400, error_body={"error": error})) as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    assert answer.status == 400
+    assert answer.json()["error"]["code"] == answered
+
+
+async def test_a_refused_key_says_so_in_openais_words() -> None:
+    """Review (LiteLLM through the gateway): LiteLLM sorts an OpenAI-compatible error
+    by its text before its status, and read the 401's "Incorrect or missing gateway
+    key" (an invalid_request_error) as a BadRequestError; its router's retry and
+    fallback policies then treated a wrong key as a bad request.  Every 401 begins
+    with OpenAI's own "Incorrect API key provided"."""
+    async with gateway() as (server, _):
+        answers = [
+            await http(server, "POST", "/v1/chat/completions", CHAT),
+            await http(server, "POST", "/v1/chat/completions", CHAT, {"authorization": "Bearer wrong"}),
+            await http(server, "GET", "/metrics"),
+        ]
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 5000000\r\n\r\n")
+            with trio.fail_after(5):
+                answers.append(await read_answer(stream))
+    for answer in answers:
+        assert answer.status == 401
+        assert answer.json()["error"]["message"].startswith("Incorrect API key provided"), answer.body
+
+
 async def test_every_source_rate_limited_is_429_with_retry_after() -> None:
     async with gateway(Reply(status=429, retry_after_s=7), sources=2,
                        retry=polygate.Retry(rate_limit_wait_s=0.5)) as (server, upstream):

@@ -41,7 +41,7 @@ from .._key_quota import KeyQuotas, KeyRefusal
 from .._session import Session
 from .._types import CallStats, ChatResponse, StreamChunk
 from ._errors import OUT_OF_MEMORY, ErrorReply, reply_for
-from ._http import ClientGone, Connection, Request, field_value
+from ._http import BAD_KEY, ClientGone, Connection, Request, field_value
 from ._json import Unencodable, dump, has_lone_surrogate
 from ._meter import CURRENT, CallMeter, tap
 from ._metrics import Metrics, render
@@ -323,8 +323,7 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
         return path, await _readyz(ctx)
     if not ctx.key_checked and not ctx.gateway.authorised(request.headers):
         return path, await _fail(ctx, ErrorReply(
-            401, "Incorrect or missing gateway key: send 'Authorization: Bearer <key>'.",
-            "invalid_request_error", "invalid_api_key"))
+            401, BAD_KEY, "invalid_request_error", "invalid_api_key"))
     if path == "/metrics":
         return path, await _metrics(ctx)
     if path == "/v1/models":

@@ -4,7 +4,7 @@
 what happened                      status  type                         code
 =================================  ======  ===========================  ==========================
 malformed body, bad parameter      400     invalid_request_error        ``invalid_request``
-the upstream refused the request   400     invalid_request_error        ``upstream_rejected``
+the upstream refused the request   400     invalid_request_error        ``upstream_rejected`` (1)
 no or wrong gateway key            401     invalid_request_error        ``invalid_api_key``
 unknown ``model``                  404     invalid_request_error        ``model_not_found``
 request body over the cap          413     invalid_request_error        ``request_too_large``
@@ -16,6 +16,8 @@ governance backend down            503     api_error                    ``govern
 call deadline passed               504     timeout_error                ``deadline_exceeded``
 a committed stream went silent     504     timeout_error                ``stream_stalled``
 =================================  ======  ===========================  ==========================
+
+(1) or the upstream's own code when it is a context-length or content-policy one.
 
 A 429 carries ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``.
 Messages are the polygate error's own text, which never holds a source's key (the
@@ -30,6 +32,7 @@ import logging
 import math
 import re
 import time
+from typing import Final
 
 import attrs
 
@@ -48,6 +51,9 @@ _BACKEND_DOWN = (
 #: While the backend is down every call fails so: its reason is logged at most this
 #: often (at WARNING), the rest at DEBUG.
 _BACKEND_LOG_EVERY_S = 10.0
+#: Upstream error codes an upstream refusal's answer keeps (see reply_for).
+_PASSED_CODES: Final = errors.CONTEXT_CODES | errors.POLICY_CODES
+
 #: The Retry-After of a 503 governance_unavailable: about one retry of the backend
 #: connection (its timeouts are of that order).
 _BACKEND_RETRY_S = 1.0
@@ -105,7 +111,11 @@ def reply_for(exc: BaseException) -> ErrorReply:
         return ErrorReply(400, message, "invalid_request_error", "invalid_request",
                           param=found[1] if found else None)
     if isinstance(exc, errors.FatalUpstreamError):
-        return ErrorReply(400, str(exc), "invalid_request_error", "upstream_rejected")
+        # The upstream's own code where clients act on it: the request too long for
+        # the model's context (LangChain's context-overflow handling and the SDK's
+        # ``e.code`` look for context_length_exceeded), or a content policy's refusal.
+        code = exc.code if exc.code in _PASSED_CODES else "upstream_rejected"
+        return ErrorReply(400, str(exc), "invalid_request_error", code)
     if isinstance(exc, errors.DeadlineExceeded):
         return ErrorReply(504, str(exc), "timeout_error", "deadline_exceeded")
     if isinstance(exc, errors.GovernanceBackendError):

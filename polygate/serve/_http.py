@@ -49,7 +49,16 @@ from .._config import Serve
 from .._http11 import FIELD_LINE, LENGTH_DIGITS, TOKEN
 from .._sockets import receive_when_readable, send_all_progressing, write_first
 
-__all__ = ["ClientGone", "Connection", "HTTPProblem", "Request", "field_value", "reason"]
+__all__ = ["BAD_KEY", "ClientGone", "Connection", "HTTPProblem", "Request", "field_value", "reason"]
+
+#: The 401's message.  OpenAI's own words first: clients that sort errors by their
+#: text (LiteLLM, and its router's retry and fallback policies) read "Incorrect API key
+#: provided" as an authentication error, and anything else of an invalid_request_error
+#: as a bad request.
+BAD_KEY: Final = (
+    "Incorrect API key provided: the gateway key is wrong or missing; send "
+    "'Authorization: Bearer <key>'."
+)
 
 _RECEIVE: Final = 65536
 _MAX_HEAD: Final = 64 * 1024  # request line and headers
@@ -448,10 +457,7 @@ class Connection:
             # server close after it.
             self.keep_alive = False
         if admit is not None and not admit(path, headers):
-            raise HTTPProblem(
-                401, "Incorrect or missing gateway key: send 'Authorization: Bearer <key>'.",
-                "invalid_api_key", path,
-            )
+            raise HTTPProblem(401, BAD_KEY, "invalid_api_key", path)
         limits = self.limits  # (admit may have brought a reload's)
         length = headers.get("content-length")
         if length is not None and int(length) > limits.max_request_bytes:
