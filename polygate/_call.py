@@ -294,8 +294,10 @@ async def _retry_loop(
         if again is not None:
             # Retried on the same source first, free of max_attempts (bounded by
             # same_source_retries per source): a short outage of the preferred
-            # source costs a wait, not a move to the others (or the fallback).
-            failed.remove(again)
+            # source costs a wait, not a move to the others (or the fallback).  It
+            # stays among the failed: when that retry cannot be had (a cooldown past
+            # the wait's bound, its breaker open) the call fails over, and once every
+            # source has failed the next round waits its backoff.
             if not isinstance(primary_error, RateLimitedError):
                 await trio.sleep(full_jitter(
                     same_source[again], retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng

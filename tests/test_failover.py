@@ -5,6 +5,7 @@ stitched so that the caller sees one stream and ``stream.response`` is all of it
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import attrs
@@ -323,6 +324,41 @@ async def test_same_source_retries_then_fail_over(autojump_clock: trio.testing.M
     async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
         r = await s.chat(MESSAGES)
     assert (r.text, len(a.requests), r.call_stats.attempts) == ("b", 2, 3)
+
+
+class _TopJitter(random.Random):
+    """Each backoff at its ceiling (full_jitter draws with ``uniform``)."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+@pytest.mark.parametrize("same", [0, 1])
+async def test_a_same_source_retry_that_never_ran_leaves_its_source_among_the_failed(
+    autojump_clock: trio.testing.MockClock, same: int,
+) -> None:
+    """Review (found by mutating it): a 429s with a Retry-After past
+    ``rate_limit_wait_s``, so the same-source retry planned for it never runs and the
+    call fails over; b and c answer 500.  Planning the retry took a out of the failed
+    sources, so "every source failed" never held again: once their own retries were
+    used, b and c were asked round after round in one instant (a retry storm on two
+    failing upstreams) where without same-source retries each round waits a backoff."""
+    a = FakeUpstream(Reply(status=429, retry_after_s=1000))
+    b = FakeUpstream(Reply(status=500))
+    c = FakeUpstream(Reply(status=500))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-4}, "c": {"weight": 1e-9}},
+        "breaker": polygate.Breaker(failures=1000),
+        "retry": polygate.Retry(same_source_retries=same, max_attempts=8, backoff_base_s=10,
+                                backoff_max_s=10, rate_limit_wait_s=30),
+    })
+    async with polygate.session(settings, transport=Router({"a": a, "b": b, "c": c}),
+                                rng=_TopJitter(1)) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat(MESSAGES)
+    times = sorted(q.started_at for u in (b, c) for q in u.requests)
+    # Before every source had failed, b then c at once; after, one round a backoff.
+    assert max(times.count(t) for t in set(times)) <= 2, times
 
 
 # --------------------------------------------------------------------------- resume
