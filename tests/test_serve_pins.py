@@ -14,6 +14,7 @@ import trio.testing
 import polygate
 from polygate import _errors as errors
 from polygate.serve._errors import reply_for
+from polygate.testing import Reply
 from tests._serve_kit import AUTH, CHAT, gateway, http
 
 # --------------------------------------------------------------------------- status mapping (SPEC §8.5)
@@ -539,3 +540,231 @@ async def test_an_unknown_models_name_is_cut_in_the_message() -> None:
     assert answer.status == 404
     assert "x" * 201 not in answer.json()["error"]["message"]
 
+
+# --------------------------------------------------------------------------- a third round
+
+
+async def test_a_stream_whose_head_goes_out_during_a_drain_says_close() -> None:
+    """Mutant (_chat_stream's head: close=ctx.draining -> close=False): a stream
+    whose first chunk (and so its head) goes out while the server drains is the
+    connection's last answer, so its head must say 'connection: close' -- as every
+    other answer during a drain does (Context.draining) -- or the client reuses a
+    connection the server is about to close."""
+    from tests._serve_kit import AUTH, CHAT, gateway, read_answer, request_bytes, wait_for
+
+    async with gateway(Reply(first_token_s=1.0)) as (server, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream, trio.open_nursery() as nursery:
+            await stream.send_all(request_bytes("POST", "/v1/chat/completions",
+                                                {**CHAT, "stream": True}, AUTH))
+            await wait_for(lambda: server.statistics().in_flight == 1)
+            nursery.start_soon(server.shutdown, 10.0)
+            await wait_for(lambda: server.draining)
+            answer = await read_answer(stream)
+        assert answer.status == 200
+        assert b"[DONE]" in answer.body
+        assert answer.headers.get("connection") == "close", answer.headers
+
+
+async def test_stream_null_is_no_stream() -> None:
+    """Mutant (_chat: 'stream is not None and type(stream) is not bool' -> 'type(stream)
+    is not bool'): OpenAI reads "stream": null as its default (false), as clients that
+    serialise every optional field send it: a JSON answer, not a 400."""
+    from tests._serve_kit import AUTH, CHAT, gateway, http
+
+    async with gateway() as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": None}, AUTH)
+    assert answer.status == 200, answer.body
+    assert answer.json()["object"] == "chat.completion"
+
+
+async def test_include_usage_null_is_its_default() -> None:
+    """Mutant (_chat: 'usage is not None and type(usage) is not bool' -> 'type(usage)
+    is not bool'): stream_options.include_usage null is the default (no usage chunk),
+    not a 400."""
+    from tests._serve_kit import AUTH, CHAT, gateway, http
+
+    async with gateway() as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions",
+                            {**CHAT, "stream": True, "stream_options": {"include_usage": None}}, AUTH)
+    assert answer.status == 200, answer.body
+    import json
+
+    events = [line[6:] for line in answer.body.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert all(json.loads(e).get("usage") is None for e in events[:-1])  # no usage chunk
+
+
+async def test_a_chunked_body_of_exactly_max_request_bytes_is_taken() -> None:
+    """Mutant (_read_body: len(body) > max_request_bytes -> >=): a chunked body of
+    exactly max_request_bytes is taken, as one with a Content-Length of that size is
+    (docs/serve.md: a body *over* it is 413); one byte more is refused."""
+    import json
+
+    import polygate
+    from tests._serve_kit import CHAT, GATEWAY_KEY, gateway, read_answer
+
+    def chat_of_length(n: int) -> bytes:
+        base = json.dumps({**CHAT, "pad": ""}).encode()
+        return json.dumps({**CHAT, "pad": "x" * (n - len(base))}).encode()
+
+    async def post_chunked(port: int, body: bytes) -> int:
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ntransfer-encoding: chunked\r\n"
+                b"authorization: Bearer %s\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+                % (GATEWAY_KEY.encode(), len(body), body))
+            return (await read_answer(stream)).status
+
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_request_bytes=1000)
+    async with gateway(Reply(tokens=2), serve=serve) as (server, upstream):
+        assert await post_chunked(server.port, chat_of_length(1000)) == 200
+        assert await post_chunked(server.port, chat_of_length(1001)) == 413
+    assert len(upstream.requests) == 1
+
+
+async def test_the_connection_limits_503_says_retry_after_1() -> None:
+    """Mutant (Server._refuse: the 'retry-after: 1' line dropped): docs/serve.md's
+    status table gives the max_connections refusal 'Retry-After: 1, then the connection
+    is closed'."""
+    import polygate
+    from tests._serve_kit import GATEWAY_KEY, gateway, read_until_closed, wait_for
+
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=1)
+    async with gateway(serve=serve) as (server, _):
+        held = await trio.open_tcp_stream("127.0.0.1", server.port)  # sends nothing: not idle
+        await wait_for(lambda: server.statistics().connections == 1)
+        extra = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with extra:
+            data = await read_until_closed(extra)
+        await held.aclose()
+    head = data.split(b"\r\n\r\n", 1)[0].lower().split(b"\r\n")
+    assert head[0].startswith(b"http/1.1 503") and b"too_many_connections" in data
+    assert b"retry-after: 1" in head
+    assert b"connection: close" in head
+
+
+# ----------------------------------------------------------------------- NaN in a stream
+
+_NAN_CHUNK = (b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"a"},'
+              b'"logprobs":{"x":NaN}}]}')
+_OK_CHUNK = b'{"id":"x","model":"m","choices":[{"index":0,"delta":{"content":"b"}}]}'
+
+
+async def _stream_through(sse: bytes, serve: object | None = None, key: str | None = None,
+                          times: int = 1) -> list[object]:
+    """POST a streamed chat ``times`` to a gateway whose one streaming source answers
+    ``sse`` (raw bytes); the answers (tests._serve_kit.Answer)."""
+    import polygate
+    from polygate.serve import open_server
+    from tests._raw_server import raw_server
+    from tests._serve_kit import GATEWAY_KEY, http
+    from tests.test_serve_hostile import _sse
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(_sse(*sse))
+
+    async with raw_server(reply) as upstream:
+        source = polygate.Source(name="sse", base_url=f"http://127.0.0.1:{upstream.port}/sse/v1",
+                                 model="chat", streaming=True)
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[source], retry=polygate.Retry(max_attempts=1))},
+            serve=serve or polygate.Serve(api_keys=[GATEWAY_KEY]),
+        )
+        async with open_server(settings, port=0) as gw:
+            headers = {"authorization": f"Bearer {key or GATEWAY_KEY}"}
+            body = {"model": "chat", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            return [await http(gw, "POST", "/v1/chat/completions", body, headers) for _ in range(times)]
+
+
+async def test_a_nan_in_the_first_chunk_is_a_plain_502() -> None:
+    """Mutant (_chat_stream: 'if not frames: break' dropped): a stream whose very
+    first chunk cannot be written as JSON has sent nothing yet, so it fails as any
+    call before its head does -- a plain HTTP 502 upstream_error ('until then a
+    failure is a plain HTTP error with its status') -- not a 200 whose body is only an
+    error event."""
+    from tests.test_serve_hostile import _strict
+
+    answer, = await _stream_through((_NAN_CHUNK, _OK_CHUNK))
+    assert answer.status == 502, answer.body
+    assert _strict(answer.body)["error"]["code"] == "upstream_error"
+
+
+async def test_a_stream_cut_by_a_nan_still_counts_against_its_key() -> None:
+    """Mutant (_Charge.failed: the Unencodable early return dropped): a stream that
+    ended with an error event because a chunk held a NaN had reached the upstream (which
+    did the work): docs/serve.md 'an error after attempts' -- the estimate stands, the
+    request counts against the key's rpm.  On the mutant it is voided (the Unencodable
+    carries no call_stats): a key with rpm 1 got a second request in."""
+    import polygate
+    from tests._serve_kit import GATEWAY_KEY
+
+    alice = "sk-gw-alice-0123456789abcdef"
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY],
+                           keys={"alice": polygate.ServeKey(key=alice, rpm=1)})
+    first, second = await _stream_through((_OK_CHUNK, _NAN_CHUNK), serve, alice, times=2)
+    assert first.status == 200 and b'"upstream_error"' in first.body, first.body
+    assert second.status == 429, second.body
+
+
+async def test_a_percent_encoded_model_name_is_looked_up_decoded() -> None:
+    """Mutant (_route: urllib.parse.unquote dropped from /v1/models/{model}): a
+    client that percent-encodes the path segment (an alias with a '/' or a ':', as
+    an SDK that quotes path parameters sends it) gets the model, named as configured."""
+    import polygate
+    from tests._serve_kit import AUTH, GATEWAY_KEY, gateway, http
+
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], models={"meta-llama/Llama-3:8b": "chat"})
+    async with gateway(serve=serve) as (server, _):
+        answer = await http(server, "GET", "/v1/models/meta-llama%2FLlama-3%3A8b", None, AUTH)
+    assert answer.status == 200, answer.body
+    assert answer.json()["id"] == "meta-llama/Llama-3:8b"
+
+
+async def test_a_failure_after_a_streams_head_closes_its_connection(monkeypatch) -> None:
+    """Mutant (_unavailable: 'ctx.conn.client_gone = True  # close it' dropped): a
+    500 or out-of-memory 503 that comes after a stream's head went out cannot be
+    answered; its docstring: 'otherwise the connection cannot be trusted' -- it must
+    close, so the client sees the cut.  On the mutant the connection stays open with a
+    chunked body never ended: the client waits (here past 5 s) for the rest."""
+    from polygate.serve import _app
+    from tests._serve_kit import AUTH, CHAT, gateway, read_until_closed, request_bytes
+
+    real = _app.StreamShape.chunk
+    calls = []
+
+    def chunk(self, c):  # the second chunk meets the process's memory limit
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError
+        return real(self, c)
+
+    monkeypatch.setattr(_app.StreamShape, "chunk", chunk)
+    async with gateway(Reply(tokens=4, inter_token_s=0.2)) as (server, _):
+        async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+            await stream.send_all(request_bytes("POST", "/v1/chat/completions",
+                                                {**CHAT, "stream": True}, AUTH))
+            data = await read_until_closed(stream, limit_s=5)
+    assert data.startswith(b"HTTP/1.1 200"), data
+    assert b"[DONE]" not in data
+
+
+async def test_a_client_gone_before_the_cuts_503_is_a_disconnect() -> None:
+    """Mutant (Server._told_cut: 'self.metrics.disconnects += 1' dropped beside
+    status 499): a request still arriving at the end of a drain's grace whose client
+    is gone by the time the 503 is written counts as a 499 and as a disconnect, as
+    every other 499 does (a client that left mid-head, mid-body, mid-call).  White-box:
+    the write's ClientGone is hard to time from outside."""
+    import time
+
+    from polygate.serve._http import ClientGone
+    from tests._serve_kit import gateway
+
+    class Gone:
+        async def send_response(self, *args: object, **kwargs: object) -> None:
+            raise ClientGone
+
+    async with gateway() as (server, _):
+        await server._told_cut(Gone(), "/v1/chat/completions", time.monotonic())
+        assert server.metrics.requests.get(("/v1/chat/completions", 499)) == 1
+        assert server.metrics.disconnects == 1
