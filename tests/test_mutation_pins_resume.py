@@ -8,6 +8,8 @@ import trio.testing
 import polygate
 from polygate.testing import FakeUpstream, Reply, Router
 
+from .test_failover import _Sink
+
 SECRET = "sk-test-SECRET-0123456789abcdef"
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
@@ -88,25 +90,6 @@ async def test_an_empty_delta_inside_a_restatement_does_not_end_the_decision(
                 {"content": " eta theta"}, {}, finish_last=True, done=True)
     text, _ = await _resumed_text(cut, rest)
     assert text == "alpha beta gamma delta epsilon zeta eta theta"
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.chunks: list[dict] = []
-        self.shown_tool_calls = False
-        self.shown_reasoning: list[str] = []
-        self.reasoning_field = "reasoning_content"
-        self.shown_logprobs: list = []
-
-    def offer(self, chunk: dict) -> bool:
-        self.chunks.append(chunk)
-        return True
-
-    async def deliver_held(self) -> None:
-        pass
-
-    def mark_resumed(self) -> None:
-        pass
 
 
 def _lp_chunk(text: str, tokens: list[str] | None) -> dict:
