@@ -178,10 +178,14 @@ def carries_value(value: Any) -> bool:
     return value is not None and value != "" and value != [] and value != {}
 
 
-#: The objects that carry a tool call, by the call's type: ``function`` (its name and
-#: arguments) and OpenAI's custom tools' ``custom`` (its name and input).  Any other
-#: object on a call's delta is a provider's extra (Gemini's ``extra_content``).
-CALL_PAYLOADS: Final = ("function", "custom")
+#: The objects that carry a tool call, by the call's type, with their text fields:
+#: ``function`` (its name and arguments) and OpenAI's custom tools' ``custom`` (its
+#: name and input); the assembly holds these fields (empty) from a call's first delta,
+#: as a non-streamed answer always has them.  Any other object on a call's delta is a
+#: provider's extra (Gemini's ``extra_content``).
+CALL_PAYLOADS: Final[dict[str, tuple[str, ...]]] = {
+    "function": ("name", "arguments"), "custom": ("name", "input"),
+}
 
 
 def carries_call(call: Mapping[str, Any]) -> bool:

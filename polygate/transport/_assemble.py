@@ -17,6 +17,7 @@ from typing import Any
 
 from .._errors import TransientUpstreamError
 from .._types import (
+    CALL_PAYLOADS,
     TextParts,
     call_slot,
     call_type,
@@ -270,7 +271,7 @@ class _Choice:
                 )
             kind = call_type(call)
             slot = {"id": None, "type": kind}
-            fields = _PAYLOAD_FIELDS.get(kind)
+            fields = CALL_PAYLOADS.get(kind)
             if fields is not None:  # (as a non-streamed call has them, sent or not)
                 slot[kind] = {field: TextParts() for field in fields}
             self.tool_calls[index] = slot
@@ -284,7 +285,7 @@ class _Choice:
         for key, value in call.items():
             if type(value) is not dict:
                 continue
-            if key in _PAYLOAD_FIELDS:
+            if key in CALL_PAYLOADS:
                 # The call's payload: ``function`` (name and arguments), or a custom
                 # tool's ``custom`` (name and input), streamed in pieces alike.
                 held = slot.get(key)
@@ -402,13 +403,6 @@ def _merge_extra(target: dict[str, Any], key: str, value: Any, *, join: bool = F
         _merge_fields(existing, value, join=join)
     else:
         target[key] = _own(value)
-
-
-#: The text fields of a tool call's payload (CALL_PAYLOADS), by the call's type: held
-#: (empty) from the call's first delta, as a non-streamed answer always has them.
-_PAYLOAD_FIELDS: dict[str, tuple[str, ...]] = {
-    "function": ("name", "arguments"), "custom": ("name", "input"),
-}
 
 
 #: Fields of an indexed list item that name or tag it: replaced, never joined (the
