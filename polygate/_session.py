@@ -17,7 +17,7 @@ import sys
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
 import attrs
 import httpx
@@ -457,13 +457,32 @@ def _unencodable(params: Mapping[str, Any], exc: Exception) -> str:
 
 
 @attrs.frozen
-class _Done:
+class StreamDone:
     response: ChatResponse
 
 
 @attrs.frozen
-class _Failed:
+class StreamFailed:
     error: BaseException
+
+
+StreamItem: TypeAlias = "StreamChunk | StreamDone | StreamFailed"
+#: Items a stream holds for a reader that is behind (its channel's size) before the
+#: call waits for it: the reading pauses, and the reader's pace shows in the timings.
+STREAM_BUFFER = 32
+
+
+class ItemSink(Protocol):
+    """Where a stream's producer puts what it delivers, in order, the end last: the
+    send side of the stream's own channel, or the one its reader gives it
+    (``ChatStream.deliver_to``).  As trio's channel: ``send_nowait`` raises
+    ``trio.WouldBlock`` when full, and a ``send`` that raised has put nothing."""
+
+    def send_nowait(self, item: StreamItem, /) -> None: ...
+
+    async def send(self, item: StreamItem, /) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ChatStream:
@@ -503,8 +522,9 @@ class ChatStream:
         self._messages_json = messages_json
         self._params = params
         self._deadline = deadline
-        self._recv: trio.MemoryReceiveChannel[StreamChunk | _Done | _Failed] | None = None
-        self._end: _Done | _Failed | None = None  # taken by _ready(), given by __anext__
+        self._recv: trio.MemoryReceiveChannel[StreamItem] | None = None
+        self._deliver_to: ItemSink | None = None  # a reader's own buffer, instead of the channel
+        self._end: StreamDone | StreamFailed | None = None  # taken by _ready(), given by __anext__
         self._entered = False
         # The producer's scope, cancelled as the block is left (or the session closes):
         # shielded, because the cancellations that reach the session's nursery are not
@@ -529,12 +549,39 @@ class ChatStream:
         await trio.lowlevel.checkpoint_if_cancelled()
         nursery = self._runtime.nursery
         assert nursery is not None  # (set as the session opens, before any call)
-        send, self._recv = trio.open_memory_channel[StreamChunk | _Done | _Failed](32)
+        send: ItemSink
+        if self._deliver_to is None:
+            send, self._recv = trio.open_memory_channel[StreamItem](STREAM_BUFFER)
+        else:
+            send = self._deliver_to
         self._entered = True
         self._runtime.streams[self._producing] = self._produced
         # Started from the caller's task: the producer runs in a copy of its context.
         nursery.start_soon(self._producer, send)
         return self
+
+    def deliver_to(self, sink: ItemSink) -> None:
+        """Before the block is entered: put what the call delivers into ``sink``, the
+        buffer of a reader of its own (``polygate.aio``), instead of this stream's
+        channel, which is then not made: this iterator yields nothing.  One buffer
+        between the call and its reader, as in trio, not a second one behind it.
+        ``sink.close()`` comes once the call has ended, after its end when it sent
+        one; when it sent none, ``end_unsent()`` says what the reader must hear."""
+        if self._entered:
+            raise PolygateError("a ChatStream's sink is chosen before it is entered")
+        self._deliver_to = sink
+
+    async def until_ended(self) -> None:
+        """Until the call has ended, every path settled (for a reader that takes its
+        items from its own sink, and so waits for no end of this iterator's)."""
+        await self._produced.wait()
+
+    def end_unsent(self) -> BaseException | None:
+        """For a sink closed with no end in it: the failure the call ended with,
+        when its end could not be delivered (the sink full as it was cut off), or
+        ``None``: the call was cut off before it had an end (the block left, or the
+        session closed)."""
+        return self._failure if self._end_sent else None
 
     async def __aexit__(
         self,
@@ -551,7 +598,7 @@ class ChatStream:
         # itself, once every path of the call has settled.
         await _settled(self._produced)
 
-    async def _producer(self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed]) -> None:
+    async def _producer(self, send: ItemSink) -> None:
         # A task of the session's nursery: nothing may leave it but the session's own
         # cancellation (which ends this stream: its reader hears the cut).
         try:
@@ -570,7 +617,7 @@ class ChatStream:
             self._runtime.streams.pop(self._producing, None)
             self._produced.set()
 
-    async def _produce(self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed]) -> None:
+    async def _produce(self, send: ItemSink) -> None:
         sink = _Sink(send, self.text_parts)
         try:
             response = await cached_chat(
@@ -589,7 +636,7 @@ class ChatStream:
             # the session's closing, with the channel full, then never arrives, and
             # the first reader is the one to raise this very exception.)
             self._failure = self._unraised = exc
-            await _deliver(send, _Failed(exc))
+            await _deliver(send, StreamFailed(exc))
         else:
             if not sink.sent and (any(
                 type(c) is dict and type(c.get("message")) is dict and _has_output(c["message"])
@@ -604,7 +651,7 @@ class ChatStream:
                 send.send_nowait(StreamChunk(text=response.text, delta=delta, raw=response.raw))
                 if response.text:
                     self.text_parts.append(response.text)
-            await send.send(_Done(response))
+            await send.send(StreamDone(response))
             # Only once it is in the channel: a send cancelled as the block exits
             # (the channel full) sent no end, and a reader must hear the cut.
             self._end_sent = True
@@ -623,7 +670,7 @@ class ChatStream:
         if self._exited:
             raise PolygateError(_BLOCK_EXITED)
         await trio.lowlevel.checkpoint_if_cancelled()
-        item: StreamChunk | _Done | _Failed
+        item: StreamChunk | StreamDone | StreamFailed
         failed_elsewhere: BaseException | None = None
         if self._end is not None:
             item, self._end = self._end, None
@@ -658,7 +705,7 @@ class ChatStream:
         if isinstance(item, StreamChunk):
             return item
         self._finished = True
-        if isinstance(item, _Done):
+        if isinstance(item, StreamDone):
             self.response = item.response
             raise StopAsyncIteration
         if item.error is self._unraised:
@@ -753,7 +800,7 @@ class _Sink:
     )
 
     def __init__(
-        self, send: trio.MemorySendChannel[StreamChunk | _Done | _Failed], delivered: list[str]
+        self, send: ItemSink, delivered: list[str]
     ) -> None:
         self._send = send
         self._delivered = delivered
@@ -838,7 +885,7 @@ class _Sink:
 
 
 async def _deliver(
-    send: trio.MemorySendChannel[StreamChunk | _Done | _Failed], item: _Failed
+    send: ItemSink, item: StreamFailed
 ) -> None:
     try:
         send.send_nowait(item)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from collections.abc import AsyncIterator
 
@@ -299,3 +301,27 @@ def test_a_taken_back_piece_leaves_the_text_before_it() -> None:
             parts.append(f"<{i}>")
         drop_last(parts, f"<{n - 1}>")
         assert "".join(parts) == "".join(f"<{i}>" for i in range(n - 1))
+
+
+async def test_a_slow_reader_falls_at_most_32_chunks_behind(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The bound docs/asyncio.md holds the asyncio stream to, in trio: what the call has
+    shown (``stream.text``: yielded or queued) is at most 33 chunks ahead of what the
+    reader took -- the channel's 32 and the one the call holds -- and the buffer does
+    fill, so the bound is reached, not merely respected."""
+    up = FakeUpstream(Reply(first_token_s=0.1, tokens=100))
+    pieces: list[str] = []
+    shown: list[int] = []
+    async with polygate.session(one_source_settings(), transport=up.transport()) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for chunk in stream:
+                pieces.append(chunk.text)
+                shown.append(len(stream.text))
+                await trio.sleep(0.01)
+    assert len(pieces) == 100 and all(pieces)
+    ends = list(itertools.accumulate(map(len, pieces)))
+    leads = [bisect.bisect_right(ends, chars) - taken for taken, chars in enumerate(shown, 1)]
+    assert 32 <= max(leads) <= 33
+    assert stream.response is not None
+    assert stream.response.call_stats.total_latency_ms >= 100 + (100 - 33) * 10

@@ -51,7 +51,14 @@ import trio
 
 import polygate
 from polygate import PolygateError
-from polygate._session import OneUse, twin_error
+from polygate._session import (
+    STREAM_BUFFER,
+    OneUse,
+    StreamDone,
+    StreamFailed,
+    StreamItem,
+    twin_error,
+)
 
 from ._host import ENDED, FORKED, Host, acquire, forks, release, resolve, settle, settleable
 
@@ -62,9 +69,6 @@ __all__ = ["ChatStream", "Session", "session"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-#: Chunks a stream buffers for a slow asyncio consumer before its trio side waits.
-_STREAM_BUFFER = 32
 
 _CLOSED = "this session is closed"
 _BLOCK_LEFT = "this stream was closed before it finished (its block exited)"
@@ -468,13 +472,58 @@ class _End:
         self.error = error
 
 
+class _Handover:
+    """The trio stream's sink (``polygate.ChatStream.deliver_to``): what its call
+    delivers goes straight into the asyncio side's buffer, which holds at most
+    ``STREAM_BUFFER`` items, as trio's channel does; a reader that has taken it down
+    to half wakes the call again (one hand-over between the two loops per half a
+    buffer, not per chunk)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: ChatStream) -> None:
+        self._stream = stream
+
+    def send_nowait(self, item: StreamItem, /) -> None:
+        stream = self._stream
+        if len(stream._chunks) >= STREAM_BUFFER:
+            raise trio.WouldBlock
+        stream._take(item)
+
+    async def send(self, item: StreamItem, /) -> None:
+        # As trio's channel: a checkpoint whether or not it waits, and a send that
+        # raised (cancelled while waiting) has put nothing.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        stream = self._stream
+        if len(stream._chunks) < STREAM_BUFFER:
+            stream._take(item)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        while len(stream._chunks) >= STREAM_BUFFER:
+            space = stream._space = trio.Event()
+            try:
+                await space.wait()
+            finally:
+                stream._space = None
+        stream._take(item)
+
+    def close(self) -> None:
+        stream = self._stream
+        if not stream._ended:
+            failure = stream._stream.end_unsent()
+            if failure is not None:
+                stream._push(_End(failure))
+            else:
+                stream._cut_off()
+
+
 class ChatStream:
     """Async context manager and async iterator of :class:`polygate.StreamChunk`, the
     asyncio face of :class:`polygate.ChatStream`.
 
-    Its trio side enters the trio stream and iterates it in a task of the session,
-    handing chunks over through a bounded buffer (a slow consumer holds the trio side
-    back, as in trio).  Leaving the block early, or a cancellation, cancels the call;
+    Its trio side enters the trio stream in a task of the session; the call puts its
+    chunks straight into this side's bounded buffer (a slow consumer holds the call
+    back at the same 32 chunks as in trio).  Leaving the block early, or a cancellation, cancels the call;
     ``__aexit__`` returns once every path has settled.  The job's future resolves
     when the trio stream has been *entered*; the iteration goes on after it.
     """
@@ -580,39 +629,45 @@ class ChatStream:
         await settle(job.waiter)
 
     async def _iterate(self) -> None:
-        # trio side: the job's task.
+        # trio side: the job's task.  It enters the trio stream, whose call puts its
+        # chunks straight into this side's buffer (``_Handover``), and stays in its
+        # block until that call has ended.
         job = self._job
         assert job is not None
         entered = False
         self._ended = False
+        stream = self._stream
+        stream.deliver_to(_Handover(self))
         try:
-            async with self._stream as stream:
+            async with stream:
                 entered = True
                 resolve(job.fut, outcome.Value(None))
-                try:
-                    async for chunk in stream:
-                        self._push(chunk)
-                        if len(self._chunks) >= _STREAM_BUFFER:
-                            self._space = trio.Event()
-                            await self._space.wait()
-                except Exception as exc:
-                    self._push(_End(exc))
-                else:
-                    self._trio_response = stream.response
-                    self._push(_End(None))
+                await stream.until_ended()
         except Exception as exc:
-            if entered:
+            if entered and not self._ended:  # (a failure of leaving the block)
                 self._push(_End(exc))
-            else:
+            elif not entered:
                 raise  # the job delivers it to __aenter__
         finally:
             # Nothing waits for space any more: a reader must not wake a trio run that
             # may have ended meanwhile (its submit would raise, a chunk taken and lost).
             self._space = None
-            if entered and not self._ended:
-                # Cancelled from outside: the stream's block was left, or the session
-                # is closing under the stream.
-                self._push(_End(PolygateError(_BLOCK_LEFT if self._leaving else _CLOSED_IN_FLIGHT)))
+            if entered and not self._ended:  # (the sink's close said it already)
+                self._cut_off()
+
+    def _cut_off(self) -> None:
+        # The call ended with no end for the reader: cancelled from outside, as the
+        # stream's block was left or the session closed under the stream.
+        self._push(_End(PolygateError(_BLOCK_LEFT if self._leaving else _CLOSED_IN_FLIGHT)))
+
+    def _take(self, item: StreamItem) -> None:
+        if isinstance(item, StreamDone):
+            self._trio_response = item.response
+            self._push(_End(None))
+        elif isinstance(item, StreamFailed):
+            self._push(_End(item.error))
+        else:
+            self._push(item)
 
     def _push(self, item: StreamChunk | _End) -> None:
         if isinstance(item, _End):
@@ -652,7 +707,7 @@ class ChatStream:
                     self._waiters.remove(waiter)
         item = self._chunks.popleft()
         space = self._space
-        if space is not None and len(self._chunks) <= _STREAM_BUFFER // 2:
+        if space is not None and len(self._chunks) <= STREAM_BUFFER // 2:
             self._space = None
             self._session._host.submit(space.set)
         if isinstance(item, _End):
