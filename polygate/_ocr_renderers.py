@@ -261,8 +261,16 @@ class _ProcessWorker(_Worker):
             header_len, blob_len = _ocr_render.FRAME.unpack(head) if head else (0, 0)
             if not head or header_len > _ocr_render.MAX_HEADER:
                 raise await self._died()
-            reply = pickle.loads(await _receive_exactly(stdout, header_len))
+            packed = await _receive_exactly(stdout, header_len)
             out = await _receive_exactly(stdout, blob_len) if blob_len else b""
+            # Cut short (it died writing them: a page larger than the pipe is written
+            # in pieces): its death, not half a page taken for a whole one.
+            if len(packed) != header_len or len(out) != blob_len:
+                raise await self._died()
+        try:
+            reply = pickle.loads(packed)
+        except Exception:  # (whole, but not what a renderer writes)
+            raise await self._died() from None
         return reply, out
 
     async def _died(self) -> ConfigError:

@@ -154,6 +154,69 @@ async def test_a_renderer_that_dies_fails_the_page_with_config_error() -> None:
                                for q in up.requests)
 
 
+#: A renderer that dies part-way through writing its reply (the OOM killer, a SIGKILL
+#: from outside, as a page larger than the pipe is written in pieces).
+CUT_SHORT = """
+import importlib.util, os, pickle, sys
+
+_spec = importlib.util.spec_from_file_location("_polygate_ocr_render_real", {real!r})
+_real = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _real
+_spec.loader.exec_module(_real)
+_answer = _real.answer
+
+
+def _serve(source, sink, idle_exit_s):
+    renderer = _real.Renderer()
+    while True:
+        head = _real._read_exactly(source, _real.FRAME.size)
+        if head is None:
+            return
+        header_len, blob_len = _real.FRAME.unpack(head)
+        header = pickle.loads(_real._read_exactly(source, header_len))
+        blob = (_real._read_exactly(source, blob_len) or b"") if blob_len else b""
+        reply, out = _answer(renderer, header, blob)
+        packed = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        frame = _real.FRAME.pack(len(packed), len(out))
+        if header[0] == "page" and header[3] == "cut-blob":
+            sink.write(frame + packed + out[: len(out) // 2])
+            sink.flush()
+            os._exit(9)
+        if header[0] == "page" and header[3] == "cut-header":
+            sink.write(frame + packed[:3])
+            sink.flush()
+            os._exit(9)
+        sink.write(frame + packed + out)
+        sink.flush()
+
+
+_real._serve = _serve
+serve = _real.serve
+"""
+
+
+@pytest.fixture
+def cut_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "cut_short_render.py"
+    path.write_text(CUT_SHORT.format(real=os.path.abspath(_ocr_render.__file__)))
+    monkeypatch.setattr(_ocr_renderers, "_RENDER_FILE", str(path))
+
+
+@pytest.mark.usefixtures("cut_short")
+@pytest.mark.parametrize("how", ["cut-blob", "cut-header"])
+async def test_a_renderer_that_dies_mid_reply_fails_the_page_with_config_error(how: str) -> None:
+    """Review: a reply cut in its page's bytes was taken for a whole one (half a page's
+    messages spliced into the request: a 400 from the upstream, billed), and one cut in
+    its header raised pickle's own ``UnpicklingError``.  Either is the renderer's death,
+    said as such, and nothing is sent."""
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.ConfigError, match=r"renderer process died \(exit status 9\)"):
+            await s.ocr(make_pdf([(300, 300)]), prompt=how)
+        assert (await s.ocr(make_pdf([(100, 100)]))).text == "x"  # a new renderer
+    assert len(up.requests) == 1
+
+
 @pytest.mark.usefixtures("stand_in")
 async def test_a_cancelled_call_kills_its_renderer_mid_page() -> None:
     up = FakeUpstream(Reply(text="x"))
