@@ -255,3 +255,23 @@ async def test_an_attempt_span_has_the_port_its_url_implies(
     _call, [attempt] = _by_name(exporter.get_finished_spans())
     attributes = dict(attempt.attributes or {})
     assert (attributes["server.address"], attributes["server.port"]) == ("a", port)
+
+
+async def test_an_embed_calls_inputs_stay_out_of_its_spans_with_log_content(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """As in the rows (tests/test_log_content_kinds.py): only a chat call's content is
+    recorded with ``log_content``, so an embed input an upstream's error quotes is
+    scrubbed from the spans' status either way.  Review: it was shown whole."""
+    settings = polygate.Settings(
+        scopes={"embed": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
+        log_content=True,
+    )
+    refusal = Reply(status=400, error_body={"error": {"message": "bad input 'the merger memo of ACME'"}})
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(refusal)})) as s:
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.embed(["the merger memo of ACME"])
+    spans = exporter.get_finished_spans()
+    dump = json.dumps([dict(s.attributes or {}) for s in spans]) + "".join(
+        str(s.status.description) for s in spans)
+    assert "[prompt text]" in dump and "merger" not in dump

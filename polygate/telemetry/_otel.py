@@ -33,7 +33,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from .._context import AttemptRecord, CallContext
 from .._errors import Outcome, redact
 from .._types import CallStats, Usage
-from ._recorder import error_text, prompt_texts
+from ._recorder import error_text, unstored_prompt
 
 __all__ = ["OtelRecorder", "tracer_if_configured"]
 
@@ -88,8 +88,8 @@ class OtelRecorder:
             self.errors += 1
 
     def _prompt(self, ctx: CallContext) -> list[str]:
-        """The prompt texts an error's text must not show (none with log_content)."""
-        return [] if self._log_content else prompt_texts(ctx)
+        """The prompt texts an error's text must not show (as in the rows)."""
+        return unstored_prompt(ctx, self._log_content)
 
     def _spans(
         self, ctx: CallContext, stats: CallStats, usage: Usage | None, error: BaseException | None

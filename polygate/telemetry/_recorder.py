@@ -381,6 +381,13 @@ def _go_escaped(text: str) -> str:
 _STRUCTURE = frozenset({"role", "type", "index"})
 
 
+def unstored_prompt(ctx: CallContext, log_content: bool) -> list[str]:
+    """The prompt texts an error's text must not show: none when the call's row holds
+    its content anyway (a chat call with ``log_content``), every one otherwise -- an
+    ``embed`` or ``ocr`` call's content is never stored, ``log_content`` or not."""
+    return [] if log_content and ctx.kind == "chat" else prompt_texts(ctx)
+
+
 def prompt_texts(ctx: CallContext) -> list[str]:
     """Every text the caller sent: each string in the call's messages (contents and
     their parts: text, an image's URL, which may be signed; assistant tool calls'
@@ -436,7 +443,7 @@ def attempt_event(
         error=outcome.value if outcome is not None else "cancelled",
         error_class=type(error).__name__ if error is not None else None,
         error_message=(
-            error_text(error, secrets, () if log_content else prompt_texts(ctx))
+            error_text(error, secrets, unstored_prompt(ctx, log_content))
             if error is not None else None
         ),
         tokens_reserved=record.tokens_reserved,
@@ -466,7 +473,7 @@ def call_event(
         outcome, error_class, message = "ok", None, None
     elif isinstance(error, Exception):
         outcome, error_class = "error", type(error).__name__
-        message = error_text(error, secrets, () if log_content else prompt_texts(ctx))
+        message = error_text(error, secrets, unstored_prompt(ctx, log_content))
     else:
         outcome, error_class, message = "cancelled", type(error).__name__, None
     content = None
