@@ -216,6 +216,12 @@ async def _retry_loop(
     # probe) only delays the answer the fallback can give now.  The probe that closes
     # a breaker is the first call that finds it due.
     wait_for_breakers = ctx.scope.fallback is None or "exhausted" not in ctx.scope.fallback_on
+    # A continuation's waits are silence on the caller's stream, as its wait for a
+    # first token is: each wait for admission at most stall_timeout_s, and its 429s,
+    # free of max_attempts, retried within one stall_timeout_s in all, not until the
+    # deadline or rate_limit_wait_s (each short, they would add up to either).
+    stall = ctx.scope.stream.stall_timeout_s if ctx.continuation is not None else None
+    silent_until = trio.current_time() + stall if stall is not None else math.inf
     while True:
         admission, admitted = admitted, None
         if ctx.runtime.closed:
@@ -225,15 +231,15 @@ async def _retry_loop(
                 await governor.release(admission, Outcome.CANCELLED, sent=False)
             raise PolygateError("this session is closed")
         if admission is None and again is not None:
-            admission = await _same_source(ctx, again, tokens, cooldown_give_up_at)
+            admission = await _same_source(ctx, again, tokens, min(
+                cooldown_give_up_at, silent_until,
+                trio.current_time() + stall if stall is not None else math.inf,
+            ))
         if admission is None:
             limit, cooldown_limit = give_up_at, cooldown_give_up_at
-            stall = ctx.scope.stream.stall_timeout_s
-            if ctx.continuation is not None and stall is not None:
-                # A continuation's wait for admission is silence on the caller's stream,
-                # as its wait for a first token is: at most stall_timeout_s an attempt.
+            if stall is not None:
                 bound = trio.current_time() + stall
-                limit, cooldown_limit = min(limit, bound), min(cooldown_limit, bound)
+                limit, cooldown_limit = min(limit, bound), min(cooldown_limit, bound, silent_until)
             try:
                 admission = await governor.acquire(
                     ctx.scope_name, tokens, exclude=refused_context(ctx), demote=failed,
@@ -310,18 +316,22 @@ async def _retry_loop(
             # one, rate_limit_wait_s after the call started.  Past that, only a
             # source that has not rate limited this call may still take it (one that
             # failed otherwise, long ago): the call is not given up while one admits.
-            if trio.current_time() >= cooldown_give_up_at:
+            now = trio.current_time()
+            if now >= min(cooldown_give_up_at, silent_until):
                 limited = {e.source for e in errors if isinstance(e, RateLimitedError) and e.source}
                 # (At a deadline nothing more starts: its cancellation is due now.)
-                result = [] if deadline_at is not None else await governor.try_admit(
+                at_deadline = deadline_at is not None and now >= deadline_at
+                result = [] if at_deadline else await governor.try_admit(
                     ctx.scope_name, tokens, exclude=limited | refused_context(ctx), demote=failed
                 )
                 if not isinstance(result, Admission):
-                    waited = "at the deadline" if deadline_at is not None else (
-                        f"after rate_limit_wait_s={retry.rate_limit_wait_s}"
+                    waited = "at the deadline" if at_deadline else (
+                        f"after stall_timeout_s={stall} of silence on the resumed stream"
+                        if now >= silent_until
+                        else f"after rate_limit_wait_s={retry.rate_limit_wait_s}"
                     )
                     after = _rate_limited_for(result)
-                    if deadline_at is None:
+                    if not at_deadline:
                         # The sources left out above cool down too: when the first of
                         # them may take the call again (the errors' own Retry-After is
                         # as old as each 429; the client would come back too early).

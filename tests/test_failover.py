@@ -871,6 +871,62 @@ async def test_a_continuation_keeps_its_sources_shorter_ttft_timeout(
     assert trio.current_time() - t0 < 5
 
 
+async def _silence_before_failure(settings: polygate.Settings, router: Router) -> tuple[float, BaseException]:
+    """How long a committed stream that then fails was silent before it said so."""
+    last: float | None = None
+    async with polygate.session(settings, transport=router) as s:
+        with pytest.raises(polygate.PolygateError) as failed:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for _ in stream:
+                    last = trio.current_time()
+        assert last is not None  # (it had committed)
+        return trio.current_time() - last, failed.value
+
+
+async def test_a_continuations_429s_are_retried_within_one_stall_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review: a 429's retry is free of max_attempts, bounded by the deadline or
+    rate_limit_wait_s; for a continuation it is silence on the caller's stream, and
+    short 429s (Retry-After: 1, each wait within stall_timeout_s) added up to 60 s of
+    it and ~120 requests.  They are retried within one stall_timeout_s in all; then
+    the stream fails with its own error and what was shown."""
+    a = FakeUpstream([Reply(text=ANSWER, fault="truncated", fault_after=10)],
+                     then=Reply(status=429, retry_after_s=1))
+    b = FakeUpstream(Reply(status=429, retry_after_s=1))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}},
+        "stream": polygate.StreamWatch(resume=True, stall_timeout_s=2),
+        "retry": polygate.Retry(max_attempts=3),
+    })
+    silence, error = await _silence_before_failure(settings, Router({"a": a, "b": b}))
+    assert silence == pytest.approx(2.0, abs=0.01)
+    assert len(a.requests) + len(b.requests) <= 7  # (the first, and two rounds each a second)
+    assert isinstance(error, polygate.TransientUpstreamError)  # the cut, as without resume
+    assert error.call_stats is not None and error.call_stats.resumes == 1
+
+
+async def test_a_continuations_same_source_retry_waits_at_most_its_stall_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """review: Retry(same_source_retries=1) after a continuation's 503 with Retry-After:
+    30 waited those 30 s for its source, the caller's stream silent all along with
+    stall_timeout_s=2.  A cooldown past the window is not waited for: the next source is
+    asked at once."""
+    a = FakeUpstream([Reply(text=ANSWER, fault="truncated", fault_after=10)],
+                     then=Reply(status=503, retry_after_s=30))
+    b = FakeUpstream(Reply(status=503, retry_after_s=30))
+    settings = _scopes(chat={
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}},
+        "stream": polygate.StreamWatch(resume=True, stall_timeout_s=2),
+        "retry": polygate.Retry(max_attempts=3, same_source_retries=1),
+    })
+    silence, error = await _silence_before_failure(settings, Router({"a": a, "b": b}))
+    assert silence < 2
+    assert len(b.requests) == 1 and b.requests[0].started_at < 2
+    assert isinstance(error, polygate.TransientUpstreamError)
+
+
 async def test_a_malformed_event_before_the_commit_fails_the_attempt_as_before(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
