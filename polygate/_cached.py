@@ -233,14 +233,14 @@ async def cached_chat(
         runtime, scope, "chat", deadline_s, messages=messages, messages_json=messages_json,
         params=params, streaming=forward is not None,
     )
-    keyed = params
+    keyed, schema = params, None
     if rounds is not None:
         # A schema changes the answer (and whether it is acceptable): it is in the key.
         # With one, ``response_format=None`` is no format of the caller's (polygate's is
         # sent): the same request, and the same key, as leaving it out.
         keyed = {k: v for k, v in params.items() if k != "response_format" or v is not None}
-        keyed["polygate:schema"] = rounds.cache_key()
-    key = chat_key(scope, cache.models(scope, runtime.settings.scopes), messages, keyed)
+        schema = rounds.cache_key()
+    key = chat_key(scope, cache.models(scope, runtime.settings.scopes), messages, keyed, schema=schema)
 
     async def upstream() -> ChatResponse:
         call.remaining()  # DeadlineExceeded when nothing is left

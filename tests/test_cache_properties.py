@@ -122,6 +122,17 @@ def test_inside_schemas_and_tools_key_order_is_part_of_the_key(
     assert _key([], {name: value}) != _key([], {name: {"o": value}})
 
 
+@given(value=json_values, rnd=st.randoms(use_true_random=False), alike=st.booleans())
+def test_in_a_schema_key_order_is_part_of_the_key(value: Any, rnd: random.Random, alike: bool) -> None:
+    """As inside ORDERED_PARAMS, in a ``schema=`` (the key's own member); and a schema
+    is never a parameter, whatever its name."""
+    other = variant(value, rnd) if alike else mutate(value, rnd)
+    same = chat_key("chat", ["m"], [], {}, schema=value) == chat_key("chat", ["m"], [], {}, schema=other)
+    assert same == equal_in_order(value, other)
+    keyed = chat_key("chat", ["m"], [], {}, schema=value)
+    assert keyed not in {_key([], {name: value}) for name in ("schema", "polygate:schema")}
+
+
 @given(json_values, st.randoms(use_true_random=False), st.booleans())
 def test_same_key_exactly_when_canonically_equal(value: Any, rnd: random.Random, alike: bool) -> None:
     other = variant(value, rnd) if alike else mutate(value, rnd)

@@ -93,3 +93,18 @@ async def test_a_bad_schema_is_refused_before_the_cache_is_asked(
         cache = (await s.statistics()).cache
     assert cache is not None and (cache.misses, cache.hits, cache.in_flight) == (0, 0, 0)
     assert len(up.requests) == 0
+
+
+async def test_a_parameter_named_as_a_schemas_entry_once_was_is_not_the_schema(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: a schema went into the key as a parameter named ``polygate:schema``, so a
+    call without one that sent a vendor field of that name (another request: no
+    ``response_format``) was served the structured call's answer."""
+    up = FakeUpstream(Reply(text=ANSWER))
+    city = City.model_json_schema()
+    async with polygate.session(_settings(), transport=up.transport()) as s:
+        await s.chat(MESSAGES, schema=City)
+        plain = await s.chat(MESSAGES, **{"polygate:schema": {"name": "City", "schema": city}})
+    assert "response_format" not in up.requests[-1].body
+    assert not plain.call_stats.cached and len(up.requests) == 2

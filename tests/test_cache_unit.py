@@ -435,17 +435,17 @@ def test_the_keys_digests_are_pinned() -> None:
     from polygate.cache._key import KEY_VERSION
 
     hi = [{"role": "user", "content": "hi"}]
-    assert KEY_VERSION == 5
+    assert KEY_VERSION == 6
     assert chat_key("chat", ["m1"], hi, {"temperature": 0}) == (
-        "0b1bf2663abb665712d299c4f005e8ed39d734196653c9b88abc23bb2aadfc15")
+        "5dde273b33046ebc29872cb795943c8d5187d62d3c9cad3d48887c0c1bf52272")
     assert chat_key("chat", ["m1", "fallback large: m2"], hi, {"temperature": 0}) == (
-        "f42b57f527033f6cad581a14478084a055a1b8b9bc80e237ec31413de49a7587")
+        "427fdccc1a0edf67d172b1c8a2e01a17d84539e4bc2dd4b093c1d6e122de5cd7")
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    params = {"max_tokens": 100.0, "logit_bias": {1.0: 5}, "user": "u",
-              "polygate:schema": {"name": "City", "schema": {"type": "object"}}}
-    assert chat_key("chat", ["m1"], parts, params) == (
-        "ccdef623be51c6002f8aa43a2bbd033fec42b52a84a8d89ed6a8ad18cc18a93c")
+    params = {"max_tokens": 100.0, "logit_bias": {1.0: 5}, "user": "u"}
+    schema = {"name": "City", "schema": {"type": "object"}}
+    assert chat_key("chat", ["m1"], parts, params, schema=schema) == (
+        "3d62f4cdc9dc9958aeffe545b028055d1abb6a3aa9ffce25f207821354aa3ef7")
     assert embed_keys("embed", ["e"], ["a", "b"], {"dimensions": 8}) == [
-        "25920af98b1fe18ea197ea10b54a67d6ef61f17c4a6ce6e3f8ce36332fa25b53",
-        "23708520a6f0178d07b69715433f24df728dec4215cbec50b6ce671a978f59db",
+        "177a6eb192bdfaaab94595ca6e53983a155146a3b4d488f02a83a088a50f4b00",
+        "5a8f963f8c4f27664f27114dfe791f3cde788a2644b8f4b79732f3a7eed47552",
     ]

@@ -51,8 +51,10 @@ __all__ = ["EXCLUDED_PARAMS", "KEY_VERSION", "ORDERED_PARAMS", "canonical", "can
 #: the fallback was removed).
 #: 5: key order counts inside ORDERED_PARAMS (a schema's property order was left out:
 #: a reasoning-first schema was served the answer-first schema's answer).
+#: 6: a ``schema=`` is a member of the key of its own, not a parameter (a caller's
+#: parameter named as its entry was, ``polygate:schema``, was served its answer).
 #: ``tests/test_cache_unit.py`` pins the keys' digests.
-KEY_VERSION = 5
+KEY_VERSION = 6
 
 #: Parameters left out of the key: they identify the caller or shape the transport,
 #: and never change the answer.
@@ -66,11 +68,9 @@ EXCLUDED_PARAMS: frozenset[str] = frozenset({
     "prompt_cache_key",   # a hint for the provider's own prompt cache
 })
 
-#: Parameters whose objects' key order is part of the key (see the module's docstring);
-#: ``polygate:schema`` is a ``schema=``'s own entry in the key.
-ORDERED_PARAMS: frozenset[str] = frozenset({
-    "tools", "functions", "response_format", "polygate:schema",
-})
+#: Parameters whose objects' key order is part of the key (see the module's docstring),
+#: as it is in a ``schema=`` (``chat_key``'s own member).
+ORDERED_PARAMS: frozenset[str] = frozenset({"tools", "functions", "response_format"})
 
 _dumps = json.JSONEncoder(
     sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True
@@ -157,15 +157,21 @@ def _digest(document: bytes) -> str:
 
 
 def chat_key(
-    scope: str, models: Sequence[str], messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+    scope: str, models: Sequence[str], messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any],
+    *, schema: Any = None,
 ) -> str:
-    """The key of one chat call (``chat`` and ``stream_chat`` share it)."""
-    return _digest(_document({
+    """The key of one chat call (``chat`` and ``stream_chat`` share it); ``schema``: a
+    ``schema=``'s own form (``None``: the call has none), outside the parameters, so
+    that no parameter of a call without one is taken for it."""
+    document = {
         "v": KEY_VERSION, "kind": "chat", "scope": canonical(scope), "models": canonical(list(models)),
         # Text-only messages are canonical as they are: sorting the keys is enough.
         "messages": messages if plain_messages(messages) else canonical(messages),
         "params": _params(params),
-    }))
+    }
+    if schema is not None:
+        document["schema"] = _in_order(canonical(schema))
+    return _digest(_document(document))
 
 
 def embed_keys(
