@@ -22,11 +22,12 @@ import trio
 import trio.testing
 
 import polygate
+from polygate.testing import FakeUpstream, Reply
 from polygate.transport import END_GRACE_S
 from polygate.transport._exchange import END_MARGIN_S
 
 from ._raw_server import raw_server
-from .conftest import MESSAGES
+from .conftest import MESSAGES, one_source_settings
 
 
 def _event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -233,3 +234,21 @@ async def test_a_deadline_inside_the_grace_keeps_the_answer(
     assert (response.finish_reason, response.usage.total_tokens) == ("stop", 5)
     assert trio.current_time() == pytest.approx(0.7 - END_MARGIN_S)
     assert log == ["a", "closed"]
+
+
+async def test_a_fatal_error_that_ends_a_committed_stream_carries_its_statistics(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """docs/reference.md: an error that ends a committed ``stream_chat()`` carries the
+    committed stream's statistics (its source, first token), a fatal one too (review:
+    the table said "no winner" for it), and the text the caller received."""
+    up = FakeUpstream(Reply(tokens=10, first_token_s=1, fault="error_event", fault_after=4,
+                            error_event_code=400))
+    async with polygate.session(one_source_settings(), transport=up.transport()) as s:
+        with pytest.raises(polygate.FatalUpstreamError) as failed:
+            async with s.stream_chat(MESSAGES) as stream:
+                async for _ in stream:
+                    pass
+    stats = failed.value.call_stats
+    assert stats is not None and stats.source == "a" and stats.ttft_ms == pytest.approx(1000)
+    assert failed.value.text == stream.text != ""
