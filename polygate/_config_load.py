@@ -656,7 +656,7 @@ def _toml_serve(settings: _SettingsPart, value: Any, file: str, env: Mapping[str
             raise ConfigError(f"{at('api_keys_env')}: set api_keys or api_keys_env, not both")
         var = _value_from_toml(str, table.pop("api_keys_env"), at("api_keys_env"), secret=True)
         if not env.get(var, "").strip():
-            raise ConfigError(f"{at('api_keys_env')}: {_unset(var)}")
+            raise ConfigError(f"{at('api_keys_env')}: {_unset(var, env)}")
         keys = _key_list(env[var], at("api_keys_env"))
         settings.secrets.update(keys)
         part.values["api_keys"] = keys
@@ -904,7 +904,7 @@ def _env_secret(table: dict[str, Any], field: str, env: Mapping[str, str], where
         raise ConfigError(f"{where}: set {field} or {key}, not both")
     value = env.get(var, "").strip()
     if not value:
-        raise ConfigError(f"{where}: {_unset(var)}")
+        raise ConfigError(f"{where}: {_unset(var, env)}")
     return value
 
 
@@ -921,14 +921,16 @@ def _named_like_a_variable(var: str) -> bool:
     )
 
 
-def _unset(var: str) -> str:
-    """Why a ``*_env`` entry gave nothing.  A value that does not look like a
-    variable's name is not quoted: it is most likely the secret itself, pasted in the
-    name's place."""
+def _unset(var: str, env: Mapping[str, str]) -> str:
+    """Why a ``*_env`` entry gave nothing: its variable is not set, or set to nothing
+    but blanks (said apart: the operator looks in another place for each).  A value
+    that does not look like a variable's name is not quoted: it is most likely the
+    secret itself, pasted in the name's place."""
+    state = "is set but empty" if var in env else "is not set"
     if _ENV_NAME.fullmatch(var) and _named_like_a_variable(var):
-        return f"environment variable {var} is not set"
+        return f"environment variable {var} {state}"
     if _ENV_NAME.fullmatch(var):
-        return ("names an environment variable that is not set (the name is not shown: it "
+        return (f"names an environment variable that {state} (the name is not shown: it "
                 "looks more like a key than a variable's name: was a key pasted in its place?)")
     return ("must name an environment variable (letters, digits and _), which this value "
             "cannot be: was a key pasted in its place? (the value is not shown)")

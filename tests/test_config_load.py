@@ -780,7 +780,9 @@ def test_api_key_env(tmp_path: Path) -> None:
     assert settings.scopes["chat"].sources[0].api_key == KEY
     with pytest.raises(ConfigError, match="api_key_env: environment variable CHAT_KEY is not set"):
         settings_from_toml(path, env={})
-    with pytest.raises(ConfigError, match="not set"):
+    # Set to nothing but blanks: said so (review: "is not set" sent the operator to
+    # look for a variable that was there).
+    with pytest.raises(ConfigError, match="environment variable CHAT_KEY is set but empty"):
         settings_from_toml(path, env={"CHAT_KEY": "  "})
     both = write(tmp_path, text + f"api_key = '{KEY}'\n", "both.toml")
     with pytest.raises(ConfigError, match="set api_key or api_key_env, not both") as info:

@@ -51,6 +51,8 @@ def test_keys_from_an_environment_variable(tmp_path: Path) -> None:
     assert settings.serve.api_keys == (KEY, "k2")
     with pytest.raises(polygate.ConfigError, match="GATEWAY_KEYS is not set"):
         settings_from_toml(path, env={})
+    with pytest.raises(polygate.ConfigError, match="GATEWAY_KEYS is set but empty"):
+        settings_from_toml(path, env={"GATEWAY_KEYS": ""})
 
 
 @pytest.mark.parametrize(("env", "where"), [
