@@ -273,20 +273,30 @@ POLICY_CODES = frozenset({
 })
 
 
+#: Error codes (or types) of a 429 that is no rate limit but an account out of credit
+#: (OpenAI's ``insufficient_quota``): the source's state for hours, a 402's.
+OUT_OF_CREDIT_CODES = frozenset({"insufficient_quota"})
+
+
 def classify_status(
     status: int,
     detail: str,
     *,
     source: str | None = None,
     retry_after_s: float | None = None,
+    code: str | None = None,
 ) -> UpstreamError:
     """Map a non-2xx HTTP status (or an error event's code) to one error class.
 
     408, 409 and 425 are the server saying "try again"; every other 4xx except the
     auth/not-found family and 429 means our request is wrong.  402 (out of credit) and
     407 (a proxy in front of the source wants credentials) are the source's state, not
-    the request's: another source can answer it, so they are dead, not fatal.
+    the request's: another source can answer it, so they are dead, not fatal.  So is a
+    429 whose ``code`` says the account is out of credit: waiting out a Retry-After
+    and asking again, free of ``max_attempts``, would only ask it again and again.
     """
+    if status == 429 and code in OUT_OF_CREDIT_CODES:
+        return SourceDeadError(detail or "out of credit", source=source, status_code=status)
     if status == 429:
         return RateLimitedError(
             detail or "rate limited", source=source, status_code=status,

@@ -9,6 +9,8 @@ import sys
 
 import httpx
 import pytest
+import trio
+import trio.testing
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -21,6 +23,9 @@ from polygate._errors import (
     error_status,
     redact,
 )
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import FIRST_A, MESSAGES, two_source_settings
 
 STATUS_TABLE = [
     (400, polygate.FatalUpstreamError, Outcome.FATAL),
@@ -176,3 +181,35 @@ def test_special_classes() -> None:
 def test_redact() -> None:
     assert redact("key sk-abcdef was wrong", ("sk-abcdef",)) == "key *** was wrong"
     assert redact("abc", ("",)) == "abc"
+
+
+OUT_OF_CREDIT = {"error": {
+    "message": "You exceeded your current quota, please check your plan and billing details.",
+    "type": "insufficient_quota", "param": None, "code": "insufficient_quota",
+}}
+
+
+@pytest.mark.parametrize("how", ["status", "event"])
+async def test_a_429_that_says_the_account_is_out_of_credit_is_a_dead_source(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    """OpenAI answers an account out of credit with a 429 whose code is
+    ``insufficient_quota`` (in an error event too): the source's state for hours, as a
+    402's.  Review: taken for a rate limit, it was asked again about once a second,
+    free of ``max_attempts``, for ``rate_limit_wait_s`` (60 s) before the call failed;
+    it is a dead source now, asked once, and the call goes to the next one at once."""
+    broke = (Reply(status=429, retry_after_s=1, error_body=OUT_OF_CREDIT) if how == "status"
+             else Reply(tokens=5, fault="error_event", fault_after=0,
+                        error_event_code="insufficient_quota"))
+    a, b = FakeUpstream(broke), FakeUpstream(Reply(text="from b"))
+    async with polygate.session(two_source_settings(names=("a",)), transport=Router({"a": a})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as failed:
+            await s.chat(MESSAGES)
+    [error] = failed.value.errors
+    assert isinstance(error, polygate.SourceDeadError) and error.code == "insufficient_quota"
+    assert error.outcome is Outcome.DEAD and len(a.requests) == 1
+    assert trio.current_time() < 1  # no Retry-After waited out
+    async with polygate.session(two_source_settings(weights=FIRST_A),
+                                transport=Router({"a": FakeUpstream(broke), "b": b})) as s:
+        r = await s.chat(MESSAGES)
+    assert (r.text, r.source, r.call_stats.attempts) == ("from b", "b", 2)

@@ -578,6 +578,7 @@ def _flatten_parts(delta: dict[str, Any]) -> None:
 _STATUS_OF_CODE: dict[str | None, int] = {
     **dict.fromkeys(CONTEXT_CODES | POLICY_CODES, 400),
     "rate_limit_exceeded": 429,
+    "insufficient_quota": 429,  # (out of credit: dead, see classify_status)
     "invalid_api_key": 401,
     # Anthropic's error types (an event's error.type, when it has no code)
     "rate_limit_error": 429,
@@ -620,7 +621,8 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
     if status is None:
         error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
     else:
-        error = classify_status(status, detail, source=endpoint.name)
+        error = classify_status(status, detail, source=endpoint.name,
+                                code=code if code is not None else _error_type(payload))
     error.code = code
     return error
 

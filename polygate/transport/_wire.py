@@ -343,7 +343,7 @@ async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None
         detail = refused
     retry_after = parse_retry_after(response.headers)
     error = classify_status(
-        response.status_code, detail, source=endpoint.name, retry_after_s=retry_after
+        response.status_code, detail, source=endpoint.name, retry_after_s=retry_after, code=code
     )
     error.code = code
     raise error
