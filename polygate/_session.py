@@ -475,7 +475,7 @@ STREAM_BUFFER = 32
 class ItemSink(Protocol):
     """Where a stream's producer puts what it delivers, in order, the end last: the
     send side of the stream's own channel, or the one its reader gives it
-    (``ChatStream.deliver_to``).  As trio's channel: ``send_nowait`` raises
+    (``ChatStream._deliver_into``).  As trio's channel: ``send_nowait`` raises
     ``trio.WouldBlock`` when full, and a ``send`` that raised has put nothing."""
 
     def send_nowait(self, item: StreamItem, /) -> None: ...
@@ -523,7 +523,7 @@ class ChatStream:
         self._params = params
         self._deadline = deadline
         self._recv: trio.MemoryReceiveChannel[StreamItem] | None = None
-        self._deliver_to: ItemSink | None = None  # a reader's own buffer, instead of the channel
+        self._sink: ItemSink | None = None  # a reader's own buffer, instead of the channel
         self._end: StreamDone | StreamFailed | None = None  # taken by _ready(), given by __anext__
         self._entered = False
         # The producer's scope, cancelled as the block is left (or the session closes):
@@ -550,33 +550,33 @@ class ChatStream:
         nursery = self._runtime.nursery
         assert nursery is not None  # (set as the session opens, before any call)
         send: ItemSink
-        if self._deliver_to is None:
+        if self._sink is None:
             send, self._recv = trio.open_memory_channel[StreamItem](STREAM_BUFFER)
         else:
-            send = self._deliver_to
+            send = self._sink
         self._entered = True
         self._runtime.streams[self._producing] = self._produced
         # Started from the caller's task: the producer runs in a copy of its context.
         nursery.start_soon(self._producer, send)
         return self
 
-    def deliver_to(self, sink: ItemSink) -> None:
+    def _deliver_into(self, sink: ItemSink) -> None:
         """Before the block is entered: put what the call delivers into ``sink``, the
         buffer of a reader of its own (``polygate.aio``), instead of this stream's
         channel, which is then not made: this iterator yields nothing.  One buffer
         between the call and its reader, as in trio, not a second one behind it.
         ``sink.close()`` comes once the call has ended, after its end when it sent
-        one; when it sent none, ``end_unsent()`` says what the reader must hear."""
+        one; when it sent none, ``_end_unsent()`` says what the reader must hear."""
         if self._entered:
             raise PolygateError("a ChatStream's sink is chosen before it is entered")
-        self._deliver_to = sink
+        self._sink = sink
 
-    async def until_ended(self) -> None:
+    async def _until_ended(self) -> None:
         """Until the call has ended, every path settled (for a reader that takes its
         items from its own sink, and so waits for no end of this iterator's)."""
         await self._produced.wait()
 
-    def end_unsent(self) -> BaseException | None:
+    def _end_unsent(self) -> BaseException | None:
         """For a sink closed with no end in it: the failure the call ended with,
         when its end could not be delivered (the sink full as it was cut off), or
         ``None``: the call was cut off before it had an end (the block left, or the

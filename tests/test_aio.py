@@ -618,6 +618,24 @@ async def test_a_slow_reader_pauses_the_reading_at_most_32_chunks_behind() -> No
     assert stream.response.call_stats.total_latency_ms > 100 + 0.9 * (100 - 33) * 10
 
 
+async def test_a_chunk_for_a_waiting_reader_takes_none_of_the_buffers_room() -> None:
+    """As trio's channel hands a chunk to a reader waiting for it outside its buffer,
+    the chunk that wakes a waiting asyncio reader is that reader's: a burst of 33
+    chunks (the reader's one and 32 buffered) lets the call complete while the reader
+    holds its first.  Review: the woken reader's chunk counted against the 32 until
+    asyncio ran it, so the 33rd waited, and the call with it (its answer not cached,
+    its connection held).  tests/test_backpressure.py holds trio's twin.  (The burst
+    comes 0.1 s after the request, the reader long parked by then: real clock, a
+    margin.)"""
+    up = fake(Reply(first_token_s=0.1, tokens=33))
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+        async with s.stream_chat(messages("burst")) as stream:
+            await stream.__anext__()
+            await wait_until(lambda: up.requests[0].outcome == "complete", limit_s=5)
+            rest = [chunk async for chunk in stream]
+    assert len(rest) == 32 and stream.response is not None
+
+
 async def test_stream_cancelled_while_iterating() -> None:
     up = fake(Reply(tokens=50, inter_token_s=0.01))
     async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:

@@ -325,3 +325,19 @@ async def test_a_slow_reader_falls_at_most_32_chunks_behind(
     assert 32 <= max(leads) <= 33
     assert stream.response is not None
     assert stream.response.call_stats.total_latency_ms >= 100 + (100 - 33) * 10
+
+
+async def test_a_chunk_for_a_waiting_reader_takes_none_of_the_buffers_room(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """trio's channel hands a chunk to a reader waiting for it outside its buffer: a
+    burst of 33 chunks lets the call complete while the reader holds its first (the
+    asyncio stream's twin is in tests/test_aio.py)."""
+    up = FakeUpstream(Reply(first_token_s=0.1, tokens=33))
+    async with polygate.session(one_source_settings(), transport=up.transport()) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            await stream.__anext__()
+            await trio.testing.wait_all_tasks_blocked()
+            assert up.requests[0].outcome == "complete"
+            rest = [chunk async for chunk in stream]
+    assert len(rest) == 32 and stream.response is not None

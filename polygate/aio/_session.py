@@ -473,7 +473,7 @@ class _End:
 
 
 class _Handover:
-    """The trio stream's sink (``polygate.ChatStream.deliver_to``): what its call
+    """The trio stream's sink (``polygate.ChatStream._deliver_into``): what its call
     delivers goes straight into the asyncio side's buffer, which holds at most
     ``STREAM_BUFFER`` items, as trio's channel does; a reader that has taken it down
     to half wakes the call again (one hand-over between the two loops per half a
@@ -486,7 +486,7 @@ class _Handover:
 
     def send_nowait(self, item: StreamItem, /) -> None:
         stream = self._stream
-        if len(stream._chunks) >= STREAM_BUFFER:
+        if stream._held() >= STREAM_BUFFER:
             raise trio.WouldBlock
         stream._take(item)
 
@@ -495,11 +495,11 @@ class _Handover:
         # raised (cancelled while waiting) has put nothing.
         await trio.lowlevel.checkpoint_if_cancelled()
         stream = self._stream
-        if len(stream._chunks) < STREAM_BUFFER:
+        if stream._held() < STREAM_BUFFER:
             stream._take(item)
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
-        while len(stream._chunks) >= STREAM_BUFFER:
+        while stream._held() >= STREAM_BUFFER:
             space = stream._space = trio.Event()
             try:
                 await space.wait()
@@ -510,7 +510,7 @@ class _Handover:
     def close(self) -> None:
         stream = self._stream
         if not stream._ended:
-            failure = stream._stream.end_unsent()
+            failure = stream._stream._end_unsent()
             if failure is not None:
                 stream._push(_End(failure))
             else:
@@ -536,6 +536,10 @@ class ChatStream:
         self._failure: BaseException | None = None  # the end a reader took, when it failed
         # One wake-up per reader waiting: two tasks may read one stream, as in trio.
         self._waiters: list[asyncio.Future[None]] = []
+        # Readers woken by a chunk that have not run yet: what they will take is theirs
+        # already, as trio's channel hands a chunk to a waiting reader outside its
+        # buffer, so it takes none of the buffer's room (see _held).
+        self._promised = 0
         self._leaving = False  # the stream's own block is being left
         self._exited = False  # ... or has been: reading on is an error, as in trio
         self._space: trio.Event | None = None
@@ -637,12 +641,12 @@ class ChatStream:
         entered = False
         self._ended = False
         stream = self._stream
-        stream.deliver_to(_Handover(self))
+        stream._deliver_into(_Handover(self))
         try:
             async with stream:
                 entered = True
                 resolve(job.fut, outcome.Value(None))
-                await stream.until_ended()
+                await stream._until_ended()
         except Exception as exc:
             if entered and not self._ended:  # (a failure of leaving the block)
                 self._push(_End(exc))
@@ -669,12 +673,17 @@ class ChatStream:
         else:
             self._push(item)
 
+    def _held(self) -> int:
+        """The items the buffer holds for readers still to come (its bound's measure)."""
+        return len(self._chunks) - self._promised
+
     def _push(self, item: StreamChunk | _End) -> None:
         if isinstance(item, _End):
             self._ended = True
         self._chunks.append(item)
         if self._waiters:
             waiters, self._waiters = self._waiters, []
+            self._promised += len(waiters)
             for waiter in waiters:
                 resolve(waiter, outcome.Value(None))
 
@@ -705,6 +714,8 @@ class ChatStream:
             finally:
                 if waiter in self._waiters:  # cancelled while waiting
                     self._waiters.remove(waiter)
+                else:  # woken: it takes its chunk now, with no yield (or waits again)
+                    self._promised -= 1
         item = self._chunks.popleft()
         space = self._space
         if space is not None and len(self._chunks) <= STREAM_BUFFER // 2:
