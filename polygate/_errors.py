@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -266,6 +267,7 @@ class StructuredOutputError(PolygateError):
 #: Error codes that say the request was too long for the model's context.
 CONTEXT_CODES = frozenset({
     "context_length_exceeded", "string_above_max_length", "model_max_context_length",
+    "exceed_context_size_error",  # llama.cpp server's error type
 })
 #: Error codes that say a content policy refused the request.
 POLICY_CODES = frozenset({
@@ -276,6 +278,76 @@ POLICY_CODES = frozenset({
 #: Error codes (or types) of a 429 that is no rate limit but an account out of credit
 #: (OpenAI's ``insufficient_quota``): the source's state for hours, a 402's.
 OUT_OF_CREDIT_CODES = frozenset({"insufficient_quota"})
+#: 4xx statuses that servers send for their own failure, not the request's: TGI's 424
+#: (a shard failed generating: out of GPU memory, a crash), Groq's 498 (its flex tier
+#: at capacity: "try again later").  Retried elsewhere, as a 5xx.
+_SERVER_4XX = frozenset({424, 498})
+#: Gemini's reasons for a 400 that is its key's state, not the request's.
+_KEY_REASONS = frozenset({"API_KEY_INVALID", "API_KEY_EXPIRED", "API_KEY_SERVICE_BLOCKED"})
+#: Anthropic answers an account out of credit with a 400 ``invalid_request_error``.
+_NO_CREDIT_TEXT = re.compile(r"credit balance is too low", re.IGNORECASE)
+#: Google's ``RetryInfo.retryDelay``: a duration in seconds ("37s", "37.5s").
+_GOOGLE_DELAY = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,9})?)s")
+
+
+def one_error(payload: Any) -> Any:
+    """An error body as one object: Gemini's OpenAI-compatible endpoint sends its error
+    object as the one item of a list (``[{"error": {...}}]``)."""
+    if type(payload) is list and len(payload) == 1 and isinstance(payload[0], dict):
+        return payload[0]
+    return payload
+
+
+def _inner(payload: Any) -> dict[str, Any] | None:
+    payload = one_error(payload)
+    inner = payload.get("error", payload) if isinstance(payload, dict) else None
+    return inner if isinstance(inner, dict) else None
+
+
+def refusal_hint(status: int, payload: Any) -> str | None:
+    """What an error body says of its refusal where its status alone would mislead:
+
+    * ``"dead"``: a 400 that is the source's own state, not the request's -- Gemini's
+      invalid or expired key (``details[].reason``), its project's billing off
+      (``FAILED_PRECONDITION``), Anthropic's credit balance too low;
+    * ``"policy"``: a 403 that refuses this request by a moderation, not us (OpenRouter
+      names the flagged input in ``error.metadata``): one caller's prompt must not
+      take the source out for every other caller.
+    """
+    inner = _inner(payload)
+    if inner is None:
+        return None
+    if status == 400:
+        details = inner.get("details")
+        if type(details) is list and any(
+            isinstance(d, dict) and d.get("reason") in _KEY_REASONS for d in details
+        ):
+            return "dead"
+        message = inner.get("message")
+        if inner.get("status") == "FAILED_PRECONDITION" or (
+            isinstance(message, str) and _NO_CREDIT_TEXT.search(message[:1000])
+        ):
+            return "dead"
+    elif status == 403:
+        metadata = inner.get("metadata")
+        if isinstance(metadata, dict) and ("flagged_input" in metadata or "reasons" in metadata):
+            return "policy"
+    return None
+
+
+def body_retry_after(payload: Any) -> float | None:
+    """The wait an error body gives when no header does: Google's ``RetryInfo`` detail
+    (Gemini's 429 has no ``Retry-After``; its ``retryDelay`` says "37.5s")."""
+    inner = _inner(payload)
+    details = inner.get("details") if inner is not None else None
+    if type(details) is not list:
+        return None
+    for detail in details:
+        delay = detail.get("retryDelay") if isinstance(detail, dict) else None
+        found = _GOOGLE_DELAY.fullmatch(delay) if isinstance(delay, str) else None
+        if found is not None:
+            return float(found.group(1))
+    return None
 
 
 def classify_status(
@@ -285,6 +357,7 @@ def classify_status(
     source: str | None = None,
     retry_after_s: float | None = None,
     code: str | None = None,
+    hint: str | None = None,
 ) -> UpstreamError:
     """Map a non-2xx HTTP status (or an error event's code) to one error class.
 
@@ -294,17 +367,22 @@ def classify_status(
     the request's: another source can answer it, so they are dead, not fatal.  So is a
     429 whose ``code`` says the account is out of credit: waiting out a Retry-After
     and asking again, free of ``max_attempts``, would only ask it again and again.
+    ``hint`` (:func:`refusal_hint`) corrects a status the body contradicts.  A 402
+    that sends ``Retry-After`` says when to ask again (OpenRouter's spending budget
+    in flight): a wait, as a 429's, not a dead source.
     """
-    if status == 429 and code in OUT_OF_CREDIT_CODES:
+    if hint == "dead" or (status == 429 and code in OUT_OF_CREDIT_CODES):
         return SourceDeadError(detail or "out of credit", source=source, status_code=status)
-    if status == 429:
+    if hint == "policy":
+        return FatalUpstreamError(detail or "request refused", source=source, status_code=status)
+    if status == 429 or (status == 402 and retry_after_s is not None):
         return RateLimitedError(
             detail or "rate limited", source=source, status_code=status,
             retry_after_s=retry_after_s,
         )
     if status in (401, 402, 403, 404, 407):
         return SourceDeadError(detail or "source rejected us", source=source, status_code=status)
-    if status in (408, 409, 425) or status >= 500 or status < 400:
+    if status in (408, 409, 425) or status in _SERVER_4XX or status >= 500 or status < 400:
         return TransientUpstreamError(
             detail or "upstream failed", source=source, status_code=status,
             retry_after_s=retry_after_s,
@@ -354,6 +432,7 @@ def classify_exception(exc: BaseException, *, source: str | None = None) -> Upst
 
 def error_status(payload: Any) -> int | None:
     """The HTTP-like status carried by an OpenAI-style error object, when it has one."""
+    payload = one_error(payload)
     if not isinstance(payload, dict):
         return None
     inner = payload.get("error", payload)
@@ -379,6 +458,7 @@ def error_code(payload: Any, secrets: Iterable[str] = ()) -> str | None:
     """The provider's symbolic error code (``error.code``, else ``error.type``), when it
     is a short word rather than a number, redacted of ``secrets`` like the message (an
     upstream may echo the key it refused in any field)."""
+    payload = one_error(payload)
     if not isinstance(payload, dict):
         return None
     inner = payload.get("error", payload)
@@ -398,6 +478,7 @@ def error_message(payload: Any, limit: int = 300, secrets: Iterable[str] = ()) -
     cut point is never left half-visible.
     """
     message: Any = None
+    payload = one_error(payload)
     if isinstance(payload, dict):
         inner = payload.get("error", payload)
         if isinstance(inner, dict):

@@ -42,11 +42,18 @@ __all__ = ["failure_reasons", "fallback_scope", "is_content_policy", "is_context
 
 _CONTEXT_TEXT = re.compile(
     r"context.length|context.window|maximum context|too many tokens|prompt is too long"
-    r"|input is too long|exceeds? the model'?s? max|reduce the length of the (messages|prompt)",
+    r"|input is too long|exceeds? the model'?s? max|reduce the length of the (messages|prompt)"
+    # llama.cpp ("exceeds the available context size"), Gemini ("The input token count
+    # (…) exceeds the maximum number of tokens allowed"), TGI and Together ("`inputs`
+    # tokens + `max_new_tokens` must be <= 4096").
+    r"|context size|exceeds the maximum number of tokens|tokens \+ .?max_new_tokens.? must be",
     re.IGNORECASE,
 )
 _POLICY_TEXT = re.compile(
-    r"content.(management.)?polic|content.filter|flagged by|safety system|responsible ai",
+    r"content.(management.)?polic|content.filter|flagged by|safety system|responsible ai"
+    # OpenRouter's moderation: "… requires moderation on OpenAI. Your input was flagged
+    # for "harassment"."
+    r"|requires moderation|input was flagged",
     re.IGNORECASE,
 )
 

@@ -42,6 +42,9 @@ STATUS_TABLE = [
     (408, polygate.TransientUpstreamError, Outcome.TRANSIENT),
     (409, polygate.TransientUpstreamError, Outcome.TRANSIENT),
     (425, polygate.TransientUpstreamError, Outcome.TRANSIENT),
+    # servers' own failures sent as a 4xx: TGI's generation error, Groq's flex capacity
+    (424, polygate.TransientUpstreamError, Outcome.TRANSIENT),
+    (498, polygate.TransientUpstreamError, Outcome.TRANSIENT),
     (500, polygate.TransientUpstreamError, Outcome.TRANSIENT),
     (502, polygate.TransientUpstreamError, Outcome.TRANSIENT),
     (503, polygate.TransientUpstreamError, Outcome.TRANSIENT),
@@ -53,13 +56,21 @@ STATUS_TABLE = [
 
 @pytest.mark.parametrize(("status", "cls", "outcome"), STATUS_TABLE)
 def test_status_table(status: int, cls: type, outcome: Outcome) -> None:
-    error = classify_status(status, "detail", source="a", retry_after_s=2.0)
+    error = classify_status(status, "detail", source="a")
     assert type(error) is cls
     assert error.outcome is outcome
     assert error.status_code == status
     assert error.source == "a"
     assert isinstance(error, polygate.UpstreamError)
     assert isinstance(error, polygate.PolygateError)
+
+
+def test_a_402_that_says_when_to_come_back_is_a_wait() -> None:
+    """OpenRouter: a 402 with ``Retry-After`` (its in-flight spending budget) says when
+    to ask again; one without it is an account out of credit."""
+    waited = classify_status(402, "budget", source="a", retry_after_s=2.0)
+    assert type(waited) is polygate.RateLimitedError and waited.retry_after_s == 2.0
+    assert type(classify_status(402, "no credit", source="a")) is polygate.SourceDeadError
 
 
 def test_every_status_maps_to_one_class() -> None:

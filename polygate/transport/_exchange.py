@@ -36,6 +36,7 @@ from .._errors import (
     error_code,
     error_message,
     error_status,
+    refusal_hint,
 )
 from .._json import loads
 from .._secrets import clip, redact
@@ -543,10 +544,26 @@ def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any
     choices = chunk.get("choices")
     if type(choices) is list:
         for choice in choices:
-            delta = choice.get("delta") if type(choice) is dict else None
+            if type(choice) is not dict:
+                continue
+            delta = choice.get("delta")
             if type(delta) is dict and type(delta.get("content")) is list:
                 _flatten_parts(delta)
+            if choice.get("finish_reason") == "error":
+                raise _choice_error(choice, endpoint)
     return chunk
+
+
+def _choice_error(choice: dict[str, Any], endpoint: Endpoint) -> UpstreamError:
+    """A choice that finished with an error (OpenRouter: ``finish_reason: "error"``, the
+    error beside it in the choice): no answer, however much of it came, but an error
+    event, classified by its code (a 502 of the provider behind it: transient)."""
+    error = choice.get("error")
+    return _error_event(
+        {"error": error if isinstance(error, dict) else {
+            "message": "the upstream finished the answer with an error"}},
+        endpoint,
+    )
 
 
 def _flatten_parts(delta: dict[str, Any]) -> None:
@@ -622,7 +639,8 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
         error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
     else:
         error = classify_status(status, detail, source=endpoint.name,
-                                code=code if code is not None else _error_type(payload))
+                                code=code if code is not None else _error_type(payload),
+                                hint=refusal_hint(status, payload))
     error.code = code
     return error
 
@@ -650,8 +668,14 @@ async def _read_json(
             f"malformed upstream body: not JSON (content-type {shown}, {len(raw)} bytes)",
             source=endpoint.name,
         ) from None
-    if isinstance(payload, dict) and _is_error(payload):
-        raise _error_event(payload, endpoint)
+    if isinstance(payload, dict):
+        if _is_error(payload):
+            raise _error_event(payload, endpoint)
+        choices = payload.get("choices")
+        if type(choices) is list:
+            for choice in choices:
+                if type(choice) is dict and choice.get("finish_reason") == "error":
+                    raise _choice_error(choice, endpoint)
     return payload
 
 

@@ -17,9 +17,11 @@ import trio
 
 from .._errors import (
     TransientUpstreamError,
+    body_retry_after,
     classify_status,
     error_code,
     error_message,
+    refusal_hint,
 )
 from .._json import dumps, nested_deeper, plain_keys
 from .._secrets import clip, is_header_safe
@@ -337,13 +339,20 @@ async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None
                         break
             except httpx.HTTPError:
                 pass  # the status alone classifies the failure
+    payload: Any = None
     if refused is None:
-        detail, code = _error_detail(excerpt, cut, endpoint.secrets)
+        detail, code, payload = _error_detail(excerpt, cut, endpoint.secrets)
     else:
         detail = refused
+    status = response.status_code
     retry_after = parse_retry_after(response.headers)
+    if retry_after is None and payload is not None:
+        retry_after = body_retry_after(payload)
+        if retry_after is not None:
+            retry_after = min(retry_after, RETRY_AFTER_CAP_S)
     error = classify_status(
-        response.status_code, detail, source=endpoint.name, retry_after_s=retry_after, code=code
+        status, detail, source=endpoint.name, retry_after_s=retry_after, code=code,
+        hint=refusal_hint(status, payload) if payload is not None else None,
     )
     error.code = code
     raise error
@@ -351,20 +360,21 @@ async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None
 
 def _error_detail(
     excerpt: bytes, cut: bool, secrets: tuple[str, ...]
-) -> tuple[str, str | None]:
-    """The message of an error body, redacted before it is shortened, and the
-    provider's error code when the body says one."""
+) -> tuple[str, str | None, Any]:
+    """The message of an error body, redacted before it is shortened, the provider's
+    error code when the body says one, and the body read as JSON (``None`` when it is
+    not: cut, or text)."""
     text = excerpt.decode("utf-8", "replace").strip()
     if not text:
-        return "", None
+        return "", None, None
     if not cut:
         try:
             payload = as_text(json.loads(text), text)
         except (ValueError, RecursionError):
             pass
         else:
-            return error_message(payload, 300, secrets), error_code(payload, secrets)
-    return clip(text, 200, secrets, cut=cut), None
+            return error_message(payload, 300, secrets), error_code(payload, secrets), payload
+    return clip(text, 200, secrets, cut=cut), None, None
 
 
 # Retry hints: openai-python reads retry-after-ms, then retry-after as seconds or an
