@@ -143,7 +143,8 @@ class FatalUpstreamError(UpstreamError):
 
 
 class SourceDeadError(UpstreamError):
-    """The source rejects us (401, 402, 403, 404, 407): it is taken out for a long
+    """The source rejects us (401, 402, 403, 404, 407, or a body that says so: see
+    ``classify_status``): it is taken out for a long
     cooldown."""
 
     outcome = Outcome.DEAD
@@ -284,8 +285,20 @@ OUT_OF_CREDIT_CODES = frozenset({"insufficient_quota"})
 _SERVER_4XX = frozenset({424, 498})
 #: Gemini's reasons for a 400 that is its key's state, not the request's.
 _KEY_REASONS = frozenset({"API_KEY_INVALID", "API_KEY_EXPIRED", "API_KEY_SERVICE_BLOCKED"})
-#: Anthropic answers an account out of credit with a 400 ``invalid_request_error``.
-_NO_CREDIT_TEXT = re.compile(r"credit balance is too low", re.IGNORECASE)
+#: Anthropic answers an account out of credit with a 400 ``invalid_request_error``
+#: whose message begins so (anchored: a message that quotes a caller's text saying it
+#: is a request's error, not the account's state).
+_NO_CREDIT_TEXT = re.compile(r"\s*your credit balance is too low", re.IGNORECASE)
+#: Gemini's ``FAILED_PRECONDITION`` 400s that are the project's state: its free tier
+#: not offered where it is, billing off (a file still processing, a cached content
+#: gone, are the request's, and stay fatal).
+_PROJECT_TEXT = re.compile(
+    r"free tier is not available|enable billing|user location is not supported", re.IGNORECASE
+)
+#: llama.cpp's server refuses an input longer than its batch with a 500 ("input (N
+#: tokens) is too large to process. increase the physical batch size"): the
+#: request's fault, the same every time, not the server's failure.
+_TOO_LARGE_TEXT = re.compile(r"\s*input \([0-9]+ tokens\) is too large to process")
 #: Google's ``RetryInfo.retryDelay``: a duration in seconds ("37s", "37.5s").
 _GOOGLE_DELAY = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,9})?)s")
 
@@ -308,8 +321,11 @@ def refusal_hint(status: int, payload: Any) -> str | None:
     """What an error body says of its refusal where its status alone would mislead:
 
     * ``"dead"``: a 400 that is the source's own state, not the request's -- Gemini's
-      invalid or expired key (``details[].reason``), its project's billing off
-      (``FAILED_PRECONDITION``), Anthropic's credit balance too low;
+      invalid or expired key (``details[].reason``), its project's billing off or its
+      free tier not offered there (a ``FAILED_PRECONDITION`` that says so), Anthropic's
+      credit balance too low (its message's beginning);
+    * ``"request"``: a 500 that is the request's fault (llama.cpp's input too large for
+      its batch): fatal, as a 400;
     * ``"policy"``: a 403 that refuses this request by a moderation, not us (OpenRouter
       names the flagged input in ``error.metadata``): one caller's prompt must not
       take the source out for every other caller.
@@ -317,17 +333,20 @@ def refusal_hint(status: int, payload: Any) -> str | None:
     inner = _inner(payload)
     if inner is None:
         return None
+    message = inner.get("message")
+    message = message[:1000] if isinstance(message, str) else ""
     if status == 400:
         details = inner.get("details")
         if type(details) is list and any(
             isinstance(d, dict) and d.get("reason") in _KEY_REASONS for d in details
         ):
             return "dead"
-        message = inner.get("message")
-        if inner.get("status") == "FAILED_PRECONDITION" or (
-            isinstance(message, str) and _NO_CREDIT_TEXT.search(message[:1000])
+        if (inner.get("status") == "FAILED_PRECONDITION" and _PROJECT_TEXT.search(message)) or (
+            _NO_CREDIT_TEXT.match(message)
         ):
             return "dead"
+    elif status == 500 and _TOO_LARGE_TEXT.match(message):
+        return "request"
     elif status == 403:
         metadata = inner.get("metadata")
         if isinstance(metadata, dict) and ("flagged_input" in metadata or "reasons" in metadata):
@@ -373,7 +392,7 @@ def classify_status(
     """
     if hint == "dead" or (status == 429 and code in OUT_OF_CREDIT_CODES):
         return SourceDeadError(detail or "out of credit", source=source, status_code=status)
-    if hint == "policy":
+    if hint in ("policy", "request"):
         return FatalUpstreamError(detail or "request refused", source=source, status_code=status)
     if status == 429 or (status == 402 and retry_after_s is not None):
         return RateLimitedError(

@@ -46,7 +46,8 @@ _CONTEXT_TEXT = re.compile(
     # llama.cpp ("exceeds the available context size"), Gemini ("The input token count
     # (…) exceeds the maximum number of tokens allowed"), TGI and Together ("`inputs`
     # tokens + `max_new_tokens` must be <= 4096").
-    r"|context size|exceeds the maximum number of tokens|tokens \+ .?max_new_tokens.? must be",
+    r"|context size|exceeds the maximum number of tokens|tokens \+ .?max_new_tokens.? must be"
+    r"|is too large to process",  # llama.cpp: an input longer than its batch
     re.IGNORECASE,
 )
 _POLICY_TEXT = re.compile(

@@ -224,3 +224,19 @@ async def test_a_429_that_says_the_account_is_out_of_credit_is_a_dead_source(
                                 transport=Router({"a": FakeUpstream(broke), "b": b})) as s:
         r = await s.chat(MESSAGES)
     assert (r.text, r.source, r.call_stats.attempts) == ("from b", "b", 2)
+
+
+def test_the_statuses_the_docs_call_never_fatal_are_the_codes() -> None:
+    """docs/failover.md lists the statuses ``fallback_on=["status:4NN"]`` refuses as
+    never fatal (review: 424 and 498 became transient and the list did not say so)."""
+    import re
+
+    from .conftest import ROOT
+
+    text = (ROOT / "docs" / "failover.md").read_text()
+    found = re.search(r"a status that is never fatal \(([0-9, ]+)\)", text)
+    assert found is not None
+    listed = {int(n) for n in found.group(1).split(",")}
+    never = {s for s in range(400, 500)
+             if not isinstance(classify_status(s, ""), polygate.FatalUpstreamError)}
+    assert listed == never

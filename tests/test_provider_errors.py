@@ -182,8 +182,7 @@ async def test_context_overflow_is_recognised(
     autojump_clock: trio.testing.MockClock, status: int, body: Any
 ) -> None:
     """Expected: the refusal counts as context_length (fallback_on=["context_length"]
-    routes to a larger model; serve passes code context_length_exceeded, which
-    LangChain & co. act on).  Actual: only "fatal"/"status:NNN"."""
+    routes it to a larger model).  Actual: only "fatal"/"status:NNN"."""
     transport, _ = serving(status, body)
     async with polygate.session(two_source_settings(names=("a",)), transport=transport) as s:
         with pytest.raises(polygate.FatalUpstreamError) as failed:
@@ -353,3 +352,78 @@ async def test_an_answer_that_finished_with_an_error_is_not_cached(
             except polygate.PolygateError:
                 pass
     assert sent["n"] >= 2
+
+
+# ---------------------------------------------------------------- a request's error is no source's state
+
+# Gemini: a request naming an uploaded file still processing (or expired) is a 400
+# FAILED_PRECONDITION -- the caller's file, not the project's billing.
+GEMINI_FILE_NOT_ACTIVE = [{"error": {
+    "code": 400, "status": "FAILED_PRECONDITION",
+    "message": "The File smq4dsfof7gd is not in an ACTIVE state and usage is not allowed."}}]
+# A 400 that quotes the caller's input (pydantic validation errors echo the value): the
+# caller's text says "credit balance is too low"; the 400 is about the request.
+QUOTED_PROMPT_400 = {"object": "error", "type": "BadRequestError", "code": 400, "param": None,
+                     "message": "1 validation error: messages.0.role: Input should be 'system', "
+                                "'user', 'assistant' or 'tool' [input_value='my credit balance is "
+                                "too low, help']"}
+
+
+@pytest.mark.parametrize("body", [GEMINI_FILE_NOT_ACTIVE, QUOTED_PROMPT_400],
+                         ids=["gemini-file-not-active", "prompt-quoted-credit-text"])
+async def test_a_request_error_does_not_take_the_source_out(
+    autojump_clock: trio.testing.MockClock, body: Any
+) -> None:
+    """Review of the rules above: any FAILED_PRECONDITION, and any 400 whose message held
+    "credit balance is too low" anywhere (a prompt quoted in it too), marked the source
+    dead: one caller's request error refused every other caller for 300 s."""
+    bad = True
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json=body) if bad else httpx.Response(200, json=OK_BODY)
+
+    async with polygate.session(two_source_settings(names=("a",)),
+                                transport=httpx.MockTransport(handler)) as s:
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.chat(MESSAGES)
+        bad = False
+        assert (await s.chat(MESSAGES)).text == "from b"  # (OK_BODY's text) the source is up
+
+
+# llama.cpp's server (--embeddings) refuses an input longer than its physical batch
+# with a 500 (tools/server: send_error(..., ERROR_TYPE_SERVER)).
+def _llama_cpp(request: httpx.Request) -> httpx.Response:
+    inputs = json.loads(request.content)["input"]
+    if any(len(text) > 200 for text in inputs):
+        return httpx.Response(500, json={"error": {
+            "code": 500, "type": "server_error",
+            "message": "input (1000 tokens) is too large to process. increase the physical "
+                       "batch size (current batch size: 512)"}})
+    data = [{"object": "embedding", "index": i, "embedding": [0.25] * 8} for i in range(len(inputs))]
+    return httpx.Response(200, json={"object": "list", "data": data, "model": "bge",
+                                     "usage": {"prompt_tokens": 3, "total_tokens": 3}})
+
+
+async def test_an_input_too_large_for_llama_cpp_is_the_requests_fault(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review (embeddings across providers): the 500 was retried as a server failure,
+    three identical requests a call, and two such calls opened the breaker of a
+    healthy server for every other caller.  It is fatal, sent once, breaker-neutral,
+    and a context-length refusal for ``fallback_on``."""
+    sent: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return _llama_cpp(request)
+
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+        for _ in range(3):
+            with pytest.raises(polygate.FatalUpstreamError) as failed:
+                await s.embed(["x" * 1000])
+        ok = await s.embed(["short text"])
+    assert len(sent) == 4 and len(ok.vectors) == 1
+    assert ok.call_stats.total_latency_ms < 1000  # no breaker opened
+    assert "context_length" in failure_reasons(failed.value)
