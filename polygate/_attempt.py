@@ -271,7 +271,9 @@ async def run_embed_attempt(
         payload = result[1]
         wire = payload.get("usage") if isinstance(payload, dict) else None
         usage = Usage.from_wire(wire)
-        if usage is None:
+        if usage is None or usage.total_tokens == 0:
+            # (0 tokens for inputs that are never empty is no count: LM Studio reports
+            # it for every request; believed, the source's TPM would never bind.)
             return Usage(admission.tokens, 0, admission.tokens, source="estimated")
         # An embedding's tokens are all input: an upstream that reports only
         # total_tokens (Voyage AI) reported its prompt tokens.

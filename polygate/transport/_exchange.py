@@ -748,6 +748,11 @@ async def embeddings_exchange(
     """Run one embeddings request; vectors come back in input order."""
 
     wanted = params.get("dimensions")
+    if wanted is not None and _packed_bits(params):
+        # Binary embeddings packed 8 dimensions to a byte (Jina's embedding_type, Azure
+        # AI Inference's and vLLM's encodings "binary" / "ubinary"): 64 dimensions
+        # come as 8 numbers.
+        wanted = -(-wanted // 8) if type(wanted) is int and wanted > 0 else None
 
     async def read(response: httpx.Response) -> tuple[list[list[float]], dict[str, Any]]:
         payload = await _read_json(response, endpoint, limits)
@@ -768,6 +773,18 @@ async def embeddings_exchange(
     return await _exchange(
         transport, endpoint, endpoint.embeddings_url, body, call_id, timeline, read
     )
+
+
+_PACKED = frozenset({"binary", "ubinary"})
+
+
+def _packed_bits(params: Mapping[str, Any]) -> bool:
+    """Whether the call asked for binary embeddings, packed a bit a dimension."""
+    for name in ("embedding_type", "encoding_format", "output_dtype"):
+        value = params.get(name)
+        if isinstance(value, str) and value in _PACKED:
+            return True
+    return False
 
 
 def _vectors(payload: Any, expected: int, endpoint: Endpoint) -> list[list[float]]:

@@ -1,0 +1,64 @@
+"""Embedding endpoints of real providers, each answered as what it means (review,
+embeddings across providers: each case below was refused or miscounted)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import trio.testing
+
+import polygate
+from polygate.testing import Router
+
+
+def _settings(name: str, **source: object) -> polygate.Settings:
+    return polygate.Settings(scopes={"embed": polygate.Scope(sources=[
+        polygate.Source(name=name, base_url=f"http://{name}/v1", **source)])})  # type: ignore[arg-type]
+
+
+def _jina(request: httpx.Request) -> httpx.Response:
+    """Jina's /v1/embeddings: ``embedding_type`` "binary" / "ubinary" packs 8 dimensions
+    to a byte (Azure AI Inference's and vLLM's ``encoding_format`` the same)."""
+    body = json.loads(request.content)
+    dims = body.get("dimensions", 1024)
+    packed = body.get("embedding_type") in ("binary", "ubinary") or body.get(
+        "encoding_format") in ("binary", "ubinary")
+    data = [{"object": "embedding", "index": i, "embedding": [7] * (dims // 8 if packed else dims)}
+            for i in range(len(body["input"]))]
+    return httpx.Response(200, json={"model": "jina-embeddings-v3", "object": "list", "data": data,
+                                     "usage": {"total_tokens": 4, "prompt_tokens": 4}})
+
+
+@pytest.mark.parametrize("asked", [{"embedding_type": "ubinary"}, {"encoding_format": "binary"}])
+async def test_packed_binary_embeddings_of_the_asked_dimensions_are_an_answer(
+    autojump_clock: trio.testing.MockClock, asked: dict[str, str]
+) -> None:
+    """Review: 8 numbers for ``dimensions=64`` with a binary encoding is the answer
+    asked for, not a source that "does not honour dimensions"."""
+    router = Router({"jina": httpx.MockTransport(_jina)})
+    async with polygate.session(_settings("jina"), transport=router) as s:
+        assert len((await s.embed(["a"], dimensions=64)).vectors[0]) == 64
+        assert len((await s.embed(["a"], dimensions=64, **asked)).vectors[0]) == 8
+
+
+def _lm_studio(request: httpx.Request) -> httpx.Response:
+    """LM Studio's /v1/embeddings reports 0 tokens for every request
+    (lmstudio-ai/lmstudio-bug-tracker#1546)."""
+    inputs = json.loads(request.content)["input"]
+    data = [{"object": "embedding", "index": i, "embedding": [0.5] * 8} for i in range(len(inputs))]
+    return httpx.Response(200, json={"object": "list", "data": data, "model": "nomic",
+                                     "usage": {"prompt_tokens": 0, "total_tokens": 0}})
+
+
+async def test_a_usage_of_zero_tokens_for_inputs_is_no_count(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: believed, 0 settled nothing in the source's TPM window (its ``tpm`` never
+    bound) and charged a gateway key nothing.  Inputs are never empty, so 0 is no
+    count: the estimate stands, as for a usage not reported."""
+    router = Router({"lms": httpx.MockTransport(_lm_studio)})
+    async with polygate.session(_settings("lms", tpm=100_000), transport=router) as s:
+        r = await s.embed(["x" * 400] * 5)
+    assert r.usage.source == "estimated" and r.usage.prompt_tokens > 0
