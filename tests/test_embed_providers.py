@@ -10,7 +10,7 @@ import pytest
 import trio.testing
 
 import polygate
-from polygate.testing import Router
+from polygate.testing import FakeUpstream, Reply, Router
 
 
 def _settings(name: str, **source: object) -> polygate.Settings:
@@ -62,3 +62,23 @@ async def test_a_usage_of_zero_tokens_for_inputs_is_no_count(
     async with polygate.session(_settings("lms", tpm=100_000), transport=router) as s:
         r = await s.embed(["x" * 400] * 5)
     assert r.usage.source == "estimated" and r.usage.prompt_tokens > 0
+
+
+async def test_an_answer_over_the_body_cap_is_not_asked_for_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An embeddings answer's size is its batch's (inputs x dimensions), the same from
+    every source.  Review: over ``max_body_bytes`` it was transient, so the batch was
+    computed (and billed) ``max_attempts`` times, each a breaker failure of a healthy
+    source.  It is the request's error, said with what to change.  (Scaled down: a
+    256 KiB cap, 64 inputs of 512 dimensions.)"""
+    up = FakeUpstream(Reply(), embedding_dim=512)
+    settings = polygate.Settings(
+        max_body_bytes=256 * 1024,
+        scopes={"embed": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1")], embed_batch_size=64)})
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        with pytest.raises(polygate.FatalUpstreamError, match="lower embed_batch_size"):
+            await s.embed([f"chunk {i}" for i in range(64)])
+        state = (await s.statistics()).governance.sources[0].state
+    assert len(up.requests) == 1 and state.consecutive_failures == 0

@@ -57,6 +57,7 @@ from ._wire import (
     check_encoding,
     check_readable,
     embeddings_body,
+    over_cap,
     parse_retry_after,
     raise_for_status,
     read_capped,
@@ -755,7 +756,19 @@ async def embeddings_exchange(
         wanted = -(-wanted // 8) if type(wanted) is int and wanted > 0 else None
 
     async def read(response: httpx.Response) -> tuple[list[list[float]], dict[str, Any]]:
-        payload = await _read_json(response, endpoint, limits)
+        try:
+            payload = await _read_json(response, endpoint, limits)
+        except TransientUpstreamError as exc:
+            if not over_cap(exc):
+                raise
+            # An embeddings answer's size is its batch's (inputs x dimensions), the
+            # same from every source: asked again, it is computed and billed again,
+            # to be refused again.  The request's error, said with what to change.
+            raise FatalUpstreamError(
+                f"{exc.message}: an embeddings answer's size is its batch's (inputs x "
+                "dimensions); lower embed_batch_size or raise max_body_bytes",
+                source=endpoint.name,
+            ) from None
         vectors = _vectors(payload, len(inputs), endpoint)
         if wanted is not None and vectors and len(vectors[0]) != wanted:
             # An upstream that ignores ``dimensions`` (its model has one size): vectors

@@ -277,7 +277,7 @@ def check_readable(
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise TransientUpstreamError(
-            f"response body of {declared} bytes exceeds the {limit}-byte cap", source=source
+            f"response body of {declared} bytes {OVER_CAP} {limit}-byte cap", source=source
         )
 
 
@@ -298,15 +298,25 @@ async def read_capped(
     parts: list[bytes] = [head]
     size = len(head)
     if size > limit:
-        raise TransientUpstreamError(f"response body exceeds the {limit}-byte cap", source=source)
+        raise TransientUpstreamError(f"response body {OVER_CAP} {limit}-byte cap", source=source)
     async for part in body_pieces(response) if pieces is None else pieces:
         size += len(part)
         if size > limit:
             raise TransientUpstreamError(
-                f"response body exceeds the {limit}-byte cap", source=source
+                f"response body {OVER_CAP} {limit}-byte cap", source=source
             )
         parts.append(part)
     return b"".join(parts)
+
+
+#: What a body over ``max_body_bytes`` is said to do (``over_cap`` looks for it).
+OVER_CAP = "exceeds the"
+
+
+def over_cap(error: TransientUpstreamError) -> bool:
+    """Whether ``error`` is a body refused for its size (``read_capped``)."""
+    return error.message.startswith("response body ") and f" {OVER_CAP} " in error.message \
+        and error.message.endswith("-byte cap")
 
 
 #: How much of an error response's body is read for its message.
