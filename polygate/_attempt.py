@@ -403,7 +403,8 @@ async def _settle(
             sent=timeline.sent_at is not None,
             retry_after_s=error.retry_after_s if error is not None else None,
             latency_s=latency,
-            at_least=record.prompt_estimate + streamed if streamed else 0,
+            at_least=(record.prompt_estimate + streamed if streamed
+                      else admission.tokens if timeline.billed else 0),
             neutral=error is not None and error.exhausted is not None,
         )
     finally:

@@ -296,9 +296,10 @@ _PROJECT_TEXT = re.compile(
     r"free tier is not available|enable billing|user location is not supported", re.IGNORECASE
 )
 #: llama.cpp's server refuses an input longer than its batch with a 500 ("input (N
-#: tokens) is too large to process. increase the physical batch size"): the
-#: request's fault, the same every time, not the server's failure.
-_TOO_LARGE_TEXT = re.compile(r"\s*input \([0-9]+ tokens\) is too large to process")
+#: tokens) is too large to process. increase the physical batch size"; before it
+#: counted them, "input is too large to process."; gpustack's llama-box the same with
+#: a comma): the request's fault, the same every time, not the server's failure.
+_TOO_LARGE_TEXT = re.compile(r"\s*input (?:\([0-9]+ tokens\) )?is too large to process[.,]")
 #: Google's ``RetryInfo.retryDelay``: a duration in seconds ("37s", "37.5s").
 _GOOGLE_DELAY = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,9})?)s")
 

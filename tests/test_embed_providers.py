@@ -82,3 +82,57 @@ async def test_an_answer_over_the_body_cap_is_not_asked_for_again(
             await s.embed([f"chunk {i}" for i in range(64)])
         state = (await s.statistics()).governance.sources[0].state
     assert len(up.requests) == 1 and state.consecutive_failures == 0
+    # It was computed and answered (and may be billed): its estimate stands in the
+    # source's TPM window, not the nothing of a refusal (review of the fix).
+    assert state.tokens_in_window > 0
+
+
+def _bloated(request: httpx.Request) -> httpx.Response:
+    """A 200 whose body runs past any answer to its request (a proxy's runaway page)."""
+    return httpx.Response(200, content=b"{" + b" " * (2 * 1024 * 1024),
+                          headers={"content-type": "application/json"})
+
+
+def _healthy(request: httpx.Request) -> httpx.Response:
+    inputs = json.loads(request.content)["input"]
+    data = [{"object": "embedding", "index": i, "embedding": [0.5] * 8} for i in range(len(inputs))]
+    return httpx.Response(200, json={"object": "list", "data": data, "model": "m",
+                                     "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+
+
+async def test_a_body_larger_than_any_answer_to_its_batch_is_the_sources_fault(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review of the fix above: a source that sends more than one input's answer could
+    ever be (8,192 dimensions at most) is broken, not asked too much: transient, and
+    the call fails over to a healthy source."""
+    settings = polygate.Settings(
+        max_body_bytes=1024 * 1024,
+        scopes={"embed": polygate.Scope(sources=[
+            polygate.Source(name="broken", base_url="http://broken/v1", weight=100.0),
+            polygate.Source(name="ok", base_url="http://ok/v1")])})
+    router = Router({"broken": httpx.MockTransport(_bloated), "ok": httpx.MockTransport(_healthy)})
+    async with polygate.session(settings, transport=router) as s:
+        r = await s.embed(["hello"])
+    assert r.source == "ok" and r.call_stats.attempts == 2
+
+
+def _floats_only(request: httpx.Request) -> httpx.Response:
+    body = json.loads(request.content)
+    data = [{"object": "embedding", "index": i, "embedding": [0.5] * body["dimensions"]}
+            for i in range(len(body["input"]))]
+    return httpx.Response(200, json={"object": "list", "data": data, "model": "m",
+                                     "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+
+
+async def test_a_source_that_ignores_a_binary_encoding_is_named_for_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: the refusal named a ``dimensions=8`` nobody asked for."""
+    router = Router({"f": httpx.MockTransport(_floats_only)})
+    async with polygate.session(_settings("f"), transport=router) as s:
+        with pytest.raises(polygate.FatalUpstreamError) as failed:
+            await s.embed(["a"], dimensions=64, encoding_format="binary")
+    assert str(failed.value).endswith(
+        "64 numbers to dimensions=64 packed as binary: it does not honour the binary "
+        "encoding asked for")

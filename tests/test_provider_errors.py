@@ -391,21 +391,32 @@ async def test_a_request_error_does_not_take_the_source_out(
 
 
 # llama.cpp's server (--embeddings) refuses an input longer than its physical batch
-# with a 500 (tools/server: send_error(..., ERROR_TYPE_SERVER)).
-def _llama_cpp(request: httpx.Request) -> httpx.Response:
-    inputs = json.loads(request.content)["input"]
-    if any(len(text) > 200 for text in inputs):
-        return httpx.Response(500, json={"error": {
-            "code": 500, "type": "server_error",
-            "message": "input (1000 tokens) is too large to process. increase the physical "
-                       "batch size (current batch size: 512)"}})
-    data = [{"object": "embedding", "index": i, "embedding": [0.25] * 8} for i in range(len(inputs))]
-    return httpx.Response(200, json={"object": "list", "data": data, "model": "bge",
-                                     "usage": {"prompt_tokens": 3, "total_tokens": 3}})
+# with a 500 (tools/server: send_error(..., ERROR_TYPE_SERVER)); its wording before it
+# counted the tokens (issues #11105, #12295), and gpustack's llama-box's.
+TOO_LARGE = [
+    "input (1000 tokens) is too large to process. increase the physical batch size "
+    "(current batch size: 512)",
+    "input is too large to process. increase the physical batch size",
+    "input is too large to process, please increase the physical batch size",
+]
 
 
+def _llama_cpp(message: str) -> Any:
+    def answer(request: httpx.Request) -> httpx.Response:
+        inputs = json.loads(request.content)["input"]
+        if any(len(text) > 200 for text in inputs):
+            return httpx.Response(500, json={"error": {
+                "code": 500, "type": "server_error", "message": message}})
+        data = [{"object": "embedding", "index": i, "embedding": [0.25] * 8}
+                for i in range(len(inputs))]
+        return httpx.Response(200, json={"object": "list", "data": data, "model": "bge",
+                                         "usage": {"prompt_tokens": 3, "total_tokens": 3}})
+    return answer
+
+
+@pytest.mark.parametrize("message", TOO_LARGE)
 async def test_an_input_too_large_for_llama_cpp_is_the_requests_fault(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, message: str
 ) -> None:
     """Review (embeddings across providers): the 500 was retried as a server failure,
     three identical requests a call, and two such calls opened the breaker of a
@@ -415,7 +426,7 @@ async def test_an_input_too_large_for_llama_cpp_is_the_requests_fault(
 
     def handler(request: httpx.Request) -> httpx.Response:
         sent.append(request)
-        return _llama_cpp(request)
+        return _llama_cpp(message)(request)
 
     settings = polygate.Settings(scopes={"embed": polygate.Scope(
         sources=[polygate.Source(name="a", base_url="http://a/v1")])})

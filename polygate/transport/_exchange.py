@@ -102,6 +102,10 @@ class Timeline:
     #: The usage a stream reported before it was cut (vLLM's continuous usage: on
     #: every chunk), read only if it fails: a resumed answer's usage counts it.
     cut_usage: Callable[[], dict[str, Any] | None] | None = None
+    #: Set when an answer came (the source computed it, and may bill it) that polygate
+    #: then refused as the request's error (an embeddings answer too large, or of
+    #: other dimensions): it settles its estimate, not the nothing of a refusal.
+    billed: bool = False
 
     @property
     def last_token_at(self) -> float | None:
@@ -749,36 +753,41 @@ async def embeddings_exchange(
     """Run one embeddings request; vectors come back in input order."""
 
     wanted = params.get("dimensions")
-    if wanted is not None and _packed_bits(params):
-        # Binary embeddings packed 8 dimensions to a byte (Jina's embedding_type, Azure
-        # AI Inference's and vLLM's encodings "binary" / "ubinary"): 64 dimensions
-        # come as 8 numbers.
-        wanted = -(-wanted // 8) if type(wanted) is int and wanted > 0 else None
+    packed = _packed_bits(params)
+    # Binary embeddings packed 8 dimensions to a number (Jina's embedding_type, Azure
+    # AI Inference's and vLLM's encodings "binary" / "ubinary"): 64 dimensions come
+    # as 8 numbers.
+    length = -(-wanted // 8) if packed and type(wanted) is int and wanted > 0 else wanted
 
     async def read(response: httpx.Response) -> tuple[list[list[float]], dict[str, Any]]:
         try:
             payload = await _read_json(response, endpoint, limits)
         except TransientUpstreamError as exc:
-            if not over_cap(exc):
-                raise
+            if not (over_cap(exc) and _could_be_this_large(len(inputs), wanted, limits)):
+                raise  # (a source sending more than its answer could be: its fault)
             # An embeddings answer's size is its batch's (inputs x dimensions), the
             # same from every source: asked again, it is computed and billed again,
             # to be refused again.  The request's error, said with what to change.
+            timeline.billed = True
             raise FatalUpstreamError(
                 f"{exc.message}: an embeddings answer's size is its batch's (inputs x "
                 "dimensions); lower embed_batch_size or raise max_body_bytes",
                 source=endpoint.name,
             ) from None
         vectors = _vectors(payload, len(inputs), endpoint)
-        if wanted is not None and vectors and len(vectors[0]) != wanted:
+        if length is not None and vectors and len(vectors[0]) != length:
             # An upstream that ignores ``dimensions`` (its model has one size): vectors
             # of another length are not what was asked for, and would fail later, in
             # the caller's vector store.  Not a fault of the source's health (no
             # breaker, no retry): the scope's sources do not all serve what the call
             # asks, as with sources of different models.
+            timeline.billed = True
+            ignored = "the binary encoding asked for" if packed and len(vectors[0]) == wanted \
+                else "dimensions"
             raise FatalUpstreamError(
-                f"the upstream answered vectors of {len(vectors[0])} dimensions to "
-                f"dimensions={wanted}: it does not honour dimensions", source=endpoint.name,
+                f"the upstream answered vectors of {len(vectors[0])} numbers to "
+                f"dimensions={wanted}" + (" packed as binary" if packed else "")
+                + f": it does not honour {ignored}", source=endpoint.name,
             )
         return vectors, payload
 
@@ -789,6 +798,19 @@ async def embeddings_exchange(
 
 
 _PACKED = frozenset({"binary", "ubinary"})
+#: The most a vector of an embeddings answer takes in JSON, a number: ~32 bytes
+#: (``-0.0123456789012345,`` and the spaces some servers add).
+_JSON_NUMBER_BYTES = 32
+#: The most dimensions an embedding model gives, for a call that does not say.
+_MOST_DIMENSIONS = 8192
+
+
+def _could_be_this_large(inputs: int, dimensions: Any, limits: Limits) -> bool:
+    """Whether a batch's answer could pass ``max_body_bytes`` by its size alone (then
+    it is the request's error), rather than by a source sending more than any
+    answer to it could be (a fault of the source's, transient)."""
+    dims = dimensions if type(dimensions) is int and dimensions > 0 else _MOST_DIMENSIONS
+    return inputs * dims * _JSON_NUMBER_BYTES > limits.max_body_bytes
 
 
 def _packed_bits(params: Mapping[str, Any]) -> bool:
