@@ -785,9 +785,10 @@ async def embeddings_exchange(
             ignored = "the binary encoding asked for" if packed and len(vectors[0]) == wanted \
                 else "dimensions"
             raise FatalUpstreamError(
-                f"the upstream answered vectors of {len(vectors[0])} numbers to "
-                f"dimensions={wanted}" + (" packed as binary" if packed else "")
-                + f": it does not honour {ignored}", source=endpoint.name,
+                f"the upstream answered vectors of {len(vectors[0])} "
+                + ("numbers" if packed else "dimensions") + f" to dimensions={wanted}"
+                + (" packed as binary" if packed else "") + f": it does not honour {ignored}",
+                source=endpoint.name,
             )
         return vectors, payload
 
