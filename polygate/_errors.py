@@ -288,7 +288,12 @@ _KEY_REASONS = frozenset({"API_KEY_INVALID", "API_KEY_EXPIRED", "API_KEY_SERVICE
 #: Anthropic answers an account out of credit with a 400 ``invalid_request_error``
 #: whose message begins so (anchored: a message that quotes a caller's text saying it
 #: is a request's error, not the account's state).
-_NO_CREDIT_TEXT = re.compile(r"\s*your credit balance is too low", re.IGNORECASE)
+_NO_CREDIT_TEXT = re.compile(
+    # (or Anthropic's body inside a proxy's message, as LiteLLM's proxy words it:
+    # 'litellm.BadRequestError: AnthropicException - {"type":"error",...}')
+    r"\s*your credit balance is too low|.*\"message\"\s*:\s*\"your credit balance is too low",
+    re.IGNORECASE | re.DOTALL,
+)
 #: Gemini's ``FAILED_PRECONDITION`` 400s that are the project's state: its free tier
 #: not offered where it is, billing off (a file still processing, a cached content
 #: gone, are the request's, and stay fatal).

@@ -75,10 +75,16 @@ ANTHROPIC_NO_CREDIT = {"type": "error", "error": {
     "request_id": "req_011CbrFTcXhtiMzr3s6EocF7"}
 
 
+# The same, through LiteLLM's proxy, which words Anthropic's body into its message.
+LITELLM_NO_CREDIT = {"error": {
+    "message": "litellm.BadRequestError: AnthropicException - " + json.dumps(ANTHROPIC_NO_CREDIT),
+    "type": None, "param": None, "code": "400"}}
+
+
 @pytest.mark.parametrize("body", [GEMINI_BAD_KEY, GEMINI_BAD_KEY[0], GEMINI_NO_BILLING,
-                                  ANTHROPIC_NO_CREDIT],
+                                  ANTHROPIC_NO_CREDIT, LITELLM_NO_CREDIT],
                          ids=["gemini-key-list", "gemini-key-object", "gemini-no-billing",
-                              "anthropic-no-credit"])
+                              "anthropic-no-credit", "anthropic-no-credit-via-litellm"])
 async def test_a_source_state_sent_as_400_fails_over_and_marks_the_source_dead(
     autojump_clock: trio.testing.MockClock, body: Any
 ) -> None:
