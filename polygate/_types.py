@@ -234,7 +234,7 @@ def carries_something(choice: Mapping[str, Any]) -> bool:
             if isinstance(value, dict) and any(v is not None for v in value.values()):
                 return True
         elif key == "finish_reason":
-            if isinstance(value, str):
+            if isinstance(value, str) and value:  # ("": no finish, see ChatAssembler)
                 return True
         elif key == "logprobs":
             if isinstance(value, dict):

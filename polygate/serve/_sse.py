@@ -221,7 +221,7 @@ class StreamShape:
             if (self._nulled is not None and index in self._nulled and type(delta) is dict
                     and isinstance(delta.get("content"), str)):
                 self._nulled.discard(index)  # (the client's None is text now)
-            if choice.get("finish_reason") is not None:
+            if choice.get("finish_reason"):  # ("": no finish, as the library reads it)
                 self._finished.add(index)
         if unroled is not None and introduced is not None:
             # Role chunks go before this chunk: a choice it begins with its own role

@@ -200,7 +200,9 @@ class _Choice:
                 if isinstance(value, dict):
                     content = self._add_delta(value)
             elif key == "finish_reason":
-                if isinstance(value, str):
+                # (An empty one is no finish: StepFun and Zhipu send "" on every chunk
+                # before the last, as others send null.)
+                if isinstance(value, str) and value:
                     self.finish_reason = value
             elif key == "logprobs":
                 if isinstance(value, dict):
@@ -405,6 +407,19 @@ def _merge_extra(target: dict[str, Any], key: str, value: Any, *, join: bool = F
         target[key] = _own(value)
 
 
+def _merge_top(target: dict[str, Any], key: str, value: Any) -> None:
+    """A chunk's own extra (beside its choices), as ``_merge_extra`` -- but a list
+    that begins with what is held is that list again, whole or grown, not more of it:
+    Perplexity sends its ``citations`` and ``search_results`` whole on every chunk (a
+    non-streamed answer holds each once)."""
+    existing = target.get(key)
+    if (type(value) is list and type(existing) is list and len(value) >= len(existing)
+            and value[:len(existing)] == existing):
+        target[key] = _own(value)
+    else:
+        _merge_extra(target, key, value)
+
+
 #: Fields of an indexed list item that name or tag it: replaced, never joined (the
 #: same ``format`` in every fragment must not become its repetition).
 _TAGS = frozenset({"index", "type", "format", "id", "signature"})
@@ -551,7 +566,7 @@ class ChatAssembler:
                 if isinstance(value, dict):
                     self.usage = value  # cumulative on vLLM: the last one is the total
             elif value is not None:
-                _merge_extra(self._extras, key, value)
+                _merge_top(self._extras, key, value)
         return content
 
     def last_usage(self) -> dict[str, Any] | None:

@@ -427,6 +427,12 @@ async def _read_sse(
                     if not chunk_times:
                         timeline.first_token_at = now
                     chunk_times.append(now - timeline.paused_s)
+                    if tail is not None:
+                        # Content after every choice said its finish_reason (a proxy
+                        # that sends "stop" on every chunk: LiteLLM's for Gemini, Open
+                        # WebUI's): the grace bounds the silence after it, not the rest.
+                        tail = 0.0
+                        timeline.finished_at = chunk_times[-1]
                     if on_content is not None:
                         wait = on_content(now, chunk)
                         if wait is not None:
@@ -554,9 +560,15 @@ def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any
             delta = choice.get("delta")
             if type(delta) is dict and type(delta.get("content")) is list:
                 _flatten_parts(delta)
-            if choice.get("finish_reason") == "error":
+            reason = choice.get("finish_reason")
+            if reason is not None and type(reason) is str and reason in _FAILED:
                 raise _choice_error(choice, endpoint)
     return chunk
+
+
+#: Finish reasons that say the answer failed: OpenRouter's "error" (its error beside
+#: it), Zhipu's "network_error" ("the model's inference failed").
+_FAILED = frozenset({"error", "network_error"})
 
 
 def _choice_error(choice: dict[str, Any], endpoint: Endpoint) -> UpstreamError:
@@ -679,7 +691,10 @@ async def _read_json(
         choices = payload.get("choices")
         if type(choices) is list:
             for choice in choices:
-                if type(choice) is dict and choice.get("finish_reason") == "error":
+                if type(choice) is not dict:
+                    continue
+                reason = choice.get("finish_reason")
+                if type(reason) is str and reason in _FAILED:
                     raise _choice_error(choice, endpoint)
     return payload
 
