@@ -241,7 +241,7 @@ async def run_chat_attempt(
 
     ttft_timeout = source.ttft_timeout_s
     stall_first = False
-    if ctx.continuation is not None and stall_timeout is not None and source.streaming and (
+    if ctx.continuation is not None and stall_timeout is not None and endpoint.streams and (
             ttft_timeout is None or stall_timeout <= ttft_timeout):
         # A continuation of a committed stream: the caller's stream is silent until
         # its first token, so the stall watch bounds that wait too (else only

@@ -20,6 +20,7 @@ attempt's error.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
@@ -76,7 +77,7 @@ from .governance import (
     only_breakers,
     positive_count,
 )
-from .transport import message_text
+from .transport import Endpoint, message_text
 
 __all__ = ["Rounds", "call_stats", "every_error", "one_error", "run_chat", "run_embed"]
 
@@ -288,10 +289,10 @@ async def _retry_loop(
         for error in round_errors:
             if isinstance(error, FatalUpstreamError):
                 raise error
-        if round_errors and all(getattr(e, "prefill_refused", False) for e in round_errors):
+        if round_errors and all(getattr(e, "asked_again", False) for e in round_errors):
             # polygate's way of asking was refused, not the request: the same source is
-            # asked again without the prefill, free of max_attempts (once per source:
-            # it is never sent a prefill again in this call).
+            # asked again without it (the prefill, stream_options, streaming), free of
+            # max_attempts (once per source: it is never asked so again).
             for error in round_errors:
                 if error.source in failed:
                     failed.remove(error.source)
@@ -358,6 +359,50 @@ async def _retry_loop(
             await trio.sleep(
                 full_jitter(consumed, retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng)
             )
+
+
+#: A refusal of streaming itself, not of the request (OpenAI, o3 and gpt-5, to an
+#: organization that has not verified itself: "Your organization must be verified to
+#: stream this model").
+_NO_STREAMING = re.compile(r"must be verified to stream", re.IGNORECASE)
+
+
+def ask_again(ctx: CallContext, source: str, error: FatalUpstreamError) -> UpstreamError | None:
+    """The error to retry with when ``error`` refused polygate's own way of asking, not
+    the caller's request: the same source is asked again without it, free of
+    ``max_attempts`` (see _retry_loop), and never asked so again in this session;
+    ``None`` when the request itself was refused."""
+    endpoint = ctx.runtime.endpoints[(ctx.scope_name, source)]
+    learnt = _learn_refusal(endpoint, error, ctx.params)
+    if learnt is None:
+        return None
+    again = TransientUpstreamError(
+        f"refused {learnt} ({error.message}); asking without it",
+        source=error.source, status_code=error.status_code,
+    )
+    again.asked_again = True  # type: ignore[attr-defined]
+    return again
+
+
+def _learn_refusal(
+    endpoint: Endpoint, error: FatalUpstreamError, params: Mapping[str, Any]
+) -> str | None:
+    """What of polygate's own way of asking ``error`` refuses -- streaming, or the
+    ``stream_options`` it adds -- now marked on ``endpoint`` not to be asked again;
+    ``None`` when it refuses the request itself."""
+    asking = endpoint.asking
+    if not endpoint.streams:
+        return None
+    if _NO_STREAMING.search(error.message):
+        asking.stream = False
+        return "streaming"
+    if (asking.stream_options and error.status_code in (400, 422)
+            and "stream_options" in error.message and params.get("stream_options") is None):
+        # (Not when the caller sent stream_options of its own: then the request, as the
+        # caller wrote it, is what was refused.)
+        asking.stream_options = False
+        return "stream_options"
+    return None
 
 
 def _never_admitted(ctx: CallContext, errors: Sequence[Any], refusals: Sequence[Any]) -> bool:
@@ -523,6 +568,9 @@ async def run_chat(
         try:
             return await run_chat_attempt(ctx, admission, control, request)
         except FatalUpstreamError as exc:
+            again = ask_again(ctx, source.name, exc)
+            if again is not None:
+                raise again from exc
             if cont is None or not cont.prefilled(source) or failure_reasons(exc) & _NOT_PREFILL:
                 # (A context-length or content-policy 400 is about the conversation,
                 # not the prefill: asked again without it, the request is longer still.)
@@ -534,7 +582,7 @@ async def run_chat(
                 f"rejected the assistant prefill ({exc.message}); asking without one",
                 source=exc.source, status_code=exc.status_code,
             )
-            refused.prefill_refused = True  # type: ignore[attr-defined]  # (see _retry_loop)
+            refused.asked_again = True  # type: ignore[attr-defined]  # (see _retry_loop)
             raise refused from exc
 
     async def one_round() -> ChatResponse:

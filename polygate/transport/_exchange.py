@@ -140,7 +140,7 @@ async def chat_exchange(
     a read that brings more than it is parsed after a pass of the scheduler (see
     :func:`_hand_on_first_token`); False where the whole answer is all anyone waits for
     (a ``chat()`` that no hedge watches), which saves two scheduler passes a call."""
-    stream = endpoint.streaming
+    stream = endpoint.streams
 
     async def read(response: httpx.Response) -> dict[str, Any]:
         ctype = header_of(response, "content-type")

@@ -37,6 +37,7 @@ __all__ = [
     "check_depth",
     "check_encoding",
     "check_readable",
+    "Asking",
     "embeddings_body",
     "read_capped",
     "raise_for_status",
@@ -47,6 +48,20 @@ __all__ = [
 
 _USER_AGENT = "polygate/0.1"
 CALL_ID_HEADER = "x-polygate-call-id"
+
+
+@attrs.define(eq=False)
+class Asking:
+    """How a source is asked, as it has taught this session: what it refused of
+    polygate's own way of asking (never of a caller's request), not asked of it again."""
+
+    #: False once it refused the ``stream_options`` polygate adds to ask for usage
+    #: (Mistral's 422 "Extra inputs are not permitted", Azure before api-version
+    #: 2024-09-01, Groq and xAI at times): its usage, when it sends none, is estimated.
+    stream_options: bool = True
+    #: False once it refused to stream (OpenAI's o3 and gpt-5 for an organization that
+    #: has not verified itself): it is asked as a source that cannot stream is.
+    stream: bool = True
 
 
 @attrs.frozen
@@ -69,6 +84,12 @@ class Endpoint:
     embeddings_url: httpx.URL = attrs.field(init=False, repr=False)
     _headers: tuple[tuple[str, str], ...] = attrs.field(init=False, repr=False)
     key_problem: str | None = attrs.field(init=False, repr=False)
+    asking: Asking = attrs.field(init=False, factory=Asking, eq=False, repr=False)
+
+    @property
+    def streams(self) -> bool:
+        """Whether a chat request to it streams: it can, and has not refused to."""
+        return self.streaming and self.asking.stream
 
     def __attrs_post_init__(self) -> None:
         unsendable = self.api_key is not None and (
@@ -151,7 +172,7 @@ def chat_body(
     body: dict[str, Any] = {k: v for k, v in params.items() if k not in _RESERVED_PARAMS}
     if endpoint.model is not None:
         body["model"] = endpoint.model
-    if stream:
+    if stream and endpoint.asking.stream_options:
         body["stream"] = True
         given = body.get("stream_options")
         # (None, the usual, decided without an ABC check: ~0.2 µs.)
@@ -159,6 +180,8 @@ def chat_body(
         options["include_usage"] = True
         body["stream_options"] = options
     else:
+        if stream:
+            body["stream"] = True  # (to a source that refused stream_options)
         body.pop("stream_options", None)
     # msgspec (~0.6 µs here against ~2.8 for json's encoder, on every attempt); json's
     # where msgspec would not write what json does (see polygate._json.dumps; a key

@@ -1,0 +1,142 @@
+"""What polygate itself adds to a request, and a provider refuses: it is asked again
+without it, free of ``max_attempts``, and never asked so again in the session
+(review, provider by provider: each of these failed every call to the provider).
+
+* Mistral refuses the ``stream_options`` polygate adds to ask for usage (its
+  pydantic models forbid extra fields: avante-corp/avante.nvim#2347,
+  dnakov/anon-kode#53); so did Azure OpenAI before api-version 2024-09-01
+  ("Unrecognized request argument supplied: stream_options", openai/openai-python#1469)
+  and, at times, Groq and xAI.
+* OpenAI refuses to stream o3 and gpt-5 to an organization that has not verified
+  itself, and answers the same request unstreamed
+  (BeehiveInnovations/pal-mcp-server#134, charmbracelet/crush#422).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+import trio.testing
+
+import polygate
+from polygate.testing import Router
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+MISTRAL_422 = {
+    "object": "error",
+    "message": {"detail": [{"type": "extra_forbidden",
+                            "loc": ["body", "stream_options", "include_usage"],
+                            "msg": "Extra inputs are not permitted", "input": True}]},
+    "type": "invalid_request_error", "param": None, "code": None,
+}
+AZURE_400 = {"error": {"message": "Unrecognized request argument supplied: stream_options",
+                       "type": "invalid_request_error", "param": None, "code": None}}
+UNVERIFIED = {"error": {
+    "message": "Your organization must be verified to stream this model. Please go to: "
+               "https://platform.openai.com/settings/organization/general and click on Verify "
+               "Organization. If you just verified, it can take up to 15 minutes for access to "
+               "propagate.",
+    "type": "invalid_request_error", "param": "stream", "code": "unsupported_value"}}
+
+
+def _sse(text: str) -> bytes:
+    chunks = [
+        {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+         "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
+                      "finish_reason": None}]},
+        {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+         "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}],
+         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}},
+    ]
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+
+
+ANSWER = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+          "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                       "finish_reason": "stop"}],
+          "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+
+
+def _refusing(seen: list[dict[str, Any]], refused: str, body: dict[str, Any],
+              status: int) -> httpx.MockTransport:
+    """A provider that refuses requests carrying ``refused`` (a body key), and answers
+    the others as asked (streamed or not)."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content)
+        seen.append(sent)
+        if sent.get(refused):
+            return httpx.Response(status, json=body)
+        if sent.get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  content=_sse("hello"))
+        return httpx.Response(200, json=ANSWER)
+    return httpx.MockTransport(handler)
+
+
+def _settings(**source: Any) -> polygate.Settings:
+    return polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="p", base_url="http://p/v1", **source)],
+        retry=polygate.Retry(max_attempts=1))})
+
+
+@pytest.mark.parametrize(("status", "body"), [(422, MISTRAL_422), (400, AZURE_400)],
+                         ids=["mistral", "azure"])
+async def test_a_source_that_refuses_stream_options_is_asked_without_them(
+    autojump_clock: trio.testing.MockClock, status: int, body: dict[str, Any]
+) -> None:
+    seen: list[dict[str, Any]] = []
+    router = Router({"p": _refusing(seen, "stream_options", body, status)})
+    async with polygate.session(_settings(), transport=router) as s:
+        first = await s.chat(MESSAGES)  # (max_attempts=1: the retry is free)
+        async with s.stream_chat(MESSAGES) as stream:
+            text = "".join([chunk.text async for chunk in stream])
+    assert first.text == text == "hello"
+    assert first.usage.source == "upstream"  # (Mistral sends usage unasked)
+    # Refused once; streamed after it, without stream_options, in this call and the next.
+    assert ["stream_options" in sent for sent in seen] == [True, False, False]
+    assert all(sent["stream"] for sent in seen)
+
+
+async def test_a_callers_own_stream_options_refused_are_the_callers_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The caller's own ``stream_options``, refused: the request as the caller wrote it
+    was refused, so its error is the call's, and the source is asked so again later."""
+    seen: list[dict[str, Any]] = []
+    router = Router({"p": _refusing(seen, "stream_options", MISTRAL_422, 422)})
+    async with polygate.session(_settings(), transport=router) as s:
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.chat(MESSAGES, stream_options={"include_usage": True})
+        await s.chat(MESSAGES)
+    assert ["stream_options" in sent for sent in seen] == [True, True, False]
+
+
+async def test_a_source_that_refuses_to_stream_is_asked_unstreamed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    seen: list[dict[str, Any]] = []
+    router = Router({"p": _refusing(seen, "stream", UNVERIFIED, 400)})
+    async with polygate.session(_settings(model="o3"), transport=router) as s:
+        first = await s.chat(MESSAGES)
+        async with s.stream_chat(MESSAGES) as stream:  # (one chunk: the whole answer)
+            text = "".join([chunk.text async for chunk in stream])
+    assert first.text == text == "hello"
+    assert [bool(sent.get("stream")) for sent in seen] == [True, False, False]
+    assert all("stream_options" not in sent for sent in seen[1:])
+
+
+async def test_ocr_pages_learn_it_too(autojump_clock: trio.testing.MockClock) -> None:
+    from .test_ocr import image_bytes
+
+    seen: list[dict[str, Any]] = []
+    router = Router({"p": _refusing(seen, "stream_options", MISTRAL_422, 422)})
+    settings = polygate.Settings(scopes={"ocr": polygate.Scope(
+        sources=[polygate.Source(name="p", base_url="http://p/v1")],
+        retry=polygate.Retry(max_attempts=1))})
+    async with polygate.session(settings, transport=router) as s:
+        r = await s.ocr(image_bytes("PNG", (64, 64)))
+    assert r.text == "hello" and ["stream_options" in sent for sent in seen] == [True, False]
