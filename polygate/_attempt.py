@@ -116,11 +116,14 @@ class AttemptControl:
         if earliest != scope.deadline:
             scope.deadline = earliest
 
-    def answered(self, until: float) -> None:
+    def answered(self, until: float) -> float:
         """Every choice has its finish_reason: no clock of the attempt's fires after
-        it.  No token can follow, so silence is no stall, and the answer is in hand, so
-        ``timeout_s`` has nothing left to bound: the exchange bounds the rest (a usage
-        chunk, ``[DONE]``) itself, ``until`` then (``transport.END_GRACE_S``)."""
+        it.  Silence is no stall, and the answer is in hand, so ``timeout_s`` has
+        nothing left to bound: the exchange bounds the rest (a usage chunk, ``[DONE]``)
+        itself, ``until`` then (``transport.END_GRACE_S``).  Returns the whole
+        attempt's deadline as it was: content that still comes after the finish (a
+        proxy that says "stop" on every chunk) is read until then at most."""
+        whole = self._whole
         self._whole = self._watch = math.inf
         scope = self.scope
         assert scope is not None  # (a choice finished: the attempt has started)
@@ -128,6 +131,7 @@ class AttemptControl:
         # assignment is a heap update in trio).
         if scope.deadline < until:
             scope.deadline = math.inf
+        return whole
 
     async def hold_while(self, wait: Callable[[], Awaitable[None]]) -> None:
         """Run ``wait`` (the caller taking a chunk it is behind on) with the attempt's

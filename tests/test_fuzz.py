@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import polygate
 from polygate._config import mask_url
 from polygate._config_load import describe, settings_from_env, settings_from_toml
-from polygate._errors import classify_exception, classify_status, error_message
+from polygate._errors import classify_exception, classify_status, error_message, refusal_hint
 from polygate.transport import ChatAssembler, Endpoint, has_content
 from polygate.transport._exchange import _classified, _error_event
 from polygate.transport._sse import SSEDecoder
@@ -188,8 +188,11 @@ def test_error_messages_never_show_the_key(text: str, at: int, status: int, shap
     else:
         body = json.dumps([message, status]).encode()
     for cut in (False, True):
-        detail = _error_detail(body[: max(1, len(body) - (at % 7))] if cut else body, cut, ENDPOINT.secrets)
-        error = classify_status(status, detail, source="a")
+        detail, code, payload = _error_detail(
+            body[: max(1, len(body) - (at % 7))] if cut else body, cut, ENDPOINT.secrets)
+        error = classify_status(status, detail, source="a", code=code,
+                                hint=refusal_hint(status, payload))
+        assert code is None or not _leaks(SECRET, code)
         assert not _leaks(SECRET, str(error) + repr(error))
     event = _error_event(body.decode("utf-8", "replace"), ENDPOINT)
     assert not _leaks(SECRET, str(event) + repr(event))

@@ -181,3 +181,61 @@ async def test_network_error_finish_is_a_failed_attempt() -> None:
     with pytest.raises(polygate.AllSourcesExhausted) as info:
         await chat(body)
     assert isinstance(info.value.errors[0], polygate.TransientUpstreamError)
+
+
+# ----------------------------------------------------------------------
+# Review of the fixes above: content after a finish re-arms the grace, but never past
+# the attempt's timeout_s (a stream that went on after its "stop" ran until
+# max_body_bytes); and the grace waits for a caller who is behind, as every clock of
+# the attempt does (a usage chunk that came in time was cut, its usage estimated).
+
+
+def _stop_on_every_chunk(n: int, gap: float) -> list[tuple[float, bytes]]:
+    head = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    out = [(gap, _ev({**head, "choices": [{"index": 0, "delta": {"content": f"w{i} "},
+                                            "finish_reason": "stop"}]})) for i in range(n)]
+    return [*out, (0.0, b"data: [DONE]\n\n")]
+
+
+async def test_timeout_s_bounds_content_after_a_finish(autojump_clock: trio.testing.MockClock) -> None:
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", timeout_s=5)],
+        retry=polygate.Retry(max_attempts=1))})
+    async with polygate.session(settings, transport=TimedTransport(_stop_on_every_chunk(2000, 0.5))) as s:
+        r = await s.chat(MESSAGES)
+        assert trio.current_time() <= 5  # (the answer as far as it came: complete)
+        async with s.stream_chat(MESSAGES) as stream:
+            chunks = [chunk async for chunk in stream]
+    assert r.text.startswith("w0 w1 ") and len(r.text.split()) < 12
+    assert len(chunks) < 12 and trio.current_time() <= 10
+
+
+async def test_the_end_grace_waits_for_a_slow_caller(autojump_clock: trio.testing.MockClock) -> None:
+    head = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    burst = b"".join(_ev({**head, "choices": [{"index": 0, "delta": {"content": f"w{i} "},
+                                              "finish_reason": None}]}) for i in range(40))
+    burst += _ev({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    filtered = {"hate": {"filtered": False, "severity": "safe"}}
+    pieces = [
+        (0.0, burst),
+        # Azure's annotation after the finish (no content token), then the usage
+        (0.01, _ev({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": None,
+                                         "content_filter_results": filtered}]})),
+        (0.01, _ev({**head, "choices": [], "usage": {
+            "prompt_tokens": 7, "completion_tokens": 40, "total_tokens": 47}})),
+        (0.0, b"data: [DONE]\n\n"),
+    ]
+    async with polygate.session(settings(), transport=TimedTransport(pieces)) as s:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                await trio.sleep(2)  # the caller is slow
+    assert stream.response is not None
+    usage = stream.response.usage
+    assert (usage.source, usage.total_tokens) == ("upstream", 47)
+
+
+async def test_the_gateway_relays_an_empty_finish_reason_as_none() -> None:
+    """A client that types the reason as an enum (async-openai) must not meet ""."""
+    out = await relay(sse([_chunk("a ", "", 1), _chunk("b ", "", 2), _chunk("", "stop", 2)]))
+    reasons = [c.get("finish_reason") for e in out["events"] for c in e.get("choices", [])]
+    assert "" not in reasons and "stop" in reasons

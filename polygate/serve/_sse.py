@@ -523,7 +523,7 @@ def _provider_fields(raw: Mapping[str, Any], seen: set[str] | None = None) -> di
 def string_content(choices: list[Any], key: str) -> list[Any] | None:
     """``choices`` with each ``message``/``delta`` (``key``) content that is neither a
     string nor null blanked to ``""``, and each ``finish_reason`` that is neither a
-    string nor null made null; ``None`` when none needs it (the common case copies
+    string nor null (or is ``""``) made null; ``None`` when none needs it (the common case copies
     nothing).  The library reads such a content (a number, a list of parts) as no text
     and such a reason as none, and a client that concatenates deltas or types the
     reason as a string enum must not meet an int or a list."""
@@ -538,7 +538,7 @@ def string_content(choices: list[Any], key: str) -> list[Any] | None:
 def _cleaned(choice: dict[str, Any], key: str) -> dict[str, Any]:
     out = dict(choice)
     reason = out.get("finish_reason")
-    if reason is not None and type(reason) is not str:
+    if reason is not None and (type(reason) is not str or not reason):
         out["finish_reason"] = None
     part = out.get(key)
     if type(part) is dict:
@@ -555,8 +555,8 @@ def _not_text(choice: Any, key: str) -> bool:
     if type(choice) is not dict:
         return False
     reason = choice.get("finish_reason")
-    if reason is not None and type(reason) is not str:
-        return True
+    if reason is not None and (type(reason) is not str or not reason):
+        return True  # ("" too: no finish, as the library reads it; StepFun and Zhipu send it)
     part = choice.get(key)
     if type(part) is not dict:
         return False

@@ -124,7 +124,7 @@ async def chat_exchange(
     call_id: str | None = None,
     hand_on_first_token: bool = True,
     on_extra: OnExtra | None = None,
-    on_finished: Callable[[float], None] | None = None,
+    on_finished: Callable[[float], float] | None = None,
     choices: int = 1,
 ) -> dict[str, Any]:
     """Run one chat completion and return the (assembled) non-streamed response body.
@@ -320,6 +320,21 @@ async def _sniff(pieces: AsyncIterator[bytes], limit: int) -> bytes:
     return head
 
 
+async def _held(
+    wait: Awaitable[None], timeline: Timeline, tail: float | None, rest_until: float | None
+) -> tuple[float | None, float | None]:
+    """Wait for a caller that is behind (its time is its own, ``Timeline.paused_s``); after
+    the finish, the grace and its bound move by it: what the upstream sent meanwhile
+    (a usage chunk, ``[DONE]``) is read, not cut as if it came late."""
+    paused = timeline.paused_s
+    await wait
+    if tail is None:
+        return None, rest_until
+    if rest_until is not None:
+        rest_until += timeline.paused_s - paused
+    return 0.0, rest_until
+
+
 async def _read_sse(
     response: httpx.Response,
     endpoint: Endpoint,
@@ -332,7 +347,7 @@ async def _read_sse(
     hand_on: bool = True,
     on_extra: OnExtra | None = None,
     choices: int = 1,
-    on_finished: Callable[[float], None] | None = None,
+    on_finished: Callable[[float], float] | None = None,
 ) -> dict[str, Any]:
     """``pieces``/``head``: the body's iterator after :func:`_sniff` read ``head``;
     ``hand_on``: as ``hand_on_first_token`` of :func:`chat_exchange`; ``on_extra``,
@@ -361,6 +376,10 @@ async def _read_sse(
     #: come; 0.0 until a read needs it (usually the same read brought the end: no
     #: clock is read, no scope made).
     tail: float | None = None
+    # The attempt's own bound on what comes after its finish (its timeout_s, moved by
+    # the time its caller held it): content that goes on after a finish_reason re-arms
+    # the grace, never past this.  (None: no finish yet.)
+    rest_until: float | None = None
     # (As ``async with aclosing(pieces)``, without its three calls a response.)
     try:
         iterator = pieces.__aiter__()
@@ -376,8 +395,13 @@ async def _read_sse(
                     else:
                         if not tail:
                             tail = current_time() + END_GRACE_S
-                            if on_finished is not None:
-                                on_finished(tail)  # (the attempt's own clocks stop)
+                            if rest_until is None:
+                                rest_until = math.inf
+                                if on_finished is not None:
+                                    # (The attempt's own clocks stop.)
+                                    rest_until = on_finished(tail)
+                            else:  # re-armed by content after the finish
+                                tail = min(tail, rest_until)
                             # A deadline around the call that falls inside the grace
                             # ends the grace, not the call: the answer is in hand, with
                             # what came of the rest (its usage), and there is time to
@@ -436,13 +460,13 @@ async def _read_sse(
                     if on_content is not None:
                         wait = on_content(now, chunk)
                         if wait is not None:
-                            await wait
+                            tail, rest_until = await _held(wait, timeline, tail, rest_until)
                         elif hand_on and len(chunk_times) == 1 and event is not events[-1]:
                             await _hand_on_first_token()
                 elif on_extra is not None and carries_extras(chunk):
                     wait = on_extra(chunk)  # (no token: no time, no watchdog)
                     if wait is not None:
-                        await wait
+                        tail, rest_until = await _held(wait, timeline, tail, rest_until)
             if done or ended:
                 break
             if tail is None and assembler.finishes >= choices and assembler.all_finished(choices):
