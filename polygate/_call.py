@@ -365,6 +365,15 @@ async def _retry_loop(
 #: organization that has not verified itself: "Your organization must be verified to
 #: stream this model").
 _NO_STREAMING = re.compile(r"must be verified to stream", re.IGNORECASE)
+#: A refusal of the ``stream_options`` field itself: Mistral's pydantic error at its
+#: location (``extra_forbidden``), Azure's "Unrecognized request argument supplied:
+#: stream_options", Groq's "property 'stream_options' is unsupported", xAI's "Argument
+#: not supported: stream_options" -- not any error whose text echoes the request.
+_NO_STREAM_OPTIONS = re.compile(
+    r"stream_options.{0,80}(extra_forbidden|not permitted|unsupported|not supported|unknown)"
+    r"|(unrecognized|not supported|unsupported|unknown)[^.]{0,60}stream_options",
+    re.IGNORECASE | re.DOTALL,
+)
 
 
 def ask_again(ctx: CallContext, source: str, error: FatalUpstreamError) -> UpstreamError | None:
@@ -397,7 +406,7 @@ def _learn_refusal(
         asking.stream = False
         return "streaming"
     if (asking.stream_options and error.status_code in (400, 422)
-            and "stream_options" in error.message and params.get("stream_options") is None):
+            and params.get("stream_options") is None and _NO_STREAM_OPTIONS.search(error.message)):
         # (Not when the caller sent stream_options of its own: then the request, as the
         # caller wrote it, is what was refused.)
         asking.stream_options = False

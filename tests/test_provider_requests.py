@@ -140,3 +140,29 @@ async def test_ocr_pages_learn_it_too(autojump_clock: trio.testing.MockClock) ->
     async with polygate.session(settings, transport=router) as s:
         r = await s.ocr(image_bytes("PNG", (64, 64)))
     assert r.text == "hello" and ["stream_options" in sent for sent in seen] == [True, False]
+
+
+async def test_an_error_that_only_echoes_the_request_teaches_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A 400 about the request whose text quotes the body sent (stream_options in it)
+    is the request's error: the source is not taught to go without stream_options."""
+    seen: list[dict[str, Any]] = []
+    echo = {"error": {"message": "messages.0.role: Input should be 'user'; body was "
+                                 "{'stream_options': {'include_usage': True}, 'model': 'm'}",
+                      "type": "invalid_request_error"}}
+    bad = True
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        if bad:
+            return httpx.Response(400, json=echo)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=_sse("hello"))
+
+    async with polygate.session(_settings(), transport=Router({"p": httpx.MockTransport(handler)})) as s:
+        with pytest.raises(polygate.FatalUpstreamError):
+            await s.chat(MESSAGES)
+        bad = False
+        await s.chat(MESSAGES)
+    assert ["stream_options" in sent for sent in seen] == [True, True]
