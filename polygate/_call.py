@@ -77,7 +77,7 @@ from .governance import (
     only_breakers,
     positive_count,
 )
-from .transport import Endpoint, message_text
+from .transport import Endpoint, Timeline, message_text
 
 __all__ = ["Rounds", "call_stats", "every_error", "one_error", "run_chat", "run_embed"]
 
@@ -289,12 +289,13 @@ async def _retry_loop(
         for error in round_errors:
             if isinstance(error, FatalUpstreamError):
                 raise error
-        if round_errors and all(getattr(e, "asked_again", False) for e in round_errors):
+        if any(getattr(e, "asked_again", False) for e in round_errors):
             # polygate's way of asking was refused, not the request: the same source is
             # asked again without it (the prefill, stream_options, streaming), free of
-            # max_attempts (once per source: it is never asked so again).
+            # max_attempts (once per source and field: it is never asked so again),
+            # whatever the round's other path did.
             for error in round_errors:
-                if error.source in failed:
+                if getattr(error, "asked_again", False) and error.source in failed:
                     failed.remove(error.source)
             continue
         again = _retry_same(retry.same_source_retries, primary_error, same_source)
@@ -376,13 +377,17 @@ _NO_STREAM_OPTIONS = re.compile(
 )
 
 
-def ask_again(ctx: CallContext, source: str, error: FatalUpstreamError) -> UpstreamError | None:
+def ask_again(
+    ctx: CallContext, source: str, error: FatalUpstreamError, sent: Timeline
+) -> UpstreamError | None:
     """The error to retry with when ``error`` refused polygate's own way of asking, not
     the caller's request: the same source is asked again without it, free of
     ``max_attempts`` (see _retry_loop), and never asked so again in this session;
-    ``None`` when the request itself was refused."""
+    ``None`` when the request itself was refused.  ``sent``: the refused attempt's
+    timeline, which says what its request carried (another call may have taught the
+    source meanwhile: a refusal of a request sent before is still one)."""
     endpoint = ctx.runtime.endpoints[(ctx.scope_name, source)]
-    learnt = _learn_refusal(endpoint, error, ctx.params)
+    learnt = _learn_refusal(endpoint, error, ctx.params, sent)
     if learnt is None:
         return None
     again = TransientUpstreamError(
@@ -394,24 +399,29 @@ def ask_again(ctx: CallContext, source: str, error: FatalUpstreamError) -> Upstr
 
 
 def _learn_refusal(
-    endpoint: Endpoint, error: FatalUpstreamError, params: Mapping[str, Any]
+    endpoint: Endpoint, error: FatalUpstreamError, params: Mapping[str, Any], sent: Timeline
 ) -> str | None:
     """What of polygate's own way of asking ``error`` refuses -- streaming, or the
     ``stream_options`` it adds -- now marked on ``endpoint`` not to be asked again;
     ``None`` when it refuses the request itself."""
     asking = endpoint.asking
-    if not endpoint.streams:
-        return None
-    if _NO_STREAMING.search(error.message):
+    if sent.sent_stream and _NO_STREAMING.search(error.message):
         asking.stream = False
         return "streaming"
-    if (asking.stream_options and error.status_code in (400, 422)
-            and params.get("stream_options") is None and _NO_STREAM_OPTIONS.search(error.message)):
-        # (Not when the caller sent stream_options of its own: then the request, as the
-        # caller wrote it, is what was refused.)
+    given = params.get("stream_options")
+    if (sent.sent_stream_options and error.status_code in (400, 422)
+            and (given is None or (isinstance(given, Mapping) and set(given) <= _OURS))
+            and _NO_STREAM_OPTIONS.search(error.message)):
+        # (Not when the caller sent stream_options of its own beyond include_usage,
+        # which polygate asks for anyway: then the request, as the caller wrote it,
+        # is what was refused.  A gateway client's include_usage is the gateway's.)
         asking.stream_options = False
         return "stream_options"
     return None
+
+
+#: The ``stream_options`` polygate sends of its own.
+_OURS = frozenset({"include_usage"})
 
 
 def _never_admitted(ctx: CallContext, errors: Sequence[Any], refusals: Sequence[Any]) -> bool:
@@ -577,7 +587,7 @@ async def run_chat(
         try:
             return await run_chat_attempt(ctx, admission, control, request)
         except FatalUpstreamError as exc:
-            again = ask_again(ctx, source.name, exc)
+            again = ask_again(ctx, source.name, exc, control.record.timeline)
             if again is not None:
                 raise again from exc
             if cont is None or not cont.prefilled(source) or failure_reasons(exc) & _NOT_PREFILL:

@@ -183,7 +183,7 @@ async def _ocr_pages(
             try:
                 return await run_chat_attempt(ctx, admission, control, request)
             except FatalUpstreamError as exc:
-                again = ask_again(ctx, admission.source, exc)
+                again = ask_again(ctx, admission.source, exc, control.record.timeline)
                 if again is not None:
                     raise again from exc
                 raise

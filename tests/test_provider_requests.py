@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 import trio.testing
 
 import polygate
@@ -104,15 +105,19 @@ async def test_a_source_that_refuses_stream_options_is_asked_without_them(
 async def test_a_callers_own_stream_options_refused_are_the_callers_error(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """The caller's own ``stream_options``, refused: the request as the caller wrote it
-    was refused, so its error is the call's, and the source is asked so again later."""
+    """The caller's own ``stream_options`` (beyond the ``include_usage`` polygate asks
+    for anyway), refused: the request as the caller wrote it was refused, so its error
+    is the call's, and the source is asked so again later.  ``include_usage`` alone is
+    polygate's own, a gateway client's too (review: every streamed request with it
+    through ``polygate serve`` failed on such a source)."""
     seen: list[dict[str, Any]] = []
     router = Router({"p": _refusing(seen, "stream_options", MISTRAL_422, 422)})
     async with polygate.session(_settings(), transport=router) as s:
         with pytest.raises(polygate.FatalUpstreamError):
-            await s.chat(MESSAGES, stream_options={"include_usage": True})
+            await s.chat(MESSAGES, stream_options={"include_obfuscation": False})
+        await s.chat(MESSAGES, stream_options={"include_usage": True})
         await s.chat(MESSAGES)
-    assert ["stream_options" in sent for sent in seen] == [True, True, False]
+    assert ["stream_options" in sent for sent in seen] == [True, True, False, False]
 
 
 async def test_a_source_that_refuses_to_stream_is_asked_unstreamed(
@@ -166,3 +171,89 @@ async def test_an_error_that_only_echoes_the_request_teaches_nothing(
         bad = False
         await s.chat(MESSAGES)
     assert ["stream_options" in sent for sent in seen] == [True, True]
+
+
+class _Slow(httpx.AsyncBaseTransport):
+    """Refuses requests carrying ``refused`` after ``delay`` s (several in flight)."""
+
+    def __init__(self, refused: str, status: int, body: dict[str, Any], delay: float) -> None:
+        self.refused, self.status, self.body, self.delay = refused, status, body, delay
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        sent = json.loads(await request.aread())
+        await trio.sleep(self.delay)
+        if sent.get(self.refused):
+            return httpx.Response(self.status, json=self.body)
+        if sent.get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  content=_sse("hello"))
+        return httpx.Response(200, json=ANSWER)
+
+
+@pytest.mark.parametrize(("refused", "status", "body"),
+                         [("stream_options", 422, MISTRAL_422), ("stream", 400, UNVERIFIED)])
+async def test_calls_in_flight_when_a_source_refuses_are_each_asked_again(
+    autojump_clock: trio.testing.MockClock, refused: str, status: int, body: dict[str, Any]
+) -> None:
+    """Review: the first refusal taught the source, and the next, of a request sent
+    before it, was then no longer recognised: its call failed.  What a refusal
+    refused is what its request carried."""
+    texts: list[str] = []
+    async with polygate.session(_settings(), transport=Router({"p": _Slow(refused, status, body, 1.0)})) as s:
+
+        async def one() -> None:
+            texts.append((await s.chat(MESSAGES)).text)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one)
+            await trio.sleep(0.1)  # (virtual time: sent before the first is refused)
+            nursery.start_soon(one)
+    assert texts == ["hello", "hello"]
+
+
+async def test_a_refusal_beside_a_failed_hedge_is_still_asked_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: a round whose primary was refused for stream_options and whose hedge
+    failed with a 500 counted against max_attempts, and the call failed."""
+    class Broken(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            await request.aread()
+            await trio.sleep(1.0)
+            return httpx.Response(500, json={"error": {"message": "boom"}})
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
+        hedge=polygate.Hedge(after_s=0.5),
+        retry=polygate.Retry(max_attempts=1))})
+    router = Router({"a": _Slow("stream_options", 422, MISTRAL_422, 1.0), "b": Broken()})
+    async with polygate.session(settings, transport=router) as s:
+        r = await s.chat(MESSAGES)
+    assert (r.text, r.source) == ("hello", "a")
+
+
+async def test_a_gateway_clients_include_usage_is_the_gateways() -> None:
+    """Review: a gateway client's ``stream_options.include_usage`` (the OpenAI SDK's
+    usual call) reached the library as the caller's own, so a source that refuses the
+    field failed every such stream.  The gateway makes its usage chunk itself."""
+    from polygate.serve import open_server
+
+    key = "sk-gw-test-0123456789"
+    seen: list[dict[str, Any]] = []
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="p", base_url="http://p/v1")])},
+        serve=polygate.Serve(api_keys=[key]))
+    router = Router({"p": _refusing(seen, "stream_options", MISTRAL_422, 422)})
+    out: dict[str, Any] = {}
+    async with open_server(settings, port=0, transport=router) as server:
+        def post() -> None:
+            with httpx.Client(timeout=20) as client:
+                answer = client.post(
+                    server.base_url + "/chat/completions", headers={"authorization": f"Bearer {key}"},
+                    json={"model": "chat", "messages": MESSAGES, "stream": True,
+                          "stream_options": {"include_usage": True}})
+                out["status"], out["text"] = answer.status_code, answer.text
+
+        await trio.to_thread.run_sync(post)
+    assert out["status"] == 200 and "hello" in out["text"] and '"usage":{' in out["text"]

@@ -102,6 +102,11 @@ class Timeline:
     #: The usage a stream reported before it was cut (vLLM's continuous usage: on
     #: every chunk), read only if it fails: a resumed answer's usage counts it.
     cut_usage: Callable[[], dict[str, Any] | None] | None = None
+    #: What the request carried of polygate's own way of asking: whether it asked for
+    #: a stream, and for usage in it (``stream_options``) -- what a refusal refused,
+    #: whatever other calls have learnt of the source since (``Endpoint.asking``).
+    sent_stream: bool = False
+    sent_stream_options: bool = False
     #: Set when an answer came (the source computed it, and may bill it) that polygate
     #: then refused as the request's error (an embeddings answer too large, or of
     #: other dimensions): it settles its estimate, not the nothing of a refusal.
@@ -168,6 +173,8 @@ async def chat_exchange(
         return await _read_chat_json(response, endpoint, limits, ctype, pieces, head)
 
     body = chat_body(endpoint, messages_json, params, stream)
+    timeline.sent_stream = stream
+    timeline.sent_stream_options = stream and endpoint.asking.stream_options
     return await _exchange(transport, endpoint, endpoint.chat_url, body, call_id, timeline, read)
 
 
