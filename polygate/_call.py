@@ -377,6 +377,20 @@ _NO_STREAM_OPTIONS = re.compile(
 )
 
 
+async def run_asking_again(
+    ctx: CallContext, admission: Admission, control: AttemptControl, request: ChatRequest | None
+) -> Any:
+    """``run_chat_attempt``, a refusal of polygate's own way of asking turned into the
+    error that asks the source again without it (``ask_again``)."""
+    try:
+        return await run_chat_attempt(ctx, admission, control, request)
+    except FatalUpstreamError as exc:
+        again = ask_again(ctx, admission.source, exc, control.record.timeline)
+        if again is not None:
+            raise again from exc
+        raise
+
+
 def ask_again(
     ctx: CallContext, source: str, error: FatalUpstreamError, sent: Timeline
 ) -> UpstreamError | None:
@@ -585,11 +599,8 @@ async def run_chat(
                 else attrs.evolve(request, params={**request.params, **cont.limits})
             )
         try:
-            return await run_chat_attempt(ctx, admission, control, request)
+            return await run_asking_again(ctx, admission, control, request)
         except FatalUpstreamError as exc:
-            again = ask_again(ctx, source.name, exc, control.record.timeline)
-            if again is not None:
-                raise again from exc
             if cont is None or not cont.prefilled(source) or failure_reasons(exc) & _NOT_PREFILL:
                 # (A context-length or content-policy 400 is about the conversation,
                 # not the prefill: asked again without it, the request is longer still.)

@@ -32,11 +32,18 @@ from typing import Any
 
 import trio
 
-from ._attempt import AttemptControl, run_chat_attempt
-from ._call import _deadline_at, _retry_loop, _with_deadline, ask_again, call_stats, every_error
+from ._attempt import AttemptControl
+from ._call import (
+    _deadline_at,
+    _retry_loop,
+    _with_deadline,
+    call_stats,
+    every_error,
+    run_asking_again,
+)
 from ._config import Ocr
 from ._context import AttemptRecord, CallContext, ChatRequest, Runtime
-from ._errors import AllSourcesExhausted, ConfigError, FatalUpstreamError
+from ._errors import AllSourcesExhausted, ConfigError
 from ._ocr_document import Document, check_url, document_path, open_document
 from ._types import CallStats, OcrPage, OcrResponse, Usage
 from .governance import Admission, completion_budget
@@ -180,13 +187,7 @@ async def _ocr_pages(
         del page  # the request holds the only copy of the image while the page runs
 
         async def runner(admission: Admission, control: AttemptControl) -> Any:
-            try:
-                return await run_chat_attempt(ctx, admission, control, request)
-            except FatalUpstreamError as exc:
-                again = ask_again(ctx, admission.source, exc, control.record.timeline)
-                if again is not None:
-                    raise again from exc
-                raise
+            return await run_asking_again(ctx, admission, control, request)
 
         tokens = estimate + ctx.completion_estimate
         results[slot] = await _retry_loop(ctx, runner, None, deadline_at, tokens)

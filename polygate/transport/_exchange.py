@@ -591,15 +591,21 @@ def _chunk_of(event: Event, endpoint: Endpoint, max_depth: int) -> dict[str, Any
             delta = choice.get("delta")
             if type(delta) is dict and type(delta.get("content")) is list:
                 _flatten_parts(delta)
-            reason = choice.get("finish_reason")
-            if reason is not None and type(reason) is str and reason in _FAILED:
-                raise _choice_error(choice, endpoint)
+            if choice.get("finish_reason") is not None:
+                _refuse_failed(choice, endpoint)
     return chunk
 
 
 #: Finish reasons that say the answer failed: OpenRouter's "error" (its error beside
 #: it), Zhipu's "network_error" ("the model's inference failed").
 _FAILED = frozenset({"error", "network_error"})
+
+
+def _refuse_failed(choice: dict[str, Any], endpoint: Endpoint) -> None:
+    """Raise the error of a choice that finished failed (see ``_FAILED``)."""
+    reason = choice.get("finish_reason")
+    if type(reason) is str and reason in _FAILED:
+        raise _choice_error(choice, endpoint)
 
 
 def _choice_error(choice: dict[str, Any], endpoint: Endpoint) -> UpstreamError:
@@ -722,11 +728,8 @@ async def _read_json(
         choices = payload.get("choices")
         if type(choices) is list:
             for choice in choices:
-                if type(choice) is not dict:
-                    continue
-                reason = choice.get("finish_reason")
-                if type(reason) is str and reason in _FAILED:
-                    raise _choice_error(choice, endpoint)
+                if type(choice) is dict:
+                    _refuse_failed(choice, endpoint)
     return payload
 
 
