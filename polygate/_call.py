@@ -289,14 +289,16 @@ async def _retry_loop(
         for error in round_errors:
             if isinstance(error, FatalUpstreamError):
                 raise error
-        if any(getattr(e, "asked_again", False) for e in round_errors):
+        refusing = [e.source for e in round_errors if e.asked_again and e.source is not None]
+        if refusing:
             # polygate's way of asking was refused, not the request: the same source is
-            # asked again without it (the prefill, stream_options, streaming), free of
-            # max_attempts (once per source and field: it is never asked so again),
-            # whatever the round's other path did.
-            for error in round_errors:
-                if getattr(error, "asked_again", False) and error.source in failed:
-                    failed.remove(error.source)
+            # asked again without it (the prefill, stream_options, streaming), first,
+            # free of max_attempts and of same_source_retries (once per source and
+            # field: it is never asked so again), whatever the round's other path did.
+            for source in refusing:
+                if source in failed:
+                    failed.remove(source)
+            again = refusing[0]
             continue
         again = _retry_same(retry.same_source_retries, primary_error, same_source)
         if again is not None:
@@ -408,7 +410,7 @@ def ask_again(
         f"refused {learnt} ({error.message}); asking without it",
         source=error.source, status_code=error.status_code,
     )
-    again.asked_again = True  # type: ignore[attr-defined]
+    again.asked_again = True
     return again
 
 
@@ -612,7 +614,7 @@ async def run_chat(
                 f"rejected the assistant prefill ({exc.message}); asking without one",
                 source=exc.source, status_code=exc.status_code,
             )
-            refused.asked_again = True  # type: ignore[attr-defined]  # (see _retry_loop)
+            refused.asked_again = True  # (see _retry_loop)
             raise refused from exc
 
     async def one_round() -> ChatResponse:

@@ -124,6 +124,10 @@ class UpstreamError(PolygateError):
         # that, not the upstream, failed the attempt: it feeds neither the source's
         # breaker nor its health.
         self.exhausted: str | None = None
+        # Set on the error that asks a source again without what it refused of
+        # polygate's own way of asking (a prefill, stream_options, streaming): no
+        # failure of the source's or of the call's, though its attempt is listed.
+        self.asked_again = False
         if outcome is not None:
             self.outcome = outcome
 

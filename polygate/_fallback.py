@@ -76,7 +76,9 @@ def is_content_policy(error: PolygateError) -> bool:
 def failure_reasons(error: PolygateError) -> frozenset[str]:
     """Every ``fallback_on`` reason that ``error`` matches."""
     if isinstance(error, AllSourcesExhausted):
-        errors = error.errors
+        # (An attempt that only taught a source what it refuses of polygate's own
+        # asking failed nothing: the source was asked again.)
+        errors = [e for e in error.errors if not e.asked_again]
         if errors and all(isinstance(e, RateLimitedError) for e in errors):
             return frozenset({"exhausted", "rate_limited"})
         if not errors and error.retry_after_s is not None:

@@ -257,3 +257,72 @@ async def test_a_gateway_clients_include_usage_is_the_gateways() -> None:
 
         await trio.to_thread.run_sync(post)
     assert out["status"] == 200 and "hello" in out["text"] and '"usage":{' in out["text"]
+
+
+def _then_429(seen: list[dict[str, Any]]) -> httpx.MockTransport:
+    """Refuses stream_options once (Mistral's 422), then answers only 429s."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content)
+        seen.append(sent)
+        if sent.get("stream_options"):
+            return httpx.Response(422, json=MISTRAL_422)
+        return httpx.Response(429, headers={"retry-after": "1"},
+                              json={"error": {"message": "slow down", "code": "rate_limit_exceeded"}})
+    return httpx.MockTransport(handler)
+
+
+async def test_a_refusal_asked_again_is_no_failure_of_the_call(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: the asked-again attempt stood among the call's failures, so a source
+    that then answered only 429s no longer made the call ``rate_limited``, and
+    ``fallback_on=("rate_limited",)`` did not move it."""
+    settings = polygate.Settings(scopes={
+        "chat": polygate.Scope(
+            sources=[polygate.Source(name="p", base_url="http://p/v1")],
+            retry=polygate.Retry(max_attempts=1, rate_limit_wait_s=5),
+            fallback="backup", fallback_on=("rate_limited",)),
+        "backup": polygate.Scope(sources=[polygate.Source(name="b", base_url="http://b/v1")]),
+    })
+    seen: list[dict[str, Any]] = []
+    backup = httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=_sse("backup")))
+    async with polygate.session(settings, transport=Router({"p": _then_429(seen), "b": backup})) as s:
+        r = await s.chat(MESSAGES)
+    assert (r.text, r.source) == ("backup", "b")
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_a_refusal_is_asked_again_on_the_same_source(
+    autojump_clock: trio.testing.MockClock, seed: int
+) -> None:
+    """Review: the re-ask was an ordinary pick, and could go to another source whose
+    500 took the call's only attempt, though the source that refused would answer."""
+    import random
+
+    asked: list[tuple[str, bool]] = []
+
+    def mistral(request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content)
+        asked.append(("a", "stream_options" in sent))
+        if "stream_options" in sent:
+            return httpx.Response(422, json=MISTRAL_422)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=_sse("from a"))
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        asked.append(("b", False))
+        return httpx.Response(500, json={"error": {"message": "boom"}})
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1"),
+                 polygate.Source(name="b", base_url="http://b/v1")],
+        retry=polygate.Retry(max_attempts=1))})
+    router = Router({"a": httpx.MockTransport(mistral), "b": httpx.MockTransport(broken)})
+    async with polygate.session(settings, transport=router, rng=random.Random(seed)) as s:
+        try:
+            await s.chat(MESSAGES)
+        except polygate.AllSourcesExhausted:
+            assert asked[0] == ("b", False)  # (b was picked first, and failed)
+            return
+    assert asked[asked.index(("a", True)) + 1] == ("a", False)

@@ -176,10 +176,11 @@ def rate_limited_for(exc: errors.AllSourcesExhausted) -> float | None:
     """
     if exc.retry_after_s is not None:
         return exc.retry_after_s
-    if exc.errors and all(isinstance(e, errors.RateLimitedError) for e in exc.errors):
+    failed = [e for e in exc.errors if not e.asked_again]  # (see failure_reasons)
+    if failed and all(isinstance(e, errors.RateLimitedError) for e in failed):
         # Each source's latest word (the errors are in order): an earlier 429's
         # Retry-After is older than the wait that source asked for last.
-        latest = {e.source: e.retry_after_s for e in exc.errors}
+        latest = {e.source: e.retry_after_s for e in failed}
         known = [after for after in latest.values() if after is not None]
         return min(known) if known else 1.0
     return None
