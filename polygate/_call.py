@@ -205,6 +205,7 @@ async def _retry_loop(
     consumed = 0
     same_source: dict[str, int] = {}
     again: str | None = None  # the source to retry first (Retry.same_source_retries)
+    again_waits = True  # ... waiting out its cooldown (not when it is asked again)
     admitted: Admission | None = None  # an admission the loop already holds
     # Admission waits until the deadline; without one, waiting out 429 cooldowns is
     # bounded by rate_limit_wait_s (permits, RPM windows and breakers free up alone).
@@ -235,6 +236,10 @@ async def _retry_loop(
             admission = await _same_source(ctx, again, tokens, min(
                 cooldown_give_up_at, silent_until,
                 trio.current_time() + stall if stall is not None else math.inf,
+                # (A source asked again without what it refused is asked first only
+                # if it can be now: its cooldown is waited out only by a retry that
+                # same_source_retries asked for.)
+                math.inf if again_waits else trio.current_time(),
             ))
         if admission is None:
             limit, cooldown_limit = give_up_at, cooldown_give_up_at
@@ -298,9 +303,9 @@ async def _retry_loop(
             for source in refusing:
                 if source in failed:
                     failed.remove(source)
-            again = refusing[0]
+            again, again_waits = refusing[0], False
             continue
-        again = _retry_same(retry.same_source_retries, primary_error, same_source)
+        again, again_waits = _retry_same(retry.same_source_retries, primary_error, same_source), True
         if again is not None:
             # Retried on the same source first, free of max_attempts (bounded by
             # same_source_retries per source): a short outage of the preferred
@@ -389,6 +394,7 @@ async def run_asking_again(
     except FatalUpstreamError as exc:
         again = ask_again(ctx, admission.source, exc, control.record.timeline)
         if again is not None:
+            control.record.error = again  # (as the call lists it: see every_error)
             raise again from exc
         raise
 
@@ -615,6 +621,7 @@ async def run_chat(
                 source=exc.source, status_code=exc.status_code,
             )
             refused.asked_again = True  # (see _retry_loop)
+            control.record.error = refused  # (as the call lists it: see every_error)
             raise refused from exc
 
     async def one_round() -> ChatResponse:
@@ -966,7 +973,8 @@ def _failed(ctx: CallContext) -> list[tuple[AttemptRecord, UpstreamError]]:
 def _failed_sources(ctx: CallContext, scope_name: str) -> list[str]:
     """The sources of ``scope_name`` that failed in this call so far, least recently
     failed first (each once): where a new round of the call puts them."""
-    latest = [r.source for r, _ in reversed(_failed(ctx)) if r.scope == scope_name]
+    latest = [r.source for r, error in reversed(_failed(ctx))
+              if r.scope == scope_name and not error.asked_again]
     return list(reversed(dict.fromkeys(latest)))
 
 

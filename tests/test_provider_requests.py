@@ -326,3 +326,120 @@ async def test_a_refusal_is_asked_again_on_the_same_source(
             assert asked[0] == ("b", False)  # (b was picked first, and failed)
             return
     assert asked[asked.index(("a", True)) + 1] == ("a", False)
+
+
+# ----------------------------------------------------------------------
+# Review of the re-ask first: it waits out no cooldown (another source is free), and an
+# asked-again attempt is no failure of the call in serve's memory check, nor after a
+# structured re-ask (the call's errors are rebuilt from its attempts' records).
+
+
+def _answer(text: str) -> httpx.Response:
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_sse(text))
+
+
+async def test_asked_again_does_not_wait_out_a_cooldown_while_another_source_is_free(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Call X is refused stream_options by a (Mistral's 422, 1 s in); meanwhile call Y
+    got a 429 (Retry-After 30) from a.  X is asked again without stream_options: a
+    cools down for 29 s more while b is free.  same_source_retries=0 (the default:
+    "fail over at once ... another one is the fastest answer")."""
+    n = 0
+
+    async def a_handler(request: httpx.Request) -> httpx.Response:
+        nonlocal n
+        n += 1
+        sent = json.loads(request.content)
+        if n == 1:
+            await trio.sleep(1)
+            return httpx.Response(422, json=MISTRAL_422)
+        if sent.get("stream_options"):
+            return httpx.Response(429, headers={"retry-after": "30"},
+                                  json={"error": {"message": "slow down", "code": "rate_limit_exceeded"}})
+        return _answer("from a")
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+        polygate.Source(name="b", base_url="http://b/v1", weight=1e-9),
+    ])})
+    router = Router({"a": httpx.MockTransport(a_handler),
+                     "b": httpx.MockTransport(lambda r: _answer("from b"))})
+    done: dict[str, tuple[float, str | None]] = {}
+    async with polygate.session(settings, transport=router) as s:
+        async def call(name: str) -> None:
+            r = await s.chat(MESSAGES)
+            done[name] = (trio.current_time(), r.source)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, "X")
+            await trio.sleep(0.1)
+            nursery.start_soon(call, "Y")
+    assert done["Y"][1] == "b"
+    # X: refused at t=1; b was free all along.
+    assert done["X"][0] < 5, done
+
+
+async def test_serve_out_of_memory_not_hidden_by_an_asked_again_attempt(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Only this process's memory failed the call (the 422 before it was an asked-again
+    attempt, 'no failure of the call'): serve answers 503 out_of_memory, as it does
+    without the refusal -- rate_limited_for leaves asked-again errors out, reply_for's
+    memory check does not."""
+    from polygate.serve._errors import reply_for
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content).get("stream_options"):
+            return httpx.Response(422, json=MISTRAL_422)
+        raise MemoryError()
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")],
+        retry=polygate.Retry(max_attempts=1))})
+    async with polygate.session(settings, transport=Router({"a": httpx.MockTransport(handler)})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as failed:
+            await s.chat(MESSAGES)
+    error = failed.value
+    assert [e.asked_again for e in error.errors] == [True, False]
+    assert error.errors[1].exhausted == "memory"
+    reply = reply_for(error)
+    assert (reply.status, reply.code) == (503, "out_of_memory"), (reply.status, reply.code)
+
+
+async def test_structured_reask_errors_keep_the_asked_again_marker(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A schema call: round 1 is refused stream_options (asked again, answered with
+    text that is not the schema's), the re-ask round gets only 429s.  Without a re-ask
+    the call's AllSourcesExhausted lists the asked-again TransientUpstreamError
+    (asked_again=True), left out of the rate_limited judgement; after a re-ask
+    (_call.py body(): exc.errors = every_error(ctx), the attempt records' errors) it
+    lists the raw 422 FatalUpstreamError, asked_again=False: the call reads as refused
+    by a fatal error, and failure_reasons no longer says rate_limited."""
+    from polygate._fallback import failure_reasons
+
+    n = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal n
+        n += 1
+        if json.loads(request.content).get("stream_options"):
+            return httpx.Response(422, json=MISTRAL_422)
+        if n == 2:
+            return _answer("not json at all")
+        return httpx.Response(429, headers={"retry-after": "1"},
+                              json={"error": {"message": "slow down", "code": "rate_limit_exceeded"}})
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")],
+        retry=polygate.Retry(max_attempts=1, rate_limit_wait_s=5))})
+    async with polygate.session(settings, transport=Router({"a": httpx.MockTransport(handler)})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as failed:
+            await s.chat(MESSAGES, schema=schema)
+    error = failed.value
+    assert error.errors, error
+    assert not any(isinstance(e, polygate.FatalUpstreamError) for e in error.errors), [
+        (type(e).__name__, e.asked_again) for e in error.errors]
+    assert "rate_limited" in failure_reasons(error)

@@ -125,7 +125,8 @@ def reply_for(exc: BaseException) -> ErrorReply:
         return ErrorReply(503, _BACKEND_DOWN, "api_error", "governance_unavailable",
                           retry_after_s=_BACKEND_RETRY_S)
     if isinstance(exc, errors.AllSourcesExhausted):
-        if exc.errors and all(e.exhausted == "memory" for e in exc.errors):
+        failed = [e for e in exc.errors if not e.asked_again]  # (see rate_limited_for)
+        if failed and all(e.exhausted == "memory" for e in failed):
             # Not the sources': this process could not hold the request or the answer.
             return ErrorReply(503, OUT_OF_MEMORY, "api_error", "out_of_memory")
         wait = rate_limited_for(exc)
