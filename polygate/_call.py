@@ -394,7 +394,7 @@ async def run_asking_again(
     except FatalUpstreamError as exc:
         again = ask_again(ctx, admission.source, exc, control.record.timeline)
         if again is not None:
-            control.record.error = again  # (as the call lists it: see every_error)
+            control.record.listed_error = again  # (as the call lists it: see every_error)
             raise again from exc
         raise
 
@@ -621,7 +621,7 @@ async def run_chat(
                 source=exc.source, status_code=exc.status_code,
             )
             refused.asked_again = True  # (see _retry_loop)
-            control.record.error = refused  # (as the call lists it: see every_error)
+            control.record.listed_error = refused  # (as the call lists it: see every_error)
             raise refused from exc
 
     async def one_round() -> ChatResponse:
@@ -965,7 +965,7 @@ async def run_embed(
 
 def _failed(ctx: CallContext) -> list[tuple[AttemptRecord, UpstreamError]]:
     """The call's failed attempts and their errors, in the order they failed."""
-    failed = [(r, r.error) for r in ctx.attempts if r.error is not None]
+    failed = [(r, r.listed_error or r.error) for r in ctx.attempts if r.error is not None]
     failed.sort(key=lambda f: f[0].ended_at if f[0].ended_at is not None else math.inf)
     return failed
 

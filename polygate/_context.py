@@ -155,6 +155,10 @@ class AttemptRecord:
     timeline: Timeline = attrs.field(factory=Timeline)
     outcome: Outcome | None = None
     error: UpstreamError | None = None
+    #: The error the call lists for this attempt (``every_error``) when it is not the
+    #: attempt's own: the one that asked its source again without what it refused of
+    #: polygate's own asking (the attempt's row and span keep ``error``, its own).
+    listed_error: UpstreamError | None = None
     tokens_settled: int | None = None
     usage: Usage | None = None
     ended_at: float | None = None

@@ -275,3 +275,47 @@ async def test_an_embed_calls_inputs_stay_out_of_its_spans_with_log_content(
     dump = json.dumps([dict(s.attributes or {}) for s in spans]) + "".join(
         str(s.status.description) for s in spans)
     assert "[prompt text]" in dump and "merger" not in dump
+
+
+async def test_an_attempt_asked_again_has_the_same_error_in_its_span_and_its_row(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter,
+    tmp_path: Any,
+) -> None:
+    """A source that refused polygate's ``stream_options`` is asked again without them;
+    the refused attempt's span says its own error, as its row does.  Review: the error
+    the call lists for it (the one that asked again) replaced the attempt's own on its
+    record after the row was frozen, and the span, built at the call's end, said
+    another class and message."""
+    import sqlite3
+
+    import httpx
+
+    refusal = {"object": "error", "message": {"detail": [{
+        "type": "extra_forbidden", "loc": ["body", "stream_options", "include_usage"],
+        "msg": "Extra inputs are not permitted", "input": True}]},
+        "type": "invalid_request_error", "param": None, "code": None}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content).get("stream_options"):
+            return httpx.Response(422, json=refusal)
+        return httpx.Response(200, json={
+            "id": "x", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                         "finish_reason": "stop"}]})
+
+    db = tmp_path / "t.db"
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
+        telemetry=f"sqlite:///{db}")
+    async with polygate.session(settings, transport=Router({"a": httpx.MockTransport(handler)})) as s:
+        assert (await s.chat(MESSAGES)).text == "ok"
+    conn = sqlite3.connect(db)
+    try:
+        [row, _] = conn.execute(
+            "SELECT error, error_class FROM attempts ORDER BY started_at").fetchall()
+    finally:
+        conn.close()
+    _, [span, _] = _by_name(exporter.get_finished_spans())
+    attributes = dict(span.attributes or {})
+    assert row == ("fatal", "FatalUpstreamError")
+    assert (attributes["polygate.attempt.outcome"], attributes["error.type"]) == row
