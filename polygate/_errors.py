@@ -321,10 +321,18 @@ def one_error(payload: Any) -> Any:
     return payload
 
 
-def _inner(payload: Any) -> dict[str, Any] | None:
+def error_object(payload: Any) -> dict[str, Any] | None:
+    """An error body's error object: its ``error`` when it has one, else the body
+    itself (vLLM's unwrapped shape), when that is an object."""
     payload = one_error(payload)
     inner = payload.get("error", payload) if isinstance(payload, dict) else None
     return inner if isinstance(inner, dict) else None
+
+
+def failed_attempts(errors: Iterable[UpstreamError]) -> list[UpstreamError]:
+    """The errors of a call's attempts that failed it: all but those that only asked a
+    source again without what it refused of polygate's own asking (``asked_again``)."""
+    return [e for e in errors if not e.asked_again]
 
 
 def refusal_hint(status: int, payload: Any) -> str | None:
@@ -340,7 +348,7 @@ def refusal_hint(status: int, payload: Any) -> str | None:
       names the flagged input in ``error.metadata``): one caller's prompt must not
       take the source out for every other caller.
     """
-    inner = _inner(payload)
+    inner = error_object(payload)
     if inner is None:
         return None
     message = inner.get("message")
@@ -367,7 +375,7 @@ def refusal_hint(status: int, payload: Any) -> str | None:
 def body_retry_after(payload: Any) -> float | None:
     """The wait an error body gives when no header does: Google's ``RetryInfo`` detail
     (Gemini's 429 has no ``Retry-After``; its ``retryDelay`` says "37.5s")."""
-    inner = _inner(payload)
+    inner = error_object(payload)
     details = inner.get("details") if inner is not None else None
     if type(details) is not list:
         return None
@@ -487,11 +495,8 @@ def error_code(payload: Any, secrets: Iterable[str] = ()) -> str | None:
     """The provider's symbolic error code (``error.code``, else ``error.type``), when it
     is a short word rather than a number, redacted of ``secrets`` like the message (an
     upstream may echo the key it refused in any field)."""
-    payload = one_error(payload)
-    if not isinstance(payload, dict):
-        return None
-    inner = payload.get("error", payload)
-    if not isinstance(inner, dict):
+    inner = error_object(payload)
+    if inner is None:
         return None
     for value in (inner.get("code"), inner.get("type")):
         if isinstance(value, str) and 0 < len(value) <= 64 and not value.isdigit():

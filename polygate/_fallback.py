@@ -36,6 +36,7 @@ from ._errors import (
     FatalUpstreamError,
     PolygateError,
     RateLimitedError,
+    failed_attempts,
 )
 
 __all__ = ["failure_reasons", "fallback_scope", "is_content_policy", "is_context_length"]
@@ -78,7 +79,7 @@ def failure_reasons(error: PolygateError) -> frozenset[str]:
     if isinstance(error, AllSourcesExhausted):
         # (An attempt that only taught a source what it refuses of polygate's own
         # asking failed nothing: the source was asked again.)
-        errors = [e for e in error.errors if not e.asked_again]
+        errors = failed_attempts(error.errors)
         if errors and all(isinstance(e, RateLimitedError) for e in errors):
             return frozenset({"exhausted", "rate_limited"})
         if not errors and error.retry_after_s is not None:

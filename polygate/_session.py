@@ -670,7 +670,7 @@ class ChatStream:
         if self._exited:
             raise PolygateError(_BLOCK_EXITED)
         await trio.lowlevel.checkpoint_if_cancelled()
-        item: StreamChunk | StreamDone | StreamFailed
+        item: StreamItem
         failed_elsewhere: BaseException | None = None
         if self._end is not None:
             item, self._end = self._end, None

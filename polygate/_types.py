@@ -188,6 +188,13 @@ CALL_PAYLOADS: Final[dict[str, tuple[str, ...]]] = {
 }
 
 
+def finish_reason_of(value: Any) -> str | None:
+    """A choice's ``finish_reason`` as the library reads it: a string that says one, or
+    ``None`` -- for null, for anything not a string, and for ``""`` (StepFun and Zhipu
+    send it on every chunk before the last, as others send null)."""
+    return value if isinstance(value, str) and value else None
+
+
 def carries_call(call: Mapping[str, Any]) -> bool:
     """Whether a tool-call delta sets anything (an id, a type, a payload: see
     CALL_PAYLOADS): one that does not gets no call, in the library's answer or the
@@ -234,7 +241,7 @@ def carries_something(choice: Mapping[str, Any]) -> bool:
             if isinstance(value, dict) and any(v is not None for v in value.values()):
                 return True
         elif key == "finish_reason":
-            if isinstance(value, str) and value:  # ("": no finish, see ChatAssembler)
+            if finish_reason_of(value) is not None:
                 return True
         elif key == "logprobs":
             if isinstance(value, dict):

@@ -125,7 +125,7 @@ def reply_for(exc: BaseException) -> ErrorReply:
         return ErrorReply(503, _BACKEND_DOWN, "api_error", "governance_unavailable",
                           retry_after_s=_BACKEND_RETRY_S)
     if isinstance(exc, errors.AllSourcesExhausted):
-        failed = [e for e in exc.errors if not e.asked_again]  # (see rate_limited_for)
+        failed = errors.failed_attempts(exc.errors)
         if failed and all(e.exhausted == "memory" for e in failed):
             # Not the sources': this process could not hold the request or the answer.
             return ErrorReply(503, OUT_OF_MEMORY, "api_error", "out_of_memory")
@@ -177,7 +177,7 @@ def rate_limited_for(exc: errors.AllSourcesExhausted) -> float | None:
     """
     if exc.retry_after_s is not None:
         return exc.retry_after_s
-    failed = [e for e in exc.errors if not e.asked_again]  # (see failure_reasons)
+    failed = errors.failed_attempts(exc.errors)
     if failed and all(isinstance(e, errors.RateLimitedError) for e in failed):
         # Each source's latest word (the errors are in order): an earlier 429's
         # Retry-After is older than the wait that source asked for last.

@@ -39,6 +39,7 @@ from .._types import (
     carries_something,
     carries_value,
     choice_index,
+    finish_reason_of,
     message_delta,
     name_again,
     note_closing,
@@ -221,7 +222,8 @@ class StreamShape:
             if (self._nulled is not None and index in self._nulled and type(delta) is dict
                     and isinstance(delta.get("content"), str)):
                 self._nulled.discard(index)  # (the client's None is text now)
-            if choice.get("finish_reason"):  # ("": no finish, as the library reads it)
+            # (A truth test: the reasons are cleaned above, so it is finish_reason_of's.)
+            if choice.get("finish_reason"):
                 self._finished.add(index)
         if unroled is not None and introduced is not None:
             # Role chunks go before this chunk: a choice it begins with its own role
@@ -363,7 +365,7 @@ class StreamShape:
                 continue
             reason = choice.get("finish_reason") if isinstance(choice, Mapping) else None
             finishing.append({"index": index, "delta": {"content": ""} if text else {},
-                              "finish_reason": reason if isinstance(reason, str) and reason else "stop"})
+                              "finish_reason": finish_reason_of(reason) or "stop"})
         if unroled:
             out += self._roles(unroled, meta)
         if texts:
@@ -538,7 +540,7 @@ def string_content(choices: list[Any], key: str) -> list[Any] | None:
 def _cleaned(choice: dict[str, Any], key: str) -> dict[str, Any]:
     out = dict(choice)
     reason = out.get("finish_reason")
-    if reason is not None and (type(reason) is not str or not reason):
+    if reason is not None and finish_reason_of(reason) is None:
         out["finish_reason"] = None
     part = out.get(key)
     if type(part) is dict:
@@ -555,8 +557,8 @@ def _not_text(choice: Any, key: str) -> bool:
     if type(choice) is not dict:
         return False
     reason = choice.get("finish_reason")
-    if reason is not None and (type(reason) is not str or not reason):
-        return True  # ("" too: no finish, as the library reads it; StepFun and Zhipu send it)
+    if reason is not None and finish_reason_of(reason) is None:
+        return True  # (as the library reads it: "" too, StepFun's and Zhipu's)
     part = choice.get(key)
     if type(part) is not dict:
         return False

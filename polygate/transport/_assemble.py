@@ -25,6 +25,7 @@ from .._types import (
     carries_something,
     carries_value,
     choice_index,
+    finish_reason_of,
     name_again,
     note_closing,
     parts_text,
@@ -200,10 +201,9 @@ class _Choice:
                 if isinstance(value, dict):
                     content = self._add_delta(value)
             elif key == "finish_reason":
-                # (An empty one is no finish: StepFun and Zhipu send "" on every chunk
-                # before the last, as others send null.)
-                if isinstance(value, str) and value:
-                    self.finish_reason = value
+                reason = finish_reason_of(value)
+                if reason is not None:
+                    self.finish_reason = reason
             elif key == "logprobs":
                 if isinstance(value, dict):
                     self._add_logprobs(value)

@@ -35,6 +35,7 @@ from .._errors import (
     classify_status,
     error_code,
     error_message,
+    error_object,
     error_status,
     refusal_hint,
 )
@@ -663,8 +664,8 @@ _STATUS_OF_CODE: dict[str | None, int] = {
 
 def _error_type(payload: Any) -> str | None:
     """An error payload's ``type``, when it is a string."""
-    inner = payload.get("error", payload) if isinstance(payload, dict) else None
-    kind = inner.get("type") if isinstance(inner, dict) else None
+    inner = error_object(payload)
+    kind = inner.get("type") if inner is not None else None
     return kind if isinstance(kind, str) else None
 
 
@@ -692,8 +693,8 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
     if status is None:
         error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
     else:
-        error = classify_status(status, detail, source=endpoint.name,
-                                code=code if code is not None else _error_type(payload),
+        # (``code`` is the body's code, else its type: error_code reads both.)
+        error = classify_status(status, detail, source=endpoint.name, code=code,
                                 hint=refusal_hint(status, payload))
     error.code = code
     return error

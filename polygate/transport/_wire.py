@@ -299,9 +299,7 @@ def check_readable(
         raise TransientUpstreamError(refused, source=source)
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise TransientUpstreamError(
-            f"response body of {declared} bytes {OVER_CAP} {limit}-byte cap", source=source
-        )
+        raise _over_cap(f"response body of {declared} bytes", limit, source)
 
 
 async def read_capped(
@@ -321,24 +319,23 @@ async def read_capped(
     parts: list[bytes] = [head]
     size = len(head)
     if size > limit:
-        raise TransientUpstreamError(f"response body {OVER_CAP} {limit}-byte cap", source=source)
+        raise _over_cap("response body", limit, source)
     async for part in body_pieces(response) if pieces is None else pieces:
         size += len(part)
         if size > limit:
-            raise TransientUpstreamError(
-                f"response body {OVER_CAP} {limit}-byte cap", source=source
-            )
+            raise _over_cap("response body", limit, source)
         parts.append(part)
     return b"".join(parts)
 
 
-#: What a body over ``max_body_bytes`` is said to do (``over_cap`` looks for it).
-OVER_CAP = "exceeds the"
+def _over_cap(body: str, limit: int, source: str) -> TransientUpstreamError:
+    """The error of a body over ``max_body_bytes`` (``over_cap`` knows it by its words)."""
+    return TransientUpstreamError(f"{body} exceeds the {limit}-byte cap", source=source)
 
 
 def over_cap(error: TransientUpstreamError) -> bool:
-    """Whether ``error`` is a body refused for its size (``read_capped``)."""
-    return error.message.startswith("response body ") and f" {OVER_CAP} " in error.message \
+    """Whether ``error`` is a body refused for its size (``_over_cap``'s)."""
+    return error.message.startswith("response body ") and " exceeds the " in error.message \
         and error.message.endswith("-byte cap")
 
 
