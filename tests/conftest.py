@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,3 +111,11 @@ def held_loop() -> Iterator[LoopSteps]:
         yield steps
     finally:
         trio.lowlevel.remove_instrument(steps)
+
+
+def reader_leads(pieces: list[str], shown: list[int]) -> list[int]:
+    """How many chunks ahead of a stream's reader its call was each time the reader
+    took one: ``pieces`` the chunks' texts as taken, ``shown`` the length of
+    ``stream.text`` (yielded or queued) at each take."""
+    ends = list(itertools.accumulate(map(len, pieces)))
+    return [bisect.bisect_right(ends, chars) - taken for taken, chars in enumerate(shown, 1)]

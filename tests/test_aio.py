@@ -10,11 +10,9 @@ functions.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextvars
 import gc
 import inspect
-import itertools
 import sys
 import threading
 import time
@@ -43,7 +41,7 @@ from ._aio_support import (
     trio_kept_busy,
     wait_until,
 )
-from .conftest import ROOT, SECRET
+from .conftest import ROOT, SECRET, reader_leads
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -609,8 +607,7 @@ async def test_a_slow_reader_pauses_the_reading_at_most_32_chunks_behind() -> No
                 shown.append(len(stream.text))
                 await asyncio.sleep(0.01)
     assert len(pieces) == 100 and all(pieces)
-    ends = list(itertools.accumulate(map(len, pieces)))
-    leads = [bisect.bisect_right(ends, chars) - taken for taken, chars in enumerate(shown, 1)]
+    leads = reader_leads(pieces, shown)
     # 32 buffered, and the one the call holds, shown, once it has waited for space (as
     # in trio); the buffer did fill (the bound was reached, not merely respected).
     assert 32 <= max(leads) <= 33

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import json
 from collections.abc import AsyncIterator
 
@@ -17,7 +15,7 @@ import polygate
 from polygate.governance import BreakerState
 from polygate.testing import FakeUpstream, Reply, Schedule
 
-from .conftest import MESSAGES, one_source_settings
+from .conftest import MESSAGES, one_source_settings, reader_leads
 
 
 async def test_a_slow_consumer_is_not_an_upstream_stall(
@@ -320,8 +318,7 @@ async def test_a_slow_reader_falls_at_most_32_chunks_behind(
                 shown.append(len(stream.text))
                 await trio.sleep(0.01)
     assert len(pieces) == 100 and all(pieces)
-    ends = list(itertools.accumulate(map(len, pieces)))
-    leads = [bisect.bisect_right(ends, chars) - taken for taken, chars in enumerate(shown, 1)]
+    leads = reader_leads(pieces, shown)
     assert 32 <= max(leads) <= 33
     assert stream.response is not None
     assert stream.response.call_stats.total_latency_ms >= 100 + (100 - 33) * 10

@@ -13,6 +13,13 @@ import polygate
 from polygate.testing import FakeUpstream, Reply, Router
 
 
+def _embeddings(vectors: list[list[float]], model: str, tokens: int) -> httpx.Response:
+    """An embeddings answer of ``vectors``, in order, reporting ``tokens``."""
+    data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+    return httpx.Response(200, json={"object": "list", "data": data, "model": model,
+                                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
 def _settings(name: str, **source: object) -> polygate.Settings:
     return polygate.Settings(scopes={"embed": polygate.Scope(sources=[
         polygate.Source(name=name, base_url=f"http://{name}/v1", **source)])})  # type: ignore[arg-type]
@@ -25,10 +32,8 @@ def _jina(request: httpx.Request) -> httpx.Response:
     dims = body.get("dimensions", 1024)
     packed = body.get("embedding_type") in ("binary", "ubinary") or body.get(
         "encoding_format") in ("binary", "ubinary")
-    data = [{"object": "embedding", "index": i, "embedding": [7] * (dims // 8 if packed else dims)}
-            for i in range(len(body["input"]))]
-    return httpx.Response(200, json={"model": "jina-embeddings-v3", "object": "list", "data": data,
-                                     "usage": {"total_tokens": 4, "prompt_tokens": 4}})
+    vector: list[float] = [7] * (dims // 8 if packed else dims)
+    return _embeddings([vector] * len(body["input"]), "jina-embeddings-v3", 4)
 
 
 @pytest.mark.parametrize("asked", [{"embedding_type": "ubinary"}, {"encoding_format": "binary"}])
@@ -46,10 +51,7 @@ async def test_packed_binary_embeddings_of_the_asked_dimensions_are_an_answer(
 def _lm_studio(request: httpx.Request) -> httpx.Response:
     """LM Studio's /v1/embeddings reports 0 tokens for every request
     (lmstudio-ai/lmstudio-bug-tracker#1546)."""
-    inputs = json.loads(request.content)["input"]
-    data = [{"object": "embedding", "index": i, "embedding": [0.5] * 8} for i in range(len(inputs))]
-    return httpx.Response(200, json={"object": "list", "data": data, "model": "nomic",
-                                     "usage": {"prompt_tokens": 0, "total_tokens": 0}})
+    return _embeddings([[0.5] * 8] * len(json.loads(request.content)["input"]), "nomic", 0)
 
 
 async def test_a_usage_of_zero_tokens_for_inputs_is_no_count(
@@ -94,10 +96,7 @@ def _bloated(request: httpx.Request) -> httpx.Response:
 
 
 def _healthy(request: httpx.Request) -> httpx.Response:
-    inputs = json.loads(request.content)["input"]
-    data = [{"object": "embedding", "index": i, "embedding": [0.5] * 8} for i in range(len(inputs))]
-    return httpx.Response(200, json={"object": "list", "data": data, "model": "m",
-                                     "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+    return _embeddings([[0.5] * 8] * len(json.loads(request.content)["input"]), "m", 1)
 
 
 async def test_a_body_larger_than_any_answer_to_its_batch_is_the_sources_fault(
@@ -119,10 +118,7 @@ async def test_a_body_larger_than_any_answer_to_its_batch_is_the_sources_fault(
 
 def _floats_only(request: httpx.Request) -> httpx.Response:
     body = json.loads(request.content)
-    data = [{"object": "embedding", "index": i, "embedding": [0.5] * body["dimensions"]}
-            for i in range(len(body["input"]))]
-    return httpx.Response(200, json={"object": "list", "data": data, "model": "m",
-                                     "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+    return _embeddings([[0.5] * body["dimensions"]] * len(body["input"]), "m", 1)
 
 
 async def test_a_source_that_ignores_a_binary_encoding_is_named_for_it(

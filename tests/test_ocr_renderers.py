@@ -53,11 +53,16 @@ serve = _real.serve
 """
 
 
+def _render_with(source: str, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Renderer processes run ``source`` (a stand-in around the real module) as their
+    script."""
+    path.write_text(source.format(real=os.path.abspath(_ocr_render.__file__)))
+    monkeypatch.setattr(_ocr_renderers, "_RENDER_FILE", str(path))
+
+
 @pytest.fixture
 def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "stand_in_render.py"
-    path.write_text(STAND_IN.format(real=os.path.abspath(_ocr_render.__file__)))
-    monkeypatch.setattr(_ocr_renderers, "_RENDER_FILE", str(path))
+    _render_with(STAND_IN, tmp_path / "stand_in_render.py", monkeypatch)
 
 
 def renderers(s: polygate.Session) -> _ocr_renderers.Renderers:
@@ -197,9 +202,7 @@ serve = _real.serve
 
 @pytest.fixture
 def cut_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "cut_short_render.py"
-    path.write_text(CUT_SHORT.format(real=os.path.abspath(_ocr_render.__file__)))
-    monkeypatch.setattr(_ocr_renderers, "_RENDER_FILE", str(path))
+    _render_with(CUT_SHORT, tmp_path / "cut_short_render.py", monkeypatch)
 
 
 @pytest.mark.usefixtures("cut_short")
