@@ -30,12 +30,13 @@ def redis_address(shown: str, parts: SplitResult, port: int | None, say: str = "
     if not parts.hostname:
         raise ConfigError(f"{say}{shown!r} has no host")
     path = parts.path.strip("/")
-    try:
-        db = int(path) if path else 0
-    except ValueError:
-        raise ConfigError(f"{say}the database in {shown!r} must be a number, got {path!r}") from None
-    if db < 0:
-        raise ConfigError(f"{say}the database in {shown!r} must be >= 0")
+    # ASCII digits only: int() also reads "1_5" as 15 and "\u0661" as 1, so a typo
+    # would select another database (another fleet's state) instead of failing.
+    if path and not (path.isascii() and path.isdigit()):
+        if path.lstrip("-").isascii() and path.lstrip("-").isdigit():
+            raise ConfigError(f"{say}the database in {shown!r} must be >= 0")
+        raise ConfigError(f"{say}the database in {shown!r} must be a number, got {path!r}")
+    db = int(path) if path else 0
     if port == 0:  # (it read as "no port": the default 6379, a server the URL did not name)
         raise ConfigError(f"{say}the port in {shown!r} must be 1 to 65535, got 0")
     return {

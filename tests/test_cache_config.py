@@ -88,6 +88,11 @@ def test_parsed_options() -> None:
         ("redis://", "has no host"),
         ("redis://h:99999/0", "is not a valid URL"),
         ("redis://h/zero", "must be a number"),
+        # int() reads these as 15, 1 and 1: a typo would pick another database.
+        ("redis://h/1_5", "must be a number, got '1_5'"),
+        ("redis://h/\u0661", "must be a number"),
+        ("redis://h/+1", "must be a number"),
+        ("redis://h/-1", "must be >= 0"),
         ("redis://h:0/0", "port in 'redis://h:0/0' must be 1 to 65535"),  # (it meant 6379)
         ("redis://h/0?timeout_s=-1", "timeout_s must be"),
         ("redis://h/0?prefix=", "option prefix"),
@@ -102,6 +107,19 @@ def test_bad_urls(url: str, problem: str) -> None:
         parse_cache_url(url)
     with pytest.raises(polygate.ConfigError, match=r"Settings\.cache: .*" + problem):
         _settings(url)
+
+
+@pytest.mark.parametrize(("db", "problem"), [
+    ("1_5", "must be a number"), ("\u0661", "must be a number"), ("+1", "must be a number"),
+    ("-1", "must be >= 0"),
+])
+def test_the_backends_database_is_ascii_digits(db: str, problem: str) -> None:
+    """The governance backend reads its URL's address with the cache's reader."""
+    from polygate.governance._redis import parse_redis_url
+
+    with pytest.raises(polygate.ConfigError, match=problem):
+        parse_redis_url(f"redis://h/{db}")
+    assert parse_redis_url("redis://h/15").db == 15
 
 
 def test_not_a_string() -> None:
