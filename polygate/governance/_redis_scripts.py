@@ -92,26 +92,50 @@ local function bump(ttl_ms)
   redis.call('PEXPIRE', K_CHANGES, ttl_ms)
 end
 
--- Return the permits whose lease ran out; their reservations keep the estimate.
-local function purge(now, ttl_ms)
-  local expired = redis.call('ZRANGEBYSCORE', K_PERMITS, '-inf', now)
-  if #expired == 0 then return 0 end
-  local probe = redis.call('HGET', K_STATE, 'pr')
-  for _, m in ipairs(expired) do
-    local est = redis.call('HGET', K_OPEN, m)
-    if est then
-      est = tonumber(est)
-      redis.call('HDEL', K_OPEN, m)
-      redis.call('HINCRBY', K_STATE, 'ot', 0 - est)
+-- Take a reservation's estimate off the tokens open reservations hold (ot).  False
+-- when that would go below 0: the state key was lost (evicted, deleted) after the
+-- reservation was made, so its totals never counted it either, and ot restarts at 0.
+local function unhold(est)
+  if redis.call('HINCRBY', K_STATE, 'ot', 0 - est) >= 0 then return true end
+  redis.call('HSET', K_STATE, 'ot', 0)
+  return false
+end
+
+-- A reservation whose permit is gone settles as a cancelled attempt does: it keeps
+-- its estimate in the window.
+local function lapse(m, probe)
+  local est = redis.call('HGET', K_OPEN, m)
+  if est then
+    est = tonumber(est)
+    redis.call('HDEL', K_OPEN, m)
+    if unhold(est) then
       redis.call('HINCRBY', K_STATE, 'st', est)
       redis.call('HINCRBY', K_STATE, 'ct', est)
-      redis.call('HINCRBY', K_STATE, 'lx', 1)
     end
-    if probe == m then redis.call('HSET', K_STATE, 'pr', '') end
+    redis.call('HINCRBY', K_STATE, 'lx', 1)
   end
+  if probe == m then redis.call('HSET', K_STATE, 'pr', '') end
+end
+
+-- Return the permits whose lease ran out; their reservations keep the estimate.  So
+-- do reservations left without a permit at all: Redis evicted (maxmemory) or someone
+-- deleted the permits key, and an owner that died then would hold them for ever.
+local function purge(now, ttl_ms)
+  local expired = redis.call('ZRANGEBYSCORE', K_PERMITS, '-inf', now)
+  local orphaned = {}
+  -- (Each reservation has its permit, so the counts differ only after such a loss.)
+  if redis.call('HLEN', K_OPEN) > redis.call('ZCARD', K_PERMITS) then
+    for _, m in ipairs(redis.call('HKEYS', K_OPEN)) do
+      if not redis.call('ZSCORE', K_PERMITS, m) then orphaned[#orphaned + 1] = m end
+    end
+  end
+  if #expired == 0 and #orphaned == 0 then return 0 end
+  local probe = redis.call('HGET', K_STATE, 'pr')
+  for _, m in ipairs(expired) do lapse(m, probe) end
+  for _, m in ipairs(orphaned) do lapse(m, probe) end
   redis.call('ZREMRANGEBYSCORE', K_PERMITS, '-inf', now)
   bump(ttl_ms)
-  return #expired
+  return #expired + #orphaned
 end
 
 -- Drop window entries at or before now - window (the memory backend's expire()).
@@ -195,7 +219,12 @@ if br == 'o' then
   s[5] = ''
 end
 if br == 'h' then
-  if s[5] and s[5] ~= '' then return {0, 'breaker_open', -1, now, version()} end
+  -- The probe is out, unless its permit is gone: lost with the permits key (evicted)
+  -- and its holder dead, nobody would ever settle it, and the source would stay shut
+  -- until the state key expired (key_ttl_s, a day).
+  if s[5] and s[5] ~= '' and redis.call('ZSCORE', K_PERMITS, s[5]) then
+    return {0, 'breaker_open', -1, now, version()}
+  end
   probe = 1
 end
 
@@ -291,27 +320,39 @@ local now = now_us()
 purge(now, ttl_ms)
 
 local est = redis.call('HGET', K_OPEN, member)
-if not est then return {0, now, version()} end  -- settled already: idempotent
+if not est then
+  -- Settled already (idempotent), or its reservation was lost with the open key
+  -- (evicted): either way its permit and its probe are free now, not a lease later.
+  local freed = redis.call('ZREM', K_PERMITS, member) == 1
+  if redis.call('HGET', K_STATE, 'pr') == member then
+    redis.call('HSET', K_STATE, 'pr', '')
+    freed = true
+  end
+  if freed then bump(ttl_ms) end
+  return {0, now, version()}
+end
 est = tonumber(est)
 redis.call('HDEL', K_OPEN, member)
-redis.call('HINCRBY', K_STATE, 'ot', 0 - est)
+local counted = unhold(est)
 redis.call('ZREM', K_PERMITS, member)
 local probe = redis.call('HGET', K_STATE, 'pr') == member
 
 expire(now, window_us)
 local held = tonumber(redis.call('HGET', K_WTOK, member))
 if not sent then
-  redis.call('HINCRBY', K_STATE, 'rl', est)
+  if counted then redis.call('HINCRBY', K_STATE, 'rl', est) end
   if held then
     redis.call('HDEL', K_WTOK, member)
     redis.call('HINCRBY', K_WTOK, '=sum', 0 - held)
     redis.call('ZREM', K_WINDOW, member)
   end
 else
-  redis.call('HINCRBY', K_STATE, 'st', est)
   local cost = est
   if tokens >= 0 then cost = tokens end
-  redis.call('HINCRBY', K_STATE, 'ct', cost)
+  if counted then
+    redis.call('HINCRBY', K_STATE, 'st', est)
+    redis.call('HINCRBY', K_STATE, 'ct', cost)
+  end
   if held and cost ~= held then
     redis.call('HSET', K_WTOK, member, cost)
     redis.call('HINCRBY', K_WTOK, '=sum', cost - held)
