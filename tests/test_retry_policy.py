@@ -83,6 +83,27 @@ def test_retry_after_http_date() -> None:
     assert parse_retry_after({"retry-after": past}) == 0.0
 
 
+@pytest.mark.parametrize("skew_s", [-300.0, 0.0, 300.0])
+def test_a_retry_after_date_counts_from_the_answers_own_date(
+    skew_s: float, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a Date header, the wait is the server's two instants apart, whatever this
+    host's clock says.  A replica 5 minutes behind read 305 s (and shared it, through
+    Redis, with every replica); 5 minutes ahead, no wait at all (an outside review,
+    2026-12-05)."""
+    server_now = 1_800_000_000.0
+    headers = {
+        "date": email.utils.formatdate(server_now, usegmt=True),
+        "retry-after": email.utils.formatdate(server_now + 5, usegmt=True),
+    }
+    monkeypatch.setattr(time, "time", lambda: server_now + skew_s)
+    assert parse_retry_after(headers) == 5.0
+    # No Date, or one that is no date: this host's clock, as before.
+    for date in (None, "yesterday"):
+        alone = {"retry-after": headers["retry-after"]} | ({"date": date} if date else {})
+        assert parse_retry_after(alone) == max(5.0 - skew_s, 0.0)
+
+
 @pytest.mark.parametrize("tz", ["UTC", "America/Los_Angeles", "Asia/Tokyo"])
 def test_retry_after_dates_without_a_zone_are_gmt(tz: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """RFC 9110's asctime form and a '-0000' zone (email.utils.formatdate's default)

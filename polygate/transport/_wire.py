@@ -418,6 +418,26 @@ RETRY_AFTER_CAP_S = 600.0
 _DELTA = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 
 
+def _http_date(raw: str | None) -> float | None:
+    """An HTTP date as a POSIX timestamp; None when absent or unreadable."""
+    if raw is None:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(raw.strip())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when is None:
+        return None
+    if when.tzinfo is None:
+        # HTTP dates are GMT (RFC 9110): the asctime form and a "-0000" zone parse
+        # without one, and .timestamp() would read them as the local time.
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    try:
+        return when.timestamp()
+    except (OverflowError, ValueError, OSError):
+        return None
+
+
 def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     """Seconds to wait from ``retry-after-ms`` / ``retry-after``; ``None`` when absent
     or unparseable; clamped to ``[0, RETRY_AFTER_CAP_S]``."""
@@ -431,17 +451,15 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     raw = raw.strip()
     if _DELTA.fullmatch(raw):
         return min(float(raw), RETRY_AFTER_CAP_S)
-    try:
-        when = email.utils.parsedate_to_datetime(raw)
-    except (TypeError, ValueError, IndexError):
-        return None
+    when = _http_date(raw)
     if when is None:
         return None
-    if when.tzinfo is None:
-        # HTTP dates are GMT (RFC 9110): the asctime form and a "-0000" zone parse
-        # without one, and .timestamp() would read them as the local time.
-        when = when.replace(tzinfo=datetime.timezone.utc)
-    value = max(when.timestamp() - time.time(), 0.0)
+    # Counted from the answer's own Date where it has one: both instants are then the
+    # server's, and the wait does not depend on this host's clock.  A replica whose
+    # clock is minutes behind would otherwise park the source for minutes on every
+    # replica sharing its cooldown (or, ahead, not at all).
+    sent = _http_date(headers.get("date"))
+    value = max(when - (sent if sent is not None else time.time()), 0.0)
     if not math.isfinite(value):
         return None
     return min(value, RETRY_AFTER_CAP_S)
