@@ -79,6 +79,8 @@ class ErrorReply:
         out = [(b"content-type", b"application/json")]
         if self.allow is not None:
             out.append((b"allow", self.allow.encode()))
+        if self.status == 401:  # (RFC 9110 §11.6.1: a 401 names the scheme it takes)
+            out.append((b"www-authenticate", b"Bearer"))
         if self.final:
             out.append((b"x-should-retry", b"false"))
         if self.retry_after_s is not None:

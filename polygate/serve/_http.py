@@ -34,9 +34,11 @@ first chunk), so a zero-delay answer is one write.
 
 from __future__ import annotations
 
+import email.utils
 import math
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -60,17 +62,36 @@ BAD_KEY: Final = (
     "'Authorization: Bearer <key>'."
 )
 
+#: A 401 names the scheme that would be accepted (RFC 9110 §11.6.1, RFC 6750 §3).
+#: Browsers show no login prompt for Bearer.
+CHALLENGE: Final = ((b"www-authenticate", b"Bearer"),)
+
 _RECEIVE: Final = 65536
 _MAX_HEAD: Final = 64 * 1024  # request line and headers
 _MAX_PIPELINED: Final = 1024 * 1024  # bytes buffered for the next request while answering
 #: h11 events of one request body between two checkpoints (a chunk each: ~6 µs).
 _EVENTS_PER_CHECKPOINT: Final = 64
 _SERVER_LINE: Final = b"server: polygate\r\n"
+# The Date every answer carries (RFC 9110 6.6.1: a server with a clock must send it),
+# written once a second, not once an answer.
+_dated: tuple[int, bytes] = (-1, _SERVER_LINE)
+
+
+def server_lines() -> bytes:
+    """The ``server`` and ``date`` lines of an answer's head."""
+    global _dated
+    second = int(time.time())
+    if second != _dated[0]:
+        date = email.utils.formatdate(second, usegmt=True).encode("ascii")
+        _dated = (second, b"%sdate: %s\r\n" % (_SERVER_LINE, date))
+    return _dated[1]
+
+
 _REASONS: Final = {
     100: b"Continue", 200: b"OK", 400: b"Bad Request", 401: b"Unauthorized",
     404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout",
     413: b"Content Too Large", 415: b"Unsupported Media Type", 429: b"Too Many Requests",
-    431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 502: b"Bad Gateway",
+    431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 501: b"Not Implemented", 502: b"Bad Gateway",
     503: b"Service Unavailable", 504: b"Gateway Timeout", 505: b"HTTP Version Not Supported",
 }
 
@@ -229,6 +250,8 @@ def _late_or_cut(scope: trio.CancelScope, cuts: Cuts) -> None:
 def _head_problem(status: int) -> str:
     if status == 431:
         return "malformed request: the request head is too large"
+    if status == 501:
+        return "the request's Transfer-Encoding is not one this server takes (only chunked)"
     return ("malformed request: the request line or a header line is not valid HTTP/1.1 "
             "(or a header is repeated that may not be)")
 
@@ -457,7 +480,7 @@ class Connection:
             # server close after it.
             self.keep_alive = False
         if admit is not None and not admit(path, headers):
-            raise HTTPProblem(401, BAD_KEY, "invalid_api_key", path)
+            raise HTTPProblem(401, BAD_KEY, "invalid_api_key", path, CHALLENGE)
         limits = self.limits  # (admit may have brought a reload's)
         length = headers.get("content-length")
         if length is not None and int(length) > limits.max_request_bytes:
@@ -499,7 +522,9 @@ class Connection:
                 try:
                     event = self.h11.next_event()
                 except h11.RemoteProtocolError as exc:
-                    status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
+                    # (501: a transfer coding it does not know, RFC 9112 §6.1.)
+                    hint = exc.error_status_hint
+                    status = hint if 400 <= hint < 500 or hint == 501 else 400
                     # Not h11's words: they quote the offending line, a key in it included.
                     raise HTTPProblem(status, _head_problem(status), "bad_request") from None
                 if event is not h11.NEED_DATA:
@@ -664,7 +689,7 @@ class Connection:
         if close or not self.chunked:
             self.keep_alive = False
         return b"HTTP/1.1 %d %s\r\n%s%s%s%s\r\n" % (
-            status, _REASONS.get(status, b""), _SERVER_LINE, fields,
+            status, _REASONS.get(status, b""), server_lines(), fields,
             b"transfer-encoding: chunked\r\n" if self.chunked else b"",
             b"" if self.keep_alive else b"connection: close\r\n")
 
@@ -686,7 +711,7 @@ class Connection:
         if close:
             self.keep_alive = False
         return b"HTTP/1.1 %d %s\r\n%s%scontent-length: %d\r\n%s\r\n" % (
-            status, _REASONS.get(status, b""), _SERVER_LINE, fields, length,
+            status, _REASONS.get(status, b""), server_lines(), fields, length,
             b"" if self.keep_alive else b"connection: close\r\n")
 
     def frame(self, payload: bytes) -> bytes:

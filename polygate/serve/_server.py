@@ -44,7 +44,7 @@ from ._app import NO_CALL, Context, Gateway, answer, answer_cut, endpoint_label
 from ._errors import error_body
 from ._fds import connection_room
 from ._hangups import Hangups
-from ._http import ClientGone, Connection, Cut, Cuts, HTTPProblem
+from ._http import ClientGone, Connection, Cut, Cuts, HTTPProblem, server_lines
 from ._metrics import Metrics
 from ._unavailable import UnavailableSession
 
@@ -526,10 +526,11 @@ class Server:
                 "too_many_connections",
             )
             head = (
-                b"HTTP/1.1 503 Service Unavailable\r\nserver: polygate\r\n"
+                b"HTTP/1.1 503 Service Unavailable\r\n%s"
                 b"content-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
                 b"x-polygate-call-id: %s\r\nx-request-id: %s\r\n%scontent-length: %d\r\n\r\n"
-                % (cid, cid, b"".join(b"%s: %s\r\n" % pair for pair in NO_CALL), len(body))
+                % (server_lines(), cid, cid, b"".join(b"%s: %s\r\n" % pair for pair in NO_CALL),
+                   len(body))
             )
             with trio.move_on_after(1):
                 try:
