@@ -785,6 +785,38 @@ def test_the_plot_draws_a_source_of_one_call(tmp_path: Path, monkeypatch: pytest
         assert min(xs) > 0  # on the log axis
 
 
+def test_the_plot_groups_calls_as_the_latency_table_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cache hit and a fallback scope's source of the same name were drawn as the
+    asked scope's own source: one curve, one bar, for three different answerers (an
+    outside review, 2026-12-05)."""
+    pytest.importorskip("matplotlib")
+    from polygate.cli import _replay, _stats
+    from polygate.telemetry._report import CallRow, build_report
+
+    figures: list[Any] = []
+    monkeypatch.setattr(_replay, "save_plot", lambda fig, path, prog: figures.append(fig) or True)
+
+    def row(ms: float, *, cached: int = 0, answered: str = "small") -> CallRow:
+        return CallRow(scope="small", kind="chat", source="openai", outcome="ok", error_class=None,
+                       started_at=NOW, total_latency_ms=ms, generation_ms=0 if cached else ms,
+                       ttft_ms=None, stall_ms=None, stall_count=None, active_generation_ms=None,
+                       attempts=0 if cached else 1, hedges=0, hedge_won=0, cached=cached,
+                       answered_scope=answered)
+
+    calls = [row(1000), row(0, cached=1), row(30000, answered="large")]
+    table = {r["source"] for r in build_report(calls, [], [])["latency"]}
+    assert table == {"(all)", "openai", "(cache)", "large/openai"}
+    assert _stats._plot(calls, str(tmp_path / "x.png")) == 0
+    [figure] = figures
+    cdf, bars = figure.axes[:2]
+    assert {line.get_label() for line in cdf.get_lines()} == {
+        "small/openai (1)", "small/(cache) (1)", "small/large/openai (1)"}
+    assert {tick.get_text() for tick in bars.get_yticklabels()} == {
+        "all successful", "small/openai", "small/(cache)", "small/large/openai"}
+
+
 # --------------------------------------------------------------------------- hostile files
 
 

@@ -362,10 +362,13 @@ def _plot(calls: Sequence[Any], path: str) -> int:
     except ImportError:
         print("polygate stats: --plot needs matplotlib: pip install 'polygate[plot]'", file=sys.stderr)
         return 1
+    from ..telemetry._report import answered_by, split_calls, time_split
+
+    # Grouped as the latency table groups them: a cache hit, or a fallback scope's
+    # source, is not the asked scope's source.
     groups: dict[str, list[float]] = {}
     for c in calls:
-        label = c.source if c.outcome == "ok" and c.source else f"({c.outcome})"
-        groups.setdefault(f"{c.scope}/{label}", []).append(c.total_latency_ms / 1000.0)
+        groups.setdefault(f"{c.scope}/{answered_by(c)}", []).append(c.total_latency_ms / 1000.0)
     fig, (cdf, bars) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     for label, values in sorted(groups.items()):
         # From 0 at the fastest call: a group of one call is then a step, not a lone
@@ -379,14 +382,12 @@ def _plot(calls: Sequence[Any], path: str) -> int:
     cdf.set_title("latency CDF per scope/source")
     cdf.grid(True, which="both", alpha=0.3)
     cdf.legend(fontsize="small")
-    from ..telemetry._report import split_calls, time_split
-
     parts = [("waiting", "waiting_ms"), ("first token", "ttft_ms"), ("stalls", "stall_ms"),
              ("decoding", "active_decode_ms"), ("rest", "other_generation_ms")]
     ok = [c for c in split_calls(calls) if c.outcome == "ok"]
     by_source: dict[str, list[Any]] = {"all successful": ok}
     for c in ok:
-        by_source.setdefault(f"{c.scope}/{c.source}", []).append(c)
+        by_source.setdefault(f"{c.scope}/{answered_by(c)}", []).append(c)
     labels = list(by_source)[::-1]
     splits = [time_split(by_source[label]) for label in labels]
     left = [0.0] * len(labels)

@@ -279,18 +279,23 @@ def build_report(
     return report
 
 
+def answered_by(c: CallRow) -> str:
+    """What a call's group is called, under its scope, wherever calls are grouped by
+    who answered them (the latency table, ``polygate stats --plot``)."""
+    if c.cached:  # answered by the cache, not by the source that once answered it
+        return "(cache)"
+    if c.outcome == "ok" and c.source:
+        # A source is its scope's: one of the fallback that answered is named with
+        # it ("large/openai"), not taken for the asked scope's source of that name.
+        fell_back = c.answered_scope and c.answered_scope != c.scope
+        return f"{c.answered_scope}/{c.source}" if fell_back else c.source
+    return f"({c.outcome})"
+
+
 def _latency_table(calls: Sequence[CallRow]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, str], list[float]] = defaultdict(list)
     for c in calls:
-        if c.cached:  # answered by the cache, not by the source that once answered it
-            source = "(cache)"
-        elif c.outcome == "ok" and c.source:
-            # A source is its scope's: one of the fallback that answered is named with
-            # it ("large/openai"), not taken for the asked scope's source of that name.
-            fell_back = c.answered_scope and c.answered_scope != c.scope
-            source = f"{c.answered_scope}/{c.source}" if fell_back else c.source
-        else:
-            source = f"({c.outcome})"
+        source = answered_by(c)
         groups[(c.scope, source)].append(c.total_latency_ms)
         groups[(c.scope, "(all)")].append(c.total_latency_ms)
     rows = []
