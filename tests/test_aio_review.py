@@ -147,3 +147,72 @@ def test_a_stream_whose_entry_was_cancelled_hands_out_nothing() -> None:
 
     seen = asyncio.run(main())
     assert seen == ["this stream was closed before it finished (its block exited)"] * 2, seen
+
+
+# --------------------------------------------------------------------------- anyio's
+# cancellation: anyio cancels a task again at each loop iteration until it leaves the
+# cancelled scope, so a cancellation lands in the middle of every wait on the way out.
+# Outside review of polygate.aio inside real asyncio programs, 2026-12-05.
+
+
+async def test_a_session_left_under_anyio_cancellation_leaves_no_host_behind() -> None:
+    """The loop's host stayed registered (closed, its run ended) after the last session
+    was left: the loop, the host and trio's finished run stayed referenced until this
+    thread's next session."""
+    import anyio
+
+    from polygate.aio import _host
+
+    loop = asyncio.get_running_loop()
+    up = FakeUpstream(Reply(text="ok"))
+    with anyio.CancelScope() as scope:
+        async with polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()) as s:
+            assert (await s.chat(messages("x"))).text == "ok"
+            scope.cancel()
+            await anyio.sleep(1)
+    assert scope.cancelled_caught
+    assert loop not in _host._hosts.by_loop, _host._hosts.by_loop
+
+
+async def test_an_opening_cancelled_by_anyio_that_then_fails_logs_nothing() -> None:
+    """As test_aio's single task.cancel(), with anyio's repeated cancellation: the
+    failed opening is nobody's news, and the loop must not log "Future exception was
+    never retrieved" for it."""
+    import gc
+    import socket
+
+    import anyio
+
+    reported: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: reported.append(context))
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        settings = polygate.Settings(scopes=settings_for("http://a/v1").scopes,
+                                     backend=f"redis://127.0.0.1:{port}/0")
+        with anyio.move_on_after(0.1) as scope:
+            async with polygate.aio.session(settings):
+                pass
+        assert scope.cancelled_caught
+    gc.collect()
+    await asyncio.sleep(0)
+    gc.collect()
+    assert [c.get("message") for c in reported] == []
+
+
+def test_a_sync_method_called_while_its_loop_is_not_running_says_so() -> None:
+    """Between two run_until_complete() calls, in the session's own thread: there is no
+    other loop, so the message must not say there is (it said "belongs to another
+    event loop (or thread)")."""
+    loop = asyncio.new_event_loop()
+    try:
+        block = polygate.aio.session(settings_for("http://a/v1"),
+                                     transport=FakeUpstream(Reply(text="ok")).transport())
+        s = loop.run_until_complete(block.__aenter__())
+        with pytest.raises(polygate.PolygateError, match="no event loop is running here") as caught:
+            s.stream_chat(messages("st"))
+        assert "another event loop" not in str(caught.value)
+        loop.run_until_complete(block.__aexit__(None, None, None))
+    finally:
+        loop.close()

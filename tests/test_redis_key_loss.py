@@ -19,6 +19,7 @@ from polygate.governance import Admission, BreakerPolicy, BreakerState, Feedback
 from polygate.governance._redis import RedisBackend, parse_redis_url
 
 from ._redis_server import RedisServer, command, need_redis, running_redis
+from .conftest import ROOT
 from .test_backend_contract import ask, granted, refused, settle, snap
 
 pytestmark = pytest.mark.integration
@@ -76,10 +77,10 @@ def test_a_replica_dead_with_the_probe_after_its_permit_was_evicted_does_not_shu
         await b.start()
         try:
             await _opened(b)
-            holder = subprocess.Popen(
+            holder = await trio.to_thread.run_sync(lambda: subprocess.Popen(
                 [sys.executable, "-c", _HOLDER, url], stdout=subprocess.PIPE, text=True,
-                cwd=str(__import__("pathlib").Path(__file__).parent.parent),
-            )
+                cwd=str(ROOT),
+            ))
             try:
                 assert holder.stdout is not None
                 line = await trio.to_thread.run_sync(holder.stdout.readline)

@@ -92,6 +92,8 @@ class Host:
         #: The process it runs in (see forks): a forked child inherits this object,
         #: not the run behind it.
         self.process = forks.count
+        #: The thread its loop runs in.
+        self.thread = threading.get_ident()
         self.users = 0
         self.accepting = True
         self.token: trio.lowlevel.TrioToken | None = None
@@ -533,9 +535,14 @@ async def release(host: Host) -> None:
     if host.users > 0:
         return
     host.stop()
-    await settle(host.finished)
-    if _hosts.by_loop.get(host.loop) is host:
-        del _hosts.by_loop[host.loop]
+    try:
+        await settle(host.finished)
+    finally:
+        # (settle raises only once the run has finished: a cancellation that came
+        # meanwhile, anyio's again each loop iteration.  The entry goes all the same,
+        # or the loop, closed, stays referenced until this thread's next acquire.)
+        if _hosts.by_loop.get(host.loop) is host:
+            del _hosts.by_loop[host.loop]
 
 
 async def settle(fut: asyncio.Future[Any]) -> None:

@@ -38,6 +38,7 @@ import contextvars
 import functools
 import inspect
 import random
+import threading
 import types
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Mapping
@@ -295,6 +296,11 @@ def _check_loop(host: Host, what: str, advice: str) -> None:
         running = asyncio.get_running_loop()
     except RuntimeError:
         running = None
+    if running is None and threading.get_ident() == host.thread:
+        # (Between two run_until_complete() calls, say: not another loop, no loop.)
+        raise PolygateError(
+            f"no event loop is running here: use {what} from a coroutine running on the "
+            "loop that opened the session")
     if running is not host.loop:
         raise PolygateError(f"{what} belongs to another event loop (or thread); {advice}")
 
@@ -793,11 +799,15 @@ async def _open(
             trio_session = await asyncio.shield(owner.opened)
         except asyncio.CancelledError:
             host.submit(owner.request_close)
-            await settle(owner.closed)
-            if owner.opened.done() and not owner.opened.cancelled():
-                # Retrieved: an opening that failed after the cancellation is not
-                # news to anyone ("Future exception was never retrieved" otherwise).
-                owner.opened.exception()
+            try:
+                await settle(owner.closed)
+            finally:
+                # (Even when settle re-raises a cancellation that came meanwhile:
+                # anyio cancels again at each loop iteration.)
+                if owner.opened.done() and not owner.opened.cancelled():
+                    # Retrieved: an opening that failed after the cancellation is not
+                    # news to anyone ("Future exception was never retrieved" otherwise).
+                    owner.opened.exception()
             raise
         except BaseException:
             await settle(owner.closed)
