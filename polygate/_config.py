@@ -640,6 +640,14 @@ class Breaker:
             )
         if self.failure_rate is not None and self.rate_min_calls > self.rate_window:
             # Only the last rate_window outcomes are kept: the rule could never trip.
+            if self.rate_min_calls == attrs.fields(Breaker).rate_min_calls.default:
+                # Only the window was set (under the default minimum): name the key written.
+                raise _bad(
+                    self, "rate_window",
+                    f"({self.rate_window}) must be >= rate_min_calls ({self.rate_min_calls}, "
+                    "the default: set it too) when failure_rate is set: only the last "
+                    "rate_window outcomes are kept",
+                )
             raise _bad(
                 self, "rate_min_calls",
                 f"({self.rate_min_calls}) must be <= rate_window ({self.rate_window}) "

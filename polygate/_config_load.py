@@ -468,12 +468,27 @@ def _env_key(*segments: str) -> str:
     return ENV_PREFIX + "__".join(s.upper() for s in segments)
 
 
+def env_segments(rest: str) -> list[str]:
+    """A key's segments, split at each ``__``; a third ``_`` goes with the name on its
+    left: no name starts with ``_``, and one may end with it (a source ``gpu_`` is
+    ``…__GPU___BASE_URL``, which a plain split read as ``GPU`` and ``_BASE_URL``)."""
+    return _SEGMENT_SPLIT.split(rest)
+
+
+_SEGMENT_SPLIT = re.compile(r"__(?=[^_])")
+
+
 def _route_env_key(settings: _SettingsPart, key: str) -> tuple[_Part, str, type]:
     """Which part and field ``key`` sets, or a ConfigError naming the key."""
     rest = key[len(ENV_PREFIX):]
+    if not rest.isascii():
+        # ("\u212a", the Kelvin sign, is upper case and lower-cases to "k": API_\u212aEY
+        # set api_key, unseen by the secrets' scrub, beside API_KEY.  Written escaped,
+        # as it looks like the key it stands in for.)
+        raise ConfigError(f"{ascii(key)[1:-1]}: configuration keys are upper case ASCII")
     if rest != rest.upper():
         raise ConfigError(f"{key}: configuration keys are upper case")
-    segments = rest.split("__")
+    segments = env_segments(rest)
     if len(segments) == 1:
         note = f"scope keys are {ENV_PREFIX}{{SCOPE}}__…"
         return _env_field(settings.own, _schema(Settings), key, segments[0], "top-level keys", note)
@@ -569,11 +584,11 @@ def _env_serve(settings: _SettingsPart, key: str, text: str) -> None:
     part = _serve_part(settings, lambda f: _env_key("serve", *f.split(".")))
     segment = key[len(_SERVE_ENV):]
     field = segment.lower()
-    if segment.startswith("KEYS__") and segment == segment.upper():
-        _env_serve_key(settings, part, key, segment.split("__")[1:], text)
+    if segment.startswith("KEYS__") and segment == segment.upper() and segment.isascii():
+        _env_serve_key(settings, part, key, env_segments(segment)[1:], text)
         part.keys.append(key)
         return
-    if segment != segment.upper() or "__" in segment:
+    if segment != segment.upper() or not segment.isascii() or "__" in segment:
         raise _unknown(key, "serve keys", _serve_keys(upper=True), segment)
     if field == "api_keys":
         keys = _key_list(text, key)

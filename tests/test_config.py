@@ -7,6 +7,7 @@ The same configurations built from the environment and from TOML are in
 from __future__ import annotations
 
 import math
+import pathlib
 from typing import Any
 
 import attrs
@@ -530,9 +531,30 @@ def test_a_failure_rate_rule_that_can_never_trip_is_refused() -> None:
     import polygate
 
     with pytest.raises(ConfigError, match=r"rate_min_calls: .* must be <= rate_window"):
-        polygate.Breaker(failure_rate=0.5, rate_window=5, rate_min_calls=10)
+        polygate.Breaker(failure_rate=0.5, rate_window=5, rate_min_calls=6)
     polygate.Breaker(failure_rate=0.5, rate_window=10, rate_min_calls=10)
     polygate.Breaker(rate_window=5, rate_min_calls=10)  # (no rate rule: nothing to trip)
+
+
+def test_a_rate_window_under_the_default_minimum_names_the_key_written(tmp_path: pathlib.Path) -> None:
+    """Only failure_rate and rate_window set (a natural setup): the error named
+    rate_min_calls, a key the user never wrote (its default, 10, was the problem), in
+    every one of the three ways (an outside review, 2026-12-05)."""
+    import polygate
+
+    problem = r"must be >= rate_min_calls \(10, the default: set it too\)"
+    with pytest.raises(ConfigError, match=r"Breaker\.rate_window: \(5\) " + problem):
+        polygate.Breaker(failure_rate=0.5, rate_window=5)
+    env = {"POLYGATE__CHAT__A__BASE_URL": "http://a/v1",
+           "POLYGATE__CHAT__BREAKER__FAILURE_RATE": "0.5",
+           "POLYGATE__CHAT__BREAKER__RATE_WINDOW": "5"}
+    with pytest.raises(ConfigError, match=r"POLYGATE__CHAT__BREAKER__RATE_WINDOW: \(5\) " + problem):
+        Settings.from_env(env)
+    path = tmp_path / "p.toml"
+    path.write_text('[scopes.chat.breaker]\nfailure_rate = 0.5\nrate_window = 5\n'
+                    '[scopes.chat.sources.a]\nbase_url = "http://a/v1"\n')
+    with pytest.raises(ConfigError, match=r"scopes\.chat\.breaker\.rate_window: \(5\) " + problem):
+        Settings.from_toml(path)
 
 
 # --------------------------------------------------------------------------- refused values in messages

@@ -590,6 +590,43 @@ def test_unknown_env_keys(key: str) -> None:
     assert UNKNOWN_KEYS[key] in str(info.value)
 
 
+def test_a_name_ending_in_an_underscore_has_an_env_spelling() -> None:
+    """Names may end in '_' (never begin with one): ``…__GPU___BASE_URL`` is the source
+    ``gpu_``.  A plain split read it as ``GPU`` and ``_BASE_URL`` ("unknown key"), a
+    scope ``chat_`` as ``chat`` with a source ``_a``, and a serve key ``team_`` was
+    unknown (an outside review, 2026-12-05)."""
+    env = {"POLYGATE__CHAT__GPU___BASE_URL": URL_A, "POLYGATE__CHAT__GPU___API_KEY": KEY,
+           "POLYGATE__CHAT___A__BASE_URL": URL_B,
+           "POLYGATE__SERVE__KEYS__TEAM___KEY": "gk-team", "POLYGATE__SERVE__KEYS__TEAM___RPM": "5"}
+    settings = settings_from_env(env)
+    [gpu] = settings.scopes["chat"].sources
+    assert (gpu.name, gpu.base_url, gpu.api_key) == ("gpu_", URL_A, KEY)
+    assert [s.name for s in settings.scopes["chat_"].sources] == ["a"]
+    assert settings.serve.keys["team_"].rpm == 5
+    # The same settings as Python objects write it so.
+    from polygate import Scope, Settings, Source
+
+    assert settings == Settings(
+        scopes={"chat": Scope(sources=[Source(name="gpu_", base_url=URL_A, api_key=KEY)]),
+                "chat_": Scope(sources=[Source(name="a", base_url=URL_B)])},
+        serve=settings.serve)
+
+
+def test_a_key_that_is_not_ascii_is_refused() -> None:
+    """The Kelvin sign is upper case and lower-cases to 'k': ``API_\u212aEY`` set api_key,
+    beside ``API_KEY`` (one of the two won), and the secrets' scrub did not know its
+    value; the message writes the key escaped, as it looks like the one it mimics."""
+    env = {"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CHAT__A__API_\u212aEY": KEY}
+    with pytest.raises(ConfigError, match="upper case ASCII") as info:
+        settings_from_env(env)
+    assert "API_\\u212aEY" in str(info.value) and KEY not in str(info.value)
+    with pytest.raises(ConfigError):
+        settings_from_env({"POLYGATE__CHAT__\u212a__BASE_URL": URL_A})
+    with pytest.raises(ConfigError):
+        settings_from_env({"POLYGATE__CHAT__A__BASE_URL": URL_A,
+                           "POLYGATE__SERVE__KEYS__\u212a__KEY": "gk-x"})
+
+
 def test_missing_base_url_names_the_key() -> None:
     env = {"POLYGATE__CHAT__A__BASE_URL": URL_A, "POLYGATE__CHAT__B__MODEL": "m1",
            "POLYGATE__CHAT__B__API_KEY": KEY}
