@@ -88,6 +88,7 @@ def test_parsed_options() -> None:
         ("redis://", "has no host"),
         ("redis://h:99999/0", "is not a valid URL"),
         ("redis://h/zero", "must be a number"),
+        ("redis://h/0#x", "is not a valid URL"),  # (as Settings.backend says)
         # int() reads these as 15, 1 and 1: a typo would pick another database.
         ("redis://h/1_5", "must be a number, got '1_5'"),
         ("redis://h/\u0661", "must be a number"),

@@ -106,6 +106,8 @@ def parse_cache_url(url: Any) -> CacheOptions:
     if parts.scheme == "sqlite":
         return _sqlite(url, parts, query)
     if parts.scheme in ("redis", "rediss"):
+        if parts.fragment:  # (as Settings.backend refuses it: an unencoded '#' in a password, say)
+            raise ConfigError(f"{shown!r} {_BAD_URL}")
         return _redis(shown, parts, port, query)
     from .._config import shown as quoted  # lazy: _config imports this module
 
