@@ -92,13 +92,18 @@ local function bump(ttl_ms)
   redis.call('PEXPIRE', K_CHANGES, ttl_ms)
 end
 
--- Take a reservation's estimate off the tokens open reservations hold (ot).  False
--- when that would go below 0: the state key was lost (evicted, deleted) after the
--- reservation was made, so its totals never counted it either, and ot restarts at 0.
-local function unhold(est)
-  if redis.call('HINCRBY', K_STATE, 'ot', 0 - est) >= 0 then return true end
-  redis.call('HSET', K_STATE, 'ot', 0)
-  return false
+-- The state key lost (evicted, deleted) while reservations were open: what they hold
+-- goes back into its totals, once, so that settling them (before or after others are
+-- admitted) keeps reserved = settled + released + open, and ot never below 0.  Every
+-- admission writes rt, so a state without it has lost its totals.
+local function reseed()
+  if redis.call('HEXISTS', K_STATE, 'rt') == 1 then return end
+  local held = redis.call('HVALS', K_OPEN)
+  if #held == 0 then return end
+  local sum = 0
+  for _, v in ipairs(held) do sum = sum + (tonumber(v) or 0) end
+  redis.call('HINCRBY', K_STATE, 'rt', sum)
+  redis.call('HINCRBY', K_STATE, 'ot', sum)
 end
 
 -- A reservation whose permit is gone settles as a cancelled attempt does: it keeps
@@ -108,10 +113,9 @@ local function lapse(m, probe)
   if est then
     est = tonumber(est)
     redis.call('HDEL', K_OPEN, m)
-    if unhold(est) then
-      redis.call('HINCRBY', K_STATE, 'st', est)
-      redis.call('HINCRBY', K_STATE, 'ct', est)
-    end
+    redis.call('HINCRBY', K_STATE, 'ot', 0 - est)
+    redis.call('HINCRBY', K_STATE, 'st', est)
+    redis.call('HINCRBY', K_STATE, 'ct', est)
     redis.call('HINCRBY', K_STATE, 'lx', 1)
   end
   if probe == m then redis.call('HSET', K_STATE, 'pr', '') end
@@ -121,6 +125,7 @@ end
 -- do reservations left without a permit at all: Redis evicted (maxmemory) or someone
 -- deleted the permits key, and an owner that died then would hold them for ever.
 local function purge(now, ttl_ms)
+  reseed()
   local expired = redis.call('ZRANGEBYSCORE', K_PERMITS, '-inf', now)
   local orphaned = {}
   -- (Each reservation has its permit, so the counts differ only after such a loss.)
@@ -333,26 +338,24 @@ if not est then
 end
 est = tonumber(est)
 redis.call('HDEL', K_OPEN, member)
-local counted = unhold(est)
+redis.call('HINCRBY', K_STATE, 'ot', 0 - est)
 redis.call('ZREM', K_PERMITS, member)
 local probe = redis.call('HGET', K_STATE, 'pr') == member
 
 expire(now, window_us)
 local held = tonumber(redis.call('HGET', K_WTOK, member))
 if not sent then
-  if counted then redis.call('HINCRBY', K_STATE, 'rl', est) end
+  redis.call('HINCRBY', K_STATE, 'rl', est)
   if held then
     redis.call('HDEL', K_WTOK, member)
     redis.call('HINCRBY', K_WTOK, '=sum', 0 - held)
     redis.call('ZREM', K_WINDOW, member)
   end
 else
+  redis.call('HINCRBY', K_STATE, 'st', est)
   local cost = est
   if tokens >= 0 then cost = tokens end
-  if counted then
-    redis.call('HINCRBY', K_STATE, 'st', est)
-    redis.call('HINCRBY', K_STATE, 'ct', cost)
-  end
+  redis.call('HINCRBY', K_STATE, 'ct', cost)
   if held and cost ~= held then
     redis.call('HSET', K_WTOK, member, cost)
     redis.call('HINCRBY', K_WTOK, '=sum', cost - held)
