@@ -36,7 +36,7 @@ from ._config_serve import (
     reduce_read_only,
 )
 from ._errors import ConfigError, FatalUpstreamError, RateLimitedError, classify_status
-from ._paths import file_path_problem
+from ._paths import UNENCODED_HASH, file_path_problem
 from ._secrets import (
     DSN_SECRET_PARAM,
     QUOTE_MAX,
@@ -645,8 +645,8 @@ class Breaker:
                 raise _bad(
                     self, "rate_window",
                     f"({self.rate_window}) must be >= rate_min_calls ({self.rate_min_calls}, "
-                    "the default: set it too) when failure_rate is set: only the last "
-                    "rate_window outcomes are kept",
+                    "which is also its default: raise rate_window or lower rate_min_calls) "
+                    "when failure_rate is set: only the last rate_window outcomes are kept",
                 )
             raise _bad(
                 self, "rate_min_calls",
@@ -900,7 +900,7 @@ def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
     if parts.scheme == "sqlite":
         if not value.startswith("sqlite:///") and value != "sqlite://":
             raise _bad(inst, attr.name, url=value, problem="a SQLite URL is sqlite:///path/to/file.db")
-        problem = file_path_problem(unquote(parts.path))
+        problem = UNENCODED_HASH if "#" in value else file_path_problem(unquote(parts.path))
         if problem is not None:
             raise _bad(inst, attr.name, url=value, problem=problem)
         return

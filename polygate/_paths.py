@@ -49,6 +49,11 @@ def _home(env: Mapping[str, str]) -> Path:
     return Path(home)
 
 
+#: A ``#`` in a ``sqlite:`` URL starts its fragment: the path would end before it, and
+#: another file be opened (``run#1.db`` read as ``run``).
+UNENCODED_HASH = "an unencoded '#' in a SQLite URL ends its path there: write it %23"
+
+
 def file_path_problem(path: str) -> str | None:
     """Why ``path`` (a ``sqlite:`` URL's, percent-decoded) can name no file, or None.
     Checked with the settings: the operating system refuses it only when the file is

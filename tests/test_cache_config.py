@@ -82,6 +82,9 @@ def test_parsed_options() -> None:
         ("sqlite:///x.db?journal=off", "unknown option 'journal' for a sqlite cache"),
         # A path no file can have: a bare ValueError ("embedded null byte") or a
         # UnicodeEncodeError when the session opened it, before.
+        # The path ended at '#': "run#1.db" opened "run" (an outside review, 2026-12-05).
+        ("sqlite:///tmp/run#1.db", "unencoded '#'"),
+        ("sqlite:///tmp/run.db#", "unencoded '#'"),
         ("sqlite:///tmp/x%00y.db", "cannot hold a NUL character"),
         ("sqlite:///tmp/x\x00y.db", "cannot hold a NUL character"),
         ("sqlite:///tmp/x\ud83dy.db", "cannot name"),

@@ -542,7 +542,7 @@ def test_a_rate_window_under_the_default_minimum_names_the_key_written(tmp_path:
     every one of the three ways (an outside review, 2026-12-05)."""
     import polygate
 
-    problem = r"must be >= rate_min_calls \(10, the default: set it too\)"
+    problem = r"must be >= rate_min_calls \(10, which is also its default: raise rate_window"
     with pytest.raises(ConfigError, match=r"Breaker\.rate_window: \(5\) " + problem):
         polygate.Breaker(failure_rate=0.5, rate_window=5)
     env = {"POLYGATE__CHAT__A__BASE_URL": "http://a/v1",

@@ -98,6 +98,10 @@ def test_a_retry_after_date_counts_from_the_answers_own_date(
     }
     monkeypatch.setattr(time, "time", lambda: server_now + skew_s)
     assert parse_retry_after(headers) == 5.0
+    # A cache on the way held the answer 300 s (Age): the named instant is past.
+    assert parse_retry_after({**headers, "age": "300"}) == 0.0
+    assert parse_retry_after({**headers, "age": "2"}) == 3.0
+    assert parse_retry_after({**headers, "age": "two"}) == 5.0  # (not a number: no age)
     # No Date, or one that is no date: this host's clock, as before.
     for date in (None, "yesterday"):
         alone = {"retry-after": headers["retry-after"]} | ({"date": date} if date else {})

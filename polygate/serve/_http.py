@@ -91,7 +91,7 @@ _REASONS: Final = {
     100: b"Continue", 200: b"OK", 400: b"Bad Request", 401: b"Unauthorized",
     404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout",
     413: b"Content Too Large", 415: b"Unsupported Media Type", 429: b"Too Many Requests",
-    431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 501: b"Not Implemented", 502: b"Bad Gateway",
+    431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 502: b"Bad Gateway",
     503: b"Service Unavailable", 504: b"Gateway Timeout", 505: b"HTTP Version Not Supported",
 }
 
@@ -250,8 +250,6 @@ def _late_or_cut(scope: trio.CancelScope, cuts: Cuts) -> None:
 def _head_problem(status: int) -> str:
     if status == 431:
         return "malformed request: the request head is too large"
-    if status == 501:
-        return "the request's Transfer-Encoding is not one this server takes (only chunked)"
     return ("malformed request: the request line or a header line is not valid HTTP/1.1 "
             "(or a header is repeated that may not be)")
 
@@ -522,9 +520,11 @@ class Connection:
                 try:
                     event = self.h11.next_event()
                 except h11.RemoteProtocolError as exc:
-                    # (501: a transfer coding it does not know, RFC 9112 §6.1.)
+                    # (h11's 501 hint, for any Transfer-Encoding but a lone "chunked",
+                    # stays a 400: RFC 9112 §6.3 asks one for chunked not last, or twice,
+                    # and h11 does not say which it saw.)
                     hint = exc.error_status_hint
-                    status = hint if 400 <= hint < 500 or hint == 501 else 400
+                    status = hint if 400 <= hint < 500 else 400
                     # Not h11's words: they quote the offending line, a key in it included.
                     raise HTTPProblem(status, _head_problem(status), "bad_request") from None
                 if event is not h11.NEED_DATA:

@@ -458,7 +458,13 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     # server's, and the wait does not depend on this host's clock.  A replica whose
     # clock is minutes behind would otherwise park the source for minutes on every
     # replica sharing its cooldown (or, ahead, not at all).
+    # A cache on the way says how long it held the answer (Age, RFC 9111 §4.2.3): the
+    # server's now is about Date + Age.
     sent = _http_date(headers.get("date"))
+    if sent is not None:
+        age = (headers.get("age") or "").strip()
+        if age.isascii() and age.isdigit():
+            sent += min(int(age[:12]), 10**11)
     value = max(when - (sent if sent is not None else time.time()), 0.0)
     if not math.isfinite(value):
         return None
