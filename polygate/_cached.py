@@ -44,6 +44,7 @@ from ._errors import (
     FatalUpstreamError,
     GovernanceBackendError,
     StructuredOutputError,
+    failed_attempts,
 )
 from ._resume import StreamSink
 from ._types import CallStats, ChatResponse, EmbeddingResponse, Usage
@@ -446,8 +447,13 @@ def _sent_alike(flight: Flight, request: Any) -> bool:
     ``user`` over the provider's length): a refusal may also quote them, and another
     caller's ``user`` or ``metadata`` is not this one's to read.  Compared only here,
     on the rare path of a shared refusal; anything that cannot be compared counts as
-    different (the waiter then asks for itself)."""
-    if not isinstance(flight.error, FatalUpstreamError) or flight.request is None:
+    different (the waiter then asks for itself).  So does an ``AllSourcesExhausted``
+    that carries upstream failures: their messages may quote the leader's ``user`` as
+    much (one gateway's tenants coalesce); one given by admission alone quotes none."""
+    error = flight.error
+    upstream_said = isinstance(error, FatalUpstreamError) or (
+        isinstance(error, AllSourcesExhausted) and bool(failed_attempts(error.errors)))
+    if not upstream_said or flight.request is None:
         return True
     try:
         return _wire_json(flight.request) == _wire_json(request)

@@ -1505,6 +1505,48 @@ async def test_a_refusal_of_a_left_out_parameter_is_not_a_waiters_with_a_valid_r
     assert _sent(up) == 3  # alice, bob, and one for carol and dave
 
 
+def _fail_for_alices_user(request: Any, rng: Any) -> Reply:
+    """An upstream that fails only for Alice's end user, and says whom it failed for
+    (a per-user budget, an account in trouble)."""
+    if isinstance(request.body, dict) and request.body.get("user") == "alice-private-7731":
+        return Reply(status=500, headers_delay_s=1.0, error_body={"error": {
+            "message": "internal failure for user alice-private-7731", "type": "server_error"}})
+    return Reply(text="fine", first_token_s=1.0)
+
+
+@pytest.mark.parametrize("kind", ["chat", "embed"])
+async def test_an_outage_binds_only_a_waiter_that_sends_the_same_json(
+    autojump_clock: trio.testing.MockClock, kind: str,
+) -> None:
+    """Outside review (tenants of one gateway): Alice's call failed on every attempt
+    (AllSourcesExhausted), and Bob, the same prompt with another ``user``, joined her
+    flight and got her error, quoting her ``user`` three times, where alone he is
+    answered.  As a refusal, an outage with an upstream's failure in it binds only a
+    waiter that sends the same JSON."""
+    up = FakeUpstream(_fail_for_alices_user)
+    out: dict[str, Any] = {}
+    settings = cache_settings(retry=polygate.Retry(max_attempts=2, backoff_base_s=0.0))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        def ask(text: str, **params: Any) -> Awaitable[Any]:
+            if kind == "chat":
+                return s.chat([{"role": "user", "content": text}], **params)
+            return s.embed([text], **params)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_outcome_at, out, "alice", 0.0,
+                               partial(ask, "hi", user="alice-private-7731"))
+            nursery.start_soon(_outcome_at, out, "bob", 0.1, partial(ask, "hi", user="bob"))
+            # An identical call still shares the outage: nobody queues to hear it again.
+            nursery.start_soon(_outcome_at, out, "alice again", 0.2,
+                               partial(ask, "hi", user="alice-private-7731"))
+    assert isinstance(out["alice"], polygate.AllSourcesExhausted)
+    assert "alice-private-7731" in str(out["alice"])
+    assert not isinstance(out["bob"], BaseException), out["bob"]
+    assert isinstance(out["alice again"], polygate.AllSourcesExhausted), out["alice again"]
+    users = [r.body.get("user") for r in up.requests]
+    assert users.count("bob") == 1 and set(users) == {"alice-private-7731", "bob"}, users
+
+
 async def test_a_waiter_that_asks_for_itself_leads_a_flight_identical_calls_join(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
