@@ -587,7 +587,7 @@ async def run_chat(
         trio.current_time() if started_at is None else started_at, messages=messages,
         messages_json=messages_json, params=params, streaming_to_caller=forward is not None,
     )
-    ctx.prompt_estimate = runtime.governor.prompt_estimate(messages)
+    ctx.prompt_estimate = runtime.governor.prompt_estimate(messages, params)
     ctx.completion_estimate = completion_budget(params, scope.completion_estimate_tokens)
     shown = delivered if delivered is not None else []
 
@@ -764,7 +764,7 @@ def _next_round(ctx: CallContext, messages: list[Mapping[str, Any]]) -> None:
         ctx.asked_json = ctx.messages_json
     ctx.messages = messages
     ctx.messages_json = encode_compact(messages)
-    ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(messages)
+    ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(messages, ctx.params)
     ctx.reasks += 1
 
 
@@ -835,7 +835,7 @@ def _prepare_continuation(
         prompt = encode_compact(continuation_messages(messages, shown, prefill=False))
         ctx.continuation = Continuation(prefill, prompt, PREFILL_PARAMS, refused, limits, shown)
     ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(
-        continuation_messages(messages, shown, prefill=False)
+        continuation_messages(messages, shown, prefill=False), ctx.params
     )
     if limits:
         ctx.completion_estimate = completion_budget(

@@ -89,7 +89,7 @@ class KeyQuotas:
         upstream work)."""
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             return None
-        prompt = self._governor.prompt_estimate(messages)
+        prompt = self._governor.prompt_estimate(messages, params)
         return prompt + completion_budget(params, completion_tokens), prompt
 
     def embed_estimate(self, inputs: Sequence[str]) -> int:

@@ -125,6 +125,32 @@ def test_estimates() -> None:
         assert completion_budget({"max_tokens": no_limit}, 256) == 256
 
 
+async def test_tools_and_a_response_format_are_part_of_the_prompts_estimate(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An upstream bills tool definitions and a response format's schema as input: an
+    agent's long tool list reserved nothing against tpm (an outside review, tenants of
+    one gateway, 2026-12-05).  Counted as their JSON, about four characters a token."""
+    from polygate.governance._estimate import params_tokens
+
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * 4000,
+                                             "parameters": {"type": "object"}}}
+    assert params_tokens({}) == 0 and params_tokens({"temperature": 0.5}) == 0
+    assert 1000 < params_tokens({"tools": [tool]}) < 1100
+    assert params_tokens({"tools": [tool], "response_format": {"type": "json_object"}}) > \
+        params_tokens({"tools": [tool]})
+    up = FakeUpstream(Reply(tokens=2, usage=False))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name="a", base_url="http://a/v1", tpm=1200)])})
+    async with polygate.session(settings, transport=up.transport()) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as refused:
+            await s.chat(MESSAGES, tools=[tool], max_tokens=300)  # ~1,010 + 300 > 1,200
+        assert refused.value.too_large
+        await s.chat(MESSAGES, tools=[tool], max_tokens=100)
+        snap = (await s.statistics()).governance.sources[0]
+    assert snap.state.reserved_total > 1100  # (its reservation: the prompt with its tool)
+
+
 @pytest.mark.parametrize("kind", [[], {"a": 1}, ["image_url"], 3.5, None])
 def test_a_content_part_of_any_type_is_estimated(kind: Any) -> None:
     """Outside review (fuzzing the gateway's bodies): a part whose ``type`` was a list

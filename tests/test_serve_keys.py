@@ -528,3 +528,26 @@ async def test_no_object_a_handler_holds_shows_the_gateway_key_or_the_prompt(
     assert answered.status == 200
     assert seen and not [r[:200] for r in seen if GATEWAY_KEY in r or '"hi"' in r]
     assert "authorization" in seen[0] and "bytes>" in seen[0]  # what it holds, not the values
+
+
+async def test_a_prompt_carried_in_tools_counts_against_the_keys_tpm() -> None:
+    """A tenant that moved its prompt into a tool's description was estimated at a few
+    tokens, and admitted whatever its size, where the same text in a message is refused
+    (an outside review, tenants of one gateway, 2026-12-05)."""
+    big = "lorem ipsum dolor sit amet " * 1500  # ~40,000 characters: ~10,000 tokens
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], keys={
+        "alice": polygate.ServeKey(key=ALICE, tpm=2000)})
+    in_message = {"model": "chat", "messages": [{"role": "user", "content": big}], "max_tokens": 10}
+    in_tools = {"model": "chat", "messages": [{"role": "user", "content": "call f"}], "max_tokens": 10,
+                "tools": [{"type": "function", "function": {
+                    "name": "f", "description": big, "parameters": {"type": "object"}}}]}
+    small_tools = {**in_tools, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    headers = {"authorization": f"Bearer {ALICE}"}
+    async with gateway(Reply(tokens=2), serve=serve) as (server, upstream):
+        refused = await http(server, "POST", CALL, in_message, headers)
+        in_a_tool = await http(server, "POST", CALL, in_tools, headers)
+        answered = await http(server, "POST", CALL, small_tools, headers)
+    for answer in (refused, in_a_tool):
+        assert answer.status == 429 and answer.headers.get("x-should-retry") == "false"
+    assert answered.status == 200
+    assert len(upstream.requests) == 1

@@ -18,7 +18,7 @@ import trio
 from .._config import Breaker, Settings
 from .._errors import GovernanceBackendError, Outcome
 from ._backend import GovernanceBackend
-from ._estimate import TokenEstimator, default_estimator
+from ._estimate import TokenEstimator, default_estimator, params_tokens
 from ._line import Line, Waiter
 from ._model import (
     Admission,
@@ -211,8 +211,13 @@ class Governor:
 
     # ------------------------------------------------------------------ estimates
 
-    def prompt_estimate(self, messages: Sequence[Mapping[str, Any]]) -> int:
-        return self._estimator.prompt_tokens(messages)
+    def prompt_estimate(
+        self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any] | None = None
+    ) -> int:
+        """The prompt's tokens: its messages, and the parameters an upstream reads (and
+        bills) as input beside them (:func:`params_tokens`)."""
+        tokens = self._estimator.prompt_tokens(messages)
+        return tokens + params_tokens(params) if params else tokens
 
     def estimate_inputs(self, inputs: Sequence[str]) -> int:
         return sum((len(text) + 3) // 4 + 1 for text in inputs)
