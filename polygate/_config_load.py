@@ -575,7 +575,9 @@ _SERVE_ENV = f"{ENV_PREFIX}SERVE__"
 #: Serve fields that are not scalars: lists and tables, parsed here.
 _SERVE_LISTS = ("api_keys", "models", "keys")
 #: The fields of one labelled key, ``[serve.keys.NAME]`` / ``POLYGATE__SERVE__KEYS__NAME__…``.
-_KEY_FIELDS: dict[str, type] = {"key": str, "rpm": int, "tpm": int, "max_in_flight": int}
+_KEY_FIELDS: dict[str, type] = {
+    "key": str, "rpm": int, "tpm": int, "max_in_flight": int, "models": tuple,
+}
 
 
 def _env_serve(settings: _SettingsPart, key: str, text: str) -> None:
@@ -606,8 +608,8 @@ def _env_serve(settings: _SettingsPart, key: str, text: str) -> None:
 def _env_serve_key(
     settings: _SettingsPart, part: _Part, key: str, segments: list[str], text: str
 ) -> None:
-    """``POLYGATE__SERVE__KEYS__{NAME}__{KEY|RPM|TPM|MAX_IN_FLIGHT}``; the name is
-    lower-cased, as scope names are."""
+    """``POLYGATE__SERVE__KEYS__{NAME}__{KEY|RPM|TPM|MAX_IN_FLIGHT|MODELS}``; the name
+    is lower-cased, as scope names are (``MODELS``, comma-separated, as written)."""
     fields = ", ".join(f.upper() for f in _KEY_FIELDS)
     if len(segments) != 2 or not all(segments) or segments[1].lower() not in _KEY_FIELDS:
         raise ConfigError(
@@ -703,7 +705,7 @@ def _toml_serve_keys(
     value: Any, at: _Where, env: Mapping[str, str], secrets: set[str]
 ) -> dict[str, dict[str, Any]]:
     """``[serve.keys.NAME]`` tables: ``key`` (or ``key_env`` naming an environment
-    variable that holds it), ``rpm``, ``tpm``, ``max_in_flight``."""
+    variable that holds it), ``rpm``, ``tpm``, ``max_in_flight``, ``models``."""
     out: dict[str, dict[str, Any]] = {}
     for name, raw in _toml_table(value, at("keys")).items():
         where = at(f"keys.{name}") if _BARE_KEY.fullmatch(name) else at("keys")

@@ -95,6 +95,13 @@ def _to_keys(value: Sequence[str]) -> Any:
     return value
 
 
+def _to_names(value: Sequence[str]) -> Any:
+    # (A lone string is not a list of one name: refused by the validator, not split.)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return value
+
+
 def _to_models(value: Mapping[str, str]) -> Any:
     if isinstance(value, Mapping):
         return MappingProxyType(dict(value))
@@ -120,7 +127,7 @@ def _serve_key(name: Any, fields: Mapping[str, Any]) -> ServeKey:
     # (key=str: a name may be of any type from Python, where TOML gives strings only)
     unknown = sorted(set(fields) - {f.name for f in attrs.fields(ServeKey)}, key=str)
     if unknown:
-        raise _bad("Serve", f"keys.{name}.{unknown[0]}", "unknown field (key, rpm, tpm, max_in_flight)")
+        raise _bad("Serve", f"keys.{name}.{unknown[0]}", "unknown field (key, rpm, tpm, max_in_flight, models)")
     if "key" not in fields:
         raise _bad("Serve", f"keys.{name}.key", "is missing: a labelled gateway key needs its key")
     try:
@@ -165,12 +172,23 @@ class ServeKey:
     (the call's estimate is reserved when it is admitted and settled with the
     answer's usage) and ``max_in_flight`` calls at once.  ``None``: no bound.  A key
     over a limit is answered 429 with ``Retry-After`` at once, without waiting.
+    ``models``: the scopes (or aliases of them) this key may call; empty: every one.
+    Any name of an allowed scope is allowed (its aliases and its own name); others are
+    answered as models that do not exist, and ``/v1/models`` lists only the allowed.
     """
 
     key: str = attrs.field(repr=lambda _: "'***'")
     rpm: int | None = attrs.field(default=None, validator=_opt_count)
     tpm: int | None = attrs.field(default=None, validator=_opt_count)
     max_in_flight: int | None = attrs.field(default=None, validator=_opt_count)
+    models: tuple[str, ...] = attrs.field(default=(), converter=_to_names)
+
+    @models.validator
+    def _check_reach(self, attr: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, tuple) or not all(isinstance(m, str) and m for m in value):
+            raise _bad("ServeKey", "models", "must be a list of scope names or aliases")
+        if len(set(value)) != len(value):
+            raise _bad("ServeKey", "models", "names a model twice")
 
     @key.validator
     def _check_the_key(self, attr: attrs.Attribute[str], value: Any) -> None:
@@ -303,3 +321,11 @@ def check_serve_models(serve: Serve, scopes: Mapping[str, Any]) -> None:
             )
         if alias in scopes and alias != scope:
             raise _bad("Settings", "serve.models", f"alias {alias!r} is also a scope name")
+    for name, key in serve.keys.items():
+        for model in key.models:
+            if serve.scope_of(model, scopes) is None:
+                known = ", ".join(sorted({*scopes, *serve.models}))
+                raise _bad(
+                    "Settings", f"serve.keys.{name}.models",
+                    f"{given(model)} is no scope or alias (known: {known})",
+                )

@@ -78,7 +78,7 @@ def test_env_and_toml_agree_and_never_show_the_key(tmp_path: Path) -> None:
     shown = repr(env.serve) + json.dumps(describe(env))
     assert ALICE not in shown
     assert describe(env)["serve"]["keys"]["alice"] == {
-        "key": "***", "rpm": 60, "tpm": None, "max_in_flight": 2}
+        "key": "***", "rpm": 60, "tpm": None, "max_in_flight": 2, "models": []}
     assert ALICE in env.secrets()  # redacted from upstream text like any secret
 
 
@@ -551,3 +551,100 @@ async def test_a_prompt_carried_in_tools_counts_against_the_keys_tpm() -> None:
         assert answer.status == 429 and answer.headers.get("x-should-retry") == "false"
     assert answered.status == 200
     assert len(upstream.requests) == 1
+
+
+# --------------------------------------------------------------------------- keys bound to scopes
+
+
+def _teams(url: str) -> polygate.Settings:
+    def scope() -> polygate.Scope:
+        return polygate.Scope(sources=[polygate.Source(name="s", base_url=url, model="m1")])
+
+    return polygate.Settings(
+        scopes={"team-a": scope(), "team-b": scope(), "embed": scope()},
+        serve=polygate.Serve(
+            api_keys=[GATEWAY_KEY], models={"gpt-a": "team-a", "gpt-b": "team-b"},
+            keys={"alice": polygate.ServeKey(key=ALICE, models=["gpt-a", "embed"]),
+                  "bob": polygate.ServeKey(key=BOB, models=["team-b"], rpm=100)}))
+
+
+async def test_a_key_bound_to_scopes_reaches_only_those() -> None:
+    """A tenant's key names the scopes it may call (by a scope's name or an alias):
+    any other is, to it, a model that does not exist.  Before, a gateway key was bound
+    to no scope, and separate scopes kept no tenant from another's (an outside review,
+    tenants of one gateway, 2026-12-05)."""
+    from polygate.serve import open_server
+
+    upstream = FakeUpstream(Reply(tokens=2))
+
+    def chat(model: str) -> dict[str, Any]:
+        return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+
+    def bearer(key: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {key}"}
+
+    async with upstream.serve() as url, open_server(_teams(url), port=0) as server:
+        # Alice: team-a by its alias or its own name, and embeddings.
+        for model in ("gpt-a", "team-a"):
+            assert (await http(server, "POST", CALL, chat(model), bearer(ALICE))).status == 200
+        embedded = await http(server, "POST", "/v1/embeddings", {"model": "embed", "input": ["x"]},
+                              bearer(ALICE))
+        assert embedded.status == 200
+        sent = len(upstream.requests)
+        for model in ("gpt-b", "team-b"):
+            refused = await http(server, "POST", CALL, chat(model), bearer(ALICE))
+            assert refused.status == 404 and refused.json()["error"]["code"] == "model_not_found"
+            # As a model that does not exist: nothing says it does.
+            unknown = await http(server, "POST", CALL, chat("nowhere"), bearer(ALICE))
+            assert refused.json()["error"]["message"] == unknown.json()["error"]["message"].replace(
+                "nowhere", model)
+        assert len(upstream.requests) == sent  # (nothing went upstream for them)
+        listed = {m["id"] for m in (await http(server, "GET", "/v1/models", None, bearer(ALICE))).json()["data"]}
+        assert listed == {"team-a", "gpt-a", "embed"}
+        assert (await http(server, "GET", "/v1/models/gpt-b", None, bearer(ALICE))).status == 404
+        assert (await http(server, "GET", "/v1/models/team-a", None, bearer(ALICE))).status == 200
+        # Bob (bound, with a quota): his scope only, by either name.
+        assert (await http(server, "POST", CALL, chat("gpt-b"), bearer(BOB))).status == 200
+        assert (await http(server, "POST", CALL, chat("team-a"), bearer(BOB))).status == 404
+        listed = {m["id"] for m in (await http(server, "GET", "/v1/models", None, bearer(BOB))).json()["data"]}
+        assert listed == {"team-b", "gpt-b"}
+        # A key bound to nothing (api_keys) reaches everything, as before.
+        everything = await http(server, "GET", "/v1/models", None, bearer(GATEWAY_KEY))
+        assert {m["id"] for m in everything.json()["data"]} == {
+            "team-a", "team-b", "embed", "gpt-a", "gpt-b"}
+        for model in ("gpt-a", "team-b"):
+            assert (await http(server, "POST", CALL, chat(model), bearer(GATEWAY_KEY))).status == 200
+
+
+def test_a_keys_models_are_written_three_ways_alike(tmp_path: Path) -> None:
+    """``models`` of a labelled key: a list in Python and TOML, comma-separated in the
+    environment; each must be a scope or an alias."""
+    toml = tmp_path / "p.toml"
+    toml.write_text(f"""
+[scopes.chat.sources.a]
+base_url = "{URL}"
+[scopes.other.sources.a]
+base_url = "{URL}"
+[serve]
+models = {{ "gpt-4o" = "chat" }}
+[serve.keys.alice]
+key = "{ALICE}"
+models = ["gpt-4o", "other"]
+""")
+    env = {"POLYGATE__CHAT__A__BASE_URL": URL, "POLYGATE__OTHER__A__BASE_URL": URL,
+           "POLYGATE__SERVE__MODELS": "gpt-4o=chat",
+           "POLYGATE__SERVE__KEYS__ALICE__KEY": ALICE,
+           "POLYGATE__SERVE__KEYS__ALICE__MODELS": "gpt-4o, other"}
+    from_toml = settings_from_toml(toml).serve.keys["alice"]
+    assert from_toml == settings_from_env(env).serve.keys["alice"]
+    assert from_toml == polygate.ServeKey(key=ALICE, models=("gpt-4o", "other"))
+    with pytest.raises(polygate.ConfigError,
+                       match=r"POLYGATE__SERVE__KEYS__ALICE__MODELS: 'gpt-5' is no scope or alias"):
+        settings_from_env({**env, "POLYGATE__SERVE__KEYS__ALICE__MODELS": "gpt-5"})
+    toml.write_text(toml.read_text().replace('["gpt-4o", "other"]', '"other"'))
+    with pytest.raises(polygate.ConfigError, match=r"serve\.keys\.alice\.models: expected an array"):
+        settings_from_toml(toml)
+    with pytest.raises(polygate.ConfigError, match=r"ServeKey\.models: names a model twice"):
+        polygate.ServeKey(key=ALICE, models=["chat", "chat"])
+    with pytest.raises(polygate.ConfigError, match=r"ServeKey\.models: must be a list"):
+        polygate.ServeKey(key=ALICE, models="chat")  # type: ignore[arg-type]

@@ -98,6 +98,10 @@ class Gateway:
     #: The labelled keys with a quota; ``None`` when no key has one.
     quotas: KeyQuotas | None = attrs.field(init=False, repr=False)
     models_body: bytes = attrs.field(init=False, repr=False)
+    #: The scopes each labelled key with ``models`` may call (a key not here: all).
+    reach: dict[str, frozenset[str]] = attrs.field(init=False, repr=False)
+    #: Each such key's own ``/v1/models``: what it may name.
+    reach_body: dict[str, bytes] = attrs.field(init=False, repr=False)
     users: int = 0
     retired: bool = False
     idle: trio.Event = attrs.field(factory=trio.Event)
@@ -115,6 +119,16 @@ class Gateway:
         # Once each: an alias may repeat its scope's own name (models = {"chat": "chat"}).
         names = list(dict.fromkeys([*self.settings.scopes, *self.settings.serve.models]))
         self.models_body = dump({"object": "list", "data": [_model(n) for n in names]})
+        # A key bound to scopes reaches each by any of its names (alias or its own).
+        self.reach = {
+            name: frozenset(s for s in map(self.scope_of, key.models) if s is not None)
+            for name, key in serve.keys.items() if key.models
+        }
+        self.reach_body = {
+            name: dump({"object": "list",
+                        "data": [_model(n) for n in names if self.scope_of(n) in scopes]})
+            for name, scopes in self.reach.items()
+        }
 
     def scope_of(self, model: Any) -> str | None:
         if not isinstance(model, str):
@@ -124,13 +138,17 @@ class Gateway:
     def authorised(self, headers: Mapping[str, str]) -> bool:
         return not self.keys or self._match(headers) >= 0
 
-    def limited_key(self, headers: Mapping[str, str]) -> str | None:
-        """The name of the presented key when that key has a quota."""
-        if self.quotas is None:
+    def key_name(self, headers: Mapping[str, str]) -> str | None:
+        """The name of the presented key when a name matters: the key has a quota or is
+        bound to scopes (``None`` otherwise, without hashing it again)."""
+        if self.quotas is None and not self.reach:
             return None
         index = self._match(headers)
-        name = self.names[index] if index >= 0 else None
-        return name if name in self.quotas.limits else None
+        return self.names[index] if index >= 0 else None
+
+    def limited(self, name: str | None) -> str | None:
+        """``name`` when that key has a quota."""
+        return name if self.quotas is not None and name in self.quotas.limits else None
 
     def _match(self, headers: Mapping[str, str]) -> int:
         """The index of the presented key in ``keys``, or -1."""
@@ -326,17 +344,25 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
             401, BAD_KEY, "invalid_request_error", "invalid_api_key"))
     if path == "/metrics":
         return path, await _metrics(ctx)
+    gateway = ctx.gateway
+    who = gateway.key_name(request.headers)
+    # A key bound to scopes: any other is, to it, a model that does not exist.
+    reach = gateway.reach.get(who) if who is not None else None
     if path == "/v1/models":
-        return path, await _send_json(ctx, 200, ctx.gateway.models_body)
+        listing = gateway.models_body if who is None or reach is None else gateway.reach_body[who]
+        return path, await _send_json(ctx, 200, listing)
     if path.startswith("/v1/models/"):
         name = urllib.parse.unquote(path[len("/v1/models/"):])
-        if ctx.gateway.scope_of(name) is None:
+        listed = gateway.scope_of(name)
+        if listed is None or (reach is not None and listed not in reach):
             return path, await _fail(ctx, _unknown_model(name))
         return path, await _send_json(ctx, 200, dump(_model(name)))
     body = _parse_body(request.body)
     if isinstance(body, ErrorReply):
         return path, await _fail(ctx, body)
-    scope = ctx.gateway.scope_of(body.get("model"))
+    scope = gateway.scope_of(body.get("model"))
+    if scope is not None and reach is not None and scope not in reach:
+        return path, await _fail(ctx, _unknown_model(body.get("model")))
     if scope is None:
         model = body.get("model")
         if model is None:
@@ -353,7 +379,7 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
             ctx, _bad_param(f"parameter {refused[0]!r} is not accepted here", refused[0])
         )
     handler = _embeddings if embeddings else _chat
-    key = ctx.gateway.limited_key(request.headers)
+    key = gateway.limited(who)
     if key is None:
         return path, await handler(ctx, scope, body, _Charge())
     return path, await _charged(ctx, handler, scope, body, key)
