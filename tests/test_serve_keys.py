@@ -608,6 +608,11 @@ async def test_a_key_bound_to_scopes_reaches_only_those() -> None:
         assert (await http(server, "POST", CALL, chat("team-a"), bearer(BOB))).status == 404
         listed = {m["id"] for m in (await http(server, "GET", "/v1/models", None, bearer(BOB))).json()["data"]}
         assert listed == {"team-b", "gpt-b"}
+        # /metrics names every key and counts its requests: the operator's, not a tenant's.
+        for key in (ALICE, BOB):
+            forbidden = await http(server, "GET", "/metrics", None, bearer(key))
+            assert forbidden.status == 403 and b"alice" not in forbidden.body
+        assert (await http(server, "GET", "/metrics", None, bearer(GATEWAY_KEY))).status == 200
         # A key bound to nothing (api_keys) reaches everything, as before.
         everything = await http(server, "GET", "/v1/models", None, bearer(GATEWAY_KEY))
         assert {m["id"] for m in everything.json()["data"]} == {

@@ -342,12 +342,17 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
     if not ctx.key_checked and not ctx.gateway.authorised(request.headers):
         return path, await _fail(ctx, ErrorReply(
             401, BAD_KEY, "invalid_request_error", "invalid_api_key"))
-    if path == "/metrics":
-        return path, await _metrics(ctx)
     gateway = ctx.gateway
     who = gateway.key_name(request.headers)
     # A key bound to scopes: any other is, to it, a model that does not exist.
     reach = gateway.reach.get(who) if who is not None else None
+    if path == "/metrics":
+        if reach is not None:
+            # A tenant's key: the metrics name every key and count its requests.
+            return path, await _fail(ctx, ErrorReply(
+                403, "This gateway key is bound to scopes and may not read /metrics.",
+                "invalid_request_error", "permission_denied"))
+        return path, await _metrics(ctx)
     if path == "/v1/models":
         listing = gateway.models_body if who is None or reach is None else gateway.reach_body[who]
         return path, await _send_json(ctx, 200, listing)
