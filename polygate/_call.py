@@ -97,6 +97,10 @@ class Rounds(Protocol):
 
     #: How many times a round may be asked again (0: one round only).
     max_reasks: int
+    #: The prompt tokens each request of these rounds adds beyond the call's messages
+    #: and parameters (a schema sent as ``response_format``, or written into an
+    #: instruction): reserved with them.
+    prompt_tokens: int
 
     def request(
         self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str
@@ -587,7 +591,8 @@ async def run_chat(
         trio.current_time() if started_at is None else started_at, messages=messages,
         messages_json=messages_json, params=params, streaming_to_caller=forward is not None,
     )
-    ctx.prompt_estimate = runtime.governor.prompt_estimate(messages, params)
+    added = rounds.prompt_tokens if rounds is not None else 0
+    ctx.prompt_estimate = runtime.governor.prompt_estimate(messages, params) + added
     ctx.completion_estimate = completion_budget(params, scope.completion_estimate_tokens)
     shown = delivered if delivered is not None else []
 
@@ -740,7 +745,7 @@ async def run_chat(
             # on the loop, can take any time) ends the call here: a re-ask admitted
             # after it would take a quota slot for a request no one waits for.
             await trio.lowlevel.checkpoint()
-            _next_round(ctx, judged)
+            _next_round(ctx, judged, added)
 
     response = await _with_deadline(ctx, deadline_s, body)
     runtime.recorder.call(ctx, response.call_stats, response.usage, None, response.message)
@@ -758,13 +763,14 @@ def _judged(ctx: CallContext, stats: CallStats) -> CallStats:
     return attrs.evolve(stats, total_latency_ms=(trio.current_time() - ctx.started_at) * 1000.0)
 
 
-def _next_round(ctx: CallContext, messages: list[Mapping[str, Any]]) -> None:
-    """The next round asks with ``messages``; the statistics count one more re-ask."""
+def _next_round(ctx: CallContext, messages: list[Mapping[str, Any]], added: int) -> None:
+    """The next round asks with ``messages``; the statistics count one more re-ask.
+    ``added``: the rounds' own prompt tokens (:attr:`Rounds.prompt_tokens`)."""
     if ctx.asked_json is None:
         ctx.asked_json = ctx.messages_json
     ctx.messages = messages
     ctx.messages_json = encode_compact(messages)
-    ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(messages, ctx.params)
+    ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(messages, ctx.params) + added
     ctx.reasks += 1
 
 

@@ -172,7 +172,7 @@ async def _ocr_pages(
     runtime = ctx.runtime
     scope = ctx.scope
     ctx.completion_estimate = completion_budget(params, scope.completion_estimate_tokens)
-    prompt_tokens = runtime.governor.prompt_estimate([{"role": "user", "content": prompt}])
+    prompt_tokens = runtime.governor.prompt_estimate([{"role": "user", "content": prompt}], params)
     deadline_at = _deadline_at(ctx, deadline_s)
     results: list[tuple[AttemptRecord, Any] | None] = [None] * len(pages)
     todo = iter(enumerate(pages))

@@ -52,6 +52,15 @@ def _home(env: Mapping[str, str]) -> Path:
 #: A ``#`` in a ``sqlite:`` URL starts its fragment: the path would end before it, and
 #: another file be opened (``run#1.db`` read as ``run``).
 UNENCODED_HASH = "an unencoded '#' in a SQLite URL ends its path there: write it %23"
+#: So does a ``?`` where the URL takes no options (telemetry's).
+UNENCODED_QUERY = ("an unencoded '?' in a telemetry SQLite URL ends its path there (it takes "
+                   "no options): write it %3F")
+
+
+def sqlite_url(path: str) -> str:
+    """The ``sqlite://`` URL of a file's path: its ``%``, ``?`` and ``#`` quoted (a
+    name, not a URL's parts), the rest as it is."""
+    return "sqlite://" + path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
 
 
 def file_path_problem(path: str) -> str | None:

@@ -847,6 +847,10 @@ class StructuredRounds:
     _caller_format: bool = attrs.field(init=False)
     _forms: dict[str, ChatRequest] = attrs.field(init=False, factory=dict)
     _round_key: str | None = attrs.field(init=False, default=None)
+    #: What the schema adds to each request's prompt, in whichever form a source takes
+    #: it (its JSON in a ``response_format``, or after the instruction): reserved with
+    #: the messages.  None with the caller's own ``response_format``, in its parameters.
+    prompt_tokens: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         # ``response_format=None`` is no format of the caller's: polygate's is sent
@@ -854,6 +858,9 @@ class StructuredRounds:
         self._caller_format = self.params.get("response_format") is not None
         if "response_format" in self.params and not self._caller_format:
             self.params = {k: v for k, v in self.params.items() if k != "response_format"}
+        if not self._caller_format:
+            size = len(INSTRUCTION) + len(encode_compact(self.schema.json_schema))
+            self.prompt_tokens = (size + 3) // 4
 
     def request(
         self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str

@@ -817,6 +817,38 @@ def test_the_plot_groups_calls_as_the_latency_table_does(
         "all successful", "small/openai", "small/(cache)", "small/large/openai"}
 
 
+def test_stats_refuses_a_sqlite_url_whose_path_a_hash_or_a_question_mark_would_end(
+    known_db: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--db sqlite:///…/run#1.db`` reported on ``…/run``, another database, labelled
+    with the name asked for; the settings refuse the same URL (a review, 2026-12-05)."""
+    other = known_db.parent / "run"
+    shutil.copy(known_db, other)  # the file the path would end at: another run's
+    for url in (f"sqlite://{known_db.parent}/run#1.db", f"sqlite://{known_db.parent}/run?1.db"):
+        assert main(["stats", "--db", url, "--json"]) == 1
+        captured = capsys.readouterr()
+        assert "unencoded" in captured.err and not captured.out, captured.err
+    quoted = known_db.parent / "run#1.db"
+    shutil.copy(known_db, quoted)
+    assert main(["stats", "--db", f"sqlite://{known_db.parent}/run%231.db", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["calls"]
+
+
+def test_stats_reads_the_default_database_in_a_state_folder_named_with_a_hash(
+    tmp_path: Path, known_db: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Sessions write ``sqlite://`` at the default path as it is; stats built its URL
+    unquoted, so a '#', '?' or '%' in the state folder read another path."""
+    from polygate.telemetry import default_path
+
+    env = {"HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state#1?%41")}
+    where = default_path(env)
+    where.parent.mkdir(parents=True)
+    shutil.copy(known_db, where)  # what a session with telemetry="sqlite://" wrote
+    assert main(["stats", "--db", default_db(env), "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["calls"]
+
+
 # --------------------------------------------------------------------------- hostile files
 
 

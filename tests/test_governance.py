@@ -151,6 +151,37 @@ async def test_tools_and_a_response_format_are_part_of_the_prompts_estimate(
     assert snap.state.reserved_total > 1100  # (its reservation: the prompt with its tool)
 
 
+async def test_a_schema_and_an_ocr_response_format_are_part_of_the_estimate_too(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``chat(schema=S)`` sends S (a response_format, or an instruction), the same bytes
+    the caller's own response_format sends, and an OCR call's parameters go to every
+    page: neither was reserved (a review of the estimate's fix, 2026-12-05)."""
+    import base64
+
+    schema = {"type": "object", "description": "d" * 4000, "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    up = FakeUpstream(Reply(text='{"city": "Paris"}'))
+    settings = polygate.Settings(scopes={
+        name: polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1", tpm=tpm)])
+        for name, tpm in (("chat", 600), ("ocr", 1000))})
+    async with polygate.session(settings, transport=up.transport()) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as refused:
+            await s.chat(MESSAGES, schema=schema, max_tokens=10)
+        assert refused.value.too_large
+        png = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwAD"
+                               "hgGAWjR9awAAAABJRU5ErkJggg==")
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+        with pytest.raises(polygate.AllSourcesExhausted) as refused:
+            await s.ocr(png, response_format=rf, max_tokens=10)  # ~1,030 for the format alone
+        assert refused.value.too_large
+        # A small schema still fits.
+        r = await s.chat(MESSAGES, schema={"type": "object", "properties": {"city": {"type": "string"}}},
+                         max_tokens=10)
+        assert r.parsed == {"city": "Paris"}
+    assert len(up.requests) == 1
+
+
 @pytest.mark.parametrize("kind", [[], {"a": 1}, ["image_url"], 3.5, None])
 def test_a_content_part_of_any_type_is_estimated(kind: Any) -> None:
     """Outside review (fuzzing the gateway's bodies): a part whose ``type`` was a list

@@ -562,6 +562,8 @@ def test_sqlite_urls_and_default_path(monkeypatch: pytest.MonkeyPatch, tmp_path:
         ("sqlite:///tmp/x\ud83dy.db", "cannot name"),
         # The path ended at '#': "run#1.db" opened "run" (a review, 2026-12-05).
         ("sqlite:///tmp/run#1.db", "unencoded '#'"),
+        ("sqlite:///tmp/run?1.db", "unencoded '\\?'"),  # (it wrote /tmp/run)
+        ("sqlite:///tmp/run.db?", "unencoded '\\?'"),
     ],
 )
 def test_a_sqlite_path_no_file_can_have_is_a_config_error(url: str, problem: str) -> None:

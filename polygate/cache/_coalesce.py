@@ -14,8 +14,10 @@ How a flight ends decides what its waiters do:
   (the request is wrong), :class:`~polygate.AllSourcesExhausted` (every source or
   attempt failed) or :class:`~polygate.GovernanceBackendError` (admission is down):
   every waiter raises the same error as its own (a copy with its own statistics),
-  rather than queue up to hear it again; a refusal of an embeddings batch only for a
-  waiter that would send the whole batch itself (``Flight.batch``);
+  rather than queue up to hear it again; a refusal or an outage with an upstream's
+  failure in it only for a waiter that sends the same JSON (``Flight.request``), and
+  of an embeddings batch only for a waiter that would send the whole batch itself
+  (``Flight.batch``);
 * **anything about the leader itself** — its caller cancelled it, its own deadline
   passed, its committed stream stalled (a ``chat()`` waiter would have retried that),
   or a bug: the flight is *abandoned* and handed over.  Every waiter wakes; the first
@@ -49,7 +51,9 @@ class Flight:
     parameters; for an embedding: its parameters).  Equal keys may be different
     requests on the wire (``1`` and ``1.0`` share a key; the key leaves out who asks),
     and an upstream may refuse one and take the other: a refusal
-    (``FatalUpstreamError``) binds only a waiter that sends the same bytes."""
+    (``FatalUpstreamError``), or an ``AllSourcesExhausted`` with an upstream's failure in
+    it (whose text may quote the leader's ``user``), binds only a waiter that sends the
+    same bytes."""
 
     __slots__ = ("batch", "done", "error", "request", "value")
 

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._paths import sqlite_url
 from .._secrets import printable
 
 __all__ = ["add_parser", "run"]
@@ -188,8 +189,7 @@ def _telemetry_url(db: str) -> str | None:
     try:
         # A path is a name: its '%', '?' and '#' are quoted, not read as a URL's
         # (the rest as it is: a name in bytes that are not UTF-8 stays that name).
-        path = str(Path(db).absolute())
-        return "sqlite://" + path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
+        return sqlite_url(str(Path(db).absolute()))
     except OSError as exc:  # (a relative path in a working directory since deleted)
         gone = isinstance(exc, FileNotFoundError)
         reason = "the working directory is gone" if gone else exc.strerror

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from .._paths import sqlite_url
 from .._secrets import printable
 
 __all__ = ["add_parser", "parse_since", "run"]
@@ -152,7 +153,8 @@ def default_db(env: dict[str, str] | None = None) -> str:
             raise ConfigError(f"{where}: {exc.problem}") from None
     if isinstance(configured, str) and configured and configured != "off":
         return configured
-    return f"sqlite://{default_path(environ)}"
+    # (Quoted: a state folder named with '#', '?' or '%' is a name, not a URL's parts.)
+    return sqlite_url(str(default_path(environ)))
 
 
 def _checked_telemetry(value: Any) -> None:
