@@ -684,7 +684,8 @@ async def run_chat(
                     # least recently failed first (as within a round).
                     demoted = [*(d for d in demoted if d != failed), failed]
                 ctx.resumes = len(segments)
-                _prepare_continuation(ctx, ctx.messages, "".join(shown), _shown_chars(shown, forward))
+                _prepare_continuation(ctx, ctx.messages, "".join(shown), _shown_chars(shown, forward),
+                                      added)
                 active = ResumedForward(forward, Stitcher("".join(shown)))
             except (AllSourcesExhausted, FatalUpstreamError) as exc:
                 refused = _refused_model(ctx, exc)
@@ -817,12 +818,14 @@ def _shown_chars(shown: Sequence[str], forward: StreamSink) -> int:
 
 
 def _prepare_continuation(
-    ctx: CallContext, messages: Sequence[Mapping[str, Any]], shown: str, shown_chars: int
+    ctx: CallContext, messages: Sequence[Mapping[str, Any]], shown: str, shown_chars: int,
+    added: int,
 ) -> None:
     """The next rounds ask for the rest of the answer (``shown``); their prompt
     estimate grows by it, and the caller's token limit shrinks by what was shown,
     reasoning included (``shown_chars``, estimated as a cut segment's usage is: about
-    four characters a token), at least 1."""
+    four characters a token), at least 1.  ``added``: the rounds' own prompt tokens
+    (:attr:`Rounds.prompt_tokens`), sent again when nothing was shown."""
     refused = ctx.continuation.refused_prefill if ctx.continuation is not None else set()
     spent = (shown_chars + 3) // 4
     limits = {
@@ -842,7 +845,7 @@ def _prepare_continuation(
         ctx.continuation = Continuation(prefill, prompt, PREFILL_PARAMS, refused, limits, shown)
     ctx.prompt_estimate = ctx.runtime.governor.prompt_estimate(
         continuation_messages(messages, shown, prefill=False), ctx.params
-    )
+    ) + (0 if shown else added)
     if limits:
         ctx.completion_estimate = completion_budget(
             {**ctx.params, **limits}, ctx.scope.completion_estimate_tokens

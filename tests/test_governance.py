@@ -903,3 +903,46 @@ async def test_a_reload_drops_the_state_of_names_it_removed_once_it_holds_nothin
     await trio.sleep(61)
     shared.forget_unused([settings("a-v3", key="other")])
     assert backend._sources == {}
+
+
+LONG_SCHEMA = {"type": "object", "description": "d" * 4000,
+               "properties": {"city": {"type": "string"}}, "required": ["city"],
+               "additionalProperties": False}
+
+
+async def test_a_schema_stream_resumed_before_content_reserves_its_schema(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Cut in its reasoning, a structured stream is asked again as it was, its schema's
+    response_format included: the re-ask reserved the prompt alone (a review of the
+    schema's estimate, 2026-12-05)."""
+    bodies: dict[str, Any] = {}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        bodies[request.url.host] = json.loads(request.content)
+        if request.url.host == "a":  # reasoning, then cut: nothing of the answer shown
+            body = (b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", '
+                    b'"reasoning_content": "Let me think. "}}]}\n\n')
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+        chunks = [{"choices": [{"index": 0, "delta": {"content": '{"city": "Paris"}'}}]},
+                  {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=body.encode())
+
+    transport = httpx.MockTransport(answer)
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", weight=1.0),
+                 polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)],
+        stream=polygate.StreamWatch(resume=True))})
+    async with polygate.session(settings, transport=Router({"a": transport, "b": transport})) as s:
+        async with s.stream_chat([{"role": "user", "content": "hello there"}], schema=LONG_SCHEMA, max_tokens=50) as stream:
+            async for _ in stream:
+                pass
+        reserved = {src.state.source: src.state.reserved_total
+                    for src in (await s.statistics()).governance.sources}
+    assert stream.response is not None and stream.response.parsed == {"city": "Paris"}
+    # Both attempts sent the schema's response_format ...
+    assert bodies["a"]["response_format"] == bodies["b"]["response_format"]
+    # ... so both reserve it (~1,000 tokens): the re-ask reserved the prompt alone.
+    assert reserved["a"] > 1000 and reserved["b"] > 1000, reserved
