@@ -397,6 +397,12 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
             # Silently skipped, a polygate__chat__… key would leave its setting at the
             # default with no word said (the keys after the prefix are checked alike).
             raise ConfigError(f"{key}: configuration keys are upper case ({ENV_PREFIX}…)")
+        if key.startswith(_SERVE_ENV + "KEYS__") and key.endswith("__MODELS") and not value.strip():
+            # The one key whose unset value widens what it sets: a key's MODELS expanded
+            # empty (…__MODELS=$TEAM_MODELS, the variable unset) would bind it to no
+            # scope, i.e. give it every scope and the metrics.
+            raise ConfigError(f"{key}: is empty: name the scopes this key may call, or leave "
+                              "the key out for every scope")
     entries = {
         key: as_utf8(value.strip())
         for key, value in source.items()
@@ -723,6 +729,9 @@ def _toml_serve_keys(
                 raise ConfigError(f"{where}.{field}: unknown key (a gateway key takes {known})")
             if field == "key" and isinstance(item, str):
                 secrets.add(item)
+            if field == "models" and item == []:
+                raise ConfigError(f"{where}.models: is empty: name the scopes this key may "
+                                  "call, or leave models out for every scope")
             fields[field] = _value_from_toml(kind, item, f"{where}.{field}", secret=field == "key")
         out[name] = fields
     return out

@@ -322,10 +322,26 @@ def check_serve_models(serve: Serve, scopes: Mapping[str, Any]) -> None:
         if alias in scopes and alias != scope:
             raise _bad("Settings", "serve.models", f"alias {alias!r} is also a scope name")
     for name, key in serve.keys.items():
+        reach: set[str] = set()
         for model in key.models:
-            if serve.scope_of(model, scopes) is None:
+            named = serve.scope_of(model, scopes)
+            if named is None:
                 known = ", ".join(sorted({*scopes, *serve.models}))
                 raise _bad(
                     "Settings", f"serve.keys.{name}.models",
                     f"{given(model)} is no scope or alias (known: {known})",
                 )
+            reach.add(named)
+        for scope in sorted(reach):
+            # A call moves along its scope's fallbacks: a key bound to scopes would be
+            # answered by (and spend the quotas of) one it may not call, and its errors
+            # would name it.
+            at, onward = scope, scopes[scope].fallback
+            while onward is not None and onward in scopes:
+                if onward not in reach:
+                    raise _bad(
+                        "Settings", f"serve.keys.{name}.models",
+                        f"scope {at!r} falls back to {onward!r}, which this key is not "
+                        "bound to: bind it too, or give the key scopes without that fallback",
+                    )
+                at, onward = onward, scopes[onward].fallback

@@ -653,3 +653,42 @@ models = ["gpt-4o", "other"]
         polygate.ServeKey(key=ALICE, models=["chat", "chat"])
     with pytest.raises(polygate.ConfigError, match=r"ServeKey\.models: must be a list"):
         polygate.ServeKey(key=ALICE, models="chat")  # type: ignore[arg-type]
+
+
+def test_a_key_bound_to_scopes_cannot_be_unbound_by_an_empty_value(tmp_path: Path) -> None:
+    """``…__MODELS=$TEAM_MODELS`` with the variable unset: an empty value is an unset key
+    everywhere else, and here it would have given the tenant every scope and the
+    metrics.  Refused, as TOML's ``models = []`` is (a review, 2026-12-05)."""
+    env = {"POLYGATE__CHAT__A__BASE_URL": URL, "POLYGATE__SERVE__KEYS__ALICE__KEY": ALICE}
+    for empty in ("", "  "):
+        with pytest.raises(polygate.ConfigError,
+                           match=r"POLYGATE__SERVE__KEYS__ALICE__MODELS: is empty"):
+            settings_from_env({**env, "POLYGATE__SERVE__KEYS__ALICE__MODELS": empty})
+    assert settings_from_env(env).serve.keys["alice"].models == ()  # left out: every scope
+    toml = tmp_path / "p.toml"
+    toml.write_text(f'[scopes.chat.sources.a]\nbase_url = "{URL}"\n'
+                    f'[serve.keys.alice]\nkey = "{ALICE}"\nmodels = []\n')
+    with pytest.raises(polygate.ConfigError, match=r"serve\.keys\.alice\.models: is empty"):
+        settings_from_toml(toml)
+
+
+def test_a_key_bound_to_a_scope_is_bound_to_its_fallbacks_too() -> None:
+    """A call moves along its scope's fallbacks: a key bound to team-a whose calls fell
+    back to team-b was answered by team-b's sources, spent its quotas, and read its name
+    in the errors, where ``/v1/models/team-b`` told it no such model exists (a review,
+    2026-12-05).  The binding must cover the chain."""
+    def scope(fallback: str | None = None) -> polygate.Scope:
+        return polygate.Scope(sources=[polygate.Source(name="s", base_url=URL)], fallback=fallback)
+
+    scopes = {"team-a": scope("team-b"), "team-b": scope("team-c"), "team-c": scope()}
+    with pytest.raises(polygate.ConfigError,
+                       match=r"serve\.keys\.alice\.models: scope 'team-a' falls back to 'team-b'"):
+        polygate.Settings(scopes=scopes, serve=polygate.Serve(
+            keys={"alice": polygate.ServeKey(key=ALICE, models=["team-a"])}))
+    with pytest.raises(polygate.ConfigError, match=r"scope 'team-b' falls back to 'team-c'"):
+        polygate.Settings(scopes=scopes, serve=polygate.Serve(
+            keys={"alice": polygate.ServeKey(key=ALICE, models=["team-a", "team-b"])}))
+    polygate.Settings(scopes=scopes, serve=polygate.Serve(
+        keys={"alice": polygate.ServeKey(key=ALICE, models=["team-a", "team-b", "team-c"]),
+              "bob": polygate.ServeKey(key=BOB, models=["team-c"])}))
+

@@ -6,7 +6,10 @@ what happened                      status  type                         code
 malformed body, bad parameter      400     invalid_request_error        ``invalid_request``
 the upstream refused the request   400     invalid_request_error        ``upstream_rejected`` (1)
 no or wrong gateway key            401     invalid_request_error        ``invalid_api_key``
-unknown ``model``                  404     invalid_request_error        ``model_not_found``
+/metrics with a key bound to       403     invalid_request_error        ``permission_denied``
+scopes
+unknown ``model`` (or one outside  404     invalid_request_error        ``model_not_found``
+the scopes a key is bound to)
 request body over the cap          413     invalid_request_error        ``request_too_large``
 every source rate limited          429     rate_limit_error             ``rate_limit_exceeded``
 sources exhausted                  502     api_error                    ``sources_exhausted``
