@@ -38,6 +38,20 @@ def settings_for(*urls: str, embed: bool = True, **scope: Any) -> polygate.Setti
     return polygate.Settings(scopes=scopes)
 
 
+@contextmanager
+def redis_that_never_answers() -> Iterator[polygate.Settings]:
+    """Settings whose Redis backend accepts connections and never answers: a session's
+    opening waits on it until cancelled or timed out."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        yield polygate.Settings(scopes=settings_for("http://a/v1").scopes,
+                                backend=f"redis://127.0.0.1:{port}/0")
+
+
 def messages(tag: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": tag}]
 

@@ -1083,17 +1083,13 @@ async def test_cancelled_while_opening_then_the_open_fails_logs_nothing() -> Non
     the open has ended; if the open then failed, that error is nobody's news: the loop
     must not log "Future exception was never retrieved"."""
     import gc
-    import socket
+
+    from ._aio_support import redis_that_never_answers
 
     reported: list[dict[str, Any]] = []
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(lambda _loop, context: reported.append(context))
-    with socket.socket() as silent:  # accepts connections, never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(16)
-        port = silent.getsockname()[1]
-        settings = polygate.Settings(scopes=settings_for("http://a/v1").scopes,
-                                     backend=f"redis://127.0.0.1:{port}/0")
+    with redis_that_never_answers() as settings:
 
         async def opener() -> None:
             async with polygate.aio.session(settings):

@@ -179,18 +179,14 @@ async def test_an_opening_cancelled_by_anyio_that_then_fails_logs_nothing() -> N
     failed opening is nobody's news, and the loop must not log "Future exception was
     never retrieved" for it."""
     import gc
-    import socket
 
     import anyio
 
+    from ._aio_support import redis_that_never_answers
+
     reported: list[dict[str, Any]] = []
     asyncio.get_running_loop().set_exception_handler(lambda _loop, context: reported.append(context))
-    with socket.socket() as silent:  # accepts connections, never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(16)
-        port = silent.getsockname()[1]
-        settings = polygate.Settings(scopes=settings_for("http://a/v1").scopes,
-                                     backend=f"redis://127.0.0.1:{port}/0")
+    with redis_that_never_answers() as settings:
         with anyio.move_on_after(0.1) as scope:
             async with polygate.aio.session(settings):
                 pass

@@ -1461,13 +1461,34 @@ async def test_waiters_refused_for_another_request_ask_at_once_not_in_turn(
     assert max(t for _, t in ended.values()) == pytest.approx(2.0) and _sent(up) == 5
 
 
-def _refuse_metadata_without_store(request: Any, _rng: Any) -> Reply:
-    """OpenAI's own 400 for ``metadata`` without ``store``, quoting nothing else."""
-    if request.body.get("metadata") and not request.body.get("store"):
-        return Reply(status=400, headers_delay_s=1.0, error_body={"error": {
-            "message": f"'metadata' {request.body['metadata']} is only allowed when 'store' is enabled.",
-            "type": "invalid_request_error", "param": "metadata"}})
-    return Reply(text="fine", first_token_s=1.0)
+def _asking(s: polygate.Session, kind: str) -> Callable[..., Awaitable[Any]]:
+    """``ask(text, **params)``: a chat of one message, or an embedding of one input."""
+    def ask(text: str, **params: Any) -> Awaitable[Any]:
+        if kind == "chat":
+            return s.chat([{"role": "user", "content": text}], **params)
+        return s.embed([text], **params)
+
+    return ask
+
+
+def _failing_when(
+    fails: Callable[[Any], bool], status: int, error: Callable[[Any], Mapping[str, Any]],
+) -> Callable[[Any, Any], Reply]:
+    """An upstream that answers ``status`` with ``error(body)`` (after 1 s, so that
+    others join the flight) to a request whose body ``fails``, and "fine" to others."""
+    def behave(request: Any, _rng: Any) -> Reply:
+        if isinstance(request.body, dict) and fails(request.body):
+            return Reply(status=status, headers_delay_s=1.0, error_body={"error": error(request.body)})
+        return Reply(text="fine", first_token_s=1.0)
+
+    return behave
+
+
+#: OpenAI's own 400 for ``metadata`` without ``store``, quoting nothing else.
+_refuse_metadata_without_store = _failing_when(
+    lambda body: body.get("metadata") and not body.get("store"), 400,
+    lambda body: {"message": f"'metadata' {body['metadata']} is only allowed when 'store' is enabled.",
+                  "type": "invalid_request_error", "param": "metadata"})
 
 
 @pytest.mark.parametrize("kind", ["chat", "embed"])
@@ -1483,10 +1504,7 @@ async def test_a_refusal_of_a_left_out_parameter_is_not_a_waiters_with_a_valid_r
     up = FakeUpstream(_refuse_metadata_without_store)
     out: dict[str, Any] = {}
     async with polygate.session(cache_settings(), transport=Router({"a": up})) as s:
-        def ask(text: str, **params: Any) -> Awaitable[Any]:
-            if kind == "chat":
-                return s.chat([{"role": "user", "content": text}], **params)
-            return s.embed([text], **params)
+        ask = _asking(s, kind)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_outcome_at, out, "alice", 0.0,
@@ -1505,13 +1523,11 @@ async def test_a_refusal_of_a_left_out_parameter_is_not_a_waiters_with_a_valid_r
     assert _sent(up) == 3  # alice, bob, and one for carol and dave
 
 
-def _fail_for_alices_user(request: Any, rng: Any) -> Reply:
-    """An upstream that fails only for Alice's end user, and says whom it failed for
-    (a per-user budget, an account in trouble)."""
-    if isinstance(request.body, dict) and request.body.get("user") == "alice-private-7731":
-        return Reply(status=500, headers_delay_s=1.0, error_body={"error": {
-            "message": "internal failure for user alice-private-7731", "type": "server_error"}})
-    return Reply(text="fine", first_token_s=1.0)
+#: An upstream that fails only for Alice's end user, and says whom it failed for (a
+#: per-user budget, an account in trouble).
+_fail_for_alices_user = _failing_when(
+    lambda body: body.get("user") == "alice-private-7731", 500,
+    lambda body: {"message": "internal failure for user alice-private-7731", "type": "server_error"})
 
 
 @pytest.mark.parametrize("kind", ["chat", "embed"])
@@ -1527,10 +1543,7 @@ async def test_an_outage_binds_only_a_waiter_that_sends_the_same_json(
     out: dict[str, Any] = {}
     settings = cache_settings(retry=polygate.Retry(max_attempts=2, backoff_base_s=0.0))
     async with polygate.session(settings, transport=Router({"a": up})) as s:
-        def ask(text: str, **params: Any) -> Awaitable[Any]:
-            if kind == "chat":
-                return s.chat([{"role": "user", "content": text}], **params)
-            return s.embed([text], **params)
+        ask = _asking(s, kind)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_outcome_at, out, "alice", 0.0,

@@ -7,10 +7,11 @@ replicas on one Redis, 2026-12-05."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import trio
@@ -50,6 +51,16 @@ def redis() -> Iterator[RedisServer]:
         yield server
 
 
+@contextlib.asynccontextmanager
+async def _backend(url: str) -> AsyncIterator[RedisBackend]:
+    b = RedisBackend(parse_redis_url(url))
+    await b.start()
+    try:
+        yield b
+    finally:
+        await b.aclose()
+
+
 def _url(redis: RedisServer, lease_s: float = 30) -> tuple[str, str]:
     prefix = f"kl{secrets.token_hex(3)}"
     return prefix, f"{redis.url}?prefix={prefix}&lease_s={lease_s}"
@@ -73,9 +84,7 @@ def test_a_replica_dead_with_the_probe_after_its_permit_was_evicted_does_not_shu
     prefix, url = _url(redis)
 
     async def body() -> None:
-        b = RedisBackend(parse_redis_url(url))
-        await b.start()
-        try:
+        async with _backend(url) as b:
             await _opened(b)
             holder = await trio.to_thread.run_sync(lambda: subprocess.Popen(
                 [sys.executable, "-c", _HOLDER, url], stdout=subprocess.PIPE, text=True,
@@ -102,8 +111,6 @@ def test_a_replica_dead_with_the_probe_after_its_permit_was_evicted_does_not_shu
             await b.settle(settle(probe, None, Feedback.SUCCESS, breaker=BREAKER))
             s = await snap(b)
             assert s.breaker is BreakerState.CLOSED and s.tokens_reserved == 0 and s.in_flight == 0, s
-        finally:
-            await b.aclose()
 
     trio.run(body)
 
@@ -115,9 +122,7 @@ def test_a_reservation_whose_permit_was_evicted_is_not_held_for_ever(redis: Redi
     prefix, url = _url(redis)
 
     async def body() -> None:
-        b = RedisBackend(parse_redis_url(url))
-        await b.start()
-        try:
+        async with _backend(url) as b:
             a = await granted(b, ask(tokens=100))
             command(redis.port, "DEL", f"{prefix}:chat:a:permits")
             s = await snap(b)
@@ -127,8 +132,6 @@ def test_a_reservation_whose_permit_was_evicted_is_not_held_for_ever(redis: Redi
             await b.settle(settle(a, 30))  # a no-op now
             s = await snap(b)
             assert s.tokens_reserved == 0 and s.settled_total == 100, s
-        finally:
-            await b.aclose()
 
     trio.run(body)
 
@@ -141,24 +144,18 @@ def test_a_settle_after_the_open_key_was_evicted_frees_its_permit_and_its_probe_
     prefix, url = _url(redis, lease_s=30)
 
     async def body() -> None:
-        b = RedisBackend(parse_redis_url(url))
-        await b.start()
-        try:
+        async with _backend(url) as b:
             a = await granted(b, ask(mif=1))
             command(redis.port, "DEL", f"{prefix}:chat:a:open")
             await b.settle(settle(a))
             await granted(b, ask(mif=1))  # (refused in_flight for 30 s before)
-        finally:
-            await b.aclose()
 
     trio.run(body)
 
     prefix, url = _url(redis, lease_s=30)
 
     async def probe_body() -> None:
-        b = RedisBackend(parse_redis_url(url))
-        await b.start()
-        try:
+        async with _backend(url) as b:
             await _opened(b)
             probe = await granted(b, ask(breaker=BREAKER))
             assert probe.probe
@@ -166,8 +163,6 @@ def test_a_settle_after_the_open_key_was_evicted_frees_its_permit_and_its_probe_
             await b.settle(settle(probe, None, Feedback.SUCCESS, breaker=BREAKER))
             again = await b.admit(ask(breaker=BREAKER))
             assert isinstance(again, Admission) and again.probe, again
-        finally:
-            await b.aclose()
 
     trio.run(probe_body)
 
@@ -183,9 +178,7 @@ def test_the_totals_add_up_after_the_state_key_is_lost(redis: RedisServer, later
     prefix, url = _url(redis)
 
     async def body() -> None:
-        b = RedisBackend(parse_redis_url(url))
-        await b.start()
-        try:
+        async with _backend(url) as b:
             a = await granted(b, ask(tokens=100))
             command(redis.port, "DEL", f"{prefix}:chat:a:state")
             c = await granted(b, ask(tokens=later)) if later is not None else None
@@ -202,7 +195,5 @@ def test_the_totals_add_up_after_the_state_key_is_lost(redis: RedisServer, later
             await b.settle(settle(d, 2))
             s = await snap(b)
             assert s.tokens_reserved == 0 and s.reserved_total == 103 + (later or 0), s
-        finally:
-            await b.aclose()
 
     trio.run(body)
