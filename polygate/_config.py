@@ -985,9 +985,14 @@ def _to_scopes(value: Mapping[str, Scope]) -> Any:
 
 def field_segments(field: str) -> list[str]:
     """A FieldError's ``field`` as its keys.  A scope's name may hold a "." (``qwen2.5``):
-    in ``scopes.NAME.fallback`` the name is everything between the first and the last."""
+    in ``scopes.NAME.fallback`` the name is everything between the first and the last;
+    so may a gateway key's (``team.a``), in ``[serve.]keys.NAME.FIELD``."""
     if field.startswith("scopes.") and field.endswith(".fallback"):
         return ["scopes", field[len("scopes."):-len(".fallback")], "fallback"]
+    for prefix in ("serve.keys.", "keys."):
+        name, dot, last = field[len(prefix):].rpartition(".")
+        if field.startswith(prefix) and dot and name:
+            return [*prefix[:-1].split("."), name, last]
     return field.split(".")
 
 

@@ -389,7 +389,8 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
     """Settings from ``POLYGATE__…`` keys (default: ``os.environ``).
 
     Sources are ordered by name (an environment has no order).  An empty value is
-    the same as an unset key.
+    the same as an unset key, except a gateway key's ``MODELS``: left unset, it would
+    widen the key to every scope, so an empty one is refused.
     """
     source = os.environ if env is None else _checked_env(env)
     for key, value in source.items():
@@ -467,7 +468,7 @@ def _env_settings_where(field: str) -> str:
     if field.startswith("scopes."):  # a scope's key (its fallback), or its name
         parts = field_segments(field)[1:]
         return ENV_PREFIX + "__".join(p.upper() for p in parts) + ("" if len(parts) > 1 else "__…")
-    return ENV_PREFIX + field.upper().replace(".", "__")
+    return ENV_PREFIX + "__".join(p.upper() for p in field_segments(field))
 
 
 def _env_key(*segments: str) -> str:
@@ -589,7 +590,7 @@ _KEY_FIELDS: dict[str, type] = {
 def _env_serve(settings: _SettingsPart, key: str, text: str) -> None:
     """``POLYGATE__SERVE__{FIELD}``; ``API_KEYS`` is comma-separated, ``MODELS`` is
     ``alias=scope,alias=scope``."""
-    part = _serve_part(settings, lambda f: _env_key("serve", *f.split(".")))
+    part = _serve_part(settings, lambda f: _env_key("serve", *field_segments(f)))
     segment = key[len(_SERVE_ENV):]
     field = segment.lower()
     if segment.startswith("KEYS__") and segment == segment.upper() and segment.isascii():

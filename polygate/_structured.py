@@ -849,7 +849,8 @@ class StructuredRounds:
     _round_key: str | None = attrs.field(init=False, default=None)
     #: What the schema adds to each request's prompt, in whichever form a source takes
     #: it (its JSON in a ``response_format``, or after the instruction): reserved with
-    #: the messages.  None with the caller's own ``response_format``, in its parameters.
+    #: the messages.  0 with the caller's own ``response_format``, counted in its
+    #: parameters.
     prompt_tokens: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:

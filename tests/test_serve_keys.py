@@ -692,3 +692,50 @@ def test_a_key_bound_to_a_scope_is_bound_to_its_fallbacks_too() -> None:
         keys={"alice": polygate.ServeKey(key=ALICE, models=["team-a", "team-b", "team-c"]),
               "bob": polygate.ServeKey(key=BOB, models=["team-c"])}))
 
+# --------------------------------------------------------------------------- a key named with a "."
+# A key's name may hold a '.' as a scope's may: its errors split the name at the dot and
+# named a TOML path or an environment key that does not exist (a review, 2026-12-05).
+
+DOTTED_URL = "http://a.example/v1"
+DOTTED_KEY = "sk-aaaaaaaaaaaaaaaaaaaaaa"
+
+
+def _dotted_toml(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "p.toml"
+    path.write_text(
+        f'[scopes.team-a]\nfallback = "team-b"\n[scopes.team-a.sources.s]\nbase_url = "{DOTTED_URL}"\n'
+        f'[scopes.team-b.sources.s]\nbase_url = "{DOTTED_URL}"\n' + body)
+    return path
+
+
+def test_toml_fallback_refusal_names_the_dotted_key(tmp_path: Path) -> None:
+    path = _dotted_toml(tmp_path, f'[serve.keys."team.a"]\nkey = "{DOTTED_KEY}"\nmodels = ["team-a"]\n')
+    with pytest.raises(polygate.ConfigError) as err:
+        settings_from_toml(path, env={})
+    assert 'serve.keys."team.a".models' in str(err.value), str(err.value)
+
+
+def test_toml_unknown_model_names_the_dotted_key(tmp_path: Path) -> None:
+    path = _dotted_toml(tmp_path, f'[serve.keys."team.a"]\nkey = "{DOTTED_KEY}"\nmodels = ["nope"]\n')
+    with pytest.raises(polygate.ConfigError) as err:
+        settings_from_toml(path, env={})
+    assert 'serve.keys."team.a".models' in str(err.value), str(err.value)
+
+
+def test_env_fallback_refusal_names_the_key_that_was_set() -> None:
+    env = {"POLYGATE__TEAM-A__S__BASE_URL": DOTTED_URL, "POLYGATE__TEAM-A__FALLBACK": "team-b",
+           "POLYGATE__TEAM-B__S__BASE_URL": DOTTED_URL,
+           "POLYGATE__SERVE__KEYS__TEAM.A__KEY": DOTTED_KEY,
+           "POLYGATE__SERVE__KEYS__TEAM.A__MODELS": "team-a"}
+    with pytest.raises(polygate.ConfigError) as err:
+        settings_from_env(env)
+    assert str(err.value).startswith("POLYGATE__SERVE__KEYS__TEAM.A__MODELS:"), str(err.value)
+
+
+def test_env_rpm_error_names_the_key_that_was_set() -> None:
+    """(Older than the models refusals: every field of a dotted key's name.)"""
+    env = {"POLYGATE__CHAT__S__BASE_URL": DOTTED_URL, "POLYGATE__SERVE__KEYS__TEAM.A__KEY": DOTTED_KEY,
+           "POLYGATE__SERVE__KEYS__TEAM.A__RPM": "0"}
+    with pytest.raises(polygate.ConfigError) as err:
+        settings_from_env(env)
+    assert str(err.value).startswith("POLYGATE__SERVE__KEYS__TEAM.A__RPM:"), str(err.value)
