@@ -435,17 +435,41 @@ def test_the_keys_digests_are_pinned() -> None:
     from polygate.cache._key import KEY_VERSION
 
     hi = [{"role": "user", "content": "hi"}]
-    assert KEY_VERSION == 6
+    assert KEY_VERSION == 7
     assert chat_key("chat", ["m1"], hi, {"temperature": 0}) == (
-        "5dde273b33046ebc29872cb795943c8d5187d62d3c9cad3d48887c0c1bf52272")
+        "489dab2fa38a3b56cf21dffb67f6832bd7fd857bffd0273a7809753bd1549545")
     assert chat_key("chat", ["m1", "fallback large: m2"], hi, {"temperature": 0}) == (
-        "427fdccc1a0edf67d172b1c8a2e01a17d84539e4bc2dd4b093c1d6e122de5cd7")
+        "b08ab8735c784261e199f9752bef2e238a6d7b0e6d882c41e99402be10101784")
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     params = {"max_tokens": 100.0, "logit_bias": {1.0: 5}, "user": "u"}
     schema = {"name": "City", "schema": {"type": "object"}}
     assert chat_key("chat", ["m1"], parts, params, schema=schema) == (
-        "3d62f4cdc9dc9958aeffe545b028055d1abb6a3aa9ffce25f207821354aa3ef7")
+        "1025b9f4bb3a3c3bcaca1c202bc872851b244327f959364999d4de8a94d0b831")
     assert embed_keys("embed", ["e"], ["a", "b"], {"dimensions": 8}) == [
-        "177a6eb192bdfaaab94595ca6e53983a155146a3b4d488f02a83a088a50f4b00",
-        "5a8f963f8c4f27664f27114dfe791f3cde788a2644b8f4b79732f3a7eed47552",
+        "2c573d9eae6451a569c9961d94020003c2c651035c0857dc2a9613575be50c08",
+        "9dcd481095766ec07e1c30fa11ced8fe42d5cbbf3bc4f585bf259a78bb62c228",
     ]
+
+
+async def test_an_answer_stored_under_version_6_is_a_miss(
+    autojump_clock: trio.testing.MockClock, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Outside review (upgrading over old stores): version 6 stored answers that this
+    version refuses (a ``"network_error"`` finish, cut at a ``""`` finish or a proxy's
+    early ``"stop"``), and an upgrade over the same cache file served them as hits.
+    What an older version stored under 6 is now a miss, asked again."""
+    from polygate.cache import _key
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=600)},
+        cache=f"sqlite:///{tmp_path}/cache.db")
+    with monkeypatch.context() as older:
+        older.setattr(_key, "KEY_VERSION", 6)
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(
+                text="The capital of France is"))})) as s:
+            await s.chat(MESSAGES)
+    up = FakeUpstream(Reply(text="The capital of France is Paris."))
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        r = await s.chat(MESSAGES)
+    assert r.text == "The capital of France is Paris." and not r.call_stats.cached
+    assert len(up.requests) == 1

@@ -53,8 +53,13 @@ __all__ = ["EXCLUDED_PARAMS", "KEY_VERSION", "ORDERED_PARAMS", "canonical", "can
 #: a reasoning-first schema was served the answer-first schema's answer).
 #: 6: a ``schema=`` is a member of the key of its own, not a parameter (a caller's
 #: parameter named as its entry was, ``polygate:schema``, was served its answer).
+#: 7: what counts as a complete, successful answer changed under 6 (a finish reason of
+#: ``"error"`` or ``"network_error"`` is a failure, ``""`` no finish, content after a
+#: proxy's early ``"stop"`` part of the answer): an entry an older version stored may be
+#: one this version refuses, served as a hit after an upgrade.  Bumped for such rule
+#: changes too, so that an upgrade never serves what it would not store.
 #: ``tests/test_cache_unit.py`` pins the keys' digests.
-KEY_VERSION = 6
+KEY_VERSION = 7
 
 #: Parameters left out of the key: they identify the caller or shape the transport,
 #: and never change the answer.
