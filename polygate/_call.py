@@ -73,6 +73,7 @@ from .governance import (
     NoAdmission,
     Refusal,
     RefusalReason,
+    chars_tokens,
     completion_budget,
     only_breakers,
     positive_count,
@@ -97,10 +98,10 @@ class Rounds(Protocol):
 
     #: How many times a round may be asked again (0: one round only).
     max_reasks: int
-    #: The prompt tokens each request of these rounds adds beyond the call's messages
-    #: and parameters (a schema sent as ``response_format``, or written into an
-    #: instruction): reserved with them.
-    prompt_tokens: int
+    #: The characters of prompt each request of these rounds adds beyond the call's
+    #: messages and parameters (a schema sent as ``response_format``, or written into
+    #: an instruction): reserved with them, as the governor counts text.
+    prompt_chars: int
 
     def request(
         self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str
@@ -591,7 +592,7 @@ async def run_chat(
         trio.current_time() if started_at is None else started_at, messages=messages,
         messages_json=messages_json, params=params, streaming_to_caller=forward is not None,
     )
-    added = rounds.prompt_tokens if rounds is not None else 0
+    added = chars_tokens(rounds.prompt_chars) if rounds is not None else 0
     ctx.prompt_estimate = runtime.governor.prompt_estimate(messages, params) + added
     ctx.completion_estimate = completion_budget(params, scope.completion_estimate_tokens)
     shown = delivered if delivered is not None else []
@@ -766,7 +767,7 @@ def _judged(ctx: CallContext, stats: CallStats) -> CallStats:
 
 def _next_round(ctx: CallContext, messages: list[Mapping[str, Any]], added: int) -> None:
     """The next round asks with ``messages``; the statistics count one more re-ask.
-    ``added``: the rounds' own prompt tokens (:attr:`Rounds.prompt_tokens`)."""
+    ``added``: the rounds' own prompt tokens (:attr:`Rounds.prompt_chars`)."""
     if ctx.asked_json is None:
         ctx.asked_json = ctx.messages_json
     ctx.messages = messages
@@ -825,9 +826,9 @@ def _prepare_continuation(
     estimate grows by it, and the caller's token limit shrinks by what was shown,
     reasoning included (``shown_chars``, estimated as a cut segment's usage is: about
     four characters a token), at least 1.  ``added``: the rounds' own prompt tokens
-    (:attr:`Rounds.prompt_tokens`), sent again when nothing was shown."""
+    (:attr:`Rounds.prompt_chars`), sent again when nothing was shown."""
     refused = ctx.continuation.refused_prefill if ctx.continuation is not None else set()
-    spent = (shown_chars + 3) // 4
+    spent = chars_tokens(shown_chars)
     limits = {
         name: max(1, limit - spent)
         for name in _TOKEN_LIMITS

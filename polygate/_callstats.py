@@ -21,6 +21,7 @@ import trio
 from ._context import AttemptRecord, CallContext
 from ._stats import stall_stats
 from ._types import CallStats, ChatResponse, Usage
+from .governance import chars_tokens
 from .transport import message_text
 
 __all__ = ["call_stats", "chat_response"]
@@ -185,7 +186,7 @@ def _summed_usage(parts: Sequence[AttemptRecord], shown_chars: Sequence[int]) ->
     chars = [*shown_chars, *([0] * len(parts))]
     for record, shown in zip(parts, chars, strict=False):
         usage = record.usage
-        shown_tokens = (shown + 3) // 4
+        shown_tokens = chars_tokens(shown)
         if usage is not None and usage.source == "upstream":
             # A usage without a prompt, or without a completion for text it showed
             # (one that reported only some fields, or only a total), counts that part

@@ -847,11 +847,11 @@ class StructuredRounds:
     _caller_format: bool = attrs.field(init=False)
     _forms: dict[str, ChatRequest] = attrs.field(init=False, factory=dict)
     _round_key: str | None = attrs.field(init=False, default=None)
-    #: What the schema adds to each request's prompt, in whichever form a source takes
-    #: it (its JSON in a ``response_format``, or after the instruction): reserved with
-    #: the messages.  0 with the caller's own ``response_format``, counted in its
-    #: parameters.
-    prompt_tokens: int = attrs.field(init=False, default=0)
+    #: The characters the schema adds to each request's prompt, in whichever form a
+    #: source takes it (its JSON in a ``response_format``, or after the instruction):
+    #: reserved with the messages.  0 with the caller's own ``response_format``,
+    #: counted in its parameters.
+    prompt_chars: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         # ``response_format=None`` is no format of the caller's: polygate's is sent
@@ -860,8 +860,7 @@ class StructuredRounds:
         if "response_format" in self.params and not self._caller_format:
             self.params = {k: v for k, v in self.params.items() if k != "response_format"}
         if not self._caller_format:
-            size = len(INSTRUCTION) + len(encode_compact(self.schema.json_schema))
-            self.prompt_tokens = (size + 3) // 4
+            self.prompt_chars = len(INSTRUCTION) + len(encode_compact(self.schema.json_schema))
 
     def request(
         self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str

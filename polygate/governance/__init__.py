@@ -7,6 +7,7 @@ from ._backend import GovernanceBackend
 from ._estimate import (
     CharEstimator,
     TokenEstimator,
+    chars_tokens,
     completion_budget,
     default_estimator,
     positive_count,
@@ -57,6 +58,7 @@ __all__ = [
     "SourceSnapshot",
     "SourceStatistics",
     "TokenEstimator",
+    "chars_tokens",
     "completion_budget",
     "default_estimator",
     "only_breakers",

@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 __all__ = [
-    "CharEstimator", "TokenEstimator", "completion_budget", "default_estimator", "params_tokens",
-    "positive_count",
+    "CharEstimator", "TokenEstimator", "chars_tokens", "completion_budget", "default_estimator",
+    "params_tokens", "positive_count",
 ]
 
 _PER_MESSAGE = 4
@@ -64,6 +64,12 @@ def _message_parts(message: Mapping[str, Any]) -> tuple[str, int]:
     return " ".join(parts), media
 
 
+def chars_tokens(chars: int) -> int:
+    """The tokens of ``chars`` characters of text, where no tokenizer counts them:
+    about four characters a token, rounded up."""
+    return (chars + 3) // 4
+
+
 #: Request parameters an upstream reads as prompt: tool definitions (and the older
 #: functions) and a response format's schema are billed as input tokens.  Left out,
 #: an agent's long tool list reserved nothing against tpm, and a prompt moved into a
@@ -77,7 +83,7 @@ def params_tokens(params: Mapping[str, Any]) -> int:
     for name in _PROMPT_PARAMS:
         value = params.get(name)
         if value is not None:
-            tokens += (len(value if isinstance(value, str) else _encode(value)) + 3) // 4
+            tokens += chars_tokens(len(value if isinstance(value, str) else _encode(value)))
     return tokens
 
 
@@ -89,7 +95,7 @@ class CharEstimator:
         total = 3
         for message in messages:
             text, media = _message_parts(message)
-            total += _PER_MESSAGE + (len(text) + 3) // 4 + media * _PER_IMAGE
+            total += _PER_MESSAGE + chars_tokens(len(text)) + media * _PER_IMAGE
         return total
 
 

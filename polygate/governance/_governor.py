@@ -18,7 +18,7 @@ import trio
 from .._config import Breaker, Settings
 from .._errors import GovernanceBackendError, Outcome
 from ._backend import GovernanceBackend
-from ._estimate import TokenEstimator, default_estimator, params_tokens
+from ._estimate import TokenEstimator, chars_tokens, default_estimator, params_tokens
 from ._line import Line, Waiter
 from ._model import (
     Admission,
@@ -220,7 +220,7 @@ class Governor:
         return tokens + params_tokens(params) if params else tokens
 
     def estimate_inputs(self, inputs: Sequence[str]) -> int:
-        return sum((len(text) + 3) // 4 + 1 for text in inputs)
+        return sum(chars_tokens(len(text)) + 1 for text in inputs)
 
     # ------------------------------------------------------------------ admission
 
