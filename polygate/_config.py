@@ -990,9 +990,10 @@ def field_segments(field: str) -> list[str]:
     if field.startswith("scopes.") and field.endswith(".fallback"):
         return ["scopes", field[len("scopes."):-len(".fallback")], "fallback"]
     for prefix in ("serve.keys.", "keys."):
-        name, dot, last = field[len(prefix):].rpartition(".")
-        if field.startswith(prefix) and dot and name:
-            return [*prefix[:-1].split("."), name, last]
+        if field.startswith(prefix):
+            name, _, last = field[len(prefix):].rpartition(".")
+            if name:
+                return [*prefix[:-1].split("."), name, last]
     return field.split(".")
 
 

@@ -402,8 +402,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
             # The one key whose unset value widens what it sets: a key's MODELS expanded
             # empty (…__MODELS=$TEAM_MODELS, the variable unset) would bind it to no
             # scope, i.e. give it every scope and the metrics.
-            raise ConfigError(f"{key}: is empty: name the scopes this key may call, or leave "
-                              "the key out for every scope")
+            raise ConfigError(f"{key}: {_EMPTY_MODELS}")
     entries = {
         key: as_utf8(value.strip())
         for key, value in source.items()
@@ -582,6 +581,9 @@ _SERVE_ENV = f"{ENV_PREFIX}SERVE__"
 #: Serve fields that are not scalars: lists and tables, parsed here.
 _SERVE_LISTS = ("api_keys", "models", "keys")
 #: The fields of one labelled key, ``[serve.keys.NAME]`` / ``POLYGATE__SERVE__KEYS__NAME__…``.
+#: A gateway key's ``models`` written out empty, in TOML or the environment: never
+#: "every scope", which leaving it out says.
+_EMPTY_MODELS = "is empty: name the scopes this key may call, or leave it out for every scope"
 _KEY_FIELDS: dict[str, type] = {
     "key": str, "rpm": int, "tpm": int, "max_in_flight": int, "models": tuple,
 }
@@ -731,8 +733,7 @@ def _toml_serve_keys(
             if field == "key" and isinstance(item, str):
                 secrets.add(item)
             if field == "models" and item == []:
-                raise ConfigError(f"{where}.models: is empty: name the scopes this key may "
-                                  "call, or leave models out for every scope")
+                raise ConfigError(f"{where}.models: {_EMPTY_MODELS}")
             fields[field] = _value_from_toml(kind, item, f"{where}.{field}", secret=field == "key")
         out[name] = fields
     return out

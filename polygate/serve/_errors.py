@@ -43,9 +43,13 @@ from .. import _errors as errors
 from .._outage import OUTAGE_LOG
 from ._json import Unencodable, dump
 
-__all__ = ["ErrorReply", "error_body", "reply_for"]
+__all__ = ["CHALLENGE", "ErrorReply", "error_body", "reply_for"]
 
 log = logging.getLogger("polygate.serve")
+
+#: A 401 names the scheme that would be accepted (RFC 9110 §11.6.1, RFC 6750 §3);
+#: browsers show no login prompt for Bearer.
+CHALLENGE: Final = ((b"www-authenticate", b"Bearer"),)
 
 _BACKEND_DOWN = (
     "The gateway's governance backend (quotas, breakers) cannot be reached right now; "
@@ -82,8 +86,8 @@ class ErrorReply:
         out = [(b"content-type", b"application/json")]
         if self.allow is not None:
             out.append((b"allow", self.allow.encode()))
-        if self.status == 401:  # (RFC 9110 §11.6.1: a 401 names the scheme it takes)
-            out.append((b"www-authenticate", b"Bearer"))
+        if self.status == 401:
+            out.extend(CHALLENGE)
         if self.final:
             out.append((b"x-should-retry", b"false"))
         if self.retry_after_s is not None:

@@ -50,6 +50,7 @@ from .._chunked import ChunkedDecoder
 from .._config import Serve
 from .._http11 import FIELD_LINE, LENGTH_DIGITS, TOKEN
 from .._sockets import receive_when_readable, send_all_progressing, write_first
+from ._errors import CHALLENGE
 
 __all__ = ["BAD_KEY", "ClientGone", "Connection", "HTTPProblem", "Request", "field_value", "reason"]
 
@@ -61,10 +62,6 @@ BAD_KEY: Final = (
     "Incorrect API key provided: the gateway key is wrong or missing; send "
     "'Authorization: Bearer <key>'."
 )
-
-#: A 401 names the scheme that would be accepted (RFC 9110 §11.6.1, RFC 6750 §3).
-#: Browsers show no login prompt for Bearer.
-CHALLENGE: Final = ((b"www-authenticate", b"Bearer"),)
 
 _RECEIVE: Final = 65536
 _MAX_HEAD: Final = 64 * 1024  # request line and headers

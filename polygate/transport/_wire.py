@@ -328,14 +328,18 @@ async def read_capped(
     return b"".join(parts)
 
 
+#: The words of a body over ``max_body_bytes``, which ``over_cap`` knows it by.
+_OVER_CAP = " exceeds the "
+
+
 def _over_cap(body: str, limit: int, source: str) -> TransientUpstreamError:
-    """The error of a body over ``max_body_bytes`` (``over_cap`` knows it by its words)."""
-    return TransientUpstreamError(f"{body} exceeds the {limit}-byte cap", source=source)
+    """The error of a body over ``max_body_bytes``."""
+    return TransientUpstreamError(f"{body}{_OVER_CAP}{limit}-byte cap", source=source)
 
 
 def over_cap(error: TransientUpstreamError) -> bool:
     """Whether ``error`` is a body refused for its size (``_over_cap``'s)."""
-    return error.message.startswith("response body ") and " exceeds the " in error.message \
+    return error.message.startswith("response body ") and _OVER_CAP in error.message \
         and error.message.endswith("-byte cap")
 
 
