@@ -36,7 +36,7 @@ from ._config_serve import (
     reduce_read_only,
 )
 from ._errors import ConfigError, FatalUpstreamError, RateLimitedError, classify_status
-from ._paths import UNENCODED_HASH, UNENCODED_QUERY, file_path_problem
+from ._paths import file_path_problem, unencoded_problem
 from ._secrets import (
     DSN_SECRET_PARAM,
     QUOTE_MAX,
@@ -900,8 +900,8 @@ def _check_telemetry(inst: Any, attr: attrs.Attribute[str], value: Any) -> None:
     if parts.scheme == "sqlite":
         if not value.startswith("sqlite:///") and value != "sqlite://":
             raise _bad(inst, attr.name, url=value, problem="a SQLite URL is sqlite:///path/to/file.db")
-        problem = (UNENCODED_HASH if "#" in value else UNENCODED_QUERY if "?" in value
-                   else file_path_problem(unquote(parts.path)))
+        problem = (unencoded_problem(value, options=False)
+                   or file_path_problem(unquote(parts.path)))
         if problem is not None:
             raise _bad(inst, attr.name, url=value, problem=problem)
         return

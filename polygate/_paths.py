@@ -49,12 +49,16 @@ def _home(env: Mapping[str, str]) -> Path:
     return Path(home)
 
 
-#: A ``#`` in a ``sqlite:`` URL starts its fragment: the path would end before it, and
-#: another file be opened (``run#1.db`` read as ``run``).
-UNENCODED_HASH = "an unencoded '#' in a SQLite URL ends its path there: write it %23"
-#: So does a ``?`` where the URL takes no options (telemetry's).
-UNENCODED_QUERY = ("an unencoded '?' in a telemetry SQLite URL ends its path there (it takes "
-                   "no options): write it %3F")
+def unencoded_problem(url: str, *, options: bool) -> str | None:
+    """Why a ``sqlite:`` URL would name another file than the one written, or None: a
+    ``#`` starts its fragment (``run#1.db`` read as ``run``), and so does a ``?`` its
+    query where the URL takes no ``options`` (telemetry's)."""
+    if "#" in url:
+        return "an unencoded '#' in a SQLite URL ends its path there: write it %23"
+    if "?" in url and not options:
+        return ("an unencoded '?' in a telemetry SQLite URL ends its path there (it takes "
+                "no options): write it %3F")
+    return None
 
 
 def sqlite_url(path: str) -> str:

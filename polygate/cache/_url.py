@@ -25,7 +25,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import attrs
 
 from .._errors import ConfigError
-from .._paths import UNENCODED_HASH, file_path_problem
+from .._paths import file_path_problem, unencoded_problem
 from .._redis_url import SHARED_OPTIONS, check_tls_options, redis_address, shared_option
 
 __all__ = ["CacheOptions", "parse_cache_url"]
@@ -142,10 +142,8 @@ def _sqlite(url: str, parts: Any, query: list[tuple[str, str]]) -> CacheOptions:
         if name != "timeout_s":
             raise _unknown(name, "sqlite", ["timeout_s"])
         options[name] = _timeout(value)
-    if "#" in url:
-        raise ConfigError(UNENCODED_HASH)
     path = unquote(parts.path)
-    problem = file_path_problem(path)
+    problem = unencoded_problem(url, options=True) or file_path_problem(path)
     if problem is not None:
         raise ConfigError(problem)
     return CacheOptions(kind="sqlite", path=Path(path) if path not in ("", "/") else None, **options)

@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .._errors import ConfigError
-from .._paths import UNENCODED_HASH, UNENCODED_QUERY, state_dir
+from .._paths import state_dir, unencoded_problem
 from .._secrets import printable
 from .._sqlite_locks import DatabaseUnavailable, held_by_another, unusable_for_now
 from ._schema import (
@@ -58,8 +58,9 @@ def default_path(env: dict[str, str] | None = None) -> Path:
 def sqlite_path(url: str, env: dict[str, str] | None = None) -> Path:
     """The file a ``sqlite://`` URL names (``sqlite://`` alone: :func:`default_path`).
     A ``#`` or ``?`` would end the path before it (another file): refused."""
-    if "#" in url or "?" in url:
-        raise ConfigError(UNENCODED_HASH if "#" in url else UNENCODED_QUERY)
+    problem = unencoded_problem(url, options=False)
+    if problem is not None:
+        raise ConfigError(problem)
     path = unquote(urlsplit(url).path)
     if path in ("", "/"):
         return default_path(env)
