@@ -97,8 +97,12 @@ def _read_stdin() -> str | None:
         print("polygate chat: no standard input to read the prompt from", file=sys.stderr)
         return None
     try:
-        # As the text stream decodes it (its encoding, its newlines): as an argument is.
-        return stdin.read()
+        # As the text stream decodes it (its encoding, its newlines): as an argument is,
+        # and as one is, UTF-8 bytes that a locale which is not UTF-8 (``LC_ALL=C``)
+        # left as surrogate escapes are read as the UTF-8 they are.
+        from .._config import as_utf8
+
+        return as_utf8(stdin.read())
     except UnicodeDecodeError:
         encoding = getattr(stdin, "encoding", None) or "its encoding"
         print(f"polygate chat: the prompt on standard input is not valid {encoding} text",

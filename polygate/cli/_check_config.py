@@ -58,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             error = exc
     for note in notes:  # an invalid configuration's warnings too: found before its error
-        print(f"warning: {note}", file=sys.stderr)
+        print(f"warning: {printable(note)}", file=sys.stderr)
     if error is not None:
-        print(f"polygate check-config: invalid configuration: {error}", file=sys.stderr)
+        print(f"polygate check-config: invalid configuration: {printable(str(error))}", file=sys.stderr)
         return 2
     if args.json:
         report = {"source": origin, "settings": describe(settings), "warnings": notes}

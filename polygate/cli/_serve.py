@@ -31,6 +31,8 @@ import signal
 import sys
 from typing import Any
 
+from .._secrets import printable
+
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
@@ -86,9 +88,13 @@ class _Lines(logging.Formatter):
         super().__init__("polygate serve: %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
+        # Nothing in a record a terminal acts on: a configuration error may quote an
+        # environment key's name as written.  (Its lines stay lines: a bug's report is
+        # indented under its first, see polygate._bugs.)
+        message = "\n".join(printable(line) for line in record.getMessage().split("\n"))
         if record.levelno >= logging.WARNING:
-            return f"polygate serve: {record.levelname.lower()}: {record.getMessage()}"
-        return super().formatMessage(record)
+            return f"polygate serve: {record.levelname.lower()}: {message}"
+        return f"polygate serve: {message}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,10 +125,10 @@ def run(args: argparse.Namespace) -> int:
                 raise
             raise leaf from None
     except ConfigError as exc:
-        print(f"polygate serve: invalid configuration: {exc}", file=sys.stderr)
+        print(f"polygate serve: invalid configuration: {printable(str(exc))}", file=sys.stderr)
         return 2
     except PolygateError as exc:  # could not start (a governance backend down is not one)
-        print(f"polygate serve: cannot start: {exc}", file=sys.stderr)
+        print(f"polygate serve: cannot start: {printable(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a signal before the receiver was installed (see hold_signals)
         log.info("stopped before it started listening")

@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     from ..telemetry._report import NoData, build_report, open_reader, read_rows
 
     for name, value in (("--since", args.since), ("--db", args.db), ("DB", args.database),
-                        ("--scope", args.scope)):
+                        ("--scope", args.scope), ("--plot", args.plot)):
         if value is not None and not value.strip():
             # (--since "$SINCE" with SINCE unset: not "every call ever recorded")
             print(f"polygate stats: {name} is empty", file=sys.stderr)
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         since = parse_since(args.since) if args.since is not None else None
         tails = _tails(args.tail)
     except ValueError as exc:
-        print(f"polygate stats: {exc}", file=sys.stderr)
+        print(f"polygate stats: {printable(str(exc))}", file=sys.stderr)
         return 2
     if args.database and args.db and args.database != args.db:
         print("polygate stats: give the database once, as DB or as --db", file=sys.stderr)
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         url = args.db or args.database or default_db()
     except ConfigError as exc:
-        print(f"polygate stats: invalid configuration: {exc}", file=sys.stderr)
+        print(f"polygate stats: invalid configuration: {printable(str(exc))}", file=sys.stderr)
         return 2
     where = mask_url(url)
     try:
@@ -212,10 +212,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"polygate stats: {_no_data(exc, where, args)}", file=sys.stderr)
         return 1
     except ConfigError as exc:
-        print(f"polygate stats: {exc}", file=sys.stderr)
+        print(f"polygate stats: {printable(str(exc))}", file=sys.stderr)
         return 1
     except Exception as exc:  # sqlite3 / psycopg errors: say what, not a traceback
-        print(f"polygate stats: cannot read {printable(where)}: {type(exc).__name__}: {exc}",
+        print(f"polygate stats: cannot read {printable(where)}: {type(exc).__name__}: "
+              f"{printable(str(exc))}",
               file=sys.stderr)
         return 1
     report = {"database": where, "since": since, "scope": args.scope, **report}
@@ -238,7 +239,7 @@ def _no_data(exc: Exception, where: str, args: argparse.Namespace) -> str:
             window.append(f"since {args.since}")
         if args.scope:
             window.append(f"in scope {args.scope!r}")
-        text = f"no calls recorded in {where}" + (f" {' '.join(window)}" if window else "")
+        text = f"no calls recorded in {printable(where)}" + (f" {' '.join(window)}" if window else "")
     return (
         f"{text}.\nTelemetry is written by sessions whose settings set telemetry, e.g. "
         "POLYGATE__TELEMETRY=sqlite:///path/to/telemetry.db; point --db at that database."
@@ -261,6 +262,7 @@ def _p(value: float | None) -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    rows = [[printable(c) for c in r] for r in rows]  # (escaped before they are measured)
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]  # rows may be none
     align = [str.ljust if i < 2 else str.rjust for i in range(len(headers))]
 
@@ -341,7 +343,10 @@ def render(report: dict[str, Any]) -> str:
     if t["rows_dropped"]:
         out += ["", f"warning: {t['rows_dropped']} telemetry rows were dropped by these sessions; "
                     "the figures above miss them"]
-    return "\n".join(out)
+    # A name the file holds (a scope, a source, an error class: another tool's file, or
+    # one edited by hand) is shown escaped, as a path is: a line break or an escape
+    # sequence in it never splits a line or reaches the terminal as such.
+    return "\n".join(printable(line) for line in out)
 
 
 # --------------------------------------------------------------------------- plots
