@@ -398,6 +398,14 @@ async def _settle(
     usage = record.usage
     usage_tokens = usage.total_tokens if usage is not None and usage.source == "upstream" else None
     latency = (now - timeline.sent_at - timeline.paused_s) if timeline.sent_at is not None else None
+    # Cut with no answer at all, by the call's deadline or by a hedge that won: the
+    # source made the call wait this long and would have taken longer (a lower bound
+    # of its latency, for its health).  Not when the caller left (its own doing), nor
+    # once anything came (a long answer is not a hung source).
+    waited = latency if timeline.first_token_at is None and (
+        outcome is Outcome.HEDGE_CANCELLED or (
+            outcome is Outcome.CANCELLED and ctx.deadline_at is not None and now >= ctx.deadline_at)
+    ) else None
     streamed = len(timeline.chunk_times)  # content chunks: a token each, at least
     try:
         record.tokens_settled = await ctx.runtime.governor.release(
@@ -407,6 +415,7 @@ async def _settle(
             sent=timeline.sent_at is not None,
             retry_after_s=error.retry_after_s if error is not None else None,
             latency_s=latency,
+            waited_s=waited,
             at_least=(record.prompt_estimate + streamed if streamed
                       else admission.tokens if timeline.billed else 0),
             neutral=error is not None and error.exhausted is not None,

@@ -132,7 +132,7 @@ async def _with_deadline(
     The deadline is one absolute time, ``ctx.started_at + deadline_s`` (the same
     ``_deadline_at`` that bounds admission waits): one clock base for the whole tree."""
     recorder = ctx.runtime.recorder
-    deadline_at = _deadline_at(ctx, deadline_s)
+    deadline_at = ctx.deadline_at = _deadline_at(ctx, deadline_s)
     try:
         try:
             if deadline_at is None:  # (no nullcontext: three calls a call, for nothing)

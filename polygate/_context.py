@@ -213,6 +213,9 @@ class CallContext:
     scope: Scope
     kind: str  # "chat" | "embed"
     started_at: float
+    #: The call's one absolute deadline, once its deadline scope is entered (None: no
+    #: deadline).  An attempt that it cut tells its source's health how long it waited.
+    deadline_at: float | None = None
     messages: Sequence[Mapping[str, Any]] = ()
     messages_json: str = "[]"  # encoded once per call, spliced into every attempt's body
     params: Mapping[str, Any] = attrs.field(factory=dict)

@@ -362,6 +362,7 @@ class Governor:
         sent: bool = True,
         retry_after_s: float | None = None,
         latency_s: float | None = None,
+        waited_s: float | None = None,
         at_least: int = 0,
         neutral: bool = False,
     ) -> int:
@@ -370,7 +371,9 @@ class Governor:
         the attempt is known to have cost whatever it reported (its prompt and the
         tokens it streamed), which an estimate that stands never undercuts.
         ``neutral``: the failure was this process's, not the source's (out of
-        descriptors, say): no breaker feedback, no health."""
+        descriptors, say): no breaker feedback, no health.  ``waited_s``: a neutral
+        attempt cut before any answer came (by its call's deadline, or by a hedge that
+        won) after that long: a lower bound of the source's latency (``Health.waited``)."""
         kind, feedback = SETTLE_RULES[outcome]
         if neutral:
             feedback = Feedback.NEUTRAL
@@ -417,6 +420,10 @@ class Governor:
                 health.success(latency_s, now)
             elif feedback is Feedback.FAILURE:
                 health.failed(now)
+            elif waited_s is not None and feedback is Feedback.NEUTRAL:
+                scope = self._settings.scopes[admission.scope]
+                health.waited(waited_s, reference_latency(
+                    [self._health[(admission.scope, s.name)] for s in scope.sources]))
         if not sent:
             return 0
         return admission.tokens if tokens is None else tokens

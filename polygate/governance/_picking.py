@@ -30,8 +30,9 @@ class HealthStats:
 
 
 class Health:
-    """EWMA latency (successes only) and failure rate of one source; the failure rate
-    halves every ``_FAILURE_HALF_LIFE_S`` seconds without news."""
+    """EWMA latency (successes, and waits cut before any answer as lower bounds: see
+    :meth:`waited`) and failure rate of one source; the failure rate halves every
+    ``_FAILURE_HALF_LIFE_S`` seconds without news."""
 
     __slots__ = ("_failure", "_failure_at", "latency")
 
@@ -56,6 +57,20 @@ class Health:
             self.latency = latency_s
         else:
             self.latency += _ALPHA * (latency_s - self.latency)
+
+    def waited(self, waited_s: float, reference_latency: float | None) -> None:
+        """An attempt cut before any answer, after ``waited_s`` (by the call's deadline,
+        or by a hedge that won): its latency would have been longer, so the wait is a
+        lower bound, counted like a success's latency where it says more than is known:
+        above this source's own latency, or, with none yet, above the scope's best.
+        Never a failure: the breaker and the failure rate are the upstream errors'."""
+        known = self.latency if self.latency is not None else reference_latency
+        if known is None or waited_s <= known:
+            return  # a cut sooner than answers come says nothing of this source
+        if self.latency is None:
+            self.latency = waited_s
+        else:
+            self.latency += _ALPHA * (waited_s - self.latency)
 
     def failed(self, now: float = 0.0) -> None:
         failure = self.failure(now)

@@ -307,7 +307,8 @@ def _session_families(stats: SessionStatistics, counted: _Carried, now: float) -
         labels=labels,
     )
     latency = GaugeMetricFamily(
-        "polygate_source_latency_ewma_seconds", "Recent latency of successful attempts",
+        "polygate_source_latency_ewma_seconds",
+        "Recent latency of attempts (answers, and waits cut before any answer)",
         labels=labels,
     )
     admissions = CounterMetricFamily(
