@@ -238,8 +238,10 @@ def test_bad_configuration_exits_2_without_echoing_a_key(tmp_path: Path) -> None
 
 async def test_drain_with_a_connection_that_sent_nothing() -> None:
     """A client's pre-opened connection that has not sent a request yet is idle: the
-    drain closes it, and the call in flight on another connection still finishes
-    (the drain once crashed on it, losing every call in flight)."""
+    drain closes it (once the moment a just-accepted one gets to begin its request is
+    over: tests/test_serve_drain_fresh.py), and the call in flight on another
+    connection still finishes (the drain once crashed on it, losing every call in
+    flight)."""
     async with gateway(Reply(first_token_s=0.5, tokens=3)) as (server, upstream):
         silent = await trio.open_tcp_stream("127.0.0.1", server.port)
         results: list[Answer] = []

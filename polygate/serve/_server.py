@@ -27,7 +27,7 @@ import importlib.util
 import ipaddress
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -56,11 +56,27 @@ _ACCEPT_PAUSE_S = 0.1  # out of file descriptors: the floor on the accept loop's
 _REFUSING = 64  # connections being answered 503 at once, beyond max_connections
 _OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # the only paths without a key
 _LAST_WORDS_S = 1.0  # after the grace period: time to tell cancelled clients why
+#: A drain closes idle connections, but not one accepted less than this long ago that
+#: has sent nothing yet: its client connected, and is about to write its request (Go's
+#: http.Server gives a new connection 5 s).  Closed at once, the request it then sent
+#: was lost: a reset or an EOF, nothing counted.
+_FIRST_REQUEST_S = 1.0
 #: Retries of a session whose governance backend did not answer at start: the first
 #: after this long, then doubling up to the cap (a backend that restarts is back within
 #: seconds; one that stays down is not hammered).
 _RECOVER_FIRST_S = 0.5
 _RECOVER_MAX_S = 10.0
+
+
+class _Fresh:
+    """A connection accepted that has not begun a request yet: when, and the scope of
+    its wait for the first byte (once its task waits)."""
+
+    __slots__ = ("opened", "scope")
+
+    def __init__(self, opened: float) -> None:
+        self.opened = opened
+        self.scope: trio.CancelScope | None = None
 
 
 @attrs.frozen
@@ -214,6 +230,9 @@ class Server:
         #: open between requests, closed to make room at the limit (_reclaim_idle).  A
         #: connection that has sent nothing yet is not: its head's timeout ends it.
         self._kept_alive: dict[trio.CancelScope, Connection] = {}
+        #: The connections accepted that have not begun a request yet (a drain waits a
+        #: moment for those just accepted: _FIRST_REQUEST_S).
+        self._fresh: set[_Fresh] = set()
         #: Those closed to make room that still count in ``metrics.connections`` (each
         #: until its task has closed it): room already made for a newcomer.
         self._reclaimed: set[Connection] = set()
@@ -407,7 +426,7 @@ class Server:
         self._recovering.cancel()
         for listener in self._listeners:
             await listener.aclose()
-        for scope in list(self._idle):
+        for scope in list(self._kept_alive):
             scope.cancel()  # idle keep-alive connections: nothing in flight, close now
         # A connection woken with its request's first bytes before the drain began has
         # not yet run to count itself in flight: let it (it runs in this batch of trio's
@@ -416,19 +435,43 @@ class Server:
         # request reads on without it, see Connection.read_request.)
         await trio.lowlevel.checkpoint()
         with trio.move_on_after(grace_s):
-            if self._in_flight:
-                await self._quiet.wait()
+            if self._fresh:
+                # Those just accepted may still begin their request (in flight from its
+                # first byte, then answered); the others, and those that do not, close.
+                with trio.move_on_at(max(f.opened for f in self._fresh) + _FIRST_REQUEST_S):
+                    await self._until(lambda: not self._fresh)
+                for fresh in list(self._fresh):
+                    self._unfresh(fresh, close=True)
+                await trio.lowlevel.checkpoint()  # (as above: a first byte in that instant)
+            await self._until(lambda: not self._in_flight)
         if self._in_flight:
             log.warning("grace period over: cancelling %d call(s) in flight", self._in_flight)
             # Each call stops, settles, and its client is told why; so is each request
             # still arriving, and any that reaches its answer from now (see _answer).
             self._cuts.cut()
             with trio.move_on_after(_LAST_WORDS_S):
-                await self._quiet.wait()
+                await self._until(lambda: not self._in_flight)
         self.hard_stop()
         # Returns once every connection has closed and counted itself out: cancelled,
         # each ends at its next checkpoint (its close is bounded on its own).
         await self._closed.wait()
+
+    async def _until(self, done: Callable[[], bool]) -> None:
+        """Wait until ``done()``, rechecked whenever the drain's state moves (a request
+        landed, a fresh connection began one or closed)."""
+        while not done():
+            self._quiet = trio.Event()
+            await self._quiet.wait()
+
+    def _unfresh(self, fresh: _Fresh, *, close: bool = False) -> None:
+        """``fresh`` has begun its request, or closed (``close``: closes it if it waits)."""
+        if fresh in self._fresh:
+            self._fresh.discard(fresh)
+            if close and fresh.scope is not None:
+                fresh.scope.cancel()
+            fresh.scope = None
+            if self.draining:
+                self._quiet.set()
 
     def hard_stop(self) -> None:
         """Cancel every connection now, a frame being finished too."""
@@ -494,7 +537,9 @@ class Server:
             # before any of them ran overshot max_connections.
             self.metrics.connections += 1
             self.metrics.connections_total += 1
-            self._connections.start_soon(self._connection, stream)
+            fresh = _Fresh(trio.current_time())
+            self._fresh.add(fresh)
+            self._connections.start_soon(self._connection, stream, fresh)
 
     def _reclaim_idle(self, wanted: int) -> bool:
         """At the connection limit, close the connections that have waited longest for
@@ -541,8 +586,9 @@ class Server:
             self._refusing -= 1
             await _close(stream)
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
-        """One connection, counted in ``metrics.connections`` by the accept loop."""
+    async def _connection(self, stream: trio.SocketStream, fresh: _Fresh) -> None:
+        """One connection, counted in ``metrics.connections`` by the accept loop, and in
+        ``_fresh`` (``fresh``) until it begins its first request."""
         metrics = self.metrics
         assert self._current is not None
         conn = Connection(stream, self._current.settings.serve, self._finishing, self._cuts)
@@ -573,8 +619,9 @@ class Server:
         landing_late = False
         try:
             # A drain ends the loop, except for a request whose bytes came before the
-            # last answer ended (carried): in flight from its first byte, answered too.
-            while not self.draining or conn.carried:
+            # last answer ended (carried): in flight from its first byte, answered too;
+            # and for a connection just accepted that the drain lets begin its first.
+            while not self.draining or conn.carried or fresh in self._fresh:
                 checked = None
                 # The wait for the next request, and its head, are under the limits in
                 # force now (a reload's too, on a connection kept alive across it).
@@ -583,6 +630,8 @@ class Server:
                 self._idle[idle] = conn
                 if answered:
                     self._kept_alive[idle] = conn
+                elif fresh in self._fresh:
+                    fresh.scope = idle
                 begun = False
                 begun_at = 0.0  # (monotonic) its first byte: a problem's time counts from it
 
@@ -594,6 +643,7 @@ class Server:
                     begun_at = time.monotonic()
                     self._idle.pop(idle, None)
                     self._kept_alive.pop(idle, None)
+                    self._unfresh(fresh)
                     if conn.carried:
                         conn.carried = False  # (counted as the last answer ended)
                     else:
@@ -642,6 +692,7 @@ class Server:
                 if not conn.reusable():
                     return
         finally:
+            self._unfresh(fresh)
             if conn.carried:  # counted, never read (the client left first, say)
                 conn.carried = False
                 self._landed()

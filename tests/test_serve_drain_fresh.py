@@ -1,0 +1,85 @@
+"""A drain and the connections accepted just before it.
+
+Found running two replicas with every real backend and a SIGTERM mid-load: a client's
+connect was accepted, the drain began, and the request it then wrote met a closed
+connection (an EOF or a reset, nothing counted, no telemetry row), although the grace
+period had seconds left.  The drain closed every connection waiting for a request,
+those that had never sent one too.  Now one accepted less than ``_FIRST_REQUEST_S``
+ago may still begin its request, which is then in flight and answered; idle
+keep-alive connections, and older silent ones, are closed at once as before."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+import polygate.serve._server as server_module
+from polygate.serve import open_server
+from polygate.testing import FakeUpstream, Reply
+
+from ._serve_kit import AUTH, CHAT, read_until_closed, request_bytes, settings_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_a_request_written_just_after_its_connect_is_answered_through_a_drain() -> None:
+    """Scheduling-aware: the drain begins 0-3 passes of the scheduler after the accept,
+    and the client writes its request 0-3 passes after the drain began.  Before, every
+    case where the connection's task had not yet read when the drain began (two or
+    more passes) ended unanswered."""
+    upstream = FakeUpstream(Reply(tokens=2))
+    outcomes: dict[tuple[int, int], bytes] = {}
+    async with upstream.serve() as url:
+        for accepted in range(4):
+            for written in range(4):
+                async with open_server(settings_for(url), port=0) as server:
+                    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+                    for _ in range(accepted):
+                        await trio.lowlevel.cancel_shielded_checkpoint()
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(server.shutdown, 5)
+                        for _ in range(written):
+                            await trio.lowlevel.cancel_shielded_checkpoint()
+                        await stream.send_all(request_bytes("POST", "/v1/chat/completions", CHAT, AUTH))
+                        outcomes[accepted, written] = await read_until_closed(stream)
+                    await stream.aclose()
+                    assert server.statistics().connections == 0
+    unanswered = {case: got[:40] for case, got in outcomes.items() if not got.startswith(b"HTTP/1.1 200")}
+    assert not unanswered, unanswered
+    assert all(b"connection: close" in got.lower() for got in outcomes.values())
+
+
+async def test_a_connection_that_sends_nothing_holds_the_drain_no_longer_than_the_moment() -> None:
+    """Silent, it is closed unanswered once its moment has passed: the drain, with
+    nothing in flight, ends within it, not at the end of the grace period."""
+    upstream = FakeUpstream(Reply())
+    async with upstream.serve() as url:
+        async with open_server(settings_for(url), port=0) as server:
+            silent = await trio.open_tcp_stream("127.0.0.1", server.port)
+            start = trio.current_time()
+            with trio.fail_after(10):
+                await server.shutdown(grace_s=30)
+            took = trio.current_time() - start
+            assert await read_until_closed(silent, limit_s=5) == b""
+            await silent.aclose()
+    assert took < server_module._FIRST_REQUEST_S + 1.0, took
+
+
+async def test_a_connection_silent_since_before_the_moment_is_closed_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client's pool that opened a connection long ago and never used it: idle, as a
+    kept-alive one is; the drain does not wait for it."""
+    monkeypatch.setattr(server_module, "_FIRST_REQUEST_S", 0.2)
+    upstream = FakeUpstream(Reply())
+    async with upstream.serve() as url:
+        async with open_server(settings_for(url), port=0) as server:
+            silent = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await trio.sleep(0.3)  # (older than the moment: not a race)
+            start = trio.current_time()
+            with trio.fail_after(10):
+                await server.shutdown(grace_s=30)
+            took = trio.current_time() - start
+            assert await read_until_closed(silent, limit_s=5) == b""
+            await silent.aclose()
+    assert took < 0.15, took
