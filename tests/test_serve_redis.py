@@ -524,3 +524,42 @@ async def test_a_redis_that_stops_answering_is_named_and_each_outage_said(
         assert await _exchange(a, ok=True) is None
         outage_log.now += 2
     assert _said(caplog) == ["down:A", "up:A"] * 3, _said(caplog)
+
+
+async def test_metrics_while_redis_is_down_keep_the_counters_it_does_not_hold(
+    own_redis: RedisServer, tmp_path: Path,  # noqa: F811
+) -> None:
+    """An outage is when an operator reads /metrics most.  The session's families all
+    vanished while its Redis was down, those this process counts itself too (telemetry
+    rows, hedges suppressed): a counter that disappears breaks every rate() over it.
+    Only what Redis holds (the sources' state, the hedge budget) is left out, and
+    ``polygate_governance_backend_up`` says why."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from polygate.serve import open_server
+
+    from ._serve_kit import settings_for
+
+    db = f"sqlite:///{tmp_path / 't.db'}"
+    prefix = f"scrape-{secrets.token_hex(4)}"
+    upstream = FakeUpstream(Reply(tokens=2))
+
+    def families(text: str) -> dict[str, float]:
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if not s.labels or s.name.startswith("polygate_governance")}
+
+    async with upstream.serve() as url:
+        settings = settings_for(url, telemetry=db, backend=f"{own_redis.url}?prefix={prefix}")
+        async with open_server(settings, port=0) as server:
+            for _ in range(3):
+                assert (await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status == 200
+            up = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
+            own_redis.kill()
+            down = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
+    before, during = families(up), families(down)
+    assert before["polygate_governance_backend_up"] == 1.0
+    assert during["polygate_governance_backend_up"] == 0.0
+    assert "polygate_source_in_flight" in up and "polygate_source_in_flight" not in down
+    for name in ("polygate_telemetry_rows_written_total", "polygate_telemetry_rows_dropped_total"):
+        assert name in during, sorted(during)
+        assert during[name] >= before[name]

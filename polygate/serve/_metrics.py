@@ -276,12 +276,24 @@ class _Collector:
              "Reloads refused (the configuration was invalid; the old one stays)"),
         ):
             yield CounterMetricFamily(name, text, value=value)
+        # The sources' state and the hedge budget are the governance backend's: read
+        # at the scrape, left out when it could not answer (Redis down), and this says
+        # so.  What the sessions count themselves goes out whatever the backend does:
+        # an outage is when these are read most, and a counter that vanishes breaks
+        # every rate() over it.
+        yield GaugeMetricFamily(
+            "polygate_governance_backend_up",
+            "1 when this scrape read the governance backend (the polygate_source_* and "
+            "polygate_hedge_budget families come from it), 0 when it could not",
+            value=1.0 if self.stats is not None else 0.0,
+        )
         if self.stats is not None:
-            # The session's counters are every session's: a reload's new one counts from 0.
-            yield from _session_families(self.stats, m.counted(), self.now)
+            yield from _backend_families(self.stats, self.now)
+        # The session's counters are every session's: a reload's new one counts from 0.
+        yield from _counted_families(m.counted())
 
 
-def _session_families(stats: SessionStatistics, counted: _Carried, now: float) -> Iterator[Any]:
+def _backend_families(stats: SessionStatistics, now: float) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     labels = ["scope", "source"]
@@ -333,6 +345,11 @@ def _session_families(stats: SessionStatistics, counted: _Carried, now: float) -
     for scope, level in sorted(stats.governance.hedge_budget.items()):
         budget.add_metric([scope], level)
     yield budget
+
+
+def _counted_families(counted: _Carried) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily
+
     suppressed = CounterMetricFamily(
         "polygate_hedges_suppressed", "Hedges not sent because the budget was empty",
         labels=["scope"],
