@@ -138,3 +138,21 @@ def test_a_utf8_prompt_on_stdin_is_read_under_a_locale_that_is_not_utf8(
         done = subprocess.run([sys.executable, "-m", "polygate", "chat", *argv], env=env,
                               input=stdin, capture_output=True, timeout=120, cwd=tmp_path)
         assert (done.returncode, done.stdout) == (0, b"pong\n"), (argv, done.stderr)
+
+
+def test_the_paths_a_plot_and_the_demo_name_are_shown_escaped(
+    known_db: Path, tmp_path: Path, no_config: None,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review: ``wrote PATH`` (stats and demo) and the demo's closing line naming its
+    telemetry file, with the command to read it, printed the names raw."""
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "p\x1b[31m.png"
+    assert main(["stats", str(known_db), "--plot", str(plot)]) == 0
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "wrote " in err and "p\\x1b[31m.png" in err
+    db, png = tmp_path / "t\x1b[31m.db", tmp_path / "q\x1b[32m.png"
+    assert main(["demo", "--calls", "4", "--concurrency", "2", "--db", str(db), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert "telemetry written to " in out and "t\\x1b[31m.db" in out and "q\\x1b[32m.png" in out

@@ -10,6 +10,8 @@ keep-alive connections, and older silent ones, are closed at once as before."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import trio
 
@@ -17,7 +19,7 @@ import polygate.serve._server as server_module
 from polygate.serve import open_server
 from polygate.testing import FakeUpstream, Reply
 
-from ._serve_kit import AUTH, CHAT, read_until_closed, request_bytes, settings_for
+from ._serve_kit import AUTH, CHAT, read_until_closed, request_bytes, settings_for, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,3 +85,55 @@ async def test_a_connection_silent_since_before_the_moment_is_closed_at_once(
             assert await read_until_closed(silent, limit_s=5) == b""
             await silent.aclose()
     assert took < 0.15, took
+
+
+async def test_two_drains_at_once_both_end_when_the_last_call_lands() -> None:
+    """Review: each wait for the drain's state made an event of its own, and a second
+    drain's replaced the first's, which then waited out the whole grace period."""
+    upstream = FakeUpstream(Reply(first_token_s=0.3, tokens=2))
+    async with upstream.serve() as url:
+        async with open_server(settings_for(url), port=0) as server:
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await stream.send_all(request_bytes("POST", "/v1/chat/completions", CHAT, AUTH))
+            await wait_for(lambda: server.statistics().in_flight == 1)
+            took: list[float] = []
+
+            async def drain() -> None:
+                start = trio.current_time()
+                await server.shutdown(grace_s=20)
+                took.append(trio.current_time() - start)
+
+            with trio.fail_after(40):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(drain)
+                    await trio.sleep(0.05)  # (the second begins while the first waits)
+                    nursery.start_soon(drain)
+                    got = await read_until_closed(stream)
+            await stream.aclose()
+    assert got.startswith(b"HTTP/1.1 200")
+    assert len(took) == 2 and max(took) < 3.0, took
+
+
+async def test_a_silent_connection_past_its_moment_is_closed_beside_a_fresh_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: while one fresh connection was open, every silent one was kept as long
+    as it, an old one too, and a request it then wrote was answered."""
+    monkeypatch.setattr(server_module, "_FIRST_REQUEST_S", 0.5)
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        async with open_server(settings_for(url), port=0) as server:
+            old = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await trio.sleep(0.7)  # (older than the moment: not a race)
+            new = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await wait_for(lambda: server.statistics().connections == 2)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.shutdown, 30)
+                await trio.sleep(0.2)
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await old.send_all(request_bytes("POST", "/v1/chat/completions", CHAT, AUTH))
+                got = await read_until_closed(old)
+                assert await read_until_closed(new) == b""
+            await old.aclose()
+            await new.aclose()
+    assert not got.startswith(b"HTTP/"), got[:60]

@@ -116,13 +116,15 @@ def run(args: argparse.Namespace) -> int:
                                        concurrency=args.concurrency, scope=scope)
             results[label] = outcomes
     except ConfigError as exc:  # the telemetry file cannot be opened
-        print(f"polygate demo: {exc}", file=sys.stderr)
+        print(f"polygate demo: {printable(str(exc))}", file=sys.stderr)
         return 1
     summaries = {label: summarize(o) for label, o in results.items()}
     _print_table(summaries, Summary, scale)
     if telemetry is not None:
-        print(f"\ntelemetry written to {args.db} (scopes {', '.join(scopes)}): "
-              f"polygate stats {shlex.quote(args.db)} --scope {scopes[-1]}")
+        # (A name a terminal would act on is shown escaped: then no longer a command
+        # to paste as it is, but nothing in it reaches the terminal as such.)
+        print(f"\ntelemetry written to {printable(args.db)} (scopes {', '.join(scopes)}): "
+              f"polygate stats {printable(shlex.quote(args.db))} --scope {scopes[-1]}")
     if args.plot:
         return _plot(results, args.plot, scale)
     return 0
@@ -247,5 +249,5 @@ def _plot(results: Mapping[str, Sequence[Any]], path: str, scale: float) -> int:
     if not plot_cdf(results, path, title="queue-hang incident replay: latency CDF", xlabel=xlabel,
                     prog="polygate demo"):
         return 1
-    print(f"wrote {path}")
+    print(f"wrote {printable(path)}")
     return 0

@@ -409,5 +409,5 @@ def _plot(calls: Sequence[Any], path: str) -> int:
     fig.tight_layout()
     if not save_plot(fig, path, "polygate stats"):
         return 1
-    print(f"wrote {path}", file=sys.stderr)
+    print(f"wrote {printable(path)}", file=sys.stderr)
     return 0

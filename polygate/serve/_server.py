@@ -435,9 +435,13 @@ class Server:
         # request reads on without it, see Connection.read_request.)
         await trio.lowlevel.checkpoint()
         with trio.move_on_after(grace_s):
+            now = trio.current_time()
+            for fresh in list(self._fresh):
+                if fresh.opened + _FIRST_REQUEST_S <= now:
+                    self._unfresh(fresh, close=True)  # silent for a while: idle
             if self._fresh:
                 # Those just accepted may still begin their request (in flight from its
-                # first byte, then answered); the others, and those that do not, close.
+                # first byte, then answered); those that do not, close.
                 with trio.move_on_at(max(f.opened for f in self._fresh) + _FIRST_REQUEST_S):
                     await self._until(lambda: not self._fresh)
                 for fresh in list(self._fresh):
@@ -460,7 +464,8 @@ class Server:
         """Wait until ``done()``, rechecked whenever the drain's state moves (a request
         landed, a fresh connection began one or closed)."""
         while not done():
-            self._quiet = trio.Event()
+            if self._quiet.is_set():  # (one event for every waiter: a second drain too)
+                self._quiet = trio.Event()
             await self._quiet.wait()
 
     def _unfresh(self, fresh: _Fresh, *, close: bool = False) -> None:
