@@ -137,3 +137,29 @@ async def test_a_silent_connection_past_its_moment_is_closed_beside_a_fresh_one(
             await old.aclose()
             await new.aclose()
     assert not got.startswith(b"HTTP/"), got[:60]
+
+
+async def test_each_fresh_connection_closes_as_its_own_moment_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: the drain waited for every fresh connection until the newest one's
+    moment ended, so an older one whose moment passed during that wait was still
+    answered."""
+    monkeypatch.setattr(server_module, "_FIRST_REQUEST_S", 1.0)
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        async with open_server(settings_for(url), port=0) as server:
+            old = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await trio.sleep(0.6)
+            new = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await wait_for(lambda: server.statistics().connections == 2)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.shutdown, 30)
+                await trio.sleep(0.8)  # (old: 1.4 s since its connect, past its moment)
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await old.send_all(request_bytes("POST", "/v1/chat/completions", CHAT, AUTH))
+                got = await read_until_closed(old)
+                assert await read_until_closed(new) == b""
+            await old.aclose()
+            await new.aclose()
+    assert not got.startswith(b"HTTP/"), got[:60]

@@ -563,3 +563,42 @@ async def test_metrics_while_redis_is_down_keep_the_counters_it_does_not_hold(
     for name in ("polygate_telemetry_rows_written_total", "polygate_telemetry_rows_dropped_total"):
         assert name in during, sorted(during)
         assert during[name] >= before[name]
+
+
+async def test_a_scrape_of_a_hung_redis_is_bounded_to_its_2_s(
+    own_redis: RedisServer,  # noqa: F811
+) -> None:
+    """Review: /metrics and /readyz stop waiting for the backend after 2 s, but each
+    Redis exchange ran shielded up to its timeout_s (0.6 x timeout_s for a read): with
+    timeout_s = 20 a scrape of a hung Redis passed Prometheus's 10 s scrape timeout,
+    and every series vanished.  The reads are not shielded: they change nothing."""
+    import signal
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from polygate.serve import open_server
+
+    from ._serve_kit import settings_for
+
+    prefix = f"hung-{secrets.token_hex(4)}"
+    upstream = FakeUpstream(Reply(tokens=2))
+    async with upstream.serve() as url:
+        settings = settings_for(url, backend=f"{own_redis.url}?prefix={prefix}&timeout_s=8")
+        async with open_server(settings, port=0) as server:
+            assert (await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status == 200
+            assert own_redis.proc is not None
+            own_redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                start = trio.current_time()
+                metrics = await http(server, "GET", "/metrics", headers=AUTH)
+                scraped = trio.current_time() - start
+                start = trio.current_time()
+                ready = await http(server, "GET", "/readyz")
+                readied = trio.current_time() - start
+            finally:
+                own_redis.proc.send_signal(signal.SIGCONT)
+    up = {s.name: s.value for f in text_string_to_metric_families(metrics.body.decode())
+          for s in f.samples if s.name == "polygate_governance_backend_up"}
+    assert up == {"polygate_governance_backend_up": 0.0}
+    assert ready.status == 503
+    assert scraped < 3.5 and readied < 3.5, (scraped, readied)

@@ -640,8 +640,12 @@ class RedisBackend:
 
     async def snapshot(self, scope: str, source: str) -> SourceSnapshot:
         await trio.lowlevel.checkpoint_if_cancelled()
+        # Unshielded: a read (its purge and expiry are upkeep every script repeats), so
+        # whoever reads may stop waiting: a /metrics or /readyz scrape bounded to 2 s
+        # waited out timeout_s on a hung Redis, past Prometheus's own scrape timeout.
         reply = await self._script(
-            _SNAPSHOT, self._source_keys((scope, source)), [self._window_us, self._ttl_ms], "snapshot"
+            _SNAPSHOT, self._source_keys((scope, source)), [self._window_us, self._ttl_ms], "snapshot",
+            shield=False,
         )
         local_now = trio.current_time()
         try:
@@ -690,7 +694,8 @@ class RedisBackend:
 
     async def budget_level(self, scope: str, burst: float) -> float:
         await trio.lowlevel.checkpoint_if_cancelled()
-        reply = await self._script(_LEVEL, [self._budget_key(scope)], [repr(float(burst)), self._ttl_ms], "budget_level")
+        reply = await self._script(_LEVEL, [self._budget_key(scope)], [repr(float(burst)), self._ttl_ms],
+                                   "budget_level", shield=False)  # (a read, as snapshot's)
         try:
             return float(_text(reply))
         except (TypeError, ValueError, AttributeError):
@@ -858,7 +863,8 @@ class RedisBackend:
     ) -> Any:
         """Run a script; ``sent`` gets an entry once the command was handed to a
         connection (after that, Redis may run it whatever happens to the reply).
-        ``shield=False`` only for one that changes nothing (the void loop's probe)."""
+        ``shield=False`` only for one that changes nothing but upkeep (the void loop's
+        probe, the reads of :meth:`snapshot` and :meth:`budget_level`)."""
         async def call() -> Any:
             errors = self._errors
             handed: list[bool] = []

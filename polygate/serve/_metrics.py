@@ -8,9 +8,10 @@ cost 5--8 µs per update, a visible share of the gateway's budget of 0.5 ms per
 request (``benchmarks/serve.py``).  The text is written in a worker thread, from a
 copy of the counters taken on the loop (see :func:`render`).
 
-The session's side (breaker states, in-flight attempts, quota windows, hedge budget,
-telemetry drops) is read from ``Session.statistics()`` at each scrape: the server
-holds no governance state of its own.
+The session's side (breaker states, in-flight attempts, quota windows, hedge budget)
+is read from ``Session.statistics()`` at each scrape: the server holds no governance
+state of its own.  The counters a session keeps itself (telemetry rows, hedges
+suppressed) are read from the process, so they go out while the backend is down.
 """
 
 from __future__ import annotations

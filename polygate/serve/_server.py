@@ -435,17 +435,20 @@ class Server:
         # request reads on without it, see Connection.read_request.)
         await trio.lowlevel.checkpoint()
         with trio.move_on_after(grace_s):
-            now = trio.current_time()
-            for fresh in list(self._fresh):
-                if fresh.opened + _FIRST_REQUEST_S <= now:
-                    self._unfresh(fresh, close=True)  # silent for a while: idle
-            if self._fresh:
-                # Those just accepted may still begin their request (in flight from its
-                # first byte, then answered); those that do not, close.
-                with trio.move_on_at(max(f.opened for f in self._fresh) + _FIRST_REQUEST_S):
-                    await self._until(lambda: not self._fresh)
+            # Those accepted less than _FIRST_REQUEST_S ago may still begin their
+            # request (in flight from its first byte, then answered); each closes as
+            # its own moment ends with nothing sent, the older ones at once (idle).
+            closed = False
+            while self._fresh:
+                now = trio.current_time()
                 for fresh in list(self._fresh):
-                    self._unfresh(fresh, close=True)
+                    if fresh.opened + _FIRST_REQUEST_S <= now:
+                        self._unfresh(fresh, close=True)
+                        closed = True
+                if self._fresh:
+                    with trio.move_on_at(min(f.opened for f in self._fresh) + _FIRST_REQUEST_S):
+                        await self._until(lambda: not self._fresh)
+            if closed:
                 await trio.lowlevel.checkpoint()  # (as above: a first byte in that instant)
             await self._until(lambda: not self._in_flight)
         if self._in_flight:
