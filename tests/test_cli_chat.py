@@ -337,3 +337,20 @@ async def test_an_upstreams_words_reach_the_terminal_escaped(
     assert "\x1b" not in err and "\r" not in err and "\x07" not in err
     assert "pwned" in err and "\\x1b" in err  # shown, escaped
     assert "\npolygate chat: all good" not in err
+
+
+def test_a_utf8_prompt_on_stdin_is_read_under_a_locale_that_is_not_utf8(
+    server: str, tmp_path: Path,
+) -> None:
+    """Review: ``polygate chat é`` worked under ``LC_ALL=C`` with UTF-8 mode off;
+    ``echo é | polygate chat -`` was refused as "not UTF-8": standard input under that
+    locale keeps the bytes as surrogate escapes, which the argument's path turns back."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POLYGATE")}
+    env.update(LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0",
+               POLYGATE__CHAT__A__BASE_URL=server)
+    for argv, stdin in ((["é"], b""), (["-"], "é\n".encode())):
+        done = subprocess.run([sys.executable, "-m", "polygate", "chat", *argv], env=env,
+                              input=stdin, capture_output=True, timeout=120, cwd=tmp_path)
+        assert (done.returncode, done.stdout) == (0, b"pong from the server\n"), (argv, done.stderr)

@@ -1,31 +1,19 @@
-"""The command line, reviewed as users type it: what reaches the terminal, and a
-prompt read from standard input under a locale that is not UTF-8.  Each test failed
-before its fix."""
+"""The command line, reviewed as users type it: what reaches the terminal.  Each test
+failed before its fix."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sqlite3
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from polygate.cli import main
 
-from .test_cli_stats import known_db  # noqa: F401  (a fixture)
-
-
-@pytest.fixture
-def no_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for key in list(os.environ):
-        if key.startswith("POLYGATE"):
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
+from .test_cli_chat import env  # noqa: F401  (fixtures)
+from .test_cli_stats import known_db  # noqa: F401
 
 
 def test_the_no_calls_line_shows_the_path_escaped(
@@ -82,13 +70,13 @@ def test_an_empty_plot_path_is_a_usage_error(
 
 @pytest.mark.parametrize("argv", [["check-config"], ["serve", "--port", "0"]])
 def test_a_config_error_quoting_an_environment_key_is_shown_escaped(
-    argv: list[str], no_config: None, monkeypatch: pytest.MonkeyPatch,
+    argv: list[str], env: pytest.MonkeyPatch,  # noqa: F811
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """An environment key's name with an escape sequence in it (a stray variable from
     a broken script) is quoted by the error: ``polygate chat`` escaped it, check-config
     and serve printed it raw."""
-    monkeypatch.setenv("POLYGATE__CHAT__B\x1b[31mX__BASE_URL", "http://x/v1")
+    env.setenv("POLYGATE__CHAT__B\x1b[31mX__BASE_URL", "http://x/v1")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "invalid configuration" in err and "\\x1b[31m" in err
@@ -106,42 +94,9 @@ def test_serve_log_lines_are_escaped() -> None:
     assert _Lines().format(record) == "polygate serve: error: reload refused: bad key \\x1b[2J\\x07"
 
 
-@pytest.fixture
-def fake_server() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "polygate.testing.serve", "--port", "0",
-         "--reply", json.dumps({"text": "pong"})],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
-        assert line.startswith("listening on "), line
-        yield line.removeprefix("listening on ")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        assert proc.stdout is not None
-        proc.stdout.close()
-
-
-def test_a_utf8_prompt_on_stdin_is_read_under_a_locale_that_is_not_utf8(
-    fake_server: str, tmp_path: Path,
-) -> None:
-    """``polygate chat é`` worked under ``LC_ALL=C`` with UTF-8 mode off; ``echo é |
-    polygate chat -`` was refused as "not UTF-8": standard input under that locale
-    keeps the bytes as surrogate escapes, which the argument's path turns back."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("POLYGATE")}
-    env.update(LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0",
-               POLYGATE__CHAT__A__BASE_URL=fake_server)
-    for argv, stdin in ((["é"], b""), (["-"], "é\n".encode())):
-        done = subprocess.run([sys.executable, "-m", "polygate", "chat", *argv], env=env,
-                              input=stdin, capture_output=True, timeout=120, cwd=tmp_path)
-        assert (done.returncode, done.stdout) == (0, b"pong\n"), (argv, done.stderr)
-
 
 def test_the_paths_a_plot_and_the_demo_name_are_shown_escaped(
-    known_db: Path, tmp_path: Path, no_config: None,  # noqa: F811
+    known_db: Path, tmp_path: Path, env: pytest.MonkeyPatch,  # noqa: F811
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Review: ``wrote PATH`` (stats and demo) and the demo's closing line naming its
