@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,16 @@ def test_serve_log_lines_are_escaped() -> None:
     record = logging.LogRecord("polygate", logging.ERROR, __file__, 1,
                                "reload refused: %s", ("bad key \x1b[2J\x07",), None)
     assert _Lines().format(record) == "polygate serve: error: reload refused: bad key \\x1b[2J\\x07"
-
+    # A traceback logged with the record (log.exception) quotes the exception's text.
+    try:
+        raise ValueError("from upstream \x1b]0;pwned\x07")
+    except ValueError:
+        record = logging.LogRecord("polygate", logging.ERROR, __file__, 1, "cache write failed",
+                                   (), sys.exc_info())
+    shown = _Lines().format(record)
+    assert "\x1b" not in shown and "\x07" not in shown
+    assert shown.startswith("polygate serve: error: cache write failed\nTraceback")
+    assert shown.endswith("ValueError: from upstream \\x1b]0;pwned\\x07")
 
 
 def test_the_paths_a_plot_and_the_demo_name_are_shown_escaped(

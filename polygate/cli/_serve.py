@@ -96,6 +96,11 @@ class _Lines(logging.Formatter):
             return f"polygate serve: {record.levelname.lower()}: {message}"
         return f"polygate serve: {message}"
 
+    def formatException(self, ei: Any) -> str:
+        # A traceback's last line quotes the exception's text (a client's or an
+        # upstream's bytes): escaped as the message is, line by line.
+        return "\n".join(printable(line) for line in super().formatException(ei).split("\n"))
+
 
 def run(args: argparse.Namespace) -> int:
     import trio
