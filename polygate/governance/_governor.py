@@ -219,6 +219,10 @@ class Governor:
         tokens = self._estimator.prompt_tokens(messages)
         return tokens + params_tokens(params) if params else tokens
 
+    def _healths(self, scope_name: str) -> list[Health]:
+        """The health of each of the scope's sources, in its order."""
+        return [self._health[(scope_name, s.name)] for s in self._settings.scopes[scope_name].sources]
+
     def estimate_inputs(self, inputs: Sequence[str]) -> int:
         return sum(chars_tokens(len(text)) + 1 for text in inputs)
 
@@ -233,7 +237,7 @@ class Governor:
             # CPU in a one-source scope went to the weighing).
             name = scope.sources[0].name
             return [] if name in exclude else [name]
-        healths = [self._health[(scope_name, s.name)] for s in scope.sources]
+        healths = self._healths(scope_name)
         ref = reference_latency(healths)
         names = [s.name for s in scope.sources]
         now = self.backend.now()
@@ -421,9 +425,7 @@ class Governor:
             elif feedback is Feedback.FAILURE:
                 health.failed(now)
             elif waited_s is not None and feedback is Feedback.NEUTRAL:
-                scope = self._settings.scopes[admission.scope]
-                health.waited(waited_s, reference_latency(
-                    [self._health[(admission.scope, s.name)] for s in scope.sources]))
+                health.waited(waited_s, reference_latency(self._healths(admission.scope)))
         if not sent:
             return 0
         return admission.tokens if tokens is None else tokens
@@ -461,7 +463,7 @@ class Governor:
         records: list[SourceStatistics] = []
         budgets: dict[str, float] = {}
         for scope_name, scope in self._settings.scopes.items():
-            healths = [self._health[(scope_name, s.name)] for s in scope.sources]
+            healths = self._healths(scope_name)
             ref = reference_latency(healths)
             for source, health in zip(scope.sources, healths, strict=True):
                 state = await self.backend.snapshot(scope_name, source.name)
