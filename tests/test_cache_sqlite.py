@@ -100,6 +100,28 @@ async def test_ttl_and_eviction(tmp_path: Path) -> None:
     assert keys == {"long", "other"}
 
 
+async def test_eviction_goes_on_after_the_wall_clock_steps_back(tmp_path: Path) -> None:
+    """Outside review (clocks): the minute between evictions was measured on the wall
+    clock, so after it stepped back an hour (an NTP step, a VM restored) no write deleted
+    expired answers, as sensitive as the prompts, for an hour and a minute."""
+    now = [1_000_000_000.0]
+    backend = SQLiteBackend(tmp_path / "c.db", timeout_s=1.0, clock=lambda: now[0])
+    await backend.start()
+    try:
+        await backend.set_many([("before", b"b", 1e6)])  # the first write evicts
+        now[0] -= 3600.0  # the wall clock steps back an hour
+        await backend.set_many([("short", b"s", 10.0)])
+        now[0] += 120.0  # two minutes later: "short" expired
+        assert await backend.get_many(["short"]) == [None]
+        await backend.set_many([("other", b"o", 1000.0)])
+    finally:
+        await backend.aclose()
+    with sqlite3.connect(tmp_path / "c.db") as conn:
+        keys = {k for (k,) in conn.execute("SELECT key FROM polygate_cache")}
+    conn.close()
+    assert keys == {"before", "other"}
+
+
 async def test_many_concurrent_readers(tmp_path: Path) -> None:
     backend = SQLiteBackend(tmp_path / "c.db", timeout_s=2.0)
     await backend.start()

@@ -892,6 +892,31 @@ def test_a_row_polygate_never_writes_is_one_line_not_a_traceback(
     assert err.startswith("polygate stats: ") and f"row whose {column} is" in err
 
 
+@pytest.mark.parametrize("zone", ["Etc/GMT-14", "Etc/GMT+12"])  # UTC+14, UTC-12
+@pytest.mark.parametrize("started_at", [0.0, 253402214399.0, 253402297200.0])
+def test_the_last_times_it_takes_show_in_every_time_zone(
+    known_db: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    zone: str, started_at: float,
+) -> None:
+    """Outside review (clocks): a time the rows' check took, 9999-12-31T23:00Z, is year
+    10000 in UTC+14, and the text report (local time) raised ValueError, a traceback.
+    The last time taken is 9999-12-30 UTC: each is a report or one line, exit 1."""
+    path = _edited(known_db, "UPDATE calls SET started_at = ?", (started_at,))
+    monkeypatch.setenv("TZ", zone)
+    time.tzset()
+    try:
+        code = main(["stats", str(path)])
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    out, err = capsys.readouterr()
+    if started_at > 253402214399.0:
+        assert code == 1 and out == "" and err.startswith("polygate stats: ")
+        assert len(err.strip().splitlines()) == 1 and "row whose started_at is" in err
+    else:
+        assert code == 0 and err == "" and "calls started" in out
+
+
 def test_json_has_no_infinity_when_sums_overflow(
     known_db: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -380,7 +380,9 @@ class SQLiteBackend:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 conn.executemany(_PUT, [(k, v, now + ttl) for k, v, ttl in entries])
-                if now - self._last_evict >= _EVICT_EVERY_S:
+                # (A wall clock stepped back counts as a minute gone: measured on it
+                # alone, no write would delete anything for as long as the step.)
+                if not 0 <= now - self._last_evict < _EVICT_EVERY_S:
                     conn.execute(_EXPIRE, (now,))
                     self._last_evict = now
                 conn.execute("COMMIT")

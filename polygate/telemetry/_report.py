@@ -176,8 +176,9 @@ _KINDS: dict[str, str] = {
     "ttft_ms": "number?", "stall_ms": "number?", "stall_count": "number?",
     "active_generation_ms": "number?",
 }
-#: A time ``polygate stats`` can show: 1970 to the end of year 9999.
-_LAST_TIME = 253402300800.0
+#: A time ``polygate stats`` can show: 1970 to 9999-12-30 in UTC, so that the report's
+#: local time stays within year 9999 in every time zone (up to UTC+14).
+_LAST_TIME = 253402214400.0
 
 
 def _check_row(table: str, row: NamedTuple, where: str) -> None:
