@@ -21,12 +21,14 @@ import html
 import json
 import re
 from collections.abc import Iterable
+from typing import TypeVar
 from urllib.parse import quote, unquote
 
 __all__ = [
     "MIN_SECRET_LEN",
     "QUOTE_MAX",
     "clip",
+    "frameless",
     "given",
     "is_header_safe",
     "mask_prefixes",
@@ -261,3 +263,29 @@ def mask_prefixes(text: str, secrets: Iterable[str]) -> str:
             if start in text:
                 text = text.replace(start, MASK)
     return text
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def frameless(error: _E) -> _E:
+    """``error``, and every exception chained to it (cause, context, a group's
+    members), without the frames it was raised through: raise it again and its
+    traceback starts where it is raised.
+
+    A crash reporter records each frame's locals (Sentry does by default, and so does
+    ``traceback.TracebackException(capture_locals=True)``): the frames that read an
+    upstream's body that echoed a key, or that opened a URL with its password, hold
+    them under names (``payload``, ``url``, a driver's ``creds``) no scrubber knows.
+    The message already says what went wrong, with the secrets redacted; the frames
+    add nothing a caller could act on."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        exc = todo.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        todo += [exc.__cause__, exc.__context__, *getattr(exc, "exceptions", ())]
+    return error

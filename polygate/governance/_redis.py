@@ -84,6 +84,7 @@ from .._coredis import closing_connection_class, import_coredis
 from .._errors import ConfigError, GovernanceBackendError
 from .._outage import OUTAGE_LOG
 from .._redis_url import SHARED_OPTIONS, check_tls_options, redis_address, shared_option
+from .._secrets import frameless
 from . import _redis_scripts as lua
 from ._memory import WINDOW_S
 from ._model import (
@@ -927,7 +928,9 @@ class RedisBackend:
                 errors = self._errors
                 if errors is None or not isinstance(exc, errors.ResponseError):
                     self._unreachable = True  # (an error reply is an answer)
-                raise self._failure(what, exc, trio.current_time() - started) from exc
+                # Chained for its type (an error reply is an answer, see admit), not
+                # its frames: the driver's hold the password (see frameless).
+                raise self._failure(what, exc, trio.current_time() - started) from frameless(exc)
             if self._unreachable:
                 self._unreachable = False
                 self._back()

@@ -31,6 +31,7 @@ import trio
 from .._config import Settings, mask_url
 from .._context import AttemptRecord, CallContext, NullRecorder, Recorder
 from .._errors import ConfigError
+from .._secrets import frameless
 from .._threads import run_sync
 from .._types import CallStats, Usage
 from ._recorder import TelemetryRecorder
@@ -238,7 +239,12 @@ async def open_telemetry(
     :class:`Pipeline` (capacity, batch size, timeouts)."""
     where = type(sink).__name__ if sink is not None else mask_url(settings.telemetry)
     if sink is None:
-        sink = await open_sink(settings.telemetry, write_timeout_s=settings.telemetry_write_timeout_s)
+        try:
+            sink = await open_sink(settings.telemetry, write_timeout_s=settings.telemetry_write_timeout_s)
+        except ConfigError as exc:
+            # Raised from here: the frames that opened the URL hold it whole, with its
+            # password (see frameless); the message masks it.
+            raise frameless(exc)  # noqa: B904 (the same error, not a new one)
     try:
         pipeline = None
         recorders: list[Recorder] = []

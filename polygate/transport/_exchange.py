@@ -40,7 +40,7 @@ from .._errors import (
     refusal_hint,
 )
 from .._json import loads
-from .._secrets import clip, redact
+from .._secrets import clip, frameless, redact
 from .._types import choice_index
 from ._assemble import ChatAssembler, carries_extras, index_over, malformed_index
 from ._head import header_of
@@ -210,11 +210,12 @@ async def _exchange(
         # Nothing is sent: the source is unusable as configured (its key cannot be a
         # header).  Dead, like a source that answers 401: the others carry the calls.
         raise SourceDeadError(endpoint.key_problem, source=endpoint.name)
+    request: httpx.Request | None = None
+    response: httpx.Response | None = None
     try:
         def sent() -> None:
             timeline.sent_at = trio.current_time()
 
-        response = None
         if type(transport) is LeanTransport:  # (a subclass may hook handle_async_request)
             # No httpx.Request to build and take apart (LeanTransport.post); None
             # for a request that is not plain, which then takes the path below.
@@ -252,9 +253,13 @@ async def _exchange(
         if message != exc.message:
             exc.message = message
             exc.args = (message,)
-        raise
+        # Nor do the frames that read the answer go with it (a crash reporter records
+        # their locals: the body, the request's headers): it is raised from here.
+        del request, response
+        raise frameless(exc)  # noqa: B904 (the same error, not a new one)
     except Exception as exc:
         error = _classified(exc, endpoint)
+    del request, response
     raise error from None
 
 
