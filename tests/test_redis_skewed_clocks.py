@@ -127,3 +127,89 @@ def test_skewed_clients_share_windows_cooldowns_and_breakers(
     assert COOLDOWN_S - margin < waits["cooldown"] <= COOLDOWN_S + 0.01, waits
     assert COOLDOWN_S - margin < waits["snapshot_cooldown"] <= COOLDOWN_S + 0.01, waits
     assert BREAKER.open_s - margin < waits["breaker"] <= BREAKER.open_s + 0.01, waits
+
+
+# ------------------------------------------------------------------ the server's clock
+
+STEP_S = 3600.0
+
+
+async def _as_if_ahead(url: str, prefix: str, sources: tuple[str, ...]) -> None:
+    """The state as scripts write it on a server whose clock reads ``STEP_S`` ahead,
+    which then steps back to the true time: every stored instant, and the last TIME a
+    script saw, ``STEP_S`` later than the same state written at the true time."""
+    import coredis
+
+    step_us = int(STEP_S * 1e6)
+    async with coredis.Redis.from_url(url, decode_responses=True) as client:
+        for source in sources:
+            base = f"{prefix}:chat:{source}"
+            for key in (f"{base}:window", f"{base}:permits"):
+                for member, score in await client.zrange(key, 0, -1, withscores=True):
+                    await client.zadd(key, {member: score + step_us})
+            state = await client.hgetall(f"{base}:state")
+            for field in ("cu", "du", "oa", "cw", "lt"):
+                if float(state.get(field, 0)) > 0:
+                    await client.hset(f"{base}:state", {field: str(int(float(state[field])) + step_us)})
+
+
+async def _server_now(url: str) -> float:
+    import coredis
+
+    async with coredis.Redis.from_url(url) as client:
+        return (await client.time()).timestamp()  # (coredis gives a datetime)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_clock_stepped_back_keeps_what_was_left_of_each_instant(
+    redis_server: RedisServer,
+) -> None:
+    """Outside review (clocks): the scripts trusted every stored instant against the
+    server's TIME, so after the Redis host's clock stepped back an hour (an NTP step, a
+    VM restored, a replica promoted whose clock is behind) a full rpm window, a 30 s
+    cooldown and a 30 s open breaker each lasted an hour more, and a crashed owner's
+    permit too.  Each keeps what was left of it."""
+    prefix = f"step-{secrets.token_hex(4)}"
+
+    async def main() -> dict[str, Any]:
+        backend = _backend(redis_server.url, prefix)
+        await backend.start()
+        try:
+            a = await granted(backend, ask(source="a", rpm=1))
+            await backend.settle(settle(a, 5))
+            c = await granted(backend, ask(source="c"))
+            await backend.settle(settle(c, 0, Feedback.NEUTRAL, cooldown_s=COOLDOWN_S))
+            for _ in range(BREAKER.failures):
+                b = await granted(backend, ask(source="b", breaker=BREAKER))
+                await backend.settle(settle(b, None, Feedback.FAILURE, breaker=BREAKER))
+            held = await granted(backend, ask(source="e", mif=1))
+            other = await granted(backend, ask(source="e", mif=2))  # (writes e's last TIME)
+            await backend.settle(settle(other, 1))
+            await _as_if_ahead(redis_server.url, prefix, ("a", "b", "c", "e"))
+            now = backend.now()
+            rpm = await refused(backend, ask(source="a", rpm=1), RefusalReason.RPM)
+            cooling = await refused(backend, ask(source="c"), RefusalReason.COOLING_DOWN)
+            opened = await refused(backend, ask(source="b", breaker=BREAKER), RefusalReason.BREAKER_OPEN)
+            await refused(backend, ask(source="e", mif=1), RefusalReason.IN_FLIGHT)  # (rewinds e)
+            import coredis
+
+            async with coredis.Redis.from_url(redis_server.url) as client:
+                (score,) = [s for _, s in await client.zrange(
+                    f"{prefix}:chat:e:permits", 0, -1, withscores=True)]
+            lease_left = score / 1e6 - await _server_now(redis_server.url)
+            await backend.settle(settle(held, 1))
+            assert rpm.retry_at is not None and cooling.retry_at is not None
+            assert opened.retry_at is not None
+            return {"rpm": rpm.retry_at - now, "cooldown": cooling.retry_at - now,
+                    "breaker": opened.retry_at - now, "lease": lease_left}
+        finally:
+            await backend.aclose()
+
+    waits = trio.run(main)
+    margin = 5.0  # the real time the run took, generously
+    assert 60.0 - margin < waits["rpm"] <= 60.0 + 0.01, waits
+    assert COOLDOWN_S - margin < waits["cooldown"] <= COOLDOWN_S + 0.01, waits
+    assert BREAKER.open_s - margin < waits["breaker"] <= BREAKER.open_s + 0.01, waits
+    # (lease_s, the default; plus the real time since the source's last script: when
+    # the step came in between is unknown, so none of that time is counted as gone.)
+    assert 0 < waits["lease"] <= 15.0 + margin, waits

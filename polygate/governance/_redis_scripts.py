@@ -32,7 +32,9 @@ so ``dd`` is kept as they read it (``1`` while ``du`` is ahead), and ``cw`` is t
 ``cu`` this version wrote last; a ``cu`` that is not ``cw`` beside ``dd = 1`` was an
 older version's dead mark, dead until ``cu``), ``ot`` tokens held
 by open reservations, ``rt``/``st``/``rl``/``ct``/``ad`` reserved, settled, released,
-cost and admission totals, ``lx`` leases that expired.
+cost and admission totals, ``lx`` leases that expired, ``lt`` the last ``TIME`` a
+script saw (a later one before it is the server's clock stepped back: every stored
+instant moves back by the step).
 
 Leases: an admission's permit is a member of ``permits`` scored with its lease expiry.
 Every script first *purges* expired leases: a permit whose owner stopped renewing it
@@ -121,10 +123,47 @@ local function lapse(m, probe)
   if probe == m then redis.call('HSET', K_STATE, 'pr', '') end
 end
 
+-- The server's clock stepped back (an NTP step, a VM restored, a replica promoted
+-- whose clock is behind): the instants written before it are ahead of TIME, and would
+-- hold a window, a cooldown, an open breaker or a dead owner's permit for as long as
+-- the step (an hour's step: an rpm window full for an hour).  'lt' is the last TIME a
+-- script saw; a TIME before it moves every stored instant back by the step, so each
+-- keeps what was left of it.  (A step forward only ends them early, as time passing.)
+local function rewind(now)
+  local lt = tonumber(redis.call('HGET', K_STATE, 'lt'))
+  if lt == nil then
+    if redis.call('EXISTS', K_STATE) == 0 then return end  -- (never created here)
+  elseif lt > now then
+    local back = lt - now
+    for _, key in ipairs({K_WINDOW, K_PERMITS}) do
+      local e = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+      local i = 1
+      while i <= #e do
+        local args = {}
+        local j = math.min(i + 1999, #e)  -- (member, score pairs: i odd, j even)
+        for k = i, j, 2 do
+          args[#args + 1] = tonumber(e[k + 1]) - back
+          args[#args + 1] = e[k]
+        end
+        redis.call('ZADD', key, unpack(args))
+        i = j + 1
+      end
+    end
+    local names = {'cu', 'du', 'oa', 'cw'}  -- (cu and cw alike: equal ones stay equal)
+    local s = redis.call('HMGET', K_STATE, unpack(names))
+    for k = 1, #names do
+      local x = tonumber(s[k])
+      if x and x > 0 then redis.call('HSET', K_STATE, names[k], x - back) end
+    end
+  end
+  if lt ~= now then redis.call('HSET', K_STATE, 'lt', now) end
+end
+
 -- Return the permits whose lease ran out; their reservations keep the estimate.  So
 -- do reservations left without a permit at all: Redis evicted (maxmemory) or someone
 -- deleted the permits key, and an owner that died then would hold them for ever.
 local function purge(now, ttl_ms)
+  rewind(now)
   reseed()
   local expired = redis.call('ZRANGEBYSCORE', K_PERMITS, '-inf', now)
   local orphaned = {}
