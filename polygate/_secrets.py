@@ -20,9 +20,13 @@ import functools
 import html
 import json
 import re
+import sys
 from collections.abc import Iterable
 from typing import TypeVar
 from urllib.parse import quote, unquote
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = [
     "MIN_SECRET_LEN",
@@ -268,10 +272,12 @@ def mask_prefixes(text: str, secrets: Iterable[str]) -> str:
 _E = TypeVar("_E", bound=BaseException)
 
 
-def frameless(error: _E) -> _E:
-    """``error``, and every exception chained to it (cause, context, a group's
-    members), without the frames it was raised through: raise it again and its
-    traceback starts where it is raised.
+def frameless(error: _E, *, handled: BaseException | None) -> _E:
+    """``error``, and the exceptions chained to it (cause, context, a group's members),
+    without the frames they were raised through: raise it again and its traceback
+    starts where it is raised.  ``handled`` is the exception the caller was handling
+    when polygate was called (``sys.exc_info()[1]`` on the way in): the chain is the
+    caller's from there on, and stays as it is (its frames are the caller's own).
 
     A crash reporter records each frame's locals (Sentry does by default, and so does
     ``traceback.TracebackException(capture_locals=True)``): the frames that read an
@@ -279,7 +285,7 @@ def frameless(error: _E) -> _E:
     them under names (``payload``, ``url``, a driver's ``creds``) no scrubber knows.
     The message already says what went wrong, with the secrets redacted; the frames
     add nothing a caller could act on."""
-    seen: set[int] = set()
+    seen: set[int] = set() if handled is None else {id(handled)}
     todo: list[BaseException | None] = [error]
     while todo:
         exc = todo.pop()
@@ -287,5 +293,7 @@ def frameless(error: _E) -> _E:
             continue
         seen.add(id(exc))
         exc.__traceback__ = None
-        todo += [exc.__cause__, exc.__context__, *getattr(exc, "exceptions", ())]
+        todo += [exc.__cause__, exc.__context__]
+        if isinstance(exc, BaseExceptionGroup):
+            todo += exc.exceptions
     return error

@@ -13,6 +13,7 @@ and the Redis driver's frames, chained as the cause, its ``creds``.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,14 @@ import trio
 import trio.testing
 
 import polygate
+from polygate._secrets import frameless
 from polygate.testing import FakeUpstream, Reply, Router
 
 from ._postgres_server import postgres_server
-from ._redis_server import RedisServer, need_redis, running_redis
+from ._redis_server import RedisServer, command, need_redis, running_redis
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import ExceptionGroup
 
 SECRET = "sk-SECRETKEY-abcdef0123456789"
 ECHO = {"error": {"message": f"Incorrect API key provided: {SECRET}", "code": "invalid_api_key"}}
@@ -189,3 +194,97 @@ async def test_a_refused_redis_password_is_in_no_frame() -> None:
                 pass
     assert wrong not in str(info.value)
     assert not _in_frames(info.value, wrong)
+
+
+# --------------------------------------------------------------------------- the caller's own
+
+
+class Mine(Exception):
+    pass
+
+
+def _raise_mine() -> None:
+    raise Mine("the caller's own error")
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_the_callers_handled_exception_keeps_its_frames(
+    streamed: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Review of the fix: a call made while the caller handles an exception has that
+    exception as its error's context, and clearing the chain's frames cleared the
+    caller's too (a later bare ``raise`` or ``log.exception`` lost them)."""
+    up = FakeUpstream(Reply(status=400, error_body=ECHO))
+    async with polygate.session(_settings(), transport=Router({"a": up})) as s:
+        try:
+            _raise_mine()
+        except Mine as mine:
+            with pytest.raises(polygate.FatalUpstreamError) as info:
+                if streamed:
+                    async with s.stream_chat(MESSAGES) as stream:
+                        async for _ in stream:
+                            pass
+                else:
+                    await s.chat(MESSAGES)
+            kept = mine.__traceback__
+    assert kept is not None
+    assert SECRET not in str(info.value)
+
+
+@pytest.mark.integration
+async def test_the_callers_handled_exception_keeps_its_frames_through_redis() -> None:
+    with running_redis(need_redis()) as server:
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
+            backend=f"{server.url}?timeout_s=0.5&prefix=mine")
+        async with polygate.session(settings, transport=FakeUpstream(Reply()).transport()) as s:
+            await s.chat(MESSAGES)
+            command(server.port, "HSET", "mine:chat:a:state", "rt", "junk")  # (an error reply)
+            try:
+                _raise_mine()
+            except Mine as mine:
+                with pytest.raises(polygate.GovernanceBackendError):
+                    await s.chat(MESSAGES)
+                kept = mine.__traceback__
+        assert kept is not None
+
+
+class _Odd(Exception):
+    """Another library's error naming its parts in an ``exceptions`` that holds no
+    exceptions."""
+
+    def __init__(self) -> None:
+        super().__init__("odd")
+        self.exceptions = {"db": "timed out"}
+
+
+def test_frameless_follows_groups_only_and_stops_at_the_callers() -> None:
+    def raised(exc: BaseException) -> BaseException:
+        try:
+            raise exc
+        except BaseException as caught:
+            return caught
+
+    odd = raised(_Odd())
+    member = raised(ValueError("member"))
+    group = raised(ExceptionGroup("g", [member]))
+    mine = raised(Mine("mine"))
+    error = raised(RuntimeError("ours"))
+    error.__cause__, error.__context__ = group, odd
+    odd.__context__ = mine
+    assert frameless(error, handled=mine) is error
+    assert error.__traceback__ is None and group.__traceback__ is None
+    assert member.__traceback__ is None and odd.__traceback__ is None
+    assert mine.__traceback__ is not None  # the caller's: left as it was
+
+
+async def test_an_odd_exceptions_attribute_in_the_callers_chain_is_no_crash(
+    autojump_clock: trio.testing.MockClock
+) -> None:
+    up = FakeUpstream(Reply(status=400, error_body=ECHO))
+    async with polygate.session(_settings(), transport=Router({"a": up})) as s:
+        try:
+            raise _Odd()
+        except _Odd:
+            with pytest.raises(polygate.FatalUpstreamError):
+                await s.chat(MESSAGES)

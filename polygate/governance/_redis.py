@@ -72,6 +72,7 @@ import logging
 import math
 import re
 import secrets
+import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
@@ -911,6 +912,7 @@ class RedisBackend:
         GovernanceBackendError."""
         if self._closed:
             raise self._error(f"the session's redis backend ({self._where}) is closed")
+        handled = sys.exc_info()[1]  # the caller's, if it calls from an except block
         started = trio.current_time()
         bound = started + self._timeout
         if deadline is not None:
@@ -930,7 +932,7 @@ class RedisBackend:
                     self._unreachable = True  # (an error reply is an answer)
                 # Chained for its type (an error reply is an answer, see admit), not
                 # its frames: the driver's hold the password (see frameless).
-                raise self._failure(what, exc, trio.current_time() - started) from frameless(exc)
+                raise self._failure(what, exc, trio.current_time() - started) from frameless(exc, handled=handled)
             if self._unreachable:
                 self._unreachable = False
                 self._back()

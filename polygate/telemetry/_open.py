@@ -239,12 +239,13 @@ async def open_telemetry(
     :class:`Pipeline` (capacity, batch size, timeouts)."""
     where = type(sink).__name__ if sink is not None else mask_url(settings.telemetry)
     if sink is None:
+        handled = sys.exc_info()[1]  # the caller's, if it opens from an except block
         try:
             sink = await open_sink(settings.telemetry, write_timeout_s=settings.telemetry_write_timeout_s)
         except ConfigError as exc:
             # Raised from here: the frames that opened the URL hold it whole, with its
             # password (see frameless); the message masks it.
-            raise frameless(exc)  # noqa: B904 (the same error, not a new one)
+            raise frameless(exc, handled=handled)  # noqa: B904 (the same error, not a new one)
     try:
         pipeline = None
         recorders: list[Recorder] = []

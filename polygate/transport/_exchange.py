@@ -206,6 +206,7 @@ async def _exchange(
     a hedge sent (``CallStats.hedges``).
     """
     error: UpstreamError
+    handled = sys.exc_info()[1]  # the caller's, if it calls from an except block
     if endpoint.key_problem is not None:
         # Nothing is sent: the source is unusable as configured (its key cannot be a
         # header).  Dead, like a source that answers 401: the others carry the calls.
@@ -256,7 +257,7 @@ async def _exchange(
         # Nor do the frames that read the answer go with it (a crash reporter records
         # their locals: the body, the request's headers): it is raised from here.
         del request, response
-        raise frameless(exc)  # noqa: B904 (the same error, not a new one)
+        raise frameless(exc, handled=handled)  # noqa: B904 (the same error, not a new one)
     except Exception as exc:
         error = _classified(exc, endpoint)
     del request, response
