@@ -213,3 +213,66 @@ def test_a_server_clock_stepped_back_keeps_what_was_left_of_each_instant(
     # (lease_s, the default; plus the real time since the source's last script: when
     # the step came in between is unknown, so none of that time is counted as gone.)
     assert 0 < waits["lease"] <= 15.0 + margin, waits
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("lt", ["inf", "1e30", "nan", "-5", "soon"])
+def test_another_tools_last_time_moves_nothing(redis_server: RedisServer, lt: str) -> None:
+    """Review of the fix: an ``lt`` of inf or 1e30 (another tool's) moved every instant
+    back by it: a live owner's permit lapsed (the in-flight limit exceeded) and the rpm
+    window emptied."""
+    from ._redis_server import command
+
+    prefix = f"lt-{secrets.token_hex(4)}"
+
+    async def main() -> None:
+        backend = _backend(redis_server.url, prefix)
+        await backend.start()
+        try:
+            held = await granted(backend, ask(source="a", mif=1, rpm=1))
+            command(redis_server.port, "HSET", f"{prefix}:chat:a:state", "lt", lt)
+            await refused(backend, ask(source="a", mif=1, rpm=1), RefusalReason.IN_FLIGHT)
+            await refused(backend, ask(source="a", rpm=1), RefusalReason.RPM)
+            await backend.settle(settle(held, 1))
+        finally:
+            await backend.aclose()
+
+    trio.run(main)
+
+
+@pytest.mark.timeout(60)
+def test_an_older_versions_admission_since_the_step_stays(redis_server: RedisServer) -> None:
+    """Review of the fix: in a rolling upgrade an older version (which keeps no last
+    TIME) admits after the step; the newer one's next script moved that admission back
+    by the whole step too, so its live permit lapsed at once and its window entry left
+    early.  What was written since the step stays."""
+    import coredis
+
+    from polygate.governance import _redis_scripts as lua
+
+    older_admit = lua.ADMIT.replace("  rewind(now)\n", "")  # (an ADMIT before rewind)
+    assert older_admit != lua.ADMIT
+    prefix = f"old-{secrets.token_hex(4)}"
+
+    async def main() -> None:
+        backend = _backend(redis_server.url, prefix)
+        await backend.start()
+        try:
+            x = await granted(backend, ask(source="e", mif=1, rpm=2))
+            await backend.settle(settle(x, 1))  # (e's last TIME written)
+            await _as_if_ahead(redis_server.url, prefix, ("e",))
+            base = f"{prefix}:chat:e"
+            keys = [f"{base}:state", f"{base}:window", f"{base}:wtok", f"{base}:open",
+                    f"{base}:permits", f"{prefix}:changes"]
+            async with coredis.Redis.from_url(redis_server.url, decode_responses=True) as client:
+                # member, tokens, rpm, tpm, max_in_flight, open_us, lease_us, window_us, ttl_ms
+                reply = await client.eval(older_admit, keys, [
+                    "older:1", "10", "2", "-1", "1", "30000000", "15000000", "60000000", "86400000"])
+                assert reply[0] == 1, reply
+            # Its permit is the only one, and the window holds two admissions.
+            await refused(backend, ask(source="e", mif=1, rpm=2), RefusalReason.IN_FLIGHT)
+            await refused(backend, ask(source="e", rpm=2), RefusalReason.RPM)
+        finally:
+            await backend.aclose()
+
+    trio.run(main)

@@ -127,16 +127,21 @@ end
 -- whose clock is behind): the instants written before it are ahead of TIME, and would
 -- hold a window, a cooldown, an open breaker or a dead owner's permit for as long as
 -- the step (an hour's step: an rpm window full for an hour).  'lt' is the last TIME a
--- script saw; a TIME before it moves every stored instant back by the step, so each
--- keeps what was left of it.  (A step forward only ends them early, as time passing.)
+-- script saw; a TIME before it moves the instants written before the step back by the
+-- step, so each keeps what was left of it.  (A step forward only ends them early, as
+-- time passing does.)  An older version (a rolling upgrade) keeps no 'lt' and may have
+-- written since the step: what it wrote is not ahead of now (a window entry), nor of
+-- 'lt' (a lease shorter than the step), so it stays.  What is left in doubt stays on
+-- the safe side, longer by at most the step.
 local function rewind(now)
   local lt = tonumber(redis.call('HGET', K_STATE, 'lt'))
+  if lt ~= nil and (lt ~= lt or lt > 4e18) then lt = nil end  -- (another tool's: none)
   if lt == nil then
     if redis.call('EXISTS', K_STATE) == 0 then return end  -- (never created here)
   elseif lt > now then
     local back = lt - now
-    for _, key in ipairs({K_WINDOW, K_PERMITS}) do
-      local e = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+    local function shift(key, after)
+      local e = redis.call('ZRANGEBYSCORE', key, '(' .. string.format('%.17g', after), '+inf', 'WITHSCORES')
       local i = 1
       while i <= #e do
         local args = {}
@@ -149,11 +154,13 @@ local function rewind(now)
         i = j + 1
       end
     end
+    shift(K_WINDOW, now)
+    shift(K_PERMITS, lt)  -- (a lease before lt ran out before the step: purged then)
     local names = {'cu', 'du', 'oa', 'cw'}  -- (cu and cw alike: equal ones stay equal)
     local s = redis.call('HMGET', K_STATE, unpack(names))
     for k = 1, #names do
       local x = tonumber(s[k])
-      if x and x > 0 then redis.call('HSET', K_STATE, names[k], x - back) end
+      if x and x > now and x <= 4e18 then redis.call('HSET', K_STATE, names[k], x - back) end
     end
   end
   if lt ~= now then redis.call('HSET', K_STATE, 'lt', now) end
