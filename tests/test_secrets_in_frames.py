@@ -288,3 +288,54 @@ async def test_an_odd_exceptions_attribute_in_the_callers_chain_is_no_crash(
         except _Odd:
             with pytest.raises(polygate.FatalUpstreamError):
                 await s.chat(MESSAGES)
+
+
+# --------------------------------------------------------------------------- cancellations
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("embed", [False, True])
+async def test_the_callers_fail_after_shows_no_key_in_the_cancellations_frames(embed: bool) -> None:
+    """Outside review (frames): a caller's own ``trio.fail_after`` around a call gives a
+    TooSlowError whose context (not suppressed: a reporter walks it) is the Cancelled
+    that unwound the call; its frames ran down into the transport, whose locals held the
+    request's bytes and headers, ``Bearer <key>`` in them."""
+    import traceback
+
+    async with FakeUpstream(Reply(headers_delay_s=30)).serve() as url:
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+            polygate.Source(name="a", base_url=url, api_key=SECRET)])})
+        async with polygate.session(settings) as s:
+            with pytest.raises(trio.TooSlowError) as info:
+                with trio.fail_after(0.3):
+                    if embed:
+                        await s.embed(["x"], scope="chat")
+                    else:
+                        await s.chat(MESSAGES)
+    assert isinstance(info.value.__context__, trio.Cancelled)
+    assert not _in_frames(info.value, SECRET)
+    shown = "".join(traceback.TracebackException.from_exception(
+        info.value, capture_locals=True).format())
+    assert SECRET not in shown
+
+
+@pytest.mark.integration
+async def test_a_telemetry_opening_cut_by_the_caller_shows_no_password() -> None:
+    """The same for an opening the caller's bound cuts: the frames that opened the
+    telemetry database held its URL, password and all."""
+    import socket
+
+    password = "pg-CUT-pw-98765"
+    with socket.socket() as listener:  # accepts (the kernel does), never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        settings = polygate.Settings(
+            scopes={"chat": polygate.Scope(sources=[
+                polygate.Source(name="a", base_url="http://a/v1", api_key="sk-abcdefgh")])},
+            telemetry=f"postgresql://u:{password}@127.0.0.1:{port}/db")
+        with pytest.raises(trio.TooSlowError) as info:
+            with trio.fail_after(0.5):
+                async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})):
+                    pass
+    assert not _in_frames(info.value, password)

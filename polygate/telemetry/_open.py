@@ -128,6 +128,17 @@ async def open_sink(url: str, *, write_timeout_s: float = 30.0) -> Sink | None:
     Opening runs in a worker thread, bounded by :data:`OPEN_TIMEOUT_S` of real time;
     every failure is a :class:`ConfigError` whose message shows the URL masked.
     """
+    handled = sys.exc_info()[1]  # the caller's, if it opens from an except block
+    try:
+        return await _open_sink(url, write_timeout_s)
+    except BaseException as exc:
+        # Raised from here, without the URL: the frames that opened it hold it whole,
+        # with its password (see frameless), a cancellation's too.
+        del url
+        raise frameless(exc, handled=handled)  # noqa: B904 (the same error, not a new one)
+
+
+async def _open_sink(url: str, write_timeout_s: float) -> Sink | None:
     kind = check_sink(url)
     if kind == "off":
         return None
@@ -239,13 +250,7 @@ async def open_telemetry(
     :class:`Pipeline` (capacity, batch size, timeouts)."""
     where = type(sink).__name__ if sink is not None else mask_url(settings.telemetry)
     if sink is None:
-        handled = sys.exc_info()[1]  # the caller's, if it opens from an except block
-        try:
-            sink = await open_sink(settings.telemetry, write_timeout_s=settings.telemetry_write_timeout_s)
-        except ConfigError as exc:
-            # Raised from here: the frames that opened the URL hold it whole, with its
-            # password (see frameless); the message masks it.
-            raise frameless(exc, handled=handled)  # noqa: B904 (the same error, not a new one)
+        sink = await open_sink(settings.telemetry, write_timeout_s=settings.telemetry_write_timeout_s)
     try:
         pipeline = None
         recorders: list[Recorder] = []

@@ -260,6 +260,11 @@ async def _exchange(
         raise frameless(exc, handled=handled)  # noqa: B904 (the same error, not a new one)
     except Exception as exc:
         error = _classified(exc, endpoint)
+    except BaseException as exc:
+        # A cancellation (the caller's own fail_after) becomes a TimeoutError's
+        # context: its frames below held the request's bytes, its key in them.
+        del request, response
+        raise frameless(exc, handled=handled)  # noqa: B904 (the same one)
     del request, response
     raise error from None
 
