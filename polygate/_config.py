@@ -41,6 +41,7 @@ from ._secrets import (
     DSN_SECRET_PARAM,
     QUOTE_MAX,
     SECRET_PARAM,
+    frameless_on,
     given,
     is_header_safe,
     mask_prefixes,
@@ -101,11 +102,14 @@ _GATHERED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
 
 
 #: What a ConfigWarning never points at: the settings' own modules and what builds
-#: them (attrs' generated ``__init__`` and ``evolve``), so that it points at the user's
-#: line however the settings were built (``Source(...)``, ``attrs.evolve``, a loader).
+#: them (attrs' generated ``__init__`` and ``evolve``, the wrappers of frameless_on),
+#: and what reads them for the user (a session, a server opened without settings), so
+#: that it points at the user's line however the settings were built (``Source(...)``,
+#: ``attrs.evolve``, a loader, ``polygate.session(env=...)``).
 _INSIDE = frozenset({
     "polygate._config", "polygate._config_serve", "polygate._config_load", "contextlib",
-    "attr._make", "attr._funcs", "attrs",
+    "attr._make", "attr._funcs", "attrs", "polygate._secrets", "polygate._session",
+    "polygate.serve._server",
 })
 
 
@@ -1071,6 +1075,7 @@ class Settings:
         check_serve_models(self.serve, self.scopes)
 
     @classmethod
+    @frameless_on(ConfigError)
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Build settings from ``POLYGATE__…`` keys (default: ``os.environ``)."""
         from ._config_load import settings_from_env
@@ -1078,6 +1083,7 @@ class Settings:
         return settings_from_env(env)
 
     @classmethod
+    @frameless_on(ConfigError)
     def from_toml(cls, path: str | os.PathLike[str]) -> Settings:
         """Build settings from a TOML file (same validation as the other two ways)."""
         from ._config_load import settings_from_toml
@@ -1099,3 +1105,10 @@ class Settings:
         for url in (self.backend, self.telemetry, self.cache):
             found += url_secrets(url)
         return tuple(dict.fromkeys(found))
+
+
+# A construction that fails raises from frames that hold every argument as given (attrs'
+# __init__, the validators'): API keys, and URLs with their passwords beside the field
+# that was wrong.  Raised from above them instead (see frameless_on).
+for _holder in (Source, Settings):
+    setattr(_holder, "__init__", frameless_on(ConfigError)(_holder.__init__))  # noqa: B010

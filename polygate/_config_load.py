@@ -56,7 +56,7 @@ from ._config import (
     mask_url,
 )
 from ._errors import ConfigError
-from ._secrets import given, is_header_safe, printable, redact, url_secrets
+from ._secrets import frameless_on, given, is_header_safe, printable, redact, url_secrets
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -385,6 +385,7 @@ def _listed(part: _Part) -> str:
 # --------------------------------------------------------------------------- environment
 
 
+@frameless_on(ConfigError)
 def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
     """Settings from ``POLYGATE__…`` keys (default: ``os.environ``).
 
@@ -742,6 +743,7 @@ def _toml_serve_keys(
 # --------------------------------------------------------------------------- TOML
 
 
+@frameless_on(ConfigError)
 def settings_from_toml(
     path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None
 ) -> Settings:
@@ -1041,6 +1043,7 @@ def _is_file(path: str) -> bool:
         raise ConfigError(f"{printable(path)}: cannot look at the file ({exc.strerror})") from None
 
 
+@frameless_on(ConfigError)
 def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = None) -> Settings:
     """What ``polygate.session()`` uses without settings.
 
@@ -1066,6 +1069,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, path: str | None = No
     return settings
 
 
+@frameless_on(ConfigError)
 def given_settings(settings: Any, env: Mapping[str, str] | None) -> Settings:
     """The settings ``polygate.session()`` and ``open_server()`` run on: ``settings``,
     or, when it is None, the configuration :func:`load_settings` finds.  A wrong type

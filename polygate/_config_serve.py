@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from ._errors import ConfigError
-from ._secrets import given
+from ._secrets import frameless_on, given
 
 __all__ = [
     "HOST_NAME_PROBLEM", "Serve", "ServeKey", "check_serve_models", "host_name_ok",
@@ -345,3 +345,9 @@ def check_serve_models(serve: Serve, scopes: Mapping[str, Any]) -> None:
                         "bound to: bind it too, or give the key scopes without that fallback",
                     )
                 at, onward = onward, scopes[onward].fallback
+
+
+# A construction that fails raises from frames that hold every argument as given: the
+# gateway keys.  Raised from above them instead (see polygate._secrets.frameless_on).
+for _holder in (ServeKey, Serve):
+    setattr(_holder, "__init__", frameless_on(ConfigError)(_holder.__init__))  # noqa: B010

@@ -21,8 +21,8 @@ import html
 import json
 import re
 import sys
-from collections.abc import Iterable
-from typing import TypeVar
+from collections.abc import Callable, Iterable
+from typing import ParamSpec, TypeVar
 from urllib.parse import quote, unquote
 
 if sys.version_info < (3, 11):
@@ -33,6 +33,7 @@ __all__ = [
     "QUOTE_MAX",
     "clip",
     "frameless",
+    "frameless_on",
     "given",
     "is_header_safe",
     "mask_prefixes",
@@ -297,3 +298,32 @@ def frameless(error: _E, *, handled: BaseException | None) -> _E:
         if isinstance(exc, BaseExceptionGroup):
             todo += exc.exceptions
     return error
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def frameless_on(
+    *kinds: type[BaseException],
+) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """A decorator: the errors of ``kinds`` the function raises leave it
+    :func:`frameless`, raised from a frame that holds nothing of its arguments.  For the
+    ways configuration is read and built: their frames hold the environment (all of
+    ``os.environ``), a TOML file's tables, a constructor's arguments, keys and
+    passwords among them, and a configuration error is what a crash reporter sees at
+    start-up.  (Bugs, any other kind, keep their frames.)"""
+
+    def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(fn)
+        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            handled = sys.exc_info()[1]
+            try:
+                return fn(*args, **kwargs)
+            except kinds as exc:
+                del args, kwargs
+                raise frameless(exc, handled=handled)  # noqa: B904 (the same error)
+
+        return wrapper
+
+    return decorate

@@ -998,7 +998,10 @@ async def _session(
 ) -> AsyncIterator[Session]:
     from ._config_load import given_settings
 
-    settings = given_settings(settings, env)
+    try:
+        settings = given_settings(settings, env)
+    finally:
+        del env  # (a configuration error's frames would show it: see frameless_on)
     if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
         # (A sync httpx.HTTPTransport is the easy mistake: every attempt would fail
         # with an AttributeError, logged and counted against the sources' breakers.)

@@ -1366,3 +1366,32 @@ def test_only_a_quoted_number_is_told_to_lose_its_quotes(tmp_path: Path, text: s
         settings_from_toml(str(path))
     assert "expected a number, got a string" in str(info.value)
     assert ("(write it without quotes)" in str(info.value)) is hinted
+
+
+def test_a_session_reading_its_configuration_warns_at_the_callers_line(tmp_path: Path) -> None:
+    """Outside review (logs): a ConfigWarning of settings a session read for itself
+    (``polygate.session(env=...)``) pointed inside polygate (the session's opening),
+    not at the ``async with``; and one of settings built through a loader at the
+    wrapper that keeps a configuration error's frames out of a crash report."""
+    import warnings
+
+    import trio
+
+    import polygate
+    from polygate.testing import FakeUpstream, Reply, Router
+
+    path = tmp_path / "polygate.toml"
+    path.write_text('[scopes.chat]\nhedge = {after_s = 1.0}\n[[scopes.chat.sources]]\n'
+                    'name = "a"\nbase_url = "http://a/v1"\n')
+
+    async def open_one() -> None:
+        async with polygate.session(env={"POLYGATE_CONFIG": str(path)},
+                                    transport=Router({"a": FakeUpstream(Reply())})):
+            pass
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        trio.run(open_one)
+        polygate.Settings.from_toml(path)
+        polygate.Source(name="a", base_url="http://a/v1", api_key="sk-abc\u200bdef")
+    assert len(got) == 3 and {w.filename for w in got} == {__file__}, [(w.filename, w.message) for w in got]

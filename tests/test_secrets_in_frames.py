@@ -35,13 +35,13 @@ if sys.version_info < (3, 11):
 SECRET = "sk-SECRETKEY-abcdef0123456789"
 ECHO = {"error": {"message": f"Incorrect API key provided: {SECRET}", "code": "invalid_api_key"}}
 MESSAGES = [{"role": "user", "content": "hi"}]
-HERE = Path(__file__).name
+TESTS = Path(__file__).parent
 
 
 def _in_frames(error: BaseException, secret: str) -> list[str]:
     """Every local, in every frame of the error and of the exceptions chained to it
-    (cause, context, a group's members), whose ``repr`` shows ``secret``; this test
-    module's own frames aside."""
+    (cause, context, a group's members), whose ``repr`` shows ``secret``; the test
+    modules' own frames aside."""
     found: list[str] = []
     todo: list[BaseException | None] = [error]
     seen: set[int] = set()
@@ -54,7 +54,8 @@ def _in_frames(error: BaseException, secret: str) -> list[str]:
         tb = exc.__traceback__
         while tb is not None:
             frame = tb.tb_frame
-            if not frame.f_code.co_filename.endswith(HERE):
+            file = Path(frame.f_code.co_filename)
+            if not (file.parent == TESTS and file.name.startswith("test_")):
                 found += [f"{type(exc).__name__} {frame.f_code.co_name}: {name}"
                           for name, value in frame.f_locals.items() if secret in repr(value)]
             tb = tb.tb_next

@@ -752,7 +752,13 @@ def session(
     arguments and behaviour as :func:`polygate.session`: leaving it flushes and closes
     everything, and cancels calls still in flight.  A ``transport`` passed in is closed
     with it: its connections are trio's, which asyncio code cannot close."""
-    return SessionBlock(OneUse(_open(settings, env, transport, rng), "polygate.aio.session()"))
+    # (The trio session is opened through a closure, whose repr shows nothing: no
+    # frame of the opening holds ``env``, which a crash reporter would show beside a
+    # configuration error.)
+    return SessionBlock(OneUse(
+        _open(lambda: polygate.session(settings, env=env, transport=transport, rng=rng), transport),
+        "polygate.aio.session()",
+    ))
 
 
 class SessionBlock:
@@ -784,16 +790,12 @@ class SessionBlock:
 
 @asynccontextmanager
 async def _open(
-    settings: Settings | None,
-    env: Mapping[str, str] | None,
+    opener: Callable[[], Any],
     transport: httpx.AsyncBaseTransport | None,
-    rng: random.Random | None,
 ) -> AsyncIterator[Session]:
     host = await acquire()
     try:
-        owner = _Owner(
-            host, lambda: polygate.session(settings, env=env, transport=transport, rng=rng),
-            transport=transport)
+        owner = _Owner(host, opener, transport=transport)
         host.submit(host.start_task, owner.run, contextvars.copy_context())
         try:
             trio_session = await asyncio.shield(owner.opened)

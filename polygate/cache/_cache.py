@@ -468,6 +468,7 @@ async def open_cache(url: str) -> AsyncIterator[Cache | None]:
     A SQLite file that cannot be opened is a :class:`~polygate.ConfigError` here; an
     unreachable Redis is not (the cache fails open until it answers)."""
     options = parse_cache_url(url)
+    del url  # (a ConfigError's frames would show it, its password too: see frameless)
     if options.kind == "off":
         yield None
         return

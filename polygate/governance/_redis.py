@@ -299,6 +299,7 @@ class RedisBackend:
     def from_url(cls, url: str, **kwargs: Any) -> RedisBackend:
         """Parse ``url`` (:func:`parse_redis_url`) and check that coredis is installed."""
         options = parse_redis_url(url)
+        del url  # (a ConfigError's frames would show it, its password too: see frameless)
         _coredis()
         return cls(options, **kwargs)
 
