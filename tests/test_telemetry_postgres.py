@@ -741,3 +741,26 @@ def test_a_drivers_detail_line_stays_out_of_the_message() -> None:
     )
     text = _explain("postgresql://u:pw@h/db", error)
     assert "not-null constraint" in text and "secret prompt" not in text
+
+
+@pytest.mark.parametrize(("said", "kept"), [
+    ("value too long for type character varying(12)\n"
+     'CONTEXT:  COPY calls, line 1, column content: "{""messages"":[{""content"":""my secret prompt',
+     "value too long for type character varying(12)"),
+    ("syntax error at or near \"x\"\nLINE 1: INSERT my secret prompt\n        ^\nHINT:  look",
+     'syntax error at or near "x" HINT:  look'),
+    ("new row violates check constraint \"c\"\nDETAIL:  Failing row (my secret prompt,\n"
+     "more of my secret prompt)\nQUERY:  my secret prompt\nCONTEXT:  PL/pgSQL my secret prompt",
+     'new row violates check constraint "c"'),
+    ('connection failed: FATAL:  password authentication failed for user "u"\n\tIs the server running',
+     'connection failed: FATAL:  password authentication failed for user "u" Is the server running'),
+])
+def test_no_field_of_a_server_error_that_quotes_data_reaches_the_message(said: str, kept: str) -> None:
+    """Outside review (logs): a CONTEXT line quotes the start of the COPY line that
+    failed (a row with its prompt, under ``log_content=True``; a check constraint a DBA
+    added, a column narrowed), and reached ``last_error`` and the warning log, as QUERY
+    and LINE lines quote the statement.  Only DETAIL lines were dropped."""
+    from polygate.telemetry._postgres import _explain
+
+    text = _explain("postgresql://u:pw@h/db", RuntimeError(said))
+    assert text == f"RuntimeError: {kept}"

@@ -151,13 +151,25 @@ def _explain(url: str, exc: BaseException) -> str:
     # Every credential the URL carries, in its user part or its query (password=,
     # sslpassword=), raw and decoded: the driver's message may quote any of them.
     # One line: libpq adds hints on lines of their own ("\tIs the server running...").
-    # A DETAIL line may quote a whole failing row (a NOT NULL violation's), prompts
-    # and answers included under log_content: never into a message or a log.
-    text = " ".join(
-        line.strip() for line in str(exc).splitlines()
-        if line.strip() and not line.lstrip().startswith("DETAIL:")
-    )
-    return redact(f"{type(exc).__name__}: {text}".strip(), url_secrets(url))
+    # A DETAIL line may quote a whole failing row (a NOT NULL violation's), a CONTEXT
+    # line the start of the COPY line that failed, a QUERY or LINE one the statement,
+    # prompts and answers included under log_content: never into a message or a log.
+    kept: list[str] = []
+    quoting = False
+    for line in str(exc).splitlines():
+        line = line.strip()
+        marker = _MARKER.match(line)
+        if marker is not None:
+            quoting = marker[1] in _QUOTING or marker[1].startswith("LINE ")
+        if line and not quoting:
+            kept.append(line)
+    return redact(f"{type(exc).__name__}: {' '.join(kept)}".strip(), url_secrets(url))
+
+
+#: The start of a line of a server error's fields ("DETAIL:  …", "LINE 1: …"), and
+#: those that may quote data (the lines that follow one, until the next, with it).
+_MARKER = re.compile(r"([A-Z]+(?: \d+)?):")
+_QUOTING = frozenset({"DETAIL", "CONTEXT", "QUERY", "STATEMENT", "WHERE"})
 
 
 def _migrate(conn: psycopg.Connection[Any], where: str) -> int:
