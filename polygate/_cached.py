@@ -26,6 +26,7 @@ call: a leader, or a waiter taking over, gets what is left of it.  Coalescing ru
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import json
 import sys
@@ -305,6 +306,7 @@ async def cached_chat(
             # A bad schema is refused before the cache is asked: no lookup, no miss.
             await call.within(rounds.ready)
         rejected: bytes | None = None  # an entry that did not serve: not tried again
+        seen = cache.generation  # (what was written before the lookup: see below)
         if looked_up:
             rejected = found
         elif mode != "refresh":
@@ -323,8 +325,17 @@ async def cached_chat(
             if leading:
                 # The miss was decided before an await (the backend's read): an
                 # identical call may have finished meanwhile, its answer now held here.
-                # Looked at again with no await between the look and the claim.
+                # Looked at again with no await between the look and the claim.  And
+                # if one was written meanwhile (its write may have committed after the
+                # read had looked, and the write-behind has let go of it), read again,
+                # leading: identical calls wait for this one.
                 data = cache.get_local(key)
+                if data is None and cache.written_since(key, seen):
+                    try:
+                        data = await call.lookup(cache, lambda: cache.get(key), None)
+                    except BaseException:
+                        cache.flights.settle(key, flight)
+                        raise
                 if data is not None and data != rejected:
                     try:
                         response = await served(data, "hit")
@@ -697,13 +708,23 @@ async def cached_embed(
     async def body() -> EmbeddingResponse:
         todo = list(texts)
         if mode != "refresh":
-            missed: list[bytes | None] = [None] * len(todo)
-            values = await call.lookup(cache, lambda: cache.get_many(todo), missed)
-            for key, data in zip(todo, values, strict=True):
-                if take(key, data):
-                    cache.hits += 1
-                    came[key] = "hit"
-            todo = [k for k in todo if k not in found]
+            seen = cache.generation
+            asked = todo
+            for again in (False, True):
+                if again:
+                    # Those written meanwhile (the read may have looked before the write
+                    # committed, and the write-behind has let go of them): read again,
+                    # once (as chat does), rather than lead a second upstream call.
+                    asked = [k for k in todo if cache.written_since(k, seen)]
+                    if not asked:
+                        break
+                missed: list[bytes | None] = [None] * len(asked)
+                values = await call.lookup(cache, functools.partial(cache.get_many, asked), missed)
+                for key, data in zip(asked, values, strict=True):
+                    if take(key, data):
+                        cache.hits += 1
+                        came[key] = "hit"
+                todo = [k for k in todo if k not in found]
         # What this call leads and what it waits on run side by side: a flight it
         # joined that is abandoned (its leader cancelled) is led again at once, not
         # after this call's own upstream batch (docs/cache.md, "Coalescing").

@@ -703,3 +703,57 @@ async def test_one_embed_of_thousands_of_new_inputs_is_stored_whole(tmp_path: Pa
         again = await s.embed(inputs)
     assert again.call_stats.cached and up.statistics().requests == sent
     assert again.vectors == first.vectors
+
+
+@pytest.mark.parametrize("kind", ["chat", "embed"])
+async def test_a_read_that_looked_before_an_identical_answer_was_written_serves_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
+) -> None:
+    """Outside review (workers): B's read ran its SELECT before identical call A's
+    answer was written, and came back after; the write-behind had let go of the answer
+    once written, so B found it nowhere and led a second upstream call for a stored
+    answer ("identical calls in flight at the same time share one upstream call")."""
+    settings = polygate.Settings(
+        cache=f"sqlite://{tmp_path}/c.db",
+        scopes={kind: polygate.Scope(cache_ttl_s=600, sources=[
+            polygate.Source(name="a", base_url="http://a/v1", api_key="k", model="m")])})
+    up = FakeUpstream(Reply(text="answer"))
+    read, write = SQLiteBackend.get_many, SQLiteBackend.set_many
+    b_looked, a_written = trio.Event(), trio.Event()
+
+    async def get_many(self: SQLiteBackend, keys: Any) -> Any:
+        found = await read(self, keys)
+        if not b_looked.is_set():  # B's: it has looked, and comes back after A's write
+            b_looked.set()
+            await a_written.wait()
+        return found
+
+    async def set_many(self: SQLiteBackend, entries: Any) -> None:
+        await write(self, entries)
+        a_written.set()
+
+    monkeypatch.setattr(SQLiteBackend, "get_many", get_many)
+    monkeypatch.setattr(SQLiteBackend, "set_many", set_many)
+
+    async def ask(s: polygate.Session) -> Any:
+        if kind == "chat":
+            return (await s.chat(MESSAGES, scope="chat")).call_stats.cached
+        return (await s.embed(["same input"], scope="embed")).call_stats.cached
+
+    async with polygate.session(settings, transport=up.transport()) as s:
+        cached: list[Any] = []
+
+        async def b() -> None:
+            cached.append(await ask(s))
+
+        async def a() -> None:
+            await b_looked.wait()
+            cached.append(await ask(s))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b)
+            nursery.start_soon(a)
+        stats = (await s.statistics()).cache
+    assert len(up.requests) == 1, stats
+    assert sorted(map(bool, cached)) == [False, True], cached
+    assert stats is not None and (stats.misses, stats.hits) == (1, 1), stats

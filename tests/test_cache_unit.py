@@ -473,3 +473,25 @@ async def test_an_answer_stored_under_version_6_is_a_miss(
         r = await s.chat(MESSAGES)
     assert r.text == "The capital of France is Paris." and not r.call_stats.cached
     assert len(up.requests) == 1
+
+
+async def test_written_since_names_the_keys_written_and_errs_safe_past_those_it_keeps(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A lookup reads again when its key was written during its read (see
+    ``Cache.written_since``); past the keys it keeps by name, it says yes."""
+    from polygate.cache import _cache
+
+    cache = Cache(Flaky())
+    seen = cache.generation
+    assert not cache.written_since("a", seen)
+    await cache._write([("a", (b"1", trio.current_time() + 60))])
+    assert cache.written_since("a", seen) and not cache.written_since("b", seen)
+    assert not cache.written_since("a", cache.generation)
+    later = cache.generation
+    await cache._write([("b", (b"2", trio.current_time() + 60))])
+    many = [(f"k{i}", (b"v", trio.current_time() + 60)) for i in range(_cache._WRITTEN_KEYS)]
+    await cache._write(many)  # ("a" and "b" forgotten: "b" was written since later)
+    assert cache.written_since("k0", later) and cache.written_since("b", later)
+    assert cache.written_since("a", later)  # (not known any more: yes, to be safe)
+    assert not cache.written_since("a", cache.generation)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -54,6 +54,7 @@ _PAUSE_MIN_S = 0.25
 _PAUSE_MAX_S = 30.0
 _WARN_EVERY_S = 10.0
 _FLUSH_S = 5.0  # the most a session's end waits for queued writes
+_WRITTEN_KEYS = 4096  # the keys written last that written_since() knows by name
 
 
 @attrs.frozen
@@ -119,6 +120,11 @@ class Cache:
         self._pause = 0.0
         self._last_warning = -math.inf
         self._warned_down = False  # an outage was logged: its end is logged too
+        #: Batches written (see written_since): which batch wrote each of the keys
+        #: written last, and the latest batch of the keys forgotten since.
+        self.generation = 0
+        self._written: dict[str, int] = {}
+        self._forgotten = 0
         self.hits = 0
         self.misses = 0
         self.coalesced = 0
@@ -189,6 +195,27 @@ class Cache:
             if self._down_until <= now < pending[1]:
                 return pending[0]
         return None
+
+    def written_since(self, key: str, generation: int) -> bool:
+        """Whether ``key`` may have been written since :attr:`generation` read
+        ``generation``.  A lookup that missed, read from a backend while an identical
+        call's answer was being written, may have read before the write committed,
+        and find nothing here either (the write-behind lets go of what it wrote): it
+        reads again rather than lead a second upstream call for a stored answer."""
+        if generation == self.generation:
+            return False
+        written = self._written.get(key)
+        return (written if written is not None else self._forgotten) > generation
+
+    def _wrote(self, keys: Iterable[str]) -> None:
+        self.generation += 1
+        written = self._written
+        for key in keys:
+            written.pop(key, None)  # (to the end: the last written go last)
+            written[key] = self.generation
+        while len(written) > _WRITTEN_KEYS:
+            oldest = next(iter(written))
+            self._forgotten = max(self._forgotten, written.pop(oldest))
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if self._memory is not None:
@@ -399,6 +426,7 @@ class Cache:
             else:
                 self._answered()
                 written = len(live)
+                self._wrote(key for key, _, _ in live)
         finally:
             self.writes += written
             self.writes_dropped += len(batch) - written
