@@ -495,3 +495,67 @@ async def test_written_since_names_the_keys_written_and_errs_safe_past_those_it_
     assert cache.written_since("k0", later) and cache.written_since("b", later)
     assert cache.written_since("a", later)  # (not known any more: yes, to be safe)
     assert not cache.written_since("a", cache.generation)
+
+
+class WritesFail(Flaky):
+    """Reads answer, writes fail (a full Redis under noeviction, a SQLite file another
+    connection holds locked); or, with ``stall``, a write that never ends."""
+
+    def __init__(self, stall: bool = False) -> None:
+        super().__init__()
+        self.stall = stall
+        self.failing = True
+
+    async def set_many(self, entries: Sequence[Entry]) -> None:
+        if self.stall:
+            await trio.sleep_forever()
+        if self.failing:
+            raise CacheBackendError("OOM command not allowed")
+        await super().set_many(entries)
+
+
+async def test_writes_failing_while_reads_answer_log_once_a_period(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Outside review (logs): each lookup's answer said "the cache answers again", and
+    the next write's failure was a new outage logged at once: two lines a call, some
+    29,000 an hour under steady traffic, and the "answers again" ones untrue."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="polygate.cache")
+    backend = WritesFail()
+    cache = Cache(backend)
+    async with trio.open_nursery() as nursery:
+        cache.start(nursery)
+        for i in range(120):  # a call every 0.5 s for a minute: a lookup, then a write
+            await cache.get(f"k{i}")
+            cache.put(f"k{i}", b"v", 60.0)
+            await trio.sleep(0.5)
+        lines = [r.getMessage() for r in caplog.records if r.name == "polygate.cache"]
+        assert not any("answers again" in line for line in lines), lines
+        assert 1 <= len(lines) <= 7, lines  # (the first, then at most one every 10 s)
+        backend.failing = False  # the writes answer again: that is said, once
+        cache.put("last", b"v", 60.0)
+        await trio.sleep(1.0)
+        assert [r.getMessage() for r in caplog.records][-1].startswith("the cache answers again")
+        await cache.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_write_given_up_at_its_bound_is_a_failure_counted_and_logged(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Outside review (workers): a write past the writer's bound was dropped with no
+    error counted and nothing logged ("every failed operation is counted and logged")."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="polygate.cache")
+    cache = Cache(WritesFail(stall=True))
+    async with trio.open_nursery() as nursery:
+        cache.start(nursery)
+        cache.put("k", b"v", 60.0)
+        await trio.sleep(30.0)
+        stats = cache.statistics()
+        assert (stats.errors, stats.writes, stats.writes_dropped) == (1, 0, 1), stats
+        assert any("took longer than" in r.getMessage() for r in caplog.records), caplog.records
+        nursery.cancel_scope.cancel()

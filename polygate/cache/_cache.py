@@ -120,6 +120,7 @@ class Cache:
         self._pause = 0.0
         self._last_warning = -math.inf
         self._warned_down = False  # an outage was logged: its end is logged too
+        self._down_kind: str | None = None  # what failed in it (see _answered)
         #: Batches written (see written_since): which batch wrote each of the keys
         #: written last, and the latest batch of the keys forgotten since.
         self.generation = 0
@@ -246,29 +247,36 @@ class Cache:
         try:
             values = await self.backend.get_many(keys)
         except CacheBackendError as exc:
-            self.failed(str(exc))
+            self.failed(str(exc), kind="read")
             return [None] * len(keys)
         except Exception as exc:  # a bug in a backend must not fail the call either
             if trio.current_time() - self._last_warning >= _WARN_EVERY_S:
                 log.exception("cache lookup failed")  # (its traceback: at most every 10 s)
-            self.failed(f"{type(exc).__name__} in a lookup")
+            self.failed(f"{type(exc).__name__} in a lookup", kind="read")
             return [None] * len(keys)
-        self._answered()
+        self._answered("read")
         return values
 
-    def _answered(self) -> None:
-        """The backend answered: the pause ends, and an outage that was logged is said
-        to be over (without it, the log read as if the cache still failed)."""
+    def _answered(self, kind: str) -> None:
+        """The backend answered a ``kind`` of operation (``"read"``, ``"write"``): the
+        pause ends, and an outage that was logged is said to be over (without it, the
+        log read as if the cache still failed) -- if it was that kind that failed: a
+        backend whose writes fail while its reads work (a full Redis, a SQLite file
+        another connection holds locked) said "answers again" at each lookup, and the
+        next write's failure was a new outage, logged at once: two lines a call."""
         self._pause = 0.0
-        if self._warned_down:
+        if self._warned_down and self._down_kind in (None, kind):
             self._warned_down = False
             log.info("the cache answers again (%d error(s) so far)", self.errors)
 
-    def failed(self, message: str, *, pause: bool = True, down: bool | None = None) -> None:
+    def failed(self, message: str, *, pause: bool = True, down: bool | None = None,
+               kind: str | None = None) -> None:
         """Count a failed operation and pause the backend; ``pause=False`` for a bad
         entry (one that does not decode, an answer that cannot be encoded): the
         backend itself is fine.  ``down``: whether it says the backend is down (by
-        default, when it pauses it; the check at the start says so without a pause)."""
+        default, when it pauses it; the check at the start says so without a pause).
+        ``kind``: what failed (``"read"``, ``"write"``; None: the backend as a whole),
+        which an answer of that kind says is over (see _answered)."""
         if down is None:
             down = pause
         self.errors += 1
@@ -287,6 +295,7 @@ class Cache:
             self._last_warning = now
             if down:  # (a bad entry's warning says nothing of the backend)
                 self._warned_down = True
+                self._down_kind = kind
             log.warning("%s; the cache fails open (%d error(s) so far)", message, self.errors)
 
     # ------------------------------------------------------------------ writes
@@ -353,6 +362,11 @@ class Cache:
                     with trio.CancelScope(shield=True) as self._writing:  # bounded
                         self._writing.deadline = trio.current_time() + self._write_bound
                         await self._write(batch)
+                    if self._writing.cancelled_caught and not self._given_up:
+                        # Its bound fell (a backend past its own timeout): the batch is
+                        # dropped, and that is a failed write like any other.
+                        self.failed(f"a cache write took longer than {self._write_bound:g} s",
+                                    kind="write")
                     with trio.move_on_after(_WRITE_EVERY_S):
                         await self._closing.wait()  # closing: drain without pause
         finally:
@@ -419,12 +433,12 @@ class Cache:
             try:
                 await self.backend.set_many(live)
             except CacheBackendError as exc:
-                self.failed(str(exc))
+                self.failed(str(exc), kind="write")
             except Exception as exc:
                 log.exception("cache write failed")
-                self.failed(f"{type(exc).__name__} in a write")
+                self.failed(f"{type(exc).__name__} in a write", kind="write")
             else:
-                self._answered()
+                self._answered("write")
                 written = len(live)
                 self._wrote(key for key, _, _ in live)
         finally:
