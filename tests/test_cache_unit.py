@@ -378,7 +378,9 @@ async def test_a_slow_lookup_never_uses_up_the_deadline(
             nursery.cancel_scope.cancel()
         stats = (await s.statistics()).cache
     assert backend.reads == 2  # the second call was not kept from the backend
-    assert stats.errors == 2 and stats.misses >= 2
+    # Two lookups cut short, and the write still going at the close (the first call's
+    # answer: 3600 s), given up at the writer's bound: a failed write, counted.
+    assert stats.errors == 3 and stats.misses >= 2
     assert len(up.requests) == 2
     if kind == "embed":
         # "x", answered by the first call, is still held here (its write to the slow
