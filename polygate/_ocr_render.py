@@ -47,6 +47,7 @@ import struct
 import sys
 import tempfile
 import threading
+import warnings
 from typing import Any
 
 __all__ = [
@@ -423,6 +424,11 @@ def serve(idle_exit_s: float) -> None:
         open(os.dup(sys.stdout.fileno()), "wb") as sink,  # buffered: write() writes it all
     ):
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints go to stderr
+        # A fresh interpreter: the application's warning filters (and -W, and
+        # logging.captureWarnings) never reach it, so Pillow's warnings about a sloppy
+        # file it reads anyway ("Tag data larger than file") were printed raw on the
+        # application's stderr.  The parent checked the file; nothing here to act on.
+        warnings.simplefilter("ignore")
         _serve(source, sink, idle_exit_s)
 
 

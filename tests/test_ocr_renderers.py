@@ -543,3 +543,46 @@ async def test_a_session_cancelled_from_outside_discards_every_idle_thread_rende
             outer.cancel()
             await trio.sleep(1)
     assert len(idle) >= 2 and all(w._abandoned for w in idle)
+
+
+def _sloppy_jpeg() -> bytes:
+    """A JPEG whose EXIF has a tag whose count points past its segment (a camera's or
+    an editor's sloppy EXIF): Pillow warns "Tag data larger than file", and reads it."""
+    import io
+    import struct
+
+    from PIL import Image
+
+    image = Image.new("RGB", (160, 120), (200, 30, 30))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    exif[0x010E] = "hello world description"
+    out = io.BytesIO()
+    image.save(out, "JPEG", exif=exif.tobytes())
+    data = bytearray(out.getvalue())
+    tiff = data.find(b"Exif\x00\x00") + 6
+    (count,) = struct.unpack_from(">H", data, tiff + 8)
+    for k in range(count):
+        at = tiff + 10 + 12 * k
+        if struct.unpack_from(">H", data, at)[0] == 0x010E:
+            struct.pack_into(">I", data, at + 4, 5000)
+    return bytes(data)
+
+
+async def test_a_renderers_warnings_reach_no_stderr(capfd: pytest.CaptureFixture[str]) -> None:
+    """Outside review (logs): a renderer is a fresh interpreter, which the
+    application's warning filters (its ``-W``, ``logging.captureWarnings``) never
+    reach: Pillow's warning about the file it read printed raw on the application's
+    stderr, each time a renderer started, with the application silencing warnings."""
+    import warnings
+
+    settings = polygate.Settings(scopes={"ocr": polygate.Scope(
+        sources=[polygate.Source(name="v", base_url="http://v/v1", model="m")],
+        ocr=polygate.Ocr(render_in="process", max_side_px=64),
+    )})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        async with polygate.session(settings, transport=Router({"v": FakeUpstream(Reply(text="page"))})) as s:
+            assert (await s.ocr(_sloppy_jpeg())).text == "page"
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", err
