@@ -1108,7 +1108,8 @@ class Settings:
 
 
 # A construction that fails raises from frames that hold every argument as given (attrs'
-# __init__, the validators'): API keys, and URLs with their passwords beside the field
-# that was wrong.  Raised from above them instead (see frameless_on).
-for _holder in (Source, Settings):
+# __init__, the validators'): API keys (a Scope's sources written as dicts, too), and
+# URLs with their passwords beside the field that was wrong.  Raised from above them
+# instead (see frameless_on).
+for _holder in (Source, Scope, Settings):
     setattr(_holder, "__init__", frameless_on(ConfigError)(_holder.__init__))  # noqa: B010

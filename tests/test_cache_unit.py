@@ -561,3 +561,51 @@ async def test_a_write_given_up_at_its_bound_is_a_failure_counted_and_logged(
         assert (stats.errors, stats.writes, stats.writes_dropped) == (1, 0, 1), stats
         assert any("took longer than" in r.getMessage() for r in caplog.records), caplog.records
         nursery.cancel_scope.cancel()
+
+
+class SlowReads(Flaky):
+    """Reads that take an hour; writes at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow_reads = 3600.0
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        self.reads += 1
+        await trio.sleep(self.slow_reads)
+        return [self.data.get(k) for k in keys]
+
+
+@pytest.mark.parametrize("kind", ["chat", "embed"])
+async def test_a_calls_reads_share_one_share_of_its_deadline(
+    autojump_clock: trio.testing.MockClock, kind: str,
+) -> None:
+    """Review of the re-read (see Cache.written_since): a lookup cut at its share of the
+    deadline, an identical call's answer written meanwhile, read again with a second
+    share: one lookup took ~19 % of the deadline and counted two errors."""
+    up = FakeUpstream(Reply(text="fine"))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], cache_ttl_s=60)}, cache="memory")
+    async with polygate.session(settings, transport=Router({"a": up})) as s:
+        backend = SlowReads()
+        s._cache = Cache(backend)
+        took: dict[str, float] = {}
+        async with trio.open_nursery() as nursery:
+            s._cache.start(nursery)
+
+            async def one(name: str, delay: float) -> None:
+                await trio.sleep(delay)
+                started = trio.current_time()
+                if kind == "chat":
+                    await s.chat([{"role": "user", "content": "same"}], call_deadline_s=10.0)
+                else:
+                    await s.embed(["same"], scope="chat", call_deadline_s=10.0)
+                took[name] = trio.current_time() - started
+
+            async with trio.open_nursery() as calls:
+                calls.start_soon(one, "a", 0.0)
+                calls.start_soon(one, "b", 0.05)
+            errors = s._cache.errors
+            nursery.cancel_scope.cancel()
+    assert took["b"] == pytest.approx(1.0, abs=0.01), (took, backend.reads)
+    assert errors == 2 and backend.reads == 2, (errors, backend.reads)  # one cut each

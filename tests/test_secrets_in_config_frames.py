@@ -134,3 +134,22 @@ async def test_without_the_redis_extra(field: str, no_coredis: None) -> None:
             pass
     assert "coredis" in str(info.value) and PASSWORD not in str(info.value)
     assert not _in_frames(info.value, PASSWORD)
+
+
+async def test_a_server_reading_its_configuration() -> None:
+    """Review of the fix: ``open_server(env=...)`` kept ``env`` (the whole environment
+    handed in) in its frame, through which every configuration error unwound: the
+    reading's, and the later checks' (a port that is no port)."""
+    from polygate.serve import open_server
+
+    for env, port in ((dict(ENV), 0), ({k: v for k, v in ENV.items() if "DEADLINE" not in k}, 70000)):
+        with pytest.raises(polygate.ConfigError) as info:
+            async with open_server(env=env, port=port):
+                pass
+        assert not _in_frames(info.value, KEY)
+
+
+def test_a_scope_given_a_source_as_a_dict() -> None:
+    """Review of the fix: a source written as a dict (an easy mistake) was in the
+    frames of Scope's refusal, its key raw."""
+    _refused(KEY, polygate.Scope, sources=[{"name": "a", "base_url": "http://a/v1", "api_key": KEY}])

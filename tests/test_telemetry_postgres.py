@@ -748,7 +748,10 @@ def test_a_drivers_detail_line_stays_out_of_the_message() -> None:
      'CONTEXT:  COPY calls, line 1, column content: "{""messages"":[{""content"":""my secret prompt',
      "value too long for type character varying(12)"),
     ("syntax error at or near \"x\"\nLINE 1: INSERT my secret prompt\n        ^\nHINT:  look",
-     'syntax error at or near "x" HINT:  look'),
+     'syntax error at or near "x"'),
+    ('new row violates check constraint "c"\nDETAIL:  Failing row contains (upstream said\n'
+     'ERROR: bad request, {"messages":[{"content":"my secret prompt"}]}).',
+     'new row violates check constraint "c"'),
     ("new row violates check constraint \"c\"\nDETAIL:  Failing row (my secret prompt,\n"
      "more of my secret prompt)\nQUERY:  my secret prompt\nCONTEXT:  PL/pgSQL my secret prompt",
      'new row violates check constraint "c"'),
@@ -764,3 +767,20 @@ def test_no_field_of_a_server_error_that_quotes_data_reaches_the_message(said: s
 
     text = _explain("postgresql://u:pw@h/db", RuntimeError(said))
     assert text == f"RuntimeError: {kept}"
+
+
+def test_a_server_errors_primary_message_is_all_that_is_said() -> None:
+    """Review of the fix: a row's value holding a line break and a word that reads as
+    a field ("...\nERROR: bad request") ended the DETAIL early, and the rest of the row
+    was kept.  A server's error has fields: its primary message alone is said."""
+    from types import SimpleNamespace
+
+    from polygate.telemetry._postgres import _explain
+
+    class CheckViolation(Exception):
+        diag = SimpleNamespace(message_primary='new row violates check constraint "c"')
+
+    error = CheckViolation('new row violates check constraint "c"\nDETAIL:  Failing row '
+                           'contains (upstream said\nERROR: bad request, my secret prompt).')
+    assert _explain("postgresql://u:pw@h/db", error) == (
+        'CheckViolation: new row violates check constraint "c"')

@@ -817,7 +817,10 @@ async def open_server(
     cancels whatever is still running; call :meth:`Server.shutdown` first to drain."""
     from .._config_load import given_settings
 
-    settings = given_settings(settings, env)
+    try:
+        settings = given_settings(settings, env)
+    finally:
+        del env  # (a configuration error's frames would show it: see frameless_on)
     host = settings.serve.host if host is None else host
     port = settings.serve.port if port is None else port
     try:  # the overrides are checked like [serve] host and port (70000 is not 4464)

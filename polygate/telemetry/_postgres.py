@@ -150,24 +150,33 @@ def _explain(url: str, exc: BaseException) -> str:
     """An error text without the password (libpq does not echo it; belt and braces)."""
     # Every credential the URL carries, in its user part or its query (password=,
     # sslpassword=), raw and decoded: the driver's message may quote any of them.
-    # One line: libpq adds hints on lines of their own ("\tIs the server running...").
-    # A DETAIL line may quote a whole failing row (a NOT NULL violation's), a CONTEXT
-    # line the start of the COPY line that failed, a QUERY or LINE one the statement,
-    # prompts and answers included under log_content: never into a message or a log.
-    kept: list[str] = []
-    quoting = False
-    for line in str(exc).splitlines():
-        line = line.strip()
-        marker = _MARKER.match(line)
-        if marker is not None:
-            quoting = marker[1] in _QUOTING or marker[1].startswith("LINE ")
-        if line and not quoting:
-            kept.append(line)
-    return redact(f"{type(exc).__name__}: {' '.join(kept)}".strip(), url_secrets(url))
+    # A server's error has fields, and all but its primary message may quote data: a
+    # DETAIL the whole failing row (a NOT NULL violation's), a CONTEXT the start of the
+    # COPY line that failed, a QUERY or a LINE the statement, prompts and answers
+    # included under log_content: never into a message or a log.  Its primary message
+    # alone, then.  A connection's error has none (libpq's text): one line (libpq adds
+    # hints on lines of their own, "\tIs the server running..."), and nothing from
+    # the first field that may quote data on (a row's value may hold a line break and
+    # a word that reads as the next field: "...\nERROR: bad request", then more row).
+    diag = getattr(exc, "diag", None)
+    primary = getattr(diag, "message_primary", None)
+    if isinstance(primary, str) and primary:
+        text = " ".join(primary.split())
+    else:
+        kept: list[str] = []
+        for line in str(exc).splitlines():
+            line = line.strip()
+            marker = _MARKER.match(line)
+            if marker is not None and (marker[1] in _QUOTING or marker[1].startswith("LINE ")):
+                break
+            if line:
+                kept.append(line)
+        text = " ".join(kept)
+    return redact(f"{type(exc).__name__}: {text}".strip(), url_secrets(url))
 
 
 #: The start of a line of a server error's fields ("DETAIL:  …", "LINE 1: …"), and
-#: those that may quote data (the lines that follow one, until the next, with it).
+#: those that may quote data.
 _MARKER = re.compile(r"([A-Z]+(?: \d+)?):")
 _QUOTING = frozenset({"DETAIL", "CONTEXT", "QUERY", "STATEMENT", "WHERE"})
 
