@@ -663,8 +663,33 @@ async def cached_embed(
             return False
         return True
 
-    async def compute(led: list[str], flights: dict[str, Flight]) -> None:
-        """One upstream call for ``led``; store and share each vector, or settle."""
+    async def compute(led: list[str], flights: dict[str, Flight], reread: bool) -> None:
+        """One upstream call for ``led``; store and share each vector, or settle.
+
+        ``reread``: first, read again the keys written since this call began (a read
+        may have looked before an identical input's write committed, and the
+        write-behind has let go of it), holding their flights, as chat does: served
+        from there, they are hits, and their waiters have them."""
+        if reread:
+            again = [k for k in led if cache.written_since(k, seen)]
+            if again:
+                missed: list[bytes | None] = [None] * len(again)
+                try:
+                    values = await call.lookup(cache, functools.partial(cache.get_many, again), missed)
+                except BaseException:
+                    for k, f in flights.items():
+                        cache.flights.settle(k, f)
+                    raise
+                for k, data in zip(again, values, strict=True):
+                    if take(k, data):
+                        cache.hits += 1
+                        came[k] = "hit"
+                        if k in flights:
+                            cache.flights.settle(k, flights.pop(k), value=data)
+                led = [k for k in led if k not in found]
+                if not led:
+                    return
+        cache.misses += len(led)
         try:
             call.remaining()  # DeadlineExceeded when nothing is left
             # Part of this call: its attempts carry this call's id, and this layer
@@ -718,26 +743,18 @@ async def cached_embed(
             for k, f in flights.items():  # whatever was not shared: its waiters ask again
                 cache.flights.settle(k, f)
 
+    seen = cache.generation  # (what was written before this call looked: see compute)
+
     async def body() -> EmbeddingResponse:
         todo = list(texts)
         if mode != "refresh":
-            seen = cache.generation
-            asked = todo
-            for again in (False, True):
-                if again:
-                    # Those written meanwhile (the read may have looked before the write
-                    # committed, and the write-behind has let go of them): read again,
-                    # once (as chat does), rather than lead a second upstream call.
-                    asked = [k for k in todo if cache.written_since(k, seen)]
-                    if not asked:
-                        break
-                missed: list[bytes | None] = [None] * len(asked)
-                values = await call.lookup(cache, functools.partial(cache.get_many, asked), missed)
-                for key, data in zip(asked, values, strict=True):
-                    if take(key, data):
-                        cache.hits += 1
-                        came[key] = "hit"
-                todo = [k for k in todo if k not in found]
+            missed: list[bytes | None] = [None] * len(todo)
+            values = await call.lookup(cache, lambda: cache.get_many(todo), missed)
+            for key, data in zip(todo, values, strict=True):
+                if take(key, data):
+                    cache.hits += 1
+                    came[key] = "hit"
+            todo = [k for k in todo if k not in found]
         # What this call leads and what it waits on run side by side: a flight it
         # joined that is abandoned (its leader cancelled) is led again at once, not
         # after this call's own upstream batch (docs/cache.md, "Coalescing").
@@ -770,9 +787,8 @@ async def cached_embed(
                     led.append(key)
                 else:
                     nursery.start_soon(wait_on, nursery, key, flight)
-            cache.misses += len(led)
             if led:
-                nursery.start_soon(compute, led, flights)
+                nursery.start_soon(compute, led, flights, mode != "refresh" and not refresh)
 
         async def wait_on(nursery: trio.Nursery, key: str, flight: Flight) -> None:
             await call.within(flight.done.wait)
