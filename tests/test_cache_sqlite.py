@@ -94,10 +94,14 @@ async def test_ttl_and_eviction(tmp_path: Path) -> None:
         await backend.set_many([("other", b"o", 1000.0)])
     finally:
         await backend.aclose()
-    with sqlite3.connect(tmp_path / "c.db") as conn:
+    assert _stored_keys(tmp_path / "c.db") == {"long", "other"}
+
+
+def _stored_keys(path: Path) -> set[str]:
+    with sqlite3.connect(path) as conn:
         keys = {k for (k,) in conn.execute("SELECT key FROM polygate_cache")}
     conn.close()
-    assert keys == {"long", "other"}
+    return keys
 
 
 async def test_eviction_goes_on_after_the_wall_clock_steps_back(tmp_path: Path) -> None:
@@ -116,10 +120,7 @@ async def test_eviction_goes_on_after_the_wall_clock_steps_back(tmp_path: Path) 
         await backend.set_many([("other", b"o", 1000.0)])
     finally:
         await backend.aclose()
-    with sqlite3.connect(tmp_path / "c.db") as conn:
-        keys = {k for (k,) in conn.execute("SELECT key FROM polygate_cache")}
-    conn.close()
-    assert keys == {"before", "other"}
+    assert _stored_keys(tmp_path / "c.db") == {"before", "other"}
 
 
 async def test_many_concurrent_readers(tmp_path: Path) -> None:

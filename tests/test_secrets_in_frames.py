@@ -84,6 +84,15 @@ def _settings(**source: Any) -> polygate.Settings:
     )})
 
 
+async def _ask(s: polygate.Session, streamed: bool) -> None:
+    if streamed:
+        async with s.stream_chat(MESSAGES) as stream:
+            async for _ in stream:
+                pass
+    else:
+        await s.chat(MESSAGES)
+
+
 @pytest.mark.parametrize("status", [400, 422])
 @pytest.mark.parametrize("streamed", [False, True])
 async def test_an_echoed_key_is_in_no_frame_of_a_fatal_error(
@@ -92,12 +101,7 @@ async def test_an_echoed_key_is_in_no_frame_of_a_fatal_error(
     up = FakeUpstream(Reply(status=status, error_body=ECHO))
     async with polygate.session(_settings(), transport=Router({"a": up})) as s:
         with pytest.raises(polygate.FatalUpstreamError) as info:
-            if streamed:
-                async with s.stream_chat(MESSAGES) as stream:
-                    async for _ in stream:
-                        pass
-            else:
-                await s.chat(MESSAGES)
+            await _ask(s, streamed)
     assert SECRET not in str(info.value)
     assert not _in_frames(info.value, SECRET)
     assert not _requests_in_frames(info.value)
@@ -221,12 +225,7 @@ async def test_the_callers_handled_exception_keeps_its_frames(
             _raise_mine()
         except Mine as mine:
             with pytest.raises(polygate.FatalUpstreamError) as info:
-                if streamed:
-                    async with s.stream_chat(MESSAGES) as stream:
-                        async for _ in stream:
-                            pass
-                else:
-                    await s.chat(MESSAGES)
+                await _ask(s, streamed)
             kept = mine.__traceback__
     assert kept is not None
     assert SECRET not in str(info.value)
