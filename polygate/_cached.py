@@ -114,9 +114,10 @@ class _Call:
         # One numbering of attempts for all of its upstream calls: each is a context of
         # its own, and its attempts' ids ("<call>.<n>") must not repeat.
         self.numbers = itertools.count(1)
-        # When its lookups' share of the deadline ends (set by the first), and whether
-        # one was cut: a second read (see Cache.written_since) gets what is left of it.
-        self._lookup_by: float | None = None
+        # The reading time its lookups have left of their share of the deadline (set by
+        # the first), and whether one was cut: a second read (see
+        # Cache.written_since) gets what is left of it, none after a cut.
+        self._lookup_left: float | None = None
         self._lookup_cut = False
 
     async def within(self, work: Callable[[], Awaitable[Any]]) -> Any:
@@ -139,22 +140,26 @@ class _Call:
         deadline: a read that used the deadline up would fail a call the upstream could
         have answered, where the cache must fail open (a slow read is counted as a
         failure, but does not pause the backend: it was this call that had little time).
-        A call's reads share the one share, and a cut counts once: the read again of
-        keys written meanwhile gets what is left of it (none after a cut)."""
+        A call's reads share the one share, as reading time (not as a window: a waiter
+        that waited on an identical call longer than that still reads again before it
+        leads), and a cut counts once: the read again of keys written meanwhile gets
+        what is left of it (none after a cut)."""
         if self.deadline_at is None or cache.local:  # (a memory lookup never waits)
             return await read()
         now = trio.current_time()
-        if self._lookup_by is None:
-            self._lookup_by = now + max(0.0, self.deadline_at - now) * LOOKUP_SHARE
-        elif now >= self._lookup_by:  # (used up: the backend is not asked)
+        share = max(0.0, self.deadline_at - now) * LOOKUP_SHARE
+        budget = share if self._lookup_left is None else min(share, self._lookup_left)
+        if self._lookup_cut or budget <= 0:  # (used up: the backend is not asked)
             await trio.lowlevel.checkpoint()
             return missed
-        with trio.move_on_at(self._lookup_by):
-            return await read()
-        if not self._lookup_cut:
-            self._lookup_cut = True
-            cache.failed("a cache lookup took longer than its share of the call's deadline",
-                         pause=False)
+        try:
+            with trio.move_on_after(budget):
+                return await read()
+        finally:
+            self._lookup_left = budget - (trio.current_time() - now)
+        self._lookup_cut = True
+        cache.failed("a cache lookup took longer than its share of the call's deadline",
+                     pause=False)
         return missed
 
     def remaining(self) -> float | None:

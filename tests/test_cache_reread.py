@@ -107,13 +107,15 @@ def test_overlapping_embeds_ask_for_each_input_once(
     assert sorted(_inputs(up)) == ["x", "y"], (_inputs(up), stats)
 
 
+@pytest.mark.parametrize("deadline", [None, 5.0])
 @pytest.mark.parametrize("kind", ["chat", "embed"])
 def test_a_waiter_of_an_abandoned_flight_reads_what_was_written_meanwhile(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, deadline: float | None,
 ) -> None:
     """The leader gives up at 0.8; its waiter (since 0.1) leads then; a ``refresh``
     call (which never waits) answered and wrote the key at about 0.3: the waiter is
-    served that answer, a hit."""
+    served that answer, a hit.  (With a deadline too: its lookups' share of it is
+    reading time, not a window that closed while it waited, a review found.)"""
     monkeypatch.setattr(_cache, "_backend", lambda options: Lagging(0.01))
     up = FakeUpstream([Reply(first_token_s=1.0, text="v"), Reply(first_token_s=0.1, text="v")],
                       then=Reply(first_token_s=0.1, text="v"))
@@ -132,7 +134,7 @@ def test_a_waiter_of_an_abandoned_flight_reads_what_was_written_meanwhile(
 
             async def waiter() -> None:
                 await trio.sleep(0.1)
-                got["waiter"] = await ask()
+                got["waiter"] = await ask(call_deadline_s=deadline)
 
             async def refresher() -> None:
                 await trio.sleep(0.2)
