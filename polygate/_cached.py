@@ -157,9 +157,10 @@ class _Call:
                 return await read()
         finally:
             self._lookup_left = budget - (trio.current_time() - now)
-        self._lookup_cut = True
-        cache.failed("a cache lookup took longer than its share of the call's deadline",
-                     pause=False)
+        if not self._lookup_cut:  # (an embed's two runs may read at once: counted once)
+            self._lookup_cut = True
+            cache.failed("a cache lookup took longer than its share of the call's deadline",
+                         pause=False)
         return missed
 
     def remaining(self) -> float | None:

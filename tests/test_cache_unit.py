@@ -609,3 +609,34 @@ async def test_a_calls_reads_share_one_share_of_its_deadline(
             nursery.cancel_scope.cancel()
     assert took["b"] == pytest.approx(1.0, abs=0.01), (took, backend.reads)
     assert errors == 2 and backend.reads == 2, (errors, backend.reads)  # one cut each
+
+
+async def test_an_outage_of_both_kinds_ends_at_any_answer(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Review of the kind-aware log: the whole backend down, a write's failure logged
+    first and a lookup's within its 10 s; back, with only hits to serve (nothing to
+    write), the log's last word stayed "fails open": the outage was taken for one of
+    writes alone."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="polygate.cache")
+    backend = Flaky()
+    backend.data["hot"] = b"v"
+    cache = Cache(backend)
+    async with trio.open_nursery() as nursery:
+        cache.start(nursery)
+        backend.down = True
+        cache.put("k0", b"v", 60.0)  # (written at once: the first failure, logged)
+        await trio.sleep(1.0)
+        assert await cache.get("hot") is None  # (the second, within 10 s)
+        assert cache.statistics().errors == 2
+        await trio.sleep(1.0)
+        backend.down = False
+        for _ in range(5):
+            assert await cache.get("hot") == b"v"
+            await trio.sleep(1.0)
+        lines = [r.getMessage() for r in caplog.records if r.name == "polygate.cache"]
+        assert lines[-1].startswith("the cache answers again"), lines
+        await cache.aclose()
+        nursery.cancel_scope.cancel()

@@ -291,6 +291,11 @@ class Cache:
         # At most every 10 s, but always at an outage's start after its last one's end
         # was said (a second outage within 10 s of "answers again" went unsaid, and the
         # log's last word was that the cache answered).
+        if down and self._warned_down and self._down_kind != kind:
+            # Both kinds failed in this outage (a warning of the first, the other's
+            # within its 10 s): any answer ends it, or a backend down for all that
+            # answers only lookups again would never be said to answer.
+            self._down_kind = None
         if now - self._last_warning >= _WARN_EVERY_S or (down and not self._warned_down):
             self._last_warning = now
             if down:  # (a bad entry's warning says nothing of the backend)
