@@ -15,9 +15,10 @@ too late.  Both directions run.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import attrs
@@ -73,27 +74,36 @@ def _backend(url: str, prefix: str) -> Any:
     return RedisBackend(parse_redis_url(f"{url}?prefix={prefix}"))
 
 
-async def _fill(url: str, prefix: str) -> None:
-    """The skewed client: one RPM slot used, a cooldown, an open breaker."""
+@contextlib.asynccontextmanager
+async def _started(url: str, prefix: str) -> AsyncIterator[Any]:
     backend = _backend(url, prefix)
     await backend.start()
     try:
-        a = await granted(backend, ask(source="a", rpm=1))
-        await backend.settle(settle(a, 5))  # sent: the window keeps its entry
-        c = await granted(backend, ask(source="c"))
-        await backend.settle(settle(c, 0, Feedback.NEUTRAL, cooldown_s=COOLDOWN_S))
-        for _ in range(BREAKER.failures):
-            b = await granted(backend, ask(source="b", breaker=BREAKER))
-            await backend.settle(settle(b, None, Feedback.FAILURE, breaker=BREAKER))
+        yield backend
     finally:
         await backend.aclose()
 
 
+async def _use(backend: Any) -> None:
+    """One RPM slot of source "a" used, "c" cooling down, "b"'s breaker open."""
+    a = await granted(backend, ask(source="a", rpm=1))
+    await backend.settle(settle(a, 5))  # sent: the window keeps its entry
+    c = await granted(backend, ask(source="c"))
+    await backend.settle(settle(c, 0, Feedback.NEUTRAL, cooldown_s=COOLDOWN_S))
+    for _ in range(BREAKER.failures):
+        b = await granted(backend, ask(source="b", breaker=BREAKER))
+        await backend.settle(settle(b, None, Feedback.FAILURE, breaker=BREAKER))
+
+
+async def _fill(url: str, prefix: str) -> None:
+    """The skewed client: one RPM slot used, a cooldown, an open breaker."""
+    async with _started(url, prefix) as backend:
+        await _use(backend)
+
+
 async def _check(url: str, prefix: str) -> dict[str, Any]:
     """The true client: refused by all three, retry times from the server's instants."""
-    backend = _backend(url, prefix)
-    await backend.start()
-    try:
+    async with _started(url, prefix) as backend:
         now = backend.now()
         rpm = await refused(backend, ask(source="a", rpm=1), RefusalReason.RPM)
         cooling = await refused(backend, ask(source="c"), RefusalReason.COOLING_DOWN)
@@ -108,8 +118,6 @@ async def _check(url: str, prefix: str) -> dict[str, Any]:
             "breaker": opened.retry_at - now if opened.retry_at is not None else None,
             "snapshot_cooldown": snapshot.cooldown_until - now if snapshot.cooldown_until else None,
         }
-    finally:
-        await backend.aclose()
 
 
 @pytest.mark.timeout(60)
@@ -172,16 +180,8 @@ def test_a_server_clock_stepped_back_keeps_what_was_left_of_each_instant(
     prefix = f"step-{secrets.token_hex(4)}"
 
     async def main() -> dict[str, Any]:
-        backend = _backend(redis_server.url, prefix)
-        await backend.start()
-        try:
-            a = await granted(backend, ask(source="a", rpm=1))
-            await backend.settle(settle(a, 5))
-            c = await granted(backend, ask(source="c"))
-            await backend.settle(settle(c, 0, Feedback.NEUTRAL, cooldown_s=COOLDOWN_S))
-            for _ in range(BREAKER.failures):
-                b = await granted(backend, ask(source="b", breaker=BREAKER))
-                await backend.settle(settle(b, None, Feedback.FAILURE, breaker=BREAKER))
+        async with _started(redis_server.url, prefix) as backend:
+            await _use(backend)
             held = await granted(backend, ask(source="e", mif=1))
             other = await granted(backend, ask(source="e", mif=2))  # (writes e's last TIME)
             await backend.settle(settle(other, 1))
@@ -202,8 +202,6 @@ def test_a_server_clock_stepped_back_keeps_what_was_left_of_each_instant(
             assert opened.retry_at is not None
             return {"rpm": rpm.retry_at - now, "cooldown": cooling.retry_at - now,
                     "breaker": opened.retry_at - now, "lease": lease_left}
-        finally:
-            await backend.aclose()
 
     waits = trio.run(main)
     margin = 5.0  # the real time the run took, generously
@@ -226,16 +224,12 @@ def test_another_tools_last_time_moves_nothing(redis_server: RedisServer, lt: st
     prefix = f"lt-{secrets.token_hex(4)}"
 
     async def main() -> None:
-        backend = _backend(redis_server.url, prefix)
-        await backend.start()
-        try:
+        async with _started(redis_server.url, prefix) as backend:
             held = await granted(backend, ask(source="a", mif=1, rpm=1))
             command(redis_server.port, "HSET", f"{prefix}:chat:a:state", "lt", lt)
             await refused(backend, ask(source="a", mif=1, rpm=1), RefusalReason.IN_FLIGHT)
             await refused(backend, ask(source="a", rpm=1), RefusalReason.RPM)
             await backend.settle(settle(held, 1))
-        finally:
-            await backend.aclose()
 
     trio.run(main)
 
@@ -255,9 +249,7 @@ def test_an_older_versions_admission_since_the_step_stays(redis_server: RedisSer
     prefix = f"old-{secrets.token_hex(4)}"
 
     async def main() -> None:
-        backend = _backend(redis_server.url, prefix)
-        await backend.start()
-        try:
+        async with _started(redis_server.url, prefix) as backend:
             x = await granted(backend, ask(source="e", mif=1, rpm=2))
             await backend.settle(settle(x, 1))  # (e's last TIME written)
             await _as_if_ahead(redis_server.url, prefix, ("e",))
@@ -272,7 +264,5 @@ def test_an_older_versions_admission_since_the_step_stays(redis_server: RedisSer
             # Its permit is the only one, and the window holds two admissions.
             await refused(backend, ask(source="e", mif=1, rpm=2), RefusalReason.IN_FLIGHT)
             await refused(backend, ask(source="e", rpm=2), RefusalReason.RPM)
-        finally:
-            await backend.aclose()
 
     trio.run(main)
