@@ -11,13 +11,15 @@ where the settings validator names the field); no message holds the password.
 
 from __future__ import annotations
 
+import logging
 import os
+import ssl
 from typing import Any
 from urllib.parse import SplitResult, unquote
 
 from ._errors import ConfigError
 
-__all__ = ["CERT_REQS", "SHARED_OPTIONS", "redis_address", "shared_option"]
+__all__ = ["CERT_REQS", "SHARED_OPTIONS", "client_tls", "redis_address", "shared_option"]
 
 CERT_REQS = ("none", "optional", "required")
 #: Options every Redis URL of polygate's takes (each parser adds its own).
@@ -74,3 +76,33 @@ def check_tls_options(scheme: str, options: dict[str, Any], say: str = "") -> No
         # Looked for now, not at the first connection: a missing file is a setting to
         # fix (it surfaced as a bare FileNotFoundError, naming nothing, at session open).
         raise ConfigError(f"{say}option ssl_ca_certs names no file or folder: {ca!r}")
+    if ca is not None and not os.path.isdir(ca):
+        # Read now as the driver will (it loads the file when the client is built): a
+        # file with no certificate in it -- empty, a key, a typo'd path to another
+        # file -- surfaced as a bare ssl.SSLError at session open, check-config
+        # calling the configuration valid.  (A folder is read lazily, by hash name.)
+        try:
+            ssl.create_default_context(cafile=ca)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            why = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or type(exc).__name__
+            raise ConfigError(
+                f"{say}option ssl_ca_certs holds no CA certificate polygate can read: {ca!r} ({why})"
+            ) from None
+
+
+def client_tls(ssl_on: bool, ca: str | None, reqs: str | None, *, log: logging.Logger,
+               where: str, exposed: str) -> dict[str, Any]:
+    """coredis's TLS keywords for a ``rediss://`` URL's options (none for ``redis://``):
+    verified against the system CAs (or ``ssl_ca_certs``) and the host name unless
+    ``ssl_cert_reqs=none``, which is said, as a warning, at every connection: anyone
+    on the network path can then pose as the server and read ``exposed``."""
+    if not ssl_on:
+        return {}
+    reqs = reqs or "required"
+    if reqs == "none":
+        log.warning(
+            "%s: ssl_cert_reqs=none turns off TLS verification (certificate and host "
+            "name): anyone on the network path can pose as the server and read %s",
+            where, exposed,
+        )
+    return {"ssl": True, "ssl_ca_certs": ca, "ssl_cert_reqs": reqs, "ssl_check_hostname": reqs != "none"}

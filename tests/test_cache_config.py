@@ -113,6 +113,22 @@ def test_bad_urls(url: str, problem: str) -> None:
         _settings(url)
 
 
+@pytest.mark.parametrize("content", ["not a certificate\n", "", "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"])
+@pytest.mark.parametrize("kind", ["cache", "backend"])
+def test_a_ca_file_without_a_certificate_is_a_config_error(tmp_path: Path, content: str, kind: str) -> None:
+    """A ``ssl_ca_certs`` file that is there but holds no CA certificate (empty, a key,
+    another file) is refused with the settings, by both readers of a Redis URL: it was
+    a bare ``ssl.SSLError`` at session open, ``check-config`` calling it valid."""
+    from polygate.governance._redis import parse_redis_url
+
+    bad = tmp_path / "ca.pem"
+    bad.write_text(content)
+    url = f"rediss://:pw-SECRET@h/0?ssl_ca_certs={bad}"
+    with pytest.raises(polygate.ConfigError, match="ssl_ca_certs holds no CA certificate") as caught:
+        parse_cache_url(url) if kind == "cache" else parse_redis_url(url)
+    assert "pw-SECRET" not in str(caught.value)
+
+
 @pytest.mark.parametrize(("db", "problem"), [
     ("1_5", "must be a number"), ("\u0661", "must be a number"), ("+1", "must be a number"),
     ("-1", "must be >= 0"),

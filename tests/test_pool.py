@@ -15,6 +15,7 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import h11
@@ -583,7 +584,7 @@ async def test_aclose_closes_every_connection() -> None:
 # --------------------------------------------------------------------------- TLS
 
 
-async def test_https_with_a_self_signed_certificate() -> None:
+async def test_https_with_a_self_signed_certificate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trustme = pytest.importorskip("trustme")
     ca = trustme.CA()
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -618,8 +619,14 @@ async def test_https_with_a_self_signed_certificate() -> None:
         async with LeanTransport() as untrusting:
             with pytest.raises(httpx.ConnectError, match="certificate verify failed"):
                 await fetch(untrusting, post(url))
+        # Without code to pass a context from (serve, the CLI), OpenSSL's SSL_CERT_FILE
+        # is how the default one trusts a private CA (troubleshooting.md says so).
+        ca.cert_pem.write_to_path(str(tmp_path / "corp-ca.pem"))
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "corp-ca.pem"))
+        async with LeanTransport() as trusting:
+            assert (await fetch(trusting, post(url))).content == b"secret"
         nursery.cancel_scope.cancel()
-    assert alpn == ["http/1.1"] * 3
+    assert alpn == ["http/1.1"] * 4
 
 
 # --------------------------------------------------------------------------- polygate

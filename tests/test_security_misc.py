@@ -61,6 +61,25 @@ async def test_redis_without_certificate_checks_is_announced(caplog: pytest.LogC
     assert record.levelno == logging.WARNING and "redis-PASSWORD-9" not in caplog.text
 
 
+async def test_redis_cache_without_certificate_checks_is_announced(caplog: pytest.LogCaptureFixture) -> None:
+    """The response cache reads the same URL options as the backend, and says so too:
+    an answer cache without checks lets anyone on the path read every prompt and
+    answer, and rewrite the answers every caller is served."""
+    from polygate.cache import parse_cache_url
+    from polygate.cache._redis import RedisBackend
+
+    caplog.set_level(logging.WARNING)
+    url = f"rediss://:redis-PASSWORD-9@127.0.0.1:{free_port()}/0?ssl_cert_reqs=none&timeout_s=0.5"
+    backend = RedisBackend.from_options(parse_cache_url(url))
+    try:
+        assert await backend.start() is not None  # (nothing listens: a failure, said)
+    finally:
+        await backend.aclose()
+    (record,) = [r for r in caplog.records if "ssl_cert_reqs=none" in r.getMessage()]
+    assert record.levelno == logging.WARNING and record.name == "polygate.cache"
+    assert "rewrite" in record.getMessage() and "redis-PASSWORD-9" not in caplog.text
+
+
 # --------------------------------------------------------------------------- I1
 
 

@@ -21,14 +21,18 @@ credentials) is logged and then treated like any other failing cache.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import trio
 
 from .._coredis import closing_connection_class, import_coredis
+from .._redis_url import client_tls
 from ._backend import CacheBackendError, Entry
 from ._url import CacheOptions
+
+log = logging.getLogger("polygate.cache")
 
 __all__ = ["RedisBackend"]
 
@@ -65,11 +69,9 @@ class RedisBackend:
         coredis = import_coredis("the redis cache")
         self._errors = coredis.exceptions
         opts = self.options
-        ssl_kw: dict[str, Any] = {}
-        if opts.ssl:
-            reqs = opts.ssl_cert_reqs or "required"
-            ssl_kw = {"ssl": True, "ssl_ca_certs": opts.ssl_ca_certs, "ssl_cert_reqs": reqs,
-                      "ssl_check_hostname": reqs != "none"}
+        ssl_kw = client_tls(opts.ssl, opts.ssl_ca_certs, opts.ssl_cert_reqs, log=log,
+                            where=f"cache {self._where}",
+                            exposed="the Redis password, every prompt and answer, and rewrite answers")
         self._client = coredis.Redis(
             host=opts.host, port=opts.port, db=opts.db, username=opts.username,
             password=opts.password, connect_timeout=self.timeout_s * 0.5,

@@ -84,7 +84,7 @@ from .._config import mask_url
 from .._coredis import closing_connection_class, import_coredis
 from .._errors import ConfigError, GovernanceBackendError
 from .._outage import OUTAGE_LOG
-from .._redis_url import SHARED_OPTIONS, check_tls_options, redis_address, shared_option
+from .._redis_url import SHARED_OPTIONS, check_tls_options, client_tls, redis_address, shared_option
 from .._secrets import frameless
 from . import _redis_scripts as lua
 from ._memory import WINDOW_S
@@ -319,17 +319,9 @@ class RedisBackend:
         coredis = _coredis()
         self._errors = coredis.exceptions
         opts = self.options
-        ssl_kw: dict[str, Any] = {}
-        if opts.ssl:  # verified against the system CAs (or ssl_ca_certs) and the host name
-            reqs = opts.ssl_cert_reqs or "required"
-            if reqs == "none":
-                log.warning(
-                    "backend %s:%d: ssl_cert_reqs=none turns off TLS verification (certificate "
-                    "and host name): anyone on the network path can pose as the server and "
-                    "read the Redis password and every admission", opts.host, opts.port,
-                )
-            ssl_kw = {"ssl": True, "ssl_ca_certs": opts.ssl_ca_certs, "ssl_cert_reqs": reqs,
-                      "ssl_check_hostname": reqs != "none"}
+        ssl_kw = client_tls(opts.ssl, opts.ssl_ca_certs, opts.ssl_cert_reqs, log=log,
+                            where=f"backend {opts.host}:{opts.port}",
+                            exposed="the Redis password and every admission")
         # coredis's own timeouts are shorter than an operation's bound, so a stuck
         # connect or read fails inside coredis (which then recycles the connection)
         # rather than being cut off by the bound.
