@@ -99,6 +99,55 @@ async def test_stream_with_finish_but_no_done_is_complete(
     assert r.text == "hi" and r.finish_reason == "stop"
 
 
+_N2_CUT = (  # choice 0 finished; choice 1 mid-sentence when the body ends (no [DONE])
+    b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"Hello"},"finish_reason":null}]}\n\n'
+    b'data: {"choices":[{"index":1,"delta":{"role":"assistant","content":"Bon"},"finish_reason":null}]}\n\n'
+    b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+)
+_N2_WHOLE = _N2_CUT + b'data: {"choices":[{"index":1,"delta":{"content":"jour"},"finish_reason":"stop"}]}\n\n'
+
+
+@pytest.mark.parametrize("ending", ["clean", "cut mid-frame"])
+async def test_an_n2_stream_cut_while_a_choice_is_unfinished_is_truncated(
+    ending: str, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With ``n > 1`` the answer is complete without [DONE] only once every choice that
+    began has its finish_reason: one choice's finish said nothing of the other, still
+    mid-sentence (it was taken for a whole answer, cached, and given "stop")."""
+    body = _N2_CUT + (b'data: {"choices":[{"index":1,"del' if ending != "clean" else b"")
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+        retry=polygate.Retry(max_attempts=1), cache_ttl_s=60,
+    )}, cache="memory")
+    async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+        for _ in range(2):
+            with pytest.raises(polygate.PolygateError) as caught:
+                await s.chat(MESSAGES, n=2)
+            (error,) = caught.value.errors  # type: ignore[attr-defined]
+            assert isinstance(error, polygate.TransientUpstreamError)
+            assert ("truncated" if ending == "clean" else "malformed") in str(error)
+    assert calls >= 2  # (nothing stored: the second call asked again)
+
+
+async def test_an_n2_stream_whose_every_choice_finished_is_complete_without_done(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_N2_WHOLE)
+
+    async with polygate.session(_settings(), transport=httpx.MockTransport(handler)) as s:
+        r = await s.chat(MESSAGES, n=2)
+    assert [(c["message"]["content"], c["finish_reason"]) for c in r.choices] == [
+        ("Hello", "stop"), ("Bonjour", "stop")]
+
+
 async def test_secret_never_appears_anywhere(
     autojump_clock: trio.testing.MockClock,
     caplog: pytest.LogCaptureFixture,

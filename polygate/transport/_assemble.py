@@ -589,8 +589,12 @@ class ChatAssembler:
 
     @property
     def finished(self) -> bool:
-        """Some choice reported a ``finish_reason``: the answer is complete."""
-        return any(c.finish_reason is not None for c in self._choices.values())
+        """Every choice that began has reported its ``finish_reason``: the answer is
+        complete, [DONE] or not.  Every one, not some: with ``n > 1`` a body cut after
+        one choice's finish, another still mid-sentence, was taken for a whole answer
+        (cached, and its cut choice given a made-up "stop" by the gateway).  Choices
+        begun, not ``n``: an upstream that ignores ``n`` answers with one."""
+        return self.finishes > 0 and self.finishes == len(self._choices)
 
     def build(self) -> dict[str, Any]:
         body: dict[str, Any] = {

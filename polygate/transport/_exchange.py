@@ -435,7 +435,7 @@ async def _read_sse(
                 except httpx.TransportError:
                     if not assembler.finished:
                         raise
-                    # The answer had its finish_reason: complete without [DONE] (SPEC
+                    # Every choice had its finish_reason: complete without [DONE] (SPEC
                     # §3), whether the body then ends cleanly, is cut mid-frame or reset.
                     events = decoder.flush()
                     ended = True
@@ -504,7 +504,7 @@ async def _read_sse(
         timeline.ended_at = current_time()
     if not done and not assembler.finished:
         raise TransientUpstreamError(
-            "stream ended before [DONE] and before any finish_reason (truncated)",
+            "stream ended before [DONE] and before every choice's finish_reason (truncated)",
             source=endpoint.name,
         )
     if not assembler.saw_choice:
