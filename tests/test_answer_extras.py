@@ -150,3 +150,53 @@ async def test_reasoning_sent_as_reasoning_reads_the_same_by_either_route(
             messages[streaming] = (await s.chat(MESSAGES)).message
     assert messages[False] == messages[True]
     assert messages[False]["reasoning_content"] == messages[False]["reasoning"] == "2+2 is 4"
+
+
+def _entry(token: str, raw: list[int]) -> dict[str, Any]:
+    return {"token": token, "logprob": -0.2, "bytes": raw, "top_logprobs": []}
+
+
+#: A token that is part of a character: OpenAI streams it with ``"content": ""`` and
+#: its logprobs entry; the next token ends the character.
+LOGPROB_EVENTS = [
+    {**HEADER, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": {"content": [], "refusal": None}, "finish_reason": None}]},
+    {**HEADER, "choices": [{"index": 0, "delta": {"content": "Hi "}, "finish_reason": None,
+                            "logprobs": {"content": [_entry("Hi", [72, 105]), _entry(" ", [32])]}}]},
+    {**HEADER, "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None,
+                            "logprobs": {"content": [_entry("bytes:\\xe4\\xbd", [228, 189])]}}]},
+    {**HEADER, "choices": [{"index": 0, "delta": {"content": "你"}, "finish_reason": None,
+                            "logprobs": {"content": [_entry("bytes:\\xa0", [160])]}}]},
+    {**HEADER, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": None}]},
+]
+TOKENS = ["Hi", " ", "bytes:\\xe4\\xbd", "bytes:\\xa0"]
+
+
+def _tokens(raws: list[dict[str, Any]]) -> list[str]:
+    return [t["token"] for raw in raws for c in raw.get("choices", []) if type(c) is dict
+            for t in ((c.get("logprobs") or {}).get("content") or [])]
+
+
+async def test_a_logprob_without_text_reaches_a_streams_reader(autojump_clock: trio.testing.MockClock) -> None:
+    """A chunk whose only news is a logprobs entry (a token inside a character, vLLM's
+    last) reached neither a stream's reader nor the gateway's client, while the
+    assembled answer had it: the two disagreed."""
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=_sse(LOGPROB_EVENTS)))
+    async with polygate.session(settings, transport=transport) as s:
+        async with s.stream_chat(MESSAGES, logprobs=True) as stream:
+            raws = [chunk.raw async for chunk in stream]
+    assert stream.response is not None
+    assert [t["token"] for t in stream.response.choices[0]["logprobs"]["content"]] == TOKENS
+    assert _tokens(raws) == TOKENS
+
+
+def test_the_gateways_stream_carries_a_logprob_without_text() -> None:
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])}, serve=polygate.Serve(api_keys=[KEY]))
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=_sse(LOGPROB_EVENTS)))
+    (streamed,) = _through_gateway(settings, transport, (True,))
+    assert _tokens(_events(streamed)) == TOKENS

@@ -106,8 +106,9 @@ _JOINED_DELTA_OBJECTS = frozenset({"audio"})
 def carries_extras(chunk: dict[str, Any]) -> bool:
     """Whether a chunk without a content token still carries data a stream's caller
     must see: a delta field beyond the content keys (OpenRouter's ``reasoning_details``
-    holding a thinking block's signature, which the next turn sends back) or a choice
-    field beyond the usual (Azure's ``content_filter_results`` on the finish chunk)."""
+    holding a thinking block's signature, which the next turn sends back), a choice
+    field beyond the usual (Azure's ``content_filter_results`` on the finish chunk), or
+    logprobs entries."""
     choices = chunk.get("choices")
     if not isinstance(choices, list):
         return False
@@ -120,6 +121,13 @@ def carries_extras(chunk: dict[str, Any]) -> bool:
         ):
             return True
         if any(carries_value(v) for k, v in choice.items() if k not in _PLAIN_CHOICE_KEYS):
+            return True
+        logprobs = choice.get("logprobs")
+        if type(logprobs) is dict and any(
+            type(v) is list and v for v in (logprobs.get("content"), logprobs.get("refusal"))
+        ):
+            # A token that is part of a character (OpenAI's "bytes:\xe4\xbd", with
+            # "content": ""), or vLLM's last: its entry, with no text to ride on.
             return True
     return False
 
