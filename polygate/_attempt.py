@@ -37,6 +37,25 @@ T = TypeVar("T")
 _WATCH_GRACE_S: Final = 1e-6
 
 
+#: A cut (a reset, a close mid-body) of a stream its caller held this long in all is
+#: not held against the source: a server stops waiting on a reader that stops reading
+#: (nginx's ``send_timeout``, a balancer's idle timeout) once what it wrote meanwhile
+#: no longer fits the sockets' buffers.  The caller's pace, not the source's health.
+HELD_CUT_S: Final = 1.0
+
+
+def _held_cut(error: UpstreamError, held_s: float) -> bool:
+    """Whether ``error`` is a cut of a stream its caller held ``held_s`` (then said so
+    in its message: the operator sees why it is no breaker's business)."""
+    if not error.cut or held_s < HELD_CUT_S:
+        return False
+    if "the caller held" not in error.message:
+        error.message = (f"{error.message} (after the caller held the stream {held_s:.1f} s: "
+                         "a server may cut a reader that stops reading)")
+        error.args = (error.message,)
+    return True
+
+
 def _past(limit: float) -> float:
     """``limit`` plus the grace, or plus the next float's distance where that is more:
     past ~2**34 s of clock (a MockClock jumped that far) 1 µs no longer moves it, and
@@ -349,6 +368,7 @@ async def _guarded(
             outcome = control.cancel_reason
             raise AttemptCancelled(outcome) from None
         error = exc
+        _held_cut(exc, timeline.paused_s)
         # The session closed under it (a call from a task outside the session block,
         # its connection cut by the pool's close): the caller's doing, not the
         # upstream's -- settled as a cancellation, no breaker, no health.
@@ -418,7 +438,8 @@ async def _settle(
             waited_s=waited,
             at_least=(record.prompt_estimate + streamed if streamed
                       else admission.tokens if timeline.billed else 0),
-            neutral=error is not None and error.exhausted is not None,
+            neutral=error is not None and (
+                error.exhausted is not None or _held_cut(error, timeline.paused_s)),
         )
     finally:
         # Reported whatever cut the release (Ctrl-C, which no shield holds back, in a

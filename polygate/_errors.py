@@ -124,6 +124,10 @@ class UpstreamError(PolygateError):
         # that, not the upstream, failed the attempt: it feeds neither the source's
         # breaker nor its health.
         self.exhausted: str | None = None
+        # The connection was cut or reset (no answer of the upstream's own, no
+        # timeout): after a caller held the stream long, the cut may be what a
+        # server does to a reader that stops reading (see polygate._attempt).
+        self.cut = False
         # Set on the error that asks a source again without what it refused of
         # polygate's own way of asking (a prefill, stream_options, streaming): no
         # failure of the source's or of the call's, though its attempt is listed.
@@ -459,7 +463,9 @@ def classify_exception(exc: BaseException, *, source: str | None = None) -> Upst
         reasons = [reason for reason in os_reasons(exc) if reason not in text]
         if reasons:
             text = f"{text} ({'; '.join(reasons)})" if text else "; ".join(reasons)
-        return TransientUpstreamError(f"transport error ({name}): {text}", source=source)
+        error = TransientUpstreamError(f"transport error ({name}): {text}", source=source)
+        error.cut = True
+        return error
     if isinstance(exc, RecursionError):  # bytes nested past what a decoder can follow
         return TransientUpstreamError(f"malformed upstream body ({name})", source=source)
     if isinstance(exc, (ValueError, UnicodeDecodeError, KeyError, TypeError)):
