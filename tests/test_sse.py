@@ -281,6 +281,8 @@ def test_a_delta_objects_streamed_text_is_joined_and_a_choices_is_not() -> None:
     assert choice["message"]["audio"] == {"id": "au_1", "data": "AAAABBBB", "transcript": "Hello",
                                           "expires_at": 1}
     assert choice["content_filter_results"] == {"hate": {"severity": "low"}}
+    # An answer of audio alone has no text: null, as OpenAI's non-streamed one (it was "").
+    assert choice["message"]["content"] is None
 
 
 def test_a_delta_object_other_than_audio_keeps_the_last_string_sent() -> None:

@@ -327,7 +327,8 @@ class _Choice:
         message: dict[str, Any] = {"role": self.role or "assistant"}
         if self.saw_content or self.content:
             message["content"] = "".join(self.content)
-        elif self.tool_calls or self.refusal or self.function_call:
+        elif self.tool_calls or self.refusal or self.function_call or self.message_extras.get("audio"):
+            # (An answer of audio alone has no text: null, as OpenAI's JSON has it.)
             message["content"] = None
         else:
             message["content"] = ""
