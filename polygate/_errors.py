@@ -115,6 +115,9 @@ class UpstreamError(PolygateError):
         # The provider's own error code when it sent one ("context_length_exceeded",
         # "content_filter"…): what decides a fallback, beside the status.
         self.code: str | None = None
+        # The request parameter the provider said was at fault (OpenAI's
+        # ``error.param``: "n", "messages[1].content"), when it said one.
+        self.param: str | None = None
         # Set when this error ends a logical call (a fatal error, a committed stream's
         # failure): the call's frozen statistics.
         self.call_stats: CallStats | None = None
@@ -507,6 +510,16 @@ def error_code(payload: Any, secrets: Iterable[str] = ()) -> str | None:
     for value in (inner.get("code"), inner.get("type")):
         if isinstance(value, str) and 0 < len(value) <= 64 and not value.isdigit():
             return redact(value, secrets)
+    return None
+
+
+def error_param(payload: Any, secrets: Iterable[str] = ()) -> str | None:
+    """The parameter a provider's error names (``error.param``), when it is a short
+    printable string, redacted like the code."""
+    inner = error_object(payload)
+    value = inner.get("param") if inner is not None else None
+    if isinstance(value, str) and 0 < len(value) <= 128 and value.isprintable():
+        return redact(value, secrets)
     return None
 
 

@@ -1001,6 +1001,7 @@ async def test_an_upstream_refusal_keeps_a_context_or_policy_code(code: str | No
         answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
     assert answer.status == 400
     assert answer.json()["error"]["code"] == answered
+    assert answer.json()["error"]["param"] == "messages"  # (the parameter it named, passed on)
 
 
 async def test_a_refused_key_says_so_in_openais_words() -> None:

@@ -124,7 +124,9 @@ def reply_for(exc: BaseException) -> ErrorReply:
         # the model's context (LangChain's context-overflow handling and the SDK's
         # ``e.code`` look for context_length_exceeded), or a content policy's refusal.
         code = exc.code if exc.code in _PASSED_CODES else "upstream_rejected"
-        return ErrorReply(400, str(exc), "invalid_request_error", code)
+        # (The parameter it named is passed on: a client's SDK shows it, and it is
+        # the caller's request, not a secret.)
+        return ErrorReply(400, str(exc), "invalid_request_error", code, param=exc.param)
     if isinstance(exc, errors.DeadlineExceeded):
         return ErrorReply(504, str(exc), "timeout_error", "deadline_exceeded")
     if isinstance(exc, errors.GovernanceBackendError):

@@ -36,6 +36,7 @@ from .._errors import (
     error_code,
     error_message,
     error_object,
+    error_param,
     error_status,
     refusal_hint,
 )
@@ -708,6 +709,7 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
         error = classify_status(status, detail, source=endpoint.name, code=code,
                                 hint=refusal_hint(status, payload))
     error.code = code
+    error.param = error_param(payload, endpoint.secrets)
     return error
 
 

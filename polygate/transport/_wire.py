@@ -21,6 +21,7 @@ from .._errors import (
     classify_status,
     error_code,
     error_message,
+    error_param,
     refusal_hint,
 )
 from .._json import dumps, nested_deeper, plain_keys
@@ -389,6 +390,8 @@ async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None
         hint=refusal_hint(status, payload) if payload is not None else None,
     )
     error.code = code
+    if payload is not None:
+        error.param = error_param(payload, endpoint.secrets)
     raise error
 
 
