@@ -189,9 +189,19 @@ class Continuation:
         return bool(self.shown) and source.prefill and source.name not in self.refused_prefill
 
     def request(self, source: Source, params: Mapping[str, Any]) -> ChatRequest:
+        if self.shown and _json_format(params.get("response_format")):
+            # The caller's own JSON format is left out of a continuation, as polygate's
+            # own is (polygate._structured): a constrained decoder starts a new document
+            # rather than finish the cut one, and the joined text was no JSON at all.
+            params = {k: v for k, v in params.items() if k != "response_format"}
         if self.prefilled(source):
             return ChatRequest(self.prefill_json, {**params, **self.limits, **self.prefill_params})
         return ChatRequest(self.prompt_json, {**params, **self.limits} if self.limits else params)
+
+
+def _json_format(response_format: Any) -> bool:
+    """A ``response_format`` that constrains the answer to a JSON document."""
+    return type(response_format) is dict and response_format.get("type") in ("json_schema", "json_object")
 
 
 @attrs.frozen

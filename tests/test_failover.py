@@ -444,6 +444,28 @@ async def test_a_stream_cut_mid_way_is_finished_by_another_source(
     assert response.usage.completion_tokens > b.requests[0].reply.tokens  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("kind", ["json_schema", "json_object", "text"])
+async def test_a_callers_json_format_is_left_out_of_a_continuation(
+    kind: str, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Outside review: a caller's own JSON ``response_format`` was sent again with the
+    request to continue, and a constrained decoder wrote a new document after the cut
+    one (the joined text no JSON at all).  It is left out, as polygate's own format
+    for ``schema=`` is; a text format stays."""
+    fmt: dict[str, Any] = {"type": kind}
+    if kind == "json_schema":
+        fmt["json_schema"] = {"name": "c", "schema": {"type": "object"}}
+    a = FakeUpstream(Reply(text=ANSWER, fault="truncated", fault_after=40))
+    b = FakeUpstream(_continuing(" " + " ".join(WORDS[40:])))
+    async with polygate.session(_resume_settings(), transport=Router({"a": a, "b": b})) as s:
+        async with s.stream_chat(MESSAGES, response_format=fmt) as stream:
+            async for _ in stream:
+                pass
+    assert stream.response is not None and stream.response.text == ANSWER
+    assert a.requests[0].body["response_format"] == fmt
+    assert b.requests[0].body.get("response_format") == (fmt if kind == "text" else None)
+
+
 @pytest.mark.parametrize("usage", [False, True])
 async def test_a_finish_on_a_chunk_of_pure_restatement_reaches_the_caller(
     autojump_clock: trio.testing.MockClock, usage: bool
