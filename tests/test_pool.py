@@ -988,6 +988,104 @@ async def test_an_answer_sent_before_the_body_was_read_is_the_answer() -> None:
     assert info.value.call_stats is not None and info.value.call_stats.attempts == 1
 
 
+@asynccontextmanager
+async def tls_server(handler: Callable[[trio.SSLStream[trio.SocketStream]], Awaitable[None]]
+                     ) -> AsyncIterator[tuple[str, ssl.SSLContext]]:
+    """A loopback TLS server calling ``handler``; yields its base URL and a client
+    context that trusts it."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    client_context = ssl.create_default_context()
+    client_context.set_alpn_protocols(["http/1.1"])
+    ca.configure_trust(client_context)
+
+    async def serve(tls: trio.SSLStream[trio.SocketStream]) -> None:
+        try:
+            await handler(tls)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            tls.transport_stream.socket.close()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_ssl_over_tcp, serve, 0, server_context,
+                                                host="127.0.0.1"))
+        yield f"https://127.0.0.1:{listeners[0].transport_listener.socket.getsockname()[1]}/v1", client_context
+        nursery.cancel_scope.cancel()
+
+
+async def _tls_head(tls: trio.SSLStream[trio.SocketStream]) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await tls.receive_some(65536)
+    return data
+
+
+_413 = (b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_TOO_LARGE), _TOO_LARGE))
+
+
+async def test_an_answer_sent_before_the_body_was_read_is_the_answer_over_tls() -> None:
+    """Outside review (TLS at every hop): the answer a server sends before reading a
+    large body, then closing, was read as the answer on plain sockets only: trio's TLS
+    stream is broken for good by the failed write, so an https source's 413 was three
+    transient WriteErrors (the 8 MiB body uploaded three times, the breaker fed)."""
+    async def answers_413_unread(tls: trio.SSLStream[trio.SocketStream]) -> None:
+        await _tls_head(tls)
+        await tls.send_all(_413)
+        reset_on_close(tls.transport_stream)
+
+    body = b"x" * (8 * 1024 * 1024)
+    async with tls_server(answers_413_unread) as (url, context):
+        async with LeanTransport(ssl_context=context) as transport:
+            with trio.fail_after(20):
+                response = await fetch(transport, post(url, body))
+            assert (response.status_code, response.content) == (413, _TOO_LARGE)
+            assert transport.statistics().idle == 0  # a request cut short: never reused
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+            polygate.Source(name="a", base_url=url, model="m", streaming=False)])})
+        async with polygate.session(settings, transport=LeanTransport(ssl_context=context)) as s:
+            with trio.fail_after(20), pytest.raises(polygate.FatalUpstreamError, match="too large") as info:
+                await s.chat([{"role": "user", "content": "y" * len(body)}])
+    assert info.value.call_stats is not None and info.value.call_stats.attempts == 1
+
+
+async def test_a_large_body_over_tls_is_written_whole_and_its_connection_kept() -> None:
+    """The other side: a server that reads the whole body answers it, and the
+    connection (its read for an early answer given up when the writing ended) is
+    kept and reused; a caller's bound mid-write is itself, not an exception group."""
+    sizes: list[int] = []
+    stuck = trio.Event()
+
+    async def reads_all(tls: trio.SSLStream[trio.SocketStream]) -> None:
+        while True:
+            data = await _tls_head(tls)
+            head, _, got = data.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            if length == 3 * 1024 * 1024 + 1:  # (the last: never read)
+                stuck.set()
+                await trio.sleep_forever()
+            while len(got) < length:
+                got += await tls.receive_some(65536)
+            sizes.append(len(got))
+            await tls.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    async with tls_server(reads_all) as (url, context):
+        async with LeanTransport(ssl_context=context) as transport:
+            for size in (1024 * 1024, 100_000, 3 * 1024 * 1024):
+                with trio.fail_after(20):
+                    assert (await fetch(transport, post(url, b"x" * size))).content == b"ok"
+            assert transport.statistics().opened == 1
+            with pytest.raises(trio.TooSlowError):
+                with trio.fail_after(1):
+                    await fetch(transport, post(url, b"x" * (3 * 1024 * 1024 + 1)))
+            assert stuck.is_set() and transport.statistics().open == 0
+    assert sizes == [1024 * 1024, 100_000, 3 * 1024 * 1024]
+
+
 async def test_the_resend_after_a_stale_connection_goes_on_a_new_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
