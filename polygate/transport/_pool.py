@@ -228,6 +228,7 @@ class _Connection:
 
         view = memoryview(data)
         failed: BaseException | None = None
+        whole = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch)
             try:
@@ -235,6 +236,8 @@ class _Connection:
                     if watched:
                         break
                     await stream.send_all(view[start:start + _TLS_SEND_PIECE])
+                else:
+                    whole = True
             except (trio.BrokenResourceError, OSError) as exc:
                 # The server closed as it answered: the watcher may be reading that
                 # answer now (the stream's state does not stop a read under way).
@@ -246,10 +249,12 @@ class _Connection:
         # (Raised here, outside the nursery, as itself: not in an exception group.)
         if watched and type(watched[0]) is bytes and watched[0]:
             self.early = watched[0]
+            if whole:  # (answered as the last piece went: the answer, read as any)
+                return
             raise trio.BrokenResourceError("the server answered before the request was all written")
         if failed is not None:
             raise failed
-        if watched:  # the server closed, or reset, with no answer: the rest cannot go
+        if watched and not whole:  # closed, or reset, with no answer: the rest cannot go
             raise trio.BrokenResourceError("the server closed the connection during the request")
 
     async def receive(self, limit_s: float | None) -> bytes:
