@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
 import attrs
@@ -690,6 +690,28 @@ def _in_range(lo: float, hi: float, whole: bool) -> Any:
     return check
 
 
+#: The largest document OCR takes (``Ocr.max_document_bytes``): PDFium loads from
+#: memory with a C ``int`` size, and a renderer's frames carry 32-bit lengths.
+MAX_OCR_DOCUMENT_BYTES: Final = 2**31 - 1
+#: The longest OCR prompt, in characters: it rides with every page to a renderer, in
+#: a request header of at most 1 MiB (four bytes a character at most).
+MAX_OCR_PROMPT_CHARS: Final = 200_000
+
+
+def _document_cap(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    _pos_int(inst, attr, value)
+    if value > MAX_OCR_DOCUMENT_BYTES:
+        raise _bad(inst, attr.name, f"must be at most {MAX_OCR_DOCUMENT_BYTES:,} (2 GiB - 1), "
+                                    f"got {given(value)}")
+
+
+def _ocr_prompt(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    _opt_str(inst, attr, value)
+    if value is not None and len(value) > MAX_OCR_PROMPT_CHARS:
+        raise _bad(inst, attr.name, f"must be at most {MAX_OCR_PROMPT_CHARS:,} characters, "
+                                    f"got {len(value):,}")
+
+
 @attrs.frozen
 class Ocr:
     """OCR calls (``Session.ocr``): how documents become page images.
@@ -709,9 +731,9 @@ class Ocr:
 
     dpi: float = attrs.field(default=150.0, validator=_in_range(18, 1200, whole=False))
     max_side_px: int = attrs.field(default=2048, validator=_in_range(64, 8192, whole=True))
-    max_document_bytes: int = attrs.field(default=50 * 1024 * 1024, validator=_pos_int)
+    max_document_bytes: int = attrs.field(default=50 * 1024 * 1024, validator=_document_cap)
     max_concurrent_pages: int = attrs.field(default=4, validator=_in_range(1, 64, whole=True))
-    prompt: str | None = attrs.field(default=None, validator=_opt_str)
+    prompt: str | None = attrs.field(default=None, validator=_ocr_prompt)
     image_format: str = attrs.field(default="jpeg")
     render_in: str = attrs.field(default="process")
 

@@ -41,7 +41,7 @@ from ._call import (
     every_error,
     run_asking_again,
 )
-from ._config import Ocr
+from ._config import MAX_OCR_PROMPT_CHARS, Ocr
 from ._context import AttemptRecord, CallContext, ChatRequest, Runtime
 from ._errors import AllSourcesExhausted, ConfigError
 from ._ocr_document import Document, check_url, document_path, open_document
@@ -84,6 +84,10 @@ def check_arguments(
         prompt = settings.prompt or DEFAULT_PROMPT
     elif not isinstance(prompt, str) or not prompt.strip():
         raise ConfigError("prompt must be a non-empty string or None")
+    elif len(prompt) > MAX_OCR_PROMPT_CHARS:
+        # (It rides with every page to a renderer, whose request header is bounded:
+        # a longer one killed every renderer process, a page at a time.)
+        raise ConfigError(f"prompt must be at most {MAX_OCR_PROMPT_CHARS:,} characters, got {len(prompt):,}")
     if pages is None:
         return prompt, None
     if isinstance(pages, (str, bytes, bytearray, memoryview)) or not isinstance(

@@ -128,7 +128,8 @@ class ImageDocument(Document):
                 _image_page, self.data, self.format, self.size, prompt, s.max_side_px, s.image_format
             )
         else:
-            header = ("image", self.format, self.size, prompt, s.max_side_px, s.image_format)
+            header = ("image", self.format, self.size, prompt, s.max_side_px, s.image_format,
+                      _pil().MAX_IMAGE_PIXELS)
             (_, width, height), messages = await self.renderers.request(
                 s.render_in, None, header, self.data
             )

@@ -308,8 +308,12 @@ class Renderer:
                         self.close()
                     raise
                 return ("ok", width, height), messages.encode()
-            if op == "image":  # ("image", format, size, prompt, max_side_px, image_format)
-                messages, width, height = image_page(blob, *header[1:])
+            if op == "image":  # ("image", format, size, prompt, max_side_px, image_format, pixels)
+                # The application's Image.MAX_IMAGE_PIXELS, which it checked the image
+                # against: this fresh interpreter has Pillow's default (an application
+                # that raised it for large scans had them refused here alone).
+                _pil()[0].MAX_IMAGE_PIXELS = header[6]
+                messages, width, height = image_page(blob, *header[1:6])
                 return ("ok", width, height), messages.encode()
             if op == "drop":  # ("drop", key)
                 if self.key == header[1]:
@@ -429,7 +433,30 @@ def serve(idle_exit_s: float) -> None:
         # file it reads anyway ("Tag data larger than file") were printed raw on the
         # application's stderr.  The parent checked the file; nothing here to act on.
         warnings.simplefilter("ignore")
+        _exit_with_parent(source.fileno())
         _serve(source, sink, idle_exit_s)
+
+
+def _exit_with_parent(fd: int) -> None:
+    """Exit the moment the parent is gone (its end of our stdin closed: it exited, was
+    killed, or closed us), even in the middle of a page: the loop only reads between
+    requests, and PDFium can take minutes on one hostile page, at full CPU, for
+    nobody.  A daemon thread polls for the hang-up alone (no event asked for: POLLHUP
+    and POLLERR are always reported, data on the pipe is not).  Not PR_SET_PDEATHSIG:
+    the process is started from a worker thread, whose exit would fire it."""
+    poll = getattr(select, "poll", None)
+    if poll is None:  # (Windows: the loop's read notices, between requests)
+        return
+
+    def watch() -> None:
+        poller = poll()
+        poller.register(fd, 0)
+        while True:
+            for _, events in poller.poll():
+                if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                    os._exit(0)
+
+    threading.Thread(target=watch, name="polygate-renderer-parent", daemon=True).start()
 
 
 def _serve(source: Any, sink: Any, idle_exit_s: float) -> None:

@@ -174,6 +174,27 @@ def test_ocr_ranges_include_their_lower_ends() -> None:
             Ocr(**bad)
 
 
+def test_ocr_document_cap_and_prompt_are_bounded() -> None:
+    """Outside review: a cap over 4 GiB let a bare struct.error out of ocr() (a
+    renderer's frames have 32-bit lengths; PDFium loads with an int size), and a prompt
+    over 1 MiB killed every renderer process (it rides in each page's request header)."""
+    assert Ocr(max_document_bytes=2**31 - 1, prompt="p" * 200_000).max_document_bytes == 2**31 - 1
+    with pytest.raises(ConfigError, match=r"max_document_bytes: must be at most 2,147,483,647"):
+        Ocr(max_document_bytes=2**31)
+    with pytest.raises(ConfigError, match=r"prompt: must be at most 200,000 characters, got 200,001"):
+        Ocr(prompt="p" * 200_001)
+
+
+async def test_a_calls_prompt_is_bounded_as_the_settings_one_is(autojump_clock: trio.testing.MockClock) -> None:
+    settings = polygate.Settings(scopes={"ocr": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], ocr=Ocr())})
+    up = FakeUpstream(Reply(text="x"))
+    async with polygate.session(settings, transport=up.transport()) as s:
+        with pytest.raises(ConfigError, match="prompt must be at most 200,000 characters"):
+            await s.ocr(b"%PDF-1.4", prompt="p" * 200_001)
+    assert up.requests == []
+
+
 def test_breaker_max_open_s_may_equal_open_s() -> None:
     """Breaker: max_open_s "must be >= open_s".  Mutant `max_open_s < open_s` -> `<=`."""
     assert Breaker(open_s=30, max_open_s=30).max_open_s == 30

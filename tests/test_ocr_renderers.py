@@ -10,6 +10,7 @@ zero-threshold ``MockClock`` no virtual time passes while a renderer works)."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -334,6 +335,59 @@ async def test_a_renderer_process_exits_when_polygate_goes_away() -> None:
     with trio.fail_after(30):
         assert await worker.process.wait() == 0
     await worker.discard()
+
+
+async def test_a_renderer_exits_when_polygate_goes_away_mid_page(stand_in: None) -> None:
+    """Outside review: a renderer noticed its parent gone only between pages, so a
+    process killed (SIGTERM, SIGKILL: docker stop, systemd) left it rendering a hostile
+    page at full CPU for minutes, for nobody.  The parent's end of the pipe closing
+    (what the kernel does when it dies) ends it mid-page."""
+    worker = await _ocr_renderers._ProcessWorker.start()
+    assert worker.process.stdin is not None
+    header = pickle.dumps(("page", 1, 0, "hang", 72.0, 2048, "jpeg"))
+    pdf = make_pdf([(100, 100)])
+    await worker.process.stdin.send_all(_ocr_render.FRAME.pack(len(header), len(pdf)) + header + pdf)
+    with trio.move_on_after(0.5):  # (mid-page: hanging in its 120 s sleep)
+        await worker.process.wait()
+    assert worker.process.returncode is None
+    await worker.process.stdin.aclose()
+    with trio.fail_after(5):
+        assert await worker.process.wait() == 0
+    await worker.discard()
+
+
+PIXELS_TOLD = """
+import importlib.util, sys
+
+_spec = importlib.util.spec_from_file_location("_polygate_ocr_render_real", {real!r})
+_real = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _real
+_spec.loader.exec_module(_real)
+
+
+def image_page(*args):
+    from PIL import Image
+    raise _real.BadDocument(f"pixels={{Image.MAX_IMAGE_PIXELS}}")
+
+
+_real.image_page = image_page
+serve = _real.serve
+"""
+
+
+async def test_the_applications_pixel_limit_reaches_the_renderer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Outside review: an application that raised Pillow's MAX_IMAGE_PIXELS for large
+    scans had them OCR'd in thread mode and refused in process mode (the renderer, a
+    fresh interpreter, kept Pillow's default)."""
+    from PIL import Image
+
+    _render_with(PIXELS_TOLD, tmp_path / "pixels_render.py", monkeypatch)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 300_000_000)
+    async with polygate.session(ocr_settings(max_side_px=64), transport=Router({"a": FakeUpstream(Reply())})) as s:
+        with pytest.raises(polygate.ConfigError, match="pixels=300000000"):
+            await s.ocr(image_bytes("PNG", (100, 100)))  # (over max_side_px: converted there)
 
 
 @pytest.mark.parametrize("render_in", ["process", "thread"])
