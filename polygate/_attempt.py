@@ -37,21 +37,24 @@ T = TypeVar("T")
 _WATCH_GRACE_S: Final = 1e-6
 
 
-#: A cut (a reset, a close mid-body) of a stream its caller held this long in all is
-#: not held against the source: a server stops waiting on a reader that stops reading
-#: (nginx's ``send_timeout``, a balancer's idle timeout) once what it wrote meanwhile
-#: no longer fits the sockets' buffers.  The caller's pace, not the source's health.
-HELD_CUT_S: Final = 1.0
+#: A cut (a reset, a close mid-body) of a stream its caller once held this long at
+#: one stretch is not held against the source: a server stops waiting on a reader
+#: that stops reading (nginx's ``send_timeout``, 60 s by default; a balancer's idle
+#: timeout) once what it wrote meanwhile no longer fits the sockets' buffers.  At one
+#: stretch, not in all: a reader a little slower than its upstream is held a moment
+#: at each chunk, which adds up over a long stream, and the source that crashes
+#: under it must still feed its breaker.
+HELD_CUT_S: Final = 5.0
 
 
 def _held_cut(error: UpstreamError, held_s: float) -> bool:
-    """Whether ``error`` is a cut of a stream its caller held ``held_s`` (then said so
-    in its message: the operator sees why it is no breaker's business)."""
+    """Whether ``error`` is a cut of a stream its caller held ``held_s`` at one stretch
+    (then said so in its message: the operator sees why it is no breaker's business)."""
     if not error.cut or held_s < HELD_CUT_S:
         return False
     if "the caller held" not in error.message:
-        error.message = (f"{error.message} (after the caller held the stream {held_s:.1f} s: "
-                         "a server may cut a reader that stops reading)")
+        error.message = (f"{error.message} (after the caller held the stream {held_s:.1f} s "
+                         "at one stretch: a server may cut a reader that stops reading)")
         error.args = (error.message,)
     return True
 
@@ -167,7 +170,10 @@ class AttemptControl:
             await wait()
         finally:
             held = trio.current_time() - start
-            self.record.timeline.paused_s += held
+            timeline = self.record.timeline
+            timeline.paused_s += held
+            if held > timeline.longest_hold_s:
+                timeline.longest_hold_s = held
             # Both clocks stop: the stall clock too, whatever the chunk held (a content
             # chunk's caller restarts it at once; a data-only chunk's does not).
             self._whole += held
@@ -368,7 +374,7 @@ async def _guarded(
             outcome = control.cancel_reason
             raise AttemptCancelled(outcome) from None
         error = exc
-        _held_cut(exc, timeline.paused_s)
+        _held_cut(exc, timeline.longest_hold_s)
         # The session closed under it (a call from a task outside the session block,
         # its connection cut by the pool's close): the caller's doing, not the
         # upstream's -- settled as a cancellation, no breaker, no health.
@@ -439,7 +445,7 @@ async def _settle(
             at_least=(record.prompt_estimate + streamed if streamed
                       else admission.tokens if timeline.billed else 0),
             neutral=error is not None and (
-                error.exhausted is not None or _held_cut(error, timeline.paused_s)),
+                error.exhausted is not None or _held_cut(error, timeline.longest_hold_s)),
         )
     finally:
         # Reported whatever cut the release (Ctrl-C, which no shield holds back, in a

@@ -97,6 +97,9 @@ class Timeline:
     # the caller's, not the upstream's.  Chunk times are stamped net of it, so gaps
     # between them are the upstream's own; durations subtract it.
     paused_s: float = 0.0
+    #: The longest of those holds, at one stretch (polygate._attempt: a server may cut
+    #: a reader that stops reading that long).
+    longest_hold_s: float = 0.0
     #: Set once every choice had its finish_reason (a stream; the time of its last
     #: token, 0.0 without one): nothing more can be said, so silence after it is no
     #: stall (polygate._hedge, polygate._attempt).
