@@ -483,14 +483,19 @@ class Source:
                 "must not have a query or a fragment ('?', '#'): the request path is the "
                 "base URL followed by /chat/completions",
             )
-        try:
-            httpx.URL(value + "/chat/completions")
-        except (httpx.InvalidURL, ValueError):
-            raise _bad(self, "base_url", url=value, problem=_BAD_URL) from None
         if not host_name_ok(parts.hostname):
             # Otherwise valid, and every call failed on it as "a malformed upstream
-            # body (UnicodeError)", retried, though no upstream ever answered.
+            # body (UnicodeError)", retried, though no upstream ever answered.  Asked
+            # first: httpx refuses some such names too, and its refusal was reported
+            # as a bad port or credentials.
             raise _bad(self, "base_url", url=value, problem=HOST_NAME_PROBLEM)
+        try:
+            httpx.URL(value + "/chat/completions")
+        except (httpx.InvalidURL, ValueError) as exc:
+            # (httpx reads a name by IDNA 2003 without mapping: a fullwidth letter
+            # trio would map is refused there, and so here, as a name.)
+            problem = HOST_NAME_PROBLEM if "IDNA" in str(exc) else _BAD_URL
+            raise _bad(self, "base_url", url=value, problem=problem) from None
 
     @api_key.validator
     def _check_key(self, attr: attrs.Attribute[str | None], value: Any) -> None:

@@ -831,7 +831,8 @@ async def open_server(
     try:
         listeners = await _listen(port, host)
     except OSError as exc:
-        raise ConfigError(f"serve: cannot listen on {host}:{port} ({exc.strerror})") from None
+        where = f"[{host}]" if ":" in host else host  # (an IPv6 address: ::1:8080 is one too)
+        raise ConfigError(f"serve: cannot listen on {where}:{port} ({exc.strerror})") from None
     server = Server(listeners, host, transport)
     try:
         server._fit_connections(settings, starting=True)

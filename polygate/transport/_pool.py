@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import collections
 import encodings.idna  # noqa: F401 - now: see _open_shedding
+import ipaddress
 import logging
 import math
 import re
@@ -162,6 +163,34 @@ _WATCHED_TLS_SEND: Final = 64 * 1024
 _TLS_SEND_PIECE: Final = 64 * 1024
 #: How long a TLS write's failure waits for the answer the watcher may be reading.
 _EARLY_ANSWER_WAIT_S: Final = 1.0
+
+
+#: A host name looked up this recently is not looked up again before trio's connect.
+_LOOKUP_FRESH_S: Final = 5.0
+
+
+def _is_address(host: str) -> bool:
+    """An IP address (IPv6 with or without its zone): nothing to look up."""
+    try:
+        ipaddress.ip_address(host.replace("%25", "%"))
+    except ValueError:
+        return False
+    return True
+
+
+def _custom_resolver() -> bool:
+    """Whether the application set trio's hostname resolver for this run (read by
+    the only public means, setting it: both calls are synchronous, so nothing runs
+    in between)."""
+    found = trio.socket.set_custom_hostname_resolver(None)
+    trio.socket.set_custom_hostname_resolver(found)
+    return found is not None
+
+
+def _connectable(host: str) -> str:
+    """The host as the resolver reads it: an IPv6 zone as itself (``fe80::1%eth0``),
+    not percent-encoded as the URL writes it (RFC 6874: ``%25eth0``)."""
+    return host.replace("%25", "%") if "%25" in host and _is_address(host) else host
 
 
 class _Connection:
@@ -356,6 +385,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._retried = 0
         self._lines = _Lines()
         self._warned_at = -math.inf  # (running out of descriptors: see _open_shedding)
+        #: Per host name: its callers in turn, its lookup thread, and when one last
+        #: answered (see _lookup).
+        self._lookups: dict[str, tuple[trio.Lock, trio.CapacityLimiter, list[float]]] = {}
 
     @classmethod
     def from_limits(cls, limits: httpx.Limits, **kwargs: Any) -> LeanTransport:
@@ -835,7 +867,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
         refused or reset connect is never taken for this process's."""
         scheme, host, port = key
         try:
-            tcp = await trio.open_tcp_stream(host, port)  # sets TCP_NODELAY
+            await self._lookup(host, port)
+            tcp = await trio.open_tcp_stream(_connectable(host), port)  # sets TCP_NODELAY
         except socket.gaierror as exc:
             hidden = out_of_now()
             if hidden is not None:
@@ -844,7 +877,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
         if scheme != "https":
             return _Connection(key, tcp, tcp.socket)
         try:
-            tls = trio.SSLStream(tcp, self._tls(), server_hostname=host, https_compatible=True)
+            # (A name's trailing dot is the DNS root, not part of the name a certificate
+            # holds, nor of SNI's: RFC 6066 -- "api.example.com." failed every handshake.)
+            tls = trio.SSLStream(tcp, self._tls(), server_hostname=host.rstrip("."),
+                                 https_compatible=True)
             await tls.do_handshake()
         except BaseException as exc:
             # A verification that failed may be a process out of descriptors: CAs in a
@@ -860,6 +896,33 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 raise hidden from exc
             raise
         return _Connection(key, tls, tcp.socket)
+
+    async def _lookup(self, host: str, port: int) -> None:
+        """Look ``host`` up before trio's connect does, one lookup at a time per name,
+        unless one answered in the last few seconds.  trio looks names up in worker
+        threads under its process-wide limit (40), abandoning a cancelled lookup whose
+        thread keeps its slot until the resolver answers: a source whose DNS hangs,
+        asked again and again (retries, hedges, calls), took every slot, and every
+        other name -- and every thread polygate runs -- waited behind it.  Now such a
+        name holds one thread, its calls waiting on it (within their own bounds).
+        Addresses need no lookup."""
+        if _is_address(host) or _custom_resolver():
+            return  # (an application's own resolver answers trio's connect: its rules)
+        entry = self._lookups.get(host)
+        if entry is None:
+            entry = self._lookups[host] = (trio.Lock(), trio.CapacityLimiter(1), [-math.inf])
+        turn, thread, answered = entry
+        async with turn:
+            if trio.current_time() - answered[0] < _LOOKUP_FRESH_S:
+                return  # (a burst of connections: one lookup, then trio's own)
+            # The thread's token is the name's own, held until the resolver answers,
+            # however the caller that started it was cut: the next caller waits for it
+            # (cancellably) rather than start another thread.
+            await trio.to_thread.run_sync(
+                socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM,
+                limiter=thread, abandon_on_cancel=True,
+            )
+            answered[0] = trio.current_time()
 
     def _tls(self) -> ssl.SSLContext:
         if self._ssl_context is None:

@@ -1,0 +1,149 @@
+"""Addresses and name resolution (an outside review, 2026-12-06): a source whose DNS
+hangs, a host name with its trailing dot over TLS, an IPv6 zone as a URL writes it, a
+name httpx refuses, and the gateway's words for an IPv6 address it cannot listen on."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+import time
+from functools import partial
+from typing import Any
+
+import pytest
+import trio
+
+import polygate
+from polygate.serve import open_server
+from polygate.testing import FakeUpstream, Reply
+from polygate.transport import LeanTransport
+
+from .conftest import MESSAGES
+
+
+async def test_a_source_whose_dns_hangs_holds_one_thread_not_every_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """45 calls to a source whose name never resolves each started a lookup thread
+    that outlived the call (trio abandons a cancelled lookup; its thread keeps one of
+    trio's 40 slots until the resolver answers), and a healthy source's connection
+    then waited for them: 2.8 s.  A name now holds one lookup thread at a time."""
+    real = socket.getaddrinfo
+    started: list[float] = []
+    answer = threading.Event()
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        name = host.decode() if isinstance(host, bytes) else host
+        if name == "slow.test":
+            started.append(time.monotonic())
+            answer.wait(10)  # a DNS server that does not answer
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real("127.0.0.1" if name == "good.test" else host, port, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    up = FakeUpstream(Reply(tokens=1))
+    try:
+        async with up.serve() as url:
+            port = url.rsplit(":", 1)[1].split("/")[0]
+            settings = polygate.Settings(scopes={
+                "bad": polygate.Scope(sources=[polygate.Source(
+                    name="bad", base_url="http://slow.test:9/v1", timeout_s=0.2)],
+                    retry=polygate.Retry(max_attempts=1)),
+                "chat": polygate.Scope(sources=[polygate.Source(
+                    name="good", base_url=f"http://good.test:{port}/v1")]),
+            })
+            async with polygate.session(settings) as s:
+                async def bad() -> None:
+                    with pytest.raises(polygate.PolygateError):
+                        await s.chat(MESSAGES, scope="bad")
+
+                async with trio.open_nursery() as nursery:
+                    for _ in range(45):
+                        nursery.start_soon(bad)
+                began = time.monotonic()
+                with trio.fail_after(10):
+                    r = await s.chat(MESSAGES, call_deadline_s=5)
+                took = time.monotonic() - began
+    finally:
+        answer.set()
+    assert r.source == "good" and took < 1.0
+    assert len(started) == 1  # (one lookup of the hung name; its callers waited on it)
+
+
+def _tls_pair() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server)
+    client = ssl.create_default_context()
+    client.set_alpn_protocols(["http/1.1"])
+    ca.configure_trust(client)
+    return server, client
+
+
+async def test_a_host_names_trailing_dot_is_no_part_of_its_certificate_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``https://localhost./v1`` (a fully qualified name) failed every handshake with
+    "Hostname mismatch", and sent the dot in SNI (RFC 6066 forbids it); the dot is
+    the DNS root, kept for the lookup alone."""
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: real(
+        "127.0.0.1" if host in ("localhost.", b"localhost.") else host, *a, **k))
+    server_context, client_context = _tls_pair()
+    names: list[str | None] = []
+
+    def sni(_sock: Any, name: str | None, _ctx: Any) -> None:
+        names.append(name)
+
+    server_context.sni_callback = sni
+
+    async def handler(tls: trio.SSLStream[trio.SocketStream]) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await tls.receive_some(65536)
+        await tls.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_ssl_over_tcp, handler, 0, server_context,
+                                                host="127.0.0.1"))
+        port = listeners[0].transport_listener.socket.getsockname()[1]
+        async with LeanTransport(ssl_context=client_context) as transport:
+            import httpx
+
+            async with httpx.AsyncClient(transport=transport) as client:
+                response = await client.post(f"https://localhost.:{port}/v1/chat/completions", content=b"{}")
+        nursery.cancel_scope.cancel()
+    assert response.content == b"ok" and names == ["localhost"]
+
+
+def test_an_ipv6_zone_is_connected_to_as_itself() -> None:
+    """RFC 6874 writes a zone ``%25eth0`` in a URL; the resolver reads ``%eth0`` (it
+    answered "Name or service not known", every attempt)."""
+    from polygate.transport._pool import _connectable
+
+    assert _connectable("fe80::1%25eth0") == "fe80::1%eth0"
+    assert _connectable("api.example.com") == "api.example.com"
+    assert _connectable("::1") == "::1"
+
+
+@pytest.mark.parametrize("url", ["http://ｂücher.test/v1", "http://💩.la/v1"])
+def test_a_name_httpx_refuses_is_said_to_be_the_name(url: str) -> None:
+    """It was "not a valid URL (bad port, or an unencoded '#' ... in the user:password
+    part)": the URL had neither."""
+    with pytest.raises(polygate.ConfigError, match="its host is not a name that can be looked up"):
+        polygate.Source(name="a", base_url=url)
+
+
+async def test_an_ipv6_address_the_gateway_cannot_listen_on_is_bracketed() -> None:
+    """"cannot listen on ::1:8080" reads as one IPv6 address; the port is now apart."""
+    with trio.socket.socket(socket.AF_INET6) as taken:
+        await taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+            polygate.Source(name="a", base_url="http://127.0.0.1:9/v1")])})
+        with pytest.raises(polygate.ConfigError, match=rf"cannot listen on \[::1\]:{port} \("):
+            async with open_server(settings, host="::1", port=port):
+                pass
