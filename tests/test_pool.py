@@ -1027,22 +1027,30 @@ _413 = (b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_TOO_LARGE), _TOO_LARGE))
 
 
-async def test_an_answer_sent_before_the_body_was_read_is_the_answer_over_tls() -> None:
+@pytest.mark.parametrize("size", [len(_TOO_LARGE), 40_000])
+async def test_an_answer_sent_before_the_body_was_read_is_the_answer_over_tls(size: int) -> None:
     """Outside review (TLS at every hop): the answer a server sends before reading a
     large body, then closing, was read as the answer on plain sockets only: trio's TLS
     stream is broken for good by the failed write, so an https source's 413 was three
-    transient WriteErrors (the 8 MiB body uploaded three times, the breaker fed)."""
+    transient WriteErrors (the 8 MiB body uploaded three times, the breaker fed).  An
+    answer over one TLS record (16 KiB) too: the review of a first fix, which read one."""
+    error = _TOO_LARGE if size == len(_TOO_LARGE) else json.dumps({"error": {
+        "message": "request too large", "type": "invalid_request_error", "code": "payload_too_large",
+        "padding": "p" * size}}).encode()
+
     async def answers_413_unread(tls: trio.SSLStream[trio.SocketStream]) -> None:
         await _tls_head(tls)
-        await tls.send_all(_413)
+        await tls.send_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
+                           b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(error), error))
         reset_on_close(tls.transport_stream)
 
     body = b"x" * (8 * 1024 * 1024)
     async with tls_server(answers_413_unread) as (url, context):
         async with LeanTransport(ssl_context=context) as transport:
-            with trio.fail_after(20):
-                response = await fetch(transport, post(url, body))
-            assert (response.status_code, response.content) == (413, _TOO_LARGE)
+            for _ in range(3):
+                with trio.fail_after(20):
+                    response = await fetch(transport, post(url, body))
+                assert (response.status_code, response.content) == (413, error)
             assert transport.statistics().idle == 0  # a request cut short: never reused
         settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
             polygate.Source(name="a", base_url=url, model="m", streaming=False)])})
@@ -1050,6 +1058,29 @@ async def test_an_answer_sent_before_the_body_was_read_is_the_answer_over_tls() 
             with trio.fail_after(20), pytest.raises(polygate.FatalUpstreamError, match="too large") as info:
                 await s.chat([{"role": "user", "content": "y" * len(body)}])
     assert info.value.call_stats is not None and info.value.call_stats.attempts == 1
+
+
+@pytest.mark.parametrize("early", [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"])
+async def test_a_server_that_speaks_before_it_reads_a_large_body_over_tls_gets_it_all(early: bytes) -> None:
+    """Review of a first fix, which stopped writing at any byte of an answer: a 100
+    Continue not asked for (RFC 9110 says a client takes it), or a head sent at once,
+    then the whole body read, hung the request.  Only a failed write ends the writing."""
+    async def speaks_first(tls: trio.SSLStream[trio.SocketStream]) -> None:
+        head, _, got = (await _tls_head(tls)).partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        await tls.send_all(early)
+        while len(got) < length:
+            got += await tls.receive_some(65536)
+        rest = b"2\r\nok\r\n0\r\n\r\n" if b"chunked" in early else b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+        await tls.send_all(rest)
+        await trio.sleep_forever()
+
+    async with tls_server(speaks_first) as (url, context):
+        async with LeanTransport(ssl_context=context) as transport:
+            with trio.fail_after(20):
+                response = await fetch(transport, post(url, b"x" * (8 * 1024 * 1024)))
+    assert (response.status_code, response.content) == (200, b"ok")
 
 
 async def test_a_large_body_over_tls_is_written_whole_and_its_connection_kept() -> None:

@@ -157,12 +157,48 @@ class _Disconnected(Exception):
     """The server closed the connection before sending a single byte of response."""
 
 
-#: A request this large is written over TLS a piece at a time, watching for an early
-#: answer (see _Connection._send_watching); a smaller one leaves in one write.
+#: A request this large is written over TLS a piece at a time, a failed write ending
+#: the writing without breaking the stream (see _SoftSend); a smaller one in one write.
 _WATCHED_TLS_SEND: Final = 64 * 1024
 _TLS_SEND_PIECE: Final = 64 * 1024
-#: How long a TLS write's failure waits for the answer the watcher may be reading.
-_EARLY_ANSWER_WAIT_S: Final = 1.0
+
+
+class _SoftSend(trio.abc.Stream):
+    """The socket under a TLS stream.  A server may answer before it has read the
+    whole request, then close (a proxy's 413 for a large body, a 401); on a plain
+    socket that answer is read after the failed write (see _round_trip), but trio's
+    TLS stream is broken for good by a failed write -- its reads refused -- and the
+    answer was lost (the body uploaded again, the breaker fed, for a request no source
+    takes).  While ``soft`` (a large request going out), a failed write is kept in
+    ``failed`` and ends the writing instead, the TLS stream none the wiser: the answer
+    is read from it as from a plain socket.  (The connection is never reused.)"""
+
+    __slots__ = ("failed", "soft", "tcp")
+
+    def __init__(self, tcp: trio.SocketStream) -> None:
+        self.tcp = tcp
+        self.soft = False
+        self.failed: BaseException | None = None
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self.failed is not None:
+            await trio.lowlevel.checkpoint()  # (the writing has ended: nowhere to go)
+            return
+        try:
+            await self.tcp.send_all(data)
+        except (trio.BrokenResourceError, OSError) as exc:
+            if not self.soft:
+                raise
+            self.failed = exc
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.tcp.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.tcp.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.tcp.aclose()
 
 
 #: A host name looked up this recently is not looked up again before trio's connect.
@@ -196,7 +232,7 @@ def _connectable(host: str) -> str:
 class _Connection:
     """One socket, its (optional) TLS layer and its h11 state machine."""
 
-    __slots__ = ("broken", "drained", "early", "h11", "idle_since", "key", "read_size", "socket", "stream")
+    __slots__ = ("broken", "drained", "h11", "idle_since", "key", "read_size", "socket", "stream")
 
     def __init__(self, key: _Key, stream: trio.abc.Stream, socket: trio.socket.SocketType) -> None:
         self.key = key
@@ -209,9 +245,6 @@ class _Connection:
         #: Why the request could not all be written (the server may have answered early
         #: and closed): its answer is read all the same, the connection never reused.
         self.broken: BaseException | None = None
-        #: The first bytes of an answer read while the request was being written (TLS:
-        #: see _send_watching), for the next read.
-        self.early = b""
 
     def close(self) -> None:
         """Close the socket now, without I/O (no TLS close_notify): the server sees
@@ -224,7 +257,7 @@ class _Connection:
         rest = await write_first(self.stream, data)
         if not rest:
             return
-        send = (self._send_watching if len(rest) > _WATCHED_TLS_SEND
+        send = (self._send_soft if len(rest) > _WATCHED_TLS_SEND
                 and type(self.stream) is not trio.SocketStream else self.stream.send_all)
         if limit_s is None:
             await send(rest)
@@ -234,66 +267,38 @@ class _Connection:
             return
         raise httpx.WriteTimeout("timed out sending the request")
 
-    async def _send_watching(self, data: bytes | memoryview) -> None:
-        """Write a large request over TLS while reading for an answer.  A server may
-        answer before it has read the whole request, then close (a proxy's 413 for a
-        large body, a 401): on a plain socket that answer is read after the failed
-        write (see _round_trip), but a TLS stream is broken for good by one, and the
-        answer was lost (the body uploaded again and again, the breaker fed, for a
-        request no source takes).  So the answer is read while the request is
-        written, a piece at a time; at its first byte the writing stops, and the
-        request fails as a write the server cut short (``early`` holds what came)."""
-        stream = self.stream
-        watched: list[bytes | BaseException] = []
-        done = trio.Event()
-
-        async def watch() -> None:
-            try:
-                watched.append(bytes(await stream.receive_some(self.read_size)))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                watched.append(exc)
-            finally:
-                done.set()
-
+    async def _send_soft(self, data: bytes | memoryview) -> None:
+        """Write a large request over TLS a piece at a time; a write the server cut
+        short ends the writing, its stream still readable (see _SoftSend)."""
+        stream = cast("trio.SSLStream[_SoftSend]", self.stream)
+        wire = stream.transport_stream
         view = memoryview(data)
-        failed: BaseException | None = None
-        whole = False
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch)
-            try:
-                for start in range(0, len(view), _TLS_SEND_PIECE):
-                    if watched:
-                        break
-                    await stream.send_all(view[start:start + _TLS_SEND_PIECE])
-                else:
-                    whole = True
-            except (trio.BrokenResourceError, OSError) as exc:
-                # The server closed as it answered: the watcher may be reading that
-                # answer now (the stream's state does not stop a read under way).
-                failed = exc
-                with trio.move_on_after(_EARLY_ANSWER_WAIT_S):
-                    await done.wait()
-            finally:
-                nursery.cancel_scope.cancel()  # (a watcher still waiting: nothing came)
-        # (Raised here, outside the nursery, as itself: not in an exception group.)
-        if watched and type(watched[0]) is bytes and watched[0]:
-            self.early = watched[0]
-            if whole:  # (answered as the last piece went: the answer, read as any)
-                return
-            raise trio.BrokenResourceError("the server answered before the request was all written")
-        if failed is not None:
-            raise failed
-        if watched and not whole:  # closed, or reset, with no answer: the rest cannot go
-            raise trio.BrokenResourceError("the server closed the connection during the request")
+        wire.soft = True
+        try:
+            for start in range(0, len(view), _TLS_SEND_PIECE):
+                await stream.send_all(view[start:start + _TLS_SEND_PIECE])
+                if wire.failed is not None:
+                    break
+        finally:
+            wire.soft = False
+        if wire.failed is not None:
+            raise trio.BrokenResourceError("the server closed before the request was all written") \
+                from wire.failed
+
+    def readable_after_failed_write(self) -> bool:
+        """Whether the answer to a request whose write failed can still be read: a
+        plain socket, or a TLS stream whose large request's write ended softly."""
+        stream = self.stream
+        if type(stream) is trio.SocketStream:
+            return True
+        wire = getattr(stream, "transport_stream", None)
+        return type(wire) is _SoftSend and wire.failed is not None
 
     async def receive(self, limit_s: float | None) -> bytes:
         """The next bytes (``b""`` at the end).  After a read that emptied the socket
         (it brought less than it asked for), the next one waits before it tries (see
         polygate._sockets): a stream's next token, the rest of a body, is rarely
         there yet, and trio's try-first read would fail first, every time."""
-        if self.early:
-            data, self.early = self.early, b""
-            return data
         size = self.read_size
         if limit_s is None:
             data = await self._read(size)
@@ -511,10 +516,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     await conn.send(data, timeouts[3])
                     written = True
                 except (trio.BrokenResourceError, OSError) as exc:
-                    if type(conn.stream) is not trio.SocketStream and not conn.early:
-                        # (TLS: a stream broken by a failed send reads nothing more; an
-                        # answer it read while writing is in ``early``.)
-                        raise
+                    if not conn.readable_after_failed_write():
+                        raise  # (TLS: a stream broken by a failed send reads nothing more)
                     # A server may answer before it has read the whole request, then
                     # close (a 413 for a large body, a 401): its answer is what it said,
                     # read as httpx's transport reads it.  Nothing there: the error is
@@ -879,7 +882,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         try:
             # (A name's trailing dot is the DNS root, not part of the name a certificate
             # holds, nor of SNI's: RFC 6066 -- "api.example.com." failed every handshake.)
-            tls = trio.SSLStream(tcp, self._tls(), server_hostname=host.rstrip("."),
+            tls = trio.SSLStream(_SoftSend(tcp), self._tls(), server_hostname=host.rstrip("."),
                                  https_compatible=True)
             await tls.do_handshake()
         except BaseException as exc:
