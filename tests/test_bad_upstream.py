@@ -136,23 +136,6 @@ async def test_an_n2_stream_cut_while_a_choice_is_unfinished_is_truncated(
     assert calls >= 2  # (nothing stored: the second call asked again)
 
 
-async def test_an_n2_stream_cut_before_its_second_choice_began_is_truncated(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """Review of the fix above: an upstream that writes its choices one after another,
-    cut after the first's finish (no [DONE]), gave a one-choice answer, cached as whole."""
-    body = (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"Hello"},"finish_reason":null}]}\n\n'
-            b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n')
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
-
-    async with polygate.session(_settings(), transport=httpx.MockTransport(handler)) as s:
-        with pytest.raises(polygate.AllSourcesExhausted, match="truncated"):
-            await s.chat(MESSAGES, n=2)
-        assert (await s.chat(MESSAGES)).text == "Hello"  # (n = 1: the same body is whole)
-
-
 async def test_an_n2_stream_whose_every_choice_finished_is_complete_without_done(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

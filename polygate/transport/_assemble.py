@@ -593,13 +593,17 @@ class ChatAssembler:
 
     def all_finished(self, n: int) -> bool:
         """Every choice of an answer of ``n`` has reported its finish_reason: no
-        content can follow (a usage chunk and ``[DONE]`` may), and the answer is
-        complete, [DONE] or not.  All ``n`` of them, and every one that began: with
-        ``n > 1`` a body cut after one choice's finish, another mid-sentence or not
-        yet begun (an upstream that writes its choices one after another), was taken
-        for a whole answer (cached, and its cut choice given a made-up "stop" by the
-        gateway)."""
+        content can follow (a usage chunk and ``[DONE]`` may)."""
         return self.finishes >= n and self.finishes == len(self._choices)
+
+    @property
+    def finished(self) -> bool:
+        """Every choice that began has reported its ``finish_reason``: the answer is
+        complete, [DONE] or not.  Every one, not some: with ``n > 1`` a body cut after
+        one choice's finish, another still mid-sentence, was taken for a whole answer
+        (cached, and its cut choice given a made-up "stop" by the gateway).  Choices
+        begun, not ``n``: an upstream that ignores ``n`` answers with one."""
+        return self.finishes > 0 and self.finishes == len(self._choices)
 
     def build(self) -> dict[str, Any]:
         body: dict[str, Any] = {

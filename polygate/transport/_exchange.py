@@ -437,7 +437,7 @@ async def _read_sse(
                     events = decoder.flush()
                     ended = True
                 except httpx.TransportError:
-                    if not assembler.all_finished(choices):
+                    if not assembler.finished:
                         raise
                     # Every choice had its finish_reason: complete without [DONE] (SPEC
                     # §3), whether the body then ends cleanly, is cut mid-frame or reset.
@@ -457,7 +457,7 @@ async def _read_sse(
                 try:
                     chunk = _chunk_of(event, endpoint, depth)
                 except Exception:
-                    if ended and assembler.all_finished(choices):
+                    if ended and assembler.finished:
                         # The body ended inside an event after the answer had its
                         # finish_reason: an event never completed is not dispatched
                         # (WHATWG), and the answer is complete (SPEC §3).
@@ -506,7 +506,7 @@ async def _read_sse(
     # connection can be reused); closing the response closes a body still open.
     if timeline.ended_at is None:
         timeline.ended_at = current_time()
-    if not done and not assembler.all_finished(choices):
+    if not done and not assembler.finished:
         raise TransientUpstreamError(
             "stream ended before [DONE] and before every choice's finish_reason (truncated)",
             source=endpoint.name,
