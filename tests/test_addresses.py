@@ -147,3 +147,81 @@ async def test_an_ipv6_address_the_gateway_cannot_listen_on_is_bracketed() -> No
         with pytest.raises(polygate.ConfigError, match=rf"cannot listen on \[::1\]:{port} \("):
             async with open_server(settings, host="::1", port=port):
                 pass
+
+
+async def test_callers_waiting_on_a_lookup_that_fails_fail_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of the one-lookup-a-name fix: ten connections to a name whose lookup fails
+    in 0.3 s failed one lookup after another (the tenth at 3 s, calls past their
+    timeouts); the callers that waited for a lookup take its outcome."""
+    import httpx
+
+    real = socket.getaddrinfo
+    lookups: list[float] = []
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host in ("nx.test", b"nx.test"):
+            lookups.append(time.monotonic())
+            time.sleep(0.3)
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, port, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    took: list[float] = []
+    async with LeanTransport() as transport:
+        async def one() -> None:
+            began = time.monotonic()
+            with pytest.raises(httpx.ConnectError, match="Name or service not known"):
+                await transport.handle_async_request(
+                    httpx.Request("POST", "http://nx.test:9/v1/chat/completions", content=b"{}"))
+            took.append(time.monotonic() - began)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(10):
+                nursery.start_soon(one)
+        assert len(lookups) == 1 and max(took) < 1.0
+        # A caller after the failure asks again (a name that comes back is found).
+        with pytest.raises(httpx.ConnectError):
+            await transport.handle_async_request(
+                httpx.Request("POST", "http://nx.test:9/v1/chat/completions", content=b"{}"))
+    assert len(lookups) == 2
+
+
+def test_a_lookup_abandoned_by_one_trio_run_holds_nothing_in_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: a transport used by two trio runs, the first abandoning a hung lookup:
+    its thread's release went to the finished run, and the name stayed blocked for
+    good in the second."""
+    import httpx
+
+    real = socket.getaddrinfo
+    answer = threading.Event()
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host in ("flaky.test", b"flaky.test"):
+            answer.wait(10)  # hangs in the first run
+            host = "127.0.0.1"
+        return real(host, port, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    transport = LeanTransport()
+
+    async def first() -> None:
+        with trio.move_on_after(0.3):
+            await transport.handle_async_request(
+                httpx.Request("POST", "http://flaky.test:9/v1/chat/completions", content=b"{}"))
+
+    trio.run(first)
+    answer.set()
+
+    async def second() -> bytes:
+        up = FakeUpstream(Reply(text="ok"))
+        async with up.serve() as url:
+            port = url.rsplit(":", 1)[1].split("/")[0]
+            with trio.fail_after(5):
+                response = await transport.handle_async_request(httpx.Request(
+                    "POST", f"http://flaky.test:{port}/v1/chat/completions",
+                    content=b'{"model":"m","messages":[{"role":"user","content":"x"}]}'))
+                body = await response.aread()
+            await transport.aclose()
+        return body
+
+    assert b"ok" in trio.run(second)

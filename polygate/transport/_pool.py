@@ -205,6 +205,19 @@ class _SoftSend(trio.abc.Stream):
 _LOOKUP_FRESH_S: Final = 5.0
 
 
+class _Lookup:
+    """A host name's lookups (LeanTransport._lookup): its callers in turn, its one
+    lookup thread, and how and when the last lookup ended."""
+
+    __slots__ = ("ended_at", "failed", "thread", "turn")
+
+    def __init__(self) -> None:
+        self.turn = trio.Lock()
+        self.thread = trio.CapacityLimiter(1)
+        self.ended_at = -math.inf
+        self.failed: socket.gaierror | None = None
+
+
 def _is_address(host: str) -> bool:
     """An IP address (IPv6 with or without its zone): nothing to look up."""
     try:
@@ -390,9 +403,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._retried = 0
         self._lines = _Lines()
         self._warned_at = -math.inf  # (running out of descriptors: see _open_shedding)
-        #: Per host name: its callers in turn, its lookup thread, and when one last
-        #: answered (see _lookup).
-        self._lookups: dict[str, tuple[trio.Lock, trio.CapacityLimiter, list[float]]] = {}
+        #: Per host name, in the trio run that looked them up (see _lookup).
+        self._lookups: dict[str, _Lookup] = {}
+        self._lookups_run: trio.lowlevel.TrioToken | None = None
 
     @classmethod
     def from_limits(cls, limits: httpx.Limits, **kwargs: Any) -> LeanTransport:
@@ -908,24 +921,43 @@ class LeanTransport(httpx.AsyncBaseTransport):
         asked again and again (retries, hedges, calls), took every slot, and every
         other name -- and every thread polygate runs -- waited behind it.  Now such a
         name holds one thread, its calls waiting on it (within their own bounds).
-        Addresses need no lookup."""
+        Addresses need no lookup.  A new connection to a name looked up more than
+        ``_LOOKUP_FRESH_S`` ago costs two lookups (this one, then trio's own, which
+        keeps its happy eyeballs over every address the name has)."""
         if _is_address(host) or _custom_resolver():
             return  # (an application's own resolver answers trio's connect: its rules)
+        token = trio.lowlevel.current_trio_token()
+        if self._lookups_run is not token:
+            # A transport used by another trio run: a lookup that run abandoned would
+            # hold its name's limiter for good (its release goes to the finished run),
+            # and its clock is not this one's.
+            self._lookups, self._lookups_run = {}, token
         entry = self._lookups.get(host)
         if entry is None:
-            entry = self._lookups[host] = (trio.Lock(), trio.CapacityLimiter(1), [-math.inf])
-        turn, thread, answered = entry
-        async with turn:
-            if trio.current_time() - answered[0] < _LOOKUP_FRESH_S:
+            entry = self._lookups[host] = _Lookup()
+        arrived = trio.current_time()
+        async with entry.turn:
+            if entry.ended_at >= arrived:
+                # A lookup ended while this caller waited its turn: its outcome is this
+                # caller's too (a name that fails fails for all at once, rather than
+                # once a lookup each, in turn, past their timeouts).
+                if entry.failed is not None:
+                    raise socket.gaierror(*entry.failed.args)
+                return
+            if entry.failed is None and trio.current_time() - entry.ended_at < _LOOKUP_FRESH_S:
                 return  # (a burst of connections: one lookup, then trio's own)
             # The thread's token is the name's own, held until the resolver answers,
             # however the caller that started it was cut: the next caller waits for it
             # (cancellably) rather than start another thread.
-            await trio.to_thread.run_sync(
-                socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM,
-                limiter=thread, abandon_on_cancel=True,
-            )
-            answered[0] = trio.current_time()
+            try:
+                await trio.to_thread.run_sync(
+                    socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM,
+                    limiter=entry.thread, abandon_on_cancel=True,
+                )
+            except socket.gaierror as exc:
+                entry.failed, entry.ended_at = exc, trio.current_time()
+                raise
+            entry.failed, entry.ended_at = None, trio.current_time()
 
     def _tls(self) -> ssl.SSLContext:
         if self._ssl_context is None:
