@@ -5,7 +5,6 @@ name httpx refuses, and the gateway's words for an IPv6 address it cannot listen
 from __future__ import annotations
 
 import socket
-import ssl
 import threading
 import time
 from functools import partial
@@ -20,6 +19,7 @@ from polygate.testing import FakeUpstream, Reply
 from polygate.transport import LeanTransport
 
 from .conftest import MESSAGES
+from .test_pool import tls_contexts
 
 
 async def test_a_source_whose_dns_hangs_holds_one_thread_not_every_one(
@@ -71,17 +71,6 @@ async def test_a_source_whose_dns_hangs_holds_one_thread_not_every_one(
     assert len(started) == 1  # (one lookup of the hung name; its callers waited on it)
 
 
-def _tls_pair() -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    trustme = pytest.importorskip("trustme")
-    ca = trustme.CA()
-    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("localhost").configure_cert(server)
-    client = ssl.create_default_context()
-    client.set_alpn_protocols(["http/1.1"])
-    ca.configure_trust(client)
-    return server, client
-
-
 async def test_a_host_names_trailing_dot_is_no_part_of_its_certificate_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -91,7 +80,7 @@ async def test_a_host_names_trailing_dot_is_no_part_of_its_certificate_name(
     real = socket.getaddrinfo
     monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: real(
         "127.0.0.1" if host in ("localhost.", b"localhost.") else host, *a, **k))
-    server_context, client_context = _tls_pair()
+    server_context, client_context = tls_contexts("localhost")
     names: list[str | None] = []
 
     def sni(_sock: Any, name: str | None, _ctx: Any) -> None:

@@ -988,18 +988,25 @@ async def test_an_answer_sent_before_the_body_was_read_is_the_answer() -> None:
     assert info.value.call_stats is not None and info.value.call_stats.attempts == 1
 
 
+def tls_contexts(name: str) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a certificate for ``name`` from a new CA, and a client
+    context (HTTP/1.1) that trusts that CA."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(name).configure_cert(server_context)
+    client_context = ssl.create_default_context()
+    client_context.set_alpn_protocols(["http/1.1"])
+    ca.configure_trust(client_context)
+    return server_context, client_context
+
+
 @asynccontextmanager
 async def tls_server(handler: Callable[[trio.SSLStream[trio.SocketStream]], Awaitable[None]]
                      ) -> AsyncIterator[tuple[str, ssl.SSLContext]]:
     """A loopback TLS server calling ``handler``; yields its base URL and a client
     context that trusts it."""
-    trustme = pytest.importorskip("trustme")
-    ca = trustme.CA()
-    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(server_context)
-    client_context = ssl.create_default_context()
-    client_context.set_alpn_protocols(["http/1.1"])
-    ca.configure_trust(client_context)
+    server_context, client_context = tls_contexts("127.0.0.1")
 
     async def serve(tls: trio.SSLStream[trio.SocketStream]) -> None:
         try:
