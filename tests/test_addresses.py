@@ -214,3 +214,66 @@ def test_a_lookup_abandoned_by_one_trio_run_holds_nothing_in_the_next(monkeypatc
         return body
 
     assert b"ok" in trio.run(second)
+
+
+def _name_request(name: str, port: int = 9) -> Any:
+    import httpx
+
+    return httpx.Request("POST", f"http://{name}:{port}/v1/chat/completions",
+                         content=b'{"model":"m","messages":[{"role":"user","content":"x"}]}')
+
+
+def test_a_name_that_recovers_is_looked_up_again_at_the_same_instant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: under a MockClock that stands still, a caller arriving the instant a
+    lookup failed -- it never waited -- was given that failure (the outcome was shared
+    by time, not by count)."""
+    import httpx
+    import trio.testing
+
+    real = socket.getaddrinfo
+    failing = [True]
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host in ("flip.test", b"flip.test"):
+            if failing[0]:
+                raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+            host = "127.0.0.1"
+        return real(host, port, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+    async def main() -> bytes:
+        async with FakeUpstream(Reply(text="ok")).serve() as url, LeanTransport() as transport:
+            port = int(url.rsplit(":", 1)[1].split("/")[0])
+            with pytest.raises(httpx.ConnectError):
+                await transport.handle_async_request(_name_request("flip.test", port))
+            failing[0] = False
+            return await (await transport.handle_async_request(_name_request("flip.test", port))).aread()
+
+    assert b"ok" in trio.run(main, clock=trio.testing.MockClock())
+
+
+async def test_a_transport_for_many_names_forgets_idle_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: a LeanTransport used as a general httpx transport kept every name it
+    ever looked up (~11 KB each)."""
+    import httpx
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    async with LeanTransport() as transport:
+        for i in range(600):
+            with pytest.raises(httpx.ConnectError):
+                await transport.handle_async_request(_name_request(f"n{i}.example.test"))
+        assert len(transport._lookups) <= 256
+
+
+async def test_a_label_no_resolver_takes_is_a_connect_error() -> None:
+    """Review: a label over 63 characters raised the IDNA codec's bare UnicodeError
+    from a LeanTransport used directly (a Source refuses such a URL at once)."""
+    import httpx
+
+    async with LeanTransport() as transport:
+        with pytest.raises(httpx.ConnectError, match="not a name that can be looked up"):
+            await transport.handle_async_request(_name_request("a" * 64 + ".test"))

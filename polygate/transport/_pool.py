@@ -203,19 +203,22 @@ class _SoftSend(trio.abc.Stream):
 
 #: A host name looked up this recently is not looked up again before trio's connect.
 _LOOKUP_FRESH_S: Final = 5.0
+#: Names a transport keeps its lookups' state for before it forgets idle ones.
+_LOOKUPS_KEPT: Final = 256
 
 
 class _Lookup:
     """A host name's lookups (LeanTransport._lookup): its callers in turn, its one
     lookup thread, and how and when the last lookup ended."""
 
-    __slots__ = ("ended_at", "failed", "thread", "turn")
+    __slots__ = ("ended_at", "failed", "lookups", "thread", "turn")
 
     def __init__(self) -> None:
         self.turn = trio.Lock()
         self.thread = trio.CapacityLimiter(1)
         self.ended_at = -math.inf
         self.failed: socket.gaierror | None = None
+        self.lookups = 0  # lookups ended (with an outcome to share)
 
 
 def _is_address(host: str) -> bool:
@@ -934,13 +937,17 @@ class LeanTransport(httpx.AsyncBaseTransport):
             self._lookups, self._lookups_run = {}, token
         entry = self._lookups.get(host)
         if entry is None:
+            if len(self._lookups) >= _LOOKUPS_KEPT:
+                self._forget_lookups()
             entry = self._lookups[host] = _Lookup()
-        arrived = trio.current_time()
+        seen = entry.lookups
         async with entry.turn:
-            if entry.ended_at >= arrived:
+            if entry.lookups != seen:
                 # A lookup ended while this caller waited its turn: its outcome is this
                 # caller's too (a name that fails fails for all at once, rather than
-                # once a lookup each, in turn, past their timeouts).
+                # once a lookup each, in turn, past their timeouts).  Counted, not
+                # timed: under a clock that stands still, "while it waited" is not
+                # "at the same instant".
                 if entry.failed is not None:
                     raise socket.gaierror(*entry.failed.args)
                 return
@@ -955,9 +962,26 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     limiter=entry.thread, abandon_on_cancel=True,
                 )
             except socket.gaierror as exc:
-                entry.failed, entry.ended_at = exc, trio.current_time()
+                if out_of_now() is None:
+                    # (A failure that hid this process out of descriptors is not the
+                    # name's: those waiting look it up again, once the caller here has
+                    # closed idle connections, rather than be told it is unknown.)
+                    entry.failed, entry.ended_at = exc, trio.current_time()
+                    entry.lookups += 1
                 raise
+            except UnicodeError as exc:
+                # (A label IDNA refuses, over 63 characters: what trio's own connect
+                # raises too, bare.  The settings refuse such a source's URL.)
+                raise socket.gaierror(socket.EAI_NONAME, f"not a name that can be looked up ({exc})") from None
             entry.failed, entry.ended_at = None, trio.current_time()
+            entry.lookups += 1
+
+    def _forget_lookups(self) -> None:
+        """Forget the names no caller is at and no lookup thread holds (a transport
+        used for many names): one looked up again soon costs a lookup, no more."""
+        for name, entry in list(self._lookups.items()):
+            if not entry.turn.locked() and not entry.thread.borrowed_tokens:
+                del self._lookups[name]
 
     def _tls(self) -> ssl.SSLContext:
         if self._ssl_context is None:
