@@ -175,6 +175,33 @@ async def test_callers_waiting_on_a_lookup_that_fails_fail_with_it(monkeypatch: 
     assert len(lookups) == 2
 
 
+async def test_a_lookup_failing_with_a_plain_oserror_is_shared_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: getaddrinfo's EAI_SYSTEM comes as a plain OSError, not a gaierror, and
+    was not shared: three callers failed one lookup after another."""
+    import errno
+
+    import httpx
+
+    lookups: list[str] = []
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        lookups.append(host)
+        time.sleep(0.3)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    async with LeanTransport() as transport:
+        async def one() -> None:
+            with pytest.raises(httpx.ConnectError):
+                await transport.handle_async_request(_name_request("eio.test"))
+
+        began = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(one)
+    assert len(lookups) == 1 and time.monotonic() - began < 0.6
+
+
 def test_a_lookup_abandoned_by_one_trio_run_holds_nothing_in_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     """Review: a transport used by two trio runs, the first abandoning a hung lookup:
     its thread's release went to the finished run, and the name stayed blocked for

@@ -217,7 +217,7 @@ class _Lookup:
         self.turn = trio.Lock()
         self.thread = trio.CapacityLimiter(1)
         self.ended_at = -math.inf
-        self.failed: socket.gaierror | None = None
+        self.failed: OSError | None = None
         self.lookups = 0  # lookups ended (with an outcome to share)
 
 
@@ -949,7 +949,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 # timed: under a clock that stands still, "while it waited" is not
                 # "at the same instant".
                 if entry.failed is not None:
-                    raise socket.gaierror(*entry.failed.args)
+                    raise type(entry.failed)(*entry.failed.args)
                 return
             if entry.failed is None and trio.current_time() - entry.ended_at < _LOOKUP_FRESH_S:
                 return  # (a burst of connections: one lookup, then trio's own)
@@ -961,7 +961,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM,
                     limiter=entry.thread, abandon_on_cancel=True,
                 )
-            except socket.gaierror as exc:
+            except OSError as exc:  # (getaddrinfo's EAI_SYSTEM is a plain OSError)
                 if out_of_now() is None:
                     # (A failure that hid this process out of descriptors is not the
                     # name's: those waiting look it up again, once the caller here has
