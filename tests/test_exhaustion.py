@@ -121,17 +121,19 @@ _SCRIPT = textwrap.dedent('''
     import json, os, resource, sys
     import trio, polygate
 
-    a, b = sys.argv[1:3]
+    a, b, calls = sys.argv[1], sys.argv[2], int(sys.argv[3])
     settings = polygate.Settings(scopes={
         "a": polygate.Scope(sources=[polygate.Source(name="a", base_url=a, model="m")]),
-        "b": polygate.Scope(sources=[polygate.Source(name="b", base_url=b, model="m")]),
+        "b": polygate.Scope(sources=[polygate.Source(name="b", base_url=b, model="m")],
+                            retry=polygate.Retry(max_attempts=1)),
     })
     msgs = [{"role": "user", "content": "hi"}]
 
     async def main():
+        results = []
         async with polygate.session(settings) as s:
             async with trio.open_nursery() as burst:
-                for _ in range(20):
+                for _ in range(40):
                     burst.start_soon(lambda: s.chat(msgs, scope="a"))
             held = []
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -141,16 +143,24 @@ _SCRIPT = textwrap.dedent('''
                     held.append(os.open("/dev/null", os.O_RDONLY))
                 except OSError:
                     break
+
+            async def one():
+                try:
+                    with trio.fail_after(10):
+                        answer = await s.chat(msgs, scope="b")
+                    results.append(["ok", answer.source])
+                except polygate.PolygateError as exc:
+                    results.append([type(exc).__name__, str(exc)[:300]])
             try:
-                with trio.fail_after(10):
-                    answer = await s.chat(msgs, scope="b")
-                result = ["ok", answer.source]
-            except polygate.PolygateError as exc:
-                result = [type(exc).__name__, str(exc)[:300]]
+                async with trio.open_nursery() as calling:
+                    for _ in range(calls):
+                        calling.start_soon(one)
             finally:
                 for fd in held:
                     os.close(fd)
-        print(json.dumps(result))
+            states = (await s.statistics()).governance.sources
+            results.append([f"{x.state.breaker.value}:{x.state.consecutive_failures}" for x in states])
+        print(json.dumps(results))
 
     trio.run(main)
 ''')
@@ -166,11 +176,11 @@ async def test_out_of_descriptors_the_pool_gives_back_its_idle_connections(host:
     async with FakeUpstream(Reply(tokens=2)).serve() as a, FakeUpstream(Reply(tokens=2)).serve() as b:
         b = b.replace("127.0.0.1", host)
         done = await trio.run_process(
-            [sys.executable, "-c", _SCRIPT, a, b], capture_stdout=True, capture_stderr=True,
+            [sys.executable, "-c", _SCRIPT, a, b, "1"], capture_stdout=True, capture_stderr=True,
             check=False)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-    result: Any = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    assert result == ["ok", "b"], result
+    results: Any = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert results == [["ok", "b"], ["closed:0", "closed:0"]], results
     log = done.stderr.decode()
     assert "out of file descriptors (EMFILE)" in log and "closing" in log, log[-2000:]
 
@@ -330,56 +340,6 @@ async def test_a_refused_connect_is_never_taken_for_this_process_s(
     assert classify_exception(refused.value).exhausted is None
 
 
-_WAITERS_SCRIPT = textwrap.dedent('''
-    import json, os, resource, sys
-    import trio, polygate
-
-    a, b = sys.argv[1:3]
-    settings = polygate.Settings(scopes={
-        "a": polygate.Scope(sources=[polygate.Source(name="a", base_url=a, model="m")]),
-        "b": polygate.Scope(sources=[polygate.Source(name="b", base_url=b, model="m")],
-                            retry=polygate.Retry(max_attempts=1)),
-    })
-    msgs = [{"role": "user", "content": "hi"}]
-
-    async def main():
-        results = []
-        async with polygate.session(settings) as s:
-            async with trio.open_nursery() as burst:
-                for _ in range(40):
-                    burst.start_soon(lambda: s.chat(msgs, scope="a"))
-            held = []
-            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-            while True:
-                try:
-                    held.append(os.open("/dev/null", os.O_RDONLY))
-                except OSError:
-                    break
-
-            async def one():
-                try:
-                    with trio.fail_after(10):
-                        answer = await s.chat(msgs, scope="b")
-                    results.append(["ok", answer.source])
-                except polygate.PolygateError as exc:
-                    results.append([type(exc).__name__, str(exc)[:200]])
-            try:
-                async with trio.open_nursery() as n:
-                    for _ in range(6):
-                        n.start_soon(one)
-            finally:
-                for fd in held:
-                    os.close(fd)
-            stats = await s.statistics()
-            results.append([str(src.state.breaker.value) + ":" + str(src.state.consecutive_failures) for src in stats.governance.sources])
-        print(json.dumps(results))
-
-    trio.run(main)
-''')
-
-
-
 @pytest.mark.timeout(60)
 async def test_the_waiters_of_a_lookup_that_hid_an_exhaustion_look_the_name_up_again() -> None:
     """Review of the one-lookup-a-name fix: out of descriptors, the first of six calls
@@ -389,7 +349,7 @@ async def test_the_waiters_of_a_lookup_that_hid_an_exhaustion_look_the_name_up_a
     async with FakeUpstream(Reply(tokens=2)).serve() as a, FakeUpstream(Reply(tokens=2)).serve() as b:
         b = b.replace("127.0.0.1", "localhost")
         done = await trio.run_process(
-            [sys.executable, "-c", _WAITERS_SCRIPT, a, b], capture_stdout=True, capture_stderr=True,
+            [sys.executable, "-c", _SCRIPT, a, b, "6"], capture_stdout=True, capture_stderr=True,
             check=False)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     results: Any = json.loads(done.stdout.decode().strip().splitlines()[-1])
