@@ -76,14 +76,19 @@ class RedisBackend:
             host=opts.host, port=opts.port, db=opts.db, username=opts.username,
             password=opts.password, connect_timeout=self.timeout_s * 0.5,
             stream_timeout=self.timeout_s, pool_timeout=self.timeout_s,
-            retry_policy=coredis.retry.NoRetryPolicy(), client_name="polygate-cache", **ssl_kw,
+            # (No client name: coredis would send CLIENT SETNAME at each connection and
+            # fail it where an ACL or rename-command refuses CLIENT, a common hardening.)
+            retry_policy=coredis.retry.NoRetryPolicy(), **ssl_kw,
         )
         self._client.connection_pool.connection_class = closing_connection_class(coredis)
         stack = contextlib.AsyncExitStack()
         await stack.enter_async_context(self._client)
         self._stack = stack
         try:
-            await self._bounded(lambda: self._client.ping(), "PING")
+            # An MGET under the prefix, not a PING: the commands the cache uses are the
+            # ones a least-privilege user is given (a user without PING logged an
+            # outage at every start, though the cache worked).
+            await self._bounded(lambda: self._client.mget([self._prefix + "probe"]), "MGET")
         except CacheBackendError as exc:
             return str(exc)  # counted and logged with the other failures (open_cache)
         return None

@@ -329,7 +329,9 @@ class RedisBackend:
             host=opts.host, port=opts.port, db=opts.db, username=opts.username,
             password=opts.password, connect_timeout=self._timeout * 0.3,
             stream_timeout=self._timeout * 0.6, pool_timeout=self._timeout,
-            retry_policy=coredis.retry.NoRetryPolicy(), client_name="polygate", **ssl_kw,
+            # (No client name: coredis would send CLIENT SETNAME at each connection and
+            # fail it where an ACL or rename-command refuses CLIENT, a common hardening.)
+            retry_policy=coredis.retry.NoRetryPolicy(), **ssl_kw,
         )
         self._client.connection_pool.connection_class = closing_connection_class(coredis)
         stack = contextlib.AsyncExitStack()
