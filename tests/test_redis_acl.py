@@ -78,3 +78,24 @@ async def test_a_server_that_refuses_client_runs_polygate(locked_redis: RedisSer
     if what == "cache":
         assert stats.cache.errors == 0 and stats.cache.hits == 1
     assert "client" not in caplog.text.lower()
+
+
+async def test_a_user_refused_a_command_the_scripts_call_is_told_at_start(locked_redis: RedisServer) -> None:
+    """The review: a user without PEXPIRE started (the start-up probe calls TIME alone),
+    then every admission failed "on @user_script:293", naming no command, and left the
+    permit and window entry it had written before it (Redis rolls no script back): the
+    fleet's max_in_flight used up until the leases lapsed.  Now said at start, by name,
+    with nothing written."""
+    port = locked_redis.port
+    rules = _acl_line("distributed.md", "polygate")
+    rules.remove("+pexpire")
+    assert command(port, "ACL", "SETUSER", "nopexpire", *rules) == b"+OK"
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
+        backend=f"redis://nopexpire:pw-SECRET@127.0.0.1:{port}/0",
+    )
+    with pytest.raises(polygate.GovernanceBackendError, match="may not run PEXPIRE") as caught:
+        async with polygate.session(settings):
+            pass
+    assert "pw-SECRET" not in str(caught.value)
+    assert command(port, "DBSIZE") == b":0"

@@ -221,13 +221,14 @@ _SCRIPT_REFUSED = re.compile(r"'(?:script|eval)[^']*'", re.IGNORECASE)
 _SCRIPTING_OFF = re.compile(r"\bscripting\b", re.IGNORECASE)
 
 _PROBE = _Script("probe", lua.PROBE)
+_PERMITS = _Script("permits", lua.PERMITS)
 #: Abandoned admissions remembered at most (a long hang behind a proxy that accepts
 #: and never answers adds one per call): past it, the oldest is left to its lease.
 _MAX_ABANDONED = 10_000
 #: What a closing session gives its last void round (a Redis that answers does so
 #: in a millisecond; a hung one is not waited for longer).
 _CLOSE_VOID_S = 0.25
-_SCRIPTS = (_ADMIT, _SETTLE, _SNAPSHOT, _RENEW, _TAKE, _REFILL, _LEVEL, _PROBE)
+_SCRIPTS = (_ADMIT, _SETTLE, _SNAPSHOT, _RENEW, _TAKE, _REFILL, _LEVEL, _PROBE, _PERMITS)
 
 
 def _coredis() -> Any:
@@ -375,6 +376,18 @@ class RedisBackend:
             raise named from None
         if not isinstance(now, int) or now <= 0:
             raise self._error(f"redis at {self._where} gave no usable TIME to scripts")
+        try:
+            refused = _text(await self._script(
+                _PERMITS, [f"{self.options.prefix}:permits-check"], [], "permits check"))
+        except GovernanceBackendError:
+            refused = ""  # (OOM, a replica: said as at any admission, not here)
+        if refused:
+            # Said now, by name: found at the first admission, it was a script refused
+            # half-way ("on @user_script:293"), its writes before it left in Redis.
+            raise self._error(
+                f"redis at {self._where}: this user may not run {refused.upper()}, which the "
+                "redis backend's scripts call (docs/distributed.md gives the ACL line)"
+            )
 
     def _refused_at_start(
         self, exc: GovernanceBackendError, what: str, *, first: bool = True

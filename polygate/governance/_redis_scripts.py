@@ -550,6 +550,33 @@ BUDGET_LEVEL = _BUDGET + r"""
 return fmt(level)
 """
 
+# Checks at start-up that this user may run every command the scripts call: Redis 7
+# applies a user's ACL inside scripts, and a script refused a command half-way keeps
+# what it wrote before it (a permit, a window entry: nobody's, until they lapse).  Each
+# is tried on a scratch key under the prefix (KEYS[1]) with pcall; returns the names of
+# those an ACL refused ("can't run this command"; '' when none).  Any other error (OOM,
+# WRONGTYPE, a key pattern's NOPERM, said at any admission) is not this check's business.
+PERMITS = r"""
+local k = KEYS[1]
+local refused = {}
+local function try(...)
+  local r = redis.pcall(...)
+  if type(r) == 'table' and r.err and string.find(r.err, "can't run this command", 1, true) then
+    refused[#refused + 1] = string.lower((...))
+  end
+end
+try('TIME')
+try('EXISTS', k) try('GET', k) try('TYPE', k) try('SET', k, '0', 'PX', 60000) try('INCR', k)
+try('PEXPIRE', k, 60000) try('DEL', k)
+try('HSET', k, 'f', '0') try('HGET', k, 'f') try('HMGET', k, 'f') try('HEXISTS', k, 'f')
+try('HINCRBY', k, 'f', 1) try('HKEYS', k) try('HVALS', k) try('HLEN', k) try('HDEL', k, 'f')
+redis.pcall('DEL', k)
+try('ZADD', k, 0, 'm') try('ZSCORE', k, 'm') try('ZCARD', k) try('ZRANGE', k, 0, 0)
+try('ZRANGEBYSCORE', k, 0, 1) try('ZREMRANGEBYSCORE', k, 2, 3) try('ZREM', k, 'm')
+redis.pcall('DEL', k)
+return table.concat(refused, ' ')
+"""
+
 # Checks at start-up that scripts run and TIME is readable inside them.
 PROBE = r"""
 local t = redis.call('TIME')
