@@ -49,13 +49,13 @@ HELD_CUT_S: Final = 5.0
 
 def _held_cut(error: UpstreamError, held_s: float) -> bool:
     """Whether ``error`` is a cut of a stream its caller held ``held_s`` at one stretch
-    (then said so in its message: the operator sees why it is no breaker's business)."""
+    (then said so in its message: the operator sees why it is no breaker's business).
+    Asked once an attempt, as it settles: before its error reaches anyone."""
     if not error.cut or held_s < HELD_CUT_S:
         return False
-    if "the caller held" not in error.message:
-        error.message = (f"{error.message} (after the caller held the stream {held_s:.1f} s "
-                         "at one stretch: a server may cut a reader that stops reading)")
-        error.args = (error.message,)
+    error.message = (f"{error.message} (after the caller held the stream {held_s:.1f} s "
+                     "at one stretch: a server may cut a reader that stops reading)")
+    error.args = (error.message,)
     return True
 
 
@@ -374,7 +374,6 @@ async def _guarded(
             outcome = control.cancel_reason
             raise AttemptCancelled(outcome) from None
         error = exc
-        _held_cut(exc, timeline.longest_hold_s)
         # The session closed under it (a call from a task outside the session block,
         # its connection cut by the pool's close): the caller's doing, not the
         # upstream's -- settled as a cancellation, no breaker, no health.

@@ -159,7 +159,7 @@ class _Disconnected(Exception):
 
 #: A request this large is written over TLS a piece at a time, a failed write ending
 #: the writing without breaking the stream (see _SoftSend); a smaller one in one write.
-_WATCHED_TLS_SEND: Final = 64 * 1024
+_SOFT_TLS_SEND: Final = 64 * 1024
 _TLS_SEND_PIECE: Final = 64 * 1024
 
 
@@ -273,7 +273,7 @@ class _Connection:
         rest = await write_first(self.stream, data)
         if not rest:
             return
-        send = (self._send_soft if len(rest) > _WATCHED_TLS_SEND
+        send = (self._send_soft if len(rest) > _SOFT_TLS_SEND
                 and type(self.stream) is not trio.SocketStream else self.stream.send_all)
         if limit_s is None:
             await send(rest)

@@ -390,8 +390,7 @@ async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None
         hint=refusal_hint(status, payload) if payload is not None else None,
     )
     error.code = code
-    if payload is not None:
-        error.param = error_param(payload, endpoint.secrets)
+    error.param = error_param(payload, endpoint.secrets)
     raise error
 
 
