@@ -136,3 +136,22 @@ def test_identity_in_any_case_is_accepted() -> None:
     response = httpx.Response(200, content=b"{}", headers=[("content-encoding", "Identity")])
     assert check_encoding(response, "s", ()) is None
     assert check_encoding(httpx.Response(200, headers=[("content-encoding", "GZIP")]), "s", ())
+
+
+@pytest.mark.parametrize("coding", ["identity, identity", "identity,", ", identity", "identity, ,"])
+def test_a_list_of_nothing_but_identity_is_no_coding(coding: str) -> None:
+    """Review (compression): Content-Encoding is a list (RFC 9110 8.4, 5.6.1.2: empty
+    items are ignored), and two ``identity`` lines arrive joined; read as one string,
+    such a plain answer was refused and fed the source's breaker.  The gateway's own
+    request check already read it as a list."""
+    assert check_encoding(httpx.Response(200, headers=[("content-encoding", coding)]), "s", ()) is None
+
+
+@pytest.mark.parametrize("coding", ["identity, gzip", "gzip, identity", ", br"])
+def test_a_list_with_any_real_coding_is_refused(coding: str) -> None:
+    assert check_encoding(httpx.Response(200, headers=[("content-encoding", coding)]), "s", ())
+
+
+def test_two_identity_lines_are_no_coding() -> None:
+    headers = [("content-encoding", "identity"), ("content-encoding", "identity")]
+    assert check_encoding(httpx.Response(200, headers=headers), "s", ()) is None

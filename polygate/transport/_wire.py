@@ -275,7 +275,9 @@ def check_encoding(response: httpx.Response, source: str, secrets: Sequence[str]
     one cap, ``max_body_bytes``, measuring what is held.
     """
     coding = header_of(response, "content-encoding").strip()
-    if coding.lower() in ("", "identity"):
+    # A list (RFC 9110 8.4; empty items ignored, 5.6.1.2), and repeated lines arrive
+    # joined: only items that are all ``identity`` mean no coding.
+    if all(item.strip().lower() in ("", "identity") for item in coding.split(",")):
         return None
     # As sent (a key in it is redacted by the exchange only if its case is kept), and
     # cut short of 40 characters the way that drops a key's cut tail.
