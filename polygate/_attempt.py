@@ -17,7 +17,7 @@ loser is fully accounted before its round's nursery exits.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import trio
@@ -70,6 +70,12 @@ def _past(limit: float) -> float:
 
 #: Below it, the floats are closer than the grace (ulp(2**30) is 2.4e-7 s).
 _GRACE_MOVES_BELOW: Final = 2.0**30
+
+
+def _trace(ctx: CallContext, record: AttemptRecord) -> Sequence[tuple[str, str]]:
+    """The trace context the attempt's request carries; none unless the session traces."""
+    headers = ctx.runtime.trace_headers
+    return () if headers is None else headers(ctx, record)
 
 
 class AttemptControl:
@@ -251,6 +257,7 @@ async def run_chat_attempt(
             timeline=timeline,
             on_content=on_content,
             call_id=ctx.logical_call_id,
+            trace=_trace(ctx, control.record),
             # Only the round's consumer (a stream's caller, a hedge's monitor) waits
             # for a first token; the watchdogs above need no scheduler pass for it.
             hand_on_first_token=forward is not None,
@@ -294,6 +301,7 @@ async def run_embed_attempt(
         return await embeddings_exchange(
             ctx.runtime.transport, endpoint, inputs, ctx.params,
             limits=ctx.runtime.limits, timeline=timeline, call_id=ctx.logical_call_id,
+            trace=_trace(ctx, control.record),
         )
 
     def usage_of(result: tuple[list[list[float]], Any]) -> Usage:

@@ -707,7 +707,7 @@ async def cached_embed(
                 response = await run_embed(
                     runtime, scope, [texts[k] for k in led], params, call.deadline_s,
                     part_of=call.ctx.logical_call_id, started_at=call.ctx.started_at,
-                    live=held, numbers=call.numbers,
+                    live=held, numbers=call.numbers, whole=call.ctx,
                 )
             except BaseException as exc:
                 if isinstance(getattr(exc, "call_stats", None), CallStats):

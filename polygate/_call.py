@@ -920,6 +920,7 @@ async def run_embed(
     started_at: float | None = None,
     live: list[CallContext] | None = None,
     numbers: Iterator[int] | None = None,
+    whole: CallContext | None = None,
 ) -> EmbeddingResponse:
     """Batches of ``embed_batch_size`` run concurrently in the call's nursery, each with
     its own retry loop; vectors are reassembled in input order and ``generation_ms`` is
@@ -930,7 +931,8 @@ async def run_embed(
     ``started_at``: when that call began (see :func:`run_chat`); ``live``: gets this
     run's context, so that layer counts its attempts while it runs (its call may end
     first, on an error it shares with another flight); ``numbers``: that call's one
-    numbering of attempts, shared by all of its runs."""
+    numbering of attempts, shared by all of its runs; ``whole``: that call's context,
+    whose attempts list gets this run's too (its spans are made from it)."""
     scope = runtime.settings.scopes[scope_name]
     began = trio.current_time() if started_at is None else started_at
     ctx = CallContext(runtime, scope_name, scope, "embed", began, params=params,
@@ -941,6 +943,7 @@ async def run_embed(
         ctx.logical_call_id = part_of
         ctx.record_call = False
     ctx.attempt_numbers = numbers
+    ctx.whole = whole
     size = scope.embed_batch_size
     batches = [list(inputs[i : i + size]) for i in range(0, len(inputs), size)]
     results: list[tuple[AttemptRecord, Any] | None] = [None] * len(batches)

@@ -61,6 +61,14 @@ class NullRecorder:
         return None
 
 
+class TraceHeaders(Protocol):
+    """The trace context an attempt's request carries (W3C ``traceparent`` and what
+    else the application's propagator writes): called as the request is built, once
+    or more an attempt; never blocks, never raises."""
+
+    def __call__(self, ctx: CallContext, record: AttemptRecord) -> Sequence[tuple[str, str]]: ...
+
+
 @attrs.define(eq=False)
 class Runtime:
     """What every call of one session shares."""
@@ -69,6 +77,9 @@ class Runtime:
     transport: httpx.AsyncBaseTransport
     governor: Governor
     recorder: Recorder = attrs.field(factory=NullRecorder)
+    #: The trace context headers an attempt's request carries (``traceparent``…): the
+    #: tracing recorder's, None when the session does not trace.
+    trace_headers: TraceHeaders | None = None
     rng: random.Random = attrs.field(factory=random.Random)
     endpoints: dict[tuple[str, str], Endpoint] = attrs.field(init=False)
     limits: Limits = attrs.field(init=False)
@@ -166,6 +177,8 @@ class AttemptRecord:
     #: The estimate of the prompt this attempt sent (a continuation's is bigger than
     #: the call's): what its usage is estimated with when it reports none.
     prompt_estimate: int = 0
+    #: Its live OpenTelemetry span, once its request carried the span's context.
+    trace: Any = attrs.field(default=None, repr=False)
 
 
 @attrs.define(eq=False)
@@ -260,6 +273,12 @@ class CallContext:
     #: The numbering of the attempts of the logical call this context is part of, when
     #: it is one of several (an embed's runs of its cache misses); else its own count.
     attempt_numbers: Iterator[int] | None = None
+    #: The context of that logical call, when this is one of its runs: each attempt
+    #: is listed in its ``attempts`` too (the call's spans are made from that list).
+    whole: CallContext | None = None
+    #: The call's live OpenTelemetry span, once an attempt needed its context (the
+    #: tracing recorder's; None when the session does not trace).
+    trace: Any = None
 
     @property
     def estimate(self) -> int:
@@ -280,6 +299,8 @@ class CallContext:
             scope=admission.scope,
         )
         self.attempts.append(record)
+        if self.whole is not None:
+            self.whole.attempts.append(record)
         return record
 
 

@@ -143,6 +143,11 @@ class Session:
         itself)."""
         return KeyQuotas(self._runtime.settings.serve.keys, self._runtime.governor)
 
+    def _traces(self) -> bool:
+        """Whether this session's calls make OpenTelemetry spans (for ``polygate
+        serve``, which then joins each request's call to its client's trace)."""
+        return self._telemetry is not None and self._telemetry.traces
+
     # ------------------------------------------------------------------ calls
 
     async def chat(
@@ -1119,7 +1124,7 @@ async def session_on(
                 governor = Governor(settings, backend, rng=rng)
                 runtime = Runtime(
                     settings, transport, governor, rng=rng, recorder=telemetry.recorder,
-                    nursery=nursery,
+                    nursery=nursery, trace_headers=telemetry.trace_headers,
                 )
                 telemetry.start(nursery, governor)
                 if cache is not None:

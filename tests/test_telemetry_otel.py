@@ -70,6 +70,12 @@ def _ms(span: ReadableSpan) -> float:
     return (span.end_time - span.start_time) / 1e6
 
 
+def _traceparent(span: ReadableSpan) -> str:
+    assert span.context is not None
+    context = span.context
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+
 async def test_hedged_call_spans(
     autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:
@@ -229,10 +235,12 @@ async def test_an_ocr_call_has_an_ocr_span_and_a_chat_span_per_page(
     Image.new("RGB", (20, 20), "white").save(image, "PNG")
     scope = polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1", model="m1")])
     settings = polygate.Settings(scopes={"ocr": scope})
-    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(text="x"))})) as s:
+    upstream = FakeUpstream(Reply(text="x"))
+    async with polygate.session(settings, transport=Router({"a": upstream})) as s:
         await s.ocr(image.getvalue())
     call, [attempt] = _by_name(exporter.get_finished_spans())
     assert call.name == "ocr ocr" and attempt.name == "chat m1"
+    assert upstream.requests[0].headers.get("traceparent") == _traceparent(attempt)
     assert call.attributes is not None and attempt.attributes is not None
     assert call.attributes["gen_ai.operation.name"] == "chat"
     assert attempt.attributes["gen_ai.operation.name"] == "chat"
@@ -319,3 +327,132 @@ async def test_an_attempt_asked_again_has_the_same_error_in_its_span_and_its_row
     attributes = dict(span.attributes or {})
     assert row == ("fatal", "FatalUpstreamError")
     assert (attributes["polygate.attempt.outcome"], attributes["error.type"]) == row
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_an_embed_call_on_a_cached_scope_has_its_attempt_spans(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter,
+    fails: bool,
+) -> None:
+    """Review (otel): the cache layer sends an embed call's misses as runs of their own
+    (their attempts carry the call's id); their attempts had rows but no spans, the
+    call span saying ``polygate.attempts=2`` over no child."""
+    settings = polygate.Settings(cache="memory", scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", model="e1")],
+        cache_ttl_s=60, embed_batch_size=1)})
+    upstream = FakeUpstream(Reply(status=503) if fails else Reply())
+    async with polygate.session(settings, transport=Router({"a": upstream})) as s:
+        if fails:
+            with pytest.raises(polygate.AllSourcesExhausted) as caught:
+                await s.embed(["x"])
+            stats = caught.value.call_stats
+        else:
+            await s.embed(["x"])
+            exporter.clear()
+            stats = (await s.embed(["x", "y", "z"])).call_stats  # x a hit, y and z sent
+    assert stats is not None
+    call, attempts = _by_name(exporter.get_finished_spans())
+    assert dict(call.attributes or {})["polygate.attempts"] == stats.attempts == len(attempts)
+    assert stats.attempts == (3 if fails else 2)
+    ids = {dict(a.attributes or {})["polygate.attempt.id"] for a in attempts}
+    assert ids == {f"{stats.logical_call_id}.{n}" for n in range(1, stats.attempts + 1)}
+    for attempt in attempts:
+        assert attempt.parent is not None and attempt.parent.span_id == call.context.span_id
+        assert attempt.name == "embeddings e1"
+
+
+async def test_a_cancelled_call_span_names_no_error_type(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """Review (otel): the conventions set ``error.type`` only when an operation failed,
+    and backends count errors by it; a caller's cancel set it to trio's ``Cancelled``."""
+    async with polygate.session(_settings(), transport=Router({"a": FakeUpstream(Reply(first_token_s=60))})) as s:
+        with trio.move_on_after(3):
+            await s.chat(MESSAGES)
+    call, [attempt] = _by_name(exporter.get_finished_spans())
+    assert "error.type" not in dict(call.attributes or {})
+    assert "error.type" not in dict(attempt.attributes or {})
+
+
+async def test_a_span_that_cannot_be_emitted_is_logged_not_raised(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review (otel): a processor that raises lost every call's spans with no word
+    anywhere (the count kept was read by nothing).  The call is unharmed; the loss is
+    logged, once a minute at most, by the exception's class (its text may quote
+    anything)."""
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class Broken(SpanProcessor):
+        def on_end(self, span: ReadableSpan) -> None:
+            raise RuntimeError("collector said sk-SECRET-in-its-text")
+
+    provider = TracerProvider()
+    provider.add_span_processor(Broken())
+    monkeypatch.setattr(polygate._session, "open_telemetry",
+                        functools.partial(open_telemetry, tracer_provider=provider))
+    caplog.set_level("WARNING", logger="polygate.telemetry")
+    async with polygate.session(_settings(), transport=Router({"a": FakeUpstream(Reply())})) as s:
+        for _ in range(3):
+            assert (await s.chat(MESSAGES)).text
+    lost = [r for r in caplog.records if "span" in r.getMessage()]
+    assert len(lost) == 1, caplog.text
+    assert "RuntimeError" in lost[0].getMessage() and "sk-SECRET" not in caplog.text
+
+
+async def test_each_upstream_request_carries_its_attempt_spans_trace_context(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """Review (otel): an upstream that traces (vLLM, TGI) joins its spans to the
+    caller's trace only through the request's ``traceparent``; none was sent.  Each
+    attempt sends its own span's, the hedge's too; the durations stay exact."""
+    a = FakeUpstream(Reply(first_token_s=20, tokens=4))
+    b = FakeUpstream(Reply(first_token_s=1, inter_token_s=0.5, tokens=4))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        await s.chat(MESSAGES)
+    call, (loser, winner) = _by_name(exporter.get_finished_spans())
+    assert [r.headers.get("traceparent") for r in a.requests] == [_traceparent(loser)]
+    assert [r.headers.get("traceparent") for r in b.requests] == [_traceparent(winner)]
+    assert _ms(call) == pytest.approx(10_500, abs=0.01)
+    assert _ms(winner) == pytest.approx(2_500, abs=0.01)
+    assert winner.start_time is not None and call.start_time is not None
+    assert (winner.start_time - call.start_time) / 1e9 == pytest.approx(8, abs=1e-5)
+
+
+async def test_a_cached_embed_calls_batches_carry_theirs(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    settings = polygate.Settings(cache="memory", scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", model="e1")],
+        cache_ttl_s=60, embed_batch_size=1)})
+    upstream = FakeUpstream(Reply())
+    async with polygate.session(settings, transport=Router({"a": upstream})) as s:
+        await s.embed(["x", "y"])
+    _call, attempts = _by_name(exporter.get_finished_spans())
+    sent = sorted(r.headers["traceparent"] for r in upstream.requests)
+    assert sent == sorted(_traceparent(span) for span in attempts) and len(sent) == 2
+
+
+async def test_the_callers_baggage_goes_along(
+    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    from opentelemetry import baggage, context
+
+    upstream = FakeUpstream(Reply())
+    token = context.attach(baggage.set_baggage("tenant", "acme"))
+    try:
+        async with polygate.session(_settings(), transport=Router({"a": upstream})) as s:
+            await s.chat(MESSAGES)
+    finally:
+        context.detach(token)
+    assert upstream.requests[0].headers.get("baggage") == "tenant=acme"
+
+
+async def test_without_tracing_no_trace_context_is_sent(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    upstream = FakeUpstream(Reply())
+    async with polygate.session(_settings(), transport=Router({"a": upstream})) as s:
+        await s.chat(MESSAGES)
+    assert "traceparent" not in upstream.requests[0].headers

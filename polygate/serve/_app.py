@@ -46,6 +46,7 @@ from ._json import Unencodable, dump, has_lone_surrogate
 from ._meter import CURRENT, CallMeter, tap
 from ._metrics import Metrics, render
 from ._sse import KEEPALIVE, StreamShape, error_event, reported_usage, string_content
+from ._trace import Joiner, joiner
 from ._unavailable import UnavailableSession
 
 __all__ = ["NO_CALL", "Gateway", "answer", "endpoint_label"]
@@ -102,6 +103,9 @@ class Gateway:
     reach: dict[str, frozenset[str]] = attrs.field(init=False, repr=False)
     #: Each such key's own ``/v1/models``: what it may name.
     reach_body: dict[str, bytes] = attrs.field(init=False, repr=False)
+    #: Runs a request's call in its client's trace context; None when the session
+    #: does not trace (nothing is read then).
+    join_trace: Joiner | None = attrs.field(init=False, repr=False)
     users: int = 0
     retired: bool = False
     idle: trio.Event = attrs.field(factory=trio.Event)
@@ -109,6 +113,7 @@ class Gateway:
     def __attrs_post_init__(self) -> None:
         if isinstance(self.session, Session):
             tap(self.session)  # every call counted in /metrics, cancelled ones too
+        self.join_trace = joiner() if isinstance(self.session, Session) and self.session._traces() else None
         # Keys are compared as SHA-256 digests: equal lengths, and hmac.compare_digest
         # over every configured key (no early exit) leaks neither a key nor which one.
         serve = self.settings.serve
@@ -248,7 +253,12 @@ async def answer(ctx: Context, request: Request) -> None:
     endpoint, status = request.path, 500
     code: str | None = None  # (the leftover call's result, where the status says less)
     try:
-        endpoint, status = await _route(ctx, request)
+        join = ctx.gateway.join_trace
+        if join is None:
+            endpoint, status = await _route(ctx, request)
+        else:
+            with join(request.headers):
+                endpoint, status = await _route(ctx, request)
     except ClientGone:
         status = 499  # nginx's "client closed request"
     except MemoryError:

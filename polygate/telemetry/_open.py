@@ -23,19 +23,22 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import trio
 
 from .._config import Settings, mask_url
-from .._context import AttemptRecord, CallContext, NullRecorder, Recorder
+from .._context import AttemptRecord, CallContext, NullRecorder, Recorder, TraceHeaders
 from .._errors import ConfigError
 from .._secrets import frameless
 from .._threads import run_sync
 from .._types import CallStats, Usage
 from ._recorder import TelemetryRecorder
 from ._sink import OFF, Pipeline, Sink, TelemetryStatistics, _GovernanceLike, real_time_bound
+
+if TYPE_CHECKING:  # (imported only when opentelemetry is: see _otel_recorder)
+    from ._otel import OtelRecorder
 
 __all__ = ["Telemetry", "check_sink", "open_sink", "open_telemetry"]
 
@@ -51,8 +54,14 @@ class Telemetry:
     """What one session owns: a pipeline to a sink (or none), and the recorder the
     calls report to."""
 
-    def __init__(self, pipeline: Pipeline | None, *recorders: Recorder) -> None:
+    def __init__(
+        self, pipeline: Pipeline | None, *recorders: Recorder,
+        trace_headers: TraceHeaders | None = None,
+    ) -> None:
         self.pipeline = pipeline
+        #: The OpenTelemetry recorder's, when one of the recorders makes spans.
+        self.trace_headers = trace_headers
+        self.traces = trace_headers is not None
         self.recorder: Recorder = (
             NullRecorder() if not recorders
             else recorders[0] if len(recorders) == 1
@@ -218,7 +227,7 @@ async def _bounded_open(
     return sink
 
 
-def _otel_recorder(settings: Settings, tracer_provider: Any) -> Recorder | None:
+def _otel_recorder(settings: Settings, tracer_provider: Any) -> OtelRecorder | None:
     if tracer_provider is None and "opentelemetry.trace" not in sys.modules:
         # An application that never imported OpenTelemetry has set no provider: skip
         # the import (tens of milliseconds) at every session start.
@@ -277,7 +286,9 @@ async def open_telemetry(
         otel = _otel_recorder(settings, tracer_provider)
         if otel is not None:
             recorders.append(otel)
-        telemetry = Telemetry(pipeline, *recorders)
+        telemetry = Telemetry(
+            pipeline, *recorders, trace_headers=otel.trace_headers if otel is not None else None
+        )
     except BaseException:
         if sink is not None:
             sink.close()

@@ -132,6 +132,7 @@ async def chat_exchange(
     timeline: Timeline,
     on_content: OnContent | None = None,
     call_id: str | None = None,
+    trace: Sequence[tuple[str, str]] = (),
     hand_on_first_token: bool = True,
     on_extra: OnExtra | None = None,
     on_finished: Callable[[float], float] | None = None,
@@ -149,7 +150,9 @@ async def chat_exchange(
     ``hand_on_first_token``: someone waits for the first token (a stream's caller), so
     a read that brings more than it is parsed after a pass of the scheduler (see
     :func:`_hand_on_first_token`); False where the whole answer is all anyone waits for
-    (a ``chat()`` that no hedge watches), which saves two scheduler passes a call."""
+    (a ``chat()`` that no hedge watches), which saves two scheduler passes a call.
+
+    ``trace``: the attempt's trace context headers (``traceparent``…), sent as they are."""
     stream = endpoint.streams
 
     async def read(response: httpx.Response) -> dict[str, Any]:
@@ -180,7 +183,9 @@ async def chat_exchange(
     body = chat_body(endpoint, messages_json, params, stream)
     timeline.sent_stream = stream
     timeline.sent_stream_options = stream and endpoint.asking.stream_options
-    return await _exchange(transport, endpoint, endpoint.chat_url, body, call_id, timeline, read)
+    return await _exchange(
+        transport, endpoint, endpoint.chat_url, body, call_id, timeline, read, trace
+    )
 
 
 async def _exchange(
@@ -191,6 +196,7 @@ async def _exchange(
     call_id: str | None,
     timeline: Timeline,
     read: Callable[[httpx.Response], Awaitable[T]],
+    trace: Sequence[tuple[str, str]] = (),
 ) -> T:
     """POST ``body``, check the status, ``read`` the response, close it, and turn any
     failure into one UpstreamError; the timeline records send, status and end.
@@ -224,10 +230,10 @@ async def _exchange(
         if type(transport) is LeanTransport:  # (a subclass may hook handle_async_request)
             # No httpx.Request to build and take apart (LeanTransport.post); None
             # for a request that is not plain, which then takes the path below.
-            response = await transport.post(url, endpoint.headers(call_id), body, sent)
+            response = await transport.post(url, endpoint.headers(call_id, trace), body, sent)
         if response is None:
             request = httpx.Request(
-                "POST", url, content=body, headers=endpoint.headers(call_id),
+                "POST", url, content=body, headers=endpoint.headers(call_id, trace),
                 extensions={SENT_EXTENSION: sent},
             )
             # A cancelled attempt never reaches the transport (as LeanTransport never
@@ -815,8 +821,10 @@ async def embeddings_exchange(
     limits: Limits,
     timeline: Timeline,
     call_id: str | None = None,
+    trace: Sequence[tuple[str, str]] = (),
 ) -> tuple[list[list[float]], dict[str, Any]]:
-    """Run one embeddings request; vectors come back in input order."""
+    """Run one embeddings request; vectors come back in input order (``trace``: as
+    :func:`chat_exchange`'s)."""
 
     wanted = params.get("dimensions")
     packed = _packed_bits(params)
@@ -860,7 +868,7 @@ async def embeddings_exchange(
 
     body = embeddings_body(endpoint, inputs, params)
     return await _exchange(
-        transport, endpoint, endpoint.embeddings_url, body, call_id, timeline, read
+        transport, endpoint, endpoint.embeddings_url, body, call_id, timeline, read, trace
     )
 
 

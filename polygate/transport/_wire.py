@@ -116,12 +116,17 @@ class Endpoint:
             headers.append(("authorization", f"Bearer {self.api_key}"))
         object.__setattr__(self, "_headers", tuple(headers))
 
-    def headers(self, call_id: str | None = None) -> list[tuple[str, str]]:
+    def headers(
+        self, call_id: str | None = None, trace: Sequence[tuple[str, str]] = ()
+    ) -> list[tuple[str, str]]:
         """Request headers; ``call_id`` lets upstream logs be joined with polygate's
-        (every attempt of one logical call, hedges included, carries the same id)."""
+        (every attempt of one logical call, hedges included, carries the same id), and
+        ``trace`` (the attempt's span context) its traces."""
         headers = list(self._headers)
         if call_id is not None:
             headers.append((CALL_ID_HEADER, call_id))
+        if trace:
+            headers += trace
         return headers
 
     @property
