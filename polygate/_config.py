@@ -667,7 +667,11 @@ class Breaker:
 def _to_tuple(value: Sequence[str] | AbstractSet[str]) -> Any:
     # (Typed for a type checker's sake, as __init__ takes it; anything else is refused
     # by the validator, with a message.)
-    if isinstance(value, (list, frozenset, set)):
+    if isinstance(value, (frozenset, set)):
+        # (A set has no order; its iteration order is the hash seed's, and would make
+        # a Scope's repr, equality and hash differ from one process to the next.)
+        return tuple(sorted(value))
+    if isinstance(value, list):
         return tuple(value)
     return value
 

@@ -79,17 +79,26 @@ __all__ = ["IDLE_S", "RendererStatistics", "Renderers", "new_key"]
 #: cannot cross).
 IDLE_S = 60.0
 _RENDER_FILE = os.path.abspath(_ocr_render.__file__)
+#: The renderer module is loaded by its file, without the package (whose import costs
+#: ~0.2 s a process); where it is no file (polygate imported from a zip: a zipapp, a
+#: zipped vendored tree), by its name through the parent's sys.path, package and all.
 _BOOT = (
     "import importlib.util as u,json,signal,sys;"
     "signal.signal(signal.SIGINT,signal.SIG_IGN);"  # Ctrl-C is the parent's to handle
     "import os;hasattr(os,'nice') and os.nice(19);"  # the event loop first (docstring)
     "sys.path[:]=json.loads(sys.argv[3]);"
-    "s=u.spec_from_file_location('_polygate_ocr_render',sys.argv[1]);"
-    "m=u.module_from_spec(s);sys.modules[s.name]=m;s.loader.exec_module(m);"
+    "s=sys.argv[1]!='-' and u.spec_from_file_location('_polygate_ocr_render',sys.argv[1]);"
+    "m=u.module_from_spec(s) if s else __import__('polygate._ocr_render',fromlist=['serve']);"
+    "s and (sys.modules.__setitem__(s.name,m),s.loader.exec_module(m));"
     "m.serve(float(sys.argv[2]))"
 )
 _PIPE_BYTES = 1 << 20  # a page's messages cross in one or two reads, not dozens
 _keys = itertools.count(1)
+
+
+def _render_arg() -> str:
+    """The renderer module's file for _BOOT, or "-" where it is no file (a zip)."""
+    return _RENDER_FILE if os.path.isfile(_RENDER_FILE) else "-"  # (one stat: no I/O wait)
 
 
 def _exit_after() -> float:
@@ -228,7 +237,7 @@ class _ProcessWorker(_Worker):
                 "OCR renders PDF pages in a worker process, and this interpreter has no "
                 "sys.executable to start one: set Ocr.render_in='thread'"
             )
-        command = [executable, "-I", "-c", _BOOT, _RENDER_FILE, repr(_exit_after()), json.dumps(sys.path)]
+        command = [executable, "-I", "-c", _BOOT, _render_arg(), repr(_exit_after()), json.dumps(sys.path)]
         try:
             # Shielded: trio spawns in a thread, and a cancellation there would lose the
             # Popen of a process already started.  Bounded: a fork and an exec.  Once

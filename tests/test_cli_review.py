@@ -364,3 +364,18 @@ def test_every_error_line_that_names_a_path_shows_it_escaped(
     err = capsys.readouterr().err
     assert "\x1b" not in err, err
     assert "x\\n\\x1b[31mforged: ok" in err.splitlines()[0], err
+
+
+@pytest.mark.parametrize("command", ["demo", "stats", "chat", "serve", "check-config"])
+def test_help_is_whole_under_python_OO(command: str) -> None:
+    """Review (interpreter flags): ``python -OO`` (PYTHONOPTIMIZE=2, common in
+    container images) drops docstrings, and four commands' help was their module's:
+    ``serve --help`` lost its signals and exit statuses, 21 of its 28 lines."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONOPTIMIZE"}
+
+    def help_text(*flags: str) -> str:
+        done = subprocess.run([sys.executable, *flags, "-m", "polygate", command, "--help"],
+                              capture_output=True, text=True, env=env, timeout=60, check=True)
+        return done.stdout
+
+    assert help_text("-OO") == help_text()

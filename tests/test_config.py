@@ -787,3 +787,27 @@ def test_a_whole_number_past_64_bits_is_refused(build: Any) -> None:
     digits): a valid configuration that could not be logged."""
     with pytest.raises(ConfigError, match=r"at most 2\*\*63 - 1"):
         build()
+
+
+def test_fallback_on_given_as_a_set_is_in_one_order() -> None:
+    """Review (interpreter flags): a set was stored in its iteration order, which
+    PYTHONHASHSEED decides: a Scope's repr, equality and hash changed from one process
+    to the next.  A set (which has no order) is sorted; a list keeps its own.  (In
+    processes of fixed hash seeds: this one's seed may happen to iterate it sorted.)"""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import polygate\n"
+        "source = polygate.Source(name='a', base_url='http://x/v1')\n"
+        "reasons = ['status:413', 'rate_limited', 'fatal', 'exhausted']\n"
+        "for given in (set(reasons), frozenset(reasons), reasons):\n"
+        "    print(polygate.Scope(sources=[source], fallback='b', fallback_on=given).fallback_on)\n"
+    )
+    expected = "('exhausted', 'fatal', 'rate_limited', 'status:413')\n" * 2 \
+        + "('status:413', 'rate_limited', 'fatal', 'exhausted')\n"
+    for seed in ("1", "2", "4"):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}, timeout=60, check=True)
+        assert done.stdout == expected, (seed, done.stdout)

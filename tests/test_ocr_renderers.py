@@ -640,3 +640,39 @@ async def test_a_renderers_warnings_reach_no_stderr(capfd: pytest.CaptureFixture
             assert (await s.ocr(_sloppy_jpeg())).text == "page"
     out, err = capfd.readouterr()
     assert out == "" and err == "", err
+
+
+_ZIPPED_OCR = textwrap.dedent("""
+    import sys, trio, polygate
+    from polygate.testing import FakeUpstream, Reply, Router
+    assert ".zip" in polygate.__file__, polygate.__file__
+    document = open(sys.argv[1], "rb").read()
+    settings = polygate.Settings(scopes={"ocr": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", model="m")])})
+
+    async def main():
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(text="page"))})) as s:
+            print((await s.ocr(document)).text)
+
+    trio.run(main)
+""")
+
+
+def test_pdfs_render_when_polygate_is_imported_from_a_zip(tmp_path: Path) -> None:
+    """Review (interpreter flags): imported from a zip (a zipapp, a zipped vendored
+    tree), every PDF failed "the OCR renderer process died": the renderer loaded
+    ``_ocr_render.py`` by its path, and a path inside a zip is no file."""
+    import zipfile
+
+    package = Path(polygate.__file__).parent
+    archive = tmp_path / "polygate.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for path in package.rglob("*.py"):
+            z.write(path, path.relative_to(package.parent))
+    (tmp_path / "doc.pdf").write_bytes(make_pdf([(612, 792)]))
+    (tmp_path / "run.py").write_text(_ZIPPED_OCR)
+    env = {**os.environ, "PYTHONPATH": str(archive)}
+    done = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "doc.pdf")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "page"

@@ -1,4 +1,16 @@
-"""``polygate chat "prompt"``: one real call through your configuration.
+"""``polygate chat`` (what it does is its help, ``_DESCRIPTION``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import IO, Any
+
+from .._secrets import printable
+
+# The command's --help: a constant, not the module's docstring, which python -OO
+# (PYTHONOPTIMIZE=2) drops.
+_DESCRIPTION = """``polygate chat "prompt"``: one real call through your configuration.
 
 For trying a setup by hand: the configuration is the one ``polygate.session()``
 would load (``POLYGATE_CONFIG``, ``./polygate.toml``, or ``POLYGATE__…`` keys; or
@@ -11,14 +23,6 @@ Exit status: 0 answered, 1 the call failed (the polygate error on stderr), 2 the
 configuration or the arguments are wrong, 130 interrupted.
 """
 
-from __future__ import annotations
-
-import argparse
-import sys
-from typing import IO, Any
-
-from .._secrets import printable
-
 __all__ = ["add_parser", "chat_once", "format_stats", "run"]
 
 
@@ -28,7 +32,7 @@ def add_parser(
     parser = subparsers.add_parser(
         "chat",
         help="send one prompt through your configuration and print the answer",
-        description=__doc__,
+        description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("prompt", help="the user message; '-' reads it from standard input")

@@ -1,11 +1,4 @@
-"""``polygate demo``: the queue-hang incident (``docs/incident.md``), replayed with and
-without hedging.
-
-Runs in virtual time on the built-in fake upstream: the 90-second hangs cost no wall
-time, and the default 600 calls with their ~180,000 token chunks take about half a
-minute of CPU here (``--calls 50``: seconds).  Or with ``--real-time``, scaled down
-÷10 on real loopback servers.
-"""
+"""``polygate demo`` (what it does is its help, ``_DESCRIPTION``)."""
 
 from __future__ import annotations
 
@@ -19,6 +12,17 @@ from typing import Any
 from .._paths import sqlite_url
 from .._secrets import printable
 
+# The command's --help: a constant, not the module's docstring, which python -OO
+# (PYTHONOPTIMIZE=2) drops.
+_DESCRIPTION = """``polygate demo``: the queue-hang incident (``docs/incident.md``), replayed with and
+without hedging.
+
+Runs in virtual time on the built-in fake upstream: the 90-second hangs cost no wall
+time, and the default 600 calls with their ~180,000 token chunks take about half a
+minute of CPU here (``--calls 50``: seconds).  Or with ``--real-time``, scaled down
+÷10 on real loopback servers.
+"""
+
 __all__ = ["add_parser", "run"]
 
 
@@ -29,7 +33,7 @@ def add_parser(
         "demo",
         help="replay the queue-hang incident (docs/incident.md) on the built-in fake upstream, "
              "hedging off and on",
-        description=__doc__,
+        description=_DESCRIPTION,
     )
     parser.add_argument("--calls", type=int, default=200, help="logical calls per configuration")
     parser.add_argument("--concurrency", type=int, default=20)

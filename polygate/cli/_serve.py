@@ -1,4 +1,24 @@
-"""``polygate serve``: the OpenAI-compatible gateway server (see docs/serve.md).
+"""``polygate serve`` (what it does is its help, ``_DESCRIPTION``)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from .._secrets import printable
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+# The command's --help: a constant, not the module's docstring, which python -OO
+# (PYTHONOPTIMIZE=2) drops.
+_DESCRIPTION = """``polygate serve``: the OpenAI-compatible gateway server (see docs/serve.md).
 
 Serves the configuration ``polygate.session()`` would load (``POLYGATE_CONFIG``,
 ``./polygate.toml``, or ``POLYGATE__…`` keys; or ``--config PATH``) on
@@ -20,22 +40,6 @@ Exit status: 0 after a drain, 2 the configuration (or the address) is unusable, 
 other failure to start (a message, never a traceback).
 """
 
-from __future__ import annotations
-
-import argparse
-import contextlib
-import gc
-import logging
-import os
-import signal
-import sys
-from typing import Any
-
-from .._secrets import printable
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
-
 __all__ = ["add_parser", "run"]
 
 log = logging.getLogger("polygate.serve")
@@ -47,7 +51,7 @@ def add_parser(
     parser = subparsers.add_parser(
         "serve",
         help="serve your configuration as an OpenAI-compatible HTTP gateway",
-        description=__doc__,
+        description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", metavar="PATH", help="a TOML file instead of the default configuration")

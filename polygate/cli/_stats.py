@@ -1,15 +1,4 @@
-"""``polygate stats``: the incident's questions, answered from a telemetry database.
-
-Reads the ``calls``, ``attempts`` and ``sessions`` tables that a session with
-``telemetry`` set writes (SQLite or PostgreSQL, read-only) and prints latency
-quantiles per scope and source, the share of all time the slowest calls take,
-waiting versus generating, hedging, the response cache's hit rate, error classes,
-attempts per call and each source's attempts.  ``--json`` prints the same as data; ``--plot`` draws the latency
-CDF per source and where the time went (needs ``polygate[plot]``).
-
-Exit status: 0 with a report, 1 when there is nothing to report (no database, no
-calls in the window) or the database cannot be read, 2 for bad arguments.
-"""
+"""``polygate stats`` (what it does is its help, ``_DESCRIPTION``)."""
 
 from __future__ import annotations
 
@@ -27,6 +16,21 @@ from typing import Any
 from .._paths import sqlite_url
 from .._secrets import printable
 
+# The command's --help: a constant, not the module's docstring, which python -OO
+# (PYTHONOPTIMIZE=2) drops.
+_DESCRIPTION = """``polygate stats``: the incident's questions, answered from a telemetry database.
+
+Reads the ``calls``, ``attempts`` and ``sessions`` tables that a session with
+``telemetry`` set writes (SQLite or PostgreSQL, read-only) and prints latency
+quantiles per scope and source, the share of all time the slowest calls take,
+waiting versus generating, hedging, the response cache's hit rate, error classes,
+attempts per call and each source's attempts.  ``--json`` prints the same as data; ``--plot`` draws the latency
+CDF per source and where the time went (needs ``polygate[plot]``).
+
+Exit status: 0 with a report, 1 when there is nothing to report (no database, no
+calls in the window) or the database cannot be read, 2 for bad arguments.
+"""
+
 __all__ = ["add_parser", "parse_since", "run"]
 
 _AGO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
@@ -39,7 +43,7 @@ def add_parser(
     parser = subparsers.add_parser(
         "stats",
         help="latency, tail share, waiting vs generating and hedging from a telemetry database",
-        description=__doc__,
+        description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
