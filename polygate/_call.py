@@ -104,7 +104,8 @@ class Rounds(Protocol):
     prompt_chars: int
 
     def request(
-        self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str
+        self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str,
+        *, strict: bool = False,
     ) -> ChatRequest | None: ...
 
     async def after_round(
@@ -447,6 +448,9 @@ def _learn_refusal(
     return None
 
 
+#: OpenAI's (and Azure OpenAI's) refusal of a schema strict mode cannot take.
+_NOT_STRICT = re.compile(r"invalid schema for response_format", re.IGNORECASE)
+
 #: The ``stream_options`` polygate sends of its own.
 _OURS = frozenset({"include_usage"})
 
@@ -604,7 +608,9 @@ async def run_chat(
         if cont is not None and cont.shown:
             request = cont.request(source, ctx.params)
         elif rounds is not None:
-            request = rounds.request(source, ctx.messages, ctx.messages_json)
+            endpoint = runtime.endpoints[(ctx.scope_name, source.name)]
+            request = rounds.request(source, ctx.messages, ctx.messages_json,
+                                     strict=endpoint.asking.strict_schemas)
         if cont is not None and not cont.shown and cont.limits:
             # Cut in its reasoning: asked again as it was, within what is left of its
             # token limit (the reasoning shown counts, as a continuation's does).
@@ -615,6 +621,19 @@ async def run_chat(
         try:
             return await run_asking_again(ctx, admission, control, request)
         except FatalUpstreamError as exc:
+            if request is not None and request.loose_schema and exc.status_code == 400 \
+                    and _NOT_STRICT.search(exc.message):
+                # A model's schema refused for not being in strict form (OpenAI): asked
+                # again at once with its strict form, and so from now on.  polygate's
+                # way of asking, never the caller's request (a dict schema is theirs).
+                runtime.endpoints[(ctx.scope_name, source.name)].asking.strict_schemas = True
+                refused = TransientUpstreamError(
+                    f"refused the schema as not in strict form ({exc.message}); asking "
+                    "with its strict form", source=exc.source, status_code=exc.status_code,
+                )
+                refused.asked_again = True  # (see _retry_loop)
+                control.record.listed_error = refused
+                raise refused from exc
             if cont is None or not cont.prefilled(source) or failure_reasons(exc) & _NOT_PREFILL:
                 # (A context-length or content-policy 400 is about the conversation,
                 # not the prefill: asked again without it, the request is longer still.)

@@ -227,6 +227,9 @@ class ChatRequest:
     params: Mapping[str, Any]
     prompt_estimate: int | None = None
     completion_estimate: int | None = None
+    #: It carries a model's JSON Schema not in strict form where a strict form differs
+    #: (a source that refuses it is asked again with that: see _structured).
+    loose_schema: bool = False
 
 
 @attrs.define(eq=False)

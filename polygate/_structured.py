@@ -104,6 +104,9 @@ class Schema:
     name: str
     json_schema: dict[str, Any]
     off_loop_chars: int
+    #: ``json_schema`` in OpenAI's strict form (:func:`strict_form`), for a source that
+    #: refused it as it is; None where it is the same, or is the caller's own words.
+    strict_json_schema: dict[str, Any] | None = None
 
     def validate(self, text: str, limit: Budget | None = None, on_loop: bool = True) -> Any:
         """The validated value of ``text``; raises :class:`Invalid`, or
@@ -124,9 +127,13 @@ class _ModelSchema(Schema):
 
     off_loop_chars = 32 * 1024  # pydantic-core: about 6 µs a kilobyte
 
-    def __init__(self, model: type[Any], name: str, json_schema: dict[str, Any]) -> None:
+    def __init__(
+        self, model: type[Any], name: str, json_schema: dict[str, Any],
+        strict_json_schema: dict[str, Any] | None,
+    ) -> None:
         self.name = name
         self.json_schema = json_schema
+        self.strict_json_schema = strict_json_schema
         self._validate_json = model.model_validate_json
         self._error_type: type[Exception] = sys.modules["pydantic"].ValidationError
 
@@ -144,7 +151,9 @@ class _ModelSchema(Schema):
 #: Each model's name and JSON Schema (building one takes milliseconds), for as long as
 #: the model lives: nothing in a value refers to its model (a value that did kept
 #: every model ever passed alive, a class made per request among them).
-_models: weakref.WeakKeyDictionary[type[Any], tuple[str, dict[str, Any]]] = (
+_models: weakref.WeakKeyDictionary[
+    type[Any], tuple[str, dict[str, Any], dict[str, Any] | None]
+] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -156,8 +165,9 @@ def _model_schema(model: type[Any]) -> _ModelSchema:
     return _ModelSchema(model, *prepared)
 
 
-def _prepare(model: type[Any]) -> tuple[str, dict[str, Any]]:
-    """The model's name as sent and its JSON Schema, or :class:`ConfigError`."""
+def _prepare(model: type[Any]) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    """The model's name as sent, its JSON Schema and that schema's strict form (None
+    when the same), or :class:`ConfigError`."""
     try:
         json_schema = model.model_json_schema()
     except Exception as exc:  # pydantic's PydanticUserError and friends
@@ -173,7 +183,78 @@ def _prepare(model: type[Any]) -> tuple[str, dict[str, Any]]:
             f"schema: the JSON Schema of {model.__name__} is not JSON ({_first_line(exc)})"
         ) from None
     _check_text(text)
-    return _safe_name(model.__name__), json_schema
+    strict = strict_form(json_schema)
+    return _safe_name(model.__name__), json_schema, (None if strict == json_schema else strict)
+
+
+#: Past this depth of ``$ref`` unravelling a schema is left as it is (a cycle of
+#: references that each carry other keywords would never end).
+_STRICT_DEPTH = 64
+
+
+def strict_form(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (a pydantic model's) in OpenAI's strict form, as openai-python's
+    ``parse()`` sends a model: every object closed (``additionalProperties: false``
+    where the schema does not say) and every property in ``required`` (a field with a
+    default is asked for too: the model validates it as before); a ``None`` default
+    dropped (the field stays nullable); a ``$ref`` beside other keywords unravelled
+    (strict mode refuses the pair); a one-schema ``allOf`` merged.  A copy: the
+    model's own schema is left as it is."""
+    copied: dict[str, Any] = json.loads(json.dumps(schema))
+    strict: dict[str, Any] = _strict(copied, copied, 0)
+    return strict
+
+
+def _strict(node: Any, root: dict[str, Any], depth: int) -> Any:
+    if not isinstance(node, dict):
+        return node
+    for group in ("$defs", "definitions"):
+        defs = node.get(group)
+        if isinstance(defs, dict):
+            for name, value in defs.items():
+                defs[name] = _strict(value, root, depth)
+    if node.get("type") == "object" and "additionalProperties" not in node:
+        node["additionalProperties"] = False
+    properties = node.get("properties")
+    if isinstance(properties, dict):
+        node["required"] = list(properties)
+        for name, value in properties.items():
+            properties[name] = _strict(value, root, depth)
+    if isinstance(node.get("items"), dict):
+        node["items"] = _strict(node["items"], root, depth)
+    if isinstance(node.get("anyOf"), list):
+        node["anyOf"] = [_strict(v, root, depth) for v in node["anyOf"]]
+    all_of = node.get("allOf")
+    if isinstance(all_of, list):
+        if len(all_of) == 1 and isinstance(all_of[0], dict):
+            del node["allOf"]
+            node.update(_strict(all_of[0], root, depth))
+        else:
+            node["allOf"] = [_strict(v, root, depth) for v in all_of]
+    if "default" in node and node["default"] is None:
+        del node["default"]
+    ref = node.get("$ref")
+    if isinstance(ref, str) and len(node) > 1 and depth < _STRICT_DEPTH:
+        target = _local_target(root, ref)
+        if isinstance(target, dict):
+            # (The node's own keywords win over the target's, a description among them.)
+            merged = {**json.loads(json.dumps(target)), **node}
+            del merged["$ref"]
+            return _strict(merged, root, depth + 1)
+    return node
+
+
+def _local_target(root: dict[str, Any], ref: str) -> Any:
+    """The schema a local ``$ref`` ("#/$defs/Name") points to; None for any other."""
+    if not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 def _has_lone_surrogate(value: Any) -> bool:
@@ -863,30 +944,41 @@ class StructuredRounds:
             self.prompt_chars = len(INSTRUCTION) + len(encode_compact(self.schema.json_schema))
 
     def request(
-        self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str
+        self, source: Source, messages: Sequence[Mapping[str, Any]], messages_json: str,
+        *, strict: bool = False,
     ) -> ChatRequest | None:
+        """The round's request to ``source``; ``strict``: the source takes a model's
+        schema in strict form only (it refused one that was not)."""
         if self._caller_format:
             return None  # the caller's own response_format: sent as is, only validated
         if messages_json != self._round_key:  # a new round: forms are per round
             self._forms.clear()
             self._round_key = messages_json
         mode = source.structured_output
-        form = self._forms.get(mode)
+        strict = strict and mode == "json_schema" and self.schema.strict_json_schema is not None
+        key = "json_schema strict" if strict else mode
+        form = self._forms.get(key)
         if form is None:
-            form = self._forms[mode] = self._form(mode, messages, messages_json)
+            form = self._forms[key] = self._form(mode, messages, messages_json, strict)
         return form
 
     def _form(
-        self, mode: str, messages: Sequence[Mapping[str, Any]], messages_json: str
+        self, mode: str, messages: Sequence[Mapping[str, Any]], messages_json: str,
+        strict: bool = False,
     ) -> ChatRequest:
         if mode == "json_schema":
+            strict_schema = self.schema.strict_json_schema
             response_format = {
                 "type": "json_schema",
                 "json_schema": {
-                    "name": self.schema.name, "schema": self.schema.json_schema, "strict": True,
+                    "name": self.schema.name,
+                    "schema": strict_schema if strict and strict_schema is not None
+                    else self.schema.json_schema,
+                    "strict": True,
                 },
             }
-            return ChatRequest(messages_json, {**self.params, "response_format": response_format})
+            return ChatRequest(messages_json, {**self.params, "response_format": response_format},
+                               loose_schema=not strict and strict_schema is not None)
         instruction = INSTRUCTION + encode_compact(self.schema.json_schema)
         instructed = encode_compact(_with_instruction(messages, instruction))
         if mode == "json_object":

@@ -63,6 +63,10 @@ class Asking:
     #: False once it refused to stream (OpenAI's o3 and gpt-5 for an organization that
     #: has not verified itself): it is asked as a source that cannot stream is.
     stream: bool = True
+    #: True once it refused a pydantic model's JSON Schema for not being in strict
+    #: form (OpenAI, Azure OpenAI: "Invalid schema for response_format"): a model's
+    #: schema goes to it in strict form.
+    strict_schemas: bool = False
 
 
 @attrs.frozen
