@@ -669,8 +669,9 @@ def _to_tuple(value: Sequence[str] | AbstractSet[str]) -> Any:
     # by the validator, with a message.)
     if isinstance(value, (frozenset, set)):
         # (A set has no order; its iteration order is the hash seed's, and would make
-        # a Scope's repr, equality and hash differ from one process to the next.)
-        return tuple(sorted(value))
+        # a Scope's repr, equality and hash differ from one process to the next.  One
+        # that is not all strings is the validator's to refuse, as it is.)
+        return tuple(sorted(value)) if all(type(v) is str for v in value) else tuple(value)
     if isinstance(value, list):
         return tuple(value)
     return value

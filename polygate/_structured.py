@@ -187,60 +187,94 @@ def _prepare(model: type[Any]) -> tuple[str, dict[str, Any], dict[str, Any] | No
     return _safe_name(model.__name__), json_schema, (None if strict == json_schema else strict)
 
 
-#: Past this depth of ``$ref`` unravelling a schema is left as it is (a cycle of
-#: references that each carry other keywords would never end).
-_STRICT_DEPTH = 64
+#: How many schema nodes the strict form may hold, as a multiple of the model's own
+#: schema's: unravelling a ``$ref`` copies what it points to, and a model whose
+#: sub-models are each referred to twice with a description would double at every
+#: level.  Past it, a ``$ref`` keeps no other keyword (its description goes) instead.
+_STRICT_GROWTH = 8
+_STRICT_MIN_NODES = 10_000
 
 
-def strict_form(schema: dict[str, Any]) -> dict[str, Any]:
+class _Budget:
+    __slots__ = ("left",)
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+
+def strict_form(schema: dict[str, Any]) -> dict[str, Any] | None:
     """``schema`` (a pydantic model's) in OpenAI's strict form, as openai-python's
     ``parse()`` sends a model: every object closed (``additionalProperties: false``
     where the schema does not say) and every property in ``required`` (a field with a
     default is asked for too: the model validates it as before); a ``None`` default
     dropped (the field stays nullable); a ``$ref`` beside other keywords unravelled
-    (strict mode refuses the pair); a one-schema ``allOf`` merged.  A copy: the
-    model's own schema is left as it is."""
+    (strict mode refuses the pair) -- or, on a cycle or past a size bound, left alone
+    without them; a one-schema ``allOf`` merged.  A copy: the model's own schema is
+    left as it is.  None when it cannot be made (too deep to walk)."""
+    pristine = json.loads(json.dumps(schema))  # (what a $ref points to, untouched)
     copied: dict[str, Any] = json.loads(json.dumps(schema))
-    strict: dict[str, Any] = _strict(copied, copied, 0)
+    budget = _Budget(max(_STRICT_MIN_NODES, _STRICT_GROWTH * _count_nodes(pristine)))
+    try:
+        strict: dict[str, Any] = _strict(copied, pristine, (), budget)
+    except RecursionError:
+        return None
     return strict
 
 
-def _strict(node: Any, root: dict[str, Any], depth: int) -> Any:
+def _count_nodes(value: Any) -> int:
+    count, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
+
+
+def _strict(node: Any, root: dict[str, Any], path: tuple[str, ...], budget: _Budget) -> Any:
+    """``node`` made strict in place; ``path``: the ``$ref`` targets being unravelled
+    around it (one met again is a cycle)."""
     if not isinstance(node, dict):
         return node
+    budget.left -= 1
     for group in ("$defs", "definitions"):
         defs = node.get(group)
         if isinstance(defs, dict):
             for name, value in defs.items():
-                defs[name] = _strict(value, root, depth)
+                defs[name] = _strict(value, root, path, budget)
     if node.get("type") == "object" and "additionalProperties" not in node:
         node["additionalProperties"] = False
     properties = node.get("properties")
     if isinstance(properties, dict):
         node["required"] = list(properties)
         for name, value in properties.items():
-            properties[name] = _strict(value, root, depth)
+            properties[name] = _strict(value, root, path, budget)
     if isinstance(node.get("items"), dict):
-        node["items"] = _strict(node["items"], root, depth)
+        node["items"] = _strict(node["items"], root, path, budget)
     if isinstance(node.get("anyOf"), list):
-        node["anyOf"] = [_strict(v, root, depth) for v in node["anyOf"]]
+        node["anyOf"] = [_strict(v, root, path, budget) for v in node["anyOf"]]
     all_of = node.get("allOf")
     if isinstance(all_of, list):
         if len(all_of) == 1 and isinstance(all_of[0], dict):
             del node["allOf"]
-            node.update(_strict(all_of[0], root, depth))
+            node.update(_strict(all_of[0], root, path, budget))
         else:
-            node["allOf"] = [_strict(v, root, depth) for v in all_of]
+            node["allOf"] = [_strict(v, root, path, budget) for v in all_of]
     if "default" in node and node["default"] is None:
         del node["default"]
     ref = node.get("$ref")
-    if isinstance(ref, str) and len(node) > 1 and depth < _STRICT_DEPTH:
+    if isinstance(ref, str) and len(node) > 1:
         target = _local_target(root, ref)
-        if isinstance(target, dict):
-            # (The node's own keywords win over the target's, a description among them.)
-            merged = {**json.loads(json.dumps(target)), **node}
-            del merged["$ref"]
-            return _strict(merged, root, depth + 1)
+        size = _count_nodes(target) if isinstance(target, dict) and ref not in path else None
+        if size is None or size > budget.left:
+            return {"$ref": ref}  # (a cycle, or past the bound: the reference alone)
+        budget.left -= size
+        # (The node's own keywords win over the target's, a description among them.)
+        merged = {**json.loads(json.dumps(target)), **node}
+        del merged["$ref"]
+        return _strict(merged, root, (*path, ref), budget)
     return node
 
 

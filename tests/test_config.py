@@ -811,3 +811,12 @@ def test_fallback_on_given_as_a_set_is_in_one_order() -> None:
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                               env={**os.environ, "PYTHONHASHSEED": seed}, timeout=60, check=True)
         assert done.stdout == expected, (seed, done.stdout)
+
+
+@pytest.mark.parametrize("given", [{"fatal", 3}, frozenset({"fatal", None})])
+def test_fallback_on_a_set_of_other_things_is_a_config_error(given: Any) -> None:
+    """Review of the sorting above: a set with a member that is no string was sorted
+    before the validator saw it (a bare TypeError)."""
+    with pytest.raises(polygate.ConfigError, match="fallback_on"):
+        polygate.Scope(sources=[polygate.Source(name="a", base_url="http://x/v1")],
+                       fallback="b", fallback_on=given)

@@ -11,7 +11,16 @@ import trio
 
 pytest.importorskip("opentelemetry.sdk.trace", reason="opentelemetry-sdk is not installed")
 
-from opentelemetry import trace
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.propagators.textmap import (
+    CarrierT,
+    Getter,
+    Setter,
+    TextMapPropagator,
+    default_getter,
+    default_setter,
+)
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -93,3 +102,68 @@ async def test_without_tracing_a_traceparent_changes_nothing() -> None:
         answer = await http(server, "POST", "/v1/chat/completions", CHAT,
                             {**AUTH, "traceparent": TRACEPARENT})
         assert answer.status == 200
+
+
+class _XRayLike(TextMapPropagator):
+    """Shaped as opentelemetry-propagator-aws-xray's (``OTEL_PROPAGATORS=xray``): its
+    one field is ``X-Amzn-Trace-Id``, mixed case, read with the getter it is given."""
+
+    KEY = "X-Amzn-Trace-Id"
+
+    def extract(self, carrier: CarrierT, context: Any = None,
+                getter: Getter[CarrierT] = default_getter) -> Any:
+        context = context if context is not None else otel_context.Context()
+        found = getter.get(carrier, self.KEY)
+        if not found:
+            return context
+        parts = dict(p.split("=") for p in found[0].split(";"))
+        _version, high, low = parts["Root"].split("-")
+        span_context = trace.SpanContext(int(high + low, 16), int(parts["Parent"], 16),
+                                         is_remote=True, trace_flags=trace.TraceFlags(1))
+        return trace.set_span_in_context(trace.NonRecordingSpan(span_context), context)
+
+    def inject(self, carrier: CarrierT, context: Any = None,
+               setter: Setter[CarrierT] = default_setter) -> None:
+        span_context = trace.get_current_span(context).get_span_context()
+        if span_context.is_valid:
+            t = f"{span_context.trace_id:032x}"
+            setter.set(carrier, self.KEY,
+                       f"Root=1-{t[:8]}-{t[8:]};Parent={span_context.span_id:016x};Sampled=1")
+
+    @property
+    def fields(self) -> set[str]:
+        return {self.KEY}
+
+
+async def test_a_propagator_whose_field_is_not_lower_case_joins_too(
+    exporter: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: the joiner compared the propagator's field names with the lower-cased
+    header names, and extracted from them with a case-sensitive getter: an X-Ray
+    client's trace was never joined."""
+    monkeypatch.setattr(propagate, "get_global_textmap", lambda: _XRayLike())
+    t = f"{TRACE_ID:032x}"
+    header = f"Root=1-{t[:8]}-{t[8:]};Parent={PARENT_ID:016x};Sampled=1"
+    async with gateway(Reply()) as (server, _upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT,
+                            {**AUTH, "X-Amzn-Trace-Id": header})
+        assert answer.status == 200
+    call, _attempts = _call_span(exporter)
+    assert call.parent is not None and call.parent.span_id == PARENT_ID
+
+
+async def test_baggage_on_two_header_lines_goes_on_whole(exporter: InMemorySpanExporter) -> None:
+    """Review: several ``baggage`` lines are one list (RFC 9110 5.3, W3C Baggage), as
+    are several ``tracestate`` lines; the request's headers kept the last line only."""
+    async with gateway(Reply()) as (server, upstream):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        raw = request_bytes("POST", "/v1/chat/completions", CHAT,
+                            {**AUTH, "traceparent": TRACEPARENT, "baggage": "tenant=acme",
+                             "connection": "close"})
+        head, body = raw.split(b"\r\n\r\n", 1)
+        async with stream:
+            await stream.send_all(head + b"\r\nbaggage: region=eu\r\n\r\n" + body)
+            answer = await read_until_closed(stream)
+        assert answer.startswith(b"HTTP/1.1 200")
+        sent = upstream.requests[0].headers.get("baggage", "")
+    assert sorted(item.strip() for item in sent.split(",")) == ["region=eu", "tenant=acme"], sent

@@ -456,3 +456,29 @@ async def test_without_tracing_no_trace_context_is_sent(
     async with polygate.session(_settings(), transport=Router({"a": upstream})) as s:
         await s.chat(MESSAGES)
     assert "traceparent" not in upstream.requests[0].headers
+
+
+async def test_a_processor_failing_on_attempt_spans_leaves_the_call_span_whole(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch,
+    exporter: InMemorySpanExporter,
+) -> None:
+    """Review of the live spans: the first attempt span whose end raised skipped the
+    call span's end: started, never exported."""
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class Refuses(SpanProcessor):
+        def on_end(self, span: ReadableSpan) -> None:
+            if span.kind is SpanKind.CLIENT:
+                raise RuntimeError("no attempt spans here")
+
+    provider = TracerProvider()
+    provider.add_span_processor(Refuses())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(polygate._session, "open_telemetry",
+                        functools.partial(open_telemetry, tracer_provider=provider))
+    a = FakeUpstream(Reply(first_token_s=20, tokens=4))
+    b = FakeUpstream(Reply(first_token_s=1, tokens=4))
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        assert (await s.chat(MESSAGES)).call_stats.attempts == 2
+    [call] = exporter.get_finished_spans()
+    assert call.kind is SpanKind.INTERNAL and call.name == "chat chat"

@@ -167,6 +167,19 @@ class Request:
     body: bytes = attrs.field(repr=lambda b: f"<{len(b)} bytes>")  # the prompt: not shown
 
 
+#: Headers whose repeated lines are one list (RFC 9110 5.3: joined with commas): the
+#: trace context a traced gateway reads (W3C Baggage, Trace Context).  Any other
+#: repeated header keeps its last line.
+_LISTS: Final = frozenset({b"baggage", b"tracestate"})
+
+
+def _join_lists(headers: dict[str, str], lines: Sequence[tuple[bytes, bytes]]) -> None:
+    for name in _LISTS:
+        values = [v for k, v in lines if k == name]
+        if len(values) > 1:
+            headers[name.decode()] = b", ".join(values).decode("latin-1")
+
+
 #: A request line of HTTP/1.1 (h11's ``request_line``, narrowed to that version).
 _REQUEST_LINE: Final = re.compile(rb"(" + TOKEN + rb") ([\x21-\x7e]+) HTTP/1\.1")
 #: Request headers whose meaning h11 must judge: framing, expectations, upgrades.
@@ -430,6 +443,8 @@ class Connection:
         self.pipelined = 0
         self.head_only = event.method == b"HEAD"
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
+        if len(headers) < len(event.headers):  # (a repeated line: rare)
+            _join_lists(headers, event.headers)
         if isinstance(event, _PlainRequest):
             self.body_left = 0  # (its body came with it)
         elif "transfer-encoding" not in headers:

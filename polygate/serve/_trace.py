@@ -20,9 +20,24 @@ def joiner() -> Joiner:
     """What joins a request's call to its client's trace (called once per session
     generation, only when that session traces)."""
     from opentelemetry import context, propagate
+    from opentelemetry.propagators.textmap import Getter
 
     textmap = propagate.get_global_textmap()
-    fields = frozenset(textmap.fields)  # (lower case, as the request's header names)
+    # Header names are compared in lower case, as the request's are (a propagator may
+    # name its field otherwise: AWS X-Ray's ``X-Amzn-Trace-Id``).
+    fields = frozenset(field.lower() for field in textmap.fields)
+
+    class _Headers(Getter[Mapping[str, str]]):
+        """The request's headers, by any case of their names."""
+
+        def get(self, carrier: Mapping[str, str], key: str) -> list[str] | None:
+            value = carrier.get(key.lower())
+            return None if value is None else [value]
+
+        def keys(self, carrier: Mapping[str, str]) -> list[str]:
+            return list(carrier)
+
+    getter = _Headers()
 
     @contextlib.contextmanager
     def join(headers: Mapping[str, str]) -> Iterator[None]:
@@ -30,7 +45,7 @@ def joiner() -> Joiner:
             yield
             return
         # A malformed header extracts to an empty context: the call starts a trace.
-        token = context.attach(textmap.extract(headers))
+        token = context.attach(textmap.extract(headers, getter=getter))
         try:
             yield
         finally:

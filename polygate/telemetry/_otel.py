@@ -212,11 +212,16 @@ class OtelRecorder:
             for record in ctx.attempts:
                 self._attempt_span(ctx, record, operation, parent, live, now)
         finally:  # a started span always ends (exported), whatever an attempt's did
-            for record in ctx.attempts:  # (one whose attributes failed: ended all the same)
-                if record.trace is not None:
-                    record.trace, attempt = None, record.trace
-                    attempt.end(end_time=live.ns(now))
-            span.end(end_time=start + int(stats.total_latency_ms * 1e6))
+            try:
+                for record in ctx.attempts:  # (one whose attributes failed: ended all the same)
+                    if record.trace is not None:
+                        record.trace, attempt = None, record.trace
+                        try:
+                            attempt.end(end_time=live.ns(now))
+                        except Exception as exc:
+                            self._failed(exc)
+            finally:
+                span.end(end_time=start + int(stats.total_latency_ms * 1e6))
 
     def _attempt_span(
         self, ctx: CallContext, record: AttemptRecord, operation: str, parent: Any, live: _Live,
