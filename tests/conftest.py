@@ -10,9 +10,16 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import settings as hypothesis_settings
 
 import polygate
 from polygate.governance import MemoryBackend
+
+# No deadline on an example: a property's examples run on a shared 2-core machine,
+# where one descheduled for 200 ms failed its property ("Unreliable test timings")
+# with nothing wrong.  Every property that needs a bound sets its own.
+hypothesis_settings.register_profile("polygate", deadline=None)
+hypothesis_settings.load_profile("polygate")
 
 ROOT = Path(__file__).resolve().parent.parent
 # A byte-exact copy of ../shared/transcripts (provenance in its INDEX.md).

@@ -85,10 +85,11 @@ async def test_a_streaming_hedge_stops_further_extras(autojump_clock: trio.testi
     a = FakeUpstream(Reply(first_token_s=100, tokens=2))
     b = FakeUpstream(Reply(first_token_s=1, inter_token_s=1, tokens=30))
     c = FakeUpstream(Reply(first_token_s=0.5, tokens=2))
-    # b before c for the first hedge (weights 1e-9 each: make it certain).
+    # a, then b before c for the first hedge (weights 1e-9 apart: make it certain; b
+    # at 1e-3 put b first about once in 1,000 runs).
     settings = polygate.Settings(scopes={"chat": polygate.Scope(
         sources=[polygate.Source(name=n, base_url=f"http://{n}/v1", api_key=SECRET, weight=w)
-                 for n, w in (("a", 1.0), ("b", 1e-3), ("c", 1e-9))],
+                 for n, w in (("a", 1.0), ("b", 1e-9), ("c", 1e-18))],
         hedge=polygate.Hedge(after_s=8, max_extra=2))})
     async with polygate.session(settings, transport=Router({"a": a, "b": b, "c": c})) as s:
         r = await s.chat(MESSAGES)

@@ -187,8 +187,8 @@ async def test_a_context_refusal_is_not_resent_to_its_model_inside_a_mixed_fallb
     y = FakeUpstream(Reply(text="long answer", first_token_s=5 if hedged else 0))
     z = FakeUpstream(Reply(text="long answer"))
     large: dict[str, Any] = {"sources": {"x": {"model": "m-8k", "weight": 1.0},
-                                         "y": {"model": "m-128k", "weight": 1e-6},
-                                         "z": {"model": "m-128k", "weight": 1e-9}}}
+                                         "y": {"model": "m-128k", "weight": 1e-9},
+                                         "z": {"model": "m-128k", "weight": 1e-18}}}
     if hedged:
         large["hedge"] = polygate.Hedge(after_s=1)
     settings = _scopes(chat={"sources": {"small": {"model": "m-8k"}}, "fallback": "large"}, large=large)
@@ -1837,7 +1837,7 @@ async def test_a_continuation_whose_own_round_its_hedge_won_says_hedge_won(
     b = FakeUpstream(Reply(text=rest, first_token_s=30, inter_token_s=0.01))
     c = FakeUpstream(Reply(text=rest, inter_token_s=0.01))
     settings = _scopes(chat={
-        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-6}, "c": {"weight": 1e-12}},
+        "sources": {"a": {"weight": 1.0}, "b": {"weight": 1e-9}, "c": {"weight": 1e-18}},
         "stream": polygate.StreamWatch(resume=True),
         "hedge": polygate.Hedge(after_s=0.5),
     })

@@ -440,7 +440,7 @@ async def test_stream_chat_commits_to_the_first_content(
 async def test_staged_extras(autojump_clock: trio.testing.MockClock) -> None:
     ups = {n: FakeUpstream(Reply(first_token_s=t)) for n, t in (("a", 100), ("b", 100), ("c", 3))}
     settings = _settings(names=("a", "b", "c"), hedge=polygate.Hedge(after_s=8, max_extra=2),
-                         source_kw={"b": {"weight": 1e-4}, "c": {"weight": 1e-9}})
+                         source_kw={"b": {"weight": 1e-9}, "c": {"weight": 1e-18}})
     async with polygate.session(settings, transport=Router(ups)) as s:
         r = await s.chat(MESSAGES)
     st = r.call_stats
