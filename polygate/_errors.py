@@ -459,6 +459,11 @@ def classify_exception(exc: BaseException, *, source: str | None = None) -> Upst
         return TransientUpstreamError(
             f"timed out ({name})", source=source, outcome=Outcome.TIMEOUT
         )
+    if isinstance(exc, httpx.ProxyError) and str(exc)[:4] in ("407 ", "403 "):
+        # An egress proxy refused to open a tunnel to the source for us (its
+        # credentials, its policy): the source is unusable as configured, as when the
+        # proxy answers a plain-HTTP request 407 (classify_status).
+        return SourceDeadError(f"the egress proxy refused the tunnel: {exc}", source=source)
     if isinstance(exc, httpx.TransportError):
         # httpx messages carry host:port at most; never headers.  A connect's says
         # only that every attempt failed: the OS's reasons tell refused from no route.

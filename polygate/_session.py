@@ -49,7 +49,7 @@ from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
-from .transport import LeanTransport, TextParts, carries_audio, carries_extras, drop_last
+from .transport import LeanTransport, TextParts, carries_audio, carries_extras, drop_last, routed
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -1106,8 +1106,11 @@ async def session_on(
     rng = rng if rng is not None else random.Random()
     owned = transport is None
     handle: Session | None = None
+    pool: LeanTransport | None = None
     if transport is None:
-        transport = LeanTransport.from_limits(_POOL_LIMITS)
+        pool = LeanTransport.from_limits(_POOL_LIMITS)
+        # (Through the environment's egress proxies, for the sources they carry.)
+        transport = routed(pool, [s.url for scope in settings.scopes.values() for s in scope.sources])
     body_error: BaseException | None = None
     interrupted: KeyboardInterrupt | None = None  # Ctrl-C during the close: raised last
     try:
@@ -1129,9 +1132,8 @@ async def session_on(
                 telemetry.start(nursery, governor)
                 if cache is not None:
                     cache.start(nursery)  # the writer of write-behind backends
-                if owned:
-                    assert isinstance(transport, LeanTransport)
-                    nursery.start_soon(_tidy, transport, name="polygate pool tidier")
+                if pool is not None:
+                    nursery.start_soon(_tidy, pool, name="polygate pool tidier")
                 handle = Session(runtime, telemetry, cache)
                 try:
                     yield handle

@@ -14,6 +14,7 @@ from ._assemble import (
 )
 from ._exchange import END_GRACE_S, OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
 from ._pool import REPORTS_SENT, SENT_EXTENSION, LeanTransport
+from ._proxies import routed
 from ._wire import Endpoint, Limits, parse_retry_after
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "has_content",
     "message_text",
     "parse_retry_after",
+    "routed",
 ]

@@ -983,6 +983,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
             if not entry.turn.locked() and not entry.thread.borrowed_tokens:
                 del self._lookups[name]
 
+    def tls_context(self) -> ssl.SSLContext:
+        """The TLS settings this pool connects with (another transport may share them:
+        an egress proxy's, see _proxies)."""
+        return self._tls()
+
     def _tls(self) -> ssl.SSLContext:
         if self._ssl_context is None:
             context = ssl.create_default_context()

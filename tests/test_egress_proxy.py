@@ -1,0 +1,252 @@
+"""Egress proxies from the environment (HTTPS_PROXY, HTTP_PROXY, ALL_PROXY, NO_PROXY),
+as openai-python and httpx honour them: a source behind a corporate proxy is reached
+through it, a source in NO_PROXY or on loopback directly.  Against a real forward
+proxy on loopback (absolute-form requests for http, CONNECT tunnels for https) that,
+as a proxy does, resolves the source's name itself: ``upstream.test`` (which this
+machine cannot resolve) is 127.0.0.1 to it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+import polygate
+from polygate.testing import FakeUpstream, Reply
+from polygate.transport._proxies import environment_proxies
+
+from .conftest import MESSAGES
+
+_PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "no_proxy",
+               "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "REQUEST_METHOD")
+
+
+@pytest.fixture(autouse=True)
+def _no_proxies_but_the_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in _PROXY_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+#: What the proxy's resolver says that this machine's does not.
+_NAMES = {"upstream.test": "127.0.0.1"}
+
+
+def _named(url: str) -> str:
+    return url.replace("127.0.0.1", "upstream.test")
+
+
+@attrs.define
+class ForwardProxy:
+    """A forward proxy: what it was asked (request lines), and with what credentials."""
+
+    url: str = ""
+    lines: list[str] = attrs.field(factory=list)
+    credentials: list[str | None] = attrs.field(factory=list)
+    refuse: int | None = None  # answer every request with this status instead
+
+
+async def _pipe(source: trio.SocketStream, sink: trio.SocketStream) -> None:
+    try:
+        while data := await source.receive_some(65536):
+            await sink.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        with trio.CancelScope(shield=True):
+            await sink.aclose()
+
+
+@asynccontextmanager
+async def forward_proxy(refuse: int | None = None) -> AsyncIterator[ForwardProxy]:
+    proxy = ForwardProxy(refuse=refuse)
+
+    async def handle(client: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = await client.receive_some(65536)
+            if not data:
+                return
+            head += data
+        head, rest = head.split(b"\r\n\r\n", 1)
+        line, *fields = head.decode("latin-1").split("\r\n")
+        proxy.lines.append(line)
+        headers = dict(f.split(": ", 1) for f in fields)
+        proxy.credentials.append(headers.get("Proxy-Authorization") or headers.get("proxy-authorization"))
+        if proxy.refuse is not None:
+            await client.send_all(f"HTTP/1.1 {proxy.refuse} No\r\ncontent-length: 0\r\n"
+                                  "connection: close\r\n\r\n".encode())
+            await client.aclose()
+            return
+        method, target, version = line.split(" ")
+        if method == "CONNECT":
+            host, port = target.rsplit(":", 1)
+            upstream = await trio.open_tcp_stream(_NAMES.get(host, host), int(port))
+            await client.send_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            sent = rest
+        else:  # absolute form: http://host:port/path
+            authority, _, path = target.split("://", 1)[1].partition("/")
+            host, port = authority.rsplit(":", 1)
+            upstream = await trio.open_tcp_stream(_NAMES.get(host, host), int(port))
+            # (One request a connection, so that each is seen here: its upstream
+            # closes after answering, and the pipes close the client's connection.)
+            kept = [f for f in fields if not f.lower().startswith(("proxy-", "connection:"))]
+            sent = "\r\n".join([f"{method} /{path} {version}", *kept, "connection: close"]).encode() \
+                + b"\r\n\r\n" + rest
+        if sent:
+            await upstream.send_all(sent)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_pipe, client, upstream)
+            nursery.start_soon(_pipe, upstream, client)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+        listener = listeners[0]
+        proxy.url = f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+        yield proxy
+        nursery.cancel_scope.cancel()
+
+
+def _settings(url: str) -> polygate.Settings:
+    return polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url=url, api_key="sk-upstream-key", model="m")],
+        call_deadline_s=20)})
+
+
+async def test_a_source_behind_an_http_proxy_is_reached_through_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with FakeUpstream(Reply(text="through")).serve() as url, forward_proxy() as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        async with polygate.session(_settings(_named(url))) as s:
+            r = await s.chat(MESSAGES)
+            async with s.stream_chat(MESSAGES) as stream:
+                text = "".join([chunk.text async for chunk in stream])
+    assert r.text == text == "through"
+    assert [line.split(" ")[:2] for line in proxy.lines] == [["POST", _named(url) + "/chat/completions"]] * 2
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]"])
+async def test_a_source_on_loopback_is_reached_directly(
+    monkeypatch: pytest.MonkeyPatch, host: str,
+) -> None:
+    """A proxy elsewhere would reach its own loopback, not this machine's (Go's
+    net/http never proxies loopback either)."""
+    upstream = FakeUpstream(Reply(text="direct"))
+    bind = "::1" if host == "[::1]" else "127.0.0.1"
+    try:
+        serving = upstream.serve(host=bind)
+        url = await serving.__aenter__()
+    except OSError:
+        pytest.skip(f"no {bind} here")
+    try:
+        async with forward_proxy() as proxy:
+            monkeypatch.setenv("ALL_PROXY", proxy.url)
+            port = url.rsplit(":", 1)[1]
+            async with polygate.session(_settings(f"http://{host}:{port}")) as s:
+                assert (await s.chat(MESSAGES)).text == "direct"
+    finally:
+        await serving.__aexit__(None, None, None)
+    assert proxy.lines == []
+
+
+async def test_an_https_source_is_reached_through_a_connect_tunnel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+) -> None:
+    """The tunnel carries TLS end to end, verified with the pool's own CAs
+    (SSL_CERT_FILE here)."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("upstream.test").configure_cert(server_context)
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+    body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "tls"},
+                                    "finish_reason": "stop"}]}).encode()
+
+    async def serve(tls: trio.SSLStream[trio.SocketStream]) -> None:
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data:
+                data += await tls.receive_some(65536)
+            await tls.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                               b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            tls.transport_stream.socket.close()
+
+    async with trio.open_nursery() as nursery, forward_proxy() as proxy:
+        listeners = await nursery.start(partial(trio.serve_ssl_over_tcp, serve, 0, server_context,
+                                                host="127.0.0.1"))
+        port = listeners[0].transport_listener.socket.getsockname()[1]
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[polygate.Source(
+            name="a", base_url=f"https://upstream.test:{port}/v1", api_key="k", streaming=False)])})
+        async with polygate.session(settings) as s:
+            assert (await s.chat(MESSAGES)).text == "tls"
+        nursery.cancel_scope.cancel()
+    assert proxy.lines == [f"CONNECT upstream.test:{port} HTTP/1.1"]
+
+
+async def test_the_proxys_credentials_go_to_it_and_nowhere_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    up = FakeUpstream(Reply(text="ok"))
+    async with up.serve() as url, forward_proxy() as proxy:
+        monkeypatch.setenv("http_proxy", proxy.url.replace("://", "://alice:pr0xy-s3cret@"))
+        async with polygate.session(_settings(_named(url))) as s:
+            assert (await s.chat(MESSAGES)).text == "ok"
+    assert proxy.credentials == ["Basic " + base64.b64encode(b"alice:pr0xy-s3cret").decode()]
+    assert not any(k.lower().startswith("proxy-") for k in up.requests[0].headers)
+
+
+@pytest.mark.parametrize("https", [False, True])
+async def test_a_proxy_refusing_its_credentials_marks_the_source_dead_without_showing_them(
+    monkeypatch: pytest.MonkeyPatch, https: bool,
+) -> None:
+    """407, for a plain request (the proxy's answer) and a tunnel (httpx's ProxyError
+    for the CONNECT): the source is unusable as configured, as after a 401."""
+    async with forward_proxy(refuse=407) as proxy:
+        monkeypatch.setenv("ALL_PROXY", proxy.url.replace("://", "://alice:pr0xy-s3cret@"))
+        url = "https://upstream.test:9/v1" if https else "http://upstream.test:9/v1"
+        async with polygate.session(_settings(url)) as s:
+            with pytest.raises(polygate.PolygateError) as caught:
+                await s.chat(MESSAGES)
+    error = caught.value
+    assert isinstance(error, polygate.AllSourcesExhausted), repr(error)
+    assert all(isinstance(e, polygate.SourceDeadError) for e in error.errors), error.errors
+    assert "pr0xy-s3cret" not in repr(error) + str(error) + "".join(map(str, error.errors))
+
+
+def test_which_sources_a_proxy_carries() -> None:
+    env = {"HTTPS_PROXY": "proxy:3128", "http_proxy": "http://p2:8080",
+           "NO_PROXY": "internal.example,.corp.example,10.0.0.7"}
+    urls = ["https://api.openai.com/v1", "http://vllm.internal.example:8000/v1",
+            "http://a.corp.example/v1", "http://10.0.0.7:8000/v1", "http://other/v1",
+            "http://127.0.0.2:8000/v1", "http://[::1]:8000/v1", "http://localhost:8000/v1"]
+    assert environment_proxies(urls, env) == {
+        ("https", "api.openai.com", 443): "http://proxy:3128",
+        ("http", "other", 80): "http://p2:8080",
+    }
+    assert environment_proxies(urls, {**env, "NO_PROXY": "*"}) == {}
+    assert environment_proxies(urls, {}) == {}
+    # A CGI request's HTTP_PROXY is its client's header (httpoxy), never a proxy.
+    assert environment_proxies(["http://other/v1"], {"HTTP_PROXY": "p", "REQUEST_METHOD": "GET"}) == {}
+
+
+async def test_a_socks_proxy_without_its_package_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        import socksio  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("socksio is installed")
+    monkeypatch.setenv("ALL_PROXY", "socks5://bob:s0cks-s3cret@127.0.0.1:1080")
+    with pytest.raises(polygate.ConfigError, match=r"httpx\[socks\]") as caught:
+        async with polygate.session(_settings("http://upstream.test:9/v1")):
+            pass
+    assert "s0cks-s3cret" not in str(caught.value)
