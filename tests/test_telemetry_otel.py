@@ -85,6 +85,11 @@ async def test_hedged_call_spans(
         r = await s.chat(MESSAGES)
     call, (loser, winner) = _by_name(exporter.get_finished_spans())
     assert call.name == "chat chat"
+    # Review (otel): an upstream that traces (vLLM, TGI) joins the caller's trace only
+    # through its request's traceparent: each attempt sends its own span's (the spans
+    # start as the request is built; the durations below stay exact).
+    assert [r.headers.get("traceparent") for r in a.requests] == [_traceparent(loser)]
+    assert [r.headers.get("traceparent") for r in b.requests] == [_traceparent(winner)]
     attrs = dict(call.attributes or {})
     assert attrs["gen_ai.operation.name"] == "chat"
     assert attrs["polygate.logical_call_id"] == r.call_stats.logical_call_id
@@ -399,25 +404,6 @@ async def test_a_span_that_cannot_be_emitted_is_logged_not_raised(
     lost = [r for r in caplog.records if "span" in r.getMessage()]
     assert len(lost) == 1, caplog.text
     assert "RuntimeError" in lost[0].getMessage() and "sk-SECRET" not in caplog.text
-
-
-async def test_each_upstream_request_carries_its_attempt_spans_trace_context(
-    autojump_clock: trio.testing.MockClock, traced: TracerProvider, exporter: InMemorySpanExporter
-) -> None:
-    """Review (otel): an upstream that traces (vLLM, TGI) joins its spans to the
-    caller's trace only through the request's ``traceparent``; none was sent.  Each
-    attempt sends its own span's, the hedge's too; the durations stay exact."""
-    a = FakeUpstream(Reply(first_token_s=20, tokens=4))
-    b = FakeUpstream(Reply(first_token_s=1, inter_token_s=0.5, tokens=4))
-    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
-        await s.chat(MESSAGES)
-    call, (loser, winner) = _by_name(exporter.get_finished_spans())
-    assert [r.headers.get("traceparent") for r in a.requests] == [_traceparent(loser)]
-    assert [r.headers.get("traceparent") for r in b.requests] == [_traceparent(winner)]
-    assert _ms(call) == pytest.approx(10_500, abs=0.01)
-    assert _ms(winner) == pytest.approx(2_500, abs=0.01)
-    assert winner.start_time is not None and call.start_time is not None
-    assert (winner.start_time - call.start_time) / 1e9 == pytest.approx(8, abs=1e-5)
 
 
 async def test_a_cached_embed_calls_batches_carry_theirs(
