@@ -207,7 +207,8 @@ def strict_form(schema: dict[str, Any]) -> dict[str, Any] | None:
     ``parse()`` sends a model: every object closed (``additionalProperties: false``
     where the schema does not say) and every property in ``required`` (a field with a
     default is asked for too: the model validates it as before); a ``None`` default
-    dropped (the field stays nullable); a ``$ref`` beside other keywords unravelled
+    dropped (the field stays nullable); a ``oneOf`` (a discriminated union) as
+    ``anyOf``; a ``$ref`` beside other keywords unravelled
     (strict mode refuses the pair) -- or, on a cycle or past a size bound, left alone
     without them; a one-schema ``allOf`` merged.  A copy: the model's own schema is
     left as it is.  None when it cannot be made (too deep to walk)."""
@@ -253,6 +254,11 @@ def _strict(node: Any, root: dict[str, Any], path: tuple[str, ...], budget: _Bud
             properties[name] = _strict(value, root, path, budget)
     if isinstance(node.get("items"), dict):
         node["items"] = _strict(node["items"], root, path, budget)
+    if isinstance(node.get("oneOf"), list) and "anyOf" not in node:
+        # (Strict mode takes no ``oneOf``: pydantic's discriminated union, whose tags
+        # tell its branches apart, accepts the same answers as ``anyOf``.)
+        node["anyOf"] = node.pop("oneOf")
+        node.pop("discriminator", None)
     if isinstance(node.get("anyOf"), list):
         node["anyOf"] = [_strict(v, root, path, budget) for v in node["anyOf"]]
     all_of = node.get("allOf")

@@ -129,6 +129,8 @@ async def test_a_source_behind_an_http_proxy_is_reached_through_it(monkeypatch: 
                 text = "".join([chunk.text async for chunk in stream])
     assert r.text == text == "through"
     assert [line.split(" ")[:2] for line in proxy.lines] == [["POST", _named(url) + "/chat/completions"]] * 2
+    # (Timed from the request's write, which httpcore's trace reports through a proxy.)
+    assert r.call_stats.ttft_ms is not None and stream.response.call_stats.ttft_ms is not None
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]"])
@@ -189,7 +191,8 @@ async def test_an_https_source_is_reached_through_a_connect_tunnel(
         settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[polygate.Source(
             name="a", base_url=f"https://upstream.test:{port}/v1", api_key="k", streaming=False)])})
         async with polygate.session(settings) as s:
-            assert (await s.chat(MESSAGES)).text == "tls"
+            r = await s.chat(MESSAGES)
+            assert r.text == "tls" and r.call_stats.generation_ms > 0
         nursery.cancel_scope.cancel()
     assert proxy.lines == [f"CONNECT upstream.test:{port} HTTP/1.1"]
 
@@ -250,3 +253,46 @@ async def test_a_socks_proxy_without_its_package_is_a_config_error(monkeypatch: 
         async with polygate.session(_settings("http://upstream.test:9/v1")):
             pass
     assert "s0cks-s3cret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("proxy", [
+    "http://alice:Sup3rS3cretPart/x@proxy.example:3128",
+    "http://alice:Sup3rS3cretPart#x@proxy.example:3128",
+    "http://alice:Sup3rS3cretPart@[::1:3128x",
+])
+async def test_a_proxy_url_that_cannot_be_read_is_refused_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, proxy: str,
+) -> None:
+    """Review: httpx read a password holding "/" as a port, and its message (quoted)
+    showed the password; an unclosed IPv6 bracket was a bare ValueError."""
+    monkeypatch.setenv("HTTPS_PROXY", proxy)
+    with pytest.raises(polygate.ConfigError) as caught:
+        async with polygate.session(_settings("https://upstream.test/v1")):
+            pass
+    assert "S3cret" not in str(caught.value) and "percent-encode" in str(caught.value)
+
+
+async def test_a_refused_proxy_sends_nothing_and_so_charges_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: a request handed to httpx's transport counted as sent before it was: a
+    proxy that refused connections filled the source's rpm and tpm windows (the
+    fleet's, on Redis), where a refused direct connect charges nothing."""
+    async with forward_proxy() as proxy:
+        port = proxy.url.rsplit(":", 1)[1]
+    # (the proxy's port, now closed: connections to it are refused)
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[polygate.Source(
+        name="a", base_url="http://upstream.test:9/v1", api_key="k", rpm=100)])})
+    async with polygate.session(settings) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat(MESSAGES)
+        state = (await s.statistics()).governance.sources[0].state
+    assert (state.requests_in_window, state.tokens_in_window) == (0, 0)
+
+
+def test_no_proxy_takes_address_ranges_and_a_loopback_name_with_its_dot() -> None:
+    """Review: NO_PROXY=10.0.0.0/8 (as curl, requests and Go read it; common in
+    clusters) was ignored; ``localhost.`` was proxied."""
+    env = {"ALL_PROXY": "http://proxy:3128", "NO_PROXY": "10.0.0.0/8, fd00::/8"}
+    urls = ["http://10.1.2.3:8000/v1", "http://[fd00::2]:8000/v1", "http://11.0.0.1/v1",
+            "http://localhost.:8000/v1"]
+    assert environment_proxies(urls, env) == {("http", "11.0.0.1", 80): "http://proxy:3128"}

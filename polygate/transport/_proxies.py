@@ -12,8 +12,9 @@ proxied is decided once, when the session opens, from the environment then.
 from __future__ import annotations
 
 import ipaddress
+import re
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -48,7 +49,8 @@ def environment_proxies(
         # (urllib's NO_PROXY matching, as curl's: suffixes, "*", an entry's port; not
         # in typeshed, present in every Python polygate runs on.)
         bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
-        if not proxy or _loopback(host) or bypass(f"{host}:{port}", proxies):
+        if (not proxy or _loopback(host) or bypass(f"{host}:{port}", proxies)
+                or _in_ranges(host, proxies.get("no", ""))):
             continue
         found[origin] = proxy if "://" in proxy else f"http://{proxy}"
     return found
@@ -57,12 +59,33 @@ def environment_proxies(
 def _loopback(host: str) -> bool:
     """A loopback host: never proxied (as Go's net/http has it), for a proxy
     elsewhere would reach its own loopback, not this machine's."""
+    host = host.rstrip(".")  # (``localhost.`` is localhost: a name's root dot)
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def _in_ranges(host: str, no_proxy: str) -> bool:
+    """Whether ``host`` is an address inside one of NO_PROXY's address ranges
+    (``10.0.0.0/8``, ``fd00::/8``: as curl, requests and Go read them, where urllib
+    matches only whole addresses and names)."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    for entry in no_proxy.split(","):
+        entry = entry.strip().strip("[]")
+        if "/" not in entry:
+            continue
+        try:
+            if address in ipaddress.ip_network(entry, strict=False):
+                return True
+        except ValueError:  # (an entry that is no range: urllib's to read, or nobody's)
+            continue
+    return False
 
 
 def _proxies(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -105,8 +128,13 @@ def proxy_transport(proxy: str, lean: LeanTransport) -> httpx.AsyncHTTPTransport
     ``SSL_CERT_FILE`` included, and HTTP/1.1) for the upstream behind it."""
     try:
         parsed = httpx.Proxy(proxy)
-    except (ValueError, TypeError, httpx.InvalidURL) as exc:
-        raise ConfigError(f"the proxy {shown(proxy)} from the environment cannot be used: {exc}") from None
+    except (ValueError, TypeError, httpx.InvalidURL):
+        # (Not httpx's words: a password holding "/" is read as the port, and quoted.)
+        raise ConfigError(
+            f"the proxy {shown(proxy)} from the environment is not a URL that can be "
+            "read: check it, and percent-encode any of : / ? # @ [ ] in its user name or "
+            "password"
+        ) from None
     try:
         return httpx.AsyncHTTPTransport(
             proxy=parsed, verify=lean.tls_context(), trust_env=False,
@@ -121,23 +149,31 @@ def proxy_transport(proxy: str, lean: LeanTransport) -> httpx.AsyncHTTPTransport
 
 
 def shown(proxy: str) -> str:
-    """A proxy URL without its credentials (``user:password@``), quoted."""
-    parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    host = parts.hostname or "?"
-    host = f"[{host}]" if ":" in host else host
+    """A proxy URL without its credentials, quoted: its scheme, host and port, read
+    after the last "@" (a password may hold "/", "#" or "@" unencoded), or "…" where
+    they do not read."""
+    scheme, sep, rest = proxy.partition("://")
+    if not sep:
+        scheme, rest = "http", proxy
+    authority = re.split(r"[/?#]", rest.rpartition("@")[2], maxsplit=1)[0]
     try:
-        port = f":{parts.port}" if parts.port else ""
+        parts = urlsplit(f"//{authority}")
+        host, port = parts.hostname, parts.port
     except ValueError:
-        port = ""
-    return repr(f"{parts.scheme}://{host}{port}")
+        host = port = None
+    if not host:
+        return repr(f"{scheme}://…")
+    host = f"[{host}]" if ":" in host else host
+    return repr(f"{scheme}://{host}{f':{port}' if port else ''}")
 
 
 class ProxyRouter(httpx.AsyncBaseTransport):
     """polygate's pool for every origin but those a proxy carries, which go through
     that proxy's transport."""
 
-    # (It says when a request is handed over: the pool its own way; for a proxied one,
-    # as it is handed to httpx's transport, which cannot say when it writes.)
+    # (It says when a request is written: the pool its own way; for a proxied one,
+    # through httpcore's trace, as its head starts going out -- past the connect to
+    # the proxy, its tunnel and the TLS in it, as for a direct connection.)
     polygate_reports_sent = True
 
     def __init__(self, direct: LeanTransport, proxied: Mapping[Origin, httpx.AsyncBaseTransport]) -> None:
@@ -155,7 +191,7 @@ class ProxyRouter(httpx.AsyncBaseTransport):
             return await self.direct.handle_async_request(request)
         sent: Any = request.extensions.get(SENT_EXTENSION)
         if sent is not None:
-            sent()
+            request.extensions["trace"] = _on_write(sent, request.extensions.get("trace"))
         return await through.handle_async_request(request)
 
     async def aclose(self) -> None:
@@ -164,6 +200,24 @@ class ProxyRouter(httpx.AsyncBaseTransport):
                 await transport.aclose()
         finally:
             await self.direct.aclose()
+
+
+def _on_write(sent: Callable[[], None], earlier: Any) -> Callable[[str, dict[str, Any]], Awaitable[None]]:
+    """An httpcore trace that calls ``sent`` as the request's head starts out (not a
+    tunnel's ``CONNECT``, which goes first on the same trace), then ``earlier``'s."""
+    written = False
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        nonlocal written
+        if event == "http11.send_request_headers.started" and not written:
+            head = info.get("request")
+            if getattr(head, "method", None) != b"CONNECT":
+                written = True
+                sent()
+        if earlier is not None:
+            await earlier(event, info)
+
+    return trace
 
 
 assert REPORTS_SENT == "polygate_reports_sent"  # (the attribute above is that one)
