@@ -261,7 +261,16 @@ async def cached_chat(
         # sent): the same request, and the same key, as leaving it out.
         keyed = {k: v for k, v in params.items() if k != "response_format" or v is not None}
         schema = rounds.cache_key()
-    key = chat_key(scope, cache.models(scope, runtime.settings.scopes), messages, keyed, schema=schema)
+    try:
+        key = chat_key(scope, cache.models(scope, runtime.settings.scopes), messages, keyed, schema=schema)
+    except RecursionError:
+        # Messages nested near a recursion limit the application lowered (the key's
+        # walk takes two frames a level before Python 3.12): no key, so this call is
+        # answered as if its scope did not cache.
+        return await run_chat(
+            runtime, scope, messages, messages_json, params, deadline_s,
+            forward=forward, delivered=delivered, rounds=rounds,
+        )
 
     async def upstream() -> ChatResponse:
         call.remaining()  # DeadlineExceeded when nothing is left

@@ -1665,3 +1665,32 @@ async def test_a_second_outage_soon_after_the_first_ends_is_said(
     said = [r.getMessage() for r in caplog.records if r.name == "polygate.cache"]
     kinds = ["down" if "fails open" in line else "up" for line in said]
     assert kinds == ["down", "up", "down", "up"], said
+
+
+_DEEP_UNDER_A_LOW_LIMIT = """
+import sys, trio, polygate
+from polygate.testing import FakeUpstream, Reply
+settings = polygate.Settings(cache="memory", scopes={"chat": polygate.Scope(
+    sources=[polygate.Source(name="a", base_url="http://u/v1", model="m")], cache_ttl_s=60)})
+value = 1
+for _ in range(250):
+    value = [value]
+messages = [{"role": "user", "content": [{"type": "text", "text": "x", "extra": value}]}]
+async def main():
+    async with polygate.session(settings, transport=FakeUpstream(Reply(text="ok")).transport()) as s:
+        sys.setrecursionlimit(500)
+        print((await s.chat(messages)).text)
+trio.run(main)
+"""
+
+
+def test_messages_nested_near_a_lowered_recursion_limit_are_answered_uncached() -> None:
+    """Review (interpreter flags): nested 250 levels (under the 256 allowed) with the
+    recursion limit lowered to 500, the cache key's walk (two frames a level before
+    Python 3.12) raised a bare RecursionError out of chat()."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _DEEP_UNDER_A_LOW_LIMIT], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-1500:]
