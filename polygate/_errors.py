@@ -434,6 +434,15 @@ def classify_status(
     return FatalUpstreamError(detail or "request rejected", source=source, status_code=status)
 
 
+#: An egress proxy's refusal (httpcore's words): an HTTP proxy's 407 or 403 to the
+#: CONNECT, a SOCKS5 proxy refusing the credentials, the method or, by its rules, the
+#: destination.
+_PROXY_REFUSED = re.compile(
+    r"40[37] |Invalid username/password|Requested \S+ from proxy server, but got|"
+    r"Proxy Server could not connect: Connection not allowed by ruleset"
+)
+
+
 def classify_exception(exc: BaseException, *, source: str | None = None) -> UpstreamError:
     """Map an httpx / protocol / decoding exception to one error class.
 
@@ -459,10 +468,11 @@ def classify_exception(exc: BaseException, *, source: str | None = None) -> Upst
         return TransientUpstreamError(
             f"timed out ({name})", source=source, outcome=Outcome.TIMEOUT
         )
-    if isinstance(exc, httpx.ProxyError) and str(exc)[:4] in ("407 ", "403 "):
+    if isinstance(exc, httpx.ProxyError) and _PROXY_REFUSED.match(str(exc)):
         # An egress proxy refused to open a tunnel to the source for us (its
         # credentials, its policy): the source is unusable as configured, as when the
-        # proxy answers a plain-HTTP request 407 (classify_status).
+        # proxy answers a plain-HTTP request 407 (classify_status).  One that could
+        # not reach the source (unreachable, refused) says nothing of the sort.
         return SourceDeadError(f"the egress proxy refused the tunnel: {exc}", source=source)
     if isinstance(exc, httpx.TransportError):
         # httpx messages carry host:port at most; never headers.  A connect's says

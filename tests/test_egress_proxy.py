@@ -296,3 +296,35 @@ def test_no_proxy_takes_address_ranges_and_a_loopback_name_with_its_dot() -> Non
     urls = ["http://10.1.2.3:8000/v1", "http://[fd00::2]:8000/v1", "http://11.0.0.1/v1",
             "http://localhost.:8000/v1"]
     assert environment_proxies(urls, env) == {("http", "11.0.0.1", 80): "http://proxy:3128"}
+
+
+@pytest.mark.parametrize(("message", "dead"), [
+    ("407 Proxy Authentication Required", True),
+    ("403 Forbidden", True),
+    ("Invalid username/password", True),
+    ("Requested USERNAME_PASSWORD from proxy server, but got NO_AUTH_REQUIRED.", True),
+    ("Proxy Server could not connect: Connection not allowed by ruleset.", True),
+    ("Proxy Server could not connect: Host unreachable.", False),
+    ("Proxy Server could not connect: Connection refused.", False),
+    ("502 Bad Gateway", False),
+])
+def test_a_proxys_refusal_is_the_configurations_its_failure_the_sources(message: str, dead: bool) -> None:
+    """Review: a SOCKS proxy refusing its credentials or the source (httpcore's words)
+    was transient, retried and fed the breaker, where an HTTP proxy's 407 or 403
+    makes the source dead; a proxy that cannot reach the source is the source's."""
+    import httpx
+
+    from polygate._errors import classify_exception
+
+    error = classify_exception(httpx.ProxyError(message), source="a")
+    assert isinstance(error, polygate.SourceDeadError) is dead, error
+    assert isinstance(error, polygate.TransientUpstreamError) is not dead
+
+
+async def test_a_proxy_of_a_scheme_no_one_speaks_is_named_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: a socks4:// proxy was refused with advice to percent-encode a password."""
+    monkeypatch.setenv("ALL_PROXY", "socks4://127.0.0.1:1080")
+    with pytest.raises(polygate.ConfigError, match=r"scheme 'socks4'.*http, https, socks5") as caught:
+        async with polygate.session(_settings("http://upstream.test:9/v1")):
+            pass
+    assert "percent-encode" not in str(caught.value)

@@ -167,3 +167,33 @@ async def test_baggage_on_two_header_lines_goes_on_whole(exporter: InMemorySpanE
         assert answer.startswith(b"HTTP/1.1 200")
         sent = upstream.requests[0].headers.get("baggage", "")
     assert sorted(item.strip() for item in sent.split(",")) == ["region=eu", "tenant=acme"], sent
+
+
+class _Raising(TextMapPropagator):
+    """A propagator that raises on a header it cannot read (hand-written ones do)."""
+
+    def extract(self, carrier: CarrierT, context: Any = None,
+                getter: Getter[CarrierT] = default_getter) -> Any:
+        raise ValueError("cannot read it")
+
+    def inject(self, carrier: CarrierT, context: Any = None,
+               setter: Setter[CarrierT] = default_setter) -> None:
+        return None
+
+    @property
+    def fields(self) -> set[str]:
+        return {"traceparent"}
+
+
+async def test_a_propagator_that_raises_does_not_fail_the_request(
+    exporter: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: its exception left the joiner and the request was answered 500; tracing
+    never fails the call it describes."""
+    monkeypatch.setattr(propagate, "get_global_textmap", lambda: _Raising())
+    async with gateway(Reply()) as (server, _upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT,
+                            {**AUTH, "traceparent": TRACEPARENT})
+        assert answer.status == 200
+    call, _attempts = _call_span(exporter)
+    assert call.parent is None

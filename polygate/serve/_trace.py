@@ -44,8 +44,14 @@ def joiner() -> Joiner:
         if fields.isdisjoint(headers):  # (the common case: a client that does not trace)
             yield
             return
-        # A malformed header extracts to an empty context: the call starts a trace.
-        token = context.attach(textmap.extract(headers, getter=getter))
+        # A malformed header extracts to an empty context: the call starts a trace.  A
+        # propagator that raises on one does too: tracing never fails the call.
+        try:
+            joined = textmap.extract(headers, getter=getter)
+        except Exception:
+            yield
+            return
+        token = context.attach(joined)
         try:
             yield
         finally:

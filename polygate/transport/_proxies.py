@@ -26,6 +26,9 @@ from ._pool import REPORTS_SENT, SENT_EXTENSION, LeanTransport
 __all__ = ["ProxyRouter", "environment_proxies", "routed"]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+#: The proxies httpx (httpcore) speaks: HTTP to the proxy, TLS to it, SOCKS5 (with the
+#: destination's name resolved by the proxy, either way).
+_SCHEMES = ("http", "https", "socks5", "socks5h")
 
 #: An origin: scheme, host (as the request URL has it: lower case, IDNA), port.
 Origin = tuple[str, str, int]
@@ -126,6 +129,12 @@ def routed(
 def proxy_transport(proxy: str, lean: LeanTransport) -> httpx.AsyncHTTPTransport:
     """httpx's transport through ``proxy``, with ``lean``'s TLS settings (its CAs,
     ``SSL_CERT_FILE`` included, and HTTP/1.1) for the upstream behind it."""
+    scheme = proxy.partition("://")[0].lower() if "://" in proxy else "http"
+    if scheme not in _SCHEMES:
+        raise ConfigError(
+            f"the proxy {shown(proxy)} from the environment has the scheme {scheme!r}, "
+            f"which polygate does not speak ({', '.join(_SCHEMES)})"
+        )
     try:
         parsed = httpx.Proxy(proxy)
     except (ValueError, TypeError, httpx.InvalidURL):
