@@ -496,7 +496,7 @@ def _sent_alike(flight: Flight, request: Any) -> bool:
         return True
     try:
         return _wire_json(flight.request) == _wire_json(request)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return False
 
 
@@ -656,7 +656,10 @@ async def cached_embed(
         return await run_embed(runtime, scope, inputs, params, deadline_s)
     call = _Call(runtime, scope, "embed", deadline_s, params=params)
     call.ctx.input_texts = inputs
-    keys = embed_keys(scope, cache.models(scope, runtime.settings.scopes, chain=False), inputs, params)
+    try:
+        keys = embed_keys(scope, cache.models(scope, runtime.settings.scopes, chain=False), inputs, params)
+    except RecursionError:  # (parameters nested near a lowered limit: as cached_chat)
+        return await run_embed(runtime, scope, inputs, params, deadline_s)
     texts: dict[str, str] = dict(zip(keys, inputs, strict=True))  # distinct, in order
     own = texts.keys()  # (what this call would send: see Flight.batch)
     found: dict[str, tuple[list[float], str | None, str | None, int | None, str | None]] = {}

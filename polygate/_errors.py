@@ -438,7 +438,7 @@ def classify_status(
 #: CONNECT, a SOCKS5 proxy refusing the credentials, the method or, by its rules, the
 #: destination.
 _PROXY_REFUSED = re.compile(
-    r"40[37] |Invalid username/password|Requested \S+ from proxy server, but got|"
+    r"40[37] |Invalid username/password|Requested .+? from proxy server, but got|"
     r"Proxy Server could not connect: Connection not allowed by ruleset"
 )
 

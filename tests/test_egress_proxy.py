@@ -302,7 +302,11 @@ def test_no_proxy_takes_address_ranges_and_a_loopback_name_with_its_dot() -> Non
     ("407 Proxy Authentication Required", True),
     ("403 Forbidden", True),
     ("Invalid username/password", True),
-    ("Requested USERNAME_PASSWORD from proxy server, but got NO_AUTH_REQUIRED.", True),
+    # (httpcore's own method names, spaces and all: a proxy wanting credentials none
+    # were given for, or refusing those given.)
+    ("Requested NO AUTHENTICATION REQUIRED from proxy server, but got NO ACCEPTABLE METHODS.", True),
+    ("Requested NO AUTHENTICATION REQUIRED from proxy server, but got USERNAME/PASSWORD.", True),
+    ("Requested USERNAME/PASSWORD from proxy server, but got NO AUTHENTICATION REQUIRED.", True),
     ("Proxy Server could not connect: Connection not allowed by ruleset.", True),
     ("Proxy Server could not connect: Host unreachable.", False),
     ("Proxy Server could not connect: Connection refused.", False),
@@ -328,3 +332,21 @@ async def test_a_proxy_of_a_scheme_no_one_speaks_is_named_for_it(monkeypatch: py
         async with polygate.session(_settings("http://upstream.test:9/v1")):
             pass
     assert "percent-encode" not in str(caught.value)
+
+
+async def test_a_proxy_without_a_scheme_whose_password_holds_one_is_not_quoted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: everything before "://" was taken for a scheme, the credentials too,
+    and quoted.  A colon is no scheme's: this is http:// with a password (as curl
+    reads it), whose "//" leaves it unreadable."""
+    monkeypatch.setenv("ALL_PROXY", "alice:s3cr://et@proxy.corp:3128")
+    with pytest.raises(polygate.ConfigError) as caught:
+        async with polygate.session(_settings("http://upstream.test:9/v1")):
+            pass
+    assert "s3cr" not in str(caught.value) and "alice" not in str(caught.value)
+
+
+def test_an_ipv4_mapped_loopback_source_is_never_proxied() -> None:
+    env = {"http_proxy": "http://proxy:3128"}
+    assert environment_proxies(["http://[::ffff:127.0.0.1]:8000/v1"], env) == {}

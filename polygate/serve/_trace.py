@@ -49,6 +49,8 @@ def joiner() -> Joiner:
         try:
             joined = textmap.extract(headers, getter=getter)
         except Exception:
+            joined = None
+        if joined is None:  # (outside the handler: the call's own errors keep no trace of it)
             yield
             return
         token = context.attach(joined)

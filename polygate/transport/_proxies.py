@@ -55,8 +55,19 @@ def environment_proxies(
         if (not proxy or _loopback(host) or bypass(f"{host}:{port}", proxies)
                 or _in_ranges(host, proxies.get("no", ""))):
             continue
-        found[origin] = proxy if "://" in proxy else f"http://{proxy}"
+        found[origin] = proxy if _scheme(proxy) else f"http://{proxy}"
     return found
+
+
+#: A URL's scheme, as RFC 3986 writes one (a user name and password before "://" in
+#: a URL without a scheme are not one: curl reads that URL as http).
+_SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _scheme(proxy: str) -> str:
+    """The proxy URL's scheme as written, or "" when it has none."""
+    found = _SCHEME_RE.match(proxy)
+    return found.group(1) if found else ""
 
 
 def _loopback(host: str) -> bool:
@@ -66,9 +77,11 @@ def _loopback(host: str) -> bool:
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)  # (::ffff:127.0.0.1 is 127.0.0.1)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _in_ranges(host: str, no_proxy: str) -> bool:
@@ -129,7 +142,7 @@ def routed(
 def proxy_transport(proxy: str, lean: LeanTransport) -> httpx.AsyncHTTPTransport:
     """httpx's transport through ``proxy``, with ``lean``'s TLS settings (its CAs,
     ``SSL_CERT_FILE`` included, and HTTP/1.1) for the upstream behind it."""
-    scheme = proxy.partition("://")[0].lower() if "://" in proxy else "http"
+    scheme = (_scheme(proxy) or "http").lower()
     if scheme not in _SCHEMES:
         raise ConfigError(
             f"the proxy {shown(proxy)} from the environment has the scheme {scheme!r}, "
@@ -161,9 +174,9 @@ def shown(proxy: str) -> str:
     """A proxy URL without its credentials, quoted: its scheme, host and port, read
     after the last "@" (a password may hold "/", "#" or "@" unencoded), or "…" where
     they do not read."""
-    scheme, sep, rest = proxy.partition("://")
-    if not sep:
-        scheme, rest = "http", proxy
+    scheme = _scheme(proxy)
+    rest = proxy[len(scheme) + 3:] if scheme else proxy
+    scheme = scheme or "http"
     authority = re.split(r"[/?#]", rest.rpartition("@")[2], maxsplit=1)[0]
     try:
         parts = urlsplit(f"//{authority}")
