@@ -350,3 +350,18 @@ async def test_a_proxy_without_a_scheme_whose_password_holds_one_is_not_quoted(
 def test_an_ipv4_mapped_loopback_source_is_never_proxied() -> None:
     env = {"http_proxy": "http://proxy:3128"}
     assert environment_proxies(["http://[::ffff:127.0.0.1]:8000/v1"], env) == {}
+
+
+@pytest.mark.parametrize("proxy", ['"http://proxy.corp:3128"', "'http://proxy.corp:3128'",
+                                   " http://proxy.corp:3128", "_http://proxy.corp:3128",
+                                   "\thttps://proxy.corp:3128", "://proxy.corp:3128"])
+async def test_a_proxy_url_with_a_scheme_no_one_speaks_is_refused_at_open(
+    monkeypatch: pytest.MonkeyPatch, proxy: str,
+) -> None:
+    """Review of the scheme fix: a value quoted as some env files keep quotes, or with
+    a blank before it, was taken for a URL without a scheme, given http://, and every
+    call went to a proxy host named after the scheme."""
+    monkeypatch.setenv("ALL_PROXY", proxy)
+    with pytest.raises(polygate.ConfigError, match="scheme"):
+        async with polygate.session(_settings("http://upstream.test:9/v1")):
+            pass

@@ -55,19 +55,19 @@ def environment_proxies(
         if (not proxy or _loopback(host) or bypass(f"{host}:{port}", proxies)
                 or _in_ranges(host, proxies.get("no", ""))):
             continue
-        found[origin] = proxy if _scheme(proxy) else f"http://{proxy}"
+        found[origin] = proxy if _scheme(proxy) is not None else f"http://{proxy}"
     return found
 
 
-#: A URL's scheme, as RFC 3986 writes one (a user name and password before "://" in
-#: a URL without a scheme are not one: curl reads that URL as http).
-_SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def _scheme(proxy: str) -> str:
-    """The proxy URL's scheme as written, or "" when it has none."""
-    found = _SCHEME_RE.match(proxy)
-    return found.group(1) if found else ""
+def _scheme(proxy: str) -> str | None:
+    """What the proxy URL has for a scheme: the text before its "://" (refused unless
+    a scheme polygate speaks: a quote or a blank before it is a mistake to say, not a
+    host name to try), or None where it has none -- no "://", or a user name and
+    password before it (a password may hold "://": curl reads that URL as http)."""
+    head, sep, _ = proxy.partition("://")
+    if not sep or ":" in head or "@" in head:
+        return None
+    return head
 
 
 def _loopback(host: str) -> bool:
@@ -142,7 +142,8 @@ def routed(
 def proxy_transport(proxy: str, lean: LeanTransport) -> httpx.AsyncHTTPTransport:
     """httpx's transport through ``proxy``, with ``lean``'s TLS settings (its CAs,
     ``SSL_CERT_FILE`` included, and HTTP/1.1) for the upstream behind it."""
-    scheme = (_scheme(proxy) or "http").lower()
+    written = _scheme(proxy)
+    scheme = "http" if written is None else written.lower()
     if scheme not in _SCHEMES:
         raise ConfigError(
             f"the proxy {shown(proxy)} from the environment has the scheme {scheme!r}, "
@@ -174,9 +175,9 @@ def shown(proxy: str) -> str:
     """A proxy URL without its credentials, quoted: its scheme, host and port, read
     after the last "@" (a password may hold "/", "#" or "@" unencoded), or "…" where
     they do not read."""
-    scheme = _scheme(proxy)
-    rest = proxy[len(scheme) + 3:] if scheme else proxy
-    scheme = scheme or "http"
+    written = _scheme(proxy)
+    rest = proxy if written is None else proxy[len(written) + 3:]
+    scheme = "http" if written is None else written
     authority = re.split(r"[/?#]", rest.rpartition("@")[2], maxsplit=1)[0]
     try:
         parts = urlsplit(f"//{authority}")
