@@ -146,7 +146,7 @@ class Session:
     def _traces(self) -> bool:
         """Whether this session's calls make OpenTelemetry spans (for ``polygate
         serve``, which then joins each request's call to its client's trace)."""
-        return self._telemetry is not None and self._telemetry.traces
+        return self._runtime.trace_headers is not None
 
     # ------------------------------------------------------------------ calls
 

@@ -225,20 +225,31 @@ async def test_a_proxy_refusing_its_credentials_marks_the_source_dead_without_sh
     assert "pr0xy-s3cret" not in repr(error) + str(error) + "".join(map(str, error.errors))
 
 
-def test_which_sources_a_proxy_carries() -> None:
+def _proxied(monkeypatch: pytest.MonkeyPatch, urls: list[str], env: dict[str, str]) -> Any:
+    """What the environment ``env`` (the proxy variables of this process's, only)
+    proxies among ``urls``."""
+    with monkeypatch.context() as patched:
+        for name in _PROXY_VARS:
+            patched.delenv(name, raising=False)
+        for name, value in env.items():
+            patched.setenv(name, value)
+        return environment_proxies(urls)
+
+
+def test_which_sources_a_proxy_carries(monkeypatch: pytest.MonkeyPatch) -> None:
     env = {"HTTPS_PROXY": "proxy:3128", "http_proxy": "http://p2:8080",
            "NO_PROXY": "internal.example,.corp.example,10.0.0.7"}
     urls = ["https://api.openai.com/v1", "http://vllm.internal.example:8000/v1",
             "http://a.corp.example/v1", "http://10.0.0.7:8000/v1", "http://other/v1",
             "http://127.0.0.2:8000/v1", "http://[::1]:8000/v1", "http://localhost:8000/v1"]
-    assert environment_proxies(urls, env) == {
+    assert _proxied(monkeypatch, urls, env) == {
         ("https", "api.openai.com", 443): "http://proxy:3128",
         ("http", "other", 80): "http://p2:8080",
     }
-    assert environment_proxies(urls, {**env, "NO_PROXY": "*"}) == {}
-    assert environment_proxies(urls, {}) == {}
+    assert _proxied(monkeypatch, urls, {**env, "NO_PROXY": "*"}) == {}
+    assert _proxied(monkeypatch, urls, {}) == {}
     # A CGI request's HTTP_PROXY is its client's header (httpoxy), never a proxy.
-    assert environment_proxies(["http://other/v1"], {"HTTP_PROXY": "p", "REQUEST_METHOD": "GET"}) == {}
+    assert _proxied(monkeypatch, ["http://other/v1"], {"HTTP_PROXY": "p", "REQUEST_METHOD": "GET"}) == {}
 
 
 async def test_a_socks_proxy_without_its_package_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,13 +300,13 @@ async def test_a_refused_proxy_sends_nothing_and_so_charges_nothing(monkeypatch:
     assert (state.requests_in_window, state.tokens_in_window) == (0, 0)
 
 
-def test_no_proxy_takes_address_ranges_and_a_loopback_name_with_its_dot() -> None:
+def test_no_proxy_takes_address_ranges_and_a_loopback_name_with_its_dot(monkeypatch: pytest.MonkeyPatch) -> None:
     """Review: NO_PROXY=10.0.0.0/8 (as curl, requests and Go read it; common in
     clusters) was ignored; ``localhost.`` was proxied."""
     env = {"ALL_PROXY": "http://proxy:3128", "NO_PROXY": "10.0.0.0/8, fd00::/8"}
     urls = ["http://10.1.2.3:8000/v1", "http://[fd00::2]:8000/v1", "http://11.0.0.1/v1",
             "http://localhost.:8000/v1"]
-    assert environment_proxies(urls, env) == {("http", "11.0.0.1", 80): "http://proxy:3128"}
+    assert _proxied(monkeypatch, urls, env) == {("http", "11.0.0.1", 80): "http://proxy:3128"}
 
 
 @pytest.mark.parametrize(("message", "dead"), [
@@ -347,9 +358,9 @@ async def test_a_proxy_without_a_scheme_whose_password_holds_one_is_not_quoted(
     assert "s3cr" not in str(caught.value) and "alice" not in str(caught.value)
 
 
-def test_an_ipv4_mapped_loopback_source_is_never_proxied() -> None:
+def test_an_ipv4_mapped_loopback_source_is_never_proxied(monkeypatch: pytest.MonkeyPatch) -> None:
     env = {"http_proxy": "http://proxy:3128"}
-    assert environment_proxies(["http://[::ffff:127.0.0.1]:8000/v1"], env) == {}
+    assert _proxied(monkeypatch, ["http://[::ffff:127.0.0.1]:8000/v1"], env) == {}
 
 
 @pytest.mark.parametrize("proxy", ['"http://proxy.corp:3128"', "'http://proxy.corp:3128'",

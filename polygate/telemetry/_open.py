@@ -61,7 +61,6 @@ class Telemetry:
         self.pipeline = pipeline
         #: The OpenTelemetry recorder's, when one of the recorders makes spans.
         self.trace_headers = trace_headers
-        self.traces = trace_headers is not None
         self.recorder: Recorder = (
             NullRecorder() if not recorders
             else recorders[0] if len(recorders) == 1

@@ -198,7 +198,6 @@ class OtelRecorder:
             attributes["gen_ai.input.messages"] = redact(asked, self._secrets)
         span = live.span
         try:
-            span.update_name(_call_name(ctx))  # (the same, unless the scope was renamed)
             span.set_attributes(attributes)
             if error is not None:
                 if isinstance(error, Exception):

@@ -21,11 +21,10 @@ from urllib.parse import urlsplit
 import httpx
 
 from .._errors import ConfigError
-from ._pool import REPORTS_SENT, SENT_EXTENSION, LeanTransport
+from ._pool import _DEFAULT_PORTS, REPORTS_SENT, SENT_EXTENSION, LeanTransport
 
 __all__ = ["ProxyRouter", "environment_proxies", "routed"]
 
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 #: The proxies httpx (httpcore) speaks: HTTP to the proxy, TLS to it, SOCKS5 (with the
 #: destination's name resolved by the proxy, either way).
 _SCHEMES = ("http", "https", "socks5", "socks5h")
@@ -34,29 +33,36 @@ _SCHEMES = ("http", "https", "socks5", "socks5h")
 Origin = tuple[str, str, int]
 
 
-def environment_proxies(
-    base_urls: Iterable[str], env: Mapping[str, str] | None = None
-) -> dict[Origin, str]:
+def environment_proxies(base_urls: Iterable[str]) -> dict[Origin, str]:
     """The proxy URL of each origin among ``base_urls`` that the environment's proxies
-    carry (``env``: default ``os.environ``, through :mod:`urllib.request`'s reading of
-    it: a lower-case name before its upper-case twin; ``HTTP_PROXY`` ignored in a CGI
-    request, as there it is a client's header)."""
-    proxies = _proxies(env)
+    carry, read by :mod:`urllib.request` (a lower-case name before its upper-case twin;
+    ``HTTP_PROXY`` ignored in a CGI request, as there it is a client's header)."""
+    proxies = urllib.request.getproxies_environment()
     if not proxies:
         return {}
+    # (urllib's NO_PROXY matching, as curl's: suffixes, "*", an entry's port; not in
+    # typeshed, present in every Python polygate runs on.)
+    bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
     found: dict[Origin, str] = {}
     for url in base_urls:
-        origin = _origin(url)
+        origin = _origin(httpx.URL(url))
         scheme, host, port = origin
         proxy = proxies.get(scheme) or proxies.get("all")
-        # (urllib's NO_PROXY matching, as curl's: suffixes, "*", an entry's port; not
-        # in typeshed, present in every Python polygate runs on.)
-        bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
-        if (not proxy or _loopback(host) or bypass(f"{host}:{port}", proxies)
-                or _in_ranges(host, proxies.get("no", ""))):
+        if not proxy:
+            continue
+        address = _address(host)
+        if (_loopback(host, address) or bypass(f"{host}:{port}", proxies)
+                or _in_ranges(address, proxies.get("no", ""))):
             continue
         found[origin] = proxy if _scheme(proxy) is not None else f"http://{proxy}"
     return found
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
 
 
 def _scheme(proxy: str) -> str | None:
@@ -70,27 +76,23 @@ def _scheme(proxy: str) -> str | None:
     return head
 
 
-def _loopback(host: str) -> bool:
+def _loopback(host: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address | None) -> bool:
     """A loopback host: never proxied (as Go's net/http has it), for a proxy
     elsewhere would reach its own loopback, not this machine's."""
     host = host.rstrip(".")  # (``localhost.`` is localhost: a name's root dot)
     if host == "localhost" or host.endswith(".localhost"):
         return True
-    try:
-        address = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
+    if address is None:
         return False
     mapped = getattr(address, "ipv4_mapped", None)  # (::ffff:127.0.0.1 is 127.0.0.1)
     return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def _in_ranges(host: str, no_proxy: str) -> bool:
-    """Whether ``host`` is an address inside one of NO_PROXY's address ranges
-    (``10.0.0.0/8``, ``fd00::/8``: as curl, requests and Go read them, where urllib
-    matches only whole addresses and names)."""
-    try:
-        address = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
+def _in_ranges(address: ipaddress.IPv4Address | ipaddress.IPv6Address | None, no_proxy: str) -> bool:
+    """Whether ``address`` is inside one of NO_PROXY's address ranges (``10.0.0.0/8``,
+    ``fd00::/8``: as curl, requests and Go read them, where urllib matches only whole
+    addresses and names)."""
+    if address is None:
         return False
     for entry in no_proxy.split(","):
         entry = entry.strip().strip("[]")
@@ -104,33 +106,14 @@ def _in_ranges(host: str, no_proxy: str) -> bool:
     return False
 
 
-def _proxies(env: Mapping[str, str] | None) -> dict[str, str]:
-    if env is None:
-        return urllib.request.getproxies_environment()
-    # (getproxies_environment reads os.environ only: the same rules over ``env``.)
-    proxies: dict[str, str] = {}
-    for name, value in env.items():
-        if value and name.lower().endswith("_proxy"):
-            proxies.setdefault(name[:-6].lower(), value)  # (either case: the first kept)
-    lower = {n[:-6]: v for n, v in env.items() if n.endswith("_proxy") and n[:-6].islower() and v}
-    proxies.update(lower)  # the lower-case name wins, as urllib has it
-    if "REQUEST_METHOD" in env:
-        proxies.pop("http", None)
-    return proxies
+def _origin(url: httpx.URL) -> Origin:
+    return url.scheme, url.raw_host.decode("ascii"), url.port or _DEFAULT_PORTS.get(url.scheme, 0)
 
 
-def _origin(url: str) -> Origin:
-    parsed = httpx.URL(url)
-    scheme = parsed.scheme
-    return scheme, parsed.raw_host.decode("ascii"), parsed.port or _DEFAULT_PORTS.get(scheme, 0)
-
-
-def routed(
-    lean: LeanTransport, base_urls: Iterable[str], env: Mapping[str, str] | None = None
-) -> httpx.AsyncBaseTransport:
+def routed(lean: LeanTransport, base_urls: Iterable[str]) -> httpx.AsyncBaseTransport:
     """``lean``, or a :class:`ProxyRouter` over it when the environment's proxies carry
     some of ``base_urls``; :class:`ConfigError` for a proxy that cannot be used."""
-    found = environment_proxies(base_urls, env)
+    found = environment_proxies(base_urls)
     if not found:
         return lean
     # (A transport opens nothing until its first request: one refused here leaves
@@ -207,9 +190,7 @@ class ProxyRouter(httpx.AsyncBaseTransport):
         return f"<ProxyRouter proxied={len(self._proxied)} direct={self.direct!r}>"
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        url = request.url
-        key = (url.scheme, url.raw_host.decode("ascii"), url.port or _DEFAULT_PORTS.get(url.scheme, 0))
-        through = self._proxied.get(key)
+        through = self._proxied.get(_origin(request.url))
         if through is None:
             return await self.direct.handle_async_request(request)
         sent: Any = request.extensions.get(SENT_EXTENSION)
