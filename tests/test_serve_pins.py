@@ -35,6 +35,16 @@ def test_retry_after_is_whole_seconds_rounded_up() -> None:
     assert headers[b"retry-after-ms"] == b"1200"
 
 
+@pytest.mark.parametrize(("wait_s", "ms"), [(59.9994, b"60000"), (0.0001, b"1"), (2.5, b"2500")])
+def test_retry_after_ms_is_rounded_up_too(wait_s: float, ms: bytes) -> None:
+    """A key refused 0.6 ms after its one request of the minute waits 59.9994 s: a
+    client that obeys ``retry-after-ms: 59999`` to the millisecond (polygate's own
+    reads it first) comes back 0.4 ms early and is refused again.  The milliseconds
+    are rounded up, as the seconds are."""
+    reply = reply_for(_exhausted(errors.RateLimitedError("slow down", retry_after_s=wait_s)))
+    assert dict(reply.headers())[b"retry-after-ms"] == ms
+
+
 def test_retry_after_is_the_earliest_any_source_gave() -> None:
     """Mutant E3 (rate_limited_for: min -> max): when every attempt was a 429,
     Retry-After is the earliest a source asked for (docs/serve.md)."""

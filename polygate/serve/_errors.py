@@ -22,7 +22,7 @@ a committed stream went silent     504     timeout_error                ``stream
 
 (1) or the upstream's own code when it is a context-length or content-policy one.
 
-A 429 carries ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``.
+A 429 carries ``Retry-After`` (whole seconds) and ``retry-after-ms``, both rounded up.
 Messages are the polygate error's own text, which never holds a source's key (the
 errors module redacts upstream text), and never a gateway key (none reaches here) --
 except the 503's: the backend's own message names its host and port, which are the
@@ -93,7 +93,7 @@ class ErrorReply:
         if self.retry_after_s is not None:
             seconds = max(1, math.ceil(self.retry_after_s))
             out.append((b"retry-after", str(seconds).encode()))
-            out.append((b"retry-after-ms", str(max(1, round(self.retry_after_s * 1000))).encode()))
+            out.append((b"retry-after-ms", str(max(1, math.ceil(self.retry_after_s * 1000))).encode()))
         return out
 
     def body(self) -> bytes:
