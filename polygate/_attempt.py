@@ -24,6 +24,7 @@ import trio
 
 from ._context import AttemptRecord, CallContext, ChatRequest
 from ._errors import Outcome, TransientUpstreamError, UpstreamError
+from ._lag import LAG_MIN_S
 from ._types import Usage
 from .governance import Admission, positive_count
 from .transport import OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
@@ -87,8 +88,8 @@ class AttemptControl:
     """
 
     __slots__ = (
-        "_watch", "_whole", "cancel_reason", "cancelled", "claim", "on_content", "on_extra",
-        "record", "scope",
+        "_held", "_watch", "_whole", "cancel_reason", "cancelled", "claim", "on_content",
+        "on_extra", "record", "scope",
     )
 
     def __init__(self, record: AttemptRecord, on_content: OnContent | None = None) -> None:
@@ -108,6 +109,7 @@ class AttemptControl:
         self.claim: Callable[[], bool] | None = None
         self._whole = math.inf
         self._watch = math.inf
+        self._held = False  # in hold_while: the hold stops the clocks, a stall of the loop too
 
     def cancel(self, reason: Outcome) -> None:
         self.cancel_reason = reason
@@ -172,9 +174,11 @@ class AttemptControl:
         assert scope is not None  # (a chunk came: the attempt has started)
         start = trio.current_time()
         scope.deadline = math.inf
+        self._held = True
         try:
             await wait()
         finally:
+            self._held = False
             held = trio.current_time() - start
             timeline = self.record.timeline
             timeline.paused_s += held
@@ -185,6 +189,23 @@ class AttemptControl:
             self._whole += held
             self._watch += held
             scope.deadline = self._deadline()
+
+    def lagged(self, lag: float, now: float) -> None:
+        """The event loop did not look at the sockets for ``lag`` seconds, up to
+        ``now`` (polygate._lag, before trio expires deadlines): that time is the
+        caller's, as a hold is.  Both clocks move by it and the timeline leaves it
+        out, so a deadline passed only while nobody looked has not passed: the bytes
+        that came meanwhile are read first, and the watchdogs judge the silence
+        after them."""
+        if self._held or self.scope is None:
+            return  # (held: the hold counts that time itself)
+        self.record.timeline.paused_s += lag
+        self._whole += lag
+        self._watch += lag
+        # A clock that was due as the stall began is due now, give or take: the
+        # readers woken with it are given a moment to read what came (trio reads the
+        # time it expires deadlines at after this, and runs them after that).
+        self.scope.deadline = max(self._deadline(), now + LAG_MIN_S)
 
     def _deadline(self) -> float:
         """The scope's deadline: the watchdog's or the whole attempt's, the earlier."""
@@ -352,6 +373,10 @@ async def _guarded(
     scope = control.start_clocks(
         start + timeout_s, start + ttft_timeout_s if ttft_timeout_s is not None else math.inf
     )
+    # The loop's own stalls move the clocks (polygate._lag) while they run.
+    lagging = ctx.runtime.loop_lag
+    if lagging is not None:
+        lagging.attempts.add(control)
     try:
         with scope:
             result = await work(timeline)
@@ -388,6 +413,8 @@ async def _guarded(
         outcome = Outcome.CANCELLED if ctx.runtime.closed else exc.outcome
         raise
     finally:
+        if lagging is not None:
+            lagging.attempts.discard(control)
         if outcome is Outcome.CANCELLED:
             outcome = control.cancel_reason
         record.error = error

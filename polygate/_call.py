@@ -139,7 +139,14 @@ async def _with_deadline(
             if deadline_at is None:  # (no nullcontext: three calls a call, for nothing)
                 return await body()
             with trio.fail_at(deadline_at):
-                return await body()
+                result = await body()
+                if trio.current_time() > deadline_at:
+                    # An answer read without a checkpoint after the deadline (its bytes
+                    # were waiting when a stall of the caller's loop ended): the
+                    # deadline passed, and fires now whatever the answer's length --
+                    # one that must wait for its next read would have.
+                    raise trio.TooSlowError
+                return result
         except BaseExceptionGroup as group:
             raise one_error(group) from group
         except trio.TooSlowError:

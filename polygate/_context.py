@@ -15,6 +15,7 @@ import trio
 
 from ._config import Scope, Settings, Source
 from ._errors import Outcome, UpstreamError
+from ._lag import LoopLag
 from ._ocr_renderers import Renderers
 from ._sketch import LatencySketch
 from ._types import CallStats, Usage
@@ -98,6 +99,9 @@ class Runtime:
     # through its caller: a shield around the block holds), so the session's closing
     # cuts them itself.
     streams: dict[trio.CancelScope, trio.Event] = attrs.field(factory=dict)
+    #: The trio run's watch on its loop's own stalls, which moves the running
+    #: attempts' clocks (polygate._lag); None under a test's MockClock.
+    loop_lag: LoopLag | None = None
 
     def __attrs_post_init__(self) -> None:
         others = self.settings.secrets()

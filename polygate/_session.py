@@ -31,6 +31,7 @@ from ._context import Runtime
 from ._errors import ConfigError, PolygateError
 from ._json import MAX_DEPTH, dumps, nested_deeper, plain_messages
 from ._key_quota import KEY_SCOPE, KeyQuotas
+from ._lag import LoopLag
 from ._ocr import run_ocr
 from ._resume import first_logprobs, resumable_delta
 from ._structured import prepare
@@ -1113,6 +1114,7 @@ async def session_on(
         transport = routed(pool, [s.url for scope in settings.scopes.values() for s in scope.sources])
     body_error: BaseException | None = None
     interrupted: KeyboardInterrupt | None = None  # Ctrl-C during the close: raised last
+    loop_lag = LoopLag.acquire()  # (released last, below)
     try:
         if isinstance(backend, RedisBackend):
             await backend.start()  # connects, checks Lua, loads scripts; cleans up on failure
@@ -1127,7 +1129,7 @@ async def session_on(
                 governor = Governor(settings, backend, rng=rng)
                 runtime = Runtime(
                     settings, transport, governor, rng=rng, recorder=telemetry.recorder,
-                    nursery=nursery, trace_headers=telemetry.trace_headers,
+                    nursery=nursery, trace_headers=telemetry.trace_headers, loop_lag=loop_lag,
                 )
                 telemetry.start(nursery, governor)
                 if cache is not None:
@@ -1178,6 +1180,8 @@ async def session_on(
             raise
         interrupted = interrupted or held
     finally:
+        if loop_lag is not None:
+            loop_lag.release()
         if owned:  # a transport the caller passed in stays theirs to close
             await transport.aclose()
     if body_error is not None and (interrupted is None or isinstance(body_error, KeyboardInterrupt)):

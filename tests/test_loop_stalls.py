@@ -1,0 +1,366 @@
+"""The caller's own stalls are not the upstreams' fault (polygate._lag).
+
+An application that blocks its event loop (a synchronous call, a long computation),
+or a process stopped whole (SIGSTOP, a laptop asleep, a VM paused), stops trio from
+reading its sockets; what the upstreams sent meanwhile waits in the kernel.  trio then
+expired the attempts' watchdogs in the same pass that found those bytes readable: a
+stream whose tokens were there was cut as stalled, its source's breaker fed, and one
+pause of the gateway opened every breaker of a scope.
+
+The upstreams here run in a thread of their own (``loopback``: a trio run of their
+own, real sockets), so they go on sending while the test's loop is blocked.  The
+blocking ``time.sleep`` calls are the subject of these tests -- an application's
+blocking call -- not a wait for something to happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+import polygate
+import polygate.aio
+from polygate._lag import LAG_MIN_S, LoopLag
+from polygate.testing import FakeUpstream, Reply
+
+from ._aio_support import loopback
+from ._serve_kit import serve_process
+from .conftest import SECRET
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+#: A token every 50 ms for 3 s: the stall of the caller's loop (1.5 s) falls inside it.
+LONG_STREAM = Reply(tokens=60, first_token_s=0.02, inter_token_s=0.05)
+
+
+def _block(seconds: float) -> None:
+    time.sleep(seconds)  # the application's blocking call, on the loop's thread
+
+
+@contextlib.contextmanager
+def _upstreams(*names: str, reply: Reply = LONG_STREAM) -> Iterator[dict[str, FakeUpstream | str]]:
+    """Each named upstream served from a thread of its own: its URL under its name, the
+    upstream itself under ``name + "!"``."""
+    with contextlib.ExitStack() as stack:
+        out: dict[str, FakeUpstream | str] = {}
+        for name in names:
+            upstream = FakeUpstream(reply, name=name)
+            out[name] = stack.enter_context(loopback(upstream))
+            out[name + "!"] = upstream
+        yield out
+
+
+def _settings(ups: dict[str, Any], *, source: dict[str, Any] | None = None, **scope: Any
+              ) -> polygate.Settings:
+    sources = [polygate.Source(name=n, base_url=u, api_key=SECRET, **(source or {}))
+               for n, u in ups.items() if not n.endswith("!")]
+    return polygate.Settings(scopes={"chat": polygate.Scope(sources=sources, **scope)})
+
+
+def _requests(ups: dict[str, Any]) -> int:
+    return sum(u.statistics().requests for n, u in ups.items() if n.endswith("!"))
+
+
+async def _failures(s: polygate.Session) -> dict[str, tuple[int, str]]:
+    stats = await s.statistics()
+    return {x.state.source: (x.state.consecutive_failures, x.state.breaker)
+            for x in stats.governance.sources}
+
+
+async def test_a_stream_read_through_a_stall_of_the_callers_loop_is_not_stalled() -> None:
+    """Its tokens came every 50 ms while the caller blocked 1.5 s (stall_timeout_s 0.5):
+    the stream goes on, with no second request, nothing fed to the breaker, and the
+    1.5 s counted in no statistic of the source's (stall_ms, ttft)."""
+    with _upstreams("a") as ups:
+        settings = _settings(ups, stream=polygate.StreamWatch(stall_timeout_s=0.5, resume=True))
+        async with polygate.session(settings) as s:
+            texts = []
+            async with s.stream_chat(MESSAGES) as stream:
+                async for chunk in stream:
+                    texts.append(chunk.text)
+                    if len(texts) == 3:
+                        _block(1.5)
+            stats = stream.response.call_stats
+            assert len(texts) == 60
+            assert _requests(ups) == 1
+            assert stats.attempts == 1 and stats.resumes == 0
+            assert stats.stall_count == 0 and stats.stall_ms == 0.0, stats
+            assert stats.generation_ms < 3000 + 1000  # the stream's own ~3 s, not +1.5
+            assert await _failures(s) == {"a": (0, "closed")}
+
+
+async def test_one_stall_with_streams_running_opens_no_breaker() -> None:
+    """Eight streams over two sources, the loop blocked 1.5 s once: every stream ends
+    whole, no breaker is fed, and the next call goes at once."""
+    with _upstreams("a", "b") as ups:
+        settings = _settings(ups, stream=polygate.StreamWatch(stall_timeout_s=0.5),
+                             retry=polygate.Retry(max_attempts=1))
+        async with polygate.session(settings) as s:
+            ended: list[int] = []
+
+            async def one() -> None:
+                async with s.stream_chat(MESSAGES) as stream:
+                    ended.append(sum([1 async for _ in stream]))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(one)
+                await trio.sleep(0.3)  # (the streams under way: the stall is in their middle)
+                _block(1.5)
+            assert ended == [60] * 8
+            assert await _failures(s) == {"a": (0, "closed"), "b": (0, "closed")}
+            with trio.fail_after(5):
+                await s.chat(MESSAGES)
+            assert _requests(ups) == 9
+
+
+@pytest.mark.parametrize(
+    ("reply", "source"),
+    [
+        # The first token came at 0.05 s, inside ttft_timeout_s (the message once blamed
+        # a stall watchdog that was not even set).
+        pytest.param(LONG_STREAM, {"ttft_timeout_s": 0.5}, id="ttft_timeout_s"),
+        # A source that cannot stream; its answer (longer than one read) was whole at
+        # 0.2 s, inside timeout_s.
+        pytest.param(Reply(tokens=200_000, first_token_s=0.2, inter_token_s=0.0),
+                     {"timeout_s": 1.0, "streaming": False}, id="timeout_s"),
+    ],
+)
+async def test_an_answer_that_came_in_time_is_read_after_a_stall(
+    tmp_path: Path, reply: Reply, source: dict[str, Any]
+) -> None:
+    db = tmp_path / "t.db"
+    with _upstreams("a", reply=reply) as ups:
+        settings = _settings(ups, source=source, retry=polygate.Retry(max_attempts=1))
+        settings = polygate.Settings(scopes=settings.scopes, telemetry=f"sqlite:///{db}")
+        async with polygate.session(settings) as s:
+            async def blocker() -> None:
+                await trio.sleep(0.01)
+                _block(1.5)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(blocker)
+                response = await s.chat(MESSAGES)
+            assert response.call_stats.attempts == 1
+            assert await _failures(s) == {"a": (0, "closed")}
+    rows = sqlite3.connect(db).execute("SELECT error FROM attempts").fetchall()
+    assert rows == [("ok",)]
+
+
+async def test_a_stall_before_the_first_token_is_not_the_sources_latency() -> None:
+    """A source answering its first token in ~20 ms, the caller's loop blocked 1.5 s
+    meanwhile: its ttft says ~20 ms, and its health (which picks sources) keeps it."""
+    with _upstreams("a", "b", reply=Reply(tokens=4, first_token_s=0.02, inter_token_s=0.005)) as ups:
+        async with polygate.session(_settings(ups)) as s:
+            for _ in range(10):  # both sources' latency learnt
+                await s.chat(MESSAGES)
+
+            async def blocker() -> None:
+                await trio.sleep(0.005)
+                _block(1.5)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(blocker)
+                victim = (await s.chat(MESSAGES)).call_stats
+            assert victim.ttft_ms is not None and victim.ttft_ms < 500, victim
+            assert victim.generation_ms < 500, victim
+            stats = await s.statistics()
+            health = {x.state.source: x.health.score for x in stats.governance.sources}
+            assert health[victim.source] >= 0.5, health
+
+
+@pytest.mark.parametrize("hedge", [
+    polygate.Hedge(after_s=0.5),  # the first token was readable when the stall ended
+    polygate.Hedge(after_s=5.0, stall_after_s=0.5),  # tokens every 40 ms all along
+], ids=["first_token", "stall_after_s"])
+async def test_no_hedge_for_a_silence_that_was_the_callers(hedge: polygate.Hedge) -> None:
+    reply = Reply(tokens=60, first_token_s=0.02, inter_token_s=0.04)
+    with _upstreams("a", "b", reply=reply) as ups:
+        async with polygate.session(_settings(ups, hedge=hedge)) as s:
+            async def blocker() -> None:
+                await trio.sleep(0.01 if hedge.stall_after_s is None else 0.3)
+                _block(1.5)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(blocker)
+                stats = (await s.chat(MESSAGES)).call_stats
+            assert stats.hedges == 0 and stats.attempts == 1, stats
+            assert _requests(ups) == 1
+
+
+@pytest.mark.parametrize("arrives_s", [0.1, 1.2])
+async def test_a_deadline_that_passed_in_a_stall_ends_the_call(arrives_s: float) -> None:
+    """The call's deadline is the caller's, on the wall clock: the answer (whole before
+    the deadline, or after it) is read only after the deadline, when the stall ends --
+    DeadlineExceeded, however short the answer (it once depended on whether its read
+    reached a checkpoint)."""
+    reply = Reply(tokens=4, first_token_s=arrives_s, inter_token_s=0.0)
+    with _upstreams("a", reply=reply) as ups:
+        async with polygate.session(_settings(ups, call_deadline_s=1.0)) as s:
+            async def blocker() -> None:
+                await trio.sleep(0.01)
+                _block(1.5)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(blocker)
+                with pytest.raises(polygate.DeadlineExceeded):
+                    await s.chat(MESSAGES)
+
+
+def test_an_asyncio_application_blocking_its_loop_does_not_cut_its_stream() -> None:
+    """polygate.aio: trio runs as a guest of the application's loop, and a blocking call
+    in an asyncio task stops both."""
+    with _upstreams("a") as ups:
+        settings = _settings(ups, stream=polygate.StreamWatch(stall_timeout_s=0.5))
+
+        async def main() -> tuple[int, Any]:
+            async with polygate.aio.session(settings) as s:
+                got = 0
+                async with s.stream_chat(MESSAGES) as stream:
+                    async for _ in stream:
+                        got += 1
+                        if got == 3:
+                            _block(1.5)
+                stats = await s.statistics()
+                return got, stats.governance.sources[0].state
+
+        got, state = asyncio.run(main())
+        assert got == 60
+        assert state.consecutive_failures == 0 and state.breaker == "closed"
+
+
+KEY = "sk-gw-loop-stalls-0123456789"
+
+
+async def test_a_gateway_stopped_a_while_goes_on_with_its_streams(tmp_path: Path) -> None:
+    """``polygate serve`` stopped 3 s (SIGSTOP: a container frozen) with six clients
+    streaming (stall_timeout_s 1), its upstreams sending all along: after SIGCONT every
+    stream ends whole, and the next request is answered, not refused by breakers that
+    a stall of its own opened."""
+    with _upstreams("a", "b", reply=Reply(tokens=80, first_token_s=0.02, inter_token_s=0.05)) as ups:
+        config = tmp_path / "polygate.toml"
+        sources = "".join(
+            f'[scopes.chat.sources.{n}]\nbase_url = "{u}"\nmodel = "m"\napi_key = "{SECRET}"\n\n'
+            for n, u in ups.items() if not n.endswith("!"))
+        config.write_text(
+            f'[serve]\napi_keys = ["{KEY}"]\n\n[scopes.chat]\ncall_deadline_s = 20\n\n'
+            f"[scopes.chat.stream]\nstall_timeout_s = 1.0\n\n{sources}")
+        async with serve_process(config) as running:
+            base = f"http://127.0.0.1:{running.port}"
+            headers = {"authorization": f"Bearer {KEY}"}
+            results: list[tuple[int, int, list[Any]]] = []
+
+            async def one(client: httpx.AsyncClient, i: int) -> None:
+                body = {"model": "chat", "stream": True,
+                        "messages": [{"role": "user", "content": f"hi {i}"}]}
+                async with client.stream("POST", "/v1/chat/completions", json=body,
+                                         headers=headers) as answer:
+                    chunks, errors = 0, []
+                    async for line in answer.aiter_lines():
+                        if line.startswith("data: {"):
+                            event = json.loads(line[6:])
+                            if "error" in event:
+                                errors.append(event["error"])
+                            elif event["choices"] and event["choices"][0]["delta"].get("content"):
+                                chunks += 1
+                    results.append((answer.status_code, chunks, errors))
+
+            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                async with trio.open_nursery() as nursery:
+                    for i in range(6):
+                        nursery.start_soon(one, client, i)
+                    await trio.sleep(0.6)  # (the streams under way)
+                    os.kill(running.proc.pid, signal.SIGSTOP)
+                    try:
+                        await trio.sleep(3.0)  # how long the gateway stays stopped
+                    finally:
+                        os.kill(running.proc.pid, signal.SIGCONT)
+                after = await client.post("/v1/chat/completions", headers=headers,
+                                          json={"model": "chat", "messages": MESSAGES})
+            running.proc.send_signal(signal.SIGTERM)
+        assert results == [(200, 80, [])] * 6, results
+        assert after.status_code == 200, after.text
+        assert _requests(ups) == 7
+
+
+# --------------------------------------------------------------------------- the instrument
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def current_time(self) -> float:
+        return self.now
+
+
+class _Attempt:
+    def __init__(self) -> None:
+        self.lags: list[tuple[float, float]] = []
+
+    def lagged(self, lag: float, now: float) -> None:
+        self.lags.append((round(lag, 9), now))
+
+
+def _lag() -> tuple[LoopLag, _Clock, _Attempt]:
+    clock = _Clock()
+    lag = LoopLag(clock)  # type: ignore[arg-type]
+    attempt = _Attempt()
+    lag.attempts.add(attempt)
+    return lag, clock, attempt
+
+
+def test_the_time_not_polling_is_the_tasks_turn_and_a_poll_far_past_its_plan() -> None:
+    lag, clock, attempt = _lag()
+    clock.now += 1.5  # a task's step blocked the loop
+    lag.before_io_wait(0.0)
+    clock.now += 0.001  # (a poll's own time, as planned give or take: not counted)
+    lag.after_io_wait(0.0)
+    assert attempt.lags == [(1.5, 101.501)]
+    lag.before_io_wait(0.5)
+    clock.now += 3.5  # stopped while it polled for 0.5 s, from some instant of the wait
+    lag.after_io_wait(0.5)
+    assert attempt.lags[1] == (3.5, 105.001)
+
+
+def test_a_poll_that_ends_early_and_an_ordinary_turn_are_no_stall() -> None:
+    lag, clock, attempt = _lag()
+    clock.now += LAG_MIN_S / 2  # a busy turn of the loop
+    lag.before_io_wait(10.0)
+    clock.now += 0.2  # woken early by a socket: not late
+    lag.after_io_wait(10.0)
+    clock.now += 0.001
+    lag.before_io_wait(1.0)
+    clock.now += 1.0 + LAG_MIN_S / 4
+    lag.after_io_wait(1.0)
+    assert attempt.lags == []
+
+
+async def test_one_instrument_a_run_from_the_first_session_to_the_last() -> None:
+    first = LoopLag.acquire()
+    second = LoopLag.acquire()
+    assert first is not None and first is second
+    first.release()
+    second.release()  # (the last: removed from the run)
+    with pytest.raises(KeyError):
+        trio.lowlevel.remove_instrument(first)
+    again = LoopLag.acquire()
+    assert again is first
+    again.release()
+
+
+async def test_a_mock_clock_run_has_none(autojump_clock: trio.testing.MockClock) -> None:
+    """A MockClock's jumps are time the test makes pass: the clocks must see them."""
+    assert LoopLag.acquire() is None
