@@ -199,7 +199,12 @@ class AttemptControl:
         after them."""
         if self._held or self.scope is None:
             return  # (held: the hold counts that time itself)
-        self.record.timeline.paused_s += lag
+        timeline = self.record.timeline
+        sent = timeline.sent_at
+        if sent is not None:
+            # (Only what fell after the request went: the timeline's durations run
+            # from then, and would lose a stall before it twice.)
+            timeline.paused_s += min(lag, now - sent)
         self._whole += lag
         self._watch += lag
         # A clock that was due as the stall began is due now, give or take: the

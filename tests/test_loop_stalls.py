@@ -33,6 +33,8 @@ import trio.testing
 
 import polygate
 import polygate.aio
+from polygate._attempt import AttemptControl
+from polygate._context import AttemptRecord
 from polygate._lag import LAG_MIN_S, LoopLag
 from polygate.testing import FakeUpstream, Reply
 
@@ -364,3 +366,33 @@ async def test_one_instrument_a_run_from_the_first_session_to_the_last() -> None
 async def test_a_mock_clock_run_has_none(autojump_clock: trio.testing.MockClock) -> None:
     """A MockClock's jumps are time the test makes pass: the clocks must see them."""
     assert LoopLag.acquire() is None
+
+
+def _control(sent_at: float | None) -> AttemptControl:
+    record = AttemptRecord("c.1", "a", "primary", started_at=100.0, tokens_reserved=10)
+    record.timeline.sent_at = sent_at
+    control = AttemptControl(record)
+    control.start_clocks(whole=100.0 + 30.0, watch=100.0 + 1.0)
+    return control
+
+
+@pytest.mark.parametrize(("sent_at", "paused"), [(None, 0.0), (101.3, 0.2), (99.0, 1.5)])
+def test_a_stall_moves_the_clocks_and_leaves_out_of_the_timeline_what_followed_the_request(
+    sent_at: float | None, paused: float
+) -> None:
+    """The clocks run from the attempt's start, its timeline's durations from its
+    request: a stall before the request went (a connect) is no part of them, and
+    taken from them it made ttft and generation_ms smaller than they were, or 0."""
+    control = _control(sent_at)
+    control.lagged(1.5, 101.5)
+    assert control.record.timeline.paused_s == pytest.approx(paused)
+    assert control.timed_out(131.49) is False and control.timed_out(131.51) is True
+    assert control.scope is not None and control.scope.deadline == pytest.approx(102.5 + 1e-6, abs=1e-6)
+
+
+def test_a_held_attempt_is_moved_by_its_hold_alone() -> None:
+    control = _control(100.1)
+    control._held = True  # (in hold_while: it counts the time held itself)
+    control.lagged(1.5, 101.5)
+    assert control.record.timeline.paused_s == 0.0
+    assert control.timed_out(130.0001) is True
