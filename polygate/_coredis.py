@@ -18,7 +18,7 @@ def import_coredis(what: str) -> Any:
         import coredis.exceptions
         import coredis.retry
     except ImportError:
-        raise ConfigError(f"{what} needs the coredis package: pip install 'polygate[redis]'") from None
+        raise ConfigError(f"{what} needs the coredis package: pip install 'coredis>=6.9,<7' (polygate's redis extra)") from None
     return coredis
 
 

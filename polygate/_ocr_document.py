@@ -279,7 +279,7 @@ def _pil() -> Any:
     except ImportError:
         raise ConfigError(
             "OCR of an image or PDF needs Pillow (and pypdfium2 for PDFs): "
-            "pip install 'polygate[pdf]'"
+            "pip install 'pillow>=10' 'pypdfium2>=5.8' (polygate's pdf extra)"
         ) from None
     return Image
 
@@ -318,9 +318,9 @@ def _open_image(data: bytes, fmt: str, settings: Ocr) -> ImageDocument:
 def _check_pdf_libraries() -> None:
     """Say now, not from a renderer, that pypdfium2 or Pillow is missing."""
     if importlib.util.find_spec("pypdfium2") is None:
-        raise ConfigError("OCR of a PDF needs pypdfium2: pip install 'polygate[pdf]'")
+        raise ConfigError("OCR of a PDF needs pypdfium2: pip install 'pypdfium2>=5.8' (polygate's pdf extra)")
     if importlib.util.find_spec("PIL") is None:
         raise ConfigError(
             "OCR of an image or PDF needs Pillow (and pypdfium2 for PDFs): "
-            "pip install 'polygate[pdf]'"
+            "pip install 'pillow>=10' 'pypdfium2>=5.8' (polygate's pdf extra)"
         )

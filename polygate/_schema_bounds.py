@@ -8,7 +8,7 @@ the string's length (seconds at 30 characters, centuries at 60), and nothing els
 the process runs meanwhile: not the event loop, not the call's deadline, not another
 thread.  The model writes the string; the schema's author rarely knows their pattern
 backtracks.  These keywords match with the ``regex`` module instead (the
-``polygate[structured]`` extra): it avoids most such backtracking outright
+``structured`` extra): it avoids most such backtracking outright
 (``^(a+)+$`` takes microseconds there), and gives up after :data:`MATCH_TIMEOUT_S`
 (more for a long string) on the rest.  A match that gives up is
 :class:`SlowPattern`: the answer is not valid, re-asked like any other, with the reason.

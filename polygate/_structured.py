@@ -28,7 +28,7 @@ fail over between sources of different modes.
 
 pydantic is never imported here: a model class can only come from a program that
 has already imported it, so :func:`prepare` looks it up in ``sys.modules``.
-``jsonschema`` (the ``polygate[structured]`` extra) is imported on the first dict
+``jsonschema`` (polygate's ``structured`` extra) is imported on the first dict
 schema.  See ``docs/structured.md`` for why jsonschema and not fastjsonschema.
 """
 
@@ -400,7 +400,7 @@ def _compile(schema: Any) -> Any:
     except ImportError:
         raise ConfigError(
             "schema: a JSON Schema dict needs the jsonschema package "
-            "(pip install 'polygate[structured]')"
+            "(pip install 'jsonschema>=4.22' 'regex>=2023.12.25': polygate's structured extra)"
         ) from None
     if isinstance(schema, dict) and "$schema" in schema and not isinstance(schema["$schema"], str):
         raise ConfigError("schema: $schema must be a string (the URI of a draft)")

@@ -55,7 +55,7 @@ def require_postgres() -> Path:
         try:
             import psycopg  # noqa: F401
         except ImportError:
-            problem = "psycopg is not installed (pip install 'polygate[postgres]')"
+            problem = "psycopg is not installed (pip install '.[postgres]')"
     if problem is not None:
         if os.environ.get("POLYGATE_CI") == "1":
             pytest.fail(f"POLYGATE_CI=1 and {problem}")

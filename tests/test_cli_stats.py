@@ -346,7 +346,32 @@ def test_plot_without_matplotlib(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["stats", "--db", str(known_db), "--plot", str(tmp_path / "x.png")]) == 1
-    assert "pip install 'polygate[plot]'" in capsys.readouterr().err
+    # (The dependency itself: polygate is installed from its source, and the name on
+    # PyPI is another project's.)
+    assert "pip install 'matplotlib>=3.8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["stats", "demo"])
+def test_plot_with_a_matplotlib_that_cannot_be_imported(
+    known_db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], command: str,
+) -> None:
+    """matplotlib 3.7 under numpy 2 (both inside the floors once) fails to import: the
+    advice to install it ("Requirement already satisfied") mended nothing."""
+    broken = tmp_path / "site" / "matplotlib"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text(
+        'raise ImportError("numpy.core.multiarray failed to import\\nmore lines")\n')
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "matplotlib", raising=False)
+    png = str(tmp_path / "x.png")
+    args = (["stats", "--db", str(known_db), "--plot", png] if command == "stats"
+            else ["demo", "--plot", png])
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "matplotlib is installed but cannot be imported " \
+        "(ImportError: numpy.core.multiarray failed to import)" in err
+    assert "pip install" not in err
 
 
 @pytest.mark.parametrize(("name", "problem"), [

@@ -35,6 +35,18 @@ def test_nothing_cited_from_outside_the_repository(path: Path) -> None:
     assert found == []
 
 
+SOURCES = sorted((ROOT / "polygate").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", PAGES + SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_advice_installs_the_other_project(path: Path) -> None:
+    """The name ``polygate`` on PyPI is another project's: ``pip install
+    'polygate[serve]'`` installed that one (whose 0.3.0 replaced this package under
+    ``-U``, with no ``polygate`` command).  Advice installs from the clone, or names
+    the dependency itself."""
+    assert re.findall(r"pip install [\"']?polygate\b", _text(path)) == []
+
+
 _PATH = re.compile(r"`((?:polygate|tests|benchmarks|docs)/[\w./-]+\.(?:py|md|json|png))`")
 
 

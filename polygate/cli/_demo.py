@@ -40,7 +40,7 @@ def add_parser(
     parser.add_argument("--seed", type=int, default=24)
     parser.add_argument("--real-time", action="store_true",
                         help="run a ÷10 scaled replay on real loopback servers")
-    parser.add_argument("--plot", metavar="PNG", help="write latency CDFs (needs polygate[plot])")
+    parser.add_argument("--plot", metavar="PNG", help="write latency CDFs (needs matplotlib: the plot extra)")
     parser.add_argument(
         "--db", metavar="PATH",
         help="also write the replay's telemetry to this SQLite file (or sqlite:///… URL), "
@@ -240,14 +240,14 @@ def _run_real_time(
 
 
 def _plot(results: Mapping[str, Sequence[Any]], path: str, scale: float) -> int:
-    from ._replay import plot_cdf, plot_path
+    from ._replay import matplotlib_unavailable, plot_cdf, plot_path
 
     path = plot_path(path)
 
     try:
         import matplotlib  # noqa: F401 - only to tell the user what is missing
-    except ImportError:
-        print("error: --plot needs matplotlib: pip install 'polygate[plot]'", file=sys.stderr)
+    except ImportError as exc:
+        print(f"error: {matplotlib_unavailable(exc)}", file=sys.stderr)
         return 1
     xlabel = "call latency, s" + (" (scaled ÷10)" if scale != 1.0 else "")
     if not plot_cdf(results, path, title="queue-hang incident replay: latency CDF", xlabel=xlabel,

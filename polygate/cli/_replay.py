@@ -219,6 +219,18 @@ def summarize(outcomes: Sequence[Outcome]) -> Summary:
     )
 
 
+def matplotlib_unavailable(exc: ImportError) -> str:
+    """Why ``--plot`` cannot draw: matplotlib missing (how to install it), or installed
+    and failing to import -- a build for another numpy, a broken install -- which
+    installing it again would not mend ("Requirement already satisfied")."""
+    missing = exc.name
+    if isinstance(exc, ModuleNotFoundError) and missing is not None and (
+            missing == "matplotlib" or missing.startswith("matplotlib.")):
+        return "--plot needs matplotlib: pip install 'matplotlib>=3.8' (polygate's plot extra)"
+    reason = printable(str(exc).strip().partition("\n")[0])[:200]
+    return f"--plot: matplotlib is installed but cannot be imported ({type(exc).__name__}: {reason})"
+
+
 def plot_path(path: str) -> str:
     """The file a plot is written to: a name without an extension gets ``.png`` (as
     matplotlib would give it), and :func:`save_plot` writes exactly that name."""

@@ -25,7 +25,7 @@ Reads the ``calls``, ``attempts`` and ``sessions`` tables that a session with
 quantiles per scope and source, the share of all time the slowest calls take,
 waiting versus generating, hedging, the response cache's hit rate, error classes,
 attempts per call and each source's attempts.  ``--json`` prints the same as data; ``--plot`` draws the latency
-CDF per source and where the time went (needs ``polygate[plot]``).
+CDF per source and where the time went (needs matplotlib, polygate's ``plot`` extra).
 
 Exit status: 0 with a report, 1 when there is nothing to report (no database, no
 calls in the window) or the database cannot be read, 2 for bad arguments.
@@ -61,7 +61,7 @@ def add_parser(
     )
     parser.add_argument("--scope", help="only calls of this scope")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--plot", metavar="PNG", help="write plots (needs polygate[plot])")
+    parser.add_argument("--plot", metavar="PNG", help="write plots (needs matplotlib: the plot extra)")
     parser.add_argument(
         "--tail", metavar="PCTS", default="1,5,10,13,25",
         help="slowest-calls shares to report, in %% (default: 1,5,10,13,25)",
@@ -361,7 +361,7 @@ _PLOT_MIN_S = 1e-4
 
 
 def _plot(calls: Sequence[Any], path: str) -> int:
-    from ._replay import plot_path, save_plot
+    from ._replay import matplotlib_unavailable, plot_path, save_plot
 
     path = plot_path(path)
 
@@ -370,8 +370,8 @@ def _plot(calls: Sequence[Any], path: str) -> int:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        print("polygate stats: --plot needs matplotlib: pip install 'polygate[plot]'", file=sys.stderr)
+    except ImportError as exc:
+        print(f"polygate stats: {matplotlib_unavailable(exc)}", file=sys.stderr)
         return 1
     from ..telemetry._report import answered_by, split_calls, time_split
 

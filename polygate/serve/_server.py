@@ -117,7 +117,8 @@ def check_serving(settings: Settings, host: str) -> None:
     gateway keys, and the serve extra missing."""
     check_exposure(settings, host)
     if importlib.util.find_spec("prometheus_client") is None:
-        raise ConfigError("polygate serve needs the serve extra: pip install 'polygate[serve]'")
+        raise ConfigError("polygate serve needs prometheus-client (polygate's serve extra): "
+                          "pip install 'prometheus-client>=0.17'")
 
 
 async def _listen(port: int, host: str) -> list[trio.SocketListener]:

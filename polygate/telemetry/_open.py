@@ -236,7 +236,8 @@ def _otel_recorder(settings: Settings, tracer_provider: Any) -> OtelRecorder | N
     except ImportError:
         if tracer_provider is not None:
             raise ConfigError(
-                "OpenTelemetry tracing needs opentelemetry-sdk: pip install 'polygate[otel]'"
+                "OpenTelemetry tracing needs opentelemetry-sdk: pip install 'opentelemetry-sdk>=1.20' "
+                "(polygate's otel extra)"
             ) from None
         return None
     tracer = tracer_if_configured(tracer_provider)

@@ -81,7 +81,8 @@ def _psycopg() -> Any:
         import psycopg
     except ImportError:
         raise ConfigError(
-            "PostgreSQL telemetry needs psycopg 3: pip install 'polygate[postgres]'"
+            "PostgreSQL telemetry needs psycopg 3: pip install 'psycopg[binary]>=3.2.1' "
+            "(polygate's postgres extra)"
         ) from None
     return psycopg
 
