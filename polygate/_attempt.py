@@ -24,7 +24,6 @@ import trio
 
 from ._context import AttemptRecord, CallContext, ChatRequest
 from ._errors import Outcome, TransientUpstreamError, UpstreamError
-from ._lag import LAG_MIN_S
 from ._types import Usage
 from .governance import Admission, positive_count
 from .transport import OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
@@ -88,8 +87,8 @@ class AttemptControl:
     """
 
     __slots__ = (
-        "_held", "_watch", "_whole", "cancel_reason", "cancelled", "claim", "on_content",
-        "on_extra", "record", "scope",
+        "_held", "_looked", "_watch", "_whole", "cancel_reason", "cancelled", "claim",
+        "on_content", "on_extra", "record", "scope",
     )
 
     def __init__(self, record: AttemptRecord, on_content: OnContent | None = None) -> None:
@@ -109,7 +108,9 @@ class AttemptControl:
         self.claim: Callable[[], bool] | None = None
         self._whole = math.inf
         self._watch = math.inf
-        self._held = False  # in hold_while: the hold stops the clocks, a stall of the loop too
+        self._held = False  # in hold_while: its clocks are off
+        #: The due time a stall of the loop last gave a look before firing (stalled()).
+        self._looked = math.nan
 
     def cancel(self, reason: Outcome) -> None:
         self.cancel_reason = reason
@@ -190,27 +191,20 @@ class AttemptControl:
             self._watch += held
             scope.deadline = self._deadline()
 
-    def lagged(self, lag: float, now: float) -> None:
-        """The event loop did not look at the sockets for ``lag`` seconds, up to
-        ``now`` (polygate._lag, before trio expires deadlines): that time is the
-        caller's, as a hold is.  Both clocks move by it and the timeline leaves it
-        out, so a deadline passed only while nobody looked has not passed: the bytes
-        that came meanwhile are read first, and the watchdogs judge the silence
-        after them."""
-        if self._held or self.scope is None:
-            return  # (held: the hold counts that time itself)
-        timeline = self.record.timeline
-        sent = timeline.sent_at
-        if sent is not None:
-            # (Only what fell after the request went: the timeline's durations run
-            # from then, and would lose a stall before it twice.)
-            timeline.paused_s += min(lag, now - sent)
-        self._whole += lag
-        self._watch += lag
-        # A clock that was due as the stall began is due now, give or take: the
-        # readers woken with it are given a moment to read what came (trio reads the
-        # time it expires deadlines at after this, and runs them after that).
-        self.scope.deadline = max(self._deadline(), now + LAG_MIN_S)
+    def stalled(self, now: float, until: float) -> None:
+        """The event loop did not look at the sockets for a while, up to ``now``
+        (polygate._lag, before trio expires deadlines).  A clock due by ``now`` gives
+        the attempt one look first, until ``until``: what the upstream sent during
+        the stall is read, and a token moves the watchdog as ever.  Once for a due
+        time: past that look, bytes that come are late, and the clock fires (a loop
+        busy turn after turn must not keep a hung upstream's clocks from firing)."""
+        scope = self.scope
+        if self._held or scope is None:
+            return  # (held: the clocks are off, and the hold moves them by its time)
+        due = self._deadline()
+        if due <= now and due != self._looked:
+            self._looked = due
+            scope.deadline = until
 
     def _deadline(self) -> float:
         """The scope's deadline: the watchdog's or the whole attempt's, the earlier."""
@@ -378,7 +372,7 @@ async def _guarded(
     scope = control.start_clocks(
         start + timeout_s, start + ttft_timeout_s if ttft_timeout_s is not None else math.inf
     )
-    # The loop's own stalls move the clocks (polygate._lag) while they run.
+    # A stall of the loop gives the attempt a look before its clocks fire (polygate._lag).
     lagging = ctx.runtime.loop_lag
     if lagging is not None:
         lagging.attempts.add(control)

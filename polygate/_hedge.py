@@ -443,9 +443,7 @@ class Round:
         stall_after = self._ctx.scope.hedge.stall_after_s
         last = timeline.last_token_at
         if stall_after is not None and self._forward is None and last is not None:
-            # (Chunk times are net of the stalls of the caller's loop: so is this
-            # silence, as the stall watchdog's.)
-            return last + timeline.paused_s + stall_after
+            return last + stall_after
         return math.inf
 
     def _next_trigger(self) -> float:

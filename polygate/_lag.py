@@ -1,4 +1,4 @@
-"""The event loop's own stalls, kept off the upstreams' account.
+"""The event loop's own stalls: an attempt's clocks fire only after it had a look.
 
 An application that blocks its event loop (a synchronous call, a long computation, a
 garbage collection), or a process paused whole (``SIGSTOP``, a laptop asleep, a
@@ -7,18 +7,18 @@ upstream sent meanwhile waits in the kernel.  But when the loop comes back, trio
 expires every deadline that passed *in the same pass* that finds those sockets
 readable, before any reader has run: an attempt's watchdog (``stall_timeout_s``,
 ``ttft_timeout_s``, ``timeout_s``) cut a stream whose tokens were there to be read,
-fed its source's breaker, and counted the pause as the source's latency and silence.
-One pause of a few seconds with streams running opened every breaker of a scope, and
-the gateway answered 502 for the breakers' open time after it.
+and fed its source's breaker.  One pause of a few seconds with streams running opened
+every breaker of a scope, and the gateway answered 502 for their open time after it.
 
-The time the loop did not look is the caller's, as a slow consumer's hold is
-(``AttemptControl.hold_while``).  :class:`LoopLag`, a trio instrument, sees it right
-after trio's I/O poll and before trio expires deadlines: the tasks' turn since the
-last poll, and all of a poll that ended far past the wait planned for it.  Past
-:data:`LAG_MIN_S`, it moves the
-clocks of every running attempt by that time (and the attempt's timeline leaves it
-out, as it leaves out a hold), so a deadline that passed only while nobody looked has
-not passed; one that passed while the loop was polling fires as ever.
+:class:`LoopLag`, a trio instrument, sees a stall right after trio's I/O poll and
+before trio expires deadlines: the tasks' turn since the last poll, and how far the
+poll ended past the wait planned for it.  Past :data:`LAG_MIN_S`, every running
+attempt whose clock is due by now gets one look first (``AttemptControl.stalled``):
+its deadline moves to :data:`LAG_MIN_S` from now, its readers run in this pass, and
+a token they find moves the watchdog as ever.  Once for each due time: bytes that come
+after that look came after the limit, so a loop busy turn after turn still times a
+hung upstream out (at most a turn and :data:`LAG_MIN_S` late).  The clocks are not
+moved by the stall: nothing can tell when, within it, the bytes read after it came.
 
 One instrument serves every session of a trio run (a :class:`trio.lowlevel.RunVar`),
 added by the first session to open and removed by the last to close: its two hooks
@@ -36,20 +36,20 @@ import trio.testing
 
 __all__ = ["LAG_MIN_S", "Lagging", "LoopLag"]
 
-#: The shortest stretch without a poll counted as a stall of the loop: below it, a
-#: busy loop's ordinary turn (a batch of ready tasks takes milliseconds at load).
-#: Moving every running attempt's clocks is a step per attempt; a stall is rare.
+#: The shortest stretch without a look at the sockets counted as a stall of the loop
+#: (below it, a busy loop's ordinary turn), and the look a due clock is given after
+#: one.  Looking through the running attempts is a step for each; a stall is rare.
 LAG_MIN_S: Final = 0.05
 
 
 class Lagging(Protocol):
     """An attempt whose clocks run (``AttemptControl``)."""
 
-    def lagged(self, lag: float, now: float) -> None: ...
+    def stalled(self, now: float, until: float) -> None: ...
 
 
 class LoopLag(trio.abc.Instrument):
-    """The running attempts of a trio run, and the loop's stalls that move their clocks."""
+    """The running attempts of a trio run, and the loop's stalls that give them a look."""
 
     def __init__(self, clock: trio.abc.Clock) -> None:
         self._clock = clock
@@ -63,19 +63,21 @@ class LoopLag(trio.abc.Instrument):
 
     def after_io_wait(self, timeout: float) -> None:
         # Called by trio's run loop after each I/O poll, before deadlines expire.  Not
-        # looking: the tasks' turn since the last poll; and a poll that ended far past
-        # its plan (a process stopped, or a host loop late, in guest mode) was stopped
-        # at some point of its wait that nothing tells: all of it, then (a source is
-        # not blamed for a silence that may be the caller's).
-        now = self._clock.current_time()
+        # looking: the tasks' turn since the last poll, and a poll's end past its plan
+        # (a process stopped meanwhile, or a host loop late, in guest mode).
+        clock = self._clock
+        now = clock.current_time()
         polled = self._polled
-        lag = polled - self._last
-        if now - polled - timeout > LAG_MIN_S:
-            lag += now - polled
+        stall = polled - self._last
+        late = now - polled - timeout
+        if late > 0.0:
+            stall += late
+        if stall > LAG_MIN_S and self.attempts:
+            until = now + LAG_MIN_S
+            for attempt in list(self.attempts):  # (a copy: nothing here may change it, all the same)
+                attempt.stalled(now, until)
+            now = clock.current_time()  # (this step's own time is no turn of the tasks')
         self._last = now
-        if lag > LAG_MIN_S and self.attempts:
-            for attempt in list(self.attempts):  # (a clock moved may end nothing: a copy all the same)
-                attempt.lagged(lag, now)
 
     @classmethod
     def acquire(cls) -> LoopLag | None:
@@ -91,7 +93,7 @@ class LoopLag(trio.abc.Instrument):
             _RUN_LAG.set(lag)
         if lag._users == 0:
             trio.lowlevel.add_instrument(lag)
-            lag._last = clock.current_time()
+            lag._last = lag._polled = clock.current_time()
         lag._users += 1
         return lag
 

@@ -93,9 +93,8 @@ class Timeline:
     chunk_times: array[float] = attrs.Factory(lambda: array("d"))
     status_code: int | None = None
     streamed: bool = False
-    # Time the reader spent held by its caller (a committed stream's slow consumer),
-    # and the stalls of the caller's event loop (polygate._lag): the caller's, not the
-    # upstream's.  The first token's and chunk times are stamped net of it, so gaps
+    # Time the reader spent held by its caller (a committed stream's slow consumer):
+    # the caller's, not the upstream's.  Chunk times are stamped net of it, so gaps
     # between them are the upstream's own; durations subtract it.
     paused_s: float = 0.0
     #: The longest of those holds, at one stretch (polygate._attempt: a server may cut
@@ -479,9 +478,7 @@ async def _read_sse(
                 if content:
                     now = current_time()
                     if not chunk_times:
-                        # (Net of the time held, as chunk times: a stall of the
-                        # caller's loop before it is no part of the source's ttft.)
-                        timeline.first_token_at = now - timeline.paused_s
+                        timeline.first_token_at = now
                     chunk_times.append(now - timeline.paused_s)
                     if tail is not None:
                         # Content after every choice said its finish_reason (a proxy
