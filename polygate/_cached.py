@@ -523,10 +523,15 @@ async def _lead(
     """Make the upstream call; store and share its answer, or settle the flight.
     ``request``: what it sends (see :attr:`Flight.request`)."""
     if flight is None:  # cache="refresh" while another call leads: compute alone
+        # (That call asked before this one: once this one's answer is stored, the
+        # older answer arriving after it must not undo the refresh.)
+        older = cache.flights.open(key)
         response = await upstream()
         data = _encoded(cache, response)
         if data is not None:
             cache.put(key, data, ttl)
+            if older is not None:
+                older.superseded = True
         return response
     flight.request = request
     try:
@@ -541,7 +546,8 @@ async def _lead(
     if data is None:
         cache.flights.settle(key, flight)  # not storable: each waiter asks for itself
         return response
-    cache.put(key, data, ttl)  # stored before the flight ends: no window without either
+    if not flight.superseded:  # (a refresh that asked later stored its answer first)
+        cache.put(key, data, ttl)  # stored before the flight ends: no window without either
     cache.flights.settle(key, flight, value=data)
     return response
 
@@ -681,13 +687,20 @@ async def cached_embed(
             return False
         return True
 
-    async def compute(led: list[str], flights: dict[str, Flight], reread: bool) -> None:
+    async def compute(
+        led: list[str], flights: dict[str, Flight], reread: bool,
+        supersedes: dict[str, Flight] | None = None,
+    ) -> None:
         """One upstream call for ``led``; store and share each vector, or settle.
 
         ``reread``: first, read again the keys written since this call began (a read
         may have looked before an identical input's write committed, and the
         write-behind has let go of it), holding their flights, as chat does: served
-        from there, they are hits, and their waiters have them."""
+        from there, they are hits, and their waiters have them.
+
+        ``supersedes``: a refresh's keys that another call was leading when it began,
+        with that call's flights (see :attr:`Flight.superseded`)."""
+        supersedes = supersedes or {}
         if reread:
             again = [k for k in led if cache.written_since(k, seen)]
             if again:
@@ -752,8 +765,13 @@ async def cached_embed(
                 if data is not None:
                     stored.append((k, data, ttl))
             # All at once: thousands of new inputs are stored whole, not only as many as
-            # the writer's queue holds (it cannot run while they are put).
-            cache.put_many(stored)
+            # the writer's queue holds (it cannot run while they are put).  Not over a
+            # refresh that asked later and stored first (see Flight.superseded).
+            cache.put_many([s for s in stored if s[0] not in flights or not flights[s[0]].superseded])
+            for k, _, _ in stored:
+                older = supersedes.get(k)
+                if older is not None:
+                    older.superseded = True
             for k, data, _ in stored:
                 if k in flights:
                     cache.flights.settle(k, flights[k], value=data)
@@ -782,12 +800,17 @@ async def cached_embed(
         def start(nursery: trio.Nursery, todo: list[str], refresh: bool = False) -> None:
             led: list[str] = []
             flights: dict[str, Flight] = {}
+            supersedes: dict[str, Flight] = {}
             for key in todo:
                 if mode == "refresh" or refresh:
                     flight: Flight | None = cache.flights.lead_if_free(key)
                     if flight is not None:
                         flight.request = params
                         flights[key] = flight
+                    elif mode == "refresh":
+                        older = cache.flights.open(key)
+                        if older is not None:
+                            supersedes[key] = older
                     led.append(key)
                     continue
                 # The miss was decided before an await (the lookup, a wait on a
@@ -806,7 +829,7 @@ async def cached_embed(
                 else:
                     nursery.start_soon(wait_on, nursery, key, flight)
             if led:
-                nursery.start_soon(compute, led, flights, mode != "refresh" and not refresh)
+                nursery.start_soon(compute, led, flights, mode != "refresh" and not refresh, supersedes)
 
         async def wait_on(nursery: trio.Nursery, key: str, flight: Flight) -> None:
             await call.within(flight.done.wait)

@@ -55,7 +55,7 @@ class Flight:
     it (whose text may quote the leader's ``user``), binds only a waiter that sends the
     same bytes."""
 
-    __slots__ = ("batch", "done", "error", "request", "value")
+    __slots__ = ("batch", "done", "error", "request", "superseded", "value")
 
     def __init__(self) -> None:
         self.done = trio.Event()
@@ -63,6 +63,10 @@ class Flight:
         self.error: BaseException | None = None
         self.batch: frozenset[str] | None = None
         self.request: Any = None
+        #: A ``cache="refresh"`` call that began while this flight was open stored its
+        #: answer first: this flight's answer, asked for before it, is still its
+        #: waiters', but must not replace the refreshed entry.
+        self.superseded = False
 
 
 class Coalescer:
@@ -79,6 +83,10 @@ class Coalescer:
             flight = self._flights[key] = Flight()
             return flight, True
         return flight, False
+
+    def open(self, key: str) -> Flight | None:
+        """The flight open for ``key``, if any."""
+        return self._flights.get(key)
 
     def lead_if_free(self, key: str) -> Flight | None:
         """A new flight led by the caller, or None when one is already open (a
