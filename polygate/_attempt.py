@@ -24,6 +24,7 @@ import trio
 
 from ._context import AttemptRecord, CallContext, ChatRequest
 from ._errors import Outcome, TransientUpstreamError, UpstreamError
+from ._lag import LAG_MIN_S
 from ._types import Usage
 from .governance import Admission, positive_count
 from .transport import OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
@@ -87,8 +88,8 @@ class AttemptControl:
     """
 
     __slots__ = (
-        "_held", "_looked", "_watch", "_whole", "cancel_reason", "cancelled", "claim",
-        "on_content", "on_extra", "record", "scope",
+        "_held", "_look_until", "_looked", "_watch", "_whole", "cancel_reason", "cancelled",
+        "claim", "on_content", "on_extra", "record", "scope",
     )
 
     def __init__(self, record: AttemptRecord, on_content: OnContent | None = None) -> None:
@@ -109,8 +110,10 @@ class AttemptControl:
         self._whole = math.inf
         self._watch = math.inf
         self._held = False  # in hold_while: its clocks are off
-        #: The due time a stall of the loop last gave a look before firing (stalled()).
+        #: The due time a stall of the loop last gave a look before firing, and when
+        #: that look ends (stalled()).
         self._looked = math.nan
+        self._look_until = -math.inf
 
     def cancel(self, reason: Outcome) -> None:
         self.cancel_reason = reason
@@ -191,24 +194,42 @@ class AttemptControl:
             self._watch += held
             scope.deadline = self._deadline()
 
-    def stalled(self, now: float, until: float) -> None:
-        """The event loop did not look at the sockets for a while, up to ``now``
-        (polygate._lag, before trio expires deadlines).  A clock due by ``now`` gives
-        the attempt one look first, until ``until``: what the upstream sent during
-        the stall is read, and a token moves the watchdog as ever.  Once for a due
-        time: past that look, bytes that come are late, and the clock fires (a loop
-        busy turn after turn must not keep a hung upstream's clocks from firing)."""
+    def stalled(self, now: float, stall: float) -> None:
+        """The event loop did not look at the sockets for ``stall`` seconds, up to
+        ``now`` (polygate._lag, before trio expires deadlines).
+
+        A request not yet written (a connect, a TLS handshake, a pool's wait): the
+        upstream has not begun, and the stall is the caller's alone: both clocks move
+        by it.  Once it went, a clock due by ``now`` gives the attempt a look first, as
+        long as the stall was (50 ms at least): what the upstream sent during the stall
+        is read -- over as many reads as it takes -- and a token moves the watchdog as
+        ever; what silence remains fires after it.  Once for a due time: a loop busy
+        turn after turn must not keep a hung upstream's clocks from firing."""
         scope = self.scope
         if self._held or scope is None:
             return  # (held: the clocks are off, and the hold moves them by its time)
-        due = self._deadline()
+        if self.record.timeline.sent_at is None:
+            self._whole += stall
+            self._watch += stall
+            scope.deadline = self._deadline()
+            return
+        due = self._watch if self._watch < self._whole else self._whole  # (the look aside)
         if due <= now and due != self._looked:
             self._looked = due
-            scope.deadline = until
+            self._look_until = now + (stall if stall > LAG_MIN_S else LAG_MIN_S)
+            scope.deadline = self._look_until
+
+    @property
+    def look_until(self) -> float:
+        """Until when a stall of the loop holds this attempt's clocks off (see stalled)."""
+        return self._look_until
 
     def _deadline(self) -> float:
-        """The scope's deadline: the watchdog's or the whole attempt's, the earlier."""
-        return self._watch if self._watch < self._whole else self._whole
+        """The scope's deadline: the watchdog's or the whole attempt's, the earlier, and
+        not before the end of a look a stall of the loop gave (a token read in it, or
+        the end of a hold, would set a clock already past: the look's rest was lost)."""
+        due = self._watch if self._watch < self._whole else self._whole
+        return due if due >= self._look_until else self._look_until
 
     def timed_out(self, now: float) -> bool:
         return now >= self._whole

@@ -432,6 +432,14 @@ class Round:
         return fallback if fallback is not None else math.inf
 
     def _late_at(self, path: _Path) -> float:
+        """When ``path`` is late; when that fell inside a stall of the loop, once the
+        look the stall gives has ended (what its upstream sent during the stall is
+        read first, over as many reads as it takes: see polygate._lag)."""
+        late = self._late_from_timeline(path)
+        lag = self._ctx.runtime.loop_lag
+        return late if lag is None else lag.look_after(late)
+
+    def _late_from_timeline(self, path: _Path) -> float:
         timeline = path.record.timeline
         if timeline.finished_at is not None:
             # Every choice finished (an empty answer too, with no first token): silence

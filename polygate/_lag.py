@@ -13,12 +13,14 @@ every breaker of a scope, and the gateway answered 502 for their open time after
 :class:`LoopLag`, a trio instrument, sees a stall right after trio's I/O poll and
 before trio expires deadlines: the tasks' turn since the last poll, and how far the
 poll ended past the wait planned for it.  Past :data:`LAG_MIN_S`, every running
-attempt whose clock is due by now gets one look first (``AttemptControl.stalled``):
-its deadline moves to :data:`LAG_MIN_S` from now, its readers run in this pass, and
-a token they find moves the watchdog as ever.  Once for each due time: bytes that come
-after that look came after the limit, so a loop busy turn after turn still times a
-hung upstream out (at most a turn and :data:`LAG_MIN_S` late).  The clocks are not
-moved by the stall: nothing can tell when, within it, the bytes read after it came.
+attempt whose clock is due by now gets a look first (``AttemptControl.stalled``), as
+long as the stall was: its deadline moves to then, its readers read what came during
+the stall, over as many reads and passes as it takes, and a token they find moves the
+watchdog as ever.  Once for each due time: a loop busy turn after turn still times a
+hung upstream out (a turn or two late), and a silence that began before a stall fires
+after its look (a stall late).  The clocks are not moved by the stall -- nothing can
+tell when, within it, the bytes read after it came -- except an attempt's whose request
+had not gone yet (a connect): its upstream had not begun.
 
 One instrument serves every session of a trio run (a :class:`trio.lowlevel.RunVar`),
 added by the first session to open and removed by the last to close: its two hooks
@@ -37,15 +39,15 @@ import trio.testing
 __all__ = ["LAG_MIN_S", "Lagging", "LoopLag"]
 
 #: The shortest stretch without a look at the sockets counted as a stall of the loop
-#: (below it, a busy loop's ordinary turn), and the look a due clock is given after
-#: one.  Looking through the running attempts is a step for each; a stall is rare.
+#: (below it, a busy loop's ordinary turn), and the shortest look a due clock is given
+#: after one.  Looking through the running attempts is a step for each; a stall is rare.
 LAG_MIN_S: Final = 0.05
 
 
 class Lagging(Protocol):
     """An attempt whose clocks run (``AttemptControl``)."""
 
-    def stalled(self, now: float, until: float) -> None: ...
+    def stalled(self, now: float, stall: float) -> None: ...
 
 
 class LoopLag(trio.abc.Instrument):
@@ -56,6 +58,8 @@ class LoopLag(trio.abc.Instrument):
         self._last = self._polled = clock.current_time()  # the last poll's end, the next's start
         #: The attempts whose clocks run, by identity.
         self.attempts: set[Lagging] = set()
+        #: The last stall: when it began and ended (see :meth:`look_after`).
+        self.last_stall = (-1.0, -1.0)
         self._users = 0
 
     def before_io_wait(self, timeout: float) -> None:
@@ -72,12 +76,22 @@ class LoopLag(trio.abc.Instrument):
         late = now - polled - timeout
         if late > 0.0:
             stall += late
-        if stall > LAG_MIN_S and self.attempts:
-            until = now + LAG_MIN_S
+        if stall > LAG_MIN_S:
+            self.last_stall = (now - stall, now)
             for attempt in list(self.attempts):  # (a copy: nothing here may change it, all the same)
-                attempt.stalled(now, until)
+                attempt.stalled(now, stall)
             now = clock.current_time()  # (this step's own time is no turn of the tasks')
         self._last = now
+
+    def look_after(self, due: float) -> float:
+        """``due``, or, when it fell inside the last stall, the end of the look that
+        stall gives (as long as the stall): for a trigger of the round's own (a
+        hedge), as ``AttemptControl.stalled`` gives an attempt's clocks."""
+        began, ended = self.last_stall
+        if began < due <= ended:
+            stall = ended - began
+            return ended + (stall if stall > LAG_MIN_S else LAG_MIN_S)
+        return due
 
     @classmethod
     def acquire(cls) -> LoopLag | None:

@@ -171,9 +171,9 @@ async def _busy(seconds: float, step: float) -> None:
 @pytest.mark.parametrize("case", ["stall_timeout_s", "timeout_s"])
 async def test_a_hung_upstream_times_out_while_the_loop_is_busy(case: str) -> None:
     """A loop busy turn after turn (100 ms each) still looks at its sockets between
-    them: an upstream silent past its limit fails within a turn or two of it, not once
-    the computation ends (the first version of the fix moved the clocks by every
-    turn: 6.5 s for a limit of 0.5)."""
+    them: an upstream silent past its limit fails a few turns after it, not once the
+    computation ends (the first version of the fix moved the clocks by every turn:
+    6.5 s for a limit of 0.5)."""
     if case == "stall_timeout_s":
         reply = Reply(tokens=10, first_token_s=0.01, inter_token_s=0.01, stall_at=3, stall_s=30)
         options: dict[str, Any] = {"stream": polygate.StreamWatch(stall_timeout_s=0.5)}
@@ -194,20 +194,76 @@ async def test_a_hung_upstream_times_out_while_the_loop_is_busy(case: str) -> No
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(call)
-                nursery.start_soon(_busy, 3.0, 0.1)
-            assert failed_after and failed_after[0] < 1.5, failed_after  # (each pass: a 0.1 s turn)
+                nursery.start_soon(_busy, 4.0, 0.1)
+            # Due at ~0.5 s; a look of a turn; then the error's way out, a 0.1 s turn a
+            # pass: ~1-1.5 s, and not once the computation ends (4 s).
+            assert failed_after and failed_after[0] < 2.5, failed_after
 
 
-@pytest.mark.parametrize("hedge", [
-    polygate.Hedge(after_s=0.5),  # the first token was readable when the stall ended
-    polygate.Hedge(after_s=5.0, stall_after_s=0.5),  # tokens every 40 ms all along
-], ids=["first_token", "stall_after_s"])
-async def test_no_hedge_for_a_silence_that_was_the_callers(hedge: polygate.Hedge) -> None:
-    reply = Reply(tokens=60, first_token_s=0.02, inter_token_s=0.04)
-    with _upstreams("a", "b", reply=reply) as ups:
-        async with polygate.session(_settings(ups, hedge=hedge)) as s:
+@pytest.mark.parametrize("kind", ["chat", "stream_chat"])
+async def test_a_stream_answered_in_time_is_read_after_a_stall_past_timeout_s(kind: str) -> None:
+    """200 tokens (~30 KB: several reads), all sent at 0.1 s, timeout_s 1.0, the loop
+    blocked 1.5 s: the look lasts while the reads do (its first version ended at the
+    first token, whose watch() set the past whole-attempt deadline again)."""
+    reply = Reply(tokens=200, first_token_s=0.1, inter_token_s=0.0)
+    with _upstreams("a", reply=reply) as ups:
+        settings = _settings(ups, source={"timeout_s": 1.0}, retry=polygate.Retry(max_attempts=1))
+        async with polygate.session(settings) as s:
             async def blocker() -> None:
-                await trio.sleep(0.01 if hedge.stall_after_s is None else 0.3)
+                await trio.sleep(0.02)
+                _block(1.5)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(blocker)
+                if kind == "chat":
+                    assert (await s.chat(MESSAGES)).call_stats.attempts == 1
+                else:
+                    async with s.stream_chat(MESSAGES) as stream:
+                        assert len([chunk async for chunk in stream]) == 200
+            assert await _failures(s) == {"a": (0, "closed")}
+
+
+async def test_many_bodies_answered_during_a_stall_are_all_read() -> None:
+    """120 answers of ~200 KB that came during a 1.5 s stall take more than one pass,
+    and more than 50 ms, to read: none is cut (a look of 50 ms once cut most)."""
+    upstream = FakeUpstream(Reply(tokens=40_000, first_token_s=0.1, stream=False), name="a")
+    with loopback(upstream) as url:
+        source = polygate.Source(name="a", base_url=url, api_key=SECRET, timeout_s=1.0,
+                                 streaming=False)
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[source], retry=polygate.Retry(max_attempts=1))})
+        async with polygate.session(settings) as s:
+            async def stall() -> None:
+                while upstream.statistics().requests < 120:  # noqa: ASYNC110 - every request went first
+                    await trio.sleep(0.001)
+                _block(1.5)  # their answers come 0.1 s after: during it
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(120):
+                    nursery.start_soon(s.chat, MESSAGES)
+                nursery.start_soon(stall)
+            assert await _failures(s) == {"a": (0, "closed")}
+
+
+@pytest.mark.parametrize(("hedge", "reply", "streaming"), [
+    # the first token was readable when the stall ended
+    (polygate.Hedge(after_s=0.5), Reply(tokens=60, first_token_s=0.02, inter_token_s=0.04), True),
+    # tokens every 40 ms all along
+    (polygate.Hedge(after_s=5.0, stall_after_s=0.5),
+     Reply(tokens=60, first_token_s=0.02, inter_token_s=0.04), True),
+    # a ~200 KB answer that came during the stall: several reads (one pass once decided)
+    (polygate.Hedge(after_s=0.5), Reply(tokens=40_000, first_token_s=0.2, stream=False), False),
+], ids=["first_token", "stall_after_s", "big_body"])
+async def test_no_hedge_for_a_silence_that_was_the_callers(
+    hedge: polygate.Hedge, reply: Reply, streaming: bool
+) -> None:
+    with _upstreams("a", "b", reply=reply) as ups:
+        async with polygate.session(_settings(ups, hedge=hedge,
+                                              source={"streaming": streaming})) as s:
+            async def blocker() -> None:
+                while _requests(ups) < 1:  # noqa: ASYNC110 - another thread's server: no event
+                    await trio.sleep(0.001)
+                await trio.sleep(0.0 if hedge.stall_after_s is None else 0.3)
                 _block(1.5)
 
             async with trio.open_nursery() as nursery:
@@ -327,8 +383,8 @@ class _Attempt:
     def __init__(self) -> None:
         self.looks: list[tuple[float, float]] = []
 
-    def stalled(self, now: float, until: float) -> None:
-        self.looks.append((now, round(until - now, 9)))
+    def stalled(self, now: float, stall: float) -> None:
+        self.looks.append((now, round(stall, 9)))
 
 
 def _lag() -> tuple[LoopLag, _Clock, _Attempt]:
@@ -345,11 +401,11 @@ def test_a_stall_is_the_tasks_turn_and_a_poll_that_ended_past_its_plan() -> None
     lag.before_io_wait(0.0)
     clock.now += 0.001
     lag.after_io_wait(0.0)
-    assert attempt.looks == [(101.501, LAG_MIN_S)]
+    assert attempt.looks == [(101.501, 1.501)]  # (the poll, planned to take 0, took 1 ms)
     lag.before_io_wait(0.5)
     clock.now += 3.5  # stopped while it polled for 0.5 s
     lag.after_io_wait(0.5)
-    assert attempt.looks[1] == (105.001, LAG_MIN_S)
+    assert attempt.looks[1] == (105.001, 3.0)
 
 
 def test_a_poll_that_ends_early_and_an_ordinary_turn_are_no_stall() -> None:
@@ -383,32 +439,56 @@ async def test_a_mock_clock_run_has_none(autojump_clock: trio.testing.MockClock)
     assert LoopLag.acquire() is None
 
 
-def _control() -> AttemptControl:
+def _control(sent_at: float | None = 100.01) -> AttemptControl:
     record = AttemptRecord("c.1", "a", "primary", started_at=100.0, tokens_reserved=10)
+    record.timeline.sent_at = sent_at
     control = AttemptControl(record)
     control.start_clocks(whole=100.0 + 30.0, watch=100.0 + 1.0)
     return control
 
 
-def test_a_clock_due_after_a_stall_gets_one_look_not_more() -> None:
+def test_a_clock_due_after_a_stall_gets_a_look_as_long_as_the_stall_once() -> None:
     """A loop busy turn after turn stalls on every one: a hung upstream's clock would
-    never fire if each stall gave it a look (its first version moved the clocks by
-    every stall, and a busy loop timed nothing out)."""
+    never fire if each stall gave it a look (the fix's first version moved the clocks
+    by every stall, and a busy loop timed nothing out)."""
     control = _control()
     scope = control.scope
     assert scope is not None
-    control.stalled(100.5, 100.55)  # not due yet: nothing to do
+    control.stalled(100.5, 0.06)  # not due yet: nothing to do
     assert scope.deadline == pytest.approx(101.0, abs=1e-5)
-    control.stalled(101.5, 101.55)
-    assert scope.deadline == 101.55
-    control.stalled(101.7, 101.75)  # the same due time: its look was had
-    assert scope.deadline == 101.55
-    control.watch(101.6 + 1.0)  # a token came in the look: the watchdog moves on
-    assert scope.deadline == pytest.approx(102.6, abs=1e-5)
-    control.stalled(103.0, 103.05)  # due again, after another stall: a look again
-    assert scope.deadline == 103.05
-    assert control.timed_out(103.05) is False  # (the whole attempt's clock is not moved)
+    control.stalled(101.5, 1.5)
+    assert scope.deadline == 103.0 and control.look_until == 103.0
+    control.stalled(101.7, 0.1)  # the same due time: its look was had
+    assert scope.deadline == 103.0
+    control.watch(101.8 + 1.0)  # a token came in the look: the watchdog moves on
+    assert scope.deadline == 103.0  # (not before the look's end: a token cannot shorten it)
+    control.watch(102.5 + 1.0)
+    assert scope.deadline == pytest.approx(103.5, abs=1e-5)
+    control.stalled(104.0, 0.02)  # due again, after a short stall: the shortest look
+    assert scope.deadline == 104.0 + LAG_MIN_S
+    assert control.timed_out(104.01) is False  # (the whole attempt's clock is not moved)
     assert control.timed_out(130.01) is True
+
+
+def test_a_look_outlasts_a_past_whole_attempt_clock() -> None:
+    """A stall past ``timeout_s``: its look is not cut short by the first token read
+    in it, whose watch() set the past whole-attempt deadline again (a stream answered
+    in time was cut as a timeout)."""
+    control = _control()
+    control.start_clocks(whole=101.0, watch=math.inf)
+    control.stalled(102.5, 2.0)
+    control.watch(102.51 + 5.0)
+    assert control.scope is not None and control.scope.deadline == 104.5
+
+
+def test_a_stall_before_the_request_went_moves_the_clocks() -> None:
+    """The upstream had not begun (a connect): a source that answers in 0.2 s once
+    asked was cut as past its timeout_s by the caller's own stall."""
+    control = _control(sent_at=None)
+    control.stalled(101.5, 1.5)
+    assert control.scope is not None
+    assert control.scope.deadline == pytest.approx(102.5, abs=1e-5)
+    assert control.timed_out(131.49) is False and control.timed_out(131.51) is True
 
 
 def test_a_held_attempt_is_left_to_its_hold() -> None:
@@ -416,5 +496,5 @@ def test_a_held_attempt_is_left_to_its_hold() -> None:
     control._held = True  # (in hold_while: its clocks are off, and the hold moves them)
     assert control.scope is not None
     control.scope.deadline = math.inf
-    control.stalled(101.5, 101.55)
+    control.stalled(101.5, 1.5)
     assert control.scope.deadline == math.inf
