@@ -398,11 +398,9 @@ def _lag() -> tuple[LoopLag, _Clock, _Attempt]:
 def test_a_stall_is_the_tasks_turn_and_a_poll_that_ended_past_its_plan() -> None:
     lag, clock, attempt = _lag()
     clock.now += 1.5  # a task's step blocked the loop
-    lag.before_io_wait(0.0)
-    clock.now += 0.001
+    clock.now += 0.001  # (then a poll planned to take 0 took 1 ms)
     lag.after_io_wait(0.0)
-    assert attempt.looks == [(101.501, 1.501)]  # (the poll, planned to take 0, took 1 ms)
-    lag.before_io_wait(0.5)
+    assert attempt.looks == [(101.501, 1.501)]
     clock.now += 3.5  # stopped while it polled for 0.5 s
     lag.after_io_wait(0.5)
     assert attempt.looks[1] == (105.001, 3.0)
@@ -411,11 +409,9 @@ def test_a_stall_is_the_tasks_turn_and_a_poll_that_ended_past_its_plan() -> None
 def test_a_poll_that_ends_early_and_an_ordinary_turn_are_no_stall() -> None:
     lag, clock, attempt = _lag()
     clock.now += LAG_MIN_S / 2  # a busy turn of the loop
-    lag.before_io_wait(10.0)
-    clock.now += 0.2  # woken early by a socket: not late
+    clock.now += 0.2  # then a poll planned for 10 s, woken early by a socket
     lag.after_io_wait(10.0)
-    clock.now += 0.001
-    lag.before_io_wait(1.0)
+    clock.now += 0.001  # a short turn
     clock.now += 1.0 + LAG_MIN_S / 4  # a poll a little late
     lag.after_io_wait(1.0)
     assert attempt.looks == []
