@@ -52,6 +52,12 @@ def _block(seconds: float) -> None:
     time.sleep(seconds)  # the application's blocking call, on the loop's thread
 
 
+async def _stall_after(delay: float) -> None:
+    """The loop blocked 1.5 s, ``delay`` from now (a call under way by then)."""
+    await trio.sleep(delay)
+    _block(1.5)
+
+
 @contextlib.contextmanager
 def _upstreams(*names: str, reply: Reply = LONG_STREAM) -> Iterator[dict[str, FakeUpstream | str]]:
     """Each named upstream served from a thread of its own: its URL under its name, the
@@ -146,12 +152,8 @@ async def test_an_answer_that_came_in_time_is_read_after_a_stall(
         settings = _settings(ups, source=source, retry=polygate.Retry(max_attempts=1))
         settings = polygate.Settings(scopes=settings.scopes, telemetry=f"sqlite:///{db}")
         async with polygate.session(settings) as s:
-            async def blocker() -> None:
-                await trio.sleep(0.01)
-                _block(1.5)
-
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(blocker)
+                nursery.start_soon(_stall_after, 0.01)
                 response = await s.chat(MESSAGES)
             assert response.call_stats.attempts == 1
             assert await _failures(s) == {"a": (0, "closed")}
@@ -209,12 +211,8 @@ async def test_a_stream_answered_in_time_is_read_after_a_stall_past_timeout_s(ki
     with _upstreams("a", reply=reply) as ups:
         settings = _settings(ups, source={"timeout_s": 1.0}, retry=polygate.Retry(max_attempts=1))
         async with polygate.session(settings) as s:
-            async def blocker() -> None:
-                await trio.sleep(0.02)
-                _block(1.5)
-
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(blocker)
+                nursery.start_soon(_stall_after, 0.02)
                 if kind == "chat":
                     assert (await s.chat(MESSAGES)).call_stats.attempts == 1
                 else:
@@ -282,12 +280,8 @@ async def test_a_deadline_that_passed_in_a_stall_ends_the_call(arrives_s: float)
     reply = Reply(tokens=4, first_token_s=arrives_s, inter_token_s=0.0)
     with _upstreams("a", reply=reply) as ups:
         async with polygate.session(_settings(ups, call_deadline_s=1.0)) as s:
-            async def blocker() -> None:
-                await trio.sleep(0.01)
-                _block(1.5)
-
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(blocker)
+                nursery.start_soon(_stall_after, 0.01)
                 with pytest.raises(polygate.DeadlineExceeded):
                     await s.chat(MESSAGES)
 
