@@ -24,7 +24,7 @@ import trio
 
 from ._context import AttemptRecord, CallContext, ChatRequest
 from ._errors import Outcome, TransientUpstreamError, UpstreamError
-from ._lag import LAG_MIN_S
+from ._lag import look_end
 from ._types import Usage
 from .governance import Admission, positive_count
 from .transport import OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
@@ -201,7 +201,7 @@ class AttemptControl:
         A request not yet written (a connect, a TLS handshake, a pool's wait): the
         upstream has not begun, and the stall is the caller's alone: both clocks move
         by it.  Once it went, a clock due by ``now`` gives the attempt a look first, as
-        long as the stall was (50 ms at least): what the upstream sent during the stall
+        long as the stall was (``look_end``): what the upstream sent during the stall
         is read -- over as many reads as it takes -- and a token moves the watchdog as
         ever; what silence remains fires after it.  Once for a due time: a loop busy
         turn after turn must not keep a hung upstream's clocks from firing."""
@@ -216,13 +216,8 @@ class AttemptControl:
         due = self._watch if self._watch < self._whole else self._whole  # (the look aside)
         if due <= now and due != self._looked:
             self._looked = due
-            self._look_until = now + (stall if stall > LAG_MIN_S else LAG_MIN_S)
+            self._look_until = look_end(now, stall)
             scope.deadline = self._look_until
-
-    @property
-    def look_until(self) -> float:
-        """Until when a stall of the loop holds this attempt's clocks off (see stalled)."""
-        return self._look_until
 
     def _deadline(self) -> float:
         """The scope's deadline: the watchdog's or the whole attempt's, the earlier, and

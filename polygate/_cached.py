@@ -688,8 +688,7 @@ async def cached_embed(
         return True
 
     async def compute(
-        led: list[str], flights: dict[str, Flight], reread: bool,
-        supersedes: dict[str, Flight] | None = None,
+        led: list[str], flights: dict[str, Flight], reread: bool, supersedes: dict[str, Flight],
     ) -> None:
         """One upstream call for ``led``; store and share each vector, or settle.
 
@@ -700,7 +699,6 @@ async def cached_embed(
 
         ``supersedes``: a refresh's keys that another call was leading when it began,
         with that call's flights (see :attr:`Flight.superseded`)."""
-        supersedes = supersedes or {}
         if reread:
             again = [k for k in led if cache.written_since(k, seen)]
             if again:

@@ -12,9 +12,9 @@ every breaker of a scope, and the gateway answered 502 for their open time after
 
 :class:`LoopLag`, a trio instrument, sees a stall right after trio's I/O poll and
 before trio expires deadlines: the time since the last poll ended, less the wait this
-one was planned to take (the tasks' turn, and how far the poll ended past its plan).  Past :data:`LAG_MIN_S`, every running
-attempt whose clock is due by now gets a look first (``AttemptControl.stalled``), as
-long as the stall was: its deadline moves to then, its readers read what came during
+one was planned to take (the tasks' turn, and how far the poll ended past its plan).
+Past :data:`LAG_MIN_S`, every running attempt whose clock is due by now gets a look
+first (``AttemptControl.stalled``), as long as the stall was (:func:`look_end`): its deadline moves to then, its readers read what came during
 the stall, over as many reads and passes as it takes, and a token they find moves the
 watchdog as ever.  Once for each due time: a loop busy turn after turn still times a
 hung upstream out (a turn or two late), and a silence that began before a stall fires
@@ -31,17 +31,23 @@ clocks must see.
 
 from __future__ import annotations
 
+import sys
 from typing import Final, Protocol
 
 import trio
-import trio.testing
 
-__all__ = ["LAG_MIN_S", "Lagging", "LoopLag"]
+__all__ = ["LAG_MIN_S", "Lagging", "LoopLag", "look_end"]
 
 #: The shortest stretch without a look at the sockets counted as a stall of the loop
 #: (below it, a busy loop's ordinary turn), and the shortest look a due clock is given
 #: after one.  Looking through the running attempts is a step for each; a stall is rare.
 LAG_MIN_S: Final = 0.05
+
+
+def look_end(now: float, stall: float) -> float:
+    """The end of the look a stall of ``stall`` seconds, ended ``now``, gives a clock
+    due in it: as long as the stall, :data:`LAG_MIN_S` at least."""
+    return now + (stall if stall > LAG_MIN_S else LAG_MIN_S)
 
 
 class Lagging(Protocol):
@@ -84,17 +90,17 @@ class LoopLag(trio.abc.Instrument):
         stall gives (as long as the stall): for a trigger of the round's own (a
         hedge), as ``AttemptControl.stalled`` gives an attempt's clocks."""
         began, ended = self.last_stall
-        if began < due <= ended:
-            stall = ended - began
-            return ended + (stall if stall > LAG_MIN_S else LAG_MIN_S)
-        return due
+        return look_end(ended, ended - began) if began < due <= ended else due
 
     @classmethod
     def acquire(cls) -> LoopLag | None:
         """The run's instrument, added if it was not (a user more); None under a clock
         that is not trio's own (see the module's docstring)."""
         clock = trio.lowlevel.current_clock()
-        if isinstance(clock, trio.testing.MockClock):
+        # (A MockClock exists only once trio.testing is imported: polygate's start-up
+        # does not import it to ask.)
+        testing = sys.modules.get("trio.testing")
+        if testing is not None and isinstance(clock, testing.MockClock):
             return None
         try:
             lag = _RUN_LAG.get()

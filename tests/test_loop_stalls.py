@@ -447,7 +447,7 @@ def test_a_clock_due_after_a_stall_gets_a_look_as_long_as_the_stall_once() -> No
     control.stalled(100.5, 0.06)  # not due yet: nothing to do
     assert scope.deadline == pytest.approx(101.0, abs=1e-5)
     control.stalled(101.5, 1.5)
-    assert scope.deadline == 103.0 and control.look_until == 103.0
+    assert scope.deadline == 103.0 and control._look_until == 103.0
     control.stalled(101.7, 0.1)  # the same due time: its look was had
     assert scope.deadline == 103.0
     control.watch(101.8 + 1.0)  # a token came in the look: the watchdog moves on
