@@ -5,9 +5,9 @@ A secret is an API key, or the password of a backend or telemetry URL.  It can r
 a message in more than its raw form: an HTTP library quotes the header value it
 refused (``b'Bearer sk-\\x00…'``), a ``repr`` escapes it, a JSON body escapes it, a
 URL percent-encodes it.  :func:`redact` replaces every one of those forms, and it
-runs *before* any truncation: text is cut only after it is clean, and a cut that
-ends in the first characters of a secret (an excerpt that stopped mid-key) loses
-that tail too (:func:`clip`).
+runs *before* any truncation: text is cut only after it is clean, and a cut text
+loses its last word too, which may be the first characters of a secret (an excerpt
+that stopped mid-key): see :func:`clip`.
 
 Secrets shorter than :data:`MIN_SECRET_LEN` characters are not searched for: they
 would garble messages more than they protect.
@@ -161,8 +161,11 @@ def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = Fals
 
     A text that ends where it was cut (here, or earlier: ``cut=True`` says the text
     is an excerpt) may end in the first characters of a secret that no longer
-    matches whole; such a tail of :data:`MIN_SECRET_LEN` characters or more is
-    dropped as well.
+    matches whole, so its last word goes too: the trailing run of non-blank
+    characters, up to the length of the longest form of a secret.  Whatever that run
+    holds, whether it begins a secret or not: a cut that dropped only the starts of
+    secrets told a client who could place text at the cut (an upstream's 400 that
+    echoes a value) whether its guess began one, a character at a time.
     """
     forms = _forms(_key(secrets))
     for form in forms:
@@ -171,20 +174,18 @@ def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = Fals
     if len(text) > limit:
         text, cut = text[:limit], True
     if cut:
-        text = _drop_partial_tail(text, forms) + "…"
+        text = _drop_last_word(text, len(forms[0]) if forms else 0) + "…"
     return text
 
 
-def _drop_partial_tail(text: str, forms: tuple[str, ...]) -> str:
-    longest = 0
-    for form in forms:
-        for n in range(min(len(form), len(text)), MIN_SECRET_LEN - 1, -1):
-            if n <= longest:
-                break
-            if text.endswith(form[:n]):
-                longest = n
-                break
-    return text[: len(text) - longest] if longest else text
+def _drop_last_word(text: str, most: int) -> str:
+    """``text`` without its trailing run of non-blank characters, or without its last
+    ``most`` characters where that run is longer."""
+    kept = len(text)
+    floor = max(kept - most, 0)
+    while kept > floor and not text[kept - 1].isspace():
+        kept -= 1
+    return text[:kept]
 
 
 def _key(secrets: Iterable[str]) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ import pytest
 import polygate
 from polygate._config import mask_url
 from polygate._config_load import settings_from_env, settings_from_toml
-from polygate._secrets import clip, redact, url_secrets
+from polygate._secrets import _forms, clip, redact, url_secrets
 from polygate.testing import FakeUpstream, Reply
 from polygate.transport import Endpoint
 from polygate.transport._exchange import _classified
@@ -53,7 +53,71 @@ def test_a_cut_mid_secret_drops_the_partial_tail() -> None:
     text = "y" * 190 + KEY
     clipped = clip(text[:200], 300, (KEY,), cut=True)  # an excerpt that stopped in the key
     assert KEY[:4] not in clipped and clipped.endswith("…")
-    assert clip("y" * 190 + KEY[:3], 300, (KEY,), cut=True) == "y" * 190 + KEY[:3] + "…"
+    text = "an excerpt that stopped in the key " + KEY
+    assert clip(text[:40], 300, (KEY,), cut=True) == "an excerpt that stopped in the key …"
+
+
+OTHER = "sk-gw-bob-0123456789abcdefgh"
+
+
+@pytest.mark.parametrize("guess", ["s", "sk", "sk-", "sk-g", "sk-gw-b", "sk-gw-bob-01", "sk-gw-bob-0X"])
+def test_a_cut_says_nothing_of_whether_its_tail_begins_a_secret(guess: str) -> None:
+    """The cut drops the last word whatever it holds: dropped only where it began a
+    secret, a client that can place text at the cut (an upstream's 400 echoing its
+    value) learnt whether its guess began a key, a character at a time."""
+    wrong = "q" * len(guess)
+    for pad in ("x" * 280, "words " * 47):
+        right_cut = clip(pad + guess + "'. Supported values", len(pad) + len(guess), (KEY, OTHER))
+        wrong_cut = clip(pad + wrong + "'. Supported values", len(pad) + len(guess), (KEY, OTHER))
+        assert right_cut == wrong_cut.replace(wrong, guess)
+        assert guess not in right_cut[-len(guess) - 1:] and right_cut.endswith("…")
+
+
+def test_a_cut_drops_no_more_than_the_longest_secret() -> None:
+    clipped = clip("z" * 500, 300, (OTHER,))
+    assert clipped == "z" * (300 - max(len(f) for f in _forms((OTHER,)))) + "…"
+    assert clip("z" * 500, 300) == "z" * 300 + "…"  # no secrets: nothing to hide
+
+
+async def test_a_tenant_cannot_read_a_key_through_an_echoed_value_cut_at_the_limit() -> None:
+    """The attack end to end: an upstream that echoes a bad role in its 400 (as OpenAI
+    does), a tenant padding the role so that the gateway's cut lands after its guess.
+    A guess that begins another tenant's key and one that does not get the same
+    answer."""
+    from polygate.serve import open_server
+
+    def echo(request: Any, rng: Any) -> Reply:
+        role = request.body["messages"][0]["role"]
+        return Reply(status=400, error_body={"error": {
+            "message": f"Invalid value: '{role}'. Supported values are: 'system', 'user'.",
+            "type": "invalid_request_error", "code": "invalid_value"}})
+
+    carol = "sk-gw-carol-attacker-key-000"
+    up = FakeUpstream(echo)
+    async with up.serve() as url:
+        settings = polygate.Settings(
+            scopes={
+                "carol": polygate.Scope(sources=[polygate.Source(name="sc", base_url=url)]),
+                "bob": polygate.Scope(sources=[polygate.Source(name="sb", base_url=url)]),
+            },
+            serve=polygate.Serve(keys={
+                "carol": polygate.ServeKey(key=carol, models=["carol"]),
+                "bob": polygate.ServeKey(key=OTHER, models=["bob"]),
+            }),
+        )
+        async with open_server(settings, port=0) as server, \
+                httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+
+            async def answer(guess: str) -> str:
+                pad = "x" * (300 - len("Invalid value: '") - len(guess))
+                r = await client.post("/chat/completions", headers={
+                    "authorization": f"Bearer {carol}"}, json={
+                    "model": "carol", "messages": [{"role": pad + guess, "content": "hi"}]})
+                assert r.status_code == 400, r.text
+                return str(r.json()["error"]["message"])
+
+            right, wrong = await answer("sk-gw-bo"), await answer("sk-gw-bq")
+            assert right.endswith("…") and right == wrong
 
 
 def test_short_secrets_are_left_alone() -> None:
