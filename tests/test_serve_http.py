@@ -330,6 +330,24 @@ async def test_an_empty_embeddings_input_is_400_before_the_upstream(inputs: obje
     assert not upstream.requests
 
 
+async def test_an_embeddings_request_of_more_than_2048_inputs_is_400_before_the_upstream() -> None:
+    """Outside review: a 100 KB request of 20,000 one-letter inputs made the gateway
+    hold and encode a 650 MB answer (2.7 GiB of memory), every other client's request
+    waiting seconds behind it.  OpenAI's limit: 2,048 inputs a request."""
+    async with gateway() as (server, upstream):
+        refused = await http(server, "POST", "/v1/embeddings",
+                             {"model": "embed", "input": ["a"] * 2049}, AUTH)
+        assert refused.status == 400
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_request", "input")
+        assert "2049" in error["message"] and "2048" in error["message"]
+        assert not upstream.requests
+        served = await http(server, "POST", "/v1/embeddings",
+                            {"model": "embed", "input": ["a"] * 2048}, AUTH)
+    assert served.status == 200
+    assert len(served.json()["data"]) == 2048
+
+
 async def test_null_embeddings_options_are_not_sent_upstream_as_null() -> None:
     """Outside review: ``encoding_format: null`` and ``dimensions: null`` passed the
     gateway's check (the default) and went upstream as null, which a server that types

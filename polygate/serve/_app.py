@@ -913,6 +913,15 @@ async def _chat_stream(
     return 200
 
 
+#: The most inputs one embeddings request may hold, as OpenAI's API says.  A client's
+#: request is small and the answer is not: each input costs the gateway a vector of
+#: the model's dimensions, held and then encoded in one piece (20,000 one-letter
+#: inputs, a 100 KB request, made a 650 MB answer and held every other client's
+#: request for seconds).  ``Session.embed()`` itself takes any number: its caller
+#: holds the answer.
+MAX_EMBEDDING_INPUTS = 2048
+
+
 def _embedding_inputs(value: Any) -> list[str] | None:
     """A request's ``input`` as a non-empty list of strings, or ``None`` (a 400)."""
     inputs = [value] if isinstance(value, str) else value
@@ -930,6 +939,10 @@ async def _embeddings(ctx: Context, scope: str, body: dict[str, Any], charge: _C
     if not all(inputs):
         return await _fail(ctx, _bad_param(
             "input must not hold an empty string: there is nothing to embed", "input"))
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        return await _fail(ctx, _bad_param(
+            f"input holds {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} are accepted "
+            "in one request (send the rest in further requests)", "input"))
     # The answer's encoding is the gateway's own (it reads either from the upstream and
     # writes the client's): not sent upstream, where a server that serves only floats
     # refuses base64 -- the OpenAI SDKs' default -- with a 400, and not in the cache
