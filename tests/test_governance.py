@@ -121,7 +121,13 @@ def test_estimates() -> None:
     assert completion_budget({"max_completion_tokens": 70.0, "max_tokens": 50}, 256) == 70
     assert completion_budget({"max_tokens": 100, "n": 50.0}, 256) == 5000
     assert completion_budget({"max_tokens": 1e300}, 256) == 10**12  # capped, exact
-    for no_limit in (50.5, -50.0, float("inf"), float("nan"), "50", False):
+    # review (2026-12-06): so is a string of digits (pydantic's lax mode reads "5000"
+    # as 5000): quoted, a limit slipped past a key's tpm reservation
+    assert completion_budget({"max_tokens": "5000"}, 256) == 5000
+    assert completion_budget({"max_tokens": " 100 ", "n": "50"}, 256) == 5000
+    assert completion_budget({"max_tokens": "9" * 5000}, 256) == 10**12  # capped, no int()
+    for no_limit in (50.5, -50.0, float("inf"), float("nan"), "50.5", "-50", "0", "", "٥٠",
+                     "5e3", False):
         assert completion_budget({"max_tokens": no_limit}, 256) == 256
 
 

@@ -476,11 +476,13 @@ async def _everything_in_redis(server: RedisServer, prefix: str) -> dict[str, st
 
 
 @pytest.mark.parametrize("limit", [{"max_tokens": 5000.0}, {"max_completion_tokens": 5000.0},
-                                   {"max_tokens": 100, "n": 50.0}])
-async def test_a_whole_float_limit_is_reserved_like_the_integer(limit: dict[str, float]) -> None:
+                                   {"max_tokens": 100, "n": 50.0},
+                                   {"max_tokens": "5000"}, {"max_tokens": 100, "n": "50"}])
+async def test_a_whole_float_limit_is_reserved_like_the_integer(limit: dict[str, object]) -> None:
     """Outside review (HTTP, 2026-12-03): a key's tpm refused ``max_tokens: 5000`` but
     admitted ``5000.0`` (and ``n: 50.0``) with the default estimate, although vLLM and
-    SGLang read it as 5000: the call could cost what the integer form was refused."""
+    SGLang read it as 5000: the call could cost what the integer form was refused.  The
+    same for ``"5000"`` and ``n: "50"`` (review, 2026-12-06), read as numbers too."""
     async with gateway(serve=keyed(tpm=1000)) as (server, _):
         answer = await http(server, "POST", CALL, {**CHAT, **limit}, bearer(ALICE))
     assert answer.status == 429, answer.body[:300]

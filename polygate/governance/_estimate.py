@@ -146,9 +146,19 @@ MAX_COMPLETION_ESTIMATE = 10**12
 def positive_count(value: Any) -> int | None:
     """``value`` as a count the upstream will read: a positive int, or a positive
     whole float (``5000.0``: pydantic-based servers, vLLM's and SGLang's, take it as
-    5000, so it must reserve what 5000 does); ``None`` for anything else."""
+    5000, so it must reserve what 5000 does), or a string of digits (``"100000"``,
+    which the same servers read as that number: a caller, or a gateway client, must
+    not slip a large limit past the reservation by quoting it); ``None`` for anything
+    else."""
     if type(value) is int:  # (the common case first: no isinstance)
         return value if value > 0 else None
+    if isinstance(value, str):
+        digits = value.strip()
+        if not (digits.isascii() and digits.isdigit()):
+            return None
+        # (Past 13 digits it is past the cap: no int() of a 10,000-digit string.)
+        count = int(digits) if len(digits) <= 13 else MAX_COMPLETION_ESTIMATE
+        return min(count, MAX_COMPLETION_ESTIMATE) if count > 0 else None
     if isinstance(value, float) and value.is_integer() and value > 0:  # (finite too)
         return int(min(value, MAX_COMPLETION_ESTIMATE))
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
