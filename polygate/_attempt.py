@@ -482,6 +482,13 @@ async def _settle(
             outcome is Outcome.CANCELLED and ctx.deadline_at is not None and now >= ctx.deadline_at)
     ) else None
     streamed = len(timeline.chunk_times)  # content chunks: a token each, at least
+    # The source's latency, for its health: how long it made the call wait for its
+    # first token where the answer streamed one.  Not the whole answer's time, which
+    # grows with the answer: one long answer (a 2,000-token essay at a fast pace) made
+    # a healthy source look forty times slower than its twin, which then took ~99 % of
+    # the scope's calls.  (A source that streams slowly is the stall watchdog's.)
+    if timeline.first_token_at is not None and timeline.sent_at is not None:
+        latency = timeline.first_token_at - timeline.sent_at
     try:
         record.tokens_settled = await ctx.runtime.governor.release(
             admission,

@@ -425,7 +425,7 @@ class Governor:
             elif feedback is Feedback.FAILURE:
                 health.failed(now)
             elif waited_s is not None and feedback is Feedback.NEUTRAL:
-                health.waited(waited_s, reference_latency(self._healths(admission.scope)))
+                health.waited(waited_s, reference_latency(self._healths(admission.scope)), now)
         if not sent:
             return 0
         return admission.tokens if tokens is None else tokens

@@ -20,6 +20,12 @@ _ALPHA = 0.2  # EWMA weight of the newest sample: ~ the last 10 outcomes matter
 # failing gets few requests, so without this its score would stay at the floor long
 # after it recovered (and its breaker would rarely be probed).
 _FAILURE_HALF_LIFE_S = 10.0
+# A latency is forgotten with time as well, for the same reason: a source that was slow
+# gets few requests, so one slow answer (a cold start, a long queue that has since
+# drained) would otherwise keep it near the floor of the scope's traffic for as long as
+# the scope lives.  The older the latency, the less it weighs: in the score (its factor
+# fades toward 1) and against the next sample (which then counts for more).
+_LATENCY_HALF_LIFE_S = 30.0
 
 
 @attrs.frozen
@@ -32,14 +38,31 @@ class HealthStats:
 class Health:
     """EWMA latency (successes, and waits cut before any answer as lower bounds: see
     :meth:`waited`) and failure rate of one source; the failure rate halves every
-    ``_FAILURE_HALF_LIFE_S`` seconds without news."""
+    ``_FAILURE_HALF_LIFE_S`` seconds without news, and a latency's weight every
+    ``_LATENCY_HALF_LIFE_S``."""
 
-    __slots__ = ("_failure", "_failure_at", "latency")
+    __slots__ = ("_failure", "_failure_at", "_latency_at", "latency")
 
     def __init__(self) -> None:
         self.latency: float | None = None
+        self._latency_at = 0.0
         self._failure = 0.0
         self._failure_at = 0.0
+
+    def _latency_weight(self, now: float) -> float:
+        """What the latency known now still weighs: 1 when it is fresh, halving every
+        ``_LATENCY_HALF_LIFE_S`` without news."""
+        return math.pow(2.0, -max(now - self._latency_at, 0.0) / _LATENCY_HALF_LIFE_S)
+
+    def _sample(self, latency_s: float, now: float) -> None:
+        if self.latency is None:
+            self.latency = latency_s
+        else:
+            # An EWMA over irregular times: the newest sample weighs _ALPHA against a
+            # fresh latency, and more against an old one.
+            alpha = 1.0 - (1.0 - _ALPHA) * self._latency_weight(now)
+            self.latency += alpha * (latency_s - self.latency)
+        self._latency_at = now
 
     def failure(self, now: float) -> float:
         if self._failure == 0.0:
@@ -53,12 +76,9 @@ class Health:
 
     def success(self, latency_s: float, now: float = 0.0) -> None:
         self._set_failure(self.failure(now) * (1 - _ALPHA), now)
-        if self.latency is None:
-            self.latency = latency_s
-        else:
-            self.latency += _ALPHA * (latency_s - self.latency)
+        self._sample(latency_s, now)
 
-    def waited(self, waited_s: float, reference_latency: float | None) -> None:
+    def waited(self, waited_s: float, reference_latency: float | None, now: float = 0.0) -> None:
         """An attempt cut before any answer, after ``waited_s`` (by the call's deadline,
         or by a hedge that won): its latency would have been longer, so the wait is a
         lower bound, counted like a success's latency where it says more than is known:
@@ -67,10 +87,7 @@ class Health:
         known = self.latency if self.latency is not None else reference_latency
         if known is None or waited_s <= known:
             return  # a cut sooner than answers come says nothing of this source
-        if self.latency is None:
-            self.latency = waited_s
-        else:
-            self.latency += _ALPHA * (waited_s - self.latency)
+        self._sample(waited_s, now)
 
     def failed(self, now: float = 0.0) -> None:
         failure = self.failure(now)
@@ -82,11 +99,15 @@ class Health:
 
     def score(self, reference_latency: float | None, now: float = 0.0) -> float:
         """In (0, 1]: 1 for a source that never failed and is no slower than the
-        reference; a floor keeps every source pickable so it can recover."""
+        reference; a floor, and latencies that fade, keep every source pickable so it
+        can recover."""
         ok = max(0.05, 1.0 - self.failure(now))
         if self.latency is None or not reference_latency:
             return ok
-        return ok * min(1.0, reference_latency / max(self.latency, 1e-6))
+        factor = reference_latency / max(self.latency, 1e-6)
+        if factor >= 1.0:
+            return ok
+        return ok * math.pow(factor, self._latency_weight(now))
 
     def stats(self, reference_latency: float | None, now: float = 0.0) -> HealthStats:
         return HealthStats(self.latency, self.failure(now), self.score(reference_latency, now))
