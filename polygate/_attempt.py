@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, ClassVar, Final, TypeVar
 
 import trio
 
@@ -88,9 +88,12 @@ class AttemptControl:
     """
 
     __slots__ = (
-        "_held", "_look_until", "_looked", "_watch", "_whole", "cancel_reason", "cancelled",
-        "claim", "on_content", "on_extra", "record", "scope",
+        "_held", "_look_until", "_looked", "_looks", "_movable", "_watch", "_whole",
+        "cancel_reason", "cancelled", "claim", "on_content", "on_extra", "record", "scope",
     )
+
+    #: The most looks stalls of the loop give one due time (see stalled()).
+    LOOKS: ClassVar[int] = 3
 
     def __init__(self, record: AttemptRecord, on_content: OnContent | None = None) -> None:
         self.record = record
@@ -110,10 +113,13 @@ class AttemptControl:
         self._whole = math.inf
         self._watch = math.inf
         self._held = False  # in hold_while: its clocks are off
-        #: The due time a stall of the loop last gave a look before firing, and when
-        #: that look ends (stalled()).
+        #: The due time stalls of the loop last gave looks before firing, how many,
+        #: and when the last look ends (stalled()).
         self._looked = math.nan
+        self._looks = 0
         self._look_until = -math.inf
+        #: What stalls before the request went may still move the clocks (stalled()).
+        self._movable = math.inf
 
     def cancel(self, reason: Outcome) -> None:
         self.cancel_reason = reason
@@ -129,6 +135,7 @@ class AttemptControl:
         # as a token exactly at a watchdog's limit is (see watch()).
         self._whole = _past(whole)
         self._watch = _past(watch)
+        self._movable = min(whole, watch) - self.record.started_at
         scope = self.scope = trio.CancelScope(deadline=self._deadline())
         if self.cancelled:  # by the round, before this attempt's task first ran
             scope.cancel()
@@ -200,22 +207,36 @@ class AttemptControl:
 
         A request not yet written (a connect, a TLS handshake, a pool's wait): the
         upstream has not begun, and the stall is the caller's alone: both clocks move
-        by it.  Once it went, a clock due by ``now`` gives the attempt a look first, as
-        long as the stall was (``look_end``): what the upstream sent during the stall
-        is read -- over as many reads as it takes -- and a token moves the watchdog as
-        ever; what silence remains fires after it.  Once for a due time: a loop busy
-        turn after turn must not keep a hung upstream's clocks from firing."""
+        by it -- by one of the first limit in all, at most, and then it has its looks
+        as below: under stalls that recur (a container's CPU quota, spent every
+        period), a connect to a host that drops its SYNs, whose retries the kernel goes
+        on with meanwhile, took 8 s to time out of a ``timeout_s`` of 1.  Once it went,
+        or past what may move, a clock due by ``now`` gives the attempt a
+        look first, as long as the stall was (``look_end``): what the upstream sent
+        during the stall is read -- over as many reads as it takes -- and a token moves
+        the watchdog as ever; what silence remains fires after it.  ``LOOKS`` times for
+        a due time at most: a look may end inside the next of such recurring stalls,
+        but a loop busy turn after turn must not keep a hung upstream's clocks from
+        firing."""
         scope = self.scope
         if self._held or scope is None:
             return  # (held: the clocks are off, and the hold moves them by its time)
-        if self.record.timeline.sent_at is None:
-            self._whole += stall
-            self._watch += stall
+        if self.record.timeline.sent_at is None and self._movable > 0.0:
+            moved = stall if stall < self._movable else self._movable
+            self._movable -= moved
+            self._whole += moved
+            self._watch += moved
             scope.deadline = self._deadline()
-            return
+            if moved == stall:
+                return
+            # (Past what may move: a clock due by now gets its looks, as below.)
         due = self._watch if self._watch < self._whole else self._whole  # (the look aside)
-        if due <= now and due != self._looked:
-            self._looked = due
+        if due > now:
+            return
+        if due != self._looked:
+            self._looked, self._looks = due, 0
+        if self._looks < self.LOOKS:
+            self._looks += 1
             self._look_until = look_end(now, stall)
             scope.deadline = self._look_until
 
