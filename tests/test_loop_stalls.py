@@ -430,9 +430,10 @@ class _Attempt:
         self.looks.append((now, round(stall, 9)))
 
 
-def _lag() -> tuple[LoopLag, _Clock, _Attempt]:
+def _lag(due: bool = True) -> tuple[LoopLag, _Clock, _Attempt]:
     clock = _Clock()
     lag = LoopLag(clock)  # type: ignore[arg-type]
+    lag.clock_due = lambda: due  # type: ignore[method-assign]  # (trio's heap, outside a run)
     attempt = _Attempt()
     lag.attempts.add(attempt)
     return lag, clock, attempt
@@ -472,6 +473,30 @@ def test_a_freeze_in_the_poll_that_ends_a_little_past_its_plan_is_a_stall() -> N
     lag.after_io_wait(1.0)
     assert attempt.looks == [(101.02, 0.02)]
     assert lag.look_after(101.0) == 101.02 + LAG_MIN_S  # a hedge's trigger waits for it too
+
+
+def test_a_short_stall_with_no_clock_due_looks_at_no_attempt() -> None:
+    """A loop at work has many short stalls; only a clock due now can lose what came
+    in one, and trio's deadline heap says whether one is: the running attempts (a
+    gateway's thousands of streams) are looked through only then, or after a long
+    stall (which moves the clocks of requests not yet sent)."""
+    lag, clock, attempt = _lag(due=False)
+    clock.now += 1.0 + 0.02
+    lag.after_io_wait(1.0)
+    assert attempt.looks == [] and lag.last_stall == (pytest.approx(101.0), 101.02)
+    clock.now += 1.0 + LAG_MIN_S * 2
+    lag.after_io_wait(1.0)
+    assert attempt.looks == [(pytest.approx(102.12), pytest.approx(LAG_MIN_S * 2))]
+
+
+async def test_a_clock_due_is_what_trio_expires_next(mock_clock: trio.testing.MockClock) -> None:
+    assert LoopLag.clock_due() is False
+    with trio.CancelScope(deadline=trio.current_time() + 0.5):
+        assert LoopLag.clock_due() is False
+        mock_clock.jump(1.0)  # (the deadline passed, and trio has not yet expired it)
+        assert LoopLag.clock_due() is True
+        await trio.lowlevel.checkpoint()
+    assert LoopLag.clock_due() is False
 
 
 async def test_one_instrument_a_run_from_the_first_session_to_the_last() -> None:
