@@ -17,13 +17,14 @@ loser is fully accounted before its round's nursery exits.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar, Final, TypeVar
 
 import trio
 
 from ._context import AttemptRecord, CallContext, ChatRequest
 from ._errors import Outcome, TransientUpstreamError, UpstreamError
+from ._json import plain_keys
 from ._lag import look_end
 from ._types import Usage
 from .governance import Admission, positive_count
@@ -321,6 +322,7 @@ async def run_chat_attempt(
             on_extra=control.on_extra,
             on_finished=control.answered,
             choices=positive_count(params.get("n")) or 1,
+            plain=_plain(ctx, params),
         )
 
     def usage_of(body: dict[str, Any]) -> Usage:
@@ -455,6 +457,15 @@ async def _guarded(
             outcome = control.cancel_reason
         record.error = error
         await _settle(ctx, admission, record, outcome, error)
+
+
+def _plain(ctx: CallContext, params: Mapping[str, Any]) -> bool:
+    """Whether ``params``' keys are all plain (``plain_keys``), found once for the call's
+    parameters (or a round's own), however many attempts send them."""
+    known = ctx.plain_params
+    if known is None or known[0] is not params:
+        known = ctx.plain_params = (params, plain_keys(params))
+    return known[1]
 
 
 def _watchdog_error(

@@ -12,11 +12,14 @@ import math
 from typing import Any
 
 import pytest
+import trio
+import trio.testing
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from polygate._json import dumps, loads, sorted_dumps
 from polygate.cache import canonical_json, chat_key, embed_keys
+from polygate.transport import _wire
 from polygate.transport._wire import Endpoint, chat_body
 
 leaves = (
@@ -357,3 +360,36 @@ def test_call_parameters_skip_the_encoding_only_where_it_finds_nothing(params: d
         with pytest.raises(ConfigError) as info:
             _check_params(params)
         assert str(info.value) == refused
+
+
+@pytest.mark.parametrize("key", ["plain", 1e-5])
+async def test_a_calls_parameters_are_walked_once_however_many_attempts_send_them(
+    key: Any, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Outside review (polygate serve attacked): a gateway client's vendor parameter
+    of millions of nested lists (7.5 MB, under every limit) held the loop 3.4 s on each
+    attempt, walked again for its keys every time.  Walked once a call; each attempt
+    still writes the body json would (a float key as ``1e-05``)."""
+    import polygate._attempt
+    from polygate.testing import FakeUpstream, Reply
+
+    walks: list[int] = []
+    real = polygate._attempt.plain_keys
+
+    def counted(value: Any) -> bool:
+        walks.append(1)
+        return real(value)
+
+    monkeypatch.setattr(polygate._attempt, "plain_keys", counted)
+    monkeypatch.setattr(_wire, "plain_keys", counted)
+    replies = iter([Reply(status=500), Reply(status=500), Reply()])
+    upstream = FakeUpstream(lambda request, rng: next(replies))
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", model="m1")],
+        retry=polygate.Retry(max_attempts=3, same_source_retries=2))})
+    params = {"x_vendor": [[[]] * 3] * 3, "logit_bias": {key: 1}}
+    async with polygate.session(settings, transport=upstream.transport()) as s:
+        await s.chat([{"role": "user", "content": "hi"}], **params)
+    assert len(upstream.requests) == 3 and len(walks) == 1
+    spelled = "1e-05" if key != "plain" else "plain"  # (msgspec: "0.00001", another key)
+    assert all(request.body["logit_bias"] == {spelled: 1} for request in upstream.requests)

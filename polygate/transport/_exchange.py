@@ -137,8 +137,12 @@ async def chat_exchange(
     on_extra: OnExtra | None = None,
     on_finished: Callable[[float], float] | None = None,
     choices: int = 1,
+    plain: bool | None = None,
 ) -> dict[str, Any]:
     """Run one chat completion and return the (assembled) non-streamed response body.
+
+    ``plain``: whether ``params``' keys are all plain, where the caller knows it
+    (:func:`chat_body`).
 
     ``choices``: how many the answer has (the request's ``n``, read as the upstream
     reads it).
@@ -180,7 +184,7 @@ async def chat_exchange(
                                    choices=choices, on_finished=on_finished)
         return await _read_chat_json(response, endpoint, limits, ctype, pieces, head)
 
-    body = chat_body(endpoint, messages_json, params, stream)
+    body = chat_body(endpoint, messages_json, params, stream, plain)
     timeline.sent_stream = stream
     timeline.sent_stream_options = stream and endpoint.asking.stream_options
     return await _exchange(

@@ -168,7 +168,8 @@ _RESERVED_PARAMS = frozenset({"messages", "stream"})
 
 
 def chat_body(
-    endpoint: Endpoint, messages_json: str | bytes, params: Mapping[str, Any], stream: bool
+    endpoint: Endpoint, messages_json: str | bytes, params: Mapping[str, Any], stream: bool,
+    plain: bool | None = None,
 ) -> bytes:
     """The JSON body of ``POST /chat/completions``; ``messages_json`` is the messages
     array already encoded (once per call, however many attempts it takes), as text or
@@ -178,6 +179,10 @@ def chat_body(
     equivalent only with their own model names); every other parameter passes through
     unchanged.  A streamed request always asks for usage, keeping the caller's other
     ``stream_options``.
+
+    ``plain``: ``plain_keys(params)`` where the caller knows it (once a call: the walk
+    is Python's, and a large vendor parameter -- a gateway client's millions of nested
+    lists -- held the loop for seconds on every attempt).
     """
     body: dict[str, Any] = {k: v for k, v in params.items() if k not in _RESERVED_PARAMS}
     if endpoint.model is not None:
@@ -199,7 +204,8 @@ def chat_body(
     # were checked (Session._check_params: with json's encoder, or one by one when all
     # are plain JSON scalars, which both encoders write alike), so the types msgspec
     # takes and json refuses (bytes, dates, sets) never reach here.
-    head = dumps(body) if plain_keys(body) else None
+    # (The body's values are the parameters' and polygate's own plain ones.)
+    head = dumps(body) if (plain_keys(body) if plain is None else plain) else None
     if head is None:
         head = _ENCODE(body).encode("utf-8", _ESCAPE)
     middle = b"," if len(head) > 2 else b""
