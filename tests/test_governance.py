@@ -66,6 +66,20 @@ async def test_a_subnormal_weight_is_picked_last_not_a_division_by_zero(
     assert pick_order(["a", "b"], [0.0, 1.0], random.Random(1)) == ["b", "a"]
 
 
+@pytest.mark.parametrize("weight", [1e-310, 5e-324, 1e-300, 1e300])
+def test_equal_weights_come_first_by_chance_however_small(weight: float) -> None:
+    """Outside review (how work is spread): the key log(u) / w overflowed to -inf for
+    weights under ~1e-306, and two sources of equal weight 1e-310 split 1,955 to 45
+    (5e-324: 2,000 to 0), by name."""
+    rng = random.Random(3)
+    firsts = Counter(pick_order(["a", "b"], [weight, weight], rng)[0] for _ in range(4_000))
+    assert firsts["a"] / 4_000 == pytest.approx(0.5, abs=0.04)
+    thirds = Counter(pick_order(["a", "b"], [weight, weight * 3 if weight < 1e300 else weight / 3],
+                                rng)[0] for _ in range(4_000))
+    share = thirds["b"] if weight < 1e300 else thirds["a"]
+    assert share / 4_000 == pytest.approx(0.75, abs=0.04)
+
+
 def test_pick_order_excludes_and_demotes() -> None:
     rng = random.Random(2)
     for _ in range(200):

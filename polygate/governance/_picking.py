@@ -136,11 +136,14 @@ def pick_order(
         if name in exclude or name in demote:
             continue
         u = rng.random()
-        # A weight that underflowed to 0 (a subnormal Source.weight times a low
-        # score) sorts last instead of dividing by zero.
-        key = math.log(u) / weight if u > 0 and weight > 0 else -math.inf
+        # The key log(u) / w, in log space: log(-log u) - log w, smallest first.  As a
+        # quotient it overflowed to -inf for any weight under ~1e-306 (a Source.weight
+        # may be any positive number), and equal tiny weights then came first by name,
+        # never by chance.  A weight that underflowed to 0 (a subnormal weight times a
+        # low score) sorts last.
+        key = math.log(-math.log(u)) - math.log(weight) if u > 0 and weight > 0 else math.inf
         fresh.append((key, name))
-    fresh.sort(reverse=True)
+    fresh.sort()
     order = [name for _, name in fresh if name in first]
     order += [name for _, name in fresh if name not in first]
     order += [name for name in demote if name in names and name not in exclude]
