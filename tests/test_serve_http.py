@@ -189,6 +189,38 @@ async def test_two_authorization_headers_are_refused(order: str) -> None:
     assert requests == {("/v1/chat/completions", 400): 1}  # labelled with its path
 
 
+async def test_readiness_is_checked_at_most_once_a_second_however_many_ask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Outside review (polygate serve attacked): /readyz needs no key, and each one
+    read the whole session's statistics (5.9 ms of the gateway's CPU with 100 scopes
+    of 10 sources, 45 times a /healthz): anyone who reaches the port could spend it."""
+    import polygate.serve._app as app
+
+    monkeypatch.setattr(app, "_READY_FRESH_S", 0.2)
+    async with gateway() as (server, _):
+        checks: list[float] = []
+        real = server.session.statistics
+
+        async def counted() -> Any:
+            checks.append(trio.current_time())
+            return await real()
+
+        monkeypatch.setattr(server.session, "statistics", counted)
+        statuses: list[int] = []
+
+        async def ready() -> None:
+            statuses.append((await http(server, "GET", "/readyz")).status)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(20):
+                nursery.start_soon(ready)
+        assert statuses == [200] * 20 and len(checks) == 1
+        await trio.sleep(0.25)  # (the verdict's age: past its 0.2 s)
+        await ready()
+        assert len(checks) == 2
+
+
 async def test_health_needs_no_key_but_everything_else_does() -> None:
     async with gateway() as (server, _):
         assert (await http(server, "GET", "/healthz")).status == 200

@@ -109,6 +109,9 @@ class Gateway:
     users: int = 0
     retired: bool = False
     idle: trio.Event = attrs.field(factory=trio.Event)
+    #: The last readiness verdict (when, status, body) and the lock its checks take.
+    ready: tuple[float, int, bytes] | None = attrs.field(default=None, repr=False)
+    ready_lock: trio.Lock = attrs.field(factory=trio.Lock, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.session, Session):
@@ -1006,17 +1009,35 @@ def _b64(vector: list[float]) -> str:
     return base64.b64encode(floats.tobytes()).decode()
 
 
+#: How long a readiness verdict answers ``/readyz``: a probe needs no fresher one, and
+#: the check reads the whole session's statistics (a round trip a source on Redis).
+_READY_FRESH_S = 1.0
+
+
 async def _readyz(ctx: Context) -> int:
+    """Readiness, checked at most once a second however many ask: the path needs no
+    key, and each check read every source's state (5.9 ms of the gateway's CPU with
+    100 scopes of 10 sources, 45 times a /healthz), for anyone who can reach the port.
+    One check at a time; the others wait for its verdict (bounded by its timeout)."""
     if ctx.state.draining:
         return await _send_json(ctx, 503, b'{"status":"draining"}')
+    gateway = ctx.gateway
+    async with gateway.ready_lock:
+        verdict = gateway.ready
+        if verdict is None or trio.current_time() - verdict[0] >= _READY_FRESH_S:
+            status, body = await _ready_check(gateway)
+            verdict = gateway.ready = (trio.current_time(), status, body)
+    return await _send_json(ctx, verdict[1], verdict[2])
+
+
+async def _ready_check(gateway: Gateway) -> tuple[int, bytes]:
     with trio.move_on_after(_READY_TIMEOUT_S):
         try:
-            await ctx.gateway.session.statistics()  # reaches the governance backend
+            await gateway.session.statistics()  # reaches the governance backend
         except PolygateError as exc:
-            reply = reply_for(exc)
-            return await _send_json(ctx, 503, dump({"status": "unavailable", "reason": reply.code}))
-        return await _send_json(ctx, 200, b'{"status":"ready"}')
-    return await _send_json(ctx, 503, b'{"status":"unavailable","reason":"backend_timeout"}')
+            return 503, dump({"status": "unavailable", "reason": reply_for(exc).code})
+        return 200, b'{"status":"ready"}'
+    return 503, b'{"status":"unavailable","reason":"backend_timeout"}'
 
 
 async def _metrics(ctx: Context) -> int:
