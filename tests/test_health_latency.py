@@ -105,3 +105,37 @@ def test_a_latency_weighs_less_as_it_ages() -> None:
     fast = Health()
     fast.success(1.0, now=0.0)
     assert fast.score(1.0, now=0.0) == fast.score(1.0, now=1000.0) == 1.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_a_hung_source_stays_off_a_quiet_scope(
+    seed: int, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review of the fading: a latency learnt from waits cut by the call's deadline
+    (a hung source: no breaker, no failure) faded like any, and in a scope of a call a
+    minute the hung source was back to half the calls (44-48 of 100 cut, against 5-7).
+    Each such wait cost a caller its call: it does not fade."""
+    upstreams = {"a": FakeUpstream(Reply(first_token_s=0.1), name="a"),
+                 "b": FakeUpstream(Reply(first_token_s=10_000), name="b")}
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name=name, base_url=f"http://{name}/v1") for name in ("a", "b")],
+        call_deadline_s=2.0)})
+    cut = 0
+    async with polygate.session(settings, transport=Router(upstreams),
+                                rng=random.Random(seed)) as s:
+        for _ in range(100):
+            await trio.sleep(60.0)  # a call a minute
+            try:
+                await s.chat(MSG)
+            except polygate.DeadlineExceeded:
+                cut += 1
+    assert cut <= 20, cut
+
+
+def test_a_latency_from_waits_does_not_fade() -> None:
+    health = Health()
+    health.success(1.0, now=0.0)
+    health.waited(20.0, reference_latency=1.0, now=10.0)
+    assert health.score(0.5, now=10.0) == health.score(0.5, now=1000.0) < 0.1
+    health.success(0.5, now=1000.0)  # it answered: what it says fades again
+    assert health.score(0.5, now=1000.0) < health.score(0.5, now=1100.0)
