@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -143,21 +144,27 @@ def default_estimator() -> TokenEstimator:
 MAX_COMPLETION_ESTIMATE = 10**12
 
 
+#: A count written as text, as pydantic's lax mode reads one into an int (vLLM's and
+#: SGLang's requests): blanks around it, a ``+``, ``_`` between digits, a fraction of
+#: zeros (``" +5_000.00 "`` is 5000).
+_COUNT_TEXT = re.compile(r"[ \t\n\r\f\v]*\+?([0-9](?:_?[0-9])*)(?:\.0+)?[ \t\n\r\f\v]*")
+
+
 def positive_count(value: Any) -> int | None:
     """``value`` as a count the upstream will read: a positive int, or a positive
     whole float (``5000.0``: pydantic-based servers, vLLM's and SGLang's, take it as
-    5000, so it must reserve what 5000 does), or a string of digits (``"100000"``,
-    which the same servers read as that number: a caller, or a gateway client, must
-    not slip a large limit past the reservation by quoting it); ``None`` for anything
-    else."""
+    5000, so it must reserve what 5000 does), or a text those servers read as a count
+    (``"100000"``, ``"+5_000.0"``: a caller, or a gateway client, must not slip a large
+    limit past the reservation by quoting it); ``None`` for anything else."""
     if type(value) is int:  # (the common case first: no isinstance)
         return value if value > 0 else None
     if isinstance(value, str):
-        digits = value.strip()
-        if not (digits.isascii() and digits.isdigit()):
+        found = _COUNT_TEXT.fullmatch(value)
+        if found is None:
             return None
+        digits = found[1].replace("_", "").lstrip("0")
         # (Past 13 digits it is past the cap: no int() of a 10,000-digit string.)
-        count = int(digits) if len(digits) <= 13 else MAX_COMPLETION_ESTIMATE
+        count = int(digits or "0") if len(digits) <= 13 else MAX_COMPLETION_ESTIMATE
         return min(count, MAX_COMPLETION_ESTIMATE) if count > 0 else None
     if isinstance(value, float) and value.is_integer() and value > 0:  # (finite too)
         return int(min(value, MAX_COMPLETION_ESTIMATE))
