@@ -161,11 +161,13 @@ def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = Fals
 
     A text that ends where it was cut (here, or earlier: ``cut=True`` says the text
     is an excerpt) may end in the first characters of a secret that no longer
-    matches whole, so its last word goes too: the trailing run of non-blank
-    characters, up to the length of the longest form of a secret.  Whatever that run
-    holds, whether it begins a secret or not: a cut that dropped only the starts of
-    secrets told a client who could place text at the cut (an upstream's 400 that
-    echoes a value) whether its guess began one, a character at a time.
+    matches whole, so its last word goes too: the trailing run of visible ASCII
+    characters (what a key and its spellings are made of), up to the length of the
+    longest spelling of a secret.  Whatever that run holds, whether it begins a secret
+    or not: a cut that dropped only the starts of secrets told a client who could
+    place text at the cut (an upstream's 400 that echoes a value) whether its guess
+    began one, a character at a time.  (A run of other characters is a message's own
+    words: a Chinese error text, without blanks, lost half its length to the drop.)
     """
     forms = _forms(_key(secrets))
     for form in forms:
@@ -179,11 +181,11 @@ def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = Fals
 
 
 def _drop_last_word(text: str, most: int) -> str:
-    """``text`` without its trailing run of non-blank characters, or without its last
-    ``most`` characters where that run is longer."""
+    """``text`` without its trailing run of visible ASCII characters, or without its
+    last ``most`` characters where that run is longer."""
     kept = len(text)
     floor = max(kept - most, 0)
-    while kept > floor and not text[kept - 1].isspace():
+    while kept > floor and "!" <= text[kept - 1] <= "~":
         kept -= 1
     return text[:kept]
 

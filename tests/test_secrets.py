@@ -73,6 +73,17 @@ def test_a_cut_says_nothing_of_whether_its_tail_begins_a_secret(guess: str) -> N
         assert guess not in right_cut[-len(guess) - 1:] and right_cut.endswith("…")
 
 
+def test_a_cut_message_in_words_without_blanks_keeps_them() -> None:
+    """Review: the drop took the trailing run of non-blank characters, so a Chinese
+    error text (no blanks: DashScope's, Zhipu's, Moonshot's) lost up to three times
+    a key's length, and all of it with a long key.  Only visible ASCII can spell a
+    key."""
+    message = "请求参数错误：模型不支持该参数，请检查后重试。" * 20
+    clipped = clip(message, 300, ("sk-proj-" + "A" * 156,))
+    assert clipped == message[:300] + "…"
+    assert clip(message[:290] + "sk-pr", 300, ("sk-proj-" + "A" * 156,), cut=True) == message[:290] + "…"
+
+
 def test_a_cut_drops_no_more_than_the_longest_secret() -> None:
     clipped = clip("z" * 500, 300, (OTHER,))
     assert clipped == "z" * (300 - max(len(f) for f in _forms((OTHER,)))) + "…"
