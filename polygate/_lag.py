@@ -42,6 +42,7 @@ clocks must see.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Final, Protocol
 
 import trio
@@ -82,6 +83,7 @@ class LoopLag(trio.abc.Instrument):
         #: The last stall: when it began and ended (see :meth:`look_after`).
         self.last_stall = (-1.0, -1.0)
         self._users = 0
+        self._next_deadline = _deadline_peek()
 
     def after_io_wait(self, timeout: float) -> None:
         # Called by trio's run loop after each I/O poll, before deadlines expire.  The
@@ -105,9 +107,13 @@ class LoopLag(trio.abc.Instrument):
                 now = clock.current_time()  # (this step's own time is no turn of the tasks')
         self._last = now
 
-    @staticmethod
-    def clock_due() -> bool:
-        """Whether a deadline of the run is due (trio expires it next)."""
+    def clock_due(self) -> bool:
+        """Whether a deadline of the run is due (trio expires it next): a peek at trio's
+        deadline heap where this trio has one to peek at; its public statistics
+        otherwise, which also count every descriptor the I/O manager holds (~0.3 ms
+        with 8,000 sockets: on every busy pass, 11-23 % of a loop's passes)."""
+        if self._next_deadline is not None:
+            return self._next_deadline() <= self._clock.current_time()
         return trio.lowlevel.current_statistics().seconds_to_next_deadline <= 0
 
     def look_after(self, due: float) -> float:
@@ -151,3 +157,21 @@ class LoopLag(trio.abc.Instrument):
 
 
 _RUN_LAG: trio.lowlevel.RunVar[LoopLag] = trio.lowlevel.RunVar("polygate_loop_lag")
+
+
+def _deadline_peek() -> Callable[[], float] | None:
+    """The running trio's ``Deadlines.next_deadline`` (private: checked here, and
+    ``None`` where this trio has no such thing, for the public statistics instead)."""
+    try:
+        from trio._core import _run
+    except ImportError:  # pragma: no cover - a trio without it
+        return None
+    runner = getattr(getattr(_run, "GLOBAL_RUN_CONTEXT", None), "runner", None)
+    peek = getattr(getattr(runner, "deadlines", None), "next_deadline", None)
+    if not callable(peek):
+        return None
+    try:
+        due = peek()
+    except Exception:  # pragma: no cover - not the method it was
+        return None
+    return peek if isinstance(due, float) else None
