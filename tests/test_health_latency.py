@@ -139,3 +139,34 @@ def test_a_latency_from_waits_does_not_fade() -> None:
     assert health.score(0.5, now=10.0) == health.score(0.5, now=1000.0) < 0.1
     health.success(0.5, now=1000.0)  # it answered: what it says fades again
     assert health.score(0.5, now=1000.0) < health.score(0.5, now=1100.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_a_source_slow_once_then_hung_stays_off(
+    seed: int, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Second review: waits were compared with the latency as learnt (a stale 60 s),
+    while the score saw it faded: 30 s deadline cuts taught nothing, and a source slow
+    once, then hung, was back at a score of 1 and half the calls (43-47 of 100 cut)."""
+    hung = [False]
+
+    def b_reply(request: Any, rng: Any) -> Reply:
+        return Reply(first_token_s=10_000 if hung[0] else 60.0, tokens=1)
+
+    upstreams = {"a": FakeUpstream(Reply(first_token_s=0.1), name="a"),
+                 "b": FakeUpstream(b_reply, name="b")}
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+        polygate.Source(name=name, base_url=f"http://{name}/v1") for name in ("a", "b")],
+        call_deadline_s=30.0)})
+    cut = 0
+    async with polygate.session(settings, transport=Router(upstreams),
+                                rng=random.Random(seed)) as s:
+        while not hung[0]:  # b's cold start: its first answer after 60 s
+            hung[0] = (await s.chat(MSG, call_deadline_s=None)).source == "b"
+        for _ in range(100):
+            await trio.sleep(10.0)
+            try:
+                await s.chat(MSG)
+            except polygate.DeadlineExceeded:
+                cut += 1
+    assert cut <= 20, cut

@@ -89,12 +89,28 @@ class Health:
         or by a hedge that won): its latency would have been longer, so the wait is a
         lower bound, counted like a success's latency where it says more than is known:
         above this source's own latency, or, with none yet, above the scope's best.
-        Never a failure: the breaker and the failure rate are the upstream errors'."""
-        known = self.latency if self.latency is not None else reference_latency
+        Never a failure: the breaker and the failure rate are the upstream errors'.
+        Its own latency as the score sees it now: faded with age, a source slow once
+        (a 60 s cold start) and hung since was cut by 30 s deadlines that taught
+        nothing, back at a score of 1 and half the calls."""
+        known = self._seen(reference_latency, now) if self.latency is not None else reference_latency
         if known is None or waited_s <= known:
             return  # a cut sooner than answers come says nothing of this source
-        self._sample(waited_s, now)
+        if self.latency is None or waited_s > self.latency:
+            self._sample(waited_s, now)
+        else:
+            # Above the latency as it faded, below it as it was learnt: that latency,
+            # confirmed now.
+            self._latency_at = now
         self._waited = True
+
+    def _seen(self, reference_latency: float | None, now: float) -> float | None:
+        """The latency as :meth:`score` sees it now: faded toward the reference with age
+        (a latency from waits, or one no slower than the reference, as it is)."""
+        latency = self.latency
+        if latency is None or not reference_latency or latency <= reference_latency or self._waited:
+            return latency
+        return reference_latency * math.pow(latency / reference_latency, self._latency_weight(now))
 
     def failed(self, now: float = 0.0) -> None:
         failure = self.failure(now)
