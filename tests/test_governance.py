@@ -142,7 +142,8 @@ def test_estimates() -> None:
     assert completion_budget({"max_tokens": "9" * 5000}, 256) == 10**12  # capped, no int()
     # as pydantic 2's lax mode reads them (review: "+5000" and "5_000" slipped past, and
     # leading zeros were read as the cap)
-    for spelled in ("+5000", "5_000", "5000.0", "+5_000.00", "\t5000\n", "0000000000000005000"):
+    for spelled in ("+5000", "5_000", "5000.0", "+5_000.00", "\t5000\n", "0000000000000005000",
+                    "\u00a05000", "5000\u3000", "\u20035000\x85"):  # (Unicode blanks too)
         assert completion_budget({"max_tokens": spelled}, 256) == 5000, spelled
     for no_limit in (50.5, -50.0, float("inf"), float("nan"), "50.5", "-50", "0", "", "٥٠",
                      "5e3", "5000.", "5__000", "_5000", "5000_", "0x10", "000", False):

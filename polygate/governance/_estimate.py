@@ -145,9 +145,9 @@ MAX_COMPLETION_ESTIMATE = 10**12
 
 
 #: A count written as text, as pydantic's lax mode reads one into an int (vLLM's and
-#: SGLang's requests): blanks around it, a ``+``, ``_`` between digits, a fraction of
-#: zeros (``" +5_000.00 "`` is 5000).
-_COUNT_TEXT = re.compile(r"[ \t\n\r\f\v]*\+?([0-9](?:_?[0-9])*)(?:\.0+)?[ \t\n\r\f\v]*")
+#: SGLang's requests): blanks around it (stripped first), a ``+``, ``_`` between
+#: digits, a fraction of zeros (``" +5_000.00 "`` is 5000).
+_COUNT_TEXT = re.compile(r"\+?([0-9](?:_?[0-9])*)(?:\.0+)?")
 
 
 def positive_count(value: Any) -> int | None:
@@ -159,7 +159,9 @@ def positive_count(value: Any) -> int | None:
     if type(value) is int:  # (the common case first: no isinstance)
         return value if value > 0 else None
     if isinstance(value, str):
-        found = _COUNT_TEXT.fullmatch(value)
+        # (Blanks as pydantic strips them, Unicode's too: a no-break space around the
+        # digits slipped past a key's tpm.)
+        found = _COUNT_TEXT.fullmatch(value.strip())
         if found is None:
             return None
         digits = found[1].replace("_", "").lstrip("0")
