@@ -161,13 +161,14 @@ def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = Fals
 
     A text that ends where it was cut (here, or earlier: ``cut=True`` says the text
     is an excerpt) may end in the first characters of a secret that no longer
-    matches whole, so its last word goes too: the trailing run of visible ASCII
-    characters (what a key and its spellings are made of), up to the length of the
-    longest spelling of a secret.  Whatever that run holds, whether it begins a secret
-    or not: a cut that dropped only the starts of secrets told a client who could
-    place text at the cut (an upstream's 400 that echoes a value) whether its guess
-    began one, a character at a time.  (A run of other characters is a message's own
-    words: a Chinese error text, without blanks, lost half its length to the drop.)
+    matches whole, so its last word goes too: the whole trailing run of visible ASCII
+    characters (what a key and its spellings are made of).  Whatever that run holds,
+    whether it begins a secret or not: a cut that dropped only the starts of secrets
+    told a client who could place text at the cut (an upstream's 400 that echoes a
+    value) whether its guess began one, a character at a time; and one that dropped
+    as much as the longest secret's spelling told it that length.  (A run of other
+    characters is a message's own words: a Chinese error text, without blanks, lost
+    half its length to the drop.)  Without secrets nothing is dropped.
     """
     forms = _forms(_key(secrets))
     for form in forms:
@@ -176,16 +177,14 @@ def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = Fals
     if len(text) > limit:
         text, cut = text[:limit], True
     if cut:
-        text = _drop_last_word(text, len(forms[0]) if forms else 0) + "…"
+        text = (_drop_last_word(text) if forms else text) + "…"
     return text
 
 
-def _drop_last_word(text: str, most: int) -> str:
-    """``text`` without its trailing run of visible ASCII characters, or without its
-    last ``most`` characters where that run is longer."""
+def _drop_last_word(text: str) -> str:
+    """``text`` without its trailing run of visible ASCII characters."""
     kept = len(text)
-    floor = max(kept - most, 0)
-    while kept > floor and "!" <= text[kept - 1] <= "~":
+    while kept and "!" <= text[kept - 1] <= "~":
         kept -= 1
     return text[:kept]
 
