@@ -1,6 +1,6 @@
 """An upstream, in a process of its own, that freezes its client while it streams.
 
-Run as ``python tests/_freezing_upstream.py``: prints its port, then answers each chat
+Run as ``python -m tests._freezing_upstream``: prints its port, then answers each chat
 request (streamed) as the request's ``model`` says, ``freeze:PID:PRE:STOP:TOKEN:CONT``:
 ``PRE`` tokens at once, then ``SIGSTOP`` to the process ``PID`` at ``STOP`` ms, a token
 at ``TOKEN`` ms (during the freeze), ``SIGCONT`` at ``CONT`` ms, and the rest of the
@@ -18,10 +18,11 @@ import sys
 
 import trio
 
+from tests._raw_server import chunk, raw_server, sse_head
+
 
 def _event(obj: object) -> bytes:
-    data = b"data: " + json.dumps(obj).encode() + b"\n\n"
-    return b"%x\r\n%s\r\n" % (len(data), data)
+    return chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
 
 def _delta(content: str | None, finish: str | None = None) -> bytes:
@@ -33,8 +34,7 @@ def _delta(content: str | None, finish: str | None = None) -> bytes:
 async def _answer(stream: trio.SocketStream, model: str) -> None:
     _, pid, pre, stop_ms, token_ms, cont_ms = model.split(":")
     start = trio.current_time()
-    await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                          b"transfer-encoding: chunked\r\n\r\n")
+    await stream.send_all(sse_head(b"transfer-encoding: chunked\r\n") + b"\r\n")
     for i in range(int(pre)):
         await stream.send_all(_delta(f"early{i} "))
     await trio.sleep_until(start + int(stop_ms) / 1000)
@@ -45,37 +45,18 @@ async def _answer(stream: trio.SocketStream, model: str) -> None:
         await trio.sleep_until(start + int(cont_ms) / 1000)
     finally:
         os.kill(int(pid), signal.SIGCONT)
-    await stream.send_all(_delta("after ") + _delta(None, "stop") + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
-
-
-async def _serve(stream: trio.SocketStream) -> None:
-    data = b""
-    async with stream:
-        try:
-            while True:
-                while b"\r\n\r\n" not in data:
-                    more = await stream.receive_some(65536)
-                    if not more:
-                        return
-                    data += more
-                head, _, data = data.partition(b"\r\n\r\n")
-                length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
-                              if line.lower().startswith(b"content-length:"))
-                while len(data) < length:
-                    more = await stream.receive_some(65536)
-                    if not more:
-                        return
-                    data += more
-                body, data = data[:length], data[length:]
-                await _answer(stream, json.loads(body)["model"])
-        except trio.BrokenResourceError:
-            pass
+    await stream.send_all(_delta("after ") + _delta(None, "stop") + chunk(b"data: [DONE]\n\n")
+                          + b"0\r\n\r\n")
 
 
 async def _main() -> None:
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    print(listeners[0].socket.getsockname()[1], flush=True)
-    await trio.serve_listeners(_serve, listeners)
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        body = server.requests[-1].partition(b"\r\n\r\n")[2]
+        await _answer(stream, json.loads(body)["model"])
+
+    async with raw_server(reply) as server:
+        print(server.port, flush=True)
+        await trio.sleep_forever()
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ from polygate.testing import FakeUpstream, Reply, Router
 MSG = [{"role": "user", "content": "hi"}]
 
 
-def two_sources() -> polygate.Settings:
+def two_sources(**scope: Any) -> polygate.Settings:
     return polygate.Settings(scopes={"chat": polygate.Scope(sources=[
-        polygate.Source(name=name, base_url=f"http://{name}/v1") for name in ("a", "b")])})
+        polygate.Source(name=name, base_url=f"http://{name}/v1") for name in ("a", "b")], **scope)})
 
 
 async def test_a_long_answer_does_not_make_a_source_look_slow(
@@ -117,9 +117,7 @@ async def test_a_hung_source_stays_off_a_quiet_scope(
     Each such wait cost a caller its call: it does not fade."""
     upstreams = {"a": FakeUpstream(Reply(first_token_s=0.1), name="a"),
                  "b": FakeUpstream(Reply(first_token_s=10_000), name="b")}
-    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
-        polygate.Source(name=name, base_url=f"http://{name}/v1") for name in ("a", "b")],
-        call_deadline_s=2.0)})
+    settings = two_sources(call_deadline_s=2.0)
     cut = 0
     async with polygate.session(settings, transport=Router(upstreams),
                                 rng=random.Random(seed)) as s:
@@ -155,9 +153,7 @@ async def test_a_source_slow_once_then_hung_stays_off(
 
     upstreams = {"a": FakeUpstream(Reply(first_token_s=0.1), name="a"),
                  "b": FakeUpstream(b_reply, name="b")}
-    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
-        polygate.Source(name=name, base_url=f"http://{name}/v1") for name in ("a", "b")],
-        call_deadline_s=30.0)})
+    settings = two_sources(call_deadline_s=30.0)
     cut = 0
     async with polygate.session(settings, transport=Router(upstreams),
                                 rng=random.Random(seed)) as s:

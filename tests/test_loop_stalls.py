@@ -368,8 +368,8 @@ def freezing_upstream() -> Iterator[str]:
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_freezing_upstream.py"))],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tests._freezing_upstream"],
+                            cwd=Path(__file__).parent.parent, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         yield f"http://127.0.0.1:{int(proc.stdout.readline())}/v1"
