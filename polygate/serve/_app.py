@@ -45,7 +45,14 @@ from ._http import BAD_KEY, ClientGone, Connection, Request, field_value
 from ._json import Unencodable, dump, has_lone_surrogate
 from ._meter import CURRENT, CallMeter, tap
 from ._metrics import Metrics, render
-from ._sse import KEEPALIVE, StreamShape, error_event, reported_usage, string_content
+from ._sse import (
+    KEEPALIVE,
+    StreamShape,
+    answer_header,
+    error_event,
+    reported_usage,
+    string_content,
+)
 from ._trace import Joiner, joiner
 from ._unavailable import UnavailableSession
 
@@ -748,10 +755,12 @@ async def _chat(ctx: Context, scope: str, body: dict[str, Any], charge: _Charge)
 def _answer_body(response: ChatResponse) -> dict[str, Any]:
     """The upstream's body as the library validated it: its usage as read (none when
     it reported none or numbers the library refused), content that is not a string
-    blanked, a missing or unreadable reason "stop"; every other field (a provider's
-    extras) as the upstream sent it."""
+    blanked, a missing or unreadable reason "stop", an ``id``, ``created`` and
+    ``model`` of OpenAI's types (:func:`answer_header`); every other field (a
+    provider's extras) as the upstream sent it."""
     raw = response.raw
     out = dict(raw)
+    out["id"], out["created"], out["model"] = answer_header(raw)
     usage = reported_usage(response)
     if usage is None:
         out.pop("usage", None)

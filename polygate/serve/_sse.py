@@ -47,7 +47,26 @@ from .._types import (
 )
 from ._json import dump
 
-__all__ = ["DONE", "KEEPALIVE", "StreamShape", "error_event", "reported_usage", "string_content"]
+__all__ = [
+    "DONE", "KEEPALIVE", "StreamShape", "answer_header", "error_event", "reported_usage",
+    "string_content",
+]
+
+
+def answer_header(raw: Mapping[str, Any]) -> tuple[str, int, str]:
+    """The ``id``, ``created`` and ``model`` an answer says: the upstream's where each
+    has its type (a non-empty string id, an integer ``created`` that is no bool, a
+    string model), else the gateway's own.  OpenAI's clients type them so (a
+    ``ChatCompletion``'s ``created`` is an int): an answer assembled from chunks that
+    carried none, or ``created: 0``, said ``null``."""
+    answer_id = raw.get("id")
+    created = raw.get("created")
+    model = raw.get("model")
+    return (
+        answer_id if isinstance(answer_id, str) and answer_id else "chatcmpl-polygate",
+        created if type(created) is int else int(time.time()),
+        model if isinstance(model, str) else "",
+    )
 
 DONE: Final = b"data: [DONE]\n\n"
 KEEPALIVE: Final = b": keep-alive\n\n"
@@ -389,13 +408,8 @@ class StreamShape:
         return out + DONE
 
     def _header(self, raw: Mapping[str, Any]) -> dict[str, Any]:
-        created = raw.get("created")
-        header = {
-            "id": raw.get("id") or "chatcmpl-polygate",
-            "object": _CHUNK,
-            "created": created if isinstance(created, int) else int(time.time()),
-            "model": raw.get("model") or "",
-        }
+        answer_id, created, model = answer_header(raw)
+        header = {"id": answer_id, "object": _CHUNK, "created": created, "model": model}
         # What every chunk of an OpenAI stream carries when the upstream sent it (the
         # SDK's stream helper takes the fingerprint of each chunk: the last one's
         # stays).
