@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from ._http11 import unquoted
 from ._secrets import clip, redact
 from ._sockets import os_reasons, out_of
 from ._types import CallStats  # (at run time: typing.get_type_hints reads the annotations)
@@ -475,9 +476,11 @@ def classify_exception(exc: BaseException, *, source: str | None = None) -> Upst
         # not reach the source (unreachable, refused) says nothing of the sort.
         return SourceDeadError(f"the egress proxy refused the tunnel: {exc}", source=source)
     if isinstance(exc, httpx.TransportError):
-        # httpx messages carry host:port at most; never headers.  A connect's says
-        # only that every attempt failed: the OS's reasons tell refused from no route.
-        text = str(exc)
+        # httpx messages carry host:port at most; never headers.  h11's quote the bytes
+        # that did not parse, which may be another caller's answer: cut (unquoted).  A
+        # connect's says only that every attempt failed: the OS's reasons tell refused
+        # from no route.
+        text = unquoted(str(exc))
         reasons = [reason for reason in os_reasons(exc) if reason not in text]
         if reasons:
             text = f"{text} ({'; '.join(reasons)})" if text else "; ".join(reasons)

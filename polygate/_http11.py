@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-__all__ = ["FIELD_LINE", "LENGTH_DIGITS", "TOKEN"]
+__all__ = ["FIELD_LINE", "LENGTH_DIGITS", "TOKEN", "unquoted"]
 
 TOKEN: Final = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
 #: A field line, its name and value (h11's ``header_field``, narrowed as above).
@@ -26,3 +26,16 @@ FIELD_LINE: Final = re.compile(
 #: digits only, and false when empty): a regular expression's match costs ~3,000
 #: instructions before its first character.
 LENGTH_DIGITS: Final = 18
+
+
+_BYTES_REPR: Final = r"""b(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
+_QUOTED_BYTES: Final = re.compile(rf"bytearray\({_BYTES_REPR}\)|(?<!\w){_BYTES_REPR}")
+
+
+def unquoted(message: str) -> str:
+    """An h11 error's message without the bytes it quotes ("illegal status line:
+    bytearray(b'...')"): what came on a connection is not always the answer to the
+    request that reads it.  An upstream that sends more than its Content-Length said,
+    late, has the next request on the connection read the rest of an answer to another
+    caller -- another tenant, behind ``polygate serve`` -- whose error reaches it."""
+    return _QUOTED_BYTES.sub("(the bytes not shown)", message)

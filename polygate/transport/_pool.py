@@ -95,6 +95,7 @@ import httpx
 import trio
 
 from .._chunked import ChunkedDecoder
+from .._http11 import unquoted
 from .._sockets import out_of, out_of_now, receive_when_readable, write_first
 from ._head import HEAD_EXTENSION, Head, parse_head
 from ._wire import CALL_ID_HEADER
@@ -797,10 +798,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
         exchange needs (a fast body never touched it; :meth:`_release` resets it):
         kept alive if both sides allow it.  Bytes past the end of the response (a 204
         with a body, more than its Content-Length, a stray response) would answer the
-        next request: they were dropped, and if more are still arriving the connection
-        is closed (one that receives any later, while idle, is dropped when next
+        next request: they were dropped, and the connection is closed, since more may
+        follow (one that receives bytes later, while idle, is dropped when next
         picked: _pop_idle's probe)."""
-        if not keep_alive or conn.broken or (stray and conn.socket.is_readable()):
+        if not keep_alive or conn.broken or stray:
+            # (Stray bytes say the upstream frames its answers wrongly: more of them
+            # may come, after a check for them, and would be the next answer's head.)
             self._discard(conn)
             return
         self._put_back(conn)  # (which closes it instead if the pool has closed)
@@ -1490,4 +1493,6 @@ def _mapped(
     else:
         return exc
     message = str(exc) or str(exc.__cause__ or exc.__context__ or "") or type(exc).__name__
+    if cls is httpx.RemoteProtocolError:
+        message = unquoted(message)
     return cls(message, request=request)
