@@ -245,6 +245,12 @@ async def _retry_loop(
             if admission is not None:
                 await governor.release(admission, Outcome.CANCELLED, sent=False)
             raise PolygateError("this session is closed")
+        if admission is None:
+            # A cancel point before admission: the memory backend admits without one,
+            # so a call made in a cancelled scope (or cancelled while it backed off)
+            # took a permit and a reservation, and wrote an attempt row, for a request
+            # it never sent.
+            await trio.lowlevel.checkpoint_if_cancelled()
         if admission is None and again is not None:
             admission = await _same_source(ctx, again, tokens, min(
                 cooldown_give_up_at, silent_until,

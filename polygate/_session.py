@@ -17,7 +17,7 @@ import sys
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
-from typing import Any, Literal, Protocol, TypeAlias, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeAlias, TypeVar
 
 import attrs
 import httpx
@@ -29,7 +29,7 @@ from ._call import Rounds, one_cancelled, one_interrupt
 from ._config import Settings, is_utf8
 from ._context import Runtime
 from ._errors import ConfigError, PolygateError
-from ._json import MAX_DEPTH, dumps, nested_deeper, plain_messages
+from ._json import MAX_DEPTH, dumps, loads, nested_deeper, plain_messages
 from ._key_quota import KEY_SCOPE, KeyQuotas
 from ._lag import LoopLag
 from ._ocr import run_ocr
@@ -168,12 +168,12 @@ class Session:
         one is re-asked inside this call (``docs/structured.md``).  ``cache=False``:
         neither read nor write the response cache; ``"refresh"``: write only."""
         deadline = self._prepare(scope, call_deadline_s)
-        encoded = _check_messages(messages)
-        _check_params(params)
+        messages, encoded = _check_messages(messages)
+        params = _check_params(params)
         rounds = self._rounds(scope, schema, params, reask=True)
         mode = cache_mode(cache)
         return await cached_chat(
-            self._runtime, self._cache, mode, scope, list(messages), encoded, params, deadline,
+            self._runtime, self._cache, mode, scope, messages, encoded, params, deadline,
             rounds=rounds,
         )
 
@@ -194,12 +194,12 @@ class Session:
         raises ``StructuredOutputError`` from the iteration (never re-asked: the
         caller has seen the text)."""
         deadline = self._prepare(scope, call_deadline_s, awaited=False)
-        encoded = _check_messages(messages)
-        _check_params(params)
+        messages, encoded = _check_messages(messages)
+        params = _check_params(params)
         rounds = self._rounds(scope, schema, params, reask=False)
         mode = cache_mode(cache)
         return ChatStream(
-            self._runtime, scope, list(messages), encoded, params, deadline, rounds=rounds,
+            self._runtime, scope, messages, encoded, params, deadline, rounds=rounds,
             cache=self._cache, cache_mode=mode, run=self._run,
         )
 
@@ -224,10 +224,14 @@ class Session:
                 # OpenAI refuses it (400), after a paid round trip; others embed
                 # nothing into a vector that means nothing.
                 raise ConfigError(f"inputs[{index}] is an empty string: there is nothing to embed")
-        _check_params(params, reserved=("input",))
         if "schema" in params:
-            # (A chat keyword here is a mistake, not a vendor field to send upstream.)
+            # (A chat keyword here is a mistake, not a vendor field to send upstream;
+            # checked first: a model class would otherwise be "not JSON-serialisable".)
             raise ConfigError("embed() takes no schema: structured output is for chat calls")
+        if "stream" in params:
+            # Never sent: a provider answers it with a 400, after a paid round trip.
+            raise ConfigError("embed() takes no 'stream': embeddings come in one answer")
+        params = _check_params(params, reserved=("input",))
         dimensions = params.get("dimensions")
         if dimensions is not None and (type(dimensions) is not int or dimensions <= 0):
             # Checked here: the answer's vectors are held to it (a source that ignores
@@ -258,7 +262,7 @@ class Session:
             if name in params:
                 raise ConfigError(f"ocr() does not take {name!r} (OCR answers are neither "
                                   "cached nor schema-validated)")
-        _check_params(params)
+        params = _check_params(params)
         return await run_ocr(
             self._runtime, scope, document, prompt=prompt, pages=pages, params=params,
             deadline_s=deadline,
@@ -341,8 +345,12 @@ def _is_nan_error(exc: Exception) -> bool:
     return isinstance(exc, ValueError) and "Out of range float" in str(exc)
 
 
-def _check_messages(messages: Any) -> str:
-    """Validate the messages and encode them once (every attempt reuses the JSON)."""
+def _check_messages(messages: Any) -> tuple[list[Any], str]:
+    """Validate the messages and encode them once (every attempt reuses the JSON).
+
+    Returns the call's own copy of them with the JSON: the caller may change its list
+    and dicts while the call runs (building the next request), and a retry, a hedge,
+    a re-ask, a continuation and the cache's entry must all be of the call as made."""
     # (type() first: a list of dicts, the usual, needs no ABC check, ~0.2 µs each.)
     if type(messages) is not list and (
             isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence)):
@@ -351,9 +359,17 @@ def _check_messages(messages: Any) -> str:
         messages = list(messages)  # (any Sequence, a deque: JSON writes a list or a tuple)
     if not messages:
         raise ConfigError("messages must not be empty")
-    for index, message in enumerate(messages):
-        if (type(message) is not dict and not isinstance(message, Mapping)) or not isinstance(
-                message.get("role"), str):
+    given = messages
+    for index, message in enumerate(given):
+        if type(message) is not dict and not isinstance(message, Mapping):
+            dumped = _dumped_model(message)
+            if dumped is None:
+                raise ConfigError(f"messages[{index}] must be an object with a string 'role', "
+                                  f"got {type(message).__name__}")
+            if messages is given:
+                messages = list(given)  # (never the caller's own list)
+            messages[index] = message = dumped
+        if not isinstance(message.get("role"), str):
             raise ConfigError(f"messages[{index}] must be an object with a string 'role'")
     if plain_messages(messages):
         # The usual shape (text keys and values): msgspec writes byte for byte what the
@@ -362,7 +378,8 @@ def _check_messages(messages: Any) -> str:
         # None: a lone surrogate, which the path below reports.
         fast = dumps(messages)
         if fast is not None:
-            return fast.decode()
+            # Text keys and values: a copy of each dict is a copy of it all.
+            return [message.copy() for message in messages], fast.decode()
     try:
         encoded = _encode_messages(messages)
     except RecursionError:
@@ -376,19 +393,54 @@ def _check_messages(messages: Any) -> str:
     if not is_utf8(encoded):  # which one, on the error path only
         for index, message in enumerate(messages):
             _check_utf8(_encode_messages(message), f"messages[{index}]")
-    return encoded
+    return loads(encoded), encoded
 
 
-def _check_params(params: Mapping[str, Any], reserved: tuple[str, ...] = ("messages", "stream")) -> None:
+def _dumped_model(message: Any) -> dict[str, Any] | None:
+    """A message given as a pydantic model (the openai SDK's ``ChatCompletionMessage``,
+    appended to the history as its guides do) as the SDK sends one: the fields it was
+    given or read, in JSON's types; ``None`` for anything else."""
+    dump = getattr(type(message), "model_dump", None)
+    if not callable(dump):
+        return None
+    try:
+        dumped = dump(message, mode="json", exclude_unset=True)
+    except Exception as exc:  # (a model that cannot say itself: the caller's to mend)
+        raise ConfigError(f"a message given as {type(message).__name__} could not be "
+                          f"dumped to JSON: {type(exc).__name__}") from None
+    return dumped if isinstance(dumped, dict) else None
+
+
+#: The openai SDK's request options, which are no body fields: code ported from
+#: ``client.chat.completions.create(...)`` would send them upstream as such (OpenAI
+#: answers 400; vLLM ignores them, so ``extra_body``'s fields would silently not apply).
+_SDK_OPTIONS: Final = {
+    "extra_body": "pass its fields as keyword arguments of their own",
+    "extra_headers": "polygate sends each source's own headers",
+    "extra_query": "put query parameters in the source's base_url",
+    "timeout": "use call_deadline_s (or the source's timeout_s)",
+}
+
+
+def _check_params(
+    params: dict[str, Any], reserved: tuple[str, ...] = ("messages", "stream"),
+) -> dict[str, Any]:
+    """Validate the call's parameters; returns the call's own copy of them (see
+    :func:`_check_messages`): ``params`` itself where every value is a plain scalar
+    (``**params`` is a new dict each call), else their JSON read back."""
     for key in reserved:
         if key in params:
             raise ConfigError(f"parameter {key!r} is set by polygate, not by the caller")
+    for key, advice in _SDK_OPTIONS.items():
+        if key in params:
+            raise ConfigError(f"{key!r} is an option of the openai SDK, not a request field: {advice}")
     options = params.get("stream_options")
     if options and type(options) is not dict and not isinstance(options, Mapping):
         raise ConfigError("parameter 'stream_options' must be an object (a mapping)")
     if not params or _plain_scalars(params):
-        return
-    _check_encoded(params)
+        return params
+    own: dict[str, Any] = loads(_check_encoded(params))
+    return own
 
 
 def _plain_scalars(params: Mapping[str, Any]) -> bool:
@@ -417,8 +469,9 @@ def _plain_scalars(params: Mapping[str, Any]) -> bool:
 _PLAIN_INT = 1 << 64
 
 
-def _check_encoded(params: Mapping[str, Any]) -> None:
-    """The parameters encode as JSON, nest no deeper than MAX_DEPTH and are UTF-8."""
+def _check_encoded(params: Mapping[str, Any]) -> str:
+    """The parameters encode as JSON, nest no deeper than MAX_DEPTH and are UTF-8:
+    their JSON."""
     try:
         encoded = _encode_params(params)
     except RecursionError:
@@ -430,6 +483,7 @@ def _check_encoded(params: Mapping[str, Any]) -> None:
     if not is_utf8(encoded):
         for key, value in params.items():
             _check_utf8(_encode_params({key: value}), f"parameter {key!r}")
+    return encoded
 
 
 def _too_deep(params: Mapping[str, Any]) -> str:
@@ -963,17 +1017,20 @@ def session(
     when present, else the ``POLYGATE__…`` environment (``env`` replaces ``os.environ``).
     ``transport`` replaces the network for every source (tests, the demo).  What it
     returns opens one session, once: entering it again is a PolygateError."""
-    return OneUse(_session(settings, env, transport, rng), "polygate.session()")
+    return OneUse(_session(settings, env, transport, rng), "polygate.session()", trio_task=True)
 
 
 class OneUse(AbstractAsyncContextManager[T]):
     """An ``async with`` block that can be entered once (a generator's context
     manager entered twice fails inside contextlib with a bare AttributeError)."""
 
-    def __init__(self, block: AbstractAsyncContextManager[T], what: str) -> None:
+    def __init__(self, block: AbstractAsyncContextManager[T], what: str, *, trio_task: bool = False) -> None:
         self._block = block
         self._what = what
         self._entered = False
+        #: The block is trio's, left by the task that entered it (its nursery's rule).
+        self._trio_task = trio_task
+        self._task: trio.lowlevel.Task | None = None
 
     async def __aenter__(self) -> T:
         if self._entered:
@@ -981,6 +1038,8 @@ class OneUse(AbstractAsyncContextManager[T]):
                 f"this {self._what} block was already entered; call {self._what} again "
                 "for another session"
             )
+        if self._trio_task:
+            self._task = _entering_task(self._what)
         self._entered = True
         return await self._block.__aenter__()
 
@@ -992,7 +1051,33 @@ class OneUse(AbstractAsyncContextManager[T]):
             # Passed on, it would run the generator to its yield: a session opened
             # (files, connections) by a call meant to close one, then a bare RuntimeError.
             raise PolygateError(f"this {self._what} block was never entered ('async with' enters it)")
+        if self._task is not None and trio.lowlevel.current_task() is not self._task:
+            # Its nursery would be left by a stranger: trio's own error is a corrupted
+            # cancel scope stack, after which the run is lost.  The block stays open,
+            # for the task that entered it to leave.
+            raise PolygateError(
+                f"a {self._what} block must be left by the task that entered it (unlike a "
+                "stream_chat() block): hand the work to that task, not the block to another"
+            )
         return await self._block.__aexit__(exc_type, exc, tb)
+
+
+def _entering_task(what: str) -> trio.lowlevel.Task:
+    """The trio task entering a session block; a clear error where there is none (trio's
+    own, from deep inside, says "must be called from async context")."""
+    try:
+        task = trio.lowlevel.current_task()
+    except RuntimeError:
+        raise PolygateError(
+            f"{what} is for trio code, and this block was entered outside any trio run (an "
+            "asyncio loop?): from asyncio use polygate.aio.session()"
+        ) from None
+    if sniffio.current_async_library() != "trio":
+        raise PolygateError(
+            f"{what} is for trio code, and this block was entered from asyncio code (on "
+            "trio-asyncio's loop): use polygate.aio.session()"
+        )
+    return task
 
 
 @asynccontextmanager

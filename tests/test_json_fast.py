@@ -213,7 +213,11 @@ def test_plain_text_messages_encode_byte_for_byte_as_before(messages: list[dict[
         with pytest.raises(ConfigError, match=r"messages\[\d\] is not valid Unicode"):
             _check_messages(messages)
         return
-    assert _check_messages(messages) == expected
+    own, encoded = _check_messages(messages)
+    assert encoded == expected
+    # The call's own copy (see test_call_arguments.py) is what the JSON says.
+    assert own == messages and own is not messages
+    assert all(mine is not theirs for mine, theirs in zip(own, messages, strict=True))
 
 
 # --------------------------------------------------------------------------- found by a differential probe
@@ -233,7 +237,9 @@ def test_a_message_key_that_is_not_text_takes_the_standard_path(key: Any) -> Non
         with pytest.raises(ConfigError):
             _check_messages(messages)
         return
-    assert _check_messages(messages) == expected
+    own, encoded = _check_messages(messages)
+    assert encoded == expected
+    assert json.dumps(own, ensure_ascii=False, separators=(",", ":")) == expected
 
 
 def test_a_deep_value_with_a_null_does_not_exhaust_the_stack() -> None:

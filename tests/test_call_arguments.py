@@ -1,0 +1,295 @@
+"""What callers pass in, and what they do with it while the call runs (an outside
+review, "what real callers pass in"): every attempt of a call sends the call as it was
+made, whatever the caller changes meanwhile; an openai SDK message object is a
+message; the SDK's own request options are refused, not sent as body fields."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pydantic
+import pytest
+import trio
+import trio.testing
+from openai.types.chat import ChatCompletion
+
+import polygate
+from polygate.testing import FakeUpstream, Reply, Router
+
+from .conftest import SECRET
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _tools() -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def _settings(names: tuple[str, ...] = ("a", "b"), *, cache: str | None = None,
+              **scope: Any) -> polygate.Settings:
+    # a first, b a near-certain second: the order of the attempts is known.
+    weights = {"a": 1.0, "b": 1e-9}
+    sources = [polygate.Source(name=n, base_url=f"http://{n}/v1", api_key=SECRET, weight=weights[n])
+               for n in names]
+    if cache:
+        scope["cache_ttl_s"] = 60
+        return polygate.Settings(scopes={"chat": polygate.Scope(sources=sources, **scope)}, cache=cache)
+    return polygate.Settings(scopes={"chat": polygate.Scope(sources=sources, **scope)})
+
+
+def _bodies(*upstreams: FakeUpstream) -> list[dict[str, Any]]:
+    requests = sorted((r for u in upstreams for r in u.requests), key=lambda r: r.started_at)
+    return [r.body for r in requests]
+
+
+# ------------------------------------------------------------------ changed meanwhile
+
+
+async def test_a_retry_sends_the_parameters_as_the_call_made_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The caller edits its tools list and a nested dict while attempt 1 is in flight:
+    attempt 2 sent the edits (only the messages were encoded once)."""
+    tools = _tools()
+    extra = {"k": "v"}
+
+    def first(_request: Any, _rng: Any) -> Reply:
+        tools.append({"type": "function", "function": {"name": "g", "parameters": {}}})
+        tools[0]["function"]["name"] = "CHANGED"
+        extra["k"] = "CHANGED"
+        return Reply(status=500)
+
+    a, b = FakeUpstream(first), FakeUpstream(Reply())
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        await s.chat(HI, tools=tools, vendor_field=extra)
+    one, two = _bodies(a, b)
+    assert one["tools"] == two["tools"] == _tools()
+    assert one["vendor_field"] == two["vendor_field"] == {"k": "v"}
+
+
+async def test_a_retry_sends_the_messages_as_the_call_made_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+    def first(_request: Any, _rng: Any) -> Reply:
+        messages[0]["content"][0]["text"] = "CHANGED"  # type: ignore[index]
+        messages.append({"role": "user", "content": "more"})
+        return Reply(status=500)
+
+    a, b = FakeUpstream(first), FakeUpstream(Reply())
+    async with polygate.session(_settings(), transport=Router({"a": a, "b": b})) as s:
+        await s.chat(messages)
+    one, two = _bodies(a, b)
+    assert one["messages"] == two["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+
+async def test_a_hedge_sends_the_parameters_as_the_call_made_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    tools = _tools()
+
+    def hung(_request: Any, _rng: Any) -> Reply:
+        tools[0]["function"]["name"] = "CHANGED"
+        return Reply(first_token_s=90)
+
+    a, b = FakeUpstream(hung), FakeUpstream(Reply(first_token_s=0.5))
+    settings = _settings(hedge=polygate.Hedge(after_s=2.0))
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        response = await s.chat(HI, tools=tools)
+    assert response.call_stats.hedges == 1
+    one, two = _bodies(a, b)
+    assert one["tools"] == two["tools"] == _tools()
+
+
+async def test_a_reask_repeats_the_messages_as_the_call_made_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A re-ask round encoded the caller's dicts again: an edit made while round 1
+    was in flight was asked in round 2."""
+    messages = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hi"}]
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    answers = iter([Reply(text="not json"), Reply(text='{"x": 1}')])
+
+    def reply(_request: Any, _rng: Any) -> Reply:
+        messages[1]["content"] = "CHANGED"
+        return next(answers)
+
+    a = FakeUpstream(reply)
+    async with polygate.session(_settings(("a",)), transport=Router({"a": a})) as s:
+        response = await s.chat(messages, schema=schema)
+    assert response.call_stats.reasks == 1
+    first, second = (r.body["messages"] for r in a.requests)
+    assert first == [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hi"}]
+    assert second[:2] == first
+
+
+async def test_a_continuation_asks_the_question_as_the_call_made_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+
+    def cut(_request: Any, _rng: Any) -> Reply:
+        messages[0]["content"] = "CHANGED"
+        return Reply(tokens=8, fault="truncated", fault_after=3)
+
+    a, b = FakeUpstream(cut), FakeUpstream(Reply())
+    settings = _settings(stream=polygate.StreamWatch(resume=True))
+    async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
+        async with s.stream_chat(messages) as stream:
+            async for _ in stream:
+                pass
+    assert len(b.requests) == 1
+    assert b.requests[0].body["messages"][0] == {"role": "user", "content": "hi"}
+
+
+def _named_answer(request: Any, _rng: Any) -> Reply:
+    return Reply(text="answer-for-" + request.body["tools"][0]["function"]["name"])
+
+
+async def test_the_cache_stores_the_answer_to_the_call_as_made(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The entry's key is the call as made; its answer was the edited request's, served
+    to every identical call until it expired."""
+    tools = _tools()
+
+    def first(_request: Any, _rng: Any) -> Reply:
+        tools[0]["function"]["name"] = "CHANGED"
+        return Reply(status=500)
+
+    a, b = FakeUpstream(first), FakeUpstream(_named_answer)
+    async with polygate.session(_settings(cache="memory"), transport=Router({"a": a, "b": b})) as s:
+        await s.chat(HI, tools=tools)
+        again = await s.chat(HI, tools=_tools())
+    assert again.call_stats.cached
+    assert again.text == "answer-for-f"
+
+
+async def test_a_coalesced_waiter_gets_the_answer_to_its_own_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    tools = _tools()
+
+    def first(_request: Any, _rng: Any) -> Reply:
+        tools[0]["function"]["name"] = "CHANGED"
+        return Reply(status=500, headers_delay_s=1)
+
+    a, b = FakeUpstream(first), FakeUpstream(_named_answer)
+    answers: dict[str, polygate.ChatResponse] = {}
+    async with polygate.session(_settings(cache="memory"), transport=Router({"a": a, "b": b})) as s:
+
+        async def leader() -> None:
+            answers["leader"] = await s.chat(HI, tools=tools)
+
+        async def waiter() -> None:
+            await trio.sleep(0.1)
+            answers["waiter"] = await s.chat(HI, tools=_tools())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(leader)
+            nursery.start_soon(waiter)
+    assert answers["waiter"].text == answers["leader"].text == "answer-for-f"
+    assert len(b.requests) == 1
+
+
+async def test_plain_parameters_and_messages_are_sent_unchanged(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The copies are of what the wire carries: an int subclass, a str subclass, a
+    tuple and a read-only mapping go out as json writes them."""
+    import enum
+    import types
+
+    class Size(enum.IntEnum):
+        SMALL = 8
+
+    class Name(str):
+        pass
+
+    a = FakeUpstream(Reply())
+    async with polygate.session(_settings(("a",)), transport=Router({"a": a})) as s:
+        await s.chat((types.MappingProxyType({"role": Name("user"), "content": "hi"}),),
+                     max_tokens=Size.SMALL, stop=("x", "y"), logit_bias={5: 1})
+    body = a.requests[0].body
+    assert body["messages"] == [{"role": "user", "content": "hi"}]
+    assert body["max_tokens"] == 8 and body["stop"] == ["x", "y"] and body["logit_bias"] == {"5": 1}
+
+
+# ------------------------------------------------------------------ the SDK's objects
+
+
+def _sse(*deltas: tuple[dict[str, Any], str | None]) -> bytes:
+    events = [json.dumps({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+              for delta, finish in deltas]
+    return "".join(f"data: {event}\n\n" for event in [*events, "[DONE]"]).encode()
+
+
+async def test_an_openai_sdk_message_in_the_history_is_a_message() -> None:
+    """The SDK's guides append ``completion.choices[0].message`` to the history; it was
+    refused as "must be an object with a string 'role'" (it has one)."""
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    answers = [_sse(({"role": "assistant", "content": None, "tool_calls": [call]}, None), ({}, "tool_calls")),
+               _sse(({"role": "assistant", "content": "done"}, None), ({}, "stop"))]
+    sent: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=answers.pop(0))
+
+    settings = _settings(("a",))
+    async with polygate.session(settings, transport=httpx.MockTransport(handler)) as s:
+        first = await s.chat(HI, tools=_tools())
+        sdk = ChatCompletion.model_validate(first.raw).choices[0].message
+        history = [*HI, sdk, {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+        second = await s.chat(history, tools=_tools())
+    assert second.text == "done"
+    message = sent[1]["messages"][1]
+    assert message["role"] == "assistant"
+    assert message["tool_calls"][0]["id"] == "call_1"
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
+    assert history[1] is sdk  # the caller's list is left as it was
+
+
+async def test_an_object_that_is_no_message_is_refused_naming_its_type() -> None:
+    class NotAMessage(pydantic.BaseModel):
+        text: str
+
+    async with polygate.session(_settings(("a",)), transport=Router({"a": FakeUpstream(Reply())})) as s:
+        with pytest.raises(polygate.ConfigError, match=r"messages\[0\] must be an object with a string 'role'"):
+            await s.chat([NotAMessage(text="hi")])
+        with pytest.raises(polygate.ConfigError, match=r"messages\[1\] .*got int"):
+            await s.chat([*HI, 5])
+
+
+@pytest.mark.parametrize("option", ["extra_body", "extra_headers", "extra_query", "timeout"])
+async def test_the_sdks_request_options_are_refused_not_sent(option: str) -> None:
+    """Code ported from ``client.chat.completions.create(...)`` sent them upstream as
+    top-level body fields."""
+    value = 30 if option == "timeout" else {"top_k": 20}
+    a = FakeUpstream(Reply())
+    async with polygate.session(_settings(("a",)), transport=Router({"a": a})) as s:
+        with pytest.raises(polygate.ConfigError, match=f"'{option}' is an option of the openai SDK"):
+            await s.chat(HI, **{option: value})
+        with pytest.raises(polygate.ConfigError, match=f"'{option}' is an option of the openai SDK"):
+            s.stream_chat(HI, **{option: value})
+    assert a.requests == []
+
+
+async def test_embed_refuses_a_schema_class_and_stream_by_name() -> None:
+    class Answer(pydantic.BaseModel):
+        x: int
+
+    a = FakeUpstream(Reply())
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)])})
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        with pytest.raises(polygate.ConfigError, match="embed\\(\\) takes no schema"):
+            await s.embed(["x"], schema=Answer)
+        with pytest.raises(polygate.ConfigError, match="embed\\(\\) takes no 'stream'"):
+            await s.embed(["x"], stream=True)
+    assert a.requests == []
