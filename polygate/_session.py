@@ -45,6 +45,7 @@ from ._types import (
     choice_index,
     json_default,
     message_delta,
+    model_json,
 )
 from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
@@ -114,6 +115,12 @@ class Session:
         # memory backend's are read live, in the session's run: calls from tasks
         # outside the block settle after the close.)
         self._governance_at_close: GovernanceStatistics | None = None
+        #: A relay's session (``polygate serve``'s): its calls' arguments are a
+        #: client's request body, decoded for the call and held by nobody else, so
+        #: they are its own without a copy, and each of its fields goes upstream as
+        #: the client wrote it (a ``timeout`` or ``extra_body`` is a vendor field
+        #: there, not the openai SDK's option).
+        self._relay = False
 
     async def _freeze_governance(self, backend: RedisBackend) -> None:
         """Take the governance figures before a backend that closes with its session
@@ -168,8 +175,8 @@ class Session:
         one is re-asked inside this call (``docs/structured.md``).  ``cache=False``:
         neither read nor write the response cache; ``"refresh"``: write only."""
         deadline = self._prepare(scope, call_deadline_s)
-        messages, encoded = _check_messages(messages)
-        params = _check_params(params)
+        messages, encoded = _check_messages(messages, own=not self._relay)
+        params = _check_params(params, own=not self._relay)
         rounds = self._rounds(scope, schema, params, reask=True)
         mode = cache_mode(cache)
         return await cached_chat(
@@ -194,8 +201,8 @@ class Session:
         raises ``StructuredOutputError`` from the iteration (never re-asked: the
         caller has seen the text)."""
         deadline = self._prepare(scope, call_deadline_s, awaited=False)
-        messages, encoded = _check_messages(messages)
-        params = _check_params(params)
+        messages, encoded = _check_messages(messages, own=not self._relay)
+        params = _check_params(params, own=not self._relay)
         rounds = self._rounds(scope, schema, params, reask=False)
         mode = cache_mode(cache)
         return ChatStream(
@@ -228,10 +235,10 @@ class Session:
             # (A chat keyword here is a mistake, not a vendor field to send upstream;
             # checked first: a model class would otherwise be "not JSON-serialisable".)
             raise ConfigError("embed() takes no schema: structured output is for chat calls")
-        if "stream" in params:
+        if "stream" in params and not self._relay:
             # Never sent: a provider answers it with a 400, after a paid round trip.
             raise ConfigError("embed() takes no 'stream': embeddings come in one answer")
-        params = _check_params(params, reserved=("input",))
+        params = _check_params(params, reserved=("input",), own=not self._relay)
         dimensions = params.get("dimensions")
         if dimensions is not None and (type(dimensions) is not int or dimensions <= 0):
             # Checked here: the answer's vectors are held to it (a source that ignores
@@ -345,12 +352,13 @@ def _is_nan_error(exc: Exception) -> bool:
     return isinstance(exc, ValueError) and "Out of range float" in str(exc)
 
 
-def _check_messages(messages: Any) -> tuple[list[Any], str]:
+def _check_messages(messages: Any, *, own: bool = True) -> tuple[list[Any], str]:
     """Validate the messages and encode them once (every attempt reuses the JSON).
 
     Returns the call's own copy of them with the JSON: the caller may change its list
     and dicts while the call runs (building the next request), and a retry, a hedge,
-    a re-ask, a continuation and the cache's entry must all be of the call as made."""
+    a re-ask, a continuation and the cache's entry must all be of the call as made.
+    ``own=False``: they are the call's already (a relay's decoded body), not copied."""
     # (type() first: a list of dicts, the usual, needs no ABC check, ~0.2 µs each.)
     if type(messages) is not list and (
             isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence)):
@@ -379,6 +387,8 @@ def _check_messages(messages: Any) -> tuple[list[Any], str]:
         fast = dumps(messages)
         if fast is not None:
             # Text keys and values: a copy of each dict is a copy of it all.
+            if not own:
+                return list(messages), fast.decode()
             return [message.copy() for message in messages], fast.decode()
     try:
         encoded = _encode_messages(messages)
@@ -393,22 +403,55 @@ def _check_messages(messages: Any) -> tuple[list[Any], str]:
     if not is_utf8(encoded):  # which one, on the error path only
         for index, message in enumerate(messages):
             _check_utf8(_encode_messages(message), f"messages[{index}]")
+    if not own and not any(type(message) is not dict for message in messages):
+        return list(messages), encoded
     return loads(encoded), encoded
 
 
 def _dumped_model(message: Any) -> dict[str, Any] | None:
     """A message given as a pydantic model (the openai SDK's ``ChatCompletionMessage``,
-    appended to the history as its guides do) as the SDK sends one: the fields it was
-    given or read, in JSON's types; ``None`` for anything else."""
-    dump = getattr(type(message), "model_dump", None)
-    if not callable(dump):
-        return None
+    appended to the history as its guides do) as the SDK sends one; ``None`` for
+    anything else."""
     try:
-        dumped = dump(message, mode="json", exclude_unset=True)
-    except Exception as exc:  # (a model that cannot say itself: the caller's to mend)
-        raise ConfigError(f"a message given as {type(message).__name__} could not be "
-                          f"dumped to JSON: {type(exc).__name__}") from None
+        dumped = model_json(message)
+    except TypeError as exc:
+        raise ConfigError(f"a message {exc}") from None
     return dumped if isinstance(dumped, dict) else None
+
+
+#: Each call's own keyword arguments, which are not the upstream's parameters.
+_NAMED: Final = {
+    "chat": frozenset({"scope", "call_deadline_s", "schema", "cache", "messages"}),
+    "embed": frozenset({"scope", "call_deadline_s", "cache", "inputs"}),
+    "ocr": frozenset({"scope", "prompt", "pages", "call_deadline_s", "document"}),
+}
+
+
+def own_arguments(
+    kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's arguments as the call keeps them (see :func:`_check_messages`), taken
+    when it is made, for a call that starts later (``polygate.aio``'s, handed to trio
+    after its caller's task yielded): its messages or inputs and its parameters,
+    copied.  Arguments a check refuses are left as they are, for the call to refuse
+    with the error it always gave."""
+    named = _NAMED[kind]
+    try:
+        if kind == "chat" and len(args) == 1:
+            args = (_check_messages(args[0])[0],)
+        elif kind == "embed" and len(args) == 1 and type(args[0]) is list:
+            args = (list(args[0]),)  # (of strings: the list is all there is to copy)
+        elif kind == "ocr" and len(args) == 1 and type(args[0]) is bytearray:
+            args = (bytes(args[0]),)
+        params = {key: value for key, value in kwargs.items() if key not in named}
+        if params and not _plain_scalars(params):
+            if kind == "embed" and ("schema" in params or "stream" in params):
+                return args, kwargs
+            params = _check_params(params, reserved=("input",) if kind == "embed" else ("messages", "stream"))
+            kwargs = {**{key: value for key, value in kwargs.items() if key in named}, **params}
+    except ConfigError:
+        pass
+    return args, kwargs
 
 
 #: The openai SDK's request options, which are no body fields: code ported from
@@ -423,24 +466,29 @@ _SDK_OPTIONS: Final = {
 
 
 def _check_params(
-    params: dict[str, Any], reserved: tuple[str, ...] = ("messages", "stream"),
+    params: dict[str, Any], reserved: tuple[str, ...] = ("messages", "stream"), *, own: bool = True,
 ) -> dict[str, Any]:
     """Validate the call's parameters; returns the call's own copy of them (see
     :func:`_check_messages`): ``params`` itself where every value is a plain scalar
-    (``**params`` is a new dict each call), else their JSON read back."""
+    (``**params`` is a new dict each call), else their JSON read back.  ``own=False``:
+    a relay's (see Session._relay): neither copied nor held to the openai SDK's names."""
     for key in reserved:
         if key in params:
             raise ConfigError(f"parameter {key!r} is set by polygate, not by the caller")
-    for key, advice in _SDK_OPTIONS.items():
-        if key in params:
-            raise ConfigError(f"{key!r} is an option of the openai SDK, not a request field: {advice}")
+    if own:
+        for key, advice in _SDK_OPTIONS.items():
+            if key in params:
+                raise ConfigError(f"{key!r} is an option of the openai SDK, not a request field: {advice}")
     options = params.get("stream_options")
     if options and type(options) is not dict and not isinstance(options, Mapping):
         raise ConfigError("parameter 'stream_options' must be an object (a mapping)")
     if not params or _plain_scalars(params):
         return params
-    own: dict[str, Any] = loads(_check_encoded(params))
-    return own
+    encoded = _check_encoded(params)
+    if not own:
+        return params
+    copy: dict[str, Any] = loads(encoded)
+    return copy
 
 
 def _plain_scalars(params: Mapping[str, Any]) -> bool:
@@ -1184,11 +1232,13 @@ async def session_on(
     *,
     transport: httpx.AsyncBaseTransport | None = None,
     rng: random.Random | None = None,
+    relay: bool = False,
 ) -> AsyncIterator[Session]:
     """:func:`session` on a given governance ``backend``: ``polygate serve`` keeps one
     in-process backend across the generations a reload makes, so that in-flight limits,
     quota windows and breakers hold across a reload as they do on Redis.  (Closing a
-    session closes its backend: the memory backend's close is a no-op.)"""
+    session closes its backend: the memory backend's close is a no-op.)  ``relay``:
+    the session relays clients' request bodies (see Session._relay)."""
     rng = rng if rng is not None else random.Random()
     owned = transport is None
     handle: Session | None = None
@@ -1222,6 +1272,7 @@ async def session_on(
                 if pool is not None:
                     nursery.start_soon(_tidy, pool, name="polygate pool tidier")
                 handle = Session(runtime, telemetry, cache)
+                handle._relay = relay
                 try:
                     yield handle
                 except _PASS_THROUGH:

@@ -17,10 +17,30 @@ __all__ = [
 def json_default(value: Any) -> Any:
     """For ``json`` encoders (``default=``): a Mapping that is not a dict (a
     MappingProxyType, a custom message class) is encoded as its items, as the public
-    signatures (``Sequence[Mapping]``) allow."""
+    signatures (``Sequence[Mapping]``) allow; a pydantic model as the openai SDK sends
+    one (:func:`model_json`)."""
     if isinstance(value, Mapping):
         return dict(value)
+    dumped = model_json(value)
+    if dumped is not None:
+        return dumped
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def model_json(value: Any) -> Any:
+    """A pydantic model instance (the openai SDK's ``ChatCompletionMessage``, its tool
+    calls: what a caller appends to a history as the SDK's guides do) as the SDK
+    writes one into a request: its fields that were given or read, in JSON's types;
+    ``None`` for anything else (a model *class* too).  A model that cannot be dumped is
+    a TypeError, as for any value JSON cannot hold."""
+    dump = getattr(type(value), "model_dump", None)
+    if not callable(dump):
+        return None
+    try:
+        return dump(value, mode="json", exclude_unset=True)
+    except Exception as exc:  # (its own validators, serialisers: the caller's to mend)
+        raise TypeError(f"{type(value).__name__} could not be dumped to JSON: "
+                        f"{type(exc).__name__}") from None
 
 
 #: Compact JSON of messages as the wire carries them (a Mapping as its items), made

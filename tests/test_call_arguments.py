@@ -293,3 +293,62 @@ async def test_embed_refuses_a_schema_class_and_stream_by_name() -> None:
         with pytest.raises(polygate.ConfigError, match="embed\\(\\) takes no 'stream'"):
             await s.embed(["x"], stream=True)
     assert a.requests == []
+
+
+async def test_a_dict_message_may_hold_the_sdks_tool_call_objects() -> None:
+    """The guides' other way to write the same history: ``{"role": "assistant",
+    "content": m.content, "tool_calls": m.tool_calls}``, the SDK's objects inside."""
+    from openai.types.chat import ChatCompletionMessageToolCall
+
+    call = ChatCompletionMessageToolCall.model_validate(
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}})
+    a = FakeUpstream(Reply())
+    async with polygate.session(_settings(("a",)), transport=Router({"a": a})) as s:
+        await s.chat([*HI, {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "42"}])
+    assert a.requests[0].body["messages"][1]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+
+def test_an_aio_call_already_running_keeps_the_arguments_it_was_made_with() -> None:
+    """polygate.aio hands the call to trio after its caller's task yielded twice: the
+    copy was taken there, after the caller's edits (trio's is taken before the call's
+    first checkpoint)."""
+    import asyncio
+
+    import polygate.aio
+
+    upstream = FakeUpstream(Reply())
+
+    async def main() -> None:
+        async with polygate.aio.session(_settings(("a",)), transport=Router({"a": upstream})) as s:
+            history = [{"role": "user", "content": "A"}]
+            tools = _tools()
+            call = asyncio.create_task(s.chat(history, tools=tools))
+            await asyncio.sleep(0)  # the call's task has run its first step
+            assert not call.done()
+            history[0]["content"] = "CHANGED"
+            history.append({"role": "user", "content": "next"})
+            tools[0]["function"]["name"] = "CHANGED"
+            await call
+
+    asyncio.run(main())
+    body = upstream.requests[0].body
+    assert body["messages"] == [{"role": "user", "content": "A"}]
+    assert body["tools"] == _tools()
+
+
+@pytest.mark.parametrize("field", ["timeout", "extra_body", "extra_headers", "extra_query"])
+async def test_through_the_gateway_such_names_are_the_clients_vendor_fields(field: str) -> None:
+    """A gateway's body is a client's wire, where every other field goes upstream as
+    it was written (docs/serve.md): the library's refusal of the SDK's options made
+    them a 400 there."""
+    from ._serve_kit import AUTH, CHAT, gateway, http
+
+    value: Any = 30 if field == "timeout" else {"x": 1}
+    async with gateway() as (server, upstream):
+        answer = await http(server, "POST", "/v1/chat/completions", {**CHAT, field: value}, AUTH)
+        embedded = await http(server, "POST", "/v1/embeddings",
+                              {"model": "embed", "input": ["a"], "stream": False}, AUTH)
+    assert answer.status == 200 and embedded.status == 200
+    assert upstream.requests[0].body[field] == value

@@ -58,6 +58,7 @@ from polygate._session import (
     StreamDone,
     StreamFailed,
     StreamItem,
+    own_arguments,
     twin_error,
 )
 
@@ -125,14 +126,19 @@ class _Job:
 
 
 def _forward(
-    method: Callable[Concatenate[polygate.Session, P], Awaitable[T]],
+    method: Callable[Concatenate[polygate.Session, P], Awaitable[T]], own: str | None = None,
 ) -> Callable[Concatenate[Session, P], Coroutine[Any, Any, T]]:
     """An asyncio method running the trio ``method`` of the session (one line per
-    method: ``chat = _forward(polygate.Session.chat)``)."""
+    method: ``chat = _forward(polygate.Session.chat)``).  ``own``: the kind of call
+    whose messages and parameters are copied as it is made (``own_arguments``), as
+    the trio method copies them before its first checkpoint: here the trio method
+    starts after two yields, and the caller may change them meanwhile."""
 
     async def forward(self: Session, /, *args: P.args, **kwargs: P.kwargs) -> T:
         # (Session._call inlined: one coroutine frame fewer a call.)
         self._check_open()
+        if own is not None:
+            args, kwargs = own_arguments(own, args, kwargs)  # type: ignore[assignment]
         job = _Job(method, (self._session, *args), kwargs, self._loop.create_future())
         try:
             await _checkpoint()
@@ -208,8 +214,8 @@ class Session:
 
     # One line per method.  (mypy wants a positional-only ``self`` for Concatenate and
     # says so, yet infers the exact signature: hence the ignores.)
-    chat = _forward(polygate.Session.chat)  # type: ignore[arg-type]
-    embed = _forward(polygate.Session.embed)  # type: ignore[arg-type]
+    chat = _forward(polygate.Session.chat, "chat")  # type: ignore[arg-type]
+    embed = _forward(polygate.Session.embed, "embed")  # type: ignore[arg-type]
     _statistics = _forward(polygate.Session.statistics)
 
     async def statistics(self) -> SessionStatistics:
@@ -225,7 +231,7 @@ class Session:
             if self._owner.final is not None:
                 return self._owner.final
         return await self._statistics()
-    ocr = _forward(polygate.Session.ocr)  # type: ignore[arg-type]
+    ocr = _forward(polygate.Session.ocr, "ocr")  # type: ignore[arg-type]
     stream_chat = _forward_stream(polygate.Session.stream_chat)  # type: ignore[arg-type]
 
     if not TYPE_CHECKING:  # to a type checker a misspelt name is an error, not Any

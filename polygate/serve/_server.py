@@ -294,7 +294,7 @@ class Server:
         gateway: Gateway | None = None
         session: Session | None = None
         try:
-            async with session_on(settings, backend, transport=self._transport) as opened:
+            async with session_on(settings, backend, transport=self._transport, relay=True) as opened:
                 session = opened
                 self.metrics.sessions.add(opened)
                 gateway = Gateway(settings, opened)
