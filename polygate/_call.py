@@ -283,11 +283,13 @@ async def _retry_loop(
                     # long before the fallback's).
                     wait_for_breakers = True
                     continue
+                too_large = _never_admitted(ctx, errors, exc.refusals)
                 raise AllSourcesExhausted(
-                    f"{exc} after {len(errors)} failed attempt(s) in scope {ctx.scope_name!r}"
+                    f"{exc}{_too_large_detail(ctx, tokens) if too_large else ''} after "
+                    f"{len(errors)} failed attempt(s) in scope {ctx.scope_name!r}"
                     + _last_errors(errors),
                     errors=errors, retry_after_s=_rate_limited_for(exc.refusals), timed=exc.timed,
-                    too_large=_never_admitted(ctx, errors, exc.refusals),
+                    too_large=too_large,
                 ) from None
         try:
             return await Round(ctx, runner, forward=forward, demote=failed).run(admission)
@@ -477,6 +479,15 @@ def _never_admitted(ctx: CallContext, errors: Sequence[Any], refusals: Sequence[
         bool(refusals) and not errors and not ctx.reasks and ctx.continuation is None
         and all(r.reason is RefusalReason.TOO_LARGE for r in refusals)
     )
+
+
+def _too_large_detail(ctx: CallContext, tokens: int) -> str:
+    """What a request no source can admit needs, and what the sources allow: how much
+    an agent's history must lose (the gateway key's own refusal says as much)."""
+    limits = ", ".join(f"{source.name} {source.tpm:,}" for source in ctx.scope.sources
+                       if source.tpm is not None)
+    return (f": the request needs about {tokens:,} tokens (the prompt's estimate and the "
+            f"completion's budget), more than a source may use in a minute (tpm: {limits})")
 
 
 #: Admission refusals a wait cures: every source was rate limited.

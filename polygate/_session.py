@@ -723,6 +723,10 @@ class ChatStream:
         finally:
             send.close()  # (only now: what a reader it wakes must hear is set)
             self._runtime.streams.pop(self._producing, None)
+            # The request is done with (a stream is entered once): a caller keeps the
+            # stream for its response, often until the next turn of an agent's loop,
+            # and it held the whole history twice, as objects and as JSON.
+            self._messages, self._messages_json, self._params = [], "", {}
             self._produced.set()
 
     async def _produce(self, send: ItemSink) -> None:

@@ -352,3 +352,63 @@ async def test_through_the_gateway_such_names_are_the_clients_vendor_fields(fiel
                               {"model": "embed", "input": ["a"], "stream": False}, AUTH)
     assert answer.status == 200 and embedded.status == 200
     assert upstream.requests[0].body[field] == value
+
+
+# ------------------------------------------------------------------ an agent's loop
+
+
+def _long_history(turns: int = 20) -> list[dict[str, Any]]:
+    history: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    for turn in range(turns):
+        call = {"id": f"call_{turn}", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+        history += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": f"call_{turn}", "content": "y" * 50_000}]
+    return history
+
+
+async def test_a_finished_stream_holds_no_copy_of_the_history(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An agent keeps the stream for its response until the next turn: it held the
+    call's copy of the whole history twice (objects and JSON) as long as that."""
+    import gc
+    import tracemalloc
+
+    history = _long_history()
+    size = len(json.dumps(history))  # ~1 MB
+    a = FakeUpstream(Reply())
+    async with polygate.session(_settings(("a",)), transport=Router({"a": a})) as s:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            async with s.stream_chat(history) as stream:
+                async for _ in stream:
+                    pass
+            a.requests.clear()  # (the fake's record of the request is a copy too)
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+    assert stream.response.text
+    assert held < size / 5
+
+
+async def test_a_history_over_every_tpm_says_what_it_needs_and_what_is_allowed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The refusal said "no source admitted the call (a: too_large)": an agent could
+    not tell how much of its history to drop."""
+    sources = [polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET, tpm=10_000),
+               polygate.Source(name="b", base_url="http://b/v1", api_key=SECRET, tpm=20_000)]
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=sources)})
+    upstream = FakeUpstream(Reply())
+    async with polygate.session(settings, transport=Router({"a": upstream, "b": upstream})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as caught:
+            await s.chat(_long_history(2))
+    message = str(caught.value)
+    assert caught.value.too_large
+    needed = int(message.split("needs about ")[1].split(" tokens")[0].replace(",", ""))
+    assert needed > 20_000
+    assert "tpm: a 10,000, b 20,000" in message
+    assert upstream.requests == []
