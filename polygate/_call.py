@@ -482,12 +482,25 @@ def _never_admitted(ctx: CallContext, errors: Sequence[Any], refusals: Sequence[
 
 
 def _too_large_detail(ctx: CallContext, tokens: int) -> str:
-    """What a request no source can admit needs, and what the sources allow: how much
-    an agent's history must lose (the gateway key's own refusal says as much)."""
-    limits = ", ".join(f"{source.name} {source.tpm:,}" for source in ctx.scope.sources
-                       if source.tpm is not None)
-    return (f": the request needs about {tokens:,} tokens (the prompt's estimate and the "
-            f"completion's budget), more than a source may use in a minute (tpm: {limits})")
+    """What a request no source can admit needs, and what the sources allow, in every
+    scope it went through: how much an agent's history (or a batch, or a page) must
+    lose -- the gateway key's own refusal says as much."""
+    if ctx.kind == "embed":
+        needs = (f"one batch of its inputs needs about {tokens:,} tokens (the scope's "
+                 f"embed_batch_size is {ctx.scope.embed_batch_size})")
+    elif ctx.kind == "ocr":
+        needs = f"a page needs about {tokens:,} tokens"
+    elif tokens == ctx.estimate:
+        needs = (f"the request needs about {tokens:,} tokens (its messages about "
+                 f"{ctx.prompt_estimate:,}, the completion's budget {ctx.completion_estimate:,})")
+    else:  # (a re-ask's or a continuation's, which carry an answer too)
+        needs = f"the request needs about {tokens:,} tokens"
+    scopes = list(dict.fromkeys([ctx.first_scope or ctx.scope_name, *ctx.fallbacks]))
+    limits = ", ".join(
+        f"{source.name} {source.tpm:,}" + (f" in {name!r}" if len(scopes) > 1 else "")
+        for name in scopes for source in ctx.runtime.settings.scopes[name].sources
+        if source.tpm is not None)
+    return f": {needs}, more than a source may use in a minute (tpm: {limits})"
 
 
 #: Admission refusals a wait cures: every source was rate limited.

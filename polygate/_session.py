@@ -427,22 +427,24 @@ _NAMED: Final = {
 }
 
 
+#: Each call's main argument, the one copied whole.
+_MAIN: Final = {"chat": "messages", "embed": "inputs", "ocr": "document"}
+
+
 def own_arguments(
     kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A call's arguments as the call keeps them (see :func:`_check_messages`), taken
     when it is made, for a call that starts later (``polygate.aio``'s, handed to trio
-    after its caller's task yielded): its messages or inputs and its parameters,
-    copied.  Arguments a check refuses are left as they are, for the call to refuse
-    with the error it always gave."""
-    named = _NAMED[kind]
+    after its caller's task yielded): its messages, inputs or document, given by
+    position or by name, and its parameters, copied.  Arguments a check refuses are
+    left as they are, for the call to refuse with the error it always gave."""
+    named, main = _NAMED[kind], _MAIN[kind]
     try:
-        if kind == "chat" and len(args) == 1:
-            args = (_check_messages(args[0])[0],)
-        elif kind == "embed" and len(args) == 1 and type(args[0]) is list:
-            args = (list(args[0]),)  # (of strings: the list is all there is to copy)
-        elif kind == "ocr" and len(args) == 1 and type(args[0]) is bytearray:
-            args = (bytes(args[0]),)
+        if len(args) == 1:
+            args = (_own_main(kind, args[0]),)
+        elif not args and main in kwargs:
+            kwargs = {**kwargs, main: _own_main(kind, kwargs[main])}
         params = {key: value for key, value in kwargs.items() if key not in named}
         if params and not _plain_scalars(params):
             if kind == "embed" and ("schema" in params or "stream" in params):
@@ -452,6 +454,16 @@ def own_arguments(
     except ConfigError:
         pass
     return args, kwargs
+
+
+def _own_main(kind: str, value: Any) -> Any:
+    if kind == "chat":
+        return _check_messages(value)[0]
+    if kind == "embed":
+        # (Of strings: the sequence is all there is to copy.  Anything else is the
+        # call's to refuse.)
+        return list(value) if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) else value
+    return bytes(value) if type(value) is bytearray else value
 
 
 #: The openai SDK's request options, which are no body fields: code ported from

@@ -310,32 +310,44 @@ async def test_a_dict_message_may_hold_the_sdks_tool_call_objects() -> None:
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
 
 
-def test_an_aio_call_already_running_keeps_the_arguments_it_was_made_with() -> None:
+@pytest.mark.parametrize("by_name", [False, True])
+def test_an_aio_call_already_running_keeps_the_arguments_it_was_made_with(by_name: bool) -> None:
     """polygate.aio hands the call to trio after its caller's task yielded twice: the
     copy was taken there, after the caller's edits (trio's is taken before the call's
-    first checkpoint)."""
+    first checkpoint); then, for arguments given by name, still."""
     import asyncio
+    import collections
 
     import polygate.aio
 
     upstream = FakeUpstream(Reply())
+    embedder = FakeUpstream(Reply())
+    settings = polygate.Settings(scopes={
+        "chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)]),
+        "embed": polygate.Scope(sources=[polygate.Source(name="e", base_url="http://e/v1", api_key=SECRET)])})
 
     async def main() -> None:
-        async with polygate.aio.session(_settings(("a",)), transport=Router({"a": upstream})) as s:
+        async with polygate.aio.session(settings, transport=Router({"a": upstream, "e": embedder})) as s:
             history = [{"role": "user", "content": "A"}]
             tools = _tools()
-            call = asyncio.create_task(s.chat(history, tools=tools))
-            await asyncio.sleep(0)  # the call's task has run its first step
-            assert not call.done()
+            inputs = collections.deque(["A"])
+            call = asyncio.create_task(s.chat(messages=history, tools=tools) if by_name
+                                       else s.chat(history, tools=tools))
+            embedding = asyncio.create_task(s.embed(inputs=inputs) if by_name else s.embed(inputs))
+            await asyncio.sleep(0)  # the calls' tasks have run their first step
+            assert not call.done() and not embedding.done()
             history[0]["content"] = "CHANGED"
             history.append({"role": "user", "content": "next"})
             tools[0]["function"]["name"] = "CHANGED"
+            inputs.append("more")
             await call
+            await embedding
 
     asyncio.run(main())
     body = upstream.requests[0].body
     assert body["messages"] == [{"role": "user", "content": "A"}]
     assert body["tools"] == _tools()
+    assert embedder.requests[0].body["input"] == ["A"]
 
 
 @pytest.mark.parametrize("field", ["timeout", "extra_body", "extra_headers", "extra_query"])
@@ -398,17 +410,35 @@ async def test_a_history_over_every_tpm_says_what_it_needs_and_what_is_allowed(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """The refusal said "no source admitted the call (a: too_large)": an agent could
-    not tell how much of its history to drop."""
-    sources = [polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET, tpm=10_000),
-               polygate.Source(name="b", base_url="http://b/v1", api_key=SECRET, tpm=20_000)]
-    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=sources)})
+    not tell how much of its history to drop, nor whether its max_tokens was the
+    cause; through a fallback, the first scope's limits were left out."""
+    source = polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET, tpm=10_000)
+    settings = polygate.Settings(scopes={
+        "chat": polygate.Scope(sources=[polygate.Source(name="big", base_url="http://b/v1", api_key=SECRET,
+                                                        tpm=20_000)], fallback="small"),
+        "small": polygate.Scope(sources=[source])})
     upstream = FakeUpstream(Reply())
-    async with polygate.session(settings, transport=Router({"a": upstream, "b": upstream})) as s:
-        with pytest.raises(polygate.AllSourcesExhausted) as caught:
-            await s.chat(_long_history(2))
-    message = str(caught.value)
-    assert caught.value.too_large
+    async with polygate.session(settings, transport=Router({"a": upstream, "big": upstream})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as history:
+            await s.chat(_long_history(2), max_tokens=100)
+        with pytest.raises(polygate.AllSourcesExhausted) as budget:
+            await s.chat(HI, max_tokens=30_000)
+    message = str(history.value)
+    assert history.value.too_large
     needed = int(message.split("needs about ")[1].split(" tokens")[0].replace(",", ""))
     assert needed > 20_000
-    assert "tpm: a 10,000, b 20,000" in message
+    assert "the completion's budget 100)" in message
+    assert "tpm: big 20,000 in 'chat', a 10,000 in 'small'" in message
+    assert "the completion's budget 30,000)" in str(budget.value)
     assert upstream.requests == []
+
+
+async def test_an_embedding_batch_over_every_tpm_says_so(autojump_clock: trio.testing.MockClock) -> None:
+    source = polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET, tpm=1_000)
+    settings = polygate.Settings(scopes={"embed": polygate.Scope(sources=[source], embed_batch_size=2)})
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as caught:
+            await s.embed(["word " * 700] * 4)
+    message = str(caught.value)
+    assert "one batch of its inputs needs about" in message and "embed_batch_size is 2" in message
+    assert "completion" not in message and "tpm: a 1,000" in message

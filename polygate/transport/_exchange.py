@@ -260,7 +260,7 @@ async def _exchange(
                 exc.retry_after_s = parse_retry_after(response.headers)
             raise
         finally:
-            await _close(response)
+            await _close(response, endpoint)
     except UpstreamError as exc:
         # Every message leaves redacted, whatever built it: some quote what the
         # upstream sent (a header's value, its body), which may carry the key.
@@ -292,14 +292,26 @@ async def _send(transport: httpx.AsyncBaseTransport, request: httpx.Request) -> 
     return response
 
 
-async def _close(response: httpx.Response) -> None:
+async def _close(response: httpx.Response, endpoint: Endpoint) -> None:
     """Release (or, after a cancellation, drop) the connection.  A body read to its end
     is closed already; otherwise the close does no network I/O that could hang, so
     shielding it cannot delay a cancellation.  A LeanTransport response closes without
     an await at all, so it needs no shield (a cancel scope each call: ~3 µs)."""
     if not response.is_closed and not close_now(response):
         with trio.CancelScope(shield=True):
-            await response.aclose()
+            await _closed_quietly(response.aclose, endpoint)
+
+
+async def _closed_quietly(close: Callable[[], Awaitable[object]], endpoint: Endpoint) -> None:
+    """A close that fails (a caller's transport: a test harness's body stream, a bug)
+    is logged, never raised: it would take the place of what was under way -- the
+    answer in hand, the error that explains the failure, or the cancellation that cut
+    the call (then counted a failure of the source's, feeding its breaker: a source cut
+    by five deadlines was shut out).  Its connection is not reused either way."""
+    try:
+        await close()
+    except Exception as exc:
+        log_bug(_log, exc, f"closing a response of {endpoint.name}", endpoint.secrets)
 
 
 #: Failures that bytes from an upstream can cause; anything else is more likely a bug.
@@ -446,11 +458,14 @@ async def _read_sse(
                 except StopAsyncIteration:
                     events = decoder.flush()
                     ended = True
-                except httpx.TransportError:
+                except Exception as exc:
                     if not assembler.finished:
                         raise
                     # Every choice had its finish_reason: complete without [DONE] (SPEC
-                    # §3), whether the body then ends cleanly, is cut mid-frame or reset.
+                    # §3), whether the body then ends cleanly, is cut mid-frame or reset
+                    # (or a caller's transport fails as its body ends: its close).
+                    if not isinstance(exc, httpx.TransportError):
+                        log_bug(_log, exc, f"reading the end of {endpoint.name}'s answer", endpoint.secrets)
                     events = decoder.flush()
                     ended = True
                 else:
@@ -508,9 +523,9 @@ async def _read_sse(
         if done:
             timeline.ended_at = current_time()
             if not drains_on_close(pieces):  # (the close below drains a lean body)
-                await _drain_buffered(pieces)
+                await _drain_buffered(pieces, endpoint)
     finally:
-        await pieces.aclose()  # type: ignore[attr-defined]
+        await _closed_quietly(pieces.aclose, endpoint)  # type: ignore[attr-defined]
     # After [DONE] the answer is complete: it is never held for the rest of the body.
     # What had already arrived was read (a body whose end is here finishes, and its
     # connection can be reused); closing the response closes a body still open.
@@ -553,7 +568,7 @@ async def _hand_on_first_token() -> None:
     await trio.lowlevel.cancel_shielded_checkpoint()
 
 
-async def _drain_buffered(pieces: Any) -> None:
+async def _drain_buffered(pieces: Any, endpoint: Endpoint) -> None:
     """Read the rest of a body only as far as it is already here: in a cancel scope
     cancelled from the start, the first read that would wait (a checkpoint) ends the
     drain at once, and a rest already buffered is consumed without one."""
@@ -564,6 +579,8 @@ async def _drain_buffered(pieces: Any) -> None:
                 pass
         except (httpx.HTTPError, TransientUpstreamError):
             pass  # the answer is complete; whatever follows it does not matter
+        except Exception as exc:  # (a caller's transport failing as its body ends: its close)
+            log_bug(_log, exc, f"reading past the end of {endpoint.name}'s answer", endpoint.secrets)
 
 
 def _slow_chunk(data: bytes) -> Any:
