@@ -23,7 +23,7 @@ import math
 import re
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import attrs
 import trio
@@ -481,6 +481,16 @@ def _never_admitted(ctx: CallContext, errors: Sequence[Any], refusals: Sequence[
     )
 
 
+def _not_too_large(exc: AllSourcesExhausted) -> None:
+    """Drop the over-tpm detail of a call that an earlier scope took."""
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (_TOO_LARGE_DETAIL.sub(" after", exc.args[0], count=1), *exc.args[1:])
+
+
+#: What _too_large_detail adds to a message, up to the words that follow it.
+_TOO_LARGE_DETAIL: Final = re.compile(r": (?:the request|one batch|a page) needs about .*?\(tpm: [^)]*\) after")
+
+
 def _too_large_detail(ctx: CallContext, tokens: int) -> str:
     """What a request no source can admit needs, and what the sources allow, in every
     scope it went through: how much an agent's history (or a batch, or a page) must
@@ -490,11 +500,10 @@ def _too_large_detail(ctx: CallContext, tokens: int) -> str:
                  f"embed_batch_size is {ctx.scope.embed_batch_size})")
     elif ctx.kind == "ocr":
         needs = f"a page needs about {tokens:,} tokens"
-    elif tokens == ctx.estimate:
-        needs = (f"the request needs about {tokens:,} tokens (its messages about "
-                 f"{ctx.prompt_estimate:,}, the completion's budget {ctx.completion_estimate:,})")
-    else:  # (a re-ask's or a continuation's, which carry an answer too)
-        needs = f"the request needs about {tokens:,} tokens"
+    else:
+        needs = (f"the request needs about {tokens:,} tokens (its prompt -- messages, tools "
+                 f"and parameters -- about {ctx.prompt_estimate:,}, the completion's budget "
+                 f"{ctx.completion_estimate:,})")
     scopes = list(dict.fromkeys([ctx.first_scope or ctx.scope_name, *ctx.fallbacks]))
     limits = ", ".join(
         f"{source.name} {source.tpm:,}" + (f" in {name!r}" if len(scopes) > 1 else "")
@@ -752,7 +761,9 @@ async def run_chat(
                 if target is None:
                     if earlier and isinstance(exc, AllSourcesExhausted):
                         exc.errors = [*earlier, *exc.errors]
-                        exc.too_large = False  # an earlier scope took it (and failed)
+                        if exc.too_large:  # an earlier scope took it (and failed)
+                            exc.too_large = False
+                            _not_too_large(exc)
                     if committed_error is not None:
                         # No source could continue the stream: the caller's error is
                         # the stream's own failure, with the whole stream's statistics.

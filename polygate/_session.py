@@ -445,6 +445,10 @@ def own_arguments(
             args = (_own_main(kind, args[0]),)
         elif not args and main in kwargs:
             kwargs = {**kwargs, main: _own_main(kind, kwargs[main])}
+        if kind == "chat" and type(kwargs.get("schema")) is dict:
+            kwargs = {**kwargs, "schema": copy.deepcopy(kwargs["schema"])}  # (a model class is no value)
+        elif kind == "ocr" and type(kwargs.get("pages")) is list:
+            kwargs = {**kwargs, "pages": list(kwargs["pages"])}
         params = {key: value for key, value in kwargs.items() if key not in named}
         if params and not _plain_scalars(params):
             if kind == "embed" and ("schema" in params or "stream" in params):

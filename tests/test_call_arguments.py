@@ -442,3 +442,44 @@ async def test_an_embedding_batch_over_every_tpm_says_so(autojump_clock: trio.te
     message = str(caught.value)
     assert "one batch of its inputs needs about" in message and "embed_batch_size is 2" in message
     assert "completion" not in message and "tpm: a 1,000" in message
+
+
+async def test_no_over_tpm_detail_where_an_earlier_scope_took_the_call(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The first scope admitted the call and failed; its fallback refused it as too
+    large: the message said no source may take it, listing the one that did."""
+    settings = polygate.Settings(scopes={
+        "chat": polygate.Scope(sources=[polygate.Source(name="big", base_url="http://b/v1", api_key=SECRET,
+                                                        tpm=1_000_000)],
+                               retry=polygate.Retry(max_attempts=1), fallback="small"),
+        "small": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET,
+                                                         tpm=1_000)])})
+    router = Router({"big": FakeUpstream(Reply(status=500)), "a": FakeUpstream(Reply())})
+    async with polygate.session(settings, transport=router) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as caught:
+            await s.chat(_long_history(1), max_tokens=10)
+    assert not caught.value.too_large
+    message = str(caught.value)
+    assert "needs about" not in message and "tpm:" not in message
+    assert "no source admitted the call (a: too_large) after 0 failed attempt(s) in scope 'small'" in message
+
+
+def test_an_aio_call_keeps_its_schema_as_made() -> None:
+    import asyncio
+
+    import polygate.aio
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    upstream = FakeUpstream(Reply(text='{"x": 1}'))
+
+    async def main() -> Any:
+        async with polygate.aio.session(_settings(("a",)), transport=Router({"a": upstream})) as s:
+            call = asyncio.create_task(s.chat(HI, schema=schema))
+            await asyncio.sleep(0)
+            schema["properties"]["x"]["type"] = "string"  # type: ignore[index]
+            return await call
+
+    assert asyncio.run(main()).parsed == {"x": 1}
+    sent = upstream.requests[0].body["response_format"]["json_schema"]["schema"]
+    assert sent["properties"]["x"]["type"] == "integer"

@@ -45,7 +45,15 @@ from .._secrets import clip, frameless, redact
 from .._types import choice_index
 from ._assemble import ChatAssembler, carries_extras, index_over, malformed_index
 from ._head import header_of
-from ._pool import SENT_EXTENSION, LeanTransport, body_of, close_now, drains_on_close, reports_sent
+from ._pool import (
+    SENT_EXTENSION,
+    LeanTransport,
+    body_of,
+    close_now,
+    drains_on_close,
+    is_lean,
+    reports_sent,
+)
 from ._sse import Event, SSEDecoder, without_bom
 from ._wire import (
     MAX_JSON_DEPTH,
@@ -246,6 +254,10 @@ async def _exchange(
             if not reports_sent(transport):
                 sent()
             response = await _send(transport, request)
+            if not is_lean(response) and isinstance(response.stream, httpx.AsyncByteStream):
+                # A caller's transport: httpx closes its body itself as the body ends
+                # (aiter_raw), where a close that fails would be raised from the read.
+                response.stream = _QuietClose(response.stream, endpoint)
         try:
             timeline.status_code = response.status_code
             await raise_for_status(response, endpoint)
@@ -300,6 +312,22 @@ async def _close(response: httpx.Response, endpoint: Endpoint) -> None:
     if not response.is_closed and not close_now(response):
         with trio.CancelScope(shield=True):
             await _closed_quietly(response.aclose, endpoint)
+
+
+class _QuietClose(httpx.AsyncByteStream):
+    """A caller's transport's body, its close made quiet (see :func:`_closed_quietly`)."""
+
+    __slots__ = ("_endpoint", "_inner")
+
+    def __init__(self, inner: httpx.AsyncByteStream, endpoint: Endpoint) -> None:
+        self._inner = inner
+        self._endpoint = endpoint
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._inner.__aiter__()
+
+    async def aclose(self) -> None:
+        await _closed_quietly(self._inner.aclose, self._endpoint)
 
 
 async def _closed_quietly(close: Callable[[], Awaitable[object]], endpoint: Endpoint) -> None:

@@ -102,7 +102,7 @@ from ._wire import CALL_ID_HEADER
 
 __all__ = [
     "REPORTS_SENT", "SENT_EXTENSION", "LeanTransport", "PoolStatistics", "body_of", "close_now",
-    "drains_on_close", "reports_sent",
+    "drains_on_close", "is_lean", "reports_sent",
 ]
 
 log = logging.getLogger("polygate.transport")
@@ -1239,6 +1239,11 @@ def body_of(response: httpx.Response) -> _Body | None:
         return None
     response.is_stream_consumed = True
     return stream
+
+
+def is_lean(response: httpx.Response) -> bool:
+    """Whether ``response`` is a LeanTransport response (its body one of ours)."""
+    return type(response.stream) is _Body
 
 
 def close_now(response: httpx.Response) -> bool:
