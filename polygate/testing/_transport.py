@@ -10,10 +10,12 @@ timeouts live in httpcore and do not apply here: use cancel scopes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
 import httpx
+import sniffio
 import trio
 
 from ..transport import SENT_EXTENSION
@@ -39,9 +41,25 @@ class FakeTransport(httpx.AsyncBaseTransport):
         self.upstream = upstream
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if sniffio.current_async_library() != "trio":
+            # (trio's own error from its clock, "must be called from async context",
+            # says the opposite of what is wrong.)
+            raise RuntimeError(
+                "FakeUpstream.transport() runs in trio's time: from asyncio, hand it to "
+                "polygate.aio.session(transport=...), or run the fake as a server (serve())")
         raw = await request.aread()
         headers = {k.lower(): v for k, v in request.headers.items()}
-        plan, rec = self.upstream._open(request.method, request.url.path, headers, raw)
+        try:
+            plan, rec = self.upstream._open(
+                request.method, request.url.path, headers, raw, failure_status=500)
+        except Exception as exc:
+            # The script itself failed (a behaviour callable raised): the 500 the
+            # loopback face answers, not an exception out of the transport, which a
+            # client would take for a fault of the upstream's (polygate: "malformed",
+            # retried) -- a test of how an app meets a failing upstream would pass on
+            # its own broken fixture.
+            report_sent(request)
+            return script_failed(self.upstream.name, request.url.path, exc)
         report_sent(request)
         try:
             if plan.head_delay is None:
@@ -57,6 +75,18 @@ class FakeTransport(httpx.AsyncBaseTransport):
         # socket would have buffered it meanwhile), as on the other faces.
         stream = _FakeStream(self.upstream, rec, plan, request, trio.current_time())
         return httpx.Response(plan.status, headers=response_headers, stream=stream)
+
+
+log = logging.getLogger("polygate.testing")
+
+
+def script_failed(name: str, path: str, exc: Exception) -> httpx.Response:
+    """The answer to a request whose script failed, on both faces: a ``500`` that names
+    the error, logged with its traceback."""
+    log.error("%s: the script failed for %s", name, path, exc_info=exc)
+    message = f"FakeUpstream script failed: {type(exc).__name__}: {exc}".encode()
+    return httpx.Response(500, headers=[("content-type", "text/plain"), ("connection", "close"),
+                                        ("content-length", str(len(message)))], content=message)
 
 
 class _FakeStream(httpx.AsyncByteStream):
@@ -154,6 +184,9 @@ def report_sent(request: httpx.Request) -> None:
         sent()
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 class Router(httpx.AsyncBaseTransport):
     """Dispatches by the request URL's host, so sources configured as ``http://a/v1``
     and ``http://b/v1`` reach different fakes.  Keys are hosts or ``host:port``;
@@ -175,7 +208,13 @@ class Router(httpx.AsyncBaseTransport):
                 raise TypeError(
                     f"Router routes map hosts to FakeUpstreams or httpx transports; "
                     f"{host!r} maps to {type(route).__name__}")
-            self._routes[str(host).lower()] = route  # hosts as httpx gives them: lower case
+            key = str(host).lower()  # hosts as httpx gives them: lower case
+            if "/" in key or not key:
+                # (A URL, "http://a/v1", never matches: a key is a host or host:port.)
+                raise ValueError(f"Router keys are hosts or host:port, got {host!r}")
+            if key.startswith("[") and "]" in key:  # "[::1]:8000": httpx's host has no brackets
+                key = key[1:].replace("]", "", 1)
+            self._routes[key] = route
 
     @property
     def polygate_reports_sent(self) -> bool:
@@ -184,7 +223,9 @@ class Router(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        route = self._routes.get(f"{url.host}:{url.port}") if url.port else None
+        # (httpx drops a scheme's default port from the URL: "a:80" is http://a/.)
+        port = url.port or _DEFAULT_PORTS.get(url.scheme)
+        route = self._routes.get(f"{url.host}:{port}") if port else None
         route = route or self._routes.get(url.host)
         if route is None:
             raise httpx.ConnectError(f"no fake upstream for host {url.host!r}", request=request)

@@ -9,6 +9,7 @@ disconnected client still brings ``in_flight`` back to zero.
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import re
@@ -88,6 +89,28 @@ Behaviour: TypeAlias = (
 )
 
 
+def _check_callable(behaviour: object) -> None:
+    """A behaviour callable's mistakes, named as it is made (each would otherwise fail
+    every request: a class called with the request, a coroutine never awaited)."""
+    if isinstance(behaviour, type):
+        raise TypeError(f"a behaviour must be a Reply, a Profile or a callable (request, rng) -> "
+                        f"Reply, got the class {behaviour.__name__} (an instance was meant?)")
+    if not callable(behaviour):
+        raise TypeError(f"unsupported behaviour: {behaviour!r}")
+    if inspect.iscoroutinefunction(behaviour) or inspect.iscoroutinefunction(type(behaviour).__call__):
+        raise TypeError("a behaviour callable must be a plain function (request, rng) -> Reply, "
+                        "not an async one: it is called as each request arrives")
+    try:
+        signature = inspect.signature(behaviour)
+    except (TypeError, ValueError):  # (a builtin without one: left to the call)
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(f"a behaviour callable takes (request, rng), and "
+                        f"{getattr(behaviour, '__name__', behaviour)!r} takes {signature}") from None
+
+
 class FakeUpstream:
     """A scripted, seeded, deterministic OpenAI-compatible upstream.
 
@@ -123,8 +146,8 @@ class FakeUpstream:
             if not behaviour or not all(isinstance(r, Reply) for r in behaviour):
                 raise ValueError("a behaviour sequence must be a non-empty sequence of Replies")
             behaviour = tuple(behaviour)
-        elif not isinstance(behaviour, Reply | Profile) and not callable(behaviour):
-            raise TypeError(f"unsupported behaviour: {behaviour!r}")
+        elif not isinstance(behaviour, Reply | Profile):
+            _check_callable(behaviour)
         if then is not None and not isinstance(then, Reply | Profile):
             raise TypeError(f"then must be a Reply, a Profile or None, got {then!r}")
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:

@@ -1,0 +1,101 @@
+"""polygate.testing as an application team's own test kit, misused as such kits are
+(an outside review): its mistakes are named where they are made, and both faces
+answer a failing script alike."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+import polygate
+from polygate.testing import FakeUpstream, Reply, Router
+
+HI = [{"role": "user", "content": "hi"}]
+BODY = {"model": "m", "messages": HI}
+
+
+async def test_a_failing_script_is_the_same_500_on_the_transport_as_on_loopback(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The transport let the script's exception out, which a client takes for the
+    upstream's fault (polygate: "malformed upstream body", retried): a test of how an
+    app meets a failing upstream passed on its own broken fixture, recorded as a
+    ``fault`` where the loopback face records its ``500``."""
+    caplog.set_level(logging.CRITICAL)
+
+    def typo(request: Any, _rng: Any) -> Reply:
+        return Reply(text=request.body["mesages"][0]["content"])
+
+    upstream = FakeUpstream(typo)
+    async with httpx.AsyncClient(transport=upstream.transport(), base_url="http://a/v1") as client:
+        answer = await client.post("/chat/completions", json=BODY)
+    assert answer.status_code == 500
+    assert answer.text.startswith("FakeUpstream script failed: KeyError")
+    assert (upstream.requests[0].status, upstream.requests[0].outcome) == (500, "complete")
+    assert upstream.statistics().in_flight == 0
+
+
+def _async_behaviour() -> Any:
+    async def behaviour(_request: Any, _rng: Any) -> Reply:  # pragma: no cover
+        return Reply()
+    return behaviour
+
+
+@pytest.mark.parametrize(("behaviour", "words"), [
+    (Reply, "got the class Reply"),
+    (lambda: Reply(), "takes (request, rng)"),
+    (_async_behaviour(), "not an async one"),
+], ids=["a-class", "no-arguments", "async"])
+def test_a_behaviour_mistake_is_named_as_it_is_made(behaviour: Any, words: str) -> None:
+    with pytest.raises(TypeError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        FakeUpstream(behaviour)
+
+
+async def test_a_router_key_with_a_default_port_matches(autojump_clock: trio.testing.MockClock) -> None:
+    """httpx drops a scheme's default port from a URL: "a:80" never matched."""
+    router = Router({"a:80": FakeUpstream(Reply()), "b:443": FakeUpstream(Reply()),
+                     "[::1]:8000": FakeUpstream(Reply())})
+    async with httpx.AsyncClient(transport=router) as client:
+        for url in ("http://a:80/v1/chat/completions", "https://b/v1/chat/completions",
+                    "http://[::1]:8000/v1/chat/completions"):
+            assert (await client.post(url, json=BODY)).status_code == 200
+
+
+def test_a_router_key_that_can_never_match_is_refused() -> None:
+    with pytest.raises(ValueError, match="hosts or host:port"):
+        Router({"http://a/v1": FakeUpstream(Reply())})
+
+
+def test_the_transport_from_asyncio_says_what_to_use() -> None:
+    upstream = FakeUpstream(Reply())
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=upstream.transport(), base_url="http://a/v1") as client:
+            await client.post("/chat/completions", json=BODY)
+
+    with pytest.raises(RuntimeError, match=r"polygate\.aio\.session\(transport=\.\.\.\)"):
+        asyncio.run(main())
+    assert upstream.requests == []
+
+
+async def test_through_polygate_a_failing_script_is_a_500(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.CRITICAL)
+
+    def broken(_request: Any, _rng: Any) -> Reply:
+        raise KeyError("oops")
+
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")], retry=polygate.Retry(max_attempts=1))})
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(broken)})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as caught:
+            await s.chat(HI)
+    (error,) = caught.value.errors
+    assert error.status_code == 500 and "script failed" in str(error)
