@@ -99,3 +99,35 @@ async def test_through_polygate_a_failing_script_is_a_500(
             await s.chat(HI)
     (error,) = caught.value.errors
     assert error.status_code == 500 and "script failed" in str(error)
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"stream": "yes"}, "stream must be True or False"),
+    ({"usage": "no"}, "usage must be True or False"),  # (truthy: the usage was sent)
+    ({"done": None}, "done must be True or False"),
+    ({"keepalive_s": True}, "keepalive_s must be a number"),
+    ({"headers": 5}, "headers must be a mapping or"),
+    ({"headers": [(1, 2, 3)]}, "headers must be a mapping or"),
+])
+def test_a_reply_field_of_the_wrong_kind_is_named(kwargs: dict[str, Any], words: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=words):
+        Reply(**kwargs)
+
+
+def test_a_profile_field_of_the_wrong_kind_is_named() -> None:
+    from polygate.testing import Profile
+
+    with pytest.raises(ValueError, match="streaming must be True or False"):
+        Profile(streaming="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="base must be a Reply"):
+        Profile(base=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_token_distribution_that_returns_no_number_is_named(value: float) -> None:
+    import random
+
+    from polygate.testing import Profile
+
+    with pytest.raises(ValueError, match=r"Profile\.tokens: the distribution returned"):
+        Profile(tokens=lambda _rng: value).draw(random.Random(0))

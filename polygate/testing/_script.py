@@ -113,8 +113,11 @@ def _headers(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tupl
     """Headers are stored as a tuple of pairs so a Reply stays hashable.  Each must be
     one a server can send (an HTTP token, a value of printable ASCII without line
     breaks): checked here, not on every request the script answers."""
-    items = value.items() if isinstance(value, Mapping) else value
-    pairs = tuple((str(k), str(v)) for k, v in items)
+    try:
+        items = value.items() if isinstance(value, Mapping) else value
+        pairs = tuple((str(k), str(v)) for k, v in items)
+    except (TypeError, ValueError):
+        raise TypeError(f"headers must be a mapping or (name, value) pairs, got {value!r}") from None
     for name, text in pairs:
         if not _HEADER_NAME.fullmatch(name):
             raise ValueError(f"header name {name!r} is not an HTTP token")
@@ -127,6 +130,11 @@ def _headers(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tupl
                 f"header {name!r}: its value must be printable ASCII without line breaks "
                 f"or blanks at either end, got {text!r}")
     return pairs
+
+
+def _reply(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, Reply):
+        raise TypeError(f"{attribute.name} must be a Reply, got {type(value).__name__}")
 
 
 def _instance(*kinds: type, optional: bool = False) -> Any:
@@ -212,7 +220,23 @@ def _utf8(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
 
 #: A wait cut into keep-alive pieces: at least a millisecond, or a tinier one would be
 #: an endless run of comments at a standstill of virtual time.
-_keepalive = attrs.validators.optional(attrs.validators.ge(0.001))
+def _keepalive(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """An interval of at least 1 ms, or None (a bool is no interval)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0.001:
+        raise ValueError(f"{attribute.name} must be a number >= 0.001 or None, got {value!r}")
+
+
+def _flag(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """True or False ("no" is a truthy string: a usage a script meant to leave out)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
+
+
+def _optional_flag(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _flag(inst, attribute, value)
 
 
 _probability = [attrs.validators.ge(0.0), attrs.validators.le(1.0)]
@@ -270,11 +294,11 @@ class Reply:
     fault_after: int = attrs.field(default=0, validator=_count)
     error_event_code: int | str = attrs.field(default=500, validator=_instance(int, str))
     oversized_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_count)
-    stream: bool | None = None
-    usage: bool = True
+    stream: bool | None = attrs.field(default=None, validator=_optional_flag)
+    usage: bool = attrs.field(default=True, validator=_flag)
     # False: the stream ends after its finish (and usage) chunk without ``[DONE]``
     # (complete all the same: the finish_reason says so).
-    done: bool = True
+    done: bool = attrs.field(default=True, validator=_flag)
     # None: a finish chunk (and a choice) whose finish_reason is null, as some servers send.
     finish_reason: str | None = attrs.field(default="stop", validator=[_instance(str, optional=True), _utf8])
     model: str | None = attrs.field(default=None, validator=[_instance(str, optional=True), _utf8])
@@ -342,8 +366,8 @@ class Profile:
     p_malformed: float = attrs.field(default=0.0, validator=_probability)
     p_truncated: float = attrs.field(default=0.0, validator=_probability)
     p_reset: float = attrs.field(default=0.0, validator=[*_probability, _check_fault_sum])
-    streaming: bool = True
-    base: Reply = attrs.field(factory=Reply, validator=attrs.validators.instance_of(Reply))
+    streaming: bool = attrs.field(default=True, validator=_flag)
+    base: Reply = attrs.field(factory=Reply, validator=_reply)
 
     def draw(self, rng: random.Random, request: object = None) -> Reply:
         """The Reply for one request (``request`` is accepted for symmetry with
@@ -354,7 +378,10 @@ class Profile:
         u_fault, u_fault_at, u_hang, u_stall, u_stall_at = (r.random() for _ in range(5))
         first = sample(self.first_token_s, r)
         inter = sample(self.inter_token_s, r)
-        tokens = max(0, round(sample(self.tokens, r)))
+        drawn = sample(self.tokens, r)
+        if not isinstance(drawn, int | float) or isinstance(drawn, bool) or not math.isfinite(drawn):
+            raise ValueError(f"Profile.tokens: the distribution returned {drawn!r}, not a finite number")
+        tokens = max(0, round(drawn))
         hang = sample(self.hang_s, r)
         stall = sample(self.stall_s, r)
         retry_after = sample(self.retry_after_s, r)
