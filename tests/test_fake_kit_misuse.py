@@ -131,3 +131,11 @@ def test_a_token_distribution_that_returns_no_number_is_named(value: float) -> N
 
     with pytest.raises(ValueError, match=r"Profile\.tokens: the distribution returned"):
         Profile(tokens=lambda _rng: value).draw(random.Random(0))
+
+
+async def test_serve_takes_one_host_and_leaks_nothing() -> None:
+    """``host=None`` listened on every address (two ports), then failed on its own
+    TypeError with the sockets left open."""
+    with pytest.raises(TypeError, match="serve\\(\\) takes one host"):
+        async with FakeUpstream(Reply()).serve(host=None):  # type: ignore[arg-type]
+            pass  # pragma: no cover

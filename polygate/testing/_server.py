@@ -49,7 +49,16 @@ async def run_server(upstream: FakeUpstream, host: str, port: int) -> AsyncItera
     An exception from the block is re-raised as itself (not wrapped in the
     nursery's ExceptionGroup) after the server has stopped.
     """
+    if not isinstance(host, str) or not host:
+        # (None listens on every address, each on a port of its own with port 0: the
+        # URL would name one of them.)
+        raise TypeError(f"serve() takes one host to listen on (an address or a name), got {host!r}")
     listeners = await trio.open_tcp_listeners(port, host=host)
+    if port == 0 and len({listener.socket.getsockname()[1] for listener in listeners}) > 1:
+        for listener in listeners:
+            await listener.aclose()
+        raise ValueError(f"{host!r} has several addresses, each given a port of its own: "
+                         "serve() one address (127.0.0.1, ::1), or give the port")
     bound = listeners[0].socket.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     failure: BaseException | None = None
