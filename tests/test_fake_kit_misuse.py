@@ -139,3 +139,16 @@ async def test_serve_takes_one_host_and_leaks_nothing() -> None:
     with pytest.raises(TypeError, match="serve\\(\\) takes one host"):
         async with FakeUpstream(Reply()).serve(host=None):  # type: ignore[arg-type]
             pass  # pragma: no cover
+
+
+async def test_serve_on_a_name_of_several_addresses_listens_on_one_port() -> None:
+    import socket
+
+    upstream = FakeUpstream(Reply())
+    async with upstream.serve(host="localhost") as url:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        for family, *_rest, address in socket.getaddrinfo("localhost", port, type=socket.SOCK_STREAM):
+            async with httpx.AsyncClient() as client:
+                host = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
+                answer = await client.post(f"http://{host}:{port}/v1/chat/completions", json=BODY)
+            assert answer.status_code == 200

@@ -55,10 +55,12 @@ async def run_server(upstream: FakeUpstream, host: str, port: int) -> AsyncItera
         raise TypeError(f"serve() takes one host to listen on (an address or a name), got {host!r}")
     listeners = await trio.open_tcp_listeners(port, host=host)
     if port == 0 and len({listener.socket.getsockname()[1] for listener in listeners}) > 1:
+        # A name with several addresses ("localhost": 127.0.0.1 and ::1) got a port for
+        # each, and the URL names one: the first one's, for all of them.
+        bound = listeners[0].socket.getsockname()[1]
         for listener in listeners:
             await listener.aclose()
-        raise ValueError(f"{host!r} has several addresses, each given a port of its own: "
-                         "serve() one address (127.0.0.1, ::1), or give the port")
+        listeners = await trio.open_tcp_listeners(bound, host=host)
     bound = listeners[0].socket.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     failure: BaseException | None = None
