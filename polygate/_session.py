@@ -446,7 +446,10 @@ def own_arguments(
         elif not args and main in kwargs:
             kwargs = {**kwargs, main: _own_main(kind, kwargs[main])}
         if kind == "chat" and type(kwargs.get("schema")) is dict:
-            kwargs = {**kwargs, "schema": copy.deepcopy(kwargs["schema"])}  # (a model class is no value)
+            try:  # (a model class is no value to copy)
+                kwargs = {**kwargs, "schema": copy.deepcopy(kwargs["schema"])}
+            except Exception:  # (too deep, a lock inside: the call says what is wrong with it)
+                pass
         elif kind == "ocr" and type(kwargs.get("pages")) is list:
             kwargs = {**kwargs, "pages": list(kwargs["pages"])}
         params = {key: value for key, value in kwargs.items() if key not in named}

@@ -152,3 +152,73 @@ async def test_serve_on_a_name_of_several_addresses_listens_on_one_port() -> Non
                 host = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
                 answer = await client.post(f"http://{host}:{port}/v1/chat/completions", json=BODY)
             assert answer.status_code == 200
+
+
+def test_a_mock_or_a_decorated_function_is_still_a_behaviour() -> None:
+    """The signature check refused what worked before: a Mock specced on a function (its
+    code flags are mocks) and a decorator's wrapper that takes (request, rng)."""
+    import functools
+    from unittest import mock
+
+    def answer(_request: Any, _rng: Any) -> Reply:
+        return Reply()
+
+    def numbered(_request: Any, _rng: Any, _n: int) -> Reply:
+        return Reply()
+
+    @functools.wraps(numbered)
+    def wrapper(request: Any, rng: Any) -> Reply:
+        return numbered(request, rng, 1)
+
+    for behaviour in (mock.Mock(spec=answer, return_value=Reply()),
+                      mock.MagicMock(spec=answer, return_value=Reply()), wrapper):
+        FakeUpstream(behaviour)
+    with pytest.raises(TypeError, match="not an async one"):
+        FakeUpstream(mock.AsyncMock(return_value=Reply()))
+
+
+@pytest.mark.parametrize("face", ["transport", "events"])
+async def test_every_fake_transport_answers_a_failing_script_and_routes_alike(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, face: str,
+) -> None:
+    from polygate.testing import EventTransport
+
+    caplog.set_level(logging.CRITICAL)
+
+    def broken(_request: Any, _rng: Any) -> Reply:
+        raise KeyError("oops")
+
+    upstream = FakeUpstream(broken)
+    transport = upstream.transport() if face == "transport" else EventTransport({"a:80": upstream})
+    async with httpx.AsyncClient(transport=transport) as client:
+        answer = await client.post("http://a/v1/chat/completions", json=BODY)
+    assert answer.status_code == 500 and answer.text.startswith("FakeUpstream script failed")
+    assert (upstream.requests[0].status, upstream.requests[0].outcome) == (500, "complete")
+    with pytest.raises(ValueError, match="hosts or host:port"):
+        EventTransport({"http://a/v1": upstream})
+
+
+def test_the_fake_servers_command_refuses_an_empty_host() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "polygate.testing.serve", "--host", ""],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "--host" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_aio_call_with_a_schema_too_deep_to_copy_gets_the_trio_error() -> None:
+    import polygate.aio
+
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(2_000):
+        schema = {"type": "object", "properties": {"x": schema}}
+
+    async def main() -> None:
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+        async with polygate.aio.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+            await s.chat(HI, schema=schema)
+
+    with pytest.raises(polygate.ConfigError):
+        asyncio.run(main())

@@ -50,7 +50,15 @@ import httpx
 import trio
 
 from ._render import Due, FaultBytes, Pause, Plan
-from ._transport import body_ending, closed_unread, report_sent
+from ._transport import (
+    body_ending,
+    closed_unread,
+    report_sent,
+    route_key,
+    routed,
+    script_failed,
+    trio_only,
+)
 from ._upstream import FakeUpstream, Outcome, RecordedRequest
 
 __all__ = ["EventStatistics", "EventTransport"]
@@ -136,7 +144,7 @@ class EventTransport(httpx.AsyncBaseTransport):
                     f"got {type(routes).__name__}")
             self._default = None
             # Hosts are matched as httpx gives them: lower case.
-            self._routes = {str(host).lower(): u for host, u in routes.items()}
+            self._routes = {route_key(host): u for host, u in routes.items()}
             if not all(isinstance(u, FakeUpstream) for u in self._routes.values()):
                 raise TypeError("EventTransport routes must map hosts to FakeUpstreams")
         if isinstance(tick_s, bool) or not (math.isfinite(tick_s) and tick_s >= 0):
@@ -190,18 +198,23 @@ class EventTransport(httpx.AsyncBaseTransport):
         if self._default is not None:
             return self._default
         url = request.url
-        route = self._routes.get(f"{url.host}:{url.port}") if url.port else None
-        route = route or self._routes.get(url.host)
+        route: FakeUpstream | None = routed(self._routes, url)
         if route is None:
             raise httpx.ConnectError(f"no fake upstream for host {url.host!r}", request=request)
         return route
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        trio_only()
         upstream = self._route(request)
         raw = await request.aread()
         await trio.lowlevel.checkpoint()  # the write: a cancelled request is never sent
         headers = {k.lower(): v for k, v in request.headers.items()}
-        plan, rec = upstream._open(request.method, request.url.path, headers, raw)
+        try:
+            plan, rec = upstream._open(
+                request.method, request.url.path, headers, raw, failure_status=500)
+        except Exception as exc:  # the script failed: the other faces' 500 (see FakeTransport)
+            report_sent(request)
+            return script_failed(upstream.name, request.url.path, exc)
         report_sent(request)  # (polygate stamps the attempt as sent here, not before)
         try:
             if plan.head_delay is None:

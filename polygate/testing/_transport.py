@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import sniffio
@@ -25,7 +25,7 @@ from ._render import Due, FaultBytes, Pause, Plan
 if TYPE_CHECKING:
     from ._upstream import FakeUpstream, Outcome, RecordedRequest
 
-__all__ = ["FakeTransport", "Router", "report_sent"]
+__all__ = ["FakeTransport", "Router", "report_sent", "route_key", "routed", "script_failed", "trio_only"]
 
 
 class FakeTransport(httpx.AsyncBaseTransport):
@@ -41,12 +41,7 @@ class FakeTransport(httpx.AsyncBaseTransport):
         self.upstream = upstream
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if sniffio.current_async_library() != "trio":
-            # (trio's own error from its clock, "must be called from async context",
-            # says the opposite of what is wrong.)
-            raise RuntimeError(
-                "FakeUpstream.transport() runs in trio's time: from asyncio, hand it to "
-                "polygate.aio.session(transport=...), or run the fake as a server (serve())")
+        trio_only()
         raw = await request.aread()
         headers = {k.lower(): v for k, v in request.headers.items()}
         try:
@@ -187,6 +182,34 @@ def report_sent(request: httpx.Request) -> None:
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
+def route_key(host: object) -> str:
+    """A Router's (or EventTransport's) key as httpx gives a URL's host: lower case, an
+    IPv6 address without its brackets; a URL is refused (it could never match)."""
+    key = str(host).lower()
+    if "/" in key or not key:
+        raise ValueError(f"route keys are hosts or host:port, got {host!r}")
+    if key.startswith("[") and "]" in key:  # "[::1]:8000": httpx's host has no brackets
+        key = key[1:].replace("]", "", 1)
+    return key
+
+
+def routed(routes: Mapping[str, Any], url: httpx.URL) -> Any:
+    """The route for ``url``: its ``host:port`` (a scheme's default port too: httpx
+    drops it from the URL, so "a:80" is http://a/), else its host; None."""
+    port = url.port or _DEFAULT_PORTS.get(url.scheme)
+    route = routes.get(f"{url.host}:{port}") if port else None
+    return route or routes.get(url.host)
+
+
+def trio_only() -> None:
+    """The fakes wait in trio's time: from asyncio, trio's own error ("must be called
+    from async context") says the opposite of what is wrong."""
+    if sniffio.current_async_library() != "trio":
+        raise RuntimeError(
+            "FakeUpstream's transports run in trio's time: from asyncio, hand one to "
+            "polygate.aio.session(transport=...), or run the fake as a server (serve())")
+
+
 class Router(httpx.AsyncBaseTransport):
     """Dispatches by the request URL's host, so sources configured as ``http://a/v1``
     and ``http://b/v1`` reach different fakes.  Keys are hosts or ``host:port``;
@@ -208,13 +231,7 @@ class Router(httpx.AsyncBaseTransport):
                 raise TypeError(
                     f"Router routes map hosts to FakeUpstreams or httpx transports; "
                     f"{host!r} maps to {type(route).__name__}")
-            key = str(host).lower()  # hosts as httpx gives them: lower case
-            if "/" in key or not key:
-                # (A URL, "http://a/v1", never matches: a key is a host or host:port.)
-                raise ValueError(f"Router keys are hosts or host:port, got {host!r}")
-            if key.startswith("[") and "]" in key:  # "[::1]:8000": httpx's host has no brackets
-                key = key[1:].replace("]", "", 1)
-            self._routes[key] = route
+            self._routes[route_key(host)] = route
 
     @property
     def polygate_reports_sent(self) -> bool:
@@ -223,10 +240,7 @@ class Router(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        # (httpx drops a scheme's default port from the URL: "a:80" is http://a/.)
-        port = url.port or _DEFAULT_PORTS.get(url.scheme)
-        route = self._routes.get(f"{url.host}:{port}") if port else None
-        route = route or self._routes.get(url.host)
+        route: httpx.AsyncBaseTransport | None = routed(self._routes, url)
         if route is None:
             raise httpx.ConnectError(f"no fake upstream for host {url.host!r}", request=request)
         return await route.handle_async_request(request)

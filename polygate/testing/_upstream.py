@@ -13,6 +13,7 @@ import inspect
 import json
 import random
 import re
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -97,18 +98,36 @@ def _check_callable(behaviour: object) -> None:
                         f"Reply, got the class {behaviour.__name__} (an instance was meant?)")
     if not callable(behaviour):
         raise TypeError(f"unsupported behaviour: {behaviour!r}")
-    if inspect.iscoroutinefunction(behaviour) or inspect.iscoroutinefunction(type(behaviour).__call__):
-        raise TypeError("a behaviour callable must be a plain function (request, rng) -> Reply, "
-                        "not an async one: it is called as each request arrives")
-    try:
-        signature = inspect.signature(behaviour)
-    except (TypeError, ValueError):  # (a builtin without one: left to the call)
+    mock = sys.modules.get("unittest.mock")  # (imported where a behaviour is a mock)
+    if mock is not None and isinstance(behaviour, mock.NonCallableMock):
+        # (A mock says what its spec says, and reads its own attributes as mocks: it is
+        # the test's to make right; only an AsyncMock is known to be async.)
+        if isinstance(behaviour, mock.AsyncMock):
+            raise TypeError(_ASYNC)
         return
     try:
-        signature.bind(None, None)
-    except TypeError:
-        raise TypeError(f"a behaviour callable takes (request, rng), and "
-                        f"{getattr(behaviour, '__name__', behaviour)!r} takes {signature}") from None
+        is_async = inspect.iscoroutinefunction(behaviour) or inspect.iscoroutinefunction(
+            type(behaviour).__call__)
+    except Exception:  # (an odd callable: left to the call)
+        is_async = False
+    if is_async:
+        raise TypeError(_ASYNC)
+    try:
+        signatures = [inspect.signature(behaviour), inspect.signature(behaviour, follow_wrapped=False)]
+    except (TypeError, ValueError):  # (a builtin without one: left to the call)
+        return
+    for signature in signatures:
+        try:
+            signature.bind(None, None)
+        except TypeError:
+            continue
+        return  # (a decorator's wrapper may take (request, rng) for what it wraps)
+    raise TypeError(f"a behaviour callable takes (request, rng), and "
+                    f"{getattr(behaviour, '__name__', behaviour)!r} takes {signatures[0]}")
+
+
+_ASYNC = ("a behaviour callable must be a plain function (request, rng) -> Reply, not an async "
+          "one: it is called as each request arrives")
 
 
 class FakeUpstream:

@@ -102,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
+    if not args.host:
+        parser.error("--host must name one address or host")
     try:
         trio.run(_serve, upstream, args.host, args.port)
     except KeyboardInterrupt:  # a signal that arrived before the receiver was installed
