@@ -73,18 +73,3 @@ async def test_through_the_gateway_another_tenants_502_holds_none_of_it() -> Non
     assert first.status == 200
     assert second.status == 502
     assert b"its-answer" not in second.body and b"xc3" not in second.body
-
-
-async def test_a_connection_whose_answer_overran_is_not_used_again() -> None:
-    """Bytes past the Content-Length in the same read were dropped, but the connection
-    went back to the pool whenever no more were readable at that instant: the rest of
-    the overrun, coming later, was the next request's answer."""
-    answer, rest = _overrunning_answer()
-
-    async def reply(stream: trio.SocketStream, _head: bytes) -> None:
-        await stream.send_all(answer + rest[:10])  # the overrun's start, with the answer
-
-    async with raw_server(reply) as upstream, polygate.session(_settings(upstream.url)) as s:
-        await s.chat([{"role": "user", "content": "A"}])
-        await s.chat([{"role": "user", "content": "B"}])
-    assert upstream.connections == 2

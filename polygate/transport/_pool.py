@@ -798,12 +798,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
         exchange needs (a fast body never touched it; :meth:`_release` resets it):
         kept alive if both sides allow it.  Bytes past the end of the response (a 204
         with a body, more than its Content-Length, a stray response) would answer the
-        next request: they were dropped, and the connection is closed, since more may
-        follow (one that receives bytes later, while idle, is dropped when next
+        next request: they were dropped, and if more are still arriving the connection
+        is closed (one that receives any later, while idle, is dropped when next
         picked: _pop_idle's probe)."""
-        if not keep_alive or conn.broken or stray:
-            # (Stray bytes say the upstream frames its answers wrongly: more of them
-            # may come, after a check for them, and would be the next answer's head.)
+        if not keep_alive or conn.broken or (stray and conn.socket.is_readable()):
+            # (Stray bytes that come later still are the next request's failure, an
+            # illegal status line, and no error quotes them: see _mapped.)
             self._discard(conn)
             return
         self._put_back(conn)  # (which closes it instead if the pool has closed)
