@@ -23,7 +23,7 @@ import math
 import re
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import trio
@@ -481,14 +481,13 @@ def _never_admitted(ctx: CallContext, errors: Sequence[Any], refusals: Sequence[
     )
 
 
-def _not_too_large(exc: AllSourcesExhausted) -> None:
-    """Drop the over-tpm detail of a call that an earlier scope took."""
+def _not_too_large(exc: AllSourcesExhausted, ctx: CallContext) -> None:
+    """Drop the over-tpm detail of a chat call that an earlier scope took: the text
+    :func:`_too_large_detail` added in the last scope's retry loop, which asked with
+    ``ctx.estimate`` (no scope was entered since)."""
     if exc.args and isinstance(exc.args[0], str):
-        exc.args = (_TOO_LARGE_DETAIL.sub(" after", exc.args[0], count=1), *exc.args[1:])
-
-
-#: What _too_large_detail adds to a message, up to the words that follow it.
-_TOO_LARGE_DETAIL: Final = re.compile(r": (?:the request|one batch|a page) needs about .*?\(tpm: [^)]*\) after")
+        detail = _too_large_detail(ctx, ctx.estimate)
+        exc.args = (exc.args[0].replace(detail, "", 1), *exc.args[1:])
 
 
 def _too_large_detail(ctx: CallContext, tokens: int) -> str:
@@ -763,7 +762,7 @@ async def run_chat(
                         exc.errors = [*earlier, *exc.errors]
                         if exc.too_large:  # an earlier scope took it (and failed)
                             exc.too_large = False
-                            _not_too_large(exc)
+                            _not_too_large(exc, ctx)
                     if committed_error is not None:
                         # No source could continue the stream: the caller's error is
                         # the stream's own failure, with the whole stream's statistics.
