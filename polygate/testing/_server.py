@@ -27,6 +27,7 @@ import h11
 import trio
 
 from ._render import Due, FaultBytes, Pause, Plan
+from ._transport import script_failure
 
 if TYPE_CHECKING:
     from ._upstream import FakeUpstream, Outcome
@@ -162,8 +163,7 @@ class _Connection:
         except Exception as exc:
             # The script itself failed (a behaviour callable raised): a 500 that says
             # so, and the connection closes.
-            log.exception("%s: the script failed for %s", self.upstream.name, path)
-            message = f"FakeUpstream script failed: {type(exc).__name__}: {exc}".encode()
+            message = script_failure(self.upstream.name, path, exc)
             head = h11.Response(status_code=500, headers=[
                 _SERVER, ("content-type", "text/plain"), ("content-length", str(len(message))),
                 ("connection", "close")])

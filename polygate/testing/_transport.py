@@ -25,7 +25,7 @@ from ._render import Due, FaultBytes, Pause, Plan
 if TYPE_CHECKING:
     from ._upstream import FakeUpstream, Outcome, RecordedRequest
 
-__all__ = ["FakeTransport", "Router", "report_sent", "route_key", "routed", "script_failed", "trio_only"]
+__all__ = ["FakeTransport", "Router", "report_sent", "route_key", "routed", "script_failed", "script_failure", "trio_only"]
 
 
 class FakeTransport(httpx.AsyncBaseTransport):
@@ -75,11 +75,17 @@ class FakeTransport(httpx.AsyncBaseTransport):
 log = logging.getLogger("polygate.testing")
 
 
-def script_failed(name: str, path: str, exc: Exception) -> httpx.Response:
-    """The answer to a request whose script failed, on both faces: a ``500`` that names
-    the error, logged with its traceback."""
+def script_failure(name: str, path: str, exc: Exception) -> bytes:
+    """What every face answers a request whose script failed (a behaviour callable
+    raised) with, as a ``500``'s text/plain body: the error's name; it is logged with
+    its traceback."""
     log.error("%s: the script failed for %s", name, path, exc_info=exc)
-    message = f"FakeUpstream script failed: {type(exc).__name__}: {exc}".encode()
+    return f"FakeUpstream script failed: {type(exc).__name__}: {exc}".encode()
+
+
+def script_failed(name: str, path: str, exc: Exception) -> httpx.Response:
+    """The httpx faces' answer to a request whose script failed (see script_failure)."""
+    message = script_failure(name, path, exc)
     return httpx.Response(500, headers=[("content-type", "text/plain"), ("connection", "close"),
                                         ("content-length", str(len(message)))], content=message)
 
