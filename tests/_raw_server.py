@@ -67,6 +67,19 @@ async def raw_server(reply: Reply) -> AsyncIterator[RawServer]:
         nursery.cancel_scope.cancel()
 
 
+def sized(body: bytes, ctype: bytes = b"application/json") -> bytes:
+    """A 200 answer of ``body``, framed by its Content-Length."""
+    return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (
+        ctype, len(body), body)
+
+
+def answering(data: bytes) -> Reply:
+    """A reply that answers every request with the event stream ``data``, sized."""
+    async def reply(stream: trio.SocketStream, _head: bytes) -> None:
+        await stream.send_all(sized(data, b"text/event-stream"))
+    return reply
+
+
 def sse_head(extra: bytes = b"", status: int = 200) -> bytes:
     return b"HTTP/1.1 %d X\r\ncontent-type: text/event-stream\r\n%s" % (status, extra)
 

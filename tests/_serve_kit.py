@@ -19,6 +19,9 @@ import polygate
 from polygate.serve import Server, open_server
 from polygate.testing import FakeUpstream, Reply
 
+from ._raw_server import RawServer, raw_server
+from ._raw_server import Reply as RawReply
+
 GATEWAY_KEY = "sk-gw-test-0123456789"
 AUTH = {"authorization": f"Bearer {GATEWAY_KEY}"}
 CHAT = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
@@ -51,6 +54,21 @@ def settings_for(
         backend=backend,
         cache=cache,
     )
+
+
+def one_source(url: str, **scope: Any) -> polygate.Settings:
+    """Scope ``chat`` of one source at ``url``, behind the test gateway key."""
+    return polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=url)], **scope)},
+        serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+
+
+@asynccontextmanager
+async def raw_gateway(reply: RawReply, **scope: Any) -> AsyncIterator[tuple[Server, RawServer]]:
+    """A gateway in front of one raw-bytes upstream answering as ``reply`` (see
+    ``tests/_raw_server.py``), its scope's other settings ``scope``."""
+    async with raw_server(reply) as upstream, open_server(one_source(upstream.url, **scope), port=0) as server:
+        yield server, upstream
 
 
 @asynccontextmanager

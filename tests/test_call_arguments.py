@@ -27,6 +27,15 @@ def _tools() -> list[dict[str, Any]]:
     return [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
+def _renaming(tools: list[dict[str, Any]], reply: Reply) -> Any:
+    """A behaviour that renames the caller's first tool, as a caller building its next
+    request would while this one is in flight, then answers ``reply``."""
+    def behaviour(_request: Any, _rng: Any) -> Reply:
+        tools[0]["function"]["name"] = "CHANGED"
+        return reply
+    return behaviour
+
+
 def _settings(names: tuple[str, ...] = ("a", "b"), *, cache: str | None = None,
               **scope: Any) -> polygate.Settings:
     # a first, b a near-certain second: the order of the attempts is known.
@@ -91,11 +100,7 @@ async def test_a_hedge_sends_the_parameters_as_the_call_made_them(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     tools = _tools()
-
-    def hung(_request: Any, _rng: Any) -> Reply:
-        tools[0]["function"]["name"] = "CHANGED"
-        return Reply(first_token_s=90)
-
+    hung = _renaming(tools, Reply(first_token_s=90))
     a, b = FakeUpstream(hung), FakeUpstream(Reply(first_token_s=0.5))
     settings = _settings(hedge=polygate.Hedge(after_s=2.0))
     async with polygate.session(settings, transport=Router({"a": a, "b": b})) as s:
@@ -156,11 +161,7 @@ async def test_the_cache_stores_the_answer_to_the_call_as_made(
     """The entry's key is the call as made; its answer was the edited request's, served
     to every identical call until it expired."""
     tools = _tools()
-
-    def first(_request: Any, _rng: Any) -> Reply:
-        tools[0]["function"]["name"] = "CHANGED"
-        return Reply(status=500)
-
+    first = _renaming(tools, Reply(status=500))
     a, b = FakeUpstream(first), FakeUpstream(_named_answer)
     async with polygate.session(_settings(cache="memory"), transport=Router({"a": a, "b": b})) as s:
         await s.chat(HI, tools=tools)
@@ -173,11 +174,7 @@ async def test_a_coalesced_waiter_gets_the_answer_to_its_own_request(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     tools = _tools()
-
-    def first(_request: Any, _rng: Any) -> Reply:
-        tools[0]["function"]["name"] = "CHANGED"
-        return Reply(status=500, headers_delay_s=1)
-
+    first = _renaming(tools, Reply(status=500, headers_delay_s=1))
     a, b = FakeUpstream(first), FakeUpstream(_named_answer)
     answers: dict[str, polygate.ChatResponse] = {}
     async with polygate.session(_settings(cache="memory"), transport=Router({"a": a, "b": b})) as s:

@@ -8,14 +8,12 @@ import json
 from typing import Any
 
 import pytest
-import trio
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import polygate
-from polygate.serve import open_server
 
-from ._raw_server import raw_server
-from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, http
+from ._raw_server import answering
+from ._serve_kit import AUTH, CHAT, http, raw_gateway
 
 
 def _chunks(head: dict[str, Any]) -> bytes:
@@ -40,20 +38,9 @@ async def test_an_answer_says_its_id_created_and_model_as_openai_types_them(
     """The JSON answer assembled from such chunks said ``created: null`` (or ``id``,
     ``model``), which a client typing them rejects; the stream passed a bool
     ``created`` and numbers as ``id`` and ``model`` on to every chunk."""
-    data = _chunks(head)
-
-    async def reply(stream: trio.SocketStream, _: bytes) -> None:
-        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                              b"content-length: %d\r\n\r\n" % len(data) + data)
-
-    async with raw_server(reply) as upstream:
-        settings = polygate.Settings(
-            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=upstream.url)],
-                                           retry=polygate.Retry(max_attempts=1))},
-            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
-        async with open_server(settings, port=0) as server:
-            whole = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
-            streamed = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
+    async with raw_gateway(answering(_chunks(head)), retry=polygate.Retry(max_attempts=1)) as (server, _):
+        whole = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        streamed = await http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH)
     assert whole.status == 200 and streamed.status == 200
     answer = ChatCompletion.model_validate(whole.json(), strict=True)
     assert answer.choices[0].message.content == "Hi"

@@ -17,8 +17,8 @@ import polygate
 import polygate.testing
 from polygate.serve import open_server
 
-from ._raw_server import raw_server
-from ._serve_kit import AUTH, GATEWAY_KEY, http
+from ._raw_server import answering, raw_server, sized
+from ._serve_kit import AUTH, GATEWAY_KEY, http, raw_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -43,13 +43,8 @@ def _events(body: bytes) -> list[Any]:
     return out
 
 
-def _sized(body: bytes, ctype: bytes = b"application/json") -> bytes:
-    return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (
-        ctype, len(body), body)
-
-
 def _sse(*events: bytes) -> bytes:
-    return _sized(b"".join(b"data: " + e + b"\n\n" for e in events) + b"data: [DONE]\n\n",
+    return sized(b"".join(b"data: " + e + b"\n\n" for e in events) + b"data: [DONE]\n\n",
                   b"text/event-stream")
 
 
@@ -63,7 +58,7 @@ async def _against(
 
     async def reply(stream: trio.SocketStream, head: bytes) -> None:
         path = head.split(b" ")[1]
-        await stream.send_all(sse_body if path.startswith(b"/sse/") else _sized(json_body))
+        await stream.send_all(sse_body if path.startswith(b"/sse/") else sized(json_body))
 
     async with raw_server(reply) as server:
         def source(kind: str, model: str) -> polygate.Source:
@@ -469,24 +464,15 @@ async def test_a_huge_choice_index_costs_the_gateway_nothing() -> None:
     data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in (chunk, done))
     data += b"data: [DONE]\n\n"
 
-    async def reply(stream: trio.SocketStream, head: bytes) -> None:
-        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                              b"content-length: %d\r\n\r\n" % len(data) + data)
-
-    async with raw_server(reply) as up:
-        settings = polygate.Settings(
-            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=up.url)],
-                                           retry=polygate.Retry(max_attempts=1))},
-            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
-        async with open_server(settings, port=0) as server:
-            for stream in (False, True):
-                started = time.monotonic()
-                answer = await http(server, "POST", "/v1/chat/completions",
-                                    {"model": "chat", "messages": [{"role": "user", "content": "hi"}],
-                                     "stream": stream}, AUTH)
-                assert time.monotonic() - started < 2
-                assert answer.status == 502 and len(answer.body) < 2_000, (answer.status, answer.body[:200])
-                assert b"over the 128 choices" in answer.body
+    async with raw_gateway(answering(data), retry=polygate.Retry(max_attempts=1)) as (server, _):
+        for stream in (False, True):
+            started = time.monotonic()
+            answer = await http(server, "POST", "/v1/chat/completions",
+                                {"model": "chat", "messages": [{"role": "user", "content": "hi"}],
+                                 "stream": stream}, AUTH)
+            assert time.monotonic() - started < 2
+            assert answer.status == 502 and len(answer.body) < 2_000, (answer.status, answer.body[:200])
+            assert b"over the 128 choices" in answer.body
 
 
 @pytest.mark.parametrize("index", [7, 60_000])
@@ -505,20 +491,12 @@ async def test_a_choice_carrying_nothing_at_a_huge_index_is_not_relayed(index: i
     ]
     data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
-    async def reply(stream: trio.SocketStream, head: bytes) -> None:
-        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                              b"content-length: %d\r\n\r\n" % len(data) + data)
-
-    async with raw_server(reply) as up:
-        settings = polygate.Settings(
-            scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=up.url)])},
-            serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
-        async with open_server(settings, port=0) as server:
-            started = time.monotonic()
-            answer = await http(server, "POST", "/v1/chat/completions",
-                                {"model": "chat", "messages": [{"role": "user", "content": "hi"}],
-                                 "stream": True}, AUTH)
-            assert time.monotonic() - started < 2
+    async with raw_gateway(answering(data)) as (server, _):
+        started = time.monotonic()
+        answer = await http(server, "POST", "/v1/chat/completions",
+                            {"model": "chat", "messages": [{"role": "user", "content": "hi"}],
+                             "stream": True}, AUTH)
+        assert time.monotonic() - started < 2
     assert answer.status == 200 and len(answer.body) < 2_000, len(answer.body)
     relayed = [json.loads(line[6:]) for line in answer.body.decode().splitlines()
                if line.startswith("data: {")]

@@ -14,10 +14,10 @@ import pytest
 import trio
 
 import polygate
-from polygate.serve import open_server
 
-from ._raw_server import RawServer, raw_server
-from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, http
+from ._raw_server import Reply as RawReply
+from ._raw_server import raw_server
+from ._serve_kit import AUTH, CHAT, http, one_source, raw_gateway
 
 SECRET = "SECRET-OF-TENANT-A-the-rest-of-its-answer"
 
@@ -34,7 +34,7 @@ def _overrunning_answer() -> tuple[bytes, bytes]:
     return head + document, f" \u00e9 {SECRET}\r\n\r\n".encode()
 
 
-def _late_overrun() -> RawServer:
+def _late_overrun() -> RawReply:
     """Answers the first request short, and sends its rest when the next request on
     the connection comes (late: after the answer was read and pooled)."""
     answer, rest = _overrunning_answer()
@@ -44,18 +44,14 @@ def _late_overrun() -> RawServer:
         served[0] += 1
         await stream.send_all(answer if served[0] == 1 else rest)
 
-    return reply  # type: ignore[return-value]
+    return reply
 
 
-def _settings(url: str) -> polygate.Settings:
-    return polygate.Settings(
-        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url=url, api_key="sk-up")],
-                                       retry=polygate.Retry(max_attempts=1))},
-        serve=polygate.Serve(api_keys=[GATEWAY_KEY]))
+ONCE = polygate.Retry(max_attempts=1)
 
 
 async def test_the_next_caller_never_reads_the_rest_of_an_answer() -> None:
-    async with raw_server(_late_overrun()) as upstream, polygate.session(_settings(upstream.url)) as s:
+    async with raw_server(_late_overrun()) as upstream, polygate.session(one_source(upstream.url, retry=ONCE)) as s:
         first = await s.chat([{"role": "user", "content": "A"}])
         assert first.text == "\u00e9" * 40
         with pytest.raises(polygate.AllSourcesExhausted) as caught:
@@ -66,10 +62,9 @@ async def test_the_next_caller_never_reads_the_rest_of_an_answer() -> None:
 
 
 async def test_through_the_gateway_another_tenants_502_holds_none_of_it() -> None:
-    async with raw_server(_late_overrun()) as upstream:
-        async with open_server(_settings(upstream.url), port=0) as server:
-            first = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
-            second = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    async with raw_gateway(_late_overrun(), retry=ONCE) as (server, _):
+        first = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        second = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
     assert first.status == 200
     assert second.status == 502
     assert b"its-answer" not in second.body and b"xc3" not in second.body
