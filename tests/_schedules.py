@@ -411,7 +411,7 @@ def compact(value: Any) -> str:
             v = getattr(value, field.name)
             default = field.default
             if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
-                default = default.factory()
+                default = default.factory(value) if default.takes_self else default.factory()
             if field.init and not (default is not attrs.NOTHING and v == default):
                 parts.append(f"{field.name}={compact(v)}")
         return f"{type(value).__name__}({', '.join(parts)})"

@@ -789,6 +789,7 @@ def test_public_names() -> None:
         "Reply",
         "Router",
         "Schedule",
+        "ToolCall",
         "UpstreamStatistics",
     }
     assert FakeUpstream.__module__ == "polygate.testing"

@@ -23,6 +23,7 @@ from ._script import Distribution as Distribution
 from ._script import Fault as Fault
 from ._script import Profile as Profile
 from ._script import Reply as Reply
+from ._script import ToolCall as ToolCall
 from ._transport import Router as Router
 from ._upstream import Behaviour as Behaviour
 from ._upstream import FakeUpstream as FakeUpstream
@@ -43,6 +44,7 @@ __all__ = [
     "Reply",
     "Router",
     "Schedule",
+    "ToolCall",
     "UpstreamStatistics",
 ]
 
@@ -55,6 +57,7 @@ _publish(globals(), (
     "Reply",
     "Router",
     "Schedule",
+    "ToolCall",
     "UpstreamStatistics",
 ), __name__)  # tracebacks and reprs say polygate.testing.X
 del _publish

@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeAlias
 
 import attrs
 
-from ._script import Reply
+from ._script import Reply, ToolCall
 
 __all__ = ["Exchange", "FaultBytes", "Pause", "Plan", "Step", "error_reply", "json_plan", "render"]
 
@@ -379,26 +379,64 @@ class _Tokens:
     choices: tuple[bytes, ...]
     cut: bool  # the request's token limit cut the answer short
     deltas: tuple[str, ...]  # each token's delta, as JSON (for the choices after the first)
+    #: The tool calls as far as the answer got (the limit may cut one short), as a
+    #: non-streamed answer's message has them.
+    tools: tuple[dict[str, Any], ...] = ()
+
+
+#: The most characters of a tool call's arguments one delta carries (models stream
+#: them a few characters at a time).
+_PIECE = 8
+
+
+def _tool_tokens(calls: tuple[ToolCall, ...], prefix: str) -> list[tuple[int, str, str | None]]:
+    """Each tool call's tokens in order, as ``(call index, id or name, argument piece)``:
+    its head (``(i, id, None)``, the name in the call) and then its pieces."""
+    tokens: list[tuple[int, str, str | None]] = []
+    for i, call in enumerate(calls):
+        tokens.append((i, call.id if call.id is not None else f"{prefix}{i}", None))
+        args = call.arguments
+        tokens.extend((i, "", args[k : k + _PIECE]) for k in range(0, len(args), _PIECE))
+    return tokens
 
 
 @functools.lru_cache(maxsize=256)
-def _tokens(text: str | None, count: int, reasoning: int, limit: int | None) -> _Tokens:
+def _tokens(text: str | None, count: int, reasoning: int, limit: int | None,
+            calls: tuple[ToolCall, ...] = (), prefix: str = "") -> _Tokens:
     """Cached: benchmarks repeat one Reply thousands of times, and encoding each
-    token's JSON is most of the cost of rendering a long zero-delay stream."""
+    token's JSON is most of the cost of rendering a long zero-delay stream.
+    ``prefix``: the start of a tool call's id that the Reply leaves to the fake (per
+    request, so only given for a Reply with tool calls)."""
     if text is None and limit is not None:
         # Only the words that can be sent: a large count under a small max_tokens
         # built (and cached) every word first.
         count = min(count, limit + 1)  # (one more: the cut still shows)
-    content = _split_text(text) if text is not None else _words(count, _WORDS)
+    # (With tool calls and no text, a model that only calls tools: no content.)
+    content = _split_text(text) if text is not None else [] if calls else _words(count, _WORDS)
     thoughts = _words(reasoning if limit is None else min(reasoning, limit + 1), _THOUGHTS)
-    cut = limit is not None and len(thoughts) + len(content) > limit
+    tools = _tool_tokens(calls, prefix)
+    cut = limit is not None and len(thoughts) + len(content) + len(tools) > limit
     if limit is not None:
         thoughts = thoughts[:limit]
         content = content[: max(0, limit - len(thoughts))]
+        tools = tools[: max(0, limit - len(thoughts) - len(content))]
     deltas = [_dumps({"reasoning_content": t}) for t in thoughts]
     deltas += [_dumps({"content": t}) for t in content]
+    assembled: list[dict[str, Any]] = []
+    for i, ident, piece in tools:
+        if piece is None:
+            call = calls[i]
+            head = {"index": i, "id": ident, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}
+            deltas.append(_dumps({"tool_calls": [head]}))
+            assembled.append({"id": ident, "type": "function",
+                              "function": {"name": call.name, "arguments": ""}})
+        else:
+            deltas.append(_dumps({"tool_calls": [{"index": i, "function": {"arguments": piece}}]}))
+            assembled[-1]["function"]["arguments"] += piece
     choices = [_choice(d) for d in deltas]
-    return _Tokens(tuple(thoughts), tuple(content), tuple(choices), cut, tuple(deltas))
+    return _Tokens(tuple(thoughts), tuple(content), tuple(choices), cut, tuple(deltas),
+                   tuple(assembled))
 
 
 class _Chat:
@@ -419,7 +457,9 @@ class _Chat:
         # polygate's own reading, imported: the fake is the oracle its tests check.)
         limit = next((cap for cap in (body.get("max_completion_tokens"), body.get("max_tokens"))
                       if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0), None)
-        self.tokens = _tokens(reply.text, reply.tokens, reply.reasoning_tokens, limit)
+        calls = reply.tool_calls
+        prefix = f"call_{ex.name}_{ex.index}_" if calls else ""
+        self.tokens = _tokens(reply.text, reply.tokens, reply.reasoning_tokens, limit, calls, prefix)
         self.thoughts = self.tokens.thoughts
         self.content = self.tokens.content
         self.finish_reason = "length" if self.tokens.cut else reply.finish_reason
@@ -465,8 +505,11 @@ class _Chat:
         stall_at = None if r.stall_at is None else min(r.stall_at, n)
         fault_at = None if r.fault is None else min(r.fault_after, n)
         deltas, others = self.tokens.deltas, range(1, self.n)
+        # (A model that only calls tools says "content": null, as OpenAI's streams do.)
+        role = ('{"role":"assistant","content":null}' if self.tokens.tools and not self.content
+                else '{"role":"assistant","content":""}')
         for index in range(self.n):
-            yield self._chunk('{"role":"assistant","content":""}', index=index)
+            yield self._chunk(role, index=index)
         for i in range(n + 1):
             if i == fault_at:
                 if r.fault in ("truncated", "reset"):
@@ -513,13 +556,18 @@ class _Chat:
     # -- not streamed
 
     def message_body(self) -> dict[str, Any]:
+        tools = self.tokens.tools
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": "".join(self.content),
+            # (None when a model only calls tools, as OpenAI's answers have it.)
+            "content": "".join(self.content) if self.content or not tools else None,
             "refusal": None,
         }
         if self.thoughts:
             message["reasoning_content"] = "".join(self.thoughts)
+        if tools:
+            # (A copy: the cached token list's dicts are shared by every request.)
+            message["tool_calls"] = [{**t, "function": dict(t["function"])} for t in tools]
         body: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion",
@@ -536,13 +584,13 @@ class _Chat:
             ],
         }
         if self.reply.usage:
-            body["usage"] = self.usage(len(self.thoughts) + len(self.content))
+            body["usage"] = self.usage(len(self.tokens.choices))
         body["system_fingerprint"] = _FINGERPRINT
         return body
 
     def json_plan(self, headers: tuple[tuple[str, str], ...]) -> Plan:
         r = self.reply
-        n = len(self.thoughts) + len(self.content)
+        n = len(self.tokens.choices)
         delay = r.headers_delay_s + r.first_token_s + _times(max(0, n - 1), r.inter_token_s)
         if r.stall_at is not None:
             delay += r.stall_s

@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeAlias
 
 import attrs
 
-__all__ = ["FAULTS", "Distribution", "Fault", "Profile", "Reply", "sample"]
+__all__ = ["FAULTS", "Distribution", "Fault", "Profile", "Reply", "ToolCall", "sample"]
 
 Fault: TypeAlias = Literal[
     "malformed_json",
@@ -247,6 +247,61 @@ def _check_fault(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> None
         raise ValueError(f"fault must be one of {sorted(FAULTS)} or None, got {value!r}")
 
 
+def _arguments(value: Any) -> str:
+    """A tool call's arguments as the model writes them: a string is sent as it is
+    (a test of a model's broken JSON needs that), anything else as compact JSON."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"arguments must be a string or a JSON value, got {value!r} ({exc})") from None
+
+
+def _name(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{attribute.name} must be a non-empty string, got {value!r}")
+    _utf8(_inst, attribute, value)
+
+
+def _optional_name(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _name(inst, attribute, value)
+
+
+@attrs.frozen(kw_only=True)
+class ToolCall:
+    """A function call a :class:`Reply` answers with, streamed as models stream one: a
+    first delta with its ``id``, its type and its ``name`` (and empty arguments), then
+    its ``arguments`` in pieces of up to eight characters, each a token.
+
+    ``arguments`` is a string, sent as it is (broken JSON included), or a JSON value
+    (written compactly).  ``id``: None makes one per request, ``call_<fake>_<request
+    index>_<call index>``."""
+
+    name: str = attrs.field(validator=_name)
+    arguments: str = attrs.field(default="{}", converter=_arguments, validator=_utf8)
+    id: str | None = attrs.field(default=None, validator=_optional_name)
+
+
+def _tool_calls(value: Any) -> tuple[ToolCall, ...]:
+    """A sequence of ToolCalls, kept as a tuple so that a Reply stays hashable."""
+    if isinstance(value, ToolCall | str | bytes | Mapping):
+        raise TypeError(f"tool_calls must be a sequence of ToolCall, got {value!r}")
+    try:
+        calls = tuple(value)
+    except TypeError:
+        raise TypeError(f"tool_calls must be a sequence of ToolCall, got {value!r}") from None
+    for call in calls:
+        if not isinstance(call, ToolCall):
+            raise TypeError(f"tool_calls must hold ToolCall objects, got {call!r}")
+    return calls
+
+
+def _finish_default(reply: Reply) -> str:
+    return "tool_calls" if reply.tool_calls else "stop"
+
+
 @attrs.frozen(kw_only=True)
 class Reply:
     """One scripted response.
@@ -259,7 +314,11 @@ class Reply:
     and ``[DONE]`` at once.  ``stall_at = k`` adds ``stall_s`` of silence after ``k``
     tokens (0: before the first; ``k`` = the token count: before the finish chunk).
     ``keepalive_s`` sends ``: keep-alive`` comments during every such wait.  Tokens
-    count reasoning tokens first, then content tokens.
+    count reasoning tokens first, then content tokens, then the pieces of the
+    ``tool_calls`` (see :class:`ToolCall`).  With tool calls the content is ``text``
+    alone (none when it is None: ``"content": null``, as a model that only calls tools
+    answers; ``tokens`` then counts nothing), and ``finish_reason`` defaults to
+    ``"tool_calls"``.
 
     A non-streamed answer (or an embedding) waits for the whole generation time
     before its headers, as real servers do; a non-2xx reply waits only
@@ -299,8 +358,13 @@ class Reply:
     # False: the stream ends after its finish (and usage) chunk without ``[DONE]``
     # (complete all the same: the finish_reason says so).
     done: bool = attrs.field(default=True, validator=_flag)
+    # After the content: the answer's tool calls (its content is then ``text`` alone).
+    tool_calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=_tool_calls)
     # None: a finish chunk (and a choice) whose finish_reason is null, as some servers send.
-    finish_reason: str | None = attrs.field(default="stop", validator=[_instance(str, optional=True), _utf8])
+    finish_reason: str | None = attrs.field(
+        default=attrs.Factory(_finish_default, takes_self=True),
+        validator=[_instance(str, optional=True), _utf8],
+    )
     model: str | None = attrs.field(default=None, validator=[_instance(str, optional=True), _utf8])
     embedding_dim: int | None = attrs.field(
         default=None, validator=attrs.validators.optional([_instance(int), attrs.validators.gt(0)])

@@ -7,7 +7,9 @@ connections (``--port 0`` picks a free port and prints it), and exits with statu
 
 ``--profile JSON`` takes Profile fields (or, when a key exists only on Reply,
 Reply fields); ``--reply JSON`` always means Reply fields.  Two-element lists are
-``(lo, hi)`` ranges, e.g. ``--profile '{"first_token_s": [0.1, 0.5], "p_429": 0.1}'``.
+``(lo, hi)`` ranges, e.g. ``--profile '{"first_token_s": [0.1, 0.5], "p_429": 0.1}'``;
+a tool call is an object of ToolCall fields, e.g.
+``--reply '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from typing import Any
 import attrs
 import trio
 
-from ._script import Profile, Reply
+from ._script import Profile, Reply, ToolCall
 from ._upstream import FakeUpstream
 
 __all__ = ["main", "parse_behaviour"]
 
 _PROFILE_FIELDS = frozenset(a.name for a in attrs.fields(Profile))
 _REPLY_FIELDS = frozenset(a.name for a in attrs.fields(Reply))
+_TOOL_CALL_FIELDS = frozenset(a.name for a in attrs.fields(ToolCall))
 
 
 def parse_behaviour(profile: str | None, reply: str | None) -> Reply | Profile:
@@ -62,7 +65,20 @@ def _fields(text: str, allowed: frozenset[str], option: str) -> dict[str, Any]:
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise ValueError(f"{option}: unknown field(s) {', '.join(unknown)}")
+    calls = data.get("tool_calls")
+    if isinstance(calls, list) and allowed is _REPLY_FIELDS:
+        # JSON has no ToolCall: each is an object of its fields.
+        data["tool_calls"] = [_tool_call(call, option) for call in calls]
     return data
+
+
+def _tool_call(call: Any, option: str) -> Any:
+    if not isinstance(call, dict):
+        return call  # (the Reply refuses it, naming it)
+    unknown = sorted(set(call) - _TOOL_CALL_FIELDS)
+    if unknown:
+        raise ValueError(f"{option}: unknown tool call field(s) {', '.join(unknown)}")
+    return ToolCall(**call)
 
 
 async def _serve(upstream: FakeUpstream, host: str, port: int) -> None:
