@@ -19,8 +19,13 @@ __all__ = ["log_bug"]
 
 #: One traceback per exception type and logger in this many seconds.
 EVERY_S = 60.0
-#: Keyed by the logger too: the transport's bug must not silence the server's.
-_last: dict[tuple[str, type[BaseException]], float] = {}
+#: When each (logger, exception type) last logged its traceback, in this run's time.
+#: Keyed by the logger too: the transport's bug must not silence the server's.  One
+#: table per trio run, not per process: each run has a clock of its own (trio's starts
+#: at a random offset, a MockClock at 0), and a time from another run -- a thread's
+#: run beside it, or the test before -- made the bound log every time, or not at all.
+_LAST: trio.lowlevel.RunVar[dict[tuple[str, type[BaseException]], float]] = trio.lowlevel.RunVar(
+    "polygate_bug_logged")
 
 
 def log_bug(log: logging.Logger, exc: BaseException, where: str, secrets: Iterable[str]) -> None:
@@ -29,6 +34,11 @@ def log_bug(log: logging.Logger, exc: BaseException, where: str, secrets: Iterab
     what was being done ("in an exchange with a", "answering POST /v1/…")."""
     now = trio.current_time()
     kind = type(exc)
+    try:
+        _last = _LAST.get()
+    except LookupError:  # (this run's first)
+        _last = {}
+        _LAST.set(_last)
     last = _last.get((log.name, kind))
     if last is not None and 0 <= now - last < EVERY_S:
         log.debug("unexpected %s %s", kind.__name__, where)

@@ -551,7 +551,6 @@ async def test_a_bug_every_request_trips_logs_one_redacted_traceback_a_minute(
     the exception's text as it was (a key in it, an upstream's escape sequences), where
     the transport already logged one redacted traceback per type a minute, as
     docs/security.md promises for both."""
-    import polygate._bugs
     import polygate.serve._app as app
 
     from ._serve_kit import CHAT, gateway
@@ -560,7 +559,6 @@ async def test_a_bug_every_request_trips_logs_one_redacted_traceback_a_minute(
         raise KeyError(f"{response.text} with 'authorization': 'Bearer sk-upstream-key'")
 
     monkeypatch.setattr(app, "_answer_body", buggy)
-    monkeypatch.setattr(polygate._bugs, "_last", {})
     caplog.set_level(logging.DEBUG, logger="polygate")
     async with gateway(polygate.testing.Reply(text="chosen \x1b[2J text")) as (server, _):
         for _ in range(20):
@@ -579,10 +577,8 @@ async def test_one_loggers_bug_does_not_silence_anothers_first_traceback(
 ) -> None:
     """Review: the limit was keyed by the exception's type alone, so an upstream that
     tripped a KeyError in the transport hid the server's own KeyError for a minute."""
-    import polygate._bugs
     from polygate._bugs import log_bug
 
-    monkeypatch.setattr(polygate._bugs, "_last", {})
     log_bug(logging.getLogger("polygate.transport"), KeyError("choices"), "in an exchange", ())
     log_bug(logging.getLogger("polygate.serve"), KeyError("model"), "answering POST /x", ())
     errors = [r.name for r in caplog.records if r.levelno >= logging.ERROR]
@@ -594,11 +590,9 @@ async def test_an_exceptions_text_cannot_forge_a_log_line(
 ) -> None:
     """Review: a line break in an exception's text (a client's or an upstream's bytes)
     started a line of its own, one that read as the server's ``polygate serve: error:``."""
-    import polygate._bugs
     from polygate._bugs import log_bug
     from polygate.cli._serve import _Lines
 
-    monkeypatch.setattr(polygate._bugs, "_last", {})
     forged = "x\npolygate serve: error: reload refused\r\npolygate serve: bye\x1b[2J"
     log_bug(logging.getLogger("polygate.serve"), ValueError(forged), "answering POST /x", ())
     [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -279,7 +279,6 @@ async def test_running_out_of_memory_is_a_503_that_says_so(
         raise MemoryError
 
     monkeypatch.setattr(_app, where, out_of_memory)
-    monkeypatch.setattr(_app, "_memory_logged", [])
     async with gateway(Reply(tokens=2)) as (server, _):
         refused = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
         again = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
@@ -308,7 +307,6 @@ async def test_running_out_of_memory_inside_the_call_blames_no_source(
     this process's exhaustion, as running out of descriptors is: 503 ``out_of_memory``."""
     import httpx
 
-    from polygate.serve import _app
     from polygate.serve import open_server as serving
 
     from ._serve_kit import settings_for
@@ -317,7 +315,6 @@ async def test_running_out_of_memory_inside_the_call_blames_no_source(
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             raise MemoryError
 
-    _app._memory_logged.clear()
     async with serving(settings_for("http://127.0.0.1:9/v1"), port=0,
                        transport=OutOfMemory()) as server:
         answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)

@@ -313,15 +313,18 @@ async def _unavailable(ctx: Context, reply: ErrorReply) -> None:
         await _fail(ctx, reply)
 
 
-_memory_logged: list[float] = []
+#: When the last out-of-memory warning was logged, in this run's time (one per trio
+#: run: another run's clock, a thread's beside it or an earlier run's, is no measure).
+_MEMORY_LOGGED: trio.lowlevel.RunVar[float] = trio.lowlevel.RunVar("polygate_memory_logged")
 
 
 def _out_of_memory(request: Request) -> None:
     """One warning a minute, without a traceback (there is no bug to find in it)."""
     now = trio.current_time()
-    if _memory_logged and 0 <= now - _memory_logged[0] < 60:
+    last = _MEMORY_LOGGED.get(-math.inf)
+    if 0 <= now - last < 60:
         return
-    _memory_logged[:] = [now]
+    _MEMORY_LOGGED.set(now)
     log.warning("out of memory answering %s %s (%d bytes of body): answered 503; raise the "
                 "process's memory limit or lower [serve] max_request_bytes",
                 request.method, endpoint_label(request.path), len(request.body))
