@@ -49,6 +49,7 @@ from ._types import (
 )
 from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
+from .governance._model import endpoint_of
 from .governance._redis import RedisBackend
 from .telemetry import Telemetry, TelemetryStatistics, open_telemetry
 from .transport import LeanTransport, TextParts, carries_audio, carries_extras, drop_last, routed
@@ -1063,6 +1064,19 @@ class SharedBackends:
 
     def for_settings(self, settings: Settings) -> MemoryBackend | RedisBackend:
         return self._memory if settings.backend == "memory" else _backend_for(settings)
+
+    def in_force(self, settings: Settings) -> None:
+        """``settings`` are now in force (a generation's session opened on them): a
+        source whose endpoint changed under its name -- a rotated key, a new URL or
+        model, the fix for a source gone dead -- starts its health afresh, and the
+        old generation's verdicts on the endpoint it replaced no longer count
+        (MemoryBackend.renew).  Not for Redis: its state is every replica's, and
+        replicas change keys one at a time."""
+        if settings.backend == "memory":
+            self._memory.renew({
+                (name, source.name): endpoint_of(source.base_url, source.model, source.api_key)
+                for name, scope in settings.scopes.items() for source in scope.sources
+            })
 
     def forget_unused(self, in_force: Iterable[Settings]) -> None:
         """Drop the in-memory state of the source and gateway-key names none of

@@ -30,6 +30,7 @@ from ._model import (
     SettleRequest,
     SourceLimits,
     SourceSnapshot,
+    endpoint_of,
 )
 from ._picking import Health, HealthStats, pick_order, reference_latency
 
@@ -207,7 +208,10 @@ class Governor:
             for source in scope.sources:
                 key = (scope_name, source.name)
                 self._health[key] = Health()
-                self._limits[key] = SourceLimits(source.rpm, source.tpm, source.max_in_flight)
+                self._limits[key] = SourceLimits(
+                    source.rpm, source.tpm, source.max_in_flight,
+                    endpoint_of(source.base_url, source.model, source.api_key),
+                )
 
     # ------------------------------------------------------------------ estimates
 

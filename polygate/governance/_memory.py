@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import trio
 
@@ -71,8 +71,9 @@ def _remove_newest_first(window: collections.deque[_Entry], entry: _Entry) -> No
 class _Source:
     __slots__ = (
         "admissions", "breaker", "consecutive", "cooldown_until", "cost_total", "dead_until",
-        "in_flight", "open", "open_for", "opened_at", "outcomes", "probe_out", "probes_ok",
-        "released_total", "reopens", "reserved_total", "settled_total", "window", "window_tokens",
+        "endpoint", "in_flight", "open", "open_for", "opened_at", "outcomes", "probe_out",
+        "probes_ok", "released_total", "reopens", "reserved_total", "settled_total", "window",
+        "window_tokens",
     )
 
     def __init__(self) -> None:
@@ -97,6 +98,20 @@ class _Source:
         self.released_total = 0
         self.cost_total = 0
         self.admissions = 0
+        #: The endpoint in force (MemoryBackend.renew), None until one is set: then
+        #: every verdict counts, whatever endpoint its admission had.
+        self.endpoint: str | None = None
+
+    def renew_health(self) -> None:
+        """Health as a new source's: no dead mark, no cooldown, the breaker closed
+        and its history gone.  (Not the quota window or the permits: the calls they
+        count are still real.)"""
+        self.cooldown_until = self.dead_until = 0.0
+        self.breaker = BreakerState.CLOSED
+        self.consecutive = self.reopens = self.probes_ok = 0
+        self.opened_at = self.open_for = 0.0
+        self.probe_out = False
+        self.outcomes.clear()
 
     def expire(self, now: float) -> None:
         # Written as ``at + WINDOW_S <= now``, the very sum a refusal reports as its
@@ -150,6 +165,19 @@ class MemoryBackend:
                     and state.cooldown_until <= now and state.dead_until <= now:
                 del self._sources[key]
 
+    def renew(self, endpoints: Mapping[tuple[str, str], str]) -> None:
+        """The endpoint each (scope, source) now reaches (``polygate serve``'s generation
+        in force).  A name whose endpoint changed -- a rotated key, a new URL or model:
+        the operator's fix for a source gone dead -- starts its health afresh, and the
+        verdicts of attempts admitted under the endpoint it replaced (calls still
+        running on the old generation: the revoked key's 401) no longer count for it."""
+        for key, endpoint in endpoints.items():
+            state = self._state(*key)
+            if state.endpoint is not None and state.endpoint != endpoint:
+                state.renew_health()
+            state.endpoint = endpoint
+        self._notify()  # (a waiter for a dead source may go now)
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
@@ -163,6 +191,12 @@ class MemoryBackend:
             # First: it depends on the settings alone, and no wait (a window, a permit,
             # an open breaker) would ever make it admissible.
             return Refusal(name, RefusalReason.TOO_LARGE, None)
+        if s.endpoint is not None and limits.endpoint and limits.endpoint != s.endpoint:
+            # An attempt of a call still running on a generation a reload replaced, to
+            # the endpoint the reload took away (see renew): the operator's new key or
+            # URL replaced it, and a revoked key would only be tried again.  As dead:
+            # for that call it is.
+            return Refusal(name, RefusalReason.DEAD, None)
         if s.dead_until > now:
             return Refusal(name, RefusalReason.DEAD, s.dead_until)
         if s.cooldown_until > now:
@@ -202,7 +236,7 @@ class MemoryBackend:
         s.admissions += 1
         if probe:
             s.probe_out = True
-        return Admission(request.scope, name, rid, request.tokens, probe)
+        return Admission(request.scope, name, rid, request.tokens, probe, limits.endpoint)
 
     async def settle(self, request: SettleRequest) -> None:
         admission = request.admission
@@ -229,6 +263,12 @@ class MemoryBackend:
             if entry.live and cost != entry.tokens:
                 s.window_tokens += cost - entry.tokens
             entry.tokens = cost
+        if s.endpoint is not None and admission.endpoint and admission.endpoint != s.endpoint:
+            # Admitted under an endpoint a reload replaced (see renew): its verdict is
+            # on that endpoint, not on the one the name now reaches.  (A probe it took
+            # was given back by renew; none is taken under a replaced endpoint since.)
+            self._notify()
+            return
         if request.cooldown_s is not None and request.cooldown_s > 0:
             # A dead mark holds for its own cooldown and no longer: past it, a longer
             # ordinary cooldown (a 429's Retry-After) is one to wait out, not a failure.

@@ -8,6 +8,7 @@ calls.
 from __future__ import annotations
 
 import enum
+import hashlib
 
 import attrs
 
@@ -84,6 +85,17 @@ class SourceLimits:
     rpm: int | None = None
     tpm: int | None = None
     max_in_flight: int | None = None
+    #: What the source reaches (:func:`endpoint_of`): its admissions carry it, so that a
+    #: backend shared by ``polygate serve``'s generations can tell the verdicts on an
+    #: endpoint a reload replaced (a revoked key's 401s) from the current one's.
+    endpoint: str = ""
+
+
+def endpoint_of(base_url: str, model: str | None, api_key: str | None) -> str:
+    """A digest of what a source reaches: its URL, its model and its key (digested,
+    never kept: the key is a secret)."""
+    text = "\0".join((base_url, model or "", api_key or ""))
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 @attrs.frozen
@@ -104,6 +116,7 @@ class Admission:
     reservation_id: int
     tokens: int
     probe: bool = False  # the half-open breaker's single probe
+    endpoint: str = ""  # the admitting source's (SourceLimits.endpoint)
 
 
 @attrs.frozen

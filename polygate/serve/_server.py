@@ -296,6 +296,8 @@ class Server:
         try:
             async with session_on(settings, backend, transport=self._transport, relay=True) as opened:
                 session = opened
+                # Opened: nothing from here on fails, and it serves new requests next.
+                self._backends.in_force(settings)
                 self.metrics.sessions.add(opened)
                 gateway = Gateway(settings, opened)
                 self._generations.add(gateway)
