@@ -47,6 +47,7 @@ from ._types import (
     message_delta,
     model_json,
 )
+from ._whole_chunk import whole_chunk
 from .cache import Cache, CacheStatistics, open_cache
 from .governance import GovernanceStatistics, Governor, MemoryBackend
 from .governance._model import endpoint_of
@@ -780,7 +781,10 @@ class ChatStream:
                 delta = message_delta(response.message)
                 # (The first item: the channel has room.  Sent and shown with no
                 # scheduler pass between: the iterator never sees one without the other.)
-                send.send_nowait(StreamChunk(text=response.text, delta=delta, raw=response.raw))
+                # Its raw is that chunk (every choice a delta), not the body: as every
+                # other chunk a caller reads.
+                send.send_nowait(StreamChunk(text=response.text, delta=delta,
+                                             raw=whole_chunk(response.raw, delta)))
                 if response.text:
                     self.text_parts.append(response.text)
             await send.send(StreamDone(response))

@@ -20,7 +20,6 @@ forwarded chunk is encoded and written as it comes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from operator import itemgetter
 from typing import Any, Final
@@ -37,13 +36,19 @@ from .._types import (
     call_type,
     carries_call,
     carries_something,
-    carries_value,
     choice_index,
     finish_reason_of,
-    message_delta,
     name_again,
     note_closing,
     parts_text,
+)
+from .._whole_chunk import (
+    CHUNK,
+    KEPT_HEADER,
+    answer_header,
+    chunk_header,
+    provider_fields,
+    whole_chunk,
 )
 from ._json import dump
 
@@ -53,27 +58,10 @@ __all__ = [
 ]
 
 
-def answer_header(raw: Mapping[str, Any]) -> tuple[str, int, str]:
-    """The ``id``, ``created`` and ``model`` an answer says: the upstream's where each
-    has its type (a non-empty string id, an integer ``created`` that is no bool, a
-    string model), else the gateway's own.  OpenAI's clients type them so (a
-    ``ChatCompletion``'s ``created`` is an int): an answer assembled from chunks that
-    carried none, or ``created: 0``, said ``null``."""
-    answer_id = raw.get("id")
-    created = raw.get("created")
-    model = raw.get("model")
-    return (
-        answer_id if isinstance(answer_id, str) and answer_id else "chatcmpl-polygate",
-        created if type(created) is int else int(time.time()),
-        model if isinstance(model, str) else "",
-    )
-
 DONE: Final = b"data: [DONE]\n\n"
 KEEPALIVE: Final = b": keep-alive\n\n"
-_CHUNK: Final = "chat.completion.chunk"
-#: A chunk's header fields kept the same over one stream besides its id, time and
-#: model, when the upstream sent them (see StreamShape.chunk).
-_KEPT_HEADER: Final = ("system_fingerprint", "service_tier")
+_CHUNK: Final = CHUNK
+_KEPT_HEADER: Final = KEPT_HEADER
 #: The size of a header that has every field (see StreamShape._header).
 _FULL_HEADER: Final = 4 + len(_KEPT_HEADER)
 
@@ -121,9 +109,9 @@ class StreamShape:
                 # of what came before): relayed with an empty one, its data kept.
                 raw = {**raw, "choices": annotated}
             else:
-                raw = {**self._header(raw), **_provider_fields(raw),
-                       "choices": _whole_answer(choices, chunk.delta) or [
-                           {"index": 0, "delta": chunk.delta, "finish_reason": None}]}
+                # A whole answer (a source that cannot stream) made a chunk here when
+                # the library still showed its body; it now makes the chunk itself.
+                raw = whole_chunk(raw, chunk.delta)
             choices = raw["choices"]
         if not _CHUNK_KEYS.issuperset(raw):  # (no set made for the common chunk)
             if self._seen is None:
@@ -408,16 +396,7 @@ class StreamShape:
         return out + DONE
 
     def _header(self, raw: Mapping[str, Any]) -> dict[str, Any]:
-        answer_id, created, model = answer_header(raw)
-        header = {"id": answer_id, "object": _CHUNK, "created": created, "model": model}
-        # What every chunk of an OpenAI stream carries when the upstream sent it (the
-        # SDK's stream helper takes the fingerprint of each chunk: the last one's
-        # stays).
-        for key in _KEPT_HEADER:
-            value = raw.get(key)
-            if isinstance(value, str):
-                header[key] = value
-        return header
+        return chunk_header(raw)
 
 
 class _Calls:
@@ -496,44 +475,11 @@ def _with_deltas(choices: Any) -> list[dict[str, Any]] | None:
     return out
 
 
-def _whole_answer(choices: Any, first: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """A non-streamed body's choices as deltas, every choice kept, each with its
-    logprobs: a source that cannot stream shows its whole answer as one chunk, whose
-    delta is only the first choice's message (``first``, as the library read it).
-    ``None`` unless every choice is a message with a natural-number index."""
-    if not (isinstance(choices, list) and choices):
-        return None
-    out = []
-    for choice in choices:
-        message = choice.get("message") if isinstance(choice, Mapping) else None
-        if not isinstance(message, Mapping):
-            return None
-        index = choice_index(choice)
-        if index is None:
-            return None
-        delta = first if index == 0 else message_delta(message)
-        shaped = {"index": index, "delta": delta, "finish_reason": None}
-        # The choice's other fields (its logprobs, Azure's content_filter_results,
-        # vLLM's stop_reason): the JSON answer has them, so does the stream.
-        for key, value in choice.items():
-            if key not in _WHOLE_CHOICE_KEYS and carries_value(value) and (
-                    key != "logprobs" or isinstance(value, Mapping)):
-                shaped[key] = value
-        out.append(shaped)
-    return out
-
-
-#: A whole answer's choice keys that its chunk makes anew (see _whole_answer).
-_WHOLE_CHOICE_KEYS: Final = frozenset({"index", "message", "delta", "finish_reason"})
-
 #: A chunk's own top-level keys (any other is a provider's field).
 _CHUNK_KEYS: Final = ANSWER_KEYS
 
 
-def _provider_fields(raw: Mapping[str, Any], seen: set[str] | None = None) -> dict[str, Any]:
-    """``raw``'s provider fields that carry a value, but those in ``seen``."""
-    return {k: v for k, v in raw.items()
-            if k not in _CHUNK_KEYS and (seen is None or k not in seen) and carries_value(v)}
+_provider_fields = provider_fields
 
 
 def string_content(choices: list[Any], key: str) -> list[Any] | None:

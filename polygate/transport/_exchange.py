@@ -169,9 +169,13 @@ async def chat_exchange(
 
     async def read(response: httpx.Response) -> dict[str, Any]:
         ctype = header_of(response, "content-type")
-        if not stream:
+        labelled = ctype.partition(";")[0].strip().lower() == "text/event-stream"  # any case, any params
+        if not stream and not labelled:
             return await _read_chat_json(response, endpoint, limits, ctype)
-        if ctype.partition(";")[0].strip().lower() == "text/event-stream":  # any case, any params
+        if labelled:
+            # (Also to a plain JSON request: an upstream, or a proxy before it, that
+            # streams whatever it is asked answers readably, as one that answers a
+            # stream request with JSON does.)
             timeline.streamed = True
             return await _read_sse(response, endpoint, limits, timeline, on_content,
                                    hand_on=hand_on_first_token, on_extra=on_extra,
