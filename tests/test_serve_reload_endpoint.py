@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import trio
+import trio.testing
 
 import polygate
 from polygate.governance import MemoryBackend
@@ -133,13 +134,16 @@ async def test_renewing_an_endpoint_keeps_the_quota_window_and_the_permits() -> 
                                        dead=True))
     state = await backend.snapshot("chat", "a")
     assert (state.breaker, state.dead, state.in_flight) == ("closed", False, 0)
+    # It counts for the old endpoint, whose calls no longer go there.
+    refused = await backend.admit(AdmitRequest("chat", "a", old, 5, policy))
+    assert refused.reason == "dead"  # type: ignore[union-attr]
     # The new endpoint's verdicts do.
     granted = await backend.admit(AdmitRequest("chat", "a", new, 5, policy))
     await backend.settle(SettleRequest(granted, 5, Feedback.FAILURE, policy))  # type: ignore[arg-type]
     assert (await backend.snapshot("chat", "a")).breaker == "open"
 
 
-async def test_a_replaced_endpoint_is_refused_and_its_probe_given_back(
+async def test_a_replaced_endpoint_keeps_its_own_health_for_its_calls(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     backend = MemoryBackend()
@@ -153,15 +157,42 @@ async def test_a_replaced_endpoint_is_refused_and_its_probe_given_back(
     probe = await backend.admit(AdmitRequest("chat", "a", old, 1, policy))
     assert probe.probe  # type: ignore[union-attr]
     backend.renew({("chat", "a"): "new"})
-    # The old endpoint is refused from now on (a retry of that call: not to a revoked key).
+    # The old endpoint's calls still meet its breaker (its probe is out) ...
     refused = await backend.admit(AdmitRequest("chat", "a", old, 1, policy))
-    assert refused.reason == "dead" and refused.retry_at is None  # type: ignore[union-attr]
-    # The probe's verdict does not count; the new endpoint is admitted, no probe needed.
+    assert refused.reason == "breaker_open"  # type: ignore[union-attr]
+    # ... and its probe's failure re-opens it, not the new endpoint's.
     await backend.settle(SettleRequest(probe, 1, Feedback.FAILURE, policy))  # type: ignore[arg-type]
+    refused = await backend.admit(AdmitRequest("chat", "a", old, 1, policy))
+    assert refused.reason == "breaker_open" and refused.retry_at is not None  # type: ignore[union-attr]
     state = await backend.snapshot("chat", "a")
     assert (state.breaker, state.consecutive_failures, state.in_flight) == ("closed", 0, 0)
     again = await backend.admit(AdmitRequest("chat", "a", new, 1, policy))
     assert again.probe is False  # type: ignore[union-attr]
+
+
+async def test_calls_waiting_on_the_old_generation_survive_a_key_rotation() -> None:
+    """Review: refusing every attempt to the replaced endpoint failed the old
+    generation's calls still waiting for a permit (``max_in_flight``) with "a: dead",
+    where both keys were valid: they are judged by the old endpoint's own health."""
+    upstream = FakeUpstream(Reply(text="ok", first_token_s=0.3))
+    statuses: list[int] = []
+    async with upstream.serve() as url, \
+            open_server(_settings(url, OLD_KEY, max_in_flight=1), port=0) as server:
+
+        async def one() -> None:
+            statuses.append((await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)).status)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(one)
+            # Everything in this run waits: one call on the upstream's 0.3 s, three
+            # for its permit (the server and the fake run here too).
+            await trio.testing.wait_all_tasks_blocked()
+            assert server.statistics().in_flight == 4 and len(upstream.requests) == 1
+            await server.reload(_settings(url, NEW_KEY, max_in_flight=1))
+    assert statuses == [200] * 4, statuses
+    keys = [r.headers["authorization"] for r in upstream.requests]
+    assert keys == [f"Bearer {OLD_KEY}"] * 4  # (each on the generation it came to)
 
 
 def test_the_endpoint_digest_never_holds_the_key() -> None:

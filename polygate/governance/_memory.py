@@ -72,8 +72,8 @@ class _Source:
     __slots__ = (
         "admissions", "breaker", "consecutive", "cooldown_until", "cost_total", "dead_until",
         "endpoint", "in_flight", "open", "open_for", "opened_at", "outcomes", "probe_out",
-        "probes_ok", "released_total", "reopens", "reserved_total", "settled_total", "window",
-        "window_tokens",
+        "probes_ok", "released_total", "reopens", "reserved_total", "retired", "settled_total",
+        "window", "window_tokens",
     )
 
     def __init__(self) -> None:
@@ -99,13 +99,44 @@ class _Source:
         self.cost_total = 0
         self.admissions = 0
         #: The endpoint in force (MemoryBackend.renew), None until one is set: then
-        #: every verdict counts, whatever endpoint its admission had.
+        #: every admission is judged by this health, whatever endpoint it had.
         self.endpoint: str | None = None
+        #: The health of endpoints a renew replaced, by endpoint (the last few): the
+        #: calls still running on an old generation are admitted by, and feed, theirs.
+        self.retired: dict[str, _Source] | None = None
 
-    def renew_health(self) -> None:
-        """Health as a new source's: no dead mark, no cooldown, the breaker closed
-        and its history gone.  (Not the quota window or the permits: the calls they
-        count are still real.)"""
+    def health_for(self, endpoint: str) -> _Source:
+        """The state whose health judges an attempt to ``endpoint``: this one, or that
+        of an endpoint a renew replaced (fresh for one never seen here)."""
+        if self.endpoint is None or not endpoint or endpoint == self.endpoint:
+            return self
+        retired = self.retired
+        if retired is None:
+            retired = self.retired = {}
+        health = retired.get(endpoint)
+        if health is None:
+            health = retired[endpoint] = _Source()
+            _bound(retired)
+        return health
+
+    def retire_health(self, endpoint: str) -> None:
+        """``endpoint`` is now in force in place of ``self.endpoint``: the old one's
+        health is kept for its calls still running (see health_for), and this state's
+        starts afresh -- no dead mark, no cooldown, the breaker closed and its history
+        gone -- even for an endpoint in force before (a key put back is the operator's
+        fix too).  Not the quota window or the permits: the calls they count are real
+        whatever they reach."""
+        old = _Source()
+        for field in _HEALTH:
+            setattr(old, field, getattr(self, field))
+        old.outcomes = collections.deque(self.outcomes)
+        retired = self.retired
+        if retired is None:
+            retired = self.retired = {}
+        if self.endpoint is not None:
+            retired[self.endpoint] = old
+        retired.pop(endpoint, None)
+        _bound(retired)
         self.cooldown_until = self.dead_until = 0.0
         self.breaker = BreakerState.CLOSED
         self.consecutive = self.reopens = self.probes_ok = 0
@@ -125,6 +156,20 @@ class _Source:
 
     def tokens_reserved(self) -> int:
         return sum(estimate for _, estimate in self.open.values())
+
+
+#: A source's health (as against its quota window and permits): what retire_health
+#: keeps of an endpoint a renew replaced.
+_HEALTH = ("cooldown_until", "dead_until", "breaker", "consecutive", "opened_at", "open_for",
+           "reopens", "probe_out", "probes_ok")
+#: The replaced endpoints' health a source keeps (a generation's calls end within its
+#: drain; a key switched back and forth needs no more).
+_RETIRED = 8
+
+
+def _bound(retired: dict[str, _Source]) -> None:
+    while len(retired) > _RETIRED:
+        del retired[next(iter(retired))]  # the oldest
 
 
 class MemoryBackend:
@@ -168,13 +213,14 @@ class MemoryBackend:
     def renew(self, endpoints: Mapping[tuple[str, str], str]) -> None:
         """The endpoint each (scope, source) now reaches (``polygate serve``'s generation
         in force).  A name whose endpoint changed -- a rotated key, a new URL or model:
-        the operator's fix for a source gone dead -- starts its health afresh, and the
-        verdicts of attempts admitted under the endpoint it replaced (calls still
-        running on the old generation: the revoked key's 401) no longer count for it."""
+        the operator's fix for a source gone dead -- starts its health afresh.  The
+        calls still running on the old generation keep the replaced endpoint's health,
+        theirs alone: a revoked key stays dead for them, a valid one serves them, and
+        what they meet there (the revoked key's 401) does not count for the new one."""
         for key, endpoint in endpoints.items():
             state = self._state(*key)
             if state.endpoint is not None and state.endpoint != endpoint:
-                state.renew_health()
+                state.retire_health(endpoint)
             state.endpoint = endpoint
         self._notify()  # (a waiter for a dead source may go now)
 
@@ -191,25 +237,24 @@ class MemoryBackend:
             # First: it depends on the settings alone, and no wait (a window, a permit,
             # an open breaker) would ever make it admissible.
             return Refusal(name, RefusalReason.TOO_LARGE, None)
-        if s.endpoint is not None and limits.endpoint and limits.endpoint != s.endpoint:
-            # An attempt of a call still running on a generation a reload replaced, to
-            # the endpoint the reload took away (see renew): the operator's new key or
-            # URL replaced it, and a revoked key would only be tried again.  As dead:
-            # for that call it is.
-            return Refusal(name, RefusalReason.DEAD, None)
-        if s.dead_until > now:
-            return Refusal(name, RefusalReason.DEAD, s.dead_until)
-        if s.cooldown_until > now:
-            return Refusal(name, RefusalReason.COOLING_DOWN, s.cooldown_until)
+        # The health that judges it: the source's, or -- an attempt of a call still
+        # running on a generation a reload replaced, to the endpoint the reload took
+        # away (see renew) -- that endpoint's: a revoked key stays dead for its calls,
+        # a valid one serves them.  The quota window and permits are the source's.
+        h = s if s.endpoint is None else s.health_for(limits.endpoint)
+        if h.dead_until > now:
+            return Refusal(name, RefusalReason.DEAD, h.dead_until)
+        if h.cooldown_until > now:
+            return Refusal(name, RefusalReason.COOLING_DOWN, h.cooldown_until)
         probe = False
-        if s.breaker is BreakerState.OPEN:
-            reopen_at = s.opened_at + s.open_for
+        if h.breaker is BreakerState.OPEN:
+            reopen_at = h.opened_at + h.open_for
             if now < reopen_at:
                 return Refusal(name, RefusalReason.BREAKER_OPEN, reopen_at)
-            s.breaker = BreakerState.HALF_OPEN
-            s.probe_out = False
-        if s.breaker is BreakerState.HALF_OPEN:
-            if s.probe_out:
+            h.breaker = BreakerState.HALF_OPEN
+            h.probe_out = False
+        if h.breaker is BreakerState.HALF_OPEN:
+            if h.probe_out:
                 return Refusal(name, RefusalReason.BREAKER_OPEN, None)
             probe = True
         if limits.max_in_flight is not None and s.in_flight >= limits.max_in_flight:
@@ -235,7 +280,7 @@ class MemoryBackend:
         s.reserved_total += request.tokens
         s.admissions += 1
         if probe:
-            s.probe_out = True
+            h.probe_out = True
         return Admission(request.scope, name, rid, request.tokens, probe, limits.endpoint)
 
     async def settle(self, request: SettleRequest) -> None:
@@ -263,19 +308,16 @@ class MemoryBackend:
             if entry.live and cost != entry.tokens:
                 s.window_tokens += cost - entry.tokens
             entry.tokens = cost
-        if s.endpoint is not None and admission.endpoint and admission.endpoint != s.endpoint:
-            # Admitted under an endpoint a reload replaced (see renew): its verdict is
-            # on that endpoint, not on the one the name now reaches.  (A probe it took
-            # was given back by renew; none is taken under a replaced endpoint since.)
-            self._notify()
-            return
+        # The verdict is on the endpoint it was admitted to: a reload may have replaced
+        # it meanwhile (see renew), and then it is that endpoint's health it feeds.
+        h = s if s.endpoint is None else s.health_for(admission.endpoint)
         if request.cooldown_s is not None and request.cooldown_s > 0:
             # A dead mark holds for its own cooldown and no longer: past it, a longer
             # ordinary cooldown (a 429's Retry-After) is one to wait out, not a failure.
-            s.cooldown_until = max(s.cooldown_until, now + request.cooldown_s)
+            h.cooldown_until = max(h.cooldown_until, now + request.cooldown_s)
             if request.dead:
-                s.dead_until = max(s.dead_until, now + request.cooldown_s)
-        _feed_breaker(s, request.feedback, request.breaker, admission.probe, now, request.jitter)
+                h.dead_until = max(h.dead_until, now + request.cooldown_s)
+        _feed_breaker(h, request.feedback, request.breaker, admission.probe, now, request.jitter)
         self._notify()
 
     async def snapshot(self, scope: str, source: str) -> SourceSnapshot:
