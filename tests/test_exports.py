@@ -69,7 +69,7 @@ def test_settings_fields_pinned() -> None:
 
 TESTING_PUBLIC = {
     "Behaviour", "Distribution", "FakeUpstream", "Fault", "Outcome", "Profile",
-    "RecordedRequest", "Reply", "Router", "UpstreamStatistics",
+    "RecordedRequest", "Reply", "Router", "ToolCall", "UpstreamStatistics",
     # the scheduling-aware kit
     "EventStatistics", "EventTransport", "Schedule",
 }
@@ -81,7 +81,7 @@ def test_testing_public_names() -> None:
     assert set(polygate.testing.__all__) == TESTING_PUBLIC
     for name in TESTING_PUBLIC:
         assert hasattr(polygate.testing, name)
-    for name in ("EventStatistics", "EventTransport", "Schedule", "FakeUpstream", "Reply"):
+    for name in ("EventStatistics", "EventTransport", "Schedule", "FakeUpstream", "Reply", "ToolCall"):
         assert getattr(polygate.testing, name).__module__ == "polygate.testing", name
 
 

@@ -182,3 +182,44 @@ def test_the_server_process_takes_tool_calls_as_json() -> None:
         [sys.executable, "-m", "polygate.testing.serve", "--reply", '{"tool_calls": [{"nme": "f"}]}'],
         capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "unknown tool call field(s) nme" in done.stderr
+
+
+def test_a_tool_call_is_written_as_the_reference_writes_it() -> None:
+    """Review: ``ToolCall(name, arguments="{}", id=None)`` in docs/reference.md, and
+    a keyword-only class refused ``ToolCall("f")``."""
+    assert ToolCall("f", {"x": 1}, "call_9") == ToolCall(name="f", arguments='{"x":1}', id="call_9")
+
+
+async def test_an_empty_text_beside_tool_calls_is_an_empty_content(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: ``text=""`` is given, so the content is "" (null is for no text)."""
+    streamed, plain = await _both_faces(Reply(text="", tool_calls=[WEATHER]))
+    assert streamed.message["content"] == plain.message["content"] == ""
+    assert streamed.message["tool_calls"] == plain.message["tool_calls"]
+
+
+def test_a_profile_places_stalls_and_faults_among_its_bases_tool_pieces() -> None:
+    """Review: a Profile drew stall and fault positions from its drawn ``tokens``,
+    which count nothing beside tool calls: every stall came before the finish chunk,
+    and a fault never past piece 8 of a longer call."""
+    import random
+
+    from polygate.testing import Profile
+
+    base = Reply(tool_calls=[ToolCall("f", "x" * 72)])  # 1 head + 9 pieces = 10 tokens
+    profile = Profile(base=base, tokens=40, stall_p=1.0, stall_s=5.0, p_truncated=1.0)
+    rng = random.Random(0)
+    drawn = [profile.draw(rng) for _ in range(200)]
+    assert {r.stall_at for r in drawn} == set(range(1, 10))  # strictly inside the 10
+    assert max(r.fault_after for r in drawn) == 10 and min(r.fault_after for r in drawn) == 0
+
+
+async def test_an_oversized_body_still_goes_out_in_large_pieces() -> None:
+    """The tool calls' 8-character argument pieces were first named as the module's
+    1 MiB body pieces were: an oversized fault then went out 8 bytes at a time."""
+    fake = FakeUpstream(Reply(fault="oversized", oversized_bytes=4 << 20, stream=False))
+    async with httpx.AsyncClient(transport=fake.transport(), base_url="http://a/v1") as client:
+        async with client.stream("POST", "/chat/completions", json={"messages": MESSAGES}) as r:
+            sizes = [len(piece) async for piece in r.aiter_raw()]
+    assert sum(sizes) >= 4 << 20 and len(sizes) <= 8

@@ -19,14 +19,13 @@ import base64
 import functools
 import hashlib
 import json
-import re
 import struct
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal, TypeAlias
 
 import attrs
 
-from ._script import Reply, ToolCall
+from ._script import ARGUMENT_PIECE, Reply, ToolCall, split_text
 
 __all__ = ["Exchange", "FaultBytes", "Pause", "Plan", "Step", "error_reply", "json_plan", "render"]
 
@@ -283,15 +282,6 @@ def _model(reply: Reply, ex: Exchange) -> str:
     return requested.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _split_text(text: str) -> list[str]:
-    """Word-boundary tokens that keep their leading spaces; joined they give ``text``."""
-    tokens = re.findall(r"\s*\S+", text)
-    tail = text[len("".join(tokens)) :]
-    if tail:
-        tokens = [*tokens[:-1], tokens[-1] + tail] if tokens else [tail]
-    return tokens
-
-
 def _words(n: int, words: list[str]) -> list[str]:
     return [("" if i == 0 else " ") + words[i % len(words)] for i in range(n)]
 
@@ -384,11 +374,6 @@ class _Tokens:
     tools: tuple[dict[str, Any], ...] = ()
 
 
-#: The most characters of a tool call's arguments one delta carries (models stream
-#: them a few characters at a time).
-_PIECE = 8
-
-
 def _tool_tokens(calls: tuple[ToolCall, ...], prefix: str) -> list[tuple[int, str, str | None]]:
     """Each tool call's tokens in order, as ``(call index, id or name, argument piece)``:
     its head (``(i, id, None)``, the name in the call) and then its pieces."""
@@ -396,7 +381,7 @@ def _tool_tokens(calls: tuple[ToolCall, ...], prefix: str) -> list[tuple[int, st
     for i, call in enumerate(calls):
         tokens.append((i, call.id if call.id is not None else f"{prefix}{i}", None))
         args = call.arguments
-        tokens.extend((i, "", args[k : k + _PIECE]) for k in range(0, len(args), _PIECE))
+        tokens.extend((i, "", args[k : k + ARGUMENT_PIECE]) for k in range(0, len(args), ARGUMENT_PIECE))
     return tokens
 
 
@@ -412,7 +397,7 @@ def _tokens(text: str | None, count: int, reasoning: int, limit: int | None,
         # built (and cached) every word first.
         count = min(count, limit + 1)  # (one more: the cut still shows)
     # (With tool calls and no text, a model that only calls tools: no content.)
-    content = _split_text(text) if text is not None else [] if calls else _words(count, _WORDS)
+    content = split_text(text) if text is not None else [] if calls else _words(count, _WORDS)
     thoughts = _words(reasoning if limit is None else min(reasoning, limit + 1), _THOUGHTS)
     tools = _tool_tokens(calls, prefix)
     cut = limit is not None and len(thoughts) + len(content) + len(tools) > limit
@@ -462,6 +447,8 @@ class _Chat:
         self.tokens = _tokens(reply.text, reply.tokens, reply.reasoning_tokens, limit, calls, prefix)
         self.thoughts = self.tokens.thoughts
         self.content = self.tokens.content
+        #: A model that only calls tools (no ``text``, not even ""): content null.
+        self.null_content = bool(calls) and reply.text is None
         self.finish_reason = "length" if self.tokens.cut else reply.finish_reason
         self.n = _choices_asked(body)
         self.prompt_tokens = _prompt_tokens(body)
@@ -506,7 +493,7 @@ class _Chat:
         fault_at = None if r.fault is None else min(r.fault_after, n)
         deltas, others = self.tokens.deltas, range(1, self.n)
         # (A model that only calls tools says "content": null, as OpenAI's streams do.)
-        role = ('{"role":"assistant","content":null}' if self.tokens.tools and not self.content
+        role = ('{"role":"assistant","content":null}' if self.null_content
                 else '{"role":"assistant","content":""}')
         for index in range(self.n):
             yield self._chunk(role, index=index)
@@ -560,7 +547,7 @@ class _Chat:
         message: dict[str, Any] = {
             "role": "assistant",
             # (None when a model only calls tools, as OpenAI's answers have it.)
-            "content": "".join(self.content) if self.content or not tools else None,
+            "content": None if self.null_content else "".join(self.content),
             "refusal": None,
         }
         if self.thoughts:

@@ -25,7 +25,8 @@ from typing import Any, Literal, TypeAlias
 
 import attrs
 
-__all__ = ["FAULTS", "Distribution", "Fault", "Profile", "Reply", "ToolCall", "sample"]
+__all__ = ["ARGUMENT_PIECE", "FAULTS", "Distribution", "Fault", "Profile", "Reply", "ToolCall", "answer_tokens",
+           "sample", "split_text"]
 
 Fault: TypeAlias = Literal[
     "malformed_json",
@@ -247,6 +248,33 @@ def _check_fault(_inst: object, _attr: attrs.Attribute[Any], value: Any) -> None
         raise ValueError(f"fault must be one of {sorted(FAULTS)} or None, got {value!r}")
 
 
+#: The most characters of a tool call's arguments one delta carries (models stream
+#: them a few characters at a time).
+ARGUMENT_PIECE = 8
+
+
+def split_text(text: str) -> list[str]:
+    """Word-boundary tokens that keep their leading spaces; joined they give ``text``."""
+    tokens = re.findall(r"\s*\S+", text)
+    tail = text[len("".join(tokens)) :]
+    if tail:
+        tokens = [*tokens[:-1], tokens[-1] + tail] if tokens else [tail]
+    return tokens
+
+
+def answer_tokens(reply: Reply, tokens: int | None = None) -> int:
+    """How many tokens ``reply`` streams (with ``tokens`` for its own, when given):
+    its reasoning, its content (``text`` split into words, else ``tokens`` words --
+    none beside tool calls) and each tool call's head and argument pieces (before any
+    request's token limit)."""
+    if reply.text is not None:
+        content = len(split_text(reply.text))
+    else:
+        content = 0 if reply.tool_calls else reply.tokens if tokens is None else tokens
+    pieces = sum(1 + -(-len(call.arguments) // ARGUMENT_PIECE) for call in reply.tool_calls)
+    return reply.reasoning_tokens + content + pieces
+
+
 def _arguments(value: Any) -> str:
     """A tool call's arguments as the model writes them: a string is sent as it is
     (a test of a model's broken JSON needs that), anything else as compact JSON."""
@@ -269,7 +297,7 @@ def _optional_name(inst: object, attribute: attrs.Attribute[Any], value: Any) ->
         _name(inst, attribute, value)
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen
 class ToolCall:
     """A function call a :class:`Reply` answers with, streamed as models stream one: a
     first delta with its ``id``, its type and its ``name`` (and empty arguments), then
@@ -464,10 +492,13 @@ class Profile:
                 changes["headers_delay_s"] = self.base.headers_delay_s + hang
             else:
                 changes["first_token_s"] = first + hang
+        # Stalls and faults fall among the tokens the answer streams: the drawn words,
+        # or the base's own text, reasoning and tool calls.
+        count = answer_tokens(self.base, tokens)
         if u_stall < self.stall_p:
-            changes["stall_at"] = 1 + int(u_stall_at * (tokens - 1)) if tokens >= 2 else tokens
+            changes["stall_at"] = 1 + int(u_stall_at * (count - 1)) if count >= 2 else count
             changes["stall_s"] = stall
-        changes.update(self._fault_changes(u_fault, u_fault_at, tokens, retry_after))
+        changes.update(self._fault_changes(u_fault, u_fault_at, count, retry_after))
         return attrs.evolve(self.base, **changes)
 
     def _fault_changes(
