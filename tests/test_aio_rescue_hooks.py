@@ -111,3 +111,44 @@ def test_trio_side_async_generators_stay_trios_after_the_loop_ran_again(
 
         _run(again(), kind)
     assert trio_side == [], trio_side
+
+
+async def _own_generator() -> Any:
+    yield 1
+
+
+@pytest.mark.parametrize("io_mode", ["loop-io", "thread-io"])
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_hooks_the_application_installs_after_opening_stay_in_force(
+        kind: str, io_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review (asyncio's less common modes): async-generator hooks an application
+    installs while a session is open (a tracer wrapping the current ones) were
+    replaced by trio's before its next step, for the rest of the loop's run: the
+    tracer never saw the application's own generators again.  trio's hooks are in
+    place for trio's steps only; between them, the application's."""
+    if io_mode == "thread-io":
+        monkeypatch.setattr(_guest_io, "_guest_tick", lambda: None)
+    seen: list[str] = []
+
+    def trace() -> None:
+        wrapped = sys.get_asyncgen_hooks()
+
+        def firstiter(agen: Any) -> None:
+            seen.append(agen.__qualname__)
+            if wrapped.firstiter is not None:
+                wrapped.firstiter(agen)
+
+        sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=wrapped.finalizer)
+
+    async def main() -> None:
+        async with polygate.aio.session(settings_for("http://a/v1"),
+                                        transport=FakeUpstream(Reply()).transport()) as s:
+            trace()
+            await s.chat(messages("first"))  # trio's steps run here
+            assert [x async for x in _own_generator()] == [1]
+            async with s.stream_chat(messages("then")) as stream:  # trio's own generators
+                assert [c async for c in stream]
+            assert [x async for x in _own_generator()] == [1]
+
+    _run(main(), kind)
+    assert seen == ["_own_generator", "_own_generator"], seen

@@ -66,7 +66,7 @@ import outcome
 import sniffio
 import trio
 
-__all__ = ["LoopDriver", "driver_for", "put_back_hooks"]
+__all__ = ["LoopDriver", "driver_for", "lend_hooks", "return_hooks"]
 
 try:  # trio internals: checked one by one in driver_for()
     from trio._core import _run as _trio_run
@@ -144,11 +144,27 @@ def driver_for(
     return LoopDriver(loop, state, fd, post, rescue_left)
 
 
-def put_back_hooks(hooks: Any) -> None:
-    """Install a guest run's async-generator hooks again if the loop dropped them (see
-    ``Host.hooks``); ``None``: nothing to restore."""
-    if hooks is not None and sys.get_asyncgen_hooks() != hooks:
-        sys.set_asyncgen_hooks(*hooks)
+def lend_hooks(hooks: Any) -> Any:
+    """Install a guest run's async-generator hooks (see ``Host.hooks``) for one of its
+    steps, if others are in place: the loop's, which its ``run_forever()`` put back,
+    or the application's own (a tracer wrapping them after the session opened).
+    Returns the hooks to put back after the step (:func:`return_hooks`), None when
+    there is nothing to put back: between its steps the application's hooks are the
+    ones in force, as without polygate.  (A generator takes its finalizer when first
+    iterated, and trio's are first iterated in trio's steps.)"""
+    if hooks is None:
+        return None
+    current = sys.get_asyncgen_hooks()
+    if current == hooks:
+        return None
+    sys.set_asyncgen_hooks(*hooks)
+    return current
+
+
+def return_hooks(saved: Any) -> None:
+    """Put back the hooks :func:`lend_hooks` found."""
+    if saved is not None:
+        sys.set_asyncgen_hooks(*saved)
 
 
 class LoopDriver:
@@ -223,7 +239,7 @@ class LoopDriver:
 
     def _tick(self, events: Any) -> None:
         state, runner, gen = self._state, self._runner, self._state.unrolled_run_gen
-        put_back_hooks(self.hooks)
+        saved = lend_hooks(self.hooks)
         self._ticking = True
         # While trio runs its own steps it is not a guest: its "is_guest" branches
         # exist to wake a run that is waiting while the host changes a deadline or
@@ -274,6 +290,7 @@ class LoopDriver:
             self._ticking = False
             runner.is_guest = True
             sniffio.thread_local.name = previous
+            return_hooks(saved)
         runner.guest_tick_scheduled = False
         left = self._rescue_left()
         if left is not None:

@@ -42,7 +42,7 @@ import outcome
 import trio
 
 from .. import PolygateError
-from ._guest_io import LoopDriver, driver_for, put_back_hooks
+from ._guest_io import LoopDriver, driver_for, lend_hooks, return_hooks
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -394,8 +394,11 @@ class _Queued:
     def __call__(self) -> None:
         if self in self.pending:
             self.pending.discard(self)
-            put_back_hooks(self.host.hooks)
-            self.fn()
+            saved = lend_hooks(self.host.hooks)
+            try:
+                self.fn()
+            finally:
+                return_hooks(saved)
 
 
 def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
