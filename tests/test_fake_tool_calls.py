@@ -223,3 +223,4 @@ async def test_an_oversized_body_still_goes_out_in_large_pieces() -> None:
         async with client.stream("POST", "/chat/completions", json={"messages": MESSAGES}) as r:
             sizes = [len(piece) async for piece in r.aiter_raw()]
     assert sum(sizes) >= 4 << 20 and len(sizes) <= 8
+

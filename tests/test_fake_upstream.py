@@ -1148,3 +1148,20 @@ async def test_a_small_retry_after_is_written_without_an_exponent(autojump_clock
     async with client(upstream) as http:
         answer = await http.post("/chat/completions", json=chat_body())
     assert answer.headers["retry-after"] == "0.00001"
+
+
+async def test_a_request_records_its_query_string_on_every_face() -> None:
+    """A gap an application team met: Azure's clients send ``?api-version=...`` on every
+    request, and ``RecordedRequest`` kept only the path."""
+    from polygate.testing import EventTransport
+
+    fake = FakeUpstream(Reply())
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for transport in (fake.transport(), EventTransport({"a": fake})):
+        async with httpx.AsyncClient(transport=transport, base_url="http://a/v1") as client:
+            await client.post("/chat/completions", params={"api-version": "2024-06-01"}, json=body)
+    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as client:
+        await client.post("/chat/completions", params={"api-version": "2024-06-01"}, json=body)
+        await client.post("/chat/completions", json=body)
+    assert [(r.path, r.query) for r in fake.requests] == [
+        ("/v1/chat/completions", "api-version=2024-06-01")] * 3 + [("/v1/chat/completions", "")]

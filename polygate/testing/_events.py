@@ -211,7 +211,8 @@ class EventTransport(httpx.AsyncBaseTransport):
         headers = {k.lower(): v for k, v in request.headers.items()}
         try:
             plan, rec = upstream._open(
-                request.method, request.url.path, headers, raw, failure_status=500)
+                request.method, request.url.path, headers, raw, failure_status=500,
+                query=request.url.query.decode("ascii", "replace"))
         except Exception as exc:  # the script failed: the other faces' 500 (see FakeTransport)
             report_sent(request)
             return script_failed(upstream.name, request.url.path, exc)

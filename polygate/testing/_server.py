@@ -155,11 +155,12 @@ class _Connection:
     async def _answer(self, request: h11.Request, body: bytes) -> bool:
         """Answer one request; False when the connection must not be reused."""
         target = request.target.decode("latin-1")
-        path = target.split("?", 1)[0]
+        path, _, query = target.partition("?")
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
         try:
             plan, rec = self.upstream._open(
-                request.method.decode("latin-1"), path, headers, body, failure_status=500)
+                request.method.decode("latin-1"), path, headers, body, failure_status=500,
+                query=query)
         except Exception as exc:
             # The script itself failed (a behaviour callable raised): a 500 that says
             # so, and the connection closes.

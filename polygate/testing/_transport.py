@@ -46,7 +46,8 @@ class FakeTransport(httpx.AsyncBaseTransport):
         headers = {k.lower(): v for k, v in request.headers.items()}
         try:
             plan, rec = self.upstream._open(
-                request.method, request.url.path, headers, raw, failure_status=500)
+                request.method, request.url.path, headers, raw, failure_status=500,
+                query=request.url.query.decode("ascii", "replace"))
         except Exception as exc:
             # The script itself failed (a behaviour callable raised): the 500 the
             # loopback face answers, not an exception out of the transport, which a

@@ -67,6 +67,9 @@ class RecordedRequest:
     outcome: Outcome | None = None
     status: int | None = None
     reply: Reply | None = attrs.field(default=None, repr=False)
+    #: The query string, without its ``?`` (``"api-version=2024-06-01"``: Azure's
+    #: sources carry one in their URL), as sent: ``""`` when there is none.
+    query: str = ""
 
 
 @attrs.frozen
@@ -236,7 +239,7 @@ class FakeUpstream:
 
     def _open(
         self, method: str, path: str, headers: dict[str, str], raw: bytes,
-        *, failure_status: int | None = None,
+        *, failure_status: int | None = None, query: str = "",
     ) -> tuple[Plan, RecordedRequest | None]:
         """Record a request and decide its answer; ``None`` for ``/_stats``.  A script
         that fails raises; ``failure_status``: the status the face answers it with
@@ -263,6 +266,7 @@ class FakeUpstream:
             headers=headers,
             started_at=trio.current_time(),
             wall_started_at=time.time(),
+            query=query,
         )
         self._started += 1
         self.requests.append(rec)
