@@ -85,3 +85,30 @@ def _fields(reply: Reply) -> dict[str, object]:
     import attrs
 
     return {a.name: getattr(reply, a.name) for a in attrs.fields(Reply)}
+
+
+async def test_a_json_answer_labelled_as_events_is_still_read() -> None:
+    """Review of the change above: a plain request's answer labelled
+    ``text/event-stream`` was then read as events without a look, and a JSON body so
+    labelled (a proxy that labels every answer of /chat/completions so; before, a
+    source's ``streaming=False`` was the way around it) failed as a truncated stream,
+    three attempts against the source's breaker.  The body decides, as it does for an
+    unlabelled answer to a stream request."""
+    import json
+
+    from ._raw_server import answering, raw_server
+
+    body = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    async with raw_server(answering(json.dumps(body).encode())) as upstream:
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[
+            polygate.Source(name="a", base_url=upstream.url, streaming=False)])})
+        async with polygate.session(settings) as s:
+            answer = await s.chat(MESSAGES)
+            async with s.stream_chat(MESSAGES) as stream:
+                chunks = [chunk async for chunk in stream]
+    assert answer.text == "Hello" and answer.usage.source == "upstream"
+    assert answer.call_stats.attempts == 1 and answer.call_stats.ttft_ms is None
+    assert "".join(c.text for c in chunks) == "Hello"

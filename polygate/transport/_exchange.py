@@ -172,10 +172,7 @@ async def chat_exchange(
         labelled = ctype.partition(";")[0].strip().lower() == "text/event-stream"  # any case, any params
         if not stream and not labelled:
             return await _read_chat_json(response, endpoint, limits, ctype)
-        if labelled:
-            # (Also to a plain JSON request: an upstream, or a proxy before it, that
-            # streams whatever it is asked answers readably, as one that answers a
-            # stream request with JSON does.)
+        if stream and labelled:
             timeline.streamed = True
             return await _read_sse(response, endpoint, limits, timeline, on_content,
                                    hand_on=hand_on_first_token, on_extra=on_extra,
@@ -184,7 +181,9 @@ async def chat_exchange(
         # SSE whatever the header says, so an upstream that sends its events unlabelled
         # (or as application/json, application/x-ndjson...) streams.  The body decides:
         # SSE if it starts as SSE, else a whole JSON body as before -- an upstream that
-        # ignored "stream", or an error object inside a 200.
+        # ignored "stream", or an error object inside a 200.  So does a plain request's
+        # answer labelled as events: an upstream (or a proxy before it) that streams
+        # whatever it is asked, or one that labels its JSON so.
         # before a byte is read
         check_readable(response, limits.max_body_bytes, endpoint.name, endpoint.secrets)
         pieces = body_of(response) or body_pieces(response)
