@@ -202,3 +202,23 @@ def test_the_endpoint_digest_never_holds_the_key() -> None:
     assert NEW_KEY not in digest and "n" * 8 not in digest
     assert digest != endpoint_of("http://a/v1", "m1", OLD_KEY)
     assert digest != endpoint_of("http://a/v1", "m2", NEW_KEY)
+
+
+async def test_a_revoked_keys_dead_mark_outlives_many_reloads(autojump_clock: trio.testing.MockClock) -> None:
+    """Review: a source keeps the health of the last 8 endpoints replaced, and the
+    oldest went first, live marks and all: after nine more key changes within its
+    cooldown a revoked key was admitted again for its calls.  Records whose marks have
+    run out go first."""
+    backend = MemoryBackend()
+    policy = BreakerPolicy()
+    revoked = SourceLimits(endpoint="revoked")
+    backend.renew({("chat", "a"): "revoked"})
+    failed = await backend.admit(AdmitRequest("chat", "a", revoked, 1, policy))
+    await backend.settle(SettleRequest(failed, 0, Feedback.FAILURE, policy,  # type: ignore[arg-type]
+                                       cooldown_s=300, dead=True))
+    for n in range(12):
+        backend.renew({("chat", "a"): f"key-{n}"})
+        await trio.sleep(1.0)
+    refused = await backend.admit(AdmitRequest("chat", "a", revoked, 1, policy))
+    assert refused.reason == "dead", refused  # type: ignore[union-attr]
+    assert len(backend._state("chat", "a").retired or ()) <= 8

@@ -105,7 +105,7 @@ class _Source:
         #: calls still running on an old generation are admitted by, and feed, theirs.
         self.retired: dict[str, _Source] | None = None
 
-    def health_for(self, endpoint: str) -> _Source:
+    def health_for(self, endpoint: str, now: float) -> _Source:
         """The state whose health judges an attempt to ``endpoint``: this one, or that
         of an endpoint a renew replaced (fresh for one never seen here)."""
         if self.endpoint is None or not endpoint or endpoint == self.endpoint:
@@ -116,10 +116,10 @@ class _Source:
         health = retired.get(endpoint)
         if health is None:
             health = retired[endpoint] = _Source()
-            _bound(retired)
+            _bound(retired, now)
         return health
 
-    def retire_health(self, endpoint: str) -> None:
+    def retire_health(self, endpoint: str, now: float) -> None:
         """``endpoint`` is now in force in place of ``self.endpoint``: the old one's
         health is kept for its calls still running (see health_for), and this state's
         starts afresh -- no dead mark, no cooldown, the breaker closed and its history
@@ -136,7 +136,7 @@ class _Source:
         if self.endpoint is not None:
             retired[self.endpoint] = old
         retired.pop(endpoint, None)
-        _bound(retired)
+        _bound(retired, now)
         self.cooldown_until = self.dead_until = 0.0
         self.breaker = BreakerState.CLOSED
         self.consecutive = self.reopens = self.probes_ok = 0
@@ -167,9 +167,20 @@ _HEALTH = ("cooldown_until", "dead_until", "breaker", "consecutive", "opened_at"
 _RETIRED = 8
 
 
-def _bound(retired: dict[str, _Source]) -> None:
+def _bound(retired: dict[str, _Source], now: float) -> None:
+    """At most _RETIRED records: first dropped, those whose marks have all run out
+    (a dropped record is a fresh one if its endpoint comes back: a revoked key's live
+    dead mark must not go while its calls may still run); then the oldest."""
     while len(retired) > _RETIRED:
-        del retired[next(iter(retired))]  # the oldest
+        spent = next((key for key, health in retired.items() if _spent(health, now)), None)
+        del retired[spent if spent is not None else next(iter(retired))]
+
+
+def _spent(health: _Source, now: float) -> bool:
+    """Whether ``health`` holds nothing a fresh record would not: no dead mark or
+    cooldown running, no probe out, no breaker open for a while yet."""
+    return (health.dead_until <= now and health.cooldown_until <= now and not health.probe_out
+            and (health.breaker is not BreakerState.OPEN or health.opened_at + health.open_for <= now))
 
 
 class MemoryBackend:
@@ -217,10 +228,11 @@ class MemoryBackend:
         calls still running on the old generation keep the replaced endpoint's health,
         theirs alone: a revoked key stays dead for them, a valid one serves them, and
         what they meet there (the revoked key's 401) does not count for the new one."""
+        now = self.now()
         for key, endpoint in endpoints.items():
             state = self._state(*key)
             if state.endpoint is not None and state.endpoint != endpoint:
-                state.retire_health(endpoint)
+                state.retire_health(endpoint, now)
             state.endpoint = endpoint
         self._notify()  # (a waiter for a dead source may go now)
 
@@ -241,7 +253,7 @@ class MemoryBackend:
         # running on a generation a reload replaced, to the endpoint the reload took
         # away (see renew) -- that endpoint's: a revoked key stays dead for its calls,
         # a valid one serves them.  The quota window and permits are the source's.
-        h = s if s.endpoint is None else s.health_for(limits.endpoint)
+        h = s if s.endpoint is None else s.health_for(limits.endpoint, now)
         if h.dead_until > now:
             return Refusal(name, RefusalReason.DEAD, h.dead_until)
         if h.cooldown_until > now:
@@ -310,7 +322,7 @@ class MemoryBackend:
             entry.tokens = cost
         # The verdict is on the endpoint it was admitted to: a reload may have replaced
         # it meanwhile (see renew), and then it is that endpoint's health it feeds.
-        h = s if s.endpoint is None else s.health_for(admission.endpoint)
+        h = s if s.endpoint is None else s.health_for(admission.endpoint, now)
         if request.cooldown_s is not None and request.cooldown_s > 0:
             # A dead mark holds for its own cooldown and no longer: past it, a longer
             # ordinary cooldown (a 429's Retry-After) is one to wait out, not a failure.
