@@ -1165,3 +1165,27 @@ async def test_a_request_records_its_query_string_on_every_face() -> None:
         await client.post("/chat/completions", json=body)
     assert [(r.path, r.query) for r in fake.requests] == [
         ("/v1/chat/completions", "api-version=2024-06-01")] * 3 + [("/v1/chat/completions", "")]
+
+
+async def test_the_fake_lists_its_model_as_openai_does() -> None:
+    """A gap an application team met: an OpenAI client's first request is often
+    ``GET /v1/models`` (a health check, ``client.models.list()``), and the fake
+    answered it 404."""
+    from openai.types import Model
+
+    from polygate.testing import EventTransport
+
+    plain, named = FakeUpstream(Reply()), FakeUpstream(Reply(model="gpt-4o-mini"))
+    listed = []
+    for transport in (plain.transport(), EventTransport({"a": named})):
+        async with httpx.AsyncClient(transport=transport, base_url="http://a/v1") as client:
+            listed.append((await client.get("/models")).json())
+    async with plain.serve() as url, httpx.AsyncClient(base_url=url) as client:
+        answer = await client.get("/models")
+        assert answer.status_code == 200 and answer.json() == listed[0]
+        assert (await client.head("/models")).status_code == 200
+    assert [[Model.model_validate(m).id for m in page["data"]] for page in listed] == [
+        ["fake-model"], ["gpt-4o-mini"]]
+    assert listed[0]["object"] == "list"
+    assert [(r.method, r.path, r.status, r.outcome) for r in plain.requests][:2] == [
+        ("GET", "/v1/models", 200, "complete")] * 2

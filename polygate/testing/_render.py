@@ -27,9 +27,13 @@ import attrs
 
 from ._script import ARGUMENT_PIECE, Reply, ToolCall, split_text
 
-__all__ = ["Exchange", "FaultBytes", "Pause", "Plan", "Step", "error_reply", "json_plan", "render"]
+__all__ = [
+    "Exchange", "FaultBytes", "Pause", "Plan", "Step", "error_reply", "json_plan", "models_payload", "render",
+]
 
 _CREATED = 1_700_000_000
+#: The model a fake answers as when neither its Reply nor the request names one.
+_DEFAULT_MODEL = "fake-model"
 _FINGERPRINT = "fp_fake"
 _KEEPALIVE = b": keep-alive\n\n"
 _DONE = b"data: [DONE]\n\n"
@@ -178,6 +182,15 @@ def json_plan(status: int, payload: Any, ex: Exchange) -> Plan:
     return _fixed(status, _base_headers(Reply(), ex), 0.0, _dumps(payload).encode())
 
 
+def models_payload(model: str | None) -> dict[str, Any]:
+    """``GET /v1/models``: the model the fake answers as (``model``, else its default),
+    as OpenAI lists one."""
+    return {"object": "list", "data": [{
+        "id": model if model is not None else _DEFAULT_MODEL, "object": "model",
+        "created": _CREATED, "owned_by": "polygate-testing",
+    }]}
+
+
 def error_reply(status: int, message: str, kind: str, code: str | None) -> Reply:
     """A Reply carrying an OpenAI-style error body."""
     return Reply(status=status, error_body=_error_payload(message, kind, code))
@@ -276,7 +289,7 @@ def _model(reply: Reply, ex: Exchange) -> str:
         return reply.model
     requested = ex.body.get("model") if isinstance(ex.body, dict) else None
     if not isinstance(requested, str):
-        return "fake-model"
+        return _DEFAULT_MODEL
     # Echoed in the answer: a lone surrogate (valid JSON, no text) goes back as its
     # escape, or the answer could not be written as UTF-8.
     return requested.encode("utf-8", "backslashreplace").decode("utf-8")

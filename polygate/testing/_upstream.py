@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 import attrs
 import trio
 
-from ._render import Exchange, Plan, error_reply, json_plan, render
+from ._render import Exchange, Plan, error_reply, json_plan, models_payload, render
 from ._script import Profile, Reply
 
 if TYPE_CHECKING:
@@ -274,6 +274,12 @@ class FakeUpstream:
             del self.requests[: -self.history]
         self._in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+        if method in ("GET", "HEAD") and path.endswith("/models"):
+            # What an OpenAI client asks first (a health check, ``client.models.list()``):
+            # the one model the fake answers as, unless its Reply names another.
+            named = self._behaviour.model if isinstance(self._behaviour, Reply) else None
+            rec.status = 200
+            return json_plan(200, models_payload(named), Exchange(rec.index, self.name, path, None)), rec
         if method != "POST" or not path.endswith(("/chat/completions", "/embeddings")):
             reply = error_reply(
                 404, f"Unknown path {path!r}.", "invalid_request_error", "unknown_url"
