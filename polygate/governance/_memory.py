@@ -126,10 +126,11 @@ class _Source:
         gone -- even for an endpoint in force before (a key put back is the operator's
         fix too).  Not the quota window or the permits: the calls they count are real
         whatever they reach."""
-        old = _Source()
+        # The health moves to the record, and a new source's takes its place.
+        old, fresh = _Source(), _Source()
         for field in _HEALTH:
             setattr(old, field, getattr(self, field))
-        old.outcomes = collections.deque(self.outcomes)
+            setattr(self, field, getattr(fresh, field))
         retired = self.retired
         if retired is None:
             retired = self.retired = {}
@@ -137,12 +138,6 @@ class _Source:
             retired[self.endpoint] = old
         retired.pop(endpoint, None)
         _bound(retired, now)
-        self.cooldown_until = self.dead_until = 0.0
-        self.breaker = BreakerState.CLOSED
-        self.consecutive = self.reopens = self.probes_ok = 0
-        self.opened_at = self.open_for = 0.0
-        self.probe_out = False
-        self.outcomes.clear()
 
     def expire(self, now: float) -> None:
         # Written as ``at + WINDOW_S <= now``, the very sum a refusal reports as its
@@ -161,7 +156,7 @@ class _Source:
 #: A source's health (as against its quota window and permits): what retire_health
 #: keeps of an endpoint a renew replaced.
 _HEALTH = ("cooldown_until", "dead_until", "breaker", "consecutive", "opened_at", "open_for",
-           "reopens", "probe_out", "probes_ok")
+           "reopens", "probe_out", "probes_ok", "outcomes")
 #: The replaced endpoints' health a source keeps (a generation's calls end within its
 #: drain; a key switched back and forth needs no more).
 _RETIRED = 8

@@ -60,10 +60,8 @@ __all__ = [
 
 DONE: Final = b"data: [DONE]\n\n"
 KEEPALIVE: Final = b": keep-alive\n\n"
-_CHUNK: Final = CHUNK
-_KEPT_HEADER: Final = KEPT_HEADER
 #: The size of a header that has every field (see StreamShape._header).
-_FULL_HEADER: Final = 4 + len(_KEPT_HEADER)
+_FULL_HEADER: Final = 4 + len(KEPT_HEADER)
 
 
 def _event(payload: Any) -> bytes:
@@ -127,18 +125,18 @@ class StreamShape:
             choices = cleaned
         if not self._started:
             self._started = True
-            self._meta = self._header(raw)
+            self._meta = chunk_header(raw)
         if (meta := self._meta) is not None and len(meta) < _FULL_HEADER:
             # A fingerprint (or tier) first seen after the stream began (resumed from a
             # source that sends none onto one that does): the stream's from here on,
             # its finish chunk's too, so that a client ends with one.
-            for key in _KEPT_HEADER:
+            for key in KEPT_HEADER:
                 if key not in meta and isinstance(raw.get(key), str):
                     meta[key] = raw[key]
         if meta is not None and (
             raw.get("id") != meta["id"] or raw.get("model") != meta["model"]
-            or raw.get("created") != meta["created"] or raw.get("object") != _CHUNK
-            or any(raw.get(key) != meta[key] for key in _KEPT_HEADER if key in meta)
+            or raw.get("created") != meta["created"] or raw.get("object") != CHUNK
+            or any(raw.get(key) != meta[key] for key in KEPT_HEADER if key in meta)
         ):
             # A resumed stream's continuation (another source, another completion), or
             # a chunk with its header blank (Azure's annotations: id "", object ""):
@@ -348,8 +346,8 @@ class StreamShape:
         out = b""
         if not self._started:
             self._started = True
-            self._meta = self._header(response.raw)
-        meta = self._meta or self._header(response.raw)
+            self._meta = chunk_header(response.raw)
+        meta = self._meta or chunk_header(response.raw)
         finishing = []
         unroled: list[tuple[int, str | None]] = []
         texts = []  # finished choices the client has content None for, the answer ""
@@ -386,7 +384,7 @@ class StreamShape:
         # that no relayed chunk carried: once, on the last chunk, as the JSON answer
         # has them assembled.
         raw = response.raw
-        extras = _provider_fields(raw, self._seen) if isinstance(raw, Mapping) else {}
+        extras = provider_fields(raw, self._seen) if isinstance(raw, Mapping) else {}
         if extras:
             if not events:
                 events.append({**meta, "choices": []})
@@ -394,9 +392,6 @@ class StreamShape:
         for event in events:
             out += _event(event)
         return out + DONE
-
-    def _header(self, raw: Mapping[str, Any]) -> dict[str, Any]:
-        return chunk_header(raw)
 
 
 class _Calls:
@@ -479,7 +474,6 @@ def _with_deltas(choices: Any) -> list[dict[str, Any]] | None:
 _CHUNK_KEYS: Final = ANSWER_KEYS
 
 
-_provider_fields = provider_fields
 
 
 def string_content(choices: list[Any], key: str) -> list[Any] | None:
