@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import pytest
@@ -102,41 +101,11 @@ async def governance_idle(s: Any) -> None:
         assert state.reserved_total == state.settled_total + state.released_total, state
 
 
-@contextmanager
-def loopback(upstream: FakeUpstream) -> Iterator[str]:
+def loopback(upstream: FakeUpstream) -> AbstractContextManager[str]:
     """Serve ``upstream`` on 127.0.0.1 from a trio run in a thread of its own (real
     sockets, a separate scheduler: what a remote upstream looks like); yields its
-    base URL.  Reading its counters from the test's thread is safe (ints, GIL)."""
-    started = threading.Event()
-    state: dict[str, Any] = {}
-
-    async def serve() -> None:
-        state["token"] = trio.lowlevel.current_trio_token()
-        state["stop"] = stop = trio.Event()
-        async with upstream.serve() as url:
-            state["url"] = url
-            started.set()
-            await stop.wait()
-
-    def run() -> None:
-        try:
-            trio.run(serve)
-        except BaseException as exc:  # reported by the main thread
-            state["error"] = exc
-            started.set()
-
-    thread = threading.Thread(target=run, name="fake-upstream", daemon=True)
-    thread.start()
-    if not started.wait(10) or "error" in state:
-        raise RuntimeError(f"loopback upstream did not start: {state.get('error')!r}")
-    try:
-        yield state["url"]
-    finally:
-        state["token"].run_sync_soon(state["stop"].set)
-        thread.join(10)
-        assert not thread.is_alive()
-        if "error" in state:
-            raise state["error"]
+    base URL.  (polygate.testing's own ``serve_in_thread``.)"""
+    return upstream.serve_in_thread()
 
 
 def _new_loop(kind: str) -> asyncio.AbstractEventLoop:

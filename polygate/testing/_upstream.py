@@ -16,6 +16,7 @@ import re
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
@@ -234,6 +235,20 @@ class FakeUpstream:
 
         async with run_server(self, host, port) as url:
             yield url
+
+    def serve_in_thread(self, host: str = "127.0.0.1", port: int = 0) -> ContextManager[str]:
+        """:meth:`serve` for a test that is not in a trio run (asyncio, or synchronous):
+        ``with upstream.serve_in_thread() as base_url:``.  The server runs in a trio run
+        of its own, in a thread the block owns: it listens before the block starts, an
+        error starting it is raised here, and leaving the block stops it and joins the
+        thread.  A behaviour callable runs in that thread.  Read ``requests`` and the
+        statistics from the test's thread: a request is recorded before its answer
+        is sent, and an exchange counts as completed when the server has finished
+        it, which may be just after the client has read the answer (all are final
+        once the block is left)."""
+        from ._thread import serve_in_thread
+
+        return serve_in_thread(self, host, port)
 
     # ------------------------------------------------------------ used by the faces
 
