@@ -22,7 +22,7 @@ import json
 import re
 import sys
 from collections.abc import Callable, Iterable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 from urllib.parse import quote, unquote
 
 if sys.version_info < (3, 11):
@@ -148,16 +148,78 @@ def _base64_forms(raw: bytes) -> set[str]:
     return forms
 
 
+#: Above this many spellings, one pass of an Aho-Corasick automaton over the text
+#: beats a search of the text for each spelling (each ~8 µs a 100 KB text, the
+#: automaton's pass ~0.4 ms): a gateway with a thousand keys has ~10,000 spellings,
+#: and searched one by one they held its loop for 0.6 s over a 100 KB prompt.
+_AUTOMATON_FROM = 48
+
+
+@functools.lru_cache(maxsize=128)
+def _finder(secrets: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
+    """The spellings of ``secrets`` and, when there are many, an automaton that finds
+    them all in one pass (every source's tuple holds the same secrets in its own
+    order: one automaton serves them all)."""
+    forms = _forms(secrets)
+    if len(forms) < _AUTOMATON_FROM:
+        return forms, None
+    return forms, _automaton(frozenset(forms))
+
+
+@functools.lru_cache(maxsize=16)
+def _automaton(forms: frozenset[str]) -> Any:
+    import ahocorasick  # (C; built in ~30 ms for 5,000 spellings)
+
+    automaton = ahocorasick.Automaton()
+    for form in forms:
+        automaton.add_word(form, len(form))
+    automaton.make_automaton()
+    return automaton
+
+
+def _spans(text: str, forms: tuple[str, ...], automaton: Any) -> list[tuple[int, int]]:
+    """Where any spelling occurs in ``text``, overlapping occurrences included."""
+    if automaton is not None:
+        return [(end + 1 - size, end + 1) for end, size in automaton.iter(text)]
+    spans: list[tuple[int, int]] = []
+    for form in forms:
+        at = text.find(form)
+        while at >= 0:
+            spans.append((at, at + len(form)))
+            at = text.find(form, at + 1)
+    return spans
+
+
 def redact(text: str, secrets: Iterable[str]) -> str:
-    """``text`` with every form of every secret replaced by ``***``."""
-    for form in _forms(_key(secrets)):
-        if form in text:
-            text = text.replace(form, MASK)
-    return text
+    """``text`` with every form of every secret replaced by ``***``: each run of text
+    covered by one or more occurrences (overlapping ones too) becomes one mask."""
+    forms, automaton = _finder(_key(secrets))
+    if not forms:
+        return text
+    spans = _spans(text, forms, automaton)
+    if not spans:
+        return text
+    spans.sort()
+    pieces: list[str] = []
+    done = 0  # the text before this is written
+    start, end = spans[0]
+    for at, until in spans:
+        if at < end:  # overlaps the run so far
+            end = max(end, until)
+            continue
+        pieces += (text[done:start], MASK)
+        done, start, end = end, at, until
+    pieces += (text[done:start], MASK, text[end:])
+    return "".join(pieces)
 
 
 def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = False) -> str:
     """Redact, then shorten to ``limit`` characters (an ellipsis marks a cut).
+
+    Only the part that can be kept is redacted (the first ``limit`` characters and as
+    many more as the longest spelling of a secret, so that one that begins in the
+    kept part is found whole): an upstream's 64 KiB error message cut to 300
+    characters costs 300 characters' work, not 64 KiB's.
 
     A text that ends where it was cut (here, or earlier: ``cut=True`` says the text
     is an excerpt) may end in the first characters of a secret that no longer
@@ -170,10 +232,12 @@ def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = Fals
     characters is a message's own words: a Chinese error text, without blanks, lost
     half its length to the drop.)  Without secrets nothing is dropped.
     """
-    forms = _forms(_key(secrets))
-    for form in forms:
-        if form in text:
-            text = text.replace(form, MASK)
+    forms, _ = _finder(_key(secrets))
+    if forms:
+        window = limit + len(forms[0])  # (the longest spelling comes first)
+        if len(text) > window:
+            text, cut = text[:window], True
+        text = redact(text, secrets)
     if len(text) > limit:
         text, cut = text[:limit], True
     if cut:
