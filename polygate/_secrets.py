@@ -193,7 +193,10 @@ def _spans(text: str, forms: tuple[str, ...], automaton: Any) -> list[tuple[int,
 def redact(text: str, secrets: Iterable[str]) -> str:
     """``text`` with every form of every secret replaced by ``***``: each run of text
     covered by one or more occurrences (overlapping ones too) becomes one mask."""
-    forms, automaton = _finder(_key(secrets))
+    return _masked(text, *_finder(_key(secrets)))
+
+
+def _masked(text: str, forms: tuple[str, ...], automaton: Any) -> str:
     if not forms:
         return text
     spans = _spans(text, forms, automaton)
@@ -232,12 +235,12 @@ def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = Fals
     characters is a message's own words: a Chinese error text, without blanks, lost
     half its length to the drop.)  Without secrets nothing is dropped.
     """
-    forms, _ = _finder(_key(secrets))
+    forms, automaton = _finder(_key(secrets))
     if forms:
         window = limit + len(forms[0])  # (the longest spelling comes first)
         if len(text) > window:
             text, cut = text[:window], True
-        text = redact(text, secrets)
+        text = _masked(text, forms, automaton)
     if len(text) > limit:
         text, cut = text[:limit], True
     if cut:
