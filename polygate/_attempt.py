@@ -74,10 +74,13 @@ def _past(limit: float) -> float:
 _GRACE_MOVES_BELOW: Final = 2.0**30
 
 
-def _trace(ctx: CallContext, record: AttemptRecord) -> Sequence[tuple[str, str]]:
-    """The trace context the attempt's request carries; none unless the session traces."""
+def _added(ctx: CallContext, record: AttemptRecord) -> Sequence[tuple[str, str]]:
+    """The headers the attempt's request carries besides the source's own: its trace
+    context (none unless the session traces), and what the call's front end adds."""
     headers = ctx.runtime.trace_headers
-    return () if headers is None else headers(ctx, record)
+    if headers is None:
+        return ctx.added_headers
+    return (*headers(ctx, record), *ctx.added_headers) if ctx.added_headers else headers(ctx, record)
 
 
 class AttemptControl:
@@ -315,7 +318,7 @@ async def run_chat_attempt(
             timeline=timeline,
             on_content=on_content,
             call_id=ctx.logical_call_id,
-            trace=_trace(ctx, control.record),
+            trace=_added(ctx, control.record),
             # Only the round's consumer (a stream's caller, a hedge's monitor) waits
             # for a first token; the watchdogs above need no scheduler pass for it.
             hand_on_first_token=forward is not None,
@@ -360,7 +363,7 @@ async def run_embed_attempt(
         return await embeddings_exchange(
             ctx.runtime.transport, endpoint, inputs, ctx.params,
             limits=ctx.runtime.limits, timeline=timeline, call_id=ctx.logical_call_id,
-            trace=_trace(ctx, control.record),
+            trace=_added(ctx, control.record),
         )
 
     def usage_of(result: tuple[list[list[float]], Any]) -> Usage:

@@ -145,6 +145,14 @@ PRESET_CALL_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
+#: Headers a front end adds to every upstream request of the calls started in its
+#: context: the gateway server's ``Via`` (a request that comes back to the server that
+#: sent it on is a loop, refused at once).
+PRESET_HEADERS: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
+    "polygate_preset_headers", default=()
+)
+
+
 def new_call_id() -> str:
     """Unique across processes (random per-process tag) and cheap (a counter)."""
     preset = PRESET_CALL_ID.get()
@@ -258,6 +266,8 @@ class CallContext:
     prompt_estimate: int = 0
     completion_estimate: int = 0
     logical_call_id: str = attrs.field(factory=new_call_id)
+    #: What every attempt's request carries besides its own headers (PRESET_HEADERS).
+    added_headers: tuple[tuple[str, str], ...] = attrs.field(factory=PRESET_HEADERS.get)
     attempts: list[AttemptRecord] = attrs.field(factory=list)
     # The scopes whose hedge budget refused this call (each counted once per call: a
     # call that moved to a fallback scope is refused there on that scope's budget).

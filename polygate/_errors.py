@@ -31,7 +31,7 @@ import json
 import math
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 import httpx
 
@@ -395,6 +395,10 @@ def body_retry_after(payload: Any) -> float | None:
     return None
 
 
+#: The statuses that say the source, not the request, is wrong (see classify_status).
+_DEAD_STATUSES: Final = frozenset({401, 402, 403, 404, 407, 508})
+
+
 def classify_status(
     status: int,
     detail: str,
@@ -403,6 +407,7 @@ def classify_status(
     retry_after_s: float | None = None,
     code: str | None = None,
     hint: str | None = None,
+    should_retry: bool | None = None,
 ) -> UpstreamError:
     """Map a non-2xx HTTP status (or an error event's code) to one error class.
 
@@ -414,18 +419,26 @@ def classify_status(
     and asking again, free of ``max_attempts``, would only ask it again and again.
     ``hint`` (:func:`refusal_hint`) corrects a status the body contradicts.  A 402
     that sends ``Retry-After`` says when to ask again (OpenRouter's spending budget
-    in flight): a wait, as a 429's, not a dead source.
+    in flight): a wait, as a 429's, not a dead source.  508 (Loop Detected: a gateway
+    whose source leads back to it, ``polygate serve`` among them) is the source's
+    configuration: dead too.  ``should_retry``: the upstream's ``x-should-retry``
+    header, which the OpenAI and Anthropic SDKs obey before the status; ``False`` (a
+    gateway in front that already retried, or a request over its key's quota that
+    no wait can admit) makes what would be retried fatal.
     """
     if hint == "dead" or (status == 429 and code in OUT_OF_CREDIT_CODES):
         return SourceDeadError(detail or "out of credit", source=source, status_code=status)
     if hint in ("policy", "request"):
         return FatalUpstreamError(detail or "request refused", source=source, status_code=status)
+    if should_retry is False and status not in _DEAD_STATUSES:
+        return FatalUpstreamError(
+            detail or "refused, not to be retried", source=source, status_code=status)
     if status == 429 or (status == 402 and retry_after_s is not None):
         return RateLimitedError(
             detail or "rate limited", source=source, status_code=status,
             retry_after_s=retry_after_s,
         )
-    if status in (401, 402, 403, 404, 407):
+    if status in _DEAD_STATUSES:
         return SourceDeadError(detail or "source rejected us", source=source, status_code=status)
     if status in (408, 409, 425) or status in _SERVER_4XX or status >= 500 or status < 400:
         return TransientUpstreamError(

@@ -33,7 +33,7 @@ import trio
 
 from .._bugs import log_bug
 from .._config import Settings
-from .._context import PRESET_CALL_ID, fresh_call_id
+from .._context import PRESET_CALL_ID, PRESET_HEADERS, fresh_call_id
 from .._errors import ConfigError, PolygateError
 from .._json import MAX_DEPTH, loads, nested_deeper
 from .._key_quota import KeyQuotas, KeyRefusal
@@ -200,6 +200,10 @@ def _model(name: str) -> dict[str, Any]:
 
 class _State(Protocol):
     draining: bool
+    #: The server's name in ``Via`` (``polygate-`` and 12 hex digits, drawn at start),
+    #: and its entry there (``1.1 polygate-…``).
+    via: str
+    via_line: str
 
 
 @attrs.define(eq=False)
@@ -382,6 +386,10 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
         if listed is None or (reach is not None and listed not in reach):
             return path, await _fail(ctx, _unknown_model(name))
         return path, await _send_json(ctx, 200, dump(_model(name)))
+    via = request.headers.get("via")
+    passed = _VIA_NONE if via is None else _gateways_passed(via)
+    if ctx.state.via in passed or len(passed) >= MAX_HOPS:
+        return path, await _fail(ctx, _loop(ctx.state.via in passed, len(passed)))
     body = _parse_body(request.body)
     if isinstance(body, ErrorReply):
         return path, await _fail(ctx, body)
@@ -405,9 +413,48 @@ async def _route(ctx: Context, request: Request) -> tuple[str, int]:
         )
     handler = _embeddings if embeddings else _chat
     key = gateway.limited(who)
-    if key is None:
-        return path, await handler(ctx, scope, body, _Charge())
-    return path, await _charged(ctx, handler, scope, body, key)
+    # The call's requests name this gateway after those the request came through.
+    added = PRESET_HEADERS.set(
+        (("via", ctx.state.via_line),) if not passed
+        else (("via", ", ".join([*(f"1.1 {name}" for name in passed), ctx.state.via_line])),))
+    try:
+        if key is None:
+            return path, await handler(ctx, scope, body, _Charge())
+        return path, await _charged(ctx, handler, scope, body, key)
+    finally:
+        PRESET_HEADERS.reset(added)
+
+
+#: The most polygate gateways a request may have come through (its ``Via``): a chain
+#: longer than this is a loop through gateways that do not all see each other.
+MAX_HOPS: Final = 8
+#: A gateway's name in ``Via``: what this server writes (``_State.via``).
+_VIA_NAME: Final = re.compile(r"polygate-[0-9a-f]{12}")
+_VIA_NONE: Final[tuple[str, ...]] = ()
+
+
+def _gateways_passed(via: str) -> tuple[str, ...]:
+    """The polygate gateways named in a request's ``Via`` (RFC 9110 7.6.3: a list of
+    ``protocol received-by [comment]``), in order; other proxies' entries are left."""
+    names = []
+    for entry in via.split(","):
+        parts = entry.split()
+        if len(parts) >= 2 and _VIA_NAME.fullmatch(parts[1]):
+            names.append(parts[1])
+    return tuple(names)
+
+
+def _loop(here: bool, hops: int) -> ErrorReply:
+    # final: an outer gateway's retry would loop again.  (The library reads 508 as its
+    # source's configuration: dead, and the call goes on with its other sources.)
+    message = (
+        "This request has already passed through this gateway (its Via header names "
+        "it): a source of the scope leads back here. Point the source at the "
+        "upstream itself, not at a gateway that sends the request back."
+        if here else
+        f"This request has come through {hops} gateways (its Via header): a chain "
+        f"this long is taken for a loop (the most is {MAX_HOPS - 1}).")
+    return ErrorReply(508, message, "api_error", "loop_detected", final=True)
 
 
 # --------------------------------------------------------------------------- per-key quotas

@@ -168,9 +168,10 @@ class Request:
 
 
 #: Headers whose repeated lines are one list (RFC 9110 5.3: joined with commas): the
-#: trace context a traced gateway reads (W3C Baggage, Trace Context).  Any other
-#: repeated header keeps its last line.
-_LISTS: Final = frozenset({b"baggage", b"tracestate"})
+#: trace context a traced gateway reads (W3C Baggage, Trace Context), and ``Via``
+#: (a proxy between two gateways may add its own line: the gateway's loop check
+#: reads them all).  Any other repeated header keeps its last line.
+_LISTS: Final = frozenset({b"baggage", b"tracestate", b"via"})
 
 
 def _join_lists(headers: dict[str, str], lines: Sequence[tuple[bytes, bytes]]) -> None:

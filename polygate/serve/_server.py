@@ -26,6 +26,7 @@ import errno
 import importlib.util
 import ipaddress
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -214,6 +215,11 @@ class Server:
         self.url = f"http://{shown}:{self.port}"
         self.base_url = self.url + "/v1"
         self.draining = False
+        #: Its name in the ``Via`` of the requests its calls send (a request that
+        #: comes back with it is a loop: serve/_app.py).  Drawn per server, not per
+        #: process: two servers of one process may front one another.
+        self.via = f"polygate-{os.urandom(6).hex()}"
+        self.via_line = f"1.1 {self.via}"
         #: The server's block is being left: a reload's session that opens from now is
         #: retired at once (see _generation), and no reload starts.
         self._closing = False
