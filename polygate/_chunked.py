@@ -108,6 +108,19 @@ class ChunkedDecoder:
         return b"".join(out), None
 
 
+    def end_due(self) -> bytes | None:
+        """The bytes still to come of the body's plain end (``0\r\n\r\n``, and the
+        CRLF of the chunk before it if that is still due), when it could end with
+        them: between chunks, or part of the way into that end; else ``None``."""
+        if self._left or not _PLAIN_END.startswith(self._partial):
+            return None
+        return b"\r\n"[2 - self._crlf:] + _PLAIN_END[len(self._partial):]
+
+
+#: A chunked body's plain end: the last chunk, no trailers, nothing after it.
+_PLAIN_END: Final = b"0\r\n\r\n"
+
+
 def _lost_sync(got: bytes) -> None:
     raise h11.RemoteProtocolError(
         f"malformed chunk footer: {len(got)} byte(s) where CRLF was expected"

@@ -54,8 +54,8 @@ from typing import cast
 import trio
 
 __all__ = [
-    "os_reasons", "out_of", "out_of_now", "receive_when_readable", "send_all_progressing", "write_first",
-    "write_now",
+    "os_reasons", "out_of", "out_of_now", "read_now", "reads_now", "receive_when_readable",
+    "send_all_progressing", "write_first", "write_now",
 ]
 
 #: What this process (or the machine) ran out of, by the errno that says so.
@@ -201,6 +201,24 @@ async def send_all_progressing(stream: trio.SocketStream, data: bytes | memoryvi
         if now >= deadline:
             return False
     return True
+
+
+def reads_now(stream: trio.abc.ReceiveStream) -> bool:
+    """Whether :func:`read_now` can read ``stream`` (a plain socket stream, on POSIX)."""
+    return type(stream) is trio.SocketStream and _POSIX
+
+
+def read_now(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes | None:
+    """What a plain socket stream has to read right now, without waiting (up to
+    ``max_bytes``; ``b""``: the peer closed); ``None`` when nothing is there, on any
+    error, and for a stream whose bytes cannot be read so (TLS, whose records only its
+    own layer can open; any stream on Windows)."""
+    if type(stream) is not trio.SocketStream or not _POSIX:
+        return None
+    try:
+        return os.read(stream.socket.fileno(), max_bytes)  # (non-blocking: trio's sockets are)
+    except OSError:  # EAGAIN (nothing yet), a reset, EBADF (closed)
+        return None
 
 
 async def receive_when_readable(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes:

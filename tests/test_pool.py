@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import polygate
 from polygate.testing import FakeUpstream, Reply
-from polygate.transport import LeanTransport
+from polygate.transport import LeanTransport, _pool
 
 pytestmark = pytest.mark.integration
 
@@ -530,7 +530,7 @@ async def test_a_request_a_closed_connection_refused_to_take_is_sent_again(
         await closed.wait()
         (idle,) = [c for stack in transport._idle.values() for c in stack]
         await trio.lowlevel.wait_readable(idle.socket)  # the reset is here
-        monkeypatch.setattr(LeanTransport, "_usable", lambda self, conn, now: True)  # unseen
+        monkeypatch.setattr(LeanTransport, "_state", lambda self, conn, now: _pool._USABLE)  # unseen
         assert (await fetch(transport, post(url))).content == b"ok"
         assert transport.statistics().retried == 1
 
@@ -1157,7 +1157,7 @@ async def test_the_resend_after_a_stale_connection_goes_on_a_new_one(
         for stack in transport._idle.values():
             for conn in stack:
                 await trio.lowlevel.wait_readable(conn.socket)  # the resets are here
-        monkeypatch.setattr(LeanTransport, "_usable", lambda self, conn, now: True)  # unseen
+        monkeypatch.setattr(LeanTransport, "_state", lambda self, conn, now: _pool._USABLE)  # unseen
         assert (await fetch(transport, post(url))).content == b"ok"
         assert transport.statistics().retried == 1
 

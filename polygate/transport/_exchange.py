@@ -48,9 +48,9 @@ from ._head import header_of
 from ._pool import (
     SENT_EXTENSION,
     LeanTransport,
+    answered_on_close,
     body_of,
     close_now,
-    drains_on_close,
     is_lean,
     reports_sent,
 )
@@ -553,7 +553,7 @@ async def _read_sse(
                 timeline.finished_at = chunk_times[-1] if chunk_times else 0.0
         if done:
             timeline.ended_at = current_time()
-            if not drains_on_close(pieces):  # (the close below drains a lean body)
+            if not answered_on_close(pieces):  # (the close below drains a lean body)
                 await _drain_buffered(pieces, endpoint)
     finally:
         await _closed_quietly(pieces.aclose, endpoint)  # type: ignore[attr-defined]

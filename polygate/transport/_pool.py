@@ -96,13 +96,13 @@ import trio
 
 from .._chunked import ChunkedDecoder
 from .._http11 import unquoted
-from .._sockets import out_of, out_of_now, receive_when_readable, write_first
+from .._sockets import out_of, out_of_now, read_now, reads_now, receive_when_readable, write_first
 from ._head import HEAD_EXTENSION, Head, parse_head
 from ._wire import CALL_ID_HEADER
 
 __all__ = [
     "REPORTS_SENT", "SENT_EXTENSION", "LeanTransport", "PoolStatistics", "body_of", "close_now",
-    "drains_on_close", "is_lean", "reports_sent",
+    "answered_on_close", "is_lean", "reports_sent",
 ]
 
 log = logging.getLogger("polygate.transport")
@@ -249,7 +249,8 @@ def _connectable(host: str) -> str:
 class _Connection:
     """One socket, its (optional) TLS layer and its h11 state machine."""
 
-    __slots__ = ("broken", "drained", "h11", "idle_since", "key", "read_size", "socket", "stream")
+    __slots__ = ("broken", "drained", "end_due", "h11", "idle_since", "key", "read_size", "socket",
+                 "stream")
 
     def __init__(self, key: _Key, stream: trio.abc.Stream, socket: trio.socket.SocketType) -> None:
         self.key = key
@@ -262,6 +263,9 @@ class _Connection:
         #: Why the request could not all be written (the server may have answered early
         #: and closed): its answer is read all the same, the connection never reused.
         self.broken: BaseException | None = None
+        #: Idle with its last answer's end still to come: the bytes it must read first
+        #: (see LeanTransport._park_unended).
+        self.end_due: bytes | None = None
 
     def close(self) -> None:
         """Close the socket now, without I/O (no TLS close_notify): the server sees
@@ -696,23 +700,72 @@ class LeanTransport(httpx.AsyncBaseTransport):
 
     def _pop_idle(self, key: _Key) -> _Connection | None:
         """The most recently used idle connection of ``key`` that is still usable;
-        expired ones and ones the server closed are dropped on the way."""
+        expired ones and ones the server closed are dropped on the way.  One whose
+        last answer's end is still on its way (see :meth:`_park_unended`) is passed
+        over and left idle: it may serve the next call (two connections take turns
+        in a run of back-to-back calls, where each call found its predecessor's end
+        not yet come)."""
         stack = self._idle.get(key)
         if not stack:
             return None
         now = trio.current_time()
+        found = None
+        passed: list[_Connection] = []
         while stack:
             conn = stack.pop()
             self._idle_count -= 1
-            if self._usable(conn, now):
-                return conn
-            self._drop(conn)
-        return None
+            state = self._state(conn, now)
+            if state is _USABLE:
+                found = conn
+                break
+            if state is _NOT_YET:
+                passed.append(conn)
+            else:
+                self._drop(conn)
+        if passed:
+            stack += reversed(passed)
+            self._idle_count += len(passed)
+        return found
 
-    def _usable(self, conn: _Connection, now: float) -> bool:
-        """An idle connection not expired and not readable (readable while idle: EOF,
-        a reset or junk -- the server is done with it)."""
-        return now - conn.idle_since < self._expiry and not conn.socket.is_readable()
+    def _state(self, conn: _Connection, now: float) -> object:
+        """Whether an idle connection can take a request: ``_USABLE``; ``_NOT_YET``
+        (parked, its last answer's end not all here yet); or ``_GONE``: expired,
+        readable while idle (EOF, a reset or junk: the server is done with it), or
+        parked and its end not what it should be, or not come within
+        :data:`_END_WAIT_S`.  An end read whole makes it an idle connection like
+        any other."""
+        if now - conn.idle_since >= self._expiry:
+            return _GONE
+        due = conn.end_due
+        if due is not None:
+            got = read_now(conn.stream, len(due))
+            if got is None:  # nothing yet (or an error, which leaves it readable)
+                if conn.socket.is_readable() or now - conn.idle_since >= _END_WAIT_S:
+                    return _GONE
+                return _NOT_YET
+            if not got or not due.startswith(got):
+                return _GONE
+            if got != due:
+                conn.end_due = due[len(got):]
+                return _NOT_YET
+            conn.end_due = None
+        return _GONE if conn.socket.is_readable() else _USABLE
+
+    def _park_unended(self, conn: _Connection, due: bytes, keep_alive: bool) -> None:
+        """A streamed answer read to its ``[DONE]`` whose chunked end (``due``) has not
+        come yet: idle all the same, when nobody waits for a connection, and that end
+        is read before the connection is used again (:meth:`_state`).  Servers write
+        it on its own (uvicorn, and so vLLM, SGLang and LiteLLM; hypercorn, aiohttp,
+        Go), a moment after the last event: dropped, the connection cost the next
+        call a connect (and a TLS handshake).  A TLS connection's end cannot be read
+        without its layer: closed, as before.  A waiter would send its request before
+        the end is read: it gets the slot instead."""
+        if (not keep_alive or conn.broken is not None or self._closed or self._waiters
+                or not reads_now(conn.stream)):
+            self._discard(conn)
+            return
+        conn.end_due = due
+        self._put_back(conn)
 
     def close_idle(self) -> int:
         """Close every idle connection that expired or that its server closed (readable
@@ -726,7 +779,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             stack = self._idle[key]
             kept = []
             for conn in stack:
-                if self._usable(conn, now):
+                if self._state(conn, now) is not _GONE:
                     kept.append(conn)
                 else:
                     self._idle_count -= 1
@@ -1043,8 +1096,8 @@ class _Body(httpx.AsyncByteStream):
     Each read's data comes out as one piece.
     """
 
-    __slots__ = ("_chunked", "_conn", "_fast", "_keep_alive", "_left", "_method", "_pending",
-                 "_pool", "_request", "_size", "_timeout")
+    __slots__ = ("_answered", "_chunked", "_conn", "_fast", "_keep_alive", "_left", "_method",
+                 "_pending", "_pool", "_request", "_size", "_timeout")
 
     def __init__(
         self,
@@ -1060,6 +1113,8 @@ class _Body(httpx.AsyncByteStream):
     ) -> None:
         self._pool = pool
         self._conn: _Connection | None = conn
+        #: The answer it carries is complete (see answered_on_close).
+        self._answered = False
         self._method = method
         self._request = request
         self._timeout = timeout
@@ -1184,7 +1239,11 @@ class _Body(httpx.AsyncByteStream):
                 _, last = self._chunked.decode(self._pending)
                 self._pending = b""
                 if last is None:
-                    self._pool._discard(conn)
+                    due = self._chunked.end_due() if self._fast and self._answered else None
+                    if due is None:
+                        self._pool._discard(conn)
+                    else:  # (a fast body left h11's state fresh for the next exchange)
+                        self._pool._park_unended(conn, due, self._keep_alive)
                     return
                 self._chunked = None
                 self._last_chunk(conn, last)
@@ -1208,6 +1267,12 @@ class _Body(httpx.AsyncByteStream):
 
 #: A chunked body's plain end: the last chunk, no trailers, nothing after it.
 _PLAIN_END: Final = b"0\r\n\r\n"
+#: What an idle connection is (LeanTransport._state).
+_USABLE: Final = object()
+_NOT_YET: Final = object()
+_GONE: Final = object()
+#: How long a connection parked before its answer's end came waits for that end.
+_END_WAIT_S: Final = 1.0
 #: What h11 is told a fast chunked answer's head was, to read its end (see _Body).
 _CHUNKED_HEAD: Final = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
 _CHUNKED_HEAD_CLOSE: Final = (
@@ -1257,11 +1322,18 @@ def close_now(response: httpx.Response) -> bool:
     return True
 
 
-def drains_on_close(pieces: object) -> bool:
-    """Whether closing ``pieces`` (a body being iterated) reads what is left of it as
-    far as it is already here, as :func:`polygate.transport._exchange._drain_buffered`
-    would: a LeanTransport body does, without a cancel scope or a read."""
-    return type(pieces) is _Body
+def answered_on_close(pieces: object) -> bool:
+    """For a body whose answer is complete (its ``[DONE]`` read): whether closing
+    ``pieces`` reads what is left of it as far as it is already here, as
+    :func:`polygate.transport._exchange._drain_buffered` would.  A LeanTransport body
+    does, without a cancel scope or a read, and is told here that its answer is
+    complete: its close then keeps the connection when only the body's plain end is
+    still to come (:meth:`LeanTransport._park_unended`), where a body closed
+    mid-answer closes its connection (the upstream stops generating)."""
+    if type(pieces) is not _Body:
+        return False
+    pieces._answered = True
+    return True
 
 
 def _read_size(response: h11.Response) -> int:
