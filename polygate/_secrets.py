@@ -95,7 +95,7 @@ def given(value: object) -> str:
     return f"a {type(value).__name__} (not shown)"
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=8)
 def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
     """Every spelling of every secret a message could carry, longest first (so a
     longer form is replaced before a shorter one that it contains)."""
@@ -150,38 +150,60 @@ def _base64_forms(raw: bytes) -> set[str]:
 
 #: Above this many spellings, one pass of an Aho-Corasick automaton over the text
 #: beats a search of the text for each spelling (each ~8 µs a 100 KB text, the
-#: automaton's pass ~0.4 ms): a gateway with a thousand keys has ~10,000 spellings,
+#: automaton's pass ~2 ms): a gateway with a thousand keys has ~10,000 spellings,
 #: and searched one by one they held its loop for 0.6 s over a 100 KB prompt.
 _AUTOMATON_FROM = 48
+#: ... and over a text at least this long: a short one (an error message, the part of
+#: one that is kept) is searched for each spelling, ~10 ms for the ~100,000 spellings
+#: of ten thousand keys, where building their automaton takes ~0.3 s.
+_AUTOMATON_TEXT = 4096
+#: The automaton holds each spelling's last characters, not the whole of it: a
+#: spelling's end is its secret's random end (keys share their start, "sk-proj-…",
+#: and so do their hex, percent and base64 spellings), and a whole-spelling automaton
+#: of ten thousand keys took 230 MB and 1.1 s to build, this one 17 MB and 0.3 s.
+#: Each place the automaton finds is checked against the whole spellings.
+_TAIL = 12
 
 
 @functools.lru_cache(maxsize=128)
-def _finder(secrets: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
-    """The spellings of ``secrets`` and, when there are many, an automaton that finds
-    them all in one pass (every source's tuple holds the same secrets in its own
-    order: one automaton serves them all)."""
-    forms = _forms(secrets)
-    if len(forms) < _AUTOMATON_FROM:
-        return forms, None
-    return forms, _automaton(frozenset(forms))
+def _finder(secrets: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+    """The spellings of ``secrets``, longest first, and, when there are many, the key
+    of the automaton that finds them (the secrets as one sorted tuple: every source's
+    tuple holds the same secrets in its own order, and they share one)."""
+    same = tuple(sorted({s for s in secrets if isinstance(s, str)}))
+    forms = _forms(same)
+    return forms, (same if len(forms) >= _AUTOMATON_FROM else None)
 
 
-@functools.lru_cache(maxsize=16)
-def _automaton(forms: frozenset[str]) -> Any:
-    import ahocorasick  # (C; built in ~30 ms for 5,000 spellings)
+@functools.lru_cache(maxsize=4)
+def _automaton(secrets: tuple[str, ...]) -> Any:
+    """An automaton of the spellings' last :data:`_TAIL` characters, each with the
+    spellings that end so, longest first.  Only a few are kept (the settings in force
+    and the ones a reload replaced): a gateway whose reloads changed its keys kept one
+    of tens of megabytes for every generation."""
+    import ahocorasick  # (C)
 
+    ends: dict[str, list[str]] = {}
+    for form in _forms(secrets):  # (longest first: so is each list)
+        ends.setdefault(form[-_TAIL:], []).append(form)
     automaton = ahocorasick.Automaton()
-    for form in forms:
-        automaton.add_word(form, len(form))
+    for tail, forms in ends.items():
+        automaton.add_word(tail, tuple(forms))
     automaton.make_automaton()
     return automaton
 
 
-def _spans(text: str, forms: tuple[str, ...], automaton: Any) -> list[tuple[int, int]]:
+def _spans(text: str, forms: tuple[str, ...], key: tuple[str, ...] | None) -> list[tuple[int, int]]:
     """Where any spelling occurs in ``text``, overlapping occurrences included."""
-    if automaton is not None:
-        return [(end + 1 - size, end + 1) for end, size in automaton.iter(text)]
     spans: list[tuple[int, int]] = []
+    if key is not None and len(text) >= _AUTOMATON_TEXT:
+        for end, ending in _automaton(key).iter(text):
+            end += 1
+            for form in ending:
+                start = end - len(form)
+                if start >= 0 and text.startswith(form, start):
+                    spans.append((start, end))
+        return spans
     for form in forms:
         at = text.find(form)
         while at >= 0:
@@ -196,10 +218,10 @@ def redact(text: str, secrets: Iterable[str]) -> str:
     return _masked(text, *_finder(_key(secrets)))
 
 
-def _masked(text: str, forms: tuple[str, ...], automaton: Any) -> str:
+def _masked(text: str, forms: tuple[str, ...], key: tuple[str, ...] | None) -> str:
     if not forms:
         return text
-    spans = _spans(text, forms, automaton)
+    spans = _spans(text, forms, key)
     if not spans:
         return text
     spans.sort()
@@ -219,10 +241,12 @@ def _masked(text: str, forms: tuple[str, ...], automaton: Any) -> str:
 def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = False) -> str:
     """Redact, then shorten to ``limit`` characters (an ellipsis marks a cut).
 
-    Only the part that can be kept is redacted (the first ``limit`` characters and as
+    Only the part that can be kept is redacted: the first ``limit`` characters and as
     many more as the longest spelling of a secret, so that one that begins in the
-    kept part is found whole): an upstream's 64 KiB error message cut to 300
-    characters costs 300 characters' work, not 64 KiB's.
+    kept part is found whole.  An upstream's 64 KiB error message cut to 300
+    characters costs 300 characters' work, not 64 KiB's.  A spelling that part cut
+    short begins past ``limit``; the masks before it shortened the text by some
+    characters and brought it that much nearer the front, so that many fewer are kept.
 
     A text that ends where it was cut (here, or earlier: ``cut=True`` says the text
     is an excerpt) may end in the first characters of a secret that no longer
@@ -235,12 +259,14 @@ def clip(text: str, limit: int, secrets: Iterable[str] = (), *, cut: bool = Fals
     characters is a message's own words: a Chinese error text, without blanks, lost
     half its length to the drop.)  Without secrets nothing is dropped.
     """
-    forms, automaton = _finder(_key(secrets))
+    forms, key = _finder(_key(secrets))
     if forms:
         window = limit + len(forms[0])  # (the longest spelling comes first)
         if len(text) > window:
-            text, cut = text[:window], True
-        text = _masked(text, forms, automaton)
+            masked = _masked(text[:window], forms, key)
+            text, cut = masked[:max(0, limit - (window - len(masked)))], True
+        else:
+            text = _masked(text, forms, key)
     if len(text) > limit:
         text, cut = text[:limit], True
     if cut:

@@ -140,3 +140,46 @@ def test_a_behaviour_that_blocks_its_thread_is_reported_not_waited_out(
         for thread in _fake_threads():
             thread.join(30)
     assert _fake_threads() == []
+
+
+def test_an_interrupt_while_it_starts_leaves_no_server_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: a KeyboardInterrupt that came while the block waited for the server
+    to listen left the server running until the process ended."""
+
+    class Interrupted(threading.Event):
+        made = 0
+
+        def __init__(self) -> None:
+            super().__init__()
+            Interrupted.made += 1
+            self.first = Interrupted.made == 1  # the block's: made before its thread's own
+            self.interrupted = False
+
+        def wait(self, timeout: float | None = None) -> bool:
+            if self.first and not self.interrupted:  # the wait for the server to listen
+                self.interrupted = True
+                raise KeyboardInterrupt
+            return super().wait(timeout)
+
+    monkeypatch.setattr(_thread.threading, "Event", Interrupted)
+    with pytest.raises(KeyboardInterrupt), FakeUpstream(name="interrupted").serve_in_thread():
+        pytest.fail("the block ran")  # pragma: no cover
+    assert _fake_threads() == []
+
+
+def test_what_ended_the_server_is_raised_when_the_block_fails_for_it() -> None:
+    """Review: a behaviour that raised a BaseException (``pytest.fail``'s) ended the
+    server's run; the block then failed with its client's dropped connection, and the
+    behaviour's own message was lost."""
+
+    class Verdict(BaseException):
+        pass
+
+    def checks(request: RecordedRequest, rng: object) -> Reply:
+        raise Verdict(f"the app sent the wrong model: {request.body['model']}")
+
+    with pytest.raises(Verdict, match="wrong model: m1") as caught, \
+            FakeUpstream(checks, name="verdict").serve_in_thread() as base_url:
+        httpx.post(f"{base_url}/chat/completions", json=CHAT, timeout=10)
+    assert isinstance(caught.value.__context__, httpx.HTTPError)  # the block's own, kept
+    assert _fake_threads() == []

@@ -296,7 +296,9 @@ async def test_a_last_event_without_its_blank_line_completes_the_answer() -> Non
 
 async def test_an_answer_is_not_held_by_a_body_left_open_after_done() -> None:
     """A proxy keeps the chunked body open after ``[DONE]``: the answer returns at
-    once (it waited up to 1 s before) and the connection is closed, not pooled."""
+    once (it waited up to 1 s before).  Its connection waits idle for the body's end
+    (tests/test_pool_unended.py), never given another request while the end is
+    missing, and the idle sweep closes it once its end is a second late."""
     released = trio.Event()
 
     async def reply(stream: trio.SocketStream, head: bytes) -> None:
@@ -308,6 +310,12 @@ async def test_an_answer_is_not_held_by_a_body_left_open_after_done() -> None:
             start = trio.current_time()
             response = await s.chat(MESSAGES)
             took = trio.current_time() - start
+            assert (await s.chat(MESSAGES)).text == "hi"
+            assert server.connections == 2  # the first is passed over, its end missing
+            for stack in transport._idle.values():
+                for conn in stack:
+                    conn.idle_since -= 1.0  # both parked a second ago
+            assert transport.close_idle() == 2
             stats = transport.statistics()
         released.set()
     assert response.text == "hi"

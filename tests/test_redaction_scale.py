@@ -81,7 +81,7 @@ def test_both_ways_of_finding_the_spellings_mask_the_same_text(
     Overlapping occurrences (a secret that begins where another ends) are masked
     whole, as one run."""
     chosen = _many(tuple(secrets))
-    text = "".join(pieces)
+    text = "".join(pieces).ljust(_secrets._AUTOMATON_TEXT, "x")  # (long enough for it)
     forms = _forms(chosen)
     assert len(forms) >= _secrets._AUTOMATON_FROM
     by_automaton = redact(text, chosen)
@@ -121,3 +121,34 @@ def test_a_cut_after_masks_still_drops_a_secrets_start(limit: int) -> None:
     for form in _forms(KEYS[:8]):
         for n in range(6, len(form) + 1):
             assert form[:n] not in shown
+
+
+def test_every_order_of_the_same_secrets_shares_one_automaton_and_few_are_kept() -> None:
+    """Review: each source's tuple (its key first) had an automaton of its own, and
+    every generation's stayed cached: 24 reloads of a thousand keys grew the process
+    by 674 MB.  Now one per set of secrets, and only the last few sets'."""
+    text = PROMPT + KEYS[3]
+    first = redact(text, KEYS)
+    reordered = (KEYS[5], *KEYS[:5], *KEYS[6:])
+    assert _secrets._finder(KEYS)[1] == _secrets._finder(reordered)[1]
+    assert redact(text, reordered) == first
+    for n in range(10):  # ten reloads, each adding a tenant's key
+        redact(text, (*KEYS, f"sk-gw-tenant-{n:04d}-added-by-a-reload"))
+    assert _secrets._automaton.cache_info().currsize <= 4
+
+
+def test_a_cut_after_masks_keeps_no_start_of_a_password_with_blanks() -> None:
+    """Review: the part redacted ends at ``limit`` plus the longest spelling; masks
+    before the cut shortened it, and a password with blanks (no "last word" to drop)
+    that the window cut short showed its start ("bad value: correct horse …")."""
+    password = "correct horse battery staple"
+    secrets = _secrets.url_secrets("redis://:correct%20horse%20battery%20staple@127.0.0.1:6379/0")
+    window = 200 + len(_forms(secrets)[0])
+    unit = "bad value: " + password + "; "
+    for short in range(len(password) + 1):  # wherever the window's end cuts an occurrence
+        lead = window - len(unit * 6) - len("bad value: ") - short
+        text = "." * lead + unit * 10
+        shown = clip(text, 200, secrets)
+        assert shown.endswith("…") and len(shown) <= 201
+        for n in range(6, len(password) + 1):
+            assert password[:n] not in shown, (short, shown)

@@ -57,6 +57,12 @@ def test_full_jitter_grows() -> None:
         # Too many digits for a float: a wait past the cap, not no wait at all.
         ({"retry-after": "9" * 400}, RETRY_AFTER_CAP_S),
         ({"retry-after-ms": "9" * 400}, RETRY_AFTER_CAP_S),
+        # ASCII separators, which h11 lets through in a value and str.strip takes: the
+        # wait was matched stripped and read unstripped, a ValueError that made a 429
+        # "a malformed upstream body" (found by fuzzing, 2026-12-06).
+        ({"retry-after-ms": "\x1f2000"}, 2.0),
+        ({"retry-after-ms": "\x1e\x1d250\x1f"}, 0.25),
+        ({"retry-after": "\x1c3"}, 3.0),
     ],
 )
 def test_retry_after(headers: dict[str, str], expected: float | None) -> None:

@@ -9,6 +9,7 @@ over and the thread joined, so no server outlives the block that asked for it.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,9 @@ import trio
 
 if TYPE_CHECKING:
     from ._upstream import FakeUpstream
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["serve_in_thread"]
 
@@ -47,27 +51,48 @@ def serve_in_thread(upstream: FakeUpstream, host: str, port: int) -> Iterator[st
         try:
             trio.run(serve)
         except BaseException as exc:  # handed to the thread that owns this one
+            # The one error inside trio's nurseries' groups (a behaviour's, say) as
+            # itself: what a test's ``pytest.raises`` names.
+            while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+                exc = exc.exceptions[0]
             state["error"] = exc
         finally:
             started.set()
 
     thread = threading.Thread(target=run, name=f"polygate-fake-{upstream.name}", daemon=True)
     thread.start()
-    started.wait()
-    if "url" not in state:  # the server never listened: its own error, here
-        thread.join()
-        raise state["error"]
-    try:
-        yield state["url"]
-    finally:
-        try:
-            state["token"].run_sync_soon(state["stop"].set)
-        except trio.RunFinishedError:
-            pass  # the run already ended with an error, raised below
+
+    def stop() -> None:
+        """Stop the server (once it has started, or failed to) and join its thread."""
+        started.wait()
+        if "token" in state:
+            try:
+                state["token"].run_sync_soon(state["stop"].set)
+            except trio.RunFinishedError:
+                pass  # the run already ended, with an error or before it listened
         thread.join(_STOP_S)
         if thread.is_alive():
             raise RuntimeError(
                 f"the fake upstream {upstream.name!r} did not stop within {_STOP_S:g} s "
                 "(a behaviour callable that blocks its thread?)")
+
+    try:
+        started.wait()
+    except BaseException:  # a KeyboardInterrupt while it starts: no server is left behind
+        stop()
+        raise
+    if "url" not in state:  # the server never listened: its own error, here
+        thread.join()
+        raise state["error"]
+    try:
+        yield state["url"]
+    except BaseException:
+        stop()
+        if "error" in state:
+            # What ended the server (a behaviour that called pytest.fail, say) is what
+            # the block's failure came from: raised, with the block's as its context.
+            raise state["error"]  # noqa: B904
+        raise
+    stop()
     if "error" in state:
         raise state["error"]

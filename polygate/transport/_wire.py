@@ -468,9 +468,13 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     """Seconds to wait from ``retry-after-ms`` / ``retry-after``; ``None`` when absent
     or unparseable; clamped to ``[0, RETRY_AFTER_CAP_S]``."""
     ms = headers.get("retry-after-ms")
-    if ms is not None and _DELTA.fullmatch(ms.strip()):
-        # (Digits too many for a float read as infinity: the cap, as any wait past it.)
-        return min(float(ms) / 1000.0, RETRY_AFTER_CAP_S)
+    if ms is not None:
+        # What was matched is what is read: str.strip also takes the separator
+        # characters \x1c-\x1f, which h11 lets through in a value and float refuses.
+        ms = ms.strip()
+        if _DELTA.fullmatch(ms):
+            # (Digits too many for a float read as infinity: the cap, as any wait past it.)
+            return min(float(ms) / 1000.0, RETRY_AFTER_CAP_S)
     raw = headers.get("retry-after")
     if raw is None:
         return None
