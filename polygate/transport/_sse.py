@@ -12,6 +12,9 @@ An LLM stream is one ``data:`` line per event almost always, so events are split
 blank lines at the byte level and the JSON payload is handed on still as bytes; the
 general path (several ``data:`` lines, ``event:`` fields, comments, CR or CRLF line
 ends) follows the WHATWG rules and is checked against httpx-sse by a hypothesis test.
+One departure, on purpose: at the end of the body, a last event not followed by its
+blank line is dispatched (``flush``), where WHATWG drops it: servers end a stream with
+``data: [DONE]\n`` alone, and a cut stream's last complete chunk counts as it came.
 """
 
 from __future__ import annotations
