@@ -396,7 +396,7 @@ def body_retry_after(payload: Any) -> float | None:
 
 
 #: The statuses that say the source, not the request, is wrong (see classify_status).
-_DEAD_STATUSES: Final = frozenset({401, 402, 403, 404, 407, 508})
+_DEAD_STATUSES: Final = frozenset({401, 402, 403, 404, 407})
 
 
 def classify_status(
@@ -407,7 +407,6 @@ def classify_status(
     retry_after_s: float | None = None,
     code: str | None = None,
     hint: str | None = None,
-    should_retry: bool | None = None,
 ) -> UpstreamError:
     """Map a non-2xx HTTP status (or an error event's code) to one error class.
 
@@ -420,19 +419,17 @@ def classify_status(
     ``hint`` (:func:`refusal_hint`) corrects a status the body contradicts.  A 402
     that sends ``Retry-After`` says when to ask again (OpenRouter's spending budget
     in flight): a wait, as a 429's, not a dead source.  508 (Loop Detected: a gateway
-    whose source leads back to it, ``polygate serve`` among them) is the source's
-    configuration: dead too.  ``should_retry``: the upstream's ``x-should-retry``
-    header, which the OpenAI and Anthropic SDKs obey before the status; ``False`` (a
-    gateway in front that already retried, or a request over its key's quota that
-    no wait can admit) makes what would be retried fatal.
+    that this request has already passed through, ``polygate serve`` among them) is
+    this request's route: fatal, for this call alone.  Not the source's state: the
+    route is in the request (its ``Via``), which a client may have written itself, and
+    a source taken out for it would be taken out for every caller.
     """
     if hint == "dead" or (status == 429 and code in OUT_OF_CREDIT_CODES):
         return SourceDeadError(detail or "out of credit", source=source, status_code=status)
     if hint in ("policy", "request"):
         return FatalUpstreamError(detail or "request refused", source=source, status_code=status)
-    if should_retry is False and status not in _DEAD_STATUSES:
-        return FatalUpstreamError(
-            detail or "refused, not to be retried", source=source, status_code=status)
+    if status == 508:
+        return FatalUpstreamError(detail or "loop detected", source=source, status_code=status)
     if status == 429 or (status == 402 and retry_after_s is not None):
         return RateLimitedError(
             detail or "rate limited", source=source, status_code=status,

@@ -153,3 +153,18 @@ def test_the_end_still_due_is_what_follows_wherever_the_read_stopped() -> None:
     decoder = ChunkedDecoder()
     decoder.decode(done[:-5])  # mid-data: no end can be due yet
     assert decoder.end_due() is None
+
+
+async def test_no_more_than_two_wait_for_their_end_at_once() -> None:
+    """Review: a server whose ends came late had every request read every parked
+    connection (~330 reads a call at 8 callers); two are all the turns need."""
+    reply, release, _ = _held_ends()
+    async with raw_server(reply) as server, polygate.session(_settings(server.url)) as s:
+        for _ in range(6):
+            assert (await s.chat(MESSAGES)).text == "hi"
+        pool = _pool(s)
+        parked = [c for stack in pool._idle.values() for c in stack if c.end_due is not None]
+        assert len(parked) == 2 and pool.statistics().open == 2
+        assert server.connections == 6
+        for event in release:
+            event.set()

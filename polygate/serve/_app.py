@@ -445,8 +445,8 @@ def _gateways_passed(via: str) -> tuple[str, ...]:
 
 
 def _loop(here: bool, hops: int) -> ErrorReply:
-    # final: an outer gateway's retry would loop again.  (The library reads 508 as its
-    # source's configuration: dead, and the call goes on with its other sources.)
+    # final: an outer gateway's retry would loop again.  (The library reads 508 as
+    # fatal to this call alone: the route is in the request, which its client wrote.)
     message = (
         "This request has already passed through this gateway (its Via header names "
         "it): a source of the scope leads back here. Point the source at the "

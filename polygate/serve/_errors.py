@@ -119,6 +119,9 @@ def reply_for(exc: BaseException) -> ErrorReply:
         found = _PARAM.match(message)  # ("messages[0] must be ...": the parameter it is about)
         return ErrorReply(400, message, "invalid_request_error", "invalid_request",
                           param=found[1] if found else None)
+    if isinstance(exc, errors.FatalUpstreamError) and exc.status_code == 508:
+        # A loop further on (a ring of gateways): said as one, back to the first hop.
+        return ErrorReply(508, str(exc), "api_error", "loop_detected", final=True)
     if isinstance(exc, errors.FatalUpstreamError):
         # The upstream's own code where clients act on it: the request too long for
         # the model's context (LangChain's context-overflow handling and the SDK's

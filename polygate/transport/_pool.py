@@ -761,7 +761,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
         without its layer: closed, as before.  A waiter would send its request before
         the end is read: it gets the slot instead."""
         if (not keep_alive or conn.broken is not None or self._closed or self._waiters
-                or not reads_now(conn.stream)):
+                or not reads_now(conn.stream)
+                or sum(c.end_due is not None for c in self._idle.get(conn.key, ())) >= _PARKED_MAX):
             self._discard(conn)
             return
         conn.end_due = due
@@ -1273,6 +1274,10 @@ _NOT_YET: Final = object()
 _GONE: Final = object()
 #: How long a connection parked before its answer's end came waits for that end.
 _END_WAIT_S: Final = 1.0
+#: The most connections of one origin parked so at once: two take turns in a run of
+#: back-to-back calls, and each request looks at every one (a server that sends its
+#: ends late had every acquire read hundreds of them).
+_PARKED_MAX: Final = 2
 #: What h11 is told a fast chunked answer's head was, to read its end (see _Body).
 _CHUNKED_HEAD: Final = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
 _CHUNKED_HEAD_CLOSE: Final = (

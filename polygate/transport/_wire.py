@@ -403,11 +403,9 @@ async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None
         retry_after = body_retry_after(payload)
         if retry_after is not None:
             retry_after = min(retry_after, RETRY_AFTER_CAP_S)
-    should_retry = response.headers.get("x-should-retry")
     error = classify_status(
         status, detail, source=endpoint.name, retry_after_s=retry_after, code=code,
         hint=refusal_hint(status, payload) if payload is not None else None,
-        should_retry=False if should_retry is not None and should_retry.strip().lower() == "false" else None,
     )
     error.code = code
     error.param = error_param(payload, endpoint.secrets)
