@@ -396,7 +396,7 @@ def body_retry_after(payload: Any) -> float | None:
 
 
 #: The statuses that say the source, not the request, is wrong (see classify_status).
-_DEAD_STATUSES: Final = frozenset({401, 402, 403, 404, 407})
+_DEAD_STATUSES: Final = frozenset({401, 402, 403, 404, 407, 508})
 
 
 def classify_status(
@@ -418,18 +418,19 @@ def classify_status(
     and asking again, free of ``max_attempts``, would only ask it again and again.
     ``hint`` (:func:`refusal_hint`) corrects a status the body contradicts.  A 402
     that sends ``Retry-After`` says when to ask again (OpenRouter's spending budget
-    in flight): a wait, as a 429's, not a dead source.  508 (Loop Detected: a gateway
-    that this request has already passed through, ``polygate serve`` among them) is
-    this request's route: fatal, for this call alone.  Not the source's state: the
-    route is in the request (its ``Via``), which a client may have written itself, and
-    a source taken out for it would be taken out for every caller.
+    in flight): a wait, as a 429's, not a dead source.  508 (Loop Detected: the
+    source leads back to a gateway this request has passed through, ``polygate
+    serve`` among them) is the source's configuration: dead too.  Except ``polygate
+    serve``'s ``too_many_hops``: a chain longer than it takes, which a client can make
+    up in the request's ``Via``, fails that call alone (fatal), not the source for
+    every caller.
     """
     if hint == "dead" or (status == 429 and code in OUT_OF_CREDIT_CODES):
         return SourceDeadError(detail or "out of credit", source=source, status_code=status)
     if hint in ("policy", "request"):
         return FatalUpstreamError(detail or "request refused", source=source, status_code=status)
-    if status == 508:
-        return FatalUpstreamError(detail or "loop detected", source=source, status_code=status)
+    if status == 508 and code == "too_many_hops":
+        return FatalUpstreamError(detail or "too many hops", source=source, status_code=status)
     if status == 429 or (status == 402 and retry_after_s is not None):
         return RateLimitedError(
             detail or "rate limited", source=source, status_code=status,

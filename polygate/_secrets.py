@@ -165,14 +165,21 @@ _AUTOMATON_TEXT = 4096
 _TAIL = 12
 
 
-@functools.lru_cache(maxsize=128)
 def _finder(secrets: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
     """The spellings of ``secrets``, longest first, and, when there are many, the key
-    of the automaton that finds them (the secrets as one sorted tuple: every source's
-    tuple holds the same secrets in its own order, and they share one)."""
-    same = tuple(sorted({s for s in secrets if isinstance(s, str)}))
+    of the automaton that finds them."""
+    same = _same(secrets)
     forms = _forms(same)
     return forms, (same if len(forms) >= _AUTOMATON_FROM else None)
+
+
+@functools.lru_cache(maxsize=32)
+def _same(secrets: tuple[str, ...]) -> tuple[str, ...]:
+    """The secrets as one sorted tuple, the key of their spellings: every source's
+    tuple holds the same secrets in its own order, and they share one.  (Only the key
+    is kept here; the spellings, megabytes for thousands of keys, are kept for the
+    last few sets alone: see _forms.)"""
+    return tuple(sorted({s for s in secrets if isinstance(s, str)}))
 
 
 @functools.lru_cache(maxsize=4)

@@ -3,10 +3,12 @@
 A gateway whose source pointed back at itself turned one request into ~1,000 nested
 ones within 2 s: 2,057 descriptors, every other client refused with 503 for the
 while, and a 504 (or after 65 s a 429) that said nothing of a loop.  Now each call a
-gateway makes names it in ``Via``, a request that comes back to it is refused with
-508 ``loop_detected``, and the library reads a 508 as fatal to that call alone (the
-route is in the request, which a client may have forged: a source taken out for it
-would be taken out for every tenant), which a gateway answers as the 508 it is.
+gateway makes names it in ``Via``, and a request that comes back to it is refused
+with 508 ``loop_detected``: the library takes the source that sent it out (dead, as
+a 401: its route leads back, and no client can forge a gateway's name, which only
+its upstreams see), and a call whose every source looped is answered 508 in turn.  A
+chain too long (eight names, which a client can make up) is ``too_many_hops``:
+fatal to that call alone.
 
 Real loopback servers, real clock, generous margins."""
 
@@ -55,20 +57,39 @@ async def test_a_gateway_whose_source_is_itself_refuses_the_second_pass_at_once(
             _settings(_scopes(chat="http://127.0.0.1:9/v1", good=good)), port=0) as server:
         # The operator's typo: the gateway's own URL as the source of scope "chat".
         await server.reload(_settings(_scopes(chat=server.base_url, good=good)))
-        for n in (1, 2):
-            with trio.fail_after(10):
-                looped = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
-            assert looped.status == 508, looped
-            assert looped.headers["x-should-retry"] == "false"
-            error = looped.json()["error"]
-            assert error["code"] == "loop_detected"
-            assert "passed through this gateway" in error["message"]
-            # Each call went round once: the call, and the one request it sent back.
-            await wait_for(lambda n=n: _requests(server) >= 2 * n)
-            assert _statuses(server) == {508: 2 * n}
+        with trio.fail_after(10):
+            looped = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        assert looped.status == 508, looped
+        assert looped.headers["x-should-retry"] == "false"
+        error = looped.json()["error"]
+        assert error["code"] == "loop_detected"
+        assert "passed through this gateway" in error["message"]
+        # One request went round once: the call, and the one request it sent back.
+        await wait_for(lambda: _requests(server) >= 2)
+        assert _statuses(server) == {508: 2}
+        # The looping source is dead now: the next call does not go round at all.
+        again = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+        assert again.status == 502 and "dead" in again.json()["error"]["message"]
+        await wait_for(lambda: _requests(server) >= 3)
+        assert _statuses(server) == {508: 2, 502: 1}
         # Another scope is served all along.
         other = await http(server, "POST", "/v1/chat/completions", {**CHAT, "model": "good"}, AUTH)
         assert other.status == 200 and other.json()["choices"][0]["message"]["content"] == "fine"
+
+
+async def test_a_looping_source_beside_a_healthy_one_fails_no_call() -> None:
+    """Second review: a 508 read as fatal stopped the call at the looping source,
+    and about half the calls failed for as long as the typo stayed."""
+    upstream = FakeUpstream(Reply(text="fine"))
+    async with upstream.serve() as good, open_server(
+            _settings(_scopes(chat=good)), port=0) as server:
+        both = polygate.Scope(sources=[
+            polygate.Source(name="typo", base_url=server.base_url, api_key=GATEWAY_KEY, model="chat"),
+            polygate.Source(name="real", base_url=good, api_key=GATEWAY_KEY, model="chat")])
+        await server.reload(_settings({"chat": both}))
+        for _ in range(12):
+            answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+            assert answer.status == 200, answer
 
 
 async def test_two_gateways_that_point_at_each_other_stop_at_once() -> None:
@@ -114,6 +135,7 @@ async def test_a_forged_via_fails_its_own_request_and_no_other() -> None:
             open_server(_settings(_scopes(chat=inner.base_url)), port=0) as outer:
         refused = await http(outer, "POST", "/v1/chat/completions", CHAT, {**AUTH, "via": forged})
         assert refused.status == 508, refused
+        assert refused.json()["error"]["code"] == "too_many_hops"
         for _ in range(3):
             served = await http(outer, "POST", "/v1/chat/completions", CHAT, AUTH)
             assert served.status == 200, served
@@ -180,18 +202,19 @@ async def test_a_chain_as_long_as_the_limit_is_refused_as_a_loop() -> None:
         refused = await http(server, "POST", "/v1/chat/completions", CHAT,
                              {**AUTH, "via": ", ".join(names)})
     assert ok.status == 200, ok
-    assert refused.status == 508 and refused.json()["error"]["code"] == "loop_detected"
+    assert refused.status == 508 and refused.json()["error"]["code"] == "too_many_hops"
     assert len(upstream.requests) == 1
 
 
-@pytest.mark.parametrize(("status", "expected"), [
-    (508, polygate.FatalUpstreamError),  # the request's route: fatal to its call alone
-    (503, polygate.TransientUpstreamError),
-    (429, polygate.RateLimitedError),
-    (401, polygate.SourceDeadError),
+@pytest.mark.parametrize(("status", "code", "expected"), [
+    (508, "loop_detected", polygate.SourceDeadError),  # its route leads back: the source's
+    (508, None, polygate.SourceDeadError),  # another gateway's loop detection (Cloudflare's)
+    (508, "too_many_hops", polygate.FatalUpstreamError),  # maybe made up: this call alone
+    (503, None, polygate.TransientUpstreamError),
+    (429, None, polygate.RateLimitedError),
 ])
-def test_how_a_loop_is_classified(status: int, expected: type[Exception]) -> None:
+def test_how_a_loop_is_classified(status: int, code: str | None, expected: type[Exception]) -> None:
     from polygate._errors import classify_status
 
-    error = classify_status(status, "text", source="s")
+    error = classify_status(status, "text", source="s", code=code)
     assert type(error) is expected and error.status_code == status

@@ -445,8 +445,11 @@ def _gateways_passed(via: str) -> tuple[str, ...]:
 
 
 def _loop(here: bool, hops: int) -> ErrorReply:
-    # final: an outer gateway's retry would loop again.  (The library reads 508 as
-    # fatal to this call alone: the route is in the request, which its client wrote.)
+    # final: an outer gateway's retry would loop again.  The library reads the two
+    # apart (polygate._errors.classify_status): a request that came back here names
+    # this server, whose name only its upstreams see, so no client can forge it, and
+    # the source that sent it is taken out (``loop_detected``, dead); a chain too long
+    # may be a client's made-up names, and fails its own call alone (``too_many_hops``).
     message = (
         "This request has already passed through this gateway (its Via header names "
         "it): a source of the scope leads back here. Point the source at the "
@@ -454,7 +457,8 @@ def _loop(here: bool, hops: int) -> ErrorReply:
         if here else
         f"This request has come through {hops} gateways (its Via header): a chain "
         f"this long is taken for a loop (the most is {MAX_HOPS - 1}).")
-    return ErrorReply(508, message, "api_error", "loop_detected", final=True)
+    return ErrorReply(508, message, "api_error", "loop_detected" if here else "too_many_hops",
+                      final=True)
 
 
 # --------------------------------------------------------------------------- per-key quotas

@@ -120,8 +120,8 @@ def reply_for(exc: BaseException) -> ErrorReply:
         return ErrorReply(400, message, "invalid_request_error", "invalid_request",
                           param=found[1] if found else None)
     if isinstance(exc, errors.FatalUpstreamError) and exc.status_code == 508:
-        # A loop further on (a ring of gateways): said as one, back to the first hop.
-        return ErrorReply(508, str(exc), "api_error", "loop_detected", final=True)
+        # A chain too long further on: said as such, back to the first hop.
+        return ErrorReply(508, str(exc), "api_error", "too_many_hops", final=True)
     if isinstance(exc, errors.FatalUpstreamError):
         # The upstream's own code where clients act on it: the request too long for
         # the model's context (LangChain's context-overflow handling and the SDK's
@@ -143,6 +143,10 @@ def reply_for(exc: BaseException) -> ErrorReply:
         if failed and all(e.exhausted == "memory" for e in failed):
             # Not the sources': this process could not hold the request or the answer.
             return ErrorReply(503, OUT_OF_MEMORY, "api_error", "out_of_memory")
+        if failed and all(e.status_code == 508 for e in failed):
+            # Every source led back (a ring of gateways): a loop, said as one to the hop
+            # before, which takes this gateway out in turn, and so on back to the first.
+            return ErrorReply(508, str(exc), "api_error", "loop_detected", final=True)
         wait = rate_limited_for(exc)
         if wait is not None:
             return ErrorReply(
