@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import threading
 
 import httpx
@@ -15,6 +16,9 @@ import pytest
 import polygate
 import polygate.aio
 from polygate.testing import FakeUpstream, RecordedRequest, Reply, _thread
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 pytestmark = pytest.mark.integration
 
@@ -183,3 +187,39 @@ def test_what_ended_the_server_is_raised_when_the_block_fails_for_it() -> None:
         httpx.post(f"{base_url}/chat/completions", json=CHAT, timeout=10)
     assert isinstance(caught.value.__context__, httpx.HTTPError)  # the block's own, kept
     assert _fake_threads() == []
+
+
+async def test_a_behaviours_own_error_survives_the_server_stopping_as_it_leaves() -> None:
+    """CI (the floors' run): the error above was lost one run in five.  A behaviour's
+    BaseException left its connection's task through trio's close of the connection,
+    a checkpoint; a stop of the server that landed there replaced it with Cancelled,
+    which the stop absorbed.  Here the block leaves exactly then: the behaviour wakes
+    it and raises, and the block's task runs at that checkpoint."""
+    import trio
+
+    class Verdict(BaseException):
+        pass
+
+    reached = trio.Event()
+
+    def checks(request: RecordedRequest, rng: object) -> Reply:
+        reached.set()
+        raise Verdict("the app sent the wrong model")
+
+    caught: BaseException | None = None
+    try:
+        async with FakeUpstream(checks, name="race").serve() as base_url:
+            host, port = base_url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+            client = await trio.open_tcp_stream(host, int(port))
+            body = b'{"model": "m1", "messages": []}'
+            await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            await reached.wait()
+    except BaseException as exc:  # the test is about which one
+        caught = exc
+    finally:
+        await client.aclose()
+    leaves = [caught]
+    while leaves and isinstance(leaves[0], BaseExceptionGroup):
+        leaves = list(leaves[0].exceptions)
+    assert any(isinstance(e, Verdict) for e in leaves), repr(caught)

@@ -65,9 +65,15 @@ async def run_server(upstream: FakeUpstream, host: str, port: int) -> AsyncItera
     bound = listeners[0].socket.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     failure: BaseException | None = None
+    # What ended a connection's task that no handler takes (a behaviour's
+    # BaseException, pytest.fail's): trio closes the connection in a ``finally``
+    # (serve_listeners), and a stop of the server that lands there replaces that
+    # error with its Cancelled, which the stop then absorbs.  Kept here, it is raised
+    # as the server stops.
+    escaped: list[BaseException] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
-            partial(trio.serve_listeners, partial(_serve_connection, upstream), listeners)
+            partial(trio.serve_listeners, partial(_serve_connection, upstream, escaped), listeners)
         )
         try:
             yield f"http://{shown}:{bound}/v1"
@@ -77,12 +83,16 @@ async def run_server(upstream: FakeUpstream, host: str, port: int) -> AsyncItera
             nursery.cancel_scope.cancel()
     if failure is not None:
         raise failure
+    if escaped:
+        raise escaped[0]
 
 
 log = logging.getLogger("polygate.testing")
 
 
-async def _serve_connection(upstream: FakeUpstream, stream: trio.SocketStream) -> None:
+async def _serve_connection(
+    upstream: FakeUpstream, escaped: list[BaseException], stream: trio.SocketStream,
+) -> None:
     upstream.connections += 1
     async with stream:
         try:
@@ -95,6 +105,11 @@ async def _serve_connection(upstream: FakeUpstream, stream: trio.SocketStream) -
             # that serves it.
             log.exception("%s: answering a request failed; its connection is closed",
                           upstream.name)
+        except trio.Cancelled:
+            raise
+        except BaseException as exc:  # (see run_server)
+            escaped.append(exc)
+            raise
 
 
 class _Connection:
