@@ -27,7 +27,7 @@ from typing import Final
 
 import h11
 
-__all__ = ["ChunkedDecoder"]
+__all__ = ["PLAIN_END", "ChunkedDecoder"]
 
 #: A chunk-size line without its CRLF (h11's ``chunk_header``): the size, then either
 #: extensions (the blanks after them are theirs) or blanks.  Not h11's spelling,
@@ -107,18 +107,17 @@ class ChunkedDecoder:
             return out[0], None
         return b"".join(out), None
 
-
     def end_due(self) -> bytes | None:
         """The bytes still to come of the body's plain end (``0\r\n\r\n``, and the
         CRLF of the chunk before it if that is still due), when it could end with
         them: between chunks, or part of the way into that end; else ``None``."""
-        if self._left or not _PLAIN_END.startswith(self._partial):
+        if self._left or not PLAIN_END.startswith(self._partial):
             return None
-        return b"\r\n"[2 - self._crlf:] + _PLAIN_END[len(self._partial):]
+        return b"\r\n"[2 - self._crlf:] + PLAIN_END[len(self._partial):]
 
 
 #: A chunked body's plain end: the last chunk, no trailers, nothing after it.
-_PLAIN_END: Final = b"0\r\n\r\n"
+PLAIN_END: Final = b"0\r\n\r\n"
 
 
 def _lost_sync(got: bytes) -> None:

@@ -97,8 +97,9 @@ def given(value: object) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
-    """Every spelling of every secret a message could carry, longest first (so a
-    longer form is replaced before a shorter one that it contains)."""
+    """Every spelling of every secret a message could carry, longest first (``clip``
+    reads the longest as the first, and each of the automaton's lists keeps the
+    order)."""
     found: set[str] = set()
     for secret in secrets:
         if not isinstance(secret, str) or len(secret) < MIN_SECRET_LEN:

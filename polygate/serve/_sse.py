@@ -474,8 +474,6 @@ def _with_deltas(choices: Any) -> list[dict[str, Any]] | None:
 _CHUNK_KEYS: Final = ANSWER_KEYS
 
 
-
-
 def string_content(choices: list[Any], key: str) -> list[Any] | None:
     """``choices`` with each ``message``/``delta`` (``key``) content that is neither a
     string nor null blanked to ``""``, and each ``finish_reason`` that is neither a

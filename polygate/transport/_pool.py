@@ -94,7 +94,7 @@ import h11
 import httpx
 import trio
 
-from .._chunked import ChunkedDecoder
+from .._chunked import PLAIN_END, ChunkedDecoder
 from .._http11 import unquoted
 from .._sockets import out_of, out_of_now, read_now, reads_now, receive_when_readable, write_first
 from ._head import HEAD_EXTENSION, Head, parse_head
@@ -1205,7 +1205,7 @@ class _Body(httpx.AsyncByteStream):
         """The bytes from a chunked body's last-chunk line on: its end, here, when
         fast and plain; else h11's (a fast body's replayed behind a stand-in head)."""
         if self._fast:
-            if last == _PLAIN_END:
+            if last == PLAIN_END:
                 self._left = 0
                 return
             self._fast = False
@@ -1266,8 +1266,6 @@ class _Body(httpx.AsyncByteStream):
         self._pool._discard(conn)
 
 
-#: A chunked body's plain end: the last chunk, no trailers, nothing after it.
-_PLAIN_END: Final = b"0\r\n\r\n"
 #: What an idle connection is (LeanTransport._state).
 _USABLE: Final = object()
 _NOT_YET: Final = object()
