@@ -68,5 +68,5 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[bench,serve]")
     for script in ("overhead.py", "tail_replay.py", "peers.py", "scale.py", "structured.py", "ocr.py",
                    "cache.py", "sse_hostile.py", "serve.py", "aio.py", "instructions.py",
-                   "large_request.py"):
+                   "large_request.py", "gc_pauses.py"):
         session.run("python", f"benchmarks/{script}", "--quick", *session.posargs)

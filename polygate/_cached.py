@@ -36,7 +36,7 @@ from typing import Any, Final, TypeVar
 import attrs
 import trio
 
-from ._call import Rounds, one_error, run_chat, run_embed
+from ._call import Rounds, one_apart, run_chat, run_embed
 from ._context import CallContext, Runtime
 from ._errors import (
     AllSourcesExhausted,
@@ -880,8 +880,10 @@ async def cached_embed(
                 async with trio.open_nursery() as nursery:
                     start(nursery, stale, refresh=True)
         except BaseExceptionGroup as group:
-            raise one_error(group) from group
-        return _embedding(call, inputs, keys, found, call.runs, fetched)
+            error, rest = one_apart(group)
+        else:
+            return _embedding(call, inputs, keys, found, call.runs, fetched)
+        raise error from rest  # (outside the handler: see one_apart)
 
     result: EmbeddingResponse = await _guard(call, body)
     return result

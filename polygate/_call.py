@@ -80,7 +80,7 @@ from .governance import (
 )
 from .transport import Endpoint, Timeline, message_text
 
-__all__ = ["Rounds", "call_stats", "every_error", "one_error", "run_chat", "run_embed"]
+__all__ = ["Rounds", "call_stats", "every_error", "one_apart", "one_error", "run_chat", "run_embed"]
 
 T = TypeVar("T")
 
@@ -148,7 +148,7 @@ async def _with_deadline(
                     raise trio.TooSlowError
                 return result
         except BaseExceptionGroup as group:
-            raise one_error(group) from group
+            error, rest = one_apart(group)
         except trio.TooSlowError:
             # A stream the deadline cut: its statistics are the committed attempt's, as
             # far as it got (the source the caller's text came from, its first token).
@@ -160,6 +160,8 @@ async def _with_deadline(
                 f"({frozen.attempts} attempt(s), scope {ctx.scope_name!r})",
                 call_stats=frozen,
             ) from None
+        # (Raised outside the handler: inside it, the group would become its context.)
+        raise error from rest
     except ConfigError as exc:
         if not ctx.attempts:
             raise  # the caller's arguments (an OCR page out of range): not a call's outcome
@@ -715,6 +717,7 @@ async def run_chat(
         # The errors of the scopes this round left for a fallback: the last scope's
         # AllSourcesExhausted lists them first, in the order they happened.
         earlier: list[UpstreamError] = []
+        stopped: UpstreamError | None = None
         while True:
             try:
                 record, result = await _retry_loop(
@@ -729,29 +732,32 @@ async def run_chat(
                         failure.error.call_stats = call_stats(
                             ctx, failure.record, trio.current_time(), segments
                         )
-                    raise _committed_error(failure.error, shown) from None
-                # Continue the answer elsewhere: the failed source goes to the back.
-                if failure.record is not None:
-                    segments.append(failure.record)
-                    segment_chars.append(_shown_chars(shown, forward) - sum(segment_chars))
-                failed = failure.error.source
-                onward = continuation_scope(
-                    runtime.settings, ctx.scope_name, ctx.context_refused
-                ) if all(s.name == failed or s.name in refused_context(ctx)
-                         for s in ctx.scope.sources) else None
-                if onward is not None:
-                    # The scope's only source just failed: continue in its fallback
-                    # (never in one whose models refused this call's context).
-                    _move_to(ctx, onward, params)
-                    demoted = []
-                elif failed:
-                    # Behind every source that has not failed in this call, the
-                    # least recently failed first (as within a round).
-                    demoted = [*(d for d in demoted if d != failed), failed]
-                ctx.resumes = len(segments)
-                _prepare_continuation(ctx, ctx.messages, "".join(shown), _shown_chars(shown, forward),
-                                      added)
-                active = ResumedForward(forward, Stitcher("".join(shown)))
+                    # (Raised outside this handler: inside, the failure that holds it
+                    # would become its context, a cycle only the cyclic collector frees.)
+                    stopped = _committed_error(failure.error, shown)
+                else:
+                    # Continue the answer elsewhere: the failed source goes to the back.
+                    if failure.record is not None:
+                        segments.append(failure.record)
+                        segment_chars.append(_shown_chars(shown, forward) - sum(segment_chars))
+                    failed = failure.error.source
+                    onward = continuation_scope(
+                        runtime.settings, ctx.scope_name, ctx.context_refused
+                    ) if all(s.name == failed or s.name in refused_context(ctx)
+                             for s in ctx.scope.sources) else None
+                    if onward is not None:
+                        # The scope's only source just failed: continue in its fallback
+                        # (never in one whose models refused this call's context).
+                        _move_to(ctx, onward, params)
+                        demoted = []
+                    elif failed:
+                        # Behind every source that has not failed in this call, the
+                        # least recently failed first (as within a round).
+                        demoted = [*(d for d in demoted if d != failed), failed]
+                    ctx.resumes = len(segments)
+                    _prepare_continuation(ctx, ctx.messages, "".join(shown), _shown_chars(shown, forward),
+                                          added)
+                    active = ResumedForward(forward, Stitcher("".join(shown)))
             except (AllSourcesExhausted, FatalUpstreamError) as exc:
                 refused = _refused_model(ctx, exc)
                 if refused is not None and "context_length" in failure_reasons(exc):
@@ -775,6 +781,8 @@ async def run_chat(
                 earlier.extend(exc.errors if isinstance(exc, AllSourcesExhausted) else [exc])
                 _move_to(ctx, target, params)
                 demoted = []
+            if stopped is not None:
+                raise stopped from None
         if segments:
             ctx.continuation = None
             await _finish_continuation(active, record, result)
@@ -1082,6 +1090,21 @@ def one_error(group: BaseExceptionGroup[Any]) -> BaseException:
     if not errors:
         return leaves[0]
     return next((exc for exc in errors if isinstance(exc, PolygateError)), errors[0])
+
+
+def one_apart(group: BaseExceptionGroup[Any]) -> tuple[BaseException, BaseException | None]:
+    """``one_error(group)``, and what else the group held to raise it from: the group
+    without it, or ``None`` when the rest is only cancellations (the other branches cut
+    because this one failed, which says nothing more).
+
+    Raised from the whole group, the error was in a cycle with it (its cause's members
+    hold it), freed by the cyclic collector alone: raise it outside the handler, as
+    ``raise error from rest``, or the group becomes its context."""
+    error = one_error(group)
+    rest = group.split(lambda exc: exc is error)[1]
+    if rest is None or all(isinstance(exc, trio.Cancelled) for exc in _leaves(rest)):
+        return error, None
+    return error, rest
 
 
 def one_cancelled(group: BaseExceptionGroup[Any]) -> trio.Cancelled | None:

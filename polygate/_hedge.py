@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -73,6 +74,7 @@ import trio
 from ._attempt import AttemptCancelled, AttemptControl
 from ._context import AttemptRecord, CallContext, refused_context
 from ._errors import FatalUpstreamError, GovernanceBackendError, Outcome, UpstreamError
+from ._secrets import frameless
 from .governance import Admission, Governor
 from .transport import OnContent, OnExtra
 
@@ -187,8 +189,9 @@ class Round:
                 with monitor:
                     await self._monitor()
         else:
-            # Nothing to race: the primary runs in the caller's task, no nursery needed.
-            await self._run_path(self._new_path(primary, "primary"))
+            # Nothing to race: the primary runs in the caller's task, no nursery needed
+            # (and its error's context may be the exception its caller is handling).
+            await self._run_path(self._new_path(primary, "primary"), sys.exc_info()[1])
         winner = self._winner
         if winner is not None:
             if winner.early is not None:
@@ -223,13 +226,21 @@ class Round:
         self._paths.append(path)
         return path
 
-    async def _run_path(self, path: _Path) -> None:
+    async def _run_path(self, path: _Path, handled: BaseException | None = None) -> None:
+        """Run one path; ``handled``: the exception its task was handling as it
+        started (``frameless``), none for a task of the round's own."""
         try:
             path.result = await self._runner(path.admission, path.control)
         except AttemptCancelled:
             pass
         except UpstreamError as exc:
-            path.error = exc
+            # Kept without its frames: their locals (this frame's path and control, the
+            # attempt's record) lead back to it, a cycle only the cyclic collector
+            # frees, with the request it holds: for every failed attempt, also of calls
+            # that then succeed (a gateway behind 429s makes thousands a minute, and the
+            # collector's full passes stop the loop).  Raised again above, it gets the
+            # frames from there; what went wrong is in its message.
+            path.error = frameless(exc, handled=handled)
             self._failed.append(path)
             if isinstance(exc, FatalUpstreamError) and not self._decided():
                 # The request is wrong (SPEC §3: raised at once): the other paths would

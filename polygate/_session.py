@@ -34,6 +34,7 @@ from ._key_quota import KEY_SCOPE, KeyQuotas
 from ._lag import LoopLag
 from ._ocr import run_ocr
 from ._resume import first_logprobs, resumable_delta
+from ._secrets import frameless
 from ._structured import prepare
 from ._types import (
     ANSWER_KEYS,
@@ -160,6 +161,13 @@ class Session:
 
     # ------------------------------------------------------------------ calls
 
+    # A call's error leaves it without polygate's frames (from where it is raised here):
+    # their locals (the call's context, its attempts' records, the error lists) lead
+    # back to it, a cycle the cyclic collector alone frees, with the whole request, and
+    # a gateway fails many calls a second when its sources refuse them.  The message
+    # says what went wrong; the frames held secrets too (see frameless).  ``handled``:
+    # the caller's own exception, whose frames are the caller's, stays as it is.
+
     async def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -181,10 +189,14 @@ class Session:
         params = _check_params(params, own=not self._relay)
         rounds = self._rounds(scope, schema, params, reask=True)
         mode = cache_mode(cache)
-        return await cached_chat(
-            self._runtime, self._cache, mode, scope, messages, encoded, params, deadline,
-            rounds=rounds,
-        )
+        handled = sys.exc_info()[1]
+        try:
+            return await cached_chat(
+                self._runtime, self._cache, mode, scope, messages, encoded, params, deadline,
+                rounds=rounds,
+            )
+        except PolygateError as exc:
+            raise frameless(exc, handled=handled)  # noqa: B904 (the same error: see above)
 
     def stream_chat(
         self,
@@ -247,7 +259,12 @@ class Session:
             # it is refused), which needs a number to compare them with.
             raise ConfigError(f"dimensions must be a whole number > 0, got {dimensions!r}")
         mode = cache_mode(cache)
-        return await cached_embed(self._runtime, self._cache, mode, scope, list(inputs), params, deadline)
+        handled = sys.exc_info()[1]
+        try:
+            return await cached_embed(
+                self._runtime, self._cache, mode, scope, list(inputs), params, deadline)
+        except PolygateError as exc:
+            raise frameless(exc, handled=handled)  # noqa: B904 (the same error: see above)
 
     async def ocr(
         self,
@@ -272,10 +289,14 @@ class Session:
                 raise ConfigError(f"ocr() does not take {name!r} (OCR answers are neither "
                                   "cached nor schema-validated)")
         params = _check_params(params)
-        return await run_ocr(
-            self._runtime, scope, document, prompt=prompt, pages=pages, params=params,
-            deadline_s=deadline,
-        )
+        handled = sys.exc_info()[1]
+        try:
+            return await run_ocr(
+                self._runtime, scope, document, prompt=prompt, pages=pages, params=params,
+                deadline_s=deadline,
+            )
+        except PolygateError as exc:
+            raise frameless(exc, handled=handled)  # noqa: B904 (the same error: see above)
 
     def _local_counts(self) -> tuple[int, int, dict[str, int]]:
         """Telemetry rows written and dropped, and the hedges suppressed by the budget:
@@ -740,10 +761,12 @@ class ChatStream:
                 self._end_sent = True
                 # The reader, woken by the channel's close below, raises it: the first
                 # one this very exception, with its traceback (nobody raised it yet).
-                self._failure = self._unraised = exc
+                self._failed(exc)
         finally:
             send.close()  # (only now: what a reader it wakes must hear is set)
             self._runtime.streams.pop(self._producing, None)
+            # (polygate.aio's sink holds its stream, which holds this one: a cycle.)
+            self._sink = None
             # The request is done with (a stream is entered once): a caller keeps the
             # stream for its response, often until the next turn of an agent's loop,
             # and it held the whole history twice, as objects and as JSON.
@@ -768,7 +791,9 @@ class ChatStream:
             # (A reader woken by the channel's close hears it too: a delivery cut by
             # the session's closing, with the channel full, then never arrives, and
             # the first reader is the one to raise this very exception.)
-            self._failure = self._unraised = exc
+            if isinstance(exc, PolygateError):
+                frameless(exc, handled=None)  # (as a call's: see Session.chat)
+            self._failed(exc)
             await _deliver(send, StreamFailed(exc))
         else:
             if not sink.sent and (any(
@@ -792,6 +817,15 @@ class ChatStream:
             # (the channel full) sent no end, and a reader must hear the cut.
             self._end_sent = True
 
+    def _failed(self, error: BaseException) -> None:
+        # What this stream keeps of its failure, for the readers after the first, is
+        # a copy: the first raises the error itself, whose traceback then holds the
+        # reading frame, which holds this stream -- kept, a cycle the cyclic collector
+        # alone frees.  A reader of polygate.aio's takes it from the sink, not from
+        # __anext__: this stream never holds it.
+        self._failure = twin_error(error)
+        self._unraised = error if self._sink is None else None
+
     def __aiter__(self) -> ChatStream:
         return self
 
@@ -807,7 +841,7 @@ class ChatStream:
             raise PolygateError(_BLOCK_EXITED)
         await trio.lowlevel.checkpoint_if_cancelled()
         item: StreamItem
-        failed_elsewhere: BaseException | None = None
+        failed_elsewhere = False
         if self._end is not None:
             item, self._end = self._end, None
         else:
@@ -827,26 +861,36 @@ class ChatStream:
                         _BLOCK_EXITED if self._exited or not self._runtime.closed
                         else _SESSION_CLOSED
                     )
-                    raise self._failure from None
+                    raise twin_error(self._failure) from None  # (a copy: see _failed)
                 if self._failure is None:  # another task reading this stream took its end
                     raise StopAsyncIteration from None
-                failed_elsewhere = self._failure  # ... and it was a failure: raised below
-        if failed_elsewhere is not None:
-            if failed_elsewhere is self._unraised:
-                self._unraised = None
-                raise failed_elsewhere
-            # A copy for this reader, raised outside the handler above, so that it keeps
-            # the error's cause and context.
-            raise twin_error(failed_elsewhere)
+                failed_elsewhere = True  # ... and it was a failure: raised below
+        if failed_elsewhere:
+            # The error itself when no reader raised it yet, else a copy for this
+            # reader; raised outside the handler above, so that it keeps its cause and
+            # context.
+            error, self._unraised = self._unraised, None
+            if error is None:
+                assert self._failure is not None  # (failed_elsewhere: it failed)
+                error = twin_error(self._failure)
+            try:
+                raise error
+            finally:
+                del error  # (the traceback holds this frame: see _failed)
         if isinstance(item, StreamChunk):
             return item
         self._finished = True
         if isinstance(item, StreamDone):
             self.response = item.response
             raise StopAsyncIteration
-        if item.error is self._unraised:
+        error = item.error
+        del item  # (the traceback holds this frame: see _failed)
+        if error is self._unraised:
             self._unraised = None  # (raised here: a later reader gets a copy)
-        raise item.error
+        try:
+            raise error
+        finally:
+            del error
 
     def _ready(self, limit: int) -> list[StreamChunk]:
         """Up to ``limit`` chunks that have already arrived, without waiting (for

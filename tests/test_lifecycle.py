@@ -671,7 +671,8 @@ async def test_a_failure_its_session_cut_in_delivery_reaches_the_reader_as_itsel
 ) -> None:
     """Review: a stream failed behind a full channel (its failure waiting to be
     delivered) as its session closed; the cut ended the delivery, and the reader got a
-    copy of an error nobody had raised, with none of its traceback."""
+    copy of an error nobody had raised.  (Its traceback starts where the reader raised
+    it: polygate's own frames are dropped, as for every call's error, see test_gc.)"""
     import traceback
 
     up = FakeUpstream(Reply(first_token_s=0.1, inter_token_s=0.01, tokens=80,
@@ -696,8 +697,12 @@ async def test_a_failure_its_session_cut_in_delivery_reaches_the_reader_as_itsel
     await stream.__aexit__(None, None, None)
     (error,) = got
     assert isinstance(error, polygate.TransientUpstreamError)
-    frames = [frame.filename for frame in traceback.extract_tb(error.__traceback__)]
-    assert any(name.endswith("_exchange.py") for name in frames), frames
+    # The error itself: the one the stream held unraised, now raised (it keeps a copy
+    # for a later reader, not this one).
+    assert stream._unraised is None and stream._failure is not error
+    assert type(stream._failure) is type(error) and str(stream._failure) == str(error)
+    frames = [(frame.filename, frame.name) for frame in traceback.extract_tb(error.__traceback__)]
+    assert frames[-1][1] == "__anext__" and frames[-1][0].endswith("_session.py"), frames
 
 
 async def test_a_session_block_cancelled_from_outside_leaves_as_one_cancelled(

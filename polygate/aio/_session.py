@@ -156,6 +156,11 @@ def _forward(
         except asyncio.CancelledError:
             await self._cancel(job)
             raise
+        except BaseException:
+            # The call's error: its traceback holds this frame, whose job holds the
+            # future that holds the error (a cycle only the cyclic collector frees).
+            del job
+            raise
 
     functools.update_wrapper(forward, method)
     forward.__qualname__ = f"Session.{method.__name__}"
@@ -458,6 +463,11 @@ class _Owner:
             try:
                 value = await job.fn(*job.args, **job.kwargs)
             except Exception as exc:
+                if isinstance(exc, PolygateError):
+                    # Raised from the caller's await, with the frames from there: this
+                    # frame's, which the traceback would hold, holds the future that
+                    # holds the error (a cycle only the cyclic collector frees).
+                    exc.__traceback__ = None
                 if settleable(fut):
                     fut.set_exception(exc)
             else:
@@ -465,6 +475,8 @@ class _Owner:
                     fut.set_result(value)
         finally:
             job.done = True
+            # A stream's job is its method, which holds the stream, which holds the job.
+            job.fn, job.args, job.kwargs = _spent, (), {}
             if not fut.done():
                 # Cancelled from outside this job's scope: the session is closing.
                 resolve(fut, outcome.Error(PolygateError(_CLOSED_IN_FLIGHT)))
@@ -472,6 +484,11 @@ class _Owner:
                 resolve(job.waiter, outcome.Value(None))
             if self.host.driver is None:  # (linger's own first test, without a call)
                 self.host.linger()
+
+
+async def _spent() -> None:
+    """A job's function once it has run (see ``_Owner._run_job``)."""
+    raise AssertionError("a job runs once")
 
 
 # --------------------------------------------------------------------------- streams
@@ -735,9 +752,17 @@ class ChatStream:
             self._session._host.submit(space.set)
         if isinstance(item, _End):
             self._finished = True
-            if item.error is not None:
-                self._failure = item.error
-                raise item.error
+            error = item.error
+            del item
+            if error is not None:
+                # Later readers get copies of a copy: this stream must not hold what
+                # its reader raises, whose traceback holds this frame, which holds the
+                # stream (a cycle only the cyclic collector frees).
+                self._failure = twin_error(error)
+                try:
+                    raise error
+                finally:
+                    del error
             self.response = self._trio_response
             raise StopAsyncIteration
         return item
