@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import hypothesis
+import hypothesis.strategies as st
 import pydantic
 import pytest
 import trio
@@ -370,3 +373,41 @@ def test_a_float_under_a_huge_integer_multipleof_is_judged() -> None:
         pass  # 1.5 is not a multiple of 10**400: re-asked
     except ConfigError as exc:
         pytest.fail(f"the answer 1.5 was a ConfigError: {exc}")
+
+
+# --------------------------------------------------------------------------- a skeptic's benchmark
+
+# The overflow pre-check, a regular expression, ran over every answer validated at
+# ~22 ns a character: 2.5 ms for a 37 KB answer on the event loop, where pydantic's
+# whole validation took 0.7 ms.  Its replacement must find exactly what it found.
+_REGEX = re.compile(r"[eE][+]?[0-9]{3}|(?<![0-9])[0-9]{210}")
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.lists(st.one_of(
+    st.text(alphabet="0123456789eE+-. \"é\ud800", max_size=12),
+    st.integers(min_value=200, max_value=220).map(lambda n: "7" * n),
+    st.sampled_from(["e999", "E+100", "e+12", "E1000", "1e308", "1.5e-400"]),
+), max_size=12).map("".join))
+def test_the_overflow_precheck_finds_what_the_regular_expression_found(text: str) -> None:
+    assert _structured._may_overflow(text) == bool(_REGEX.search(text))
+
+
+def test_the_overflow_precheck_costs_a_fraction_of_the_regular_expressions() -> None:
+    """Measured within one run, best of seven: the pre-check of a 37 KB answer against
+    the regular expression it replaced (~6× as long here) and a reading of it."""
+    answer = json.dumps({"items": [{"name": f"item {i} of the answer, élan", "score": i * 1.5}
+                                   for i in range(900)]})
+    assert len(answer) > 36_000
+
+    def best(fn: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    regex = best(lambda: _REGEX.search(answer))
+    check = best(lambda: _structured._may_overflow(answer))
+    assert check * 2 < regex, f"pre-check {check * 1e6:.0f} µs, the expression {regex * 1e6:.0f} µs"
