@@ -856,33 +856,39 @@ async def cached_embed(
             # (one leader's flights end together) has joined the list: one batch.
             todo = pending[:]
             pending.clear()
-            start(nursery, todo, refresh=pending is apart)
+            start(nursery, todo, refresh=pending is apart)  # noqa: F821 (see the del below)
 
         try:
-            if todo:
-                async with trio.open_nursery() as nursery:
-                    start(nursery, todo)
-            stale = _stale(found, fetched)
-            if stale:
-                # Stored (or another call's) vectors of another length than this
-                # call's own from the upstream: the model behind the source changed
-                # (a `model=None` source on vLLM, Ollama).  A bad entry is a miss, never
-                # a failed call: fetched again, and stored over.
-                cache.failed(f"{len(stale)} stored vector(s) of another length than the "
-                             "upstream's now: fetched again", pause=False)
-                for key in stale:
-                    del found[key]
-                    kind = came.pop(key, None)
-                    if kind == "hit":
-                        cache.hits -= 1
-                    elif kind == "coalesced":
-                        cache.coalesced -= 1
-                async with trio.open_nursery() as nursery:
-                    start(nursery, stale, refresh=True)
-        except BaseExceptionGroup as group:
-            error, rest = one_apart(group)
-        else:
-            return _embedding(call, inputs, keys, found, call.runs, fetched)
+            try:
+                if todo:
+                    async with trio.open_nursery() as nursery:
+                        start(nursery, todo)
+                stale = _stale(found, fetched)
+                if stale:
+                    # Stored (or another call's) vectors of another length than this
+                    # call's own from the upstream: the model behind the source changed
+                    # (a `model=None` source on vLLM, Ollama).  A bad entry is a miss,
+                    # never a failed call: fetched again, and stored over.
+                    cache.failed(f"{len(stale)} stored vector(s) of another length than the "
+                                 "upstream's now: fetched again", pause=False)
+                    for key in stale:
+                        del found[key]
+                        kind = came.pop(key, None)
+                        if kind == "hit":
+                            cache.hits -= 1
+                        elif kind == "coalesced":
+                            cache.coalesced -= 1
+                    async with trio.open_nursery() as nursery:
+                        start(nursery, stale, refresh=True)
+            except BaseExceptionGroup as group:
+                error, rest = one_apart(group)
+            else:
+                return _embedding(call, inputs, keys, found, call.runs, fetched)
+        finally:
+            # start, wait_on and relead name each other (through their closure's cells):
+            # a cycle, with the call's state, that only the cyclic collector would free,
+            # every call.  (Emptying one of the cells ends it.)
+            del start
         raise error from rest  # (outside the handler: see one_apart)
 
     result: EmbeddingResponse = await _guard(call, body)

@@ -376,12 +376,17 @@ def mask_prefixes(text: str, secrets: Iterable[str]) -> str:
 _E = TypeVar("_E", bound=BaseException)
 
 
-def frameless(error: _E, *, handled: BaseException | None) -> _E:
+def frameless(
+    error: _E, *, handled: BaseException | None,
+    spare: Callable[[BaseException], bool] | None = None,
+) -> _E:
     """``error``, and the exceptions chained to it (cause, context, a group's members),
     without the frames they were raised through: raise it again and its traceback
     starts where it is raised.  ``handled`` is the exception the caller was handling
     when polygate was called (``sys.exc_info()[1]`` on the way in): the chain is the
     caller's from there on, and stays as it is (its frames are the caller's own).
+    A group's member that ``spare`` picks keeps its frames, and what is chained to it
+    (a bug in a sibling branch: where it happened is what its reader needs).
 
     A crash reporter records each frame's locals (Sentry does by default, and so does
     ``traceback.TracebackException(capture_locals=True)``): the frames that read an
@@ -399,7 +404,8 @@ def frameless(error: _E, *, handled: BaseException | None) -> _E:
         exc.__traceback__ = None
         todo += [exc.__cause__, exc.__context__]
         if isinstance(exc, BaseExceptionGroup):
-            todo += exc.exceptions
+            todo += exc.exceptions if spare is None else [
+                member for member in exc.exceptions if not spare(member)]
     return error
 
 

@@ -166,7 +166,8 @@ class Session:
     # back to it, a cycle the cyclic collector alone frees, with the whole request, and
     # a gateway fails many calls a second when its sources refuse them.  The message
     # says what went wrong; the frames held secrets too (see frameless).  ``handled``:
-    # the caller's own exception, whose frames are the caller's, stays as it is.
+    # the caller's own exception, whose frames are the caller's, stays as it is; so
+    # does a bug that rides along beside it (a branch's, in its cause's group).
 
     async def chat(
         self,
@@ -196,7 +197,7 @@ class Session:
                 rounds=rounds,
             )
         except PolygateError as exc:
-            raise frameless(exc, handled=handled)  # noqa: B904 (the same error: see above)
+            raise frameless(exc, handled=handled, spare=is_bug)  # noqa: B904 (the same error: see above)
 
     def stream_chat(
         self,
@@ -264,7 +265,7 @@ class Session:
             return await cached_embed(
                 self._runtime, self._cache, mode, scope, list(inputs), params, deadline)
         except PolygateError as exc:
-            raise frameless(exc, handled=handled)  # noqa: B904 (the same error: see above)
+            raise frameless(exc, handled=handled, spare=is_bug)  # noqa: B904 (the same error: see above)
 
     async def ocr(
         self,
@@ -296,7 +297,7 @@ class Session:
                 deadline_s=deadline,
             )
         except PolygateError as exc:
-            raise frameless(exc, handled=handled)  # noqa: B904 (the same error: see above)
+            raise frameless(exc, handled=handled, spare=is_bug)  # noqa: B904 (the same error: see above)
 
     def _local_counts(self) -> tuple[int, int, dict[str, int]]:
         """Telemetry rows written and dropped, and the hedges suppressed by the budget:
@@ -887,6 +888,12 @@ class ChatStream:
         del item  # (the traceback holds this frame: see _failed)
         if error is self._unraised:
             self._unraised = None  # (raised here: a later reader gets a copy)
+        else:
+            # A reader woken by the channel's close ran first and raised the error
+            # itself: this one gets a copy (one object raised by two tasks collects
+            # both tracebacks).
+            assert self._failure is not None
+            error = twin_error(self._failure)
         try:
             raise error
         finally:
@@ -915,6 +922,12 @@ class ChatStream:
         """The first choice's content handed to this stream so far: yielded, or queued
         for the iterator (docs/concepts.md)."""
         return "".join(self.text_parts)
+
+
+def is_bug(error: BaseException) -> bool:
+    """An exception no polygate error stands for: a bug (it keeps its frames).  (Not a
+    group: its members are judged one by one.)"""
+    return isinstance(error, Exception) and not isinstance(error, (PolygateError, BaseExceptionGroup))
 
 
 def twin_error(error: BaseException) -> BaseException:

@@ -22,12 +22,14 @@ import gc
 import itertools
 import json
 import random
+import sys
+import traceback
 import types
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import h11
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -36,6 +38,9 @@ import polygate
 import polygate.aio
 from polygate.serve import open_server
 from polygate.testing import FakeUpstream, Reply, Router
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 N = 8
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -155,7 +160,20 @@ TRIO_KINDS: dict[str, Callable[[], tuple[polygate.Settings, Any, Callable[[Any],
         _settings(retry=polygate.Retry(max_attempts=1)),
         FakeUpstream(Reply(status=400, error_body=BAD)),
         _failing(polygate.FatalUpstreamError, lambda s: s.embed(["one", "two", "three"], scope="embed"))),
+    # (The cache's embed: its closures named each other, a cycle every call, hits too.)
+    "a cached embed": lambda: (
+        _cached(_settings()), FakeUpstream(Reply()),
+        lambda s: s.embed(["one", "two", "three"], scope="embed")),
+    "a failed cached embed": lambda: (
+        _cached(_settings(retry=polygate.Retry(max_attempts=1))),
+        FakeUpstream(Reply(status=400, error_body=BAD)),
+        _failing(polygate.FatalUpstreamError, lambda s: s.embed(["one", "two"], scope="embed"))),
 }
+
+
+def _cached(settings: polygate.Settings) -> polygate.Settings:
+    return attrs.evolve(settings, cache="memory", scopes={
+        name: attrs.evolve(scope, cache_ttl_s=3600) for name, scope in settings.scopes.items()})
 
 
 async def _stream_all_within(s: Any, deadline_s: float) -> None:
@@ -196,6 +214,72 @@ async def test_a_callers_own_handled_exception_is_not_cut_from_its_frames(
     assert kept is not None
 
 
+async def test_two_readers_of_a_failed_stream_never_raise_one_object(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: a reader woken by the channel's close could run first and raise the
+    error itself, and the reader that took the failure from the channel raised it too:
+    one object raised by two tasks, its traceback collecting both.  (The two readers'
+    order is trio's scheduler's, which varies: many rounds.)"""
+    up = FakeUpstream(Reply(status=500, first_token_s=1))
+    async with polygate.session(_settings(retry=polygate.Retry(max_attempts=1)),
+                                transport=up.transport()) as s:
+        for _ in range(40):
+            got: list[BaseException] = []
+            async with s.stream_chat(MESSAGES) as stream:
+
+                async def read(
+                    stream: polygate.ChatStream = stream, got: list[BaseException] = got,
+                ) -> None:
+                    try:
+                        async for _ in stream:
+                            pass
+                    except polygate.AllSourcesExhausted as exc:
+                        got.append(exc)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read)
+                    nursery.start_soon(read)
+            first, second = got
+            assert first is not second
+            assert type(first) is type(second) and str(first) == str(second)
+
+
+async def test_a_bug_beside_the_error_keeps_its_frames(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review: the call's error leaves without polygate's frames, and so did a bug in a
+    sibling branch riding along in its cause's group: where that bug happened is what
+    its reader needs."""
+    import polygate._call
+
+    original = polygate._call.run_embed_attempt
+
+    def clean_up_with_a_bug() -> None:
+        raise RuntimeError("a bug in a branch's clean-up")
+
+    async def attempt(ctx: Any, admission: Any, control: Any, batch: list[str]) -> Any:
+        if batch == ["two"]:
+            try:
+                await trio.sleep(10)
+            except trio.Cancelled:
+                clean_up_with_a_bug()
+        return await original(ctx, admission, control, batch)
+
+    monkeypatch.setattr(polygate._call, "run_embed_attempt", attempt)
+    up = FakeUpstream(Reply(status=400, error_body=BAD))
+    async with polygate.session(_settings(retry=polygate.Retry(max_attempts=1)),
+                                transport=up.transport()) as s:
+        with pytest.raises(polygate.FatalUpstreamError) as info:
+            await s.embed(["one", "two"], scope="embed")
+    assert info.value.__traceback__ is not None
+    cause = info.value.__cause__
+    assert isinstance(cause, BaseExceptionGroup)
+    (bug,) = cause.exceptions
+    assert isinstance(bug, RuntimeError)
+    assert "clean_up_with_a_bug" in [frame.name for frame in traceback.extract_tb(bug.__traceback__)]
+
+
 # ------------------------------------------------------------------ polygate.aio
 
 AIO_KINDS: dict[str, tuple[Reply, Callable[[Any], Awaitable[Any]]]] = {
@@ -230,39 +314,47 @@ def test_an_asyncio_call_leaves_nothing_to_collect(kind: str) -> None:
 KEY = "sk-gw-gc-0123456789"
 
 
-async def _post(port: int, body: dict[str, Any]) -> int:
-    """One request on its own connection, read to its end: the answer's status."""
+async def _post(port: int, body: dict[str, Any]) -> bytes:
+    """One request on a connection it closes: the whole answer, as the server closes."""
     data = json.dumps(body).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-length: {len(data)}\r\n"
-            f"content-type: application/json\r\nauthorization: Bearer {KEY}\r\n\r\n")
-    conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method="POST", target="/", headers=[("host", "gw")]))
-    status = 0
+            f"content-type: application/json\r\nauthorization: Bearer {KEY}\r\n"
+            "connection: close\r\n\r\n")
+    got = b""
     async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
         await stream.send_all(head.encode() + data)
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                return status
+        while chunk := await stream.receive_some(65536):
+            got += chunk
+    return got
 
 
-@pytest.mark.parametrize(("status", "answer"), [(400, 400), (500, 502)])
-async def test_a_gateway_error_answer_leaves_nothing_to_collect(status: int, answer: int) -> None:
+GATEWAY_KINDS = {
+    "a 400": (Reply(status=400, error_body=BAD), False, b"400"),
+    "a 500": (Reply(status=500), False, b"502"),
+    "a stream's 400 before its commit": (Reply(status=400, error_body=BAD), True, b"400"),
+    "a stream cut after its commit": (Reply(tokens=20, fault="truncated", fault_after=5), True,
+                                      b"200"),
+    "a stream's error event": (Reply(tokens=20, fault="error_event", fault_after=5), True, b"200"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GATEWAY_KINDS))
+async def test_a_gateway_error_answer_leaves_nothing_to_collect(kind: str) -> None:
+    reply, streamed, answer = GATEWAY_KINDS[kind]
     settings = polygate.Settings(
         scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")],
                                        breaker=NOBREAK, retry=polygate.Retry(max_attempts=1))},
         serve=polygate.Serve(api_keys=[KEY]), telemetry="off")
-    up = FakeUpstream(Reply(status=status, error_body=BAD))
-    body = {"model": "chat", "messages": MESSAGES}
+    up = FakeUpstream(reply)
+    body = {"model": "chat", "messages": MESSAGES, "stream": streamed}
     async with open_server(settings, port=0, transport=up.transport()) as server:
 
         async def requests(n: int) -> None:
             for _ in range(n):
-                assert await _post(server.port, body) == answer
+                got = await _post(server.port, body)
+                assert got.startswith(b"HTTP/1.1 " + answer), got[:200]
+                if answer == b"200":
+                    assert b'"error"' in got, got[-300:]  # the stream's error event
             # The server's side of each request has ended (its connection's task saw
             # the client's close), not only the answer's bytes.
             await trio.testing.wait_all_tasks_blocked(cushion=0.05)

@@ -950,14 +950,19 @@ async def _chat_stream(
         await conn.send(conn.frame(event) + conn.end())
         return _SHUTDOWN.status
     if failure is not None:
-        if not head_sent:
-            return await _call_failed(ctx, scope, call_id, failure, charge)
-        charge.failed(failure)
-        reply = reply_for(failure)
-        stats = getattr(failure, "call_stats", None)
-        ctx.count_call(scope, stats, reply.code)
-        await conn.send(conn.frame(error_event(reply.message, reply.type, reply.code)) + conn.end())
-        return reply.status
+        try:
+            if not head_sent:
+                return await _call_failed(ctx, scope, call_id, failure, charge)
+            charge.failed(failure)
+            reply = reply_for(failure)
+            stats = getattr(failure, "call_stats", None)
+            ctx.count_call(scope, stats, reply.code)
+            await conn.send(conn.frame(error_event(reply.message, reply.type, reply.code)) + conn.end())
+            return reply.status
+        finally:
+            # Its traceback holds this frame, whose local it is: a cycle only the
+            # cyclic collector frees, with the connection, for every failed stream.
+            failure = None
     response = stream.response
     assert response is not None
     charge.answered(response.call_stats, response.usage)
