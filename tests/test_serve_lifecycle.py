@@ -746,6 +746,38 @@ async def test_a_request_pipelined_before_the_drain_is_answered_too(first: str) 
     assert b'"object":"list"' in answers[1].replace(b" ", b"")
 
 
+
+@pytest.mark.parametrize("pause_s", [0.0, 0.3])
+async def test_a_request_sent_as_a_stream_ends_in_the_drain_is_answered_too(pause_s: float) -> None:
+    """A soak: a stream whose head went out before the drain (it could not say
+    ``connection: close``) ended during it, and the client, told nothing, sent its next
+    request on the connection at once: the server had closed it unanswered (a reset,
+    or "disconnected without sending a response", for a request it never read).  The
+    connection now waits a moment (as a just-accepted one does) for a request that
+    begins in it, answered with ``connection: close``.  (Real clock, margins: the
+    drain begins 0.1 s into a stream of 0.8 s.)"""
+    async with gateway(Reply(tokens=8, inter_token_s=0.1)) as (server, _):
+        client = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with client:
+            await client.send_all(request_bytes("POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH))
+            first = await client.receive_some(65536)
+            assert first.startswith(b"HTTP/1.1 200") and b"connection: close" not in first
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.shutdown, 5)
+                with trio.fail_after(10):
+                    while not first.endswith(b"0\r\n\r\n"):
+                        more = await client.receive_some(65536)
+                        assert more, first[-300:]
+                        first += more
+                assert b"[DONE]" in first
+                await trio.sleep(pause_s)  # (a client's own pace, within the moment)
+                await client.send_all(request_bytes("GET", "/v1/models", None, AUTH))
+                rest = await read_until_closed(client, 10)
+    assert rest.startswith(b"HTTP/1.1 200"), rest[:300]
+    assert b"connection: close" in rest.split(b"\r\n\r\n")[0].lower()
+    assert b'"object":"list"' in rest.replace(b" ", b"")
+
+
 async def test_a_stop_signal_during_a_slow_reload_drains_at_once(tmp_path: Path) -> None:
     """Outside review: a reload whose new session was slow to open (its telemetry
     database accepts connections and never answers: 5 s of connect timeout) held off

@@ -342,8 +342,10 @@ class Connection:
         self, admit: Callable[[str, dict[str, str]], bool] | None = None,
         started: Callable[[], object] | None = None,
         scope: trio.CancelScope | None = None,
+        first_byte_s: float | None = None,
     ) -> Request | None:
-        """The next request, or ``None`` when the client closed or stayed idle.
+        """The next request, or ``None`` when the client closed or stayed idle
+        (``first_byte_s``: at most that long before its first byte comes).
 
         Raises :class:`HTTPProblem` for a request that is malformed, too large or too
         slow, or that ``admit(path, headers)`` refuses (a missing gateway key: refused
@@ -380,6 +382,8 @@ class Connection:
         # whole head, from its start (a first byte does not buy a second period).
         idle = bool(self.requests) and not pending
         wait = _first_byte_wait(limits, idle)
+        if first_byte_s is not None and first_byte_s < wait:
+            wait = first_byte_s
         if pending and started is not None:
             started()
             started = None

@@ -674,7 +674,10 @@ class Server:
                 request = None
                 try:
                     # (read_request enters idle, with the head's deadline: one scope.)
-                    request = await conn.read_request(admit, started=started, scope=idle)
+                    request = await conn.read_request(
+                        admit, started=started, scope=idle,
+                        # (Kept open by a drain after its answer: see _answer.)
+                        first_byte_s=_FIRST_REQUEST_S if conn.carried and not conn.pending() else None)
                 except HTTPProblem as problem:
                     landing_late, linger = begun and conn.still_sending(), True
                     await self._problem(conn, problem, begun_at if begun else None)
@@ -756,11 +759,17 @@ class Server:
             self._cuts.scopes.discard(context.stop)
             gateway.leave()
             self.metrics.in_flight -= 1
-            if self.draining and conn.pending() and conn.reusable():
+            if self.draining and conn.reusable():
                 # The next request is already here: in flight from now, before this one
                 # lands, so that a drain waiting for quiet waits for it as well.  (Not
                 # draining, the loop counts it at its first byte: no await comes
-                # between here and there, so a drain cannot begin in between.)
+                # between here and there, so a drain cannot begin in between.)  Or it
+                # may be about to come: an answer still reusable in a drain is one whose
+                # head went out before it (a stream's), which could not say close, and
+                # its client may send the next request at once.  Closed now, that request
+                # was lost unanswered (a reset, or "disconnected without a response"):
+                # the connection waits _FIRST_REQUEST_S for its first byte, as a
+                # connection just accepted does, in flight meanwhile.
                 self._in_flight += 1
                 conn.carried = True
             self._landed()
