@@ -889,7 +889,10 @@ async def cached_embed(
             # a cycle, with the call's state, that only the cyclic collector would free,
             # every call.  (Emptying one of the cells ends it.)
             del start
-        raise error from rest  # (outside the handler: see one_apart)
+        try:
+            raise error from rest  # (outside the handler: see one_apart)
+        finally:
+            del error, rest  # (its traceback holds this frame: a cycle, for a Cancelled too)
 
     result: EmbeddingResponse = await _guard(call, body)
     return result

@@ -161,7 +161,10 @@ async def _with_deadline(
                 call_stats=frozen,
             ) from None
         # (Raised outside the handler: inside it, the group would become its context.)
-        raise error from rest
+        try:
+            raise error from rest
+        finally:
+            del error, rest  # (its traceback holds this frame: a cycle, for a Cancelled too)
     except ConfigError as exc:
         if not ctx.attempts:
             raise  # the caller's arguments (an OCR page out of range): not a call's outcome

@@ -160,6 +160,13 @@ TRIO_KINDS: dict[str, Callable[[], tuple[polygate.Settings, Any, Callable[[Any],
         _settings(retry=polygate.Retry(max_attempts=1)),
         FakeUpstream(Reply(status=400, error_body=BAD)),
         _failing(polygate.FatalUpstreamError, lambda s: s.embed(["one", "two", "three"], scope="embed"))),
+    # (Review: a cancelled embed's Cancelled, raised from a frame that held it.)
+    "an embed cut by its caller": lambda: (
+        _settings(), FakeUpstream(Reply(first_token_s=5)),
+        lambda s: _cut_after(1, s.embed(["one", "two", "three"], scope="embed"))),
+    "a cached embed cut by its caller": lambda: (
+        _cached(_settings()), FakeUpstream(Reply(first_token_s=5)),
+        lambda s: _cut_after(1, s.embed(["one", "two", "three"], scope="embed"))),
     # (The cache's embed: its closures named each other, a cycle every call, hits too.)
     "a cached embed": lambda: (
         _cached(_settings()), FakeUpstream(Reply()),
@@ -169,6 +176,12 @@ TRIO_KINDS: dict[str, Callable[[], tuple[polygate.Settings, Any, Callable[[Any],
         FakeUpstream(Reply(status=400, error_body=BAD)),
         _failing(polygate.FatalUpstreamError, lambda s: s.embed(["one", "two"], scope="embed"))),
 }
+
+
+async def _cut_after(seconds: float, call: Awaitable[Any]) -> None:
+    with trio.move_on_after(seconds) as scope:
+        await call
+    assert scope.cancelled_caught
 
 
 def _cached(settings: polygate.Settings) -> polygate.Settings:

@@ -22,6 +22,7 @@ import trio
 import trio.testing
 
 import polygate
+import polygate.serve
 from polygate.testing import FakeUpstream, Reply
 
 from ._serve_kit import (
@@ -37,6 +38,7 @@ from ._serve_kit import (
     read_until_closed,
     request_bytes,
     serve_process,
+    settings_for,
     wait_for,
 )
 
@@ -776,6 +778,71 @@ async def test_a_request_sent_as_a_stream_ends_in_the_drain_is_answered_too(paus
     assert rest.startswith(b"HTTP/1.1 200"), rest[:300]
     assert b"connection: close" in rest.split(b"\r\n\r\n")[0].lower()
     assert b'"object":"list"' in rest.replace(b" ", b"")
+
+
+async def _stream_begun(port: int) -> trio.SocketStream:
+    """A client whose streamed answer's head has come (without ``connection: close``)."""
+    client = await trio.open_tcp_stream("127.0.0.1", port)
+    await client.send_all(request_bytes("POST", "/v1/chat/completions", {**CHAT, "stream": True}, AUTH))
+    first = await client.receive_some(65536)
+    assert first.startswith(b"HTTP/1.1 200") and b"connection: close" not in first
+    return client
+
+
+async def _to_the_end(client: trio.SocketStream) -> bytes:
+    got = b""
+    while not got.endswith(b"0\r\n\r\n"):
+        more = await client.receive_some(65536)
+        assert more, got[-300:]
+        got += more
+    return got
+
+
+async def test_a_stream_cut_at_the_grace_end_adds_nothing_to_the_drain() -> None:
+    """Review: a stream the grace's end cut (an error event, its framing whole) kept its
+    connection for a next request like one that ended in the grace, and the drain then
+    waited out the whole second of last words for it.  Past the grace the server is
+    stopping: it closes.  (Real clock, margins: grace 0.3 s, a stream of 10 s.)"""
+    async with gateway(Reply(tokens=100, inter_token_s=0.1)) as (server, _):
+        client = await _stream_begun(server.port)
+        async with client:
+            began = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.shutdown, 0.3)
+                got = await _to_the_end(client)
+            took = trio.current_time() - began
+    assert b"shutting_down" in got, got[-300:]
+    assert took < 0.9, f"the drain took {took:.2f} s with a grace of 0.3 s"
+
+
+@pytest.mark.parametrize(("before", "after"), [(5.0, 15.0), (75.0, 5.0)])
+async def test_a_reload_in_the_drain_keeps_a_streams_moment(before: float, after: float) -> None:
+    """Review: a reload during a drain (``Server.reload``: the command line ignores
+    SIGHUP then) re-timed the wait for a next request on a stream's connection as if
+    it had been ``idle_timeout_s`` long, not the drain's moment of 1 s: raised, the
+    drain waited ~11 s more; lowered, the connection closed at once, and the request
+    its client sent 0.3 s after the stream was lost."""
+    upstream = FakeUpstream(Reply(tokens=3, inter_token_s=0.1))
+    async with upstream.serve() as url:
+        serve = polygate.Serve(api_keys=[GATEWAY_KEY], models={"gpt-4o": "chat"}, idle_timeout_s=before)
+        async with polygate.serve.open_server(settings_for(url, serve=serve), port=0) as server:
+            client = await _stream_begun(server.port)
+            async with client:
+                with trio.fail_after(30):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(server.shutdown, 20)
+                        await _to_the_end(client)
+                        ended = trio.current_time()
+                        await wait_for(lambda: len(server._idle) == 1)  # (its wait has begun)
+                        await server.reload(settings_for(
+                            url, serve=attrs.evolve(serve, idle_timeout_s=after)))
+                        if after < before:
+                            await trio.sleep(0.3)
+                            await client.send_all(request_bytes("GET", "/v1/models", None, AUTH))
+                            rest = await read_until_closed(client, 10)
+                            assert rest.startswith(b"HTTP/1.1 200"), rest[:200]
+                    took = trio.current_time() - ended
+    assert took < 2.5, f"the drain ended {took:.1f} s after the stream (its moment: 1 s)"
 
 
 async def test_a_stop_signal_during_a_slow_reload_drains_at_once(tmp_path: Path) -> None:

@@ -291,9 +291,9 @@ def _first_byte_wait(limits: Serve, idle: bool) -> float:
 class Connection:
     """One client connection: read a request, answer it, repeat."""
 
-    __slots__ = ("body_left", "carried", "chunked", "client_gone", "cuts", "finishing", "h11",
-                 "head_only", "keep_alive", "limits", "pipelined", "requests", "responding",
-                 "stream", "writing")
+    __slots__ = ("body_left", "carried", "chunked", "client_gone", "cuts", "finishing",
+                 "first_byte_cap", "h11", "head_only", "keep_alive", "limits", "pipelined",
+                 "requests", "responding", "stream", "writing")
 
     def __init__(
         self, stream: trio.SocketStream, limits: Serve,
@@ -321,6 +321,9 @@ class Connection:
         #: The server counted the next request in flight as the last answer ended (its
         #: bytes were already here, pipelined): a drain reads and answers it too.
         self.carried = False
+        #: The most the wait for the next request's first byte may take (a drain's
+        #: moment, see read_request), or None.
+        self.first_byte_cap: float | None = None
         #: The scope of a write that waits for the client to read (see :meth:`left`).
         self.writing: trio.CancelScope | None = None
 
@@ -335,8 +338,11 @@ class Connection:
             return
         # (Called only for a wait with nothing pending: a pending request starts at once.)
         idle = bool(self.requests)
-        began = scope.deadline - _first_byte_wait(old, idle)
-        scope.deadline = began + _first_byte_wait(limits, idle)
+        before, after = _first_byte_wait(old, idle), _first_byte_wait(limits, idle)
+        cap = self.first_byte_cap
+        if cap is not None:  # a drain's moment (see read_request): no reload stretches it
+            before, after = min(before, cap), min(after, cap)
+        scope.deadline = scope.deadline - before + after
 
     async def read_request(
         self, admit: Callable[[str, dict[str, str]], bool] | None = None,
@@ -382,6 +388,7 @@ class Connection:
         # whole head, from its start (a first byte does not buy a second period).
         idle = bool(self.requests) and not pending
         wait = _first_byte_wait(limits, idle)
+        self.first_byte_cap = first_byte_s  # (for retime)
         if first_byte_s is not None and first_byte_s < wait:
             wait = first_byte_s
         if pending and started is not None:

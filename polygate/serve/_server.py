@@ -759,7 +759,7 @@ class Server:
             self._cuts.scopes.discard(context.stop)
             gateway.leave()
             self.metrics.in_flight -= 1
-            if self.draining and conn.reusable():
+            if self.draining and conn.reusable() and (conn.pending() or not self._cuts.on):
                 # The next request is already here: in flight from now, before this one
                 # lands, so that a drain waiting for quiet waits for it as well.  (Not
                 # draining, the loop counts it at its first byte: no await comes
@@ -769,7 +769,8 @@ class Server:
                 # its client may send the next request at once.  Closed now, that request
                 # was lost unanswered (a reset, or "disconnected without a response"):
                 # the connection waits _FIRST_REQUEST_S for its first byte, as a
-                # connection just accepted does, in flight meanwhile.
+                # connection just accepted does, in flight meanwhile.  (Not once the
+                # grace is over: the server is stopping, a stream cut then closes.)
                 self._in_flight += 1
                 conn.carried = True
             self._landed()
