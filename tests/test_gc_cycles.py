@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import itertools
 import json
 import random
 import sys
 import traceback
 import types
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -39,6 +37,8 @@ import polygate.aio
 from polygate.serve import open_server
 from polygate.testing import FakeUpstream, Reply, Router
 
+from ._collector import collector_off
+
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
@@ -46,25 +46,6 @@ N = 8
 MESSAGES = [{"role": "user", "content": "hello there"}]
 NOBREAK = polygate.Breaker(failures=10**9)
 BAD = {"error": {"message": "bad request", "code": "x"}}
-
-
-@contextmanager
-def _collector_off() -> Iterator[list[Any]]:
-    """The objects only the cyclic collector would have freed, made in the block."""
-    gc.collect()
-    found: list[Any] = []
-    enabled = gc.isenabled()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        yield found
-        gc.collect()
-        found += gc.garbage
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        if enabled:
-            gc.enable()
 
 
 def _described(objects: list[Any]) -> str:
@@ -204,7 +185,7 @@ async def test_a_trio_call_leaves_nothing_to_collect(
     async with polygate.session(settings, transport=transport, rng=random.Random(0)) as s:
         for _ in range(3):
             await call(s)
-        with _collector_off() as garbage:
+        with collector_off() as garbage:
             for _ in range(N):
                 await call(s)
     assert not garbage, f"{kind}: {len(garbage) / N:.0f} objects a call: {_described(garbage)}"
@@ -313,7 +294,7 @@ def test_an_asyncio_call_leaves_nothing_to_collect(kind: str) -> None:
         async with polygate.aio.session(_settings(), transport=FakeUpstream(reply).transport()) as s:
             for _ in range(3):
                 await call(s)
-            with _collector_off() as garbage:
+            with collector_off() as garbage:
                 for _ in range(N):
                     await call(s)
         return garbage
@@ -373,6 +354,6 @@ async def test_a_gateway_error_answer_leaves_nothing_to_collect(kind: str) -> No
             await trio.testing.wait_all_tasks_blocked(cushion=0.05)
 
         await requests(3)
-        with _collector_off() as garbage:
+        with collector_off() as garbage:
             await requests(N)
     assert not garbage, f"{len(garbage) / N:.0f} objects a request: {_described(garbage)}"

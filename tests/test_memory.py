@@ -10,7 +10,6 @@ of a finished call may be found unreachable by a collection afterwards.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
@@ -20,6 +19,7 @@ import trio.testing
 import polygate
 from polygate.testing import FakeUpstream, Reply, Router
 
+from ._collector import collector_off
 from .conftest import FIRST_A, MESSAGES, one_source_settings, two_source_settings
 
 
@@ -28,20 +28,10 @@ def cyclic_garbage() -> Iterator[list[str]]:
     """The names of the polygate types found only by a collection of what ran in the
     block (filled when the block ends)."""
     found: list[str] = []
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
+    with collector_off() as garbage:
         yield found
-        gc.collect()
-        found.extend(sorted({type(o).__qualname__ for o in gc.garbage
-                             if type(o).__module__.startswith("polygate")}))
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        if was_enabled:
-            gc.enable()
+    found.extend(sorted({type(o).__qualname__ for o in garbage
+                         if type(o).__module__.startswith("polygate")}))
 
 
 async def _stream(s: polygate.Session) -> None:
