@@ -53,7 +53,7 @@ from ._errors import ConfigError, StructuredOutputError
 from ._json import MAX_DEPTH, nested_deeper
 from ._schema_bounds import Budget, OverBudget, SlowPattern, bounded_keywords, budget
 from ._secrets import printable
-from ._threads import mock_clock, run_sync
+from ._threads import cpu_limiter, mock_clock, run_sync
 from ._types import ChatResponse, encode_compact
 
 __all__ = ["Schema", "StructuredRounds", "prepare", "schema_of"]
@@ -346,7 +346,9 @@ class _DictSchema(Schema):
 
     async def ready(self) -> None:
         if self._validator is None:
-            await run_sync(self.compile, abandon_on_cancel=True)
+            # (Compiles of one schema by calls at once take turns: the first fills
+            # _validator's cache, and the others find it there.)
+            await run_sync(self.compile, abandon_on_cancel=True, limiter=cpu_limiter())
 
     def validate(self, text: str, limit: Budget | None = None, on_loop: bool = True) -> Any:
         text = _unfenced(text)
@@ -1098,15 +1100,25 @@ class StructuredRounds:
             except OverBudget:
                 pass  # (the rest in a thread; the loop has waited long enough)
         seconds = _OFF_LOOP_S
+        ends = math.inf
         if mock_clock() is None:
             # (Under a MockClock the time left is virtual, and held still while the
             # thread works: no measure of the real seconds it may take.)
-            seconds = min(trio.current_effective_deadline() - trio.current_time(), seconds)
-        # The end is fixed here, not when the thread starts: one that waited for a
-        # thread token (trio's are shared by the process) ran past the deadline.
-        limit = Budget(time.monotonic() + seconds)
+            left = trio.current_effective_deadline() - trio.current_time()
+            seconds = min(left, seconds)
+            ends = time.monotonic() + left
+
+        limit = Budget(ends)
+
+        def check() -> Any:
+            # _OFF_LOOP_S of work from the thread's start (a wait for one of the few
+            # threads, cpu_limiter's, is no fault of the answer's: judged over budget
+            # for it, a paid re-ask), never past the call's deadline.
+            limit.until = min(time.monotonic() + _OFF_LOOP_S, ends)
+            return schema.validate(text, limit, False)
+
         try:
-            return await run_sync(schema.validate, text, limit, False, abandon_on_cancel=True)
+            return await run_sync(check, abandon_on_cancel=True, limiter=cpu_limiter())
         except OverBudget:
             raise Invalid([
                 f"$: checking the answer against the schema took over {seconds:.3g} s (a "

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import trio
 
-__all__ = ["mock_clock", "patient_clock", "run_sync"]
+__all__ = ["cpu_limiter", "mock_clock", "patient_clock", "run_sync"]
 
 T = TypeVar("T")
 
@@ -48,6 +48,26 @@ _HOLD_S = math.inf  # no jump at all while the real work runs
 _BACKGROUND_S = 0.001  # jump after 1 ms of real idleness: a stuck thread holds nothing
 # clock -> (the thresholds lent now, one entry per wait; the threshold to restore)
 _lent: weakref.WeakKeyDictionary[Any, tuple[list[float], float]] = weakref.WeakKeyDictionary()
+
+
+#: Threads at once, per trio run, for work that holds the interpreter's lock all along
+#: (a large answer's validation, a big schema's compile: pure Python, or Rust that keeps
+#: the GIL): more of them only take turns with each other and with the event loop.
+#: On trio's default limiter (40 threads, shared with name resolution and the SQLite
+#: cache) 100 large validations at once held the loop up to 2.3 s, and 40 compiles
+#: abandoned by cancelled calls took every token for 7-14 s: a DNS lookup waited 14.8 s.
+CPU_THREADS = 2
+_cpu: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("polygate_cpu_threads")
+
+
+def cpu_limiter() -> trio.CapacityLimiter:
+    """This run's limiter for work that holds the GIL (see ``CPU_THREADS``)."""
+    try:
+        return _cpu.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(CPU_THREADS)
+        _cpu.set(limiter)
+        return limiter
 
 
 def mock_clock() -> Any:

@@ -30,6 +30,7 @@ import polygate
 from polygate import _structured
 from polygate._errors import ConfigError
 from polygate._structured import Invalid, schema_of
+from polygate._threads import CPU_THREADS, cpu_limiter
 from polygate.testing import FakeUpstream, RecordedRequest, Reply, Router
 
 from .test_structured_regex import _UNION, _chain
@@ -187,24 +188,22 @@ async def test_a_thread_that_waited_for_a_token_stops_at_the_deadline(monkeypatc
     thread is started, and budget() starts counting when the thread runs: a thread that
     first waited for one of trio's thread tokens computes on past the call's deadline by
     that wait (docs: 'the thread stops itself then, never computing on after the call').
-    Here: one token, held 1 s by other work; deadline 1.5 s; the check ends ~2.5 s."""
+    Here: every token of the checks' own limiter (cpu_limiter, since the session of
+    2026-12-07) held 1 s by other work; deadline 1.5 s; the check ended ~2.5 s."""
     ended = _record_ends(monkeypatch)
     schema_of(UNION).compile()
-    limiter = trio.to_thread.current_default_thread_limiter()
-    before = limiter.total_tokens
-    limiter.total_tokens = 1
-    try:
-        up = FakeUpstream(Reply(text=_chain(24)))
-        async with polygate.session(_settings(call_deadline_s=1.5), transport=Router({"a": up})) as s:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(trio.to_thread.run_sync, time.sleep, 1.0)
-                await trio.sleep(0.05)
-                start = time.perf_counter()
-                with pytest.raises(polygate.DeadlineExceeded):
-                    await s.chat(MESSAGES, schema=UNION)
-            await _eventually(lambda: bool(ended), 4)
-    finally:
-        limiter.total_tokens = before
+    limiter = cpu_limiter()
+    up = FakeUpstream(Reply(text=_chain(24)))
+    async with polygate.session(_settings(call_deadline_s=1.5), transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:
+            for _ in range(int(limiter.total_tokens)):
+                nursery.start_soon(functools.partial(
+                    trio.to_thread.run_sync, time.sleep, 1.0, limiter=limiter))
+            await trio.sleep(0.05)
+            start = time.perf_counter()
+            with pytest.raises(polygate.DeadlineExceeded):
+                await s.chat(MESSAGES, schema=UNION)
+        await _eventually(lambda: bool(ended), 4)
     assert ended
     assert ended[0] - start < 1.5 + 0.4, f"the check ended {ended[0] - start:.2f} s after the call began"
 
@@ -219,7 +218,7 @@ async def test_a_cancelled_calls_thread_stops_at_the_cancel(monkeypatch: pytest.
     ended = _record_ends(monkeypatch)
     schema_of(UNION).compile()
     up = FakeUpstream(Reply(text=_chain(24)))
-    limiter = trio.to_thread.current_default_thread_limiter()
+    limiter = cpu_limiter()
     async with polygate.session(_settings(), transport=Router({"a": up})) as s:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(functools.partial(s.chat, MESSAGES, schema=UNION))
@@ -233,12 +232,12 @@ async def test_a_cancelled_calls_thread_stops_at_the_cancel(monkeypatch: pytest.
 
 
 async def test_cancelled_calls_threads_do_not_starve_the_next_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The consequence: each abandoned check holds one of trio's 40 default thread
-    tokens (shared by the whole process: telemetry sinks, big schemas' compiles, other
-    validations) until its budget ends.  After 40 cancelled calls, the 41st, whose
-    3 KB answer is checked in a thread in milliseconds, waits for a token.  The
-    re-asks section says an abandoned thread 'holds nothing'.  (_OFF_LOOP_S is
-    monkeypatched to 20 s, from 60.)"""
+    """The consequence: each abandoned check holds a thread token (then one of trio's
+    40 default ones, shared by the whole process; now one of cpu_limiter's) until its
+    budget ends.  After as many cancelled calls as tokens, the next, whose 3 KB answer
+    is checked in a thread in milliseconds, waited for a token.  The re-asks section
+    says an abandoned thread 'holds nothing'.  (_OFF_LOOP_S is monkeypatched to 20 s,
+    from 60.)"""
     monkeypatch.setattr(_structured, "_OFF_LOOP_S", 20.0)
     schema_of(UNION).compile()
     plain = {"type": "array", "items": {"type": "integer"}}
@@ -251,10 +250,10 @@ async def test_cancelled_calls_threads_do_not_starve_the_next_call(monkeypatch: 
         return Reply(text=_chain(24))
 
     up = FakeUpstream(behaviour)
-    limiter = trio.to_thread.current_default_thread_limiter()
+    limiter = cpu_limiter()
     async with polygate.session(_settings(), transport=Router({"a": up})) as s:
         async with trio.open_nursery() as nursery:
-            for _ in range(limiter.total_tokens):
+            for _ in range(int(limiter.total_tokens)):
                 nursery.start_soon(functools.partial(s.chat, MESSAGES, schema=UNION))
             assert await _eventually(lambda: limiter.borrowed_tokens >= limiter.total_tokens, 30)
             nursery.cancel_scope.cancel()  # the callers give up
@@ -411,3 +410,94 @@ def test_the_overflow_precheck_costs_a_fraction_of_the_regular_expressions() -> 
     regex = best(lambda: _REGEX.search(answer))
     check = best(lambda: _structured._may_overflow(answer))
     assert check * 2 < regex, f"pre-check {check * 1e6:.0f} µs, the expression {regex * 1e6:.0f} µs"
+
+
+# --------------------------------------------------------------------------- threads that hold the GIL
+
+def _count_threads(monkeypatch: pytest.MonkeyPatch, method: str, pause_s: float) -> list[int]:
+    """``_DictSchema.<method>`` counted while it runs in a worker thread (``[now,
+    most]``), each run ``pause_s`` longer (real time: the overlap to see)."""
+    counts = [0, 0]
+    lock = threading.Lock()
+    original = getattr(_structured._DictSchema, method)
+
+    def counted(self: Any, *args: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            return original(self, *args)
+        with lock:
+            counts[0] += 1
+            counts[1] = max(counts)
+        try:
+            time.sleep(pause_s)
+            return original(self, *args)
+        finally:
+            with lock:
+                counts[0] -= 1
+
+    monkeypatch.setattr(_structured._DictSchema, method, counted)
+    return counts
+
+
+async def test_large_answers_are_checked_a_few_threads_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread-pool look: 100 calls whose 420 KB answers were checked at once took up to
+    40 of trio's threads, which took turns with the event loop for the interpreter's
+    lock: the loop stood still up to 2.3 s (deadlines, hedges, keep-alives late).  The
+    checks hold the lock all along: cpu_limiter runs CPU_THREADS of them at a time, and
+    leaves trio's own threads (name resolution, SQLite) alone."""
+    counts = _count_threads(monkeypatch, "validate", 0.1)
+    plain = {"type": "array", "items": {"type": "integer"}}
+    answer = json.dumps(list(range(800)))
+    assert len(answer) > _structured._DictSchema.off_loop_chars
+    up = FakeUpstream(Reply(text=answer))
+    default = trio.to_thread.current_default_thread_limiter()
+    async with polygate.session(_settings(), transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(functools.partial(s.chat, MESSAGES, schema=plain))
+            assert await _eventually(lambda: counts[0] > 0, 5)
+            assert default.borrowed_tokens == 0
+    assert 1 <= counts[1] <= CPU_THREADS, counts
+
+
+async def test_compiles_abandoned_by_cancelled_calls_leave_trios_threads_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread-pool look: 40 calls cancelled while their big schema compiled left 40
+    compiles running on trio's 40 default threads for 7-14 s: a DNS lookup waited
+    14.8 s, and a next call's deadline fired seconds late.  Now at most CPU_THREADS
+    compiles run (the rest never start), on threads of their own."""
+    counts = _count_threads(monkeypatch, "compile", 0.5)
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(60)}}
+    assert len(json.dumps(big)) > _structured._INLINE_COMPILE_CHARS
+    up = FakeUpstream(Reply(text="{}", first_token_s=0.01))
+    async with polygate.session(_settings(), transport=Router({"a": up})) as s:
+        with trio.move_on_after(0.2):
+            async with trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(functools.partial(s.chat, MESSAGES, schema=big))
+        with trio.fail_after(0.3):
+            # (What name resolution does: a thread of trio's own, at once.)
+            assert await trio.to_thread.run_sync(lambda: 42) == 42
+    assert 1 <= counts[1] <= CPU_THREADS, counts
+
+
+async def test_a_wait_for_a_checks_thread_is_not_held_against_the_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check's budget counts from its thread's start: a wait for one of the few
+    threads (another call's check, an abandoned one) is no fault of the answer's, and
+    judged over budget for it, the answer would be asked again (paid)."""
+    monkeypatch.setattr(_structured, "_OFF_LOOP_S", 0.5)
+    plain = {"type": "array", "items": {"type": "integer"}}
+    answer = json.dumps(list(range(800)))
+    up = FakeUpstream(Reply(text=answer))
+    limiter = cpu_limiter()
+    async with polygate.session(_settings(structured=polygate.Structured(max_reasks=0)),
+                                transport=Router({"a": up})) as s:
+        async with trio.open_nursery() as nursery:
+            for _ in range(int(limiter.total_tokens)):
+                nursery.start_soon(functools.partial(
+                    trio.to_thread.run_sync, time.sleep, 1.0, limiter=limiter))
+            await trio.sleep(0.05)
+            r = await s.chat(MESSAGES, schema=plain)
+    assert r.parsed == list(range(800))
