@@ -67,8 +67,8 @@ class Budget:
     """Until when a check may run (``time.monotonic()``; ``math.inf``: no bound), and
     ``stop()``, which ends it sooner: the call that waited for it was cancelled (a
     cancellation is no deadline, and a worker thread is not cancelled with its call:
-    it would have computed on for up to its whole budget, holding one of trio's
-    thread tokens)."""
+    it would have computed on for up to its whole budget, holding one of the run's
+    few threads for such work: polygate._threads.cpu_limiter)."""
 
     __slots__ = ("stopped", "until")
 

@@ -54,9 +54,12 @@ _lent: weakref.WeakKeyDictionary[Any, tuple[list[float], float]] = weakref.WeakK
 #: (a large answer's validation, a big schema's compile: pure Python, or Rust that keeps
 #: the GIL): more of them only take turns with each other and with the event loop.
 #: On trio's default limiter (40 threads, shared with name resolution and the SQLite
-#: cache) 100 large validations at once held the loop up to 2.3 s, and 40 compiles
-#: abandoned by cancelled calls took every token for 7-14 s: a DNS lookup waited 14.8 s.
-CPU_THREADS = 2
+#: cache) 100 large validations at once held the loop up to 2.6 s (8 threads: 0.28 s,
+#: 2 threads: 0.29 s), and 40 compiles abandoned by cancelled calls took every token
+#: for 7-14 s: a DNS lookup waited 14.8 s.  Not 2: a check that runs its whole budget
+#: (a hostile answer, up to a minute) or a compile that cannot stop holds its thread,
+#: and two of them held up every other call's check.
+CPU_THREADS = 8
 _cpu: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("polygate_cpu_threads")
 
 

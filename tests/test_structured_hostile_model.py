@@ -11,6 +11,7 @@ was a reviewer's probe that failed on the code before its fix.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -452,7 +453,7 @@ async def test_large_answers_are_checked_a_few_threads_at_a_time(monkeypatch: py
     default = trio.to_thread.current_default_thread_limiter()
     async with polygate.session(_settings(), transport=Router({"a": up})) as s:
         async with trio.open_nursery() as nursery:
-            for _ in range(8):
+            for _ in range(3 * CPU_THREADS):
                 nursery.start_soon(functools.partial(s.chat, MESSAGES, schema=plain))
             assert await _eventually(lambda: counts[0] > 0, 5)
             assert default.borrowed_tokens == 0
@@ -473,7 +474,7 @@ async def test_compiles_abandoned_by_cancelled_calls_leave_trios_threads_free(
     async with polygate.session(_settings(), transport=Router({"a": up})) as s:
         with trio.move_on_after(0.2):
             async with trio.open_nursery() as nursery:
-                for _ in range(20):
+                for _ in range(5 * CPU_THREADS):
                     nursery.start_soon(functools.partial(s.chat, MESSAGES, schema=big))
         with trio.fail_after(0.3):
             # (What name resolution does: a thread of trio's own, at once.)
@@ -501,3 +502,38 @@ async def test_a_wait_for_a_checks_thread_is_not_held_against_the_answer(
             await trio.sleep(0.05)
             r = await s.chat(MESSAGES, schema=plain)
     assert r.parsed == list(range(800))
+
+
+def _two_scopes() -> polygate.Settings:
+    return polygate.Settings(scopes={
+        "chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")],
+                               structured=polygate.Structured(max_reasks=0)),
+        "other": polygate.Scope(sources=[polygate.Source(name="b", base_url="http://b/v1")]),
+    })
+
+
+async def _swallowed(call: Callable[[], Any]) -> None:
+    with contextlib.suppress(polygate.PolygateError):
+        await call()
+
+
+async def test_two_slow_checks_do_not_hold_up_another_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of the threads' limit (once 2): two calls with no deadline whose answers
+    take their whole budget (a minute by default, 4 s here) held both threads, and a
+    call whose 3 KB answer is checked in milliseconds missed its 2 s deadline."""
+    monkeypatch.setattr(_structured, "_OFF_LOOP_S", 4.0)
+    schema_of(UNION).compile()
+    plain = {"type": "array", "items": {"type": "integer"}}
+    answer = json.dumps(list(range(800)))
+    hostile, fine = FakeUpstream(Reply(text=_chain(24))), FakeUpstream(Reply(text=answer))
+    async with polygate.session(_two_scopes(), transport=Router({"a": hostile, "b": fine})) as s:
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(_swallowed, functools.partial(s.chat, MESSAGES, schema=UNION))
+            assert await _eventually(lambda: cpu_limiter().borrowed_tokens == 2, 5)
+            start = time.perf_counter()
+            r = await s.chat(MESSAGES, scope="other", schema=plain, call_deadline_s=2.0)
+            took = time.perf_counter() - start
+            nursery.cancel_scope.cancel()
+    assert r.parsed == list(range(800))
+    assert took < 1.0, f"the 3 KB answer's call took {took:.2f} s"
