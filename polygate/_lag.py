@@ -14,8 +14,8 @@ every breaker of a scope, and the gateway answered 502 for their open time after
 before trio expires deadlines: the time since the last poll ended, less the wait this
 one was planned to take (the tasks' turn, and how far the poll ended past its plan).
 Past :data:`STALL_MIN_S`, every running attempt whose clock is due by now gets a look
-first (``AttemptControl.stalled``), as long as the stall was and :data:`LAG_MIN_S` at
-least (:func:`look_end`): its deadline moves to then, its readers read what came
+first (``AttemptControl.stalled``), as long as the stall was, :data:`LAG_MIN_S` at
+least and :data:`LOOK_MAX_S` at most (:func:`look_end`): its deadline moves to then, its readers read what came
 during the stall, over as many reads and passes as it takes, and a token they find
 moves the watchdog as ever.  A few times for each due time at most
 (``AttemptControl.LOOKS``): a loop busy turn after turn still times a hung upstream
@@ -47,7 +47,7 @@ from typing import Final, Protocol
 
 import trio
 
-__all__ = ["LAG_MIN_S", "STALL_MIN_S", "Lagging", "LoopLag", "look_end"]
+__all__ = ["LAG_MIN_S", "LOOK_MAX_S", "STALL_MIN_S", "Lagging", "LoopLag", "look_end"]
 
 #: The shortest stretch without a look at the sockets counted as a stall of the loop:
 #: past a poll's timer granularity (epoll rounds its wait up to a millisecond), so
@@ -58,12 +58,23 @@ STALL_MIN_S: Final = 0.002
 #: The shortest look a due clock is given after a stall: a few scheduler passes for
 #: what came during it to be read, on a loaded machine.
 LAG_MIN_S: Final = 0.05
+#: The longest look: what a stall leaves to read is bounded by the kernel's socket
+#: buffers, not by the stall's length, and is read in milliseconds a connection.  A
+#: look as long as the stall held a hung upstream's attempt, and a hedge due during
+#: the stall, as long again after it: a process paused 10 minutes (a virtual machine
+#: migrated, ``docker pause``, a laptop asleep) kept every call on a hung upstream 10
+#: minutes more, with no call deadline to end it.  Reads that take longer than this
+#: (thousands of streams) are turns of the loop that stall it again: more looks.
+LOOK_MAX_S: Final = 2.0
 
 
 def look_end(now: float, stall: float) -> float:
     """The end of the look a stall of ``stall`` seconds, ended ``now``, gives a clock
-    due in it: as long as the stall, :data:`LAG_MIN_S` at least."""
-    return now + (stall if stall > LAG_MIN_S else LAG_MIN_S)
+    due in it: as long as the stall, :data:`LAG_MIN_S` at least and :data:`LOOK_MAX_S`
+    at most."""
+    if stall < LAG_MIN_S:
+        return now + LAG_MIN_S
+    return now + (stall if stall < LOOK_MAX_S else LOOK_MAX_S)
 
 
 class Lagging(Protocol):
@@ -118,8 +129,9 @@ class LoopLag(trio.abc.Instrument):
 
     def look_after(self, due: float) -> float:
         """``due``, or, when it fell inside the last stall, the end of the look that
-        stall gives (as long as the stall): for a trigger of the round's own (a
-        hedge), as ``AttemptControl.stalled`` gives an attempt's clocks.  (A stall
+        stall gives (as long as the stall, up to :data:`LOOK_MAX_S`): for a trigger of
+        the round's own (a hedge), as ``AttemptControl.stalled`` gives an attempt's
+        clocks.  (A stall
         "begins" where the poll was planned to end, the trigger's own time when the
         poll was planned for it: that trigger is in the stall too.)"""
         began, ended = self.last_stall

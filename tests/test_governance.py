@@ -930,6 +930,34 @@ async def test_a_reload_drops_the_state_of_names_it_removed_once_it_holds_nothin
     assert backend._sources == {}
 
 
+async def test_a_reload_drops_the_hedge_budget_of_a_scope_it_removed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Outside review (a session that lives for weeks): a reload that renamed a scope
+    (a model version in its name) kept the old scope's hedge budget for the life of
+    the process: 1,000 renaming reloads, 1,000 budgets.  A scope that an open
+    generation still uses keeps its level."""
+    from polygate._session import SharedBackends
+    from polygate.governance._memory import MemoryBackend
+
+    def settings(scope: str) -> polygate.Settings:
+        return polygate.Settings(scopes={scope: polygate.Scope(sources=[
+            polygate.Source(name="a", base_url="http://a/v1"),
+            polygate.Source(name="b", base_url="http://b/v1")])})
+
+    shared = SharedBackends()
+    backend = shared.for_settings(settings("chat-v0"))
+    assert isinstance(backend, MemoryBackend)
+    for i in range(1, 50):
+        assert await backend.budget_take(f"chat-v{i - 1}", 10.0)
+        if i <= 4:
+            assert await backend.budget_take("kept", 10.0)
+        await trio.sleep(61)
+        shared.forget_unused([settings(f"chat-v{i}"), settings("kept")])
+    assert set(backend._budgets) == {"kept"}
+    assert await backend.budget_level("kept", 10.0) == 6.0  # (4 taken, none refilled)
+
+
 LONG_SCHEMA = {"type": "object", "description": "d" * 4000,
                "properties": {"city": {"type": "string"}}, "required": ["city"],
                "additionalProperties": False}

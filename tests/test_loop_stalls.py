@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import signal
 import sqlite3
 import time
@@ -36,8 +37,8 @@ import polygate
 import polygate.aio
 from polygate._attempt import AttemptControl
 from polygate._context import AttemptRecord
-from polygate._lag import LAG_MIN_S, STALL_MIN_S, LoopLag
-from polygate.testing import FakeUpstream, Reply
+from polygate._lag import LAG_MIN_S, LOOK_MAX_S, STALL_MIN_S, LoopLag
+from polygate.testing import FakeUpstream, Reply, Router
 
 from ._aio_support import loopback
 from ._serve_kit import serve_process
@@ -606,6 +607,64 @@ def test_stalls_before_the_request_went_move_the_clocks_by_one_limit_at_most() -
     assert control.timed_out(130.99) is False and control.timed_out(131.01) is True
     control.stalled(102.2, 0.3)  # due: a look, as long as the stall
     assert scope.deadline == pytest.approx(102.5, abs=1e-5)
+
+
+def test_a_long_stall_gives_a_look_of_two_seconds_at_most() -> None:
+    """Outside review (a session that lives for weeks): a look as long as the stall
+    held a hung upstream's attempt, and a hedge due in the stall, as long again after
+    it: a process paused 10 minutes kept its calls on a hung upstream 10 minutes more
+    (no call deadline by default).  What a stall leaves to read does not grow with it."""
+    assert LOOK_MAX_S == 2.0
+    control = _control()
+    assert control.scope is not None
+    control.stalled(700.0, 599.0)  # a virtual machine paused ten minutes
+    assert control.scope.deadline == 700.0 + LOOK_MAX_S
+    lag, clock, _ = _lag()
+    clock.now += 600.0
+    lag.after_io_wait(0.0)
+    assert lag.look_after(101.0) == clock.now + LOOK_MAX_S
+
+
+@pytest.mark.parametrize("what", ["timeout_s", "hedge"])
+async def test_after_a_long_freeze_a_due_clock_fires_after_the_longest_look(
+    monkeypatch: pytest.MonkeyPatch, what: str,
+) -> None:
+    """The same, end to end on the real clock: the loop blocked 1.5 s while an attempt
+    waits on a hung upstream, its ``timeout_s`` (or a hedge) due during the block.
+    With the longest look shortened to 0.3 s here, the attempt fails (the hedge goes)
+    ~0.3 s after the loop is back, not 1.5 s."""
+    monkeypatch.setattr("polygate._lag.LOOK_MAX_S", 0.3)
+    hung = FakeUpstream(Reply(first_token_s=math.inf), name="a")
+    fast = FakeUpstream(Reply(first_token_s=0.01, text="ok"), name="b")
+    if what == "timeout_s":
+        sources = [polygate.Source(name="a", base_url="http://a/v1", timeout_s=0.5)]
+        scope = polygate.Scope(sources=sources, retry=polygate.Retry(max_attempts=1))
+    else:
+        sources = [polygate.Source(name="a", base_url="http://a/v1"),
+                   polygate.Source(name="b", base_url="http://b/v1", weight=1e-9)]
+        scope = polygate.Scope(sources=sources, hedge=polygate.Hedge(after_s=0.5))
+    settings = polygate.Settings(scopes={"chat": scope})
+    thawed: list[float] = []
+
+    async def block() -> None:
+        while hung.statistics().requests < 1:  # noqa: ASYNC110 - the transport's count
+            await trio.sleep(0.001)
+        await trio.sleep(0.2)
+        _block(1.5)
+        thawed.append(trio.current_time())
+
+    async with polygate.session(settings, transport=Router({"a": hung, "b": fast}),
+                                rng=random.Random(0)) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(block)
+            if what == "timeout_s":
+                with pytest.raises(polygate.AllSourcesExhausted):
+                    await s.chat(MESSAGES)
+                late = trio.current_time() - thawed[0]
+            else:
+                assert (await s.chat(MESSAGES)).call_stats.hedge_won
+                late = fast.requests[0].started_at - thawed[0]
+    assert late < 1.0, f"{late:.2f} s after a 1.5 s stall"
 
 
 def test_a_held_attempt_is_left_to_its_hold() -> None:

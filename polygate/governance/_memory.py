@@ -206,7 +206,12 @@ class MemoryBackend:
         (~120 bytes each), for the life of the process: nothing admits under that name
         again, so nothing expired it.  Called once a reload is in force, with the names
         every open generation uses (SharedBackends.forget_unused); a name removed less
-        than a minute before stays until the next."""
+        than a minute before stays until the next.  A scope none of ``kept`` names
+        leaves its hedge budget too (~100 bytes a renamed scope, a reload each): one
+        that comes back starts full, as a new scope does."""
+        scopes = {scope for scope, _ in kept}
+        for scope in [scope for scope in self._budgets if scope not in scopes]:
+            del self._budgets[scope]
         now = self.now()
         for key in [key for key in self._sources if key not in kept]:
             state = self._sources[key]
