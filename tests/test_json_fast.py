@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import pytest
@@ -399,3 +402,27 @@ async def test_a_calls_parameters_are_walked_once_however_many_attempts_send_the
     assert len(upstream.requests) == 3 and len(walks) == 1
     spelled = "1e-05" if key != "plain" else "plain"  # (msgspec: "0.00001", another key)
     assert all(request.body["logit_bias"] == {spelled: 1} for request in upstream.requests)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc: Linux")
+@pytest.mark.parametrize("encode", ["dumps", "sorted_dumps"])
+def test_out_of_memory_while_writing_is_a_memory_error_not_a_crash(encode: str) -> None:
+    """Outside review (running out of the OS's resources): msgspec's ``encode`` crashed
+    the process (SIGSEGV) when its output could not grow, so ``polygate serve`` under a
+    memory limit died with every request in it, writing one large answer, instead of
+    answering 503.  In a child under RLIMIT_AS, 8 MiB short of a 30 MiB answer."""
+    code = textwrap.dedent(f"""
+        import resource
+        from polygate._json import {encode} as encode
+        value = {{"choices": [{{"message": {{"content": "x" * (30 << 20)}}}}]}}
+        size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+                    if line.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (size + (8 << 20), resource.RLIM_INFINITY))
+        try:
+            encode(value)
+        except MemoryError:
+            print("MemoryError")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert (done.returncode, done.stdout.strip()) == (0, "MemoryError"), done.stderr[-2000:]
