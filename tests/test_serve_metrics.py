@@ -297,6 +297,37 @@ async def test_running_out_of_memory_is_a_503_that_says_so(
     assert not any("unexpected error" in m or "Traceback" in m for m in messages), messages
 
 
+@pytest.mark.parametrize("tokens", [4, 40_000])
+async def test_a_large_answer_is_written_without_a_second_copy(
+    monkeypatch: pytest.MonkeyPatch, tokens: int,
+) -> None:
+    """Outside review (running out of the OS's resources): an answer was written as
+    its head joined to its body, a second full-size copy at the peak of its memory.
+    Out of memory there (RLIMIT_AS, a 30 MiB answer), the head was already counted as
+    begun: the client was cut without a word, the log said "answered 503" and the
+    call counted "ok".  A large body leaves after its head, the same object; a small
+    one with its head, in one write."""
+    from polygate.serve._http import Connection
+
+    writes: list[bytes] = []
+    send = Connection._send
+
+    async def recorded(self: Connection, data: bytes) -> None:
+        writes.append(data)
+        await send(self, data)
+
+    monkeypatch.setattr(Connection, "_send", recorded)
+    async with gateway(Reply(tokens=tokens, stream=False)) as (server, _):
+        answer = await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+    assert answer.status == 200
+    if tokens == 4:
+        assert len(writes) == 1 and writes[0].endswith(answer.body)
+    else:
+        head, body = writes
+        assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n")
+        assert body == answer.body and len(body) > 100_000
+
+
 async def test_running_out_of_memory_inside_the_call_blames_no_source(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -327,7 +327,8 @@ def _out_of_memory(request: Request) -> None:
         return
     _MEMORY_LOGGED.set(now)
     log.warning("out of memory answering %s %s (%d bytes of body): answered 503; raise the "
-                "process's memory limit or lower [serve] max_request_bytes",
+                "process's memory limit, or lower [serve] max_request_bytes (a request's "
+                "size) or max_body_bytes (an answer's)",
                 request.method, endpoint_label(request.path), len(request.body))
 
 

@@ -99,6 +99,11 @@ def reason(status: int) -> bytes:
 Headers = Sequence[tuple[bytes, bytes]]
 
 
+#: The largest body written in one piece with its head: past it, the copy that joins
+#: them costs more than the second write (~64 KiB copied against one ``send``).
+_JOIN_MAX: Final = 64 * 1024
+
+
 class ClientGone(Exception):
     """The client closed or reset the connection, or stopped reading."""
 
@@ -727,7 +732,16 @@ class Connection:
         """:meth:`send_response` with the header lines already written (``fields``,
         each line ending in CRLF, every value as :func:`field_value` leaves it)."""
         head = self.prepared_head(status, fields, len(body), close=close)
-        await self._send(head if self.head_only else head + body)
+        if self.head_only:
+            await self._send(head)
+        elif len(body) < _JOIN_MAX:
+            await self._send(head + body)
+        else:
+            # After its head, not copied behind it: joined, a large answer was a second
+            # full-size copy at the peak of its memory, and out of memory there, with
+            # the answer begun, not even the 503 could go out (the client was cut).
+            await self._send(head)
+            await self._send(body)
 
     def prepared_head(self, status: int, fields: bytes, length: int, *, close: bool = False) -> bytes:
         """:meth:`response_head` with a Content-Length, of header lines already written."""
