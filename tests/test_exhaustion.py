@@ -68,6 +68,54 @@ def test_running_out_is_named_and_marked_as_this_process_s(code: int, what: str)
     assert classify_exception(wrapped).exhausted == what
 
 
+def test_running_out_of_threads_is_named_and_marked_as_this_process_s() -> None:
+    """Outside review (running out of the OS's resources): the interpreter's "can't
+    start new thread" (RLIMIT_NPROC reached; trio looks names up in threads) was an
+    "unexpected failure" of the source, logged as a bug and fed to its breaker."""
+    error = classify_exception(RuntimeError("can't start new thread"), source="a")
+    assert type(error) is polygate.TransientUpstreamError and error.exhausted == "threads"
+    assert "ran out of threads" in str(error)
+    for other in (RuntimeError("something else"), ValueError("can't start new thread")):
+        assert classify_exception(other).exhausted is None
+
+
+@contextlib.contextmanager
+def _no_threads() -> Any:
+    """trio cannot start a thread (what ``Thread.start`` raises at RLIMIT_NPROC), while
+    the block runs."""
+    import trio._threads as threads
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    saved = threads.start_thread_soon
+    threads.start_thread_soon = refuse  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        threads.start_thread_soon = saved
+
+
+@pytest.mark.integration
+async def test_out_of_threads_a_source_reached_by_name_is_not_blamed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with FakeUpstream(Reply(tokens=2)).serve() as url:
+        source = polygate.Source(name="a", base_url=url.replace("127.0.0.1", "localhost"))
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[source], retry=polygate.Retry(max_attempts=1))})
+        async with polygate.session(settings) as s:
+            with _no_threads():
+                for _ in range(8):  # past the breaker's 5 consecutive failures
+                    with pytest.raises(polygate.AllSourcesExhausted) as failed:
+                        await s.chat(MESSAGES)
+                    assert [getattr(e, "exhausted", None) for e in failed.value.errors] == ["threads"]
+            state = (await s.statistics()).governance.sources[0].state
+            assert (state.breaker.value, state.consecutive_failures) == ("closed", 0)
+            assert (await s.chat(MESSAGES)).source == "a"
+    assert not [r for r in caplog.records if "unexpected" in r.getMessage()]
+
+
 def test_the_upstream_s_own_failures_are_not_marked() -> None:
     for exc in (_connect_failure(errno.ECONNREFUSED), httpx.ReadError("reset"),
                 httpx.ConnectTimeout("slow"), ValueError("bad json"),
@@ -355,3 +403,39 @@ async def test_the_waiters_of_a_lookup_that_hid_an_exhaustion_look_the_name_up_a
     results: Any = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert results[:-1] == [["ok", "b"]] * 6, results
     assert results[-1] == ["closed:0", "closed:0"]
+
+
+async def test_out_of_threads_the_sqlite_cache_fails_open_without_a_traceback(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same review: a session whose SQLite cache could not start its thread failed
+    to open with a bare ``RuntimeError``; once open, each lookup and write logged a
+    traceback ("cache lookup failed") as if the cache had a bug."""
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")],
+                                       cache_ttl_s=60)},
+        cache=f"sqlite:///{tmp_path / 'cache.db'}")
+    upstream = FakeUpstream(Reply(tokens=2))
+    with _no_threads():
+        async with polygate.session(settings, transport=Router({"a": upstream})) as s:
+            for i in range(3):
+                assert (await s.chat([{"role": "user", "content": f"q{i}"}])).call_stats.cached is False
+    async with polygate.session(settings, transport=Router({"a": upstream})) as s:
+        await s.chat(MESSAGES)
+        with _no_threads():
+            for i in range(3):
+                await s.chat([{"role": "user", "content": f"again {i}"}])
+            assert (await s.statistics()).cache.errors >= 1
+    assert upstream.statistics().requests == 7
+    logged = [r for r in caplog.records if r.name.startswith("polygate")]
+    assert not [r for r in logged if r.exc_info], [r.getMessage() for r in logged]
+    assert any("ran out of threads" in r.getMessage() for r in logged), [r.getMessage() for r in logged]
+
+
+async def test_out_of_threads_a_telemetry_file_is_a_config_error(tmp_path: Any) -> None:
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
+        telemetry=f"sqlite:///{tmp_path / 'rows.db'}")
+    with _no_threads(), pytest.raises(polygate.ConfigError, match="ran out of threads"):
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})):
+            pass

@@ -37,6 +37,7 @@ import trio
 
 from .._coredis import import_coredis
 from .._paths import state_dir
+from .._sockets import out_of
 from ._backend import CacheBackend, CacheBackendError
 from ._coalesce import Coalescer
 from ._memory import MemoryBackend
@@ -250,6 +251,10 @@ class Cache:
             self.failed(str(exc), kind="read")
             return [None] * len(keys)
         except Exception as exc:  # a bug in a backend must not fail the call either
+            found = out_of(exc)
+            if found is not None:  # (no bug: the process's limit; said without a traceback)
+                self.failed(_out_of(found), kind="read")
+                return [None] * len(keys)
             if trio.current_time() - self._last_warning >= _WARN_EVERY_S:
                 log.exception("cache lookup failed")  # (its traceback: at most every 10 s)
             self.failed(f"{type(exc).__name__} in a lookup", kind="read")
@@ -440,8 +445,11 @@ class Cache:
             except CacheBackendError as exc:
                 self.failed(str(exc), kind="write")
             except Exception as exc:
-                log.exception("cache write failed")
-                self.failed(f"{type(exc).__name__} in a write", kind="write")
+                found = out_of(exc)
+                if found is None:
+                    log.exception("cache write failed")
+                self.failed(_out_of(found) if found else f"{type(exc).__name__} in a write",
+                            kind="write")
             else:
                 self._answered("write")
                 written = len(live)
@@ -531,3 +539,10 @@ async def open_cache(url: str) -> AsyncIterator[Cache | None]:
         yield cache
     finally:
         await backend.aclose()
+
+
+def _out_of(found: tuple[str, str]) -> str:
+    """A backend's failure for want of a resource of this process's (a thread for a
+    SQLite file's work, a descriptor), in the words of the call's own errors."""
+    what, code = found
+    return f"this process ran out of {what} ({code})"

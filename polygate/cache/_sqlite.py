@@ -54,6 +54,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._errors import ConfigError
+from .._sockets import no_thread
 from .._sqlite_locks import held_by_another, unusable_for_now
 from .._threads import run_sync
 from ._backend import CacheBackendError, Entry
@@ -150,7 +151,13 @@ class SQLiteBackend:
             clock = trio.lowlevel.current_clock()
             if isinstance(clock, MockClock):
                 self._clock = _epoch_on(clock)
-        return await run_sync(self._open)
+        try:
+            return await run_sync(self._open)
+        except RuntimeError as exc:
+            if not no_thread(exc):
+                raise
+            # The process's thread limit, not the file: fails open as a locked file does.
+            return self._not_now("this process ran out of threads (can't start new thread)")
 
     def _open(self) -> str | None:
         try:
@@ -215,7 +222,15 @@ class SQLiteBackend:
         loop_reader, self._loop_reader = self._loop_reader, None  # no read uses it now
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + max(self.timeout_s, 1.0)
-            await run_sync(self._close_all, loop_reader, abandon_on_cancel=True)
+            try:
+                await run_sync(self._close_all, loop_reader, abandon_on_cancel=True)
+            except RuntimeError as exc:
+                if not no_thread(exc):
+                    raise
+                # Out of threads (the process's limit): closed here, on the loop.  No
+                # thread of this cache can be writing a batch meanwhile but one that
+                # started before, which its busy timeout bounds.
+                self._close_all(loop_reader)
 
     def _close_all(self, loop_reader: sqlite3.Connection | None = None) -> None:
         if loop_reader is not None:

@@ -32,6 +32,7 @@ from .._config import Settings, mask_url
 from .._context import AttemptRecord, CallContext, NullRecorder, Recorder, TraceHeaders
 from .._errors import ConfigError
 from .._secrets import frameless
+from .._sockets import no_thread
 from .._threads import run_sync
 from .._types import CallStats, Usage
 from ._recorder import TelemetryRecorder
@@ -205,7 +206,13 @@ async def _bounded_open(
     sink: Sink | None = None
     try:
         with real_time_bound(OPEN_TIMEOUT_S):
-            sink = await run_sync(open_or_close, abandon_on_cancel=True)
+            try:
+                sink = await run_sync(open_or_close, abandon_on_cancel=True)
+            except RuntimeError as exc:
+                if not no_thread(exc):
+                    raise
+                raise ConfigError(f"telemetry: cannot open {mask_url(url)}: this process ran "
+                                  "out of threads (can't start new thread)") from None
     finally:
         if sink is None:  # the bound fell, or the session's opening was cancelled
             with lock:
