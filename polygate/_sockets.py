@@ -53,9 +53,11 @@ from typing import cast
 
 import trio
 
+from ._threads import no_thread
+
 __all__ = [
-    "no_thread", "os_reasons", "out_of", "out_of_now", "read_now", "reads_now",
-    "receive_when_readable", "send_all_progressing", "write_first", "write_now",
+    "os_reasons", "out_of", "out_of_now", "read_now", "reads_now", "receive_when_readable",
+    "send_all_progressing", "write_first", "write_now",
 ]
 
 #: What this process (or the machine) ran out of, by the errno that says so.
@@ -95,15 +97,6 @@ def out_of(exc: BaseException) -> tuple[str, str] | None:
         if no_thread(e):  # (a name's lookup, in one of trio's threads)
             return "threads", "can't start new thread"
     return None
-
-
-def no_thread(exc: BaseException) -> bool:
-    """Whether ``exc`` is the interpreter's failure to start a thread (the process's
-    or the user's limit, ``RLIMIT_NPROC``, reached; or its memory): a plain
-    ``RuntimeError`` that says so (3.10 to 3.13).  Taken for a source's failure, a
-    spell of it opened the breaker of every source reached by name (trio looks names
-    up in threads), which stayed open after it."""
-    return type(exc) is RuntimeError and str(exc).startswith("can't start new thread")
 
 
 def os_reasons(exc: BaseException) -> list[str]:

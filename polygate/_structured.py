@@ -53,7 +53,7 @@ from ._errors import ConfigError, StructuredOutputError
 from ._json import MAX_DEPTH, nested_deeper
 from ._schema_bounds import Budget, OverBudget, SlowPattern, bounded_keywords, budget
 from ._secrets import printable
-from ._threads import cpu_limiter, mock_clock, run_sync
+from ._threads import mock_clock, run_cpu
 from ._types import ChatResponse, encode_compact
 
 __all__ = ["Schema", "StructuredRounds", "prepare", "schema_of"]
@@ -348,7 +348,7 @@ class _DictSchema(Schema):
         if self._validator is None:
             # (Compiles of one schema by calls at once take turns: the first fills
             # _validator's cache, and the others find it there.)
-            await run_sync(self.compile, abandon_on_cancel=True, limiter=cpu_limiter())
+            await run_cpu(self.compile)
 
     def validate(self, text: str, limit: Budget | None = None, on_loop: bool = True) -> Any:
         text = _unfenced(text)
@@ -1118,7 +1118,7 @@ class StructuredRounds:
             return schema.validate(text, limit, False)
 
         try:
-            return await run_sync(check, abandon_on_cancel=True, limiter=cpu_limiter())
+            return await run_cpu(check)
         except OverBudget:
             raise Invalid([
                 f"$: checking the answer against the schema took over {seconds:.3g} s (a "

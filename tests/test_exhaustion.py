@@ -29,6 +29,7 @@ import polygate
 from polygate._errors import classify_exception
 from polygate.testing import FakeUpstream, Reply, Router
 
+from ._no_threads import no_threads
 from .conftest import MESSAGES, two_source_settings
 
 if sys.version_info < (3, 11):
@@ -79,23 +80,6 @@ def test_running_out_of_threads_is_named_and_marked_as_this_process_s() -> None:
         assert classify_exception(other).exhausted is None
 
 
-@contextlib.contextmanager
-def _no_threads() -> Any:
-    """trio cannot start a thread (what ``Thread.start`` raises at RLIMIT_NPROC), while
-    the block runs."""
-    import trio._threads as threads
-
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("can't start new thread")
-
-    saved = threads.start_thread_soon
-    threads.start_thread_soon = refuse  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        threads.start_thread_soon = saved
-
-
 @pytest.mark.integration
 async def test_out_of_threads_a_source_reached_by_name_is_not_blamed(
     caplog: pytest.LogCaptureFixture,
@@ -105,7 +89,7 @@ async def test_out_of_threads_a_source_reached_by_name_is_not_blamed(
         settings = polygate.Settings(scopes={"chat": polygate.Scope(
             sources=[source], retry=polygate.Retry(max_attempts=1))})
         async with polygate.session(settings) as s:
-            with _no_threads():
+            with no_threads():
                 for _ in range(8):  # past the breaker's 5 consecutive failures
                     with pytest.raises(polygate.AllSourcesExhausted) as failed:
                         await s.chat(MESSAGES)
@@ -416,13 +400,13 @@ async def test_out_of_threads_the_sqlite_cache_fails_open_without_a_traceback(
                                        cache_ttl_s=60)},
         cache=f"sqlite:///{tmp_path / 'cache.db'}")
     upstream = FakeUpstream(Reply(tokens=2))
-    with _no_threads():
+    with no_threads():
         async with polygate.session(settings, transport=Router({"a": upstream})) as s:
             for i in range(3):
                 assert (await s.chat([{"role": "user", "content": f"q{i}"}])).call_stats.cached is False
     async with polygate.session(settings, transport=Router({"a": upstream})) as s:
         await s.chat(MESSAGES)
-        with _no_threads():
+        with no_threads():
             for i in range(3):
                 await s.chat([{"role": "user", "content": f"again {i}"}])
             assert (await s.statistics()).cache.errors >= 1
@@ -436,6 +420,6 @@ async def test_out_of_threads_a_telemetry_file_is_a_config_error(tmp_path: Any) 
     settings = polygate.Settings(
         scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
         telemetry=f"sqlite:///{tmp_path / 'rows.db'}")
-    with _no_threads(), pytest.raises(polygate.ConfigError, match="ran out of threads"):
+    with no_threads(), pytest.raises(polygate.ConfigError, match="ran out of threads"):
         async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})):
             pass

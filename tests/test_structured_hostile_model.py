@@ -34,6 +34,7 @@ from polygate._structured import Invalid, schema_of
 from polygate._threads import CPU_THREADS, cpu_limiter
 from polygate.testing import FakeUpstream, RecordedRequest, Reply, Router
 
+from ._no_threads import no_threads
 from .test_structured_regex import _UNION, _chain
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -458,6 +459,22 @@ async def test_large_answers_are_checked_a_few_threads_at_a_time(monkeypatch: py
             assert await _eventually(lambda: counts[0] > 0, 5)
             assert default.borrowed_tokens == 0
     assert 1 <= counts[1] <= CPU_THREADS, counts
+
+
+async def test_out_of_threads_a_large_check_and_a_big_compile_run_on_the_loop() -> None:
+    """Outside review (running out of the OS's resources): at the process's thread
+    limit, a large answer's check or a big schema's compile raised the interpreter's
+    bare ``RuntimeError("can't start new thread")`` from ``chat()``.  The work is done
+    on the loop instead, as it would be without threads."""
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(60)}}
+    assert len(json.dumps(big)) > _structured._INLINE_COMPILE_CHARS
+    answer = json.dumps({f"field_{i}": i for i in range(60)} | {"pad": "x" * 300_000})
+    assert len(answer) > _structured._DictSchema.off_loop_chars
+    up = FakeUpstream(Reply(text=answer))
+    with no_threads():
+        async with polygate.session(_settings(), transport=Router({"a": up})) as s:
+            parsed = (await s.chat(MESSAGES, schema=big)).parsed
+    assert parsed["field_59"] == 59
 
 
 async def test_compiles_abandoned_by_cancelled_calls_leave_trios_threads_free(

@@ -54,9 +54,8 @@ from typing import Any, TypeVar
 import trio
 
 from .._errors import ConfigError
-from .._sockets import no_thread
 from .._sqlite_locks import held_by_another, unusable_for_now
-from .._threads import run_sync
+from .._threads import no_thread, run_sync
 from ._backend import CacheBackendError, Entry
 
 __all__ = ["SQLiteBackend"]

@@ -32,8 +32,7 @@ from .._config import Settings, mask_url
 from .._context import AttemptRecord, CallContext, NullRecorder, Recorder, TraceHeaders
 from .._errors import ConfigError
 from .._secrets import frameless
-from .._sockets import no_thread
-from .._threads import run_sync
+from .._threads import no_thread, run_sync
 from .._types import CallStats, Usage
 from ._recorder import TelemetryRecorder
 from ._sink import OFF, Pipeline, Sink, TelemetryStatistics, _GovernanceLike, real_time_bound
