@@ -125,7 +125,8 @@ class ImageDocument(Document):
         s = self.settings
         if unaltered(self.format, self.size, s.max_side_px) or self.renderers is None:
             messages, width, height = await run_sync(
-                _image_page, self.data, self.format, self.size, prompt, s.max_side_px, s.image_format
+                _image_page, self.data, self.format, self.size, prompt, s.max_side_px,
+                s.image_format, or_inline=True,
             )
         else:
             header = ("image", self.format, self.size, prompt, s.max_side_px, s.image_format,
@@ -229,7 +230,8 @@ def read_document(document: Any, settings: Ocr) -> Document | bytes:
 async def open_document(document: Any, settings: Ocr, renderers: Renderers) -> Document:
     """:func:`read_document` in a worker thread, then a PDF opened by a renderer (which
     checks it and counts its pages).  Nothing is left open when it raises."""
-    read = await run_sync(read_document, document, settings, abandon_on_cancel=True)
+    read = await run_sync(read_document, document, settings, abandon_on_cancel=True,
+                          or_inline=True)
     if isinstance(read, ImageDocument):
         read.renderers = renderers
     if not isinstance(read, bytes):

@@ -205,7 +205,7 @@ class _ThreadWorker(_Worker):
 
     async def _exchange(self, header: tuple[Any, ...], blob: bytes) -> tuple[tuple[Any, ...], bytes]:
         # (run_sync holds virtual time still, as for a renderer process)
-        return await run_sync(self._handle, header, blob, abandon_on_cancel=True)
+        return await run_sync(self._handle, header, blob, abandon_on_cancel=True, or_inline=True)
 
     async def discard(self) -> None:
         with self._lock:

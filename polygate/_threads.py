@@ -116,13 +116,22 @@ async def run_sync(
     abandon_on_cancel: bool = False,
     limiter: trio.CapacityLimiter | None = None,
     background: bool = False,
+    or_inline: bool = False,
 ) -> T:
     """``trio.to_thread.run_sync``; a zero-threshold ``MockClock`` holds still while
-    the thread works (``background``: only waits 1 ms of real idleness to jump)."""
-    with patient_clock(_BACKGROUND_S if background else _HOLD_S):
-        return await trio.to_thread.run_sync(
-            fn, *args, abandon_on_cancel=abandon_on_cancel, limiter=limiter
-        )
+    the thread works (``background``: only waits 1 ms of real idleness to jump).
+    ``or_inline``: for work bounded in time (a render, an image's encoding), done on
+    the loop when no thread can start (see :func:`no_thread`), as it would be
+    without threads, rather than fail what waits for it."""
+    try:
+        with patient_clock(_BACKGROUND_S if background else _HOLD_S):
+            return await trio.to_thread.run_sync(
+                fn, *args, abandon_on_cancel=abandon_on_cancel, limiter=limiter
+            )
+    except RuntimeError as exc:
+        if not (or_inline and no_thread(exc)):
+            raise
+    return fn(*args)
 
 
 def no_thread(exc: BaseException) -> bool:
@@ -139,9 +148,4 @@ async def run_cpu(fn: Callable[[], T]) -> T:
     check, a schema's compile), in a thread of :func:`cpu_limiter`'s; on the loop when
     no thread can start (the process's thread limit): what the work would have cost
     without threads, rather than a call that fails for it."""
-    try:
-        return await run_sync(fn, abandon_on_cancel=True, limiter=cpu_limiter())
-    except RuntimeError as exc:
-        if not no_thread(exc):
-            raise
-    return fn()
+    return await run_sync(fn, abandon_on_cancel=True, limiter=cpu_limiter(), or_inline=True)

@@ -423,3 +423,28 @@ async def test_out_of_threads_a_telemetry_file_is_a_config_error(tmp_path: Any) 
     with no_threads(), pytest.raises(polygate.ConfigError, match="ran out of threads"):
         async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})):
             pass
+
+
+async def test_out_of_threads_an_image_is_read_on_the_loop() -> None:
+    """The same review: ``ocr()`` of an image raised the bare ``RuntimeError`` (its
+    reading and encoding run in threads); bounded work, done on the loop instead."""
+    import base64
+
+    png = base64.b64decode(
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==")
+    settings = polygate.Settings(scopes={"ocr": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    with no_threads():
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(text="t"))})) as s:
+            assert (await s.ocr(png)).text == "t"
+
+
+async def test_out_of_threads_metrics_are_written_on_the_loop() -> None:
+    """The same review: ``/metrics`` answered 500, an "internal error", at the thread
+    limit (a scrape is written in a thread)."""
+    from ._serve_kit import AUTH, gateway, http
+
+    async with gateway(Reply(tokens=2)) as (server, _):
+        with no_threads():
+            scraped = await http(server, "GET", "/metrics", headers=AUTH)
+    assert scraped.status == 200 and b"polygate_serve_requests_total" in scraped.body

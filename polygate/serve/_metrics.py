@@ -188,7 +188,7 @@ async def render(metrics: Metrics, stats: SessionStatistics | None) -> bytes:
     collector = _Collector(metrics.snapshot(), stats, trio.current_time())
     # Not abandoned on cancellation: the thread is bounded (pure CPU, tens of ms at
     # most), and waiting for it keeps no work running past the server that started it.
-    return await run_sync(collector.render, limiter=metrics.renders)
+    return await run_sync(collector.render, limiter=metrics.renders, or_inline=True)
 
 
 class _Collector:
