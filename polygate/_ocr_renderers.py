@@ -70,7 +70,7 @@ import trio
 
 from . import _ocr_render
 from ._errors import ConfigError, PolygateError
-from ._threads import patient_clock, run_sync
+from ._threads import no_thread, patient_clock, run_sync
 
 __all__ = ["IDLE_S", "RendererStatistics", "Renderers", "new_key"]
 
@@ -92,6 +92,10 @@ _BOOT = (
     "s and (sys.modules.__setitem__(s.name,m),s.loader.exec_module(m));"
     "m.serve(float(sys.argv[2]))"
 )
+#: A render that needs a thread (or a process, which trio starts from one) at the
+#: process's thread limit.
+_NO_THREAD = ("cannot render the document's pages: this process ran out of threads "
+              "(can't start new thread)")
 _PIPE_BYTES = 1 << 20  # a page's messages cross in one or two reads, not dozens
 _keys = itertools.count(1)
 
@@ -205,7 +209,15 @@ class _ThreadWorker(_Worker):
 
     async def _exchange(self, header: tuple[Any, ...], blob: bytes) -> tuple[tuple[Any, ...], bytes]:
         # (run_sync holds virtual time still, as for a renderer process)
-        return await run_sync(self._handle, header, blob, abandon_on_cancel=True, or_inline=True)
+        try:
+            return await run_sync(self._handle, header, blob, abandon_on_cancel=True)
+        except RuntimeError as exc:
+            if not no_thread(exc):
+                raise
+            # Not rendered on the loop instead: a render takes PDFium's process-wide
+            # lock, which a cut render's abandoned thread may hold for as long as a
+            # hostile page takes, and the loop must never wait for it.
+            raise ConfigError(_NO_THREAD) from None
 
     async def discard(self) -> None:
         with self._lock:
@@ -251,6 +263,10 @@ class _ProcessWorker(_Worker):
                 f"cannot start an OCR renderer process ({exc.strerror or exc}): "
                 "set Ocr.render_in='thread' to render in threads"
             ) from None
+        except RuntimeError as exc:  # (trio starts the process from a thread)
+            if not no_thread(exc):
+                raise
+            raise ConfigError(_NO_THREAD) from None
         for stream in (process.stdin, process.stdout):
             _grow_pipe(stream)
         return cls(process)

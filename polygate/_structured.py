@@ -49,11 +49,11 @@ import trio
 
 from ._config import Source, is_utf8
 from ._context import ChatRequest
-from ._errors import ConfigError, StructuredOutputError
+from ._errors import ConfigError, PolygateError, StructuredOutputError
 from ._json import MAX_DEPTH, nested_deeper
 from ._schema_bounds import Budget, OverBudget, SlowPattern, bounded_keywords, budget
 from ._secrets import printable
-from ._threads import mock_clock, run_cpu
+from ._threads import cpu_limiter, mock_clock, no_thread, run_sync
 from ._types import ChatResponse, encode_compact
 
 __all__ = ["Schema", "StructuredRounds", "prepare", "schema_of"]
@@ -348,7 +348,17 @@ class _DictSchema(Schema):
         if self._validator is None:
             # (Compiles of one schema by calls at once take turns: the first fills
             # _validator's cache, and the others find it there.)
-            await run_cpu(self.compile)
+            try:
+                await run_sync(self.compile, abandon_on_cancel=True, limiter=cpu_limiter())
+            except RuntimeError as exc:
+                if not no_thread(exc):
+                    raise
+                # Not compiled on the loop instead: seconds for a big schema (3 s for
+                # 1 MB), every other call held meanwhile.
+                raise PolygateError(
+                    "this process ran out of threads (can't start new thread): a schema "
+                    f"this large ({len(json.dumps(self.json_schema))} characters) is compiled in one"
+                ) from None
 
     def validate(self, text: str, limit: Budget | None = None, on_loop: bool = True) -> Any:
         text = _unfenced(text)
@@ -1118,15 +1128,29 @@ class StructuredRounds:
             return schema.validate(text, limit, False)
 
         try:
-            return await run_cpu(check)
+            return await run_sync(check, abandon_on_cancel=True, limiter=cpu_limiter())
         except OverBudget:
             raise Invalid([
                 f"$: checking the answer against the schema took over {seconds:.3g} s (a "
                 "union of shapes that nest is tried shape by shape, and a long answer "
                 "takes long), so it was not checked"
             ]) from None
+        except RuntimeError as exc:
+            if not no_thread(exc):
+                raise
         finally:
             limit.stop()  # (cancelled, the call does not wait for the thread: it stops)
+        # No thread can start (the process's thread limit): checked on the loop, within
+        # the loop's own budget, not the thread's (a hostile answer held the loop, and
+        # every other call, for the thread's 60 s).
+        try:
+            return schema.validate(text, Budget(time.monotonic() + _ON_LOOP_S))
+        except OverBudget:
+            raise Invalid([
+                f"$: checking the answer against the schema takes over {_ON_LOOP_S:.3g} s, "
+                "and this process ran out of threads to check it in (can't start new "
+                "thread), so it was not checked"
+            ]) from None
 
 
 #: No bound: a check nobody waits on in bounded time (``validate()`` called directly).

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import trio
 
-__all__ = ["cpu_limiter", "mock_clock", "no_thread", "patient_clock", "run_cpu", "run_sync"]
+__all__ = ["cpu_limiter", "mock_clock", "no_thread", "patient_clock", "run_sync"]
 
 T = TypeVar("T")
 
@@ -141,11 +141,3 @@ def no_thread(exc: BaseException) -> bool:
     spell of it opened the breaker of every source reached by name (trio looks names
     up in threads), which stayed open after it."""
     return type(exc) is RuntimeError and str(exc).startswith("can't start new thread")
-
-
-async def run_cpu(fn: Callable[[], T]) -> T:
-    """``fn()``, work that holds the GIL and stops when it is cancelled (a structured
-    check, a schema's compile), in a thread of :func:`cpu_limiter`'s; on the loop when
-    no thread can start (the process's thread limit): what the work would have cost
-    without threads, rather than a call that fails for it."""
-    return await run_sync(fn, abandon_on_cancel=True, limiter=cpu_limiter(), or_inline=True)

@@ -448,3 +448,36 @@ async def test_out_of_threads_metrics_are_written_on_the_loop() -> None:
         with no_threads():
             scraped = await http(server, "GET", "/metrics", headers=AUTH)
     assert scraped.status == 200 and b"polygate_serve_requests_total" in scraped.body
+
+
+async def test_out_of_threads_telemetry_never_fails_the_session(tmp_path: Any) -> None:
+    """The review of the fixes above: telemetry bounds its database work with a timer
+    thread, whose start raised the bare ``RuntimeError`` out of the session's close
+    (rows unflushed, the sink never closed), and out of its opening before the
+    ``ConfigError`` could be raised.  Bounded by trio's clock instead, the close
+    flushes what it can and the session's result stands."""
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=[polygate.Source(name="a", base_url="http://a/v1")])},
+        telemetry=f"sqlite:///{tmp_path / 'rows.db'}")
+    block = polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())}))
+    s = await block.__aenter__()
+    await s.chat(MESSAGES)
+    with no_threads():
+        await s.chat(MESSAGES)
+        await block.__aexit__(None, None, None)  # the close, at the thread limit
+    telemetry = (await s.statistics()).telemetry
+    assert telemetry.written + telemetry.dropped >= 4, telemetry  # (a call row and an attempt row each)
+
+
+@pytest.mark.parametrize("render_in", ["process", "thread"])
+async def test_out_of_threads_a_pdf_s_pages_fail_with_a_config_error(render_in: str) -> None:
+    """The same review: a PDF rendered in a process (trio starts one from a thread)
+    raised the bare ``RuntimeError``; and rendered in a thread, the render moved onto
+    the loop waited there for PDFium's lock (as long as a cut render held it)."""
+    pytest.importorskip("pypdfium2")
+    from .test_ocr import make_pdf, ocr_settings
+
+    settings = ocr_settings(render_in=render_in)
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(text="t"))})) as s:
+        with no_threads(), pytest.raises(polygate.ConfigError, match="ran out of threads"):
+            await s.ocr(make_pdf([(100, 100)]))

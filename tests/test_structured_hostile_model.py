@@ -461,20 +461,39 @@ async def test_large_answers_are_checked_a_few_threads_at_a_time(monkeypatch: py
     assert 1 <= counts[1] <= CPU_THREADS, counts
 
 
-async def test_out_of_threads_a_large_check_and_a_big_compile_run_on_the_loop() -> None:
+async def test_out_of_threads_a_large_answer_is_checked_on_the_loop_within_its_budget() -> None:
     """Outside review (running out of the OS's resources): at the process's thread
-    limit, a large answer's check or a big schema's compile raised the interpreter's
-    bare ``RuntimeError("can't start new thread")`` from ``chat()``.  The work is done
-    on the loop instead, as it would be without threads."""
+    limit, a large answer's check raised the interpreter's bare ``RuntimeError("can't
+    start new thread")`` from ``chat()``.  It is checked on the loop instead, within
+    the loop's own budget (its review: within the thread's, a hostile answer held the
+    loop, and every other call, 60 s): a hostile one is not valid, at once."""
+    small = {"type": "array", "items": {"type": "integer"}}
+    answer = json.dumps(list(range(800)))
+    assert len(answer) > _structured._DictSchema.off_loop_chars
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")],
+        structured=polygate.Structured(max_reasks=0))})
+    hostile = FakeUpstream(Reply(text=_chain(22)))
+    with no_threads():
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply(text=answer))})) as s:
+            assert (await s.chat(MESSAGES, schema=small)).parsed == list(range(800))
+        async with polygate.session(settings, transport=Router({"a": hostile})) as s:
+            began = time.monotonic()
+            with pytest.raises(polygate.StructuredOutputError) as failed:
+                await s.chat(MESSAGES, schema=_UNION)
+            assert time.monotonic() - began < 1.0
+    assert "ran out of threads" in failed.value.errors[0]
+
+
+async def test_out_of_threads_a_big_schema_is_not_compiled_on_the_loop() -> None:
+    """The same review: a big schema's compile (3 s for 1 MB) is not moved onto the
+    loop, where it would hold every other call: the call says why it cannot run."""
     big = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(60)}}
     assert len(json.dumps(big)) > _structured._INLINE_COMPILE_CHARS
-    answer = json.dumps({f"field_{i}": i for i in range(60)} | {"pad": "x" * 300_000})
-    assert len(answer) > _structured._DictSchema.off_loop_chars
-    up = FakeUpstream(Reply(text=answer))
     with no_threads():
-        async with polygate.session(_settings(), transport=Router({"a": up})) as s:
-            parsed = (await s.chat(MESSAGES, schema=big)).parsed
-    assert parsed["field_59"] == 59
+        async with polygate.session(_settings(), transport=Router({"a": FakeUpstream(Reply(text="{}"))})) as s:
+            with pytest.raises(polygate.PolygateError, match="ran out of threads"):
+                await s.chat(MESSAGES, schema=big)
 
 
 async def test_compiles_abandoned_by_cancelled_calls_leave_trios_threads_free(

@@ -41,6 +41,7 @@ from urllib.parse import parse_qsl, urlsplit
 from .._config import mask_url
 from .._errors import ConfigError, redact
 from .._secrets import url_secrets
+from .._threads import no_thread
 from ._events import AttemptEvent, CallEvent, SessionEvent
 from ._schema import (
     TABLES,
@@ -421,7 +422,11 @@ class PostgresSink:
             except Exception:
                 pass
 
-        threading.Thread(target=cancel, name="polygate-telemetry-cancel", daemon=True).start()
+        try:
+            threading.Thread(target=cancel, name="polygate-telemetry-cancel", daemon=True).start()
+        except RuntimeError as exc:  # (the process's thread limit: its statement_timeout ends it)
+            if not no_thread(exc):
+                raise
 
     def close(self) -> None:
         with self._lock:

@@ -44,7 +44,7 @@ import attrs
 import trio
 
 from .._errors import redact
-from .._threads import run_sync
+from .._threads import mock_clock, no_thread, run_sync
 from ._events import AttemptEvent, CallEvent, Event, SessionEvent
 
 __all__ = [
@@ -247,12 +247,21 @@ def real_time_bound(seconds: float, *, shield: bool = False) -> Iterator[trio.Ca
 
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
-    timer.start()
+    try:
+        timer.start()
+    except RuntimeError as exc:
+        if not no_thread(exc):
+            raise
+        # The process's thread limit: trio's clock bounds it instead, real time but
+        # under a MockClock (where what needs a thread fails at once anyway).  Raised,
+        # telemetry failed the session it must never fail, at its start and its end.
+        if mock_clock() is None:
+            scope.deadline = trio.current_time() + seconds
     try:
         with scope:
             yield scope
     finally:
-        timer.cancel()
+        timer.cancel()  # (one never started: nothing to stop)
 
 
 class _GovernanceLike(Protocol):
@@ -561,5 +570,10 @@ def _close_in_background(sink: Sink) -> None:
         except Exception as exc:
             logger.debug("telemetry sink close failed: %r", exc)
 
-    threading.Thread(target=close, name="polygate-telemetry-close", daemon=True).start()
+    try:
+        threading.Thread(target=close, name="polygate-telemetry-close", daemon=True).start()
+    except RuntimeError as exc:
+        if not no_thread(exc):
+            raise
+        logger.debug("telemetry sink left to the garbage collector: %r", exc)
 
