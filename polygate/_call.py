@@ -207,6 +207,14 @@ class CommittedFailure(Exception):
         self.record = record
 
 
+# Protected from KeyboardInterrupt (Ctrl-C): trio raises it in whatever unprotected
+# code runs, and here that was between a source's admission and the attempt's
+# try/finally that settles it, or inside the settle: the permit and the reservation
+# stayed taken for the session's life (with max_in_flight=1 every later call was
+# refused).  Protected, it is delivered at the caller's next checkpoint instead, a
+# point every path unwinds from and settles at.  (For the whole call below: the
+# rounds, their attempts and the exchange; a hedge's path task is marked in _hedge.)
+@trio.lowlevel.enable_ki_protection
 async def _retry_loop(
     ctx: CallContext,
     runner: Runner,

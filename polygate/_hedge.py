@@ -226,6 +226,7 @@ class Round:
         self._paths.append(path)
         return path
 
+    @trio.lowlevel.enable_ki_protection  # (a task of its own: see _call._retry_loop)
     async def _run_path(self, path: _Path, handled: BaseException | None = None) -> None:
         """Run one path; ``handled``: the exception its task was handling as it
         started (``frameless``), none for a task of the round's own."""
