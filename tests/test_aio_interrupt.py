@@ -69,3 +69,17 @@ def test_leaving_a_block_whose_run_broke_says_so_inside_an_except_clause_too(mod
     done = _run("asyncio", mode, "left")
     assert done.stdout == "open\nleft: polygate's trio run has ended (its loop is shutting down)\n", (
         done.stdout, done.stderr[-3000:])
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("raised", ["KeyboardInterrupt", "SystemExit"])
+def test_an_interrupt_raised_inside_a_call_is_the_callers_as_from_trio(loop: str, raised: str) -> None:
+    """Outside review (KeyboardInterrupt through every layer): raised by the caller's
+    own code inside a call (its transport, a validator), it ended the whole session:
+    the call got ``PolygateError`` ("closed while in flight"), the call beside it was
+    cancelled, the next said the session was closed, and asyncio.run() raised it after
+    all.  From trio the call raises it as itself and the session goes on: the same."""
+    done = subprocess.run([sys.executable, "-m", "tests._aio_raise_child", loop, raised],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.stdout.splitlines() == [
+        f"raised {raised}", "beside ok ok", "next ok ok", "run returned"], done.stdout + done.stderr[-2000:]

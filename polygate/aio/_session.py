@@ -462,7 +462,14 @@ class _Owner:
                 scope.cancel()
             try:
                 value = await job.fn(*job.args, **job.kwargs)
-            except Exception as exc:
+            except trio.Cancelled:
+                raise  # (the call's cancellation, or the session's close: see below)
+            except BaseException as exc:
+                # A KeyboardInterrupt or SystemExit out of the call (a transport or a
+                # validator of the caller's) is the caller's, as from trio: raised from
+                # its await, the session going on.  Let out of this task, it ended the
+                # session: the call got "closed while in flight", every other call
+                # was cancelled, and asyncio.run() raised it after all.
                 if isinstance(exc, PolygateError):
                     # Raised from the caller's await, with the frames from there: this
                     # frame's, which the traceback would hold, holds the future that
