@@ -155,10 +155,14 @@ async def test_a_429_after_rate_limit_wait_s_does_not_end_a_call_another_source_
         assert r.call_stats.attempts == 3
 
 
+@pytest.mark.parametrize("retry_after_s", [100.0, 10.0])
 async def test_rate_limit_wait_past_deadline_fails_fast(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, retry_after_s: float,
 ) -> None:
-    a = FakeUpstream(Reply(status=429, retry_after_s=100))
+    """(Outside review, every limit at N-1, N, N+1: a Retry-After that ends with the
+    deadline itself was waited out whole, then DeadlineExceeded: a 504 where a 429 was
+    due.  The call is cancelled at that instant, so nothing can admit it then.)"""
+    a = FakeUpstream(Reply(status=429, retry_after_s=retry_after_s))
     settings = one_source_settings(call_deadline_s=10)
     async with polygate.session(settings, transport=_router(a=a)) as s:
         with pytest.raises(polygate.AllSourcesExhausted):

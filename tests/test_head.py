@@ -295,3 +295,25 @@ async def test_a_response_edited_on_its_way_is_read_as_edited() -> None:
             assert header_of(posted, "content-type") == "application/json"
             await posted.aread()
             await posted.aclose()
+
+
+@pytest.mark.parametrize("over", [0, 1, 24 * 1024])
+async def test_a_response_head_over_16_kib_is_refused_however_it_arrives(over: int) -> None:
+    """Outside review (every limit at N-1, N, N+1): the 16 KiB cap on a response head
+    (docs/configuration.md) is h11's, which counts only a head still incomplete: one
+    whole in a read, up to the 64 KiB read, was accepted.  At the cap it is read; one
+    byte over, refused."""
+    def answer(pad: int) -> bytes:
+        return b"HTTP/1.1 200 OK\r\nx-pad: %s\r\ncontent-length: 2\r\n\r\n{}" % (b"p" * pad)
+
+    fixed = len(answer(0)) - 2  # the head without the padding
+    head = answer(MAX_HEAD - fixed + over)
+    assert head.index(b"\r\n\r\n") + 4 == MAX_HEAD + over
+    async with answering([head]) as (url, _):
+        transport = LeanTransport()
+        async with transport:
+            if over == 0:
+                assert (await _get(transport, url))[:2] == (200, b"{}")
+            else:
+                with pytest.raises(httpx.RemoteProtocolError, match="response head over 16 KiB"):
+                    await _get(transport, url)

@@ -121,9 +121,15 @@ class _Refused:
         )
 
     def timed_out(self, now: float, give_up_at: float, cooldown_give_up_at: float) -> bool:
-        """Nothing will admit before the waiter's limit, or the limit is here."""
+        """Nothing will admit before the waiter's limit, or the limit is here.  A source
+        free again only at ``give_up_at`` (the call's deadline) is no better: the call is
+        cancelled at that instant (a 429 whose Retry-After ended with the deadline was
+        waited out whole, then a DeadlineExceeded: a 504 where a 429 was due).  One free
+        at a ``cooldown_give_up_at`` of its own (``rate_limit_wait_s``) is waited for."""
         bound = self.bound(give_up_at, cooldown_give_up_at)
-        return (not self.unknown and self.next_at > bound) or now >= bound
+        if self.unknown:
+            return now >= bound
+        return self.next_at > bound or (self.next_at == bound == give_up_at) or now >= bound
 
     @property
     def uniform(self) -> bool:

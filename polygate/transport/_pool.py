@@ -97,7 +97,7 @@ import trio
 from .._chunked import PLAIN_END, ChunkedDecoder
 from .._http11 import unquoted
 from .._sockets import out_of, out_of_now, read_now, reads_now, receive_when_readable, write_first
-from ._head import HEAD_EXTENSION, Head, parse_head
+from ._head import HEAD_EXTENSION, MAX_HEAD, Head, parse_head
 from ._wire import CALL_ID_HEADER
 
 __all__ = [
@@ -578,6 +578,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 # h11 is given the bytes up to the end of a head, no further: a
                 # chunked body that follows is decoded here (see _chunked).
                 tail = b""  # the end of what h11 was given, for a blank line cut by a read
+                # The head's bytes given to h11: its own limit counts only a head still
+                # incomplete, so one whole in a read (up to 64 KiB) passed it.
+                fed = 0
                 while True:
                     event = h.next_event()
                     if event is h11.NEED_DATA:
@@ -596,11 +599,15 @@ class LeanTransport(httpx.AsyncBaseTransport):
                             got_bytes = True
                         window = tail + data
                         blank = _BLANK_LINE.search(window)
+                        cut = len(data) if blank is None else blank.end() - len(tail)
+                        fed += cut
+                        if fed > MAX_HEAD:
+                            raise h11.RemoteProtocolError(
+                                f"response head over {MAX_HEAD // 1024} KiB (the cap on one)")
                         if blank is None:
                             h.receive_data(data)
                             tail = window[-2:]
                         else:
-                            cut = blank.end() - len(tail)
                             h.receive_data(data[:cut])
                             rest = data[cut:]
                             tail = b""
@@ -608,6 +615,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                         response = event
                         break
                     else:  # an InformationalResponse (1xx): the real one follows
+                        fed = 0
                         interim += 1
                         if interim > MAX_INTERIM_RESPONSES:
                             raise h11.RemoteProtocolError(
