@@ -687,6 +687,7 @@ async def cached_embed(
             return False
         return True
 
+    @trio.lowlevel.enable_ki_protection  # (a task: see _session._ki_protected)
     async def compute(
         led: list[str], flights: dict[str, Flight], reread: bool, supersedes: dict[str, Flight],
     ) -> None:
@@ -829,6 +830,7 @@ async def cached_embed(
             if led:
                 nursery.start_soon(compute, led, flights, mode != "refresh" and not refresh, supersedes)
 
+        @trio.lowlevel.enable_ki_protection  # (a task: see _session._ki_protected)
         async def wait_on(nursery: trio.Nursery, key: str, flight: Flight) -> None:
             await call.within(flight.done.wait)
             if flight.value is not None and take(key, flight.value):
@@ -851,6 +853,7 @@ async def cached_embed(
                 if len(orphans) == 1:
                     nursery.start_soon(relead, nursery, orphans)
 
+        @trio.lowlevel.enable_ki_protection  # (a task: see _session._ki_protected)
         async def relead(nursery: trio.Nursery, pending: list[str]) -> None:
             # Started by the first of them: it runs after every waiter woken with it
             # (one leader's flights end together) has joined the list: one batch.

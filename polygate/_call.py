@@ -212,8 +212,8 @@ class CommittedFailure(Exception):
 # try/finally that settles it, or inside the settle: the permit and the reservation
 # stayed taken for the session's life (with max_in_flight=1 every later call was
 # refused).  Protected, it is delivered at the caller's next checkpoint instead, a
-# point every path unwinds from and settles at.  (For the whole call below: the
-# rounds, their attempts and the exchange; a hedge's path task is marked in _hedge.)
+# point every path unwinds from and settles at.  (The public calls are marked too:
+# see _session._ki_protected.)
 @trio.lowlevel.enable_ki_protection
 async def _retry_loop(
     ctx: CallContext,
@@ -1035,6 +1035,7 @@ async def run_embed(
     limiter = trio.CapacityLimiter(8)
     deadline_at = _deadline_at(ctx, deadline_s)
 
+    @trio.lowlevel.enable_ki_protection  # (a task: see _session._ki_protected)
     async def one_batch(index: int, batch: list[str]) -> None:
         async with limiter:
             tokens = runtime.governor.estimate_inputs(batch)

@@ -196,6 +196,7 @@ async def _ocr_pages(
         tokens = estimate + ctx.completion_estimate
         results[slot] = await _retry_loop(ctx, runner, None, deadline_at, tokens)
 
+    @trio.lowlevel.enable_ki_protection  # (a task: see _session._ki_protected)
     async def worker() -> None:
         for slot, index in todo:  # one shared iterator: every page taken once, in order
             await one_page(slot, index)

@@ -85,6 +85,18 @@ class _Unset:
 
 
 _UNSET: Any = _Unset()
+#: A call's code is protected from KeyboardInterrupt (Ctrl-C): trio raises it in
+#: whatever unprotected code runs when the signal comes, and a call's code takes
+#: things to give back (a source's permit and reservation, a cache flight others
+#: wait on, a stream's channel) with a try/finally a moment later.  Landing between
+#: the two, it left them taken for the session's life: every later call refused, or
+#: waiting on a flight no one would finish; a stream's block could never be left.
+#: Protected, the interrupt comes at the next checkpoint instead, where every path
+#: unwinds and settles as for a cancellation.  For the calls' code in the caller's
+#: task; each task a call starts is marked too (trio gives a new task no protection
+#: of its caller's): a round's paths, a stream's producer, embedding batches and
+#: cached flights, OCR's pages.
+_ki_protected = trio.lowlevel.enable_ki_protection
 _BLOCK_EXITED = "this stream was closed before it finished (its block exited)"
 #: What a call on a closed session raises (and a stream its closing cut), as _call.py.
 _SESSION_CLOSED = "this session is closed"
@@ -169,6 +181,7 @@ class Session:
     # the caller's own exception, whose frames are the caller's, stays as it is; so
     # does a bug that rides along beside it (a branch's, in its cause's group).
 
+    @_ki_protected
     async def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -225,6 +238,7 @@ class Session:
             cache=self._cache, cache_mode=mode, run=self._run,
         )
 
+    @_ki_protected
     async def embed(
         self,
         inputs: Sequence[str],
@@ -267,6 +281,7 @@ class Session:
         except PolygateError as exc:
             raise frameless(exc, handled=handled, spare=is_bug)  # noqa: B904 (the same error: see above)
 
+    @_ki_protected
     async def ocr(
         self,
         document: bytes | bytearray | str | os.PathLike[str],
@@ -749,6 +764,7 @@ class ChatStream:
         # itself, once every path of the call has settled.
         await _settled(self._produced)
 
+    @trio.lowlevel.enable_ki_protection  # (a task of its own: see _ki_protected)
     async def _producer(self, send: ItemSink) -> None:
         # A task of the session's nursery: nothing may leave it but the session's own
         # cancellation (which ends this stream: its reader hears the cut).
