@@ -217,8 +217,8 @@ class AttemptControl:
         on with meanwhile, took 8 s to time out of a ``timeout_s`` of 1.  Once it went,
         or past what may move, a clock due by ``now`` gives the attempt a look first,
         as long as the stall was, two seconds at most (``look_end``): what the
-        upstream sent during the stall is read -- over as many reads as it takes -- and a token moves
-        the watchdog as ever; what silence remains fires after it.  ``LOOKS`` times for
+        upstream sent during the stall is read -- over as many reads as it takes --
+        and a token moves the watchdog as ever; what silence remains fires after it.  ``LOOKS`` times for
         a due time at most: a look may end inside the next of such recurring stalls,
         but a loop busy turn after turn must not keep a hung upstream's clocks from
         firing."""

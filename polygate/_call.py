@@ -207,13 +207,11 @@ class CommittedFailure(Exception):
         self.record = record
 
 
-# Protected from KeyboardInterrupt (Ctrl-C): trio raises it in whatever unprotected
-# code runs, and here that was between a source's admission and the attempt's
-# try/finally that settles it, or inside the settle: the permit and the reservation
-# stayed taken for the session's life (with max_in_flight=1 every later call was
-# refused).  Protected, it is delivered at the caller's next checkpoint instead, a
-# point every path unwinds from and settles at.  (The public calls are marked too:
-# see _session._ki_protected.)
+# Protected from KeyboardInterrupt (see _session._ki_protected): landing between a
+# source's admission and the attempt's try/finally that settles it, or in the settle,
+# it left the permit and the reservation taken for the session's life.  (Every way
+# in is marked already, the session's methods and the tasks a call starts; this mark
+# keeps it so for a way in added later.)
 @trio.lowlevel.enable_ki_protection
 async def _retry_loop(
     ctx: CallContext,

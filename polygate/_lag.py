@@ -15,9 +15,9 @@ before trio expires deadlines: the time since the last poll ended, less the wait
 one was planned to take (the tasks' turn, and how far the poll ended past its plan).
 Past :data:`STALL_MIN_S`, every running attempt whose clock is due by now gets a look
 first (``AttemptControl.stalled``), as long as the stall was, :data:`LAG_MIN_S` at
-least and :data:`LOOK_MAX_S` at most (:func:`look_end`): its deadline moves to then, its readers read what came
-during the stall, over as many reads and passes as it takes, and a token they find
-moves the watchdog as ever.  A few times for each due time at most
+least and :data:`LOOK_MAX_S` at most (:func:`look_end`): its deadline moves to then,
+its readers read what came during the stall, over as many reads and passes as it
+takes, and a token they find moves the watchdog as ever.  A few times for each due time at most
 (``AttemptControl.LOOKS``): a loop busy turn after turn still times a hung upstream
 out (a few turns late), and a silence that began before a stall fires after its look
 (a stall late).  The clocks are not moved by the stall -- nothing can tell when,
@@ -131,8 +131,7 @@ class LoopLag(trio.abc.Instrument):
         """``due``, or, when it fell inside the last stall, the end of the look that
         stall gives (as long as the stall, up to :data:`LOOK_MAX_S`): for a trigger of
         the round's own (a hedge), as ``AttemptControl.stalled`` gives an attempt's
-        clocks.  (A stall
-        "begins" where the poll was planned to end, the trigger's own time when the
+        clocks.  (A stall "begins" where the poll was planned to end, the trigger's own time when the
         poll was planned for it: that trigger is in the stall too.)"""
         began, ended = self.last_stall
         return look_end(ended, ended - began) if began <= due <= ended else due

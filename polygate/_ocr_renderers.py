@@ -70,7 +70,7 @@ import trio
 
 from . import _ocr_render
 from ._errors import ConfigError, PolygateError
-from ._threads import no_thread, patient_clock, run_sync
+from ._threads import NoThread, no_thread, patient_clock, run_sync
 
 __all__ = ["IDLE_S", "RendererStatistics", "Renderers", "new_key"]
 
@@ -211,9 +211,7 @@ class _ThreadWorker(_Worker):
         # (run_sync holds virtual time still, as for a renderer process)
         try:
             return await run_sync(self._handle, header, blob, abandon_on_cancel=True)
-        except RuntimeError as exc:
-            if not no_thread(exc):
-                raise
+        except NoThread:
             # Not rendered on the loop instead: a render takes PDFium's process-wide
             # lock, which a cut render's abandoned thread may hold for as long as a
             # hostile page takes, and the loop must never wait for it.

@@ -764,7 +764,7 @@ class ChatStream:
         # itself, once every path of the call has settled.
         await _settled(self._produced)
 
-    @trio.lowlevel.enable_ki_protection  # (a task of its own: see _ki_protected)
+    @_ki_protected  # (a task of its own: trio gives it no protection of its caller's)
     async def _producer(self, send: ItemSink) -> None:
         # A task of the session's nursery: nothing may leave it but the session's own
         # cancellation (which ends this stream: its reader hears the cut).

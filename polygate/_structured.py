@@ -53,7 +53,7 @@ from ._errors import ConfigError, PolygateError, StructuredOutputError
 from ._json import MAX_DEPTH, nested_deeper
 from ._schema_bounds import Budget, OverBudget, SlowPattern, bounded_keywords, budget
 from ._secrets import printable
-from ._threads import cpu_limiter, mock_clock, no_thread, run_sync
+from ._threads import NoThread, cpu_limiter, mock_clock, run_sync
 from ._types import ChatResponse, encode_compact
 
 __all__ = ["Schema", "StructuredRounds", "prepare", "schema_of"]
@@ -350,14 +350,12 @@ class _DictSchema(Schema):
             # _validator's cache, and the others find it there.)
             try:
                 await run_sync(self.compile, abandon_on_cancel=True, limiter=cpu_limiter())
-            except RuntimeError as exc:
-                if not no_thread(exc):
-                    raise
+            except NoThread as exc:
                 # Not compiled on the loop instead: seconds for a big schema (3 s for
                 # 1 MB), every other call held meanwhile.
                 raise PolygateError(
-                    "this process ran out of threads (can't start new thread): a schema "
-                    f"this large ({len(json.dumps(self.json_schema))} characters) is compiled in one"
+                    f"{exc}: a schema this large ({len(json.dumps(self.json_schema))} "
+                    "characters) is compiled in one"
                 ) from None
 
     def validate(self, text: str, limit: Budget | None = None, on_loop: bool = True) -> Any:
@@ -1135,9 +1133,8 @@ class StructuredRounds:
                 "union of shapes that nest is tried shape by shape, and a long answer "
                 "takes long), so it was not checked"
             ]) from None
-        except RuntimeError as exc:
-            if not no_thread(exc):
-                raise
+        except NoThread:
+            pass  # (checked on the loop, below)
         finally:
             limit.stop()  # (cancelled, the call does not wait for the thread: it stops)
         # No thread can start (the process's thread limit): checked on the loop, within

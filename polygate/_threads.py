@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import trio
 
-__all__ = ["cpu_limiter", "mock_clock", "no_thread", "patient_clock", "run_sync"]
+__all__ = ["NoThread", "cpu_limiter", "mock_clock", "no_thread", "patient_clock", "run_sync"]
 
 T = TypeVar("T")
 
@@ -120,18 +120,28 @@ async def run_sync(
 ) -> T:
     """``trio.to_thread.run_sync``; a zero-threshold ``MockClock`` holds still while
     the thread works (``background``: only waits 1 ms of real idleness to jump).
-    ``or_inline``: for work bounded in time (a render, an image's encoding), done on
-    the loop when no thread can start (see :func:`no_thread`), as it would be
-    without threads, rather than fail what waits for it."""
+    No thread can start (see :func:`no_thread`): :class:`NoThread`; or, with
+    ``or_inline``, for work bounded in time (a render, an image's encoding), the work
+    done on the loop, as it would be without threads, rather than fail what waits
+    for it."""
     try:
         with patient_clock(_BACKGROUND_S if background else _HOLD_S):
             return await trio.to_thread.run_sync(
                 fn, *args, abandon_on_cancel=abandon_on_cancel, limiter=limiter
             )
     except RuntimeError as exc:
-        if not (or_inline and no_thread(exc)):
+        if not no_thread(exc):
             raise
+        if not or_inline:
+            raise NoThread from None
     return fn(*args)
+
+
+class NoThread(RuntimeError):
+    """No thread could start for :func:`run_sync`'s work: the process's thread limit."""
+
+    def __init__(self) -> None:
+        super().__init__("this process ran out of threads (can't start new thread)")
 
 
 def no_thread(exc: BaseException) -> bool:
@@ -140,4 +150,5 @@ def no_thread(exc: BaseException) -> bool:
     ``RuntimeError`` that says so (3.10 to 3.13).  Taken for a source's failure, a
     spell of it opened the breaker of every source reached by name (trio looks names
     up in threads), which stayed open after it."""
-    return type(exc) is RuntimeError and str(exc).startswith("can't start new thread")
+    return isinstance(exc, NoThread) or (
+        type(exc) is RuntimeError and str(exc).startswith("can't start new thread"))

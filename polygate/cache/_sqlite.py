@@ -55,7 +55,7 @@ import trio
 
 from .._errors import ConfigError
 from .._sqlite_locks import held_by_another, unusable_for_now
-from .._threads import no_thread, run_sync
+from .._threads import NoThread, run_sync
 from ._backend import CacheBackendError, Entry
 
 __all__ = ["SQLiteBackend"]
@@ -152,11 +152,9 @@ class SQLiteBackend:
                 self._clock = _epoch_on(clock)
         try:
             return await run_sync(self._open)
-        except RuntimeError as exc:
-            if not no_thread(exc):
-                raise
+        except NoThread as exc:
             # The process's thread limit, not the file: fails open as a locked file does.
-            return self._not_now("this process ran out of threads (can't start new thread)")
+            return self._not_now(str(exc))
 
     def _open(self) -> str | None:
         try:
@@ -223,9 +221,7 @@ class SQLiteBackend:
             scope.deadline = trio.current_time() + max(self.timeout_s, 1.0)
             try:
                 await run_sync(self._close_all, loop_reader, abandon_on_cancel=True)
-            except RuntimeError as exc:
-                if not no_thread(exc):
-                    raise
+            except NoThread:
                 # Out of threads (the process's limit): closed here, on the loop.  No
                 # thread of this cache can be writing a batch meanwhile but one that
                 # started before, which its busy timeout bounds.

@@ -129,7 +129,7 @@ class _Refused:
         bound = self.bound(give_up_at, cooldown_give_up_at)
         if self.unknown:
             return now >= bound
-        return self.next_at > bound or (self.next_at == bound == give_up_at) or now >= bound
+        return self.next_at > bound or self.next_at >= give_up_at or now >= bound
 
     @property
     def uniform(self) -> bool:

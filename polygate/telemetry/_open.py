@@ -32,7 +32,7 @@ from .._config import Settings, mask_url
 from .._context import AttemptRecord, CallContext, NullRecorder, Recorder, TraceHeaders
 from .._errors import ConfigError
 from .._secrets import frameless
-from .._threads import no_thread, run_sync
+from .._threads import NoThread, run_sync
 from .._types import CallStats, Usage
 from ._recorder import TelemetryRecorder
 from ._sink import OFF, Pipeline, Sink, TelemetryStatistics, _GovernanceLike, real_time_bound
@@ -207,11 +207,8 @@ async def _bounded_open(
         with real_time_bound(OPEN_TIMEOUT_S):
             try:
                 sink = await run_sync(open_or_close, abandon_on_cancel=True)
-            except RuntimeError as exc:
-                if not no_thread(exc):
-                    raise
-                raise ConfigError(f"telemetry: cannot open {mask_url(url)}: this process ran "
-                                  "out of threads (can't start new thread)") from None
+            except NoThread as exc:
+                raise ConfigError(f"telemetry: cannot open {mask_url(url)}: {exc}") from None
     finally:
         if sink is None:  # the bound fell, or the session's opening was cancelled
             with lock:
