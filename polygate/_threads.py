@@ -124,13 +124,23 @@ async def run_sync(
     ``or_inline``, for work bounded in time (a render, an image's encoding), the work
     done on the loop, as it would be without threads, rather than fail what waits
     for it."""
+    ran = False
+
+    def work() -> T:
+        # Whether the thread started, so that ``fn``'s own "can't start new thread"
+        # (work that starts threads) is raised as it is: not taken for ours, and the
+        # work not run a second time on the loop.
+        nonlocal ran
+        ran = True
+        return fn(*args)
+
     try:
         with patient_clock(_BACKGROUND_S if background else _HOLD_S):
             return await trio.to_thread.run_sync(
-                fn, *args, abandon_on_cancel=abandon_on_cancel, limiter=limiter
+                work, abandon_on_cancel=abandon_on_cancel, limiter=limiter
             )
     except RuntimeError as exc:
-        if not no_thread(exc):
+        if ran or not no_thread(exc):
             raise
         if not or_inline:
             raise NoThread from None

@@ -155,3 +155,22 @@ async def test_telemetry_keeps_up_with_a_mock_clock_run(
                 nursery.start_soon(s.chat, MESSAGES)
     stats = (await s.statistics()).telemetry
     assert stats.written == 400 and stats.dropped == 0
+
+
+@pytest.mark.parametrize("or_inline", [False, True])
+async def test_work_that_fails_to_start_its_own_thread_is_not_taken_for_the_limit(
+    or_inline: bool,
+) -> None:
+    """The work ran in its thread and itself raised the interpreter's "can't start new
+    thread": that is the work's error, raised as it is, and the work is not run a
+    second time on the loop (it once was, with ``or_inline``)."""
+    runs: list[str] = []
+
+    def work() -> None:
+        runs.append(threading.current_thread().name)
+        raise RuntimeError("can't start new thread")
+
+    with pytest.raises(RuntimeError, match="can't start new thread") as caught:
+        await run_sync(work, or_inline=or_inline)
+    assert type(caught.value) is RuntimeError  # not NoThread: the thread did start
+    assert len(runs) == 1 and runs[0] != threading.current_thread().name
