@@ -68,7 +68,7 @@ _SHARED = (
 T = TypeVar("T")
 
 #: The most of what is left of a call's deadline a cache lookup may take; the rest is
-#: the upstream's (docs/cache.md, "Fail open").
+#: the upstream's (docs/cache.md, "Failing open").
 LOOKUP_SHARE: Final = 0.1
 
 

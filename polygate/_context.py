@@ -258,7 +258,7 @@ class CallContext:
     messages_json: str = "[]"  # encoded once per call, spliced into every attempt's body
     params: Mapping[str, Any] = attrs.field(factory=dict)
     #: Parameters an attempt sent, and whether their keys are all plain (see
-    #: ``wire_params_plain``): found once a call, not once an attempt.
+    #: ``_attempt._plain`` and ``_json.plain_keys``): found once a call, not once an attempt.
     plain_params: tuple[Mapping[str, Any], bool] | None = None
     # The caller's texts that are not messages (an embed's inputs, an OCR prompt):
     # like the messages, telemetry never stores them unless asked (log_content).

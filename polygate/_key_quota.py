@@ -5,7 +5,7 @@ the governance backend itself).
 A key's quota is held where the sources' quotas are, in the session's governance
 backend, as one more admission: scope :data:`KEY_SCOPE`, source the key's *name*.  So
 replicas sharing a Redis backend share each key's windows and permits with the same
-atomic scripts, leases and fail-closed bound as the sources' (``docs/governance.md``),
+atomic scripts, leases and fail-closed bound as the sources' (``docs/distributed.md``),
 and nothing about the key but its operator-chosen name is ever written there -- not
 the key, not a hash of it (a hash of a short secret can be searched offline).
 
@@ -130,7 +130,7 @@ class KeyQuotas:
         """Settle by the module's rules: ``attempted`` -- whether any attempt reached a
         source, or the answer came from the cache; ``tokens`` -- the usage to record
         (``None``: the estimate stands).  Never raises: a backend that cannot be
-        reached is the lease's to clean up (``docs/governance.md``)."""
+        reached is the lease's to clean up (``docs/distributed.md``, "Leases")."""
         await self._backend.settle(SettleRequest(
             admission, tokens, Feedback.NEUTRAL, sent=attempted,
         ))

@@ -14,9 +14,9 @@ runs twice — its requests included — and then fails in the child.  (``fork``
 unsafe in a process with threads, and deprecated there.)  A library cannot ask that
 of every script that OCRs a PDF.  So a renderer is ``python -I -c <boot>`` started
 with ``trio.lowlevel.open_process``: the child loads ``polygate/_ocr_render.py`` by
-its path and nothing else of the caller (not even the ``polygate`` package, ~0.6 s of
-imports), with the caller's ``sys.path``; it speaks the frames described in
-``_ocr_render``.
+its path and nothing else of the caller (not even the ``polygate`` package, whose
+imports take 0.2-0.6 s by the machine), with the caller's ``sys.path``; it speaks the
+frames described in ``_ocr_render``.
 
 Lifetime (one :class:`Renderers` per session):
 

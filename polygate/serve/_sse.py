@@ -60,7 +60,8 @@ __all__ = [
 
 DONE: Final = b"data: [DONE]\n\n"
 KEEPALIVE: Final = b": keep-alive\n\n"
-#: The size of a header that has every field (see StreamShape._header).
+#: The size of a header that has every field (see ``chunk_header``, kept in
+#: ``StreamShape._meta``).
 _FULL_HEADER: Final = 4 + len(KEPT_HEADER)
 
 

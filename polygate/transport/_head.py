@@ -2,14 +2,15 @@
 
 h11 parsed every response head and ran its state machine through every exchange:
 ~21 % of a ``chat()`` call's CPU over sockets, the largest single cost after the
-kernel's (py-spy, docs/benchmarks.md "An upstream's answer without h11").  Almost
+kernel's (py-spy, docs/benchmarks.md "The common messages without h11").  Almost
 every answer is the same shape: ``HTTP/1.1``, a final status, ``name: value`` lines
 ended by CRLF, and a body framed by one Content-Length or by ``Transfer-Encoding:
 chunked``.  :func:`parse_head` reads exactly that shape, and only that: anything
 else -- an interim (1xx) answer, HTTP/1.0, a body delimited by the close, a folded,
-malformed or bare-LF line, a repeated or odd framing header, a head over h11's
-16 KiB -- returns ``None``, and LeanTransport hands the same bytes to h11 as before,
-so its answer (and its error) decides.  What is accepted is a subset of what h11
+malformed or bare-LF line, a repeated or odd framing header, a head over
+``MAX_HEAD`` -- returns ``None``.  LeanTransport refuses a head over ``MAX_HEAD``
+itself, however it arrives, and hands any other shape's bytes to h11 as before, so
+h11's answer (and its error) decides.  What is accepted is a subset of what h11
 accepts, read as h11 reads it (``tests/test_head.py`` holds the two together).
 """
 
@@ -28,7 +29,9 @@ __all__ = ["HEAD_EXTENSION", "MAX_HEAD", "Head", "header_of", "parse_head"]
 #: Where a response read this way keeps its :class:`Head` (``response.extensions``).
 HEAD_EXTENSION: Final = "polygate.head"
 
-#: h11's bound on an incomplete event: a longer head is h11's to refuse or read.
+#: The most a response head may be (h11's bound on an incomplete event).  LeanTransport
+#: refuses a longer one however it arrives (``_pool``'s ``fed``): h11 bounds only a
+#: head still incomplete, and accepts a longer one that came whole in one read.
 MAX_HEAD: Final = 16 * 1024
 
 _STATUS: Final = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")

@@ -59,7 +59,8 @@ What it does (and does not)
   CRLF lines, one Content-Length or ``chunked``: see ``_head``) is read here, its
   body counted or de-chunked to its end.  Everything else is h11's: an unusual
   request goes through h11's writer, and any other answer is handed to h11 from its
-  first byte (its 16 KiB limit bounds a response head; at most
+  first byte (a response head over ``_head.MAX_HEAD`` is refused here, counted as
+  it is fed: h11's own limit counts only a head still incomplete; at most
   ``MAX_INTERIM_RESPONSES`` 1xx responses are read before the final one), as is a
   chunked end with trailers or bytes after it.  h11's refusal of a header value is
   re-worded so that it never quotes the value.
@@ -119,8 +120,8 @@ SENT_EXTENSION: Final = "polygate.sent"
 #: ``polygate.testing``).  For any other transport polygate cannot tell when a request
 #: is written, so it counts the request as sent when it hands it over.
 REPORTS_SENT: Final = "polygate_reports_sent"
-#: Interim (1xx) responses accepted before the final one.  Each is bounded by h11's
-#: 16 KiB limit on an incomplete event; without a count an upstream could send them
+#: Interim (1xx) responses accepted before the final one.  Each is bounded by
+#: ``_head.MAX_HEAD``, counted per response; without a count an upstream could send them
 #: for ever, each one costing CPU and escaping every byte cap.
 MAX_INTERIM_RESPONSES: Final = 8
 # At most this much is taken from the kernel per read of an event stream.  A process

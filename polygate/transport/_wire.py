@@ -202,7 +202,7 @@ def chat_body(
     # msgspec (~0.6 µs here against ~2.8 for json's encoder, on every attempt); json's
     # where msgspec would not write what json does (see polygate._json.dumps; a key
     # that is neither a str nor an int, see plain_keys).  The caller's parameters
-    # were checked (Session._check_params: with json's encoder, or one by one when all
+    # were checked (``polygate._session._check_params``: with json's encoder, or one by one when all
     # are plain JSON scalars, which both encoders write alike), so the types msgspec
     # takes and json refuses (bytes, dates, sets) never reach here.
     # (The body's values are the parameters' and polygate's own plain ones.)
