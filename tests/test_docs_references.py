@@ -81,3 +81,25 @@ def test_every_statistic_is_documented() -> None:
     text = _text(ROOT / "docs" / "statistics.md")
     for field in attrs.fields(polygate.CallStats):
         assert f"| `{field.name}` |" in text, field.name
+
+
+_DOC_REF = re.compile(r'docs/([\w-]+\.md)(?:``)?(?:,? (?:section )?"([^"\n]+)")?')
+
+
+def _headings(page: Path) -> set[str]:
+    return {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", _text(page), re.M)}
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_docs_a_comment_points_to_exist(path: Path) -> None:
+    """A comment's ``docs/page.md`` exists, and the section it quotes is a heading of
+    that page (comments once sent readers to a page never written and to headings
+    since renamed)."""
+    wrong = []
+    for page, section in _DOC_REF.findall(_text(path)):
+        target = ROOT / "docs" / page
+        if not target.exists():
+            wrong.append(page)
+        elif section and section not in _headings(target):
+            wrong.append(f'{page} "{section}"')
+    assert wrong == []
