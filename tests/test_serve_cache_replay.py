@@ -16,7 +16,7 @@ import polygate
 from polygate.serve import open_server
 
 from ._raw_server import raw_server
-from ._serve_kit import CHAT, GATEWAY_KEY, settings_for
+from ._serve_kit import AUTH, CHAT, GATEWAY_KEY, http, settings_for
 from .conftest import TRANSCRIPTS
 
 pytestmark = pytest.mark.integration
@@ -192,3 +192,28 @@ async def test_n2_choice1_content_first() -> None:
     assert _summary(miss) == _summary(whole)
     assert _tokens(miss) == [["A", "B"], ["X", "Y"]]
     assert _summary(hit) == _summary(whole)
+
+
+async def test_an_answer_no_client_can_be_sent_is_not_cached() -> None:
+    """An answer holding a NaN (a provider's extra field, a logprob) cannot be written
+    as JSON: a 502.  It was stored, and every identical request until the entry
+    expired got that 502 from the cache (``x-polygate-cached: true``), the upstream
+    never asked again (outside review, 2026-12-07, eleventh)."""
+    body = (b'{"id":"x","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,'
+            b'"message":{"role":"assistant","content":"hey"},"finish_reason":"stop"}],"x":NaN}')
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                              b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    async with raw_server(reply) as up:
+        settings = settings_for(up.url, cache="memory", retry=polygate.Retry(max_attempts=1),
+                                cache_ttl_s=3600)
+        async with open_server(settings, port=0) as server:
+            answers = [await http(server, "POST", "/v1/chat/completions", CHAT, AUTH)
+                       for _ in range(2)]
+            cache = (await server.session.statistics()).cache
+    assert [a.status for a in answers] == [502, 502]
+    assert [a.headers.get("x-polygate-cached") for a in answers] != ["false", "true"]
+    assert len(up.requests) == 2  # asked again: nothing was stored
+    assert cache is not None and cache.errors == 2  # counted: answers it could not store

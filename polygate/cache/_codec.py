@@ -26,7 +26,10 @@ from .._types import ChatResponse, Usage
 __all__ = ["decode_chat", "decode_vector", "encode_chat", "encode_vector"]
 
 _FORMAT = 1
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=True).encode
+# No NaN or infinity: an answer that holds one is not stored (``ValueError``, counted).
+# No client of ``polygate serve`` can be sent it (a 502), and a stored one was replayed
+# as that 502 for the entry's whole life, the upstream never asked again.
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
