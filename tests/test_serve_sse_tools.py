@@ -675,3 +675,92 @@ def test_a_vendor_object_on_a_calls_deltas_is_kept_once_and_never_typed_as_the_c
         acc = accumulate_delta(acc, event["choices"][0]["delta"])
     [relayed] = acc["tool_calls"]
     assert (relayed["type"], relayed["id"], relayed["function"]) == ("function", "c1", call["function"])
+
+
+@pytest.mark.parametrize(("first", "later"), [
+    pytest.param({"function": None}, {"function": {"arguments": "{}"}}, id="first-function-null"),
+    pytest.param({}, {"function": {"arguments": "{}"}}, id="first-no-function"),
+    pytest.param({"function": {"name": "f", "arguments": ""}}, {"function": None}, id="later-function-null"),
+    pytest.param({"function": {"name": "f", "arguments": ""}}, {}, id="later-no-function"),
+    pytest.param({"function": {"name": None, "arguments": 5}}, {"function": {"arguments": "{}"}},
+                 id="name-null-arguments-int"),
+    pytest.param({"function": {"name": "f", "arguments": None}}, {"function": {"arguments": ["x"]}},
+                 id="arguments-null-then-list"),
+    pytest.param({"function": {"name": 7, "arguments": "{"}}, {"function": {"name": {}, "arguments": "}"}},
+                 id="names-not-strings"),
+    pytest.param({"index": 0.0, "function": {"name": "f", "arguments": ""}}, {"index": 0.0},
+                 id="float-index"),
+    pytest.param({"index": True, "function": {"name": "f", "arguments": ""}}, {"index": 1.0},
+                 id="bool-then-float-index"),
+])
+def test_odd_payloads_reach_the_sdks_stream_helper_as_the_json_answer_has_them(
+    first: dict[str, Any], later: dict[str, Any],
+) -> None:
+    """Outside review (JSON's corners): a tool-call delta whose ``function`` is null or
+    missing, whose ``name`` or ``arguments`` is no string, or whose ``index`` is
+    ``0.0``, was relayed as it came.  The OpenAI SDK's stream helper asserts that
+    every delta of a function call has a ``function`` (an AssertionError in the
+    client), keeps ``arguments`` of 5 or None where the JSON answer has ``""``
+    (``json.loads`` then fails in agent code), and typed clients refuse an index of
+    ``0.0``.  What the helper builds is now the JSON answer's call, and every relayed
+    index is an integer."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    chunks = [
+        _chunk({"role": "assistant", "content": None}),
+        _chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function", **first}]}),
+        _chunk({"tool_calls": [{"index": 0, **later}]}),
+        _chunk({}, "tool_calls"),
+    ]
+    assembler = ChatAssembler()
+    for chunk in chunks:
+        assembler.add(chunk)
+    [whole] = assembler.build()["choices"][0]["message"]["tool_calls"]
+    relayed = _relay(chunks)
+    indexes = [call["index"] for event in relayed for choice in event["choices"]
+               for call in (choice.get("delta") or {}).get("tool_calls") or []]
+    assert indexes and all(type(i) is int for i in indexes)
+    state = ChatCompletionStreamState()
+    for event in relayed:
+        state.handle_chunk(ChatCompletionChunk.model_validate(event))
+    [built] = state.get_final_completion().choices[0].message.tool_calls or []
+    assert (built.type, built.id, built.function.name, built.function.arguments) == (
+        whole["type"], whole["id"], whole["function"]["name"], whole["function"]["arguments"])
+
+
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("function", [None, "absent", {"name": None, "arguments": 5}])
+def test_a_call_with_an_odd_payload_reaches_the_sdks_stream_helper_through_every_path(
+    function: Any, whole: bool, cache: bool,
+) -> None:
+    """The same, through the library: a streaming upstream, a source that cannot
+    stream (the relay makes the chunk from the whole answer), and a cache hit replayed
+    as a stream."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    call: dict[str, Any] = {"id": "c1", "type": "function"}
+    if function != "absent":
+        call["function"] = function
+    if whole:
+        upstream: Any = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+                         "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                             "role": "assistant", "content": None, "tool_calls": [call]}}]}
+    else:
+        upstream = [{**BASE, "choices": [{"index": 0, "delta": d, "finish_reason": f}]} for d, f in [
+            ({"role": "assistant", "content": None}, None),
+            ({"tool_calls": [{"index": 0, **call}]}, None),
+            ({}, "tool_calls")]]
+    events, answer = _streamed_through_the_library(upstream, cache=cache)
+    state = ChatCompletionStreamState()
+    for event in events:
+        state.handle_chunk(ChatCompletionChunk.model_validate(event))
+    [built] = state.get_final_completion().choices[0].message.tool_calls or []
+    [want] = answer.message["tool_calls"]
+    # (A whole answer's JSON body keeps the upstream's own message, ``arguments`` of 5
+    # too; a stream's client gets strings, as the assembler keeps only strings.)
+    texts = {k: v if isinstance(v, str) else "" for k, v in (want.get("function") or {}).items()}
+    assert (built.id, built.function.name, built.function.arguments) == (
+        want["id"], texts.get("name", ""), texts.get("arguments", ""))

@@ -283,6 +283,7 @@ class StreamShape:
             slot = held.get(index)
             cid = call.get("id")
             kind = call.get("type")
+            fresh = slot is None
             if slot is None:
                 if not carries_call(call):
                     changed = True  # carries no call (the library keeps none)
@@ -290,7 +291,8 @@ class StreamShape:
                 # The client's index is the call's place among the choice's calls, in
                 # the order they began: the helper takes an index as a place in its
                 # list (calls counted from 1, or with a gap, raised an IndexError).
-                slot = held[index] = {"id": None, "name": _Name(), "at": len(held)}
+                slot = held[index] = {"id": None, "name": _Name(), "at": len(held),
+                                      "kind": call_type(call)}
                 if not (isinstance(kind, str) and kind):
                     # A server that sends no type (Azure AI Foundry, Mistral): the
                     # call's type, as the JSON answer has it; the helper kept None,
@@ -303,7 +305,9 @@ class StreamShape:
                 # helper then fails an assertion.
                 call = {k: v for k, v in call.items() if k != "type"}
                 changed = True
-            if call.get("index") != slot["at"]:
+            # (``type``: an index of 0.0 or true equals 0 and 1, and typed clients
+            # refuse it.)
+            if type(call.get("index")) is not int or call["index"] != slot["at"]:
                 shaped = {**call, "index": slot["at"]}
                 changed = True
             else:
@@ -334,6 +338,14 @@ class StreamShape:
                             trimmed["name"] = repeat
                         shaped = {**shaped, key: trimmed}
                         changed = True
+            payload_key = slot["kind"]
+            fields = CALL_PAYLOADS.get(payload_key)
+            if fields is not None:
+                payload = shaped.get(payload_key)
+                texts = _payload_texts(payload, fields, fresh, payload_key == "function")
+                if texts is not payload:
+                    shaped = {**shaped, payload_key: texts}
+                    changed = True
             out.append(shaped)
         return out if changed else None
 
@@ -547,3 +559,25 @@ def reported_usage(response: ChatResponse) -> dict[str, Any] | None:
         # the stream's cache hits, whose statistics say no resume (this call made none).
         return counts
     return None
+
+
+def _payload_texts(payload: Any, fields: tuple[str, ...], fresh: bool, needed: bool) -> Any:
+    """A call's payload (``function``, ``custom``) as the SDK's stream helper must get
+    it to build the JSON answer's call: its text fields strings, as the library's
+    assembler keeps only strings (a ``name`` of 7 or ``arguments`` of 5 or null were
+    relayed, and the helper kept them where the answer has ``""``).  On a call's
+    first delta a field that is not a string is ``""``, and a payload that is no
+    object is ``{"name": "", "arguments": ""}`` (the answer's); on a later delta such
+    a field is dropped, and a function's payload that is no object is ``{}``: the
+    helper asserts that every delta of a function call has one.  ``payload`` itself
+    when it is already so."""
+    if type(payload) is not dict:
+        if fresh:
+            return dict.fromkeys(fields, "")
+        return {} if needed else payload
+    if all(isinstance(payload[f], str) for f in fields if f in payload):
+        return payload
+    if fresh:
+        return {k: v if k not in fields or isinstance(v, str) else "" for k, v in payload.items()}
+    return {k: v for k, v in payload.items() if k not in fields or isinstance(v, str)}
+
