@@ -187,6 +187,7 @@ async def test_probes_must_succeed_in_a_row_across_a_reopening(
 # ------------------------------------------------------------------ governor: settle rules
 
 import polygate  # noqa: E402
+from polygate._errors import Outcome  # noqa: E402
 from polygate.testing import FakeUpstream, Reply, Router  # noqa: E402
 from tests.conftest import FIRST_A, MESSAGES  # noqa: E402
 from tests.test_governance import _settings, _state  # noqa: E402
@@ -205,6 +206,44 @@ async def test_a_call_cut_by_its_deadline_keeps_its_estimate_in_the_window(
         state = _state(await s.statistics(), "a")
     assert state.reserved_total > 100 and state.tokens_reserved == 0
     assert state.cost_total == state.reserved_total == state.tokens_in_window
+
+
+async def test_a_transient_failure_keeps_its_estimate_in_the_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """admission.md: a transient failure (a 500) settles the estimate: the request
+    reached the upstream, which may bill it (a rule that settled nothing, or only what
+    streamed, passed the rest of the suite)."""
+    a = FakeUpstream(Reply(status=500))
+    async with polygate.session(_settings(names=("a",), source={"a": {"tpm": 10_000}},
+                                          retry=polygate.Retry(max_attempts=1)),
+                                transport=Router({"a": a})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted):
+            await s.chat(MESSAGES, max_tokens=100)
+        state = _state(await s.statistics(), "a")
+    assert state.reserved_total > 100 and state.tokens_reserved == 0
+    assert state.cost_total == state.reserved_total == state.tokens_in_window
+
+
+@pytest.mark.parametrize("limit", ["timeout_s", "ttft_timeout_s"])
+async def test_a_timed_out_attempt_feeds_the_breaker(
+    limit: str, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """admission.md: ``timeout`` (``timeout_s``, ``ttft_timeout_s``) is a breaker
+    *failure*, like any transient, and keeps its estimate (a rule that made it neutral
+    passed the rest of the suite)."""
+    a = FakeUpstream(Reply(first_token_s=100))
+    settings = _settings(names=("a",), source={"a": {"tpm": 10_000, limit: 3.0}},
+                         retry=polygate.Retry(max_attempts=1))
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as info:
+            await s.chat(MESSAGES, max_tokens=100)
+        stats = await s.statistics()
+    assert [e.outcome for e in info.value.errors] == [Outcome.TIMEOUT]
+    record = next(r for r in stats.governance.sources if r.state.source == "a")
+    assert record.state.consecutive_failures == 1
+    assert record.health.failure_ewma > 0
+    assert record.state.cost_total == record.state.tokens_in_window > 100
 
 
 async def test_a_stalled_stream_feeds_the_breaker(autojump_clock: trio.testing.MockClock) -> None:
@@ -544,8 +583,6 @@ async def test_an_in_flight_refusal_names_the_in_flight_bound(
 
 
 # ------------------------------------------------------------------ attempt: clocks
-
-from polygate._errors import Outcome  # noqa: E402
 
 
 async def test_a_stream_cut_by_timeout_s_is_a_timeout_not_a_stall(
