@@ -137,25 +137,38 @@ class StreamShape:
         if meta is not None and (
             raw.get("id") != meta["id"] or raw.get("model") != meta["model"]
             or raw.get("created") != meta["created"] or raw.get("object") != CHUNK
-            or any(raw.get(key) != meta[key] for key in KEPT_HEADER if key in meta)
+            or any(raw.get(key) != meta[key] if key in meta else key in raw
+                   for key in KEPT_HEADER)
         ):
             # A resumed stream's continuation (another source, another completion), or
             # a chunk with its header blank (Azure's annotations: id "", object ""):
             # one stream keeps one id, time, model, fingerprint and tier, as the
             # finish chunk does, and every event is a chunk (the SDK's chunk model
-            # accepts no other object).
+            # accepts no other object).  A fingerprint or tier the stream has none of
+            # is no string (a string one is the stream's from here on, above): left
+            # out (the SDK's chunk model takes only a string).
+            if any(key in raw and key not in meta for key in KEPT_HEADER):
+                raw = {k: v for k, v in raw.items() if k not in KEPT_HEADER}
             raw = {**raw, **meta}
         # Every choice gets its role before its first delta, as in an OpenAI stream
         # (with n > 1 too): the library forwards content, not the upstream's role-only
         # chunks, and a client assembling choices by index reads the role from there.
         unroled: list[tuple[int, str | None]] | None = None
-        unrole: set[int] | None = None  # choices whose first delta's role goes on its own
+        # Entries (by their place in ``choices``: one chunk may hold two entries of one
+        # choice, and only the later one repeats a role) whose role is left out: it
+        # goes in a role chunk of its own, or the client has it already.
+        unrole: set[int] | None = None
         # Tool calls shaped (see _tool_calls), by the entry's place in ``choices``: one
         # chunk may hold two entries of one choice.
         retooled: dict[int, list[dict[str, Any]]] | None = None
-        # Choices this chunk begins that name their role themselves: (index, texted).
-        introduced: list[tuple[int, bool]] | None = None
+        # Choices this chunk begins that name their role themselves: (index, texted,
+        # the entry's place).
+        introduced: list[tuple[int, bool, int]] | None = None
         dropping = undelta = False
+        # Two entries of one choice in this chunk: a choice it begins gets a role chunk
+        # of its own, whatever its entries name (the SDK's stream helper makes a choice
+        # of each entry of the first chunk it reads).
+        twice = len(choices) > 1 and len({choice_index(c) for c in choices}) < len(choices)
         for position, choice in enumerate(choices):
             index = choice_index(choice)
             if index is None:  # (never, after the check above)
@@ -199,7 +212,7 @@ class StreamShape:
                 texted = isinstance(delta, Mapping) and isinstance(delta.get("content"), str)
                 if not texted:
                     self._null(index)
-                if not roled or choice.get("logprobs"):
+                if not roled or choice.get("logprobs") or twice:
                     # A role chunk of its own before a first delta that carries
                     # logprobs too (a replayed cache hit does): the OpenAI SDK's stream
                     # helper builds a choice from its first chunk, logprobs included,
@@ -210,11 +223,11 @@ class StreamShape:
                     if roled:
                         if unrole is None:
                             unrole = set()
-                        unrole.add(index)
+                        unrole.add(position)
                 else:
                     if introduced is None:
                         introduced = []
-                    introduced.append((index, texted))
+                    introduced.append((index, texted, position))
             else:
                 delta = choice.get("delta")
                 if isinstance(delta, Mapping) and "role" in delta:
@@ -224,7 +237,7 @@ class StreamShape:
                     # "assistantassistant".
                     if unrole is None:
                         unrole = set()
-                    unrole.add(index)  # (in place: a chunk may hold thousands of entries)
+                    unrole.add(position)  # (in place: a chunk may hold thousands of entries)
             if (self._nulled is not None and index in self._nulled and type(delta) is dict
                     and isinstance(delta.get("content"), str)):
                 self._nulled.discard(index)  # (the client's None is text now)
@@ -237,9 +250,9 @@ class StreamShape:
             # raised IndexError), so its role goes in them too, in index order.
             if unrole is None:
                 unrole = set()
-            for index, texted in introduced:
+            for index, texted, position in introduced:
                 unroled.append((index, "" if texted else None))
-                unrole.add(index)
+                unrole.add(position)
         if unrole is not None or retooled is not None or undelta:
             choices = [_reshaped(c, position, unrole, retooled) for position, c in enumerate(choices)]
             raw = {**raw, "choices": choices}
@@ -320,6 +333,10 @@ class StreamShape:
                     changed = True
                 else:
                     slot["id"] = cid
+            elif cid is not None and not isinstance(cid, str):
+                # An id of 7: the library keeps none (the helper added 7 and 7: 14).
+                shaped = {k: v for k, v in shaped.items() if k != "id"}
+                changed = True
             function = call.get("function")
             if isinstance(function, dict):
                 note_closing(closed, index, function.get("arguments"))  # (as the assembler)
@@ -361,6 +378,14 @@ class StreamShape:
             self._started = True
             self._meta = chunk_header(response.raw)
         meta = self._meta or chunk_header(response.raw)
+        answer = response.raw
+        if len(meta) < _FULL_HEADER and isinstance(answer, Mapping):
+            # A fingerprint (or tier) only on chunks that were not forwarded (the
+            # finish chunk, the usage chunk): the JSON answer has it, so the stream's
+            # finish chunk carries it too.
+            for key in KEPT_HEADER:
+                if key not in meta and isinstance(answer.get(key), str):
+                    meta[key] = answer[key]
         finishing = []
         unroled: list[tuple[int, str | None]] = []
         texts = []  # finished choices the client has content None for, the answer ""
@@ -369,6 +394,13 @@ class StreamShape:
             message = choice.get("message") if isinstance(choice, Mapping) else None
             content = message.get("content") if isinstance(message, Mapping) else None
             if index not in self._roled:  # a choice nothing was forwarded for
+                # The choices below it first, as chunk() does (the SDK's stream helper
+                # looks a choice up by index in the list it appends to).
+                for lower in range(index if type(index) is int else 0):
+                    if lower not in self._roled:
+                        self._roled.add(lower)
+                        unroled.append((lower, None))
+                        self._null(lower)
                 self._roled.add(index)
                 unroled.append((index, None if content is None else ""))
             # The client has None where the answer has "" (text that never came, or ""
@@ -385,6 +417,7 @@ class StreamShape:
             finishing.append({"index": index, "delta": {"content": ""} if text else {},
                               "finish_reason": finish_reason_of(reason) or "stop"})
         if unroled:
+            unroled.sort(key=itemgetter(0))
             out += self._roles(unroled, meta)
         if texts:
             out += _event({**meta, "choices": texts})
@@ -448,11 +481,11 @@ class _Name:
 def _reshaped(choice: dict[str, Any], position: int, unrole: set[int] | None,
               retooled: dict[int, list[dict[str, Any]]] | None) -> dict[str, Any]:
     """``choice``, at ``position`` in its chunk, with its delta's role left out
-    (``unrole``, by choice index) and its tool calls replaced (``retooled``, by
-    position), as :meth:`StreamShape.chunk` decided."""
+    (``unrole``) and its tool calls replaced (``retooled``), both by position, as
+    :meth:`StreamShape.chunk` decided."""
     if type(choice.get("delta")) is not dict:
         return {**choice, "delta": {}}  # (no role or calls to change in it)
-    drop = unrole is not None and choice_index(choice) in unrole
+    drop = unrole is not None and position in unrole
     tools = retooled.get(position) if retooled is not None else None
     if not drop and tools is None:
         return choice
@@ -493,13 +526,29 @@ def string_content(choices: list[Any], key: str) -> list[Any] | None:
     string nor null (or is ``""``) made null; ``None`` when none needs it (the common case copies
     nothing).  The library reads such a content (a number, a list of parts) as no text
     and such a reason as none, and a client that concatenates deltas or types the
-    reason as a string enum must not meet an int or a list."""
+    reason as a string enum must not meet an int or a list.
+
+    A stream's entries (``delta``) also get the ``index`` the library read (a missing
+    one is 0: an entry without one broke the OpenAI SDK's stream helper), and lose
+    the fields the library's assembler ignores for their type (:data:`_DELTA_TYPES`,
+    and ``logprobs`` that are no object or whose ``content``/``refusal`` is no list):
+    relayed, the helper failed on them or joined them into what the JSON answer does
+    not have (``"refusal": 5`` twice made 10)."""
     for choice in choices:  # a plain loop: this runs once per streamed chunk
         if _not_text(choice, key):
             break
     else:
         return None
     return [_cleaned(choice, key) if _not_text(choice, key) else choice for choice in choices]
+
+
+#: What the library's assembler reads of a delta, by type (transport/_assemble.py):
+#: a value of another type (not null) it ignores, and the relay leaves out.
+_DELTA_TYPES: Final = (
+    ("role", str), ("refusal", str), ("reasoning_content", str), ("reasoning", str),
+    ("tool_calls", list), ("function_call", dict),
+)
+_LOGPROB_LISTS: Final = ("content", "refusal")
 
 
 def _cleaned(choice: dict[str, Any], key: str) -> dict[str, Any]:
@@ -513,8 +562,40 @@ def _cleaned(choice: dict[str, Any], key: str) -> dict[str, Any]:
         if content is not None and type(content) is not str:
             # Typed parts: their text, as the library reads them (parts_text); a
             # number or an object: no text.
-            out[key] = {**part, "content": parts_text(content) if type(content) is list else ""}
+            part = out[key] = {**part, "content": parts_text(content) if type(content) is list else ""}
+    if key == "delta":
+        if "index" not in out:
+            out["index"] = choice_index(out)
+        if type(part) is dict and _odd_delta(part):
+            out[key] = {k: v for k, v in part.items()
+                        if v is None or _DELTA_KINDS.get(k, type(v)) is type(v)}
+        logprobs = out.get("logprobs")
+        if logprobs is not None:
+            if type(logprobs) is not dict:
+                del out["logprobs"]
+            elif _odd_logprobs(logprobs):
+                out["logprobs"] = {k: v for k, v in logprobs.items()
+                                   if v is None or k not in _LOGPROB_LISTS or type(v) is list}
     return out
+
+
+_DELTA_KINDS: Final[dict[str, type]] = dict(_DELTA_TYPES)
+
+
+def _odd_delta(delta: dict[str, Any]) -> bool:
+    for name, kind in _DELTA_TYPES:
+        value = delta.get(name)
+        if value is not None and type(value) is not kind:
+            return True
+    return False
+
+
+def _odd_logprobs(logprobs: dict[str, Any]) -> bool:
+    for name in _LOGPROB_LISTS:
+        value = logprobs.get(name)
+        if value is not None and type(value) is not list:
+            return True
+    return False
 
 
 def _not_text(choice: Any, key: str) -> bool:
@@ -525,6 +606,14 @@ def _not_text(choice: Any, key: str) -> bool:
     if reason is not None and finish_reason_of(reason) is None:
         return True  # (as the library reads it: "" too, StepFun's and Zhipu's)
     part = choice.get(key)
+    if key == "delta":
+        if "index" not in choice:
+            return True
+        logprobs = choice.get("logprobs")
+        if logprobs is not None and (type(logprobs) is not dict or _odd_logprobs(logprobs)):
+            return True
+        if type(part) is dict and _odd_delta(part):
+            return True
     if type(part) is not dict:
         return False
     content = part.get("content")

@@ -1,0 +1,124 @@
+"""The gateway's stream relay against upstream values of the wrong type, checked the
+way a client reads it: every event is a ``ChatCompletionChunk`` to the OpenAI SDK,
+its stream helper (``ChatCompletionStreamState``) takes every one without raising,
+and what it builds is the JSON answer (outside review, 2026-12-07, eleventh: each case
+failed before its fix, most of them with an exception inside the client)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
+
+from polygate.serve._app import _answer_body
+
+from .test_serve_sse_tools import _streamed_through_the_library
+
+BASE = {"id": "cid", "object": "chat.completion.chunk", "created": 7, "model": "m"}
+
+
+def _c(*choices: dict[str, Any], **top: Any) -> dict[str, Any]:
+    return {**BASE, "choices": list(choices), **top}
+
+
+def _end(*indexes: int, reason: str = "stop") -> dict[str, Any]:
+    return _c(*({"index": i, "delta": {}, "finish_reason": reason} for i in indexes or (0,)))
+
+
+_CALL = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+CASES: dict[str, list[dict[str, Any]]] = {
+    # A server that leaves the index out (one choice): the helper raised TypeError.
+    "no-index": [_c({"delta": {"role": "assistant", "content": "Hi"}, "finish_reason": None}),
+                 _c({"delta": {"content": " there"}, "finish_reason": None}),
+                 _c({"delta": {}, "finish_reason": "stop"})],
+    # Two entries of a new choice in one chunk, both naming the role: the role was
+    # lost (dropped from both by the choice's index), or the helper raised.
+    "one-choice-twice-with-roles": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": "a"}, "finish_reason": None},
+           {"index": 0, "delta": {"role": "assistant", "content": "b"}, "finish_reason": None}),
+        _end()],
+    "two-choices-twice-with-roles": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None},
+           {"index": 0, "delta": {"role": "assistant", "refusal": "no"}, "finish_reason": None}),
+        _c({"index": 1, "delta": {"role": "assistant"}, "finish_reason": None},
+           {"index": 1, "delta": {"role": "assistant", "tool_calls": [_CALL]}, "finish_reason": None}),
+        _c({"index": 0, "delta": {}, "finish_reason": "stop"},
+           {"index": 1, "delta": {}, "finish_reason": "tool_calls"})],
+    # The fingerprint only on the finish chunk (not forwarded): the JSON answer had it,
+    # the stream's client not.
+    "fingerprint-on-the-finish-chunk": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": "a"}, "finish_reason": None}),
+        _c({"index": 0, "delta": {}, "finish_reason": "stop"}, system_fingerprint="fp_1")],
+    # A fingerprint that is no string, first seen on a later chunk: relayed as it came.
+    "fingerprint-not-a-string": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": "a"}, "finish_reason": None}),
+        _c({"index": 0, "delta": {"content": "b"}, "finish_reason": None}, system_fingerprint=5),
+        _end()],
+    # Delta fields the library ignores for their type, relayed as they came.
+    "tool-calls-an-object": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": "a", "tool_calls": {"x": 1}},
+            "finish_reason": None}), _end()],
+    "tool-calls-a-string": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": "a", "tool_calls": "f"},
+            "finish_reason": None}), _end()],
+    "refusal-a-number": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": "a", "refusal": 5}, "finish_reason": None}),
+        _c({"index": 0, "delta": {"content": "b", "refusal": 5}, "finish_reason": None}), _end()],
+    "role-a-number": [
+        _c({"index": 0, "delta": {"role": 1, "content": "a"}, "finish_reason": None}), _end()],
+    "function-call-a-string": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": "a", "function_call": "auto"},
+            "finish_reason": None}), _end()],
+    "reasoning-a-list": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": "a", "reasoning_content": ["x"]},
+            "finish_reason": None}), _end()],
+    "logprobs-a-list": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": "a"}, "logprobs": [],
+            "finish_reason": None}), _end()],
+    "logprobs-content-a-string": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": "a"}, "logprobs": {"content": "x"},
+            "finish_reason": None}), _end()],
+    "tool-call-id-a-number": [
+        _c({"index": 0, "delta": {"role": "assistant", "content": None, "tool_calls": [
+            {"index": 0, "id": 7, "type": "function", "function": {"name": "f", "arguments": "{"}}]},
+            "finish_reason": None}),
+        _c({"index": 0, "delta": {"tool_calls": [{"index": 0, "id": 7, "function": {"arguments": "}"}}]},
+            "finish_reason": None}),
+        _end(reason="tool_calls")],
+}
+
+
+def _calls(message: Any) -> list[tuple[Any, str, str]]:
+    out = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        out.append((call.get("id") if isinstance(call.get("id"), str) else None,
+                    function.get("name") or "", function.get("arguments") or ""))
+    return out
+
+
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_sdks_stream_helper_builds_the_json_answer(case: str, cache: bool) -> None:
+    events, answer = _streamed_through_the_library(CASES[case], cache=cache)
+    state = ChatCompletionStreamState()
+    for event in events:
+        state.handle_chunk(ChatCompletionChunk.model_validate(event))
+    built = state.get_final_completion()
+    body = _answer_body(answer)
+    want = sorted(body["choices"], key=lambda c: c["index"])
+    assert [c.index for c in built.choices] == [c["index"] for c in want]
+    for got, choice in zip(built.choices, want, strict=True):
+        message = choice["message"]
+        assert got.message.role == "assistant"
+        assert (got.message.content or "") == (message.get("content") or "")
+        assert got.message.refusal == message.get("refusal")
+        assert got.finish_reason == choice["finish_reason"]
+        assert [(c.id, c.function.name, c.function.arguments) for c in got.message.tool_calls or []] == (
+            _calls(message))
+    fingerprint = body.get("system_fingerprint")
+    assert built.system_fingerprint == (fingerprint if isinstance(fingerprint, str) else None)
+    assert all(type(c["index"]) is int for e in events for c in e["choices"])
