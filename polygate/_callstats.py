@@ -20,7 +20,7 @@ import trio
 
 from ._context import AttemptRecord, CallContext
 from ._stats import stall_stats
-from ._types import CallStats, ChatResponse, Usage
+from ._types import CallStats, ChatResponse, Usage, finish_reason_of
 from .governance import chars_tokens
 from .transport import message_text
 
@@ -170,7 +170,7 @@ def chat_response(
         usage=usage,
         source=record.source,
         model=model if isinstance(model, str) else None,
-        finish_reason=finish if isinstance(finish, str) else None,
+        finish_reason=finish_reason_of(finish),
         call_stats=stats,
         raw=body,
     )

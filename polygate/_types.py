@@ -428,8 +428,13 @@ class StreamChunk:
 
     @property
     def reasoning(self) -> str:
-        value = self.delta.get("reasoning_content") or self.delta.get("reasoning")
-        return value if isinstance(value, str) else ""
+        # The first that is text, as the assembler reads them (a reasoning_content of
+        # 5 beside a reasoning of "think" is "think").
+        for key in ("reasoning_content", "reasoning"):
+            value = self.delta.get(key)
+            if isinstance(value, str) and value:
+                return value
+        return ""
 
 
 @attrs.frozen

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 import trio
 import trio.testing
 
@@ -200,3 +201,116 @@ def test_the_gateways_stream_carries_a_logprob_without_text() -> None:
         200, headers={"content-type": "text/event-stream"}, content=_sse(LOGPROB_EVENTS)))
     (streamed,) = _through_gateway(settings, transport, (True,))
     assert _tokens(_events(streamed)) == TOKENS
+
+
+async def _by_either_route(body: dict[str, Any], events: list[dict[str, Any]]) -> dict[bool, Any]:
+    """The answer of a streaming source sent ``events`` and of one that cannot stream
+    sent ``body``, by streaming."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content).get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_sse(events))
+        return httpx.Response(200, json=body)
+
+    out = {}
+    for streaming in (True, False):
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=streaming)],
+            retry=polygate.Retry(max_attempts=1))})
+        async with polygate.session(settings, transport=httpx.MockTransport(answer)) as s:
+            out[streaming] = await s.chat(MESSAGES)
+    return out
+
+
+def _route_pair(message: dict[str, Any], delta: dict[str, Any], finish: Any = "stop",
+                **choice: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    body = {"id": "c1", "object": "chat.completion", "created": 1, "model": "m1",
+            "choices": [{"index": 0, "finish_reason": finish, "message": message, **choice}]}
+    events = [{**HEADER, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+              {**HEADER, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}]
+    return body, events
+
+
+@pytest.mark.parametrize("role", ["absent", None, 5])
+async def test_a_json_answer_without_a_string_role_is_the_assistants(
+    role: Any, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Outside review (the result types under hostile values): a source that cannot
+    stream answered ``{"content": "hi"}`` (no role, null, 5) and the message came back
+    so; the streamed answer says "assistant".  An agent loop that appends the message
+    to its history then had its next call refused as its own error."""
+    message = {"content": "hi"} if role == "absent" else {"role": role, "content": "hi"}
+    answers = await _by_either_route(*_route_pair(message, message))
+    assert answers[False].message["role"] == answers[True].message["role"] == "assistant"
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    body = _route_pair(message, message)[0]
+    async with polygate.session(settings, transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json=body))) as s:
+        history = [*MESSAGES, answers[False].message, {"role": "user", "content": "and?"}]
+        assert (await s.chat(history)).text == "hi"  # the next turn, the answer in it
+
+
+@pytest.mark.parametrize("finish", ["", 5, ["stop"]])
+async def test_a_finish_reason_that_says_none_is_none_by_either_route(
+    finish: Any, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``""`` (StepFun's, Zhipu's), a number or a list say no reason: the streamed
+    answer's ``finish_reason`` was None, the JSON one's ``""`` (or None beside a
+    choice that still said 5)."""
+    answers = await _by_either_route(*_route_pair(
+        {"role": "assistant", "content": "hi"}, {"role": "assistant", "content": "hi"}, finish))
+    assert answers[False].finish_reason is None and answers[True].finish_reason is None
+
+
+async def test_a_json_answers_typed_parts_read_as_the_streamed_ones(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Mistral's magistral models answer with typed parts (thinking, then text): the
+    streamed answer's message had the text as ``content`` and the thinking as
+    ``reasoning_content``, the JSON one the list itself."""
+    parts = [{"type": "thinking", "thinking": [{"type": "text", "text": "hmm"}]},
+             {"type": "text", "text": "Answer"}]
+    answers = await _by_either_route(*_route_pair(
+        {"role": "assistant", "content": parts}, {"role": "assistant", "content": parts}))
+    for answer in answers.values():
+        assert answer.text == answer.message["content"] == "Answer"
+        assert answer.message["reasoning_content"] == "hmm"
+
+
+async def test_a_json_choice_without_an_index_is_choice_0(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A server that omits the index sends one choice, which the library reads as
+    choice 0: its choices now say so, as the streamed answer's do."""
+    body, events = _route_pair({"role": "assistant", "content": "hi"}, {"role": "assistant", "content": "hi"})
+    del body["choices"][0]["index"]
+    answers = await _by_either_route(body, events)
+    assert answers[False].choices[0]["index"] == answers[True].choices[0]["index"] == 0
+
+
+@pytest.mark.parametrize("field", ["id", "type", "index"])
+async def test_a_tool_call_field_that_is_an_object_never_replaces_the_calls_own(
+    field: str, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A tool-call delta whose ``id``, ``type`` or ``index`` is an object was merged
+    as a provider's object: it replaced the call's id (``{"x": 1}`` for "c1"), its
+    type (``{}``), or added an ``index`` to it."""
+    first = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}
+    later: dict[str, Any] = {"index": 0, "function": {"arguments": "}"}, field: {"x": 1}}
+    if field == "index":
+        later = {"id": "c1", "function": {"arguments": "}"}, "index": {"x": 1}}
+    events = [{**HEADER, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in (
+        {"role": "assistant", "content": None, "tool_calls": [first]}, {"tool_calls": [later]})]
+    events.append({**HEADER, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    async with polygate.session(settings, transport=httpx.MockTransport(lambda request: httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=_sse(events)))) as s:
+        answer = await s.chat(MESSAGES)
+    [call] = answer.message["tool_calls"]
+    assert call == {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+def test_a_chunks_reasoning_is_the_first_that_is_text() -> None:
+    chunk = polygate.StreamChunk(text="", delta={"reasoning_content": 5, "reasoning": "think"}, raw={})
+    assert chunk.reasoning == "think"

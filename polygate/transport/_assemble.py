@@ -36,6 +36,8 @@ __all__ = [
 ]
 
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
+#: A tool-call delta's own fields, never merged as a provider's object.
+_CALL_OWN = frozenset({"id", "type", "index"})
 # Keys of a chunk that describe the chunk itself, not the response.
 _CHUNK_ONLY_KEYS = frozenset({"object", "choices", "usage", "obfuscation", "error"})
 _HEADER_KEYS = ("id", "created", "model", "system_fingerprint")
@@ -293,7 +295,9 @@ class _Choice:
         if isinstance(call.get("type"), str) and call["type"]:
             slot["type"] = call["type"]
         for key, value in call.items():
-            if type(value) is not dict:
+            # (An ``id``, ``type`` or ``index`` that is an object is no provider's
+            # object: merged, it replaced the call's own id or type.)
+            if type(value) is not dict or key in _CALL_OWN:
                 continue
             if key in CALL_PAYLOADS:
                 # The call's payload: ``function`` (name and arguments), or a custom

@@ -854,10 +854,21 @@ async def _read_chat_json(
         order = sorted(range(len(choices)), key=indexes.__getitem__)
         payload["choices"] = [choices[i] for i in order]
     for choice in choices:
-        # Reasoning sent only as ``reasoning`` (Ollama, OpenRouter) is also the
-        # message's ``reasoning_content``, as the assembled stream's message has it
-        # (SPEC §1): the same answer reads the same whether the source streams or not.
+        # The same answer reads the same whether the source streams or not (SPEC §1):
+        # what the assembled stream's message has, this one has too.
         message = choice["message"]
+        if "index" not in choice:
+            choice["index"] = 0  # (the one choice of a server that omits it)
+        if type(message.get("role")) is not str:
+            # (Kept as sent -- none, null, 5 -- the caller's next turn, with this
+            # message in its history, was refused as the caller's error.)
+            message["role"] = "assistant"
+        if type(message.get("content")) is list:
+            # Typed parts (Mistral's magistral models): text and thinking, as the
+            # stream's deltas of the same answer are read.
+            _flatten_parts(message)
+        # Reasoning sent only as ``reasoning`` (Ollama, OpenRouter) is also the
+        # message's ``reasoning_content``, as the assembled stream's message has it.
         said = message.get("reasoning")
         if type(said) is str and said and message.get("reasoning_content") is None:
             message["reasoning_content"] = said
