@@ -6,14 +6,21 @@ failed before its fix, most of them with an exception inside the client)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import openai
 import pytest
+import trio
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
+import polygate
+from polygate.serve import open_server
 from polygate.serve._app import _answer_body
 
+from ._raw_server import raw_server
+from ._serve_kit import GATEWAY_KEY, settings_for
 from .test_serve_sse_tools import _streamed_through_the_library
 
 BASE = {"id": "cid", "object": "chat.completion.chunk", "created": 7, "model": "m"}
@@ -137,3 +144,36 @@ def test_a_null_fingerprint_is_relayed_as_it_came() -> None:
     shape.chunk(StreamChunk(text="a", delta=first["choices"][0]["delta"], raw=first))
     later = _c({"index": 0, "delta": {"content": "b"}, "finish_reason": None}, system_fingerprint=None)
     assert shape.chunk(StreamChunk(text="b", delta=later["choices"][0]["delta"], raw=later)) == _event(later)
+
+
+@pytest.mark.parametrize("case", ["no-index", "tool-calls-an-object", "refusal-a-number",
+                                  "fingerprint-on-the-finish-chunk", "tool-call-id-a-number"])
+async def test_through_a_real_gateway_the_sdks_stream_helper_builds_the_json_answer(case: str) -> None:
+    """The same, end to end: a loopback upstream, ``polygate serve``, and the OpenAI
+    SDK's own client (``chat.completions.stream`` against ``create``)."""
+    data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in CASES[case]) + b"data: [DONE]\n\n"
+
+    async def reply(stream: trio.SocketStream, head: bytes) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                              b"content-length: %d\r\n\r\n" % len(data) + data)
+
+    asked = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+    async with raw_server(reply) as up, open_server(
+            settings_for(up.url, retry=polygate.Retry(max_attempts=1)), port=0) as server:
+        def run() -> tuple[Any, Any]:
+            with openai.OpenAI(base_url=server.base_url, api_key=GATEWAY_KEY, max_retries=0) as client:
+                whole = client.chat.completions.create(**asked)  # type: ignore[call-overload]
+                with client.chat.completions.stream(**asked) as stream:  # type: ignore[arg-type]
+                    for _ in stream:
+                        pass
+                    return whole, stream.get_final_completion()
+
+        whole, built = await trio.to_thread.run_sync(run)
+
+    def seen(completion: Any) -> list[tuple[Any, ...]]:
+        return [(c.index, c.message.role, c.message.content or "", c.message.refusal, c.finish_reason,
+                 [(t.id, t.function.name, t.function.arguments) for t in c.message.tool_calls or []])
+                for c in completion.choices]
+
+    assert seen(built) == seen(whole)
+    assert built.system_fingerprint == whole.system_fingerprint
