@@ -1167,7 +1167,8 @@ def not_an_answer(response: ChatResponse) -> bool:
     re-asking would drop the calls or the refusal and pay for rounds the model already
     declined."""
     message = response.message
-    return not response.text and bool(
+    # (Blanks are no content: a tool parser may leave "\n\n" before its calls.)
+    return not response.text.strip() and bool(
         message.get("tool_calls") or message.get("function_call") or message.get("refusal"))
 
 

@@ -314,3 +314,66 @@ async def test_a_tool_call_field_that_is_an_object_never_replaces_the_calls_own(
 def test_a_chunks_reasoning_is_the_first_that_is_text() -> None:
     chunk = polygate.StreamChunk(text="", delta={"reasoning_content": 5, "reasoning": "think"}, raw={})
     assert chunk.reasoning == "think"
+
+
+@pytest.mark.parametrize("extra", [{"refusal": 5}, {"refusal": ["no"]}, {"tool_calls": "x"},
+                                   {"tool_calls": [5]}, {"function_call": 5}])
+async def test_a_json_answers_fields_of_the_wrong_type_read_as_the_streamed_ones(
+    extra: dict[str, Any], autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Outside review (OCR and structured output under hostile answers): a source that
+    cannot stream answered ``refusal: 5``, ``tool_calls: "x"`` … and the message kept
+    them (the stream's assembler ignores them), and ``chat(schema=)`` took them for the
+    model declining: ``parsed=None``, no re-ask.  Now both routes give the same message,
+    and the structured call is re-asked as the streamed one is."""
+    message = {"role": "assistant", "content": None, **extra}
+    answers = await _by_either_route(*_route_pair(message, message))
+    for key in ("refusal", "tool_calls", "function_call"):
+        assert answers[False].message.get(key) == answers[True].message.get(key) is None
+    assert "tool_calls" not in answers[False].message and "function_call" not in answers[False].message
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = _route_pair(message, message)[0]
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200, json=body)
+
+    async with polygate.session(settings, transport=httpx.MockTransport(answer)) as s:
+        with pytest.raises(polygate.StructuredOutputError):
+            await s.chat(MESSAGES, schema=schema)
+    assert len(sent) == 3  # asked again (twice, the default), as any answer not the schema's is
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+async def test_typed_refusal_and_reasoning_parts_are_no_answer_text(
+    streaming: bool, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """OpenAI's ``refusal`` part is the message's refusal (it was dropped, and a
+    structured call re-asked a refusal), and a ``reasoning`` part is reasoning, not
+    the answer's text (it was joined into it)."""
+    parts = [{"type": "reasoning", "text": "thoughts "}, {"type": "text", "text": "PAGE"},
+             {"type": "refusal", "refusal": "no more"}]
+    answers = await _by_either_route(*_route_pair(
+        {"role": "assistant", "content": parts}, {"role": "assistant", "content": parts}))
+    answer = answers[streaming]
+    assert answer.text == answer.message["content"] == "PAGE"
+    assert answer.message["reasoning_content"] == "thoughts "
+    assert answer.message["refusal"] == "no more"
+
+
+async def test_a_tool_call_beside_blank_content_is_no_answer_to_validate(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A tool parser that leaves ``"\\n\\n"`` before the calls: the answer is the tool
+    call (``parsed=None``, returned as it came), not blank JSON to re-ask."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = _route_pair({"role": "assistant", "content": "\n\n", "tool_calls": [call]}, {})[0]
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    async with polygate.session(settings, transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json=body))) as s:
+        answer = await s.chat(MESSAGES, schema={"type": "object"})
+    assert answer.parsed is None and answer.message["tool_calls"] == [call]

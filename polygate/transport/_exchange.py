@@ -694,6 +694,27 @@ def _choice_error(choice: dict[str, Any], endpoint: Endpoint) -> UpstreamError:
     )
 
 
+def _typed_fields(message: dict[str, Any]) -> None:
+    """A whole answer's message without the values the stream's assembler ignores for
+    their type: a ``refusal`` that is no string is null, ``tool_calls`` keep their
+    objects (none left, or no list: no key), a ``function_call`` that is no object is
+    dropped.  Kept, ``refusal: 5`` or ``tool_calls: "x"`` reached the caller, and
+    structured output took them for the model declining, with no re-ask."""
+    refusal = message.get("refusal")
+    if refusal is not None and type(refusal) is not str:
+        message["refusal"] = None
+    calls = message.get("tool_calls")
+    if calls is not None and not (type(calls) is list and all(type(c) is dict for c in calls)):
+        kept = [c for c in calls if type(c) is dict] if type(calls) is list else []
+        if kept:
+            message["tool_calls"] = kept
+        else:
+            del message["tool_calls"]
+    if "function_call" in message and message["function_call"] is not None \
+            and type(message["function_call"]) is not dict:
+        del message["function_call"]
+
+
 def _flatten_parts(delta: dict[str, Any]) -> None:
     """A delta whose ``content`` is a list of typed parts (Mistral's magistral models
     stream ``{"type": "thinking", "thinking": [...]}`` then ``{"type": "text", ...}``
@@ -703,21 +724,32 @@ def _flatten_parts(delta: dict[str, Any]) -> None:
     token (for the commit and the watchdog), and the gateway relays a string."""
     text: list[str] = []
     thought: list[str] = []
+    refused: list[str] = []
     for part in delta["content"]:
         if type(part) is not dict:
             continue
-        if part.get("type") == "thinking":
-            inner = part.get("thinking")
+        kind = part.get("type")
+        if kind == "thinking" or kind == "reasoning":
+            # (A reasoning part is no answer text either: kept out of the content.)
+            inner = part.get("thinking", part.get("text"))
             if isinstance(inner, str):
                 thought.append(inner)
             elif isinstance(inner, list):
                 thought += [p["text"] for p in inner if type(p) is dict and isinstance(p.get("text"), str)]
+        elif kind == "refusal":
+            # OpenAI's own part for a refusal: the message's refusal, as a streamed
+            # refusal is (as text it was lost, and structured output re-asked it).
+            if isinstance(part.get("refusal"), str):
+                refused.append(part["refusal"])
         elif isinstance(part.get("text"), str):
             text.append(part["text"])
     delta["content"] = "".join(text)
     if thought:
         earlier = delta.get("reasoning_content")
         delta["reasoning_content"] = (earlier if isinstance(earlier, str) else "") + "".join(thought)
+    if refused:
+        earlier = delta.get("refusal")
+        delta["refusal"] = (earlier if isinstance(earlier, str) else "") + "".join(refused)
 
 
 _STATUS_OF_CODE: dict[str | None, int] = {
@@ -867,6 +899,7 @@ async def _read_chat_json(
             # Typed parts (Mistral's magistral models): text and thinking, as the
             # stream's deltas of the same answer are read.
             _flatten_parts(message)
+        _typed_fields(message)
         # Reasoning sent only as ``reasoning`` (Ollama, OpenRouter) is also the
         # message's ``reasoning_content``, as the assembled stream's message has it.
         said = message.get("reasoning")
