@@ -33,8 +33,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from ._hedge import Forward
-from ._types import choice_index
-from .transport import carries_audio, carries_extras
+from ._types import carries_value, choice_index
+from .transport import carries_audio, carries_extras, shows_call_or_refusal
 
 __all__ = [
     "CONTINUE_PROMPT",
@@ -75,10 +75,12 @@ def resumable_delta(delta: Mapping[str, Any]) -> bool:
     ``function_call`` (half-sent arguments cannot be continued by another model), nor a
     ``refusal`` (a refusal cut halfway, "continued" by another model, would be the
     refused request answered: a refusal is never routed around), nor ``audio`` (half an
-    utterance cannot be continued in another voice)."""
+    utterance cannot be continued in another voice).  As the assembler reads them: a
+    value it ignores for its type (``refusal: 5``) or an empty one is none (taken for
+    one, it turned resuming off for a stream that showed only text)."""
     audio = delta.get("audio")
-    return not (delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal")
-                or (type(audio) is dict and carries_audio(audio)))
+    return not (shows_call_or_refusal(delta) if type(delta) is dict else True) and not (
+        type(audio) is dict and carries_audio(audio))
 
 
 class Stitcher:
@@ -220,9 +222,7 @@ class ResumedForward:
         stitcher = self._stitcher
         delta, text = _content(chunk)
         if stitcher.deciding:
-            other = delta is not None and any(
-                v for k, v in delta.items() if k not in ("content", "role")
-            )
+            other = delta is not None and _shows_other(delta)
             if not other and not text:
                 if stitcher.holding and _ends_text(chunk):
                     # The answer's finish (or what follows it): no more text comes to
@@ -369,3 +369,19 @@ def _kept_logprobs(pieces: Sequence[dict[str, Any]], text: str) -> list[Any] | N
             if end > dropped:
                 kept.append(entry)
     return kept
+
+
+def _shows_other(delta: Mapping[str, Any]) -> bool:
+    """Whether a continuation's delta shows the caller more than text: reasoning, a
+    call, a refusal, or a provider's field the relay keeps.  A value the assembler
+    ignores for its type (``refusal: 5`` on every chunk) is nothing shown: counted, it
+    made the stitcher decide before it could see the restatement."""
+    for key, value in delta.items():
+        if key in ("content", "role", "refusal", "tool_calls", "function_call"):
+            continue
+        if key in ("reasoning_content", "reasoning"):
+            if isinstance(value, str) and value:
+                return True
+        elif carries_value(value):
+            return True
+    return type(delta) is dict and shows_call_or_refusal(delta)

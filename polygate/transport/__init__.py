@@ -11,6 +11,7 @@ from ._assemble import (
     drop_last,
     has_content,
     message_text,
+    shows_call_or_refusal,
 )
 from ._exchange import END_GRACE_S, OnContent, OnExtra, Timeline, chat_exchange, embeddings_exchange
 from ._pool import REPORTS_SENT, SENT_EXTENSION, LeanTransport
@@ -38,4 +39,5 @@ __all__ = [
     "message_text",
     "parse_retry_after",
     "routed",
+    "shows_call_or_refusal",
 ]

@@ -33,6 +33,7 @@ from .._types import (
 
 __all__ = [
     "ChatAssembler", "TextParts", "drop_last", "has_content", "message_text", "malformed_index",
+    "shows_call_or_refusal",
 ]
 
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
@@ -72,6 +73,21 @@ def _choice_has_content(choice: dict[str, Any]) -> bool:
         return True
     audio = delta.get("audio")
     return isinstance(audio, dict) and carries_audio(audio)
+
+
+def shows_call_or_refusal(delta: dict[str, Any]) -> bool:
+    """Whether a delta carries what the assembler keeps of a tool call, a legacy
+    ``function_call`` or a refusal: model output that another model cannot continue.
+    A value the assembler ignores for its type (``refusal: 5``, ``tool_calls: "f"``)
+    or an empty one (``{"index": 0}``, ``{"arguments": ""}``) is none."""
+    refusal = delta.get("refusal")
+    if isinstance(refusal, str) and refusal:
+        return True
+    tool_calls = delta.get("tool_calls")
+    if isinstance(tool_calls, list) and any(_carries_tool_output(call) for call in tool_calls):
+        return True
+    function_call = delta.get("function_call")
+    return isinstance(function_call, dict) and _carries_function(function_call)
 
 
 def carries_audio(audio: dict[str, Any]) -> bool:
