@@ -382,6 +382,6 @@ def _shows_other(delta: Mapping[str, Any]) -> bool:
         if key in ("reasoning_content", "reasoning"):
             if isinstance(value, str) and value:
                 return True
-        elif carries_value(value):
+        elif value and carries_value(value):  # (a false or a 0 shows nothing, as before)
             return True
     return type(delta) is dict and shows_call_or_refusal(delta)

@@ -377,3 +377,112 @@ async def test_a_tool_call_beside_blank_content_is_no_answer_to_validate(
             lambda request: httpx.Response(200, json=body))) as s:
         answer = await s.chat(MESSAGES, schema={"type": "object"})
     assert answer.parsed is None and answer.message["tool_calls"] == [call]
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": None, "tool_calls": [{}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"function": "f"}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"index": 0, "function": None}]},
+    {"role": "assistant", "content": None, "function_call": {"name": 5}},
+    {"role": "assistant", "content": None, "function_call": {"name": "", "arguments": ""}},
+])
+async def test_a_json_answers_empty_calls_are_no_calls(
+    message: dict[str, Any], autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review of the fix above: calls that carry nothing (the assembler keeps none)
+    were still kept from a whole answer, and a structured call took them for the model
+    choosing a tool: ``parsed=None``, no re-ask."""
+    answers = await _by_either_route(*_route_pair(message, message))
+    for key in ("tool_calls", "function_call"):
+        assert answers[False].message.get(key) is None is answers[True].message.get(key)
+    body = _route_pair(message, message)[0]
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    async with polygate.session(settings, transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json=body))) as s:
+        with pytest.raises(polygate.StructuredOutputError):
+            await s.chat(MESSAGES, schema={"type": "object", "required": ["a"]})
+
+
+@pytest.mark.parametrize(("field", "value", "want"), [
+    ("content", 5, ""), ("content", {"x": 1}, ""),
+    ("reasoning_content", 5, "think"), ("reasoning_content", "", "think"),
+])
+async def test_a_json_answers_text_fields_of_the_wrong_type_read_as_the_streamed_ones(
+    field: str, value: Any, want: str, autojump_clock: trio.testing.MockClock,
+) -> None:
+    message = {"role": "assistant", "content": "", "reasoning": "think", field: value}
+    answers = await _by_either_route(*_route_pair(message, message))
+    got = [answers[streaming].message.get(field) for streaming in (False, True)]
+    assert got == [want, want]
+
+
+async def test_a_json_answers_call_reads_as_the_assembled_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Outside review (the JSON answer read by strict clients): a whole answer's call
+    with an ``id`` of 7, no ``type``, a ``name`` of 5 and ``arguments`` as an object
+    reached the caller (and the gateway's JSON clients) so; an agent loop's
+    ``json.loads(arguments)`` raised TypeError.  The arguments object is its JSON."""
+    call = {"id": 7, "function": {"name": 5, "arguments": {"city": "Paris"}}}
+    body = _route_pair({"role": "assistant", "content": None, "tool_calls": [call]}, {})[0]
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    async with polygate.session(settings, transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json=body))) as s:
+        answer = await s.chat(MESSAGES)
+    [got] = answer.message["tool_calls"]
+    assert got == {"type": "function", "function": {"name": "", "arguments": '{"city": "Paris"}'}}
+    assert json.loads(got["function"]["arguments"]) == {"city": "Paris"}
+
+
+async def test_a_json_answers_parts_that_hold_more_than_text_are_kept(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: typed parts were flattened in the body itself, so an image part or a
+    text part's annotations were lost from the answer and the gateway's JSON."""
+    parts = [{"type": "text", "text": "See", "annotations": [{"type": "url_citation"}]},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    body = _route_pair({"role": "assistant", "content": parts}, {})[0]
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    async with polygate.session(settings, transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json=body))) as s:
+        answer = await s.chat(MESSAGES)
+    assert answer.text == "See" and answer.message["content"] == parts
+    assert answer.raw["choices"][0]["message"]["content"] == parts
+
+
+@pytest.mark.parametrize("logprobs", [[], "x", {"content": "x"}, {"refusal": 5}])
+async def test_a_json_answers_logprobs_of_the_wrong_type_are_left_out(
+    logprobs: Any, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """As the stream's relay leaves them out: a client's list of tokens never meets a
+    string."""
+    body = _route_pair({"role": "assistant", "content": "hi"}, {}, logprobs=logprobs)[0]
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    async with polygate.session(settings, transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json=body))) as s:
+        answer = await s.chat(MESSAGES)
+    kept = answer.choices[0]["logprobs"]
+    assert kept is None or all(type(v) is list for k, v in kept.items() if k in ("content", "refusal"))
+
+
+async def test_two_json_choices_at_one_index_are_numbered_by_their_place(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A bridge that gives every choice index 0 (or none): a client keyed them by index
+    and kept one, and the stream of the answer showed choice 0's text twice."""
+    body = {"id": "c1", "object": "chat.completion", "created": 1, "model": "m1", "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}
+        for text in ("one", "two")]}
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    async with polygate.session(settings, transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json=body))) as s:
+        answer = await s.chat(MESSAGES)
+        async with s.stream_chat(MESSAGES) as stream:
+            chunks = [chunk async for chunk in stream]
+    assert [(c["index"], c["message"]["content"]) for c in answer.choices] == [(0, "one"), (1, "two")]
+    assert "".join(chunk.text for chunk in chunks) == "one"

@@ -83,3 +83,17 @@ async def test_a_value_that_is_nothing_shown_leaves_the_restatement_to_the_stitc
             _ch("two", {"content": " dogs, birds", "refusal": 5}), _ch("two", {}, "stop")]
     shown, stream = await _resumed(first, rest)
     assert shown == stream.text == "I like cats and dogs, birds"
+
+
+@pytest.mark.parametrize("extra", [{"x_flag": False}, {"x_n": 0}, {"reasoning": None}])
+async def test_a_field_that_shows_nothing_leaves_the_restatement_to_the_stitcher(
+    extra: dict[str, Any], autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review of the fix above: a ``false`` or a ``0`` beside the restated text was
+    counted as something shown (it was not, before the fix)."""
+    first = [_ch("one", {"role": "assistant", "content": ""})] + [_ch("one", {"content": w}) for w in WORDS]
+    rest = [_ch("two", {"role": "assistant", "content": ""}),
+            _ch("two", {"content": " cats and", **extra}),
+            _ch("two", {"content": " dogs, birds", **extra}), _ch("two", {}, "stop")]
+    shown, stream = await _resumed(first, rest)
+    assert shown == stream.text == "I like cats and dogs, birds"

@@ -177,3 +177,23 @@ async def test_through_a_real_gateway_the_sdks_stream_helper_builds_the_json_ans
 
     assert seen(built) == seen(whole)
     assert built.system_fingerprint == whole.system_fingerprint
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_the_json_answers_object_and_header_are_typed(streaming: bool) -> None:
+    """Outside review (the JSON answer read by strict clients): the body's ``object``
+    was the upstream's (missing, 5, "text_completion"), and a ``system_fingerprint``
+    or ``service_tier`` that is no string went through where the stream leaves it out."""
+    if streaming:
+        upstream: Any = [_c({"index": 0, "delta": {"role": "assistant", "content": "a"}, "finish_reason": None},
+                            system_fingerprint=5, service_tier=[]), _end()]
+    else:
+        upstream = {"id": "x", "object": "text_completion", "created": 1, "model": "m",
+                    "system_fingerprint": 5, "service_tier": [],
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": "a"}}]}
+    events, answer = _streamed_through_the_library(upstream)
+    body = _answer_body(answer)
+    assert body["object"] == "chat.completion"
+    assert "system_fingerprint" not in body and "service_tier" not in body
+    assert all("system_fingerprint" not in e and "service_tier" not in e for e in events)

@@ -39,6 +39,7 @@ from .._json import MAX_DEPTH, loads, nested_deeper
 from .._key_quota import KeyQuotas, KeyRefusal
 from .._session import Session
 from .._types import CallStats, ChatResponse, StreamChunk
+from .._whole_chunk import KEPT_HEADER
 from ._errors import OUT_OF_MEMORY, ErrorReply, reply_for
 from ._http import BAD_KEY, ClientGone, Connection, Request, field_value
 from ._json import Unencodable, dump, has_lone_surrogate
@@ -808,11 +809,17 @@ def _answer_body(response: ChatResponse) -> dict[str, Any]:
     """The upstream's body as the library validated it: its usage as read (none when
     it reported none or numbers the library refused), content that is not a string
     blanked, a missing or unreadable reason "stop", an ``id``, ``created`` and
-    ``model`` of OpenAI's types (:func:`answer_header`); every other field (a
-    provider's extras) as the upstream sent it."""
+    ``model`` of OpenAI's types (:func:`answer_header`), ``object`` a
+    ``chat.completion``, a ``system_fingerprint`` or ``service_tier`` that is no string
+    left out (as the stream's chunks leave it); every other field (a provider's
+    extras) as the upstream sent it."""
     raw = response.raw
     out = dict(raw)
     out["id"], out["created"], out["model"] = answer_header(raw)
+    out["object"] = "chat.completion"
+    for key in KEPT_HEADER:
+        if out.get(key) is not None and type(out[key]) is not str:
+            del out[key]
     usage = reported_usage(response)
     if usage is None:
         out.pop("usage", None)

@@ -39,6 +39,8 @@ __all__ = [
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
 #: A tool-call delta's own fields, never merged as a provider's object.
 _CALL_OWN = frozenset({"id", "type", "index"})
+#: A choice's ``logprobs`` fields that are lists of tokens.
+_LOGPROB_LISTS = frozenset({"content", "refusal"})
 # Keys of a chunk that describe the chunk itself, not the response.
 _CHUNK_ONLY_KEYS = frozenset({"object", "choices", "usage", "obfuscation", "error"})
 _HEADER_KEYS = ("id", "created", "model", "system_fingerprint")
@@ -334,6 +336,8 @@ class _Choice:
         if self.logprobs is None:
             self.logprobs = {}
         for key, value in logprobs.items():
+            if key in _LOGPROB_LISTS and value is not None and type(value) is not list:
+                continue  # (no tokens: kept, a client's list of them met a string)
             if isinstance(value, list):
                 self.logprobs.setdefault(key, [])
                 if isinstance(self.logprobs[key], list):

@@ -42,8 +42,8 @@ from .._errors import (
 )
 from .._json import loads
 from .._secrets import clip, frameless, redact
-from .._types import choice_index
-from ._assemble import ChatAssembler, carries_extras, index_over, malformed_index
+from .._types import CALL_PAYLOADS, call_type, carries_call, choice_index
+from ._assemble import ChatAssembler, _carries_function, carries_extras, index_over, malformed_index
 from ._head import header_of
 from ._pool import (
     SENT_EXTENSION,
@@ -699,20 +699,95 @@ def _typed_fields(message: dict[str, Any]) -> None:
     their type: a ``refusal`` that is no string is null, ``tool_calls`` keep their
     objects (none left, or no list: no key), a ``function_call`` that is no object is
     dropped.  Kept, ``refusal: 5`` or ``tool_calls: "x"`` reached the caller, and
-    structured output took them for the model declining, with no re-ask."""
+    structured output took them for the model declining, with no re-ask.  Each call
+    is typed as the assembled one is (:func:`_typed_call`)."""
     refusal = message.get("refusal")
     if refusal is not None and type(refusal) is not str:
         message["refusal"] = None
     calls = message.get("tool_calls")
-    if calls is not None and not (type(calls) is list and all(type(c) is dict for c in calls)):
-        kept = [c for c in calls if type(c) is dict] if type(calls) is list else []
+    if calls is not None and not (type(calls) is list and all(
+            type(c) is dict and carries_call(c) for c in calls)):
+        # (A call as the assembler keeps one: an object that sets an id, a type or a
+        # payload object; ``{}`` or ``{"function": "f"}`` is none.)
+        kept = [c for c in calls if type(c) is dict and carries_call(c)] if type(calls) is list else []
         if kept:
-            message["tool_calls"] = kept
+            message["tool_calls"] = calls = kept
         else:
             del message["tool_calls"]
-    if "function_call" in message and message["function_call"] is not None \
-            and type(message["function_call"]) is not dict:
-        del message["function_call"]
+            calls = None
+    if calls:
+        for call in calls:
+            _typed_call(call)
+    function_call = message.get("function_call")
+    if function_call is not None:
+        if type(function_call) is not dict or not _carries_function(function_call):
+            del message["function_call"]  # (no object, or one with no name or arguments)
+        else:
+            _payload_strings(function_call, ("name", "arguments"))
+    content = message.get("content")
+    if content is not None and type(content) is not str and type(content) is not list:
+        message["content"] = ""  # (a number, an object: no text, as a stream's is read)
+    for key in ("reasoning_content", "reasoning"):
+        value = message.get(key)
+        if value is not None and type(value) is not str:
+            del message[key]
+
+
+def _typed_call(call: dict[str, Any]) -> None:
+    """A whole answer's tool call as the assembler builds one: an ``id`` that is no
+    string left out, its ``type`` (:func:`call_type`), and its payload's ``name`` and
+    ``arguments`` (a custom tool's ``name`` and ``input``) strings.  Kept as sent, an
+    ``arguments`` object reached an agent loop's ``json.loads`` (a TypeError) and an
+    ``id`` of 7 its next turn."""
+    if "id" in call and type(call["id"]) is not str:
+        del call["id"]
+    kind = call_type(call)
+    call["type"] = kind
+    fields = CALL_PAYLOADS.get(kind)
+    if fields is None:
+        return
+    payload = call.get(kind)
+    if type(payload) is not dict:
+        call[kind] = dict.fromkeys(fields, "")
+    else:
+        _payload_strings(payload, fields)
+
+
+def _payload_strings(payload: dict[str, Any], fields: tuple[str, ...]) -> None:
+    """Each of ``fields`` a string: an object or a list as its JSON (a few servers send
+    a call's arguments as an object: the JSON text is what OpenAI's format holds),
+    anything else, or nothing, ``""``."""
+    for field in fields:
+        value = payload.get(field)
+        if type(value) is not str:
+            payload[field] = (json.dumps(value, ensure_ascii=False)
+                              if type(value) is dict or type(value) is list else "")
+
+
+def _typed_logprobs(choice: dict[str, Any]) -> None:
+    """A whole answer's choice ``logprobs`` as the stream's relay passes them: no
+    object is none, and a ``content`` or ``refusal`` that is no list is left out."""
+    logprobs = choice.get("logprobs")
+    if logprobs is None:
+        return
+    if type(logprobs) is not dict:
+        choice["logprobs"] = None
+        return
+    for key in ("content", "refusal"):
+        value = logprobs.get(key)
+        if value is not None and type(value) is not list:
+            del logprobs[key]
+
+
+#: The typed parts a whole answer's content is read from as a stream's deltas are, and
+#: the fields such a part may hold (Mistral's thinking part says whether it is closed).
+_PLAIN_PART_TYPES: Final = frozenset({"text", "thinking", "reasoning", "refusal"})
+_PLAIN_PART_KEYS: Final = frozenset({"type", "text", "thinking", "refusal", "closed"})
+
+
+def _plain_parts(parts: list[Any]) -> bool:
+    return all(type(p) is dict and p.get("type") in _PLAIN_PART_TYPES
+               and _PLAIN_PART_KEYS.issuperset(p) for p in parts)
 
 
 def _flatten_parts(delta: dict[str, Any]) -> None:
@@ -880,6 +955,13 @@ async def _read_chat_json(
             )
         indexes.append(index)
     assert isinstance(payload, dict)
+    if len(set(indexes)) < len(indexes):
+        # Two choices at one index (both without one, read as 0; a bridge that gives
+        # each choice 0): numbered by their place.  Kept, a client keyed them by index
+        # and kept one, and the stream of this answer showed choice 0's text twice.
+        indexes = list(range(len(choices)))
+        for position, choice in enumerate(choices):
+            choice["index"] = position
     if indexes != sorted(indexes):
         # Choices in index order, as an assembled stream has them: the first is the
         # answer (choice 0), wherever the body listed it.
@@ -891,19 +973,22 @@ async def _read_chat_json(
         message = choice["message"]
         if "index" not in choice:
             choice["index"] = 0  # (the one choice of a server that omits it)
+        _typed_logprobs(choice)
         if type(message.get("role")) is not str:
             # (Kept as sent -- none, null, 5 -- the caller's next turn, with this
             # message in its history, was refused as the caller's error.)
             message["role"] = "assistant"
-        if type(message.get("content")) is list:
+        if type(message.get("content")) is list and _plain_parts(message["content"]):
             # Typed parts (Mistral's magistral models): text and thinking, as the
-            # stream's deltas of the same answer are read.
+            # stream's deltas of the same answer are read.  (Parts that hold more --
+            # an image, annotations, citations -- are left as they came: flattened,
+            # the answer and the gateway's JSON lost them.)
             _flatten_parts(message)
         _typed_fields(message)
         # Reasoning sent only as ``reasoning`` (Ollama, OpenRouter) is also the
         # message's ``reasoning_content``, as the assembled stream's message has it.
         said = message.get("reasoning")
-        if type(said) is str and said and message.get("reasoning_content") is None:
+        if type(said) is str and said and not message.get("reasoning_content"):
             message["reasoning_content"] = said
     return payload
 
