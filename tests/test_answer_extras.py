@@ -138,17 +138,8 @@ async def test_reasoning_sent_as_reasoning_reads_the_same_by_either_route(
         {**HEADER, "choices": [], "usage": body["usage"]},
     ]
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        if json.loads(request.content).get("stream"):
-            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_sse(events))
-        return httpx.Response(200, json=body)
-
-    messages = {}
-    for streaming in (True, False):
-        settings = polygate.Settings(scopes={"chat": polygate.Scope(
-            sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=streaming)])})
-        async with polygate.session(settings, transport=httpx.MockTransport(answer)) as s:
-            messages[streaming] = (await s.chat(MESSAGES)).message
+    answers = await _by_either_route(body, events)
+    messages = {streaming: answer.message for streaming, answer in answers.items()}
     assert messages[False] == messages[True]
     assert messages[False]["reasoning_content"] == messages[False]["reasoning"] == "2+2 is 4"
 

@@ -65,13 +65,9 @@ def _choice_has_content(choice: dict[str, Any]) -> bool:
         value = delta.get(key)
         if isinstance(value, str) and value:
             return True
-    tool_calls = delta.get("tool_calls")
-    if isinstance(tool_calls, list) and any(_carries_tool_output(call) for call in tool_calls):
-        return True
-    # The legacy function_call: its name or a piece of its arguments (an empty one,
-    # {} or {"arguments": ""}, is an empty delta, as the SPEC says: no content).
-    function_call = delta.get("function_call")
-    if isinstance(function_call, dict) and _carries_function(function_call):
+    # A call's output (the legacy function_call's too: an empty one, {} or
+    # {"arguments": ""}, is an empty delta, as the SPEC says: no content).
+    if shows_call_or_refusal(delta):
         return True
     audio = delta.get("audio")
     return isinstance(audio, dict) and carries_audio(audio)
