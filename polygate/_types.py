@@ -50,8 +50,14 @@ encode_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), def
 
 def parts_text(parts: list[Any]) -> str:
     """The text of a content given as typed parts (``[{"type": "text", "text": ...}]``):
-    the parts that have a string ``text``, joined."""
-    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+    the parts that have a string ``text``, joined -- but thinking, reasoning and
+    refusal parts, which are no answer text."""
+    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+                   and p.get("type") not in NOT_TEXT_PARTS)
+
+
+#: Typed parts that are no answer text (see ``parts_text``).
+NOT_TEXT_PARTS: Final = frozenset({"thinking", "reasoning", "refusal"})
 
 
 #: The most choices one answer may hold (OpenAI's own bound on ``n``): an upstream

@@ -423,7 +423,7 @@ async def test_a_json_answers_call_reads_as_the_assembled_one(
             lambda request: httpx.Response(200, json=body))) as s:
         answer = await s.chat(MESSAGES)
     [got] = answer.message["tool_calls"]
-    assert got == {"type": "function", "function": {"name": "", "arguments": '{"city": "Paris"}'}}
+    assert got == {"id": None, "type": "function", "function": {"name": "", "arguments": '{"city": "Paris"}'}}
     assert json.loads(got["function"]["arguments"]) == {"city": "Paris"}
 
 
@@ -477,3 +477,53 @@ async def test_two_json_choices_at_one_index_are_numbered_by_their_place(
             chunks = [chunk async for chunk in stream]
     assert [(c["index"], c["message"]["content"]) for c in answer.choices] == [(0, "one"), (1, "two")]
     assert "".join(chunk.text for chunk in chunks) == "one"
+
+
+async def _whole(body: dict[str, Any]) -> Any:
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", streaming=False)])})
+    async with polygate.session(settings, transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json=body))) as s:
+        return await s.chat(MESSAGES)
+
+
+async def test_reasoning_and_refusal_parts_beside_richer_parts_are_still_no_text(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review of the fix above: with a part that holds more than text beside them
+    (annotations), the parts were kept whole, and the reasoning part's text became the
+    answer's ("SECRET-THOUGHTAnswer")."""
+    annotated = {"type": "text", "text": "Answer", "annotations": [{"type": "url_citation"}]}
+    parts = [{"type": "reasoning", "text": "SECRET-THOUGHT"}, annotated,
+             {"type": "refusal", "refusal": "not that"}]
+    answer = await _whole(_route_pair({"role": "assistant", "content": parts}, {})[0])
+    assert answer.text == "Answer"
+    assert answer.message["content"] == [annotated]
+    assert answer.message["reasoning_content"] == "SECRET-THOUGHT"
+    assert answer.message["refusal"] == "not that"
+
+
+async def test_choices_sharing_an_index_keep_the_index_order_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: indexes [1, 0, 1] were renumbered by the body's order, so the upstream's
+    choice 1 became the answer."""
+    body = {"id": "c1", "object": "chat.completion", "created": 1, "model": "m1", "choices": [
+        {"index": i, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}
+        for i, text in ((1, "one-a"), (0, "zero"), (1, "one-b"))]}
+    answer = await _whole(body)
+    assert answer.text == "zero"
+    assert [(c["index"], c["message"]["content"]) for c in answer.choices] == [
+        (0, "zero"), (1, "one-a"), (2, "one-b")]
+
+
+async def test_a_json_calls_odd_fields_read_as_the_assembled_calls(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: content of 5 beside a call is null (as assembled), not ""; a name that
+    is a list is "" (only arguments are JSON text); an id of 7 or "" is null."""
+    calls = [{"id": 7, "type": "function", "function": {"name": ["f"], "arguments": "{}"}},
+             {"id": "", "type": "function", "function": {"name": "g", "arguments": "{}"}}]
+    answer = await _whole(_route_pair({"role": "assistant", "content": 5, "tool_calls": calls}, {})[0])
+    assert answer.message["content"] is None
+    assert [(c["id"], c["function"]["name"]) for c in answer.message["tool_calls"]] == [(None, ""), (None, "g")]

@@ -42,7 +42,7 @@ from .._errors import (
 )
 from .._json import loads
 from .._secrets import clip, frameless, redact
-from .._types import CALL_PAYLOADS, call_type, carries_call, choice_index
+from .._types import CALL_PAYLOADS, NOT_TEXT_PARTS, call_type, carries_call, choice_index
 from ._assemble import ChatAssembler, _carries_function, carries_extras, index_over, malformed_index
 from ._head import header_of
 from ._pool import (
@@ -726,7 +726,10 @@ def _typed_fields(message: dict[str, Any]) -> None:
             _payload_strings(function_call, ("name", "arguments"))
     content = message.get("content")
     if content is not None and type(content) is not str and type(content) is not list:
-        message["content"] = ""  # (a number, an object: no text, as a stream's is read)
+        # A number, an object: no text, as a stream's is read -- null beside calls or
+        # a refusal, "" alone (the assembled message's rule).
+        message["content"] = None if (message.get("tool_calls") or message.get("function_call")
+                                      or message.get("refusal")) else ""
     for key in ("reasoning_content", "reasoning"):
         value = message.get(key)
         if value is not None and type(value) is not str:
@@ -738,9 +741,10 @@ def _typed_call(call: dict[str, Any]) -> None:
     string left out, its ``type`` (:func:`call_type`), and its payload's ``name`` and
     ``arguments`` (a custom tool's ``name`` and ``input``) strings.  Kept as sent, an
     ``arguments`` object reached an agent loop's ``json.loads`` (a TypeError) and an
-    ``id`` of 7 its next turn."""
-    if "id" in call and type(call["id"]) is not str:
-        del call["id"]
+    ``id`` of 7 its next turn.  An id that is no string, or ``""``, is null, as the
+    assembled call's is."""
+    if "id" in call and not (type(call["id"]) is str and call["id"]):
+        call["id"] = None
     kind = call_type(call)
     call["type"] = kind
     fields = CALL_PAYLOADS.get(kind)
@@ -754,14 +758,16 @@ def _typed_call(call: dict[str, Any]) -> None:
 
 
 def _payload_strings(payload: dict[str, Any], fields: tuple[str, ...]) -> None:
-    """Each of ``fields`` a string: an object or a list as its JSON (a few servers send
-    a call's arguments as an object: the JSON text is what OpenAI's format holds),
-    anything else, or nothing, ``""``."""
+    """Each of ``fields`` a string: a call's ``arguments`` (a custom tool's ``input``)
+    that is an object or a list as its JSON (a few servers send arguments as an
+    object: the JSON text is what OpenAI's format holds), anything else, or nothing,
+    ``""``."""
     for field in fields:
         value = payload.get(field)
         if type(value) is not str:
             payload[field] = (json.dumps(value, ensure_ascii=False)
-                              if type(value) is dict or type(value) is list else "")
+                              if field != "name" and (type(value) is dict or type(value) is list)
+                              else "")
 
 
 def _typed_logprobs(choice: dict[str, Any]) -> None:
@@ -779,15 +785,35 @@ def _typed_logprobs(choice: dict[str, Any]) -> None:
             del logprobs[key]
 
 
-#: The typed parts a whole answer's content is read from as a stream's deltas are, and
-#: the fields such a part may hold (Mistral's thinking part says whether it is closed).
-_PLAIN_PART_TYPES: Final = frozenset({"text", "thinking", "reasoning", "refusal"})
-_PLAIN_PART_KEYS: Final = frozenset({"type", "text", "thinking", "refusal", "closed"})
+def _whole_parts(message: dict[str, Any]) -> None:
+    """A whole answer's content in typed parts, read as the stream's deltas of the same
+    answer are (:func:`_flatten_parts`): thinking and reasoning parts are its
+    ``reasoning_content``, refusal parts its ``refusal``, and the rest its content --
+    a string when every part left is plain text (``type`` and ``text`` alone), else
+    those parts as they came (an image, a text's annotations or citations: flattened,
+    the caller lost them; ``message_text`` reads their text)."""
+    answer = {k: v for k, v in message.items() if k in ("reasoning_content", "refusal")}
+    rest = []
+    said = []
+    for part in message["content"]:
+        if type(part) is dict and part.get("type") in NOT_TEXT_PARTS:
+            said.append(part)
+        else:
+            rest.append(part)
+    answer["content"] = said
+    _flatten_parts(answer)
+    for key in ("reasoning_content", "refusal"):
+        if answer.get(key):
+            message[key] = answer[key]
+    if all(type(p) is dict and isinstance(p.get("text"), str) and _TEXT_PART_KEYS.issuperset(p)
+           for p in rest):
+        message["content"] = "".join(p["text"] for p in rest)
+    else:
+        message["content"] = rest
 
 
-def _plain_parts(parts: list[Any]) -> bool:
-    return all(type(p) is dict and p.get("type") in _PLAIN_PART_TYPES
-               and _PLAIN_PART_KEYS.issuperset(p) for p in parts)
+#: The fields of a plain text part.
+_TEXT_PART_KEYS: Final = frozenset({"type", "text"})
 
 
 def _flatten_parts(delta: dict[str, Any]) -> None:
@@ -795,7 +821,8 @@ def _flatten_parts(delta: dict[str, Any]) -> None:
     stream ``{"type": "thinking", "thinking": [...]}`` then ``{"type": "text", ...}``
     parts, the shape of their non-streamed message) as the string deltas every
     OpenAI-compatible stream sends: the text parts become ``content``, the thinking
-    parts ``reasoning_content``.  So the answer's text is assembled, a part is a content
+    parts ``reasoning_content`` (a ``reasoning`` part too), refusal parts ``refusal``.
+    So the answer's text is assembled, a part is a content
     token (for the commit and the watchdog), and the gateway relays a string."""
     text: list[str] = []
     thought: list[str] = []
@@ -955,18 +982,20 @@ async def _read_chat_json(
             )
         indexes.append(index)
     assert isinstance(payload, dict)
-    if len(set(indexes)) < len(indexes):
-        # Two choices at one index (both without one, read as 0; a bridge that gives
-        # each choice 0): numbered by their place.  Kept, a client keyed them by index
-        # and kept one, and the stream of this answer showed choice 0's text twice.
-        indexes = list(range(len(choices)))
-        for position, choice in enumerate(choices):
-            choice["index"] = position
     if indexes != sorted(indexes):
         # Choices in index order, as an assembled stream has them: the first is the
-        # answer (choice 0), wherever the body listed it.
+        # answer (choice 0), wherever the body listed it.  (A stable sort: choices
+        # that share an index keep the body's order.)
         order = sorted(range(len(choices)), key=indexes.__getitem__)
         payload["choices"] = [choices[i] for i in order]
+        indexes = [indexes[i] for i in order]
+    if len(set(indexes)) < len(indexes):
+        # Two choices at one index (both without one, read as 0; a bridge that gives
+        # each choice 0): numbered by their place in index order.  Kept, a client keyed
+        # them by index and kept one, and the stream of this answer showed choice 0's
+        # text twice.
+        for position, choice in enumerate(payload["choices"]):
+            choice["index"] = position
     for choice in choices:
         # The same answer reads the same whether the source streams or not (SPEC §1):
         # what the assembled stream's message has, this one has too.
@@ -978,12 +1007,10 @@ async def _read_chat_json(
             # (Kept as sent -- none, null, 5 -- the caller's next turn, with this
             # message in its history, was refused as the caller's error.)
             message["role"] = "assistant"
-        if type(message.get("content")) is list and _plain_parts(message["content"]):
+        if type(message.get("content")) is list:
             # Typed parts (Mistral's magistral models): text and thinking, as the
-            # stream's deltas of the same answer are read.  (Parts that hold more --
-            # an image, annotations, citations -- are left as they came: flattened,
-            # the answer and the gateway's JSON lost them.)
-            _flatten_parts(message)
+            # stream's deltas of the same answer are read.
+            _whole_parts(message)
         _typed_fields(message)
         # Reasoning sent only as ``reasoning`` (Ollama, OpenRouter) is also the
         # message's ``reasoning_content``, as the assembled stream's message has it.
