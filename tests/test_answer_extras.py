@@ -527,3 +527,22 @@ async def test_a_json_calls_odd_fields_read_as_the_assembled_calls(
     answer = await _whole(_route_pair({"role": "assistant", "content": 5, "tool_calls": calls}, {})[0])
     assert answer.message["content"] is None
     assert [(c["id"], c["function"]["name"]) for c in answer.message["tool_calls"]] == [(None, ""), (None, "g")]
+
+
+@pytest.mark.parametrize("empty", [{"type": "text", "text": None}, {"type": "text"}])
+async def test_a_text_part_without_text_leaves_the_content_plain(
+    empty: dict[str, Any], autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review: a text part whose ``text`` is null or missing kept the whole content a
+    list (sent back upstream so on the next turn), where the stream reads "A"."""
+    parts = [{"type": "thinking", "thinking": "T"}, {"type": "text", "text": "A"}, empty]
+    answer = await _whole(_route_pair({"role": "assistant", "content": parts}, {})[0])
+    assert answer.message["content"] == answer.text == "A"
+
+
+async def test_a_json_call_without_an_id_has_a_null_one_as_assembled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    answer = await _whole(_route_pair({"role": "assistant", "content": None, "tool_calls": [call]}, {})[0])
+    assert answer.message["tool_calls"][0]["id"] is None

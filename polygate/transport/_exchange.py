@@ -737,13 +737,13 @@ def _typed_fields(message: dict[str, Any]) -> None:
 
 
 def _typed_call(call: dict[str, Any]) -> None:
-    """A whole answer's tool call as the assembler builds one: an ``id`` that is no
-    string left out, its ``type`` (:func:`call_type`), and its payload's ``name`` and
-    ``arguments`` (a custom tool's ``name`` and ``input``) strings.  Kept as sent, an
-    ``arguments`` object reached an agent loop's ``json.loads`` (a TypeError) and an
-    ``id`` of 7 its next turn.  An id that is no string, or ``""``, is null, as the
-    assembled call's is."""
-    if "id" in call and not (type(call["id"]) is str and call["id"]):
+    """A whole answer's tool call as the assembler builds one: its ``id`` (null when it
+    is none, no string or ``""``), its ``type`` (:func:`call_type`), and its payload's
+    ``name`` and ``arguments`` (a custom tool's ``name`` and ``input``) strings.  Kept
+    as sent, an ``arguments`` object reached an agent loop's ``json.loads`` (a
+    TypeError) and an ``id`` of 7 its next turn."""
+    cid = call.get("id")
+    if not (type(cid) is str and cid):
         call["id"] = None
     kind = call_type(call)
     call["type"] = kind
@@ -805,9 +805,11 @@ def _whole_parts(message: dict[str, Any]) -> None:
     for key in ("reasoning_content", "refusal"):
         if answer.get(key):
             message[key] = answer[key]
-    if all(type(p) is dict and isinstance(p.get("text"), str) and _TEXT_PART_KEYS.issuperset(p)
-           for p in rest):
-        message["content"] = "".join(p["text"] for p in rest)
+    # (A text part whose ``text`` is null or missing is plain too: no text, as the
+    # stream reads it.)
+    if all(type(p) is dict and _TEXT_PART_KEYS.issuperset(p)
+           and (p.get("text") is None or type(p["text"]) is str) for p in rest):
+        message["content"] = "".join(p["text"] for p in rest if type(p.get("text")) is str)
     else:
         message["content"] = rest
 
