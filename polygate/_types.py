@@ -58,6 +58,9 @@ def parts_text(parts: list[Any]) -> str:
 
 #: Typed parts that are no answer text (see ``parts_text``).
 NOT_TEXT_PARTS: Final = frozenset({"thinking", "reasoning", "refusal"})
+#: A choice's ``logprobs`` fields that are lists of tokens: one that is no list is no
+#: tokens, for the assembler, a whole answer's reading and the gateway's relay alike.
+LOGPROB_LISTS: Final = ("content", "refusal")
 
 
 #: The most choices one answer may hold (OpenAI's own bound on ``n``): an upstream

@@ -27,6 +27,7 @@ from typing import Any, Final
 from .._types import (
     ANSWER_KEYS,
     CALL_PAYLOADS,
+    LOGPROB_LISTS,
     MAX_CHOICES,
     ChatResponse,
     StreamChunk,
@@ -550,7 +551,6 @@ _DELTA_TYPES: Final = (
     ("role", str), ("refusal", str), ("reasoning_content", str), ("reasoning", str),
     ("tool_calls", list), ("function_call", dict),
 )
-_LOGPROB_LISTS: Final = ("content", "refusal")
 
 
 def _cleaned(choice: dict[str, Any], key: str) -> dict[str, Any]:
@@ -577,7 +577,7 @@ def _cleaned(choice: dict[str, Any], key: str) -> dict[str, Any]:
                 del out["logprobs"]
             elif _odd_logprobs(logprobs):
                 out["logprobs"] = {k: v for k, v in logprobs.items()
-                                   if v is None or k not in _LOGPROB_LISTS or type(v) is list}
+                                   if v is None or k not in LOGPROB_LISTS or type(v) is list}
     return out
 
 
@@ -595,7 +595,7 @@ def _odd_delta(delta: dict[str, Any]) -> bool:
 
 
 def _odd_logprobs(logprobs: dict[str, Any]) -> bool:
-    for name in _LOGPROB_LISTS:
+    for name in LOGPROB_LISTS:
         value = logprobs.get(name)
         if value is not None and type(value) is not list:
             return True

@@ -18,6 +18,7 @@ from typing import Any
 from .._errors import TransientUpstreamError
 from .._types import (
     CALL_PAYLOADS,
+    LOGPROB_LISTS,
     TextParts,
     call_slot,
     call_type,
@@ -39,8 +40,6 @@ __all__ = [
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
 #: A tool-call delta's own fields, never merged as a provider's object.
 _CALL_OWN = frozenset({"id", "type", "index"})
-#: A choice's ``logprobs`` fields that are lists of tokens.
-_LOGPROB_LISTS = frozenset({"content", "refusal"})
 # Keys of a chunk that describe the chunk itself, not the response.
 _CHUNK_ONLY_KEYS = frozenset({"object", "choices", "usage", "obfuscation", "error"})
 _HEADER_KEYS = ("id", "created", "model", "system_fingerprint")
@@ -332,7 +331,7 @@ class _Choice:
         if self.logprobs is None:
             self.logprobs = {}
         for key, value in logprobs.items():
-            if key in _LOGPROB_LISTS and value is not None and type(value) is not list:
+            if key in LOGPROB_LISTS and value is not None and type(value) is not list:
                 continue  # (no tokens: kept, a client's list of them met a string)
             if isinstance(value, list):
                 self.logprobs.setdefault(key, [])

@@ -42,7 +42,14 @@ from .._errors import (
 )
 from .._json import loads
 from .._secrets import clip, frameless, redact
-from .._types import CALL_PAYLOADS, NOT_TEXT_PARTS, call_type, carries_call, choice_index
+from .._types import (
+    CALL_PAYLOADS,
+    LOGPROB_LISTS,
+    NOT_TEXT_PARTS,
+    call_type,
+    carries_call,
+    choice_index,
+)
 from ._assemble import ChatAssembler, _carries_function, carries_extras, index_over, malformed_index
 from ._head import header_of
 from ._pool import (
@@ -779,7 +786,7 @@ def _typed_logprobs(choice: dict[str, Any]) -> None:
     if type(logprobs) is not dict:
         choice["logprobs"] = None
         return
-    for key in ("content", "refusal"):
+    for key in LOGPROB_LISTS:
         value = logprobs.get(key)
         if value is not None and type(value) is not list:
             del logprobs[key]
