@@ -121,7 +121,10 @@ class Runtime:
 
 
 _ids = itertools.count(1)
-_PROCESS_TAG = os.urandom(4).hex()
+#: 64 random bits: processes that name calls into one store (a telemetry database many
+#: workers and CLI runs share for months) never draw the same tag.  With 32 bits, two
+#: of ~100,000 processes did so more often than not, and their calls' attempts mixed.
+_PROCESS_TAG = os.urandom(8).hex()
 
 
 def _new_process() -> None:
@@ -130,7 +133,7 @@ def _new_process() -> None:
     in the telemetry file they may share and in the upstream's ``x-polygate-call-id``."""
     global _ids, _PROCESS_TAG
     _ids = itertools.count(1)
-    _PROCESS_TAG = os.urandom(4).hex()
+    _PROCESS_TAG = os.urandom(8).hex()
 
 
 if hasattr(os, "register_at_fork"):  # (not on Windows: no fork there)

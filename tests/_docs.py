@@ -82,7 +82,7 @@ def _line_pattern(line: str, tolerant: bool) -> str:
 
 
 _VOLATILE = re.compile(
-    r"(?P<id>[0-9a-f]{8}-[0-9a-f]{8}(?:\.\d+)?)"
+    r"(?P<id>[0-9a-f]{16}-[0-9a-f]{8}(?:\.\d+)?)"
     r"|(?P<num>\d[\d,]*(?:\.\d+)?(?: ?(?:ms|s|µs)\b)?)"
     r"|(?P<space> {2,})"
 )
@@ -94,7 +94,7 @@ def _tolerant(text: str) -> str:
     for m in _VOLATILE.finditer(text):
         out.append(re.escape(text[pos : m.start()]))
         if m.group("id"):
-            out.append(r"[0-9a-f]{8}-[0-9a-f]{8}(?:\.\d+)?")
+            out.append(r"[0-9a-f]{16}-[0-9a-f]{8}(?:\.\d+)?")
         elif m.group("num"):
             out.append(r"\d[\d,]*(?:\.\d+)?(?: ?(?:ms|s|µs)\b)?")
         else:

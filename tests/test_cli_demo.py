@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shlex
 import sqlite3
@@ -47,6 +48,16 @@ def test_demo_writes_its_telemetry_for_stats(
     assert counts == {"no_hedging": 20, "deadline_30s": 20, "hedge_after_8s": 20}
     assert main(["stats", str(db), "--scope", "hedge_after_8s"]) == 0
     assert "20 calls" in capsys.readouterr().out
+    # The demo's waiting row and stats' "everything but decoding" are one measure
+    # (docs/cli.md): the deadline column, whose failed calls are all waiting, too.
+    row = next(line for line in out.splitlines() if line.startswith("time spent waiting"))
+    demo = [float(v) for v in re.findall(r"([\d.]+)%", row)]
+    failed = next(line for line in out.splitlines() if line.startswith("calls failed")).split()[-3:]
+    assert int(failed[1]) > 0  # (the deadline cut some calls: the case that differed)
+    for scope, shown in zip(("no_hedging", "deadline_30s", "hedge_after_8s"), demo, strict=True):
+        assert main(["stats", str(db), "--scope", scope, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["waiting_vs_generating"]["not_decoding_pct"] == pytest.approx(shown, abs=0.051), scope
 
 
 def test_demo_refuses_a_db_it_cannot_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -996,3 +996,87 @@ def test_the_plot_said_written_is_the_file_written(
     [said] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("wrote ")]
     written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert written == [said.removeprefix("wrote ")], (said, written)
+
+
+# --------------------------------------------------------------------------- review: stats against the demo
+
+
+def test_everything_but_decoding_counts_a_failed_calls_time_as_the_demo_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review finding (stats against an independent computation): docs/cli.md calls
+    "everything but decoding" the demo's measure, but it left failed calls out, where
+    the demo counts a failed call's whole time as waiting.  One answered call (2 s,
+    1 s of it to the first token) and one cut by a 30 s deadline: the demo's 31/32,
+    stats said 50 %."""
+    ok = _call(0, total=2000, generation=2000, ttft=1000, active=1000)
+    dead = _call(1, total=30_000, generation=0, ttft=None, source=None, outcome="error",
+                 error_class="DeadlineExceeded")
+    path = tmp_path / "t.db"
+    sink = SQLiteSink.open(path)
+    sink.write(Batch([ok, dead], [_attempt(ok, 1, source="a"), _attempt(dead, 1, source="a", error="cancelled")],
+                     SessionEvent("s1", NOW, NOW, NOW, 1, "0.1.0", 0, 0, "{}")))
+    sink.close()
+    w = _json(capsys, str(path))["waiting_vs_generating"]
+    assert w["not_decoding_pct"] == pytest.approx(100 * (1000 + 30_000) / 32_000)
+    assert w["waiting_pct"] == 0.0  # (the successful calls' split is unchanged)
+    assert main(["stats", str(path)]) == 0
+    assert "everything but decoding (waiting + time to first token, and failed calls whole): 96.9 %" in (
+        capsys.readouterr().out)
+
+
+def test_a_source_whose_attempts_the_deadline_cut_shows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review finding: every attempt on a source ran until the call's deadline cut it
+    (the incident's hang), and its row said 0.0 % failures and nothing else but
+    ``cancelled=5``: a `cancelled` attempt is not the source's failure, but the ones
+    cut by their call's deadline now have a column of their own."""
+    calls = [_call(i, total=30_000, generation=0, ttft=None, source=None, outcome="error",
+                   error_class="DeadlineExceeded") for i in range(4)]
+    caller = _call(9, total=500, generation=0, ttft=None, source=None, outcome="cancelled",
+                   error_class="Cancelled")
+    attempts = [_attempt(c, 1, source="a", error="cancelled", latency=30_000) for c in calls]
+    attempts.append(_attempt(caller, 1, source="a", error="cancelled", latency=500))
+    path = tmp_path / "t.db"
+    sink = SQLiteSink.open(path)
+    sink.write(Batch([*calls, caller], attempts, SessionEvent("s1", NOW, NOW, NOW, 1, "0.1.0", 0, 0, "{}")))
+    sink.close()
+    [row] = _json(capsys, str(path))["sources"]
+    assert (row["failure_pct"], row["deadline_pct"]) == (0.0, 80.0)  # (the caller's cancel is not one)
+    assert main(["stats", str(path)]) == 0
+    table = capsys.readouterr().out.split("Attempts per source\n")[1].splitlines()
+    assert table[0].split()[:6] == ["scope", "source", "attempts", "hedges", "failures", "deadline"]
+    assert table[1].split()[:8] == ["chat", "a", "5", "0", "0.0", "%", "80.0", "%"]
+
+
+def test_sums_past_a_float_print_as_unknown_not_nan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review finding: a file (edited, another tool's) whose latencies sum past a float
+    printed "nan % of the time", "inf s" and 300-digit durations; --json said null."""
+    calls = [_call(i, total=1e306, generation=1e306, ttft=1e305, active=1e305) for i in range(300)]
+    path = tmp_path / "t.db"
+    sink = SQLiteSink.open(path)
+    sink.write(Batch(calls, [_attempt(c, 1, source="a", latency=1e306) for c in calls],
+                     SessionEvent("s1", NOW, NOW, NOW, 1, "0.1.0", 0, 0, "{}")))
+    sink.close()
+    assert main(["stats", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out and "inf" not in out, out
+    assert max(len(word) for line in out.splitlines()[1:] for word in line.split()) < 20, out
+    assert "slowest 1 % (3 calls): - of the time" in out
+
+
+def test_call_ids_of_two_processes_do_not_collide() -> None:
+    """Review finding: the per-process tag was 32 random bits; among ~100,000
+    processes writing one telemetry store (workers, restarts, CLI runs) two tags
+    matched more often than not, and `stats --scope` then counted the other call's
+    attempts.  64 bits now, drawn again in a forked child."""
+    script = "from polygate._context import new_call_id; print(new_call_id())"
+    ids = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True).stdout.strip() for _ in range(2)}
+    assert len(ids) == 2
+    for call_id in ids:
+        tag, _, counter = call_id.partition("-")
+        assert len(tag) == 16 and int(tag, 16) >= 0 and counter == "00000001", call_id

@@ -254,15 +254,18 @@ def _no_data(exc: Exception, where: str, args: argparse.Namespace) -> str:
 
 
 def _dur(ms: float | None) -> str:
-    if ms is None or (isinstance(ms, float) and math.isnan(ms)):
+    # (Not finite: the sum of a file's huge latencies, which --json shows as null.)
+    if ms is None or not math.isfinite(ms):
         return "-"
     if ms < 1000:
         return f"{ms:.0f} ms"
+    if ms >= 1e12:  # (past ~30 years: a number no one reads 300 digits of)
+        return f"{ms / 1000:.3g} s"
     return f"{ms / 1000:.2f} s" if ms < 10_000 else f"{ms / 1000:.1f} s"
 
 
 def _p(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f} %"
+    return "-" if value is None or not math.isfinite(value) else f"{value:.1f} %"
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
@@ -296,7 +299,7 @@ def render(report: dict[str, Any]) -> str:
 
     out += ["", "Share of all call time taken by the slowest calls"]
     for t in report["tail_share"]:
-        out.append(f"  slowest {t['slowest_pct']:g} % ({t['calls']} calls): {t['share_pct']:.1f} % of the time")
+        out.append(f"  slowest {t['slowest_pct']:g} % ({t['calls']} calls): {_p(t['share_pct'])} of the time")
 
     w = report["waiting_vs_generating"]
     total = w["total_ms"]
@@ -308,8 +311,9 @@ def render(report: dict[str, Any]) -> str:
                            ("time to first token", "ttft_ms"), ("stalls", "stall_ms"),
                            ("decoding", "active_decode_ms"),
                            ("rest of generation", "other_generation_ms")):
-            out.append(f"  {label:<30}{_dur(w[key]):>10}  {100 * w[key] / total:5.1f} %")
-    out.append(f"  waiting + time to first token (everything but decoding): {_p(w['not_decoding_pct'])}")
+            out.append(f"  {label:<30}{_dur(w[key]):>10}  {_p(100 * w[key] / total):>7}")
+    out.append("  everything but decoding (waiting + time to first token, and failed calls whole): "
+               f"{_p(w['not_decoding_pct'])}")
     out.append(f"  TTFT p50 {_dur(w['ttft_p50_ms'])}, p90 {_dur(w['ttft_p90_ms'])}, "
                f"p99 {_dur(w['ttft_p99_ms'])}")
     out.append(f"  calls with stalls: {w['calls_with_stalls']} ({_p(w['calls_with_stalls_pct'])}), "
@@ -338,8 +342,10 @@ def render(report: dict[str, Any]) -> str:
 
     out += ["", "Attempts per source"]
     out += _table(
-        ["scope", "source", "attempts", "hedges", "failures", "p50 ok", "p99 ok", "ttft p50", "outcomes"],
+        ["scope", "source", "attempts", "hedges", "failures", "deadline", "p50 ok", "p99 ok", "ttft p50",
+         "outcomes"],
         [[r["scope"], r["source"], str(r["attempts"]), str(r["hedge_attempts"]), _p(r["failure_pct"]),
+          _p(r["deadline_pct"]),
           _dur(r["ok_latency"]["p50_ms"]), _dur(r["ok_latency"]["p99_ms"]), _dur(r["ttft_p50_ms"]),
           " ".join(f"{k}={v}" for k, v in r["outcomes"].items())] for r in report["sources"]],
     )
