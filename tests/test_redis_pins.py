@@ -201,3 +201,37 @@ def test_an_abandoned_admission_never_found_is_given_up_after_its_lease(own_redi
             assert backend.statistics().abandoned_voided == 0
 
     trio.run(body)
+
+
+@pytest.mark.parametrize("dead", [True, False], ids=["401 dead", "429 cooldown"])
+async def test_a_verdict_settled_after_its_lease_lapsed_still_reaches_the_others(
+    own_redis: RedisServer, dead: bool,
+) -> None:
+    """Review finding (replicas on one Redis): a holder paused (or cut off from Redis)
+    past its lease, whose call then came back 401 or 429, settled after the purge had
+    settled its reservation; the settle found nothing open and returned, dropping the
+    dead mark or the Retry-After cooldown, so every other replica went on sending to
+    a source known to refuse.  The marks are maxima: applied however late, or twice,
+    they say the same."""
+    import signal
+
+    prefix = f"pin-verdict-{secrets.token_hex(4)}"
+    b = _redis(own_redis.url, prefix, lease_s=0.45, timeout_s=0.1)
+    async with _started(b):
+        a = await granted(b, ask(10, mif=1))
+        assert own_redis.proc is not None
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            await trio.sleep(0.9)  # the lease runs out while Redis is unreachable
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        await trio.sleep(0.5)
+        assert b.statistics().leases_lost == 1
+        late = settle(a, 0, Feedback.FAILURE if dead else Feedback.NEUTRAL, cooldown_s=30.0, dead=dead)
+        await b.settle(late)
+        await b.settle(late)  # (a retried settle: its failure counted once)
+    async with _started(_redis(own_redis.url, prefix)) as other:
+        s = await snap(other)
+        assert s.dead is dead and s.cooldown_until is not None, s
+        assert (s.consecutive_failures, s.cost_total, s.in_flight) == (int(dead), 10, 0), s
+        await refused(other, ask(10), RefusalReason.DEAD if dead else RefusalReason.COOLING_DOWN)

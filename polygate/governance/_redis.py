@@ -57,7 +57,7 @@ second, which is how it notices leases expiring.  Idle, the backend sends nothin
 lease renewals.
 
 **Keys** (``P`` = ``prefix``, default ``polygate``): ``P:{scope}:{source}:state |
-window | wtok | open | permits``, ``P:{scope}:budget`` and ``P:changes``.  Every key
+window | wtok | open | permits | lapsed``, ``P:{scope}:budget`` and ``P:changes``.  Every key
 has a TTL: the window keys live one window past their last admission, the others
 ``key_ttl_s`` (default one day, and at least as long as a running cooldown or an open
 breaker) past their last write; so idle sources and scopes vanish by themselves.
@@ -847,7 +847,7 @@ class RedisBackend:
             base = f"{self.options.prefix}:{key[0]}:{key[1]}"
             keys = self._keys[key] = [
                 f"{base}:state", f"{base}:window", f"{base}:wtok", f"{base}:open",
-                f"{base}:permits", f"{self.options.prefix}:changes",
+                f"{base}:permits", f"{self.options.prefix}:changes", f"{base}:lapsed",
             ]
         return keys
 

@@ -52,8 +52,8 @@ __all__ = ["ADMIT", "BUDGET_LEVEL", "BUDGET_REFILL", "BUDGET_TAKE", "PROBE", "RE
 # Shared helpers, prepended to every per-source script.  ``unpack`` is limited by Lua's
 # C stack (~8000 values), so bulk removals go in chunks.
 _PRELUDE = r"""
-local K_STATE, K_WINDOW, K_WTOK, K_OPEN, K_PERMITS, K_CHANGES =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local K_STATE, K_WINDOW, K_WTOK, K_OPEN, K_PERMITS, K_CHANGES, K_LAPSED =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 
 local function now_us()
   local t = redis.call('TIME')
@@ -109,8 +109,11 @@ local function reseed()
 end
 
 -- A reservation whose permit is gone settles as a cancelled attempt does: it keeps
--- its estimate in the window.
-local function lapse(m, probe)
+-- its estimate in the window.  Its member goes into 'lapsed' (by when it lapsed), so
+-- that the holder's own settle, if it comes after all (a paused process, one cut off
+-- from Redis for longer than its lease), can still say what the upstream answered,
+-- once (see SETTLE).  Kept for key_ttl: a holder that never comes back leaves no more.
+local function lapse(m, probe, now, ttl_ms)
   local est = redis.call('HGET', K_OPEN, m)
   if est then
     est = tonumber(est)
@@ -119,6 +122,12 @@ local function lapse(m, probe)
     redis.call('HINCRBY', K_STATE, 'st', est)
     redis.call('HINCRBY', K_STATE, 'ct', est)
     redis.call('HINCRBY', K_STATE, 'lx', 1)
+    local t = redis.call('TYPE', K_LAPSED)['ok']
+    if t == 'zset' or t == 'none' then  -- (another tool's key there: not ours to record in)
+      redis.call('ZREMRANGEBYSCORE', K_LAPSED, '-inf', now - ttl_ms * 1000)
+      redis.call('ZADD', K_LAPSED, now, m)
+      redis.call('PEXPIRE', K_LAPSED, ttl_ms)
+    end
   end
   if probe == m then redis.call('HSET', K_STATE, 'pr', '') end
 end
@@ -182,8 +191,8 @@ local function purge(now, ttl_ms)
   end
   if #expired == 0 and #orphaned == 0 then return 0 end
   local probe = redis.call('HGET', K_STATE, 'pr')
-  for _, m in ipairs(expired) do lapse(m, probe) end
-  for _, m in ipairs(orphaned) do lapse(m, probe) end
+  for _, m in ipairs(expired) do lapse(m, probe, now, ttl_ms) end
+  for _, m in ipairs(orphaned) do lapse(m, probe, now, ttl_ms) end
   redis.call('ZREMRANGEBYSCORE', K_PERMITS, '-inf', now)
   bump(ttl_ms)
   return #expired + #orphaned
@@ -370,16 +379,88 @@ local probes, jitter = tonumber(ARGV[15]), tonumber(ARGV[16])
 local now = now_us()
 purge(now, ttl_ms)
 
+-- A cooldown (a 429's Retry-After) or a dead mark (a 401): maxima of instants, so
+-- applying one late, or twice, says the same.
+local function cool()
+  if cooldown_us <= 0 then return false end
+  -- A dead mark holds for its own cooldown and no longer: past it, a longer ordinary
+  -- cooldown (a 429's Retry-After) is one to wait out, not a failure.
+  local c = redis.call('HMGET', K_STATE, 'cu', 'dd', 'du', 'cw')
+  local cu = math.max(tonumber(c[1]) or 0, now + cooldown_us)
+  local du = dead_until(c[1], c[2], c[3], c[4])
+  if dead then du = math.max(du, now + cooldown_us) end
+  local dd = '0'
+  if du > now then dd = '1' end
+  redis.call('HSET', K_STATE, 'cu', cu, 'du', du, 'dd', dd, 'cw', cu)
+  return true
+end
+
+-- The breaker: closed -> open -> half_open -> (closed | open); never skips a state.
+-- Opening sets 'op', this opening's period: open_us * 2^rn (rn: failed probes in a
+-- row), capped at max_open_us, times the caller's jitter on a re-opening of a backoff
+-- (the memory backend's rule: the first opening, and every one without a backoff,
+-- is exactly open_us).
+local function open_breaker(reopens)
+  local nominal = math.min(max_open_us, open_us * (2 ^ math.min(reopens, 30)))
+  local j = jitter
+  if reopens == 0 or max_open_us <= open_us then j = 1 end
+  redis.call('HSET', K_STATE, 'br', 'o', 'oa', now, 'rn', reopens,
+             'op', math.floor(nominal * j), 'pk', 0)
+end
+-- What the attempt's end tells the breaker (probe: it was the half-open probe).
+local function feed(probe)
+  if probe then redis.call('HSET', K_STATE, 'pr', '') end
+  if fb == 'n' then return end
+  local failed = fb == 'f'
+  local oc = redis.call('HGET', K_STATE, 'oc') or ''
+  if failed then oc = oc .. '1' else oc = oc .. '0' end
+  if #oc > rate_window then oc = string.sub(oc, #oc - rate_window + 1) end
+  local br = redis.call('HGET', K_STATE, 'br') or 'c'
+  if not failed then
+    redis.call('HSET', K_STATE, 'cf', 0)
+    if br == 'h' and probe then
+      local ok = redis.call('HINCRBY', K_STATE, 'pk', 1)
+      if ok >= probes then
+        redis.call('HSET', K_STATE, 'br', 'c', 'rn', 0, 'pk', 0)
+        oc = ''
+      end
+    end
+  else
+    local cf = redis.call('HINCRBY', K_STATE, 'cf', 1)
+    if br == 'h' then
+      if probe then open_breaker((tonumber(redis.call('HGET', K_STATE, 'rn')) or 0) + 1) end
+    elseif br == 'c' then
+      local _, fails = string.gsub(oc, '1', '')
+      local trip = #oc >= rate_min and fails / #oc > rate
+      if cf >= failures or trip then open_breaker(0) end
+    end
+  end
+  redis.call('HSET', K_STATE, 'oc', oc)
+end
+
 local est = redis.call('HGET', K_OPEN, member)
 if not est then
   -- Settled already (idempotent), or its reservation was lost with the open key
-  -- (evicted): either way its permit and its probe are free now, not a lease later.
+  -- (evicted), or settled by the purge when its lease ran out: either way its permit
+  -- and its probe are free now, not a lease later.
   local freed = redis.call('ZREM', K_PERMITS, member) == 1
   if redis.call('HGET', K_STATE, 'pr') == member then
     redis.call('HSET', K_STATE, 'pr', '')
     freed = true
   end
-  if freed then bump(ttl_ms) end
+  -- A lapsed one (its holder paused, or cut off from Redis, past its lease) still
+  -- says, once, what the upstream answered: a 401 or a 429 it brings back is every
+  -- process's to heed, and a failure the breaker's to count.  Its cost stays the
+  -- estimate the purge settled.
+  local t = redis.call('TYPE', K_LAPSED)['ok']
+  if t ~= 'zset' or redis.call('ZREM', K_LAPSED, member) == 0 then
+    if freed then bump(ttl_ms) end
+    return {0, now, version()}
+  end
+  cool()
+  feed(false)
+  touch(now, ttl_ms)
+  bump(ttl_ms)
   return {0, now, version()}
 end
 est = tonumber(est)
@@ -408,58 +489,9 @@ else
   end
 end
 
-if cooldown_us > 0 then
-  -- A dead mark holds for its own cooldown and no longer: past it, a longer ordinary
-  -- cooldown (a 429's Retry-After) is one to wait out, not a failure.
-  local c = redis.call('HMGET', K_STATE, 'cu', 'dd', 'du', 'cw')
-  local cu = math.max(tonumber(c[1]) or 0, now + cooldown_us)
-  local du = dead_until(c[1], c[2], c[3], c[4])
-  if dead then du = math.max(du, now + cooldown_us) end
-  local dd = '0'
-  if du > now then dd = '1' end
-  redis.call('HSET', K_STATE, 'cu', cu, 'du', du, 'dd', dd, 'cw', cu)
-end
+cool()
 
--- The breaker: closed -> open -> half_open -> (closed | open); never skips a state.
--- Opening sets 'op', this opening's period: open_us * 2^rn (rn: failed probes in a
--- row), capped at max_open_us, times the caller's jitter on a re-opening of a backoff
--- (the memory backend's rule: the first opening, and every one without a backoff,
--- is exactly open_us).
-local function open_breaker(reopens)
-  local nominal = math.min(max_open_us, open_us * (2 ^ math.min(reopens, 30)))
-  local j = jitter
-  if reopens == 0 or max_open_us <= open_us then j = 1 end
-  redis.call('HSET', K_STATE, 'br', 'o', 'oa', now, 'rn', reopens,
-             'op', math.floor(nominal * j), 'pk', 0)
-end
-if probe then redis.call('HSET', K_STATE, 'pr', '') end
-if fb ~= 'n' then
-  local failed = fb == 'f'
-  local oc = redis.call('HGET', K_STATE, 'oc') or ''
-  if failed then oc = oc .. '1' else oc = oc .. '0' end
-  if #oc > rate_window then oc = string.sub(oc, #oc - rate_window + 1) end
-  local br = redis.call('HGET', K_STATE, 'br') or 'c'
-  if not failed then
-    redis.call('HSET', K_STATE, 'cf', 0)
-    if br == 'h' and probe then
-      local ok = redis.call('HINCRBY', K_STATE, 'pk', 1)
-      if ok >= probes then
-        redis.call('HSET', K_STATE, 'br', 'c', 'rn', 0, 'pk', 0)
-        oc = ''
-      end
-    end
-  else
-    local cf = redis.call('HINCRBY', K_STATE, 'cf', 1)
-    if br == 'h' then
-      if probe then open_breaker((tonumber(redis.call('HGET', K_STATE, 'rn')) or 0) + 1) end
-    elseif br == 'c' then
-      local _, fails = string.gsub(oc, '1', '')
-      local trip = #oc >= rate_min and fails / #oc > rate
-      if cf >= failures or trip then open_breaker(0) end
-    end
-  end
-  redis.call('HSET', K_STATE, 'oc', oc)
-end
+feed(probe)
 touch(now, ttl_ms)
 bump(ttl_ms)
 return {1, now, version()}
