@@ -6,8 +6,11 @@ the two-replica test runs a real redis-server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ import trio
 import polygate
 from polygate._config_load import describe, settings_from_env, settings_from_toml
 from polygate._key_quota import KEY_SCOPE
-from polygate.serve import Server
+from polygate.serve import Server, open_server
 from polygate.testing import FakeUpstream, Reply
 
 from ._redis_server import RedisServer, redis_server  # noqa: F401 - fixture
@@ -28,6 +31,7 @@ from ._serve_kit import (
     gateway,
     http,
     request_bytes,
+    settings_for,
     two_replicas_alternately,
     wait_for,
 )
@@ -741,3 +745,73 @@ def test_env_rpm_error_names_the_key_that_was_set() -> None:
     with pytest.raises(polygate.ConfigError) as err:
         settings_from_env(env)
     assert str(err.value).startswith("POLYGATE__SERVE__KEYS__TEAM.A__RPM:"), str(err.value)
+
+
+# --------------------------------------------------------------------------- review: attempts that never left
+
+
+@contextlib.contextmanager
+def _connect_hangs() -> Iterator[str]:
+    """A base URL whose connects hang: a listener whose accept queue is full (Linux
+    drops the SYNs of further connects, which then wait for their retransmissions)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        listener.close()
+        for filler in fillers:
+            filler.close()
+
+
+def _free_port_url() -> str:
+    with socket.socket() as s:  # (bound, never listening: connects are refused)
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+
+
+async def test_a_client_that_leaves_before_any_request_left_pays_nothing() -> None:
+    """Review finding (every account of one call): a client that left while its call's
+    only attempt was still connecting -- no request ever left -- was charged a request
+    and the whole estimate on its key, where the source's own ledger voided the same
+    attempt ("voided when no attempt reached a source", polygate/_key_quota.py)."""
+    with _connect_hangs() as url:
+        async with open_server(settings_for(url, serve=keyed(rpm=100)), port=0) as server:
+            client = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await client.send_all(request_bytes("POST", CALL, CHAT, bearer(ALICE)))
+            backend = server.session._runtime.governor.backend
+
+            async def admitted() -> bool:
+                return (await backend.snapshot("chat", "s0")).admissions == 1
+
+            with trio.fail_after(10):  # (the attempt is admitted, and connecting)
+                while not await admitted():  # noqa: ASYNC110 - the backend's state: no event
+                    await trio.sleep(0.01)
+            await client.aclose()
+            await wait_for(lambda: server.statistics().in_flight == 0)
+            state = await key_state(server, "alice")
+            source = await backend.snapshot("chat", "s0")
+            metrics = (await http(server, "GET", "/metrics", headers=AUTH)).body.decode()
+    assert (source.requests_in_window, source.tokens_in_window) == (0, 0)
+    assert (state.requests_in_window, state.tokens_in_window, state.in_flight) == (0, 0, 0)
+    assert 'polygate_serve_key_requests_total{key="alice"}' not in metrics
+
+
+async def test_a_call_whose_attempts_all_failed_to_connect_pays_nothing() -> None:
+    """The same rule for a call that failed: every attempt's connect was refused, so
+    no request reached a source; the key was charged the estimate ("an error after
+    attempts")."""
+    async with open_server(settings_for(_free_port_url(), serve=keyed(rpm=100)), port=0) as server:
+        answer = await http(server, "POST", CALL, CHAT, bearer(ALICE))
+        state = await key_state(server, "alice")
+    assert answer.status == 502
+    assert (state.requests_in_window, state.tokens_in_window, state.in_flight) == (0, 0, 0)

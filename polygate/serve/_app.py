@@ -478,6 +478,8 @@ class _Charge:
     started: bool = False
     attempted: bool = True
     tokens: int | None = None
+    #: Whether the call's end (an answer, an error) has been read into this charge.
+    ended: bool = False
     #: The prompt's share of the estimate, and the chunks of text a stream forwarded:
     #: what a stream that ends without its usage cost at least.
     prompt: int = 0
@@ -488,7 +490,7 @@ class _Charge:
         return self.started and self.attempted
 
     def answered(self, stats: CallStats, usage: Any) -> None:
-        self.attempted = True
+        self.attempted = self.ended = True
         total = getattr(usage, "total_tokens", None)
         self.tokens = 0 if stats.cached else total if isinstance(total, int) else None
         if self.tokens is not None and getattr(usage, "source", None) != "upstream":
@@ -496,12 +498,20 @@ class _Charge:
             # forwarded, as for a client that left.
             self.tokens = max(self.tokens, self.prompt + self.streamed)
 
-    def failed(self, exc: BaseException) -> None:
+    def failed(self, exc: BaseException, meter: CallMeter | None) -> None:
         if isinstance(exc, Unencodable):
             return  # the answer came (or was coming): its cost, or the estimate, stands
+        self.ended = True
         stats: CallStats | None = getattr(exc, "call_stats", None)
-        self.attempted = stats is not None and (stats.attempts > 0 or stats.cached)
+        self.attempted = stats is not None and (
+            stats.cached or (meter.sent if meter is not None else stats.attempts > 0))
         self.tokens = None
+
+    def left(self, meter: CallMeter | None) -> None:
+        """The call ended with neither (its client left, a drain cut it): it counts if
+        a request of it reached a source."""
+        if not self.ended and meter is not None:
+            self.attempted = meter.sent
 
 
 async def _charged(
@@ -532,6 +542,7 @@ async def _charged(
     try:
         return await handler(ctx, scope, body, charge)
     finally:
+        charge.left(ctx.meter)
         if charge.counts:  # as the quota counts it: a voided request (a 400) is not
             ctx.metrics.key_admitted(key)
         spent = charge.tokens
@@ -743,7 +754,7 @@ async def answer_cut(conn: Connection) -> None:
 async def _call_failed(
     ctx: Context, scope: str, call_id: str, exc: BaseException, charge: _Charge
 ) -> int:
-    charge.failed(exc)
+    charge.failed(exc, ctx.meter)
     reply = reply_for(exc)
     if reply.status == 500:
         log_bug(log, exc, "answering a call", ctx.gateway.settings.secrets())
@@ -961,7 +972,7 @@ async def _chat_stream(
         try:
             if not head_sent:
                 return await _call_failed(ctx, scope, call_id, failure, charge)
-            charge.failed(failure)
+            charge.failed(failure, ctx.meter)
             reply = reply_for(failure)
             stats = getattr(failure, "call_stats", None)
             ctx.count_call(scope, stats, reply.code)

@@ -25,13 +25,17 @@ __all__ = ["CallMeter", "tap"]
 class CallMeter:
     """One request's call: counted exactly once."""
 
-    __slots__ = ("call_id", "counted", "scope", "stats")
+    __slots__ = ("call_id", "counted", "scope", "sent", "stats")
 
     def __init__(self, scope: str, call_id: str) -> None:
         self.scope = scope
         self.call_id = call_id
         self.stats: CallStats | None = None  # the library's call row, once written
         self.counted = False
+        #: Whether any attempt of the call sent its request: what a gateway key is
+        #: charged by (an attempt cancelled or refused before its request left is
+        #: voided on its source's ledger, and the key's follows it).
+        self.sent = False
 
     def count(self, metrics: Metrics, stats: CallStats | None, result: str) -> None:
         if not self.counted:
@@ -50,13 +54,18 @@ CURRENT: contextvars.ContextVar[CallMeter | None] = contextvars.ContextVar(
 
 
 class _Tap:
-    """The session's recorder, and the call row's statistics for the request's meter."""
+    """The session's recorder, and the call row's statistics (and whether a request
+    left) for the request's meter."""
 
     def __init__(self, inner: Recorder) -> None:
         self.inner = inner
 
     def attempt(self, ctx: CallContext, record: Any) -> None:
         self.inner.attempt(ctx, record)
+        if record.timeline.sent_at is not None:
+            meter = CURRENT.get()
+            if meter is not None and ctx.logical_call_id == meter.call_id:
+                meter.sent = True
 
     def call(self, ctx: CallContext, stats: CallStats, *rest: Any) -> None:
         self.inner.call(ctx, stats, *rest)  # (usage, error, output: Recorder.call's)
