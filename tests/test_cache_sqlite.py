@@ -758,3 +758,54 @@ async def test_a_read_that_looked_before_an_identical_answer_was_written_serves_
     assert len(up.requests) == 1, stats
     assert sorted(map(bool, cached)) == [False, True], cached
     assert stats is not None and (stats.misses, stats.hits) == (1, 1), stats
+
+
+async def test_a_file_deleted_under_a_session_is_never_made_again_by_a_read(tmp_path: Path) -> None:
+    """Review finding (files changed under a running session): a read in a worker
+    thread (an embed of more than 16 inputs) opened a connection that made the deleted
+    file again with the umask's mode (0644), and the next session stored every prompt
+    and answer in it.  A read never creates the file: it is a miss, and the writer
+    makes the file again 0600."""
+    path = tmp_path / "cache.db"
+    src = [polygate.Source(name="a", base_url="http://a/v1", model="m1")]
+    emb = [polygate.Source(name="e", base_url="http://e/v1", model="emb")]
+    settings = polygate.Settings(
+        scopes={"chat": polygate.Scope(sources=src, cache_ttl_s=3600),
+                "embed": polygate.Scope(sources=emb, cache_ttl_s=3600)},
+        cache=f"sqlite://{path}")
+    router = Router({"a": FakeUpstream(Reply(text="secret answer")), "e": FakeUpstream(Reply())})
+    old = os.umask(0o022)
+    try:
+        async with polygate.session(settings, transport=router) as s:
+            await s.chat([{"role": "user", "content": "my secret prompt"}])
+            for name in os.listdir(tmp_path):
+                os.unlink(tmp_path / name)  # the cache cleared by deleting its files
+            read = await s.embed([f"text {i}" for i in range(20)], scope="embed")
+            assert len(read.vectors) == 20
+            modes = {name: oct(_mode(tmp_path / name)) for name in os.listdir(tmp_path)}
+        async with polygate.session(settings, transport=router) as s:
+            await s.chat([{"role": "user", "content": "my secret prompt"}])
+    finally:
+        os.umask(old)
+    assert all(m == oct(0o600) for m in modes.values()), modes
+    after = {name: oct(_mode(tmp_path / name)) for name in os.listdir(tmp_path)}
+    assert after and all(m == oct(0o600) for m in after.values()), after
+
+
+async def test_a_cache_path_that_is_a_dangling_link_makes_its_target_private(tmp_path: Path) -> None:
+    """Review finding: ``cache.db -> /volume/cache.db``, the target not there yet: the
+    exclusive create failed on the link (it exists), and SQLite made the target with
+    the umask's mode (0644).  The telemetry file beside it was 0600."""
+    (tmp_path / "vol").mkdir()
+    link = tmp_path / "cache.db"
+    link.symlink_to(tmp_path / "vol" / "cache.db")
+    old = os.umask(0o022)
+    try:
+        async with polygate.session(_settings(f"sqlite://{link}"),
+                                    transport=Router({"a": FakeUpstream(Reply(text="answer"))})) as s:
+            await s.chat([{"role": "user", "content": "a prompt"}])
+    finally:
+        os.umask(old)
+    assert link.is_symlink()
+    modes = {name: oct(_mode(tmp_path / "vol" / name)) for name in os.listdir(tmp_path / "vol")}
+    assert "cache.db" in modes and all(m == oct(0o600) for m in modes.values()), modes

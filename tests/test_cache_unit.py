@@ -3,6 +3,7 @@ lookups and writes behind (with a backend that fails on demand)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,6 +66,25 @@ async def test_codec_round_trip(autojump_clock: trio.testing.MockClock) -> None:
     assert back == response
     assert back.message is back.choices[0]["message"]  # stored once
     assert data.count(b"reasoning_content") == 1
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"-Infinity", b"1e400"])
+async def test_an_entry_holding_a_number_no_json_holds_does_not_decode(
+    autojump_clock: trio.testing.MockClock, number: bytes,
+) -> None:
+    """Review finding (stores left by older code): an answer holding NaN, stored before
+    such answers were refused, was decoded, and every hit was a 502 for the entry's
+    whole life.  Such an entry is a bad entry (a miss), as any other foreign value."""
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1")])})
+    async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})) as s:
+        response = await s.chat(MESSAGES)
+    data = encode_chat(response)
+    assert b'"created":' in data
+    decode_chat(data)
+    spoiled = data.replace(b'"created":', b'"created":' + number + b',"was":', 1)
+    with pytest.raises(ValueError):
+        decode_chat(spoiled)
 
 
 def test_vector_round_trip_is_exact() -> None:
@@ -437,19 +457,19 @@ def test_the_keys_digests_are_pinned() -> None:
     from polygate.cache._key import KEY_VERSION
 
     hi = [{"role": "user", "content": "hi"}]
-    assert KEY_VERSION == 7
+    assert KEY_VERSION == 8
     assert chat_key("chat", ["m1"], hi, {"temperature": 0}) == (
-        "489dab2fa38a3b56cf21dffb67f6832bd7fd857bffd0273a7809753bd1549545")
+        "0d1720d57e3b91b0808e1d1217a2cf0666d9f943153e4daa8e5fb33f13bed725")
     assert chat_key("chat", ["m1", "fallback large: m2"], hi, {"temperature": 0}) == (
-        "b08ab8735c784261e199f9752bef2e238a6d7b0e6d882c41e99402be10101784")
+        "dceed99a7ba727204c8def9615d7ea8e7c58455ea8c0cbb75e6e9af36155fc44")
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     params = {"max_tokens": 100.0, "logit_bias": {1.0: 5}, "user": "u"}
     schema = {"name": "City", "schema": {"type": "object"}}
     assert chat_key("chat", ["m1"], parts, params, schema=schema) == (
-        "1025b9f4bb3a3c3bcaca1c202bc872851b244327f959364999d4de8a94d0b831")
+        "4699496f93e8e4889cb99e8257b71e803522d1380aad280cf64dca42410ca28d")
     assert embed_keys("embed", ["e"], ["a", "b"], {"dimensions": 8}) == [
-        "2c573d9eae6451a569c9961d94020003c2c651035c0857dc2a9613575be50c08",
-        "9dcd481095766ec07e1c30fa11ced8fe42d5cbbf3bc4f585bf259a78bb62c228",
+        "72cddbbc23f3b59d907888fc0697299ea1f5a356035a686f40c80e9eb7726197",
+        "67c86ac9f46d491378250e960631c5cb2a7967ecba50936671b59947172ad1e9",
     ]
 
 
@@ -640,3 +660,65 @@ async def test_an_outage_of_both_kinds_ends_at_any_answer(
         assert lines[-1].startswith("the cache answers again"), lines
         await cache.aclose()
         nursery.cancel_scope.cancel()
+
+
+#: Bodies whose reading changed under a key version (a reasoning part beside an annotated
+#: text part; choices listed out of order; a value no JSON may hold), beside every
+#: recorded provider answer.
+_READ_BODIES: dict[str, bytes] = {
+    "parts.json": json.dumps({"id": "c1", "object": "chat.completion", "created": 1, "model": "m1",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": [
+            {"type": "reasoning", "text": "thought"},
+            {"type": "text", "text": "Answer", "annotations": [{"type": "url_citation"}]}]}}]}).encode(),
+    "indexes.json": json.dumps({"id": "c1", "object": "chat.completion", "created": 1, "model": "m1",
+        "choices": [{"index": i, "finish_reason": "stop", "message": {"role": "assistant", "content": t}}
+                    for i, t in ((1, "one-a"), (0, "zero"), (1, "one-b"))]}).encode(),
+    "nan.json": b'{"id": "c1", "object": "chat.completion", "created": 1, "model": "m1", "choices": '
+                b'[{"index": 0, "finish_reason": "stop", "logprobs": {"content": [{"token": "a", '
+                b'"logprob": NaN}]}, "message": {"role": "assistant", "content": "a"}}]}',
+}
+
+
+async def test_what_an_answer_reads_as_is_pinned_with_the_key_version(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review finding (stores left by older code): three commits changed what a stored
+    answer holds (a whole answer's parts and choice order) or whether it is stored at
+    all (one holding NaN) without a new ``KEY_VERSION``, and the entries an older
+    version wrote were served after an upgrade: a reasoning part's text inside the
+    answer, the upstream's choice 1 as the answer, a 502 for the entry's whole life.
+    What each recorded answer reads as, and whether it is stored, is pinned here beside
+    the version.  If this test fails, that changed: bump ``KEY_VERSION`` (and say so in
+    docs/cache.md), then update the digest."""
+    import hashlib
+    import json as json_
+
+    import httpx
+
+    from polygate.cache._key import KEY_VERSION
+
+    from .conftest import TRANSCRIPTS
+
+    bodies = {p.name: p.read_bytes() for p in sorted(TRANSCRIPTS.iterdir())
+              if p.suffix in (".sse", ".json") and "embeddings" not in p.name and "error" not in p.name}
+    bodies |= _READ_BODIES
+    digest = hashlib.sha256()
+    for name, data in bodies.items():
+        ctype = "text/event-stream" if name.endswith(".sse") else "application/json"
+        transport = httpx.MockTransport(
+            lambda request, data=data, ctype=ctype: httpx.Response(  # type: ignore[misc]
+                200, headers={"content-type": ctype}, content=data))
+        settings = polygate.Settings(cache="memory", scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", model="m1",
+                                     streaming=name.endswith(".sse"))], cache_ttl_s=60)})
+        async with polygate.session(settings, transport=transport) as s:
+            try:
+                first = await s.chat(MESSAGES)
+            except polygate.PolygateError as exc:
+                digest.update(f"{name} {type(exc).__name__}\n".encode())
+                continue
+            again = await s.chat(MESSAGES)
+        seen = [first.text, first.message, first.choices, first.finish_reason, again.call_stats.cached]
+        digest.update(f"{name} {json_.dumps(seen, sort_keys=True, default=repr)}\n".encode())
+    assert (KEY_VERSION, digest.hexdigest()) == (
+        8, "fb2229c9e7303784389144923ff1fed996d64db15b2bc39c8dfdffdd29002f60")

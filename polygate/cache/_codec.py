@@ -70,8 +70,25 @@ def encode_chat(response: ChatResponse) -> bytes:
 def _utf8_json(data: bytes) -> Any:
     """What msgspec did not read, as entries are written: UTF-8 (with ``surrogatepass``,
     as :func:`encode_chat` writes a lone surrogate), never sniffed for a BOM or UTF-16,
-    so an entry another program rewrote is a bad entry, not a hit."""
-    return json.loads(data.decode("utf-8", "surrogatepass"))
+    so an entry another program rewrote is a bad entry, not a hit.  Nor is a number
+    no JSON holds (``NaN``, ``1e400``): never written here (an answer holding one is
+    not stored), and served, every hit was a 502 for the entry's whole life."""
+    return json.loads(data.decode("utf-8", "surrogatepass"), parse_constant=_not_json,
+                      parse_float=_finite)
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (_INF, -_INF):
+        raise ValueError(f"{text} is past a double")
+    return value
+
+
+_INF = float("inf")
 
 
 def _check_bytes(data: Any) -> None:

@@ -58,8 +58,13 @@ __all__ = ["EXCLUDED_PARAMS", "KEY_VERSION", "ORDERED_PARAMS", "canonical", "can
 #: proxy's early ``"stop"`` part of the answer): an entry an older version stored may be
 #: one this version refuses, served as a hit after an upgrade.  Bumped for such rule
 #: changes too, so that an upgrade never serves what it would not store.
-#: ``tests/test_cache_unit.py`` pins the keys' digests.
-KEY_VERSION = 7
+#: 8: what a whole answer holds changed under 7 (its reasoning parts are no text, its
+#: first choice is the one with index 0, types of its fields are the wire's), and an
+#: answer holding NaN is no longer stored (each hit of one was a 502): served after
+#: an upgrade, the entries 7 wrote were answers this version would not give.
+#: ``tests/test_cache_unit.py`` pins the keys' digests, and what each recorded answer
+#: reads as (and whether it is stored) beside this version.
+KEY_VERSION = 8
 
 #: Parameters left out of the key: they identify the caller or shape the transport,
 #: and never change the answer.

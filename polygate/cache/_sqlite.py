@@ -209,8 +209,12 @@ class SQLiteBackend:
         conn.execute(f"PRAGMA busy_timeout = {int(self.timeout_s * 1000)}")
 
     def _connect(self, busy_s: float) -> sqlite3.Connection:
+        # mode=rw: a connection never creates the file.  Only _make_private does
+        # (0600); a reader's connection made a file deleted under the session again
+        # with the umask's mode, and every later session stored prompts in it.
         return sqlite3.connect(
-            self.path, timeout=busy_s, isolation_level=None, check_same_thread=False
+            f"{self.path.absolute().as_uri()}?mode=rw", uri=True, timeout=busy_s,
+            isolation_level=None, check_same_thread=False,
         )
 
     async def aclose(self) -> None:
@@ -455,7 +459,12 @@ def _make_private(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        return
+        if not (path.is_symlink() and not path.exists()):
+            return
+        # A link to a file not there yet (a volume's): made here, through the link, as
+        # the exclusive create cannot (the link exists).  Left to SQLite, the target
+        # took the umask's mode.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.fchmod(fd, 0o600)
     finally:
