@@ -1203,3 +1203,35 @@ def test_stats_reads_a_version_1_file_as_it_is(tmp_path: Path) -> None:
         assert [v for (v,) in conn.execute("SELECT version FROM polygate_schema")] == [1]
     finally:
         conn.close()
+
+
+def test_a_batch_is_written_in_few_statements_and_reads_back_whole(tmp_path: Path) -> None:
+    """Review finding (stores under load): the sink wrote a batch with ``executemany``,
+    one SQLite step a row, and the sqlite3 module gives up the GIL around each: while
+    the event loop kept the GIL busy (a closed loop of calls on a fast upstream), each
+    row waited for it again, a 376-row batch took seconds, and 19,263 rows of 20,862
+    calls were dropped as "queue full".  Rows now go in multi-row INSERTs (at most 999
+    parameters each, SQLite's oldest limit): a few steps a batch."""
+    from polygate.telemetry import Batch
+
+    calls = [CallEvent(
+        "s1", f"c{i}", "chat", "chat", 1, 1.0e9 + i, "ok", None, None, 10.0 + i, 5.0, 1.0, 0.0, 0,
+        4.0, 1, 0, 0, "a", 0, 3, 4, "upstream", None) for i in range(1000)]
+    attempts = [AttemptEvent(
+        f"c{i}.1", f"c{i}", "chat", "a", "primary", 1.0e9 + i, 9.0, 1.0, 200, 1, "ok", None, None,
+        20, 7, 3, 4, "upstream") for i in range(1001)]
+    sink = SQLiteSink.open(tmp_path / "t.db")
+    statements: list[str] = []
+    assert sink._conn is not None
+    sink._conn.set_trace_callback(statements.append)
+    if hasattr(sink._conn, "setlimit"):  # (3.11+) a statement of more parameters fails
+        sink._conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+    sink.write(Batch(calls, attempts, SessionEvent("s1", 1.0e9, 1.0e9, None, 1, "x", 0, 0, "{}")))
+    sink._conn.set_trace_callback(None)
+    sink.close()
+    inserts = [s for s in statements if s.startswith("INSERT INTO")]
+    assert 3 <= len(inserts) <= 60, len(inserts)  # (1,000 calls, 1,001 attempts, the session)
+    got_calls = _rows(tmp_path / "t.db", "calls")
+    got_attempts = _rows(tmp_path / "t.db", "attempts")
+    assert [tuple(r.values()) for r in got_calls] == [tuple(c) for c in calls]
+    assert [tuple(r.values()) for r in got_attempts] == [tuple(a) for a in attempts]
