@@ -1,15 +1,17 @@
 """What polygate's two SQLite stores (the telemetry sink, the response cache) share:
 telling a file that cannot be used *for now* (another connection holds it, its disk
-is full or failing) from one that cannot be used at all (a configuration error)."""
+is full or failing) from one that cannot be used at all (a configuration error), and
+refusing a path that is no file before anything opens it."""
 
 from __future__ import annotations
 
 import errno
 import os
 import sqlite3
+import stat
 from pathlib import Path
 
-__all__ = ["DatabaseUnavailable", "held_by_another", "unusable_for_now"]
+__all__ = ["DatabaseUnavailable", "held_by_another", "no_file_there", "unusable_for_now"]
 
 _SQLITE_BUSY = 5
 _SQLITE_LOCKED = 6
@@ -79,3 +81,18 @@ def _no_space(path: Path) -> bool:
             continue
         return found.f_bavail == 0
     return False
+
+
+def no_file_there(path: Path) -> None:
+    """Raise an :class:`OSError` when ``path`` exists and is no regular file (through
+    its links).  A FIFO's open blocks until a writer comes (a worker thread held for
+    good, the session's start held for the busy timeout), a device's reads are not a
+    database's: each is a configuration error, said as such at once."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing (made next), or unreadable: the open says why
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "no file")
+        raise OSError(errno.EINVAL, f"it is {kind}, not a regular file")

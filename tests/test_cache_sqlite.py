@@ -809,3 +809,19 @@ async def test_a_cache_path_that_is_a_dangling_link_makes_its_target_private(tmp
     assert link.is_symlink()
     modes = {name: oct(_mode(tmp_path / "vol" / name)) for name in os.listdir(tmp_path / "vol")}
     assert "cache.db" in modes and all(m == oct(0o600) for m in modes.values()), modes
+
+
+@pytest.mark.parametrize("store", ["cache", "telemetry"])
+async def test_a_path_that_is_a_fifo_is_refused_at_once(tmp_path: Path, store: str) -> None:
+    """Review finding (files of odd kinds): a FIFO as the telemetry file held the
+    session's start 15 s and left a thread blocked in its open for good; as the cache
+    file it failed open with "disk I/O error".  Neither is a database: a ConfigError
+    that says so, before anything waits on it."""
+    fifo = tmp_path / "x.db"
+    os.mkfifo(fifo)
+    source = polygate.Source(name="a", base_url="http://a/v1")
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(sources=[source], cache_ttl_s=60)},
+                                 **{store: f"sqlite://{fifo}"})
+    with trio.fail_after(5), pytest.raises(polygate.ConfigError, match="not a regular file"):
+        async with polygate.session(settings, transport=Router({"a": FakeUpstream(Reply())})):
+            pass

@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._errors import ConfigError
-from .._sqlite_locks import held_by_another, unusable_for_now
+from .._sqlite_locks import held_by_another, no_file_there, unusable_for_now
 from .._threads import NoThread, run_sync
 from ._backend import CacheBackendError, Entry
 
@@ -158,6 +158,7 @@ class SQLiteBackend:
 
     def _open(self) -> str | None:
         try:
+            no_file_there(self.path)
             _make_private(self.path)
             conn = self._connect(busy_s=self.timeout_s)
         except (OSError, sqlite3.Error) as exc:

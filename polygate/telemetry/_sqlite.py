@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlsplit
 from .._errors import ConfigError
 from .._paths import state_dir, unencoded_problem
 from .._secrets import printable
-from .._sqlite_locks import DatabaseUnavailable, held_by_another, unusable_for_now
+from .._sqlite_locks import DatabaseUnavailable, held_by_another, no_file_there, unusable_for_now
 from ._schema import (
     TABLES,
     check_version,
@@ -179,6 +179,7 @@ def _open_connection(
     handed the connection while it waits for the file (None once it is done), so that
     an interrupt can reach it."""
     try:
+        no_file_there(path)
         _create_private(path)
         conn = _connect(path)
     except (OSError, sqlite3.Error) as exc:
