@@ -23,7 +23,8 @@ Per-source keys (``KEYS`` in this order; ``P`` is the configured prefix)::
 A *member* is ``<backend token>:<reservation id>``: unique per backend instance, so a
 Redis restart (which forgets everything) can never make an old admission settle a new
 one.  State-hash fields: ``br`` breaker (``c``/``o``/``h``), ``cf`` consecutive
-failures, ``oa`` opened at, ``pr`` the half-open probe's member, ``oc`` recent outcomes
+failures, ``oa`` opened at, ``pr`` the half-open probe's member, ``lp`` a probe's member
+whose lease lapsed (its late settle is still the probe's verdict), ``oc`` recent outcomes
 (``1`` = failure, newest last), ``cu`` cooldown until, ``du`` dead until (at most
 ``cu``; its own instant, so that a longer cooldown settled while the source is dead
 does not make the dead mark longer), ``dd`` and ``cw`` for older versions on the same
@@ -129,7 +130,8 @@ local function lapse(m, probe, now, ttl_ms)
       redis.call('PEXPIRE', K_LAPSED, ttl_ms)
     end
   end
-  if probe == m then redis.call('HSET', K_STATE, 'pr', '') end
+  -- (A probe's late verdict is a probe's: 'lp' says which member it was.)
+  if probe == m then redis.call('HSET', K_STATE, 'pr', '', 'lp', m) end
 end
 
 -- The server's clock stepped back (an NTP step, a VM restored, a replica promoted
@@ -458,7 +460,13 @@ if not est then
     return {0, now, version()}
   end
   cool()
-  feed(false)
+  -- A lapsed probe whose breaker is still half-open with no other probe out decides
+  -- it as it would have on time (a failure re-opens it): taken for any attempt, the
+  -- next call would be let through as a new probe to a source known to fail.
+  local was_probe = redis.call('HGET', K_STATE, 'lp') == member
+  if was_probe then redis.call('HDEL', K_STATE, 'lp') end
+  local st = redis.call('HMGET', K_STATE, 'br', 'pr')
+  feed(was_probe and st[1] == 'h' and (st[2] or '') == '')
   touch(now, ttl_ms)
   bump(ttl_ms)
   return {0, now, version()}
