@@ -386,6 +386,28 @@ async def test_a_server_down_at_start_stops_no_call(
     assert len(_dicts(pg_url, "calls")) == 1
 
 
+def test_the_cause_of_an_outage_is_said_for_as_long_as_it_lasts() -> None:
+    """Review finding (logs under sustained faults): while the server was down, every
+    batch between two reconnection tries failed with a placeholder ("telemetry
+    database unreachable; waiting before reconnecting"), which became the sink's last
+    error: the once-a-minute drop warning and the closing summary no longer said that
+    the server refused the connection, rejected the login or could not be found."""
+    from polygate.telemetry import Batch
+    from polygate.telemetry._postgres import PostgresSink
+
+    sink = PostgresSink.unconnected(_dead_url())
+    sink._reconnect_s = 3600.0
+    said = []
+    for _ in range(2):
+        with pytest.raises(ConnectionError) as caught:
+            sink.write(Batch([], [], None))
+        said.append(str(caught.value))
+    sink.close()
+    assert "refused" in said[0].lower(), said
+    assert "waiting before reconnecting" in said[1] and "refused" in said[1].lower(), said
+    assert PG_PASSWORD not in " ".join(said)
+
+
 # --------------------------------------------------------------------------- at run time
 
 

@@ -275,6 +275,7 @@ class PostgresSink:
         self._statement_timeout_ms = statement_timeout_ms
         self._reconnect_s = reconnect_s
         self._next_connect = 0.0
+        self._connect_error = "none yet"  # (what the last connection try said)
         self._closed = False
         #: The connection :meth:`interrupt` sent a cancel to: never written on again.
         self._cancelled: psycopg.Connection[Any] | None = None
@@ -343,7 +344,11 @@ class PostgresSink:
             raise RuntimeError("the telemetry sink is closed")
         now = time.monotonic()
         if now < self._next_connect:
-            raise ConnectionError("telemetry database unreachable; waiting before reconnecting")
+            # What the last try said stays said: this becomes the sink's last error,
+            # which the drop warnings and the closing summary quote.
+            raise ConnectionError(
+                "telemetry database unreachable; waiting before reconnecting "
+                f"(the last try: {self._connect_error})")
         # The wait is for a server that did not take a connection: one that closed a
         # connection it had taken (an idle timeout, a restart, a proxy) is tried again
         # at once, or a quiet service behind an idle timeout would lose most batches.
@@ -351,14 +356,16 @@ class PostgresSink:
             conn = _connect(self._url, f"SET statement_timeout = {int(self._statement_timeout_ms)}")
         except Exception as exc:
             self._next_connect = now + self._reconnect_s
-            raise ConnectionError(_explain(self._url, exc)) from None
+            self._connect_error = _explain(self._url, exc)
+            raise ConnectionError(self._connect_error) from None
         if not self._migrated:
             try:
                 _migrate(conn, mask_url(self._url))
             except Exception as exc:  # a newer schema, too: this batch is dropped
                 conn.close()
                 self._next_connect = now + self._reconnect_s
-                raise ConnectionError(_explain(self._url, exc)) from None
+                self._connect_error = _explain(self._url, exc)
+                raise ConnectionError(self._connect_error) from None
             self._migrated = True
         self._conn = conn
         return conn
