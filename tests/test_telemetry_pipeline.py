@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -239,6 +240,30 @@ async def test_failing_sink_counts_drops_and_keeps_going(caplog: pytest.LogCaptu
     assert stats.written == 0 and stats.dropped_sink_error == 5 and stats.write_errors >= 2
     assert stats.last_error == "OSError: disk on fire"
     assert "telemetry dropped" in caplog.text
+
+
+async def test_a_sink_that_writes_again_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Review finding (logs under sustained faults): a sink that failed, then wrote
+    again (its lock released, its server back), said nothing more: the log's last word
+    on telemetry stayed "dropped ... rows", where the cache and Redis say they answer
+    again.  Once, and only after a failure."""
+    sink = ListSink(fail=True)
+    pipeline = Pipeline(sink, session_id="s", linger_s=0)
+    with caplog.at_level(logging.INFO, logger="polygate.telemetry"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pipeline.run)
+            for i in range(3):
+                pipeline.send.send_nowait(_event(i))
+                await trio.sleep(0.01)
+            sink.fail = False
+            for i in range(3, 6):
+                pipeline.send.send_nowait(_event(i))
+                await trio.sleep(0.01)
+            await pipeline.aclose()
+    again = [r for r in caplog.records if "again" in r.getMessage()]
+    assert len(again) == 1, [r.getMessage() for r in caplog.records]
+    assert again[0].levelno == logging.INFO and "3 row(s) dropped" in again[0].getMessage()
+    assert pipeline.statistics().written == 3
 
 
 async def test_slow_write_is_abandoned_and_interrupted(stalled: StalledSink) -> None:

@@ -131,6 +131,7 @@ class Counters:
     (real time), with what was dropped since the last message."""
 
     __slots__ = (
+        "_failing_since",
         "_logged_dropped",
         "_next_log",
         "_next_omitted_log",
@@ -170,6 +171,8 @@ class Counters:
         self.secrets = secrets
         self._next_log = -math.inf
         self._logged_dropped = 0
+        #: dropped_sink_error when writes began to fail (None: the last write worked).
+        self._failing_since: int | None = None
         self.content_omitted = 0
         self._next_omitted_log = -math.inf
 
@@ -196,7 +199,19 @@ class Counters:
         self.dropped_at_close += n
         self.maybe_log()
 
+    def wrote(self, rows: int) -> None:
+        """``rows`` written; after failed writes, said once (the log's last word on the
+        sink was that it dropped rows)."""
+        self.written += rows
+        if self._failing_since is not None and rows:
+            lost = self.dropped_sink_error - self._failing_since
+            self._failing_since = None
+            logger.info("polygate telemetry writes to %s again (%d row(s) dropped while it "
+                        "failed)", self.where, lost)
+
     def write_failed(self, rows: int, error: BaseException | str) -> None:
+        if self._failing_since is None:
+            self._failing_since = self.dropped_sink_error
         self.dropped_sink_error += rows
         self.write_errors += 1
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
@@ -433,7 +448,7 @@ class Pipeline:
                 self._take_in_flight(), f"write took longer than {self.write_timeout_s} s"
             )
             return False
-        self.counters.written += self._take_in_flight()
+        self.counters.wrote(self._take_in_flight())
         return True
 
     async def _settle_abandoned(self) -> None:
@@ -446,7 +461,7 @@ class Pipeline:
         if not outcome:  # cancelled before its thread started: written with the rest
             self._gathered = [*events, *self._gathered]
         elif outcome[0] is None:
-            self.counters.written += len(_split(events, None))
+            self.counters.wrote(len(_split(events, None)))
         else:
             self.counters.write_failed(len(_split(events, None)), outcome[0])
 
