@@ -267,3 +267,67 @@ def test_a_failed_probe_reopens_the_breaker_however_late_it_settles(
             await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
 
     trio.run(body)
+
+
+_QUICK = attrs.evolve(POLICY, failures=1, open_s=0.2, max_open_s=0.2)
+
+
+async def _lapsed(b: Any) -> None:
+    """The holder pauses (no renewal) until a purge has settled its leases."""
+    b._open.clear()
+    with trio.fail_after(5):
+        while (await snap(b)).in_flight:  # noqa: ASYNC110 - a purge's doing: no event
+            await trio.sleep(0.05)
+
+
+async def _half_open(b: Any) -> None:
+    a = await granted(b, ask(breaker=_QUICK))
+    await b.settle(settle(a, None, Feedback.FAILURE, breaker=_QUICK))
+    assert (await snap(b)).breaker is BreakerState.OPEN
+    await trio.sleep(0.3)  # (the open period, 0.2 s, is over)
+
+
+def test_a_lapsed_probes_late_verdict_belongs_to_its_own_half_open_period(
+    redis_server: RedisServer,
+) -> None:
+    """Review finding (of the late probe's verdict): probe A of one half-open period
+    lapsed; the period closed on another probe; the source failed again, and in the
+    new half-open period, with no probe out, A's late success closed the breaker:
+    full traffic back to a source nothing had found well."""
+
+    async def body() -> None:
+        b = _redis(redis_server.url, f"pin-period-{secrets.token_hex(4)}", lease_s=0.4)
+        async with _started(b):
+            await _half_open(b)
+            a = await granted(b, ask(breaker=_QUICK))
+            assert a.probe
+            await _lapsed(b)
+            closer = await granted(b, ask(breaker=_QUICK))
+            await b.settle(settle(closer, None, Feedback.SUCCESS, breaker=_QUICK))
+            assert (await snap(b)).breaker is BreakerState.CLOSED
+            await _half_open(b)  # the next period
+            c = await granted(b, ask(breaker=_QUICK))
+            await b.settle(settle(c, None, Feedback.NEUTRAL, breaker=_QUICK))
+            await b.settle(settle(a, None, Feedback.SUCCESS, breaker=_QUICK))  # A, late
+            assert (await snap(b)).breaker is BreakerState.HALF_OPEN
+
+    trio.run(body)
+
+
+def test_each_lapsed_probe_of_a_period_keeps_its_verdict(redis_server: RedisServer) -> None:
+    """Review finding: probe A lapsed, the next probe B lapsed too, and A's late
+    failure counted as no probe's: the breaker stayed half-open."""
+
+    async def body() -> None:
+        b = _redis(redis_server.url, f"pin-two-{secrets.token_hex(4)}", lease_s=0.4)
+        async with _started(b):
+            await _half_open(b)
+            a = await granted(b, ask(breaker=_QUICK))
+            await _lapsed(b)
+            second = await granted(b, ask(breaker=_QUICK))
+            assert a.probe and second.probe
+            await _lapsed(b)
+            await b.settle(settle(a, None, Feedback.FAILURE, breaker=_QUICK))  # A, late: a 5xx
+            assert (await snap(b)).breaker is BreakerState.OPEN
+
+    trio.run(body)

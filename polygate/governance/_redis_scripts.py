@@ -23,8 +23,9 @@ Per-source keys (``KEYS`` in this order; ``P`` is the configured prefix)::
 A *member* is ``<backend token>:<reservation id>``: unique per backend instance, so a
 Redis restart (which forgets everything) can never make an old admission settle a new
 one.  State-hash fields: ``br`` breaker (``c``/``o``/``h``), ``cf`` consecutive
-failures, ``oa`` opened at, ``pr`` the half-open probe's member, ``lp`` a probe's member
-whose lease lapsed (its late settle is still the probe's verdict), ``oc`` recent outcomes
+failures, ``oa`` opened at, ``pr`` the half-open probe's member, ``lp`` the half-open
+period's probes whose leases lapsed, ``<oa>|m1|m2|`` (a late settle of one is still
+that period's probe's verdict), ``oc`` recent outcomes
 (``1`` = failure, newest last), ``cu`` cooldown until, ``du`` dead until (at most
 ``cu``; its own instant, so that a longer cooldown settled while the source is dead
 does not make the dead mark longer), ``dd`` and ``cw`` for older versions on the same
@@ -130,8 +131,15 @@ local function lapse(m, probe, now, ttl_ms)
       redis.call('PEXPIRE', K_LAPSED, ttl_ms)
     end
   end
-  -- (A probe's late verdict is a probe's: 'lp' says which member it was.)
-  if probe == m then redis.call('HSET', K_STATE, 'pr', '', 'lp', m) end
+  -- A probe's late verdict is a probe's, in its own half-open period: 'lp' holds
+  -- that period's opening instant and its lapsed probes, '<oa>|m1|m2|'.
+  if probe == m then
+    local head = (redis.call('HGET', K_STATE, 'oa') or '') .. '|'
+    local lp = redis.call('HGET', K_STATE, 'lp') or ''
+    if string.sub(lp, 1, #head) ~= head then lp = head end
+    if #lp < 4096 then lp = lp .. m .. '|' end  -- (a bound no period comes near)
+    redis.call('HSET', K_STATE, 'pr', '', 'lp', lp)
+  end
 end
 
 -- The server's clock stepped back (an NTP step, a VM restored, a replica promoted
@@ -463,9 +471,15 @@ if not est then
   -- A lapsed probe whose breaker is still half-open with no other probe out decides
   -- it as it would have on time (a failure re-opens it): taken for any attempt, the
   -- next call would be let through as a new probe to a source known to fail.
-  local was_probe = redis.call('HGET', K_STATE, 'lp') == member
-  if was_probe then redis.call('HDEL', K_STATE, 'lp') end
-  local st = redis.call('HMGET', K_STATE, 'br', 'pr')
+  local st = redis.call('HMGET', K_STATE, 'br', 'pr', 'oa', 'lp')
+  local head, lp, was_probe = (st[3] or '') .. '|', st[4] or '', false
+  if string.sub(lp, 1, #head) == head then  -- (an earlier period's: no probe of this one)
+    local at = string.find(lp, '|' .. member .. '|', #head, true)
+    if at then
+      was_probe = true
+      redis.call('HSET', K_STATE, 'lp', string.sub(lp, 1, at) .. string.sub(lp, at + #member + 2))
+    end
+  end
   feed(was_probe and st[1] == 'h' and (st[2] or '') == '')
   touch(now, ttl_ms)
   bump(ttl_ms)
