@@ -331,3 +331,37 @@ def test_each_lapsed_probe_of_a_period_keeps_its_verdict(redis_server: RedisServ
             assert (await snap(b)).breaker is BreakerState.OPEN
 
     trio.run(body)
+
+
+def test_a_lapsed_probes_verdict_survives_a_clock_step_back(redis_server: RedisServer) -> None:
+    """Review finding (of the late probe's verdict, third round): the period a lapsed
+    probe belongs to was told by the breaker's opening instant, which the scripts move
+    back when the server's clock steps back; after such a step the probe's late
+    failure was no probe's, and the next call went through as a new probe."""
+    import coredis
+
+    from tests.test_redis_skewed_clocks import STEP_S, _as_if_ahead
+
+    prefix = f"pin-step-{secrets.token_hex(4)}"
+
+    async def body() -> None:
+        b = _redis(redis_server.url, prefix, lease_s=0.4)
+        async with _started(b):
+            await _half_open(b)
+            a = await granted(b, ask(breaker=_QUICK))
+            assert a.probe
+            await _lapsed(b)
+            # Everything stored so far as if written by a clock STEP_S ahead, which
+            # then stepped back: every instant, and any record made of one.
+            async with coredis.Redis.from_url(redis_server.url, decode_responses=True) as client:
+                key = f"{prefix}:chat:a:state"
+                before = await client.hgetall(key)
+                await _as_if_ahead(redis_server.url, prefix, ("a",))
+                lp, oa = before.get("lp", ""), before.get("oa", "")
+                if oa and lp.startswith(f"{oa}|"):
+                    ahead = str(int(float(oa)) + int(STEP_S * 1e6))
+                    await client.hset(key, {"lp": ahead + lp[len(oa):]})
+            await b.settle(settle(a, None, Feedback.FAILURE, breaker=_QUICK))  # A, late: a 5xx
+            assert (await snap(b)).breaker is BreakerState.OPEN
+
+    trio.run(body)

@@ -23,9 +23,10 @@ Per-source keys (``KEYS`` in this order; ``P`` is the configured prefix)::
 A *member* is ``<backend token>:<reservation id>``: unique per backend instance, so a
 Redis restart (which forgets everything) can never make an old admission settle a new
 one.  State-hash fields: ``br`` breaker (``c``/``o``/``h``), ``cf`` consecutive
-failures, ``oa`` opened at, ``pr`` the half-open probe's member, ``lp`` the half-open
-period's probes whose leases lapsed, ``<oa>|m1|m2|`` (a late settle of one is still
-that period's probe's verdict), ``oc`` recent outcomes
+failures, ``oa`` opened at, ``pr`` the half-open probe's member, ``pn`` the breaker's
+openings so far (a half-open period's number), ``lp`` that period's probes whose
+leases lapsed, ``<pn>|m1|m2|`` (a late settle of one is still that period's probe's
+verdict), ``oc`` recent outcomes
 (``1`` = failure, newest last), ``cu`` cooldown until, ``du`` dead until (at most
 ``cu``; its own instant, so that a longer cooldown settled while the source is dead
 does not make the dead mark longer), ``dd`` and ``cw`` for older versions on the same
@@ -132,9 +133,10 @@ local function lapse(m, probe, now, ttl_ms)
     end
   end
   -- A probe's late verdict is a probe's, in its own half-open period: 'lp' holds
-  -- that period's opening instant and its lapsed probes, '<oa>|m1|m2|'.
+  -- that period's number and its lapsed probes, '<pn>|m1|m2|'.  (A number, not the
+  -- opening's instant: rewind() moves that when the clock steps back.)
   if probe == m then
-    local head = (redis.call('HGET', K_STATE, 'oa') or '') .. '|'
+    local head = (redis.call('HGET', K_STATE, 'pn') or '0') .. '|'
     local lp = redis.call('HGET', K_STATE, 'lp') or ''
     if string.sub(lp, 1, #head) ~= head then lp = head end
     if #lp < 4096 then lp = lp .. m .. '|' end  -- (a bound no period comes near)
@@ -416,6 +418,7 @@ local function open_breaker(reopens)
   if reopens == 0 or max_open_us <= open_us then j = 1 end
   redis.call('HSET', K_STATE, 'br', 'o', 'oa', now, 'rn', reopens,
              'op', math.floor(nominal * j), 'pk', 0)
+  redis.call('HINCRBY', K_STATE, 'pn', 1)  -- (a new period: see lapse())
 end
 -- What the attempt's end tells the breaker (probe: it was the half-open probe).
 local function feed(probe)
@@ -471,8 +474,8 @@ if not est then
   -- A lapsed probe whose breaker is still half-open with no other probe out decides
   -- it as it would have on time (a failure re-opens it): taken for any attempt, the
   -- next call would be let through as a new probe to a source known to fail.
-  local st = redis.call('HMGET', K_STATE, 'br', 'pr', 'oa', 'lp')
-  local head, lp, was_probe = (st[3] or '') .. '|', st[4] or '', false
+  local st = redis.call('HMGET', K_STATE, 'br', 'pr', 'pn', 'lp')
+  local head, lp, was_probe = (st[3] or '0') .. '|', st[4] or '', false
   if string.sub(lp, 1, #head) == head then  -- (an earlier period's: no probe of this one)
     local at = string.find(lp, '|' .. member .. '|', #head, true)
     if at then

@@ -203,9 +203,10 @@ class Counters:
         """``rows`` written; after failed writes, said once (the log's last word on the
         sink was that it dropped rows)."""
         self.written += rows
-        if self._failing_since is not None and rows:
+        if self._failing_since is not None:  # (a batch of the sessions row alone, too)
             lost = self.dropped_sink_error - self._failing_since
             self._failing_since = None
+            self.maybe_log(force=True)  # (drops not yet said go first: the last word is this)
             logger.info("polygate telemetry writes to %s again (%d row(s) dropped while it "
                         "failed)", self.where, lost)
 
