@@ -77,6 +77,12 @@ local function version()
   return redis.call('GET', K_CHANGES) or '0'
 end
 
+-- Whether ``key`` holds data of another type than ``kind`` (another tool's, a hand's).
+local function foreign(key, kind)
+  local t = redis.call('TYPE', key)['ok']
+  return t ~= 'none' and t ~= kind
+end
+
 -- An instant in a reply: Redis casts a script's numbers to 64-bit integers, so one
 -- past ~9.2e18 us (an open_s or a cooldown of 1e13 s) would come back negative, read
 -- as "unknown".  4e18 us (~126,000 years from 1970) is "never" for every purpose.
@@ -125,8 +131,7 @@ local function lapse(m, probe, now, ttl_ms)
     redis.call('HINCRBY', K_STATE, 'st', est)
     redis.call('HINCRBY', K_STATE, 'ct', est)
     redis.call('HINCRBY', K_STATE, 'lx', 1)
-    local t = redis.call('TYPE', K_LAPSED)['ok']
-    if t == 'zset' or t == 'none' then  -- (another tool's key there: not ours to record in)
+    if not foreign(K_LAPSED, 'zset') then  -- (another tool's key there: not ours to record in)
       redis.call('ZREMRANGEBYSCORE', K_LAPSED, '-inf', now - ttl_ms * 1000)
       redis.call('ZADD', K_LAPSED, now, m)
       redis.call('PEXPIRE', K_LAPSED, ttl_ms)
@@ -340,10 +345,6 @@ end
 -- below touch is checked first, so that foreign data (another tool's, a hand's) fails
 -- the admission before it holds a permit and a window entry that nobody owns.
 local v = version()
-local function foreign(key, kind)
-  local t = redis.call('TYPE', key)['ok']
-  return t ~= 'none' and t ~= kind
-end
 local function not_whole(x)  -- (HINCRBY refuses it, or overflows past 18 digits)
   return x and (not string.match(x, '^%-?%d+$') or #x > 18)
 end
@@ -465,8 +466,7 @@ if not est then
   -- says, once, what the upstream answered: a 401 or a 429 it brings back is every
   -- process's to heed, and a failure the breaker's to count.  Its cost stays the
   -- estimate the purge settled.
-  local t = redis.call('TYPE', K_LAPSED)['ok']
-  if t ~= 'zset' or redis.call('ZREM', K_LAPSED, member) == 0 then
+  if foreign(K_LAPSED, 'zset') or redis.call('ZREM', K_LAPSED, member) == 0 then
     if freed then bump(ttl_ms) end
     return {0, now, version()}
   end
