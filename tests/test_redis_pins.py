@@ -237,38 +237,6 @@ async def test_a_verdict_settled_after_its_lease_lapsed_still_reaches_the_others
         await refused(other, ask(10), RefusalReason.DEAD if dead else RefusalReason.COOLING_DOWN)
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["on time", "after its lease lapsed"])
-def test_a_failed_probe_reopens_the_breaker_however_late_it_settles(
-    redis_server: RedisServer, late: bool,
-) -> None:
-    """Review finding (of the lapsed verdicts): a half-open breaker's probe whose
-    holder paused past its lease, and whose call then failed, only counted a failure:
-    the breaker stayed half-open and admitted the next call as a new probe to a source
-    known to fail.  A probe's verdict is a probe's, on time or late."""
-    prefix = f"pin-late-probe-{secrets.token_hex(4)}"
-    policy = attrs.evolve(POLICY, failures=1, open_s=0.2)
-
-    async def body() -> None:
-        b = _redis(redis_server.url, prefix, lease_s=0.4)
-        async with _started(b):
-            a = await granted(b, ask(breaker=policy))
-            await b.settle(settle(a, None, Feedback.FAILURE, breaker=policy))
-            assert (await snap(b)).breaker is BreakerState.OPEN
-            await trio.sleep(0.3)  # (the open period, 0.2 s, is over)
-            probe = await granted(b, ask(breaker=policy))
-            assert probe.probe
-            if late:
-                b._open.clear()  # the holder paused: no renewal
-                with trio.fail_after(5):
-                    while (await snap(b)).in_flight:  # noqa: ASYNC110 - a purge's doing: no event
-                        await trio.sleep(0.05)
-            await b.settle(settle(probe, None, Feedback.FAILURE, breaker=policy))  # a 5xx
-            assert (await snap(b)).breaker is BreakerState.OPEN
-            await refused(b, ask(breaker=policy), RefusalReason.BREAKER_OPEN)
-
-    trio.run(body)
-
-
 _QUICK = attrs.evolve(POLICY, failures=1, open_s=0.2, max_open_s=0.2)
 
 
@@ -285,6 +253,31 @@ async def _half_open(b: Any) -> None:
     await b.settle(settle(a, None, Feedback.FAILURE, breaker=_QUICK))
     assert (await snap(b)).breaker is BreakerState.OPEN
     await trio.sleep(0.3)  # (the open period, 0.2 s, is over)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["on time", "after its lease lapsed"])
+def test_a_failed_probe_reopens_the_breaker_however_late_it_settles(
+    redis_server: RedisServer, late: bool,
+) -> None:
+    """Review finding (of the lapsed verdicts): a half-open breaker's probe whose
+    holder paused past its lease, and whose call then failed, only counted a failure:
+    the breaker stayed half-open and admitted the next call as a new probe to a source
+    known to fail.  A probe's verdict is a probe's, on time or late."""
+    prefix = f"pin-late-probe-{secrets.token_hex(4)}"
+
+    async def body() -> None:
+        b = _redis(redis_server.url, prefix, lease_s=0.4)
+        async with _started(b):
+            await _half_open(b)
+            probe = await granted(b, ask(breaker=_QUICK))
+            assert probe.probe
+            if late:
+                await _lapsed(b)
+            await b.settle(settle(probe, None, Feedback.FAILURE, breaker=_QUICK))  # a 5xx
+            assert (await snap(b)).breaker is BreakerState.OPEN
+            await refused(b, ask(breaker=_QUICK), RefusalReason.BREAKER_OPEN)
+
+    trio.run(body)
 
 
 def test_a_lapsed_probes_late_verdict_belongs_to_its_own_half_open_period(
