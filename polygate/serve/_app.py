@@ -503,8 +503,7 @@ class _Charge:
             return  # the answer came (or was coming): its cost, or the estimate, stands
         self.ended = True
         stats: CallStats | None = getattr(exc, "call_stats", None)
-        self.attempted = stats is not None and (
-            stats.cached or (meter.sent if meter is not None else stats.attempts > 0))
+        self.attempted = stats is not None and (stats.cached or (meter is not None and meter.sent))
         self.tokens = None
 
     def left(self, meter: CallMeter | None) -> None:
