@@ -393,7 +393,9 @@ async def _retry_loop(
                 + _last_errors(errors),
                 errors=errors,
             )
-        if set(failed) >= {s.name for s in ctx.scope.sources} - refused_context(ctx):
+        if set(failed) >= {s.name for s in ctx.scope.sources} - refused_context(ctx) and not (
+            _dead_past_backoff(ctx, errors, failed, retry.backoff_max_s)
+        ):
             # Every source it may ask failed (those of a model that refused the call's
             # context are never asked): the next try waits.
             await trio.sleep(
@@ -577,6 +579,20 @@ def _rate_limited_for(refusals: Sequence[Refusal]) -> float | None:
     now = trio.current_time()
     known = [r.retry_at - now for r in refusals if r.retry_at is not None]
     return max(0.0, min(known)) if known else 1.0  # (each reason has its time: a guess)
+
+
+def _dead_past_backoff(
+    ctx: CallContext, errors: Sequence[UpstreamError], failed: Sequence[str], backoff_max_s: float
+) -> bool:
+    """Whether each failed source's last failure marked it dead (401, 403, …) for
+    longer than any backoff: then a backoff waits for nothing (the next round admits
+    none of them, and the call moves on to its fallback or fails), and it is skipped.
+    Where the mark may end first, the backoff is what keeps the refusing source from
+    being asked again at once."""
+    if ctx.runtime.settings.dead_cooldown_s < backoff_max_s:
+        return False
+    last = {e.source: e for e in errors if e.source is not None}
+    return all(name in last and last[name].outcome is Outcome.DEAD for name in failed)
 
 
 def _retry_same(

@@ -1913,3 +1913,54 @@ async def test_a_failed_calls_statistics_name_the_scope_it_ended_in(
         with pytest.raises(polygate.AllSourcesExhausted) as caught:
             await s.chat(MESSAGES)
     assert (caught.value.call_stats.scope, caught.value.call_stats.attempts) == ("backup", 2)
+
+
+def _dead_then(fallback: bool, *, dead_cooldown_s: float = 300.0) -> polygate.Settings:
+    scopes = {"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+        retry=polygate.Retry(max_attempts=3, backoff_base_s=2.0, backoff_max_s=8.0),
+        fallback="backup" if fallback else None,
+    )}
+    if fallback:
+        scopes["backup"] = polygate.Scope(
+            sources=[polygate.Source(name="b", base_url="http://b/v1", api_key=SECRET)])
+    return polygate.Settings(scopes=scopes, dead_cooldown_s=dead_cooldown_s)
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+async def test_a_scope_whose_sources_are_all_dead_moves_on_without_a_backoff(
+    autojump_clock: trio.testing.MockClock, fallback: bool,
+) -> None:
+    """Review finding (three front doors, one behaviour): when the only source of a
+    scope answered 401, the call slept a retry backoff (up to backoff_base_s * 2 with
+    full jitter: 1.7 s in one run) before the next round found no source to admit and
+    the call moved to its fallback (or failed). A dead mark outlasts any backoff, so
+    the wait served nothing: through `polygate serve`, a misconfigured key cost every
+    request that pause."""
+    a, b = FakeUpstream(Reply(status=401)), FakeUpstream(Reply(text="from backup"))
+    async with polygate.session(_dead_then(fallback), transport=Router({"a": a, "b": b})) as s:
+        start = trio.current_time()
+        if fallback:
+            r = await s.chat(MESSAGES)
+            assert (r.text, r.call_stats.scope, r.call_stats.attempts) == ("from backup", "backup", 2)
+        else:
+            with pytest.raises(polygate.AllSourcesExhausted, match="HTTP 401"):
+                await s.chat(MESSAGES)
+        assert trio.current_time() - start == 0
+    assert len(a.requests) == 1
+
+
+async def test_a_dead_mark_shorter_than_the_backoff_still_backs_off(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The other side of the test above: where a dead mark may end before the backoff
+    would (``dead_cooldown_s`` below ``backoff_max_s``), the backoff is what keeps the
+    call from asking the refusing source again at once, so it still waits."""
+    a = FakeUpstream([Reply(status=401)], then=Reply(text="key fixed"))
+    settings = _dead_then(False, dead_cooldown_s=0.001)
+    async with polygate.session(settings, transport=Router({"a": a})) as s:
+        start = trio.current_time()
+        r = await s.chat(MESSAGES)
+        elapsed = trio.current_time() - start
+    assert r.text == "key fixed" and r.call_stats.attempts == 2
+    assert 0 < elapsed <= 4.0  # full jitter in [0, backoff_base_s * 2]
