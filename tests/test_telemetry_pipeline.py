@@ -119,6 +119,25 @@ async def test_events_are_batched(autojump_clock: trio.testing.MockClock) -> Non
     assert sink.batches[-1].session is not None and sink.batches[-1].session.ended_at is not None
 
 
+async def test_a_close_does_not_wait_out_the_linger(autojump_clock: trio.testing.MockClock) -> None:
+    """Review finding (sessions opened and closed over and over): the flusher, holding
+    a quiet session's first rows, lingered its full ``linger_s`` before the close could
+    write them, so every session with telemetry on took ~50 ms more to leave (a
+    serverless handler opening one per request paid it on each).  The close ends the
+    linger: the rows are written at once."""
+    sink = ListSink()
+    pipeline = Pipeline(sink, session_id="s", linger_s=10, max_batch=100)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pipeline.run)
+        _send(pipeline, range(3))
+        await trio.testing.wait_all_tasks_blocked()  # the flusher lingers on c0
+        start = trio.current_time()
+        await pipeline.aclose()
+        assert trio.current_time() - start == 0
+    assert [c.logical_call_id for c in sink.calls] == ["c0", "c1", "c2"]
+    assert pipeline.statistics().written == 3 and sink.closed
+
+
 class _CountedSink(ListSink):
     """A ListSink whose writes (in the pipeline's worker thread) a test can wait for."""
 

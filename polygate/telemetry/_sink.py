@@ -327,6 +327,7 @@ class Pipeline:
         self._stopped = trio.Event()
         self._running = False
         self._closing = False
+        self._closed = trio.Event()  # set with _closing: it ends the flusher's linger
         self._governance: _GovernanceLike | None = None
         self._gathered: list[Event] = []  # taken off the channel, not yet written
         self._next_summary = 0.0
@@ -387,7 +388,10 @@ class Pipeline:
         self._dequeued(events)  # (now: a flusher cancelled while it lingers counts it too)
         buffered = self._receive.statistics().current_buffer_used
         if self.linger_s > 0 and buffered < self.max_batch // 2 and not self._closing:
-            await trio.sleep(self.linger_s)  # let a quiet session's rows gather
+            # Let a quiet session's rows gather -- until the close, which writes them
+            # at once (a session opened per request paid the whole linger to leave).
+            with trio.move_on_after(self.linger_s):
+                await self._closed.wait()
         receive_nowait = self._receive.receive_nowait
         while len(events) < self.max_batch:
             try:
@@ -508,6 +512,7 @@ class Pipeline:
         if self._closing:
             return
         self._closing = True
+        self._closed.set()
         self.send.close()
         with real_time_bound(self.shutdown_timeout_s, shield=True) as bound:
             if self._running:
