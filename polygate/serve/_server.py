@@ -27,6 +27,7 @@ import importlib.util
 import ipaddress
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -40,7 +41,7 @@ from .._config import FieldError, Settings
 from .._context import fresh_call_id
 from .._errors import ConfigError, GovernanceBackendError, PolygateError
 from .._session import Session, SharedBackends, session_on
-from .._sockets import out_of
+from .._sockets import out_of, write_now
 from ._app import NO_CALL, Context, Gateway, answer, answer_cut, endpoint_label
 from ._errors import error_body
 from ._fds import connection_room
@@ -55,6 +56,19 @@ log = logging.getLogger("polygate.serve")
 
 _ACCEPT_PAUSE_S = 0.1  # out of file descriptors: the floor on the accept loop's period
 _REFUSING = 64  # connections being answered 503 at once, beyond max_connections
+#: Connections taken off a listener's queue in one step of its accept task.  trio's
+#: ``accept`` takes one and then yields to the scheduler, so under load (a pass of the
+#: scheduler as long as the work in flight) the kernel's queue grew while the gateway
+#: took one a pass: a burst of 512 connects waited seconds there, health probes with
+#: them, and the 503 that sheds load was never reached (asyncio takes up to 100 an
+#: event, nginx's ``multi_accept`` all of them).
+_ACCEPT_BATCH = 64
+#: A refused connection's request line is waited for this long: it decides between
+#: the liveness probe's 200 and the 503.
+_HEAD_WAIT_S = 0.5
+_REFUSE_S = 1.0  # a refusal's whole time: its request line, its answer, its linger
+_LINE_WAITED = 8192  # (bytes: a request line longer than this is no probe)
+_LIVENESS = (b"GET /healthz ", b"GET /healthz?", b"HEAD /healthz ", b"HEAD /healthz?")
 _OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # the only paths without a key
 _LAST_WORDS_S = 1.0  # after the grace period: time to tell cancelled clients why
 #: A drain closes idle connections, but not one accepted less than this long ago that
@@ -522,6 +536,11 @@ class Server:
 
     async def _accept(self, listener: trio.SocketListener) -> None:
         assert self._connections is not None
+        # The listening socket itself, to take what else is queued without a pass of
+        # the scheduler each (see _ACCEPT_BATCH); trio's private attribute, so where
+        # it is not there, one connection a pass as before.
+        found = getattr(listener.socket, "_sock", None)
+        raw: socket.socket | None = found if isinstance(found, socket.socket) else None
         starved = False  # logged once a spell, not ten times a second
         while True:
             try:
@@ -540,23 +559,45 @@ class Server:
             if starved:
                 starved = False
                 log.warning("accepting connections again")
-            # (Connections closed for an earlier newcomer still count until they have
-            # gone: room made already, not to be made twice.)
-            open_now = self.metrics.connections - len(self._reclaimed)
-            if open_now >= self._room and not self._reclaim_idle(open_now - self._room + 1):
-                self.metrics.connections_refused += 1
-                if self._refusing < _REFUSING:
-                    self._connections.start_soon(self._refuse, stream)
-                else:
-                    await _close(stream)
-                continue
-            # Counted here, not when its task first runs: a burst of connects accepted
-            # before any of them ran overshot max_connections.
-            self.metrics.connections += 1
-            self.metrics.connections_total += 1
-            fresh = _Fresh(trio.current_time())
-            self._fresh.add(fresh)
-            self._connections.start_soon(self._connection, stream, fresh)
+            self._take(stream)
+            if raw is not None:
+                self._take_queued(raw)
+
+    def _take_queued(self, raw: socket.socket) -> None:
+        """Take what else waits in the listening socket's queue, up to a batch."""
+        for _ in range(_ACCEPT_BATCH - 1):
+            try:
+                sock, _address = raw.accept()  # (non-blocking: trio made it so)
+            except OSError:
+                # Nothing more queued; or an error, which the awaited accept meets again
+                # and handles (out of descriptors: its pause).
+                return
+            self._take(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
+
+    def _take(self, stream: trio.SocketStream) -> None:
+        """A connection just accepted: served, or refused at the limit."""
+        assert self._connections is not None
+        # (Connections closed for an earlier newcomer still count until they have
+        # gone: room made already, not to be made twice.)
+        open_now = self.metrics.connections - len(self._reclaimed)
+        if open_now >= self._room and not self._reclaim_idle(open_now - self._room + 1):
+            if self._refusing < _REFUSING:
+                self._refusing += 1  # (now: a burst taken in one step counts each)
+                self._connections.start_soon(self._refuse, stream)
+            else:
+                # Refusals already take all the time they may: this one is answered
+                # 503 without its request read, as far as its socket takes it now,
+                # and closed (a fresh socket: neither does any I/O that waits).
+                write_now(stream, self._refusal(b""))
+                stream.socket.close()
+            return
+        # Counted here, not when its task first runs: a burst of connects accepted
+        # before any of them ran overshot max_connections.
+        self.metrics.connections += 1
+        self.metrics.connections_total += 1
+        fresh = _Fresh(trio.current_time())
+        self._fresh.add(fresh)
+        self._connections.start_soon(self._connection, stream, fresh)
 
     def _reclaim_idle(self, wanted: int) -> bool:
         """At the connection limit, close the connections that have waited longest for
@@ -580,28 +621,57 @@ class Server:
         return wanted <= 0
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
-        self._refusing += 1
+        """A connection past ``max_connections`` (counted in ``_refusing`` by the accept
+        loop): answered ``503 too_many_connections`` -- except a liveness probe,
+        ``GET /healthz``, answered 200 as ever: the process serves, and a probe told
+        otherwise at the gateway's busiest would have it restarted.  The request line
+        is read first, as it decides; after the answer the connection lingers (see
+        ``Connection.aclose``), since a close with the request unread sends a reset
+        that can destroy the answer before the client reads it.  All of it within
+        ``_REFUSE_S``: the refusals in progress are bounded (``_REFUSING``)."""
+        decided = False
         try:
-            cid = fresh_call_id().encode()
+            with trio.move_on_after(_REFUSE_S):
+                start = b""
+                with trio.move_on_after(_HEAD_WAIT_S):
+                    while b"\n" not in start and len(start) < _LINE_WAITED:
+                        data = await stream.receive_some(_LINE_WAITED)
+                        if not data:
+                            break
+                        start += data
+                decided = True
+                await stream.send_all(self._refusal(start))
+                await stream.send_eof()
+                while await stream.receive_some(_LINE_WAITED):
+                    pass  # (dropped: read until the client closes, _REFUSE_S at most)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # (the client went)
+        finally:
+            if not decided:  # (gone, or the server stopping, before its request line)
+                self.metrics.connections_refused += 1
+            self._refusing -= 1
+            await _close(stream)
+
+    def _refusal(self, start: bytes) -> bytes:
+        """The answer to a connection past the limit whose request began with
+        ``start``: 200 to a liveness probe, else a 503 (counted)."""
+        if start.startswith(_LIVENESS):
+            status, retry, body = b"200 OK", b"", b'{"status":"ok"}'
+        else:
+            self.metrics.connections_refused += 1
+            status, retry = b"503 Service Unavailable", b"retry-after: 1\r\n"
             body = error_body(
                 "The gateway is at its connection limit; try again shortly.", "api_error",
                 "too_many_connections",
             )
-            head = (
-                b"HTTP/1.1 503 Service Unavailable\r\n%s"
-                b"content-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
-                b"x-polygate-call-id: %s\r\nx-request-id: %s\r\n%scontent-length: %d\r\n\r\n"
-                % (server_lines(), cid, cid, b"".join(b"%s: %s\r\n" % pair for pair in NO_CALL),
-                   len(body))
-            )
-            with trio.move_on_after(1):
-                try:
-                    await stream.send_all(head + body)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-        finally:
-            self._refusing -= 1
-            await _close(stream)
+        cid = fresh_call_id().encode()
+        head = (
+            b"HTTP/1.1 %s\r\n%scontent-type: application/json\r\n%sconnection: close\r\n"
+            b"x-polygate-call-id: %s\r\nx-request-id: %s\r\n%scontent-length: %d\r\n\r\n"
+            % (status, server_lines(), retry, cid, cid,
+               b"".join(b"%s: %s\r\n" % pair for pair in NO_CALL), len(body))
+        )
+        return head if start.startswith(b"HEAD ") else head + body
 
     async def _connection(self, stream: trio.SocketStream, fresh: _Fresh) -> None:
         """One connection, counted in ``metrics.connections`` by the accept loop, and in
