@@ -372,8 +372,9 @@ async def test_a_server_down_at_start_stops_no_call(
     assert down.written == 0 and down.dropped >= 1
     assert down.last_error is not None and PG_PASSWORD not in down.last_error
 
-    # The same sink once its server answers (here: pointed at a live one).
-    sink._url = pg_url
+    # The same sink once its server answers (here: pointed at a live one), its pause
+    # after the failed open over.
+    sink._url, sink._next_connect = pg_url, 0.0
     monkeypatched = functools.partial(open_telemetry, sink=sink, linger_s=0)
     original = polygate._session.open_telemetry
     polygate._session.open_telemetry = monkeypatched  # type: ignore[assignment]
@@ -406,6 +407,55 @@ def test_the_cause_of_an_outage_is_said_for_as_long_as_it_lasts() -> None:
     assert "refused" in said[0].lower(), said
     assert "waiting before reconnecting" in said[1] and "refused" in said[1].lower(), said
     assert PG_PASSWORD not in " ".join(said)
+
+
+def test_the_first_reconnect_waits_from_the_failed_open() -> None:
+    """Review finding (sessions opened and closed over and over): a sink whose open
+    failed (a port that drops each connection: a crashed server behind a proxy, a
+    pooler without a backend) tried again with its first batch, 60 ms later, where the
+    docs say a reconnect is tried at most every 5 s; against a server that does not
+    answer, a session's close then spent its whole close timeout on a second connect.
+    The first batch now waits ``reconnect_s`` from the open's try, as later ones do."""
+    import socket
+    import threading
+
+    from polygate.telemetry import Batch
+    from polygate.telemetry._postgres import PostgresSink
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)  # (a close does not wake a blocked accept)
+    tries: list[float] = []
+    done = threading.Event()
+
+    def drop_each() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            tries.append(time.monotonic())
+            conn.close()
+
+    dropper = threading.Thread(target=drop_each)
+    dropper.start()
+    url = f"postgresql://polygate:{PG_PASSWORD}@127.0.0.1:{listener.getsockname()[1]}/db"
+    try:
+        sink = PostgresSink.open(url)
+        with pytest.raises(ConnectionError) as caught:
+            sink.write(Batch([], [], None))
+        # (Said only where no connection is tried: the pause.)
+        assert "waiting before reconnecting" in str(caught.value)
+        assert "closed" in str(caught.value).lower()  # what the open's try said
+        sink._next_connect = 0.0  # (the pause over: the batch tries)
+        with pytest.raises(ConnectionError) as caught:
+            sink.write(Batch([], [], None))
+        assert "waiting" not in str(caught.value) and "closed" in str(caught.value).lower()
+        sink.close()
+        assert tries  # (the port was reached: its drops are what the sink saw)
+    finally:
+        done.set()
+        dropper.join(5)
+        listener.close()
 
 
 # --------------------------------------------------------------------------- at run time

@@ -297,15 +297,18 @@ class PostgresSink:
         may give up and take :meth:`unconnected` instead."""
         psycopg = _psycopg()
         where = mask_url(url)
+        tried_at = time.monotonic()
         try:
             conn = _connect(url, f"SET statement_timeout = {int(statement_timeout_ms)}")
         except psycopg.Error as exc:
             if not isinstance(exc, psycopg.ProgrammingError) and not _refused_by_server(exc):
+                said = _explain(url, exc)
                 logger.warning(
                     "telemetry database %s is unreachable (%s): calls go on, rows are "
-                    "dropped and counted until it answers", where, _explain(url, exc),
+                    "dropped and counted until it answers", where, said,
                 )
-                return cls.unconnected(url, statement_timeout_ms=statement_timeout_ms)
+                return cls.unconnected(
+                    url, statement_timeout_ms=statement_timeout_ms, tried=(tried_at, said))
             raise ConfigError(
                 f"cannot connect to the telemetry database {where}: {_explain(url, exc)}"
             ) from None
@@ -332,10 +335,19 @@ class PostgresSink:
         return cls(url, conn, statement_timeout_ms=statement_timeout_ms)
 
     @classmethod
-    def unconnected(cls, url: str, *, statement_timeout_ms: int = 30_000) -> PostgresSink:
+    def unconnected(
+        cls, url: str, *, statement_timeout_ms: int = 30_000, tried: tuple[float, str] | None = None,
+    ) -> PostgresSink:
         """A sink for a server that did not answer: it connects, and creates the
-        schema, with its first batch."""
-        return cls(url, None, statement_timeout_ms=statement_timeout_ms, migrated=False)
+        schema, with its first batch.  ``tried``: when (``time.monotonic()``) the try
+        that failed began, and what it said; the next waits ``reconnect_s`` from then,
+        as every later one does (the first batch tried again at once: against a server
+        that does not answer, a session's close took another connect timeout)."""
+        sink = cls(url, None, statement_timeout_ms=statement_timeout_ms, migrated=False)
+        if tried is not None:
+            sink._next_connect = tried[0] + sink._reconnect_s
+            sink._connect_error = tried[1]
+        return sink
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is not None and not self._conn.closed:
