@@ -44,7 +44,7 @@ import attrs
 import trio
 
 from .._errors import redact
-from .._threads import mock_clock, no_thread, run_sync
+from .._threads import NoThread, mock_clock, no_thread, run_sync
 from ._events import AttemptEvent, CallEvent, Event, SessionEvent
 
 __all__ = [
@@ -523,10 +523,16 @@ class Pipeline:
             summary = await self._summary(ended=True)
             await self._write(leftovers, summary)
             try:
-                await run_sync(
-                    self.sink.close, abandon_on_cancel=True, limiter=self._limiter,
-                    background=True,
-                )
+                try:
+                    await run_sync(
+                        self.sink.close, abandon_on_cancel=True, limiter=self._limiter,
+                        background=True,
+                    )
+                except NoThread:
+                    # Out of threads (the process's limit): closed here, on the loop, as
+                    # the cache does.  Left open, a database waited for the cyclic
+                    # collector (Python 3.13 warns then, in whatever runs), unflushed.
+                    self.sink.close()
             except Exception as exc:
                 # Telemetry never fails the session: a close that fails (disk full at
                 # the checkpoint) is reported, and the session's own result stands.
