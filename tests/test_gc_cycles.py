@@ -332,7 +332,19 @@ GATEWAY_KINDS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(GATEWAY_KINDS))
+#: CPython 3.10's ``contextlib`` leaves an exception thrown through a
+#: ``@contextmanager``'s ``__exit__`` in a cycle with that frame (3.11 breaks it).
+#: Closing httpx's ``aiter_raw`` mid-body (a stream cut by an error event, through a
+#: caller's transport) throws ``GeneratorExit`` through its ``request_context``: one
+#: cycle a request there, the interpreter's, which the collector frees.
+_CONTEXTLIB_310 = pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="CPython 3.10's contextlib leaves a cycle per closed aiter_raw")
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param(kind, marks=_CONTEXTLIB_310) if kind == "a stream's error event" else kind
+    for kind in sorted(GATEWAY_KINDS)
+])
 async def test_a_gateway_error_answer_leaves_nothing_to_collect(kind: str) -> None:
     reply, streamed, answer = GATEWAY_KINDS[kind]
     settings = polygate.Settings(
