@@ -934,6 +934,27 @@ async def test_at_the_cap_the_liveness_probe_is_answered_and_the_rest_read_their
     assert refused_count == 2  # the probes of liveness are not refusals
 
 
+async def test_past_the_refusals_in_progress_a_liveness_probe_is_still_answered() -> None:
+    """Review of the change above: beyond the 64 refusals in progress, a connection
+    was answered 503 without a look at its request, so in a burst the liveness
+    probes among the newcomers were told 503 (28 of 50 in the review's run).  What the
+    socket already holds is read, without waiting, and decides there too."""
+    import socket
+
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=1)
+    async with gateway(serve=serve) as (server, _):
+        held = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await wait_for(lambda: server.statistics().connections == 1)
+        raw = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(70)]
+        for sock in raw:  # all queued, each request sent, before the accept loop runs
+            sock.sendall(request_bytes("GET", "/healthz"))
+        probes = [trio.SocketStream(trio.socket.from_stdlib_socket(sock)) for sock in raw]
+        answers = [await read_until_closed(probe) for probe in probes]
+        for stream in (held, *probes):
+            await stream.aclose()
+    assert [answer[:12] for answer in answers] == [b"HTTP/1.1 200"] * 70
+
+
 async def test_a_burst_of_connects_is_accepted_in_one_step() -> None:
     """Overload review: the accept loop took one connection per pass of trio's
     scheduler (its ``accept`` yields after each), so under load, each pass as long as

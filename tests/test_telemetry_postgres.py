@@ -458,6 +458,33 @@ def test_the_first_reconnect_waits_from_the_failed_open() -> None:
         listener.close()
 
 
+def test_the_pause_after_a_try_at_a_silent_server_counts_from_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review of the fix above: counted from the try's start, the pause was over by
+    the time a server that does not answer had let the try fail (``connect_timeout``),
+    so the first batch, and each later one, waited out another connect timeout: the
+    pause counts from the try's end."""
+    import socket
+
+    from polygate.telemetry import Batch
+    from polygate.telemetry._postgres import PostgresSink
+
+    monkeypatch.setitem(PostgresSink.__init__.__kwdefaults__, "reconnect_s", 1.0)
+    silent = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
+    url = (f"postgresql://polygate:{PG_PASSWORD}@127.0.0.1:{silent.getsockname()[1]}/db"
+           "?connect_timeout=2")  # (libpq's least)
+    try:
+        sink = PostgresSink.open(url)  # ~2 s: the try times out
+        with pytest.raises(ConnectionError) as caught:
+            sink.write(Batch([], [], None))
+        sink.close()
+    finally:
+        silent.close()
+    assert "waiting before reconnecting" in str(caught.value)
+    assert "timeout" in str(caught.value).lower()
+
+
 # --------------------------------------------------------------------------- at run time
 
 

@@ -586,9 +586,9 @@ class Server:
                 self._connections.start_soon(self._refuse, stream)
             else:
                 # Refusals already take all the time they may: this one is answered
-                # 503 without its request read, as far as its socket takes it now,
-                # and closed (a fresh socket: neither does any I/O that waits).
-                write_now(stream, self._refusal(b""))
+                # from what its socket already holds (a liveness probe's 200 too), as
+                # far as the socket takes the answer now, and closed: nothing waits.
+                write_now(stream, self._refusal(_queued(stream)))
                 stream.socket.close()
             return
         # Counted here, not when its task first runs: a burst of connects accepted
@@ -884,6 +884,14 @@ class Server:
         self.metrics.request(
             "other" if problem.path is None else endpoint_label(problem.path), problem.status,
             0.0 if begun_at is None else time.monotonic() - begun_at)
+
+
+def _queued(stream: trio.SocketStream) -> bytes:
+    """The start of what the client has sent already, read without waiting."""
+    try:
+        return os.read(stream.socket.fileno(), _LINE_WAITED)
+    except OSError:  # (nothing yet: EAGAIN; or the client went)
+        return b""
 
 
 async def _close(stream: trio.SocketStream) -> None:

@@ -159,7 +159,6 @@ async def _open_sink(url: str, write_timeout_s: float) -> Sink | None:
     from ._postgres import PostgresSink
 
     connected = threading.Event()
-    began = time.monotonic()
     # Never below 30 s (a migration at open runs under it too): a shorter write
     # timeout is the pipeline's own bound, which cancels the query on the server.
     statement_timeout_ms = int(min(max(30.0, write_timeout_s) * 1000, _PG_MAX_TIMEOUT_MS))
@@ -175,8 +174,8 @@ async def _open_sink(url: str, write_timeout_s: float) -> Sink | None:
             "telemetry database %s did not answer within %s s: calls go on, rows are "
             "dropped and counted until it answers", mask_url(url), OPEN_TIMEOUT_S,
         )
-        return PostgresSink.unconnected(url, statement_timeout_ms=statement_timeout_ms, tried=(
-            began, f"no answer within {OPEN_TIMEOUT_S} s"))
+        return PostgresSink.unconnected(url, statement_timeout_ms=statement_timeout_ms, failed=(
+            time.monotonic(), f"no answer within {OPEN_TIMEOUT_S} s"))
 
     return await _bounded_open(
         url,

@@ -297,7 +297,6 @@ class PostgresSink:
         may give up and take :meth:`unconnected` instead."""
         psycopg = _psycopg()
         where = mask_url(url)
-        tried_at = time.monotonic()
         try:
             conn = _connect(url, f"SET statement_timeout = {int(statement_timeout_ms)}")
         except psycopg.Error as exc:
@@ -308,7 +307,7 @@ class PostgresSink:
                     "dropped and counted until it answers", where, said,
                 )
                 return cls.unconnected(
-                    url, statement_timeout_ms=statement_timeout_ms, tried=(tried_at, said))
+                    url, statement_timeout_ms=statement_timeout_ms, failed=(time.monotonic(), said))
             raise ConfigError(
                 f"cannot connect to the telemetry database {where}: {_explain(url, exc)}"
             ) from None
@@ -336,17 +335,18 @@ class PostgresSink:
 
     @classmethod
     def unconnected(
-        cls, url: str, *, statement_timeout_ms: int = 30_000, tried: tuple[float, str] | None = None,
+        cls, url: str, *, statement_timeout_ms: int = 30_000, failed: tuple[float, str] | None = None,
     ) -> PostgresSink:
         """A sink for a server that did not answer: it connects, and creates the
-        schema, with its first batch.  ``tried``: when (``time.monotonic()``) the try
-        that failed began, and what it said; the next waits ``reconnect_s`` from then,
-        as every later one does (the first batch tried again at once: against a server
-        that does not answer, a session's close took another connect timeout)."""
+        schema, with its first batch.  ``failed``: when (``time.monotonic()``) a try
+        at the open ended without a connection, and what it said; the next waits
+        ``reconnect_s`` from then, as every later one does (the first batch tried again
+        at once: against a server that does not answer, a session's close waited
+        another connect timeout)."""
         sink = cls(url, None, statement_timeout_ms=statement_timeout_ms, migrated=False)
-        if tried is not None:
-            sink._next_connect = tried[0] + sink._reconnect_s
-            sink._connect_error = tried[1]
+        if failed is not None:
+            sink._next_connect = failed[0] + sink._reconnect_s
+            sink._connect_error = failed[1]
         return sink
 
     def _connection(self) -> psycopg.Connection[Any]:
@@ -367,7 +367,9 @@ class PostgresSink:
         try:
             conn = _connect(self._url, f"SET statement_timeout = {int(self._statement_timeout_ms)}")
         except Exception as exc:
-            self._next_connect = now + self._reconnect_s
+            # From the try's end: a server that does not answer takes connect_timeout
+            # to fail, and counted from the start, the pause was over by then.
+            self._next_connect = time.monotonic() + self._reconnect_s
             self._connect_error = _explain(self._url, exc)
             raise ConnectionError(self._connect_error) from None
         if not self._migrated:
@@ -375,7 +377,7 @@ class PostgresSink:
                 _migrate(conn, mask_url(self._url))
             except Exception as exc:  # a newer schema, too: this batch is dropped
                 conn.close()
-                self._next_connect = now + self._reconnect_s
+                self._next_connect = time.monotonic() + self._reconnect_s
                 self._connect_error = _explain(self._url, exc)
                 raise ConnectionError(self._connect_error) from None
             self._migrated = True
