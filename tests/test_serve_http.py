@@ -986,6 +986,46 @@ async def test_a_burst_of_connects_is_accepted_in_one_step() -> None:
     assert max(steps) == 40, steps
 
 
+async def test_a_kept_alive_connection_whose_next_request_came_is_not_reclaimed() -> None:
+    """Review of taking queued connections in one step: at the cap, a newcomer closed
+    the kept-alive connection idle longest, even one whose next request had already
+    come (its task not yet run); that one read its request on and was answered, and
+    counted again: with a whole batch of newcomers in one step, up to 64 over
+    ``max_connections`` (under a low open-file limit, 502s for want of descriptors).
+    A connection with bytes waiting is not idle: the count never passes the cap."""
+    import os
+    import socket
+
+    peak = 0
+
+    class OpenNow(trio.abc.Instrument):
+        def after_task_step(self, task: trio.lowlevel.Task) -> None:
+            nonlocal peak
+            peak = max(peak, server.metrics.connections - len(server._reclaimed))
+
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=3)
+    async with gateway(serve=serve) as (server, _):
+        instrument = OpenNow()
+        for _ in range(6):  # (which task runs first in the batch is trio's choice)
+            pool = await _kept_alive(server, 3)
+            await wait_for(lambda: len(server._kept_alive) == 3)
+            trio.lowlevel.add_instrument(instrument)
+            for stream in pool:  # the pool's next requests, without a pass of trio
+                os.write(stream.socket.fileno(), request_bytes("GET", "/healthz"))
+            raw = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+            for sock in raw:
+                sock.sendall(request_bytes("GET", "/healthz"))
+            newcomers = [trio.SocketStream(trio.socket.from_stdlib_socket(sock)) for sock in raw]
+            for stream in (*pool, *newcomers):  # (answered, or closed unanswered)
+                with trio.move_on_after(3):
+                    await read_answer(stream)
+            trio.lowlevel.remove_instrument(instrument)
+            for stream in (*pool, *newcomers):
+                await stream.aclose()
+            await wait_for(lambda: server.statistics().connections == 0)
+    assert peak <= 3, peak
+
+
 async def test_a_cap_a_reload_lowered_is_reached_by_closing_idle_connections() -> None:
     """A review of the change above: after a reload lowered ``max_connections`` below
     the connections open, each newcomer closed one idle connection and came in, so the
