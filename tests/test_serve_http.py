@@ -1026,6 +1026,43 @@ async def test_a_kept_alive_connection_whose_next_request_came_is_not_reclaimed(
     assert peak <= 3, peak
 
 
+@pytest.mark.parametrize("leaving", ["close", "half-close", "reset"])
+async def test_at_the_cap_a_pool_that_left_makes_room_at_once(leaving: str) -> None:
+    """Review of the change above: an end of file makes a socket readable as a request
+    does, so a pool whose clients had all just closed (a client restarting, a client
+    object per job) was taken as busy, and every newcomer in that pass was refused 503
+    where before about half were; the connection leaving is now room at once, whether
+    the accept loop or the connection's own task runs first."""
+    import socket
+    import struct
+
+    serve = polygate.Serve(api_keys=[GATEWAY_KEY], max_connections=3)
+    statuses = []
+    async with gateway(serve=serve) as (server, _):
+        for _ in range(4):  # (which task runs first in the batch is trio's choice)
+            pool = await _kept_alive(server, 3)
+            await wait_for(lambda: len(server._kept_alive) == 3)
+            for stream in pool:  # the pool leaves, then newcomers come: no pass of trio
+                if leaving == "close":
+                    stream.socket.close()
+                elif leaving == "half-close":
+                    stream.socket.shutdown(socket.SHUT_WR)
+                else:
+                    stream.socket.setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    stream.socket.close()
+            raw = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+            for sock in raw:  # (not /healthz: past the cap it is answered 200 anyway)
+                sock.sendall(request_bytes("GET", "/v1/models", None, AUTH))
+            newcomers = [trio.SocketStream(trio.socket.from_stdlib_socket(sock)) for sock in raw]
+            for stream in newcomers:
+                statuses.append((await read_answer(stream)).status)
+            for stream in (*pool, *newcomers):
+                await stream.aclose()
+            await wait_for(lambda: server.statistics().connections == 0)
+    assert statuses == [200] * 12
+
+
 async def test_a_cap_a_reload_lowered_is_reached_by_closing_idle_connections() -> None:
     """A review of the change above: after a reload lowered ``max_connections`` below
     the connections open, each newcomer closed one idle connection and came in, so the

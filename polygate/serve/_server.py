@@ -258,6 +258,9 @@ class Server:
         #: Those closed to make room that still count in ``metrics.connections`` (each
         #: until its task has closed it): room already made for a newcomer.
         self._reclaimed: set[Connection] = set()
+        # An accept step's scan for idle connections (see _accept).
+        self._busy_seen: set[Connection] = set()
+        self._none_idle = False
         #: What the end of a drain's grace cancels: calls being answered, requests still
         #: arriving (once on, a call that starts is cut at once).
         self._cuts = Cuts()
@@ -560,6 +563,10 @@ class Server:
             if starved:
                 starved = False
                 log.warning("accepting connections again")
+            # What a scan for idle connections found stays true for this whole step (no
+            # connection's task runs meanwhile): each newcomer of a batch need not scan
+            # again the busy ones another has seen, nor any once none was idle.
+            self._busy_seen, self._none_idle = set(), False
             self._take(stream)
             if raw is not None:
                 self._take_queued(raw)
@@ -611,19 +618,27 @@ class Server:
         it did with refusals).  Their descriptors go within a pass of the scheduler, the
         new one's comes now: the reserve for everything else covers the moment between.
         False when fewer are idle: then the new one is refused."""
+        if self._none_idle:
+            return False
         for scope, conn in self._kept_alive.items():  # (the oldest first: each wait is added as it begins)
             if wanted <= 0:
                 break
+            if scope.cancel_called or conn in self._busy_seen:
+                continue
             # One whose client has sent its next request, not yet read (its task has
             # not run since), is not idle: closed, it read the request on, was answered
             # and counted again, past the cap, with the newcomer let in too.  Up to a
             # whole accept batch of them at once (a review saw 64 over the cap, 502s
             # for lack of descriptors).
-            if not scope.cancel_called and not _has_arrived(conn):
-                scope.cancel()
-                self._reclaimed.add(conn)
-                self.metrics.idle_reclaimed += 1
-                wanted -= 1
+            if _next_request_came(conn):
+                self._busy_seen.add(conn)
+                continue
+            scope.cancel()
+            self._reclaimed.add(conn)
+            self.metrics.idle_reclaimed += 1
+            wanted -= 1
+        if wanted > 0:
+            self._none_idle = True
         return wanted <= 0
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
@@ -792,6 +807,10 @@ class Server:
             if conn.carried:  # counted, never read (the client left first, say)
                 conn.carried = False
                 self._landed()
+            if not linger:
+                # Its descriptor goes in aclose's first step, before any wait: its
+                # place is free for a newcomer now (until the count below comes down).
+                self._reclaimed.add(conn)
             try:
                 await conn.aclose(linger)
             finally:
@@ -892,9 +911,17 @@ class Server:
             0.0 if begun_at is None else time.monotonic() - begun_at)
 
 
-def _has_arrived(conn: Connection) -> bool:
-    """Whether a kept-alive connection's client has sent more than its task has read
-    (its next request, or its close): then it is about to be busy, not idle."""
+#: Linux's "the peer closed or half-closed" poll event (0 elsewhere: an end of file
+#: there reads as a request come, and the connection is not taken as idle).
+_RDHUP = getattr(select, "POLLRDHUP", 0)
+
+
+def _next_request_came(conn: Connection) -> bool:
+    """Whether a kept-alive connection's client has sent its next request (bytes its
+    task has not read yet): then it is about to be busy, not idle.  A client that
+    closed, half-closed or reset has not: its connection is leaving (and taken as
+    idle, its place given now, as a pool that closed all at once made every newcomer
+    wait for the next pass)."""
     if conn.pending():
         return True
     stream, poll = conn.stream, getattr(select, "poll", None)
@@ -902,10 +929,14 @@ def _has_arrived(conn: Connection) -> bool:
         return False  # (not a plain socket, or no poll(2): taken as idle, as before)
     poller = poll()
     try:
-        poller.register(stream.socket.fileno(), select.POLLIN)
+        poller.register(stream.socket.fileno(), select.POLLIN | _RDHUP)
     except (OSError, ValueError):  # (closed meanwhile)
         return False
-    return bool(poller.poll(0))
+    events = poller.poll(0)
+    if not events:
+        return False
+    mask = events[0][1]
+    return bool(mask & select.POLLIN) and not mask & (_RDHUP | select.POLLHUP | select.POLLERR)
 
 
 def _queued(stream: trio.SocketStream) -> bytes:
