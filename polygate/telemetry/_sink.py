@@ -326,8 +326,7 @@ class Pipeline:
         self._flusher_scope = trio.CancelScope()
         self._stopped = trio.Event()
         self._running = False
-        self._closing = False
-        self._closed = trio.Event()  # set with _closing: it ends the flusher's linger
+        self._closing = trio.Event()  # set by aclose; it also ends the flusher's linger
         self._governance: _GovernanceLike | None = None
         self._gathered: list[Event] = []  # taken off the channel, not yet written
         self._next_summary = 0.0
@@ -341,7 +340,7 @@ class Pipeline:
     async def run(self, governance: _GovernanceLike | None = None) -> None:
         """The flusher: runs in the session's nursery until the channel is closed and
         drained (or it is cancelled)."""
-        if self._closing:  # closed before the flusher ever ran: aclose wrote the queue
+        if self._closing.is_set():  # closed before the flusher ever ran: aclose wrote the queue
             return
         self._governance = governance
         self._running = True
@@ -387,11 +386,11 @@ class Pipeline:
         events = self._gathered = [first]
         self._dequeued(events)  # (now: a flusher cancelled while it lingers counts it too)
         buffered = self._receive.statistics().current_buffer_used
-        if self.linger_s > 0 and buffered < self.max_batch // 2 and not self._closing:
+        if self.linger_s > 0 and buffered < self.max_batch // 2 and not self._closing.is_set():
             # Let a quiet session's rows gather -- until the close, which writes them
             # at once (a session opened per request paid the whole linger to leave).
             with trio.move_on_after(self.linger_s):
-                await self._closed.wait()
+                await self._closing.wait()
         receive_nowait = self._receive.receive_nowait
         while len(events) < self.max_batch:
             try:
@@ -509,10 +508,9 @@ class Pipeline:
     async def aclose(self) -> None:
         """Flush what is queued and close the sink, bounded by ``shutdown_timeout_s``
         of real time and shielded (a session left by cancellation still flushes)."""
-        if self._closing:
+        if self._closing.is_set():
             return
-        self._closing = True
-        self._closed.set()
+        self._closing.set()
         self.send.close()
         with real_time_bound(self.shutdown_timeout_s, shield=True) as bound:
             if self._running:
@@ -561,7 +559,7 @@ class Pipeline:
 
     def statistics(self) -> TelemetryStatistics:
         c = self.counters
-        queued = 0 if self._closing else self._receive.statistics().current_buffer_used
+        queued = 0 if self._closing.is_set() else self._receive.statistics().current_buffer_used
         return TelemetryStatistics(
             sink=self.sink.name,
             capacity=self.capacity,
