@@ -398,9 +398,9 @@ async def _retry_loop(
         ):
             # Every source it may ask failed (those of a model that refused the call's
             # context are never asked): the next try waits.
-            await trio.sleep(
-                full_jitter(consumed, retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng)
-            )
+            backoff = full_jitter(consumed, retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng)
+            if not await _refused_past(ctx, errors, failed, trio.current_time() + backoff):
+                await trio.sleep(backoff)
 
 
 #: A refusal of streaming itself, not of the request (OpenAI, o3 and gpt-5, to an
@@ -593,6 +593,34 @@ def _dead_past_backoff(
         return False
     last = {e.source: e for e in errors if e.source is not None}
     return all(name in last and last[name].outcome is Outcome.DEAD for name in failed)
+
+
+async def _refused_past(
+    ctx: CallContext, errors: Sequence[UpstreamError], failed: Sequence[str], until: float
+) -> bool:
+    """Whether no failed source can be admitted before ``until`` (when the backoff
+    would end): each is dead for longer than any backoff (``_dead_past_backoff``'s
+    rule), or its breaker is open past it -- the failure that opened it was this
+    round's.  Then the backoff waits for nothing: the next round finds them refused and
+    the call moves on to its fallback, or waits in admission for the same open period
+    the backoff lies inside.  Where one may be back first, the backoff is what keeps it
+    from being asked (probed) again at once."""
+    backend = ctx.runtime.governor.backend
+    last = {e.source: e for e in errors if e.source is not None}
+    dead_past = ctx.runtime.settings.dead_cooldown_s >= ctx.scope.retry.backoff_max_s
+    for name in failed:
+        error = last.get(name)
+        if dead_past and error is not None and error.outcome is Outcome.DEAD:
+            continue
+        try:
+            state = await backend.snapshot(ctx.scope_name, name)
+        except GovernanceBackendError:
+            return False  # (the backoff, as before; the next round meets the error)
+        if state.breaker is not BreakerState.OPEN or state.breaker_open_until is None:
+            return False
+        if state.breaker_open_until < until:
+            return False
+    return True
 
 
 def _retry_same(

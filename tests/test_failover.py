@@ -1964,3 +1964,70 @@ async def test_a_dead_mark_shorter_than_the_backoff_still_backs_off(
         elapsed = trio.current_time() - start
     assert r.text == "key fixed" and r.call_stats.attempts == 2
     assert 0 < elapsed <= 4.0  # full jitter in [0, backoff_base_s * 2]
+
+
+def _breaker_then(fallback: bool, *, open_s: float = 30.0) -> polygate.Settings:
+    scopes = {"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+        retry=polygate.Retry(max_attempts=3, backoff_base_s=2.0, backoff_max_s=8.0),
+        breaker=polygate.Breaker(failures=1, open_s=open_s),
+        fallback="backup" if fallback else None,
+    )}
+    if fallback:
+        scopes["backup"] = polygate.Scope(
+            sources=[polygate.Source(name="b", base_url="http://b/v1", api_key=SECRET)])
+    return polygate.Settings(scopes=scopes)
+
+
+async def test_the_failure_that_opens_the_breaker_moves_on_without_a_backoff(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The dead case's sibling: the 500 that opened the only source's breaker (for
+    30 s) was followed by a retry backoff (1.1 s in one run, up to backoff_base_s * 2)
+    before the next round found the breaker open and moved to the fallback, as every
+    later call does at once. The open period outlasts any backoff, so the wait served
+    nothing."""
+    a, b = FakeUpstream(Reply(status=500)), FakeUpstream(Reply(text="from backup"))
+    async with polygate.session(_breaker_then(True), transport=Router({"a": a, "b": b})) as s:
+        start = trio.current_time()
+        r = await s.chat(MESSAGES)
+        assert (r.text, r.call_stats.scope, r.call_stats.attempts) == ("from backup", "backup", 2)
+        assert trio.current_time() - start == 0
+    assert len(a.requests) == 1
+
+
+async def test_without_a_fallback_an_open_breaker_is_waited_out_as_before(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Without a fallback, skipping the backoff changes nothing: admission waits for
+    the open period either way (two periods of 30 s: the probe after the first
+    fails and opens it again), and the call fails after its three attempts."""
+    a = FakeUpstream(Reply(status=500))
+    async with polygate.session(_breaker_then(False), transport=Router({"a": a})) as s:
+        start = trio.current_time()
+        with pytest.raises(polygate.AllSourcesExhausted, match="HTTP 500"):
+            await s.chat(MESSAGES)
+        assert trio.current_time() - start == pytest.approx(60)
+    assert len(a.requests) == 3
+
+
+async def test_a_breaker_open_for_less_than_the_backoff_still_backs_off(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Where the open period may end before the backoff would, the backoff is what
+    keeps the failing source from being probed again at once, so it still waits."""
+    a = FakeUpstream([Reply(status=500)], then=Reply(text="back"))
+    settings = _breaker_then(False, open_s=0.001)
+    async with polygate.session(settings, transport=Router({"a": a}), rng=_Halfway()) as s:
+        start = trio.current_time()
+        r = await s.chat(MESSAGES)
+        elapsed = trio.current_time() - start
+    assert r.text == "back" and r.call_stats.attempts == 2
+    assert elapsed == pytest.approx(1.0)  # half of backoff_base_s: the backoff, whole
+
+
+class _Halfway(random.Random):
+    """Every draw halfway: full jitter's backoff is half its ceiling."""
+
+    def random(self) -> float:
+        return 0.5

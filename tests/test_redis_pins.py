@@ -358,3 +358,36 @@ def test_a_lapsed_probes_verdict_survives_a_clock_step_back(redis_server: RedisS
             assert (await snap(b)).breaker is BreakerState.OPEN
 
     trio.run(body)
+
+
+async def test_the_breaker_a_failure_opened_on_redis_skips_the_backoff(redis_server: RedisServer) -> None:
+    """The retry loop reads the breaker's open period from the backend's snapshot, in
+    trio's time: on Redis too, the 500 that opened the only source's breaker moves the
+    call to its fallback without the backoff (here 1 s: every draw halfway), while a
+    Redis that answers slowly or not at all is not what this tests."""
+    import random
+
+    import polygate
+    from polygate.testing import FakeUpstream, Reply, Router
+
+    class Halfway(random.Random):
+        def random(self) -> float:
+            return 0.5
+
+    settings = polygate.Settings(
+        scopes={
+            "chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url="http://a/v1")],
+                retry=polygate.Retry(max_attempts=3, backoff_base_s=2.0, backoff_max_s=8.0),
+                breaker=polygate.Breaker(failures=1, open_s=30.0), fallback="backup"),
+            "backup": polygate.Scope(sources=[polygate.Source(name="b", base_url="http://b/v1")]),
+        },
+        backend=f"{redis_server.url}?prefix=pin-open-{secrets.token_hex(4)}",
+    )
+    a, b = FakeUpstream(Reply(status=500)), FakeUpstream(Reply(text="from backup"))
+    async with polygate.session(settings, transport=Router({"a": a, "b": b}), rng=Halfway()) as s:
+        start = trio.current_time()
+        r = await s.chat([{"role": "user", "content": "hi"}])
+        elapsed = trio.current_time() - start
+    assert (r.text, r.call_stats.scope, len(a.requests)) == ("from backup", "backup", 1)
+    assert elapsed < 0.5, elapsed  # the backoff alone is 1 s
