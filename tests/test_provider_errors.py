@@ -444,3 +444,54 @@ async def test_an_input_too_large_for_llama_cpp_is_the_requests_fault(
     assert len(sent) == 4 and len(ok.vectors) == 1
     assert ok.call_stats.total_latency_ms < 1000  # no breaker opened
     assert "context_length" in failure_reasons(failed.value)
+
+
+@pytest.mark.parametrize("inside", ["an error event", "a JSON body"])
+async def test_gemini_429_inside_a_200_waits_the_retry_delay_too(
+    autojump_clock: trio.testing.MockClock, inside: str,
+) -> None:
+    """Review finding (rate-limit signals as providers send them): the same Gemini body
+    as an error event in a 200 stream, or as a 200's JSON body, cooled its source for
+    the 1 s default, where as an HTTP 429 it waited the 37.5 s its body says: 37 more
+    requests a minute against a per-minute quota."""
+    sent: list[float] = []
+    error = GEMINI_429[0]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(trio.current_time())
+        if inside == "a JSON body":
+            return httpx.Response(200, json=error)
+        body = f"data: {json.dumps(error)}\n\n".encode()
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    async with polygate.session(two_source_settings(names=("a",)),
+                                transport=httpx.MockTransport(handler)) as s:
+        with pytest.raises(polygate.AllSourcesExhausted) as failed:
+            await s.chat(MESSAGES)
+    assert failed.value.errors[0].retry_after_s == pytest.approx(37.5)
+    assert len(sent) <= 3
+
+
+async def test_a_retry_after_twice_through_polygates_own_transport() -> None:
+    """The same finding end to end, on a loopback server and polygate's own HTTP
+    transport: a 429 with two Retry-After lines of 3 s tells the caller 3 s (with a
+    rate_limit_wait_s of 0.5 s the call gives up at once, saying when to come back)."""
+    from tests._raw_server import raw_server
+
+    body = json.dumps({"error": {"message": "Rate limit reached", "code": "rate_limit_exceeded"}}).encode()
+
+    async def reply(stream: Any, head: Any) -> None:
+        await stream.send_all(
+            b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+            b"retry-after: 3\r\nretry-after: 3\r\n"
+            + b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    async with raw_server(reply) as up:
+        settings = polygate.Settings(scopes={"chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url=up.url, api_key=SECRET)],
+            retry=polygate.Retry(rate_limit_wait_s=0.5))})
+        async with polygate.session(settings) as s:
+            with pytest.raises(polygate.AllSourcesExhausted) as failed:
+                await s.chat(MESSAGES)
+    assert failed.value.errors[0].retry_after_s == 3.0
+    assert failed.value.retry_after_s is not None and 2.0 < failed.value.retry_after_s <= 3.0

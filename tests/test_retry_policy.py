@@ -129,3 +129,33 @@ def test_retry_after_dates_without_a_zone_are_gmt(tz: str, monkeypatch: pytest.M
     finally:
         monkeypatch.undo()
         time.tzset()
+
+
+@pytest.mark.parametrize(("lines", "expected"), [
+    ([("retry-after", "3"), ("retry-after", "3")], 3.0),
+    ([("retry-after", "1"), ("retry-after", "7")], 7.0),
+    ([("retry-after", "3, 5")], 5.0),
+    ([("retry-after", "x"), ("retry-after", "4")], 4.0),
+    ([("retry-after-ms", "250"), ("retry-after-ms", "400"), ("retry-after", "9")], 0.4),
+    ([("retry-after-ms", "x"), ("retry-after-ms", "y"), ("retry-after", "2")], 2.0),
+    ([("retry-after", "x"), ("retry-after", "y")], None),
+])
+def test_a_retry_after_sent_more_than_once_is_read_line_by_line(
+    lines: list[tuple[str, str]], expected: float | None,
+) -> None:
+    """Review finding (rate-limit signals as providers send them): a proxy on the way
+    that adds its own Retry-After beside the upstream's made httpx join the two into
+    "3, 3", which no delta-seconds reads: the 1 s default cooldown applied, and the
+    source was asked again 2 s before it said. Each line is read; the longest wait."""
+    import httpx
+
+    assert parse_retry_after(httpx.Headers(lines)) == expected
+
+
+def test_a_retry_after_date_beside_seconds_takes_the_longer() -> None:
+    import httpx
+
+    when = email.utils.formatdate(time.time() + 30, usegmt=True)
+    value = parse_retry_after(httpx.Headers([("retry-after", "2"), ("retry-after", when)]))
+    assert value is not None and 25 <= value <= 31
+    assert parse_retry_after(httpx.Headers([("retry-after", "9" * 400)])) == RETRY_AFTER_CAP_S

@@ -31,6 +31,7 @@ from .._errors import (
     SourceDeadError,
     TransientUpstreamError,
     UpstreamError,
+    body_retry_after,
     classify_exception,
     classify_status,
     error_code,
@@ -64,6 +65,7 @@ from ._pool import (
 from ._sse import Event, SSEDecoder, without_bom
 from ._wire import (
     MAX_JSON_DEPTH,
+    RETRY_AFTER_CAP_S,
     Endpoint,
     Limits,
     all_text,
@@ -276,10 +278,13 @@ async def _exchange(
                 timeline.ended_at = trio.current_time()
             return result
         except UpstreamError as exc:
-            if exc.status_code is not None and exc.retry_after_s is None:
+            if exc.status_code is not None and response.status_code < 300:
                 # An error inside a 200 (a JSON error body, an SSE error event) with a
-                # code: the response's Retry-After applies, as on that real status.
-                exc.retry_after_s = parse_retry_after(response.headers)
+                # code: the response's Retry-After applies, as on that real status,
+                # before the body's own (raise_for_status's order).
+                header = parse_retry_after(response.headers)
+                if header is not None:
+                    exc.retry_after_s = header
             raise
         finally:
             await _close(response, endpoint)
@@ -909,9 +914,16 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
     if status is None:
         error: UpstreamError = TransientUpstreamError(detail, source=endpoint.name)
     else:
+        # The wait the body gives (Google's retryDelay), as an HTTP error body's: a
+        # Gemini rate limit inside a 200 cools its source down as long as one outside.
+        # (The response's own Retry-After, where there is one, still comes first: see
+        # _exchange.)
+        retry_after = body_retry_after(payload)
         # (``code`` is the body's code, else its type: error_code reads both.)
-        error = classify_status(status, detail, source=endpoint.name, code=code,
-                                hint=refusal_hint(status, payload))
+        error = classify_status(
+            status, detail, source=endpoint.name, code=code, hint=refusal_hint(status, payload),
+            retry_after_s=None if retry_after is None else min(retry_after, RETRY_AFTER_CAP_S),
+        )
     error.code = code
     error.param = error_param(payload, endpoint.secrets)
     return error

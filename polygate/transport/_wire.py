@@ -462,26 +462,54 @@ def _http_date(raw: str | None) -> float | None:
         return None
 
 
+def _lines(headers: Mapping[str, str], name: str) -> list[str]:
+    """Each line of a header apart: ``httpx.Headers.get`` joins repeated lines with
+    ", ", which no delta-seconds reads (and an HTTP date has a comma of its own)."""
+    get_list = getattr(headers, "get_list", None)
+    if get_list is not None:
+        return list(get_list(name))
+    one = headers.get(name)
+    return [] if one is None else [one]
+
+
+def _deltas(lines: list[str]) -> list[float]:
+    """The delta-seconds among ``lines``, a line that lists several (a proxy's own
+    join) read part by part."""
+    found = []
+    for line in lines:
+        for part in line.split(","):
+            # What was matched is what is read: str.strip also takes the separator
+            # characters \x1c-\x1f, which h11 lets through in a value and float refuses.
+            part = part.strip()
+            if _DELTA.fullmatch(part):
+                found.append(float(part))
+    return found
+
+
 def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     """Seconds to wait from ``retry-after-ms`` / ``retry-after``; ``None`` when absent
-    or unparseable; clamped to ``[0, RETRY_AFTER_CAP_S]``."""
-    ms = headers.get("retry-after-ms")
-    if ms is not None:
-        # What was matched is what is read: str.strip also takes the separator
-        # characters \x1c-\x1f, which h11 lets through in a value and float refuses.
-        ms = ms.strip()
-        if _DELTA.fullmatch(ms):
-            # (Digits too many for a float read as infinity: the cap, as any wait past it.)
-            return min(float(ms) / 1000.0, RETRY_AFTER_CAP_S)
-    raw = headers.get("retry-after")
-    if raw is None:
+    or unparseable; clamped to ``[0, RETRY_AFTER_CAP_S]``.  Sent more than once (a
+    proxy on the way adding its own beside the upstream's), the longest wait read."""
+    ms = _deltas(_lines(headers, "retry-after-ms"))
+    if ms:
+        # (Digits too many for a float read as infinity: the cap, as any wait past it.)
+        return min(max(ms) / 1000.0, RETRY_AFTER_CAP_S)
+    lines = _lines(headers, "retry-after")
+    if not lines:
         return None
-    raw = raw.strip()
-    if _DELTA.fullmatch(raw):
-        return min(float(raw), RETRY_AFTER_CAP_S)
-    when = _http_date(raw)
-    if when is None:
+    waits = _deltas(lines)  # (digits too many for a float: infinity, the cap below)
+    dates = [d for d in (_http_date(line) for line in lines) if d is not None]
+    if dates:
+        wait = _date_wait(max(dates), headers)
+        if math.isfinite(wait):
+            waits.append(wait)
+    if not waits:
         return None
+    return min(max(waits), RETRY_AFTER_CAP_S)
+
+
+def _date_wait(when: float, headers: Mapping[str, str]) -> float:
+    """Seconds until ``when``, an HTTP date's instant."""
     # Counted from the answer's own Date where it has one: both instants are then the
     # server's, and the wait does not depend on this host's clock.  A replica whose
     # clock is minutes behind would otherwise park the source for minutes on every
@@ -493,7 +521,4 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
         age = (headers.get("age") or "").strip()
         if age.isascii() and age.isdigit():
             sent += min(int(age[:12]), 10**11)
-    value = max(when - (sent if sent is not None else time.time()), 0.0)
-    if not math.isfinite(value):
-        return None
-    return min(value, RETRY_AFTER_CAP_S)
+    return max(when - (sent if sent is not None else time.time()), 0.0)
