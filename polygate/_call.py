@@ -600,11 +600,12 @@ async def _refused_past(
 ) -> bool:
     """Whether no failed source can be admitted before ``until`` (when the backoff
     would end): each is dead for longer than any backoff (``_dead_past_backoff``'s
-    rule), or its breaker is open past it -- the failure that opened it was this
-    round's.  Then the backoff waits for nothing: the next round finds them refused and
-    the call moves on to its fallback, or waits in admission for the same open period
-    the backoff lies inside.  Where one may be back first, the backoff is what keeps it
-    from being asked (probed) again at once."""
+    rule), cooling down past it (a 5xx's Retry-After), or its breaker is open past it
+    -- the failure that opened it was this round's.  Then the backoff waits for
+    nothing: the next round finds them refused and the call moves on to its fallback,
+    gives up at once (a cooldown past its give-up time), or waits in admission for the
+    same period the backoff lies inside.  Where one may be back first, the backoff is
+    what keeps it from being asked (probed) again at once."""
     backend = ctx.runtime.governor.backend
     last = {e.source: e for e in errors if e.source is not None}
     dead_past = ctx.runtime.settings.dead_cooldown_s >= ctx.scope.retry.backoff_max_s
@@ -616,6 +617,8 @@ async def _refused_past(
             state = await backend.snapshot(ctx.scope_name, name)
         except GovernanceBackendError:
             return False  # (the backoff, as before; the next round meets the error)
+        if state.cooldown_until is not None and state.cooldown_until >= until:
+            continue  # (a Retry-After: admission waits it out, or gives up at once)
         if state.breaker is not BreakerState.OPEN or state.breaker_open_until is None:
             return False
         if state.breaker_open_until < until:

@@ -2031,3 +2031,24 @@ class _Halfway(random.Random):
 
     def random(self) -> float:
         return 0.5
+
+
+async def test_a_cooldown_past_the_backoff_skips_it_too(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review note (rate-limit signals): a 503 that asked for 120 s (Retry-After)
+    cools its source past the call's rate_limit_wait_s, and the next round gives up
+    at once, saying when to come back; the backoff before that round (1 s here)
+    served nothing."""
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+        retry=polygate.Retry(max_attempts=3, backoff_base_s=2.0, backoff_max_s=8.0),
+    )})
+    a = FakeUpstream(Reply(status=503, headers={"retry-after": "120"}))
+    async with polygate.session(settings, transport=Router({"a": a}), rng=_Halfway()) as s:
+        start = trio.current_time()
+        with pytest.raises(polygate.AllSourcesExhausted) as failed:
+            await s.chat(MESSAGES)
+        assert trio.current_time() - start == 0
+    assert failed.value.retry_after_s == pytest.approx(120)
+    assert len(a.requests) == 1
