@@ -361,6 +361,27 @@ def _mask_userinfo(url: str) -> str:
     return f"***@{tail}"
 
 
+#: The paths of the endpoints polygate adds to a base URL, and of their neighbours: a
+#: base that ends in one is most likely a whole endpoint pasted as the base.
+_ENDPOINT_PATHS: Final = ("/chat/completions", "/completions", "/embeddings", "/responses")
+
+#: What a host name a resolver looks up is made of, written in ASCII (IDNA): RFC 1123's
+#: letters, digits, '-' and '.', and '_', which DNS carries and Docker's and
+#: Kubernetes' service names use.
+_NAME_CHARS: Final = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _not_in_a_name(host: str) -> str | None:
+    """The first character of ``host`` that no host name has; ``None`` when there is
+    none, or when ``host`` is an address (IPv6, with its zone: ``fe80::1%25eth0``)."""
+    if ":" in host:
+        return None  # (urlsplit reads a host with ':' only from brackets: an IPv6 address)
+    written = host.encode("idna").decode("ascii")  # (host_name_ok has read it so)
+    if _NAME_CHARS.fullmatch(written):
+        return None
+    return next(c for c in written if not _NAME_CHARS.fullmatch(c))
+
+
 _BAD_URL = (
     "is not a valid URL (bad port, or an unencoded '#', '/', '?' or '@' in the "
     "user:password part; percent-encode it)"
@@ -489,6 +510,16 @@ class Source:
             # first: httpx refuses some such names too, and its refusal was reported
             # as a bad port or credentials.
             raise _bad(self, "base_url", url=value, problem=HOST_NAME_PROBLEM)
+        odd = _not_in_a_name(parts.hostname)
+        if odd is not None:
+            # IDNA lets '$', '{', ';', ',', '%' and the like through, which no resolver
+            # looks up: a TOML file's "http://${VLLM_HOST}:8000/v1" (a template left
+            # unexpanded), "127.0.0.1;8000" were valid, and every call failed "Name or
+            # service not known", retried.  (The character shown, not the URL.)
+            raise _bad(self, "base_url", url=value, problem=
+                f"its host has {odd!r}, which no host name has (a name is letters, digits, "
+                "'-', '_' and '.'; polygate expands no '${VAR}' in a URL)",
+            )
         try:
             httpx.URL(value + "/chat/completions")
         except (httpx.InvalidURL, ValueError) as exc:
@@ -496,6 +527,18 @@ class Source:
             # trio would map is refused there, and so here, as a name.)
             problem = HOST_NAME_PROBLEM if "IDNA" in str(exc) else _BAD_URL
             raise _bad(self, "base_url", url=value, problem=problem) from None
+        path = parts.path.rstrip("/").lower()
+        ending = next((e for e in _ENDPOINT_PATHS if path.endswith(e)), None)
+        if ending is not None:
+            # The whole endpoint pasted where its base goes (the openai SDK takes it
+            # too): every request went to ".../chat/completions/chat/completions", and
+            # an upstream's 404 there marked the source dead.  Warned, not refused: a
+            # base may end so by chance.
+            config_warning(
+                f"Source({self.name!r}).base_url ends in {ending!r}, an endpoint: polygate "
+                f"adds the endpoint to the base, so chat requests go to "
+                f"'…{ending}/chat/completions'; give the base, as 'https://host/v1'"
+            )
 
     @api_key.validator
     def _check_key(self, attr: attrs.Attribute[str | None], value: Any) -> None:

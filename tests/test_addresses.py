@@ -159,7 +159,9 @@ async def test_callers_waiting_on_a_lookup_that_fails_fail_with_it(monkeypatch: 
     async with LeanTransport() as transport:
         async def one() -> None:
             began = time.monotonic()
-            with pytest.raises(httpx.ConnectError, match="Name or service not known"):
+            # (The name said: the resolver's words name none. Review finding, base
+            # URLs as deployments write them.)
+            with pytest.raises(httpx.ConnectError, match=r"Name or service not known \(looking up 'nx.test'\)"):
                 await transport.handle_async_request(
                     httpx.Request("POST", "http://nx.test:9/v1/chat/completions", content=b"{}"))
             took.append(time.monotonic() - began)
@@ -304,3 +306,44 @@ async def test_a_label_no_resolver_takes_is_a_connect_error() -> None:
     async with LeanTransport() as transport:
         with pytest.raises(httpx.ConnectError, match="not a name that can be looked up"):
             await transport.handle_async_request(_name_request("a" * 64 + ".test"))
+
+
+@pytest.mark.parametrize(("url", "odd"), [
+    ("http://${VLLM_HOST}:8000/v1", "$"),  # a TOML file's template, left unexpanded
+    ("http://$VLLM_HOST/v1", "$"),
+    ("http://%VLLM_HOST%/v1", "%"),
+    ("http://<vllm-host>/v1", "<"),
+    ("http://127.0.0.1;8000/v1", ";"),
+    ("http://127,0,0,1:8000/v1", ","),
+    ("http://loc%61lhost:8000/v1", "%"),
+    ("http://*.example.com/v1", "*"),
+])
+def test_a_host_no_resolver_looks_up_is_refused_at_once(url: str, odd: str) -> None:
+    """Review finding (base URLs as deployments write them): IDNA lets '$', '{', ';',
+    ',', '%' through, so these were valid settings (`polygate check-config` said
+    "valid"), and every call failed "Name or service not known", retried, naming no
+    host. The character is said, not the URL."""
+    with pytest.raises(polygate.ConfigError, match="which no host name has") as refused:
+        polygate.Source(name="a", base_url=url)
+    assert repr(odd) in str(refused.value)
+
+
+@pytest.mark.parametrize("url", [
+    "http://vllm_server:8000/v1", "http://[::1]:8000/v1", "http://[fe80::1%25eth0]:8000/v1",
+    "http://bücher.example/v1", "http://localhost./v1", "https://API.OpenAI.com/v1",
+    "http://10.0.0.7:8000/v1",
+])
+def test_host_names_and_addresses_as_deployments_write_them_stay_valid(url: str) -> None:
+    polygate.Source(name="a", base_url=url)
+
+
+@pytest.mark.parametrize("url", [
+    "https://api.openai.com/v1/chat/completions", "http://h:8000/v1/embeddings/",
+    "http://h:8000/v1/completions", "https://h/openai/v1/responses",
+])
+def test_a_base_url_that_is_an_endpoint_is_warned_of(url: str) -> None:
+    """Review finding: the whole endpoint pasted as the base went to
+    ".../chat/completions/chat/completions", and the upstream's 404 there marked the
+    source dead for dead_cooldown_s."""
+    with pytest.warns(polygate.ConfigWarning, match="an endpoint: polygate adds the endpoint"):
+        polygate.Source(name="a", base_url=url)

@@ -1179,3 +1179,58 @@ async def test_bytes_past_the_end_of_an_answer_never_answer_the_next_request(fir
     async with raw_answers(reply) as server, LeanTransport() as transport:
         await fetch(transport, post(server.url))
         assert (await fetch(transport, post(server.url))).content == b"ok"
+
+
+def _link_local() -> tuple[str, str] | None:
+    """An IPv6 link-local address of this host and its interface, from Linux's table."""
+    try:
+        with open("/proc/net/if_inet6") as table:
+            rows = [line.split() for line in table]
+    except OSError:
+        return None
+    for row in rows:
+        if len(row) == 6 and row[0].startswith("fe80"):
+            import ipaddress
+
+            return str(ipaddress.IPv6Address(bytes.fromhex(row[0]))), row[5]
+    return None
+
+
+def test_a_tls_address_is_checked_without_its_zone() -> None:
+    from polygate.transport._pool import _tls_name
+
+    assert _tls_name("fe80::1%25eth0") == "fe80::1"
+    assert _tls_name("fe80::1%eth0") == "fe80::1"
+    assert _tls_name("::1") == "::1"
+    assert _tls_name("api.example.com.") == "api.example.com"
+
+
+async def test_https_to_a_link_local_address_with_its_zone() -> None:
+    """Review finding (base URLs as deployments write them): https to
+    ``[fe80::…%25eth0]`` checked the certificate against ``fe80::…%25eth0`` as a name
+    (and sent it as SNI, which RFC 6066 forbids for an address): "Hostname mismatch"
+    on every attempt, against a certificate for the address, where http worked."""
+    found = _link_local()
+    if found is None:
+        pytest.skip("no IPv6 link-local address on this host")
+    address, interface = found
+    server_context, client_context = tls_contexts(address)
+
+    async def serve(tls: trio.SSLStream[trio.SocketStream]) -> None:
+        try:
+            await _tls_head(tls)
+            await tls.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecret")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        try:
+            listeners = await nursery.start(partial(
+                trio.serve_ssl_over_tcp, serve, 0, server_context, host=f"{address}%{interface}"))
+        except OSError:
+            pytest.skip("cannot listen on the link-local address")
+        port = listeners[0].transport_listener.socket.getsockname()[1]
+        url = f"https://[{address}%25{interface}]:{port}/v1"
+        async with LeanTransport(ssl_context=client_context) as transport:
+            assert (await fetch(transport, post(url))).content == b"secret"
+        nursery.cancel_scope.cancel()

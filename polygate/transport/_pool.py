@@ -247,6 +247,18 @@ def _connectable(host: str) -> str:
     return host.replace("%25", "%") if "%25" in host and _is_address(host) else host
 
 
+def _tls_name(host: str) -> str:
+    """The name a certificate is checked against, and SNI's.  A name's trailing dot is
+    the DNS root, not part of the name a certificate holds, nor of SNI's (RFC 6066:
+    "api.example.com." failed every handshake).  An address goes without its IPv6 zone,
+    this host's interface and part of no certificate: ``ssl`` then checks the address
+    against the certificate's IP entries and sends no SNI, as RFC 6066 asks of an
+    address (``fe80::1%25eth0`` was checked as a name, and never matched)."""
+    if _is_address(host):
+        return host.replace("%25", "%").split("%", 1)[0]
+    return host.rstrip(".")
+
+
 class _Connection:
     """One socket, its (optional) TLS layer and its h11 state machine."""
 
@@ -958,13 +970,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
             hidden = out_of_now()
             if hidden is not None:
                 raise hidden from exc
-            raise
+            # The resolver's words name no name ("Name or service not known"), where a
+            # refused connect names its address: which of a scope's hosts it was.
+            raise socket.gaierror(exc.errno, f"{exc.strerror or exc} (looking up {host!r})") from exc
         if scheme != "https":
             return _Connection(key, tcp, tcp.socket)
         try:
-            # (A name's trailing dot is the DNS root, not part of the name a certificate
-            # holds, nor of SNI's: RFC 6066 -- "api.example.com." failed every handshake.)
-            tls = trio.SSLStream(_SoftSend(tcp), self._tls(), server_hostname=host.rstrip("."),
+            tls = trio.SSLStream(_SoftSend(tcp), self._tls(), server_hostname=_tls_name(host),
                                  https_compatible=True)
             await tls.do_handshake()
         except BaseException as exc:
