@@ -430,3 +430,14 @@ def test_a_configuration_path_is_shown_escaped(
     assert out.splitlines()[0] == "configuration from x\\n\\x1b[31mforged: ok.toml: valid"
     [line] = err.strip().splitlines()
     assert "read from x\\n\\x1b[31mforged: ok.toml; environment keys" in line
+
+
+@pytest.mark.parametrize("host", ["LOCALHOST", "Localhost", "::ffff:127.0.0.1", "127.0.0.2", "::1"])
+def test_a_loopback_host_in_any_spelling_needs_no_keys(host: str) -> None:
+    """Review finding (base URLs and addresses as deployments write them): without
+    keys, "LOCALHOST" and "::ffff:127.0.0.1" were refused as not loopback, where
+    "localhost" was taken."""
+    from polygate.serve._server import is_loopback
+
+    assert is_loopback(host)
+    assert not is_loopback("localhost.example.com") and not is_loopback("::ffff:10.0.0.1")

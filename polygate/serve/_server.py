@@ -109,12 +109,16 @@ class ServerStatistics:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
+    # (A name in any case, as resolvers read it; an IPv4 loopback written as IPv6,
+    # "::ffff:127.0.0.1", which Python before 3.13 does not call loopback.)
+    if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def check_exposure(settings: Settings, host: str) -> None:
