@@ -441,3 +441,21 @@ def test_a_loopback_host_in_any_spelling_needs_no_keys(host: str) -> None:
 
     assert is_loopback(host)
     assert not is_loopback("localhost.example.com") and not is_loopback("::ffff:10.0.0.1")
+
+
+def test_check_config_where_polygate_toml_cannot_be_looked_at_is_a_typed_refusal(
+    clean: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review finding (containers: an arbitrary UID whose working directory is root's
+    0700): `check-config` looked for ./polygate.toml outside its error handling, a bare
+    traceback and status 1, where `polygate serve` answered with a typed refusal (2)."""
+    from polygate import ConfigError
+    from polygate.cli import _check_config
+
+    def cannot_look() -> None:
+        raise ConfigError("polygate.toml: cannot look at the file (Permission denied)")
+
+    monkeypatch.setattr(_check_config, "locate_config", cannot_look)
+    assert main(["check-config"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "invalid configuration: polygate.toml: cannot look at the file" in err

@@ -999,3 +999,21 @@ async def test_a_schema_stream_resumed_before_content_reserves_its_schema(
     assert bodies["a"]["response_format"] == bodies["b"]["response_format"]
     # ... so both reserve it (~1,000 tokens): the re-ask reserved the prompt alone.
     assert reserved["a"] > 1000 and reserved["b"] > 1000, reserved
+
+
+def test_no_writable_temporary_directory_is_not_tiktoken_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding (containers: `docker run --read-only` without a tmpfs): asking
+    where tiktoken would cache its file raised FileNotFoundError ("No usable temporary
+    directory") from every session's open when tiktoken was installed, a bare
+    traceback from `polygate serve`. No temporary directory: nothing cached there."""
+    import tempfile
+
+    def no_tmp() -> str:
+        raise FileNotFoundError(2, "No usable temporary directory found in ['/tmp', '/var/tmp', '/usr/tmp']")
+
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("DATA_GYM_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "gettempdir", no_tmp)
+    from polygate.governance import _estimate
+
+    assert _estimate._tiktoken_cached() is False

@@ -1440,3 +1440,40 @@ async def test_a_failed_reload_keeps_the_governance_state_in_force(
         assert server.settings.scopes["chat"].sources[0].name == "s0"  # still in force
         [state] = [s.state for s in (await server.session.statistics()).governance.sources]
     assert (state.consecutive_failures, state.admissions) == (1, 1), state
+
+
+async def test_a_stdout_whose_reader_left_does_not_end_the_server(tmp_path: Path) -> None:
+    """Review finding (`polygate serve` as containers run it): stdout a pipe whose
+    reader had gone (a log collector that exited) made the listening line's write
+    fail, and the server exited 141 with not a word on stderr. The line goes to the
+    log instead, and the server serves and drains as usual."""
+    upstream = FakeUpstream(Reply(text="hi"))
+    async with upstream.serve() as url:
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # nobody will read what it prints
+        try:
+            proc = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "polygate", "serve", "--config",
+                 str(write_config(tmp_path / "c.toml", url)), "--port", "0"],
+                stdout=write_end, stderr=subprocess.PIPE,
+            )
+        finally:
+            os.close(write_end)
+        try:
+            assert proc.stderr is not None
+            log = b""
+            with trio.fail_after(30):
+                while b"stdout could not be written" not in log:
+                    chunk = await proc.stderr.receive_some(65536)
+                    assert chunk, f"server exited: {log.decode()}"
+                    log += chunk
+            port = int(log.split(b"listening on http://127.0.0.1:", 1)[1].split(b" ", 1)[0])
+            answer = await http(_Port(port), "POST", "/v1/chat/completions", CHAT, AUTH)
+            assert answer.status == 200
+            proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(10):
+                assert await proc.wait() == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()

@@ -50,10 +50,13 @@ def add_parser(
 
 
 def run(args: argparse.Namespace) -> int:
-    origin = args.config or locate_config() or "environment (POLYGATE__* keys)"
+    origin = args.config or "environment (POLYGATE__* keys)"
     error: ConfigError | None = None
     with gathered_warnings() as notes:
         try:
+            # (Inside: a ./polygate.toml it cannot look at, in a working directory
+            # its user may not enter, is a typed refusal, as `polygate serve` gives.)
+            origin = args.config or locate_config() or origin
             settings = _load(args.config, serve=args.serve)
         except ConfigError as exc:
             error = exc

@@ -200,7 +200,7 @@ async def _serve(settings: Any, args: argparse.Namespace, where: str) -> int:
                 started = True
                 keys = len(settings.serve.api_keys) + len(settings.serve.keys)
                 _settle_heap()
-                print(f"polygate serve: listening on {server.url}", flush=True)
+                _listening_line(server.url)
                 log.info("%d scope(s), %s", len(settings.scopes),
                          f"{keys} gateway key(s)" if keys else "no gateway keys (loopback only)")
                 # Reloads run in a task of their own, one after the other: a stop signal
@@ -281,6 +281,22 @@ async def _reload(server: Any, where: str) -> None:
         return
     _settle_heap()
     log.info("configuration reloaded: %d scope(s)", len(settings.scopes))
+
+
+def _listening_line(url: str) -> None:
+    """The listening line on stdout.  A stdout whose reader has gone (a pipe to a
+    process that exited, a closed log collector) ended the server with status 141 and
+    not a word, where stdout carries nothing else: the line goes to the log instead,
+    and the server serves on (stdout then points at /dev/null, so that no later flush
+    fails again)."""
+    line = f"polygate serve: listening on {url}"
+    try:
+        print(line, flush=True)
+    except OSError as exc:
+        from . import _drop_output
+
+        _drop_output()
+        log.warning("%s (stdout could not be written: %s)", line, exc.strerror or exc)
 
 
 def _settle_heap() -> None:

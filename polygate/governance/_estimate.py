@@ -119,7 +119,14 @@ _CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.
 def _tiktoken_cached() -> bool:
     cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
     if cache is None:
-        cache = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+        try:
+            temp = tempfile.gettempdir()
+        except OSError:
+            # No writable temporary directory (a container's read-only root, no
+            # tmpfs): tiktoken could not have cached its file there, and asking raised
+            # from every session's open, a bare traceback from `polygate serve`.
+            return False
+        cache = os.path.join(temp, "data-gym-cache")
     key = hashlib.sha1(_CL100K_URL.encode()).hexdigest()
     return os.path.exists(os.path.join(cache, key))
 
