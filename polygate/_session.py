@@ -9,6 +9,7 @@ task outlives the call that started it.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import math
 import os
@@ -40,6 +41,7 @@ from ._types import (
     ANSWER_KEYS,
     ChatResponse,
     EmbeddingResponse,
+    ModelMessage,
     OcrResponse,
     StreamChunk,
     carries_value,
@@ -184,7 +186,7 @@ class Session:
     @_ki_protected
     async def chat(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, Any] | ModelMessage],
         *,
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
@@ -214,7 +216,7 @@ class Session:
 
     def stream_chat(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, Any] | ModelMessage],
         *,
         scope: str = "chat",
         call_deadline_s: float | None = _UNSET,
@@ -267,7 +269,7 @@ class Session:
         if "stream" in params and not self._relay:
             # Never sent: a provider answers it with a 400, after a paid round trip.
             raise ConfigError("embed() takes no 'stream': embeddings come in one answer")
-        params = _check_params(params, reserved=("input",), own=not self._relay)
+        params = _check_params(params, reserved=("input",), own=not self._relay, kind="embed")
         dimensions = params.get("dimensions")
         if dimensions is not None and (type(dimensions) is not int or dimensions <= 0):
             # Checked here: the answer's vectors are held to it (a source that ignores
@@ -304,7 +306,7 @@ class Session:
             if name in params:
                 raise ConfigError(f"ocr() does not take {name!r} (OCR answers are neither "
                                   "cached nor schema-validated)")
-        params = _check_params(params)
+        params = _check_params(params, kind="ocr")
         handled = sys.exc_info()[1]
         try:
             return await run_ocr(
@@ -495,7 +497,8 @@ def own_arguments(
         if params and not _plain_scalars(params):
             if kind == "embed" and ("schema" in params or "stream" in params):
                 return args, kwargs
-            params = _check_params(params, reserved=("input",) if kind == "embed" else ("messages", "stream"))
+            params = _check_params(
+                params, reserved=("input",) if kind == "embed" else ("messages", "stream"), kind=kind)
             kwargs = {**{key: value for key, value in kwargs.items() if key in named}, **params}
     except ConfigError:
         pass
@@ -512,6 +515,31 @@ def _own_main(kind: str, value: Any) -> Any:
     return bytes(value) if type(value) is bytearray else value
 
 
+#: The call's own keywords a misspelling of which is refused (see
+#: _refuse_a_misspelt_own), and the first four letters of every one of them (and of
+#: "deadline", dropped from the front): a key that starts otherwise is not looked at.
+_OWN_KEYWORDS: Final = {
+    "chat": ("scope", "call_deadline_s", "schema", "cache"),
+    "embed": ("scope", "call_deadline_s", "cache"),
+    "ocr": ("scope", "prompt", "pages", "call_deadline_s"),
+}
+_NEAR_HEADS: Final = frozenset({"scop", "call", "sche", "cach", "prom", "page", "dead"})
+
+
+def _refuse_a_misspelt_own(key: str, kind: str) -> None:
+    """Refuse ``key`` when it is a near miss of one of the call's own keywords
+    (``call_deadline=5``, ``scopes="big"``): as a parameter it went to the upstream as a
+    request field, and the call ran without the deadline (or in the default scope) its
+    caller asked for, silently.  No field of the APIs polygate fronts is that close to
+    one of them (checked against OpenAI's, vLLM's, llama.cpp's, OpenRouter's)."""
+    near = difflib.get_close_matches(key, _OWN_KEYWORDS.get(kind, ()), n=1, cutoff=0.8)
+    if near:
+        raise ConfigError(
+            f"{kind}() got {key!r}, which is not one of its own arguments and would be sent "
+            f"to the upstream as a request field: did you mean {near[0]}=?"
+        )
+
+
 #: The openai SDK's request options, which are no body fields: code ported from
 #: ``client.chat.completions.create(...)`` would send them upstream as such (OpenAI
 #: answers 400; vLLM ignores them, so ``extra_body``'s fields would silently not apply).
@@ -525,6 +553,7 @@ _SDK_OPTIONS: Final = {
 
 def _check_params(
     params: dict[str, Any], reserved: tuple[str, ...] = ("messages", "stream"), *, own: bool = True,
+    kind: str = "chat",
 ) -> dict[str, Any]:
     """Validate the call's parameters; returns the call's own copy of them (see
     :func:`_check_messages`): ``params`` itself where every value is a plain scalar
@@ -537,6 +566,9 @@ def _check_params(
         for key, advice in _SDK_OPTIONS.items():
             if key in params:
                 raise ConfigError(f"{key!r} is an option of the openai SDK, not a request field: {advice}")
+        for key in params:
+            if key[:4] in _NEAR_HEADS:  # (the usual fields, max_tokens and the like, skip it)
+                _refuse_a_misspelt_own(key, kind)
     options = params.get("stream_options")
     if options and type(options) is not dict and not isinstance(options, Mapping):
         raise ConfigError("parameter 'stream_options' must be an object (a mapping)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Container, Mapping
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import attrs
 
@@ -25,6 +25,14 @@ def json_default(value: Any) -> Any:
     if dumped is not None:
         return dumped
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+class ModelMessage(Protocol):
+    """A message given as a pydantic model (the openai SDK's ``ChatCompletionMessage``,
+    appended to a history as its guides do): what ``model_json`` calls, so that a type
+    checker takes such a history where the runtime does."""
+
+    def model_dump(self, *, mode: str = ..., exclude_unset: bool = ...) -> dict[str, Any]: ...
 
 
 def model_json(value: Any) -> Any:

@@ -480,3 +480,49 @@ def test_an_aio_call_keeps_its_schema_as_made() -> None:
     assert asyncio.run(main()).parsed == {"x": 1}
     sent = upstream.requests[0].body["response_format"]["json_schema"]["schema"]
     assert sent["properties"]["x"]["type"] == "integer"
+
+
+@pytest.mark.parametrize(("kind", "given", "meant"), [
+    ("chat", "call_deadline", "call_deadline_s"), ("chat", "deadline_s", "call_deadline_s"),
+    ("chat", "scopes", "scope"), ("chat", "cached", "cache"), ("chat", "schemas", "schema"),
+    ("stream", "call_deadline", "call_deadline_s"), ("embed", "scopes", "scope"),
+    ("aio", "call_deadline", "call_deadline_s"),
+])
+async def test_a_misspelt_argument_of_the_call_is_refused_not_sent(kind: str, given: str, meant: str) -> None:
+    """Review finding (polygate as a typed library): `chat(M, call_deadline=5)` passed
+    both type checkers and went to the upstream as a request field; the call ran
+    without the 5 s deadline its caller asked for (60 s against a slow upstream under
+    the default timeouts, or more), silently."""
+    a = FakeUpstream(Reply())
+    settings = polygate.Settings(scopes={name: polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)]) for name in ("chat", "embed")})
+    match = f"got '{given}', which is not one of its own arguments .* did you mean {meant}="
+    if kind == "aio":
+        import asyncio
+
+        from polygate import aio
+
+        async def on_asyncio() -> None:
+            async with aio.session(settings, transport=Router({"a": a})) as s:
+                with pytest.raises(polygate.ConfigError, match=match):
+                    await s.chat(HI, **{given: 5})
+
+        await trio.to_thread.run_sync(asyncio.run, on_asyncio())
+    else:
+        async with polygate.session(settings, transport=Router({"a": a})) as s:
+            with pytest.raises(polygate.ConfigError, match=match):
+                if kind == "chat":
+                    await s.chat(HI, **{given: 5})
+                elif kind == "stream":
+                    s.stream_chat(HI, **{given: 5})
+                else:
+                    await s.embed(["x"], scope="embed", **{given: 5})
+    assert a.requests == []
+
+
+async def test_the_usual_fields_near_no_argument_of_the_call_still_go_upstream() -> None:
+    a = FakeUpstream(Reply())
+    async with polygate.session(_settings(("a",)), transport=Router({"a": a})) as s:
+        await s.chat(HI, cache_prompt=True, cache_control={"type": "ephemeral"}, seed=1,
+                     prompt_cache_key="k", max_tokens=3, temperature=0.2)
+    assert {"cache_prompt", "cache_control", "seed", "prompt_cache_key"} <= set(a.requests[0].body)

@@ -127,7 +127,7 @@ class _Job:
 
 def _forward(
     method: Callable[Concatenate[polygate.Session, P], Awaitable[T]], own: str | None = None,
-) -> Callable[Concatenate[Session, P], Coroutine[Any, Any, T]]:
+) -> Callable[Concatenate[Session, P], Coroutine[object, object, T]]:
     """An asyncio method running the trio ``method`` of the session (one line per
     method: ``chat = _forward(polygate.Session.chat)``).  ``own``: the kind of call
     whose messages and parameters are copied as it is made (``own_arguments``), as
