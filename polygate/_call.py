@@ -346,9 +346,13 @@ async def _retry_loop(
             # the wait's bound, its breaker open) the call fails over, and once every
             # source has failed the next round waits its backoff.
             if not isinstance(primary_error, RateLimitedError):
-                await trio.sleep(full_jitter(
+                until = trio.current_time() + full_jitter(
                     same_source[again], retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng
-                ))
+                )
+                # (Its breaker open, or a cooldown past the wait: _same_source fails
+                # over at once, and the wait before it would serve nothing.)
+                if not await _refused_past(ctx, errors, [again], until):
+                    await trio.sleep_until(until)
             continue
         if round_errors and all(isinstance(e, RateLimitedError) for e in round_errors):
             # Free of max_attempts: the sources cool down (never for less than the
@@ -398,9 +402,11 @@ async def _retry_loop(
         ):
             # Every source it may ask failed (those of a model that refused the call's
             # context are never asked): the next try waits.
-            backoff = full_jitter(consumed, retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng)
-            if not await _refused_past(ctx, errors, failed, trio.current_time() + backoff):
-                await trio.sleep(backoff)
+            until = trio.current_time() + full_jitter(
+                consumed, retry.backoff_base_s, retry.backoff_max_s, ctx.runtime.rng
+            )
+            if not await _refused_past(ctx, errors, failed, until):
+                await trio.sleep_until(until)  # (the look above counts against it)
 
 
 #: A refusal of streaming itself, not of the request (OpenAI, o3 and gpt-5, to an
@@ -609,21 +615,26 @@ async def _refused_past(
     backend = ctx.runtime.governor.backend
     last = {e.source: e for e in errors if e.source is not None}
     dead_past = ctx.runtime.settings.dead_cooldown_s >= ctx.scope.retry.backoff_max_s
-    for name in failed:
-        error = last.get(name)
-        if dead_past and error is not None and error.outcome is Outcome.DEAD:
-            continue
-        try:
-            state = await backend.snapshot(ctx.scope_name, name)
-        except GovernanceBackendError:
-            return False  # (the backoff, as before; the next round meets the error)
-        if state.cooldown_until is not None and state.cooldown_until >= until:
-            continue  # (a Retry-After: admission waits it out, or gives up at once)
-        if state.breaker is not BreakerState.OPEN or state.breaker_open_until is None:
-            return False
-        if state.breaker_open_until < until:
-            return False
-    return True
+    # The look is bounded by the backoff it may skip: a Redis that hangs costs the
+    # backoff, as before, not its read timeout on top (the caller sleeps until
+    # ``until``, which the look has used up).
+    with trio.move_on_at(until):
+        for name in failed:
+            error = last.get(name)
+            if dead_past and error is not None and error.outcome is Outcome.DEAD:
+                continue
+            try:
+                state = await backend.snapshot(ctx.scope_name, name)
+            except GovernanceBackendError:
+                return False  # (the backoff, as before; the next round meets the error)
+            if state.cooldown_until is not None and state.cooldown_until >= until:
+                continue  # (a Retry-After: admission waits it out, or gives up at once)
+            if state.breaker is not BreakerState.OPEN or state.breaker_open_until is None:
+                return False
+            if state.breaker_open_until < until:
+                return False
+        return True
+    return False
 
 
 def _retry_same(

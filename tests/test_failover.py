@@ -2052,3 +2052,48 @@ async def test_a_cooldown_past_the_backoff_skips_it_too(
         assert trio.current_time() - start == 0
     assert failed.value.retry_after_s == pytest.approx(120)
     assert len(a.requests) == 1
+
+
+async def test_a_same_source_retry_into_an_open_breaker_fails_over_without_a_backoff(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Review of the fix above: with same_source_retries, the retry on the same source
+    slept its backoff (1 s here) before finding the breaker the failure had opened,
+    and only then failed over (failover.md: "If the source's breaker opens ... the call
+    fails over at once")."""
+    scopes = {
+        "chat": polygate.Scope(
+            sources=[polygate.Source(name="a", base_url="http://a/v1", api_key=SECRET)],
+            retry=polygate.Retry(max_attempts=3, backoff_base_s=2.0, backoff_max_s=8.0, same_source_retries=1),
+            breaker=polygate.Breaker(failures=1, open_s=30.0), fallback="backup"),
+        "backup": polygate.Scope(sources=[polygate.Source(name="b", base_url="http://b/v1", api_key=SECRET)]),
+    }
+    a, b = FakeUpstream(Reply(status=500)), FakeUpstream(Reply(text="from backup"))
+    async with polygate.session(polygate.Settings(scopes=scopes), transport=Router({"a": a, "b": b}),
+                                rng=_Halfway()) as s:
+        start = trio.current_time()
+        r = await s.chat(MESSAGES)
+        assert (r.text, trio.current_time() - start) == ("from backup", 0)
+    assert len(a.requests) == 1
+
+
+async def test_the_look_that_may_skip_a_backoff_never_outlasts_it(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review of the fix above: the look at the failed sources' state (a snapshot, a
+    round trip on Redis) ran before the backoff, unbounded: a Redis that hung added its
+    read timeout to the backoff. It is bounded by the backoff it may skip, and the
+    backoff counts it."""
+    from polygate.governance import MemoryBackend
+
+    async def hangs(self: Any, scope: str, source: str) -> Any:
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(MemoryBackend, "snapshot", hangs)
+    a = FakeUpstream([Reply(status=500)], then=Reply(text="back"))
+    async with polygate.session(_breaker_then(False, open_s=0.001), transport=Router({"a": a}),
+                                rng=_Halfway()) as s:
+        start = trio.current_time()
+        r = await s.chat(MESSAGES)
+        elapsed = trio.current_time() - start
+    assert r.text == "back" and elapsed == pytest.approx(1.0)  # the backoff alone

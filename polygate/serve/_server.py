@@ -109,16 +109,15 @@ class ServerStatistics:
 
 
 def is_loopback(host: str) -> bool:
-    # (A name in any case, as resolvers read it; an IPv4 loopback written as IPv6,
-    # "::ffff:127.0.0.1", which Python before 3.13 does not call loopback.)
+    # (A name in any case, as resolvers read it.  Not an IPv4 loopback written as
+    # IPv6, "::ffff:127.0.0.1": trio listens on IPv6 addresses IPv6-only, where no
+    # mapped address can be bound.)
     if host.lower() == "localhost":
         return True
     try:
-        address = ipaddress.ip_address(host.strip("[]"))
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def check_exposure(settings: Settings, host: str) -> None:
