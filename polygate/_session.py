@@ -516,9 +516,9 @@ def _own_main(kind: str, value: Any) -> Any:
     return bytes(value) if type(value) is bytearray else value
 
 
-#: The call's own keywords a misspelling of which is refused (see
-#: _refuse_a_misspelt_own), and the first four letters of every one of them (and of
-#: "deadline", dropped from the front): a key that starts otherwise is not looked at.
+#: The call's own keywords a near miss of which is refused (see _near_own), and the
+#: first four letters of every one of them, any case (and of "deadline", its front
+#: dropped): a key that starts otherwise is not looked at.
 _OWN_KEYWORDS: Final = {
     "chat": ("scope", "call_deadline_s", "schema", "cache"),
     "embed": ("scope", "call_deadline_s", "cache"),
