@@ -397,9 +397,7 @@ async def _retry_loop(
                 + _last_errors(errors),
                 errors=errors,
             )
-        if set(failed) >= {s.name for s in ctx.scope.sources} - refused_context(ctx) and not (
-            _dead_past_backoff(ctx, errors, failed, retry.backoff_max_s)
-        ):
+        if set(failed) >= {s.name for s in ctx.scope.sources} - refused_context(ctx):
             # Every source it may ask failed (those of a model that refused the call's
             # context are never asked): the next try waits.
             until = trio.current_time() + full_jitter(
@@ -587,27 +585,14 @@ def _rate_limited_for(refusals: Sequence[Refusal]) -> float | None:
     return max(0.0, min(known)) if known else 1.0  # (each reason has its time: a guess)
 
 
-def _dead_past_backoff(
-    ctx: CallContext, errors: Sequence[UpstreamError], failed: Sequence[str], backoff_max_s: float
-) -> bool:
-    """Whether each failed source's last failure marked it dead (401, 403, …) for
-    longer than any backoff: then a backoff waits for nothing (the next round admits
-    none of them, and the call moves on to its fallback or fails), and it is skipped.
-    Where the mark may end first, the backoff is what keeps the refusing source from
-    being asked again at once."""
-    if ctx.runtime.settings.dead_cooldown_s < backoff_max_s:
-        return False
-    last = {e.source: e for e in errors if e.source is not None}
-    return all(name in last and last[name].outcome is Outcome.DEAD for name in failed)
-
-
 async def _refused_past(
     ctx: CallContext, errors: Sequence[UpstreamError], failed: Sequence[str], until: float
 ) -> bool:
     """Whether no failed source can be admitted before ``until`` (when the backoff
-    would end): each is dead for longer than any backoff (``_dead_past_backoff``'s
-    rule), cooling down past it (a 5xx's Retry-After), or its breaker is open past it
-    -- the failure that opened it was this round's.  Then the backoff waits for
+    would end): each last failed dead (401, 403, …) with ``dead_cooldown_s`` at least
+    ``backoff_max_s``, so that the mark outlasts any backoff, is cooling down past it (a
+    5xx's Retry-After), or has its breaker open past it -- the failure that opened it
+    was this round's.  Then the backoff waits for
     nothing: the next round finds them refused and the call moves on to its fallback,
     gives up at once (a cooldown past its give-up time), or waits in admission for the
     same period the backoff lies inside.  Where one may be back first, the backoff is
