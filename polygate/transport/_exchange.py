@@ -31,7 +31,6 @@ from .._errors import (
     SourceDeadError,
     TransientUpstreamError,
     UpstreamError,
-    body_retry_after,
     classify_exception,
     classify_status,
     error_code,
@@ -65,12 +64,12 @@ from ._pool import (
 from ._sse import Event, SSEDecoder, without_bom
 from ._wire import (
     MAX_JSON_DEPTH,
-    RETRY_AFTER_CAP_S,
     Endpoint,
     Limits,
     all_text,
     as_text,
     body_pieces,
+    body_wait,
     chat_body,
     check_depth,
     check_encoding,
@@ -918,11 +917,10 @@ def _error_event(payload: Any, endpoint: Endpoint) -> UpstreamError:
         # Gemini rate limit inside a 200 cools its source down as long as one outside.
         # (The response's own Retry-After, where there is one, still comes first: see
         # _exchange.)
-        retry_after = body_retry_after(payload)
         # (``code`` is the body's code, else its type: error_code reads both.)
         error = classify_status(
             status, detail, source=endpoint.name, code=code, hint=refusal_hint(status, payload),
-            retry_after_s=None if retry_after is None else min(retry_after, RETRY_AFTER_CAP_S),
+            retry_after_s=body_wait(payload),
         )
     error.code = code
     error.param = error_param(payload, endpoint.secrets)

@@ -43,6 +43,7 @@ __all__ = [
     "read_capped",
     "raise_for_status",
     "as_text",
+    "body_wait",
     "parse_retry_after",
 ]
 
@@ -400,9 +401,7 @@ async def raise_for_status(response: httpx.Response, endpoint: Endpoint) -> None
     status = response.status_code
     retry_after = parse_retry_after(response.headers)
     if retry_after is None and payload is not None:
-        retry_after = body_retry_after(payload)
-        if retry_after is not None:
-            retry_after = min(retry_after, RETRY_AFTER_CAP_S)
+        retry_after = body_wait(payload)
     error = classify_status(
         status, detail, source=endpoint.name, retry_after_s=retry_after, code=code,
         hint=refusal_hint(status, payload) if payload is not None else None,
@@ -460,6 +459,13 @@ def _http_date(raw: str | None) -> float | None:
         return when.timestamp()
     except (OverflowError, ValueError, OSError):
         return None
+
+
+def body_wait(payload: Any) -> float | None:
+    """The wait an error body gives (Google's ``retryDelay``: ``body_retry_after``),
+    capped as a header's is; ``None`` when it gives none."""
+    wait = body_retry_after(payload)
+    return None if wait is None else min(wait, RETRY_AFTER_CAP_S)
 
 
 def _lines(headers: Mapping[str, str], name: str) -> list[str]:
