@@ -127,6 +127,43 @@ async def test_entering_one_session_block_twice_is_a_polygate_error() -> None:
             pass
 
 
+async def test_a_session_whose_block_was_dropped_stays_open() -> None:
+    """``s = await polygate.aio.session(...).__aenter__()`` (a notebook's way to keep
+    a session across cells) dropped the block at once, and its opening generator,
+    collected, closed the session under ``s``: the next call said 'this session is
+    closed', with no warning."""
+    s = await polygate.aio.session(settings_for("http://a/v1"),
+                                   transport=fake(Reply(text="kept")).transport()).__aenter__()
+    gc.collect()
+    for _ in range(5):  # (the finalizer's aclose() would run in these)
+        await asyncio.sleep(0)
+    assert (await s.chat(messages("hi"))).text == "kept"
+    assert s._block is not None
+    await s._block.__aexit__(None, None, None)
+
+
+async def test_a_session_dropped_without_being_left_is_closed_with_a_warning() -> None:
+    """Dropped with its block, a session is closed by asyncio's finalizer of its
+    opening (its calls settle, its connections close), and a ResourceWarning says
+    what happened."""
+    up = fake(Reply(text="x"))
+    s = await polygate.aio.session(settings_for("http://a/v1"), transport=up.transport()).__aenter__()
+    assert (await s.chat(messages("hi"))).text == "x"
+    closed = s._owner.closed
+    held = [s]
+    del s
+
+    async def drop() -> None:
+        held.clear()
+        gc.collect()
+        await asyncio.wait_for(asyncio.shield(closed), 10)
+        for _ in range(5):  # (the warning follows the close)
+            await asyncio.sleep(0)
+
+    with pytest.warns(ResourceWarning, match="never left has been closed by asyncio"):
+        await drop()
+
+
 async def test_a_new_session_method_needs_no_line(monkeypatch: pytest.MonkeyPatch) -> None:
     async def echo(self: polygate.Session, value: int, *, twice: bool = False) -> int:
         await trio.lowlevel.checkpoint()  # trio code, run in polygate's trio run
@@ -933,25 +970,146 @@ async def main():
         await s.chat(messages("x"))
 
 try:
-    if sys.argv[1] == "asyncio.run":
-        asyncio.run(main())
-    else:  # no asyncio.run: nobody handles SIGINT but Python's default (and trio's)
-        asyncio.SelectorEventLoop().run_until_complete(main())
+    asyncio.run(main())
 except KeyboardInterrupt:
     print(up.statistics().client_closed, up.in_flight, trio.lowlevel.in_trio_run(),
           signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 """
 
 
-@pytest.mark.parametrize("how", ["asyncio.run", "run_until_complete"])
-def test_ctrl_c_ends_the_program_after_settling(how: str) -> None:
-    """Ctrl-C during a call: KeyboardInterrupt ends the program as usual, the call's
-    upstream connection is closed first, and the signal handler is left as found."""
+def test_ctrl_c_under_asyncio_run_ends_the_program_after_settling() -> None:
+    """Ctrl-C during a call under asyncio.run() (whose handler cancels the main task):
+    KeyboardInterrupt ends the program as usual, the call's upstream connection is
+    closed first, and the signal handler is left as found."""
     import subprocess
 
-    done = subprocess.run([sys.executable, "-c", _CTRL_C, how], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _CTRL_C], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, check=False)
     assert done.stdout.split() == ["1", "0", "False", "True"], done.stdout + done.stderr
+
+
+_CTRL_C_NO_HANDLER = """
+import asyncio, os, signal, sys, threading, time
+import httpx, trio
+import polygate.aio
+from polygate.aio import _guest_io
+from polygate.testing import FakeUpstream, Reply
+from tests._aio_support import messages, settings_for
+
+if sys.argv[1] == "thread-io":
+    _guest_io._guest_tick = lambda: None
+
+def say(*words):
+    print(*words, flush=True)
+
+def ctrl_c_soon():
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+class CtrlCInside(httpx.AsyncBaseTransport):
+    # Presses Ctrl-C from inside a step of trio's (a call's task), once.
+    def __init__(self, inner):
+        self.inner, self.armed = inner, False
+    async def handle_async_request(self, request):
+        if self.armed:
+            self.armed = False
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10_000):  # (Python runs the handler here, inside the step)
+                pass
+        return await self.inner.handle_async_request(request)
+    async def aclose(self):
+        await self.inner.aclose()
+
+up = FakeUpstream([Reply(headers_delay_s=3600), Reply(text="second"), Reply(text="third")])
+inside = CtrlCInside(up.transport())
+loop = asyncio.new_event_loop()  # as IPython's terminal: run_until_complete per cell
+cm = polygate.aio.session(settings_for("http://a/v1"), transport=inside)
+s = loop.run_until_complete(cm.__aenter__())
+say("default", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+# A call that hangs: Ctrl-C interrupts the cell at once.
+ctrl_c_soon()
+t0 = time.monotonic()
+try:
+    loop.run_until_complete(s.chat(messages("x")))
+except KeyboardInterrupt:
+    say("call-interrupted", time.monotonic() - t0 < 5)
+
+# Plain code between cells: interrupted as ever.
+ctrl_c_soon()
+t0 = time.monotonic()
+try:
+    while time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+except KeyboardInterrupt:
+    say("sleep-interrupted", time.monotonic() - t0 < 5)
+
+# An unrelated await: interrupted, the session left alone.
+ctrl_c_soon()
+try:
+    loop.run_until_complete(asyncio.sleep(10))
+except KeyboardInterrupt:
+    say("await-interrupted", True)
+
+# Ctrl-C inside one of trio's steps: held to the step's end, then raised; the call
+# it interrupted goes on and answers in the next cell.
+inside.armed = True
+task = loop.create_task(s.chat(messages("y")))
+try:
+    loop.run_until_complete(task)
+except KeyboardInterrupt:
+    say("step-interrupted", True)
+if not task.done():  # (bounded: a Ctrl-C raised inside trio's step broke the run)
+    loop.run_until_complete(asyncio.wait_for(task, 20))
+say("answer", task.result().text)
+try:
+    # asyncio's own: where the task run_until_complete waited for finished in the
+    # iteration the KeyboardInterrupt left, that run's stop is still queued.
+    loop.run_until_complete(asyncio.sleep(0))
+except RuntimeError:
+    pass
+
+# The same session, and a new one on the same loop, still work.
+say("again", loop.run_until_complete(s.chat(messages("z"))).text)
+
+async def fresh():
+    async with polygate.aio.session(
+        settings_for("http://a/v1"), transport=FakeUpstream(Reply(text="fresh")).transport()
+    ) as s2:
+        return (await s2.chat(messages("w"))).text
+
+say("fresh", loop.run_until_complete(fresh()))
+
+# Leaving the session cancels the call the first Ctrl-C left behind and closes its
+# connection; the run ends and the default handler is back.
+loop.run_until_complete(cm.__aexit__(None, None, None))
+say("left", up.statistics().client_closed, up.in_flight, trio.lowlevel.in_trio_run(),
+    signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+loop.close()
+"""
+
+
+def test_ctrl_c_without_a_handler_interrupts_and_the_session_lives_on(guest_io: str) -> None:
+    """A loop run by run_until_complete (IPython's terminal, ``python -m asyncio``,
+    scripts) leaves SIGINT to Python's default handler.  trio's guest run took it over
+    and treated the application's code as protected: Ctrl-C was held back from a
+    ``time.sleep`` and then ended the run, closing every session on the loop.  Now it
+    interrupts wherever the program is, as before a session opened; one that comes
+    inside a step of trio's is raised when the step ends, and the session lives on."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _CTRL_C_NO_HANDLER, guest_io], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.stdout.splitlines() == [
+        "default False",
+        "call-interrupted True",
+        "sleep-interrupted True",
+        "await-interrupted True",
+        "step-interrupted True",
+        "answer second",
+        "again third",
+        "fresh fresh",
+        "left 1 0 False True",
+    ], done.stdout + done.stderr
 
 
 def test_sessions_on_loops_in_other_threads() -> None:

@@ -66,6 +66,8 @@ import outcome
 import sniffio
 import trio
 
+from . import _interrupt
+
 __all__ = ["LoopDriver", "driver_for", "lend_hooks", "return_hooks"]
 
 try:  # trio internals: checked one by one in driver_for()
@@ -314,19 +316,23 @@ class LoopDriver:
         if self._idle:
             self._wake()
             self._poll_and_tick()
+        if _interrupt.held.pending:  # (a Ctrl-C that came during trio's steps: now)
+            _interrupt.deliver()
 
     def _deadline(self) -> None:
         # A timer fired.  It may be one armed for an earlier wait: while trio is busy
         # (it is left armed then), or for a wait that ends sooner than this one.
         self._timer = None
         if not self._idle:
-            return
-        if self._timer_at < self._wait_until:
+            pass
+        elif self._timer_at < self._wait_until:
             self._arm(self._wait_until)
-            return
-        # trio's wait timed out: the one wake-up that may hand trio an empty result.
-        self._wake()
-        self._poll_and_tick(timed_out=True)
+        else:
+            # trio's wait timed out: the one wake-up that may hand trio an empty result.
+            self._wake()
+            self._poll_and_tick(timed_out=True)
+        if _interrupt.held.pending:
+            _interrupt.deliver()
 
     def _arm(self, until: float) -> None:
         if self._timer is not None:
@@ -376,6 +382,17 @@ class LoopDriver:
                 # run now, and I/O that is ready is polled for before trio waits or
                 # its chain of steps ends (see tick).
                 self.tick(_WOKEN)
+        if _interrupt.held.pending:
+            # A Ctrl-C came during these steps: raised from the loop, as the
+            # default handler's would be from its wait, not into the caller's task
+            # (which would die with it, its call going on without it).
+            self._post_interrupt()
+
+    def _post_interrupt(self) -> None:
+        try:
+            self._loop.call_soon(_interrupt.deliver)
+        except RuntimeError:  # (a closed loop: the rescue, running trio's steps itself)
+            _interrupt.deliver()
 
     def _poll_and_tick(self, *, timed_out: bool = False) -> None:
         if self.ended:  # (a step posted by _recover, after the run ended after all)
@@ -428,3 +445,11 @@ class LoopDriver:
         self._cancel_timer()
         if not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
+
+
+# A Ctrl-C inside these waits for the end of trio's step (see _interrupt): raised in
+# the middle of one, it would leave trio's scheduler half-way.
+_interrupt.guard(
+    LoopDriver.tick, LoopDriver.hand_over, LoopDriver.prod, LoopDriver._ready,
+    LoopDriver._deadline, LoopDriver._poll_and_tick,
+)

@@ -42,6 +42,7 @@ import outcome
 import trio
 
 from .. import PolygateError
+from . import _interrupt
 from ._guest_io import LoopDriver, driver_for, lend_hooks, return_hooks
 
 if sys.version_info < (3, 11):
@@ -124,6 +125,8 @@ class Host:
         #: finalizer, would close them from an asyncio task, in the middle of trio's
         #: work.  So they are put back before each of trio's steps while the run lasts.
         self.hooks: Any = None
+        #: This run took SIGINT over from Python's default handler (see _interrupt).
+        self._sigint = False
 
     # ------------------------------------------------------------ asyncio side
 
@@ -236,15 +239,22 @@ class Host:
         # in, and the first session's opener (a request's task) would otherwise lend
         # its context variables to every later session's work, and keep them alive as
         # long as the run lives.
-        contextvars.Context().run(
-            trio.lowlevel.start_guest_run,
-            self._main,
-            run_sync_soon_threadsafe=self._post_threadsafe,
-            run_sync_soon_not_threadsafe=self._post,
-            done_callback=self._finished,
-            # asyncio (and uvloop, uvicorn) own the process's signal wake-up fd.
-            host_uses_signal_set_wakeup_fd=True,
-        )
+        # Before trio looks at SIGINT: where Python's default handler has it, trio would
+        # take it over (see _interrupt).
+        self._sigint = _interrupt.install()
+        try:
+            contextvars.Context().run(
+                trio.lowlevel.start_guest_run,
+                self._main,
+                run_sync_soon_threadsafe=self._post_threadsafe,
+                run_sync_soon_not_threadsafe=self._post,
+                done_callback=self._finished,
+                # asyncio (and uvloop, uvicorn) own the process's signal wake-up fd.
+                host_uses_signal_set_wakeup_fd=True,
+            )
+        except BaseException:
+            self._give_back_sigint()
+            raise
         self.token = trio.lowlevel.current_trio_token()
         self.hooks = sys.get_asyncgen_hooks()  # (installed by start_guest_run, just now)
         if self.driver is not None:  # (made by the first tick's hand-over, inside it)
@@ -278,8 +288,14 @@ class Host:
             self._stop = trio.Event()
             self._stop.set()
 
+    def _give_back_sigint(self) -> None:
+        if self._sigint:
+            self._sigint = False
+            _interrupt.uninstall()
+
     def _finished(self, run_outcome: outcome.Outcome[None]) -> None:
         self._done = True
+        self._give_back_sigint()
         self.hooks = None  # trio put back the hooks it found: nothing of its to restore
         if self.driver is not None:
             self.driver.hooks = None
@@ -399,6 +415,15 @@ class _Queued:
                 self.fn()
             finally:
                 return_hooks(saved)
+            if _interrupt.held.pending:
+                _interrupt.deliver()
+
+
+# A Ctrl-C inside these waits for the end of trio's step (see _interrupt): each of
+# them runs one, or hands trio work that schedules one.
+_interrupt.guard(
+    _Queued.__call__, Host.start, Host.stop, Host.submit, Host.start_job, Host.rescue,
+)
 
 
 def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
