@@ -40,6 +40,7 @@ import inspect
 import random
 import threading
 import types
+import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Mapping
 from contextlib import asynccontextmanager
@@ -209,6 +210,8 @@ class Session:
         self._owner = owner
         self._session = trio_session
         self._loop = host.loop
+        #: The block that opened it (see SessionBlock.__aenter__).
+        self._block: SessionBlock | None = None
 
     def __repr__(self) -> str:
         return repr(self._session).replace("polygate.Session", "polygate.aio.Session", 1)
@@ -806,10 +809,16 @@ class SessionBlock:
     def __init__(self, opening: contextlib.AbstractAsyncContextManager[Session]) -> None:
         self._opening = opening
         self._host: Host | None = None
+        #: Its ``__aexit__`` has begun (a session closed otherwise was dropped).
+        self.left = False
 
     async def __aenter__(self) -> Session:
         handle = await self._opening.__aenter__()
         self._host = handle._host
+        # Held by the session it opened: ``s = await polygate.aio.session().__aenter__()``
+        # (a notebook's way to keep a session across cells) drops the block at once,
+        # and its opening generator, collected, would close the session under ``s``.
+        handle._block = self
         return handle
 
     async def __aexit__(
@@ -823,6 +832,7 @@ class SessionBlock:
                 # is left alone (and the opening generator too: see _open).
                 return None
             _check_loop(self._host, "this session", "leave it on the loop that opened it")
+        self.left = True
         return await self._opening.__aexit__(exc_type, exc, tb)
 
 
@@ -858,6 +868,22 @@ async def _open(
         # here may touch them.)
         try:
             yield handle
+        except GeneratorExit:
+            if host.process == forks.count:
+                await _close(host, owner, leaving=True)
+                if handle._block is not None and not handle._block.left:
+                    # Never left: asyncio closed this generator (the session and its
+                    # block were both dropped, or the loop shut its generators down).
+                    warnings.warn(
+                        "a polygate.aio session that was never left has been closed by "
+                        "asyncio (the session and its block were dropped, or the loop "
+                        "shut down its async generators): use `async with "
+                        "polygate.aio.session(...)`, or keep the block and leave it with "
+                        "its `__aexit__`",
+                        ResourceWarning,
+                        stacklevel=1,
+                    )
+            raise
         except BaseException:
             if host.process == forks.count:
                 await _close(host, owner, leaving=True)
