@@ -40,7 +40,9 @@ from typing import Any, TypeVar
 
 import trio
 
-__all__ = ["NoThread", "cpu_limiter", "mock_clock", "no_thread", "patient_clock", "run_sync"]
+__all__ = [
+    "NoThread", "cpu_limiter", "mock_clock", "no_thread", "own_limiter", "patient_clock", "run_sync",
+]
 
 T = TypeVar("T")
 
@@ -61,6 +63,26 @@ _lent: weakref.WeakKeyDictionary[Any, tuple[list[float], float]] = weakref.WeakK
 #: and two of them held up every other call's check.
 CPU_THREADS = 8
 _cpu: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("polygate_cpu_threads")
+
+
+#: Threads at once, per trio run, for polygate's other blocking work (SQLite, files,
+#: image encoding) when no limiter is named: as many as trio's default limiter has, but
+#: not that one.  The application's threads share trio's: 40 of them waiting on
+#: polygate's calls (``trio.from_thread.run``, a FastAPI ``def`` endpoint on anyio's
+#: trio backend) held every token, and a call that needed a thread (a SQLite cache's
+#: read, the telemetry store's opening) waited for one of them to finish: for ever.
+OWN_THREADS = 40
+_own: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("polygate_threads")
+
+
+def own_limiter() -> trio.CapacityLimiter:
+    """This run's limiter for polygate's blocking work (see ``OWN_THREADS``)."""
+    try:
+        return _own.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(OWN_THREADS)
+        _own.set(limiter)
+        return limiter
 
 
 def cpu_limiter() -> trio.CapacityLimiter:
@@ -118,7 +140,8 @@ async def run_sync(
     background: bool = False,
     or_inline: bool = False,
 ) -> T:
-    """``trio.to_thread.run_sync``; a zero-threshold ``MockClock`` holds still while
+    """``trio.to_thread.run_sync`` (on :func:`own_limiter` unless ``limiter`` is
+    given); a zero-threshold ``MockClock`` holds still while
     the thread works (``background``: only waits 1 ms of real idleness to jump).
     No thread can start (see :func:`no_thread`): :class:`NoThread`; or, with
     ``or_inline``, for work bounded in time (a render, an image's encoding), the work
@@ -137,7 +160,8 @@ async def run_sync(
     try:
         with patient_clock(_BACKGROUND_S if background else _HOLD_S):
             return await trio.to_thread.run_sync(
-                work, abandon_on_cancel=abandon_on_cancel, limiter=limiter
+                work, abandon_on_cancel=abandon_on_cancel,
+                limiter=own_limiter() if limiter is None else limiter,
             )
     except RuntimeError as exc:
         if ran or not no_thread(exc):

@@ -87,7 +87,7 @@ import re
 import socket
 import ssl
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, cast
 
 import attrs
@@ -98,6 +98,7 @@ import trio
 from .._chunked import PLAIN_END, ChunkedDecoder
 from .._http11 import unquoted
 from .._sockets import out_of, out_of_now, read_now, reads_now, receive_when_readable, write_first
+from ._eyeballs import Target, connect
 from ._head import HEAD_EXTENSION, MAX_HEAD, Head, parse_head
 from ._wire import CALL_ID_HEADER
 
@@ -203,7 +204,8 @@ class _SoftSend(trio.abc.Stream):
         await self.tcp.aclose()
 
 
-#: A host name looked up this recently is not looked up again before trio's connect.
+#: A host name looked up this recently is not looked up again: a new connection goes
+#: to the addresses that lookup found.
 _LOOKUP_FRESH_S: Final = 5.0
 #: Names a transport keeps its lookups' state for before it forgets idle ones.
 _LOOKUPS_KEPT: Final = 256
@@ -213,13 +215,14 @@ class _Lookup:
     """A host name's lookups (LeanTransport._lookup): its callers in turn, its one
     lookup thread, and how and when the last lookup ended."""
 
-    __slots__ = ("ended_at", "failed", "lookups", "thread", "turn")
+    __slots__ = ("addresses", "ended_at", "failed", "lookups", "thread", "turn")
 
     def __init__(self) -> None:
         self.turn = trio.Lock()
         self.thread = trio.CapacityLimiter(1)
         self.ended_at = -math.inf
         self.failed: OSError | None = None
+        self.addresses: Sequence[Target] = ()  # what the last lookup that answered found
         self.lookups = 0  # lookups ended (with an outcome to share)
 
 
@@ -964,8 +967,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
         refused or reset connect is never taken for this process's."""
         scheme, host, port = key
         try:
-            await self._lookup(host, port)
-            tcp = await trio.open_tcp_stream(_connectable(host), port)  # sets TCP_NODELAY
+            targets = await self._lookup(host, port)
+            if targets is None:
+                tcp = await trio.open_tcp_stream(_connectable(host), port)  # sets TCP_NODELAY
+            else:
+                tcp = await connect(host, port, targets)  # (trio's race, without its lookup)
         except socket.gaierror as exc:
             hidden = out_of_now()
             if hidden is not None:
@@ -994,19 +1000,22 @@ class LeanTransport(httpx.AsyncBaseTransport):
             raise
         return _Connection(key, tls, tcp.socket)
 
-    async def _lookup(self, host: str, port: int) -> None:
-        """Look ``host`` up before trio's connect does, one lookup at a time per name,
-        unless one answered in the last few seconds.  trio looks names up in worker
-        threads under its process-wide limit (40), abandoning a cancelled lookup whose
-        thread keeps its slot until the resolver answers: a source whose DNS hangs,
-        asked again and again (retries, hedges, calls), took every slot, and every
-        other name -- and every thread polygate runs -- waited behind it.  Now such a
-        name holds one thread, its calls waiting on it (within their own bounds).
-        Addresses need no lookup.  A new connection to a name looked up more than
-        ``_LOOKUP_FRESH_S`` ago costs two lookups (this one, then trio's own, which
-        keeps its happy eyeballs over every address the name has)."""
+    async def _lookup(self, host: str, port: int) -> Sequence[Target] | None:
+        """``host``'s addresses, looked up one lookup at a time per name, unless one
+        answered in the last few seconds; None where trio's connect needs no thread to
+        find them (an address, or the application's own resolver: its rules).
+
+        trio's own connect looks names up in worker threads under its process-wide
+        limit (40), abandoning a cancelled lookup whose thread keeps its slot until
+        the resolver answers: a source whose DNS hangs, asked again and again
+        (retries, hedges, calls), took every slot, and every other name -- and every
+        thread polygate runs -- waited behind it.  Now such a name holds one thread
+        of its own, its calls waiting on it (within their own bounds).  And the
+        application's threads share that limit: 40 of them waiting on polygate's calls
+        (``trio.from_thread.run``) held every slot, and the lookup their calls needed
+        never ran.  So the connect goes to the addresses found here (``_eyeballs``)."""
         if _is_address(host) or _custom_resolver():
-            return  # (an application's own resolver answers trio's connect: its rules)
+            return None
         token = trio.lowlevel.current_trio_token()
         if self._lookups_run is not token:
             # A transport used by another trio run: a lookup that run abandoned would
@@ -1028,14 +1037,14 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 # "at the same instant".
                 if entry.failed is not None:
                     raise type(entry.failed)(*entry.failed.args)
-                return
+                return entry.addresses
             if entry.failed is None and trio.current_time() - entry.ended_at < _LOOKUP_FRESH_S:
-                return  # (a burst of connections: one lookup, then trio's own)
+                return entry.addresses  # (a burst of connections: one lookup)
             # The thread's token is the name's own, held until the resolver answers,
             # however the caller that started it was cut: the next caller waits for it
             # (cancellably) rather than start another thread.
             try:
-                await trio.to_thread.run_sync(
+                found = await trio.to_thread.run_sync(
                     socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM,
                     limiter=entry.thread, abandon_on_cancel=True,
                 )
@@ -1051,8 +1060,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 # (A label IDNA refuses, over 63 characters: what trio's own connect
                 # raises too, bare.  The settings refuse such a source's URL.)
                 raise socket.gaierror(socket.EAI_NONAME, f"not a name that can be looked up ({exc})") from None
-            entry.failed, entry.ended_at = None, trio.current_time()
+            entry.failed, entry.ended_at, entry.addresses = None, trio.current_time(), found
             entry.lookups += 1
+            return found
 
     def _forget_lookups(self) -> None:
         """Forget the names no caller is at and no lookup thread holds (a transport
