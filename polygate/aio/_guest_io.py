@@ -383,15 +383,9 @@ class LoopDriver:
                 # its chain of steps ends (see tick).
                 self.tick(_WOKEN)
         if _interrupt.held.pending:
-            # A Ctrl-C came during these steps: raised from the loop, as the
-            # default handler's would be from its wait, not into the caller's task
-            # (which would die with it, its call going on without it).
-            self._post_interrupt()
-
-    def _post_interrupt(self) -> None:
-        try:
-            self._loop.call_soon(_interrupt.deliver)
-        except RuntimeError:  # (a closed loop: the rescue, running trio's steps itself)
+            # A Ctrl-C came during these steps, run in the caller's own step: raised
+            # there, as the default handler's would have been (not posted to the loop,
+            # whose run may end in this iteration: a later run would get it).
             _interrupt.deliver()
 
     def _poll_and_tick(self, *, timed_out: bool = False) -> None:

@@ -168,6 +168,8 @@ class Host:
                 self._batch.clear()
                 raise PolygateError(ENDED) from None
             self._wake_pending = True
+        if _interrupt.held.pending:  # (a Ctrl-C held in the hand-over: now, here)
+            _interrupt.deliver()
 
     def start_job(self, start: Callable[[Any], object], job: Any) -> None:
         """``submit(start, job)`` for a call's job, where ``start`` spawns its task.
@@ -280,6 +282,8 @@ class Host:
             self.token.run_sync_soon(self._set_stop)
         else:
             resolve(self.finished, outcome.Value(None))
+        if _interrupt.held.pending:
+            _interrupt.deliver()
 
     def _set_stop(self) -> None:
         if self._stop is not None:
@@ -394,6 +398,8 @@ class Host:
             except queue.Empty:
                 break
             fn()
+        if _interrupt.held.pending:
+            _interrupt.deliver()
 
 
 class _Queued:
@@ -534,7 +540,6 @@ async def acquire() -> Host:
                     "closed); leave them, or close that loop, first"
                 )
             host = Host(loop, guest=not trio.lowlevel.in_trio_run())
-            by_loop[loop] = host
             if host.guest:
                 host.start()
             else:
@@ -542,6 +547,9 @@ async def acquire() -> Host:
                 # application's own guest run) is driven by this asyncio loop.
                 host.token = trio.lowlevel.current_trio_token()
                 resolve(host.ready, outcome.Value(None))
+            # (Registered once started: a Ctrl-C raised before would leave a host that
+            # never starts, and every later session on this loop waiting for it.)
+            by_loop[loop] = host
         if not host.accepting:
             # The last session of this loop is shutting its run down: wait, then anew.
             await asyncio.shield(host.finished)

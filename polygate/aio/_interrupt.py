@@ -13,8 +13,11 @@ So before the guest run starts, this module's handler takes the default's place
 once, wherever the program is, as the default handler would, except inside one of
 trio's steps or a hand-over to trio (the functions :func:`guard` registers): a
 ``KeyboardInterrupt`` there would break trio's scheduler.  There it is held until the
-step ends, then raised (:func:`deliver`), a few microseconds later.  The default
-handler is put back when the last guest run that relied on it has finished.
+step ends, then raised (:func:`deliver`), a few microseconds later, by the code that
+ran the step: in the same iteration of the loop, never posted to a later one (the
+loop's ``run_until_complete`` may end in this one, and a later run, a later cell of
+a REPL, would get a Ctrl-C nobody pressed in it).  The default handler is put back
+when the last guest run that relied on it has finished.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def _on_sigint(signum: int, frame: types.FrameType | None) -> None:
             held.pending = True
             return
         outer = outer.f_back
+    held.pending = False  # (one held before is this one now)
     signal.default_int_handler(signum, frame)  # (raises KeyboardInterrupt)
 
 

@@ -151,7 +151,11 @@ def _forward(
         # running loop again: this task runs on the loop it ran on before them.)
         if self._owner.closing or self._host.process != forks.count:
             self._check_open()
-        self._host.start_job(self._owner.start_job, job)
+        try:
+            self._host.start_job(self._owner.start_job, job)
+        except KeyboardInterrupt:
+            self._abandon(job)
+            raise
         try:
             return await job.fut  # type: ignore[no-any-return]
         except asyncio.CancelledError:
@@ -282,6 +286,16 @@ class Session:
             self._host.start_job(self._owner.start_job, job)
         except PolygateError:
             job.done = True
+
+    def _abandon(self, job: _Job) -> None:
+        """A Ctrl-C held back during the job's first steps (see _interrupt) was raised
+        as they ended, in the caller's task, which it ends: the call goes with it,
+        cancelled without waiting (the interrupt goes on at once), its answer or
+        error never retrieved."""
+        job.fut.add_done_callback(_retrieved)
+        if not job.done:
+            with contextlib.suppress(PolygateError):
+                self._host.submit(job.cancel)
 
     async def _cancel(self, job: _Job) -> None:
         """The caller was cancelled: cancel the trio side and wait until every path of
@@ -623,7 +637,12 @@ class ChatStream:
             job.done = True
             self._exited = True
             raise
-        session._host.start_job(session._owner.start_job, job)
+        try:
+            session._host.start_job(session._owner.start_job, job)
+        except KeyboardInterrupt:
+            self._exited = True
+            session._abandon(job)
+            raise
         try:
             await job.fut
         except BaseException:
