@@ -250,8 +250,11 @@ class _ProcessWorker(_Worker):
         command = [executable, "-I", "-c", _BOOT, _render_arg(), repr(_exit_after()), json.dumps(sys.path)]
         try:
             # Shielded: trio spawns in a thread, and a cancellation there would lose the
-            # Popen of a process already started.  Bounded: a fork and an exec.  Once
-            # started, a cancellation reaches it at its first request (and kills it).
+            # Popen of a process already started.  Bounded: a fork and an exec, once
+            # that thread has a token of trio's default limiter (the application's
+            # threads share it: with every token held, this waits for one; said in
+            # docs/concepts.md).  Once started, a cancellation reaches it at its first
+            # request (and kills it).
             with trio.CancelScope(shield=True), patient_clock(math.inf):
                 process = await trio.lowlevel.open_process(
                     command, stdin=subprocess.PIPE, stdout=subprocess.PIPE

@@ -26,7 +26,7 @@ import trio
 
 import polygate
 import polygate.aio
-from polygate.aio import _guest_io
+from polygate.aio import _guest_io, _host
 from polygate.testing import FakeUpstream, Profile, Reply
 
 from ._aio_support import (
@@ -954,6 +954,33 @@ def test_loop_closed_with_a_trio_tick_queued(kind: str) -> None:
         _run(reopen(), kind)
     assert time.monotonic() - t0 < 5  # not the rescue's time limit
     assert not trio.lowlevel.in_trio_run()
+
+
+def test_a_start_interrupted_leaves_no_run_for_later_sessions_to_wait_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: the loop's host was registered before its run started, so a Ctrl-C
+    between the two (a press while the first session opened) left a host whose run
+    never started, and every later session on the loop waited for it for ever."""
+    loop = _new_loop("asyncio")
+    start = _host.Host.start
+
+    def pressed(self: _host.Host) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        monkeypatch.setattr(_host.Host, "start", pressed)
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(
+                polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()).__aenter__())
+        monkeypatch.setattr(_host.Host, "start", start)
+
+        async def again() -> str:
+            async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
+                return (await s.chat(messages("x"))).text
+
+        assert loop.run_until_complete(asyncio.wait_for(again(), 10)) == "hello from the fake"
+    finally:
+        loop.close()
 
 
 _CTRL_C = """

@@ -80,28 +80,36 @@ def test_ordered_puts_the_first_address_of_the_other_family_second() -> None:
     assert ordered([]) == []
 
 
-def _target(sock: socket.socket) -> tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[str, int]]:
-    return (socket.AF_INET, socket.SOCK_STREAM, 6, "", sock.getsockname())
+def _target(ip: str, port: int = 0) -> tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[str, int]]:
+    return (socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port))
 
 
-def _listener(backlog: int = 5) -> socket.socket:
+def _port() -> int:
+    """A port free on 127.0.0.1 and 127.0.0.2 (two addresses of one name, one port)."""
+    while True:
+        with socket.socket() as one:
+            one.bind(("127.0.0.1", 0))
+            port = one.getsockname()[1]
+            with socket.socket() as two:
+                try:
+                    two.bind(("127.0.0.2", port))
+                except OSError:
+                    continue
+                return int(port)
+
+
+def _listener(ip: str, port: int, backlog: int = 5) -> socket.socket:
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((ip, port))
     sock.listen(backlog)
     return sock
 
 
-def _closed_port() -> socket.socket:
-    """A bound socket that does not listen: a connect to it is refused."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 async def test_a_refused_address_gives_way_to_the_next_at_once() -> None:
-    with _closed_port() as dead, _listener() as live:
+    port = _port()
+    with _listener("127.0.0.2", port) as live:  # (nothing on 127.0.0.1: refused)
         t0 = time.monotonic()
-        stream = await connect("name", 1, [_target(dead), _target(live)])
+        stream = await connect("name", port, [_target("127.0.0.1"), _target("127.0.0.2")])
         elapsed = time.monotonic() - t0
         async with stream:
             assert stream.socket.getpeername() == live.getsockname()
@@ -111,9 +119,11 @@ async def test_a_refused_address_gives_way_to_the_next_at_once() -> None:
 async def test_a_black_holed_address_gives_way_after_the_delay_and_is_closed() -> None:
     """A connect that hangs (here: a listener whose accept queue is full drops the
     SYN) does not hold the next address up for more than the delay, and loses."""
-    with _listener(backlog=0) as full, _listener() as live, socket.create_connection(full.getsockname()):
+    port = _port()
+    with _listener("127.0.0.1", port, backlog=0) as full, _listener("127.0.0.2", port) as live, \
+            socket.create_connection(full.getsockname()):
         t0 = time.monotonic()
-        stream = await connect("name", 1, [_target(full), _target(live)])
+        stream = await connect("name", port, [_target("127.0.0.1"), _target("127.0.0.2")])
         elapsed = time.monotonic() - t0
         async with stream:
             assert stream.socket.getpeername() == live.getsockname()
@@ -124,14 +134,24 @@ async def test_when_every_address_fails_the_error_is_trios() -> None:
     """``OSError("all attempts to connect to HOST:PORT failed")`` from a group of each
     attempt's error, as trio's ``open_tcp_stream`` raises it (polygate's error
     reports look through that shape for the operating system's reasons)."""
-    with _closed_port() as one, _closed_port() as two:
-        with pytest.raises(OSError, match=r"^all attempts to connect to name:1 failed$") as caught:
-            await connect("name", 1, [_target(one), _target(two)])
+    port = _port()
+    with pytest.raises(OSError, match=rf"^all attempts to connect to name:{port} failed$") as caught:
+        await connect("name", port, [_target("127.0.0.1"), _target("127.0.0.2")])
     group = caught.value.__cause__
     assert isinstance(group, ExceptionGroup)
     assert [type(e) for e in group.exceptions] == [ConnectionRefusedError, ConnectionRefusedError]
-    with _closed_port() as one, pytest.raises(OSError, match=r"to \[::1\]:2 failed"):
-        await connect("::1", 2, [_target(one)])
+    with pytest.raises(OSError, match=rf"to \[::1\]:{port} failed"):
+        await connect("::1", port, [_target("127.0.0.1")])
+
+
+async def test_the_port_is_the_one_asked_for() -> None:
+    """The addresses of a name's lookup carry the port it was asked with; a connect
+    to another port of that name goes to that port."""
+    port = _port()
+    with _listener("127.0.0.1", port) as live:
+        stream = await connect("name", port, [_target("127.0.0.1", port + 1 if port < 65535 else 1)])
+        async with stream:
+            assert stream.socket.getpeername() == live.getsockname()
 
 
 def _open_descriptors() -> int:
@@ -139,8 +159,79 @@ def _open_descriptors() -> int:
 
 
 async def test_a_cancelled_connect_leaves_no_socket_open() -> None:
-    with _listener(backlog=0) as full, socket.create_connection(full.getsockname()):
+    port = _port()
+    with _listener("127.0.0.1", port, backlog=0) as full, socket.create_connection(full.getsockname()):
         before = _open_descriptors()
         with trio.move_on_after(DELAY_S * 3):
-            await connect("name", 1, [_target(full), _target(full)])
+            await connect("name", port, [_target("127.0.0.1"), _target("127.0.0.1")])
         assert _open_descriptors() == before
+
+
+async def test_two_sources_on_one_host_name_reach_their_own_ports() -> None:
+    """Review: the addresses a name's lookup found carry the port it was asked with,
+    and were reused for any port: a second source on the same name (vLLM on :8000
+    and :8001, chat and embeddings on two ports) got the first one's server."""
+    a, b = FakeUpstream(Reply(text="from A")), FakeUpstream(Reply(text="from B"))
+    async with a.serve() as url_a, b.serve() as url_b:
+        settings = polygate.Settings(scopes={
+            "a": polygate.Scope(sources=[polygate.Source(name="a", base_url=url_a.replace("127.0.0.1", "localhost"), model="m")]),
+            "b": polygate.Scope(sources=[polygate.Source(name="b", base_url=url_b.replace("127.0.0.1", "localhost"), model="m")]),
+        })
+        with trio.fail_after(20):
+            async with polygate.session(settings) as s:
+                answers = [(await s.chat(MSG, scope=scope, call_deadline_s=10)).text for scope in "abab"]
+    assert answers == ["from A", "from B", "from A", "from B"]
+
+
+async def test_a_socket_that_cannot_be_made_is_that_addresss_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: ``socket()`` was made outside the attempt's error handling, so a
+    kernel without IPv6 (or a process out of descriptors: the pool then closes its
+    idle connections and tries again) failed the whole connect with a bare group,
+    where trio's race goes on to the next address."""
+    make = trio.socket.socket
+
+    def no_ipv6(family: int = socket.AF_INET, *args: object, **kwargs: object) -> trio.socket.SocketType:
+        if family == socket.AF_INET6:
+            raise OSError(97, "Address family not supported by protocol")
+        return make(family, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(trio.socket, "socket", no_ipv6)
+    v6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))
+    port = _port()
+    with _listener("127.0.0.1", port) as live:
+        stream = await connect("dual", port, [v6, _target("127.0.0.1")])
+        async with stream:
+            assert stream.socket.getpeername() == live.getsockname()
+    with pytest.raises(OSError, match=f"all attempts to connect to dual:{port} failed") as caught:
+        await connect("dual", port, [v6])
+    assert isinstance(caught.value.__cause__, ExceptionGroup)
+    assert caught.value.__cause__.exceptions[0].errno == 97
+
+
+def test_a_host_name_under_a_mock_clock() -> None:
+    """Review: the lookup's thread ran without holding a ``MockClock`` still, so under
+    ``autojump_threshold=0`` (how users test) virtual time jumped to the call's
+    deadline while the resolver answered: a source by name always timed out."""
+    import trio.testing
+
+    async def main() -> list[str]:
+        up = FakeUpstream(Reply(text="ok"))
+        async with up.serve() as url:
+            settings = polygate.Settings(scopes={"chat": polygate.Scope(
+                sources=[polygate.Source(name="a", base_url=url.replace("127.0.0.1", "localhost"), model="m")])})
+            results: list[str] = []
+            async with polygate.session(settings) as s:
+                async def one() -> None:
+                    try:
+                        results.append((await s.chat(MSG, call_deadline_s=30)).text)
+                    except polygate.PolygateError as exc:
+                        results.append(type(exc).__name__)
+
+                for _ in range(2):
+                    async with trio.open_nursery() as nursery:
+                        for _ in range(5):
+                            nursery.start_soon(one)
+                    await trio.sleep(10)  # (virtual: past the addresses' reuse)
+        return results
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == ["ok"] * 10

@@ -60,7 +60,17 @@ async def connect(host: str, port: int, targets: Sequence[Target]) -> trio.Socke
     async def attempt(target: Target, failed: trio.Event, done: trio.CancelScope) -> None:
         nonlocal winner
         family, kind, proto, _, sockaddr = target
-        sock = trio.socket.socket(family, kind, proto)
+        # The port asked for, whatever the lookup was asked with: a name's addresses
+        # serve every port (two sources on one host, another port each).
+        sockaddr = (sockaddr[0], port, *sockaddr[2:])
+        try:
+            # (Made inside: a socket that cannot be made -- out of descriptors, a kernel
+            # without IPv6 -- is this address's failure, as in trio's race.)
+            sock = trio.socket.socket(family, kind, proto)
+        except OSError as exc:
+            errors.append(exc)
+            failed.set()
+            return
         try:
             await sock.connect(sockaddr)
         except OSError as exc:

@@ -98,6 +98,7 @@ import trio
 from .._chunked import PLAIN_END, ChunkedDecoder
 from .._http11 import unquoted
 from .._sockets import out_of, out_of_now, read_now, reads_now, receive_when_readable, write_first
+from .._threads import patient_clock
 from ._eyeballs import Target, connect
 from ._head import HEAD_EXTENSION, MAX_HEAD, Head, parse_head
 from ._wire import CALL_ID_HEADER
@@ -1044,10 +1045,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
             # however the caller that started it was cut: the next caller waits for it
             # (cancellably) rather than start another thread.
             try:
-                found = await trio.to_thread.run_sync(
-                    socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM,
-                    limiter=entry.thread, abandon_on_cancel=True,
-                )
+                # (A MockClock held still while it runs: virtual time would jump to the
+                # call's deadline while the resolver answers in real time.)
+                with patient_clock():
+                    found = await trio.to_thread.run_sync(
+                        socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM,
+                        limiter=entry.thread, abandon_on_cancel=True,
+                    )
             except OSError as exc:  # (getaddrinfo's EAI_SYSTEM is a plain OSError)
                 if out_of_now() is None:
                     # (A failure that hid this process out of descriptors is not the
