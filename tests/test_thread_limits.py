@@ -235,3 +235,43 @@ def test_a_host_name_under_a_mock_clock() -> None:
         return results
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == ["ok"] * 10
+
+
+def test_a_lookup_that_never_answers_does_not_hold_a_mock_clocks_deadline_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: the lookup held a ``MockClock`` still for as long as the resolver took,
+    and a resolver that never answers held the call's deadline back for ever.  It
+    holds the clock for a second of real time, then virtual time goes on."""
+    import threading
+
+    import trio.testing
+
+    release = threading.Event()
+    real = socket.getaddrinfo
+
+    def hanging(host: str, *args: object, **kwargs: object) -> object:
+        if host == "hang.example":
+            release.wait(30)  # (a resolver that does not answer)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    settings = polygate.Settings(scopes={"chat": polygate.Scope(
+        sources=[polygate.Source(name="a", base_url="http://hang.example:9/v1", model="m")])})
+
+    async def main() -> tuple[str, float]:
+        async with polygate.session(settings) as s:
+            start = trio.current_time()
+            try:
+                await s.chat(MSG, call_deadline_s=5)
+            except polygate.PolygateError as exc:
+                return type(exc).__name__, trio.current_time() - start
+        return "answered", 0.0
+
+    t0 = time.monotonic()
+    try:
+        outcome, virtual = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        release.set()
+    assert (outcome, virtual) == ("DeadlineExceeded", pytest.approx(5.0))
+    assert time.monotonic() - t0 < 10

@@ -263,7 +263,8 @@ class Host:
             self.driver.hooks = self.hooks
 
     async def _main(self) -> None:
-        self._stop = trio.Event()
+        if self._stop is None:  # (else stopped before this ran: see _set_stop)
+            self._stop = trio.Event()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             resolve(self.ready, outcome.Value(None))
@@ -557,6 +558,18 @@ async def acquire() -> Host:
                 del by_loop[loop]
             continue
         host.users += 1
+        if _interrupt.held.pending:
+            # A Ctrl-C held in the run's start: raised here, now (its first step,
+            # posted, would raise it in the loop's next run: a later cell).  The run
+            # is asked to stop, unless another session uses it, and ends on its own
+            # (a later acquire waits for that); waiting here would hold the Ctrl-C.
+            try:
+                _interrupt.deliver()
+            except KeyboardInterrupt:
+                host.users -= 1
+                if host.users == 0:
+                    host.stop()
+                raise
         try:
             await asyncio.shield(host.ready)
         except BaseException:

@@ -208,6 +208,8 @@ class _SoftSend(trio.abc.Stream):
 #: A host name looked up this recently is not looked up again: a new connection goes
 #: to the addresses that lookup found.
 _LOOKUP_FRESH_S: Final = 5.0
+#: Real seconds a ``MockClock`` stands still while a name is looked up (see _lookup).
+_LOOKUP_HOLD_S: Final = 1.0
 #: Names a transport keeps its lookups' state for before it forgets idle ones.
 _LOOKUPS_KEPT: Final = 256
 
@@ -1045,9 +1047,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
             # however the caller that started it was cut: the next caller waits for it
             # (cancellably) rather than start another thread.
             try:
-                # (A MockClock held still while it runs: virtual time would jump to the
-                # call's deadline while the resolver answers in real time.)
-                with patient_clock():
+                # (A MockClock held still while it runs, for a while: virtual time
+                # would jump to the call's deadline while the resolver answers in real
+                # time.  Not for ever: a resolver that never answers must not hold the
+                # deadline back.)
+                with patient_clock(_LOOKUP_HOLD_S):
                     found = await trio.to_thread.run_sync(
                         socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM,
                         limiter=entry.thread, abandon_on_cancel=True,
