@@ -77,21 +77,20 @@ _own: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("polygat
 
 def own_limiter() -> trio.CapacityLimiter:
     """This run's limiter for polygate's blocking work (see ``OWN_THREADS``)."""
-    try:
-        return _own.get()
-    except LookupError:
-        limiter = trio.CapacityLimiter(OWN_THREADS)
-        _own.set(limiter)
-        return limiter
+    return _per_run(_own, OWN_THREADS)
 
 
 def cpu_limiter() -> trio.CapacityLimiter:
     """This run's limiter for work that holds the GIL (see ``CPU_THREADS``)."""
+    return _per_run(_cpu, CPU_THREADS)
+
+
+def _per_run(var: trio.lowlevel.RunVar[trio.CapacityLimiter], tokens: int) -> trio.CapacityLimiter:
     try:
-        return _cpu.get()
+        return var.get()
     except LookupError:
-        limiter = trio.CapacityLimiter(CPU_THREADS)
-        _cpu.set(limiter)
+        limiter = trio.CapacityLimiter(tokens)
+        var.set(limiter)
         return limiter
 
 

@@ -956,6 +956,12 @@ def test_loop_closed_with_a_trio_tick_queued(kind: str) -> None:
     assert not trio.lowlevel.in_trio_run()
 
 
+async def _answer() -> str:
+    """A new session's answer (on whatever loop runs it)."""
+    async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
+        return (await s.chat(messages("x"))).text
+
+
 def test_a_start_interrupted_leaves_no_run_for_later_sessions_to_wait_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Review: the loop's host was registered before its run started, so a Ctrl-C
@@ -974,11 +980,7 @@ def test_a_start_interrupted_leaves_no_run_for_later_sessions_to_wait_on(
                 polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()).__aenter__())
         monkeypatch.setattr(_host.Host, "start", start)
 
-        async def again() -> str:
-            async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
-                return (await s.chat(messages("x"))).text
-
-        assert loop.run_until_complete(asyncio.wait_for(again(), 10)) == "hello from the fake"
+        assert loop.run_until_complete(asyncio.wait_for(_answer(), 10)) == "hello from the fake"
     finally:
         loop.close()
 
@@ -1007,11 +1009,7 @@ def test_a_ctrl_c_held_in_the_runs_start_comes_in_the_same_cell(
         assert not _interrupt.held.pending
         monkeypatch.setattr(_host.Host, "start", start)
 
-        async def again() -> str:
-            async with polygate.aio.session(settings_for("http://a/v1"), transport=fake().transport()) as s:
-                return (await s.chat(messages("x"))).text
-
-        assert loop.run_until_complete(asyncio.wait_for(again(), 10)) == "hello from the fake"
+        assert loop.run_until_complete(asyncio.wait_for(_answer(), 10)) == "hello from the fake"
     finally:
         _interrupt.held.pending = False
         loop.close()
