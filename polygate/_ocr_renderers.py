@@ -13,7 +13,7 @@ child: a script that calls ``ocr()`` without an ``if __name__ == "__main__":`` g
 runs twice — its requests included — and then fails in the child.  (``fork`` is
 unsafe in a process with threads, and deprecated there.)  A library cannot ask that
 of every script that OCRs a PDF.  So a renderer is ``python -I -c <boot>`` started
-with ``trio.lowlevel.open_process``: the child loads ``polygate/_ocr_render.py`` by
+as ``trio.lowlevel.open_process`` starts one (``polygate/_child.py``): the child loads ``polygate/_ocr_render.py`` by
 its path and nothing else of the caller (not even the ``polygate`` package, whose
 imports take 0.2-0.6 s by the machine), with the caller's ``sys.path``; it speaks the
 frames described in ``_ocr_render``.
@@ -57,7 +57,6 @@ import json
 import math
 import os
 import pickle
-import subprocess
 import sys
 import threading
 import time
@@ -68,7 +67,7 @@ from typing import Any
 import attrs
 import trio
 
-from . import _ocr_render
+from . import _child, _ocr_render
 from ._errors import ConfigError, PolygateError
 from ._threads import NoThread, no_thread, patient_clock, run_sync
 
@@ -235,7 +234,7 @@ class _ThreadWorker(_Worker):
 
 
 class _ProcessWorker(_Worker):
-    def __init__(self, process: trio.Process) -> None:
+    def __init__(self, process: _child.Child) -> None:
         super().__init__()
         self.process = process
 
@@ -249,16 +248,12 @@ class _ProcessWorker(_Worker):
             )
         command = [executable, "-I", "-c", _BOOT, _render_arg(), repr(_exit_after()), json.dumps(sys.path)]
         try:
-            # Shielded: trio spawns in a thread, and a cancellation there would lose the
-            # Popen of a process already started.  Bounded: a fork and an exec, once
-            # that thread has a token of trio's default limiter (the application's
-            # threads share it: with every token held, this waits for one; said in
-            # docs/concepts.md).  Once started, a cancellation reaches it at its first
-            # request (and kills it).
-            with trio.CancelScope(shield=True), patient_clock(math.inf):
-                process = await trio.lowlevel.open_process(
-                    command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-                )
+            # Not trio's open_process: it takes a token of trio's default thread
+            # limiter, which the application's threads share (polygate/_child.py).
+            # Cancellable while it waits for a thread; once started, a cancellation
+            # reaches it at its first request (and kills it).
+            with patient_clock(math.inf):
+                process = await _child.start(command)
         except OSError as exc:
             raise ConfigError(
                 f"cannot start an OCR renderer process ({exc.strerror or exc}): "

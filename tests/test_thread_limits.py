@@ -275,3 +275,38 @@ def test_a_lookup_that_never_answers_does_not_hold_a_mock_clocks_deadline_back(
         release.set()
     assert (outcome, virtual) == ("DeadlineExceeded", pytest.approx(5.0))
     assert time.monotonic() - t0 < 10
+
+
+async def test_an_ocr_renderer_process_starts_with_every_default_token_taken() -> None:
+    """Review (trio web applications): trio starts a process from a thread of its
+    default limiter, so an OCR call's renderer waited for one of the application's
+    threads to finish -- under a shield, past its deadline: for ever."""
+    from polygate.testing import Router
+
+    from .test_ocr import make_pdf, ocr_settings
+
+    up = FakeUpstream(Reply(text="page"))
+    async with default_limiter_taken():
+        with trio.fail_after(30):  # (before: for ever)
+            async with polygate.session(ocr_settings(dpi=72), transport=Router({"a": up})) as s:
+                r = await s.ocr(make_pdf([(100, 100)]), call_deadline_s=20)
+    assert [page.text for page in r.pages] == ["page"]
+
+
+async def test_a_renderer_process_start_waiting_for_a_thread_is_cancellable() -> None:
+    """No unbounded shield: a start that waits for a thread (every one of polygate's
+    own taken) is cut by its call's cancellation, and no process is left behind."""
+    from polygate import _ocr_renderers
+    from polygate._threads import own_limiter
+
+    limiter = own_limiter()
+    total, holder = limiter.total_tokens, object()
+    limiter.total_tokens = 1
+    await limiter.acquire_on_behalf_of(holder)
+    try:
+        with trio.move_on_after(0.5) as cut:
+            await _ocr_renderers._ProcessWorker.start()
+    finally:
+        limiter.release_on_behalf_of(holder)
+        limiter.total_tokens = total
+    assert cut.cancelled_caught

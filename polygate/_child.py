@@ -1,0 +1,113 @@
+"""A child process whose start takes no token of trio's default thread limiter.
+
+``trio.lowlevel.open_process`` runs ``subprocess.Popen`` (a fork and an exec) in a
+thread of trio's default limiter, which the application's threads share: 40 of them
+waiting on polygate's calls (a FastAPI ``def`` endpoint on anyio's trio backend, any
+``trio.from_thread.run``) hold every token, and an OCR renderer's start waited for one
+of them to finish, for ever (review: trio web applications; ``tests/test_thread_limits.py``).
+trio takes no limiter there, so :func:`start` does what it does on polygate's own
+limiter (``polygate._threads.own_limiter``): the pipes made here, ``Popen`` in a
+thread, the parent's ends as ``trio.lowlevel.FdStream``.
+
+The start is cancellable while it waits for a thread and not once the thread runs
+(``abandon_on_cancel=False``: the ``Popen`` always comes back, so no process is lost);
+trio's delivers the cancellation at the caller's next checkpoint, with the child in
+hand.  :meth:`Child.wait` waits on a pidfd (Linux ≥ 5.3, as trio does), else in an
+abandonable thread of polygate's limiter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Sequence
+
+import trio
+
+from polygate._threads import run_sync
+
+__all__ = ["Child", "start"]
+
+
+class Child:
+    """A started process and the parent's ends of its stdin and stdout (the subset
+    of ``trio.Process`` that polygate uses)."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], stdin: trio.lowlevel.FdStream,
+                 stdout: trio.lowlevel.FdStream) -> None:
+        self._popen = popen
+        self.stdin = stdin
+        self.stdout = stdout
+        self._pidfd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):  # (no pidfd: a thread waits)
+            self._pidfd = os.pidfd_open(popen.pid)
+
+    def __repr__(self) -> str:
+        return f"<polygate child process {self.pid}, exit status {self.returncode}>"
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it has exited (reaped then), else None; does not block."""
+        return self._popen.poll()
+
+    def send_signal(self, sig: int) -> None:
+        if self._popen.returncode is None:  # (a reaped pid may be another process's)
+            self._popen.send_signal(sig)
+
+    def kill(self) -> None:
+        if self._popen.returncode is None:
+            self._popen.kill()
+
+    async def wait(self) -> int:
+        """Until it exits (then reaped); its exit status."""
+        if self._popen.returncode is None:
+            if self._pidfd is not None:
+                with contextlib.suppress(trio.ClosedResourceError):  # (another wait ended)
+                    await trio.lowlevel.wait_readable(self._pidfd)
+            else:
+                await run_sync(self._popen.wait, abandon_on_cancel=True)
+        await trio.lowlevel.checkpoint()
+        code = self._popen.wait()  # (it has exited: at once)
+        fd, self._pidfd = self._pidfd, None
+        if fd is not None:
+            trio.lowlevel.notify_closing(fd)
+            os.close(fd)
+        return code
+
+    async def aclose(self) -> None:
+        """Close the parent's ends of its pipes (the process is the caller's to end)."""
+        try:
+            await self.stdin.aclose()
+        finally:
+            await self.stdout.aclose()
+
+
+async def start(command: Sequence[str]) -> Child:
+    """Start ``command`` with its stdin and stdout piped to the returned child (its
+    stderr is this process's); ``OSError`` where it cannot start."""
+    child_in, parent_in = os.pipe()  # (not inherited: Popen dups the child's ends)
+    try:
+        parent_out, child_out = os.pipe()
+    except BaseException:
+        os.close(child_in)
+        os.close(parent_in)
+        raise
+    def popen() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(list(command), stdin=child_in, stdout=child_out)
+
+    try:
+        started = await run_sync(popen)  # (on polygate's own limiter)
+    except BaseException:
+        os.close(parent_in)
+        os.close(parent_out)
+        raise
+    finally:
+        # The child has its own copies now: when it exits, ours read end of file.
+        os.close(child_in)
+        os.close(child_out)
+    return Child(started, trio.lowlevel.FdStream(parent_in), trio.lowlevel.FdStream(parent_out))
