@@ -5,20 +5,22 @@ thread of trio's default limiter, which the application's threads share: 40 of t
 waiting on polygate's calls (a FastAPI ``def`` endpoint on anyio's trio backend, any
 ``trio.from_thread.run``) hold every token, and an OCR renderer's start waited for one
 of them to finish, for ever (review: trio web applications; ``tests/test_thread_limits.py``).
-trio takes no limiter there, so :func:`start` does what it does on polygate's own
+``open_process`` takes no limiter, so :func:`start` does what it does on polygate's own
 limiter (``polygate._threads.own_limiter``): the pipes made here, ``Popen`` in a
 thread, the parent's ends as ``trio.lowlevel.FdStream``.
 
 The start is cancellable while it waits for a thread and not once the thread runs
 (``abandon_on_cancel=False``: the ``Popen`` always comes back, so no process is lost);
-trio's delivers the cancellation at the caller's next checkpoint, with the child in
+trio delivers the cancellation at the caller's next checkpoint, with the child in
 hand.  :meth:`Child.wait` waits on a pidfd (Linux ≥ 5.3, as trio does), else in an
-abandonable thread of polygate's limiter.
+abandonable thread of a limiter that never makes it wait (trio's own fallback does the
+same): the wait after a SIGKILL is shielded, and must not wait for a token.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 from collections.abc import Sequence
@@ -28,6 +30,9 @@ import trio
 from polygate._threads import run_sync
 
 __all__ = ["Child", "start"]
+
+#: Each thread waits for one child of ours to exit: bounded by the children, no token.
+_WAITS = trio.CapacityLimiter(math.inf)
 
 
 class Child:
@@ -70,7 +75,7 @@ class Child:
                 with contextlib.suppress(trio.ClosedResourceError):  # (another wait ended)
                     await trio.lowlevel.wait_readable(self._pidfd)
             else:
-                await run_sync(self._popen.wait, abandon_on_cancel=True)
+                await run_sync(self._popen.wait, abandon_on_cancel=True, limiter=_WAITS)
         await trio.lowlevel.checkpoint()
         code = self._popen.wait()  # (it has exited: at once)
         fd, self._pidfd = self._pidfd, None
@@ -97,6 +102,7 @@ async def start(command: Sequence[str]) -> Child:
         os.close(child_in)
         os.close(parent_in)
         raise
+
     def popen() -> subprocess.Popen[bytes]:
         return subprocess.Popen(list(command), stdin=child_in, stdout=child_out)
 
