@@ -23,6 +23,7 @@ import contextlib
 import math
 import os
 import subprocess
+import sys
 from collections.abc import Sequence
 
 import trio
@@ -92,9 +93,12 @@ class Child:
             await self.stdout.aclose()
 
 
-async def start(command: Sequence[str]) -> Child:
+async def start(command: Sequence[str]) -> Child | trio.Process:
     """Start ``command`` with its stdin and stdout piped to the returned child (its
     stderr is this process's); ``OSError`` where it cannot start."""
+    if sys.platform == "win32":  # (no FdStream there: trio's own start, as before)
+        return await trio.lowlevel.open_process(
+            list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     child_in, parent_in = os.pipe()  # (not inherited: Popen dups the child's ends)
     try:
         parent_out, child_out = os.pipe()

@@ -234,7 +234,7 @@ class _ThreadWorker(_Worker):
 
 
 class _ProcessWorker(_Worker):
-    def __init__(self, process: _child.Child) -> None:
+    def __init__(self, process: _child.Child | trio.Process) -> None:
         super().__init__()
         self.process = process
 
