@@ -12,18 +12,22 @@ thread, the parent's ends as ``trio.lowlevel.FdStream``.
 The start is cancellable while it waits for a thread and not once the thread runs
 (``abandon_on_cancel=False``: the ``Popen`` always comes back, so no process is lost);
 trio delivers the cancellation at the caller's next checkpoint, with the child in
-hand.  :meth:`Child.wait` waits on a pidfd (Linux ≥ 5.3, as trio does), else in an
-abandonable thread of a limiter that never makes it wait (trio's own fallback does the
-same): the wait after a SIGKILL is shielded, and must not wait for a token.
+hand.  :meth:`Child.wait` waits on a pidfd, as trio does.  Where the kernel gives
+none (macOS and Windows, whose waits trio does its own way, Linux before 5.3 or under a
+seccomp profile that refuses ``pidfd_open``), :func:`start` is trio's own start, as
+before, and takes a token of trio's default limiter.  A pidfd that cannot be opened for
+one child (out of descriptors) leaves its wait to a thread of a limiter that never
+makes it wait (as trio's own fallback does): the wait after a SIGKILL is shielded, and
+must not queue for a token.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import subprocess
-import sys
 from collections.abc import Sequence
 
 import trio
@@ -36,6 +40,24 @@ __all__ = ["Child", "start"]
 _WAITS = trio.CapacityLimiter(math.inf)
 
 
+_pidfds: bool | None = None  # whether this kernel gives pidfds: asked once
+
+
+def pidfds() -> bool:
+    """Whether this process can open pidfds (Linux 5.3 and later, not refused)."""
+    global _pidfds
+    if _pidfds is None:
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+        except (AttributeError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+                return False  # (out of descriptors now: asked again next time)
+            _pidfds = False
+        else:
+            _pidfds = True
+    return _pidfds
+
+
 class Child:
     """A started process and the parent's ends of its stdin and stdout (the subset
     of ``trio.Process`` that polygate uses)."""
@@ -45,8 +67,9 @@ class Child:
         self._popen = popen
         self.stdin = stdin
         self.stdout = stdout
+        self._waiting = trio.Lock()  # (one wait at a time on a pidfd, as trio's)
         self._pidfd: int | None = None
-        with contextlib.suppress(AttributeError, OSError):  # (no pidfd: a thread waits)
+        with contextlib.suppress(OSError):  # (out of descriptors: a thread waits)
             self._pidfd = os.pidfd_open(popen.pid)
 
     def __repr__(self) -> str:
@@ -71,32 +94,24 @@ class Child:
 
     async def wait(self) -> int:
         """Until it exits (then reaped); its exit status."""
-        if self._popen.returncode is None:
-            if self._pidfd is not None:
-                with contextlib.suppress(trio.ClosedResourceError):  # (another wait ended)
+        async with self._waiting:
+            if self._popen.returncode is None:
+                if self._pidfd is not None:
                     await trio.lowlevel.wait_readable(self._pidfd)
-            else:
-                await run_sync(self._popen.wait, abandon_on_cancel=True, limiter=_WAITS)
-        await trio.lowlevel.checkpoint()
-        code = self._popen.wait()  # (it has exited: at once)
-        fd, self._pidfd = self._pidfd, None
-        if fd is not None:
-            trio.lowlevel.notify_closing(fd)
-            os.close(fd)
+                else:
+                    await run_sync(self._popen.wait, abandon_on_cancel=True, limiter=_WAITS)
+            code = self._popen.wait()  # (it has exited: at once)
+            fd, self._pidfd = self._pidfd, None
+            if fd is not None:
+                trio.lowlevel.notify_closing(fd)
+                os.close(fd)
         return code
-
-    async def aclose(self) -> None:
-        """Close the parent's ends of its pipes (the process is the caller's to end)."""
-        try:
-            await self.stdin.aclose()
-        finally:
-            await self.stdout.aclose()
 
 
 async def start(command: Sequence[str]) -> Child | trio.Process:
     """Start ``command`` with its stdin and stdout piped to the returned child (its
     stderr is this process's); ``OSError`` where it cannot start."""
-    if sys.platform == "win32":  # (no FdStream there: trio's own start, as before)
+    if not pidfds():  # (see above: trio's own start and wait)
         return await trio.lowlevel.open_process(
             list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     child_in, parent_in = os.pipe()  # (not inherited: Popen dups the child's ends)
@@ -120,4 +135,16 @@ async def start(command: Sequence[str]) -> Child | trio.Process:
         # The child has its own copies now: when it exits, ours read end of file.
         os.close(child_in)
         os.close(child_out)
-    return Child(started, trio.lowlevel.FdStream(parent_in), trio.lowlevel.FdStream(parent_out))
+    streams: list[trio.lowlevel.FdStream] = []
+    try:
+        for fd in (parent_in, parent_out):
+            streams.append(trio.lowlevel.FdStream(fd))
+        return Child(started, *streams)
+    except BaseException:  # (a KeyboardInterrupt just then, say): nothing left behind
+        started.kill()
+        started.wait()  # (bounded: SIGKILL)
+        for stream in streams:
+            stream.close()
+        for fd in (parent_in, parent_out)[len(streams):]:
+            os.close(fd)
+        raise

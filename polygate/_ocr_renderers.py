@@ -303,12 +303,14 @@ class _ProcessWorker(_Worker):
 
     async def discard(self) -> None:
         with trio.CancelScope(shield=True), patient_clock(math.inf):  # bounded: SIGKILL, reap
-            if self.process.returncode is None:
-                self.process.kill()
-            await self.process.wait()
-            for stream in (self.process.stdin, self.process.stdout):
-                if stream is not None:
-                    await stream.aclose()
+            try:
+                if self.process.returncode is None:
+                    self.process.kill()
+                await self.process.wait()
+            finally:  # (a wait that could not start its thread: the pipes closed all the same)
+                for stream in (self.process.stdin, self.process.stdout):
+                    if stream is not None:
+                        await stream.aclose()
 
     def alive(self) -> bool:
         return self.process.returncode is None
@@ -426,8 +428,14 @@ class _Pool:
     async def aclose(self) -> None:
         self.closed = True
         idle, self.idle = self.idle, []
+        failed: BaseException | None = None
         for worker in idle:
-            await self._discard(worker)
+            try:
+                await self._discard(worker)
+            except Exception as exc:  # (the others are still killed: raised after them)
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
 
 class Renderers:

@@ -5,12 +5,14 @@ real clock."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 
 import pytest
 import trio
+import trio.testing
 
 from polygate import _child
 
@@ -22,12 +24,23 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-@pytest.fixture(params=["pidfd", "thread"])
+async def close_pipes(child: _child.Child | trio.Process) -> None:
+    for stream in (child.stdin, child.stdout):
+        assert stream is not None
+        await stream.aclose()
+
+
+@pytest.fixture(params=["pidfd", "thread", "trio"])
 def waits_by(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "thread":  # (a kernel before 5.3, or not Linux)
-        monkeypatch.delattr(os, "pidfd_open", raising=False)
-    elif not hasattr(os, "pidfd_open"):
-        pytest.skip("no pidfd here")
+    if not _child.pidfds():
+        pytest.skip("no pidfds here: trio's own start, tested as 'trio'")
+    if request.param == "thread":  # (a pidfd that could not be opened: out of descriptors)
+        def refused(pid: int, flags: int = 0) -> int:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(os, "pidfd_open", refused)
+    elif request.param == "trio":  # (macOS, Windows, Linux before 5.3: trio's start)
+        monkeypatch.setattr(_child, "_pidfds", False)
     return str(request.param)
 
 
@@ -45,7 +58,7 @@ async def test_a_child_talks_over_its_pipes_and_its_exit_is_waited_for(waits_by:
         assert await child.wait() == 7
     assert (got, child.returncode) == (b"cba", 7)
     assert await child.wait() == 7  # (again: at once)
-    await child.aclose()
+    await close_pipes(child)
     assert open_fds() == before  # the pipes and the pidfd closed
 
 
@@ -62,7 +75,7 @@ async def test_a_killed_child_is_reaped_and_a_cancelled_wait_can_wait_again(wait
         child.send_signal(signal.SIGTERM)
     finally:
         child.kill()
-        await child.aclose()
+        await close_pipes(child)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts /proc/self/fd")
@@ -82,7 +95,7 @@ async def test_its_start_waits_for_polygates_own_threads_not_trios() -> None:
         with trio.fail_after(30):
             child = await _child.start([sys.executable, "-I", "-c", "pass"])
             assert await child.wait() == 0
-    await child.aclose()
+    await close_pipes(child)
 
 
 async def test_a_wait_takes_no_token_of_polygates_own_threads(waits_by: str) -> None:
@@ -103,4 +116,52 @@ async def test_a_wait_takes_no_token_of_polygates_own_threads(waits_by: str) -> 
         limiter.release_on_behalf_of(holder)
         limiter.total_tokens = total
         child.kill()
-        await child.aclose()
+        await close_pipes(child)
+
+
+async def test_two_waits_at_once_both_see_the_exit(waits_by: str) -> None:
+    """Review: two waits on one pidfd at once raised ``BusyResourceError``."""
+    child = await _child.start([sys.executable, "-I", "-c", "import time; time.sleep(60)"])
+    codes: list[int] = []
+
+    async def wait() -> None:
+        codes.append(await child.wait())
+
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait)
+                nursery.start_soon(wait)
+                await trio.testing.wait_all_tasks_blocked()
+                child.kill()
+        assert codes == [-signal.SIGKILL] * 2
+    finally:
+        child.kill()
+        await close_pipes(child)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts /proc/self/fd")
+async def test_a_renderer_whose_wait_fails_is_still_killed_and_closed_and_so_are_the_others() -> None:
+    """Review: a discarded renderer's wait that could not start its thread (no pidfd,
+    the thread limit reached) left its pipes open, and the session's close stopped
+    there, leaving the other renderers running."""
+    from polygate import _ocr_renderers
+    from polygate._threads import NoThread
+
+    before = open_fds()
+    pool = _ocr_renderers._Pool(2, _ocr_renderers._ProcessWorker.start)
+    workers = [await _ocr_renderers._ProcessWorker.start() for _ in range(2)]
+    real_wait = workers[0].process.wait
+
+    async def no_thread() -> int:
+        raise NoThread
+
+    workers[0].process.wait = no_thread  # type: ignore[method-assign]
+    pool.idle.extend(workers)
+    pool.everyone.update(workers)
+    with pytest.raises(NoThread):
+        await pool.aclose()
+    assert all(w.process.returncode is not None for w in workers[1:])  # killed and reaped
+    with trio.fail_after(30):
+        assert await real_wait() == -signal.SIGKILL  # killed before its wait failed
+    assert open_fds() == before  # every pipe closed
