@@ -5,6 +5,7 @@ A real redis-server, started by the tests (``tests/_redis_server.py``)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import signal
@@ -602,3 +603,60 @@ async def test_a_scrape_of_a_hung_redis_is_bounded_to_its_2_s(
     assert up == {"polygate_governance_backend_up": 0.0}
     assert ready.status == 503
     assert scraped < 3.5 and readied < 3.5, (scraped, readied)
+
+
+async def test_a_hung_redis_cache_is_said_in_polygates_words_not_a_traceback_a_lookup(
+    tmp_path: Path,
+) -> None:
+    """Review (what reaches the logs): a cache on a Redis that accepts and never
+    answers (hung, SIGSTOPped) had coredis log every connection attempt at ERROR with
+    a ~127-line traceback, one per lookup in the cache's first timeout: 8,000 lines in
+    30 s at 20 calls a second, under polygate's prefix, where polygate says the outage
+    itself in two lines."""
+    pytest.importorskip("coredis")
+    held: list[trio.SocketStream] = []
+
+    async def hang(stream: trio.SocketStream) -> None:
+        held.append(stream)
+        await trio.sleep_forever()
+
+    upstream = FakeUpstream(Reply(text="answered"))
+    async with trio.open_nursery() as nursery, upstream.serve() as url:
+        [listener] = await nursery.start(functools.partial(trio.serve_tcp, hang, 0, host="127.0.0.1"))
+        port = listener.socket.getsockname()[1]
+        config = tmp_path / "c.toml"
+        config.write_text(
+            f'cache = "redis://127.0.0.1:{port}/0"\n[serve]\napi_keys = ["{GATEWAY_KEY}"]\n'
+            f'[scopes.chat]\ncache_ttl_s = 60\n'
+            f'[scopes.chat.sources.a]\nbase_url = "{url}"\nmodel = "m1"\n'
+        )
+        async with serve_process(config) as replica:
+            statuses: list[int] = []
+            err = bytearray()
+
+            async def drain() -> None:  # (a log nobody reads fills its pipe, and stalls)
+                assert replica.proc.stderr is not None
+                while chunk := await replica.proc.stderr.receive_some(1 << 20):
+                    err.extend(chunk)
+
+            async def one(i: int) -> None:
+                body = {**CHAT, "messages": [{"role": "user", "content": f"hi {i}"}]}
+                statuses.append((await http(_Port(replica.port), "POST", "/v1/chat/completions",
+                                            body, AUTH)).status)
+
+            async with trio.open_nursery() as reading:
+                reading.start_soon(drain)
+                async with trio.open_nursery() as calls:
+                    for i in range(40):
+                        calls.start_soon(one, i)
+                        await trio.sleep(0.05)  # (20 calls a second, as the review's)
+                replica.proc.send_signal(signal.SIGTERM)
+                with trio.fail_after(30):
+                    assert await replica.proc.wait() == 0
+        nursery.cancel_scope.cancel()
+    lines = err.decode().splitlines()
+    assert statuses == [200] * 40  # the cache failed open
+    assert "Connection attempt failed" not in err.decode()
+    assert "Traceback" not in err.decode()
+    assert any("cache" in line for line in lines), lines
+    assert len(lines) <= 10, lines

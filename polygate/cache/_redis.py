@@ -29,6 +29,7 @@ import trio
 
 from .._coredis import closing_connection_class, import_coredis
 from .._redis_url import client_tls
+from .._secrets import printable
 from ._backend import CacheBackendError, Entry
 from ._url import CacheOptions
 
@@ -168,7 +169,8 @@ class RedisBackend:
         password = self.options.password
         if password:
             text = text.replace(password, "***")
-        return f"cache {self._where} failed {what} ({text[:300]})"
+        # (The server's words: escaped, as governance's are.)
+        return f"cache {self._where} failed {what} ({printable(text)[:300]})"
 
 
 #: The longest expiry written, in ms (~31,700 years).  Redis refuses a ``PX`` past a
