@@ -37,6 +37,7 @@ __all__ = [
     "given",
     "is_header_safe",
     "mask_prefixes",
+    "masked",
     "redact",
     "url_secrets",
 ]
@@ -371,6 +372,20 @@ def mask_prefixes(text: str, secrets: Iterable[str]) -> str:
             if start in text:
                 text = text.replace(start, MASK)
     return text
+
+
+def masked(text: str, password: str) -> str:
+    """A server's error text with ``password`` masked however the server quoted it:
+    whole, cut short, or with its line breaks made spaces.  A Redis without ``HELLO``
+    (before 6, or a proxy) answers the client's ``HELLO 3 AUTH user password`` with
+    "unknown command 'HELLO', with args beginning with: …", its arguments cut at 128
+    characters and their CR and LF made spaces: a long password's first 109
+    characters were shown, readable."""
+    spaced = password.replace("\r", " ").replace("\n", " ")
+    forms = (password, spaced) if spaced != password else (password,)
+    for form in forms:  # (whole, however short: the redaction below skips the shortest)
+        text = text.replace(form, MASK)
+    return mask_prefixes(text, forms)
 
 
 _E = TypeVar("_E", bound=BaseException)

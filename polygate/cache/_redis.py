@@ -29,7 +29,7 @@ import trio
 
 from .._coredis import closing_connection_class, import_coredis
 from .._redis_url import client_tls
-from .._secrets import printable
+from .._secrets import masked, printable
 from ._backend import CacheBackendError, Entry
 from ._url import CacheOptions
 
@@ -168,7 +168,7 @@ class RedisBackend:
         text = f"{type(root).__name__}: {root}" if str(root) else type(root).__name__
         password = self.options.password
         if password:
-            text = text.replace(password, "***")
+            text = masked(text, password)
         # (The server's words: escaped, as governance's are.)
         return f"cache {self._where} failed {what} ({printable(text)[:300]})"
 

@@ -85,7 +85,7 @@ from .._coredis import closing_connection_class, import_coredis
 from .._errors import ConfigError, GovernanceBackendError
 from .._outage import OUTAGE_LOG
 from .._redis_url import SHARED_OPTIONS, check_tls_options, client_tls, redis_address, shared_option
-from .._secrets import frameless, printable
+from .._secrets import frameless, masked, printable
 from . import _redis_scripts as lua
 from ._memory import WINDOW_S
 from ._model import (
@@ -997,7 +997,7 @@ class RedisBackend:
             text += f" <- {type(root).__name__}: {root}"
         password = self.options.password
         if password:
-            text = text.replace(password, "***")
+            text = masked(text, password)
         # The server's words (an error reply) are its own: nothing in them a terminal
         # or a log's reader acts on (a CR that overwrites the line, an escape).
         return printable(text)[:400]
