@@ -307,7 +307,14 @@ class _ProcessWorker(_Worker):
                 if self.process.returncode is None:
                     self.process.kill()
                 await self.process.wait()
-            finally:  # (a wait that could not start its thread: the pipes closed all the same)
+            except RuntimeError as exc:
+                # No thread to wait in (no pidfd, the process's thread limit): it is
+                # killed, and Python's subprocess module reaps it once its Popen is
+                # collected.  Not a failure of the call or the close that discards it
+                # (raised from a session's close, it replaced the block's own error).
+                if not no_thread(exc):
+                    raise
+            finally:
                 for stream in (self.process.stdin, self.process.stdout):
                     if stream is not None:
                         await stream.aclose()
@@ -486,8 +493,14 @@ class Renderers:
             await pool.drop(key)
 
     async def aclose(self) -> None:
-        for pool in self._pools.values():
-            await pool.aclose()
+        failed: BaseException | None = None
+        for pool in self._pools.values():  # (each closed, whatever another raised)
+            try:
+                await pool.aclose()
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def statistics(self, render_in: str = "process") -> RendererStatistics:
         pool = self._pools.get(render_in)
