@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
@@ -27,7 +28,7 @@ _HELLO = b"%4\r\n+server\r\n+redis\r\n+version\r\n+7.0.0\r\n+proto\r\n:3\r\n+id\
 
 def _commands(buf: bytes) -> tuple[list[list[bytes]], bytes]:
     """The whole RESP arrays at the front of ``buf``, and what is left."""
-    out = []
+    out: list[list[bytes]] = []
     while buf.startswith(b"*"):
         rest = buf
         try:
@@ -60,26 +61,27 @@ def _unknown_hello(args: list[bytes]) -> bytes:
     return f"-ERR unknown command 'HELLO', with args beginning with: {quoted}\r\n".encode()
 
 
-async def _no_hello(stream: trio.SocketStream) -> None:
-    buf = b""
-    with trio.move_on_after(30):
-        async for data in stream:
-            buf += data
-            commands, buf = _commands(buf)
-            for args in commands:
-                await stream.send_all(_unknown_hello(args) if args[0].upper() == b"HELLO"
-                                      else b"-NOAUTH Authentication required.\r\n")
+def _answering(reply: Callable[[list[bytes]], bytes]) -> Callable[[trio.SocketStream], Awaitable[None]]:
+    """A 'Redis' that answers each command with ``reply(command)``."""
+
+    async def serve(stream: trio.SocketStream) -> None:
+        buf = b""
+        with trio.move_on_after(30):
+            async for data in stream:
+                buf += data
+                commands, buf = _commands(buf)
+                for args in commands:
+                    await stream.send_all(reply(args))
+
+    return serve
 
 
-async def _hostile(stream: trio.SocketStream) -> None:
-    reply = b"-ERR " + FORGED.encode() + b"\r\n"
-    buf = b""
-    with trio.move_on_after(30):
-        async for data in stream:
-            buf += data
-            commands, buf = _commands(buf)
-            for args in commands:
-                await stream.send_all(_HELLO if args[0].upper() == b"HELLO" else reply)
+#: Without HELLO: its refusal quotes the password; then every command needs AUTH.
+_no_hello = _answering(lambda args: _unknown_hello(args) if args[0].upper() == b"HELLO"
+                       else b"-NOAUTH Authentication required.\r\n")
+#: HELLO answered; every other command refused with the forged words.
+_hostile = _answering(lambda args: _HELLO if args[0].upper() == b"HELLO"
+                      else b"-ERR " + FORGED.encode() + b"\r\n")
 
 
 def _clean(text: str) -> None:
@@ -87,33 +89,43 @@ def _clean(text: str) -> None:
     assert "\\r" in text and "\\x1b" in text  # (said, escaped: not dropped)
 
 
-@pytest.mark.parametrize("where", ["governance", "cache"])
-async def test_a_redis_error_reply_is_escaped_in_errors_and_logs(
-    where: str, caplog: pytest.LogCaptureFixture,
-) -> None:
-    caplog.set_level(logging.INFO, logger="polygate")
+async def _said_against(redis_server: Callable[[trio.SocketStream], Awaitable[None]], where: str, password: str | None = None) -> list[str]:
+    """A session on a Redis served by ``redis_server`` (governance or cache), one call:
+    governance's error (its opening is refused) and every log line, as said."""
+    from urllib.parse import quote
+
     up = FakeUpstream(Reply(text="answered"))
+    texts: list[str] = []
     async with trio.open_nursery() as nursery, up.serve() as url:
-        [listener] = await nursery.start(functools.partial(trio.serve_tcp, _hostile, 0, host="127.0.0.1"))
-        redis = f"redis://127.0.0.1:{listener.socket.getsockname()[1]}/0"
+        [listener] = await nursery.start(functools.partial(trio.serve_tcp, redis_server, 0, host="127.0.0.1"))
+        auth = "" if password is None else f":{quote(password, safe='')}@"
+        redis = f"redis://{auth}127.0.0.1:{listener.socket.getsockname()[1]}/0"
         scope = polygate.Scope(sources=[polygate.Source(name="a", base_url=url, model="m")],
                                cache_ttl_s=60 if where == "cache" else None)
-        settings = polygate.Settings(
-            scopes={"chat": scope}, telemetry="off",
-            **({"backend": redis} if where == "governance" else {"cache": redis}))
+        settings = (polygate.Settings(scopes={"chat": scope}, telemetry="off", backend=redis)
+                    if where == "governance" else
+                    polygate.Settings(scopes={"chat": scope}, telemetry="off", cache=redis))
         with trio.fail_after(20):
             if where == "governance":  # (its opening loads the scripts: refused)
                 with pytest.raises(polygate.GovernanceBackendError) as caught:
                     async with polygate.session(settings) as s:
                         await s.chat(MSG, call_deadline_s=10)
-                _clean(str(caught.value))
+                texts.append(str(caught.value))
             else:
                 async with polygate.session(settings) as s:
                     assert (await s.chat(MSG, call_deadline_s=10)).text == "answered"  # fails open
         nursery.cancel_scope.cancel()
-    said = [r.getMessage() for r in caplog.records if "boom" in r.getMessage()]
-    if where == "cache":
-        assert said, [r.getMessage() for r in caplog.records]
+    return texts
+
+
+@pytest.mark.parametrize("where", ["governance", "cache"])
+async def test_a_redis_error_reply_is_escaped_in_errors_and_logs(
+    where: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="polygate")
+    texts = await _said_against(_hostile, where)
+    said = texts + [r.getMessage() for r in caplog.records if "boom" in r.getMessage()]
+    assert said, [r.getMessage() for r in caplog.records]  # (governance: its error)
     for message in said:
         _clean(message)
 
@@ -130,29 +142,8 @@ async def test_a_password_the_server_quotes_cut_or_altered_is_masked(
     password`` in its refusal, cut at 128 characters and with CR/LF made spaces;
     polygate masked only the password's exact copy, and the first 109 characters of
     a long one were in the warning, readable."""
-    from urllib.parse import quote
-
     caplog.set_level(logging.INFO, logger="polygate")
-    up = FakeUpstream(Reply(text="answered"))
-    texts: list[str] = []
-    async with trio.open_nursery() as nursery, up.serve() as url:
-        [listener] = await nursery.start(functools.partial(trio.serve_tcp, _no_hello, 0, host="127.0.0.1"))
-        redis = f"redis://:{quote(password, safe='')}@127.0.0.1:{listener.socket.getsockname()[1]}/0"
-        scope = polygate.Scope(sources=[polygate.Source(name="a", base_url=url, model="m")],
-                               cache_ttl_s=60 if where == "cache" else None)
-        settings = polygate.Settings(
-            scopes={"chat": scope}, telemetry="off",
-            **({"backend": redis} if where == "governance" else {"cache": redis}))
-        with trio.fail_after(20):
-            if where == "governance":
-                with pytest.raises(polygate.GovernanceBackendError) as caught:
-                    async with polygate.session(settings) as s:
-                        await s.chat(MSG, call_deadline_s=10)
-                texts.append(str(caught.value))
-            else:
-                async with polygate.session(settings) as s:
-                    assert (await s.chat(MSG, call_deadline_s=10)).text == "answered"
-        nursery.cancel_scope.cancel()
+    texts = await _said_against(_no_hello, where, password)
     texts += [r.getMessage() for r in caplog.records]
     assert any("HELLO" in text for text in texts), texts  # (the refusal was said)
     spaced = password.replace("\n", " ")
