@@ -308,12 +308,18 @@ class _ProcessWorker(_Worker):
                     self.process.kill()
                 await self.process.wait()
             except RuntimeError as exc:
-                # No thread to wait in (no pidfd, the process's thread limit): it is
-                # killed, and Python's subprocess module reaps it once its Popen is
-                # collected.  Not a failure of the call or the close that discards it
-                # (raised from a session's close, it replaced the block's own error).
+                # No thread to wait in (no pidfd, the process's thread limit): not a
+                # failure of the call or the close that discards it (raised from a
+                # session's close, it replaced the block's own error).  Reaped here if
+                # it is gone within 0.1 s, as a SIGKILLed child is within milliseconds:
+                # polled on the loop (no trio timer: a MockClock is held still here);
+                # else Python's subprocess module reaps it once it is collected.
                 if not no_thread(exc):
                     raise
+                for _ in range(50):
+                    if self.process.returncode is not None:
+                        break
+                    time.sleep(0.002)  # noqa: ASYNC251 - bounded, on purpose: see above
             finally:
                 for stream in (self.process.stdin, self.process.stdout):
                     if stream is not None:

@@ -374,18 +374,27 @@ def mask_prefixes(text: str, secrets: Iterable[str]) -> str:
     return text
 
 
+#: Redis's refusal of a command it does not know quotes the command's first arguments
+#: ("unknown command 'HELLO', with args beginning with: '3' 'AUTH' 'user' 'pass…' ";
+#: before 6 with backquotes and commas), cut at 128 characters, up to the next
+#: error in polygate's chain (`` <- ``) or the end.
+_QUOTED_ARGS = re.compile(r"(with args beginning with:).*?(?= <- |$)", re.S)
+
+
 def masked(text: str, password: str) -> str:
     """A server's error text with ``password`` masked however the server quoted it:
-    whole, cut short, or with its line breaks made spaces.  A Redis without ``HELLO``
-    (before 6, or a proxy) answers the client's ``HELLO 3 AUTH user password`` with
-    "unknown command 'HELLO', with args beginning with: …", its arguments cut at 128
-    characters and their CR and LF made spaces: a long password's first 109
-    characters were shown, readable."""
+    whole, with its line breaks made spaces, or among an unknown command's arguments.
+    A Redis without ``HELLO`` (before 6, or a proxy) answers the client's
+    ``HELLO 3 AUTH user password`` by quoting its arguments cut at 128 characters
+    with CR and LF made spaces: a long password's first 109 characters were shown, and
+    after a long user name its first few, whatever a mask of the password's starts
+    (which also shows where the server's own words begin like the password) can do.
+    Those arguments are not shown at all."""
+    text = _QUOTED_ARGS.sub(r"\1 (not shown)", text)
     spaced = password.replace("\r", " ").replace("\n", " ")
-    forms = (password, spaced) if spaced != password else (password,)
-    for form in forms:  # (whole, however short: the redaction below skips the shortest)
+    for form in {password, spaced}:  # (whole, however short)
         text = text.replace(form, MASK)
-    return mask_prefixes(text, forms)
+    return text
 
 
 _E = TypeVar("_E", bound=BaseException)
