@@ -13,10 +13,10 @@ child: a script that calls ``ocr()`` without an ``if __name__ == "__main__":`` g
 runs twice — its requests included — and then fails in the child.  (``fork`` is
 unsafe in a process with threads, and deprecated there.)  A library cannot ask that
 of every script that OCRs a PDF.  So a renderer is ``python -I -c <boot>`` started
-as ``trio.lowlevel.open_process`` starts one (``polygate/_child.py``): the child loads ``polygate/_ocr_render.py`` by
-its path and nothing else of the caller (not even the ``polygate`` package, whose
-imports take 0.2-0.6 s by the machine), with the caller's ``sys.path``; it speaks the
-frames described in ``_ocr_render``.
+as ``trio.lowlevel.open_process`` starts one (``polygate/_child.py``): the child loads
+``polygate/_ocr_render.py`` by its path and nothing else of the caller (not even the
+``polygate`` package, whose imports take 0.2-0.6 s by the machine), with the caller's
+``sys.path``; it speaks the frames described in ``_ocr_render``.
 
 Lifetime (one :class:`Renderers` per session):
 
@@ -52,6 +52,7 @@ virtual time, deterministically.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -60,7 +61,7 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -441,14 +442,20 @@ class _Pool:
     async def aclose(self) -> None:
         self.closed = True
         idle, self.idle = self.idle, []
-        failed: BaseException | None = None
-        for worker in idle:
-            try:
-                await self._discard(worker)
-            except Exception as exc:  # (the others are still killed: raised after them)
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+        await _each([functools.partial(self._discard, worker) for worker in idle])
+
+
+async def _each(closes: list[Callable[[], Awaitable[None]]]) -> None:
+    """Await every one of ``closes``, whatever an earlier one raised (every renderer
+    killed, every pool closed), then raise the first failure."""
+    failed: Exception | None = None
+    for close in closes:
+        try:
+            await close()
+        except Exception as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
 
 
 class Renderers:
@@ -499,14 +506,7 @@ class Renderers:
             await pool.drop(key)
 
     async def aclose(self) -> None:
-        failed: BaseException | None = None
-        for pool in self._pools.values():  # (each closed, whatever another raised)
-            try:
-                await pool.aclose()
-            except Exception as exc:
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+        await _each([pool.aclose for pool in self._pools.values()])
 
     def statistics(self, render_in: str = "process") -> RendererStatistics:
         pool = self._pools.get(render_in)
