@@ -1,14 +1,15 @@
 """What the Redis governance backend and the Redis cache share about coredis: the lazy
-import (coredis is the ``redis`` extra) and a connection class that cleans up after
-itself when Redis is down."""
+import (coredis is the ``redis`` extra), a connection class that cleans up after
+itself when Redis is down, and how a Redis server's words are quoted in a message."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ._errors import ConfigError
+from ._secrets import masked, printable
 
-__all__ = ["closing_connection_class", "import_coredis"]
+__all__ = ["closing_connection_class", "import_coredis", "server_words"]
 
 
 def import_coredis(what: str) -> Any:
@@ -40,3 +41,11 @@ def closing_connection_class(coredis: Any) -> Any:
                         value.close()
 
     return ClosingTCPConnection
+
+
+def server_words(text: str, password: str | None) -> str:
+    """An error's text for a message: the password masked however the server quoted
+    it (``_secrets.masked``), and nothing in it a terminal or a log's reader acts on
+    (an error reply's CR that overwrites the line, an escape): the server's words
+    are its own."""
+    return printable(masked(text, password) if password else text)

@@ -27,9 +27,8 @@ from typing import Any, TypeVar
 
 import trio
 
-from .._coredis import closing_connection_class, import_coredis
+from .._coredis import closing_connection_class, import_coredis, server_words
 from .._redis_url import client_tls
-from .._secrets import masked, printable
 from ._backend import CacheBackendError, Entry
 from ._url import CacheOptions
 
@@ -166,11 +165,7 @@ class RedisBackend:
         while root.__cause__ is not None and root.__cause__ is not root:
             root = root.__cause__
         text = f"{type(root).__name__}: {root}" if str(root) else type(root).__name__
-        password = self.options.password
-        if password:
-            text = masked(text, password)
-        # (The server's words: escaped, as governance's are.)
-        return f"cache {self._where} failed {what} ({printable(text)[:300]})"
+        return f"cache {self._where} failed {what} ({server_words(text, self.options.password)[:300]})"
 
 
 #: The longest expiry written, in ms (~31,700 years).  Redis refuses a ``PX`` past a

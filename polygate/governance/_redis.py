@@ -81,11 +81,11 @@ import attrs
 import trio
 
 from .._config import mask_url
-from .._coredis import closing_connection_class, import_coredis
+from .._coredis import closing_connection_class, import_coredis, server_words
 from .._errors import ConfigError, GovernanceBackendError
 from .._outage import OUTAGE_LOG
 from .._redis_url import SHARED_OPTIONS, check_tls_options, client_tls, redis_address, shared_option
-from .._secrets import frameless, masked, printable
+from .._secrets import frameless
 from . import _redis_scripts as lua
 from ._memory import WINDOW_S
 from ._model import (
@@ -995,12 +995,7 @@ class RedisBackend:
         text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if root is not exc:
             text += f" <- {type(root).__name__}: {root}"
-        password = self.options.password
-        if password:
-            text = masked(text, password)
-        # The server's words (an error reply) are its own: nothing in them a terminal
-        # or a log's reader acts on (a CR that overwrites the line, an escape).
-        return printable(text)[:400]
+        return server_words(text, self.options.password)[:400]
 
     def _back(self) -> None:
         """Redis answers after it did not: said, so that a log that told of an outage
