@@ -104,18 +104,15 @@ async def test_a_wait_takes_no_token_of_polygates_own_threads(waits_by: str) -> 
     not queue for a thread behind polygate's other work (every own token taken)."""
     from polygate._threads import own_limiter
 
+    from .test_thread_limits import limiter_taken
+
     child = await _child.start([sys.executable, "-I", "-c", "import time; time.sleep(60)"])
-    limiter = own_limiter()
-    total, holder = limiter.total_tokens, object()
-    limiter.total_tokens = 1
-    await limiter.acquire_on_behalf_of(holder)
     try:
-        child.kill()
-        with trio.fail_after(30):
-            assert await child.wait() == -signal.SIGKILL
+        async with limiter_taken(own_limiter()):
+            child.kill()
+            with trio.fail_after(30):
+                assert await child.wait() == -signal.SIGKILL
     finally:
-        limiter.release_on_behalf_of(holder)
-        limiter.total_tokens = total
         child.kill()
         await close_pipes(child)
 

@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -32,11 +32,15 @@ if sys.version_info < (3, 11):
 MSG = [{"role": "user", "content": "hi"}]
 
 
-@asynccontextmanager
-async def default_limiter_taken() -> AsyncIterator[None]:
+def default_limiter_taken() -> AbstractAsyncContextManager[None]:
     """Every token of trio's default thread limiter held, as 40 application threads
     waiting on polygate's calls hold them."""
-    limiter = trio.to_thread.current_default_thread_limiter()
+    return limiter_taken(trio.to_thread.current_default_thread_limiter())
+
+
+@asynccontextmanager
+async def limiter_taken(limiter: trio.CapacityLimiter) -> AsyncIterator[None]:
+    """Every token of ``limiter`` held while inside."""
     total = limiter.total_tokens
     holder = object()
     limiter.total_tokens = 1
@@ -299,14 +303,7 @@ async def test_a_renderer_process_start_waiting_for_a_thread_is_cancellable() ->
     from polygate import _ocr_renderers
     from polygate._threads import own_limiter
 
-    limiter = own_limiter()
-    total, holder = limiter.total_tokens, object()
-    limiter.total_tokens = 1
-    await limiter.acquire_on_behalf_of(holder)
-    try:
+    async with limiter_taken(own_limiter()):
         with trio.move_on_after(0.5) as cut:
             await _ocr_renderers._ProcessWorker.start()
-    finally:
-        limiter.release_on_behalf_of(holder)
-        limiter.total_tokens = total
     assert cut.cancelled_caught
